@@ -1,0 +1,98 @@
+"""HDF5 checkpoints: written aside and renamed, so a crash never corrupts one.
+
+A checkpoint holds the flat parameters, the optimizer's flat state arrays
+and step count, the global step, the epoch and step within it, and the run's
+config as JSON.  Parameters are stored flat, so a checkpoint does not depend
+on how many workers wrote it.
+"""
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .errors import UsageError
+
+PATTERN = re.compile(r"^ckpt-(\d{8})\.h5$")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A loaded checkpoint (host arrays)."""
+
+    path: Path
+    params: np.ndarray
+    optimizer_state: dict
+    optimizer_steps: int
+    step: int
+    epoch: int
+    epoch_step: int
+    config: dict
+
+
+def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json):
+    """Write ``ckpt-<step>.h5`` in ``directory`` atomically; returns its path."""
+    directory = Path(directory)
+    final = directory / f"ckpt-{step:08d}.h5"
+    aside = directory / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        with h5py.File(aside, "w") as handle:
+            handle.create_dataset("params", data=params)
+            group = handle.create_group("optimizer")
+            group.attrs["steps"] = int(optimizer_steps)
+            for name, array in optimizer_state.items():
+                group.create_dataset(name, data=array)
+            handle.attrs.update({"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step),
+                                 "config": config_json, "format": "mpidist-checkpoint-1"})
+        with open(aside, "rb+") as raw:  # data on disk before the rename makes it visible
+            os.fsync(raw.fileno())
+        os.replace(aside, final)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        if aside.exists():
+            aside.unlink()
+    return final
+
+
+def load(path):
+    """Read a checkpoint file; a missing or unreadable one is a :class:`UsageError`."""
+    path = Path(path)
+    try:
+        with h5py.File(path, "r") as handle:
+            if handle.attrs.get("format") != "mpidist-checkpoint-1":
+                raise UsageError(f"{path}: not an mpidist checkpoint")
+            group = handle["optimizer"]
+            return Checkpoint(path=path, params=handle["params"][...],
+                              optimizer_state={name: group[name][...] for name in group},
+                              optimizer_steps=int(group.attrs["steps"]), step=int(handle.attrs["step"]),
+                              epoch=int(handle.attrs["epoch"]), epoch_step=int(handle.attrs["epoch_step"]),
+                              config=json.loads(handle.attrs["config"]))
+    except (OSError, KeyError) as err:
+        raise UsageError(f"{path}: not a readable checkpoint ({err})") from None
+
+
+def newest(directory):
+    """The newest checkpoint file in ``directory`` (by step), or None."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    found = sorted(p for p in directory.iterdir() if PATTERN.match(p.name))
+    return found[-1] if found else None
+
+
+def prepare_directory(directory):
+    """Create ``directory`` if needed and check it is writable (chief, at start-up)."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--checkpoint-dir {directory}: cannot create ({err.strerror})") from None
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"--checkpoint-dir {directory}: not writable")

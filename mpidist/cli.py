@@ -1,0 +1,175 @@
+"""Subcommands: ``train`` (the default), ``eval``, ``ingest``, ``info``, ``bench``.
+
+Every rank parses the same command line; errors are agreed on (see
+:mod:`mpidist.errors`) so one message is printed and every rank exits 2.
+Only world rank 0 prints help and usage text.
+"""
+
+import argparse
+import dataclasses
+import sys
+
+from mpi4py import MPI
+
+from . import __version__
+from .errors import EXIT_OK, UsageError, agreed
+
+COMMANDS = ("train", "eval", "ingest", "info", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, and prints on rank 0 only."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)
+
+
+def build_parser():
+    from .config import add_flags
+    from .ingest import SOURCES
+
+    parser = _Parser(prog="python -m mpidist", description="Train neural networks on many processes with MPI. "
+                     "Run under `mpiexec -n N`; with no subcommand, `train` runs with its defaults.")
+    parser.add_argument("--version", action="version", version=f"mpidist {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    train = sub.add_parser("train", help="train a model (the default)",
+                           description="Train a model from the zoo on an HDF5 dataset.")
+    add_flags(train)
+
+    evaluate = sub.add_parser("eval", help="evaluate a checkpoint on a dataset's test split",
+                              description="Evaluate a checkpoint on a dataset's test split, spread over the ranks.")
+    evaluate.add_argument("checkpoint", help="checkpoint file (ckpt-*.h5)")
+    evaluate.add_argument("--data", default=None, help="dataset (default: the one the checkpoint trained on)")
+
+    ingest = sub.add_parser("ingest", help="write a dataset in the mpidist HDF5 layout",
+                            description="Write a dataset in the mpidist HDF5 layout from a .npz or .csv file "
+                            f"or a named source ({', '.join(SOURCES)}).")
+    ingest.add_argument("source", help=f".npz file, .csv file, or one of: {', '.join(SOURCES)}")
+    ingest.add_argument("output", help="HDF5 file to write (replaced atomically)")
+    ingest.add_argument("--name", default=None, help="dataset name stored in the file (default: from the source)")
+    ingest.add_argument("--test-fraction", type=float, default=0.2,
+                        help="share of samples held out as test when the source has no split (default: 0.2)")
+    ingest.add_argument("--seed", type=int, default=0, help="seed of the shuffle and split (default: 0)")
+    ingest.add_argument("--task", choices=("auto", "classification", "regression"), default="auto",
+                        help="auto: integer labels mean classification (default: auto)")
+    ingest.add_argument("--label-column", type=int, default=-1, help="CSV column holding the label (default: -1)")
+
+    info = sub.add_parser("info", help="show the MPI library, devices, ranks per node, models and datasets",
+                          description="Show what mpidist sees: MPI library, thread level, CUDA-awareness, "
+                          "ranks per node, devices, models and bundled datasets.")
+    info.add_argument("--models", action="store_true", help="only list the model zoo")
+
+    bench = sub.add_parser("bench", help="measure throughput and exchange overhead",
+                           description="Benchmarks printed as a table and saved as JSON. Run under mpiexec; "
+                           "rows for the single-process baseline run on rank 0 while the others wait.")
+    bench.add_argument("--output", default="bench.json", help="JSON file for the results (default: bench.json)")
+    bench.add_argument("--seconds", type=float, default=3.0, help="time per measurement (default: 3)")
+    bench.add_argument("--models", default="mlp,mlp-wide", help="comma-separated zoo models (default: mlp,mlp-wide)")
+    bench.add_argument("--batch-per-rank", type=int, default=128, help="samples per rank per step (default: 128)")
+    return parser
+
+
+def parse(argv):
+    """Parsed arguments; no subcommand means ``train``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+        argv = ["train"] + argv
+    return build_parser().parse_args(argv)
+
+
+def cmd_train(args, world):
+    from .cluster import build_cluster
+    from .config import config_from_args
+    from .train import run
+    from .xp import select_device
+
+    with agreed(world):
+        config = config_from_args(args).with_world(world.Get_size())
+        config.validate(world.Get_size())
+    cluster = build_cluster(world)
+    with agreed(world):
+        xp, device = select_device(config.device, cluster.local_rank)
+    run(config, cluster, xp, device)
+    return EXIT_OK
+
+
+def cmd_eval(args, world):
+    from . import checkpoint, data
+    from .cluster import build_cluster
+    from .config import RunConfig
+    from .nn import loss_for
+    from .parallel import AllreduceStrategy
+    from .train import build_model_for
+    from .xp import select_device
+
+    with agreed(world):
+        ckpt = checkpoint.load(args.checkpoint)
+        known = {f.name for f in dataclasses.fields(RunConfig)}
+        config = RunConfig(**{k: v for k, v in ckpt.config.items() if k in known})
+        if args.data:
+            config = dataclasses.replace(config, data=args.data)
+        xp, device = select_device(config.device, 0)
+        info = data.inspect(data.resolve(config.data))
+        model = build_model_for(config, info, xp)
+        if model.num_params != ckpt.params.size:
+            raise UsageError(f"{args.checkpoint}: holds {ckpt.params.size} parameters, but {config.model} on "
+                             f"{info.name!r} has {model.num_params}")
+        test = data.Shard(info, "test", world.Get_rank(), world.Get_size(), model.input_shape, model.dtype)
+    cluster = build_cluster(world)
+    strategy = AllreduceStrategy(model, loss_for(info.num_classes, xp), None, cluster)
+    model.params[...] = xp.asarray(ckpt.params)
+    loss, accuracy, count = strategy.evaluate(data.eval_batches(test))
+    if world.Get_rank() == 0:
+        print(f"mpidist eval: {args.checkpoint} (step {ckpt.step}, model {config.model}) on {info.name!r}: "
+              f"test loss {loss:.4f}, test accuracy {100 * accuracy:.2f}% over {count} samples")
+    return EXIT_OK
+
+
+def cmd_ingest(args, world):
+    from .ingest import ingest
+
+    with agreed(world):
+        if world.Get_rank() == 0:
+            path = ingest(args.source, args.output, name=args.name, test_fraction=args.test_fraction,
+                          seed=args.seed, task=args.task, label_column=args.label_column)
+            print(f"mpidist ingest: wrote {path}")
+    return EXIT_OK
+
+
+def cmd_info(args, world):
+    from .info import report
+
+    text = report(world, models_only=args.models)
+    if text:
+        print(text)
+    return EXIT_OK
+
+
+def cmd_bench(args, world):
+    from .bench import run_bench
+
+    with agreed(world):
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        from .nn import MODELS
+        unknown = [m for m in models if m not in MODELS]
+        if unknown:
+            raise UsageError(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        if args.seconds <= 0 or args.batch_per_rank < 1:
+            raise UsageError("--seconds must be positive and --batch-per-rank at least 1")
+    run_bench(world, models, args.seconds, args.batch_per_rank, args.output)
+    return EXIT_OK
+
+
+def main(argv=None):
+    """Entry point of ``python -m mpidist`` (and the ``mpidist`` script)."""
+    world = MPI.COMM_WORLD
+    with agreed(world):
+        args = parse(argv)
+    handler = {"train": cmd_train, "eval": cmd_eval, "ingest": cmd_ingest, "info": cmd_info,
+               "bench": cmd_bench}[args.command]
+    return handler(args, world)

@@ -1,0 +1,143 @@
+"""One dataclass for a run: from flags and an optional TOML file; validated.
+
+Each field carries its flag's help text, so ``--help``, the TOML keys and the
+checkpointed config all come from this one definition.  Precedence: defaults,
+then the ``--config`` TOML file (keys are the flag names), then the command
+line.
+"""
+
+import dataclasses
+import json
+import sys
+
+from .errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+STRATEGIES = ("auto", "local", "allreduce")
+OPTIMIZER_NAMES = ("adam", "sgd")
+DEVICES = ("auto", "cpu", "gpu")
+DTYPES = ("float32", "float64")
+PROGRESS = ("auto", "bar", "lines", "none")
+
+
+def _field(default, help, choices=None):
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything that defines a training run."""
+
+    model: str = _field("mlp", "model from the zoo (see `python -m mpidist info --models`)")
+    data: str = _field("digits", "dataset: an HDF5 file in the mpidist layout, or a bundled dataset's name")
+    strategy: str = _field("auto", "how workers share work: local, allreduce; auto = local on one rank, "
+                           "else allreduce", STRATEGIES)
+    epochs: int = _field(20, "passes over the training set")
+    steps: int = _field(0, "stop after this many steps in total (0 = no limit)")
+    batch_size: int = _field(64, "global batch size, split across workers")
+    lr: float = _field(0.003, "learning rate")
+    optimizer: str = _field("adam", "optimizer", OPTIMIZER_NAMES)
+    momentum: float = _field(0.9, "momentum of sgd")
+    seed: int = _field(0, "seed for initialisation, data order and dropout")
+    metrics: str = _field("metrics.jsonl", "JSON-lines metrics file the chief appends to ('' = none)")
+    log_every: int = _field(10, "steps between metrics lines and progress updates")
+    eval_every: int = _field(1, "epochs between evaluations on the test set (0 = only at the end)")
+    checkpoint_dir: str = _field("", "directory for checkpoints ('' = no checkpoints)")
+    checkpoint_every: int = _field(0, "steps between checkpoints (0 = only at the end)")
+    resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest in --checkpoint-dir")
+    bucket_mb: float = _field(64.0, "gradient bucket size in MiB: one Allreduce per bucket")
+    device: str = _field("auto", "where to compute: cpu, gpu (cupy, one GPU per rank on a node), or auto", DEVICES)
+    dtype: str = _field("float32", "parameter and activation dtype", DTYPES)
+    progress: str = _field("auto", "chief's terminal output: bar, lines, none; auto = bar on a terminal", PROGRESS)
+
+    @staticmethod
+    def flag(name):
+        """Field name -> flag name: ``batch_size`` -> ``batch-size``."""
+        return name.replace("_", "-")
+
+    def to_json(self):
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def validate(self, world_size):
+        """Raise :class:`UsageError` naming the first flag whose value cannot work."""
+        from .nn import MODELS  # local import: nn is array code, config stays light
+
+        for f in dataclasses.fields(self):
+            choices = f.metadata["choices"]
+            if choices and getattr(self, f.name) not in choices:
+                raise UsageError(f"--{self.flag(f.name)} {getattr(self, f.name)!r} is not one of: {', '.join(choices)}")
+        if self.model not in MODELS:
+            raise UsageError(f"--model {self.model!r} is not in the zoo; choose from: {', '.join(MODELS)}")
+        positive = {"epochs": self.epochs, "batch_size": self.batch_size, "log_every": self.log_every}
+        for name, value in positive.items():
+            if value < 1:
+                raise UsageError(f"--{self.flag(name)} must be at least 1, got {value}")
+        for name in ("steps", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{self.flag(name)} must be 0 or more, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise UsageError(f"--lr must be positive, got {self.lr}")
+        if not self.bucket_mb > 0:
+            raise UsageError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        if self.strategy == "local" and world_size > 1:
+            raise UsageError(f"--strategy local runs on one rank, got {world_size} ranks "
+                             "(use --strategy allreduce, or mpiexec -n 1)")
+        if self.resume == "auto" and not self.checkpoint_dir:
+            raise UsageError("--resume auto needs --checkpoint-dir to look in")
+
+    def with_world(self, world_size):
+        """A copy whose ``auto`` strategy is resolved for ``world_size`` ranks."""
+        if self.strategy != "auto":
+            return self
+        return dataclasses.replace(self, strategy="local" if world_size == 1 else "allreduce")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def add_flags(parser):
+    """Add one flag per :class:`RunConfig` field; unset flags stay absent."""
+    for f in dataclasses.fields(RunConfig):
+        parser.add_argument(f"--{RunConfig.flag(f.name)}", dest=f.name, type=f.type, metavar=f.name.upper(),
+                            default=dataclasses.MISSING, help=f"{f.metadata['help']} (default: {f.default!r})")
+    parser.add_argument("--config", metavar="FILE.toml", default=None,
+                        help="TOML file whose keys are these flag names; the command line wins over it")
+
+
+def load_toml(path):
+    """Settings from a TOML file, keyed by field name; unknown keys are errors."""
+    try:
+        with open(path, "rb") as handle:
+            table = tomllib.load(handle)
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file") from None
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise UsageError(f"--config {path}: not readable as TOML: {err}") from None
+    settings = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            known = ", ".join(RunConfig.flag(n) for n in FIELDS)
+            raise UsageError(f"--config {path}: unknown key {key!r}; known keys: {known}")
+        expected = FIELDS[name].type
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise UsageError(f"--config {path}: {key} = {value!r} should be a{'n' if expected is int else ''} "
+                             f"{expected.__name__}")
+        settings[name] = value
+    return settings
+
+
+def config_from_args(namespace):
+    """Build a :class:`RunConfig` from parsed flags (and their ``--config`` file)."""
+    settings = load_toml(namespace.config) if getattr(namespace, "config", None) else {}
+    for name in FIELDS:
+        value = getattr(namespace, name, dataclasses.MISSING)
+        if value is not dataclasses.MISSING:
+            settings[name] = value
+    return RunConfig(**settings)

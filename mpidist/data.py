@@ -1,0 +1,252 @@
+"""HDF5 datasets: layout, validation, per-worker shards, shuffling, prefetch.
+
+Layout (contract): one HDF5 file with groups ``train/`` and ``test/``, each
+holding ``x`` (samples first) and ``y`` (integer class labels, or float
+targets); file attributes ``name``, ``num_classes`` (0 for regression) and
+``source``.
+
+Worker ``w`` of ``W`` reads only rows ``w, w+W, w+2W, ...`` of each split: a
+strided shard, so every worker sees every class even when a file is stored
+sorted by label.  Each epoch the worker shuffles its shard with a generator
+seeded by ``(seed, epoch, worker)``: the order is reproducible, so a resumed
+run continues exactly where it stopped.  The global batch ``B`` is split as
+evenly as possible (the first ``B % W`` workers take one more sample); all
+workers run the same number of steps per epoch, computed from sizes alone.
+"""
+
+import dataclasses
+import os
+import queue
+import sys
+import threading
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .errors import UsageError
+
+SPLITS = ("train", "test")
+
+
+def data_dirs():
+    """Where bundled datasets are looked for, in order."""
+    dirs = []
+    if os.environ.get("MPIDIST_DATA_DIR"):
+        dirs.append(Path(os.environ["MPIDIST_DATA_DIR"]))
+    dirs.append(Path(__file__).resolve().parent.parent / "data")      # a checkout / editable install
+    dirs.append(Path(sys.prefix) / "share" / "mpidist" / "data")      # a wheel install
+    return dirs
+
+
+def bundled_names():
+    """Names of the bundled datasets that can be found."""
+    return sorted({p.stem for d in data_dirs() if d.is_dir() for p in d.glob("*.h5")})
+
+
+def resolve(spec):
+    """An existing file path for ``--data``: a path, or a bundled dataset's name."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    if path.suffix == "" and os.sep not in spec:
+        for directory in data_dirs():
+            candidate = directory / f"{spec}.h5"
+            if candidate.is_file():
+                return candidate
+        names = ", ".join(bundled_names()) or "none found"
+        raise UsageError(f"--data {spec!r}: no such file, and no bundled dataset of that name (bundled: {names})")
+    raise UsageError(f"--data {spec}: no such file")
+
+
+@dataclasses.dataclass
+class DatasetInfo:
+    """What a dataset file declares, checked against the layout."""
+
+    path: Path
+    name: str
+    num_classes: int
+    source: str
+    sample_shape: tuple
+    sizes: dict  # split -> number of samples
+    target_width: int = 1
+
+    @property
+    def outputs(self):
+        """Model outputs: one per class, or the target width for regression."""
+        return self.num_classes if self.num_classes > 0 else self.target_width
+
+
+def inspect(path):
+    """Open ``path``, check the layout, and describe it (reads no sample data)."""
+    path = Path(path)
+    try:
+        handle = h5py.File(path, "r")
+    except OSError as err:
+        raise UsageError(f"{path}: not a readable HDF5 file ({err})") from None
+    with handle:
+        for split in SPLITS:
+            for key in ("x", "y"):
+                item = handle.get(f"{split}/{key}")
+                if not isinstance(item, h5py.Dataset):
+                    raise UsageError(f"{path}: missing dataset '{split}/{key}' (the layout needs train/x, train/y, "
+                                     "test/x, test/y; `python -m mpidist ingest` writes it)")
+        if "num_classes" not in handle.attrs:
+            raise UsageError(f"{path}: missing file attribute 'num_classes' (0 for regression)")
+        num_classes = int(handle.attrs["num_classes"])
+        if num_classes < 0 or num_classes == 1:
+            raise UsageError(f"{path}: num_classes = {num_classes}; use 0 for regression or 2 or more classes")
+        sizes, shapes, widths = {}, set(), set()
+        for split in SPLITS:
+            x, y = handle[f"{split}/x"], handle[f"{split}/y"]
+            for key, item in (("x", x), ("y", y)):
+                if item.dtype.kind not in "biuf":
+                    raise UsageError(f"{path}: {split}/{key} has dtype {item.dtype}; it must be numeric")
+            if x.ndim < 2:
+                raise UsageError(f"{path}: {split}/x has shape {x.shape}; it needs samples first and "
+                                 "at least one feature axis")
+            if y.shape[0] != x.shape[0]:
+                raise UsageError(f"{path}: {split}/x has {x.shape[0]} samples but {split}/y has {y.shape[0]}")
+            if num_classes > 0 and (y.ndim != 1 or y.dtype.kind not in "biu"):
+                raise UsageError(f"{path}: {split}/y must be 1-D integer class labels for num_classes = "
+                                 f"{num_classes}, got shape {y.shape} dtype {y.dtype}")
+            if num_classes == 0 and y.ndim > 2:
+                raise UsageError(f"{path}: {split}/y has shape {y.shape}; regression targets are (N,) or (N, K)")
+            sizes[split] = int(x.shape[0])
+            shapes.add(tuple(x.shape[1:]))
+            widths.add(1 if y.ndim == 1 else int(y.shape[1]))
+        if len(shapes) > 1:
+            raise UsageError(f"{path}: train and test samples differ in shape: {sorted(shapes)}")
+        if len(widths) > 1:
+            raise UsageError(f"{path}: train and test targets differ in width: {sorted(widths)}")
+        return DatasetInfo(path=path, name=str(handle.attrs.get("name", path.stem)), num_classes=num_classes,
+                           source=str(handle.attrs.get("source", "")), sample_shape=shapes.pop(), sizes=sizes,
+                           target_width=widths.pop())
+
+
+def shard_size(n, num_workers, worker):
+    """Rows ``worker, worker + W, ...`` below ``n``."""
+    return len(range(worker, n, num_workers))
+
+
+def local_batch_size(global_batch, num_workers, worker):
+    """This worker's part of the global batch (the first ``B % W`` take one more)."""
+    return global_batch // num_workers + (1 if worker < global_batch % num_workers else 0)
+
+
+def steps_per_epoch(n, global_batch, num_workers):
+    """Steps every worker can take per epoch: the same on all, from sizes alone."""
+    if global_batch < num_workers:
+        raise UsageError(f"--batch-size {global_batch} is smaller than the number of workers ({num_workers}): "
+                         "every worker needs at least one sample per step")
+    return min(shard_size(n, num_workers, w) // local_batch_size(global_batch, num_workers, w)
+               for w in range(num_workers))
+
+
+class Shard:
+    """One split's rows for one worker, read once and checked.
+
+    Args:
+        info: the dataset's :class:`DatasetInfo`.
+        split: "train" or "test".
+        worker, num_workers: this worker's index and the worker count.
+        input_shape: per-sample shape the model is fed (may add a channel axis).
+        dtype: floating dtype of the samples.
+    """
+
+    def __init__(self, info, split, worker, num_workers, input_shape, dtype):
+        rows = slice(worker, None, num_workers)
+        with h5py.File(info.path, "r") as handle:
+            x, y = handle[f"{split}/x"][rows], handle[f"{split}/y"][rows]
+        where = f"{info.path}: {split}"
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            bad = int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0]) * num_workers + worker
+            raise UsageError(f"{where}/x holds NaN or Inf (first at sample {bad})")
+        if info.num_classes > 0:
+            out = (y < 0) | (y >= info.num_classes)
+            if out.any():
+                bad = int(np.flatnonzero(out)[0])
+                raise UsageError(f"{where}/y has label {int(y[bad])} at sample {bad * num_workers + worker}, "
+                                 f"outside [0, {info.num_classes}) (num_classes = {info.num_classes})")
+            self.y = y.astype(np.int64)
+        else:
+            if y.dtype.kind == "f" and not np.isfinite(y).all():
+                raise UsageError(f"{where}/y holds NaN or Inf")
+            self.y = y.astype(dtype).reshape(len(y), -1)
+        self.x = x.astype(dtype, copy=False).reshape((len(x),) + tuple(input_shape))
+
+    def __len__(self):
+        return len(self.y)
+
+
+class Prefetcher:
+    """Iterate ``source`` in a background thread, ``depth`` items ahead.
+
+    An exception in the thread is re-raised in the consumer; :meth:`close`
+    stops the thread early (e.g. when ``--steps`` ends an epoch midway).
+    """
+
+    _END = object()
+
+    def __init__(self, source, depth=2):
+        self._queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(iter(source),), daemon=True, name="mpidist-prefetch")
+        self._thread.start()
+
+    def _run(self, iterator):
+        try:
+            for item in iterator:
+                if self._stop.is_set():
+                    return
+                self._put(item)
+        except BaseException as err:  # handed to the consumer, which raises it with its traceback
+            self._put(err)
+            return
+        self._put(self._END)
+
+    def _put(self, item):
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self._queue.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+
+def epoch_order(shard_len, seed, epoch, worker):
+    """This worker's sample order for ``epoch``: reproducible from the seed."""
+    return np.random.default_rng([seed, epoch, worker]).permutation(shard_len)
+
+
+def train_batches(shard, local_batch, steps, seed, epoch, worker, skip=0):
+    """The ``(x, y)`` batches of one epoch from step ``skip`` on, prefetched."""
+    order = epoch_order(len(shard), seed, epoch, worker)
+
+    def batches():
+        for step in range(skip, steps):
+            index = order[step * local_batch:(step + 1) * local_batch]
+            yield shard.x[index], shard.y[index]
+
+    return Prefetcher(batches())
+
+
+def eval_batches(shard, size=1024):
+    """The whole shard in order, in chunks of ``size``."""
+    for lo in range(0, len(shard), size):
+        yield shard.x[lo:lo + size], shard.y[lo:lo + size]

@@ -1,0 +1,148 @@
+"""Layers: pure array code on an ``xp`` module (numpy or cupy), no MPI.
+
+A layer declares its parameters with :meth:`Layer.param_specs`; ``Sequential``
+allocates one flat buffer for all parameters and one for all gradients and
+binds views of them into ``layer.params`` / ``layer.grads``.  ``backward``
+*overwrites* its gradient views, so one backward pass fills the flat gradient
+buffer completely and nothing needs zeroing between steps.
+
+Shapes in docstrings are per batch: ``N`` samples first.
+"""
+
+import functools
+
+from . import init
+
+
+class ShapeError(ValueError):
+    """A layer cannot accept the shape it is given (a model/data mismatch)."""
+
+
+class Layer:
+    """Base class: no parameters, shape-preserving."""
+
+    def __init__(self):
+        self.params = {}
+        self.grads = {}
+        self.xp = None
+
+    def build(self, input_shape):
+        """Check the per-sample ``input_shape`` and return the output shape."""
+        return tuple(input_shape)
+
+    def param_specs(self):
+        """List of ``(name, shape, initialiser)``; call after :meth:`build`."""
+        return []
+
+    def forward(self, x, training=False):
+        raise NotImplementedError
+
+    def backward(self, dy):
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+class Dense(Layer):
+    """Fully connected: ``(N, in) -> (N, units)``, ``y = x W + b``."""
+
+    def __init__(self, units, init="he"):
+        super().__init__()
+        self.units = int(units)
+        self.init = init
+
+    def build(self, input_shape):
+        if len(input_shape) != 1:
+            raise ShapeError(f"Dense needs flat samples, got per-sample shape {tuple(input_shape)}"
+                             " (put a Flatten before it)")
+        self.fan_in = int(input_shape[0])
+        return (self.units,)
+
+    def param_specs(self):
+        if self.init == "he":
+            w_init = functools.partial(init.he_normal, fan_in=self.fan_in)
+        else:
+            w_init = functools.partial(init.glorot_uniform, fan_in=self.fan_in, fan_out=self.units)
+        return [("W", (self.fan_in, self.units), w_init), ("b", (self.units,), init.zeros)]
+
+    def forward(self, x, training=False):
+        self.x = x
+        return x @ self.params["W"] + self.params["b"]
+
+    def backward(self, dy):
+        xp = self.xp
+        xp.matmul(self.x.T, dy, out=self.grads["W"])
+        xp.sum(dy, axis=0, out=self.grads["b"])
+        return dy @ self.params["W"].T
+
+    def __repr__(self):
+        return f"Dense({self.units})"
+
+
+class Flatten(Layer):
+    """``(N, *shape) -> (N, prod(shape))``."""
+
+    def build(self, input_shape):
+        self.input_shape = tuple(input_shape)
+        size = 1
+        for d in input_shape:
+            size *= int(d)
+        return (size,)
+
+    def forward(self, x, training=False):
+        return x.reshape(x.shape[0], -1)
+
+    def backward(self, dy):
+        return dy.reshape((dy.shape[0],) + self.input_shape)
+
+
+class ReLU(Layer):
+    """``max(x, 0)`` elementwise."""
+
+    def forward(self, x, training=False):
+        self.mask = x > 0
+        return x * self.mask
+
+    def backward(self, dy):
+        return dy * self.mask
+
+
+class Tanh(Layer):
+    """``tanh(x)`` elementwise."""
+
+    def forward(self, x, training=False):
+        self.y = self.xp.tanh(x)
+        return self.y
+
+    def backward(self, dy):
+        return dy * (1 - self.y * self.y)
+
+
+class Dropout(Layer):
+    """Inverted dropout: zero a fraction ``rate`` in training, scale the rest.
+
+    Its random stream is set per step by :meth:`Sequential.reseed`, so a run
+    resumed at step ``s`` draws the same masks as an uninterrupted one.
+    """
+
+    def __init__(self, rate):
+        super().__init__()
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+        self.rate = float(rate)
+        self.rng = None
+
+    def forward(self, x, training=False):
+        if not training or self.rate == 0.0:
+            self.mask = None
+            return x
+        keep = 1.0 - self.rate
+        self.mask = (self.rng.random(x.shape, dtype=x.dtype) < keep).astype(x.dtype) / keep
+        return x * self.mask
+
+    def backward(self, dy):
+        return dy if self.mask is None else dy * self.mask
+
+    def __repr__(self):
+        return f"Dropout({self.rate})"

@@ -1,0 +1,92 @@
+"""Optimizers that update a flat parameter array from a flat gradient array.
+
+They know nothing of layers or MPI: a strategy hands them the whole buffer, or
+the contiguous shard a parameter server owns, and their state is a flat array
+of the same length (so it shards, checkpoints and reshards with the params).
+"""
+
+import numpy as np
+
+
+class Optimizer:
+    """Base class. ``step(params, grads)`` updates ``params`` in place."""
+
+    def __init__(self, size, xp=np, dtype=np.float32):
+        self.xp, self.size, self.dtype = xp, int(size), np.dtype(dtype)
+        self.steps = 0
+
+    def step(self, params, grads):
+        raise NotImplementedError
+
+    def state_arrays(self):
+        """Named flat state arrays (for checkpoints)."""
+        return {}
+
+    def load_state(self, arrays, steps):
+        """Restore from :meth:`state_arrays` output and a step count."""
+        for name, value in arrays.items():
+            self.state_arrays()[name][...] = self.xp.asarray(value)
+        self.steps = int(steps)
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with heavy-ball momentum.
+
+    ``v = momentum * v + g``; ``p -= lr * v``.
+    """
+
+    def __init__(self, size, lr=0.01, momentum=0.9, xp=np, dtype=np.float32):
+        super().__init__(size, xp, dtype)
+        self.lr, self.momentum = float(lr), float(momentum)
+        self.velocity = xp.zeros(self.size, dtype=self.dtype)
+
+    def step(self, params, grads):
+        v = self.velocity
+        if self.momentum:
+            v *= self.momentum
+            v += grads
+        else:
+            v[...] = grads
+        v_scaled = v * self.lr
+        params -= v_scaled
+        self.steps += 1
+
+    def state_arrays(self):
+        return {"velocity": self.velocity}
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba), bias-corrected first and second moments."""
+
+    def __init__(self, size, lr=0.001, beta1=0.9, beta2=0.999, eps=1e-8, xp=np, dtype=np.float32):
+        super().__init__(size, xp, dtype)
+        self.lr, self.beta1, self.beta2, self.eps = float(lr), float(beta1), float(beta2), float(eps)
+        self.m = xp.zeros(self.size, dtype=self.dtype)
+        self.v = xp.zeros(self.size, dtype=self.dtype)
+
+    def step(self, params, grads):
+        xp, b1, b2 = self.xp, self.beta1, self.beta2
+        self.steps += 1
+        self.m *= b1
+        self.m += (1 - b1) * grads
+        self.v *= b2
+        self.v += (1 - b2) * (grads * grads)
+        step_size = self.lr * np.sqrt(1 - b2 ** self.steps) / (1 - b1 ** self.steps)
+        denom = xp.sqrt(self.v)
+        denom += self.eps
+        params -= step_size * (self.m / denom)
+
+    def state_arrays(self):
+        return {"m": self.m, "v": self.v}
+
+
+OPTIMIZERS = {"sgd": SGD, "adam": Adam}
+
+
+def make_optimizer(name, size, lr, momentum=0.9, xp=np, dtype=np.float32):
+    """Build the optimizer called ``name`` ("sgd" or "adam") for ``size`` parameters."""
+    if name == "sgd":
+        return SGD(size, lr=lr, momentum=momentum, xp=xp, dtype=dtype)
+    if name == "adam":
+        return Adam(size, lr=lr, xp=xp, dtype=dtype)
+    raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")

@@ -1,0 +1,89 @@
+"""Sequential models whose parameters and gradients live in flat buffers.
+
+Every parameter tensor is a view into ``model.params`` (one contiguous 1-D
+array) and every gradient a view into ``model.grads``; collectives, shards,
+windows and checkpoints move slices of these buffers, never single tensors.
+"""
+
+import numpy as np
+
+from .layers import ShapeError
+
+
+class Sequential:
+    """Layers applied in order to samples of shape ``input_shape``.
+
+    Args:
+        layers: the layers, first to last.
+        input_shape: shape of one sample (without the batch axis).
+        xp: array module (numpy or cupy).
+        dtype: parameter and activation dtype.
+    """
+
+    def __init__(self, layers, input_shape, xp=np, dtype=np.float32):
+        self.layers, self.xp, self.dtype = list(layers), xp, np.dtype(dtype)
+        self.input_shape = tuple(int(d) for d in input_shape)
+        self.entries = []  # (layer, name, offset, shape, initialiser)
+        shape, offset = self.input_shape, 0
+        for index, layer in enumerate(self.layers):
+            layer.xp = xp
+            try:
+                shape = layer.build(shape)
+            except ShapeError as err:
+                raise ShapeError(f"layer {index} ({layer!r}): {err}") from None
+            for name, pshape, initialiser in layer.param_specs():
+                self.entries.append((layer, name, offset, tuple(pshape), initialiser))
+                offset += int(np.prod(pshape))
+        self.output_shape = tuple(shape)
+        self.num_params = offset
+        self.params = xp.zeros(offset, dtype=self.dtype)
+        self.bind_grads(xp.zeros(offset, dtype=self.dtype))
+        for layer, name, lo, pshape, _ in self.entries:
+            layer.params[name] = self.params[lo:lo + int(np.prod(pshape))].reshape(pshape)
+        self.reseed(0)
+
+    def bind_grads(self, buffer):
+        """Make every layer write its gradients into ``buffer[:num_params]``.
+
+        Strategies call this to place the gradients inside a larger exchange
+        buffer (e.g. followed by the loss), so no copy is needed before MPI.
+        """
+        self.grads = buffer[:self.num_params]
+        for layer, name, lo, pshape, _ in self.entries:
+            layer.grads[name] = self.grads[lo:lo + int(np.prod(pshape))].reshape(pshape)
+
+    def init_params(self, seed):
+        """Fill ``params`` from ``seed`` (host RNG, so identical on any device)."""
+        rng = np.random.default_rng(seed)
+        host = np.empty(self.num_params, dtype=self.dtype)
+        for _, _, lo, pshape, initialiser in self.entries:
+            host[lo:lo + int(np.prod(pshape))] = np.asarray(initialiser(rng, pshape)).ravel()
+        self.params[...] = self.xp.asarray(host)
+
+    def reseed(self, *key):
+        """Give every random layer a fresh stream derived from ``key`` (e.g. seed, worker, step)."""
+        for index, layer in enumerate(self.layers):
+            if hasattr(layer, "rng"):
+                layer.rng = self.xp.random.default_rng(np.random.SeedSequence([*key, index]).generate_state(4))
+
+    def forward(self, x, training=False):
+        """``(N, *input_shape) -> (N, *output_shape)``."""
+        for layer in self.layers:
+            x = layer.forward(x, training)
+        return x
+
+    def backward(self, dy):
+        """Back-propagate ``dy`` and fill ``grads``; returns the input gradient."""
+        for layer in reversed(self.layers):
+            dy = layer.backward(dy)
+        return dy
+
+    def summary(self):
+        """Lines describing each layer, its output shape and parameter count."""
+        lines, shape = [], self.input_shape
+        for layer in self.layers:
+            shape = layer.build(shape)
+            count = sum(int(np.prod(s)) for _, s, _ in layer.param_specs())
+            lines.append(f"{layer!r:<44} {str(shape):<14} {count:>10,}")
+        lines.append(f"{'total':<59} {self.num_params:>10,}")
+        return lines

@@ -1,0 +1,187 @@
+"""The training loop: ties a strategy, this worker's data, metrics and checkpoints.
+
+Set-up that can fail on bad input (dataset, model shapes, checkpoint,
+metrics file) runs inside :func:`mpidist.errors.agreed`, before any
+collective, so every rank exits together with the same code.
+"""
+
+import dataclasses
+import sys
+import time
+
+from . import checkpoint, data, nn
+from .errors import UsageError, agreed
+from .metrics import MetricsLog, Progress, format_summary
+from .parallel import STRATEGIES
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything the loop needs, built locally on each rank."""
+
+    info: data.DatasetInfo
+    model: nn.Sequential
+    loss: object
+    optimizer: nn.Optimizer
+    train: data.Shard
+    test: data.Shard
+    local_batch: int
+    steps_per_epoch: int
+    resume: checkpoint.Checkpoint = None
+
+
+def build_model_for(config, info, xp):
+    """The zoo model sized for ``info``; a shape mismatch is a :class:`UsageError`."""
+    try:
+        return nn.build_model(config.model, info.sample_shape, info.outputs, xp, config.dtype)
+    except nn.ShapeError as err:
+        raise UsageError(f"--model {config.model} does not fit dataset {info.name!r} ({info.path}): {err}") from None
+
+
+def find_resume(config):
+    """The checkpoint ``--resume`` names, loaded, or None."""
+    if not config.resume:
+        return None
+    path = checkpoint.newest(config.checkpoint_dir) if config.resume == "auto" else config.resume
+    if path is None:
+        return None  # --resume auto with an empty directory starts afresh
+    return checkpoint.load(path)
+
+
+def prepare(config, cluster, xp):
+    """Local set-up of one worker (no collectives)."""
+    info = data.inspect(data.resolve(config.data))
+    model = build_model_for(config, info, xp)
+    workers, worker = cluster.num_workers, cluster.worker_index
+    steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, workers)
+    if steps == 0:
+        raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
+                         f"--batch-size {config.batch_size} over {workers} workers")
+    shards = [data.Shard(info, split, worker, workers, model.input_shape, model.dtype) for split in data.SPLITS]
+    optimizer = nn.make_optimizer(config.optimizer, model.num_params, config.lr, config.momentum, xp, model.dtype)
+    resume = find_resume(config)
+    if resume is not None and resume.params.size != model.num_params:
+        raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
+                         f"{config.model} on {info.name!r} has {model.num_params} "
+                         f"(it was written by --model {resume.config.get('model')} on {resume.config.get('data')!r})")
+    return Setup(info=info, model=model, loss=nn.loss_for(info.num_classes, xp), optimizer=optimizer,
+                 train=shards[0], test=shards[1],
+                 local_batch=data.local_batch_size(config.batch_size, workers, worker),
+                 steps_per_epoch=steps, resume=resume)
+
+
+def run(config, cluster, xp, device_label, stream=sys.stdout):
+    """Train as ``config`` says on this rank; returns the chief's final figures (others: None)."""
+    chief = cluster.is_chief
+    with agreed(cluster.world):
+        setup = prepare(config, cluster, xp)
+        log = MetricsLog(config.metrics if chief else "")
+        if chief and config.checkpoint_dir:
+            checkpoint.prepare_directory(config.checkpoint_dir)
+
+    table = cluster.table(device_label)
+    strategy = STRATEGIES[config.strategy](setup.model, setup.loss, setup.optimizer, cluster, seed=config.seed,
+                                          bucket_bytes=int(config.bucket_mb * (1 << 20)))
+    resume = setup.resume
+    strategy.initialize(None if resume is None else resume.params)
+    if resume is not None:
+        setup.optimizer.load_state(resume.optimizer_state, resume.optimizer_steps)
+
+    total_steps = setup.steps_per_epoch * config.epochs
+    if config.steps:
+        total_steps = min(total_steps, config.steps)
+    if chief:
+        stream.write(f"mpidist: {setup.info.name} ({setup.info.sizes['train']} train / {setup.info.sizes['test']} "
+                     f"test), model {config.model} ({setup.model.num_params:,} parameters), strategy "
+                     f"{config.strategy} on {cluster.num_workers} worker(s), global batch {config.batch_size}, "
+                     f"{setup.steps_per_epoch} steps/epoch\n{table}\n")
+        if resume is not None:
+            stream.write(f"mpidist: resumed from {resume.path} at step {resume.step}\n")
+        stream.flush()
+        log.write("start", config=dataclasses.asdict(config), ranks=cluster.size, workers=cluster.num_workers,
+                  dataset=setup.info.name, params=setup.model.num_params, steps_per_epoch=setup.steps_per_epoch,
+                  resumed_from=None if resume is None else str(resume.path), step=0 if resume is None else resume.step)
+
+    progress = Progress(config.progress if chief else "none", total_steps, config.epochs, stream=stream)
+    weight = setup.local_batch / config.batch_size
+    step = 0 if resume is None else resume.step
+    start_epoch = 0 if resume is None else resume.epoch
+    start_in_epoch = 0 if resume is None else resume.epoch_step
+    if start_in_epoch >= setup.steps_per_epoch:
+        start_epoch, start_in_epoch = start_epoch + 1, 0
+    started = time.perf_counter()
+    window_start, window_loss, window_steps, trained_steps = started, 0.0, 0, 0
+    last_loss, result = float("nan"), None
+    evaluated_at = None
+
+    def save(epoch, epoch_step):
+        if chief and config.checkpoint_dir:
+            params, opt_state, opt_steps = strategy.state()
+            checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
+                            config.to_json())
+
+    def evaluate(epoch):
+        nonlocal result, evaluated_at
+        test_loss, accuracy, _ = strategy.evaluate(data.eval_batches(setup.test))
+        result, evaluated_at = (test_loss, accuracy), step
+        progress.evaluated(step, epoch, last_loss, test_loss, accuracy)
+        log.write("eval", step=step, epoch=epoch + 1, test_loss=test_loss, test_accuracy=accuracy)
+
+    epoch, stop = start_epoch, (config.steps and step >= config.steps)
+    for epoch in range(start_epoch, config.epochs):
+        if stop:
+            break
+        skip = start_in_epoch if epoch == start_epoch else 0
+        batches = data.train_batches(setup.train, setup.local_batch, setup.steps_per_epoch, config.seed, epoch,
+                                     cluster.worker_index, skip=skip)
+        epoch_step = skip
+        try:
+            for x, y in batches:
+                loss = strategy.train_step(xp.asarray(x), xp.asarray(y), weight, step)
+                step, epoch_step, trained_steps = step + 1, epoch_step + 1, trained_steps + 1
+                window_loss, window_steps = window_loss + loss, window_steps + 1
+                if step % config.log_every == 0:
+                    now = time.perf_counter()
+                    rate = window_steps * config.batch_size / (now - window_start)
+                    last_loss = window_loss / window_steps
+                    log.write("step", step=step, epoch=epoch + 1, loss=last_loss, samples_per_s=rate,
+                              time=now - started)
+                    progress.update(step, epoch, last_loss, rate)
+                    window_start, window_loss, window_steps = now, 0.0, 0
+                if config.checkpoint_every and step % config.checkpoint_every == 0:
+                    save(epoch, epoch_step)
+                if config.steps and step >= config.steps:
+                    stop = True
+                    break
+        finally:
+            batches.close()
+        if window_steps:
+            last_loss = window_loss / window_steps
+        if config.eval_every and (epoch + 1) % config.eval_every == 0:
+            evaluate(epoch)
+
+    elapsed = time.perf_counter() - started
+    if evaluated_at != step or result is None:
+        evaluate(epoch)
+    save(epoch, epoch_step if trained_steps else start_in_epoch)
+    test_loss, accuracy = result
+    samples_per_s = trained_steps * config.batch_size / elapsed if elapsed > 0 else 0.0
+    final = {"steps": step, "epochs": epoch + 1, "loss": last_loss, "test_loss": test_loss,
+             "test_accuracy": accuracy, "train_time": elapsed, "samples_per_s": samples_per_s,
+             "workers": cluster.num_workers, "strategy": config.strategy}
+    log.write("done", **final)
+    log.close()
+    if chief:
+        rows = [("dataset", f"{setup.info.name} ({setup.info.path})"), ("model", config.model),
+                ("strategy", f"{config.strategy} on {cluster.num_workers} worker(s)"),
+                ("steps", f"{step} ({epoch + 1} epochs)"), ("final train loss", f"{last_loss:.4f}"),
+                ("test loss", f"{test_loss:.4f}"), ("test accuracy", f"{100 * accuracy:.2f}%"),
+                ("training time", f"{elapsed:.2f} s"), ("throughput", f"{samples_per_s:,.0f} samples/s")]
+        if config.metrics:
+            rows.append(("metrics", config.metrics))
+        if config.checkpoint_dir:
+            rows.append(("checkpoints", config.checkpoint_dir))
+        stream.write("mpidist: done\n" + format_summary(rows) + "\n")
+        stream.flush()
+        return final
+    return None
