@@ -50,17 +50,22 @@ def _timed_steps(step, seconds, min_steps=5):
 
 
 def _synced_timed(world, fn, seconds):
-    """Median per-call seconds of a collective ``fn``, the same count on every rank."""
+    """Median per-call seconds of a collective ``fn``, called the same number of times on every rank.
+
+    Rank 0 picks the count from a short calibration and broadcasts it: ranks
+    that each stopped on their own clock could disagree by one call and leave
+    a collective unmatched.
+    """
     world.Barrier()
     fn()
-    count = np.array([0], dtype=np.int64)
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds / 4:
+    for _ in range(3):
         fn()
-        count[0] += 1
-    world.Allreduce(MPI.IN_PLACE, count, op=MPI.MIN)
+    per_call = (time.perf_counter() - t0) / 3
+    count = np.array([max(5, int(seconds / max(per_call, 1e-6)))], dtype=np.int64)
+    world.Bcast(count, root=0)
     times = []
-    for _ in range(int(max(count[0], 5))):
+    for _ in range(int(count[0])):
         world.Barrier()
         t = time.perf_counter()
         fn()
