@@ -69,17 +69,17 @@ def infer_task(y, task):
 def from_npz(path, test_fraction, seed, task):
     """Arrays ``x_train, y_train, x_test, y_test``, or ``x, y`` (then split)."""
     try:
-        arrays = np.load(path, allow_pickle=False)
+        with np.load(path, allow_pickle=False) as arrays:   # object arrays raise here, never unpickle
+            keys = set(arrays.files)
+            if {"x_train", "y_train", "x_test", "y_test"} <= keys:
+                splits = {s: (arrays[f"x_{s}"], arrays[f"y_{s}"]) for s in ("train", "test")}
+            elif {"x", "y"} <= keys:
+                splits = split_train_test(arrays["x"], arrays["y"], test_fraction, seed)
+            else:
+                raise UsageError(f"{path}: needs arrays x_train, y_train, x_test, y_test or x, y; "
+                                 f"has {sorted(keys)}")
     except (OSError, ValueError) as err:
         raise UsageError(f"{path}: not a readable .npz file of plain arrays ({err})") from None
-    with arrays:
-        keys = set(arrays.files)
-        if {"x_train", "y_train", "x_test", "y_test"} <= keys:
-            splits = {s: (arrays[f"x_{s}"], arrays[f"y_{s}"]) for s in ("train", "test")}
-        elif {"x", "y"} <= keys:
-            splits = split_train_test(arrays["x"], arrays["y"], test_fraction, seed)
-        else:
-            raise UsageError(f"{path}: needs arrays x_train, y_train, x_test, y_test or x, y; has {sorted(keys)}")
     y_all, num_classes = infer_task(np.concatenate([splits["train"][1], splits["test"][1]]), task)
     n_train = len(splits["train"][1])
     return ({"train": (splits["train"][0], y_all[:n_train]), "test": (splits["test"][0], y_all[n_train:])},

@@ -71,10 +71,11 @@ class Adam(Optimizer):
         self.m += (1 - b1) * grads
         self.v *= b2
         self.v += (1 - b2) * (grads * grads)
-        step_size = self.lr * np.sqrt(1 - b2 ** self.steps) / (1 - b1 ** self.steps)
+        # textbook form (as PyTorch): lr * m_hat / (sqrt(v_hat) + eps)
         denom = xp.sqrt(self.v)
+        denom *= 1.0 / np.sqrt(1 - b2 ** self.steps)
         denom += self.eps
-        params -= step_size * (self.m / denom)
+        params -= (self.lr / (1 - b1 ** self.steps)) * (self.m / denom)
 
     def state_arrays(self):
         return {"m": self.m, "v": self.v}

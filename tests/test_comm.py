@@ -1,0 +1,97 @@
+"""Buffer-based collectives: closed-form results at any rank count."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist import comm
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_allreduce_sum_of_ranks_is_the_triangle_number(dtype):
+    world = MPI.COMM_WORLD
+    size, rank = world.Get_size(), world.Get_rank()
+    array = np.full(1000, rank, dtype=dtype)
+    assert comm.allreduce_sum(world, array) is array          # in place
+    np.testing.assert_array_equal(array, size * (size - 1) // 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_sum_on_a_slice_leaves_the_rest_alone():
+    world = MPI.COMM_WORLD
+    array = np.ones(10)
+    comm.allreduce_sum(world, array[3:7])
+    np.testing.assert_array_equal(array, [1, 1, 1] + [world.Get_size()] * 4 + [1, 1, 1])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bcast_copies_the_roots_buffer():
+    world = MPI.COMM_WORLD
+    last = world.Get_size() - 1
+    array = np.arange(5.0) * (world.Get_rank() + 1)
+    comm.bcast(world, array, root=last)
+    np.testing.assert_array_equal(array, np.arange(5.0) * (last + 1))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sum_float64_adds_scalars_over_ranks():
+    world = MPI.COMM_WORLD
+    size = world.Get_size()
+    total = comm.sum_float64(world, [1.0, world.Get_rank()])
+    np.testing.assert_array_equal(total, [size, size * (size - 1) / 2])
+
+
+def test_sum_float64_without_a_communicator_is_the_values():
+    np.testing.assert_array_equal(comm.sum_float64(None, [2, 3]), [2.0, 3.0])
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("yes", True), ("0", False), ("false", False)])
+def test_cuda_awareness_can_be_overridden(monkeypatch, value, expected):
+    monkeypatch.setenv("MPIDIST_CUDA_AWARE", value)
+    comm.cuda_aware.cache_clear()
+    try:
+        assert comm.cuda_aware() is expected
+        assert comm.transfer_path() == ("cuda-aware" if expected else "host-staged")
+    finally:
+        comm.cuda_aware.cache_clear()
+
+
+def test_cuda_awareness_is_detected_from_the_loaded_library(monkeypatch):
+    monkeypatch.delenv("MPIDIST_CUDA_AWARE", raising=False)
+    comm.cuda_aware.cache_clear()
+    try:
+        assert comm.mpi_library_path() is not None
+        assert isinstance(comm.cuda_aware(), bool)
+    finally:
+        comm.cuda_aware.cache_clear()
+
+
+class FakeDeviceArray:
+    """Just enough of a cupy array to exercise host staging without a GPU."""
+
+    def __init__(self, values):
+        self.host = np.array(values, dtype=np.float64)
+        self.__cuda_array_interface__ = {}
+
+    def get(self):
+        return self.host.copy()
+
+    def set(self, values):
+        self.host[...] = values
+
+
+@pytest.mark.mpi(min_size=2)
+def test_device_arrays_are_staged_through_the_host_when_mpi_is_not_cuda_aware(monkeypatch):
+    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "0")
+    comm.cuda_aware.cache_clear()
+    try:
+        world = MPI.COMM_WORLD
+        array = FakeDeviceArray([world.Get_rank(), 1.0])
+        comm.allreduce_sum(world, array)
+        np.testing.assert_array_equal(array.host, [world.Get_size() * (world.Get_size() - 1) / 2, world.Get_size()])
+        array = FakeDeviceArray([world.Get_rank()] * 3)
+        comm.bcast(world, array, root=1)
+        np.testing.assert_array_equal(array.host, [1.0] * 3)
+    finally:
+        comm.cuda_aware.cache_clear()

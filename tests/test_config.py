@@ -1,0 +1,67 @@
+"""Configuration: defaults, TOML files, precedence, validation messages."""
+
+import argparse
+
+import pytest
+
+from mpidist.config import RunConfig, add_flags, config_from_args
+from mpidist.errors import UsageError
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_defaults_are_valid_and_auto_strategy_follows_the_rank_count():
+    config = parse([])
+    config.validate(4)
+    assert config.with_world(1).strategy == "local"
+    assert config.with_world(4).strategy == "allreduce"
+    assert parse(["--strategy", "allreduce"]).with_world(1).strategy == "allreduce"
+
+
+def test_toml_keys_are_flag_names_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('model = "cnn"\nbatch-size = 32\nlr = 1\n')
+    config = parse(["--config", str(path), "--batch-size", "16"])
+    assert (config.model, config.batch_size, config.lr) == ("cnn", 16, 1.0)
+
+
+@pytest.mark.parametrize("text,message", [('batch_sise = 3', "unknown key 'batch_sise'"),
+                                          ('epochs = "ten"', "epochs = 'ten' should be an int"),
+                                          ('epochs = true', "should be an int"),
+                                          ('epochs = ', "not readable as TOML")])
+def test_bad_config_files_are_named(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(UsageError, match=message):
+        parse(["--config", str(path)])
+
+
+def test_missing_config_file():
+    with pytest.raises(UsageError, match="no such file"):
+        parse(["--config", "/nonexistent.toml"])
+
+
+@pytest.mark.parametrize("flags,ranks,message", [
+    (["--model", "resnet"], 1, "--model 'resnet' is not in the zoo"),
+    (["--strategy", "gossip"], 1, "--strategy 'gossip' is not one of"),
+    (["--optimizer", "lbfgs"], 1, "--optimizer 'lbfgs' is not one of"),
+    (["--epochs", "0"], 1, "--epochs must be at least 1, got 0"),
+    (["--batch-size", "0"], 1, "--batch-size must be at least 1"),
+    (["--lr", "-1"], 1, "--lr must be positive"),
+    (["--steps", "-2"], 1, "--steps must be 0 or more"),
+    (["--strategy", "local"], 2, "--strategy local runs on one rank, got 2 ranks"),
+    (["--resume", "auto"], 1, "--resume auto needs --checkpoint-dir"),
+])
+def test_invalid_settings_are_refused_with_their_values(flags, ranks, message):
+    with pytest.raises(UsageError, match=message):
+        parse(flags).validate(ranks)
+
+
+def test_every_flag_has_help_and_a_default():
+    import dataclasses
+    for field in dataclasses.fields(RunConfig):
+        assert field.metadata["help"] and field.default is not dataclasses.MISSING

@@ -1,0 +1,230 @@
+"""Layers, losses, models and optimizers: gradients against finite differences,
+convolution and pooling against straightforward loops."""
+
+import numpy as np
+import pytest
+
+from mpidist import nn
+from mpidist.nn import Conv2D, Dense, Dropout, Flatten, MaxPool2D, ReLU, Sequential, Tanh
+
+
+def numeric_grad(f, array, eps=1e-6):
+    """Central differences of scalar ``f()`` with respect to every entry of ``array`` (in place)."""
+    grad = np.zeros_like(array)
+    flat, out = array.reshape(-1), grad.reshape(-1)
+    for i in range(flat.size):
+        saved = flat[i]
+        flat[i] = saved + eps
+        plus = f()
+        flat[i] = saved - eps
+        minus = f()
+        flat[i] = saved
+        out[i] = (plus - minus) / (2 * eps)
+    return grad
+
+
+def check_model_gradients(layers, input_shape, batch=3, seed=0, training=False):
+    """Compare backprop of sum(out * r) with finite differences, for params and input."""
+    rng = np.random.default_rng(seed)
+    model = Sequential(layers, input_shape, xp=np, dtype=np.float64)
+    model.init_params(seed)
+    model.params += rng.normal(0, 0.1, model.num_params)   # break symmetry of zero biases
+    x = rng.normal(size=(batch,) + tuple(input_shape))
+    r = rng.normal(size=(batch,) + model.output_shape)
+
+    def objective():
+        model.reseed(7)
+        return float((model.forward(x, training) * r).sum())
+
+    objective()
+    dx = model.backward(r.copy())
+    np.testing.assert_allclose(model.grads, numeric_grad(objective, model.params), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dx, numeric_grad(objective, x), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("layers,shape", [
+    ([Dense(5)], (4,)),
+    ([Dense(5, init="glorot"), Tanh(), Dense(3)], (4,)),
+    ([Dense(6), ReLU(), Dense(2)], (3,)),
+    ([Flatten(), Dense(3)], (2, 3)),
+    ([Conv2D(3, 3)], (2, 5, 5)),
+    ([Conv2D(2, 3, stride=2, padding=0)], (1, 7, 7)),
+    ([Conv2D(2, 2, stride=1, padding=1)], (2, 4, 4)),
+    ([MaxPool2D(2)], (2, 4, 4)),
+    ([MaxPool2D(2)], (1, 5, 5)),
+    ([Conv2D(2, 3), ReLU(), MaxPool2D(2), Flatten(), Dense(3)], (1, 6, 6)),
+])
+def test_layer_gradients_match_finite_differences(layers, shape):
+    check_model_gradients(layers, shape)
+
+
+def test_dropout_gradient_matches_finite_differences_with_a_fixed_mask():
+    check_model_gradients([Dense(6), Dropout(0.5), Dense(2)], (3,), training=True)
+
+
+def test_dropout_scales_kept_units_and_is_identity_in_evaluation():
+    layer = Dropout(0.25)
+    layer.xp, layer.rng = np, np.random.default_rng(0)
+    x = np.ones((2000, 10))
+    y = layer.forward(x, training=True)
+    kept = y != 0
+    assert np.allclose(y[kept], 1 / 0.75)
+    assert abs(kept.mean() - 0.75) < 0.02
+    assert layer.forward(x, training=False) is x
+
+
+def reference_conv(x, w, b, stride, pad):
+    n, c, h, wd = x.shape
+    f, _, k, _ = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    ho, wo = (h + 2 * pad - k) // stride + 1, (wd + 2 * pad - k) // stride + 1
+    out = np.zeros((n, f, ho, wo))
+    for i in range(n):
+        for o in range(f):
+            for r in range(ho):
+                for s in range(wo):
+                    patch = xp[i, :, r * stride:r * stride + k, s * stride:s * stride + k]
+                    out[i, o, r, s] = (patch * w[o]).sum() + b[o]
+    return out
+
+
+@pytest.mark.parametrize("stride,padding,kernel", [(1, 1, 3), (2, 0, 3), (1, 0, 1), (2, 2, 5)])
+def test_conv_matches_a_direct_loop(stride, padding, kernel):
+    rng = np.random.default_rng(1)
+    layer = Conv2D(4, kernel, stride=stride, padding=padding)
+    model = Sequential([layer], (3, 9, 8), xp=np, dtype=np.float64)
+    model.params[...] = rng.normal(size=model.num_params)
+    x = rng.normal(size=(2, 3, 9, 8))
+    expected = reference_conv(x, layer.params["W"], layer.params["b"], stride, padding)
+    np.testing.assert_allclose(model.forward(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_maxpool_matches_a_direct_loop_and_crops_partial_windows():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2, 3, 7, 6))
+    pool = Sequential([MaxPool2D(3)], (3, 7, 6), xp=np, dtype=np.float64)
+    out = pool.forward(x)
+    assert out.shape == (2, 3, 2, 2)
+    for r in range(2):
+        for s in range(2):
+            np.testing.assert_array_equal(out[:, :, r, s], x[:, :, 3 * r:3 * r + 3, 3 * s:3 * s + 3].max(axis=(2, 3)))
+
+
+def test_maxpool_sends_a_tied_gradient_to_one_position_only():
+    pool = Sequential([MaxPool2D(2)], (1, 2, 2), xp=np, dtype=np.float64)
+    pool.forward(np.ones((1, 1, 2, 2)))
+    dx = pool.backward(np.ones((1, 1, 1, 1)))
+    assert dx.sum() == 1.0 and dx[0, 0, 0, 0] == 1.0
+
+
+def loss_check(loss, out, target):
+    value = lambda: float(loss.forward(out, target))  # noqa: E731
+    value()
+    np.testing.assert_allclose(loss.backward(scale=0.3), 0.3 * numeric_grad(value, out), rtol=1e-6, atol=1e-9)
+
+
+def test_cross_entropy_value_and_gradient():
+    rng = np.random.default_rng(3)
+    logits, labels = rng.normal(size=(5, 4)), np.array([0, 3, 1, 1, 2])
+    loss = nn.SoftmaxCrossEntropy(np)
+    p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    assert np.isclose(float(loss.forward(logits, labels)), -np.log(p[np.arange(5), labels]).mean())
+    loss_check(loss, logits, labels)
+    assert loss.correct(np.eye(4)[[0, 1, 2, 3, 0]], np.array([0, 1, 2, 0, 0])) == 4
+
+
+def test_cross_entropy_is_stable_for_huge_logits():
+    loss = nn.SoftmaxCrossEntropy(np)
+    assert np.isfinite(float(loss.forward(np.array([[1e4, 0.0], [0.0, -1e4]]), np.array([0, 0]))))
+
+
+def test_mse_value_and_gradient():
+    rng = np.random.default_rng(4)
+    pred, target = rng.normal(size=(6, 2)), rng.normal(size=(6, 2))
+    loss = nn.MeanSquaredError(np)
+    assert np.isclose(float(loss.forward(pred, target)), ((pred - target) ** 2).mean())
+    loss_check(loss, pred, target)
+    one = rng.normal(size=(6, 1))
+    assert np.isclose(float(loss.forward(one, one[:, 0] + 1.0)), 1.0)   # (N,) targets for one output
+
+
+def test_parameters_and_gradients_are_views_of_the_flat_buffers():
+    model = Sequential([Dense(3), ReLU(), Dense(2)], (4,), xp=np, dtype=np.float32)
+    assert model.num_params == 4 * 3 + 3 + 3 * 2 + 2
+    model.params[:] = np.arange(model.num_params)
+    first = model.layers[0]
+    np.testing.assert_array_equal(first.params["W"].ravel(), np.arange(12))
+    np.testing.assert_array_equal(model.layers[2].params["b"], [21, 22])  # after 12 + 3 + 6
+    bigger = np.zeros(model.num_params + 1, dtype=np.float32)
+    model.bind_grads(bigger)
+    model.forward(np.ones((2, 4), np.float32))
+    model.backward(np.ones((2, 2), np.float32))
+    assert bigger[:-1].any() and bigger[-1] == 0
+    assert np.shares_memory(first.grads["W"], bigger)
+
+
+def test_initialisation_depends_only_on_the_seed():
+    a = nn.build_model("mlp", (8, 8), 10, np, np.float32)
+    b = nn.build_model("mlp", (8, 8), 10, np, np.float32)
+    a.init_params(5)
+    b.init_params(5)
+    np.testing.assert_array_equal(a.params, b.params)
+    b.init_params(6)
+    assert not np.array_equal(a.params, b.params)
+
+
+def test_sgd_momentum_matches_closed_form():
+    opt = nn.SGD(2, lr=0.1, momentum=0.5, dtype=np.float64)
+    p, g = np.array([1.0, -1.0]), np.array([2.0, 4.0])
+    opt.step(p, g)                         # v = g, p -= 0.1 g
+    np.testing.assert_allclose(p, [0.8, -1.4])
+    opt.step(p, g)                         # v = 0.5 g + g = 1.5 g
+    np.testing.assert_allclose(p, [0.8 - 0.3, -1.4 - 0.6])
+
+
+def test_adam_first_step_moves_each_parameter_by_lr():
+    opt = nn.Adam(3, lr=0.01, dtype=np.float64)
+    p = np.zeros(3)
+    opt.step(p, np.array([5.0, -0.2, 1e-3]))
+    np.testing.assert_allclose(p, [-0.01, 0.01, -0.01], rtol=1e-4)
+    assert opt.steps == 1 and set(opt.state_arrays()) == {"m", "v"}
+
+
+def test_optimizer_state_round_trips():
+    a, b = nn.Adam(4), nn.Adam(4)
+    p = np.ones(4, np.float32)
+    a.step(p, np.arange(4, dtype=np.float32))
+    b.load_state({k: v.copy() for k, v in a.state_arrays().items()}, a.steps)
+    q = p.copy()
+    a.step(p, np.ones(4, np.float32))
+    b.step(q, np.ones(4, np.float32))
+    np.testing.assert_array_equal(p, q)
+
+
+@pytest.mark.parametrize("name", list(nn.MODELS))
+def test_every_zoo_model_trains_on_images(name):
+    model = nn.build_model(name, (8, 8), 10, np, np.float32)
+    model.init_params(0)
+    loss = nn.loss_for(10, np)
+    opt = nn.make_optimizer("adam", model.num_params, 0.01)
+    rng = np.random.default_rng(0)
+    x = rng.random((32,) + model.input_shape, dtype=np.float32)
+    y = rng.integers(0, 10, 32)
+    first = None
+    for step in range(30):
+        model.reseed(0, step)
+        value = float(loss.forward(model.forward(x, training=True), y))
+        first = value if first is None else first
+        model.backward(loss.backward())
+        opt.step(model.params, model.grads)
+    assert value < 0.5 * first
+
+
+def test_cnn_on_flat_samples_is_a_shape_error_naming_the_shapes():
+    with pytest.raises(nn.ShapeError, match=r"cnn.*\(40,\)"):
+        nn.build_model("cnn", (40,), 10, np, np.float32)
+
+
+def test_dense_on_images_without_flatten_is_a_shape_error():
+    with pytest.raises(nn.ShapeError, match="layer 0 .*Flatten"):
+        Sequential([Dense(3)], (2, 2))

@@ -1,0 +1,101 @@
+"""Strategies: allreduce must equal local training on the same global batch."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist import nn
+from mpidist.cluster import build_cluster
+from mpidist.data import local_batch_size
+from mpidist.nn import Conv2D, Dense, Flatten, MaxPool2D, ReLU, Sequential
+from mpidist.parallel import AllreduceStrategy, LocalStrategy, bucket_slices
+
+
+def test_buckets_cover_the_buffer_contiguously():
+    assert bucket_slices(10, 4, 16) == [(0, 4), (4, 8), (8, 10)]
+    assert bucket_slices(10, 4, 1 << 20) == [(0, 10)]
+    assert bucket_slices(3, 8, 1) == [(0, 1), (1, 2), (2, 3)]      # never an empty bucket
+
+
+def small_convnet(dtype):
+    layers = [Conv2D(3, 3), ReLU(), MaxPool2D(2), Flatten(), Dense(8), ReLU(), Dense(4, init="glorot")]
+    return Sequential(layers, (1, 6, 6), xp=np, dtype=dtype)
+
+
+def worker_slice(global_batch, workers, worker):
+    sizes = [local_batch_size(global_batch, workers, w) for w in range(workers)]
+    lo = sum(sizes[:worker])
+    return slice(lo, lo + sizes[worker])
+
+
+def train_both(cluster, global_batch, optimizer, dtype, steps=5, bucket_bytes=64 << 20):
+    rng = np.random.default_rng(0)                        # the same data on every rank
+    xs = rng.random((steps, global_batch, 1, 6, 6)).astype(dtype)
+    ys = rng.integers(0, 4, (steps, global_batch))
+    make = lambda model: nn.make_optimizer(optimizer, model.num_params, 0.05, xp=np, dtype=dtype)  # noqa: E731
+    ref_model, dist_model = small_convnet(dtype), small_convnet(dtype)
+    local = LocalStrategy(ref_model, nn.loss_for(4, np), make(ref_model), seed=3)
+    dist = AllreduceStrategy(dist_model, nn.loss_for(4, np), make(dist_model), cluster, seed=3,
+                             bucket_bytes=bucket_bytes)
+    local.initialize()
+    dist.initialize()
+    part = worker_slice(global_batch, cluster.num_workers, cluster.worker_index)
+    weight = (part.stop - part.start) / global_batch
+    for step in range(steps):
+        local_loss = local.train_step(xs[step], ys[step], 1.0, step)
+        dist_loss = dist.train_step(xs[step][part], ys[step][part], weight, step)
+        assert np.isclose(dist_loss, local_loss, rtol=1e-5)
+    return ref_model.params, dist_model.params
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("extra", [0, 3], ids=["even-split", "uneven-split"])
+def test_allreduce_equals_local_on_the_global_batch_float64(optimizer, extra):
+    cluster = build_cluster(MPI.COMM_WORLD)
+    expected, got = train_both(cluster, 4 * cluster.num_workers + extra, optimizer, np.float64)
+    assert not np.allclose(got, small_convnet(np.float64).params)      # it did train
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_equals_local_in_float32_within_summation_order():
+    cluster = build_cluster(MPI.COMM_WORLD)
+    expected, got = train_both(cluster, 8 * cluster.num_workers + 1, "sgd", np.float32)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_many_small_buckets_give_the_same_result_as_one():
+    cluster = build_cluster(MPI.COMM_WORLD)
+    expected, got = train_both(cluster, 2 * cluster.num_workers, "adam", np.float64, bucket_bytes=256)
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_workers_start_from_the_chiefs_parameters():
+    world = MPI.COMM_WORLD
+    cluster = build_cluster(world)
+    model = small_convnet(np.float32)
+    strategy = AllreduceStrategy(model, nn.loss_for(4, np), None, cluster, seed=10 + world.Get_rank())
+    strategy.initialize()
+    chief = small_convnet(np.float32)
+    chief.init_params(10)                                  # the chief's seed (rank 0)
+    np.testing.assert_array_equal(model.params, chief.params)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_evaluation_sums_every_workers_shard():
+    world = MPI.COMM_WORLD
+    size, rank = world.Get_size(), world.Get_rank()
+    cluster = build_cluster(world)
+    rng = np.random.default_rng(1)
+    x, y = rng.random((50, 1, 6, 6)), rng.integers(0, 4, 50)
+    model = small_convnet(np.float64)
+    strategy = AllreduceStrategy(model, nn.loss_for(4, np), None, cluster)
+    strategy.initialize()
+    loss, accuracy, count = strategy.evaluate([(x[rank::size], y[rank::size])])
+    out = model.forward(x)
+    assert count == 50
+    assert np.isclose(loss, float(nn.SoftmaxCrossEntropy(np).forward(out, y)))
+    assert np.isclose(accuracy, (out.argmax(axis=1) == y).mean())
