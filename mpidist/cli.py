@@ -18,7 +18,15 @@ COMMANDS = ("train", "eval", "ingest", "info", "bench")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting, and prints on rank 0 only."""
+    """argparse that raises instead of exiting, prints on rank 0 only, and takes no abbreviations.
+
+    Abbreviations are off because a job script that says ``--epoch`` would
+    silently change meaning the day a second flag starting with it is added.
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UsageError(f"{message} (see `{self.prog} --help`)")

@@ -127,10 +127,8 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
         progress.evaluated(step, epoch, last_loss, test_loss, accuracy)
         log.write("eval", step=step, epoch=epoch + 1, test_loss=test_loss, test_accuracy=accuracy)
 
-    epoch, stop = start_epoch, (config.steps and step >= config.steps)
-    for epoch in range(start_epoch, config.epochs):
-        if stop:
-            break
+    epoch, stop = start_epoch, bool(config.steps and step >= config.steps)
+    for epoch in range(start_epoch, config.epochs if not stop else start_epoch):
         skip = start_in_epoch if epoch == start_epoch else 0
         batches = data.train_batches(setup.train, setup.local_batch, setup.steps_per_epoch, config.seed, epoch,
                                      cluster.worker_index, skip=skip)
@@ -157,6 +155,8 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
             batches.close()
         if window_steps:
             last_loss = window_loss / window_steps
+        if stop:  # before the loop moves `epoch` on: the checkpoint must name this epoch
+            break
         if config.eval_every and (epoch + 1) % config.eval_every == 0:
             evaluate(epoch)
 

@@ -1,0 +1,221 @@
+"""The command line end to end, under mpiexec: training, bad input, failures, subcommands.
+
+Each run has a timeout: a run that outlives it is reported as a hang.
+"""
+
+import json
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import mpidist, run_mpi
+from mpidist.ingest import write_dataset
+
+STATED_ACCURACY = 0.90      # README: the default run reaches at least this test accuracy
+SECONDS_TO_FAIL = 15        # a bad input must end every rank well within this
+
+
+def events(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_default_run_at_4_ranks_reaches_the_stated_accuracy_and_writes_metrics(tmp_path):
+    done, seconds = mpidist(4, "--metrics", str(tmp_path / "m.jsonl"), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("mpidist: done") == 1                      # the chief alone reports
+    assert "allreduce on 4 worker(s)" in done.stdout and "test accuracy" in done.stdout
+    log = events(tmp_path / "m.jsonl")
+    kinds = [e["event"] for e in log]
+    assert kinds[0] == "start" and kinds[-1] == "done" and "step" in kinds and "eval" in kinds
+    step = next(e for e in log if e["event"] == "step")
+    assert {"step", "epoch", "loss", "samples_per_s", "time"} <= set(step)
+    evaluation = next(e for e in log if e["event"] == "eval")
+    assert {"epoch", "test_loss", "test_accuracy"} <= set(evaluation)
+    assert log[-1]["test_accuracy"] >= STATED_ACCURACY
+    assert log[-1]["steps"] == 20 * 22 and log[-1]["workers"] == 4
+    assert seconds < 60
+
+
+def test_metrics_are_appended_not_overwritten(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"event": "mine"}\n')
+    done, _ = mpidist(2, "--steps", "3", "--metrics", str(metrics))
+    assert done.returncode == 0, done.stderr
+    assert events(metrics)[0] == {"event": "mine"} and events(metrics)[-1]["event"] == "done"
+
+
+def bad_dataset(tmp_path):
+    path = write_dataset(tmp_path / "broken.h5", "broken", {"train": (np.zeros((20, 4)), np.zeros(20, int)),
+                                                           "test": (np.zeros((5, 4)), np.zeros(5, int))}, 2, "")
+    with h5py.File(path, "a") as handle:
+        del handle["train/y"]
+    return path
+
+
+def one_bad_label(tmp_path):
+    labels = np.arange(100) % 3
+    labels[7] = 9          # sample 7: worker 1's shard at 2 ranks, worker 3's at 4
+    return write_dataset(tmp_path / "label.h5", "label", {"train": (np.zeros((100, 4)), labels),
+                                                         "test": (np.zeros((10, 4)), np.arange(10) % 3)}, 3, "")
+
+
+BAD_INPUTS = {
+    "bad flag value": (lambda p: ["--epochs", "ten"], "argument --epochs: invalid int value: 'ten'"),
+    "unknown flag": (lambda p: ["--epoch", "3"], "unrecognized arguments: --epoch 3"),
+    "unknown model": (lambda p: ["--model", "resnet"], "--model 'resnet' is not in the zoo"),
+    "missing dataset file": (lambda p: ["--data", str(p / "none.h5")], "no such file"),
+    "unknown dataset name": (lambda p: ["--data", "cifar"], "no bundled dataset of that name"),
+    "not an HDF5 file": (lambda p: ["--data", str(p / "notes.txt")], "not a readable HDF5 file"),
+    "malformed dataset": (lambda p: ["--data", str(bad_dataset(p))], "missing dataset 'train/y'"),
+    "model/dataset shape mismatch": (lambda p: ["--model", "cnn", "--data", "mnist1d"],
+                                     "--model cnn does not fit dataset 'mnist1d'"),
+    "rank count does not fit": (lambda p: ["--strategy", "local"], "--strategy local runs on one rank"),
+    "batch smaller than workers": (lambda p: ["--batch-size", "1"], "is smaller than the number of workers"),
+    "label out of range on one shard": (lambda p: ["--data", str(one_bad_label(p))],
+                                        r"label 9 at sample 7, outside [0, 3)"),
+    "bad config file": (lambda p: ["--config", str(p / "run.toml")], "unknown key 'epoch'"),
+    "unwritable metrics file": (lambda p: ["--metrics", "/proc/mpidist/m.jsonl"], "--metrics /proc/mpidist"),
+}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_ends_every_rank_with_exit_2_and_one_message(tmp_path, case, ranks):
+    (tmp_path / "notes.txt").write_text("not a dataset")
+    (tmp_path / "run.toml").write_text("epoch = 3\n")
+    flags, message = BAD_INPUTS[case]
+    done, seconds = mpidist(ranks, "--metrics", str(tmp_path / "m.jsonl"), *flags(tmp_path), timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.count("mpidist: error") == 1, done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert seconds < SECONDS_TO_FAIL
+
+
+def test_an_error_found_on_some_ranks_only_names_the_rank(tmp_path):
+    done, _ = mpidist(2, "--data", str(one_bad_label(tmp_path)), "--metrics", "")
+    assert "mpidist: error (rank 1):" in done.stderr
+
+
+FAIL_MID_STEP = textwrap.dedent("""
+    import sys
+    from mpidist.parallel import allreduce
+    train_step = allreduce.AllreduceStrategy.train_step
+
+    def failing(self, x, y, weight, step):
+        if step == 5 and self.cluster.rank == 1:
+            raise RuntimeError("injected failure at step 5")
+        return train_step(self, x, y, weight, step)
+
+    allreduce.AllreduceStrategy.train_step = failing
+    from mpidist.__main__ import main
+    sys.argv = ["mpidist", "--epochs", "1000", "--metrics", ""]
+    main()
+""")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_an_exception_on_one_rank_mid_step_ends_the_whole_job(tmp_path, ranks):
+    script = tmp_path / "fail.py"
+    script.write_text(FAIL_MID_STEP)
+    done, seconds = run_mpi(ranks, [str(script)], timeout=60)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "[rank 1] Traceback" in done.stderr and "[rank 1] RuntimeError: injected failure at step 5" in done.stderr
+    assert seconds < SECONDS_TO_FAIL
+
+
+FAIL_IN_THREAD = textwrap.dedent("""
+    import threading
+    from mpi4py import MPI
+    from mpidist.errors import install_abort_on_exception
+    install_abort_on_exception()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        threading.Thread(target=lambda: 1 / 0).start()
+    MPI.COMM_WORLD.Barrier()        # rank 0 never arrives: only the abort can end the others
+    import time
+    time.sleep(60)
+""")
+
+
+def test_an_exception_in_a_helper_thread_ends_the_whole_job(tmp_path):
+    script = tmp_path / "thread.py"
+    script.write_text(FAIL_IN_THREAD)
+    done, seconds = run_mpi(2, [str(script)], timeout=60)
+    assert done.returncode == 1, (done.returncode, done.stderr, seconds)
+    assert "[rank 0] ZeroDivisionError" in done.stderr, done.stderr
+    assert seconds < SECONDS_TO_FAIL
+
+
+def test_help_is_printed_once_and_exits_0():
+    done, _ = mpidist(2, "train", "--help")
+    assert done.returncode == 0
+    assert done.stdout.count("usage: python -m mpidist train") == 1
+    for flag in ("--model", "--data", "--strategy", "--epochs", "--steps", "--batch-size", "--lr", "--optimizer",
+                 "--seed", "--metrics", "--checkpoint-dir", "--resume", "--config"):
+        assert flag in done.stdout
+
+
+def test_resumed_training_ends_where_an_uninterrupted_run_ends(tmp_path):
+    common = ["--metrics", "", "--epochs", "3"]
+    whole, half = tmp_path / "whole", tmp_path / "half"
+    done, _ = mpidist(2, *common, "--steps", "30", "--checkpoint-dir", str(whole))
+    assert done.returncode == 0, done.stderr
+    done, _ = mpidist(2, *common, "--steps", "13", "--checkpoint-dir", str(half))
+    assert done.returncode == 0, done.stderr
+    done, _ = mpidist(2, *common, "--steps", "30", "--checkpoint-dir", str(half), "--resume", "auto")
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stdout and "ckpt-00000013.h5" in done.stdout
+    with h5py.File(whole / "ckpt-00000030.h5") as a, h5py.File(half / "ckpt-00000030.h5") as b:
+        np.testing.assert_array_equal(a["params"][...], b["params"][...])
+        np.testing.assert_array_equal(a["optimizer/m"][...], b["optimizer/m"][...])
+        assert a.attrs["step"] == b.attrs["step"] == 30
+    assert not [p for p in half.iterdir() if p.name.startswith(".")]   # nothing left aside
+
+
+def test_eval_reports_a_checkpoints_accuracy_over_the_ranks(tmp_path):
+    done, _ = mpidist(2, "--metrics", "", "--epochs", "5", "--checkpoint-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    done, _ = mpidist(2, "eval", str(tmp_path / "ckpt-00000110.h5"))
+    assert done.returncode == 0, done.stderr
+    accuracy = float(done.stdout.split("test accuracy ")[1].split("%")[0])
+    assert accuracy >= 100 * STATED_ACCURACY and "over 359 samples" in done.stdout
+
+
+def test_resume_from_another_models_checkpoint_is_refused(tmp_path):
+    done, _ = mpidist(2, "--metrics", "", "--steps", "2", "--checkpoint-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    done, _ = mpidist(2, "--metrics", "", "--model", "mlp-wide", "--resume", str(tmp_path / "ckpt-00000002.h5"))
+    assert done.returncode == 2 and "written by --model mlp on 'digits'" in done.stderr
+
+
+def test_ingest_then_train_a_regression(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 3))
+    np.savez(tmp_path / "lin.npz", x=x, y=x @ np.array([1.0, -2.0, 0.5]))
+    done, _ = mpidist(1, "ingest", str(tmp_path / "lin.npz"), str(tmp_path / "lin.h5"))
+    assert done.returncode == 0 and "wrote" in done.stdout
+    done, _ = mpidist(2, "--data", str(tmp_path / "lin.h5"), "--model", "linear", "--lr", "0.05",
+                      "--epochs", "30", "--metrics", str(tmp_path / "m.jsonl"))
+    assert done.returncode == 0, done.stderr
+    assert events(tmp_path / "m.jsonl")[-1]["test_loss"] < 1e-3
+
+
+def test_info_reports_the_mpi_library_and_layout():
+    done, _ = mpidist(2, "info")
+    assert done.returncode == 0, done.stderr
+    for text in ("MPI library", "thread level", "CUDA-aware MPI", "ranks", "2 on 1 node(s)", "bundled datasets"):
+        assert text in done.stdout
+    assert done.stdout.count("MPI library") == 1
+
+
+def test_bench_prints_a_table_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    done, _ = mpidist(2, "bench", "--seconds", "0.2", "--models", "mlp", "--output", str(out), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "exchange/bare" in done.stdout
+    row = json.loads(out.read_text())["rows"][0]
+    for key in ("local_steps_per_s", "allreduce_steps_per_s", "allreduce_samples_per_s", "exchange_ms",
+                "bare_allreduce_ms", "exchange_over_bare", "speedup_vs_local"):
+        assert row[key] > 0
