@@ -15,6 +15,7 @@
 import contextlib
 import sys
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -22,6 +23,10 @@ import numpy as np
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a failure while running (a bug, a lost rank, an I/O error)
 EXIT_USAGE = 2    # bad usage, configuration or input
+
+# Time the launcher gets to forward what a failing rank printed before MPI_Abort
+# tears the job down: without it, 1 traceback in 100 was lost under load (MPICH hydra).
+ABORT_GRACE_SECONDS = 0.5
 
 
 class UsageError(Exception):
@@ -53,6 +58,7 @@ def install_abort_on_exception():
         sys.stderr.flush()
         sys.stdout.flush()
         if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            time.sleep(ABORT_GRACE_SECONDS)
             MPI.COMM_WORLD.Abort(code)
         sys.exit(code)
 
