@@ -108,13 +108,14 @@ def bench_model(world, cluster, name, batch, seconds):
     row.update(allreduce_steps_per_s=1 / per_step, allreduce_samples_per_s=size * batch / per_step)
 
     bare = np.zeros_like(strategy.buffer)
-    exchange, plain = [], []
-    for _ in range(3):  # interleave so drift affects both alike
-        exchange.append(_synced_timed(world, lambda: strategy.exchange(strategy.buffer), seconds / 3))
-        plain.append(_synced_timed(world, lambda: world.Allreduce(MPI.IN_PLACE, bare), seconds / 3))
-    row.update(exchange_bytes=int(bare.nbytes), exchange_ms=1e3 * float(np.median(exchange)),
-               bare_allreduce_ms=1e3 * float(np.median(plain)))
-    row["exchange_over_bare"] = row["exchange_ms"] / row["bare_allreduce_ms"]
+    row["exchange_bytes"] = int(bare.nbytes)
+    if size > 1:  # on one rank both are no-ops: a ratio of microseconds would mislead
+        exchange, plain = [], []
+        for _ in range(3):  # interleave so drift affects both alike
+            exchange.append(_synced_timed(world, lambda: strategy.exchange(strategy.buffer), seconds / 3))
+            plain.append(_synced_timed(world, lambda: world.Allreduce(MPI.IN_PLACE, bare), seconds / 3))
+        row.update(exchange_ms=1e3 * float(np.median(exchange)), bare_allreduce_ms=1e3 * float(np.median(plain)))
+        row["exchange_over_bare"] = row["exchange_ms"] / row["bare_allreduce_ms"]
     if rank == 0:
         row["speedup_vs_local"] = row["allreduce_samples_per_s"] / row["local_samples_per_s"]
     return row
@@ -129,7 +130,7 @@ COLUMNS = [("model", "model", "{}"), ("params", "params", "{:,}"), ("ranks", "ra
 
 def format_table(rows):
     header = [title for _, title, _ in COLUMNS]
-    body = [[fmt.format(row[key]) for key, _, fmt in COLUMNS] for row in rows]
+    body = [[fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in COLUMNS] for row in rows]
     widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header] + body)
 

@@ -64,7 +64,9 @@ class Sequential:
         """Give every random layer a fresh stream derived from ``key`` (e.g. seed, worker, step)."""
         for index, layer in enumerate(self.layers):
             if hasattr(layer, "rng"):
-                layer.rng = self.xp.random.default_rng(np.random.SeedSequence([*key, index]).generate_state(4))
+                # an int seed: cupy's default_rng does not take numpy seed arrays
+                seed = int(np.random.SeedSequence([*key, index]).generate_state(1, dtype=np.uint64)[0])
+                layer.rng = self.xp.random.default_rng(seed)
 
     def forward(self, x, training=False):
         """``(N, *input_shape) -> (N, *output_shape)``."""

@@ -1,0 +1,35 @@
+"""The README is the user's manual: it must stay true to the code."""
+
+import dataclasses
+import re
+
+from conftest import ROOT
+from mpidist.config import RunConfig
+from mpidist.nn import MODELS
+
+README = (ROOT / "README.rst").read_text()
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    command = next(line.strip() for line in README.splitlines() if "python -m pytest" in line and "venv" in line)
+    assert command in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_flag_and_its_default_is_documented():
+    for field in dataclasses.fields(RunConfig):
+        flag = "--" + RunConfig.flag(field.name)
+        row = next((line for line in README.splitlines() if line.startswith(f"``{flag}``")), None)
+        assert row is not None, f"{flag} is not in the README's flag table"
+        default = field.default if field.default != "" else "''"
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        assert f"``{shown}``" in row, f"{flag}: README row does not show the default {shown}"
+
+
+def test_every_zoo_model_is_documented():
+    for name in MODELS:
+        assert re.search(rf"^``{re.escape(name)}``\s", README, re.MULTILINE), name
+
+
+def test_the_stated_accuracy_is_the_one_the_tests_assert():
+    from test_cli import STATED_ACCURACY
+    assert f"at least {STATED_ACCURACY:.0%} test accuracy" in README
