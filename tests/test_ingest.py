@@ -62,9 +62,8 @@ def test_a_failed_ingest_leaves_no_file_behind(tmp_path):
     assert list(tmp_path.iterdir()) == [tmp_path / "bad.csv"]
 
 
-@pytest.mark.parametrize("name,exact", [("digits", True), ("mnist1d", False)])
+@pytest.mark.parametrize("name,exact", [("digits", True), ("mnist1d", False), ("mnist-5k", True)])
 def test_bundled_files_are_rebuilt_from_their_sources(name, exact):
-    pytest.importorskip({"digits": "sklearn", "mnist1d": "mnist1d"}[name])
     splits, num_classes, source = build_source(name)
     with h5py.File(data.resolve(name)) as handle:
         assert int(handle.attrs["num_classes"]) == num_classes and handle.attrs["source"] == source
@@ -74,3 +73,11 @@ def test_bundled_files_are_rebuilt_from_their_sources(name, exact):
                 np.testing.assert_array_equal(handle[f"{split}/x"][...], x)
             else:   # generated with scipy interpolation: allow last-bit differences across versions
                 np.testing.assert_allclose(handle[f"{split}/x"][...], x, rtol=1e-5, atol=1e-6)
+
+
+def test_a_missing_source_package_is_named_with_the_install_command(monkeypatch, tmp_path):
+    for module in ("mnist1d", "mnist1d.data"):                            # importing them now fails,
+        monkeypatch.setitem(__import__("sys").modules, module, None)      # even if a test loaded them
+    with pytest.raises(UsageError, match="needs the package 'mnist1d': pip install 'mnist1d'"):
+        ingest("mnist1d", tmp_path / "m.h5")
+    assert not (tmp_path / "m.h5").exists()
