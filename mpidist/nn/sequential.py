@@ -79,13 +79,3 @@ class Sequential:
         for layer in reversed(self.layers):
             dy = layer.backward(dy)
         return dy
-
-    def summary(self):
-        """Lines describing each layer, its output shape and parameter count."""
-        lines, shape = [], self.input_shape
-        for layer in self.layers:
-            shape = layer.build(shape)
-            count = sum(int(np.prod(s)) for _, s, _ in layer.param_specs())
-            lines.append(f"{layer!r:<44} {str(shape):<14} {count:>10,}")
-        lines.append(f"{'total':<59} {self.num_params:>10,}")
-        return lines
