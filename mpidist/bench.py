@@ -73,6 +73,10 @@ def _synced_timed(world, fn, seconds):
     return float(np.median(times))
 
 
+def _sgd(size):
+    return nn.make_optimizer("sgd", size, 0.01)
+
+
 def _problem(name, batch, seed):
     sample_shape, classes = SHAPES.get(name, DEFAULT_SHAPE)
     rng = np.random.default_rng(seed)
@@ -89,8 +93,7 @@ def bench_model(world, cluster, name, batch, seconds):
 
     if rank == 0:
         model, x, y = _problem(name, batch, 0)
-        local = LocalStrategy(model, nn.loss_for(10, np), nn.make_optimizer("sgd", model.num_params, 0.01),
-                              seed=0)
+        local = LocalStrategy(model, nn.loss_for(10, np), _sgd, seed=0)
         local.initialize()
         counter = iter(range(1 << 30))
         per_step, _ = _timed_steps(lambda: local.train_step(x, y, 1.0, next(counter)), seconds)
@@ -100,8 +103,7 @@ def bench_model(world, cluster, name, batch, seconds):
         _sleep_until_released(world)
 
     model, x, y = _problem(name, batch, rank)
-    strategy = AllreduceStrategy(model, nn.loss_for(10, np), nn.make_optimizer("sgd", model.num_params, 0.01),
-                                 cluster, seed=0)
+    strategy = AllreduceStrategy(model, nn.loss_for(10, np), _sgd, cluster, seed=0)
     strategy.initialize()
     counter = iter(range(1 << 30))
     per_step = _synced_timed(world, lambda: strategy.train_step(x, y, 1.0 / size, next(counter)), seconds)

@@ -99,7 +99,7 @@ def cmd_train(args, world):
     with agreed(world):
         config = config_from_args(args).with_world(world.Get_size())
         config.validate(world.Get_size())
-    cluster = build_cluster(world)
+    cluster = build_cluster(world, num_ps=config.ps)
     with agreed(world):
         xp, device = select_device(config.device, cluster.local_rank)
     run(config, cluster, xp, device)

@@ -63,30 +63,72 @@ def _synchronize(array):
     return array
 
 
+def _for_mpi(array):
+    """``(buffer MPI may use, function copying results back or None)``."""
+    if not is_device_array(array):
+        return array, None
+    if cuda_aware():
+        return _synchronize(array), None
+    host = array.get()
+    return host, lambda: array.set(host)
+
+
+def _typed(buffer, counts, displs):
+    from mpi4py.util.dtlib import from_numpy_dtype
+    return [buffer, list(counts), list(displs), from_numpy_dtype(buffer.dtype)]
+
+
 def allreduce_sum(comm, array):
     """Sum ``array`` (contiguous) over ``comm`` in place."""
-    if not is_device_array(array):
-        comm.Allreduce(MPI.IN_PLACE, array)
-    elif cuda_aware():
-        comm.Allreduce(MPI.IN_PLACE, _synchronize(array))
-    else:
-        host = array.get()
-        comm.Allreduce(MPI.IN_PLACE, host)
-        array.set(host)
+    buffer, back = _for_mpi(array)
+    comm.Allreduce(MPI.IN_PLACE, buffer)
+    if back:
+        back()
     return array
 
 
 def bcast(comm, array, root=0):
     """Broadcast ``array`` (contiguous) from ``root`` in place."""
-    if not is_device_array(array):
-        comm.Bcast(array, root=root)
-    elif cuda_aware():
-        comm.Bcast(_synchronize(array), root=root)
-    else:
-        host = array.get()
-        comm.Bcast(host, root=root)
-        array.set(host)
+    buffer, back = _for_mpi(array)
+    comm.Bcast(buffer, root=root)
+    if back:
+        back()
     return array
+
+
+def reduce_scatter_sum(comm, send, recv, counts):
+    """Sum ``send`` over ``comm``; rank ``r`` receives the ``counts[r]`` elements at ``sum(counts[:r])``.
+
+    Ranks with a count of 0 contribute and receive nothing (workers, for the ps).
+    """
+    send_buffer, _ = _for_mpi(send)
+    recv_buffer, back = _for_mpi(recv)
+    comm.Reduce_scatter(send_buffer, recv_buffer, recvcounts=list(counts), op=MPI.SUM)
+    if back:
+        back()
+    return recv
+
+
+def allgatherv_inplace(comm, array, counts, displs):
+    """Every rank gets every rank's ``array[displs[r]:displs[r] + counts[r]]``, in place."""
+    buffer, back = _for_mpi(array)
+    comm.Allgatherv(MPI.IN_PLACE, _typed(buffer, counts, displs))
+    if back:
+        back()
+    return array
+
+
+def gatherv(comm, send, recv, counts, displs, root):
+    """``root`` gets every rank's ``send`` (``counts[r]`` elements) at ``displs[r]`` of ``recv``."""
+    send_buffer, _ = _for_mpi(send)
+    if comm.Get_rank() == root:
+        recv_buffer, back = _for_mpi(recv)
+        comm.Gatherv(send_buffer, _typed(recv_buffer, counts, displs), root=root)
+        if back:
+            back()
+    else:
+        comm.Gatherv(send_buffer, None, root=root)
+    return recv
 
 
 def sum_float64(comm, values):

@@ -17,7 +17,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-STRATEGIES = ("auto", "local", "allreduce")
+STRATEGIES = ("auto", "local", "allreduce", "ps-sync")
+PS_STRATEGIES = ("ps-sync",)
 OPTIMIZER_NAMES = ("adam", "sgd")
 DEVICES = ("auto", "cpu", "gpu")
 DTYPES = ("float32", "float64")
@@ -34,8 +35,9 @@ class RunConfig:
 
     model: str = _field("mlp", "model from the zoo (see `python -m mpidist info --models`)")
     data: str = _field("digits", "dataset: an HDF5 file in the mpidist layout, or a bundled dataset's name")
-    strategy: str = _field("auto", "how workers share work: local, allreduce; auto = local on one rank, "
-                           "else allreduce", STRATEGIES)
+    strategy: str = _field("auto", "how workers share work: local, allreduce, ps-sync; auto = local on one "
+                           "rank, ps-sync with --ps, else allreduce", STRATEGIES)
+    ps: int = _field(0, "parameter-server ranks, for the ps strategies")
     epochs: int = _field(20, "passes over the training set")
     steps: int = _field(0, "stop after this many steps in total (0 = no limit)")
     batch_size: int = _field(64, "global batch size, split across workers")
@@ -83,6 +85,16 @@ class RunConfig:
             raise UsageError(f"--lr must be positive, got {self.lr}")
         if not self.bucket_mb > 0:
             raise UsageError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        if self.ps < 0:
+            raise UsageError(f"--ps must be 0 or more, got {self.ps}")
+        if self.strategy in PS_STRATEGIES and self.ps < 1:
+            raise UsageError(f"--strategy {self.strategy} needs parameter servers: add --ps K (K >= 1)")
+        if self.ps and self.strategy not in PS_STRATEGIES + ("auto",):
+            raise UsageError(f"--ps {self.ps} applies to the ps strategies ({', '.join(PS_STRATEGIES)}), "
+                             f"not --strategy {self.strategy}")
+        if self.ps and world_size < self.ps + 1:
+            raise UsageError(f"--ps {self.ps} needs at least {self.ps + 1} ranks (the ps ranks and a worker), "
+                             f"got {world_size}")
         if self.strategy == "local" and world_size > 1:
             raise UsageError(f"--strategy local runs on one rank, got {world_size} ranks "
                              "(use --strategy allreduce, or mpiexec -n 1)")
@@ -93,7 +105,8 @@ class RunConfig:
         """A copy whose ``auto`` strategy is resolved for ``world_size`` ranks."""
         if self.strategy != "auto":
             return self
-        return dataclasses.replace(self, strategy="local" if world_size == 1 else "allreduce")
+        chosen = "ps-sync" if self.ps else "local" if world_size == 1 else "allreduce"
+        return dataclasses.replace(self, strategy=chosen)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}

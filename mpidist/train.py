@@ -3,9 +3,14 @@
 Set-up that can fail on bad input (dataset, model shapes, checkpoint,
 metrics file) runs inside :func:`mpidist.errors.agreed`, before any
 collective, so every rank exits together with the same code.
+
+The loop is the same on every rank: workers feed their batches, parameter
+servers walk the same schedule with no data (they take part in each step's
+collectives).  Only the chief writes metrics, checkpoints and the terminal.
 """
 
 import dataclasses
+import itertools
 import sys
 import time
 
@@ -21,10 +26,8 @@ class Setup:
 
     info: data.DatasetInfo
     model: nn.Sequential
-    loss: object
-    optimizer: nn.Optimizer
-    train: data.Shard
-    test: data.Shard
+    train: data.Shard       # None on ranks that read no training data (ps)
+    test: data.Shard        # None on ranks that do not evaluate
     local_batch: int
     steps_per_epoch: int
     resume: checkpoint.Checkpoint = None
@@ -49,7 +52,7 @@ def find_resume(config):
 
 
 def prepare(config, cluster, xp):
-    """Local set-up of one worker (no collectives)."""
+    """Local set-up of one rank (no collectives)."""
     info = data.inspect(data.resolve(config.data))
     model = build_model_for(config, info, xp)
     workers, worker = cluster.num_workers, cluster.worker_index
@@ -57,17 +60,43 @@ def prepare(config, cluster, xp):
     if steps == 0:
         raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
                          f"--batch-size {config.batch_size} over {workers} workers")
-    shards = [data.Shard(info, split, worker, workers, model.input_shape, model.dtype) for split in data.SPLITS]
-    optimizer = nn.make_optimizer(config.optimizer, model.num_params, config.lr, config.momentum, xp, model.dtype)
+    train = test = None
+    if worker is not None:
+        train = data.Shard(info, "train", worker, workers, model.input_shape, model.dtype)
+        if STRATEGIES[config.strategy].evaluation == "sharded":
+            test = data.Shard(info, "test", worker, workers, model.input_shape, model.dtype)
+        elif cluster.is_chief:
+            test = data.Shard(info, "test", 0, 1, model.input_shape, model.dtype)
     resume = find_resume(config)
     if resume is not None and resume.params.size != model.num_params:
         raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
                          f"{config.model} on {info.name!r} has {model.num_params} "
                          f"(it was written by --model {resume.config.get('model')} on {resume.config.get('data')!r})")
-    return Setup(info=info, model=model, loss=nn.loss_for(info.num_classes, xp), optimizer=optimizer,
-                 train=shards[0], test=shards[1],
-                 local_batch=data.local_batch_size(config.batch_size, workers, worker),
-                 steps_per_epoch=steps, resume=resume)
+    local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
+    return Setup(info=info, model=model, train=train, test=test, local_batch=local_batch, steps_per_epoch=steps,
+                 resume=resume)
+
+
+def make_strategy(config, setup, cluster, xp):
+    """The strategy ``config`` names, with an optimizer factory sized by the strategy."""
+    def make_optimizer(size):
+        return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype)
+
+    return STRATEGIES[config.strategy](setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer,
+                                      cluster, seed=config.seed, bucket_bytes=int(config.bucket_mb * (1 << 20)))
+
+
+class _NoData:
+    """The batches of a rank that reads no data: ``steps - skip`` empty ones."""
+
+    def __init__(self, steps, skip):
+        self._items = itertools.repeat((None, None), steps - skip)
+
+    def __iter__(self):
+        return self._items
+
+    def close(self):
+        pass
 
 
 def run(config, cluster, xp, device_label, stream=sys.stdout):
@@ -79,13 +108,11 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
         if chief and config.checkpoint_dir:
             checkpoint.prepare_directory(config.checkpoint_dir)
 
-    table = cluster.table(device_label)
-    strategy = STRATEGIES[config.strategy](setup.model, setup.loss, setup.optimizer, cluster, seed=config.seed,
-                                          bucket_bytes=int(config.bucket_mb * (1 << 20)))
+    strategy = make_strategy(config, setup, cluster, xp)
+    shard = getattr(strategy, "shard_of", lambda rank: None)(cluster.rank)
+    table = cluster.table(device_label if shard is None else f"{device_label} shard [{shard[0]}, {shard[1]})")
     resume = setup.resume
-    strategy.initialize(None if resume is None else resume.params)
-    if resume is not None:
-        setup.optimizer.load_state(resume.optimizer_state, resume.optimizer_steps)
+    strategy.initialize(resume)
 
     total_steps = setup.steps_per_epoch * config.epochs
     if config.steps:
@@ -93,13 +120,17 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
     if chief:
         stream.write(f"mpidist: {setup.info.name} ({setup.info.sizes['train']} train / {setup.info.sizes['test']} "
                      f"test), model {config.model} ({setup.model.num_params:,} parameters), strategy "
-                     f"{config.strategy} on {cluster.num_workers} worker(s), global batch {config.batch_size}, "
+                     f"{config.strategy} on {cluster.num_workers} worker(s)"
+                     f"{f' and {config.ps} ps' if config.ps else ''}, global batch {config.batch_size}, "
                      f"{setup.steps_per_epoch} steps/epoch\n{table}\n")
+        if hasattr(strategy, "imbalance"):
+            stream.write(f"mpidist: parameter shards balanced to within {100 * strategy.imbalance:.2f}%\n")
         if resume is not None:
             stream.write(f"mpidist: resumed from {resume.path} at step {resume.step}\n")
         stream.flush()
         log.write("start", config=dataclasses.asdict(config), ranks=cluster.size, workers=cluster.num_workers,
-                  dataset=setup.info.name, params=setup.model.num_params, steps_per_epoch=setup.steps_per_epoch,
+                  ps=config.ps, dataset=setup.info.name, params=setup.model.num_params,
+                  steps_per_epoch=setup.steps_per_epoch,
                   resumed_from=None if resume is None else str(resume.path), step=0 if resume is None else resume.step)
 
     progress = Progress(config.progress if chief else "none", total_steps, config.epochs, stream=stream)
@@ -111,31 +142,39 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
         start_epoch, start_in_epoch = start_epoch + 1, 0
     started = time.perf_counter()
     window_start, window_loss, window_steps, trained_steps = started, 0.0, 0, 0
-    last_loss, result = float("nan"), None
-    evaluated_at = None
+    last_loss, result, evaluated_at = float("nan"), None, None
 
     def save(epoch, epoch_step):
-        if chief and config.checkpoint_dir:
-            params, opt_state, opt_steps = strategy.state()
+        if not config.checkpoint_dir:
+            return
+        state = strategy.state()  # collective: shards are gathered to the chief
+        if chief:
+            params, opt_state, opt_steps = state
             checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
                             config.to_json())
 
     def evaluate(epoch):
         nonlocal result, evaluated_at
-        test_loss, accuracy, _ = strategy.evaluate(data.eval_batches(setup.test))
+        test_loss, accuracy, _ = strategy.evaluate(data.eval_batches(setup.test) if setup.test else [])
         result, evaluated_at = (test_loss, accuracy), step
         progress.evaluated(step, epoch, last_loss, test_loss, accuracy)
         log.write("eval", step=step, epoch=epoch + 1, test_loss=test_loss, test_accuracy=accuracy)
 
-    epoch, stop = start_epoch, bool(config.steps and step >= config.steps)
+    epoch, epoch_step = start_epoch, start_in_epoch
+    stop = bool(config.steps and step >= config.steps)
     for epoch in range(start_epoch, config.epochs if not stop else start_epoch):
         skip = start_in_epoch if epoch == start_epoch else 0
-        batches = data.train_batches(setup.train, setup.local_batch, setup.steps_per_epoch, config.seed, epoch,
-                                     cluster.worker_index, skip=skip)
+        if setup.train is None:
+            batches = _NoData(setup.steps_per_epoch, skip)
+        else:
+            batches = data.train_batches(setup.train, setup.local_batch, setup.steps_per_epoch, config.seed, epoch,
+                                         cluster.worker_index, skip=skip)
         epoch_step = skip
         try:
             for x, y in batches:
-                loss = strategy.train_step(xp.asarray(x), xp.asarray(y), weight, step)
+                if x is not None:
+                    x, y = xp.asarray(x), xp.asarray(y)
+                loss = strategy.train_step(x, y, weight, step)
                 step, epoch_step, trained_steps = step + 1, epoch_step + 1, trained_steps + 1
                 window_loss, window_steps = window_loss + loss, window_steps + 1
                 if step % config.log_every == 0:
@@ -160,28 +199,32 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
         if config.eval_every and (epoch + 1) % config.eval_every == 0:
             evaluate(epoch)
 
+    strategy.finish()
     elapsed = time.perf_counter() - started
     if evaluated_at != step or result is None:
         evaluate(epoch)
-    save(epoch, epoch_step if trained_steps else start_in_epoch)
+    save(epoch, epoch_step)
+    roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats()), root=cluster.chief_rank)
+    if not chief:
+        return None
     test_loss, accuracy = result
     samples_per_s = trained_steps * config.batch_size / elapsed if elapsed > 0 else 0.0
     final = {"steps": step, "epochs": epoch + 1, "loss": last_loss, "test_loss": test_loss,
              "test_accuracy": accuracy, "train_time": elapsed, "samples_per_s": samples_per_s,
-             "workers": cluster.num_workers, "strategy": config.strategy}
+             "workers": cluster.num_workers, "ps": config.ps, "strategy": config.strategy,
+             "roles": [{"rank": rank, "role": role, **stats} for rank, role, stats in roles if stats]}
     log.write("done", **final)
     log.close()
-    if chief:
-        rows = [("dataset", f"{setup.info.name} ({setup.info.path})"), ("model", config.model),
-                ("strategy", f"{config.strategy} on {cluster.num_workers} worker(s)"),
-                ("steps", f"{step} ({epoch + 1} epochs)"), ("final train loss", f"{last_loss:.4f}"),
-                ("test loss", f"{test_loss:.4f}"), ("test accuracy", f"{100 * accuracy:.2f}%"),
-                ("training time", f"{elapsed:.2f} s"), ("throughput", f"{samples_per_s:,.0f} samples/s")]
-        if config.metrics:
-            rows.append(("metrics", config.metrics))
-        if config.checkpoint_dir:
-            rows.append(("checkpoints", config.checkpoint_dir))
-        stream.write("mpidist: done\n" + format_summary(rows) + "\n")
-        stream.flush()
-        return final
-    return None
+    rows = [("dataset", f"{setup.info.name} ({setup.info.path})"), ("model", config.model),
+            ("strategy", f"{config.strategy} on {cluster.num_workers} worker(s)"
+                         f"{f' and {config.ps} ps' if config.ps else ''}"),
+            ("steps", f"{step} ({epoch + 1} epochs)"), ("final train loss", f"{last_loss:.4f}"),
+            ("test loss", f"{test_loss:.4f}"), ("test accuracy", f"{100 * accuracy:.2f}%"),
+            ("training time", f"{elapsed:.2f} s"), ("throughput", f"{samples_per_s:,.0f} samples/s")]
+    if config.metrics:
+        rows.append(("metrics", config.metrics))
+    if config.checkpoint_dir:
+        rows.append(("checkpoints", config.checkpoint_dir))
+    stream.write("mpidist: done\n" + format_summary(rows) + "\n")
+    stream.flush()
+    return final

@@ -38,6 +38,18 @@ def test_default_run_at_4_ranks_reaches_the_stated_accuracy_and_writes_metrics(t
     assert seconds < 60
 
 
+@pytest.mark.parametrize("ranks,ps", [(4, 1), (6, 2)])
+def test_ps_sync_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, ps):
+    done, _ = mpidist(ranks, "train", "--strategy", "ps-sync", "--ps", str(ps), "--metrics", str(tmp_path / "m.jsonl"),
+                      timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "shard [0, " in done.stdout
+    final = events(tmp_path / "m.jsonl")[-1]
+    assert final["test_accuracy"] >= STATED_ACCURACY and final["ps"] == ps and final["workers"] == ranks - ps
+    servers = [r for r in final["roles"] if r["role"] == "ps"]
+    assert len(servers) == ps and all(s["updates"] == final["steps"] and s["bytes_in"] > 0 for s in servers)
+
+
 def test_metrics_are_appended_not_overwritten(tmp_path):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"event": "mine"}\n')
@@ -76,6 +88,9 @@ BAD_INPUTS = {
     "label out of range on one shard": (lambda p: ["--data", str(one_bad_label(p))],
                                         r"label 9 at sample 7, outside [0, 3)"),
     "bad config file": (lambda p: ["--config", str(p / "run.toml")], "unknown key 'epoch'"),
+    "too few ranks for the ps": (lambda p: ["--strategy", "ps-sync", "--ps", "4"], "--ps 4 needs at least 5 ranks"),
+    "ps without a ps strategy": (lambda p: ["--strategy", "allreduce", "--ps", "1"],
+                                 "--ps 1 applies to the ps strategies"),
     "unwritable metrics file": (lambda p: ["--metrics", "/proc/mpidist/m.jsonl"], "--metrics /proc/mpidist"),
 }
 

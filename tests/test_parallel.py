@@ -32,11 +32,10 @@ def train_both(cluster, global_batch, optimizer, dtype, steps=5, bucket_bytes=64
     rng = np.random.default_rng(0)                        # the same data on every rank
     xs = rng.random((steps, global_batch, 1, 6, 6)).astype(dtype)
     ys = rng.integers(0, 4, (steps, global_batch))
-    make = lambda model: nn.make_optimizer(optimizer, model.num_params, 0.05, xp=np, dtype=dtype)  # noqa: E731
+    make = lambda size: nn.make_optimizer(optimizer, size, 0.05, xp=np, dtype=dtype)  # noqa: E731
     ref_model, dist_model = small_convnet(dtype), small_convnet(dtype)
-    local = LocalStrategy(ref_model, nn.loss_for(4, np), make(ref_model), seed=3)
-    dist = AllreduceStrategy(dist_model, nn.loss_for(4, np), make(dist_model), cluster, seed=3,
-                             bucket_bytes=bucket_bytes)
+    local = LocalStrategy(ref_model, nn.loss_for(4, np), make, seed=3)
+    dist = AllreduceStrategy(dist_model, nn.loss_for(4, np), make, cluster, seed=3, bucket_bytes=bucket_bytes)
     local.initialize()
     dist.initialize()
     part = worker_slice(global_batch, cluster.num_workers, cluster.worker_index)

@@ -36,11 +36,21 @@ class Sequential:
                 offset += int(np.prod(pshape))
         self.output_shape = tuple(shape)
         self.num_params = offset
-        self.params = xp.zeros(offset, dtype=self.dtype)
+        self.bind_params(xp.zeros(offset, dtype=self.dtype))
         self.bind_grads(xp.zeros(offset, dtype=self.dtype))
+        self.reseed(0)
+
+    def bind_params(self, buffer):
+        """Move the parameters into ``buffer[:num_params]`` (values copied) and rebind every layer.
+
+        Strategies call this to place the parameters inside a larger buffer
+        that MPI fills directly (e.g. followed by the loss).
+        """
+        if hasattr(self, "params"):
+            buffer[:self.num_params] = self.params
+        self.params = buffer[:self.num_params]
         for layer, name, lo, pshape, _ in self.entries:
             layer.params[name] = self.params[lo:lo + int(np.prod(pshape))].reshape(pshape)
-        self.reseed(0)
 
     def bind_grads(self, buffer):
         """Make every layer write its gradients into ``buffer[:num_params]``.

@@ -1,4 +1,4 @@
-"""Strategies: how workers share the work of one training step.
+"""Strategies: how workers (and parameter servers) share the work of one training step.
 
 One module per strategy, one interface (:class:`base.Strategy`).
 """
@@ -6,7 +6,9 @@ One module per strategy, one interface (:class:`base.Strategy`).
 from .allreduce import AllreduceStrategy, bucket_slices
 from .base import DataParallel, Strategy
 from .local import LocalStrategy
+from .ps_sync import PsSyncStrategy
 
-STRATEGIES = {cls.name: cls for cls in (LocalStrategy, AllreduceStrategy)}
+STRATEGIES = {cls.name: cls for cls in (LocalStrategy, AllreduceStrategy, PsSyncStrategy)}
 
-__all__ = ["STRATEGIES", "AllreduceStrategy", "DataParallel", "LocalStrategy", "Strategy", "bucket_slices"]
+__all__ = ["STRATEGIES", "AllreduceStrategy", "DataParallel", "LocalStrategy", "PsSyncStrategy", "Strategy",
+           "bucket_slices"]

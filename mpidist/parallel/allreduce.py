@@ -32,22 +32,6 @@ class AllreduceStrategy(DataParallel):
         super().__init__(*args, **kwargs)
         self.buckets = bucket_slices(self.buffer.size, self.buffer.itemsize, self.bucket_bytes)
 
-    @property
-    def worker_comm(self):
-        return self.cluster.workers
-
-    @property
-    def worker_index(self):
-        return self.cluster.worker_index
-
-    def initialize(self, params=None):
-        if self.cluster.is_chief:
-            if params is None:
-                self.model.init_params(self.seed)
-            else:
-                self.model.params[...] = self.model.xp.asarray(params)
-        mpi.bcast(self.worker_comm, self.model.params, root=0)
-
     def exchange(self, buffer):
         comm = self.worker_comm
         for lo, hi in self.buckets:

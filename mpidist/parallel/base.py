@@ -1,10 +1,12 @@
 """The strategy interface, and the data-parallel step that local and allreduce share.
 
-A strategy owns the model's flat buffers and the optimizer.  The training
+A strategy owns the model's flat buffers and its optimizer(s).  The training
 loop hands it this worker's part of each global batch; the strategy runs
 forward/backward (pure ``nn`` code), exchanges what its scheme exchanges, and
 applies the optimizer.  Strategies never parse flags and never print.
 """
+
+import math
 
 import numpy as np
 
@@ -16,55 +18,89 @@ class Strategy:
     """Interface every strategy implements.
 
     Args:
-        model: a :class:`mpidist.nn.Sequential`.
+        model: a :class:`mpidist.nn.Sequential` (every rank builds one; ps ranks
+            use only its size).
         loss: a loss from :mod:`mpidist.nn.losses`.
-        optimizer: an optimizer over the flat parameter buffer.
+        make_optimizer: ``size -> Optimizer``; a strategy sizes its optimizer
+            to what it updates (the whole buffer, or a ps shard).
         cluster: this rank's :class:`mpidist.cluster.Cluster` (None for a bare local run).
         seed: run seed (dropout streams derive from it).
+        bucket_bytes: largest single exchange, where the strategy buckets.
     """
 
     name = None
+    #: "sharded": every worker evaluates its shard of the test split and the
+    #: counts are summed; "chief": the chief alone evaluates the whole split
+    #: (for strategies whose workers must never wait for each other).
+    evaluation = "sharded"
 
-    def __init__(self, model, loss, optimizer, cluster=None, seed=0, bucket_bytes=64 << 20):
-        self.model, self.loss, self.optimizer, self.cluster, self.seed = model, loss, optimizer, cluster, seed
+    def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20):
+        self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed
+        self.make_optimizer = make_optimizer
         self.bucket_bytes = int(bucket_bytes)
+
+    @property
+    def is_worker(self):
+        """Whether this rank computes gradients (False on parameter servers)."""
+        return self.cluster is None or self.cluster.role == "worker"
 
     @property
     def worker_comm(self):
         """Communicator over which evaluation counts are summed (None: this process alone)."""
-        return None
+        return None if self.cluster is None else self.cluster.workers
 
     @property
     def worker_index(self):
-        return 0
+        return 0 if self.cluster is None else self.cluster.worker_index
 
-    def initialize(self, params=None):
-        """Set the starting parameters: ``params`` (host array) if given, else the chief's init."""
+    def initialize(self, checkpoint=None):
+        """Collective: starting parameters (the chief's init, or ``checkpoint``'s) and optimizer state."""
         raise NotImplementedError
 
     def train_step(self, x, y, weight, step):
-        """One step on this worker's batch; returns the global batch's mean loss.
+        """One step; returns the global batch's mean loss.
 
         Args:
-            x, y: this worker's part of the global batch (device arrays).
+            x, y: this worker's part of the global batch (device arrays); None on ps ranks.
             weight: ``len(x) / global batch size``.
             step: global step number (seeds dropout).
         """
         raise NotImplementedError
 
+    def finish(self):
+        """Collective: end of training (strategies with background work settle it here)."""
+
+    def stats(self):
+        """Per-role figures for the metrics (JSON-serialisable dict)."""
+        return {}
+
+    def backprop(self, x, y, weight, step):
+        """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss."""
+        model = self.model
+        model.reseed(self.seed, self.worker_index, step)
+        out = model.forward(x, training=True)
+        loss = self.loss.forward(out, y)
+        model.backward(self.loss.backward(scale=weight))
+        return loss
+
     def evaluate(self, batches):
-        """``(mean loss, accuracy, samples)`` over every worker's ``batches`` of ``(x, y)``."""
+        """``(mean loss, accuracy, samples)`` over ``batches`` of ``(x, y)``, summed over evaluating ranks."""
+        if not self.is_worker:
+            return math.nan, math.nan, 0
         xp = self.model.xp
         totals = np.zeros(3)
         for x, y in batches:
             x, y = xp.asarray(x), xp.asarray(y)
             out = self.model.forward(x, training=False)
             totals += (float(self.loss.forward(out, y)) * len(x), float(self.loss.correct(out, y)), len(x))
-        loss_sum, correct, count = mpi.sum_float64(self.worker_comm, totals)
+        comm = self.worker_comm if self.evaluation == "sharded" else None
+        loss_sum, correct, count = mpi.sum_float64(comm, totals)
         return loss_sum / max(count, 1), correct / max(count, 1), int(count)
 
     def state(self):
-        """Host copies of what a checkpoint holds: parameters and optimizer state."""
+        """Collective: ``(params, optimizer arrays, optimizer steps)`` as host arrays on the chief, else None."""
+        if self.cluster is not None and not self.cluster.is_chief:
+            return None
         arrays = {name: to_host(a) for name, a in self.optimizer.state_arrays().items()}
         return to_host(self.model.params), arrays, self.optimizer.steps
 
@@ -82,18 +118,27 @@ class DataParallel(Strategy):
         model = self.model
         self.buffer = model.xp.zeros(model.num_params + 1, dtype=model.dtype)
         model.bind_grads(self.buffer)
+        self.optimizer = self.make_optimizer(model.num_params) if self.make_optimizer else None
 
     def exchange(self, buffer):
         """Turn each worker's weighted gradients into their sum over workers, in place."""
         raise NotImplementedError
 
+    def initialize(self, checkpoint=None):
+        comm = self.worker_comm
+        if comm is None or comm.Get_rank() == 0:
+            if checkpoint is None:
+                self.model.init_params(self.seed)
+            else:
+                self.model.params[...] = self.model.xp.asarray(checkpoint.params)
+        if comm is not None:
+            mpi.bcast(comm, self.model.params, root=0)
+        if checkpoint is not None and self.optimizer is not None:
+            self.optimizer.load_state(checkpoint.optimizer_state, checkpoint.optimizer_steps)
+
     def train_step(self, x, y, weight, step):
-        model = self.model
-        model.reseed(self.seed, self.worker_index, step)
-        out = model.forward(x, training=True)
-        loss = self.loss.forward(out, y)
-        model.backward(self.loss.backward(scale=weight))
+        loss = self.backprop(x, y, weight, step)
         self.buffer[-1] = loss * weight
         self.exchange(self.buffer)
-        self.optimizer.step(model.params, model.grads)
+        self.optimizer.step(self.model.params, self.model.grads)
         return float(self.buffer[-1])

@@ -8,11 +8,13 @@ class LocalStrategy(DataParallel):
 
     name = "local"
 
-    def initialize(self, params=None):
-        if params is None:
-            self.model.init_params(self.seed)
-        else:
-            self.model.params[...] = self.model.xp.asarray(params)
+    @property
+    def worker_comm(self):
+        return None
+
+    @property
+    def worker_index(self):
+        return 0
 
     def exchange(self, buffer):
         """One worker: its weighted gradient already is the sum."""

@@ -1,0 +1,117 @@
+"""``ps-sync``: parameter servers own shards; synchronous updates through two collectives.
+
+Each step, over the world communicator:
+
+1. ``Reduce_scatter``: the workers' weighted gradients are summed and each
+   ps receives its shard of the sum (workers receive 0 elements; ps ranks
+   contribute zeros).  The batch loss rides in the last element.
+2. Each ps applies the optimizer to its shard -- optimizer state lives only
+   there, a slice the size of the shard.
+3. ``Allgatherv`` (in place): every rank gets every ps's updated shard, so
+   each worker starts the next step with the new parameters.
+
+Shards are contiguous slices of ``[params..., loss]`` in world-rank order of
+the ps ranks, which is exactly the block order ``Reduce_scatter`` uses, so the
+flat gradient buffer goes to MPI as it is.  The update equals ``allreduce``'s
+(the optimizers are elementwise), so the two train identically.
+"""
+
+import numpy as np
+
+from .. import comm as mpi
+from ..cluster import PS
+from ..xp import to_host
+from .base import Strategy
+from .shards import imbalance, shard_bounds
+
+
+class PsSyncStrategy(Strategy):
+    """Synchronous parameter servers."""
+
+    name = "ps-sync"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        model, cluster = self.model, self.cluster
+        xp, n = model.xp, model.num_params
+        self.exchange = xp.zeros(n + 1, dtype=model.dtype)      # gradients, then the weighted loss
+        self.values = xp.zeros(n + 1, dtype=model.dtype)        # parameters, then the global loss
+        model.bind_grads(self.exchange)
+        model.bind_params(self.values)
+        self.ps_ranks = [rank for rank, role in enumerate(cluster.roles) if role == PS]
+        if not self.ps_ranks:
+            raise ValueError("ps-sync needs at least one ps rank")
+        self.bounds = shard_bounds(n + 1, len(self.ps_ranks))
+        self.counts = np.zeros(cluster.size, dtype=np.int64)
+        self.displs = np.zeros(cluster.size, dtype=np.int64)
+        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
+            self.counts[rank], self.displs[rank] = hi - lo, lo
+        if cluster.role == PS:
+            self.lo, self.hi = self.bounds[self.ps_ranks.index(cluster.rank)]
+        else:
+            self.lo = self.hi = 0
+        self.param_hi = min(self.hi, n)                          # the loss slot is not a parameter
+        self.inbox = xp.zeros(self.hi - self.lo, dtype=model.dtype)
+        self.optimizer = self.make_optimizer(self.param_hi - self.lo) if self.make_optimizer else None
+        self.updates = 0
+        self.bytes_in = self.bytes_out = 0
+
+    @property
+    def imbalance(self):
+        """Largest shard over the mean, minus one."""
+        return imbalance(self.bounds)
+
+    def shard_of(self, rank):
+        """``(lo, hi)`` of world rank ``rank``'s shard, or None for a worker."""
+        return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
+
+    def initialize(self, checkpoint=None):
+        cluster = self.cluster
+        if cluster.is_chief:
+            if checkpoint is None:
+                self.model.init_params(self.seed)
+            else:
+                self.model.params[...] = self.model.xp.asarray(checkpoint.params)
+        mpi.bcast(cluster.world, self.values, root=cluster.chief_rank)
+        if checkpoint is not None and self.optimizer is not None:
+            shard = {name: array[self.lo:self.param_hi] for name, array in checkpoint.optimizer_state.items()}
+            self.optimizer.load_state(shard, checkpoint.optimizer_steps)
+
+    def train_step(self, x, y, weight, step):
+        if self.is_worker:
+            loss = self.backprop(x, y, weight, step)
+            self.exchange[-1] = loss * weight
+        world = self.cluster.world
+        mpi.reduce_scatter_sum(world, self.exchange, self.inbox, self.counts)
+        if not self.is_worker:
+            count = self.param_hi - self.lo
+            self.optimizer.step(self.values[self.lo:self.param_hi], self.inbox[:count])
+            if self.hi > self.param_hi:
+                self.values[-1] = self.inbox[-1]
+            self.updates += 1
+            workers = self.cluster.num_workers
+            self.bytes_in += workers * self.inbox.nbytes
+            self.bytes_out += (self.cluster.size - 1) * self.inbox.nbytes
+        mpi.allgatherv_inplace(world, self.values, self.counts, self.displs)
+        return float(self.values[-1])
+
+    def state(self):
+        """Collective over the world: the chief gathers every ps's optimizer shard."""
+        cluster, model = self.cluster, self.model
+        root = cluster.chief_rank
+        counts = [min(c + d, model.num_params) - d if c else 0 for c, d in zip(self.counts, self.displs)]
+        arrays = {}
+        for name, shard in self.optimizer.state_arrays().items():
+            full = np.zeros(model.num_params, dtype=model.dtype) if cluster.is_chief else None
+            arrays[name] = mpi.gatherv(cluster.world, shard, full, counts, self.displs, root)
+        steps = np.array([self.optimizer.steps], dtype=np.int64)
+        mpi.bcast(cluster.world, steps, root=self.ps_ranks[0])
+        if not cluster.is_chief:
+            return None
+        return to_host(model.params), arrays, int(steps[0])
+
+    def stats(self):
+        if self.is_worker:
+            return {}
+        return {"updates": self.updates, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "shard": [self.lo, self.hi]}
