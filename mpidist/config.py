@@ -17,8 +17,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-STRATEGIES = ("auto", "local", "allreduce", "ps-sync")
-PS_STRATEGIES = ("ps-sync",)
+STRATEGIES = ("auto", "local", "allreduce", "ps-sync", "ps-async")
+PS_STRATEGIES = ("ps-sync", "ps-async")
 OPTIMIZER_NAMES = ("adam", "sgd")
 DEVICES = ("auto", "cpu", "gpu")
 DTYPES = ("float32", "float64")
@@ -35,9 +35,10 @@ class RunConfig:
 
     model: str = _field("mlp", "model from the zoo (see `python -m mpidist info --models`)")
     data: str = _field("digits", "dataset: an HDF5 file in the mpidist layout, or a bundled dataset's name")
-    strategy: str = _field("auto", "how workers share work: local, allreduce, ps-sync; auto = local on one "
-                           "rank, ps-sync with --ps, else allreduce", STRATEGIES)
+    strategy: str = _field("auto", "how workers share work: local, allreduce, ps-sync, ps-async; auto = local "
+                           "on one rank, ps-sync with --ps, else allreduce", STRATEGIES)
     ps: int = _field(0, "parameter-server ranks, for the ps strategies")
+    staleness: int = _field(-1, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound)")
     epochs: int = _field(20, "passes over the training set")
     steps: int = _field(0, "stop after this many steps in total (0 = no limit)")
     batch_size: int = _field(64, "global batch size, split across workers")
@@ -95,6 +96,13 @@ class RunConfig:
         if self.ps and world_size < self.ps + 1:
             raise UsageError(f"--ps {self.ps} needs at least {self.ps + 1} ranks (the ps ranks and a worker), "
                              f"got {world_size}")
+        if self.staleness < -1:
+            raise UsageError(f"--staleness must be -1 (no bound) or 0 or more, got {self.staleness}")
+        if self.staleness >= 0 and self.strategy != "ps-async":
+            raise UsageError(f"--staleness {self.staleness} applies to --strategy ps-async only")
+        if self.strategy == "ps-async" and self.checkpoint_every:
+            raise UsageError("--checkpoint-every is not available with ps-async (its optimizer state lives on "
+                             "the ps ranks mid-step); it writes one checkpoint at the end of training")
         if self.strategy == "local" and world_size > 1:
             raise UsageError(f"--strategy local runs on one rank, got {world_size} ranks "
                              "(use --strategy allreduce, or mpiexec -n 1)")

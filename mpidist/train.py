@@ -82,8 +82,12 @@ def make_strategy(config, setup, cluster, xp):
     def make_optimizer(size):
         return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype)
 
+    options = {}
+    if config.strategy == "ps-async":
+        options["staleness"] = None if config.staleness < 0 else config.staleness
     return STRATEGIES[config.strategy](setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer,
-                                      cluster, seed=config.seed, bucket_bytes=int(config.bucket_mb * (1 << 20)))
+                                      cluster, seed=config.seed, bucket_bytes=int(config.bucket_mb * (1 << 20)),
+                                      **options)
 
 
 class _NoData:
@@ -162,6 +166,9 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
 
     epoch, epoch_step = start_epoch, start_in_epoch
     stop = bool(config.steps and step >= config.steps)
+    if getattr(strategy, "serves", False):   # ps-async ps ranks: serve until the workers are done
+        strategy.serve()
+        stop = True
     for epoch in range(start_epoch, config.epochs if not stop else start_epoch):
         skip = start_in_epoch if epoch == start_epoch else 0
         if setup.train is None:
@@ -205,6 +212,7 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
         evaluate(epoch)
     save(epoch, epoch_step)
     roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats()), root=cluster.chief_rank)
+    strategy.close()
     if not chief:
         return None
     test_loss, accuracy = result

@@ -50,6 +50,22 @@ def test_ps_sync_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, ps):
     assert len(servers) == ps and all(s["updates"] == final["steps"] and s["bytes_in"] > 0 for s in servers)
 
 
+@pytest.mark.parametrize("ranks,ps", [(4, 2), (6, 2)])
+def test_ps_async_reaches_within_2_points_of_ps_sync(tmp_path, ranks, ps):
+    accuracy = {}
+    for strategy in ("ps-sync", "ps-async"):
+        metrics = tmp_path / f"{strategy}.jsonl"
+        done, _ = mpidist(ranks, "train", "--strategy", strategy, "--ps", str(ps), "--metrics", str(metrics),
+                          "--progress", "none", timeout=120)
+        assert done.returncode == 0, done.stderr
+        accuracy[strategy] = events(metrics)[-1]["test_accuracy"]
+    assert accuracy["ps-async"] >= accuracy["ps-sync"] - 0.02
+    final = events(tmp_path / "ps-async.jsonl")[-1]
+    workers = [r for r in final["roles"] if r["role"] == "worker"]
+    assert len(workers) == ranks - ps and all(w["steps"] == final["steps"] for w in workers)
+    assert all({"staleness_mean", "staleness_max", "updates_missed_max", "wait_s"} <= set(w) for w in workers)
+
+
 def test_metrics_are_appended_not_overwritten(tmp_path):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"event": "mine"}\n')
@@ -91,6 +107,8 @@ BAD_INPUTS = {
     "too few ranks for the ps": (lambda p: ["--strategy", "ps-sync", "--ps", "4"], "--ps 4 needs at least 5 ranks"),
     "ps without a ps strategy": (lambda p: ["--strategy", "allreduce", "--ps", "1"],
                                  "--ps 1 applies to the ps strategies"),
+    "staleness without ps-async": (lambda p: ["--strategy", "ps-sync", "--ps", "1", "--staleness", "2"],
+                                   "--staleness 2 applies to --strategy ps-async only"),
     "unwritable metrics file": (lambda p: ["--metrics", "/proc/mpidist/m.jsonl"], "--metrics /proc/mpidist"),
 }
 

@@ -6,9 +6,10 @@ One module per strategy, one interface (:class:`base.Strategy`).
 from .allreduce import AllreduceStrategy, bucket_slices
 from .base import DataParallel, Strategy
 from .local import LocalStrategy
+from .ps_async import PsAsyncStrategy
 from .ps_sync import PsSyncStrategy
 
-STRATEGIES = {cls.name: cls for cls in (LocalStrategy, AllreduceStrategy, PsSyncStrategy)}
+STRATEGIES = {cls.name: cls for cls in (LocalStrategy, AllreduceStrategy, PsSyncStrategy, PsAsyncStrategy)}
 
-__all__ = ["STRATEGIES", "AllreduceStrategy", "DataParallel", "LocalStrategy", "PsSyncStrategy", "Strategy",
+__all__ = ["STRATEGIES", "AllreduceStrategy", "DataParallel", "LocalStrategy", "PsAsyncStrategy", "PsSyncStrategy", "Strategy",
            "bucket_slices"]

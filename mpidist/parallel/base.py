@@ -74,6 +74,9 @@ class Strategy:
         """Per-role figures for the metrics (JSON-serialisable dict)."""
         return {}
 
+    def close(self):
+        """Collective: release MPI resources (windows) the strategy holds."""
+
     def backprop(self, x, y, weight, step):
         """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss."""
         model = self.model

@@ -1,0 +1,282 @@
+"""``ps-async``: parameter servers updated one-sidedly; no worker ever waits for another.
+
+Each ps exposes, in MPI windows (:mod:`mpidist.rma`), its parameter shard, a
+gradient inbox of the same size, and ``[version, arrivals]``; the first ps also
+holds the workers' clocks.  A worker's step:
+
+1. (with ``--staleness S``) wait while it is more than ``S`` steps ahead of
+   the slowest worker (stale synchronous parallel);
+2. read every ps's shard (atomic per element) and its version;
+3. compute its gradient, weighted by its share of the global batch;
+4. ``Accumulate`` the gradient into every ps's inbox, count the arrival,
+   read the versions again, tick its clock.
+
+A ps loops: take the inbox (swap with zeros: atomic, so nothing that arrives
+meanwhile is lost), apply the optimizer to its shard if anything arrived,
+publish the shard and bump its version; else sleep briefly.  Workers never
+synchronise with each other; the ps never blocks.
+
+Figures: ``staleness`` is SSP's, in steps: how far this worker was ahead of
+the slowest when it read the parameters (``--staleness S`` bounds it by S);
+``updates_missed`` is how many ps updates landed between its read and its
+push (the version difference, maximum over ps ranks).
+"""
+
+import time
+
+import numpy as np
+
+from .. import comm as mpi
+from ..cluster import PS
+from ..rma import Window
+from ..xp import is_device_array, to_host
+from .base import Strategy
+from .shards import imbalance, shard_bounds
+
+NEVER = np.iinfo(np.int64).max  # a finished worker's clock: it never holds anyone back
+POLL_SECONDS = 0.0002            # ps sleep when idle: on-node RMA needs no target progress
+
+
+class AsyncExchange:
+    """The windows of ps-async, collective to create and to free."""
+
+    def __init__(self, world, ps_ranks, bounds, num_workers, dtype):
+        rank = world.Get_rank()
+        self.ps_ranks, self.bounds, self.num_workers = ps_ranks, bounds, num_workers
+        lo, hi = bounds[ps_ranks.index(rank)] if rank in ps_ranks else (0, 0)
+        is_ps = rank in ps_ranks
+        self.params = Window(world, hi - lo, dtype)                  # the ps's parameter shard
+        self.inbox = Window(world, hi - lo, dtype)                   # summed gradients not yet applied
+        self.meta = Window(world, 2 if is_ps else 0, np.int64)       # [version, arrivals]
+        self.clock = Window(world, 1 + num_workers if rank == ps_ranks[0] else 0, np.int64)  # [done, clocks...]
+        self._one = np.ones(1, dtype=np.int64)
+
+    # -- worker side ------------------------------------------------------
+    def pull(self, values):
+        """Read every shard into ``values`` (flat, host); returns the versions read."""
+        versions = np.zeros(len(self.ps_ranks), dtype=np.int64)
+        for index, (ps, (lo, hi)) in enumerate(zip(self.ps_ranks, self.bounds)):
+            self.params.read(values[lo:hi], ps)
+            self.meta.read(versions[index:index + 1], ps)
+        self.params.flush()
+        self.meta.flush()
+        return versions
+
+    def push(self, grads):
+        """Add ``grads`` (flat, host) into every inbox, then count one arrival at each ps."""
+        for ps, (lo, hi) in zip(self.ps_ranks, self.bounds):
+            self.inbox.add(grads[lo:hi], ps)
+        self.inbox.flush()   # the gradient is in place before its arrival is counted
+        for ps in self.ps_ranks:
+            self.meta.add(self._one, ps, offset=1)
+        self.meta.flush()
+
+    def versions(self):
+        versions = np.zeros(len(self.ps_ranks), dtype=np.int64)
+        for index, ps in enumerate(self.ps_ranks):
+            self.meta.read(versions[index:index + 1], ps)
+        self.meta.flush()
+        return versions
+
+    def clocks(self):
+        """Steps completed by each worker (NEVER once finished)."""
+        clocks = np.zeros(self.num_workers, dtype=np.int64)
+        self.clock.read(clocks, self.ps_ranks[0], offset=1)
+        self.clock.flush()
+        return clocks
+
+    def tick(self, worker):
+        self.clock.add(self._one, self.ps_ranks[0], offset=1 + worker)
+        self.clock.flush()
+
+    def finish_worker(self, worker):
+        self.clock.replace(np.array([NEVER], dtype=np.int64), self.ps_ranks[0], offset=1 + worker)
+        self.clock.add(self._one, self.ps_ranks[0], offset=0)
+        self.clock.flush()
+
+    # -- ps side ----------------------------------------------------------
+    def take(self, out, rank):
+        """Move this ps's inbox into ``out`` (leaving zeros); returns the arrivals counted."""
+        zeros = np.zeros_like(out)
+        self.inbox.swap(zeros, out, rank)
+        self.inbox.flush(rank)
+        arrivals = np.zeros(1, dtype=np.int64)
+        self.meta.swap(np.zeros(1, dtype=np.int64), arrivals, rank, offset=1)
+        self.meta.flush(rank)
+        return int(arrivals[0])
+
+    def publish(self, shard, rank):
+        """Make ``shard`` this ps's readable parameters and bump its version."""
+        self.params.replace(shard, rank)
+        self.params.flush(rank)
+        self.meta.add(self._one, rank, offset=0)
+        self.meta.flush(rank)
+
+    def workers_done(self):
+        done = np.zeros(1, dtype=np.int64)
+        self.clock.read(done, self.ps_ranks[0])
+        self.clock.flush()
+        return int(done[0])
+
+    def free(self):
+        for window in (self.clock, self.meta, self.inbox, self.params):
+            window.free()
+
+
+class PsAsyncStrategy(Strategy):
+    """Asynchronous parameter servers over one-sided MPI.
+
+    Args:
+        staleness: bound ``S`` of stale synchronous parallel, or None for none.
+    """
+
+    name = "ps-async"
+    evaluation = "chief"
+
+    def __init__(self, *args, staleness=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        model, cluster = self.model, self.cluster
+        n = model.num_params
+        self.staleness = staleness
+        self.ps_ranks = [rank for rank, role in enumerate(cluster.roles) if role == PS]
+        if not self.ps_ranks:
+            raise ValueError("ps-async needs at least one ps rank")
+        self.bounds = shard_bounds(n, len(self.ps_ranks))
+        # RMA reads and writes host memory: on the host the model's buffers are used directly
+        self.host_params = np.zeros(n, dtype=model.dtype)
+        self.host_grads = np.zeros(n, dtype=model.dtype)
+        if not is_device_array(model.params):
+            model.bind_params(self.host_params)
+            model.bind_grads(self.host_grads)
+        self.lo, self.hi = (self.bounds[self.ps_ranks.index(cluster.rank)] if cluster.role == PS else (0, 0))
+        self.shard = np.zeros(self.hi - self.lo, dtype=model.dtype)
+        self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
+        self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype)
+        self.completed = 0
+        self.figures = {"staleness": [], "updates_missed": [], "wait_s": 0.0, "updates": 0, "gradients": 0}
+
+    @property
+    def serves(self):
+        """True on ps ranks: they run :meth:`serve` instead of training steps."""
+        return not self.is_worker
+
+    @property
+    def imbalance(self):
+        return imbalance(self.bounds)
+
+    def shard_of(self, rank):
+        return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
+
+    def initialize(self, checkpoint=None):
+        cluster, model = self.cluster, self.model
+        if cluster.is_chief:
+            if checkpoint is None:
+                model.init_params(self.seed)
+            else:
+                model.params[...] = model.xp.asarray(checkpoint.params)
+            self.host_params[...] = to_host(model.params)
+        mpi.bcast(cluster.world, self.host_params, root=cluster.chief_rank)
+        if not self.is_worker:
+            self.shard[...] = self.host_params[self.lo:self.hi]
+            self.exchange.publish(self.shard, cluster.rank)
+            if checkpoint is not None:
+                state = {name: array[self.lo:self.hi] for name, array in checkpoint.optimizer_state.items()}
+                self.optimizer.load_state(state, checkpoint.optimizer_steps)
+        cluster.world.Barrier()  # every shard published before any worker reads
+
+    def _wait_for_slowest(self):
+        """Stale synchronous parallel: returns how far ahead of the slowest worker this one is."""
+        start = time.perf_counter()
+        while True:
+            ahead = self.completed - int(self.exchange.clocks().min())
+            if self.staleness is None or ahead <= self.staleness:
+                self.figures["wait_s"] += time.perf_counter() - start
+                return max(ahead, 0)
+            time.sleep(POLL_SECONDS)
+
+    def train_step(self, x, y, weight, step):
+        model = self.model
+        staleness = self._wait_for_slowest()
+        read = self.exchange.pull(self.host_params)
+        if is_device_array(model.params):
+            model.params[...] = model.xp.asarray(self.host_params)
+        loss = self.backprop(x, y, weight, step)
+        grads = self.host_grads
+        if is_device_array(model.grads):
+            grads[...] = to_host(model.grads)
+        self.exchange.push(grads)
+        missed = int((self.exchange.versions() - read).max())
+        self.exchange.tick(self.worker_index)
+        self.completed += 1
+        self.figures["staleness"].append(staleness)
+        self.figures["updates_missed"].append(missed)
+        return float(loss)
+
+    def serve(self):
+        """ps loop: apply what arrives until every worker has finished and the inbox is empty."""
+        rank, workers = self.cluster.rank, self.cluster.num_workers
+        arrived = np.zeros_like(self.shard)
+        while True:
+            count = self.exchange.take(arrived, rank)
+            self.figures["gradients"] += count
+            # Update on data, not on counts: a gradient can land just before its arrival is
+            # counted, and an optimizer step on zeros would still move Adam's parameters.
+            if arrived.any():
+                self.optimizer.step(self.shard, arrived)
+                self.exchange.publish(self.shard, rank)
+                self.figures["updates"] += 1
+            elif count == 0 and self.exchange.workers_done() == workers:
+                count = self.exchange.take(arrived, rank)  # anything that landed while we looked
+                self.figures["gradients"] += count
+                if not arrived.any():
+                    return
+                self.optimizer.step(self.shard, arrived)
+                self.exchange.publish(self.shard, rank)
+                self.figures["updates"] += 1
+            else:
+                time.sleep(POLL_SECONDS)
+
+    def finish(self):
+        """Collective: workers sign off, ps ranks drain, everyone gets the final parameters."""
+        if self.is_worker:
+            self.exchange.finish_worker(self.worker_index)
+        self.cluster.world.Barrier()   # every ps has left serve(): nothing more will change
+        if self.is_worker:
+            self.exchange.pull(self.host_params)
+            if is_device_array(self.model.params):
+                self.model.params[...] = self.model.xp.asarray(self.host_params)
+        # a ps cannot see one-sided reads: count the workers' pulls (each step's, and this last one)
+        pulls, = mpi.sum_float64(self.cluster.world, [self.completed + 1 if self.is_worker else 0])
+        self.figures["pulls"] = int(pulls)
+
+    def state(self):
+        """Collective: final parameters from the chief, optimizer shards gathered from the ps."""
+        cluster, model = self.cluster, self.model
+        counts = np.zeros(cluster.size, dtype=np.int64)
+        displs = np.zeros(cluster.size, dtype=np.int64)
+        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
+            counts[rank], displs[rank] = hi - lo, lo
+        arrays = {}
+        for name, shard in self.optimizer.state_arrays().items():
+            full = np.zeros(model.num_params, dtype=model.dtype) if cluster.is_chief else None
+            arrays[name] = mpi.gatherv(cluster.world, to_host(shard), full, counts, displs, cluster.chief_rank)
+        steps = np.array([self.optimizer.steps], dtype=np.int64)
+        mpi.bcast(cluster.world, steps, root=self.ps_ranks[0])
+        if not cluster.is_chief:
+            return None
+        return self.host_params.copy(), arrays, int(steps[0])
+
+    def stats(self):
+        f = self.figures
+        if not self.is_worker:
+            shard_bytes = self.shard.nbytes
+            return {"updates": f["updates"], "gradients": f["gradients"], "shard": [self.lo, self.hi],
+                    "bytes_in": f["gradients"] * shard_bytes, "bytes_out": f.get("pulls", 0) * shard_bytes}
+        return {"steps": self.completed, "wait_s": f["wait_s"],
+                "staleness_mean": float(np.mean(f["staleness"])) if f["staleness"] else 0.0,
+                "staleness_max": int(max(f["staleness"], default=0)),
+                "updates_missed_mean": float(np.mean(f["updates_missed"])) if f["updates_missed"] else 0.0,
+                "updates_missed_max": int(max(f["updates_missed"], default=0))}
+
+    def close(self):
+        self.exchange.free()

@@ -1,0 +1,127 @@
+"""ps-async: one-sided pushes lose nothing; the staleness bound holds."""
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist import nn
+from mpidist.cluster import PS, build_cluster
+from mpidist.parallel import PsAsyncStrategy
+from mpidist.parallel.ps_async import AsyncExchange
+from mpidist.parallel.shards import shard_bounds
+from mpidist.rma import Window
+from test_parallel import small_convnet
+
+
+@pytest.mark.mpi(min_size=2)
+def test_window_adds_from_every_rank_are_exact_and_swap_takes_everything():
+    world = MPI.COMM_WORLD
+    with Window(world, 7 if world.Get_rank() == 0 else 0, np.float64) as window:
+        for _ in range(50):
+            window.add(np.full(7, world.Get_rank() + 1.0), 0)
+        window.flush()
+        world.Barrier()
+        if world.Get_rank() == 0:
+            taken = np.empty(7)
+            window.swap(np.zeros(7), taken, 0)
+            window.flush()
+            size = world.Get_size()
+            np.testing.assert_array_equal(taken, 50 * size * (size + 1) / 2)
+            window.read(taken, 0)
+            window.flush()
+            np.testing.assert_array_equal(taken, 0)
+        world.Barrier()
+    assert window.win is None
+    window.free()                        # freeing twice is harmless
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_concurrent_pushes_from_every_worker_lose_nothing(num_ps):
+    """Workers push while the ps ranks take: the applied total is the exact sum."""
+    world = MPI.COMM_WORLD
+    if world.Get_size() < num_ps + 1:
+        pytest.skip(f"needs {num_ps + 1} ranks")
+    cluster = build_cluster(world, num_ps=num_ps)
+    ps_ranks = [r for r, role in enumerate(cluster.roles) if role == PS]
+    n, pushes = 1001, 40
+    bounds = shard_bounds(n, num_ps)
+    exchange = AsyncExchange(world, ps_ranks, bounds, cluster.num_workers, np.float64)
+    if cluster.role == PS:
+        lo, hi = bounds[ps_ranks.index(cluster.rank)]
+        total, arrived, counted = np.zeros(hi - lo), np.zeros(hi - lo), 0
+        while True:
+            count = exchange.take(arrived, cluster.rank)
+            counted += count
+            total += arrived
+            if count == 0 and not arrived.any() and exchange.workers_done() == cluster.num_workers:
+                counted += exchange.take(arrived, cluster.rank)
+                total += arrived
+                if not arrived.any():
+                    break
+        workers = cluster.num_workers
+        # worker w pushes (w + 1) * (element index + 1), 40 times
+        expected = pushes * workers * (workers + 1) / 2 * np.arange(lo + 1, hi + 1)
+        np.testing.assert_array_equal(total, expected)
+        assert counted == pushes * workers
+    else:
+        gradient = (cluster.worker_index + 1.0) * np.arange(1, n + 1)
+        for _ in range(pushes):
+            exchange.push(gradient)
+        exchange.finish_worker(cluster.worker_index)
+    world.Barrier()
+    exchange.free()
+    cluster.free()
+
+
+def train_async(staleness, slow_worker_delay, steps=12):
+    world = MPI.COMM_WORLD
+    cluster = build_cluster(world, num_ps=1)
+    make = lambda size: nn.make_optimizer("sgd", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
+    strategy = PsAsyncStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3,
+                               staleness=staleness)
+    strategy.initialize()
+    if strategy.serves:
+        strategy.serve()
+    else:
+        rng = np.random.default_rng(cluster.worker_index)
+        for step in range(steps):
+            if cluster.worker_index == 1:
+                time.sleep(slow_worker_delay)          # a deliberately slow worker
+            x, y = rng.random((4, 1, 6, 6)), rng.integers(0, 4, 4)
+            assert np.isfinite(strategy.train_step(x, y, 0.5, step))
+    strategy.finish()
+    stats = strategy.stats()
+    everyone = world.allgather((cluster.role, stats))
+    params = world.allgather(strategy.host_params.copy() if strategy.is_worker else None)
+    strategy.close()
+    cluster.free()
+    return everyone, [p for p in params if p is not None]
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("bound", [0, 2])
+def test_the_recorded_staleness_never_exceeds_the_bound(bound):
+    everyone, _ = train_async(staleness=bound, slow_worker_delay=0.02)
+    workers = [stats for role, stats in everyone if role == "worker"]
+    assert all(stats["steps"] == 12 for stats in workers)
+    assert max(stats["staleness_max"] for stats in workers) <= bound
+    assert max(stats["wait_s"] for stats in workers) > 0.05      # fast workers did wait for the slow one
+
+
+@pytest.mark.mpi(min_size=3)
+def test_without_a_bound_fast_workers_run_ahead_of_a_slow_one():
+    everyone, _ = train_async(staleness=None, slow_worker_delay=0.02)
+    assert max(stats["staleness_max"] for role, stats in everyone if role == "worker") > 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_worker_ends_with_the_same_final_parameters_and_the_ps_counts_every_gradient():
+    everyone, params = train_async(staleness=None, slow_worker_delay=0.0)
+    for other in params[1:]:
+        np.testing.assert_array_equal(other, params[0])
+    workers = sum(1 for role, _ in everyone if role == "worker")
+    server = next(stats for role, stats in everyone if role == "ps")
+    assert server["gradients"] == 12 * workers and 1 <= server["updates"] <= 12 * workers
