@@ -1,16 +1,22 @@
 """``python -m mpidist bench``: throughput and exchange-overhead figures.
 
 For each model (batch ``--batch-per-rank`` samples per rank, MNIST-shaped
-synthetic data for ``mlp-wide``, the bundled digits shape otherwise):
+synthetic data for ``mlp-wide``, the bundled digits shape otherwise), one row
+per strategy:
 
-* ``local``: steps/s of one process on rank 0 while the other ranks sleep
-  (they wait in a polling loop that sleeps, so they leave the cores free);
-* ``allreduce``: steps/s and samples/s of all ranks training together;
-* exchange: time of mpidist's gradient exchange (bucketed in-place
-  ``Allreduce`` of the flat buffer) against one bare ``comm.Allreduce`` of the
-  same number of bytes, interleaved in the same run, as a ratio.
+* ``local``: one process on rank 0 while the other ranks sleep (they wait in a
+  polling loop that sleeps, so they leave the cores free);
+* ``allreduce`` on all ranks; ``ps-sync`` and ``ps-async`` with one ps and
+  the other ranks as workers (from 2 ranks);
+* steps/s per worker and samples/s in all, each also against ``local``;
+* exchange: mpidist's exchange per step against the bare MPI calls that move
+  the same bytes, interleaved in the same run: one ``Allreduce`` (allreduce);
+  ``Reduce_scatter`` + ``Allgatherv`` (ps-sync); an atomic read
+  (``Get_accumulate``) + ``Accumulate`` of the whole buffer on one window
+  (ps-async: what its pull and push cost without versions, counts and clocks).
 
-Timings are medians of repeated windows; compare ratios from one run only.
+Every figure is a median: of repeated timing windows, then of three
+interleaved rounds over the strategies.  Compare ratios from one run only.
 """
 
 import json
@@ -19,9 +25,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from . import comm as mpi
 from . import nn
 from .cluster import build_cluster
-from .parallel import AllreduceStrategy, LocalStrategy
+from .parallel import AllreduceStrategy, LocalStrategy, PsAsyncStrategy, PsSyncStrategy
+from .rma import Window
 
 SHAPES = {"mlp-wide": ((28, 28), 10)}   # the 784-512-512-10 MLP of the README's figures
 DEFAULT_SHAPE = ((8, 8), 10)             # the bundled digits
@@ -86,48 +94,158 @@ def _problem(name, batch, seed):
     return model, x, y
 
 
-def bench_model(world, cluster, name, batch, seconds):
-    """Figures for one model (rank 0 gets them; every rank must call)."""
-    rank, size = world.Get_rank(), world.Get_size()
-    row = {"model": name, "ranks": size, "batch_per_rank": batch}
-
-    if rank == 0:
+def _local_row(world, name, batch, seconds):
+    """One process (rank 0) while the others sleep."""
+    row = {"model": name, "strategy": "local", "ranks": 1, "workers": 1, "batch_per_rank": batch}
+    if world.Get_rank() == 0:
         model, x, y = _problem(name, batch, 0)
         local = LocalStrategy(model, nn.loss_for(10, np), _sgd, seed=0)
         local.initialize()
         counter = iter(range(1 << 30))
         per_step, _ = _timed_steps(lambda: local.train_step(x, y, 1.0, next(counter)), seconds)
-        row.update(params=model.num_params, local_steps_per_s=1 / per_step, local_samples_per_s=batch / per_step)
+        row.update(params=model.num_params, steps_per_s=1 / per_step, samples_per_s=batch / per_step)
         _release(world)
     else:
         _sleep_until_released(world)
+    return row
 
-    model, x, y = _problem(name, batch, rank)
+
+def _allreduce_row(world, cluster, name, batch, seconds):
+    size = world.Get_size()
+    model, x, y = _problem(name, batch, world.Get_rank())
     strategy = AllreduceStrategy(model, nn.loss_for(10, np), _sgd, cluster, seed=0)
     strategy.initialize()
     counter = iter(range(1 << 30))
     per_step = _synced_timed(world, lambda: strategy.train_step(x, y, 1.0 / size, next(counter)), seconds)
-    row.update(allreduce_steps_per_s=1 / per_step, allreduce_samples_per_s=size * batch / per_step)
-
-    bare = np.zeros_like(strategy.buffer)
-    row["exchange_bytes"] = int(bare.nbytes)
+    row = {"model": name, "strategy": "allreduce", "ranks": size, "workers": size, "batch_per_rank": batch,
+           "params": model.num_params, "steps_per_s": 1 / per_step, "samples_per_s": size * batch / per_step}
     if size > 1:  # on one rank both are no-ops: a ratio of microseconds would mislead
-        exchange, plain = [], []
-        for _ in range(3):  # interleave so drift affects both alike
-            exchange.append(_synced_timed(world, lambda: strategy.exchange(strategy.buffer), seconds / 3))
-            plain.append(_synced_timed(world, lambda: world.Allreduce(MPI.IN_PLACE, bare), seconds / 3))
-        row.update(exchange_ms=1e3 * float(np.median(exchange)), bare_allreduce_ms=1e3 * float(np.median(plain)))
-        row["exchange_over_bare"] = row["exchange_ms"] / row["bare_allreduce_ms"]
-    if rank == 0:
-        row["speedup_vs_local"] = row["allreduce_samples_per_s"] / row["local_samples_per_s"]
+        bare = np.zeros_like(strategy.buffer)
+        _compare(world, row, lambda: strategy.exchange(strategy.buffer),
+                 lambda: world.Allreduce(MPI.IN_PLACE, bare), seconds, bare.nbytes)
     return row
 
 
-COLUMNS = [("model", "model", "{}"), ("params", "params", "{:,}"), ("ranks", "ranks", "{}"),
-           ("local_steps_per_s", "local steps/s", "{:.1f}"), ("allreduce_steps_per_s", "allreduce steps/s", "{:.1f}"),
-           ("allreduce_samples_per_s", "allreduce samples/s", "{:,.0f}"), ("speedup_vs_local", "samples/s vs local",
-           "{:.2f}x"), ("exchange_ms", "exchange ms", "{:.3f}"), ("bare_allreduce_ms", "bare Allreduce ms", "{:.3f}"),
-           ("exchange_over_bare", "exchange/bare", "{:.3f}")]
+def _compare(world, row, exchange, bare, seconds, nbytes):
+    """Median time of mpidist's exchange and of the bare MPI calls, interleaved."""
+    ours, plain = [], []
+    for _ in range(3):  # interleave so drift affects both alike
+        ours.append(_synced_timed(world, exchange, seconds / 3))
+        plain.append(_synced_timed(world, bare, seconds / 3))
+    row.update(exchange_bytes=int(nbytes), exchange_ms=1e3 * float(np.median(ours)),
+               bare_ms=1e3 * float(np.median(plain)))
+    row["exchange_over_bare"] = row["exchange_ms"] / row["bare_ms"]
+
+
+def _ps_sync_row(world, name, batch, seconds):
+    cluster = build_cluster(world, num_ps=1)
+    workers = cluster.num_workers
+    model, x, y = _problem(name, batch, world.Get_rank())
+    strategy = PsSyncStrategy(model, nn.loss_for(10, np), _sgd, cluster, seed=0)
+    strategy.initialize()
+    if not strategy.is_worker:
+        x = y = None
+    counter = iter(range(1 << 30))
+    per_step = _synced_timed(world, lambda: strategy.train_step(x, y, 1.0 / workers, next(counter)), seconds)
+    row = {"model": name, "strategy": "ps-sync", "ranks": world.Get_size(), "workers": workers,
+           "batch_per_rank": batch, "params": model.num_params, "steps_per_s": 1 / per_step,
+           "samples_per_s": workers * batch / per_step}
+    send, recv = strategy.exchange.copy(), np.zeros_like(strategy.inbox)
+    values, counts, displs = strategy.values.copy(), strategy.counts, strategy.displs
+
+    def ours():
+        mpi.reduce_scatter_sum(world, strategy.exchange, strategy.inbox, counts)
+        mpi.allgatherv_inplace(world, strategy.values, counts, displs)
+
+    def bare():
+        world.Reduce_scatter(send, recv, recvcounts=list(counts))
+        world.Allgatherv(MPI.IN_PLACE, [values, list(counts), list(displs), MPI.FLOAT])
+
+    _compare(world, row, ours, bare, seconds, send.nbytes)
+    cluster.free()
+    return row
+
+
+def _ps_async_row(world, name, batch, seconds):
+    """Workers train for ``seconds`` while the ps serves; then exchange against raw window ops."""
+    cluster = build_cluster(world, num_ps=1)
+    model, x, y = _problem(name, batch, world.Get_rank())
+    strategy = PsAsyncStrategy(model, nn.loss_for(10, np), _sgd, cluster, seed=0)
+    strategy.initialize()
+    ps = strategy.ps_ranks[0]
+    raw = Window(world, model.num_params if cluster.rank == ps else 0, np.float32)
+    timings = np.zeros(3)   # steps/s, exchange ms, bare ms (workers)
+    if strategy.serves:
+        strategy.serve()
+    else:
+        step, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds or step < 5:
+            strategy.train_step(x, y, 1.0 / cluster.num_workers, step)
+            step += 1
+        timings[0] = step / (time.perf_counter() - start)
+        grads, values = strategy.host_grads, strategy.host_params
+
+        def ours():
+            strategy.exchange.pull(values)
+            strategy.exchange.push(grads)
+
+        def bare():  # the same atomic operations, called raw: what mpidist adds is the rest
+            raw.read(values, ps)
+            raw.flush(ps)
+            raw.add(grads, ps)
+            raw.flush(ps)
+
+        for index, fn in ((1, ours), (2, bare)):
+            per_call, _ = _timed_steps(fn, seconds / 2)
+            timings[index] = 1e3 * per_call
+    strategy.finish()
+    totals = mpi.sum_float64(world, timings)
+    workers = cluster.num_workers
+    raw.free()
+    strategy.close()
+    cluster.free()
+    row = {"model": name, "strategy": "ps-async", "ranks": world.Get_size(), "workers": workers,
+           "batch_per_rank": batch, "params": model.num_params, "steps_per_s": totals[0] / workers,
+           "samples_per_s": totals[0] * batch, "exchange_bytes": int(2 * model.num_params * 4),
+           "exchange_ms": totals[1] / workers, "bare_ms": totals[2] / workers}
+    row["exchange_over_bare"] = row["exchange_ms"] / row["bare_ms"]
+    return row
+
+
+def bench_model(world, cluster, name, batch, seconds, rounds=3):
+    """Rows for one model (complete on rank 0; every rank must call).
+
+    The strategies are measured in ``rounds`` interleaved rounds and each
+    figure is the median over rounds, so drift on a shared machine affects
+    every strategy alike instead of landing in one ratio.
+    """
+    share = seconds / rounds
+    measured = []
+    for _ in range(rounds):
+        rows = [_local_row(world, name, batch, share), _allreduce_row(world, cluster, name, batch, share)]
+        if world.Get_size() > 1:
+            rows += [_ps_sync_row(world, name, batch, share), _ps_async_row(world, name, batch, share)]
+        measured.append(rows)
+    merged = []
+    for index, first in enumerate(measured[0]):
+        row = dict(first)
+        for key, value in first.items():
+            if isinstance(value, float):
+                row[key] = float(np.median([rows[index][key] for rows in measured]))
+        merged.append(row)
+    local = merged[0].get("samples_per_s")
+    for row in merged:
+        if local:
+            row["samples_vs_local"] = row["samples_per_s"] / local
+            row["steps_vs_local"] = row["steps_per_s"] / merged[0]["steps_per_s"]
+    return merged
+
+
+COLUMNS = [("model", "model", "{}"), ("strategy", "strategy", "{}"), ("ranks", "ranks", "{}"),
+           ("workers", "workers", "{}"), ("steps_per_s", "steps/s per worker", "{:.1f}"),
+           ("steps_vs_local", "vs local", "{:.2f}x"), ("samples_per_s", "samples/s", "{:,.0f}"),
+           ("samples_vs_local", "vs local", "{:.2f}x"), ("exchange_ms", "exchange ms", "{:.3f}"),
+           ("bare_ms", "bare MPI ms", "{:.3f}"), ("exchange_over_bare", "exchange/bare", "{:.3f}")]
 
 
 def format_table(rows):
@@ -140,7 +258,7 @@ def format_table(rows):
 def run_bench(world, models, seconds, batch, output):
     """Run every benchmark; rank 0 prints the table and writes ``output``."""
     cluster = build_cluster(world)
-    rows = [bench_model(world, cluster, name, batch, seconds) for name in models]
+    rows = [row for name in models for row in bench_model(world, cluster, name, batch, seconds)]
     if world.Get_rank() != 0:
         return None
     import os

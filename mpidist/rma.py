@@ -55,6 +55,11 @@ class Window:
         """Atomically overwrite ``target``'s elements from ``offset`` with ``values``."""
         self.win.Accumulate([values, self.type], target, target=self._target(offset, values.size), op=MPI.REPLACE)
 
+    def fetch_add(self, values, out, target, offset=0):
+        """Atomically add ``values`` and get the previous contents out."""
+        self.win.Get_accumulate([values, self.type], [out, self.type], target,
+                                target=self._target(offset, values.size), op=MPI.SUM)
+
     def swap(self, values, out, target, offset=0):
         """Atomically put ``values`` in and get the previous contents out (e.g. take and zero an inbox)."""
         self.win.Get_accumulate([values, self.type], [out, self.type], target,

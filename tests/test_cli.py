@@ -248,7 +248,10 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     done, _ = mpidist(2, "bench", "--seconds", "0.2", "--models", "mlp", "--output", str(out), timeout=120)
     assert done.returncode == 0, done.stderr
     assert "exchange/bare" in done.stdout
-    row = json.loads(out.read_text())["rows"][0]
-    for key in ("local_steps_per_s", "allreduce_steps_per_s", "allreduce_samples_per_s", "exchange_ms",
-                "bare_allreduce_ms", "exchange_over_bare", "speedup_vs_local"):
-        assert row[key] > 0
+    rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"local", "allreduce", "ps-sync", "ps-async"}
+    for strategy, row in rows.items():
+        assert row["steps_per_s"] > 0 and row["samples_per_s"] > 0 and row["samples_vs_local"] > 0
+        if strategy != "local":
+            assert row["exchange_ms"] > 0 and row["bare_ms"] > 0 and row["exchange_over_bare"] > 0
+    assert rows["allreduce"]["workers"] == 2 and rows["ps-sync"]["workers"] == 1

@@ -50,6 +50,7 @@ class AsyncExchange:
         self.meta = Window(world, 2 if is_ps else 0, np.int64)       # [version, arrivals]
         self.clock = Window(world, 1 + num_workers if rank == ps_ranks[0] else 0, np.int64)  # [done, clocks...]
         self._one = np.ones(1, dtype=np.int64)
+        self._arrival = np.array([0, 1], dtype=np.int64)
 
     # -- worker side ------------------------------------------------------
     def pull(self, values):
@@ -63,20 +64,19 @@ class AsyncExchange:
         return versions
 
     def push(self, grads):
-        """Add ``grads`` (flat, host) into every inbox, then count one arrival at each ps."""
+        """Add ``grads`` (flat, host) into every inbox and count the arrival; returns each ps's version now.
+
+        One ``Get_accumulate(SUM)`` of ``[0, 1]`` on ``[version, arrivals]``
+        counts the arrival and reads the version in a single atomic step.
+        """
         for ps, (lo, hi) in zip(self.ps_ranks, self.bounds):
             self.inbox.add(grads[lo:hi], ps)
         self.inbox.flush()   # the gradient is in place before its arrival is counted
-        for ps in self.ps_ranks:
-            self.meta.add(self._one, ps, offset=1)
-        self.meta.flush()
-
-    def versions(self):
-        versions = np.zeros(len(self.ps_ranks), dtype=np.int64)
+        before = np.zeros((len(self.ps_ranks), 2), dtype=np.int64)
         for index, ps in enumerate(self.ps_ranks):
-            self.meta.read(versions[index:index + 1], ps)
+            self.meta.fetch_add(self._arrival, before[index], ps)
         self.meta.flush()
-        return versions
+        return before[:, 0].copy()
 
     def clocks(self):
         """Steps completed by each worker (NEVER once finished)."""
@@ -86,8 +86,9 @@ class AsyncExchange:
         return clocks
 
     def tick(self, worker):
+        """Count one finished step.  Not flushed here: it completes with the next clock
+        access, and a tick seen late only makes this worker look slower (the safe side)."""
         self.clock.add(self._one, self.ps_ranks[0], offset=1 + worker)
-        self.clock.flush()
 
     def finish_worker(self, worker):
         self.clock.replace(np.array([NEVER], dtype=np.int64), self.ps_ranks[0], offset=1 + worker)
@@ -204,8 +205,7 @@ class PsAsyncStrategy(Strategy):
         grads = self.host_grads
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)
-        self.exchange.push(grads)
-        missed = int((self.exchange.versions() - read).max())
+        missed = int((self.exchange.push(grads) - read).max())
         self.exchange.tick(self.worker_index)
         self.completed += 1
         self.figures["staleness"].append(staleness)
