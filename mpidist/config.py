@@ -39,6 +39,8 @@ class RunConfig:
                            "on one rank, ps-sync with --ps, else allreduce", STRATEGIES)
     ps: int = _field(0, "parameter-server ranks, for the ps strategies")
     staleness: int = _field(-1, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound)")
+    aggregate: int = _field(0, "ps-sync: use the first R gradients of each step and drop late ones "
+                            "(backup workers; 0 = all workers)")
     epochs: int = _field(20, "passes over the training set")
     steps: int = _field(0, "stop after this many steps in total (0 = no limit)")
     batch_size: int = _field(64, "global batch size, split across workers")
@@ -100,6 +102,17 @@ class RunConfig:
             raise UsageError(f"--staleness must be -1 (no bound) or 0 or more, got {self.staleness}")
         if self.staleness >= 0 and self.strategy != "ps-async":
             raise UsageError(f"--staleness {self.staleness} applies to --strategy ps-async only")
+        workers = world_size - self.ps
+        if self.aggregate < 0:
+            raise UsageError(f"--aggregate must be 0 (all workers) or more, got {self.aggregate}")
+        if self.aggregate and self.strategy != "ps-sync":
+            raise UsageError(f"--aggregate {self.aggregate} applies to --strategy ps-sync only")
+        if self.aggregate > workers:
+            raise UsageError(f"--aggregate {self.aggregate} is more than the {workers} workers "
+                             f"({world_size} ranks, --ps {self.ps})")
+        if self.aggregate and self.aggregate < workers and self.checkpoint_every:
+            raise UsageError("--checkpoint-every is not available with backup workers (--aggregate below the "
+                             "worker count); one checkpoint is written at the end of training")
         if self.strategy == "ps-async" and self.checkpoint_every:
             raise UsageError("--checkpoint-every is not available with ps-async (its optimizer state lives on "
                              "the ps ranks mid-step); it writes one checkpoint at the end of training")

@@ -11,6 +11,7 @@ collectives).  Only the chief writes metrics, checkpoints and the terminal.
 
 import dataclasses
 import itertools
+import os
 import sys
 import time
 
@@ -18,6 +19,7 @@ from . import checkpoint, data, nn
 from .errors import UsageError, agreed
 from .metrics import MetricsLog, Progress, format_summary
 from .parallel import STRATEGIES
+from .parallel.backup import BackupWorkersStrategy
 
 
 @dataclasses.dataclass
@@ -63,7 +65,7 @@ def prepare(config, cluster, xp):
     train = test = None
     if worker is not None:
         train = data.Shard(info, "train", worker, workers, model.input_shape, model.dtype)
-        if STRATEGIES[config.strategy].evaluation == "sharded":
+        if strategy_class(config, workers).evaluation == "sharded":
             test = data.Shard(info, "test", worker, workers, model.input_shape, model.dtype)
         elif cluster.is_chief:
             test = data.Shard(info, "test", 0, 1, model.input_shape, model.dtype)
@@ -77,17 +79,44 @@ def prepare(config, cluster, xp):
                  resume=resume)
 
 
+def total_steps(config, setup):
+    """Steps the run takes: epochs of the data, or fewer with ``--steps``."""
+    steps = setup.steps_per_epoch * config.epochs
+    return min(steps, config.steps) if config.steps else steps
+
+
+def strategy_class(config, workers):
+    """The class that runs ``config.strategy`` (backup workers are a ps-sync mode of their own)."""
+    if config.strategy == "ps-sync" and 0 < config.aggregate < workers:
+        return BackupWorkersStrategy
+    return STRATEGIES[config.strategy]
+
+
 def make_strategy(config, setup, cluster, xp):
     """The strategy ``config`` names, with an optimizer factory sized by the strategy."""
     def make_optimizer(size):
         return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype)
 
+    cls = strategy_class(config, cluster.num_workers)
     options = {}
     if config.strategy == "ps-async":
         options["staleness"] = None if config.staleness < 0 else config.staleness
-    return STRATEGIES[config.strategy](setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer,
-                                      cluster, seed=config.seed, bucket_bytes=int(config.bucket_mb * (1 << 20)),
-                                      **options)
+    if cls is BackupWorkersStrategy:
+        options.update(aggregate=config.aggregate, total_steps=total_steps(config, setup))
+    return cls(setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer, cluster, seed=config.seed,
+               bucket_bytes=int(config.bucket_mb * (1 << 20)), **options)
+
+
+def test_delay(worker):
+    """Seconds worker ``worker`` sleeps before each step: ``MPIDIST_TEST_DELAY=WORKER:SECONDS``.
+
+    For tests only (a deliberately slow worker); unset in real runs.
+    """
+    spec = os.environ.get("MPIDIST_TEST_DELAY", "")
+    if not spec or worker is None:
+        return 0.0
+    index, seconds = spec.split(":")
+    return float(seconds) if int(index) == worker else 0.0
 
 
 class _NoData:
@@ -118,9 +147,8 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
     resume = setup.resume
     strategy.initialize(resume)
 
-    total_steps = setup.steps_per_epoch * config.epochs
-    if config.steps:
-        total_steps = min(total_steps, config.steps)
+    steps_to_run = total_steps(config, setup)
+    delay = test_delay(cluster.worker_index)
     if chief:
         stream.write(f"mpidist: {setup.info.name} ({setup.info.sizes['train']} train / {setup.info.sizes['test']} "
                      f"test), model {config.model} ({setup.model.num_params:,} parameters), strategy "
@@ -137,7 +165,7 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
                   steps_per_epoch=setup.steps_per_epoch,
                   resumed_from=None if resume is None else str(resume.path), step=0 if resume is None else resume.step)
 
-    progress = Progress(config.progress if chief else "none", total_steps, config.epochs, stream=stream)
+    progress = Progress(config.progress if chief else "none", steps_to_run, config.epochs, stream=stream)
     weight = setup.local_batch / config.batch_size
     step = 0 if resume is None else resume.step
     start_epoch = 0 if resume is None else resume.epoch
@@ -181,8 +209,12 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
             for x, y in batches:
                 if x is not None:
                     x, y = xp.asarray(x), xp.asarray(y)
+                if delay:
+                    time.sleep(delay)
                 loss = strategy.train_step(x, y, weight, step)
                 step, epoch_step, trained_steps = step + 1, epoch_step + 1, trained_steps + 1
+                if hasattr(strategy, "version"):   # backup workers: the ps counts the global steps
+                    step = strategy.version
                 window_loss, window_steps = window_loss + loss, window_steps + 1
                 if step % config.log_every == 0:
                     now = time.perf_counter()
@@ -194,7 +226,7 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
                     window_start, window_loss, window_steps = now, 0.0, 0
                 if config.checkpoint_every and step % config.checkpoint_every == 0:
                     save(epoch, epoch_step)
-                if config.steps and step >= config.steps:
+                if (config.steps and step >= config.steps) or getattr(strategy, "finished", False):
                     stop = True
                     break
         finally:

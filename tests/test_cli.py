@@ -66,6 +66,18 @@ def test_ps_async_reaches_within_2_points_of_ps_sync(tmp_path, ranks, ps):
     assert all({"staleness_mean", "staleness_max", "updates_missed_max", "wait_s"} <= set(w) for w in workers)
 
 
+def test_backup_workers_keep_the_step_rate_when_one_worker_is_slow(tmp_path):
+    delay, steps = 0.05, 40       # the slow worker alone would take 2 s
+    done, _ = mpidist(4, "train", "--strategy", "ps-sync", "--ps", "1", "--aggregate", "2", "--steps", str(steps),
+                      "--metrics", str(tmp_path / "m.jsonl"), "--progress", "none",
+                      env={"MPIDIST_TEST_DELAY": f"2:{delay}"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    final = events(tmp_path / "m.jsonl")[-1]
+    assert final["steps"] == steps and final["train_time"] < 0.5 * steps * delay
+    server = next(r for r in final["roles"] if r["role"] == "ps")
+    assert server["accepted"] == 2 * steps and server["dropped"] >= 1
+
+
 def test_metrics_are_appended_not_overwritten(tmp_path):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"event": "mine"}\n')
@@ -109,6 +121,8 @@ BAD_INPUTS = {
                                  "--ps 1 applies to the ps strategies"),
     "staleness without ps-async": (lambda p: ["--strategy", "ps-sync", "--ps", "1", "--staleness", "2"],
                                    "--staleness 2 applies to --strategy ps-async only"),
+    "more backups than workers": (lambda p: ["--strategy", "ps-sync", "--ps", "1", "--aggregate", "9"],
+                                  "--aggregate 9 is more than the"),
     "unwritable metrics file": (lambda p: ["--metrics", "/proc/mpidist/m.jsonl"], "--metrics /proc/mpidist"),
 }
 

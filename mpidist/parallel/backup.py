@@ -1,0 +1,216 @@
+"""``ps-sync --aggregate R``: synchronous parameter servers with backup workers.
+
+Distributed TensorFlow's ``replicas_to_aggregate``: each step uses the first
+``R`` of the ``W`` workers' gradients and drops the rest, so a slow worker
+never slows the step rate.  A collective cannot do this (everyone would have
+to take part), so it runs point-to-point, buffer-based, in rounds:
+
+1. Each worker sends the coordinator (the first ps) a note ``[worker,
+   version it computed on]`` and sends every ps its gradient shard with its
+   batch weight and weighted loss; then it waits for parameters.
+2. The coordinator takes notes until ``R`` name the current version; notes
+   naming an older version are stale.  It broadcasts the round's decision
+   (accepted / stale per worker) to the ps ranks, so every shard is updated
+   from the *same* workers.
+3. Each ps receives those workers' shards, sums the accepted ones (divided by
+   their summed weights: the mean gradient of the accepted batches), applies
+   the optimizer, and sends the new parameters and version to every worker it
+   heard from.  Stale gradients are counted and discarded, never applied.
+
+A worker's version rises with every reply, so it never needs more batches
+than there are steps.  After the last step the ps ranks keep answering until
+every worker has been told to stop: no message is left unmatched.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import comm as mpi
+from ..cluster import PS
+from ..xp import is_device_array, to_host
+from .base import Strategy
+from .shards import imbalance, shard_bounds
+
+TAG_NOTE, TAG_GRAD, TAG_PARAMS = 11, 12, 13
+ACCEPTED, STALE = 1, 2
+
+
+class BackupWorkersStrategy(Strategy):
+    """ps-sync where each step aggregates the first ``aggregate`` gradients.
+
+    Args:
+        aggregate: ``R``, gradients per step (1 <= R <= workers).
+        total_steps: steps to run; the ps ranks stop everyone after it.
+    """
+
+    name = "ps-sync"
+    # workers are not in step with each other: an evaluation collective over them
+    # would make the fast ones wait for the slow one (and stall the round)
+    evaluation = "chief"
+
+    def __init__(self, *args, aggregate, total_steps, **kwargs):
+        super().__init__(*args, **kwargs)
+        model, cluster = self.model, self.cluster
+        n = model.num_params
+        self.aggregate, self.total_steps = int(aggregate), int(total_steps)
+        if not 1 <= self.aggregate <= cluster.num_workers:
+            raise ValueError(f"aggregate {aggregate} must be between 1 and {cluster.num_workers} workers")
+        if self.total_steps >= 1 << 24:   # versions travel in the model's float buffers
+            raise ValueError(f"{total_steps} steps is more than backup-worker mode counts exactly")
+        self.ps_ranks = [rank for rank, role in enumerate(cluster.roles) if role == PS]
+        self.worker_ranks = [rank for rank, role in enumerate(cluster.roles) if role != PS]
+        self.bounds = shard_bounds(n, len(self.ps_ranks))
+        self.host_params = np.zeros(n, dtype=model.dtype)
+        self.host_grads = np.zeros(n, dtype=model.dtype)
+        if not is_device_array(model.params):
+            model.bind_params(self.host_params)
+            model.bind_grads(self.host_grads)
+        self.lo, self.hi = (self.bounds[self.ps_ranks.index(cluster.rank)] if cluster.role == PS else (0, 0))
+        self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
+        # messages: worker -> ps [gradient shard, weight, weighted loss]; ps -> worker [param shard, version, loss]
+        self.outbox = [np.zeros(hi - lo + 2, dtype=model.dtype) for lo, hi in self.bounds]
+        self.replies = [np.zeros(hi - lo + 2, dtype=model.dtype) for lo, hi in self.bounds]
+        self.version, self.finished = 0, False
+        self.figures = {"updates": 0, "accepted": 0, "dropped": 0}
+
+    @property
+    def serves(self):
+        return not self.is_worker
+
+    @property
+    def imbalance(self):
+        return imbalance(self.bounds)
+
+    def shard_of(self, rank):
+        return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
+
+    def initialize(self, checkpoint=None):
+        cluster, model = self.cluster, self.model
+        if cluster.is_chief:
+            if checkpoint is None:
+                model.init_params(self.seed)
+            else:
+                model.params[...] = model.xp.asarray(checkpoint.params)
+            self.host_params[...] = to_host(model.params)
+        mpi.bcast(cluster.world, self.host_params, root=cluster.chief_rank)
+        if is_device_array(model.params):
+            model.params[...] = model.xp.asarray(self.host_params)
+        if checkpoint is not None and self.optimizer is not None:
+            state = {name: array[self.lo:self.hi] for name, array in checkpoint.optimizer_state.items()}
+            self.optimizer.load_state(state, checkpoint.optimizer_steps)
+        if checkpoint is not None:
+            self.version = int(checkpoint.step)
+
+    # -- worker ----------------------------------------------------------------
+    def train_step(self, x, y, weight, step):
+        world, model = self.cluster.world, self.model
+        loss = float(self.backprop(x, y, weight, step))
+        grads = self.host_grads
+        if is_device_array(model.grads):
+            grads[...] = to_host(model.grads)
+        note = np.array([self.worker_index, self.version], dtype=np.int64)
+        sends = [world.Isend(note, self.ps_ranks[0], TAG_NOTE)]
+        for message, ps, (lo, hi) in zip(self.outbox, self.ps_ranks, self.bounds):
+            message[:hi - lo] = grads[lo:hi]
+            message[-2:] = (weight, loss * weight)
+            sends.append(world.Isend(message, ps, TAG_GRAD))
+        for reply, ps, (lo, hi) in zip(self.replies, self.ps_ranks, self.bounds):
+            world.Recv(reply, ps, TAG_PARAMS)
+            self.host_params[lo:hi] = reply[:hi - lo]
+        MPI.Request.Waitall(sends)
+        if is_device_array(model.params):
+            model.params[...] = model.xp.asarray(self.host_params)
+        self.version = int(self.replies[0][-2])
+        self.finished = self.version >= self.total_steps
+        return float(self.replies[0][-1])
+
+    # -- ps ----------------------------------------------------------------------
+    def _decide(self, version):
+        """Coordinator: who is in this round (per worker: 0, ACCEPTED or STALE)."""
+        world, workers = self.cluster.world, self.cluster.num_workers
+        status = np.zeros(workers, dtype=np.int64)
+        note = np.zeros(2, dtype=np.int64)
+        accepted = 0
+        while True:
+            world.Recv(note, MPI.ANY_SOURCE, TAG_NOTE)
+            worker, read = int(note[0]), int(note[1])
+            if version < self.total_steps and read == version:
+                status[worker] = ACCEPTED
+                accepted += 1
+            else:
+                status[worker] = STALE
+            if version >= self.total_steps or accepted == self.aggregate:
+                return status
+
+    def serve(self):
+        """Rounds until the last step is taken and every worker has been told to stop."""
+        world, ps_comm = self.cluster.world, self.cluster.role_comm
+        workers = self.cluster.num_workers
+        size = self.hi - self.lo
+        incoming = np.zeros(size + 2, dtype=self.model.dtype)
+        total = np.zeros(size, dtype=self.model.dtype)
+        reply = np.zeros(size + 2, dtype=self.model.dtype)
+        stopped = np.zeros(workers, dtype=bool)
+        loss = 0.0
+        while not stopped.all():
+            status = self._decide(self.version) if ps_comm.Get_rank() == 0 else np.zeros(workers, dtype=np.int64)
+            ps_comm.Bcast(status, root=0)
+            total[...] = 0
+            weights = weighted_loss = 0.0
+            for worker in np.flatnonzero(status):
+                world.Recv(incoming, self.worker_ranks[worker], TAG_GRAD)
+                if status[worker] == ACCEPTED:
+                    total += incoming[:size]
+                    weights += float(incoming[-2])
+                    weighted_loss += float(incoming[-1])
+                    self.figures["accepted"] += 1
+                else:
+                    self.figures["dropped"] += 1
+            if weights > 0:
+                total /= weights        # the mean gradient of the accepted batches
+                self.optimizer.step(self.shard_view(), total)
+                self.version += 1
+                self.figures["updates"] += 1
+                loss = weighted_loss / weights
+            reply[:size] = self.shard_view()
+            reply[-2:] = (self.version, loss)
+            for worker in np.flatnonzero(status):
+                world.Send(reply, self.worker_ranks[worker], TAG_PARAMS)
+                if self.version >= self.total_steps:
+                    stopped[worker] = True
+
+    def shard_view(self):
+        return self.host_params[self.lo:self.hi]
+
+    def finish(self):
+        """Collective: the chief gets every ps's final shard."""
+        cluster = self.cluster
+        counts = np.zeros(cluster.size, dtype=np.int64)
+        displs = np.zeros(cluster.size, dtype=np.int64)
+        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
+            counts[rank], displs[rank] = hi - lo, lo
+        mpi.allgatherv_inplace(cluster.world, self.host_params, counts, displs)
+        if is_device_array(self.model.params):
+            self.model.params[...] = self.model.xp.asarray(self.host_params)
+
+    def state(self):
+        cluster, model = self.cluster, self.model
+        counts = np.zeros(cluster.size, dtype=np.int64)
+        displs = np.zeros(cluster.size, dtype=np.int64)
+        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
+            counts[rank], displs[rank] = hi - lo, lo
+        arrays = {}
+        for name, shard in self.optimizer.state_arrays().items():
+            full = np.zeros(model.num_params, dtype=model.dtype) if cluster.is_chief else None
+            arrays[name] = mpi.gatherv(cluster.world, to_host(shard), full, counts, displs, cluster.chief_rank)
+        steps = np.array([self.optimizer.steps], dtype=np.int64)
+        mpi.bcast(cluster.world, steps, root=self.ps_ranks[0])
+        if not cluster.is_chief:
+            return None
+        return self.host_params.copy(), arrays, int(steps[0])
+
+    def stats(self):
+        if self.is_worker:
+            return {}
+        return {"updates": self.figures["updates"], "accepted": self.figures["accepted"],
+                "dropped": self.figures["dropped"], "aggregate": self.aggregate, "shard": [self.lo, self.hi]}
