@@ -131,6 +131,19 @@ def gatherv(comm, send, recv, counts, displs, root):
     return recv
 
 
+def scatterv(comm, send, recv, counts, displs, root):
+    """Rank ``r`` receives ``counts[r]`` elements of ``root``'s ``send`` from ``displs[r]`` into ``recv``."""
+    recv_buffer, back = _for_mpi(recv)
+    if comm.Get_rank() == root:
+        send_buffer, _ = _for_mpi(send)
+        comm.Scatterv(_typed(send_buffer, counts, displs), recv_buffer, root=root)
+    else:
+        comm.Scatterv(None, recv_buffer, root=root)
+    if back:
+        back()
+    return recv
+
+
 def sum_float64(comm, values):
     """Sum a few host scalars over ``comm`` (metrics, evaluation counts)."""
     buffer = np.asarray(values, dtype=np.float64).copy()

@@ -23,6 +23,7 @@ OPTIMIZER_NAMES = ("adam", "sgd")
 DEVICES = ("auto", "cpu", "gpu")
 DTYPES = ("float32", "float64")
 PROGRESS = ("auto", "bar", "lines", "none")
+REPLICATIONS = ("between-graph", "in-graph")
 
 
 def _field(default, help, choices=None):
@@ -39,6 +40,8 @@ class RunConfig:
                            "on one rank, ps-sync with --ps, else allreduce", STRATEGIES)
     ps: int = _field(0, "parameter-server ranks, for the ps strategies")
     staleness: int = _field(-1, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound)")
+    replication: str = _field("between-graph", "between-graph: every worker reads its own shard; in-graph: the "
+                              "chief reads the data and scatters each batch", REPLICATIONS)
     aggregate: int = _field(0, "ps-sync: use the first R gradients of each step and drop late ones "
                             "(backup workers; 0 = all workers)")
     epochs: int = _field(20, "passes over the training set")
@@ -113,6 +116,10 @@ class RunConfig:
         if self.aggregate and self.aggregate < workers and self.checkpoint_every:
             raise UsageError("--checkpoint-every is not available with backup workers (--aggregate below the "
                              "worker count); one checkpoint is written at the end of training")
+        if self.replication == "in-graph" and (self.strategy == "ps-async" or 0 < self.aggregate < workers):
+            raise UsageError("--replication in-graph feeds every worker at each step in lock-step; it does not "
+                             "combine with workers that run independently (ps-async, --aggregate below the "
+                             "worker count)")
         if self.strategy == "ps-async" and self.checkpoint_every:
             raise UsageError("--checkpoint-every is not available with ps-async (its optimizer state lives on "
                              "the ps ranks mid-step); it writes one checkpoint at the end of training")

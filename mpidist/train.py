@@ -58,12 +58,19 @@ def prepare(config, cluster, xp):
     info = data.inspect(data.resolve(config.data))
     model = build_model_for(config, info, xp)
     workers, worker = cluster.num_workers, cluster.worker_index
+    in_graph = config.replication == "in-graph"
+    # in-graph: global batches come from one reader, so an epoch is the whole split's worth of them
     steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, workers)
+    if in_graph:
+        steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, 1)
     if steps == 0:
         raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
                          f"--batch-size {config.batch_size} over {workers} workers")
     train = test = None
-    if worker is not None:
+    if in_graph:
+        if cluster.is_chief:  # the one client that reads samples
+            train, test = (data.Shard(info, split, 0, 1, model.input_shape, model.dtype) for split in data.SPLITS)
+    elif worker is not None:
         train = data.Shard(info, "train", worker, workers, model.input_shape, model.dtype)
         if strategy_class(config, workers).evaluation == "sharded":
             test = data.Shard(info, "test", worker, workers, model.input_shape, model.dtype)
@@ -199,7 +206,16 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
         stop = True
     for epoch in range(start_epoch, config.epochs if not stop else start_epoch):
         skip = start_in_epoch if epoch == start_epoch else 0
-        if setup.train is None:
+        if config.replication == "in-graph" and cluster.worker_index is not None:
+            source = None
+            if chief:
+                source = data.global_batches(setup.train, config.batch_size, setup.steps_per_epoch, config.seed,
+                                             epoch, skip=skip)
+            y_shape, y_dtype = ((), "int64") if setup.info.num_classes else ((setup.info.target_width,),
+                                                                                setup.model.dtype)
+            batches = data.ScatteredBatches(cluster.workers, source, config.batch_size, setup.model.input_shape,
+                                            y_shape, setup.model.dtype, y_dtype, setup.steps_per_epoch - skip)
+        elif setup.train is None:
             batches = _NoData(setup.steps_per_epoch, skip)
         else:
             batches = data.train_batches(setup.train, setup.local_batch, setup.steps_per_epoch, config.seed, epoch,

@@ -78,6 +78,21 @@ def test_backup_workers_keep_the_step_rate_when_one_worker_is_slow(tmp_path):
     assert server["accepted"] == 2 * steps and server["dropped"] >= 1
 
 
+def test_in_graph_replication_on_any_rank_count_equals_one_process(tmp_path):
+    common = ["train", "--metrics", "", "--dtype", "float64", "--steps", "25", "--progress", "none"]
+    runs = {"local": (1, ["--strategy", "local"]),
+            "allreduce-2": (2, ["--strategy", "allreduce", "--replication", "in-graph"]),
+            "ps-sync-4": (4, ["--strategy", "ps-sync", "--ps", "1", "--replication", "in-graph"])}
+    params = {}
+    for name, (ranks, flags) in runs.items():
+        done, _ = mpidist(ranks, *common, *flags, "--checkpoint-dir", str(tmp_path / name))
+        assert done.returncode == 0, done.stderr
+        with h5py.File(tmp_path / name / "ckpt-00000025.h5") as handle:
+            params[name] = handle["params"][...]
+    for name in ("allreduce-2", "ps-sync-4"):
+        np.testing.assert_allclose(params[name], params["local"], rtol=1e-9, atol=1e-12)
+
+
 def test_metrics_are_appended_not_overwritten(tmp_path):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"event": "mine"}\n')
@@ -123,6 +138,8 @@ BAD_INPUTS = {
                                    "--staleness 2 applies to --strategy ps-async only"),
     "more backups than workers": (lambda p: ["--strategy", "ps-sync", "--ps", "1", "--aggregate", "9"],
                                   "--aggregate 9 is more than the"),
+    "in-graph with ps-async": (lambda p: ["--strategy", "ps-async", "--ps", "1", "--replication", "in-graph"],
+                               "--replication in-graph feeds every worker"),
     "unwritable metrics file": (lambda p: ["--metrics", "/proc/mpidist/m.jsonl"], "--metrics /proc/mpidist"),
 }
 

@@ -144,3 +144,32 @@ def test_prefetcher_can_be_closed_before_the_end():
     assert [next(prefetcher) for _ in range(3)] == [0, 1, 2]
     prefetcher.close()
     assert not prefetcher._thread.is_alive()
+
+
+class _Split:
+    """A stand-in for a chief's training split: sample i is filled with i."""
+
+    def __init__(self, n):
+        self.x = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)
+        self.y = np.arange(n, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.y)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_in_graph_scatter_gives_each_worker_its_slice_of_the_chiefs_global_batch():
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    size, rank = world.Get_size(), world.Get_rank()
+    global_batch, steps, split = 2 * size + 1, 3, _Split(50)
+    source = data.global_batches(split, global_batch, steps, seed=4, epoch=1) if rank == 0 else None
+    feed = data.ScatteredBatches(world, source, global_batch, (3,), (), np.float32, np.int64, steps)
+    order = data.epoch_order(50, 4, 1, 0)                       # what one process would draw
+    sizes = [data.local_batch_size(global_batch, size, w) for w in range(size)]
+    lo = sum(sizes[:rank])
+    for step, (x, y) in enumerate(feed):
+        expected = order[step * global_batch:(step + 1) * global_batch][lo:lo + sizes[rank]]
+        np.testing.assert_array_equal(y, expected)
+        np.testing.assert_array_equal(x[:, 2], expected.astype(np.float32))
+    feed.close()
