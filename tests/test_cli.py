@@ -38,7 +38,7 @@ def test_default_run_at_4_ranks_reaches_the_stated_accuracy_and_writes_metrics(t
     assert seconds < 60
 
 
-@pytest.mark.parametrize("ranks,ps", [(4, 1), (6, 2)])
+@pytest.mark.parametrize("ranks,ps", [(4, 1), (6, 1), (6, 2)])
 def test_ps_sync_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, ps):
     done, _ = mpidist(ranks, "train", "--strategy", "ps-sync", "--ps", str(ps), "--metrics", str(tmp_path / "m.jsonl"),
                       timeout=120)

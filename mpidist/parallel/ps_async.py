@@ -34,7 +34,8 @@ from .base import Strategy
 from .shards import imbalance, shard_bounds
 
 NEVER = np.iinfo(np.int64).max  # a finished worker's clock: it never holds anyone back
-POLL_SECONDS = 0.0002            # ps sleep when idle: on-node RMA needs no target progress
+POLL_SECONDS = 0.0002            # SSP wait between clock reads; first ps sleep when idle
+POLL_MAX_SECONDS = 0.005         # an idle ps backs off to this: it only delays updates, never a worker
 
 
 class AsyncExchange:
@@ -103,6 +104,13 @@ class AsyncExchange:
         self.inbox.flush(rank)
         arrivals = np.zeros(1, dtype=np.int64)
         self.meta.swap(np.zeros(1, dtype=np.int64), arrivals, rank, offset=1)
+        self.meta.flush(rank)
+        return int(arrivals[0])
+
+    def pending(self, rank):
+        """Arrivals counted at this ps and not yet taken (an 8-byte read: cheap to poll)."""
+        arrivals = np.zeros(1, dtype=np.int64)
+        self.meta.read(arrivals, rank, offset=1)
         self.meta.flush(rank)
         return int(arrivals[0])
 
@@ -216,25 +224,35 @@ class PsAsyncStrategy(Strategy):
         """ps loop: apply what arrives until every worker has finished and the inbox is empty."""
         rank, workers = self.cluster.rank, self.cluster.num_workers
         arrived = np.zeros_like(self.shard)
+        pause = POLL_SECONDS
         while True:
-            count = self.exchange.take(arrived, rank)
-            self.figures["gradients"] += count
-            # Update on data, not on counts: a gradient can land just before its arrival is
-            # counted, and an optimizer step on zeros would still move Adam's parameters.
+            # Poll the 8-byte arrival count, not the inbox: taking a 2.7 MB inbox every
+            # 0.2 ms while idle would flood the memory bus the workers compute on.
+            # Workers flush a gradient before counting it, so a count means the data is in.
+            if self.exchange.pending(rank) == 0:
+                if self.exchange.workers_done() < workers:
+                    # Back off while idle: polling steals cycles from workers on shared cores
+                    # (measured: 71% system time on this VM), and a later poll only delays an
+                    # update -- workers never wait for the ps.
+                    time.sleep(pause)
+                    pause = min(2 * pause, POLL_MAX_SECONDS)
+                    continue
+                # every worker has signed off, after its last count: take what is left, then stop
+                self.figures["gradients"] += self.exchange.take(arrived, rank)
+                if arrived.any():
+                    self._apply(arrived, rank)
+                return
+            pause = POLL_SECONDS
+            self.figures["gradients"] += self.exchange.take(arrived, rank)
+            # a count can outlive its data (taken with an earlier count's): never step on zeros,
+            # since even a zero gradient moves Adam's parameters
             if arrived.any():
-                self.optimizer.step(self.shard, arrived)
-                self.exchange.publish(self.shard, rank)
-                self.figures["updates"] += 1
-            elif count == 0 and self.exchange.workers_done() == workers:
-                count = self.exchange.take(arrived, rank)  # anything that landed while we looked
-                self.figures["gradients"] += count
-                if not arrived.any():
-                    return
-                self.optimizer.step(self.shard, arrived)
-                self.exchange.publish(self.shard, rank)
-                self.figures["updates"] += 1
-            else:
-                time.sleep(POLL_SECONDS)
+                self._apply(arrived, rank)
+
+    def _apply(self, gradient, rank):
+        self.optimizer.step(self.shard, gradient)
+        self.exchange.publish(self.shard, rank)
+        self.figures["updates"] += 1
 
     def finish(self):
         """Collective: workers sign off, ps ranks drain, everyone gets the final parameters."""
