@@ -39,6 +39,7 @@ class SGD(Optimizer):
         super().__init__(size, xp, dtype)
         self.lr, self.momentum = float(lr), float(momentum)
         self.velocity = xp.zeros(self.size, dtype=self.dtype)
+        self._scratch = xp.zeros(self.size, dtype=self.dtype)   # lr * v without a new array each step
 
     def step(self, params, grads):
         v = self.velocity
@@ -47,7 +48,7 @@ class SGD(Optimizer):
             v += grads
         else:
             v[...] = grads
-        v_scaled = v * self.lr
+        v_scaled = self.xp.multiply(v, self.lr, out=self._scratch)
         params -= v_scaled
         self.steps += 1
 

@@ -38,6 +38,11 @@ POLL_SECONDS = 0.0002            # SSP wait between clock reads; first ps sleep 
 POLL_MAX_SECONDS = 0.005         # an idle ps backs off to this: it only delays updates, never a worker
 
 
+def _nonzero(array):
+    """Whether ``array`` holds anything; a short prefix almost always answers without a full scan."""
+    return bool(array[:256].any()) or bool(array.any())
+
+
 class AsyncExchange:
     """The windows of ps-async, collective to create and to free."""
 
@@ -54,14 +59,22 @@ class AsyncExchange:
         self._arrival = np.array([0, 1], dtype=np.int64)
 
     # -- worker side ------------------------------------------------------
-    def pull(self, values):
-        """Read every shard into ``values`` (flat, host); returns the versions read."""
+    def pull(self, values, known=None):
+        """Bring ``values`` (flat, host) up to date with every shard; returns the versions read.
+
+        Versions are read first, and a shard whose version equals ``known``'s
+        entry (what ``values`` already holds) is not read again.  A ps
+        publishes a shard before bumping its version, so the shard read is at
+        least as new as the version returned.
+        """
         versions = np.zeros(len(self.ps_ranks), dtype=np.int64)
-        for index, (ps, (lo, hi)) in enumerate(zip(self.ps_ranks, self.bounds)):
-            self.params.read(values[lo:hi], ps)
+        for index, ps in enumerate(self.ps_ranks):
             self.meta.read(versions[index:index + 1], ps)
-        self.params.flush()
         self.meta.flush()
+        for index, (ps, (lo, hi)) in enumerate(zip(self.ps_ranks, self.bounds)):
+            if known is None or versions[index] != known[index]:
+                self.params.read(values[lo:hi], ps)
+        self.params.flush()
         return versions
 
     def push(self, grads):
@@ -99,8 +112,9 @@ class AsyncExchange:
     # -- ps side ----------------------------------------------------------
     def take(self, out, rank):
         """Move this ps's inbox into ``out`` (leaving zeros); returns the arrivals counted."""
-        zeros = np.zeros_like(out)
-        self.inbox.swap(zeros, out, rank)
+        if getattr(self, "_zeros", None) is None or self._zeros.shape != out.shape:
+            self._zeros = np.zeros_like(out)   # kept: a fresh 2.7 MB buffer per take is pure memory traffic
+        self.inbox.swap(self._zeros, out, rank)
         self.inbox.flush(rank)
         arrivals = np.zeros(1, dtype=np.int64)
         self.meta.swap(np.zeros(1, dtype=np.int64), arrivals, rank, offset=1)
@@ -162,6 +176,7 @@ class PsAsyncStrategy(Strategy):
         self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
         self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype)
         self.completed = 0
+        self.versions_held = None   # the ps versions host_params holds, once read
         self.figures = {"staleness": [], "updates_missed": [], "wait_s": 0.0, "updates": 0, "gradients": 0}
 
     @property
@@ -206,7 +221,8 @@ class PsAsyncStrategy(Strategy):
     def train_step(self, x, y, weight, step):
         model = self.model
         staleness = self._wait_for_slowest()
-        read = self.exchange.pull(self.host_params)
+        read = self.exchange.pull(self.host_params, known=self.versions_held)
+        self.versions_held = read
         if is_device_array(model.params):
             model.params[...] = model.xp.asarray(self.host_params)
         loss = self.backprop(x, y, weight, step)
@@ -239,14 +255,14 @@ class PsAsyncStrategy(Strategy):
                     continue
                 # every worker has signed off, after its last count: take what is left, then stop
                 self.figures["gradients"] += self.exchange.take(arrived, rank)
-                if arrived.any():
+                if _nonzero(arrived):
                     self._apply(arrived, rank)
                 return
             pause = POLL_SECONDS
             self.figures["gradients"] += self.exchange.take(arrived, rank)
             # a count can outlive its data (taken with an earlier count's): never step on zeros,
             # since even a zero gradient moves Adam's parameters
-            if arrived.any():
+            if _nonzero(arrived):
                 self._apply(arrived, rank)
 
     def _apply(self, gradient, rank):
