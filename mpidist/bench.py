@@ -28,7 +28,8 @@ from mpi4py import MPI
 from . import comm as mpi
 from . import nn
 from .cluster import build_cluster
-from .parallel import AllreduceStrategy, LocalStrategy, PsAsyncStrategy, PsSyncStrategy
+from .parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
+from .parallel.pipeline import split_sizes
 from .rma import Window
 
 SHAPES = {"mlp-wide": ((28, 28), 10)}   # the 784-512-512-10 MLP of the README's figures
@@ -248,17 +249,71 @@ COLUMNS = [("model", "model", "{}"), ("strategy", "strategy", "{}"), ("ranks", "
            ("bare_ms", "bare MPI ms", "{:.3f}"), ("exchange_over_bare", "exchange/bare", "{:.3f}")]
 
 
-def format_table(rows):
-    header = [title for _, title, _ in COLUMNS]
-    body = [[fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in COLUMNS] for row in rows]
+def format_table(rows, columns=None):
+    columns = columns or COLUMNS
+    header = [title for _, title, _ in columns]
+    body = [[fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in columns] for row in rows]
     widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header] + body)
+
+
+def _uniform_pipeline(stages, xp=np):
+    """Eight equal Dense(512)+ReLU pairs and a small head, split evenly: stages do equal work."""
+    layers = []
+    for _ in range(8):
+        layers += [nn.Dense(512), nn.ReLU()]
+    layers.append(nn.Dense(10, init="glorot"))
+    model = nn.Sequential(layers, (512,), xp=xp, dtype=np.float32)
+    pairs = split_sizes(8, stages)
+    balance = [2 * n for n in pairs]
+    balance[-1] += 1
+    return model, balance
+
+
+def pipeline_rows(world, seconds, micro_batch=32, counts=(2, 4, 8, 16)):
+    """Measured bubble (idle over pipeline time, mean over stages) against (P-1)/(M+P-1).
+
+    All ranks form one pipeline (``P`` = ranks, no replicas).
+    """
+    from .parallel.schedule import bubble
+    stages, rows = world.Get_size(), []
+    cluster = build_cluster(world)
+    for name in ("gpipe", "1f1b"):
+        for micro_batches in counts:
+            model, balance = _uniform_pipeline(stages)
+            batch = micro_batch * micro_batches
+            strategy = PipelineStrategy(model, nn.loss_for(10, np), _sgd, cluster, seed=0, stages=stages,
+                                        micro_batches=micro_batches, schedule_name=name, balance=balance,
+                                        global_batch=batch)
+            strategy.initialize()
+            rng = np.random.default_rng(0)
+            x, y = rng.random((batch, 512), dtype=np.float32), rng.integers(0, 10, batch)
+            counter = iter(range(1 << 30))
+            strategy.train_step(x, y, 1.0, next(counter))          # warm-up, not counted
+            strategy.figures.update(steps=0, pipeline_s=0.0, idle_s=0.0)
+            per_step = _synced_timed(world, lambda: strategy.train_step(x, y, 1.0, next(counter)), seconds / 4)
+            stats = world.gather(strategy.stats(), root=0)
+            strategy.close()
+            if world.Get_rank() == 0:
+                rows.append({"schedule": name, "stages": stages, "micro_batches": micro_batches,
+                             "bubble_measured": float(np.mean([s["bubble"] for s in stats])),
+                             "bubble_theory": bubble(stages, micro_batches),
+                             "peak_activations": max(s["peak_activations"] for s in stats),
+                             "samples_per_s": batch / per_step})
+    cluster.free()
+    return rows
+
+
+PIPELINE_COLUMNS = [("schedule", "schedule", "{}"), ("stages", "P", "{}"), ("micro_batches", "M", "{}"),
+                    ("bubble_measured", "bubble measured", "{:.1%}"), ("bubble_theory", "(P-1)/(M+P-1)", "{:.1%}"),
+                    ("peak_activations", "peak activations", "{}"), ("samples_per_s", "samples/s", "{:,.0f}")]
 
 
 def run_bench(world, models, seconds, batch, output):
     """Run every benchmark; rank 0 prints the table and writes ``output``."""
     cluster = build_cluster(world)
     rows = [row for name in models for row in bench_model(world, cluster, name, batch, seconds)]
+    pipeline = pipeline_rows(world, seconds) if world.Get_size() > 1 else []
     if world.Get_rank() != 0:
         return None
     import os
@@ -267,7 +322,11 @@ def run_bench(world, models, seconds, batch, output):
     print(f"mpidist bench: {world.Get_size()} rank(s), {batch} samples per rank per step, "
           f"BLAS threads per rank {meta['blas_threads_per_rank']}, {meta['mpi']}")
     print(format_table(rows))
+    if pipeline:
+        print(f"\npipeline: {world.Get_size()} stages of equal work (8 x Dense(512)+ReLU), "
+              "32 samples per micro-batch; bubble = idle / pipeline time, mean over stages")
+        print(format_table(pipeline, PIPELINE_COLUMNS))
     with open(output, "w") as handle:
-        json.dump({"meta": meta, "rows": rows}, handle, indent=2)
+        json.dump({"meta": meta, "rows": rows, "pipeline": pipeline}, handle, indent=2)
     print(f"mpidist bench: results in {output}")
     return rows

@@ -144,6 +144,21 @@ def scatterv(comm, send, recv, counts, displs, root):
     return recv
 
 
+def isend(comm, array, dest, tag):
+    """Start sending ``array``; returns ``(request, buffer)``: keep the buffer until the request is done."""
+    buffer, _ = _for_mpi(array)
+    return comm.Isend(buffer, dest=dest, tag=tag), buffer
+
+
+def recv(comm, array, source, tag):
+    """Receive into ``array`` (contiguous) from ``source``."""
+    buffer, back = _for_mpi(array)
+    comm.Recv(buffer, source=source, tag=tag)
+    if back:
+        back()
+    return array
+
+
 def sum_float64(comm, values):
     """Sum a few host scalars over ``comm`` (metrics, evaluation counts)."""
     buffer = np.asarray(values, dtype=np.float64).copy()

@@ -17,13 +17,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-STRATEGIES = ("auto", "local", "allreduce", "ps-sync", "ps-async")
+STRATEGIES = ("auto", "local", "allreduce", "ps-sync", "ps-async", "pipeline")
 PS_STRATEGIES = ("ps-sync", "ps-async")
 OPTIMIZER_NAMES = ("adam", "sgd")
 DEVICES = ("auto", "cpu", "gpu")
 DTYPES = ("float32", "float64")
 PROGRESS = ("auto", "bar", "lines", "none")
 REPLICATIONS = ("between-graph", "in-graph")
+SCHEDULES = ("1f1b", "gpipe")
 
 
 def _field(default, help, choices=None):
@@ -36,9 +37,13 @@ class RunConfig:
 
     model: str = _field("mlp", "model from the zoo (see `python -m mpidist info --models`)")
     data: str = _field("digits", "dataset: an HDF5 file in the mpidist layout, or a bundled dataset's name")
-    strategy: str = _field("auto", "how workers share work: local, allreduce, ps-sync, ps-async; auto = local "
-                           "on one rank, ps-sync with --ps, else allreduce", STRATEGIES)
+    strategy: str = _field("auto", "how workers share work: local, allreduce, ps-sync, ps-async, pipeline; auto = "
+                           "local on one rank, ps-sync with --ps, pipeline with --stages, else allreduce", STRATEGIES)
     ps: int = _field(0, "parameter-server ranks, for the ps strategies")
+    stages: int = _field(1, "pipeline: ranks per model replica, each holding consecutive layers")
+    micro_batches: int = _field(4, "pipeline: micro-batches each replica's batch is cut into")
+    schedule: str = _field("1f1b", "pipeline: 1f1b (at most P micro-batches in flight) or gpipe (all M)", SCHEDULES)
+    balance: str = _field("", "pipeline: layers per stage, e.g. 3,3 ('' = balance by parameters)")
     staleness: int = _field(-1, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound)")
     replication: str = _field("between-graph", "between-graph: every worker reads its own shard; in-graph: the "
                               "chief reads the data and scatters each batch", REPLICATIONS)
@@ -116,6 +121,9 @@ class RunConfig:
         if self.aggregate and self.aggregate < workers and self.checkpoint_every:
             raise UsageError("--checkpoint-every is not available with backup workers (--aggregate below the "
                              "worker count); one checkpoint is written at the end of training")
+        if self.replication == "in-graph" and self.strategy == "pipeline":
+            raise UsageError("--replication in-graph does not combine with --strategy pipeline (its first and last "
+                             "stages read the data)")
         if self.replication == "in-graph" and (self.strategy == "ps-async" or 0 < self.aggregate < workers):
             raise UsageError("--replication in-graph feeds every worker at each step in lock-step; it does not "
                              "combine with workers that run independently (ps-async, --aggregate below the "
@@ -123,6 +131,20 @@ class RunConfig:
         if self.strategy == "ps-async" and self.checkpoint_every:
             raise UsageError("--checkpoint-every is not available with ps-async (its optimizer state lives on "
                              "the ps ranks mid-step); it writes one checkpoint at the end of training")
+        if self.stages < 1 or self.micro_batches < 1:
+            raise UsageError(f"--stages and --micro-batches must be at least 1, got {self.stages} and "
+                             f"{self.micro_batches}")
+        if (self.stages > 1 or self.balance) and self.strategy not in ("pipeline", "auto"):
+            raise UsageError(f"--stages / --balance apply to --strategy pipeline, not {self.strategy}")
+        if self.strategy == "pipeline" or self.stages > 1:
+            if world_size % self.stages:
+                raise UsageError(f"--stages {self.stages} does not divide the {world_size} ranks (ranks = stages x "
+                                 "data-parallel replicas)")
+            replicas = world_size // self.stages
+            if self.batch_size // replicas < self.micro_batches:
+                raise UsageError(f"--batch-size {self.batch_size} over {replicas} replica(s) leaves "
+                                 f"{self.batch_size // replicas} samples per replica, fewer than "
+                                 f"--micro-batches {self.micro_batches}")
         if self.strategy == "local" and world_size > 1:
             raise UsageError(f"--strategy local runs on one rank, got {world_size} ranks "
                              "(use --strategy allreduce, or mpiexec -n 1)")
@@ -133,7 +155,8 @@ class RunConfig:
         """A copy whose ``auto`` strategy is resolved for ``world_size`` ranks."""
         if self.strategy != "auto":
             return self
-        chosen = "ps-sync" if self.ps else "local" if world_size == 1 else "allreduce"
+        chosen = ("ps-sync" if self.ps else "pipeline" if self.stages > 1 else
+                  "local" if world_size == 1 else "allreduce")
         return dataclasses.replace(self, strategy=chosen)
 
 

@@ -53,11 +53,43 @@ def find_resume(config):
     return checkpoint.load(path)
 
 
+def data_layout(config, cluster):
+    """``(data-parallel workers, this rank's index among them)``: whose shard this rank reads.
+
+    A pipeline's ``P`` stages of one replica read the same shard (the first
+    stage uses its samples, the last its labels).
+    """
+    if config.strategy == "pipeline":
+        return cluster.size // config.stages, cluster.rank // config.stages
+    return cluster.num_workers, cluster.worker_index
+
+
+def parse_balance(config, model):
+    """``--balance`` as layers per stage, checked against the model; None to balance by parameters."""
+    names = ", ".join(repr(layer) for layer in model.layers)
+    if len(model.layers) < config.stages:
+        raise UsageError(f"--stages {config.stages} needs at least {config.stages} layers, but --model "
+                         f"{config.model} has {len(model.layers)}: {names}")
+    if not config.balance:
+        return None
+    try:
+        sizes = [int(part) for part in config.balance.split(",")]
+    except ValueError:
+        raise UsageError(f"--balance {config.balance!r}: give layers per stage as integers, e.g. 3,3") from None
+    if len(sizes) != config.stages or sum(sizes) != len(model.layers) or min(sizes) < 1:
+        raise UsageError(f"--balance {config.balance} gives {len(sizes)} stages with {sum(sizes)} layers, but "
+                         f"--stages is {config.stages} and --model {config.model} has {len(model.layers)} layers "
+                         f"({names}); each stage needs at least one")
+    return sizes
+
+
 def prepare(config, cluster, xp):
     """Local set-up of one rank (no collectives)."""
     info = data.inspect(data.resolve(config.data))
     model = build_model_for(config, info, xp)
-    workers, worker = cluster.num_workers, cluster.worker_index
+    if config.strategy == "pipeline":
+        parse_balance(config, model)
+    workers, worker = data_layout(config, cluster)
     in_graph = config.replication == "in-graph"
     # in-graph: global batches come from one reader, so an epoch is the whole split's worth of them
     steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, workers)
@@ -110,6 +142,9 @@ def make_strategy(config, setup, cluster, xp):
         options["staleness"] = None if config.staleness < 0 else config.staleness
     if cls is BackupWorkersStrategy:
         options.update(aggregate=config.aggregate, total_steps=total_steps(config, setup))
+    if config.strategy == "pipeline":
+        options.update(stages=config.stages, micro_batches=config.micro_batches, schedule_name=config.schedule,
+                       balance=parse_balance(config, setup.model), global_batch=config.batch_size)
     return cls(setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer, cluster, seed=config.seed,
                bucket_bytes=int(config.bucket_mb * (1 << 20)), **options)
 
@@ -124,6 +159,14 @@ def test_delay(worker):
         return 0.0
     index, seconds = spec.split(":")
     return float(seconds) if int(index) == worker else 0.0
+
+
+def layout_text(config, cluster):
+    """How the ranks are used, in words."""
+    if config.strategy == "pipeline":
+        return f"{config.stages} stages x {cluster.size // config.stages} replica(s) ({config.schedule}, " \
+               f"{config.micro_batches} micro-batches)"
+    return f"{cluster.num_workers} worker(s)" + (f" and {config.ps} ps" if config.ps else "")
 
 
 class _NoData:
@@ -150,7 +193,10 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
 
     strategy = make_strategy(config, setup, cluster, xp)
     shard = getattr(strategy, "shard_of", lambda rank: None)(cluster.rank)
-    table = cluster.table(device_label if shard is None else f"{device_label} shard [{shard[0]}, {shard[1]})")
+    place = f" shard [{shard[0]}, {shard[1]})" if shard else ""
+    if hasattr(strategy, "describe"):
+        place = " " + strategy.describe(cluster.rank)
+    table = cluster.table(device_label + place)
     resume = setup.resume
     strategy.initialize(resume)
 
@@ -159,8 +205,7 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
     if chief:
         stream.write(f"mpidist: {setup.info.name} ({setup.info.sizes['train']} train / {setup.info.sizes['test']} "
                      f"test), model {config.model} ({setup.model.num_params:,} parameters), strategy "
-                     f"{config.strategy} on {cluster.num_workers} worker(s)"
-                     f"{f' and {config.ps} ps' if config.ps else ''}, global batch {config.batch_size}, "
+                     f"{config.strategy} on {layout_text(config, cluster)}, global batch {config.batch_size}, "
                      f"{setup.steps_per_epoch} steps/epoch\n{table}\n")
         if hasattr(strategy, "imbalance"):
             stream.write(f"mpidist: parameter shards balanced to within {100 * strategy.imbalance:.2f}%\n")
@@ -219,7 +264,7 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
             batches = _NoData(setup.steps_per_epoch, skip)
         else:
             batches = data.train_batches(setup.train, setup.local_batch, setup.steps_per_epoch, config.seed, epoch,
-                                         cluster.worker_index, skip=skip)
+                                         data_layout(config, cluster)[1], skip=skip)
         epoch_step = skip
         try:
             for x, y in batches:
@@ -272,8 +317,7 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
     log.write("done", **final)
     log.close()
     rows = [("dataset", f"{setup.info.name} ({setup.info.path})"), ("model", config.model),
-            ("strategy", f"{config.strategy} on {cluster.num_workers} worker(s)"
-                         f"{f' and {config.ps} ps' if config.ps else ''}"),
+            ("strategy", f"{config.strategy} on {layout_text(config, cluster)}"),
             ("steps", f"{step} ({epoch + 1} epochs)"), ("final train loss", f"{last_loss:.4f}"),
             ("test loss", f"{test_loss:.4f}"), ("test accuracy", f"{100 * accuracy:.2f}%"),
             ("training time", f"{elapsed:.2f} s"), ("throughput", f"{samples_per_s:,.0f} samples/s")]

@@ -94,6 +94,25 @@ def test_in_graph_replication_on_any_rank_count_equals_one_process(tmp_path):
         np.testing.assert_allclose(params[name], params["local"], rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("ranks,flags", [
+    (2, ["--stages", "2", "--micro-batches", "8", "--schedule", "1f1b"]),
+    (2, ["--stages", "2", "--micro-batches", "8", "--schedule", "gpipe"]),
+    (4, ["--stages", "2", "--micro-batches", "8"]),             # hybrid: 2 replicas of 2 stages
+    (4, ["--stages", "4", "--micro-batches", "8"]),
+])
+def test_pipeline_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, flags):
+    done, _ = mpidist(ranks, "train", "--strategy", "pipeline", *flags, "--metrics", str(tmp_path / "m.jsonl"),
+                      "--progress", "none", timeout=120)
+    assert done.returncode == 0, done.stderr
+    final = events(tmp_path / "m.jsonl")[-1]
+    assert final["test_accuracy"] >= STATED_ACCURACY
+    stages = int(flags[1])
+    roles = final["roles"]
+    assert sorted({r["stage"] for r in roles}) == list(range(stages))
+    peak_bound = 8 if "gpipe" in flags else stages
+    assert all(r["peak_activations"] <= peak_bound for r in roles)
+
+
 def test_metrics_are_appended_not_overwritten(tmp_path):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"event": "mine"}\n')
@@ -141,6 +160,11 @@ BAD_INPUTS = {
                                   "--aggregate 9 is more than the"),
     "in-graph with ps-async": (lambda p: ["--strategy", "ps-async", "--ps", "1", "--replication", "in-graph"],
                                "--replication in-graph feeds every worker"),
+    "balance that does not fit the model": (lambda p: ["--strategy", "pipeline", "--stages", "2", "--balance", "3,2"],
+                                            "--balance 3,2 gives 2 stages with 5 layers, but --stages is 2 and "
+                                            "--model mlp has 6 layers"),
+    "stages that do not divide the ranks": (lambda p: ["--strategy", "pipeline", "--stages", "3"],
+                                            "--stages 3 does not divide the"),
     "unwritable metrics file": (lambda p: ["--metrics", "/proc/mpidist/m.jsonl"], "--metrics /proc/mpidist"),
 }
 

@@ -33,3 +33,10 @@ def test_every_zoo_model_is_documented():
 def test_the_stated_accuracy_is_the_one_the_tests_assert():
     from test_cli import STATED_ACCURACY
     assert f"at least {STATED_ACCURACY:.0%} test accuracy" in README
+
+
+def test_the_schedule_pictures_are_what_the_schedule_functions_draw():
+    from mpidist.parallel.schedule import render
+    for name in ("gpipe", "1f1b"):
+        picture = "\n".join("    " + line for line in render(name, 4, 8).splitlines())
+        assert f"    {name}\n{picture}\n" in README

@@ -29,6 +29,8 @@ class Conv2D(Layer):
         padding: zero padding on each side; ``"same"`` keeps ``H, W`` at stride 1.
     """
 
+    cache = ("cols", "padded_shape")
+
     def __init__(self, filters, kernel=3, stride=1, padding="same"):
         super().__init__()
         self.filters, self.kernel, self.stride = int(filters), int(kernel), int(stride)
@@ -64,12 +66,17 @@ class Conv2D(Layer):
         y = self.cols @ w.T + self.params["b"]
         return y.reshape(n, ho, wo, self.filters).transpose(0, 3, 1, 2)
 
-    def backward(self, dy):
-        xp, k, s, p = self.xp, self.kernel, self.stride, self.padding
-        n, f, ho, wo = dy.shape
+    def backward_params(self, dy):
+        xp, n, f, ho, wo = self.xp, *dy.shape
         dy_cols = dy.transpose(0, 2, 3, 1).reshape(n * ho * wo, f)
         xp.matmul(dy_cols.T, self.cols, out=self.grads["W"].reshape(f, -1))
         xp.sum(dy_cols, axis=0, out=self.grads["b"])
+        return dy_cols
+
+    def backward(self, dy):
+        xp, k, s, p = self.xp, self.kernel, self.stride, self.padding
+        n, f, ho, wo = dy.shape
+        dy_cols = self.backward_params(dy)
         dcols = (dy_cols @ self.params["W"].reshape(f, -1)).reshape(n, ho, wo, self.in_channels, k, k)
         dx = xp.zeros(self.padded_shape, dtype=dy.dtype)
         for i in range(k):
@@ -88,6 +95,8 @@ class MaxPool2D(Layer):
     Rows and columns past the last whole window are dropped; ties send the
     gradient to the first maximum only, so gradients match finite differences.
     """
+
+    cache = ("argmax",)
 
     def __init__(self, size=2):
         super().__init__()

@@ -19,7 +19,13 @@ class ShapeError(ValueError):
 
 
 class Layer:
-    """Base class: no parameters, shape-preserving."""
+    """Base class: no parameters, shape-preserving.
+
+    ``cache`` names the attributes ``forward`` leaves for ``backward``; a
+    pipeline stashes them per micro-batch (:meth:`Sequential.stash`).
+    """
+
+    cache = ()
 
     def __init__(self):
         self.params = {}
@@ -40,12 +46,18 @@ class Layer:
     def backward(self, dy):
         raise NotImplementedError
 
+    def backward_params(self, dy):
+        """Fill the parameter gradients only (the first layer's input gradient is never used)."""
+        self.backward(dy)
+
     def __repr__(self):
         return f"{type(self).__name__}()"
 
 
 class Dense(Layer):
     """Fully connected: ``(N, in) -> (N, units)``, ``y = x W + b``."""
+
+    cache = ("x",)
 
     def __init__(self, units, init="he"):
         super().__init__()
@@ -71,10 +83,13 @@ class Dense(Layer):
         return x @ self.params["W"] + self.params["b"]
 
     def backward(self, dy):
+        self.backward_params(dy)
+        return dy @ self.params["W"].T
+
+    def backward_params(self, dy):
         xp = self.xp
         xp.matmul(self.x.T, dy, out=self.grads["W"])
         xp.sum(dy, axis=0, out=self.grads["b"])
-        return dy @ self.params["W"].T
 
     def __repr__(self):
         return f"Dense({self.units})"
@@ -100,6 +115,8 @@ class Flatten(Layer):
 class ReLU(Layer):
     """``max(x, 0)`` elementwise."""
 
+    cache = ("mask",)
+
     def forward(self, x, training=False):
         self.mask = x > 0
         return x * self.mask
@@ -110,6 +127,8 @@ class ReLU(Layer):
 
 class Tanh(Layer):
     """``tanh(x)`` elementwise."""
+
+    cache = ("y",)
 
     def forward(self, x, training=False):
         self.y = self.xp.tanh(x)
@@ -125,6 +144,8 @@ class Dropout(Layer):
     Its random stream is set per step by :meth:`Sequential.reseed`, so a run
     resumed at step ``s`` draws the same masks as an uninterrupted one.
     """
+
+    cache = ("mask",)
 
     def __init__(self, rate):
         super().__init__()

@@ -14,6 +14,8 @@ class SoftmaxCrossEntropy:
     ``logits (N, K)``, ``labels (N,)`` ints in ``[0, K)``.
     """
 
+    cache = ("probs", "labels")
+
     def __init__(self, xp):
         self.xp = xp
 
@@ -42,6 +44,8 @@ class MeanSquaredError:
 
     ``pred (N, K)``, ``target (N, K)`` or ``(N,)`` when ``K == 1``.
     """
+
+    cache = ("diff",)
 
     def __init__(self, xp):
         self.xp = xp

@@ -24,9 +24,11 @@ class Sequential:
         self.layers, self.xp, self.dtype = list(layers), xp, np.dtype(dtype)
         self.input_shape = tuple(int(d) for d in input_shape)
         self.entries = []  # (layer, name, offset, shape, initialiser)
+        self.shapes = []   # input shape of each layer
         shape, offset = self.input_shape, 0
         for index, layer in enumerate(self.layers):
             layer.xp = xp
+            self.shapes.append(tuple(shape))
             try:
                 shape = layer.build(shape)
             except ShapeError as err:
@@ -70,6 +72,25 @@ class Sequential:
             host[lo:lo + int(np.prod(pshape))] = np.asarray(initialiser(rng, pshape)).ravel()
         self.params[...] = self.xp.asarray(host)
 
+    def layer_params(self, index):
+        """Number of parameters of layer ``index``."""
+        layer = self.layers[index]
+        return sum(int(np.prod(pshape)) for owner, _, _, pshape, _ in self.entries if owner is layer)
+
+    def stash(self, extra=()):
+        """What every layer's ``forward`` left for ``backward`` (and ``extra`` objects'), to restore later.
+
+        A pipeline keeps one stash per micro-batch in flight: these are the
+        activations a stage holds.
+        """
+        return [{name: getattr(obj, name) for name in obj.cache} for obj in (*self.layers, *extra)]
+
+    def restore(self, stash, extra=()):
+        """Put back a :meth:`stash` before the matching ``backward``."""
+        for obj, saved in zip((*self.layers, *extra), stash):
+            for name, value in saved.items():
+                setattr(obj, name, value)
+
     def reseed(self, *key):
         """Give every random layer a fresh stream derived from ``key`` (e.g. seed, worker, step)."""
         for index, layer in enumerate(self.layers):
@@ -84,8 +105,18 @@ class Sequential:
             x = layer.forward(x, training)
         return x
 
-    def backward(self, dy):
-        """Back-propagate ``dy`` and fill ``grads``; returns the input gradient."""
-        for layer in reversed(self.layers):
+    def backward(self, dy, input_grad=True):
+        """Back-propagate ``dy`` and fill ``grads``; returns the input gradient.
+
+        With ``input_grad=False`` the first layer skips its input gradient
+        (returns None): nobody uses it when the input is data, and it costs a
+        whole matrix product (a col2im for convolutions).
+        """
+        for layer in reversed(self.layers[1:]):
             dy = layer.backward(dy)
-        return dy
+        if not self.layers:
+            return dy
+        if input_grad:
+            return self.layers[0].backward(dy)
+        self.layers[0].backward_params(dy)
+        return None

@@ -83,7 +83,7 @@ class Strategy:
         model.reseed(self.seed, self.worker_index, step)
         out = model.forward(x, training=True)
         loss = self.loss.forward(out, y)
-        model.backward(self.loss.backward(scale=weight))
+        model.backward(self.loss.backward(scale=weight), input_grad=False)
         return loss
 
     def evaluate(self, batches):

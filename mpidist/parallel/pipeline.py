@@ -1,0 +1,258 @@
+"""``pipeline``: a model's layers split into stages on consecutive ranks.
+
+With ``N = P x D`` ranks there are ``D`` replicas of a ``P``-stage pipeline:
+rank ``r`` is stage ``r % P`` of replica ``r // P``.  Each step, the replica's
+batch is cut into ``M`` micro-batches that flow forward as activations and
+backward as gradients (``Isend``/``Recv`` of contiguous buffers, tagged with
+the micro-batch and direction) in the order the schedule
+(:mod:`mpidist.parallel.schedule`) gives each stage.  A stage keeps one
+stash of layer caches per micro-batch in flight -- the activations it holds --
+and adds each micro-batch's gradients into one buffer.  Then stage ``k``
+sums its gradients with stage ``k`` of the other replicas (``Allreduce`` on a
+per-stage communicator) and applies the optimizer to its own parameters.
+
+Each micro-batch's loss is weighted by its share of the global batch, so the
+summed gradients are the global-batch mean: a pipeline step equals a local
+step on the same batch.  A stage's parameters are a contiguous slice of the
+whole model's flat buffer, so initialisation and checkpoints stay whole.
+"""
+
+import math
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import comm as mpi
+from ..nn import Sequential
+from ..xp import to_host
+from .base import Strategy
+from .schedule import schedule
+
+
+def balance_by_parameters(costs, stages):
+    """Layers per stage, contiguous and non-empty, minimising the largest stage's cost.
+
+    >>> balance_by_parameters([1, 1, 1, 10], 2)
+    [3, 1]
+    """
+    count = len(costs)
+    if not 1 <= stages <= count:
+        raise ValueError(f"{stages} stages need at least {stages} layers, the model has {count}")
+    prefix = np.concatenate([[0], np.cumsum(costs)])
+    # best[s][i]: smallest max-cost splitting the first i layers into s stages
+    best = np.full((stages + 1, count + 1), np.inf)
+    cut = np.zeros((stages + 1, count + 1), dtype=int)
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, count + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    sizes, i = [], count
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        sizes.append(int(i - j))
+        i = j
+    return sizes[::-1]
+
+
+def layer_costs(model):
+    """Cost of each layer for balancing: its parameters, plus one so no stage is empty of work."""
+    return [model.layer_params(index) + 1 for index in range(len(model.layers))]
+
+
+def split_sizes(total, parts):
+    """``parts`` near-equal positive sizes adding up to ``total``."""
+    return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
+
+
+class PipelineStrategy(Strategy):
+    """Pipeline parallelism, optionally replicated for data parallelism.
+
+    Args:
+        stages: ``P``, ranks per pipeline.
+        micro_batches: ``M``, micro-batches per step.
+        schedule_name: "gpipe" or "1f1b".
+        balance: layers per stage, or None to balance by parameters.
+        global_batch: the global batch size (micro-batch weights).
+    """
+
+    name = "pipeline"
+
+    def __init__(self, *args, stages, micro_batches, schedule_name, balance=None, global_batch, **kwargs):
+        super().__init__(*args, **kwargs)
+        full, cluster = self.model, self.cluster
+        world = cluster.world
+        self.full = full
+        self.stages, self.micro_batches, self.schedule_name = int(stages), int(micro_batches), schedule_name
+        self.global_batch = int(global_batch)
+        self.replica, self.stage = divmod(cluster.rank, self.stages)
+        self.replicas = cluster.size // self.stages
+        self.balance = list(balance) if balance else balance_by_parameters(layer_costs(full), self.stages)
+        starts = np.concatenate([[0], np.cumsum(self.balance)]).astype(int)
+        self.first_layer, self.end_layer = int(starts[self.stage]), int(starts[self.stage + 1])
+        self.param_lo = sum(full.layer_params(i) for i in range(self.first_layer))
+        self.in_shape = full.shapes[self.first_layer]
+        self.out_shape = full.shapes[self.end_layer] if self.end_layer < len(full.layers) else full.output_shape
+        self.model = Sequential(full.layers[self.first_layer:self.end_layer], self.in_shape, xp=full.xp,
+                                dtype=full.dtype)
+        self.param_hi = self.param_lo + self.model.num_params
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
+        self.pipe = world.Split(self.replica, key=self.stage)      # this replica's stages
+        self.peers = world.Split(self.stage, key=self.replica)     # this stage in every replica
+        self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
+        self.optimizer = self.make_optimizer(self.model.num_params) if self.make_optimizer else None
+        self.plan = schedule(schedule_name, self.stage, self.stages, self.micro_batches)
+        self.figures = {"steps": 0, "pipeline_s": 0.0, "idle_s": 0.0, "peak_activations": 0}
+
+    @property
+    def worker_index(self):
+        return self.replica
+
+    def describe(self, rank):
+        """Role-table text for this rank."""
+        return (f"stage {self.stage}/{self.stages} layers {self.first_layer}-{self.end_layer - 1}"
+                + (f" replica {self.replica}" if self.replicas > 1 else ""))
+
+    def initialize(self, checkpoint=None):
+        cluster = self.cluster
+        whole = np.zeros(self.full.num_params, dtype=self.full.dtype)
+        if cluster.is_chief:
+            if checkpoint is None:
+                self.full.init_params(self.seed)
+                whole[...] = to_host(self.full.params)
+            else:
+                whole[...] = checkpoint.params
+        mpi.bcast(cluster.world, whole, root=cluster.chief_rank)
+        self.model.params[...] = self.model.xp.asarray(whole[self.param_lo:self.param_hi])
+        if checkpoint is not None and self.optimizer is not None:
+            state = {name: array[self.param_lo:self.param_hi] for name, array in checkpoint.optimizer_state.items()}
+            self.optimizer.load_state(state, checkpoint.optimizer_steps)
+
+    def _recv(self, shape, source, tag):
+        buffer = self.model.xp.empty(shape, dtype=self.model.dtype)
+        start = time.perf_counter()
+        mpi.recv(self.pipe, buffer, source, tag)
+        self.figures["idle_s"] += time.perf_counter() - start
+        return buffer
+
+    def train_step(self, x, y, weight, step):
+        xp, model = self.model.xp, self.model
+        sizes = split_sizes(len(x), self.micro_batches)
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        parts = [slice(int(offsets[i]), int(offsets[i + 1])) for i in range(self.micro_batches)]
+        inputs, outputs, stashes, grads_in, grads_out, sends = {}, {}, {}, {}, {}, []
+        self.accumulated[...] = 0
+        loss_sum, held = 0.0, 0
+        start = time.perf_counter()
+        for op, i in self.plan:
+            if op == "recv_fwd":
+                inputs[i] = self._recv((sizes[i],) + self.in_shape, self.stage - 1, 2 * i)
+            elif op == "fwd":
+                model.reseed(self.seed, self.replica, step, i)
+                out = model.forward(x[parts[i]] if self.is_first else inputs.pop(i), training=True)
+                if self.is_last:
+                    loss_sum += float(self.loss.forward(out, y[parts[i]])) * sizes[i] / self.global_batch
+                    stashes[i] = model.stash([self.loss])
+                else:
+                    stashes[i] = model.stash()
+                    outputs[i] = xp.ascontiguousarray(out)
+                held += 1
+                self.figures["peak_activations"] = max(self.figures["peak_activations"], held)
+            elif op == "send_fwd":
+                sends.append(mpi.isend(self.pipe, outputs.pop(i), self.stage + 1, 2 * i))
+            elif op == "recv_bwd":
+                grads_in[i] = self._recv((sizes[i],) + self.out_shape, self.stage + 1, 2 * i + 1)
+            elif op == "bwd":
+                if self.is_last:
+                    model.restore(stashes.pop(i), [self.loss])
+                    dy = self.loss.backward(scale=sizes[i] / self.global_batch)
+                else:
+                    model.restore(stashes.pop(i))
+                    dy = grads_in.pop(i)
+                dx = model.backward(dy, input_grad=not self.is_first)
+                self.accumulated[:-1] += model.grads
+                held -= 1
+                if not self.is_first:
+                    grads_out[i] = xp.ascontiguousarray(dx)
+            elif op == "send_bwd":
+                sends.append(mpi.isend(self.pipe, grads_out.pop(i), self.stage - 1, 2 * i + 1))
+        waited = time.perf_counter()
+        MPI.Request.Waitall([request for request, _ in sends])
+        self.figures["idle_s"] += time.perf_counter() - waited
+        self.figures["pipeline_s"] += time.perf_counter() - start
+        self.figures["steps"] += 1
+        self.accumulated[-1] = loss_sum
+        if self.replicas > 1:
+            mpi.allreduce_sum(self.peers, self.accumulated)
+        self.optimizer.step(model.params, self.accumulated[:-1])
+        return self._loss_to_chief(float(self.accumulated[-1]))
+
+    def _loss_to_chief(self, value):
+        """The last stage of replica 0 holds the global figure; the chief (rank 0) needs it."""
+        cluster, last = self.cluster, self.stages - 1
+        if last == cluster.chief_rank:
+            return value
+        box = np.array([value])
+        if cluster.rank == last:
+            cluster.world.Send(box, dest=cluster.chief_rank, tag=77)
+        elif cluster.is_chief:
+            cluster.world.Recv(box, source=last, tag=77)
+        return float(box[0]) if cluster.is_chief or self.is_last else math.nan
+
+    def evaluate(self, batches):
+        """Forward-only pipeline over this replica's test chunks; the chief gets the totals."""
+        totals = np.zeros(3)
+        for x, y in batches:
+            x = self.model.xp.asarray(x)
+            inp = x if self.is_first else self._recv((len(x),) + self.in_shape, self.stage - 1, 0)
+            out = self.model.forward(inp, training=False)
+            if self.is_last:
+                y = self.model.xp.asarray(y)
+                totals += (float(self.loss.forward(out, y)) * len(x), float(self.loss.correct(out, y)), len(x))
+            else:
+                request, _ = mpi.isend(self.pipe, self.model.xp.ascontiguousarray(out), self.stage + 1, 0)
+                request.Wait()
+        if self.is_last and self.replicas > 1:
+            totals = mpi.sum_float64(self.peers, totals)
+        cluster, last = self.cluster, self.stages - 1
+        if last != cluster.chief_rank:
+            if cluster.rank == last:
+                cluster.world.Send(totals, dest=cluster.chief_rank, tag=78)
+            elif cluster.is_chief:
+                cluster.world.Recv(totals, source=last, tag=78)
+        loss_sum, correct, count = totals
+        return loss_sum / max(count, 1), correct / max(count, 1), int(count)
+
+    def state(self):
+        """Collective: replica 0's stages send their slices to the chief."""
+        cluster, full = self.cluster, self.full
+        counts = np.zeros(cluster.size, dtype=np.int64)
+        displs = np.zeros(cluster.size, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(self.balance)]).astype(int)
+        offsets = [sum(full.layer_params(i) for i in range(int(a))) for a in starts]
+        for stage in range(self.stages):   # world ranks 0..P-1 are replica 0's stages
+            counts[stage], displs[stage] = offsets[stage + 1] - offsets[stage], offsets[stage]
+        arrays = {"params": to_host(self.model.params)}
+        arrays.update({name: to_host(a) for name, a in self.optimizer.state_arrays().items()})
+        whole = {}
+        for name, part in arrays.items():
+            target = np.zeros(full.num_params, dtype=full.dtype) if cluster.is_chief else None
+            send = part if self.replica == 0 else part[:0]
+            whole[name] = mpi.gatherv(cluster.world, send, target, counts, displs, cluster.chief_rank)
+        if not cluster.is_chief:
+            return None
+        params = whole.pop("params")
+        return params, whole, self.optimizer.steps
+
+    def stats(self):
+        f = self.figures
+        return {"stage": self.stage, "replica": self.replica, "layers": [self.first_layer, self.end_layer],
+                "peak_activations": f["peak_activations"],
+                "bubble": f["idle_s"] / f["pipeline_s"] if f["pipeline_s"] else 0.0}
+
+    def close(self):
+        self.pipe.Free()
+        self.peers.Free()

@@ -1,0 +1,127 @@
+"""Pipeline parallelism: a pipeline step equals a local step on the same batch."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist import nn
+from mpidist.checkpoint import Checkpoint
+from mpidist.cluster import build_cluster
+from mpidist.parallel import LocalStrategy, PipelineStrategy
+from mpidist.parallel.pipeline import balance_by_parameters, layer_costs, split_sizes
+from test_parallel import small_convnet, worker_slice
+
+
+def test_balance_minimises_the_largest_stage():
+    costs = [0, 8320, 0, 16512, 0, 1290]
+    sizes = balance_by_parameters(costs, 2)                 # [2, 4] and [3, 3] tie at 16512 + 1290
+    assert max(sum(costs[:sizes[0]]), sum(costs[sizes[0]:])) == 16512 + 1290
+    assert balance_by_parameters([5, 5, 5, 5], 4) == [1, 1, 1, 1]
+    assert balance_by_parameters([1, 1, 1, 10], 2) == [3, 1]
+    sizes = balance_by_parameters(layer_costs(small_convnet(np.float32)), 3)
+    assert sum(sizes) == 7 and min(sizes) >= 1
+    with pytest.raises(ValueError, match="at least 5 layers"):
+        balance_by_parameters([1, 1, 1], 5)
+
+
+def test_micro_batches_split_the_batch_evenly():
+    assert split_sizes(10, 4) == [3, 3, 2, 2] and split_sizes(8, 8) == [1] * 8
+
+
+def run_pipeline(stages, micro_batches, schedule_name, optimizer="sgd", steps=3, balance=None):
+    world = MPI.COMM_WORLD
+    cluster = build_cluster(world)
+    replicas = world.Get_size() // stages
+    global_batch = micro_batches * replicas + 1                       # uneven on purpose
+    rng = np.random.default_rng(0)
+    xs = rng.random((steps, global_batch, 1, 6, 6))
+    ys = rng.integers(0, 4, (steps, global_batch))
+    make = lambda size: nn.make_optimizer(optimizer, size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
+    reference = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, seed=3)
+    reference.initialize()
+    strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3,
+                                stages=stages, micro_batches=micro_batches, schedule_name=schedule_name,
+                                balance=balance, global_batch=global_batch)
+    strategy.initialize()
+    part = worker_slice(global_batch, replicas, strategy.replica)
+    for step in range(steps):
+        loss = strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
+        expected = reference.train_step(xs[step], ys[step], 1.0, step)
+        if cluster.is_chief:
+            assert np.isclose(loss, expected, rtol=1e-9)
+    return cluster, strategy, reference
+
+
+def fits(stages):
+    size = MPI.COMM_WORLD.Get_size()
+    if size % stages:
+        pytest.skip(f"{stages} stages do not divide {size} ranks")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro_batches", [(2, 1), (2, 3), (2, 8), (4, 4), (4, 9)])
+def test_a_pipeline_step_equals_a_local_step(schedule_name, stages, micro_batches):
+    fits(stages)
+    cluster, strategy, reference = run_pipeline(stages, micro_batches, schedule_name, optimizer="adam")
+    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.param_lo:strategy.param_hi],
+                               rtol=1e-9, atol=1e-12)
+    assert not np.allclose(reference.model.params, small_convnet(np.float64).params)
+    peak = strategy.stats()["peak_activations"]
+    assert peak <= (micro_batches if schedule_name == "gpipe" else min(stages - strategy.stage, micro_batches))
+    strategy.close()
+    cluster.free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+def test_hybrid_replicas_of_a_pipeline_equal_local_training_on_the_global_batch(schedule_name):
+    fits(2)
+    cluster, strategy, reference = run_pipeline(2, 4, schedule_name)
+    assert strategy.replicas == MPI.COMM_WORLD.Get_size() // 2 >= 2
+    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.param_lo:strategy.param_hi],
+                               rtol=1e-9, atol=1e-12)
+    strategy.close()
+    cluster.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_explicit_balance_places_the_layers_and_checkpoints_stay_whole():
+    fits(2)
+    cluster, strategy, reference = run_pipeline(2, 2, "1f1b", optimizer="adam", balance=[5, 2])
+    assert (strategy.first_layer, strategy.end_layer) == ((0, 5) if strategy.stage == 0 else (5, 7))
+    state = strategy.state()
+    if cluster.is_chief:
+        params, arrays, steps = state
+        np.testing.assert_allclose(params, reference.model.params, rtol=1e-9)
+        np.testing.assert_allclose(arrays["m"], reference.optimizer.state_arrays()["m"], rtol=1e-9, atol=1e-15)
+        assert steps == 3
+    whole = MPI.COMM_WORLD.bcast(state, root=0)
+    resumed = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np),
+                               lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64),
+                               cluster, seed=3, stages=2, micro_batches=2, schedule_name="1f1b", balance=[5, 2],
+                               global_batch=5)
+    resumed.initialize(Checkpoint(path=None, params=whole[0], optimizer_state=whole[1], optimizer_steps=whole[2],
+                                  step=3, epoch=0, epoch_step=3, config={}))
+    np.testing.assert_array_equal(resumed.model.params, strategy.model.params)
+    np.testing.assert_array_equal(resumed.optimizer.state_arrays()["v"], strategy.optimizer.state_arrays()["v"])
+    resumed.close()
+    strategy.close()
+    cluster.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipelined_evaluation_counts_every_test_sample_once():
+    fits(2)
+    cluster, strategy, reference = run_pipeline(2, 2, "1f1b")
+    rng = np.random.default_rng(5)
+    x, y = rng.random((30, 1, 6, 6)), rng.integers(0, 4, 30)
+    replicas, replica = strategy.replicas, strategy.replica
+    loss, accuracy, count = strategy.evaluate([(x[replica::replicas], y[replica::replicas])])
+    if cluster.is_chief:
+        out = reference.model.forward(x)
+        assert count == 30
+        assert np.isclose(loss, float(nn.SoftmaxCrossEntropy(np).forward(out, y)), rtol=1e-9)
+        assert np.isclose(accuracy, (out.argmax(axis=1) == y).mean())
+    strategy.close()
+    cluster.free()
