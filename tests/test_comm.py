@@ -95,3 +95,21 @@ def test_device_arrays_are_staged_through_the_host_when_mpi_is_not_cuda_aware(mo
         np.testing.assert_array_equal(array.host, [1.0] * 3)
     finally:
         comm.cuda_aware.cache_clear()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_point_to_point_staging_sends_and_receives_device_arrays_through_the_host(monkeypatch):
+    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "0")
+    comm.cuda_aware.cache_clear()
+    try:
+        world = MPI.COMM_WORLD
+        rank, size = world.Get_rank(), world.Get_size()
+        outgoing = FakeDeviceArray(np.arange(4.0) + 10 * rank)
+        request, staged = comm.isend(world, outgoing, (rank + 1) % size, tag=5)
+        assert isinstance(staged, np.ndarray)                # a host copy travels, kept alive by the caller
+        incoming = FakeDeviceArray(np.zeros(4))
+        comm.recv(world, incoming, (rank - 1) % size, tag=5)
+        request.Wait()
+        np.testing.assert_array_equal(incoming.host, np.arange(4.0) + 10 * ((rank - 1) % size))
+    finally:
+        comm.cuda_aware.cache_clear()
