@@ -28,14 +28,13 @@ from mpi4py import MPI
 from .. import comm as mpi
 from ..cluster import PS
 from ..xp import is_device_array, to_host
-from .base import Strategy
-from .shards import imbalance, shard_bounds
+from .shards import ShardedStrategy
 
 TAG_NOTE, TAG_GRAD, TAG_PARAMS = 11, 12, 13
 ACCEPTED, STALE = 1, 2
 
 
-class BackupWorkersStrategy(Strategy):
+class BackupWorkersStrategy(ShardedStrategy):
     """ps-sync where each step aggregates the first ``aggregate`` gradients.
 
     Args:
@@ -57,15 +56,13 @@ class BackupWorkersStrategy(Strategy):
             raise ValueError(f"aggregate {aggregate} must be between 1 and {cluster.num_workers} workers")
         if self.total_steps >= 1 << 24:   # versions travel in the model's float buffers
             raise ValueError(f"{total_steps} steps is more than backup-worker mode counts exactly")
-        self.ps_ranks = [rank for rank, role in enumerate(cluster.roles) if role == PS]
+        self.shard(n)
         self.worker_ranks = [rank for rank, role in enumerate(cluster.roles) if role != PS]
-        self.bounds = shard_bounds(n, len(self.ps_ranks))
         self.host_params = np.zeros(n, dtype=model.dtype)
         self.host_grads = np.zeros(n, dtype=model.dtype)
         if not is_device_array(model.params):
             model.bind_params(self.host_params)
             model.bind_grads(self.host_grads)
-        self.lo, self.hi = (self.bounds[self.ps_ranks.index(cluster.rank)] if cluster.role == PS else (0, 0))
         self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
         # messages: worker -> ps [gradient shard, weight, weighted loss]; ps -> worker [param shard, version, loss]
         self.outbox = [np.zeros(hi - lo + 2, dtype=model.dtype) for lo, hi in self.bounds]
@@ -77,27 +74,8 @@ class BackupWorkersStrategy(Strategy):
     def serves(self):
         return not self.is_worker
 
-    @property
-    def imbalance(self):
-        return imbalance(self.bounds)
-
-    def shard_of(self, rank):
-        return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
-
     def initialize(self, checkpoint=None):
-        cluster, model = self.cluster, self.model
-        if cluster.is_chief:
-            if checkpoint is None:
-                model.init_params(self.seed)
-            else:
-                model.params[...] = model.xp.asarray(checkpoint.params)
-            self.host_params[...] = to_host(model.params)
-        mpi.bcast(cluster.world, self.host_params, root=cluster.chief_rank)
-        if is_device_array(model.params):
-            model.params[...] = model.xp.asarray(self.host_params)
-        if checkpoint is not None and self.optimizer is not None:
-            state = {name: array[self.lo:self.hi] for name, array in checkpoint.optimizer_state.items()}
-            self.optimizer.load_state(state, checkpoint.optimizer_steps)
+        self.broadcast_initial(self.host_params, checkpoint)
         if checkpoint is not None:
             self.version = int(checkpoint.step)
 
@@ -194,20 +172,7 @@ class BackupWorkersStrategy(Strategy):
             self.model.params[...] = self.model.xp.asarray(self.host_params)
 
     def state(self):
-        cluster, model = self.cluster, self.model
-        counts = np.zeros(cluster.size, dtype=np.int64)
-        displs = np.zeros(cluster.size, dtype=np.int64)
-        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
-            counts[rank], displs[rank] = hi - lo, lo
-        arrays = {}
-        for name, shard in self.optimizer.state_arrays().items():
-            full = np.zeros(model.num_params, dtype=model.dtype) if cluster.is_chief else None
-            arrays[name] = mpi.gatherv(cluster.world, to_host(shard), full, counts, displs, cluster.chief_rank)
-        steps = np.array([self.optimizer.steps], dtype=np.int64)
-        mpi.bcast(cluster.world, steps, root=self.ps_ranks[0])
-        if not cluster.is_chief:
-            return None
-        return self.host_params.copy(), arrays, int(steps[0])
+        return self.gather_state(self.host_params)
 
     def stats(self):
         if self.is_worker:

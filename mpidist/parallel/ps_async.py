@@ -27,11 +27,9 @@ import time
 import numpy as np
 
 from .. import comm as mpi
-from ..cluster import PS
 from ..rma import Window
 from ..xp import is_device_array, to_host
-from .base import Strategy
-from .shards import imbalance, shard_bounds
+from .shards import ShardedStrategy
 
 NEVER = np.iinfo(np.int64).max  # a finished worker's clock: it never holds anyone back
 POLL_SECONDS = 0.0002            # SSP wait between clock reads; first ps sleep when idle
@@ -146,7 +144,7 @@ class AsyncExchange:
             window.free()
 
 
-class PsAsyncStrategy(Strategy):
+class PsAsyncStrategy(ShardedStrategy):
     """Asynchronous parameter servers over one-sided MPI.
 
     Args:
@@ -161,18 +159,14 @@ class PsAsyncStrategy(Strategy):
         model, cluster = self.model, self.cluster
         n = model.num_params
         self.staleness = staleness
-        self.ps_ranks = [rank for rank, role in enumerate(cluster.roles) if role == PS]
-        if not self.ps_ranks:
-            raise ValueError("ps-async needs at least one ps rank")
-        self.bounds = shard_bounds(n, len(self.ps_ranks))
+        self.shard(n)
         # RMA reads and writes host memory: on the host the model's buffers are used directly
         self.host_params = np.zeros(n, dtype=model.dtype)
         self.host_grads = np.zeros(n, dtype=model.dtype)
         if not is_device_array(model.params):
             model.bind_params(self.host_params)
             model.bind_grads(self.host_grads)
-        self.lo, self.hi = (self.bounds[self.ps_ranks.index(cluster.rank)] if cluster.role == PS else (0, 0))
-        self.shard = np.zeros(self.hi - self.lo, dtype=model.dtype)
+        self.shard_params = np.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
         self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype)
         self.completed = 0
@@ -184,29 +178,12 @@ class PsAsyncStrategy(Strategy):
         """True on ps ranks: they run :meth:`serve` instead of training steps."""
         return not self.is_worker
 
-    @property
-    def imbalance(self):
-        return imbalance(self.bounds)
-
-    def shard_of(self, rank):
-        return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
-
     def initialize(self, checkpoint=None):
-        cluster, model = self.cluster, self.model
-        if cluster.is_chief:
-            if checkpoint is None:
-                model.init_params(self.seed)
-            else:
-                model.params[...] = model.xp.asarray(checkpoint.params)
-            self.host_params[...] = to_host(model.params)
-        mpi.bcast(cluster.world, self.host_params, root=cluster.chief_rank)
+        self.broadcast_initial(self.host_params, checkpoint)
         if not self.is_worker:
-            self.shard[...] = self.host_params[self.lo:self.hi]
-            self.exchange.publish(self.shard, cluster.rank)
-            if checkpoint is not None:
-                state = {name: array[self.lo:self.hi] for name, array in checkpoint.optimizer_state.items()}
-                self.optimizer.load_state(state, checkpoint.optimizer_steps)
-        cluster.world.Barrier()  # every shard published before any worker reads
+            self.shard_params[...] = self.host_params[self.lo:self.hi]
+            self.exchange.publish(self.shard_params, self.cluster.rank)
+        self.cluster.world.Barrier()  # every shard published before any worker reads
 
     def _wait_for_slowest(self):
         """Stale synchronous parallel: returns how far ahead of the slowest worker this one is."""
@@ -239,7 +216,7 @@ class PsAsyncStrategy(Strategy):
     def serve(self):
         """ps loop: apply what arrives until every worker has finished and the inbox is empty."""
         rank, workers = self.cluster.rank, self.cluster.num_workers
-        arrived = np.zeros_like(self.shard)
+        arrived = np.zeros_like(self.shard_params)
         pause = POLL_SECONDS
         while True:
             # Poll the 8-byte arrival count, not the inbox: taking a 2.7 MB inbox every
@@ -266,8 +243,8 @@ class PsAsyncStrategy(Strategy):
                 self._apply(arrived, rank)
 
     def _apply(self, gradient, rank):
-        self.optimizer.step(self.shard, gradient)
-        self.exchange.publish(self.shard, rank)
+        self.optimizer.step(self.shard_params, gradient)
+        self.exchange.publish(self.shard_params, rank)
         self.figures["updates"] += 1
 
     def finish(self):
@@ -285,25 +262,12 @@ class PsAsyncStrategy(Strategy):
 
     def state(self):
         """Collective: final parameters from the chief, optimizer shards gathered from the ps."""
-        cluster, model = self.cluster, self.model
-        counts = np.zeros(cluster.size, dtype=np.int64)
-        displs = np.zeros(cluster.size, dtype=np.int64)
-        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
-            counts[rank], displs[rank] = hi - lo, lo
-        arrays = {}
-        for name, shard in self.optimizer.state_arrays().items():
-            full = np.zeros(model.num_params, dtype=model.dtype) if cluster.is_chief else None
-            arrays[name] = mpi.gatherv(cluster.world, to_host(shard), full, counts, displs, cluster.chief_rank)
-        steps = np.array([self.optimizer.steps], dtype=np.int64)
-        mpi.bcast(cluster.world, steps, root=self.ps_ranks[0])
-        if not cluster.is_chief:
-            return None
-        return self.host_params.copy(), arrays, int(steps[0])
+        return self.gather_state(self.host_params)
 
     def stats(self):
         f = self.figures
         if not self.is_worker:
-            shard_bytes = self.shard.nbytes
+            shard_bytes = self.shard_params.nbytes
             return {"updates": f["updates"], "gradients": f["gradients"], "shard": [self.lo, self.hi],
                     "bytes_in": f["gradients"] * shard_bytes, "bytes_out": f.get("pulls", 0) * shard_bytes}
         return {"steps": self.completed, "wait_s": f["wait_s"],

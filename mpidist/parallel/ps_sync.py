@@ -19,13 +19,10 @@ flat gradient buffer goes to MPI as it is.  The update equals ``allreduce``'s
 import numpy as np
 
 from .. import comm as mpi
-from ..cluster import PS
-from ..xp import to_host
-from .base import Strategy
-from .shards import imbalance, shard_bounds
+from .shards import ShardedStrategy
 
 
-class PsSyncStrategy(Strategy):
+class PsSyncStrategy(ShardedStrategy):
     """Synchronous parameter servers."""
 
     name = "ps-sync"
@@ -38,44 +35,19 @@ class PsSyncStrategy(Strategy):
         self.values = xp.zeros(n + 1, dtype=model.dtype)        # parameters, then the global loss
         model.bind_grads(self.exchange)
         model.bind_params(self.values)
-        self.ps_ranks = [rank for rank, role in enumerate(cluster.roles) if role == PS]
-        if not self.ps_ranks:
-            raise ValueError("ps-sync needs at least one ps rank")
-        self.bounds = shard_bounds(n + 1, len(self.ps_ranks))
+        self.shard(n + 1)
         self.counts = np.zeros(cluster.size, dtype=np.int64)
         self.displs = np.zeros(cluster.size, dtype=np.int64)
         for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
             self.counts[rank], self.displs[rank] = hi - lo, lo
-        if cluster.role == PS:
-            self.lo, self.hi = self.bounds[self.ps_ranks.index(cluster.rank)]
-        else:
-            self.lo = self.hi = 0
         self.param_hi = min(self.hi, n)                          # the loss slot is not a parameter
         self.inbox = xp.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.param_hi - self.lo) if self.make_optimizer else None
         self.updates = 0
         self.bytes_in = self.bytes_out = 0
 
-    @property
-    def imbalance(self):
-        """Largest shard over the mean, minus one."""
-        return imbalance(self.bounds)
-
-    def shard_of(self, rank):
-        """``(lo, hi)`` of world rank ``rank``'s shard, or None for a worker."""
-        return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
-
     def initialize(self, checkpoint=None):
-        cluster = self.cluster
-        if cluster.is_chief:
-            if checkpoint is None:
-                self.model.init_params(self.seed)
-            else:
-                self.model.params[...] = self.model.xp.asarray(checkpoint.params)
-        mpi.bcast(cluster.world, self.values, root=cluster.chief_rank)
-        if checkpoint is not None and self.optimizer is not None:
-            shard = {name: array[self.lo:self.param_hi] for name, array in checkpoint.optimizer_state.items()}
-            self.optimizer.load_state(shard, checkpoint.optimizer_steps)
+        self.broadcast_initial(self.values, checkpoint)
 
     def train_step(self, x, y, weight, step):
         if self.is_worker:
@@ -97,18 +69,7 @@ class PsSyncStrategy(Strategy):
 
     def state(self):
         """Collective over the world: the chief gathers every ps's optimizer shard."""
-        cluster, model = self.cluster, self.model
-        root = cluster.chief_rank
-        counts = [min(c + d, model.num_params) - d if c else 0 for c, d in zip(self.counts, self.displs)]
-        arrays = {}
-        for name, shard in self.optimizer.state_arrays().items():
-            full = np.zeros(model.num_params, dtype=model.dtype) if cluster.is_chief else None
-            arrays[name] = mpi.gatherv(cluster.world, shard, full, counts, self.displs, root)
-        steps = np.array([self.optimizer.steps], dtype=np.int64)
-        mpi.bcast(cluster.world, steps, root=self.ps_ranks[0])
-        if not cluster.is_chief:
-            return None
-        return to_host(model.params), arrays, int(steps[0])
+        return self.gather_state(self.model.params)
 
     def stats(self):
         if self.is_worker:

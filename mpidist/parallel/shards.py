@@ -1,4 +1,16 @@
-"""How a flat buffer is cut into contiguous shards, one per parameter server."""
+"""How a flat buffer is cut into contiguous shards, one per parameter server.
+
+:class:`ShardedStrategy` holds what every ps strategy shares: which ps owns
+which slice, the chief's initial parameters broadcast to everyone, and
+optimizer shards loaded from and gathered into whole-model checkpoints.
+"""
+
+import numpy as np
+
+from .. import comm as mpi
+from ..cluster import PS
+from ..xp import is_device_array, to_host
+from .base import Strategy
 
 
 def shard_bounds(count, parts):
@@ -25,3 +37,68 @@ def imbalance(bounds):
     sizes = [hi - lo for lo, hi in bounds]
     mean = sum(sizes) / len(sizes)
     return max(sizes) / mean - 1.0 if mean else 0.0
+
+
+class ShardedStrategy(Strategy):
+    """Base of the parameter-server strategies: shard bookkeeping, initial state, checkpoints."""
+
+    def shard(self, count):
+        """Cut ``count`` elements among the ps ranks; sets ``ps_ranks``, ``bounds`` and this rank's ``lo, hi``."""
+        cluster = self.cluster
+        self.ps_ranks = [rank for rank, role in enumerate(cluster.roles) if role == PS]
+        if not self.ps_ranks:
+            raise ValueError(f"{self.name} needs at least one ps rank")
+        self.bounds = shard_bounds(count, len(self.ps_ranks))
+        self.lo, self.hi = self.bounds[self.ps_ranks.index(cluster.rank)] if cluster.role == PS else (0, 0)
+
+    @property
+    def imbalance(self):
+        """Largest shard over the mean, minus one."""
+        return imbalance(self.bounds)
+
+    def shard_of(self, rank):
+        """``(lo, hi)`` of world rank ``rank``'s shard, or None for a worker."""
+        return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
+
+    def broadcast_initial(self, buffer, checkpoint=None):
+        """Collective: the chief's initial (or ``checkpoint``'s) parameters in ``buffer[:n]`` on every rank.
+
+        ``buffer`` is the model's own parameter buffer, or a host mirror of
+        device parameters (then both are kept equal); optimizer shards are
+        loaded from ``checkpoint`` too.
+        """
+        cluster, model = self.cluster, self.model
+        n = model.num_params
+        mirror = is_device_array(model.params) and not is_device_array(buffer)
+        if cluster.is_chief:
+            if checkpoint is None:
+                model.init_params(self.seed)
+            else:
+                model.params[...] = model.xp.asarray(checkpoint.params)
+            if mirror:
+                buffer[:n] = to_host(model.params)
+        mpi.bcast(cluster.world, buffer, root=cluster.chief_rank)
+        if mirror:
+            model.params[...] = model.xp.asarray(buffer[:n])
+        if checkpoint is not None and self.optimizer is not None:
+            end = min(self.hi, n)
+            state = {name: array[self.lo:end] for name, array in checkpoint.optimizer_state.items()}
+            self.optimizer.load_state(state, checkpoint.optimizer_steps)
+
+    def gather_state(self, params):
+        """Collective: the chief gets ``(params, whole optimizer arrays, steps)``; others None."""
+        cluster, model = self.cluster, self.model
+        n = model.num_params
+        counts = np.zeros(cluster.size, dtype=np.int64)
+        displs = np.zeros(cluster.size, dtype=np.int64)
+        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
+            counts[rank], displs[rank] = max(min(hi, n) - lo, 0), lo   # the loss slot is no parameter
+        arrays = {}
+        for name, part in self.optimizer.state_arrays().items():
+            whole = np.zeros(n, dtype=model.dtype) if cluster.is_chief else None
+            arrays[name] = mpi.gatherv(cluster.world, to_host(part), whole, counts, displs, cluster.chief_rank)
+        steps = np.array([self.optimizer.steps], dtype=np.int64)
+        mpi.bcast(cluster.world, steps, root=self.ps_ranks[0])
+        if not cluster.is_chief:
+            return None
+        return to_host(params).copy(), arrays, int(steps[0])
