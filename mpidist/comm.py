@@ -150,6 +150,12 @@ def isend(comm, array, dest, tag):
     return comm.Isend(buffer, dest=dest, tag=tag), buffer
 
 
+def send(comm, array, dest, tag):
+    """Send ``array`` (contiguous) to ``dest`` and return when its buffer may be reused."""
+    buffer, _ = _for_mpi(array)
+    comm.Send(buffer, dest=dest, tag=tag)
+
+
 def recv(comm, array, source, tag):
     """Receive into ``array`` (contiguous) from ``source``."""
     buffer, back = _for_mpi(array)

@@ -91,9 +91,9 @@ class BackupWorkersStrategy(ShardedStrategy):
         for message, ps, (lo, hi) in zip(self.outbox, self.ps_ranks, self.bounds):
             message[:hi - lo] = grads[lo:hi]
             message[-2:] = (weight, loss * weight)
-            sends.append(world.Isend(message, ps, TAG_GRAD))
+            sends.append(mpi.isend(world, message, ps, TAG_GRAD)[0])
         for reply, ps, (lo, hi) in zip(self.replies, self.ps_ranks, self.bounds):
-            world.Recv(reply, ps, TAG_PARAMS)
+            mpi.recv(world, reply, ps, TAG_PARAMS)
             self.host_params[lo:hi] = reply[:hi - lo]
         MPI.Request.Waitall(sends)
         if is_device_array(model.params):
@@ -136,7 +136,7 @@ class BackupWorkersStrategy(ShardedStrategy):
             total[...] = 0
             weights = weighted_loss = 0.0
             for worker in np.flatnonzero(status):
-                world.Recv(incoming, self.worker_ranks[worker], TAG_GRAD)
+                mpi.recv(world, incoming, self.worker_ranks[worker], TAG_GRAD)
                 if status[worker] == ACCEPTED:
                     total += incoming[:size]
                     weights += float(incoming[-2])
@@ -153,7 +153,7 @@ class BackupWorkersStrategy(ShardedStrategy):
             reply[:size] = self.shard_view()
             reply[-2:] = (self.version, loss)
             for worker in np.flatnonzero(status):
-                world.Send(reply, self.worker_ranks[worker], TAG_PARAMS)
+                mpi.send(world, reply, self.worker_ranks[worker], TAG_PARAMS)
                 if self.version >= self.total_steps:
                     stopped[worker] = True
 
