@@ -44,7 +44,8 @@ class RunConfig:
     micro_batches: int = _field(4, "pipeline: micro-batches each replica's batch is cut into")
     schedule: str = _field("1f1b", "pipeline: 1f1b (at most P micro-batches in flight) or gpipe (all M)", SCHEDULES)
     balance: str = _field("", "pipeline: layers per stage, e.g. 3,3 ('' = balance by parameters)")
-    staleness: int = _field(-1, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound)")
+    staleness: int = _field(2, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound: "
+                            "fully asynchronous)")
     replication: str = _field("between-graph", "between-graph: every worker reads its own shard; in-graph: the "
                               "chief reads the data and scatters each batch", REPLICATIONS)
     aggregate: int = _field(0, "ps-sync: use the first R gradients of each step and drop late ones "
@@ -108,7 +109,7 @@ class RunConfig:
                              f"got {world_size}")
         if self.staleness < -1:
             raise UsageError(f"--staleness must be -1 (no bound) or 0 or more, got {self.staleness}")
-        if self.staleness >= 0 and self.strategy != "ps-async":
+        if self.staleness != FIELDS["staleness"].default and self.strategy != "ps-async":
             raise UsageError(f"--staleness {self.staleness} applies to --strategy ps-async only")
         workers = world_size - self.ps
         if self.aggregate < 0:
