@@ -52,19 +52,23 @@ def test_ps_sync_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, ps):
 
 @pytest.mark.parametrize("ranks,ps", [(4, 2), (6, 2)])
 def test_ps_async_reaches_within_2_points_of_ps_sync(tmp_path, ranks, ps):
-    accuracy = {}
-    for strategy in ("ps-sync", "ps-async"):
-        metrics = tmp_path / f"{strategy}.jsonl"
+    """ps-sync is deterministic for a seed; ps-async is not, so its typical run (median of three) is compared."""
+    def train(strategy, run):
+        metrics = tmp_path / f"{strategy}-{run}.jsonl"
         done, _ = mpidist(ranks, "train", "--strategy", strategy, "--ps", str(ps), "--metrics", str(metrics),
                           "--progress", "none", timeout=120)
         assert done.returncode == 0, done.stderr
-        accuracy[strategy] = events(metrics)[-1]["test_accuracy"]
-    assert accuracy["ps-async"] >= accuracy["ps-sync"] - 0.02
-    assert accuracy["ps-async"] >= STATED_ACCURACY and accuracy["ps-sync"] >= STATED_ACCURACY
-    final = events(tmp_path / "ps-async.jsonl")[-1]
-    workers = [r for r in final["roles"] if r["role"] == "worker"]
-    assert len(workers) == ranks - ps and all(w["steps"] == final["steps"] for w in workers)
+        return events(metrics)[-1]
+
+    sync = train("ps-sync", 0)["test_accuracy"]
+    runs = [train("ps-async", run) for run in range(3)]
+    accuracies = sorted(final["test_accuracy"] for final in runs)
+    assert accuracies[1] >= sync - 0.02, (accuracies, sync)
+    assert accuracies[0] >= STATED_ACCURACY and sync >= STATED_ACCURACY
+    workers = [r for r in runs[0]["roles"] if r["role"] == "worker"]
+    assert len(workers) == ranks - ps and all(w["steps"] == runs[0]["steps"] for w in workers)
     assert all({"staleness_mean", "staleness_max", "updates_missed_max", "wait_s"} <= set(w) for w in workers)
+    assert max(w["staleness_max"] for w in workers) <= 2                  # the default bound
 
 
 def test_backup_workers_keep_the_step_rate_when_one_worker_is_slow(tmp_path):
