@@ -65,6 +65,8 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
 def load(path):
     """Read a checkpoint file; a missing or unreadable one is a :class:`UsageError`."""
     path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such checkpoint file")
     try:
         with h5py.File(path, "r") as handle:
             if handle.attrs.get("format") != "mpidist-checkpoint-1":

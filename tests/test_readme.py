@@ -40,3 +40,8 @@ def test_the_schedule_pictures_are_what_the_schedule_functions_draw():
     for name in ("gpipe", "1f1b"):
         picture = "\n".join("    " + line for line in render(name, 4, 8).splitlines())
         assert f"    {name}\n{picture}\n" in README
+
+
+def test_the_count_of_bad_inputs_is_the_one_tested():
+    from test_cli import BAD_INPUTS
+    assert " ".join(README.split()).count(f"Tested at 2 and 4 ranks for {len(BAD_INPUTS)} kinds of bad input") == 1
