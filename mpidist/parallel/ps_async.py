@@ -1,11 +1,11 @@
-"""``ps-async``: parameter servers updated one-sidedly; no worker ever waits for another.
+"""``ps-async``: parameter servers updated one-sidedly; workers wait for nobody but the staleness bound.
 
 Each ps exposes, in MPI windows (:mod:`mpidist.rma`), its parameter shard, a
 gradient inbox of the same size, and ``[version, arrivals]``; the first ps also
 holds the workers' clocks.  A worker's step:
 
-1. (with ``--staleness S``) wait while it is more than ``S`` steps ahead of
-   the slowest worker (stale synchronous parallel);
+1. wait while it is more than ``S`` steps ahead of the slowest worker
+   (stale synchronous parallel; ``--staleness``, 2 by default, -1 for never);
 2. read every ps's shard (atomic per element) and its version;
 3. compute its gradient, weighted by its share of the global batch;
 4. ``Accumulate`` the gradient into every ps's inbox, count the arrival,
@@ -14,7 +14,7 @@ holds the workers' clocks.  A worker's step:
 A ps loops: take the inbox (swap with zeros: atomic, so nothing that arrives
 meanwhile is lost), apply the optimizer to its shard if anything arrived,
 publish the shard and bump its version; else sleep briefly.  Workers never
-synchronise with each other; the ps never blocks.
+wait for the ps, and the ps never blocks.
 
 Figures: ``staleness`` is SSP's, in steps: how far this worker was ahead of
 the slowest when it read the parameters (``--staleness S`` bounds it by S);
