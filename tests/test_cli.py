@@ -270,6 +270,26 @@ def test_resumed_training_ends_where_an_uninterrupted_run_ends(tmp_path):
     assert not [p for p in half.iterdir() if p.name.startswith(".")]   # nothing left aside
 
 
+@pytest.mark.parametrize("first,then,reference", [
+    ((4, ["--strategy", "allreduce"]), (6, ["--strategy", "ps-sync", "--ps", "2"]), (4, ["--strategy", "allreduce"])),
+    ((2, ["--strategy", "pipeline", "--stages", "2"]), (1, ["--strategy", "local"]), (1, ["--strategy", "local"])),
+])
+def test_a_checkpoint_resumes_under_another_strategy_and_rank_count_exactly(tmp_path, first, then, reference):
+    """Checkpoints hold the whole model: ps shards and pipeline stages are gathered and re-cut on resume."""
+    common = ["train", "--metrics", "", "--progress", "none", "--dtype", "float64", "--epochs", "3"]
+    done, _ = mpidist(first[0], *common, *first[1], "--steps", "17", "--checkpoint-dir", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    done, _ = mpidist(then[0], *common, *then[1], "--steps", "40", "--checkpoint-dir", str(tmp_path / "run"),
+                      "--resume", "auto")
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stdout and "ckpt-00000017.h5" in done.stdout
+    done, _ = mpidist(reference[0], *common, *reference[1], "--steps", "40", "--checkpoint-dir", str(tmp_path / "ref"))
+    assert done.returncode == 0, done.stderr
+    with h5py.File(tmp_path / "run" / "ckpt-00000040.h5") as got, h5py.File(tmp_path / "ref" / "ckpt-00000040.h5") as ref:
+        np.testing.assert_allclose(got["params"][...], ref["params"][...], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(got["optimizer/v"][...], ref["optimizer/v"][...], rtol=1e-9, atol=1e-15)
+
+
 def test_eval_reports_a_checkpoints_accuracy_over_the_ranks(tmp_path):
     done, _ = mpidist(2, "--metrics", "", "--epochs", "5", "--checkpoint-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr

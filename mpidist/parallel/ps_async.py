@@ -8,8 +8,8 @@ holds the workers' clocks.  A worker's step:
    (stale synchronous parallel; ``--staleness``, 2 by default, -1 for never);
 2. read every ps's shard (atomic per element) and its version;
 3. compute its gradient, weighted by its share of the global batch;
-4. ``Accumulate`` the gradient into every ps's inbox, count the arrival,
-   read the versions again, tick its clock.
+4. ``Accumulate`` the gradient into every ps's inbox; count the arrival and
+   read the version in one atomic step; tick its clock.
 
 A ps loops: take the inbox (swap with zeros: atomic, so nothing that arrives
 meanwhile is lost), apply the optimizer to its shard if anything arrived,
