@@ -77,17 +77,46 @@ def load(path):
                               optimizer_steps=int(group.attrs["steps"]), step=int(handle.attrs["step"]),
                               epoch=int(handle.attrs["epoch"]), epoch_step=int(handle.attrs["epoch_step"]),
                               config=json.loads(handle.attrs["config"]))
-    except (OSError, KeyError) as err:
+    except (OSError, KeyError, ValueError) as err:
         raise UsageError(f"{path}: not a readable checkpoint ({err})") from None
+
+
+def listed(directory):
+    """Checkpoint files in ``directory``, oldest (lowest step) first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if PATTERN.match(p.name))
 
 
 def newest(directory):
     """The newest checkpoint file in ``directory`` (by step), or None."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
-    found = sorted(p for p in directory.iterdir() if PATTERN.match(p.name))
+    found = listed(directory)
     return found[-1] if found else None
+
+
+def newest_valid(directory):
+    """``(newest checkpoint that loads, [(path, reason) for newer ones that did not])``.
+
+    A run killed while writing leaves no half file under a checkpoint name
+    (files are renamed into place), but a disk can still corrupt one: the
+    previous checkpoint is used then, and the caller reports the skipped file.
+    """
+    skipped = []
+    for path in reversed(listed(directory)):
+        try:
+            return load(path), skipped
+        except UsageError as err:
+            skipped.append((path, str(err)))
+    return None, skipped
+
+
+def prune(directory, keep):
+    """Delete all but the newest ``keep`` checkpoints; returns the paths removed."""
+    old = listed(directory)[:-keep] if keep > 0 else []
+    for path in old:
+        path.unlink(missing_ok=True)
+    return old
 
 
 def prepare_directory(directory):

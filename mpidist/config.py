@@ -62,6 +62,7 @@ class RunConfig:
     eval_every: int = _field(1, "epochs between evaluations on the test set (0 = only at the end)")
     checkpoint_dir: str = _field("", "directory for checkpoints ('' = no checkpoints)")
     checkpoint_every: int = _field(0, "steps between checkpoints (0 = only at the end)")
+    keep: int = _field(3, "checkpoints kept in --checkpoint-dir, newest first (0 = all)")
     resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest in --checkpoint-dir")
     bucket_mb: float = _field(64.0, "gradient bucket size in MiB: one Allreduce per bucket")
     device: str = _field("auto", "where to compute: cpu, gpu (cupy, one GPU per rank on a node), or auto", DEVICES)
@@ -90,7 +91,7 @@ class RunConfig:
         for name, value in positive.items():
             if value < 1:
                 raise UsageError(f"--{self.flag(name)} must be at least 1, got {value}")
-        for name in ("steps", "eval_every", "checkpoint_every"):
+        for name in ("steps", "eval_every", "checkpoint_every", "keep"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{self.flag(name)} must be 0 or more, got {getattr(self, name)}")
         if not self.lr > 0:

@@ -33,6 +33,7 @@ class Setup:
     local_batch: int
     steps_per_epoch: int
     resume: checkpoint.Checkpoint = None
+    skipped: list = dataclasses.field(default_factory=list)   # unreadable checkpoints passed over
 
 
 def build_model_for(config, info, xp):
@@ -44,13 +45,12 @@ def build_model_for(config, info, xp):
 
 
 def find_resume(config):
-    """The checkpoint ``--resume`` names, loaded, or None."""
+    """``(checkpoint --resume names or None, [(path, reason) of unreadable newer ones skipped])``."""
     if not config.resume:
-        return None
-    path = checkpoint.newest(config.checkpoint_dir) if config.resume == "auto" else config.resume
-    if path is None:
-        return None  # --resume auto with an empty directory starts afresh
-    return checkpoint.load(path)
+        return None, []
+    if config.resume == "auto":
+        return checkpoint.newest_valid(config.checkpoint_dir)   # empty directory: start afresh
+    return checkpoint.load(config.resume), []
 
 
 def data_layout(config, cluster):
@@ -108,14 +108,14 @@ def prepare(config, cluster, xp):
             test = data.Shard(info, "test", worker, workers, model.input_shape, model.dtype)
         elif cluster.is_chief:
             test = data.Shard(info, "test", 0, 1, model.input_shape, model.dtype)
-    resume = find_resume(config)
+    resume, skipped = find_resume(config)
     if resume is not None and resume.params.size != model.num_params:
         raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
                          f"{config.model} on {info.name!r} has {model.num_params} "
                          f"(it was written by --model {resume.config.get('model')} on {resume.config.get('data')!r})")
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     return Setup(info=info, model=model, train=train, test=test, local_batch=local_batch, steps_per_epoch=steps,
-                 resume=resume)
+                 resume=resume, skipped=skipped)
 
 
 def total_steps(config, setup):
@@ -209,6 +209,8 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
                      f"{setup.steps_per_epoch} steps/epoch\n{table}\n")
         if hasattr(strategy, "imbalance"):
             stream.write(f"mpidist: parameter shards balanced to within {100 * strategy.imbalance:.2f}%\n")
+        for path, reason in setup.skipped:
+            stream.write(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}\n")
         if resume is not None:
             stream.write(f"mpidist: resumed from {resume.path} at step {resume.step}\n")
         stream.flush()
@@ -236,6 +238,7 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
             params, opt_state, opt_steps = state
             checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
                             config.to_json())
+            checkpoint.prune(config.checkpoint_dir, config.keep)
 
     def evaluate(epoch):
         nonlocal result, evaluated_at

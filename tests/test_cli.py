@@ -290,6 +290,19 @@ def test_a_checkpoint_resumes_under_another_strategy_and_rank_count_exactly(tmp_
         np.testing.assert_allclose(got["optimizer/v"][...], ref["optimizer/v"][...], rtol=1e-9, atol=1e-15)
 
 
+def test_old_checkpoints_are_pruned_and_a_corrupt_newest_one_is_passed_over(tmp_path):
+    common = ["train", "--metrics", "", "--progress", "none", "--checkpoint-dir", str(tmp_path)]
+    done, _ = mpidist(2, *common, "--steps", "20", "--checkpoint-every", "5", "--keep", "2")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000015.h5", "ckpt-00000020.h5"]
+    newest = tmp_path / "ckpt-00000020.h5"
+    newest.write_bytes(newest.read_bytes()[:300])
+    done, _ = mpidist(2, *common, "--steps", "25", "--resume", "auto")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("warning: skipped unreadable checkpoint ckpt-00000020.h5") == 1
+    assert "resumed from" in done.stdout and "ckpt-00000015.h5 at step 15" in done.stdout
+
+
 def test_eval_reports_a_checkpoints_accuracy_over_the_ranks(tmp_path):
     done, _ = mpidist(2, "--metrics", "", "--epochs", "5", "--checkpoint-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
