@@ -42,29 +42,35 @@ def test_sum_float64_adds_scalars_over_ranks():
     np.testing.assert_array_equal(total, [size, size * (size - 1) / 2])
 
 
+@pytest.fixture
+def cuda_aware_env(monkeypatch):
+    """Set (or with None, remove) MPIDIST_CUDA_AWARE; the detection cache is cleared around the test."""
+    def set_to(value):
+        if value is None:
+            monkeypatch.delenv("MPIDIST_CUDA_AWARE", raising=False)
+        else:
+            monkeypatch.setenv("MPIDIST_CUDA_AWARE", value)
+        comm.cuda_aware.cache_clear()
+
+    yield set_to
+    comm.cuda_aware.cache_clear()
+
+
 def test_sum_float64_without_a_communicator_is_the_values():
     np.testing.assert_array_equal(comm.sum_float64(None, [2, 3]), [2.0, 3.0])
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("yes", True), ("0", False), ("false", False)])
-def test_cuda_awareness_can_be_overridden(monkeypatch, value, expected):
-    monkeypatch.setenv("MPIDIST_CUDA_AWARE", value)
-    comm.cuda_aware.cache_clear()
-    try:
-        assert comm.cuda_aware() is expected
-        assert comm.transfer_path() == ("cuda-aware" if expected else "host-staged")
-    finally:
-        comm.cuda_aware.cache_clear()
+def test_cuda_awareness_can_be_overridden(cuda_aware_env, value, expected):
+    cuda_aware_env(value)
+    assert comm.cuda_aware() is expected
+    assert comm.transfer_path() == ("cuda-aware" if expected else "host-staged")
 
 
-def test_cuda_awareness_is_detected_from_the_loaded_library(monkeypatch):
-    monkeypatch.delenv("MPIDIST_CUDA_AWARE", raising=False)
-    comm.cuda_aware.cache_clear()
-    try:
-        assert comm.mpi_library_path() is not None
-        assert isinstance(comm.cuda_aware(), bool)
-    finally:
-        comm.cuda_aware.cache_clear()
+def test_cuda_awareness_is_detected_from_the_loaded_library(cuda_aware_env):
+    cuda_aware_env(None)
+    assert comm.mpi_library_path() is not None
+    assert isinstance(comm.cuda_aware(), bool)
 
 
 class FakeDeviceArray:
@@ -82,34 +88,26 @@ class FakeDeviceArray:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_device_arrays_are_staged_through_the_host_when_mpi_is_not_cuda_aware(monkeypatch):
-    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "0")
-    comm.cuda_aware.cache_clear()
-    try:
-        world = MPI.COMM_WORLD
-        array = FakeDeviceArray([world.Get_rank(), 1.0])
-        comm.allreduce_sum(world, array)
-        np.testing.assert_array_equal(array.host, [world.Get_size() * (world.Get_size() - 1) / 2, world.Get_size()])
-        array = FakeDeviceArray([world.Get_rank()] * 3)
-        comm.bcast(world, array, root=1)
-        np.testing.assert_array_equal(array.host, [1.0] * 3)
-    finally:
-        comm.cuda_aware.cache_clear()
+def test_device_arrays_are_staged_through_the_host_when_mpi_is_not_cuda_aware(cuda_aware_env):
+    cuda_aware_env("0")
+    world = MPI.COMM_WORLD
+    array = FakeDeviceArray([world.Get_rank(), 1.0])
+    comm.allreduce_sum(world, array)
+    np.testing.assert_array_equal(array.host, [world.Get_size() * (world.Get_size() - 1) / 2, world.Get_size()])
+    array = FakeDeviceArray([world.Get_rank()] * 3)
+    comm.bcast(world, array, root=1)
+    np.testing.assert_array_equal(array.host, [1.0] * 3)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_point_to_point_staging_sends_and_receives_device_arrays_through_the_host(monkeypatch):
-    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "0")
-    comm.cuda_aware.cache_clear()
-    try:
-        world = MPI.COMM_WORLD
-        rank, size = world.Get_rank(), world.Get_size()
-        outgoing = FakeDeviceArray(np.arange(4.0) + 10 * rank)
-        request, staged = comm.isend(world, outgoing, (rank + 1) % size, tag=5)
-        assert isinstance(staged, np.ndarray)                # a host copy travels, kept alive by the caller
-        incoming = FakeDeviceArray(np.zeros(4))
-        comm.recv(world, incoming, (rank - 1) % size, tag=5)
-        request.Wait()
-        np.testing.assert_array_equal(incoming.host, np.arange(4.0) + 10 * ((rank - 1) % size))
-    finally:
-        comm.cuda_aware.cache_clear()
+def test_point_to_point_staging_sends_and_receives_device_arrays_through_the_host(cuda_aware_env):
+    cuda_aware_env("0")
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    outgoing = FakeDeviceArray(np.arange(4.0) + 10 * rank)
+    request, staged = comm.isend(world, outgoing, (rank + 1) % size, tag=5)
+    assert isinstance(staged, np.ndarray)                # a host copy travels, kept alive by the caller
+    incoming = FakeDeviceArray(np.zeros(4))
+    comm.recv(world, incoming, (rank - 1) % size, tag=5)
+    request.Wait()
+    np.testing.assert_array_equal(incoming.host, np.arange(4.0) + 10 * ((rank - 1) % size))

@@ -162,12 +162,8 @@ class BackupWorkersStrategy(ShardedStrategy):
 
     def finish(self):
         """Collective: the chief gets every ps's final shard."""
-        cluster = self.cluster
-        counts = np.zeros(cluster.size, dtype=np.int64)
-        displs = np.zeros(cluster.size, dtype=np.int64)
-        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
-            counts[rank], displs[rank] = hi - lo, lo
-        mpi.allgatherv_inplace(cluster.world, self.host_params, counts, displs)
+        counts, displs = self.layout()
+        mpi.allgatherv_inplace(self.cluster.world, self.host_params, counts, displs)
         if is_device_array(self.model.params):
             self.model.params[...] = self.model.xp.asarray(self.host_params)
 

@@ -188,19 +188,22 @@ class PipelineStrategy(Strategy):
         if self.replicas > 1:
             mpi.allreduce_sum(self.peers, self.accumulated)
         self.optimizer.step(model.params, self.accumulated[:-1])
-        return self._loss_to_chief(float(self.accumulated[-1]))
+        loss = self._to_chief(np.array([float(self.accumulated[-1])]), tag=77)[0]
+        return float(loss) if self.cluster.is_chief or self.is_last else math.nan
 
-    def _loss_to_chief(self, value):
-        """The last stage of replica 0 holds the global figure; the chief (rank 0) needs it."""
+    def _to_chief(self, values, tag):
+        """The last stage of replica 0 holds the global figures; the chief (rank 0) needs them.
+
+        ``values`` is a float64 array, filled in place on the chief.
+        """
         cluster, last = self.cluster, self.stages - 1
         if last == cluster.chief_rank:
-            return value
-        box = np.array([value])
+            return values
         if cluster.rank == last:
-            cluster.world.Send(box, dest=cluster.chief_rank, tag=77)
+            cluster.world.Send(values, dest=cluster.chief_rank, tag=tag)
         elif cluster.is_chief:
-            cluster.world.Recv(box, source=last, tag=77)
-        return float(box[0]) if cluster.is_chief or self.is_last else math.nan
+            cluster.world.Recv(values, source=last, tag=tag)
+        return values
 
     def evaluate(self, batches):
         """Forward-only pipeline over this replica's test chunks; the chief gets the totals."""
@@ -217,13 +220,7 @@ class PipelineStrategy(Strategy):
                 request.Wait()
         if self.is_last and self.replicas > 1:
             totals = mpi.sum_float64(self.peers, totals)
-        cluster, last = self.cluster, self.stages - 1
-        if last != cluster.chief_rank:
-            if cluster.rank == last:
-                cluster.world.Send(totals, dest=cluster.chief_rank, tag=78)
-            elif cluster.is_chief:
-                cluster.world.Recv(totals, source=last, tag=78)
-        loss_sum, correct, count = totals
+        loss_sum, correct, count = self._to_chief(np.asarray(totals, dtype=np.float64), tag=78)
         return loss_sum / max(count, 1), correct / max(count, 1), int(count)
 
     def state(self):

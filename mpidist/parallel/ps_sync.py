@@ -16,8 +16,6 @@ flat gradient buffer goes to MPI as it is.  The update equals ``allreduce``'s
 (the optimizers are elementwise), so the two train identically.
 """
 
-import numpy as np
-
 from .. import comm as mpi
 from .shards import ShardedStrategy
 
@@ -29,17 +27,14 @@ class PsSyncStrategy(ShardedStrategy):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        model, cluster = self.model, self.cluster
+        model = self.model
         xp, n = model.xp, model.num_params
         self.exchange = xp.zeros(n + 1, dtype=model.dtype)      # gradients, then the weighted loss
         self.values = xp.zeros(n + 1, dtype=model.dtype)        # parameters, then the global loss
         model.bind_grads(self.exchange)
         model.bind_params(self.values)
         self.shard(n + 1)
-        self.counts = np.zeros(cluster.size, dtype=np.int64)
-        self.displs = np.zeros(cluster.size, dtype=np.int64)
-        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
-            self.counts[rank], self.displs[rank] = hi - lo, lo
+        self.counts, self.displs = self.layout()
         self.param_hi = min(self.hi, n)                          # the loss slot is not a parameter
         self.inbox = xp.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.param_hi - self.lo) if self.make_optimizer else None

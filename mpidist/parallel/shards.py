@@ -60,6 +60,19 @@ class ShardedStrategy(Strategy):
         """``(lo, hi)`` of world rank ``rank``'s shard, or None for a worker."""
         return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
 
+    def layout(self, clip=None):
+        """Per world rank ``(counts, displs)`` of the ps shards (0 for workers), for v-collectives.
+
+        ``clip`` cuts shards at that element (the parameters, without a trailing loss slot).
+        """
+        size = self.cluster.size
+        counts = np.zeros(size, dtype=np.int64)
+        displs = np.zeros(size, dtype=np.int64)
+        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
+            end = hi if clip is None else min(hi, clip)
+            counts[rank], displs[rank] = max(end - lo, 0), lo
+        return counts, displs
+
     def broadcast_initial(self, buffer, checkpoint=None):
         """Collective: the chief's initial (or ``checkpoint``'s) parameters in ``buffer[:n]`` on every rank.
 
@@ -89,10 +102,7 @@ class ShardedStrategy(Strategy):
         """Collective: the chief gets ``(params, whole optimizer arrays, steps)``; others None."""
         cluster, model = self.cluster, self.model
         n = model.num_params
-        counts = np.zeros(cluster.size, dtype=np.int64)
-        displs = np.zeros(cluster.size, dtype=np.int64)
-        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
-            counts[rank], displs[rank] = max(min(hi, n) - lo, 0), lo   # the loss slot is no parameter
+        counts, displs = self.layout(clip=n)   # the loss slot is no parameter
         arrays = {}
         for name, part in self.optimizer.state_arrays().items():
             whole = np.zeros(n, dtype=model.dtype) if cluster.is_chief else None
