@@ -1,9 +1,15 @@
 """HDF5 checkpoints: written aside and renamed, so a crash never corrupts one.
 
 A checkpoint holds the flat parameters, the optimizer's flat state arrays
-and step count, the global step, the epoch and step within it, and the run's
-config as JSON.  Parameters are stored flat, so a checkpoint does not depend
-on how many workers wrote it.
+and step count, the global step, the epoch and step within it, the data-order
+and RNG state, and the run's config as JSON.  Parameters are stored flat, so a
+checkpoint does not depend on how many workers wrote it.
+
+mpidist's random streams are counter-based, so their state is small: the
+data order of an epoch is a permutation drawn from ``(seed, epoch, worker)``
+and dropout masks come from ``(seed, worker, step)``.  The checkpoint records
+the seed, position and worker count that fix them, so a resumed run draws the
+very numbers the interrupted one would have (with the same worker count).
 """
 
 import dataclasses
@@ -32,10 +38,19 @@ class Checkpoint:
     epoch: int
     epoch_step: int
     config: dict
+    seed: int = 0           # the seed of the data order and random streams
 
 
-def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json):
-    """Write ``ckpt-<step>.h5`` in ``directory`` atomically; returns its path."""
+DATA_ORDER = "strided shards w::W, one permutation per epoch from (seed, epoch, worker)"
+RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
+
+
+def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
+         workers):
+    """Write ``ckpt-<step>.h5`` in ``directory`` atomically; returns its path.
+
+    ``seed`` and ``workers`` fix the data order and random streams (see the module text).
+    """
     directory = Path(directory)
     final = directory / f"ckpt-{step:08d}.h5"
     aside = directory / f".{final.name}.tmp-{os.getpid()}"
@@ -47,7 +62,11 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
             for name, array in optimizer_state.items():
                 group.create_dataset(name, data=array)
             handle.attrs.update({"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step),
-                                 "config": config_json, "format": "mpidist-checkpoint-1"})
+                                 "config": config_json, "format": "mpidist-checkpoint-1",
+                                 "data_order": json.dumps({"seed": int(seed), "epoch": int(epoch),
+                                                           "epoch_step": int(epoch_step), "workers": int(workers),
+                                                           "scheme": DATA_ORDER}),
+                                 "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})})
         with open(aside, "rb+") as raw:  # data on disk before the rename makes it visible
             os.fsync(raw.fileno())
         os.replace(aside, final)
@@ -72,11 +91,13 @@ def load(path):
             if handle.attrs.get("format") != "mpidist-checkpoint-1":
                 raise UsageError(f"{path}: not an mpidist checkpoint")
             group = handle["optimizer"]
+            config = json.loads(handle.attrs["config"])
+            rng = json.loads(handle.attrs.get("rng", "{}"))
             return Checkpoint(path=path, params=handle["params"][...],
                               optimizer_state={name: group[name][...] for name in group},
                               optimizer_steps=int(group.attrs["steps"]), step=int(handle.attrs["step"]),
                               epoch=int(handle.attrs["epoch"]), epoch_step=int(handle.attrs["epoch_step"]),
-                              config=json.loads(handle.attrs["config"]))
+                              config=config, seed=int(rng.get("seed", config.get("seed", 0))))
     except (OSError, KeyError, ValueError) as err:
         raise UsageError(f"{path}: not a readable checkpoint ({err})") from None
 

@@ -12,7 +12,7 @@ import sys
 from mpi4py import MPI
 
 from . import __version__
-from .errors import EXIT_OK, UsageError, agreed
+from .errors import EXIT_OK, EXIT_PREEMPTED, UsageError, agreed
 
 COMMANDS = ("train", "eval", "ingest", "info", "bench")
 
@@ -102,8 +102,8 @@ def cmd_train(args, world):
     cluster = build_cluster(world, num_ps=config.ps)
     with agreed(world):
         xp, device = select_device(config.device, cluster.local_rank)
-    run(config, cluster, xp, device)
-    return EXIT_OK
+    result = run(config, cluster, xp, device)
+    return EXIT_PREEMPTED if result and result.get("stopped_by") else EXIT_OK
 
 
 def cmd_eval(args, world):

@@ -62,6 +62,8 @@ class RunConfig:
     eval_every: int = _field(1, "epochs between evaluations on the test set (0 = only at the end)")
     checkpoint_dir: str = _field("", "directory for checkpoints ('' = no checkpoints)")
     checkpoint_every: int = _field(0, "steps between checkpoints (0 = only at the end)")
+    checkpoint_seconds: float = _field(0.0, "seconds between checkpoints, by the chief's clock (0 = off); "
+                                            "combines with --checkpoint-every")
     keep: int = _field(3, "checkpoints kept in --checkpoint-dir, newest first (0 = all)")
     resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest in --checkpoint-dir")
     bucket_mb: float = _field(64.0, "gradient bucket size in MiB: one Allreduce per bucket")
@@ -91,7 +93,7 @@ class RunConfig:
         for name, value in positive.items():
             if value < 1:
                 raise UsageError(f"--{self.flag(name)} must be at least 1, got {value}")
-        for name in ("steps", "eval_every", "checkpoint_every", "keep"):
+        for name in ("steps", "eval_every", "checkpoint_every", "checkpoint_seconds", "keep"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{self.flag(name)} must be 0 or more, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -120,9 +122,10 @@ class RunConfig:
         if self.aggregate > workers:
             raise UsageError(f"--aggregate {self.aggregate} is more than the {workers} workers "
                              f"({world_size} ranks, --ps {self.ps})")
-        if self.aggregate and self.aggregate < workers and self.checkpoint_every:
-            raise UsageError("--checkpoint-every is not available with backup workers (--aggregate below the "
-                             "worker count); one checkpoint is written at the end of training")
+        periodic = "--checkpoint-every" if self.checkpoint_every else "--checkpoint-seconds"
+        if self.aggregate and self.aggregate < workers and (self.checkpoint_every or self.checkpoint_seconds):
+            raise UsageError(f"{periodic} is not available with backup workers (--aggregate below the worker "
+                             "count); a checkpoint is written at the end of training, or when a signal stops it")
         if self.replication == "in-graph" and self.strategy == "pipeline":
             raise UsageError("--replication in-graph does not combine with --strategy pipeline (its first and last "
                              "stages read the data)")
@@ -130,9 +133,10 @@ class RunConfig:
             raise UsageError("--replication in-graph feeds every worker at each step in lock-step; it does not "
                              "combine with workers that run independently (ps-async, --aggregate below the "
                              "worker count)")
-        if self.strategy == "ps-async" and self.checkpoint_every:
-            raise UsageError("--checkpoint-every is not available with ps-async (its optimizer state lives on "
-                             "the ps ranks mid-step); it writes one checkpoint at the end of training")
+        if self.strategy == "ps-async" and (self.checkpoint_every or self.checkpoint_seconds):
+            raise UsageError(f"{periodic} is not available with ps-async (its optimizer state lives on the ps "
+                             "ranks mid-step); a checkpoint is written at the end of training, or when a signal "
+                             "stops it")
         if self.stages < 1 or self.micro_batches < 1:
             raise UsageError(f"--stages and --micro-batches must be at least 1, got {self.stages} and "
                              f"{self.micro_batches}")

@@ -23,6 +23,7 @@ import numpy as np
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a failure while running (a bug, a lost rank, an I/O error)
 EXIT_USAGE = 2    # bad usage, configuration or input
+EXIT_PREEMPTED = 3  # stopped by SIGTERM/SIGUSR1/SIGINT after writing a checkpoint: resume to go on
 
 # Time the launcher gets to forward what a failing rank printed before MPI_Abort
 # tears the job down: without it, 1 traceback in 100 was lost under load (MPICH hydra).

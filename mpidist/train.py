@@ -18,6 +18,7 @@ import time
 from . import checkpoint, data, nn
 from .errors import UsageError, agreed
 from .metrics import MetricsLog, Progress, format_summary
+from .preempt import StepAgreement, StopSignals, settle, signal_name
 from .parallel import STRATEGIES
 from .parallel.backup import BackupWorkersStrategy
 
@@ -183,13 +184,26 @@ class _NoData:
 
 
 def run(config, cluster, xp, device_label, stream=sys.stdout):
-    """Train as ``config`` says on this rank; returns the chief's final figures (others: None)."""
+    """Train as ``config`` says on this rank; returns the chief's final figures (others: None).
+
+    A SIGTERM, SIGUSR1 or SIGINT on any rank stops every rank at the same
+    step boundary, after a checkpoint; the figures then name the signal
+    (``stopped_by``) and the CLI exits with EXIT_PREEMPTED.
+    """
+    with StopSignals() as signals:
+        return _run(config, cluster, xp, device_label, stream, signals)
+
+
+def _run(config, cluster, xp, device_label, stream, signals):
     chief = cluster.is_chief
     with agreed(cluster.world):
         setup = prepare(config, cluster, xp)
         log = MetricsLog(config.metrics if chief else "")
         if chief and config.checkpoint_dir:
             checkpoint.prepare_directory(config.checkpoint_dir)
+    reseeded = setup.resume is not None and setup.resume.seed != config.seed
+    if reseeded:   # the random streams continue where the checkpoint left them
+        asked, config = config.seed, dataclasses.replace(config, seed=setup.resume.seed)
 
     strategy = make_strategy(config, setup, cluster, xp)
     shard = getattr(strategy, "shard_of", lambda rank: None)(cluster.rank)
@@ -213,6 +227,9 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
             stream.write(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}\n")
         if resume is not None:
             stream.write(f"mpidist: resumed from {resume.path} at step {resume.step}\n")
+        if reseeded:
+            stream.write(f"mpidist: note: --seed {asked} ignored: the checkpoint's data order and random "
+                         f"streams continue with seed {config.seed}\n")
         stream.flush()
         log.write("start", config=dataclasses.asdict(config), ranks=cluster.size, workers=cluster.num_workers,
                   ps=config.ps, dataset=setup.info.name, params=setup.model.num_params,
@@ -229,16 +246,30 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
     started = time.perf_counter()
     window_start, window_loss, window_steps, trained_steps = started, 0.0, 0, 0
     last_loss, result, evaluated_at = float("nan"), None, None
+    saved_at, saved_path, timer = step, None, started   # a resumed run's checkpoint at `step` exists
+    agreement = StepAgreement(cluster.world) if strategy.lockstep else None
+    early = False   # this rank left the loop on a stop request
 
     def save(epoch, epoch_step):
-        if not config.checkpoint_dir:
-            return
+        nonlocal saved_at, saved_path
+        if not config.checkpoint_dir or (strategy.lockstep and saved_at == step):
+            return   # (other strategies' ranks count steps apart: each call must be collective)
         state = strategy.state()  # collective: shards are gathered to the chief
+        saved_at = step
         if chief:
             params, opt_state, opt_steps = state
-            checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
-                            config.to_json())
+            saved_path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch,
+                                         epoch_step, config.to_json(), config.seed, data_layout(config, cluster)[0])
             checkpoint.prune(config.checkpoint_dir, config.keep)
+            log.write("checkpoint", step=step, epoch=epoch + 1, path=str(saved_path))
+
+    def timed_checkpoint_due():
+        """Chief only: ``--checkpoint-seconds`` have passed since the last one was asked for."""
+        nonlocal timer
+        if not (chief and config.checkpoint_seconds) or time.perf_counter() - timer < config.checkpoint_seconds:
+            return False
+        timer = time.perf_counter()
+        return True
 
     def evaluate(epoch):
         nonlocal result, evaluated_at
@@ -250,7 +281,7 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
     epoch, epoch_step = start_epoch, start_in_epoch
     stop = bool(config.steps and step >= config.steps)
     if getattr(strategy, "serves", False):   # ps-async ps ranks: serve until the workers are done
-        strategy.serve()
+        strategy.serve(lambda: signals.received)
         stop = True
     for epoch in range(start_epoch, config.epochs if not stop else start_epoch):
         skip = start_in_epoch if epoch == start_epoch else 0
@@ -288,9 +319,16 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
                               time=now - started)
                     progress.update(step, epoch, last_loss, rate)
                     window_start, window_loss, window_steps = now, 0.0, 0
-                if config.checkpoint_every and step % config.checkpoint_every == 0:
-                    save(epoch, epoch_step)
-                if (config.steps and step >= config.steps) or getattr(strategy, "finished", False):
+                if agreement:
+                    flags = agreement.boundary(signals.received, timed_checkpoint_due())
+                    early = bool(flags["signal"]) and step < steps_to_run
+                    if (config.checkpoint_every and step % config.checkpoint_every == 0) or flags["due"] or early:
+                        save(epoch, epoch_step)
+                else:   # the strategy carries the request to the others; the checkpoint comes after finish()
+                    if signals.received:
+                        strategy.request_stop(signals.received)
+                    early = strategy.stop_requested and step < steps_to_run
+                if early or (config.steps and step >= config.steps) or getattr(strategy, "finished", False):
                     stop = True
                     break
         finally:
@@ -302,15 +340,21 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
         if config.eval_every and (epoch + 1) % config.eval_every == 0:
             evaluate(epoch)
 
+    if agreement:
+        agreement.close()
     strategy.finish()
+    flags = settle(cluster.world, signals.received, early)
+    stopped = flags if flags["signal"] and flags["early"] else {}
     elapsed = time.perf_counter() - started
-    if evaluated_at != step or result is None:
+    if not stopped and (evaluated_at != step or result is None):   # a stopping job has no time to spare
         evaluate(epoch)
     save(epoch, epoch_step)
     roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats()), root=cluster.chief_rank)
     strategy.close()
     if not chief:
-        return None
+        return {"stopped_by": signal_name(stopped["signal"])} if stopped else None
+    if stopped:
+        return _report_stop(stopped, step, epoch, saved_path, config, log, stream)
     test_loss, accuracy = result
     samples_per_s = trained_steps * config.batch_size / elapsed if elapsed > 0 else 0.0
     final = {"steps": step, "epochs": epoch + 1, "loss": last_loss, "test_loss": test_loss,
@@ -331,3 +375,18 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
     stream.write("mpidist: done\n" + format_summary(rows) + "\n")
     stream.flush()
     return final
+
+
+def _report_stop(flags, step, epoch, saved_path, config, log, stream):
+    """Chief: say which signal stopped the run, and where to resume from."""
+    name = signal_name(flags["signal"])
+    log.write("stopped", step=step, epoch=epoch + 1, signal=name, rank=flags["rank"] - 1,
+              checkpoint=None if saved_path is None else str(saved_path))
+    log.close()
+    if saved_path is not None:
+        where = f"checkpoint {saved_path} written; continue with --resume auto --checkpoint-dir {config.checkpoint_dir}"
+    else:
+        where = "no checkpoint written (no --checkpoint-dir): the work done is lost"
+    stream.write(f"mpidist: stopped by {name} (rank {flags['rank'] - 1}) at step {step}: {where}\n")
+    stream.flush()
+    return {"steps": step, "epochs": epoch + 1, "stopped_by": name, "checkpoint": saved_path}

@@ -17,15 +17,20 @@ def mpiexec_path():
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+def _command_and_env(ranks, args, env):
+    command = [mpiexec_path(), "-n", str(ranks), sys.executable] + list(args)
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    return command, full_env
+
+
 def run_mpi(ranks, args, timeout=60, cwd=None, env=None):
     """Run ``mpiexec -n ranks python ARGS``; returns the CompletedProcess and seconds taken.
 
     A run that outlives ``timeout`` is a hang: the test fails with what it printed.
     """
     import time
-    command = [mpiexec_path(), "-n", str(ranks), sys.executable] + list(args)
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    full_env.update(env or {})
+    command, full_env = _command_and_env(ranks, args, env)
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
@@ -38,3 +43,33 @@ def run_mpi(ranks, args, timeout=60, cwd=None, env=None):
 def mpidist(ranks, *flags, timeout=60, cwd=None, env=None):
     """``mpiexec -n ranks python -m mpidist FLAGS``."""
     return run_mpi(ranks, ["-m", "mpidist", *flags], timeout=timeout, cwd=cwd, env=env)
+
+
+def start_mpidist(ranks, *flags, env=None):
+    """``mpiexec -n ranks python -m mpidist FLAGS`` in the background (a Popen with text pipes)."""
+    command, full_env = _command_and_env(ranks, ["-m", "mpidist", *flags], env)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=full_env)
+
+
+def rank_pids(launcher):
+    """``{rank: pid}`` of the ranks a running ``mpiexec`` (a Popen) started, found through /proc."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+        except (ValueError, OSError, IndexError):
+            continue
+    ranks, todo = {}, [launcher.pid]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"PMI_RANK="):
+                ranks[int(item[len(b"PMI_RANK="):])] = pid
+    return ranks

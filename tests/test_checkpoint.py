@@ -1,5 +1,8 @@
 """Checkpoint files: atomic writes, listing, pruning, and falling back past a corrupt one."""
 
+import json
+
+import h5py
 import numpy as np
 import pytest
 
@@ -8,7 +11,8 @@ from mpidist.errors import UsageError
 
 
 def write(directory, step):
-    return checkpoint.save(directory, np.full(5, float(step)), {"m": np.zeros(5)}, step, step, 0, step, "{}")
+    return checkpoint.save(directory, np.full(5, float(step)), {"m": np.zeros(5)}, step, step, 0, step,
+                           '{"seed": 1}', seed=11, workers=3)
 
 
 def test_a_checkpoint_round_trips_and_leaves_nothing_aside(tmp_path):
@@ -16,6 +20,10 @@ def test_a_checkpoint_round_trips_and_leaves_nothing_aside(tmp_path):
     loaded = checkpoint.load(path)
     assert path.name == "ckpt-00000007.h5" and loaded.step == 7 and loaded.optimizer_steps == 7
     np.testing.assert_array_equal(loaded.params, np.full(5, 7.0))
+    assert loaded.seed == 11 and loaded.config == {"seed": 1}   # the seed that drew the streams wins
+    with h5py.File(path) as handle:
+        order, rng = json.loads(handle.attrs["data_order"]), json.loads(handle.attrs["rng"])
+    assert (order["seed"], order["epoch_step"], order["workers"], rng["step"]) == (11, 7, 3, 7)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-00000007.h5"]
 
 

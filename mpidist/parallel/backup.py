@@ -20,6 +20,11 @@ to take part), so it runs point-to-point, buffer-based, in rounds:
 A worker's version rises with every reply, so it never needs more batches
 than there are steps.  After the last step the ps ranks keep answering until
 every worker has been told to stop: no message is left unmatched.
+
+Stopping early (a signal on any rank) moves that last step forward: a
+worker's note carries the signal to the coordinator, a ps adds its own to the
+round's decision, and every ps then ends the run at the next version.  The
+replies carry this limit, so each worker learns it with its parameters.
 """
 
 import numpy as np
@@ -46,6 +51,7 @@ class BackupWorkersStrategy(ShardedStrategy):
     # workers are not in step with each other: an evaluation collective over them
     # would make the fast ones wait for the slow one (and stall the round)
     evaluation = "chief"
+    lockstep = False
 
     def __init__(self, *args, aggregate, total_steps, **kwargs):
         super().__init__(*args, **kwargs)
@@ -64,15 +70,25 @@ class BackupWorkersStrategy(ShardedStrategy):
             model.bind_params(self.host_params)
             model.bind_grads(self.host_grads)
         self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
-        # messages: worker -> ps [gradient shard, weight, weighted loss]; ps -> worker [param shard, version, loss]
+        # messages: worker -> ps [gradient shard, weight, weighted loss];
+        # ps -> worker [param shard, last version of the run, version, loss]
         self.outbox = [np.zeros(hi - lo + 2, dtype=model.dtype) for lo, hi in self.bounds]
-        self.replies = [np.zeros(hi - lo + 2, dtype=model.dtype) for lo, hi in self.bounds]
+        self.replies = [np.zeros(hi - lo + 3, dtype=model.dtype) for lo, hi in self.bounds]
         self.version, self.finished = 0, False
+        self.limit = self.total_steps   # the last version: lowered when a stop is asked for
+        self.signal = 0                 # a stop this rank asks for (its note carries it)
         self.figures = {"updates": 0, "accepted": 0, "dropped": 0}
 
     @property
     def serves(self):
         return not self.is_worker
+
+    @property
+    def stop_requested(self):
+        return self.limit < self.total_steps
+
+    def request_stop(self, signal_number):
+        self.signal = signal_number
 
     def initialize(self, checkpoint=None):
         self.broadcast_initial(self.host_params, checkpoint)
@@ -86,7 +102,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         grads = self.host_grads
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)
-        note = np.array([self.worker_index, self.version], dtype=np.int64)
+        note = np.array([self.worker_index, self.version, self.signal], dtype=np.int64)
         sends = [world.Isend(note, self.ps_ranks[0], TAG_NOTE)]
         for message, ps, (lo, hi) in zip(self.outbox, self.ps_ranks, self.bounds):
             message[:hi - lo] = grads[lo:hi]
@@ -98,8 +114,8 @@ class BackupWorkersStrategy(ShardedStrategy):
         MPI.Request.Waitall(sends)
         if is_device_array(model.params):
             model.params[...] = model.xp.asarray(self.host_params)
-        self.version = int(self.replies[0][-2])
-        self.finished = self.version >= self.total_steps
+        self.limit, self.version = int(self.replies[0][-3]), int(self.replies[0][-2])
+        self.finished = self.version >= self.limit
         return float(self.replies[0][-1])
 
     # -- ps ----------------------------------------------------------------------
@@ -107,32 +123,41 @@ class BackupWorkersStrategy(ShardedStrategy):
         """Coordinator: who is in this round (per worker: 0, ACCEPTED or STALE)."""
         world, workers = self.cluster.world, self.cluster.num_workers
         status = np.zeros(workers, dtype=np.int64)
-        note = np.zeros(2, dtype=np.int64)
+        note = np.zeros(3, dtype=np.int64)
         accepted = 0
         while True:
             world.Recv(note, MPI.ANY_SOURCE, TAG_NOTE)
             worker, read = int(note[0]), int(note[1])
-            if version < self.total_steps and read == version:
+            self.signal = max(self.signal, int(note[2]))
+            if version < self.limit and read == version:
                 status[worker] = ACCEPTED
                 accepted += 1
             else:
                 status[worker] = STALE
-            if version >= self.total_steps or accepted == self.aggregate:
+            if version >= self.limit or accepted == self.aggregate:
                 return status
 
-    def serve(self):
-        """Rounds until the last step is taken and every worker has been told to stop."""
+    def serve(self, signalled=lambda: 0):
+        """Rounds until the last step is taken and every worker has been told to stop.
+
+        ``signalled()``: a signal this ps received (0: none), which ends the run early.
+        """
         world, ps_comm = self.cluster.world, self.cluster.role_comm
         workers = self.cluster.num_workers
         size = self.hi - self.lo
         incoming = np.zeros(size + 2, dtype=self.model.dtype)
         total = np.zeros(size, dtype=self.model.dtype)
-        reply = np.zeros(size + 2, dtype=self.model.dtype)
+        reply = np.zeros(size + 3, dtype=self.model.dtype)
         stopped = np.zeros(workers, dtype=bool)
         loss = 0.0
+        decision = np.zeros(workers + 1, dtype=np.int64)   # [status per worker, stop signal]
         while not stopped.all():
-            status = self._decide(self.version) if ps_comm.Get_rank() == 0 else np.zeros(workers, dtype=np.int64)
-            ps_comm.Bcast(status, root=0)
+            decision[:workers] = self._decide(self.version) if ps_comm.Get_rank() == 0 else 0
+            decision[-1] = max(self.signal, signalled())
+            ps_comm.Allreduce(MPI.IN_PLACE, decision, op=MPI.MAX)   # only the coordinator's statuses are nonzero
+            status = decision[:workers]
+            if decision[-1]:
+                self.limit = min(self.limit, self.version + 1)
             total[...] = 0
             weights = weighted_loss = 0.0
             for worker in np.flatnonzero(status):
@@ -151,10 +176,10 @@ class BackupWorkersStrategy(ShardedStrategy):
                 self.figures["updates"] += 1
                 loss = weighted_loss / weights
             reply[:size] = self.shard_view()
-            reply[-2:] = (self.version, loss)
+            reply[-3:] = (self.limit, self.version, loss)
             for worker in np.flatnonzero(status):
                 mpi.send(world, reply, self.worker_ranks[worker], TAG_PARAMS)
-                if self.version >= self.total_steps:
+                if self.version >= self.limit:
                     stopped[worker] = True
 
     def shard_view(self):

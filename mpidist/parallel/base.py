@@ -33,6 +33,16 @@ class Strategy:
     #: counts are summed; "chief": the chief alone evaluates the whole split
     #: (for strategies whose workers must never wait for each other).
     evaluation = "sharded"
+    #: True where every rank takes each step together (so they can agree on
+    #: when to stop or checkpoint at a step boundary, see mpidist.preempt).
+    lockstep = True
+    #: Strategies that are not in lockstep pass a stop request on themselves:
+    #: :meth:`request_stop` on the rank that got the signal, ``stop_requested``
+    #: wherever their traffic has carried it (train loop, at step boundaries).
+    stop_requested = False
+
+    def request_stop(self, signal_number):
+        """Ask every rank to stop soon (only strategies that are not in lockstep need this)."""
 
     def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20):
         self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed

@@ -52,7 +52,9 @@ class AsyncExchange:
         self.params = Window(world, hi - lo, dtype)                  # the ps's parameter shard
         self.inbox = Window(world, hi - lo, dtype)                   # summed gradients not yet applied
         self.meta = Window(world, 2 if is_ps else 0, np.int64)       # [version, arrivals]
-        self.clock = Window(world, 1 + num_workers if rank == ps_ranks[0] else 0, np.int64)  # [done, clocks...]
+        # [done, clocks..., stop signal, 1 + rank that asked]: one read gives a worker both
+        self.clock = Window(world, 3 + num_workers if rank == ps_ranks[0] else 0, np.int64)
+        self.stop = (0, 0)   # (signal, 1 + rank) as last read
         self._one = np.ones(1, dtype=np.int64)
         self._arrival = np.array([0, 1], dtype=np.int64)
 
@@ -91,11 +93,19 @@ class AsyncExchange:
         return before[:, 0].copy()
 
     def clocks(self):
-        """Steps completed by each worker (NEVER once finished)."""
-        clocks = np.zeros(self.num_workers, dtype=np.int64)
+        """Steps completed by each worker (NEVER once finished); updates ``stop`` on the way."""
+        clocks = np.zeros(self.num_workers + 2, dtype=np.int64)
         self.clock.read(clocks, self.ps_ranks[0], offset=1)
         self.clock.flush()
-        return clocks
+        self.stop = (int(clocks[-2]), int(clocks[-1]))
+        return clocks[:-2]
+
+    def request_stop(self, signal_number, rank):
+        """Any rank: ask every worker to stop at its next step boundary."""
+        self.clock.replace(np.array([signal_number, rank + 1], dtype=np.int64), self.ps_ranks[0],
+                           offset=1 + self.num_workers)
+        self.clock.flush()
+        self.stop = (signal_number, rank + 1)
 
     def tick(self, worker):
         """Count one finished step.  Not flushed here: it completes with the next clock
@@ -153,6 +163,7 @@ class PsAsyncStrategy(ShardedStrategy):
 
     name = "ps-async"
     evaluation = "chief"
+    lockstep = False
 
     def __init__(self, *args, staleness=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -172,11 +183,22 @@ class PsAsyncStrategy(ShardedStrategy):
         self.completed = 0
         self.versions_held = None   # the ps versions host_params holds, once read
         self.figures = {"staleness": [], "updates_missed": [], "wait_s": 0.0, "updates": 0, "gradients": 0}
+        self._stop_sent = False
 
     @property
     def serves(self):
         """True on ps ranks: they run :meth:`serve` instead of training steps."""
         return not self.is_worker
+
+    def request_stop(self, signal_number):
+        if not self._stop_sent:
+            self.exchange.request_stop(signal_number, self.cluster.rank)
+            self._stop_sent = True
+
+    @property
+    def stop_requested(self):
+        """A stop asked for by any rank, as this worker's latest clock read saw it (every step reads)."""
+        return bool(self.exchange.stop[0])
 
     def initialize(self, checkpoint=None):
         self.broadcast_initial(self.host_params, checkpoint)
@@ -213,12 +235,18 @@ class PsAsyncStrategy(ShardedStrategy):
         self.figures["updates_missed"].append(missed)
         return float(loss)
 
-    def serve(self):
-        """ps loop: apply what arrives until every worker has finished and the inbox is empty."""
+    def serve(self, signalled=lambda: 0):
+        """ps loop: apply what arrives until every worker has finished and the inbox is empty.
+
+        ``signalled()``: a signal this ps received (0: none); passed on to the
+        workers as a stop request, after which they finish and this loop ends.
+        """
         rank, workers = self.cluster.rank, self.cluster.num_workers
         arrived = np.zeros_like(self.shard_params)
         pause = POLL_SECONDS
         while True:
+            if signalled():
+                self.request_stop(signalled())
             # Poll the 8-byte arrival count, not the inbox: taking a 2.7 MB inbox every
             # 0.2 ms while idle would flood the memory bus the workers compute on.
             # Workers flush a gradient before counting it, so a count means the data is in.
