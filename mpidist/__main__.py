@@ -3,8 +3,9 @@
 Order matters: BLAS thread counts must be set before anything imports numpy
 (OpenBLAS reads them once, at load), to the cores available per rank on this
 node, so ranks sharing a node do not fight over cores (measured: 2 ranks with
-2 BLAS threads each on 2 cores trained 10x slower than with 1).  Set
-OMP_NUM_THREADS yourself to override.  Then the abort hook, before any work
+2 BLAS threads each on 2 cores trained 10x slower than with 1).  Under Slurm,
+``--cpus-per-task`` says it (``SLURM_CPUS_PER_TASK``).  Set OMP_NUM_THREADS
+yourself to override.  Then the abort hook, before any work
 that could fail, so no failure can leave ranks waiting.
 """
 
@@ -17,7 +18,8 @@ def _limit_blas_threads():
     node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     ranks_here = node.Get_size()
     node.Free()
-    threads = str(max(1, len(os.sched_getaffinity(0)) // ranks_here))
+    # a Slurm task may be bound to its own cores, so the node's share would undercount
+    threads = os.environ.get("SLURM_CPUS_PER_TASK") or str(max(1, len(os.sched_getaffinity(0)) // ranks_here))
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, threads)
 

@@ -91,7 +91,7 @@ def parse(argv):
 
 
 def cmd_train(args, world):
-    from .cluster import build_cluster
+    from .cluster import PS, build_cluster
     from .config import config_from_args
     from .train import run
     from .xp import select_device
@@ -101,7 +101,9 @@ def cmd_train(args, world):
         config.validate(world.Get_size())
     cluster = build_cluster(world, num_ps=config.ps)
     with agreed(world):
-        xp, device = select_device(config.device, cluster.local_rank)
+        # parameter servers keep their shards and optimizer in host memory, as TensorFlow's ps
+        # jobs do: the node's GPUs are left to its workers, which come first in local rank
+        xp, device = select_device("cpu" if cluster.role == PS else config.device, cluster.local_rank)
     result = run(config, cluster, xp, device)
     return EXIT_PREEMPTED if result and result.get("stopped_by") else EXIT_OK
 

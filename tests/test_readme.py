@@ -3,6 +3,8 @@
 import dataclasses
 import re
 
+import pytest
+
 from conftest import ROOT
 from mpidist.config import RunConfig
 from mpidist.nn import MODELS
@@ -13,6 +15,18 @@ README = (ROOT / "README.rst").read_text()
 def test_ci_runs_the_readmes_test_command_verbatim():
     command = next(line.strip() for line in README.splitlines() if "python -m pytest" in line and "venv" in line)
     assert command in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("path", ["README.rst", "slurm/README"])
+def test_the_manuals_render_without_a_warning(path):
+    """A malformed table or section renders as an error message in the middle of the manual."""
+    import io
+
+    import docutils.core
+    warnings = io.StringIO()
+    docutils.core.publish_string((ROOT / path).read_text(), writer_name="null",
+                                 settings_overrides={"warning_stream": warnings, "report_level": 1})
+    assert warnings.getvalue() == ""
 
 
 def test_every_flag_and_its_default_is_documented():

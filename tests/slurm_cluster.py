@@ -1,0 +1,142 @@
+"""A private single-node Slurm for tests: slurmctld + slurmd on localhost, in a temporary directory.
+
+Runs without systemd, cgroups or munge (``auth/none``), on free ports, so
+two test runs on one machine do not collide.  The node advertises more CPUs
+than the machine has (``config_overrides``) so that 4-8 rank jobs fit;
+``EnforcePartLimits=ALL`` makes a request that can never fit fail at
+submission instead of pending forever.
+"""
+
+import getpass
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
+NODE = "mpidist-node"
+CPUS = 8
+
+
+def missing_commands():
+    """The Slurm commands this machine lacks (empty when Slurm is installed)."""
+    return [name for name in DAEMONS if shutil.which(name) is None and not Path("/usr/sbin", name).exists()]
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def _config(root, controller_port, node_port):
+    user = getpass.getuser()
+    host = socket.gethostname().split(".")[0]
+    return f"""\
+ClusterName=mpidisttest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={controller_port}
+SlurmdPort={node_port}
+SlurmUser={user}
+SlurmdUser={user}
+AuthType=auth/none
+CredType=cred/none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=pmi2
+SlurmdParameters=config_overrides
+EnforcePartLimits=ALL
+MinJobAge=300
+KillWait=10
+ReturnToService=2
+SchedulerParameters=batch_sched_delay=0
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+NodeName={NODE} NodeAddr=127.0.0.1 CPUs={CPUS} State=UNKNOWN
+PartitionName=test Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class PrivateSlurm:
+    """Start with :meth:`start`, stop with :meth:`stop`; clients get ``env`` (it names ``SLURM_CONF``)."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+        self.conf = self.root / "slurm.conf"
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.env.pop("SLURM_JOB_ID", None)   # never mistake the test's own job (if any) for ours
+        self._daemons = []
+
+    def start(self, timeout=30):
+        for sub in ("state", "spool"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.conf.write_text(_config(self.root, *_free_ports(2)))
+        sbin = lambda name: shutil.which(name) or f"/usr/sbin/{name}"   # noqa: E731
+        # -D: stay in the foreground, so we own the processes; -i: ignore any saved state
+        self._daemons.append(subprocess.Popen([sbin("slurmctld"), "-D", "-i", "-f", str(self.conf)], env=self.env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        self._daemons.append(subprocess.Popen([sbin("slurmd"), "-D", "-f", str(self.conf), "-N", NODE], env=self.env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.run("sinfo", "-h", "-n", NODE, "-o", "%T").stdout.strip()
+            if state == "idle":
+                return self
+            if any(daemon.poll() is not None for daemon in self._daemons):
+                break
+            time.sleep(0.3)
+        logs = self.logs()
+        self.stop()
+        raise RuntimeError(f"private Slurm did not come up (node state {state!r}):\n{logs}")
+
+    def stop(self):
+        for daemon in self._daemons:
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+        for daemon in self._daemons:
+            try:
+                daemon.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        self._daemons.clear()
+
+    def logs(self):
+        return "\n".join(f"--- {name}:\n" + (self.root / name).read_text()[-3000:]
+                         for name in ("slurmctld.log", "slurmd.log") if (self.root / name).exists())
+
+    def run(self, *command, timeout=60, env=None, cwd=None):
+        """A Slurm client command against this cluster (a CompletedProcess with text output)."""
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env=dict(self.env, **(env or {})))
+
+    def job(self, job_id):
+        """``scontrol show job`` as a dict of its ``Key=Value`` fields ({} once the job is forgotten)."""
+        shown = self.run("scontrol", "-o", "show", "job", str(job_id)).stdout.strip()
+        return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+    def wait_for(self, job_id, states, timeout=120):
+        """Poll until the job's state is one of ``states``; returns the job's fields."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fields = self.job(job_id)
+            if fields.get("JobState") in states:
+                return fields
+            time.sleep(0.2)
+        raise TimeoutError(f"job {job_id} never reached {states}: {self.job(job_id)}\n{self.logs()}")
