@@ -122,10 +122,6 @@ class RunConfig:
         if self.aggregate > workers:
             raise UsageError(f"--aggregate {self.aggregate} is more than the {workers} workers "
                              f"({world_size} ranks, --ps {self.ps})")
-        periodic = "--checkpoint-every" if self.checkpoint_every else "--checkpoint-seconds"
-        if self.aggregate and self.aggregate < workers and (self.checkpoint_every or self.checkpoint_seconds):
-            raise UsageError(f"{periodic} is not available with backup workers (--aggregate below the worker "
-                             "count); a checkpoint is written at the end of training, or when a signal stops it")
         if self.replication == "in-graph" and self.strategy == "pipeline":
             raise UsageError("--replication in-graph does not combine with --strategy pipeline (its first and last "
                              "stages read the data)")
@@ -133,10 +129,6 @@ class RunConfig:
             raise UsageError("--replication in-graph feeds every worker at each step in lock-step; it does not "
                              "combine with workers that run independently (ps-async, --aggregate below the "
                              "worker count)")
-        if self.strategy == "ps-async" and (self.checkpoint_every or self.checkpoint_seconds):
-            raise UsageError(f"{periodic} is not available with ps-async (its optimizer state lives on the ps "
-                             "ranks mid-step); a checkpoint is written at the end of training, or when a signal "
-                             "stops it")
         if self.stages < 1 or self.micro_batches < 1:
             raise UsageError(f"--stages and --micro-batches must be at least 1, got {self.stages} and "
                              f"{self.micro_batches}")

@@ -170,6 +170,43 @@ def layout_text(config, cluster):
     return f"{cluster.num_workers} worker(s)" + (f" and {config.ps} ps" if config.ps else "")
 
 
+class ServerControl:
+    """What the ps ranks of ``ps-async`` and backup workers consult while they serve.
+
+    Those workers are not in lockstep, so the train loop cannot agree on a
+    step for them: a signal is passed on by the strategy, and mid-run
+    checkpoints are decided and written by the first ps, which holds (or
+    gathers) the whole state.  ``step`` here is the run's step: the chief's
+    for ``ps-async``, the global version with backup workers.
+    """
+
+    def __init__(self, config, setup, signals, workers, start_step):
+        self.config, self.setup, self.signals, self.workers = config, setup, signals, workers
+        self.periodic = bool(config.checkpoint_dir and (config.checkpoint_every or config.checkpoint_seconds))
+        self._last_step, self._timer = start_step, time.perf_counter()
+
+    def signalled(self):
+        return self.signals.received
+
+    def checkpoint_due(self, step):
+        """Whether ``step`` passed a multiple of ``--checkpoint-every``, or ``--checkpoint-seconds`` passed."""
+        every, now = self.config.checkpoint_every, time.perf_counter()
+        crossed = bool(every) and step // every > self._last_step // every
+        timed = bool(self.config.checkpoint_seconds) and now - self._timer >= self.config.checkpoint_seconds
+        self._last_step = step
+        if crossed or timed:
+            self._timer = now
+        return crossed or timed
+
+    def write(self, step, state):
+        """First ps: write ``state`` as the checkpoint of ``step`` (its data position from the step)."""
+        params, opt_state, opt_steps = state
+        epoch, epoch_step = divmod(step, self.setup.steps_per_epoch)
+        checkpoint.save(self.config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
+                        self.config.to_json(), self.config.seed, self.workers)
+        checkpoint.prune(self.config.checkpoint_dir, self.config.keep)
+
+
 class _NoData:
     """The batches of a rank that reads no data: ``steps - skip`` empty ones."""
 
@@ -281,7 +318,7 @@ def _run(config, cluster, xp, device_label, stream, signals):
     epoch, epoch_step = start_epoch, start_in_epoch
     stop = bool(config.steps and step >= config.steps)
     if getattr(strategy, "serves", False):   # ps-async ps ranks: serve until the workers are done
-        strategy.serve(lambda: signals.received)
+        strategy.serve(ServerControl(config, setup, signals, data_layout(config, cluster)[0], step))
         stop = True
     for epoch in range(start_epoch, config.epochs if not stop else start_epoch):
         skip = start_in_epoch if epoch == start_epoch else 0

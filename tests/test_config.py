@@ -56,10 +56,6 @@ def test_missing_config_file():
     (["--strategy", "local"], 2, "--strategy local runs on one rank, got 2 ranks"),
     (["--resume", "auto"], 1, "--resume auto needs --checkpoint-dir"),
     (["--checkpoint-seconds", "-5"], 1, "--checkpoint-seconds must be 0 or more, got -5.0"),
-    (["--strategy", "ps-async", "--ps", "1", "--checkpoint-seconds", "60"], 3,
-     "--checkpoint-seconds is not available with ps-async"),
-    (["--strategy", "ps-sync", "--ps", "1", "--aggregate", "1", "--checkpoint-every", "9"], 3,
-     "--checkpoint-every is not available with backup workers"),
 ])
 def test_invalid_settings_are_refused_with_their_values(flags, ranks, message):
     with pytest.raises(UsageError, match=message):

@@ -24,7 +24,7 @@ def test_the_manuals_render_without_a_warning(path):
 
     import docutils.core
     warnings = io.StringIO()
-    docutils.core.publish_string((ROOT / path).read_text(), writer_name="null",
+    docutils.core.publish_string((ROOT / path).read_text(), writer="null",
                                  settings_overrides={"warning_stream": warnings, "report_level": 1})
     assert warnings.getvalue() == ""
 

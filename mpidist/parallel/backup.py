@@ -25,6 +25,11 @@ Stopping early (a signal on any rank) moves that last step forward: a
 worker's note carries the signal to the coordinator, a ps adds its own to the
 round's decision, and every ps then ends the run at the next version.  The
 replies carry this limit, so each worker learns it with its parameters.
+
+Mid-run checkpoints are taken between rounds: the coordinator decides after
+an update, the next round's decision tells every ps, and before that round
+changes anything the ps ranks gather their shards on the first ps, which
+writes them -- a state exactly at one version.
 """
 
 import numpy as np
@@ -137,11 +142,13 @@ class BackupWorkersStrategy(ShardedStrategy):
             if version >= self.limit or accepted == self.aggregate:
                 return status
 
-    def serve(self, signalled=lambda: 0):
+    def serve(self, control=None):
         """Rounds until the last step is taken and every worker has been told to stop.
 
-        ``signalled()``: a signal this ps received (0: none), which ends the run early.
+        ``control`` (see :class:`mpidist.train.ServerControl`): a signal this ps
+        received ends the run early; mid-run checkpoints are written when it says.
         """
+        coordinator = self.cluster.role_comm.Get_rank() == 0
         world, ps_comm = self.cluster.world, self.cluster.role_comm
         workers = self.cluster.num_workers
         size = self.hi - self.lo
@@ -150,14 +157,21 @@ class BackupWorkersStrategy(ShardedStrategy):
         reply = np.zeros(size + 3, dtype=self.model.dtype)
         stopped = np.zeros(workers, dtype=bool)
         loss = 0.0
-        decision = np.zeros(workers + 1, dtype=np.int64)   # [status per worker, stop signal]
+        decision = np.zeros(workers + 2, dtype=np.int64)   # [status per worker, stop signal, checkpoint now]
+        checkpoint_due = 0
         while not stopped.all():
-            decision[:workers] = self._decide(self.version) if ps_comm.Get_rank() == 0 else 0
-            decision[-1] = max(self.signal, signalled())
+            decision[:workers] = self._decide(self.version) if coordinator else 0
+            decision[-2] = max(self.signal, control.signalled() if control else 0)
+            decision[-1] = checkpoint_due
             ps_comm.Allreduce(MPI.IN_PLACE, decision, op=MPI.MAX)   # only the coordinator's statuses are nonzero
             status = decision[:workers]
-            if decision[-1]:
+            if decision[-2]:
                 self.limit = min(self.limit, self.version + 1)
+            if decision[-1]:
+                state = self.gather_on_first_ps(self.shard_view())
+                if state is not None:
+                    control.write(self.version, state)
+            checkpoint_due = 0
             total[...] = 0
             weights = weighted_loss = 0.0
             for worker in np.flatnonzero(status):
@@ -175,6 +189,8 @@ class BackupWorkersStrategy(ShardedStrategy):
                 self.version += 1
                 self.figures["updates"] += 1
                 loss = weighted_loss / weights
+                if coordinator and control is not None and control.periodic and self.version < self.limit:
+                    checkpoint_due = int(control.checkpoint_due(self.version))
             reply[:size] = self.shard_view()
             reply[-3:] = (self.limit, self.version, loss)
             for worker in np.flatnonzero(status):

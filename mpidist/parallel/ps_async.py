@@ -52,9 +52,11 @@ class AsyncExchange:
         self.params = Window(world, hi - lo, dtype)                  # the ps's parameter shard
         self.inbox = Window(world, hi - lo, dtype)                   # summed gradients not yet applied
         self.meta = Window(world, 2 if is_ps else 0, np.int64)       # [version, arrivals]
-        # [done, clocks..., stop signal, 1 + rank that asked]: one read gives a worker both
-        self.clock = Window(world, 3 + num_workers if rank == ps_ranks[0] else 0, np.int64)
+        # [done, clocks..., stop signal, 1 + rank that asked, snapshots asked, serving over]:
+        # one read gives a worker the clocks and any stop request
+        self.clock = Window(world, 5 + num_workers if rank == ps_ranks[0] else 0, np.int64)
         self.stop = (0, 0)   # (signal, 1 + rank) as last read
+        self._control = 3 + num_workers   # offset of [snapshots asked, serving over]
         self._one = np.ones(1, dtype=np.int64)
         self._arrival = np.array([0, 1], dtype=np.int64)
 
@@ -149,6 +151,18 @@ class AsyncExchange:
         self.clock.flush()
         return int(done[0])
 
+    def control(self):
+        """``(snapshots the first ps has asked for, whether it has stopped serving)``."""
+        words = np.zeros(2, dtype=np.int64)
+        self.clock.read(words, self.ps_ranks[0], offset=self._control)
+        self.clock.flush()
+        return int(words[0]), bool(words[1])
+
+    def set_control(self, snapshots, over):
+        """First ps: announce a snapshot (its number) or the end of serving to the other ps ranks."""
+        self.clock.replace(np.array([snapshots, int(over)], dtype=np.int64), self.ps_ranks[0], offset=self._control)
+        self.clock.flush()
+
     def free(self):
         for window in (self.clock, self.meta, self.inbox, self.params):
             window.free()
@@ -184,6 +198,8 @@ class PsAsyncStrategy(ShardedStrategy):
         self.versions_held = None   # the ps versions host_params holds, once read
         self.figures = {"staleness": [], "updates_missed": [], "wait_s": 0.0, "updates": 0, "gradients": 0}
         self._stop_sent = False
+        self.start_step = 0   # the chief's step when this run began (a resumed run's checkpoint step)
+        self.snapshots = 0    # mid-run checkpoints taken (ps ranks)
 
     @property
     def serves(self):
@@ -201,6 +217,7 @@ class PsAsyncStrategy(ShardedStrategy):
         return bool(self.exchange.stop[0])
 
     def initialize(self, checkpoint=None):
+        self.start_step = 0 if checkpoint is None else int(checkpoint.step)
         self.broadcast_initial(self.host_params, checkpoint)
         if not self.is_worker:
             self.shard_params[...] = self.host_params[self.lo:self.hi]
@@ -235,23 +252,44 @@ class PsAsyncStrategy(ShardedStrategy):
         self.figures["updates_missed"].append(missed)
         return float(loss)
 
-    def serve(self, signalled=lambda: 0):
+    def serve(self, control=None):
         """ps loop: apply what arrives until every worker has finished and the inbox is empty.
 
-        ``signalled()``: a signal this ps received (0: none); passed on to the
-        workers as a stop request, after which they finish and this loop ends.
+        ``control`` (see :class:`mpidist.train.ServerControl`): a signal this
+        ps received is passed on to the workers as a stop request; the first
+        ps also decides when a mid-run checkpoint is due (by the chief's step
+        clock or the time), and every ps then sends it its shard, between two
+        of its own updates.  The shards are each consistent, not mutually
+        simultaneous: as in any asynchronous parameter server, they may be a
+        few updates apart.  The first ps alone decides when serving is over,
+        so no ps leaves while a checkpoint could still ask for its shard.
         """
         rank, workers = self.cluster.rank, self.cluster.num_workers
+        first = rank == self.ps_ranks[0]
         arrived = np.zeros_like(self.shard_params)
         pause = POLL_SECONDS
+        drained = False
         while True:
-            if signalled():
-                self.request_stop(signalled())
+            if control is not None:
+                if control.signalled():
+                    self.request_stop(control.signalled())
+                if first and control.periodic and not drained:
+                    step = int(self.exchange.clocks()[0])
+                    if step != NEVER and control.checkpoint_due(self.start_step + step):
+                        self.exchange.set_control(self.snapshots + 1, False)
+                        self._snapshot(control, self.start_step + step)
+            if not first:
+                asked, over = self.exchange.control()
+                if asked > self.snapshots:
+                    self._snapshot(control, None)
+                    continue
+                if drained and over:
+                    return
             # Poll the 8-byte arrival count, not the inbox: taking a 2.7 MB inbox every
             # 0.2 ms while idle would flood the memory bus the workers compute on.
             # Workers flush a gradient before counting it, so a count means the data is in.
             if self.exchange.pending(rank) == 0:
-                if self.exchange.workers_done() < workers:
+                if drained or self.exchange.workers_done() < workers:
                     # Back off while idle: polling steals cycles from workers on shared cores
                     # (measured: 71% system time on this VM), and a later poll only delays an
                     # update -- workers never wait for the ps.
@@ -262,13 +300,24 @@ class PsAsyncStrategy(ShardedStrategy):
                 self.figures["gradients"] += self.exchange.take(arrived, rank)
                 if _nonzero(arrived):
                     self._apply(arrived, rank)
-                return
+                drained = True
+                if first:
+                    self.exchange.set_control(self.snapshots, True)
+                    return
+                continue
             pause = POLL_SECONDS
             self.figures["gradients"] += self.exchange.take(arrived, rank)
             # a count can outlive its data (taken with an earlier count's): never step on zeros,
             # since even a zero gradient moves Adam's parameters
             if _nonzero(arrived):
                 self._apply(arrived, rank)
+
+    def _snapshot(self, control, step):
+        """Collective over the ps ranks: the first one gathers the shards and writes them (at ``step``)."""
+        self.snapshots += 1
+        state = self.gather_on_first_ps(self.shard_params)
+        if state is not None:
+            control.write(step, state)
 
     def _apply(self, gradient, rank):
         self.optimizer.step(self.shard_params, gradient)

@@ -98,6 +98,23 @@ class ShardedStrategy(Strategy):
             state = {name: array[self.lo:end] for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
 
+    def gather_on_first_ps(self, shard):
+        """Collective over the ps ranks only: the first ps gets ``(params, optimizer arrays, steps)``.
+
+        For checkpoints taken while the workers train on: ``shard`` is this
+        ps's parameter slice.  The optimizer step count is the first ps's.
+        """
+        comm, n = self.cluster.role_comm, self.model.num_params
+        counts = np.array([max(min(hi, n) - lo, 0) for lo, hi in self.bounds], dtype=np.int64)
+        displs = np.array([lo for lo, _ in self.bounds], dtype=np.int64)
+        mine = max(min(self.hi, n) - self.lo, 0)
+        first = comm.Get_rank() == 0
+        whole = lambda: np.zeros(n, dtype=self.model.dtype) if first else None   # noqa: E731
+        params = mpi.gatherv(comm, to_host(shard)[:mine], whole(), counts, displs, 0)
+        arrays = {name: mpi.gatherv(comm, to_host(part)[:mine], whole(), counts, displs, 0)
+                  for name, part in self.optimizer.state_arrays().items()}
+        return (params, arrays, int(self.optimizer.steps)) if first else None
+
     def gather_state(self, params):
         """Collective: the chief gets ``(params, whole optimizer arrays, steps)``; others None."""
         cluster, model = self.cluster, self.model
