@@ -152,3 +152,16 @@ def test_every_script_is_submitted_here_and_every_sbatch_line_says_what_it_does(
         for line in (SCRIPTS / name).read_text().splitlines():
             if line.startswith("#SBATCH"):
                 assert re.match(r"#SBATCH \S+\s+# \w", line), f"{name}: no comment on {line!r}"
+
+
+@pytest.mark.parametrize("script,signal_name", [("train-cpu.sbatch", "TERM"), ("train-cpu-srun.sbatch", "USR1")])
+def test_a_signalled_job_checkpoints_and_ends_with_exit_code_3(slurm, tmp_path, script, signal_name):
+    """Slurm's signals reach the ranks through srun and through MPICH's mpiexec (its proxies pass them on)."""
+    _, job = submit(slurm, tmp_path, script, "--epochs", "400", wait=False)
+    slurm.wait_for(job, {"RUNNING"})
+    wait_for_step(tmp_path, job, 30, slurm)
+    assert slurm.run("scancel", f"--signal={signal_name}", str(job)).returncode == 0
+    fields = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"})
+    assert fields["ExitCode"] == "3:0", output(tmp_path, job)
+    stopped, = [e for e in metrics(tmp_path, job) if e["event"] == "stopped"]
+    assert stopped["signal"] == f"SIG{signal_name}" and Path(stopped["checkpoint"]).exists()
