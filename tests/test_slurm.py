@@ -133,7 +133,10 @@ def test_the_requeue_script_checkpoints_requeues_and_resumes_to_the_end(slurm, t
         assert slurm.run("scontrol", "requeue", str(job)).returncode == 0      # SIGTERM, then requeued
     fields = slurm.wait_for(job, {"PENDING"})
     assert fields["Restarts"] == "1"
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")   # else Slurm holds a requeued job ~2 min
+    # Slurm holds a requeued job back about 2 min; start it now, but not in the second its old
+    # credential was revoked: slurmd compares whole seconds and kills the job as "credential revoked"
+    time.sleep(2)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     fields = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"})
     log = output(tmp_path, job)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", log
