@@ -12,7 +12,7 @@ import sys
 from mpi4py import MPI
 
 from . import __version__
-from .errors import EXIT_OK, EXIT_PREEMPTED, UsageError, agreed
+from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError, agreed
 
 COMMANDS = ("train", "eval", "ingest", "info", "bench")
 
@@ -104,8 +104,10 @@ def cmd_train(args, world):
         # parameter servers keep their shards and optimizer in host memory, as TensorFlow's ps
         # jobs do: the node's GPUs are left to its workers, which come first in local rank
         xp, device = select_device("cpu" if cluster.role == PS else config.device, cluster.local_rank)
-    result = run(config, cluster, xp, device)
-    return EXIT_PREEMPTED if result and result.get("stopped_by") else EXIT_OK
+    outcome = run(config, cluster, xp, device)
+    if outcome.get("failed"):
+        return EXIT_FAILURE
+    return EXIT_PREEMPTED if outcome.get("stopped_by") else EXIT_OK
 
 
 def cmd_eval(args, world):
@@ -114,7 +116,7 @@ def cmd_eval(args, world):
     from .config import RunConfig
     from .nn import loss_for
     from .parallel import AllreduceStrategy
-    from .train import build_model_for
+    from .build import build_model_for
     from .xp import select_device
 
     with agreed(world):

@@ -60,6 +60,8 @@ class RunConfig:
     metrics: str = _field("metrics.jsonl", "JSON-lines metrics file the chief appends to ('' = none)")
     log_every: int = _field(10, "steps between metrics lines and progress updates")
     eval_every: int = _field(1, "epochs between evaluations on the test set (0 = only at the end)")
+    nan_patience: int = _field(10, "steps in a row whose loss or gradients are NaN or Inf are skipped (no update) "
+                               "before the run stops with an error (0 = stop at the first)")
     checkpoint_dir: str = _field("", "directory for checkpoints ('' = no checkpoints)")
     checkpoint_every: int = _field(0, "steps between checkpoints (0 = only at the end)")
     checkpoint_seconds: float = _field(0.0, "seconds between checkpoints, by the chief's clock (0 = off); "
@@ -93,7 +95,7 @@ class RunConfig:
         for name, value in positive.items():
             if value < 1:
                 raise UsageError(f"--{self.flag(name)} must be at least 1, got {value}")
-        for name in ("steps", "eval_every", "checkpoint_every", "checkpoint_seconds", "keep"):
+        for name in ("steps", "eval_every", "checkpoint_every", "checkpoint_seconds", "keep", "nan_patience"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{self.flag(name)} must be 0 or more, got {getattr(self, name)}")
         if not self.lr > 0:

@@ -34,6 +34,14 @@ class UsageError(Exception):
     """Bad usage, configuration or input: one clear message, exit code 2."""
 
 
+class RunError(Exception):
+    """A failure while running that needs no traceback (a full disk, a diverged run): exit code 1.
+
+    Raised on one rank, it ends the whole job like any uncaught exception,
+    but prints only ``mpidist: error (rank N): <message>``.
+    """
+
+
 def error_line(message, rank=None):
     """The one line a user sees for an error, tagged with the rank if only some failed."""
     where = "" if rank is None else f" (rank {rank})"
@@ -50,9 +58,9 @@ def install_abort_on_exception():
 
     def abort(exc_type, exc, tb):
         rank = MPI.COMM_WORLD.Get_rank()
-        if isinstance(exc, UsageError):
+        if isinstance(exc, (UsageError, RunError)):
             sys.stderr.write(error_line(exc, rank) + "\n")
-            code = EXIT_USAGE
+            code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
         else:
             sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb)), rank))
             code = EXIT_FAILURE

@@ -32,12 +32,15 @@ changes anything the ps ranks gather their shards on the first ps, which
 writes them -- a state exactly at one version.
 """
 
+import math
+
 import numpy as np
 from mpi4py import MPI
 
 from .. import comm as mpi
 from ..cluster import PS
 from ..xp import is_device_array, to_host
+from .base import SkipCounter, finite
 from .shards import ShardedStrategy
 
 TAG_NOTE, TAG_GRAD, TAG_PARAMS = 11, 12, 13
@@ -58,8 +61,10 @@ class BackupWorkersStrategy(ShardedStrategy):
     evaluation = "chief"
     lockstep = False
 
-    def __init__(self, *args, aggregate, total_steps, **kwargs):
+    def __init__(self, *args, aggregate, total_steps, nan_patience=10, **kwargs):
         super().__init__(*args, **kwargs)
+        self.nan_guard = None   # made in serve(): only the coordinator speaks for the ps ranks
+        self.nan_patience = nan_patience
         model, cluster = self.model, self.cluster
         n = model.num_params
         self.aggregate, self.total_steps = int(aggregate), int(total_steps)
@@ -150,6 +155,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         """
         coordinator = self.cluster.role_comm.Get_rank() == 0
         world, ps_comm = self.cluster.world, self.cluster.role_comm
+        self.nan_guard = SkipCounter(self.nan_patience, speaks=coordinator)
         workers = self.cluster.num_workers
         size = self.hi - self.lo
         incoming = np.zeros(size + 2, dtype=self.model.dtype)
@@ -185,10 +191,15 @@ class BackupWorkersStrategy(ShardedStrategy):
                     self.figures["dropped"] += 1
             if weights > 0:
                 total /= weights        # the mean gradient of the accepted batches
-                self.optimizer.step(self.shard_view(), total)
-                self.version += 1
-                self.figures["updates"] += 1
                 loss = weighted_loss / weights
+                # every shard skips alike; the version still moves on, so workers never run out of batches
+                if self.nan_guard.update_allowed(self.ps_agree(finite(total) and math.isfinite(loss)),
+                                                 f"the accepted gradients of step {self.version + 1} were"):
+                    self.optimizer.step(self.shard_view(), total)
+                    self.figures["updates"] += 1
+                else:
+                    loss = math.nan
+                self.version += 1
                 if coordinator and control is not None and control.periodic and self.version < self.limit:
                     checkpoint_due = int(control.checkpoint_due(self.version))
             reply[:size] = self.shard_view()
@@ -215,4 +226,5 @@ class BackupWorkersStrategy(ShardedStrategy):
         if self.is_worker:
             return {}
         return {"updates": self.figures["updates"], "accepted": self.figures["accepted"],
+                "skipped": self.nan_guard.total if self.nan_guard else 0,
                 "dropped": self.figures["dropped"], "aggregate": self.aggregate, "shard": [self.lo, self.hi]}

@@ -11,7 +11,43 @@ import math
 import numpy as np
 
 from .. import comm as mpi
+from ..errors import RunError
 from ..xp import to_host
+
+
+def finite(array):
+    """Whether every element of ``array`` is finite, in one pass and no temporary.
+
+    A sum is NaN or Inf when any element is (or when finite elements overflow
+    it, which only a diverging run reaches): cheaper than ``isfinite().all()``.
+    """
+    return math.isfinite(float(array.sum()))
+
+
+class SkipCounter:
+    """A ps of a strategy not in lockstep: updates skipped in a row, and the end of patience.
+
+    Args:
+        patience: skipped updates in a row that are tolerated (``--nan-patience``).
+        speaks: whether this ps ends the job when patience runs out; where every
+            ps takes the same decision, one speaking for all gives one message.
+    """
+
+    def __init__(self, patience, speaks=True):
+        self.patience, self.speaks = int(patience), speaks
+        self.in_row = self.total = 0
+
+    def update_allowed(self, ok, what):
+        """``ok``: the update about to be applied is finite.  Past the patience, raise :class:`RunError`."""
+        if ok:
+            self.in_row = 0
+            return True
+        self.in_row += 1
+        self.total += 1
+        if self.in_row > self.patience and self.speaks:
+            raise RunError(f"{what} NaN or Inf {self.in_row} time(s) in a row (--nan-patience {self.patience}): "
+                           "training diverged; lower --lr, or check the data")
+        return False   # counted: the ps reports ``skipped`` in the done event
 
 
 class Strategy:
@@ -40,6 +76,11 @@ class Strategy:
     #: :meth:`request_stop` on the rank that got the signal, ``stop_requested``
     #: wherever their traffic has carried it (train loop, at step boundaries).
     stop_requested = False
+    #: Lockstep strategies: whether the last step's update was skipped because the
+    #: loss or gradients were NaN or Inf -- the same answer on every rank, so the
+    #: training loop can count such steps and stop everywhere at once.  Strategies
+    #: that are not in lockstep skip on the ps and count there (see --nan-patience).
+    skipped = False
 
     def request_stop(self, signal_number):
         """Ask every rank to stop soon (only strategies that are not in lockstep need this)."""
@@ -153,5 +194,8 @@ class DataParallel(Strategy):
         loss = self.backprop(x, y, weight, step)
         self.buffer[-1] = loss * weight
         self.exchange(self.buffer)
-        self.optimizer.step(self.model.params, self.model.grads)
+        # every worker holds the same summed buffer, so every worker decides the same
+        self.skipped = not finite(self.buffer)
+        if not self.skipped:
+            self.optimizer.step(self.model.params, self.model.grads)
         return float(self.buffer[-1])

@@ -26,7 +26,7 @@ from mpi4py import MPI
 from .. import comm as mpi
 from ..nn import Sequential
 from ..xp import to_host
-from .base import Strategy
+from .base import Strategy, finite
 from .schedule import schedule
 
 
@@ -187,8 +187,13 @@ class PipelineStrategy(Strategy):
         self.accumulated[-1] = loss_sum
         if self.replicas > 1:
             mpi.allreduce_sum(self.peers, self.accumulated)
-        self.optimizer.step(model.params, self.accumulated[:-1])
-        loss = self._to_chief(np.array([float(self.accumulated[-1])]), tag=77)[0]
+        # stages hold different gradients and only the last sees the loss: skip everywhere or nowhere
+        ok = np.array([int(finite(self.accumulated))], dtype=np.int64)
+        self.cluster.world.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
+        self.skipped = not ok[0]
+        if not self.skipped:
+            self.optimizer.step(model.params, self.accumulated[:-1])
+        loss = self._to_chief(np.array([np.nan if self.skipped else float(self.accumulated[-1])]), tag=77)[0]
         return float(loss) if self.cluster.is_chief or self.is_last else math.nan
 
     def _to_chief(self, values, tag):

@@ -29,6 +29,7 @@ import numpy as np
 from .. import comm as mpi
 from ..rma import Window
 from ..xp import is_device_array, to_host
+from .base import SkipCounter, finite
 from .shards import ShardedStrategy
 
 NEVER = np.iinfo(np.int64).max  # a finished worker's clock: it never holds anyone back
@@ -179,8 +180,9 @@ class PsAsyncStrategy(ShardedStrategy):
     evaluation = "chief"
     lockstep = False
 
-    def __init__(self, *args, staleness=None, **kwargs):
+    def __init__(self, *args, staleness=None, nan_patience=10, **kwargs):
         super().__init__(*args, **kwargs)
+        self.nan_guard = SkipCounter(nan_patience)
         model, cluster = self.model, self.cluster
         n = model.num_params
         self.staleness = staleness
@@ -320,6 +322,8 @@ class PsAsyncStrategy(ShardedStrategy):
             control.write(step, state)
 
     def _apply(self, gradient, rank):
+        if not self.nan_guard.update_allowed(finite(gradient), f"gradients arriving at ps rank {rank} were"):
+            return
         self.optimizer.step(self.shard_params, gradient)
         self.exchange.publish(self.shard_params, rank)
         self.figures["updates"] += 1
@@ -346,6 +350,7 @@ class PsAsyncStrategy(ShardedStrategy):
         if not self.is_worker:
             shard_bytes = self.shard_params.nbytes
             return {"updates": f["updates"], "gradients": f["gradients"], "shard": [self.lo, self.hi],
+                    "skipped": self.nan_guard.total,
                     "bytes_in": f["gradients"] * shard_bytes, "bytes_out": f.get("pulls", 0) * shard_bytes}
         return {"steps": self.completed, "wait_s": f["wait_s"],
                 "staleness_mean": float(np.mean(f["staleness"])) if f["staleness"] else 0.0,

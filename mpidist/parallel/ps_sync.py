@@ -16,7 +16,12 @@ flat gradient buffer goes to MPI as it is.  The update equals ``allreduce``'s
 (the optimizers are elementwise), so the two train identically.
 """
 
+import math
+
+import numpy as np
+
 from .. import comm as mpi
+from .base import finite
 from .shards import ShardedStrategy
 
 
@@ -52,14 +57,17 @@ class PsSyncStrategy(ShardedStrategy):
         mpi.reduce_scatter_sum(world, self.exchange, self.inbox, self.counts)
         if not self.is_worker:
             count = self.param_hi - self.lo
-            self.optimizer.step(self.values[self.lo:self.param_hi], self.inbox[:count])
-            if self.hi > self.param_hi:
-                self.values[-1] = self.inbox[-1]
-            self.updates += 1
+            update = self.ps_agree(finite(self.inbox))
+            if update:
+                self.optimizer.step(self.values[self.lo:self.param_hi], self.inbox[:count])
+                self.updates += 1
+            if self.hi > self.param_hi:   # the loss slot: NaN tells every rank the step was skipped
+                self.values[-1] = self.inbox[-1] if update else np.nan
             workers = self.cluster.num_workers
             self.bytes_in += workers * self.inbox.nbytes
             self.bytes_out += (self.cluster.size - 1) * self.inbox.nbytes
         mpi.allgatherv_inplace(world, self.values, self.counts, self.displs)
+        self.skipped = not math.isfinite(float(self.values[-1]))
         return float(self.values[-1])
 
     def state(self):

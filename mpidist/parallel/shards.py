@@ -6,6 +6,7 @@ optimizer shards loaded from and gathered into whole-model checkpoints.
 """
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import comm as mpi
 from ..cluster import PS
@@ -72,6 +73,17 @@ class ShardedStrategy(Strategy):
             end = hi if clip is None else min(hi, clip)
             counts[rank], displs[rank] = max(end - lo, 0), lo
         return counts, displs
+
+    def ps_agree(self, ok):
+        """ps ranks only: whether ``ok`` holds on every ps (one tiny ``Allreduce`` when there are several).
+
+        For decisions every shard must take alike, such as skipping a NaN update.
+        """
+        if len(self.ps_ranks) == 1:
+            return bool(ok)
+        flag = np.array([int(bool(ok))], dtype=np.int64)
+        self.cluster.role_comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
+        return bool(flag[0])
 
     def broadcast_initial(self, buffer, checkpoint=None):
         """Collective: the chief's initial (or ``checkpoint``'s) parameters in ``buffer[:n]`` on every rank.
