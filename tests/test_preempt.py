@@ -147,7 +147,9 @@ def test_strategies_out_of_lockstep_stop_on_a_signal_too_and_resume(tmp_path, ca
     metrics = tmp_path / "metrics.jsonl"
     run = ["--progress", "none", "--epochs", "3", "--log-every", "1", *strategy, "--metrics", str(metrics),
            "--checkpoint-dir", str(tmp_path / "ckpt")]
-    launcher = start_mpidist(ranks, *run, env={"MPIDIST_TEST_DELAY": "0:0.03"})
+    # every worker slowed: backup workers step without the slowest, so slowing one alone let the
+    # other two finish all 63 steps before the signal came (and the run rightly ended with 0)
+    launcher = start_mpidist(ranks, *run, env={"MPIDIST_TEST_DELAY": "*:0.03"})
     wait_for_step(metrics, 5, launcher)
     os.kill(rank_pids(launcher)[victim], number)
     out, err = launcher.communicate(timeout=60)
