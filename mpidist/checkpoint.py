@@ -21,7 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .errors import UsageError
+from .errors import RunError, UsageError
 
 PATTERN = re.compile(r"^ckpt-(\d{8})\.h5$")
 
@@ -50,6 +50,8 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
     """Write ``ckpt-<step>.h5`` in ``directory`` atomically; returns its path.
 
     ``seed`` and ``workers`` fix the data order and random streams (see the module text).
+    A write that fails (a full disk, a quota) raises :class:`RunError` with the
+    reason; the file written aside is removed and every older checkpoint is intact.
     """
     directory = Path(directory)
     final = directory / f"ckpt-{step:08d}.h5"
@@ -75,6 +77,11 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        kept = ", ".join(p.name for p in listed(directory)) or "none"
+        raise RunError(f"checkpoint of step {step} not written to {directory}: {reason} (checkpoints there, "
+                       f"intact: {kept})") from None
     finally:
         if aside.exists():
             aside.unlink()

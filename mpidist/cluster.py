@@ -8,6 +8,7 @@ gives each rank its local index, which picks its GPU.
 """
 
 import dataclasses
+import os
 import socket
 
 import numpy as np
@@ -98,12 +99,13 @@ class Cluster:
 
     def table(self, device):
         """Collective: the chief gets the role table as text, others None."""
-        row = (self.rank, self.host, self.local_rank, self.role,
+        # the pid lets a user map a launcher's "PID 4711 killed by signal 9" back to a rank
+        row = (self.rank, self.host, os.getpid(), self.local_rank, self.role,
                "" if self.worker_index is None else self.worker_index, device)
         rows = self.world.gather(row, root=self.chief_rank)  # start-up only, small strings
         if rows is None:
             return None
-        header = ("rank", "host", "local", "role", "index", "device")
+        header = ("rank", "host", "pid", "local", "role", "index", "device")
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*header)] + [fmt.format(*map(str, r)) for r in rows]
