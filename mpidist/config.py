@@ -68,6 +68,9 @@ class RunConfig:
                                             "combines with --checkpoint-every")
     keep: int = _field(3, "checkpoints kept in --checkpoint-dir, newest first (0 = all)")
     resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest in --checkpoint-dir")
+    stall_timeout: float = _field(300.0, "seconds a rank may wait for others (an exchange, the step agreement, "
+                                  "the end) before the chief names the ranks that have not arrived and ends the "
+                                  "job (0 = wait forever)")
     bucket_mb: float = _field(64.0, "gradient bucket size in MiB: one Allreduce per bucket")
     device: str = _field("auto", "where to compute: cpu, gpu (cupy, one GPU per rank on a node), or auto", DEVICES)
     dtype: str = _field("float32", "parameter and activation dtype", DTYPES)
@@ -95,7 +98,8 @@ class RunConfig:
         for name, value in positive.items():
             if value < 1:
                 raise UsageError(f"--{self.flag(name)} must be at least 1, got {value}")
-        for name in ("steps", "eval_every", "checkpoint_every", "checkpoint_seconds", "keep", "nan_patience"):
+        for name in ("steps", "eval_every", "checkpoint_every", "checkpoint_seconds", "keep", "nan_patience",
+                     "stall_timeout"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{self.flag(name)} must be 0 or more, got {getattr(self, name)}")
         if not self.lr > 0:

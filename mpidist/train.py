@@ -22,6 +22,7 @@ from .build import data_layout, find_resume, layout_text, make_strategy, prepare
 from .errors import agreed
 from .metrics import MetricsLog, Progress, format_summary
 from .preempt import StepAgreement, StopSignals, settle, signal_name
+from .stall import StallMonitor, Whereabouts
 
 
 class ServerControl:
@@ -97,6 +98,7 @@ class Training:
         self.config, self.cluster, self.xp, self.device_label = config, cluster, xp, device_label
         self.stream, self.signals = stream, signals
         self.diverged = None   # the message, once --nan-patience ran out
+        self.where = Whereabouts()   # what the stall monitor reports (--stall-timeout)
 
     @property
     def chief(self):
@@ -117,6 +119,8 @@ class Training:
             asked, config = config.seed, dataclasses.replace(config, seed=resume.seed)
             self.config = config
         self.strategy = make_strategy(config, setup, cluster, self.xp)
+        self.strategy.track = self.where.enter
+        self.monitor = StallMonitor(cluster.world, cluster.chief_rank, config.stall_timeout, self.where).start()
         table = cluster.table(self.device_label + self._place())
         self.strategy.initialize(resume)
         if self.chief:
@@ -130,6 +134,9 @@ class Training:
                 self._say(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}")
             if resume is not None:
                 self._say(f"mpidist: resumed from {resume.path} at step {resume.step}")
+            if config.stall_timeout and cluster.size > 1 and not self.monitor.active:
+                self._say("mpidist: warning: --stall-timeout needs MPI_THREAD_MULTIPLE, which this MPI does not "
+                          "give: a hang will not be diagnosed")
             if reseeded:
                 self._say(f"mpidist: note: --seed {asked} ignored: the checkpoint's data order and random "
                           f"streams continue with seed {config.seed}")
@@ -197,6 +204,7 @@ class Training:
                 for x, y in batches:
                     if x is not None:
                         x, y = self.xp.asarray(x), self.xp.asarray(y)
+                    self.where.enter("compute", self.step + 1)
                     if delay:
                         time.sleep(delay)
                     loss = strategy.train_step(x, y, setup.local_batch / config.batch_size, self.step)
@@ -261,6 +269,7 @@ class Training:
         """After each step: stop requests and checkpoints; True when this rank leaves the loop."""
         config, strategy = self.config, self.strategy
         if self.agreement:
+            self.where.enter("agree")
             flags = self.agreement.boundary(self.signals.received, self._timed_checkpoint_due())
             self.early = bool(flags["signal"]) and self.step < steps_to_run
             every = config.checkpoint_every and self.step % config.checkpoint_every == 0
@@ -286,9 +295,11 @@ class Training:
         config, strategy = self.config, self.strategy
         if not config.checkpoint_dir or (strategy.lockstep and self.saved_at == self.step):
             return   # (other strategies' ranks count steps apart: each call must be collective)
+        self.where.enter("gather")
         state = strategy.state()  # collective: shards are gathered to the chief
         self.saved_at = self.step
         if self.chief:
+            self.where.enter("write")
             params, opt_state, opt_steps = state
             self.saved_path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, self.step,
                                               self.epoch, self.epoch_step, config.to_json(), config.seed,
@@ -308,6 +319,7 @@ class Training:
     def conclude(self):
         """Collective: settle, evaluate and checkpoint as the run ended; the chief reports."""
         cluster, strategy = self.cluster, self.strategy
+        self.where.enter("finish")
         if self.agreement:
             self.agreement.close()
         strategy.finish()
@@ -318,7 +330,9 @@ class Training:
             self.evaluate()   # (a stopping job has no time to spare; a diverged one nothing to show)
         if not self.diverged:   # a diverged state must not push a good checkpoint out of --keep
             self.save()
+        self.where.enter("finish")
         roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats()), root=cluster.chief_rank)
+        self.monitor.close()
         strategy.close()
         if self.diverged:
             return self._report_failure(self.diverged)

@@ -17,20 +17,20 @@ def mpiexec_path():
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
-def _command_and_env(ranks, args, env):
-    command = [mpiexec_path(), "-n", str(ranks), sys.executable] + list(args)
+def _command_and_env(ranks, args, env, prefix=()):
+    command = list(prefix) + [mpiexec_path(), "-n", str(ranks), sys.executable] + list(args)
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     full_env.update(env or {})
     return command, full_env
 
 
-def run_mpi(ranks, args, timeout=60, cwd=None, env=None):
-    """Run ``mpiexec -n ranks python ARGS``; returns the CompletedProcess and seconds taken.
+def run_mpi(ranks, args, timeout=60, cwd=None, env=None, prefix=()):
+    """Run ``[PREFIX...] mpiexec -n ranks python ARGS``; returns the CompletedProcess and seconds taken.
 
     A run that outlives ``timeout`` is a hang: the test fails with what it printed.
     """
     import time
-    command, full_env = _command_and_env(ranks, args, env)
+    command, full_env = _command_and_env(ranks, args, env, prefix)
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
@@ -45,11 +45,16 @@ def mpidist(ranks, *flags, timeout=60, cwd=None, env=None):
     return run_mpi(ranks, ["-m", "mpidist", *flags], timeout=timeout, cwd=cwd, env=env)
 
 
-def start_mpidist(ranks, *flags, env=None):
-    """``mpiexec -n ranks python -m mpidist FLAGS`` in the background (a Popen with text pipes)."""
-    command, full_env = _command_and_env(ranks, ["-m", "mpidist", *flags], env)
+def start_mpi(ranks, args, env=None):
+    """``mpiexec -n ranks python ARGS`` in the background (a Popen with text pipes)."""
+    command, full_env = _command_and_env(ranks, args, env)
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=full_env)
+
+
+def start_mpidist(ranks, *flags, env=None):
+    """``mpiexec -n ranks python -m mpidist FLAGS`` in the background (a Popen with text pipes)."""
+    return start_mpi(ranks, ["-m", "mpidist", *flags], env=env)
 
 
 def rank_pids(launcher):

@@ -56,6 +56,18 @@ def test_the_schedule_pictures_are_what_the_schedule_functions_draw():
         assert f"    {name}\n{picture}\n" in README
 
 
-def test_the_count_of_bad_inputs_is_the_one_tested():
-    from test_cli import BAD_INPUTS
-    assert " ".join(README.split()).count(f"Tested at 2 and 4 ranks for {len(BAD_INPUTS)} kinds of bad input") == 1
+def fault_table():
+    """The rows ``(case, exit code, what happens)`` of the README's table of faults."""
+    section = README.split("What mpidist does when something goes wrong\n")[1]
+    lines = section.splitlines()
+    borders = [index for index, line in enumerate(lines) if line.startswith("=====")]
+    return [re.split(r"\s{2,}", line, maxsplit=2) for line in lines[borders[1] + 1:borders[2]]]
+
+
+def test_the_fault_table_is_the_tested_catalogue():
+    """Each row of the README's table is a row of tests/test_faults.py, with its exit code, and back."""
+    from test_faults import FAULTS
+    rows = fault_table()
+    assert [row[0] for row in rows] == list(FAULTS)
+    assert [int(row[1]) for row in rows] == [fault.code for fault in FAULTS.values()]
+    assert len(rows) >= 20

@@ -112,6 +112,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         grads = self.host_grads
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)
+        self.track("exchange")
         note = np.array([self.worker_index, self.version, self.signal], dtype=np.int64)
         sends = [world.Isend(note, self.ps_ranks[0], TAG_NOTE)]
         for message, ps, (lo, hi) in zip(self.outbox, self.ps_ranks, self.bounds):
@@ -154,6 +155,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         received ends the run early; mid-run checkpoints are written when it says.
         """
         coordinator = self.cluster.role_comm.Get_rank() == 0
+        self.track("serve")
         world, ps_comm = self.cluster.world, self.cluster.role_comm
         self.nan_guard = SkipCounter(self.nan_patience, speaks=coordinator)
         workers = self.cluster.num_workers

@@ -85,6 +85,12 @@ class Strategy:
     def request_stop(self, signal_number):
         """Ask every rank to stop soon (only strategies that are not in lockstep need this)."""
 
+    def track(self, phase):
+        """Where this rank is now (``compute``, ``exchange``, ...; see :mod:`mpidist.stall`).
+
+        The training loop replaces this with its whereabouts' ``enter``.
+        """
+
     def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20):
         self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed
         self.make_optimizer = make_optimizer
@@ -131,6 +137,7 @@ class Strategy:
     def backprop(self, x, y, weight, step):
         """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss."""
         model = self.model
+        self.track("compute")
         model.reseed(self.seed, self.worker_index, step)
         out = model.forward(x, training=True)
         loss = self.loss.forward(out, y)
@@ -143,11 +150,13 @@ class Strategy:
             return math.nan, math.nan, 0
         xp = self.model.xp
         totals = np.zeros(3)
+        self.track("compute")
         for x, y in batches:
             x, y = xp.asarray(x), xp.asarray(y)
             out = self.model.forward(x, training=False)
             totals += (float(self.loss.forward(out, y)) * len(x), float(self.loss.correct(out, y)), len(x))
         comm = self.worker_comm if self.evaluation == "sharded" else None
+        self.track("exchange")
         loss_sum, correct, count = mpi.sum_float64(comm, totals)
         return loss_sum / max(count, 1), correct / max(count, 1), int(count)
 
@@ -193,6 +202,7 @@ class DataParallel(Strategy):
     def train_step(self, x, y, weight, step):
         loss = self.backprop(x, y, weight, step)
         self.buffer[-1] = loss * weight
+        self.track("exchange")
         self.exchange(self.buffer)
         # every worker holds the same summed buffer, so every worker decides the same
         self.skipped = not finite(self.buffer)

@@ -134,7 +134,9 @@ class PipelineStrategy(Strategy):
     def _recv(self, shape, source, tag):
         buffer = self.model.xp.empty(shape, dtype=self.model.dtype)
         start = time.perf_counter()
+        self.track("exchange")
         mpi.recv(self.pipe, buffer, source, tag)
+        self.track("compute")
         self.figures["idle_s"] += time.perf_counter() - start
         return buffer
 
@@ -147,6 +149,7 @@ class PipelineStrategy(Strategy):
         self.accumulated[...] = 0
         loss_sum, held = 0.0, 0
         start = time.perf_counter()
+        self.track("compute")
         for op, i in self.plan:
             if op == "recv_fwd":
                 inputs[i] = self._recv((sizes[i],) + self.in_shape, self.stage - 1, 2 * i)
@@ -180,6 +183,7 @@ class PipelineStrategy(Strategy):
             elif op == "send_bwd":
                 sends.append(mpi.isend(self.pipe, grads_out.pop(i), self.stage - 1, 2 * i + 1))
         waited = time.perf_counter()
+        self.track("exchange")
         MPI.Request.Waitall([request for request, _ in sends])
         self.figures["idle_s"] += time.perf_counter() - waited
         self.figures["pipeline_s"] += time.perf_counter() - start
@@ -190,6 +194,7 @@ class PipelineStrategy(Strategy):
         # stages hold different gradients and only the last sees the loss: skip everywhere or nowhere
         ok = np.array([int(finite(self.accumulated))], dtype=np.int64)
         self.cluster.world.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
+        self.track("compute")
         self.skipped = not ok[0]
         if not self.skipped:
             self.optimizer.step(model.params, self.accumulated[:-1])

@@ -229,6 +229,7 @@ class PsAsyncStrategy(ShardedStrategy):
     def _wait_for_slowest(self):
         """Stale synchronous parallel: returns how far ahead of the slowest worker this one is."""
         start = time.perf_counter()
+        self.track("staleness-bound")
         while True:
             ahead = self.completed - int(self.exchange.clocks().min())
             if self.staleness is None or ahead <= self.staleness:
@@ -239,6 +240,7 @@ class PsAsyncStrategy(ShardedStrategy):
     def train_step(self, x, y, weight, step):
         model = self.model
         staleness = self._wait_for_slowest()
+        self.track("exchange")
         read = self.exchange.pull(self.host_params, known=self.versions_held)
         self.versions_held = read
         if is_device_array(model.params):
@@ -247,6 +249,7 @@ class PsAsyncStrategy(ShardedStrategy):
         grads = self.host_grads
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)
+        self.track("exchange")
         missed = int((self.exchange.push(grads) - read).max())
         self.exchange.tick(self.worker_index)
         self.completed += 1
@@ -267,6 +270,7 @@ class PsAsyncStrategy(ShardedStrategy):
         so no ps leaves while a checkpoint could still ask for its shard.
         """
         rank, workers = self.cluster.rank, self.cluster.num_workers
+        self.track("serve")
         first = rank == self.ps_ranks[0]
         arrived = np.zeros_like(self.shard_params)
         pause = POLL_SECONDS

@@ -54,9 +54,11 @@ class PsSyncStrategy(ShardedStrategy):
             loss = self.backprop(x, y, weight, step)
             self.exchange[-1] = loss * weight
         world = self.cluster.world
+        self.track("exchange")
         mpi.reduce_scatter_sum(world, self.exchange, self.inbox, self.counts)
         if not self.is_worker:
             count = self.param_hi - self.lo
+            self.track("compute")
             update = self.ps_agree(finite(self.inbox))
             if update:
                 self.optimizer.step(self.values[self.lo:self.param_hi], self.inbox[:count])
@@ -66,6 +68,7 @@ class PsSyncStrategy(ShardedStrategy):
             workers = self.cluster.num_workers
             self.bytes_in += workers * self.inbox.nbytes
             self.bytes_out += (self.cluster.size - 1) * self.inbox.nbytes
+        self.track("exchange")
         mpi.allgatherv_inplace(world, self.values, self.counts, self.displs)
         self.skipped = not math.isfinite(float(self.values[-1]))
         return float(self.values[-1])

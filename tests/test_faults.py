@@ -1,0 +1,353 @@
+"""The catalogue of bad inputs and faults (README: "What mpidist does when something goes wrong").
+
+One test per row, at 2 and 4 ranks, each under a timeout: the run must end
+with the row's exit code and message, every rank gone, within SECONDS_TO_END
+of the fault (for bad input: of the launch).  tests/test_readme.py keeps the
+README's table and this catalogue the same.
+"""
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from typing import Callable
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import rank_pids, run_mpi, start_mpi
+from mpidist import checkpoint
+from mpidist.ingest import write_dataset
+from test_preempt import events, wait_for_step
+
+SECONDS_TO_END = 10
+
+
+@dataclasses.dataclass
+class Launch:
+    """What to run: python ARGS under mpiexec, with ENV, behind a PREFIX command."""
+
+    args: list
+    env: dict = dataclasses.field(default_factory=dict)
+    prefix: tuple = ()
+
+
+@dataclasses.dataclass
+class Fault:
+    """A row: how to provoke it, the exit code and message it ends with, what else must hold."""
+
+    provoke: Callable            # (tmp_path, ExitStack) -> Launch (may prepare files, or run a first job)
+    code: int
+    message: str                 # in stderr (or stdout)
+    during: Callable = None      # (launcher, tmp_path) -> None: acts on the running job
+    check: Callable = None       # (tmp_path, stdout, stderr) -> None: what must be kept
+    one_message: bool = True     # exactly one "mpidist: error" line
+
+
+def train(*flags, env=None, prefix=()):
+    """``python -m mpidist FLAGS``; a flag may be a function of the test's directory."""
+    return lambda p, stack=None: Launch(["-m", "mpidist", "--metrics", str(p / "m.jsonl"),
+                                         *[f(p) if callable(f) else f for f in flags]], env or {}, prefix)
+
+
+def bad(*flags, message):
+    """A row of bad input: exit 2, one message, no traceback."""
+    return Fault(train(*flags), 2, message)
+
+
+# -- files the rows need ------------------------------------------------------------------------------------
+def tiny_dataset(path, train_x, train_y, num_classes=3):
+    return write_dataset(path, path.stem, {"train": (train_x, train_y),
+                                           "test": (np.zeros((6, 4)), np.arange(6) % 3)}, num_classes, "")
+
+
+def missing_labels(p):
+    path = tiny_dataset(p / "broken.h5", np.zeros((20, 4)), np.zeros(20, int))
+    with h5py.File(path, "a") as handle:
+        del handle["train/y"]
+    return str(path)
+
+
+def truncated(p):
+    path = tiny_dataset(p / "cut.h5", np.random.default_rng(0).random((400, 4)), np.arange(400) % 3)
+    path.write_bytes(path.read_bytes()[:3000])
+    return str(path)
+
+
+def text_samples(p):
+    path = tiny_dataset(p / "text.h5", np.zeros((20, 4)), np.arange(20) % 3)
+    with h5py.File(path, "a") as handle:
+        del handle["train/x"]
+        handle["train/x"] = np.array([[b"a", b"b", b"c", b"d"]] * 20)
+    return str(path)
+
+
+def one_bad_label(p):
+    labels = np.arange(100) % 3
+    labels[7] = 9          # sample 7: worker 1's shard at 2 ranks, worker 3's at 4
+    return str(tiny_dataset(p / "label.h5", np.zeros((100, 4)), labels))
+
+
+def names_the_rank_holding_it(p, out, err):
+    """Sample 7 is worker 1's at 2 ranks, worker 3's at 4: the message names the rank, as only it failed."""
+    assert "mpidist: error (rank 1): " in err or "mpidist: error (rank 3): " in err
+
+
+def an_infinity(p):
+    x = np.random.default_rng(0).random((100, 4))
+    x[41, 2] = np.inf      # sample 41: worker 1's shard at 2 and at 4 ranks
+    return str(tiny_dataset(p / "inf.h5", x, np.arange(100) % 3))
+
+
+def one_sample(p):
+    return str(tiny_dataset(p / "one.h5", np.zeros((1, 4)), np.zeros(1, int)))
+
+
+def checkpoint_of_another_model(p):
+    done, _ = run_mpi(1, ["-m", "mpidist", "--metrics", "", "--model", "mlp-wide", "--steps", "1",
+                          "--checkpoint-dir", str(p / "wide")])
+    assert done.returncode == 0, done.stderr
+    return str(p / "wide" / "ckpt-00000001.h5")
+
+
+# -- runtime faults -----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def full_disk(path, size="500k"):
+    """A file system at ``path`` with room for one checkpoint of the default model, not two.
+
+    A tmpfs where this user may mount one (root: CI); elsewhere the run gets a
+    file-size limit below a checkpoint instead (the same failed write: EFBIG).
+    """
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    try:
+        yield () if mounted else ("prlimit", "--fsize=200000")
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def resume_onto_a_full_disk(p, stack):
+    """A first run leaves ckpt-5 on a disk that then has no room for the resumed run's next one."""
+    disk = p / "disk"
+    prefix = stack.enter_context(full_disk(disk))   # unmounted after the test's run
+    common = ["--progress", "none", "--checkpoint-dir", str(disk), "--checkpoint-every", "5"]
+    done, _ = run_mpi(2, ["-m", "mpidist", "--metrics", "", "--steps", "5", *common])
+    assert done.returncode == 0, done.stderr
+    return train(*common, "--steps", "12", "--resume", "auto", prefix=prefix)(p)
+
+
+def previous_checkpoint_intact(p, out, err):
+    kept = checkpoint.load(p / "disk" / "ckpt-00000005.h5")
+    assert kept.step == 5 and np.isfinite(kept.params).all()
+    assert sorted(f.name for f in (p / "disk").iterdir()) == ["ckpt-00000005.h5"]   # nothing half-written
+
+
+def diverged_without_writing_bad_checkpoints(p, out, err):
+    kinds = [e["event"] for e in events(p / "m.jsonl", "skipped") + events(p / "m.jsonl", "failed")]
+    assert kinds == ["skipped"] * 4 + ["failed"]                # patience 3: the 4th skip in a row ends it
+    written = sorted(f.name for f in (p / "ckpt").iterdir())
+    assert written == ["ckpt-00000001.h5", "ckpt-00000002.h5"]   # none while steps were skipped
+
+
+RAISE_AT_STEP_5 = """
+    import sys
+    from mpidist.parallel import allreduce
+    train_step = allreduce.AllreduceStrategy.train_step
+
+    def failing(self, x, y, weight, step):
+        if step == 5 and self.cluster.rank == 1:
+            raise RuntimeError("injected failure at step 5")
+        return train_step(self, x, y, weight, step)
+
+    allreduce.AllreduceStrategy.train_step = failing
+    from mpidist.__main__ import main
+    sys.argv = ["mpidist", "--epochs", "1000", "--metrics", ""]
+    sys.exit(main())
+"""
+
+# The chief signals itself while the checkpoint of step 10 is written aside, before it is synced and
+# renamed into place (as a scheduler's SIGTERM can): the write completes, then the job stops.
+SIGNAL_MID_WRITE = """
+    import os, signal, sys, types
+    from mpidist import checkpoint
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.environ.get("SIGNALLED") is None:
+            os.environ["SIGNALLED"] = "1"
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_fsync(fd)
+
+    checkpoint.os = types.SimpleNamespace(**{**vars(os), "fsync": fsync})
+    from mpidist.__main__ import main
+    sys.argv = ["mpidist", "--metrics", sys.argv[1], "--progress", "none", "--checkpoint-dir", sys.argv[2],
+                "--checkpoint-every", "10", "--keep", "0"]
+    sys.exit(main())
+"""
+
+
+def tagged_traceback(p, out, err):
+    assert "[rank 1] Traceback (most recent call last):" in err
+
+
+# An exception in a thread other than the main one: only the abort hook ends the others (blocked in a Barrier).
+RAISE_IN_A_THREAD = """
+    import threading, time
+    from mpi4py import MPI
+    from mpidist.errors import install_abort_on_exception
+    install_abort_on_exception()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        threading.Thread(target=lambda: 1 / 0).start()
+    MPI.COMM_WORLD.Barrier()        # rank 0 never arrives
+    time.sleep(60)
+"""
+
+
+def script(text, *args):
+    def provoke(p, stack=None):
+        path = p / "script.py"
+        path.write_text(textwrap.dedent(text))
+        return Launch([str(path), *[a(p) if callable(a) else a for a in args]])
+    return provoke
+
+
+def both_checkpoints_whole(p, out, err):
+    stop, = events(p / "m.jsonl", "stopped")
+    steps = [int(f.name[5:13]) for f in sorted((p / "ckpt").iterdir())]
+    # posted at the boundary of step 11, learned by every rank one step later (see mpidist.preempt)
+    assert steps == [10, stop["step"]] and stop["step"] == 12 and stop["signal"] == "SIGTERM"
+    for step in steps:
+        assert checkpoint.load(p / "ckpt" / f"ckpt-{step:08d}.h5").step == step
+
+
+def at_step(number, rank, action):
+    """``during``: once the chief logged step ``number``, do ``action`` to ``rank``'s process."""
+    def during(launcher, p):
+        wait_for_step(p / "m.jsonl", number, launcher)
+        action(rank_pids(launcher)[rank])
+    return during
+
+
+SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}    # about 30 ms a step: time to act mid-run
+
+FAULTS = {
+    # bad usage and configuration
+    "unknown flag": bad("--epoch", "3", message="unrecognized arguments: --epoch 3"),
+    "bad flag value": bad("--epochs", "ten", message="argument --epochs: invalid int value: 'ten'"),
+    "unknown model": bad("--model", "resnet", message="--model 'resnet' is not in the zoo"),
+    "unknown strategy": bad("--strategy", "gossip", message="--strategy 'gossip' is not one of: auto, local"),
+    "unknown schedule": bad("--strategy", "pipeline", "--stages", "2", "--schedule", "zigzag",
+                            message="--schedule 'zigzag' is not one of: 1f1b, gpipe"),
+    "config file with unknown keys": bad("--config", lambda p: str(p / "run.toml"), message="unknown key 'epoch'"),
+    "config file that is not TOML": bad("--config", lambda p: str(p / "notes.txt"), message="not readable as TOML"),
+    "contradictory flags: --ps without a ps strategy": bad("--strategy", "allreduce", "--ps", "1",
+                                                           message="--ps 1 applies to the ps strategies"),
+    "contradictory flags: --staleness without ps-async": bad(
+        "--strategy", "ps-sync", "--ps", "1", "--staleness", "5",
+        message="--staleness 5 applies to --strategy ps-async only"),
+    "contradictory flags: in-graph with ps-async": bad("--strategy", "ps-async", "--ps", "1", "--replication",
+                                                       "in-graph", message="--replication in-graph feeds every worker"),
+    "contradictory flags: --resume auto without a directory": bad(
+        "--resume", "auto", message="--resume auto needs --checkpoint-dir to look in"),
+    "more backup aggregates than workers": bad("--strategy", "ps-sync", "--ps", "1", "--aggregate", "9",
+                                               message="--aggregate 9 is more than the"),
+    "too few ranks for the ps": bad("--strategy", "ps-sync", "--ps", "4", message="--ps 4 needs at least 5 ranks"),
+    "rank count does not fit the strategy": bad("--strategy", "local", message="--strategy local runs on one rank"),
+    "stages that do not divide the ranks": bad("--strategy", "pipeline", "--stages", "3",
+                                               message="--stages 3 does not divide the"),
+    "balance that does not fit the model": bad("--strategy", "pipeline", "--stages", "2", "--balance", "3,2",
+                                               message="--balance 3,2 gives 2 stages with 5 layers"),
+    # datasets
+    "missing dataset file": bad("--data", lambda p: str(p / "none.h5"), message="none.h5: no such file"),
+    "unknown dataset name": bad("--data", "cifar", message="no bundled dataset of that name"),
+    "not an HDF5 file": bad("--data", lambda p: str(p / "notes.txt"), message="not a readable HDF5 file"),
+    "truncated dataset file": bad("--data", truncated, message="cut.h5: not a readable HDF5 file"),
+    "wrong layout": bad("--data", missing_labels, message="missing dataset 'train/y'"),
+    "wrong dtype": bad("--data", text_samples, message="train/x has dtype |S1; it must be numeric"),
+    "labels out of range": dataclasses.replace(bad("--data", one_bad_label, message="label 9 at sample 7, outside "
+                                                   "[0, 3)"), check=names_the_rank_holding_it),
+    "NaN or Inf in the data": bad("--data", an_infinity, message="train/x holds NaN or Inf (first at sample 41)"),
+    "empty shard: more workers than samples": bad("--data", one_sample,
+                                                  message="has 1 training sample(s), fewer than the"),
+    "batch smaller than the worker count": bad("--batch-size", "1", message="is smaller than the number of workers"),
+    "model that does not fit the data": bad("--model", "cnn", "--data", "mnist1d",
+                                            message="--model cnn does not fit dataset 'mnist1d'"),
+    # checkpoints and outputs
+    "missing checkpoint to resume": bad("--resume", lambda p: str(p / "ckpt-00000007.h5"),
+                                        message="ckpt-00000007.h5: no such checkpoint file"),
+    "not a checkpoint": bad("--resume", lambda p: str(p / "notes.txt"), message="notes.txt: not a readable checkpoint"),
+    "checkpoint from another model": bad("--resume", checkpoint_of_another_model,
+                                         message="written by --model mlp-wide on 'digits'"),
+    "unwritable checkpoint directory": bad("--checkpoint-dir", lambda p: str(p / "notes.txt" / "ckpt"),
+                                           message="notes.txt/ckpt: cannot create (Not a directory)"),
+    "unwritable metrics file": bad("--metrics", "/proc/mpidist/m.jsonl", message="--metrics /proc/mpidist"),
+    # while running
+    "full disk while writing a checkpoint": Fault(resume_onto_a_full_disk, 1, "checkpoint of step 10 not written",
+                                                  check=previous_checkpoint_intact),
+    "NaN loss or gradients during training": Fault(
+        train("--optimizer", "sgd", "--lr", "1e6", "--nan-patience", "3", "--log-every", "1",
+              "--checkpoint-dir", lambda p: str(p / "ckpt"), "--checkpoint-every", "1"),
+        1, "NaN or Inf 4 step(s) in a row (--nan-patience 3)", check=diverged_without_writing_bad_checkpoints),
+    "NaN gradients at a ps (ps-async)": Fault(
+        train("--strategy", "ps-async", "--ps", "1", "--optimizer", "sgd", "--lr", "1e6", "--nan-patience", "3"),
+        1, "were NaN or Inf 4 time(s) in a row (--nan-patience 3): training diverged"),
+    "a rank that raises mid-step": Fault(script(RAISE_AT_STEP_5), 1,
+                                         "[rank 1] RuntimeError: injected failure at step 5", one_message=False,
+                                         check=tagged_traceback),
+    "an exception in a helper thread": Fault(script(RAISE_IN_A_THREAD), 1, "[rank 0] ZeroDivisionError",
+                                             one_message=False),
+    "a rank killed (kill -9) without --elastic": Fault(
+        # MPICH's launcher ends every rank; its banner's pid is sometimes another rank's (seen: 1 run in 2)
+        train("--epochs", "50", "--log-every", "1", env=SLOW), 9, "Killed (signal 9)",
+        during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGKILL)), one_message=False),
+    "a rank that hangs": Fault(train("--stall-timeout", "2", env={"MPIDIST_TEST_DELAY": "1:60"}), 1,
+                               "in exchange at step 1; not arrived: rank 1 (compute at step 1 for "),
+    "a rank frozen (SIGSTOP)": Fault(
+        train("--stall-timeout", "2", "--epochs", "50", "--log-every", "1", env=SLOW), 1,
+        "not arrived: rank 1 (no report for", during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGSTOP))),
+    "a preemption signal (SIGTERM) to one rank": Fault(
+        train("--epochs", "50", "--log-every", "1", "--checkpoint-dir", lambda p: str(p / "ckpt"), env=SLOW), 3,
+        "stopped by SIGTERM (rank 1) at step", during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGTERM)),
+        one_message=False),
+    "a signal during a checkpoint write": Fault(
+        script(SIGNAL_MID_WRITE, lambda p: str(p / "m.jsonl"), lambda p: str(p / "ckpt")), 3,
+        "stopped by SIGTERM (rank 0) at step 12", check=both_checkpoints_whole, one_message=False),
+}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_each_fault_ends_with_its_documented_exit_code_and_message(tmp_path, case, ranks):
+    (tmp_path / "notes.txt").write_text("not a dataset")
+    (tmp_path / "run.toml").write_text("epoch = 3\n")
+    fault = FAULTS[case]
+    with contextlib.ExitStack() as stack:
+        launch = fault.provoke(tmp_path, stack)
+        if fault.during is None:
+            done, seconds = run_mpi(ranks, launch.args, timeout=60, env=launch.env, prefix=launch.prefix)
+            code, out, err = done.returncode, done.stdout, done.stderr
+        else:
+            launcher = start_mpi(ranks, launch.args, env=launch.env)
+            try:
+                fault.during(launcher, tmp_path)
+                acted = time.monotonic()
+                out, err = launcher.communicate(timeout=60)
+            finally:
+                if launcher.poll() is None:
+                    launcher.kill()
+                    subprocess.run(["pkill", "-CONT", "-f", "python -m mpidist"])
+            code, seconds = launcher.returncode, time.monotonic() - acted
+        assert code == fault.code, (out, err)
+        assert fault.message in err + out, err
+        if fault.one_message:
+            assert err.count("mpidist: error") == 1, err
+            assert "Traceback" not in err
+        if fault.check:
+            fault.check(tmp_path, out, err)   # (before the stack unmounts what it looks at)
+        assert seconds < SECONDS_TO_END, f"took {seconds:.1f} s"
