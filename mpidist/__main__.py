@@ -29,9 +29,15 @@ def main():
     from .errors import install_abort_on_exception
 
     install_abort_on_exception()
-    from . import cli
+    from . import cli, elastic
 
-    return cli.main()
+    try:
+        code = cli.main()
+    except SystemExit as done:
+        code = done.code
+    if elastic.failure_seen():   # after a lost rank, MPI_Finalize can hang: end as the survivors agree
+        elastic.exit_after_failure(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -134,7 +134,10 @@ def make_strategy(config, setup, cluster, xp):
     cls = strategy_class(config, cluster.num_workers)
     options = {}
     if config.strategy == "ps-async":
-        options.update(staleness=None if config.staleness < 0 else config.staleness, nan_patience=config.nan_patience)
+        options.update(staleness=None if config.staleness < 0 else config.staleness, nan_patience=config.nan_patience,
+                       elastic=config.elastic)
+    if cls.name == "ps-sync" and cls is not BackupWorkersStrategy:
+        options.update(elastic=config.elastic)
     if cls is BackupWorkersStrategy:
         options.update(aggregate=config.aggregate, total_steps=total_steps(config, setup),
                        nan_patience=config.nan_patience)

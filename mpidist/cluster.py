@@ -54,6 +54,20 @@ class Cluster:
     node_index: int
     num_nodes: int
     host: str
+    origin: list = None         # each rank's rank at launch (they differ once an elastic run lost ranks)
+    launch_roles: list = None   # every rank's role at launch, the lost ones' too
+
+    def __post_init__(self):
+        if self.origin is None:
+            self.origin = list(range(self.world.Get_size()))
+        if self.launch_roles is None:
+            self.launch_roles = list(self.roles)
+
+    def survivors(self, world, lost):
+        """Collective over ``world`` (the survivors of ``lost``, ranks of this cluster): their cluster, same roles."""
+        kept = [rank for rank in range(self.size) if rank not in lost]
+        return build_cluster(world, roles=[self.roles[rank] for rank in kept],
+                             origin=[self.origin[rank] for rank in kept], launch_roles=self.launch_roles)
 
     @property
     def rank(self):
@@ -131,11 +145,15 @@ def node_layout(world):
     return node, int(index[0]), int(every.max()) + 1, every.tolist()
 
 
-def build_cluster(world=None, num_ps=0):
-    """Collective over ``world``: decide roles and split communicators."""
+def build_cluster(world=None, num_ps=0, roles=None, origin=None, launch_roles=None):
+    """Collective over ``world``: decide roles (or take ``roles``) and split communicators.
+
+    ``origin`` and ``launch_roles``: for a world of survivors (:meth:`Cluster.survivors`).
+    """
     world = MPI.COMM_WORLD if world is None else world
     node, node_index, num_nodes, node_of_rank = node_layout(world)
-    roles = assign_roles(node_of_rank, num_ps)
+    roles = assign_roles(node_of_rank, num_ps) if roles is None else list(roles)
     role_comm = world.Split(0 if roles[world.Get_rank()] == WORKER else 1, key=world.Get_rank())
     return Cluster(world=world, roles=roles, role_comm=role_comm, node=node,
-                   node_index=node_index, num_nodes=num_nodes, host=socket.gethostname())
+                   node_index=node_index, num_nodes=num_nodes, host=socket.gethostname(), origin=origin,
+                   launch_roles=launch_roles)

@@ -6,6 +6,7 @@ then the ``--config`` TOML file (keys are the flag names), then the command
 line.
 """
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -68,6 +69,8 @@ class RunConfig:
                                             "combines with --checkpoint-every")
     keep: int = _field(3, "checkpoints kept in --checkpoint-dir, newest first (0 = all)")
     resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest in --checkpoint-dir")
+    elastic: bool = _field(False, "keep training when workers die, on an MPI with User-Level Failure Mitigation "
+                           "(Open MPI: mpirun --with-ft ulfm); strategies allreduce, ps-sync, ps-async")
     stall_timeout: float = _field(300.0, "seconds a rank may wait for others (an exchange, the step agreement, "
                                   "the end) before the chief names the ranks that have not arrived and ends the "
                                   "job (0 = wait forever)")
@@ -152,6 +155,11 @@ class RunConfig:
         if self.strategy == "local" and world_size > 1:
             raise UsageError(f"--strategy local runs on one rank, got {world_size} ranks "
                              "(use --strategy allreduce, or mpiexec -n 1)")
+        if self.elastic and (self.strategy not in ("allreduce", "ps-sync", "ps-async", "auto") or self.stages > 1
+                             or 0 < self.aggregate < workers or self.replication == "in-graph"):
+            raise UsageError("--elastic carries on without lost workers under --strategy allreduce, ps-sync or "
+                             "ps-async, with each worker reading its own data; not with pipelines (a lost stage "
+                             "takes its layers), backup workers (--aggregate) or --replication in-graph")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise UsageError("--resume auto needs --checkpoint-dir to look in")
 
@@ -170,8 +178,10 @@ FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 def add_flags(parser):
     """Add one flag per :class:`RunConfig` field; unset flags stay absent."""
     for f in dataclasses.fields(RunConfig):
-        parser.add_argument(f"--{RunConfig.flag(f.name)}", dest=f.name, type=f.type, metavar=f.name.upper(),
-                            default=dataclasses.MISSING, help=f"{f.metadata['help']} (default: {f.default!r})")
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else \
+            {"type": f.type, "metavar": f.name.upper()}
+        parser.add_argument(f"--{RunConfig.flag(f.name)}", dest=f.name, default=dataclasses.MISSING,
+                            help=f"{f.metadata['help']} (default: {f.default!r})", **kind)
     parser.add_argument("--config", metavar="FILE.toml", default=None,
                         help="TOML file whose keys are these flag names; the command line wins over it")
 
@@ -194,7 +204,7 @@ def load_toml(path):
         expected = FIELDS[name].type
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if not isinstance(value, expected) or isinstance(value, bool):
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise UsageError(f"--config {path}: {key} = {value!r} should be a{'n' if expected is int else ''} "
                              f"{expected.__name__}")
         settings[name] = value

@@ -16,10 +16,12 @@ import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
 
-from . import checkpoint, data
+from . import checkpoint, data, elastic
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
-from .errors import agreed
+from .cluster import PS
+from .errors import EXIT_FAILURE, RunError, agreed, error_line
 from .metrics import MetricsLog, Progress, format_summary
 from .preempt import StepAgreement, StopSignals, settle, signal_name
 from .stall import StallMonitor, Whereabouts
@@ -98,6 +100,8 @@ class Training:
         self.config, self.cluster, self.xp, self.device_label = config, cluster, xp, device_label
         self.stream, self.signals = stream, signals
         self.diverged = None   # the message, once --nan-patience ran out
+        self.agreement = None  # lockstep strategies: the step agreement of the current loop
+        self.recoveries = []   # --elastic: each loss survived ("recovered" events)
         self.where = Whereabouts()   # what the stall monitor reports (--stall-timeout)
 
     @property
@@ -178,10 +182,83 @@ class Training:
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self):
         self.start()
-        # NaN and overflow are detected and handled (--nan-patience): numpy need not warn on every rank
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            self.train()
-        return self.conclude()
+        while True:
+            try:
+                # NaN and overflow are detected and handled (--nan-patience): numpy need not warn on every rank
+                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                    self.train()
+                return self.conclude()
+            except MPI.Exception as err:
+                if not elastic.is_failure(err):
+                    raise
+                if not self.config.elastic:   # an MPI that reports deaths, but no --elastic: say so, end
+                    raise RunError(f"a process of the job died ({err.Get_error_string()}); without --elastic the "
+                                   "run cannot go on: resume from the last checkpoint with --resume auto") from None
+                try:
+                    self.recover()
+                except MPI.Exception as again:   # within the recovery's few milliseconds: give up, clearly
+                    if not elastic.is_failure(again):
+                        raise
+                    raise RunError("another process died while the survivors recovered from a loss: resume from "
+                                   "the last checkpoint with --resume auto") from None
+
+    # -- elastic recovery ----------------------------------------------------------------------------------
+    def recover(self):
+        """Collective over the survivors of a lost rank: shrink, and go on from the chief's step.
+
+        The survivors' state at the chief's step becomes an in-memory
+        checkpoint, which the survivors resume from exactly as ``--resume``
+        resumes a file on another number of ranks (see :mod:`mpidist.elastic`).
+        """
+        began = time.perf_counter()
+        old, config = self.cluster, self.config
+        self.monitor.close(abandon=True)
+        in_use = [old.role_comm] + ([self.agreement.comm] if self.agreement else [])
+        world, lost = elastic.shrink(old.world, in_use)
+        lost_text = elastic.describe_lost(lost, old)
+        if any(old.roles[rank] == PS or rank == old.chief_rank for rank in lost):
+            self._give_up(world, lost_text)
+        cluster = old.survivors(world, lost)
+        here = elastic.Position(self.step, self.epoch, self.epoch_step)
+        position = elastic.share_position(world, cluster.chief_rank, here)
+        state = self.strategy.survivor_state(cluster, position.step)
+        model = self.setup.model
+        names = list(self.strategy.optimizer.state_arrays())
+        resume = elastic.share(world, cluster.chief_rank, state, position, names, model.num_params, model.dtype,
+                               dataclasses.asdict(config), config.seed)
+        self.cluster = cluster
+        with agreed(world):
+            self.setup = prepare(config, cluster, self.xp, resume)
+        lost_strategy, self.strategy = self.strategy, make_strategy(config, self.setup, cluster, self.xp)
+        self.strategy.carry_over(lost_strategy)
+        self.strategy.track = self.where.enter
+        self.monitor = StallMonitor(world, cluster.chief_rank, config.stall_timeout, self.where).start()
+        self.strategy.initialize(resume)
+        self._move_to(resume)
+        self.saved_at = None   # the state resumed from is in memory, not in a file: the next save must write
+        workers = data_layout(config, cluster)[0]
+        record = {"step": position.step, "epoch": position.epoch + 1, "lost": lost_text,
+                  "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, "ps": config.ps,
+                  "global_batch": config.batch_size,
+                  "local_batches": [data.local_batch_size(config.batch_size, workers, w) for w in range(workers)],
+                  "steps_per_epoch": self.setup.steps_per_epoch, "seconds": time.perf_counter() - began}
+        self.recoveries.append(record)
+        if self.chief:
+            self.log.write("recovered", **record)
+            split = "/".join(map(str, record["local_batches"]))
+            self._say(f"mpidist: lost {lost_text}; continuing from step {position.step} with {workers} "
+                      f"worker(s): global batch {config.batch_size} split {split}, "
+                      f"{self.setup.steps_per_epoch} steps/epoch (recovered in {record['seconds']:.2f} s)")
+
+    def _give_up(self, world, lost_text):
+        """The chief or a ps died: their state is nowhere else.  Every survivor ends with exit code 1."""
+        message = elastic.cannot_go_on(lost_text, self.config.checkpoint_dir)
+        if self.chief:
+            self.log.write("failed", step=self.step, epoch=self.epoch + 1, reason=message)
+            self.log.close()
+        if world.Get_rank() == 0:
+            sys.stderr.write(error_line(message) + "\n")
+        elastic.exit_after_failure(EXIT_FAILURE)
 
     def train(self):
         """The epochs from the current position, until the end, ``--steps``, a stop request or divergence."""
@@ -346,15 +423,17 @@ class Training:
         config, cluster, setup = self.config, self.cluster, self.setup
         test_loss, accuracy = self.result
         samples_per_s = self.trained_steps * config.batch_size / elapsed if elapsed > 0 else 0.0
-        final = {"steps": self.step, "epochs": self.epoch + 1, "loss": self.last_loss, "test_loss": test_loss,
+        epochs = min(self.epoch + 1, config.epochs)   # (resumed or recovered at the end: past the last epoch)
+        final = {"steps": self.step, "epochs": epochs, "loss": self.last_loss, "test_loss": test_loss,
                  "test_accuracy": accuracy, "train_time": elapsed, "samples_per_s": samples_per_s,
                  "workers": cluster.num_workers, "ps": config.ps, "strategy": config.strategy,
+                 **({"recoveries": self.recoveries} if config.elastic else {}),
                  "roles": [{"rank": rank, "role": role, **stats} for rank, role, stats in roles if stats]}
         self.log.write("done", **final)
         self.log.close()
         rows = [("dataset", f"{setup.info.name} ({setup.info.path})"), ("model", config.model),
                 ("strategy", f"{config.strategy} on {layout_text(config, cluster)}"),
-                ("steps", f"{self.step} ({self.epoch + 1} epochs)"), ("final train loss", f"{self.last_loss:.4f}"),
+                ("steps", f"{self.step} ({final['epochs']} epochs)"), ("final train loss", f"{self.last_loss:.4f}"),
                 ("test loss", f"{test_loss:.4f}"), ("test accuracy", f"{100 * accuracy:.2f}%"),
                 ("training time", f"{elapsed:.2f} s"), ("throughput", f"{samples_per_s:,.0f} samples/s")]
         if config.metrics:

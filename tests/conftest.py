@@ -58,7 +58,7 @@ def start_mpidist(ranks, *flags, env=None):
 
 
 def rank_pids(launcher):
-    """``{rank: pid}`` of the ranks a running ``mpiexec`` (a Popen) started, found through /proc."""
+    """``{rank: pid}`` of the ranks a running ``mpiexec`` or ``mpirun`` (a Popen) started, found through /proc."""
     children = {}
     for entry in Path("/proc").iterdir():
         try:
@@ -75,6 +75,7 @@ def rank_pids(launcher):
         except OSError:
             continue
         for item in environ:
-            if item.startswith(b"PMI_RANK="):
-                ranks[int(item[len(b"PMI_RANK="):])] = pid
+            for name in (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK="):   # MPICH's launcher, Open MPI's
+                if item.startswith(name):
+                    ranks[int(item[len(name):])] = pid
     return ranks

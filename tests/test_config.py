@@ -40,6 +40,17 @@ def test_bad_config_files_are_named(tmp_path, text, message):
         parse(["--config", str(path)])
 
 
+def test_a_switch_takes_no_value_on_the_command_line_and_a_boolean_in_toml(tmp_path):
+    assert parse([]).elastic is False and parse(["--elastic"]).elastic is True
+    path = tmp_path / "run.toml"
+    path.write_text("elastic = true\n")
+    assert parse(["--config", str(path)]).elastic is True
+    assert parse(["--config", str(path), "--no-elastic"]).elastic is False      # the command line wins
+    path.write_text('elastic = "yes"\n')
+    with pytest.raises(UsageError, match="elastic = 'yes' should be a bool"):
+        parse(["--config", str(path)])
+
+
 def test_missing_config_file():
     with pytest.raises(UsageError, match="no such file"):
         parse(["--config", "/nonexistent.toml"])
@@ -56,6 +67,11 @@ def test_missing_config_file():
     (["--strategy", "local"], 2, "--strategy local runs on one rank, got 2 ranks"),
     (["--resume", "auto"], 1, "--resume auto needs --checkpoint-dir"),
     (["--checkpoint-seconds", "-5"], 1, "--checkpoint-seconds must be 0 or more, got -5.0"),
+    (["--nan-patience", "-1"], 1, "--nan-patience must be 0 or more, got -1"),
+    (["--stall-timeout", "-1"], 1, "--stall-timeout must be 0 or more, got -1.0"),
+    (["--elastic", "--strategy", "pipeline", "--stages", "2"], 4, "not with pipelines"),
+    (["--elastic", "--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"], 4, "backup workers"),
+    (["--elastic", "--replication", "in-graph"], 2, "--replication in-graph"),
 ])
 def test_invalid_settings_are_refused_with_their_values(flags, ranks, message):
     with pytest.raises(UsageError, match=message):

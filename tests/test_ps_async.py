@@ -70,7 +70,7 @@ def test_concurrent_pushes_from_every_worker_lose_nothing(num_ps):
         gradient = (cluster.worker_index + 1.0) * np.arange(1, n + 1)
         for _ in range(pushes):
             exchange.push(gradient)
-        exchange.finish_worker(cluster.worker_index)
+        exchange.retire(cluster.worker_index)
     world.Barrier()
     exchange.free()
     cluster.free()

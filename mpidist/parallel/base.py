@@ -160,6 +160,17 @@ class Strategy:
         loss_sum, correct, count = mpi.sum_float64(comm, totals)
         return loss_sum / max(count, 1), correct / max(count, 1), int(count)
 
+    def carry_over(self, old):
+        """After a recovery: go on counting the figures ``old`` (this rank's lost strategy object) counted."""
+
+    def survivor_state(self, cluster, step):
+        """Collective over the survivors (``cluster``, after a lost rank): the state at the chief's ``step``.
+
+        ``(params, optimizer arrays, optimizer steps)`` as host arrays on the
+        chief, else None.  A replicated strategy's chief holds it all already.
+        """
+        return self.state()
+
     def state(self):
         """Collective: ``(params, optimizer arrays, optimizer steps)`` as host arrays on the chief, else None."""
         if self.cluster is not None and not self.cluster.is_chief:

@@ -16,6 +16,10 @@ meanwhile is lost), apply the optimizer to its shard if anything arrived,
 publish the shard and bump its version; else sleep briefly.  Workers never
 wait for the ps, and the ps never blocks.
 
+With ``--elastic`` (an MPI with ULFM), every rank also polls for dead
+processes; the first ps retires a dead worker's clock, so the others never
+wait for it, and a dead ps or chief ends the job (see :mod:`mpidist.elastic`).
+
 Figures: ``staleness`` is SSP's, in steps: how far this worker was ahead of
 the slowest when it read the parameters (``--staleness S`` bounds it by S);
 ``updates_missed`` is how many ps updates landed between its read and its
@@ -27,6 +31,8 @@ import time
 import numpy as np
 
 from .. import comm as mpi
+from ..cluster import PS, WORKER
+from ..elastic import FailureWatch, abort, cannot_go_on, describe_lost
 from ..rma import Window
 from ..xp import is_device_array, to_host
 from .base import SkipCounter, finite
@@ -53,11 +59,11 @@ class AsyncExchange:
         self.params = Window(world, hi - lo, dtype)                  # the ps's parameter shard
         self.inbox = Window(world, hi - lo, dtype)                   # summed gradients not yet applied
         self.meta = Window(world, 2 if is_ps else 0, np.int64)       # [version, arrivals]
-        # [done, clocks..., stop signal, 1 + rank that asked, snapshots asked, serving over]:
+        # [clocks..., stop signal, 1 + rank that asked, snapshots asked, serving over]:
         # one read gives a worker the clocks and any stop request
-        self.clock = Window(world, 5 + num_workers if rank == ps_ranks[0] else 0, np.int64)
+        self.clock = Window(world, 4 + num_workers if rank == ps_ranks[0] else 0, np.int64)
         self.stop = (0, 0)   # (signal, 1 + rank) as last read
-        self._control = 3 + num_workers   # offset of [snapshots asked, serving over]
+        self._control = 2 + num_workers   # offset of [snapshots asked, serving over]
         self._one = np.ones(1, dtype=np.int64)
         self._arrival = np.array([0, 1], dtype=np.int64)
 
@@ -98,7 +104,7 @@ class AsyncExchange:
     def clocks(self):
         """Steps completed by each worker (NEVER once finished); updates ``stop`` on the way."""
         clocks = np.zeros(self.num_workers + 2, dtype=np.int64)
-        self.clock.read(clocks, self.ps_ranks[0], offset=1)
+        self.clock.read(clocks, self.ps_ranks[0])
         self.clock.flush()
         self.stop = (int(clocks[-2]), int(clocks[-1]))
         return clocks[:-2]
@@ -106,18 +112,22 @@ class AsyncExchange:
     def request_stop(self, signal_number, rank):
         """Any rank: ask every worker to stop at its next step boundary."""
         self.clock.replace(np.array([signal_number, rank + 1], dtype=np.int64), self.ps_ranks[0],
-                           offset=1 + self.num_workers)
+                           offset=self.num_workers)
         self.clock.flush()
         self.stop = (signal_number, rank + 1)
 
     def tick(self, worker):
         """Count one finished step.  Not flushed here: it completes with the next clock
         access, and a tick seen late only makes this worker look slower (the safe side)."""
-        self.clock.add(self._one, self.ps_ranks[0], offset=1 + worker)
+        self.clock.add(self._one, self.ps_ranks[0], offset=worker)
 
-    def finish_worker(self, worker):
-        self.clock.replace(np.array([NEVER], dtype=np.int64), self.ps_ranks[0], offset=1 + worker)
-        self.clock.add(self._one, self.ps_ranks[0], offset=0)
+    def retire(self, worker):
+        """Worker ``worker`` is done (it signs off, or the first ps drops it, dead): it holds nobody back.
+
+        Setting the clock is idempotent, so a worker that dies while signing
+        off is counted once whoever gets there first.
+        """
+        self.clock.replace(np.array([NEVER], dtype=np.int64), self.ps_ranks[0], offset=worker)
         self.clock.flush()
 
     # -- ps side ----------------------------------------------------------
@@ -147,10 +157,8 @@ class AsyncExchange:
         self.meta.flush(rank)
 
     def workers_done(self):
-        done = np.zeros(1, dtype=np.int64)
-        self.clock.read(done, self.ps_ranks[0])
-        self.clock.flush()
-        return int(done[0])
+        """Workers that signed off (or were dropped): their clocks say NEVER."""
+        return int(np.count_nonzero(self.clocks() == NEVER))
 
     def control(self):
         """``(snapshots the first ps has asked for, whether it has stopped serving)``."""
@@ -180,7 +188,7 @@ class PsAsyncStrategy(ShardedStrategy):
     evaluation = "chief"
     lockstep = False
 
-    def __init__(self, *args, staleness=None, nan_patience=10, **kwargs):
+    def __init__(self, *args, staleness=None, nan_patience=10, elastic=False, **kwargs):
         super().__init__(*args, **kwargs)
         self.nan_guard = SkipCounter(nan_patience)
         model, cluster = self.model, self.cluster
@@ -193,15 +201,19 @@ class PsAsyncStrategy(ShardedStrategy):
         if not is_device_array(model.params):
             model.bind_params(self.host_params)
             model.bind_grads(self.host_grads)
-        self.shard_params = np.zeros(self.hi - self.lo, dtype=model.dtype)
+        self.shard_values = np.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
         self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype)
-        self.completed = 0
+        self.completed = 0          # steps of this strategy object (the staleness bound counts these)
+        self.completed_before = 0   # steps of the objects before it, in a run that lost workers
         self.versions_held = None   # the ps versions host_params holds, once read
-        self.figures = {"staleness": [], "updates_missed": [], "wait_s": 0.0, "updates": 0, "gradients": 0}
+        self.figures = {"staleness": [], "updates_missed": [], "wait_s": 0.0, "updates": 0, "gradients": 0,
+                        "dropped_workers": []}
         self._stop_sent = False
         self.start_step = 0   # the chief's step when this run began (a resumed run's checkpoint step)
         self.snapshots = 0    # mid-run checkpoints taken (ps ranks)
+        # --elastic: every rank polls for deaths; the first ps drops dead workers from the staleness bound
+        self.watch = FailureWatch(cluster.world) if elastic else None
 
     @property
     def serves(self):
@@ -222,15 +234,35 @@ class PsAsyncStrategy(ShardedStrategy):
         self.start_step = 0 if checkpoint is None else int(checkpoint.step)
         self.broadcast_initial(self.host_params, checkpoint)
         if not self.is_worker:
-            self.shard_params[...] = self.host_params[self.lo:self.hi]
-            self.exchange.publish(self.shard_params, self.cluster.rank)
+            self.shard_values[...] = self.host_params[self.lo:self.hi]
+            self.exchange.publish(self.shard_values, self.cluster.rank)
         self.cluster.world.Barrier()  # every shard published before any worker reads
+
+    def _look_for_the_lost(self):
+        """``--elastic``: act on deaths since the last look (a dead ps or chief ends the job)."""
+        lost = self.watch.poll() if self.watch is not None else []
+        if not lost:
+            return
+        cluster = self.cluster
+        fatal = [rank for rank in lost if cluster.roles[rank] == PS or rank == cluster.chief_rank]
+        if fatal:
+            abort(cannot_go_on(describe_lost(fatal, cluster)))
+        if cluster.rank == self.ps_ranks[0]:
+            chief = int(self.exchange.clocks()[0])   # the chief's step is the run's
+            step = None if chief == NEVER else self.start_step + chief
+            for rank in lost:
+                self.exchange.retire(cluster.roles[:rank].count(WORKER))   # its clock holds nobody back
+                self.figures["dropped_workers"].append({"rank": cluster.origin[rank], "step": step})
 
     def _wait_for_slowest(self):
         """Stale synchronous parallel: returns how far ahead of the slowest worker this one is."""
         start = time.perf_counter()
         self.track("staleness-bound")
+        polls = 0
         while True:
+            polls += 1
+            if polls % 500 == 0:   # held for long (0.1 s): a ps may have died and nobody frees us
+                self._look_for_the_lost()
             ahead = self.completed - int(self.exchange.clocks().min())
             if self.staleness is None or ahead <= self.staleness:
                 self.figures["wait_s"] += time.perf_counter() - start
@@ -239,6 +271,7 @@ class PsAsyncStrategy(ShardedStrategy):
 
     def train_step(self, x, y, weight, step):
         model = self.model
+        self._look_for_the_lost()
         staleness = self._wait_for_slowest()
         self.track("exchange")
         read = self.exchange.pull(self.host_params, known=self.versions_held)
@@ -272,10 +305,11 @@ class PsAsyncStrategy(ShardedStrategy):
         rank, workers = self.cluster.rank, self.cluster.num_workers
         self.track("serve")
         first = rank == self.ps_ranks[0]
-        arrived = np.zeros_like(self.shard_params)
+        arrived = np.zeros_like(self.shard_values)
         pause = POLL_SECONDS
         drained = False
         while True:
+            self._look_for_the_lost()
             if control is not None:
                 if control.signalled():
                     self.request_stop(control.signalled())
@@ -321,21 +355,21 @@ class PsAsyncStrategy(ShardedStrategy):
     def _snapshot(self, control, step):
         """Collective over the ps ranks: the first one gathers the shards and writes them (at ``step``)."""
         self.snapshots += 1
-        state = self.gather_on_first_ps(self.shard_params)
+        state = self.gather_on_first_ps(self.shard_values)
         if state is not None:
             control.write(step, state)
 
     def _apply(self, gradient, rank):
         if not self.nan_guard.update_allowed(finite(gradient), f"gradients arriving at ps rank {rank} were"):
             return
-        self.optimizer.step(self.shard_params, gradient)
-        self.exchange.publish(self.shard_params, rank)
+        self.optimizer.step(self.shard_values, gradient)
+        self.exchange.publish(self.shard_values, rank)
         self.figures["updates"] += 1
 
     def finish(self):
         """Collective: workers sign off, ps ranks drain, everyone gets the final parameters."""
         if self.is_worker:
-            self.exchange.finish_worker(self.worker_index)
+            self.exchange.retire(self.worker_index)
         self.cluster.world.Barrier()   # every ps has left serve(): nothing more will change
         if self.is_worker:
             self.exchange.pull(self.host_params)
@@ -349,14 +383,27 @@ class PsAsyncStrategy(ShardedStrategy):
         """Collective: final parameters from the chief, optimizer shards gathered from the ps."""
         return self.gather_state(self.host_params)
 
+    def shard_params(self):
+        return self.shard_values
+
+    def carry_over(self, old):
+        f, before = self.figures, old.figures
+        for key in ("updates", "gradients", "wait_s"):
+            f[key] += before[key]
+        for key in ("staleness", "updates_missed", "dropped_workers"):
+            f[key] = before[key] + f[key]
+        self.completed_before = old.completed + old.completed_before
+        self.nan_guard.total += old.nan_guard.total
+
     def stats(self):
         f = self.figures
         if not self.is_worker:
-            shard_bytes = self.shard_params.nbytes
+            shard_bytes = self.shard_values.nbytes
             return {"updates": f["updates"], "gradients": f["gradients"], "shard": [self.lo, self.hi],
                     "skipped": self.nan_guard.total,
+                    **({"dropped_workers": f["dropped_workers"]} if self.watch is not None else {}),
                     "bytes_in": f["gradients"] * shard_bytes, "bytes_out": f.get("pulls", 0) * shard_bytes}
-        return {"steps": self.completed, "wait_s": f["wait_s"],
+        return {"steps": self.completed + self.completed_before, "wait_s": f["wait_s"],
                 "staleness_mean": float(np.mean(f["staleness"])) if f["staleness"] else 0.0,
                 "staleness_max": int(max(f["staleness"], default=0)),
                 "updates_missed_mean": float(np.mean(f["updates_missed"])) if f["updates_missed"] else 0.0,
@@ -364,3 +411,5 @@ class PsAsyncStrategy(ShardedStrategy):
 
     def close(self):
         self.exchange.free()
+        if self.watch is not None:
+            self.watch.comm.Free()

