@@ -59,6 +59,11 @@ def describe(ranks):
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def report_interval(timeout):
+    """Seconds between a rank's reports: often enough that three missed ones are well inside the timeout."""
+    return min(1.0, timeout / 5)
+
+
 def diagnose(records, heard, now, timeout):
     """The chief's verdict: a message if some rank has waited longer than ``timeout``, else None.
 
@@ -68,9 +73,12 @@ def diagnose(records, heard, now, timeout):
         now: the chief's monotonic time.
         timeout: seconds.
 
-    A pure function, so the verdicts are tested without threads or MPI.
+    A rank whose last three reports are missing is silent (frozen, or gone):
+    what it said last no longer tells where it is.  A pure function, so the
+    verdicts are tested without threads or MPI.
     """
     size = len(records)
+    silence = 3 * report_interval(timeout)
     seen = {}
     for rank in range(size):
         if records[rank] is not None:
@@ -78,7 +86,7 @@ def diagnose(records, heard, now, timeout):
             seen[rank] = (step, PHASES[phase], ms / 1000 + now - heard[rank], now - heard[rank])
     # a silent rank may be frozen or gone: what it last said is no evidence that it waits now
     waiting = [r for r, (step, phase, spent, silent) in seen.items()
-               if phase in WAITS and spent > timeout and silent <= timeout]
+               if phase in WAITS and spent > timeout and silent <= silence]
     if not waiting:
         return None
     longest = max(waiting, key=lambda r: seen[r][2])
@@ -93,7 +101,7 @@ def diagnose(records, heard, now, timeout):
             continue
         step, phase, spent, silent = seen[rank]
         last = f"{phase} at step {step}"
-        if silent > timeout:
+        if silent > silence:
             late.append(f"rank {rank} (no report for {silent:.1f} s; last seen in {last})")
         elif (step, phase) != where and phase != "serve":   # a serving ps waits for nobody
             late.append(f"rank {rank} ({last} for {spent:.1f} s)")
@@ -115,7 +123,7 @@ class StallMonitor:
 
     def __init__(self, world, chief, timeout, where):
         self.timeout, self.where, self.chief = float(timeout), where, chief
-        self.interval = min(1.0, self.timeout / 5)
+        self.interval = report_interval(self.timeout)
         self.active = self.timeout > 0 and world.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.comm = world.Dup() if self.active else None
         self._stop = threading.Event()

@@ -39,6 +39,15 @@ def test_a_silent_rank_is_reported_with_where_it_was_last_seen():
     assert "rank 2 (never reported)" in text
 
 
+def test_a_rank_frozen_in_a_wait_is_silent_not_waiting():
+    """Its last report said "waiting"; three reports missed, it no longer counts as a waiter (nor blames others)."""
+    quiet = (0, "start", 0.3, 1.7)                        # reported 1.7 s ago: 3 intervals of 0.4 s missed
+    assert verdict((6, "exchange", 1.8, 0.1), quiet, timeout=2.0) is None
+    text = verdict((6, "exchange", 2.1, 0.1), quiet, timeout=2.0)
+    assert text.endswith("rank 0 waits in exchange at step 6; not arrived: rank 1 (no report for 1.7 s; last seen in "
+                         "start at step 0)")
+
+
 def test_a_serving_ps_is_not_blamed_and_ranks_that_all_arrived_mean_a_deadlock():
     text = verdict((3, "staleness-bound", 9.0, 0.1), (0, "serve", 40.0, 0.1), (1, "compute", 9.0, 0.1))
     assert text.endswith("rank 0 waits in staleness-bound at step 3; not arrived: rank 2 (compute at step 1 for 9.1 s)")
