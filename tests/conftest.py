@@ -1,9 +1,11 @@
 """Shared helpers: the repository root, and running commands under mpiexec."""
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,24 @@ def rank_pids(launcher):
                 if item.startswith(name):
                     ranks[int(item[len(name):])] = pid
     return ranks
+
+
+def events(path, kind=None):
+    """The metrics events in ``path`` (of one ``kind``, if given); none while the file does not exist."""
+    if not path.exists():
+        return []
+    found = [json.loads(line) for line in path.read_text().splitlines()]
+    return [event for event in found if kind is None or event["event"] == kind]
+
+
+def wait_for_step(metrics, step, launcher, timeout=60):
+    """Return once the chief logged ``step`` in ``metrics``; fail if the run (a Popen) ends first or never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(event["step"] >= step for event in events(metrics, "step")):
+            return
+        if launcher.poll() is not None:
+            pytest.fail(f"the run ended before step {step}: {launcher.communicate()}")
+        time.sleep(0.02)
+    launcher.kill()
+    pytest.fail(f"no step {step} within {timeout} s")

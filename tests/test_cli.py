@@ -10,13 +10,9 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import mpidist
+from conftest import events, mpidist
 
 STATED_ACCURACY = 0.90      # README: the default run reaches at least this test accuracy
-
-
-def events(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_default_run_at_4_ranks_reaches_the_stated_accuracy_and_writes_metrics(tmp_path):

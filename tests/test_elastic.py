@@ -10,7 +10,6 @@ Victims and the steps they die at are drawn at random; the draw is in
 every failure message, to replay it.
 """
 
-import json
 import os
 import random
 import signal
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, rank_pids
+from conftest import ROOT, events, rank_pids, wait_for_step
 
 STEPS_PER_EPOCH = 22          # digits, global batch 64 (up to 6 workers)
 SLOW = "*:0.01"               # 10 ms a step: time to kill at a chosen step
@@ -57,25 +56,6 @@ def launch(python, ranks, *flags, env=None, ulfm=True):
                "-n", str(ranks), str(python), "-m", "mpidist", *flags]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
                             errors="replace")
-
-
-def events(path, kind=None):
-    if not path.exists():
-        return []
-    found = [json.loads(line) for line in path.read_text().splitlines()]
-    return [e for e in found if kind is None or e["event"] == kind]
-
-
-def wait_for_step(metrics, step, launcher, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e["step"] >= step for e in events(metrics, "step")):
-            return
-        if launcher.poll() is not None:
-            pytest.fail(f"the run ended before step {step}: {launcher.communicate()}")
-        time.sleep(0.02)
-    launcher.kill()
-    pytest.fail(f"no step {step} within {timeout} s")
 
 
 def run(python, ranks, flags, metrics, kills=(), timeout=120, ulfm=True):

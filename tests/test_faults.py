@@ -19,10 +19,9 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import rank_pids, run_mpi, start_mpi
+from conftest import events, rank_pids, run_mpi, start_mpi, wait_for_step
 from mpidist import checkpoint
 from mpidist.ingest import write_dataset
-from test_preempt import events, wait_for_step
 
 SECONDS_TO_END = 10
 

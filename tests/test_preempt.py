@@ -1,6 +1,5 @@
 """Preemption: a signal to any one rank stops the whole job at one step, checkpointed, resumable."""
 
-import json
 import os
 import signal
 import time
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import mpidist, rank_pids, start_mpidist
+from conftest import events, mpidist, rank_pids, start_mpidist, wait_for_step
 from mpidist.errors import EXIT_PREEMPTED
 from mpidist.preempt import StepAgreement, StopSignals, settle, signal_name
 
@@ -46,22 +45,6 @@ def test_every_rank_learns_a_signal_at_the_same_boundary_one_step_later():
     assert seen[4]["rank"] == size                                  # 1 + the rank that saw it
     assert final == {"signal": signal.SIGUSR1, "rank": 2, "early": 1}
     assert comm.allgather([tuple(flags.values()) for flags in seen]) == [[tuple(f.values()) for f in seen]] * size
-
-
-def events(path, kind):
-    return [json.loads(line) for line in path.read_text().splitlines() if f'"event": "{kind}"' in line]
-
-
-def wait_for_step(metrics, step, launcher, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metrics.exists() and any(e["step"] >= step for e in events(metrics, "step")):
-            return
-        if launcher.poll() is not None:
-            pytest.fail(f"the run ended before step {step}: {launcher.communicate()}")
-        time.sleep(0.05)
-    launcher.kill()
-    pytest.fail(f"no step {step} within {timeout} s")
 
 
 STOPS = {
