@@ -9,6 +9,7 @@ from mpi4py import MPI
 import mpi4py
 
 from . import __version__, comm, data
+from .elastic import ulfm_support
 from .nn import MODELS
 
 THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
@@ -38,6 +39,7 @@ def report(world, models_only=False):
     for host, size in hosts:
         per_node[host] = size
     version = MPI.Get_library_version().strip().splitlines()[0]
+    elastic, why_not = ulfm_support()
     rows = [
         ("mpidist", __version__),
         ("python", f"{platform.python_version()} ({sys.executable})"),
@@ -47,6 +49,7 @@ def report(world, models_only=False):
         ("thread level", THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
         ("CUDA-aware MPI", f"{'yes' if comm.cuda_aware() else 'no'}; GPU arrays travel "
                            f"{comm.transfer_path()} (override: MPIDIST_CUDA_AWARE=0|1)"),
+        ("--elastic", "yes: this MPI reports dead processes (ULFM)" if elastic else f"no: {why_not}"),
         ("ranks", f"{world.Get_size()} on {len(per_node)} node(s): "
                   + ", ".join(f"{h} x{n}" for h, n in sorted(per_node.items()))),
         ("numpy / h5py", f"{np.__version__} / {h5py.__version__} (HDF5 {h5py.version.hdf5_version})"),
