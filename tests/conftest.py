@@ -102,3 +102,13 @@ def wait_for_step(metrics, step, launcher, timeout=60):
         time.sleep(0.02)
     launcher.kill()
     pytest.fail(f"no step {step} within {timeout} s")
+
+
+def cluster_with_ps(num_ps):
+    """Multi-rank tests: the world's cluster with ``num_ps`` ps ranks; skips when the world is too small."""
+    from mpi4py import MPI
+
+    from mpidist.cluster import build_cluster
+    if MPI.COMM_WORLD.Get_size() < num_ps + 1:
+        pytest.skip(f"--ps {num_ps} needs {num_ps + 1} ranks")
+    return build_cluster(MPI.COMM_WORLD, num_ps=num_ps)

@@ -9,6 +9,7 @@ from mpidist.cluster import PS, build_cluster
 from mpidist.errors import RunError
 from mpidist.parallel import AllreduceStrategy, PipelineStrategy, PsSyncStrategy
 from mpidist.parallel.base import SkipCounter, finite
+from conftest import cluster_with_ps
 from test_parallel import small_convnet, worker_slice
 
 
@@ -76,10 +77,7 @@ def test_allreduce_skips_a_step_with_a_nan_on_one_worker_everywhere():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("num_ps", [1, 2])
 def test_ps_sync_servers_skip_together_and_every_rank_learns_it(num_ps):
-    world = MPI.COMM_WORLD
-    if world.Get_size() < num_ps + 1:
-        pytest.skip(f"--ps {num_ps} needs {num_ps + 1} ranks")
-    cluster = build_cluster(world, num_ps=num_ps)
+    cluster = cluster_with_ps(num_ps)
     workers = cluster.num_workers
     global_batch = 3 * workers
     xs, ys = batches(global_batch, 3, poisoned_step=1)

@@ -12,6 +12,7 @@ from mpidist.parallel import PsAsyncStrategy
 from mpidist.parallel.ps_async import AsyncExchange
 from mpidist.parallel.shards import shard_bounds
 from mpidist.rma import Window
+from conftest import cluster_with_ps
 from test_parallel import small_convnet
 
 
@@ -41,10 +42,8 @@ def test_window_adds_from_every_rank_are_exact_and_swap_takes_everything():
 @pytest.mark.parametrize("num_ps", [1, 2])
 def test_concurrent_pushes_from_every_worker_lose_nothing(num_ps):
     """Workers push while the ps ranks take: the applied total is the exact sum."""
-    world = MPI.COMM_WORLD
-    if world.Get_size() < num_ps + 1:
-        pytest.skip(f"needs {num_ps + 1} ranks")
-    cluster = build_cluster(world, num_ps=num_ps)
+    cluster = cluster_with_ps(num_ps)
+    world = cluster.world
     ps_ranks = [r for r, role in enumerate(cluster.roles) if role == PS]
     n, pushes = 1001, 40
     bounds = shard_bounds(n, num_ps)

@@ -63,9 +63,9 @@ class BackupWorkersStrategy(ShardedStrategy):
 
     def __init__(self, *args, aggregate, total_steps, nan_patience=10, **kwargs):
         super().__init__(*args, **kwargs)
-        self.nan_guard = None   # made in serve(): only the coordinator speaks for the ps ranks
-        self.nan_patience = nan_patience
         model, cluster = self.model, self.cluster
+        # every ps takes the same decision: the coordinator (first ps) alone speaks for them
+        self.nan_guard = SkipCounter(nan_patience, speaks=cluster.rank == cluster.roles.index(PS))
         n = model.num_params
         self.aggregate, self.total_steps = int(aggregate), int(total_steps)
         if not 1 <= self.aggregate <= cluster.num_workers:
@@ -157,7 +157,6 @@ class BackupWorkersStrategy(ShardedStrategy):
         coordinator = self.cluster.role_comm.Get_rank() == 0
         self.track("serve")
         world, ps_comm = self.cluster.world, self.cluster.role_comm
-        self.nan_guard = SkipCounter(self.nan_patience, speaks=coordinator)
         workers = self.cluster.num_workers
         size = self.hi - self.lo
         incoming = np.zeros(size + 2, dtype=self.model.dtype)
@@ -228,5 +227,5 @@ class BackupWorkersStrategy(ShardedStrategy):
         if self.is_worker:
             return {}
         return {"updates": self.figures["updates"], "accepted": self.figures["accepted"],
-                "skipped": self.nan_guard.total if self.nan_guard else 0,
+                "skipped": self.nan_guard.total,
                 "dropped": self.figures["dropped"], "aggregate": self.aggregate, "shard": [self.lo, self.hi]}

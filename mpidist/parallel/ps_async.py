@@ -32,7 +32,8 @@ import numpy as np
 
 from .. import comm as mpi
 from ..cluster import PS, WORKER
-from ..elastic import FailureWatch, abort, cannot_go_on, describe_lost
+from ..elastic import FailureWatch, cannot_go_on, describe_lost
+from ..errors import RunError
 from ..rma import Window
 from ..xp import is_device_array, to_host
 from .base import SkipCounter, finite
@@ -246,7 +247,7 @@ class PsAsyncStrategy(ShardedStrategy):
         cluster = self.cluster
         fatal = [rank for rank in lost if cluster.roles[rank] == PS or rank == cluster.chief_rank]
         if fatal:
-            abort(cannot_go_on(describe_lost(fatal, cluster)))
+            raise RunError(cannot_go_on(describe_lost(fatal, cluster)))   # no survivor waits: the abort ends all
         if cluster.rank == self.ps_ranks[0]:
             chief = int(self.exchange.clocks()[0])   # the chief's step is the run's
             step = None if chief == NEVER else self.start_step + chief

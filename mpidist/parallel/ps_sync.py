@@ -71,7 +71,7 @@ class PsSyncStrategy(ShardedStrategy):
             if self.previous is not None:
                 self.previous.keep(self.shard_params(), self.optimizer)
             if update:
-                self.optimizer.step(self.values[self.lo:self.param_hi], self.inbox[:count])
+                self.optimizer.step(self.shard_params(), self.inbox[:count])
                 self.updates += 1
             if self.hi > self.param_hi:   # the loss slot: NaN tells every rank the step was skipped
                 self.values[-1] = self.inbox[-1] if update else np.nan

@@ -146,13 +146,20 @@ class ShardedStrategy(Strategy):
         comm, n = self.cluster.role_comm, self.model.num_params
         counts = np.array([max(min(hi, n) - lo, 0) for lo, hi in self.bounds], dtype=np.int64)
         displs = np.array([lo for lo, _ in self.bounds], dtype=np.int64)
-        mine = max(min(self.hi, n) - self.lo, 0)
-        first = comm.Get_rank() == 0
-        whole = lambda: np.zeros(n, dtype=self.model.dtype) if first else None   # noqa: E731
-        params = mpi.gatherv(comm, to_host(shard)[:mine], whole(), counts, displs, 0)
-        arrays = {name: mpi.gatherv(comm, to_host(part)[:mine], whole(), counts, displs, 0)
-                  for name, part in self.optimizer.state_arrays().items()}
-        return (params, arrays, int(self.optimizer.steps)) if first else None
+        arrays = self._gather_whole(comm, 0, counts, displs, {"params": shard, **self.optimizer.state_arrays()})
+        return (arrays.pop("params"), arrays, int(self.optimizer.steps)) if comm.Get_rank() == 0 else None
+
+    def _gather_whole(self, comm, root, counts, displs, parts):
+        """Collective over ``comm``: ``root`` gets each of ``parts`` (name -> this rank's slice) as a whole array.
+
+        Rank ``r`` sends the first ``counts[r]`` elements of its slice; other ranks get an empty dict.
+        """
+        n, is_root = self.model.num_params, comm.Get_rank() == root
+        mine = int(counts[comm.Get_rank()])
+        whole = {name: mpi.gatherv(comm, to_host(part)[:mine], np.zeros(n, dtype=self.model.dtype) if is_root else None,
+                                   counts, displs, root)
+                 for name, part in parts.items()}
+        return whole if is_root else {}
 
     def gather_state(self, params, cluster=None):
         """Collective over ``cluster`` (default: this strategy's): ``(params, optimizer arrays, steps)`` on its chief.
@@ -161,17 +168,12 @@ class ShardedStrategy(Strategy):
         to gather them from the ps shards too (:meth:`shard_params`) -- after a
         lost rank, when the chief's copy may be half-updated.
         """
-        cluster, model = cluster or self.cluster, self.model
-        n = model.num_params
-        counts, displs = self.layout(clip=n, cluster=cluster)   # the loss slot is no parameter
+        cluster = cluster or self.cluster
+        counts, displs = self.layout(clip=self.model.num_params, cluster=cluster)   # the loss slot is no parameter
         parts = dict(self.optimizer.state_arrays())
         if params is None:
             parts["params"] = self.shard_params()
-        arrays = {}
-        for name, part in parts.items():
-            whole = np.zeros(n, dtype=model.dtype) if cluster.is_chief else None
-            arrays[name] = mpi.gatherv(cluster.world, to_host(part)[:counts[cluster.rank]], whole, counts, displs,
-                                       cluster.chief_rank)
+        arrays = self._gather_whole(cluster.world, cluster.chief_rank, counts, displs, parts)
         steps = np.array([self.optimizer.steps], dtype=np.int64)
         mpi.bcast(cluster.world, steps, root=cluster.roles.index(PS))
         if not cluster.is_chief:
