@@ -23,14 +23,17 @@ def numeric_grad(f, array, eps=1e-6):
     return grad
 
 
-def check_model_gradients(layers, input_shape, batch=3, seed=0, training=False):
-    """Compare backprop of sum(out * r) with finite differences, for params and input."""
+def check_model_gradients(layers, input_shape, batch=3, seed=0, training=False, x=None):
+    """Compare backprop of sum(out * r) with finite differences, for params and input.
+
+    ``x`` replaces the random normal input (e.g. token ids); returns the model.
+    """
     rng = np.random.default_rng(seed)
     model = Sequential(layers, input_shape, xp=np, dtype=np.float64)
     model.init_params(seed)
     model.params += rng.normal(0, 0.1, model.num_params)   # break symmetry of zero biases
-    x = rng.normal(size=(batch,) + tuple(input_shape))
-    r = rng.normal(size=(batch,) + model.output_shape)
+    x = rng.normal(size=(batch,) + tuple(input_shape)) if x is None else x
+    r = rng.normal(size=(x.shape[0],) + model.output_shape)
 
     def objective():
         model.reseed(7)
@@ -40,6 +43,7 @@ def check_model_gradients(layers, input_shape, batch=3, seed=0, training=False):
     dx = model.backward(r.copy())
     np.testing.assert_allclose(model.grads, numeric_grad(objective, model.params), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(dx, numeric_grad(objective, x), rtol=1e-5, atol=1e-7)
+    return model
 
 
 @pytest.mark.parametrize("layers,shape", [
@@ -220,9 +224,9 @@ def test_every_zoo_model_trains_on_images(name):
     assert value < 0.5 * first
 
 
-def test_cnn_on_flat_samples_is_a_shape_error_naming_the_shapes():
-    with pytest.raises(nn.ShapeError, match=r"cnn.*\(40,\)"):
-        nn.build_model("cnn", (40,), 10, np, np.float32)
+def test_cnn_on_volumes_is_a_shape_error_naming_the_shapes():
+    with pytest.raises(nn.ShapeError, match=r"cnn.*\(2, 3, 4, 5\)"):
+        nn.build_model("cnn", (2, 3, 4, 5), 10, np, np.float32)
 
 
 def test_dense_on_images_without_flatten_is_a_shape_error():

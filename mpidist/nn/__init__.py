@@ -3,13 +3,20 @@
 Nothing in here imports MPI; arrays come from an ``xp`` module (numpy or cupy).
 """
 
-from .conv import Conv2D, MaxPool2D
+from .activations import GELU, Sigmoid
+from .conv import Conv1D, Conv2D
+from .embedding import Embedding
 from .layers import Dense, Dropout, Flatten, Layer, ReLU, ShapeError, Tanh
 from .losses import MeanSquaredError, SoftmaxCrossEntropy, loss_for
+from .norm import BatchNorm, LayerNorm
 from .optimizers import OPTIMIZERS, SGD, Adam, Optimizer, make_optimizer
+from .pooling import AvgPool1D, AvgPool2D, GlobalAvgPool, MaxPool1D, MaxPool2D
+from .residual import Residual
 from .sequential import Sequential
-from .zoo import MODELS, build_model, input_shape_for
+from .zoo import MODELS, SpecError, build_model, input_shape_for, parse_spec
 
-__all__ = ["Conv2D", "MaxPool2D", "Dense", "Dropout", "Flatten", "Layer", "ReLU", "ShapeError", "Tanh",
-           "MeanSquaredError", "SoftmaxCrossEntropy", "loss_for", "OPTIMIZERS", "SGD", "Adam", "Optimizer",
-           "make_optimizer", "Sequential", "MODELS", "build_model", "input_shape_for"]
+__all__ = ["GELU", "Sigmoid", "Conv1D", "Conv2D", "Embedding", "MaxPool1D", "MaxPool2D", "AvgPool1D", "AvgPool2D",
+           "GlobalAvgPool", "Dense", "Dropout", "Flatten", "Layer", "ReLU", "ShapeError", "Tanh", "BatchNorm",
+           "LayerNorm", "Residual", "MeanSquaredError", "SoftmaxCrossEntropy", "loss_for", "OPTIMIZERS", "SGD",
+           "Adam", "Optimizer", "make_optimizer", "Sequential", "MODELS", "SpecError", "build_model",
+           "input_shape_for", "parse_spec"]

@@ -1,15 +1,31 @@
-"""Convolution and pooling on NCHW images, written against ``xp``.
+"""Convolutions on NCL signals and NCHW images, written against ``xp``.
 
-Conv2D lowers to one matrix product (im2col through a strided window view, no
-copy until the reshape), which is what makes it fast enough on numpy; the
-backward pass scatters column gradients back with one strided add per kernel
-offset (kh * kw adds, each over the whole batch).
+Conv1D and Conv2D lower to one matrix product (im2col through a strided
+window view, no copy until the reshape), which is what makes them fast enough
+on numpy; the backward pass scatters column gradients back with one strided
+add per kernel offset (k or kh * kw adds, each over the whole batch).
+
+``padding="same"`` pads ``k - 1`` in total, ``(k - 1) // 2`` before and the
+rest after (as TensorFlow does), so even kernels keep the size too; at stride
+``s`` the output has ``ceil(L / s)`` positions.
 """
 
 import functools
 
 from . import init
 from .layers import Layer, ShapeError
+
+
+def _padding(kernel, padding):
+    """``(before, after)`` zero padding of each spatial axis: ``"same"`` or an int for both sides."""
+    if padding == "same":
+        return (kernel - 1) // 2, kernel - 1 - (kernel - 1) // 2
+    return int(padding), int(padding)
+
+
+def _padding_text(pads):
+    """``1`` for symmetric padding, ``(1, 2)`` for the asymmetric "same" of an even kernel."""
+    return pads[0] if pads[0] == pads[1] else pads
 
 
 def _windows(xp, x, kernel, stride):
@@ -26,7 +42,8 @@ class Conv2D(Layer):
         filters: output channels ``F``.
         kernel: kernel size ``k`` (square).
         stride: step between windows.
-        padding: zero padding on each side; ``"same"`` keeps ``H, W`` at stride 1.
+        padding: zero padding on each side, or ``"same"`` to keep ``H, W`` at
+            stride 1 (asymmetric for even kernels: one more row/column after).
     """
 
     cache = ("cols", "padded_shape")
@@ -34,16 +51,17 @@ class Conv2D(Layer):
     def __init__(self, filters, kernel=3, stride=1, padding="same"):
         super().__init__()
         self.filters, self.kernel, self.stride = int(filters), int(kernel), int(stride)
-        self.padding = (self.kernel - 1) // 2 if padding == "same" else int(padding)
+        self.pads = _padding(self.kernel, padding)
 
     def build(self, input_shape):
         if len(input_shape) != 3:
             raise ShapeError(f"Conv2D needs image samples (C, H, W), got per-sample shape {tuple(input_shape)}")
         c, h, w = (int(d) for d in input_shape)
-        k, s, p = self.kernel, self.stride, self.padding
-        ho, wo = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+        k, s, p = self.kernel, self.stride, sum(self.pads)
+        ho, wo = (h + p - k) // s + 1, (w + p - k) // s + 1
         if ho < 1 or wo < 1:
-            raise ShapeError(f"Conv2D kernel {k} does not fit images of {h}x{w} with padding {p}")
+            raise ShapeError(f"Conv2D kernel {k} does not fit images of {h}x{w} "
+                             f"with padding {_padding_text(self.pads)}")
         self.in_channels, self.out_hw = c, (ho, wo)
         return (self.filters, ho, wo)
 
@@ -54,9 +72,9 @@ class Conv2D(Layer):
                 ("b", (self.filters,), init.zeros)]
 
     def forward(self, x, training=False):
-        xp, p = self.xp, self.padding
-        if p:
-            x = xp.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
+        xp, pads = self.xp, self.pads
+        if any(pads):
+            x = xp.pad(x, ((0, 0), (0, 0), pads, pads))
         self.padded_shape = x.shape
         n = x.shape[0]
         ho, wo = self.out_hw
@@ -74,7 +92,7 @@ class Conv2D(Layer):
         return dy_cols
 
     def backward(self, dy):
-        xp, k, s, p = self.xp, self.kernel, self.stride, self.padding
+        xp, k, s, (before, after) = self.xp, self.kernel, self.stride, self.pads
         n, f, ho, wo = dy.shape
         dy_cols = self.backward_params(dy)
         dcols = (dy_cols @ self.params["W"].reshape(f, -1)).reshape(n, ho, wo, self.in_channels, k, k)
@@ -83,52 +101,76 @@ class Conv2D(Layer):
             for j in range(k):
                 dx[:, :, i:i + s * ho:s, j:j + s * wo:s] += dcols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
         h, w = self.padded_shape[2], self.padded_shape[3]
-        return dx[:, :, p:h - p, p:w - p] if p else dx
+        return dx[:, :, before:h - after, before:w - after]
 
     def __repr__(self):
-        return f"Conv2D({self.filters}, kernel={self.kernel}, stride={self.stride}, padding={self.padding})"
+        return (f"Conv2D({self.filters}, kernel={self.kernel}, stride={self.stride}, "
+                f"padding={_padding_text(self.pads)})")
 
 
-class MaxPool2D(Layer):
-    """Non-overlapping max pooling: ``(N, C, H, W) -> (N, C, H//k, W//k)``.
+class Conv1D(Layer):
+    """1-D convolution: ``(N, C, L) -> (N, F, Lo)``.
 
-    Rows and columns past the last whole window are dropped; ties send the
-    gradient to the first maximum only, so gradients match finite differences.
+    Args:
+        filters: output channels ``F``.
+        kernel: kernel size ``k``.
+        stride: step between windows.
+        padding: zero padding on each side, or ``"same"`` to keep ``L`` at
+            stride 1 (asymmetric for even kernels: one more position after).
     """
 
-    cache = ("argmax",)
+    cache = ("cols", "padded_shape")
 
-    def __init__(self, size=2):
+    def __init__(self, filters, kernel=3, stride=1, padding="same"):
         super().__init__()
-        self.size = int(size)
+        self.filters, self.kernel, self.stride = int(filters), int(kernel), int(stride)
+        self.pads = _padding(self.kernel, padding)
 
     def build(self, input_shape):
-        if len(input_shape) != 3:
-            raise ShapeError(f"MaxPool2D needs image samples (C, H, W), got per-sample shape {tuple(input_shape)}")
-        c, h, w = (int(d) for d in input_shape)
-        if h < self.size or w < self.size:
-            raise ShapeError(f"MaxPool2D({self.size}) does not fit images of {h}x{w}")
-        self.input_shape = (c, h, w)
-        return (c, h // self.size, w // self.size)
+        if len(input_shape) != 2:
+            raise ShapeError(f"Conv1D needs signal samples (C, L), got per-sample shape {tuple(input_shape)}")
+        c, length = (int(d) for d in input_shape)
+        lo = (length + sum(self.pads) - self.kernel) // self.stride + 1
+        if lo < 1:
+            raise ShapeError(f"Conv1D kernel {self.kernel} does not fit signals of length {length} "
+                             f"with padding {_padding_text(self.pads)}")
+        self.in_channels, self.out_length = c, lo
+        return (self.filters, lo)
+
+    def param_specs(self):
+        fan_in = self.in_channels * self.kernel
+        return [("W", (self.filters, self.in_channels, self.kernel), functools.partial(init.he_normal, fan_in=fan_in)),
+                ("b", (self.filters,), init.zeros)]
 
     def forward(self, x, training=False):
-        k = self.size
-        n, c, h, w = x.shape
-        ho, wo = h // k, w // k
-        blocks = x[:, :, :ho * k, :wo * k].reshape(n, c, ho, k, wo, k)
-        blocks = blocks.transpose(0, 1, 2, 4, 3, 5).reshape(n, c, ho, wo, k * k)
-        self.argmax = blocks.argmax(axis=-1)
-        return self.xp.take_along_axis(blocks, self.argmax[..., None], axis=-1)[..., 0]
+        xp = self.xp
+        if any(self.pads):
+            x = xp.pad(x, ((0, 0), (0, 0), self.pads))
+        self.padded_shape = x.shape
+        n, lo = x.shape[0], self.out_length
+        # (N, C, L - k + 1, k) window view -> (N, Lo, C, k): rows of the im2col matrix, one copy at the reshape
+        windows = xp.lib.stride_tricks.sliding_window_view(x, self.kernel, axis=2)[:, :, ::self.stride][:, :, :lo]
+        self.cols = windows.transpose(0, 2, 1, 3).reshape(n * lo, -1)
+        y = self.cols @ self.params["W"].reshape(self.filters, -1).T + self.params["b"]
+        return y.reshape(n, lo, self.filters).transpose(0, 2, 1)
+
+    def backward_params(self, dy):
+        xp, (n, f, lo) = self.xp, dy.shape
+        dy_cols = dy.transpose(0, 2, 1).reshape(n * lo, f)
+        xp.matmul(dy_cols.T, self.cols, out=self.grads["W"].reshape(f, -1))
+        xp.sum(dy_cols, axis=0, out=self.grads["b"])
+        return dy_cols
 
     def backward(self, dy):
-        xp, k = self.xp, self.size
-        n, c, ho, wo = dy.shape
-        # one-hot of the winning position times dy: portable to cupy (no put_along_axis)
-        blocks = (xp.arange(k * k) == self.argmax[..., None]) * dy[..., None]
-        blocks = blocks.reshape(n, c, ho, wo, k, k).transpose(0, 1, 2, 4, 3, 5).reshape(n, c, ho * k, wo * k)
-        dx = xp.zeros((n,) + self.input_shape, dtype=dy.dtype)
-        dx[:, :, :ho * k, :wo * k] = blocks
-        return dx
+        xp, k, s, (before, after) = self.xp, self.kernel, self.stride, self.pads
+        n, f, lo = dy.shape
+        dy_cols = self.backward_params(dy)
+        dcols = (dy_cols @ self.params["W"].reshape(f, -1)).reshape(n, lo, self.in_channels, k)
+        dx = xp.zeros(self.padded_shape, dtype=dy.dtype)
+        for i in range(k):
+            dx[:, :, i:i + s * lo:s] += dcols[:, :, :, i].transpose(0, 2, 1)
+        return dx[:, :, before:self.padded_shape[2] - after]
 
     def __repr__(self):
-        return f"MaxPool2D({self.size})"
+        return (f"Conv1D({self.filters}, kernel={self.kernel}, stride={self.stride}, "
+                f"padding={_padding_text(self.pads)})")

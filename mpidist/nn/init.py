@@ -19,6 +19,16 @@ def glorot_uniform(rng, shape, fan_in, fan_out):
     return rng.uniform(-limit, limit, size=shape)
 
 
+def normal(rng, shape, std=1.0):
+    """Normal with std ``std`` (embedding tables, as PyTorch's N(0, 1))."""
+    return rng.normal(0.0, std, size=shape)
+
+
+def ones(rng, shape):
+    """All ones (normalisation scales, running variances)."""
+    return np.ones(shape)
+
+
 def zeros(rng, shape):
-    """All zeros (biases)."""
+    """All zeros (biases, shifts, running means)."""
     return np.zeros(shape)

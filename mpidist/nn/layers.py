@@ -50,6 +50,14 @@ class Layer:
         """Fill the parameter gradients only (the first layer's input gradient is never used)."""
         self.backward(dy)
 
+    def sublayers(self):
+        """Layers this one applies inside itself (a residual block's), in order.
+
+        ``Sequential`` walks this tree depth-first to allocate and bind their
+        parameters, reseed them and stash their caches; ``[]`` for a leaf.
+        """
+        return []
+
     def __repr__(self):
         return f"{type(self).__name__}()"
 

@@ -10,6 +10,18 @@ import numpy as np
 from .layers import ShapeError
 
 
+def walk(layers, path=()):
+    """``(path, layer)`` for every layer of the tree under ``layers``, depth-first, parents first.
+
+    ``path`` is the tuple of indices from the top level down: ``(3,)`` is
+    ``layers[3]``, ``(3, 1)`` the second sublayer of that block.
+    """
+    for index, layer in enumerate(layers):
+        yield path + (index,), layer
+        # getattr: stash() also walks extra objects (a loss) that are not Layers
+        yield from walk(getattr(layer, "sublayers", list)(), path + (index,))
+
+
 class Sequential:
     """Layers applied in order to samples of shape ``input_shape``.
 
@@ -23,19 +35,22 @@ class Sequential:
     def __init__(self, layers, input_shape, xp=np, dtype=np.float32):
         self.layers, self.xp, self.dtype = list(layers), xp, np.dtype(dtype)
         self.input_shape = tuple(int(d) for d in input_shape)
-        self.entries = []  # (layer, name, offset, shape, initialiser)
-        self.shapes = []   # input shape of each layer
+        self.entries = []  # (layer, name, offset, shape, initialiser), depth-first over the layer tree
+        self.shapes = []   # input shape of each top-level layer
         shape, offset = self.input_shape, 0
         for index, layer in enumerate(self.layers):
-            layer.xp = xp
+            for _, node in walk([layer]):
+                node.xp = xp
             self.shapes.append(tuple(shape))
             try:
                 shape = layer.build(shape)
             except ShapeError as err:
                 raise ShapeError(f"layer {index} ({layer!r}): {err}") from None
-            for name, pshape, initialiser in layer.param_specs():
-                self.entries.append((layer, name, offset, tuple(pshape), initialiser))
-                offset += int(np.prod(pshape))
+            # a block's sublayers are built by its own build; their specs follow the block's own
+            for _, node in walk([layer]):
+                for name, pshape, initialiser in node.param_specs():
+                    self.entries.append((node, name, offset, tuple(pshape), initialiser))
+                    offset += int(np.prod(pshape))
         self.output_shape = tuple(shape)
         self.num_params = offset
         self.bind_params(xp.zeros(offset, dtype=self.dtype))
@@ -73,30 +88,47 @@ class Sequential:
         self.params[...] = self.xp.asarray(host)
 
     def layer_params(self, index):
-        """Number of parameters of layer ``index``."""
-        layer = self.layers[index]
-        return sum(int(np.prod(pshape)) for owner, _, _, pshape, _ in self.entries if owner is layer)
+        """Number of parameters of top-level layer ``index``, its sublayers' included."""
+        owners = {id(node) for _, node in walk([self.layers[index]])}
+        return sum(int(np.prod(pshape)) for owner, _, _, pshape, _ in self.entries if id(owner) in owners)
+
+    def running_entries(self):
+        """``(lo, hi)`` flat ranges of the entries that live in ``params`` but are not trained.
+
+        A layer names them in its ``running`` class attribute (BatchNorm's
+        running statistics): ``backward`` writes zeros into their gradients and
+        ``forward(training=True)`` updates them in place, so a strategy that
+        keeps replicas apart (unsynchronised BatchNorm, parameter servers) has
+        to average or copy these ranges itself.
+        """
+        return [(lo, lo + int(np.prod(pshape))) for layer, name, lo, pshape, _ in self.entries
+                if name in getattr(layer, "running", ())]
 
     def stash(self, extra=()):
         """What every layer's ``forward`` left for ``backward`` (and ``extra`` objects'), to restore later.
 
         A pipeline keeps one stash per micro-batch in flight: these are the
-        activations a stage holds.
+        activations a stage holds.  Sublayers of blocks are included.
         """
-        return [{name: getattr(obj, name) for name in obj.cache} for obj in (*self.layers, *extra)]
+        return [{name: getattr(obj, name) for name in obj.cache} for _, obj in walk((*self.layers, *extra))]
 
     def restore(self, stash, extra=()):
         """Put back a :meth:`stash` before the matching ``backward``."""
-        for obj, saved in zip((*self.layers, *extra), stash):
+        for (_, obj), saved in zip(walk((*self.layers, *extra)), stash):
             for name, value in saved.items():
                 setattr(obj, name, value)
 
     def reseed(self, *key):
-        """Give every random layer a fresh stream derived from ``key`` (e.g. seed, worker, step)."""
-        for index, layer in enumerate(self.layers):
+        """Give every random layer a fresh stream derived from ``key`` (e.g. seed, worker, step).
+
+        A layer's stream also depends on its path in the tree, so a top-level
+        layer ``i`` draws from ``[*key, i]`` and a Dropout inside block ``i``
+        from ``[*key, i, j]``: no two layers share a stream.
+        """
+        for path, layer in walk(self.layers):
             if hasattr(layer, "rng"):
                 # an int seed: cupy's default_rng does not take numpy seed arrays
-                seed = int(np.random.SeedSequence([*key, index]).generate_state(1, dtype=np.uint64)[0])
+                seed = int(np.random.SeedSequence([*key, *path]).generate_state(1, dtype=np.uint64)[0])
                 layer.rng = self.xp.random.default_rng(seed)
 
     def forward(self, x, training=False):

@@ -1,58 +1,121 @@
-"""Models by name, sized from the dataset's sample shape and output count."""
+"""Models by spec, sized from the dataset's sample shape and output count.
 
-from .conv import Conv2D, MaxPool2D
+A spec is a zoo name, optionally with comma-separated sizes:
+``mlp:256,256,256`` (hidden widths), ``cnn:16,32`` (conv filters, one block
+each); ``linear`` and ``mlp-wide`` take none.
+"""
+
+from .conv import Conv1D, Conv2D
 from .layers import Dense, Dropout, Flatten, ReLU, ShapeError
+from .pooling import MaxPool1D, MaxPool2D
 from .sequential import Sequential
 
 
-def _linear(sample_shape, outputs):
+class SpecError(ValueError):
+    """A model spec that names no zoo model, or gives it arguments it cannot take."""
+
+
+def _linear(args, sample_shape, outputs):
     return [Flatten(), Dense(outputs, init="glorot")]
 
 
-def _mlp(hidden):
-    def layers(sample_shape, outputs):
+def _mlp(default):
+    def layers(hidden, sample_shape, outputs):
         stack = [Flatten()]
-        for units in hidden:
+        for units in hidden or default:
             stack += [Dense(units), ReLU()]
         return stack + [Dense(outputs, init="glorot")]
     return layers
 
 
-def _image_shape(sample_shape):
-    """``(H, W)`` or ``(C, H, W)`` -> ``(C, H, W)``; anything else is a mismatch."""
-    if len(sample_shape) == 2:
+def _cnn_shape(sample_shape):
+    """``(L,)`` -> ``(1, L)`` signals; ``(H, W)`` -> ``(1, H, W)`` and ``(C, H, W)`` images; else a mismatch.
+
+    A 2-D sample is an image (the 8x8 digits), so a multi-channel signal cannot
+    be told from one by its shape: 1-D data reaches the cnn as ``(L,)``.
+    """
+    if len(sample_shape) in (1, 2):
         return (1,) + tuple(sample_shape)
     if len(sample_shape) == 3:
         return tuple(sample_shape)
-    raise ShapeError(f"model 'cnn' needs image samples (H, W) or (C, H, W), "
+    raise ShapeError(f"model 'cnn' needs 1-D signals (L,) or images (H, W) or (C, H, W), "
                      f"but the dataset's samples have shape {tuple(sample_shape)}")
 
 
-def _cnn(sample_shape, outputs):
-    return [Conv2D(16, 3), ReLU(), MaxPool2D(2), Conv2D(32, 3), ReLU(), MaxPool2D(2),
-            Flatten(), Dense(64), ReLU(), Dropout(0.25), Dense(outputs, init="glorot")]
+def _conv_blocks(filters, spatial, conv, pool):
+    """``conv(f)``-ReLU-``pool`` per filter count; pooling stops once a spatial axis is down to 1."""
+    stack = []
+    for f in filters:
+        stack += [conv(f), ReLU()]
+        if min(spatial) >= 2:
+            stack.append(pool())
+            spatial = [d // 2 for d in spatial]
+    return stack
+
+
+def _cnn(filters, sample_shape, outputs):
+    if len(sample_shape) == 2:   # (C, L) signals: the MNIST-1D paper's shape of CNN, kernel 5
+        return (_conv_blocks(filters or (32, 32, 32), sample_shape[1:], lambda f: Conv1D(f, 5), MaxPool1D)
+                + [Flatten(), Dense(outputs, init="glorot")])
+    # images: the default (16, 32) is the original Conv16-Pool-Conv32-Pool-Dense64 (checkpoints rely on it)
+    return (_conv_blocks(filters or (16, 32), sample_shape[1:], lambda f: Conv2D(f, 3), MaxPool2D)
+            + [Flatten(), Dense(64), ReLU(), Dropout(0.25), Dense(outputs, init="glorot")])
 
 
 MODELS = {
-    "linear": (_linear, "logistic/linear regression: Flatten, Dense(out)"),
-    "mlp": (_mlp([128, 128]), "two hidden ReLU layers of 128"),
-    "mlp-wide": (_mlp([512, 512]), "two hidden ReLU layers of 512 (784-512-512-10 on MNIST)"),
-    "cnn": (_cnn, "Conv16-Pool-Conv32-Pool-Dense64-Dropout: for image data"),
+    "linear": (_linear, "logistic/linear regression: Flatten, Dense(out); no arguments"),
+    "mlp": (_mlp((128, 128)), "two hidden ReLU layers of 128; mlp:W1,W2,... sets the hidden widths"),
+    "mlp-wide": (_mlp((512, 512)), "two hidden ReLU layers of 512 (784-512-512-10 on MNIST); no arguments"),
+    "cnn": (_cnn, "images: Conv16-Pool-Conv32-Pool-Dense64-Dropout; 1-D (L,): 3x Conv1D32(k5)-Pool, Dense; "
+                  "cnn:F1,F2,... sets the conv filters"),
 }
 
+# models that take arguments, and what the numbers are
+_ARGUMENTS = {"mlp": "hidden widths", "cnn": "conv filters per block"}
 
-def build_model(name, sample_shape, outputs, xp, dtype):
-    """The zoo model ``name`` for samples of ``sample_shape`` and ``outputs`` outputs.
+
+def _forms():
+    return ", ".join(f"{name}[:N1,N2,...]" if name in _ARGUMENTS else name for name in MODELS)
+
+
+def parse_spec(spec):
+    """``"mlp:256,256"`` -> ``("mlp", (256, 256))``; a bare ``"mlp"`` -> ``("mlp", None)`` (its defaults).
 
     Raises:
-        KeyError: unknown name.
+        SpecError: unknown name, arguments to a model that takes none, or
+            arguments that are not positive integers.
+    """
+    name, colon, rest = str(spec).partition(":")
+    if name not in MODELS:
+        raise SpecError(f"model {spec!r}: {name!r} is not in the zoo; choose from {_forms()}")
+    if not colon:
+        return name, None
+    if name not in _ARGUMENTS:
+        raise SpecError(f"model {spec!r}: {name!r} takes no arguments; write {name} (zoo: {_forms()})")
+    try:
+        args = tuple(int(part) for part in rest.split(","))
+    except ValueError:
+        args = ()
+    if not args or min(args) < 1:
+        raise SpecError(f"model {spec!r}: write {name}:N1,N2,... with positive integers ({_ARGUMENTS[name]}), "
+                        f"or {name} for the defaults")
+    return name, args
+
+
+def build_model(spec, sample_shape, outputs, xp, dtype):
+    """The zoo model ``spec`` (``name`` or ``name:N1,N2,...``) for samples of ``sample_shape``.
+
+    Raises:
+        SpecError: a bad spec (see :func:`parse_spec`).
         ShapeError: the model cannot take samples of this shape.
     """
+    name, args = parse_spec(spec)
     layers_of, _ = MODELS[name]
-    input_shape = input_shape_for(name, sample_shape)
-    return Sequential(layers_of(input_shape, outputs), input_shape, xp=xp, dtype=dtype)
+    input_shape = input_shape_for(spec, sample_shape)
+    return Sequential(layers_of(args, input_shape, outputs), input_shape, xp=xp, dtype=dtype)
 
 
-def input_shape_for(name, sample_shape):
-    """The per-sample shape the model ``name`` is fed (adds a channel axis for cnn)."""
-    return _image_shape(sample_shape) if name == "cnn" else tuple(sample_shape)
+def input_shape_for(spec, sample_shape):
+    """The per-sample shape the model ``spec`` is fed (adds a channel axis for cnn)."""
+    name, _ = parse_spec(spec)
+    return _cnn_shape(sample_shape) if name == "cnn" else tuple(sample_shape)

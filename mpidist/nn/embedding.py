@@ -1,0 +1,62 @@
+"""Embedding: a lookup table from integer tokens to vectors."""
+
+import functools
+
+import numpy as np
+
+from . import init
+from .layers import Layer, ShapeError
+
+
+def _scatter_add(xp, target, index, values):
+    """``target[index[i]] += values[i]`` for every ``i``, repeated indices adding up.
+
+    Plain ``target[index] += values`` keeps only one of the repeats; numpy
+    has ``np.add.at`` and cupy ``cupyx.scatter_add`` for this, nothing both share.
+    """
+    if xp is np:
+        np.add.at(target, index, values)
+    else:
+        import cupyx   # only reached with cupy as xp
+        cupyx.scatter_add(target, index, values)
+
+
+class Embedding(Layer):
+    """Token ids to vectors: ``(N, L)`` integers in ``[0, vocab)`` -> ``(N, L, dim)``.
+
+    Ids may arrive as floats (datasets store one dtype); they are cast with
+    ``astype(int64)``.  Ids are not differentiable, so the input gradient is
+    zeros: put Embedding first in a model (``Sequential.backward`` then skips
+    it entirely when ``input_grad=False``).  The table starts N(0, 1), as
+    PyTorch's.
+    """
+
+    cache = ("ids",)
+
+    def __init__(self, vocab, dim):
+        super().__init__()
+        self.vocab, self.dim = int(vocab), int(dim)
+
+    def build(self, input_shape):
+        if len(input_shape) != 1:
+            raise ShapeError(f"Embedding needs token sequences (L,), got per-sample shape {tuple(input_shape)}")
+        return (int(input_shape[0]), self.dim)
+
+    def param_specs(self):
+        return [("W", (self.vocab, self.dim), functools.partial(init.normal, std=1.0))]
+
+    def forward(self, x, training=False):
+        self.ids = x.astype(np.int64)
+        return self.params["W"][self.ids]
+
+    def backward_params(self, dy):
+        grad = self.grads["W"]
+        grad[...] = 0
+        _scatter_add(self.xp, grad, self.ids.reshape(-1), dy.reshape(-1, self.dim))
+
+    def backward(self, dy):
+        self.backward_params(dy)
+        return self.xp.zeros(self.ids.shape, dtype=dy.dtype)
+
+    def __repr__(self):
+        return f"Embedding({self.vocab}, {self.dim})"

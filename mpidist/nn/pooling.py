@@ -1,0 +1,133 @@
+"""Pooling on NCL signals and NCHW images, written against ``xp``.
+
+Windows do not overlap: a ``k``-pool cuts each spatial axis into whole blocks
+of ``k`` and drops the remainder (``L // k`` outputs), so one reshape turns the
+input into ``(N, C, *out, k**d)`` blocks and both passes are plain reductions
+and broadcasts, with no Python loop over positions.
+"""
+
+from .layers import Layer, ShapeError
+
+
+def _blocks(x, k, dims):
+    """``(N, C, *spatial) -> (N, C, *spatial // k, k**dims)``: each window's values on the last axis."""
+    n, c, *spatial = x.shape
+    out = [size // k for size in spatial]
+    x = x[(slice(None), slice(None)) + tuple(slice(0, o * k) for o in out)]
+    split = x.reshape([n, c] + [d for o in out for d in (o, k)])            # N, C, o1, k, o2, k
+    order = [0, 1] + [2 + 2 * i for i in range(dims)] + [3 + 2 * i for i in range(dims)]
+    return split.transpose(order).reshape([n, c] + out + [k ** dims])
+
+
+def _unblocks(xp, blocks, k, dims, input_shape):
+    """Inverse of :func:`_blocks` into zeros of ``input_shape`` (the cropped remainder gets no gradient)."""
+    n, c, *out = blocks.shape[:-1]
+    split = blocks.reshape([n, c] + out + [k] * dims)
+    order = [0, 1] + [d for i in range(dims) for d in (2 + i, 2 + dims + i)]
+    dx = xp.zeros((n,) + tuple(input_shape), dtype=blocks.dtype)
+    dx[(slice(None), slice(None)) + tuple(slice(0, o * k) for o in out)] = \
+        split.transpose(order).reshape([n, c] + [o * k for o in out])
+    return dx
+
+
+class _Pool(Layer):
+    """Shared shape checks of the ``dims``-dimensional ``k``-pools."""
+
+    dims = 2
+
+    def __init__(self, size=2):
+        super().__init__()
+        self.size = int(size)
+
+    def build(self, input_shape):
+        what = "signal samples (C, L)" if self.dims == 1 else "image samples (C, H, W)"
+        if len(input_shape) != self.dims + 1:
+            raise ShapeError(f"{type(self).__name__} needs {what}, got per-sample shape {tuple(input_shape)}")
+        c, *spatial = (int(d) for d in input_shape)
+        if min(spatial) < self.size:
+            size = "x".join(str(d) for d in spatial)
+            raise ShapeError(f"{self!r} does not fit {what.split()[0]}s of {size}")
+        self.input_shape = (c, *spatial)
+        return (c, *(d // self.size for d in spatial))
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.size})"
+
+
+class _MaxPool(_Pool):
+    """Ties send the gradient to the first maximum only, so gradients match finite differences."""
+
+    cache = ("argmax",)
+
+    def forward(self, x, training=False):
+        blocks = _blocks(x, self.size, self.dims)
+        self.argmax = blocks.argmax(axis=-1)
+        return self.xp.take_along_axis(blocks, self.argmax[..., None], axis=-1)[..., 0]
+
+    def backward(self, dy):
+        xp, k = self.xp, self.size
+        # one-hot of the winning position times dy: portable to cupy (no put_along_axis)
+        blocks = (xp.arange(k ** self.dims) == self.argmax[..., None]) * dy[..., None]
+        return _unblocks(xp, blocks, k, self.dims, self.input_shape)
+
+
+class _AvgPool(_Pool):
+    """Each output is its window's mean; the gradient spreads evenly over the window."""
+
+    def forward(self, x, training=False):
+        return _blocks(x, self.size, self.dims).mean(axis=-1)
+
+    def backward(self, dy):
+        window = self.size ** self.dims
+        blocks = self.xp.broadcast_to((dy / window)[..., None], dy.shape + (window,))
+        return _unblocks(self.xp, blocks, self.size, self.dims, self.input_shape)
+
+
+class MaxPool1D(_MaxPool):
+    """Non-overlapping max pooling: ``(N, C, L) -> (N, C, L//k)``; positions past the last whole window are dropped."""
+
+    dims = 1
+
+
+class MaxPool2D(_MaxPool):
+    """Non-overlapping max pooling: ``(N, C, H, W) -> (N, C, H//k, W//k)``.
+
+    Rows and columns past the last whole window are dropped; ties send the
+    gradient to the first maximum only, so gradients match finite differences.
+    """
+
+    dims = 2
+
+
+class AvgPool1D(_AvgPool):
+    """Non-overlapping mean pooling: ``(N, C, L) -> (N, C, L//k)``; positions past the last whole window are dropped."""
+
+    dims = 1
+
+
+class AvgPool2D(_AvgPool):
+    """Non-overlapping mean pooling: ``(N, C, H, W) -> (N, C, H//k, W//k)``; the remainder is dropped."""
+
+    dims = 2
+
+
+class GlobalAvgPool(Layer):
+    """Mean over every spatial axis: ``(N, C, *spatial) -> (N, C)`` (signals, images, volumes)."""
+
+    def build(self, input_shape):
+        if len(input_shape) < 2:
+            raise ShapeError(f"GlobalAvgPool needs samples (C, *spatial), got per-sample shape {tuple(input_shape)}")
+        self.input_shape = tuple(int(d) for d in input_shape)
+        self.count = 1
+        for d in self.input_shape[1:]:
+            self.count *= d
+        return self.input_shape[:1]
+
+    def forward(self, x, training=False):
+        return x.reshape(x.shape[0], x.shape[1], -1).mean(axis=-1)
+
+    def backward(self, dy):
+        n, c = dy.shape
+        dx = self.xp.empty((n,) + self.input_shape, dtype=dy.dtype)
+        dx[...] = (dy / self.count).reshape((n, c) + (1,) * (len(self.input_shape) - 1))
+        return dx

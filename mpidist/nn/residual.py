@@ -1,0 +1,58 @@
+"""Residual blocks: ``y = x + block(x)``."""
+
+from .layers import Layer, ShapeError
+
+
+class Residual(Layer):
+    """``y = x + block(x)`` where ``block`` is ``layers`` applied in order; shape kept.
+
+    The block's layers are this layer's :meth:`sublayers`: ``Sequential``
+    gives their parameters views into its flat buffers (right after anything
+    before the block), reseeds and stashes them, and counts them as this
+    layer's in ``layer_params``, so a pipeline moves a block as one layer.
+    Blocks nest.
+    """
+
+    def __init__(self, *layers):
+        super().__init__()
+        self.layers = list(layers)
+
+    def sublayers(self):
+        return self.layers
+
+    def build(self, input_shape):
+        shape = tuple(input_shape)
+        for index, layer in enumerate(self.layers):
+            try:
+                shape = tuple(layer.build(shape))
+            except ShapeError as err:
+                raise ShapeError(f"block layer {index} ({layer!r}): {err}") from None
+        if shape != tuple(input_shape):
+            raise ShapeError(f"Residual block maps per-sample shape {tuple(input_shape)} to {shape}; "
+                             "x + block(x) needs them equal")
+        return shape
+
+    def forward(self, x, training=False):
+        h = x
+        for layer in self.layers:
+            h = layer.forward(h, training)
+        return x + h
+
+    def _block_backward(self, dy, input_grad):
+        for layer in reversed(self.layers[1:]):
+            dy = layer.backward(dy)
+        if not input_grad:
+            self.layers[0].backward_params(dy)
+            return None
+        return self.layers[0].backward(dy)
+
+    def backward(self, dy):
+        # the identity path adds dy itself to the block's input gradient
+        return dy + self._block_backward(dy, True) if self.layers else dy + dy
+
+    def backward_params(self, dy):
+        if self.layers:
+            self._block_backward(dy, False)
+
+    def __repr__(self):
+        return f"Residual({', '.join(repr(layer) for layer in self.layers)})"
