@@ -1,7 +1,35 @@
 """mpidist: train neural networks on many processes with MPI.
 
 Parameter-server, allreduce and pipeline strategies on mpi4py, numpy/cupy and
-h5py; launched with ``mpiexec -n N python -m mpidist``.
+h5py.  Launch a script that calls :func:`mpidist.train` (or ``python -m
+mpidist``) with ``mpiexec -n N``::
+
+    import mpidist
+    from mpidist import nn
+
+    def build(sample_shape, outputs):
+        return [nn.Flatten(), nn.Dense(128), nn.ReLU(), nn.Dense(outputs)]
+
+    result = mpidist.train(build, "digits", strategy="allreduce", epochs=5)
+    if result.is_chief:
+        print(result.test_accuracy)
+
+Importing mpidist sizes the BLAS thread pool to this rank's share of the
+node's cores (see :mod:`mpidist.threads`), whatever was imported before it.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+from .threads import limit_blas_threads
+
+limit_blas_threads()   # before anything below imports numpy
+
+from . import nn  # noqa: E402  (after the BLAS limit, on purpose)
+from .api import Result, evaluate, train  # noqa: E402
+from .arrays import ArrayData  # noqa: E402
+from .callbacks import Callback, EarlyStopping  # noqa: E402
+from .config import Settings  # noqa: E402
+from .errors import RunError, UsageError  # noqa: E402
+
+__all__ = ["train", "evaluate", "Settings", "Result", "ArrayData", "Callback", "EarlyStopping", "nn",
+           "UsageError", "RunError", "limit_blas_threads", "__version__"]

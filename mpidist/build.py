@@ -9,10 +9,27 @@ layout, when an elastic run loses workers (see :mod:`mpidist.elastic`).
 import dataclasses
 import os
 
-from . import checkpoint, data, nn
+from . import checkpoint, data, models, nn
 from .errors import UsageError
 from .parallel import STRATEGIES
 from .parallel.backup import BackupWorkersStrategy
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What a run trains: its model (a :class:`~mpidist.models.ModelSource`) and its data.
+
+    ``data`` is a dataset file's path, a bundled dataset's name, or an
+    :class:`~mpidist.arrays.ArrayData`.
+    """
+
+    model: models.ModelSource
+    data: object
+
+    @classmethod
+    def of(cls, config, model=None, data=None):
+        """The inputs ``config`` names, or the objects given in Python in place of its strings."""
+        return cls(models.resolve(config.model if model is None else model), config.data if data is None else data)
 
 
 @dataclasses.dataclass
@@ -29,12 +46,12 @@ class Setup:
     skipped: list = dataclasses.field(default_factory=list)   # unreadable checkpoints passed over
 
 
-def build_model_for(config, info, xp):
-    """The zoo model sized for ``info``; a shape mismatch is a :class:`UsageError`."""
+def build_model_for(config, inputs, info, xp):
+    """The model sized for dataset ``info``; a shape mismatch is a :class:`UsageError` naming the dataset."""
     try:
-        return nn.build_model(config.model, info.sample_shape, info.outputs, xp, config.dtype)
-    except nn.ShapeError as err:
-        raise UsageError(f"--model {config.model} does not fit dataset {info.name!r} ({info.path}): {err}") from None
+        return inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype)
+    except UsageError as err:
+        raise UsageError(f"dataset {info.name!r} ({info.path}): {err}") from None
 
 
 def find_resume(config):
@@ -76,13 +93,17 @@ def parse_balance(config, model):
     return sizes
 
 
-def prepare(config, cluster, xp, resume=None, skipped=()):
-    """Local set-up of one rank (no collectives), to start from ``resume`` (a checkpoint, or None)."""
-    info = data.inspect(data.resolve(config.data))
-    model = build_model_for(config, info, xp)
+def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
+    """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or None)."""
+    info = data.inspect(data.resolve(inputs.data))
+    model = build_model_for(config, inputs, info, xp)
     if config.strategy == "pipeline":
         parse_balance(config, model)
     workers, worker = data_layout(config, cluster)
+    if model.running_entries() and not strategy_class(config, workers).running_statistics:
+        raise UsageError(f"--model {config.model} keeps running statistics (BatchNorm), which --strategy "
+                         f"{config.strategy}{' with --aggregate' if config.aggregate else ''} cannot carry: its "
+                         "workers step independently; use allreduce, ps-sync or pipeline, or LayerNorm")
     in_graph = config.replication == "in-graph"
     if not in_graph and info.sizes["train"] < workers:
         raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training sample(s), fewer than the "
@@ -126,7 +147,7 @@ def strategy_class(config, workers):
     return STRATEGIES[config.strategy]
 
 
-def make_strategy(config, setup, cluster, xp):
+def make_strategy(config, setup, cluster, xp, where=None):
     """The strategy ``config`` names, with an optimizer factory sized by the strategy."""
     def make_optimizer(size):
         return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype)
@@ -145,7 +166,7 @@ def make_strategy(config, setup, cluster, xp):
         options.update(stages=config.stages, micro_batches=config.micro_batches, schedule_name=config.schedule,
                        balance=parse_balance(config, setup.model), global_batch=config.batch_size)
     return cls(setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer, cluster, seed=config.seed,
-               bucket_bytes=int(config.bucket_mb * (1 << 20)), **options)
+               bucket_bytes=int(config.bucket_mb * (1 << 20)), where=where, **options)
 
 
 def test_delay(worker):

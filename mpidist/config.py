@@ -1,9 +1,9 @@
-"""One dataclass for a run: from flags and an optional TOML file; validated.
+"""One dataclass for a run's settings: from flags, a TOML file or keyword arguments; validated.
 
-Each field carries its flag's help text, so ``--help``, the TOML keys and the
-checkpointed config all come from this one definition.  Precedence: defaults,
-then the ``--config`` TOML file (keys are the flag names), then the command
-line.
+Each field carries its flag's help text, so ``--help``, the TOML keys, the
+keyword arguments of :func:`mpidist.train` and the checkpointed settings all
+come from this one definition.  Precedence: defaults, then the ``--config``
+TOML file (keys are the flag names), then the command line.
 """
 
 import argparse
@@ -33,10 +33,16 @@ def _field(default, help, choices=None):
 
 
 @dataclasses.dataclass
-class RunConfig:
-    """Everything that defines a training run."""
+class Settings:
+    """Everything that defines a training run: one field per ``train`` flag (``batch_size`` is ``--batch-size``).
 
-    model: str = _field("mlp", "model from the zoo (see `python -m mpidist info --models`)")
+    Build one with keyword arguments (``Settings(strategy="allreduce", epochs=5)``)
+    or pass the same keywords to :func:`mpidist.train`; see ``python -m mpidist
+    train --help`` for each field's meaning and default.
+    """
+
+    model: str = _field("mlp", "model: a zoo name or spec (mlp, mlp:256,256, cnn:16,32; see `python -m mpidist info "
+                        "--models`), or a builder function as package.module:function or path/to/file.py:function")
     data: str = _field("digits", "dataset: an HDF5 file in the mpidist layout, or a bundled dataset's name")
     strategy: str = _field("auto", "how workers share work: local, allreduce, ps-sync, ps-async, pipeline; auto = "
                            "local on one rank, ps-sync with --ps, pipeline with --stages, else allreduce", STRATEGIES)
@@ -89,14 +95,10 @@ class RunConfig:
 
     def validate(self, world_size):
         """Raise :class:`UsageError` naming the first flag whose value cannot work."""
-        from .nn import MODELS  # local import: nn is array code, config stays light
-
         for f in dataclasses.fields(self):
             choices = f.metadata["choices"]
             if choices and getattr(self, f.name) not in choices:
                 raise UsageError(f"--{self.flag(f.name)} {getattr(self, f.name)!r} is not one of: {', '.join(choices)}")
-        if self.model not in MODELS:
-            raise UsageError(f"--model {self.model!r} is not in the zoo; choose from: {', '.join(MODELS)}")
         positive = {"epochs": self.epochs, "batch_size": self.batch_size, "log_every": self.log_every}
         for name, value in positive.items():
             if value < 1:
@@ -172,22 +174,43 @@ class RunConfig:
         return dataclasses.replace(self, strategy=chosen)
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
 
 def add_flags(parser):
-    """Add one flag per :class:`RunConfig` field; unset flags stay absent."""
-    for f in dataclasses.fields(RunConfig):
+    """Add one flag per :class:`Settings` field; unset flags stay absent."""
+    for f in dataclasses.fields(Settings):
         kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else \
             {"type": f.type, "metavar": f.name.upper()}
-        parser.add_argument(f"--{RunConfig.flag(f.name)}", dest=f.name, default=dataclasses.MISSING,
+        parser.add_argument(f"--{Settings.flag(f.name)}", dest=f.name, default=dataclasses.MISSING,
                             help=f"{f.metadata['help']} (default: {f.default!r})", **kind)
     parser.add_argument("--config", metavar="FILE.toml", default=None,
                         help="TOML file whose keys are these flag names; the command line wins over it")
 
 
+def typed(table, where):
+    """``{field name: value}`` from ``{flag or field name: value}``, each checked against its field's type.
+
+    ``where`` starts each error message (``--config run.toml``, ``mpidist.train()``).
+    """
+    settings = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            known = ", ".join(Settings.flag(n) for n in FIELDS)
+            raise UsageError(f"{where}: unknown setting {key!r}; known settings: {known}")
+        expected = FIELDS[name].type
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+            raise UsageError(f"{where}: {key} = {value!r} should be a{'n' if expected is int else ''} "
+                             f"{expected.__name__}")
+        settings[name] = value
+    return settings
+
+
 def load_toml(path):
-    """Settings from a TOML file, keyed by field name; unknown keys are errors."""
+    """Settings from a TOML file, keyed by flag or field name; unknown keys are errors."""
     try:
         with open(path, "rb") as handle:
             table = tomllib.load(handle)
@@ -195,27 +218,22 @@ def load_toml(path):
         raise UsageError(f"--config {path}: no such file") from None
     except (OSError, tomllib.TOMLDecodeError) as err:
         raise UsageError(f"--config {path}: not readable as TOML: {err}") from None
-    settings = {}
-    for key, value in table.items():
-        name = key.replace("-", "_")
-        if name not in FIELDS:
-            known = ", ".join(RunConfig.flag(n) for n in FIELDS)
-            raise UsageError(f"--config {path}: unknown key {key!r}; known keys: {known}")
-        expected = FIELDS[name].type
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise UsageError(f"--config {path}: {key} = {value!r} should be a{'n' if expected is int else ''} "
-                             f"{expected.__name__}")
-        settings[name] = value
-    return settings
+    return typed(table, f"--config {path}")
 
 
-def config_from_args(namespace):
-    """Build a :class:`RunConfig` from parsed flags (and their ``--config`` file)."""
+def settings_from(settings=None, **overrides):
+    """``settings`` (a :class:`Settings`, or None for the defaults) with ``overrides``, each checked."""
+    if settings is not None and not isinstance(settings, Settings):
+        raise UsageError(f"settings= takes an mpidist.Settings, got {type(settings).__name__}")
+    base = settings or Settings()
+    return dataclasses.replace(base, **typed(overrides, "mpidist.train()"))
+
+
+def settings_from_args(namespace):
+    """Build a :class:`Settings` from parsed flags (and their ``--config`` file)."""
     settings = load_toml(namespace.config) if getattr(namespace, "config", None) else {}
     for name in FIELDS:
         value = getattr(namespace, name, dataclasses.MISSING)
         if value is not dataclasses.MISSING:
             settings[name] = value
-    return RunConfig(**settings)
+    return Settings(**settings)

@@ -24,6 +24,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from .arrays import ArrayData
 from .errors import UsageError
 
 SPLITS = ("train", "test")
@@ -45,7 +46,9 @@ def bundled_names():
 
 
 def resolve(spec):
-    """An existing file path for ``--data``: a path, or a bundled dataset's name."""
+    """An existing file path for ``--data``: a path, or a bundled dataset's name (arrays pass through)."""
+    if isinstance(spec, ArrayData):
+        return spec
     path = Path(spec).expanduser()
     if path.is_file():
         return path
@@ -63,7 +66,7 @@ def resolve(spec):
 class DatasetInfo:
     """What a dataset file declares, checked against the layout."""
 
-    path: Path
+    path: Path      # or the ArrayData given in Python
     name: str
     num_classes: int
     source: str
@@ -77,11 +80,16 @@ class DatasetInfo:
         return self.num_classes if self.num_classes > 0 else self.target_width
 
 
+def open_source(path):
+    """An HDF5 file, or an :class:`~mpidist.arrays.ArrayData`'s image, open for reading."""
+    return path.open() if isinstance(path, ArrayData) else h5py.File(path, "r")
+
+
 def inspect(path):
     """Open ``path``, check the layout, and describe it (reads no sample data)."""
-    path = Path(path)
+    path = path if isinstance(path, ArrayData) else Path(path)
     try:
-        handle = h5py.File(path, "r")
+        handle = open_source(path)
     except OSError as err:
         raise UsageError(f"{path}: not a readable HDF5 file ({err})") from None
     with handle:
@@ -156,7 +164,7 @@ class Shard:
 
     def __init__(self, info, split, worker, num_workers, input_shape, dtype):
         rows = slice(worker, None, num_workers)
-        with h5py.File(info.path, "r") as handle:
+        with open_source(info.path) as handle:
             x, y = handle[f"{split}/x"][rows], handle[f"{split}/y"][rows]
         where = f"{info.path}: {split}"
         if x.dtype.kind == "f" and not np.isfinite(x).all():

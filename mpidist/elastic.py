@@ -4,7 +4,7 @@ With an MPI library that implements ULFM (Open MPI 5 launched with ``mpirun
 --with-ft ulfm``), a blocking call that involves a dead process raises
 ``MPI.Exception`` with class ``ERR_PROC_FAILED`` (or ``ERR_REVOKED`` once a
 survivor revoked the communicator) instead of hanging.  The training loop
-(:class:`mpidist.train.Training`) then recovers:
+(:class:`mpidist.training.Training`) then recovers:
 
 1. :func:`shrink`: revoke every communicator in use, so survivors blocked on
    each other are released too, and shrink the world to the survivors.

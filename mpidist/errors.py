@@ -52,27 +52,34 @@ def _tagged(text, rank):
     return "".join(f"[rank {rank}] {line}\n" for line in text.rstrip("\n").split("\n"))
 
 
-def install_abort_on_exception():
-    """Make any uncaught exception, in any thread, end the whole MPI job."""
+def abort_job(exc_type, exc, tb):
+    """Report ``exc`` (tagged with this rank) and end the whole MPI job with its exit code.
+
+    A :class:`UsageError` or :class:`RunError` prints one line, anything else
+    its traceback.  With more than one rank this calls ``MPI_Abort``: the
+    other ranks may be waiting for this one in a collective.
+    """
     from mpi4py import MPI
 
-    def abort(exc_type, exc, tb):
-        rank = MPI.COMM_WORLD.Get_rank()
-        if isinstance(exc, (UsageError, RunError)):
-            sys.stderr.write(error_line(exc, rank) + "\n")
-            code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
-        else:
-            sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb)), rank))
-            code = EXIT_FAILURE
-        sys.stderr.flush()
-        sys.stdout.flush()
-        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-            time.sleep(ABORT_GRACE_SECONDS)
-            MPI.COMM_WORLD.Abort(code)
-        sys.exit(code)
+    rank = MPI.COMM_WORLD.Get_rank()
+    if isinstance(exc, (UsageError, RunError)):
+        sys.stderr.write(error_line(exc, rank) + "\n")
+        code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
+    else:
+        sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb)), rank))
+        code = EXIT_FAILURE
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        time.sleep(ABORT_GRACE_SECONDS)
+        MPI.COMM_WORLD.Abort(code)
+    sys.exit(code)
 
-    sys.excepthook = abort
-    threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)
+
+def install_abort_on_exception():
+    """Make any uncaught exception, in any thread, end the whole MPI job."""
+    sys.excepthook = abort_job
+    threading.excepthook = lambda args: abort_job(args.exc_type, args.exc_value, args.exc_traceback)
 
 
 @contextlib.contextmanager

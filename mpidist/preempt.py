@@ -26,9 +26,15 @@ from mpi4py import MPI
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
+#: A stop a callback asked for, carried where signal numbers are (flags combine with MAX): it is below
+#: every signal mpidist catches, so a real signal seen at the same boundary wins (checkpoint, exit 3).
+EARLY_STOP = 1
+
 
 def signal_name(number):
     """``SIGTERM`` for 15; ``signal 99`` for numbers Python does not know."""
+    if number == EARLY_STOP:
+        return "a callback's stop request"
     try:
         return signal.Signals(number).name
     except ValueError:

@@ -22,8 +22,9 @@ from . import checkpoint, data, elastic
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
 from .cluster import PS
 from .errors import EXIT_FAILURE, RunError, agreed, error_line
+from .callbacks import Reporter
 from .metrics import MetricsLog, Progress, format_summary
-from .preempt import StepAgreement, StopSignals, settle, signal_name
+from .preempt import EARLY_STOP, StepAgreement, StopSignals, settle, signal_name
 from .stall import StallMonitor, Whereabouts
 
 
@@ -77,8 +78,12 @@ class _NoData:
         pass
 
 
-def run(config, cluster, xp, device_label, stream=sys.stdout):
-    """Train as ``config`` says on this rank; returns the run's outcome (a dict; figures on the chief).
+def run(config, cluster, xp, device_label, inputs, callbacks=(), stream=sys.stdout):
+    """Train ``inputs`` (:class:`~mpidist.build.Inputs`) as ``config`` says on this rank; returns the outcome.
+
+    The outcome is a dict: the final figures on the chief, with ``params``
+    (the trained flat parameters, host memory) where the run was not diverged.
+    ``callbacks`` (:class:`~mpidist.callbacks.Callback`) are called on the chief.
 
     A SIGTERM, SIGUSR1 or SIGINT on any rank stops every rank at the same
     step boundary, after a checkpoint; the outcome then names the signal
@@ -86,7 +91,7 @@ def run(config, cluster, xp, device_label, stream=sys.stdout):
     diverged (``--nan-patience``) has ``failed`` set, and the CLI exits 1.
     """
     with StopSignals() as signals:
-        return Training(config, cluster, xp, device_label, stream, signals).run()
+        return Training(config, cluster, xp, device_label, stream, signals, inputs, callbacks).run()
 
 
 class Training:
@@ -96,9 +101,9 @@ class Training:
     on the object, so the loop can be entered again from where it left.
     """
 
-    def __init__(self, config, cluster, xp, device_label, stream, signals):
+    def __init__(self, config, cluster, xp, device_label, stream, signals, inputs, callbacks=()):
         self.config, self.cluster, self.xp, self.device_label = config, cluster, xp, device_label
-        self.stream, self.signals = stream, signals
+        self.stream, self.signals, self.inputs, self.callbacks = stream, signals, inputs, list(callbacks)
         self.diverged = None   # the message, once --nan-patience ran out
         self.agreement = None  # lockstep strategies: the step agreement of the current loop
         self.recoveries = []   # --elastic: each loss survived ("recovered" events)
@@ -113,8 +118,8 @@ class Training:
         """Agreed local set-up, the strategy, its initial state, the header; the position to start from."""
         config, cluster = self.config, self.cluster
         with agreed(cluster.world):
-            self.setup = prepare(config, cluster, self.xp, *find_resume(config))
-            self.log = MetricsLog(config.metrics if self.chief else "")
+            self.setup = prepare(config, cluster, self.xp, self.inputs, *find_resume(config))
+            self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), self.callbacks, self.chief)
             if self.chief and config.checkpoint_dir:
                 checkpoint.prepare_directory(config.checkpoint_dir)
         setup, resume = self.setup, self.setup.resume
@@ -130,7 +135,7 @@ class Training:
                       f"test), model {config.model} ({setup.model.num_params:,} parameters), strategy "
                       f"{config.strategy} on {layout_text(config, cluster)}, global batch {config.batch_size}, "
                       f"{setup.steps_per_epoch} steps/epoch\n{table}")
-            if hasattr(self.strategy, "imbalance"):
+            if self.strategy.imbalance is not None:
                 self._say(f"mpidist: parameter shards balanced to within {100 * self.strategy.imbalance:.2f}%")
             for path, reason in setup.skipped:
                 self._say(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}")
@@ -153,23 +158,19 @@ class Training:
         self.window_start, self.window_loss, self.window_steps, self.window_good = self.started, 0.0, 0, 0
         self.trained_steps, self.skipped_in_row = 0, 0
         self.last_loss, self.result, self.evaluated_at = math.nan, None, None
-        self.timer, self.saved_path = self.started, None
+        self.timer, self.saved_path, self.saved_paths = self.started, None, []
         self._move_to(resume)
 
     def _make_strategy(self):
         """Collective: the strategy for the current cluster and set-up, watched by a new stall monitor."""
-        self.strategy = make_strategy(self.config, self.setup, self.cluster, self.xp)
-        self.strategy.track = self.where.enter
+        self.strategy = make_strategy(self.config, self.setup, self.cluster, self.xp, where=self.where)
         self.monitor = StallMonitor(self.cluster.world, self.cluster.chief_rank, self.config.stall_timeout,
                                     self.where).start()
 
     def _place(self):
         """This rank's part in the role table beyond its device: a ps shard or a pipeline stage."""
-        strategy, rank = self.strategy, self.cluster.rank
-        if hasattr(strategy, "describe"):
-            return " " + strategy.describe(rank)
-        shard = getattr(strategy, "shard_of", lambda r: None)(rank)
-        return f" shard [{shard[0]}, {shard[1]})" if shard else ""
+        text = self.strategy.describe(self.cluster.rank)
+        return " " + text if text else ""
 
     def _move_to(self, resume, on_disk=True):
         """Set the position to ``resume``'s (or the beginning); ``on_disk``: a checkpoint of it exists already."""
@@ -233,7 +234,7 @@ class Training:
                                dataclasses.asdict(config), config.seed)
         self.cluster = cluster
         with agreed(world):
-            self.setup = prepare(config, cluster, self.xp, resume)
+            self.setup = prepare(config, cluster, self.xp, self.inputs, resume)
         lost_strategy = self.strategy
         self._make_strategy()
         self.strategy.carry_over(lost_strategy)
@@ -271,7 +272,7 @@ class Training:
         self.agreement = StepAgreement(cluster.world) if strategy.lockstep else None
         self.early = False   # this rank left the loop on a stop request
         stop = bool(config.steps and self.step >= config.steps)
-        if getattr(strategy, "serves", False):   # ps-async and backup ps ranks: serve until the workers are done
+        if strategy.serves:   # ps-async and backup ps ranks: serve until the workers are done
             strategy.serve(ServerControl(config, setup, self.signals, data_layout(config, cluster)[0], self.step))
             stop = True
         start_epoch, start_in_epoch = self.epoch, self.epoch_step
@@ -287,13 +288,11 @@ class Training:
                     self.where.enter("compute", self.step + 1)
                     if delay:
                         time.sleep(delay)
-                    loss = strategy.train_step(x, y, setup.local_batch / config.batch_size, self.step)
-                    self.step, self.epoch_step, self.trained_steps = self.step + 1, self.epoch_step + 1, \
+                    result = strategy.step(x, y, setup.local_batch / config.batch_size, self.step)
+                    self.step, self.epoch_step, self.trained_steps = result.step, self.epoch_step + 1, \
                         self.trained_steps + 1
-                    if hasattr(strategy, "version"):   # backup workers: the ps counts the global steps
-                        self.step = strategy.version
-                    self._account(loss, strategy.skipped)
-                    if self._boundary(steps_to_run):
+                    self._account(result.loss, result.skipped)
+                    if self._boundary(steps_to_run, result):
                         stop = True
                         break
             finally:
@@ -345,22 +344,23 @@ class Training:
             self.progress.update(step, self.epoch, self.last_loss, rate)
             self.window_start, self.window_loss, self.window_steps, self.window_good = now, 0.0, 0, 0
 
-    def _boundary(self, steps_to_run):
+    def _boundary(self, steps_to_run, result):
         """After each step: stop requests and checkpoints; True when this rank leaves the loop."""
         config, strategy = self.config, self.strategy
+        # a signal, else a callback's stop request (EARLY_STOP is below every signal: a real one wins)
+        requested = self.signals.received or (EARLY_STOP if self.log.stop_asked else 0)
         if self.agreement:
             self.where.enter("agree")
-            flags = self.agreement.boundary(self.signals.received, self._timed_checkpoint_due())
+            flags = self.agreement.boundary(requested, self._timed_checkpoint_due())
             self.early = bool(flags["signal"]) and self.step < steps_to_run
             every = config.checkpoint_every and self.step % config.checkpoint_every == 0
             if (every or flags["due"] or self.early) and not self.skipped_in_row:
                 self.save()   # (never a state that is going wrong: it could push good ones out of --keep)
         else:   # the strategy carries the request to the others; the checkpoint comes after finish()
-            if self.signals.received:
-                strategy.request_stop(self.signals.received)
-            self.early = strategy.stop_requested and self.step < steps_to_run
-        return bool(self.early or self.diverged or (config.steps and self.step >= config.steps)
-                    or getattr(strategy, "finished", False))
+            if requested:
+                strategy.request_stop(requested)
+            self.early = result.stop and self.step < steps_to_run
+        return bool(self.early or self.diverged or (config.steps and self.step >= config.steps) or result.finished)
 
     def _timed_checkpoint_due(self):
         """Chief only: ``--checkpoint-seconds`` have passed since the last one was asked for."""
@@ -370,13 +370,17 @@ class Training:
         self.timer = time.perf_counter()
         return True
 
-    def save(self):
-        """Collective: the chief writes a checkpoint of the current position (once per step)."""
+    def save(self, state=(), gathered=False):
+        """Collective: the chief writes a checkpoint of the current position (once per step).
+
+        ``gathered``: the caller gathered the strategy's ``state()`` already (``state``: None off the chief).
+        """
         config, strategy = self.config, self.strategy
         if not config.checkpoint_dir or (strategy.lockstep and self.saved_at == self.step):
             return   # (other strategies' ranks count steps apart: each call must be collective)
         self.where.enter("gather")
-        state = strategy.state()  # collective: shards are gathered to the chief
+        if not gathered:
+            state = strategy.state()  # collective: shards are gathered to the chief
         self.saved_at = self.step
         if self.chief:
             self.where.enter("write")
@@ -385,6 +389,7 @@ class Training:
                                               self.epoch, self.epoch_step, config.to_json(), config.seed,
                                               data_layout(config, self.cluster)[0])
             checkpoint.prune(config.checkpoint_dir, config.keep)
+            self.saved_paths.append(self.saved_path)
             self.log.write("checkpoint", step=self.step, epoch=self.epoch + 1, path=str(self.saved_path))
 
     def evaluate(self):
@@ -403,13 +408,19 @@ class Training:
         if self.agreement:
             self.agreement.close()
         strategy.finish()
-        flags = settle(cluster.world, self.signals.received, self.early)
-        stopped = flags if flags["signal"] and flags["early"] else {}
+        flags = settle(cluster.world, self.signals.received or (EARLY_STOP if self.log.stop_asked else 0),
+                       self.early)
+        # a callback's stop ends the run as a finished one; a signal's, as a preempted one
+        self.stopped_early = flags["early"] and flags["signal"] == EARLY_STOP
+        stopped = flags if flags["signal"] and flags["early"] and not self.stopped_early else {}
         elapsed = time.perf_counter() - self.started
         if not (stopped or self.diverged) and (self.evaluated_at != self.step or self.result is None):
             self.evaluate()   # (a stopping job has no time to spare; a diverged one nothing to show)
+        state = None
         if not self.diverged:   # a diverged state must not push a good checkpoint out of --keep
-            self.save()
+            self.where.enter("gather")
+            state = strategy.state()   # collective: the trained model, on the chief
+            self.save(state, gathered=True)
         self.where.enter("finish")
         roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats()), root=cluster.chief_rank)
         self.monitor.close()
@@ -418,9 +429,10 @@ class Training:
             return self._report_failure(self.diverged)
         if not self.chief:
             return {"stopped_by": signal_name(stopped["signal"])} if stopped else {}
-        if stopped:
-            return self._report_stop(stopped)
-        return self._report_done(roles, elapsed)
+        outcome = self._report_stop(stopped) if stopped else self._report_done(roles, elapsed)
+        outcome["params"] = state[0]
+        outcome["checkpoints"] = [path for path in self.saved_paths if path.exists()]
+        return outcome
 
     def _report_done(self, roles, elapsed):
         config, cluster, setup = self.config, self.cluster, self.setup
@@ -430,6 +442,7 @@ class Training:
         final = {"steps": self.step, "epochs": epochs, "loss": self.last_loss, "test_loss": test_loss,
                  "test_accuracy": accuracy, "train_time": elapsed, "samples_per_s": samples_per_s,
                  "workers": cluster.num_workers, "ps": config.ps, "strategy": config.strategy,
+                 **({"stopped_early": True} if self.stopped_early else {}),
                  **({"recoveries": self.recoveries} if config.elastic else {}),
                  "roles": [{"rank": rank, "role": role, **stats} for rank, role, stats in roles if stats]}
         self.log.write("done", **final)

@@ -243,7 +243,7 @@ FAULTS = {
     "unknown strategy": bad("--strategy", "gossip", message="--strategy 'gossip' is not one of: auto, local"),
     "unknown schedule": bad("--strategy", "pipeline", "--stages", "2", "--schedule", "zigzag",
                             message="--schedule 'zigzag' is not one of: 1f1b, gpipe"),
-    "config file with unknown keys": bad("--config", lambda p: str(p / "run.toml"), message="unknown key 'epoch'"),
+    "config file with unknown keys": bad("--config", lambda p: str(p / "run.toml"), message="unknown setting 'epoch'"),
     "config file that is not TOML": bad("--config", lambda p: str(p / "notes.txt"), message="not readable as TOML"),
     "contradictory flags: --ps without a ps strategy": bad("--strategy", "allreduce", "--ps", "1",
                                                            message="--ps 1 applies to the ps strategies"),

@@ -56,6 +56,7 @@ class BackupWorkersStrategy(ShardedStrategy):
     """
 
     name = "ps-sync"
+    running_statistics = False   # workers' steps are not aligned: nothing to average them at
     # workers are not in step with each other: an evaluation collective over them
     # would make the fast ones wait for the slow one (and stall the round)
     evaluation = "chief"
@@ -99,6 +100,10 @@ class BackupWorkersStrategy(ShardedStrategy):
 
     def request_stop(self, signal_number):
         self.signal = signal_number
+
+    def produced_step(self, step):
+        """The global version: the ps ranks count the steps, whichever workers took them."""
+        return self.version
 
     def initialize(self, checkpoint=None):
         self.broadcast_initial(self.host_params, checkpoint)
@@ -151,7 +156,7 @@ class BackupWorkersStrategy(ShardedStrategy):
     def serve(self, control=None):
         """Rounds until the last step is taken and every worker has been told to stop.
 
-        ``control`` (see :class:`mpidist.train.ServerControl`): a signal this ps
+        ``control`` (see :class:`mpidist.training.ServerControl`): a signal this ps
         received ends the run early; mid-run checkpoints are written when it says.
         """
         coordinator = self.cluster.role_comm.Get_rank() == 0

@@ -6,12 +6,15 @@ forward/backward (pure ``nn`` code), exchanges what its scheme exchanges, and
 applies the optimizer.  Strategies never parse flags and never print.
 """
 
+import dataclasses
 import math
 
 import numpy as np
 
 from .. import comm as mpi
 from ..errors import RunError
+from ..nn import BatchNorm
+from ..nn.sequential import walk
 from ..xp import to_host
 
 
@@ -52,6 +55,26 @@ class SkipCounter:
         return False   # counted: the ps reports ``skipped`` in the done event
 
 
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one training step tells the loop.
+
+    Attributes:
+        loss: the global batch's mean loss (NaN where this rank does not know it).
+        skipped: the update was skipped (NaN or Inf in the loss or gradients);
+            lockstep strategies answer alike on every rank.
+        step: the run's step after this one (the global version with backup workers).
+        stop: a stop request (signal, callback) has reached this rank.
+        finished: the strategy has taken its last step (backup workers' ps decide it).
+    """
+
+    loss: float
+    skipped: bool
+    step: int
+    stop: bool = False
+    finished: bool = False
+
+
 class Strategy:
     """Interface every strategy implements.
 
@@ -64,6 +87,8 @@ class Strategy:
         cluster: this rank's :class:`mpidist.cluster.Cluster` (None for a bare local run).
         seed: run seed (dropout streams derive from it).
         bucket_bytes: largest single exchange, where the strategy buckets.
+        where: the rank's :class:`~mpidist.stall.Whereabouts` (what the stall
+            monitor reports), or None.
     """
 
     name = None
@@ -83,20 +108,53 @@ class Strategy:
     #: training loop can count such steps and stop everywhere at once.  Strategies
     #: that are not in lockstep skip on the ps and count there (see --nan-patience).
     skipped = False
+    #: True on ranks that run :meth:`serve` instead of training steps (the ps
+    #: ranks of ps-async and of backup workers).
+    serves = False
+    #: True once the strategy has taken the run's last step on its own count.
+    finished = False
+    #: Largest ps shard over the mean, minus one (None: no shards).
+    imbalance = None
+    #: Whether the strategy carries running statistics (BatchNorm's, updated by the
+    #: workers' forward passes, never by the optimizer) into the parameters it serves.
+    running_statistics = True
 
     def request_stop(self, signal_number):
         """Ask every rank to stop soon (only strategies that are not in lockstep need this)."""
 
-    def track(self, phase):
-        """Where this rank is now (``compute``, ``exchange``, ...; see :mod:`mpidist.stall`).
-
-        The training loop replaces this with its whereabouts' ``enter``.
-        """
-
-    def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20):
+    def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20, where=None):
         self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed
         self.make_optimizer = make_optimizer
         self.bucket_bytes = int(bucket_bytes)
+        self.where = where
+
+    def track(self, phase):
+        """Note where this rank is now (``compute``, ``exchange``, ...; see :mod:`mpidist.stall`)."""
+        if self.where is not None:
+            self.where.enter(phase)
+
+    def shard_of(self, rank):
+        """``(lo, hi)`` of the parameters world rank ``rank`` serves, or None."""
+        return None
+
+    def describe(self, rank):
+        """This rank's part in the role table beyond its device: its ps shard, its pipeline stage, or ''."""
+        shard = self.shard_of(rank)
+        return f"shard [{shard[0]}, {shard[1]})" if shard else ""
+
+    def produced_step(self, step):
+        """The run's step after the training step taken at ``step``."""
+        return step + 1
+
+    def step(self, x, y, weight, step):
+        """One training step (:meth:`train_step`) as a :class:`StepResult`: the loop's only call per step."""
+        loss = self.train_step(x, y, weight, step)
+        return StepResult(loss=loss, skipped=self.skipped, step=self.produced_step(step), stop=self.stop_requested,
+                          finished=self.finished)
+
+    def serve(self, control):
+        """ps ranks of strategies that serve (``serves``): answer workers until the run ends."""
+        raise NotImplementedError(f"{type(self).__name__} has no serving loop")
 
     @property
     def is_worker(self):
@@ -181,12 +239,26 @@ class Strategy:
         return to_host(self.model.params), arrays, self.optimizer.steps
 
 
+def synchronise_batch_norms(model, comm):
+    """Make every ``BatchNorm(sync=True)`` of ``model`` sum its statistics over ``comm`` (one Allreduce each).
+
+    With ``comm`` None (one worker) they keep their local statistics, which then are the global ones.
+    """
+    for _, layer in walk(model.layers):
+        if isinstance(layer, BatchNorm) and layer.sync and comm is not None:
+            layer.reduce = lambda array, comm=comm: mpi.allreduce_sum(comm, array)
+
+
 class DataParallel(Strategy):
     """Replicated model; gradients computed on each worker's shard, then exchanged.
 
     Gradients and the weighted batch loss share one buffer
     (``[grads..., loss]``), so a single exchange per step also yields the
     global loss.  Subclasses implement :meth:`exchange`.
+
+    Running statistics (BatchNorm's) are each worker's own while it trains;
+    they are averaged over the workers before each evaluation and checkpoint
+    (with synchronised BatchNorm they are equal already).
     """
 
     def __init__(self, *args, **kwargs):
@@ -195,6 +267,28 @@ class DataParallel(Strategy):
         self.buffer = model.xp.zeros(model.num_params + 1, dtype=model.dtype)
         model.bind_grads(self.buffer)
         self.optimizer = self.make_optimizer(model.num_params) if self.make_optimizer else None
+        self.running = model.running_entries()
+        synchronise_batch_norms(model, self.worker_comm)
+
+    def average_running(self):
+        """Collective over the workers: every worker's running statistics become their mean."""
+        comm = self.worker_comm
+        if comm is None or comm.Get_size() == 1:
+            return
+        for lo, hi in self.running:
+            mpi.allreduce_sum(comm, self.model.params[lo:hi])
+            self.model.params[lo:hi] /= comm.Get_size()
+
+    def evaluate(self, batches):
+        self.average_running()
+        return super().evaluate(batches)
+
+    def state(self):
+        self.average_running()
+        return super().state()
+
+    def survivor_state(self, cluster, step):
+        return Strategy.state(self)   # (the old communicators are revoked: no averaging)
 
     def exchange(self, buffer):
         """Turn each worker's weighted gradients into their sum over workers, in place."""

@@ -186,6 +186,7 @@ class PsAsyncStrategy(ShardedStrategy):
     """
 
     name = "ps-async"
+    running_statistics = False   # workers' steps are not aligned: nothing to average them at
     evaluation = "chief"
     lockstep = False
 
@@ -294,7 +295,7 @@ class PsAsyncStrategy(ShardedStrategy):
     def serve(self, control=None):
         """ps loop: apply what arrives until every worker has finished and the inbox is empty.
 
-        ``control`` (see :class:`mpidist.train.ServerControl`): a signal this
+        ``control`` (see :class:`mpidist.training.ServerControl`): a signal this
         ps received is passed on to the workers as a stop request; the first
         ps also decides when a mid-run checkpoint is due (by the chief's step
         clock or the time), and every ps then sends it its shard, between two

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from .. import comm as mpi
-from .base import finite
+from .base import finite, synchronise_batch_norms
 from .shards import PreviousShard, ShardedStrategy
 
 
@@ -52,6 +52,12 @@ class PsSyncStrategy(ShardedStrategy):
         self.start_step = self.steps_seen = 0   # the run's step at initialize; steps this ps has applied since
         self.updates = 0
         self.bytes_in = self.bytes_out = 0
+        # running statistics travel as weighted values in the gradients' place: the ps gets their mean
+        self.running = model.running_entries()
+        self.running_here = [(max(lo, self.lo) - self.lo, min(hi, self.param_hi) - self.lo)
+                             for lo, hi in self.running if lo < self.param_hi and hi > self.lo]
+        if self.is_worker:
+            synchronise_batch_norms(model, self.cluster.workers)
 
     def initialize(self, checkpoint=None):
         self.broadcast_initial(self.values, checkpoint)
@@ -61,6 +67,8 @@ class PsSyncStrategy(ShardedStrategy):
         if self.is_worker:
             loss = self.backprop(x, y, weight, step)
             self.exchange[-1] = loss * weight
+            for lo, hi in self.running:
+                self.exchange[lo:hi] = self.values[lo:hi] * weight
         world = self.cluster.world
         self.track("exchange")
         mpi.reduce_scatter_sum(world, self.exchange, self.inbox, self.counts)
@@ -71,6 +79,9 @@ class PsSyncStrategy(ShardedStrategy):
             if self.previous is not None:
                 self.previous.keep(self.shard_params(), self.optimizer)
             if update:
+                for lo, hi in self.running_here:   # the workers' mean, not a gradient
+                    self.shard_params()[lo:hi] = self.inbox[lo:hi]
+                    self.inbox[lo:hi] = 0
                 self.optimizer.step(self.shard_params(), self.inbox[:count])
                 self.updates += 1
             if self.hi > self.param_hi:   # the loss slot: NaN tells every rank the step was skipped

