@@ -12,7 +12,6 @@ import os
 from . import checkpoint, data, models, nn
 from .errors import UsageError
 from .parallel import STRATEGIES
-from .parallel.backup import BackupWorkersStrategy
 
 
 @dataclasses.dataclass
@@ -64,41 +63,15 @@ def find_resume(config):
 
 
 def data_layout(config, cluster):
-    """``(data-parallel workers, this rank's index among them)``: whose shard this rank reads.
-
-    A pipeline's ``P`` stages of one replica read the same shard (the first
-    stage uses its samples, the last its labels).
-    """
-    if config.strategy == "pipeline":
-        return cluster.size // config.stages, cluster.rank // config.stages
-    return cluster.num_workers, cluster.worker_index
-
-
-def parse_balance(config, model):
-    """``--balance`` as layers per stage, checked against the model; None to balance by parameters."""
-    names = ", ".join(repr(layer) for layer in model.layers)
-    if len(model.layers) < config.stages:
-        raise UsageError(f"--stages {config.stages} needs at least {config.stages} layers, but --model "
-                         f"{config.model} has {len(model.layers)}: {names}")
-    if not config.balance:
-        return None
-    try:
-        sizes = [int(part) for part in config.balance.split(",")]
-    except ValueError:
-        raise UsageError(f"--balance {config.balance!r}: give layers per stage as integers, e.g. 3,3") from None
-    if len(sizes) != config.stages or sum(sizes) != len(model.layers) or min(sizes) < 1:
-        raise UsageError(f"--balance {config.balance} gives {len(sizes)} stages with {sum(sizes)} layers, but "
-                         f"--stages is {config.stages} and --model {config.model} has {len(model.layers)} layers "
-                         f"({names}); each stage needs at least one")
-    return sizes
+    """``(data-parallel workers, this rank's index among them)``: whose shard this rank reads (the strategy says)."""
+    return STRATEGIES[config.strategy].data_layout(config, cluster)
 
 
 def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or None)."""
     info = data.inspect(data.resolve(inputs.data))
     model = build_model_for(config, inputs, info, xp)
-    if config.strategy == "pipeline":
-        parse_balance(config, model)
+    STRATEGIES[config.strategy].check_model(config, model)
     workers, worker = data_layout(config, cluster)
     if model.running_entries() and not strategy_class(config, workers).running_statistics:
         raise UsageError(f"--model {config.model} keeps running statistics (BatchNorm), which --strategy "
@@ -141,10 +114,8 @@ def total_steps(config, setup):
 
 
 def strategy_class(config, workers):
-    """The class that runs ``config.strategy`` (backup workers are a ps-sync mode of their own)."""
-    if config.strategy == "ps-sync" and 0 < config.aggregate < workers:
-        return BackupWorkersStrategy
-    return STRATEGIES[config.strategy]
+    """The class that runs ``config.strategy`` with ``workers`` workers (a mode may have a class of its own)."""
+    return STRATEGIES[config.strategy].variant(config, workers)
 
 
 def make_strategy(config, setup, cluster, xp, where=None):
@@ -153,20 +124,8 @@ def make_strategy(config, setup, cluster, xp, where=None):
         return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype)
 
     cls = strategy_class(config, cluster.num_workers)
-    options = {}
-    if config.strategy == "ps-async":
-        options.update(staleness=None if config.staleness < 0 else config.staleness, nan_patience=config.nan_patience,
-                       elastic=config.elastic)
-    if cls.name == "ps-sync" and cls is not BackupWorkersStrategy:
-        options.update(elastic=config.elastic)
-    if cls is BackupWorkersStrategy:
-        options.update(aggregate=config.aggregate, total_steps=total_steps(config, setup),
-                       nan_patience=config.nan_patience)
-    if config.strategy == "pipeline":
-        options.update(stages=config.stages, micro_batches=config.micro_batches, schedule_name=config.schedule,
-                       balance=parse_balance(config, setup.model), global_batch=config.batch_size)
     return cls(setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer, cluster, seed=config.seed,
-               bucket_bytes=int(config.bucket_mb * (1 << 20)), where=where, **options)
+               bucket_bytes=int(config.bucket_mb * (1 << 20)), where=where, **cls.arguments(config, setup))
 
 
 def test_delay(worker):
@@ -183,8 +142,5 @@ def test_delay(worker):
 
 
 def layout_text(config, cluster):
-    """How the ranks are used, in words."""
-    if config.strategy == "pipeline":
-        return f"{config.stages} stages x {cluster.size // config.stages} replica(s) ({config.schedule}, " \
-               f"{config.micro_batches} micro-batches)"
-    return f"{cluster.num_workers} worker(s)" + (f" and {config.ps} ps" if config.ps else "")
+    """How the ranks are used, in words (the strategy says)."""
+    return STRATEGIES[config.strategy].layout_text(config, cluster)

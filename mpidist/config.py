@@ -12,20 +12,18 @@ import json
 import sys
 
 from .errors import UsageError
+from .parallel import STRATEGIES, declared_options
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-STRATEGIES = ("auto", "local", "allreduce", "ps-sync", "ps-async", "pipeline")
-PS_STRATEGIES = ("ps-sync", "ps-async")
 OPTIMIZER_NAMES = ("adam", "sgd")
 DEVICES = ("auto", "cpu", "gpu")
 DTYPES = ("float32", "float64")
 PROGRESS = ("auto", "bar", "lines", "none")
 REPLICATIONS = ("between-graph", "in-graph")
-SCHEDULES = ("1f1b", "gpipe")
 
 
 def _field(default, help, choices=None):
@@ -33,7 +31,7 @@ def _field(default, help, choices=None):
 
 
 @dataclasses.dataclass
-class Settings:
+class CommonSettings:
     """Everything that defines a training run: one field per ``train`` flag (``batch_size`` is ``--batch-size``).
 
     Build one with keyword arguments (``Settings(strategy="allreduce", epochs=5)``)
@@ -44,19 +42,10 @@ class Settings:
     model: str = _field("mlp", "model: a zoo name or spec (mlp, mlp:256,256, cnn:16,32; see `python -m mpidist info "
                         "--models`), or a builder function as package.module:function or path/to/file.py:function")
     data: str = _field("digits", "dataset: an HDF5 file in the mpidist layout, or a bundled dataset's name")
-    strategy: str = _field("auto", "how workers share work: local, allreduce, ps-sync, ps-async, pipeline; auto = "
-                           "local on one rank, ps-sync with --ps, pipeline with --stages, else allreduce", STRATEGIES)
-    ps: int = _field(0, "parameter-server ranks, for the ps strategies")
-    stages: int = _field(1, "pipeline: ranks per model replica, each holding consecutive layers")
-    micro_batches: int = _field(4, "pipeline: micro-batches each replica's batch is cut into")
-    schedule: str = _field("1f1b", "pipeline: 1f1b (at most P micro-batches in flight) or gpipe (all M)", SCHEDULES)
-    balance: str = _field("", "pipeline: layers per stage, e.g. 3,3 ('' = balance by parameters)")
-    staleness: int = _field(2, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound: "
-                            "fully asynchronous)")
+    strategy: str = _field("auto", f"how workers share work: {', '.join(STRATEGIES)}; auto = local on one rank, "
+                           "ps-sync with --ps, pipeline with --stages, else allreduce")
     replication: str = _field("between-graph", "between-graph: every worker reads its own shard; in-graph: the "
                               "chief reads the data and scatters each batch", REPLICATIONS)
-    aggregate: int = _field(0, "ps-sync: use the first R gradients of each step and drop late ones "
-                            "(backup workers; 0 = all workers)")
     epochs: int = _field(20, "passes over the training set")
     steps: int = _field(0, "stop after this many steps in total (0 = no limit)")
     batch_size: int = _field(64, "global batch size, split across workers")
@@ -111,57 +100,23 @@ class Settings:
             raise UsageError(f"--lr must be positive, got {self.lr}")
         if not self.bucket_mb > 0:
             raise UsageError(f"--bucket-mb must be positive, got {self.bucket_mb}")
-        if self.ps < 0:
-            raise UsageError(f"--ps must be 0 or more, got {self.ps}")
-        if self.strategy in PS_STRATEGIES and self.ps < 1:
-            raise UsageError(f"--strategy {self.strategy} needs parameter servers: add --ps K (K >= 1)")
-        if self.ps and self.strategy not in PS_STRATEGIES + ("auto",):
-            raise UsageError(f"--ps {self.ps} applies to the ps strategies ({', '.join(PS_STRATEGIES)}), "
-                             f"not --strategy {self.strategy}")
-        if self.ps and world_size < self.ps + 1:
-            raise UsageError(f"--ps {self.ps} needs at least {self.ps + 1} ranks (the ps ranks and a worker), "
-                             f"got {world_size}")
-        if self.staleness < -1:
-            raise UsageError(f"--staleness must be -1 (no bound) or 0 or more, got {self.staleness}")
-        if self.staleness != FIELDS["staleness"].default and self.strategy != "ps-async":
-            raise UsageError(f"--staleness {self.staleness} applies to --strategy ps-async only")
-        workers = world_size - self.ps
-        if self.aggregate < 0:
-            raise UsageError(f"--aggregate must be 0 (all workers) or more, got {self.aggregate}")
-        if self.aggregate and self.strategy != "ps-sync":
-            raise UsageError(f"--aggregate {self.aggregate} applies to --strategy ps-sync only")
-        if self.aggregate > workers:
-            raise UsageError(f"--aggregate {self.aggregate} is more than the {workers} workers "
-                             f"({world_size} ranks, --ps {self.ps})")
-        if self.replication == "in-graph" and self.strategy == "pipeline":
-            raise UsageError("--replication in-graph does not combine with --strategy pipeline (its first and last "
-                             "stages read the data)")
-        if self.replication == "in-graph" and (self.strategy == "ps-async" or 0 < self.aggregate < workers):
-            raise UsageError("--replication in-graph feeds every worker at each step in lock-step; it does not "
-                             "combine with workers that run independently (ps-async, --aggregate below the "
-                             "worker count)")
-        if self.stages < 1 or self.micro_batches < 1:
-            raise UsageError(f"--stages and --micro-batches must be at least 1, got {self.stages} and "
-                             f"{self.micro_batches}")
-        if (self.stages > 1 or self.balance) and self.strategy not in ("pipeline", "auto"):
-            raise UsageError(f"--stages / --balance apply to --strategy pipeline, not {self.strategy}")
-        if self.strategy == "pipeline" or self.stages > 1:
-            if world_size % self.stages:
-                raise UsageError(f"--stages {self.stages} does not divide the {world_size} ranks (ranks = stages x "
-                                 "data-parallel replicas)")
-            replicas = world_size // self.stages
-            if self.batch_size // replicas < self.micro_batches:
-                raise UsageError(f"--batch-size {self.batch_size} over {replicas} replica(s) leaves "
-                                 f"{self.batch_size // replicas} samples per replica, fewer than "
-                                 f"--micro-batches {self.micro_batches}")
-        if self.strategy == "local" and world_size > 1:
-            raise UsageError(f"--strategy local runs on one rank, got {world_size} ranks "
-                             "(use --strategy allreduce, or mpiexec -n 1)")
-        if self.elastic and (self.strategy not in ("allreduce", "ps-sync", "ps-async", "auto") or self.stages > 1
-                             or 0 < self.aggregate < workers or self.replication == "in-graph"):
-            raise UsageError("--elastic carries on without lost workers under --strategy allreduce, ps-sync or "
-                             "ps-async, with each worker reading its own data; not with pipelines (a lost stage "
-                             "takes its layers), backup workers (--aggregate) or --replication in-graph")
+        if self.strategy not in STRATEGIES and self.strategy != "auto":   # (the registry, not a fixed list)
+            raise UsageError(f"--strategy {self.strategy!r} is not one of: auto, {', '.join(STRATEGIES)}")
+        if self.strategy == "auto":
+            self = self.with_world(world_size)
+        for name, (option, users) in declared_options().items():   # a strategy's own settings, for others
+            value = getattr(self, name)
+            if value != option.default and self.strategy not in users:
+                raise UsageError(f"--{self.flag(name)} {value} applies to --strategy {' and '.join(users)} only, "
+                                 f"not {self.strategy}")
+        chosen = STRATEGIES[self.strategy]
+        chosen.check(self, world_size)
+        if self.elastic and (not chosen.variant(self, world_size - self.ps).elastic_recovery
+                             or self.replication == "in-graph"):
+            elastic = " or ".join(name for name, cls in STRATEGIES.items() if cls.elastic_recovery)
+            raise UsageError(f"--elastic carries on without lost workers under --strategy {elastic}, with each "
+                             "worker reading its own data; not with pipelines (a lost stage takes its layers), "
+                             "backup workers (--aggregate) or --replication in-graph")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise UsageError("--resume auto needs --checkpoint-dir to look in")
 
@@ -174,15 +129,27 @@ class Settings:
         return dataclasses.replace(self, strategy=chosen)
 
 
+def _make_settings():
+    """:class:`CommonSettings` with one more field per option a registered strategy declares."""
+    extra = [(name, option.type, _field(option.default, option.help, option.choices))
+             for name, (option, _) in declared_options().items()]
+    namespace = {"__doc__": CommonSettings.__doc__, "__module__": __name__}
+    return dataclasses.make_dataclass("Settings", extra, bases=(CommonSettings,), namespace=namespace)
+
+
+Settings = _make_settings()
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
 
 def add_flags(parser):
-    """Add one flag per :class:`Settings` field; unset flags stay absent."""
+    """Add one flag per :class:`Settings` field (the strategies' own in a group); unset flags stay absent."""
+    strategies = parser.add_argument_group("options of the strategies (each applies to the ones it names)")
+    own = declared_options()
     for f in dataclasses.fields(Settings):
         kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else \
             {"type": f.type, "metavar": f.name.upper()}
-        parser.add_argument(f"--{Settings.flag(f.name)}", dest=f.name, default=dataclasses.MISSING,
+        group = strategies if f.name in own else parser
+        group.add_argument(f"--{Settings.flag(f.name)}", dest=f.name, default=dataclasses.MISSING,
                             help=f"{f.metadata['help']} (default: {f.default!r})", **kind)
     parser.add_argument("--config", metavar="FILE.toml", default=None,
                         help="TOML file whose keys are these flag names; the command line wins over it")

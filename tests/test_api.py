@@ -144,3 +144,19 @@ def test_layers_given_as_objects_train_and_their_spec_says_they_cannot_be_rebuil
     assert models.resolve(layers).spec == models.OBJECTS     # what its checkpoints record
     with pytest.raises(mpidist.UsageError, match="cannot rebuild"):
         models.resolve(models.OBJECTS)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_local_sgd_averaging_every_step_with_plain_sgd_on_equal_parts_is_allreduce():
+    """The mean of p - lr * g_w is p - lr * mean(g_w); averaging every 4 steps is another algorithm."""
+    workers = MPI.COMM_WORLD.Get_size()
+    if 64 % workers:
+        pytest.skip("needs equal parts of the global batch of 64")
+    common = dict(steps=30, optimizer="sgd", momentum=0.0, lr=0.05, batch_size=64, eval_every=0)
+    reference = mpidist.train("mlp", "digits", strategy="allreduce", **quiet(**common))
+    every_step = mpidist.train("mlp", "digits", strategy="local-sgd", sync_every=1, **quiet(**common))
+    every_4 = mpidist.train("mlp", "digits", strategy="local-sgd", sync_every=4, **quiet(**common))
+    if reference.is_chief:
+        assert np.abs(every_step.params - reference.params).max() < 1e-10
+        assert np.abs(every_4.params - reference.params).max() > 1e-6
+        assert every_4.figures["roles"][0]["averages"] == 30 // 4 + 1    # + one before the final evaluation

@@ -246,7 +246,7 @@ FAULTS = {
     "config file with unknown keys": bad("--config", lambda p: str(p / "run.toml"), message="unknown setting 'epoch'"),
     "config file that is not TOML": bad("--config", lambda p: str(p / "notes.txt"), message="not readable as TOML"),
     "contradictory flags: --ps without a ps strategy": bad("--strategy", "allreduce", "--ps", "1",
-                                                           message="--ps 1 applies to the ps strategies"),
+                                                           message="--ps 1 applies to --strategy ps-sync and ps-async only"),
     "contradictory flags: --staleness without ps-async": bad(
         "--strategy", "ps-sync", "--ps", "1", "--staleness", "5",
         message="--staleness 5 applies to --strategy ps-async only"),

@@ -1,17 +1,20 @@
 """Strategies: how workers (and parameter servers) share the work of one training step.
 
-One module per strategy, one interface (:class:`base.Strategy`).
+One module per strategy, one interface (:class:`base.Strategy`); each module
+registers its class (:func:`registry.register`), so importing this package
+fills :data:`registry.STRATEGIES`.
 """
 
-from .allreduce import AllreduceStrategy, bucket_slices
-from .base import DataParallel, Strategy
-from .local import LocalStrategy
-from .pipeline import PipelineStrategy
-from .ps_async import PsAsyncStrategy
-from .ps_sync import PsSyncStrategy
+# imported in the order --strategy lists them (each module registers its class)
+from .local import LocalStrategy  # isort: skip
+from .allreduce import AllreduceStrategy, bucket_slices  # isort: skip
+from .ps_sync import PsSyncStrategy  # isort: skip
+from .ps_async import PsAsyncStrategy  # isort: skip
+from .pipeline import PipelineStrategy  # isort: skip
+from .local_sgd import LocalSgdStrategy  # isort: skip
+from .base import DataParallel, StepResult, Strategy
+from .registry import STRATEGIES, Option, declared_options, register
 
-STRATEGIES = {cls.name: cls for cls in (LocalStrategy, AllreduceStrategy, PsSyncStrategy, PsAsyncStrategy,
-                                        PipelineStrategy)}
-
-__all__ = ["STRATEGIES", "AllreduceStrategy", "DataParallel", "LocalStrategy", "PipelineStrategy", "PsAsyncStrategy", "PsSyncStrategy", "Strategy",
-           "bucket_slices"]
+__all__ = ["STRATEGIES", "AllreduceStrategy", "DataParallel", "LocalSgdStrategy", "LocalStrategy", "Option", "PipelineStrategy",
+           "PsAsyncStrategy", "PsSyncStrategy", "StepResult", "Strategy", "bucket_slices", "declared_options",
+           "register"]

@@ -11,6 +11,7 @@ one per tensor, and no copy.
 
 from .. import comm as mpi
 from .base import DataParallel
+from .registry import register
 
 
 def bucket_slices(count, itemsize, bucket_bytes):
@@ -23,10 +24,12 @@ def bucket_slices(count, itemsize, bucket_bytes):
     return [(lo, min(lo + per_bucket, count)) for lo in range(0, count, per_bucket)]
 
 
+@register
 class AllreduceStrategy(DataParallel):
     """Every worker holds the model; gradients are summed with ``Allreduce``."""
 
     name = "allreduce"
+    elastic_recovery = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -57,6 +57,12 @@ class BackupWorkersStrategy(ShardedStrategy):
 
     name = "ps-sync"
     running_statistics = False   # workers' steps are not aligned: nothing to average them at
+
+    @classmethod
+    def arguments(cls, settings, setup):
+        from ..build import total_steps
+        return {"aggregate": settings.aggregate, "total_steps": total_steps(settings, setup),
+                "nan_patience": settings.nan_patience}
     # workers are not in step with each other: an evaluation collective over them
     # would make the fast ones wait for the slow one (and stall the round)
     evaluation = "chief"

@@ -119,6 +119,39 @@ class Strategy:
     #: workers' forward passes, never by the optimizer) into the parameters it serves.
     running_statistics = True
 
+    #: Whether survivors can carry on under ``--elastic`` when workers die.
+    elastic_recovery = False
+    #: The settings only this strategy (and its subclasses) uses: :class:`~mpidist.parallel.registry.Option`\ s.
+    options = ()
+
+    @classmethod
+    def check(cls, settings, world_size):
+        """Raise :class:`~mpidist.errors.UsageError` naming the first setting it cannot run with on ``world_size`` ranks."""
+
+    @classmethod
+    def variant(cls, settings, workers):
+        """The class that runs ``settings`` with ``workers`` workers (a mode may have a class of its own)."""
+        return cls
+
+    @classmethod
+    def data_layout(cls, settings, cluster):
+        """``(data-parallel workers, this rank's index among them or None)``: whose shard each rank reads."""
+        return cluster.num_workers, cluster.worker_index
+
+    @classmethod
+    def check_model(cls, settings, model):
+        """Raise :class:`~mpidist.errors.UsageError` if ``model`` cannot run as ``settings`` say (local, no MPI)."""
+
+    @classmethod
+    def layout_text(cls, settings, cluster):
+        """How the ranks are used, in words, for the start-up line."""
+        return f"{cluster.num_workers} worker(s)"
+
+    @classmethod
+    def arguments(cls, settings, setup):
+        """Constructor keyword arguments from ``settings`` beyond those every strategy takes."""
+        return {}
+
     def request_stop(self, signal_number):
         """Ask every rank to stop soon (only strategies that are not in lockstep need this)."""
 

@@ -1,12 +1,21 @@
 """``local``: one process, no communication -- the reference every strategy must match."""
 
+from ..errors import UsageError
 from .base import DataParallel
+from .registry import register
 
 
+@register
 class LocalStrategy(DataParallel):
     """Plain single-process training."""
 
     name = "local"
+
+    @classmethod
+    def check(cls, settings, world_size):
+        if world_size > 1:
+            raise UsageError(f"--strategy local runs on one rank, got {world_size} ranks "
+                             "(use --strategy allreduce, or mpiexec -n 1)")
 
     @property
     def worker_comm(self):

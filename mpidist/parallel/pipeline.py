@@ -24,9 +24,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import comm as mpi
+from ..errors import UsageError
 from ..nn import Sequential
 from ..xp import to_host
 from .base import Strategy, finite
+from .registry import Option, register
 from .schedule import schedule
 
 
@@ -68,6 +70,26 @@ def split_sizes(total, parts):
     return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
 
 
+def parse_balance(config, model):
+    """``--balance`` as layers per stage, checked against the model; None to balance by parameters."""
+    names = ", ".join(repr(layer) for layer in model.layers)
+    if len(model.layers) < config.stages:
+        raise UsageError(f"--stages {config.stages} needs at least {config.stages} layers, but --model "
+                         f"{config.model} has {len(model.layers)}: {names}")
+    if not config.balance:
+        return None
+    try:
+        sizes = [int(part) for part in config.balance.split(",")]
+    except ValueError:
+        raise UsageError(f"--balance {config.balance!r}: give layers per stage as integers, e.g. 3,3") from None
+    if len(sizes) != config.stages or sum(sizes) != len(model.layers) or min(sizes) < 1:
+        raise UsageError(f"--balance {config.balance} gives {len(sizes)} stages with {sum(sizes)} layers, but "
+                         f"--stages is {config.stages} and --model {config.model} has {len(model.layers)} layers "
+                         f"({names}); each stage needs at least one")
+    return sizes
+
+
+@register
 class PipelineStrategy(Strategy):
     """Pipeline parallelism, optionally replicated for data parallelism.
 
@@ -80,6 +102,50 @@ class PipelineStrategy(Strategy):
     """
 
     name = "pipeline"
+    options = (
+        Option("stages", 1, "pipeline: ranks per model replica, each holding consecutive layers"),
+        Option("micro_batches", 4, "pipeline: micro-batches each replica's batch is cut into"),
+        Option("schedule", "1f1b", "pipeline: 1f1b (at most P micro-batches in flight) or gpipe (all M)",
+               ("1f1b", "gpipe")),
+        Option("balance", "", "pipeline: layers per stage, e.g. 3,3 ('' = balance by parameters)"),
+    )
+
+    @classmethod
+    def check(cls, settings, world_size):
+        if settings.stages < 1 or settings.micro_batches < 1:
+            raise UsageError(f"--stages and --micro-batches must be at least 1, got {settings.stages} and "
+                             f"{settings.micro_batches}")
+        if world_size % settings.stages:
+            raise UsageError(f"--stages {settings.stages} does not divide the {world_size} ranks (ranks = stages x "
+                             "data-parallel replicas)")
+        replicas = world_size // settings.stages
+        if settings.batch_size // replicas < settings.micro_batches:
+            raise UsageError(f"--batch-size {settings.batch_size} over {replicas} replica(s) leaves "
+                             f"{settings.batch_size // replicas} samples per replica, fewer than "
+                             f"--micro-batches {settings.micro_batches}")
+        if settings.replication == "in-graph":
+            raise UsageError("--replication in-graph does not combine with --strategy pipeline (its first and "
+                             "last stages read the data)")
+
+    @classmethod
+    def layout_text(cls, settings, cluster):
+        return (f"{settings.stages} stages x {cluster.size // settings.stages} replica(s) ({settings.schedule}, "
+                f"{settings.micro_batches} micro-batches)")
+
+    @classmethod
+    def data_layout(cls, settings, cluster):
+        """A pipeline's ``P`` stages of one replica read the same shard (the first stage its samples, the last its labels)."""
+        return cluster.size // settings.stages, cluster.rank // settings.stages
+
+    @classmethod
+    def check_model(cls, settings, model):
+        parse_balance(settings, model)
+
+    @classmethod
+    def arguments(cls, settings, setup):
+        return {"stages": settings.stages, "micro_batches": settings.micro_batches,
+                "schedule_name": settings.schedule, "balance": parse_balance(settings, setup.model),
+                "global_batch": settings.batch_size}
 
     def __init__(self, *args, stages, micro_batches, schedule_name, balance=None, global_batch, **kwargs):
         super().__init__(*args, **kwargs)

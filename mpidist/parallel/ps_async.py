@@ -33,10 +33,11 @@ import numpy as np
 from .. import comm as mpi
 from ..cluster import PS, WORKER
 from ..elastic import FailureWatch, cannot_go_on, describe_lost
-from ..errors import RunError
+from ..errors import RunError, UsageError
 from ..rma import Window
 from ..xp import is_device_array, to_host
 from .base import SkipCounter, finite
+from .registry import Option, register
 from .shards import ShardedStrategy
 
 NEVER = np.iinfo(np.int64).max  # a finished worker's clock: it never holds anyone back
@@ -178,6 +179,7 @@ class AsyncExchange:
             window.free()
 
 
+@register
 class PsAsyncStrategy(ShardedStrategy):
     """Asynchronous parameter servers over one-sided MPI.
 
@@ -187,6 +189,21 @@ class PsAsyncStrategy(ShardedStrategy):
 
     name = "ps-async"
     running_statistics = False   # workers' steps are not aligned: nothing to average them at
+    elastic_recovery = True
+    options = ShardedStrategy.options + (
+        Option("staleness", 2, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound: "
+                               "fully asynchronous)"),)
+
+    @classmethod
+    def check(cls, settings, world_size):
+        super().check(settings, world_size)
+        if settings.staleness < -1:
+            raise UsageError(f"--staleness must be -1 (no bound) or 0 or more, got {settings.staleness}")
+
+    @classmethod
+    def arguments(cls, settings, setup):
+        return {"staleness": None if settings.staleness < 0 else settings.staleness,
+                "nan_patience": settings.nan_patience, "elastic": settings.elastic}
     evaluation = "chief"
     lockstep = False
 

@@ -21,10 +21,14 @@ import math
 import numpy as np
 
 from .. import comm as mpi
+from ..errors import UsageError
+from .backup import BackupWorkersStrategy
 from .base import finite, synchronise_batch_norms
+from .registry import Option, register
 from .shards import PreviousShard, ShardedStrategy
 
 
+@register
 class PsSyncStrategy(ShardedStrategy):
     """Synchronous parameter servers.
 
@@ -34,6 +38,29 @@ class PsSyncStrategy(ShardedStrategy):
     """
 
     name = "ps-sync"
+    elastic_recovery = True
+    options = ShardedStrategy.options + (
+        Option("aggregate", 0, "ps-sync: use the first R gradients of each step and drop late ones "
+                               "(backup workers; 0 = all workers)"),)
+
+    @classmethod
+    def check(cls, settings, world_size):
+        super().check(settings, world_size)
+        workers = world_size - settings.ps
+        if settings.aggregate < 0:
+            raise UsageError(f"--aggregate must be 0 (all workers) or more, got {settings.aggregate}")
+        if settings.aggregate > workers:
+            raise UsageError(f"--aggregate {settings.aggregate} is more than the {workers} workers "
+                             f"({world_size} ranks, --ps {settings.ps})")
+
+    @classmethod
+    def variant(cls, settings, workers):
+        """Backup workers (``--aggregate R`` below the worker count) run a protocol of their own."""
+        return BackupWorkersStrategy if 0 < settings.aggregate < workers else cls
+
+    @classmethod
+    def arguments(cls, settings, setup):
+        return {"elastic": settings.elastic}
 
     def __init__(self, *args, elastic=False, **kwargs):
         super().__init__(*args, **kwargs)

@@ -10,8 +10,10 @@ from mpi4py import MPI
 
 from .. import comm as mpi
 from ..cluster import PS
+from ..errors import UsageError
 from ..xp import is_device_array, to_host
 from .base import Strategy
+from .registry import Option
 
 
 def shard_bounds(count, parts):
@@ -67,6 +69,24 @@ class PreviousShard:
 
 class ShardedStrategy(Strategy):
     """Base of the parameter-server strategies: shard bookkeeping, initial state, checkpoints."""
+
+    options = (Option("ps", 0, "parameter-server ranks, for the ps strategies"),)
+
+    @classmethod
+    def layout_text(cls, settings, cluster):
+        return f"{cluster.num_workers} worker(s) and {settings.ps} ps"
+
+    @classmethod
+    def check(cls, settings, world_size):
+        if settings.ps < 1:
+            raise UsageError(f"--strategy {settings.strategy} needs parameter servers: add --ps K (K >= 1)")
+        if world_size < settings.ps + 1:
+            raise UsageError(f"--ps {settings.ps} needs at least {settings.ps + 1} ranks (the ps ranks and a "
+                             f"worker), got {world_size}")
+        if settings.replication == "in-graph" and not cls.variant(settings, world_size - settings.ps).lockstep:
+            raise UsageError("--replication in-graph feeds every worker at each step in lock-step; it does not "
+                             "combine with workers that run independently (ps-async, --aggregate below the "
+                             "worker count)")
 
     def shard(self, count):
         """Cut ``count`` elements among the ps ranks; sets ``ps_ranks``, ``bounds`` and this rank's ``lo, hi``."""
