@@ -102,6 +102,13 @@ def an_infinity(p):
     return str(tiny_dataset(p / "inf.h5", x, np.arange(100) % 3))
 
 
+def volumes(p):
+    """Samples of four axes: no zoo model takes them."""
+    x = np.zeros((12, 2, 2, 2, 2))
+    return str(write_dataset(p / "volumes.h5", "volumes", {"train": (x, np.arange(12) % 3),
+                                                            "test": (x[:6], np.arange(6) % 3)}, 3, ""))
+
+
 def one_sample(p):
     return str(tiny_dataset(p / "one.h5", np.zeros((1, 4)), np.zeros(1, int)))
 
@@ -239,7 +246,7 @@ FAULTS = {
     # bad usage and configuration
     "unknown flag": bad("--epoch", "3", message="unrecognized arguments: --epoch 3"),
     "bad flag value": bad("--epochs", "ten", message="argument --epochs: invalid int value: 'ten'"),
-    "unknown model": bad("--model", "resnet", message="--model 'resnet' is not in the zoo"),
+    "unknown model": bad("--model", "resnet", message="'resnet' is not in the zoo; choose from linear, mlp"),
     "unknown strategy": bad("--strategy", "gossip", message="--strategy 'gossip' is not one of: auto, local"),
     "unknown schedule": bad("--strategy", "pipeline", "--stages", "2", "--schedule", "zigzag",
                             message="--schedule 'zigzag' is not one of: 1f1b, gpipe"),
@@ -279,8 +286,8 @@ FAULTS = {
     "empty shard: more workers than samples": bad("--data", one_sample,
                                                   message="has 1 training sample(s), fewer than the"),
     "batch smaller than the worker count": bad("--batch-size", "1", message="is smaller than the number of workers"),
-    "model that does not fit the data": bad("--model", "cnn", "--data", "mnist1d",
-                                            message="--model cnn does not fit dataset 'mnist1d'"),
+    "model that does not fit the data": bad("--model", "cnn", "--data", volumes,
+                                            message="--model cnn does not fit samples of shape (2, 2, 2, 2)"),
     # checkpoints and outputs
     "missing checkpoint to resume": bad("--resume", lambda p: str(p / "ckpt-00000007.h5"),
                                         message="ckpt-00000007.h5: no such checkpoint file"),
