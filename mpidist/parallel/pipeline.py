@@ -171,7 +171,7 @@ class PipelineStrategy(Strategy):
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
         self.optimizer = self.make_optimizer(self.model.num_params) if self.make_optimizer else None
         self.plan = schedule(schedule_name, self.stage, self.stages, self.micro_batches)
-        self.figures = {"steps": 0, "pipeline_s": 0.0, "idle_s": 0.0, "peak_activations": 0}
+        self.count(steps=0, pipeline_s=0.0, idle_s=0.0, peak_activations=0)
 
     @property
     def worker_index(self):

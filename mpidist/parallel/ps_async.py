@@ -209,7 +209,7 @@ class PsAsyncStrategy(ShardedStrategy):
 
     def __init__(self, *args, staleness=None, nan_patience=10, elastic=False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.nan_guard = SkipCounter(nan_patience)
+        self.nan_guard = SkipCounter(nan_patience, figures=self.figures)
         model, cluster = self.model, self.cluster
         n = model.num_params
         self.staleness = staleness
@@ -224,10 +224,9 @@ class PsAsyncStrategy(ShardedStrategy):
         self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
         self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype)
         self.completed = 0          # steps of this strategy object (the staleness bound counts these)
-        self.completed_before = 0   # steps of the objects before it, in a run that lost workers
         self.versions_held = None   # the ps versions host_params holds, once read
-        self.figures = {"staleness": [], "updates_missed": [], "wait_s": 0.0, "updates": 0, "gradients": 0,
-                        "dropped_workers": []}
+        self.count(staleness=[], updates_missed=[], wait_s=0.0, updates=0, gradients=0, dropped_workers=[],
+                   steps=0)
         self._stop_sent = False
         self.start_step = 0   # the chief's step when this run began (a resumed run's checkpoint step)
         self.snapshots = 0    # mid-run checkpoints taken (ps ranks)
@@ -305,6 +304,7 @@ class PsAsyncStrategy(ShardedStrategy):
         missed = int((self.exchange.push(grads) - read).max())
         self.exchange.tick(self.worker_index)
         self.completed += 1
+        self.figures["steps"] += 1
         self.figures["staleness"].append(staleness)
         self.figures["updates_missed"].append(missed)
         return float(loss)
@@ -405,15 +405,6 @@ class PsAsyncStrategy(ShardedStrategy):
     def shard_params(self):
         return self.shard_values
 
-    def carry_over(self, old):
-        f, before = self.figures, old.figures
-        for key in ("updates", "gradients", "wait_s"):
-            f[key] += before[key]
-        for key in ("staleness", "updates_missed", "dropped_workers"):
-            f[key] = before[key] + f[key]
-        self.completed_before = old.completed + old.completed_before
-        self.nan_guard.total += old.nan_guard.total
-
     def stats(self):
         f = self.figures
         if not self.is_worker:
@@ -422,7 +413,7 @@ class PsAsyncStrategy(ShardedStrategy):
                     "skipped": self.nan_guard.total,
                     **({"dropped_workers": f["dropped_workers"]} if self.watch is not None else {}),
                     "bytes_in": f["gradients"] * shard_bytes, "bytes_out": f.get("pulls", 0) * shard_bytes}
-        return {"steps": self.completed + self.completed_before, "wait_s": f["wait_s"],
+        return {"steps": f["steps"], "wait_s": f["wait_s"],
                 "staleness_mean": float(np.mean(f["staleness"])) if f["staleness"] else 0.0,
                 "staleness_max": int(max(f["staleness"], default=0)),
                 "updates_missed_mean": float(np.mean(f["updates_missed"])) if f["updates_missed"] else 0.0,

@@ -21,11 +21,12 @@ import math
 import numpy as np
 
 from .. import comm as mpi
+from ..elastic import PreviousShard
 from ..errors import UsageError
 from .backup import BackupWorkersStrategy
 from .base import finite, synchronise_batch_norms
 from .registry import Option, register
-from .shards import PreviousShard, ShardedStrategy
+from .shards import ShardedStrategy
 
 
 @register
@@ -77,8 +78,7 @@ class PsSyncStrategy(ShardedStrategy):
         self.optimizer = self.make_optimizer(self.param_hi - self.lo) if self.make_optimizer else None
         self.previous = PreviousShard(self.shard_params(), self.optimizer) if elastic and not self.is_worker else None
         self.start_step = self.steps_seen = 0   # the run's step at initialize; steps this ps has applied since
-        self.updates = 0
-        self.bytes_in = self.bytes_out = 0
+        self.count(updates=0, bytes_in=0, bytes_out=0)
         # running statistics travel as weighted values in the gradients' place: the ps gets their mean
         self.running = model.running_entries()
         self.running_here = [(max(lo, self.lo) - self.lo, min(hi, self.param_hi) - self.lo)
@@ -110,13 +110,13 @@ class PsSyncStrategy(ShardedStrategy):
                     self.shard_params()[lo:hi] = self.inbox[lo:hi]
                     self.inbox[lo:hi] = 0
                 self.optimizer.step(self.shard_params(), self.inbox[:count])
-                self.updates += 1
+                self.figures["updates"] += 1
             if self.hi > self.param_hi:   # the loss slot: NaN tells every rank the step was skipped
                 self.values[-1] = self.inbox[-1] if update else np.nan
             self.steps_seen += 1
             workers = self.cluster.num_workers
-            self.bytes_in += workers * self.inbox.nbytes
-            self.bytes_out += (self.cluster.size - 1) * self.inbox.nbytes
+            self.figures["bytes_in"] += workers * self.inbox.nbytes
+            self.figures["bytes_out"] += (self.cluster.size - 1) * self.inbox.nbytes
         self.track("exchange")
         mpi.allgatherv_inplace(world, self.values, self.counts, self.displs)
         self.skipped = not math.isfinite(float(self.values[-1]))
@@ -128,11 +128,6 @@ class PsSyncStrategy(ShardedStrategy):
 
     def shard_params(self):
         return self.values[self.lo:self.param_hi]
-
-    def carry_over(self, old):
-        self.updates += old.updates
-        self.bytes_in += old.bytes_in
-        self.bytes_out += old.bytes_out
 
     def survivor_state(self, cluster, step):
         """The shards at the chief's ``step``: a ps one update ahead (the chief never got it) takes it back."""
@@ -146,5 +141,6 @@ class PsSyncStrategy(ShardedStrategy):
     def stats(self):
         if self.is_worker:
             return {}
-        return {"updates": self.updates, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+        f = self.figures
+        return {"updates": f["updates"], "bytes_in": f["bytes_in"], "bytes_out": f["bytes_out"],
                 "shard": [self.lo, self.hi]}

@@ -42,31 +42,6 @@ def imbalance(bounds):
     return max(sizes) / mean - 1.0 if mean else 0.0
 
 
-class PreviousShard:
-    """A ps's shard and optimizer state as they were before its last update (``--elastic``).
-
-    After a lost rank, the survivors continue from the chief's step; a ps that
-    already applied the next update (its gather broke before the chief got it)
-    takes that update back with :meth:`restore`.  Costs one copy of the shard
-    and its optimizer state per step, on the ps.
-    """
-
-    def __init__(self, params, optimizer):
-        self.params = np.zeros_like(params)
-        self.arrays = {name: np.zeros_like(array) for name, array in optimizer.state_arrays().items()}
-        self.steps = 0
-
-    def keep(self, params, optimizer):
-        np.copyto(self.params, params)
-        for name, array in optimizer.state_arrays().items():
-            np.copyto(self.arrays[name], array)
-        self.steps = optimizer.steps
-
-    def restore(self, params, optimizer):
-        params[...] = self.params
-        optimizer.load_state(self.arrays, self.steps)
-
-
 class ShardedStrategy(Strategy):
     """Base of the parameter-server strategies: shard bookkeeping, initial state, checkpoints."""
 
