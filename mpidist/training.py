@@ -21,6 +21,7 @@ from . import checkpoint, data, elastic
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
 from .errors import agreed, error_line
 from .callbacks import Reporter
+from .checkpointer import Checkpointer
 from .metrics import MetricsLog, Progress, format_summary
 from .preempt import EARLY_STOP, StepAgreement, StopSignals, settle, signal_name
 from .stall import StallMonitor, Whereabouts
@@ -37,30 +38,21 @@ class ServerControl:
     """
 
     def __init__(self, config, setup, signals, workers, start_step):
-        self.config, self.setup, self.signals, self.workers = config, setup, signals, workers
-        self.periodic = bool(config.checkpoint_dir and (config.checkpoint_every or config.checkpoint_seconds))
-        self._last_step, self._timer = start_step, time.perf_counter()
+        self.setup, self.signals, self.workers = setup, signals, workers
+        self.checkpointer = Checkpointer(config, start_step)
+        self.periodic = self.checkpointer.enabled and self.checkpointer.schedule.periodic
 
     def signalled(self):
         return self.signals.received
 
     def checkpoint_due(self, step):
-        """Whether ``step`` passed a multiple of ``--checkpoint-every``, or ``--checkpoint-seconds`` passed."""
-        every, now = self.config.checkpoint_every, time.perf_counter()
-        crossed = bool(every) and step // every > self._last_step // every
-        timed = bool(self.config.checkpoint_seconds) and now - self._timer >= self.config.checkpoint_seconds
-        self._last_step = step
-        if crossed or timed:
-            self._timer = now
-        return crossed or timed
+        """Whether a checkpoint is due at ``step`` (the rule the training loop follows too)."""
+        return self.checkpointer.schedule.due(step, self.checkpointer.clock())
 
     def write(self, step, state):
         """First ps: write ``state`` as the checkpoint of ``step`` (its data position from the step)."""
-        params, opt_state, opt_steps = state
         epoch, epoch_step = divmod(step, self.setup.steps_per_epoch)
-        checkpoint.save(self.config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
-                        self.config.to_json(), self.config.seed, self.workers)
-        checkpoint.prune(self.config.checkpoint_dir, self.config.keep)
+        self.checkpointer.write(state, step, epoch, epoch_step, self.workers)
 
 
 class _NoData:
@@ -156,10 +148,10 @@ class Training:
         self.progress = Progress(config.progress if self.chief else "none", total_steps(config, setup),
                                  config.epochs, stream=self.stream)
         self.started = time.perf_counter()
+        self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step)
         self.window_start, self.window_loss, self.window_steps, self.window_good = self.started, 0.0, 0, 0
         self.trained_steps, self.skipped_in_row = 0, 0
         self.last_loss, self.result, self.evaluated_at = math.nan, None, None
-        self.timer, self.saved_path, self.saved_paths = self.started, None, []
         self._move_to(resume)
 
     def _make_strategy(self):
@@ -303,10 +295,10 @@ class Training:
         requested = self.signals.received or (EARLY_STOP if self.log.stop_asked else 0)
         if self.agreement:
             self.where.enter("agree")
-            flags = self.agreement.boundary(requested, self._timed_checkpoint_due())
+            schedule = self.checkpointer.schedule   # the time is the chief's, agreed at the boundary
+            flags = self.agreement.boundary(requested, self.chief and schedule.timed(self.checkpointer.clock()))
             self.early = bool(flags["signal"]) and self.step < steps_to_run
-            every = config.checkpoint_every and self.step % config.checkpoint_every == 0
-            if (every or flags["due"] or self.early) and not self.skipped_in_row:
+            if (schedule.crossed(self.step) or flags["due"] or self.early) and not self.skipped_in_row:
                 self.save()   # (never a state that is going wrong: it could push good ones out of --keep)
         else:   # the strategy carries the request to the others; the checkpoint comes after finish()
             if requested:
@@ -314,21 +306,13 @@ class Training:
             self.early = result.stop and self.step < steps_to_run
         return bool(self.early or self.diverged or (config.steps and self.step >= config.steps) or result.finished)
 
-    def _timed_checkpoint_due(self):
-        """Chief only: ``--checkpoint-seconds`` have passed since the last one was asked for."""
-        seconds = self.config.checkpoint_seconds
-        if not (self.chief and seconds) or time.perf_counter() - self.timer < seconds:
-            return False
-        self.timer = time.perf_counter()
-        return True
-
     def save(self, state=(), gathered=False):
         """Collective: the chief writes a checkpoint of the current position (once per step).
 
         ``gathered``: the caller gathered the strategy's ``state()`` already (``state``: None off the chief).
         """
-        config, strategy = self.config, self.strategy
-        if not config.checkpoint_dir or (strategy.lockstep and self.saved_at == self.step):
+        strategy = self.strategy
+        if not self.checkpointer.enabled or (strategy.lockstep and self.saved_at == self.step):
             return   # (other strategies' ranks count steps apart: each call must be collective)
         self.where.enter("gather")
         if not gathered:
@@ -336,13 +320,9 @@ class Training:
         self.saved_at = self.step
         if self.chief:
             self.where.enter("write")
-            params, opt_state, opt_steps = state
-            self.saved_path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, self.step,
-                                              self.epoch, self.epoch_step, config.to_json(), config.seed,
-                                              data_layout(config, self.cluster)[0])
-            checkpoint.prune(config.checkpoint_dir, config.keep)
-            self.saved_paths.append(self.saved_path)
-            self.log.write("checkpoint", step=self.step, epoch=self.epoch + 1, path=str(self.saved_path))
+            path = self.checkpointer.write(state, self.step, self.epoch, self.epoch_step,
+                                           data_layout(self.config, self.cluster)[0])
+            self.log.write("checkpoint", step=self.step, epoch=self.epoch + 1, path=str(path))
 
     def evaluate(self):
         """Collective over the evaluating ranks: test loss and accuracy, reported by the chief."""
@@ -383,7 +363,7 @@ class Training:
             return {"stopped_by": signal_name(stopped["signal"])} if stopped else {}
         outcome = self._report_stop(stopped) if stopped else self._report_done(roles, elapsed)
         outcome["params"] = state[0]
-        outcome["checkpoints"] = [path for path in self.saved_paths if path.exists()]
+        outcome["checkpoints"] = self.checkpointer.kept()
         return outcome
 
     def _report_done(self, roles, elapsed):
@@ -415,15 +395,15 @@ class Training:
         """Chief: say which signal stopped the run, and where to resume from."""
         name, config = signal_name(flags["signal"]), self.config
         self.log.write("stopped", step=self.step, epoch=self.epoch + 1, signal=name, rank=flags["rank"] - 1,
-                       checkpoint=None if self.saved_path is None else str(self.saved_path))
+                       checkpoint=None if self.checkpointer.last is None else str(self.checkpointer.last))
         self.log.close()
-        if self.saved_path is not None:
-            where = (f"checkpoint {self.saved_path} written; continue with --resume auto --checkpoint-dir "
+        if self.checkpointer.last is not None:
+            where = (f"checkpoint {self.checkpointer.last} written; continue with --resume auto --checkpoint-dir "
                      f"{config.checkpoint_dir}")
         else:
             where = "no checkpoint written (no --checkpoint-dir): the work done is lost"
         self.say(f"mpidist: stopped by {name} (rank {flags['rank'] - 1}) at step {self.step}: {where}")
-        return {"steps": self.step, "epochs": self.epoch + 1, "stopped_by": name, "checkpoint": self.saved_path}
+        return {"steps": self.step, "epochs": self.epoch + 1, "stopped_by": name, "checkpoint": self.checkpointer.last}
 
     def _report_failure(self, reason):
         """Every rank: the run failed at the same point everywhere; the chief says why (exit code 1)."""

@@ -1,0 +1,91 @@
+"""A run's checkpoints: when one is due, writing it with its position and pruning, and what was written.
+
+One rule decides when a checkpoint is due, for the training loop (lockstep
+strategies, where the chief's clock is agreed on at a step boundary) and for
+the first ps of ``ps-async`` and backup workers (which decides for its
+workers): a step that passes a multiple of ``--checkpoint-every``, or
+``--checkpoint-seconds`` since the last one.  The rule is pure (the clock is
+passed in) and tested without MPI.
+"""
+
+import time
+
+from . import checkpoint
+
+
+class CheckpointSchedule:
+    """When a checkpoint is due.
+
+    Args:
+        every: steps between checkpoints (0: none by step count).
+        seconds: seconds between checkpoints (0: none by time).
+        step: the step the run starts at.
+        now: the clock's reading at that start.
+    """
+
+    def __init__(self, every, seconds, step, now):
+        self.every, self.seconds = int(every), float(seconds)
+        self.last_step, self.last_time = int(step), float(now)
+
+    @property
+    def periodic(self):
+        """Whether checkpoints come during the run at all (not only at its end)."""
+        return bool(self.every or self.seconds)
+
+    def crossed(self, step):
+        """Whether ``step`` passed a multiple of ``every`` since the last step asked about."""
+        passed = bool(self.every) and step // self.every > self.last_step // self.every
+        self.last_step = max(self.last_step, step)
+        return passed
+
+    def timed(self, now):
+        """Whether ``seconds`` passed since the last checkpoint that was due; restarts the wait if so."""
+        if not self.seconds or now - self.last_time < self.seconds:
+            return False
+        self.last_time = now
+        return True
+
+    def due(self, step, now):
+        """Either rule, as one ps decides for workers that are not in lockstep."""
+        crossed, timed = self.crossed(step), self.timed(now)
+        if crossed:
+            self.last_time = now
+        return crossed or timed
+
+
+class Checkpointer:
+    """Writes a run's checkpoints into ``--checkpoint-dir`` and keeps the newest ``--keep``.
+
+    Args:
+        config: the run's :class:`~mpidist.config.Settings`.
+        step: the step the run starts at (a resumed run's).
+        clock: seconds, monotonic (a test passes its own).
+    """
+
+    def __init__(self, config, step, clock=time.perf_counter):
+        self.config, self.clock = config, clock
+        self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
+        self.written = []   # paths this process wrote, oldest first
+
+    @property
+    def enabled(self):
+        return bool(self.config.checkpoint_dir)
+
+    @property
+    def last(self):
+        """The newest checkpoint this process wrote, or None."""
+        return self.written[-1] if self.written else None
+
+    def kept(self):
+        """The checkpoints this process wrote that pruning kept, oldest first."""
+        return [path for path in self.written if path.exists()]
+
+    def write(self, state, step, epoch, epoch_step, workers):
+        """Write ``state`` (``(params, optimizer arrays, optimizer steps)``) as the checkpoint of ``step``; prune."""
+        config = self.config
+        params, opt_state, opt_steps = state
+        path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
+                               config.to_json(), config.seed, workers)
+        checkpoint.prune(config.checkpoint_dir, config.keep)
+        self.written.append(path)
+        return path
