@@ -11,7 +11,7 @@ import pytest
 from mpidist import nn
 from mpidist.nn import (GELU, AvgPool1D, AvgPool2D, BatchNorm, Conv1D, Conv2D, Dense, Dropout, Embedding, Flatten,
                         GlobalAvgPool, LayerNorm, MaxPool1D, MaxPool2D, ReLU, Residual, Sequential, Sigmoid, Tanh)
-from test_nn import check_model_gradients
+from test_nn import check_model_gradients, fit_one_batch
 
 
 @pytest.mark.parametrize("layers,shape", [
@@ -423,17 +423,5 @@ def test_bad_specs_are_spec_errors_naming_the_valid_forms(spec, message):
 
 
 def test_the_1d_cnn_trains():
-    model = nn.build_model("cnn:8,8", (24,), 4, np, np.float32)
-    model.init_params(0)
-    loss = nn.loss_for(4, np)
-    opt = nn.make_optimizer("adam", model.num_params, 0.01)
-    rng = np.random.default_rng(0)
-    x = rng.random((32,) + model.input_shape, dtype=np.float32)
-    y = rng.integers(0, 4, 32)
-    first = None
-    for step in range(40):
-        value = float(loss.forward(model.forward(x, training=True), y))
-        first = value if first is None else first
-        model.backward(loss.backward())
-        opt.step(model.params, model.grads)
-    assert value < 0.5 * first
+    first, last = fit_one_batch("cnn:8,8", (24,), 4, steps=40)
+    assert last < 0.5 * first
