@@ -31,12 +31,9 @@ def test_every_example_runs_at_2_ranks(name, least):
     done, _ = run_mpi(2, [str(EXAMPLES / f"{name}.py")], timeout=120)
     assert done.returncode == 0, done.stderr
     assert accuracy(done.stdout, name) >= least
-
-
-def test_early_stopping_stops_before_the_last_epoch():
-    done, _ = run_mpi(2, [str(EXAMPLES / "early_stopping.py")], timeout=120)
-    assert re.search(r"stopped early at step \d+", done.stdout), done.stdout
-    assert "ended (done)" in done.stdout
+    if name == "early_stopping":   # before the last of its 60 epochs, as a finished run
+        assert re.search(r"stopped early at step \d+", done.stdout), done.stdout
+        assert "ended (done)" in done.stdout
 
 
 def test_a_builder_file_given_to_the_cli_trains_checkpoints_resumes_elsewhere_and_evaluates(tmp_path):
