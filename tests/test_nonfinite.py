@@ -92,7 +92,7 @@ def test_ps_sync_servers_skip_together_and_every_rank_learns_it(num_ps):
 
     check_skip(strategy, lambda: strategy.model.params, step_of)
     if not worker:
-        assert strategy.updates == 2
+        assert strategy.figures["updates"] == 2
 
 
 @pytest.mark.mpi(min_size=2)
