@@ -103,6 +103,8 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
         if config.elastic:   # after a lost rank MPI_Finalize can hang: end as the survivors agree
             atexit.register(_exit_after_failure)
         outcome = run(config, cluster, xp, device, inputs, callbacks, stream=stream or sys.stdout)
+        if not elastic.failure_seen():   # (after a loss, the survivors' communicators replaced these)
+            cluster.free()               # a script may call train() again: nothing is left behind
         return _result(outcome, cluster.is_chief, config, inputs)
 
 
@@ -140,6 +142,7 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
         strategy = AllreduceStrategy(net, loss_for(info.num_classes, xp), None, cluster)
         net.params[...] = xp.asarray(saved.params)
         loss, accuracy, count = strategy.evaluate(datasets.eval_batches(test))
+        cluster.free()
     return {"test_loss": loss, "test_accuracy": accuracy, "samples": count, "step": saved.step,
             "model": inputs.model.spec, "dataset": info.name}
 
