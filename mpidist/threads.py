@@ -43,11 +43,12 @@ def limit_blas_threads():
     if _threads is None:
         chosen = os.environ.get("OMP_NUM_THREADS", "")
         _threads = int(chosen) if chosen.isdigit() and int(chosen) > 0 else share_of_node()
-        for name in _VARIABLES:
-            if not os.environ.get(name):   # (one set by the user stays)
-                os.environ[name] = str(_threads)
         if "numpy" in sys.modules:   # its BLAS is loaded and sized already: resize it in place
             _resize_loaded_pools(_threads)
+        else:   # (not both: the environment is inherited by every process this one starts)
+            for name in _VARIABLES:
+                if not os.environ.get(name):   # (one set by the user stays)
+                    os.environ[name] = str(_threads)
     return _threads
 
 

@@ -19,9 +19,26 @@ def mpiexec_path():
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+# BLAS thread variables as the test run found them: importing mpidist in this process (a single
+# rank owning every core) may set them, and launched ranks must size their own pools, not inherit that
+BLAS_VARIABLES = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                          "MKL_NUM_THREADS")}
+
+
+def child_environ(**extra):
+    """This process's environment for a job it launches, with the BLAS variables as the test run found them."""
+    environ = dict(os.environ, **extra)
+    for name, value in BLAS_VARIABLES.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return environ
+
+
 def _command_and_env(ranks, args, env, prefix=()):
     command = list(prefix) + [mpiexec_path(), "-n", str(ranks), sys.executable] + list(args)
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    full_env = child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     full_env.update(env or {})
     return command, full_env
 

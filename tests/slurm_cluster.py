@@ -8,13 +8,14 @@ submission instead of pending forever.
 """
 
 import getpass
-import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+from conftest import child_environ
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
 NODE = "mpidist-node"
@@ -79,7 +80,7 @@ class PrivateSlurm:
     def __init__(self, root):
         self.root = Path(root)
         self.conf = self.root / "slurm.conf"
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.env = child_environ(SLURM_CONF=str(self.conf))
         self.env.pop("SLURM_JOB_ID", None)   # never mistake the test's own job (if any) for ours
         self._daemons = []
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, events, rank_pids, wait_for_step
+from conftest import ROOT, child_environ, events, rank_pids, wait_for_step
 
 STEPS_PER_EPOCH = 22          # digits, global batch 64 (up to 6 workers)
 SLOW = "*:0.01"               # 10 ms a step: time to kill at a chosen step
@@ -48,7 +48,7 @@ def launch(python, ranks, *flags, env=None, ulfm=True):
     """``mpirun --with-ft ulfm -n RANKS python -m mpidist FLAGS`` in the background (``ulfm``: the ``--with-ft``)."""
     mpirun = str(python.parent / "mpirun")
     extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
+    env = child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
     passed = [item for name in (env or {}) if name.startswith("MPIDIST_") for item in ("-x", name)]
     ft = ["--with-ft", "ulfm"] if ulfm else []
     command = [mpirun, *ft, "--oversubscribe", *extra, "--mca", "osc", "^ucx", *passed,
