@@ -104,7 +104,8 @@ def events(path, kind=None):
     """The metrics events in ``path`` (of one ``kind``, if given); none while the file does not exist."""
     if not path.exists():
         return []
-    found = [json.loads(line) for line in path.read_text().splitlines()]
+    # a run still writing may have written part of its last line: read only the lines it has ended
+    found = [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
     return [event for event in found if kind is None or event["event"] == kind]
 
 
