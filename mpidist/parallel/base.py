@@ -287,6 +287,12 @@ class Strategy:
         return to_host(self.model.params), arrays, self.optimizer.steps
 
 
+def average_over(comm, array):
+    """Collective over ``comm``: ``array`` (contiguous) becomes its mean over the ranks, in place."""
+    mpi.allreduce_sum(comm, array)
+    array /= comm.Get_size()
+
+
 def synchronise_batch_norms(model, comm):
     """Make every ``BatchNorm(sync=True)`` of ``model`` sum its statistics over ``comm`` (one Allreduce each).
 
@@ -324,8 +330,7 @@ class DataParallel(Strategy):
         if comm is None or comm.Get_size() == 1:
             return
         for lo, hi in self.running:
-            mpi.allreduce_sum(comm, self.model.params[lo:hi])
-            self.model.params[lo:hi] /= comm.Get_size()
+            average_over(comm, self.model.params[lo:hi])
 
     def evaluate(self, batches):
         self.average_running()

@@ -22,7 +22,7 @@ import numpy as np
 from .. import comm as mpi
 from ..errors import UsageError
 from .allreduce import bucket_slices
-from .base import DataParallel, finite
+from .base import DataParallel, average_over, finite
 from .registry import Option, register
 
 
@@ -73,10 +73,8 @@ class LocalSgdStrategy(DataParallel):
         comm = self.worker_comm
         if comm is None or comm.Get_size() == 1 or self.averaged:
             return
-        params = self.model.params
         for lo, hi in self.buckets:
-            mpi.allreduce_sum(comm, params[lo:hi])
-        params /= comm.Get_size()
+            average_over(comm, self.model.params[lo:hi])
         self.averages += 1
         self.averaged = True
 
