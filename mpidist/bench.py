@@ -20,6 +20,9 @@ interleaved rounds over the strategies.  Compare ratios from one run only.
 """
 
 import json
+import os
+import secrets
+import stat
 import time
 
 import numpy as np
@@ -28,6 +31,7 @@ from mpi4py import MPI
 from . import comm as mpi
 from . import nn
 from .cluster import build_cluster
+from .errors import RunError, UsageError, agreed
 from .parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
 from .parallel.pipeline import split_sizes
 from .rma import Window
@@ -309,14 +313,105 @@ PIPELINE_COLUMNS = [("schedule", "schedule", "{}"), ("stages", "P", "{}"), ("mic
                     ("peak_activations", "peak activations", "{}"), ("samples_per_s", "samples/s", "{:,.0f}")]
 
 
+def _why_not_writable(err):
+    """An OSError met while probing where the results go, in words (the message names the path already)."""
+    if isinstance(err, FileNotFoundError):
+        return "its directory does not exist"
+    if isinstance(err, NotADirectoryError):
+        return "a part of its path is a file, not a directory"
+    if isinstance(err, PermissionError):
+        return "permission denied"
+    return err.strerror or str(err)
+
+
+def _create_beside(target):
+    """``(file descriptor, path)`` of a new hidden file in ``target``'s directory, created with the usual mode."""
+    directory = os.path.dirname(target) or "."
+    path = os.path.join(directory, f".mpidist-bench-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), path
+
+
+def _existing_file(target):
+    """Raise ``OSError`` or ``ValueError`` unless ``target`` is absent or a regular file that can be appended to.
+
+    Opens to append (never truncates) and closes: the file is left as it was.
+    """
+    try:
+        info = os.stat(target)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        raise ValueError("it is a directory; name a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError("it is not a regular file (a pipe, a socket or a device)")
+    try:
+        with open(target, "a"):
+            pass
+    except PermissionError:
+        raise ValueError("the file is not writable (permission denied)") from None
+
+
+def _directory_takes_files(target):
+    """Raise ``OSError`` unless a file can be created (and removed) beside ``target``, as the final rename needs."""
+    fd, probe = _create_beside(target)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_output(output):
+    """Raise :class:`UsageError` naming ``output`` and the reason if the results could not be written there.
+
+    Called before any benchmark runs, so a bad ``--output`` does not cost the
+    run.  Changes nothing: an existing file is opened to append and closed,
+    and a probe file is created beside it and removed (the results are
+    written aside and renamed over it: its directory must take new files).
+    """
+    target = os.path.realpath(output)         # a link is followed: its target gets the results
+    try:
+        _existing_file(target)
+        _directory_takes_files(target)
+    except ValueError as err:
+        raise UsageError(f"--output {output}: cannot be written: {err}") from None
+    except OSError as err:
+        raise UsageError(f"--output {output}: cannot be written: {_why_not_writable(err)}") from None
+
+
+def write_results(output, document):
+    """Write ``document`` as JSON to ``output`` atomically: aside, then renamed over it.
+
+    An existing results file is replaced whole or left as it was, never half
+    written; the new file takes the mode of the one it replaces.
+    """
+    target = os.path.realpath(output)
+    fd, aside = _create_beside(target)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(document, handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.path.exists(target):
+            os.chmod(aside, stat.S_IMODE(os.stat(target).st_mode))
+        os.replace(aside, target)
+    except BaseException:
+        if os.path.exists(aside):
+            os.unlink(aside)
+        raise
+
+
 def run_bench(world, models, seconds, batch, output):
-    """Run every benchmark; rank 0 prints the table and writes ``output``."""
+    """Run every benchmark; rank 0 prints the table and writes ``output``.
+
+    ``output`` is checked on rank 0 before anything runs: every rank exits
+    with code 2 if the results could not be written there.
+    """
+    with agreed(world):
+        if world.Get_rank() == 0:
+            check_output(output)
     cluster = build_cluster(world)
     rows = [row for name in models for row in bench_model(world, cluster, name, batch, seconds)]
     pipeline = pipeline_rows(world, seconds) if world.Get_size() > 1 else []
     if world.Get_rank() != 0:
         return None
-    import os
     meta = {"mpi": MPI.Get_library_version().strip().splitlines()[0], "ranks": world.Get_size(),
             "blas_threads_per_rank": os.environ.get("OMP_NUM_THREADS"), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     print(f"mpidist bench: {world.Get_size()} rank(s), {batch} samples per rank per step, "
@@ -326,7 +421,10 @@ def run_bench(world, models, seconds, batch, output):
         print(f"\npipeline: {world.Get_size()} stages of equal work (8 x Dense(512)+ReLU), "
               "32 samples per micro-batch; bubble = idle / pipeline time, mean over stages")
         print(format_table(pipeline, PIPELINE_COLUMNS))
-    with open(output, "w") as handle:
-        json.dump({"meta": meta, "rows": rows, "pipeline": pipeline}, handle, indent=2)
+    try:
+        write_results(output, {"meta": meta, "rows": rows, "pipeline": pipeline})
+    except OSError as err:
+        raise RunError(f"--output {output}: the results (above) could not be written: "
+                       f"{err.strerror or err}") from None
     print(f"mpidist bench: results in {output}")
     return rows

@@ -9,6 +9,10 @@ TOML file (keys are the flag names), then the command line.
 import argparse
 import dataclasses
 import json
+import math
+import numbers
+import os
+import stat
 import sys
 
 from .errors import UsageError
@@ -24,6 +28,106 @@ DEVICES = ("auto", "cpu", "gpu")
 DTYPES = ("float32", "float64")
 PROGRESS = ("auto", "bar", "lines", "none")
 REPLICATIONS = ("between-graph", "in-graph")
+
+#: Largest magnitude of an int setting: counters and seeds end up in int64 arrays, with room to add to them.
+INT_LIMIT = 2 ** 62
+#: Largest ``--config`` file read: a settings file is a few lines.
+CONFIG_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The values a numeric setting may take, and how an error message says so.
+
+    ``low`` and ``high`` are included unless ``low_open`` / ``high_open``; a
+    float must also be finite.  ``text`` replaces the wording made from the
+    bounds; ``hint`` ends the message.
+    """
+
+    low: float = -INT_LIMIT
+    high: float = INT_LIMIT
+    low_open: bool = False
+    high_open: bool = False
+    text: str = ""
+    hint: str = ""
+
+    def admits(self, value):
+        """Whether ``value`` (an int or a float) lies within the bounds, and is finite."""
+        try:
+            if not math.isfinite(value):
+                return False
+        except OverflowError:       # an int too large for a float: beyond any bound here
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def explain(self, value):
+        """``(what a value must be, hint)`` for a message about ``value``: ``("at least 1", "")``.
+
+        The hint is for a value below the bounds or not finite, not for one too large.
+        """
+        too_large = value > self.high and not _is_infinite(value)
+        hint = "" if too_large else self.hint
+        if self.text:
+            return self.text, hint
+        if too_large:
+            return f"at most {self.high}", hint
+        return ("0 or more" if self.low == 0 else f"at least {self.low}"), hint
+
+
+def _is_infinite(value):
+    """Whether ``value`` is an infinity (an int never is, however large)."""
+    try:
+        return math.isinf(value)
+    except OverflowError:
+        return False
+
+
+_POSITIVE = Bounds(0, math.inf, low_open=True, text="a finite positive number")
+_SECONDS = Bounds(0, math.inf, text="a finite number of seconds, 0 or more")
+
+#: Bounds of the numeric settings, by field name; an int not named here is within +-INT_LIMIT, a float finite.
+#: Options a strategy declares are checked by its ``check`` too; ``ps`` is here because ``auto`` reads it
+#: before any strategy is chosen (a negative count would pick ps-sync).
+BOUNDS = {
+    "epochs": Bounds(1), "batch_size": Bounds(1), "log_every": Bounds(1),
+    "steps": Bounds(0), "eval_every": Bounds(0), "checkpoint_every": Bounds(0), "keep": Bounds(0),
+    "nan_patience": Bounds(0),
+    "seed": Bounds(0, hint=" (numpy's random generators take no negative seeds)"),
+    "lr": _POSITIVE,
+    "momentum": Bounds(0, 1, high_open=True, text="a finite number in [0, 1)"),
+    "checkpoint_seconds": dataclasses.replace(_SECONDS, hint=" (0 = no checkpoints by time)"),
+    "stall_timeout": dataclasses.replace(_SECONDS, hint="; use 0 for no limit"),
+    "bucket_mb": Bounds(0, INT_LIMIT >> 20, low_open=True,
+                        text=f"a finite positive number of MiB, at most {INT_LIMIT >> 20}"),
+    "ps": Bounds(0),
+}
+
+
+def bounds_of(field):
+    """The :class:`Bounds` of a numeric dataclass field: from :data:`BOUNDS`, else the default of its type."""
+    if field.name in BOUNDS:
+        return BOUNDS[field.name]
+    return Bounds(-math.inf, math.inf, text="a finite number") if field.type is float else Bounds()
+
+
+def _is_number(value, kind):
+    """Whether ``value`` can stand for a ``kind`` (int or float) setting: a real number (an integral one for int)."""
+    wanted = numbers.Integral if kind is int else numbers.Real
+    return isinstance(value, wanted) and not isinstance(value, bool)
+
+
+def check_number(field, value):
+    """Raise :class:`UsageError` unless ``value`` is a number within the bounds of ``field`` (an int or float field)."""
+    flag = f"--{CommonSettings.flag(field.name)}"
+    if not _is_number(value, field.type):
+        raise UsageError(f"{flag} must be a{'n' if field.type is int else ''} {field.type.__name__}, "
+                         f"got {value!r}")
+    bounds = bounds_of(field)
+    if not bounds.admits(value):
+        wanted, hint = bounds.explain(value)
+        raise UsageError(f"{flag} must be {wanted}, got {value}{hint}")
 
 
 def _field(default, help, choices=None):
@@ -63,7 +167,12 @@ class CommonSettings:
     checkpoint_seconds: float = _field(0.0, "seconds between checkpoints, by the chief's clock (0 = off); "
                                             "combines with --checkpoint-every")
     keep: int = _field(3, "checkpoints kept in --checkpoint-dir, newest first (0 = all)")
-    resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest in --checkpoint-dir")
+    resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest of the run written last "
+                         "in --checkpoint-dir")
+    new_lineage: bool = _field(False, "start a new run in a --checkpoint-dir that holds another run's checkpoints "
+                               "(they are kept: this run prunes only its own)")
+    allow_external: bool = _field(False, "follow HDF5 external links and virtual datasets in --data, which "
+                                        "read other files (refused by default)")
     elastic: bool = _field(False, "keep training when workers die, on an MPI with User-Level Failure Mitigation "
                            "(Open MPI: mpirun --with-ft ulfm); strategies allreduce, ps-sync, ps-async")
     stall_timeout: float = _field(300.0, "seconds a rank may wait for others (an exchange, the step agreement, "
@@ -84,22 +193,20 @@ class CommonSettings:
 
     def validate(self, world_size):
         """Raise :class:`UsageError` naming the first flag whose value cannot work."""
+        self.validate_values()
+        self._validate_for(world_size)
+
+    def validate_values(self):
+        """The checks that need no rank count: each value one of its choices, each number finite and in range."""
         for f in dataclasses.fields(self):
             choices = f.metadata["choices"]
             if choices and getattr(self, f.name) not in choices:
                 raise UsageError(f"--{self.flag(f.name)} {getattr(self, f.name)!r} is not one of: {', '.join(choices)}")
-        positive = {"epochs": self.epochs, "batch_size": self.batch_size, "log_every": self.log_every}
-        for name, value in positive.items():
-            if value < 1:
-                raise UsageError(f"--{self.flag(name)} must be at least 1, got {value}")
-        for name in ("steps", "eval_every", "checkpoint_every", "checkpoint_seconds", "keep", "nan_patience",
-                     "stall_timeout"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"--{self.flag(name)} must be 0 or more, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise UsageError(f"--lr must be positive, got {self.lr}")
-        if not self.bucket_mb > 0:
-            raise UsageError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        for f in dataclasses.fields(self):   # every number, the strategies' own included: finite, in range
+            if f.type in (int, float):
+                check_number(f, getattr(self, f.name))
+
+    def _validate_for(self, world_size):
         if self.strategy not in STRATEGIES and self.strategy != "auto":   # (the registry, not a fixed list)
             raise UsageError(f"--strategy {self.strategy!r} is not one of: auto, {', '.join(STRATEGIES)}")
         if self.strategy == "auto":
@@ -168,7 +275,7 @@ def typed(table, where):
             raise UsageError(f"{where}: unknown setting {key!r}; known settings: {known}")
         expected = FIELDS[name].type
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            value = _as_float(value, key, where)
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise UsageError(f"{where}: {key} = {value!r} should be a{'n' if expected is int else ''} "
                              f"{expected.__name__}")
@@ -176,14 +283,71 @@ def typed(table, where):
     return settings
 
 
+def _as_float(value, key, where):
+    """An int setting given for a float field, as a float; one too large for a float is refused."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise UsageError(f"{where}: {key} = {value} is too large for a float") from None
+
+
+def _file_kind(mode):
+    """What a non-regular file is, in words, from its ``st_mode``."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((text for test, text in kinds if test(mode)), "not a regular file")
+
+
+def _os_reason(err):
+    """An OSError's reason in words, without the path (the message names it already)."""
+    if isinstance(err, FileNotFoundError):
+        return "no such file"
+    if isinstance(err, NotADirectoryError):
+        return "a part of its path is a file, not a directory"
+    if isinstance(err, PermissionError):
+        return "not readable (permission denied)"
+    return f"not readable ({err.strerror or err})"
+
+
+def _check_regular(path, info):
+    """Raise :class:`UsageError` unless ``info`` (an ``os.stat`` result) is a regular file of a sensible size."""
+    if not stat.S_ISREG(info.st_mode):
+        raise UsageError(f"--config {path}: {_file_kind(info.st_mode)}, not a TOML file")
+    if info.st_size > CONFIG_BYTES:
+        raise UsageError(f"--config {path}: {info.st_size} bytes; a settings file is at most {CONFIG_BYTES}")
+
+
+def read_config_text(path):
+    """The text of the ``--config`` file ``path``; :class:`UsageError` for anything but a readable UTF-8 file.
+
+    The path is checked with ``os.stat`` before it is opened, so a named pipe
+    or a device is refused instead of blocking or being read; it is opened
+    without blocking and checked again, in case it changed in between.
+    """
+    try:
+        _check_regular(path, os.stat(path))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        raise UsageError(f"--config {path}: {_os_reason(err)}") from None
+    with os.fdopen(fd, "rb") as handle:
+        _check_regular(path, os.fstat(fd))
+        try:
+            data = handle.read(CONFIG_BYTES + 1)
+        except OSError as err:
+            raise UsageError(f"--config {path}: {_os_reason(err)}") from None
+    try:
+        return data.decode("utf-8-sig")     # (a byte-order mark, as some editors write, is allowed)
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--config {path}: not UTF-8 text ({err.reason}: byte 0x{data[err.start]:02x} at "
+                         f"offset {err.start})") from None
+
+
 def load_toml(path):
     """Settings from a TOML file, keyed by flag or field name; unknown keys are errors."""
+    text = read_config_text(path)
     try:
-        with open(path, "rb") as handle:
-            table = tomllib.load(handle)
-    except FileNotFoundError:
-        raise UsageError(f"--config {path}: no such file") from None
-    except (OSError, tomllib.TOMLDecodeError) as err:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
         raise UsageError(f"--config {path}: not readable as TOML: {err}") from None
     return typed(table, f"--config {path}")
 

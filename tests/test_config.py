@@ -1,11 +1,15 @@
 """Configuration: defaults, TOML files, precedence, validation messages."""
 
 import argparse
+import dataclasses
+import os
 
 import pytest
 
-from mpidist.config import Settings, add_flags, settings_from_args
+from mpidist.config import FIELDS, INT_LIMIT, Settings, _make_settings, add_flags, settings_from, settings_from_args
 from mpidist.errors import UsageError
+from mpidist.parallel import STRATEGIES
+from mpidist.parallel.registry import Option
 
 
 def parse(argv):
@@ -61,13 +65,13 @@ def test_missing_config_file():
     (["--optimizer", "lbfgs"], 1, "--optimizer 'lbfgs' is not one of"),
     (["--epochs", "0"], 1, "--epochs must be at least 1, got 0"),
     (["--batch-size", "0"], 1, "--batch-size must be at least 1"),
-    (["--lr", "-1"], 1, "--lr must be positive"),
+    (["--lr", "-1"], 1, r"--lr must be a finite positive number, got -1\.0"),
     (["--steps", "-2"], 1, "--steps must be 0 or more"),
     (["--strategy", "local"], 2, "--strategy local runs on one rank, got 2 ranks"),
     (["--resume", "auto"], 1, "--resume auto needs --checkpoint-dir"),
-    (["--checkpoint-seconds", "-5"], 1, "--checkpoint-seconds must be 0 or more, got -5.0"),
+    (["--checkpoint-seconds", "-5"], 1, "--checkpoint-seconds must be a finite number of seconds, 0 or more, got -5.0"),
     (["--nan-patience", "-1"], 1, "--nan-patience must be 0 or more, got -1"),
-    (["--stall-timeout", "-1"], 1, "--stall-timeout must be 0 or more, got -1.0"),
+    (["--stall-timeout", "-1"], 1, "--stall-timeout must be a finite number of seconds, 0 or more, got -1.0"),
     (["--elastic", "--strategy", "pipeline", "--stages", "2"], 4, "not with pipelines"),
     (["--elastic", "--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"], 4, "backup workers"),
     (["--elastic", "--replication", "in-graph"], 2, "--replication in-graph"),
@@ -81,3 +85,163 @@ def test_every_flag_has_help_and_a_default():
     import dataclasses
     for field in dataclasses.fields(Settings):
         assert field.metadata["help"] and field.default is not dataclasses.MISSING
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lr", "inf"], r"^--lr must be a finite positive number, got inf$"),
+    (["--lr", "nan"], r"^--lr must be a finite positive number, got nan$"),
+    (["--lr", "0"], r"^--lr must be a finite positive number, got 0\.0$"),
+    (["--momentum", "nan"], r"^--momentum must be a finite number in \[0, 1\), got nan$"),
+    (["--momentum", "1"], r"^--momentum must be a finite number in \[0, 1\), got 1\.0$"),
+    (["--momentum", "-0.1"], r"^--momentum must be a finite number in \[0, 1\), got -0\.1$"),
+    (["--stall-timeout", "nan"], r"^--stall-timeout must be a finite number of seconds, 0 or more, got nan; use 0 "),
+    (["--stall-timeout", "inf"], r"^--stall-timeout must be .*, got inf; use 0 for no limit$"),
+    (["--checkpoint-seconds", "nan"], r"^--checkpoint-seconds must be a finite number .*, got nan \(0 = no "),
+    (["--checkpoint-seconds", "inf"], r"^--checkpoint-seconds must be a finite number .*, got inf"),
+    (["--bucket-mb", "inf"], r"^--bucket-mb must be a finite positive number of MiB, .*, got inf$"),
+    (["--bucket-mb", "nan"], r"^--bucket-mb must be a finite positive number of MiB, .*, got nan$"),
+    (["--bucket-mb", "1e30"], r"^--bucket-mb must be .* at most 4398046511104, got 1e\+30$"),
+    (["--seed", "-1"], r"^--seed must be 0 or more, got -1 \(numpy's random generators take no negative seeds\)$"),
+    (["--ps", "-1"], r"^--ps must be 0 or more, got -1$"),
+    (["--eval-every", "-1"], r"^--eval-every must be 0 or more, got -1$"),
+    (["--keep", "-1"], r"^--keep must be 0 or more, got -1$"),
+])
+def test_non_finite_and_out_of_range_numbers_are_refused(flags, message):
+    with pytest.raises(UsageError, match=message):
+        parse(flags).validate(1)
+
+
+@pytest.mark.parametrize("name", ["steps", "epochs", "batch_size", "seed", "log_every", "eval_every",
+                                  "checkpoint_every", "keep", "nan_patience"])
+def test_int_settings_too_large_for_int64_are_refused(name):
+    flag = "--" + name.replace("_", "-")
+    parse([flag, str(INT_LIMIT)]).validate(1)                        # the limit itself is allowed
+    for value in (INT_LIMIT + 1, 2 ** 63, 10 ** 30):
+        with pytest.raises(UsageError, match=rf"^{flag} must be at most {INT_LIMIT}, got {value}$"):
+            parse([flag, str(value)]).validate(1)
+
+
+def test_every_float_field_is_checked_for_finiteness_the_strategies_own_included(monkeypatch):
+    """A float option a strategy declares gets the finiteness rule without naming it anywhere."""
+    floats = [f for f in dataclasses.fields(Settings) if f.type is float]
+    assert {"lr", "momentum", "stall_timeout", "checkpoint_seconds", "bucket_mb"} <= {f.name for f in floats}
+    for field in floats:
+        for value in (float("nan"), float("inf"), float("-inf")):
+            with pytest.raises(UsageError, match=rf"^--{field.name.replace('_', '-')} must be .*, got {value}"):
+                dataclasses.replace(Settings(), **{field.name: value}).validate(1)
+
+    class Declaring(STRATEGIES["allreduce"]):
+        name = "declaring"
+        options = (Option("ratio", 0.5, "a float only this strategy reads"), Option("count", 3, "an int"))
+
+    monkeypatch.setitem(STRATEGIES, "declaring", Declaring)
+    extended = _make_settings()
+    with pytest.raises(UsageError, match=r"^--ratio must be a finite number, got nan$"):
+        extended(strategy="declaring", ratio=float("nan")).validate(1)
+    with pytest.raises(UsageError, match=rf"^--count must be at most {INT_LIMIT}, got {2 ** 63}$"):
+        extended(strategy="declaring", count=2 ** 63).validate(1)
+    extended(strategy="declaring", ratio=-1e300, count=-5).validate(1)     # no range beyond that: the strategy's
+
+
+@pytest.mark.parametrize("name", [name for name, f in FIELDS.items() if f.type is int])
+def test_every_int_field_is_bounded_by_int64(name):
+    """Strategies' options (stages, micro_batches, staleness, ...) included: none may overflow an int64."""
+    with pytest.raises(UsageError, match=rf"^--{name.replace('_', '-')} must be at most {INT_LIMIT}, got {2 ** 64}$"):
+        dataclasses.replace(Settings(), **{name: 2 ** 64}).validate(8)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"lr": float("nan")}, r"^--lr must be a finite positive number, got nan$"),
+    ({"momentum": float("inf")}, r"^--momentum must be a finite number in \[0, 1\), got inf$"),
+    ({"seed": -3}, r"^--seed must be 0 or more, got -3"),
+    ({"steps": 2 ** 80}, rf"^--steps must be at most {INT_LIMIT}, got {2 ** 80}$"),
+    ({"lr": 10 ** 400}, r"^mpidist\.train\(\): lr = 1000.* is too large for a float$"),
+])
+def test_keyword_arguments_pass_the_same_checks(overrides, message):
+    with pytest.raises(UsageError, match=message):
+        settings_from(None, **overrides).validate(1)
+
+
+def test_a_settings_object_with_a_non_number_is_refused_not_a_type_error():
+    with pytest.raises(UsageError, match=r"^--lr must be a float, got '0\.1'$"):
+        Settings(lr="0.1").validate(1)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("lr = nan", r"--lr must be a finite positive number, got nan$"),
+    ("lr = inf", r"--lr must be a finite positive number, got inf$"),
+    ("momentum = -inf", r"--momentum must be a finite number in \[0, 1\), got -inf$"),
+    ("stall-timeout = +inf", r"--stall-timeout must be .*, got inf; use 0 for no limit$"),
+    ("bucket-mb = nan", r"--bucket-mb must be a finite positive number of MiB, .*, got nan$"),
+    ("seed = -1", r"--seed must be 0 or more, got -1"),
+    ("steps = 9223372036854775807", rf"--steps must be at most {INT_LIMIT}, got 9223372036854775807$"),
+])
+def test_toml_values_pass_the_same_checks(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(UsageError, match=message):
+        parse(["--config", str(path)]).validate(1)
+
+
+def test_a_toml_integer_too_large_for_a_float_field_is_named(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("lr = " + "9" * 400 + "\n")
+    with pytest.raises(UsageError, match=rf"^--config {path}: lr = 9+ is too large for a float$"):
+        parse(["--config", str(path)])
+
+
+def test_a_utf8_config_with_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"\xef\xbb\xbfepochs = 2\n")
+    assert parse(["--config", str(path)]).epochs == 2
+
+
+@pytest.mark.parametrize("data", [b"\xff\xfe lr = 1\n", "lr = 1 # caf\u00e9\n".encode("latin-1"),
+                                  "lr = 1\n".encode("utf-16")])
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path, data):
+    path = tmp_path / "run.toml"
+    path.write_bytes(data)
+    with pytest.raises(UsageError, match=rf"^--config {path}: not UTF-8 text \(invalid .* at offset \d+\)$"):
+        parse(["--config", str(path)])
+
+
+def test_a_config_path_that_is_a_directory_is_named(tmp_path):
+    with pytest.raises(UsageError, match=rf"^--config {tmp_path}: a directory, not a TOML file$"):
+        parse(["--config", str(tmp_path)])
+
+
+def test_a_config_path_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    """Opening a named pipe for reading would wait for a writer forever: it is refused before it is opened."""
+    fifo = tmp_path / "run.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(UsageError, match=rf"^--config {fifo}: a named pipe \(FIFO\), not a TOML file$"):
+        parse(["--config", str(fifo)])
+
+
+def test_a_config_path_under_a_regular_file_is_named(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("epochs = 2\n")
+    with pytest.raises(UsageError, match=r"a part of its path is a file, not a directory$"):
+        parse(["--config", str(path / "run.toml")])
+
+
+def test_a_device_or_an_oversized_config_file_is_refused(tmp_path):
+    with pytest.raises(UsageError, match=r"^--config /dev/null: a character device, not a TOML file$"):
+        parse(["--config", "/dev/null"])
+    path = tmp_path / "big.toml"
+    path.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(UsageError, match=r"bytes; a settings file is at most \d+$"):
+        parse(["--config", str(path)])
+
+
+def test_an_unreadable_config_file_is_named(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("epochs = 2\n")
+    path.chmod(0)
+    try:
+        if os.access(path, os.R_OK):
+            pytest.skip("this user (root) reads files whatever their permissions")
+        with pytest.raises(UsageError, match=rf"^--config {path}: not readable \(permission denied\)$"):
+            parse(["--config", str(path)])
+    finally:
+        path.chmod(0o644)
