@@ -1,18 +1,28 @@
 """Ingest: .npz, .csv and the named sources the bundled datasets come from."""
 
+import os
+
 import h5py
 import numpy as np
 import pytest
 
 from mpidist import data
 from mpidist.errors import UsageError
-from mpidist.ingest import build_source, ingest
+from mpidist.ingest import build_source, ingest, write_dataset
+
+
+def accepted(path):
+    """What ``train`` does with a file: inspect it and read both splits; returns the description."""
+    info = data.inspect(path)
+    for split in data.SPLITS:
+        data.Shard(info, split, 0, 1, info.sample_shape, np.float32)
+    return info
 
 
 def test_npz_with_x_and_y_is_split_and_labelled(tmp_path):
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "toy.npz", x=rng.random((50, 6)), y=np.arange(50) % 3)
-    info = data.inspect(ingest(str(tmp_path / "toy.npz"), tmp_path / "toy.h5", test_fraction=0.2))
+    info = accepted(ingest(str(tmp_path / "toy.npz"), tmp_path / "toy.h5", test_fraction=0.2))
     assert info.sizes == {"train": 40, "test": 10} and info.num_classes == 3 and info.name == "toy"
 
 
@@ -20,6 +30,7 @@ def test_npz_with_its_own_split_keeps_it(tmp_path):
     np.savez(tmp_path / "s.npz", x_train=np.zeros((7, 2)), y_train=np.arange(7) % 2,
              x_test=np.ones((3, 2)), y_test=np.array([0, 1, 1]))
     path = ingest(str(tmp_path / "s.npz"), tmp_path / "s.h5")
+    assert accepted(path).sizes == {"train": 7, "test": 3}
     with h5py.File(path) as handle:
         np.testing.assert_array_equal(handle["test/x"][...], np.ones((3, 2)))
 
@@ -34,7 +45,7 @@ def test_csv_with_a_header_and_float_targets_is_regression(tmp_path):
     rows = "\n".join(f"{i},{2 * i},{0.5 * i}" for i in range(20))
     (tmp_path / "r.csv").write_text("a,b,target\n" + rows + "\n")
     path = ingest(str(tmp_path / "r.csv"), tmp_path / "r.h5", test_fraction=0.25)
-    info = data.inspect(path)
+    info = accepted(path)
     assert info.num_classes == 0 and info.sample_shape == (2,) and info.sizes == {"train": 15, "test": 5}
     with h5py.File(path) as handle:
         x, y = handle["train/x"][...], handle["train/y"][...]
@@ -43,7 +54,7 @@ def test_csv_with_a_header_and_float_targets_is_regression(tmp_path):
 
 def test_csv_label_column_can_be_chosen(tmp_path):
     (tmp_path / "c.csv").write_text("\n".join(f"{i % 2},{i}.5,{i}.25" for i in range(10)) + "\n")
-    info = data.inspect(ingest(str(tmp_path / "c.csv"), tmp_path / "c.h5", label_column=0))
+    info = accepted(ingest(str(tmp_path / "c.csv"), tmp_path / "c.h5", label_column=0))
     assert info.num_classes == 2 and info.sample_shape == (2,)
 
 
@@ -81,3 +92,280 @@ def test_a_missing_source_package_is_named_with_the_install_command(monkeypatch,
     with pytest.raises(UsageError, match="needs the package 'mnist1d': pip install 'mnist1d'"):
         ingest("mnist1d", tmp_path / "m.h5")
     assert not (tmp_path / "m.h5").exists()
+
+
+# -- a hostile sweep: every bad input is one UsageError naming the file, the item and the value ---------------
+def refused(tmp_path, source, message, **options):
+    """Ingest ``source`` into ``out.h5``: it must fail with ``message``, on one line, leaving no output."""
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(UsageError, match=message) as caught:
+        ingest(str(source), tmp_path / "out.h5", **options)
+    assert "\n" not in str(caught.value)
+    assert sorted(tmp_path.rglob("*")) == before
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("rows,message", [
+    ("a,b,label\n1,2,0\n3,,1\n5,6,0\n", r"n.csv: row 3, column 2 is empty \(NaN\)"),
+    ("a,b,label\n1,2,0\n3,4,1\n5,nan,0\n", r"n.csv: row 4, column 2 is NaN \('nan'\); ingest needs finite"),
+    ("1,2,0\n3,4,nan\n5,6,1\n", r"n.csv: row 2, column 3 is NaN"),             # the label column
+    ("1,2,0\n\n3,-inf,1\n5,6,1\n", r"n.csv: row 3, column 2 is Inf \('-inf'\)"),  # blank lines count
+    ("1,2,0\n3,4,1e999\n5,6,1\n", r"n.csv: row 2, column 3 is Inf \('1e999'\)"),
+])
+def test_csv_nan_and_inf_are_refused_with_their_row_and_column(tmp_path, rows, message):
+    (tmp_path / "n.csv").write_text(rows)
+    refused(tmp_path, tmp_path / "n.csv", message)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("1,2\n", "1 row of data; a train and a test split need at least 2"),
+    ("a,b\n1,2\n", r"1 row of data after the header \(line 1\); a train and a test split need at least 2"),
+    ("a,b\n", r"0 rows of data after the header \(line 1\)"),
+    ("", "the file is empty"),
+    ("\n\n", "0 rows of data"),
+])
+def test_csv_too_small_for_two_splits_is_refused(tmp_path, text, message):
+    (tmp_path / "t.csv").write_text(text)
+    refused(tmp_path, tmp_path / "t.csv", "t.csv: " + message)
+
+
+@pytest.mark.parametrize("arrays,message", [
+    (dict(x=np.zeros((1, 3)), y=np.zeros(1, int)), "x has 1 sample; a train and a test split need at least 2"),
+    (dict(x=np.zeros((0, 3)), y=np.zeros(0, int)), "x has 0 samples"),
+    (dict(x_train=np.zeros((0, 3)), y_train=np.zeros(0, int), x_test=np.zeros((2, 3)), y_test=[0, 1]),
+     "x_train has 0 samples; train and test each need at least 1"),
+    (dict(x_train=np.zeros((2, 3)), y_train=[0, 1], x_test=np.zeros((0, 3)), y_test=np.zeros(0, int)),
+     "x_test has 0 samples"),
+])
+def test_npz_too_small_or_empty_is_refused(tmp_path, arrays, message):
+    np.savez(tmp_path / "e.npz", **arrays)
+    refused(tmp_path, tmp_path / "e.npz", "e.npz: " + message)
+
+
+def re_shape(shape):
+    """``shape`` as a regular expression."""
+    return str(shape).replace("(", r"\(").replace(")", r"\)")
+
+
+@pytest.mark.parametrize("x", [np.arange(10.0), np.zeros((10, 0)), np.float64(3.0)])
+def test_npz_samples_without_a_feature_axis_are_refused_not_guessed(tmp_path, x):
+    np.savez(tmp_path / "v.npz", x=x, y=np.arange(10) % 2)
+    refused(tmp_path, tmp_path / "v.npz", rf"v.npz: x has shape {re_shape(np.shape(x))}; it needs samples first "
+            r"and at least one feature axis, shape \(N, features...\)")
+
+
+@pytest.mark.parametrize("arrays,message", [
+    (dict(x=np.zeros((10, 2)), y=np.arange(9) % 2), "x has 10 samples but y has 9"),
+    (dict(x=np.zeros((10, 2)), y=np.arange(12) % 2), "x has 10 samples but y has 12"),
+    (dict(x=np.zeros((10, 2)), y=np.int64(1)), "x has 10 samples but y has one value"),
+    (dict(x_train=np.zeros((6, 2)), y_train=np.arange(5) % 2, x_test=np.zeros((2, 2)), y_test=[0, 1]),
+     "x_train has 6 samples but y_train has 5"),
+    (dict(x_train=np.zeros((6, 2)), y_train=np.arange(6) % 2, x_test=np.zeros((2, 2)), y_test=[0, 1, 1]),
+     "x_test has 2 samples but y_test has 3"),
+    (dict(x_train=np.zeros((6, 2)), y_train=np.arange(6) % 2, x_test=np.zeros((2, 3)), y_test=[0, 1]),
+     r"x_train has items of shape \(2,\) but x_test of shape \(3,\)"),
+    (dict(x_train=np.zeros((6, 2)), y_train=np.zeros((6, 2)), x_test=np.zeros((2, 2)), y_test=[0.5, 1]),
+     r"y_train has items of shape \(2,\) but y_test of shape \(\)"),
+])
+def test_npz_lengths_and_shapes_that_differ_are_named(tmp_path, arrays, message):
+    np.savez(tmp_path / "l.npz", **arrays)
+    refused(tmp_path, tmp_path / "l.npz", "l.npz: " + message)
+
+
+@pytest.mark.parametrize("arrays,message", [
+    (dict(x=np.array([["a", "b"]] * 4), y=np.arange(4) % 2), r"x has dtype <U1 \(text\); ingest needs numbers"),
+    (dict(x=np.zeros((4, 2)), y=np.array([b"cat", b"dog"] * 2)), r"y has dtype \|S3 \(bytes\)"),
+    (dict(x=np.zeros((4, 2), complex), y=np.arange(4) % 2), r"x has dtype complex128 \(complex numbers\)"),
+])
+def test_npz_text_and_other_non_numbers_are_refused_with_their_dtype(tmp_path, arrays, message):
+    np.savez(tmp_path / "w.npz", **arrays)
+    refused(tmp_path, tmp_path / "w.npz", "w.npz: " + message)
+
+
+def test_csv_words_after_the_header_are_refused_with_their_column(tmp_path):
+    (tmp_path / "w.csv").write_text("a,b,label\n1,2,0\n3,cat,1\n5,6,0\n")
+    refused(tmp_path, tmp_path / "w.csv", r"w.csv: column 2 holds text \('cat' in row 3\); ingest needs numbers")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("1,2,0\n3,4\n5,6,1\n", "row 2 has 2 columns but row 1 has 3"),
+    ("a,b\n1,2,0\n3,4,1\n", "the header has 2 columns but the rows have 3"),
+    ("1\n2\n3\n", "has 1 column; it needs at least one feature column and a label column"),
+])
+def test_csv_ragged_or_narrow_tables_are_refused(tmp_path, text, message):
+    (tmp_path / "r.csv").write_text(text)
+    refused(tmp_path, tmp_path / "r.csv", "r.csv: " + message)
+
+
+def test_csv_label_column_out_of_range_is_refused(tmp_path):
+    (tmp_path / "c.csv").write_text("1,2,0\n3,4,1\n5,6,0\n")
+    refused(tmp_path, tmp_path / "c.csv", r"--label-column 3: .*c.csv has 3 columns \(0 to 2, or -3 to -1\)",
+            label_column=3)
+
+
+def test_a_single_class_is_refused_unless_the_task_is_regression(tmp_path):
+    (tmp_path / "one.csv").write_text("".join(f"{i},{i + 1},0\n" for i in range(6)))
+    refused(tmp_path, tmp_path / "one.csv", r"one.csv: every label in the label column \(column 3\) is 0, so "
+            r"there is 1 class; training needs 2 or more \(or pass --task regression\)")
+    np.savez(tmp_path / "one.npz", x=np.zeros((6, 2)), y=np.zeros(6, np.int64))
+    refused(tmp_path, tmp_path / "one.npz", "one.npz: every label in y is 0", task="classification")
+    info = accepted(ingest(str(tmp_path / "one.csv"), tmp_path / "r.h5", task="regression"))
+    assert info.num_classes == 0
+
+
+@pytest.mark.parametrize("labels,message", [([0, 1, 2.5, 1], "y has 2.5"), ([0, 1, -1, 1], "y has -1"),
+                                            (np.zeros((4, 2), int), r"y has shape \(4, 2\)")])
+def test_classification_asked_of_non_labels_names_the_value(tmp_path, labels, message):
+    np.savez(tmp_path / "k.npz", x=np.zeros((4, 2)), y=np.array(labels))
+    refused(tmp_path, tmp_path / "k.npz", "k.npz: --task classification needs one column of non-negative integer "
+            "labels; " + message, task="classification")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("x", np.nan, r"x\[3, 1\] is nan; ingest needs finite numbers"),
+    ("x", -np.inf, r"x\[3, 1\] is -inf"),
+    ("x", 1e300, r"x has values up to 1e\+300 in magnitude, beyond float32 \(max 3.4e\+38\); scale the data"),
+    ("y", np.nan, r"y\[3\] is nan"),
+    ("y", -1e300, r"y has values up to 1e\+300 in magnitude, beyond float32"),
+])
+def test_npz_values_that_are_not_finite_in_float32_are_refused(tmp_path, key, value, message):
+    arrays = {"x": np.random.default_rng(0).random((8, 2)), "y": np.linspace(-1, 1, 8)}
+    arrays[key][(3, 1) if key == "x" else 3] = value
+    np.savez(tmp_path / "f.npz", **arrays)
+    refused(tmp_path, tmp_path / "f.npz", "f.npz: " + message)
+
+
+def test_csv_values_beyond_float32_are_refused_naming_the_largest(tmp_path):
+    (tmp_path / "big.csv").write_text("1,2,0\n3,4e300,1\n5e305,6,0\n7,8,1\n")
+    refused(tmp_path, tmp_path / "big.csv", r"big.csv: row 3, column 1 is too large \('5e305'\); beyond float32 "
+            r"\(max 3.4e\+38\); scale the data")
+
+
+def test_float_samples_are_stored_as_float32(tmp_path):
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).random((10, 3)), y=np.arange(10) % 2)
+    with h5py.File(ingest(str(tmp_path / "d.npz"), tmp_path / "d.h5")) as handle:
+        assert handle["train/x"].dtype == np.float32 and handle["train/y"].dtype == np.int64
+
+
+@pytest.mark.parametrize("n,fraction", [(2, 0.9), (2, 0.1), (3, 0.99)])
+def test_the_split_never_leaves_train_or_test_empty(tmp_path, n, fraction):
+    np.savez(tmp_path / "s.npz", x=np.zeros((n, 2)), y=np.arange(n) % 2)
+    info = accepted(ingest(str(tmp_path / "s.npz"), tmp_path / "s.h5", test_fraction=fraction))
+    assert info.sizes["train"] >= 1 and info.sizes["test"] >= 1
+
+
+def good_csv(tmp_path):
+    (tmp_path / "g.csv").write_text("".join(f"{i},{i % 2}\n" for i in range(10)))
+    return tmp_path / "g.csv"
+
+
+def never_read(*args, **kwargs):
+    raise AssertionError("the source was read before the output was checked")
+
+
+def test_an_output_under_a_regular_file_is_refused_before_reading(tmp_path, monkeypatch):
+    source = good_csv(tmp_path)
+    (tmp_path / "plain").write_text("a file, not a directory")
+    monkeypatch.setattr("mpidist.ingest.from_csv", never_read)
+    for out in (tmp_path / "plain" / "out.h5", tmp_path / "plain" / "deeper" / "out.h5"):
+        with pytest.raises(UsageError, match=f"{out}: cannot write the dataset there: {tmp_path / 'plain'}: "
+                           f"{os.strerror(20)}"):
+            ingest(str(source), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.csv", "plain"]
+
+
+def test_an_output_that_is_a_directory_is_refused_before_reading(tmp_path, monkeypatch):
+    source = good_csv(tmp_path)
+    (tmp_path / "dir").mkdir()
+    monkeypatch.setattr("mpidist.ingest.from_csv", never_read)
+    with pytest.raises(UsageError, match=f"{tmp_path / 'dir'}: cannot write the dataset there: {os.strerror(21)}"):
+        ingest(str(source), tmp_path / "dir")
+    assert list((tmp_path / "dir").iterdir()) == []
+
+
+def test_an_output_in_a_read_only_directory_is_refused_before_reading(tmp_path, monkeypatch):
+    source = good_csv(tmp_path)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        try:                                    # root writes there anyway: then there is nothing to test
+            (locked / "probe").touch()
+            (locked / "probe").unlink()
+            pytest.skip("this user can write into a read-only directory (root)")
+        except PermissionError:
+            pass
+        monkeypatch.setattr("mpidist.ingest.from_csv", never_read)
+        with pytest.raises(UsageError, match=f"{locked / 'out.h5'}: cannot write the dataset there: "
+                           f"{os.strerror(13)}"):
+            ingest(str(source), locked / "out.h5")
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
+
+
+def test_an_output_that_is_the_source_is_refused(tmp_path):
+    source = good_csv(tmp_path)
+    text = source.read_text()
+    with pytest.raises(UsageError, match="is the source file, which writing would destroy"):
+        ingest(str(source), tmp_path / "." / "g.csv")
+    assert source.read_text() == text
+
+
+def test_directories_made_for_a_failed_ingest_are_removed(tmp_path):
+    (tmp_path / "bad.csv").write_text("1,2\n3,nan\n5,6\n")
+    with pytest.raises(UsageError, match="row 2, column 2 is NaN"):
+        ingest(str(tmp_path / "bad.csv"), tmp_path / "new" / "deeper" / "out.h5")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csv"]
+    good = ingest(str(good_csv(tmp_path)), tmp_path / "new" / "deeper" / "out.h5")
+    assert accepted(good).sizes == {"train": 8, "test": 2}
+
+
+@pytest.mark.parametrize("splits,classes,message", [
+    ({"train": (np.zeros((0, 2)), np.zeros(0, int)), "test": (np.zeros((2, 2)), [0, 1])}, 2,
+     "train/x has 0 samples"),
+    ({"train": (np.zeros(4), [0, 1, 0, 1]), "test": (np.zeros((2, 2)), [0, 1])}, 2,
+     "train/x has shape .4,.; it needs samples first"),
+    ({"train": (np.zeros((4, 2)), [0, 1, 0]), "test": (np.zeros((2, 2)), [0, 1])}, 2,
+     "train/x has 4 samples but train/y has 3"),
+    ({"train": (np.zeros((4, 2)), np.zeros(4, int)), "test": (np.zeros((2, 2)), [0, 0])}, 1, "num_classes = 1"),
+    ({"train": (np.zeros((4, 2)), [0, 1, 0, 1]), "test": (np.zeros((2, 3)), [0, 1])}, 2,
+     "train and test differ in shape"),
+    ({"train": (np.array([["a"]] * 4), [0, 1, 0, 1]), "test": (np.zeros((2, 1)), [0, 1])}, 2,
+     r"train/x has dtype <U1 \(text\); ingest needs numbers"),
+])
+def test_write_dataset_refuses_a_layout_train_would_refuse(tmp_path, splits, classes, message):
+    with pytest.raises(UsageError, match=message):
+        write_dataset(tmp_path / "w.h5", "w", splits, classes, "")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("x,y,message", [
+    (np.full((4, 2), np.nan), [0, 1, 0, 1], r"train/x\[0, 0\] is nan"),
+    (np.full((4, 2), 1e300), [0, 1, 0, 1], "train/x has values up to 1e\\+300"),
+    (np.zeros((4, 2)), [0, 1, 5, 1], r"train/y\[2\] is 5, outside \[0, 2\)"),
+])
+def test_write_dataset_checks_values_when_asked(tmp_path, x, y, message):
+    splits = {"train": (x, np.array(y)), "test": (np.zeros((2, 2)), np.array([0, 1]))}
+    with pytest.raises(UsageError, match=message):
+        write_dataset(tmp_path / "w.h5", "w", splits, 2, "", check_values=True)
+    assert list(tmp_path.iterdir()) == []
+    data.inspect(write_dataset(tmp_path / "w.h5", "w", splits, 2, ""))     # the default writes bad values for tests
+
+
+@pytest.mark.parametrize("options,message", [({"test_fraction": 1.0}, "--test-fraction must be between 0 and 1"),
+                                             ({"test_fraction": float("nan")}, "--test-fraction"),
+                                             ({"seed": -1}, "--seed must be 0 or more, got -1"),
+                                             ({"task": "clustering"}, "--task must be auto, classification")])
+def test_bad_options_are_refused_before_anything_is_read(tmp_path, options, message):
+    refused(tmp_path, good_csv(tmp_path), message, **options)
+
+
+def test_the_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
+    from conftest import mpidist
+    (tmp_path / "bad.csv").write_text("x1,x2,label\n1,2,0\n3,,1\n5,6,0\n")
+    done, _ = mpidist(1, "ingest", str(tmp_path / "bad.csv"), str(tmp_path / "bad.h5"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [f"mpidist: error: {tmp_path / 'bad.csv'}: row 3, column 2 is empty "
+                                                "(NaN); ingest needs finite numbers"]
+    assert not (tmp_path / "bad.h5").exists()
