@@ -11,6 +11,8 @@ import os
 
 from . import checkpoint, data, models, nn
 from .errors import UsageError
+from .memory import check_fits
+from .text import printable
 from .parallel import STRATEGIES
 
 
@@ -43,14 +45,21 @@ class Setup:
     steps_per_epoch: int
     resume: checkpoint.Checkpoint = None
     skipped: list = dataclasses.field(default_factory=list)   # unreadable checkpoints passed over
+    notes: list = dataclasses.field(default_factory=list)     # what the chief says about the set-up
 
 
 def build_model_for(config, inputs, info, xp):
     """The model sized for dataset ``info``; a shape mismatch is a :class:`UsageError` naming the dataset."""
     try:
-        return inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype)
+        model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype)
+        # what training holds besides: gradients, the optimizer's arrays, the chief's gathered copy
+        arrays = 3 + len(checkpoint.OPTIMIZER_STATE.get(config.optimizer, ()))
+        check_fits(arrays * model.num_params * model.dtype.itemsize,
+                   f"training {model.num_params:,} parameters with {config.optimizer}")
+        return model
     except UsageError as err:
-        raise UsageError(f"dataset {info.name!r} ({info.path}): {err}") from None
+        outputs = f"{info.num_classes:,} classes" if info.num_classes else f"{info.target_width} target(s)"
+        raise UsageError(f"dataset {info.name!r} ({info.path}, {outputs}): {err}") from None
 
 
 def find_resume(config):
@@ -69,8 +78,12 @@ def data_layout(config, cluster):
 
 def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or None)."""
-    info = data.inspect(data.resolve(inputs.data))
+    info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
     model = build_model_for(config, inputs, info, xp)
+    notes = []
+    if info.num_classes > info.sizes["train"]:
+        notes.append(f"warning: dataset {info.name!r} declares {info.num_classes:,} classes but has "
+                     f"{info.sizes['train']:,} training samples: some classes have none (a wrong num_classes?)")
     STRATEGIES[config.strategy].check_model(config, model)
     workers, worker = data_layout(config, cluster)
     if model.running_entries() and not strategy_class(config, workers).running_statistics:
@@ -100,11 +113,16 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
             test = data.Shard(info, "test", 0, 1, model.input_shape, model.dtype)
     if resume is not None and resume.params.size != model.num_params:
         raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
-                         f"{config.model} on {info.name!r} has {model.num_params} "
-                         f"(it was written by --model {resume.config.get('model')} on {resume.config.get('data')!r})")
+                         f"{config.model} on {info.name!r} has {model.num_params} (it was written by --model "
+                         f"{printable(resume.config.get('model'))} on {printable(repr(resume.config.get('data')))})")
+    if resume is not None and set(resume.optimizer_state) != set(checkpoint.OPTIMIZER_STATE[config.optimizer]):
+        kept = ", ".join(map(printable, sorted(resume.optimizer_state))) or "none"
+        notes.append(f"note: --optimizer {config.optimizer} starts with fresh state: {resume.path} holds "
+                     f"another optimizer's ({kept}); the parameters and the position are resumed")
+        resume = dataclasses.replace(resume, optimizer_state={}, optimizer_steps=0)
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     return Setup(info=info, model=model, train=train, test=test, local_batch=local_batch, steps_per_epoch=steps,
-                 resume=resume, skipped=list(skipped))
+                 resume=resume, skipped=list(skipped), notes=notes)
 
 
 def total_steps(config, setup):

@@ -15,15 +15,22 @@ very numbers the interrupted one would have (with the same worker count).
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from . import lineage as lineages
 from .errors import RunError, UsageError
+from .memory import check_fits
+from .text import printable, shown
+from .whereabouts import here
 
-PATTERN = re.compile(r"^ckpt-(\d{8})\.h5$")
+FORMAT = "mpidist-checkpoint-1"
+#: what each optimizer keeps, one flat array per name (a checkpoint's optimizer/ group)
+OPTIMIZER_STATE = {"adam": ("m", "v"), "sgd": ("velocity",)}
+FLOATS = (np.dtype("float32"), np.dtype("float64"))
+LARGEST = 2 ** 62   # step counts and seeds above this cannot be honest
 
 
 @dataclasses.dataclass
@@ -39,6 +46,8 @@ class Checkpoint:
     epoch_step: int
     config: dict
     seed: int = 0           # the seed of the data order and random streams
+    lineage: str = ""       # the run lineage that wrote it (see mpidist.lineage)
+    parent: str = ""        # the lineage it branched from, if it did
 
 
 DATA_ORDER = "strided shards w::W, one permutation per epoch from (seed, epoch, worker)"
@@ -46,15 +55,15 @@ RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
 def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
-         workers):
-    """Write ``ckpt-<step>.h5`` in ``directory`` atomically; returns its path.
+         workers, lineage="", parent=""):
+    """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
     ``seed`` and ``workers`` fix the data order and random streams (see the module text).
     A write that fails (a full disk, a quota) raises :class:`RunError` with the
     reason; the file written aside is removed and every older checkpoint is intact.
     """
     directory = Path(directory)
-    final = directory / f"ckpt-{step:08d}.h5"
+    final = directory / lineages.file_name(step, lineage)
     aside = directory / f".{final.name}.tmp-{os.getpid()}"
     try:
         with h5py.File(aside, "w") as handle:
@@ -64,7 +73,8 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
             for name, array in optimizer_state.items():
                 group.create_dataset(name, data=array)
             handle.attrs.update({"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step),
-                                 "config": config_json, "format": "mpidist-checkpoint-1",
+                                 "config": config_json, "format": FORMAT, "lineage": lineage,
+                                 "parent": parent or "",
                                  "data_order": json.dumps({"seed": int(seed), "epoch": int(epoch),
                                                            "epoch_step": int(epoch_step), "workers": int(workers),
                                                            "scheme": DATA_ORDER}),
@@ -79,7 +89,7 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
             os.close(dir_fd)
     except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
         reason = os.strerror(err.errno) if err.errno else str(err)
-        kept = ", ".join(p.name for p in listed(directory)) or "none"
+        kept = ", ".join(e.path.name for e in lineages.CheckpointDir(directory).entries()) or "none"
         raise RunError(f"checkpoint of step {step} not written to {directory}: {reason} (checkpoints there, "
                        f"intact: {kept})") from None
     finally:
@@ -89,62 +99,131 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
 
 
 def load(path):
-    """Read a checkpoint file; a missing or unreadable one is a :class:`UsageError`."""
+    """Read a checkpoint file and check everything in it; a missing or bad one is a :class:`UsageError`.
+
+    The file is untrusted: its arrays' shapes and dtypes are checked before
+    they are read (and their size against the memory free), their values for
+    NaN and Inf, its attributes for type and range.  The message names the
+    file, the item and the value.
+    """
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path}: no such checkpoint file")
     try:
-        with h5py.File(path, "r") as handle:
-            if handle.attrs.get("format") != "mpidist-checkpoint-1":
-                raise UsageError(f"{path}: not an mpidist checkpoint")
-            group = handle["optimizer"]
-            config = json.loads(handle.attrs["config"])
-            rng = json.loads(handle.attrs.get("rng", "{}"))
-            return Checkpoint(path=path, params=handle["params"][...],
-                              optimizer_state={name: group[name][...] for name in group},
-                              optimizer_steps=int(group.attrs["steps"]), step=int(handle.attrs["step"]),
-                              epoch=int(handle.attrs["epoch"]), epoch_step=int(handle.attrs["epoch_step"]),
-                              config=config, seed=int(rng.get("seed", config.get("seed", 0))))
-    except (OSError, KeyError, ValueError) as err:
-        raise UsageError(f"{path}: not a readable checkpoint ({err})") from None
+        with here().doing("io", f"reading checkpoint {path}"), h5py.File(path, "r") as handle:
+            return _read(path, handle)
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
+        raise UsageError(f"{path}: not a readable checkpoint ({printable(err)})") from None
 
 
-def listed(directory):
-    """Checkpoint files in ``directory``, oldest (lowest step) first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir() if PATTERN.match(p.name))
+def _read(path, handle):
+    def bad(item, problem):
+        return UsageError(f"{path}: {item} {problem}")
+
+    if handle.attrs.get("format") != FORMAT:
+        raise UsageError(f"{path}: not an mpidist checkpoint (no format attribute {FORMAT!r})")
+    params = _array(handle, "params", bad)
+    if params.ndim != 1 or params.dtype not in FLOATS:
+        raise bad("params", f"has shape {params.shape} and dtype {params.dtype}; a checkpoint holds one flat "
+                            "float32 or float64 array")
+    group = handle.get("optimizer", getclass=True)
+    if group is not h5py.Group:
+        raise bad("optimizer", "is missing")
+    group = handle["optimizer"]
+    arrays = {}
+    for name in group:
+        array = _array(group, name, bad, prefix="optimizer/")
+        if array.shape != params.shape or array.dtype not in FLOATS:
+            raise bad(f"optimizer/{printable(name)}", f"has shape {array.shape} and dtype {array.dtype}; it must "
+                                                      f"be flat like params {params.shape}")
+        arrays[name] = array
+    check_fits((1 + len(arrays)) * params.size * params.dtype.itemsize, f"checkpoint {path} ({params.size:,} "
+                                                                        "parameters)")
+    values = {name: _count(handle.attrs, name, bad) for name in ("step", "epoch", "epoch_step")}
+    optimizer_steps = _count(group.attrs, "steps", bad, prefix="optimizer/")
+    config = _json(handle.attrs, "config", bad)
+    rng = _json(handle.attrs, "rng", bad) if "rng" in handle.attrs else {}
+    seed = rng.get("seed", config.get("seed", 0))
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < LARGEST:
+        raise bad("rng seed", f"is {shown(seed)}; it must be an integer from 0")
+    lineage, parent = (_text(handle.attrs, name, bad) for name in ("lineage", "parent"))
+    loaded = {"params": handle["params"][...]}
+    for name in arrays:
+        loaded[name] = group[name][...]
+    for name, array in loaded.items():
+        if not np.isfinite(array).all():
+            item = name if name == "params" else f"optimizer/{printable(name)}"
+            raise bad(item, f"holds NaN or Inf ({int(np.count_nonzero(~np.isfinite(array)))} of {array.size} "
+                            "values): it cannot be trained or evaluated from; resume an earlier checkpoint")
+    return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded,
+                      optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage,
+                      parent=parent, **values)
 
 
-def newest(directory):
-    """The newest checkpoint file in ``directory`` (by step), or None."""
-    found = listed(directory)
-    return found[-1] if found else None
+def _array(group, name, bad, prefix=""):
+    """The dataset ``name`` of ``group`` (not read yet), checked to be a plain numeric array in this file."""
+    link = group.get(name, getlink=True)
+    if link is None:
+        raise bad(prefix + printable(name), "is missing")
+    if not isinstance(link, h5py.HardLink):
+        raise bad(prefix + printable(name), "is a link to elsewhere; a checkpoint holds its arrays itself")
+    item = group[name]
+    if not isinstance(item, h5py.Dataset) or item.is_virtual or item.dtype.kind != "f":
+        raise bad(prefix + printable(name), "is not an array of floats stored in this file")
+    return item
+
+
+def _count(attrs, name, bad, prefix=""):
+    """A non-negative integer attribute."""
+    value = attrs.get(name)
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, (np.integer, int)) and not isinstance(value, (bool, np.bool_)) and 0 <= value < LARGEST:
+        return int(value)
+    raise bad(f"attribute {prefix}{name}", f"is {shown(value)}; it must be an integer from 0")
+
+
+def _json(attrs, name, bad):
+    value = attrs.get(name)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    try:
+        table = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        table = None
+    if not isinstance(table, dict):
+        raise bad(f"attribute {name}", "is not a JSON object")
+    return table
+
+
+def _text(attrs, name, bad):
+    value = attrs.get(name, "")
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if not isinstance(value, str) or (value and not lineages.LINEAGE.match(value)):
+        raise bad(f"attribute {name}", f"is {shown(value)}; a lineage id is 8 hex digits")
+    return value
 
 
 def newest_valid(directory):
     """``(newest checkpoint that loads, [(path, reason) for newer ones that did not])``.
 
-    A run killed while writing leaves no half file under a checkpoint name
-    (files are renamed into place), but a disk can still corrupt one: the
-    previous checkpoint is used then, and the caller reports the skipped file.
+    The newest of the lineage written last (see :mod:`mpidist.lineage`):
+    another run's checkpoints in the same directory are never resumed by
+    ``--resume auto``.  A run killed while writing leaves no half file under
+    a checkpoint name (files are renamed into place), but a disk can still
+    corrupt one: the previous checkpoint is used then, and the caller reports
+    the skipped file.
     """
+    place = lineages.CheckpointDir(directory)
+    latest = place.latest_lineage()
     skipped = []
-    for path in reversed(listed(directory)):
+    for entry in reversed(place.entries(latest) if latest is not None else []):
         try:
-            return load(path), skipped
+            return load(entry.path), skipped
         except UsageError as err:
-            skipped.append((path, str(err)))
+            skipped.append((entry.path, str(err)))
     return None, skipped
-
-
-def prune(directory, keep):
-    """Delete all but the newest ``keep`` checkpoints; returns the paths removed."""
-    old = listed(directory)[:-keep] if keep > 0 else []
-    for path in old:
-        path.unlink(missing_ok=True)
-    return old
 
 
 def prepare_directory(directory):

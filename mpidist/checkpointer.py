@@ -11,6 +11,7 @@ passed in) and tested without MPI.
 import time
 
 from . import checkpoint
+from .lineage import CheckpointDir
 
 
 class CheckpointSchedule:
@@ -54,18 +55,21 @@ class CheckpointSchedule:
 
 
 class Checkpointer:
-    """Writes a run's checkpoints into ``--checkpoint-dir`` and keeps the newest ``--keep``.
+    """Writes a run's checkpoints into ``--checkpoint-dir`` and keeps the newest ``--keep`` of its lineage.
 
     Args:
         config: the run's :class:`~mpidist.config.Settings`.
         step: the step the run starts at (a resumed run's).
+        lineage: the run lineage its files belong to (see :mod:`mpidist.lineage`); ``parent``: the one
+            it branched from.
         clock: seconds, monotonic (a test passes its own).
     """
 
-    def __init__(self, config, step, clock=time.perf_counter):
-        self.config, self.clock = config, clock
+    def __init__(self, config, step, lineage="", parent="", clock=time.perf_counter):
+        self.config, self.clock, self.lineage, self.parent = config, clock, lineage, parent or ""
         self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
         self.written = []   # paths this process wrote, oldest first
+        self.last_step = None
 
     @property
     def enabled(self):
@@ -85,7 +89,8 @@ class Checkpointer:
         config = self.config
         params, opt_state, opt_steps = state
         path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
-                               config.to_json(), config.seed, workers)
-        checkpoint.prune(config.checkpoint_dir, config.keep)
+                               config.to_json(), config.seed, workers, self.lineage, self.parent)
+        CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         self.written.append(path)
+        self.last_step = step
         return path

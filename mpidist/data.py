@@ -26,8 +26,12 @@ import numpy as np
 
 from .arrays import ArrayData
 from .errors import UsageError
+from .memory import check_fits
+from .text import printable, shown
+from .whereabouts import here
 
 SPLITS = ("train", "test")
+MAX_CLASSES = 2 ** 24   # more output units than any classifier here could train: a corrupt attribute
 
 
 def data_dirs():
@@ -85,51 +89,118 @@ def open_source(path):
     return path.open() if isinstance(path, ArrayData) else h5py.File(path, "r")
 
 
-def inspect(path):
-    """Open ``path``, check the layout, and describe it (reads no sample data)."""
+def inspect(path, allow_external=False):
+    """Open ``path``, check the layout, and describe it (reads no sample data).
+
+    The file is untrusted: every item is checked before it is used (type,
+    shape, dtype, range), links that leave the file (external links, virtual
+    datasets) are refused unless ``allow_external`` (``--allow-external``),
+    and a broken file gives one message naming the file and the item.
+    """
     path = path if isinstance(path, ArrayData) else Path(path)
-    try:
-        handle = open_source(path)
-    except OSError as err:
-        raise UsageError(f"{path}: not a readable HDF5 file ({err})") from None
-    with handle:
-        for split in SPLITS:
-            for key in ("x", "y"):
-                item = handle.get(f"{split}/{key}")
-                if not isinstance(item, h5py.Dataset):
-                    raise UsageError(f"{path}: missing dataset '{split}/{key}' (the layout needs train/x, train/y, "
-                                     "test/x, test/y; `python -m mpidist ingest` writes it)")
-        if "num_classes" not in handle.attrs:
-            raise UsageError(f"{path}: missing file attribute 'num_classes' (0 for regression)")
-        num_classes = int(handle.attrs["num_classes"])
-        if num_classes < 0 or num_classes == 1:
-            raise UsageError(f"{path}: num_classes = {num_classes}; use 0 for regression or 2 or more classes")
-        sizes, shapes, widths = {}, set(), set()
-        for split in SPLITS:
-            x, y = handle[f"{split}/x"], handle[f"{split}/y"]
-            for key, item in (("x", x), ("y", y)):
-                if item.dtype.kind not in "biuf":
-                    raise UsageError(f"{path}: {split}/{key} has dtype {item.dtype}; it must be numeric")
-            if x.ndim < 2:
-                raise UsageError(f"{path}: {split}/x has shape {x.shape}; it needs samples first and "
-                                 "at least one feature axis")
-            if y.shape[0] != x.shape[0]:
-                raise UsageError(f"{path}: {split}/x has {x.shape[0]} samples but {split}/y has {y.shape[0]}")
-            if num_classes > 0 and (y.ndim != 1 or y.dtype.kind not in "biu"):
-                raise UsageError(f"{path}: {split}/y must be 1-D integer class labels for num_classes = "
-                                 f"{num_classes}, got shape {y.shape} dtype {y.dtype}")
-            if num_classes == 0 and y.ndim > 2:
-                raise UsageError(f"{path}: {split}/y has shape {y.shape}; regression targets are (N,) or (N, K)")
-            sizes[split] = int(x.shape[0])
-            shapes.add(tuple(x.shape[1:]))
-            widths.add(1 if y.ndim == 1 else int(y.shape[1]))
-        if len(shapes) > 1:
-            raise UsageError(f"{path}: train and test samples differ in shape: {sorted(shapes)}")
-        if len(widths) > 1:
-            raise UsageError(f"{path}: train and test targets differ in width: {sorted(widths)}")
-        return DatasetInfo(path=path, name=str(handle.attrs.get("name", path.stem)), num_classes=num_classes,
-                           source=str(handle.attrs.get("source", "")), sample_shape=shapes.pop(), sizes=sizes,
-                           target_width=widths.pop())
+    with here().doing("io", f"reading dataset {path}"):
+        try:
+            handle = open_source(path)
+        except OSError as err:
+            raise UsageError(f"{path}: not a readable HDF5 file ({printable(err)})") from None
+        with handle:
+            try:
+                return _describe(path, handle, allow_external)
+            except (KeyError, RuntimeError, OSError, ValueError, TypeError) as err:   # links that loop, a
+                raise UsageError(f"{path}: not a readable dataset ({printable(err)})") from None   # bad header
+
+
+def _describe(path, handle, allow_external):
+    items = {}
+    for split in SPLITS:
+        for key in ("x", "y"):
+            items[split, key] = _item(path, handle, f"{split}/{key}", allow_external)
+    num_classes = _num_classes(path, handle.attrs)
+    sizes, shapes, widths = {}, set(), set()
+    for split in SPLITS:
+        x, y = items[split, "x"], items[split, "y"]
+        for key, item in (("x", x), ("y", y)):
+            if item.dtype.kind not in "biuf":
+                raise UsageError(f"{path}: {split}/{key} has dtype {item.dtype}; it must be numeric")
+        if x.ndim < 2:
+            raise UsageError(f"{path}: {split}/x has shape {x.shape}; it needs samples first and "
+                             "at least one feature axis")
+        if 0 in x.shape[1:]:
+            raise UsageError(f"{path}: {split}/x has shape {x.shape}: samples of no features")
+        if y.ndim == 0:
+            raise UsageError(f"{path}: {split}/y is a single value; it needs one target per sample")
+        if y.shape[0] != x.shape[0]:
+            raise UsageError(f"{path}: {split}/x has {x.shape[0]} samples but {split}/y has {y.shape[0]}")
+        if x.shape[0] == 0:
+            raise UsageError(f"{path}: the {split} split is empty; training and evaluation need samples in "
+                             "both (`python -m mpidist ingest --test-fraction` splits a source)")
+        if num_classes > 0 and (y.ndim != 1 or y.dtype.kind not in "biu"):
+            raise UsageError(f"{path}: {split}/y must be 1-D integer class labels for num_classes = "
+                             f"{num_classes}, got shape {y.shape} dtype {y.dtype}")
+        if num_classes == 0 and (y.ndim > 2 or (y.ndim == 2 and y.shape[1] == 0)):
+            raise UsageError(f"{path}: {split}/y has shape {y.shape}; regression targets are (N,) or (N, K)")
+        sizes[split] = int(x.shape[0])
+        shapes.add(tuple(int(d) for d in x.shape[1:]))
+        widths.add(1 if y.ndim == 1 else int(y.shape[1]))
+    if len(shapes) > 1:
+        raise UsageError(f"{path}: train and test samples differ in shape: {sorted(shapes)}")
+    if len(widths) > 1:
+        raise UsageError(f"{path}: train and test targets differ in width: {sorted(widths)}")
+    return DatasetInfo(path=path, name=_text(handle.attrs.get("name"), path.stem), num_classes=num_classes,
+                       source=_text(handle.attrs.get("source"), ""), sample_shape=shapes.pop(), sizes=sizes,
+                       target_width=widths.pop())
+
+
+def _item(path, handle, name, allow_external):
+    """The dataset ``name`` (``train/x``), checked to be one, and to live in this file unless allowed."""
+    node, parts = handle, name.split("/")
+    for depth, part in enumerate(parts):
+        link = node.get(part, getlink=True) if isinstance(node, h5py.Group) else None
+        if link is None:
+            raise UsageError(f"{path}: missing dataset '{name}' (the layout needs train/x, train/y, test/x, "
+                             "test/y; `python -m mpidist ingest` writes it)")
+        if isinstance(link, h5py.ExternalLink) and not allow_external:
+            raise UsageError(f"{path}: '{'/'.join(parts[:depth + 1])}' is an external link to "
+                             f"{printable(link.filename)!r}: refused, as it reads another file "
+                             "(--allow-external follows such links)")
+        try:
+            node = node[part]
+        except (KeyError, RuntimeError, OSError, ValueError) as err:   # a soft link that loops or dangles
+            raise UsageError(f"{path}: '{'/'.join(parts[:depth + 1])}' cannot be read ({printable(err)})") from None
+    if not isinstance(node, h5py.Dataset):
+        raise UsageError(f"{path}: '{name}' is not a dataset (the layout needs train/x, train/y, test/x, test/y)")
+    if node.is_virtual and not allow_external:
+        raise UsageError(f"{path}: '{name}' is a virtual dataset, which reads other files: refused "
+                         "(--allow-external allows it)")
+    return node
+
+
+def _num_classes(path, attrs):
+    """The ``num_classes`` attribute, checked: an integer, 0 (regression) or 2 to MAX_CLASSES."""
+    if "num_classes" not in attrs:
+        raise UsageError(f"{path}: missing file attribute 'num_classes' (0 for regression)")
+    value = attrs["num_classes"]
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(())[()]
+    integral = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if isinstance(value, (float, np.floating)) and np.isfinite(value) and float(value).is_integer():
+        integral, value = True, int(value)
+    if not integral:
+        raise UsageError(f"{path}: num_classes = {shown(value)} is not an integer (0 for regression, "
+                         "or the number of classes)")
+    value = int(value)
+    if value < 0 or value == 1 or value > MAX_CLASSES:
+        raise UsageError(f"{path}: num_classes = {value}; use 0 for regression or 2 to {MAX_CLASSES:,} classes")
+    return value
+
+
+def _text(value, default):
+    """An attribute shown to users: text with control characters escaped."""
+    if value is None:
+        return default
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return printable(value)
 
 
 def shard_size(n, num_workers, worker):
@@ -164,9 +235,16 @@ class Shard:
 
     def __init__(self, info, split, worker, num_workers, input_shape, dtype):
         rows = slice(worker, None, num_workers)
-        with open_source(info.path) as handle:
-            x, y = handle[f"{split}/x"][rows], handle[f"{split}/y"][rows]
         where = f"{info.path}: {split}"
+        dtype = np.dtype(dtype)
+        with open_source(info.path) as handle, here().doing("io", f"reading {where}"):
+            x, y = handle[f"{split}/x"], handle[f"{split}/y"]
+            count = shard_size(x.shape[0], num_workers, worker)
+            sample = int(np.prod(x.shape[1:]))
+            # the file's row count decides the size: checked before anything is read
+            check_fits(count * sample * (x.dtype.itemsize + dtype.itemsize) + count * 16,
+                       f"{where} ({count:,} rows of {sample:,} values for this worker)")
+            x, y = x[rows], y[rows]
         if x.dtype.kind == "f" and not np.isfinite(x).all():
             bad = int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0]) * num_workers + worker
             raise UsageError(f"{where}/x holds NaN or Inf (first at sample {bad})")
@@ -180,11 +258,21 @@ class Shard:
         else:
             if y.dtype.kind == "f" and not np.isfinite(y).all():
                 raise UsageError(f"{where}/y holds NaN or Inf")
-            self.y = y.astype(dtype).reshape(len(y), -1)
-        self.x = x.astype(dtype, copy=False).reshape((len(x),) + tuple(input_shape))
+            self.y = _converted(y, dtype, f"{where}/y").reshape(len(y), -1)
+        self.x = _converted(x, dtype, f"{where}/x").reshape((len(x),) + tuple(input_shape))
 
     def __len__(self):
         return len(self.y)
+
+
+def _converted(array, dtype, where):
+    """``array`` as ``dtype``, refused if finite values overflow it (1e300 is Inf in float32)."""
+    converted = array.astype(dtype, copy=False)
+    if converted is not array and not np.isfinite(converted).all():
+        largest = float(np.max(np.abs(array)))
+        raise UsageError(f"{where} holds values up to {largest:.3g}, beyond the range of --dtype {dtype} "
+                         "(they would become Inf): scale the data, or train with --dtype float64")
+    return converted
 
 
 class Prefetcher:

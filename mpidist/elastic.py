@@ -149,10 +149,11 @@ def exit_after_failure(code):
 
 def cannot_go_on(lost, checkpoint_dir=""):
     """The message when a ps or the chief died: what happened and how to go on."""
-    from .checkpoint import newest
+    from .lineage import CheckpointDir
 
-    latest = newest(checkpoint_dir) if checkpoint_dir else None
-    where = f" (newest: {latest})" if latest else ""
+    place = CheckpointDir(checkpoint_dir) if checkpoint_dir else None
+    latest = place.newest_of(place.latest_lineage()) if place is not None and place.entries() else None
+    where = f" (newest: {latest.path})" if latest else ""
     return (f"{lost} died: --elastic carries on without lost workers, but a ps's shard or the chief's role is held "
             f"nowhere else; resume from the last checkpoint with --resume auto{where}")
 

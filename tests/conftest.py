@@ -130,3 +130,16 @@ def cluster_with_ps(num_ps):
     if MPI.COMM_WORLD.Get_size() < num_ps + 1:
         pytest.skip(f"--ps {num_ps} needs {num_ps + 1} ranks")
     return build_cluster(MPI.COMM_WORLD, num_ps=num_ps)
+
+
+def checkpoint_steps(directory):
+    """The steps of the checkpoint files in ``directory`` (any lineage), lowest first."""
+    from mpidist.lineage import parse_name
+    return sorted(parsed[0] for parsed in map(parse_name, (p.name for p in Path(directory).iterdir())) if parsed)
+
+
+def checkpoint_at(directory, step):
+    """The one checkpoint file of ``step`` in ``directory``."""
+    found = list(Path(directory).glob(f"ckpt-{step:08d}*.h5"))
+    assert len(found) == 1, (step, sorted(p.name for p in Path(directory).iterdir()))
+    return found[0]

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import events, mpidist
+from conftest import checkpoint_at, checkpoint_steps, events, mpidist
 
 STATED_ACCURACY = 0.90      # README: the default run reaches at least this test accuracy
 
@@ -86,7 +86,7 @@ def test_in_graph_replication_on_any_rank_count_equals_one_process(tmp_path):
     for name, (ranks, flags) in runs.items():
         done, _ = mpidist(ranks, *common, *flags, "--checkpoint-dir", str(tmp_path / name))
         assert done.returncode == 0, done.stderr
-        with h5py.File(tmp_path / name / "ckpt-00000025.h5") as handle:
+        with h5py.File(checkpoint_at(tmp_path / name, 25)) as handle:
             params[name] = handle["params"][...]
     for name in ("allreduce-2", "ps-sync-4"):
         np.testing.assert_allclose(params[name], params["local"], rtol=1e-9, atol=1e-12)
@@ -137,12 +137,12 @@ def test_resumed_training_ends_where_an_uninterrupted_run_ends(tmp_path):
     assert done.returncode == 0, done.stderr
     done, _ = mpidist(2, *common, "--steps", "30", "--checkpoint-dir", str(half), "--resume", "auto")
     assert done.returncode == 0, done.stderr
-    assert "resumed from" in done.stdout and "ckpt-00000013.h5" in done.stdout
-    with h5py.File(whole / "ckpt-00000030.h5") as a, h5py.File(half / "ckpt-00000030.h5") as b:
+    assert "resumed from" in done.stdout and "ckpt-00000013-" in done.stdout
+    with h5py.File(checkpoint_at(whole, 30)) as a, h5py.File(checkpoint_at(half, 30)) as b:
         np.testing.assert_array_equal(a["params"][...], b["params"][...])
         np.testing.assert_array_equal(a["optimizer/m"][...], b["optimizer/m"][...])
         assert a.attrs["step"] == b.attrs["step"] == 30
-    assert not [p for p in half.iterdir() if p.name.startswith(".")]   # nothing left aside
+    assert not [p for p in half.iterdir() if p.name.startswith(".ckpt")]   # nothing left aside
 
 
 @pytest.mark.parametrize("first,then,reference", [
@@ -157,10 +157,10 @@ def test_a_checkpoint_resumes_under_another_strategy_and_rank_count_exactly(tmp_
     done, _ = mpidist(then[0], *common, *then[1], "--steps", "40", "--checkpoint-dir", str(tmp_path / "run"),
                       "--resume", "auto")
     assert done.returncode == 0, done.stderr
-    assert "resumed from" in done.stdout and "ckpt-00000017.h5" in done.stdout
+    assert "resumed from" in done.stdout and "ckpt-00000017-" in done.stdout
     done, _ = mpidist(reference[0], *common, *reference[1], "--steps", "40", "--checkpoint-dir", str(tmp_path / "ref"))
     assert done.returncode == 0, done.stderr
-    with h5py.File(tmp_path / "run" / "ckpt-00000040.h5") as got, h5py.File(tmp_path / "ref" / "ckpt-00000040.h5") as ref:
+    with h5py.File(checkpoint_at(tmp_path / "run", 40)) as got, h5py.File(checkpoint_at(tmp_path / "ref", 40)) as ref:
         np.testing.assert_allclose(got["params"][...], ref["params"][...], rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(got["optimizer/v"][...], ref["optimizer/v"][...], rtol=1e-9, atol=1e-15)
 
@@ -169,19 +169,19 @@ def test_old_checkpoints_are_pruned_and_a_corrupt_newest_one_is_passed_over(tmp_
     common = ["train", "--metrics", "", "--progress", "none", "--checkpoint-dir", str(tmp_path)]
     done, _ = mpidist(2, *common, "--steps", "20", "--checkpoint-every", "5", "--keep", "2")
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000015.h5", "ckpt-00000020.h5"]
-    newest = tmp_path / "ckpt-00000020.h5"
+    assert checkpoint_steps(tmp_path) == [15, 20]
+    newest = checkpoint_at(tmp_path, 20)
     newest.write_bytes(newest.read_bytes()[:300])
     done, _ = mpidist(2, *common, "--steps", "25", "--resume", "auto")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("warning: skipped unreadable checkpoint ckpt-00000020.h5") == 1
-    assert "resumed from" in done.stdout and "ckpt-00000015.h5 at step 15" in done.stdout
+    assert done.stdout.count(f"warning: skipped unreadable checkpoint {newest.name}") == 1
+    assert "resumed from" in done.stdout and f"{checkpoint_at(tmp_path, 15).name} at step 15" in done.stdout
 
 
 def test_eval_reports_a_checkpoints_accuracy_over_the_ranks(tmp_path):
     done, _ = mpidist(2, "--metrics", "", "--epochs", "5", "--checkpoint-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    done, _ = mpidist(2, "eval", str(tmp_path / "ckpt-00000110.h5"))
+    done, _ = mpidist(2, "eval", str(checkpoint_at(tmp_path, 110)))
     assert done.returncode == 0, done.stderr
     accuracy = float(done.stdout.split("test accuracy ")[1].split("%")[0])
     assert accuracy >= 100 * STATED_ACCURACY and "over 359 samples" in done.stdout
@@ -222,6 +222,82 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert rows["allreduce"]["workers"] == 2 and rows["ps-sync"]["workers"] == 1
 
 
+def _unwritable_output(tmp_path, case):
+    """An ``--output`` path that cannot be written, and the reason the message gives (None: not here, as root)."""
+    import os
+    if case == "a directory":
+        return tmp_path, "it is a directory; name a file"
+    if case == "under a regular file":
+        (tmp_path / "file").write_text("")
+        return tmp_path / "file" / "bench.json", "a part of its path is a file, not a directory"
+    if case == "no such directory":
+        return tmp_path / "missing" / "bench.json", "its directory does not exist"
+    if case == "a named pipe":
+        os.mkfifo(tmp_path / "pipe")
+        return tmp_path / "pipe", "it is not a regular file"
+    if case == "a read-only directory":
+        (tmp_path / "ro").mkdir()
+        (tmp_path / "ro").chmod(0o555)
+        writable = os.access(tmp_path / "ro", os.W_OK)
+        return tmp_path / "ro" / "bench.json", None if writable else "permission denied"
+    (tmp_path / "old.json").write_text("{}")       # a read-only results file
+    (tmp_path / "old.json").chmod(0o444)
+    writable = os.access(tmp_path / "old.json", os.W_OK)
+    return tmp_path / "old.json", None if writable else "the file is not writable"
+
+
+@pytest.mark.parametrize("case", ["a directory", "under a regular file", "no such directory", "a named pipe",
+                                  "a read-only directory", "a read-only file"])
+def test_bench_refuses_an_unwritable_output_before_it_runs_anything(tmp_path, monkeypatch, capsys, case):
+    """No benchmark runs (it would be lost): ``check_output`` names the path, every rank exits with code 2."""
+    import re
+
+    from mpi4py import MPI
+
+    from mpidist import bench
+    from mpidist.errors import EXIT_USAGE, UsageError
+    output, reason = _unwritable_output(tmp_path, case)
+    if reason is None:
+        pytest.skip("this user (root) writes whatever the permissions")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(UsageError, match=rf"^--output {re.escape(str(output))}: cannot be written: {reason}"):
+        bench.check_output(str(output))
+
+    def no_benchmark(*args, **kwargs):
+        raise AssertionError("a benchmark ran before --output was checked")
+
+    monkeypatch.setattr(bench, "build_cluster", no_benchmark)
+    with pytest.raises(SystemExit) as stopped:
+        bench.run_bench(MPI.COMM_SELF, ["mlp"], 0.1, 8, str(output))
+    assert stopped.value.code == EXIT_USAGE
+    assert f"mpidist: error: --output {output}: cannot be written: {reason}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before          # no probe file left behind
+
+
+def test_bench_output_check_leaves_a_writable_path_as_it_was(tmp_path):
+    from mpidist.bench import check_output
+    check_output(str(tmp_path / "new.json"))
+    (tmp_path / "old.json").write_text('{"rows": []}')
+    check_output(str(tmp_path / "old.json"))
+    assert [p.name for p in tmp_path.iterdir()] == ["old.json"]
+    assert (tmp_path / "old.json").read_text() == '{"rows": []}'
+
+
+def test_bench_results_replace_an_existing_file_whole_or_not_at_all(tmp_path):
+    import os
+
+    from mpidist.bench import write_results
+    path = tmp_path / "bench.json"
+    path.write_text('{"old": true}')
+    path.chmod(0o640)
+    write_results(str(path), {"rows": [1, 2]})
+    assert json.loads(path.read_text()) == {"rows": [1, 2]} and (path.stat().st_mode & 0o777) == 0o640
+    with pytest.raises(TypeError):                                      # fails half-way through the JSON
+        write_results(str(path), {"rows": [1, object()]})
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}             # the old results, whole
+    assert os.listdir(tmp_path) == ["bench.json"]                      # nothing written aside is left
+
+
 @pytest.mark.parametrize("ranks,strategy", [
     (4, ["--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"]),
     (5, ["--strategy", "ps-async", "--ps", "2"]),
@@ -231,7 +307,7 @@ def test_ps_ranks_write_mid_run_checkpoints_when_workers_are_not_in_step(tmp_pat
     common = ["--progress", "none", "--metrics", "", "--epochs", "3", *strategy]
     done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "10", "--keep", "0")
     assert done.returncode == 0, done.stderr
-    steps = [int(p.name[5:13]) for p in sorted(tmp_path.glob("ckpt-*.h5"))]
+    steps = checkpoint_steps(tmp_path)
     total = steps[-1]
     assert total == 3 * 21   # 3 workers: the 480-row shard of worker 0 holds 21 batches of 22
     middle = steps[:-1]
@@ -240,12 +316,12 @@ def test_ps_ranks_write_mid_run_checkpoints_when_workers_are_not_in_step(tmp_pat
     else:   # ps-async: at the first chief step the ps sees past a multiple (a busy ps may see two at once)
         assert len(middle) >= 3 and len({s // 10 for s in middle}) == len(middle)
     for step in middle:
-        with h5py.File(tmp_path / f"ckpt-{step:08d}.h5") as handle:
+        with h5py.File(checkpoint_at(tmp_path, step)) as handle:
             assert handle.attrs["step"] == step and np.isfinite(handle["params"][...]).all()
             assert handle["optimizer"].attrs["steps"] > 0 and np.abs(handle["optimizer/v"][...]).sum() > 0
             if "--aggregate" in strategy:   # a consistent state: the optimizer took exactly `step` updates
                 assert handle["optimizer"].attrs["steps"] == step
     done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(tmp_path / "again"),
-                      "--resume", str(tmp_path / f"ckpt-{middle[1]:08d}.h5"))
+                      "--resume", str(checkpoint_at(tmp_path, middle[1])))
     assert done.returncode == 0, done.stderr
     assert f"at step {middle[1]}" in done.stdout and f"steps             {total} " in done.stdout

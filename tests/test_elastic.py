@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_environ, events, rank_pids, wait_for_step
+from conftest import ROOT, checkpoint_at, checkpoint_steps, child_environ, events, rank_pids, wait_for_step
 
 STEPS_PER_EPOCH = 22          # digits, global batch 64 (up to 6 workers)
 SLOW = "*:0.01"               # 10 ms a step: time to kill at a chosen step
@@ -122,7 +122,7 @@ def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, 
     lost = sorted(rank for r in done["recoveries"] for rank in r["lost_ranks"])
     assert lost == sorted(rank for _, rank in kills), (replay, done["recoveries"])
     assert "mpidist: lost rank" in out and "continuing from step" in out, replay
-    assert (tmp_path / "ckpt" / f"ckpt-{done['steps']:08d}.h5").exists(), replay   # the end is checkpointed
+    assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay   # the end is checkpointed
     if strategy == "ps-async":   # the first ps dropped them while the others trained on
         first_ps = next(r for r in done["roles"] if r["role"] == "ps")
         assert sorted(d["rank"] for d in first_ps["dropped_workers"]) == lost, replay
@@ -149,7 +149,8 @@ def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoi
     assert "rank 4 (ps) died: --elastic carries on without lost workers" in err
     assert "resume from the last checkpoint with --resume auto" in err
     assert seconds < 10
-    newest = max(int(p.name[5:13]) for p in checkpoints.glob("ckpt-*.h5"))
+    newest = checkpoint_steps(checkpoints)[-1]
+    newest_path = checkpoint_at(checkpoints, newest)
     if strategy == "ps-sync":   # the survivors shrank together: the chief says so in the metrics too
         failed, = events(metrics, "failed")
         assert 40 <= newest <= failed["step"] and f"(newest: {checkpoints}" in err
@@ -158,7 +159,7 @@ def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoi
 
     code, out, err, _ = run(python, 5, [*flags, "--resume", "auto"], metrics)
     assert code == 0, err
-    assert f"resumed from {checkpoints / f'ckpt-{newest:08d}.h5'} at step {newest}" in out
+    assert f"resumed from {newest_path} at step {newest}" in out
     assert events(metrics, "done")[0]["steps"] == 6 * STEPS_PER_EPOCH
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import events, mpidist, rank_pids, start_mpidist, wait_for_step
+from conftest import checkpoint_at, checkpoint_steps, events, mpidist, rank_pids, start_mpidist, wait_for_step
 from mpidist.errors import EXIT_PREEMPTED
 from mpidist.preempt import StepAgreement, StopSignals, settle, signal_name
 
@@ -72,7 +72,7 @@ def test_a_signal_to_one_rank_checkpoints_the_job_and_the_resumed_run_loses_no_s
     stop, = events(metrics, "stopped")
     assert (stop["signal"], stop["rank"]) == (signal_name(number), victim)
     assert f"stopped by {signal_name(number)} (rank {victim}) at step {stop['step']}" in out
-    assert stop["checkpoint"].endswith(f"ckpt-{stop['step']:08d}.h5") and took < 20
+    assert stop["checkpoint"] == str(checkpoint_at(tmp_path / "ckpt", stop["step"])) and took < 20
     assert not events(metrics, "done")
 
     done, _ = mpidist(ranks, *run, "--resume", "auto")
@@ -84,8 +84,8 @@ def test_a_signal_to_one_rank_checkpoints_the_job_and_the_resumed_run_loses_no_s
     reference = tmp_path / "uninterrupted"
     done, _ = mpidist(ranks, *common, "--metrics", str(reference / "m.jsonl"), "--checkpoint-dir", str(reference))
     assert done.returncode == 0, done.stderr
-    final = f"ckpt-{total:08d}.h5"
-    with h5py.File(tmp_path / "ckpt" / final) as resumed, h5py.File(reference / final) as whole:
+    with h5py.File(checkpoint_at(tmp_path / "ckpt", total)) as resumed, \
+            h5py.File(checkpoint_at(reference, total)) as whole:
         np.testing.assert_array_equal(resumed["params"][...], whole["params"][...])
     accuracy = events(metrics, "done")[0]["test_accuracy"]
     assert abs(accuracy - events(reference / "m.jsonl", "done")[0]["test_accuracy"]) <= 0.005
@@ -110,7 +110,7 @@ def test_timed_checkpoints_follow_the_chiefs_clock(tmp_path):
     written = [e["step"] for e in events(tmp_path / "m.jsonl", "checkpoint")]
     # 44 steps of >= 30 ms take >= 1.3 s: several timed checkpoints, then the final one
     assert len(written) >= 4 and written[-1] == 44 and written == sorted(set(written))
-    assert sorted(p.name for p in tmp_path.glob("ckpt-*.h5")) == [f"ckpt-{s:08d}.h5" for s in written]
+    assert checkpoint_steps(tmp_path) == written
 
 
 ASYNC_STOPS = {
@@ -140,7 +140,7 @@ def test_strategies_out_of_lockstep_stop_on_a_signal_too_and_resume(tmp_path, ca
     stop, = events(metrics, "stopped")
     assert (stop["signal"], stop["rank"]) == (signal_name(number), victim)
     total = 3 * events(metrics, "start")[0]["steps_per_epoch"]
-    assert 5 <= stop["step"] < total and (tmp_path / "ckpt" / f"ckpt-{stop['step']:08d}.h5").exists()
+    assert 5 <= stop["step"] < total and checkpoint_at(tmp_path / "ckpt", stop["step"]).exists()
 
     done, _ = mpidist(ranks, *run, "--resume", "auto")
     assert done.returncode == 0, done.stderr

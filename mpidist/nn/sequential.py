@@ -7,6 +7,8 @@ windows and checkpoints move slices of these buffers, never single tensors.
 
 import numpy as np
 
+from ..memory import check_fits
+
 from .layers import ShapeError
 
 
@@ -53,6 +55,8 @@ class Sequential:
                     offset += int(np.prod(pshape))
         self.output_shape = tuple(shape)
         self.num_params = offset
+        # sizes come from the data (a dataset's num_classes): checked before the buffers are allocated
+        check_fits(2 * offset * self.dtype.itemsize, f"a model of {offset:,} parameters (values and gradients)")
         self.bind_params(xp.zeros(offset, dtype=self.dtype))
         self.bind_grads(xp.zeros(offset, dtype=self.dtype))
         self.reseed(0)
