@@ -11,6 +11,9 @@ def main():
 
     install_abort_on_exception()
     from . import cli, elastic
+    from .preempt import stop_signals
+
+    stop_signals().install()   # from here on, a scheduler's SIGTERM stops the run cleanly (exit code 3)
 
     try:
         code = cli.main()

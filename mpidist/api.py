@@ -26,7 +26,11 @@ from .build import Inputs, build_model_for
 from .cluster import PS, build_cluster
 from .config import Settings, settings_from
 from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError, abort_job, agreed
+from .preempt import stop_signals
+from .stall import LocalWatch
+from .text import printable
 from .threads import limit_blas_threads
+from .whereabouts import here
 from .xp import select_device
 
 
@@ -81,10 +85,17 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
     Returns:
         :class:`Result` on every rank.
     """
-    from .training import run
-
     limit_blas_threads()
     world = MPI.COMM_WORLD if comm is None else comm
+    here().enter("setup", 0)
+    # a signal during set-up is kept: the loop stops at its first step boundary (exit code 3)
+    with stop_signals(), LocalWatch(here(), Settings.stall_timeout, world.Get_rank()) as watch:
+        return _train(world, watch, model, data, settings, callbacks, stream, flags)
+
+
+def _train(world, watch, model, data, settings, callbacks, stream, flags):
+    from .training import run
+
     with agreed(world):
         config = settings_from(settings, **flags)
         inputs = Inputs.of(config, model, data)
@@ -94,6 +105,8 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
         config.validate(world.Get_size())
         if config.elastic:
             _require_ulfm()
+    watch.timeout = config.stall_timeout
+    here().enter("start")   # collectives from here on: a wait on the others
     with _ends_the_job_on_error(world):
         cluster = build_cluster(world, num_ps=config.ps)
         with agreed(world):
@@ -120,15 +133,20 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
     Returns:
         ``{"test_loss", "test_accuracy", "samples", "step", "model", "dataset"}`` on every rank.
     """
+    limit_blas_threads()
+    world = MPI.COMM_WORLD if comm is None else comm
+    here().enter("setup", 0)
+    with LocalWatch(here(), Settings.stall_timeout, world.Get_rank()):
+        return _evaluate(world, checkpoint_path, data, model)
+
+
+def _evaluate(world, checkpoint_path, data, model):
     from .nn import loss_for
     from .parallel import AllreduceStrategy
 
-    limit_blas_threads()
-    world = MPI.COMM_WORLD if comm is None else comm
     with agreed(world):
         saved = checkpoint.load(checkpoint_path)
-        known = {f.name for f in dataclasses.fields(Settings)}
-        config = Settings(**{k: v for k, v in saved.config.items() if k in known})
+        config = _stored_settings(saved)
         inputs = Inputs.of(config, model, data)
         xp, _ = select_device(config.device, 0)
         info = _inspect(inputs.data)
@@ -145,6 +163,18 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
         cluster.free()
     return {"test_loss": loss, "test_accuracy": accuracy, "samples": count, "step": saved.step,
             "model": inputs.model.spec, "dataset": info.name}
+
+
+def _stored_settings(saved):
+    """The settings a checkpoint stores, checked as if given anew (a file is untrusted); unknown keys dropped."""
+    from .config import FIELDS, typed
+
+    try:
+        config = Settings(**typed({k: v for k, v in saved.config.items() if k in FIELDS}, f"{saved.path}: config"))
+        config.validate_values()
+    except UsageError as err:
+        raise UsageError(f"{saved.path}: its stored settings are not valid ({printable(err)})") from None
+    return config
 
 
 def _inspect(source):

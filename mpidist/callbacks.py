@@ -93,6 +93,11 @@ class Reporter:
             getattr(callback, method)(dict(figures, event=event))
 
     @property
+    def failure(self):
+        """Why the metrics file could not be written (None while it can)."""
+        return self.log.failure
+
+    @property
     def stop_asked(self):
         """Whether a callback asked the run to stop."""
         return any(callback.stop_training for callback in self.callbacks)

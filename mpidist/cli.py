@@ -6,12 +6,14 @@ Only world rank 0 prints help and usage text.
 """
 
 import argparse
+import os
 import sys
 
 from mpi4py import MPI
 
 from . import __version__
 from .errors import EXIT_OK, UsageError, agreed
+from .preempt import stop_signals
 
 COMMANDS = ("train", "eval", "ingest", "info", "bench")
 
@@ -154,4 +156,9 @@ def main(argv=None):
         args = parse(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "ingest": cmd_ingest, "info": cmd_info,
                "bench": cmd_bench}[args.command]
+    if args.command != "train":   # only training stops at a boundary; the others end as signals end them
+        signals = stop_signals()
+        signals.restore()
+        if signals.received:
+            os.kill(os.getpid(), signals.received)
     return handler(args, world)

@@ -20,6 +20,8 @@ import traceback
 
 import numpy as np
 
+from .whereabouts import here
+
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a failure while running (a bug, a lost rank, an I/O error)
 EXIT_USAGE = 2    # bad usage, configuration or input
@@ -99,7 +101,8 @@ def agreed(comm):
     size = 1 if comm is None else comm.Get_size()
     codes = np.full(size, code, dtype=np.int32)
     if comm is not None:
-        comm.Allgather(np.array([code], dtype=np.int32), codes)
+        with here().doing("agree", "set-up: every rank's checks"):
+            comm.Allgather(np.array([code], dtype=np.int32), codes)
     failed = np.flatnonzero(codes)
     if failed.size == 0:
         return

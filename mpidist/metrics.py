@@ -8,34 +8,98 @@ and a crash loses nothing already written.  Events: ``start``, ``step`` (every
 
 import json
 import os
+import stat
 import sys
 import time
 
 from .errors import UsageError
+from .whereabouts import here
 
 
 class MetricsLog:
-    """Appends events to a JSONL file; ``path=''`` writes nothing."""
+    """Appends events to a JSONL file; ``path=''`` writes nothing.
+
+    Each line goes out in one ``write`` call on an append-only descriptor.  A
+    write that fails (a full disk, a quota, ``/dev/full``) is cut back to the
+    last whole line, the log stops writing, and :attr:`failure` says why: the
+    training loop then ends the run as a failure at the next step boundary
+    (checkpoint first), like any other.  A line cut short by a crash is
+    removed when the file is next opened.
+    """
 
     def __init__(self, path):
-        self.handle = None
+        self.fd, self.path, self.failure = None, path, None
         if path:
             try:
                 directory = os.path.dirname(os.path.abspath(path))
                 os.makedirs(directory, exist_ok=True)
-                self.handle = open(path, "a", encoding="utf-8")
+                with here().doing("io", f"opening --metrics {path}"):
+                    _check_writable_target(path)
+                    self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+                    _drop_partial_line(self.fd)
             except OSError as err:
                 raise UsageError(f"--metrics {path}: cannot open for appending ({err.strerror})") from None
 
     def write(self, event, **fields):
-        if self.handle is not None:
-            self.handle.write(json.dumps({"event": event, **fields}) + "\n")
-            self.handle.flush()
+        if self.fd is None:
+            return
+        line = (json.dumps({"event": event, **fields}) + "\n").encode("utf-8")
+        start = _size(self.fd)
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(self.fd, line[written:])
+        except OSError as err:
+            self.failure = f"--metrics {self.path}: a write failed ({err.strerror})"
+            _truncate(self.fd, start)
+            self.close()
 
     def close(self):
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _check_writable_target(path):
+    """Refuse what an append would block on or cannot hold: a FIFO, a socket, a directory."""
+    try:
+        kind = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(kind):
+        raise UsageError(f"--metrics {path}: is a directory")
+    if stat.S_ISFIFO(kind) or stat.S_ISSOCK(kind):
+        raise UsageError(f"--metrics {path}: is a FIFO or socket, not a file (a write could wait forever "
+                         "for a reader)")
+
+
+def _size(fd):
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return None
+
+
+def _truncate(fd, size):
+    """Cut a regular file back to ``size`` bytes (devices have no size to cut back to)."""
+    if size is not None:
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            pass
+
+
+def _drop_partial_line(fd):
+    """If a regular file ends inside a line (a crash mid-write), cut that line off: the file keeps whole lines."""
+    size = _size(fd)
+    if not size or not stat.S_ISREG(os.fstat(fd).st_mode):
+        return
+    tail_start = max(0, size - 65536)
+    tail = os.pread(fd, size - tail_start, tail_start)
+    if tail.endswith(b"\n"):
+        return
+    cut = tail.rfind(b"\n")
+    _truncate(fd, tail_start + cut + 1 if cut >= 0 else (0 if tail_start == 0 else size))
 
 
 class Progress:

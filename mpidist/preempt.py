@@ -29,12 +29,17 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 #: A stop a callback asked for, carried where signal numbers are (flags combine with MAX): it is below
 #: every signal mpidist catches, so a real signal seen at the same boundary wins (checkpoint, exit 3).
 EARLY_STOP = 1
+#: A failed write of the chief's (the metrics file on a full disk), carried the same way: above every
+#: signal, so the run ends as failed (after a checkpoint, exit 1) whatever else was asked at that boundary.
+WRITE_FAILED = 1 << 20
 
 
 def signal_name(number):
     """``SIGTERM`` for 15; ``signal 99`` for numbers Python does not know."""
     if number == EARLY_STOP:
         return "a callback's stop request"
+    if number == WRITE_FAILED:
+        return "a failed write"
     try:
         return signal.Signals(number).name
     except ValueError:
@@ -47,11 +52,18 @@ class StopSignals:
     A SIGINT while a stop is already pending raises KeyboardInterrupt, so
     Ctrl-C twice still ends a run that cannot reach a step boundary (the
     exception aborts the whole job, see mpidist.errors).
+
+    Installs nest: the command line installs the handlers before it parses
+    its flags, the run installs them again, and a signal that came during
+    start-up is still ``received`` when the loop looks (it stops the run at
+    its first step boundary, with exit code 3).  Only the outermost
+    :meth:`restore` puts the previous handlers back.
     """
 
     def __init__(self):
         self.received = 0
         self._previous = {}
+        self._depth = 0
 
     def _handle(self, number, frame):
         if number == signal.SIGINT and self.received:
@@ -59,12 +71,17 @@ class StopSignals:
         self.received = self.received or number
 
     def install(self):
-        for number in SIGNALS:
-            self._previous[number] = signal.signal(number, self._handle)
-        self.received = 0
+        self._depth += 1
+        if self._depth == 1:
+            for number in SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+            self.received = 0
         return self
 
     def restore(self):
+        self._depth = max(0, self._depth - 1)
+        if self._depth:
+            return
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
@@ -74,6 +91,14 @@ class StopSignals:
 
     def __exit__(self, *exc):
         self.restore()
+
+
+_PROCESS = StopSignals()
+
+
+def stop_signals():
+    """This process's :class:`StopSignals` (the main thread's handlers are per process)."""
+    return _PROCESS
 
 
 class StepAgreement:

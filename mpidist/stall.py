@@ -17,8 +17,19 @@ silent, and where they were last seen, and ends the job with exit code 1:
 Computing, serving (ps-async and backup ps ranks) and the chief's
 checkpoint writes are not waits: a long one shows as the others waiting for
 it.  Set the timeout above the longest of those in your runs.
+
+What the chief cannot see, each rank's :class:`LocalWatch` does, from the
+start of set-up to the end of the run and without MPI: I/O that never
+returns (``open()`` of a path on a hung file system retries after every
+signal, so nothing else would end it), and a wait that no verdict ended
+because the chief itself is frozen.  The chief's deputy (the next rank)
+hears the chief's record too, and names where it was last seen:
+
+    mpidist: error: stalled for 4.1 s (--stall-timeout 2): rank 1 waits in exchange at step 6; the chief
+    (rank 0) has not reported for 3.9 s; it was last seen in compute at step 6
 """
 
+import os
 import sys
 import threading
 import time
@@ -27,30 +38,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import EXIT_FAILURE, error_line
+from .whereabouts import PHASES, WAITS
 
-#: Phases a rank can be in; those in WAITS are where ranks block on others.
-PHASES = ("start", "compute", "exchange", "staleness-bound", "agree", "gather", "write", "finish", "serve")
-WAITS = frozenset({"start", "exchange", "staleness-bound", "agree", "gather", "finish"})
 TAG = 91
-
-
-class Whereabouts:
-    """Where this rank's main thread is: ``step``, ``phase`` and the monotonic time it entered the phase."""
-
-    def __init__(self):
-        self.step, self.phase, self.since = 0, "start", time.monotonic()
-
-    def enter(self, phase, step=None):
-        """Record that the main thread entered ``phase`` (at ``step``, if given)."""
-        if step is not None:
-            self.step = step
-        if phase != self.phase:
-            self.phase, self.since = phase, time.monotonic()
-
-    def record(self):
-        """``[step, phase index, milliseconds in the phase]`` as sent to the chief."""
-        return np.array([self.step, PHASES.index(self.phase), int(1000 * (time.monotonic() - self.since))],
-                        dtype=np.int64)
+CHIEF_TAG = 92   # the chief's own record, sent to its deputy
 
 
 def describe(ranks):
@@ -119,6 +110,10 @@ class StallMonitor:
         chief: world rank that gathers the records and judges.
         timeout: ``--stall-timeout`` seconds (0: no monitor).
         where: this rank's :class:`Whereabouts`.
+
+    The chief also sends its own record to its *deputy* (the next rank), so
+    that when the chief freezes, the deputy's :class:`LocalWatch` can say
+    where it was last seen.
     """
 
     def __init__(self, world, chief, timeout, where):
@@ -126,8 +121,14 @@ class StallMonitor:
         self.interval = report_interval(self.timeout)
         self.active = self.timeout > 0 and world.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.comm = world.Dup() if self.active else None
+        self.deputy = (chief + 1) % world.Get_size()
+        if self.active:   # when the chief freezes, its deputy (who heard it last) speaks before the others
+            where.patience = 1 if world.Get_rank() in (chief, self.deputy) else 2
+            if world.Get_rank() == self.deputy:
+                where.chief_heard = (chief, None, time.monotonic())
         self._stop = threading.Event()
         self._thread = None
+        self._in_flight = {}   # the buffers of sends not yet known complete, by tag
 
     def start(self):
         if self.active:
@@ -136,15 +137,23 @@ class StallMonitor:
             self._thread.start()
         return self
 
+    def _send(self, pending, dest, tag):
+        """Send this rank's record to ``dest`` unless the last one is still in flight; the request."""
+        if pending is None or pending.Test():
+            record = self.where.record()
+            self._in_flight[tag] = record   # the buffer lives until the send completes
+            return self.comm.Isend(record, dest, tag)
+        return pending
+
     def _report(self):
-        """Non-chief ranks: send this rank's record at once, then every ``interval`` (one in flight at most)."""
-        pending = None
+        """Non-chief ranks: send this rank's record at once, then every ``interval``; the deputy hears the chief."""
+        pending, incoming, status = None, np.zeros(3, dtype=np.int64), MPI.Status()
         try:
             while True:
-                if pending is None or pending.Test():
-                    record = self.where.record()
-                    pending = self.comm.Isend(record, self.chief, TAG)
-                    self._in_flight = record   # the buffer lives until the send completes
+                pending = self._send(pending, self.chief, TAG)
+                while self.comm.Iprobe(self.chief, CHIEF_TAG, status):
+                    self.comm.Recv(incoming, self.chief, CHIEF_TAG)
+                    self.where.chief_heard = (self.chief, incoming.copy(), time.monotonic())
                 if self._stop.wait(self.interval):
                     return
         except MPI.Exception:
@@ -155,7 +164,7 @@ class StallMonitor:
         size = self.comm.Get_size()
         records, heard = [None] * size, [0.0] * size
         incoming, status = np.zeros(3, dtype=np.int64), MPI.Status()
-        next_check = time.monotonic() + self.interval
+        next_check, to_deputy = time.monotonic(), None   # the deputy hears the chief at once
         try:
             while not self._stop.wait(min(0.05, self.interval / 4)):
                 while self.comm.Iprobe(MPI.ANY_SOURCE, TAG, status):
@@ -166,12 +175,11 @@ class StallMonitor:
                 if now < next_check:
                     continue
                 next_check = now + self.interval
+                to_deputy = self._send(to_deputy, self.deputy, CHIEF_TAG)
                 records[self.chief], heard[self.chief] = self.where.record(), now
                 verdict = diagnose(records, heard, now, self.timeout)
                 if verdict is not None:
-                    sys.stderr.write(error_line(verdict + "; ending the job") + "\n")
-                    sys.stderr.flush()
-                    MPI.COMM_WORLD.Abort(EXIT_FAILURE)
+                    end_job(verdict + "; ending the job")
         except MPI.Exception:
             return
 
@@ -183,9 +191,91 @@ class StallMonitor:
         if self._thread is not None:
             self._thread.join()
         if not abandon:
-            self.comm.Barrier()   # every rank has stopped sending; the chief drops what is still queued
+            self.comm.Barrier()   # every rank has stopped sending; what is still queued is dropped
             status = MPI.Status()
-            while self.comm.Iprobe(MPI.ANY_SOURCE, TAG, status):
-                self.comm.Recv(np.zeros(3, dtype=np.int64), status.Get_source(), TAG)
+            while self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                self.comm.Recv(np.zeros(3, dtype=np.int64), status.Get_source(), status.Get_tag())
             self.comm.Free()
         self.comm = None
+        self.where.chief_heard, self.where.patience = None, 1
+
+
+def grace(timeout):
+    """Seconds a rank's own watch gives the chief's verdict (which names the late ranks) to come first."""
+    return 4 * report_interval(timeout) + 0.5
+
+
+def overdue(where, timeout, rank, now):
+    """The verdict of a rank's own watch on itself: a message, or None while it is within its time.
+
+    I/O may take ``timeout`` seconds; a wait on other ranks ``timeout`` plus
+    :func:`grace`, since the chief's monitor judges those first and names who
+    is late.  A wait past that means no verdict came: the chief is frozen, or
+    the monitor is not running yet (set-up).  A pure function of the record.
+    """
+    if not timeout or where.phase not in WAITS:
+        return None
+    spent = where.spent(now)
+    if where.phase == "io":
+        if spent <= timeout:
+            return None
+        return (f"rank {rank} has been blocked for {spent:.1f} s (--stall-timeout {timeout:g}) in I/O: "
+                f"{where.detail or 'a file operation'}: the file system does not answer (a hung network "
+                "mount, or a FIFO with no reader?)")
+    if spent <= timeout + where.patience * grace(timeout):
+        return None
+    heard = where.chief_heard
+    if heard is not None:
+        chief, record, when = heard
+        chief_text = f"the chief (rank {chief}) has not reported for {now - when:.1f} s"
+        if record is not None:
+            step, phase, _ = (int(v) for v in record)
+            chief_text += f"; it was last seen in {PHASES[phase]} at step {step}"
+    else:
+        chief_text = "no rank ended the job before: the chief, which judges stalls, is frozen or cannot run"
+    return (f"stalled for {spent:.1f} s (--stall-timeout {timeout:g}): rank {rank} waits in {where.describe()}; "
+            f"{chief_text}")
+
+
+class LocalWatch:
+    """A thread on every rank, from the start of a run to its end, that watches this rank's own main thread.
+
+    It needs no other rank: it covers set-up (before the stall monitor
+    exists), I/O that never returns, and a frozen chief (whose monitor can
+    judge nobody).  Past its time (see :func:`overdue`) it prints one line
+    naming the rank and what it was doing, and ends the job (exit code 1).
+
+    Args:
+        where: the main thread's :class:`Whereabouts`.
+        timeout: ``--stall-timeout`` (0: watch nothing); may be changed while it runs.
+        rank: this rank, as named in messages.
+    """
+
+    def __init__(self, where, timeout, rank):
+        self.where, self.timeout, self.rank = where, float(timeout), rank
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, daemon=True, name="mpidist-local-watch")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.wait(0.1 if not self.timeout else min(0.5, self.timeout / 10)):
+            verdict = overdue(self.where, self.timeout, self.rank, time.monotonic())
+            if verdict is not None and not self._stop.is_set():
+                end_job(verdict + "; ending the job")
+
+
+def end_job(message):
+    """From a watch thread: print ``message`` as the one error line and end every rank (exit code 1)."""
+    sys.stderr.write(error_line(message) + "\n")
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        MPI.COMM_WORLD.Abort(EXIT_FAILURE)
+    os._exit(EXIT_FAILURE)   # one process: the main thread may be stuck where no exception reaches it

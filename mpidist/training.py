@@ -17,14 +17,16 @@ import time
 
 import numpy as np
 
-from . import checkpoint, data, elastic
+from . import checkpoint, data, elastic, lineage
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
 from .errors import agreed, error_line
 from .callbacks import Reporter
+from .comm import bcast
 from .checkpointer import Checkpointer
 from .metrics import MetricsLog, Progress, format_summary
-from .preempt import EARLY_STOP, StepAgreement, StopSignals, settle, signal_name
-from .stall import StallMonitor, Whereabouts
+from .preempt import EARLY_STOP, WRITE_FAILED, StepAgreement, settle, signal_name, stop_signals
+from .stall import StallMonitor
+from .whereabouts import here
 
 
 class ServerControl:
@@ -37,9 +39,9 @@ class ServerControl:
     for ``ps-async``, the global version with backup workers.
     """
 
-    def __init__(self, config, setup, signals, workers, start_step):
+    def __init__(self, config, setup, signals, workers, start_step, lineages):
         self.setup, self.signals, self.workers = setup, signals, workers
-        self.checkpointer = Checkpointer(config, start_step)
+        self.checkpointer = Checkpointer(config, start_step, *lineages)
         self.periodic = self.checkpointer.enabled and self.checkpointer.schedule.periodic
 
     def signalled(self):
@@ -80,10 +82,13 @@ def run(config, cluster, xp, device_label, inputs, callbacks=(), stream=sys.stdo
     (``stopped_by``) and the CLI exits with EXIT_PREEMPTED.  A run that
     diverged (``--nan-patience``) has ``failed`` set, and the CLI exits 1.
     """
-    with StopSignals() as signals:
+    with stop_signals() as signals:
         training = Training(config, cluster, xp, device_label, stream, signals, inputs, callbacks)
-        training.start()
-        return elastic.run_with_recovery(training)
+        try:
+            training.start()
+            return elastic.run_with_recovery(training)
+        finally:
+            training.release()
 
 
 class Training:
@@ -99,8 +104,9 @@ class Training:
         self.diverged = None   # the message, once --nan-patience ran out
         self.agreement = None  # lockstep strategies: the step agreement of the current loop
         self.recoveries = []   # --elastic: each loss survived ("recovered" events)
-        self.where = Whereabouts()   # what the stall monitor reports (--stall-timeout)
+        self.where = here()          # what the stall watches report (--stall-timeout)
         self.figures = {}            # what the strategies count (their stats()): outlives a recovery
+        self.claim = None            # the chief's hold on --checkpoint-dir: its lock, this run's lineage
 
     @property
     def chief(self):
@@ -110,11 +116,16 @@ class Training:
     def start(self):
         """Agreed local set-up, the strategy, its initial state, the header; the position to start from."""
         config, cluster = self.config, self.cluster
+        self.where.enter("setup", 0)
         with agreed(cluster.world):
             self.setup = prepare(config, cluster, self.xp, self.inputs, *find_resume(config))
             self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), self.callbacks, self.chief)
-            if self.chief and config.checkpoint_dir:
-                checkpoint.prepare_directory(config.checkpoint_dir)
+            if self.chief:
+                if config.checkpoint_dir:
+                    checkpoint.prepare_directory(config.checkpoint_dir)
+                self.claim = lineage.claim(config, self.setup.resume)
+        self.where.enter("start")   # collectives from here on: a wait on the others
+        self.lineages = self._share_lineage()
         setup, resume = self.setup, self.setup.resume
         reseeded = resume is not None and resume.seed != config.seed
         if reseeded:   # the random streams continue where the checkpoint left them
@@ -132,6 +143,8 @@ class Training:
                 self.say(f"mpidist: parameter shards balanced to within {100 * self.strategy.imbalance:.2f}%")
             for path, reason in setup.skipped:
                 self.say(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}")
+            for note in setup.notes + self.claim.notes:
+                self.say(f"mpidist: {note}")
             if resume is not None:
                 self.say(f"mpidist: resumed from {resume.path} at step {resume.step}")
             if config.stall_timeout and cluster.size > 1 and not self.monitor.active:
@@ -148,11 +161,25 @@ class Training:
         self.progress = Progress(config.progress if self.chief else "none", total_steps(config, setup),
                                  config.epochs, stream=self.stream)
         self.started = time.perf_counter()
-        self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step)
+        self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step, *self.lineages)
         self.window_start, self.window_loss, self.window_steps, self.window_good = self.started, 0.0, 0, 0
         self.trained_steps, self.skipped_in_row = 0, 0
         self.last_loss, self.result, self.evaluated_at = math.nan, None, None
         self._move_to(resume)
+
+    def _share_lineage(self):
+        """Collective: ``(lineage, parent)`` the chief settled, on every rank (the first ps of ps-async writes too)."""
+        codes = np.full(2, -1, dtype=np.int64)
+        if self.chief:
+            codes[:] = [int(self.claim.lineage, 16) if self.claim.lineage else -1,
+                        int(self.claim.parent, 16) if self.claim.parent else -1]
+        bcast(self.cluster.world, codes, root=self.cluster.chief_rank)
+        return tuple(f"{int(code):08x}" if code >= 0 else "" for code in codes)
+
+    def release(self):
+        """Let go of ``--checkpoint-dir`` (the chief's lock): the run writes no more."""
+        if self.claim is not None:
+            self.claim.release()
 
     def _make_strategy(self):
         """Collective: the strategy for the current cluster and set-up, watched by a new stall monitor."""
@@ -217,7 +244,8 @@ class Training:
         self.early = False   # this rank left the loop on a stop request
         stop = bool(config.steps and self.step >= config.steps)
         if strategy.serves:   # ps-async and backup ps ranks: serve until the workers are done
-            strategy.serve(ServerControl(config, setup, self.signals, data_layout(config, cluster)[0], self.step))
+            strategy.serve(ServerControl(config, setup, self.signals, data_layout(config, cluster)[0], self.step,
+                                         self.lineages))
             stop = True
         start_epoch, start_in_epoch = self.epoch, self.epoch_step
         for epoch in range(start_epoch, config.epochs if not stop else start_epoch):
@@ -291,8 +319,7 @@ class Training:
     def _boundary(self, steps_to_run, result):
         """After each step: stop requests and checkpoints; True when this rank leaves the loop."""
         config, strategy = self.config, self.strategy
-        # a signal, else a callback's stop request (EARLY_STOP is below every signal: a real one wins)
-        requested = self.signals.received or (EARLY_STOP if self.log.stop_asked else 0)
+        requested = self._stop_request()
         if self.agreement:
             self.where.enter("agree")
             schedule = self.checkpointer.schedule   # the time is the chief's, agreed at the boundary
@@ -305,6 +332,13 @@ class Training:
                 strategy.request_stop(requested)
             self.early = result.stop and self.step < steps_to_run
         return bool(self.early or self.diverged or (config.steps and self.step >= config.steps) or result.finished)
+
+    def _stop_request(self):
+        """What this rank asks of the others at a boundary: a failed write, else a signal, else a callback's stop."""
+        if self.log.failure:
+            return WRITE_FAILED
+        # (EARLY_STOP is below every signal: a real one wins)
+        return self.signals.received or (EARLY_STOP if self.log.stop_asked else 0)
 
     def save(self, state=(), gathered=False):
         """Collective: the chief writes a checkpoint of the current position (once per step).
@@ -340,13 +374,14 @@ class Training:
         if self.agreement:
             self.agreement.close()
         strategy.finish()
-        flags = settle(cluster.world, self.signals.received or (EARLY_STOP if self.log.stop_asked else 0),
-                       self.early)
-        # a callback's stop ends the run as a finished one; a signal's, as a preempted one
+        flags = settle(cluster.world, self._stop_request(), self.early)
+        # a callback's stop ends the run as a finished one; a signal's, as a preempted one; a failed write
+        # (which stops the run wherever it is), as a failed one
         self.stopped_early = flags["early"] and flags["signal"] == EARLY_STOP
-        stopped = flags if flags["signal"] and flags["early"] and not self.stopped_early else {}
+        write_failed = flags["signal"] == WRITE_FAILED
+        stopped = flags if flags["signal"] and flags["early"] and not (self.stopped_early or write_failed) else {}
         elapsed = time.perf_counter() - self.started
-        if not (stopped or self.diverged) and (self.evaluated_at != self.step or self.result is None):
+        if not (stopped or self.diverged or write_failed) and (self.evaluated_at != self.step or self.result is None):
             self.evaluate()   # (a stopping job has no time to spare; a diverged one nothing to show)
         state = None
         if not self.diverged:   # a diverged state must not push a good checkpoint out of --keep
@@ -359,9 +394,13 @@ class Training:
         strategy.close()
         if self.diverged:
             return self._report_failure(self.diverged)
+        if write_failed or self.log.failure:   # (the chief alone learns of a failure in its last writes)
+            return self._report_failure(self.log.failure or "the chief could not write its metrics")
         if not self.chief:
             return {"stopped_by": signal_name(stopped["signal"])} if stopped else {}
         outcome = self._report_stop(stopped) if stopped else self._report_done(roles, elapsed)
+        if self.log.failure:   # the last events could not be written: the run's record is incomplete
+            outcome = self._report_failure(self.log.failure)
         outcome["params"] = state[0]
         outcome["checkpoints"] = self.checkpointer.kept()
         return outcome
@@ -412,6 +451,9 @@ class Training:
             self.log.close()
             kept = f"; checkpoints already written are kept in {self.config.checkpoint_dir}" \
                 if self.config.checkpoint_dir else ""
+            if self.checkpointer.last is not None and self.checkpointer.last_step == self.step:
+                kept = (f"; checkpoint {self.checkpointer.last} written at step {self.step}: continue with "
+                        f"--resume auto --checkpoint-dir {self.config.checkpoint_dir}")
             sys.stderr.write(error_line(reason + kept) + "\n")
             sys.stderr.flush()
         return {"steps": self.step, "failed": reason}

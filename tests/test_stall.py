@@ -5,7 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from mpidist.stall import PHASES, Whereabouts, diagnose
+from mpidist.stall import diagnose
+from mpidist.whereabouts import PHASES, Whereabouts
 
 
 def record(step, phase, seconds):
