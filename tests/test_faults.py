@@ -8,6 +8,7 @@ README's table and this catalogue the same.
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import events, rank_pids, run_mpi, start_mpi, wait_for_step
+from conftest import checkpoint_at, checkpoint_steps, events, rank_pids, run_mpi, start_mpi, wait_for_step
 from mpidist import checkpoint
 from mpidist.ingest import write_dataset
 
@@ -59,9 +60,73 @@ def bad(*flags, message):
 
 
 # -- files the rows need ------------------------------------------------------------------------------------
-def tiny_dataset(path, train_x, train_y, num_classes=3):
-    return write_dataset(path, path.stem, {"train": (train_x, train_y),
-                                           "test": (np.zeros((6, 4)), np.arange(6) % 3)}, num_classes, "")
+def raw_dataset(path, splits, **attrs):
+    """A dataset file written as given, checks or not (ingest refuses to write bad ones)."""
+    with h5py.File(path, "w") as handle:
+        handle.attrs.update({"name": path.stem, "num_classes": 3, "source": "", **attrs})
+        for split, (x, y) in splits.items():
+            handle[f"{split}/x"], handle[f"{split}/y"] = x, y
+    return path
+
+
+def tiny_dataset(path, train_x, train_y, num_classes=3, **attrs):
+    return raw_dataset(path, {"train": (train_x, train_y), "test": (np.zeros((6, 4)), np.arange(6) % 3)},
+                       num_classes=num_classes, **attrs)
+
+
+def classes(value):
+    """A dataset whose num_classes attribute is ``value``."""
+    return lambda p: str(tiny_dataset(p / "classes.h5", np.zeros((40, 4)), np.arange(40) % 3, num_classes=value))
+
+
+def featureless(p):
+    return str(raw_dataset(p / "empty.h5", {"train": (np.zeros((40, 0)), np.arange(40) % 3),
+                                            "test": (np.zeros((6, 0)), np.arange(6) % 3)}))
+
+
+def no_test_samples(p):
+    return str(raw_dataset(p / "notest.h5", {"train": (np.zeros((40, 4)), np.arange(40) % 3),
+                                             "test": (np.zeros((0, 4)), np.zeros(0, int))}))
+
+
+def huge_values(p):
+    x = np.random.default_rng(0).random((200, 4))
+    x[9, 1] = 1e300   # finite in float64, Inf in float32
+    return str(tiny_dataset(p / "huge.h5", x, np.arange(200) % 3))
+
+
+def links_that_loop(p):
+    path = tiny_dataset(p / "loop.h5", np.zeros((40, 4)), np.arange(40) % 3)
+    with h5py.File(path, "a") as handle:
+        del handle["train/x"], handle["train/y"]
+        handle["train/x"], handle["train/y"] = h5py.SoftLink("/train/y"), h5py.SoftLink("/train/x")
+    return str(path)
+
+
+def external_link(p):
+    secret = p / "secret.h5"
+    with h5py.File(secret, "w") as handle:
+        handle["x"] = np.ones((40, 4))
+    path = tiny_dataset(p / "linked.h5", np.zeros((40, 4)), np.arange(40) % 3)
+    with h5py.File(path, "a") as handle:
+        del handle["train/x"]
+        handle["train/x"] = h5py.ExternalLink(str(secret), "/x")
+    return str(path)
+
+
+def escapes_in_the_name(p):
+    return str(tiny_dataset(p / "named.h5", np.random.default_rng(0).random((200, 4)), np.arange(200) % 3,
+                            name="\x1b[2J\rmpidist: done"))
+
+
+def name_shown_escaped(p, out, err):
+    assert "\x1b" not in out + err and "\\x1b[2J\\rmpidist: done" in out
+
+
+def fifo(p):
+    path = p / "pipe"
+    os.mkfifo(path)
+    return str(path)
 
 
 def missing_labels(p):
@@ -117,7 +182,156 @@ def checkpoint_of_another_model(p):
     done, _ = run_mpi(1, ["-m", "mpidist", "--metrics", "", "--model", "mlp-wide", "--steps", "1",
                           "--checkpoint-dir", str(p / "wide")])
     assert done.returncode == 0, done.stderr
-    return str(p / "wide" / "ckpt-00000001.h5")
+    return str(checkpoint_at(p / "wide", 1))
+
+
+def first_run(p, *flags, ranks=2):
+    """A finished run of the default model writing checkpoints to ``p/ck``."""
+    done, _ = run_mpi(ranks, ["-m", "mpidist", "--metrics", "", "--progress", "none", "--checkpoint-dir",
+                              str(p / "ck"), *flags])
+    assert done.returncode == 0, done.stderr
+    return p / "ck"
+
+
+def another_runs_directory(p, stack=None):
+    """A first run's checkpoints 60, 65, 66; then a fresh run with another --lr in the same directory."""
+    first_run(p, "--epochs", "3", "--checkpoint-every", "5")
+    (p / "before").write_text(repr(checkpoint_files(p / "ck")))
+    return train("--epochs", "1", "--checkpoint-dir", str(p / "ck"), "--checkpoint-every", "5", "--lr", "0.01")(p)
+
+
+def first_runs_files_untouched(p, out, err):
+    assert (p / "before").read_text() == repr(checkpoint_files(p / "ck"))
+
+
+def checkpoint_files(directory):
+    return sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in directory.glob("ckpt-*"))
+
+
+def a_run_holding_the_directory(p, stack):
+    """A slow first run that holds ``p/ck``; then a second run on it."""
+    holder = start_mpi(1, ["-m", "mpidist", "--metrics", str(p / "first.jsonl"), "--log-every", "1",
+                           "--epochs", "50", "--checkpoint-dir", str(p / "ck")], env=SLOW)
+    stack.callback(lambda: (holder.kill(), holder.wait()))
+    wait_for_step(p / "first.jsonl", 2, holder)
+    return train("--checkpoint-dir", str(p / "ck"), "--resume", "auto")(p)
+
+
+def corrupt_newest_beside_a_good_one(p, stack=None):
+    """Of steps 15, 30, 45, 60, 66 only 15 and a truncated 66 are left; resume with --keep 1."""
+    ck = first_run(p, "--steps", "66", "--checkpoint-every", "15", "--keep", "0")
+    for step in (30, 45, 60):
+        checkpoint_at(ck, step).unlink()
+    cut = checkpoint_at(ck, 66)
+    cut.write_bytes(cut.read_bytes()[:3000])
+    return train("--checkpoint-dir", str(ck), "--resume", "auto", "--keep", "1", "--steps", "70",
+                 "--checkpoint-every", "5")(p)
+
+
+def newest_kept_and_resumed_next(p, out, err):
+    """The branch from 15 kept its newest (70); the first run's 15 and cut 66 are as they were."""
+    ck = p / "ck"
+    assert checkpoint_steps(ck) == [15, 66, 70]
+    loaded, skipped = checkpoint.newest_valid(ck)
+    assert loaded.step == 70 and skipped == [] and loaded.parent == checkpoint.load(checkpoint_at(ck, 15)).lineage
+
+
+def left_by_a_killed_writer(p, stack=None):
+    ck = first_run(p, "--steps", "5")
+    (ck / ".ckpt-00000010-0badcafe.h5.tmp-999999").write_bytes(bytes(8 << 20))
+    return train("--checkpoint-dir", str(ck), "--resume", "auto", "--steps", "10")(p)
+
+
+def no_temporary_files_left(p, out, err):
+    assert checkpoint_steps(p / "ck") == [5, 10] and not list((p / "ck").glob(".ckpt-*"))
+
+
+def checkpoint_with(change):
+    """A checkpoint of the default model, then ``change(handle)`` applied to it."""
+    def provoke(p):
+        ck = first_run(p, "--steps", "3")
+        path = checkpoint_at(ck, 3)
+        with h5py.File(path, "a") as handle:
+            change(handle)
+        return str(path)
+    return provoke
+
+
+def nan_parameters(handle):
+    handle["params"][...] = np.nan
+
+
+def two_axis_parameters(handle):
+    flat = handle["params"][...]
+    del handle["params"]
+    handle["params"] = flat.reshape(1, -1)
+
+
+def optimizer_state_cut_short(handle):
+    cut = handle["optimizer/m"][:10]
+    del handle["optimizer/m"]
+    handle["optimizer/m"] = cut
+
+
+def metrics_on_a_disk_that_fills(p, stack):
+    prefix = stack.enter_context(full_disk(p / "disk", size="6k"))
+    return train("--metrics", str(p / "disk" / "m.jsonl"), "--log-every", "1", "--epochs", "3",
+                 "--checkpoint-dir", str(p / "ck"), prefix=prefix)(p)
+
+
+def metrics_lines_whole_and_checkpoint_written(p, out, err):
+    lines = (p / "disk" / "m.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b"" and all(json.loads(line) for line in lines[:-1])   # whole lines only
+    if os.path.ismount(p / "disk"):   # (a file-size limit instead of a small disk limits checkpoints too)
+        assert checkpoint_steps(p / "ck"), "no checkpoint written before the failure"
+
+
+def checkpoint_written_at_the_stop(p, out, err):
+    steps = checkpoint_steps(p / "ck")
+    assert steps and steps[-1] <= 3, steps
+
+
+BLOCKED_IO = """
+    import sys
+    from mpi4py import MPI
+    from mpidist.errors import agreed, install_abort_on_exception
+    from mpidist.stall import LocalWatch
+    from mpidist.whereabouts import here
+
+    install_abort_on_exception()
+    rank = MPI.COMM_WORLD.Get_rank()
+    with LocalWatch(here(), 2.0, rank):       # as mpidist.train() watches its set-up
+        with agreed(MPI.COMM_WORLD):          # the others wait here for rank 0, which never comes
+            if rank == 0:
+                with here().doing("io", f"opening {sys.argv[1]}"):
+                    open(sys.argv[1], "w")    # blocks: a FIFO with no reader, as a hung file system would
+"""
+
+
+def builder_that_takes_its_time(p):
+    (p / "slow.py").write_text(textwrap.dedent(f"""
+        import os, pathlib, time
+        from mpidist import nn
+
+        def build(sample_shape, outputs):
+            pathlib.Path({str(p)!r}, f"building-{{os.getpid()}}").touch()
+            time.sleep(3)
+            return [nn.Flatten(), nn.Dense(outputs)]
+    """))
+    return f"{p / 'slow.py'}:build"
+
+
+def when_building(rank, number):
+    """``during``: once ``rank`` runs the model builder (set-up), send ``number`` to it."""
+    def during(launcher, p):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pid = rank_pids(launcher).get(rank)
+            if pid is not None and (p / f"building-{pid}").exists():
+                break
+            time.sleep(0.02)
+        os.kill(pid, number)
+    return during
 
 
 # -- runtime faults -----------------------------------------------------------------------------------------
@@ -149,16 +363,15 @@ def resume_onto_a_full_disk(p, stack):
 
 
 def previous_checkpoint_intact(p, out, err):
-    kept = checkpoint.load(p / "disk" / "ckpt-00000005.h5")
+    kept = checkpoint.load(checkpoint_at(p / "disk", 5))
     assert kept.step == 5 and np.isfinite(kept.params).all()
-    assert sorted(f.name for f in (p / "disk").iterdir()) == ["ckpt-00000005.h5"]   # nothing half-written
+    assert sorted(f.name for f in (p / "disk").iterdir()) == [".mpidist-lock", kept.path.name]   # nothing half-written
 
 
 def diverged_without_writing_bad_checkpoints(p, out, err):
     kinds = [e["event"] for e in events(p / "m.jsonl", "skipped") + events(p / "m.jsonl", "failed")]
     assert kinds == ["skipped"] * 4 + ["failed"]                # patience 3: the 4th skip in a row ends it
-    written = sorted(f.name for f in (p / "ckpt").iterdir())
-    assert written == ["ckpt-00000001.h5", "ckpt-00000002.h5"]   # none while steps were skipped
+    assert checkpoint_steps(p / "ckpt") == [1, 2]   # none while steps were skipped
 
 
 RAISE_AT_STEP_5 = """
@@ -225,11 +438,11 @@ def script(text, *args):
 
 def both_checkpoints_whole(p, out, err):
     stop, = events(p / "m.jsonl", "stopped")
-    steps = [int(f.name[5:13]) for f in sorted((p / "ckpt").iterdir())]
+    steps = checkpoint_steps(p / "ckpt")
     # posted at the boundary of step 11, learned by every rank one step later (see mpidist.preempt)
     assert steps == [10, stop["step"]] and stop["step"] == 12 and stop["signal"] == "SIGTERM"
     for step in steps:
-        assert checkpoint.load(p / "ckpt" / f"ckpt-{step:08d}.h5").step == step
+        assert checkpoint.load(checkpoint_at(p / "ckpt", step)).step == step
 
 
 def at_step(number, rank, action):
@@ -286,6 +499,20 @@ FAULTS = {
     "empty shard: more workers than samples": bad("--data", one_sample,
                                                   message="has 1 training sample(s), fewer than the"),
     "batch smaller than the worker count": bad("--batch-size", "1", message="is smaller than the number of workers"),
+    "num_classes that is not a number": bad("--data", classes("ten"), message="num_classes = 'ten' is not an integer"),
+    "num_classes NaN": bad("--data", classes(np.nan), message="num_classes = nan is not an integer"),
+    "num_classes too large to be real": bad("--data", classes(10 ** 12),
+                                            message="num_classes = 1000000000000; use 0 for regression or 2 to"),
+    "num_classes that would not fit in memory": bad("--data", classes(10 ** 7), "--model", "mlp:4096",
+                                                    message="more than this rank's share of the memory free"),
+    "samples of no features": bad("--data", featureless, message="samples of no features"),
+    "an empty test split": bad("--data", no_test_samples, message="the test split is empty"),
+    "float64 values that overflow float32": bad("--data", huge_values,
+                                                message="holds values up to 1e+300, beyond the range of --dtype"),
+    "soft links that loop": bad("--data", links_that_loop, message="'train/x' cannot be read"),
+    "an external link to another file": bad("--data", external_link, message="is an external link to"),
+    "escape sequences in a dataset's name": Fault(train("--data", escapes_in_the_name, "--steps", "3"), 0,
+                                                  "dataset ", check=name_shown_escaped, one_message=False),
     "model that does not fit the data": bad("--model", "cnn", "--data", volumes,
                                             message="--model cnn does not fit samples of shape (2, 2, 2, 2)"),
     # checkpoints and outputs
@@ -297,6 +524,24 @@ FAULTS = {
     "unwritable checkpoint directory": bad("--checkpoint-dir", lambda p: str(p / "notes.txt" / "ckpt"),
                                            message="notes.txt/ckpt: cannot create (Not a directory)"),
     "unwritable metrics file": bad("--metrics", "/proc/mpidist/m.jsonl", message="--metrics /proc/mpidist"),
+    "metrics path that is a FIFO": bad("--metrics", fifo, message="is a FIFO or socket, not a file"),
+    "checkpoint holding NaN": bad("--resume", checkpoint_with(nan_parameters), message="params holds NaN or Inf"),
+    "checkpoint with 2-D parameters": bad("--resume", checkpoint_with(two_axis_parameters),
+                                          message="params has shape (1, "),
+    "checkpoint with optimizer state cut short": bad("--resume", checkpoint_with(optimizer_state_cut_short),
+                                                     message="optimizer/m has shape (10,)"),
+    # checkpoint directories
+    "a fresh run in another run's checkpoint directory": Fault(another_runs_directory, 2,
+                                                               "holds the checkpoints of another run",
+                                                               check=first_runs_files_untouched),
+    "two live runs on one checkpoint directory": Fault(a_run_holding_the_directory, 2, "is in use by another run"),
+    "a corrupt newest checkpoint, --keep 1 --resume auto": Fault(
+        corrupt_newest_beside_a_good_one, 0, "branching:", check=newest_kept_and_resumed_next, one_message=False),
+    "temporary files of a killed writer": Fault(left_by_a_killed_writer, 0, "removed 1 temporary file(s)",
+                                                check=no_temporary_files_left, one_message=False),
+    # flags
+    "a flag that is not finite": bad("--lr", "inf", message="--lr must be a finite positive number, got inf"),
+    "a config file that is not UTF-8": bad("--config", lambda p: str(p / "latin1.toml"), message="not UTF-8 text"),
     # while running
     "full disk while writing a checkpoint": Fault(resume_onto_a_full_disk, 1, "checkpoint of step 10 not written",
                                                   check=previous_checkpoint_intact),
@@ -307,6 +552,11 @@ FAULTS = {
     "NaN gradients at a ps (ps-async)": Fault(
         train("--strategy", "ps-async", "--ps", "1", "--optimizer", "sgd", "--lr", "1e6", "--nan-patience", "3"),
         1, "were NaN or Inf 4 time(s) in a row (--nan-patience 3): training diverged"),
+    "metrics on a full device": Fault(train("--metrics", "/dev/full", "--checkpoint-dir", lambda p: str(p / "ck")), 1,
+                                      "--metrics /dev/full: a write failed (No space left on device)",
+                                      check=checkpoint_written_at_the_stop),
+    "metrics on a disk that fills mid-run": Fault(metrics_on_a_disk_that_fills, 1, "m.jsonl: a write failed",
+                                                  check=metrics_lines_whole_and_checkpoint_written),
     "a rank that raises mid-step": Fault(script(RAISE_AT_STEP_5), 1,
                                          "[rank 1] RuntimeError: injected failure at step 5", one_message=False,
                                          check=tagged_traceback),
@@ -321,6 +571,14 @@ FAULTS = {
     "a rank frozen (SIGSTOP)": Fault(
         train("--stall-timeout", "2", "--epochs", "50", "--log-every", "1", env=SLOW), 1,
         "not arrived: rank 1 (no report for", during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGSTOP))),
+    "the chief frozen (SIGSTOP)": Fault(
+        train("--stall-timeout", "2", "--epochs", "50", "--log-every", "1", env=SLOW), 1,
+        "the chief (rank 0) has not reported for", during=at_step(5, 0, lambda pid: os.kill(pid, signal.SIGSTOP))),
+    "I/O that never returns during set-up": Fault(script(BLOCKED_IO, fifo), 1,
+                                                 "rank 0 has been blocked for 2."),
+    "a preemption signal during start-up": Fault(
+        train("--model", builder_that_takes_its_time), 3, "stopped by SIGTERM (rank 1) at step",
+        during=when_building(1, signal.SIGTERM), one_message=False),
     "a preemption signal (SIGTERM) to one rank": Fault(
         train("--epochs", "50", "--log-every", "1", "--checkpoint-dir", lambda p: str(p / "ckpt"), env=SLOW), 3,
         "stopped by SIGTERM (rank 1) at step", during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGTERM)),
@@ -336,6 +594,7 @@ FAULTS = {
 def test_each_fault_ends_with_its_documented_exit_code_and_message(tmp_path, case, ranks):
     (tmp_path / "notes.txt").write_text("not a dataset")
     (tmp_path / "run.toml").write_text("epoch = 3\n")
+    (tmp_path / "latin1.toml").write_bytes("model = 'mlp' # caf\xe9\n".encode("latin-1"))
     fault = FAULTS[case]
     with contextlib.ExitStack() as stack:
         launch = fault.provoke(tmp_path, stack)
