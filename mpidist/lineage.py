@@ -92,10 +92,15 @@ class CheckpointDir:
                 found.append(Entry(path, *parsed))
         return sorted(found, key=lambda e: (e.step, e.lineage))
 
+    def last_written(self):
+        """The checkpoint file written last (by modification time, then step), or None."""
+        entries = self.entries()
+        return max(entries, key=lambda e: (e.written, e.step)) if entries else None
+
     def latest_lineage(self):
         """The lineage whose checkpoint was written last (``--resume auto`` follows it), or None."""
-        entries = self.entries()
-        return max(entries, key=lambda e: (e.written, e.step)).lineage if entries else None
+        last = self.last_written()
+        return None if last is None else last.lineage
 
     def newest_of(self, lineage):
         """The highest-step entry of ``lineage``, or None."""
@@ -224,7 +229,7 @@ def _settle_lineage(config, resume, directory):
     if resume is None:
         present = directory.entries()
         if present and config.resume != "auto" and not config.new_lineage:
-            latest = max(present, key=lambda e: (e.written, e.step))
+            latest = directory.last_written()
             raise UsageError(f"--checkpoint-dir {directory.path} holds the checkpoints of another run "
                              f"({len(present)} file(s), the last written {latest.path.name}, step {latest.step}); "
                              "continue that run with --resume auto, write to another --checkpoint-dir, or start a "

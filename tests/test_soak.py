@@ -136,6 +136,6 @@ def test_no_sequence_of_runs_kills_and_signals_loses_the_newest_checkpoint(tmp_p
         for entry in CheckpointDir(tmp_path / "ck").entries():
             checkpoint.load(entry.path)   # every file under a checkpoint name is whole
         latest, skipped = checkpoint.newest_valid(tmp_path / "ck")
-        newest_file = max(CheckpointDir(tmp_path / "ck").entries(), key=lambda e: (e.written, e.step))
+        newest_file = CheckpointDir(tmp_path / "ck").last_written()
         assert skipped == [] and latest.lineage == newest_file.lineage, replay
         assert latest.step == newest_steps(after)[latest.lineage], replay
