@@ -1,9 +1,21 @@
 """Convolutions on NCL signals and NCHW images, written against ``xp``.
 
-Conv1D and Conv2D lower to one matrix product (im2col through a strided
-window view, no copy until the reshape), which is what makes them fast enough
-on numpy; the backward pass scatters column gradients back with one strided
-add per kernel offset (k or kh * kw adds, each over the whole batch).
+Both lower to one matrix product per pass (im2col), computed in channels-last
+memory: the padded input, the column matrix and the gradients are ``(N, H, W,
+C)`` arrays, so gathering a window and scattering its gradient back move whole
+runs of channels, and the layer's ``(N, F, Ho, Wo)`` output is a transposed
+view of the product, with no copy.  Per pass:
+
+* forward: the input into a zero-bordered buffer (one copy; the borders are
+  zeroed once), every window into the column matrix through a strided view
+  (one copy), one GEMM, the bias added in place;
+* backward: one GEMM for the weight gradient, one for the column gradient,
+  and the column gradient added back into the input gradient with one
+  strided add per kernel offset (``kh * kw`` adds over the whole batch, no
+  loop over positions).
+
+Every array comes from the model's workspace (:mod:`mpidist.nn.workspace`):
+once warm, a training step allocates nothing.  A Conv1D is a Conv2D of height 1.
 
 ``padding="same"`` pads ``k - 1`` in total, ``(k - 1) // 2`` before and the
 rest after (as TensorFlow does), so even kernels keep the size too; at stride
@@ -28,14 +40,108 @@ def _padding_text(pads):
     return pads[0] if pads[0] == pads[1] else pads
 
 
-def _windows(xp, x, kernel, stride):
-    """``(N, C, H, W) -> (N, Ho, Wo, C, kh, kw)`` view of every kernel window."""
-    view = xp.lib.stride_tricks.sliding_window_view(x, (kernel, kernel), axis=(2, 3))
-    view = view[:, :, ::stride, ::stride]
-    return view.transpose(0, 2, 3, 1, 4, 5)
+class _ChannelsLastConv(Layer):
+    """The 2-D convolution both layers run: ``(N, C, H, W)`` in and out, channels-last inside.
+
+    Subclasses set ``kernel_hw``, ``stride``, ``pads_hw`` (``((top, bottom),
+    (left, right))``), ``in_channels`` and ``out_hw`` in ``build``, and map
+    their own shapes onto 4-D ones (:meth:`_as_images`, :meth:`_from_images`).
+    """
+
+    cache = ("cols", "padded_shape")
+    hands_over = True
+
+    def _as_images(self, x):
+        return x
+
+    def _from_images(self, y):
+        return y
+
+    def _weights(self):
+        """``W`` as an ``(F, kh, kw, C)`` matrix, the order of the column matrix's rows (a small copy)."""
+        f, (kh, kw), c = self.filters, self.kernel_hw, self.in_channels
+        w = self.params["W"].reshape(f, c, kh, kw)
+        out = self.scratch("w_hwc", (f, kh, kw, c), w.dtype)
+        out[...] = w.transpose(0, 2, 3, 1)
+        return out.reshape(f, -1)
+
+    def forward(self, x, training=False):
+        xp = self.xp
+        x = self._as_images(x)
+        n, c, h, w = x.shape
+        (kh, kw), s, ((top, bottom), (left, right)) = self.kernel_hw, self.stride, self.pads_hw
+        ho, wo = self.out_hw
+        dtype = xp.result_type(x, self.params["W"])
+        padded = self.scratch("padded", (n, h + top + bottom, w + left + right, c), dtype, zeroed=True)
+        padded[:, top:top + h, left:left + w, :] = x.transpose(0, 2, 3, 1)
+        self.padded_shape = padded.shape
+        windows = xp.lib.stride_tricks.sliding_window_view(padded, (kh, kw), axis=(1, 2))   # N, H', W', C, kh, kw
+        windows = windows[:, ::s, ::s][:, :ho, :wo].transpose(0, 1, 2, 4, 5, 3)             # N, Ho, Wo, kh, kw, C
+        cols = self.scratch("cols", windows.shape, dtype)
+        cols[...] = windows
+        self.cols = cols.reshape(n * ho * wo, -1)
+        y = xp.matmul(self.cols, self._weights().T, out=self.scratch("y", (n * ho * wo, self.filters), dtype))
+        y += self.params["b"]
+        return self._from_images(y.reshape(n, ho, wo, self.filters).transpose(0, 3, 1, 2))
+
+    def _dy_rows(self, dy):
+        """``(N, F, Ho, Wo)`` gradient as the ``(N Ho Wo, F)`` matrix (a view when it is channels-last already)."""
+        dy = self._as_images(dy)
+        n, f, ho, wo = dy.shape
+        return dy.transpose(0, 2, 3, 1).reshape(n * ho * wo, f)
+
+    def backward_params(self, dy):
+        xp, f, (kh, kw), c = self.xp, self.filters, self.kernel_hw, self.in_channels
+        rows = self._dy_rows(dy)
+        grad = xp.matmul(rows.T, self.cols, out=self.scratch("dw_hwc", (f, kh * kw * c), rows.dtype))
+        self.grads["W"].reshape(f, c, kh, kw)[...] = grad.reshape(f, kh, kw, c).transpose(0, 3, 1, 2)
+        xp.sum(rows, axis=0, out=self.grads["b"])
+        return rows
+
+    def backward(self, dy):
+        rows = self.backward_params(dy)
+        dx = self._input_grad_stride_1(rows) if self.stride == 1 else self._input_grad_strided(rows)
+        return self._from_images(dx.transpose(0, 3, 1, 2))
+
+    def _input_grad_stride_1(self, rows):
+        """At stride 1 the input gradient is a convolution too: ``dy`` zero-padded, against the flipped kernel.
+
+        One im2col of ``dy`` and one GEMM, instead of a GEMM to columns and
+        ``kh * kw`` strided adds of short channel runs (measured 3x slower).
+        """
+        xp, (kh, kw), ((top, bottom), (left, right)) = self.xp, self.kernel_hw, self.pads_hw
+        n, hp, wp, c = self.padded_shape
+        (ho, wo), f = self.out_hw, self.filters
+        h, w = hp - top - bottom, wp - left - right
+        # dx_padded[p] = sum over (a, b) of dy_full[p + (a, b)] W[:, :, kh-1-a, kw-1-b]; dy_full has dy at (kh-1, kw-1)
+        full = self.scratch("dy_full", (n, ho + 2 * (kh - 1), wo + 2 * (kw - 1), f), rows.dtype, zeroed=True)
+        full[:, kh - 1:kh - 1 + ho, kw - 1:kw - 1 + wo, :] = rows.reshape(n, ho, wo, f)
+        windows = xp.lib.stride_tricks.sliding_window_view(full, (kh, kw), axis=(1, 2))     # N, ., ., F, kh, kw
+        windows = windows[:, top:top + h, left:left + w].transpose(0, 1, 2, 4, 5, 3)        # N, H, W, kh, kw, F
+        cols = self.scratch("dy_cols", windows.shape, rows.dtype)
+        cols[...] = windows
+        flipped = self.scratch("w_flipped", (kh, kw, f, c), rows.dtype)
+        flipped[...] = self.params["W"].reshape(f, c, kh, kw)[:, :, ::-1, ::-1].transpose(2, 3, 0, 1)
+        dx = xp.matmul(cols.reshape(n * h * w, -1), flipped.reshape(-1, c),
+                       out=self.scratch("dx", (n * h * w, c), rows.dtype))
+        return dx.reshape(n, h, w, c)
+
+    def _input_grad_strided(self, rows):
+        """Any stride: the column gradient, added back window offset by window offset (``kh * kw`` strided adds)."""
+        xp, (kh, kw), s, ((top, bottom), (left, right)) = self.xp, self.kernel_hw, self.stride, self.pads_hw
+        n, hp, wp, c = self.padded_shape
+        ho, wo = self.out_hw
+        dcols = xp.matmul(rows, self._weights(), out=self.scratch("dcols", (rows.shape[0], kh * kw * c), rows.dtype))
+        dcols = dcols.reshape(n, ho, wo, kh, kw, c)
+        dx = self.scratch("dx", (n, hp, wp, c), rows.dtype)
+        dx[...] = 0
+        for i in range(kh):
+            for j in range(kw):
+                dx[:, i:i + s * ho:s, j:j + s * wo:s, :] += dcols[:, :, :, i, j, :]
+        return dx[:, top:hp - bottom, left:wp - right, :]
 
 
-class Conv2D(Layer):
+class Conv2D(_ChannelsLastConv):
     """2-D convolution: ``(N, C, H, W) -> (N, F, Ho, Wo)``.
 
     Args:
@@ -45,8 +151,6 @@ class Conv2D(Layer):
         padding: zero padding on each side, or ``"same"`` to keep ``H, W`` at
             stride 1 (asymmetric for even kernels: one more row/column after).
     """
-
-    cache = ("cols", "padded_shape")
 
     def __init__(self, filters, kernel=3, stride=1, padding="same"):
         super().__init__()
@@ -63,6 +167,7 @@ class Conv2D(Layer):
             raise ShapeError(f"Conv2D kernel {k} does not fit images of {h}x{w} "
                              f"with padding {_padding_text(self.pads)}")
         self.in_channels, self.out_hw = c, (ho, wo)
+        self.kernel_hw, self.pads_hw = (k, k), (self.pads, self.pads)
         return (self.filters, ho, wo)
 
     def param_specs(self):
@@ -71,44 +176,12 @@ class Conv2D(Layer):
         return [("W", shape, functools.partial(init.he_normal, fan_in=fan_in)),
                 ("b", (self.filters,), init.zeros)]
 
-    def forward(self, x, training=False):
-        xp, pads = self.xp, self.pads
-        if any(pads):
-            x = xp.pad(x, ((0, 0), (0, 0), pads, pads))
-        self.padded_shape = x.shape
-        n = x.shape[0]
-        ho, wo = self.out_hw
-        cols = _windows(xp, x, self.kernel, self.stride)[:, :ho, :wo]
-        self.cols = cols.reshape(n * ho * wo, -1)
-        w = self.params["W"].reshape(self.filters, -1)
-        y = self.cols @ w.T + self.params["b"]
-        return y.reshape(n, ho, wo, self.filters).transpose(0, 3, 1, 2)
-
-    def backward_params(self, dy):
-        xp, n, f, ho, wo = self.xp, *dy.shape
-        dy_cols = dy.transpose(0, 2, 3, 1).reshape(n * ho * wo, f)
-        xp.matmul(dy_cols.T, self.cols, out=self.grads["W"].reshape(f, -1))
-        xp.sum(dy_cols, axis=0, out=self.grads["b"])
-        return dy_cols
-
-    def backward(self, dy):
-        xp, k, s, (before, after) = self.xp, self.kernel, self.stride, self.pads
-        n, f, ho, wo = dy.shape
-        dy_cols = self.backward_params(dy)
-        dcols = (dy_cols @ self.params["W"].reshape(f, -1)).reshape(n, ho, wo, self.in_channels, k, k)
-        dx = xp.zeros(self.padded_shape, dtype=dy.dtype)
-        for i in range(k):
-            for j in range(k):
-                dx[:, :, i:i + s * ho:s, j:j + s * wo:s] += dcols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
-        h, w = self.padded_shape[2], self.padded_shape[3]
-        return dx[:, :, before:h - after, before:w - after]
-
     def __repr__(self):
         return (f"Conv2D({self.filters}, kernel={self.kernel}, stride={self.stride}, "
                 f"padding={_padding_text(self.pads)})")
 
 
-class Conv1D(Layer):
+class Conv1D(_ChannelsLastConv):
     """1-D convolution: ``(N, C, L) -> (N, F, Lo)``.
 
     Args:
@@ -118,8 +191,6 @@ class Conv1D(Layer):
         padding: zero padding on each side, or ``"same"`` to keep ``L`` at
             stride 1 (asymmetric for even kernels: one more position after).
     """
-
-    cache = ("cols", "padded_shape")
 
     def __init__(self, filters, kernel=3, stride=1, padding="same"):
         super().__init__()
@@ -135,6 +206,8 @@ class Conv1D(Layer):
             raise ShapeError(f"Conv1D kernel {self.kernel} does not fit signals of length {length} "
                              f"with padding {_padding_text(self.pads)}")
         self.in_channels, self.out_length = c, lo
+        # a signal is an image of height 1: a (1, k) kernel, no padding above or below
+        self.kernel_hw, self.pads_hw, self.out_hw = (1, self.kernel), ((0, 0), self.pads), (1, lo)
         return (self.filters, lo)
 
     def param_specs(self):
@@ -142,34 +215,11 @@ class Conv1D(Layer):
         return [("W", (self.filters, self.in_channels, self.kernel), functools.partial(init.he_normal, fan_in=fan_in)),
                 ("b", (self.filters,), init.zeros)]
 
-    def forward(self, x, training=False):
-        xp = self.xp
-        if any(self.pads):
-            x = xp.pad(x, ((0, 0), (0, 0), self.pads))
-        self.padded_shape = x.shape
-        n, lo = x.shape[0], self.out_length
-        # (N, C, L - k + 1, k) window view -> (N, Lo, C, k): rows of the im2col matrix, one copy at the reshape
-        windows = xp.lib.stride_tricks.sliding_window_view(x, self.kernel, axis=2)[:, :, ::self.stride][:, :, :lo]
-        self.cols = windows.transpose(0, 2, 1, 3).reshape(n * lo, -1)
-        y = self.cols @ self.params["W"].reshape(self.filters, -1).T + self.params["b"]
-        return y.reshape(n, lo, self.filters).transpose(0, 2, 1)
+    def _as_images(self, x):
+        return x[:, :, None, :]
 
-    def backward_params(self, dy):
-        xp, (n, f, lo) = self.xp, dy.shape
-        dy_cols = dy.transpose(0, 2, 1).reshape(n * lo, f)
-        xp.matmul(dy_cols.T, self.cols, out=self.grads["W"].reshape(f, -1))
-        xp.sum(dy_cols, axis=0, out=self.grads["b"])
-        return dy_cols
-
-    def backward(self, dy):
-        xp, k, s, (before, after) = self.xp, self.kernel, self.stride, self.pads
-        n, f, lo = dy.shape
-        dy_cols = self.backward_params(dy)
-        dcols = (dy_cols @ self.params["W"].reshape(f, -1)).reshape(n, lo, self.in_channels, k)
-        dx = xp.zeros(self.padded_shape, dtype=dy.dtype)
-        for i in range(k):
-            dx[:, :, i:i + s * lo:s] += dcols[:, :, :, i].transpose(0, 2, 1)
-        return dx[:, :, before:self.padded_shape[2] - after]
+    def _from_images(self, y):
+        return y[:, :, 0, :]
 
     def __repr__(self):
         return (f"Conv1D({self.filters}, kernel={self.kernel}, stride={self.stride}, "

@@ -12,13 +12,14 @@ Shapes in docstrings are per batch: ``N`` samples first.
 import functools
 
 from . import init
+from .workspace import UsesWorkspace
 
 
 class ShapeError(ValueError):
     """A layer cannot accept the shape it is given (a model/data mismatch)."""
 
 
-class Layer:
+class Layer(UsesWorkspace):
     """Base class: no parameters, shape-preserving.
 
     ``cache`` names the attributes ``forward`` leaves for ``backward``; a
@@ -26,6 +27,13 @@ class Layer:
     """
 
     cache = ()
+    #: ``forward`` returns an array that nothing else holds or reads later (not its input, not a cache),
+    #: and ``backward`` likewise a gradient of its own: the next layer may overwrite them.
+    hands_over = False
+    #: Set by :class:`~mpidist.nn.Sequential` where the layer before hands its output over
+    #: (``overwrite_input``) and the layer after its gradient (``overwrite_grad``):
+    #: an elementwise layer may then work in place.
+    overwrite_input = overwrite_grad = False
 
     def __init__(self):
         self.params = {}
@@ -66,6 +74,7 @@ class Dense(Layer):
     """Fully connected: ``(N, in) -> (N, units)``, ``y = x W + b``."""
 
     cache = ("x",)
+    hands_over = True
 
     def __init__(self, units, init="he"):
         super().__init__()
@@ -88,11 +97,15 @@ class Dense(Layer):
 
     def forward(self, x, training=False):
         self.x = x
-        return x @ self.params["W"] + self.params["b"]
+        w = self.params["W"]
+        y = self.xp.matmul(x, w, out=self.scratch("y", (x.shape[0], self.units), self.xp.result_type(x, w)))
+        y += self.params["b"]
+        return y
 
     def backward(self, dy):
         self.backward_params(dy)
-        return dy @ self.params["W"].T
+        w = self.params["W"]
+        return self.xp.matmul(dy, w.T, out=self.scratch("dx", (dy.shape[0], self.fan_in), self.xp.result_type(dy, w)))
 
     def backward_params(self, dy):
         xp = self.xp
@@ -114,7 +127,12 @@ class Flatten(Layer):
         return (size,)
 
     def forward(self, x, training=False):
-        return x.reshape(x.shape[0], -1)
+        if x.flags.c_contiguous:
+            return x.reshape(x.shape[0], -1)
+        # a channels-last view (a convolution's output): gathered in (C, H, W) order, into an array kept for it
+        flat = self.scratch("y", (x.shape[0], x[0].size), x.dtype)
+        flat.reshape(x.shape)[...] = x
+        return flat
 
     def backward(self, dy):
         return dy.reshape((dy.shape[0],) + self.input_shape)
@@ -126,11 +144,14 @@ class ReLU(Layer):
     cache = ("mask",)
 
     def forward(self, x, training=False):
-        self.mask = x > 0
-        return x * self.mask
+        xp = self.xp
+        self.mask = xp.greater(x, 0, out=self.scratch_like("mask", x, bool))
+        # in place where the layer before handed its output over: one array less to stream through the cache
+        return xp.maximum(x, 0, out=x if self.overwrite_input else self.scratch_like("y", x))
 
     def backward(self, dy):
-        return dy * self.mask
+        out = dy if self.overwrite_grad else self.scratch_like("dx", dy)
+        return self.xp.multiply(dy, self.mask, out=out)
 
 
 class Tanh(Layer):
@@ -166,12 +187,19 @@ class Dropout(Layer):
         if not training or self.rate == 0.0:
             self.mask = None
             return x
-        keep = 1.0 - self.rate
-        self.mask = (self.rng.random(x.shape, dtype=x.dtype) < keep).astype(x.dtype) / keep
-        return x * self.mask
+        xp, keep = self.xp, 1.0 - self.rate
+        # (random < keep) / keep, in the dtype of x, drawn and computed into arrays kept from step to step
+        mask = self.scratch("mask", x.shape, x.dtype)
+        self.rng.random(x.shape, dtype=x.dtype, out=mask)
+        mask[...] = xp.less(mask, keep, out=self.scratch("kept", x.shape, bool))
+        mask /= keep
+        self.mask = mask
+        return xp.multiply(x, mask, out=self.scratch("y", x.shape, x.dtype))
 
     def backward(self, dy):
-        return dy if self.mask is None else dy * self.mask
+        if self.mask is None:
+            return dy
+        return self.xp.multiply(dy, self.mask, out=self.scratch("dx", dy.shape, dy.dtype))
 
     def __repr__(self):
         return f"Dropout({self.rate})"

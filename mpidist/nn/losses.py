@@ -5,10 +5,15 @@ strategies pass ``scale = local_batch / global_batch`` so that *summing* the
 workers' gradients gives exactly the global-batch mean gradient: the exchange
 is one in-place ``Allreduce(SUM)`` with no division afterwards, and uneven
 shards are weighted correctly.
+
+In a training pass both compute into the model's workspace
+(:meth:`~mpidist.nn.Sequential.use_workspace`): the same arrays every step.
 """
 
+from .workspace import UsesWorkspace
 
-class SoftmaxCrossEntropy:
+
+class SoftmaxCrossEntropy(UsesWorkspace):
     """Cross-entropy of softmax(logits) against integer labels.
 
     ``logits (N, K)``, ``labels (N,)`` ints in ``[0, K)``.
@@ -20,17 +25,28 @@ class SoftmaxCrossEntropy:
         self.xp = xp
 
     def forward(self, logits, labels):
-        xp = self.xp
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_z = xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
-        log_p = shifted - log_z
-        self.probs, self.labels = xp.exp(log_p), labels
-        return -log_p[xp.arange(labels.shape[0]), labels].mean()
+        xp, (n, k), dtype = self.xp, logits.shape, logits.dtype
+        # log_p = shifted - log(sum(exp(shifted))), shifted = logits - max: computed in two (N, K) arrays
+        log_p, probs = self.scratch("log_p", (n, k), dtype), self.scratch("probs", (n, k), dtype)
+        row = self.scratch("row", (n, 1), dtype)
+        xp.subtract(logits, xp.max(logits, axis=1, keepdims=True, out=row), out=log_p)
+        xp.log(xp.sum(xp.exp(log_p, out=probs), axis=1, keepdims=True, out=row), out=row)
+        log_p -= row
+        self.probs, self.labels = xp.exp(log_p, out=probs), labels
+        return -log_p[self._rows(n), labels].mean()
+
+    def _rows(self, n):
+        """``arange(n)``, kept: the row index of every sample's label."""
+        rows = getattr(self, "_arange", None)
+        if rows is None or rows.shape[0] != n:
+            rows = self._arange = self.xp.arange(n)
+        return rows
 
     def backward(self, scale=1.0):
         n = self.labels.shape[0]
-        grad = self.probs.copy()
-        grad[self.xp.arange(n), self.labels] -= 1.0
+        grad = self.scratch("grad", self.probs.shape, self.probs.dtype)
+        grad[...] = self.probs
+        grad[self._rows(n), self.labels] -= 1.0
         grad *= scale / n
         return grad
 
@@ -39,7 +55,7 @@ class SoftmaxCrossEntropy:
         return (logits.argmax(axis=1) == labels).sum()
 
 
-class MeanSquaredError:
+class MeanSquaredError(UsesWorkspace):
     """Mean over samples and outputs of ``(pred - target)**2``.
 
     ``pred (N, K)``, ``target (N, K)`` or ``(N,)`` when ``K == 1``.
@@ -51,12 +67,15 @@ class MeanSquaredError:
         self.xp = xp
 
     def forward(self, pred, target):
+        xp = self.xp
         target = target.reshape(pred.shape)
-        self.diff = pred - target
-        return (self.diff * self.diff).mean()
+        dtype = xp.result_type(pred, target)
+        self.diff = xp.subtract(pred, target, out=self.scratch("diff", pred.shape, dtype))
+        return xp.multiply(self.diff, self.diff, out=self.scratch("squares", pred.shape, dtype)).mean()
 
     def backward(self, scale=1.0):
-        return self.diff * (2.0 * scale / self.diff.size)
+        return self.xp.multiply(self.diff, 2.0 * scale / self.diff.size,
+                                out=self.scratch("grad", self.diff.shape, self.diff.dtype))
 
     def correct(self, pred, target):
         """Regression has no accuracy: always 0."""

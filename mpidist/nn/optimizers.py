@@ -67,16 +67,27 @@ class Adam(Optimizer):
 
     def step(self, params, grads):
         xp, b1, b2 = self.xp, self.beta1, self.beta2
+        term, denom = self._scratch()
         self.steps += 1
         self.m *= b1
-        self.m += (1 - b1) * grads
+        self.m += xp.multiply(grads, 1 - b1, out=term)
         self.v *= b2
-        self.v += (1 - b2) * (grads * grads)
+        term = xp.multiply(grads, grads, out=term)
+        term *= 1 - b2
+        self.v += term
         # textbook form (as PyTorch): lr * m_hat / (sqrt(v_hat) + eps)
-        denom = xp.sqrt(self.v)
+        xp.sqrt(self.v, out=denom)
         denom *= 1.0 / np.sqrt(1 - b2 ** self.steps)
         denom += self.eps
-        params -= (self.lr / (1 - b1 ** self.steps)) * (self.m / denom)
+        step = xp.divide(self.m, denom, out=term)
+        step *= self.lr / (1 - b1 ** self.steps)
+        params -= step
+
+    def _scratch(self):
+        """Two arrays of the update's size for its intermediate terms, made on the first step (not in checkpoints)."""
+        if getattr(self, "_terms", None) is None:
+            self._terms = (self.xp.empty(self.size, dtype=self.dtype), self.xp.empty(self.size, dtype=self.dtype))
+        return self._terms
 
     def state_arrays(self):
         return {"m": self.m, "v": self.v}

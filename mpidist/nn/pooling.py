@@ -7,6 +7,7 @@ and broadcasts, with no Python loop over positions.
 """
 
 from .layers import Layer, ShapeError
+from .workspace import inverse, memory_order
 
 
 def _blocks(x, k, dims):
@@ -55,20 +56,52 @@ class _Pool(Layer):
 
 
 class _MaxPool(_Pool):
-    """Ties send the gradient to the first maximum only, so gradients match finite differences."""
+    """Ties send the gradient to the first maximum only, so gradients match finite differences.
 
-    cache = ("argmax",)
+    Both passes walk the ``k**dims`` offsets of a window, each a strided view
+    of the whole batch (no copy into blocks, no loop over positions): forward
+    keeps a running maximum and the offset it came from, backward writes
+    ``dy`` into the input gradient at each window's winning offset.
+    """
+
+    cache = ("argmax", "input_order")
+    hands_over = True
+
+    def _offsets(self, x):
+        """``(offset index, strided view of x at that window offset)`` for every offset, in row-major order."""
+        k, out = self.size, [d // self.size for d in self.input_shape[1:]]
+        grid = [()]
+        for _ in range(self.dims):
+            grid = [g + (i,) for g in grid for i in range(k)]
+        for index, offset in enumerate(grid):
+            yield index, x[(slice(None), slice(None)) + tuple(slice(i, o * k, k) for i, o in zip(offset, out))]
 
     def forward(self, x, training=False):
-        blocks = _blocks(x, self.size, self.dims)
-        self.argmax = blocks.argmax(axis=-1)
-        return self.xp.take_along_axis(blocks, self.argmax[..., None], axis=-1)[..., 0]
+        xp = self.xp
+        views = self._offsets(x)
+        _, first = next(views)
+        self.input_order = memory_order(x)   # the input gradient is made in the same order
+        best = self.scratch_like("y", first)
+        best[...] = first
+        self.argmax = self.scratch_like("argmax", first, xp.uint8 if self.size ** self.dims < 256 else xp.int64)
+        self.argmax[...] = 0
+        higher = self.scratch_like("higher", first, bool)
+        for index, view in views:
+            xp.greater(view, best, out=higher)   # strictly: an equal value later in the window does not win
+            xp.copyto(self.argmax, index, where=higher)
+            xp.maximum(best, view, out=best)
+        return best
 
     def backward(self, dy):
-        xp, k = self.xp, self.size
-        # one-hot of the winning position times dy: portable to cupy (no put_along_axis)
-        blocks = (xp.arange(k ** self.dims) == self.argmax[..., None]) * dy[..., None]
-        return _unblocks(xp, blocks, k, self.dims, self.input_shape)
+        xp, order = self.xp, self.input_order
+        shape = (dy.shape[0],) + tuple(self.input_shape)
+        dx = self.scratch("dx", tuple(shape[axis] for axis in order), dy.dtype).transpose(inverse(order))
+        if any(d % self.size for d in self.input_shape[1:]):
+            dx[...] = 0   # the cropped remainder gets no gradient
+        won = self.scratch_like("won", dy, bool)
+        for index, view in self._offsets(dx):
+            xp.multiply(dy, xp.equal(self.argmax, index, out=won), out=view)
+        return dx
 
 
 class _AvgPool(_Pool):

@@ -10,6 +10,7 @@ import numpy as np
 from ..memory import check_fits
 
 from .layers import ShapeError
+from .workspace import Workspace
 
 
 def walk(layers, path=()):
@@ -37,13 +38,18 @@ class Sequential:
     def __init__(self, layers, input_shape, xp=np, dtype=np.float32):
         self.layers, self.xp, self.dtype = list(layers), xp, np.dtype(dtype)
         self.input_shape = tuple(int(d) for d in input_shape)
+        # arrays the training passes reuse from step to step (see mpidist.nn.workspace)
+        self.workspace = Workspace(xp)
         self.entries = []  # (layer, name, offset, shape, initialiser), depth-first over the layer tree
         self.shapes = []   # input shape of each top-level layer
+        self.offsets = []  # where each top-level layer's parameters (its sublayers' included) start in the buffer
         shape, offset = self.input_shape, 0
         for index, layer in enumerate(self.layers):
             for _, node in walk([layer]):
                 node.xp = xp
+                node.workspace = self.workspace
             self.shapes.append(tuple(shape))
+            self.offsets.append(offset)
             try:
                 shape = layer.build(shape)
             except ShapeError as err:
@@ -53,6 +59,12 @@ class Sequential:
                 for name, pshape, initialiser in node.param_specs():
                     self.entries.append((node, name, offset, tuple(pshape), initialiser))
                     offset += int(np.prod(pshape))
+        # elementwise layers work in place on what their neighbours hand over (never on the caller's data)
+        for index, layer in enumerate(self.layers):
+            before = self.layers[index - 1] if index else None
+            after = self.layers[index + 1] if index + 1 < len(self.layers) else None
+            layer.overwrite_input = getattr(before, "hands_over", False)
+            layer.overwrite_grad = getattr(after, "hands_over", False)
         self.output_shape = tuple(shape)
         self.num_params = offset
         # sizes come from the data (a dataset's num_classes): checked before the buffers are allocated
@@ -135,24 +147,45 @@ class Sequential:
                 seed = int(np.random.SeedSequence([*key, *path]).generate_state(1, dtype=np.uint64)[0])
                 layer.rng = self.xp.random.default_rng(seed)
 
+    def use_workspace(self, loss):
+        """Let ``loss`` (a strategy's) reuse its arrays too, in the model's workspace."""
+        loss.workspace = self.workspace
+
     def forward(self, x, training=False):
-        """``(N, *input_shape) -> (N, *output_shape)``."""
+        """``(N, *input_shape) -> (N, *output_shape)``.
+
+        A training pass computes into the model's workspace: its output (and
+        what ``backward`` returns) is overwritten by the next training pass.
+        Inference (``training=False``) returns arrays of its own.
+        """
+        self.workspace.active = bool(training)
         for layer in self.layers:
             x = layer.forward(x, training)
         return x
 
-    def backward(self, dy, input_grad=True):
+    def backward(self, dy, input_grad=True, ready=None):
         """Back-propagate ``dy`` and fill ``grads``; returns the input gradient.
 
         With ``input_grad=False`` the first layer skips its input gradient
         (returns None): nobody uses it when the input is data, and it costs a
         whole matrix product (a col2im for convolutions).
+
+        ``ready(lo)``, where given, is called after each top-level layer with
+        the offset above which ``grads`` is final (layers fill the buffer from
+        the top down): a data-parallel exchange starts on those buckets while
+        backward goes on.
         """
-        for layer in reversed(self.layers[1:]):
-            dy = layer.backward(dy)
+        for index in range(len(self.layers) - 1, 0, -1):
+            dy = self.layers[index].backward(dy)
+            if ready is not None:
+                ready(self.offsets[index])
         if not self.layers:
             return dy
         if input_grad:
-            return self.layers[0].backward(dy)
-        self.layers[0].backward_params(dy)
-        return None
+            dy = self.layers[0].backward(dy)
+        else:
+            self.layers[0].backward_params(dy)
+            dy = None
+        if ready is not None:
+            ready(0)
+        return dy

@@ -30,6 +30,7 @@ from ..xp import to_host
 from .base import Strategy, finite
 from .registry import Option, register
 from .schedule import schedule
+from .slots import SlotPool
 
 
 def balance_by_parameters(costs, stages):
@@ -171,6 +172,8 @@ class PipelineStrategy(Strategy):
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
         self.optimizer = self.make_optimizer(self.model.num_params) if self.make_optimizer else None
         self.plan = schedule(schedule_name, self.stage, self.stages, self.micro_batches)
+        self.model.use_workspace(self.loss)
+        self.slots = SlotPool()
         self.count(steps=0, pipeline_s=0.0, idle_s=0.0, peak_activations=0)
 
     @property
@@ -197,8 +200,8 @@ class PipelineStrategy(Strategy):
             state = {name: array[self.param_lo:self.param_hi] for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
 
-    def _recv(self, shape, source, tag):
-        buffer = self.model.xp.empty(shape, dtype=self.model.dtype)
+    def _recv(self, shape, source, tag, into=None):
+        buffer = self.model.xp.empty(shape, dtype=self.model.dtype) if into is None else into
         start = time.perf_counter()
         self.track("exchange")
         mpi.recv(self.pipe, buffer, source, tag)
@@ -206,20 +209,32 @@ class PipelineStrategy(Strategy):
         self.figures["idle_s"] += time.perf_counter() - start
         return buffer
 
+    def _slot_array(self, slot, name, shape):
+        """A receive buffer kept in the micro-batch's workspace slot (the same array every step)."""
+        workspace = self.model.workspace
+        workspace.slot = slot
+        return workspace.array(self, name, tuple(shape), self.model.dtype)
+
     def train_step(self, x, y, weight, step):
         xp, model = self.model.xp, self.model
         sizes = split_sizes(len(x), self.micro_batches)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         parts = [slice(int(offsets[i]), int(offsets[i + 1])) for i in range(self.micro_batches)]
         inputs, outputs, stashes, grads_in, grads_out, sends = {}, {}, {}, {}, {}, []
+        slots, sent = {}, {}   # micro-batch -> its workspace slot; -> its send requests so far
         self.accumulated[...] = 0
         loss_sum, held = 0.0, 0
         start = time.perf_counter()
         self.track("compute")
         for op, i in self.plan:
             if op == "recv_fwd":
-                inputs[i] = self._recv((sizes[i],) + self.in_shape, self.stage - 1, 2 * i)
+                slots[i] = self.slots.take()
+                into = self._slot_array(slots[i], "input", (sizes[i],) + self.in_shape)
+                inputs[i] = self._recv(into.shape, self.stage - 1, 2 * i, into)
             elif op == "fwd":
+                if i not in slots:
+                    slots[i] = self.slots.take()
+                model.workspace.slot = slots[i]
                 model.reseed(self.seed, self.replica, step, i)
                 out = model.forward(x[parts[i]] if self.is_first else inputs.pop(i), training=True)
                 if self.is_last:
@@ -232,9 +247,12 @@ class PipelineStrategy(Strategy):
                 self.figures["peak_activations"] = max(self.figures["peak_activations"], held)
             elif op == "send_fwd":
                 sends.append(mpi.isend(self.pipe, outputs.pop(i), self.stage + 1, 2 * i))
+                sent.setdefault(i, []).append(sends[-1][0])
             elif op == "recv_bwd":
-                grads_in[i] = self._recv((sizes[i],) + self.out_shape, self.stage + 1, 2 * i + 1)
+                into = self._slot_array(slots[i], "grad_in", (sizes[i],) + self.out_shape)
+                grads_in[i] = self._recv(into.shape, self.stage + 1, 2 * i + 1, into)
             elif op == "bwd":
+                model.workspace.slot = slots[i]
                 if self.is_last:
                     model.restore(stashes.pop(i), [self.loss])
                     dy = self.loss.backward(scale=sizes[i] / self.global_batch)
@@ -244,13 +262,18 @@ class PipelineStrategy(Strategy):
                 dx = model.backward(dy, input_grad=not self.is_first)
                 self.accumulated[:-1] += model.grads
                 held -= 1
-                if not self.is_first:
+                if self.is_first:
+                    self.slots.release(slots.pop(i), sent.pop(i, []))
+                else:
                     grads_out[i] = xp.ascontiguousarray(dx)
             elif op == "send_bwd":
                 sends.append(mpi.isend(self.pipe, grads_out.pop(i), self.stage - 1, 2 * i + 1))
+                # the slot's arrays are free again once what was sent from them has left
+                self.slots.release(slots.pop(i), sent.pop(i, []) + [sends[-1][0]])
         waited = time.perf_counter()
         self.track("exchange")
         MPI.Request.Waitall([request for request, _ in sends])
+        self.slots.reset()
         self.figures["idle_s"] += time.perf_counter() - waited
         self.figures["pipeline_s"] += time.perf_counter() - start
         self.figures["steps"] += 1
