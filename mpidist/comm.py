@@ -87,6 +87,39 @@ def allreduce_sum(comm, array):
     return array
 
 
+def iallreduce_sum(comm, array):
+    """Start summing ``array`` (contiguous) over ``comm`` in place; returns a :class:`Pending` to complete.
+
+    Device arrays on MPI without CUDA support travel through a host copy,
+    copied back when the reduction completes.
+    """
+    buffer, back = _for_mpi(array)
+    return Pending(comm.Iallreduce(MPI.IN_PLACE, buffer), buffer, back)
+
+
+class Pending:
+    """A started non-blocking operation: its request, the buffer MPI uses, and what completes it."""
+
+    __slots__ = ("request", "buffer", "back")
+
+    def __init__(self, request, buffer, back=None):
+        self.request, self.buffer, self.back = request, buffer, back
+
+    def test(self):
+        """Drive MPI's progress; whether the operation has completed (then finished as :meth:`wait` would)."""
+        if self.request.Test():
+            self.wait()
+            return True
+        return False
+
+    def wait(self):
+        """Block until the operation completes; copy a host-staged result back once."""
+        self.request.Wait()
+        if self.back is not None:
+            self.back()
+            self.back = None
+
+
 def bcast(comm, array, root=0):
     """Broadcast ``array`` (contiguous) from ``root`` in place."""
     buffer, back = _for_mpi(array)

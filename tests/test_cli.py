@@ -213,13 +213,22 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     done, _ = mpidist(2, "bench", "--seconds", "0.2", "--models", "mlp", "--output", str(out), timeout=120)
     assert done.returncode == 0, done.stderr
     assert "exchange/bare" in done.stdout
-    rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"local", "allreduce", "ps-sync", "ps-async"}
+    document = json.loads(out.read_text())
+    rows = {row["strategy"]: row for row in document["rows"]}
+    assert set(rows) == {"local", "hand-written", "no exchange", "allreduce", "allreduce, no overlap",
+                         "hand-written+Allreduce", "ps-sync", "ps-async"} | ({"torch"} if "torch" in rows else set())
     for strategy, row in rows.items():
-        assert row["steps_per_s"] > 0 and row["samples_per_s"] > 0 and row["samples_vs_local"] > 0
+        assert row["steps_per_s"] > 0 and row["samples_per_s"] > 0
         if strategy != "local":
+            assert row["samples_vs_local"] > 0
+        if strategy in ("allreduce", "ps-sync", "ps-async"):
             assert row["exchange_ms"] > 0 and row["bare_ms"] > 0 and row["exchange_over_bare"] > 0
     assert rows["allreduce"]["workers"] == 2 and rows["ps-sync"]["workers"] == 1
+    # the ratios the table exists for: against the floor, and against the limit
+    assert rows["local"]["vs_handwritten"] == rows["local"]["samples_per_s"] / rows["hand-written"]["samples_per_s"]
+    assert rows["allreduce"]["of_limit"] == rows["allreduce"]["samples_per_s"] / rows["no exchange"]["samples_per_s"]
+    assert document["meta"]["cores"] >= 1 and document["meta"]["blas"]
+    assert "core(s)" in done.stdout and "BLAS:" in done.stdout
 
 
 def _unwritable_output(tmp_path, case):

@@ -7,14 +7,15 @@ fills :data:`registry.STRATEGIES`.
 
 # imported in the order --strategy lists them (each module registers its class)
 from .local import LocalStrategy  # isort: skip
-from .allreduce import AllreduceStrategy, bucket_slices  # isort: skip
+from .allreduce import AllreduceStrategy  # isort: skip
 from .ps_sync import PsSyncStrategy  # isort: skip
 from .ps_async import PsAsyncStrategy  # isort: skip
 from .pipeline import PipelineStrategy  # isort: skip
 from .local_sgd import LocalSgdStrategy  # isort: skip
 from .base import DataParallel, StepResult, Strategy
+from .exchange import Exchange, NoExchange, bucket_slices
 from .registry import STRATEGIES, Option, declared_options, register
 
-__all__ = ["STRATEGIES", "AllreduceStrategy", "DataParallel", "LocalSgdStrategy", "LocalStrategy", "Option", "PipelineStrategy",
+__all__ = ["STRATEGIES", "AllreduceStrategy", "DataParallel", "Exchange", "NoExchange", "LocalSgdStrategy", "LocalStrategy", "Option", "PipelineStrategy",
            "PsAsyncStrategy", "PsSyncStrategy", "StepResult", "Strategy", "bucket_slices", "declared_options",
            "register"]

@@ -5,23 +5,15 @@ the flat buffer).  Each step every worker back-propagates a loss weighted by
 its share of the global batch, so an in-place ``Allreduce(SUM)`` of the flat
 gradient buffer *is* the global mean gradient; every worker then applies the
 same optimizer update to identical parameters.  The buffer is cut into
-contiguous buckets of at most ``bucket_bytes``: one MPI call per bucket, never
-one per tensor, and no copy.
+contiguous buckets of at most ``bucket_bytes``, each reduced by a non-blocking
+``Iallreduce`` started as soon as backward has filled it
+(:mod:`mpidist.parallel.exchange`): one MPI call per bucket, never one per
+tensor, and no copy.
 """
 
-from .. import comm as mpi
 from .base import DataParallel
+from .exchange import Exchange
 from .registry import register
-
-
-def bucket_slices(count, itemsize, bucket_bytes):
-    """Contiguous ``(lo, hi)`` element ranges covering ``[0, count)``, each at most ``bucket_bytes``.
-
-    >>> bucket_slices(10, 4, 16)
-    [(0, 4), (4, 8), (8, 10)]
-    """
-    per_bucket = max(1, bucket_bytes // itemsize)
-    return [(lo, min(lo + per_bucket, count)) for lo in range(0, count, per_bucket)]
 
 
 @register
@@ -31,11 +23,5 @@ class AllreduceStrategy(DataParallel):
     name = "allreduce"
     elastic_recovery = True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.buckets = bucket_slices(self.buffer.size, self.buffer.itemsize, self.bucket_bytes)
-
-    def exchange(self, buffer):
-        comm = self.worker_comm
-        for lo, hi in self.buckets:
-            mpi.allreduce_sum(comm, buffer[lo:hi])
+    def make_exchange(self):
+        return Exchange(self.worker_comm, self.buffer, self.bucket_bytes)

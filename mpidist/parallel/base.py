@@ -169,6 +169,7 @@ class Strategy:
     def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20, where=None,
                  figures=None):
         self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed
+        model.use_workspace(loss)
         self.make_optimizer = make_optimizer
         self.bucket_bytes = int(bucket_bytes)
         self.where = where
@@ -245,14 +246,22 @@ class Strategy:
     def close(self):
         """Collective: release MPI resources (windows) the strategy holds."""
 
-    def backprop(self, x, y, weight, step):
-        """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss."""
+    def backprop(self, x, y, weight, step, before_backward=None, ready=None):
+        """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss.
+
+        Args:
+            before_backward: called with the loss once it is known, before backward starts.
+            ready: called with ``lo`` each time backward has finished ``grads[lo:]``
+                (see :meth:`mpidist.nn.Sequential.backward`).
+        """
         model = self.model
         self.track("compute")
         model.reseed(self.seed, self.worker_index, step)
         out = model.forward(x, training=True)
         loss = self.loss.forward(out, y)
-        model.backward(self.loss.backward(scale=weight), input_grad=False)
+        if before_backward is not None:
+            before_backward(loss)
+        model.backward(self.loss.backward(scale=weight), input_grad=False, ready=ready)
         return loss
 
     def evaluate(self, batches):
@@ -308,7 +317,8 @@ class DataParallel(Strategy):
 
     Gradients and the weighted batch loss share one buffer
     (``[grads..., loss]``), so a single exchange per step also yields the
-    global loss.  Subclasses implement :meth:`exchange`.
+    global loss.  Subclasses say how with :meth:`make_exchange`; the exchange
+    starts during backward, as buckets of the buffer are filled.
 
     Running statistics (BatchNorm's) are each worker's own while it trains;
     they are averaged over the workers before each evaluation and checkpoint
@@ -323,6 +333,7 @@ class DataParallel(Strategy):
         self.optimizer = self.make_optimizer(model.num_params) if self.make_optimizer else None
         self.running = model.running_entries()
         synchronise_batch_norms(model, self.worker_comm)
+        self.exchange = self.make_exchange()
 
     def average_running(self):
         """Collective over the workers: every worker's running statistics become their mean."""
@@ -343,8 +354,8 @@ class DataParallel(Strategy):
     def survivor_state(self, cluster, step):
         return Strategy.state(self)   # (the old communicators are revoked: no averaging)
 
-    def exchange(self, buffer):
-        """Turn each worker's weighted gradients into their sum over workers, in place."""
+    def make_exchange(self):
+        """The :class:`~mpidist.parallel.exchange.Exchange` that sums ``self.buffer`` over the workers."""
         raise NotImplementedError
 
     def initialize(self, checkpoint=None):
@@ -359,11 +370,15 @@ class DataParallel(Strategy):
         if checkpoint is not None and self.optimizer is not None:
             self.optimizer.load_state(checkpoint.optimizer_state, checkpoint.optimizer_steps)
 
+    def _loss_into_buffer(self, loss):
+        self.buffer[-1] = loss * self._weight
+
     def train_step(self, x, y, weight, step):
-        loss = self.backprop(x, y, weight, step)
-        self.buffer[-1] = loss * weight
+        self._weight = weight
+        self.exchange.begin()
+        self.backprop(x, y, weight, step, before_backward=self._loss_into_buffer, ready=self.exchange.ready)
         self.track("exchange")
-        self.exchange(self.buffer)
+        self.exchange.finish()
         # every worker holds the same summed buffer, so every worker decides the same
         self.skipped = not finite(self.buffer)
         if not self.skipped:

@@ -21,8 +21,8 @@ import numpy as np
 
 from .. import comm as mpi
 from ..errors import UsageError
-from .allreduce import bucket_slices
 from .base import DataParallel, average_over, finite
+from .exchange import NoExchange, bucket_slices
 from .registry import Option, register
 
 
@@ -53,6 +53,9 @@ class LocalSgdStrategy(DataParallel):
         self.buckets = bucket_slices(self.model.num_params, self.buffer.itemsize, self.bucket_bytes)
         self.averages = 0
         self.averaged = True    # the parameters are the workers' mean (no step since the last average)
+
+    def make_exchange(self):
+        return NoExchange()   # gradients stay each worker's own: the parameters are averaged instead
 
     def train_step(self, x, y, weight, step):
         model = self.model

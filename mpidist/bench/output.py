@@ -1,0 +1,100 @@
+"""Where ``bench`` results go: the table printed, and the JSON file written whole or not at all."""
+
+import json
+import os
+import secrets
+import stat
+
+from ..errors import UsageError
+
+
+def format_table(rows, columns):
+    header = [title for _, title, _ in columns]
+    body = [[fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in columns] for row in rows]
+    widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header] + body)
+
+
+def _why_not_writable(err):
+    """An OSError met while probing where the results go, in words (the message names the path already)."""
+    if isinstance(err, FileNotFoundError):
+        return "its directory does not exist"
+    if isinstance(err, NotADirectoryError):
+        return "a part of its path is a file, not a directory"
+    if isinstance(err, PermissionError):
+        return "permission denied"
+    return err.strerror or str(err)
+
+
+def _create_beside(target):
+    """``(file descriptor, path)`` of a new hidden file in ``target``'s directory, created with the usual mode."""
+    directory = os.path.dirname(target) or "."
+    path = os.path.join(directory, f".mpidist-bench-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), path
+
+
+def _existing_file(target):
+    """Raise ``OSError`` or ``ValueError`` unless ``target`` is absent or a regular file that can be appended to.
+
+    Opens to append (never truncates) and closes: the file is left as it was.
+    """
+    try:
+        info = os.stat(target)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        raise ValueError("it is a directory; name a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError("it is not a regular file (a pipe, a socket or a device)")
+    try:
+        with open(target, "a"):
+            pass
+    except PermissionError:
+        raise ValueError("the file is not writable (permission denied)") from None
+
+
+def _directory_takes_files(target):
+    """Raise ``OSError`` unless a file can be created (and removed) beside ``target``, as the final rename needs."""
+    fd, probe = _create_beside(target)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_output(output):
+    """Raise :class:`UsageError` naming ``output`` and the reason if the results could not be written there.
+
+    Called before any benchmark runs, so a bad ``--output`` does not cost the
+    run.  Changes nothing: an existing file is opened to append and closed,
+    and a probe file is created beside it and removed (the results are
+    written aside and renamed over it: its directory must take new files).
+    """
+    target = os.path.realpath(output)         # a link is followed: its target gets the results
+    try:
+        _existing_file(target)
+        _directory_takes_files(target)
+    except ValueError as err:
+        raise UsageError(f"--output {output}: cannot be written: {err}") from None
+    except OSError as err:
+        raise UsageError(f"--output {output}: cannot be written: {_why_not_writable(err)}") from None
+
+
+def write_results(output, document):
+    """Write ``document`` as JSON to ``output`` atomically: aside, then renamed over it.
+
+    An existing results file is replaced whole or left as it was, never half
+    written; the new file takes the mode of the one it replaces.
+    """
+    target = os.path.realpath(output)
+    fd, aside = _create_beside(target)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(document, handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.path.exists(target):
+            os.chmod(aside, stat.S_IMODE(os.stat(target).st_mode))
+        os.replace(aside, target)
+    except BaseException:
+        if os.path.exists(aside):
+            os.unlink(aside)
+        raise

@@ -1,0 +1,229 @@
+"""The rows of ``bench``'s table: mpidist's strategies, and the references that make them mean something.
+
+One process (rank 0, while the other ranks sleep and leave the cores free):
+
+* ``local``: mpidist's own step (``LocalStrategy.train_step``);
+* ``hand-written``: :class:`~mpidist.bench.handwritten.HandwrittenMLP`, the
+  floor for framework overhead (MLP models only);
+* ``torch``: the same layers in PyTorch, where torch is installed (never a
+  dependency);
+
+all three alternating step by step from the same starting parameters.
+
+Every rank together, alternating step by step as well:
+
+* ``no exchange``: every rank computes mpidist's local step and nothing is
+  exchanged: the limit for data parallelism on these cores;
+* ``allreduce``, and ``allreduce, no overlap`` (the same buckets, reduced
+  after backward): what overlapping the exchange with backward gives;
+* ``hand-written+Allreduce``: the hand-written loop with one ``Allreduce`` of
+  its flat gradient buffer after backward;
+
+then ``ps-sync`` and ``ps-async`` with one ps, and each exchange against the
+bare MPI calls that move the same bytes.
+"""
+
+import math
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import comm as mpi
+from .. import nn
+from ..cluster import build_cluster
+from ..parallel import AllreduceStrategy, Exchange, LocalStrategy, PsAsyncStrategy, PsSyncStrategy
+from ..rma import Window
+from . import reference
+from .handwritten import HandwrittenMLP
+from .timing import alternating, release, sleep_until_released, synced_alternating, synced_timed, timed_steps
+
+SHAPES = {"mlp-wide": ((28, 28), 10), "cnn": ((28, 28), 10)}   # MNIST-shaped: the README's figures
+DEFAULT_SHAPE = ((8, 8), 10)                                      # the bundled digits
+
+
+def sgd(size):
+    return nn.make_optimizer("sgd", size, 0.01)
+
+
+def _problem(name, batch, seed):
+    sample_shape, classes = SHAPES.get(name, DEFAULT_SHAPE)
+    rng = np.random.default_rng(seed)
+    model = nn.build_model(name, sample_shape, classes, np, np.float32)
+    x = rng.random((batch,) + model.input_shape, dtype=np.float32)
+    y = rng.integers(0, classes, batch)
+    return model, x, y
+
+
+def _local(name, batch, seed):
+    """A local strategy on ``name`` with its batch, and a step function that counts steps."""
+    model, x, y = _problem(name, batch, seed)
+    local = LocalStrategy(model, nn.loss_for(10, np), sgd, seed=0)
+    local.initialize()
+    counter = iter(range(1 << 30))
+    return local, x, y, lambda: local.train_step(x, y, 1.0, next(counter))
+
+
+def handwritten_for(model, batch):
+    """A :class:`HandwrittenMLP` of ``model``'s shape and starting parameters, or None if it is not an MLP.
+
+    The same start gives the same trajectory, so both meet the same numbers
+    (a model that has fit its batch meets tiny gradients, and tiny numbers
+    can be slow): the comparison stays like for like however long it runs.
+    """
+    kinds = [type(layer).__name__ for layer in model.layers]
+    if kinds[:1] != ["Flatten"] or kinds[-1:] != ["Dense"] or kinds[1:-1] != ["Dense", "ReLU"] * ((len(kinds) - 2) // 2):
+        return None
+    sizes = [int(np.prod(model.input_shape))] + [layer.units for layer in model.layers if hasattr(layer, "units")]
+    hand = HandwrittenMLP(sizes, batch)
+    hand.params[:-1] = model.params
+    return hand
+
+
+def _row(name, strategy, ranks, workers, batch, per_step, params):
+    return {"model": name, "strategy": strategy, "ranks": ranks, "workers": workers, "batch_per_rank": batch,
+            "params": params, "steps_per_s": 1 / per_step, "samples_per_s": workers * batch / per_step}
+
+
+def one_process_rows(world, name, batch, seconds):
+    """``local``, ``hand-written`` and ``torch`` on rank 0 while the other ranks sleep (complete on rank 0)."""
+    rows = []
+    if world.Get_rank() == 0:
+        local, x, y, local_step = _local(name, batch, 0)
+        steps = {"local": local_step}
+        hand = handwritten_for(local.model, batch)
+        if hand is not None:
+            flat = x.reshape(batch, -1)
+            steps["hand-written"] = lambda: hand.step(flat, y)
+        torch_step = reference.torch_step(local.model, x, y)
+        if torch_step is not None:
+            steps["torch"] = torch_step
+        medians = alternating(steps, seconds)
+        rows = [_row(name, label, 1, 1, batch, per_step, local.model.num_params) for label, per_step in medians.items()]
+        release(world)
+    else:
+        sleep_until_released(world)
+    return rows
+
+
+def parallel_rows(world, cluster, name, batch, seconds):
+    """``no exchange``, ``allreduce`` (with and without overlap) and ``hand-written+Allreduce`` on every rank."""
+    size = world.Get_size()
+    model, x, y = _problem(name, batch, world.Get_rank())
+    strategy = AllreduceStrategy(model, nn.loss_for(10, np), sgd, cluster, seed=0)
+    strategy.initialize()
+    after_backward = AllreduceStrategy(nn.build_model(name, *SHAPES.get(name, DEFAULT_SHAPE), np, np.float32),
+                                       nn.loss_for(10, np), sgd, cluster, seed=0)
+    after_backward.initialize()
+    after_backward.exchange = Exchange(after_backward.worker_comm, after_backward.buffer, after_backward.bucket_bytes,
+                                       overlap=False)
+    alone, _, _, alone_step = _local(name, batch, world.Get_rank())
+    counter = iter(range(1 << 30))
+    steps = {"no exchange": alone_step,
+             "allreduce": lambda: strategy.train_step(x, y, 1.0 / size, next(counter)),
+             "allreduce, no overlap": lambda: after_backward.train_step(x, y, 1.0 / size, next(counter))}
+    hand = handwritten_for(model, batch)
+    if hand is not None:
+        flat = x.reshape(batch, -1)
+
+        def hand_allreduce():
+            hand.backprop(flat, y, 1.0 / size)
+            world.Allreduce(MPI.IN_PLACE, hand.grads)
+            hand.update()
+
+        steps["hand-written+Allreduce"] = hand_allreduce
+    if size == 1:   # nothing to exchange: the variants would only repeat "no exchange"
+        steps = {"allreduce": steps["allreduce"]}
+    medians = synced_alternating(world, steps, seconds)
+    rows = {label: _row(name, label, size, size, batch, per_step, model.num_params) for label, per_step in medians.items()}
+    if size > 1:  # on one rank both are no-ops: a ratio of microseconds would mislead
+        bare = np.zeros_like(strategy.buffer)
+        exchange = strategy.exchange
+
+        def whole_exchange():
+            exchange.begin()
+            exchange.finish()
+
+        _compare(world, rows["allreduce"], whole_exchange, lambda: world.Allreduce(MPI.IN_PLACE, bare),
+                 seconds, bare.nbytes)
+    return list(rows.values())
+
+
+def _compare(world, row, exchange, bare, seconds, nbytes):
+    """Median time of mpidist's exchange and of the bare MPI calls, interleaved."""
+    medians = synced_alternating(world, {"ours": exchange, "bare": bare}, seconds)
+    row.update(exchange_bytes=int(nbytes), exchange_ms=1e3 * medians["ours"], bare_ms=1e3 * medians["bare"])
+    row["exchange_over_bare"] = row["exchange_ms"] / row["bare_ms"]
+
+
+def ps_sync_row(world, name, batch, seconds):
+    cluster = build_cluster(world, num_ps=1)
+    workers = cluster.num_workers
+    model, x, y = _problem(name, batch, world.Get_rank())
+    strategy = PsSyncStrategy(model, nn.loss_for(10, np), sgd, cluster, seed=0)
+    strategy.initialize()
+    if not strategy.is_worker:
+        x = y = None
+    counter = iter(range(1 << 30))
+    per_step = synced_timed(world, lambda: strategy.train_step(x, y, 1.0 / workers, next(counter)), seconds)
+    row = _row(name, "ps-sync", world.Get_size(), workers, batch, per_step, model.num_params)
+    send, recv = strategy.exchange.copy(), np.zeros_like(strategy.inbox)
+    values, counts, displs = strategy.values.copy(), strategy.counts, strategy.displs
+
+    def ours():
+        mpi.reduce_scatter_sum(world, strategy.exchange, strategy.inbox, counts)
+        mpi.allgatherv_inplace(world, strategy.values, counts, displs)
+
+    def bare():
+        world.Reduce_scatter(send, recv, recvcounts=list(counts))
+        world.Allgatherv(MPI.IN_PLACE, [values, list(counts), list(displs), MPI.FLOAT])
+
+    _compare(world, row, ours, bare, seconds, send.nbytes)
+    cluster.free()
+    return row
+
+
+def ps_async_row(world, name, batch, seconds):
+    """Workers train for ``seconds`` while the ps serves; then exchange against raw window ops."""
+    cluster = build_cluster(world, num_ps=1)
+    model, x, y = _problem(name, batch, world.Get_rank())
+    strategy = PsAsyncStrategy(model, nn.loss_for(10, np), sgd, cluster, seed=0)
+    strategy.initialize()
+    ps = strategy.ps_ranks[0]
+    raw = Window(world, model.num_params if cluster.rank == ps else 0, np.float32)
+    timings = np.zeros(3)   # steps/s, exchange ms, bare ms (workers)
+    if strategy.serves:
+        strategy.serve()
+    else:
+        step, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds or step < 5:
+            strategy.train_step(x, y, 1.0 / cluster.num_workers, step)
+            step += 1
+        timings[0] = step / (time.perf_counter() - start)
+        grads, values = strategy.host_grads, strategy.host_params
+
+        def ours():
+            strategy.exchange.pull(values)
+            strategy.exchange.push(grads)
+
+        def bare():  # the same atomic operations, called raw: what mpidist adds is the rest
+            raw.read(values, ps)
+            raw.flush(ps)
+            raw.add(grads, ps)
+            raw.flush(ps)
+
+        for index, fn in ((1, ours), (2, bare)):
+            per_call, _ = timed_steps(fn, seconds / 2)
+            timings[index] = 1e3 * per_call
+    strategy.finish()
+    totals = mpi.sum_float64(world, timings)
+    workers = cluster.num_workers
+    raw.free()
+    strategy.close()
+    cluster.free()
+    row = _row(name, "ps-async", world.Get_size(), workers, batch, 1 / max(totals[0] / workers, 1e-9),
+               model.num_params)
+    row.update(exchange_bytes=int(2 * model.num_params * 4), exchange_ms=totals[1] / workers,
+               bare_ms=totals[2] / workers)
+    row["exchange_over_bare"] = row["exchange_ms"] / row["bare_ms"] if row["bare_ms"] else math.nan
+    return row

@@ -1,0 +1,95 @@
+"""Timing that is fair on a shared machine: medians, and calls every rank makes together."""
+
+import time
+
+import numpy as np
+
+
+def sleep_until_released(world, root=0):
+    """Wait for ``root`` without spinning: an Ibarrier polled with short sleeps."""
+    request = world.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
+
+
+def release(world):
+    world.Ibarrier().Wait()
+
+
+def timed_steps(step, seconds, min_steps=5):
+    """Median seconds per step over windows of about ``seconds / 5``."""
+    step()  # warm-up: allocations, caches
+    windows, deadline = [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(windows) < min_steps:
+        t0 = time.perf_counter()
+        step()
+        windows.append(time.perf_counter() - t0)
+    return float(np.median(windows)), len(windows)
+
+
+def synced_timed(world, fn, seconds):
+    """Median per-call seconds of a collective ``fn``, called the same number of times on every rank.
+
+    Rank 0 picks the count from a short calibration and broadcasts it: ranks
+    that each stopped on their own clock could disagree by one call and leave
+    a collective unmatched.
+    """
+    world.Barrier()
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    per_call = (time.perf_counter() - t0) / 3
+    count = np.array([max(5, int(seconds / max(per_call, 1e-6)))], dtype=np.int64)
+    world.Bcast(count, root=0)
+    times = []
+    for _ in range(int(count[0])):
+        world.Barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def alternating(steps, seconds, min_calls=5):
+    """Median seconds per call of each of ``steps`` (name -> function), called in turn, one call each.
+
+    Alternating single calls gives every candidate the same machine: a burst
+    of load elsewhere, a frequency change or a cache state lands on all of
+    them alike, so their ratio holds where separate windows would drift.
+    """
+    for step in steps.values():
+        step()   # warm-up: first-touch allocations, caches
+    times = {name: [] for name in steps}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times[next(iter(steps))]) < min_calls:
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(values)) for name, values in times.items()}
+
+
+def synced_alternating(world, steps, seconds, min_calls=5):
+    """:func:`alternating` for collectives: every rank calls each step the same number of times, together.
+
+    A barrier before each timed call starts the ranks together (the barrier
+    is outside the timing); rank 0 picks the count from a short calibration
+    and broadcasts it, since ranks that stopped on their own clocks could
+    leave a collective unmatched.
+    """
+    world.Barrier()
+    start = time.perf_counter()
+    for step in steps.values():
+        step()
+    per_round = time.perf_counter() - start
+    count = np.array([max(min_calls, int(seconds / max(per_round, 1e-6)))], dtype=np.int64)
+    world.Bcast(count, root=0)
+    times = {name: [] for name in steps}
+    for _ in range(int(count[0])):
+        for name, step in steps.items():
+            world.Barrier()
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(values)) for name, values in times.items()}

@@ -1,0 +1,99 @@
+"""Gradient exchanges: how data-parallel workers turn their gradients into the sum, and when.
+
+A data-parallel strategy is given an exchange object; the strategy decides
+*what* is summed (the flat gradient buffer, followed by the weighted loss),
+the exchange decides *how* (plain ``Iallreduce``, or compressed) and *when*.
+
+Backward fills the flat gradient buffer from the last layer to the first, and
+layer ``i``'s parameters lie above layer ``i - 1``'s, so the buffer is cut into
+buckets from the top.  As soon as backward has finished every layer under a
+bucket, :meth:`Exchange.ready` starts that bucket's non-blocking reduction and
+drives MPI's progress on the ones already started; :meth:`Exchange.finish`
+waits for the rest just before the optimizer.  This is what Horovod's tensor
+fusion and DDP's gradient buckets do.  One MPI call per bucket, never one per
+tensor, and no copy.
+"""
+
+from .. import comm as mpi
+
+
+def bucket_slices(count, itemsize, bucket_bytes):
+    """Contiguous ``(lo, hi)`` element ranges covering ``[0, count)``, each at most ``bucket_bytes``.
+
+    >>> bucket_slices(10, 4, 16)
+    [(0, 4), (4, 8), (8, 10)]
+    """
+    per_bucket = max(1, bucket_bytes // itemsize)
+    return [(lo, min(lo + per_bucket, count)) for lo in range(0, count, per_bucket)]
+
+
+def top_down_buckets(count, itemsize, bucket_bytes):
+    """Buckets in the order backward completes them: cut from the top of ``[0, count)``, highest first.
+
+    The lowest bucket is the short one, so the last reduction to start (after
+    the first layer's backward, with nothing left to overlap) is the smallest.
+
+    >>> top_down_buckets(10, 4, 16)
+    [(6, 10), (2, 6), (0, 2)]
+    """
+    per_bucket = max(1, bucket_bytes // itemsize)
+    return [(max(hi - per_bucket, 0), hi) for hi in range(count, 0, -per_bucket)]
+
+
+class NoExchange:
+    """One worker: its weighted gradients already are the sum."""
+
+    bytes_per_step = 0
+
+    def begin(self):
+        """A new step's gradients are about to be computed."""
+
+    def ready(self, lo):
+        """``buffer[lo:]`` holds its final values for this step."""
+
+    def finish(self):
+        """Return once ``buffer`` holds the sum over the workers."""
+
+
+class Exchange(NoExchange):
+    """In-place sum of ``buffer`` over ``comm``, bucket by bucket, overlapped with backward.
+
+    Args:
+        comm: the workers' communicator.
+        buffer: the contiguous array summed (gradients, then the weighted loss).
+        bucket_bytes: largest bucket.
+        overlap: start each bucket as soon as it is ready (False: all of them
+            in :meth:`finish`, after backward, one after another).
+    """
+
+    def __init__(self, comm, buffer, bucket_bytes, overlap=True):
+        self.comm, self.buffer, self.overlap = comm, buffer, overlap
+        self.buckets = top_down_buckets(buffer.size, buffer.itemsize, bucket_bytes)
+        self.bytes_per_step = int(buffer.nbytes)
+        self._next, self._pending = 0, []
+
+    def begin(self):
+        self._next, self._pending = 0, []
+
+    def ready(self, lo):
+        if not self.overlap:
+            return
+        while self._next < len(self.buckets) and self.buckets[self._next][0] >= lo:
+            self._start(*self.buckets[self._next])
+            self._next += 1
+        # progress: MPICH moves a started collective only inside MPI calls
+        self._pending = [pending for pending in self._pending if not pending.test()]
+
+    def finish(self):
+        while self._next < len(self.buckets):
+            self._start(*self.buckets[self._next])
+            self._next += 1
+            if not self.overlap:   # one at a time, as blocking calls would
+                self._pending.pop().wait()
+        for pending in self._pending:
+            pending.wait()
+        self._pending = []
+
+    def _start(self, lo, hi):
+        """Start reducing ``buffer[lo:hi]`` (compressed exchanges override this and :meth:`finish`)."""
+        self._pending.append(mpi.iallreduce_sum(self.comm, self.buffer[lo:hi]))
