@@ -81,7 +81,8 @@ def build_parser():
                            "rows for the single-process baseline run on rank 0 while the others wait.")
     bench.add_argument("--output", default="bench.json", help="JSON file for the results (default: bench.json)")
     bench.add_argument("--seconds", type=float, default=3.0, help="time per measurement (default: 3)")
-    bench.add_argument("--models", default="mlp,mlp-wide", help="comma-separated zoo models (default: mlp,mlp-wide)")
+    bench.add_argument("--models", default="mlp,mlp-wide,cnn",
+                       help="comma-separated zoo models (default: mlp,mlp-wide,cnn)")
     bench.add_argument("--batch-per-rank", type=int, default=128, help="samples per rank per step (default: 128)")
     return parser
 

@@ -178,7 +178,7 @@ class CommonSettings:
     stall_timeout: float = _field(300.0, "seconds a rank may wait for others (an exchange, the step agreement, "
                                   "the end) before the chief names the ranks that have not arrived and ends the "
                                   "job (0 = wait forever)")
-    bucket_mb: float = _field(64.0, "gradient bucket size in MiB: one Allreduce per bucket")
+    bucket_mb: float = _field(64.0, "gradient bucket size in MiB: one Iallreduce per bucket, started as backward fills it")
     device: str = _field("auto", "where to compute: cpu, gpu (cupy, one GPU per rank on a node), or auto", DEVICES)
     dtype: str = _field("float32", "parameter and activation dtype", DTYPES)
     progress: str = _field("auto", "chief's terminal output: bar, lines, none; auto = bar on a terminal", PROGRESS)
