@@ -37,7 +37,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .errors import EXIT_FAILURE, error_line
+from .errors import ABORT_GRACE_SECONDS, EXIT_FAILURE, error_line
 from .whereabouts import PHASES, WAITS
 
 TAG = 91
@@ -277,5 +277,6 @@ def end_job(message):
     sys.stderr.write(error_line(message) + "\n")
     sys.stderr.flush()
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        time.sleep(ABORT_GRACE_SECONDS)   # as errors.py: else the launcher may tear the job down before it forwards the line
         MPI.COMM_WORLD.Abort(EXIT_FAILURE)
     os._exit(EXIT_FAILURE)   # one process: the main thread may be stuck where no exception reaches it
