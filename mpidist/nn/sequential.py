@@ -67,6 +67,10 @@ class Sequential:
             layer.overwrite_grad = getattr(after, "hands_over", False)
         self.output_shape = tuple(shape)
         self.num_params = offset
+        # the first top-level layer with parameters (its sublayers' included): where backward without an
+        # input gradient stops
+        ends = self.offsets[1:] + [offset]
+        self.first_trained = next((i for i, (lo, hi) in enumerate(zip(self.offsets, ends)) if hi > lo), 0)
         # sizes come from the data (a dataset's num_classes): checked before the buffers are allocated
         check_fits(2 * offset * self.dtype.itemsize, f"a model of {offset:,} parameters (values and gradients)")
         self.bind_params(xp.zeros(offset, dtype=self.dtype))
@@ -141,11 +145,12 @@ class Sequential:
         layer ``i`` draws from ``[*key, i]`` and a Dropout inside block ``i``
         from ``[*key, i, j]``: no two layers share a stream.
         """
-        for path, layer in walk(self.layers):
-            if hasattr(layer, "rng"):
-                # an int seed: cupy's default_rng does not take numpy seed arrays
-                seed = int(np.random.SeedSequence([*key, *path]).generate_state(1, dtype=np.uint64)[0])
-                layer.rng = self.xp.random.default_rng(seed)
+        if not hasattr(self, "_random"):   # (the layer tree is fixed: walk it once)
+            self._random = [(path, layer) for path, layer in walk(self.layers) if hasattr(layer, "rng")]
+        for path, layer in self._random:
+            # an int seed: cupy's default_rng does not take numpy seed arrays
+            seed = int(np.random.SeedSequence([*key, *path]).generate_state(1, dtype=np.uint64)[0])
+            layer.rng = self.xp.random.default_rng(seed)
 
     def use_workspace(self, loss):
         """Let ``loss`` (a strategy's) reuse its arrays too, in the model's workspace."""
@@ -166,16 +171,20 @@ class Sequential:
     def backward(self, dy, input_grad=True, ready=None):
         """Back-propagate ``dy`` and fill ``grads``; returns the input gradient.
 
-        With ``input_grad=False`` the first layer skips its input gradient
-        (returns None): nobody uses it when the input is data, and it costs a
-        whole matrix product (a col2im for convolutions).
+        With ``input_grad=False`` (returns None) backward stops at the first
+        layer with parameters and skips its input gradient: nobody uses it when
+        the input is data, and it costs a whole matrix product (a Dense after a
+        Flatten; a col2im for convolutions).
 
         ``ready(lo)``, where given, is called after each top-level layer with
         the offset above which ``grads`` is final (layers fill the buffer from
         the top down): a data-parallel exchange starts on those buckets while
         backward goes on.
         """
-        for index in range(len(self.layers) - 1, 0, -1):
+        # without an input gradient, backward stops at the first layer with parameters: nothing below it
+        # is trained (a Flatten), and its own input gradient would cost a whole matrix product
+        last = 0 if input_grad else self.first_trained
+        for index in range(len(self.layers) - 1, last, -1):
             dy = self.layers[index].backward(dy)
             if ready is not None:
                 ready(self.offsets[index])
@@ -184,7 +193,7 @@ class Sequential:
         if input_grad:
             dy = self.layers[0].backward(dy)
         else:
-            self.layers[0].backward_params(dy)
+            self.layers[last].backward_params(dy)
             dy = None
         if ready is not None:
             ready(0)

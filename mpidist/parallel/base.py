@@ -380,7 +380,7 @@ class DataParallel(Strategy):
         self.track("exchange")
         self.exchange.finish()
         # every worker holds the same summed buffer, so every worker decides the same
-        self.skipped = not finite(self.buffer)
+        self.skipped = not self.exchange.finite()
         if not self.skipped:
             self.optimizer.step(self.model.params, self.model.grads)
         return float(self.buffer[-1])

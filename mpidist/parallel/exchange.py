@@ -14,6 +14,8 @@ fusion and DDP's gradient buckets do.  One MPI call per bucket, never one per
 tensor, and no copy.
 """
 
+import math
+
 from .. import comm as mpi
 
 
@@ -41,18 +43,49 @@ def top_down_buckets(count, itemsize, bucket_bytes):
 
 
 class NoExchange:
-    """One worker: its weighted gradients already are the sum."""
+    """One worker: its weighted gradients already are the sum.
+
+    Every exchange also answers whether the summed buffer is all finite
+    (:meth:`finite`, the lockstep strategies' NaN check).  It checks each part
+    when it has just been written, still in cache: here as backward fills the
+    buffer, in :class:`Exchange` as each bucket's sum arrives.  (A NaN or Inf
+    anywhere makes the squared norm NaN or Inf; so does a norm above about
+    1.8e19 in float32, which only a diverging run reaches.)
+
+    Args:
+        buffer: the contiguous array (gradients, then the weighted loss), or
+            None where nobody asks :meth:`finite`.
+    """
 
     bytes_per_step = 0
 
+    def __init__(self, buffer=None):
+        self.buffer = buffer
+        self._squares, self._unchecked = 0.0, 0
+
     def begin(self):
         """A new step's gradients are about to be computed."""
+        self._squares = 0.0
+        self._unchecked = 0 if self.buffer is None else self.buffer.size
 
     def ready(self, lo):
         """``buffer[lo:]`` holds its final values for this step."""
+        self._check(lo, self._unchecked)
 
     def finish(self):
         """Return once ``buffer`` holds the sum over the workers."""
+        self._check(0, self._unchecked)
+
+    def finite(self):
+        """Whether every element of the summed buffer is finite (after :meth:`finish`)."""
+        return math.isfinite(self._squares)
+
+    def _check(self, lo, hi):
+        """Add the squares of ``buffer[lo:hi]`` (one BLAS pass, no temporary); ``[lo:]`` is then checked."""
+        if lo < hi:
+            part = self.buffer[lo:hi]
+            self._squares += float(part.dot(part))
+            self._unchecked = min(self._unchecked, lo)
 
 
 class Exchange(NoExchange):
@@ -67,12 +100,14 @@ class Exchange(NoExchange):
     """
 
     def __init__(self, comm, buffer, bucket_bytes, overlap=True):
-        self.comm, self.buffer, self.overlap = comm, buffer, overlap
+        super().__init__(buffer)
+        self.comm, self.overlap = comm, overlap
         self.buckets = top_down_buckets(buffer.size, buffer.itemsize, bucket_bytes)
         self.bytes_per_step = int(buffer.nbytes)
         self._next, self._pending = 0, []
 
     def begin(self):
+        super().begin()
         self._next, self._pending = 0, []
 
     def ready(self, lo):
@@ -82,18 +117,32 @@ class Exchange(NoExchange):
             self._start(*self.buckets[self._next])
             self._next += 1
         # progress: MPICH moves a started collective only inside MPI calls
-        self._pending = [pending for pending in self._pending if not pending.test()]
+        self._pending = [(bucket, pending) for bucket, pending in self._pending if not self._arrived(bucket, pending)]
 
     def finish(self):
         while self._next < len(self.buckets):
             self._start(*self.buckets[self._next])
             self._next += 1
             if not self.overlap:   # one at a time, as blocking calls would
-                self._pending.pop().wait()
-        for pending in self._pending:
+                bucket, pending = self._pending.pop()
+                pending.wait()
+                self._check(*bucket)
+        for bucket, pending in self._pending:
             pending.wait()
+            self._check(*bucket)
         self._pending = []
+
+    def _arrived(self, bucket, pending):
+        """Whether the bucket's sum is in (then checked, while it is in cache)."""
+        if pending.test():
+            self._check(*bucket)
+            return True
+        return False
+
+    def _check(self, lo, hi):
+        part = self.buffer[lo:hi]
+        self._squares += float(part.dot(part))
 
     def _start(self, lo, hi):
         """Start reducing ``buffer[lo:hi]`` (compressed exchanges override this and :meth:`finish`)."""
-        self._pending.append(mpi.iallreduce_sum(self.comm, self.buffer[lo:hi]))
+        self._pending.append(((lo, hi), mpi.iallreduce_sum(self.comm, self.buffer[lo:hi])))
