@@ -215,7 +215,7 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert "exchange/bare" in done.stdout
     document = json.loads(out.read_text())
     rows = {row["strategy"]: row for row in document["rows"]}
-    assert set(rows) == {"local", "hand-written", "no exchange", "allreduce", "allreduce, no overlap",
+    assert set(rows) == {"local", "hand-written", "no exchange", "allreduce", "allreduce, no overlap", "allreduce, bf16",
                          "hand-written+Allreduce", "ps-sync", "ps-async"} | ({"torch"} if "torch" in rows else set())
     for strategy, row in rows.items():
         assert row["steps_per_s"] > 0 and row["samples_per_s"] > 0
@@ -227,6 +227,7 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     # the ratios the table exists for: against the floor, and against the limit
     assert rows["local"]["vs_handwritten"] == rows["local"]["samples_per_s"] / rows["hand-written"]["samples_per_s"]
     assert rows["allreduce"]["of_limit"] == rows["allreduce"]["samples_per_s"] / rows["no exchange"]["samples_per_s"]
+    assert rows["allreduce, bf16"]["exchange_bytes"] == (rows["allreduce"]["exchange_bytes"] - 4) // 2 + 4
     assert document["meta"]["cores"] >= 1 and document["meta"]["blas"]
     assert "core(s)" in done.stdout and "BLAS:" in done.stdout
 

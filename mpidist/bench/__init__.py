@@ -84,7 +84,8 @@ COLUMNS = [("model", "model", "{}"), ("strategy", "row", "{}"), ("ranks", "ranks
            ("workers", "workers", "{}"), ("steps_per_s", "steps/s per worker", "{:.1f}"),
            ("samples_per_s", "samples/s", "{:,.0f}"), ("samples_vs_local", "vs local", "{:.2f}x"),
            ("vs_handwritten", "vs hand-written", "{:.3f}"), ("vs_torch", "vs torch", "{:.2f}"),
-           ("of_limit", "of limit", "{:.3f}"), ("exchange_ms", "exchange ms", "{:.3f}"),
+           ("of_limit", "of limit", "{:.3f}"), ("exchange_bytes", "bytes/step", "{:,}"),
+           ("exchange_ms", "exchange ms", "{:.3f}"),
            ("bare_ms", "bare MPI ms", "{:.3f}"), ("exchange_over_bare", "exchange/bare", "{:.3f}")]
 
 

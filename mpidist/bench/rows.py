@@ -16,6 +16,8 @@ Every rank together, alternating step by step as well:
   exchanged: the limit for data parallelism on these cores;
 * ``allreduce``, and ``allreduce, no overlap`` (the same buckets, reduced
   after backward): what overlapping the exchange with backward gives;
+* ``allreduce, bf16``: ``--compress bf16``, half the bytes (its exchange is
+  timed against the bare float32 ``Allreduce``: below 1, compression pays);
 * ``hand-written+Allreduce``: the hand-written loop with one ``Allreduce`` of
   its flat gradient buffer after backward;
 
@@ -117,11 +119,15 @@ def parallel_rows(world, cluster, name, batch, seconds):
     after_backward.initialize()
     after_backward.exchange = Exchange(after_backward.worker_comm, after_backward.buffer, after_backward.bucket_bytes,
                                        overlap=False)
+    compressed = AllreduceStrategy(nn.build_model(name, *SHAPES.get(name, DEFAULT_SHAPE), np, np.float32),
+                                   nn.loss_for(10, np), sgd, cluster, seed=0, compress="bf16")
+    compressed.initialize()
     alone, _, _, alone_step = _local(name, batch, world.Get_rank())
     counter = iter(range(1 << 30))
     steps = {"no exchange": alone_step,
              "allreduce": lambda: strategy.train_step(x, y, 1.0 / size, next(counter)),
-             "allreduce, no overlap": lambda: after_backward.train_step(x, y, 1.0 / size, next(counter))}
+             "allreduce, no overlap": lambda: after_backward.train_step(x, y, 1.0 / size, next(counter)),
+             "allreduce, bf16": lambda: compressed.train_step(x, y, 1.0 / size, next(counter))}
     hand = handwritten_for(model, batch)
     if hand is not None:
         flat = x.reshape(batch, -1)
@@ -137,16 +143,22 @@ def parallel_rows(world, cluster, name, batch, seconds):
     medians = synced_alternating(world, steps, seconds)
     rows = {label: _row(name, label, size, size, batch, per_step, model.num_params) for label, per_step in medians.items()}
     if size > 1:  # on one rank both are no-ops: a ratio of microseconds would mislead
+        # each exchange against one bare float32 Allreduce of the same buffer (bf16: what compression saves)
         bare = np.zeros_like(strategy.buffer)
-        exchange = strategy.exchange
-
-        def whole_exchange():
-            exchange.begin()
-            exchange.finish()
-
-        _compare(world, rows["allreduce"], whole_exchange, lambda: world.Allreduce(MPI.IN_PLACE, bare),
-                 seconds, bare.nbytes)
+        for label, owner in (("allreduce", strategy), ("allreduce, bf16", compressed)):
+            _compare(world, rows[label], _whole_exchange(owner.exchange), lambda: world.Allreduce(MPI.IN_PLACE, bare),
+                     seconds, owner.exchange.bytes_per_step)
+    for owner in (strategy, after_backward, compressed):
+        owner.close()
     return list(rows.values())
+
+
+def _whole_exchange(exchange):
+    """The exchange of a whole buffer at once, as after backward."""
+    def run():
+        exchange.begin()
+        exchange.finish()
+    return run
 
 
 def _compare(world, row, exchange, bare, seconds, nbytes):

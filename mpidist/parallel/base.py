@@ -358,6 +358,9 @@ class DataParallel(Strategy):
         """The :class:`~mpidist.parallel.exchange.Exchange` that sums ``self.buffer`` over the workers."""
         raise NotImplementedError
 
+    def close(self):
+        self.exchange.free()
+
     def initialize(self, checkpoint=None):
         comm = self.worker_comm
         if comm is None or comm.Get_rank() == 0:

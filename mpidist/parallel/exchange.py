@@ -76,6 +76,9 @@ class NoExchange:
         """Return once ``buffer`` holds the sum over the workers."""
         self._check(0, self._unchecked)
 
+    def free(self):
+        """Release what the exchange holds of MPI (a compressed one's reduction operation)."""
+
     def finite(self):
         """Whether every element of the summed buffer is finite (after :meth:`finish`)."""
         return math.isfinite(self._squares)
