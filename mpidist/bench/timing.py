@@ -56,22 +56,27 @@ def alternating(steps, seconds, min_calls=5):
 
     Alternating single calls gives every candidate the same machine: a burst
     of load elsewhere, a frequency change or a cache state lands on all of
-    them alike, so their ratio holds where separate windows would drift.
+    them alike, so their ratio holds where separate windows would drift.  The
+    order rotates every round, so each candidate follows each other one as
+    often (whoever runs right after a candidate that sweeps the caches starts
+    cold).
     """
     for step in steps.values():
         step()   # warm-up: first-touch allocations, caches
+    names = list(steps)
     times = {name: [] for name in steps}
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times[next(iter(steps))]) < min_calls:
-        for name, step in steps.items():
+    deadline, turn = time.perf_counter() + seconds, 0
+    while time.perf_counter() < deadline or len(times[names[0]]) < min_calls:
+        for name in names[turn:] + names[:turn]:
             start = time.perf_counter()
-            step()
+            steps[name]()
             times[name].append(time.perf_counter() - start)
+        turn = (turn + 1) % len(names)
     return {name: float(np.median(values)) for name, values in times.items()}
 
 
 def synced_alternating(world, steps, seconds, min_calls=5):
-    """:func:`alternating` for collectives: every rank calls each step the same number of times, together.
+    """:func:`alternating` for collectives: every rank calls each step the same number of times, together, in turn.
 
     A barrier before each timed call starts the ranks together (the barrier
     is outside the timing); rank 0 picks the count from a short calibration
@@ -85,11 +90,13 @@ def synced_alternating(world, steps, seconds, min_calls=5):
     per_round = time.perf_counter() - start
     count = np.array([max(min_calls, int(seconds / max(per_round, 1e-6)))], dtype=np.int64)
     world.Bcast(count, root=0)
+    names = list(steps)
     times = {name: [] for name in steps}
-    for _ in range(int(count[0])):
-        for name, step in steps.items():
+    for turn in range(int(count[0])):   # the same rotating order on every rank: the count is agreed
+        shift = turn % len(names)
+        for name in names[shift:] + names[:shift]:
             world.Barrier()
             start = time.perf_counter()
-            step()
+            steps[name]()
             times[name].append(time.perf_counter() - start)
     return {name: float(np.median(values)) for name, values in times.items()}
