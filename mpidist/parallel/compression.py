@@ -25,10 +25,14 @@ from ..errors import RunError
 from .exchange import Exchange
 
 
-def to_bf16(values, out):
-    """float32 ``values`` rounded to nearest even bfloat16, as their ``uint16`` bit patterns in ``out``."""
+def to_bf16(values, out, scratch=None):
+    """float32 ``values`` rounded to nearest even bfloat16, as their ``uint16`` bit patterns in ``out``.
+
+    ``scratch``: a ``uint32`` array of the same size for the intermediate (else one is made).
+    """
     bits = values.view(np.uint32)
-    rounding = (bits >> 16) & 1
+    rounding = np.right_shift(bits, 16, out=scratch)
+    rounding &= 1
     rounding += 0x7FFF
     rounding += bits
     rounding >>= 16
@@ -45,18 +49,29 @@ def from_bf16(patterns, out):
 
 
 class Codec:
-    """One 16-bit format: how float32 narrows to it and widens back, and how MPI sums it."""
+    """One 16-bit format: how float32 narrows to it and widens back, and how MPI sums it.
+
+    Its working arrays are kept between calls (grown to the largest part
+    seen): fresh multi-megabyte arrays would be page-faulted in on every call.
+    """
 
     def __init__(self, name):
         self.name = name
         self.op = MPI.Op.Create(self._sum, commute=True)
+        self._work = np.empty((3, 0), np.float32)
+
+    def _arrays(self, size):
+        """Three float32 working arrays of ``size`` elements (the third doubles as uint32)."""
+        if self._work.shape[1] < size:
+            self._work = np.empty((3, size), np.float32)
+        return self._work[0, :size], self._work[1, :size], self._work[2, :size]
 
     def narrow(self, values, out):
         if self.name == "fp16":
             with np.errstate(over="ignore"):   # beyond 65504 is Inf: the step is then skipped, as any non-finite one
                 out.view(np.float16)[...] = values
             return out
-        return to_bf16(values, out)
+        return to_bf16(values, out, self._arrays(values.size)[2].view(np.uint32))
 
     def widen(self, patterns, out):
         if self.name == "fp16":
@@ -68,7 +83,9 @@ class Codec:
         """MPI's reduction callback: ``inout += incoming``, both 16-bit patterns, summed in float32 and rounded."""
         a = np.frombuffer(incoming, dtype=np.uint16)
         b = np.frombuffer(inout, dtype=np.uint16)
-        wide_a, wide_b = self.widen(a, np.empty(a.size, np.float32)), self.widen(b, np.empty(b.size, np.float32))
+        wide_a, wide_b, _ = self._arrays(a.size)
+        self.widen(a, wide_a)
+        self.widen(b, wide_b)
         wide_b += wide_a
         self.narrow(wide_b, b)
 
@@ -105,7 +122,8 @@ class CompressedExchange(Exchange):
         part += residual                       # error feedback: last step's rounding error goes out now
         self.codec.narrow(part, narrow)
         self.codec.widen(narrow, residual)     # (the residual array holds the rounded values for a moment)
-        np.subtract(part, residual, out=residual)
+        with np.errstate(invalid="ignore"):    # (Inf - Inf: a step that will be skipped, its residual dropped)
+            np.subtract(part, residual, out=residual)
         request = self.comm.Iallreduce(MPI.IN_PLACE, [narrow, MPI.UINT16_T], op=self.codec.op)
         self._pending.append(((lo, hi), mpi.Pending(request, narrow, lambda: self.codec.widen(narrow, part))))
 
