@@ -26,6 +26,13 @@ def test_bf16_rounds_to_nearest_even_and_widens_exactly():
                               np.empty(1, np.float32))[0])
 
 
+def test_every_nan_stays_a_nan_in_bf16():
+    """A NaN whose high half is 0x7FFF or 0xFFFF would round into the sign bit: sent as a zero, the step not skipped."""
+    nans = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001], np.uint32).view(np.float32)
+    back = from_bf16(to_bf16(nans, np.empty(4, np.uint16)), np.empty(4, np.float32))
+    assert np.isnan(back).all()
+
+
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_the_16_bit_sum_adds_in_float32_and_rounds_once(name):
     codec = Codec(name)

@@ -28,7 +28,8 @@ class Layer(UsesWorkspace):
 
     cache = ()
     #: ``forward`` returns an array that nothing else holds or reads later (not its input, not a cache),
-    #: and ``backward`` likewise a gradient of its own: the next layer may overwrite them.
+    #: and ``backward`` likewise a gradient of its own: the next layer may overwrite them.  A subclass of
+    #: a layer that sets it (Dense, the convolutions, max pooling) and keeps its output must set it False.
     hands_over = False
     #: Set by :class:`~mpidist.nn.Sequential` where the layer before hands its output over
     #: (``overwrite_input``) and the layer after its gradient (``overwrite_grad``):

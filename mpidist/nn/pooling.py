@@ -88,7 +88,8 @@ class _MaxPool(_Pool):
         higher = self.scratch_like("higher", first, bool)
         for index, view in views:
             xp.greater(view, best, out=higher)   # strictly: an equal value later in the window does not win
-            xp.copyto(self.argmax, index, where=higher)
+            # (a scalar of the array's own type: cupy before 13.3 refuses a Python int here under NumPy 2)
+            xp.copyto(self.argmax, self.argmax.dtype.type(index), where=higher)
             xp.maximum(best, view, out=best)
         return best
 

@@ -25,10 +25,13 @@ from ..errors import RunError
 from .exchange import Exchange
 
 
-def to_bf16(values, out, scratch=None):
+def to_bf16(values, out, scratch=None, mask=None):
     """float32 ``values`` rounded to nearest even bfloat16, as their ``uint16`` bit patterns in ``out``.
 
-    ``scratch``: a ``uint32`` array of the same size for the intermediate (else one is made).
+    ``scratch``: a ``uint32`` array of the same size for the intermediate, and
+    ``mask`` a ``bool`` one (else they are made).  Every NaN becomes the quiet
+    NaN: rounding a NaN whose high half is ``0x7FFF`` would carry into the sign
+    bit and send it as a zero.
     """
     bits = values.view(np.uint32)
     rounding = np.right_shift(bits, 16, out=scratch)
@@ -37,6 +40,7 @@ def to_bf16(values, out, scratch=None):
     rounding += bits
     rounding >>= 16
     out[...] = rounding
+    np.copyto(out, np.uint16(0x7FC0), where=np.isnan(values, out=mask))
     return out
 
 
@@ -66,12 +70,19 @@ class Codec:
             self._work = np.empty((3, size), np.float32)
         return self._work[0, :size], self._work[1, :size], self._work[2, :size]
 
+    def _mask(self, size):
+        """A bool working array of ``size`` elements."""
+        if getattr(self, "_bools", None) is None or self._bools.size < size:
+            self._bools = np.empty(size, bool)
+        return self._bools[:size]
+
     def narrow(self, values, out):
         if self.name == "fp16":
             with np.errstate(over="ignore"):   # beyond 65504 is Inf: the step is then skipped, as any non-finite one
                 out.view(np.float16)[...] = values
             return out
-        return to_bf16(values, out, self._arrays(values.size)[2].view(np.uint32))
+        work = self._arrays(values.size)[2]
+        return to_bf16(values, out, work.view(np.uint32), self._mask(values.size))
 
     def widen(self, patterns, out):
         if self.name == "fp16":
