@@ -17,6 +17,7 @@ import sys
 
 from .errors import UsageError
 from .parallel import STRATEGIES, declared_options
+from .text import os_reason
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -298,15 +299,9 @@ def _file_kind(mode):
     return next((text for test, text in kinds if test(mode)), "not a regular file")
 
 
-def _os_reason(err):
-    """An OSError's reason in words, without the path (the message names it already)."""
-    if isinstance(err, FileNotFoundError):
-        return "no such file"
-    if isinstance(err, NotADirectoryError):
-        return "a part of its path is a file, not a directory"
-    if isinstance(err, PermissionError):
-        return "not readable (permission denied)"
-    return f"not readable ({err.strerror or err})"
+def _why_unreadable(err):
+    """Why a config file could not be read, in words."""
+    return os_reason(err, "no such file", "not readable (permission denied)", "not readable ({})")
 
 
 def _check_regular(path, info):
@@ -328,13 +323,13 @@ def read_config_text(path):
         _check_regular(path, os.stat(path))
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:
-        raise UsageError(f"--config {path}: {_os_reason(err)}") from None
+        raise UsageError(f"--config {path}: {_why_unreadable(err)}") from None
     with os.fdopen(fd, "rb") as handle:
         _check_regular(path, os.fstat(fd))
         try:
             data = handle.read(CONFIG_BYTES + 1)
         except OSError as err:
-            raise UsageError(f"--config {path}: {_os_reason(err)}") from None
+            raise UsageError(f"--config {path}: {_why_unreadable(err)}") from None
     try:
         return data.decode("utf-8-sig")     # (a byte-order mark, as some editors write, is allowed)
     except UnicodeDecodeError as err:

@@ -10,6 +10,21 @@ Python escapes and keeps the rest as it is.
 LONGEST = 200   # characters of one untrusted value shown in a message
 
 
+def os_reason(err, missing, denied, other="{}"):
+    """An OSError's reason in words, without the path (the message names it already).
+
+    ``missing`` and ``denied`` say what a missing path and a refused permission
+    mean where the error happened; ``other`` formats any other error's text.
+    """
+    if isinstance(err, FileNotFoundError):
+        return missing
+    if isinstance(err, NotADirectoryError):
+        return "a part of its path is a file, not a directory"
+    if isinstance(err, PermissionError):
+        return denied
+    return other.format(err.strerror or err)
+
+
 def printable(value, limit=LONGEST):
     """``str(value)`` with control and other non-printing characters escaped, cut to ``limit`` characters."""
     text = str(value)

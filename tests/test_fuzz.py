@@ -10,6 +10,7 @@ sane figures.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -169,6 +170,14 @@ def digest(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest() if Path(path).is_file() else None
 
 
+@contextlib.contextmanager
+def left_unchanged(path):
+    """Whatever the body does with the file at ``path``, its bytes are the same afterwards."""
+    before = digest(path)
+    yield
+    assert digest(path) == before
+
+
 def one_line(err):
     assert "\n" not in str(err) and str(err), repr(str(err))
 
@@ -179,18 +188,17 @@ def one_line(err):
 def test_any_dataset_file_is_read_or_refused_in_one_line(case):
     with tempfile.TemporaryDirectory() as tmp:
         path = write_dataset_file(Path(tmp) / "d.h5", *case)
-        before = digest(path)
-        try:
-            info = data.inspect(path)
-            model = models.resolve("mlp").build(info.sample_shape, info.outputs, np, "float32")
-            for split in data.SPLITS:
-                shard = data.Shard(info, split, 0, 1, model.input_shape, model.dtype)
-                assert np.isfinite(shard.x).all() and len(shard) == info.sizes[split]
-            assert info.num_classes == 0 or info.num_classes >= 2
-        except UsageError as err:
-            one_line(err)
-            assert str(path) in str(err) or "d.h5" in str(err) or "parameters" in str(err), str(err)
-        assert digest(path) == before
+        with left_unchanged(path):
+            try:
+                info = data.inspect(path)
+                model = models.resolve("mlp").build(info.sample_shape, info.outputs, np, "float32")
+                for split in data.SPLITS:
+                    shard = data.Shard(info, split, 0, 1, model.input_shape, model.dtype)
+                    assert np.isfinite(shard.x).all() and len(shard) == info.sizes[split]
+                assert info.num_classes == 0 or info.num_classes >= 2
+            except UsageError as err:
+                one_line(err)
+                assert str(path) in str(err) or "d.h5" in str(err) or "parameters" in str(err), str(err)
 
 
 @pytest.fixture(scope="module")
@@ -207,15 +215,14 @@ def good_checkpoint(tmp_path_factory):
 def test_any_checkpoint_is_loaded_or_refused_in_one_line(good_checkpoint, changes):
     with tempfile.TemporaryDirectory() as tmp:
         path = damaged(good_checkpoint, changes, Path(tmp) / "ckpt-00000002.h5")
-        before = digest(path)
-        try:
-            loaded = checkpoint.load(path)
-            assert loaded.params.ndim == 1 and np.isfinite(loaded.params).all() and loaded.step >= 0
-            assert all(a.shape == loaded.params.shape for a in loaded.optimizer_state.values())
-        except UsageError as err:
-            one_line(err)
-            assert str(path) in str(err)
-        assert digest(path) == before
+        with left_unchanged(path):
+            try:
+                loaded = checkpoint.load(path)
+                assert loaded.params.ndim == 1 and np.isfinite(loaded.params).all() and loaded.step >= 0
+                assert all(a.shape == loaded.params.shape for a in loaded.optimizer_state.values())
+            except UsageError as err:
+                one_line(err)
+                assert str(path) in str(err)
 
 
 def parse(argv):
@@ -230,14 +237,13 @@ def test_any_toml_config_is_taken_or_refused_in_one_line(table):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.toml"
         path.write_text("".join(f"{key} = {value}\n" for key, value in table.items()))
-        before = digest(path)
-        try:
-            config = parse(["--config", str(path)])
-            config.validate(2)
-            assert all(math.isfinite(getattr(config, f)) for f in ("lr", "momentum", "stall_timeout", "bucket_mb"))
-        except UsageError as err:
-            one_line(err)
-        assert digest(path) == before
+        with left_unchanged(path):
+            try:
+                config = parse(["--config", str(path)])
+                config.validate(2)
+                assert all(math.isfinite(getattr(config, f)) for f in ("lr", "momentum", "stall_timeout", "bucket_mb"))
+            except UsageError as err:
+                one_line(err)
 
 
 @MANY
@@ -285,9 +291,8 @@ def refused_in_one_line(code, out, err):
 def test_any_dataset_file_ends_every_rank_cleanly(case):
     with tempfile.TemporaryDirectory() as tmp:
         path = write_dataset_file(Path(tmp) / "d.h5", *case)
-        before = digest(path)
-        ended_cleanly(*launch(tmp, "--data", str(path), "--batch-size", "4"), tmp)
-        assert digest(path) == before
+        with left_unchanged(path):
+            ended_cleanly(*launch(tmp, "--data", str(path), "--batch-size", "4"), tmp)
 
 
 @FEW
@@ -295,14 +300,13 @@ def test_any_dataset_file_ends_every_rank_cleanly(case):
 def test_any_checkpoint_resumed_ends_every_rank_cleanly(good_checkpoint, changes):
     with tempfile.TemporaryDirectory() as tmp:
         path = damaged(good_checkpoint, changes, Path(tmp) / "ckpt-00000002.h5")
-        before = digest(path)
-        code, out, err = launch(tmp, "--resume", str(path))
-        assert code in (0, 2), err
-        if code == 0:   # resumed at step 2 (or whatever valid step it holds): ran on to step 3 at most
-            assert "Traceback" not in err
-        else:
-            ended_cleanly(code, out, err, tmp)
-        assert digest(path) == before
+        with left_unchanged(path):
+            code, out, err = launch(tmp, "--resume", str(path))
+            assert code in (0, 2), err
+            if code == 0:   # resumed at step 2 (or whatever valid step it holds): ran on to step 3 at most
+                assert "Traceback" not in err
+            else:
+                ended_cleanly(code, out, err, tmp)
 
 
 @FEW
@@ -311,9 +315,8 @@ def test_any_config_file_ends_every_rank_cleanly(table):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.toml"
         path.write_text("".join(f"{key} = {value}\n" for key, value in table.items() if key != "steps"))
-        before = digest(path)
-        refused_in_one_line(*launch(tmp, "--config", str(path)))
-        assert digest(path) == before
+        with left_unchanged(path):
+            refused_in_one_line(*launch(tmp, "--config", str(path)))
 
 
 @FEW

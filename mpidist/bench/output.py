@@ -6,6 +6,7 @@ import secrets
 import stat
 
 from ..errors import UsageError
+from ..text import os_reason
 
 
 def format_table(rows, columns):
@@ -13,17 +14,6 @@ def format_table(rows, columns):
     body = [[fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in columns] for row in rows]
     widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header] + body)
-
-
-def _why_not_writable(err):
-    """An OSError met while probing where the results go, in words (the message names the path already)."""
-    if isinstance(err, FileNotFoundError):
-        return "its directory does not exist"
-    if isinstance(err, NotADirectoryError):
-        return "a part of its path is a file, not a directory"
-    if isinstance(err, PermissionError):
-        return "permission denied"
-    return err.strerror or str(err)
 
 
 def _create_beside(target):
@@ -75,7 +65,8 @@ def check_output(output):
     except ValueError as err:
         raise UsageError(f"--output {output}: cannot be written: {err}") from None
     except OSError as err:
-        raise UsageError(f"--output {output}: cannot be written: {_why_not_writable(err)}") from None
+        reason = os_reason(err, "its directory does not exist", "permission denied")
+        raise UsageError(f"--output {output}: cannot be written: {reason}") from None
 
 
 def write_results(output, document):

@@ -48,10 +48,22 @@ def sgd(size):
     return nn.make_optimizer("sgd", size, 0.01)
 
 
+def _model(name):
+    """The zoo model ``name`` for bench's sample shape, in float32."""
+    return nn.build_model(name, *SHAPES.get(name, DEFAULT_SHAPE), np, np.float32)
+
+
+def _allreduce(model, cluster, **arguments):
+    """An initialised allreduce strategy on ``model`` with plain SGD."""
+    strategy = AllreduceStrategy(model, nn.loss_for(10, np), sgd, cluster, seed=0, **arguments)
+    strategy.initialize()
+    return strategy
+
+
 def _problem(name, batch, seed):
-    sample_shape, classes = SHAPES.get(name, DEFAULT_SHAPE)
+    classes = SHAPES.get(name, DEFAULT_SHAPE)[1]
     rng = np.random.default_rng(seed)
-    model = nn.build_model(name, sample_shape, classes, np, np.float32)
+    model = _model(name)
     x = rng.random((batch,) + model.input_shape, dtype=np.float32)
     y = rng.integers(0, classes, batch)
     return model, x, y
@@ -112,17 +124,12 @@ def parallel_rows(world, cluster, name, batch, seconds):
     """``no exchange``, ``allreduce`` (with and without overlap) and ``hand-written+Allreduce`` on every rank."""
     size = world.Get_size()
     model, x, y = _problem(name, batch, world.Get_rank())
-    strategy = AllreduceStrategy(model, nn.loss_for(10, np), sgd, cluster, seed=0)
-    strategy.initialize()
-    after_backward = AllreduceStrategy(nn.build_model(name, *SHAPES.get(name, DEFAULT_SHAPE), np, np.float32),
-                                       nn.loss_for(10, np), sgd, cluster, seed=0)
-    after_backward.initialize()
+    strategy = _allreduce(model, cluster)
+    after_backward = _allreduce(_model(name), cluster)
     after_backward.exchange = Exchange(after_backward.worker_comm, after_backward.buffer, after_backward.bucket_bytes,
                                        overlap=False)
-    compressed = AllreduceStrategy(nn.build_model(name, *SHAPES.get(name, DEFAULT_SHAPE), np, np.float32),
-                                   nn.loss_for(10, np), sgd, cluster, seed=0, compress="bf16")
-    compressed.initialize()
-    alone, _, _, alone_step = _local(name, batch, world.Get_rank())
+    compressed = _allreduce(_model(name), cluster, compress="bf16")
+    _, _, _, alone_step = _local(name, batch, world.Get_rank())
     counter = iter(range(1 << 30))
     steps = {"no exchange": alone_step,
              "allreduce": lambda: strategy.train_step(x, y, 1.0 / size, next(counter)),
@@ -179,11 +186,11 @@ def ps_sync_row(world, name, batch, seconds):
     counter = iter(range(1 << 30))
     per_step = synced_timed(world, lambda: strategy.train_step(x, y, 1.0 / workers, next(counter)), seconds)
     row = _row(name, "ps-sync", world.Get_size(), workers, batch, per_step, model.num_params)
-    send, recv = strategy.exchange.copy(), np.zeros_like(strategy.inbox)
+    send, recv = strategy.outbox.copy(), np.zeros_like(strategy.inbox)
     values, counts, displs = strategy.values.copy(), strategy.counts, strategy.displs
 
     def ours():
-        mpi.reduce_scatter_sum(world, strategy.exchange, strategy.inbox, counts)
+        mpi.reduce_scatter_sum(world, strategy.outbox, strategy.inbox, counts)
         mpi.allgatherv_inplace(world, strategy.values, counts, displs)
 
     def bare():

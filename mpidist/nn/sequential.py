@@ -75,6 +75,7 @@ class Sequential:
         check_fits(2 * offset * self.dtype.itemsize, f"a model of {offset:,} parameters (values and gradients)")
         self.bind_params(xp.zeros(offset, dtype=self.dtype))
         self.bind_grads(xp.zeros(offset, dtype=self.dtype))
+        self.random_layers = [(path, layer) for path, layer in walk(self.layers) if hasattr(layer, "rng")]
         self.reseed(0)
 
     def bind_params(self, buffer):
@@ -145,9 +146,7 @@ class Sequential:
         layer ``i`` draws from ``[*key, i]`` and a Dropout inside block ``i``
         from ``[*key, i, j]``: no two layers share a stream.
         """
-        if not hasattr(self, "_random"):   # (the layer tree is fixed: walk it once)
-            self._random = [(path, layer) for path, layer in walk(self.layers) if hasattr(layer, "rng")]
-        for path, layer in self._random:
+        for path, layer in self.random_layers:
             # an int seed: cupy's default_rng does not take numpy seed arrays
             seed = int(np.random.SeedSequence([*key, *path]).generate_state(1, dtype=np.uint64)[0])
             layer.rng = self.xp.random.default_rng(seed)

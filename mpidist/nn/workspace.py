@@ -44,13 +44,6 @@ class Workspace:
             found = self._arrays[key] = make(shape, dtype=dtype)
         return found
 
-    def nbytes(self):
-        """Bytes held over every slot."""
-        return sum(int(a.nbytes) for a in self._arrays.values())
-
-    def clear(self):
-        """Drop every array (they are allocated again on the next training step)."""
-        self._arrays.clear()
 
 
 class UsesWorkspace:

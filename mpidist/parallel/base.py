@@ -373,13 +373,12 @@ class DataParallel(Strategy):
         if checkpoint is not None and self.optimizer is not None:
             self.optimizer.load_state(checkpoint.optimizer_state, checkpoint.optimizer_steps)
 
-    def _loss_into_buffer(self, loss):
-        self.buffer[-1] = loss * self._weight
-
     def train_step(self, x, y, weight, step):
-        self._weight = weight
+        def loss_into_buffer(loss):   # the loss rides in the top bucket, the first to leave
+            self.buffer[-1] = loss * weight
+
         self.exchange.begin()
-        self.backprop(x, y, weight, step, before_backward=self._loss_into_buffer, ready=self.exchange.ready)
+        self.backprop(x, y, weight, step, before_backward=loss_into_buffer, ready=self.exchange.ready)
         self.track("exchange")
         self.exchange.finish()
         # every worker holds the same summed buffer, so every worker decides the same

@@ -25,13 +25,12 @@ from ..errors import RunError
 from .exchange import Exchange
 
 
-def to_bf16(values, out, scratch=None, mask=None):
+def to_bf16(values, out, scratch=None):
     """float32 ``values`` rounded to nearest even bfloat16, as their ``uint16`` bit patterns in ``out``.
 
-    ``scratch``: a ``uint32`` array of the same size for the intermediate, and
-    ``mask`` a ``bool`` one (else they are made).  Every NaN becomes the quiet
-    NaN: rounding a NaN whose high half is ``0x7FFF`` would carry into the sign
-    bit and send it as a zero.
+    ``scratch``: a ``uint32`` array of the same size for the intermediate (else
+    one is made).  Every NaN becomes the quiet NaN: rounding a NaN whose high
+    half is ``0x7FFF`` would carry into the sign bit and send it as a zero.
     """
     bits = values.view(np.uint32)
     rounding = np.right_shift(bits, 16, out=scratch)
@@ -40,7 +39,8 @@ def to_bf16(values, out, scratch=None, mask=None):
     rounding += bits
     rounding >>= 16
     out[...] = rounding
-    np.copyto(out, np.uint16(0x7FC0), where=np.isnan(values, out=mask))
+    # (the intermediate is spent: its first bytes hold the NaN mask)
+    np.copyto(out, np.uint16(0x7FC0), where=np.isnan(values, out=rounding.view(bool)[:values.size]))
     return out
 
 
@@ -70,19 +70,12 @@ class Codec:
             self._work = np.empty((3, size), np.float32)
         return self._work[0, :size], self._work[1, :size], self._work[2, :size]
 
-    def _mask(self, size):
-        """A bool working array of ``size`` elements."""
-        if getattr(self, "_bools", None) is None or self._bools.size < size:
-            self._bools = np.empty(size, bool)
-        return self._bools[:size]
-
     def narrow(self, values, out):
         if self.name == "fp16":
             with np.errstate(over="ignore"):   # beyond 65504 is Inf: the step is then skipped, as any non-finite one
                 out.view(np.float16)[...] = values
             return out
-        work = self._arrays(values.size)[2]
-        return to_bf16(values, out, work.view(np.uint32), self._mask(values.size))
+        return to_bf16(values, out, self._arrays(values.size)[2].view(np.uint32))
 
     def widen(self, patterns, out):
         if self.name == "fp16":
@@ -118,8 +111,8 @@ class CompressedExchange(Exchange):
         self.buckets = [(lo, min(hi, self.gradients.size)) for lo, hi in self.buckets if lo < self.gradients.size]
         self.codec = Codec(compress)
         self.residual = np.zeros_like(self.gradients)       # what rounding dropped, sent next step
-        self.narrow = np.empty(self.gradients.size, np.uint16)
-        self.bytes_per_step = int(self.narrow.nbytes + buffer.itemsize)
+        self.patterns = np.empty(self.gradients.size, np.uint16)   # the 16-bit values sent
+        self.bytes_per_step = int(self.patterns.nbytes + buffer.itemsize)
         self._loss = None
 
     def begin(self):
@@ -129,14 +122,14 @@ class CompressedExchange(Exchange):
     def _start(self, lo, hi):
         if self._loss is None:   # the first bucket is the top one: the loss is known by now
             self._loss = mpi.iallreduce_sum(self.comm, self.buffer[-1:])
-        part, residual, narrow = self.gradients[lo:hi], self.residual[lo:hi], self.narrow[lo:hi]
+        part, residual, patterns = self.gradients[lo:hi], self.residual[lo:hi], self.patterns[lo:hi]
         part += residual                       # error feedback: last step's rounding error goes out now
-        self.codec.narrow(part, narrow)
-        self.codec.widen(narrow, residual)     # (the residual array holds the rounded values for a moment)
+        self.codec.narrow(part, patterns)
+        self.codec.widen(patterns, residual)     # (the residual array holds the rounded values for a moment)
         with np.errstate(invalid="ignore"):    # (Inf - Inf: a step that will be skipped, its residual dropped)
             np.subtract(part, residual, out=residual)
-        request = self.comm.Iallreduce(MPI.IN_PLACE, [narrow, MPI.UINT16_T], op=self.codec.op)
-        self._pending.append(((lo, hi), mpi.Pending(request, narrow, lambda: self.codec.widen(narrow, part))))
+        request = self.comm.Iallreduce(MPI.IN_PLACE, [patterns, MPI.UINT16_T], op=self.codec.op)
+        self._pending.append(((lo, hi), mpi.Pending(request, patterns, lambda: self.codec.widen(patterns, part))))
 
     def finish(self):
         super().finish()

@@ -84,7 +84,11 @@ class NoExchange:
         return math.isfinite(self._squares)
 
     def _check(self, lo, hi):
-        """Add the squares of ``buffer[lo:hi]`` (one BLAS pass, no temporary); ``[lo:]`` is then checked."""
+        """Add the squares of ``buffer[lo:hi]`` (one BLAS pass, no temporary).
+
+        One worker checks from the top down as backward fills the buffer
+        (``_unchecked`` is where it has got to); an exchange, bucket by bucket.
+        """
         if lo < hi:
             part = self.buffer[lo:hi]
             self._squares += float(part.dot(part))
@@ -141,10 +145,6 @@ class Exchange(NoExchange):
             self._check(*bucket)
             return True
         return False
-
-    def _check(self, lo, hi):
-        part = self.buffer[lo:hi]
-        self._squares += float(part.dot(part))
 
     def _start(self, lo, hi):
         """Start reducing ``buffer[lo:hi]`` (compressed exchanges override this and :meth:`finish`)."""

@@ -200,8 +200,7 @@ class PipelineStrategy(Strategy):
             state = {name: array[self.param_lo:self.param_hi] for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
 
-    def _recv(self, shape, source, tag, into=None):
-        buffer = self.model.xp.empty(shape, dtype=self.model.dtype) if into is None else into
+    def _recv(self, buffer, source, tag):
         start = time.perf_counter()
         self.track("exchange")
         mpi.recv(self.pipe, buffer, source, tag)
@@ -229,8 +228,8 @@ class PipelineStrategy(Strategy):
         for op, i in self.plan:
             if op == "recv_fwd":
                 slots[i] = self.slots.take()
-                into = self._slot_array(slots[i], "input", (sizes[i],) + self.in_shape)
-                inputs[i] = self._recv(into.shape, self.stage - 1, 2 * i, into)
+                inputs[i] = self._recv(self._slot_array(slots[i], "input", (sizes[i],) + self.in_shape),
+                                       self.stage - 1, 2 * i)
             elif op == "fwd":
                 if i not in slots:
                     slots[i] = self.slots.take()
@@ -249,8 +248,8 @@ class PipelineStrategy(Strategy):
                 sends.append(mpi.isend(self.pipe, outputs.pop(i), self.stage + 1, 2 * i))
                 sent.setdefault(i, []).append(sends[-1][0])
             elif op == "recv_bwd":
-                into = self._slot_array(slots[i], "grad_in", (sizes[i],) + self.out_shape)
-                grads_in[i] = self._recv(into.shape, self.stage + 1, 2 * i + 1, into)
+                grads_in[i] = self._recv(self._slot_array(slots[i], "grad_in", (sizes[i],) + self.out_shape),
+                                         self.stage + 1, 2 * i + 1)
             elif op == "bwd":
                 model.workspace.slot = slots[i]
                 if self.is_last:
@@ -309,7 +308,8 @@ class PipelineStrategy(Strategy):
         totals = np.zeros(3)
         for x, y in batches:
             x = self.model.xp.asarray(x)
-            inp = x if self.is_first else self._recv((len(x),) + self.in_shape, self.stage - 1, 0)
+            inp = x if self.is_first else self._recv(self.model.xp.empty((len(x),) + self.in_shape, dtype=self.model.dtype),
+                                                              self.stage - 1, 0)
             out = self.model.forward(inp, training=False)
             if self.is_last:
                 y = self.model.xp.asarray(y)

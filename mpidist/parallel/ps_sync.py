@@ -67,9 +67,9 @@ class PsSyncStrategy(ShardedStrategy):
         super().__init__(*args, **kwargs)
         model = self.model
         xp, n = model.xp, model.num_params
-        self.exchange = xp.zeros(n + 1, dtype=model.dtype)      # gradients, then the weighted loss
+        self.outbox = xp.zeros(n + 1, dtype=model.dtype)        # gradients, then the weighted loss
         self.values = xp.zeros(n + 1, dtype=model.dtype)        # parameters, then the global loss
-        model.bind_grads(self.exchange)
+        model.bind_grads(self.outbox)
         model.bind_params(self.values)
         self.shard(n + 1)
         self.counts, self.displs = self.layout()
@@ -93,12 +93,12 @@ class PsSyncStrategy(ShardedStrategy):
     def train_step(self, x, y, weight, step):
         if self.is_worker:
             loss = self.backprop(x, y, weight, step)
-            self.exchange[-1] = loss * weight
+            self.outbox[-1] = loss * weight
             for lo, hi in self.running:
-                self.exchange[lo:hi] = self.values[lo:hi] * weight
+                self.outbox[lo:hi] = self.values[lo:hi] * weight
         world = self.cluster.world
         self.track("exchange")
-        mpi.reduce_scatter_sum(world, self.exchange, self.inbox, self.counts)
+        mpi.reduce_scatter_sum(world, self.outbox, self.inbox, self.counts)
         if not self.is_worker:
             count = self.param_hi - self.lo
             self.track("compute")
