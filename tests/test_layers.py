@@ -21,6 +21,8 @@ from test_nn import check_model_gradients, fit_one_batch
     ([Conv1D(2, 2, stride=2, padding=1)], (2, 5)),
     ([Conv2D(2, 4)], (2, 5, 5)),                    # even kernel, asymmetric "same"
     ([Conv2D(2, 2, stride=2)], (1, 5, 4)),
+    ([Conv2D(1, 3)], (1, 5, 5)),                    # one channel in and out: windows gathered per kernel offset
+    ([Conv1D(1, 3), ReLU(), Conv1D(1, 3, stride=2, padding=1)], (1, 9)),
     ([MaxPool1D(2)], (2, 6)),
     ([MaxPool1D(3)], (1, 8)),                       # crops the remainder
     ([AvgPool1D(2)], (2, 7)),

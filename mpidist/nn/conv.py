@@ -40,6 +40,34 @@ def _padding_text(pads):
     return pads[0] if pads[0] == pads[1] else pads
 
 
+def _gather_windows(xp, padded, cols, stride):
+    """im2col: ``cols[n, i, j, a, b, :] = padded[n, stride * i + a, stride * j + b, :]`` for ``cols`` of ``(N, Ho, Wo, kh, kw, C)``.
+
+    One copy through a strided view of every window, whose innermost runs are
+    ``kw * C`` values; with one channel those runs are a few values long, and
+    a copy per kernel offset, running along whole rows of ``Wo`` positions,
+    is 4x faster.
+    """
+    n, ho, wo, kh, kw, c = cols.shape
+    if c > 1:
+        windows = xp.lib.stride_tricks.sliding_window_view(padded, (kh, kw), axis=(1, 2))   # N, ., ., C, kh, kw
+        cols[...] = windows[:, ::stride, ::stride][:, :ho, :wo].transpose(0, 1, 2, 4, 5, 3)
+        return
+    for a in range(kh):
+        for b in range(kw):
+            cols[:, :, :, a, b, :] = padded[:, a:a + stride * ho:stride, b:b + stride * wo:stride, :]
+
+
+def _column_sums(xp, rows, out, ones):
+    """``rows.sum(axis=0)`` into ``out``, as a product with a vector of ones.
+
+    NumPy sums the columns of a tall, narrow matrix one short row at a time
+    (3 ms for the first convolution's bias at batch 128); BLAS does it in 0.1 ms.
+    """
+    ones[...] = 1
+    xp.matmul(ones, rows, out=out)
+
+
 class _ChannelsLastConv(Layer):
     """The 2-D convolution both layers run: ``(N, C, H, W)`` in and out, channels-last inside.
 
@@ -75,10 +103,8 @@ class _ChannelsLastConv(Layer):
         padded = self.scratch("padded", (n, h + top + bottom, w + left + right, c), dtype, zeroed=True)
         padded[:, top:top + h, left:left + w, :] = x.transpose(0, 2, 3, 1)
         self.padded_shape = padded.shape
-        windows = xp.lib.stride_tricks.sliding_window_view(padded, (kh, kw), axis=(1, 2))   # N, H', W', C, kh, kw
-        windows = windows[:, ::s, ::s][:, :ho, :wo].transpose(0, 1, 2, 4, 5, 3)             # N, Ho, Wo, kh, kw, C
-        cols = self.scratch("cols", windows.shape, dtype)
-        cols[...] = windows
+        cols = self.scratch("cols", (n, ho, wo, kh, kw, c), dtype)
+        _gather_windows(xp, padded, cols, s)
         self.cols = cols.reshape(n * ho * wo, -1)
         y = xp.matmul(self.cols, self._weights().T, out=self.scratch("y", (n * ho * wo, self.filters), dtype))
         y += self.params["b"]
@@ -95,7 +121,7 @@ class _ChannelsLastConv(Layer):
         rows = self._dy_rows(dy)
         grad = xp.matmul(rows.T, self.cols, out=self.scratch("dw_hwc", (f, kh * kw * c), rows.dtype))
         self.grads["W"].reshape(f, c, kh, kw)[...] = grad.reshape(f, kh, kw, c).transpose(0, 3, 1, 2)
-        xp.sum(rows, axis=0, out=self.grads["b"])
+        _column_sums(xp, rows, self.grads["b"], self.scratch("ones", (rows.shape[0],), rows.dtype))
         return rows
 
     def backward(self, dy):
@@ -116,10 +142,8 @@ class _ChannelsLastConv(Layer):
         # dx_padded[p] = sum over (a, b) of dy_full[p + (a, b)] W[:, :, kh-1-a, kw-1-b]; dy_full has dy at (kh-1, kw-1)
         full = self.scratch("dy_full", (n, ho + 2 * (kh - 1), wo + 2 * (kw - 1), f), rows.dtype, zeroed=True)
         full[:, kh - 1:kh - 1 + ho, kw - 1:kw - 1 + wo, :] = rows.reshape(n, ho, wo, f)
-        windows = xp.lib.stride_tricks.sliding_window_view(full, (kh, kw), axis=(1, 2))     # N, ., ., F, kh, kw
-        windows = windows[:, top:top + h, left:left + w].transpose(0, 1, 2, 4, 5, 3)        # N, H, W, kh, kw, F
-        cols = self.scratch("dy_cols", windows.shape, rows.dtype)
-        cols[...] = windows
+        cols = self.scratch("dy_cols", (n, h, w, kh, kw, f), rows.dtype)
+        _gather_windows(xp, full[:, top:, left:], cols, 1)
         flipped = self.scratch("w_flipped", (kh, kw, f, c), rows.dtype)
         flipped[...] = self.params["W"].reshape(f, c, kh, kw)[:, :, ::-1, ::-1].transpose(2, 3, 0, 1)
         dx = xp.matmul(cols.reshape(n * h * w, -1), flipped.reshape(-1, c),
