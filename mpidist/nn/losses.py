@@ -29,11 +29,12 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         # log_p = shifted - log(sum(exp(shifted))), shifted = logits - max: computed in two (N, K) arrays
         log_p, probs = self.scratch("log_p", (n, k), dtype), self.scratch("probs", (n, k), dtype)
         row = self.scratch("row", (n, 1), dtype)
-        xp.subtract(logits, xp.max(logits, axis=1, keepdims=True, out=row), out=log_p)
-        xp.log(xp.sum(xp.exp(log_p, out=probs), axis=1, keepdims=True, out=row), out=row)
+        # (array methods rather than np.max / np.sum / np.mean: the same reductions, less argument handling)
+        xp.subtract(logits, logits.max(axis=1, keepdims=True, out=row), out=log_p)
+        xp.log(xp.exp(log_p, out=probs).sum(axis=1, keepdims=True, out=row), out=row)
         log_p -= row
         self.probs, self.labels = xp.exp(log_p, out=probs), labels
-        return -log_p[self._rows(n), labels].mean()
+        return -(log_p[self._rows(n), labels].sum() / n)
 
     def _rows(self, n):
         """``arange(n)``, kept: the row index of every sample's label."""

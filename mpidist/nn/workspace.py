@@ -74,6 +74,8 @@ class UsesWorkspace:
         that memory order, so every pass walks memory in order and the next
         convolution finds its input channels-last already.
         """
+        if like.flags.c_contiguous:   # the common case, without working out an order
+            return self.scratch(name, like.shape, like.dtype if dtype is None else dtype)
         order = memory_order(like)
         stored = self.scratch(name, tuple(like.shape[axis] for axis in order), like.dtype if dtype is None else dtype)
         return stored.transpose(inverse(order))
