@@ -153,6 +153,8 @@ def parallel_rows(world, cluster, name, batch, seconds):
         # each exchange against one bare float32 Allreduce of the same buffer (bf16: what compression saves)
         bare = np.zeros_like(strategy.buffer)
         for label, owner in (("allreduce", strategy), ("allreduce, bf16", compressed)):
+            # each timed exchange sums the buffer in place: from zeros, like the bare call's, it stays finite
+            owner.buffer[...] = 0
             _compare(world, rows[label], _whole_exchange(owner.exchange), lambda: world.Allreduce(MPI.IN_PLACE, bare),
                      seconds, owner.exchange.bytes_per_step)
     for owner in (strategy, after_backward, compressed):
