@@ -8,13 +8,17 @@ same optimizer update to identical parameters.  The buffer is cut into
 contiguous buckets of at most ``bucket_bytes``, each reduced by a non-blocking
 ``Iallreduce`` started as soon as backward has filled it
 (:mod:`mpidist.parallel.exchange`): one MPI call per bucket, never one per
-tensor, and no copy.
+tensor, and no copy.  Where every worker runs on one node the buffers live in
+one shared-memory window instead, and each worker sums its part of everyone's
+in place (:mod:`mpidist.parallel.shared_memory`; ``--exchange``).
 """
 
+from ..errors import UsageError
 from .base import DataParallel
 from .compression import CompressedExchange
 from .exchange import Exchange
 from .registry import Option, register
+from .shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
 
 
 @register
@@ -25,17 +29,31 @@ class AllreduceStrategy(DataParallel):
     elastic_recovery = True
     options = (Option("compress", "none", "allreduce: send gradients as 16-bit floats, with error feedback "
                                           "(half the bytes; see the performance docs)",
-                      choices=("none", "fp16", "bf16")),)
+                      choices=("none", "fp16", "bf16")),
+               Option("exchange", "auto", "allreduce: how gradients are summed: 'shared-memory' (every worker on "
+                                          "one node: the buffers in one shared window, summed in place), 'mpi' "
+                                          "(Iallreduce per bucket, overlapped with backward), 'auto' (shared "
+                                          "memory where possible and --compress is none, else mpi)",
+                      choices=("auto", "shared-memory", "mpi")))
 
     @classmethod
     def arguments(cls, settings, setup):
-        return {"compress": settings.compress}
+        return {"compress": settings.compress, "exchange": settings.exchange}
 
-    def __init__(self, *args, compress="none", **kwargs):
-        self.compress = compress
+    def __init__(self, *args, compress="none", exchange="auto", **kwargs):
+        if exchange == "shared-memory" and compress != "none":
+            raise UsageError(f"--exchange shared-memory sums in place and sends nothing, so there is nothing for "
+                             f"--compress {compress} to compress: use --exchange mpi (or auto) with --compress")
+        self.compress, self.exchange_kind = compress, exchange
         super().__init__(*args, **kwargs)
 
     def make_exchange(self):
-        if self.compress == "none":
-            return Exchange(self.worker_comm, self.buffer, self.bucket_bytes)
-        return CompressedExchange(self.worker_comm, self.buffer, self.bucket_bytes, self.compress)
+        if self.compress != "none":
+            return CompressedExchange(self.worker_comm, self.buffer, self.bucket_bytes, self.compress)
+        if self.exchange_kind != "mpi":
+            why_not = shared_memory_possible(self.worker_comm, self.buffer)   # collective: the same everywhere
+            if why_not is None:
+                return SharedMemoryExchange(self.worker_comm, self.buffer)
+            if self.exchange_kind == "shared-memory" and why_not != ONE_WORKER:
+                raise UsageError(f"--exchange shared-memory: {why_not}; use --exchange mpi or auto")
+        return Exchange(self.worker_comm, self.buffer, self.bucket_bytes)

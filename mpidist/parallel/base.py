@@ -334,6 +334,12 @@ class DataParallel(Strategy):
         self.running = model.running_entries()
         synchronise_batch_norms(model, self.worker_comm)
         self.exchange = self.make_exchange()
+        if getattr(self.exchange, "holds_buffer", False):   # the buffer moved into the exchange (shared memory)
+            self._bind_buffer(self.exchange.buffer)
+
+    def _bind_buffer(self, buffer):
+        self.buffer = buffer
+        self.model.bind_grads(buffer)
 
     def average_running(self):
         """Collective over the workers: every worker's running statistics become their mean."""
@@ -359,6 +365,8 @@ class DataParallel(Strategy):
         raise NotImplementedError
 
     def close(self):
+        if getattr(self.exchange, "holds_buffer", False):   # the gradients outlive the exchange's memory
+            self._bind_buffer(self.buffer.copy())
         self.exchange.free()
 
     def initialize(self, checkpoint=None):
