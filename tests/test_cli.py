@@ -215,13 +215,14 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert "exchange/bare" in done.stdout
     document = json.loads(out.read_text())
     rows = {row["strategy"]: row for row in document["rows"]}
-    assert set(rows) == {"local", "hand-written", "no exchange", "allreduce", "allreduce, no overlap", "allreduce, bf16",
-                         "hand-written+Allreduce", "ps-sync", "ps-async"} | ({"torch"} if "torch" in rows else set())
+    assert set(rows) == {"local", "hand-written", "no exchange", "allreduce", "allreduce, mpi", "allreduce, mpi, no overlap",
+                         "allreduce, bf16", "hand-written+Allreduce", "ps-sync", "ps-async"} | ({"torch"} if "torch" in rows
+                                                                                                 else set())
     for strategy, row in rows.items():
         assert row["steps_per_s"] > 0 and row["samples_per_s"] > 0
         if strategy != "local":
             assert row["samples_vs_local"] > 0
-        if strategy in ("allreduce", "ps-sync", "ps-async"):
+        if strategy in ("allreduce", "allreduce, mpi", "ps-sync", "ps-async"):
             assert row["exchange_ms"] > 0 and row["bare_ms"] > 0 and row["exchange_over_bare"] > 0
     assert rows["allreduce"]["workers"] == 2 and rows["ps-sync"]["workers"] == 1
     # the ratios the table exists for: against the floor, and against the limit

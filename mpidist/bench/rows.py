@@ -14,8 +14,10 @@ Every rank together, alternating step by step as well:
 
 * ``no exchange``: every rank computes mpidist's local step and nothing is
   exchanged: the limit for data parallelism on these cores;
-* ``allreduce``, and ``allreduce, no overlap`` (the same buckets, reduced
-  after backward): what overlapping the exchange with backward gives;
+* ``allreduce`` (its default exchange: on one node, the shared-memory sum),
+  ``allreduce, mpi`` (``--exchange mpi``: ``Iallreduce`` per bucket,
+  overlapped with backward) and ``allreduce, mpi, no overlap`` (the same
+  buckets, reduced after backward): what each way of summing costs;
 * ``allreduce, bf16``: ``--compress bf16``, half the bytes (its exchange is
   timed against the bare float32 ``Allreduce``: below 1, compression pays);
 * ``hand-written+Allreduce``: the hand-written loop with one ``Allreduce`` of
@@ -125,7 +127,8 @@ def parallel_rows(world, cluster, name, batch, seconds):
     size = world.Get_size()
     model, x, y = _problem(name, batch, world.Get_rank())
     strategy = _allreduce(model, cluster)
-    after_backward = _allreduce(_model(name), cluster)
+    overlapped = _allreduce(_model(name), cluster, exchange="mpi")
+    after_backward = _allreduce(_model(name), cluster, exchange="mpi")
     after_backward.exchange = Exchange(after_backward.worker_comm, after_backward.buffer, after_backward.bucket_bytes,
                                        overlap=False)
     compressed = _allreduce(_model(name), cluster, compress="bf16")
@@ -133,7 +136,8 @@ def parallel_rows(world, cluster, name, batch, seconds):
     counter = iter(range(1 << 30))
     steps = {"no exchange": alone_step,
              "allreduce": lambda: strategy.train_step(x, y, 1.0 / size, next(counter)),
-             "allreduce, no overlap": lambda: after_backward.train_step(x, y, 1.0 / size, next(counter)),
+             "allreduce, mpi": lambda: overlapped.train_step(x, y, 1.0 / size, next(counter)),
+             "allreduce, mpi, no overlap": lambda: after_backward.train_step(x, y, 1.0 / size, next(counter)),
              "allreduce, bf16": lambda: compressed.train_step(x, y, 1.0 / size, next(counter))}
     hand = handwritten_for(model, batch)
     if hand is not None:
@@ -152,12 +156,15 @@ def parallel_rows(world, cluster, name, batch, seconds):
     if size > 1:  # on one rank both are no-ops: a ratio of microseconds would mislead
         # each exchange against one bare float32 Allreduce of the same buffer (bf16: what compression saves)
         bare = np.zeros_like(strategy.buffer)
-        for label, owner in (("allreduce", strategy), ("allreduce, bf16", compressed)):
-            # each timed exchange sums the buffer in place: from zeros, like the bare call's, it stays finite
+        for label, owner in (("allreduce", strategy), ("allreduce, mpi", overlapped), ("allreduce, bf16", compressed)):
+            # each timed exchange sums the buffer in place: from zeros (and no rounding error carried over
+            # from training), like the bare call's, it stays zero instead of doubling to overflow
             owner.buffer[...] = 0
+            if hasattr(owner.exchange, "residual"):
+                owner.exchange.residual[...] = 0
             _compare(world, rows[label], _whole_exchange(owner.exchange), lambda: world.Allreduce(MPI.IN_PLACE, bare),
                      seconds, owner.exchange.bytes_per_step)
-    for owner in (strategy, after_backward, compressed):
+    for owner in (strategy, overlapped, after_backward, compressed):
         owner.close()
     return list(rows.values())
 
