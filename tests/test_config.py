@@ -75,6 +75,9 @@ def test_missing_config_file():
     (["--elastic", "--strategy", "pipeline", "--stages", "2"], 4, "not with pipelines"),
     (["--elastic", "--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"], 4, "backup workers"),
     (["--elastic", "--replication", "in-graph"], 2, "--replication in-graph"),
+    (["--elastic", "--exchange", "shared-memory"], 2, "shared-memory does not survive a lost worker"),
+    (["--exchange", "shared-memory", "--compress", "fp16"], 2, "nothing for --compress fp16 to compress"),
+    (["--strategy", "ps-sync", "--ps", "1", "--exchange", "mpi"], 3, "--exchange mpi applies to --strategy allreduce"),
 ])
 def test_invalid_settings_are_refused_with_their_values(flags, ranks, message):
     with pytest.raises(UsageError, match=message):

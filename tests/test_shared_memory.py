@@ -44,6 +44,13 @@ def test_compression_and_a_forced_shared_memory_exchange_do_not_mix():
         _strategy(MPI.COMM_SELF, compress="bf16", exchange="shared-memory")
 
 
+def test_elastic_training_sums_over_mpi():
+    """A lost worker must surface as MPI's process-failure error: MPI's shared-memory windows give none."""
+    from mpidist.config import Settings
+    assert AllreduceStrategy.arguments(Settings(elastic=True), None)["exchange"] == "mpi"
+    assert AllreduceStrategy.arguments(Settings(), None)["exchange"] == "auto"
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("count", [1, 3, 17, 1000, 4099])
 def test_every_worker_gets_the_closed_form_sum(count):

@@ -37,13 +37,16 @@ class AllreduceStrategy(DataParallel):
                       choices=("auto", "shared-memory", "mpi")))
 
     @classmethod
+    def check(cls, settings, world_size):
+        _check_exchange(settings.exchange, settings.compress, settings.elastic)
+
+    @classmethod
     def arguments(cls, settings, setup):
-        return {"compress": settings.compress, "exchange": settings.exchange}
+        # elastic: a lost worker must surface as MPI's process-failure error, which only MPI's collectives give
+        return {"compress": settings.compress, "exchange": "mpi" if settings.elastic else settings.exchange}
 
     def __init__(self, *args, compress="none", exchange="auto", **kwargs):
-        if exchange == "shared-memory" and compress != "none":
-            raise UsageError(f"--exchange shared-memory sums in place and sends nothing, so there is nothing for "
-                             f"--compress {compress} to compress: use --exchange mpi (or auto) with --compress")
+        _check_exchange(exchange, compress)
         self.compress, self.exchange_kind = compress, exchange
         super().__init__(*args, **kwargs)
 
@@ -57,3 +60,15 @@ class AllreduceStrategy(DataParallel):
             if self.exchange_kind == "shared-memory" and why_not != ONE_WORKER:
                 raise UsageError(f"--exchange shared-memory: {why_not}; use --exchange mpi or auto")
         return Exchange(self.worker_comm, self.buffer, self.bucket_bytes)
+
+
+def _check_exchange(exchange, compress, elastic=False):
+    """Refuse ``--exchange shared-memory`` where it cannot serve (a UsageError naming the conflict)."""
+    if exchange != "shared-memory":
+        return
+    if compress != "none":
+        raise UsageError(f"--exchange shared-memory sums in place and sends nothing, so there is nothing for "
+                         f"--compress {compress} to compress: use --exchange mpi (or auto) with --compress")
+    if elastic:
+        raise UsageError("--exchange shared-memory does not survive a lost worker (MPI's shared-memory windows "
+                         "are not fault tolerant): use --exchange mpi or auto with --elastic")
