@@ -385,6 +385,7 @@ class DataParallel(Strategy):
         def loss_into_buffer(loss):   # the loss rides in the top bucket, the first to leave
             self.buffer[-1] = loss * weight
 
+        self.track("exchange")   # begin() may wait for the workers (the shared-memory exchange's last barrier)
         self.exchange.begin()
         self.backprop(x, y, weight, step, before_backward=loss_into_buffer, ready=self.exchange.ready)
         self.track("exchange")

@@ -16,8 +16,11 @@ Three barriers a step keep it safe under MPI's unified memory model (each a
 complete before anyone sums; every part is summed before anyone copies one;
 and everyone has copied before anyone's backward writes its buffer again (that
 one waits at the start of the next step, so the optimizer's time covers it).
-The barriers are the workers' communicator's own, so a revoked communicator
-interrupts them as it does any collective.
+The barriers are the workers' communicator's own, and the strategy counts
+all three as its exchange, so the stall monitor sees a worker waiting in one
+as waiting (not computing).  Where MPI runs with fault tolerance on, or training is ``--elastic``, the MPI
+exchange serves instead: a lost worker must surface as MPI's process-failure
+error, and shared-memory windows do not give it.
 
 Nothing overlaps backward: the sum can only start once every worker has
 finished, and on a node whose cores all compute there is no idle core to
@@ -57,6 +60,10 @@ def shared_memory_possible(comm, buffer):
     node.Free()
     if not one_node:   # the same answer on every rank: all on one node, or no node holds them all
         return "the workers span more than one node"
+    from ..elastic import ulfm_support
+    if ulfm_support()[0]:   # (the same launch everywhere: the same answer)
+        return ("MPI runs with fault tolerance on (mpirun --with-ft ulfm), and a lost worker must surface as its "
+                "process-failure error, which its shared-memory windows do not give")
     reason = None
     if comm.Get_rank() == 0:
         if not isinstance(buffer, np.ndarray):
