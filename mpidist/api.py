@@ -157,7 +157,8 @@ def _evaluate(world, checkpoint_path, data, model):
         test = datasets.Shard(info, "test", world.Get_rank(), world.Get_size(), net.input_shape, net.dtype)
     with _ends_the_job_on_error(world):
         cluster = build_cluster(world)
-        strategy = AllreduceStrategy(net, loss_for(info.num_classes, xp), None, cluster)
+        # (evaluation exchanges no gradients: no shared-memory window for them)
+        strategy = AllreduceStrategy(net, loss_for(info.num_classes, xp), None, cluster, exchange="mpi")
         net.params[...] = xp.asarray(saved.params)
         loss, accuracy, count = strategy.evaluate(datasets.eval_batches(test))
         cluster.free()

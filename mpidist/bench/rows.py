@@ -123,7 +123,7 @@ def one_process_rows(world, name, batch, seconds):
 
 
 def parallel_rows(world, cluster, name, batch, seconds):
-    """``no exchange``, ``allreduce`` (with and without overlap) and ``hand-written+Allreduce`` on every rank."""
+    """``no exchange``, ``allreduce`` (shared memory; MPI with and without overlap; bf16) and ``hand-written+Allreduce``."""
     size = world.Get_size()
     model, x, y = _problem(name, batch, world.Get_rank())
     strategy = _allreduce(model, cluster)
@@ -159,6 +159,7 @@ def parallel_rows(world, cluster, name, batch, seconds):
         for label, owner in (("allreduce", strategy), ("allreduce, mpi", overlapped), ("allreduce, bf16", compressed)):
             # each timed exchange sums the buffer in place: from zeros (and no rounding error carried over
             # from training), like the bare call's, it stays zero instead of doubling to overflow
+            world.Barrier()   # (the last timed step's copies from the peers' buffers are over)
             owner.buffer[...] = 0
             if hasattr(owner.exchange, "residual"):
                 owner.exchange.residual[...] = 0

@@ -34,7 +34,8 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         xp.log(xp.exp(log_p, out=probs).sum(axis=1, keepdims=True, out=row), out=row)
         log_p -= row
         self.probs, self.labels = xp.exp(log_p, out=probs), labels
-        return -(log_p[self._rows(n), labels].sum() / n)
+        picked = log_p[self._rows(n), labels].sum()
+        return -(picked / picked.dtype.type(n))   # (divided in its own type, as mean() gives it, on NumPy 1 too)
 
     def _rows(self, n):
         """``arange(n)``, kept: the row index of every sample's label."""

@@ -61,12 +61,12 @@ def shared_memory_possible(comm, buffer):
     if not one_node:   # the same answer on every rank: all on one node, or no node holds them all
         return "the workers span more than one node"
     from ..elastic import ulfm_support
-    if ulfm_support()[0]:   # (the same launch everywhere: the same answer)
-        return ("MPI runs with fault tolerance on (mpirun --with-ft ulfm), and a lost worker must surface as its "
-                "process-failure error, which its shared-memory windows do not give")
     reason = None
-    if comm.Get_rank() == 0:
-        if not isinstance(buffer, np.ndarray):
+    if comm.Get_rank() == 0:   # rank 0 decides, and tells everyone: one branch for all
+        if ulfm_support()[0]:
+            reason = ("MPI runs with fault tolerance on (mpirun --with-ft ulfm), and a lost worker must surface as "
+                      "its process-failure error, which its shared-memory windows do not give")
+        elif not isinstance(buffer, np.ndarray):
             reason = "the gradients are on GPUs"
         else:
             try:
@@ -153,7 +153,10 @@ class SharedMemoryExchange(NoExchange):
         self._squares = sum(float(square[0]) for square in self.squares)
 
     def free(self):
-        """Collective: release the window (the buffer with it: the strategy rebinds to a copy first)."""
+        """Collective: release the window (the buffer with it: the strategy rebinds to a copy first); once."""
+        if self.win is None:
+            return
         self.buffers = self.squares = self.buffer = None
         self.win.Unlock_all()
         self.win.Free()
+        self.win = None
