@@ -334,7 +334,7 @@ class DataParallel(Strategy):
         self.running = model.running_entries()
         synchronise_batch_norms(model, self.worker_comm)
         self.exchange = self.make_exchange()
-        if getattr(self.exchange, "holds_buffer", False):   # the buffer moved into the exchange (shared memory)
+        if self.exchange.holds_buffer:   # the buffer moved into the exchange (shared memory)
             self._bind_buffer(self.exchange.buffer)
 
     def _bind_buffer(self, buffer):
@@ -365,7 +365,7 @@ class DataParallel(Strategy):
         raise NotImplementedError
 
     def close(self):
-        if getattr(self.exchange, "holds_buffer", False):   # the gradients outlive the exchange's memory
+        if self.exchange.holds_buffer:   # the gradients outlive the exchange's memory
             self._bind_buffer(self.buffer.copy())
         self.exchange.free()
 

@@ -58,6 +58,9 @@ class NoExchange:
     """
 
     bytes_per_step = 0
+    #: Whether :attr:`buffer` is memory of the exchange's own that the strategy's gradients must be bound to
+    #: (and bound away from before :meth:`free`): the shared-memory exchange's window.
+    holds_buffer = False
 
     def __init__(self, buffer=None):
         self.buffer = buffer

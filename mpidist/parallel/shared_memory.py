@@ -111,7 +111,6 @@ class SharedMemoryExchange(NoExchange):
         self.bounds = _part_bounds(count, dtype.itemsize, size)
         self.bytes_per_step = int(buffer.nbytes)
         self.win.Lock_all(MPI.MODE_NOCHECK)   # one passive epoch for the window's life: fences are Win.Sync
-        self._started = False
 
     def _everyone_here(self):
         """A barrier with memory fences: what each worker wrote before it, each sees after it."""
@@ -121,9 +120,7 @@ class SharedMemoryExchange(NoExchange):
 
     def begin(self):
         super().begin()
-        if self._started:   # the last step's copies are done everywhere before backward overwrites a buffer
-            self._everyone_here()
-        self._started = True
+        self._everyone_here()   # the last step's copies are done everywhere before backward overwrites a buffer
 
     def ready(self, lo):
         """Nothing to start: the sum needs every worker's whole buffer."""
