@@ -10,9 +10,18 @@ Ingest never writes a file ``train`` would refuse: bad input, or an output that
 cannot be written, is a :class:`UsageError` naming the file, the item and the
 value.  Float samples are stored as float32 (training's default dtype, and the
 range it is checked against); integer samples are kept as they are.
+
+Preparing raw files: labels given as text are class names (the sorted distinct
+names are classes 0 to K-1, stored in ``class_names``); a CSV file's delimiter
+and header row are detected (and reported); ``standardize`` stores the
+per-feature mean and standard deviation of the training rows in ``stats/``,
+which :class:`mpidist.data.Shard` applies when the data is read (``x`` is
+stored as it was).  :func:`ingest` returns an :class:`Ingested`: the facts of
+what it wrote, and its summary.
 """
 
 import contextlib
+import dataclasses
 import errno
 import os
 import zipfile
@@ -21,13 +30,67 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .data import MAX_CLASSES
+from .data import MAX_CLASSES, MAX_NAME
 from .errors import UsageError
+from .text import printable
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 EXACT_INTEGERS = 2.0 ** 53      # floats beyond this are not exact integers: never read them as labels
 KINDS = {"U": "text", "S": "bytes", "O": "objects", "c": "complex numbers", "M": "dates", "m": "time spans",
          "V": "records"}
+#: ``--delimiter`` values and the delimiter each means (None: runs of whitespace)
+DELIMITERS = {"auto": "auto", ",": ",", ";": ";", "tab": "\t", "\t": "\t", "whitespace": None}
+SHOWN = {",": "','", ";": "';'", "\t": "tab", None: "whitespace"}
+SNIFFED = 20                    # first lines of a CSV file the delimiter and the header are judged from
+NAMES_SHOWN = 20                # class names listed in the summary
+
+
+@dataclasses.dataclass
+class Ingested:
+    """What :func:`ingest` wrote: the facts its summary shows.  It is also the path (``os.fspath``).
+
+    ``delimiter`` (``','``, ``';'``, ``tab`` or ``whitespace``), ``delimiter_detected``
+    and ``header_line`` (the line skipped as column names, or None) are None/False
+    for sources other than CSV files.
+    """
+
+    path: Path
+    name: str
+    source: str
+    sizes: dict                     # split -> samples
+    sample_shape: tuple
+    num_classes: int                # 0: regression
+    target_width: int = 1
+    class_names: tuple = None       # where the labels were text
+    standardized: bool = False      # stats/mean and stats/std stored
+    delimiter: str = None
+    delimiter_detected: bool = False
+    header_line: int = None
+
+    def __fspath__(self):
+        return os.fspath(self.path)
+
+    def summary(self):
+        """The lines ``python -m mpidist ingest`` prints."""
+        rows = [("samples", f"{self.sizes['train']:,} train, {self.sizes['test']:,} test"),
+                ("features", f"{int(np.prod(self.sample_shape)):,} per sample, sample shape {self.sample_shape}")]
+        if self.num_classes and self.class_names:
+            more = len(self.class_names) - NAMES_SHOWN
+            names = ", ".join(f"{i} {printable(name, 60)!r}" for i, name in enumerate(self.class_names[:NAMES_SHOWN]))
+            rows.append(("classes", f"{self.num_classes:,} named by the text labels: {names}"
+                         + (f", ... ({more:,} more)" if more > 0 else "")))
+        elif self.num_classes:
+            rows.append(("classes", f"{self.num_classes:,} (labels 0 to {self.num_classes - 1})"))
+        else:
+            rows.append(("task", f"regression, {self.target_width} target{'s' * (self.target_width != 1)} per sample"))
+        if self.delimiter is not None:
+            rows.append(("delimiter", f"{self.delimiter} ({'detected' if self.delimiter_detected else 'given'})"))
+            rows.append(("header", f"line {self.header_line} skipped (column names)" if self.header_line
+                         else "none: the first line is data"))
+        rows.append(("standardised", "yes: stats/mean and stats/std of the training rows stored; train, eval and "
+                     "predict read (x - mean) / std" if self.standardized else "no"))
+        return "\n".join([f"mpidist ingest: wrote {self.path} (dataset {printable(self.name)!r} from "
+                          f"{printable(self.source)})"] + [f"  {key:<13} {value}" for key, value in rows])
 
 
 # -- the output ----------------------------------------------------------------------------------------------
@@ -72,15 +135,19 @@ def claimed(path):
                 directory.rmdir()
 
 
-def write_dataset(path, name, splits, num_classes, source, where=None, check_values=False):
+def write_dataset(path, name, splits, num_classes, source, where=None, check_values=False, stats=None,
+                  class_names=None):
     """Write ``splits = {"train": (x, y), "test": (x, y)}`` to ``path`` atomically, if they pass :func:`check_splits`.
 
     ``check_values`` (ingest sets it) also checks the values; off by default, as
     tests write bad values on purpose to see training refuse them.  Messages name
-    ``where`` (default: ``path``).
+    ``where`` (default: ``path``).  ``stats`` (``(mean, std)``, each of the sample
+    shape) are stored as ``stats/mean`` and ``stats/std`` (float64), ``class_names``
+    (one per class) as ``class_names`` (UTF-8 strings).
     """
     path = Path(path)
     check_splits(splits, num_classes, where or path, check_values)
+    check_extras(splits, num_classes, where or path, stats, class_names)
     with claimed(path) as aside:
         try:
             with h5py.File(aside, "w") as handle:
@@ -91,6 +158,10 @@ def write_dataset(path, name, splits, num_classes, source, where=None, check_val
                     group = handle.create_group(split)
                     for key, value in (("x", x), ("y", y)):
                         group.create_dataset(key, data=value, compression="gzip", compression_opts=9, shuffle=True)
+                for key, value in zip(("mean", "std"), stats if stats is not None else ()):
+                    handle.create_dataset(f"stats/{key}", data=np.asarray(value, np.float64))
+                if class_names is not None:
+                    handle.create_dataset("class_names", data=list(class_names), dtype=h5py.string_dtype())
             os.replace(aside, path)
         except OSError as err:      # a full disk, or the path became a directory meanwhile
             raise _cannot_write(path, err) from None
@@ -124,6 +195,35 @@ def check_splits(splits, num_classes, where, check_values=True):
     if np.shape(xa)[1:] != np.shape(xb)[1:] or np.shape(ya)[1:] != np.shape(yb)[1:]:
         raise UsageError(f"{where}: train and test differ in shape: x {np.shape(xa)} and {np.shape(xb)}, "
                          f"y {np.shape(ya)} and {np.shape(yb)}")
+
+
+def check_extras(splits, num_classes, where, stats=None, class_names=None):
+    """Refuse standardisation statistics and class names that :func:`mpidist.data.inspect` would refuse."""
+    shape = tuple(np.shape(splits["train"][0])[1:])
+    for key, value in zip(("mean", "std"), stats if stats is not None else ()):
+        value = np.asarray(value, np.float64)
+        if value.shape != shape:
+            raise UsageError(f"{where}: stats/{key} has shape {value.shape}; it must be the sample shape {shape}")
+        if not np.isfinite(value).all() or (key == "std" and not (value > 0).all()):
+            raise UsageError(f"{where}: stats/{key} must be finite" + (" and greater than 0" if key == "std" else ""))
+    if class_names is None:
+        return
+    if len(class_names) != num_classes:
+        raise UsageError(f"{where}: {len(class_names)} class names for num_classes = {num_classes}")
+    for index, name in enumerate(class_names):
+        if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME:
+            raise UsageError(f"{where}: class name {index} is {printable(repr(name))}: a class name is text of 1 to "
+                             f"{MAX_NAME} characters")
+    if len(set(class_names)) != len(class_names):
+        raise UsageError(f"{where}: the class names repeat a name; every class needs a name of its own")
+
+
+def train_stats(x):
+    """``(mean, std)`` per feature of the training samples ``x`` (numpy's, float64); a constant feature's std is 1."""
+    x = np.asarray(x, np.float64)
+    mean, std = x.mean(axis=0), x.std(axis=0)
+    std[(std == 0) | (x == x[:1]).all(axis=0)] = 1.0    # constant: the mean's rounding can leave a std of 1e-17
+    return mean, std
 
 
 def check_samples(where, key, x, need):
@@ -166,8 +266,10 @@ def as_numbers(where, key, item):
 
 
 # -- splits and labels ---------------------------------------------------------------------------------------
-def check_options(test_fraction, seed=0, task="auto"):
+def check_options(test_fraction, seed=0, task="auto", delimiter="auto"):
     """Refuse options that would otherwise fail deep inside numpy."""
+    if delimiter not in DELIMITERS:
+        raise UsageError(f"--delimiter must be auto, ',', ';', tab or whitespace, got {printable(repr(delimiter))}")
     if not 0.0 < test_fraction < 1.0:
         raise UsageError(f"--test-fraction must be between 0 and 1, got {test_fraction}")
     if seed < 0:                    # numpy's generators take no negative seeds
@@ -213,6 +315,52 @@ def infer_task(y, task, where="ingest", key="y"):
     return y.astype(np.int64), int(y.max()) + 1
 
 
+def as_text(where, key, y):
+    """Labels given as bytes or text, as text (bytes must be UTF-8)."""
+    if y.dtype.kind == "S":
+        try:
+            return np.char.decode(y, "utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"{where}: {key} holds bytes that are not UTF-8 text") from None
+    return y
+
+
+def name_classes(y, task, where="ingest", key="y"):
+    """``(y, num_classes, class_names)`` of text labels: the sorted distinct names are classes 0 to K-1."""
+    y = as_text(where, key, y)
+    if task == "regression":
+        raise UsageError(f"{where}: {key} holds text (class names such as {printable(repr(str(y.flat[0])), 60)}); "
+                         "--task regression needs numbers")
+    if y.ndim != 1:
+        raise UsageError(f"{where}: {key} has shape {y.shape}; text labels are one class name per sample, shape (N,)")
+    empty = np.flatnonzero(np.char.str_len(np.char.strip(y)) == 0)
+    if len(empty):
+        raise UsageError(f"{where}: {key}[{empty[0]}] is empty; every sample needs a class name")
+    names, codes = np.unique(y, return_inverse=True)
+    return (codes.reshape(-1).astype(np.int64),) + checked_names(where, key, [str(name) for name in names])
+
+
+def checked_names(where, key, names):
+    """``(num_classes, names)`` for the sorted distinct class ``names`` found in ``key``, refused if training would."""
+    if len(names) < 2:
+        raise UsageError(f"{where}: every label in {key} is {printable(repr(names[0]), 60)}, so there is 1 class; "
+                         "training needs 2 or more")
+    if len(names) > MAX_CLASSES:
+        raise UsageError(f"{where}: {key} holds {len(names):,} distinct names: more than {MAX_CLASSES:,} classes")
+    for name in names:
+        if len(name) > MAX_NAME:
+            raise UsageError(f"{where}: {key} holds a class name of {len(name):,} characters "
+                             f"({printable(repr(name), 60)}); a class name has at most {MAX_NAME}")
+    return len(names), tuple(names)
+
+
+def labels_of(y, task, where="ingest", key="y"):
+    """``(y, num_classes, class_names)``: class names where ``y`` holds text, else as :func:`infer_task` says."""
+    if y.dtype.kind in "US":
+        return name_classes(y, task, where, key)
+    return infer_task(y, task, where, key) + (None,)
+
+
 # -- sources -------------------------------------------------------------------------------------------------
 def load_npz(path):
     """The arrays of an ``.npz`` file that ingest uses, read without unpickling."""
@@ -223,16 +371,23 @@ def load_npz(path):
         with arrays:
             keys = set(arrays.files)
             for want in ({"x_train", "y_train", "x_test", "y_test"}, {"x", "y"}):
-                if want <= keys:
-                    return {key: as_numbers(path, key, arrays[key]) for key in want}
+                if want <= keys:    # labels may be text or bytes: class names
+                    return {key: arrays[key] if key[0] == "y" and arrays[key].dtype.kind in "US"
+                            else as_numbers(path, key, arrays[key]) for key in want}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise UsageError(f"{path}: not a readable .npz file of plain arrays ({err})") from None
     raise UsageError(f"{path}: needs arrays x_train, y_train, x_test, y_test or x, y; has {sorted(keys)}")
 
 
 def from_npz(path, test_fraction, seed, task):
-    """Arrays ``x_train, y_train, x_test, y_test``, or ``x, y`` (then split)."""
+    """Arrays ``x_train, y_train, x_test, y_test``, or ``x, y`` (then split); ``(splits, num_classes, facts)``.
+
+    Labels that are text (or UTF-8 bytes) are class names: ``facts["class_names"]``.
+    """
     arrays = load_npz(path)
+    if "y_train" in arrays and len({arrays[key].dtype.kind in "US" for key in ("y_train", "y_test")}) > 1:
+        raise UsageError(f"{path}: one of y_train and y_test holds text (class names), the other numbers; "
+                         "give both the same kind of labels")
     pairs = [("x", "y")] if "x" in arrays else [("x_train", "y_train"), ("x_test", "y_test")]
     for xkey, ykey in pairs:    # checked before any split: indices still mean what they do in the file
         check_samples(path, xkey, arrays[xkey], need=2 if xkey == "x" else 1)
@@ -242,16 +397,17 @@ def from_npz(path, test_fraction, seed, task):
         if arrays[xkey].dtype.kind == "f":
             arrays[xkey] = arrays[xkey].astype(np.float32)
     if "x" in arrays:
-        y, num_classes = infer_task(arrays["y"], task, path)
-        return split_train_test(arrays["x"], y, test_fraction, seed), num_classes
+        y, num_classes, names = labels_of(arrays["y"], task, path)
+        return split_train_test(arrays["x"], y, test_fraction, seed), num_classes, {"class_names": names}
     for key in ("x", "y"):      # checked here: the labels are concatenated to infer the task
         train, test = arrays[f"{key}_train"].shape[1:], arrays[f"{key}_test"].shape[1:]
         if train != test:
             raise UsageError(f"{path}: {key}_train has items of shape {train} but {key}_test of shape {test}")
     n_train = len(arrays["y_train"])
-    y, num_classes = infer_task(np.concatenate([arrays["y_train"], arrays["y_test"]]), task, path,
-                                "y_train and y_test")
-    return {"train": (arrays["x_train"], y[:n_train]), "test": (arrays["x_test"], y[n_train:])}, num_classes
+    labels = [as_text(path, key, arrays[key]) for key in ("y_train", "y_test")]    # (bytes and text: one kind)
+    y, num_classes, names = labels_of(np.concatenate(labels), task, path, "y_train and y_test")
+    return ({"train": (arrays["x_train"], y[:n_train]), "test": (arrays["x_test"], y[n_train:])}, num_classes,
+            {"class_names": names})
 
 
 def is_number(text):
@@ -262,68 +418,183 @@ def is_number(text):
         return False
 
 
-def first_bad_cell(path, rows):
-    """Why ``np.loadtxt`` refused ``rows``: one line naming the row (line in the file) and column."""
-    width = len(rows[0][1].split(","))
+def cells_of(delimiter):
+    """A function cutting one line into its cells at ``delimiter`` (None: at runs of whitespace)."""
+    return str.split if delimiter is None else lambda line: line.split(delimiter)
+
+
+def detect_delimiter(lines):
+    """Of ',', ';', tab and whitespace, the one cutting ``lines`` into the most numbers.
+
+    Ties go to the one that cuts every line (but the first, maybe a header)
+    into as many cells, then to the first in that order; one that leaves every
+    line whole is never chosen.  ``','`` when none cuts (the error then says
+    the file has 1 column).
+    """
+    best, found = None, ","
+    for rank, delimiter in enumerate((",", ";", "\t", None)):
+        cut = [cells_of(delimiter)(line) for line in lines]
+        widths = {len(cells) for cells in cut[1:] or cut}
+        if max(widths, default=0) < 2:
+            continue
+        score = (sum(is_number(cell) for cells in cut for cell in cells), len(widths) == 1, -rank)
+        if best is None or score > best:
+            best, found = score, delimiter
+    return found
+
+
+def has_header(rows, split):
+    """Whether the first row names the columns: it has text above a column of numbers (or it is the only row)."""
+    below = [split(line) for _, line in rows[1:SNIFFED]]
+    for column, cell in enumerate(split(rows[0][1])):
+        if cell.strip() and not is_number(cell):
+            if all(is_number(cells[column]) for cells in below if column < len(cells) and cells[column].strip()):
+                return True
+    return False
+
+
+def unquoted(cell):
+    """A cell's text without surrounding blanks and double quotes."""
+    cell = cell.strip()
+    if len(cell) >= 2 and cell[0] == cell[-1] == '"':
+        cell = cell[1:-1].replace('""', '"').strip()
+    return cell
+
+
+def mixed(path, label, cell, line_no):
+    return (f"{path}: the label column (column {label + 1}) mixes numbers and class names "
+            f"({printable(repr(unquoted(cell)), 60)} in row {line_no}); give every label as a number or every "
+            "label as a name")
+
+
+def first_bad_cell(path, rows, split=None, label=None, named=False):
+    """Why ``np.loadtxt`` refused ``rows``: one line naming the row (line in the file) and column.
+
+    ``label``: the label column (0-based); ``named``: it holds class names, not read here.
+    """
+    split = split or cells_of(",")
+    width = len(split(rows[0][1]))
     for line_no, line in rows:
-        cells = line.split(",")
+        cells = split(line)
         if len(cells) != width:
             return f"{path}: row {line_no} has {len(cells)} columns but row {rows[0][0]} has {width}"
         for column, cell in enumerate(cells, 1):
+            if named and column - 1 == label:
+                continue
             if not cell.strip():
                 return f"{path}: row {line_no}, column {column} is empty (NaN); ingest needs finite numbers"
             if not is_number(cell):
-                return (f"{path}: column {column} holds text ({cell.strip()!r} in row {line_no}); "
-                        "ingest needs numbers in every row after the header")
+                if column - 1 == label:
+                    return mixed(path, label, cell, line_no)
+                return (f"{path}: column {column} holds text ({printable(repr(cell.strip()), 60)} in row {line_no}); "
+                        "ingest needs numbers in every row after the header (text only in the label column)")
     return None
 
 
-def read_csv(path):
-    """The table of numbers, refused with the row (line in the file) and column of any bad cell."""
+@dataclasses.dataclass
+class Table:
+    """A CSV file read: the feature columns, the labels, and how the file was cut."""
+
+    x: np.ndarray               # float64, the columns other than the label column, in file order
+    y: np.ndarray               # the label column: float64 numbers, or int64 classes where it holds names
+    label: int                  # the label column, 0-based
+    delimiter: object           # ',', ';', '\t' or None (whitespace)
+    detected: bool              # the delimiter was detected (not given)
+    header_line: int = None     # the line skipped as column names
+    class_names: tuple = None   # where the label column holds names: class i is class_names[i]
+
+
+def read_csv(path, label_column=-1, delimiter="auto"):
+    """The :class:`Table` of ``path``, refused with the row (line in the file) and column of any bad cell.
+
+    The delimiter is detected (``delimiter="auto"``) among ``,``, ``;``, tab and
+    whitespace from the first lines; the first row is a header when it has text
+    above a column of numbers.  Every cell but the label column's must be a
+    number; the label column holds numbers, or class names in every row.
+    """
     try:
         with open(path, encoding="utf-8-sig") as handle:
             lines = handle.read().splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"{path}: not a readable text file ({err})") from None
     rows = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
-    # a first row with a cell neither empty nor a number is a header (an empty cell alone is missing data)
-    header = rows[:1] if rows and any(c.strip() and not is_number(c) for c in rows[0][1].split(",")) else []
+    detected = delimiter == "auto"
+    delimiter = detect_delimiter([line for _, line in rows[:SNIFFED]]) if detected else DELIMITERS[delimiter]
+    split = cells_of(delimiter)
+    header = rows[:1] if rows and has_header(rows, split) else []
     rows = rows[len(header):]
     if len(rows) < 2:
         found = "the file is empty" if not lines else f"{len(rows)} row{'s' * (len(rows) != 1)} of data" + (
             f" after the header (line {header[0][0]})" if header else "")
         raise UsageError(f"{path}: {found}; a train and a test split need at least 2")
+    width = len(split(rows[0][1]))
+    if width < 2:
+        raise UsageError(f"{path}: has 1 column; it needs at least one feature column and a label column (cut at "
+                         f"{SHOWN[delimiter]}, {'detected' if detected else 'given'}: see --delimiter)")
+    if not -width <= label_column < width:
+        raise UsageError(f"--label-column {label_column}: {path} has {width} columns (0 to {width - 1}, "
+                         f"or -{width} to -1)")
+    label = label_column % width
+    if header and len(split(header[0][1])) != width:
+        raise UsageError(f"{path}: the header has {len(split(header[0][1]))} columns but the rows have {width}")
+    # names in the label column's first rows: the column holds class names (all of it, checked)
+    named = any(label < len(cells) and cells[label].strip() and not is_number(cells[label])
+                for cells in map(split, (line for _, line in rows[:SNIFFED])))
+    y, names = read_names(path, rows, split, width, label) if named else (None, None)
+    columns = [column for column in range(width) if column != label] if named else list(range(width))
     try:
-        table = np.loadtxt([line for _, line in rows], delimiter=",", ndmin=2, comments=None)
+        table = np.loadtxt([line for _, line in rows], delimiter=delimiter, ndmin=2, comments=None,
+                           usecols=columns if named else None)     # (usecols lets longer rows pass)
     except ValueError as err:
-        raise UsageError(first_bad_cell(path, rows) or f"{path}: not a CSV table of numbers ({err})") from None
-    if header and len(header[0][1].split(",")) != table.shape[1]:
-        raise UsageError(f"{path}: the header has {len(header[0][1].split(','))} columns but the rows "
-                         f"have {table.shape[1]}")
+        raise UsageError(first_bad_cell(path, rows, split, label, named)
+                         or f"{path}: not a table of numbers ({printable(err)})") from None
     magnitude = np.abs(np.nan_to_num(table, nan=0.0, posinf=np.inf, neginf=np.inf))
     for bad, why in ((~np.isfinite(table), "ingest needs finite numbers"),
                      (magnitude > FLOAT32_MAX, f"beyond float32 (max {FLOAT32_MAX:.3g}); scale the data")):
         if bad.any():      # the largest bad value: Inf before NaN, the largest magnitude beyond float32
             r, c = np.unravel_index(np.argmax(np.where(bad, magnitude, -1)), table.shape)
             value = "NaN" if np.isnan(table[r, c]) else "Inf" if np.isinf(table[r, c]) else "too large"
-            raise UsageError(f"{path}: row {rows[r][0]}, column {c + 1} is {value} "
-                             f"({rows[r][1].split(',')[c].strip()!r}); {why}")
-    return table
+            raise UsageError(f"{path}: row {rows[r][0]}, column {columns[c] + 1} is {value} "
+                             f"({split(rows[r][1])[columns[c]].strip()!r}); {why}")
+    if not named:
+        y, table = table[:, label], np.delete(table, label, axis=1)
+    return Table(x=table, y=y, label=label, delimiter=delimiter, detected=detected,
+                 header_line=header[0][0] if header else None, class_names=names)
 
 
-def from_csv(path, label_column, test_fraction, seed, task):
-    """One sample per row, numbers only; a first row that is not numbers is a header."""
-    table = read_csv(path)
-    width = table.shape[1]
-    if width < 2:
-        raise UsageError(f"{path}: has 1 column; it needs at least one feature column and a label column")
-    if not -width <= label_column < width:
-        raise UsageError(f"--label-column {label_column}: {path} has {width} columns (0 to {width - 1}, "
-                         f"or -{width} to -1)")
-    label = label_column % width
-    x = np.delete(table, label, axis=1).astype(np.float32)
-    y, num_classes = infer_task(table[:, label], task, path, f"the label column (column {label + 1})")
-    return split_train_test(x, y, test_fraction, seed), num_classes
+def read_names(path, rows, split, width, label):
+    """``(classes, names)`` of a label column of class names: the sorted distinct names are classes 0 to K-1."""
+    codes, seen = np.empty(len(rows), np.int64), {}
+    for row, (line_no, line) in enumerate(rows):
+        cells = split(line)
+        if len(cells) != width:
+            raise UsageError(f"{path}: row {line_no} has {len(cells)} columns but row {rows[0][0]} has {width}")
+        name = unquoted(cells[label])
+        if not name:
+            raise UsageError(f"{path}: row {line_no}, column {label + 1} is empty; the label column holds class "
+                             "names, and every row needs one")
+        if is_number(name):
+            raise UsageError(mixed(path, label, name, line_no))
+        codes[row] = seen.setdefault(name, len(seen))
+    _, names = checked_names(path, f"the label column (column {label + 1})", sorted(seen))
+    order = {name: index for index, name in enumerate(names)}
+    return np.array([order[name] for name in seen], np.int64)[codes], names
+
+
+def from_csv(path, label_column, test_fraction, seed, task, delimiter="auto"):
+    """One sample per row; ``(splits, num_classes, facts)``: the class names, the delimiter, the header line."""
+    table = read_csv(path, label_column, delimiter)
+    key = f"the label column (column {table.label + 1})"
+    if table.class_names is not None:
+        if task == "regression":
+            raise UsageError(f"{path}: {key} holds text (class names such as "
+                             f"{printable(repr(table.class_names[0]), 60)}); --task regression needs numbers")
+        y, num_classes = table.y, len(table.class_names)
+    else:
+        y, num_classes = infer_task(table.y, task, path, key)
+    facts = {"class_names": table.class_names, "delimiter": SHOWN[table.delimiter],
+             "delimiter_detected": table.detected, "header_line": table.header_line}
+    return split_train_test(table.x.astype(np.float32), y, test_fraction, seed), num_classes, facts
 
 
 def _digits(seed):
@@ -373,9 +644,18 @@ def build_source(name, seed=0):
     return splits, num_classes, source
 
 
-def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label_column=-1):
-    """Write ``source`` (a named source, .npz or .csv path) to ``out``; returns the path."""
-    check_options(test_fraction, seed, task)
+def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label_column=-1, standardize=False,
+           delimiter="auto"):
+    """Write ``source`` (a named source, .npz or .csv path) to ``out``; returns an :class:`Ingested`.
+
+    The result is path-like (``os.fspath`` gives ``out``) and carries what was
+    written: samples per split, sample shape, classes and their names, and for
+    a CSV file the delimiter and the header line.  ``standardize`` stores the
+    per-feature mean and standard deviation of the training rows (after the
+    split), which :class:`mpidist.data.Shard` applies when the data is read.
+    ``delimiter``: ``auto`` (detected), ``,``, ``;``, ``tab`` or ``whitespace``.
+    """
+    check_options(test_fraction, seed, task, delimiter)
     path = Path(source)
     if source not in SOURCES:
         if not path.is_file():
@@ -384,14 +664,26 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
             raise UsageError(f"ingest: {source}: unsupported file type {path.suffix!r} (use .npz or .csv)")
         if os.path.realpath(out) == os.path.realpath(path):
             raise UsageError(f"ingest: the output {out} is the source file, which writing would destroy")
+    if delimiter != "auto" and (source in SOURCES or path.suffix != ".csv"):
+        raise UsageError(f"ingest: --delimiter applies to .csv files, not to {source}")
     with claimed(out):          # an output that cannot be written fails here, before the source is read
+        facts = {}
         if source in SOURCES:
             splits, num_classes, text = build_source(source, seed)
             name = name or source
         else:
             if path.suffix == ".npz":
-                splits, num_classes = from_npz(path, test_fraction, seed, task)
+                splits, num_classes, facts = from_npz(path, test_fraction, seed, task)
             else:
-                splits, num_classes = from_csv(path, label_column, test_fraction, seed, task)
+                splits, num_classes, facts = from_csv(path, label_column, test_fraction, seed, task, delimiter)
             text, name = f"ingested from {path.name}", name or path.stem
-        return write_dataset(out, name, splits, num_classes, text, where=source, check_values=True)
+        (x, y), stats = splits["train"], None
+        if standardize:
+            check_splits(splits, num_classes, source)       # numbers of the layout, before they are summed
+            stats = train_stats(x)
+        written = write_dataset(out, name, splits, num_classes, text, where=source, check_values=True, stats=stats,
+                                class_names=facts.get("class_names"))
+    return Ingested(path=written, name=name, source=str(source), sizes={s: len(splits[s][0]) for s in splits},
+                    sample_shape=tuple(int(d) for d in np.shape(x)[1:]), num_classes=int(num_classes),
+                    target_width=1 if np.ndim(y) == 1 else int(np.shape(y)[1]), standardized=stats is not None,
+                    **facts)

@@ -84,6 +84,105 @@ def test_nan_in_samples_is_refused(tmp_path):
         data.Shard(info, "train", 0, 1, (3, 4), np.float32)
 
 
+def with_stats(path, mean=None, std=None, shape=(3, 4)):
+    """``path`` with standardisation statistics ``stats/mean`` and ``stats/std`` (default: 0 and 1) added."""
+    def add(handle):
+        for key, value in (("mean", mean), ("std", std)):
+            if not isinstance(value, str):      # a string: leave the item out
+                handle.create_dataset(f"stats/{key}", data=np.full(shape, 0.0 if key == "mean" else 1.0)
+                                      if value is None else value)
+    return mutate(path, add)
+
+
+def test_standardisation_statistics_are_described_and_applied_when_read(tmp_path):
+    x = np.arange(40 * 12, dtype=np.float32).reshape(40, 3, 4)
+    mean, std = np.full((3, 4), 100.0), np.linspace(1, 12, 12).reshape(3, 4)
+    info = data.inspect(with_stats(make_file(tmp_path / "toy.h5", train=(x, np.arange(40) % 5)), mean, std))
+    np.testing.assert_array_equal(info.mean, mean)
+    np.testing.assert_array_equal(info.std, std)
+    assert info.mean.dtype == np.float64 and "mean" not in repr(info)
+    shard = data.Shard(info, "train", 1, 2, (12,), np.float32)        # the rows of worker 1, the model's shape
+    np.testing.assert_allclose(shard.x, ((x[1::2] - mean) / std).reshape(20, 12), rtol=1e-6)
+    np.testing.assert_array_equal(data.standardizer(info)(x[:2].reshape(2, 12)), ((x[:2] - mean) / std).reshape(2, 12))
+    plain = data.inspect(make_file(tmp_path / "plain.h5"))
+    assert plain.mean is None and plain.std is None and plain.class_names is None
+    assert data.standardizer(plain) is None
+
+
+@pytest.mark.parametrize("mean,std,message", [
+    (np.zeros(12), None, r"stats/mean has shape \(12,\); it must be the sample shape \(3, 4\)"),
+    (None, np.ones((4, 3)), r"stats/std has shape \(4, 3\); it must be the sample shape \(3, 4\)"),
+    (np.where(np.eye(3, 4) > 0, np.nan, 0.0), None, r"stats/mean\[0, 0\] is nan; standardisation statistics must "
+     "be finite"),
+    (None, np.where(np.arange(12).reshape(3, 4) == 6, 0.0, 1.0), r"stats/std\[1, 2\] is 0.0; standard deviations "
+     "must be finite and greater than 0"),
+    (None, np.full((3, 4), -1.0), r"stats/std\[0, 0\] is -1.0"),
+    (None, np.full((3, 4), np.inf), r"stats/std\[0, 0\] is inf"),
+    (np.zeros((3, 4), np.int64), None, "stats/mean has dtype int64; standardisation statistics must be floats"),
+    (None, np.array([b"1"] * 12).reshape(3, 4), r"stats/std has dtype \|S1"),
+    (None, "left out", "has 'stats' but no dataset 'stats/std'"),
+])
+def test_bad_standardisation_statistics_are_refused(tmp_path, mean, std, message):
+    path = with_stats(make_file(tmp_path / "toy.h5"), mean, std)
+    with pytest.raises(UsageError, match=f"{tmp_path / 'toy.h5'}: {message}") as caught:
+        data.inspect(path)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")     # numpy's, as the values are checked
+def test_statistics_that_do_not_fit_the_data_are_refused_when_read(tmp_path):
+    x = np.ones((40, 3, 4), np.float32)
+    x[7] = 3.0
+    path = make_file(tmp_path / "toy.h5", train=(x, np.arange(40) % 5))
+    info = data.inspect(with_stats(path, std=np.full((3, 4), 1e-310)))     # > 0, but x / std is Inf
+    with pytest.raises(UsageError, match=r"train/x standardised with the file's stats/mean and stats/std holds Inf "
+                       r"\(first at sample 0\)"):
+        data.Shard(info, "train", 0, 1, (3, 4), np.float32)
+    mutate(path, lambda h: h["stats/std"].__setitem__(..., 1e-39))          # finite, but beyond float32
+    info = data.inspect(path)
+    with pytest.raises(UsageError, match=r"train/x \(standardised\) holds values up to 3e\+39, beyond the range of "
+                       "--dtype float32"):
+        data.Shard(info, "train", 0, 1, (3, 4), np.float32)
+    assert data.Shard(info, "train", 0, 1, (3, 4), np.float64).x.max() == pytest.approx(3e39)
+
+
+def with_names(path, names, dtype=None):
+    return mutate(path, lambda h: h.create_dataset("class_names", data=names, dtype=dtype or h5py.string_dtype()))
+
+
+def test_class_names_are_described_with_control_characters_escaped(tmp_path):
+    names = ["cat", "dog", "emu", "gnu", "red\x1b[2Jpanda"]
+    info = data.inspect(with_names(make_file(tmp_path / "toy.h5"), names))
+    assert info.class_names == ("cat", "dog", "emu", "gnu", "red\\x1b[2Jpanda")
+    info = data.inspect(with_names(make_file(tmp_path / "ascii.h5"), [b"a", b"b", b"c", b"d", b"e"], "S1"))
+    assert info.class_names == ("a", "b", "c", "d", "e")
+
+
+@pytest.mark.parametrize("names,message", [
+    (["a", "b", "c", "d"], r"class_names has shape \(4,\); it needs one name per class, shape \(5,\)"),
+    (np.arange(5), "class_names has dtype int64; it must hold text"),
+    (["a", "b", " ", "d", "e"], r"class_names\[2\] is empty"),
+    (["a", "b", "c", "b", "e"], r"class_names\[3\] repeats class_names\[1\] \('b'\)"),
+    (["a", "b", "c", "d", "e" * 201], r"class_names\[4\] is 201 characters long; a class name has at most 200"),
+    ([b"a", b"b", b"\xff", b"d", b"e"], "class_names holds bytes that are not UTF-8 text"),
+])
+def test_bad_class_names_are_refused(tmp_path, names, message):
+    dtype = h5py.string_dtype() if isinstance(names, list) and isinstance(names[0], str) else None
+    if isinstance(names, list) and isinstance(names[0], bytes):
+        dtype = h5py.string_dtype("utf-8", 1)
+    path = make_file(tmp_path / "toy.h5")
+    mutate(path, lambda h: h.create_dataset("class_names", data=names, dtype=dtype))
+    with pytest.raises(UsageError, match=f"{tmp_path / 'toy.h5'}: {message}"):
+        data.inspect(path)
+
+
+def test_class_names_need_classes(tmp_path):
+    path = write_dataset(tmp_path / "r.h5", "r", {"train": (np.zeros((4, 2)), np.zeros(4)),
+                                                  "test": (np.zeros((2, 2)), np.zeros(2))}, 0, "")
+    with pytest.raises(UsageError, match="has class_names but num_classes = 0"):
+        data.inspect(with_names(path, ["a", "b"]))
+
+
 @pytest.mark.parametrize("workers", [1, 2, 3, 7])
 def test_shards_are_disjoint_and_cover_the_split(tmp_path, workers):
     x = np.arange(40, dtype=np.float32).reshape(40, 1, 1).repeat(4, axis=2)

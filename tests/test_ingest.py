@@ -174,7 +174,7 @@ def test_npz_lengths_and_shapes_that_differ_are_named(tmp_path, arrays, message)
 
 @pytest.mark.parametrize("arrays,message", [
     (dict(x=np.array([["a", "b"]] * 4), y=np.arange(4) % 2), r"x has dtype <U1 \(text\); ingest needs numbers"),
-    (dict(x=np.zeros((4, 2)), y=np.array([b"cat", b"dog"] * 2)), r"y has dtype \|S3 \(bytes\)"),
+    (dict(x=np.zeros((4, 2)), y=np.array(["2020-01-01"] * 4, "M8[D]")), r"y has dtype datetime64\[D\] \(dates\)"),
     (dict(x=np.zeros((4, 2), complex), y=np.arange(4) % 2), r"x has dtype complex128 \(complex numbers\)"),
 ])
 def test_npz_text_and_other_non_numbers_are_refused_with_their_dtype(tmp_path, arrays, message):
@@ -369,3 +369,165 @@ def test_the_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
     assert done.stderr.strip().splitlines() == [f"mpidist: error: {tmp_path / 'bad.csv'}: row 3, column 2 is empty "
                                                 "(NaN); ingest needs finite numbers"]
     assert not (tmp_path / "bad.h5").exists()
+
+
+# -- preparing raw data: standardisation, class names, delimiters, headers, the summary ----------------------
+def stored(path):
+    """``{split: (x, y)}`` and ``(mean, std)`` (or None) as written to ``path``."""
+    with h5py.File(path) as handle:
+        splits = {split: (handle[f"{split}/x"][...], handle[f"{split}/y"][...]) for split in data.SPLITS}
+        stats = (handle["stats/mean"][...], handle["stats/std"][...]) if "stats" in handle else None
+    return splits, stats
+
+
+def test_standardize_stores_the_training_rows_statistics_and_leaves_x_as_it_was(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(60, 3)) * [100.0, 0.01, 1.0] + [1000.0, -3.0, 0.0]
+    x[:, 2] = 7.25                                                  # a constant feature: its std is 1
+    np.savez(tmp_path / "s.npz", x=x, y=np.arange(60) % 3)
+    raw = ingest(str(tmp_path / "s.npz"), tmp_path / "raw.h5", seed=4)
+    result = ingest(str(tmp_path / "s.npz"), tmp_path / "s.h5", seed=4, standardize=True)
+    assert result.standardized and not raw.standardized
+    (splits, (mean, std)), (raw_splits, none) = stored(result), stored(raw)
+    assert none is None and mean.dtype == std.dtype == np.float64 and mean.shape == std.shape == (3,)
+    train = splits["train"][0].astype(np.float64)
+    np.testing.assert_array_equal(mean, train.mean(axis=0))             # numpy's, of the training rows only
+    np.testing.assert_array_equal(std[:2], train.std(axis=0)[:2])
+    assert std[2] == 1.0
+    every = np.concatenate([splits["train"][0], splits["test"][0]]).astype(np.float64)
+    assert not np.allclose(mean[:2], every.mean(axis=0)[:2], rtol=1e-9, atol=0)   # the test rows are left out
+    for split in data.SPLITS:                                           # x and y stored as without --standardize
+        for got, want in zip(splits[split], raw_splits[split]):
+            np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.sort(every, axis=0), np.sort(x.astype(np.float32).astype(np.float64), axis=0))
+    info = data.inspect(result)
+    np.testing.assert_array_equal(info.mean, mean)
+    np.testing.assert_array_equal(info.std, std)
+    shard = data.Shard(info, "test", 0, 1, info.sample_shape, np.float64)
+    np.testing.assert_allclose(shard.x, (splits["test"][0] - mean) / std, rtol=1e-12)
+
+
+def test_shard_reads_standardised_samples_in_closed_form(tmp_path):
+    np.savez(tmp_path / "t.npz", x_train=np.array([[1.0, 10.0], [3.0, 10.0], [5.0, 10.0]]), y_train=[0, 1, 0],
+             x_test=np.array([[7.0, 12.0]]), y_test=[1])
+    info = data.inspect(ingest(str(tmp_path / "t.npz"), tmp_path / "t.h5", standardize=True))
+    np.testing.assert_array_equal(info.mean, [3.0, 10.0])               # 7 and 12 are test rows: not counted
+    np.testing.assert_allclose(info.std, [np.sqrt(8 / 3), 1.0])         # the constant feature: 1, not 0
+    s = np.sqrt(8 / 3)
+    for dtype in (np.float32, np.float64):
+        train, test = (data.Shard(info, split, 0, 1, (2,), dtype) for split in data.SPLITS)
+        assert train.x.dtype == dtype
+        np.testing.assert_allclose(train.x, [[-2 / s, 0.0], [0.0, 0.0], [2 / s, 0.0]], rtol=1e-6)
+        np.testing.assert_allclose(test.x, [[4 / s, 2.0]], rtol=1e-6)
+    with h5py.File(info.path) as handle:                                # stored raw
+        np.testing.assert_array_equal(handle["test/x"][...], [[7.0, 12.0]])
+
+
+def test_text_labels_in_a_csv_become_classes_named_in_sorted_order(tmp_path):
+    animals = ["emu", "cat", "dog"]
+    rows = "".join(f"{i},{i * 0.5},{animals[i % 3]}\n" for i in range(30))
+    (tmp_path / "a.csv").write_text("index,half,animal\n" + rows)
+    result = ingest(str(tmp_path / "a.csv"), tmp_path / "a.h5")
+    info = accepted(result)
+    assert info.num_classes == 3 and info.class_names == ("cat", "dog", "emu") == result.class_names
+    for x, y in stored(result)[0].values():
+        assert y.dtype == np.int64
+        assert [info.class_names[label] for label in y] == [animals[int(i) % 3] for i in x[:, 0]]
+
+
+@pytest.mark.parametrize("train,test", [(["b", "a", "b"], ["c", "a"]), ([b"b", b"a", b"b"], [b"c", b"a"])])
+def test_text_or_bytes_labels_in_an_npz_become_named_classes(tmp_path, train, test):
+    np.savez(tmp_path / "n.npz", x_train=np.zeros((3, 2)), y_train=np.array(train), x_test=np.ones((2, 2)),
+             y_test=np.array(test))
+    info = accepted(ingest(str(tmp_path / "n.npz"), tmp_path / "n.h5"))
+    assert info.class_names == ("a", "b", "c")
+    splits, _ = stored(info.path)
+    assert splits["train"][1].tolist() == [1, 0, 1] and splits["test"][1].tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("text,options,message", [
+    ("1,cat\n2,dog\n3,\n", {}, r"row 3, column 2 is empty; the label column holds class names"),
+    ("1,cat\n2,dog\n3,4\n", {}, r"the label column \(column 2\) mixes numbers and class names \('4' in row 3\)"),
+    ("1,0\n2,1\n3,dog\n", {}, r"the label column \(column 2\) mixes numbers and class names \('0' in row 1\)"),
+    ("1,cat\nx,dog\n3,cat\n", {}, r"column 1 holds text \('x' in row 2\); ingest needs numbers"),
+    ("1,cat\n2,cat\n3,cat\n", {}, r"every label in the label column \(column 2\) is 'cat', so there is 1 class"),
+    ("1,cat\n2,dog\n", {"task": "regression"}, r"the label column \(column 2\) holds text \(class names such as "
+     r"'cat'\); --task regression needs numbers"),
+    ("1;cat\n2;dog\n3;nan;\n", {}, r"row 3 has 3 columns but row 1 has 2"),
+    ("1;cat\n2;dog\n\n3e99;emu\n", {}, r"row 4, column 1 is too large \('3e99'\)"),   # a line of the file
+    (f"1,cat\n2,{'d' * 201}\n", {}, r"the label column \(column 2\) holds a class name of 201 characters "
+     r"\('ddd.*\.\.\.\); a class name has at most 200"),
+])
+def test_bad_text_labels_are_refused_with_their_row(tmp_path, text, options, message):
+    (tmp_path / "b.csv").write_text(text)
+    refused(tmp_path, tmp_path / "b.csv", "b.csv: " + message, **options)
+
+
+def test_text_labels_in_an_npz_are_checked(tmp_path):
+    np.savez(tmp_path / "e.npz", x=np.zeros((4, 2)), y=np.array(["a", "b", " ", "a"]))
+    refused(tmp_path, tmp_path / "e.npz", r"e.npz: y\[2\] is empty; every sample needs a class name")
+    np.savez(tmp_path / "m.npz", x_train=np.zeros((2, 2)), y_train=np.array(["a", "b"]), x_test=np.zeros((1, 2)),
+             y_test=np.array([1]))
+    refused(tmp_path, tmp_path / "m.npz", "m.npz: one of y_train and y_test holds text")
+
+
+def test_a_semicolon_file_keeps_its_first_row_as_data_and_says_which_delimiter(tmp_path):
+    (tmp_path / "s.csv").write_text("".join(f"{i};{i * 2}.5;{i % 2}\n" for i in range(10)))
+    result = ingest(str(tmp_path / "s.csv"), tmp_path / "s.h5")
+    assert sum(result.sizes.values()) == 10 and result.sample_shape == (2,)
+    assert (result.delimiter, result.delimiter_detected, result.header_line) == ("';'", True, None)
+    splits, _ = stored(result)
+    assert 0.0 in np.concatenate([x[:, 0] for x, _ in splits.values()])   # row 1 (0;0.5;0) is data
+    assert "';' (detected)" in result.summary() and "none: the first line is data" in result.summary()
+
+
+@pytest.mark.parametrize("delimiter,cut,shown", [(",", ",", "','"), ("tab", "\t", "tab"),
+                                                 ("whitespace", "   ", "whitespace"), ("auto", "\t", "tab"),
+                                                 ("auto", " ", "whitespace"), ("auto", ", ", "','")])
+def test_a_header_is_detected_and_the_delimiter_reported(tmp_path, delimiter, cut, shown):
+    header = cut.join(["first feature", "second", "label"]) if cut.strip(" ") else cut.join(["a", "b", "label"])
+    rows = "".join(cut.join([str(i), f"{i / 4}", "yes" if i % 3 else "no"]) + "\n" for i in range(12))
+    (tmp_path / "h.csv").write_text("\n" + header + "\n" + rows)     # a blank first line: the header is line 2
+    result = ingest(str(tmp_path / "h.csv"), tmp_path / "h.h5", delimiter=delimiter)
+    assert (result.delimiter, result.delimiter_detected) == (shown, delimiter == "auto")
+    assert result.header_line == 2 and sum(result.sizes.values()) == 12 and result.class_names == ("no", "yes")
+    assert "line 2 skipped (column names)" in result.summary()
+
+
+def test_a_delimiter_is_refused_where_it_means_nothing(tmp_path):
+    np.savez(tmp_path / "d.npz", x=np.zeros((4, 2)), y=np.arange(4) % 2)
+    refused(tmp_path, tmp_path / "d.npz", "--delimiter applies to .csv files", delimiter=";")
+    refused(tmp_path, good_csv(tmp_path), "--delimiter must be auto, ',', ';', tab or whitespace", delimiter="|")
+
+
+def test_the_result_is_the_path_and_the_summary_says_what_was_written(tmp_path):
+    rows = "".join(f"{i},{i % 5},{['low', 'high'][i % 2]}\n" for i in range(20))
+    (tmp_path / "t.csv").write_text("x1,x2,level\n" + rows)
+    result = ingest(str(tmp_path / "t.csv"), tmp_path / "t.h5", test_fraction=0.25, standardize=True)
+    assert os.fspath(result) == str(tmp_path / "t.h5") and result.path == tmp_path / "t.h5"
+    assert (result.sizes, result.sample_shape, result.num_classes) == ({"train": 15, "test": 5}, (2,), 2)
+    lines = result.summary().splitlines()
+    assert lines[0] == f"mpidist ingest: wrote {tmp_path / 't.h5'} (dataset 't' from {tmp_path / 't.csv'})"
+    assert lines[1:] == ["  samples       15 train, 5 test",
+                         "  features      2 per sample, sample shape (2,)",
+                         "  classes       2 named by the text labels: 0 'high', 1 'low'",
+                         "  delimiter     ',' (detected)",
+                         "  header        line 1 skipped (column names)",
+                         "  standardised  yes: stats/mean and stats/std of the training rows stored; train, eval and "
+                         "predict read (x - mean) / std"]
+    np.savez(tmp_path / "r.npz", x=np.zeros((8, 3, 2)), y=np.linspace(0, 1, 16).reshape(8, 2))
+    text = ingest(str(tmp_path / "r.npz"), tmp_path / "r.h5").summary()
+    assert "6 per sample, sample shape (3, 2)" in text and "regression, 2 targets per sample" in text
+    assert "delimiter" not in text and "standardised  no" in text
+    text = ingest(str(good_csv(tmp_path)), tmp_path / "g.h5").summary()
+    assert "classes       2 (labels 0 to 1)" in text
+
+
+def test_the_command_line_prints_the_summary(tmp_path):
+    from conftest import mpidist
+    (tmp_path / "c.csv").write_text("".join(f"{i};{i % 3};{'ab'[i % 2]}\n" for i in range(10)))
+    done, _ = mpidist(1, "ingest", str(tmp_path / "c.csv"), str(tmp_path / "c.h5"), "--standardize",
+                      "--delimiter", ";")
+    assert done.returncode == 0, done.stderr
+    for text in ("wrote", "8 train, 2 test", "0 'a', 1 'b'", "';' (given)", "header        none", "yes: stats"):
+        assert text in done.stdout
