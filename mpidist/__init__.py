@@ -30,6 +30,7 @@ from .arrays import ArrayData  # noqa: E402
 from .callbacks import Callback, EarlyStopping  # noqa: E402
 from .config import Settings  # noqa: E402
 from .errors import RunError, UsageError  # noqa: E402
+from .predictions import Predictions, predict  # noqa: E402
 
-__all__ = ["train", "evaluate", "Settings", "Result", "ArrayData", "Callback", "EarlyStopping", "nn",
-           "UsageError", "RunError", "limit_blas_threads", "__version__"]
+__all__ = ["train", "evaluate", "predict", "Predictions", "Settings", "Result", "ArrayData", "Callback",
+           "EarlyStopping", "nn", "UsageError", "RunError", "limit_blas_threads", "__version__"]

@@ -26,7 +26,8 @@ def test_a_layer_of_ones_own_trains_under_every_strategy_at_4_ranks(flags):
     assert accuracy(done.stdout, "custom_layer") >= 95.0     # 98.3-98.6% measured; mlp on digits: ~97%
 
 
-@pytest.mark.parametrize("name,least", [("custom_model", 95.0), ("arrays", 95.0), ("early_stopping", 95.0)])
+@pytest.mark.parametrize("name,least", [("custom_model", 95.0), ("arrays", 95.0), ("early_stopping", 95.0),
+                                        ("predict", 95.0)])
 def test_every_example_runs_at_2_ranks(name, least):
     done, _ = run_mpi(2, [str(EXAMPLES / f"{name}.py")], timeout=120)
     assert done.returncode == 0, done.stderr

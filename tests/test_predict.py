@@ -1,0 +1,258 @@
+"""``predict``: a checkpoint's predictions on new samples, spread over the ranks, in input order.
+
+The multi-rank tests run in-process under ``mpiexec -n N python -m pytest -m mpi
+--with-mpi tests/test_predict.py`` (any N); the others are serial, and launch
+``python -m mpidist predict`` at 1, 2 and 4 ranks as users do.
+"""
+
+import io
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist
+from mpidist.data import resolve
+from mpidist.ingest import write_dataset
+
+from conftest import mpidist as launch
+
+QUIET = dict(progress="none", metrics="", stream=io.StringIO())
+
+
+def shared_dir(tmp_path_factory, name):
+    """A directory every rank of the world sees: rank 0's."""
+    return Path(MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp(name)), root=0))
+
+
+def digits_test():
+    with h5py.File(resolve("digits"), "r") as handle:
+        return handle["test/x"][...], handle["test/y"][...]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """``(checkpoint, the trained model on rank 0 or None)`` of a short digits run on every rank of the world."""
+    directory = shared_dir(tmp_path_factory, "digits")
+    result = mpidist.train("mlp", "digits", epochs=2, checkpoint_dir=str(directory / "ck"), **QUIET)
+    checkpoint = MPI.COMM_WORLD.bcast(str(result.checkpoints[-1]) if result.is_chief else None, root=0)
+    return Path(checkpoint), result.model
+
+
+@pytest.fixture(scope="module")
+def regression_run(tmp_path_factory):
+    """``(checkpoint, dataset file)`` of a short run of ``linear`` on a 2-target regression."""
+    directory = shared_dir(tmp_path_factory, "regression")
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(300, 3)).astype(np.float32)
+    y = (x @ np.array([[1.0, 0.5], [-2.0, 0.0], [0.5, 3.0]])).astype(np.float32)
+    dataset = directory / "lin.h5"
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        write_dataset(dataset, "lin", {"train": (x[:230], y[:230]), "test": (x[230:], y[230:])}, 0, "test")
+    MPI.COMM_WORLD.Barrier()
+    result = mpidist.train("linear", str(dataset), epochs=3, lr=0.05, checkpoint_dir=str(directory / "ck"),
+                           **QUIET)
+    checkpoint = MPI.COMM_WORLD.bcast(str(result.checkpoints[-1]) if result.is_chief else None, root=0)
+    return Path(checkpoint), dataset
+
+
+def softmax(logits):
+    e = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+# -- on every rank of the world, in-process ------------------------------------------------------------------
+@pytest.mark.mpi(min_size=1)
+def test_predict_on_the_test_split_reproduces_evals_accuracy_exactly_in_input_order(digits_run, tmp_path_factory):
+    checkpoint, model = digits_run
+    world = MPI.COMM_WORLD
+    output = shared_dir(tmp_path_factory, "out") / "preds.h5"
+    figures = mpidist.evaluate(checkpoint)
+    result = mpidist.predict(checkpoint, output=output)
+    assert result.samples == figures["samples"] == 359 and result.output == output
+    assert result.task == "classification" and result.step == figures["step"]
+    assert result.figures["accuracy"] == figures["test_accuracy"]            # on every rank, exactly
+    if world.Get_rank() != 0:
+        assert result.classes is None and result.probabilities is None and result.values is None
+        return
+    x, y = digits_test()
+    with h5py.File(output, "r") as handle:
+        classes, probabilities = handle["class"][...], handle["probabilities"][...]
+        attrs = dict(handle.attrs)
+    assert classes.dtype == np.int64 and probabilities.dtype == np.float32 and probabilities.shape == (359, 10)
+    assert (classes == y).mean() == figures["test_accuracy"]
+    assert np.array_equal(classes, result.classes) and np.array_equal(probabilities, result.probabilities)
+    # input order: as one process's forward pass over the whole split
+    logits = model.forward(x)
+    assert np.array_equal(classes, logits.argmax(axis=1))
+    np.testing.assert_allclose(probabilities, softmax(logits), rtol=1e-4, atol=1e-6)
+    assert attrs["checkpoint"] == str(checkpoint.resolve()) and attrs["step"] == result.step
+    assert attrs["model"] == "mlp" and attrs["split"] == "test" and attrs["data"] == str(resolve("digits"))
+    assert attrs["task"] == "classification" and attrs["samples"] == 359
+    assert not list(output.parent.glob(".*tmp*"))                            # nothing left aside
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_regression_writes_values_whose_mse_is_evals(regression_run, tmp_path_factory):
+    checkpoint, dataset = regression_run
+    output = shared_dir(tmp_path_factory, "out") / "values.h5"
+    figures = mpidist.evaluate(checkpoint)
+    result = mpidist.predict(checkpoint, output=output)
+    assert result.task == "regression" and result.samples == 70
+    assert result.figures["mse"] == pytest.approx(figures["test_mse"], rel=1e-9)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with h5py.File(output, "r") as handle:
+            values = handle["values"][...]
+            assert "class" not in handle and "probabilities" not in handle
+        with h5py.File(dataset, "r") as handle:
+            x, y = handle["test/x"][...], handle["test/y"][...]
+        assert values.shape == (70, 2) and np.array_equal(values, result.values)
+        assert np.mean((values.astype(np.float64) - y) ** 2) == pytest.approx(figures["test_mse"], rel=1e-6)
+        # plain samples of the same rows give the same values
+        plain = mpidist.predict(checkpoint, x, comm=MPI.COMM_SELF)
+        assert np.array_equal(plain.values, values) and plain.figures == {} and plain.output is None
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_array_of_fewer_samples_than_ranks_predicts_each_in_order_and_writes_nothing(digits_run):
+    checkpoint, model = digits_run
+    world = MPI.COMM_WORLD
+    x, _ = digits_test()
+    few = x[:max(1, world.Get_size() - 1)]     # some ranks have no rows at all
+    result = mpidist.predict(checkpoint, few)
+    assert result.output is None and result.samples == len(few) and result.figures == {}
+    if world.Get_rank() == 0:
+        assert np.array_equal(result.classes, model.forward(few).argmax(axis=1))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bad_samples_on_one_rank_end_every_rank_with_exit_code_2(digits_run):
+    checkpoint, _ = digits_run
+    world = MPI.COMM_WORLD
+    x, _ = digits_test()
+    x = x[:2 * world.Get_size()].copy()
+    x[-1, 3, 3] = np.nan                       # in the last rank's block only
+    with pytest.raises(SystemExit) as stopped:
+        mpidist.predict(checkpoint, x)
+    assert stopped.value.code == 2
+
+
+# -- serial: the command line at 1, 2 and 4 ranks, and bad input ---------------------------------------------
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_the_command_reproduces_evals_accuracy_exactly_at_1_2_and_4_ranks(digits_run, tmp_path, ranks):
+    checkpoint, model = digits_run
+    figures = mpidist.evaluate(checkpoint, comm=MPI.COMM_SELF)
+    output = tmp_path / "preds.h5"
+    done, _ = launch(ranks, "predict", str(checkpoint), "--output", str(output), timeout=120)
+    assert done.returncode == 0, done.stderr
+    x, y = digits_test()
+    with h5py.File(output, "r") as handle:
+        classes = handle["class"][...]
+    assert (classes == y).mean() == figures["test_accuracy"]
+    assert np.array_equal(classes, model.forward(x).argmax(axis=1))
+    assert done.stdout.count("mpidist predict: ") == 1                          # rank 0 alone reports
+    assert "359 samples" in done.stdout and str(output) in done.stdout
+    assert f"accuracy {100 * figures['test_accuracy']:.2f}%" in done.stdout
+
+
+def test_plain_sample_files_of_every_kind_give_the_dataset_splits_predictions(digits_run, tmp_path):
+    checkpoint, model = digits_run
+    x, _ = digits_test()
+    expected = model.forward(x).argmax(axis=1)
+    np.save(tmp_path / "x.npy", x)
+    np.savez(tmp_path / "x.npz", x=x)
+    with h5py.File(tmp_path / "x.h5", "w") as handle:
+        handle["x"] = x.astype(np.float64)
+    for name in ("x.npy", "x.npz", "x.h5"):
+        done, _ = launch(2, "predict", str(checkpoint), "--data", str(tmp_path / name),
+                         "--output", str(tmp_path / f"{name}.out.h5"))
+        assert done.returncode == 0, done.stderr
+        assert "359 samples of" in done.stdout and "accuracy" not in done.stdout   # plain samples: no labels
+        with h5py.File(tmp_path / f"{name}.out.h5", "r") as handle:
+            assert np.array_equal(handle["class"][...], expected), name
+            assert handle.attrs["data"] == str(tmp_path / name) and handle.attrs["split"] == ""
+
+
+def test_the_train_split_and_a_split_the_file_lacks(digits_run, tmp_path):
+    checkpoint, _ = digits_run
+    done, _ = launch(2, "predict", str(checkpoint), "--split", "train", "--output", str(tmp_path / "t.h5"))
+    assert done.returncode == 0, done.stderr
+    assert "1438 samples" in done.stdout and "train split" in done.stdout
+    done, _ = launch(2, "predict", str(checkpoint), "--split", "val", "--output", str(tmp_path / "v.h5"))
+    assert done.returncode == 2 and "has no val split" in done.stderr
+    assert not (tmp_path / "v.h5").exists()
+
+
+def _bad_inputs(tmp_path, checkpoint):
+    x, _ = digits_test()
+    np.save(tmp_path / "wide.npy", np.zeros((4, 65), np.float32))
+    nan = x[:10].copy()
+    nan[7, 0, 0] = np.nan
+    np.save(tmp_path / "nan.npy", nan)
+    np.save(tmp_path / "objects.npy", np.array([[1, None]] * 3, dtype=object), allow_pickle=True)
+    with h5py.File(tmp_path / "text.h5", "w") as handle:
+        handle["x"] = np.array([b"ab", b"cd"])
+    np.savez(tmp_path / "noxs.npz", samples=x[:3])
+    return {"wrong shape": (["--data", str(tmp_path / "wide.npy")], "samples of shape (65,)"),
+            "NaN": (["--data", str(tmp_path / "nan.npy")], "NaN or Inf (first at sample 7)"),
+            "objects": (["--data", str(tmp_path / "objects.npy")], "dtype object"),
+            "text": (["--data", str(tmp_path / "text.h5")], "predict needs numbers"),
+            "no x": (["--data", str(tmp_path / "noxs.npz")], "needs an array x; has samples"),
+            "missing": (["--data", str(tmp_path / "missing.npy")], "no such file"),
+            "output = input": (["--data", str(tmp_path / "nan.npy"), "--output", str(tmp_path / "nan.npy")],
+                               "an input of this run"),
+            "output = checkpoint": (["--output", str(checkpoint)], "an input of this run"),
+            "no output": ([], "arguments are required: --output")}
+
+
+@pytest.mark.parametrize("case", ["wrong shape", "NaN", "objects", "text", "no x", "missing", "output = input",
+                                  "output = checkpoint", "no output"])
+def test_bad_input_exits_2_on_every_rank_with_one_message_and_leaves_the_old_output(digits_run, tmp_path, case):
+    checkpoint, _ = digits_run
+    flags, message = _bad_inputs(tmp_path, checkpoint)[case]
+    output = tmp_path / "old.h5"
+    output.write_bytes(b"the previous predictions")
+    if "--output" not in flags and case != "no output":
+        flags = flags + ["--output", str(output)]
+    before = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    done, _ = launch(2, "predict", str(checkpoint), *flags)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert message in done.stderr and done.stderr.count("mpidist: error") == 1, done.stderr
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before          # nothing written, nothing aside
+    assert checkpoint.is_file()
+
+
+def test_an_existing_output_is_replaced_whole(digits_run, tmp_path):
+    checkpoint, _ = digits_run
+    output = tmp_path / "preds.h5"
+    output.write_bytes(b"the previous predictions")
+    done, _ = launch(1, "predict", str(checkpoint), "--output", str(output))
+    assert done.returncode == 0, done.stderr
+    with h5py.File(output, "r") as handle:
+        assert handle["class"].shape == (359,)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["preds.h5"]
+
+
+def test_plain_samples_of_a_checkpoint_whose_dataset_cannot_be_read_are_refused(tmp_path):
+    x, y = digits_test()
+    arrays = mpidist.ArrayData(train=(x, y), test=(x, y), name="in-memory")
+    result = mpidist.train("mlp", arrays, steps=2, checkpoint_dir=str(tmp_path), comm=MPI.COMM_SELF, **QUIET)
+    checkpoint = result.checkpoints[-1]
+    # the dataset itself, given again, is predicted
+    assert mpidist.predict(checkpoint, arrays, comm=MPI.COMM_SELF).figures["accuracy"] >= 0.0
+    with pytest.raises(SystemExit) as stopped:
+        mpidist.predict(checkpoint, x, comm=MPI.COMM_SELF)
+    assert stopped.value.code == 2
+
+
+def test_the_api_refuses_an_unknown_split_and_non_numeric_arrays(digits_run, capsys):
+    checkpoint, _ = digits_run
+    x, _ = digits_test()
+    for data, split, message in ((None, "validation", "split 'validation'"),
+                                 (x.astype(np.complex64), "test", "complex numbers"),
+                                 (x[:, 0, 0], "test", "needs samples first")):
+        with pytest.raises(SystemExit) as stopped:
+            mpidist.predict(checkpoint, data, comm=MPI.COMM_SELF, split=split)
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
