@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from . import checkpoint, elastic
+from . import checkpoint, elastic, scores
 from . import data as datasets   # (``data`` is the argument users know)
 from .build import Inputs, build_model_for
 from .cluster import PS, build_cluster
@@ -43,8 +43,10 @@ class Result:
             or ``"failed"`` (diverged: NaN or Inf past ``nan_patience``).
         exit_code: what ``python -m mpidist train`` exits with for this outcome (0, 3 or 1).
         is_chief: whether this rank is the chief (the one that holds the rest).
-        figures: the final figures of the ``done`` metrics event (``test_accuracy``,
-            ``test_loss``, ``loss``, ``steps``, ``samples_per_s``, ...); ``{}`` off the chief.
+        figures: the final figures of the ``done`` metrics event (``test_loss``, ``loss``,
+            ``steps``, ``samples_per_s``, ..., and the task's test figures: ``test_accuracy``,
+            ``test_top5_accuracy``, ``test_per_class``, ``test_confusion`` for classification,
+            ``test_mse``, ``test_mae``, ``test_r2`` for regression); ``{}`` off the chief.
         checkpoints: the checkpoint files this run wrote that are still kept, oldest first.
         params: the trained flat parameter vector (numpy), on the chief; None elsewhere.
         model: an :class:`~mpidist.nn.Sequential` on the host holding ``params``, on the
@@ -61,7 +63,7 @@ class Result:
 
     @property
     def test_accuracy(self):
-        """The final test accuracy (a fraction), on the chief; None elsewhere."""
+        """The final test accuracy (a fraction), on the chief; None elsewhere, and for regression."""
         return self.figures.get("test_accuracy")
 
 
@@ -131,7 +133,17 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
             to choose the builder yourself; default: the model spec the checkpoint stores.
 
     Returns:
-        ``{"test_loss", "test_accuracy", "samples", "step", "model", "dataset"}`` on every rank.
+        A dict, the same on every rank, of the figures that fit the task (see
+        :mod:`mpidist.scores`) and of what was evaluated (``samples``, ``step`` the
+        checkpoint's, ``model`` its spec, ``dataset`` its name). The figures are
+
+        * classification: ``test_loss``, ``test_accuracy``, ``test_top5_accuracy`` (top-``k``
+          with ``k = min(5, classes - 1)``, e.g. ``test_top3_accuracy`` for 4 classes; none for 2),
+          ``test_per_class`` (one record per class: ``class``, ``name`` where the dataset names
+          its classes, ``precision``, ``recall``, ``f1``, ``support``; 0.0 where a class is never
+          predicted or has no support) and ``test_confusion`` (rows the true class, columns the
+          predicted one; up to :data:`mpidist.scores.CONFUSION_LIMIT` classes);
+        * regression: ``test_loss``, ``test_mse``, ``test_mae``, ``test_r2`` (no ``test_accuracy``).
     """
     limit_blas_threads()
     world = MPI.COMM_WORLD if comm is None else comm
@@ -160,10 +172,10 @@ def _evaluate(world, checkpoint_path, data, model):
         # (evaluation exchanges no gradients: no shared-memory window for them)
         strategy = AllreduceStrategy(net, loss_for(info.num_classes, xp), None, cluster, exchange="mpi")
         net.params[...] = xp.asarray(saved.params)
-        loss, accuracy, count = strategy.evaluate(datasets.eval_batches(test))
+        figures = strategy.evaluate(datasets.eval_batches(test))
         cluster.free()
-    return {"test_loss": loss, "test_accuracy": accuracy, "samples": count, "step": saved.step,
-            "model": inputs.model.spec, "dataset": info.name}
+    return {**scores.report(figures, getattr(info, "class_names", None)), "samples": figures["samples"],
+            "step": saved.step, "model": inputs.model.spec, "dataset": info.name}
 
 
 def _stored_settings(saved):

@@ -8,10 +8,18 @@ method             when                                   figures (as in ``metri
 =================  =====================================  ================================
 ``on_start``       once, before the first step            ``config``, ``dataset``, ``params``, ...
 ``on_step``        every ``log_every`` steps               ``step``, ``epoch``, ``loss``, ``samples_per_s``, ``time``
-``on_eval``        after each evaluation                  ``step``, ``epoch``, ``test_loss``, ``test_accuracy``
+``on_eval``        after each evaluation                  ``step``, ``epoch``, ``test_loss``, and the task's figures (below)
 ``on_checkpoint``  after each checkpoint is written       ``step``, ``epoch``, ``path``
 ``on_end``         once, at the end                       the ``done``, ``stopped`` or ``failed`` event's
 =================  =====================================  ================================
+
+The test figures fit the task (see :mod:`mpidist.scores`): classification
+``test_accuracy`` and ``test_top5_accuracy`` (top-``k``, ``k = min(5, classes -
+1)``: ``test_top3_accuracy`` for 4 classes, none for 2); regression
+``test_mse``, ``test_mae`` and ``test_r2``, and no accuracy.  The ``done``
+event carries them too, and for classification ``test_per_class`` (per class:
+``precision``, ``recall``, ``f1``, ``support``) and ``test_confusion`` (up to
+100 classes).
 
 A callback asks the run to stop by calling :meth:`Callback.stop` (or setting
 ``stop_training``): every rank stops at the same step boundary, one or two
@@ -19,6 +27,8 @@ steps later, and the run then ends as a finished one (evaluated,
 checkpointed, exit code 0).  A callback that raises ends the whole job on
 every rank with exit code 1 and its traceback, as any other error does.
 """
+
+from .errors import UsageError
 
 #: The metrics event each callback method follows.
 EVENTS = {"start": "on_start", "step": "on_step", "eval": "on_eval", "checkpoint": "on_checkpoint",
@@ -51,21 +61,48 @@ class Callback:
 
 
 class EarlyStopping(Callback):
-    """Stop when the test accuracy has not improved for ``patience`` evaluations.
+    """Stop when a test figure has not improved for ``patience`` evaluations.
 
     Args:
         patience: evaluations without a gain of more than ``min_delta`` that are tolerated.
-        min_delta: smallest gain of test accuracy that counts as one.
-        monitor: the figure of the ``eval`` event to watch (higher is better).
+        min_delta: smallest gain of the figure that counts as one.
+        monitor: the figure of the ``eval`` event to watch: ``test_accuracy`` (the
+            default; classification only), ``test_loss``, ``test_top5_accuracy``,
+            or for regression ``test_mse``, ``test_mae``, ``test_r2``.
+        mode: ``"max"`` (higher is better), ``"min"`` (lower is better) or ``"auto"``
+            (the default): ``"min"`` for a loss or an error (a name ending in
+            ``loss``, ``mse`` or ``mae``), else ``"max"``.
+
+    A run whose ``eval`` events lack the monitored figure (``test_accuracy`` in a
+    regression run) ends at its first evaluation with a
+    :class:`~mpidist.errors.UsageError` that names the figures it has: monitor
+    e.g. ``test_loss`` with ``mode="min"`` there.
     """
 
-    def __init__(self, patience=3, min_delta=0.0, monitor="test_accuracy"):
-        self.patience, self.min_delta, self.monitor = int(patience), float(min_delta), monitor
+    MODES = ("auto", "max", "min")
+
+    def __init__(self, patience=3, min_delta=0.0, monitor="test_accuracy", mode="auto"):
+        if mode not in self.MODES:
+            raise ValueError(f"EarlyStopping: mode must be one of {', '.join(map(repr, self.MODES))}, got {mode!r}")
+        if mode == "auto":
+            mode = "min" if str(monitor).endswith(("loss", "mse", "mae")) else "max"
+        self.patience, self.min_delta, self.monitor, self.mode = int(patience), float(min_delta), monitor, mode
         self.best, self.waited, self.stopped_at = None, 0, None
 
     def on_eval(self, figures):
+        if self.monitor not in figures:
+            reported = ", ".join(name for name in figures if name.startswith("test_"))
+            why = "; a regression has no accuracy" if "test_mse" in figures else ""
+            raise UsageError(f"EarlyStopping monitors {self.monitor!r}, which this run's evaluations do not report "
+                             f"(they report {reported}{why}): monitor e.g. 'test_loss' with mode='min'")
         value = figures[self.monitor]
-        if self.best is None or value > self.best + self.min_delta:
+        if self.best is None:
+            gained = True
+        elif self.mode == "max":
+            gained = value > self.best + self.min_delta
+        else:
+            gained = value < self.best - self.min_delta
+        if gained:
             self.best, self.waited = value, 0
             return
         self.waited += 1

@@ -1,4 +1,4 @@
-"""Subcommands: ``train`` (the default), ``eval``, ``ingest``, ``info``, ``bench``.
+"""Subcommands: ``train`` (the default), ``eval``, ``predict``, ``ingest``, ``info``, ``bench``.
 
 Every rank parses the same command line; errors are agreed on (see
 :mod:`mpidist.errors`) so one message is printed and every rank exits 2.
@@ -15,7 +15,9 @@ from . import __version__
 from .errors import EXIT_OK, UsageError, agreed
 from .preempt import stop_signals
 
-COMMANDS = ("train", "eval", "ingest", "info", "bench")
+COMMANDS = ("train", "eval", "predict", "ingest", "info", "bench")
+#: ``eval`` prints a per-class table up to this many classes.
+PER_CLASS_SHOWN = 100
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,6 +60,21 @@ def build_parser():
     evaluate.add_argument("--model", default=None, help="model spec or builder (default: the one the checkpoint "
                           "names; its code is imported: evaluate only checkpoints you trust)")
 
+    predict = sub.add_parser("predict", help="write a checkpoint's predictions on new samples, in input order",
+                             description="Apply a checkpoint to samples, each rank its own block of rows, and "
+                             "write the predictions in input order: class and probabilities (classification) "
+                             "or values (regression).")
+    predict.add_argument("checkpoint", help="checkpoint file (ckpt-*.h5)")
+    predict.add_argument("--data", default=None, help="a dataset in the mpidist layout (its --split is predicted), "
+                         "or plain samples: an HDF5 file with a dataset x, a .npy file, or a .npz file with an "
+                         "array x (default: the dataset the checkpoint trained on)")
+    predict.add_argument("--split", choices=("train", "test", "val"), default="test",
+                         help="the split of a dataset to predict; val where the file has one (default: test)")
+    predict.add_argument("--output", required=True, help="HDF5 file for the predictions (an existing one is "
+                         "replaced once the new one is whole)")
+    predict.add_argument("--model", default=None, help="model spec or builder (default: the one the checkpoint "
+                         "names; its code is imported: use only checkpoints you trust)")
+
     ingest = sub.add_parser("ingest", help="write a dataset in the mpidist HDF5 layout",
                             description="Write a dataset in the mpidist HDF5 layout from a .npz or .csv file "
                             f"or a named source ({', '.join(SOURCES)}).")
@@ -68,8 +85,15 @@ def build_parser():
                         help="share of samples held out as test when the source has no split (default: 0.2)")
     ingest.add_argument("--seed", type=int, default=0, help="seed of the shuffle and split (default: 0)")
     ingest.add_argument("--task", choices=("auto", "classification", "regression"), default="auto",
-                        help="auto: integer labels mean classification (default: auto)")
-    ingest.add_argument("--label-column", type=int, default=-1, help="CSV column holding the label (default: -1)")
+                        help="auto: non-negative integer labels, or class names, mean classification "
+                        "(default: auto)")
+    ingest.add_argument("--label-column", type=int, default=-1, help="CSV column holding the label: numbers, or "
+                        "class names (text, mapped to 0..K-1 in sorted order) (default: -1)")
+    ingest.add_argument("--delimiter", choices=("auto", ",", ";", "tab", "whitespace"), default="auto",
+                        metavar="DELIMITER", help="what separates the cells of a CSV file: ',', ';', tab or "
+                        "whitespace; auto: detected from its first lines, and reported (default: auto)")
+    ingest.add_argument("--standardize", action="store_true", help="store each feature's mean and standard "
+                        "deviation over the training rows; train, eval and predict then read (x - mean) / std")
 
     info = sub.add_parser("info", help="show the MPI library, devices, ranks per node, models and datasets",
                           description="Show what mpidist sees: MPI library, thread level, CUDA-awareness, "
@@ -109,9 +133,39 @@ def cmd_eval(args, world):
 
     figures = evaluate(args.checkpoint, data=args.data, model=args.model, comm=world)
     if world.Get_rank() == 0:
-        print(f"mpidist eval: {args.checkpoint} (step {figures['step']}, model {figures['model']}) on "
-              f"{figures['dataset']!r}: test loss {figures['test_loss']:.4f}, test accuracy "
-              f"{100 * figures['test_accuracy']:.2f}% over {figures['samples']} samples")
+        print(eval_text(args.checkpoint, figures))
+    return EXIT_OK
+
+
+def eval_text(checkpoint, figures):
+    """What ``eval`` prints of :func:`mpidist.evaluate`'s ``figures``: one line, then the per-class table."""
+    if "test_accuracy" in figures:
+        shown = f"test loss {figures['test_loss']:.4f}, test accuracy {100 * figures['test_accuracy']:.2f}%"
+        shown += "".join(f", top-{name[len('test_top'):-len('_accuracy')]} accuracy {100 * value:.2f}%"
+                         for name, value in figures.items() if name.startswith("test_top"))
+    else:
+        shown = (f"test loss {figures['test_loss']:#.4g}, test MSE {figures['test_mse']:#.4g}, "
+                 f"MAE {figures['test_mae']:#.4g}, R^2 {figures['test_r2']:.4f}")
+    lines = [f"mpidist eval: {checkpoint} (step {figures['step']}, model {figures['model']}) on "
+             f"{figures['dataset']!r}: {shown} over {figures['samples']} samples"]
+    per_class = figures.get("test_per_class") or []
+    if per_class and len(per_class) <= PER_CLASS_SHOWN:
+        width = max([5] + [len(str(record.get("name", record["class"]))) for record in per_class])
+        lines.append(f"  {'class':<{width}}  precision  recall      f1  support")
+        lines += [f"  {str(record.get('name', record['class'])):<{width}}  {record['precision']:>9.4f}  "
+                  f"{record['recall']:>6.4f}  {record['f1']:>6.4f}  {record['support']:>7}" for record in per_class]
+    elif per_class:
+        lines.append(f"  (per-class figures of {len(per_class)} classes: mpidist.evaluate() returns them)")
+    return "\n".join(lines)
+
+
+def cmd_predict(args, world):
+    from .predictions import predict
+
+    result = predict(args.checkpoint, data=args.data, output=args.output, model=args.model, comm=world,
+                     split=args.split)
+    if world.Get_rank() == 0:
+        print(result.summary())
     return EXIT_OK
 
 
@@ -120,9 +174,10 @@ def cmd_ingest(args, world):
 
     with agreed(world):
         if world.Get_rank() == 0:
-            path = ingest(args.source, args.output, name=args.name, test_fraction=args.test_fraction,
-                          seed=args.seed, task=args.task, label_column=args.label_column)
-            print(f"mpidist ingest: wrote {path}")
+            written = ingest(args.source, args.output, name=args.name, test_fraction=args.test_fraction,
+                             seed=args.seed, task=args.task, label_column=args.label_column,
+                             standardize=args.standardize, delimiter=args.delimiter)
+            print(written.summary())
     return EXIT_OK
 
 
@@ -155,7 +210,7 @@ def main(argv=None):
     world = MPI.COMM_WORLD
     with agreed(world):
         args = parse(argv)
-    handler = {"train": cmd_train, "eval": cmd_eval, "ingest": cmd_ingest, "info": cmd_info,
+    handler = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "ingest": cmd_ingest, "info": cmd_info,
                "bench": cmd_bench}[args.command]
     if args.command != "train":   # only training stops at a boundary; the others end as signals end them
         signals = stop_signals()

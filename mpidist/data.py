@@ -3,7 +3,9 @@
 Layout (contract): one HDF5 file with groups ``train/`` and ``test/``, each
 holding ``x`` (samples first) and ``y`` (integer class labels, or float
 targets); file attributes ``name``, ``num_classes`` (0 for regression) and
-``source``.
+``source``.  Optional: ``stats/mean`` and ``stats/std`` (floats of the sample
+shape: standardisation statistics, applied when samples are read, so ``x``
+stays as stored) and ``class_names`` (text, one per class).
 
 Worker ``w`` of ``W`` reads only rows ``w, w+W, w+2W, ...`` of each split: a
 strided shard, so every worker sees every class even when a file is stored
@@ -32,6 +34,7 @@ from .whereabouts import here
 
 SPLITS = ("train", "test")
 MAX_CLASSES = 2 ** 24   # more output units than any classifier here could train: a corrupt attribute
+MAX_NAME = 200          # characters in a class name
 
 
 def data_dirs():
@@ -77,6 +80,12 @@ class DatasetInfo:
     sample_shape: tuple
     sizes: dict  # split -> number of samples
     target_width: int = 1
+    #: standardisation statistics where the file has them (float64 arrays of the sample shape):
+    #: :class:`Shard` returns ``(x - mean) / std``
+    mean: object = dataclasses.field(default=None, repr=False, compare=False)
+    std: object = dataclasses.field(default=None, repr=False, compare=False)
+    #: one name per class, control characters escaped, where the file names them
+    class_names: tuple = None
 
     @property
     def outputs(self):
@@ -146,9 +155,79 @@ def _describe(path, handle, allow_external):
         raise UsageError(f"{path}: train and test samples differ in shape: {sorted(shapes)}")
     if len(widths) > 1:
         raise UsageError(f"{path}: train and test targets differ in width: {sorted(widths)}")
+    sample_shape = shapes.pop()
+    mean, std = _stats(path, handle, sample_shape, allow_external)
     return DatasetInfo(path=path, name=_text(handle.attrs.get("name"), path.stem), num_classes=num_classes,
-                       source=_text(handle.attrs.get("source"), ""), sample_shape=shapes.pop(), sizes=sizes,
-                       target_width=widths.pop())
+                       source=_text(handle.attrs.get("source"), ""), sample_shape=sample_shape, sizes=sizes,
+                       target_width=widths.pop(), mean=mean, std=std,
+                       class_names=_class_names(path, handle, num_classes, allow_external))
+
+
+def _present(handle, name):
+    """Whether the file has a link ``name`` (a broken one counts: reading it names the problem)."""
+    try:
+        return handle.get(name, getlink=True) is not None
+    except (KeyError, RuntimeError, OSError, ValueError, TypeError):
+        return True
+
+
+def _stats(path, handle, sample_shape, allow_external):
+    """``(mean, std)``: float64 arrays of the sample shape, checked; ``(None, None)`` where the file has none."""
+    if not _present(handle, "stats"):
+        return None, None
+    found = []
+    for key in ("mean", "std"):
+        name = f"stats/{key}"
+        if not _present(handle, name):
+            raise UsageError(f"{path}: has 'stats' but no dataset '{name}': standardisation statistics are "
+                             f"stats/mean and stats/std, both of the sample shape {tuple(sample_shape)}")
+        item = _item(path, handle, name, allow_external)
+        if item.dtype.kind != "f":
+            raise UsageError(f"{path}: {name} has dtype {item.dtype}; standardisation statistics must be floats")
+        if tuple(item.shape) != tuple(sample_shape):
+            raise UsageError(f"{path}: {name} has shape {tuple(item.shape)}; it must be the sample shape "
+                             f"{tuple(sample_shape)}")
+        value = np.asarray(item[()], dtype=np.float64)
+        bad = ~np.isfinite(value) if key == "mean" else ~(np.isfinite(value) & (value > 0))
+        if bad.any():
+            index = np.unravel_index(int(np.flatnonzero(bad)[0]), value.shape)
+            raise UsageError(f"{path}: {name}[{', '.join(map(str, index))}] is {value[index]}; " + (
+                "standardisation statistics must be finite" if key == "mean" else
+                "standard deviations must be finite and greater than 0 (ingest stores 1 for a constant feature)"))
+        found.append(value)
+    return tuple(found)
+
+
+def _class_names(path, handle, num_classes, allow_external):
+    """The ``class_names`` item as a tuple of printable strings, checked; None where the file has none."""
+    if not _present(handle, "class_names"):
+        return None
+    item = _item(path, handle, "class_names", allow_external)
+    if num_classes == 0:
+        raise UsageError(f"{path}: has class_names but num_classes = 0 (regression): names need classes")
+    if h5py.check_string_dtype(item.dtype) is None:
+        raise UsageError(f"{path}: class_names has dtype {item.dtype}; it must hold text (UTF-8 strings)")
+    if tuple(item.shape) != (num_classes,):
+        raise UsageError(f"{path}: class_names has shape {tuple(item.shape)}; it needs one name per class, "
+                         f"shape ({num_classes},)")
+    try:
+        values = item.asstr()[()]
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: class_names holds bytes that are not UTF-8 text") from None
+    names, seen = [], {}
+    for index, value in enumerate(values):
+        name = str(value)
+        if not name.strip():
+            raise UsageError(f"{path}: class_names[{index}] is empty; every class needs a name")
+        if len(name) > MAX_NAME:
+            raise UsageError(f"{path}: class_names[{index}] is {len(name):,} characters long; a class name has "
+                             f"at most {MAX_NAME}")
+        if name in seen:
+            raise UsageError(f"{path}: class_names[{index}] repeats class_names[{seen[name]}] "
+                             f"({printable(repr(name))}); every class needs a name of its own")
+        seen[name] = index
+        names.append(printable(name))
+    return tuple(names)
 
 
 def _item(path, handle, name, allow_external):
@@ -231,38 +310,71 @@ class Shard:
         worker, num_workers: this worker's index and the worker count.
         input_shape: per-sample shape the model is fed (may add a channel axis).
         dtype: floating dtype of the samples.
+        rows: a slice of the split's rows to read in place of the strided shard (``predict``
+            reads a contiguous block per rank); ``worker`` and ``num_workers`` are then unused.
     """
 
-    def __init__(self, info, split, worker, num_workers, input_shape, dtype):
-        rows = slice(worker, None, num_workers)
+    def __init__(self, info, split, worker, num_workers, input_shape, dtype, rows=None):
+        rows = slice(worker, None, num_workers) if rows is None else rows
         where = f"{info.path}: {split}"
         dtype = np.dtype(dtype)
         with open_source(info.path) as handle, here().doing("io", f"reading {where}"):
             x, y = handle[f"{split}/x"], handle[f"{split}/y"]
-            count = shard_size(x.shape[0], num_workers, worker)
+            numbers = range(x.shape[0])[rows]   # the split's row numbers read here, for messages
+            count = len(numbers)
             sample = int(np.prod(x.shape[1:]))
             # the file's row count decides the size: checked before anything is read
-            check_fits(count * sample * (x.dtype.itemsize + dtype.itemsize) + count * 16,
+            check_fits(count * sample * (x.dtype.itemsize + dtype.itemsize + (8 if standardizer(info) else 0))
+                       + count * 16,
                        f"{where} ({count:,} rows of {sample:,} values for this worker)")
             x, y = x[rows], y[rows]
         if x.dtype.kind == "f" and not np.isfinite(x).all():
-            bad = int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0]) * num_workers + worker
+            bad = numbers[int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0])]
             raise UsageError(f"{where}/x holds NaN or Inf (first at sample {bad})")
         if info.num_classes > 0:
             out = (y < 0) | (y >= info.num_classes)
             if out.any():
                 bad = int(np.flatnonzero(out)[0])
-                raise UsageError(f"{where}/y has label {int(y[bad])} at sample {bad * num_workers + worker}, "
+                raise UsageError(f"{where}/y has label {int(y[bad])} at sample {numbers[bad]}, "
                                  f"outside [0, {info.num_classes}) (num_classes = {info.num_classes})")
             self.y = y.astype(np.int64)
         else:
             if y.dtype.kind == "f" and not np.isfinite(y).all():
                 raise UsageError(f"{where}/y holds NaN or Inf")
             self.y = _converted(y, dtype, f"{where}/y").reshape(len(y), -1)
-        self.x = _converted(x, dtype, f"{where}/x").reshape((len(x),) + tuple(input_shape))
+        transform = standardizer(info)
+        if transform is not None:     # checked again: statistics that do not fit the data can give Inf
+            x = transform(x)
+            if not np.isfinite(x).all():
+                bad = numbers[int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0])]
+                raise UsageError(f"{where}/x standardised with the file's stats/mean and stats/std holds Inf "
+                                 f"(first at sample {bad}): the statistics do not fit the data")
+        self.x = _converted(x, dtype, f"{where}/x" + (" (standardised)" if transform else "")).reshape(
+            (len(x),) + tuple(input_shape))
 
     def __len__(self):
         return len(self.y)
+
+
+def standardizer(info):
+    """What :class:`Shard` does to the samples of dataset ``info`` besides checking them, or None.
+
+    For a file with standardisation statistics: a function of samples (any shape
+    holding the sample's number of values per row) giving ``(x - mean) / std``
+    in float64, shaped as given.
+    """
+    if getattr(info, "mean", None) is None:
+        return None
+    mean, std = info.mean.reshape(-1), info.std.reshape(-1)
+
+    def standardize(x):
+        x = np.asarray(x)
+        with np.errstate(over="ignore", invalid="ignore"):     # an Inf made here is refused by the caller
+            out = x.reshape(len(x), mean.size) - mean          # float64, as mean is
+            out /= std
+        return out.reshape(x.shape)
+
+    return standardize
 
 
 def _converted(array, dtype, where):

@@ -13,6 +13,7 @@ import sys
 import time
 
 from .errors import UsageError
+from .scores import progress_text
 from .whereabouts import here
 
 
@@ -125,13 +126,14 @@ class Progress:
                           f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s ")
         self.stream.flush()
 
-    def evaluated(self, step, epoch, loss, test_loss, accuracy):
+    def evaluated(self, step, epoch, loss, figures):
+        """One line after an evaluation: ``figures`` (:mod:`~mpidist.scores`), test accuracy or MSE, MAE and R^2."""
         if self.mode == "none":
             return
         prefix = "\r" if self.mode == "bar" else ""
         elapsed = time.perf_counter() - self.start
         line = (f"epoch {epoch + 1:>3}/{self.epochs}  step {step:>6}  loss {loss:.4f}  "
-                f"test loss {test_loss:.4f}  test accuracy {100 * accuracy:5.1f}%  {elapsed:6.1f} s")
+                f"{progress_text(figures)}  {elapsed:6.1f} s")
         self.stream.write(f"{prefix}{line:<100}\n")
         self.stream.flush()
 

@@ -5,6 +5,7 @@ input and faults are in tests/test_faults.py.
 """
 
 import json
+import re
 
 import h5py
 import numpy as np
@@ -194,9 +195,18 @@ def test_ingest_then_train_a_regression(tmp_path):
     done, _ = mpidist(1, "ingest", str(tmp_path / "lin.npz"), str(tmp_path / "lin.h5"))
     assert done.returncode == 0 and "wrote" in done.stdout
     done, _ = mpidist(2, "--data", str(tmp_path / "lin.h5"), "--model", "linear", "--lr", "0.05",
-                      "--epochs", "30", "--metrics", str(tmp_path / "m.jsonl"))
+                      "--epochs", "30", "--metrics", str(tmp_path / "m.jsonl"),
+                      "--checkpoint-dir", str(tmp_path / "ck"))
     assert done.returncode == 0, done.stderr
-    assert events(tmp_path / "m.jsonl")[-1]["test_loss"] < 1e-3
+    final = events(tmp_path / "m.jsonl")[-1]
+    assert final["test_loss"] < 1e-3 and final["test_mse"] < 1e-3 and final["test_r2"] > 0.999
+    # a regression has no accuracy: not in the metrics, the summary or eval
+    assert "accuracy" not in (tmp_path / "m.jsonl").read_text() and "accuracy" not in done.stdout
+    assert "test R^2" in done.stdout
+    done, _ = mpidist(2, "eval", str(sorted((tmp_path / "ck").glob("ckpt-*.h5"))[-1]))
+    assert done.returncode == 0, done.stderr
+    assert "test MSE" in done.stdout and "accuracy" not in done.stdout
+    assert float(done.stdout.split("R^2 ")[1].split()[0]) > 0.999
 
 
 def test_info_reports_the_mpi_library_and_layout():
@@ -335,4 +345,4 @@ def test_ps_ranks_write_mid_run_checkpoints_when_workers_are_not_in_step(tmp_pat
     done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(tmp_path / "again"),
                       "--resume", str(checkpoint_at(tmp_path, middle[1])))
     assert done.returncode == 0, done.stderr
-    assert f"at step {middle[1]}" in done.stdout and f"steps             {total} " in done.stdout
+    assert f"at step {middle[1]}" in done.stdout and re.search(rf"\n  steps +{total} ", done.stdout)

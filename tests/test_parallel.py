@@ -93,8 +93,8 @@ def test_evaluation_sums_every_workers_shard():
     model = small_convnet(np.float64)
     strategy = AllreduceStrategy(model, nn.loss_for(4, np), None, cluster)
     strategy.initialize()
-    loss, accuracy, count = strategy.evaluate([(x[rank::size], y[rank::size])])
+    figures = strategy.evaluate([(x[rank::size], y[rank::size])])
     out = model.forward(x)
-    assert count == 50
-    assert np.isclose(loss, float(nn.SoftmaxCrossEntropy(np).forward(out, y)))
-    assert np.isclose(accuracy, (out.argmax(axis=1) == y).mean())
+    assert figures["samples"] == 50 and sum(figures["per_class"]["support"]) == 50
+    assert np.isclose(figures["loss"], float(nn.SoftmaxCrossEntropy(np).forward(out, y)))
+    assert np.isclose(figures["accuracy"], (out.argmax(axis=1) == y).mean())

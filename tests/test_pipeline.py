@@ -117,11 +117,13 @@ def test_pipelined_evaluation_counts_every_test_sample_once():
     rng = np.random.default_rng(5)
     x, y = rng.random((30, 1, 6, 6)), rng.integers(0, 4, 30)
     replicas, replica = strategy.replicas, strategy.replica
-    loss, accuracy, count = strategy.evaluate([(x[replica::replicas], y[replica::replicas])])
+    figures = strategy.evaluate([(x[replica::replicas], y[replica::replicas])])
     if cluster.is_chief:
         out = reference.model.forward(x)
-        assert count == 30
-        assert np.isclose(loss, float(nn.SoftmaxCrossEntropy(np).forward(out, y)), rtol=1e-9)
-        assert np.isclose(accuracy, (out.argmax(axis=1) == y).mean())
+        assert figures["samples"] == 30 and sum(figures["per_class"]["support"]) == 30
+        assert np.isclose(figures["loss"], float(nn.SoftmaxCrossEntropy(np).forward(out, y)), rtol=1e-9)
+        assert np.isclose(figures["accuracy"], (out.argmax(axis=1) == y).mean())
+        assert np.array_equal(np.array(figures["confusion"]),
+                              np.bincount(y * 4 + out.argmax(axis=1), minlength=16).reshape(4, 4))
     strategy.close()
     cluster.free()

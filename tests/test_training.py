@@ -49,7 +49,7 @@ class FakeStrategy(Strategy):
     def evaluate(self, batches):
         count = sum(len(x) for x, _ in batches)
         type(self).calls.append(("evaluate", count))
-        return 0.5, 0.75, count
+        return {"loss": 0.5, "accuracy": 0.75, "samples": count}
 
 
 @pytest.fixture
