@@ -14,6 +14,7 @@ from .errors import UsageError
 from .memory import check_fits
 from .text import printable
 from .parallel import STRATEGIES
+from .parallel.recipe import recipe_for
 
 
 @dataclasses.dataclass
@@ -120,6 +121,14 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
         notes.append(f"note: --optimizer {config.optimizer} starts with fresh state: {resume.path} holds "
                      f"another optimizer's ({kept}); the parameters and the position are resumed")
         resume = dataclasses.replace(resume, optimizer_state={}, optimizer_steps=0)
+    smallest = config.batch_size // workers   # the smallest worker's share of a global batch
+    if config.accumulate > smallest:
+        raise UsageError(f"--accumulate {config.accumulate} cuts each worker's share of --batch-size "
+                         f"{config.batch_size} into slices, but {workers} workers get as few as {smallest} "
+                         f"sample(s) each: use --accumulate {max(smallest, 1)} or less, or a larger batch")
+    if config.strategy == "pipeline" and smallest // config.accumulate < config.micro_batches:
+        raise UsageError(f"--accumulate {config.accumulate} leaves slices of {smallest // config.accumulate} "
+                         f"sample(s) per replica, fewer than --micro-batches {config.micro_batches}")
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     return Setup(info=info, model=model, train=train, test=test, local_batch=local_batch, steps_per_epoch=steps,
                  resume=resume, skipped=list(skipped), notes=notes)
@@ -139,11 +148,13 @@ def strategy_class(config, workers):
 def make_strategy(config, setup, cluster, xp, where=None, figures=None):
     """The strategy ``config`` names, with an optimizer factory sized by the strategy."""
     def make_optimizer(size):
-        return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype)
+        return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype,
+                                 weight_decay=config.weight_decay)
 
     cls = strategy_class(config, cluster.num_workers)
+    recipe = recipe_for(config, total_steps(config, setup), setup.steps_per_epoch)
     return cls(setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer, cluster, seed=config.seed,
-               bucket_bytes=int(config.bucket_mb * (1 << 20)), where=where, figures=figures,
+               bucket_bytes=int(config.bucket_mb * (1 << 20)), where=where, figures=figures, recipe=recipe,
                **cls.arguments(config, setup))
 
 

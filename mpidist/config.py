@@ -16,6 +16,7 @@ import stat
 import sys
 
 from .errors import UsageError
+from .nn.schedules import SCHEDULES
 from .parallel import STRATEGIES, declared_options
 from .text import os_reason
 
@@ -103,6 +104,15 @@ BOUNDS = {
     "bucket_mb": Bounds(0, INT_LIMIT >> 20, low_open=True,
                         text=f"a finite positive number of MiB, at most {INT_LIMIT >> 20}"),
     "ps": Bounds(0),
+    "warmup_epochs": Bounds(0, math.inf, text="a finite number of epochs, 0 or more"),
+    "warmup_steps": Bounds(0),
+    "warmup_from": Bounds(0, 1, text="a fraction of --lr in [0, 1]"),
+    "lr_gamma": dataclasses.replace(_POSITIVE, text="a finite positive factor"),
+    "lr_step_epochs": Bounds(1),
+    "lr_min": Bounds(0, math.inf, text="a finite learning rate, 0 or more"),
+    "weight_decay": Bounds(0, math.inf, text="a finite number, 0 or more"),
+    "clip_norm": Bounds(0, math.inf, text="a finite norm, 0 or more", hint=" (0 = no clipping)"),
+    "accumulate": Bounds(1),
 }
 
 
@@ -157,6 +167,23 @@ class CommonSettings:
     lr: float = _field(0.003, "learning rate")
     optimizer: str = _field("adam", "optimizer", OPTIMIZER_NAMES)
     momentum: float = _field(0.9, "momentum of sgd")
+    lr_schedule: str = _field("constant", "learning-rate schedule after the warm-up: constant; step (x --lr-gamma "
+                              "every --lr-step-epochs epochs); exponential (x --lr-gamma every epoch); cosine or "
+                              "linear (down to --lr-min at the last step)", SCHEDULES)
+    lr_gamma: float = _field(0.1, "factor of the step and exponential schedules")
+    lr_step_epochs: int = _field(10, "epochs between the step schedule's cuts")
+    lr_min: float = _field(0.0, "learning rate the cosine and linear schedules end at")
+    warmup_epochs: float = _field(0.0, "epochs of linear learning-rate warm-up, from --warmup-from x --lr to --lr "
+                                  "(Goyal et al.: use it with large global batches)")
+    warmup_steps: int = _field(0, "warm-up length in steps instead of epochs")
+    warmup_from: float = _field(0.1, "the warm-up's first learning rate, as a fraction of --lr")
+    weight_decay: float = _field(0.0, "decoupled weight decay (AdamW with adam, SGDW with sgd): each step, "
+                                 "weights shrink by lr x this of themselves; biases and normalisation "
+                                 "parameters do not decay")
+    clip_norm: float = _field(0.0, "clip the summed gradient to this global norm (0 = no clipping); clipped steps "
+                              "are counted in the metrics")
+    accumulate: int = _field(1, "compute each worker's share of the global batch in this many slices, one after "
+                             "the other, and exchange once: the same step with about 1/K of the activation memory")
     seed: int = _field(0, "seed for initialisation, data order and dropout")
     metrics: str = _field("metrics.jsonl", "JSON-lines metrics file the chief appends to ('' = none)")
     log_every: int = _field(10, "steps between metrics lines and progress updates")
@@ -225,6 +252,9 @@ class CommonSettings:
             raise UsageError(f"--elastic carries on without lost workers under --strategy {elastic}, with each "
                              "worker reading its own data; not with pipelines (a lost stage takes its layers), "
                              "backup workers (--aggregate) or --replication in-graph")
+        if self.warmup_epochs and self.warmup_steps:
+            raise UsageError(f"--warmup-epochs {self.warmup_epochs} and --warmup-steps {self.warmup_steps}: give "
+                             "the warm-up's length one way")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise UsageError("--resume auto needs --checkpoint-dir to look in")
 

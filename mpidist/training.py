@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from . import checkpoint, data, elastic, lineage
+from . import checkpoint, data, elastic, lineage, scores
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
 from .errors import agreed, error_line
 from .callbacks import Reporter
@@ -359,12 +359,12 @@ class Training:
             self.log.write("checkpoint", step=self.step, epoch=self.epoch + 1, path=str(path))
 
     def evaluate(self):
-        """Collective over the evaluating ranks: test loss and accuracy, reported by the chief."""
+        """Collective over the evaluating ranks: the task's test figures (:mod:`~mpidist.scores`), the chief reports."""
         setup = self.setup
-        test_loss, accuracy, _ = self.strategy.evaluate(data.eval_batches(setup.test) if setup.test else [])
-        self.result, self.evaluated_at = (test_loss, accuracy), self.step
-        self.progress.evaluated(self.step, self.epoch, self.last_loss, test_loss, accuracy)
-        self.log.write("eval", step=self.step, epoch=self.epoch + 1, test_loss=test_loss, test_accuracy=accuracy)
+        figures = self.strategy.evaluate(data.eval_batches(setup.test) if setup.test else [])
+        self.result, self.evaluated_at = figures, self.step
+        self.progress.evaluated(self.step, self.epoch, self.last_loss, figures)
+        self.log.write("eval", step=self.step, epoch=self.epoch + 1, **scores.headline(figures))
 
     # -- the end -------------------------------------------------------------------------------------------
     def conclude(self):
@@ -407,22 +407,25 @@ class Training:
 
     def _report_done(self, roles, elapsed):
         config, cluster, setup = self.config, self.cluster, self.setup
-        test_loss, accuracy = self.result
+        # the scalar test figures first; the per-class ones and the confusion matrix (long) last
+        headline = scores.headline(self.result)
+        names = getattr(setup.info, "class_names", None)
+        detail = {name: value for name, value in scores.report(self.result, names).items() if name not in headline}
         samples_per_s = self.trained_steps * config.batch_size / elapsed if elapsed > 0 else 0.0
         epochs = min(self.epoch + 1, config.epochs)   # (resumed or recovered at the end: past the last epoch)
-        final = {"steps": self.step, "epochs": epochs, "loss": self.last_loss, "test_loss": test_loss,
-                 "test_accuracy": accuracy, "train_time": elapsed, "samples_per_s": samples_per_s,
-                 "workers": cluster.num_workers, "ps": config.ps, "strategy": config.strategy,
+        final = {"steps": self.step, "epochs": epochs, "loss": self.last_loss, **headline, "train_time": elapsed,
+                 "samples_per_s": samples_per_s, "workers": cluster.num_workers, "ps": config.ps,
+                 "strategy": config.strategy,
                  **({"stopped_early": True} if self.stopped_early else {}),
                  **({"recoveries": self.recoveries} if config.elastic else {}),
-                 "roles": [{"rank": rank, "role": role, **stats} for rank, role, stats in roles if stats]}
+                 "roles": [{"rank": rank, "role": role, **stats} for rank, role, stats in roles if stats], **detail}
         self.log.write("done", **final)
         self.log.close()
         rows = [("dataset", f"{setup.info.name} ({setup.info.path})"), ("model", config.model),
                 ("strategy", f"{config.strategy} on {layout_text(config, cluster)}"),
                 ("steps", f"{self.step} ({final['epochs']} epochs)"), ("final train loss", f"{self.last_loss:.4f}"),
-                ("test loss", f"{test_loss:.4f}"), ("test accuracy", f"{100 * accuracy:.2f}%"),
-                ("training time", f"{elapsed:.2f} s"), ("throughput", f"{samples_per_s:,.0f} samples/s")]
+                *scores.summary_rows(self.result), ("training time", f"{elapsed:.2f} s"),
+                ("throughput", f"{samples_per_s:,.0f} samples/s")]
         if config.metrics:
             rows.append(("metrics", config.metrics))
         if config.checkpoint_dir:

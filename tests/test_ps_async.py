@@ -50,13 +50,14 @@ def test_concurrent_pushes_from_every_worker_lose_nothing(num_ps):
     exchange = AsyncExchange(world, ps_ranks, bounds, cluster.num_workers, np.float64)
     if cluster.role == PS:
         lo, hi = bounds[ps_ranks.index(cluster.rank)]
-        total, arrived, counted = np.zeros(hi - lo), np.zeros(hi - lo), 0
+        total, arrived, counted, steps = np.zeros(hi - lo), np.zeros(hi - lo), 0, 0
         while True:
-            count = exchange.take(arrived, cluster.rank)
-            counted += count
+            count, step_sum = exchange.take(arrived, cluster.rank)
+            counted, steps = counted + count, steps + step_sum
             total += arrived
             if count == 0 and not arrived.any() and exchange.workers_done() == cluster.num_workers:
-                counted += exchange.take(arrived, cluster.rank)
+                count, step_sum = exchange.take(arrived, cluster.rank)
+                counted, steps = counted + count, steps + step_sum
                 total += arrived
                 if not arrived.any():
                     break
@@ -65,10 +66,11 @@ def test_concurrent_pushes_from_every_worker_lose_nothing(num_ps):
         expected = pushes * workers * (workers + 1) / 2 * np.arange(lo + 1, hi + 1)
         np.testing.assert_array_equal(total, expected)
         assert counted == pushes * workers
+        assert steps == workers * sum(range(pushes))   # each arrival's step, for its learning rate
     else:
         gradient = (cluster.worker_index + 1.0) * np.arange(1, n + 1)
-        for _ in range(pushes):
-            exchange.push(gradient)
+        for step in range(pushes):
+            exchange.push(gradient, step)
         exchange.retire(cluster.worker_index)
     world.Barrier()
     exchange.free()

@@ -59,6 +59,17 @@ class Layer(UsesWorkspace):
         """Fill the parameter gradients only (the first layer's input gradient is never used)."""
         self.backward(dy)
 
+    def decays(self, name, shape):
+        """Whether ``--weight-decay`` shrinks this layer's parameter ``name`` of ``shape``.
+
+        The rule: matrices and kernels decay (two axes or more); biases and the
+        scales and shifts of normalisation layers (one axis) do not.  Change it
+        for one layer with ``layer.weight_decay = {"b": True}`` (by parameter
+        name), or for a class of your own by overriding this method.
+        """
+        chosen = getattr(self, "weight_decay", None) or {}
+        return bool(chosen.get(name, len(shape) >= 2))
+
     def sublayers(self):
         """Layers this one applies inside itself (a residual block's), in order.
 

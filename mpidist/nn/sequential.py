@@ -125,6 +125,22 @@ class Sequential:
         return [(lo, lo + int(np.prod(pshape))) for layer, name, lo, pshape, _ in self.entries
                 if name in getattr(layer, "running", ())]
 
+    def decay_ranges(self):
+        """``(lo, hi)`` flat ranges of the parameters weight decay applies to (see :meth:`Layer.decays`).
+
+        Running statistics never decay; adjacent ranges are merged.
+        """
+        ranges = []
+        for layer, name, lo, pshape, _ in self.entries:
+            if name in getattr(layer, "running", ()) or not layer.decays(name, pshape):
+                continue
+            hi = lo + int(np.prod(pshape))
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1] = (ranges[-1][0], hi)
+            else:
+                ranges.append((lo, hi))
+        return ranges
+
     def stash(self, extra=()):
         """What every layer's ``forward`` left for ``backward`` (and ``extra`` objects'), to restore later.
 

@@ -87,7 +87,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         if not is_device_array(model.params):
             model.bind_params(self.host_params)
             model.bind_grads(self.host_grads)
-        self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
+        self.optimizer = self.make_optimizer(self.hi - self.lo, self.lo)
         # messages: worker -> ps [gradient shard, weight, weighted loss];
         # ps -> worker [param shard, last version of the run, version, loss]
         self.outbox = [np.zeros(hi - lo + 2, dtype=model.dtype) for lo, hi in self.bounds]
@@ -206,9 +206,15 @@ class BackupWorkersStrategy(ShardedStrategy):
                 total /= weights        # the mean gradient of the accepted batches
                 loss = weighted_loss / weights
                 # every shard skips alike; the version still moves on, so workers never run out of batches
-                if self.nan_guard.update_allowed(self.ps_agree(finite(total) and math.isfinite(loss)),
-                                                 f"the accepted gradients of step {self.version + 1} were"):
-                    self.optimizer.step(self.shard_view(), total)
+                if self.recipe.clip_norm:   # the norm over every shard, one Allreduce (0 x a broken loss is NaN)
+                    squares = mpi.sum_float64(ps_comm, [float(total.dot(total)) + 0.0 * loss])[0]
+                    ok = math.isfinite(squares)
+                else:
+                    ok = self.ps_agree(finite(total) and math.isfinite(loss))
+                if self.nan_guard.update_allowed(ok, f"the accepted gradients of step {self.version + 1} were"):
+                    if self.recipe.clip_norm:
+                        self.clip(total, squares)
+                    self.optimizer.step(self.shard_view(), total, self.recipe.lr(self.version))
                     self.figures["updates"] += 1
                 else:
                     loss = math.nan

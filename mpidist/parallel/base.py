@@ -12,10 +12,12 @@ import math
 import numpy as np
 
 from .. import comm as mpi
+from .. import scores
 from ..errors import RunError
-from ..nn import BatchNorm
+from ..nn import BatchNorm, SoftmaxCrossEntropy
 from ..nn.sequential import walk
 from ..xp import to_host
+from .recipe import Recipe, clip_factor
 
 
 def finite(array):
@@ -74,6 +76,7 @@ class StepResult:
         step: the run's step after this one (the global version with backup workers).
         stop: a stop request (signal, callback) has reached this rank.
         finished: the strategy has taken its last step (backup workers' ps decide it).
+        clipped: the update was clipped to ``--clip-norm`` (where this rank knows it).
     """
 
     loss: float
@@ -81,6 +84,7 @@ class StepResult:
     step: int
     stop: bool = False
     finished: bool = False
+    clipped: bool = False
 
 
 class Strategy:
@@ -100,6 +104,8 @@ class Strategy:
         figures: the dict where the strategy counts its figures (``stats``). The
             loop passes one that outlives the strategy, so a strategy built again
             for the survivors of a lost rank (``--elastic``) counts on.
+        recipe: the :class:`~mpidist.parallel.recipe.Recipe` around the optimizer
+            (learning rate per step, clipping, accumulation); default: none of them.
     """
 
     name = None
@@ -119,6 +125,8 @@ class Strategy:
     #: training loop can count such steps and stop everywhere at once.  Strategies
     #: that are not in lockstep skip on the ps and count there (see --nan-patience).
     skipped = False
+    #: Whether the last step's update was clipped to ``--clip-norm`` (where this rank knows it).
+    clipped = False
     #: True on ranks that run :meth:`serve` instead of training steps (the ps
     #: ranks of ps-async and of backup workers).
     serves = False
@@ -167,13 +175,31 @@ class Strategy:
         """Ask every rank to stop soon (only strategies that are not in lockstep need this)."""
 
     def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20, where=None,
-                 figures=None):
+                 figures=None, recipe=None):
         self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed
+        self.recipe = recipe or Recipe()
+        self._accumulated = None   # --accumulate: the earlier slices' gradients (made on the first such step)
+        self.train_counts = [0.0, 0]   # (correct or absolute error, samples) of this worker's batches, since read
         model.use_workspace(loss)
-        self.make_optimizer = make_optimizer
+        self._make_optimizer = make_optimizer
+        self.decay_ranges = model.decay_ranges()   # (of the whole model, whatever part of it this rank updates)
         self.bucket_bytes = int(bucket_bytes)
         self.where = where
         self.figures = {} if figures is None else figures
+        # what evaluate() sums: classes from the whole model's outputs, or the regression targets' width
+        self.scoring = scores.scoring(isinstance(loss, SoftmaxCrossEntropy), model.output_shape)
+
+    def make_optimizer(self, size, offset=0):
+        """The optimizer of the ``size`` parameters from ``offset`` on that this rank updates (None: no factory).
+
+        Its weight decay applies to the model's decaying ranges within that slice.
+        """
+        if self._make_optimizer is None:
+            return None
+        optimizer = self._make_optimizer(size)
+        optimizer.decay_ranges = [(max(lo, offset) - offset, min(hi, offset + size) - offset)
+                                  for lo, hi in self.decay_ranges if lo < offset + size and hi > offset]
+        return optimizer
 
     def count(self, **initial):
         """Start the figures this strategy counts at ``initial``, unless an earlier strategy of the run did."""
@@ -202,7 +228,7 @@ class Strategy:
         """One training step (:meth:`train_step`) as a :class:`StepResult`: the loop's only call per step."""
         loss = self.train_step(x, y, weight, step)
         return StepResult(loss=loss, skipped=self.skipped, step=self.produced_step(step), stop=self.stop_requested,
-                          finished=self.finished)
+                          finished=self.finished, clipped=self.clipped)
 
     def serve(self, control):
         """ps ranks of strategies that serve (``serves``): answer workers until the run ends."""
@@ -249,6 +275,11 @@ class Strategy:
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):
         """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss.
 
+        With ``--accumulate K`` the batch goes through in ``K`` slices, one after
+        the other, each weighted by its share: ``model.grads`` ends as the
+        gradient of the whole batch (equal to one pass, to rounding), while the
+        activations held at any time are one slice's.
+
         Args:
             before_backward: called with the loss once it is known, before backward starts.
             ready: called with ``lo`` each time backward has finished ``grads[lo:]``
@@ -256,29 +287,108 @@ class Strategy:
         """
         model = self.model
         self.track("compute")
-        model.reseed(self.seed, self.worker_index, step)
-        out = model.forward(x, training=True)
-        loss = self.loss.forward(out, y)
-        if before_backward is not None:
-            before_backward(loss)
-        model.backward(self.loss.backward(scale=weight), input_grad=False, ready=ready)
+        slices = min(self.recipe.accumulate, len(x))
+        if slices <= 1:
+            model.reseed(self.seed, self.worker_index, step)
+            loss = self._forward(x, y)
+            if before_backward is not None:
+                before_backward(loss)
+            model.backward(self.loss.backward(scale=weight), input_grad=False, ready=ready)
+            return loss
+        if self._accumulated is None:
+            self._accumulated = model.xp.zeros(model.num_params, dtype=model.dtype)
+        accumulated, grads, n = self._accumulated, model.grads, len(x)
+        bounds = np.linspace(0, n, slices + 1).round().astype(int)
+        loss = 0.0
+        for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            model.reseed(self.seed, self.worker_index, step, index)
+            loss += float(self._forward(x[lo:hi], y[lo:hi])) * (hi - lo) / n
+            last = index == slices - 1
+            if last and before_backward is not None:
+                before_backward(loss)
+            top = [model.num_params]
+
+            def add_earlier(lo_ready):   # the last slice: add the earlier ones' sum as each part is final
+                grads[lo_ready:top[0]] += accumulated[lo_ready:top[0]]
+                top[0] = lo_ready
+                if ready is not None:
+                    ready(lo_ready)
+
+            model.backward(self.loss.backward(scale=weight * (hi - lo) / n), input_grad=False,
+                           ready=add_earlier if last else None)
+            if index == 0:
+                accumulated[...] = grads
+            elif not last:
+                accumulated += grads
         return loss
 
+    def _forward(self, x, y):
+        """A training forward pass and its loss; counts this worker's training accuracy (or absolute error)."""
+        out = self.model.forward(x, training=True)
+        loss = self.loss.forward(out, y)
+        counts = self.train_counts
+        if isinstance(self.loss, SoftmaxCrossEntropy):   # classification: samples whose top output is the label
+            counts[0] += float(self.loss.correct(out, y))
+        else:                              # regression: the mean absolute error, over the outputs
+            counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(x), 1), 1)
+        counts[1] += len(x)
+        return loss
+
+    def take_train_counts(self):
+        """``(correct or summed absolute error, samples)`` since the last call, this worker's own."""
+        counts, self.train_counts = self.train_counts, [0.0, 0]
+        return counts
+
+    def clip(self, grads, squared_norm=None, out=None):
+        """``grads`` scaled down to ``--clip-norm`` by the global norm (in place, or into ``out``); sets :attr:`clipped`.
+
+        ``squared_norm``: the global squared norm where the strategy reduced it
+        (shards, stages); default: ``grads`` is the whole summed gradient.
+        ``out``: where the scaled gradient goes when ``grads`` must stay as it
+        is (other workers still read it: the shared-memory exchange).
+        ``grads`` None: only note whether the step was clipped (a worker of ps-sync).
+        Returns the gradient to apply.
+        """
+        clip_norm = self.recipe.clip_norm
+        self.clipped = False
+        if not clip_norm:
+            return grads
+        if squared_norm is None:
+            squared_norm = float(grads.dot(grads))
+        factor = clip_factor(squared_norm, clip_norm)
+        self.clipped = factor < 1.0
+        if not self.clipped:
+            return grads
+        self.figures["clipped"] = self.figures.get("clipped", 0) + 1
+        if grads is None:   # (a rank that only learns of the step's clipping)
+            return None
+        if out is None:
+            grads *= factor
+            return grads
+        return self.model.xp.multiply(grads, factor, out=out)
+
     def evaluate(self, batches):
-        """``(mean loss, accuracy, samples)`` over ``batches`` of ``(x, y)``, summed over evaluating ranks."""
+        """The task's figures over ``batches`` of ``(x, y)``, summed over the evaluating ranks.
+
+        A dict (see :mod:`mpidist.scores`): classification ``loss``, ``accuracy``,
+        ``top5_accuracy`` (where it applies), ``samples``, ``per_class`` and
+        ``confusion``; regression ``loss``, ``mse``, ``mae``, ``r2``, ``samples``.
+        Each evaluating worker sums its batches into one vector; one Allreduce sums
+        the vectors.  Ranks that do not evaluate (ps) get NaN figures and 0 samples.
+        """
+        scoring = self.scoring
         if not self.is_worker:
-            return math.nan, math.nan, 0
+            return scoring.figures(scoring.zeros())
         xp = self.model.xp
-        totals = np.zeros(3)
+        sums = scoring.zeros()
         self.track("compute")
         for x, y in batches:
             x, y = xp.asarray(x), xp.asarray(y)
             out = self.model.forward(x, training=False)
-            totals += (float(self.loss.forward(out, y)) * len(x), float(self.loss.correct(out, y)), len(x))
+            scoring.add(sums, out, y, float(self.loss.forward(out, y)), xp)
         comm = self.worker_comm if self.evaluation == "sharded" else None
         self.track("exchange")
-        loss_sum, correct, count = mpi.sum_float64(comm, totals)
-        return loss_sum / max(count, 1), correct / max(count, 1), int(count)
+        return scoring.figures(mpi.sum_float64(comm, sums))
 
     def survivor_state(self, cluster, step):
         """Collective over the survivors (``cluster``, after a lost rank): the state at the chief's ``step``.
@@ -330,7 +440,7 @@ class DataParallel(Strategy):
         model = self.model
         self.buffer = model.xp.zeros(model.num_params + 1, dtype=model.dtype)
         model.bind_grads(self.buffer)
-        self.optimizer = self.make_optimizer(model.num_params) if self.make_optimizer else None
+        self.optimizer = self.make_optimizer(model.num_params)
         self.running = model.running_entries()
         synchronise_batch_norms(model, self.worker_comm)
         self.exchange = self.make_exchange()
@@ -359,6 +469,12 @@ class DataParallel(Strategy):
 
     def survivor_state(self, cluster, step):
         return Strategy.state(self)   # (the old communicators are revoked: no averaging)
+
+    def _clip_space(self):
+        """Where a clipped gradient goes when the exchange holds the buffer (made on the first use)."""
+        if self.recipe.clip_norm and getattr(self, "_clipped", None) is None:
+            self._clipped = self.model.xp.empty(self.model.num_params, dtype=self.model.dtype)
+        return getattr(self, "_clipped", None)
 
     def make_exchange(self):
         """The :class:`~mpidist.parallel.exchange.Exchange` that sums ``self.buffer`` over the workers."""
@@ -392,6 +508,8 @@ class DataParallel(Strategy):
         self.exchange.finish()
         # every worker holds the same summed buffer, so every worker decides the same
         self.skipped = not self.exchange.finite()
+        self.clipped = False
         if not self.skipped:
-            self.optimizer.step(self.model.params, self.model.grads)
+            grads = self.clip(self.model.grads, out=self._clip_space() if self.exchange.holds_buffer else None)
+            self.optimizer.step(self.model.params, grads, self.recipe.lr(step))
         return float(self.buffer[-1])

@@ -25,9 +25,9 @@ from mpi4py import MPI
 
 from .. import comm as mpi
 from ..errors import UsageError
-from ..nn import Sequential
+from ..nn import Sequential, SoftmaxCrossEntropy
 from ..xp import to_host
-from .base import Strategy, finite
+from .base import Strategy
 from .registry import Option, register
 from .schedule import schedule
 from .slots import SlotPool
@@ -170,7 +170,7 @@ class PipelineStrategy(Strategy):
         self.pipe = world.Split(self.replica, key=self.stage)      # this replica's stages
         self.peers = world.Split(self.stage, key=self.replica)     # this stage in every replica
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
-        self.optimizer = self.make_optimizer(self.model.num_params) if self.make_optimizer else None
+        self.optimizer = self.make_optimizer(self.model.num_params, self.param_lo)
         self.plan = schedule(schedule_name, self.stage, self.stages, self.micro_batches)
         self.model.use_workspace(self.loss)
         self.slots = SlotPool()
@@ -215,15 +215,44 @@ class PipelineStrategy(Strategy):
         return workspace.array(self, name, tuple(shape), self.model.dtype)
 
     def train_step(self, x, y, weight, step):
+        """One step: the schedule runs once per ``--accumulate`` slice, adding into the same gradients."""
+        self.accumulated[...] = 0
+        start = time.perf_counter()
+        # (every stage of a replica reads the same batch: the first uses its samples, the last its labels)
+        bounds = np.linspace(0, len(x), self.recipe.accumulate + 1).round().astype(int)
+        loss_sum = 0.0
+        for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            loss_sum += self._run_schedule(x[lo:hi], y[lo:hi], hi - lo, step, index)
+        self.figures["pipeline_s"] += time.perf_counter() - start
+        self.figures["steps"] += 1
+        self.accumulated[-1] = loss_sum
+        if self.replicas > 1:
+            mpi.allreduce_sum(self.peers, self.accumulated)
+        # stages hold different gradients and only the last sees the loss: skip everywhere or nowhere.  One
+        # Allreduce gives both the verdict and the global squared norm (each replica's stages hold the same)
+        squares = np.array([float(self.accumulated[:-1].dot(self.accumulated[:-1])),
+                            0.0 * float(self.accumulated[-1])])   # (0 x NaN or Inf is NaN: a broken loss shows)
+        self.cluster.world.Allreduce(MPI.IN_PLACE, squares, op=MPI.SUM)
+        self.track("compute")
+        self.skipped = not np.isfinite(squares).all()
+        self.clipped = False
+        if not self.skipped:
+            self.clip(self.accumulated[:-1], squared_norm=float(squares[0]) / self.replicas)
+            self.optimizer.step(self.model.params, self.accumulated[:-1], self.recipe.lr(step))
+        loss = self._to_chief(np.array([np.nan if self.skipped else float(self.accumulated[-1])]), tag=77)[0]
+        counts = self._to_chief(np.array(self.take_train_counts(), dtype=np.float64), tag=79)
+        self.train_counts = [float(counts[0]), int(counts[1])]   # the chief reports the last stage's
+        return float(loss) if self.cluster.is_chief or self.is_last else math.nan
+
+    def _run_schedule(self, x, y, rows, step, round_index):
+        """The schedule over one slice of ``rows`` samples; adds into :attr:`accumulated`; the weighted loss."""
         xp, model = self.model.xp, self.model
-        sizes = split_sizes(len(x), self.micro_batches)
+        sizes = split_sizes(rows, self.micro_batches)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         parts = [slice(int(offsets[i]), int(offsets[i + 1])) for i in range(self.micro_batches)]
         inputs, outputs, stashes, grads_in, grads_out, sends = {}, {}, {}, {}, {}, []
         slots, sent = {}, {}   # micro-batch -> its workspace slot; -> its send requests so far
-        self.accumulated[...] = 0
         loss_sum, held = 0.0, 0
-        start = time.perf_counter()
         self.track("compute")
         for op, i in self.plan:
             if op == "recv_fwd":
@@ -234,10 +263,11 @@ class PipelineStrategy(Strategy):
                 if i not in slots:
                     slots[i] = self.slots.take()
                 model.workspace.slot = slots[i]
-                model.reseed(self.seed, self.replica, step, i)
+                model.reseed(self.seed, self.replica, step, round_index * self.micro_batches + i)
                 out = model.forward(x[parts[i]] if self.is_first else inputs.pop(i), training=True)
                 if self.is_last:
                     loss_sum += float(self.loss.forward(out, y[parts[i]])) * sizes[i] / self.global_batch
+                    self._count_training(out, y[parts[i]])
                     stashes[i] = model.stash([self.loss])
                 else:
                     stashes[i] = model.stash()
@@ -274,20 +304,16 @@ class PipelineStrategy(Strategy):
         MPI.Request.Waitall([request for request, _ in sends])
         self.slots.reset()
         self.figures["idle_s"] += time.perf_counter() - waited
-        self.figures["pipeline_s"] += time.perf_counter() - start
-        self.figures["steps"] += 1
-        self.accumulated[-1] = loss_sum
-        if self.replicas > 1:
-            mpi.allreduce_sum(self.peers, self.accumulated)
-        # stages hold different gradients and only the last sees the loss: skip everywhere or nowhere
-        ok = np.array([int(finite(self.accumulated))], dtype=np.int64)
-        self.cluster.world.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
-        self.track("compute")
-        self.skipped = not ok[0]
-        if not self.skipped:
-            self.optimizer.step(model.params, self.accumulated[:-1])
-        loss = self._to_chief(np.array([np.nan if self.skipped else float(self.accumulated[-1])]), tag=77)[0]
-        return float(loss) if self.cluster.is_chief or self.is_last else math.nan
+        return loss_sum
+
+    def _count_training(self, out, y):
+        """Last stage: this micro-batch's correct answers (or absolute error) for the training figures."""
+        counts = self.train_counts
+        if isinstance(self.loss, SoftmaxCrossEntropy):
+            counts[0] += float(self.loss.correct(out, y))
+        else:
+            counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(out), 1), 1)
+        counts[1] += len(out)
 
     def _to_chief(self, values, tag):
         """The last stage of replica 0 holds the global figures; the chief (rank 0) needs them.
@@ -304,8 +330,9 @@ class PipelineStrategy(Strategy):
         return values
 
     def evaluate(self, batches):
-        """Forward-only pipeline over this replica's test chunks; the chief gets the totals."""
-        totals = np.zeros(3)
+        """Forward-only pipeline over this replica's test chunks; the chief gets the sums' figures (others: NaN)."""
+        scoring = self.scoring   # (the whole model's outputs: the last stage's)
+        totals = scoring.zeros()
         for x, y in batches:
             x = self.model.xp.asarray(x)
             inp = x if self.is_first else self._recv(self.model.xp.empty((len(x),) + self.in_shape, dtype=self.model.dtype),
@@ -313,14 +340,13 @@ class PipelineStrategy(Strategy):
             out = self.model.forward(inp, training=False)
             if self.is_last:
                 y = self.model.xp.asarray(y)
-                totals += (float(self.loss.forward(out, y)) * len(x), float(self.loss.correct(out, y)), len(x))
+                scoring.add(totals, out, y, float(self.loss.forward(out, y)), self.model.xp)
             else:
                 request, _ = mpi.isend(self.pipe, self.model.xp.ascontiguousarray(out), self.stage + 1, 0)
                 request.Wait()
         if self.is_last and self.replicas > 1:
             totals = mpi.sum_float64(self.peers, totals)
-        loss_sum, correct, count = self._to_chief(np.asarray(totals, dtype=np.float64), tag=78)
-        return loss_sum / max(count, 1), correct / max(count, 1), int(count)
+        return scoring.figures(self._to_chief(np.asarray(totals, dtype=np.float64), tag=78))
 
     def state(self):
         """Collective: replica 0's stages send their slices to the chief."""

@@ -60,14 +60,15 @@ class AsyncExchange:
         is_ps = rank in ps_ranks
         self.params = Window(world, hi - lo, dtype)                  # the ps's parameter shard
         self.inbox = Window(world, hi - lo, dtype)                   # summed gradients not yet applied
-        self.meta = Window(world, 2 if is_ps else 0, np.int64)       # [version, arrivals]
+        # [version, arrivals, the sum of the arrivals' steps] (the learning rate is the gradients' step's)
+        self.meta = Window(world, 3 if is_ps else 0, np.int64)
         # [clocks..., stop signal, 1 + rank that asked, snapshots asked, serving over]:
         # one read gives a worker the clocks and any stop request
         self.clock = Window(world, 4 + num_workers if rank == ps_ranks[0] else 0, np.int64)
         self.stop = (0, 0)   # (signal, 1 + rank) as last read
         self._control = 2 + num_workers   # offset of [snapshots asked, serving over]
         self._one = np.ones(1, dtype=np.int64)
-        self._arrival = np.array([0, 1], dtype=np.int64)
+        self._arrival = np.array([0, 1, 0], dtype=np.int64)
 
     # -- worker side ------------------------------------------------------
     def pull(self, values, known=None):
@@ -88,16 +89,18 @@ class AsyncExchange:
         self.params.flush()
         return versions
 
-    def push(self, grads):
-        """Add ``grads`` (flat, host) into every inbox and count the arrival; returns each ps's version now.
+    def push(self, grads, step=0):
+        """Add ``grads`` (flat, host; computed at ``step``) into every inbox and count the arrival.
 
-        One ``Get_accumulate(SUM)`` of ``[0, 1]`` on ``[version, arrivals]``
-        counts the arrival and reads the version in a single atomic step.
+        Returns each ps's version now.  One ``Get_accumulate(SUM)`` of ``[0, 1,
+        step]`` on ``[version, arrivals, step sum]`` counts the arrival, adds its
+        step and reads the version in a single atomic step.
         """
         for ps, (lo, hi) in zip(self.ps_ranks, self.bounds):
             self.inbox.add(grads[lo:hi], ps)
         self.inbox.flush()   # the gradient is in place before its arrival is counted
-        before = np.zeros((len(self.ps_ranks), 2), dtype=np.int64)
+        self._arrival[2] = step
+        before = np.zeros((len(self.ps_ranks), 3), dtype=np.int64)
         for index, ps in enumerate(self.ps_ranks):
             self.meta.fetch_add(self._arrival, before[index], ps)
         self.meta.flush()
@@ -134,15 +137,15 @@ class AsyncExchange:
 
     # -- ps side ----------------------------------------------------------
     def take(self, out, rank):
-        """Move this ps's inbox into ``out`` (leaving zeros); returns the arrivals counted."""
+        """Move this ps's inbox into ``out`` (leaving zeros); returns ``(arrivals counted, sum of their steps)``."""
         if getattr(self, "_zeros", None) is None or self._zeros.shape != out.shape:
             self._zeros = np.zeros_like(out)   # kept: a fresh 2.7 MB buffer per take is pure memory traffic
         self.inbox.swap(self._zeros, out, rank)
         self.inbox.flush(rank)
-        arrivals = np.zeros(1, dtype=np.int64)
-        self.meta.swap(np.zeros(1, dtype=np.int64), arrivals, rank, offset=1)
+        counts = np.zeros(2, dtype=np.int64)
+        self.meta.swap(np.zeros(2, dtype=np.int64), counts, rank, offset=1)
         self.meta.flush(rank)
-        return int(arrivals[0])
+        return int(counts[0]), int(counts[1])
 
     def pending(self, rank):
         """Arrivals counted at this ps and not yet taken (an 8-byte read: cheap to poll)."""
@@ -221,7 +224,7 @@ class PsAsyncStrategy(ShardedStrategy):
             model.bind_params(self.host_params)
             model.bind_grads(self.host_grads)
         self.shard_values = np.zeros(self.hi - self.lo, dtype=model.dtype)
-        self.optimizer = self.make_optimizer(self.hi - self.lo) if self.make_optimizer else None
+        self.optimizer = self.make_optimizer(self.hi - self.lo, self.lo)
         self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype)
         self.completed = 0          # steps of this strategy object (the staleness bound counts these)
         self.versions_held = None   # the ps versions host_params holds, once read
@@ -230,6 +233,7 @@ class PsAsyncStrategy(ShardedStrategy):
         self._stop_sent = False
         self.start_step = 0   # the chief's step when this run began (a resumed run's checkpoint step)
         self.snapshots = 0    # mid-run checkpoints taken (ps ranks)
+        self.gradient_step = 0.0   # ps: the mean step of the gradients taken last
         # --elastic: every rank polls for deaths; the first ps drops dead workers from the staleness bound
         self.watch = FailureWatch(cluster.world) if elastic else None
 
@@ -250,6 +254,7 @@ class PsAsyncStrategy(ShardedStrategy):
 
     def initialize(self, checkpoint=None):
         self.start_step = 0 if checkpoint is None else int(checkpoint.step)
+        self.gradient_step = float(self.start_step)
         self.broadcast_initial(self.host_params, checkpoint)
         if not self.is_worker:
             self.shard_values[...] = self.host_params[self.lo:self.hi]
@@ -297,11 +302,14 @@ class PsAsyncStrategy(ShardedStrategy):
         if is_device_array(model.params):
             model.params[...] = model.xp.asarray(self.host_params)
         loss = self.backprop(x, y, weight, step)
+        if self.recipe.clip_norm:   # no summed gradient exists here: each worker clips its own batch's
+            own = float(model.grads.dot(model.grads)) / (weight * weight)
+            self.clip(model.grads, squared_norm=own)
         grads = self.host_grads
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)
         self.track("exchange")
-        missed = int((self.exchange.push(grads) - read).max())
+        missed = int((self.exchange.push(grads, step) - read).max())
         self.exchange.tick(self.worker_index)
         self.completed += 1
         self.figures["steps"] += 1
@@ -356,7 +364,7 @@ class PsAsyncStrategy(ShardedStrategy):
                     pause = min(2 * pause, POLL_MAX_SECONDS)
                     continue
                 # every worker has signed off, after its last count: take what is left, then stop
-                self.figures["gradients"] += self.exchange.take(arrived, rank)
+                self._take(arrived, rank)
                 if _nonzero(arrived):
                     self._apply(arrived, rank)
                 drained = True
@@ -365,7 +373,7 @@ class PsAsyncStrategy(ShardedStrategy):
                     return
                 continue
             pause = POLL_SECONDS
-            self.figures["gradients"] += self.exchange.take(arrived, rank)
+            self._take(arrived, rank)
             # a count can outlive its data (taken with an earlier count's): never step on zeros,
             # since even a zero gradient moves Adam's parameters
             if _nonzero(arrived):
@@ -378,10 +386,18 @@ class PsAsyncStrategy(ShardedStrategy):
         if state is not None:
             control.write(step, state)
 
+    def _take(self, out, rank):
+        """This ps's inbox into ``out``; notes the mean step of the gradients taken (their learning rate's)."""
+        arrivals, steps = self.exchange.take(out, rank)
+        self.figures["gradients"] += arrivals
+        if arrivals:   # (a count can outlive its data, or come after it: the step is as near as it gets)
+            self.gradient_step = steps / arrivals
+
     def _apply(self, gradient, rank):
         if not self.nan_guard.update_allowed(finite(gradient), f"gradients arriving at ps rank {rank} were"):
             return
-        self.optimizer.step(self.shard_values, gradient)
+        # the learning rate of the step the gradients were computed at (their mean, when several came together)
+        self.optimizer.step(self.shard_values, gradient, self.recipe.lr(int(round(self.gradient_step))))
         self.exchange.publish(self.shard_values, rank)
         self.figures["updates"] += 1
 

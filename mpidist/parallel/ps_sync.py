@@ -75,7 +75,7 @@ class PsSyncStrategy(ShardedStrategy):
         self.counts, self.displs = self.layout()
         self.param_hi = min(self.hi, n)                          # the loss slot is not a parameter
         self.inbox = xp.zeros(self.hi - self.lo, dtype=model.dtype)
-        self.optimizer = self.make_optimizer(self.param_hi - self.lo) if self.make_optimizer else None
+        self.optimizer = self.make_optimizer(self.param_hi - self.lo, self.lo)
         self.previous = PreviousShard(self.shard_params(), self.optimizer) if elastic and not self.is_worker else None
         self.start_step = self.steps_seen = 0   # the run's step at initialize; steps this ps has applied since
         self.count(updates=0, bytes_in=0, bytes_out=0)
@@ -99,17 +99,22 @@ class PsSyncStrategy(ShardedStrategy):
         world = self.cluster.world
         self.track("exchange")
         mpi.reduce_scatter_sum(world, self.outbox, self.inbox, self.counts)
+        squared_norm = self._global_squares() if self.recipe.clip_norm else None
+        self.clipped = False
+        if self.is_worker and squared_norm is not None:   # (the workers learn whether the step was clipped)
+            self.clip(None, squared_norm)
         if not self.is_worker:
             count = self.param_hi - self.lo
             self.track("compute")
-            update = self.ps_agree(finite(self.inbox))
+            update = math.isfinite(squared_norm) if squared_norm is not None else self.ps_agree(finite(self.inbox))
             if self.previous is not None:
                 self.previous.keep(self.shard_params(), self.optimizer)
             if update:
                 for lo, hi in self.running_here:   # the workers' mean, not a gradient
                     self.shard_params()[lo:hi] = self.inbox[lo:hi]
                     self.inbox[lo:hi] = 0
-                self.optimizer.step(self.shard_params(), self.inbox[:count])
+                self.clip(self.inbox[:count], squared_norm)
+                self.optimizer.step(self.shard_params(), self.inbox[:count], self.recipe.lr(step))
                 self.figures["updates"] += 1
             if self.hi > self.param_hi:   # the loss slot: NaN tells every rank the step was skipped
                 self.values[-1] = self.inbox[-1] if update else np.nan
@@ -121,6 +126,22 @@ class PsSyncStrategy(ShardedStrategy):
         mpi.allgatherv_inplace(world, self.values, self.counts, self.displs)
         self.skipped = not math.isfinite(float(self.values[-1]))
         return float(self.values[-1])
+
+    def _global_squares(self):
+        """Collective over the world: the summed gradient's squared norm, from every ps's shard of it.
+
+        Running statistics travel in the gradients' place and are left out; the
+        loss slot adds ``0 x loss``, so a NaN or Inf loss makes the sum NaN too
+        (the step is skipped everywhere).  Workers add nothing.
+        """
+        squares = np.zeros(1)
+        if not self.is_worker:
+            count, inbox = self.param_hi - self.lo, self.inbox
+            edges = [0] + [bound for lo, hi in self.running_here for bound in (lo, hi)] + [count]
+            squares[0] = sum(float(inbox[a:b].dot(inbox[a:b])) for a, b in zip(edges[::2], edges[1::2]))
+            if self.hi > self.param_hi:
+                squares[0] += 0.0 * float(inbox[-1])
+        return float(mpi.sum_float64(self.cluster.world, squares)[0])
 
     def state(self):
         """Collective over the world: the chief gathers every ps's optimizer shard."""
