@@ -244,6 +244,7 @@ class BackupWorkersStrategy(ShardedStrategy):
     def stats(self):
         if self.is_worker:
             return {}
-        return {"updates": self.figures["updates"], "accepted": self.figures["accepted"],
+        return {**({"clipped": self.figures["clipped"]} if "clipped" in self.figures else {}),
+                "updates": self.figures["updates"], "accepted": self.figures["accepted"],
                 "skipped": self.nan_guard.total,
                 "dropped": self.figures["dropped"], "aggregate": self.aggregate, "shard": [self.lo, self.hi]}

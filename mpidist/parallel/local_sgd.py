@@ -64,8 +64,9 @@ class LocalSgdStrategy(DataParallel):
         # the global batch's loss and whether any worker's gradients broke: the same answer everywhere
         loss_sum, broken = mpi.sum_float64(self.worker_comm, [loss * weight, not finite(model.grads)])
         self.skipped = bool(broken) or not np.isfinite(loss_sum)
-        if not self.skipped:
-            self.optimizer.step(model.params, model.grads)
+        self.clipped = False
+        if not self.skipped:   # (no summed gradient: each worker clips its own batch's, as under ps-async)
+            self.optimizer.step(model.params, self.clip(model.grads), self.recipe.lr(step))
             self.averaged = False
         if (step + 1) % self.sync_every == 0:
             self.average_params()

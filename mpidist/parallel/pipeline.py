@@ -240,8 +240,11 @@ class PipelineStrategy(Strategy):
             self.clip(self.accumulated[:-1], squared_norm=float(squares[0]) / self.replicas)
             self.optimizer.step(self.model.params, self.accumulated[:-1], self.recipe.lr(step))
         loss = self._to_chief(np.array([np.nan if self.skipped else float(self.accumulated[-1])]), tag=77)[0]
-        counts = self._to_chief(np.array(self.take_train_counts(), dtype=np.float64), tag=79)
-        self.train_counts = [float(counts[0]), int(counts[1])]   # the chief reports the last stage's
+        if self.stages > 1:   # the chief reports the training figures replica 0's last stage counted
+            sent = self.take_train_counts() if self.is_last and self.replica == 0 else [0.0, 0]
+            counts = self._to_chief(np.array(sent, dtype=np.float64), tag=79)
+            if self.cluster.is_chief:
+                self.train_counts = [self.train_counts[0] + float(counts[0]), self.train_counts[1] + int(counts[1])]
         return float(loss) if self.cluster.is_chief or self.is_last else math.nan
 
     def _run_schedule(self, x, y, rows, step, round_index):

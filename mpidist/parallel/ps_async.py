@@ -429,7 +429,7 @@ class PsAsyncStrategy(ShardedStrategy):
                     "skipped": self.nan_guard.total,
                     **({"dropped_workers": f["dropped_workers"]} if self.watch is not None else {}),
                     "bytes_in": f["gradients"] * shard_bytes, "bytes_out": f.get("pulls", 0) * shard_bytes}
-        return {"steps": f["steps"], "wait_s": f["wait_s"],
+        return {"steps": f["steps"], "wait_s": f["wait_s"], **({"clipped": f["clipped"]} if "clipped" in f else {}),
                 "staleness_mean": float(np.mean(f["staleness"])) if f["staleness"] else 0.0,
                 "staleness_max": int(max(f["staleness"], default=0)),
                 "updates_missed_mean": float(np.mean(f["updates_missed"])) if f["updates_missed"] else 0.0,
