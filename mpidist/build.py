@@ -9,7 +9,7 @@ layout, when an elastic run loses workers (see :mod:`mpidist.elastic`).
 import dataclasses
 import os
 
-from . import checkpoint, data, models, nn
+from . import checkpoint, data, models, nn, scores
 from .errors import UsageError
 from .memory import check_fits
 from .text import printable
@@ -42,6 +42,7 @@ class Setup:
     model: nn.Sequential
     train: data.Shard       # None on ranks that read no training data (ps)
     test: data.Shard        # None on ranks that do not evaluate
+    val: data.Shard         # the validation split (a val/ group, or --val-fraction's), evaluated each epoch; or None
     local_batch: int
     steps_per_epoch: int
     resume: checkpoint.Checkpoint = None
@@ -80,6 +81,9 @@ def data_layout(config, cluster):
 def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or None)."""
     info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
+    if config.val_fraction:
+        info = data.carve_validation(info, config.val_fraction, config.seed)
+    check_validation(config, info)
     model = build_model_for(config, inputs, info, xp)
     notes = []
     if info.num_classes > info.sizes["train"]:
@@ -102,16 +106,21 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     if steps == 0:
         raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
                          f"--batch-size {config.batch_size} over {workers} workers")
-    train = test = None
+    train = test = val = None
+    evaluated = ("test", "val") if "val" in info.sizes else ("test",)
     if in_graph:
         if cluster.is_chief:  # the one client that reads samples
-            train, test = (data.Shard(info, split, 0, 1, model.input_shape, model.dtype) for split in data.SPLITS)
+            train = data.Shard(info, "train", 0, 1, model.input_shape, model.dtype)
+            test, val = (data.Shard(info, split, 0, 1, model.input_shape, model.dtype) if split in evaluated
+                         else None for split in ("test", "val"))
     elif worker is not None:
         train = data.Shard(info, "train", worker, workers, model.input_shape, model.dtype)
         if strategy_class(config, workers).evaluation == "sharded":
-            test = data.Shard(info, "test", worker, workers, model.input_shape, model.dtype)
+            test, val = (data.Shard(info, split, worker, workers, model.input_shape, model.dtype)
+                         if split in evaluated else None for split in ("test", "val"))
         elif cluster.is_chief:
-            test = data.Shard(info, "test", 0, 1, model.input_shape, model.dtype)
+            test, val = (data.Shard(info, split, 0, 1, model.input_shape, model.dtype) if split in evaluated
+                         else None for split in ("test", "val"))
     if resume is not None and resume.params.size != model.num_params:
         raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
                          f"{config.model} on {info.name!r} has {model.num_params} (it was written by --model "
@@ -130,8 +139,29 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
         raise UsageError(f"--accumulate {config.accumulate} leaves slices of {smallest // config.accumulate} "
                          f"sample(s) per replica, fewer than --micro-batches {config.micro_batches}")
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
-    return Setup(info=info, model=model, train=train, test=test, local_batch=local_batch, steps_per_epoch=steps,
+    return Setup(info=info, model=model, train=train, test=test, val=val, local_batch=local_batch,
+                 steps_per_epoch=steps,
                  resume=resume, skipped=list(skipped), notes=notes)
+
+
+def validation_figures(info):
+    """The figures a validation of dataset ``info`` reports, as ``--keep-best`` and ``--early-stop`` name them."""
+    if info.num_classes:
+        k = scores.top_k(info.num_classes)
+        return ["val_loss", "val_accuracy"] + ([f"val_top{k}_accuracy"] if k else [])
+    return ["val_loss", "val_mse", "val_mae", "val_r2"]
+
+
+def check_validation(config, info):
+    """Refuse ``--keep-best`` and ``--early-stop`` without a validation split, or naming a figure it lacks."""
+    asked = [flag for flag, value in (("--keep-best", config.keep_best), ("--early-stop", config.early_stop))
+             if value]
+    if asked and "val" not in info.sizes:
+        raise UsageError(f"{' and '.join(asked)} judge(s) the run by a validation split, and dataset {info.name!r} "
+                         "has none: add --val-fraction F (or a val/ split to the file)")
+    if config.keep_best and config.keep_best not in validation_figures(info):
+        raise UsageError(f"--keep-best {config.keep_best!r}: dataset {info.name!r} is validated with "
+                         f"{', '.join(validation_figures(info))}")
 
 
 def total_steps(config, setup):

@@ -73,7 +73,9 @@ class EarlyStopping(Callback):
             (the default): ``"min"`` for a loss or an error (a name ending in
             ``loss``, ``mse`` or ``mae``), else ``"max"``.
 
-    A run whose ``eval`` events lack the monitored figure (``test_accuracy`` in a
+    Evaluations of another split are passed over (``val_loss`` is watched on the
+    validation split's ``eval`` events, not the test split's).  A run whose
+    evaluations of the split lack the monitored figure (``test_accuracy`` in a
     regression run) ends at its first evaluation with a
     :class:`~mpidist.errors.UsageError` that names the figures it has: monitor
     e.g. ``test_loss`` with ``mode="min"`` there.
@@ -90,8 +92,11 @@ class EarlyStopping(Callback):
         self.best, self.waited, self.stopped_at = None, 0, None
 
     def on_eval(self, figures):
+        split = str(self.monitor).split("_")[0] + "_"   # test_ or val_: an evaluation of another split is not ours
+        if self.monitor not in figures and not any(name.startswith(split) for name in figures):
+            return
         if self.monitor not in figures:
-            reported = ", ".join(name for name in figures if name.startswith("test_"))
+            reported = ", ".join(name for name in figures if name.startswith(split))
             why = "; a regression has no accuracy" if "test_mse" in figures else ""
             raise UsageError(f"EarlyStopping monitors {self.monitor!r}, which this run's evaluations do not report "
                              f"(they report {reported}{why}): monitor e.g. 'test_loss' with mode='min'")

@@ -15,6 +15,7 @@ very numbers the interrupted one would have (with the same worker count).
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import h5py
@@ -92,6 +93,33 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
         kept = ", ".join(e.path.name for e in lineages.CheckpointDir(directory).entries()) or "none"
         raise RunError(f"checkpoint of step {step} not written to {directory}: {reason} (checkpoints there, "
                        f"intact: {kept})") from None
+    finally:
+        if aside.exists():
+            aside.unlink()
+    return final
+
+
+def keep_as(path, name):
+    """Keep checkpoint ``path`` also as ``name`` in its directory (replacing an older one atomically); the new path.
+
+    A hard link costs no space and survives the pruning of ``path``; where the
+    file system has no hard links, a copy.  Either goes aside first (a name
+    pruning and ``--resume auto`` ignore), then is renamed into place.
+    """
+    path = Path(path)
+    final = path.parent / name
+    aside = path.parent / f".{name}.tmp-{os.getpid()}"
+    try:
+        aside.unlink(missing_ok=True)
+        try:
+            os.link(path, aside)
+        except OSError:
+            shutil.copyfile(path, aside)
+            with open(aside, "rb+") as raw:
+                os.fsync(raw.fileno())
+        os.replace(aside, final)
+    except OSError as err:
+        raise RunError(f"best checkpoint {final} not kept: {os.strerror(err.errno) if err.errno else err}") from None
     finally:
         if aside.exists():
             aside.unlink()

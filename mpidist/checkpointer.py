@@ -70,6 +70,7 @@ class Checkpointer:
         self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
         self.written = []   # paths this process wrote, oldest first
         self.last_step = None
+        self.best = None    # --keep-best: the file that keeps the best checkpoint, once there is one
 
     @property
     def enabled(self):
@@ -83,6 +84,16 @@ class Checkpointer:
     def kept(self):
         """The checkpoints this process wrote that pruning kept, oldest first."""
         return [path for path in self.written if path.exists()]
+
+    def keep_best(self, step):
+        """Keep the checkpoint of ``step`` (written last) as ``best-<lineage>.h5``, beyond pruning; its path.
+
+        A hard link where the file system allows it (no copy), else a copy; put
+        in place by an atomic rename, so the best checkpoint is never half there.
+        """
+        assert self.last_step == step, f"the checkpoint of step {step} is not the last written"
+        self.best = checkpoint.keep_as(self.last, f"best-{self.lineage or 'run'}.h5")
+        return self.best
 
     def write(self, state, step, epoch, epoch_step, workers):
         """Write ``state`` (``(params, optimizer arrays, optimizer steps)``) as the checkpoint of ``step``; prune."""

@@ -113,6 +113,8 @@ BOUNDS = {
     "weight_decay": Bounds(0, math.inf, text="a finite number, 0 or more"),
     "clip_norm": Bounds(0, math.inf, text="a finite norm, 0 or more", hint=" (0 = no clipping)"),
     "accumulate": Bounds(1),
+    "val_fraction": Bounds(0, 1, high_open=True, text="a fraction in [0, 1)"),
+    "early_stop": Bounds(0),
 }
 
 
@@ -187,7 +189,16 @@ class CommonSettings:
     seed: int = _field(0, "seed for initialisation, data order and dropout")
     metrics: str = _field("metrics.jsonl", "JSON-lines metrics file the chief appends to ('' = none)")
     log_every: int = _field(10, "steps between metrics lines and progress updates")
-    eval_every: int = _field(1, "epochs between evaluations on the test set (0 = only at the end)")
+    eval_every: int = _field(1, "epochs between evaluations (0 = only at the end): on the validation split where "
+                             "there is one, else on the test split")
+    val_fraction: float = _field(0.0, "share of the training split held out for validation, chosen by --seed (0 = "
+                                 "none; a dataset's own val/ split is used without it); with a validation split, "
+                                 "the test split is evaluated once, at the end")
+    keep_best: str = _field("", "also keep the checkpoint with the best value of this validation figure (e.g. "
+                            "val_accuracy, val_loss, val_mse; lower is better for loss, mse and mae), besides the "
+                            "--keep newest ('' = off)")
+    early_stop: int = _field(0, "stop when the validation figure (--keep-best's, else val_loss) has not improved for "
+                             "this many evaluations (0 = never)")
     nan_patience: int = _field(10, "steps in a row whose loss or gradients are NaN or Inf are skipped (no update) "
                                "before the run stops with an error (0 = stop at the first)")
     checkpoint_dir: str = _field("", "directory for checkpoints ('' = no checkpoints)")
@@ -255,6 +266,12 @@ class CommonSettings:
         if self.warmup_epochs and self.warmup_steps:
             raise UsageError(f"--warmup-epochs {self.warmup_epochs} and --warmup-steps {self.warmup_steps}: give "
                              "the warm-up's length one way")
+        if self.keep_best and not self.checkpoint_dir:
+            raise UsageError(f"--keep-best {self.keep_best} keeps a checkpoint: it needs --checkpoint-dir")
+        if self.keep_best and not chosen.variant(self, world_size - self.ps).lockstep:
+            raise UsageError(f"--keep-best checkpoints the state a validation judged best, which needs every rank at "
+                             f"that step: not with --strategy {self.strategy}"
+                             f"{' --aggregate' if self.aggregate else ''}, whose workers step on their own")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise UsageError("--resume auto needs --checkpoint-dir to look in")
 

@@ -17,6 +17,7 @@ workers run the same number of steps per epoch, computed from sizes alone.
 """
 
 import dataclasses
+import math
 import os
 import queue
 import sys
@@ -33,6 +34,8 @@ from .text import printable, shown
 from .whereabouts import here
 
 SPLITS = ("train", "test")
+OPTIONAL_SPLITS = ("val",)   # a validation split a file may hold (else --val-fraction carves one from train)
+VAL_SEED = 0x7661            # mixed into --seed for the carving, so it is not the data order's stream
 MAX_CLASSES = 2 ** 24   # more output units than any classifier here could train: a corrupt attribute
 MAX_NAME = 200          # characters in a class name
 
@@ -86,11 +89,39 @@ class DatasetInfo:
     std: object = dataclasses.field(default=None, repr=False, compare=False)
     #: one name per class, control characters escaped, where the file names them
     class_names: tuple = None
+    #: splits carved out of another (``--val-fraction``): name -> (the file's split, its sorted row numbers)
+    carved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def rows_of(self, split):
+        """``(the file's split, its row numbers or None for all)`` that make up ``split``."""
+        return self.carved.get(split, (split, None))
 
     @property
     def outputs(self):
         """Model outputs: one per class, or the target width for regression."""
         return self.num_classes if self.num_classes > 0 else self.target_width
+
+
+def carve_validation(info, fraction, seed):
+    """``info`` with a ``val`` split of ``ceil(fraction x train)`` rows carved from ``train``, chosen by ``seed``.
+
+    The rows are drawn without replacement from a generator seeded by
+    ``(seed, VAL_SEED)``: the same split on every rank and in every resumed run
+    with the same seed; ``train`` keeps the others.  Both keep file order.
+    """
+    n = info.sizes["train"]
+    count = math.ceil(fraction * n)
+    if "val" in info.sizes:
+        raise UsageError(f"--val-fraction {fraction}: dataset {info.name!r} ({info.path}) has a val/ split of "
+                         "its own, used for validation; drop --val-fraction")
+    if not 0 < count < n:
+        raise UsageError(f"--val-fraction {fraction} of the {n} training samples leaves "
+                         f"{'no validation samples' if count == 0 else 'no training samples'}")
+    chosen = np.zeros(n, dtype=bool)
+    chosen[np.random.default_rng([seed, VAL_SEED]).choice(n, size=count, replace=False)] = True
+    carved = {"train": ("train", np.flatnonzero(~chosen)), "val": ("train", np.flatnonzero(chosen))}
+    sizes = dict(info.sizes, train=n - count, val=count)
+    return dataclasses.replace(info, sizes=sizes, carved=carved)
 
 
 def open_source(path):
@@ -121,12 +152,13 @@ def inspect(path, allow_external=False):
 
 def _describe(path, handle, allow_external):
     items = {}
-    for split in SPLITS:
+    splits = SPLITS + tuple(split for split in OPTIONAL_SPLITS if _present(handle, split))
+    for split in splits:
         for key in ("x", "y"):
             items[split, key] = _item(path, handle, f"{split}/{key}", allow_external)
     num_classes = _num_classes(path, handle.attrs)
     sizes, shapes, widths = {}, set(), set()
-    for split in SPLITS:
+    for split in splits:
         x, y = items[split, "x"], items[split, "y"]
         for key, item in (("x", x), ("y", y)):
             if item.dtype.kind not in "biuf":
@@ -152,9 +184,9 @@ def _describe(path, handle, allow_external):
         shapes.add(tuple(int(d) for d in x.shape[1:]))
         widths.add(1 if y.ndim == 1 else int(y.shape[1]))
     if len(shapes) > 1:
-        raise UsageError(f"{path}: train and test samples differ in shape: {sorted(shapes)}")
+        raise UsageError(f"{path}: the {', '.join(splits)} samples differ in shape: {sorted(shapes)}")
     if len(widths) > 1:
-        raise UsageError(f"{path}: train and test targets differ in width: {sorted(widths)}")
+        raise UsageError(f"{path}: the {', '.join(splits)} targets differ in width: {sorted(widths)}")
     sample_shape = shapes.pop()
     mean, std = _stats(path, handle, sample_shape, allow_external)
     return DatasetInfo(path=path, name=_text(handle.attrs.get("name"), path.stem), num_classes=num_classes,
@@ -316,18 +348,19 @@ class Shard:
 
     def __init__(self, info, split, worker, num_workers, input_shape, dtype, rows=None):
         rows = slice(worker, None, num_workers) if rows is None else rows
-        where = f"{info.path}: {split}"
+        group, picked = info.rows_of(split)   # a carved split: rows of another one
+        where = f"{info.path}: {group}"
         dtype = np.dtype(dtype)
         with open_source(info.path) as handle, here().doing("io", f"reading {where}"):
-            x, y = handle[f"{split}/x"], handle[f"{split}/y"]
-            numbers = range(x.shape[0])[rows]   # the split's row numbers read here, for messages
+            x, y = handle[f"{group}/x"], handle[f"{group}/y"]
+            numbers = (range(x.shape[0]) if picked is None else picked)[rows]   # the file's row numbers, for messages
             count = len(numbers)
             sample = int(np.prod(x.shape[1:]))
             # the file's row count decides the size: checked before anything is read
             check_fits(count * sample * (x.dtype.itemsize + dtype.itemsize + (8 if standardizer(info) else 0))
                        + count * 16,
                        f"{where} ({count:,} rows of {sample:,} values for this worker)")
-            x, y = x[rows], y[rows]
+            x, y = (x[rows], y[rows]) if picked is None else (_read_rows(x, numbers), _read_rows(y, numbers))
         if x.dtype.kind == "f" and not np.isfinite(x).all():
             bad = numbers[int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0])]
             raise UsageError(f"{where}/x holds NaN or Inf (first at sample {bad})")
@@ -354,6 +387,19 @@ class Shard:
 
     def __len__(self):
         return len(self.y)
+
+
+def _read_rows(item, numbers, block_bytes=64 << 20):
+    """Rows ``numbers`` (increasing) of the HDF5 dataset ``item``, read a block of the file (64 MiB) at a time."""
+    out = np.empty((len(numbers),) + item.shape[1:], dtype=item.dtype)
+    block = max(1, block_bytes // max(out[:1].nbytes, 1))
+    done = 0
+    for lo in range(0, item.shape[0], block):
+        upto = int(np.searchsorted(numbers, lo + block))
+        if upto > done:
+            out[done:upto] = item[lo:min(lo + block, item.shape[0])][numbers[done:upto] - lo]
+            done = upto
+    return out
 
 
 def standardizer(info):

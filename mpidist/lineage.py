@@ -34,7 +34,7 @@ from .errors import UsageError
 
 PATTERN = re.compile(r"^ckpt-(\d{8})(?:-([0-9a-f]{8}))?\.h5$")
 LINEAGE = re.compile(r"^[0-9a-f]{8}$")
-TEMPORARY = re.compile(r"^\.ckpt-.*\.tmp-\d+$")
+TEMPORARY = re.compile(r"^\.(?:ckpt|best)-.*\.tmp-\d+$")
 LOCK_NAME = ".mpidist-lock"
 
 

@@ -126,14 +126,14 @@ class Progress:
                           f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s ")
         self.stream.flush()
 
-    def evaluated(self, step, epoch, loss, figures):
-        """One line after an evaluation: ``figures`` (:mod:`~mpidist.scores`), test accuracy or MSE, MAE and R^2."""
+    def evaluated(self, step, epoch, loss, figures, split="test"):
+        """One line after an evaluation of ``split``: ``figures`` (:mod:`~mpidist.scores`), accuracy or MSE, MAE, R^2."""
         if self.mode == "none":
             return
         prefix = "\r" if self.mode == "bar" else ""
         elapsed = time.perf_counter() - self.start
         line = (f"epoch {epoch + 1:>3}/{self.epochs}  step {step:>6}  loss {loss:.4f}  "
-                f"{progress_text(figures)}  {elapsed:6.1f} s")
+                f"{progress_text(figures, split)}  {elapsed:6.1f} s")
         self.stream.write(f"{prefix}{line:<100}\n")
         self.stream.flush()
 

@@ -260,9 +260,9 @@ def summary_rows(figures):
             ("test MAE", f"{figures['mae']:#.4g}"), ("test R^2", f"{figures['r2']:.4f}")]
 
 
-def progress_text(figures):
-    """The test figures on one progress line."""
+def progress_text(figures, split="test"):
+    """The figures of an evaluation of ``split`` (test or val) on one progress line."""
     if is_classification(figures):
-        return f"test loss {figures['loss']:.4f}  test accuracy {100 * figures['accuracy']:5.1f}%"
-    return (f"test loss {figures['loss']:#.4g}  test MSE {figures['mse']:#.4g}  MAE {figures['mae']:#.4g}  "
+        return f"{split} loss {figures['loss']:.4f}  {split} accuracy {100 * figures['accuracy']:5.1f}%"
+    return (f"{split} loss {figures['loss']:#.4g}  {split} MSE {figures['mse']:#.4g}  MAE {figures['mae']:#.4g}  "
             f"R^2 {figures['r2']:.4f}")

@@ -20,7 +20,7 @@ import numpy as np
 from . import checkpoint, data, elastic, lineage, scores
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
 from .errors import agreed, error_line
-from .callbacks import Reporter
+from .callbacks import EarlyStopping, Reporter
 from .comm import bcast
 from .checkpointer import Checkpointer
 from .metrics import MetricsLog, Progress, format_summary
@@ -55,6 +55,26 @@ class ServerControl:
         """First ps: write ``state`` as the checkpoint of ``step`` (its data position from the step)."""
         epoch, epoch_step = divmod(step, self.setup.steps_per_epoch)
         self.checkpointer.write(state, step, epoch, epoch_step, self.workers)
+
+
+class BestSoFar:
+    """The best value of a validation figure so far (``--keep-best``): lower is better for losses and errors."""
+
+    LOWER_IS_BETTER = ("loss", "mse", "mae")
+
+    def __init__(self, figure):
+        self.figure = figure
+        self.lower = figure.endswith(self.LOWER_IS_BETTER)
+        self.value, self.step = None, None
+
+    def offer(self, value, step):
+        """Whether ``value`` (at ``step``) beats the best so far; it becomes the best if so.  NaN never does."""
+        if not math.isfinite(value):
+            return False
+        if self.value is not None and (value >= self.value if self.lower else value <= self.value):
+            return False
+        self.value, self.step = value, step
+        return True
 
 
 class _NoData:
@@ -119,7 +139,8 @@ class Training:
         self.where.enter("setup", 0)
         with agreed(cluster.world):
             self.setup = prepare(config, cluster, self.xp, self.inputs, *find_resume(config))
-            self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), self.callbacks, self.chief)
+            own = [EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss")] if config.early_stop else []
+            self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), self.callbacks + own, self.chief)
             if self.chief:
                 if config.checkpoint_dir:
                     checkpoint.prepare_directory(config.checkpoint_dir)
@@ -164,7 +185,10 @@ class Training:
         self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step, *self.lineages)
         self.window_start, self.window_loss, self.window_steps, self.window_good = self.started, 0.0, 0, 0
         self.trained_steps, self.skipped_in_row = 0, 0
+        self.window_clipped = self.clipped_steps = 0   # steps clipped to --clip-norm (where the chief knows it)
         self.last_loss, self.result, self.evaluated_at = math.nan, None, None
+        self.val_result = None
+        self.best = BestSoFar(config.keep_best)
         self._move_to(resume)
 
     def _share_lineage(self):
@@ -263,7 +287,7 @@ class Training:
                     result = strategy.step(x, y, setup.local_batch / config.batch_size, self.step)
                     self.step, self.epoch_step, self.trained_steps = result.step, self.epoch_step + 1, \
                         self.trained_steps + 1
-                    self._account(result.loss, result.skipped)
+                    self._account(result.loss, result.skipped, result.clipped)
                     if self._boundary(steps_to_run, result):
                         stop = True
                         break
@@ -274,7 +298,7 @@ class Training:
             if stop:  # before the loop moves `epoch` on: the checkpoint must name this epoch
                 break
             if config.eval_every and (epoch + 1) % config.eval_every == 0:
-                self.evaluate()
+                self.evaluate(self.monitored_split)
 
     def _batches(self, epoch, skip):
         """This rank's batches of ``epoch`` from step ``skip`` on."""
@@ -293,10 +317,12 @@ class Training:
         return data.train_batches(setup.train, setup.local_batch, setup.steps_per_epoch, config.seed, epoch,
                                   data_layout(config, cluster)[1], skip=skip)
 
-    def _account(self, loss, skipped):
+    def _account(self, loss, skipped, clipped=False):
         """Figures of the step just taken: the interval's loss, metrics, progress, and NaN patience."""
         config, step = self.config, self.step
         self.window_steps += 1
+        self.window_clipped += bool(clipped)
+        self.clipped_steps += bool(clipped)
         if skipped:   # the same on every rank of a lockstep strategy, so all count alike
             self.skipped_in_row += 1
             self.log.write("skipped", step=step, epoch=self.epoch + 1, reason="loss or gradients NaN or Inf")
@@ -311,10 +337,30 @@ class Training:
             now = time.perf_counter()
             rate = self.window_steps * config.batch_size / (now - self.window_start)
             self.last_loss = self.window_loss / self.window_good if self.window_good else math.nan
-            self.log.write("step", step=step, epoch=self.epoch + 1, loss=self.last_loss, samples_per_s=rate,
-                           time=now - self.started)
+            self.log.write("step", step=step, epoch=self.epoch + 1, loss=self.last_loss,
+                           lr=self._learning_rate(step - 1), **self._training_figures(),
+                           **({"clipped": self.window_clipped} if config.clip_norm else {}),
+                           samples_per_s=rate, time=now - self.started)
+            self.window_clipped = 0
             self.progress.update(step, self.epoch, self.last_loss, rate)
             self.window_start, self.window_loss, self.window_steps, self.window_good = now, 0.0, 0, 0
+
+    def _learning_rate(self, step):
+        """The learning rate of the update computed at ``step`` (the schedule's)."""
+        rate = self.strategy.recipe.lr(step)
+        return self.config.lr if rate is None else rate
+
+    def _training_figures(self):
+        """The chief's training accuracy (or mean absolute error) since the last call: its own share of the batches.
+
+        Each worker sees a random part of every global batch, so the chief's
+        part estimates the whole; it costs no communication.
+        """
+        right, seen = self.strategy.take_train_counts()
+        if not seen:
+            return {}
+        name = "train_accuracy" if self.setup.info.num_classes else "train_mae"
+        return {name: right / seen}
 
     def _boundary(self, steps_to_run, result):
         """After each step: stop requests and checkpoints; True when this rank leaves the loop."""
@@ -358,13 +404,42 @@ class Training:
                                            data_layout(self.config, self.cluster)[0])
             self.log.write("checkpoint", step=self.step, epoch=self.epoch + 1, path=str(path))
 
-    def evaluate(self):
-        """Collective over the evaluating ranks: the task's test figures (:mod:`~mpidist.scores`), the chief reports."""
+    @property
+    def monitored_split(self):
+        """The split evaluated every ``--eval-every`` epochs: validation where there is one, else test."""
+        return "val" if "val" in self.setup.info.sizes else "test"
+
+    def evaluate(self, split="test"):
+        """Collective over the evaluating ranks: the task's figures on ``split`` (:mod:`~mpidist.scores`).
+
+        The chief reports them (``test_*`` or ``val_*``).  After a validation,
+        ``--keep-best`` keeps a checkpoint of an improved state (collective over
+        every rank of a lockstep strategy).
+        """
         setup = self.setup
-        figures = self.strategy.evaluate(data.eval_batches(setup.test) if setup.test else [])
-        self.result, self.evaluated_at = figures, self.step
-        self.progress.evaluated(self.step, self.epoch, self.last_loss, figures)
-        self.log.write("eval", step=self.step, epoch=self.epoch + 1, **scores.headline(figures))
+        shard = setup.val if split == "val" else setup.test
+        figures = self.strategy.evaluate(data.eval_batches(shard) if shard else [])
+        if split == "test":
+            self.result, self.evaluated_at = figures, self.step
+        else:
+            self.val_result = figures
+        self.progress.evaluated(self.step, self.epoch, self.last_loss, figures, split)
+        self.log.write("eval", step=self.step, epoch=self.epoch + 1, **scores.headline(figures, prefix=split + "_"))
+        if split == "val" and self.config.keep_best:
+            self._keep_if_best(scores.headline(figures, prefix="val_").get(self.config.keep_best, math.nan))
+
+    def _keep_if_best(self, value):
+        """Collective: if the chief's ``value`` of the ``--keep-best`` figure improved, checkpoint and keep it as the best."""
+        improved = np.zeros(1, dtype=np.int64)
+        if self.chief:
+            improved[0] = self.best.offer(value, self.step)
+        bcast(self.cluster.world, improved, root=self.cluster.chief_rank)
+        if improved[0] and self.checkpointer.enabled:
+            self.save()
+            if self.chief:
+                path = self.checkpointer.keep_best(self.step)
+                self.log.write("best", step=self.step, epoch=self.epoch + 1, figure=self.config.keep_best,
+                               value=value, path=str(path))
 
     # -- the end -------------------------------------------------------------------------------------------
     def conclude(self):
@@ -416,6 +491,11 @@ class Training:
         final = {"steps": self.step, "epochs": epochs, "loss": self.last_loss, **headline, "train_time": elapsed,
                  "samples_per_s": samples_per_s, "workers": cluster.num_workers, "ps": config.ps,
                  "strategy": config.strategy,
+                 **({"clipped_steps": self._clipped_total(roles)} if config.clip_norm else {}),
+                 **(scores.headline(self.val_result, prefix="val_") if self.val_result else {}),
+                 **({"best": {"figure": config.keep_best, "value": self.best.value, "step": self.best.step,
+                              "path": str(self.checkpointer.best) if self.checkpointer.best else None}}
+                    if config.keep_best else {}),
                  **({"stopped_early": True} if self.stopped_early else {}),
                  **({"recoveries": self.recoveries} if config.elastic else {}),
                  "roles": [{"rank": rank, "role": role, **stats} for rank, role, stats in roles if stats], **detail}
@@ -432,6 +512,18 @@ class Training:
             rows.append(("checkpoints", config.checkpoint_dir))
         self.say("mpidist: done\n" + format_summary(rows))
         return final
+
+    def _clipped_total(self, roles):
+        """Steps clipped: the chief's count where it takes part in every step's decision, else the ranks' own.
+
+        Under ps-async each worker clips its own gradients (their clipped pushes
+        are summed; under local-sgd, the chief's own); with backup workers the
+        ps ranks decide together (their count).
+        """
+        if self.strategy.lockstep:
+            return self.clipped_steps
+        counted = [stats.get("clipped", 0) for _, _, stats in roles]
+        return int(sum(counted) if self.config.strategy == "ps-async" else max(counted, default=0))
 
     def _report_stop(self, flags):
         """Chief: say which signal stopped the run, and where to resume from."""

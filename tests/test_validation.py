@@ -1,0 +1,185 @@
+"""Validation splits, --keep-best, --early-stop, and the figures of each step."""
+
+import json
+import re
+
+import h5py
+import numpy as np
+import pytest
+
+import mpidist
+from mpidist import data
+from mpidist.config import Settings
+from mpidist.errors import UsageError
+from mpidist.nn.schedules import LearningRate
+from mpidist.training import BestSoFar
+
+
+def digits_info():
+    return data.inspect(data.resolve("digits"))
+
+
+def events(path, kind):
+    return [e for e in map(json.loads, open(path)) if e["event"] == kind]
+
+
+# -- carving a validation split ----------------------------------------------------------------------------
+def test_a_carved_validation_split_is_disjoint_reproducible_and_sized_by_the_fraction():
+    info = digits_info()
+    n = info.sizes["train"]
+    carved = data.carve_validation(info, 0.25, seed=3)
+    train, val = carved.rows_of("train")[1], carved.rows_of("val")[1]
+    assert carved.sizes["val"] == len(val) == int(np.ceil(0.25 * n)) and carved.sizes["train"] == len(train)
+    assert np.array_equal(np.union1d(train, val), np.arange(n)) and not np.intersect1d(train, val).size
+    assert np.all(np.diff(val) > 0)   # file order
+    again = data.carve_validation(info, 0.25, seed=3).rows_of("val")[1]
+    other = data.carve_validation(info, 0.25, seed=4).rows_of("val")[1]
+    assert np.array_equal(again, val) and not np.array_equal(other, val)
+    assert info.sizes["train"] == n   # (a copy: the original is untouched)
+
+
+def test_a_carved_shard_reads_exactly_its_rows():
+    info = data.carve_validation(digits_info(), 0.2, seed=0)
+    rows = info.rows_of("val")[1]
+    with h5py.File(info.path) as handle:
+        expected_x, expected_y = handle["train/x"][()], handle["train/y"][()]
+    for worker in range(3):
+        shard = data.Shard(info, "val", worker, 3, info.sample_shape, np.float64)
+        mine = rows[worker::3]
+        np.testing.assert_array_equal(shard.x, expected_x[mine].astype(np.float64))
+        np.testing.assert_array_equal(shard.y, expected_y[mine])
+    # blocks smaller than the split: the same rows
+    with h5py.File(info.path) as handle:
+        np.testing.assert_array_equal(data._read_rows(handle["train/x"], rows, block_bytes=1000), expected_x[rows])
+
+
+def test_fractions_that_leave_a_split_empty_and_a_file_with_its_own_val_split_are_refused(tmp_path):
+    info = digits_info()
+    with pytest.raises(UsageError, match="leaves no training samples"):
+        data.carve_validation(info, 0.99999999, 0)
+    assert data.carve_validation(info, 1e-9, 0).sizes["val"] == 1   # (any fraction above 0 holds a sample out)
+    path = tmp_path / "with-val.h5"
+    with_val_split(path)
+    with pytest.raises(UsageError, match="has a val/ split of its own"):
+        data.carve_validation(data.inspect(path), 0.1, 0)
+
+
+def with_val_split(path, val_rows=100):
+    """The digits file with its last ``val_rows`` training rows moved into a val/ split."""
+    with h5py.File(data.resolve("digits")) as source, h5py.File(path, "w") as out:
+        out.attrs.update(dict(source.attrs))
+        for split in ("train", "test"):
+            for key in ("x", "y"):
+                array = source[f"{split}/{key}"][()]
+                out[f"{split}/{key}"] = array[:-val_rows] if split == "train" else array
+        for key in ("x", "y"):
+            out[f"val/{key}"] = source[f"train/{key}"][-val_rows:]
+
+
+def test_a_files_val_split_is_checked_and_used(tmp_path):
+    path = tmp_path / "with-val.h5"
+    with_val_split(path)
+    info = data.inspect(path)
+    assert info.sizes["val"] == 100
+    metrics = tmp_path / "m.jsonl"
+    result = mpidist.train(data=str(path), epochs=2, progress="none", metrics=str(metrics))
+    evals = events(metrics, "eval")
+    assert [sorted(k for k in e if k.endswith("_loss")) for e in evals] == [["val_loss"], ["val_loss"], ["test_loss"]]
+    assert result.figures["test_accuracy"] > 0.5 and "val_accuracy" in result.figures
+    with h5py.File(path, "a") as handle:   # a val/ split is checked like the others
+        del handle["val/y"]
+        handle["val/y"] = np.zeros(99, dtype=np.int64)
+    with pytest.raises(UsageError, match="val/x has 100 samples but val/y has 99"):
+        data.inspect(path)
+
+
+# -- training with a validation split ----------------------------------------------------------------------
+def test_validation_runs_every_epoch_and_the_test_split_once_at_the_end(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    result = mpidist.train(data="digits", epochs=3, val_fraction=0.2, progress="none", metrics=str(metrics))
+    evals = events(metrics, "eval")
+    assert ["val_accuracy" in e for e in evals] == [True, True, True, False]
+    assert "test_accuracy" in evals[-1] and evals[-1]["step"] == result.figures["steps"]
+    start = events(metrics, "start")[0]
+    assert start["steps_per_epoch"] == (1438 - 288) // 64   # the training split lost the carved rows
+
+
+def test_keep_best_keeps_the_checkpoint_of_the_best_validation_beyond_pruning(tmp_path):
+    metrics, directory = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    result = mpidist.train(data="digits", epochs=4, val_fraction=0.2, keep_best="val_loss", keep=1,
+                           checkpoint_dir=str(directory), checkpoint_every=5, progress="none", metrics=str(metrics),
+                           dtype="float64")
+    losses = [(e["val_loss"], e["step"]) for e in events(metrics, "eval") if "val_loss" in e]
+    best_loss, best_step = min(losses)
+    best = result.figures["best"]
+    assert best["value"] == best_loss and best["step"] == best_step
+    kept = mpidist.checkpoint.load(best["path"])
+    assert kept.step == best_step
+    names = sorted(p.name for p in directory.glob("*.h5"))
+    assert len(names) == 2 and names[0].startswith("best-")   # the newest (--keep 1) and the best
+    # the kept state is the one that was validated: evaluating it on the validation rows gives the same loss
+    assert events(metrics, "best")[-1]["step"] == best_step
+
+
+def test_early_stop_ends_the_run_when_the_validation_figure_stops_improving(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    # a learning rate too small to change any prediction: the validation accuracy never improves
+    result = mpidist.train(data="digits", epochs=10, lr=1e-12, val_fraction=0.2, keep_best="val_accuracy",
+                           checkpoint_dir=str(tmp_path / "c"), early_stop=2, progress="none", metrics=str(metrics))
+    assert result.status == "done" and result.figures.get("stopped_early")
+    val_evals = [e for e in events(metrics, "eval") if "val_accuracy" in e]
+    assert len(val_evals) == 3   # the first sets the mark; two more without a gain stop the run
+    assert result.figures["epochs"] < 10
+
+
+def test_best_so_far_knows_which_way_is_better():
+    lower, higher = BestSoFar("val_loss"), BestSoFar("val_accuracy")
+    assert [lower.offer(v, s) for s, v in enumerate([2.0, 1.0, 1.0, 3.0, 0.5])] == [True, True, False, False, True]
+    assert (lower.value, lower.step) == (0.5, 4)
+    assert [higher.offer(v, s) for s, v in enumerate([0.5, float("nan"), 0.4, 0.6])] == [True, False, False, True]
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"keep_best": "val_loss"}, "--keep-best val_loss keeps a checkpoint: it needs --checkpoint-dir"),
+    ({"early_stop": 2}, "--early-stop judge"),
+    ({"keep_best": "val_mse", "checkpoint_dir": "c", "val_fraction": 0.1}, "validated with val_loss, val_accuracy"),
+    ({"val_fraction": 1.0}, "--val-fraction must be a fraction in \\[0, 1\\)"),
+])
+def test_validation_settings_that_cannot_work_are_refused(flags, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        mpidist.train(data="digits", epochs=1, progress="none", metrics="", **flags)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_keep_best_needs_a_strategy_whose_ranks_take_each_step_together():
+    settings = Settings(strategy="ps-async", ps=1, keep_best="val_loss", checkpoint_dir="c")
+    with pytest.raises(UsageError, match="not with --strategy ps-async"):
+        settings.validate(3)
+
+
+# -- what each step reports --------------------------------------------------------------------------------
+def test_step_events_carry_the_learning_rate_the_training_accuracy_and_clipped_steps(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    mpidist.train(data="digits", epochs=2, lr=0.01, lr_schedule="cosine", warmup_steps=5, clip_norm=0.5,
+                  log_every=4, progress="none", metrics=str(metrics))
+    steps = events(metrics, "step")
+    rate = LearningRate(0.01, "cosine", total_steps=2 * (1438 // 64), steps_per_epoch=1438 // 64, warmup_steps=5)
+    assert [e["lr"] for e in steps] == pytest.approx([rate(e["step"] - 1) for e in steps])
+    assert all(0 <= e["train_accuracy"] <= 1 for e in steps) and all(0 <= e["clipped"] <= 4 for e in steps)
+    done = events(metrics, "done")[0]
+    assert done["clipped_steps"] >= sum(e["clipped"] for e in steps) > 0
+
+
+def test_a_regression_run_logs_its_training_error_and_no_accuracy(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3))
+    y = x @ np.array([1.0, -2.0, 0.5])
+    arrays = mpidist.ArrayData(train=(x[:160], y[:160]), test=(x[160:], y[160:]), num_classes=0)
+    metrics = tmp_path / "m.jsonl"
+    mpidist.train(model="mlp:16", data=arrays, epochs=2, batch_size=16, log_every=5, progress="none",
+                  metrics=str(metrics))
+    text = metrics.read_text()
+    assert "accuracy" not in text
+    assert all(e["train_mae"] >= 0 for e in events(metrics, "step"))
