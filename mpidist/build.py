@@ -138,6 +138,8 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     if config.strategy == "pipeline" and smallest // config.accumulate < config.micro_batches:
         raise UsageError(f"--accumulate {config.accumulate} leaves slices of {smallest // config.accumulate} "
                          f"sample(s) per replica, fewer than --micro-batches {config.micro_batches}")
+    if resume is not None:
+        notes.extend(recipe_changes(config, resume))
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     return Setup(info=info, model=model, train=train, test=test, val=val, local_batch=local_batch,
                  steps_per_epoch=steps,
@@ -162,6 +164,26 @@ def check_validation(config, info):
     if config.keep_best and config.keep_best not in validation_figures(info):
         raise UsageError(f"--keep-best {config.keep_best!r}: dataset {info.name!r} is validated with "
                          f"{', '.join(validation_figures(info))}")
+
+
+#: Settings that shape the learning rate of every step: a resumed run that changes them changes its schedule.
+RECIPE = ("lr", "lr_schedule", "lr_gamma", "lr_step_epochs", "lr_min", "warmup_epochs", "warmup_steps",
+          "warmup_from", "epochs", "steps", "batch_size", "weight_decay", "clip_norm", "accumulate", "val_fraction")
+
+
+def recipe_changes(config, resume):
+    """Notes for a resumed run whose recipe differs from the one its checkpoint was written with.
+
+    A schedule is a function of the step and these settings alone: with the
+    same ones a resumed run continues exactly; with others it continues on a
+    new schedule from the checkpoint's step, which the user should know.
+    """
+    changed = [f"--{name.replace('_', '-')} {printable(repr(resume.config[name]))} -> {getattr(config, name)!r}"
+               for name in RECIPE if name in resume.config and resume.config[name] != getattr(config, name)]
+    if not changed:
+        return []
+    return [f"note: resumed with another recipe than {resume.path} was written with ({', '.join(changed)}): "
+            "the schedule continues as the new settings give it from this step"]
 
 
 def total_steps(config, setup):

@@ -150,7 +150,7 @@ def _predict(world, checkpoint_path, data, output, model, split):
             saved = checkpoint.load(checkpoint_path)
             config = _stored_settings(saved)
             inputs = Inputs.of(config, model, None)
-            reader = _reader(data if data is not None else config.data, split, config.data)
+            reader = _reader(data if data is not None else config.data, split, config.data, config)
             xp, _ = select_device(config.device, 0)
             net = build_model_for(config, inputs, reader.info, xp)
             if net.num_params != saved.params.size:
@@ -286,14 +286,18 @@ def _write(aside, target, result, checkpoint_path, reader):
 
 
 # -- what is predicted ---------------------------------------------------------------------------------------
-def _reader(data, split, trained_on):
-    """A :class:`_Split` of a dataset, or :class:`_Plain` samples, for ``data``."""
+def _reader(data, split, trained_on, config=None):
+    """A :class:`_Split` of a dataset, or :class:`_Plain` samples, for ``data``.
+
+    ``config``: the checkpoint's settings; a run that carved its validation
+    split (``--val-fraction``) has it carved again, the same rows, for ``val``.
+    """
     if split not in SPLITS:
         raise UsageError(f"split {split!r}: choose from {', '.join(SPLITS)}")
     if isinstance(data, (np.ndarray, list, tuple)):
         return _Plain(_ArraySamples(np.asarray(data)), split, trained_on)
     if isinstance(data, datasets.ArrayData):
-        return _Split(data, split)
+        return _Split(data, split, config)
     if not isinstance(data, (str, os.PathLike)):
         raise UsageError(f"data: give a file, a bundled dataset's name, an ArrayData or a numpy array, not "
                          f"{type(data).__name__}")
@@ -305,14 +309,16 @@ def _reader(data, split, trained_on):
             plain = "x" in handle and not any(name in handle for name in SPLITS)
     except (OSError, RuntimeError, ValueError) as err:
         raise UsageError(f"{path}: not a readable HDF5, .npy or .npz file ({printable(err)})") from None
-    return _Plain(_HDF5Samples(path), split, trained_on) if plain else _Split(path, split)
+    return _Plain(_HDF5Samples(path), split, trained_on) if plain else _Split(path, split, config)
 
 
 class _Split:
     """A split of a dataset in the mpidist layout, read through :class:`mpidist.data.Shard`."""
 
-    def __init__(self, source, split):
+    def __init__(self, source, split, config=None):
         self.info = datasets.inspect(source)
+        if split == "val" and "val" not in self.info.sizes and config is not None and config.val_fraction:
+            self.info = datasets.carve_validation(self.info, config.val_fraction, config.seed)
         if split not in self.info.sizes:
             raise UsageError(f"{self.info.path}: has no {split} split (it has {', '.join(self.info.sizes)})")
         self.split, self.samples = split, self.info.sizes[split]

@@ -183,3 +183,13 @@ def test_a_regression_run_logs_its_training_error_and_no_accuracy(tmp_path):
     text = metrics.read_text()
     assert "accuracy" not in text
     assert all(e["train_mae"] >= 0 for e in events(metrics, "step"))
+
+
+def test_predict_finds_the_carved_validation_split_again(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    result = mpidist.train(data="digits", epochs=2, val_fraction=0.3, seed=5, checkpoint_dir=str(tmp_path / "c"),
+                           progress="none", metrics=str(metrics))
+    last_val = [e for e in events(metrics, "eval") if "val_accuracy" in e][-1]
+    predictions = mpidist.predict(result.checkpoints[-1], split="val")
+    assert predictions.samples == int(np.ceil(0.3 * 1438))
+    assert predictions.figures["accuracy"] == last_val["val_accuracy"]
