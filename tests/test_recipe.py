@@ -5,13 +5,15 @@ local reference on the same global batch, with clipping that bites, a
 warm-up schedule and accumulation in slices: equal to 1e-9 in float64.
 """
 
+import io
 import math
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidist import nn
+import mpidist
+from mpidist import checkpoint, nn
 from mpidist.cluster import PS, build_cluster
 from mpidist.nn import BatchNorm, Dense, LayerNorm, ReLU, Sequential
 from mpidist.nn.schedules import LearningRate
@@ -235,3 +237,93 @@ def test_pipeline_clips_by_the_norm_over_every_stage(accumulate):
         assert strategy.clipped == clipped[step]
     strategy.close()
     cluster.free()
+
+
+# -- through the API: a resumed schedule, the rate in the update, accumulation's memory ---------------------
+DIGITS_TRAIN = 1438   # rows of the bundled digits' training split
+
+
+def test_a_cosine_run_stopped_inside_its_warmup_resumes_exactly(tmp_path):
+    """Stopped with ``steps=`` inside the warm-up, then resumed to the end: bit for bit the uninterrupted run.
+
+    A smaller ``steps`` shortens the cosine's ``T`` too, but not the warm-up,
+    so the stopped run's steps took the whole run's rates.
+    """
+    flags = dict(data="digits", model="mlp:32", epochs=2, batch_size=64, lr=0.01, lr_schedule="cosine",
+                 warmup_steps=10, warmup_from=0.2, lr_min=0.001, dtype="float64", eval_every=0, progress="none",
+                 metrics="")
+    stop_at, every = 7, 3
+    steps_per_epoch = DIGITS_TRAIN // flags["batch_size"]
+    total = flags["epochs"] * steps_per_epoch
+
+    def rate(total_steps):
+        return LearningRate(flags["lr"], "cosine", total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                            warmup_steps=flags["warmup_steps"], warmup_from=flags["warmup_from"],
+                            minimum=flags["lr_min"])
+
+    assert 0 < stop_at < flags["warmup_steps"] < total and stop_at % every != 0   # stopped inside the warm-up
+    assert [rate(stop_at)(s) for s in range(stop_at)] == [rate(total)(s) for s in range(stop_at)]
+
+    whole = mpidist.train(checkpoint_dir=str(tmp_path / "whole"), checkpoint_every=every, **flags)
+    stopped = mpidist.train(checkpoint_dir=str(tmp_path / "cut"), checkpoint_every=every, steps=stop_at, **flags)
+    assert stopped.figures["steps"] == stop_at
+    assert [checkpoint.load(path).step for path in stopped.checkpoints] == [3, 6, 7]
+    stream = io.StringIO()
+    resumed = mpidist.train(checkpoint_dir=str(tmp_path / "cut"), checkpoint_every=every, resume="auto",
+                            stream=stream, **flags)
+    assert f"ckpt-{stop_at:08d}-" in stream.getvalue()   # resumed from the stopped run's last checkpoint
+    assert whole.figures["steps"] == resumed.figures["steps"] == total
+    np.testing.assert_array_equal(resumed.params, whole.params)
+    a, b = checkpoint.load(whole.checkpoints[-1]), checkpoint.load(resumed.checkpoints[-1])
+    assert a.step == b.step == total and a.optimizer_steps == b.optimizer_steps == total
+    for name in ("m", "v"):
+        np.testing.assert_array_equal(b.optimizer_state[name], a.optimizer_state[name])
+
+
+def test_the_scheduled_rate_is_the_rate_of_each_update(tmp_path):
+    """Plain SGD on a linear least-squares model, one full batch per step: p' = p - lr(s) x grad(p), in closed form.
+
+    Every step is checkpointed, so each update is read back and compared with
+    the one the schedule's rate gives, through the warm-up and the cosine.
+    """
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(32, 3))
+    y = x @ np.array([1.5, -2.0, 0.5]) + 0.3 + 0.1 * rng.normal(size=32)
+    data = mpidist.ArrayData(train=(x, y), test=(x[:8], y[:8]), num_classes=0)
+    epochs, warmup = 8, 3
+    rate = LearningRate(0.05, "cosine", total_steps=epochs, warmup_steps=warmup, warmup_from=0.25, minimum=0.001)
+    result = mpidist.train("linear", data, epochs=epochs, batch_size=len(x), optimizer="sgd", momentum=0.0, lr=0.05,
+                           lr_schedule="cosine", warmup_steps=warmup, warmup_from=0.25, lr_min=0.001, dtype="float64",
+                           checkpoint_dir=str(tmp_path), checkpoint_every=1, keep=0, eval_every=0, progress="none",
+                           metrics="")
+    saved = {ck.step: ck.params for ck in map(checkpoint.load, result.checkpoints)}
+    assert sorted(saved) == list(range(1, epochs + 1))   # one step per epoch, each kept
+    rates = []
+    for step in range(1, epochs):   # the update computed at `step` takes the parameters after `step` steps
+        before, after = saved[step], saved[step + 1]
+        weights, bias = before[:3], before[3]
+        residual = 2.0 * (x @ weights + bias - y) / len(x)    # d(mean squared error)/d(prediction)
+        gradient = np.concatenate([x.T @ residual, [residual.sum()]])
+        np.testing.assert_allclose(after, before - rate(step) * gradient, rtol=1e-12, atol=1e-15)
+        rates.append(float(np.median((before - after) / gradient)))
+    assert rates == pytest.approx([rate(s) for s in range(1, epochs)], rel=1e-9)
+    assert rates[0] < rates[1] < rates[2] > rates[3] > rates[-1]   # warming up, then the cosine's decay
+    np.testing.assert_array_equal(result.params, saved[epochs])
+
+
+def test_accumulating_holds_a_quarter_of_the_activations_for_the_same_step():
+    """One step of the same batch in 4 slices: the workspace holds a slice's arrays, the parameters are the same."""
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 8, 8)), rng.integers(0, 10, 64)
+    held, params = {}, {}
+    for accumulate in (1, 4):
+        model = nn.build_model("mlp:256,256", (8, 8), 10, np, np.float64)
+        strategy = LocalStrategy(model, nn.loss_for(10, np),
+                                 lambda size: nn.make_optimizer("sgd", size, 0.1, xp=np, dtype=np.float64),
+                                 seed=1, recipe=Recipe(accumulate=accumulate))
+        strategy.initialize()
+        strategy.train_step(x, y, 1.0, 0)
+        held[accumulate], params[accumulate] = model.workspace.nbytes, model.params.copy()
+    assert held[1] >= 64 * (64 + 256 + 256) * 8   # (at least the activations of the whole batch)
+    assert held[4] < 0.35 * held[1], f"{held[4]} bytes held with 4 slices against {held[1]} with one"
+    np.testing.assert_allclose(params[4], params[1], rtol=0, atol=1e-12)

@@ -18,7 +18,22 @@ import numpy as np
 
 
 class Optimizer:
-    """Base class. ``step(params, grads)`` updates ``params`` in place."""
+    """Base class. ``step(params, grads)`` updates ``params`` in place.
+
+    Args:
+        size: the parameters it updates (a flat array of this length).
+        xp: array module (numpy or cupy).
+        dtype: dtype of its state.
+        weight_decay: decoupled weight decay ``w``: each step, before the
+            gradient's update, the parameters in ``decay_ranges`` become
+            ``p - lr x w x p`` (0: none).
+        decay_ranges: ``(lo, hi)`` ranges of the ``size`` parameters that
+            decay (default: all of them). Strategies pass the model's
+            :meth:`~mpidist.nn.Sequential.decay_ranges` within the slice the
+            optimizer holds, so biases and normalisation parameters do not decay.
+
+    :class:`SGD` and :class:`Adam` take these as keyword arguments after their own.
+    """
 
     def __init__(self, size, xp=np, dtype=np.float32, weight_decay=0.0, decay_ranges=None):
         self.xp, self.size, self.dtype = xp, int(size), np.dtype(dtype)

@@ -9,13 +9,13 @@ Warm-up (Goyal et al., "Accurate, Large Minibatch SGD") ramps the rate
 linearly over the first ``warmup_steps`` steps, from ``warmup_from x lr`` at
 step 0 to ``lr`` at step ``warmup_steps``; the schedule takes over from there:
 
-==============  ==============================================================
-``constant``    ``lr``
-``step``        ``lr x gamma ** floor(epoch / step_epochs)``
-``exponential`` ``lr x gamma ** floor(epoch)``
-``cosine``      ``minimum + (lr - minimum) x (1 + cos(pi x p)) / 2``
-``linear``      ``lr + (minimum - lr) x p``
-==============  ==============================================================
+===============  ==============================================================
+``constant``     ``lr``
+``step``         ``lr x gamma ** floor(epoch / step_epochs)``
+``exponential``  ``lr x gamma ** floor(epoch)``
+``cosine``       ``minimum + (lr - minimum) x (1 + cos(pi x p)) / 2``
+``linear``       ``lr + (minimum - lr) x p``
+===============  ==============================================================
 
 where ``epoch = step / steps_per_epoch`` and ``p`` is the progress after the
 warm-up, ``(step - warmup_steps) / (total_steps - warmup_steps)``, from 0 to
@@ -25,6 +25,7 @@ warm-up does not shift their milestones.
 
 import math
 
+#: The names ``--lr-schedule`` takes.
 SCHEDULES = ("constant", "step", "exponential", "cosine", "linear")
 
 

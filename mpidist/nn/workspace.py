@@ -44,6 +44,11 @@ class Workspace:
             found = self._arrays[key] = make(shape, dtype=dtype)
         return found
 
+    @property
+    def nbytes(self):
+        """Bytes of the arrays held now, every slot's (a training step's activations, gradients, loss)."""
+        return sum(int(array.nbytes) for array in self._arrays.values())
+
 
 
 class UsesWorkspace:
