@@ -81,8 +81,8 @@ def data_layout(config, cluster):
 def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or None)."""
     info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
-    if config.val_fraction:
-        info = data.carve_validation(info, config.val_fraction, config.seed)
+    if config.val_fraction:   # (a resumed run's rows are its checkpoint's: drawn by the seed it continues with)
+        info = data.carve_validation(info, config.val_fraction, config.seed if resume is None else resume.seed)
     check_validation(config, info)
     model = build_model_for(config, inputs, info, xp)
     notes = []
@@ -161,6 +161,9 @@ def check_validation(config, info):
     if asked and "val" not in info.sizes:
         raise UsageError(f"{' and '.join(asked)} judge(s) the run by a validation split, and dataset {info.name!r} "
                          "has none: add --val-fraction F (or a val/ split to the file)")
+    if asked and not config.eval_every:
+        raise UsageError(f"{' and '.join(asked)} judge(s) the run at its validations, and --eval-every 0 has "
+                         "none: give --eval-every N (epochs between validations)")
     if config.keep_best and config.keep_best not in validation_figures(info):
         raise UsageError(f"--keep-best {config.keep_best!r}: dataset {info.name!r} is validated with "
                          f"{', '.join(validation_figures(info))}")

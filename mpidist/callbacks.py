@@ -84,6 +84,9 @@ class EarlyStopping(Callback):
     MODES = ("auto", "max", "min")
 
     def __init__(self, patience=3, min_delta=0.0, monitor="test_accuracy", mode="auto"):
+        if not str(monitor).startswith(("test_", "val_")):
+            raise ValueError(f"EarlyStopping: monitor a figure of the eval events, test_* or val_* (test_loss, "
+                             f"val_accuracy, ...), got {monitor!r}")
         if mode not in self.MODES:
             raise ValueError(f"EarlyStopping: mode must be one of {', '.join(map(repr, self.MODES))}, got {mode!r}")
         if mode == "auto":

@@ -49,6 +49,7 @@ class Checkpoint:
     seed: int = 0           # the seed of the data order and random streams
     lineage: str = ""       # the run lineage that wrote it (see mpidist.lineage)
     parent: str = ""        # the lineage it branched from, if it did
+    best: dict = None       # --keep-best: {"figure", "value", "step"} of the best validation so far
 
 
 DATA_ORDER = "strided shards w::W, one permutation per epoch from (seed, epoch, worker)"
@@ -56,7 +57,7 @@ RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
 def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
-         workers, lineage="", parent=""):
+         workers, lineage="", parent="", best=None):
     """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
     ``seed`` and ``workers`` fix the data order and random streams (see the module text).
@@ -80,6 +81,8 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
                                                            "epoch_step": int(epoch_step), "workers": int(workers),
                                                            "scheme": DATA_ORDER}),
                                  "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})})
+            if best:   # (a resumed run goes on judging against it)
+                handle.attrs["best"] = json.dumps(best)
         with open(aside, "rb+") as raw:  # data on disk before the rename makes it visible
             os.fsync(raw.fileno())
         os.replace(aside, final)
@@ -118,6 +121,11 @@ def keep_as(path, name):
             with open(aside, "rb+") as raw:
                 os.fsync(raw.fileno())
         os.replace(aside, final)
+        dir_fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)   # the rename itself survives a crash
+        finally:
+            os.close(dir_fd)
     except OSError as err:
         raise RunError(f"best checkpoint {final} not kept: {os.strerror(err.errno) if err.errno else err}") from None
     finally:
@@ -175,6 +183,7 @@ def _read(path, handle):
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < LARGEST:
         raise bad("rng seed", f"is {shown(seed)}; it must be an integer from 0")
     lineage, parent = (_text(handle.attrs, name, bad) for name in ("lineage", "parent"))
+    best = _best(_json(handle.attrs, "best", bad), values["step"], bad) if "best" in handle.attrs else None
     loaded = {"params": handle["params"][...]}
     for name in arrays:
         loaded[name] = group[name][...]
@@ -185,7 +194,19 @@ def _read(path, handle):
                             "values): it cannot be trained or evaluated from; resume an earlier checkpoint")
     return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded,
                       optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage,
-                      parent=parent, **values)
+                      parent=parent, best=best, **values)
+
+
+def _best(table, step, bad):
+    """The ``best`` attribute, checked: a figure's name, a finite value, and a step no later than the checkpoint's."""
+    figure, value, at = table.get("figure"), table.get("value"), table.get("step")
+    if not (isinstance(figure, str) and 0 < len(figure) <= 64 and figure.isidentifier()):
+        raise bad("attribute best", f"names figure {shown(figure)}; it must be a figure's name")
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)):
+        raise bad("attribute best", f"has value {shown(value)}; it must be a finite number")
+    if not (isinstance(at, int) and not isinstance(at, bool) and 0 <= at <= step):
+        raise bad("attribute best", f"has step {shown(at)}; it must be an integer from 0 to the checkpoint's {step}")
+    return {"figure": figure, "value": float(value), "step": at}
 
 
 def _array(group, name, bad, prefix=""):

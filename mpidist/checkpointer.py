@@ -95,12 +95,15 @@ class Checkpointer:
         self.best = checkpoint.keep_as(self.last, f"best-{self.lineage or 'run'}.h5")
         return self.best
 
-    def write(self, state, step, epoch, epoch_step, workers):
-        """Write ``state`` (``(params, optimizer arrays, optimizer steps)``) as the checkpoint of ``step``; prune."""
+    def write(self, state, step, epoch, epoch_step, workers, best=None):
+        """Write ``state`` (``(params, optimizer arrays, optimizer steps)``) as the checkpoint of ``step``; prune.
+
+        ``best``: the ``--keep-best`` figure's best so far (``{"figure", "value", "step"}``), stored with it.
+        """
         config = self.config
         params, opt_state, opt_steps = state
         path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
-                               config.to_json(), config.seed, workers, self.lineage, self.parent)
+                               config.to_json(), config.seed, workers, self.lineage, self.parent, best=best)
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         self.written.append(path)
         self.last_step = step

@@ -5,7 +5,8 @@ holding ``x`` (samples first) and ``y`` (integer class labels, or float
 targets); file attributes ``name``, ``num_classes`` (0 for regression) and
 ``source``.  Optional: ``stats/mean`` and ``stats/std`` (floats of the sample
 shape: standardisation statistics, applied when samples are read, so ``x``
-stays as stored) and ``class_names`` (text, one per class).
+stays as stored), ``class_names`` (text, one per class) and a ``val/`` group
+(the validation split, checked like the others).
 
 Worker ``w`` of ``W`` reads only rows ``w, w+W, w+2W, ...`` of each split: a
 strided shard, so every worker sees every class even when a file is stored

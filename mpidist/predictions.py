@@ -150,7 +150,9 @@ def _predict(world, checkpoint_path, data, output, model, split):
             saved = checkpoint.load(checkpoint_path)
             config = _stored_settings(saved)
             inputs = Inputs.of(config, model, None)
-            reader = _reader(data if data is not None else config.data, split, config.data, config)
+            # (a validation split carved by the run is carved again only from the run's own dataset)
+            own = data is None or str(data) == config.data
+            reader = _reader(data if data is not None else config.data, split, config.data, config if own else None)
             xp, _ = select_device(config.device, 0)
             net = build_model_for(config, inputs, reader.info, xp)
             if net.num_params != saved.params.size:

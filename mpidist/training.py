@@ -62,10 +62,18 @@ class BestSoFar:
 
     LOWER_IS_BETTER = ("loss", "mse", "mae")
 
-    def __init__(self, figure):
+    def __init__(self, figure, stored=None):
         self.figure = figure
         self.lower = figure.endswith(self.LOWER_IS_BETTER)
         self.value, self.step = None, None
+        if stored and stored.get("figure") == figure:   # a resumed run's checkpoint: the best it had seen
+            self.value, self.step = stored["value"], stored["step"]
+
+    def record(self):
+        """What a checkpoint stores of it (None before the first value, or without ``--keep-best``)."""
+        if not self.figure or self.value is None:
+            return None
+        return {"figure": self.figure, "value": self.value, "step": self.step}
 
     def offer(self, value, step):
         """Whether ``value`` (at ``step``) beats the best so far; it becomes the best if so.  NaN never does."""
@@ -139,7 +147,9 @@ class Training:
         self.where.enter("setup", 0)
         with agreed(cluster.world):
             self.setup = prepare(config, cluster, self.xp, self.inputs, *find_resume(config))
-            own = [EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss")] if config.early_stop else []
+            self.early_stopping = EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss") \
+                if config.early_stop else None
+            own = [self.early_stopping] if self.early_stopping else []
             self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), self.callbacks + own, self.chief)
             if self.chief:
                 if config.checkpoint_dir:
@@ -187,8 +197,10 @@ class Training:
         self.trained_steps, self.skipped_in_row = 0, 0
         self.window_clipped = self.clipped_steps = 0   # steps clipped to --clip-norm (where the chief knows it)
         self.last_loss, self.result, self.evaluated_at = math.nan, None, None
-        self.val_result = None
-        self.best = BestSoFar(config.keep_best)
+        self.val_result = self.validated_at = None
+        self.best = BestSoFar(config.keep_best, resume.best if resume is not None else None)
+        if self.early_stopping is not None and self.best.value is not None:
+            self.early_stopping.best = self.best.value   # a resumed run judges against the best so far, not afresh
         self._move_to(resume)
 
     def _share_lineage(self):
@@ -339,7 +351,8 @@ class Training:
             self.last_loss = self.window_loss / self.window_good if self.window_good else math.nan
             self.log.write("step", step=step, epoch=self.epoch + 1, loss=self.last_loss,
                            lr=self._learning_rate(step - 1), **self._training_figures(),
-                           **({"clipped": self.window_clipped} if config.clip_norm else {}),
+                           **({"clipped": self.window_clipped} if config.clip_norm and self.strategy.lockstep
+                              else {}),
                            samples_per_s=rate, time=now - self.started)
             self.window_clipped = 0
             self.progress.update(step, self.epoch, self.last_loss, rate)
@@ -401,7 +414,7 @@ class Training:
         if self.chief:
             self.where.enter("write")
             path = self.checkpointer.write(state, self.step, self.epoch, self.epoch_step,
-                                           data_layout(self.config, self.cluster)[0])
+                                           data_layout(self.config, self.cluster)[0], best=self.best.record())
             self.log.write("checkpoint", step=self.step, epoch=self.epoch + 1, path=str(path))
 
     @property
@@ -422,7 +435,7 @@ class Training:
         if split == "test":
             self.result, self.evaluated_at = figures, self.step
         else:
-            self.val_result = figures
+            self.val_result, self.validated_at = figures, self.step
         self.progress.evaluated(self.step, self.epoch, self.last_loss, figures, split)
         self.log.write("eval", step=self.step, epoch=self.epoch + 1, **scores.headline(figures, prefix=split + "_"))
         if split == "val" and self.config.keep_best:
@@ -457,6 +470,8 @@ class Training:
         stopped = flags if flags["signal"] and flags["early"] and not (self.stopped_early or write_failed) else {}
         elapsed = time.perf_counter() - self.started
         if not (stopped or self.diverged or write_failed) and (self.evaluated_at != self.step or self.result is None):
+            if self.monitored_split == "val" and self.validated_at != self.step:
+                self.evaluate("val")   # (the validation of the state the run ends with, as of every epoch's)
             self.evaluate()   # (a stopping job has no time to spare; a diverged one nothing to show)
         state = None
         if not self.diverged:   # a diverged state must not push a good checkpoint out of --keep

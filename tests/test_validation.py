@@ -128,7 +128,9 @@ def test_early_stop_ends_the_run_when_the_validation_figure_stops_improving(tmp_
                            checkpoint_dir=str(tmp_path / "c"), early_stop=2, progress="none", metrics=str(metrics))
     assert result.status == "done" and result.figures.get("stopped_early")
     val_evals = [e for e in events(metrics, "eval") if "val_accuracy" in e]
-    assert len(val_evals) == 3   # the first sets the mark; two more without a gain stop the run
+    at_epoch_ends = [e for e in val_evals if e["step"] % 17 == 0]
+    assert len(at_epoch_ends) == 3   # the first sets the mark; two more without a gain stop the run
+    assert val_evals[-1]["step"] == result.figures["steps"]   # and the state it ends with is validated too
     assert result.figures["epochs"] < 10
 
 
@@ -183,6 +185,26 @@ def test_a_regression_run_logs_its_training_error_and_no_accuracy(tmp_path):
     text = metrics.read_text()
     assert "accuracy" not in text
     assert all(e["train_mae"] >= 0 for e in events(metrics, "step"))
+
+
+def test_a_resumed_run_keeps_its_validation_rows_and_its_best_so_far(tmp_path, monkeypatch):
+    seeds, carve = [], data.carve_validation
+    monkeypatch.setattr(data, "carve_validation", lambda info, fraction, seed: seeds.append(seed) or
+                        carve(info, fraction, seed))
+    directory, metrics = tmp_path / "c", tmp_path / "m.jsonl"
+    common = dict(data="digits", val_fraction=0.2, keep_best="val_loss", checkpoint_dir=str(directory),
+                  progress="none", metrics=str(metrics))
+    mpidist.train(epochs=2, seed=5, **common)
+    first = mpidist.checkpoint.load(next(directory.glob("best-*.h5")))
+    assert first.best["figure"] == "val_loss" and first.best["step"] == first.step
+    # resumed with another --seed on the command line and a rate that makes it worse: the rows stay the
+    # checkpoint's, and the best file is not replaced by a worse state
+    mpidist.train(epochs=3, seed=0, lr=5.0, resume="auto", **common)
+    bests = events(metrics, "best")
+    assert all(later["value"] < earlier["value"] for earlier, later in zip(bests, bests[1:]))
+    kept = mpidist.checkpoint.load(next(directory.glob("best-*.h5")))
+    assert kept.best["value"] <= first.best["value"]
+    assert seeds and set(seeds) == {5}   # the rows held out are the first run's, whatever --seed says now
 
 
 def test_predict_finds_the_carved_validation_split_again(tmp_path):

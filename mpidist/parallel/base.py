@@ -299,9 +299,12 @@ class Strategy:
             self._accumulated = model.xp.zeros(model.num_params, dtype=model.dtype)
         accumulated, grads, n = self._accumulated, model.grads, len(x)
         bounds = np.linspace(0, n, slices + 1).round().astype(int)
+        largest = int(np.diff(bounds).max())
         loss = 0.0
         for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             model.reseed(self.seed, self.worker_index, step, index)
+            # slices of two sizes (an uneven split) each keep their own arrays: none is reallocated per slice
+            model.workspace.slot = 0 if hi - lo == largest else 1
             loss += float(self._forward(x[lo:hi], y[lo:hi])) * (hi - lo) / n
             last = index == slices - 1
             if last and before_backward is not None:
@@ -320,6 +323,7 @@ class Strategy:
                 accumulated[...] = grads
             elif not last:
                 accumulated += grads
+        model.workspace.slot = 0
         return loss
 
     def _forward(self, x, y):
