@@ -330,13 +330,20 @@ class Strategy:
         """A training forward pass and its loss; counts this worker's training accuracy (or absolute error)."""
         out = self.model.forward(x, training=True)
         loss = self.loss.forward(out, y)
-        counts = self.train_counts
-        if isinstance(self.loss, SoftmaxCrossEntropy):   # classification: samples whose top output is the label
-            counts[0] += float(self.loss.correct(out, y))
-        else:                              # regression: the mean absolute error, over the outputs
-            counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(x), 1), 1)
-        counts[1] += len(x)
+        self.count_training(out, y)
         return loss
+
+    def count_training(self, out, y):
+        """Add a batch's correct answers (classification) or absolute error (regression) to the training figures.
+
+        Call right after the loss's forward on ``out``: regression reads the loss's differences.
+        """
+        counts = self.train_counts
+        if isinstance(self.loss, SoftmaxCrossEntropy):   # samples whose top output is the label
+            counts[0] += float(self.loss.correct(out, y))
+        else:                                            # the absolute error, averaged over the outputs
+            counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(out), 1), 1)
+        counts[1] += len(out)
 
     def take_train_counts(self):
         """``(correct or summed absolute error, samples)`` since the last call, this worker's own."""

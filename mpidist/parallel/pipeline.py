@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from .. import comm as mpi
 from ..errors import UsageError
-from ..nn import Sequential, SoftmaxCrossEntropy
+from ..nn import Sequential
 from ..xp import to_host
 from .base import Strategy
 from .registry import Option, register
@@ -270,7 +270,7 @@ class PipelineStrategy(Strategy):
                 out = model.forward(x[parts[i]] if self.is_first else inputs.pop(i), training=True)
                 if self.is_last:
                     loss_sum += float(self.loss.forward(out, y[parts[i]])) * sizes[i] / self.global_batch
-                    self._count_training(out, y[parts[i]])
+                    self.count_training(out, y[parts[i]])
                     stashes[i] = model.stash([self.loss])
                 else:
                     stashes[i] = model.stash()
@@ -308,15 +308,6 @@ class PipelineStrategy(Strategy):
         self.slots.reset()
         self.figures["idle_s"] += time.perf_counter() - waited
         return loss_sum
-
-    def _count_training(self, out, y):
-        """Last stage: this micro-batch's correct answers (or absolute error) for the training figures."""
-        counts = self.train_counts
-        if isinstance(self.loss, SoftmaxCrossEntropy):
-            counts[0] += float(self.loss.correct(out, y))
-        else:
-            counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(out), 1), 1)
-        counts[1] += len(out)
 
     def _to_chief(self, values, tag):
         """The last stage of replica 0 holds the global figures; the chief (rank 0) needs them.
