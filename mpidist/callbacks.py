@@ -60,6 +60,11 @@ class Callback:
         """At the end; ``figures["event"]`` says how it ended: ``done``, ``stopped`` or ``failed``."""
 
 
+def lower_is_better(figure):
+    """Whether a lower value of the figure named ``figure`` is better: a loss or an error (``loss``, ``mse``, ``mae``)."""
+    return str(figure).endswith(("loss", "mse", "mae"))
+
+
 class EarlyStopping(Callback):
     """Stop when a test figure has not improved for ``patience`` evaluations.
 
@@ -90,7 +95,7 @@ class EarlyStopping(Callback):
         if mode not in self.MODES:
             raise ValueError(f"EarlyStopping: mode must be one of {', '.join(map(repr, self.MODES))}, got {mode!r}")
         if mode == "auto":
-            mode = "min" if str(monitor).endswith(("loss", "mse", "mae")) else "max"
+            mode = "min" if lower_is_better(monitor) else "max"
         self.patience, self.min_delta, self.monitor, self.mode = int(patience), float(min_delta), monitor, mode
         self.best, self.waited, self.stopped_at = None, 0, None
 

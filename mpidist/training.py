@@ -20,7 +20,7 @@ import numpy as np
 from . import checkpoint, data, elastic, lineage, scores
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
 from .errors import agreed, error_line
-from .callbacks import EarlyStopping, Reporter
+from .callbacks import EarlyStopping, Reporter, lower_is_better
 from .comm import bcast
 from .checkpointer import Checkpointer
 from .metrics import MetricsLog, Progress, format_summary
@@ -60,11 +60,9 @@ class ServerControl:
 class BestSoFar:
     """The best value of a validation figure so far (``--keep-best``): lower is better for losses and errors."""
 
-    LOWER_IS_BETTER = ("loss", "mse", "mae")
-
     def __init__(self, figure, stored=None):
         self.figure = figure
-        self.lower = figure.endswith(self.LOWER_IS_BETTER)
+        self.lower = lower_is_better(figure)   # (the rule --early-stop follows too)
         self.value, self.step = None, None
         if stored and stored.get("figure") == figure:   # a resumed run's checkpoint: the best it had seen
             self.value, self.step = stored["value"], stored["step"]
