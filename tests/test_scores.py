@@ -135,6 +135,15 @@ def test_r2_of_a_target_with_no_variance_is_one_if_exact_else_zero_as_sklearn():
     # a large offset with a real spread is not taken for a constant
     y = 1e4 + np.arange(10.0).reshape(10, 1)
     assert scoring.figures(scoring.add(scoring.zeros(), y + 1.0, y, 0.0))["r2"] == pytest.approx(1 - 10 / 82.5)
+    # nor a mean a million times the deviation, summed over many batches (the review's case: it read 0.0)
+    rng = np.random.default_rng(0)
+    y = 1e6 + rng.normal(size=(2000, 1))
+    pred = y + 0.1 * rng.normal(size=(2000, 1))
+    sums = scoring.zeros()
+    for lo in range(0, 2000, 50):
+        sums = scoring.add(sums, pred[lo:lo + 50], y[lo:lo + 50], 0.0)
+    expected = 1 - ((pred - y) ** 2).sum() / ((y - y.mean()) ** 2).sum()
+    assert scoring.figures(sums)["r2"] == pytest.approx(expected, abs=1e-3)
 
 
 def test_sums_add_up_so_shards_give_the_figures_of_the_whole():

@@ -146,6 +146,8 @@ def test_best_so_far_knows_which_way_is_better():
     ({"early_stop": 2}, "--early-stop judge"),
     ({"keep_best": "val_mse", "checkpoint_dir": "c", "val_fraction": 0.1}, "validated with val_loss, val_accuracy"),
     ({"val_fraction": 1.0}, "--val-fraction must be a fraction in \\[0, 1\\)"),
+    ({"keep_best": "val_loss", "checkpoint_dir": "c", "val_fraction": 0.1, "eval_every": 0},
+     "--eval-every 0 has none"),
 ])
 def test_validation_settings_that_cannot_work_are_refused(flags, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
