@@ -148,10 +148,8 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
 
 def validation_figures(info):
     """The figures a validation of dataset ``info`` reports, as ``--keep-best`` and ``--early-stop`` name them."""
-    if info.num_classes:
-        k = scores.top_k(info.num_classes)
-        return ["val_loss", "val_accuracy"] + ([f"val_top{k}_accuracy"] if k else [])
-    return ["val_loss", "val_mse", "val_mae", "val_r2"]
+    scoring = scores.Classification(info.num_classes) if info.num_classes else scores.Regression(info.target_width)
+    return ["val_" + name for name in scoring.scalar_names()]
 
 
 def check_validation(config, info):

@@ -54,7 +54,7 @@ from .text import printable
 from .whereabouts import here
 
 FORMAT = "mpidist-predictions-1"
-SPLITS = ("train", "test", "val")
+SPLITS = datasets.SPLITS + datasets.OPTIONAL_SPLITS
 #: Samples per forward pass (``eval`` uses the same).
 BATCH = 1024
 #: Most values one ``Gatherv`` may carry (MPI counts are C ints).
