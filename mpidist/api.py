@@ -166,7 +166,10 @@ def _evaluate(world, checkpoint_path, data, model):
         if net.num_params != saved.params.size:
             raise UsageError(f"{checkpoint_path}: holds {saved.params.size} parameters, but model "
                              f"{inputs.model.spec} on {info.name!r} has {net.num_params}")
-        test = datasets.Shard(info, "test", world.Get_rank(), world.Get_size(), net.input_shape, net.dtype)
+        rank, ranks = world.Get_rank(), world.Get_size()
+        reading = datasets.plan(config, info, [("test", len(range(rank, info.sizes["test"], ranks)))],
+                                net.input_shape, net.dtype)
+        test = reading.open(info, "test", rank, ranks, net.input_shape, net.dtype)
     with _ends_the_job_on_error(world):
         cluster = build_cluster(world)
         # (evaluation exchanges no gradients: no shared-memory window for them)

@@ -45,6 +45,7 @@ class Setup:
     val: data.Shard         # the validation split (a val/ group, or --val-fraction's), evaluated each epoch; or None
     local_batch: int
     steps_per_epoch: int
+    reading: data.Reading = None   # in memory or streamed, and why (the start-up table's data column)
     resume: checkpoint.Checkpoint = None
     skipped: list = dataclasses.field(default_factory=list)   # unreadable checkpoints passed over
     notes: list = dataclasses.field(default_factory=list)     # what the chief says about the set-up
@@ -106,21 +107,11 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     if steps == 0:
         raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
                          f"--batch-size {config.batch_size} over {workers} workers")
-    train = test = val = None
-    evaluated = ("test", "val") if "val" in info.sizes else ("test",)
-    if in_graph:
-        if cluster.is_chief:  # the one client that reads samples
-            train = data.Shard(info, "train", 0, 1, model.input_shape, model.dtype)
-            test, val = (data.Shard(info, split, 0, 1, model.input_shape, model.dtype) if split in evaluated
-                         else None for split in ("test", "val"))
-    elif worker is not None:
-        train = data.Shard(info, "train", worker, workers, model.input_shape, model.dtype)
-        if strategy_class(config, workers).evaluation == "sharded":
-            test, val = (data.Shard(info, split, worker, workers, model.input_shape, model.dtype)
-                         if split in evaluated else None for split in ("test", "val"))
-        elif cluster.is_chief:
-            test, val = (data.Shard(info, split, 0, 1, model.input_shape, model.dtype) if split in evaluated
-                         else None for split in ("test", "val"))
+    reads = _reads(config, cluster, info, worker, workers)
+    reading = data.plan(config, info, [(split, len(range(w, info.sizes[split], n))) for split, w, n in reads.values()],
+                        model.input_shape, model.dtype)
+    shards = {split: reading.open(info, split, w, n, model.input_shape, model.dtype) for split, w, n in reads.values()}
+    train, test, val = (shards.get(split) for split in ("train", "test", "val"))
     if resume is not None and resume.params.size != model.num_params:
         raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
                          f"{config.model} on {info.name!r} has {model.num_params} (it was written by --model "
@@ -142,8 +133,23 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
         notes.extend(recipe_changes(config, resume))
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     return Setup(info=info, model=model, train=train, test=test, val=val, local_batch=local_batch,
-                 steps_per_epoch=steps,
+                 steps_per_epoch=steps, reading=reading,
                  resume=resume, skipped=list(skipped), notes=notes)
+
+
+def _reads(config, cluster, info, worker, workers):
+    """``{split: (split, worker, workers)}``: the part of each split this rank reads (none: not in the dict)."""
+    evaluated = ("test", "val") if "val" in info.sizes else ("test",)
+    if config.replication == "in-graph":   # the chief is the one client that reads samples
+        return {split: (split, 0, 1) for split in ("train",) + evaluated} if cluster.is_chief else {}
+    if worker is None:
+        return {}
+    reads = {"train": ("train", worker, workers)}
+    if strategy_class(config, workers).evaluation == "sharded":
+        reads.update({split: (split, worker, workers) for split in evaluated})
+    elif cluster.is_chief:
+        reads.update({split: (split, 0, 1) for split in evaluated})
+    return reads
 
 
 def validation_figures(info):

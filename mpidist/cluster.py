@@ -111,15 +111,21 @@ class Cluster:
     def local_size(self):
         return self.node.Get_size()
 
-    def table(self, device):
-        """Collective: the chief gets the role table as text, others None."""
+    def table(self, device, data=""):
+        """Collective: the chief gets the role table as text, others None.
+
+        ``data``: how this rank holds its data (in memory or streamed, and why); the column is left out when no
+        rank reads any.
+        """
         # the pid lets a user map a launcher's "PID 4711 killed by signal 9" back to a rank
         row = (self.rank, self.host, os.getpid(), self.local_rank, self.role,
-               "" if self.worker_index is None else self.worker_index, device)
+               "" if self.worker_index is None else self.worker_index, device, data)
         rows = self.world.gather(row, root=self.chief_rank)  # start-up only, small strings
         if rows is None:
             return None
-        header = ("rank", "host", "pid", "local", "role", "index", "device")
+        header = ("rank", "host", "pid", "local", "role", "index", "device", "data")
+        if not any(r[-1] for r in rows):
+            rows, header = [r[:-1] for r in rows], header[:-1]
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*header)] + [fmt.format(*map(str, r)) for r in rows]

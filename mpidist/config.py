@@ -16,6 +16,7 @@ import stat
 import sys
 
 from .errors import UsageError
+from .memory import parse_bytes
 from .nn.schedules import SCHEDULES
 from .parallel import STRATEGIES, declared_options
 from .text import os_reason
@@ -30,6 +31,7 @@ DEVICES = ("auto", "cpu", "gpu")
 DTYPES = ("float32", "float64")
 PROGRESS = ("auto", "bar", "lines", "none")
 REPLICATIONS = ("between-graph", "in-graph")
+DATA_MODES = ("auto", "memory", "stream")
 
 #: Largest magnitude of an int setting: counters and seeds end up in int64 arrays, with room to add to them.
 INT_LIMIT = 2 ** 62
@@ -115,6 +117,7 @@ BOUNDS = {
     "accumulate": Bounds(1),
     "val_fraction": Bounds(0, 1, high_open=True, text="a fraction in [0, 1)"),
     "early_stop": Bounds(0),
+    "shuffle_buffer": Bounds(0, hint=" (0 = as many samples as fill 64 MiB)"),
 }
 
 
@@ -212,6 +215,13 @@ class CommonSettings:
                                "(they are kept: this run prunes only its own)")
     allow_external: bool = _field(False, "follow HDF5 external links and virtual datasets in --data, which "
                                         "read other files (refused by default)")
+    data_mode: str = _field("auto", "how each rank holds its data: memory (its shards read whole), stream (read in "
+                            "chunk-aligned blocks as training goes, bounded memory); auto = memory while it fits "
+                            "--memory-budget", DATA_MODES)
+    memory_budget: str = _field("auto", "memory a rank's data may take before it streams, e.g. 512M, 8G; auto = half "
+                                "the node's free memory over the ranks on the node")
+    shuffle_buffer: int = _field(0, "samples a streaming worker shuffles together: random blocks of its part, "
+                                 "permuted (0 = as many as fill 64 MiB)")
     elastic: bool = _field(False, "keep training when workers die, on an MPI with User-Level Failure Mitigation "
                            "(Open MPI: mpirun --with-ft ulfm); strategies allreduce, ps-sync, ps-async")
     stall_timeout: float = _field(300.0, "seconds a rank may wait for others (an exchange, the step agreement, "
@@ -244,6 +254,8 @@ class CommonSettings:
         for f in dataclasses.fields(self):   # every number, the strategies' own included: finite, in range
             if f.type in (int, float):
                 check_number(f, getattr(self, f.name))
+        if self.memory_budget != "auto":
+            parse_bytes(self.memory_budget)
 
     def _validate_for(self, world_size):
         if self.strategy not in STRATEGIES and self.strategy != "auto":   # (the registry, not a fixed list)

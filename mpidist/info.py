@@ -9,6 +9,7 @@ from mpi4py import MPI
 import mpi4py
 
 from . import __version__, comm, data
+from .memory import default_budget, human, ranks_per_node
 from .elastic import ulfm_support
 from .nn import MODELS
 
@@ -56,6 +57,8 @@ def report(world, models_only=False):
         ("GPUs", _gpus()),
         ("models", ", ".join(MODELS)),
         ("bundled datasets", ", ".join(data.bundled_names()) or "none found"),
+        ("data budget", f"{human(default_budget())} per rank (--memory-budget auto: half the node's free memory "
+                        f"over {ranks_per_node()} rank(s) per node); a rank whose shards need more streams them"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -7,7 +7,9 @@ checked against the memory the node has free before anything is allocated
 and a smaller absurd number would push the node into swap or the OOM killer).
 """
 
+import math
 import os
+import re
 
 from .errors import UsageError
 
@@ -60,3 +62,24 @@ def check_fits(nbytes, what):
     if nbytes > share:
         raise UsageError(f"{what} needs {human(nbytes)}, more than this rank's share of the memory free on the "
                          f"node ({human(share)} of {human(free)} for {ranks_per_node()} rank(s))")
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+
+def parse_bytes(text, flag="--memory-budget"):
+    """``"512M"``, ``"2G"``, ``"1.5GiB"``, ``"1000000"`` as bytes (binary units); :class:`UsageError` otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgtp]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()] if match else math.nan
+    if not (math.isfinite(value) and 1 <= value < 1 << 62):
+        raise UsageError(f"{flag} {text!r}: give a size such as 512M, 4G or 1.5GiB (binary units), or auto")
+    return int(value)
+
+
+def default_budget():
+    """Bytes one rank's data may take unless told: half its share of the node's free memory (4 GiB if unknown).
+
+    Half, as the model, its gradients, the optimizer and MPI's buffers need the rest.
+    """
+    free = available_bytes()
+    return (4 << 30) if free is None else max(1 << 20, free // ranks_per_node() // 2)

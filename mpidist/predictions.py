@@ -57,6 +57,7 @@ FORMAT = "mpidist-predictions-1"
 SPLITS = datasets.SPLITS + datasets.OPTIONAL_SPLITS
 #: Samples per forward pass (``eval`` uses the same).
 BATCH = 1024
+PART_BYTES = 64 << 20   # samples read and predicted at once on a rank (as float64): memory bounded by this
 #: Most values one ``Gatherv`` may carry (MPI counts are C ints).
 GATHER_LIMIT = 2 ** 31 - 1
 KINDS = {"U": "text", "S": "bytes", "O": "Python objects", "c": "complex numbers", "M": "dates",
@@ -172,12 +173,23 @@ def _predict(world, checkpoint_path, data, output, model, split):
                            f"the predictions of {reader.samples:,} samples ({width:,} outputs each) on rank 0")
                 if target is not None:
                     aside = claim.enter_context(claimed(target))   # an unwritable output fails now
-            x, y = reader.read(starts[rank], starts[rank] + counts[rank], net)
         _agree_on_sizes(world, reader.samples, width)
+        net.params[...] = xp.asarray(saved.params)
+        # rows are read and predicted a part at a time (the memory of a part, whatever the input's size); every
+        # rank takes as many parts, so each read is agreed on: bad rows end every rank cleanly, output untouched
+        part = max(1, PART_BYTES // (8 * int(np.prod(reader.info.sample_shape))))
+        outputs, targets = [], []
+        for lo in range(0, max(counts) or 1, part):
+            with agreed(world):
+                begin, end = starts[rank] + min(lo, counts[rank]), starts[rank] + min(lo + part, counts[rank])
+                x, y = reader.read(begin, end, net)
+            with _ends_the_job_on_error(world):
+                outputs.append(_forward(net, x, width))
+                targets.append(y)
         with _ends_the_job_on_error(world):
-            net.params[...] = xp.asarray(saved.params)
-            mine = _forward(net, x, width)
+            mine = np.concatenate(outputs)
             classification = reader.info.num_classes > 0
+            y = None if targets[0] is None else np.concatenate(targets)
             figures = _figures(world, mine, y, classification) if y is not None else {}
             here().enter("gather")
             gathered = np.empty((reader.samples, width), dtype=mine.dtype) if rank == 0 else None

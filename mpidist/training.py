@@ -161,7 +161,7 @@ class Training:
             asked, config = config.seed, dataclasses.replace(config, seed=resume.seed)
             self.config = config
         self._make_strategy()
-        table = cluster.table(self.device_label + self._place())
+        table = cluster.table(self.device_label + self._place(), setup.reading.why if setup.reading else "")
         self.strategy.initialize(resume)
         if self.chief:
             self.say(f"mpidist: {setup.info.name} ({setup.info.sizes['train']} train / {setup.info.sizes['test']} "

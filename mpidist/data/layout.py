@@ -1,4 +1,4 @@
-"""HDF5 datasets: layout, validation, per-worker shards, shuffling, prefetch.
+"""The dataset layout: what a file (or a directory of files) must hold, checked before anything is read.
 
 Layout (contract): one HDF5 file with groups ``train/`` and ``test/``, each
 holding ``x`` (samples first) and ``y`` (integer class labels, or float
@@ -8,37 +8,36 @@ shape: standardisation statistics, applied when samples are read, so ``x``
 stays as stored), ``class_names`` (text, one per class) and a ``val/`` group
 (the validation split, checked like the others).
 
-Worker ``w`` of ``W`` reads only rows ``w, w+W, w+2W, ...`` of each split: a
-strided shard, so every worker sees every class even when a file is stored
-sorted by label.  Each epoch the worker shuffles its shard with a generator
-seeded by ``(seed, epoch, worker)``: the order is reproducible, so a resumed
-run continues exactly where it stopped.  The global batch ``B`` is split as
-evenly as possible (the first ``B % W`` workers take one more sample); all
-workers run the same number of steps per epoch, computed from sizes alone.
+A dataset may also be a directory (or a glob) of such files, taken in natural
+name order (``part-2`` before ``part-10``): each split's rows are the
+concatenation of that split's rows over the files.  The files must agree on
+everything but their rows (attributes, sample shape, statistics, class
+names); a file may hold no rows of a split, the dataset as a whole may not.
 """
 
 import dataclasses
+import glob
 import math
 import os
-import queue
+import re
 import sys
-import threading
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from .arrays import ArrayData
-from .errors import UsageError
-from .memory import check_fits
-from .text import printable, shown
-from .whereabouts import here
+from ..arrays import ArrayData
+from ..errors import UsageError
+from ..text import printable, shown
+from ..whereabouts import here
 
 SPLITS = ("train", "test")
 OPTIONAL_SPLITS = ("val",)   # a validation split a file may hold (else --val-fraction carves one from train)
 VAL_SEED = 0x7661            # mixed into --seed for the carving, so it is not the data order's stream
 MAX_CLASSES = 2 ** 24   # more output units than any classifier here could train: a corrupt attribute
 MAX_NAME = 200          # characters in a class name
+MAX_FILES = 100_000     # files in one dataset: more is a wrong directory, and each is opened by every rank
+SUFFIXES = (".h5", ".hdf5")
 
 
 def data_dirs():
@@ -46,8 +45,8 @@ def data_dirs():
     dirs = []
     if os.environ.get("MPIDIST_DATA_DIR"):
         dirs.append(Path(os.environ["MPIDIST_DATA_DIR"]))
-    dirs.append(Path(__file__).resolve().parent.parent / "data")      # a checkout / editable install
-    dirs.append(Path(sys.prefix) / "share" / "mpidist" / "data")      # a wheel install
+    dirs.append(Path(__file__).resolve().parent.parent.parent / "data")  # a checkout / editable install
+    dirs.append(Path(sys.prefix) / "share" / "mpidist" / "data")         # a wheel install
     return dirs
 
 
@@ -57,12 +56,14 @@ def bundled_names():
 
 
 def resolve(spec):
-    """An existing file path for ``--data``: a path, or a bundled dataset's name (arrays pass through)."""
+    """What ``--data`` names: a file, a directory or a glob of files, or a bundled dataset (arrays pass through)."""
     if isinstance(spec, ArrayData):
         return spec
     path = Path(spec).expanduser()
-    if path.is_file():
+    if path.is_file() or path.is_dir():
         return path
+    if glob.has_magic(str(spec)):
+        return Path(os.path.expanduser(spec))     # expanded by members(): it must match files
     if path.suffix == "" and os.sep not in spec:
         for directory in data_dirs():
             candidate = directory / f"{spec}.h5"
@@ -71,6 +72,38 @@ def resolve(spec):
         names = ", ".join(bundled_names()) or "none found"
         raise UsageError(f"--data {spec!r}: no such file, and no bundled dataset of that name (bundled: {names})")
     raise UsageError(f"--data {spec}: no such file")
+
+
+def _natural(path):
+    """Sort key: digits compare as numbers (``part-2`` before ``part-10``)."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", path.name)]
+
+
+def members(path):
+    """The files of dataset ``path`` in order: itself, a directory's ``*.h5``/``*.hdf5`` files, or a glob's matches."""
+    if isinstance(path, ArrayData) or path.is_file():
+        return [path]
+    if path.is_dir():
+        found = [p for p in path.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".")]
+        what = f"{path}: a directory with no .h5 or .hdf5 files"
+    else:
+        found = [Path(p) for p in glob.glob(str(path)) if os.path.isfile(p)]
+        what = f"--data {path}: matches no files"
+    if not found:
+        raise UsageError(what)
+    if len(found) > MAX_FILES:
+        raise UsageError(f"{path}: {len(found):,} files, more than one dataset may have ({MAX_FILES:,})")
+    return sorted(found, key=_natural)
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One file of a dataset: its rows per split, and how its ``x`` is stored (for reads aligned to its chunks)."""
+
+    path: object        # a Path, or the ArrayData given in Python
+    sizes: dict         # split -> rows in this file
+    chunk_rows: dict    # split -> rows per HDF5 chunk of x (1 where x is not chunked)
+    row_bytes: dict     # split -> bytes of one sample of x as stored
 
 
 @dataclasses.dataclass
@@ -92,6 +125,15 @@ class DatasetInfo:
     class_names: tuple = None
     #: splits carved out of another (``--val-fraction``): name -> (the file's split, its sorted row numbers)
     carved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    #: the files, in order (one for a single file): a split's rows are theirs, concatenated
+    files: tuple = dataclasses.field(default=(), repr=False, compare=False)
+
+    def bytes_of(self, split):
+        """Bytes of ``split``'s samples as stored (``x`` only)."""
+        group, picked = self.rows_of(split)
+        total = sum(m.sizes.get(group, 0) * m.row_bytes.get(group, 0) for m in self.files)
+        rows = sum(m.sizes.get(group, 0) for m in self.files)
+        return total if picked is None else (total * len(picked)) // max(rows, 1)
 
     def rows_of(self, split):
         """``(the file's split, its row numbers or None for all)`` that make up ``split``."""
@@ -131,14 +173,22 @@ def open_source(path):
 
 
 def inspect(path, allow_external=False):
-    """Open ``path``, check the layout, and describe it (reads no sample data).
+    """Open dataset ``path`` (a file, or a directory or glob of files), check the layout, describe it.
 
-    The file is untrusted: every item is checked before it is used (type,
-    shape, dtype, range), links that leave the file (external links, virtual
-    datasets) are refused unless ``allow_external`` (``--allow-external``),
-    and a broken file gives one message naming the file and the item.
+    Reads no sample data.  Every file is untrusted: every item is checked
+    before it is used (type, shape, dtype, range), links that leave the file
+    (external links, virtual datasets) are refused unless ``allow_external``
+    (``--allow-external``), and a broken file gives one message naming the
+    file and the item.
     """
     path = path if isinstance(path, ArrayData) else Path(path)
+    files = members(path)
+    if len(files) == 1 and files[0] is path:
+        return _inspect_file(path, allow_external, part=False)
+    return _combined(path, [_inspect_file(file, allow_external, part=True) for file in files])
+
+
+def _inspect_file(path, allow_external, part):
     with here().doing("io", f"reading dataset {path}"):
         try:
             handle = open_source(path)
@@ -146,12 +196,38 @@ def inspect(path, allow_external=False):
             raise UsageError(f"{path}: not a readable HDF5 file ({printable(err)})") from None
         with handle:
             try:
-                return _describe(path, handle, allow_external)
+                return _describe(path, handle, allow_external, part)
             except (KeyError, RuntimeError, OSError, ValueError, TypeError) as err:   # links that loop, a
                 raise UsageError(f"{path}: not a readable dataset ({printable(err)})") from None   # bad header
 
 
-def _describe(path, handle, allow_external):
+def _combined(path, parts):
+    """One :class:`DatasetInfo` for the files ``parts`` describe: they must agree on all but their rows."""
+    first = parts[0]
+    for other in parts[1:]:
+        for what, mine, theirs in (("num_classes", first.num_classes, other.num_classes),
+                                   ("sample shape", first.sample_shape, other.sample_shape),
+                                   ("target width", first.target_width, other.target_width),
+                                   ("class_names", first.class_names, other.class_names),
+                                   ("splits", sorted(first.sizes), sorted(other.sizes))):
+            if mine != theirs:
+                raise UsageError(f"{path}: the files differ in {what}: {first.path.name} has "
+                                 f"{shown(mine)}, {other.path.name} has {shown(theirs)}; the files of one "
+                                 "dataset differ only in their rows")
+        for key, mine, theirs in (("mean", first.mean, other.mean), ("std", first.std, other.std)):
+            if (mine is None) != (theirs is None) or (mine is not None and not np.array_equal(mine, theirs)):
+                raise UsageError(f"{path}: the files differ in stats/{key}: {first.path.name} and "
+                                 f"{other.path.name} must be standardised with the same statistics")
+    sizes = {split: sum(part.sizes[split] for part in parts) for split in first.sizes}
+    for split, rows in sizes.items():
+        if rows == 0:
+            raise UsageError(f"{path}: no file has rows of the {split} split; training and evaluation need "
+                             "samples in both train and test")
+    return dataclasses.replace(first, path=path, sizes=sizes, files=tuple(m for part in parts for m in part.files))
+
+
+def _describe(path, handle, allow_external, part=False):
+    """A file's :class:`DatasetInfo`; ``part``: one file of several, which may hold no rows of a split."""
     items = {}
     splits = SPLITS + tuple(split for split in OPTIONAL_SPLITS if _present(handle, split))
     for split in splits:
@@ -173,7 +249,7 @@ def _describe(path, handle, allow_external):
             raise UsageError(f"{path}: {split}/y is a single value; it needs one target per sample")
         if y.shape[0] != x.shape[0]:
             raise UsageError(f"{path}: {split}/x has {x.shape[0]} samples but {split}/y has {y.shape[0]}")
-        if x.shape[0] == 0:
+        if x.shape[0] == 0 and not part:
             raise UsageError(f"{path}: the {split} split is empty; training and evaluation need samples in "
                              "both (`python -m mpidist ingest --test-fraction` splits a source)")
         if num_classes > 0 and (y.ndim != 1 or y.dtype.kind not in "biu"):
@@ -190,10 +266,13 @@ def _describe(path, handle, allow_external):
         raise UsageError(f"{path}: the {', '.join(splits)} targets differ in width: {sorted(widths)}")
     sample_shape = shapes.pop()
     mean, std = _stats(path, handle, sample_shape, allow_external)
+    member = Member(path, sizes, chunk_rows={s: int(items[s, "x"].chunks[0]) if items[s, "x"].chunks else 1
+                                             for s in splits},
+                    row_bytes={s: int(np.prod(sample_shape)) * items[s, "x"].dtype.itemsize for s in splits})
     return DatasetInfo(path=path, name=_text(handle.attrs.get("name"), path.stem), num_classes=num_classes,
                        source=_text(handle.attrs.get("source"), ""), sample_shape=sample_shape, sizes=sizes,
                        target_width=widths.pop(), mean=mean, std=std,
-                       class_names=_class_names(path, handle, num_classes, allow_external))
+                       class_names=_class_names(path, handle, num_classes, allow_external), files=(member,))
 
 
 def _present(handle, name):
@@ -313,245 +392,3 @@ def _text(value, default):
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
     return printable(value)
-
-
-def shard_size(n, num_workers, worker):
-    """Rows ``worker, worker + W, ...`` below ``n``."""
-    return len(range(worker, n, num_workers))
-
-
-def local_batch_size(global_batch, num_workers, worker):
-    """This worker's part of the global batch (the first ``B % W`` take one more)."""
-    return global_batch // num_workers + (1 if worker < global_batch % num_workers else 0)
-
-
-def steps_per_epoch(n, global_batch, num_workers):
-    """Steps every worker can take per epoch: the same on all, from sizes alone."""
-    if global_batch < num_workers:
-        raise UsageError(f"--batch-size {global_batch} is smaller than the number of workers ({num_workers}): "
-                         "every worker needs at least one sample per step")
-    return min(shard_size(n, num_workers, w) // local_batch_size(global_batch, num_workers, w)
-               for w in range(num_workers))
-
-
-class Shard:
-    """One split's rows for one worker, read once and checked.
-
-    Args:
-        info: the dataset's :class:`DatasetInfo`.
-        split: "train" or "test".
-        worker, num_workers: this worker's index and the worker count.
-        input_shape: per-sample shape the model is fed (may add a channel axis).
-        dtype: floating dtype of the samples.
-        rows: a slice of the split's rows to read in place of the strided shard (``predict``
-            reads a contiguous block per rank); ``worker`` and ``num_workers`` are then unused.
-    """
-
-    def __init__(self, info, split, worker, num_workers, input_shape, dtype, rows=None):
-        rows = slice(worker, None, num_workers) if rows is None else rows
-        group, picked = info.rows_of(split)   # a carved split: rows of another one
-        where = f"{info.path}: {group}"
-        dtype = np.dtype(dtype)
-        with open_source(info.path) as handle, here().doing("io", f"reading {where}"):
-            x, y = handle[f"{group}/x"], handle[f"{group}/y"]
-            numbers = (range(x.shape[0]) if picked is None else picked)[rows]   # the file's row numbers, for messages
-            count = len(numbers)
-            sample = int(np.prod(x.shape[1:]))
-            # the file's row count decides the size: checked before anything is read
-            check_fits(count * sample * (x.dtype.itemsize + dtype.itemsize + (8 if standardizer(info) else 0))
-                       + count * 16,
-                       f"{where} ({count:,} rows of {sample:,} values for this worker)")
-            x, y = (x[rows], y[rows]) if picked is None else (_read_rows(x, numbers), _read_rows(y, numbers))
-        if x.dtype.kind == "f" and not np.isfinite(x).all():
-            bad = numbers[int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0])]
-            raise UsageError(f"{where}/x holds NaN or Inf (first at sample {bad})")
-        if info.num_classes > 0:
-            out = (y < 0) | (y >= info.num_classes)
-            if out.any():
-                bad = int(np.flatnonzero(out)[0])
-                raise UsageError(f"{where}/y has label {int(y[bad])} at sample {numbers[bad]}, "
-                                 f"outside [0, {info.num_classes}) (num_classes = {info.num_classes})")
-            self.y = y.astype(np.int64)
-        else:
-            if y.dtype.kind == "f" and not np.isfinite(y).all():
-                raise UsageError(f"{where}/y holds NaN or Inf")
-            self.y = _converted(y, dtype, f"{where}/y").reshape(len(y), -1)
-        transform = standardizer(info)
-        if transform is not None:     # checked again: statistics that do not fit the data can give Inf
-            x = transform(x)
-            if not np.isfinite(x).all():
-                bad = numbers[int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0])]
-                raise UsageError(f"{where}/x standardised with the file's stats/mean and stats/std holds Inf "
-                                 f"(first at sample {bad}): the statistics do not fit the data")
-        self.x = _converted(x, dtype, f"{where}/x" + (" (standardised)" if transform else "")).reshape(
-            (len(x),) + tuple(input_shape))
-
-    def __len__(self):
-        return len(self.y)
-
-
-def _read_rows(item, numbers, block_bytes=64 << 20):
-    """Rows ``numbers`` (increasing) of the HDF5 dataset ``item``, read a block of the file (64 MiB) at a time."""
-    out = np.empty((len(numbers),) + item.shape[1:], dtype=item.dtype)
-    block = max(1, block_bytes // max(out[:1].nbytes, 1))
-    done = 0
-    for lo in range(0, item.shape[0], block):
-        upto = int(np.searchsorted(numbers, lo + block))
-        if upto > done:
-            out[done:upto] = item[lo:min(lo + block, item.shape[0])][numbers[done:upto] - lo]
-            done = upto
-    return out
-
-
-def standardizer(info):
-    """What :class:`Shard` does to the samples of dataset ``info`` besides checking them, or None.
-
-    For a file with standardisation statistics: a function of samples (any shape
-    holding the sample's number of values per row) giving ``(x - mean) / std``
-    in float64, shaped as given.
-    """
-    if getattr(info, "mean", None) is None:
-        return None
-    mean, std = info.mean.reshape(-1), info.std.reshape(-1)
-
-    def standardize(x):
-        x = np.asarray(x)
-        with np.errstate(over="ignore", invalid="ignore"):     # an Inf made here is refused by the caller
-            out = x.reshape(len(x), mean.size) - mean          # float64, as mean is
-            out /= std
-        return out.reshape(x.shape)
-
-    return standardize
-
-
-def _converted(array, dtype, where):
-    """``array`` as ``dtype``, refused if finite values overflow it (1e300 is Inf in float32)."""
-    converted = array.astype(dtype, copy=False)
-    if converted is not array and not np.isfinite(converted).all():
-        largest = float(np.max(np.abs(array)))
-        raise UsageError(f"{where} holds values up to {largest:.3g}, beyond the range of --dtype {dtype} "
-                         "(they would become Inf): scale the data, or train with --dtype float64")
-    return converted
-
-
-class Prefetcher:
-    """Iterate ``source`` in a background thread, ``depth`` items ahead.
-
-    An exception in the thread is re-raised in the consumer; :meth:`close`
-    stops the thread early (e.g. when ``--steps`` ends an epoch midway).
-    """
-
-    _END = object()
-
-    def __init__(self, source, depth=2):
-        self._queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(iter(source),), daemon=True, name="mpidist-prefetch")
-        self._thread.start()
-
-    def _run(self, iterator):
-        try:
-            for item in iterator:
-                if self._stop.is_set():
-                    return
-                self._put(item)
-        except BaseException as err:  # handed to the consumer, which raises it with its traceback
-            self._put(err)
-            return
-        self._put(self._END)
-
-    def _put(self, item):
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        item = self._queue.get()
-        if item is self._END:
-            raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self):
-        self._stop.set()
-        self._thread.join()
-
-
-def epoch_order(shard_len, seed, epoch, worker):
-    """This worker's sample order for ``epoch``: reproducible from the seed."""
-    return np.random.default_rng([seed, epoch, worker]).permutation(shard_len)
-
-
-def train_batches(shard, local_batch, steps, seed, epoch, worker, skip=0):
-    """The ``(x, y)`` batches of one epoch from step ``skip`` on, prefetched."""
-    order = epoch_order(len(shard), seed, epoch, worker)
-
-    def batches():
-        for step in range(skip, steps):
-            index = order[step * local_batch:(step + 1) * local_batch]
-            yield shard.x[index], shard.y[index]
-
-    return Prefetcher(batches())
-
-
-def global_batches(split, global_batch, steps, seed, epoch, skip=0):
-    """In-graph replication, on the chief: whole global batches of one epoch, prefetched.
-
-    The order is the one a single process would use (``worker`` 0 of 1), so
-    in-graph training on any number of workers sees the same global batches.
-    """
-    order = epoch_order(len(split), seed, epoch, 0)
-
-    def batches():
-        for step in range(skip, steps):
-            index = order[step * global_batch:(step + 1) * global_batch]
-            yield split.x[index], split.y[index]
-
-    return Prefetcher(batches())
-
-
-class ScatteredBatches:
-    """In-graph replication: the chief's global batches, cut and sent to each worker.
-
-    Every worker iterates this; the chief (worker 0 of ``comm``) reads, the
-    others only receive (one ``Scatterv`` for samples, one for targets).
-    """
-
-    def __init__(self, comm, source, global_batch, sample_shape, y_shape, x_dtype, y_dtype, steps):
-        from . import comm as mpi
-        self._mpi, self.comm, self.source, self.steps = mpi, comm, source, steps
-        workers, worker = comm.Get_size(), comm.Get_rank()
-        sizes = [local_batch_size(global_batch, workers, w) for w in range(workers)]
-        starts = np.cumsum([0] + sizes[:-1])
-        x_each, y_each = int(np.prod(sample_shape)), int(np.prod(y_shape))
-        self.x_counts, self.x_displs = [s * x_each for s in sizes], [int(o) * x_each for o in starts]
-        self.y_counts, self.y_displs = [s * y_each for s in sizes], [int(o) * y_each for o in starts]
-        self.x = np.empty((sizes[worker],) + tuple(sample_shape), dtype=x_dtype)
-        self.y = np.empty((sizes[worker],) + tuple(y_shape), dtype=y_dtype)
-
-    def __iter__(self):
-        for _ in range(self.steps):
-            gx = gy = None
-            if self.source is not None:
-                gx, gy = next(self.source)
-                gx, gy = np.ascontiguousarray(gx, self.x.dtype), np.ascontiguousarray(gy, self.y.dtype)
-            self._mpi.scatterv(self.comm, gx, self.x, self.x_counts, self.x_displs, root=0)
-            self._mpi.scatterv(self.comm, gy, self.y, self.y_counts, self.y_displs, root=0)
-            yield self.x, self.y
-
-    def close(self):
-        if self.source is not None:
-            self.source.close()
-
-
-def eval_batches(shard, size=1024):
-    """The whole shard in order, in chunks of ``size``."""
-    for lo in range(0, len(shard), size):
-        yield shard.x[lo:lo + size], shard.y[lo:lo + size]

@@ -1,0 +1,39 @@
+"""Datasets: the HDF5 layout, each worker's part of it, and the batches a run trains on.
+
+One module per concept:
+
+* :mod:`~mpidist.data.layout`: what a file or a directory of files must hold,
+  checked before anything is read (:func:`inspect`, :class:`DatasetInfo`);
+* :mod:`~mpidist.data.rows`: a split's rows across its files, read in as few
+  calls as their pattern allows;
+* :mod:`~mpidist.data.samples`: the checks and conversions every read sample
+  goes through;
+* :mod:`~mpidist.data.shard`: a worker's strided shard, read whole into memory;
+* :mod:`~mpidist.data.stream`: a worker's contiguous part, streamed in
+  chunk-aligned blocks through a shuffle buffer, with bounded memory;
+* :mod:`~mpidist.data.budget`: which of the two a rank uses (``--data-mode``,
+  ``--memory-budget``);
+* :mod:`~mpidist.data.batches`: batch sizes every worker agrees on, epoch
+  orders, prefetching, in-graph scattering.
+
+Every worker reads only its own part of each split.
+"""
+
+from ..arrays import ArrayData
+from .batches import (Prefetcher, ScatteredBatches, epoch_order, eval_batches, global_batches, local_batch_size,
+                      shard_size, steps_per_epoch, train_batches)
+from .budget import Reading, budget_of, plan
+from .layout import (MAX_CLASSES, MAX_NAME, OPTIONAL_SPLITS, SPLITS, DatasetInfo, Member, bundled_names,
+                     carve_validation, data_dirs, inspect, members, open_source, resolve)
+from .rows import SplitRows, read_rows
+from .samples import standardizer
+from .shard import Shard
+from .stream import Stream
+
+_read_rows = read_rows   # (the name tests knew)
+
+__all__ = ["ArrayData", "DatasetInfo", "MAX_CLASSES", "MAX_NAME", "Member", "OPTIONAL_SPLITS", "Prefetcher",
+           "Reading", "SPLITS", "ScatteredBatches", "Shard", "SplitRows", "Stream", "budget_of", "bundled_names",
+           "carve_validation", "data_dirs", "epoch_order", "eval_batches", "global_batches", "inspect",
+           "local_batch_size", "members", "open_source", "plan", "read_rows", "resolve", "shard_size",
+           "standardizer", "steps_per_epoch", "train_batches"]

@@ -1,0 +1,144 @@
+"""Batches: sizes every worker agrees on, epoch orders, background prefetch, in-graph scattering.
+
+The global batch ``B`` is split as evenly as possible over ``W`` workers (the
+first ``B % W`` take one more sample); all workers run the same number of
+steps per epoch, computed from sizes alone.  A shard (in memory or streamed)
+gives its own batches; the functions here are what the loop and the
+strategies call, whatever the shard.
+"""
+
+import queue
+import threading
+
+import numpy as np
+
+from ..errors import UsageError
+
+
+def shard_size(n, num_workers, worker):
+    """Rows ``worker, worker + W, ...`` below ``n``."""
+    return len(range(worker, n, num_workers))
+
+
+def local_batch_size(global_batch, num_workers, worker):
+    """This worker's part of the global batch (the first ``B % W`` take one more)."""
+    return global_batch // num_workers + (1 if worker < global_batch % num_workers else 0)
+
+
+def steps_per_epoch(n, global_batch, num_workers):
+    """Steps every worker can take per epoch: the same on all, from sizes alone."""
+    if global_batch < num_workers:
+        raise UsageError(f"--batch-size {global_batch} is smaller than the number of workers ({num_workers}): "
+                         "every worker needs at least one sample per step")
+    return min(shard_size(n, num_workers, w) // local_batch_size(global_batch, num_workers, w)
+               for w in range(num_workers))
+
+
+class Prefetcher:
+    """Iterate ``source`` in a background thread, ``depth`` items ahead.
+
+    An exception in the thread is re-raised in the consumer; :meth:`close`
+    stops the thread early (e.g. when ``--steps`` ends an epoch midway).
+    """
+
+    _END = object()
+
+    def __init__(self, source, depth=2):
+        self._queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(iter(source),), daemon=True, name="mpidist-prefetch")
+        self._thread.start()
+
+    def _run(self, iterator):
+        try:
+            for item in iterator:
+                if self._stop.is_set():
+                    return
+                self._put(item)
+        except BaseException as err:  # handed to the consumer, which raises it with its traceback
+            self._put(err)
+            return
+        finally:   # a source stopped early lets go of what it holds (a stream's open files) in this thread
+            getattr(iterator, "close", lambda: None)()
+        self._put(self._END)
+
+    def _put(self, item):
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self._queue.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+
+def epoch_order(shard_len, seed, epoch, worker):
+    """This worker's sample order for ``epoch``: reproducible from the seed."""
+    return np.random.default_rng([seed, epoch, worker]).permutation(shard_len)
+
+
+def train_batches(shard, local_batch, steps, seed, epoch, worker, skip=0):
+    """The ``(x, y)`` batches of one epoch of ``shard`` from step ``skip`` on, prefetched."""
+    return shard.batches(local_batch, steps, seed, epoch, worker, skip=skip)
+
+
+def global_batches(split, global_batch, steps, seed, epoch, skip=0):
+    """In-graph replication, on the chief: whole global batches of one epoch, prefetched.
+
+    The order is the one a single process would use (``worker`` 0 of 1), so
+    in-graph training on any number of workers sees the same global batches.
+    """
+    return split.batches(global_batch, steps, seed, epoch, 0, skip=skip)
+
+
+class ScatteredBatches:
+    """In-graph replication: the chief's global batches, cut and sent to each worker.
+
+    Every worker iterates this; the chief (worker 0 of ``comm``) reads, the
+    others only receive (one ``Scatterv`` for samples, one for targets).
+    """
+
+    def __init__(self, comm, source, global_batch, sample_shape, y_shape, x_dtype, y_dtype, steps):
+        from .. import comm as mpi
+        self._mpi, self.comm, self.source, self.steps = mpi, comm, source, steps
+        workers, worker = comm.Get_size(), comm.Get_rank()
+        sizes = [local_batch_size(global_batch, workers, w) for w in range(workers)]
+        starts = np.cumsum([0] + sizes[:-1])
+        x_each, y_each = int(np.prod(sample_shape)), int(np.prod(y_shape))
+        self.x_counts, self.x_displs = [s * x_each for s in sizes], [int(o) * x_each for o in starts]
+        self.y_counts, self.y_displs = [s * y_each for s in sizes], [int(o) * y_each for o in starts]
+        self.x = np.empty((sizes[worker],) + tuple(sample_shape), dtype=x_dtype)
+        self.y = np.empty((sizes[worker],) + tuple(y_shape), dtype=y_dtype)
+
+    def __iter__(self):
+        for _ in range(self.steps):
+            gx = gy = None
+            if self.source is not None:
+                gx, gy = next(self.source)
+                gx, gy = np.ascontiguousarray(gx, self.x.dtype), np.ascontiguousarray(gy, self.y.dtype)
+            self._mpi.scatterv(self.comm, gx, self.x, self.x_counts, self.x_displs, root=0)
+            self._mpi.scatterv(self.comm, gy, self.y, self.y_counts, self.y_displs, root=0)
+            yield self.x, self.y
+
+    def close(self):
+        if self.source is not None:
+            self.source.close()
+
+
+def eval_batches(shard, size=1024):
+    """The whole shard in order, in chunks of ``size``."""
+    return shard.eval_batches(size)

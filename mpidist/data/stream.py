@@ -1,0 +1,225 @@
+"""A worker's part of a split read as training goes: chunk-aligned blocks, a shuffle buffer, bounded memory.
+
+Datasets larger than ``--memory-budget`` stream.  Worker ``w`` of ``W`` owns
+a contiguous range of the split's rows (the first ``n % W`` workers one row
+more: the counts of a strided shard, so steps per epoch do not change), cut
+into blocks at multiples of each file's block length: whole HDF5 chunks, about
+:data:`BLOCK_BYTES` of them, so a block is one read call and no chunk is
+decompressed twice.  Each epoch:
+
+1. the blocks are put in an order drawn from ``(seed, epoch, worker)``;
+2. consecutive blocks of that order form windows of at least ``buffer``
+   samples (the shuffle buffer);
+3. each window's samples are permuted (seeded by ``(seed, epoch, worker,
+   window)``), and batches are cut from the windows in turn.
+
+A background thread reads the next window while the current one trains.  The
+order is a function of the seed, the epoch, the worker and the worker count,
+the buffer and the files' chunking (nothing read, nothing timed), so a
+resumed run starts at the window holding its next sample and continues
+exactly.  Memory: about three windows (the one training, the next one read,
+one being built), whatever the dataset's size.
+
+Compared with a shard in memory, which permutes all its rows every epoch, a
+sample's neighbours in a batch come from the same window: random blocks of the
+worker's range, not the whole range (``docs/datasets.rst`` has the figures).
+"""
+
+import numpy as np
+
+from .batches import Prefetcher
+from .rows import SplitRows
+
+STREAM_SEED = 0x5354          # mixed into the seed: the stream's order is not a shard's permutation
+BLOCK_BYTES = 4 << 20         # one read call: large enough for a parallel file system, small next to a window
+BUFFER_BYTES = 64 << 20       # the default shuffle buffer: this many bytes of samples in the model's dtype
+
+
+def worker_range(n, workers, worker):
+    """``(lo, hi)``: worker ``worker``'s contiguous rows of ``n``, balanced (the first ``n % workers`` one more)."""
+    base, extra = divmod(n, workers)
+    lo = worker * base + min(worker, extra)
+    return lo, lo + base + (1 if worker < extra else 0)
+
+
+def block_cuts(source, lo, hi, block_bytes=BLOCK_BYTES):
+    """Sorted row numbers of :class:`SplitRows` ``source`` cutting ``[lo, hi)`` into blocks.
+
+    A file's blocks start at multiples of its block length: whole chunks of
+    ``x``, about ``block_bytes`` of them (one chunk at least); files are never
+    read in one block together.
+    """
+    cuts = [np.array([lo, hi], dtype=np.int64)]
+    for index, member in enumerate(source.files):
+        length = block_length(member, source.group, block_bytes)
+        starts = source.starts[index] + np.arange(0, member.sizes[source.group], length, dtype=np.int64)
+        if source.picked is not None:      # a carved split: where its rows cross the file's boundaries
+            starts = np.searchsorted(source.picked, starts).astype(np.int64)
+        cuts.append(starts[(starts > lo) & (starts < hi)])
+    return np.unique(np.concatenate(cuts))
+
+
+def block_length(member, group, block_bytes=BLOCK_BYTES):
+    """Rows of a block of ``group`` in file ``member``: whole chunks of ``x``, about ``block_bytes`` (one chunk at least)."""
+    chunk = max(1, member.chunk_rows.get(group, 1))
+    return max(chunk, block_bytes // max(member.row_bytes.get(group, 1), 1) // chunk * chunk)
+
+
+def block_bytes_for(buffer, input_shape, dtype):
+    """Bytes of a block for a shuffle buffer of ``buffer`` samples: :data:`BLOCK_BYTES`, or a quarter of a small buffer.
+
+    A window then holds four blocks at least, drawn from anywhere in the part.
+    """
+    return min(BLOCK_BYTES, max(1, buffer * int(np.prod(input_shape)) * np.dtype(dtype).itemsize // 4))
+
+
+def default_buffer(input_shape, dtype, budget=None):
+    """Samples in the default shuffle buffer: :data:`BUFFER_BYTES` of them, less in a small ``budget``; one at least.
+
+    A stream holds three windows of about a buffer each: with a budget, the
+    buffer is at most a sixth of it, so the windows take half.
+    """
+    size = BUFFER_BYTES if budget is None else min(BUFFER_BYTES, budget // 6)
+    return max(1, size // (int(np.prod(input_shape)) * np.dtype(dtype).itemsize))
+
+
+def epoch_windows(sizes, buffer, seed, epoch, worker):
+    """The blocks (indices into ``sizes``, their row counts) of each window of an epoch, in order."""
+    order = np.random.default_rng([seed, epoch, worker, STREAM_SEED]).permutation(len(sizes))
+    return _group(order.tolist(), sizes, buffer)
+
+
+def window_order(length, seed, epoch, worker, window):
+    """The permutation of window ``window``'s ``length`` samples."""
+    return np.random.default_rng([seed, epoch, worker, STREAM_SEED, window]).permutation(length)
+
+
+def _group(blocks, sizes, buffer):
+    windows, current, rows = [], [], 0
+    for block in blocks:
+        current.append(block)
+        rows += int(sizes[block])
+        if rows >= buffer:
+            windows.append(current)
+            current, rows = [], 0
+    if current:
+        windows.append(current)
+    return windows
+
+
+class Stream:
+    """One split's rows for one worker, streamed.  Arguments as :class:`~mpidist.data.Shard`'s, and:
+
+    Args:
+        buffer: samples in the shuffle buffer (0: :func:`default_buffer`).
+    """
+
+    mode = "stream"
+
+    def __init__(self, info, split, worker, num_workers, input_shape, dtype, buffer=0):
+        self.source = SplitRows(info, split, input_shape, dtype)
+        self.lo, self.hi = worker_range(self.source.count, num_workers, worker)
+        self.buffer = int(buffer) or default_buffer(input_shape, dtype)
+        self.cuts = block_cuts(self.source, self.lo, self.hi, block_bytes_for(self.buffer, input_shape, dtype))
+        self.sizes = np.diff(self.cuts)
+
+    def __len__(self):
+        return self.hi - self.lo
+
+    def window_rows(self):
+        """The most samples a window holds: the buffer, plus all but one row of the largest block."""
+        return self.buffer + int(self.sizes.max(initial=1)) - 1
+
+    def batches(self, local_batch, steps, seed, epoch, worker, skip=0):
+        """The ``(x, y)`` batches of one epoch from step ``skip`` on; the windows are read ahead."""
+        windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker)
+        ends = np.cumsum([int(self.sizes[w].sum()) for w in windows])
+        first, last = skip * local_batch, steps * local_batch - 1
+        if last < first:
+            return _Batches(None, local_batch, 0, 0)
+        k, final = (int(np.searchsorted(ends, row, side="right")) for row in (first, last))
+        offset = first - (int(ends[k - 1]) if k else 0)
+
+        def read():
+            handles = {}
+            try:
+                for index in range(k, final + 1):
+                    yield self._window(windows[index], handles, window_order(int(self.sizes[windows[index]].sum()),
+                                                                            seed, epoch, worker, index))
+            finally:
+                _close(handles)
+
+        return _Batches(Prefetcher(read(), depth=1), local_batch, steps - skip, offset)
+
+    def eval_batches(self, size=1024):
+        """The whole part in order, in chunks of at most ``size``, read a window ahead."""
+        windows = _group(range(len(self.sizes)), self.sizes, self.buffer)
+
+        def read():
+            handles = {}
+            try:
+                for blocks in windows:
+                    yield self._window(blocks, handles, None)
+            finally:
+                _close(handles)
+
+        reader = Prefetcher(read(), depth=1)
+        try:
+            for x, y in reader:
+                for lo in range(0, len(x), size):
+                    yield x[lo:lo + size], y[lo:lo + size]
+        finally:
+            reader.close()
+
+    def _window(self, blocks, handles, order):
+        """The samples of ``blocks``, read one call per block; ``order``: their permutation, or None (as read)."""
+        length = int(self.sizes[blocks].sum())
+        place = np.arange(length)
+        if order is not None:     # out[i] = read[order[i]]: each read sample goes to place[j]
+            place[order] = np.arange(length)
+        x = y = None
+        done = 0
+        for block in blocks:
+            bx, by = self.source.read(np.arange(self.cuts[block], self.cuts[block + 1]), handles)
+            if x is None:
+                x = np.empty((length,) + bx.shape[1:], dtype=bx.dtype)
+                y = np.empty((length,) + by.shape[1:], dtype=by.dtype)
+            x[place[done:done + len(bx)]], y[place[done:done + len(by)]] = bx, by
+            done += len(bx)
+        return x, y
+
+
+def _close(handles):
+    for handle in handles.values():
+        handle.close()
+    handles.clear()
+
+
+class _Batches:
+    """Batches of ``size`` cut from a sequence of windows, from ``offset`` in the first; closeable."""
+
+    def __init__(self, windows, size, count, offset):
+        self.windows, self.size, self.count, self.offset = windows, size, count, offset
+
+    def __iter__(self):
+        if not self.count:
+            return
+        x, y = next(self.windows)
+        at = self.offset
+        for _ in range(self.count):
+            if at + self.size <= len(x):
+                yield x[at:at + self.size], y[at:at + self.size]
+                at += self.size
+                continue
+            xs, ys, wanted = [x[at:]], [y[at:]], self.size - (len(x) - at)
+            while wanted:      # the batch spans windows
+                x, y = next(self.windows)
+                at = min(wanted, len(x))
+                xs.append(x[:at])
+                ys.append(y[:at])
+                wanted -= at
+            yield np.concatenate(xs), np.concatenate(ys)
+
+    def close(self):
+        if self.windows is not None:
+            self.windows.close()

@@ -1,0 +1,274 @@
+"""Streaming a worker's part of a dataset: chunk-aligned blocks, the shuffle buffer, exact resume, bounded memory.
+
+Samples here carry their own row number (``x[i, 0] == i``), so every check of
+an order is a check of which rows came, in which order, with closed-form
+expectations.
+"""
+
+import re
+import tracemalloc
+
+import h5py
+import numpy as np
+import pytest
+
+from mpidist import data
+from mpidist.data import stream as streaming
+from mpidist.config import Settings
+from mpidist.errors import UsageError
+
+from conftest import checkpoint_at, events, mpidist
+
+
+def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5):
+    """A dataset whose sample ``i`` is ``[offset + i, ...]`` with label ``(offset + i) % num_classes``."""
+    numbers = np.arange(offset, offset + rows)
+    x = np.repeat(numbers[:, None], width, axis=1).astype(np.float32)
+    with h5py.File(path, "w") as handle:
+        handle.attrs.update(name="rows", num_classes=num_classes, source="test")
+        for split, (xs, ys) in {"train": (x, numbers % num_classes), "test": (x[:test_rows], numbers[:test_rows] % num_classes)}.items():
+            chunks = (min(chunk, len(xs)), width) if chunk and len(xs) else None
+            handle.create_dataset(f"{split}/x", data=xs, chunks=chunks)
+            handle.create_dataset(f"{split}/y", data=ys.astype(np.int64))
+    return path
+
+
+def directory(tmp_path, sizes, chunk=None, test_rows=2):
+    """A directory of files holding rows ``0..sum(sizes)-1`` of train in order, ``sizes[k]`` in file ``k``."""
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    offset = 0
+    for index, rows in enumerate(sizes):
+        write(folder / f"part-{index}.h5", rows, chunk=chunk, test_rows=test_rows, offset=offset)
+        offset += rows
+    return folder
+
+
+def rows_of(batches):
+    return [int(v) for x, _ in batches for v in np.asarray(x).reshape(len(x), -1)[:, 0]]
+
+
+def test_worker_ranges_tile_the_rows_with_the_sizes_of_strided_shards():
+    for n in range(0, 31):
+        for workers in range(1, 8):
+            ranges = [streaming.worker_range(n, workers, w) for w in range(workers)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert [hi - lo for lo, hi in ranges] == [data.shard_size(n, workers, w) for w in range(workers)]
+
+
+def test_blocks_are_whole_chunks_of_one_file_each(tmp_path):
+    folder = directory(tmp_path, [20, 13, 9], chunk=3)
+    info = data.inspect(folder)
+    source = data.SplitRows(info, "train", (4,), np.float32)
+    # 16-byte rows, 100-byte blocks: 6 rows = two whole chunks of 3
+    cuts = streaming.block_cuts(source, 5, 40, block_bytes=100)
+    assert cuts.tolist() == [5, 6, 12, 18, 20, 26, 32, 33, 39, 40]
+    assert streaming.block_cuts(source, 0, 42, block_bytes=1).tolist() == \
+        sorted(set(range(0, 20, 3)) | set(range(20, 33, 3)) | set(range(33, 42, 3)) | {42})
+
+
+def test_epoch_windows_hold_every_block_once_each_at_least_the_buffer_but_the_last():
+    sizes = np.array([5, 3, 8, 2, 7, 1, 4])
+    windows = streaming.epoch_windows(sizes, 9, seed=3, epoch=1, worker=0)
+    assert sorted(b for w in windows for b in w) == list(range(7))
+    assert all(sizes[w].sum() >= 9 for w in windows[:-1])
+    assert all(sizes[w[:-1]].sum() < 9 for w in windows)          # a window closes as soon as it is full
+    assert windows != streaming.epoch_windows(sizes, 9, seed=3, epoch=2, worker=0)
+    assert windows == streaming.epoch_windows(sizes, 9, seed=3, epoch=1, worker=0)
+
+
+def test_a_streamed_epoch_gives_each_row_of_the_part_once_in_an_order_of_seed_epoch_and_worker(tmp_path):
+    info = data.inspect(write(tmp_path / "d.h5", 1000, chunk=16))
+    part = data.Stream(info, "train", 1, 3, (4,), np.float32, buffer=100)
+    assert (part.lo, part.hi) == (334, 667)
+    steps = len(part) // 10
+    seen = rows_of(part.batches(10, steps, seed=0, epoch=0, worker=1))
+    assert sorted(seen) == list(range(334, 334 + 10 * steps)) or len(set(seen)) == 10 * steps
+    assert set(seen) <= set(range(334, 667)) and len(seen) == len(set(seen)) == 330
+    again = rows_of(part.batches(10, steps, seed=0, epoch=0, worker=1))
+    other_epoch = rows_of(part.batches(10, steps, seed=0, epoch=1, worker=1))
+    assert seen == again and seen != other_epoch
+    assert seen != sorted(seen)
+
+
+@pytest.mark.parametrize("batch", [7, 10, 64])
+def test_a_stream_resumed_at_any_step_continues_exactly(tmp_path, batch):
+    info = data.inspect(write(tmp_path / "d.h5", 700, chunk=8))
+    part = data.Stream(info, "train", 0, 2, (4,), np.float32, buffer=50)   # windows of 56: batches span them
+    steps = len(part) // batch
+    whole = [rows_of([b]) for b in part.batches(batch, steps, seed=5, epoch=2, worker=0)]
+    assert len(whole) == steps
+    for skip in range(steps):
+        batches = part.batches(batch, steps, seed=5, epoch=2, worker=0, skip=skip)
+        assert [rows_of([b]) for b in batches] == whole[skip:]
+        batches.close()
+
+
+def test_a_stream_stopped_early_lets_its_reader_go(tmp_path):
+    info = data.inspect(write(tmp_path / "d.h5", 500, chunk=8))
+    batches = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=40).batches(10, 50, 0, 0, 0)
+    next(iter(batches))
+    batches.close()      # returns: the reading thread ended, its files closed
+    assert not batches.windows._thread.is_alive()
+
+
+def test_a_directory_reads_as_the_concatenation_of_its_files(tmp_path):
+    single = data.inspect(write(tmp_path / "d.h5", 42, test_rows=6))
+    parts = data.inspect(directory(tmp_path, [20, 13, 9], chunk=3))
+    assert parts.sizes == {"train": 42, "test": 6} and len(parts.files) == 3
+    for worker in range(3):     # in memory: the same strided shards
+        a = data.Shard(single, "train", worker, 3, (4,), np.float32)
+        b = data.Shard(parts, "train", worker, 3, (4,), np.float32)
+        np.testing.assert_array_equal(a.x, b.x)
+        np.testing.assert_array_equal(a.y, b.y)
+    streamed = data.Stream(parts, "train", 0, 1, (4,), np.float32, buffer=5)
+    assert rows_of(streamed.eval_batches(4)) == list(range(42))
+    assert sorted(rows_of(streamed.batches(6, 7, 0, 0, 0))) == list(range(42))
+
+
+def test_files_are_taken_in_natural_order_and_must_agree(tmp_path):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    write(folder / "p-10.h5", 3, offset=3, test_rows=1)
+    write(folder / "p-2.h5", 3, offset=0, test_rows=1)
+    info = data.inspect(folder)
+    assert [m.path.name for m in info.files] == ["p-2.h5", "p-10.h5"]
+    assert data.inspect(data.resolve(str(folder / "p-*.h5"))).sizes == info.sizes
+    write(folder / "p-11.h5", 3, width=5)
+    with pytest.raises(UsageError, match="the files differ in sample shape"):
+        data.inspect(folder)
+    with pytest.raises(UsageError, match="matches no files"):
+        data.inspect(data.resolve(str(tmp_path / "nothing-*.h5")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="a directory with no .h5"):
+        data.inspect(tmp_path / "empty")
+
+
+def test_a_carved_validation_split_streams_exactly_its_rows(tmp_path):
+    info = data.carve_validation(data.inspect(write(tmp_path / "d.h5", 300, chunk=7)), 0.2, seed=4)
+    _, val_rows = info.rows_of("val")
+    _, train_rows = info.rows_of("train")
+    for split, expected in (("val", val_rows), ("train", train_rows)):
+        got = []
+        for worker in range(2):
+            part = data.Stream(info, split, worker, 2, (4,), np.float32, buffer=20)
+            got += rows_of(part.eval_batches(16))
+        assert got == expected.tolist()
+
+
+def test_bad_rows_in_a_block_are_refused_naming_file_and_row(tmp_path):
+    path = write(tmp_path / "d.h5", 100, chunk=10)
+    with h5py.File(path, "r+") as handle:
+        handle["train/x"][57, 2] = np.nan
+    part = data.Stream(data.inspect(path), "train", 0, 1, (4,), np.float32, buffer=20)
+    with pytest.raises(UsageError, match=r"d.h5: train/x holds NaN or Inf \(first at sample 57\)"):
+        list(part.eval_batches())
+
+
+def test_streaming_memory_is_bounded_by_the_buffer_not_the_data(tmp_path):
+    rows, width = 12_000, 1000                 # 48 MB of float32
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as handle:
+        handle.attrs.update(name="big", num_classes=2, source="test")
+        for split, n in (("train", rows), ("test", 10)):
+            x = handle.create_dataset(f"{split}/x", shape=(n, width), dtype=np.float32, chunks=(min(64, n), width))
+            for lo in range(0, n, 2000):
+                x[lo:lo + 2000] = 1.0
+            handle.create_dataset(f"{split}/y", data=np.arange(n) % 2)
+    info = data.inspect(path)
+
+    def peak(read):
+        tracemalloc.start()
+        read()
+        top = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return top
+
+    part = data.Stream(info, "train", 0, 1, (width,), np.float32, buffer=500)       # 2 MB windows
+    streamed = peak(lambda: sum(len(x) for x, _ in part.batches(100, rows // 100, 0, 0, 0)))
+    in_memory = peak(lambda: data.Shard(info, "train", 0, 1, (width,), np.float32))
+    assert in_memory > 48e6 and streamed < 16e6, (streamed, in_memory)
+
+
+def test_the_budget_decides_between_memory_and_stream():
+    info = data.DatasetInfo(path="d.h5", name="d", num_classes=10, source="", sample_shape=(100,),
+                            sizes={"train": 10_000, "test": 100},
+                            files=(data.Member("d.h5", {"train": 10_000, "test": 100}, {"train": 1, "test": 1},
+                                               {"train": 400, "test": 400}),))
+    parts = [("train", 5_000), ("test", 50)]   # 5,050 rows of 400 + 400 + 16 bytes: about 4.1 MB
+    assert data.plan(Settings(memory_budget="5M"), info, parts, (100,), np.float32).mode == "memory"
+    chosen = data.plan(Settings(memory_budget="3M"), info, parts, (100,), np.float32)
+    assert chosen.mode == "stream" and "> budget 3.0 MiB" in chosen.why
+    assert chosen.buffer == (3 << 20) // 6 // 400          # a sixth of the budget: three windows take half
+    assert data.plan(Settings(data_mode="memory", memory_budget="1M"), info, parts, (100,), np.float32).mode == \
+        "memory"
+    assert data.plan(Settings(data_mode="stream"), info, parts, (100,), np.float32).mode == "stream"
+    with pytest.raises(UsageError, match="--memory-budget 3M: streaming with --shuffle-buffer 100,000"):
+        data.plan(Settings(memory_budget="3M", shuffle_buffer=100_000), info, parts, (100,), np.float32)
+
+
+@pytest.mark.parametrize("text,expected", [("512M", 512 << 20), ("1.5GiB", 3 << 29), ("2g", 2 << 30),
+                                           ("100000", 100000), ("64 kb", 64 << 10)])
+def test_memory_budgets_read_binary_units(text, expected):
+    from mpidist.memory import parse_bytes
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1G", "0", "1.5X", "nan"])
+def test_a_bad_memory_budget_is_refused(text):
+    with pytest.raises(UsageError, match="--memory-budget"):
+        Settings(memory_budget=text).validate_values()
+
+
+@pytest.mark.parametrize("ranks,layout", [(2, "file"), (2, "directory"), (4, "directory")])
+def test_a_streaming_run_resumes_mid_epoch_exactly(tmp_path, ranks, layout):
+    """Stopped at step 13 of 18 per epoch, in epoch 1: the resumed run ends bit-identical to the whole one."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1200, 8)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+    source = tmp_path / "src.npz"
+    np.savez(source, x=x, y=y)
+    if layout == "file":
+        dataset = tmp_path / "d.h5"
+        done, _ = mpidist(1, "ingest", str(source), str(dataset), "--test-fraction", "0.1")
+    else:
+        folder = tmp_path / "d"
+        folder.mkdir()
+        for k, (lo, hi) in enumerate([(0, 500), (500, 530), (530, 1200)]):   # uneven files: blocks cross none
+            write_split(folder / f"d-{k}.h5", x[lo:hi], y[lo:hi], x[:12], y[:12])
+        dataset, done = folder, None
+    assert done is None or done.returncode == 0, done.stderr
+    common = ["train", "--data", str(dataset), "--data-mode", "stream", "--shuffle-buffer", "100", "--epochs", "3",
+              "--batch-size", "60", "--metrics", "", "--progress", "none", "--dtype", "float64"]
+    whole, half = tmp_path / "whole", tmp_path / "half"
+    done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(whole))
+    assert done.returncode == 0, done.stderr
+    assert "stream (--data-mode stream), buffer 100" in done.stdout
+    steps = int(done.stdout.split(" steps/epoch")[0].rsplit(" ", 1)[1])
+    stop = steps + steps // 2 + 1                    # mid-way through the second epoch
+    done, _ = mpidist(ranks, *common, "--steps", str(stop), "--checkpoint-dir", str(half))
+    assert done.returncode == 0, done.stderr
+    done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(half), "--resume", "auto")
+    assert done.returncode == 0, done.stderr
+    assert f"ckpt-{stop:08d}-" in done.stdout
+    with h5py.File(checkpoint_at(whole, 3 * steps)) as a, h5py.File(checkpoint_at(half, 3 * steps)) as b:
+        np.testing.assert_array_equal(a["params"][...], b["params"][...])
+
+
+def write_split(path, x, y, test_x, test_y):
+    with h5py.File(path, "w") as handle:
+        handle.attrs.update(name="d", num_classes=2, source="test")
+        for split, (xs, ys) in {"train": (x, y), "test": (test_x, test_y)}.items():
+            handle.create_dataset(f"{split}/x", data=xs, chunks=(min(16, len(xs)), xs.shape[1]))
+            handle.create_dataset(f"{split}/y", data=ys)
+
+
+def test_the_start_up_table_says_how_each_rank_holds_its_data(tmp_path):
+    done, _ = mpidist(2, "train", "--steps", "3", "--metrics", str(tmp_path / "m.jsonl"), "--progress", "none",
+                      "--memory-budget", "300K")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert len(lines) == 2 and all(re.search(r"stream \(46\d\.\d KiB > budget 300\.0 KiB\), buffer", line) for line in lines), \
+        done.stdout
+    assert events(tmp_path / "m.jsonl", "done")
