@@ -108,6 +108,12 @@ def build_parser():
     bench.add_argument("--models", default="mlp,mlp-wide,cnn",
                        help="comma-separated zoo models (default: mlp,mlp-wide,cnn)")
     bench.add_argument("--batch-per-rank", type=int, default=128, help="samples per rank per step (default: 128)")
+    bench.add_argument("--streaming", default=None, metavar="DATA",
+                       help="instead: train an epoch of DATA (a dataset, e.g. one `ingest synthetic:...` wrote) "
+                       "held in memory, then streamed with a cold page cache, in interleaved rounds; the first "
+                       "of --models is trained")
+    bench.add_argument("--steps", type=int, default=0,
+                       help="with --streaming: steps per run in place of a whole epoch (default: 0 = an epoch)")
     return parser
 
 
@@ -201,6 +207,12 @@ def cmd_bench(args, world):
             raise UsageError(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
         if args.seconds <= 0 or args.batch_per_rank < 1:
             raise UsageError("--seconds must be positive and --batch-per-rank at least 1")
+        if args.steps < 0:
+            raise UsageError(f"--steps {args.steps}: give 0 (an epoch) or more")
+    if args.streaming is not None:
+        from .bench import run_streaming_bench
+        run_streaming_bench(world, args.streaming, models[0], args.batch_per_rank, args.steps, args.output)
+        return EXIT_OK
     run_bench(world, models, args.seconds, args.batch_per_rank, args.output)
     return EXIT_OK
 

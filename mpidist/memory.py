@@ -10,6 +10,7 @@ and a smaller absurd number would push the node into swap or the OOM killer).
 import math
 import os
 import re
+import sys
 
 from .errors import UsageError
 
@@ -83,3 +84,13 @@ def default_budget():
     """
     free = available_bytes()
     return (4 << 30) if free is None else max(1 << 20, free // ranks_per_node() // 2)
+
+
+def peak_memory():
+    """Bytes this process has held resident at most so far (``getrusage``; 0 where unknown)."""
+    try:
+        import resource
+    except ImportError:    # pragma: no cover - not POSIX
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024   # (macOS counts bytes, Linux KiB)

@@ -24,6 +24,7 @@ from .callbacks import EarlyStopping, Reporter, lower_is_better
 from .comm import bcast
 from .checkpointer import Checkpointer
 from .metrics import MetricsLog, Progress, format_summary
+from .memory import peak_memory
 from .preempt import EARLY_STOP, WRITE_FAILED, StepAgreement, settle, signal_name, stop_signals
 from .stall import StallMonitor
 from .whereabouts import here
@@ -477,7 +478,8 @@ class Training:
             state = strategy.state()   # collective: the trained model, on the chief
             self.save(state, gathered=True)
         self.where.enter("finish")
-        roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats()), root=cluster.chief_rank)
+        roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats(), peak_memory()),
+                                     root=cluster.chief_rank)
         self.monitor.close()
         strategy.close()
         if self.diverged:
@@ -511,14 +513,16 @@ class Training:
                     if config.keep_best else {}),
                  **({"stopped_early": True} if self.stopped_early else {}),
                  **({"recoveries": self.recoveries} if config.elastic else {}),
-                 "roles": [{"rank": rank, "role": role, **stats} for rank, role, stats in roles if stats], **detail}
+                 "peak_rss_mib": max(peak for *_, peak in roles) / (1 << 20),
+                 "roles": [{"rank": rank, "role": role, **stats} for rank, role, stats, _ in roles if stats], **detail}
         self.log.write("done", **final)
         self.log.close()
         rows = [("dataset", f"{setup.info.name} ({setup.info.path})"), ("model", config.model),
                 ("strategy", f"{config.strategy} on {layout_text(config, cluster)}"),
                 ("steps", f"{self.step} ({final['epochs']} epochs)"), ("final train loss", f"{self.last_loss:.4f}"),
                 *scores.summary_rows(self.result), ("training time", f"{elapsed:.2f} s"),
-                ("throughput", f"{samples_per_s:,.0f} samples/s")]
+                ("throughput", f"{samples_per_s:,.0f} samples/s"),
+                ("peak memory", f"{final['peak_rss_mib']:,.0f} MiB (resident, the largest rank)")]
         if config.metrics:
             rows.append(("metrics", config.metrics))
         if config.checkpoint_dir:
@@ -535,7 +539,7 @@ class Training:
         """
         if self.strategy.lockstep:
             return self.clipped_steps
-        counted = [stats.get("clipped", 0) for _, _, stats in roles]
+        counted = [stats.get("clipped", 0) for _, _, stats, _ in roles]
         return int(sum(counted) if self.config.strategy == "ps-async" else max(counted, default=0))
 
     def _report_stop(self, flags):

@@ -29,6 +29,7 @@ from . import reference
 from . import rows as rows_of
 from .output import check_output, format_table, write_results  # noqa: F401  (check_output: the CLI's and tests')
 from .pipeline import PIPELINE_COLUMNS, pipeline_rows
+from .streaming import COLUMNS as STREAMING_COLUMNS, streaming_rows
 
 
 def bench_model(world, cluster, name, batch, seconds, rounds=3):
@@ -124,6 +125,27 @@ def run_bench(world, models, seconds, batch, output):
         print(format_table(pipeline, PIPELINE_COLUMNS))
     try:
         write_results(output, {"meta": meta, "rows": rows, "pipeline": pipeline})
+    except OSError as err:
+        raise RunError(f"--output {output}: the results (above) could not be written: "
+                       f"{err.strerror or err}") from None
+    print(f"mpidist bench: results in {output}")
+    return rows
+
+
+def run_streaming_bench(world, dataset, model, batch, steps, output):
+    """``bench --streaming``: rank 0 prints the comparison of :mod:`mpidist.bench.streaming` and writes ``output``."""
+    with agreed(world):
+        if world.Get_rank() == 0:
+            check_output(output)
+    rows = streaming_rows(world, dataset, model, batch, steps)
+    if world.Get_rank() != 0:
+        return None
+    print(f"mpidist bench --streaming: {model} on {dataset}, {world.Get_size()} rank(s), {batch} samples per rank "
+          "per step; median of 3 interleaved rounds")
+    print(format_table(rows, STREAMING_COLUMNS))
+    try:
+        write_results(output, {"meta": {"ranks": world.Get_size(), "model": model, "data": str(dataset),
+                                        **machine()}, "streaming": rows})
     except OSError as err:
         raise RunError(f"--output {output}: the results (above) could not be written: "
                        f"{err.strerror or err}") from None
