@@ -132,6 +132,12 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     if resume is not None:
         notes.extend(recipe_changes(config, resume))
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
+    if train is not None:   # (a stream reads its first window now, as a shard in memory was read whole above)
+        epoch, at = (0, 0) if resume is None else (resume.epoch, resume.epoch_step)
+        epoch, at = (epoch + 1, 0) if at >= steps else (epoch, at)
+        if epoch < config.epochs:
+            train.prime(config.seed if resume is None else resume.seed, epoch, 0 if in_graph else worker,
+                        at * (config.batch_size if in_graph else local_batch))
     return Setup(info=info, model=model, train=train, test=test, val=val, local_batch=local_batch,
                  steps_per_epoch=steps, reading=reading,
                  resume=resume, skipped=list(skipped), notes=notes)

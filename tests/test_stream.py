@@ -5,6 +5,7 @@ an order is a check of which rows came, in which order, with closed-form
 expectations.
 """
 
+import os
 import re
 import tracemalloc
 
@@ -200,7 +201,7 @@ def test_the_budget_decides_between_memory_and_stream():
     assert data.plan(Settings(memory_budget="5M"), info, parts, (100,), np.float32).mode == "memory"
     chosen = data.plan(Settings(memory_budget="3M"), info, parts, (100,), np.float32)
     assert chosen.mode == "stream" and "> budget 3.0 MiB" in chosen.why
-    assert chosen.buffer == (3 << 20) // 6 // 400          # a sixth of the budget: three windows take half
+    assert chosen.buffer == (3 << 20) // 8 // 400          # an eighth of the budget: four windows take half
     assert data.plan(Settings(data_mode="memory", memory_budget="1M"), info, parts, (100,), np.float32).mode == \
         "memory"
     assert data.plan(Settings(data_mode="stream"), info, parts, (100,), np.float32).mode == "stream"
@@ -272,3 +273,63 @@ def test_the_start_up_table_says_how_each_rank_holds_its_data(tmp_path):
     assert len(lines) == 2 and all(re.search(r"stream \(46\d\.\d KiB > budget 300\.0 KiB\), buffer", line) for line in lines), \
         done.stdout
     assert events(tmp_path / "m.jsonl", "done")
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(chunks=(7, 3, 2)), dict(chunks=(5, 3, 2), dtype=">f8"),
+                                    dict(chunks=(4, 3, 2), dtype="<i2")])
+def test_rows_read_around_h5py_are_the_rows_h5py_reads(tmp_path, layout):
+    from mpidist.data.direct import direct_rows
+    values = np.arange(50 * 6).reshape(50, 3, 2)
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as handle:
+        handle.create_dataset("x", data=values.astype(layout.get("dtype", "<f4")), **{k: v for k, v in layout.items()
+                                                                                     if k == "chunks"})
+    with h5py.File(path, "r") as handle:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for lo, hi in [(0, 50), (3, 4), (6, 22), (49, 50), (10, 10)]:
+                got = direct_rows(handle["x"], lo, hi, fd)
+                if hi > lo:
+                    np.testing.assert_array_equal(got, handle["x"][lo:hi])
+                    assert got.dtype == handle["x"].dtype
+        finally:
+            os.close(fd)
+
+
+def test_compressed_or_oddly_chunked_rows_are_left_to_h5py_and_truncation_is_named(tmp_path):
+    from mpidist.data.direct import direct_rows
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as handle:
+        handle.create_dataset("gz", data=np.ones((40, 4)), chunks=(8, 4), compression="gzip")
+        handle.create_dataset("across", data=np.ones((40, 4)), chunks=(8, 2))
+        handle.create_dataset("plain", data=np.ones((4000, 4)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with h5py.File(path, "r") as handle:
+            assert direct_rows(handle["gz"], 0, 10, fd) is None and direct_rows(handle["across"], 0, 10, fd) is None
+            os.truncate(path, os.path.getsize(path) - 1000)
+            with pytest.raises(UsageError, match="the file is truncated"):
+                direct_rows(handle["plain"], 3900, 4000, fd, path)
+    finally:
+        os.close(fd)
+
+
+def test_windows_read_ahead_give_the_batches_read_on_demand(tmp_path):
+    """prime() and an epoch's end read a window before it is asked for; the batches are those read when asked."""
+    info = data.inspect(write(tmp_path / "d.h5", 700, chunk=8))
+    fresh = data.Stream(info, "train", 1, 2, (4,), np.float32, buffer=50)
+    ahead = data.Stream(info, "train", 1, 2, (4,), np.float32, buffer=50)
+    steps = len(fresh) // 9
+    for epoch in range(3):
+        for skip in (0, 11):
+            expected = [rows_of([b]) for b in fresh.batches(9, steps, 2, epoch, 1, skip=skip)]
+            ahead.prime(2, epoch, 1, skip * 9)
+            assert ahead._ahead
+            got = [rows_of([b]) for b in ahead.batches(9, steps, 2, epoch, 1, skip=skip)]
+            assert got == expected
+    batches = ahead.batches(9, steps, 2, 5, 1)       # read to its end: epoch 6's first window is read too
+    assert len(list(batches)) == steps
+    batches.close()
+    assert list(ahead._ahead) == [(2, 6, 1, 0)]
+    assert [rows_of([b]) for b in ahead.batches(9, steps, 2, 6, 1)] == \
+        [rows_of([b]) for b in fresh.batches(9, steps, 2, 6, 1)]

@@ -141,7 +141,7 @@ def run_streaming_bench(world, dataset, model, batch, steps, output):
     if world.Get_rank() != 0:
         return None
     print(f"mpidist bench --streaming: {model} on {dataset}, {world.Get_size()} rank(s), {batch} samples per rank "
-          "per step; median of 3 interleaved rounds")
+          "per step; median of 5 interleaved rounds")
     print(format_table(rows, STREAMING_COLUMNS))
     try:
         write_results(output, {"meta": {"ranks": world.Get_size(), "model": model, "data": str(dataset),

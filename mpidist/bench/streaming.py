@@ -35,7 +35,7 @@ def drop_from_page_cache(paths):
     return True
 
 
-def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, rounds=3):
+def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, rounds=5):
     """Rows of the comparison (complete on rank 0; every rank must call)."""
     from ..api import train
 
@@ -57,7 +57,7 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
     if world.Get_rank() != 0:
         return None
     rows = [{"mode": mode, "ranks": world.Get_size(), "steps": runs[0][1],
-             "samples_per_s": float(np.median([rate for rate, _ in runs])),
+             "samples_per_s": float(np.median([rate for rate, _ in runs])), "rounds": [rate for rate, _ in runs],
              "cold": ("dropped" if cold else "kept") if mode == "stream" else "-"} for mode, runs in measured.items()]
     rows[1]["vs_memory"] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
     return rows

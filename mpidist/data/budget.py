@@ -19,7 +19,7 @@ from .samples import footprint
 from .shard import Shard
 from .stream import Stream, block_bytes_for, block_length, default_buffer
 
-WINDOWS = 3     # windows a stream holds at once: the one training, the next one read, one being built
+WINDOWS = 4     # windows a stream holds at once (mpidist.data.stream says which)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,10 +8,12 @@ contiguous or evenly strided part in one, scattered rows in 64 MiB spans.
 """
 
 import contextlib
+import os
 
 import numpy as np
 
 from ..whereabouts import here
+from .direct import byte_ranges, direct_rows
 from .layout import open_source
 from .samples import prepare
 
@@ -50,39 +52,83 @@ class SplitRows:
             for index, member in enumerate(self.files):
                 lo, hi = np.searchsorted(rows, self.starts[index:index + 2])
                 if hi > lo:
-                    handle = _handle(member.path, handles, opened)
-                    pieces.append(self._piece(handle, member.path, rows[lo:hi] - self.starts[index]))
+                    items = self._items(member.path, handles, opened)
+                    pieces.append(self._piece(items, member.path, rows[lo:hi] - self.starts[index],
+                                              self._fd(member.path, handles)))
         if len(pieces) == 1:
             return pieces[0]
         if not pieces:
             return self._piece(None, None, rows[:0])
         return np.concatenate([x for x, _ in pieces]), np.concatenate([y for _, y in pieces])
 
-    def _piece(self, handle, path, local):
-        """Rows ``local`` of one file, read in one call where they are evenly spaced."""
+    def advise(self, lo, hi, handles):
+        """Tell the kernel rows ``[lo, hi)`` will be read soon (``POSIX_FADV_WILLNEED``): it reads them meanwhile.
+
+        h5py holds the GIL while it reads, so a read that waits on the disk
+        stalls the training thread's Python too; the hint turns the later read
+        into a copy from the page cache.  Files in memory (arrays) and
+        systems without the call are left alone.
+        """
+        if not hasattr(os, "posix_fadvise") or hi <= lo:
+            return
+        rows = self.group_rows(np.arange(lo, hi)) if self.picked is not None else None
+        first, last = (int(rows[0]), int(rows[-1]) + 1) if rows is not None else (lo, hi)
+        for index, member in enumerate(self.files):
+            begin, end = max(first, self.starts[index]), min(last, self.starts[index + 1])
+            if end <= begin or not isinstance(member.path, os.PathLike):
+                continue
+            items = self._items(member.path, handles, None)
+            if ("fd", member.path) not in handles:
+                handles["fd", member.path] = os.open(member.path, os.O_RDONLY)
+            for item in items:
+                for offset, length in byte_ranges(item, int(begin - self.starts[index]), int(end - self.starts[index])):
+                    os.posix_fadvise(handles["fd", member.path], offset, length, os.POSIX_FADV_WILLNEED)
+
+    def _fd(self, path, handles):
+        """An OS file descriptor of ``path`` kept in ``handles`` (a stream's), or None (arrays, or no stream)."""
+        if handles is None or not isinstance(path, os.PathLike):
+            return None
+        if ("fd", path) not in handles:
+            handles["fd", path] = os.open(path, os.O_RDONLY)
+        return handles["fd", path]
+
+    def _items(self, path, handles, opened):
+        """``(x, y)`` of this split's group in file ``path``: from ``handles`` (opened into it on first use), or
+        opened for this call (``opened``)."""
+        if handles is None:
+            handle = opened.enter_context(open_source(path))
+            return handle[f"{self.group}/x"], handle[f"{self.group}/y"]
+        if (path, self.group) not in handles:
+            if path not in handles:
+                handles[path] = open_source(path)
+            handles[path, self.group] = handles[path][f"{self.group}/x"], handles[path][f"{self.group}/y"]
+        return handles[path, self.group]
+
+    def _piece(self, items, path, local, fd=None):
+        """Rows ``local`` of one file, read in one call where they are evenly spaced.
+
+        ``fd``: the file, open, to read consecutive rows of uncompressed data with :func:`direct_rows`.
+        """
         where = f"{path}: {self.group}"
-        if handle is None:   # no rows: empty arrays of the right shapes
+        if items is None:   # no rows: empty arrays of the right shapes
             x = np.empty((0,) + tuple(self.info.sample_shape))
             y = np.empty((0,) if self.info.num_classes or self.info.target_width == 1 else (0, self.info.target_width))
             return prepare(x, y, self.info, where, local, self.input_shape, self.dtype)
         with here().doing("io", f"reading {where}"):
-            x, y = handle[f"{self.group}/x"], handle[f"{self.group}/y"]
+            x, y = items
             step = int(local[1] - local[0]) if len(local) > 1 else 1
             if step > 0 and local[-1] - local[0] == step * (len(local) - 1) and (np.diff(local) == step).all():
                 span = slice(int(local[0]), int(local[-1]) + 1, step)
-                x, y = x[span], y[span]
+                x, y = (_read_span(item, span, fd, path) for item in (x, y))
             else:
                 x, y = read_rows(x, local), read_rows(y, local)
         return prepare(x, y, self.info, where, local, self.input_shape, self.dtype)
 
 
-def _handle(path, handles, opened):
-    """An open file for ``path``: from ``handles`` (opened into it on first use), or opened for this call."""
-    if handles is None:
-        return opened.enter_context(open_source(path))
-    if path not in handles:
-        handles[path] = open_source(path)
-    return handles[path]
+def _read_span(item, span, fd, path):
+    """Rows ``span`` of ``item``: straight from the file where :func:`direct_rows` can, else through h5py."""
+    got = direct_rows(item, span.start, span.stop, fd, path) if span.step == 1 else None
+    return item[span] if got is None else got
 
 
 def read_rows(item, numbers, block_bytes=64 << 20):

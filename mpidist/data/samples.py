@@ -18,7 +18,7 @@ def prepare(x, y, info, where, rows, input_shape, dtype):
     ``(n,) + input_shape``; class labels as int64, regression targets as
     ``dtype`` of shape ``(n, width)``.
     """
-    if x.dtype.kind == "f" and not np.isfinite(x).all():
+    if x.dtype.kind == "f" and not _all_finite(x):
         raise UsageError(f"{where}/x holds NaN or Inf (first at sample {rows[_first_bad_row(x)]})")
     if info.num_classes > 0:
         out = (y < 0) | (y >= info.num_classes)
@@ -34,11 +34,19 @@ def prepare(x, y, info, where, rows, input_shape, dtype):
     transform = standardizer(info)
     if transform is not None:     # checked again: statistics that do not fit the data can give Inf
         x = transform(x)
-        if not np.isfinite(x).all():
+        if not _all_finite(x):
             raise UsageError(f"{where}/x standardised with the file's stats/mean and stats/std holds Inf "
                              f"(first at sample {rows[_first_bad_row(x)]}): the statistics do not fit the data")
     x = converted(x, dtype, f"{where}/x" + (" (standardised)" if transform else ""))
     return x.reshape((len(x),) + tuple(input_shape)), y
+
+
+def _all_finite(x):
+    """Whether ``x`` holds no NaN or Inf: its sum first (one pass, no temporary), element by element if that is not."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(x.sum()):     # NaN and Inf make the sum non-finite; finite values rarely do (overflow)
+            return True
+    return bool(np.isfinite(x).all())
 
 
 def _first_bad_row(x):

@@ -42,6 +42,9 @@ class Shard:
     def __len__(self):
         return len(self.y)
 
+    def prime(self, seed, epoch, worker, first):
+        """Nothing to read ahead: the shard is in memory (a :class:`~mpidist.data.Stream` reads its first window)."""
+
     def batches(self, local_batch, steps, seed, epoch, worker, skip=0):
         """The ``(x, y)`` batches of one epoch from step ``skip`` on, prefetched."""
         order = epoch_order(len(self), seed, epoch, worker)

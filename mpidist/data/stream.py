@@ -17,13 +17,18 @@ A background thread reads the next window while the current one trains.  The
 order is a function of the seed, the epoch, the worker and the worker count,
 the buffer and the files' chunking (nothing read, nothing timed), so a
 resumed run starts at the window holding its next sample and continues
-exactly.  Memory: about three windows (the one training, the next one read,
-one being built), whatever the dataset's size.
+exactly.  Memory: about four windows (the one training and the one before,
+whose last batch may still be held, the next one read, one being built),
+whatever the dataset's size; their arrays are reused.
 
 Compared with a shard in memory, which permutes all its rows every epoch, a
 sample's neighbours in a batch come from the same window: random blocks of the
 worker's range, not the whole range (``docs/datasets.rst`` has the figures).
 """
+
+import collections
+import os
+import queue
 
 import numpy as np
 
@@ -31,7 +36,7 @@ from .batches import Prefetcher
 from .rows import SplitRows
 
 STREAM_SEED = 0x5354          # mixed into the seed: the stream's order is not a shard's permutation
-BLOCK_BYTES = 4 << 20         # one read call: large enough for a parallel file system, small next to a window
+BLOCK_BYTES = 1 << 20         # one read call: a parallel file system's stripe; a window draws 64 of them
 BUFFER_BYTES = 64 << 20       # the default shuffle buffer: this many bytes of samples in the model's dtype
 
 
@@ -76,10 +81,10 @@ def block_bytes_for(buffer, input_shape, dtype):
 def default_buffer(input_shape, dtype, budget=None):
     """Samples in the default shuffle buffer: :data:`BUFFER_BYTES` of them, less in a small ``budget``; one at least.
 
-    A stream holds three windows of about a buffer each: with a budget, the
-    buffer is at most a sixth of it, so the windows take half.
+    A stream holds four windows of about a buffer each: with a budget, the
+    buffer is at most an eighth of it, so the windows take half.
     """
-    size = BUFFER_BYTES if budget is None else min(BUFFER_BYTES, budget // 6)
+    size = BUFFER_BYTES if budget is None else min(BUFFER_BYTES, budget // 8)
     return max(1, size // (int(np.prod(input_shape)) * np.dtype(dtype).itemsize))
 
 
@@ -122,6 +127,12 @@ class Stream:
         self.buffer = int(buffer) or default_buffer(input_shape, dtype)
         self.cuts = block_cuts(self.source, self.lo, self.hi, block_bytes_for(self.buffer, input_shape, dtype))
         self.sizes = np.diff(self.cuts)
+        self.input_shape, self.dtype = tuple(input_shape), np.dtype(dtype)
+        # window arrays the batches are done with, filled again: a fresh 64 MiB array costs its page faults
+        # (tens of ms on a VM) each time; the reading thread takes, the consumer gives back
+        self._spare = queue.SimpleQueue()
+        # a window read before it was asked for: (seed, epoch, worker, window) -> (x, y); see prime()
+        self._ahead = {}
 
     def __len__(self):
         return self.hi - self.lo
@@ -129,6 +140,29 @@ class Stream:
     def window_rows(self):
         """The most samples a window holds: the buffer, plus all but one row of the largest block."""
         return self.buffer + int(self.sizes.max(initial=1)) - 1
+
+    def prime(self, seed, epoch, worker, first):
+        """Read now the window that holds sample ``first`` of ``epoch``: the first batches then wait for nothing.
+
+        The run's set-up calls it where a shard in memory is loaded, so both
+        modes start training with their data at hand.  An epoch read to its
+        end reads the next one's first window the same way, while its last
+        batches train.
+        """
+        windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker)
+        ends = np.cumsum([int(self.sizes[w].sum()) for w in windows])
+        index = int(np.searchsorted(ends, first, side="right"))
+        if index < len(windows):
+            handles = {}
+            try:
+                self._read_ahead(windows, index, seed, epoch, worker, handles)
+            finally:
+                _close(handles)
+
+    def _read_ahead(self, windows, index, seed, epoch, worker, handles):
+        self._advise(windows, index, handles)
+        self._ahead = {(seed, epoch, worker, index): self._window(
+            windows[index], handles, window_order(int(self.sizes[windows[index]].sum()), seed, epoch, worker, index))}
 
     def batches(self, local_batch, steps, seed, epoch, worker, skip=0):
         """The ``(x, y)`` batches of one epoch from step ``skip`` on; the windows are read ahead."""
@@ -144,12 +178,19 @@ class Stream:
             handles = {}
             try:
                 for index in range(k, final + 1):
-                    yield self._window(windows[index], handles, window_order(int(self.sizes[windows[index]].sum()),
-                                                                            seed, epoch, worker, index))
+                    ready = self._ahead.pop((seed, epoch, worker, index), None) if index == k else None
+                    self._advise(windows, index + (index == k), handles, both=index == k and ready is None)
+                    if ready is None:
+                        ready = self._window(windows[index], handles, window_order(
+                            int(self.sizes[windows[index]].sum()), seed, epoch, worker, index))
+                    yield ready
+                if final == len(windows) - 1:   # the epoch's end: the next epoch's first window, meanwhile
+                    self._read_ahead(epoch_windows(self.sizes, self.buffer, seed, epoch + 1, worker), 0, seed,
+                                     epoch + 1, worker, handles)
             finally:
                 _close(handles)
 
-        return _Batches(Prefetcher(read(), depth=1), local_batch, steps - skip, offset)
+        return _Batches(Prefetcher(read(), depth=1), local_batch, steps - skip, offset, self._spare)
 
     def eval_batches(self, size=1024):
         """The whole part in order, in chunks of at most ``size``, read a window ahead."""
@@ -158,18 +199,27 @@ class Stream:
         def read():
             handles = {}
             try:
-                for blocks in windows:
+                for index, blocks in enumerate(windows):
+                    self._advise(windows, index + (index == 0), handles, both=index == 0)
                     yield self._window(blocks, handles, None)
             finally:
                 _close(handles)
 
         reader = Prefetcher(read(), depth=1)
+        done = collections.deque()
         try:
             for x, y in reader:
+                _recycle(done, (x, y), self._spare)
                 for lo in range(0, len(x), size):
                     yield x[lo:lo + size], y[lo:lo + size]
         finally:
             reader.close()
+
+    def _advise(self, windows, index, handles, both=False):
+        """Ask the kernel to read window ``index``'s blocks ahead (and the one before it too, with ``both``)."""
+        for blocks in windows[index - 1:index + 1] if both else windows[index:index + 1]:
+            for block in blocks:
+                self.source.advise(int(self.cuts[block]), int(self.cuts[block + 1]), handles)
 
     def _window(self, blocks, handles, order):
         """The samples of ``blocks``, read one call per block; ``order``: their permutation, or None (as read)."""
@@ -177,34 +227,70 @@ class Stream:
         place = np.arange(length)
         if order is not None:     # out[i] = read[order[i]]: each read sample goes to place[j]
             place[order] = np.arange(length)
-        x = y = None
+        x, y = self._arrays(length)
         done = 0
         for block in blocks:
             bx, by = self.source.read(np.arange(self.cuts[block], self.cuts[block + 1]), handles)
-            if x is None:
-                x = np.empty((length,) + bx.shape[1:], dtype=bx.dtype)
-                y = np.empty((length,) + by.shape[1:], dtype=by.dtype)
             x[place[done:done + len(bx)]], y[place[done:done + len(by)]] = bx, by
             done += len(bx)
         return x, y
 
+    def _arrays(self, length):
+        """``(x, y)`` to hold a window of ``length`` samples: a spare pair where there is one, else new ones."""
+        while True:
+            try:
+                x, y = self._spare.get_nowait()
+            except queue.Empty:
+                break
+            if len(x) >= length:
+                return x[:length], y[:length]
+        info, rows = self.source.info, self.window_rows()
+        targets = ((rows,), np.int64) if info.num_classes else ((rows, info.target_width), self.dtype)
+        return np.empty((rows,) + self.input_shape, dtype=self.dtype)[:length], np.empty(*targets)[:length]
+
+
+def _recycle(held, window, spare):
+    """Keep ``window`` among the ones batches were cut from; give back the one before the previous.
+
+    A batch is a view of its window, and a layer keeps its input until the
+    next step's forward: a window two back has no batch in use any more.
+    """
+    held.append(window)
+    if len(held) > 2:
+        x, y = held.popleft()
+        spare.put((x.base if x.base is not None else x, y.base if y.base is not None else y))
+
 
 def _close(handles):
-    for handle in handles.values():
-        handle.close()
+    """Close the files a stream opened (``handles`` also holds their datasets, under ``(path, group)`` keys)."""
+    for key, handle in handles.items():
+        if not isinstance(key, tuple):
+            handle.close()
+        elif key[0] == "fd":
+            os.close(handle)
     handles.clear()
 
 
 class _Batches:
-    """Batches of ``size`` cut from a sequence of windows, from ``offset`` in the first; closeable."""
+    """Batches of ``size`` cut from a sequence of windows, from ``offset`` in the first; closeable.
 
-    def __init__(self, windows, size, count, offset):
+    Windows batches were cut from go back to ``spare`` once no batch of theirs can be in use.
+    """
+
+    def __init__(self, windows, size, count, offset, spare=None):
         self.windows, self.size, self.count, self.offset = windows, size, count, offset
+        self.spare, self.held = spare, collections.deque()
+
+    def _next_window(self):
+        window = next(self.windows)
+        if self.spare is not None:
+            _recycle(self.held, window, self.spare)
+        return window
 
     def __iter__(self):
         if not self.count:
             return
-        x, y = next(self.windows)
+        x, y = self._next_window()
         at = self.offset
         for _ in range(self.count):
             if at + self.size <= len(x):
@@ -213,7 +299,7 @@ class _Batches:
                 continue
             xs, ys, wanted = [x[at:]], [y[at:]], self.size - (len(x) - at)
             while wanted:      # the batch spans windows
-                x, y = next(self.windows)
+                x, y = self._next_window()
                 at = min(wanted, len(x))
                 xs.append(x[:at])
                 ys.append(y[:at])
