@@ -78,8 +78,11 @@ def build_parser():
     ingest = sub.add_parser("ingest", help="write a dataset in the mpidist HDF5 layout",
                             description="Write a dataset in the mpidist HDF5 layout from a .npz or .csv file "
                             f"or a named source ({', '.join(SOURCES)}).")
-    ingest.add_argument("source", help=f".npz file, .csv file, or one of: {', '.join(SOURCES)}")
-    ingest.add_argument("output", help="HDF5 file to write (replaced atomically)")
+    ingest.add_argument("source", help=f".npz file, .csv file, one of: {', '.join(SOURCES)}; or "
+                        "synthetic:ROWS,FEATURES,CLASSES (generated Gaussian classes, written a block at a time: "
+                        "large test data)")
+    ingest.add_argument("output", help="HDF5 file to write (replaced atomically), or with --shard-size a new "
+                        "directory")
     ingest.add_argument("--name", default=None, help="dataset name stored in the file (default: from the source)")
     ingest.add_argument("--test-fraction", type=float, default=0.2,
                         help="share of samples held out as test when the source has no split (default: 0.2)")
@@ -92,6 +95,12 @@ def build_parser():
     ingest.add_argument("--delimiter", choices=("auto", ",", ";", "tab", "whitespace"), default="auto",
                         metavar="DELIMITER", help="what separates the cells of a CSV file: ',', ';', tab or "
                         "whitespace; auto: detected from its first lines, and reported (default: auto)")
+    ingest.add_argument("--shard-size", type=int, default=None, metavar="N",
+                        help="write OUTPUT as a directory of files of N training rows each (test rows spread over "
+                        "them), read by --data as one dataset")
+    ingest.add_argument("--compression", choices=("gzip", "lzf", "none"), default="gzip",
+                        help="how x and y are stored: gzip (level 4), lzf (faster), none (fastest to stream; read "
+                        "without h5py's GIL) (default: gzip)")
     ingest.add_argument("--standardize", action="store_true", help="store each feature's mean and standard "
                         "deviation over the training rows; train, eval and predict then read (x - mean) / std")
 
@@ -182,7 +191,8 @@ def cmd_ingest(args, world):
         if world.Get_rank() == 0:
             written = ingest(args.source, args.output, name=args.name, test_fraction=args.test_fraction,
                              seed=args.seed, task=args.task, label_column=args.label_column,
-                             standardize=args.standardize, delimiter=args.delimiter)
+                             standardize=args.standardize, delimiter=args.delimiter, shard_size=args.shard_size,
+                             compression=args.compression)
             print(written.summary())
     return EXIT_OK
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from . import dataset_writer as writer
 from .data import MAX_CLASSES, MAX_NAME
 from .errors import UsageError
 from .text import printable
@@ -136,7 +137,7 @@ def claimed(path):
 
 
 def write_dataset(path, name, splits, num_classes, source, where=None, check_values=False, stats=None,
-                  class_names=None):
+                  class_names=None, compression="gzip"):
     """Write ``splits = {"train": (x, y), "test": (x, y)}`` to ``path`` atomically, if they pass :func:`check_splits`.
 
     ``check_values`` (ingest sets it) also checks the values; off by default, as
@@ -157,7 +158,9 @@ def write_dataset(path, name, splits, num_classes, source, where=None, check_val
                 for split, (x, y) in splits.items():
                     group = handle.create_group(split)
                     for key, value in (("x", x), ("y", y)):
-                        group.create_dataset(key, data=value, compression="gzip", compression_opts=9, shuffle=True)
+                        value = np.asarray(value)
+                        group.create_dataset(key, data=value, chunks=writer.chunks_for(value.shape, value.itemsize),
+                                             **(writer.filters(compression) if len(value) else {}))
                 for key, value in zip(("mean", "std"), stats if stats is not None else ()):
                     handle.create_dataset(f"stats/{key}", data=np.asarray(value, np.float64))
                 if class_names is not None:
@@ -645,7 +648,7 @@ def build_source(name, seed=0):
 
 
 def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label_column=-1, standardize=False,
-           delimiter="auto"):
+           delimiter="auto", shard_size=None, compression="gzip"):
     """Write ``source`` (a named source, .npz or .csv path) to ``out``; returns an :class:`Ingested`.
 
     The result is path-like (``os.fspath`` gives ``out``) and carries what was
@@ -656,6 +659,11 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
     ``delimiter``: ``auto`` (detected), ``,``, ``;``, ``tab`` or ``whitespace``.
     """
     check_options(test_fraction, seed, task, delimiter)
+    writer.check_shard_size(shard_size)
+    writer.filters(compression)
+    generated = writer.synthetic(source, test_fraction, seed, name)
+    if generated is not None:
+        return _write_generated(generated, source, out, shard_size, compression, standardize)
     path = Path(source)
     if source not in SOURCES:
         if not path.is_file():
@@ -666,7 +674,7 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
             raise UsageError(f"ingest: the output {out} is the source file, which writing would destroy")
     if delimiter != "auto" and (source in SOURCES or path.suffix != ".csv"):
         raise UsageError(f"ingest: --delimiter applies to .csv files, not to {source}")
-    with claimed(out):          # an output that cannot be written fails here, before the source is read
+    with claimed(out) if shard_size is None else contextlib.nullcontext():   # (an unwritable output fails now)
         facts = {}
         if source in SOURCES:
             splits, num_classes, text = build_source(source, seed)
@@ -681,9 +689,35 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
         if standardize:
             check_splits(splits, num_classes, source)       # numbers of the layout, before they are summed
             stats = train_stats(x)
-        written = write_dataset(out, name, splits, num_classes, text, where=source, check_values=True, stats=stats,
-                                class_names=facts.get("class_names"))
+        if shard_size is None:
+            written = write_dataset(out, name, splits, num_classes, text, where=source, check_values=True,
+                                    stats=stats, class_names=facts.get("class_names"), compression=compression)
+        else:
+            check_splits(splits, num_classes, source, True)
+            check_extras(splits, num_classes, source, stats, facts.get("class_names"))
+            writer.write_shards(out, writer.Rows.of_arrays(splits, name=name, num_classes=num_classes, source=text,
+                                                           stats=stats, class_names=facts.get("class_names")),
+                                shard_size, compression)
+            written = Path(out)
     return Ingested(path=written, name=name, source=str(source), sizes={s: len(splits[s][0]) for s in splits},
                     sample_shape=tuple(int(d) for d in np.shape(x)[1:]), num_classes=int(num_classes),
                     target_width=1 if np.ndim(y) == 1 else int(np.shape(y)[1]), standardized=stats is not None,
                     **facts)
+
+
+def _write_generated(rows, source, out, shard_size, compression, standardize):
+    """``ingest synthetic:...``: rows generated block by block, to a file or a directory of shards."""
+    if standardize:
+        raise UsageError("ingest: --standardize needs the training rows in memory; synthetic data is standardised "
+                         "already (features of about unit variance)")
+    if shard_size is None:
+        with claimed(out) as aside:
+            try:
+                writer.write_file(aside, rows, {split: (0, n) for split, n in rows.sizes.items()}, compression)
+                os.replace(aside, out)
+            except OSError as err:
+                raise _cannot_write(out, err) from None
+    else:
+        writer.write_shards(out, rows, shard_size, compression)
+    return Ingested(path=Path(out), name=rows.name, source=str(source), sizes=dict(rows.sizes),
+                    sample_shape=tuple(rows.x_meta[0]), num_classes=rows.num_classes)
