@@ -51,18 +51,14 @@ def human(nbytes):
 
 
 def check_fits(nbytes, what):
-    """Raise :class:`UsageError` if ``nbytes`` exceed this rank's share of the node's free memory.
+    """Raise :class:`UsageError` if ``nbytes`` exceed what this rank may hold (:func:`holdable`).
 
     ``what`` says what needs them, with the value that decided their size
     (``"dataset d.h5: train/x of 10^9 rows"``).
     """
-    free = available_bytes()
-    if free is None:
-        return
-    share = free // ranks_per_node()
-    if nbytes > share:
-        raise UsageError(f"{what} needs {human(nbytes)}, more than this rank's share of the memory free on the "
-                         f"node ({human(share)} of {human(free)} for {ranks_per_node()} rank(s))")
+    limit = holdable()
+    if limit is not None and nbytes > limit[0]:
+        raise UsageError(f"{what} needs {human(nbytes)}, more than {limit[1]}")
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
@@ -77,13 +73,42 @@ def parse_bytes(text, flag="--memory-budget"):
     return int(value)
 
 
+def holdable():
+    """``(bytes this rank may hold, why)``: its share of the node's free memory, or a limit set on it; None if unknown.
+
+    Limits: ``ulimit -v``/``-d`` on the process, a cgroup's ``memory.max``
+    (Slurm's ``--mem``) shared by the node's ranks.
+    """
+    ranks = ranks_per_node()
+    free = available_bytes()
+    found = [] if free is None else [(free // ranks, f"this rank's share of the memory free on the node "
+                                                    f"({human(free // ranks)} of {human(free)} for {ranks} rank(s))")]
+    try:
+        import resource
+        for which, name in ((resource.RLIMIT_AS, "ulimit -v"), (resource.RLIMIT_DATA, "ulimit -d")):
+            soft = resource.getrlimit(which)[0]
+            if soft != resource.RLIM_INFINITY:
+                found.append((soft, f"this process's limit ({name}: {human(soft)})"))
+    except (ImportError, OSError, ValueError):   # pragma: no cover - not POSIX
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as handle:
+            text = handle.read().strip()
+        if text.isdigit():
+            found.append((int(text) // ranks, f"this rank's share of the job's memory limit (cgroup memory.max "
+                                              f"{human(int(text))} for {ranks} rank(s))"))
+    except OSError:
+        pass
+    return min(found) if found else None
+
+
 def default_budget():
-    """Bytes one rank's data may take unless told: half its share of the node's free memory (4 GiB if unknown).
+    """Bytes one rank's data may take unless told: half of what it may hold (:func:`holdable`; 4 GiB if unknown).
 
     Half, as the model, its gradients, the optimizer and MPI's buffers need the rest.
     """
-    free = available_bytes()
-    return (4 << 30) if free is None else max(1 << 20, free // ranks_per_node() // 2)
+    limit = holdable()
+    return (4 << 30) if limit is None else max(1 << 20, limit[0] // 2)
 
 
 def peak_memory():
