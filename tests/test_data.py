@@ -255,6 +255,8 @@ class _Split:
     def __len__(self):
         return len(self.y)
 
+    batches = data.Shard.batches     # a shard in memory's epoch order
+
 
 @pytest.mark.mpi(min_size=2)
 def test_in_graph_scatter_gives_each_worker_its_slice_of_the_chiefs_global_batch():
