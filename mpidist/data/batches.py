@@ -83,6 +83,11 @@ class Prefetcher:
 
     def close(self):
         self._stop.set()
+        while self._thread.is_alive():     # take what it offers: a put waiting for room returns at once
+            try:
+                self._queue.get(timeout=0.01)
+            except queue.Empty:
+                pass
         self._thread.join()
 
 
