@@ -32,6 +32,7 @@ DTYPES = ("float32", "float64")
 PROGRESS = ("auto", "bar", "lines", "none")
 REPLICATIONS = ("between-graph", "in-graph")
 DATA_MODES = ("auto", "memory", "stream")
+STREAM_IO = ("direct", "cached")
 
 #: Largest magnitude of an int setting: counters and seeds end up in int64 arrays, with room to add to them.
 INT_LIMIT = 2 ** 62
@@ -222,6 +223,9 @@ class CommonSettings:
                                 "the node's free memory over the ranks on the node")
     shuffle_buffer: int = _field(0, "samples a streaming worker shuffles together: random blocks of its part, "
                                  "permuted (0 = as many as fill 64 MiB)")
+    stream_io: str = _field("direct", "how a stream reads uncompressed data: direct (around the page cache, O_DIRECT, "
+                            "where the file system allows it; the least CPU), cached (through the page cache, which "
+                            "may keep a dataset that fits the node's memory between epochs)", STREAM_IO)
     elastic: bool = _field(False, "keep training when workers die, on an MPI with User-Level Failure Mitigation "
                            "(Open MPI: mpirun --with-ft ulfm); strategies allreduce, ps-sync, ps-async")
     stall_timeout: float = _field(300.0, "seconds a rank may wait for others (an exchange, the step agreement, "

@@ -119,3 +119,20 @@ def test_a_directory_of_shards_trains_to_the_accuracy_of_the_single_file(tmp_pat
         accuracy[name] = events(metrics, "done")[0]["test_accuracy"]
     assert accuracy["one.h5"] > 0.9
     assert abs(accuracy["one.h5"] - accuracy["many"]) <= tolerance, accuracy
+
+
+def test_a_stream_read_around_the_page_cache_trains_exactly_as_one_read_through_it(tmp_path):
+    """--stream-io only changes how the bytes arrive: the same samples in the same order, so the same run."""
+    done, _ = mpidist(1, "ingest", "digits", str(tmp_path / "many"), "--shard-size", "300", "--compression", "none")
+    assert done.returncode == 0, done.stderr
+    finals = {}
+    for io in ("direct", "cached"):
+        metrics = tmp_path / f"{io}.jsonl"
+        done, _ = mpidist(2, "train", "--data", str(tmp_path / "many"), "--data-mode", "stream", "--stream-io", io,
+                          "--shuffle-buffer", "200", "--epochs", "2", "--metrics", str(metrics), "--progress", "none",
+                          timeout=120)
+        assert done.returncode == 0, done.stderr
+        finals[io] = events(metrics, "done")[0]
+    assert finals["direct"]["test_accuracy"] > 0.5
+    assert finals["direct"]["test_accuracy"] == finals["cached"]["test_accuracy"]
+    assert finals["direct"]["test_loss"] == finals["cached"]["test_loss"]

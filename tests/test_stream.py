@@ -7,6 +7,7 @@ expectations.
 
 import os
 import re
+import threading
 import tracemalloc
 
 import h5py
@@ -106,12 +107,15 @@ def test_a_stream_resumed_at_any_step_continues_exactly(tmp_path, batch):
         batches.close()
 
 
-def test_a_stream_stopped_early_lets_its_reader_go(tmp_path):
+def test_a_stream_stopped_early_lets_its_threads_go(tmp_path):
     info = data.inspect(write(tmp_path / "d.h5", 500, chunk=8))
+    before = set(threading.enumerate())
     batches = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=40).batches(10, 50, 0, 0, 0)
     next(iter(batches))
-    batches.close()      # returns: the reading thread ended, its files closed
-    assert not batches.windows._thread.is_alive()
+    started = set(threading.enumerate()) - before
+    assert len(started) == 2       # the one reading windows, the one gathering batches
+    batches.close()      # returns: both threads ended, the files closed
+    assert not any(thread.is_alive() for thread in started)
 
 
 def test_a_directory_reads_as_the_concatenation_of_its_files(tmp_path):
@@ -333,3 +337,89 @@ def test_windows_read_ahead_give_the_batches_read_on_demand(tmp_path):
     assert list(ahead._ahead) == [(2, 6, 1, 0)]
     assert [rows_of([b]) for b in ahead.batches(9, steps, 2, 6, 1)] == \
         [rows_of([b]) for b in fresh.batches(9, steps, 2, 6, 1)]
+
+
+def direct_or_stand_in(path, monkeypatch):
+    """A DirectFile of ``path``: around the page cache where the file system allows it, else (tmpfs) through it.
+
+    The stand-in (``O_DIRECT`` taken as 0) still reads whole aligned pages
+    into the aligned buffer and cuts the rows out of them, which is what is
+    under test; the flag itself is the kernel's business.
+    """
+    from mpidist.data.direct import DirectFile
+    try:
+        return DirectFile(path)
+    except OSError:
+        monkeypatch.setattr(os, "O_DIRECT", 0, raising=False)
+        return DirectFile(path)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(chunks=(7, 3, 2)), dict(chunks=(64, 3, 2), dtype="<f8")])
+def test_rows_read_around_the_page_cache_are_the_rows_h5py_reads(tmp_path, monkeypatch, layout):
+    from mpidist.data.direct import ALIGN, direct_rows
+    values = np.arange(5000 * 6).reshape(5000, 3, 2)
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as handle:
+        handle.create_dataset("x", data=values.astype(layout.get("dtype", "<f4")), chunks=layout.get("chunks"))
+    direct = direct_or_stand_in(path, monkeypatch)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with h5py.File(path, "r") as handle:
+            item = handle["x"]
+            # rows starting and ending mid-page, a page's worth, one row, all of them
+            for lo, hi in [(0, 5000), (3, 4), (7, 900), (170, 170 + ALIGN // 24), (4999, 5000), (1234, 4321)]:
+                got = direct_rows(item, lo, hi, fd, path, direct)
+                np.testing.assert_array_equal(got, item[lo:hi])
+                assert got.dtype == item.dtype and got.shape == (hi - lo, 3, 2)
+            first = np.array(direct_rows(item, 0, 10, fd, path, direct))   # views of one buffer: copy to keep
+            direct_rows(item, 100, 200, fd, path, direct)
+            np.testing.assert_array_equal(first, item[0:10])
+            assert direct.buffer.ctypes.data % ALIGN == 0
+    finally:
+        os.close(fd)
+        direct.close()
+
+
+def test_a_file_system_refusing_o_direct_is_read_through_the_cache(tmp_path, monkeypatch):
+    """EINVAL on opening with O_DIRECT, or on reading with it: the stream reads the same batches, cached."""
+    import errno
+    from mpidist.data import direct as direct_module
+    info = data.inspect(write(tmp_path / "d.h5", 700, chunk=8))
+    expected = [rows_of([b]) for b in data.Stream(info, "train", 0, 2, (4,), np.float32, buffer=50).batches(
+        9, 30, 1, 0, 0)]
+    real_open = os.open
+
+    def refuse_at_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    def refuse_at_read(self, offset, length):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    for where, refusal in [("os.open", refuse_at_open), ("read", refuse_at_read)]:
+        with monkeypatch.context() as patch:
+            if where == "os.open":
+                patch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0x4000), raising=False)
+                patch.setattr(direct_module.os, "open", refusal)
+            else:
+                patch.setattr(direct_module.DirectFile, "read", refusal)
+            stream = data.Stream(info, "train", 0, 2, (4,), np.float32, buffer=50, direct=True)
+            assert [rows_of([b]) for b in stream.batches(9, 30, 1, 0, 0)] == expected, where
+
+
+def test_direct_and_cached_streams_give_the_same_batches(tmp_path, monkeypatch):
+    folder = directory(tmp_path, [333, 250, 117], chunk=16)
+    info = data.inspect(folder)
+    direct_or_stand_in(folder / "part-0.h5", monkeypatch).close()   # O_DIRECT, or the stand-in where refused
+    from mpidist.data.direct import DirectFile
+    reads, real_read = [], DirectFile.read
+    monkeypatch.setattr(DirectFile, "read", lambda self, *where: reads.append(where) or real_read(self, *where))
+    for worker in (0, 1):
+        reads.clear()
+        streams = [data.Stream(info, "train", worker, 2, (4,), np.float32, buffer=64, direct=direct)
+                   for direct in (False, True)]
+        cached, direct = ([(rows_of([b]), b[1].tolist()) for b in s.batches(10, 30, 3, 1, worker, skip=2)]
+                          for s in streams)
+        assert direct == cached and len(direct) == 28 and reads
+        assert [rows_of([b]) for b in streams[1].eval_batches(100)] == [rows_of([b]) for b in streams[0].eval_batches(100)]

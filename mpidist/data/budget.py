@@ -17,9 +17,7 @@ from ..errors import UsageError
 from ..memory import default_budget, human, parse_bytes
 from .samples import footprint
 from .shard import Shard
-from .stream import Stream, block_bytes_for, block_length, default_buffer
-
-WINDOWS = 4     # windows a stream holds at once (mpidist.data.stream says which)
+from .stream import WINDOWS, Stream, block_bytes_for, block_length, default_buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +27,13 @@ class Reading:
     mode: str
     why: str
     buffer: int = 0     # samples in a stream's shuffle buffer
+    direct: bool = False    # a stream reads around the page cache (--stream-io direct)
 
     def open(self, info, split, worker, num_workers, input_shape, dtype):
         """The shard of ``split`` for this worker: a :class:`Shard` in memory, or a :class:`Stream`."""
         if self.mode == "memory":
             return Shard(info, split, worker, num_workers, input_shape, dtype)
-        return Stream(info, split, worker, num_workers, input_shape, dtype, self.buffer)
+        return Stream(info, split, worker, num_workers, input_shape, dtype, self.buffer, self.direct)
 
 
 def budget_of(config):
@@ -64,4 +63,4 @@ def plan(config, info, parts, input_shape, dtype):
                          f"holds about {human(held)} ({WINDOWS} windows of that many {human(sample)} samples, and "
                          "a block); give a smaller --shuffle-buffer or a larger budget")
     why = "--data-mode stream" if config.data_mode == "stream" else f"{human(need)} > budget {human(budget)}"
-    return Reading("stream", f"stream ({why}), buffer {buffer:,}", buffer)
+    return Reading("stream", f"stream ({why}), buffer {buffer:,}", buffer, config.stream_io == "direct")

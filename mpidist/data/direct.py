@@ -1,18 +1,26 @@
-"""Reading a stream's blocks around h5py where it pays: readahead hints, and uncompressed rows read with ``preadv``.
+"""Reading a stream's blocks around h5py where it pays: uncompressed rows read with ``preadv``, around the page cache.
 
 h5py holds the GIL while it reads, so every block a stream reads in its
 background thread also stops the training thread's Python for as long as
-the read takes (a disk's latency, on a cold page cache).  Two things avoid it:
+the read takes (a disk's latency, on a cold page cache).  So:
 
-* :func:`byte_ranges` gives where a block's rows lie in the file, so the
-  stream can ask the kernel to read them ahead (``POSIX_FADV_WILLNEED``);
 * :func:`direct_rows` reads consecutive rows of an uncompressed dataset
   (contiguous, or chunked by rows) straight from the file with ``os.preadv``,
   which releases the GIL.  HDF5 still says where the bytes are; anything else
   (compression, chunks across the sample axes, chunks never written) is read
   by h5py as before.
+* With a :class:`DirectFile` (``--stream-io direct``) those reads bypass the
+  page cache (``O_DIRECT``): the disk writes the bytes into an aligned buffer
+  by DMA, where a cached read costs the CPU a page-cache fill and a copy,
+  about half the reading thread's time, taken from training on a busy node.
+  A stream reads each sample once an epoch, from a dataset too large to be
+  held anyway, so the cache would only evict other pages.
+* Otherwise :func:`byte_ranges` gives where a block's rows lie in the file,
+  so the stream can ask the kernel to read them ahead
+  (``POSIX_FADV_WILLNEED``).
 """
 
+import errno
 import os
 
 import numpy as np
@@ -40,16 +48,64 @@ def _row_bytes(item):
     return item.dtype.itemsize * int(np.prod(item.shape[1:], dtype=np.int64))
 
 
-def direct_rows(item, lo, hi, fd, path=""):
+ALIGN = 4096    # what O_DIRECT asks of offsets, lengths and buffers: a page, the largest logical block in use
+
+
+class DirectFile:
+    """A file opened to be read around the page cache (``O_DIRECT``), with an aligned buffer it reuses.
+
+    Raises OSError where the system or the file system does not allow it
+    (``O_DIRECT`` unknown, or EINVAL on opening): read it cached then.
+    """
+
+    def __init__(self, path):
+        if not hasattr(os, "O_DIRECT"):
+            raise OSError(errno.EINVAL, "O_DIRECT is not available here", str(path))
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        self.buffer = None
+
+    def read(self, offset, length):
+        """``length`` bytes at ``offset``, as a view of the buffer: valid until the next read.
+
+        The read covers whole pages around them; fewer bytes than asked
+        (the file ends first) return the shorter view.
+        """
+        start = offset - offset % ALIGN
+        stop = -(-(offset + length) // ALIGN) * ALIGN
+        if self.buffer is None or len(self.buffer) < stop - start:
+            self.buffer = _aligned(stop - start)
+        got = os.preadv(self.fd, [memoryview(self.buffer)[:stop - start]], start)
+        return memoryview(self.buffer)[offset - start:min(got, offset - start + length)]
+
+    def close(self):
+        os.close(self.fd)
+        self.buffer = None
+
+
+def _aligned(size):
+    """A byte array of ``size`` starting at a multiple of :data:`ALIGN` (numpy's: views of it keep it alive)."""
+    raw = np.empty(size + ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip:skip + size]
+
+
+def readable(item):
+    """Whether :func:`direct_rows` reads HDF5 dataset ``item``: numbers, unfiltered, contiguous or chunked by rows."""
+    if item.dtype.kind not in "biuf" or item.id.get_create_plist().get_nfilters():
+        return False
+    return item.chunks is None or tuple(item.chunks[1:]) == tuple(item.shape[1:])
+
+
+def direct_rows(item, lo, hi, fd, path="", direct=None):
     """Rows ``[lo, hi)`` of dataset ``item`` read from file descriptor ``fd`` with ``preadv``; None where h5py must.
 
     The rows of an uncompressed dataset stored whole (contiguous) or in
     chunks of whole samples lie in the file as C arrays, a chunk's rows one
-    after the other, so each chunk's part is one span of bytes.
+    after the other, so each chunk's part is one span of bytes.  With
+    ``direct`` (a :class:`DirectFile` of the same file) rows in one span come
+    back as a view of its buffer, valid until its next read: use them first.
     """
-    if fd is None or hi <= lo or item.dtype.kind not in "biuf" or item.id.get_create_plist().get_nfilters():
-        return None
-    if item.chunks is not None and tuple(item.chunks[1:]) != tuple(item.shape[1:]):
+    if fd is None or hi <= lo or not readable(item):
         return None
     row = _row_bytes(item)
     spans = []     # (offset in the file, offset in the rows, bytes)
@@ -70,11 +126,27 @@ def direct_rows(item, lo, hi, fd, path=""):
                 spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + span[2])
             else:
                 spans.append(span)
-    out = np.empty((hi - lo,) + tuple(item.shape[1:]), dtype=item.dtype)
+    shape = (hi - lo,) + tuple(item.shape[1:])
+    if direct is not None and len(spans) == 1:
+        got = direct.read(spans[0][0], spans[0][2])
+        _check_length(len(got), spans[0], item, path)
+        return np.frombuffer(got, dtype=item.dtype).reshape(shape)
+    out = np.empty(shape, dtype=item.dtype)
     view = memoryview(out.reshape(-1).view(np.uint8))
-    for offset, at, length in spans:
-        got = os.preadv(fd, [view[at:at + length]], offset)
-        if got != length:
-            raise UsageError(f"{path}: {item.name} ends before its data does (read {got} of {length} bytes at "
-                             f"{offset}): the file is truncated")
+    for span in spans:
+        offset, at, length = span
+        if direct is not None:
+            got = direct.read(offset, length)
+            view[at:at + len(got)] = got
+            got = len(got)
+        else:
+            got = os.preadv(fd, [view[at:at + length]], offset)
+        _check_length(got, span, item, path)
     return out
+
+
+def _check_length(got, span, item, path):
+    offset, _, length = span
+    if got != length:
+        raise UsageError(f"{path}: {item.name} ends before its data does (read {got} of {length} bytes at "
+                         f"{offset}): the file is truncated")

@@ -8,21 +8,28 @@ contiguous or evenly strided part in one, scattered rows in 64 MiB spans.
 """
 
 import contextlib
+import errno
 import os
 
 import numpy as np
 
 from ..whereabouts import here
-from .direct import byte_ranges, direct_rows
+from .direct import DirectFile, byte_ranges, direct_rows, readable
 from .layout import open_source
 from .samples import prepare
 
 
 class SplitRows:
-    """The rows of ``split`` of dataset ``info``, read and prepared for a model taking ``input_shape``/``dtype``."""
+    """The rows of ``split`` of dataset ``info``, read and prepared for a model taking ``input_shape``/``dtype``.
 
-    def __init__(self, info, split, input_shape, dtype):
+    ``direct``: read uncompressed rows around the page cache where the file
+    system allows it (a stream's ``--stream-io direct``; see
+    :mod:`mpidist.data.direct`).
+    """
+
+    def __init__(self, info, split, input_shape, dtype, direct=False):
         self.info, self.split, self.input_shape, self.dtype = info, split, tuple(input_shape), np.dtype(dtype)
+        self.direct = direct
         self.group, self.picked = info.rows_of(split)   # a carved split: rows of another one
         self.files, starts, total = [], [], 0
         for member in info.files:
@@ -53,8 +60,7 @@ class SplitRows:
                 lo, hi = np.searchsorted(rows, self.starts[index:index + 2])
                 if hi > lo:
                     items = self._items(member.path, handles, opened)
-                    pieces.append(self._piece(items, member.path, rows[lo:hi] - self.starts[index],
-                                              self._fd(member.path, handles)))
+                    pieces.append(self._piece(items, member.path, rows[lo:hi] - self.starts[index], handles))
         if len(pieces) == 1:
             return pieces[0]
         if not pieces:
@@ -77,12 +83,11 @@ class SplitRows:
             begin, end = max(first, self.starts[index]), min(last, self.starts[index + 1])
             if end <= begin or not isinstance(member.path, os.PathLike):
                 continue
-            items = self._items(member.path, handles, None)
-            if ("fd", member.path) not in handles:
-                handles["fd", member.path] = os.open(member.path, os.O_RDONLY)
-            for item in items:
+            for item in self._items(member.path, handles, None):
+                if self._direct(item, member.path, handles) is not None:    # read around the cache: no hint
+                    continue
                 for offset, length in byte_ranges(item, int(begin - self.starts[index]), int(end - self.starts[index])):
-                    os.posix_fadvise(handles["fd", member.path], offset, length, os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(self._fd(member.path, handles), offset, length, os.POSIX_FADV_WILLNEED)
 
     def _fd(self, path, handles):
         """An OS file descriptor of ``path`` kept in ``handles`` (a stream's), or None (arrays, or no stream)."""
@@ -91,6 +96,26 @@ class SplitRows:
         if ("fd", path) not in handles:
             handles["fd", path] = os.open(path, os.O_RDONLY)
         return handles["fd", path]
+
+    def _direct(self, item, path, handles):
+        """The :class:`DirectFile` reading dataset ``item`` of ``path``, kept in ``handles``; None where not direct.
+
+        One per dataset: a read returns a view of its buffer, and a block's
+        ``x`` and ``y`` are read before either is used.
+        """
+        if not self.direct or handles is None or not isinstance(path, os.PathLike):
+            return None
+        key = ("direct", path, item.name)
+        if key not in handles and not readable(item):
+            handles[key] = None
+        if key not in handles:
+            try:
+                handles[key] = DirectFile(path)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                handles[key] = None         # the file system does not allow it: read through the cache
+        return handles[key]
 
     def _items(self, path, handles, opened):
         """``(x, y)`` of this split's group in file ``path``: from ``handles`` (opened into it on first use), or
@@ -104,10 +129,10 @@ class SplitRows:
             handles[path, self.group] = handles[path][f"{self.group}/x"], handles[path][f"{self.group}/y"]
         return handles[path, self.group]
 
-    def _piece(self, items, path, local, fd=None):
+    def _piece(self, items, path, local, handles=None):
         """Rows ``local`` of one file, read in one call where they are evenly spaced.
 
-        ``fd``: the file, open, to read consecutive rows of uncompressed data with :func:`direct_rows`.
+        ``handles``: a stream's open files, to read consecutive rows of uncompressed data with :func:`direct_rows`.
         """
         where = f"{path}: {self.group}"
         if items is None:   # no rows: empty arrays of the right shapes
@@ -119,16 +144,26 @@ class SplitRows:
             step = int(local[1] - local[0]) if len(local) > 1 else 1
             if step > 0 and local[-1] - local[0] == step * (len(local) - 1) and (np.diff(local) == step).all():
                 span = slice(int(local[0]), int(local[-1]) + 1, step)
-                x, y = (_read_span(item, span, fd, path) for item in (x, y))
+                x, y = (self._read_span(item, span, path, handles) for item in (x, y))
             else:
                 x, y = read_rows(x, local), read_rows(y, local)
         return prepare(x, y, self.info, where, local, self.input_shape, self.dtype)
 
 
-def _read_span(item, span, fd, path):
-    """Rows ``span`` of ``item``: straight from the file where :func:`direct_rows` can, else through h5py."""
-    got = direct_rows(item, span.start, span.stop, fd, path) if span.step == 1 else None
-    return item[span] if got is None else got
+    def _read_span(self, item, span, path, handles):
+        """Rows ``span`` of ``item``: straight from the file where :func:`direct_rows` can, else through h5py."""
+        if span.step != 1:
+            return item[span]
+        fd, direct = self._fd(path, handles), self._direct(item, path, handles)
+        try:
+            got = direct_rows(item, span.start, span.stop, fd, path, direct)
+        except OSError as error:      # O_DIRECT opened but refused to read (an unusual block size): cached from now
+            if direct is None or error.errno != errno.EINVAL:
+                raise
+            direct.close()
+            handles["direct", path, item.name] = None
+            got = direct_rows(item, span.start, span.stop, fd, path)
+        return item[span] if got is None else got
 
 
 def read_rows(item, numbers, block_bytes=64 << 20):

@@ -13,13 +13,15 @@ decompressed twice.  Each epoch:
 3. each window's samples are permuted (seeded by ``(seed, epoch, worker,
    window)``), and batches are cut from the windows in turn.
 
-A background thread reads the next window while the current one trains.  The
-order is a function of the seed, the epoch, the worker and the worker count,
-the buffer and the files' chunking (nothing read, nothing timed), so a
-resumed run starts at the window holding its next sample and continues
-exactly.  Memory: about four windows (the one training and the one before,
-whose last batch may still be held, the next one read, one being built),
-whatever the dataset's size; their arrays are reused.
+A background thread reads the windows, a window ahead, and another gathers
+each batch's samples from them in the window's permuted order (a copy, as a
+shard in memory's batches are), a batch ahead of training.  The order is a
+function of the seed, the epoch, the worker and the worker count, the buffer
+and the files' chunking (nothing read, nothing timed), so a resumed run
+starts at the window holding its next sample and continues exactly.
+Memory: :data:`WINDOWS` windows (the one being gathered, the one read next,
+the one being read, and one that has just been gathered: batches may span
+two), written at set-up and reused, whatever the dataset's size.
 
 Compared with a shard in memory, which permutes all its rows every epoch, a
 sample's neighbours in a batch come from the same window: random blocks of the
@@ -36,8 +38,9 @@ from .batches import Prefetcher
 from .rows import SplitRows
 
 STREAM_SEED = 0x5354          # mixed into the seed: the stream's order is not a shard's permutation
-BLOCK_BYTES = 1 << 20         # one read call: a parallel file system's stripe; a window draws 64 of them
+BLOCK_BYTES = 4 << 20         # one read call: a few of a parallel file system's stripes; a window draws 16
 BUFFER_BYTES = 64 << 20       # the default shuffle buffer: this many bytes of samples in the model's dtype
+WINDOWS = 4                   # windows a stream holds at once: training, the one before, read, being read
 
 
 def worker_range(n, workers, worker):
@@ -117,12 +120,13 @@ class Stream:
 
     Args:
         buffer: samples in the shuffle buffer (0: :func:`default_buffer`).
+        direct: read around the page cache where the file system allows it (``--stream-io direct``).
     """
 
     mode = "stream"
 
-    def __init__(self, info, split, worker, num_workers, input_shape, dtype, buffer=0):
-        self.source = SplitRows(info, split, input_shape, dtype)
+    def __init__(self, info, split, worker, num_workers, input_shape, dtype, buffer=0, direct=False):
+        self.source = SplitRows(info, split, input_shape, dtype, direct)
         self.lo, self.hi = worker_range(self.source.count, num_workers, worker)
         self.buffer = int(buffer) or default_buffer(input_shape, dtype)
         self.cuts = block_cuts(self.source, self.lo, self.hi, block_bytes_for(self.buffer, input_shape, dtype))
@@ -131,6 +135,7 @@ class Stream:
         # window arrays the batches are done with, filled again: a fresh 64 MiB array costs its page faults
         # (tens of ms on a VM) each time; the reading thread takes, the consumer gives back
         self._spare = queue.SimpleQueue()
+        self._allocated = 0     # window arrays made (in the pool, or in use)
         # a window read before it was asked for: (seed, epoch, worker, window) -> (x, y); see prime()
         self._ahead = {}
 
@@ -149,6 +154,7 @@ class Stream:
         end reads the next one's first window the same way, while its last
         batches train.
         """
+        self._allocate()
         windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker)
         ends = np.cumsum([int(self.sizes[w].sum()) for w in windows])
         index = int(np.searchsorted(ends, first, side="right"))
@@ -161,16 +167,22 @@ class Stream:
 
     def _read_ahead(self, windows, index, seed, epoch, worker, handles):
         self._advise(windows, index, handles)
-        self._ahead = {(seed, epoch, worker, index): self._window(
-            windows[index], handles, window_order(int(self.sizes[windows[index]].sum()), seed, epoch, worker, index))}
+        self._ahead = {(seed, epoch, worker, index): self._window(windows[index], handles)}
 
     def batches(self, local_batch, steps, seed, epoch, worker, skip=0):
-        """The ``(x, y)`` batches of one epoch from step ``skip`` on; the windows are read ahead."""
+        """The ``(x, y)`` batches of one epoch from step ``skip`` on: windows read ahead, batches gathered ahead.
+
+        Two background threads: one reads the windows, one gathers each
+        batch's samples from them in the window's permuted order (a copy, as
+        a shard in memory's batches are, so the training thread gets them
+        fresh in the cache and no batch refers to a window).  A window goes
+        back to the pool once its last sample is gathered.
+        """
         windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker)
         ends = np.cumsum([int(self.sizes[w].sum()) for w in windows])
         first, last = skip * local_batch, steps * local_batch - 1
         if last < first:
-            return _Batches(None, local_batch, 0, 0)
+            return iter(())
         k, final = (int(np.searchsorted(ends, row, side="right")) for row in (first, last))
         offset = first - (int(ends[k - 1]) if k else 0)
 
@@ -180,17 +192,45 @@ class Stream:
                 for index in range(k, final + 1):
                     ready = self._ahead.pop((seed, epoch, worker, index), None) if index == k else None
                     self._advise(windows, index + (index == k), handles, both=index == k and ready is None)
-                    if ready is None:
-                        ready = self._window(windows[index], handles, window_order(
-                            int(self.sizes[windows[index]].sum()), seed, epoch, worker, index))
-                    yield ready
+                    yield ready if ready is not None else self._window(windows[index], handles)
                 if final == len(windows) - 1:   # the epoch's end: the next epoch's first window, meanwhile
                     self._read_ahead(epoch_windows(self.sizes, self.buffer, seed, epoch + 1, worker), 0, seed,
                                      epoch + 1, worker, handles)
             finally:
                 _close(handles)
 
-        return _Batches(Prefetcher(read(), depth=1), local_batch, steps - skip, offset, self._spare)
+        def gather():
+            reader = Prefetcher(read(), depth=1)
+            window, index, at = None, k, offset      # window: (x, y, order) of the one being sampled
+            try:
+                for _ in range(steps - skip):
+                    xs, ys, wanted = [], [], local_batch
+                    while wanted:       # a batch may span windows
+                        if window is None or at == len(window[2]):
+                            if window is not None:
+                                self._give_back(window)
+                                at = 0
+                            x, y = next(reader)
+                            window = x, y, window_order(len(x), seed, epoch, worker, index)
+                            index += 1
+                        x, y, order = window
+                        rows = order[at:at + wanted]
+                        xs.append(x[rows])
+                        ys.append(y[rows])
+                        at += len(rows)
+                        wanted -= len(rows)
+                    yield (xs[0], ys[0]) if len(xs) == 1 else (np.concatenate(xs), np.concatenate(ys))
+            finally:
+                reader.close()
+                if window is not None:
+                    self._give_back(window)
+
+        return Prefetcher(gather())
+
+    def _give_back(self, window):
+        """Put the arrays of ``window`` (``(x, y, order)``, every sample gathered) back in the pool."""
+        x, y, _ = window
+        self._spare.put((x.base if x.base is not None else x, y.base if y.base is not None else y))
 
     def eval_batches(self, size=1024):
         """The whole part in order, in chunks of at most ``size``, read a window ahead."""
@@ -201,7 +241,7 @@ class Stream:
             try:
                 for index, blocks in enumerate(windows):
                     self._advise(windows, index + (index == 0), handles, both=index == 0)
-                    yield self._window(blocks, handles, None)
+                    yield self._window(blocks, handles)
             finally:
                 _close(handles)
 
@@ -221,29 +261,39 @@ class Stream:
             for block in blocks:
                 self.source.advise(int(self.cuts[block]), int(self.cuts[block + 1]), handles)
 
-    def _window(self, blocks, handles, order):
-        """The samples of ``blocks``, read one call per block; ``order``: their permutation, or None (as read)."""
-        length = int(self.sizes[blocks].sum())
-        place = np.arange(length)
-        if order is not None:     # out[i] = read[order[i]]: each read sample goes to place[j]
-            place[order] = np.arange(length)
-        x, y = self._arrays(length)
+    def _window(self, blocks, handles):
+        """The samples of ``blocks``, in the order read, one read call per block."""
+        x, y = self._arrays(int(self.sizes[blocks].sum()))
         done = 0
         for block in blocks:
             bx, by = self.source.read(np.arange(self.cuts[block], self.cuts[block + 1]), handles)
-            x[place[done:done + len(bx)]], y[place[done:done + len(by)]] = bx, by
+            x[done:done + len(bx)], y[done:done + len(by)] = bx, by
             done += len(bx)
         return x, y
 
-    def _arrays(self, length):
+    def _allocate(self):
+        """Put :data:`WINDOWS` windows' arrays in the pool, every page written: at set-up, not in training.
+
+        A page's first write costs a fault (on a VM, tens of ms a window);
+        done here, the memory the stream holds is also taken, and any
+        shortage shows, before training starts, as a shard's loading would.
+        """
+        while self._allocated < WINDOWS:
+            x, y = self._arrays(0, new=True)
+            x.base[...] = 0
+            y.base[...] = 0
+            self._spare.put((x.base, y.base))
+
+    def _arrays(self, length, new=False):
         """``(x, y)`` to hold a window of ``length`` samples: a spare pair where there is one, else new ones."""
-        while True:
+        while not new:
             try:
                 x, y = self._spare.get_nowait()
             except queue.Empty:
                 break
             if len(x) >= length:
                 return x[:length], y[:length]
+        self._allocated += 1
         info, rows = self.source.info, self.window_rows()
         targets = ((rows,), np.int64) if info.num_classes else ((rows, info.target_width), self.dtype)
         return np.empty((rows,) + self.input_shape, dtype=self.dtype)[:length], np.empty(*targets)[:length]
@@ -264,48 +314,8 @@ def _recycle(held, window, spare):
 def _close(handles):
     """Close the files a stream opened (``handles`` also holds their datasets, under ``(path, group)`` keys)."""
     for key, handle in handles.items():
-        if not isinstance(key, tuple):
+        if not isinstance(key, tuple) or (key[0] == "direct" and handle is not None):
             handle.close()
         elif key[0] == "fd":
             os.close(handle)
     handles.clear()
-
-
-class _Batches:
-    """Batches of ``size`` cut from a sequence of windows, from ``offset`` in the first; closeable.
-
-    Windows batches were cut from go back to ``spare`` once no batch of theirs can be in use.
-    """
-
-    def __init__(self, windows, size, count, offset, spare=None):
-        self.windows, self.size, self.count, self.offset = windows, size, count, offset
-        self.spare, self.held = spare, collections.deque()
-
-    def _next_window(self):
-        window = next(self.windows)
-        if self.spare is not None:
-            _recycle(self.held, window, self.spare)
-        return window
-
-    def __iter__(self):
-        if not self.count:
-            return
-        x, y = self._next_window()
-        at = self.offset
-        for _ in range(self.count):
-            if at + self.size <= len(x):
-                yield x[at:at + self.size], y[at:at + self.size]
-                at += self.size
-                continue
-            xs, ys, wanted = [x[at:]], [y[at:]], self.size - (len(x) - at)
-            while wanted:      # the batch spans windows
-                x, y = self._next_window()
-                at = min(wanted, len(x))
-                xs.append(x[:at])
-                ys.append(y[:at])
-                wanted -= at
-            yield np.concatenate(xs), np.concatenate(ys)
-
-    def close(self):
-        if self.windows is not None:
-            self.windows.close()
