@@ -5,7 +5,8 @@ with the workers' shards read whole into memory (``--data-mode memory``, their
 loading not timed), then streamed (``--data-mode stream``) after the dataset's
 pages were dropped from the page cache, so the stream reads from the disk.
 The figure is the median over rounds of each mode's training samples/s, and
-their ratio.
+their ratio; the JSON also has the median of each round's ratio
+(``vs_memory_paired``).
 """
 
 import io
@@ -60,5 +61,8 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
              "samples_per_s": float(np.median([rate for rate, _ in runs])), "rounds": [rate for rate, _ in runs],
              "cold": ("dropped" if cold else "kept") if mode == "stream" else "-"} for mode, runs in measured.items()]
     rows[1]["vs_memory"] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
+    # each round's stream against the memory run just before it: drifts of a shared machine cancel
+    rows[1]["vs_memory_paired"] = float(np.median([s / m for (m, _), (s, _) in zip(measured["memory"],
+                                                                                     measured["stream"])]))
     return rows
 
