@@ -422,4 +422,8 @@ def test_direct_and_cached_streams_give_the_same_batches(tmp_path, monkeypatch):
         cached, direct = ([(rows_of([b]), b[1].tolist()) for b in s.batches(10, 30, 3, 1, worker, skip=2)]
                           for s in streams)
         assert direct == cached and len(direct) == 28 and reads
-        assert [rows_of([b]) for b in streams[1].eval_batches(100)] == [rows_of([b]) for b in streams[0].eval_batches(100)]
+        evaluated = [rows_of([b]) for b in streams[1].eval_batches(100)]
+        assert evaluated == [rows_of([b]) for b in streams[0].eval_batches(100)]
+        # read a block at a time, cut as a shard in memory is: chunks of 100 across blocks and files, in order
+        assert [len(chunk) for chunk in evaluated[:-1]] == [100] * (len(evaluated) - 1) and 0 < len(evaluated[-1]) <= 100
+        assert sum(evaluated, []) == list(range(streams[0].lo, streams[0].hi))

@@ -28,7 +28,6 @@ sample's neighbours in a batch come from the same window: random blocks of the
 worker's range, not the whole range (``docs/datasets.rst`` has the figures).
 """
 
-import collections
 import os
 import queue
 
@@ -233,25 +232,26 @@ class Stream:
         self._spare.put((x.base if x.base is not None else x, y.base if y.base is not None else y))
 
     def eval_batches(self, size=1024):
-        """The whole part in order, in chunks of at most ``size``, read a window ahead."""
-        windows = _group(range(len(self.sizes)), self.sizes, self.buffer)
+        """The whole part in order, in chunks of ``size`` (the last one shorter), read a block ahead.
 
+        Evaluation needs no shuffle buffer: it reads a block at a time, so it
+        holds a few blocks, not windows, beside what training holds.
+        """
         def read():
             handles = {}
             try:
-                for index, blocks in enumerate(windows):
-                    self._advise(windows, index + (index == 0), handles, both=index == 0)
-                    yield self._window(blocks, handles)
+                for block in range(len(self.sizes)):
+                    for ahead in (block, block + 1) if block == 0 else (block + 1,):
+                        if ahead < len(self.sizes):
+                            self.source.advise(int(self.cuts[ahead]), int(self.cuts[ahead + 1]), handles)
+                    x, y = self.source.read(np.arange(self.cuts[block], self.cuts[block + 1]), handles)
+                    yield _own(x), _own(y)      # the next read may reuse a direct read's buffer
             finally:
                 _close(handles)
 
         reader = Prefetcher(read(), depth=1)
-        done = collections.deque()
         try:
-            for x, y in reader:
-                _recycle(done, (x, y), self._spare)
-                for lo in range(0, len(x), size):
-                    yield x[lo:lo + size], y[lo:lo + size]
+            yield from _rechunk(reader, size)
         finally:
             reader.close()
 
@@ -299,16 +299,33 @@ class Stream:
         return np.empty((rows,) + self.input_shape, dtype=self.dtype)[:length], np.empty(*targets)[:length]
 
 
-def _recycle(held, window, spare):
-    """Keep ``window`` among the ones batches were cut from; give back the one before the previous.
+def _own(array):
+    """``array``, or a copy where its memory is not a numpy array's (a view of a read buffer)."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return array if root.base is None else array.copy()
 
-    A batch is a view of its window, and a layer keeps its input until the
-    next step's forward: a window two back has no batch in use any more.
-    """
-    held.append(window)
-    if len(held) > 2:
-        x, y = held.popleft()
-        spare.put((x.base if x.base is not None else x, y.base if y.base is not None else y))
+
+def _rechunk(pieces, size):
+    """The ``(x, y)`` of ``pieces`` (in order) cut into chunks of ``size``, the last one shorter."""
+    xs, ys, have = [], [], 0
+    for x, y in pieces:
+        at = 0
+        while at < len(x):
+            take = min(size - have, len(x) - at)
+            xs.append(x[at:at + take])
+            ys.append(y[at:at + take])
+            have, at = have + take, at + take
+            if have == size:
+                yield _joined(xs, ys)
+                xs, ys, have = [], [], 0
+    if have:
+        yield _joined(xs, ys)
+
+
+def _joined(xs, ys):
+    return (xs[0], ys[0]) if len(xs) == 1 else (np.concatenate(xs), np.concatenate(ys))
 
 
 def _close(handles):
