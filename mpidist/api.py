@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from . import checkpoint, elastic, scores
+from . import checkpoint, elastic, rundir, scores
 from . import data as datasets   # (``data`` is the argument users know)
 from .build import Inputs, build_model_for
 from .cluster import PS, build_cluster
+from .comm import bcast_text
 from .config import Settings, settings_from
 from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError, abort_job, agreed
 from .preempt import stop_signals
@@ -104,9 +105,14 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
         # what the settings (and so checkpoints) record: the model's spec, the data's path or name
         config = dataclasses.replace(config, model=inputs.model.spec, data=str(inputs.data))
         config = config.with_world(world.Get_size())
-        config.validate(world.Get_size())
+        # checked as it will run (--checkpoint-dir auto: in a run directory, if there is one) before one is made
+        config.validate_values()
+        planned = rundir.planned(config)
+        rundir.resolved(config, rundir.ROOT if planned is None else planned).validate(world.Get_size())
         if config.elastic:
             _require_ulfm()
+        made = rundir.make(config) if world.Get_rank() == 0 else ""
+    config = rundir.resolved(config, bcast_text(world, made))
     watch.timeout = config.stall_timeout
     here().enter("start")   # collectives from here on: a wait on the others
     with _ends_the_job_on_error(world):

@@ -50,6 +50,7 @@ class Checkpoint:
     lineage: str = ""       # the run lineage that wrote it (see mpidist.lineage)
     parent: str = ""        # the lineage it branched from, if it did
     best: dict = None       # --keep-best: {"figure", "value", "step"} of the best validation so far
+    elapsed: float = 0.0    # seconds the run had trained when it was written (its metrics' time)
 
 
 DATA_ORDER = "strided shards w::W, one permutation per epoch from (seed, epoch, worker)"
@@ -57,7 +58,7 @@ RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
 def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
-         workers, lineage="", parent="", best=None):
+         workers, lineage="", parent="", best=None, elapsed=0.0):
     """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
     ``seed`` and ``workers`` fix the data order and random streams (see the module text).
@@ -76,7 +77,7 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
                 group.create_dataset(name, data=array)
             handle.attrs.update({"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step),
                                  "config": config_json, "format": FORMAT, "lineage": lineage,
-                                 "parent": parent or "",
+                                 "parent": parent or "", "elapsed": float(elapsed),
                                  "data_order": json.dumps({"seed": int(seed), "epoch": int(epoch),
                                                            "epoch_step": int(epoch_step), "workers": int(workers),
                                                            "scheme": DATA_ORDER}),
@@ -184,6 +185,9 @@ def _read(path, handle):
         raise bad("rng seed", f"is {shown(seed)}; it must be an integer from 0")
     lineage, parent = (_text(handle.attrs, name, bad) for name in ("lineage", "parent"))
     best = _best(_json(handle.attrs, "best", bad), values["step"], bad) if "best" in handle.attrs else None
+    elapsed = handle.attrs.get("elapsed", 0.0)      # (older checkpoints have none: time starts again)
+    if not isinstance(elapsed, (float, np.floating)) or not 0 <= elapsed < 1e12:
+        raise bad("elapsed", f"is {shown(elapsed)}; it must be seconds, from 0")
     loaded = {"params": handle["params"][...]}
     for name in arrays:
         loaded[name] = group[name][...]
@@ -194,7 +198,7 @@ def _read(path, handle):
                             "values): it cannot be trained or evaluated from; resume an earlier checkpoint")
     return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded,
                       optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage,
-                      parent=parent, best=best, **values)
+                      parent=parent, best=best, elapsed=float(elapsed), **values)
 
 
 def _best(table, step, bad):

@@ -63,10 +63,13 @@ class Checkpointer:
         lineage: the run lineage its files belong to (see :mod:`mpidist.lineage`); ``parent``: the one
             it branched from.
         clock: seconds, monotonic (a test passes its own).
+        elapsed: seconds the run had trained before this start (a resumed run's): each checkpoint
+            stores the run's time so far, so a resumed run's metrics go on counting from it.
     """
 
-    def __init__(self, config, step, lineage="", parent="", clock=time.perf_counter):
+    def __init__(self, config, step, lineage="", parent="", clock=time.perf_counter, elapsed=0.0):
         self.config, self.clock, self.lineage, self.parent = config, clock, lineage, parent or ""
+        self.origin = clock() - elapsed
         self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
         self.written = []   # paths this process wrote, oldest first
         self.last_step = None
@@ -103,7 +106,8 @@ class Checkpointer:
         config = self.config
         params, opt_state, opt_steps = state
         path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
-                               config.to_json(), config.seed, workers, self.lineage, self.parent, best=best)
+                               config.to_json(), config.seed, workers, self.lineage, self.parent, best=best,
+                               elapsed=self.clock() - self.origin)
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         self.written.append(path)
         self.last_step = step

@@ -204,3 +204,14 @@ def sum_float64(comm, values):
     if comm is not None:
         comm.Allreduce(MPI.IN_PLACE, buffer)
     return buffer
+
+
+def bcast_text(comm, text, root=0):
+    """``text`` (a str on ``root``, anything elsewhere) on every rank: its length, then its UTF-8 bytes."""
+    data = text.encode("utf-8") if comm.Get_rank() == root else b""
+    length = np.array([len(data)], dtype=np.int64)
+    comm.Bcast(length, root=root)
+    buffer = np.frombuffer(data, dtype=np.uint8).copy() if comm.Get_rank() == root else \
+        np.empty(int(length[0]), dtype=np.uint8)
+    comm.Bcast(buffer, root=root)
+    return buffer.tobytes().decode("utf-8")

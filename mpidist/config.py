@@ -191,7 +191,11 @@ class CommonSettings:
     accumulate: int = _field(1, "compute each worker's share of the global batch in this many slices, one after "
                              "the other, and exchange once: the same step with about 1/K of the activation memory")
     seed: int = _field(0, "seed for initialisation, data order and dropout")
-    metrics: str = _field("metrics.jsonl", "JSON-lines metrics file the chief appends to ('' = none)")
+    run_dir: str = _field("auto", "directory of this run's settings, metrics, log, trace and checkpoints; auto = "
+                          "runs/<model>-<data>-<strategy>-<date>-<time>, or the one a --resume continues ('' = none: "
+                          "metrics.jsonl here, checkpoints only with --checkpoint-dir)")
+    metrics: str = _field("auto", "JSON-lines metrics file the chief appends to ('' = none; auto = the run "
+                          "directory's metrics.jsonl)")
     log_every: int = _field(10, "steps between metrics lines and progress updates")
     eval_every: int = _field(1, "epochs between evaluations (0 = only at the end): on the validation split where "
                              "there is one, else on the test split")
@@ -205,13 +209,15 @@ class CommonSettings:
                              "this many evaluations (0 = never)")
     nan_patience: int = _field(10, "steps in a row whose loss or gradients are NaN or Inf are skipped (no update) "
                                "before the run stops with an error (0 = stop at the first)")
-    checkpoint_dir: str = _field("", "directory for checkpoints ('' = no checkpoints)")
+    checkpoint_dir: str = _field("auto", "directory for checkpoints ('' = no checkpoints; auto = the run "
+                                 "directory's checkpoints/)")
     checkpoint_every: int = _field(0, "steps between checkpoints (0 = only at the end)")
     checkpoint_seconds: float = _field(0.0, "seconds between checkpoints, by the chief's clock (0 = off); "
                                             "combines with --checkpoint-every")
     keep: int = _field(3, "checkpoints kept in --checkpoint-dir, newest first (0 = all)")
     resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest of the run written last "
-                         "in --checkpoint-dir")
+                         "in --checkpoint-dir (by default: the newest run directory of this model, data and "
+                         "strategy); the run continues in the run directory it came from")
     new_lineage: bool = _field(False, "start a new run in a --checkpoint-dir that holds another run's checkpoints "
                                "(they are kept: this run prunes only its own)")
     allow_external: bool = _field(False, "follow HDF5 external links and virtual datasets in --data, which "
@@ -282,14 +288,16 @@ class CommonSettings:
         if self.warmup_epochs and self.warmup_steps:
             raise UsageError(f"--warmup-epochs {self.warmup_epochs} and --warmup-steps {self.warmup_steps}: give "
                              "the warm-up's length one way")
-        if self.keep_best and not self.checkpoint_dir:
-            raise UsageError(f"--keep-best {self.keep_best} keeps a checkpoint: it needs --checkpoint-dir")
+        checkpoints = self.checkpoint_dir and not (self.checkpoint_dir == "auto" and not self.run_dir)
+        if self.keep_best and not checkpoints:
+            raise UsageError(f"--keep-best {self.keep_best} keeps a checkpoint: it needs --checkpoint-dir (or a "
+                             "--run-dir)")
         if self.keep_best and not chosen.variant(self, world_size - self.ps).lockstep:
             raise UsageError(f"--keep-best checkpoints the state a validation judged best, which needs every rank at "
                              f"that step: not with --strategy {self.strategy}"
                              f"{' --aggregate' if self.aggregate else ''}, whose workers step on their own")
-        if self.resume == "auto" and not self.checkpoint_dir:
-            raise UsageError("--resume auto needs --checkpoint-dir to look in")
+        if self.resume == "auto" and not checkpoints:
+            raise UsageError("--resume auto needs --checkpoint-dir (or a --run-dir) to look in")
 
     def with_world(self, world_size):
         """A copy whose ``auto`` strategy is resolved for ``world_size`` ranks."""

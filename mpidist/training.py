@@ -14,10 +14,11 @@ import itertools
 import math
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint, data, elastic, lineage, scores
+from . import checkpoint, data, elastic, lineage, rundir, scores
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
 from .errors import agreed, error_line
 from .callbacks import EarlyStopping, Reporter, lower_is_better
@@ -42,7 +43,8 @@ class ServerControl:
 
     def __init__(self, config, setup, signals, workers, start_step, lineages):
         self.setup, self.signals, self.workers = setup, signals, workers
-        self.checkpointer = Checkpointer(config, start_step, *lineages)
+        self.checkpointer = Checkpointer(config, start_step, *lineages,
+                                         elapsed=setup.resume.elapsed if setup.resume is not None else 0.0)
         self.periodic = self.checkpointer.enabled and self.checkpointer.schedule.periodic
 
     def signalled(self):
@@ -134,6 +136,7 @@ class Training:
         self.where = here()          # what the stall watches report (--stall-timeout)
         self.figures = {}            # what the strategies count (their stats()): outlives a recovery
         self.claim = None            # the chief's hold on --checkpoint-dir: its lock, this run's lineage
+        self.log_copy = None         # the chief's output copied to the run directory's log.txt
 
     @property
     def chief(self):
@@ -151,6 +154,9 @@ class Training:
             own = [self.early_stopping] if self.early_stopping else []
             self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), self.callbacks + own, self.chief)
             if self.chief:
+                if config.run_dir:   # settings first: --config takes them back even if the run fails
+                    rundir.write_settings(config, config.run_dir)
+                    self.log_copy = self.stream = rundir.LogCopy(self.stream, Path(config.run_dir) / rundir.LOG)
                 if config.checkpoint_dir:
                     checkpoint.prepare_directory(config.checkpoint_dir)
                 self.claim = lineage.claim(config, self.setup.resume)
@@ -191,7 +197,9 @@ class Training:
         self.progress = Progress(config.progress if self.chief else "none", total_steps(config, setup),
                                  config.epochs, stream=self.stream)
         self.started = time.perf_counter()
-        self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step, *self.lineages)
+        self.elapsed_before = 0.0 if resume is None else resume.elapsed   # the metrics' time goes on from it
+        self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step, *self.lineages,
+                                         elapsed=self.elapsed_before)
         self.window_start, self.window_loss, self.window_steps, self.window_good = self.started, 0.0, 0, 0
         self.trained_steps, self.skipped_in_row = 0, 0
         self.window_clipped = self.clipped_steps = 0   # steps clipped to --clip-norm (where the chief knows it)
@@ -215,6 +223,8 @@ class Training:
         """Let go of ``--checkpoint-dir`` (the chief's lock): the run writes no more."""
         if self.claim is not None:
             self.claim.release()
+        if self.log_copy is not None:
+            self.log_copy.close()
 
     def _make_strategy(self):
         """Collective: the strategy for the current cluster and set-up, watched by a new stall monitor."""
@@ -352,7 +362,7 @@ class Training:
                            lr=self._learning_rate(step - 1), **self._training_figures(),
                            **({"clipped": self.window_clipped} if config.clip_norm and self.strategy.lockstep
                               else {}),
-                           samples_per_s=rate, time=now - self.started)
+                           samples_per_s=rate, time=now - self.started + self.elapsed_before)
             self.window_clipped = 0
             self.progress.update(step, self.epoch, self.last_loss, rate)
             self.window_start, self.window_loss, self.window_steps, self.window_good = now, 0.0, 0, 0
@@ -523,6 +533,8 @@ class Training:
                 *scores.summary_rows(self.result), ("training time", f"{elapsed:.2f} s"),
                 ("throughput", f"{samples_per_s:,.0f} samples/s"),
                 ("peak memory", f"{final['peak_rss_mib']:,.0f} MiB (resident, the largest rank)")]
+        if config.run_dir:
+            rows.append(("run directory", config.run_dir))
         if config.metrics:
             rows.append(("metrics", config.metrics))
         if config.checkpoint_dir:
@@ -549,8 +561,8 @@ class Training:
                        checkpoint=None if self.checkpointer.last is None else str(self.checkpointer.last))
         self.log.close()
         if self.checkpointer.last is not None:
-            where = (f"checkpoint {self.checkpointer.last} written; continue with --resume auto --checkpoint-dir "
-                     f"{config.checkpoint_dir}")
+            where = (f"checkpoint {self.checkpointer.last} written; continue with "
+                     f"{rundir.resume_flags(config)}")
         else:
             where = "no checkpoint written (no --checkpoint-dir): the work done is lost"
         self.say(f"mpidist: stopped by {name} (rank {flags['rank'] - 1}) at step {self.step}: {where}")
@@ -565,7 +577,7 @@ class Training:
                 if self.config.checkpoint_dir else ""
             if self.checkpointer.last is not None and self.checkpointer.last_step == self.step:
                 kept = (f"; checkpoint {self.checkpointer.last} written at step {self.step}: continue with "
-                        f"--resume auto --checkpoint-dir {self.config.checkpoint_dir}")
+                        f"{rundir.resume_flags(self.config)}")
             sys.stderr.write(error_line(reason + kept) + "\n")
             sys.stderr.flush()
         return {"steps": self.step, "failed": reason}

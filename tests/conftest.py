@@ -13,6 +13,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_session_directory(tmp_path_factory):
+    """Module fixtures that train run in a scratch directory too: runs write ``runs/`` where they start."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _scratch_working_directory(monkeypatch, tmp_path):
+    """Each test runs in its own directory: runs write their run directories (``runs/``) where they start."""
+    monkeypatch.chdir(tmp_path)
+
+
 def mpiexec_path():
     """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
     beside = Path(sys.executable).parent / "mpiexec"
@@ -52,7 +66,7 @@ def run_mpi(ranks, args, timeout=60, cwd=None, env=None, prefix=()):
     command, full_env = _command_and_env(ranks, args, env, prefix)
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd or os.getcwd(),
                               env=full_env)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"hung: {' '.join(command)} ran past {timeout} s\nstdout:\n{err.stdout}\nstderr:\n{err.stderr}")
@@ -67,7 +81,7 @@ def mpidist(ranks, *flags, timeout=60, cwd=None, env=None):
 def start_mpi(ranks, args, env=None):
     """``mpiexec -n ranks python ARGS`` in the background (a Popen with text pipes)."""
     command, full_env = _command_and_env(ranks, args, env)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
                             env=full_env)
 
 

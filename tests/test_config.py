@@ -68,7 +68,7 @@ def test_missing_config_file():
     (["--lr", "-1"], 1, r"--lr must be a finite positive number, got -1\.0"),
     (["--steps", "-2"], 1, "--steps must be 0 or more"),
     (["--strategy", "local"], 2, "--strategy local runs on one rank, got 2 ranks"),
-    (["--resume", "auto"], 1, "--resume auto needs --checkpoint-dir"),
+    (["--resume", "auto", "--run-dir", ""], 1, r"--resume auto needs --checkpoint-dir \(or a --run-dir\)"),
     (["--checkpoint-seconds", "-5"], 1, "--checkpoint-seconds must be a finite number of seconds, 0 or more, got -5.0"),
     (["--nan-patience", "-1"], 1, "--nan-patience must be 0 or more, got -1"),
     (["--stall-timeout", "-1"], 1, "--stall-timeout must be a finite number of seconds, 0 or more, got -1.0"),

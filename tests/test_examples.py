@@ -79,7 +79,7 @@ def test_a_checkpoint_whose_builder_file_moved_says_so_with_exit_code_2(tmp_path
     ("examples/custom_layer.py:nope", "has no function 'nope'"), ("examples/none.py:build", "no such file"),
 ])
 def test_a_bad_model_spec_is_one_message_and_exit_code_2(spec, message):
-    done, _ = mpidist(2, "train", "--model", spec, "--steps", "1", "--progress", "none", "--metrics", "")
+    done, _ = mpidist(2, "train", "--model", spec, "--steps", "1", "--progress", "none", "--metrics", "", cwd=ROOT)
     assert done.returncode == 2
     assert done.stderr.count(message) == 1, done.stderr
     assert "Traceback" not in done.stderr

@@ -473,7 +473,7 @@ FAULTS = {
     "contradictory flags: in-graph with ps-async": bad("--strategy", "ps-async", "--ps", "1", "--replication",
                                                        "in-graph", message="--replication in-graph feeds every worker"),
     "contradictory flags: --resume auto without a directory": bad(
-        "--resume", "auto", message="--resume auto needs --checkpoint-dir to look in"),
+        "--resume", "auto", "--run-dir", "", message="--resume auto needs --checkpoint-dir (or a --run-dir) to look in"),
     "--elastic on an MPI without failure mitigation": bad(
         "--elastic", message="--elastic needs an MPI library with User-Level Failure Mitigation, and this is MPICH"),
     "--elastic with a pipeline": bad("--elastic", "--strategy", "pipeline", "--stages", "2",

@@ -93,7 +93,7 @@ def test_a_signal_to_one_rank_checkpoints_the_job_and_the_resumed_run_loses_no_s
 
 def test_a_stop_without_a_checkpoint_directory_says_the_work_is_lost(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    launcher = start_mpidist(2, "--progress", "none", "--log-every", "1", "--metrics", str(metrics),
+    launcher = start_mpidist(2, "--progress", "none", "--log-every", "1", "--metrics", str(metrics), "--run-dir", "",
                              env={"MPIDIST_TEST_DELAY": "1:0.03"})
     wait_for_step(metrics, 3, launcher)
     os.kill(rank_pids(launcher)[0], signal.SIGTERM)

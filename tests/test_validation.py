@@ -142,7 +142,7 @@ def test_best_so_far_knows_which_way_is_better():
 
 
 @pytest.mark.parametrize("flags,message", [
-    ({"keep_best": "val_loss"}, "--keep-best val_loss keeps a checkpoint: it needs --checkpoint-dir"),
+    ({"keep_best": "val_loss", "run_dir": ""}, "--keep-best val_loss keeps a checkpoint: it needs --checkpoint-dir"),
     ({"early_stop": 2}, "--early-stop judge"),
     ({"keep_best": "val_mse", "checkpoint_dir": "c", "val_fraction": 0.1}, "validated with val_loss, val_accuracy"),
     ({"val_fraction": 1.0}, "--val-fraction must be a fraction in \\[0, 1\\)"),

@@ -50,7 +50,7 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
                 cold = drop_from_page_cache(files) and cold
             world.Barrier()
             result = train(model=model, data=dataset, data_mode=mode, epochs=1, steps=steps, eval_every=0,
-                           batch_size=batch_per_rank * world.Get_size(), metrics="", progress="none", comm=world,
+                           batch_size=batch_per_rank * world.Get_size(), metrics="", run_dir="", progress="none", comm=world,
                            stream=io.StringIO())   # (each run's own summary: not this table's)
             if world.Get_rank() == 0:
                 measured[mode].append((result.figures["samples_per_s"], result.figures["steps"]))

@@ -1,0 +1,146 @@
+"""Run directories: where a run's files go, what a resumed run continues, the settings written back."""
+
+import dataclasses
+import datetime
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mpidist import rundir
+from mpidist.config import Settings, load_toml, settings_from
+from mpidist.errors import UsageError
+
+from conftest import events, mpidist
+
+NOW = datetime.datetime(2026, 11, 25, 9, 30, 5)
+
+
+def test_a_run_is_named_by_model_data_and_strategy_in_safe_characters():
+    config = Settings(model="mlp:256,256", data="/data/sets/big 2.h5", strategy="ps-async")
+    assert rundir.run_name(config) == "mlp-256-256-big-2-ps-async"
+    assert rundir.run_name(Settings(model="examples/net.py:build", data="digits", strategy="allreduce")) == \
+        "examples-net.py-build-digits-allreduce"
+
+
+def test_new_run_directories_are_stamped_and_never_shared(tmp_path):
+    config = Settings(strategy="allreduce")
+    first = rundir.make(config, NOW, root=tmp_path / "runs")
+    second = rundir.make(config, NOW, root=tmp_path / "runs")
+    assert Path(first).name == "mlp-digits-allreduce-20261125-093005" and Path(first).is_dir()
+    assert Path(second).name == "mlp-digits-allreduce-20261125-093005-2" and Path(second).is_dir()
+    assert os.path.isabs(first)
+    assert rundir.make(dataclasses.replace(config, run_dir="")) == ""
+    given = rundir.make(dataclasses.replace(config, run_dir=str(tmp_path / "mine" / "deep")))
+    assert given == str(tmp_path / "mine" / "deep") and Path(given).is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="--run-dir .*file/run: cannot create the run directory \\(Not a directory\\)"):
+        rundir.make(dataclasses.replace(config, run_dir=str(tmp_path / "file" / "run")))
+
+
+def fake_run(root, name, checkpoint=True):
+    path = root / name
+    (path / rundir.CHECKPOINTS).mkdir(parents=True)
+    (path / rundir.SETTINGS).write_text("")
+    if checkpoint:
+        (path / rundir.CHECKPOINTS / "ckpt-00000010-0000abcd.h5").write_bytes(b"")
+    return path
+
+
+def test_a_resumed_run_continues_the_run_directory_it_resumes_from(tmp_path):
+    config = Settings(strategy="allreduce")
+    older = fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261124-100000")
+    newer = fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261125-080000")
+    fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261125-090000", checkpoint=False)   # nothing to resume
+    fake_run(tmp_path / "runs", "cnn-digits-allreduce-20261126-000000")                     # another run's
+    os.chdir(tmp_path)
+    assert rundir.planned(dataclasses.replace(config, resume="auto")) == str(Path("runs") / newer.name)
+    checkpoint = older / rundir.CHECKPOINTS / "ckpt-00000010-0000abcd.h5"
+    assert rundir.planned(dataclasses.replace(config, resume=str(checkpoint))) == str(older)
+    assert rundir.planned(dataclasses.replace(config, resume="auto",
+                                              checkpoint_dir=str(older / rundir.CHECKPOINTS))) == str(older)
+    assert rundir.planned(config) is None                                     # a new run: a new directory
+    assert rundir.planned(dataclasses.replace(config, resume="auto", checkpoint_dir=str(tmp_path))) is None
+    assert rundir.planned(Settings(strategy="ps-sync", resume="auto")) is None   # no run of that name yet
+
+
+def test_auto_metrics_and_checkpoints_go_into_the_run_directory_and_given_ones_stay_put():
+    resolved = rundir.resolved(Settings(), "/r/run")
+    assert (resolved.metrics, resolved.checkpoint_dir) == ("/r/run/metrics.jsonl", "/r/run/checkpoints")
+    resolved = rundir.resolved(Settings(metrics="m.jsonl", checkpoint_dir=""), "/r/run")
+    assert (resolved.metrics, resolved.checkpoint_dir) == ("m.jsonl", "")
+    resolved = rundir.resolved(Settings(), "")
+    assert (resolved.metrics, resolved.checkpoint_dir, resolved.run_dir) == ("metrics.jsonl", "", "")
+    assert rundir.resume_flags(rundir.resolved(Settings(), "/r/run")) == "--resume auto --run-dir /r/run"
+    assert rundir.resume_flags(rundir.resolved(Settings(checkpoint_dir="c"), "/r/run")) == \
+        "--resume auto --checkpoint-dir c"
+
+
+def test_the_settings_written_are_the_settings_read_back(tmp_path):
+    config = Settings(model="mlp:64,64", lr=1e-05, clip_norm=float("inf"), keep_best="val_loss", elastic=False,
+                      data='odd "name"\\with\nnewline', seed=7, run_dir=str(tmp_path), metrics="x.jsonl")
+    rundir.write_settings(config, tmp_path)
+    back = settings_from(Settings(), **load_toml(str(tmp_path / rundir.SETTINGS)))
+    for field in dataclasses.fields(Settings):
+        if field.name not in rundir.WHERE:
+            assert getattr(back, field.name) == getattr(config, field.name), field.name
+    assert (back.run_dir, back.metrics) == ("auto", "auto")     # where the files went is not carried over
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_the_log_holds_the_terminal_lines_without_the_redrawn_bar(tmp_path):
+    terminal = io.StringIO()
+    log = rundir.LogCopy(terminal, tmp_path / "log.txt")
+    log.write("mpidist: start\n")
+    log.write("\r epoch 1 [##..] step 1")
+    log.write("\r epoch 1 [###.] step 2")
+    log.write("\repoch   1/1  loss 0.5\n")
+    log.write("mpidist: done\n  a  1\n  b")
+    log.close()
+    assert terminal.getvalue().count("\r") == 3
+    assert (tmp_path / "log.txt").read_text() == "mpidist: start\nepoch   1/1  loss 0.5\nmpidist: done\n  a  1\n  b\n"
+
+
+def test_a_run_writes_its_directory_and_a_resumed_one_continues_it_time_included(tmp_path):
+    done, _ = mpidist(2, "train", "--epochs", "2", "--progress", "lines", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    run, = (tmp_path / "runs").iterdir()
+    assert run.name.startswith("mlp-digits-allreduce-")
+    assert {p.name for p in run.iterdir()} == {"settings.toml", "metrics.jsonl", "log.txt", "checkpoints"}
+    assert f"run directory        {run}" in done.stdout
+    log = (run / "log.txt").read_text()
+    assert "mpidist: done" in log and "\r" not in log and "epoch   2/2" in log
+    first = events(run / "metrics.jsonl", "step")
+
+    done, _ = mpidist(2, "train", "--epochs", "4", "--resume", "auto", "--progress", "none", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run.name]      # no new directory
+    assert "resumed from" in done.stdout and str(run / "checkpoints") in done.stdout
+    steps = events(run / "metrics.jsonl", "step")
+    assert len(events(run / "metrics.jsonl", "start")) == 2 and len(events(run / "metrics.jsonl", "done")) == 2
+    assert [s["step"] for s in steps] == sorted({s["step"] for s in steps})
+    assert events(run / "metrics.jsonl", "done")[1]["steps"] == 88
+    times = [s["time"] for s in steps]
+    assert times == sorted(times) and times[len(first)] > first[-1]["time"]    # time goes on, not from 0
+
+    # the settings written start the same run (in a directory of its own)
+    again, _ = mpidist(2, "train", "--config", str(run / "settings.toml"), "--progress", "none", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    other, = set((tmp_path / "runs").iterdir()) - {run}
+    assert events(other / "metrics.jsonl", "done")[0]["test_loss"] == \
+        events(run / "metrics.jsonl", "done")[1]["test_loss"]
+
+
+def test_without_a_run_directory_metrics_go_where_they_did(tmp_path):
+    done, _ = mpidist(2, "train", "--epochs", "1", "--run-dir", "", "--progress", "none", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    assert events(tmp_path / "metrics.jsonl", "done") and not events(tmp_path / "metrics.jsonl", "checkpoint")
+    done, _ = mpidist(2, "train", "--epochs", "1", "--metrics", str(tmp_path / "m.jsonl"), "--progress", "none",
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    run, = (tmp_path / "runs").iterdir()
+    assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["event"] == "done"
+    assert not (run / "metrics.jsonl").exists() and list((run / "checkpoints").glob("ckpt-*.h5"))
