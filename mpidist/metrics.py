@@ -8,6 +8,7 @@ and a crash loses nothing already written.  Events: ``start``, ``step`` (every
 
 import json
 import os
+import shutil
 import stat
 import sys
 import time
@@ -106,36 +107,63 @@ def _drop_partial_line(fd):
 class Progress:
     """Terminal output of the chief.
 
-    ``bar`` redraws one line (for terminals), ``lines`` prints one line per
-    evaluation (for log files), ``none`` is silent until the summary.
+    ``bar``: a progress bar (:mod:`tqdm`) with the step, the rate, the time
+    left, the loss and samples/s, redrawn in place, each evaluation printed
+    above it; ``lines``: one line per evaluation (log files, Slurm's output
+    files); ``none``: silent until the summary.  ``auto``: a bar where the
+    chief's output is a terminal, else lines.  Other ranks print nothing.
     """
 
-    def __init__(self, mode, total_steps, epochs, stream=None):
+    def __init__(self, mode, total_steps, epochs, stream=None, start_step=0):
         self.stream = stream or sys.stdout
         if mode == "auto":
-            mode = "bar" if self.stream.isatty() else "lines"
+            mode = "bar" if _is_terminal(self.stream) else "lines"
         self.mode, self.total, self.epochs = mode, max(total_steps, 1), epochs
         self.start = time.perf_counter()
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            width = shutil.get_terminal_size((100, 24)).columns   # (a pty that reports no size: 100)
+            self.bar = tqdm(total=self.total, initial=min(start_step, self.total), file=self.stream, unit="step",
+                            ncols=min(width, 140), leave=False, desc=f"epoch 1/{epochs}", smoothing=0.1,
+                            bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                       "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
 
     def update(self, step, epoch, loss, samples_per_s):
-        if self.mode != "bar":
+        if self.bar is None:
             return
-        width = 24
-        filled = int(width * min(step, self.total) / self.total)
-        self.stream.write(f"\r epoch {epoch + 1}/{self.epochs} [{'#' * filled}{'.' * (width - filled)}] "
-                          f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s ")
-        self.stream.flush()
+        self.bar.set_description_str(f"epoch {epoch + 1}/{self.epochs}", refresh=False)
+        self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s", refresh=False)
+        self.bar.update(min(step, self.total) - self.bar.n)
 
     def evaluated(self, step, epoch, loss, figures, split="test"):
         """One line after an evaluation of ``split``: ``figures`` (:mod:`~mpidist.scores`), accuracy or MSE, MAE, R^2."""
         if self.mode == "none":
             return
-        prefix = "\r" if self.mode == "bar" else ""
         elapsed = time.perf_counter() - self.start
         line = (f"epoch {epoch + 1:>3}/{self.epochs}  step {step:>6}  loss {loss:.4f}  "
                 f"{progress_text(figures, split)}  {elapsed:6.1f} s")
-        self.stream.write(f"{prefix}{line:<100}\n")
+        if self.bar is not None:
+            self.bar.clear()
+            self.stream.write(line + "\n")
+            self.bar.refresh()
+        else:
+            self.stream.write(line + "\n")
         self.stream.flush()
+
+    def close(self):
+        """Take the bar off the terminal (before the summary); idempotent."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):    # a stream without one, or closed
+        return False
 
 
 def format_summary(rows):

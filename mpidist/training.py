@@ -195,7 +195,7 @@ class Training:
                            resumed_from=None if resume is None else str(resume.path),
                            step=0 if resume is None else resume.step)
         self.progress = Progress(config.progress if self.chief else "none", total_steps(config, setup),
-                                 config.epochs, stream=self.stream)
+                                 config.epochs, stream=self.stream, start_step=0 if resume is None else resume.step)
         self.started = time.perf_counter()
         self.elapsed_before = 0.0 if resume is None else resume.elapsed   # the metrics' time goes on from it
         self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step, *self.lineages,
@@ -223,6 +223,8 @@ class Training:
         """Let go of ``--checkpoint-dir`` (the chief's lock): the run writes no more."""
         if self.claim is not None:
             self.claim.release()
+        if getattr(self, "progress", None) is not None:
+            self.progress.close()
         if self.log_copy is not None:
             self.log_copy.close()
 
@@ -468,6 +470,7 @@ class Training:
         """Collective: settle, evaluate and checkpoint as the run ended; the chief reports."""
         cluster, strategy = self.cluster, self.strategy
         self.where.enter("finish")
+        self.progress.close()
         if self.agreement:
             self.agreement.close()
         strategy.finish()
