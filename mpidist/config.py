@@ -33,6 +33,7 @@ PROGRESS = ("auto", "bar", "lines", "none")
 REPLICATIONS = ("between-graph", "in-graph")
 DATA_MODES = ("auto", "memory", "stream")
 STREAM_IO = ("direct", "cached")
+TRACE = ("off", "on", "detail")
 
 #: Largest magnitude of an int setting: counters and seeds end up in int64 arrays, with room to add to them.
 INT_LIMIT = 2 ** 62
@@ -147,8 +148,9 @@ def check_number(field, value):
         raise UsageError(f"{flag} must be {wanted}, got {value}{hint}")
 
 
-def _field(default, help, choices=None):
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def _field(default, help, choices=None, bare=None):
+    """A setting; ``bare``: the value its flag given alone takes (``--trace`` is ``--trace on``)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "bare": bare})
 
 
 @dataclasses.dataclass
@@ -240,6 +242,9 @@ class CommonSettings:
     bucket_mb: float = _field(64.0, "gradient bucket size in MiB: one Iallreduce per bucket, started as backward fills it")
     device: str = _field("auto", "where to compute: cpu, gpu (cupy, one GPU per rank on a node), or auto", DEVICES)
     dtype: str = _field("float32", "parameter and activation dtype", DTYPES)
+    trace: str = _field("off", "write a timeline of every rank, trace.json in the run directory, for Perfetto "
+                        "or chrome://tracing: on (phases, steps, exchanges, sends), detail (each layer too), off; "
+                        "--trace alone = on", TRACE, bare="on")
     progress: str = _field("auto", "chief's terminal output: bar, lines, none; auto = bar on a terminal", PROGRESS)
 
     @staticmethod
@@ -327,6 +332,8 @@ def add_flags(parser):
     for f in dataclasses.fields(Settings):
         kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else \
             {"type": f.type, "metavar": f.name.upper()}
+        if f.metadata.get("bare") is not None:
+            kind.update(nargs="?", const=f.metadata["bare"])
         group = strategies if f.name in own else parser
         group.add_argument(f"--{Settings.flag(f.name)}", dest=f.name, default=dataclasses.MISSING,
                             help=f"{f.metadata['help']} (default: {f.default!r})", **kind)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint, data, elastic, lineage, rundir, scores
+from . import checkpoint, data, elastic, lineage, rundir, scores, trace
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
 from .errors import agreed, error_line
 from .callbacks import EarlyStopping, Reporter, lower_is_better
@@ -29,6 +29,8 @@ from .memory import peak_memory
 from .preempt import EARLY_STOP, WRITE_FAILED, StepAgreement, settle, signal_name, stop_signals
 from .stall import StallMonitor
 from .whereabouts import here
+
+TRACER = trace.tracer()
 
 
 class ServerControl:
@@ -162,6 +164,10 @@ class Training:
                 self.claim = lineage.claim(config, self.setup.resume)
         self.where.enter("start")   # collectives from here on: a wait on the others
         self.lineages = self._share_lineage()
+        self.trace_offset, self.trace_path = 0.0, None
+        if config.trace != "off":    # (from here: the set-up's files and checks are not on the timeline)
+            TRACER.enable(detail=config.trace == "detail")
+            self.trace_offset = trace.clock_offset(cluster.world, cluster.chief_rank)
         setup, resume = self.setup, self.setup.resume
         reseeded = resume is not None and resume.seed != config.seed
         if reseeded:   # the random streams continue where the checkpoint left them
@@ -307,7 +313,10 @@ class Training:
                     self.where.enter("compute", self.step + 1)
                     if delay:
                         time.sleep(delay)
+                    began = trace.now() if TRACER.on else None
                     result = strategy.step(x, y, setup.local_batch / config.batch_size, self.step)
+                    if began is not None:
+                        TRACER.complete("step", "step", began, trace.STEPS, step=self.step + 1)
                     self.step, self.epoch_step, self.trained_steps = result.step, self.epoch_step + 1, \
                         self.trained_steps + 1
                     self._account(result.loss, result.skipped, result.clipped)
@@ -419,6 +428,7 @@ class Training:
         if not self.checkpointer.enabled or (strategy.lockstep and self.saved_at == self.step):
             return   # (other strategies' ranks count steps apart: each call must be collective)
         self.where.enter("gather")
+        began = trace.now()
         if not gathered:
             state = strategy.state()  # collective: shards are gathered to the chief
         self.saved_at = self.step
@@ -427,6 +437,8 @@ class Training:
             path = self.checkpointer.write(state, self.step, self.epoch, self.epoch_step,
                                            data_layout(self.config, self.cluster)[0], best=self.best.record())
             self.log.write("checkpoint", step=self.step, epoch=self.epoch + 1, path=str(path))
+        if TRACER.on:
+            TRACER.complete("checkpoint", "checkpoint", began, trace.STEPS, step=self.step)
 
     @property
     def monitored_split(self):
@@ -442,7 +454,8 @@ class Training:
         """
         setup = self.setup
         shard = setup.val if split == "val" else setup.test
-        figures = self.strategy.evaluate(data.eval_batches(shard) if shard else [])
+        with TRACER.span(f"evaluate {split}", "eval", trace.STEPS, step=self.step):
+            figures = self.strategy.evaluate(data.eval_batches(shard) if shard else [])
         if split == "test":
             self.result, self.evaluated_at = figures, self.step
         else:
@@ -493,6 +506,8 @@ class Training:
         self.where.enter("finish")
         roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats(), peak_memory()),
                                      root=cluster.chief_rank)
+        if self.config.trace != "off":
+            self._write_trace()
         self.monitor.close()
         strategy.close()
         if self.diverged:
@@ -507,6 +522,18 @@ class Training:
         outcome["params"] = state[0]
         outcome["checkpoints"] = self.checkpointer.kept()
         return outcome
+
+    def _write_trace(self):
+        """Collective: the chief gathers every rank's timeline into ``trace.json`` (the run directory's)."""
+        cluster, config = self.cluster, self.config
+        self.where.enter("gather")
+        path = Path(config.run_dir or ".") / rundir.TRACE
+        part = self.strategy.describe(cluster.rank)
+        label = f"rank {cluster.rank} ({cluster.role}{', ' + part if part else ''})"
+        written = trace.gather_and_write(cluster.world, cluster.chief_rank, self.trace_offset, label, path)
+        if written is not None:
+            self.trace_path = path
+        self.where.enter("finish")
 
     def _report_done(self, roles, elapsed):
         config, cluster, setup = self.config, self.cluster, self.setup
@@ -540,6 +567,8 @@ class Training:
             rows.append(("run directory", config.run_dir))
         if config.metrics:
             rows.append(("metrics", config.metrics))
+        if self.trace_path is not None:
+            rows.append(("trace", f"{self.trace_path} (ui.perfetto.dev, chrome://tracing)"))
         if config.checkpoint_dir:
             rows.append(("checkpoints", config.checkpoint_dir))
         self.say("mpidist: done\n" + format_summary(rows))

@@ -12,6 +12,10 @@ import time
 
 import numpy as np
 
+from .trace import tracer
+
+_TRACER = tracer()
+
 #: Phases a rank can be in; those in WAITS are where it blocks on other ranks or on I/O.
 PHASES = ("start", "compute", "exchange", "staleness-bound", "agree", "gather", "write", "finish", "serve",
           "setup", "io")
@@ -31,6 +35,8 @@ class Whereabouts:
         if step is not None:
             self.step = step
         if phase != self.phase or detail != self.detail:
+            if _TRACER.on and phase != self.phase:   # --trace: the phase just left is a span of the timeline
+                _TRACER.phase(self.phase, self.step)
             self.phase, self.detail, self.since = phase, detail, time.monotonic()
 
     @contextlib.contextmanager

@@ -8,9 +8,12 @@ windows and checkpoints move slices of these buffers, never single tensors.
 import numpy as np
 
 from ..memory import check_fits
+from ..trace import tracer
 
 from .layers import ShapeError
 from .workspace import Workspace
+
+_TRACER = tracer()
 
 
 def walk(layers, path=()):
@@ -179,6 +182,11 @@ class Sequential:
         Inference (``training=False``) returns arrays of its own.
         """
         self.workspace.active = bool(training)
+        if _TRACER.detail and _TRACER.on:     # --trace detail: each layer a span
+            for index, layer in enumerate(self.layers):
+                with _TRACER.span(type(layer).__name__, "compute", layer=index):
+                    x = layer.forward(x, training)
+            return x
         for layer in self.layers:
             x = layer.forward(x, training)
         return x
@@ -199,8 +207,13 @@ class Sequential:
         # without an input gradient, backward stops at the first layer with parameters: nothing below it
         # is trained (a Flatten), and its own input gradient would cost a whole matrix product
         last = 0 if input_grad else self.first_trained
+        detail = _TRACER.detail and _TRACER.on
         for index in range(len(self.layers) - 1, last, -1):
-            dy = self.layers[index].backward(dy)
+            if detail:     # --trace detail: each layer a span
+                with _TRACER.span(type(self.layers[index]).__name__, "compute", layer=index):
+                    dy = self.layers[index].backward(dy)
+            else:
+                dy = self.layers[index].backward(dy)
             if ready is not None:
                 ready(self.offsets[index])
         if not self.layers:

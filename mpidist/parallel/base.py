@@ -14,10 +14,13 @@ import numpy as np
 from .. import comm as mpi
 from .. import scores
 from ..errors import RunError
+from ..trace import tracer
 from ..nn import BatchNorm, SoftmaxCrossEntropy
 from ..nn.sequential import walk
 from ..xp import to_host
 from .recipe import Recipe, clip_factor
+
+TRACER = tracer()
 
 
 def finite(array):
@@ -290,10 +293,12 @@ class Strategy:
         slices = min(self.recipe.accumulate, len(x))
         if slices <= 1:
             model.reseed(self.seed, self.worker_index, step)
-            loss = self._forward(x, y)
+            with TRACER.span("forward", "compute"):
+                loss = self._forward(x, y)
             if before_backward is not None:
                 before_backward(loss)
-            model.backward(self.loss.backward(scale=weight), input_grad=False, ready=ready)
+            with TRACER.span("backward", "compute"):
+                model.backward(self.loss.backward(scale=weight), input_grad=False, ready=ready)
             return loss
         if self._accumulated is None:
             self._accumulated = model.xp.zeros(model.num_params, dtype=model.dtype)
@@ -305,7 +310,8 @@ class Strategy:
             model.reseed(self.seed, self.worker_index, step, index)
             # slices of two sizes (an uneven split) each keep their own arrays: none is reallocated per slice
             model.workspace.slot = 0 if hi - lo == largest else 1
-            loss += float(self._forward(x[lo:hi], y[lo:hi])) * (hi - lo) / n
+            with TRACER.span("forward", "compute", slice=index):
+                loss += float(self._forward(x[lo:hi], y[lo:hi])) * (hi - lo) / n
             last = index == slices - 1
             if last and before_backward is not None:
                 before_backward(loss)
@@ -317,8 +323,9 @@ class Strategy:
                 if ready is not None:
                     ready(lo_ready)
 
-            model.backward(self.loss.backward(scale=weight * (hi - lo) / n), input_grad=False,
-                           ready=add_earlier if last else None)
+            with TRACER.span("backward", "compute", slice=index):
+                model.backward(self.loss.backward(scale=weight * (hi - lo) / n), input_grad=False,
+                               ready=add_earlier if last else None)
             if index == 0:
                 accumulated[...] = grads
             elif not last:
@@ -517,6 +524,7 @@ class DataParallel(Strategy):
         self.backprop(x, y, weight, step, before_backward=loss_into_buffer, ready=self.exchange.ready)
         self.track("exchange")
         self.exchange.finish()
+        self.track("compute")   # (the optimizer's step)
         # every worker holds the same summed buffer, so every worker decides the same
         self.skipped = not self.exchange.finite()
         self.clipped = False

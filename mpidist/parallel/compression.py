@@ -120,6 +120,7 @@ class CompressedExchange(Exchange):
         self._loss = None
 
     def _start(self, lo, hi):
+        self._mark(lo, hi)
         if self._loss is None:   # the first bucket is the top one: the loss is known by now
             self._loss = mpi.iallreduce_sum(self.comm, self.buffer[-1:])
         part, residual, patterns = self.gradients[lo:hi], self.residual[lo:hi], self.patterns[lo:hi]

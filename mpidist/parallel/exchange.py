@@ -17,6 +17,9 @@ tensor, and no copy.
 import math
 
 from .. import comm as mpi
+from .. import trace
+
+_TRACER = trace.tracer()
 
 
 def bucket_slices(count, itemsize, bucket_bytes):
@@ -115,6 +118,7 @@ class Exchange(NoExchange):
         self.buckets = top_down_buckets(buffer.size, buffer.itemsize, bucket_bytes)
         self.bytes_per_step = int(buffer.nbytes)
         self._next, self._pending = 0, []
+        self._began = {}    # --trace: (lo, hi) -> when the bucket started
 
     def begin(self):
         super().begin()
@@ -149,6 +153,19 @@ class Exchange(NoExchange):
             return True
         return False
 
+    def _check(self, lo, hi):
+        super()._check(lo, hi)
+        began = self._began.pop((lo, hi), None)
+        if began is not None:     # --trace: the bucket from its start to its arrival
+            _TRACER.complete("bucket", "exchange", began, trace.BUCKETS, lo=lo, hi=hi,
+                             bytes=(hi - lo) * self.buffer.itemsize)
+
+    def _mark(self, lo, hi):
+        """--trace: bucket ``[lo, hi)`` starts now (a span until :meth:`_check` sees it arrive)."""
+        if _TRACER.on:
+            self._began[(lo, hi)] = trace.now()
+
     def _start(self, lo, hi):
         """Start reducing ``buffer[lo:hi]`` (compressed exchanges override this and :meth:`finish`)."""
+        self._mark(lo, hi)
         self._pending.append(((lo, hi), mpi.iallreduce_sum(self.comm, self.buffer[lo:hi])))

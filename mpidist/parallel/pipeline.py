@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import comm as mpi
+from .. import trace
 from ..errors import UsageError
 from ..nn import Sequential
 from ..xp import to_host
@@ -31,6 +32,8 @@ from .base import Strategy
 from .registry import Option, register
 from .schedule import schedule
 from .slots import SlotPool
+
+TRACER = trace.tracer()
 
 
 def balance_by_parameters(costs, stages):
@@ -200,13 +203,23 @@ class PipelineStrategy(Strategy):
             state = {name: array[self.param_lo:self.param_hi] for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
 
-    def _recv(self, buffer, source, tag):
+    def _recv(self, buffer, source, tag, flow=None):
+        """Receive ``buffer`` from stage ``source``; ``flow``: ``(step, round)`` to draw the sender's arrow (--trace)."""
         start = time.perf_counter()
         self.track("exchange")
-        mpi.recv(self.pipe, buffer, source, tag)
+        with TRACER.span("recv", "pipeline", source=source, tag=tag):
+            mpi.recv(self.pipe, buffer, source, tag)
+            if flow is not None and TRACER.on:
+                TRACER.flow(False, trace.flow_id(self.replica, *flow, source, tag), "activations" if tag % 2 == 0
+                            else "gradients")
         self.track("compute")
         self.figures["idle_s"] += time.perf_counter() - start
         return buffer
+
+    def _flow(self, step, round_index, tag, name):
+        """--trace: an arrow starts here, to the receive of the same (step, round, stage, tag)."""
+        if TRACER.on:
+            TRACER.flow(True, trace.flow_id(self.replica, step, round_index, self.stage, tag), name)
 
     def _slot_array(self, slot, name, shape):
         """A receive buffer kept in the micro-batch's workspace slot (the same array every step)."""
@@ -261,13 +274,14 @@ class PipelineStrategy(Strategy):
             if op == "recv_fwd":
                 slots[i] = self.slots.take()
                 inputs[i] = self._recv(self._slot_array(slots[i], "input", (sizes[i],) + self.in_shape),
-                                       self.stage - 1, 2 * i)
+                                       self.stage - 1, 2 * i, flow=(step, round_index))
             elif op == "fwd":
                 if i not in slots:
                     slots[i] = self.slots.take()
                 model.workspace.slot = slots[i]
                 model.reseed(self.seed, self.replica, step, round_index * self.micro_batches + i)
-                out = model.forward(x[parts[i]] if self.is_first else inputs.pop(i), training=True)
+                with TRACER.span("forward", "compute", micro_batch=i):
+                    out = model.forward(x[parts[i]] if self.is_first else inputs.pop(i), training=True)
                 if self.is_last:
                     loss_sum += float(self.loss.forward(out, y[parts[i]])) * sizes[i] / self.global_batch
                     self.count_training(out, y[parts[i]])
@@ -278,11 +292,13 @@ class PipelineStrategy(Strategy):
                 held += 1
                 self.figures["peak_activations"] = max(self.figures["peak_activations"], held)
             elif op == "send_fwd":
-                sends.append(mpi.isend(self.pipe, outputs.pop(i), self.stage + 1, 2 * i))
+                with TRACER.span("send", "pipeline", to=self.stage + 1, tag=2 * i):
+                    self._flow(step, round_index, 2 * i, "activations")
+                    sends.append(mpi.isend(self.pipe, outputs.pop(i), self.stage + 1, 2 * i))
                 sent.setdefault(i, []).append(sends[-1][0])
             elif op == "recv_bwd":
                 grads_in[i] = self._recv(self._slot_array(slots[i], "grad_in", (sizes[i],) + self.out_shape),
-                                         self.stage + 1, 2 * i + 1)
+                                         self.stage + 1, 2 * i + 1, flow=(step, round_index))
             elif op == "bwd":
                 model.workspace.slot = slots[i]
                 if self.is_last:
@@ -291,7 +307,8 @@ class PipelineStrategy(Strategy):
                 else:
                     model.restore(stashes.pop(i))
                     dy = grads_in.pop(i)
-                dx = model.backward(dy, input_grad=not self.is_first)
+                with TRACER.span("backward", "compute", micro_batch=i):
+                    dx = model.backward(dy, input_grad=not self.is_first)
                 self.accumulated[:-1] += model.grads
                 held -= 1
                 if self.is_first:
@@ -299,7 +316,9 @@ class PipelineStrategy(Strategy):
                 else:
                     grads_out[i] = xp.ascontiguousarray(dx)
             elif op == "send_bwd":
-                sends.append(mpi.isend(self.pipe, grads_out.pop(i), self.stage - 1, 2 * i + 1))
+                with TRACER.span("send", "pipeline", to=self.stage - 1, tag=2 * i + 1):
+                    self._flow(step, round_index, 2 * i + 1, "gradients")
+                    sends.append(mpi.isend(self.pipe, grads_out.pop(i), self.stage - 1, 2 * i + 1))
                 # the slot's arrays are free again once what was sent from them has left
                 self.slots.release(slots.pop(i), sent.pop(i, []) + [sends[-1][0]])
         waited = time.perf_counter()

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from .. import comm as mpi
+from .. import trace
 from ..cluster import PS, WORKER
 from ..elastic import FailureWatch, cannot_go_on, describe_lost
 from ..errors import RunError, UsageError
@@ -39,6 +40,8 @@ from ..xp import is_device_array, to_host
 from .base import SkipCounter, finite
 from .registry import Option, register
 from .shards import ShardedStrategy
+
+TRACER = trace.tracer()
 
 NEVER = np.iinfo(np.int64).max  # a finished worker's clock: it never holds anyone back
 POLL_SECONDS = 0.0002            # SSP wait between clock reads; first ps sleep when idle
@@ -394,6 +397,10 @@ class PsAsyncStrategy(ShardedStrategy):
             self.gradient_step = steps / arrivals
 
     def _apply(self, gradient, rank):
+        with TRACER.span("update", "serve", tid=trace.STEPS):   # (--trace: the serve phase, update by update)
+            self._apply_now(gradient, rank)
+
+    def _apply_now(self, gradient, rank):
         if not self.nan_guard.update_allowed(finite(gradient), f"gradients arriving at ps rank {rank} were"):
             return
         # the learning rate of the step the gradients were computed at (their mean, when several came together)

@@ -105,7 +105,7 @@ class PsSyncStrategy(ShardedStrategy):
             self.clip(None, squared_norm)
         if not self.is_worker:
             count = self.param_hi - self.lo
-            self.track("compute")
+            self.track("serve")     # (the ps applies the summed shard)
             update = math.isfinite(squared_norm) if squared_norm is not None else self.ps_agree(finite(self.inbox))
             if self.previous is not None:
                 self.previous.keep(self.shard_params(), self.optimizer)

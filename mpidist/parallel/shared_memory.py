@@ -34,7 +34,10 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+from .. import trace
 from .exchange import NoExchange
+
+_TRACER = trace.tracer()
 
 LINE = 64   # bytes: parts start on cache-line boundaries, so two workers never write one line
 ONE_WORKER = "one worker has nothing to exchange"
@@ -126,10 +129,14 @@ class SharedMemoryExchange(NoExchange):
         """Nothing to start: the sum needs every worker's whole buffer."""
 
     def finish(self):
-        self._everyone_here()   # every worker's gradients are complete
-        self._sum_own_part()
-        self._everyone_here()   # every part is summed
-        self._copy_other_parts()
+        with _TRACER.span("wait for the workers", "wait", trace.BUCKETS):
+            self._everyone_here()   # every worker's gradients are complete
+        with _TRACER.span("sum own part", "exchange", trace.BUCKETS, part=self.rank):
+            self._sum_own_part()
+        with _TRACER.span("wait for the workers", "wait", trace.BUCKETS):
+            self._everyone_here()   # every part is summed
+        with _TRACER.span("copy the other parts", "exchange", trace.BUCKETS):
+            self._copy_other_parts()
 
     def _sum_own_part(self):
         """This worker's part of every buffer, summed into its own (one sum per part, copied by everyone)."""

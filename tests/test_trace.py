@@ -1,0 +1,104 @@
+"""--trace: every rank's timeline in one Chrome trace file, for each strategy."""
+
+import collections
+import json
+
+import pytest
+
+from mpidist import trace
+
+from conftest import mpidist
+
+
+def test_spans_are_chrome_records_and_nothing_is_kept_while_off():
+    tracer = trace.Tracer()
+    with tracer.span("forward", "compute"):
+        pass
+    assert tracer.events == []
+    tracer.enable()
+    with tracer.span("forward", "compute", micro_batch=2):
+        pass
+    tracer.flow(True, trace.flow_id(0, 5, 0, 1, 4), "activations")
+    tracer.phase("compute", 7)
+    span, arrow, phase = tracer.records(pid=3, offset=100.0)
+    assert span["ph"] == "X" and span["pid"] == 3 and span["tid"] == trace.MAIN and span["dur"] >= 0
+    assert span["args"] == {"micro_batch": 2} and span["cat"] == "compute"
+    assert arrow["ph"] == "s" and arrow["id"] == trace.flow_id(0, 5, 0, 1, 4) and "dur" not in arrow
+    assert phase["name"] == "compute" and phase["args"] == {"step": 7}
+    assert span["ts"] == pytest.approx(tracer.events[0][3] + 100.0, abs=1e-3)
+    assert trace.flow_id(0, 5, 0, 1, 4) != trace.flow_id(0, 5, 0, 1, 5) < 1 << trace.FLOW_BITS
+
+
+def check_chrome_format(events):
+    """The schema of the Chrome trace event format, as Perfetto and chrome://tracing read it."""
+    for event in events:
+        assert {"ph", "pid", "tid"} <= set(event) and isinstance(event["pid"], int), event
+        if event["ph"] != "M":
+            assert isinstance(event["ts"], (int, float)) and "name" in event and "cat" in event, event
+        if event["ph"] == "X":
+            assert event["dur"] >= 0, event
+    starts = collections.Counter(e["id"] for e in events if e["ph"] == "s")
+    finishes = collections.Counter(e["id"] for e in events if e["ph"] == "f")
+    assert starts == finishes            # every arrow has both ends, once
+    assert all(e.get("bp") == "e" for e in events if e["ph"] == "f")
+
+
+def spans(events, pid):
+    return {(e["cat"], e["name"]) for e in events if e["ph"] == "X" and e["pid"] == pid}
+
+
+STRATEGIES = {
+    "allreduce": (2, []),
+    "allreduce over MPI buckets": (2, ["--exchange", "mpi", "--bucket-mb", "0.01"]),
+    "ps-sync": (3, ["--strategy", "ps-sync", "--ps", "1"]),
+    "ps-async": (3, ["--strategy", "ps-async", "--ps", "1"]),
+    "pipeline": (2, ["--strategy", "pipeline", "--stages", "2"]),
+    "hybrid": (4, ["--strategy", "pipeline", "--stages", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", STRATEGIES, ids=list(STRATEGIES))
+def test_a_traced_run_has_a_span_for_every_rank_and_phase(tmp_path, case):
+    ranks, flags = STRATEGIES[case]
+    done, _ = mpidist(ranks, "train", "--epochs", "2", "--trace", *flags, "--progress", "none", cwd=tmp_path,
+                      timeout=120)
+    assert done.returncode == 0, done.stderr
+    run, = (tmp_path / "runs").iterdir()
+    document = json.loads((run / "trace.json").read_text())
+    events = document["traceEvents"]
+    check_chrome_format(events)
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names) == list(range(ranks))
+    for rank, name in names.items():
+        got = spans(events, rank)
+        assert ("checkpoint", "gather") in got and ("wait", "finish") in got, (rank, got)
+        if "ps" in name:
+            assert ("serve", "serve") in got or ("serve", "update") in got, (name, got)
+            continue
+        assert {("compute", "forward"), ("compute", "backward"), ("step", "step")} <= got, (name, got)
+        assert ("eval", "evaluate test") in got and any(cat == "exchange" for cat, _ in got), (name, got)
+        if "stage" in name:
+            assert {("pipeline", "send"), ("pipeline", "recv")} <= got, (name, got)
+    assert ("checkpoint", "write") in spans(events, 0)          # the chief writes it
+    if "buckets" in case:
+        assert ("exchange", "bucket") in spans(events, 0)
+    if case.startswith("pipeline") or case == "hybrid":
+        assert any(e["ph"] == "s" for e in events)
+    if case == "allreduce":    # the clocks are aligned: each step overlaps on every rank (they wait for each other)
+        steps = {rank: [e for e in events if e["pid"] == rank and e["name"] == "step"] for rank in range(ranks)}
+        assert len(steps[0]) == len(steps[1]) == 44
+        for mine, theirs in zip(steps[0], steps[1]):
+            assert mine["ts"] < theirs["ts"] + theirs["dur"] and theirs["ts"] < mine["ts"] + mine["dur"]
+    assert "trace.json" in done.stdout
+
+
+def test_trace_detail_has_a_span_per_layer_and_no_trace_writes_none(tmp_path):
+    done, _ = mpidist(2, "train", "--epochs", "1", "--trace", "detail", "--run-dir", str(tmp_path / "a"),
+                      "--progress", "none")
+    assert done.returncode == 0, done.stderr
+    events = json.loads((tmp_path / "a" / "trace.json").read_text())["traceEvents"]
+    layers = {e["name"] for e in events if e["ph"] == "X" and "layer" in e.get("args", {})}
+    assert {"Dense", "ReLU"} <= layers
+    done, _ = mpidist(2, "train", "--epochs", "1", "--run-dir", str(tmp_path / "b"), "--progress", "none")
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "b" / "trace.json").exists()
