@@ -242,6 +242,8 @@ class CommonSettings:
     bucket_mb: float = _field(64.0, "gradient bucket size in MiB: one Iallreduce per bucket, started as backward fills it")
     device: str = _field("auto", "where to compute: cpu, gpu (cupy, one GPU per rank on a node), or auto", DEVICES)
     dtype: str = _field("float32", "parameter and activation dtype", DTYPES)
+    tensorboard: bool = _field(False, "also write the figures as TensorBoard event files in the run directory (needs "
+                               "the tensorboard extra: pip install 'mpidist[tensorboard]')")
     trace: str = _field("off", "write a timeline of every rank, trace.json in the run directory, for Perfetto "
                         "or chrome://tracing: on (phases, steps, exchanges, sends), detail (each layer too), off; "
                         "--trace alone = on", TRACE, bare="on")

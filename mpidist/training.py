@@ -12,13 +12,14 @@ collectives).  Only the chief writes metrics, checkpoints and the terminal.
 import dataclasses
 import itertools
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint, data, elastic, lineage, rundir, scores, trace
+from . import checkpoint, data, elastic, lineage, rundir, scores, tensorboard, trace
 from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
 from .errors import agreed, error_line
 from .callbacks import EarlyStopping, Reporter, lower_is_better
@@ -139,6 +140,7 @@ class Training:
         self.figures = {}            # what the strategies count (their stats()): outlives a recovery
         self.claim = None            # the chief's hold on --checkpoint-dir: its lock, this run's lineage
         self.log_copy = None         # the chief's output copied to the run directory's log.txt
+        self.board = None            # --tensorboard: the chief's event-file writer
 
     @property
     def chief(self):
@@ -154,6 +156,11 @@ class Training:
             self.early_stopping = EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss") \
                 if config.early_stop else None
             own = [self.early_stopping] if self.early_stopping else []
+            if config.tensorboard:
+                tensorboard.require()   # on every rank: without the package, all exit with its name (code 2)
+                if self.chief:
+                    self.board = tensorboard.TensorBoard(config.run_dir or os.path.dirname(config.metrics) or ".")
+                    own.append(self.board)
             self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), self.callbacks + own, self.chief)
             if self.chief:
                 if config.run_dir:   # settings first: --config takes them back even if the run fails
@@ -233,6 +240,8 @@ class Training:
             self.progress.close()
         if self.log_copy is not None:
             self.log_copy.close()
+        if self.board is not None:
+            self.board.close()
 
     def _make_strategy(self):
         """Collective: the strategy for the current cluster and set-up, watched by a new stall monitor."""
