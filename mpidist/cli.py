@@ -104,6 +104,13 @@ def build_parser():
     ingest.add_argument("--standardize", action="store_true", help="store each feature's mean and standard "
                         "deviation over the training rows; train, eval and predict then read (x - mean) / std")
 
+    plot = sub.add_parser("plot", help="draw PNG figures of runs: loss, evaluations, throughput, timeline",
+                          description="Draw the training loss and the evaluations against step and time, and the "
+                          "throughput over time, of one or more run directories on one set of axes; for a run "
+                          "with --trace, a few steps of every rank's timeline. Needs the plot extra (matplotlib).")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or metrics.jsonl files)")
+    plot.add_argument("--output", default=None, help="directory for the PNG files (default: the first run's plots/)")
+
     info = sub.add_parser("info", help="show the MPI library, devices, ranks per node, models and datasets",
                           description="Show what mpidist sees: MPI library, thread level, CUDA-awareness, "
                           "ranks per node, devices, models and bundled datasets.")
@@ -197,6 +204,16 @@ def cmd_ingest(args, world):
     return EXIT_OK
 
 
+def cmd_plot(args, world):
+    from .plotting import main as plot
+
+    with agreed(world):
+        written = plot(args.runs, args.output) if world.Get_rank() == 0 else []
+    for path in written:
+        print(f"mpidist plot: wrote {path}")
+    return 0
+
+
 def cmd_info(args, world):
     from .info import report
 
@@ -233,7 +250,7 @@ def main(argv=None):
     with agreed(world):
         args = parse(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "ingest": cmd_ingest, "info": cmd_info,
-               "bench": cmd_bench}[args.command]
+               "bench": cmd_bench, "plot": cmd_plot}[args.command]
     if args.command != "train":   # only training stops at a boundary; the others end as signals end them
         signals = stop_signals()
         signals.restore()

@@ -1,0 +1,76 @@
+"""python -m mpidist plot: PNG figures of runs, read back and checked."""
+
+import json
+import sys
+
+import pytest
+
+from mpidist import plotting
+from mpidist.errors import UsageError
+
+from conftest import mpidist
+
+image = pytest.importorskip("matplotlib.image", reason="the plot extra")
+
+
+def png(path):
+    pixels = image.imread(path)
+    assert pixels.ndim == 3 and pixels.std() > 0.01, path      # not one colour: something is drawn
+    return pixels.shape[1], pixels.shape[0]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """A traced allreduce run and a ps-async run of the same model, 4 epochs each."""
+    root = tmp_path_factory.mktemp("plots")
+    for name, flags in [("allreduce", ["--trace"]), ("ps-async", ["--strategy", "ps-async", "--ps", "1"])]:
+        done, _ = mpidist(3, "train", "--epochs", "4", "--run-dir", str(root / name), *flags, "--progress", "none")
+        assert done.returncode == 0, done.stderr
+    return root
+
+
+def test_plot_draws_two_runs_on_one_set_of_axes_and_a_timeline(two_runs, tmp_path):
+    done, _ = mpidist(1, "plot", str(two_runs / "allreduce"), str(two_runs / "ps-async"), "--output",
+                      str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == ["accuracy.png", "loss.png", "throughput.png", "timeline-allreduce.png"]
+    assert done.stdout.count("mpidist plot: wrote") == 4
+    assert png(tmp_path / "out" / "loss.png") == (1000, 400)
+    assert png(tmp_path / "out" / "accuracy.png") == (1000, 400)
+    assert png(tmp_path / "out" / "throughput.png") == (500, 400)
+    width, height = png(tmp_path / "out" / "timeline-allreduce.png")
+    assert width == 1200 and height >= 250
+    done, _ = mpidist(1, "plot", str(two_runs / "ps-async"))       # default: the run's own plots/
+    assert done.returncode == 0 and (two_runs / "ps-async" / "plots" / "loss.png").exists(), done.stderr
+
+
+def test_metrics_are_read_as_untrusted_lines(tmp_path):
+    lines = [{"event": "start", "step": 0}, {"event": "step", "step": 10, "loss": 2.0, "time": 1.0},
+             {"event": "step", "step": 20, "loss": 1.0, "time": 2.0},
+             {"event": "eval", "step": 20, "test_accuracy": 0.5}, {"event": "start", "step": 10},
+             {"event": "step", "step": 20, "loss": 0.5, "time": 3.0}, {"event": "step", "step": "x"}, [1, 2]]
+    text = "\n".join(json.dumps(line) for line in lines) + '\n{"event": "step", "st'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    run = plotting.read_run(tmp_path)
+    steps, times, loss = run.series("loss")
+    assert steps.tolist() == [10, 20] and loss.tolist() == [2.0, 0.5] and times.tolist() == [1.0, 3.0]
+    assert run.evals[0]["test_accuracy"] == 0.5 and run.evals[0]["time"] == 3.0
+    with pytest.raises(UsageError, match="holds no step events"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "metrics.jsonl").write_text('{"event": "start"}\n')
+        plotting.read_run(tmp_path / "empty")
+    with pytest.raises(UsageError, match="nowhere: no metrics to plot"):
+        plotting.read_run(tmp_path / "nowhere")
+    (tmp_path / "trace.json").write_text("{not json")
+    with pytest.raises(UsageError, match="not a trace mpidist wrote"):
+        plotting.plot_timeline(tmp_path / "trace.json", tmp_path / "t.png")
+
+
+def test_bad_input_and_a_missing_matplotlib_are_one_message_and_exit_code_2(tmp_path, monkeypatch):
+    done, _ = mpidist(1, "plot", str(tmp_path / "nowhere"))
+    assert done.returncode == 2 and "no metrics to plot" in done.stderr and "Traceback" not in done.stderr
+    (tmp_path / "metrics.jsonl").write_text('{"event": "step", "step": 1, "loss": 1.0, "time": 0.1}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(UsageError, match=r"plot needs matplotlib: pip install 'mpidist\[plot\]'"):
+        plotting.main([tmp_path])
