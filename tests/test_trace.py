@@ -48,7 +48,10 @@ def spans(events, pid):
 
 
 STRATEGIES = {
+    "local": (1, []),
     "allreduce": (2, []),
+    "local-sgd": (2, ["--strategy", "local-sgd"]),
+    "backup workers": (4, ["--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"]),
     "allreduce over MPI buckets": (2, ["--exchange", "mpi", "--bucket-mb", "0.01"]),
     "ps-sync": (3, ["--strategy", "ps-sync", "--ps", "1"]),
     "ps-async": (3, ["--strategy", "ps-async", "--ps", "1"]),
