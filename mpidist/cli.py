@@ -128,8 +128,12 @@ def build_parser():
                        help="instead: train an epoch of DATA (a dataset, e.g. one `ingest synthetic:...` wrote) "
                        "held in memory, then streamed with a cold page cache, in interleaved rounds; the first "
                        "of --models is trained")
+    bench.add_argument("--tracing", default=None, metavar="DATA",
+                       help="instead: train DATA without and with --trace, in interleaved rounds (--steps each, "
+                       "default 600); the first of --models is trained")
     bench.add_argument("--steps", type=int, default=0,
-                       help="with --streaming: steps per run in place of a whole epoch (default: 0 = an epoch)")
+                       help="with --streaming: steps per run in place of a whole epoch (default: 0 = an epoch); "
+                       "with --tracing: steps per run (default: 0 = 600)")
     return parser
 
 
@@ -236,9 +240,15 @@ def cmd_bench(args, world):
             raise UsageError("--seconds must be positive and --batch-per-rank at least 1")
         if args.steps < 0:
             raise UsageError(f"--steps {args.steps}: give 0 (an epoch) or more")
+        if args.streaming is not None and args.tracing is not None:
+            raise UsageError("--streaming and --tracing are two benchmarks: give one")
     if args.streaming is not None:
         from .bench import run_streaming_bench
         run_streaming_bench(world, args.streaming, models[0], args.batch_per_rank, args.steps, args.output)
+        return EXIT_OK
+    if args.tracing is not None:
+        from .bench import run_tracing_bench
+        run_tracing_bench(world, args.tracing, models[0], args.batch_per_rank, args.steps, args.output)
         return EXIT_OK
     run_bench(world, models, args.seconds, args.batch_per_rank, args.output)
     return EXIT_OK

@@ -105,3 +105,17 @@ def test_trace_detail_has_a_span_per_layer_and_no_trace_writes_none(tmp_path):
     done, _ = mpidist(2, "train", "--epochs", "1", "--run-dir", str(tmp_path / "b"), "--progress", "none")
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "b" / "trace.json").exists()
+
+
+def test_bench_tracing_compares_training_with_and_without_the_trace(tmp_path):
+    output = tmp_path / "bench.json"
+    done, _ = mpidist(2, "bench", "--tracing", "digits", "--models", "mlp", "--steps", "5", "--output", str(output),
+                      timeout=180)
+    assert done.returncode == 0, done.stderr
+    off, on = json.loads(output.read_text())["tracing"]
+    assert (off["trace"], on["trace"]) == ("off", "on") and off["steps"] == on["steps"] == 5
+    assert len(off["rounds"]) == len(on["rounds"]) == 7 and on["vs_untraced"] == on["samples_per_s"] / off["samples_per_s"]
+    assert "vs untraced" in done.stdout
+    assert not list(tmp_path.glob("trace.json")) and not (tmp_path / "runs").exists()     # nothing left behind
+    done, _ = mpidist(1, "bench", "--tracing", "digits", "--streaming", "digits")
+    assert done.returncode == 2 and "two benchmarks: give one" in done.stderr

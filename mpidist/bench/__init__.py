@@ -30,6 +30,7 @@ from . import rows as rows_of
 from .output import check_output, format_table, write_results  # noqa: F401  (check_output: the CLI's and tests')
 from .pipeline import PIPELINE_COLUMNS, pipeline_rows
 from .streaming import COLUMNS as STREAMING_COLUMNS, streaming_rows
+from .tracing import COLUMNS as TRACING_COLUMNS, tracing_rows
 
 
 def bench_model(world, cluster, name, batch, seconds, rounds=3):
@@ -134,18 +135,28 @@ def run_bench(world, models, seconds, batch, output):
 
 def run_streaming_bench(world, dataset, model, batch, steps, output):
     """``bench --streaming``: rank 0 prints the comparison of :mod:`mpidist.bench.streaming` and writes ``output``."""
+    return _run_comparison(world, "streaming", streaming_rows, STREAMING_COLUMNS, 5, dataset, model, batch, steps,
+                           output)
+
+
+def run_tracing_bench(world, dataset, model, batch, steps, output):
+    """``bench --tracing``: rank 0 prints the comparison of :mod:`mpidist.bench.tracing` and writes ``output``."""
+    return _run_comparison(world, "tracing", tracing_rows, TRACING_COLUMNS, 7, dataset, model, batch, steps, output)
+
+
+def _run_comparison(world, name, measure, columns, rounds, dataset, model, batch, steps, output):
     with agreed(world):
         if world.Get_rank() == 0:
             check_output(output)
-    rows = streaming_rows(world, dataset, model, batch, steps)
+    rows = measure(world, dataset, model, batch, steps, rounds=rounds)
     if world.Get_rank() != 0:
         return None
-    print(f"mpidist bench --streaming: {model} on {dataset}, {world.Get_size()} rank(s), {batch} samples per rank "
-          "per step; median of 5 interleaved rounds")
-    print(format_table(rows, STREAMING_COLUMNS))
+    print(f"mpidist bench --{name}: {model} on {dataset}, {world.Get_size()} rank(s), {batch} samples per rank "
+          f"per step; median of {rounds} interleaved rounds")
+    print(format_table(rows, columns))
     try:
         write_results(output, {"meta": {"ranks": world.Get_size(), "model": model, "data": str(dataset),
-                                        **machine()}, "streaming": rows})
+                                        **machine()}, name: rows})
     except OSError as err:
         raise RunError(f"--output {output}: the results (above) could not be written: "
                        f"{err.strerror or err}") from None
