@@ -56,8 +56,8 @@ def read_run(run_dir):
             continue
         if event.get("event") == "step":
             steps[int(event["step"])] = event
-        elif event.get("event") == "eval":
-            evals.append(event)
+        elif event.get("event") == "eval":    # (a resumed run's repeated evaluation replaces the first)
+            evals = [e for e in evals if e["step"] != event["step"] or set(e) != set(event)] + [event]
     if not steps:
         raise UsageError(f"plot: {metrics}: holds no step events to plot")
     known = sorted((step, event["time"]) for step, event in steps.items() if _number(event.get("time")))
@@ -68,7 +68,10 @@ def read_run(run_dir):
 
 
 def _number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float of a size a float holds (JSON allows a 400-digit integer)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return abs(value) < 2 ** 53 if isinstance(value, int) else math.isfinite(value)
 
 
 def _figure(columns=2):

@@ -49,13 +49,14 @@ def test_metrics_are_read_as_untrusted_lines(tmp_path):
     lines = [{"event": "start", "step": 0}, {"event": "step", "step": 10, "loss": 2.0, "time": 1.0},
              {"event": "step", "step": 20, "loss": 1.0, "time": 2.0},
              {"event": "eval", "step": 20, "test_accuracy": 0.5}, {"event": "start", "step": 10},
-             {"event": "step", "step": 20, "loss": 0.5, "time": 3.0}, {"event": "step", "step": "x"}, [1, 2]]
+             {"event": "step", "step": 20, "loss": 0.5, "time": 3.0}, {"event": "step", "step": "x"}, [1, 2],
+             {"event": "eval", "step": 20, "test_accuracy": 0.75}, {"event": "step", "step": 10 ** 400}]
     text = "\n".join(json.dumps(line) for line in lines) + '\n{"event": "step", "st'
     (tmp_path / "metrics.jsonl").write_text(text)
     run = plotting.read_run(tmp_path)
     steps, times, loss = run.series("loss")
     assert steps.tolist() == [10, 20] and loss.tolist() == [2.0, 0.5] and times.tolist() == [1.0, 3.0]
-    assert run.evals[0]["test_accuracy"] == 0.5 and run.evals[0]["time"] == 3.0
+    assert [e["test_accuracy"] for e in run.evals] == [0.75] and run.evals[0]["time"] == 3.0   # the repeat wins
     with pytest.raises(UsageError, match="holds no step events"):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "metrics.jsonl").write_text('{"event": "start"}\n')
