@@ -123,7 +123,11 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
             xp, device = select_device("cpu" if cluster.role == PS else config.device, cluster.local_rank)
         if config.elastic:   # after a lost rank MPI_Finalize can hang: end as the survivors agree
             atexit.register(_exit_after_failure)
-        outcome = run(config, cluster, xp, device, inputs, callbacks, stream=stream or sys.stdout)
+        try:
+            outcome = run(config, cluster, xp, device, inputs, callbacks, stream=stream or sys.stdout)
+        finally:   # a new run directory a refused run never wrote into is not left behind
+            if made and planned is None:
+                rundir.remove_if_empty(made)
         if not elastic.failure_seen():   # (after a loss, the survivors' communicators replaced these)
             cluster.free()               # a script may call train() again: nothing is left behind
         return _result(outcome, cluster.is_chief, config, inputs)

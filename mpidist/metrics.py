@@ -38,7 +38,11 @@ class MetricsLog:
                 with here().doing("io", f"opening --metrics {path}"):
                     _check_writable_target(path)
                     self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-                    _drop_partial_line(self.fd)
+                    if not _drop_partial_line(self.fd):
+                        self.close()
+                        raise UsageError(f"--metrics {path}: ends inside a line mpidist did not write: not a "
+                                         "metrics file (appending would change its last line); give another "
+                                         "--metrics")
             except OSError as err:
                 raise UsageError(f"--metrics {path}: cannot open for appending ({err.strerror})") from None
 
@@ -91,17 +95,27 @@ def _truncate(fd, size):
             pass
 
 
+PARTIAL = b'{"event": '      # how every line this log writes begins
+
+
 def _drop_partial_line(fd):
-    """If a regular file ends inside a line (a crash mid-write), cut that line off: the file keeps whole lines."""
+    """If a regular file ends inside a line of ours (a crash mid-write), cut that line off; False if not ours.
+
+    Only a line that begins as this log's lines do is cut: a file that ends
+    inside any other line is someone else's, and is left as it is.
+    """
     size = _size(fd)
     if not size or not stat.S_ISREG(os.fstat(fd).st_mode):
-        return
+        return True
     tail_start = max(0, size - 65536)
     tail = os.pread(fd, size - tail_start, tail_start)
     if tail.endswith(b"\n"):
-        return
+        return True
     cut = tail.rfind(b"\n")
-    _truncate(fd, tail_start + cut + 1 if cut >= 0 else (0 if tail_start == 0 else size))
+    if (cut < 0 and tail_start > 0) or not tail[cut + 1:].startswith(PARTIAL[:len(tail) - cut - 1]):
+        return False
+    _truncate(fd, tail_start + cut + 1)
+    return True
 
 
 class Progress:

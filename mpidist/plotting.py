@@ -50,7 +50,7 @@ def read_run(run_dir):
     for line in lines:
         try:
             event = json.loads(line)
-        except ValueError:     # a line a crash cut short
+        except (ValueError, RecursionError):     # a line a crash cut short, or not JSON one can read
             continue
         if not isinstance(event, dict) or not _number(event.get("step")):
             continue
@@ -62,9 +62,8 @@ def read_run(run_dir):
         raise UsageError(f"plot: {metrics}: holds no step events to plot")
     known = sorted((step, event["time"]) for step, event in steps.items() if _number(event.get("time")))
     for event in evals:    # an evaluation's time: its step's, from the step events around it
-        if known:
-            event["time"] = float(np.interp(event["step"], *zip(*known)))
-    return Run(name=path.name if path.is_dir() else path.stem, steps=steps, evals=evals)
+        event["time"] = float(np.interp(event["step"], *zip(*known))) if known else math.nan
+    return Run(name=path.resolve().name if path.is_dir() else path.resolve().parent.name, steps=steps, evals=evals)
 
 
 def _number(value):
@@ -88,7 +87,10 @@ def _save(figure, path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
-    figure.savefig(path)
+    try:
+        figure.savefig(path)
+    except OSError as err:
+        raise UsageError(f"plot: cannot write {path} ({err.strerror or err})") from None
     return Path(path)
 
 
@@ -98,8 +100,9 @@ def plot_runs(runs, output):
     figure, (by_step, by_time) = _figure()
     for index, run in enumerate(runs):
         steps, times, loss = run.series("loss")
-        by_step.plot(steps, loss, color=f"C{index}", label=run.name)
-        by_time.plot(times, loss, color=f"C{index}", label=run.name)
+        marker = "o" if len(steps) == 1 else None     # (one point: a line would not show)
+        by_step.plot(steps, loss, color=f"C{index}", marker=marker, label=run.name)
+        by_time.plot(times, loss, color=f"C{index}", marker=marker, label=run.name)
     _label(figure, (by_step, by_time), "training loss", "loss", log=all((r.series("loss")[2] > 0).all() for r in runs))
     written.append(_save(figure, Path(output) / "loss.png"))
     figure = _evaluations(runs)
@@ -152,18 +155,24 @@ def _label(figure, axes_pair, title, ylabel, log=False):
 def read_trace(path):
     """The ``traceEvents`` of a Chrome trace file, checked to be a list of objects."""
     try:
-        events = json.loads(Path(path).read_text(encoding="utf-8")).get("traceEvents")
-    except (OSError, ValueError, AttributeError) as err:
-        raise UsageError(f"plot: {path}: not a trace mpidist wrote ({err})") from None
+        events = json.loads(Path(path).read_text(encoding="utf-8", errors="replace")).get("traceEvents")
+    except (OSError, ValueError, AttributeError, RecursionError) as err:
+        raise UsageError(f"plot: {path}: not a trace mpidist wrote ({type(err).__name__})") from None
     if not isinstance(events, list):
         raise UsageError(f"plot: {path}: has no traceEvents list")
-    return [e for e in events if isinstance(e, dict) and isinstance(e.get("pid"), int)]
+    return [e for e in events if isinstance(e, dict) and _whole(e.get("pid")) and _whole(e.get("tid", 0))
+            and _number(e.get("ts", 0))]
+
+
+def _whole(value):
+    return _number(value) and isinstance(value, int)
 
 
 def plot_timeline(trace_path, output, steps=3):
     """A picture of ``steps`` steps from the middle of a traced run: one row per rank, spans coloured by kind."""
     events = read_trace(trace_path)
-    spans = [e for e in events if e.get("ph") == "X" and _number(e.get("ts")) and _number(e.get("dur"))]
+    spans = [dict(e, tid=e.get("tid", 0), cat=e.get("cat") if isinstance(e.get("cat"), str) else "wait")
+             for e in events if e.get("ph") == "X" and _number(e.get("ts")) and _number(e.get("dur"))]
     if not spans:
         raise UsageError(f"plot: {trace_path}: holds no spans")
     marks = sorted((_args(s)["step"], s["ts"], s["ts"] + s["dur"]) for s in spans
@@ -191,8 +200,10 @@ def plot_timeline(trace_path, output, steps=3):
                              label=None if cat in seen else cat)
             seen.add(cat)
     where = {rank: row for row, rank in enumerate(ranks)}
-    starts = {e.get("id"): e for e in events if e.get("ph") == "s"}
-    for finish in (e for e in events if e.get("ph") == "f" and e.get("id") in starts):
+    arrows = [e for e in events if e.get("ph") in ("s", "f") and isinstance(e.get("id"), (int, str))
+              and "ts" in e and e["pid"] in where]
+    starts = {e["id"]: e for e in arrows if e["ph"] == "s"}
+    for finish in (e for e in arrows if e["ph"] == "f" and e["id"] in starts):
         begin = starts[finish["id"]]
         if start <= begin["ts"] <= end and start <= finish["ts"] <= end:
             axes.annotate("", xy=((finish["ts"] - start) / 1e3, where[finish["pid"]]),
@@ -213,13 +224,19 @@ def _args(event):
 def main(run_dirs, output=None):
     """The command: figures of ``run_dirs`` into ``output`` (default: the first run's ``plots/``); the paths."""
     runs = [read_run(path) for path in run_dirs]
-    output = Path(output) if output else Path(run_dirs[0]) / "plots"
+    names = [run.name for run in runs]
+    for index, run in enumerate(runs):    # two runs of one name (a/run, b/run) each keep their own
+        if names.count(run.name) > 1:
+            run.name = f"{run.name} ({index + 1})"
+    first = Path(run_dirs[0])
+    output = Path(output) if output else (first if first.is_dir() else first.parent) / "plots"
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"plot --output {output}: cannot create ({err.strerror})") from None
     written = plot_runs(runs, output)
-    for path in run_dirs:
+    for path, run in zip(run_dirs, runs):
         if (Path(path) / TRACE).is_file():
-            written.append(plot_timeline(Path(path) / TRACE, output / f"timeline-{Path(path).name}.png"))
+            name = "".join(c if c.isalnum() or c in "-_." else "-" for c in run.name)
+            written.append(plot_timeline(Path(path) / TRACE, output / f"timeline-{name}.png"))
     return written

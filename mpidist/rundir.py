@@ -25,9 +25,11 @@ import json
 import math
 import os
 import re
+import shlex
 from pathlib import Path
 
 from .errors import UsageError
+from .lineage import LOCK_NAME
 
 ROOT = "runs"
 SETTINGS, METRICS, LOG, TRACE, CHECKPOINTS = "settings.toml", "metrics.jsonl", "log.txt", "trace.json", "checkpoints"
@@ -61,13 +63,18 @@ def planned(config):
 
 def newest_run(config, root=ROOT):
     """The newest directory of runs named as ``config``'s under ``root`` holding a checkpoint, or None."""
-    pattern = re.compile(re.escape(run_name(config)) + r"-\d{8}-\d{6}(-\d+)?")
+    pattern = re.compile(re.escape(run_name(config)) + r"-(\d{8}-\d{6})(?:-(\d+))?")
+
+    def started(entry):    # (its time, then its -2, -3... among runs started in the same second)
+        match = pattern.fullmatch(entry.name)
+        return match.group(1), int(match.group(2) or 1)
+
     try:
         candidates = [entry for entry in Path(root).iterdir() if pattern.fullmatch(entry.name)
                       and any((entry / CHECKPOINTS).glob("ckpt-*.h5"))]
     except OSError:
         return None
-    return max(candidates, key=lambda entry: (entry.name[len(run_name(config)):], entry.name), default=None)
+    return max(candidates, key=started, default=None)
 
 
 def resolved(config, run_dir):
@@ -92,6 +99,8 @@ def make(config, now=None, root=ROOT):
         return ""
     try:
         if where is not None:
+            if os.path.exists(where) and not os.path.isdir(where):
+                raise UsageError(f"--run-dir {where}: is a file, not a directory")
             os.makedirs(where, exist_ok=True)
             _check_directory(where)
             return os.path.abspath(where)
@@ -108,6 +117,22 @@ def make(config, now=None, root=ROOT):
     except OSError as err:
         raise UsageError(f"--run-dir {where or root}: cannot create the run directory ({err.strerror})") from None
     raise UsageError(f"--run-dir: {base} and 998 more like it exist already")
+
+
+def remove_if_empty(path):
+    """Remove run directory ``path`` if the run wrote nothing into it (an empty ``checkpoints/``, its lock aside)."""
+    root, checkpoints = Path(path), Path(path) / CHECKPOINTS
+    try:
+        if {entry.name for entry in root.iterdir()} - {CHECKPOINTS}:
+            return
+        if checkpoints.is_dir():
+            if {entry.name for entry in checkpoints.iterdir()} - {LOCK_NAME}:
+                return
+            (checkpoints / LOCK_NAME).unlink(missing_ok=True)
+            checkpoints.rmdir()
+        root.rmdir()
+    except OSError:     # (someone else's files appeared, or it went: either way, leave it)
+        return
 
 
 def _check_directory(path):
@@ -162,24 +187,24 @@ class LogCopy:
     """
 
     def __init__(self, stream, path):
-        self.stream, self.pending = stream, ""
-        try:
-            self.file = open(path, "a", encoding="utf-8")
-        except OSError as err:
-            raise UsageError(f"--run-dir: cannot open {path} for appending ({err.strerror})") from None
+        self.stream, self.path, self.pending, self.file = stream, path, "", None
+        self.broken = False     # the log could not be written: the terminal alone goes on
 
     def write(self, text):
         self.stream.write(text)
-        if self.file is None:
+        if self.broken:
             return
         lines = (self.pending + text).split("\n")
         self.pending = lines.pop()
         if lines:
             try:
+                if self.file is None:   # opened at the first line: a run refused at set-up leaves no file
+                    self.file = open(self.path, "a", encoding="utf-8")
                 self.file.write("".join(line.rsplit("\r", 1)[-1] + "\n" for line in lines))
                 self.file.flush()
             except OSError:     # a full disk: the terminal still shows everything, the log stops
                 self.close()
+                self.broken = True
 
     def flush(self):
         self.stream.flush()
@@ -188,18 +213,19 @@ class LogCopy:
         return self.stream.isatty()
 
     def close(self):
+        if self.pending.rsplit("\r", 1)[-1].strip() and not self.broken:
+            self.pending += "\n"
+            self.write("")
         if self.file is not None:
-            if self.pending.rsplit("\r", 1)[-1].strip():
-                try:
-                    self.file.write(self.pending.rsplit("\r", 1)[-1] + "\n")
-                except OSError:
-                    pass
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:
+                pass
             self.file = None
 
 
 def resume_flags(config):
     """The flags that resume the run of ``config`` from its newest checkpoint, as a user would type them."""
     if config.run_dir and os.path.abspath(config.checkpoint_dir) == os.path.abspath(Path(config.run_dir) / CHECKPOINTS):
-        return f"--resume auto --run-dir {config.run_dir}"
-    return f"--resume auto --checkpoint-dir {config.checkpoint_dir}"
+        return f"--resume auto --run-dir {shlex.quote(config.run_dir)}"
+    return f"--resume auto --checkpoint-dir {shlex.quote(config.checkpoint_dir)}"

@@ -36,6 +36,7 @@ CATEGORY = {"compute": "compute", "exchange": "exchange", "staleness-bound": "wa
             "setup": "setup", "io": "io"}
 ROUNDS = 5          # ping-pongs per rank when aligning clocks: the shortest round trip's offset is kept
 FLOW_BITS = 52      # flow ids stay exact in JavaScript numbers
+LIMIT = 2_000_000   # events a rank keeps (a few hundred MB of JSON); later ones are counted, not kept
 
 
 def now():
@@ -47,10 +48,17 @@ class Tracer:
     """This process's buffer of trace events; off (and free) until :meth:`enable`."""
 
     def __init__(self):
-        self.on, self.detail, self.events, self.phase_start = False, False, [], None
+        self.on, self.detail, self.events, self.phase_start, self.dropped = False, False, [], None, 0
 
     def enable(self, detail=False):
-        self.on, self.detail, self.events, self.phase_start = True, bool(detail), [], now()
+        self.on, self.detail, self.events, self.phase_start, self.dropped = True, bool(detail), [], now(), 0
+
+    def _full(self):
+        """Whether the buffer holds :data:`LIMIT` events (then the event is counted, not kept)."""
+        if len(self.events) < LIMIT:
+            return False
+        self.dropped += 1
+        return True
 
     def disable(self):
         self.on, self.phase_start = False, None
@@ -58,14 +66,15 @@ class Tracer:
     def phase(self, previous, step):
         """The main thread leaves phase ``previous`` (of :mod:`mpidist.whereabouts`) now: one span for it."""
         at = now()
-        if self.phase_start is not None:
+        if self.phase_start is not None and not self._full():
             self.events.append(("X", previous, CATEGORY.get(previous, "wait"), self.phase_start, at - self.phase_start,
                                 MAIN, {"step": step}))
         self.phase_start = at
 
     def complete(self, name, cat, start, tid=MAIN, **args):
         """A span from ``start`` (:func:`now`) to now."""
-        self.events.append(("X", name, cat, start, now() - start, tid, args))
+        if not self._full():
+            self.events.append(("X", name, cat, start, now() - start, tid, args))
 
     @contextlib.contextmanager
     def span(self, name, cat, tid=MAIN, **args):
@@ -77,11 +86,13 @@ class Tracer:
         try:
             yield
         finally:
-            self.events.append(("X", name, cat, start, now() - start, tid, args))
+            if not self._full():
+                self.events.append(("X", name, cat, start, now() - start, tid, args))
 
     def flow(self, begins, flow_id, name):
         """One end of an arrow between ranks: ``begins`` at the sender (inside its send span), else the receiver."""
-        self.events.append(("s" if begins else "f", name, "pipeline", now(), 0, MAIN, flow_id))
+        if not self._full():
+            self.events.append(("s" if begins else "f", name, "pipeline", now(), 0, MAIN, flow_id))
 
     def records(self, pid, offset):
         """The events as Chrome trace records of process ``pid``, shifted by ``offset`` microseconds."""
@@ -145,11 +156,25 @@ def clock_offset(comm, root):
     return best[1]
 
 
+def check_writable(path):
+    """Raise :class:`UsageError` where ``path`` cannot be written at the end: checked before training starts."""
+    from .errors import UsageError
+
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"--trace: {path} is a directory; the timeline is written there as a file")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--trace: cannot write {path} (its directory {path.parent} is not writable)")
+
+
 def gather_and_write(comm, root, offset, label, path):
-    """Collective: every rank's events to ``root``, which writes them to ``path`` (atomically).
+    """Collective: every rank's events to ``root``, which writes them to ``path`` (atomically), rank by rank.
 
     ``label``: this rank's process name (``rank 2 (ps, shard [0, 13061))``).
-    Returns the number of events written on ``root``, else None.
+    Each rank's events travel as one message of JSON bytes and are written
+    as they come, so the chief never holds them all.  Returns, on ``root``,
+    None or why ``path`` could not be written (every rank's events are
+    received all the same: no rank is left waiting); elsewhere None.
     """
     from . import comm as mpi
 
@@ -158,30 +183,48 @@ def gather_and_write(comm, root, offset, label, path):
              {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}]
     names += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
               for tid, name in THREADS.items()]
-    data = np.frombuffer(json.dumps(names + _TRACER.records(rank, offset)).encode("utf-8"), dtype=np.uint8)
-    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
-    mpi.gather(comm, np.array([data.size], dtype=np.int64), sizes, root)
-    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    gathered = np.empty(int(sizes.sum()) if comm.Get_rank() == root else 0, dtype=np.uint8)
-    mpi.gatherv(comm, data, gathered, sizes, displs, root)
+    if _TRACER.dropped:
+        names.append({"name": "trace_truncated", "ph": "M", "pid": rank, "tid": 0,
+                      "args": {"events_not_recorded": _TRACER.dropped, "limit": LIMIT}})
+    events = names + _TRACER.records(rank, offset)
     _TRACER.disable()
-    if comm.Get_rank() != root:
+    data = np.frombuffer(json.dumps(events)[1:-1].encode("utf-8"), dtype=np.uint8)   # (the list's items)
+    size = np.array([data.size], dtype=np.int64)
+    if rank != root:
+        mpi.send(comm, size, root, 0x7ace)
+        mpi.send(comm, data, root, 0x7acf)
         return None
-    events = []
-    for other in range(comm.Get_size()):
-        events.extend(json.loads(gathered[displs[other]:displs[other] + sizes[other]].tobytes()))
-    _write(path, {"traceEvents": events, "displayTimeUnit": "ms",
-                  "otherData": {"producer": "mpidist", "clock": "the chief's, microseconds"}})
-    return len(events)
-
-
-def _write(path, document):
     path = Path(path)
     aside = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    problem, handle = None, None
     try:
-        with open(aside, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, separators=(",", ":"))
-        os.replace(aside, path)
+        handle = open(aside, "wb")
+        handle.write(b'{"displayTimeUnit":"ms","otherData":{"producer":"mpidist","clock":"the chief\'s, '
+                     b'microseconds"},"traceEvents":[')
+    except OSError as err:
+        problem = err.strerror or str(err)
+    first = True
+    for other in range(comm.Get_size()):
+        if other != root:
+            mpi.recv(comm, size, other, 0x7ace)
+            data = np.empty(int(size[0]), dtype=np.uint8)
+            mpi.recv(comm, data, other, 0x7acf)
+        if handle is not None and problem is None and data.size:
+            try:
+                handle.write((b"" if first else b",") + data.tobytes())
+                first = False
+            except OSError as err:
+                problem = err.strerror or str(err)
+    try:
+        if handle is not None:
+            if problem is None:
+                handle.write(b"]}")
+            handle.close()
+        if problem is None:
+            os.replace(aside, path)
+    except OSError as err:
+        problem = err.strerror or str(err)
     finally:
         if aside.exists():
             aside.unlink()
+    return problem

@@ -102,6 +102,14 @@ class _NoData:
         pass
 
 
+def trace_file(config, resume):
+    """Where ``--trace`` writes: the run directory's trace.json, or ``trace-from-step-N.json`` beside an earlier part's."""
+    path = Path(config.run_dir or ".") / rundir.TRACE
+    if resume is not None and path.exists():
+        path = path.with_name(f"trace-from-step-{resume.step}.json")
+    return path
+
+
 def run(config, cluster, xp, device_label, inputs, callbacks=(), stream=sys.stdout):
     """Train ``inputs`` (:class:`~mpidist.build.Inputs`) as ``config`` says on this rank; returns the outcome.
 
@@ -163,13 +171,16 @@ class Training:
                     own.append(self.board)
             self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), self.callbacks + own, self.chief)
             if self.chief:
-                if config.run_dir:   # settings first: --config takes them back even if the run fails
-                    rundir.write_settings(config, config.run_dir)
+                if config.run_dir:
                     self.log_copy = self.stream = rundir.LogCopy(self.stream, Path(config.run_dir) / rundir.LOG)
+                if config.trace != "off":
+                    trace.check_writable(trace_file(config, self.setup.resume))
                 if config.checkpoint_dir:
                     checkpoint.prepare_directory(config.checkpoint_dir)
                 self.claim = lineage.claim(config, self.setup.resume)
         self.where.enter("start")   # collectives from here on: a wait on the others
+        if self.chief and config.run_dir:   # once every rank's checks passed: a refused run changes nothing
+            rundir.write_settings(config, config.run_dir)
         self.lineages = self._share_lineage()
         self.trace_offset, self.trace_path = 0.0, None
         if config.trace != "off":    # (from here: the set-up's files and checks are not on the timeline)
@@ -536,12 +547,14 @@ class Training:
         """Collective: the chief gathers every rank's timeline into ``trace.json`` (the run directory's)."""
         cluster, config = self.cluster, self.config
         self.where.enter("gather")
-        path = Path(config.run_dir or ".") / rundir.TRACE
+        path = trace_file(config, self.setup.resume)
         part = self.strategy.describe(cluster.rank)
         label = f"rank {cluster.rank} ({cluster.role}{', ' + part if part else ''})"
-        written = trace.gather_and_write(cluster.world, cluster.chief_rank, self.trace_offset, label, path)
-        if written is not None:
+        problem = trace.gather_and_write(cluster.world, cluster.chief_rank, self.trace_offset, label, path)
+        if self.chief and problem is None:
             self.trace_path = path
+        elif self.chief:      # the run itself went well: say so, and what was lost
+            self.say(f"mpidist: warning: the timeline could not be written to {path} ({problem})")
         self.where.enter("finish")
 
     def _report_done(self, roles, elapsed):

@@ -75,3 +75,24 @@ def test_bad_input_and_a_missing_matplotlib_are_one_message_and_exit_code_2(tmp_
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(UsageError, match=r"plot needs matplotlib: pip install 'mpidist\[plot\]'"):
         plotting.main([tmp_path])
+
+
+def test_a_timeline_passes_over_events_of_the_wrong_shape(tmp_path):
+    good = [{"name": "step", "cat": "step", "ph": "X", "pid": p, "tid": 1, "ts": 10.0 * s, "dur": 9.0,
+             "args": {"step": s}} for p in (0, 1) for s in range(1, 6)]
+    good += [{"name": "compute", "cat": "compute", "ph": "X", "pid": p, "tid": 0, "ts": 10.0 * s, "dur": 5.0}
+             for p in (0, 1) for s in range(1, 6)]
+    good += [{"name": "a", "cat": "pipeline", "ph": "s", "pid": 0, "tid": 0, "ts": 31.0, "id": 5},
+             {"name": "a", "cat": "pipeline", "ph": "f", "pid": 1, "tid": 0, "ts": 33.0, "id": 5, "bp": "e"}]
+    bad = [{"ph": "X", "pid": 0, "ts": 30, "dur": 1}, {"ph": "X", "pid": 0, "tid": 0, "ts": 30, "dur": 1, "cat": ["a"]},
+           {"ph": "s", "pid": 0, "tid": 0, "ts": 31, "id": [1]}, {"ph": "f", "pid": 0, "tid": 0, "ts": 31, "id": {"a": 1}},
+           {"ph": "s", "pid": 0, "tid": 0, "ts": "31", "id": 9}, {"ph": "f", "pid": 1, "tid": 0, "ts": 32, "id": 9},
+           {"ph": "s", "pid": 7, "tid": 0, "ts": 31, "id": 8}, {"ph": "f", "pid": 1, "tid": 0, "ts": 32, "id": 8},
+           {"ph": "X", "pid": 10 ** 400, "tid": 0, "ts": 30, "dur": 1}, {"ph": "X", "pid": 0, "tid": 0, "ts": 30,
+                                                                        "dur": 1, "args": [1]}, "text", None]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": good + bad}))
+    path = plotting.plot_timeline(tmp_path / "trace.json", tmp_path / "t.png")
+    assert png(path)[0] == 1200
+    (tmp_path / "deep.json").write_text("[" * 100000)
+    with pytest.raises(UsageError, match="not a trace mpidist wrote"):
+        plotting.plot_timeline(tmp_path / "deep.json", tmp_path / "d.png")

@@ -38,6 +38,8 @@ def test_new_run_directories_are_stamped_and_never_shared(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="--run-dir .*file/run: cannot create the run directory \\(Not a directory\\)"):
         rundir.make(dataclasses.replace(config, run_dir=str(tmp_path / "file" / "run")))
+    with pytest.raises(UsageError, match="--run-dir .*file: is a file, not a directory"):
+        rundir.make(dataclasses.replace(config, run_dir=str(tmp_path / "file")))
 
 
 def fake_run(root, name, checkpoint=True):
@@ -52,11 +54,13 @@ def fake_run(root, name, checkpoint=True):
 def test_a_resumed_run_continues_the_run_directory_it_resumes_from(tmp_path):
     config = Settings(strategy="allreduce")
     older = fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261124-100000")
-    newer = fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261125-080000")
+    fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261125-080000")
     fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261125-090000", checkpoint=False)   # nothing to resume
     fake_run(tmp_path / "runs", "cnn-digits-allreduce-20261126-000000")                     # another run's
+    fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261125-080000-9")
+    newest = fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261125-080000-10")           # -10 after -9
     os.chdir(tmp_path)
-    assert rundir.planned(dataclasses.replace(config, resume="auto")) == str(Path("runs") / newer.name)
+    assert rundir.planned(dataclasses.replace(config, resume="auto")) == str(Path("runs") / newest.name)
     checkpoint = older / rundir.CHECKPOINTS / "ckpt-00000010-0000abcd.h5"
     assert rundir.planned(dataclasses.replace(config, resume=str(checkpoint))) == str(older)
     assert rundir.planned(dataclasses.replace(config, resume="auto",
@@ -73,7 +77,7 @@ def test_auto_metrics_and_checkpoints_go_into_the_run_directory_and_given_ones_s
     assert (resolved.metrics, resolved.checkpoint_dir) == ("m.jsonl", "")
     resolved = rundir.resolved(Settings(), "")
     assert (resolved.metrics, resolved.checkpoint_dir, resolved.run_dir) == ("metrics.jsonl", "", "")
-    assert rundir.resume_flags(rundir.resolved(Settings(), "/r/run")) == "--resume auto --run-dir /r/run"
+    assert rundir.resume_flags(rundir.resolved(Settings(), "/r/my run")) == "--resume auto --run-dir '/r/my run'"
     assert rundir.resume_flags(rundir.resolved(Settings(checkpoint_dir="c"), "/r/run")) == \
         "--resume auto --checkpoint-dir c"
 
@@ -144,3 +148,18 @@ def test_without_a_run_directory_metrics_go_where_they_did(tmp_path):
     run, = (tmp_path / "runs").iterdir()
     assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["event"] == "done"
     assert not (run / "metrics.jsonl").exists() and list((run / "checkpoints").glob("ckpt-*.h5"))
+
+
+def test_a_refused_run_changes_no_run_directory_and_leaves_no_new_one(tmp_path):
+    done, _ = mpidist(2, "train", "--steps", "5", "--run-dir", "shared", "--progress", "none", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    settings = (tmp_path / "shared" / "settings.toml").read_text()
+    log = (tmp_path / "shared" / "log.txt").read_text()
+    done, _ = mpidist(2, "train", "--steps", "5", "--run-dir", "shared", "--lr", "0.5", "--progress", "none",
+                      cwd=tmp_path)
+    assert done.returncode == 2 and "holds the checkpoints of another run" in done.stderr
+    assert (tmp_path / "shared" / "settings.toml").read_text() == settings
+    assert (tmp_path / "shared" / "log.txt").read_text() == log
+    done, _ = mpidist(2, "train", "--resume", "nowhere.h5", "--progress", "none", cwd=tmp_path)
+    assert done.returncode == 2 and "nowhere.h5" in done.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())

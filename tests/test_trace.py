@@ -119,3 +119,21 @@ def test_bench_tracing_compares_training_with_and_without_the_trace(tmp_path):
     assert not list(tmp_path.glob("trace.json")) and not (tmp_path / "runs").exists()     # nothing left behind
     done, _ = mpidist(1, "bench", "--tracing", "digits", "--streaming", "digits")
     assert done.returncode == 2 and "two benchmarks: give one" in done.stderr
+
+
+def test_a_resumed_run_keeps_the_earlier_timeline_and_an_unwritable_one_is_refused_first(tmp_path):
+    run = tmp_path / "run"
+    done, _ = mpidist(2, "train", "--steps", "10", "--trace", "--run-dir", str(run), "--progress", "none")
+    assert done.returncode == 0, done.stderr
+    first = (run / "trace.json").read_bytes()
+    done, _ = mpidist(2, "train", "--steps", "20", "--trace", "--run-dir", str(run), "--resume", "auto",
+                      "--progress", "none")
+    assert done.returncode == 0, done.stderr
+    assert (run / "trace.json").read_bytes() == first
+    later = json.loads((run / "trace-from-step-10.json").read_text())["traceEvents"]
+    assert sorted({e["args"]["step"] for e in later if e["name"] == "step"}) == list(range(11, 21))
+    blocked = tmp_path / "blocked"
+    (blocked / "trace.json").mkdir(parents=True)
+    done, _ = mpidist(2, "train", "--steps", "5", "--trace", "--run-dir", str(blocked), "--progress", "none")
+    assert done.returncode == 2 and "is a directory; the timeline is written there as a file" in done.stderr
+    assert not list(blocked.glob("*.toml"))        # refused before anything was written
