@@ -111,7 +111,7 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
         rundir.resolved(config, rundir.ROOT if planned is None else planned).validate(world.Get_size())
         if config.elastic:
             _require_ulfm()
-        made = rundir.make(config) if world.Get_rank() == 0 else ""
+        made = rundir.make(config, planned) if world.Get_rank() == 0 else ""
     config = rundir.resolved(config, bcast_text(world, made))
     watch.timeout = config.stall_timeout
     here().enter("start")   # collectives from here on: a wait on the others

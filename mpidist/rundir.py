@@ -88,13 +88,13 @@ def resolved(config, run_dir):
     return dataclasses.replace(config, run_dir=run_dir, metrics=metrics, checkpoint_dir=checkpoint_dir)
 
 
-def make(config, now=None, root=ROOT):
-    """Create the run directory of ``config`` (one rank: the others are told) and return its path.
+def make(config, where, now=None, root=ROOT):
+    """Create the run directory ``where`` (:func:`planned`'s answer for ``config``) and return its absolute path.
 
-    A new one is named ``<name>-<YYYYmmdd>-<HHMMSS>``, with ``-2``, ``-3``...
-    where runs started in the same second.  Nothing is written in it yet.
+    One rank makes it, the others are told.  A new one (``where`` None) is
+    named ``<name>-<YYYYmmdd>-<HHMMSS>``, with ``-2``, ``-3``... where runs
+    started in the same second.  Nothing is written in it yet.
     """
-    where = planned(config)
     if where == "":
         return ""
     try:

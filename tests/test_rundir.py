@@ -27,19 +27,19 @@ def test_a_run_is_named_by_model_data_and_strategy_in_safe_characters():
 
 def test_new_run_directories_are_stamped_and_never_shared(tmp_path):
     config = Settings(strategy="allreduce")
-    first = rundir.make(config, NOW, root=tmp_path / "runs")
-    second = rundir.make(config, NOW, root=tmp_path / "runs")
+    first = rundir.make(config, None, NOW, root=tmp_path / "runs")
+    second = rundir.make(config, None, NOW, root=tmp_path / "runs")
     assert Path(first).name == "mlp-digits-allreduce-20261125-093005" and Path(first).is_dir()
     assert Path(second).name == "mlp-digits-allreduce-20261125-093005-2" and Path(second).is_dir()
     assert os.path.isabs(first)
-    assert rundir.make(dataclasses.replace(config, run_dir="")) == ""
-    given = rundir.make(dataclasses.replace(config, run_dir=str(tmp_path / "mine" / "deep")))
+    assert rundir.make(dataclasses.replace(config, run_dir=""), "") == ""
+    given = rundir.make(config, str(tmp_path / "mine" / "deep"))
     assert given == str(tmp_path / "mine" / "deep") and Path(given).is_dir()
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="--run-dir .*file/run: cannot create the run directory \\(Not a directory\\)"):
-        rundir.make(dataclasses.replace(config, run_dir=str(tmp_path / "file" / "run")))
+        rundir.make(config, str(tmp_path / "file" / "run"))
     with pytest.raises(UsageError, match="--run-dir .*file: is a file, not a directory"):
-        rundir.make(dataclasses.replace(config, run_dir=str(tmp_path / "file")))
+        rundir.make(config, str(tmp_path / "file"))
 
 
 def fake_run(root, name, checkpoint=True):
