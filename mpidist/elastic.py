@@ -58,6 +58,8 @@ from .errors import EXIT_FAILURE, RunError, error_line
 FAILURE_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
                         if hasattr(MPI, name))
 
+FAILED_LOOKS, FAILED_PAUSE = 20, 0.05   # an ERR_OTHER is weighed against the failure detector for up to 1 s
+
 _survivors = None   # the shrunk world, once this process has seen a failure
 
 
@@ -107,9 +109,30 @@ def _read_cvar_flag(library, name):
         return None
 
 
-def is_failure(error):
-    """Whether ``error`` (an exception) says that a process died."""
-    return isinstance(error, MPI.Exception) and error.Get_error_class() in FAILURE_CLASSES
+def is_failure(error, comm=None):
+    """Whether ``error`` (an exception) says that a process died.
+
+    With ``comm``: also an ``ERR_OTHER`` while a process of ``comm`` is known
+    to have died.  Open MPI's nonblocking collectives (libnbc) report a peer's
+    death inside a schedule that way ("NBC_Progress: an error 75 was found"),
+    not as ``ERR_PROC_FAILED``; the failure detector may need a moment to
+    name the dead, so it is asked a few times before the error counts as
+    something else.
+    """
+    if not isinstance(error, MPI.Exception):
+        return False
+    if error.Get_error_class() in FAILURE_CLASSES:
+        return True
+    if comm is None or error.Get_error_class() != MPI.ERR_OTHER or not hasattr(comm, "Get_failed"):
+        return False
+    for _ in range(FAILED_LOOKS):
+        try:
+            if comm.Get_failed().Get_size() > 0:
+                return True
+        except MPI.Exception:
+            return False
+        time.sleep(FAILED_PAUSE)
+    return False
 
 
 def shrink(world, others=()):
@@ -305,7 +328,7 @@ def run_with_recovery(training):
         try:
             return training.run_to_end()
         except MPI.Exception as err:
-            if not is_failure(err):
+            if not is_failure(err, training.cluster.world):
                 raise
             if not training.config.elastic:   # an MPI that reports deaths, but no --elastic: say so, end
                 raise RunError(f"a process of the job died ({err.Get_error_string()}); without --elastic the "

@@ -294,3 +294,26 @@ def test_the_chiefs_state_reaches_every_survivor_as_a_checkpoint():
     watch = FailureWatch(world)
     assert watch.poll() == []                        # nobody died
     watch.comm.Free()
+
+
+def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(monkeypatch):
+    """Open MPI's nonblocking collectives report a peer's death as ERR_OTHER (seen in CI: libnbc's error 75)."""
+    from mpi4py import MPI
+
+    from mpidist import elastic
+
+    class Comm:
+        def __init__(self, dead):
+            self.dead, self.asked = dead, 0
+
+        def Get_failed(self):
+            self.asked += 1
+            return type("Group", (), {"Get_size": lambda _: self.dead})()
+
+    monkeypatch.setattr(elastic, "FAILED_PAUSE", 0.0)
+    other = MPI.Exception(MPI.ERR_OTHER)
+    assert elastic.is_failure(other, Comm(dead=1))
+    alive = Comm(dead=0)
+    assert not elastic.is_failure(other, alive) and alive.asked == elastic.FAILED_LOOKS
+    assert not elastic.is_failure(other) and not elastic.is_failure(MPI.Exception(MPI.ERR_BUFFER), Comm(dead=1))
+    assert not elastic.is_failure(ValueError("not MPI"), Comm(dead=1))
