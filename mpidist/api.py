@@ -106,11 +106,12 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
         config = dataclasses.replace(config, model=inputs.model.spec, data=str(inputs.data))
         config = config.with_world(world.Get_size())
         # checked as it will run (--checkpoint-dir auto: in a run directory, if there is one) before one is made
+        # (only whether there will be one matters here; rank 0 alone looks for it: --resume auto lists runs/)
         config.validate_values()
-        planned = rundir.planned(config)
-        rundir.resolved(config, rundir.ROOT if planned is None else planned).validate(world.Get_size())
+        rundir.resolved(config, "" if config.run_dir == "" else rundir.ROOT).validate(world.Get_size())
         if config.elastic:
             _require_ulfm()
+        planned = rundir.planned(config) if world.Get_rank() == 0 else ""
         made = rundir.make(config, planned) if world.Get_rank() == 0 else ""
     config = rundir.resolved(config, bcast_text(world, made))
     watch.timeout = config.stall_timeout

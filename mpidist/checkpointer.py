@@ -75,6 +75,10 @@ class Checkpointer:
         self.last_step = None
         self.best = None    # --keep-best: the file that keeps the best checkpoint, once there is one
 
+    def run_time(self, now=None):
+        """Seconds the run has trained, resumed parts included (what the metrics' ``time`` and checkpoints say)."""
+        return (self.clock() if now is None else now) - self.origin
+
     @property
     def enabled(self):
         return bool(self.config.checkpoint_dir)
@@ -107,7 +111,7 @@ class Checkpointer:
         params, opt_state, opt_steps = state
         path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
                                config.to_json(), config.seed, workers, self.lineage, self.parent, best=best,
-                               elapsed=self.clock() - self.origin)
+                               elapsed=self.run_time())
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         self.written.append(path)
         self.last_step = step

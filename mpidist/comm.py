@@ -151,12 +151,6 @@ def allgatherv_inplace(comm, array, counts, displs):
     return array
 
 
-def gather(comm, send, recv, root):
-    """``root`` gets every rank's ``send`` (host arrays of one size), one after the other in ``recv``."""
-    comm.Gather(send, recv if comm.Get_rank() == root else None, root=root)
-    return recv
-
-
 def gatherv(comm, send, recv, counts, displs, root):
     """``root`` gets every rank's ``send`` (``counts[r]`` elements) at ``displs[r]`` of ``recv``."""
     send_buffer, _ = _for_mpi(send)

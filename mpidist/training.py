@@ -221,9 +221,9 @@ class Training:
         self.progress = Progress(config.progress if self.chief else "none", total_steps(config, setup),
                                  config.epochs, stream=self.stream, start_step=0 if resume is None else resume.step)
         self.started = time.perf_counter()
-        self.elapsed_before = 0.0 if resume is None else resume.elapsed   # the metrics' time goes on from it
+        # (its clock is the run's: the metrics' time goes on from a resumed checkpoint's)
         self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step, *self.lineages,
-                                         elapsed=self.elapsed_before)
+                                         elapsed=0.0 if resume is None else resume.elapsed)
         self.window_start, self.window_loss, self.window_steps, self.window_good = self.started, 0.0, 0, 0
         self.trained_steps, self.skipped_in_row = 0, 0
         self.window_clipped = self.clipped_steps = 0   # steps clipped to --clip-norm (where the chief knows it)
@@ -393,7 +393,7 @@ class Training:
                            lr=self._learning_rate(step - 1), **self._training_figures(),
                            **({"clipped": self.window_clipped} if config.clip_norm and self.strategy.lockstep
                               else {}),
-                           samples_per_s=rate, time=now - self.started + self.elapsed_before)
+                           samples_per_s=rate, time=self.checkpointer.run_time(now))
             self.window_clipped = 0
             self.progress.update(step, self.epoch, self.last_loss, rate)
             self.window_start, self.window_loss, self.window_steps, self.window_good = now, 0.0, 0, 0
@@ -448,7 +448,7 @@ class Training:
         if not self.checkpointer.enabled or (strategy.lockstep and self.saved_at == self.step):
             return   # (other strategies' ranks count steps apart: each call must be collective)
         self.where.enter("gather")
-        began = trace.now()
+        began = trace.now() if TRACER.on else None
         if not gathered:
             state = strategy.state()  # collective: shards are gathered to the chief
         self.saved_at = self.step
@@ -457,7 +457,7 @@ class Training:
             path = self.checkpointer.write(state, self.step, self.epoch, self.epoch_step,
                                            data_layout(self.config, self.cluster)[0], best=self.best.record())
             self.log.write("checkpoint", step=self.step, epoch=self.epoch + 1, path=str(path))
-        if TRACER.on:
+        if began is not None:
             TRACER.complete("checkpoint", "checkpoint", began, trace.STEPS, step=self.step)
 
     @property

@@ -12,10 +12,10 @@ their ratio; the JSON also has the median of each round's ratio
 import io
 import os
 
-import numpy as np
 from mpi4py import MPI
 
 from .. import data as datasets
+from .timing import compared_rows, interleaved_runs
 
 COLUMNS = [("mode", "data", "{}"), ("ranks", "ranks", "{}"), ("steps", "steps", "{}"),
            ("samples_per_s", "samples/s", "{:,.0f}"), ("vs_memory", "vs memory", "{:.3f}"),
@@ -42,27 +42,23 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
 
     files = [m.path for m in datasets.inspect(datasets.resolve(dataset)).files]
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
-    measured = {"memory": [], "stream": []}
-    cold = True
-    for _ in range(rounds):
-        for mode in ("memory", "stream"):
-            if mode == "stream" and local.Get_rank() == 0:   # one rank per node drops the node's cache
-                cold = drop_from_page_cache(files) and cold
-            world.Barrier()
-            result = train(model=model, data=dataset, data_mode=mode, epochs=1, steps=steps, eval_every=0,
-                           batch_size=batch_per_rank * world.Get_size(), metrics="", run_dir="", progress="none", comm=world,
-                           stream=io.StringIO())   # (each run's own summary: not this table's)
-            if world.Get_rank() == 0:
-                measured[mode].append((result.figures["samples_per_s"], result.figures["steps"]))
+    cold = [True]
+
+    def drop(mode):
+        if mode == "stream" and local.Get_rank() == 0:   # one rank per node drops the node's cache
+            cold[0] = drop_from_page_cache(files) and cold[0]
+
+    def run(mode, _):
+        return train(model=model, data=dataset, data_mode=mode, epochs=1, steps=steps, eval_every=0,
+                     batch_size=batch_per_rank * world.Get_size(), metrics="", run_dir="", progress="none",
+                     comm=world, stream=io.StringIO())   # (each run's own summary: not this table's)
+
+    measured = interleaved_runs(world, ("memory", "stream"), run, rounds, prepare=drop)
     local.Free()
-    if world.Get_rank() != 0:
+    if measured is None:
         return None
-    rows = [{"mode": mode, "ranks": world.Get_size(), "steps": runs[0][1],
-             "samples_per_s": float(np.median([rate for rate, _ in runs])), "rounds": [rate for rate, _ in runs],
-             "cold": ("dropped" if cold else "kept") if mode == "stream" else "-"} for mode, runs in measured.items()]
-    rows[1]["vs_memory"] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
-    # each round's stream against the memory run just before it: drifts of a shared machine cancel
-    rows[1]["vs_memory_paired"] = float(np.median([s / m for (m, _), (s, _) in zip(measured["memory"],
-                                                                                     measured["stream"])]))
+    rows = compared_rows(measured, "mode", world.Get_size(), "vs_memory")
+    for row in rows:
+        row["cold"] = ("dropped" if cold[0] else "kept") if row["mode"] == "stream" else "-"
     return rows
 

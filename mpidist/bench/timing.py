@@ -100,3 +100,35 @@ def synced_alternating(world, steps, seconds, min_calls=5):
             steps[name]()
             times[name].append(time.perf_counter() - start)
     return {name: float(np.median(values)) for name, values in times.items()}
+
+
+def interleaved_runs(world, modes, run, rounds, prepare=None):
+    """Collective: ``run(mode, round)`` (a training :class:`~mpidist.api.Result`) for each mode in turn, ``rounds`` times.
+
+    ``prepare(mode)`` runs on every rank before the ranks start together.
+    On rank 0: ``{mode: [(samples/s, steps) of each round]}``; elsewhere None.
+    """
+    measured = {mode: [] for mode in modes}
+    for index in range(rounds):
+        for mode in modes:
+            if prepare is not None:
+                prepare(mode)
+            world.Barrier()
+            result = run(mode, index)
+            if world.Get_rank() == 0:
+                measured[mode].append((result.figures["samples_per_s"], result.figures["steps"]))
+    return measured if world.Get_rank() == 0 else None
+
+
+def compared_rows(measured, key, ranks, ratio):
+    """One row per mode of :func:`interleaved_runs` (``key``: the mode), the second against the first.
+
+    ``ratio``: the ratio of the medians; ``<ratio>_paired``: the median of each
+    round's own ratio (drifts of a shared machine cancel within a round).
+    """
+    rows = [{key: mode, "ranks": ranks, "steps": runs[0][1], "samples_per_s": float(np.median([r for r, _ in runs])),
+             "rounds": [rate for rate, _ in runs]} for mode, runs in measured.items()]
+    base, other = measured.values()
+    rows[1][ratio] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
+    rows[1][f"{ratio}_paired"] = float(np.median([b / a for (a, _), (b, _) in zip(base, other)]))
+    return rows

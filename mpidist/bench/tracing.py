@@ -10,9 +10,8 @@ import io
 import shutil
 import tempfile
 
-import numpy as np
-
 from ..comm import bcast_text
+from .timing import compared_rows, interleaved_runs
 
 COLUMNS = [("trace", "trace", "{}"), ("ranks", "ranks", "{}"), ("steps", "steps", "{}"),
            ("samples_per_s", "samples/s", "{:,.0f}"), ("vs_untraced", "vs untraced", "{:.3f}")]
@@ -24,27 +23,17 @@ def tracing_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, 
     from ..api import train
 
     scratch = bcast_text(world, tempfile.mkdtemp(prefix="mpidist-bench-trace-") if world.Get_rank() == 0 else "")
-    measured = {"off": [], "on": []}
+
+    def run(mode, index):
+        return train(model=model, data=dataset, epochs=10 ** 6, steps=steps or STEPS, eval_every=0,
+                     batch_size=batch_per_rank * world.Get_size(), metrics="", checkpoint_dir="",
+                     run_dir=f"{scratch}/{mode}-{index}" if mode == "on" else "", trace=mode, progress="none",
+                     comm=world, stream=io.StringIO())
+
     try:
-        for round_index in range(rounds):
-            for mode in measured:
-                world.Barrier()
-                result = train(model=model, data=dataset, epochs=10 ** 6, steps=steps or STEPS, eval_every=0,
-                               batch_size=batch_per_rank * world.Get_size(), metrics="", checkpoint_dir="",
-                               run_dir=f"{scratch}/{mode}-{round_index}" if mode == "on" else "", trace=mode,
-                               progress="none", comm=world, stream=io.StringIO())
-                if world.Get_rank() == 0:
-                    measured[mode].append((result.figures["samples_per_s"], result.figures["steps"]))
+        measured = interleaved_runs(world, ("off", "on"), run, rounds)
     finally:
         world.Barrier()
         if world.Get_rank() == 0:
             shutil.rmtree(scratch, ignore_errors=True)
-    if world.Get_rank() != 0:
-        return None
-    rows = [{"trace": mode, "ranks": world.Get_size(), "steps": runs[0][1],
-             "samples_per_s": float(np.median([rate for rate, _ in runs])), "rounds": [rate for rate, _ in runs]}
-            for mode, runs in measured.items()]
-    rows[1]["vs_untraced"] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
-    rows[1]["vs_untraced_paired"] = float(np.median([on / off for (off, _), (on, _) in zip(measured["off"],
-                                                                                           measured["on"])]))
-    return rows
+    return None if measured is None else compared_rows(measured, "trace", world.Get_size(), "vs_untraced")
