@@ -8,6 +8,7 @@ it was doing, not only that it hangs.
 """
 
 import contextlib
+import threading
 import time
 
 import numpy as np
@@ -41,7 +42,16 @@ class Whereabouts:
 
     @contextlib.contextmanager
     def doing(self, phase, detail):
-        """``phase`` with ``detail`` for the body (``with here().doing("io", "opening x")``), then back."""
+        """``phase`` with ``detail`` for the body (``with here().doing("io", "opening x")``), then back.
+
+        The record is the training thread's: in mpidist's own background
+        threads (named ``mpidist-...``: a stream's reader shares the reading
+        code) the body runs unrecorded, or the training thread would seem to
+        wait on I/O while it computes, and be put back into a phase it has left.
+        """
+        if threading.current_thread().name.startswith("mpidist-"):
+            yield
+            return
         previous = self.phase, self.detail
         self.enter(phase, detail=detail)
         try:

@@ -66,6 +66,36 @@ def test_whereabouts_keep_the_time_a_phase_was_entered():
     assert where.since > since and tuple(where.record()[:2]) == (3, PHASES.index("exchange"))
 
 
+def test_a_background_threads_reading_leaves_the_training_threads_phase_alone():
+    """A stream's reader thread shares the reading code that marks set-up I/O: it must not move the record.
+
+    Before, the reader put the training thread into ``io`` while it computed, and its ``finally`` put the
+    training thread back into the phase it had when the read began (here: ``compute``, left meanwhile).
+    """
+    import threading
+
+    where = Whereabouts()
+    where.enter("compute", 7)
+    inside, leave = threading.Event(), threading.Event()
+
+    def read():
+        with where.doing("io", "reading a block"):
+            inside.set()
+            leave.wait(5)
+
+    reader = threading.Thread(target=read, name="mpidist-prefetch")
+    reader.start()
+    assert inside.wait(5)
+    assert where.phase == "compute" and where.detail == ""
+    where.enter("exchange")
+    leave.set()
+    reader.join()
+    assert where.phase == "exchange"
+    with where.doing("io", "opening x"):       # the training thread's own I/O is recorded
+        assert where.describe() == "io (opening x) at step 7"
+    assert where.phase == "exchange"
+
+
 @pytest.mark.parametrize("phase", PHASES)
 def test_every_phase_travels_as_its_index(phase):
     assert PHASES[int(record(1, phase, 0.5)[1])] == phase
