@@ -366,8 +366,10 @@ class Training:
                                          y_shape, setup.model.dtype, y_dtype, setup.steps_per_epoch - skip)
         if setup.train is None:
             return _NoData(setup.steps_per_epoch, skip)
+        # the run ends in this epoch: a stream need not read the next one's first window
+        last_epoch = (epoch + 1) * setup.steps_per_epoch >= total_steps(config, setup)
         return data.train_batches(setup.train, setup.local_batch, setup.steps_per_epoch, config.seed, epoch,
-                                  data_layout(config, cluster)[1], skip=skip)
+                                  data_layout(config, cluster)[1], skip=skip, last_epoch=last_epoch)
 
     def _account(self, loss, skipped, clipped=False):
         """Figures of the step just taken: the interval's loss, metrics, progress, and NaN patience."""

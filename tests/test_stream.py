@@ -5,6 +5,7 @@ an order is a check of which rows came, in which order, with closed-form
 expectations.
 """
 
+import json
 import os
 import re
 import threading
@@ -337,6 +338,11 @@ def test_windows_read_ahead_give_the_batches_read_on_demand(tmp_path):
     assert list(ahead._ahead) == [(2, 6, 1, 0)]
     assert [rows_of([b]) for b in ahead.batches(9, steps, 2, 6, 1)] == \
         [rows_of([b]) for b in fresh.batches(9, steps, 2, 6, 1)]
+    ahead._ahead.clear()
+    batches = ahead.batches(9, steps, 2, 7, 1, last_epoch=True)   # the run's last epoch: nothing of the next is read
+    assert len(list(batches)) == steps
+    batches.close()
+    assert not ahead._ahead
 
 
 def direct_or_stand_in(path, monkeypatch):
@@ -427,3 +433,31 @@ def test_direct_and_cached_streams_give_the_same_batches(tmp_path, monkeypatch):
         # read a block at a time, cut as a shard in memory is: chunks of 100 across blocks and files, in order
         assert [len(chunk) for chunk in evaluated[:-1]] == [100] * (len(evaluated) - 1) and 0 < len(evaluated[-1]) <= 100
         assert sum(evaluated, []) == list(range(streams[0].lo, streams[0].hi))
+
+
+@pytest.mark.parametrize("size", [4096 * 3 + 100, 4 << 20, (2 << 20) + 1])
+def test_direct_read_buffers_are_aligned_zeroed_and_writable(size):
+    """Small buffers are numpy's, a huge page or more anonymous memory asked for in huge pages: both aligned."""
+    from mpidist.data.direct import ALIGN, HUGE_PAGE, _aligned
+    buffer = _aligned(size)
+    assert buffer.dtype == np.uint8 and buffer.shape == (size,) and not buffer.any()
+    assert buffer.ctypes.data % (HUGE_PAGE if size >= HUGE_PAGE and hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+                                 else ALIGN) == 0
+    buffer[-1] = 7
+    assert buffer[-1] == 7
+
+
+def test_bench_streaming_compares_a_stream_with_the_data_in_memory(tmp_path):
+    output = tmp_path / "bench.json"
+    done, _ = mpidist(2, "bench", "--streaming", "digits", "--models", "mlp", "--steps", "5", "--settle", "0",
+                      "--output", str(output), timeout=180)
+    assert done.returncode == 0, done.stderr
+    memory, stream = json.loads(output.read_text())["streaming"]
+    assert (memory["mode"], stream["mode"]) == ("memory", "stream") and memory["steps"] == stream["steps"] == 5
+    assert len(memory["rounds"]) == len(stream["rounds"]) == 5
+    assert stream["vs_memory"] == stream["samples_per_s"] / memory["samples_per_s"]
+    assert stream["cold"] in ("dropped", "kept") and memory["cold"] == "-"
+    for bad in (["--settle", "-1", "--streaming", "digits"], ["--settle", "nan", "--streaming", "digits"],
+                ["--settle", "5"]):
+        done, _ = mpidist(1, "bench", *bad)
+        assert done.returncode == 2 and "0 to 600 seconds, with --streaming" in done.stderr

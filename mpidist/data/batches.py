@@ -96,9 +96,12 @@ def epoch_order(shard_len, seed, epoch, worker):
     return np.random.default_rng([seed, epoch, worker]).permutation(shard_len)
 
 
-def train_batches(shard, local_batch, steps, seed, epoch, worker, skip=0):
-    """The ``(x, y)`` batches of one epoch of ``shard`` from step ``skip`` on, prefetched."""
-    return shard.batches(local_batch, steps, seed, epoch, worker, skip=skip)
+def train_batches(shard, local_batch, steps, seed, epoch, worker, skip=0, last_epoch=False):
+    """The ``(x, y)`` batches of one epoch of ``shard`` from step ``skip`` on, prefetched.
+
+    ``last_epoch``: no epoch follows (a stream then reads nothing of the next).
+    """
+    return shard.batches(local_batch, steps, seed, epoch, worker, skip=skip, last_epoch=last_epoch)
 
 
 def global_batches(split, global_batch, steps, seed, epoch, skip=0):

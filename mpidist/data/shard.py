@@ -45,8 +45,8 @@ class Shard:
     def prime(self, seed, epoch, worker, first):
         """Nothing to read ahead: the shard is in memory (a :class:`~mpidist.data.Stream` reads its first window)."""
 
-    def batches(self, local_batch, steps, seed, epoch, worker, skip=0):
-        """The ``(x, y)`` batches of one epoch from step ``skip`` on, prefetched."""
+    def batches(self, local_batch, steps, seed, epoch, worker, skip=0, last_epoch=False):
+        """The ``(x, y)`` batches of one epoch from step ``skip`` on, prefetched (``last_epoch``: for a stream)."""
         order = epoch_order(len(self), seed, epoch, worker)
 
         def batches():

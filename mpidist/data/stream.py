@@ -168,8 +168,12 @@ class Stream:
         self._advise(windows, index, handles)
         self._ahead = {(seed, epoch, worker, index): self._window(windows[index], handles)}
 
-    def batches(self, local_batch, steps, seed, epoch, worker, skip=0):
+    def batches(self, local_batch, steps, seed, epoch, worker, skip=0, last_epoch=False):
         """The ``(x, y)`` batches of one epoch from step ``skip`` on: windows read ahead, batches gathered ahead.
+
+        Read to its end, an epoch reads the next one's first window while its
+        last batches train, unless it is the ``last_epoch`` (a window of reading
+        for nothing: a sixteenth of a gigabyte part).
 
         Two background threads: one reads the windows, one gathers each
         batch's samples from them in the window's permuted order (a copy, as
@@ -192,7 +196,7 @@ class Stream:
                     ready = self._ahead.pop((seed, epoch, worker, index), None) if index == k else None
                     self._advise(windows, index + (index == k), handles, both=index == k and ready is None)
                     yield ready if ready is not None else self._window(windows[index], handles)
-                if final == len(windows) - 1:   # the epoch's end: the next epoch's first window, meanwhile
+                if final == len(windows) - 1 and not last_epoch:   # the epoch's end: the next one's first window
                     self._read_ahead(epoch_windows(self.sizes, self.buffer, seed, epoch + 1, worker), 0, seed,
                                      epoch + 1, worker, handles)
             finally:
