@@ -131,6 +131,9 @@ def build_parser():
     bench.add_argument("--tracing", default=None, metavar="DATA",
                        help="instead: train DATA without and with --trace, in interleaved rounds (--steps each, "
                        "default 600); the first of --models is trained")
+    bench.add_argument("--settle", type=float, default=None, metavar="SECONDS",
+                       help="with --streaming: idle seconds before each run (default: 15), so that memory the run "
+                       "before freed, which a VM may be handing back to its host, costs the next run nothing")
     bench.add_argument("--steps", type=int, default=0,
                        help="with --streaming: steps per run in place of a whole epoch (default: 0 = an epoch); "
                        "with --tracing: steps per run (default: 0 = 600)")
@@ -242,9 +245,12 @@ def cmd_bench(args, world):
             raise UsageError(f"--steps {args.steps}: give 0 (an epoch) or more")
         if args.streaming is not None and args.tracing is not None:
             raise UsageError("--streaming and --tracing are two benchmarks: give one")
+        if args.settle is not None and (args.streaming is None or not 0 <= args.settle <= 600):
+            raise UsageError(f"--settle {args.settle:g}: give 0 to 600 seconds, with --streaming")
     if args.streaming is not None:
         from .bench import run_streaming_bench
-        run_streaming_bench(world, args.streaming, models[0], args.batch_per_rank, args.steps, args.output)
+        run_streaming_bench(world, args.streaming, models[0], args.batch_per_rank, args.steps, args.output,
+                            **({} if args.settle is None else {"settle": args.settle}))
         return EXIT_OK
     if args.tracing is not None:
         from .bench import run_tracing_bench

@@ -29,7 +29,7 @@ from . import reference
 from . import rows as rows_of
 from .output import check_output, format_table, write_results  # noqa: F401  (check_output: the CLI's and tests')
 from .pipeline import PIPELINE_COLUMNS, pipeline_rows
-from .streaming import COLUMNS as STREAMING_COLUMNS, streaming_rows
+from .streaming import COLUMNS as STREAMING_COLUMNS, SETTLE_S, streaming_rows
 from .tracing import COLUMNS as TRACING_COLUMNS, tracing_rows
 
 
@@ -133,10 +133,10 @@ def run_bench(world, models, seconds, batch, output):
     return rows
 
 
-def run_streaming_bench(world, dataset, model, batch, steps, output):
+def run_streaming_bench(world, dataset, model, batch, steps, output, settle=SETTLE_S):
     """``bench --streaming``: rank 0 prints the comparison of :mod:`mpidist.bench.streaming` and writes ``output``."""
     return _run_comparison(world, "streaming", streaming_rows, STREAMING_COLUMNS, 5, dataset, model, batch, steps,
-                           output)
+                           output, settle=settle)
 
 
 def run_tracing_bench(world, dataset, model, batch, steps, output):
@@ -144,11 +144,11 @@ def run_tracing_bench(world, dataset, model, batch, steps, output):
     return _run_comparison(world, "tracing", tracing_rows, TRACING_COLUMNS, 7, dataset, model, batch, steps, output)
 
 
-def _run_comparison(world, name, measure, columns, rounds, dataset, model, batch, steps, output):
+def _run_comparison(world, name, measure, columns, rounds, dataset, model, batch, steps, output, **options):
     with agreed(world):
         if world.Get_rank() == 0:
             check_output(output)
-    rows = measure(world, dataset, model, batch, steps, rounds=rounds)
+    rows = measure(world, dataset, model, batch, steps, rounds=rounds, **options)
     if world.Get_rank() != 0:
         return None
     print(f"mpidist bench --{name}: {model} on {dataset}, {world.Get_size()} rank(s), {batch} samples per rank "

@@ -4,6 +4,12 @@ Each round trains one epoch (or ``steps``) of ``model`` twice, back to back:
 with the workers' shards read whole into memory (``--data-mode memory``, their
 loading not timed), then streamed (``--data-mode stream``) after the dataset's
 pages were dropped from the page cache, so the stream reads from the disk.
+Before each run the machine is left idle for ``settle`` seconds: on a
+virtual machine that hands freed memory back to its host (virtio-balloon's
+free page reporting), the gigabytes the previous run's shards or the dropped
+cache just freed are handed back over the next ~10 s, and the host's work
+shows as time stolen from the guest's busy cores (measured here: 0.5-1 s of
+a 15 s epoch, all of it landing on the stream run that follows them).
 The figure is the median over rounds of each mode's training samples/s, and
 their ratio; the JSON also has the median of each round's ratio
 (``vs_memory_paired``).
@@ -11,6 +17,7 @@ their ratio; the JSON also has the median of each round's ratio
 
 import io
 import os
+import time
 
 from mpi4py import MPI
 
@@ -36,7 +43,10 @@ def drop_from_page_cache(paths):
     return True
 
 
-def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, rounds=5):
+SETTLE_S = 15.0    # idle seconds before each run: long enough for a VM to hand 2 GB freed back to its host
+
+
+def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, rounds=5, settle=SETTLE_S):
     """Rows of the comparison (complete on rank 0; every rank must call)."""
     from ..api import train
 
@@ -47,6 +57,7 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
     def drop(mode):
         if mode == "stream" and local.Get_rank() == 0:   # one rank per node drops the node's cache
             cold[0] = drop_from_page_cache(files) and cold[0]
+        time.sleep(settle)
 
     def run(mode, _):
         return train(model=model, data=dataset, data_mode=mode, epochs=1, steps=steps, eval_every=0,
