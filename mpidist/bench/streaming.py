@@ -54,7 +54,7 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
     cold = [True]
 
-    def drop(mode):
+    def get_ready(mode):
         if mode == "stream" and local.Get_rank() == 0:   # one rank per node drops the node's cache
             cold[0] = drop_from_page_cache(files) and cold[0]
         time.sleep(settle)
@@ -64,7 +64,7 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
                      batch_size=batch_per_rank * world.Get_size(), metrics="", run_dir="", progress="none",
                      comm=world, stream=io.StringIO())   # (each run's own summary: not this table's)
 
-    measured = interleaved_runs(world, ("memory", "stream"), run, rounds, prepare=drop)
+    measured = interleaved_runs(world, ("memory", "stream"), run, rounds, prepare=get_ready)
     local.Free()
     if measured is None:
         return None

@@ -150,8 +150,8 @@ class Stream:
 
         The run's set-up calls it where a shard in memory is loaded, so both
         modes start training with their data at hand.  An epoch read to its
-        end reads the next one's first window the same way, while its last
-        batches train.
+        end (but the run's last) reads the next one's first window the same
+        way, while its last batches train.
         """
         self._allocate()
         windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker)
