@@ -188,11 +188,11 @@ def gather_and_write(comm, root, offset, label, path):
                       "args": {"events_not_recorded": _TRACER.dropped, "limit": LIMIT}})
     events = names + _TRACER.records(rank, offset)
     _TRACER.disable()
-    data = np.frombuffer(json.dumps(events)[1:-1].encode("utf-8"), dtype=np.uint8)   # (the list's items)
-    size = np.array([data.size], dtype=np.int64)
+    own = np.frombuffer(json.dumps(events)[1:-1].encode("utf-8"), dtype=np.uint8)   # (the list's items)
+    size = np.array([own.size], dtype=np.int64)
     if rank != root:
         mpi.send(comm, size, root, 0x7ace)
-        mpi.send(comm, data, root, 0x7acf)
+        mpi.send(comm, own, root, 0x7acf)
         return None
     path = Path(path)
     aside = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -205,6 +205,7 @@ def gather_and_write(comm, root, offset, label, path):
         problem = err.strerror or str(err)
     first = True
     for other in range(comm.Get_size()):
+        data = own     # the root's own events, in their turn
         if other != root:
             mpi.recv(comm, size, other, 0x7ace)
             data = np.empty(int(size[0]), dtype=np.uint8)

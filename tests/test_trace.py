@@ -137,3 +137,26 @@ def test_a_resumed_run_keeps_the_earlier_timeline_and_an_unwritable_one_is_refus
     done, _ = mpidist(2, "train", "--steps", "5", "--trace", "--run-dir", str(blocked), "--progress", "none")
     assert done.returncode == 2 and "is a directory; the timeline is written there as a file" in done.stderr
     assert not list(blocked.glob("*.toml"))        # refused before anything was written
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("root", ["first", "last"])
+def test_every_ranks_events_are_written_once_whichever_rank_writes(tmp_path, root):
+    """The writing rank's own events are written in their turn, also when ranks before it sent theirs first."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    writer = 0 if root == "first" else size - 1
+    path = world.bcast(str(tmp_path / "trace.json") if rank == writer else None, root=writer)
+    tracer = trace.tracer()
+    tracer.enable()
+    tracer.complete(f"mark-{rank}", "compute", trace.now())
+    problem = trace.gather_and_write(world, writer, 0.0, f"rank {rank}", path)
+    marks = None
+    if rank == writer:
+        events = json.loads(open(path, encoding="utf-8").read())["traceEvents"]
+        marks = sorted((e["pid"], e["name"]) for e in events if e["name"].startswith("mark-"))
+    marks = world.bcast(marks, root=writer)      # every rank asserts the same: none is left waiting
+    assert problem is None and not tracer.on
+    assert marks == [(r, f"mark-{r}") for r in range(size)]
