@@ -250,7 +250,7 @@ def cmd_bench(args, world):
     if args.streaming is not None:
         from .bench import run_streaming_bench
         run_streaming_bench(world, args.streaming, models[0], args.batch_per_rank, args.steps, args.output,
-                            **({} if args.settle is None else {"settle": args.settle}))
+                            args.settle)
         return EXIT_OK
     if args.tracing is not None:
         from .bench import run_tracing_bench

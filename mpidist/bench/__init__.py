@@ -29,7 +29,7 @@ from . import reference
 from . import rows as rows_of
 from .output import check_output, format_table, write_results  # noqa: F401  (check_output: the CLI's and tests')
 from .pipeline import PIPELINE_COLUMNS, pipeline_rows
-from .streaming import COLUMNS as STREAMING_COLUMNS, SETTLE_S, streaming_rows
+from .streaming import COLUMNS as STREAMING_COLUMNS, streaming_rows
 from .tracing import COLUMNS as TRACING_COLUMNS, tracing_rows
 
 
@@ -133,7 +133,7 @@ def run_bench(world, models, seconds, batch, output):
     return rows
 
 
-def run_streaming_bench(world, dataset, model, batch, steps, output, settle=SETTLE_S):
+def run_streaming_bench(world, dataset, model, batch, steps, output, settle=None):
     """``bench --streaming``: rank 0 prints the comparison of :mod:`mpidist.bench.streaming` and writes ``output``."""
     return _run_comparison(world, "streaming", streaming_rows, STREAMING_COLUMNS, 5, dataset, model, batch, steps,
                            output, settle=settle)

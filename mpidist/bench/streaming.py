@@ -46,18 +46,19 @@ def drop_from_page_cache(paths):
 SETTLE_S = 15.0    # idle seconds before each run: long enough for a VM to hand 2 GB freed back to its host
 
 
-def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, rounds=5, settle=SETTLE_S):
-    """Rows of the comparison (complete on rank 0; every rank must call)."""
+def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, rounds=5, settle=None):
+    """Rows of the comparison (complete on rank 0; every rank must call); ``settle`` None: :data:`SETTLE_S`."""
     from ..api import train
 
     files = [m.path for m in datasets.inspect(datasets.resolve(dataset)).files]
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
-    cold = [True]
+    cold = True
 
     def get_ready(mode):
+        nonlocal cold
         if mode == "stream" and local.Get_rank() == 0:   # one rank per node drops the node's cache
-            cold[0] = drop_from_page_cache(files) and cold[0]
-        time.sleep(settle)
+            cold = drop_from_page_cache(files) and cold
+        time.sleep(SETTLE_S if settle is None else settle)
 
     def run(mode, _):
         return train(model=model, data=dataset, data_mode=mode, epochs=1, steps=steps, eval_every=0,
@@ -70,6 +71,6 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
         return None
     rows = compared_rows(measured, "mode", world.Get_size(), "vs_memory")
     for row in rows:
-        row["cold"] = ("dropped" if cold[0] else "kept") if row["mode"] == "stream" else "-"
+        row["cold"] = ("dropped" if cold else "kept") if row["mode"] == "stream" else "-"
     return rows
 
