@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from . import atomic
 from . import lineage as lineages
 from .errors import RunError, UsageError
 from .memory import check_fits
@@ -67,9 +68,8 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
     """
     directory = Path(directory)
     final = directory / lineages.file_name(step, lineage)
-    aside = directory / f".{final.name}.tmp-{os.getpid()}"
     try:
-        with h5py.File(aside, "w") as handle:
+        with atomic.replacing(final) as aside, h5py.File(aside, "w") as handle:
             handle.create_dataset("params", data=params)
             group = handle.create_group("optimizer")
             group.attrs["steps"] = int(optimizer_steps)
@@ -84,22 +84,11 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
                                  "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})})
             if best:   # (a resumed run goes on judging against it)
                 handle.attrs["best"] = json.dumps(best)
-        with open(aside, "rb+") as raw:  # data on disk before the rename makes it visible
-            os.fsync(raw.fileno())
-        os.replace(aside, final)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
     except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
         reason = os.strerror(err.errno) if err.errno else str(err)
         kept = ", ".join(e.path.name for e in lineages.CheckpointDir(directory).entries()) or "none"
         raise RunError(f"checkpoint of step {step} not written to {directory}: {reason} (checkpoints there, "
                        f"intact: {kept})") from None
-    finally:
-        if aside.exists():
-            aside.unlink()
     return final
 
 
@@ -112,26 +101,15 @@ def keep_as(path, name):
     """
     path = Path(path)
     final = path.parent / name
-    aside = path.parent / f".{name}.tmp-{os.getpid()}"
     try:
-        aside.unlink(missing_ok=True)
-        try:
-            os.link(path, aside)
-        except OSError:
-            shutil.copyfile(path, aside)
-            with open(aside, "rb+") as raw:
-                os.fsync(raw.fileno())
-        os.replace(aside, final)
-        dir_fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)   # the rename itself survives a crash
-        finally:
-            os.close(dir_fd)
+        with atomic.replacing(final) as aside:
+            aside.unlink(missing_ok=True)
+            try:
+                os.link(path, aside)
+            except OSError:
+                shutil.copyfile(path, aside)
     except OSError as err:
         raise RunError(f"best checkpoint {final} not kept: {os.strerror(err.errno) if err.errno else err}") from None
-    finally:
-        if aside.exists():
-            aside.unlink()
     return final
 
 

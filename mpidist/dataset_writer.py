@@ -14,7 +14,6 @@ at a time from a generator seeded by ``(seed, block)``: the same bytes whatever
 the writing, and memory bounded whatever ``ROWS``.
 """
 
-import contextlib
 import math
 import os
 import re
@@ -25,6 +24,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from . import atomic
 from .errors import UsageError
 
 CHUNK_BYTES = 1 << 20          # a chunk of x: a stream's block is whole chunks of it
@@ -93,8 +93,7 @@ def write_file(path, rows, parts, compression):
             handle.create_dataset(f"stats/{key}", data=np.asarray(value, np.float64))
         if rows.class_names is not None:
             handle.create_dataset("class_names", data=list(rows.class_names), dtype=h5py.string_dtype())
-    with open(path, "rb+") as raw:    # on disk before the directory is renamed into place
-        os.fsync(raw.fileno())
+    atomic.sync_file(path)    # on disk before the directory is renamed into place
 
 
 def write_shards(out, rows, shard_size, compression="gzip"):
@@ -119,10 +118,7 @@ def write_shards(out, rows, shard_size, compression="gzip"):
         if out.is_dir():
             out.rmdir()     # (empty: checked above)
         os.replace(aside, out)
-        with contextlib.suppress(OSError):       # the rename on disk too
-            fd = os.open(out.parent, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+        atomic.sync_directory(out.parent)        # the rename on disk too
     except OSError as err:
         raise UsageError(f"{out}: cannot write the dataset there: {os.strerror(err.errno) if err.errno else err}") \
             from None

@@ -30,6 +30,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from . import atomic
 from . import dataset_writer as writer
 from .data import MAX_CLASSES, MAX_NAME
 from .errors import UsageError
@@ -120,7 +121,7 @@ def claimed(path):
                         raise _cannot_write(path, f"{parent}: {os.strerror(errno.ENOTDIR)}")
                     break
                 made.append(parent)
-            aside = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            aside = atomic.aside_path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             open(aside, "wb").close()
         except OSError as err:                  # permission denied, a read-only file system, ...
@@ -128,9 +129,8 @@ def claimed(path):
         yield aside
         ok = True
     finally:
-        with contextlib.suppress(OSError):
-            if aside is not None:               # None: it failed before naming one
-                aside.unlink(missing_ok=True)
+        if aside is not None:                   # None: it failed before naming one
+            atomic.remove_aside(aside)
         for directory in made if not ok else ():
             with contextlib.suppress(OSError):
                 directory.rmdir()
@@ -165,7 +165,7 @@ def write_dataset(path, name, splits, num_classes, source, where=None, check_val
                     handle.create_dataset(f"stats/{key}", data=np.asarray(value, np.float64))
                 if class_names is not None:
                     handle.create_dataset("class_names", data=list(class_names), dtype=h5py.string_dtype())
-            os.replace(aside, path)
+            atomic.commit(aside, path)
         except OSError as err:      # a full disk, or the path became a directory meanwhile
             raise _cannot_write(path, err) from None
     return path
@@ -714,7 +714,7 @@ def _write_generated(rows, source, out, shard_size, compression, standardize):
         with claimed(out) as aside:
             try:
                 writer.write_file(aside, rows, {split: (0, n) for split, n in rows.sizes.items()}, compression)
-                os.replace(aside, out)
+                atomic.commit(aside, out)
             except OSError as err:
                 raise _cannot_write(out, err) from None
     else:

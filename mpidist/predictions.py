@@ -45,7 +45,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from . import checkpoint
+from . import atomic, checkpoint
 from . import comm as mpi
 from . import data as datasets
 from .errors import UsageError, agreed
@@ -291,9 +291,7 @@ def _write(aside, target, result, checkpoint_path, reader):
                                  "split": reader.split or "", "task": result.task, "samples": int(result.samples)})
             if result.class_names is not None:
                 handle.attrs["class_names"] = np.array(result.class_names, dtype=h5py.string_dtype())
-        with open(aside, "rb+") as raw:   # on disk before the rename makes it visible
-            os.fsync(raw.fileno())
-        os.replace(aside, target)
+        atomic.commit(aside, target)
     except OSError as err:   # a full disk, or the path became a directory meanwhile
         reason = os.strerror(err.errno) if err.errno else printable(err)
         raise UsageError(f"{target}: cannot write the predictions there: {reason}") from None

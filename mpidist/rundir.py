@@ -28,6 +28,7 @@ import re
 import shlex
 from pathlib import Path
 
+from . import atomic
 from .errors import UsageError
 from .lineage import LOCK_NAME
 
@@ -152,11 +153,9 @@ def write_settings(config, run_dir):
     for field in dataclasses.fields(config):
         if field.name not in WHERE:
             lines.append(f"{field.name.replace('_', '-')} = {toml_value(getattr(config, field.name))}")
-    final = Path(run_dir) / SETTINGS
-    aside = final.with_name(f".{SETTINGS}.tmp-{os.getpid()}")
     try:
-        aside.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        os.replace(aside, final)
+        with atomic.replacing(Path(run_dir) / SETTINGS) as aside:
+            aside.write_text("\n".join(lines) + "\n", encoding="utf-8")
     except OSError as err:
         raise UsageError(f"--run-dir {run_dir}: cannot write {SETTINGS} ({err.strerror})") from None
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import atomic
+
 MAIN, STEPS, BUCKETS = 0, 1, 2
 THREADS = {MAIN: "main", STEPS: "steps", BUCKETS: "buckets"}
 #: the trace category of each phase of :mod:`mpidist.whereabouts`
@@ -195,7 +197,7 @@ def gather_and_write(comm, root, offset, label, path):
         mpi.send(comm, own, root, 0x7acf)
         return None
     path = Path(path)
-    aside = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    aside = atomic.aside_path(path)
     problem, handle = None, None
     try:
         handle = open(aside, "wb")
@@ -222,10 +224,9 @@ def gather_and_write(comm, root, offset, label, path):
                 handle.write(b"]}")
             handle.close()
         if problem is None:
-            os.replace(aside, path)
+            atomic.commit(aside, path)
     except OSError as err:
         problem = err.strerror or str(err)
     finally:
-        if aside.exists():
-            aside.unlink()
+        atomic.remove_aside(aside)
     return problem

@@ -393,17 +393,17 @@ RAISE_AT_STEP_5 = """
 # The chief signals itself while the checkpoint of step 10 is written aside, before it is synced and
 # renamed into place (as a scheduler's SIGTERM can): the write completes, then the job stops.
 SIGNAL_MID_WRITE = """
-    import os, signal, sys, types
-    from mpidist import checkpoint
-    real_fsync = os.fsync
+    import os, signal, sys
+    from mpidist import atomic
+    real_sync_file = atomic.sync_file
 
-    def fsync(fd):
-        if os.environ.get("SIGNALLED") is None:
+    def sync_file(path):
+        if os.environ.get("SIGNALLED") is None and path.name.startswith(".ckpt-"):
             os.environ["SIGNALLED"] = "1"
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_fsync(fd)
+        return real_sync_file(path)
 
-    checkpoint.os = types.SimpleNamespace(**{**vars(os), "fsync": fsync})
+    atomic.sync_file = sync_file
     from mpidist.__main__ import main
     sys.argv = ["mpidist", "--metrics", sys.argv[1], "--progress", "none", "--checkpoint-dir", sys.argv[2],
                 "--checkpoint-every", "10", "--keep", "0"]

@@ -5,6 +5,7 @@ import os
 import secrets
 import stat
 
+from .. import atomic
 from ..errors import UsageError
 from ..text import os_reason
 
@@ -80,12 +81,8 @@ def write_results(output, document):
     try:
         with os.fdopen(fd, "w") as handle:
             json.dump(document, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
         if os.path.exists(target):
             os.chmod(aside, stat.S_IMODE(os.stat(target).st_mode))
-        os.replace(aside, target)
-    except BaseException:
-        if os.path.exists(aside):
-            os.unlink(aside)
-        raise
+        atomic.commit(aside, target)
+    finally:
+        atomic.remove_aside(aside)
