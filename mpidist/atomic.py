@@ -5,9 +5,10 @@ predictions, settings, traces, benchmark results) goes through here, so a
 crash, a full disk or a signal mid-write leaves either the old file or the
 new one, never a part:
 
-1. the content is written to a file aside, ``.<name>.tmp-<pid>`` in the same
-   directory (so the rename cannot cross file systems; the pid keeps two
-   writers apart, and tells :mod:`mpidist.lineage` whose leftovers it sees);
+1. the content is written to a file aside in the same directory (so the
+   rename cannot cross file systems), ``.<name>.tmp-<pid>`` (:func:`aside_path`:
+   the pid keeps two writers apart, and tells :mod:`mpidist.lineage` whose
+   leftovers it sees) unless the writer made its own;
 2. the aside file is synced, so its data is on disk before its name is;
 3. it is renamed over the final name (atomic on POSIX), and the directory is
    synced, so the rename itself survives a crash.
@@ -60,14 +61,14 @@ def remove_aside(aside):
 
 
 @contextlib.contextmanager
-def replacing(final, aside=None):
-    """The path to write in place of ``final`` (default: :func:`aside_path`); committed when the body returns.
+def replacing(final):
+    """The path to write in place of ``final`` (:func:`aside_path`), committed when the body returns.
 
     ``with replacing(path) as aside: write(aside)``: once the body returns,
     ``aside`` becomes ``path`` (:func:`commit`); if the body or the commit
     raises, ``aside`` is removed and ``path`` is untouched.
     """
-    aside = Path(aside) if aside is not None else aside_path(final)
+    aside = aside_path(final)
     try:
         yield aside
         commit(aside, final)
