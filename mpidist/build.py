@@ -14,7 +14,7 @@ from .errors import UsageError
 from .memory import check_fits
 from .text import printable
 from .parallel import STRATEGIES
-from .parallel.recipe import recipe_for
+from .parallel.recipe import recipe_for, total_steps
 
 
 @dataclasses.dataclass
@@ -197,12 +197,6 @@ def recipe_changes(config, resume):
         return []
     return [f"note: resumed with another recipe than {resume.path} was written with ({', '.join(changed)}): "
             "the schedule continues as the new settings give it from this step"]
-
-
-def total_steps(config, setup):
-    """Steps the run takes: epochs of the data, or fewer with ``--steps``."""
-    steps = setup.steps_per_epoch * config.epochs
-    return min(steps, config.steps) if config.steps else steps
 
 
 def strategy_class(config, workers):

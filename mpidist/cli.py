@@ -12,7 +12,8 @@ import sys
 from mpi4py import MPI
 
 from . import __version__
-from .errors import EXIT_OK, UsageError, agreed
+from .agreement import agreed
+from .errors import EXIT_OK, UsageError
 from .preempt import stop_signals
 
 COMMANDS = ("train", "eval", "predict", "ingest", "info", "bench")

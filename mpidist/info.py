@@ -10,7 +10,7 @@ import mpi4py
 
 from . import __version__, comm, data
 from .memory import default_budget, human, ranks_per_node
-from .elastic import ulfm_support
+from .ulfm import ulfm_support
 from .nn import MODELS
 
 THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",

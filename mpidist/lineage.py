@@ -132,6 +132,15 @@ class CheckpointDir:
         return sorted(removed)
 
 
+def newest_checkpoint(directory):
+    """The path of the newest checkpoint of the lineage written last in ``directory`` ("" or missing: None)."""
+    place = CheckpointDir(directory) if directory else None
+    if place is None or not place.entries():
+        return None
+    latest = place.newest_of(place.latest_lineage())
+    return None if latest is None else latest.path
+
+
 @dataclasses.dataclass
 class Claim:
     """What the chief settled at start-up: the lineage this run writes, and notes for the terminal."""

@@ -48,7 +48,8 @@ from mpi4py import MPI
 from . import atomic, checkpoint
 from . import comm as mpi
 from . import data as datasets
-from .errors import UsageError, agreed
+from .agreement import agreed
+from .errors import UsageError
 from .memory import check_fits
 from .text import printable
 from .whereabouts import here

@@ -37,7 +37,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .errors import ABORT_GRACE_SECONDS, EXIT_FAILURE, error_line
+from .agreement import ABORT_GRACE_SECONDS
+from .errors import EXIT_FAILURE, error_line
 from .whereabouts import PHASES, WAITS
 
 TAG = 91

@@ -19,9 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint, data, elastic, lineage, rundir, scores, tensorboard, trace
-from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay, total_steps
-from .errors import agreed, error_line
+from . import checkpoint, data, elastic, lineage, recorder, rundir, scores, tensorboard, trace
+from .build import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay
+from .parallel.recipe import total_steps
+from .parallel.scatter import ScatteredBatches
+from .agreement import agreed
+from .errors import error_line
 from .callbacks import EarlyStopping, Reporter, lower_is_better
 from .comm import bcast
 from .checkpointer import Checkpointer
@@ -31,7 +34,7 @@ from .preempt import EARLY_STOP, WRITE_FAILED, StepAgreement, settle, signal_nam
 from .stall import StallMonitor
 from .whereabouts import here
 
-TRACER = trace.tracer()
+TRACER = recorder.tracer()
 
 
 class ServerControl:
@@ -333,10 +336,10 @@ class Training:
                     self.where.enter("compute", self.step + 1)
                     if delay:
                         time.sleep(delay)
-                    began = trace.now() if TRACER.on else None
+                    began = recorder.now() if TRACER.on else None
                     result = strategy.step(x, y, setup.local_batch / config.batch_size, self.step)
                     if began is not None:
-                        TRACER.complete("step", "step", began, trace.STEPS, step=self.step + 1)
+                        TRACER.complete("step", "step", began, recorder.STEPS, step=self.step + 1)
                     self.step, self.epoch_step, self.trained_steps = result.step, self.epoch_step + 1, \
                         self.trained_steps + 1
                     self._account(result.loss, result.skipped, result.clipped)
@@ -362,7 +365,7 @@ class Training:
                                              epoch, skip=skip)
             y_shape, y_dtype = ((), "int64") if setup.info.num_classes else ((setup.info.target_width,),
                                                                                 setup.model.dtype)
-            return data.ScatteredBatches(cluster.workers, source, config.batch_size, setup.model.input_shape,
+            return ScatteredBatches(cluster.workers, source, config.batch_size, setup.model.input_shape,
                                          y_shape, setup.model.dtype, y_dtype, setup.steps_per_epoch - skip)
         if setup.train is None:
             return _NoData(setup.steps_per_epoch, skip)
@@ -450,7 +453,7 @@ class Training:
         if not self.checkpointer.enabled or (strategy.lockstep and self.saved_at == self.step):
             return   # (other strategies' ranks count steps apart: each call must be collective)
         self.where.enter("gather")
-        began = trace.now() if TRACER.on else None
+        began = recorder.now() if TRACER.on else None
         if not gathered:
             state = strategy.state()  # collective: shards are gathered to the chief
         self.saved_at = self.step
@@ -460,7 +463,7 @@ class Training:
                                            data_layout(self.config, self.cluster)[0], best=self.best.record())
             self.log.write("checkpoint", step=self.step, epoch=self.epoch + 1, path=str(path))
         if began is not None:
-            TRACER.complete("checkpoint", "checkpoint", began, trace.STEPS, step=self.step)
+            TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=self.step)
 
     @property
     def monitored_split(self):
@@ -476,7 +479,7 @@ class Training:
         """
         setup = self.setup
         shard = setup.val if split == "val" else setup.test
-        with TRACER.span(f"evaluate {split}", "eval", trace.STEPS, step=self.step):
+        with TRACER.span(f"evaluate {split}", "eval", recorder.STEPS, step=self.step):
             figures = self.strategy.evaluate(data.eval_batches(shard) if shard else [])
         if split == "test":
             self.result, self.evaluated_at = figures, self.step

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .trace import tracer
+from .recorder import tracer
 
 _TRACER = tracer()
 

@@ -261,11 +261,12 @@ class _Split:
 @pytest.mark.mpi(min_size=2)
 def test_in_graph_scatter_gives_each_worker_its_slice_of_the_chiefs_global_batch():
     from mpi4py import MPI
+    from mpidist.parallel.scatter import ScatteredBatches
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
     global_batch, steps, split = 2 * size + 1, 3, _Split(50)
     source = data.global_batches(split, global_batch, steps, seed=4, epoch=1) if rank == 0 else None
-    feed = data.ScatteredBatches(world, source, global_batch, (3,), (), np.float32, np.int64, steps)
+    feed = ScatteredBatches(world, source, global_batch, (3,), (), np.float32, np.int64, steps)
     order = data.epoch_order(50, 4, 1, 0)                       # what one process would draw
     sizes = [data.local_batch_size(global_batch, size, w) for w in range(size)]
     lo = sum(sizes[:rank])

@@ -187,7 +187,7 @@ def test_with_failures_reported_but_no_elastic_the_survivors_say_what_happened(p
 def test_an_mpi_without_failure_mitigation_is_named():
     from mpi4py import MPI
 
-    from mpidist.elastic import ulfm_support
+    from mpidist.ulfm import ulfm_support
     supported, why = ulfm_support()
     if MPI.Get_library_version().startswith("MPICH"):
         assert not supported and why.startswith("this is MPICH Version: ")
@@ -196,7 +196,7 @@ def test_an_mpi_without_failure_mitigation_is_named():
 def test_lost_ranks_are_named_as_at_launch():
     from types import SimpleNamespace
 
-    from mpidist.elastic import describe_lost
+    from mpidist.ulfm import describe_lost
     # launched as [worker, worker, worker, worker, ps]; rank 1 was lost before: rank 2 now is rank 3 at launch
     survivors = SimpleNamespace(origin=[0, 2, 3, 4], launch_roles=["worker"] * 4 + ["ps"])
     assert describe_lost([1, 2], survivors) == "rank 2 (worker 2), rank 3 (worker 3)"
@@ -207,7 +207,7 @@ def test_a_ps_takes_back_an_update_the_chief_never_received():
     import numpy as np
 
     from mpidist.nn import make_optimizer
-    from mpidist.elastic import PreviousShard
+    from mpidist.parallel.ps_sync import PreviousShard
     shard, optimizer = np.arange(4.0), make_optimizer("adam", 4, 0.1, dtype=np.float64)
     previous = PreviousShard(shard, optimizer)
     optimizer.step(shard, np.ones(4))
@@ -280,7 +280,8 @@ def test_the_chiefs_state_reaches_every_survivor_as_a_checkpoint():
     import numpy as np
     from mpi4py import MPI
 
-    from mpidist.elastic import FailureWatch, Position, share, share_position
+    from mpidist.elastic import Position, share, share_position
+    from mpidist.ulfm import FailureWatch
     world = MPI.COMM_WORLD
     root = world.Get_size() - 1
     mine = world.Get_rank() == root
@@ -300,7 +301,7 @@ def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(mon
     """Open MPI's nonblocking collectives report a peer's death as ERR_OTHER (seen in CI: libnbc's error 75)."""
     from mpi4py import MPI
 
-    from mpidist import elastic
+    from mpidist import ulfm
 
     class Comm:
         def __init__(self, dead):
@@ -310,10 +311,10 @@ def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(mon
             self.asked += 1
             return type("Group", (), {"Get_size": lambda _: self.dead})()
 
-    monkeypatch.setattr(elastic, "FAILED_PAUSE", 0.0)
+    monkeypatch.setattr(ulfm, "FAILED_PAUSE", 0.0)
     other = MPI.Exception(MPI.ERR_OTHER)
-    assert elastic.is_failure(other, Comm(dead=1))
+    assert ulfm.is_failure(other, Comm(dead=1))
     alive = Comm(dead=0)
-    assert not elastic.is_failure(other, alive) and alive.asked == elastic.FAILED_LOOKS
-    assert not elastic.is_failure(other) and not elastic.is_failure(MPI.Exception(MPI.ERR_BUFFER), Comm(dead=1))
-    assert not elastic.is_failure(ValueError("not MPI"), Comm(dead=1))
+    assert not ulfm.is_failure(other, alive) and alive.asked == ulfm.FAILED_LOOKS
+    assert not ulfm.is_failure(other) and not ulfm.is_failure(MPI.Exception(MPI.ERR_BUFFER), Comm(dead=1))
+    assert not ulfm.is_failure(ValueError("not MPI"), Comm(dead=1))

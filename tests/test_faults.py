@@ -294,7 +294,7 @@ def checkpoint_written_at_the_stop(p, out, err):
 BLOCKED_IO = """
     import sys
     from mpi4py import MPI
-    from mpidist.errors import agreed, install_abort_on_exception
+    from mpidist.agreement import agreed, install_abort_on_exception
     from mpidist.stall import LocalWatch
     from mpidist.whereabouts import here
 
@@ -419,7 +419,7 @@ def tagged_traceback(p, out, err):
 RAISE_IN_A_THREAD = """
     import threading, time
     from mpi4py import MPI
-    from mpidist.errors import install_abort_on_exception
+    from mpidist.agreement import install_abort_on_exception
     install_abort_on_exception()
     if MPI.COMM_WORLD.Get_rank() == 0:
         threading.Thread(target=lambda: 1 / 0).start()

@@ -5,28 +5,28 @@ import json
 
 import pytest
 
-from mpidist import trace
+from mpidist import recorder, trace
 
 from conftest import mpidist
 
 
 def test_spans_are_chrome_records_and_nothing_is_kept_while_off():
-    tracer = trace.Tracer()
+    tracer = recorder.Tracer()
     with tracer.span("forward", "compute"):
         pass
     assert tracer.events == []
     tracer.enable()
     with tracer.span("forward", "compute", micro_batch=2):
         pass
-    tracer.flow(True, trace.flow_id(0, 5, 0, 1, 4), "activations")
+    tracer.flow(True, recorder.flow_id(0, 5, 0, 1, 4), "activations")
     tracer.phase("compute", 7)
     span, arrow, phase = tracer.records(pid=3, offset=100.0)
-    assert span["ph"] == "X" and span["pid"] == 3 and span["tid"] == trace.MAIN and span["dur"] >= 0
+    assert span["ph"] == "X" and span["pid"] == 3 and span["tid"] == recorder.MAIN and span["dur"] >= 0
     assert span["args"] == {"micro_batch": 2} and span["cat"] == "compute"
-    assert arrow["ph"] == "s" and arrow["id"] == trace.flow_id(0, 5, 0, 1, 4) and "dur" not in arrow
+    assert arrow["ph"] == "s" and arrow["id"] == recorder.flow_id(0, 5, 0, 1, 4) and "dur" not in arrow
     assert phase["name"] == "compute" and phase["args"] == {"step": 7}
     assert span["ts"] == pytest.approx(tracer.events[0][3] + 100.0, abs=1e-3)
-    assert trace.flow_id(0, 5, 0, 1, 4) != trace.flow_id(0, 5, 0, 1, 5) < 1 << trace.FLOW_BITS
+    assert recorder.flow_id(0, 5, 0, 1, 4) != recorder.flow_id(0, 5, 0, 1, 5) < 1 << recorder.FLOW_BITS
 
 
 def check_chrome_format(events):
@@ -149,9 +149,9 @@ def test_every_ranks_events_are_written_once_whichever_rank_writes(tmp_path, roo
     rank, size = world.Get_rank(), world.Get_size()
     writer = 0 if root == "first" else size - 1
     path = world.bcast(str(tmp_path / "trace.json") if rank == writer else None, root=writer)
-    tracer = trace.tracer()
+    tracer = recorder.tracer()
     tracer.enable()
-    tracer.complete(f"mark-{rank}", "compute", trace.now())
+    tracer.complete(f"mark-{rank}", "compute", recorder.now())
     problem = trace.gather_and_write(world, writer, 0.0, f"rank {rank}", path)
     marks = None
     if rank == writer:

@@ -23,7 +23,8 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_info
 
 from ..cluster import build_cluster
-from ..errors import RunError, agreed
+from ..agreement import agreed
+from ..errors import RunError
 from ..threads import limit_blas_threads
 from . import reference
 from . import rows as rows_of

@@ -14,13 +14,13 @@ One module per concept:
 * :mod:`~mpidist.data.budget`: which of the two a rank uses (``--data-mode``,
   ``--memory-budget``);
 * :mod:`~mpidist.data.batches`: batch sizes every worker agrees on, epoch
-  orders, prefetching, in-graph scattering.
+  orders, prefetching.
 
 Every worker reads only its own part of each split.
 """
 
 from ..arrays import ArrayData
-from .batches import (Prefetcher, ScatteredBatches, epoch_order, eval_batches, global_batches, local_batch_size,
+from .batches import (Prefetcher, epoch_order, eval_batches, global_batches, local_batch_size,
                       shard_size, steps_per_epoch, train_batches)
 from .budget import Reading, budget_of, plan
 from .layout import (MAX_CLASSES, MAX_NAME, OPTIONAL_SPLITS, SPLITS, DatasetInfo, Member, bundled_names,
@@ -33,7 +33,7 @@ from .stream import Stream
 _read_rows = read_rows   # (the name tests knew)
 
 __all__ = ["ArrayData", "DatasetInfo", "MAX_CLASSES", "MAX_NAME", "Member", "OPTIONAL_SPLITS", "Prefetcher",
-           "Reading", "SPLITS", "ScatteredBatches", "Shard", "SplitRows", "Stream", "budget_of", "bundled_names",
+           "Reading", "SPLITS", "Shard", "SplitRows", "Stream", "budget_of", "bundled_names",
            "carve_validation", "data_dirs", "epoch_order", "eval_batches", "global_batches", "inspect",
            "local_batch_size", "members", "open_source", "plan", "read_rows", "resolve", "shard_size",
            "standardizer", "steps_per_epoch", "train_batches"]

@@ -8,7 +8,7 @@ windows and checkpoints move slices of these buffers, never single tensors.
 import numpy as np
 
 from ..memory import check_fits
-from ..trace import tracer
+from ..recorder import tracer
 
 from .layers import ShapeError
 from .workspace import Workspace

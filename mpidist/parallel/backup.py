@@ -41,6 +41,7 @@ from .. import comm as mpi
 from ..cluster import PS
 from ..xp import is_device_array, to_host
 from .base import SkipCounter, finite
+from .recipe import total_steps
 from .shards import ShardedStrategy
 
 TAG_NOTE, TAG_GRAD, TAG_PARAMS = 11, 12, 13
@@ -60,7 +61,6 @@ class BackupWorkersStrategy(ShardedStrategy):
 
     @classmethod
     def arguments(cls, settings, setup):
-        from ..build import total_steps
         return {"aggregate": settings.aggregate, "total_steps": total_steps(settings, setup),
                 "nan_patience": settings.nan_patience}
     # workers are not in step with each other: an evaluation collective over them

@@ -14,7 +14,7 @@ import numpy as np
 from .. import comm as mpi
 from .. import scores
 from ..errors import RunError
-from ..trace import tracer
+from ..recorder import tracer
 from ..nn import BatchNorm, SoftmaxCrossEntropy
 from ..nn.sequential import walk
 from ..xp import to_host

@@ -17,9 +17,9 @@ tensor, and no copy.
 import math
 
 from .. import comm as mpi
-from .. import trace
+from .. import recorder
 
-_TRACER = trace.tracer()
+_TRACER = recorder.tracer()
 
 
 def bucket_slices(count, itemsize, bucket_bytes):
@@ -157,13 +157,13 @@ class Exchange(NoExchange):
         super()._check(lo, hi)
         began = self._began.pop((lo, hi), None)
         if began is not None:     # --trace: the bucket from its start to its arrival
-            _TRACER.complete("bucket", "exchange", began, trace.BUCKETS, lo=lo, hi=hi,
+            _TRACER.complete("bucket", "exchange", began, recorder.BUCKETS, lo=lo, hi=hi,
                              bytes=(hi - lo) * self.buffer.itemsize)
 
     def _mark(self, lo, hi):
         """--trace: bucket ``[lo, hi)`` starts now (a span until :meth:`_check` sees it arrive)."""
         if _TRACER.on:
-            self._began[(lo, hi)] = trace.now()
+            self._began[(lo, hi)] = recorder.now()
 
     def _start(self, lo, hi):
         """Start reducing ``buffer[lo:hi]`` (compressed exchanges override this and :meth:`finish`)."""

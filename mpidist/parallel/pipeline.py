@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import comm as mpi
-from .. import trace
+from .. import recorder
 from ..errors import UsageError
 from ..nn import Sequential
 from ..xp import to_host
@@ -33,7 +33,7 @@ from .registry import Option, register
 from .schedule import schedule
 from .slots import SlotPool
 
-TRACER = trace.tracer()
+TRACER = recorder.tracer()
 
 
 def balance_by_parameters(costs, stages):
@@ -210,7 +210,7 @@ class PipelineStrategy(Strategy):
         with TRACER.span("recv", "pipeline", source=source, tag=tag):
             mpi.recv(self.pipe, buffer, source, tag)
             if flow is not None and TRACER.on:
-                TRACER.flow(False, trace.flow_id(self.replica, *flow, source, tag), "activations" if tag % 2 == 0
+                TRACER.flow(False, recorder.flow_id(self.replica, *flow, source, tag), "activations" if tag % 2 == 0
                             else "gradients")
         self.track("compute")
         self.figures["idle_s"] += time.perf_counter() - start
@@ -219,7 +219,7 @@ class PipelineStrategy(Strategy):
     def _flow(self, step, round_index, tag, name):
         """--trace: an arrow starts here, to the receive of the same (step, round, stage, tag)."""
         if TRACER.on:
-            TRACER.flow(True, trace.flow_id(self.replica, step, round_index, self.stage, tag), name)
+            TRACER.flow(True, recorder.flow_id(self.replica, step, round_index, self.stage, tag), name)
 
     def _slot_array(self, slot, name, shape):
         """A receive buffer kept in the micro-batch's workspace slot (the same array every step)."""

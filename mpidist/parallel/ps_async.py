@@ -31,9 +31,9 @@ import time
 import numpy as np
 
 from .. import comm as mpi
-from .. import trace
+from .. import recorder
 from ..cluster import PS, WORKER
-from ..elastic import FailureWatch, cannot_go_on, describe_lost
+from ..ulfm import FailureWatch, cannot_go_on, describe_lost
 from ..errors import RunError, UsageError
 from ..rma import Window
 from ..xp import is_device_array, to_host
@@ -41,7 +41,7 @@ from .base import SkipCounter, finite
 from .registry import Option, register
 from .shards import ShardedStrategy
 
-TRACER = trace.tracer()
+TRACER = recorder.tracer()
 
 NEVER = np.iinfo(np.int64).max  # a finished worker's clock: it never holds anyone back
 POLL_SECONDS = 0.0002            # SSP wait between clock reads; first ps sleep when idle
@@ -397,7 +397,7 @@ class PsAsyncStrategy(ShardedStrategy):
             self.gradient_step = steps / arrivals
 
     def _apply(self, gradient, rank):
-        with TRACER.span("update", "serve", tid=trace.STEPS):   # (--trace: the serve phase, update by update)
+        with TRACER.span("update", "serve", tid=recorder.STEPS):   # (--trace: the serve phase, update by update)
             self._apply_now(gradient, rank)
 
     def _apply_now(self, gradient, rank):

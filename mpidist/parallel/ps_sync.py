@@ -21,12 +21,35 @@ import math
 import numpy as np
 
 from .. import comm as mpi
-from ..elastic import PreviousShard
 from ..errors import UsageError
 from .backup import BackupWorkersStrategy
 from .base import finite, synchronise_batch_norms
 from .registry import Option, register
 from .shards import ShardedStrategy
+
+
+class PreviousShard:
+    """A ps shard and its optimizer state as they were before the last update: the commit of a ps-sync ps.
+
+    Under ``--elastic`` a ps-sync ps keeps it each step, so that when a worker
+    dies between the ps's update and the chief's receipt of it, the ps can
+    take the update back and every survivor agrees on the chief's step.
+    """
+
+    def __init__(self, params, optimizer):
+        self.params = params.copy()
+        self.arrays = {name: array.copy() for name, array in optimizer.state_arrays().items()}
+        self.steps = optimizer.steps
+
+    def keep(self, params, optimizer):
+        self.params[...] = params
+        for name, array in optimizer.state_arrays().items():
+            np.copyto(self.arrays[name], array)
+        self.steps = optimizer.steps
+
+    def restore(self, params, optimizer):
+        params[...] = self.params
+        optimizer.load_state(self.arrays, self.steps)
 
 
 @register

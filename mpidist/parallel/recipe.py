@@ -67,3 +67,9 @@ def recipe_for(settings, total_steps, steps_per_epoch):
                             warmup_from=settings.warmup_from, gamma=settings.lr_gamma,
                             step_epochs=settings.lr_step_epochs, minimum=settings.lr_min)
     return Recipe(learning_rate=schedule, clip_norm=settings.clip_norm, accumulate=settings.accumulate)
+
+
+def total_steps(config, setup):
+    """Steps the run takes: epochs of the data, or fewer with ``--steps``."""
+    steps = setup.steps_per_epoch * config.epochs
+    return min(steps, config.steps) if config.steps else steps

