@@ -15,22 +15,22 @@ mpidist``) with ``mpiexec -n N``::
         print(result.test_accuracy)
 
 Importing mpidist sizes the BLAS thread pool to this rank's share of the
-node's cores (see :mod:`mpidist.threads`), whatever was imported before it.
+node's cores (see :mod:`mpidist.runtime.threads`), whatever was imported before it.
 """
 
 __version__ = "0.2.0"
 
-from .threads import limit_blas_threads
+from .runtime.threads import limit_blas_threads
 
 limit_blas_threads()   # before anything below imports numpy
 
 from . import nn  # noqa: E402  (after the BLAS limit, on purpose)
 from .api import Result, evaluate, train  # noqa: E402
-from .arrays import ArrayData  # noqa: E402
-from .callbacks import Callback, EarlyStopping  # noqa: E402
-from .config import Settings  # noqa: E402
-from .errors import RunError, UsageError  # noqa: E402
-from .predictions import Predictions, predict  # noqa: E402
+from .data.arrays import ArrayData  # noqa: E402
+from .loop.callbacks import Callback, EarlyStopping  # noqa: E402
+from .settings.config import Settings  # noqa: E402
+from .runtime.errors import RunError, UsageError  # noqa: E402
+from .tools.predictions import Predictions, predict  # noqa: E402
 
 __all__ = ["train", "evaluate", "predict", "Predictions", "Settings", "Result", "ArrayData", "Callback",
            "EarlyStopping", "nn", "UsageError", "RunError", "limit_blas_threads", "__version__"]

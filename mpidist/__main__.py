@@ -1,17 +1,18 @@
 """``python -m mpidist``: make failures end the whole job, then run the CLI.
 
 Importing :mod:`mpidist` sizes the BLAS thread pools first (see
-:mod:`mpidist.threads`); then the abort hook goes in, before any work that
+:mod:`mpidist.runtime.threads`); then the abort hook goes in, before any work that
 could fail, so no failure can leave ranks waiting.
 """
 
 
 def main():
-    from .agreement import install_abort_on_exception
+    from .runtime.agreement import install_abort_on_exception
 
     install_abort_on_exception()
-    from . import cli, ulfm
-    from .preempt import stop_signals
+    from .tools import cli
+    from .runtime import ulfm
+    from .runtime.preempt import stop_signals
 
     stop_signals().install()   # from here on, a scheduler's SIGTERM stops the run cleanly (exit code 3)
 

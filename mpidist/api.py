@@ -1,7 +1,7 @@
 """The Python API: :func:`train` and :func:`evaluate`, the one path every run takes.
 
 ``python -m mpidist train`` and ``eval`` are thin clients of these two
-functions: they turn flags into :class:`~mpidist.config.Settings` and call
+functions: they turn flags into :class:`~mpidist.settings.config.Settings` and call
 them, so a script and the command line run the very same code.
 
 Every rank of the job calls them with the same arguments (the script runs
@@ -20,20 +20,22 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from . import checkpoint, rundir, scores, ulfm
+from .store import checkpoint, rundir
+from .nn import scores
+from .runtime import ulfm
 from . import data as datasets   # (``data`` is the argument users know)
-from .build import Inputs, build_model_for
-from .cluster import PS, build_cluster
-from .comm import bcast_text
-from .config import Settings, settings_from
-from .agreement import abort_job, agreed
-from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError
-from .preempt import stop_signals
-from .stall import LocalWatch
-from .text import printable
-from .threads import limit_blas_threads
-from .whereabouts import here
-from .xp import select_device
+from .loop.setup import Inputs, build_model_for
+from .runtime.cluster import PS, build_cluster
+from .runtime.comm import bcast_text
+from .settings.config import Settings, settings_from
+from .runtime.agreement import abort_job, agreed
+from .runtime.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError
+from .runtime.preempt import stop_signals
+from .observe.stall import LocalWatch
+from .runtime.text import printable
+from .runtime.threads import limit_blas_threads
+from .runtime.whereabouts import here
+from .runtime.xp import select_device
 
 
 @dataclasses.dataclass
@@ -78,10 +80,10 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
             list of layers``, a list of :mod:`mpidist.nn` layers, or a Sequential
             (default: the settings' ``model``).
         data: a dataset file in the mpidist layout, a bundled dataset's name, or an
-            :class:`~mpidist.arrays.ArrayData` of in-memory arrays -- the same on every
+            :class:`~mpidist.data.arrays.ArrayData` of in-memory arrays -- the same on every
             rank; each worker trains on its own shard (default: the settings' ``data``).
-        settings: a :class:`~mpidist.config.Settings`; ``flags`` override its fields.
-        callbacks: :class:`~mpidist.callbacks.Callback` objects, called on the chief.
+        settings: a :class:`~mpidist.settings.config.Settings`; ``flags`` override its fields.
+        callbacks: :class:`~mpidist.loop.callbacks.Callback` objects, called on the chief.
         comm: the communicator whose ranks train together (default ``MPI.COMM_WORLD``).
         stream: where the chief writes its progress and summary (default ``sys.stdout``).
         **flags: any ``train`` flag by its field name: ``strategy="ps-sync", ps=1, epochs=5``.
@@ -98,7 +100,7 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
 
 
 def _train(world, watch, model, data, settings, callbacks, stream, flags):
-    from .training import run
+    from .loop.training import run
 
     with agreed(world):
         config = settings_from(settings, **flags)
@@ -146,7 +148,7 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
 
     Returns:
         A dict, the same on every rank, of the figures that fit the task (see
-        :mod:`mpidist.scores`) and of what was evaluated (``samples``, ``step`` the
+        :mod:`mpidist.nn.scores`) and of what was evaluated (``samples``, ``step`` the
         checkpoint's, ``model`` its spec, ``dataset`` its name). The figures are
 
         * classification: ``test_loss``, ``test_accuracy``, ``test_top5_accuracy`` (top-``k``
@@ -154,7 +156,7 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
           ``test_per_class`` (one record per class: ``class``, ``name`` where the dataset names
           its classes, ``precision``, ``recall``, ``f1``, ``support``; 0.0 where a class is never
           predicted or has no support) and ``test_confusion`` (rows the true class, columns the
-          predicted one; up to :data:`mpidist.scores.CONFUSION_LIMIT` classes);
+          predicted one; up to :data:`mpidist.nn.scores.CONFUSION_LIMIT` classes);
         * regression: ``test_loss``, ``test_mse``, ``test_mae``, ``test_r2`` (no ``test_accuracy``).
     """
     limit_blas_threads()
@@ -195,7 +197,7 @@ def _evaluate(world, checkpoint_path, data, model):
 
 def _stored_settings(saved):
     """The settings a checkpoint stores, checked as if given anew (a file is untrusted); unknown keys dropped."""
-    from .config import FIELDS, typed
+    from .settings.config import FIELDS, typed
 
     try:
         config = Settings(**typed({k: v for k, v in saved.config.items() if k in FIELDS}, f"{saved.path}: config"))

@@ -140,7 +140,7 @@ def cluster_with_ps(num_ps):
     """Multi-rank tests: the world's cluster with ``num_ps`` ps ranks; skips when the world is too small."""
     from mpi4py import MPI
 
-    from mpidist.cluster import build_cluster
+    from mpidist.runtime.cluster import build_cluster
     if MPI.COMM_WORLD.Get_size() < num_ps + 1:
         pytest.skip(f"--ps {num_ps} needs {num_ps + 1} ranks")
     return build_cluster(MPI.COMM_WORLD, num_ps=num_ps)
@@ -148,7 +148,7 @@ def cluster_with_ps(num_ps):
 
 def checkpoint_steps(directory):
     """The steps of the checkpoint files in ``directory`` (any lineage), lowest first."""
-    from mpidist.lineage import parse_name
+    from mpidist.store.lineage import parse_name
     return sorted(parsed[0] for parsed in map(parse_name, (p.name for p in Path(directory).iterdir())) if parsed)
 
 

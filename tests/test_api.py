@@ -140,7 +140,7 @@ def test_layers_given_as_objects_train_and_their_spec_says_they_cannot_be_rebuil
     result = mpidist.train(layers, "digits", **quiet(epochs=3))
     if result.is_chief:
         assert result.test_accuracy > 0.85
-    from mpidist import models
+    from mpidist.settings import models
     assert models.resolve(layers).spec == models.OBJECTS     # what its checkpoints record
     with pytest.raises(mpidist.UsageError, match="cannot rebuild"):
         models.resolve(models.OBJECTS)

@@ -1,10 +1,10 @@
-"""Files written whole or not at all (mpidist.atomic)."""
+"""Files written whole or not at all (mpidist.store.atomic)."""
 
 import os
 
 import pytest
 
-from mpidist import atomic
+from mpidist.store import atomic
 
 
 def test_a_file_written_aside_replaces_the_old_one_whole(tmp_path):

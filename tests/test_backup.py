@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.cluster import build_cluster
+from mpidist.runtime.cluster import build_cluster
 from mpidist.parallel import LocalStrategy
 from mpidist.parallel.backup import BackupWorkersStrategy
 from test_parallel import small_convnet, worker_slice

@@ -6,8 +6,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpidist import checkpoint
-from mpidist.errors import UsageError
+from mpidist.store import checkpoint
+from mpidist.runtime.errors import UsageError
 
 
 def write(directory, step):
@@ -97,7 +97,7 @@ def test_a_link_out_of_the_file_is_refused(tmp_path):
 
 
 def test_a_checkpoint_larger_than_memory_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    from mpidist import memory
+    from mpidist.runtime import memory
     monkeypatch.setattr(memory, "available_bytes", lambda: 50)
     monkeypatch.setattr(memory, "ranks_per_node", lambda: 1)
     with pytest.raises(UsageError, match="needs 80 B, more than this rank's share"):

@@ -1,6 +1,6 @@
 """When a checkpoint is due: the one rule for the loop and the ps that decides for async workers."""
 
-from mpidist.checkpointer import CheckpointSchedule
+from mpidist.loop.checkpointer import CheckpointSchedule
 
 
 def test_every_k_steps_a_checkpoint_is_due_at_each_multiple_passed_once():

@@ -276,7 +276,7 @@ def test_bench_refuses_an_unwritable_output_before_it_runs_anything(tmp_path, mo
     from mpi4py import MPI
 
     from mpidist import bench
-    from mpidist.errors import EXIT_USAGE, UsageError
+    from mpidist.runtime.errors import EXIT_USAGE, UsageError
     output, reason = _unwritable_output(tmp_path, case)
     if reason is None:
         pytest.skip("this user (root) writes whatever the permissions")

@@ -5,7 +5,7 @@ import os
 import pytest
 from mpi4py import MPI
 
-from mpidist.cluster import PS, WORKER, assign_roles, build_cluster
+from mpidist.runtime.cluster import PS, WORKER, assign_roles, build_cluster
 
 
 def test_without_ps_every_rank_is_a_worker():

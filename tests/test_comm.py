@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidist import comm
+from mpidist.runtime import comm
 
 
 @pytest.mark.mpi(min_size=2)

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from mpidist.config import FIELDS, INT_LIMIT, Settings, _make_settings, add_flags, settings_from, settings_from_args
-from mpidist.errors import UsageError
+from mpidist.settings.config import (FIELDS, INT_LIMIT, Settings, _make_settings, add_flags, settings_from, settings_from_args)
+from mpidist.runtime.errors import UsageError
 from mpidist.parallel import STRATEGIES
 from mpidist.parallel.registry import Option
 

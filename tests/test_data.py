@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from mpidist import data
-from mpidist.errors import UsageError
-from mpidist.ingest import write_dataset
+from mpidist.runtime.errors import UsageError
+from mpidist.tools.ingest import write_dataset
 
 
 def make_file(path, n_train=40, n_test=10, shape=(3, 4), classes=5, **overrides):

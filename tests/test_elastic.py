@@ -187,7 +187,7 @@ def test_with_failures_reported_but_no_elastic_the_survivors_say_what_happened(p
 def test_an_mpi_without_failure_mitigation_is_named():
     from mpi4py import MPI
 
-    from mpidist.ulfm import ulfm_support
+    from mpidist.runtime.ulfm import ulfm_support
     supported, why = ulfm_support()
     if MPI.Get_library_version().startswith("MPICH"):
         assert not supported and why.startswith("this is MPICH Version: ")
@@ -196,7 +196,7 @@ def test_an_mpi_without_failure_mitigation_is_named():
 def test_lost_ranks_are_named_as_at_launch():
     from types import SimpleNamespace
 
-    from mpidist.ulfm import describe_lost
+    from mpidist.runtime.ulfm import describe_lost
     # launched as [worker, worker, worker, worker, ps]; rank 1 was lost before: rank 2 now is rank 3 at launch
     survivors = SimpleNamespace(origin=[0, 2, 3, 4], launch_roles=["worker"] * 4 + ["ps"])
     assert describe_lost([1, 2], survivors) == "rank 2 (worker 2), rank 3 (worker 3)"
@@ -227,7 +227,7 @@ def test_ps_sync_survivor_state_is_the_state_at_the_chiefs_step():
     from mpi4py import MPI
 
     from mpidist import nn
-    from mpidist.cluster import PS, build_cluster
+    from mpidist.runtime.cluster import PS, build_cluster
     from mpidist.parallel import LocalStrategy, PsSyncStrategy
     from test_parallel import small_convnet, worker_slice
     cluster = build_cluster(MPI.COMM_WORLD, num_ps=1)
@@ -260,7 +260,7 @@ def test_survivors_keep_their_roles_and_are_named_as_at_launch():
     """The last rank plays the lost one: the others split off, as a shrink would leave them."""
     from mpi4py import MPI
 
-    from mpidist.cluster import build_cluster
+    from mpidist.runtime.cluster import build_cluster
     world = MPI.COMM_WORLD
     size = world.Get_size()
     cluster = build_cluster(world, num_ps=1)       # the ps is the last rank
@@ -280,8 +280,8 @@ def test_the_chiefs_state_reaches_every_survivor_as_a_checkpoint():
     import numpy as np
     from mpi4py import MPI
 
-    from mpidist.elastic import Position, share, share_position
-    from mpidist.ulfm import FailureWatch
+    from mpidist.loop.elastic import Position, share, share_position
+    from mpidist.runtime.ulfm import FailureWatch
     world = MPI.COMM_WORLD
     root = world.Get_size() - 1
     mine = world.Get_rank() == root
@@ -301,7 +301,7 @@ def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(mon
     """Open MPI's nonblocking collectives report a peer's death as ERR_OTHER (seen in CI: libnbc's error 75)."""
     from mpi4py import MPI
 
-    from mpidist import ulfm
+    from mpidist.runtime import ulfm
 
     class Comm:
         def __init__(self, dead):

@@ -3,8 +3,8 @@
 import pytest
 from mpi4py import MPI
 
-from mpidist.agreement import agreed
-from mpidist.errors import EXIT_FAILURE, EXIT_USAGE, UsageError, error_line
+from mpidist.runtime.agreement import agreed
+from mpidist.runtime.errors import EXIT_FAILURE, EXIT_USAGE, UsageError, error_line
 
 
 def test_without_a_communicator_a_usage_error_exits_2(capsys):

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from conftest import checkpoint_at, checkpoint_steps, events, rank_pids, run_mpi, start_mpi, wait_for_step
-from mpidist import checkpoint
-from mpidist.ingest import write_dataset
+from mpidist.store import checkpoint
+from mpidist.tools.ingest import write_dataset
 
 SECONDS_TO_END = 10
 
@@ -294,9 +294,9 @@ def checkpoint_written_at_the_stop(p, out, err):
 BLOCKED_IO = """
     import sys
     from mpi4py import MPI
-    from mpidist.agreement import agreed, install_abort_on_exception
-    from mpidist.stall import LocalWatch
-    from mpidist.whereabouts import here
+    from mpidist.runtime.agreement import agreed, install_abort_on_exception
+    from mpidist.observe.stall import LocalWatch
+    from mpidist.runtime.whereabouts import here
 
     install_abort_on_exception()
     rank = MPI.COMM_WORLD.Get_rank()
@@ -394,7 +394,7 @@ RAISE_AT_STEP_5 = """
 # renamed into place (as a scheduler's SIGTERM can): the write completes, then the job stops.
 SIGNAL_MID_WRITE = """
     import os, signal, sys
-    from mpidist import atomic
+    from mpidist.store import atomic
     real_sync_file = atomic.sync_file
 
     def sync_file(path):
@@ -419,7 +419,7 @@ def tagged_traceback(p, out, err):
 RAISE_IN_A_THREAD = """
     import threading, time
     from mpi4py import MPI
-    from mpidist.agreement import install_abort_on_exception
+    from mpidist.runtime.agreement import install_abort_on_exception
     install_abort_on_exception()
     if MPI.COMM_WORLD.Get_rank() == 0:
         threading.Thread(target=lambda: 1 / 0).start()
@@ -439,7 +439,7 @@ def script(text, *args):
 def both_checkpoints_whole(p, out, err):
     stop, = events(p / "m.jsonl", "stopped")
     steps = checkpoint_steps(p / "ckpt")
-    # posted at the boundary of step 11, learned by every rank one step later (see mpidist.preempt)
+    # posted at the boundary of step 11, learned by every rank one step later (see mpidist.runtime.preempt)
     assert steps == [10, stop["step"]] and stop["step"] == 12 and stop["signal"] == "SIGTERM"
     for step in steps:
         assert checkpoint.load(checkpoint_at(p / "ckpt", step)).step == step

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from mpidist import data
-from mpidist.errors import UsageError
-from mpidist.ingest import build_source, ingest, write_dataset
+from mpidist.runtime.errors import UsageError
+from mpidist.tools.ingest import build_source, ingest, write_dataset
 
 
 def accepted(path):
@@ -266,7 +266,7 @@ def never_read(*args, **kwargs):
 def test_an_output_under_a_regular_file_is_refused_before_reading(tmp_path, monkeypatch):
     source = good_csv(tmp_path)
     (tmp_path / "plain").write_text("a file, not a directory")
-    monkeypatch.setattr("mpidist.ingest.from_csv", never_read)
+    monkeypatch.setattr("mpidist.tools.ingest.from_csv", never_read)
     for out in (tmp_path / "plain" / "out.h5", tmp_path / "plain" / "deeper" / "out.h5"):
         with pytest.raises(UsageError, match=f"{out}: cannot write the dataset there: {tmp_path / 'plain'}: "
                            f"{os.strerror(20)}"):
@@ -277,7 +277,7 @@ def test_an_output_under_a_regular_file_is_refused_before_reading(tmp_path, monk
 def test_an_output_that_is_a_directory_is_refused_before_reading(tmp_path, monkeypatch):
     source = good_csv(tmp_path)
     (tmp_path / "dir").mkdir()
-    monkeypatch.setattr("mpidist.ingest.from_csv", never_read)
+    monkeypatch.setattr("mpidist.tools.ingest.from_csv", never_read)
     with pytest.raises(UsageError, match=f"{tmp_path / 'dir'}: cannot write the dataset there: {os.strerror(21)}"):
         ingest(str(source), tmp_path / "dir")
     assert list((tmp_path / "dir").iterdir()) == []
@@ -295,7 +295,7 @@ def test_an_output_in_a_read_only_directory_is_refused_before_reading(tmp_path, 
             pytest.skip("this user can write into a read-only directory (root)")
         except PermissionError:
             pass
-        monkeypatch.setattr("mpidist.ingest.from_csv", never_read)
+        monkeypatch.setattr("mpidist.tools.ingest.from_csv", never_read)
         with pytest.raises(UsageError, match=f"{locked / 'out.h5'}: cannot write the dataset there: "
                            f"{os.strerror(13)}"):
             ingest(str(source), locked / "out.h5")

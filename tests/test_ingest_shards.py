@@ -4,9 +4,10 @@ import h5py
 import numpy as np
 import pytest
 
-from mpidist import data, dataset_writer
-from mpidist.errors import UsageError
-from mpidist.ingest import ingest
+from mpidist import data
+from mpidist.data import writer as dataset_writer
+from mpidist.runtime.errors import UsageError
+from mpidist.tools.ingest import ingest
 
 from conftest import events, mpidist
 

@@ -10,9 +10,9 @@ import types
 import numpy as np
 import pytest
 
-from mpidist import checkpoint, lineage
-from mpidist.errors import UsageError
-from mpidist.lineage import CheckpointDir, DirectoryLock, claim
+from mpidist.store import checkpoint, lineage
+from mpidist.runtime.errors import UsageError
+from mpidist.store.lineage import CheckpointDir, DirectoryLock, claim
 
 
 def write(directory, step, run, parent=""):
@@ -84,7 +84,7 @@ def test_files_of_older_versions_form_a_lineage_of_their_own(tmp_path):
 
 HOLD = """
 import sys, time
-from mpidist.lineage import DirectoryLock
+from mpidist.store.lineage import DirectoryLock
 DirectoryLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(60)

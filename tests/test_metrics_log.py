@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from mpidist.errors import UsageError
-from mpidist.metrics import MetricsLog
+from mpidist.runtime.errors import UsageError
+from mpidist.loop.metrics import MetricsLog
 
 
 @pytest.mark.parametrize("tail", ['{"event": "step", "st', '{"ev', "{"])

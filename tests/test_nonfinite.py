@@ -5,8 +5,8 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.cluster import PS, build_cluster
-from mpidist.errors import RunError
+from mpidist.runtime.cluster import PS, build_cluster
+from mpidist.runtime.errors import RunError
 from mpidist.parallel import AllreduceStrategy, PipelineStrategy, PsSyncStrategy
 from mpidist.parallel.base import SkipCounter, finite
 from conftest import cluster_with_ps

@@ -5,7 +5,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.cluster import build_cluster
+from mpidist.runtime.cluster import build_cluster
 from mpidist.data import local_batch_size
 from mpidist.nn import Conv2D, Dense, Flatten, MaxPool2D, ReLU, Sequential
 from mpidist.parallel import AllreduceStrategy, LocalStrategy, bucket_slices

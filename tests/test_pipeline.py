@@ -5,8 +5,8 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.checkpoint import Checkpoint
-from mpidist.cluster import build_cluster
+from mpidist.store.checkpoint import Checkpoint
+from mpidist.runtime.cluster import build_cluster
 from mpidist.parallel import LocalStrategy, PipelineStrategy
 from mpidist.parallel.pipeline import balance_by_parameters, layer_costs, split_sizes
 from test_parallel import small_convnet, worker_slice

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import mpidist
 from mpidist.data import resolve
-from mpidist.ingest import write_dataset
+from mpidist.tools.ingest import write_dataset
 
 from conftest import mpidist as launch
 

@@ -10,8 +10,8 @@ import pytest
 from mpi4py import MPI
 
 from conftest import checkpoint_at, checkpoint_steps, events, mpidist, rank_pids, start_mpidist, wait_for_step
-from mpidist.errors import EXIT_PREEMPTED
-from mpidist.preempt import StepAgreement, StopSignals, settle, signal_name
+from mpidist.runtime.errors import EXIT_PREEMPTED
+from mpidist.runtime.preempt import StepAgreement, StopSignals, settle, signal_name
 
 
 def test_a_signal_is_recorded_not_acted_on_and_a_second_ctrl_c_interrupts():

@@ -2,7 +2,7 @@
 
 import io
 
-from mpidist.metrics import Progress
+from mpidist.loop.metrics import Progress
 
 
 class Terminal(io.StringIO):

@@ -7,11 +7,11 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.cluster import PS, build_cluster
+from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.parallel import PsAsyncStrategy
 from mpidist.parallel.ps_async import AsyncExchange
 from mpidist.parallel.shards import shard_bounds
-from mpidist.rma import Window
+from mpidist.runtime.rma import Window
 from conftest import cluster_with_ps
 from test_parallel import small_convnet
 

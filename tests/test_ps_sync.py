@@ -5,8 +5,8 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.checkpoint import Checkpoint
-from mpidist.cluster import PS, build_cluster
+from mpidist.store.checkpoint import Checkpoint
+from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.parallel import LocalStrategy, PsSyncStrategy
 from mpidist.parallel.shards import imbalance, shard_bounds
 from test_parallel import small_convnet, worker_slice

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from mpidist.config import Settings
+from mpidist.settings.config import Settings
 from mpidist.nn import MODELS
 
 README = (ROOT / "README.rst").read_text()

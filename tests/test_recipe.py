@@ -13,8 +13,9 @@ import pytest
 from mpi4py import MPI
 
 import mpidist
-from mpidist import checkpoint, nn
-from mpidist.cluster import PS, build_cluster
+from mpidist.store import checkpoint
+from mpidist import nn
+from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.nn import BatchNorm, Dense, LayerNorm, ReLU, Sequential
 from mpidist.nn.schedules import LearningRate
 from mpidist.parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsSyncStrategy

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mpidist import rundir
-from mpidist.config import Settings, load_toml, settings_from
-from mpidist.errors import UsageError
+from mpidist.store import rundir
+from mpidist.settings.config import Settings, load_toml, settings_from
+from mpidist.runtime.errors import UsageError
 
 from conftest import events, mpidist
 

@@ -14,11 +14,12 @@ import pytest
 from mpi4py import MPI
 
 import mpidist
-from mpidist import nn, scores
-from mpidist.callbacks import EarlyStopping
-from mpidist.cli import eval_text
-from mpidist.cluster import build_cluster
-from mpidist.errors import UsageError
+from mpidist import nn
+from mpidist.nn import scores
+from mpidist.loop.callbacks import EarlyStopping
+from mpidist.tools.cli import eval_text
+from mpidist.runtime.cluster import build_cluster
+from mpidist.runtime.errors import UsageError
 from mpidist.parallel import AllreduceStrategy
 
 # 3 classes, 6 samples.  Predictions (highest logit) 0 1 1 1 2 0 for labels 0 0 1 1 2 2:

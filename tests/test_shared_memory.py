@@ -7,8 +7,8 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.cluster import build_cluster
-from mpidist.errors import UsageError
+from mpidist.runtime.cluster import build_cluster
+from mpidist.runtime.errors import UsageError
 from mpidist.parallel import AllreduceStrategy, Exchange
 from mpidist.parallel.compression import CompressedExchange
 from mpidist.parallel.shared_memory import (ONE_WORKER, SharedMemoryExchange, _part_bounds,
@@ -46,7 +46,7 @@ def test_compression_and_a_forced_shared_memory_exchange_do_not_mix():
 
 def test_elastic_training_sums_over_mpi():
     """A lost worker must surface as MPI's process-failure error: MPI's shared-memory windows give none."""
-    from mpidist.config import Settings
+    from mpidist.settings.config import Settings
     assert AllreduceStrategy.arguments(Settings(elastic=True), None)["exchange"] == "mpi"
     assert AllreduceStrategy.arguments(Settings(), None)["exchange"] == "auto"
 

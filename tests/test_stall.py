@@ -5,8 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from mpidist.stall import diagnose
-from mpidist.whereabouts import PHASES, Whereabouts
+from mpidist.observe.stall import diagnose
+from mpidist.runtime.whereabouts import PHASES, Whereabouts
 
 
 def record(step, phase, seconds):

@@ -17,8 +17,8 @@ import pytest
 
 from mpidist import data
 from mpidist.data import stream as streaming
-from mpidist.config import Settings
-from mpidist.errors import UsageError
+from mpidist.settings.config import Settings
+from mpidist.runtime.errors import UsageError
 
 from conftest import checkpoint_at, events, mpidist
 
@@ -217,7 +217,7 @@ def test_the_budget_decides_between_memory_and_stream():
 @pytest.mark.parametrize("text,expected", [("512M", 512 << 20), ("1.5GiB", 3 << 29), ("2g", 2 << 30),
                                            ("100000", 100000), ("64 kb", 64 << 10)])
 def test_memory_budgets_read_binary_units(text, expected):
-    from mpidist.memory import parse_bytes
+    from mpidist.runtime.memory import parse_bytes
     assert parse_bytes(text) == expected
 
 

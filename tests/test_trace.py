@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from mpidist import recorder, trace
+from mpidist.runtime import recorder
+from mpidist.observe import trace
 
 from conftest import mpidist
 

@@ -9,10 +9,10 @@ import pytest
 
 import mpidist
 from mpidist import data
-from mpidist.config import Settings
-from mpidist.errors import UsageError
+from mpidist.settings.config import Settings
+from mpidist.runtime.errors import UsageError
 from mpidist.nn.schedules import LearningRate
-from mpidist.training import BestSoFar
+from mpidist.loop.training import BestSoFar
 
 
 def digits_info():
@@ -113,7 +113,7 @@ def test_keep_best_keeps_the_checkpoint_of_the_best_validation_beyond_pruning(tm
     best_loss, best_step = min(losses)
     best = result.figures["best"]
     assert best["value"] == best_loss and best["step"] == best_step
-    kept = mpidist.checkpoint.load(best["path"])
+    kept = mpidist.store.checkpoint.load(best["path"])
     assert kept.step == best_step
     names = sorted(p.name for p in directory.glob("*.h5"))
     assert len(names) == 2 and names[0].startswith("best-")   # the newest (--keep 1) and the best
@@ -197,14 +197,14 @@ def test_a_resumed_run_keeps_its_validation_rows_and_its_best_so_far(tmp_path, m
     common = dict(data="digits", val_fraction=0.2, keep_best="val_loss", checkpoint_dir=str(directory),
                   progress="none", metrics=str(metrics))
     mpidist.train(epochs=2, seed=5, **common)
-    first = mpidist.checkpoint.load(next(directory.glob("best-*.h5")))
+    first = mpidist.store.checkpoint.load(next(directory.glob("best-*.h5")))
     assert first.best["figure"] == "val_loss" and first.best["step"] == first.step
     # resumed with another --seed on the command line and a rate that makes it worse: the rows stay the
     # checkpoint's, and the best file is not replaced by a worse state
     mpidist.train(epochs=3, seed=0, lr=5.0, resume="auto", **common)
     bests = events(metrics, "best")
     assert all(later["value"] < earlier["value"] for earlier, later in zip(bests, bests[1:]))
-    kept = mpidist.checkpoint.load(next(directory.glob("best-*.h5")))
+    kept = mpidist.store.checkpoint.load(next(directory.glob("best-*.h5")))
     assert kept.best["value"] <= first.best["value"]
     assert seeds and set(seeds) == {5}   # the rows held out are the first run's, whatever --seed says now
 

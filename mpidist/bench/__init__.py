@@ -22,10 +22,10 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_info
 
-from ..cluster import build_cluster
-from ..agreement import agreed
-from ..errors import RunError
-from ..threads import limit_blas_threads
+from ..runtime.cluster import build_cluster
+from ..runtime.agreement import agreed
+from ..runtime.errors import RunError
+from ..runtime.threads import limit_blas_threads
 from . import reference
 from . import rows as rows_of
 from .output import check_output, format_table, write_results  # noqa: F401  (check_output: the CLI's and tests')

@@ -5,9 +5,9 @@ import os
 import secrets
 import stat
 
-from .. import atomic
-from ..errors import UsageError
-from ..text import os_reason
+from ..store import atomic
+from ..runtime.errors import UsageError
+from ..runtime.text import os_reason
 
 
 def format_table(rows, columns):

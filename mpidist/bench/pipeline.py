@@ -3,7 +3,7 @@
 import numpy as np
 
 from .. import nn
-from ..cluster import build_cluster
+from ..runtime.cluster import build_cluster
 from ..parallel import PipelineStrategy
 from ..parallel.pipeline import split_sizes
 from ..parallel.schedule import bubble

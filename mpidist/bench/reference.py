@@ -9,7 +9,7 @@ the same number of threads as mpidist's BLAS.
 
 import importlib
 
-from ..threads import limit_blas_threads
+from ..runtime.threads import limit_blas_threads
 
 
 def available():

@@ -33,11 +33,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import comm as mpi
+from ..runtime import comm as mpi
 from .. import nn
-from ..cluster import build_cluster
+from ..runtime.cluster import build_cluster
 from ..parallel import AllreduceStrategy, Exchange, LocalStrategy, PsAsyncStrategy, PsSyncStrategy
-from ..rma import Window
+from ..runtime.rma import Window
 from . import reference
 from .handwritten import HandwrittenMLP
 from .timing import alternating, release, sleep_until_released, synced_alternating, synced_timed, timed_steps

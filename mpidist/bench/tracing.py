@@ -10,7 +10,7 @@ import io
 import shutil
 import tempfile
 
-from ..comm import bcast_text
+from ..runtime.comm import bcast_text
 from .timing import compared_rows, interleaved_runs
 
 COLUMNS = [("trace", "trace", "{}"), ("ranks", "ranks", "{}"), ("steps", "steps", "{}"),

@@ -19,7 +19,7 @@ One module per concept:
 Every worker reads only its own part of each split.
 """
 
-from ..arrays import ArrayData
+from .arrays import ArrayData
 from .batches import (Prefetcher, epoch_order, eval_batches, global_batches, local_batch_size,
                       shard_size, steps_per_epoch, train_batches)
 from .budget import Reading, budget_of, plan

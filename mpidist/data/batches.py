@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from ..errors import UsageError
+from ..runtime.errors import UsageError
 
 
 def shard_size(n, num_workers, worker):

@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from ..errors import UsageError
-from ..memory import default_budget, human, parse_bytes
+from ..runtime.errors import UsageError
+from ..runtime.memory import default_budget, human, parse_bytes
 from .samples import footprint
 from .shard import Shard
 from .stream import WINDOWS, Stream, block_bytes_for, block_length, default_buffer

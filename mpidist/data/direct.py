@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from ..errors import UsageError
+from ..runtime.errors import UsageError
 
 
 def byte_ranges(item, lo, hi):

@@ -26,10 +26,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..arrays import ArrayData
-from ..errors import UsageError
-from ..text import printable, shown
-from ..whereabouts import here
+from .arrays import ArrayData
+from ..runtime.errors import UsageError
+from ..runtime.text import printable, shown
+from ..runtime.whereabouts import here
 
 SPLITS = ("train", "test")
 OPTIONAL_SPLITS = ("val",)   # a validation split a file may hold (else --val-fraction carves one from train)
@@ -168,7 +168,7 @@ def carve_validation(info, fraction, seed):
 
 
 def open_source(path):
-    """An HDF5 file, or an :class:`~mpidist.arrays.ArrayData`'s image, open for reading."""
+    """An HDF5 file, or an :class:`~mpidist.data.arrays.ArrayData`'s image, open for reading."""
     return path.open() if isinstance(path, ArrayData) else h5py.File(path, "r")
 
 

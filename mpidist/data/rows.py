@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from ..whereabouts import here
+from ..runtime.whereabouts import here
 from .direct import DirectFile, byte_ranges, direct_rows, readable
 from .layout import open_source
 from .samples import prepare

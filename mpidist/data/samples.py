@@ -7,7 +7,7 @@ naming the file, the split and the row.
 
 import numpy as np
 
-from ..errors import UsageError
+from ..runtime.errors import UsageError
 
 
 def prepare(x, y, info, where, rows, input_shape, dtype):

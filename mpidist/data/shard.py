@@ -9,7 +9,7 @@ exactly where it stopped.
 
 import numpy as np
 
-from ..memory import check_fits
+from ..runtime.memory import check_fits
 from .batches import Prefetcher, epoch_order
 from .rows import SplitRows
 from .samples import footprint

@@ -7,8 +7,8 @@ windows and checkpoints move slices of these buffers, never single tensors.
 
 import numpy as np
 
-from ..memory import check_fits
-from ..recorder import tracer
+from ..runtime.memory import check_fits
+from ..runtime.recorder import tracer
 
 from .layers import ShapeError
 from .workspace import Workspace

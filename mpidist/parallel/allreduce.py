@@ -13,7 +13,7 @@ one shared-memory window instead, and each worker sums its part of everyone's
 in place (:mod:`mpidist.parallel.shared_memory`; ``--exchange``).
 """
 
-from ..errors import UsageError
+from ..runtime.errors import UsageError
 from .base import DataParallel
 from .compression import CompressedExchange
 from .exchange import Exchange

@@ -37,9 +37,9 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from .. import comm as mpi
-from ..cluster import PS
-from ..xp import is_device_array, to_host
+from ..runtime import comm as mpi
+from ..runtime.cluster import PS
+from ..runtime.xp import is_device_array, to_host
 from .base import SkipCounter, finite
 from .recipe import total_steps
 from .shards import ShardedStrategy
@@ -163,7 +163,7 @@ class BackupWorkersStrategy(ShardedStrategy):
     def serve(self, control=None):
         """Rounds until the last step is taken and every worker has been told to stop.
 
-        ``control`` (see :class:`mpidist.training.ServerControl`): a signal this ps
+        ``control`` (see :class:`mpidist.loop.training.ServerControl`): a signal this ps
         received ends the run early; mid-run checkpoints are written when it says.
         """
         coordinator = self.cluster.role_comm.Get_rank() == 0

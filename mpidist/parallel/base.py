@@ -11,13 +11,13 @@ import math
 
 import numpy as np
 
-from .. import comm as mpi
-from .. import scores
-from ..errors import RunError
-from ..recorder import tracer
+from ..runtime import comm as mpi
+from ..nn import scores
+from ..runtime.errors import RunError
+from ..runtime.recorder import tracer
 from ..nn import BatchNorm, SoftmaxCrossEntropy
 from ..nn.sequential import walk
-from ..xp import to_host
+from ..runtime.xp import to_host
 from .recipe import Recipe, clip_factor
 
 TRACER = tracer()
@@ -99,10 +99,10 @@ class Strategy:
         loss: a loss from :mod:`mpidist.nn.losses`.
         make_optimizer: ``size -> Optimizer``; a strategy sizes its optimizer
             to what it updates (the whole buffer, or a ps shard).
-        cluster: this rank's :class:`mpidist.cluster.Cluster` (None for a bare local run).
+        cluster: this rank's :class:`mpidist.runtime.cluster.Cluster` (None for a bare local run).
         seed: run seed (dropout streams derive from it).
         bucket_bytes: largest single exchange, where the strategy buckets.
-        where: the rank's :class:`~mpidist.stall.Whereabouts` (what the stall
+        where: the rank's :class:`~mpidist.observe.stall.Whereabouts` (what the stall
             monitor reports), or None.
         figures: the dict where the strategy counts its figures (``stats``). The
             loop passes one that outlives the strategy, so a strategy built again
@@ -117,7 +117,7 @@ class Strategy:
     #: (for strategies whose workers must never wait for each other).
     evaluation = "sharded"
     #: True where every rank takes each step together (so they can agree on
-    #: when to stop or checkpoint at a step boundary, see mpidist.preempt).
+    #: when to stop or checkpoint at a step boundary, see mpidist.runtime.preempt).
     lockstep = True
     #: Strategies that are not in lockstep pass a stop request on themselves:
     #: :meth:`request_stop` on the rank that got the signal, ``stop_requested``
@@ -148,7 +148,7 @@ class Strategy:
 
     @classmethod
     def check(cls, settings, world_size):
-        """Raise :class:`~mpidist.errors.UsageError` naming the first setting it cannot run with on ``world_size`` ranks."""
+        """Raise :class:`~mpidist.runtime.errors.UsageError` naming the first setting it cannot run with on ``world_size`` ranks."""
 
     @classmethod
     def variant(cls, settings, workers):
@@ -162,7 +162,7 @@ class Strategy:
 
     @classmethod
     def check_model(cls, settings, model):
-        """Raise :class:`~mpidist.errors.UsageError` if ``model`` cannot run as ``settings`` say (local, no MPI)."""
+        """Raise :class:`~mpidist.runtime.errors.UsageError` if ``model`` cannot run as ``settings`` say (local, no MPI)."""
 
     @classmethod
     def layout_text(cls, settings, cluster):
@@ -210,7 +210,7 @@ class Strategy:
             self.figures.setdefault(name, value)
 
     def track(self, phase):
-        """Note where this rank is now (``compute``, ``exchange``, ...; see :mod:`mpidist.stall`)."""
+        """Note where this rank is now (``compute``, ``exchange``, ...; see :mod:`mpidist.observe.stall`)."""
         if self.where is not None:
             self.where.enter(phase)
 
@@ -388,7 +388,7 @@ class Strategy:
     def evaluate(self, batches):
         """The task's figures over ``batches`` of ``(x, y)``, summed over the evaluating ranks.
 
-        A dict (see :mod:`mpidist.scores`): classification ``loss``, ``accuracy``,
+        A dict (see :mod:`mpidist.nn.scores`): classification ``loss``, ``accuracy``,
         ``top5_accuracy`` (where it applies), ``samples``, ``per_class`` and
         ``confusion``; regression ``loss``, ``mse``, ``mae``, ``r2``, ``samples``.
         Each evaluating worker sums its batches into one vector; one Allreduce sums

@@ -20,8 +20,8 @@ reports, not a gradient to round.
 import numpy as np
 from mpi4py import MPI
 
-from .. import comm as mpi
-from ..errors import RunError
+from ..runtime import comm as mpi
+from ..runtime.errors import RunError
 from .exchange import Exchange
 
 

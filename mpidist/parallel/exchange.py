@@ -16,8 +16,8 @@ tensor, and no copy.
 
 import math
 
-from .. import comm as mpi
-from .. import recorder
+from ..runtime import comm as mpi
+from ..runtime import recorder
 
 _TRACER = recorder.tracer()
 

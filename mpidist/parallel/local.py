@@ -1,6 +1,6 @@
 """``local``: one process, no communication -- the reference every strategy must match."""
 
-from ..errors import UsageError
+from ..runtime.errors import UsageError
 from .base import DataParallel
 from .exchange import NoExchange
 from .registry import register

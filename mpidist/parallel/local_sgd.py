@@ -19,8 +19,8 @@ its data layout are declared here and registered with :func:`register`.
 
 import numpy as np
 
-from .. import comm as mpi
-from ..errors import UsageError
+from ..runtime import comm as mpi
+from ..runtime.errors import UsageError
 from .base import DataParallel, average_over, finite
 from .exchange import NoExchange, bucket_slices
 from .registry import Option, register

@@ -23,11 +23,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import comm as mpi
-from .. import recorder
-from ..errors import UsageError
+from ..runtime import comm as mpi
+from ..runtime import recorder
+from ..runtime.errors import UsageError
 from ..nn import Sequential
-from ..xp import to_host
+from ..runtime.xp import to_host
 from .base import Strategy
 from .registry import Option, register
 from .schedule import schedule

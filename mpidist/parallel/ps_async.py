@@ -1,6 +1,6 @@
 """``ps-async``: parameter servers updated one-sidedly; workers wait for nobody but the staleness bound.
 
-Each ps exposes, in MPI windows (:mod:`mpidist.rma`), its parameter shard, a
+Each ps exposes, in MPI windows (:mod:`mpidist.runtime.rma`), its parameter shard, a
 gradient inbox of the same size, and ``[version, arrivals]``; the first ps also
 holds the workers' clocks.  A worker's step:
 
@@ -18,7 +18,7 @@ wait for the ps, and the ps never blocks.
 
 With ``--elastic`` (an MPI with ULFM), every rank also polls for dead
 processes; the first ps retires a dead worker's clock, so the others never
-wait for it, and a dead ps or chief ends the job (see :mod:`mpidist.elastic`).
+wait for it, and a dead ps or chief ends the job (see :mod:`mpidist.loop.elastic`).
 
 Figures: ``staleness`` is SSP's, in steps: how far this worker was ahead of
 the slowest when it read the parameters (``--staleness S`` bounds it by S);
@@ -30,13 +30,13 @@ import time
 
 import numpy as np
 
-from .. import comm as mpi
-from .. import recorder
-from ..cluster import PS, WORKER
-from ..ulfm import FailureWatch, cannot_go_on, describe_lost
-from ..errors import RunError, UsageError
-from ..rma import Window
-from ..xp import is_device_array, to_host
+from ..runtime import comm as mpi
+from ..runtime import recorder
+from ..runtime.cluster import PS, WORKER
+from ..runtime.ulfm import FailureWatch, cannot_go_on, describe_lost
+from ..runtime.errors import RunError, UsageError
+from ..runtime.rma import Window
+from ..runtime.xp import is_device_array, to_host
 from .base import SkipCounter, finite
 from .registry import Option, register
 from .shards import ShardedStrategy
@@ -323,7 +323,7 @@ class PsAsyncStrategy(ShardedStrategy):
     def serve(self, control=None):
         """ps loop: apply what arrives until every worker has finished and the inbox is empty.
 
-        ``control`` (see :class:`mpidist.training.ServerControl`): a signal this
+        ``control`` (see :class:`mpidist.loop.training.ServerControl`): a signal this
         ps received is passed on to the workers as a stop request; the first
         ps also decides when a mid-run checkpoint is due (by the chief's step
         clock or the time), and every ps then sends it its shard, between two

@@ -20,8 +20,8 @@ import math
 
 import numpy as np
 
-from .. import comm as mpi
-from ..errors import UsageError
+from ..runtime import comm as mpi
+from ..runtime.errors import UsageError
 from .backup import BackupWorkersStrategy
 from .base import finite, synchronise_batch_norms
 from .registry import Option, register

@@ -4,7 +4,7 @@ A strategy is one module plus one registration: its class carries its
 ``name``, the :class:`Option` objects of the settings only it (and its
 subclasses) use, and classmethods that check those settings against the
 world, turn them into constructor arguments, and say whose data each rank
-reads (see :class:`~mpidist.parallel.base.Strategy`).  :mod:`mpidist.config`
+reads (see :class:`~mpidist.parallel.base.Strategy`).  :mod:`mpidist.settings.config`
 makes one flag, TOML key and keyword argument of :func:`mpidist.train` per
 declared option, and refuses an option set for a strategy that does not use
 it, so neither the settings nor the set-up of a run name strategies one by one.
@@ -21,7 +21,7 @@ STRATEGIES = {}
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A setting a strategy declares: a field of :class:`~mpidist.config.Settings` and a ``train`` flag.
+    """A setting a strategy declares: a field of :class:`~mpidist.settings.config.Settings` and a ``train`` flag.
 
     Args:
         name: the field name (``micro_batches``; the flag is ``--micro-batches``).

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .. import comm as mpi
+from ..runtime import comm as mpi
 from ..data import local_batch_size
 
 
@@ -14,7 +14,7 @@ class ScatteredBatches:
     """
 
     def __init__(self, comm, source, global_batch, sample_shape, y_shape, x_dtype, y_dtype, steps):
-        self.comm, self.source, self.steps = mpi, comm, source, steps
+        self.comm, self.source, self.steps = comm, source, steps
         workers, worker = comm.Get_size(), comm.Get_rank()
         sizes = [local_batch_size(global_batch, workers, w) for w in range(workers)]
         starts = np.cumsum([0] + sizes[:-1])

@@ -8,10 +8,10 @@ optimizer shards loaded from and gathered into whole-model checkpoints.
 import numpy as np
 from mpi4py import MPI
 
-from .. import comm as mpi
-from ..cluster import PS
-from ..errors import UsageError
-from ..xp import is_device_array, to_host
+from ..runtime import comm as mpi
+from ..runtime.cluster import PS
+from ..runtime.errors import UsageError
+from ..runtime.xp import is_device_array, to_host
 from .base import Strategy
 from .registry import Option
 

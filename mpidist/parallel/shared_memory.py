@@ -34,8 +34,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .. import recorder
-from ..ulfm import ulfm_support
+from ..runtime import recorder
+from ..runtime.ulfm import ulfm_support
 from .exchange import NoExchange
 
 _TRACER = recorder.tracer()

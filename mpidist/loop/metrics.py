@@ -1,0 +1,186 @@
+"""What the chief reports: JSON-lines metrics, a progress display, a summary.
+
+Metrics file (contract): one JSON object per line, appended (a resumed run
+continues the same file), flushed line by line so ``tail -f`` shows progress
+and a crash loses nothing already written.  Events: ``start``, ``step`` (every
+``--log-every`` steps), ``eval`` (after each evaluation), ``done`` (last).
+"""
+
+import json
+import os
+import shutil
+import stat
+import sys
+import time
+
+from ..runtime.errors import UsageError
+from ..nn.scores import progress_text
+from ..runtime.whereabouts import here
+
+
+class MetricsLog:
+    """Appends events to a JSONL file; ``path=''`` writes nothing.
+
+    Each line goes out in one ``write`` call on an append-only descriptor.  A
+    write that fails (a full disk, a quota, ``/dev/full``) is cut back to the
+    last whole line, the log stops writing, and :attr:`failure` says why: the
+    training loop then ends the run as a failure at the next step boundary
+    (checkpoint first), like any other.  A line cut short by a crash is
+    removed when the file is next opened.
+    """
+
+    def __init__(self, path):
+        self.fd, self.path, self.failure = None, path, None
+        if path:
+            try:
+                directory = os.path.dirname(os.path.abspath(path))
+                os.makedirs(directory, exist_ok=True)
+                with here().doing("io", f"opening --metrics {path}"):
+                    _check_writable_target(path)
+                    self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+                    if not _drop_partial_line(self.fd):
+                        self.close()
+                        raise UsageError(f"--metrics {path}: ends inside a line mpidist did not write: not a "
+                                         "metrics file (appending would change its last line); give another "
+                                         "--metrics")
+            except OSError as err:
+                raise UsageError(f"--metrics {path}: cannot open for appending ({err.strerror})") from None
+
+    def write(self, event, **fields):
+        if self.fd is None:
+            return
+        line = (json.dumps({"event": event, **fields}) + "\n").encode("utf-8")
+        start = _size(self.fd)
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(self.fd, line[written:])
+        except OSError as err:
+            self.failure = f"--metrics {self.path}: a write failed ({err.strerror})"
+            _truncate(self.fd, start)
+            self.close()
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _check_writable_target(path):
+    """Refuse what an append would block on or cannot hold: a FIFO, a socket, a directory."""
+    try:
+        kind = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(kind):
+        raise UsageError(f"--metrics {path}: is a directory")
+    if stat.S_ISFIFO(kind) or stat.S_ISSOCK(kind):
+        raise UsageError(f"--metrics {path}: is a FIFO or socket, not a file (a write could wait forever "
+                         "for a reader)")
+
+
+def _size(fd):
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return None
+
+
+def _truncate(fd, size):
+    """Cut a regular file back to ``size`` bytes (devices have no size to cut back to)."""
+    if size is not None:
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            pass
+
+
+PARTIAL = b'{"event": '      # how every line this log writes begins
+
+
+def _drop_partial_line(fd):
+    """If a regular file ends inside a line of ours (a crash mid-write), cut that line off; False if not ours.
+
+    Only a line that begins as this log's lines do is cut: a file that ends
+    inside any other line is someone else's, and is left as it is.
+    """
+    size = _size(fd)
+    if not size or not stat.S_ISREG(os.fstat(fd).st_mode):
+        return True
+    tail_start = max(0, size - 65536)
+    tail = os.pread(fd, size - tail_start, tail_start)
+    if tail.endswith(b"\n"):
+        return True
+    cut = tail.rfind(b"\n")
+    if (cut < 0 and tail_start > 0) or not tail[cut + 1:].startswith(PARTIAL[:len(tail) - cut - 1]):
+        return False
+    _truncate(fd, tail_start + cut + 1)
+    return True
+
+
+class Progress:
+    """Terminal output of the chief.
+
+    ``bar``: a progress bar (:mod:`tqdm`) with the step, the rate, the time
+    left, the loss and samples/s, redrawn in place, each evaluation printed
+    above it; ``lines``: one line per evaluation (log files, Slurm's output
+    files); ``none``: silent until the summary.  ``auto``: a bar where the
+    chief's output is a terminal, else lines.  Other ranks print nothing.
+    """
+
+    def __init__(self, mode, total_steps, epochs, stream=None, start_step=0):
+        self.stream = stream or sys.stdout
+        if mode == "auto":
+            mode = "bar" if _is_terminal(self.stream) else "lines"
+        self.mode, self.total, self.epochs = mode, max(total_steps, 1), epochs
+        self.start = time.perf_counter()
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            width = shutil.get_terminal_size((100, 24)).columns   # (a pty that reports no size: 100)
+            self.bar = tqdm(total=self.total, initial=min(start_step, self.total), file=self.stream, unit="step",
+                            ncols=min(width, 140), leave=False, desc=f"epoch 1/{epochs}", smoothing=0.1,
+                            bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                       "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+
+    def update(self, step, epoch, loss, samples_per_s):
+        if self.bar is None:
+            return
+        self.bar.set_description_str(f"epoch {epoch + 1}/{self.epochs}", refresh=False)
+        self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s", refresh=False)
+        self.bar.update(min(step, self.total) - self.bar.n)
+
+    def evaluated(self, step, epoch, loss, figures, split="test"):
+        """One line after an evaluation of ``split``: ``figures`` (:mod:`~mpidist.nn.scores`), accuracy or MSE, MAE, R^2."""
+        if self.mode == "none":
+            return
+        elapsed = time.perf_counter() - self.start
+        line = (f"epoch {epoch + 1:>3}/{self.epochs}  step {step:>6}  loss {loss:.4f}  "
+                f"{progress_text(figures, split)}  {elapsed:6.1f} s")
+        if self.bar is not None:
+            self.bar.clear()
+            self.stream.write(line + "\n")
+            self.bar.refresh()
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self):
+        """Take the bar off the terminal (before the summary); idempotent."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):    # a stream without one, or closed
+        return False
+
+
+def format_summary(rows):
+    """Two-column text table of ``(label, value)`` rows."""
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)

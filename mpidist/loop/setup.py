@@ -1,0 +1,238 @@
+"""What one rank builds before it trains: dataset, model, its shards, the strategy.
+
+Everything here is local (no collectives) and may fail on bad input with a
+:class:`~mpidist.runtime.errors.UsageError`, so the training loop runs it inside
+:func:`mpidist.runtime.agreement.agreed`.  It is built again, for the survivors'
+layout, when an elastic run loses workers (see :mod:`mpidist.loop.elastic`).
+"""
+
+import dataclasses
+import os
+
+from ..store import checkpoint
+from .. import data, nn
+from ..settings import models
+from ..nn import scores
+from ..runtime.errors import UsageError
+from ..runtime.memory import check_fits
+from ..runtime.text import printable
+from ..parallel import STRATEGIES
+from ..parallel.recipe import recipe_for, total_steps
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What a run trains: its model (a :class:`~mpidist.settings.models.ModelSource`) and its data.
+
+    ``data`` is a dataset file's path, a bundled dataset's name, or an
+    :class:`~mpidist.data.arrays.ArrayData`.
+    """
+
+    model: models.ModelSource
+    data: object
+
+    @classmethod
+    def of(cls, config, model=None, data=None):
+        """The inputs ``config`` names, or the objects given in Python in place of its strings."""
+        return cls(models.resolve(config.model if model is None else model), config.data if data is None else data)
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything the loop needs, built locally on each rank."""
+
+    info: data.DatasetInfo
+    model: nn.Sequential
+    train: data.Shard       # None on ranks that read no training data (ps)
+    test: data.Shard        # None on ranks that do not evaluate
+    val: data.Shard         # the validation split (a val/ group, or --val-fraction's), evaluated each epoch; or None
+    local_batch: int
+    steps_per_epoch: int
+    reading: data.Reading = None   # in memory or streamed, and why (the start-up table's data column)
+    resume: checkpoint.Checkpoint = None
+    skipped: list = dataclasses.field(default_factory=list)   # unreadable checkpoints passed over
+    notes: list = dataclasses.field(default_factory=list)     # what the chief says about the set-up
+
+
+def build_model_for(config, inputs, info, xp):
+    """The model sized for dataset ``info``; a shape mismatch is a :class:`UsageError` naming the dataset."""
+    try:
+        model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype)
+        # what training holds besides: gradients, the optimizer's arrays, the chief's gathered copy
+        arrays = 3 + len(checkpoint.OPTIMIZER_STATE.get(config.optimizer, ()))
+        check_fits(arrays * model.num_params * model.dtype.itemsize,
+                   f"training {model.num_params:,} parameters with {config.optimizer}")
+        return model
+    except UsageError as err:
+        outputs = f"{info.num_classes:,} classes" if info.num_classes else f"{info.target_width} target(s)"
+        raise UsageError(f"dataset {info.name!r} ({info.path}, {outputs}): {err}") from None
+
+
+def find_resume(config):
+    """``(checkpoint --resume names or None, [(path, reason) of unreadable newer ones skipped])``."""
+    if not config.resume:
+        return None, []
+    if config.resume == "auto":
+        return checkpoint.newest_valid(config.checkpoint_dir)   # empty directory: start afresh
+    return checkpoint.load(config.resume), []
+
+
+def data_layout(config, cluster):
+    """``(data-parallel workers, this rank's index among them)``: whose shard this rank reads (the strategy says)."""
+    return STRATEGIES[config.strategy].data_layout(config, cluster)
+
+
+def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
+    """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or None)."""
+    info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
+    if config.val_fraction:   # (a resumed run's rows are its checkpoint's: drawn by the seed it continues with)
+        info = data.carve_validation(info, config.val_fraction, config.seed if resume is None else resume.seed)
+    check_validation(config, info)
+    model = build_model_for(config, inputs, info, xp)
+    notes = []
+    if info.num_classes > info.sizes["train"]:
+        notes.append(f"warning: dataset {info.name!r} declares {info.num_classes:,} classes but has "
+                     f"{info.sizes['train']:,} training samples: some classes have none (a wrong num_classes?)")
+    STRATEGIES[config.strategy].check_model(config, model)
+    workers, worker = data_layout(config, cluster)
+    if model.running_entries() and not strategy_class(config, workers).running_statistics:
+        raise UsageError(f"--model {config.model} keeps running statistics (BatchNorm), which --strategy "
+                         f"{config.strategy}{' with --aggregate' if config.aggregate else ''} cannot carry: its "
+                         "workers step independently; use allreduce, ps-sync or pipeline, or LayerNorm")
+    in_graph = config.replication == "in-graph"
+    if not in_graph and info.sizes["train"] < workers:
+        raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training sample(s), fewer than the "
+                         f"{workers} workers: worker {info.sizes['train']} would have an empty shard")
+    # in-graph: global batches come from one reader, so an epoch is the whole split's worth of them
+    steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, workers)
+    if in_graph:
+        steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, 1)
+    if steps == 0:
+        raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
+                         f"--batch-size {config.batch_size} over {workers} workers")
+    reads = _reads(config, cluster, info, worker, workers)
+    reading = data.plan(config, info, [(split, len(range(w, info.sizes[split], n))) for split, w, n in reads.values()],
+                        model.input_shape, model.dtype)
+    shards = {split: reading.open(info, split, w, n, model.input_shape, model.dtype) for split, w, n in reads.values()}
+    train, test, val = (shards.get(split) for split in ("train", "test", "val"))
+    if resume is not None and resume.params.size != model.num_params:
+        raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
+                         f"{config.model} on {info.name!r} has {model.num_params} (it was written by --model "
+                         f"{printable(resume.config.get('model'))} on {printable(repr(resume.config.get('data')))})")
+    if resume is not None and set(resume.optimizer_state) != set(checkpoint.OPTIMIZER_STATE[config.optimizer]):
+        kept = ", ".join(map(printable, sorted(resume.optimizer_state))) or "none"
+        notes.append(f"note: --optimizer {config.optimizer} starts with fresh state: {resume.path} holds "
+                     f"another optimizer's ({kept}); the parameters and the position are resumed")
+        resume = dataclasses.replace(resume, optimizer_state={}, optimizer_steps=0)
+    smallest = config.batch_size // workers   # the smallest worker's share of a global batch
+    if config.accumulate > smallest:
+        raise UsageError(f"--accumulate {config.accumulate} cuts each worker's share of --batch-size "
+                         f"{config.batch_size} into slices, but {workers} workers get as few as {smallest} "
+                         f"sample(s) each: use --accumulate {max(smallest, 1)} or less, or a larger batch")
+    if config.strategy == "pipeline" and smallest // config.accumulate < config.micro_batches:
+        raise UsageError(f"--accumulate {config.accumulate} leaves slices of {smallest // config.accumulate} "
+                         f"sample(s) per replica, fewer than --micro-batches {config.micro_batches}")
+    if resume is not None:
+        notes.extend(recipe_changes(config, resume))
+    local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
+    if train is not None:   # (a stream reads its first window now, as a shard in memory was read whole above)
+        epoch, at = (0, 0) if resume is None else (resume.epoch, resume.epoch_step)
+        epoch, at = (epoch + 1, 0) if at >= steps else (epoch, at)
+        if epoch < config.epochs:
+            train.prime(config.seed if resume is None else resume.seed, epoch, 0 if in_graph else worker,
+                        at * (config.batch_size if in_graph else local_batch))
+    return Setup(info=info, model=model, train=train, test=test, val=val, local_batch=local_batch,
+                 steps_per_epoch=steps, reading=reading,
+                 resume=resume, skipped=list(skipped), notes=notes)
+
+
+def _reads(config, cluster, info, worker, workers):
+    """``{split: (split, worker, workers)}``: the part of each split this rank reads (none: not in the dict)."""
+    evaluated = ("test", "val") if "val" in info.sizes else ("test",)
+    if config.replication == "in-graph":   # the chief is the one client that reads samples
+        return {split: (split, 0, 1) for split in ("train",) + evaluated} if cluster.is_chief else {}
+    if worker is None:
+        return {}
+    reads = {"train": ("train", worker, workers)}
+    if strategy_class(config, workers).evaluation == "sharded":
+        reads.update({split: (split, worker, workers) for split in evaluated})
+    elif cluster.is_chief:
+        reads.update({split: (split, 0, 1) for split in evaluated})
+    return reads
+
+
+def validation_figures(info):
+    """The figures a validation of dataset ``info`` reports, as ``--keep-best`` and ``--early-stop`` name them."""
+    scoring = scores.Classification(info.num_classes) if info.num_classes else scores.Regression(info.target_width)
+    return ["val_" + name for name in scoring.scalar_names()]
+
+
+def check_validation(config, info):
+    """Refuse ``--keep-best`` and ``--early-stop`` without a validation split, or naming a figure it lacks."""
+    asked = [flag for flag, value in (("--keep-best", config.keep_best), ("--early-stop", config.early_stop))
+             if value]
+    if asked and "val" not in info.sizes:
+        raise UsageError(f"{' and '.join(asked)} judge(s) the run by a validation split, and dataset {info.name!r} "
+                         "has none: add --val-fraction F (or a val/ split to the file)")
+    if asked and not config.eval_every:
+        raise UsageError(f"{' and '.join(asked)} judge(s) the run at its validations, and --eval-every 0 has "
+                         "none: give --eval-every N (epochs between validations)")
+    if config.keep_best and config.keep_best not in validation_figures(info):
+        raise UsageError(f"--keep-best {config.keep_best!r}: dataset {info.name!r} is validated with "
+                         f"{', '.join(validation_figures(info))}")
+
+
+#: Settings that shape the learning rate of every step: a resumed run that changes them changes its schedule.
+RECIPE = ("lr", "lr_schedule", "lr_gamma", "lr_step_epochs", "lr_min", "warmup_epochs", "warmup_steps",
+          "warmup_from", "epochs", "steps", "batch_size", "weight_decay", "clip_norm", "accumulate", "val_fraction")
+
+
+def recipe_changes(config, resume):
+    """Notes for a resumed run whose recipe differs from the one its checkpoint was written with.
+
+    A schedule is a function of the step and these settings alone: with the
+    same ones a resumed run continues exactly; with others it continues on a
+    new schedule from the checkpoint's step, which the user should know.
+    """
+    changed = [f"--{name.replace('_', '-')} {printable(repr(resume.config[name]))} -> {getattr(config, name)!r}"
+               for name in RECIPE if name in resume.config and resume.config[name] != getattr(config, name)]
+    if not changed:
+        return []
+    return [f"note: resumed with another recipe than {resume.path} was written with ({', '.join(changed)}): "
+            "the schedule continues as the new settings give it from this step"]
+
+
+def strategy_class(config, workers):
+    """The class that runs ``config.strategy`` with ``workers`` workers (a mode may have a class of its own)."""
+    return STRATEGIES[config.strategy].variant(config, workers)
+
+
+def make_strategy(config, setup, cluster, xp, where=None, figures=None):
+    """The strategy ``config`` names, with an optimizer factory sized by the strategy."""
+    def make_optimizer(size):
+        return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype,
+                                 weight_decay=config.weight_decay)
+
+    cls = strategy_class(config, cluster.num_workers)
+    recipe = recipe_for(config, total_steps(config, setup), setup.steps_per_epoch)
+    return cls(setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer, cluster, seed=config.seed,
+               bucket_bytes=int(config.bucket_mb * (1 << 20)), where=where, figures=figures, recipe=recipe,
+               **cls.arguments(config, setup))
+
+
+def test_delay(worker):
+    """Seconds worker ``worker`` sleeps before each step: ``MPIDIST_TEST_DELAY=WORKER:SECONDS``.
+
+    ``WORKER`` is a worker index, or ``*`` for every worker.  For tests only
+    (a deliberately slow worker, or a slow run to signal midway); unset in real runs.
+    """
+    spec = os.environ.get("MPIDIST_TEST_DELAY", "")
+    if not spec or worker is None:
+        return 0.0
+    index, seconds = spec.split(":")
+    return float(seconds) if index == "*" or int(index) == worker else 0.0
+
+
+def layout_text(config, cluster):
+    """How the ranks are used, in words (the strategy says)."""
+    return STRATEGIES[config.strategy].layout_text(config, cluster)

@@ -1,0 +1,1 @@
+"""Seeing a run from outside: the timeline writer (``--trace``) and the stall monitor (``--stall-timeout``)."""

@@ -1,0 +1,151 @@
+"""Stopping cleanly when the job is told to: SIGTERM, SIGUSR1 or SIGINT on any rank.
+
+A scheduler preempts or times out a job by signalling its processes (Slurm:
+SIGTERM, then SIGKILL after ``KillWait``; ``--signal=USR1@T`` warns T seconds
+ahead).  The handler only records the signal; the training loop acts on it at
+a step boundary, where the model is consistent on every rank.
+
+The ranks must act at the *same* step, or their collectives would no longer
+match.  :class:`StepAgreement` gets them there without a blocking collective
+on the hot path: at every step boundary each rank posts its flags (signal
+seen, checkpoint due) in a non-blocking ``Iallreduce(MAX)`` on a private
+communicator and collects the one it posted a step earlier, which has long
+completed.  Every rank therefore learns the same flags at the same boundary,
+one step after the first rank saw them.
+
+Strategies whose ranks do not step together (``ps-async``, backup workers)
+carry the stop request in their own traffic instead (see their modules);
+every strategy ends with :func:`settle`, where all ranks agree on whether a
+signal cut the run short.
+"""
+
+import signal
+
+import numpy as np
+from mpi4py import MPI
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+#: A stop a callback asked for, carried where signal numbers are (flags combine with MAX): it is below
+#: every signal mpidist catches, so a real signal seen at the same boundary wins (checkpoint, exit 3).
+EARLY_STOP = 1
+#: A failed write of the chief's (the metrics file on a full disk), carried the same way: above every
+#: signal, so the run ends as failed (after a checkpoint, exit 1) whatever else was asked at that boundary.
+WRITE_FAILED = 1 << 20
+
+
+def signal_name(number):
+    """``SIGTERM`` for 15; ``signal 99`` for numbers Python does not know."""
+    if number == EARLY_STOP:
+        return "a callback's stop request"
+    if number == WRITE_FAILED:
+        return "a failed write"
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class StopSignals:
+    """Records the first of :data:`SIGNALS` this process receives (``received``: its number or 0).
+
+    A SIGINT while a stop is already pending raises KeyboardInterrupt, so
+    Ctrl-C twice still ends a run that cannot reach a step boundary (the
+    exception aborts the whole job, see mpidist.runtime.errors).
+
+    Installs nest: the command line installs the handlers before it parses
+    its flags, the run installs them again, and a signal that came during
+    start-up is still ``received`` when the loop looks (it stops the run at
+    its first step boundary, with exit code 3).  Only the outermost
+    :meth:`restore` puts the previous handlers back.
+    """
+
+    def __init__(self):
+        self.received = 0
+        self._previous = {}
+        self._depth = 0
+
+    def _handle(self, number, frame):
+        if number == signal.SIGINT and self.received:
+            raise KeyboardInterrupt
+        self.received = self.received or number
+
+    def install(self):
+        self._depth += 1
+        if self._depth == 1:
+            for number in SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+            self.received = 0
+        return self
+
+    def restore(self):
+        self._depth = max(0, self._depth - 1)
+        if self._depth:
+            return
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+    def __enter__(self):
+        return self.install()
+
+    def __exit__(self, *exc):
+        self.restore()
+
+
+_PROCESS = StopSignals()
+
+
+def stop_signals():
+    """This process's :class:`StopSignals` (the main thread's handlers are per process)."""
+    return _PROCESS
+
+
+class StepAgreement:
+    """Flags every rank sees at the same step boundary, one step after they were raised.
+
+    Flags (int64, combined with MAX): ``signal`` (the signal's number),
+    ``rank`` (1 + the rank that saw it) and ``due`` (a timed checkpoint is
+    due, as the chief's clock says).
+    """
+
+    FIELDS = ("signal", "rank", "due")
+
+    def __init__(self, comm):
+        self.comm = comm.Dup()   # its own context: never matched against the strategy's collectives
+        self._posted = np.zeros(len(self.FIELDS), dtype=np.int64)
+        self._result = np.zeros(len(self.FIELDS), dtype=np.int64)
+        self._request = None
+
+    def boundary(self, signal_number=0, due=False):
+        """Post this rank's flags; returns the flags all ranks posted at the previous boundary (a dict)."""
+        agreed = self._collect()
+        self._posted[...] = (signal_number, self.comm.Get_rank() + 1 if signal_number else 0, int(due))
+        self._request = self.comm.Iallreduce(self._posted, self._result, op=MPI.MAX)
+        return agreed
+
+    def _collect(self):
+        if self._request is None:
+            return dict.fromkeys(self.FIELDS, 0)
+        self._request.Wait()
+        self._request = None
+        return dict(zip(self.FIELDS, (int(v) for v in self._result)))
+
+    def close(self):
+        if self._request is not None:
+            self._request.Wait()
+            self._request = None
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+
+def settle(comm, signal_number, early):
+    """Blocking, after the last step: ``{"signal", "rank", "early"}`` over all ranks.
+
+    ``early``: this rank left the training loop before its last step because
+    of a stop request.  A signal that came only after the work was done
+    leaves ``early`` at 0: the run finished, and says so.
+    """
+    flags = np.array([signal_number, comm.Get_rank() + 1 if signal_number else 0, int(early)], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    return dict(zip(("signal", "rank", "early"), (int(v) for v in flags)))

@@ -1,0 +1,4 @@
+"""Files on disk that a run must never corrupt or lose: whole-file writes, checkpoints, lineages, run directories.
+
+No MPI here: the callers decide which rank writes.
+"""

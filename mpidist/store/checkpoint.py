@@ -1,0 +1,267 @@
+"""HDF5 checkpoints: written aside and renamed, so a crash never corrupts one.
+
+A checkpoint holds the flat parameters, the optimizer's flat state arrays
+and step count, the global step, the epoch and step within it, the data-order
+and RNG state, and the run's config as JSON.  Parameters are stored flat, so a
+checkpoint does not depend on how many workers wrote it.
+
+mpidist's random streams are counter-based, so their state is small: the
+data order of an epoch is a permutation drawn from ``(seed, epoch, worker)``
+and dropout masks come from ``(seed, worker, step)``.  The checkpoint records
+the seed, position and worker count that fix them, so a resumed run draws the
+very numbers the interrupted one would have (with the same worker count).
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from . import atomic
+from . import lineage as lineages
+from ..runtime.errors import RunError, UsageError
+from ..runtime.memory import check_fits
+from ..runtime.text import printable, shown
+from ..runtime.whereabouts import here
+
+FORMAT = "mpidist-checkpoint-1"
+#: what each optimizer keeps, one flat array per name (a checkpoint's optimizer/ group)
+OPTIMIZER_STATE = {"adam": ("m", "v"), "sgd": ("velocity",)}
+FLOATS = (np.dtype("float32"), np.dtype("float64"))
+LARGEST = 2 ** 62   # step counts and seeds above this cannot be honest
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A loaded checkpoint (host arrays)."""
+
+    path: Path
+    params: np.ndarray
+    optimizer_state: dict
+    optimizer_steps: int
+    step: int
+    epoch: int
+    epoch_step: int
+    config: dict
+    seed: int = 0           # the seed of the data order and random streams
+    lineage: str = ""       # the run lineage that wrote it (see mpidist.store.lineage)
+    parent: str = ""        # the lineage it branched from, if it did
+    best: dict = None       # --keep-best: {"figure", "value", "step"} of the best validation so far
+    elapsed: float = 0.0    # seconds the run had trained when it was written (its metrics' time)
+
+
+DATA_ORDER = "strided shards w::W, one permutation per epoch from (seed, epoch, worker)"
+RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
+
+
+def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
+         workers, lineage="", parent="", best=None, elapsed=0.0):
+    """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
+
+    ``seed`` and ``workers`` fix the data order and random streams (see the module text).
+    A write that fails (a full disk, a quota) raises :class:`RunError` with the
+    reason; the file written aside is removed and every older checkpoint is intact.
+    """
+    directory = Path(directory)
+    final = directory / lineages.file_name(step, lineage)
+    try:
+        with atomic.replacing(final) as aside, h5py.File(aside, "w") as handle:
+            handle.create_dataset("params", data=params)
+            group = handle.create_group("optimizer")
+            group.attrs["steps"] = int(optimizer_steps)
+            for name, array in optimizer_state.items():
+                group.create_dataset(name, data=array)
+            handle.attrs.update({"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step),
+                                 "config": config_json, "format": FORMAT, "lineage": lineage,
+                                 "parent": parent or "", "elapsed": float(elapsed),
+                                 "data_order": json.dumps({"seed": int(seed), "epoch": int(epoch),
+                                                           "epoch_step": int(epoch_step), "workers": int(workers),
+                                                           "scheme": DATA_ORDER}),
+                                 "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})})
+            if best:   # (a resumed run goes on judging against it)
+                handle.attrs["best"] = json.dumps(best)
+    except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        kept = ", ".join(e.path.name for e in lineages.CheckpointDir(directory).entries()) or "none"
+        raise RunError(f"checkpoint of step {step} not written to {directory}: {reason} (checkpoints there, "
+                       f"intact: {kept})") from None
+    return final
+
+
+def keep_as(path, name):
+    """Keep checkpoint ``path`` also as ``name`` in its directory (replacing an older one atomically); the new path.
+
+    A hard link costs no space and survives the pruning of ``path``; where the
+    file system has no hard links, a copy.  Either goes aside first (a name
+    pruning and ``--resume auto`` ignore), then is renamed into place.
+    """
+    path = Path(path)
+    final = path.parent / name
+    try:
+        with atomic.replacing(final) as aside:
+            aside.unlink(missing_ok=True)
+            try:
+                os.link(path, aside)
+            except OSError:
+                shutil.copyfile(path, aside)
+    except OSError as err:
+        raise RunError(f"best checkpoint {final} not kept: {os.strerror(err.errno) if err.errno else err}") from None
+    return final
+
+
+def load(path):
+    """Read a checkpoint file and check everything in it; a missing or bad one is a :class:`UsageError`.
+
+    The file is untrusted: its arrays' shapes and dtypes are checked before
+    they are read (and their size against the memory free), their values for
+    NaN and Inf, its attributes for type and range.  The message names the
+    file, the item and the value.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such checkpoint file")
+    try:
+        with here().doing("io", f"reading checkpoint {path}"), h5py.File(path, "r") as handle:
+            return _read(path, handle)
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
+        raise UsageError(f"{path}: not a readable checkpoint ({printable(err)})") from None
+
+
+def _read(path, handle):
+    def bad(item, problem):
+        return UsageError(f"{path}: {item} {problem}")
+
+    if handle.attrs.get("format") != FORMAT:
+        raise UsageError(f"{path}: not an mpidist checkpoint (no format attribute {FORMAT!r})")
+    params = _array(handle, "params", bad)
+    if params.ndim != 1 or params.dtype not in FLOATS:
+        raise bad("params", f"has shape {params.shape} and dtype {params.dtype}; a checkpoint holds one flat "
+                            "float32 or float64 array")
+    group = handle.get("optimizer", getclass=True)
+    if group is not h5py.Group:
+        raise bad("optimizer", "is missing")
+    group = handle["optimizer"]
+    arrays = {}
+    for name in group:
+        array = _array(group, name, bad, prefix="optimizer/")
+        if array.shape != params.shape or array.dtype not in FLOATS:
+            raise bad(f"optimizer/{printable(name)}", f"has shape {array.shape} and dtype {array.dtype}; it must "
+                                                      f"be flat like params {params.shape}")
+        arrays[name] = array
+    check_fits((1 + len(arrays)) * params.size * params.dtype.itemsize, f"checkpoint {path} ({params.size:,} "
+                                                                        "parameters)")
+    values = {name: _count(handle.attrs, name, bad) for name in ("step", "epoch", "epoch_step")}
+    optimizer_steps = _count(group.attrs, "steps", bad, prefix="optimizer/")
+    config = _json(handle.attrs, "config", bad)
+    rng = _json(handle.attrs, "rng", bad) if "rng" in handle.attrs else {}
+    seed = rng.get("seed", config.get("seed", 0))
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < LARGEST:
+        raise bad("rng seed", f"is {shown(seed)}; it must be an integer from 0")
+    lineage, parent = (_text(handle.attrs, name, bad) for name in ("lineage", "parent"))
+    best = _best(_json(handle.attrs, "best", bad), values["step"], bad) if "best" in handle.attrs else None
+    elapsed = handle.attrs.get("elapsed", 0.0)      # (older checkpoints have none: time starts again)
+    if not isinstance(elapsed, (float, np.floating)) or not 0 <= elapsed < 1e12:
+        raise bad("elapsed", f"is {shown(elapsed)}; it must be seconds, from 0")
+    loaded = {"params": handle["params"][...]}
+    for name in arrays:
+        loaded[name] = group[name][...]
+    for name, array in loaded.items():
+        if not np.isfinite(array).all():
+            item = name if name == "params" else f"optimizer/{printable(name)}"
+            raise bad(item, f"holds NaN or Inf ({int(np.count_nonzero(~np.isfinite(array)))} of {array.size} "
+                            "values): it cannot be trained or evaluated from; resume an earlier checkpoint")
+    return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded,
+                      optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage,
+                      parent=parent, best=best, elapsed=float(elapsed), **values)
+
+
+def _best(table, step, bad):
+    """The ``best`` attribute, checked: a figure's name, a finite value, and a step no later than the checkpoint's."""
+    figure, value, at = table.get("figure"), table.get("value"), table.get("step")
+    if not (isinstance(figure, str) and 0 < len(figure) <= 64 and figure.isidentifier()):
+        raise bad("attribute best", f"names figure {shown(figure)}; it must be a figure's name")
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)):
+        raise bad("attribute best", f"has value {shown(value)}; it must be a finite number")
+    if not (isinstance(at, int) and not isinstance(at, bool) and 0 <= at <= step):
+        raise bad("attribute best", f"has step {shown(at)}; it must be an integer from 0 to the checkpoint's {step}")
+    return {"figure": figure, "value": float(value), "step": at}
+
+
+def _array(group, name, bad, prefix=""):
+    """The dataset ``name`` of ``group`` (not read yet), checked to be a plain numeric array in this file."""
+    link = group.get(name, getlink=True)
+    if link is None:
+        raise bad(prefix + printable(name), "is missing")
+    if not isinstance(link, h5py.HardLink):
+        raise bad(prefix + printable(name), "is a link to elsewhere; a checkpoint holds its arrays itself")
+    item = group[name]
+    if not isinstance(item, h5py.Dataset) or item.is_virtual or item.dtype.kind != "f":
+        raise bad(prefix + printable(name), "is not an array of floats stored in this file")
+    return item
+
+
+def _count(attrs, name, bad, prefix=""):
+    """A non-negative integer attribute."""
+    value = attrs.get(name)
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, (np.integer, int)) and not isinstance(value, (bool, np.bool_)) and 0 <= value < LARGEST:
+        return int(value)
+    raise bad(f"attribute {prefix}{name}", f"is {shown(value)}; it must be an integer from 0")
+
+
+def _json(attrs, name, bad):
+    value = attrs.get(name)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    try:
+        table = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        table = None
+    if not isinstance(table, dict):
+        raise bad(f"attribute {name}", "is not a JSON object")
+    return table
+
+
+def _text(attrs, name, bad):
+    value = attrs.get(name, "")
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if not isinstance(value, str) or (value and not lineages.LINEAGE.match(value)):
+        raise bad(f"attribute {name}", f"is {shown(value)}; a lineage id is 8 hex digits")
+    return value
+
+
+def newest_valid(directory):
+    """``(newest checkpoint that loads, [(path, reason) for newer ones that did not])``.
+
+    The newest of the lineage written last (see :mod:`mpidist.store.lineage`):
+    another run's checkpoints in the same directory are never resumed by
+    ``--resume auto``.  A run killed while writing leaves no half file under
+    a checkpoint name (files are renamed into place), but a disk can still
+    corrupt one: the previous checkpoint is used then, and the caller reports
+    the skipped file.
+    """
+    place = lineages.CheckpointDir(directory)
+    latest = place.latest_lineage()
+    skipped = []
+    for entry in reversed(place.entries(latest) if latest is not None else []):
+        try:
+            return load(entry.path), skipped
+        except UsageError as err:
+            skipped.append((entry.path, str(err)))
+    return None, skipped
+
+
+def prepare_directory(directory):
+    """Create ``directory`` if needed and check it is writable (chief, at start-up)."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--checkpoint-dir {directory}: cannot create ({err.strerror})") from None
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"--checkpoint-dir {directory}: not writable")

@@ -1,0 +1,259 @@
+"""A checkpoint directory shared by runs: lineages, a lock, and what may be pruned.
+
+Every checkpoint belongs to a *lineage*: the id of the run that wrote it,
+inherited by the runs that resume it.  The id is part of the file name
+(``ckpt-<step>-<lineage>.h5``; files from before lineages, ``ckpt-<step>.h5``,
+form the lineage ``""``), so runs never overwrite each other's files, and a
+run prunes only its own lineage (see :class:`CheckpointDir`):
+
+- A fresh run (no ``--resume``) in a directory holding checkpoints stops with
+  exit 2 and says how to go on: resume, another directory, or ``--new-lineage``.
+- A resumed run continues the lineage of its checkpoint if that checkpoint is
+  the lineage's newest; resuming an older one (by choice, or because newer
+  ones do not load) starts a *branch*: a new lineage that records its parent,
+  so the newer files it passed over are never pruned by it.
+- ``--resume auto`` follows the lineage whose checkpoint was written last.
+- One run at a time writes to a directory: the chief holds an exclusive
+  ``flock`` on ``.mpidist-lock`` for the whole run.  The kernel releases it
+  when the holder dies, however it dies, so a dead run never keeps it.
+- Temporary files that killed writers left (``.ckpt-*.tmp-*``) are removed by
+  the next run that holds the lock: no live writer can own them then.
+"""
+
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+
+from ..runtime.errors import UsageError
+
+PATTERN = re.compile(r"^ckpt-(\d{8})(?:-([0-9a-f]{8}))?\.h5$")
+LINEAGE = re.compile(r"^[0-9a-f]{8}$")
+TEMPORARY = re.compile(r"^\.(?:ckpt|best)-.*\.tmp-\d+$")
+LOCK_NAME = ".mpidist-lock"
+
+
+def new_lineage():
+    """A fresh lineage id: 8 hex digits, random."""
+    return os.urandom(4).hex()
+
+
+def file_name(step, lineage):
+    """``ckpt-00000066-3fa2c1d0.h5`` (``ckpt-00000066.h5`` for the lineage ``""`` of older runs)."""
+    return f"ckpt-{step:08d}{'-' + lineage if lineage else ''}.h5"
+
+
+def parse_name(name):
+    """``(step, lineage)`` of a checkpoint file name, or None for other files."""
+    match = PATTERN.match(name)
+    return None if match is None else (int(match.group(1)), match.group(2) or "")
+
+
+def describe(lineage):
+    return f"lineage {lineage}" if lineage else "the lineage of files without an id (an older mpidist)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A checkpoint file in a directory, known by its name alone."""
+
+    path: Path
+    step: int
+    lineage: str
+
+    @property
+    def written(self):
+        """When the file was last written (nanoseconds); 0 if it vanished meanwhile."""
+        try:
+            return self.path.stat().st_mtime_ns
+        except OSError:
+            return 0
+
+
+class CheckpointDir:
+    """The checkpoint files of one directory, by lineage."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def entries(self, lineage=None):
+        """Checkpoint files (of ``lineage``, or all), lowest step first."""
+        if not self.path.is_dir():
+            return []
+        found = []
+        for path in self.path.iterdir():
+            parsed = parse_name(path.name)
+            if parsed is not None and (lineage is None or parsed[1] == lineage):
+                found.append(Entry(path, *parsed))
+        return sorted(found, key=lambda e: (e.step, e.lineage))
+
+    def last_written(self):
+        """The checkpoint file written last (by modification time, then step), or None."""
+        entries = self.entries()
+        return max(entries, key=lambda e: (e.written, e.step)) if entries else None
+
+    def latest_lineage(self):
+        """The lineage whose checkpoint was written last (``--resume auto`` follows it), or None."""
+        last = self.last_written()
+        return None if last is None else last.lineage
+
+    def newest_of(self, lineage):
+        """The highest-step entry of ``lineage``, or None."""
+        entries = self.entries(lineage)
+        return entries[-1] if entries else None
+
+    def prune(self, lineage, keep, newest):
+        """Delete all but the ``keep`` highest-step checkpoints of ``lineage``; returns the paths removed.
+
+        ``newest`` (the file just written) is never removed, whatever its step:
+        nothing newer than what the run just saved may push it out.
+        """
+        if keep <= 0:
+            return []
+        entries = [e for e in self.entries(lineage) if e.path != Path(newest)]
+        old = entries[:max(0, len(entries) - (keep - 1))]
+        for entry in old:
+            entry.path.unlink(missing_ok=True)
+        return [e.path for e in old]
+
+    def remove_stale_temporaries(self):
+        """Delete what killed writers left behind (call with the lock held); returns the names removed."""
+        removed = []
+        if self.path.is_dir():
+            for path in self.path.iterdir():
+                if TEMPORARY.match(path.name):
+                    path.unlink(missing_ok=True)
+                    removed.append(path.name)
+        return sorted(removed)
+
+
+def newest_checkpoint(directory):
+    """The path of the newest checkpoint of the lineage written last in ``directory`` ("" or missing: None)."""
+    place = CheckpointDir(directory) if directory else None
+    if place is None or not place.entries():
+        return None
+    latest = place.newest_of(place.latest_lineage())
+    return None if latest is None else latest.path
+
+
+@dataclasses.dataclass
+class Claim:
+    """What the chief settled at start-up: the lineage this run writes, and notes for the terminal."""
+
+    lineage: str
+    parent: str = None
+    notes: list = dataclasses.field(default_factory=list)
+    lock: "DirectoryLock" = None
+
+    def release(self):
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``DIR/.mpidist-lock``, held while a run may write checkpoints there."""
+
+    def __init__(self, directory):
+        self.path = Path(directory) / LOCK_NAME
+        self.fd = None
+        self.warning = None   # why the directory could not be locked, where the file system cannot
+
+    def acquire(self):
+        """Take the lock, or raise :class:`UsageError` naming the run that holds it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise UsageError(f"--checkpoint-dir {self.path.parent}: cannot create its lock file {LOCK_NAME} "
+                             f"({err.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise UsageError(f"--checkpoint-dir {self.path.parent} is in use by another run ({holder}): two "
+                                 "runs cannot write checkpoints to one directory; wait for it to end, or use "
+                                 "another --checkpoint-dir") from None
+            # some parallel file systems have no locks (Lustre without -o flock): go on, and say so
+            self.warning = (f"--checkpoint-dir {self.path.parent} cannot be locked ({err.strerror}): make sure no "
+                            "other run writes there")
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self.fd = fd
+        return self
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)   # closing the descriptor drops the flock
+            self.fd = None
+
+
+def _read_holder(fd):
+    """The holder's own description of itself (untrusted text: printed escaped), or a fallback."""
+    try:
+        raw = os.pread(fd, 512, 0)
+        holder = json.loads(raw.decode("utf-8"))
+        return f"pid {int(holder['pid'])} on {str(holder['host'])!r} since {str(holder['since'])!r}"
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "its lock file names no process"
+
+
+def claim(config, resume):
+    """Chief, at start-up: lock ``--checkpoint-dir``, clean it, and settle the lineage this run writes.
+
+    Args:
+        config: the run's settings (``checkpoint_dir``, ``resume``, ``new_lineage``).
+        resume: the :class:`~mpidist.store.checkpoint.Checkpoint` the run resumes from, or None.
+
+    Returns:
+        a :class:`Claim` (its lock held until :meth:`Claim.release`).
+    """
+    if not config.checkpoint_dir:
+        return Claim(lineage=resume.lineage if resume is not None else new_lineage())
+    directory = CheckpointDir(config.checkpoint_dir)
+    lock = DirectoryLock(directory.path).acquire()
+    try:
+        result = _settle_lineage(config, resume, directory)
+    except BaseException:
+        lock.release()
+        raise
+    result.lock = lock
+    if lock.warning:
+        result.notes.append(f"warning: {lock.warning}")
+    removed = directory.remove_stale_temporaries()
+    if removed:
+        result.notes.append(f"removed {len(removed)} temporary file(s) that interrupted checkpoint writes left in "
+                            f"{directory.path}: {', '.join(removed)}")
+    return result
+
+
+def _settle_lineage(config, resume, directory):
+    if resume is None:
+        present = directory.entries()
+        if present and config.resume != "auto" and not config.new_lineage:
+            latest = directory.last_written()
+            raise UsageError(f"--checkpoint-dir {directory.path} holds the checkpoints of another run "
+                             f"({len(present)} file(s), the last written {latest.path.name}, step {latest.step}); "
+                             "continue that run with --resume auto, write to another --checkpoint-dir, or start a "
+                             "new lineage of checkpoints beside it with --new-lineage (its files are kept)")
+        lineage = new_lineage()
+        notes = [f"new checkpoint lineage {lineage} in {directory.path}, beside {len(present)} checkpoint(s) of "
+                 "other runs (never pruned by this one)"] if present else []
+        return Claim(lineage=lineage, notes=notes)
+    newest = directory.newest_of(resume.lineage)
+    continues = newest is None or newest.step <= resume.step or Path(newest.path).resolve() == \
+        Path(resume.path).resolve()
+    if continues:
+        return Claim(lineage=resume.lineage)
+    lineage = new_lineage()
+    return Claim(lineage=lineage, parent=resume.lineage,
+                 notes=[f"branching: {resume.path} (step {resume.step}) is not the newest checkpoint of its "
+                        f"{describe(resume.lineage)} ({newest.path.name} is): this run writes the new lineage "
+                        f"{lineage}, and leaves that one's files as they are"])

@@ -1,0 +1,230 @@
+"""A run's directory: its settings, metrics, log, timeline and checkpoints, in ``runs/<name>-<date-time>/``.
+
+As TensorBoard and Lightning users expect, each run writes into a directory
+of its own (``--run-dir``; ``auto``: ``runs/<model>-<data>-<strategy>-<date>-<time>``
+under the working directory):
+
+=================  ==========================================================
+``settings.toml``  the run's settings, resolved (``--config`` takes it back)
+``metrics.jsonl``  the metrics (unless ``--metrics`` names another file)
+``log.txt``        what the chief printed, as plain lines
+``trace.json``     the timeline, with ``--trace``
+``checkpoints/``   unless ``--checkpoint-dir`` names another directory
+=================  ==========================================================
+
+A resumed run continues in the directory it resumes from: ``--resume
+runs/X/checkpoints/ckpt-...h5``, or ``--resume auto`` (the newest directory of
+runs of the same name that holds a checkpoint).  ``--run-dir ''`` writes no
+directory: metrics go to ``metrics.jsonl`` in the working directory, and
+there are no checkpoints unless ``--checkpoint-dir`` asks for them.
+"""
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+from pathlib import Path
+
+from . import atomic
+from ..runtime.errors import UsageError
+from .lineage import LOCK_NAME
+
+ROOT = "runs"
+SETTINGS, METRICS, LOG, TRACE, CHECKPOINTS = "settings.toml", "metrics.jsonl", "log.txt", "trace.json", "checkpoints"
+AUTO = "auto"
+#: settings that say where this run's files go, not what it does: not written to settings.toml
+WHERE = ("run_dir", "resume", "metrics", "checkpoint_dir", "config")
+
+
+def run_name(config):
+    """``mlp-digits-allreduce``: the model, the dataset and the strategy, in characters safe in a file name."""
+    data = Path(config.data).stem if os.sep in config.data or config.data.endswith(".h5") else config.data
+    parts = [config.model, data, config.strategy]
+    return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "-", part).strip("-.")[:40] for part in parts if part)
+
+
+def planned(config):
+    """The run directory ``config`` asks for, before it is made: its path, ``''`` for none, or None (a new one)."""
+    if config.run_dir != AUTO:
+        return config.run_dir
+    if config.resume:     # a run directory's checkpoint (or its checkpoints/, with auto): continue that run
+        source = Path(config.resume).parent if config.resume != AUTO else \
+            Path(config.checkpoint_dir) if config.checkpoint_dir not in (AUTO, "") else None
+        if source is not None and source.name == CHECKPOINTS and (source.parent / SETTINGS).is_file():
+            return str(source.parent)
+    if config.resume == AUTO and config.checkpoint_dir == AUTO:
+        newest = newest_run(config)
+        if newest is not None:
+            return str(newest)
+    return None
+
+
+def newest_run(config, root=ROOT):
+    """The newest directory of runs named as ``config``'s under ``root`` holding a checkpoint, or None."""
+    pattern = re.compile(re.escape(run_name(config)) + r"-(\d{8}-\d{6})(?:-(\d+))?")
+
+    def started(entry):    # (its time, then its -2, -3... among runs started in the same second)
+        match = pattern.fullmatch(entry.name)
+        return match.group(1), int(match.group(2) or 1)
+
+    try:
+        candidates = [entry for entry in Path(root).iterdir() if pattern.fullmatch(entry.name)
+                      and any((entry / CHECKPOINTS).glob("ckpt-*.h5"))]
+    except OSError:
+        return None
+    return max(candidates, key=started, default=None)
+
+
+def resolved(config, run_dir):
+    """``config`` with ``run_dir`` in place and ``--metrics``/``--checkpoint-dir`` ``auto`` resolved."""
+    metrics = config.metrics
+    if metrics == AUTO:
+        metrics = str(Path(run_dir) / METRICS) if run_dir else METRICS
+    checkpoint_dir = config.checkpoint_dir
+    if checkpoint_dir == AUTO:
+        checkpoint_dir = str(Path(run_dir) / CHECKPOINTS) if run_dir else ""
+    return dataclasses.replace(config, run_dir=run_dir, metrics=metrics, checkpoint_dir=checkpoint_dir)
+
+
+def make(config, where, now=None, root=ROOT):
+    """Create the run directory ``where`` (:func:`planned`'s answer for ``config``) and return its absolute path.
+
+    One rank makes it, the others are told.  A new one (``where`` None) is
+    named ``<name>-<YYYYmmdd>-<HHMMSS>``, with ``-2``, ``-3``... where runs
+    started in the same second.  Nothing is written in it yet.
+    """
+    if where == "":
+        return ""
+    try:
+        if where is not None:
+            if os.path.exists(where) and not os.path.isdir(where):
+                raise UsageError(f"--run-dir {where}: is a file, not a directory")
+            os.makedirs(where, exist_ok=True)
+            _check_directory(where)
+            return os.path.abspath(where)
+        stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+        os.makedirs(root, exist_ok=True)
+        base = Path(root) / f"{run_name(config)}-{stamp}"
+        for count in range(1, 1000):
+            path = base if count == 1 else Path(f"{base}-{count}")
+            try:
+                os.mkdir(path)
+                return os.path.abspath(path)
+            except FileExistsError:
+                continue
+    except OSError as err:
+        raise UsageError(f"--run-dir {where or root}: cannot create the run directory ({err.strerror})") from None
+    raise UsageError(f"--run-dir: {base} and 998 more like it exist already")
+
+
+def remove_if_empty(path):
+    """Remove run directory ``path`` if the run wrote nothing into it (an empty ``checkpoints/``, its lock aside)."""
+    root, checkpoints = Path(path), Path(path) / CHECKPOINTS
+    try:
+        if {entry.name for entry in root.iterdir()} - {CHECKPOINTS}:
+            return
+        if checkpoints.is_dir():
+            if {entry.name for entry in checkpoints.iterdir()} - {LOCK_NAME}:
+                return
+            (checkpoints / LOCK_NAME).unlink(missing_ok=True)
+            checkpoints.rmdir()
+        root.rmdir()
+    except OSError:     # (someone else's files appeared, or it went: either way, leave it)
+        return
+
+
+def _check_directory(path):
+    if not os.path.isdir(path):
+        raise UsageError(f"--run-dir {path}: is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--run-dir {path}: cannot be written to")
+
+
+def write_settings(config, run_dir):
+    """Write the resolved settings to ``run_dir/settings.toml`` (atomically): what ``--config`` reads back.
+
+    Where the run's files went is left out, so a run started from the file
+    writes a directory of its own.
+    """
+    lines = ["# mpidist: this run's settings, resolved; `python -m mpidist train --config` takes them back"]
+    for field in dataclasses.fields(config):
+        if field.name not in WHERE:
+            lines.append(f"{field.name.replace('_', '-')} = {toml_value(getattr(config, field.name))}")
+    try:
+        with atomic.replacing(Path(run_dir) / SETTINGS) as aside:
+            aside.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise UsageError(f"--run-dir {run_dir}: cannot write {SETTINGS} ({err.strerror})") from None
+
+
+def toml_value(value):
+    """A TOML literal of a setting: a bool, an int, a float (``inf``, ``nan`` as TOML spells them) or a string.
+
+    JSON's string escapes are TOML's basic-string escapes.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    return json.dumps(str(value))
+
+
+class LogCopy:
+    """The chief's terminal stream, copied to ``log.txt`` as plain lines: a redrawn progress bar is left out.
+
+    Text is copied a whole line at a time, each line from its last carriage
+    return on (what a terminal shows of it once drawn).
+    """
+
+    def __init__(self, stream, path):
+        self.stream, self.path, self.pending, self.file = stream, path, "", None
+        self.broken = False     # the log could not be written: the terminal alone goes on
+
+    def write(self, text):
+        self.stream.write(text)
+        if self.broken:
+            return
+        lines = (self.pending + text).split("\n")
+        self.pending = lines.pop()
+        if lines:
+            try:
+                if self.file is None:   # opened at the first line: a run refused at set-up leaves no file
+                    self.file = open(self.path, "a", encoding="utf-8")
+                self.file.write("".join(line.rsplit("\r", 1)[-1] + "\n" for line in lines))
+                self.file.flush()
+            except OSError:     # a full disk: the terminal still shows everything, the log stops
+                self.close()
+                self.broken = True
+
+    def flush(self):
+        self.stream.flush()
+
+    def isatty(self):
+        return self.stream.isatty()
+
+    def close(self):
+        if self.pending.rsplit("\r", 1)[-1].strip() and not self.broken:
+            self.pending += "\n"
+            self.write("")
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+            self.file = None
+
+
+def resume_flags(config):
+    """The flags that resume the run of ``config`` from its newest checkpoint, as a user would type them."""
+    if config.run_dir and os.path.abspath(config.checkpoint_dir) == os.path.abspath(Path(config.run_dir) / CHECKPOINTS):
+        return f"--resume auto --run-dir {shlex.quote(config.run_dir)}"
+    return f"--resume auto --checkpoint-dir {shlex.quote(config.checkpoint_dir)}"

@@ -1,0 +1,65 @@
+"""``python -m mpidist info``: what this job runs on, as the chief sees it."""
+
+import platform
+import sys
+
+import h5py
+import numpy as np
+from mpi4py import MPI
+import mpi4py
+
+from .. import __version__, data
+from ..runtime import comm
+from ..runtime.memory import default_budget, human, ranks_per_node
+from ..runtime.ulfm import ulfm_support
+from ..nn import MODELS
+
+THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                 MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+
+
+def _gpus():
+    try:
+        import cupy
+        return f"cupy {cupy.__version__}, {cupy.cuda.runtime.getDeviceCount()} GPU(s) visible"
+    except Exception as err:  # missing cupy or driver: say why, never fail
+        return f"none ({type(err).__name__}: {err})".splitlines()[0][:100]
+
+
+def report(world, models_only=False):
+    """Collective: the text rank 0 prints (None on other ranks)."""
+    if models_only:
+        if world.Get_rank() != 0:
+            return None
+        return "\n".join(f"{name:<10} {text}" for name, (_, text) in MODELS.items())
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    hosts = world.gather((MPI.Get_processor_name(), node.Get_size()), root=0)
+    node.Free()
+    if world.Get_rank() != 0:
+        return None
+    per_node = {}
+    for host, size in hosts:
+        per_node[host] = size
+    version = MPI.Get_library_version().strip().splitlines()[0]
+    elastic, why_not = ulfm_support()
+    rows = [
+        ("mpidist", __version__),
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("mpi4py", mpi4py.__version__),
+        ("MPI library", f"{version} ({comm.mpi_library_path() or 'path unknown'})"),
+        ("MPI standard", "{}.{}".format(*MPI.Get_version())),
+        ("thread level", THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
+        ("CUDA-aware MPI", f"{'yes' if comm.cuda_aware() else 'no'}; GPU arrays travel "
+                           f"{comm.transfer_path()} (override: MPIDIST_CUDA_AWARE=0|1)"),
+        ("--elastic", "yes: this MPI reports dead processes (ULFM)" if elastic else f"no: {why_not}"),
+        ("ranks", f"{world.Get_size()} on {len(per_node)} node(s): "
+                  + ", ".join(f"{h} x{n}" for h, n in sorted(per_node.items()))),
+        ("numpy / h5py", f"{np.__version__} / {h5py.__version__} (HDF5 {h5py.version.hdf5_version})"),
+        ("GPUs", _gpus()),
+        ("models", ", ".join(MODELS)),
+        ("bundled datasets", ", ".join(data.bundled_names()) or "none found"),
+        ("data budget", f"{human(default_budget())} per rank (--memory-budget auto: half the node's free memory "
+                        f"over {ranks_per_node()} rank(s) per node); a rank whose shards need more streams them"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
