@@ -51,3 +51,14 @@ def test_all_ranks_are_workers_and_rank_0_is_the_chief():
     else:
         assert table is None
     cluster.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_cluster_frees_the_communicators_it_made_once():
+    world = MPI.COMM_WORLD
+    cluster = build_cluster(world, num_ps=1)
+    made = (cluster.role_comm, cluster.node)
+    cluster.free()
+    assert all(comm == MPI.COMM_NULL for comm in made)
+    cluster.free()   # a second free does nothing (it would be an MPI error on a freed handle)
+    assert world.allreduce(1) == world.Get_size()   # the world itself is untouched

@@ -280,7 +280,8 @@ def test_the_chiefs_state_reaches_every_survivor_as_a_checkpoint():
     import numpy as np
     from mpi4py import MPI
 
-    from mpidist.loop.elastic import Position, share, share_position
+    from mpidist.loop.elastic import share, share_position
+    from mpidist.loop.position import Position
     from mpidist.runtime.ulfm import FailureWatch
     world = MPI.COMM_WORLD
     root = world.Get_size() - 1

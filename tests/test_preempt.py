@@ -38,7 +38,8 @@ def test_every_rank_learns_a_signal_at_the_same_boundary_one_step_later():
     for step in range(6):
         raised = signal.SIGTERM if (rank == size - 1 and step >= 3) else 0   # stays raised, as a signal does
         seen.append(agreement.boundary(raised, due=(rank == 0 and step == 1)))
-    agreement.close()
+    agreement.free()
+    agreement.free()   # a second free does nothing
     final = settle(comm, signal.SIGUSR1 if rank == 1 else 0, early=(rank == 0))
     assert [flags["signal"] for flags in seen] == [0, 0, 0, 0, signal.SIGTERM, signal.SIGTERM]
     assert [flags["due"] for flags in seen] == [0, 0, 1, 0, 0, 0]

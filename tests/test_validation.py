@@ -12,7 +12,7 @@ from mpidist import data
 from mpidist.settings.config import Settings
 from mpidist.runtime.errors import UsageError
 from mpidist.nn.schedules import LearningRate
-from mpidist.loop.training import BestSoFar
+from mpidist.loop.evaluations import BestSoFar
 
 
 def digits_info():

@@ -73,6 +73,7 @@ class Checkpointer:
         self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
         self.written = []   # paths this process wrote, oldest first
         self.last_step = None
+        self.taken_at = None   # the step the run's state was last checkpointed at, on every rank (once a step)
         self.best = None    # --keep-best: the file that keeps the best checkpoint, once there is one
 
     def run_time(self, now=None):

@@ -2,12 +2,15 @@
 
 All of the recovery lives here, around the loop, in the shape of Horovod's
 elastic ``run_fn`` and ``State``: :func:`run_with_recovery` runs the loop
-and, when a process dies, :func:`recover` makes the survivors agree on a
-:class:`State` (commit, restore, sync) and enters the loop again from it.
-Strategies take part only through ``survivor_state`` (restore: a ps-sync ps
-takes back the one update the chief never saw, kept by its
-:class:`~mpidist.parallel.ps_sync.PreviousShard`, the commit); the figures
-they count live in a dict the loop owns, which outlives them.
+and, when a process dies, the :class:`State` recovers: the survivors agree
+on the state (restore, sync) and the state's reset callbacks build the loop
+again from it.  The state owns the run's position (the loop moves it step by
+step: the commit) and knows what the run is made of now (``bind``); it uses
+nothing else of the loop.  Strategies take part through one hook,
+:meth:`~mpidist.parallel.base.Strategy.survivor_state` (a ps-sync ps takes
+back the one update the chief never saw, kept by its
+:class:`~mpidist.parallel.ps_sync.PreviousShard`); the figures they count
+live in a dict the loop owns, which outlives them.
 
 When a blocking call reports a dead process (:mod:`mpidist.runtime.ulfm`),
 the survivors recover:
@@ -38,27 +41,19 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .. import data
 from ..runtime import comm as mpi
-from ..store.checkpoint import Checkpoint
+from ..runtime.cluster import PS
 from ..runtime.errors import EXIT_FAILURE, RunError, error_line
-from ..store.lineage import newest_checkpoint
 from ..runtime.ulfm import cannot_go_on, describe_lost, exit_after_failure, is_failure, shrink
-
-
-@dataclasses.dataclass
-class Position:
-    """Where the chief is: the run's step, its epoch and the step within it."""
-
-    step: int
-    epoch: int
-    epoch_step: int
-
-    def as_array(self):
-        return np.array([self.step, self.epoch, self.epoch_step], dtype=np.int64)
+from ..store.checkpoint import Checkpoint
+from ..store.lineage import newest_checkpoint
+from .position import Position
+from .setup import data_layout
 
 
 def share_position(comm, root, position):
-    """Collective: the chief's :class:`Position` on every rank."""
+    """Collective: the chief's :class:`~mpidist.loop.position.Position` on every rank."""
     values = position.as_array() if comm.Get_rank() == root else np.zeros(3, dtype=np.int64)
     mpi.bcast(comm, values, root=root)
     return Position(*(int(v) for v in values))
@@ -87,88 +82,97 @@ def share(comm, root, state, position, names, count, dtype, config, seed):
 class State:
     """The run's state as the survivors of a lost rank agree on it (Horovod's elastic ``State``).
 
-    * commit: made as the run goes, by the strategies (:class:`PreviousShard`),
-      so that no recovery needs a file;
-    * :meth:`restore`: each survivor's part of the state at the chief's step;
+    * commit: the loop moves :attr:`position` after every step, and the
+      strategies keep what only they hold as they go (a ps-sync ps's previous
+      shard), so that no recovery needs a file;
+    * :meth:`restore`: the chief's position, and each survivor's part of the
+      state at the chief's step (the strategy's ``survivor_state``);
     * :meth:`sync`: the chief's state on every survivor, as an in-memory
-      :class:`~mpidist.store.checkpoint.Checkpoint`, which the loop resumes from
-      exactly as ``--resume`` resumes a file on another number of ranks.
+      :class:`~mpidist.store.checkpoint.Checkpoint`, which the reset
+      callbacks resume from exactly as ``--resume`` resumes a file on
+      another number of ranks.
+
+    Args:
+        config: the run's settings.
+        position: the run's :class:`~mpidist.loop.position.Position` (the loop's own object).
     """
 
-    def __init__(self, training, world, cluster):
-        self.training, self.world, self.cluster = training, world, cluster
+    def __init__(self, config, position):
+        self.config, self.position = config, position
+        self.cluster = self.setup = self.strategy = None
+        self.revoked = []       # communicators besides the cluster's that survivors may be blocked in
+        self.recoveries = []    # each loss survived ("recovered" events)
+        self.callbacks = {"reset": [], "give_up": [], "recovered": []}
 
-    def restore(self):
+    def bind(self, cluster, setup, strategy):
+        """What the run is made of now: its ranks, its set-up (data, model) and its strategy."""
+        self.cluster, self.setup, self.strategy = cluster, setup, strategy
+
+    def register(self, event, callback):
+        """Call ``callback`` on ``event``: ``reset(cluster, checkpoint)`` (build the loop again for the
+        survivors), ``give_up(message)`` (a lost chief or ps ends the run), ``recovered(record)``."""
+        self.callbacks[event].append(callback)
+
+    def _fire(self, event, *args):
+        for callback in self.callbacks[event]:
+            callback(*args)
+
+    def restore(self, world, cluster):
         """Collective: ``(the chief's Position, the strategy's state at that step on the chief)``."""
-        training = self.training
-        here = Position(training.step, training.epoch, training.epoch_step)
-        position = share_position(self.world, self.cluster.chief_rank, here)
-        return position, training.strategy.survivor_state(self.cluster, position.step)
+        position = share_position(world, cluster.chief_rank, self.position)
+        return position, self.strategy.survivor_state(cluster, position.step)
 
-    def sync(self, position, state):
-        """Collective: the chief's ``state`` as a checkpoint on every survivor."""
-        training = self.training
-        model, config = training.setup.model, training.config
-        names = list(training.strategy.optimizer.state_arrays())
-        return share(self.world, self.cluster.chief_rank, state, position, names, model.num_params, model.dtype,
+    def sync(self, world, cluster, position, held):
+        """Collective: the chief's ``held`` state as a checkpoint on every survivor."""
+        model, config = self.setup.model, self.config
+        names = list(self.strategy.optimizer.state_arrays())
+        return share(world, cluster.chief_rank, held, position, names, model.num_params, model.dtype,
                      dataclasses.asdict(config), config.seed)
 
+    def recover(self):
+        """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go on.
 
-def run_with_recovery(training):
-    """Run ``training`` to its end; with ``--elastic``, recover from lost workers and go on (Horovod's ``run_fn``)."""
+        A lost chief or ps ends every survivor with exit code 1 (their state is
+        held nowhere else); the message names the newest checkpoint.
+        """
+        began, old, config = time.perf_counter(), self.cluster, self.config
+        world, lost = shrink(old.world, [old.role_comm] + self.revoked)
+        lost_text = describe_lost(lost, old)
+        if any(old.roles[rank] == PS or rank == old.chief_rank for rank in lost):
+            message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir))
+            self._fire("give_up", message)
+            if world.Get_rank() == 0:
+                sys.stderr.write(error_line(message) + "\n")
+            exit_after_failure(EXIT_FAILURE)
+        cluster = old.survivors(world, lost)
+        position, held = self.restore(world, cluster)
+        self.revoked = []
+        self._fire("reset", cluster, self.sync(world, cluster, position, held))
+        workers = data_layout(config, cluster)[0]
+        record = {"step": position.step, "epoch": position.epoch + 1, "lost": lost_text,
+                  "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, "ps": config.ps,
+                  "global_batch": config.batch_size,
+                  "local_batches": [data.local_batch_size(config.batch_size, workers, w) for w in range(workers)],
+                  "steps_per_epoch": self.setup.steps_per_epoch, "seconds": time.perf_counter() - began}
+        self.recoveries.append(record)
+        self._fire("recovered", record)
+
+
+def run_with_recovery(state, run):
+    """``run()`` to its end; with ``--elastic``, recover ``state`` from lost workers and run again (Horovod's ``run_fn``)."""
     while True:
         try:
-            return training.run_to_end()
+            return run()
         except MPI.Exception as err:
-            if not is_failure(err, training.cluster.world):
+            if not is_failure(err, state.cluster.world):
                 raise
-            if not training.config.elastic:   # an MPI that reports deaths, but no --elastic: say so, end
+            if not state.config.elastic:   # an MPI that reports deaths, but no --elastic: say so, end
                 raise RunError(f"a process of the job died ({err.Get_error_string()}); without --elastic the "
                                "run cannot go on: resume from the last checkpoint with --resume auto") from None
             try:
-                recover(training)
+                state.recover()
             except MPI.Exception as again:   # within the recovery's few milliseconds: give up, clearly
                 if not is_failure(again):
                     raise
                 raise RunError("another process died while the survivors recovered from a loss: resume from "
                                "the last checkpoint with --resume auto") from None
-
-
-def recover(training):
-    """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go on.
-
-    A lost chief or ps ends every survivor with exit code 1 (their state is
-    held nowhere else); the message names the newest checkpoint.
-    """
-    from .setup import data_layout
-    from ..runtime.cluster import PS
-    from ..data import local_batch_size
-
-    began = time.perf_counter()
-    old, config = training.cluster, training.config
-    in_use = [old.role_comm] + ([training.agreement.comm] if training.agreement else [])
-    world, lost = shrink(old.world, in_use)
-    lost_text = describe_lost(lost, old)
-    if any(old.roles[rank] == PS or rank == old.chief_rank for rank in lost):
-        message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir))
-        training.give_up(message)
-        if world.Get_rank() == 0:
-            sys.stderr.write(error_line(message) + "\n")
-        exit_after_failure(EXIT_FAILURE)
-    cluster = old.survivors(world, lost)
-    state = State(training, world, cluster)
-    position, held = state.restore()
-    training.continue_from(cluster, state.sync(position, held))
-    workers = data_layout(config, cluster)[0]
-    record = {"step": position.step, "epoch": position.epoch + 1, "lost": lost_text,
-              "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, "ps": config.ps,
-              "global_batch": config.batch_size,
-              "local_batches": [local_batch_size(config.batch_size, workers, w) for w in range(workers)],
-              "steps_per_epoch": training.setup.steps_per_epoch, "seconds": time.perf_counter() - began}
-    training.recoveries.append(record)
-    if training.chief:
-        training.log.write("recovered", **record)
-        split = "/".join(map(str, record["local_batches"]))
-        training.say(f"mpidist: lost {lost_text}; continuing from step {position.step} with {workers} "
-                     f"worker(s): global batch {config.batch_size} split {split}, "
-                     f"{training.setup.steps_per_epoch} steps/epoch (recovered in {record['seconds']:.2f} s)")

@@ -184,8 +184,8 @@ class StallMonitor:
         except MPI.Exception:
             return
 
-    def close(self, abandon=False):
-        """Collective (unless ``abandon``, after a lost rank): stop the threads and free the communicator."""
+    def free(self, abandon=False):
+        """Collective (unless ``abandon``, after a lost rank): stop the threads and free the communicator (once)."""
         if not self.active or self.comm is None:
             return
         self._stop.set()

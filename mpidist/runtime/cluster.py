@@ -132,8 +132,10 @@ class Cluster:
         return "\n".join(lines)
 
     def free(self):
+        """Free the communicators this cluster split off the world (once: a second call does nothing)."""
         for comm in (self.role_comm, self.node):
-            comm.Free()
+            if comm != MPI.COMM_NULL:
+                comm.Free()   # (mpi4py nulls the handle)
 
 
 def node_layout(world):

@@ -131,7 +131,8 @@ class StepAgreement:
         self._request = None
         return dict(zip(self.FIELDS, (int(v) for v in self._result)))
 
-    def close(self):
+    def free(self):
+        """Complete the last exchange and free the communicator (once: a second call does nothing)."""
         if self._request is not None:
             self._request.Wait()
             self._request = None

@@ -1,0 +1,93 @@
+"""What a run writes as it goes: the terminal (and log.txt), metrics and callbacks, progress, TensorBoard,
+the checkpoint directory's claim and the timeline.  One object, opened at set-up and closed once."""
+
+import os
+import sys
+from pathlib import Path
+
+from ..observe import trace
+from ..runtime import recorder
+from ..store import checkpoint, lineage, rundir
+from . import tensorboard
+from .callbacks import Reporter
+from .metrics import MetricsLog, Progress
+
+TRACER = recorder.tracer()
+
+
+def trace_file(config, resume):
+    """Where ``--trace`` writes: the run directory's trace.json, or ``trace-from-step-N.json`` beside an earlier part's."""
+    path = Path(config.run_dir or ".") / rundir.TRACE
+    if resume is not None and path.exists():
+        path = path.with_name(f"trace-from-step-{resume.step}.json")
+    return path
+
+
+class Outputs:
+    """A rank's outputs of one run; only the chief's write anything.
+
+    Args:
+        stream: the terminal (the chief's copy goes to the run directory's log.txt too).
+        chief: whether this rank is the chief.
+    """
+
+    def __init__(self, stream=sys.stdout, chief=True):
+        self.stream, self.chief = stream, chief
+        self.log = self.progress = self.board = self.log_copy = self.claim = None
+        self.trace_offset, self.trace_path = 0.0, None   # the chief's clock, and where the timeline went
+
+    def open(self, config, callbacks, resume):
+        """Local (inside the set-up's agreement): check and open everything the run writes to.
+
+        ``callbacks``: the user's and the run's own (early stopping); ``resume``: the checkpoint the run
+        resumes from, or None.  Nothing is written yet: a run that any rank refuses changes nothing.
+        """
+        callbacks = list(callbacks)
+        if config.tensorboard:
+            tensorboard.require()   # on every rank: without the package, all exit with its name (code 2)
+            if self.chief:
+                self.board = tensorboard.TensorBoard(config.run_dir or os.path.dirname(config.metrics) or ".")
+                callbacks.append(self.board)
+        self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), callbacks, self.chief)
+        if not self.chief:
+            return
+        if config.run_dir:
+            self.log_copy = self.stream = rundir.LogCopy(self.stream, Path(config.run_dir) / rundir.LOG)
+        if config.trace != "off":
+            trace.check_writable(trace_file(config, resume))
+        if config.checkpoint_dir:
+            checkpoint.prepare_directory(config.checkpoint_dir)
+        self.claim = lineage.claim(config, resume)
+
+    def begin(self, config, cluster):
+        """Collective, once every rank's checks passed: the run directory's settings, the timeline's clock."""
+        if self.chief and config.run_dir:
+            rundir.write_settings(config, config.run_dir)
+        if config.trace != "off":    # (from here: the set-up's files and checks are not on the timeline)
+            TRACER.enable(detail=config.trace == "detail")
+            self.trace_offset = trace.clock_offset(cluster.world, cluster.chief_rank)
+
+    def show_progress(self, config, total_steps, start_step):
+        self.progress = Progress(config.progress if self.chief else "none", total_steps, config.epochs,
+                                 stream=self.stream, start_step=start_step)
+
+    def say(self, text):
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def write_trace(self, cluster, path, label):
+        """Collective: the chief gathers every rank's timeline into ``path``; ``label`` names this rank."""
+        problem = trace.gather_and_write(cluster.world, cluster.chief_rank, self.trace_offset, label, path)
+        if self.chief and problem is None:
+            self.trace_path = path
+        elif self.chief:      # the run itself went well: say so, and what was lost
+            self.say(f"mpidist: warning: the timeline could not be written to {path} ({problem})")
+
+    def close(self):
+        """Let go of ``--checkpoint-dir`` (the chief's lock) and close what is open: the run writes no more."""
+        if self.claim is not None:
+            self.claim.release()
+        for part in (self.progress, self.log_copy, self.board):
+            if part is not None:
+                part.close()
+        self.claim = self.progress = self.log_copy = self.board = None
