@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 import mpidist
 from mpidist.parallel.compression import Codec, CompressedExchange, from_bf16, to_bf16
+from mpidist.runtime import comm
 
 
 def test_bf16_rounds_to_nearest_even_and_widens_exactly():
@@ -116,6 +117,28 @@ def test_compressed_buckets_sum_over_the_ranks(name):
         assert exchange.finite()
     finally:
         exchange.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_comm_iallreduce_sums_16_bit_patterns_with_codec_op_and_completes_once(name):
+    """comm.iallreduce with mpidist's own op: rank r's (r + 1) x small integers sum exactly; ``then`` runs once."""
+    world = MPI.COMM_WORLD
+    size, rank = world.Get_size(), world.Get_rank()
+    codec = Codec(name)
+    try:
+        base = (np.arange(50) % 5).astype(np.float32)
+        patterns = codec.narrow(base * (rank + 1), np.empty(base.size, np.uint16))
+        done = []
+        pending = comm.iallreduce(world, patterns, codec.op, then=lambda: done.append(1))
+        pending.wait()
+        pending.wait()
+        assert done == [1]
+        np.testing.assert_array_equal(codec.widen(patterns, np.empty(base.size, np.float32)),
+                                      base * (size * (size + 1) // 2))
+    finally:
+        codec.free()
+        codec.free()   # a second free does nothing
 
 
 @pytest.mark.mpi(min_size=2)

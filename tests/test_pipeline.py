@@ -127,3 +127,15 @@ def test_pipelined_evaluation_counts_every_test_sample_once():
                               np.bincount(y * 4 + out.argmax(axis=1), minlength=16).reshape(4, 4))
     strategy.close()
     cluster.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_closing_twice_frees_the_stage_communicators_once():
+    fits(2)
+    cluster = build_cluster(MPI.COMM_WORLD)
+    strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), None, cluster, seed=3, stages=2,
+                                micro_batches=2, schedule_name="1f1b", global_batch=4)
+    strategy.close()
+    strategy.close()   # nothing left to free: no error, no second Free
+    assert strategy.links.pipe is None and strategy.links.peers is None
+    cluster.free()

@@ -12,7 +12,8 @@ from .ps_sync import PsSyncStrategy  # isort: skip
 from .ps_async import PsAsyncStrategy  # isort: skip
 from .pipeline import PipelineStrategy  # isort: skip
 from .local_sgd import LocalSgdStrategy  # isort: skip
-from .base import DataParallel, StepResult, Strategy
+from .base import StepResult, Strategy
+from .data_parallel import DataParallel
 from .exchange import Exchange, NoExchange, bucket_slices
 from .registry import STRATEGIES, Option, declared_options, register
 

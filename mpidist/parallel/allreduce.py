@@ -14,7 +14,7 @@ in place (:mod:`mpidist.parallel.shared_memory`; ``--exchange``).
 """
 
 from ..runtime.errors import UsageError
-from .base import DataParallel
+from .data_parallel import DataParallel
 from .compression import CompressedExchange
 from .exchange import Exchange
 from .registry import Option, register

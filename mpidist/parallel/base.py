@@ -1,4 +1,8 @@
-"""The strategy interface, and the data-parallel step that local and allreduce share.
+"""The strategy interface (:class:`Strategy`, :class:`StepResult`) and the checks every strategy shares.
+
+Beside the interface: the finite check of a gradient, the skip counter of a
+ps that is not in lockstep, and synchronised BatchNorm.  The replicated
+data-parallel step is :mod:`mpidist.parallel.data_parallel`.
 
 A strategy owns the model's flat buffers and its optimizer(s).  The training
 loop hands it this worker's part of each global batch; the strategy runs
@@ -111,7 +115,11 @@ class Strategy:
             (learning rate per step, clipping, accumulation); default: none of them.
     """
 
+    # -- What the strategy is: declared once by each subclass; the loop and the settings read them --
+    #: The ``--strategy`` name (None: not registered).
     name = None
+    #: The settings only this strategy (and its subclasses) uses: :class:`~mpidist.parallel.registry.Option`\ s.
+    options = ()
     #: "sharded": every worker evaluates its shard of the test split and the
     #: counts are summed; "chief": the chief alone evaluates the whole split
     #: (for strategies whose workers must never wait for each other).
@@ -119,6 +127,16 @@ class Strategy:
     #: True where every rank takes each step together (so they can agree on
     #: when to stop or checkpoint at a step boundary, see mpidist.runtime.preempt).
     lockstep = True
+    #: True on ranks that run :meth:`serve` instead of training steps (the ps
+    #: ranks of ps-async and of backup workers).
+    serves = False
+    #: Whether the strategy carries running statistics (BatchNorm's, updated by the
+    #: workers' forward passes, never by the optimizer) into the parameters it serves.
+    running_statistics = True
+    #: Whether survivors can carry on under ``--elastic`` when workers die.
+    elastic_recovery = False
+
+    # -- What the running strategy reports: class defaults, set on the instance as it runs --
     #: Strategies that are not in lockstep pass a stop request on themselves:
     #: :meth:`request_stop` on the rank that got the signal, ``stop_requested``
     #: wherever their traffic has carried it (train loop, at step boundaries).
@@ -130,22 +148,12 @@ class Strategy:
     skipped = False
     #: Whether the last step's update was clipped to ``--clip-norm`` (where this rank knows it).
     clipped = False
-    #: True on ranks that run :meth:`serve` instead of training steps (the ps
-    #: ranks of ps-async and of backup workers).
-    serves = False
     #: True once the strategy has taken the run's last step on its own count.
     finished = False
     #: Largest ps shard over the mean, minus one (None: no shards).
     imbalance = None
-    #: Whether the strategy carries running statistics (BatchNorm's, updated by the
-    #: workers' forward passes, never by the optimizer) into the parameters it serves.
-    running_statistics = True
 
-    #: Whether survivors can carry on under ``--elastic`` when workers die.
-    elastic_recovery = False
-    #: The settings only this strategy (and its subclasses) uses: :class:`~mpidist.parallel.registry.Option`\ s.
-    options = ()
-
+    # -- Before any strategy exists: classmethods the settings and the set-up call (no MPI traffic) --
     @classmethod
     def check(cls, settings, world_size):
         """Raise :class:`~mpidist.runtime.errors.UsageError` naming the first setting it cannot run with on ``world_size`` ranks."""
@@ -424,12 +432,6 @@ class Strategy:
         return to_host(self.model.params), arrays, self.optimizer.steps
 
 
-def average_over(comm, array):
-    """Collective over ``comm``: ``array`` (contiguous) becomes its mean over the ranks, in place."""
-    mpi.allreduce_sum(comm, array)
-    array /= comm.Get_size()
-
-
 def synchronise_batch_norms(model, comm):
     """Make every ``BatchNorm(sync=True)`` of ``model`` sum its statistics over ``comm`` (one Allreduce each).
 
@@ -438,97 +440,3 @@ def synchronise_batch_norms(model, comm):
     for _, layer in walk(model.layers):
         if isinstance(layer, BatchNorm) and layer.sync and comm is not None:
             layer.reduce = lambda array, comm=comm: mpi.allreduce_sum(comm, array)
-
-
-class DataParallel(Strategy):
-    """Replicated model; gradients computed on each worker's shard, then exchanged.
-
-    Gradients and the weighted batch loss share one buffer
-    (``[grads..., loss]``), so a single exchange per step also yields the
-    global loss.  Subclasses say how with :meth:`make_exchange`; the exchange
-    starts during backward, as buckets of the buffer are filled.
-
-    Running statistics (BatchNorm's) are each worker's own while it trains;
-    they are averaged over the workers before each evaluation and checkpoint
-    (with synchronised BatchNorm they are equal already).
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        model = self.model
-        self.buffer = model.xp.zeros(model.num_params + 1, dtype=model.dtype)
-        model.bind_grads(self.buffer)
-        self.optimizer = self.make_optimizer(model.num_params)
-        self.running = model.running_entries()
-        synchronise_batch_norms(model, self.worker_comm)
-        self.exchange = self.make_exchange()
-        if self.exchange.holds_buffer:   # the buffer moved into the exchange (shared memory)
-            self._bind_buffer(self.exchange.buffer)
-
-    def _bind_buffer(self, buffer):
-        self.buffer = buffer
-        self.model.bind_grads(buffer)
-
-    def average_running(self):
-        """Collective over the workers: every worker's running statistics become their mean."""
-        comm = self.worker_comm
-        if comm is None or comm.Get_size() == 1:
-            return
-        for lo, hi in self.running:
-            average_over(comm, self.model.params[lo:hi])
-
-    def evaluate(self, batches):
-        self.average_running()
-        return super().evaluate(batches)
-
-    def state(self):
-        self.average_running()
-        return super().state()
-
-    def survivor_state(self, cluster, step):
-        return Strategy.state(self)   # (the old communicators are revoked: no averaging)
-
-    def _clip_space(self):
-        """Where a clipped gradient goes when the exchange holds the buffer (made on the first use)."""
-        if self.recipe.clip_norm and getattr(self, "_clipped", None) is None:
-            self._clipped = self.model.xp.empty(self.model.num_params, dtype=self.model.dtype)
-        return getattr(self, "_clipped", None)
-
-    def make_exchange(self):
-        """The :class:`~mpidist.parallel.exchange.Exchange` that sums ``self.buffer`` over the workers."""
-        raise NotImplementedError
-
-    def close(self):
-        if self.exchange.holds_buffer:   # the gradients outlive the exchange's memory
-            self._bind_buffer(self.buffer.copy())
-        self.exchange.free()
-
-    def initialize(self, checkpoint=None):
-        comm = self.worker_comm
-        if comm is None or comm.Get_rank() == 0:
-            if checkpoint is None:
-                self.model.init_params(self.seed)
-            else:
-                self.model.params[...] = self.model.xp.asarray(checkpoint.params)
-        if comm is not None:
-            mpi.bcast(comm, self.model.params, root=0)
-        if checkpoint is not None and self.optimizer is not None:
-            self.optimizer.load_state(checkpoint.optimizer_state, checkpoint.optimizer_steps)
-
-    def train_step(self, x, y, weight, step):
-        def loss_into_buffer(loss):   # the loss rides in the top bucket, the first to leave
-            self.buffer[-1] = loss * weight
-
-        self.track("exchange")   # begin() may wait for the workers (the shared-memory exchange's last barrier)
-        self.exchange.begin()
-        self.backprop(x, y, weight, step, before_backward=loss_into_buffer, ready=self.exchange.ready)
-        self.track("exchange")
-        self.exchange.finish()
-        self.track("compute")   # (the optimizer's step)
-        # every worker holds the same summed buffer, so every worker decides the same
-        self.skipped = not self.exchange.finite()
-        self.clipped = False
-        if not self.skipped:
-            grads = self.clip(self.model.grads, out=self._clip_space() if self.exchange.holds_buffer else None)
-            self.optimizer.step(self.model.params, grads, self.recipe.lr(step))
-        return float(self.buffer[-1])

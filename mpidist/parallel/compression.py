@@ -129,8 +129,8 @@ class CompressedExchange(Exchange):
         self.codec.widen(patterns, residual)     # (the residual array holds the rounded values for a moment)
         with np.errstate(invalid="ignore"):    # (Inf - Inf: a step that will be skipped, its residual dropped)
             np.subtract(part, residual, out=residual)
-        request = self.comm.Iallreduce(MPI.IN_PLACE, [patterns, MPI.UINT16_T], op=self.codec.op)
-        self._pending.append(((lo, hi), mpi.Pending(request, patterns, lambda: self.codec.widen(patterns, part))))
+        pending = mpi.iallreduce(self.comm, patterns, self.codec.op, then=lambda: self.codec.widen(patterns, part))
+        self._pending.append(((lo, hi), pending))
 
     def finish(self):
         super().finish()

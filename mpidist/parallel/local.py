@@ -1,7 +1,7 @@
 """``local``: one process, no communication -- the reference every strategy must match."""
 
 from ..runtime.errors import UsageError
-from .base import DataParallel
+from .data_parallel import DataParallel
 from .exchange import NoExchange
 from .registry import register
 

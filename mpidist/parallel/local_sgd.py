@@ -21,7 +21,8 @@ import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
-from .base import DataParallel, average_over, finite
+from .base import finite
+from .data_parallel import DataParallel, average_over
 from .exchange import NoExchange, bucket_slices
 from .registry import Option, register
 

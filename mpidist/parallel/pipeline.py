@@ -11,6 +11,11 @@ and adds each micro-batch's gradients into one buffer.  Then stage ``k``
 sums its gradients with stage ``k`` of the other replicas (``Allreduce`` on a
 per-stage communicator) and applies the optimizer to its own parameters.
 
+The parts: :mod:`mpidist.parallel.stage` (where a rank sits, its
+communicators and transfers), :mod:`mpidist.parallel.schedule_runner` (the
+schedule carried out, one method per operation); this module balances the
+layers over the stages and takes the step around the schedule.
+
 Each micro-batch's loss is weighted by its share of the global batch, so the
 summed gradients are the global-batch mean: a pipeline step equals a local
 step on the same batch.  A stage's parameters are a contiguous slice of the
@@ -21,19 +26,15 @@ import math
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from ..runtime import comm as mpi
-from ..runtime import recorder
 from ..runtime.errors import UsageError
-from ..nn import Sequential
 from ..runtime.xp import to_host
 from .base import Strategy
 from .registry import Option, register
 from .schedule import schedule
-from .slots import SlotPool
-
-TRACER = recorder.tracer()
+from .schedule_runner import ScheduleRunner, split_sizes  # noqa: F401  (split_sizes: the bench's and tests')
+from .stage import StageLayout, StageLinks
 
 
 def balance_by_parameters(costs, stages):
@@ -69,11 +70,6 @@ def layer_costs(model):
     return [model.layer_params(index) + 1 for index in range(len(model.layers))]
 
 
-def split_sizes(total, parts):
-    """``parts`` near-equal positive sizes adding up to ``total``."""
-    return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
-
-
 def parse_balance(config, model):
     """``--balance`` as layers per stage, checked against the model; None to balance by parameters."""
     names = ", ".join(repr(layer) for layer in model.layers)
@@ -91,6 +87,11 @@ def parse_balance(config, model):
                          f"--stages is {config.stages} and --model {config.model} has {len(model.layers)} layers "
                          f"({names}); each stage needs at least one")
     return sizes
+
+
+def _from_layout(name, doc):
+    """A read-only attribute of the strategy that its :class:`~mpidist.parallel.stage.StageLayout` holds."""
+    return property(lambda self: getattr(self.layout, name), doc=doc)
 
 
 @register
@@ -154,42 +155,45 @@ class PipelineStrategy(Strategy):
     def __init__(self, *args, stages, micro_batches, schedule_name, balance=None, global_batch, **kwargs):
         super().__init__(*args, **kwargs)
         full, cluster = self.model, self.cluster
-        world = cluster.world
         self.full = full
-        self.stages, self.micro_batches, self.schedule_name = int(stages), int(micro_batches), schedule_name
-        self.global_batch = int(global_batch)
-        self.replica, self.stage = divmod(cluster.rank, self.stages)
-        self.replicas = cluster.size // self.stages
-        self.balance = list(balance) if balance else balance_by_parameters(layer_costs(full), self.stages)
-        starts = np.concatenate([[0], np.cumsum(self.balance)]).astype(int)
-        self.first_layer, self.end_layer = int(starts[self.stage]), int(starts[self.stage + 1])
-        self.param_lo = sum(full.layer_params(i) for i in range(self.first_layer))
-        self.in_shape = full.shapes[self.first_layer]
-        self.out_shape = full.shapes[self.end_layer] if self.end_layer < len(full.layers) else full.output_shape
-        self.model = Sequential(full.layers[self.first_layer:self.end_layer], self.in_shape, xp=full.xp,
-                                dtype=full.dtype)
-        self.param_hi = self.param_lo + self.model.num_params
-        self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
-        self.pipe = world.Split(self.replica, key=self.stage)      # this replica's stages
-        self.peers = world.Split(self.stage, key=self.replica)     # this stage in every replica
+        stages = int(stages)
+        balance = list(balance) if balance else balance_by_parameters(layer_costs(full), stages)
+        if len(balance) != stages:
+            raise ValueError(f"balance {balance} gives {len(balance)} stages, not {stages}")
+        self.layout = layout = StageLayout(full, balance, cluster.rank, cluster.size)
+        self.model = layout.stage_model(full)
+        self.links = StageLinks(cluster.world, layout, self.figures, self.track)
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
-        self.optimizer = self.make_optimizer(self.model.num_params, self.param_lo)
-        self.plan = schedule(schedule_name, self.stage, self.stages, self.micro_batches)
+        self.optimizer = self.make_optimizer(self.model.num_params, layout.param_lo)
         self.model.use_workspace(self.loss)
-        self.slots = SlotPool()
         self.count(steps=0, pipeline_s=0.0, idle_s=0.0, peak_activations=0)
+        self.runner = ScheduleRunner(self.model, self.loss, layout, self.links,
+                                     schedule(schedule_name, layout.stage, stages, int(micro_batches)),
+                                     int(micro_batches), int(global_batch), self.seed, self.figures,
+                                     self.count_training)
+
+    # where this rank sits, as callers and tests read it (the layout holds it)
+    stage = _from_layout("stage", "This rank's stage, ``0 .. P-1``.")
+    stages = _from_layout("stages", "``P``, stages per replica.")
+    replica = _from_layout("replica", "This rank's replica, ``0 .. D-1``.")
+    replicas = _from_layout("replicas", "``D``, replicas of the pipeline.")
+    first_layer = _from_layout("first_layer", "The whole model's index of this stage's first layer.")
+    end_layer = _from_layout("end_layer", "One past the whole model's index of this stage's last layer.")
+    param_lo = _from_layout("param_lo", "This stage's first parameter in the whole model's flat buffer.")
+    param_hi = _from_layout("param_hi", "One past this stage's last parameter in the whole model's flat buffer.")
 
     @property
     def worker_index(self):
-        return self.replica
+        return self.layout.replica
 
     def describe(self, rank):
         """Role-table text for this rank."""
-        return (f"stage {self.stage}/{self.stages} layers {self.first_layer}-{self.end_layer - 1}"
-                + (f" replica {self.replica}" if self.replicas > 1 else ""))
+        layout = self.layout
+        return (f"stage {layout.stage}/{layout.stages} layers {layout.first_layer}-{layout.end_layer - 1}"
+                + (f" replica {layout.replica}" if layout.replicas > 1 else ""))
 
     def initialize(self, checkpoint=None):
-        cluster = self.cluster
+        cluster, lo, hi = self.cluster, self.layout.param_lo, self.layout.param_hi
         whole = np.zeros(self.full.num_params, dtype=self.full.dtype)
         if cluster.is_chief:
             if checkpoint is None:
@@ -198,184 +202,92 @@ class PipelineStrategy(Strategy):
             else:
                 whole[...] = checkpoint.params
         mpi.bcast(cluster.world, whole, root=cluster.chief_rank)
-        self.model.params[...] = self.model.xp.asarray(whole[self.param_lo:self.param_hi])
+        self.model.params[...] = self.model.xp.asarray(whole[lo:hi])
         if checkpoint is not None and self.optimizer is not None:
-            state = {name: array[self.param_lo:self.param_hi] for name, array in checkpoint.optimizer_state.items()}
+            state = {name: array[lo:hi] for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
-
-    def _recv(self, buffer, source, tag, flow=None):
-        """Receive ``buffer`` from stage ``source``; ``flow``: ``(step, round)`` to draw the sender's arrow (--trace)."""
-        start = time.perf_counter()
-        self.track("exchange")
-        with TRACER.span("recv", "pipeline", source=source, tag=tag):
-            mpi.recv(self.pipe, buffer, source, tag)
-            if flow is not None and TRACER.on:
-                TRACER.flow(False, recorder.flow_id(self.replica, *flow, source, tag), "activations" if tag % 2 == 0
-                            else "gradients")
-        self.track("compute")
-        self.figures["idle_s"] += time.perf_counter() - start
-        return buffer
-
-    def _flow(self, step, round_index, tag, name):
-        """--trace: an arrow starts here, to the receive of the same (step, round, stage, tag)."""
-        if TRACER.on:
-            TRACER.flow(True, recorder.flow_id(self.replica, step, round_index, self.stage, tag), name)
-
-    def _slot_array(self, slot, name, shape):
-        """A receive buffer kept in the micro-batch's workspace slot (the same array every step)."""
-        workspace = self.model.workspace
-        workspace.slot = slot
-        return workspace.array(self, name, tuple(shape), self.model.dtype)
 
     def train_step(self, x, y, weight, step):
         """One step: the schedule runs once per ``--accumulate`` slice, adding into the same gradients."""
+        layout, gradients = self.layout, self.accumulated[:-1]
         self.accumulated[...] = 0
         start = time.perf_counter()
         # (every stage of a replica reads the same batch: the first uses its samples, the last its labels)
         bounds = np.linspace(0, len(x), self.recipe.accumulate + 1).round().astype(int)
         loss_sum = 0.0
         for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            loss_sum += self._run_schedule(x[lo:hi], y[lo:hi], hi - lo, step, index)
+            loss_sum += self.runner.run(x[lo:hi], y[lo:hi], step, index, gradients)
         self.figures["pipeline_s"] += time.perf_counter() - start
         self.figures["steps"] += 1
         self.accumulated[-1] = loss_sum
-        if self.replicas > 1:
-            mpi.allreduce_sum(self.peers, self.accumulated)
+        if layout.replicas > 1:
+            mpi.allreduce_sum(self.links.peers, self.accumulated)
         # stages hold different gradients and only the last sees the loss: skip everywhere or nowhere.  One
         # Allreduce gives both the verdict and the global squared norm (each replica's stages hold the same)
-        squares = np.array([float(self.accumulated[:-1].dot(self.accumulated[:-1])),
+        squares = np.array([float(gradients.dot(gradients)),
                             0.0 * float(self.accumulated[-1])])   # (0 x NaN or Inf is NaN: a broken loss shows)
-        self.cluster.world.Allreduce(MPI.IN_PLACE, squares, op=MPI.SUM)
+        mpi.allreduce_sum(self.cluster.world, squares)
         self.track("compute")
         self.skipped = not np.isfinite(squares).all()
         self.clipped = False
         if not self.skipped:
-            self.clip(self.accumulated[:-1], squared_norm=float(squares[0]) / self.replicas)
-            self.optimizer.step(self.model.params, self.accumulated[:-1], self.recipe.lr(step))
+            self.clip(gradients, squared_norm=float(squares[0]) / layout.replicas)
+            self.optimizer.step(self.model.params, gradients, self.recipe.lr(step))
         loss = self._to_chief(np.array([np.nan if self.skipped else float(self.accumulated[-1])]), tag=77)[0]
-        if self.stages > 1:   # the chief reports the training figures replica 0's last stage counted
-            sent = self.take_train_counts() if self.is_last and self.replica == 0 else [0.0, 0]
+        if layout.stages > 1:   # the chief reports the training figures replica 0's last stage counted
+            sent = self.take_train_counts() if layout.is_last and layout.replica == 0 else [0.0, 0]
             counts = self._to_chief(np.array(sent, dtype=np.float64), tag=79)
             if self.cluster.is_chief:
                 self.train_counts = [self.train_counts[0] + float(counts[0]), self.train_counts[1] + int(counts[1])]
-        return float(loss) if self.cluster.is_chief or self.is_last else math.nan
-
-    def _run_schedule(self, x, y, rows, step, round_index):
-        """The schedule over one slice of ``rows`` samples; adds into :attr:`accumulated`; the weighted loss."""
-        xp, model = self.model.xp, self.model
-        sizes = split_sizes(rows, self.micro_batches)
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        parts = [slice(int(offsets[i]), int(offsets[i + 1])) for i in range(self.micro_batches)]
-        inputs, outputs, stashes, grads_in, grads_out, sends = {}, {}, {}, {}, {}, []
-        slots, sent = {}, {}   # micro-batch -> its workspace slot; -> its send requests so far
-        loss_sum, held = 0.0, 0
-        self.track("compute")
-        for op, i in self.plan:
-            if op == "recv_fwd":
-                slots[i] = self.slots.take()
-                inputs[i] = self._recv(self._slot_array(slots[i], "input", (sizes[i],) + self.in_shape),
-                                       self.stage - 1, 2 * i, flow=(step, round_index))
-            elif op == "fwd":
-                if i not in slots:
-                    slots[i] = self.slots.take()
-                model.workspace.slot = slots[i]
-                model.reseed(self.seed, self.replica, step, round_index * self.micro_batches + i)
-                with TRACER.span("forward", "compute", micro_batch=i):
-                    out = model.forward(x[parts[i]] if self.is_first else inputs.pop(i), training=True)
-                if self.is_last:
-                    loss_sum += float(self.loss.forward(out, y[parts[i]])) * sizes[i] / self.global_batch
-                    self.count_training(out, y[parts[i]])
-                    stashes[i] = model.stash([self.loss])
-                else:
-                    stashes[i] = model.stash()
-                    outputs[i] = xp.ascontiguousarray(out)
-                held += 1
-                self.figures["peak_activations"] = max(self.figures["peak_activations"], held)
-            elif op == "send_fwd":
-                with TRACER.span("send", "pipeline", to=self.stage + 1, tag=2 * i):
-                    self._flow(step, round_index, 2 * i, "activations")
-                    sends.append(mpi.isend(self.pipe, outputs.pop(i), self.stage + 1, 2 * i))
-                sent.setdefault(i, []).append(sends[-1][0])
-            elif op == "recv_bwd":
-                grads_in[i] = self._recv(self._slot_array(slots[i], "grad_in", (sizes[i],) + self.out_shape),
-                                         self.stage + 1, 2 * i + 1, flow=(step, round_index))
-            elif op == "bwd":
-                model.workspace.slot = slots[i]
-                if self.is_last:
-                    model.restore(stashes.pop(i), [self.loss])
-                    dy = self.loss.backward(scale=sizes[i] / self.global_batch)
-                else:
-                    model.restore(stashes.pop(i))
-                    dy = grads_in.pop(i)
-                with TRACER.span("backward", "compute", micro_batch=i):
-                    dx = model.backward(dy, input_grad=not self.is_first)
-                self.accumulated[:-1] += model.grads
-                held -= 1
-                if self.is_first:
-                    self.slots.release(slots.pop(i), sent.pop(i, []))
-                else:
-                    grads_out[i] = xp.ascontiguousarray(dx)
-            elif op == "send_bwd":
-                with TRACER.span("send", "pipeline", to=self.stage - 1, tag=2 * i + 1):
-                    self._flow(step, round_index, 2 * i + 1, "gradients")
-                    sends.append(mpi.isend(self.pipe, grads_out.pop(i), self.stage - 1, 2 * i + 1))
-                # the slot's arrays are free again once what was sent from them has left
-                self.slots.release(slots.pop(i), sent.pop(i, []) + [sends[-1][0]])
-        waited = time.perf_counter()
-        self.track("exchange")
-        MPI.Request.Waitall([request for request, _ in sends])
-        self.slots.reset()
-        self.figures["idle_s"] += time.perf_counter() - waited
-        return loss_sum
+        return float(loss) if self.cluster.is_chief or layout.is_last else math.nan
 
     def _to_chief(self, values, tag):
         """The last stage of replica 0 holds the global figures; the chief (rank 0) needs them.
 
         ``values`` is a float64 array, filled in place on the chief.
         """
-        cluster, last = self.cluster, self.stages - 1
+        cluster, last = self.cluster, self.layout.stages - 1
         if last == cluster.chief_rank:
             return values
         if cluster.rank == last:
-            cluster.world.Send(values, dest=cluster.chief_rank, tag=tag)
+            mpi.send(cluster.world, values, cluster.chief_rank, tag)
         elif cluster.is_chief:
-            cluster.world.Recv(values, source=last, tag=tag)
+            mpi.recv(cluster.world, values, last, tag)
         return values
 
     def evaluate(self, batches):
         """Forward-only pipeline over this replica's test chunks; the chief gets the sums' figures (others: NaN)."""
-        scoring = self.scoring   # (the whole model's outputs: the last stage's)
+        scoring, layout, model = self.scoring, self.layout, self.model   # (the whole model's outputs: the last stage's)
         totals = scoring.zeros()
         for x, y in batches:
-            x = self.model.xp.asarray(x)
-            inp = x if self.is_first else self._recv(self.model.xp.empty((len(x),) + self.in_shape, dtype=self.model.dtype),
-                                                              self.stage - 1, 0)
-            out = self.model.forward(inp, training=False)
-            if self.is_last:
-                y = self.model.xp.asarray(y)
-                scoring.add(totals, out, y, float(self.loss.forward(out, y)), self.model.xp)
+            x = model.xp.asarray(x)
+            inp = x if layout.is_first else self.links.recv(
+                model.xp.empty((len(x),) + layout.in_shape, dtype=model.dtype), layout.stage - 1, 0)
+            out = model.forward(inp, training=False)
+            if layout.is_last:
+                y = model.xp.asarray(y)
+                scoring.add(totals, out, y, float(self.loss.forward(out, y)), model.xp)
             else:
-                request, _ = mpi.isend(self.pipe, self.model.xp.ascontiguousarray(out), self.stage + 1, 0)
+                request, _ = self.links.isend(model.xp.ascontiguousarray(out), layout.stage + 1, 0)
                 request.Wait()
-        if self.is_last and self.replicas > 1:
-            totals = mpi.sum_float64(self.peers, totals)
+        if layout.is_last and layout.replicas > 1:
+            totals = mpi.sum_float64(self.links.peers, totals)
         return scoring.figures(self._to_chief(np.asarray(totals, dtype=np.float64), tag=78))
 
     def state(self):
         """Collective: replica 0's stages send their slices to the chief."""
-        cluster, full = self.cluster, self.full
+        cluster, full, layout = self.cluster, self.full, self.layout
         counts = np.zeros(cluster.size, dtype=np.int64)
         displs = np.zeros(cluster.size, dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(self.balance)]).astype(int)
-        offsets = [sum(full.layer_params(i) for i in range(int(a))) for a in starts]
-        for stage in range(self.stages):   # world ranks 0..P-1 are replica 0's stages
+        offsets = layout.param_offsets
+        for stage in range(layout.stages):   # world ranks 0..P-1 are replica 0's stages
             counts[stage], displs[stage] = offsets[stage + 1] - offsets[stage], offsets[stage]
         arrays = {"params": to_host(self.model.params)}
         arrays.update({name: to_host(a) for name, a in self.optimizer.state_arrays().items()})
         whole = {}
         for name, part in arrays.items():
             target = np.zeros(full.num_params, dtype=full.dtype) if cluster.is_chief else None
-            send = part if self.replica == 0 else part[:0]
+            send = part if layout.replica == 0 else part[:0]
             whole[name] = mpi.gatherv(cluster.world, send, target, counts, displs, cluster.chief_rank)
         if not cluster.is_chief:
             return None
@@ -383,11 +295,11 @@ class PipelineStrategy(Strategy):
         return params, whole, self.optimizer.steps
 
     def stats(self):
-        f = self.figures
-        return {"stage": self.stage, "replica": self.replica, "layers": [self.first_layer, self.end_layer],
+        f, layout = self.figures, self.layout
+        return {"stage": layout.stage, "replica": layout.replica, "layers": [layout.first_layer, layout.end_layer],
                 "peak_activations": f["peak_activations"],
                 "bubble": f["idle_s"] / f["pipeline_s"] if f["pipeline_s"] else 0.0}
 
     def close(self):
-        self.pipe.Free()
-        self.peers.Free()
+        """Collective: free the stage's communicators (a second close does nothing)."""
+        self.links.free()

@@ -215,3 +215,20 @@ def bcast_text(comm, text, root=0):
         np.empty(int(length[0]), dtype=np.uint8)
     comm.Bcast(buffer, root=root)
     return buffer.tobytes().decode("utf-8")
+
+
+def iallreduce(comm, array, op, then=None):
+    """Start reducing ``array`` (contiguous) over ``comm`` in place with ``op``; returns a :class:`Pending`.
+
+    ``op`` may be one of mpidist's own (``MPI.Op.Create``: a 16-bit float sum
+    over ``uint16`` bit patterns, say).  ``then`` is called once the
+    reduction has completed (after a host-staged result is copied back).
+    """
+    buffer, back = _for_mpi(array)
+
+    def complete():
+        if back is not None:
+            back()
+        then()
+
+    return Pending(comm.Iallreduce(MPI.IN_PLACE, buffer, op=op), buffer, back if then is None else complete)

@@ -1,0 +1,110 @@
+"""The data-parallel step that ``local`` and ``allreduce`` share (and ``local-sgd`` builds on).
+
+Every worker holds the whole model and computes gradients on its part of the
+batch; an :class:`~mpidist.parallel.exchange.Exchange` (made by the subclass)
+sums them over the workers while backward runs, and every worker applies the
+same update to the same parameters.
+"""
+
+from ..runtime import comm as mpi
+from .base import Strategy, synchronise_batch_norms
+
+
+def average_over(comm, array):
+    """Collective over ``comm``: ``array`` (contiguous) becomes its mean over the ranks, in place."""
+    mpi.allreduce_sum(comm, array)
+    array /= comm.Get_size()
+
+
+class DataParallel(Strategy):
+    """Replicated model; gradients computed on each worker's shard, then exchanged.
+
+    Gradients and the weighted batch loss share one buffer
+    (``[grads..., loss]``), so a single exchange per step also yields the
+    global loss.  Subclasses say how with :meth:`make_exchange`; the exchange
+    starts during backward, as buckets of the buffer are filled.
+
+    Running statistics (BatchNorm's) are each worker's own while it trains;
+    they are averaged over the workers before each evaluation and checkpoint
+    (with synchronised BatchNorm they are equal already).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        model = self.model
+        self.buffer = model.xp.zeros(model.num_params + 1, dtype=model.dtype)
+        model.bind_grads(self.buffer)
+        self.optimizer = self.make_optimizer(model.num_params)
+        self.running = model.running_entries()
+        synchronise_batch_norms(model, self.worker_comm)
+        self.exchange = self.make_exchange()
+        if self.exchange.holds_buffer:   # the buffer moved into the exchange (shared memory)
+            self._bind_buffer(self.exchange.buffer)
+
+    def _bind_buffer(self, buffer):
+        self.buffer = buffer
+        self.model.bind_grads(buffer)
+
+    def average_running(self):
+        """Collective over the workers: every worker's running statistics become their mean."""
+        comm = self.worker_comm
+        if comm is None or comm.Get_size() == 1:
+            return
+        for lo, hi in self.running:
+            average_over(comm, self.model.params[lo:hi])
+
+    def evaluate(self, batches):
+        self.average_running()
+        return super().evaluate(batches)
+
+    def state(self):
+        self.average_running()
+        return super().state()
+
+    def survivor_state(self, cluster, step):
+        return Strategy.state(self)   # (the old communicators are revoked: no averaging)
+
+    def _clip_space(self):
+        """Where a clipped gradient goes when the exchange holds the buffer (made on the first use)."""
+        if self.recipe.clip_norm and getattr(self, "_clipped", None) is None:
+            self._clipped = self.model.xp.empty(self.model.num_params, dtype=self.model.dtype)
+        return getattr(self, "_clipped", None)
+
+    def make_exchange(self):
+        """The :class:`~mpidist.parallel.exchange.Exchange` that sums ``self.buffer`` over the workers."""
+        raise NotImplementedError
+
+    def close(self):
+        if self.exchange.holds_buffer:   # the gradients outlive the exchange's memory
+            self._bind_buffer(self.buffer.copy())
+        self.exchange.free()
+
+    def initialize(self, checkpoint=None):
+        comm = self.worker_comm
+        if comm is None or comm.Get_rank() == 0:
+            if checkpoint is None:
+                self.model.init_params(self.seed)
+            else:
+                self.model.params[...] = self.model.xp.asarray(checkpoint.params)
+        if comm is not None:
+            mpi.bcast(comm, self.model.params, root=0)
+        if checkpoint is not None and self.optimizer is not None:
+            self.optimizer.load_state(checkpoint.optimizer_state, checkpoint.optimizer_steps)
+
+    def train_step(self, x, y, weight, step):
+        def loss_into_buffer(loss):   # the loss rides in the top bucket, the first to leave
+            self.buffer[-1] = loss * weight
+
+        self.track("exchange")   # begin() may wait for the workers (the shared-memory exchange's last barrier)
+        self.exchange.begin()
+        self.backprop(x, y, weight, step, before_backward=loss_into_buffer, ready=self.exchange.ready)
+        self.track("exchange")
+        self.exchange.finish()
+        self.track("compute")   # (the optimizer's step)
+        # every worker holds the same summed buffer, so every worker decides the same
+        self.skipped = not self.exchange.finite()
+        self.clipped = False
+        if not self.skipped:
+            grads = self.clip(self.model.grads, out=self._clip_space() if self.exchange.holds_buffer else None)
+            self.optimizer.step(self.model.params, grads, self.recipe.lr(step))
+        return float(self.buffer[-1])

@@ -1,0 +1,128 @@
+"""A pipeline stage's place: the layers and parameters it holds, and its links to the other ranks.
+
+With ``N = P x D`` ranks there are ``D`` replicas of a ``P``-stage pipeline:
+rank ``r`` is stage ``r % P`` of replica ``r // P``.  :class:`StageLayout`
+is that arithmetic (no MPI); :class:`StageLinks` holds the two
+communicators a stage talks over -- its replica's stages, and its stage in
+every replica -- and moves activations and gradients along the pipe.
+"""
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..nn import Sequential
+from ..runtime import comm as mpi
+from ..runtime import recorder
+
+TRACER = recorder.tracer()
+
+
+class StageLayout:
+    """Which stage of which replica a rank is, and which of the whole model's layers and parameters it holds.
+
+    Args:
+        model: the whole model (a :class:`~mpidist.nn.Sequential`).
+        balance: layers per stage, in order (its length is ``P``).
+        rank, world_size: this rank and the number of ranks (``P x D``).
+    """
+
+    def __init__(self, model, balance, rank, world_size):
+        self.balance = [int(size) for size in balance]
+        self.stages = len(self.balance)
+        self.replica, self.stage = divmod(rank, self.stages)
+        self.replicas = world_size // self.stages
+        starts = np.concatenate([[0], np.cumsum(self.balance)]).astype(int)
+        self.first_layer, self.end_layer = int(starts[self.stage]), int(starts[self.stage + 1])
+        #: where each stage's parameters start in the whole model's flat buffer, and the end
+        self.param_offsets = [sum(model.layer_params(i) for i in range(int(start))) for start in starts]
+        self.in_shape = model.shapes[self.first_layer]
+        self.out_shape = model.shapes[self.end_layer] if self.end_layer < len(model.layers) else model.output_shape
+
+    @property
+    def is_first(self):
+        return self.stage == 0
+
+    @property
+    def is_last(self):
+        return self.stage == self.stages - 1
+
+    @property
+    def param_lo(self):
+        """This stage's first parameter in the whole model's flat buffer."""
+        return self.param_offsets[self.stage]
+
+    @property
+    def param_hi(self):
+        """One past this stage's last parameter."""
+        return self.param_offsets[self.stage + 1]
+
+    def stage_model(self, model):
+        """This stage's layers of ``model`` as a model of their own (sharing the layer objects)."""
+        return Sequential(model.layers[self.first_layer:self.end_layer], self.in_shape, xp=model.xp,
+                          dtype=model.dtype)
+
+
+class StageLinks:
+    """A stage's communicators, made here and freed here once, and the transfers along its pipe.
+
+    ``pipe`` holds this replica's stages (ranked by stage); ``peers`` holds
+    this stage in every replica (ranked by replica).  Time spent waiting for
+    a neighbour counts as ``idle_s`` in ``figures``.
+
+    Args:
+        world: the communicator of every rank (split collectively here).
+        layout: this rank's :class:`StageLayout`.
+        figures: the strategy's figures (``idle_s`` is added to).
+        track: the strategy's ``track(phase)`` (where the stall monitor sees this rank).
+    """
+
+    def __init__(self, world, layout, figures, track):
+        self.layout, self.figures, self.track = layout, figures, track
+        self.pipe = world.Split(layout.replica, key=layout.stage)
+        self.peers = world.Split(layout.stage, key=layout.replica)
+
+    def recv(self, buffer, source, tag, flow=None):
+        """Receive ``buffer`` from stage ``source``; ``flow``: ``(step, round)`` to draw the sender's arrow (--trace)."""
+        start = time.perf_counter()
+        self.track("exchange")
+        with TRACER.span("recv", "pipeline", source=source, tag=tag):
+            mpi.recv(self.pipe, buffer, source, tag)
+            if flow is not None and TRACER.on:
+                TRACER.flow(False, recorder.flow_id(self.layout.replica, *flow, source, tag), _carried(tag))
+        self.track("compute")
+        self.figures["idle_s"] += time.perf_counter() - start
+        return buffer
+
+    def isend(self, array, dest, tag, flow=None):
+        """Start sending ``array`` to stage ``dest``: ``(request, buffer)``, the buffer kept until the request is done.
+
+        ``flow``: ``(step, round)``: a traced send, an arrow starting here to
+        the receive of the same (step, round, stage, tag); None: untraced.
+        """
+        if flow is None:
+            return mpi.isend(self.pipe, array, dest, tag)
+        with TRACER.span("send", "pipeline", to=dest, tag=tag):
+            if TRACER.on:
+                TRACER.flow(True, recorder.flow_id(self.layout.replica, *flow, self.layout.stage, tag), _carried(tag))
+            return mpi.isend(self.pipe, array, dest, tag)
+
+    def wait(self, requests):
+        """Wait for every one of ``requests`` (a round's sends) to complete, as idle time."""
+        start = time.perf_counter()
+        self.track("exchange")
+        MPI.Request.Waitall(requests)
+        self.figures["idle_s"] += time.perf_counter() - start
+
+    def free(self):
+        """Collective over each communicator: release both.  A second call does nothing."""
+        for comm in (self.pipe, self.peers):
+            if comm is not None:
+                comm.Free()
+        self.pipe = self.peers = None
+
+
+def _carried(tag):
+    """What a message of ``tag`` carries: even tags go forward, odd ones backward."""
+    return "activations" if tag % 2 == 0 else "gradients"
