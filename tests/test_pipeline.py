@@ -139,3 +139,16 @@ def test_closing_twice_frees_the_stage_communicators_once():
     strategy.close()   # nothing left to free: no error, no second Free
     assert strategy.links.pipe is None and strategy.links.peers is None
     cluster.free()
+
+
+def test_a_pipeline_refuses_accumulation_slices_smaller_than_its_micro_batches():
+    from mpidist.parallel import AllreduceStrategy, PipelineStrategy
+    from mpidist.runtime.errors import UsageError
+    from mpidist.settings.config import Settings
+
+    settings = Settings(strategy="pipeline", stages=2, micro_batches=4, accumulate=2)
+    PipelineStrategy.check_slice(settings, 4)
+    with pytest.raises(UsageError, match="--accumulate 2 leaves slices of 3 sample.s. per replica, fewer than "
+                                         "--micro-batches 4"):
+        PipelineStrategy.check_slice(settings, 3)
+    AllreduceStrategy.check_slice(Settings(strategy="allreduce"), 1)   # only pipelines cut slices further

@@ -129,9 +129,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
         raise UsageError(f"--accumulate {config.accumulate} cuts each worker's share of --batch-size "
                          f"{config.batch_size} into slices, but {workers} workers get as few as {smallest} "
                          f"sample(s) each: use --accumulate {max(smallest, 1)} or less, or a larger batch")
-    if config.strategy == "pipeline" and smallest // config.accumulate < config.micro_batches:
-        raise UsageError(f"--accumulate {config.accumulate} leaves slices of {smallest // config.accumulate} "
-                         f"sample(s) per replica, fewer than --micro-batches {config.micro_batches}")
+    strategy_class(config, workers).check_slice(config, smallest // config.accumulate)
     if resume is not None:
         notes.extend(recipe_changes(config, resume))
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0

@@ -173,6 +173,11 @@ class Strategy:
         """Raise :class:`~mpidist.runtime.errors.UsageError` if ``model`` cannot run as ``settings`` say (local, no MPI)."""
 
     @classmethod
+    def check_slice(cls, settings, samples):
+        """Raise :class:`~mpidist.runtime.errors.UsageError` if ``samples`` per ``--accumulate`` slice (the
+        smallest worker's) are too few for this strategy (local, no MPI)."""
+
+    @classmethod
     def layout_text(cls, settings, cluster):
         """How the ranks are used, in words, for the start-up line."""
         return f"{cluster.num_workers} worker(s)"

@@ -147,6 +147,12 @@ class PipelineStrategy(Strategy):
         parse_balance(settings, model)
 
     @classmethod
+    def check_slice(cls, settings, samples):
+        if samples < settings.micro_batches:   # every micro-batch needs a sample
+            raise UsageError(f"--accumulate {settings.accumulate} leaves slices of {samples} sample(s) per "
+                             f"replica, fewer than --micro-batches {settings.micro_batches}")
+
+    @classmethod
     def arguments(cls, settings, setup):
         return {"stages": settings.stages, "micro_batches": settings.micro_batches,
                 "schedule_name": settings.schedule, "balance": parse_balance(settings, setup.model),
