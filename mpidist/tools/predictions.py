@@ -27,7 +27,7 @@ ranks one more), runs ``model.forward(training=False)`` over it in batches of
 :data:`BATCH`, and the outputs are gathered to rank 0 with one ``Gatherv``
 (:func:`mpidist.runtime.comm.gatherv`: buffers, no pickle), in input order.  Rank 0
 writes the output file aside and renames it into place
-(:func:`mpidist.tools.ingest.claimed`), so an existing file is replaced only by a
+(:func:`mpidist.store.outputs.claimed`), so an existing file is replaced only by a
 whole new one.  The file holds, for classification, ``class`` (int64, the
 highest output, first on ties: as ``eval`` counts) and ``probabilities``
 (softmax, float32); for regression ``values`` (``(N, W)``, the model's
@@ -45,7 +45,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from ..store import atomic, checkpoint
+from ..store import checkpoint
 from ..runtime import comm as mpi
 from .. import data as datasets
 from ..runtime.agreement import agreed
@@ -142,12 +142,12 @@ def predict(checkpoint_path, data=None, output=None, *, model=None, comm=None, s
 def _predict(world, checkpoint_path, data, output, model, split):
     from ..api import _ends_the_job_on_error, _stored_settings
     from ..loop.setup import Inputs, build_model_for
-    from .ingest import claimed
+    from ..store.outputs import claimed
     from ..runtime.xp import select_device
 
     rank, size = world.Get_rank(), world.Get_size()
-    claim = contextlib.ExitStack()   # rank 0's file written aside, removed unless renamed into place
-    with claim:
+    claiming = contextlib.ExitStack()   # rank 0's file written aside, removed unless renamed into place
+    with claiming:
         with agreed(world):
             saved = checkpoint.load(checkpoint_path)
             config = _stored_settings(saved)
@@ -173,7 +173,7 @@ def _predict(world, checkpoint_path, data, output, model, split):
                 check_fits(reader.samples * width * (net.dtype.itemsize + 4) + reader.samples * 8,
                            f"the predictions of {reader.samples:,} samples ({width:,} outputs each) on rank 0")
                 if target is not None:
-                    aside = claim.enter_context(claimed(target))   # an unwritable output fails now
+                    claim = claiming.enter_context(claimed(target, "the predictions"))   # unwritable: fails now
         _agree_on_sizes(world, reader.samples, width)
         net.params[...] = xp.asarray(saved.params)
         # rows are read and predicted a part at a time (the memory of a part, whatever the input's size); every
@@ -206,7 +206,7 @@ def _predict(world, checkpoint_path, data, output, model, split):
         with agreed(world):   # every rank learns whether the file was written
             if rank == 0 and target is not None:
                 here().enter("write")
-                _write(aside, target, result, checkpoint_path, reader)
+                claim.write(lambda aside: _write(aside, result, checkpoint_path, reader))
     return result
 
 
@@ -278,24 +278,19 @@ def _refuse_an_input(target, inputs):
             raise UsageError(f"--output {target}: is {source}, an input of this run; write the predictions elsewhere")
 
 
-def _write(aside, target, result, checkpoint_path, reader):
-    """Rank 0: the predictions into ``aside``, renamed to ``target`` once whole."""
-    try:
-        with h5py.File(aside, "w") as handle:
-            if result.task == "classification":
-                handle.create_dataset("class", data=result.classes)
-                handle.create_dataset("probabilities", data=result.probabilities)
-            else:
-                handle.create_dataset("values", data=result.values)
-            handle.attrs.update({"format": FORMAT, "checkpoint": str(Path(checkpoint_path).resolve()),
-                                 "step": int(result.step), "model": result.model, "data": reader.data,
-                                 "split": reader.split or "", "task": result.task, "samples": int(result.samples)})
-            if result.class_names is not None:
-                handle.attrs["class_names"] = np.array(result.class_names, dtype=h5py.string_dtype())
-        atomic.commit(aside, target)
-    except OSError as err:   # a full disk, or the path became a directory meanwhile
-        reason = os.strerror(err.errno) if err.errno else printable(err)
-        raise UsageError(f"{target}: cannot write the predictions there: {reason}") from None
+def _write(aside, result, checkpoint_path, reader):
+    """Rank 0: the predictions into the file ``aside`` (its claim renames it into place once whole)."""
+    with h5py.File(aside, "w") as handle:
+        if result.task == "classification":
+            handle.create_dataset("class", data=result.classes)
+            handle.create_dataset("probabilities", data=result.probabilities)
+        else:
+            handle.create_dataset("values", data=result.values)
+        handle.attrs.update({"format": FORMAT, "checkpoint": str(Path(checkpoint_path).resolve()),
+                             "step": int(result.step), "model": result.model, "data": reader.data,
+                             "split": reader.split or "", "task": result.task, "samples": int(result.samples)})
+        if result.class_names is not None:
+            handle.attrs["class_names"] = np.array(result.class_names, dtype=h5py.string_dtype())
 
 
 # -- what is predicted ---------------------------------------------------------------------------------------
