@@ -63,4 +63,5 @@ def test_an_error_without_an_errno_is_shown_by_its_text_made_printable():
     err = OSError("unable to create file (\x1b[2J)")
     assert str(outputs.unwritable("o.h5", "the predictions", err)) == \
         "o.h5: cannot write the predictions there: unable to create file (\\x1b[2J)"
-    assert str(outputs.unwritable("o.h5", "the dataset", "a reason")) == "o.h5: cannot write the dataset there: a reason"
+    reason = outputs.unwritable("o.h5", "the dataset", "a reason")
+    assert str(reason) == "o.h5: cannot write the dataset there: a reason"
