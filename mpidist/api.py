@@ -1,8 +1,10 @@
-"""The Python API: :func:`train` and :func:`evaluate`, the one path every run takes.
+"""The Python API: :func:`train` and :func:`evaluate`, the one path every run takes, and :func:`load_trained`.
 
 ``python -m mpidist train`` and ``eval`` are thin clients of these two
 functions: they turn flags into :class:`~mpidist.settings.config.Settings` and call
 them, so a script and the command line run the very same code.
+:func:`load_trained` is the one way a checkpoint becomes a model again:
+``evaluate``, ``predict`` and scripts all load and check it through it.
 
 Every rank of the job calls them with the same arguments (the script runs
 under ``mpiexec -n N``).  Errors never leave ranks waiting: bad settings,
@@ -119,7 +121,7 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
     config = rundir.resolved(config, bcast_text(world, made))
     watch.timeout = config.stall_timeout
     here().enter("start")   # collectives from here on: a wait on the others
-    with _ends_the_job_on_error(world):
+    with ends_the_job_on_error(world):
         cluster = build_cluster(world, num_ps=config.ps)
         with agreed(world):
             # parameter servers keep their shards and optimizer in host memory, as TensorFlow's ps
@@ -171,28 +173,81 @@ def _evaluate(world, checkpoint_path, data, model):
     from .parallel import AllreduceStrategy
 
     with agreed(world):
-        saved = checkpoint.load(checkpoint_path)
-        config = _stored_settings(saved)
-        inputs = Inputs.of(config, model, data)
-        xp, _ = select_device(config.device, 0)
-        info = _inspect(inputs.data)
-        net = build_model_for(config, inputs, info, xp)
-        if net.num_params != saved.params.size:
-            raise UsageError(f"{checkpoint_path}: holds {saved.params.size} parameters, but model "
-                             f"{inputs.model.spec} on {info.name!r} has {net.num_params}")
+        trained = load_trained(checkpoint_path, data, model=model)
+        info, net = trained.dataset, trained.model
         rank, ranks = world.Get_rank(), world.Get_size()
-        reading = datasets.plan(config, info, [("test", len(range(rank, info.sizes["test"], ranks)))],
+        reading = datasets.plan(trained.settings, info, [("test", len(range(rank, info.sizes["test"], ranks)))],
                                 net.input_shape, net.dtype)
         test = reading.open(info, "test", rank, ranks, net.input_shape, net.dtype)
-    with _ends_the_job_on_error(world):
+    with ends_the_job_on_error(world):
         cluster = build_cluster(world)
         # (evaluation exchanges no gradients: no shared-memory window for them)
-        strategy = AllreduceStrategy(net, loss_for(info.num_classes, xp), None, cluster, exchange="mpi")
-        net.params[...] = xp.asarray(saved.params)
+        strategy = AllreduceStrategy(net, loss_for(info.num_classes, net.xp), None, cluster, exchange="mpi")
         figures = strategy.evaluate(datasets.eval_batches(test))
         cluster.free()
     return {**scores.report(figures, getattr(info, "class_names", None)), "samples": figures["samples"],
-            "step": saved.step, "model": inputs.model.spec, "dataset": info.name}
+            "step": trained.step, "model": trained.spec, "dataset": info.name}
+
+
+@dataclasses.dataclass
+class Trained:
+    """What :func:`load_trained` returns: a checkpoint's model, holding its parameters, and where it came from.
+
+    Attributes:
+        model: an :class:`~mpidist.nn.Sequential` built for ``dataset`` on the device the
+            checkpoint's settings name, holding the checkpoint's parameters
+            (``trained.model.forward(x)`` predicts).
+        dataset: the :class:`~mpidist.data.DatasetInfo` the model was built for.
+        settings: the :class:`~mpidist.settings.config.Settings` the checkpoint stores, checked.
+        spec: the model's spec (``"mlp"``, ``"mlp:256,256"``, ...).
+        step: the checkpoint's step.
+        path: the checkpoint file.
+    """
+
+    model: object
+    dataset: object
+    settings: Settings
+    spec: str
+    step: int
+    path: Path
+
+
+def load_trained(checkpoint_path, data=None, *, model=None):
+    """A checkpoint's model, built again for a dataset and holding the checkpoint's parameters.
+
+    The checkpoint, its stored settings and the model are checked as if given
+    anew (a file is untrusted); the model must have as many parameters as the
+    checkpoint holds.  Local: no collectives (:func:`evaluate` and
+    :func:`mpidist.predict` call it on every rank, inside an agreement).
+
+    Args:
+        checkpoint_path: a checkpoint file (``ckpt-*.h5``).
+        data: the dataset the model is built for (its sample shape and classes or targets): a
+            path, a bundled name or an :class:`~mpidist.data.arrays.ArrayData`; or a function
+            of the checkpoint's settings that returns its :class:`~mpidist.data.DatasetInfo`
+            (where which dataset depends on them); default: the dataset the checkpoint trained on.
+        model: the model, where its checkpoint cannot name it (layers given as objects) or
+            to choose the builder yourself; default: the model spec the checkpoint stores.
+
+    Returns:
+        :class:`Trained`.
+
+    Raises:
+        UsageError: the checkpoint, its settings, the model or the dataset are not usable,
+            or the model does not hold the checkpoint's parameters.
+    """
+    saved = checkpoint.load(checkpoint_path)
+    config = _stored_settings(saved)
+    inputs = Inputs.of(config, model, None if callable(data) else data)
+    xp, _ = select_device(config.device, 0)
+    info = data(config) if callable(data) else datasets.inspect(datasets.resolve(inputs.data))
+    net = build_model_for(config, inputs, info, xp)
+    if net.num_params != saved.params.size:
+        raise UsageError(f"{checkpoint_path}: holds {saved.params.size} parameters, but model "
+                         f"{inputs.model.spec} on {info.name!r} has {net.num_params}")
+    net.params[...] = xp.asarray(saved.params)
+    return Trained(model=net, dataset=info, settings=config, spec=inputs.model.spec, step=saved.step,
+                   path=Path(checkpoint_path))
 
 
 def _stored_settings(saved):
@@ -205,10 +260,6 @@ def _stored_settings(saved):
     except UsageError as err:
         raise UsageError(f"{saved.path}: its stored settings are not valid ({printable(err)})") from None
     return config
-
-
-def _inspect(source):
-    return datasets.inspect(datasets.resolve(source))
 
 
 def _require_ulfm():
@@ -224,7 +275,7 @@ def _exit_after_failure():
         ulfm.exit_after_failure(EXIT_OK)
 
 
-class _ends_the_job_on_error:
+class ends_the_job_on_error:
     """An exception on this rank ends the whole job (``MPI_Abort``), even if the script would catch it.
 
     Ranks past the set-up agreement may be waiting for this one in a
@@ -252,7 +303,7 @@ def _result(outcome, is_chief, config, inputs):
     checkpoints = [Path(p) for p in outcome.pop("checkpoints", [])]
     model = None
     if params is not None:
-        info = _inspect(inputs.data)
+        info = datasets.inspect(datasets.resolve(inputs.data))
         model = build_model_for(config, inputs, info, np)
         model.params[...] = params
     return Result(status=status, exit_code=code, is_chief=is_chief, figures=outcome if is_chief else {},

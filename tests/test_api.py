@@ -12,8 +12,10 @@ import pytest
 from mpi4py import MPI
 
 import mpidist
-from mpidist import nn
+from mpidist import data, nn
+from mpidist.api import load_trained
 from mpidist.data import resolve
+from mpidist.tools.dataset_file import write_dataset
 
 QUIET = dict(progress="none", metrics="", dtype="float64")
 
@@ -160,3 +162,49 @@ def test_local_sgd_averaging_every_step_with_plain_sgd_on_equal_parts_is_allredu
         assert np.abs(every_step.params - reference.params).max() < 1e-10
         assert np.abs(every_4.params - reference.params).max() > 1e-6
         assert every_4.figures["roles"][0]["averages"] == 30 // 4 + 1    # + one before the final evaluation
+
+
+# -- load_trained: the one way a checkpoint becomes a model again (serial) -----------------------------------
+@pytest.fixture(scope="module")
+def digits_checkpoint(tmp_path_factory):
+    """``(checkpoint, the Result)`` of a short digits run in this process alone."""
+    directory = tmp_path_factory.mktemp("trained")
+    result = mpidist.train("mlp", "digits", comm=MPI.COMM_SELF, checkpoint_dir=str(directory), **quiet(steps=20))
+    return result.checkpoints[-1], result
+
+
+def test_load_trained_gives_the_model_the_run_ended_with(digits_checkpoint):
+    checkpoint, result = digits_checkpoint
+    trained = load_trained(checkpoint)
+    assert np.array_equal(trained.model.params, result.params)
+    assert trained.spec == "mlp" and trained.step == 20 and trained.path == checkpoint
+    assert trained.dataset.name == "digits" and trained.settings.steps == 20
+    with h5py.File(resolve("digits"), "r") as handle:
+        x = handle["test/x"][...]
+    assert np.array_equal(trained.model.forward(x), result.model.forward(x))
+
+
+def test_load_trained_builds_for_the_dataset_a_function_of_the_settings_names(digits_checkpoint):
+    checkpoint, result = digits_checkpoint
+    seen = []
+
+    def dataset_of(settings):
+        seen.append(settings.data)
+        return data.inspect(data.resolve(settings.data))
+
+    trained = load_trained(checkpoint, dataset_of)
+    assert seen == ["digits"]                   # (the data the run was given, as its settings record it)
+    assert np.array_equal(trained.model.params, result.params)
+
+
+def test_load_trained_refuses_a_dataset_the_checkpoints_parameters_do_not_fit(digits_checkpoint, tmp_path):
+    checkpoint, result = digits_checkpoint
+    x = np.zeros((6, 8, 8), np.float32)
+    splits = {"train": (x, np.arange(6) % 3), "test": (x, np.arange(6) % 3)}
+    three = write_dataset(tmp_path / "three.h5", "three", splits, 3, "test")
+    with pytest.raises(mpidist.UsageError) as refused:
+        load_trained(checkpoint, str(three))
+    # mlp on 8x8 samples: (64*128 + 128) + (128*128 + 128) + (128*K + K) parameters for K classes
+    assert result.params.size == 8320 + 16512 + 1290
+    assert str(refused.value) == (f"{checkpoint}: holds 26122 parameters, but model mlp on 'three' has "
+                                  f"{8320 + 16512 + 387}")

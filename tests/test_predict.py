@@ -256,3 +256,15 @@ def test_the_api_refuses_an_unknown_split_and_non_numeric_arrays(digits_run, cap
         with pytest.raises(SystemExit) as stopped:
             mpidist.predict(checkpoint, data, comm=MPI.COMM_SELF, split=split)
         assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_unwritable_output_is_refused_as_the_predictions_and_nothing_is_left(digits_run, tmp_path, capsys):
+    checkpoint, _ = digits_run
+    (tmp_path / "plain").write_text("a file, not a directory")
+    output = tmp_path / "plain" / "preds.h5"
+    with pytest.raises(SystemExit) as stopped:
+        mpidist.predict(checkpoint, output=output, comm=MPI.COMM_SELF)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("mpidist: error") == 1, err
+    assert f"{output}: cannot write the predictions there: {tmp_path / 'plain'}: " in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]

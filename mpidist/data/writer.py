@@ -25,6 +25,7 @@ import h5py
 import numpy as np
 
 from ..store import atomic
+from ..store.outputs import unwritable
 from ..runtime.errors import UsageError
 
 CHUNK_BYTES = 1 << 20          # a chunk of x: a stream's block is whole chunks of it
@@ -120,8 +121,7 @@ def write_shards(out, rows, shard_size, compression="gzip"):
         os.replace(aside, out)
         atomic.sync_directory(out.parent)        # the rename on disk too
     except OSError as err:
-        raise UsageError(f"{out}: cannot write the dataset there: {os.strerror(err.errno) if err.errno else err}") \
-            from None
+        raise unwritable(out, "the dataset", err) from None
     finally:
         shutil.rmtree(aside, ignore_errors=True)
     return [out / name for name in names]

@@ -14,7 +14,8 @@ new one, never a part:
    synced, so the rename itself survives a crash.
 
 A failure anywhere removes the aside file and leaves the final name as it
-was; the :class:`OSError` goes on to the caller, which words it for its user.
+was; the :class:`OSError` goes on to the caller, which words it for its user
+(for an output the user named, :mod:`mpidist.store.outputs` does).
 """
 
 import contextlib

@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser():
     from ..settings.config import add_flags
-    from .ingest import SOURCES
+    from .sources import SOURCES
 
     parser = _Parser(prog="python -m mpidist", description="Train neural networks on many processes with MPI. "
                      "Run under `mpiexec -n N`; with no subcommand, `train` runs with its defaults.")

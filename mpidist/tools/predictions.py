@@ -1,33 +1,20 @@
 """``predict``: a trained model's outputs on new samples, spread over the ranks, written in input order.
 
-What is predicted (``data``):
-
-* a split of a dataset in the mpidist layout (``test`` by default; ``train``,
-  or ``val`` where the file has one), read through :class:`mpidist.data.Shard`,
-  so samples are checked and transformed exactly as training and ``eval`` read
-  them; the model is built for that dataset, as ``eval`` builds it;
-* plain samples: an HDF5 file with a dataset ``x``, a ``.npy`` array, an
-  ``.npz`` file with an array ``x`` (both read with ``allow_pickle=False``:
-  a file never runs code), or, in Python, a numpy array (the same on every
-  rank).  Plain samples say nothing of the task, so the model is built for the
-  dataset the checkpoint trained on (its settings' ``data``), which must be
-  readable; the samples must have its sample shape, and are fed as stored
-  (standardised with that dataset's statistics where it has them, as Shard does).
-  Each rank reads only its rows of an HDF5 or ``.npy`` file; an ``.npz``
-  member is compressed whole, so every rank reads all of it.
-
-Everything read is untrusted: dtypes must be numeric, shapes must fit the
-model, values finite and within the model's dtype, sizes within the memory
-free (:func:`mpidist.runtime.memory.check_fits`) before anything is allocated.  Bad
-input is agreed on by every rank (:func:`mpidist.runtime.agreement.agreed`): one message,
-exit code 2, nobody left waiting.
+What is predicted (``data``) is a split of a dataset in the mpidist layout,
+or plain samples (a file or a numpy array): :mod:`mpidist.tools.prediction_inputs`
+reads and checks them.  The checkpoint's model is loaded by
+:func:`mpidist.api.load_trained`, as ``eval`` loads it, for the dataset predicted
+(for plain samples: the dataset the checkpoint trained on).  Everything read is
+untrusted, and bad input is agreed on by every rank
+(:func:`mpidist.runtime.agreement.agreed`): one message, exit code 2, nobody
+left waiting.
 
 Rank ``r`` of ``W`` reads one contiguous block of rows (the first ``N % W``
 ranks one more), runs ``model.forward(training=False)`` over it in batches of
 :data:`BATCH`, and the outputs are gathered to rank 0 with one ``Gatherv``
 (:func:`mpidist.runtime.comm.gatherv`: buffers, no pickle), in input order.  Rank 0
 writes the output file aside and renames it into place
-(:func:`mpidist.tools.ingest.claimed`), so an existing file is replaced only by a
+(:func:`mpidist.store.outputs.claimed`), so an existing file is replaced only by a
 whole new one.  The file holds, for classification, ``class`` (int64, the
 highest output, first on ties: as ``eval`` counts) and ``probabilities``
 (softmax, float32); for regression ``values`` (``(N, W)``, the model's
@@ -45,24 +32,21 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from ..store import atomic, checkpoint
+from ..api import ends_the_job_on_error, load_trained
 from ..runtime import comm as mpi
-from .. import data as datasets
 from ..runtime.agreement import agreed
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
-from ..runtime.text import printable
 from ..runtime.whereabouts import here
+from ..store.outputs import claimed
+from .prediction_inputs import reader_for
 
 FORMAT = "mpidist-predictions-1"
-SPLITS = datasets.SPLITS + datasets.OPTIONAL_SPLITS
 #: Samples per forward pass (``eval`` uses the same).
 BATCH = 1024
 PART_BYTES = 64 << 20   # samples read and predicted at once on a rank (as float64): memory bounded by this
 #: Most values one ``Gatherv`` may carry (MPI counts are C ints).
 GATHER_LIMIT = 2 ** 31 - 1
-KINDS = {"U": "text", "S": "bytes", "O": "Python objects", "c": "complex numbers", "M": "dates",
-         "m": "time spans", "V": "records"}
 
 
 @dataclasses.dataclass
@@ -140,26 +124,14 @@ def predict(checkpoint_path, data=None, output=None, *, model=None, comm=None, s
 
 
 def _predict(world, checkpoint_path, data, output, model, split):
-    from ..api import _ends_the_job_on_error, _stored_settings
-    from ..loop.setup import Inputs, build_model_for
-    from .ingest import claimed
-    from ..runtime.xp import select_device
-
     rank, size = world.Get_rank(), world.Get_size()
-    claim = contextlib.ExitStack()   # rank 0's file written aside, removed unless renamed into place
-    with claim:
+    claiming = contextlib.ExitStack()   # rank 0's file written aside, removed unless renamed into place
+    with claiming:
         with agreed(world):
-            saved = checkpoint.load(checkpoint_path)
-            config = _stored_settings(saved)
-            inputs = Inputs.of(config, model, None)
-            # (a validation split carved by the run is carved again only from the run's own dataset)
-            own = data is None or str(data) == config.data
-            reader = _reader(data if data is not None else config.data, split, config.data, config if own else None)
-            xp, _ = select_device(config.device, 0)
-            net = build_model_for(config, inputs, reader.info, xp)
-            if net.num_params != saved.params.size:
-                raise UsageError(f"{checkpoint_path}: holds {saved.params.size} parameters, but model "
-                                 f"{inputs.model.spec} on {reader.info.name!r} has {net.num_params}")
+            reader = reader_for(data, split)
+            # the model is built for the dataset predicted, or for plain samples the one it trained on
+            trained = load_trained(checkpoint_path, reader.dataset_for, model=model)
+            net = trained.model
             reader.check_shape(net)
             counts, starts = blocks(reader.samples, size)
             width = int(np.prod(net.output_shape, dtype=np.int64))
@@ -173,9 +145,8 @@ def _predict(world, checkpoint_path, data, output, model, split):
                 check_fits(reader.samples * width * (net.dtype.itemsize + 4) + reader.samples * 8,
                            f"the predictions of {reader.samples:,} samples ({width:,} outputs each) on rank 0")
                 if target is not None:
-                    aside = claim.enter_context(claimed(target))   # an unwritable output fails now
+                    claim = claiming.enter_context(claimed(target, "the predictions"))   # unwritable: fails now
         _agree_on_sizes(world, reader.samples, width)
-        net.params[...] = xp.asarray(saved.params)
         # rows are read and predicted a part at a time (the memory of a part, whatever the input's size); every
         # rank takes as many parts, so each read is agreed on: bad rows end every rank cleanly, output untouched
         part = max(1, PART_BYTES // (8 * int(np.prod(reader.info.sample_shape))))
@@ -184,10 +155,10 @@ def _predict(world, checkpoint_path, data, output, model, split):
             with agreed(world):
                 begin, end = starts[rank] + min(lo, counts[rank]), starts[rank] + min(lo + part, counts[rank])
                 x, y = reader.read(begin, end, net)
-            with _ends_the_job_on_error(world):
+            with ends_the_job_on_error(world):
                 outputs.append(_forward(net, x, width))
                 targets.append(y)
-        with _ends_the_job_on_error(world):
+        with ends_the_job_on_error(world):
             mine = np.concatenate(outputs)
             classification = reader.info.num_classes > 0
             y = None if targets[0] is None else np.concatenate(targets)
@@ -195,7 +166,7 @@ def _predict(world, checkpoint_path, data, output, model, split):
             here().enter("gather")
             gathered = np.empty((reader.samples, width), dtype=mine.dtype) if rank == 0 else None
             mpi.gatherv(world, mine, gathered, [c * width for c in counts], [s * width for s in starts], root=0)
-        result = Predictions(samples=reader.samples, output=target, model=inputs.model.spec, step=saved.step,
+        result = Predictions(samples=reader.samples, output=target, model=trained.spec, step=trained.step,
                              task="classification" if classification else "regression", source=reader.source,
                              class_names=_names(reader.info), figures=figures)
         if rank == 0:
@@ -206,7 +177,7 @@ def _predict(world, checkpoint_path, data, output, model, split):
         with agreed(world):   # every rank learns whether the file was written
             if rank == 0 and target is not None:
                 here().enter("write")
-                _write(aside, target, result, checkpoint_path, reader)
+                claim.write(lambda aside: _write(aside, result, checkpoint_path, reader))
     return result
 
 
@@ -278,227 +249,16 @@ def _refuse_an_input(target, inputs):
             raise UsageError(f"--output {target}: is {source}, an input of this run; write the predictions elsewhere")
 
 
-def _write(aside, target, result, checkpoint_path, reader):
-    """Rank 0: the predictions into ``aside``, renamed to ``target`` once whole."""
-    try:
-        with h5py.File(aside, "w") as handle:
-            if result.task == "classification":
-                handle.create_dataset("class", data=result.classes)
-                handle.create_dataset("probabilities", data=result.probabilities)
-            else:
-                handle.create_dataset("values", data=result.values)
-            handle.attrs.update({"format": FORMAT, "checkpoint": str(Path(checkpoint_path).resolve()),
-                                 "step": int(result.step), "model": result.model, "data": reader.data,
-                                 "split": reader.split or "", "task": result.task, "samples": int(result.samples)})
-            if result.class_names is not None:
-                handle.attrs["class_names"] = np.array(result.class_names, dtype=h5py.string_dtype())
-        atomic.commit(aside, target)
-    except OSError as err:   # a full disk, or the path became a directory meanwhile
-        reason = os.strerror(err.errno) if err.errno else printable(err)
-        raise UsageError(f"{target}: cannot write the predictions there: {reason}") from None
-
-
-# -- what is predicted ---------------------------------------------------------------------------------------
-def _reader(data, split, trained_on, config=None):
-    """A :class:`_Split` of a dataset, or :class:`_Plain` samples, for ``data``.
-
-    ``config``: the checkpoint's settings; a run that carved its validation
-    split (``--val-fraction``) has it carved again, the same rows, for ``val``.
-    """
-    if split not in SPLITS:
-        raise UsageError(f"split {split!r}: choose from {', '.join(SPLITS)}")
-    if isinstance(data, (np.ndarray, list, tuple)):
-        return _Plain(_ArraySamples(np.asarray(data)), split, trained_on)
-    if isinstance(data, datasets.ArrayData):
-        return _Split(data, split, config)
-    if not isinstance(data, (str, os.PathLike)):
-        raise UsageError(f"data: give a file, a bundled dataset's name, an ArrayData or a numpy array, not "
-                         f"{type(data).__name__}")
-    path = datasets.resolve(os.fspath(data))
-    if path.suffix.lower() in (".npy", ".npz"):
-        return _Plain(_NumpyFile(path), split, trained_on)
-    try:
-        with h5py.File(path, "r") as handle:
-            plain = "x" in handle and not any(name in handle for name in SPLITS)
-    except (OSError, RuntimeError, ValueError) as err:
-        raise UsageError(f"{path}: not a readable HDF5, .npy or .npz file ({printable(err)})") from None
-    return _Plain(_HDF5Samples(path), split, trained_on) if plain else _Split(path, split, config)
-
-
-class _Split:
-    """A split of a dataset in the mpidist layout, read through :class:`mpidist.data.Shard`."""
-
-    def __init__(self, source, split, config=None):
-        self.info = datasets.inspect(source)
-        if split == "val" and "val" not in self.info.sizes and config is not None and config.val_fraction:
-            self.info = datasets.carve_validation(self.info, config.val_fraction, config.seed)
-        if split not in self.info.sizes:
-            raise UsageError(f"{self.info.path}: has no {split} split (it has {', '.join(self.info.sizes)})")
-        self.split, self.samples = split, self.info.sizes[split]
-        self.where = f"{self.info.path}: {split}"
-        self.source = f"{self.info.name!r} ({self.info.path}), {split} split"
-        self.data = str(self.info.path)
-        self.files = [] if isinstance(source, datasets.ArrayData) else [self.info.path]
-
-    def check_shape(self, net):
-        pass   # the model was built for this dataset's samples
-
-    def read(self, lo, hi, net):
-        shard = datasets.Shard(self.info, self.split, 0, 1, net.input_shape, net.dtype, rows=slice(lo, hi))
-        return shard.x, shard.y
-
-
-class _Plain:
-    """Plain samples: the model is built for the dataset the checkpoint trained on (they carry no task)."""
-
-    def __init__(self, samples, split, trained_on):
-        if split != "test":
-            raise UsageError(f"{samples.where}: holds plain samples, which have no splits (split {split!r})")
-        self.samples_in, self.split, self.where = samples, None, samples.where
-        self.samples, self.source, self.data = samples.count, samples.where, samples.data
-        try:
-            self.info = datasets.inspect(datasets.resolve(trained_on))
-        except UsageError as err:
-            raise UsageError(f"{samples.where}: plain samples say nothing of the task; it comes from the dataset the "
-                             f"checkpoint trained on, which cannot be read ({err}): predict a dataset in the "
-                             "mpidist layout instead") from None
-        self.transform = _transform(self.info)
-        self.files = [p for p in (samples.path, self.info.path) if isinstance(p, Path)]
-
-    def check_shape(self, net):
-        shape = self.samples_in.shape[1:]
-        if shape not in (tuple(self.info.sample_shape), tuple(net.input_shape)):
-            raise UsageError(f"{self.where}: x holds samples of shape {shape}, but the model takes samples of shape "
-                             f"{tuple(self.info.sample_shape)} (as in {self.info.name!r}, the dataset it trained on)")
-
-    def read(self, lo, hi, net):
-        x = self.samples_in.read(lo, hi, net.dtype)
-        if self.transform is not None:
-            x = self.transform(x)
-        if x.dtype.kind == "f" and not np.isfinite(x).all():
-            bad = lo + int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0])
-            raise UsageError(f"{self.where}: x holds NaN or Inf (first at sample {bad})")
-        converted = x.astype(net.dtype, copy=False)
-        if converted is not x and not np.isfinite(converted).all():
-            raise UsageError(f"{self.where}: x holds values up to {float(np.max(np.abs(x))):.3g}, beyond the "
-                             f"range of the model's dtype {net.dtype}")
-        return converted.reshape((len(x),) + tuple(net.input_shape)), None
-
-
-def _transform(info):
-    """What :class:`mpidist.data.Shard` does to the samples of dataset ``info`` besides checking them, or None.
-
-    Plain samples of a model trained on ``info`` get the same: ``(x - mean) / std`` with
-    the statistics of ``info``'s file where it has them (:func:`mpidist.data.standardizer`).
-    """
-    return datasets.standardizer(info)
-
-
-def _checked_layout(where, dtype, shape):
-    """Refuse arrays that are not numbers with samples first and at least one feature axis."""
-    if dtype.kind not in "biuf":
-        raise UsageError(f"{where}: x has dtype {dtype} ({KINDS.get(dtype.kind, 'not numbers')}); predict needs "
-                         "numbers")
-    if len(shape) < 2 or 0 in shape[1:]:
-        raise UsageError(f"{where}: x has shape {tuple(shape)}; it needs samples first and at least one feature "
-                         "axis, shape (N, features...) (one feature per sample is (N, 1))")
-    if shape[0] == 0:
-        raise UsageError(f"{where}: x holds no samples")
-
-
-class _Samples:
-    """An array of samples, read by blocks of rows: ``where``, ``path`` (or None), ``data``, ``shape``, ``count``."""
-
-    path = None
-
-    def __init__(self, where, dtype, shape):
-        self.where, self.dtype, self.shape = where, np.dtype(dtype), tuple(int(d) for d in shape)
-        _checked_layout(where, self.dtype, self.shape)
-        self.count, self.data = self.shape[0], str(where)
-
-    def fits(self, rows, dtype, whole=False):
-        values = (self.count if whole else rows) * int(np.prod(self.shape[1:]))
-        check_fits(values * (self.dtype.itemsize + np.dtype(dtype).itemsize),
-                   f"{self.where}: x ({rows:,} rows of {int(np.prod(self.shape[1:])):,} values for this rank)")
-
-
-class _ArraySamples(_Samples):
-    def __init__(self, array):
-        super().__init__("the numpy array given", array.dtype, array.shape)
-        self.array, self.data = array, "numpy array in memory"
-
-    def read(self, lo, hi, dtype):
-        return self.array[lo:hi]
-
-
-class _HDF5Samples(_Samples):
-    def __init__(self, path):
-        self.path = path
-        with h5py.File(path, "r") as handle:
-            link = handle.get("x", getlink=True)
-            if isinstance(link, h5py.ExternalLink):
-                raise UsageError(f"{path}: 'x' is an external link to {printable(link.filename)!r}: refused, as it "
-                                 "reads another file")
-            try:
-                item = handle["x"]
-            except (KeyError, RuntimeError, OSError, ValueError) as err:
-                raise UsageError(f"{path}: 'x' cannot be read ({printable(err)})") from None
-            if not isinstance(item, h5py.Dataset) or item.is_virtual:
-                raise UsageError(f"{path}: 'x' is not a dataset stored in this file")
-            super().__init__(path, item.dtype, item.shape)
-
-    def read(self, lo, hi, dtype):
-        self.fits(hi - lo, dtype)
-        with h5py.File(self.path, "r") as handle, here().doing("io", f"reading {self.path}: x"):
-            return handle["x"][lo:hi]
-
-
-class _NumpyFile(_Samples):
-    """A ``.npy`` array, or the array ``x`` of an ``.npz``: headers read first, never unpickled."""
-
-    def __init__(self, path):
-        import zipfile
-
-        self.path, self.npz = path, path.suffix.lower() == ".npz"
-        try:
-            if self.npz:
-                with zipfile.ZipFile(path) as archive:
-                    names = archive.namelist()
-                    if "x.npy" not in names:
-                        arrays = sorted(n[:-4] for n in names if n.endswith(".npy"))
-                        raise UsageError(f"{path}: needs an array x; has {', '.join(arrays) or 'none'}")
-                    with archive.open("x.npy") as handle:
-                        header = _npy_header(handle)
-            else:
-                with open(path, "rb") as handle:
-                    header = _npy_header(handle)
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-            raise UsageError(f"{path}: not a readable {path.suffix} file of plain arrays ({printable(err)})") from None
-        super().__init__(path, header[1], header[0])
-
-    def read(self, lo, hi, dtype):
-        import zipfile
-
-        self.fits(hi - lo, dtype, whole=self.npz)   # an .npz member is read whole
-        try:
-            with here().doing("io", f"reading {self.path}: x"):
-                if self.npz:
-                    with np.load(self.path, allow_pickle=False) as arrays:
-                        return arrays["x"][lo:hi].copy()
-                return np.array(np.load(self.path, mmap_mode="r", allow_pickle=False)[lo:hi])
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-            raise UsageError(f"{self.path}: not a readable {self.path.suffix} file of plain arrays "
-                             f"({printable(err)})") from None
-
-
-def _npy_header(handle):
-    """``(shape, dtype)`` of the ``.npy`` stream ``handle``, from its header alone."""
-    fmt = np.lib.format
-    version = fmt.read_magic(handle)
-    if version == (1, 0):
-        shape, _, dtype = fmt.read_array_header_1_0(handle)
-    elif version == (2, 0):
-        shape, _, dtype = fmt.read_array_header_2_0(handle)
-    else:
-        raise ValueError(f".npy format version {version} is not one of plain numbers (1.0 or 2.0)")
-    return shape, dtype
+def _write(aside, result, checkpoint_path, reader):
+    """Rank 0: the predictions into the file ``aside`` (its claim renames it into place once whole)."""
+    with h5py.File(aside, "w") as handle:
+        if result.task == "classification":
+            handle.create_dataset("class", data=result.classes)
+            handle.create_dataset("probabilities", data=result.probabilities)
+        else:
+            handle.create_dataset("values", data=result.values)
+        handle.attrs.update({"format": FORMAT, "checkpoint": str(Path(checkpoint_path).resolve()),
+                             "step": int(result.step), "model": result.model, "data": reader.data,
+                             "split": reader.split or "", "task": result.task, "samples": int(result.samples)})
+        if result.class_names is not None:
+            handle.attrs["class_names"] = np.array(result.class_names, dtype=h5py.string_dtype())

@@ -1,0 +1,211 @@
+"""CSV files read for ``ingest``: the delimiter and the header detected, every cell checked, labels or class names.
+
+A CSV file holds one sample per row.  Its cells are cut at ``,``, ``;``,
+tabs or runs of whitespace (``--delimiter``, or detected from the first
+:data:`SNIFFED` lines: the cut giving the most numbers); the first row is a
+header, and skipped, when it has text above a column of numbers.  Every cell
+but the label column's must be a finite number within float32; the label
+column holds numbers, or class names in every row.  A refusal names the row
+(its line in the file), the column and the cell.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from ..runtime.errors import UsageError
+from ..runtime.text import printable
+from .dataset_file import FLOAT32_MAX
+from .labels import checked_names, infer_task, split_train_test
+
+#: ``--delimiter`` values and the delimiter each means (None: runs of whitespace)
+DELIMITERS = {"auto": "auto", ",": ",", ";": ";", "tab": "\t", "\t": "\t", "whitespace": None}
+SHOWN = {",": "','", ";": "';'", "\t": "tab", None: "whitespace"}
+SNIFFED = 20                    # first lines of a CSV file the delimiter and the header are judged from
+
+
+def is_number(text):
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def cells_of(delimiter):
+    """A function cutting one line into its cells at ``delimiter`` (None: at runs of whitespace)."""
+    return str.split if delimiter is None else lambda line: line.split(delimiter)
+
+
+def detect_delimiter(lines):
+    """Of ',', ';', tab and whitespace, the one cutting ``lines`` into the most numbers.
+
+    Ties go to the one that cuts every line (but the first, maybe a header)
+    into as many cells, then to the first in that order; one that leaves every
+    line whole is never chosen.  ``','`` when none cuts (the error then says
+    the file has 1 column).
+    """
+    best, found = None, ","
+    for rank, delimiter in enumerate((",", ";", "\t", None)):
+        cut = [cells_of(delimiter)(line) for line in lines]
+        widths = {len(cells) for cells in cut[1:] or cut}
+        if max(widths, default=0) < 2:
+            continue
+        score = (sum(is_number(cell) for cells in cut for cell in cells), len(widths) == 1, -rank)
+        if best is None or score > best:
+            best, found = score, delimiter
+    return found
+
+
+def has_header(rows, split):
+    """Whether the first row names the columns: it has text above a column of numbers (or it is the only row)."""
+    below = [split(line) for _, line in rows[1:SNIFFED]]
+    for column, cell in enumerate(split(rows[0][1])):
+        if cell.strip() and not is_number(cell):
+            if all(is_number(cells[column]) for cells in below if column < len(cells) and cells[column].strip()):
+                return True
+    return False
+
+
+def unquoted(cell):
+    """A cell's text without surrounding blanks and double quotes."""
+    cell = cell.strip()
+    if len(cell) >= 2 and cell[0] == cell[-1] == '"':
+        cell = cell[1:-1].replace('""', '"').strip()
+    return cell
+
+
+def mixed(path, label, cell, line_no):
+    return (f"{path}: the label column (column {label + 1}) mixes numbers and class names "
+            f"({printable(repr(unquoted(cell)), 60)} in row {line_no}); give every label as a number or every "
+            "label as a name")
+
+
+def first_bad_cell(path, rows, split=None, label=None, named=False):
+    """Why ``np.loadtxt`` refused ``rows``: one line naming the row (line in the file) and column.
+
+    ``label``: the label column (0-based); ``named``: it holds class names, not read here.
+    """
+    split = split or cells_of(",")
+    width = len(split(rows[0][1]))
+    for line_no, line in rows:
+        cells = split(line)
+        if len(cells) != width:
+            return f"{path}: row {line_no} has {len(cells)} columns but row {rows[0][0]} has {width}"
+        for column, cell in enumerate(cells, 1):
+            if named and column - 1 == label:
+                continue
+            if not cell.strip():
+                return f"{path}: row {line_no}, column {column} is empty (NaN); ingest needs finite numbers"
+            if not is_number(cell):
+                if column - 1 == label:
+                    return mixed(path, label, cell, line_no)
+                return (f"{path}: column {column} holds text ({printable(repr(cell.strip()), 60)} in row {line_no}); "
+                        "ingest needs numbers in every row after the header (text only in the label column)")
+    return None
+
+
+@dataclasses.dataclass
+class Table:
+    """A CSV file read: the feature columns, the labels, and how the file was cut."""
+
+    x: np.ndarray               # float64, the columns other than the label column, in file order
+    y: np.ndarray               # the label column: float64 numbers, or int64 classes where it holds names
+    label: int                  # the label column, 0-based
+    delimiter: object           # ',', ';', '\t' or None (whitespace)
+    detected: bool              # the delimiter was detected (not given)
+    header_line: int = None     # the line skipped as column names
+    class_names: tuple = None   # where the label column holds names: class i is class_names[i]
+
+
+def read_csv(path, label_column=-1, delimiter="auto"):
+    """The :class:`Table` of ``path``, refused with the row (line in the file) and column of any bad cell.
+
+    The delimiter is detected (``delimiter="auto"``) among ``,``, ``;``, tab and
+    whitespace from the first lines; the first row is a header when it has text
+    above a column of numbers.  Every cell but the label column's must be a
+    number; the label column holds numbers, or class names in every row.
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            lines = handle.read().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{path}: not a readable text file ({err})") from None
+    rows = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    detected = delimiter == "auto"
+    delimiter = detect_delimiter([line for _, line in rows[:SNIFFED]]) if detected else DELIMITERS[delimiter]
+    split = cells_of(delimiter)
+    header = rows[:1] if rows and has_header(rows, split) else []
+    rows = rows[len(header):]
+    if len(rows) < 2:
+        found = "the file is empty" if not lines else f"{len(rows)} row{'s' * (len(rows) != 1)} of data" + (
+            f" after the header (line {header[0][0]})" if header else "")
+        raise UsageError(f"{path}: {found}; a train and a test split need at least 2")
+    width = len(split(rows[0][1]))
+    if width < 2:
+        raise UsageError(f"{path}: has 1 column; it needs at least one feature column and a label column (cut at "
+                         f"{SHOWN[delimiter]}, {'detected' if detected else 'given'}: see --delimiter)")
+    if not -width <= label_column < width:
+        raise UsageError(f"--label-column {label_column}: {path} has {width} columns (0 to {width - 1}, "
+                         f"or -{width} to -1)")
+    label = label_column % width
+    if header and len(split(header[0][1])) != width:
+        raise UsageError(f"{path}: the header has {len(split(header[0][1]))} columns but the rows have {width}")
+    # names in the label column's first rows: the column holds class names (all of it, checked)
+    named = any(label < len(cells) and cells[label].strip() and not is_number(cells[label])
+                for cells in map(split, (line for _, line in rows[:SNIFFED])))
+    y, names = read_names(path, rows, split, width, label) if named else (None, None)
+    columns = [column for column in range(width) if column != label] if named else list(range(width))
+    try:
+        table = np.loadtxt([line for _, line in rows], delimiter=delimiter, ndmin=2, comments=None,
+                           usecols=columns if named else None)     # (usecols lets longer rows pass)
+    except ValueError as err:
+        raise UsageError(first_bad_cell(path, rows, split, label, named)
+                         or f"{path}: not a table of numbers ({printable(err)})") from None
+    magnitude = np.abs(np.nan_to_num(table, nan=0.0, posinf=np.inf, neginf=np.inf))
+    for bad, why in ((~np.isfinite(table), "ingest needs finite numbers"),
+                     (magnitude > FLOAT32_MAX, f"beyond float32 (max {FLOAT32_MAX:.3g}); scale the data")):
+        if bad.any():      # the largest bad value: Inf before NaN, the largest magnitude beyond float32
+            r, c = np.unravel_index(np.argmax(np.where(bad, magnitude, -1)), table.shape)
+            value = "NaN" if np.isnan(table[r, c]) else "Inf" if np.isinf(table[r, c]) else "too large"
+            raise UsageError(f"{path}: row {rows[r][0]}, column {columns[c] + 1} is {value} "
+                             f"({split(rows[r][1])[columns[c]].strip()!r}); {why}")
+    if not named:
+        y, table = table[:, label], np.delete(table, label, axis=1)
+    return Table(x=table, y=y, label=label, delimiter=delimiter, detected=detected,
+                 header_line=header[0][0] if header else None, class_names=names)
+
+
+def read_names(path, rows, split, width, label):
+    """``(classes, names)`` of a label column of class names: the sorted distinct names are classes 0 to K-1."""
+    codes, seen = np.empty(len(rows), np.int64), {}
+    for row, (line_no, line) in enumerate(rows):
+        cells = split(line)
+        if len(cells) != width:
+            raise UsageError(f"{path}: row {line_no} has {len(cells)} columns but row {rows[0][0]} has {width}")
+        name = unquoted(cells[label])
+        if not name:
+            raise UsageError(f"{path}: row {line_no}, column {label + 1} is empty; the label column holds class "
+                             "names, and every row needs one")
+        if is_number(name):
+            raise UsageError(mixed(path, label, name, line_no))
+        codes[row] = seen.setdefault(name, len(seen))
+    _, names = checked_names(path, f"the label column (column {label + 1})", sorted(seen))
+    order = {name: index for index, name in enumerate(names)}
+    return np.array([order[name] for name in seen], np.int64)[codes], names
+
+
+def from_csv(path, label_column, test_fraction, seed, task, delimiter="auto"):
+    """One sample per row; ``(splits, num_classes, facts)``: the class names, the delimiter, the header line."""
+    table = read_csv(path, label_column, delimiter)
+    key = f"the label column (column {table.label + 1})"
+    if table.class_names is not None:
+        if task == "regression":
+            raise UsageError(f"{path}: {key} holds text (class names such as "
+                             f"{printable(repr(table.class_names[0]), 60)}); --task regression needs numbers")
+        y, num_classes = table.y, len(table.class_names)
+    else:
+        y, num_classes = infer_task(table.y, task, path, key)
+    facts = {"class_names": table.class_names, "delimiter": SHOWN[table.delimiter],
+             "delimiter_detected": table.detected, "header_line": table.header_line}
+    return split_train_test(table.x.astype(np.float32), y, test_fraction, seed), num_classes, facts

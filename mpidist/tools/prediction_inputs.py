@@ -1,0 +1,261 @@
+"""What ``predict`` reads: a split of a dataset, or plain samples, checked as they are read by blocks of rows.
+
+* a split of a dataset in the mpidist layout (``test`` by default; ``train``,
+  or ``val`` where the file has one, or where the run carved one with
+  ``--val-fraction``), read through :class:`mpidist.data.Shard`, so samples are
+  checked and transformed exactly as training and ``eval`` read them; the model
+  is built for that dataset, as ``eval`` builds it;
+* plain samples: an HDF5 file with a dataset ``x``, a ``.npy`` array, an
+  ``.npz`` file with an array ``x`` (both read with ``allow_pickle=False``:
+  a file never runs code), or, in Python, a numpy array (the same on every
+  rank).  Plain samples say nothing of the task, so the model is built for the
+  dataset the checkpoint trained on (its settings' ``data``), which must be
+  readable; the samples must have its sample shape, and are fed as stored
+  (standardised with that dataset's statistics where it has them, as Shard does).
+  Each rank reads only its rows of an HDF5 or ``.npy`` file; an ``.npz``
+  member is compressed whole, so every rank reads all of it.
+
+Everything read is untrusted: dtypes must be numeric, shapes must fit the
+model, values finite and within the model's dtype, sizes within the memory
+free (:func:`mpidist.runtime.memory.check_fits`) before anything is allocated.
+
+A reader (:func:`reader_for`) learns which dataset the model is built for from
+the checkpoint's settings (:meth:`DatasetSplit.dataset_for`, which
+:func:`mpidist.api.load_trained` calls), then reads rows ``[lo, hi)``.
+"""
+
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .. import data as datasets
+from ..runtime.errors import UsageError
+from ..runtime.memory import check_fits
+from ..runtime.text import printable
+from ..runtime.whereabouts import here
+
+SPLITS = datasets.SPLITS + datasets.OPTIONAL_SPLITS
+KINDS = {"U": "text", "S": "bytes", "O": "Python objects", "c": "complex numbers", "M": "dates",
+         "m": "time spans", "V": "records"}
+
+
+def reader_for(data, split):
+    """A :class:`DatasetSplit` of a dataset, or :class:`PlainSamples`, for ``data``.
+
+    Args:
+        data: a dataset (a path, a bundled name or an ArrayData), plain samples (an HDF5 file
+            with a dataset ``x``, a ``.npy`` or ``.npz`` file, a numpy array), or None: the
+            dataset the checkpoint trained on.
+        split: ``"test"``, ``"train"`` or ``"val"``: the split of a dataset.
+    """
+    if split not in SPLITS:
+        raise UsageError(f"split {split!r}: choose from {', '.join(SPLITS)}")
+    if data is None or isinstance(data, datasets.ArrayData):
+        return DatasetSplit(data, split, data)
+    if isinstance(data, (np.ndarray, list, tuple)):
+        return PlainSamples(ArraySamples(np.asarray(data)), split)
+    if not isinstance(data, (str, os.PathLike)):
+        raise UsageError(f"data: give a file, a bundled dataset's name, an ArrayData or a numpy array, not "
+                         f"{type(data).__name__}")
+    path = datasets.resolve(os.fspath(data))
+    if path.suffix.lower() in (".npy", ".npz"):
+        return PlainSamples(NumpyFile(path), split)
+    try:
+        with h5py.File(path, "r") as handle:
+            plain = "x" in handle and not any(name in handle for name in SPLITS)
+    except (OSError, RuntimeError, ValueError) as err:
+        raise UsageError(f"{path}: not a readable HDF5, .npy or .npz file ({printable(err)})") from None
+    return PlainSamples(HDF5Samples(path), split) if plain else DatasetSplit(path, split, data)
+
+
+class DatasetSplit:
+    """A split of a dataset in the mpidist layout, read through :class:`mpidist.data.Shard`.
+
+    Until :meth:`dataset_for` has told it which dataset, it knows only what was given.
+    """
+
+    def __init__(self, resolved, split, named):
+        # resolved: a path or an ArrayData, or None for the dataset the checkpoint trained on;
+        # named: what the caller named, to tell the run's own dataset (whose carved val split is carved again)
+        self.resolved, self.split, self.named = resolved, split, named
+
+    def dataset_for(self, settings):
+        """The dataset read, given the checkpoint's ``settings``; the model is built for it.
+
+        A run that carved its validation split (``--val-fraction``) has it carved
+        again from its own dataset, the same rows, for ``val``.
+        """
+        own = self.named is None or str(self.named) == settings.data
+        source = datasets.resolve(settings.data) if self.resolved is None else self.resolved
+        self.info = datasets.inspect(source)
+        if self.split == "val" and "val" not in self.info.sizes and own and settings.val_fraction:
+            self.info = datasets.carve_validation(self.info, settings.val_fraction, settings.seed)
+        if self.split not in self.info.sizes:
+            raise UsageError(f"{self.info.path}: has no {self.split} split (it has {', '.join(self.info.sizes)})")
+        self.samples = self.info.sizes[self.split]
+        self.where = f"{self.info.path}: {self.split}"
+        self.source = f"{self.info.name!r} ({self.info.path}), {self.split} split"
+        self.data = str(self.info.path)
+        self.files = [] if isinstance(source, datasets.ArrayData) else [self.info.path]
+        return self.info
+
+    def check_shape(self, net):
+        pass   # the model was built for this dataset's samples
+
+    def read(self, lo, hi, net):
+        shard = datasets.Shard(self.info, self.split, 0, 1, net.input_shape, net.dtype, rows=slice(lo, hi))
+        return shard.x, shard.y
+
+
+class PlainSamples:
+    """Plain samples: the model is built for the dataset the checkpoint trained on (they carry no task)."""
+
+    def __init__(self, samples, split):
+        if split != "test":
+            raise UsageError(f"{samples.where}: holds plain samples, which have no splits (split {split!r})")
+        self.samples_in, self.split, self.where = samples, None, samples.where
+        self.samples, self.source, self.data = samples.count, samples.where, samples.data
+
+    def dataset_for(self, settings):
+        """The dataset the checkpoint trained on (``settings.data``): its task, shape and statistics are theirs."""
+        try:
+            self.info = datasets.inspect(datasets.resolve(settings.data))
+        except UsageError as err:
+            raise UsageError(f"{self.where}: plain samples say nothing of the task; it comes from the dataset the "
+                             f"checkpoint trained on, which cannot be read ({err}): predict a dataset in the "
+                             "mpidist layout instead") from None
+        # (x - mean) / std with the statistics of the dataset's file where it has them, as Shard reads it
+        self.transform = datasets.standardizer(self.info)
+        self.files = [p for p in (self.samples_in.path, self.info.path) if isinstance(p, Path)]
+        return self.info
+
+    def check_shape(self, net):
+        shape = self.samples_in.shape[1:]
+        if shape not in (tuple(self.info.sample_shape), tuple(net.input_shape)):
+            raise UsageError(f"{self.where}: x holds samples of shape {shape}, but the model takes samples of shape "
+                             f"{tuple(self.info.sample_shape)} (as in {self.info.name!r}, the dataset it trained on)")
+
+    def read(self, lo, hi, net):
+        x = self.samples_in.read(lo, hi, net.dtype)
+        if self.transform is not None:
+            x = self.transform(x)
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            bad = lo + int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0])
+            raise UsageError(f"{self.where}: x holds NaN or Inf (first at sample {bad})")
+        converted = x.astype(net.dtype, copy=False)
+        if converted is not x and not np.isfinite(converted).all():
+            raise UsageError(f"{self.where}: x holds values up to {float(np.max(np.abs(x))):.3g}, beyond the "
+                             f"range of the model's dtype {net.dtype}")
+        return converted.reshape((len(x),) + tuple(net.input_shape)), None
+
+
+def _checked_layout(where, dtype, shape):
+    """Refuse arrays that are not numbers with samples first and at least one feature axis."""
+    if dtype.kind not in "biuf":
+        raise UsageError(f"{where}: x has dtype {dtype} ({KINDS.get(dtype.kind, 'not numbers')}); predict needs "
+                         "numbers")
+    if len(shape) < 2 or 0 in shape[1:]:
+        raise UsageError(f"{where}: x has shape {tuple(shape)}; it needs samples first and at least one feature "
+                         "axis, shape (N, features...) (one feature per sample is (N, 1))")
+    if shape[0] == 0:
+        raise UsageError(f"{where}: x holds no samples")
+
+
+class Samples:
+    """An array of samples, read by blocks of rows: ``where``, ``path`` (or None), ``data``, ``shape``, ``count``."""
+
+    path = None
+
+    def __init__(self, where, dtype, shape):
+        self.where, self.dtype, self.shape = where, np.dtype(dtype), tuple(int(d) for d in shape)
+        _checked_layout(where, self.dtype, self.shape)
+        self.count, self.data = self.shape[0], str(where)
+
+    def fits(self, rows, dtype, whole=False):
+        values = (self.count if whole else rows) * int(np.prod(self.shape[1:]))
+        check_fits(values * (self.dtype.itemsize + np.dtype(dtype).itemsize),
+                   f"{self.where}: x ({rows:,} rows of {int(np.prod(self.shape[1:])):,} values for this rank)")
+
+
+class ArraySamples(Samples):
+    def __init__(self, array):
+        super().__init__("the numpy array given", array.dtype, array.shape)
+        self.array, self.data = array, "numpy array in memory"
+
+    def read(self, lo, hi, dtype):
+        return self.array[lo:hi]
+
+
+class HDF5Samples(Samples):
+    def __init__(self, path):
+        self.path = path
+        with h5py.File(path, "r") as handle:
+            link = handle.get("x", getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                raise UsageError(f"{path}: 'x' is an external link to {printable(link.filename)!r}: refused, as it "
+                                 "reads another file")
+            try:
+                item = handle["x"]
+            except (KeyError, RuntimeError, OSError, ValueError) as err:
+                raise UsageError(f"{path}: 'x' cannot be read ({printable(err)})") from None
+            if not isinstance(item, h5py.Dataset) or item.is_virtual:
+                raise UsageError(f"{path}: 'x' is not a dataset stored in this file")
+            super().__init__(path, item.dtype, item.shape)
+
+    def read(self, lo, hi, dtype):
+        self.fits(hi - lo, dtype)
+        with h5py.File(self.path, "r") as handle, here().doing("io", f"reading {self.path}: x"):
+            return handle["x"][lo:hi]
+
+
+class NumpyFile(Samples):
+    """A ``.npy`` array, or the array ``x`` of an ``.npz``: headers read first, never unpickled."""
+
+    def __init__(self, path):
+        import zipfile
+
+        self.path, self.npz = path, path.suffix.lower() == ".npz"
+        try:
+            if self.npz:
+                with zipfile.ZipFile(path) as archive:
+                    names = archive.namelist()
+                    if "x.npy" not in names:
+                        arrays = sorted(n[:-4] for n in names if n.endswith(".npy"))
+                        raise UsageError(f"{path}: needs an array x; has {', '.join(arrays) or 'none'}")
+                    with archive.open("x.npy") as handle:
+                        header = _npy_header(handle)
+            else:
+                with open(path, "rb") as handle:
+                    header = _npy_header(handle)
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+            raise UsageError(f"{path}: not a readable {path.suffix} file of plain arrays ({printable(err)})") from None
+        super().__init__(path, header[1], header[0])
+
+    def read(self, lo, hi, dtype):
+        import zipfile
+
+        self.fits(hi - lo, dtype, whole=self.npz)   # an .npz member is read whole
+        try:
+            with here().doing("io", f"reading {self.path}: x"):
+                if self.npz:
+                    with np.load(self.path, allow_pickle=False) as arrays:
+                        return arrays["x"][lo:hi].copy()
+                return np.array(np.load(self.path, mmap_mode="r", allow_pickle=False)[lo:hi])
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+            raise UsageError(f"{self.path}: not a readable {self.path.suffix} file of plain arrays "
+                             f"({printable(err)})") from None
+
+
+def _npy_header(handle):
+    """``(shape, dtype)`` of the ``.npy`` stream ``handle``, from its header alone."""
+    fmt = np.lib.format
+    version = fmt.read_magic(handle)
+    if version == (1, 0):
+        shape, _, dtype = fmt.read_array_header_1_0(handle)
+    elif version == (2, 0):
+        shape, _, dtype = fmt.read_array_header_2_0(handle)
+    else:
+        raise ValueError(f".npy format version {version} is not one of plain numbers (1.0 or 2.0)")
+    return shape, dtype
