@@ -14,7 +14,9 @@ holds the workers' clocks.  A worker's step:
 A ps loops: take the inbox (swap with zeros: atomic, so nothing that arrives
 meanwhile is lost), apply the optimizer to its shard if anything arrived,
 publish the shard and bump its version; else sleep briefly.  Workers never
-wait for the ps, and the ps never blocks.
+wait for the ps, and the ps never blocks.  The choices of both loops are pure
+rules of :mod:`~mpidist.parallel.async_rounds`, tested there by literal tables;
+here the windows are read and the choices carried out.
 
 With ``--elastic`` (an MPI with ULFM), every rank also polls for dead
 processes; the first ps retires a dead worker's clock, so the others never
