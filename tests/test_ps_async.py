@@ -126,3 +126,17 @@ def test_every_worker_ends_with_the_same_final_parameters_and_the_ps_counts_ever
     workers = sum(1 for role, _ in everyone if role == "worker")
     server = next(stats for role, stats in everyone if role == "ps")
     assert server["gradients"] == 12 * workers and 1 <= server["updates"] <= 12 * workers
+
+
+@pytest.mark.mpi(min_size=2)
+def test_close_frees_the_failure_watch_and_a_second_free_does_nothing():
+    cluster = build_cluster(MPI.COMM_WORLD, num_ps=1)
+    make = lambda size: nn.make_optimizer("sgd", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
+    strategy = PsAsyncStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3, elastic=True)
+    strategy.initialize()
+    watch = strategy.lost.watch
+    assert watch.poll() == []   # nobody died
+    strategy.close()
+    assert watch.comm is None
+    watch.free()
+    cluster.free()

@@ -8,6 +8,7 @@ from mpidist import nn
 from mpidist.store.checkpoint import Checkpoint
 from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.parallel import LocalStrategy, PsSyncStrategy
+from mpidist.parallel.ps_sync import PreviousShard, StepLedger
 from mpidist.parallel.shards import imbalance, shard_bounds
 from test_parallel import small_convnet, worker_slice
 
@@ -104,3 +105,29 @@ def test_ps_ranks_own_their_shards_and_count_their_traffic():
     else:
         assert stats == {}
     cluster.free()
+
+
+@pytest.mark.parametrize("chief_step, params, steps", [
+    (11, [0.9, 1.9, 2.9], 1),   # the chief got the update: the shard stays as it is
+    (10, [1.0, 2.0, 3.0], 0),   # the chief never got it: the ps takes it back, optimizer state and all
+])
+def test_a_ps_one_update_ahead_of_the_chief_takes_it_back(chief_step, params, steps):
+    optimizer = nn.make_optimizer("adam", 3, 0.1, xp=np, dtype=np.float64)
+    shard = np.array([1.0, 2.0, 3.0])
+    ledger = StepLedger(PreviousShard(shard, optimizer))
+    ledger.start_step = 10
+    ledger.keep(shard, optimizer)
+    optimizer.step(shard, np.ones(3))
+    ledger.applied += 1
+    ledger.rewind_to(chief_step, shard, optimizer)
+    np.testing.assert_allclose(shard, params)
+    assert optimizer.steps == steps and (optimizer.state_arrays()["m"] != 0).all() == (steps == 1)
+    with pytest.raises(AssertionError, match="ps at step 11, the chief at 9"):
+        ledger.rewind_to(9, shard, optimizer)
+
+
+def test_a_ps_without_elastic_keeps_no_previous_shard():
+    ledger = StepLedger()
+    ledger.keep(np.ones(3), None)   # nothing kept, nothing to fail
+    ledger.applied = 2
+    ledger.rewind_to(2, np.ones(3), None)

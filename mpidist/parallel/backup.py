@@ -30,22 +30,25 @@ Mid-run checkpoints are taken between rounds: the coordinator decides after
 an update, the next round's decision tells every ps, and before that round
 changes anything the ps ranks gather their shards on the first ps, which
 writes them -- a state exactly at one version.
+
+Every one of these rules is a pure function of :mod:`~mpidist.parallel.backup_rounds`,
+tested there by literal tables; this module gathers their inputs over MPI and
+carries out what they decide.
 """
 
 import math
 
 import numpy as np
-from mpi4py import MPI
 
 from ..runtime import comm as mpi
 from ..runtime.cluster import PS
 from ..runtime.xp import is_device_array, to_host
+from .backup_rounds import Note, Rounds, settle, squares_with_loss
 from .base import SkipCounter, finite
 from .recipe import total_steps
 from .shards import ShardedStrategy
 
 TAG_NOTE, TAG_GRAD, TAG_PARAMS = 11, 12, 13
-ACCEPTED, STALE = 1, 2
 
 
 class BackupWorkersStrategy(ShardedStrategy):
@@ -75,11 +78,11 @@ class BackupWorkersStrategy(ShardedStrategy):
         self.nan_guard = SkipCounter(nan_patience, speaks=cluster.rank == cluster.roles.index(PS),
                                      figures=self.figures)
         n = model.num_params
-        self.aggregate, self.total_steps = int(aggregate), int(total_steps)
-        if not 1 <= self.aggregate <= cluster.num_workers:
+        if not 1 <= int(aggregate) <= cluster.num_workers:
             raise ValueError(f"aggregate {aggregate} must be between 1 and {cluster.num_workers} workers")
-        if self.total_steps >= 1 << 24:   # versions travel in the model's float buffers
+        if int(total_steps) >= 1 << 24:   # versions travel in the model's float buffers
             raise ValueError(f"{total_steps} steps is more than backup-worker mode counts exactly")
+        self.rounds = Rounds(total_steps, aggregate, cluster.num_workers)
         self.shard(n)
         self.worker_ranks = [rank for rank, role in enumerate(cluster.roles) if role != PS]
         self.host_params = np.zeros(n, dtype=model.dtype)
@@ -92,9 +95,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         # ps -> worker [param shard, last version of the run, version, loss]
         self.outbox = [np.zeros(hi - lo + 2, dtype=model.dtype) for lo, hi in self.bounds]
         self.replies = [np.zeros(hi - lo + 3, dtype=model.dtype) for lo, hi in self.bounds]
-        self.version, self.finished = 0, False
-        self.limit = self.total_steps   # the last version: lowered when a stop is asked for
-        self.signal = 0                 # a stop this rank asks for (its note carries it)
+        self.finished = False
         self.count(updates=0, accepted=0, dropped=0)
 
     @property
@@ -102,20 +103,30 @@ class BackupWorkersStrategy(ShardedStrategy):
         return not self.is_worker
 
     @property
+    def aggregate(self):
+        """``R``, gradients per step."""
+        return self.rounds.aggregate
+
+    @property
+    def version(self):
+        """The global version: on a ps, steps taken; on a worker, the one its last reply brought."""
+        return self.rounds.version
+
+    @property
     def stop_requested(self):
-        return self.limit < self.total_steps
+        return self.rounds.stop_requested
 
     def request_stop(self, signal_number):
-        self.signal = signal_number
+        self.rounds.signal = signal_number
 
     def produced_step(self, step):
         """The global version: the ps ranks count the steps, whichever workers took them."""
-        return self.version
+        return self.rounds.version
 
     def initialize(self, checkpoint=None):
         self.broadcast_initial(self.host_params, checkpoint)
         if checkpoint is not None:
-            self.version = int(checkpoint.step)
+            self.rounds.version = int(checkpoint.step)
 
     # -- worker ----------------------------------------------------------------
     def train_step(self, x, y, weight, step):
@@ -125,8 +136,8 @@ class BackupWorkersStrategy(ShardedStrategy):
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)
         self.track("exchange")
-        note = np.array([self.worker_index, self.version, self.signal], dtype=np.int64)
-        sends = [world.Isend(note, self.ps_ranks[0], TAG_NOTE)]
+        note = self.rounds.note(self.worker_index).encode()
+        sends = [mpi.isend(world, note, self.ps_ranks[0], TAG_NOTE)[0]]
         for message, ps, (lo, hi) in zip(self.outbox, self.ps_ranks, self.bounds):
             message[:hi - lo] = grads[lo:hi]
             message[-2:] = (weight, loss * weight)
@@ -134,99 +145,89 @@ class BackupWorkersStrategy(ShardedStrategy):
         for reply, ps, (lo, hi) in zip(self.replies, self.ps_ranks, self.bounds):
             mpi.recv(world, reply, ps, TAG_PARAMS)
             self.host_params[lo:hi] = reply[:hi - lo]
-        MPI.Request.Waitall(sends)
+        mpi.wait_all(sends)
         if is_device_array(model.params):
             model.params[...] = model.xp.asarray(self.host_params)
-        self.limit, self.version = int(self.replies[0][-3]), int(self.replies[0][-2])
-        self.finished = self.version >= self.limit
+        self.finished = self.rounds.learn(self.replies[0][-3], self.replies[0][-2])
         return float(self.replies[0][-1])
 
     # -- ps ----------------------------------------------------------------------
-    def _decide(self, version):
-        """Coordinator: who is in this round (per worker: 0, ACCEPTED or STALE)."""
-        world, workers = self.cluster.world, self.cluster.num_workers
-        status = np.zeros(workers, dtype=np.int64)
-        note = np.zeros(3, dtype=np.int64)
-        accepted = 0
+    def _notes(self):
+        """Coordinator: the workers' notes, in the order they arrive (from any worker)."""
+        words = np.zeros(3, dtype=np.int64)
         while True:
-            world.Recv(note, MPI.ANY_SOURCE, TAG_NOTE)
-            worker, read = int(note[0]), int(note[1])
-            self.signal = max(self.signal, int(note[2]))
-            if version < self.limit and read == version:
-                status[worker] = ACCEPTED
-                accepted += 1
-            else:
-                status[worker] = STALE
-            if version >= self.limit or accepted == self.aggregate:
-                return status
+            mpi.recv(self.cluster.world, words, mpi.ANY_SOURCE, TAG_NOTE)
+            yield Note.decode(words)
 
     def serve(self, control=None):
         """Rounds until the last step is taken and every worker has been told to stop.
 
-        ``control`` (see :class:`mpidist.loop.training.ServerControl`): a signal this ps
-        received ends the run early; mid-run checkpoints are written when it says.
+        Each round's decisions are :mod:`~mpidist.parallel.backup_rounds`'; here
+        they are carried out.  ``control`` (see :class:`mpidist.loop.training.ServerControl`):
+        a signal this ps received ends the run early; mid-run checkpoints are
+        written when it says.
         """
-        coordinator = self.cluster.role_comm.Get_rank() == 0
+        rounds, ps_comm = self.rounds, self.cluster.role_comm
+        coordinator = ps_comm.Get_rank() == 0
         self.track("serve")
-        world, ps_comm = self.cluster.world, self.cluster.role_comm
         workers = self.cluster.num_workers
         size = self.hi - self.lo
         incoming = np.zeros(size + 2, dtype=self.model.dtype)
         total = np.zeros(size, dtype=self.model.dtype)
         reply = np.zeros(size + 3, dtype=self.model.dtype)
-        stopped = np.zeros(workers, dtype=bool)
+        notes = self._notes() if coordinator else None
         loss = 0.0
-        decision = np.zeros(workers + 2, dtype=np.int64)   # [status per worker, stop signal, checkpoint now]
-        checkpoint_due = 0
-        while not stopped.all():
-            decision[:workers] = self._decide(self.version) if coordinator else 0
-            decision[-2] = max(self.signal, control.signalled() if control else 0)
-            decision[-1] = checkpoint_due
-            ps_comm.Allreduce(MPI.IN_PLACE, decision, op=MPI.MAX)   # only the coordinator's statuses are nonzero
-            status = decision[:workers]
-            if decision[-2]:
-                self.limit = min(self.limit, self.version + 1)
-            if decision[-1]:
+        while not rounds.over:
+            statuses = rounds.tally(notes).statuses if coordinator else (0,) * workers
+            decision = mpi.allreduce_max(ps_comm, rounds.decision(statuses, control.signalled() if control else 0))
+            round_ = rounds.open(decision)
+            if round_.checkpoint:
                 state = self.gather_on_first_ps(self.shard_view())
                 if state is not None:
-                    control.write(self.version, state)
-            checkpoint_due = 0
-            total[...] = 0
-            weights = weighted_loss = 0.0
-            for worker in np.flatnonzero(status):
-                mpi.recv(world, incoming, self.worker_ranks[worker], TAG_GRAD)
-                if status[worker] == ACCEPTED:
-                    total += incoming[:size]
-                    weights += float(incoming[-2])
-                    weighted_loss += float(incoming[-1])
-                    self.figures["accepted"] += 1
-                else:
-                    self.figures["dropped"] += 1
-            if weights > 0:
+                    control.write(rounds.version, state)
+            weights, weighted_loss = self._receive(round_, incoming, total)
+            moved = weights > 0
+            if moved:
                 total /= weights        # the mean gradient of the accepted batches
-                loss = weighted_loss / weights
-                # every shard skips alike; the version still moves on, so workers never run out of batches
-                if self.recipe.clip_norm:   # the norm over every shard, one Allreduce (0 x a broken loss is NaN)
-                    squares = mpi.sum_float64(ps_comm, [float(total.dot(total)) + 0.0 * loss])[0]
-                    ok = math.isfinite(squares)
-                else:
-                    ok = self.ps_agree(finite(total) and math.isfinite(loss))
-                if self.nan_guard.update_allowed(ok, f"the accepted gradients of step {self.version + 1} were"):
-                    if self.recipe.clip_norm:
-                        self.clip(total, squares)
-                    self.optimizer.step(self.shard_view(), total, self.recipe.lr(self.version))
-                    self.figures["updates"] += 1
-                else:
-                    loss = math.nan
-                self.version += 1
-                if coordinator and control is not None and control.periodic and self.version < self.limit:
-                    checkpoint_due = int(control.checkpoint_due(self.version))
+                loss = self._update(total, weighted_loss / weights, loss)
+            closing = rounds.close(round_, moved, coordinator, control is not None and control.periodic)
+            if closing.ask_checkpoint:
+                rounds.checkpoint_due = bool(control.checkpoint_due(closing.version))
             reply[:size] = self.shard_view()
-            reply[-3:] = (self.limit, self.version, loss)
-            for worker in np.flatnonzero(status):
-                mpi.send(world, reply, self.worker_ranks[worker], TAG_PARAMS)
-                if self.version >= self.limit:
-                    stopped[worker] = True
+            reply[-3:] = (rounds.limit, rounds.version, loss)
+            for worker in round_.heard:
+                mpi.send(self.cluster.world, reply, self.worker_ranks[worker], TAG_PARAMS)
+
+    def _receive(self, round_, incoming, total):
+        """The round's gradients: the accepted ones summed into ``total``; returns ``(weights, weighted loss)``."""
+        total[...] = 0
+        weights = weighted_loss = 0.0
+        for worker in round_.heard:
+            mpi.recv(self.cluster.world, incoming, self.worker_ranks[worker], TAG_GRAD)
+            if round_.accepts(worker):
+                total += incoming[:-2]
+                weights += float(incoming[-2])
+                weighted_loss += float(incoming[-1])
+                self.figures["accepted"] += 1
+            else:
+                self.figures["dropped"] += 1   # stale: counted and discarded, never applied
+        return weights, weighted_loss
+
+    def _update(self, total, loss, previous_loss):
+        """Apply the mean accepted gradient ``total`` (every shard skips alike); returns the loss the reply carries."""
+        if self.recipe.clip_norm:   # the norm over every shard, one Allreduce (0 x a broken loss is NaN)
+            squares = mpi.sum_float64(self.cluster.role_comm, [squares_with_loss(float(total.dot(total)), loss)])[0]
+            ok = math.isfinite(squares)
+        else:
+            ok = self.ps_agree(finite(total) and math.isfinite(loss))
+        settled = settle(True, ok, self.nan_guard, loss, previous_loss,
+                         f"the accepted gradients of step {self.rounds.version + 1} were")
+        if settled.apply:
+            if self.recipe.clip_norm:
+                self.clip(total, squares)
+            self.optimizer.step(self.shard_view(), total, self.recipe.lr(self.rounds.version))
+            self.figures["updates"] += 1
+        return settled.loss
 
     def shard_view(self):
         return self.host_params[self.lo:self.hi]

@@ -14,7 +14,9 @@ holds the workers' clocks.  A worker's step:
 A ps loops: take the inbox (swap with zeros: atomic, so nothing that arrives
 meanwhile is lost), apply the optimizer to its shard if anything arrived,
 publish the shard and bump its version; else sleep briefly.  Workers never
-wait for the ps, and the ps never blocks.
+wait for the ps, and the ps never blocks.  The choices of both loops are pure
+rules of :mod:`~mpidist.parallel.async_rounds`, tested there by literal tables;
+here the windows are read and the choices carried out.
 
 With ``--elastic`` (an MPI with ULFM), every rank also polls for dead
 processes; the first ps retires a dead worker's clock, so the others never
@@ -32,25 +34,17 @@ import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime import recorder
-from ..runtime.cluster import PS, WORKER
 from ..runtime.ulfm import FailureWatch, cannot_go_on, describe_lost
 from ..runtime.errors import RunError, UsageError
 from ..runtime.rma import Window
 from ..runtime.xp import is_device_array, to_host
+from .async_rounds import (NEVER, POLL_SECONDS, Act, Serving, WorkerPace, carries_gradient, follower_action,
+                           inbox_action, look_now, next_pause, own_squared_norm, sort_lost, watches_checkpoints)
 from .base import SkipCounter, finite
 from .registry import Option, register
 from .shards import ShardedStrategy
 
 TRACER = recorder.tracer()
-
-NEVER = np.iinfo(np.int64).max  # a finished worker's clock: it never holds anyone back
-POLL_SECONDS = 0.0002            # SSP wait between clock reads; first ps sleep when idle
-POLL_MAX_SECONDS = 0.005         # an idle ps backs off to this: it only delays updates, never a worker
-
-
-def _nonzero(array):
-    """Whether ``array`` holds anything; a short prefix almost always answers without a full scan."""
-    return bool(array[:256].any()) or bool(array.any())
 
 
 class AsyncExchange:
@@ -185,6 +179,43 @@ class AsyncExchange:
             window.free()
 
 
+class LostRanks:
+    """``--elastic``: the watch for dead ranks, and what a death means.
+
+    A dead ps or chief ends the job (no survivor waits: the abort ends all);
+    the first ps retires a dead worker's clock, so that the others never wait
+    for it, and notes it in ``figures["dropped_workers"]``.
+    """
+
+    def __init__(self, cluster, exchange, figures, elastic):
+        self.cluster, self.exchange, self.figures = cluster, exchange, figures
+        self.watch = FailureWatch(cluster.world) if elastic else None
+
+    @property
+    def watched(self):
+        return self.watch is not None
+
+    def look(self, serving):
+        """Act on deaths since the last look (``serving``: the :class:`~mpidist.parallel.async_rounds.Serving`
+        that knows the run's step from the chief's clock)."""
+        lost = self.watch.poll() if self.watch is not None else []
+        if not lost:
+            return
+        cluster, exchange = self.cluster, self.exchange
+        verdict = sort_lost(lost, cluster.roles, cluster.chief_rank)
+        if verdict.fatal:
+            raise RunError(cannot_go_on(describe_lost(verdict.fatal, cluster)))
+        if cluster.rank == exchange.ps_ranks[0]:
+            step = serving.run_step(int(exchange.clocks()[0]))   # the chief's step is the run's
+            for rank, worker in verdict.retired:
+                exchange.retire(worker)   # its clock holds nobody back
+                self.figures["dropped_workers"].append({"rank": cluster.origin[rank], "step": step})
+
+    def free(self):
+        if self.watch is not None:
+            self.watch.free()
+
+
 @register
 class PsAsyncStrategy(ShardedStrategy):
     """Asynchronous parameter servers over one-sided MPI.
@@ -218,7 +249,6 @@ class PsAsyncStrategy(ShardedStrategy):
         self.nan_guard = SkipCounter(nan_patience, figures=self.figures)
         model, cluster = self.model, self.cluster
         n = model.num_params
-        self.staleness = staleness
         self.shard(n)
         # RMA reads and writes host memory: on the host the model's buffers are used directly
         self.host_params = np.zeros(n, dtype=model.dtype)
@@ -229,21 +259,23 @@ class PsAsyncStrategy(ShardedStrategy):
         self.shard_values = np.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.hi - self.lo, self.lo)
         self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype)
-        self.completed = 0          # steps of this strategy object (the staleness bound counts these)
-        self.versions_held = None   # the ps versions host_params holds, once read
+        self.pace = WorkerPace(staleness)   # (workers)
+        self.serving = Serving()            # (ps; its start step is set by initialize)
         self.count(staleness=[], updates_missed=[], wait_s=0.0, updates=0, gradients=0, dropped_workers=[],
                    steps=0)
         self._stop_sent = False
-        self.start_step = 0   # the chief's step when this run began (a resumed run's checkpoint step)
-        self.snapshots = 0    # mid-run checkpoints taken (ps ranks)
-        self.gradient_step = 0.0   # ps: the mean step of the gradients taken last
         # --elastic: every rank polls for deaths; the first ps drops dead workers from the staleness bound
-        self.watch = FailureWatch(cluster.world) if elastic else None
+        self.lost = LostRanks(cluster, self.exchange, self.figures, elastic)
 
     @property
     def serves(self):
         """True on ps ranks: they run :meth:`serve` instead of training steps."""
         return not self.is_worker
+
+    @property
+    def staleness(self):
+        """The bound ``S`` (None: none)."""
+        return self.pace.bound
 
     def request_stop(self, signal_number):
         if not self._stop_sent:
@@ -256,8 +288,7 @@ class PsAsyncStrategy(ShardedStrategy):
         return bool(self.exchange.stop[0])
 
     def initialize(self, checkpoint=None):
-        self.start_step = 0 if checkpoint is None else int(checkpoint.step)
-        self.gradient_step = float(self.start_step)
+        self.serving = Serving(0 if checkpoint is None else int(checkpoint.step))
         self.broadcast_initial(self.host_params, checkpoint)
         if not self.is_worker:
             self.shard_values[...] = self.host_params[self.lo:self.hi]
@@ -266,19 +297,7 @@ class PsAsyncStrategy(ShardedStrategy):
 
     def _look_for_the_lost(self):
         """``--elastic``: act on deaths since the last look (a dead ps or chief ends the job)."""
-        lost = self.watch.poll() if self.watch is not None else []
-        if not lost:
-            return
-        cluster = self.cluster
-        fatal = [rank for rank in lost if cluster.roles[rank] == PS or rank == cluster.chief_rank]
-        if fatal:
-            raise RunError(cannot_go_on(describe_lost(fatal, cluster)))   # no survivor waits: the abort ends all
-        if cluster.rank == self.ps_ranks[0]:
-            chief = int(self.exchange.clocks()[0])   # the chief's step is the run's
-            step = None if chief == NEVER else self.start_step + chief
-            for rank in lost:
-                self.exchange.retire(cluster.roles[:rank].count(WORKER))   # its clock holds nobody back
-                self.figures["dropped_workers"].append({"rank": cluster.origin[rank], "step": step})
+        self.lost.look(self.serving)
 
     def _wait_for_slowest(self):
         """Stale synchronous parallel: returns how far ahead of the slowest worker this one is."""
@@ -287,10 +306,10 @@ class PsAsyncStrategy(ShardedStrategy):
         polls = 0
         while True:
             polls += 1
-            if polls % 500 == 0:   # held for long (0.1 s): a ps may have died and nobody frees us
+            if look_now(polls):   # held for long: a ps may have died and nobody frees us
                 self._look_for_the_lost()
-            ahead = self.completed - int(self.exchange.clocks().min())
-            if self.staleness is None or ahead <= self.staleness:
+            go, ahead = self.pace.check(self.exchange.clocks())
+            if go:
                 self.figures["wait_s"] += time.perf_counter() - start
                 return max(ahead, 0)
             time.sleep(POLL_SECONDS)
@@ -300,21 +319,20 @@ class PsAsyncStrategy(ShardedStrategy):
         self._look_for_the_lost()
         staleness = self._wait_for_slowest()
         self.track("exchange")
-        read = self.exchange.pull(self.host_params, known=self.versions_held)
-        self.versions_held = read
+        read = self.exchange.pull(self.host_params, known=self.pace.versions_held)
+        self.pace.versions_held = read
         if is_device_array(model.params):
             model.params[...] = model.xp.asarray(self.host_params)
         loss = self.backprop(x, y, weight, step)
         if self.recipe.clip_norm:   # no summed gradient exists here: each worker clips its own batch's
-            own = float(model.grads.dot(model.grads)) / (weight * weight)
-            self.clip(model.grads, squared_norm=own)
+            self.clip(model.grads, squared_norm=own_squared_norm(model.grads.dot(model.grads), weight))
         grads = self.host_grads
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)
         self.track("exchange")
         missed = int((self.exchange.push(grads, step) - read).max())
         self.exchange.tick(self.worker_index)
-        self.completed += 1
+        self.pace.step_done()
         self.figures["steps"] += 1
         self.figures["staleness"].append(staleness)
         self.figures["updates_missed"].append(missed)
@@ -323,16 +341,18 @@ class PsAsyncStrategy(ShardedStrategy):
     def serve(self, control=None):
         """ps loop: apply what arrives until every worker has finished and the inbox is empty.
 
-        ``control`` (see :class:`mpidist.loop.training.ServerControl`): a signal this
-        ps received is passed on to the workers as a stop request; the first
-        ps also decides when a mid-run checkpoint is due (by the chief's step
-        clock or the time), and every ps then sends it its shard, between two
-        of its own updates.  The shards are each consistent, not mutually
-        simultaneous: as in any asynchronous parameter server, they may be a
-        few updates apart.  The first ps alone decides when serving is over,
-        so no ps leaves while a checkpoint could still ask for its shard.
+        Each time round, :mod:`~mpidist.parallel.async_rounds` decides what to do
+        from what the windows say.  ``control`` (see
+        :class:`mpidist.loop.training.ServerControl`): a signal this ps received is
+        passed on to the workers as a stop request; the first ps also decides
+        when a mid-run checkpoint is due (by the chief's step clock or the
+        time), and every ps then sends it its shard, between two of its own
+        updates.  The shards are each consistent, not mutually simultaneous:
+        as in any asynchronous parameter server, they may be a few updates
+        apart.  The first ps alone decides when serving is over, so no ps
+        leaves while a checkpoint could still ask for its shard.
         """
-        rank, workers = self.cluster.rank, self.cluster.num_workers
+        rank, workers, exchange, serving = self.cluster.rank, self.cluster.num_workers, self.exchange, self.serving
         self.track("serve")
         first = rank == self.ps_ranks[0]
         arrived = np.zeros_like(self.shard_values)
@@ -343,70 +363,57 @@ class PsAsyncStrategy(ShardedStrategy):
             if control is not None:
                 if control.signalled():
                     self.request_stop(control.signalled())
-                if first and control.periodic and not drained:
-                    step = int(self.exchange.clocks()[0])
-                    if step != NEVER and control.checkpoint_due(self.start_step + step):
-                        self.exchange.set_control(self.snapshots + 1, False)
-                        self._snapshot(control, self.start_step + step)
+                if watches_checkpoints(first, control.periodic, drained):
+                    step = serving.run_step(int(exchange.clocks()[0]))
+                    if step is not None and control.checkpoint_due(step):
+                        exchange.set_control(serving.snapshots + 1, False)
+                        self._snapshot(control, step)
             if not first:
-                asked, over = self.exchange.control()
-                if asked > self.snapshots:
+                asked, over = exchange.control()
+                act = follower_action(asked, serving.snapshots, drained, over)
+                if act is Act.SNAPSHOT:
                     self._snapshot(control, None)
                     continue
-                if drained and over:
+                if act is Act.LEAVE:
                     return
             # Poll the 8-byte arrival count, not the inbox: taking a 2.7 MB inbox every
             # 0.2 ms while idle would flood the memory bus the workers compute on.
             # Workers flush a gradient before counting it, so a count means the data is in.
-            if self.exchange.pending(rank) == 0:
-                if drained or self.exchange.workers_done() < workers:
-                    # Back off while idle: polling steals cycles from workers on shared cores
-                    # (measured: 71% system time on this VM), and a later poll only delays an
-                    # update -- workers never wait for the ps.
-                    time.sleep(pause)
-                    pause = min(2 * pause, POLL_MAX_SECONDS)
-                    continue
-                # every worker has signed off, after its last count: take what is left, then stop
-                self._take(arrived, rank)
-                if _nonzero(arrived):
-                    self._apply(arrived, rank)
+            pending = exchange.pending(rank)
+            done = exchange.workers_done() if not pending and not drained else None
+            act = inbox_action(pending, drained, done, workers)
+            if act is Act.IDLE:   # (measured: polling took 71% system time on this VM's shared cores)
+                time.sleep(pause)
+                pause = next_pause(pause)
+                continue
+            if act is Act.TAKE:
+                pause = POLL_SECONDS
+            self._take_and_apply(arrived, rank)
+            if act is Act.DRAIN:
                 drained = True
                 if first:
-                    self.exchange.set_control(self.snapshots, True)
+                    exchange.set_control(serving.snapshots, True)
                     return
-                continue
-            pause = POLL_SECONDS
-            self._take(arrived, rank)
-            # a count can outlive its data (taken with an earlier count's): never step on zeros,
-            # since even a zero gradient moves Adam's parameters
-            if _nonzero(arrived):
-                self._apply(arrived, rank)
 
     def _snapshot(self, control, step):
         """Collective over the ps ranks: the first one gathers the shards and writes them (at ``step``)."""
-        self.snapshots += 1
+        self.serving.snapshots += 1
         state = self.gather_on_first_ps(self.shard_values)
         if state is not None:
             control.write(step, state)
 
-    def _take(self, out, rank):
-        """This ps's inbox into ``out``; notes the mean step of the gradients taken (their learning rate's)."""
-        arrivals, steps = self.exchange.take(out, rank)
+    def _take_and_apply(self, arrived, rank):
+        """This ps's inbox into ``arrived``, applied at the learning rate of its gradients' mean step."""
+        arrivals, steps = self.exchange.take(arrived, rank)
         self.figures["gradients"] += arrivals
-        if arrivals:   # (a count can outlive its data, or come after it: the step is as near as it gets)
-            self.gradient_step = steps / arrivals
-
-    def _apply(self, gradient, rank):
-        with TRACER.span("update", "serve", tid=recorder.STEPS):   # (--trace: the serve phase, update by update)
-            self._apply_now(gradient, rank)
-
-    def _apply_now(self, gradient, rank):
-        if not self.nan_guard.update_allowed(finite(gradient), f"gradients arriving at ps rank {rank} were"):
+        self.serving.took(arrivals, steps)
+        if not carries_gradient(arrived):
             return
-        # the learning rate of the step the gradients were computed at (their mean, when several came together)
-        self.optimizer.step(self.shard_values, gradient, self.recipe.lr(int(round(self.gradient_step))))
-        self.exchange.publish(self.shard_values, rank)
-        self.figures["updates"] += 1
+        with TRACER.span("update", "serve", tid=recorder.STEPS):   # (--trace: the serve phase, update by update)
+            if self.nan_guard.update_allowed(finite(arrived), f"gradients arriving at ps rank {rank} were"):
+                self.optimizer.step(self.shard_values, arrived, self.recipe.lr(self.serving.learning_step))
+                self.exchange.publish(self.shard_values, rank)
+                self.figures["updates"] += 1
 
     def finish(self):
         """Collective: workers sign off, ps ranks drain, everyone gets the final parameters."""
@@ -418,7 +425,7 @@ class PsAsyncStrategy(ShardedStrategy):
             if is_device_array(self.model.params):
                 self.model.params[...] = self.model.xp.asarray(self.host_params)
         # a ps cannot see one-sided reads: count the workers' pulls (each step's, and this last one)
-        pulls, = mpi.sum_float64(self.cluster.world, [self.completed + 1 if self.is_worker else 0])
+        pulls, = mpi.sum_float64(self.cluster.world, [self.pace.completed + 1 if self.is_worker else 0])
         self.figures["pulls"] = int(pulls)
 
     def state(self):
@@ -434,7 +441,7 @@ class PsAsyncStrategy(ShardedStrategy):
             shard_bytes = self.shard_values.nbytes
             return {"updates": f["updates"], "gradients": f["gradients"], "shard": [self.lo, self.hi],
                     "skipped": self.nan_guard.total,
-                    **({"dropped_workers": f["dropped_workers"]} if self.watch is not None else {}),
+                    **({"dropped_workers": f["dropped_workers"]} if self.lost.watched else {}),
                     "bytes_in": f["gradients"] * shard_bytes, "bytes_out": f.get("pulls", 0) * shard_bytes}
         return {"steps": f["steps"], "wait_s": f["wait_s"], **({"clipped": f["clipped"]} if "clipped" in f else {}),
                 "staleness_mean": float(np.mean(f["staleness"])) if f["staleness"] else 0.0,
@@ -444,5 +451,4 @@ class PsAsyncStrategy(ShardedStrategy):
 
     def close(self):
         self.exchange.free()
-        if self.watch is not None:
-            self.watch.comm.Free()
+        self.lost.free()   # the watch's duplicate of the world

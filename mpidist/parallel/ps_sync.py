@@ -17,6 +17,7 @@ flat gradient buffer goes to MPI as it is.  The update equals ``allreduce``'s
 """
 
 import math
+import typing
 
 import numpy as np
 
@@ -50,6 +51,38 @@ class PreviousShard:
     def restore(self, params, optimizer):
         params[...] = self.params
         optimizer.load_state(self.arrays, self.steps)
+
+
+class StepLedger:
+    """A ps-sync ps's count of the steps it applied, and (under ``--elastic``) its shard before the last one.
+
+    Args:
+        previous: a :class:`PreviousShard` to keep each step, or None (no ``--elastic``).
+    """
+
+    def __init__(self, previous=None):
+        self.previous = previous
+        self.start_step = 0   # the run's step at initialize
+        self.applied = 0      # steps this ps has taken part in since (updated or skipped)
+
+    def keep(self, params, optimizer):
+        """Before a step's update: remember the shard as it is (under ``--elastic``)."""
+        if self.previous is not None:
+            self.previous.keep(params, optimizer)
+
+    def rewind_to(self, step, params, optimizer):
+        """Make the shard the one of the chief's ``step``: a ps one update ahead (the chief never got it) takes it back."""
+        ahead = self.start_step + self.applied - step
+        assert ahead in (0, 1), f"ps at step {self.start_step + self.applied}, the chief at {step}"
+        if ahead:
+            self.previous.restore(params, optimizer)
+
+
+class RunningEntries(typing.NamedTuple):
+    """Where running statistics (BatchNorm's) sit: they travel as weighted values in the gradients' place."""
+
+    whole: list   # ``(lo, hi)`` in the whole parameter buffer (what a worker sends)
+    here: list    # ``(lo, hi)`` within this ps's shard (what a ps sets to the workers' mean)
 
 
 @register
@@ -99,25 +132,25 @@ class PsSyncStrategy(ShardedStrategy):
         self.param_hi = min(self.hi, n)                          # the loss slot is not a parameter
         self.inbox = xp.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.param_hi - self.lo, self.lo)
-        self.previous = PreviousShard(self.shard_params(), self.optimizer) if elastic and not self.is_worker else None
-        self.start_step = self.steps_seen = 0   # the run's step at initialize; steps this ps has applied since
+        self.ledger = StepLedger(PreviousShard(self.shard_params(), self.optimizer)
+                                 if elastic and not self.is_worker else None)
         self.count(updates=0, bytes_in=0, bytes_out=0)
         # running statistics travel as weighted values in the gradients' place: the ps gets their mean
-        self.running = model.running_entries()
-        self.running_here = [(max(lo, self.lo) - self.lo, min(hi, self.param_hi) - self.lo)
-                             for lo, hi in self.running if lo < self.param_hi and hi > self.lo]
+        whole = model.running_entries()
+        self.running = RunningEntries(whole, [(max(lo, self.lo) - self.lo, min(hi, self.param_hi) - self.lo)
+                                              for lo, hi in whole if lo < self.param_hi and hi > self.lo])
         if self.is_worker:
             synchronise_batch_norms(model, self.cluster.workers)
 
     def initialize(self, checkpoint=None):
         self.broadcast_initial(self.values, checkpoint)
-        self.start_step = 0 if checkpoint is None else int(checkpoint.step)
+        self.ledger.start_step = 0 if checkpoint is None else int(checkpoint.step)
 
     def train_step(self, x, y, weight, step):
         if self.is_worker:
             loss = self.backprop(x, y, weight, step)
             self.outbox[-1] = loss * weight
-            for lo, hi in self.running:
+            for lo, hi in self.running.whole:
                 self.outbox[lo:hi] = self.values[lo:hi] * weight
         world = self.cluster.world
         self.track("exchange")
@@ -130,18 +163,18 @@ class PsSyncStrategy(ShardedStrategy):
             count = self.param_hi - self.lo
             self.track("serve")     # (the ps applies the summed shard)
             update = math.isfinite(squared_norm) if squared_norm is not None else self.ps_agree(finite(self.inbox))
-            if self.previous is not None:
-                self.previous.keep(self.shard_params(), self.optimizer)
+            shard = self.shard_params()
+            self.ledger.keep(shard, self.optimizer)
             if update:
-                for lo, hi in self.running_here:   # the workers' mean, not a gradient
-                    self.shard_params()[lo:hi] = self.inbox[lo:hi]
+                for lo, hi in self.running.here:   # the workers' mean, not a gradient
+                    shard[lo:hi] = self.inbox[lo:hi]
                     self.inbox[lo:hi] = 0
                 self.clip(self.inbox[:count], squared_norm)
-                self.optimizer.step(self.shard_params(), self.inbox[:count], self.recipe.lr(step))
+                self.optimizer.step(shard, self.inbox[:count], self.recipe.lr(step))
                 self.figures["updates"] += 1
             if self.hi > self.param_hi:   # the loss slot: NaN tells every rank the step was skipped
                 self.values[-1] = self.inbox[-1] if update else np.nan
-            self.steps_seen += 1
+            self.ledger.applied += 1
             workers = self.cluster.num_workers
             self.figures["bytes_in"] += workers * self.inbox.nbytes
             self.figures["bytes_out"] += (self.cluster.size - 1) * self.inbox.nbytes
@@ -160,7 +193,7 @@ class PsSyncStrategy(ShardedStrategy):
         squares = np.zeros(1)
         if not self.is_worker:
             count, inbox = self.param_hi - self.lo, self.inbox
-            edges = [0] + [bound for lo, hi in self.running_here for bound in (lo, hi)] + [count]
+            edges = [0] + [bound for lo, hi in self.running.here for bound in (lo, hi)] + [count]
             squares[0] = sum(float(inbox[a:b].dot(inbox[a:b])) for a, b in zip(edges[::2], edges[1::2]))
             if self.hi > self.param_hi:
                 squares[0] += 0.0 * float(inbox[-1])
@@ -176,10 +209,7 @@ class PsSyncStrategy(ShardedStrategy):
     def survivor_state(self, cluster, step):
         """The shards at the chief's ``step``: a ps one update ahead (the chief never got it) takes it back."""
         if not self.is_worker:
-            ahead = self.start_step + self.steps_seen - step
-            assert ahead in (0, 1), f"ps at step {self.start_step + self.steps_seen}, the chief at {step}"
-            if ahead:
-                self.previous.restore(self.shard_params(), self.optimizer)
+            self.ledger.rewind_to(step, self.shard_params(), self.optimizer)
         return self.gather_state(None, cluster)
 
     def stats(self):

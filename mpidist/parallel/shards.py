@@ -6,7 +6,6 @@ optimizer shards loaded from and gathered into whole-model checkpoints.
 """
 
 import numpy as np
-from mpi4py import MPI
 
 from ..runtime import comm as mpi
 from ..runtime.cluster import PS
@@ -104,8 +103,7 @@ class ShardedStrategy(Strategy):
         if len(self.ps_ranks) == 1:
             return bool(ok)
         flag = np.array([int(bool(ok))], dtype=np.int64)
-        self.cluster.role_comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MIN)
-        return bool(flag[0])
+        return bool(mpi.allreduce_min(self.cluster.role_comm, flag)[0])
 
     def broadcast_initial(self, buffer, checkpoint=None):
         """Collective: the chief's initial (or ``checkpoint``'s) parameters in ``buffer[:n]`` on every rank.

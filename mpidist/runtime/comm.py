@@ -177,6 +177,24 @@ def scatterv(comm, send, recv, counts, displs, root):
     return recv
 
 
+def allreduce_max(comm, array):
+    """Each element of ``array`` (contiguous, host) becomes its maximum over ``comm``, in place."""
+    buffer, back = _for_mpi(array)
+    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.MAX)
+    if back:
+        back()
+    return array
+
+
+def allreduce_min(comm, array):
+    """Each element of ``array`` (contiguous, host) becomes its minimum over ``comm``, in place."""
+    buffer, back = _for_mpi(array)
+    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.MIN)
+    if back:
+        back()
+    return array
+
+
 def isend(comm, array, dest, tag):
     """Start sending ``array``; returns ``(request, buffer)``: keep the buffer until the request is done."""
     buffer, _ = _for_mpi(array)
@@ -189,13 +207,39 @@ def send(comm, array, dest, tag):
     comm.Send(buffer, dest=dest, tag=tag)
 
 
-def recv(comm, array, source, tag):
-    """Receive into ``array`` (contiguous) from ``source``."""
+#: ``source`` of :func:`recv` that takes a message from whichever rank sent one first.
+ANY_SOURCE = MPI.ANY_SOURCE
+
+
+def recv(comm, array, source, tag, status=None):
+    """Receive into ``array`` (contiguous) from ``source`` (a rank, or :data:`ANY_SOURCE`).
+
+    ``status``: a :class:`Status` that learns who sent the message.
+    """
     buffer, back = _for_mpi(array)
-    comm.Recv(buffer, source=source, tag=tag)
+    comm.Recv(buffer, source=source, tag=tag, status=None if status is None else status.mpi)
     if back:
         back()
     return array
+
+
+class Status:
+    """Who sent the message a :func:`recv` took (with :data:`ANY_SOURCE`, any rank may have)."""
+
+    __slots__ = ("mpi",)
+
+    def __init__(self):
+        self.mpi = MPI.Status()
+
+    @property
+    def source(self):
+        """The sender's rank in the communicator received on."""
+        return self.mpi.Get_source()
+
+
+def wait_all(requests):
+    """Block until every request of :func:`isend` (the first item of its answer) has completed."""
+    MPI.Request.Waitall(list(requests))
 
 
 def sum_float64(comm, values):

@@ -196,3 +196,12 @@ class FailureWatch:
         new = sorted(set(ranks) - self.known)
         self.known.update(new)
         return new
+
+    def free(self):
+        """Free the duplicate of the world this watch made (its maker's to free); a second call does nothing."""
+        if self.group is not None:
+            self.group.Free()
+            self.group = None
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
