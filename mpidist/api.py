@@ -30,7 +30,7 @@ from .loop.setup import Inputs, build_model_for
 from .runtime.cluster import PS, build_cluster
 from .runtime.comm import bcast_text
 from .settings.config import Settings, settings_from
-from .runtime.agreement import abort_job, agreed
+from .runtime.agreement import agreed, ends_the_job_on_error
 from .runtime.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError
 from .runtime.preempt import stop_signals
 from .observe.stall import LocalWatch
@@ -273,27 +273,6 @@ def _require_ulfm():
 def _exit_after_failure():
     if ulfm.failure_seen():
         ulfm.exit_after_failure(EXIT_OK)
-
-
-class ends_the_job_on_error:
-    """An exception on this rank ends the whole job (``MPI_Abort``), even if the script would catch it.
-
-    Ranks past the set-up agreement may be waiting for this one in a
-    collective: letting the exception reach a ``try`` in the user's script
-    would leave them waiting forever.  ``SystemExit`` (an agreed exit, on
-    every rank alike) passes through; one process alone just raises.
-    """
-
-    def __init__(self, world):
-        self.world = world
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None or isinstance(exc, SystemExit) or self.world.Get_size() == 1:
-            return False
-        abort_job(exc_type, exc, tb)
 
 
 def _result(outcome, is_chief, config, inputs):

@@ -4,6 +4,8 @@ import time
 
 import numpy as np
 
+from ..runtime import comm as mpi
+
 
 def sleep_until_released(world, root=0):
     """Wait for ``root`` without spinning: an Ibarrier polled with short sleeps."""
@@ -41,7 +43,7 @@ def synced_timed(world, fn, seconds):
         fn()
     per_call = (time.perf_counter() - t0) / 3
     count = np.array([max(5, int(seconds / max(per_call, 1e-6)))], dtype=np.int64)
-    world.Bcast(count, root=0)
+    mpi.bcast(world, count, root=0)
     times = []
     for _ in range(int(count[0])):
         world.Barrier()
@@ -89,7 +91,7 @@ def synced_alternating(world, steps, seconds, min_calls=5):
         step()
     per_round = time.perf_counter() - start
     count = np.array([max(min_calls, int(seconds / max(per_round, 1e-6)))], dtype=np.int64)
-    world.Bcast(count, root=0)
+    mpi.bcast(world, count, root=0)
     names = list(steps)
     times = {name: [] for name in steps}
     for turn in range(int(count[0])):   # the same rotating order on every rank: the count is agreed

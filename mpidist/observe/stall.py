@@ -37,6 +37,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..runtime import comm as mpi
 from ..runtime.agreement import ABORT_GRACE_SECONDS
 from ..runtime.errors import EXIT_FAILURE, error_line
 from ..runtime.whereabouts import PHASES, WAITS
@@ -143,7 +144,7 @@ class StallMonitor:
         if pending is None or pending.Test():
             record = self.where.record()
             self._in_flight[tag] = record   # the buffer lives until the send completes
-            return self.comm.Isend(record, dest, tag)
+            return mpi.isend(self.comm, record, dest, tag)[0]
         return pending
 
     def _report(self):
@@ -153,7 +154,7 @@ class StallMonitor:
             while True:
                 pending = self._send(pending, self.chief, TAG)
                 while self.comm.Iprobe(self.chief, CHIEF_TAG, status):
-                    self.comm.Recv(incoming, self.chief, CHIEF_TAG)
+                    mpi.recv(self.comm, incoming, self.chief, CHIEF_TAG)
                     self.where.chief_heard = (self.chief, incoming.copy(), time.monotonic())
                 if self._stop.wait(self.interval):
                     return
@@ -170,7 +171,7 @@ class StallMonitor:
             while not self._stop.wait(min(0.05, self.interval / 4)):
                 while self.comm.Iprobe(MPI.ANY_SOURCE, TAG, status):
                     source = status.Get_source()
-                    self.comm.Recv(incoming, source, TAG)
+                    mpi.recv(self.comm, incoming, source, TAG)
                     records[source], heard[source] = incoming.copy(), time.monotonic()
                 now = time.monotonic()
                 if now < next_check:
@@ -195,7 +196,7 @@ class StallMonitor:
             self.comm.Barrier()   # every rank has stopped sending; what is still queued is dropped
             status = MPI.Status()
             while self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                self.comm.Recv(np.zeros(3, dtype=np.int64), status.Get_source(), status.Get_tag())
+                mpi.recv(self.comm, np.zeros(3, dtype=np.int64), status.Get_source(), status.Get_tag())
             self.comm.Free()
         self.comm = None
         self.where.chief_heard, self.where.patience = None, 1

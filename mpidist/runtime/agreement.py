@@ -20,6 +20,7 @@ import traceback
 
 import numpy as np
 
+from . import comm as mpi
 from .errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, RunError, UsageError, error_line
 from .whereabouts import here
 
@@ -80,7 +81,7 @@ def agreed(comm):
     codes = np.full(size, code, dtype=np.int32)
     if comm is not None:
         with here().doing("agree", "set-up: every rank's checks"):
-            comm.Allgather(np.array([code], dtype=np.int32), codes)
+            mpi.allgather(comm, np.array([code], dtype=np.int32), codes)
     failed = np.flatnonzero(codes)
     if failed.size == 0:
         return
@@ -90,3 +91,24 @@ def agreed(comm):
         sys.stderr.write(error_line(message, first if only_some else None) + "\n")
         sys.stderr.flush()
     raise SystemExit(int(codes[first]))
+
+
+class ends_the_job_on_error:
+    """An exception on this rank ends the whole job (``MPI_Abort``), even if the script would catch it.
+
+    Ranks past the set-up agreement may be waiting for this one in a
+    collective: letting the exception reach a ``try`` in the user's script
+    would leave them waiting forever.  ``SystemExit`` (an agreed exit, on
+    every rank alike) passes through; one process alone just raises.
+    """
+
+    def __init__(self, world):
+        self.world = world
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or isinstance(exc, SystemExit) or self.world.Get_size() == 1:
+            return False
+        abort_job(exc_type, exc, tb)

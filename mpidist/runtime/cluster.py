@@ -14,6 +14,8 @@ import socket
 import numpy as np
 from mpi4py import MPI
 
+from . import comm as mpi
+
 WORKER, PS = "worker", "ps"
 
 
@@ -147,9 +149,9 @@ def node_layout(world):
     if is_leader:
         index[0] = leaders.Get_rank()
         leaders.Free()
-    node.Bcast(index, root=0)
+    mpi.bcast(node, index, root=0)
     every = np.empty(world.Get_size(), dtype=np.int32)
-    world.Allgather(index, every)
+    mpi.allgather(world, index, every)
     return node, int(index[0]), int(every.max()) + 1, every.tolist()
 
 

@@ -242,6 +242,12 @@ def wait_all(requests):
     MPI.Request.Waitall(list(requests))
 
 
+def allgather(comm, send, recv):
+    """Every rank's ``send`` (the same size on all) into ``recv``, in rank order (host arrays)."""
+    comm.Allgather(send, recv)
+    return recv
+
+
 def sum_float64(comm, values):
     """Sum a few host scalars over ``comm`` (metrics, evaluation counts)."""
     buffer = np.asarray(values, dtype=np.float64).copy()

@@ -24,6 +24,8 @@ import signal
 import numpy as np
 from mpi4py import MPI
 
+from . import comm as mpi
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 #: A stop a callback asked for, carried where signal numbers are (flags combine with MAX): it is below
@@ -113,29 +115,28 @@ class StepAgreement:
 
     def __init__(self, comm):
         self.comm = comm.Dup()   # its own context: never matched against the strategy's collectives
-        self._posted = np.zeros(len(self.FIELDS), dtype=np.int64)
-        self._result = np.zeros(len(self.FIELDS), dtype=np.int64)
-        self._request = None
+        self._flags = np.zeros(len(self.FIELDS), dtype=np.int64)   # this rank's, then (in place) every rank's max
+        self._pending = None
 
     def boundary(self, signal_number=0, due=False):
         """Post this rank's flags; returns the flags all ranks posted at the previous boundary (a dict)."""
         agreed = self._collect()
-        self._posted[...] = (signal_number, self.comm.Get_rank() + 1 if signal_number else 0, int(due))
-        self._request = self.comm.Iallreduce(self._posted, self._result, op=MPI.MAX)
+        self._flags[...] = (signal_number, self.comm.Get_rank() + 1 if signal_number else 0, int(due))
+        self._pending = mpi.iallreduce(self.comm, self._flags, MPI.MAX)
         return agreed
 
     def _collect(self):
-        if self._request is None:
+        if self._pending is None:
             return dict.fromkeys(self.FIELDS, 0)
-        self._request.Wait()
-        self._request = None
-        return dict(zip(self.FIELDS, (int(v) for v in self._result)))
+        self._pending.wait()
+        self._pending = None
+        return dict(zip(self.FIELDS, (int(v) for v in self._flags)))
 
     def free(self):
         """Complete the last exchange and free the communicator (once: a second call does nothing)."""
-        if self._request is not None:
-            self._request.Wait()
-            self._request = None
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
@@ -148,5 +149,5 @@ def settle(comm, signal_number, early):
     leaves ``early`` at 0: the run finished, and says so.
     """
     flags = np.array([signal_number, comm.Get_rank() + 1 if signal_number else 0, int(early)], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    mpi.allreduce_max(comm, flags)
     return dict(zip(("signal", "rank", "early"), (int(v) for v in flags)))

@@ -32,7 +32,8 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from ..api import ends_the_job_on_error, load_trained
+from ..api import load_trained
+from ..runtime.agreement import ends_the_job_on_error
 from ..runtime import comm as mpi
 from ..runtime.agreement import agreed
 from ..runtime.errors import UsageError
@@ -224,7 +225,7 @@ def _agree_on_sizes(world, samples, width):
     """Every rank must see the same samples (a numpy array differing between ranks would scramble the gather)."""
     mine = np.array([samples, width], dtype=np.int64)
     every = np.empty((world.Get_size(), 2), dtype=np.int64)
-    world.Allgather(mine, every)
+    mpi.allgather(world, mine, every)
     with agreed(world):
         if (every != mine).any():
             raise UsageError(f"the ranks were given different samples: {every[:, 0].tolist()} samples of "
