@@ -248,3 +248,20 @@ def test_an_unreadable_config_file_is_named(tmp_path):
             parse(["--config", str(path)])
     finally:
         path.chmod(0o644)
+
+
+def test_strategies_declare_what_the_loop_set_up_and_settings_once_named_them_for():
+    """auto's choice, a mode's name in messages, how clipped steps add up: each strategy says, nobody branches."""
+    from mpidist.parallel import STRATEGIES
+    from mpidist.parallel.backup import BackupWorkersStrategy
+
+    aggregate = Settings(strategy="ps-sync", ps=1, aggregate=1)
+    assert STRATEGIES["ps-sync"].variant(aggregate, 3) is BackupWorkersStrategy
+    assert BackupWorkersStrategy.title(aggregate) == "ps-sync with --aggregate"
+    assert STRATEGIES["ps-sync"].title(aggregate) == "ps-sync"
+    assert STRATEGIES["ps-async"].clipped_steps([2, 3, 0]) == 5          # each worker clips its own pushes
+    assert BackupWorkersStrategy.clipped_steps([2, 3, 0]) == 3            # the ps ranks decide together
+    assert STRATEGIES["local-sgd"].clipped_steps([]) == 0
+    ranks = {name: cls.auto_rank(Settings(ps=1, stages=2), 4) for name, cls in STRATEGIES.items()}
+    assert ranks == {"local": None, "allreduce": 3, "ps-sync": 0, "ps-async": None, "pipeline": 1, "local-sgd": None}
+    assert STRATEGIES["local"].auto_rank(Settings(), 1) == 2

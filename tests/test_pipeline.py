@@ -69,7 +69,7 @@ def test_a_pipeline_step_equals_a_local_step(schedule_name, stages, micro_batche
     assert not np.allclose(reference.model.params, small_convnet(np.float64).params)
     peak = strategy.stats()["peak_activations"]
     assert peak <= (micro_batches if schedule_name == "gpipe" else min(stages - strategy.stage, micro_batches))
-    strategy.close()
+    strategy.free()
     cluster.free()
 
 
@@ -81,7 +81,7 @@ def test_hybrid_replicas_of_a_pipeline_equal_local_training_on_the_global_batch(
     assert strategy.replicas == MPI.COMM_WORLD.Get_size() // 2 >= 2
     np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.param_lo:strategy.param_hi],
                                rtol=1e-9, atol=1e-12)
-    strategy.close()
+    strategy.free()
     cluster.free()
 
 
@@ -105,8 +105,8 @@ def test_an_explicit_balance_places_the_layers_and_checkpoints_stay_whole():
                                   step=3, epoch=0, epoch_step=3, config={}))
     np.testing.assert_array_equal(resumed.model.params, strategy.model.params)
     np.testing.assert_array_equal(resumed.optimizer.state_arrays()["v"], strategy.optimizer.state_arrays()["v"])
-    resumed.close()
-    strategy.close()
+    resumed.free()
+    strategy.free()
     cluster.free()
 
 
@@ -125,18 +125,18 @@ def test_pipelined_evaluation_counts_every_test_sample_once():
         assert np.isclose(figures["accuracy"], (out.argmax(axis=1) == y).mean())
         assert np.array_equal(np.array(figures["confusion"]),
                               np.bincount(y * 4 + out.argmax(axis=1), minlength=16).reshape(4, 4))
-    strategy.close()
+    strategy.free()
     cluster.free()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_closing_twice_frees_the_stage_communicators_once():
+def test_freeing_twice_frees_the_stage_communicators_once():
     fits(2)
     cluster = build_cluster(MPI.COMM_WORLD)
     strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), None, cluster, seed=3, stages=2,
                                 micro_batches=2, schedule_name="1f1b", global_batch=4)
-    strategy.close()
-    strategy.close()   # nothing left to free: no error, no second Free
+    strategy.free()
+    strategy.free()   # nothing left to free: no error, no second Free
     assert strategy.links.pipe is None and strategy.links.peers is None
     cluster.free()
 

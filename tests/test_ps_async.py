@@ -97,7 +97,7 @@ def train_async(staleness, slow_worker_delay, steps=12):
     stats = strategy.stats()
     everyone = world.allgather((cluster.role, stats))
     params = world.allgather(strategy.host_params.copy() if strategy.is_worker else None)
-    strategy.close()
+    strategy.free()
     cluster.free()
     return everyone, [p for p in params if p is not None]
 
@@ -129,14 +129,14 @@ def test_every_worker_ends_with_the_same_final_parameters_and_the_ps_counts_ever
 
 
 @pytest.mark.mpi(min_size=2)
-def test_close_frees_the_failure_watch_and_a_second_free_does_nothing():
+def test_free_frees_the_failure_watch_and_a_second_free_does_nothing():
     cluster = build_cluster(MPI.COMM_WORLD, num_ps=1)
     make = lambda size: nn.make_optimizer("sgd", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
     strategy = PsAsyncStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3, elastic=True)
     strategy.initialize()
     watch = strategy.lost.watch
     assert watch.poll() == []   # nobody died
-    strategy.close()
+    strategy.free()
     assert watch.comm is None
     watch.free()
     cluster.free()

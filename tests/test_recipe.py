@@ -188,7 +188,7 @@ def test_allreduce_clips_schedules_and_accumulates_as_local(accumulate, optimize
         strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
         np.testing.assert_allclose(strategy.model.params, expected[step], rtol=1e-9, atol=1e-12)
         assert strategy.clipped == clipped[step]
-    strategy.close()
+    strategy.free()
     cluster.free()
 
 
@@ -236,7 +236,7 @@ def test_pipeline_clips_by_the_norm_over_every_stage(accumulate):
         np.testing.assert_allclose(strategy.model.params, expected[step][strategy.param_lo:strategy.param_hi],
                                    rtol=1e-9, atol=1e-12)
         assert strategy.clipped == clipped[step]
-    strategy.close()
+    strategy.free()
     cluster.free()
 
 

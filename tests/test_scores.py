@@ -237,7 +237,7 @@ def test_figures_summed_over_ranks_equal_one_process_on_the_whole_split(classes)
         assert sum(summed["per_class"]["support"]) == 41 and summed["confusion"] == alone["confusion"]
     else:
         assert summed["mse"] == pytest.approx(summed["loss"], rel=1e-12)   # the MSE loss is the MSE
-    strategy.close()
+    strategy.free()
     cluster.free()
 
 

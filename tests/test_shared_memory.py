@@ -145,7 +145,7 @@ def test_allreduce_trains_the_same_over_shared_memory_as_over_mpi():
         assert isinstance(strategy.exchange, SharedMemoryExchange if kind == "shared-memory" else Exchange)
         losses[kind] = [strategy.train_step(x, y, 1.0 / size, step) for step in range(5)]
         grads = strategy.model.grads.copy()
-        strategy.close()
+        strategy.free()
         # after close the gradients are the strategy's own copy: still there, still readable
         np.testing.assert_array_equal(strategy.model.grads, grads)
         params[kind] = strategy.model.params.copy()
@@ -166,4 +166,4 @@ def test_auto_picks_shared_memory_on_one_node_and_mpi_to_compress():
         try:
             assert type(strategy.exchange) is kind
         finally:
-            strategy.close()
+            strategy.free()

@@ -46,7 +46,7 @@ def pipeline_rows(world, seconds, micro_batch=32, counts=(2, 4, 8, 16)):
             strategy.figures.update(steps=0, pipeline_s=0.0, idle_s=0.0)
             per_step = synced_timed(world, lambda: strategy.train_step(x, y, 1.0, next(counter)), seconds / 4)
             stats = world.gather(strategy.stats(), root=0)
-            strategy.close()
+            strategy.free()
             if world.Get_rank() == 0:
                 rows.append({"schedule": name, "stages": stages, "micro_batches": micro_batches,
                              "bubble_measured": float(np.mean([s["bubble"] for s in stats])),

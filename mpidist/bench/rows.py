@@ -166,7 +166,7 @@ def parallel_rows(world, cluster, name, batch, seconds):
             _compare(world, rows[label], _whole_exchange(owner.exchange), lambda: world.Allreduce(MPI.IN_PLACE, bare),
                      seconds, owner.exchange.bytes_per_step)
     for owner in (strategy, overlapped, after_backward, compressed):
-        owner.close()
+        owner.free()
     return list(rows.values())
 
 
@@ -248,7 +248,7 @@ def ps_async_row(world, name, batch, seconds):
     totals = mpi.sum_float64(world, timings)
     workers = cluster.num_workers
     raw.free()
-    strategy.close()
+    strategy.free()
     cluster.free()
     row = _row(name, "ps-async", world.Get_size(), workers, batch, 1 / max(totals[0] / workers, 1e-9),
                model.num_params)

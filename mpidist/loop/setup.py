@@ -95,10 +95,13 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
                      f"{info.sizes['train']:,} training samples: some classes have none (a wrong num_classes?)")
     STRATEGIES[config.strategy].check_model(config, model)
     workers, worker = data_layout(config, cluster)
-    if model.running_entries() and not strategy_class(config, workers).running_statistics:
+    running = strategy_class(config, workers)
+    if model.running_entries() and not running.running_statistics:
+        names = [name for name, cls in STRATEGIES.items() if cls.running_statistics]
+        carried = ", ".join(names[:-1]) + " or " + names[-1]
         raise UsageError(f"--model {config.model} keeps running statistics (BatchNorm), which --strategy "
-                         f"{config.strategy}{' with --aggregate' if config.aggregate else ''} cannot carry: its "
-                         "workers step independently; use allreduce, ps-sync or pipeline, or LayerNorm")
+                         f"{running.title(config)} cannot carry: its workers step independently; use {carried}, "
+                         "or LayerNorm")
     in_graph = config.replication == "in-graph"
     if not in_graph and info.sizes["train"] < workers:
         raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training sample(s), fewer than the "

@@ -401,7 +401,7 @@ class Training:
                                 f"rank {cluster.rank} ({cluster.role}{', ' + part if part else ''})")
             here().enter("finish")
         self.monitor.free()
-        strategy.close()
+        strategy.free()
         return self._outcome(state, roles, elapsed, stopped, stopped_early, write_failed)
 
     def _outcome(self, state, roles, elapsed, stopped, stopped_early, write_failed):
@@ -429,13 +429,8 @@ class Training:
         return outcome
 
     def _clipped_total(self, roles):
-        """Steps clipped: the chief's count where it takes part in every step's decision, else the ranks' own.
-
-        Under ps-async each worker clips its own gradients (their clipped pushes
-        are summed; under local-sgd, the chief's own); with backup workers the
-        ps ranks decide together (their count).
-        """
+        """Steps clipped: the chief's count where it takes part in every step's decision, else the strategy's
+        total of the ranks' own counts (:meth:`~mpidist.parallel.base.Strategy.clipped_steps`)."""
         if self.strategy.lockstep:
             return self.window.clipped_total
-        counted = [stats.get("clipped", 0) for _, _, stats, _ in roles]
-        return int(sum(counted) if self.config.strategy == "ps-async" else max(counted, default=0))
+        return int(self.strategy.clipped_steps([stats.get("clipped", 0) for _, _, stats, _ in roles]))

@@ -27,6 +27,10 @@ class AllreduceStrategy(DataParallel):
 
     name = "allreduce"
     elastic_recovery = True
+
+    @classmethod
+    def auto_rank(cls, settings, world_size):
+        return 3   # what auto runs when nothing asks for another
     options = (Option("compress", "none", "allreduce: send gradients as 16-bit floats, with error feedback "
                                           "(half the bytes; see the performance docs)",
                       choices=("none", "fp16", "bf16")),

@@ -63,6 +63,10 @@ class BackupWorkersStrategy(ShardedStrategy):
     running_statistics = False   # workers' steps are not aligned: nothing to average them at
 
     @classmethod
+    def title(cls, settings):
+        return f"{cls.name} with --aggregate"
+
+    @classmethod
     def arguments(cls, settings, setup):
         return {"aggregate": settings.aggregate, "total_steps": total_steps(settings, setup),
                 "nan_patience": settings.nan_patience}

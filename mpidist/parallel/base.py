@@ -173,6 +173,23 @@ class Strategy:
         """Raise :class:`~mpidist.runtime.errors.UsageError` if ``model`` cannot run as ``settings`` say (local, no MPI)."""
 
     @classmethod
+    def auto_rank(cls, settings, world_size):
+        """Where ``--strategy auto`` ranks this strategy for ``settings`` on ``world_size`` ranks (the lowest
+        rank is chosen), or None where auto never picks it."""
+        return None
+
+    @classmethod
+    def title(cls, settings):
+        """The strategy's name in messages, with the mode ``settings`` put it in (``ps-sync with --aggregate``)."""
+        return cls.name
+
+    @classmethod
+    def clipped_steps(cls, counted):
+        """The run's clipped steps from each rank's own count, where the strategy is not in lockstep: the
+        largest (the ranks that decide count alike); strategies whose ranks clip apart add them up."""
+        return max(counted, default=0)
+
+    @classmethod
     def check_slice(cls, settings, samples):
         """Raise :class:`~mpidist.runtime.errors.UsageError` if ``samples`` per ``--accumulate`` slice (the
         smallest worker's) are too few for this strategy (local, no MPI)."""
@@ -285,8 +302,8 @@ class Strategy:
         """Per-role figures for the metrics (JSON-serialisable dict)."""
         return {}
 
-    def close(self):
-        """Collective: release MPI resources (windows) the strategy holds."""
+    def free(self):
+        """Collective: release the MPI resources (windows, communicators, operations) the strategy made; once."""
 
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):
         """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss.

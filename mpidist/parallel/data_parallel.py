@@ -74,7 +74,7 @@ class DataParallel(Strategy):
         """The :class:`~mpidist.parallel.exchange.Exchange` that sums ``self.buffer`` over the workers."""
         raise NotImplementedError
 
-    def close(self):
+    def free(self):
         if self.exchange.holds_buffer:   # the gradients outlive the exchange's memory
             self._bind_buffer(self.buffer.copy())
         self.exchange.free()

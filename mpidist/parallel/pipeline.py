@@ -147,6 +147,10 @@ class PipelineStrategy(Strategy):
         parse_balance(settings, model)
 
     @classmethod
+    def auto_rank(cls, settings, world_size):
+        return 1 if settings.stages > 1 else None   # --stages asks for a pipeline
+
+    @classmethod
     def check_slice(cls, settings, samples):
         if samples < settings.micro_batches:   # every micro-batch needs a sample
             raise UsageError(f"--accumulate {settings.accumulate} leaves slices of {samples} sample(s) per "
@@ -306,6 +310,6 @@ class PipelineStrategy(Strategy):
                 "peak_activations": f["peak_activations"],
                 "bubble": f["idle_s"] / f["pipeline_s"] if f["pipeline_s"] else 0.0}
 
-    def close(self):
-        """Collective: free the stage's communicators (a second close does nothing)."""
+    def free(self):
+        """Collective: free the stage's communicators (a second free does nothing)."""
         self.links.free()

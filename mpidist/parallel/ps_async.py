@@ -232,6 +232,10 @@ class PsAsyncStrategy(ShardedStrategy):
                                "fully asynchronous)"),)
 
     @classmethod
+    def clipped_steps(cls, counted):
+        return sum(counted)   # each worker clips its own gradients: their clipped pushes add up
+
+    @classmethod
     def check(cls, settings, world_size):
         super().check(settings, world_size)
         if settings.staleness < -1:
@@ -449,6 +453,6 @@ class PsAsyncStrategy(ShardedStrategy):
                 "updates_missed_mean": float(np.mean(f["updates_missed"])) if f["updates_missed"] else 0.0,
                 "updates_missed_max": int(max(f["updates_missed"], default=0))}
 
-    def close(self):
+    def free(self):
         self.exchange.free()
         self.lost.free()   # the watch's duplicate of the world

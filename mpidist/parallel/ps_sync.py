@@ -101,6 +101,10 @@ class PsSyncStrategy(ShardedStrategy):
                                "(backup workers; 0 = all workers)"),)
 
     @classmethod
+    def auto_rank(cls, settings, world_size):
+        return 0 if settings.ps else None   # --ps asks for parameter servers
+
+    @classmethod
     def check(cls, settings, world_size):
         super().check(settings, world_size)
         workers = world_size - settings.ps

@@ -299,10 +299,10 @@ class CommonSettings:
         if self.keep_best and not checkpoints:
             raise UsageError(f"--keep-best {self.keep_best} keeps a checkpoint: it needs --checkpoint-dir (or a "
                              "--run-dir)")
-        if self.keep_best and not chosen.variant(self, world_size - self.ps).lockstep:
+        running = chosen.variant(self, world_size - self.ps)
+        if self.keep_best and not running.lockstep:
             raise UsageError(f"--keep-best checkpoints the state a validation judged best, which needs every rank at "
-                             f"that step: not with --strategy {self.strategy}"
-                             f"{' --aggregate' if self.aggregate else ''}, whose workers step on their own")
+                             f"that step: not with --strategy {running.title(self)}, whose workers step on their own")
         if self.resume == "auto" and not checkpoints:
             raise UsageError("--resume auto needs --checkpoint-dir (or a --run-dir) to look in")
 
@@ -310,8 +310,8 @@ class CommonSettings:
         """A copy whose ``auto`` strategy is resolved for ``world_size`` ranks."""
         if self.strategy != "auto":
             return self
-        chosen = ("ps-sync" if self.ps else "pipeline" if self.stages > 1 else
-                  "local" if world_size == 1 else "allreduce")
+        ranked = [(cls.auto_rank(self, world_size), name) for name, cls in STRATEGIES.items()]
+        chosen = min((rank, name) for rank, name in ranked if rank is not None)[1]   # (each strategy says)
         return dataclasses.replace(self, strategy=chosen)
 
 
