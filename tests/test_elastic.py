@@ -295,7 +295,7 @@ def test_the_chiefs_state_reaches_every_survivor_as_a_checkpoint():
     assert checkpoint.optimizer_steps == 41 and checkpoint.seed == 7
     watch = FailureWatch(world)
     assert watch.poll() == []                        # nobody died
-    watch.comm.Free()
+    watch.free()
 
 
 def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(monkeypatch):

@@ -59,11 +59,14 @@ class Outputs:
             checkpoint.prepare_directory(config.checkpoint_dir)
         self.claim = lineage.claim(config, resume)
 
-    def begin(self, config, cluster):
-        """Collective, once every rank's checks passed: the run directory's settings, the timeline's clock."""
+    def begin(self, config):
+        """Once every rank's checks passed: the run directory's settings (a refused run changes nothing)."""
         if self.chief and config.run_dir:
             rundir.write_settings(config, config.run_dir)
-        if config.trace != "off":    # (from here: the set-up's files and checks are not on the timeline)
+
+    def start_trace(self, config, cluster):
+        """Collective: with ``--trace``, record from now on, on a clock aligned with the chief's."""
+        if config.trace != "off":
             TRACER.enable(detail=config.trace == "detail")
             self.trace_offset = trace.clock_offset(cluster.world, cluster.chief_rank)
 

@@ -111,8 +111,9 @@ class Training:
                 if config.early_stop else None
             outputs.open(config, list(callbacks) + ([early_stopping] if early_stopping else []), self.setup.resume)
         here().enter("start")   # collectives from here on: a wait on the others
-        outputs.begin(config, cluster)
+        outputs.begin(config)
         lineages = self._share_lineage()
+        outputs.start_trace(config, cluster)   # (the set-up's files and checks are not on the timeline)
         setup, resume = self.setup, self.setup.resume
         asked = config.seed
         if resume is not None and resume.seed != config.seed:   # the random streams go on as the checkpoint left them
