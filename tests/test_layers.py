@@ -1,168 +1,429 @@
-"""The package's shape is a contract: layers that import only downward, no cycle, small modules and classes."""
+"""The newer layers (1-D convolution, pooling, activations, normalisation,
+embedding, residual blocks) and zoo specs: gradients against finite
+differences, outputs against straightforward loops and formulas."""
 
-import ast
-import os
-import shutil
-import subprocess
-import sys
+import threading
+import warnings
 
+import numpy as np
 import pytest
 
-from conftest import ROOT
-
-PACKAGE = ROOT / "mpidist"
-
-
-def _lint_imports():
-    """``lint-imports`` beside this Python (the test extra installs it), else the one on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "lint-imports")
-    return beside if os.path.exists(beside) else shutil.which("lint-imports")
+from mpidist import nn
+from mpidist.nn import (GELU, AvgPool1D, AvgPool2D, BatchNorm, Conv1D, Conv2D, Dense, Dropout, Embedding, Flatten,
+                        GlobalAvgPool, LayerNorm, MaxPool1D, MaxPool2D, ReLU, Residual, Sequential, Sigmoid, Tanh)
+from test_nn import check_model_gradients, fit_one_batch
 
 
-def test_the_import_linter_contracts_hold(tmp_path):
-    """setup.cfg's layers and forbidden contracts (docs/development.rst draws them), imports in functions included."""
-    command = _lint_imports()
-    assert command, "lint-imports is missing: pip install -e '.[test]' installs import-linter"
-    done = subprocess.run([command, "--config", str(ROOT / "setup.cfg"), "--no-cache"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "0 broken" in done.stdout and "Layers:" in done.stdout
+@pytest.mark.parametrize("layers,shape", [
+    ([Conv1D(3, 3)], (2, 7)),
+    ([Conv1D(2, 3, stride=2, padding=0)], (1, 9)),
+    ([Conv1D(2, 4)], (2, 6)),                       # even kernel, asymmetric "same"
+    ([Conv1D(2, 2, stride=2, padding=1)], (2, 5)),
+    ([Conv2D(2, 4)], (2, 5, 5)),                    # even kernel, asymmetric "same"
+    ([Conv2D(2, 2, stride=2)], (1, 5, 4)),
+    ([Conv2D(1, 3)], (1, 5, 5)),                    # one channel in and out: windows gathered per kernel offset
+    ([Conv1D(1, 3), ReLU(), Conv1D(1, 3, stride=2, padding=1)], (1, 9)),
+    ([MaxPool1D(2)], (2, 6)),
+    ([MaxPool1D(3)], (1, 8)),                       # crops the remainder
+    ([AvgPool1D(2)], (2, 7)),
+    ([AvgPool2D(2)], (2, 4, 5)),
+    ([AvgPool2D(3)], (1, 7, 6)),
+    ([GlobalAvgPool()], (3, 5)),
+    ([GlobalAvgPool()], (2, 3, 4)),
+    ([Dense(5), GELU(), Dense(2)], (3,)),
+    ([Dense(5), Sigmoid(), Dense(2)], (3,)),
+    ([LayerNorm(), Dense(2)], (4,)),
+    ([LayerNorm()], (3, 5)),                        # normalises the last axis of each row
+    ([Dense(4), LayerNorm(), Tanh(), Dense(2)], (3,)),
+    ([Conv1D(4, 5), ReLU(), MaxPool1D(2), Conv1D(3, 3), ReLU(), GlobalAvgPool(), Dense(2)], (1, 12)),
+])
+def test_layer_gradients_match_finite_differences(layers, shape):
+    check_model_gradients(layers, shape)
 
 
-def _modules():
-    """``{dotted name: path}`` of every module of the package."""
-    found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
+# --- convolutions and pooling against loops ------------------------------------------------------------------------
+
+def reference_conv1d(x, w, b, stride, pads):
+    n, c, length = x.shape
+    f, _, k = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), pads))
+    lo = (length + sum(pads) - k) // stride + 1
+    out = np.zeros((n, f, lo))
+    for i in range(n):
+        for o in range(f):
+            for r in range(lo):
+                out[i, o, r] = (xp[i, :, r * stride:r * stride + k] * w[o]).sum() + b[o]
+    return out
 
 
-def _imported(name, path, modules):
-    """The package's modules that ``name`` imports anywhere in it (inside functions too)."""
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name in modules)
-        elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
-            target = ".".join(base + ([node.module] if node.module else []))
-            for alias in node.names:
-                child = f"{target}.{alias.name}"
-                found.add(child if child in modules else target)
-    return {module for module in found if module in modules and module != name}
+@pytest.mark.parametrize("stride,padding,kernel,pads", [
+    (1, "same", 3, (1, 1)), (2, 0, 3, (0, 0)), (1, 0, 1, (0, 0)), (2, 2, 5, (2, 2)), (1, "same", 4, (1, 2)),
+    (3, "same", 2, (0, 1)),
+])
+def test_conv1d_matches_a_direct_loop(stride, padding, kernel, pads):
+    rng = np.random.default_rng(1)
+    layer = Conv1D(4, kernel, stride=stride, padding=padding)
+    model = Sequential([layer], (3, 11), xp=np, dtype=np.float64)
+    model.params[...] = rng.normal(size=model.num_params)
+    x = rng.normal(size=(2, 3, 11))
+    expected = reference_conv1d(x, layer.params["W"], layer.params["b"], stride, pads)
+    np.testing.assert_allclose(model.forward(x), expected, rtol=1e-12, atol=1e-12)
 
 
-def _cycles(graph):
-    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
-    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter[0]
-        counter[0] += 1
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = counter[0]
-                    counter[0] += 1
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
+def test_even_kernel_same_conv2d_pads_one_more_after_as_tensorflow_does():
+    rng = np.random.default_rng(2)
+    layer = Conv2D(2, 4)
+    model = Sequential([layer], (1, 6, 5), xp=np, dtype=np.float64)
+    model.params[...] = rng.normal(size=model.num_params)
+    x = rng.normal(size=(1, 1, 6, 5))
+    padded = np.pad(x, ((0, 0), (0, 0), (1, 2), (1, 2)))
+    out = model.forward(x)
+    for o in range(2):
+        for r in range(6):
+            for s in range(5):
+                expected = (padded[0, 0, r:r + 4, s:s + 4] * layer.params["W"][o, 0]).sum() + layer.params["b"][o]
+                assert np.isclose(out[0, o, r, s], expected, rtol=1e-12)
+    assert "padding=(1, 2)" in repr(layer)
 
 
-def test_cycle_finder_finds_a_cycle_and_only_cycles():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert _cycles({"a": {"b"}, "b": set(), "c": {"b"}}) == []
+@pytest.mark.parametrize("kernel", [1, 2, 3, 4, 5])
+def test_same_padding_keeps_the_size_for_every_kernel(kernel):
+    assert Sequential([Conv2D(2, kernel)], (3, 9, 9)).output_shape == (2, 9, 9)
+    assert Sequential([Conv2D(2, kernel)], (3, 8, 7)).output_shape == (2, 8, 7)
+    assert Sequential([Conv1D(2, kernel)], (3, 9)).output_shape == (2, 9)
+    assert Sequential([Conv1D(2, kernel, stride=2)], (3, 9)).output_shape == (2, 5)   # ceil(9 / 2)
 
 
-def test_no_module_imports_itself_back_even_from_inside_a_function():
-    modules = _modules()
-    graph = {name: _imported(name, path, modules) for name, path in modules.items()}
-    assert _cycles(graph) == []
+def test_pool1d_matches_a_direct_loop_and_crops_partial_windows():
+    x = np.random.default_rng(3).normal(size=(2, 3, 11))
+    top = Sequential([MaxPool1D(3)], (3, 11), xp=np, dtype=np.float64).forward(x)
+    mean = Sequential([AvgPool1D(3)], (3, 11), xp=np, dtype=np.float64).forward(x)
+    assert top.shape == mean.shape == (2, 3, 3)
+    for r in range(3):
+        np.testing.assert_array_equal(top[:, :, r], x[:, :, 3 * r:3 * r + 3].max(axis=2))
+        np.testing.assert_allclose(mean[:, :, r], x[:, :, 3 * r:3 * r + 3].mean(axis=2), rtol=1e-14)
 
 
-ATTRIBUTES = 15   # past this, a class is several objects
-LINES = 500       # past this, a module is several concepts
+def test_avgpool2d_matches_a_direct_loop_and_maxpool2d_is_unchanged():
+    x = np.random.default_rng(4).normal(size=(2, 3, 7, 6))
+    mean = Sequential([AvgPool2D(3)], (3, 7, 6), xp=np, dtype=np.float64).forward(x)
+    top = Sequential([MaxPool2D(3)], (3, 7, 6), xp=np, dtype=np.float64).forward(x)
+    for r in range(2):
+        for s in range(2):
+            window = x[:, :, 3 * r:3 * r + 3, 3 * s:3 * s + 3]
+            np.testing.assert_allclose(mean[:, :, r, s], window.mean(axis=(2, 3)), rtol=1e-14)
+            np.testing.assert_array_equal(top[:, :, r, s], window.max(axis=(2, 3)))
 
 
-def _assigned_attributes(cls):
-    """The distinct ``self.x`` a class assigns (plain, annotated and augmented; tuple targets included).
-
-    ``self.x[i] = v`` and ``self.x.y = v`` change what ``self.x`` holds, not which attributes the object has.
-    """
-    def targets_of(target):
-        if isinstance(target, (ast.Tuple, ast.List)):
-            for element in target.elts:
-                yield from targets_of(element)
-        elif isinstance(target, ast.Starred):
-            yield from targets_of(target.value)
-        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
-            yield target.attr
-
-    names = set()
-    for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-        for target in targets:
-            names.update(targets_of(target))
-    return names
+def test_maxpool1d_sends_a_tied_gradient_to_one_position_only():
+    pool = Sequential([MaxPool1D(2)], (1, 2), xp=np, dtype=np.float64)
+    pool.forward(np.ones((1, 1, 2)))
+    np.testing.assert_array_equal(pool.backward(np.ones((1, 1, 1))), [[[1.0, 0.0]]])
 
 
-def test_attribute_counter_counts_tuple_and_augmented_assignments():
-    source = ("class A:\n def f(self):\n  self.a, (self.b, self.c) = 1, (2, 3)\n  self.d += 1\n  self.a = 4\n"
-              "  x.e = 5\n  self.f[0] = 1\n  self.g.h = 2\n  *self.i, = [3]\n")
-    assert _assigned_attributes(ast.parse(source).body[0]) == {"a", "b", "c", "d", "i"}
+def test_global_avg_pool_is_the_spatial_mean():
+    x = np.random.default_rng(5).normal(size=(2, 3, 4, 5))
+    model = Sequential([GlobalAvgPool()], (3, 4, 5), xp=np, dtype=np.float64)
+    assert model.output_shape == (3,)
+    np.testing.assert_allclose(model.forward(x), x.mean(axis=(2, 3)), rtol=1e-14)
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))
-def test_modules_are_small_and_classes_hold_few_attributes(path):
-    lines = path.read_text().count("\n")
-    assert lines <= LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {LINES}): split it by concept"
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ClassDef):
-            names = _assigned_attributes(node)
-            assert len(names) <= ATTRIBUTES, (f"{path.relative_to(ROOT)}: class {node.name} assigns {len(names)} "
-                                              f"attributes (at most {ATTRIBUTES}): {sorted(names)}")
+def test_pools_that_do_not_fit_are_shape_errors():
+    with pytest.raises(nn.ShapeError, match=r"MaxPool1D\(4\) does not fit signals of 3"):
+        Sequential([MaxPool1D(4)], (2, 3))
+    with pytest.raises(nn.ShapeError, match=r"AvgPool2D needs image samples"):
+        Sequential([AvgPool2D(2)], (2, 3))
+    with pytest.raises(nn.ShapeError, match=r"Conv1D needs signal samples \(C, L\)"):
+        Sequential([Conv1D(2)], (5,))
 
 
-#: mpi4py's buffer-based calls: the ones that hand an array to MPI
-BUFFER_CALLS = {"Send", "Recv", "Isend", "Irecv", "Bcast", "Ibcast", "Allreduce", "Iallreduce", "Reduce", "Ireduce",
-                "Allgather", "Iallgather", "Allgatherv", "Gather", "Gatherv", "Scatter", "Scatterv", "Reduce_scatter",
-                "Sendrecv", "Alltoall", "Alltoallv", "Put", "Get", "Accumulate", "Get_accumulate", "Fetch_and_op",
-                "Compare_and_swap", "Rput", "Rget"}
-#: the modules that hand arrays to MPI, and the named exceptions (docs/development.rst says why)
-MPI_GATES = {"mpidist/runtime/comm.py", "mpidist/runtime/rma.py",
-             "mpidist/bench/rows.py"}   # the hand-written baseline: what a user writes with raw mpi4py
+# --- activations and LayerNorm ---------------------------------------------------------------------------------------
+
+def test_gelu_is_the_tanh_approximation():
+    layer = GELU()
+    layer.xp = np
+    x = np.array([-3.0, -1.0, 0.0, 1.0, 2.0])
+    c = np.sqrt(2 / np.pi)
+    np.testing.assert_allclose(layer.forward(x), 0.5 * x * (1 + np.tanh(c * (x + 0.044715 * x ** 3))), rtol=1e-15)
+    assert np.isclose(layer.forward(np.array([1.0]))[0], 0.8411919906082768, rtol=1e-12)   # torch, approximate="tanh"
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))
-def test_arrays_reach_mpi_only_through_comm_and_rma(path):
-    if str(path.relative_to(ROOT)) in MPI_GATES:
-        return
-    calls = [f"line {node.lineno}: .{node.func.attr}(...)" for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUFFER_CALLS]
-    assert not calls, f"{path.relative_to(ROOT)} hands arrays to MPI itself (use mpidist.runtime.comm): {calls}"
+def test_sigmoid_is_exact_and_quiet_for_huge_inputs():
+    layer = Sigmoid()
+    layer.xp = np
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = layer.forward(np.array([-1e4, -30.0, 0.0, 2.0, 1e4]))
+    np.testing.assert_allclose(y, [0.0, 1 / (1 + np.exp(30.0)), 0.5, 1 / (1 + np.exp(-2.0)), 1.0], rtol=1e-14)
+
+
+def test_layernorm_normalises_the_last_axis_and_applies_gamma_beta():
+    x = np.random.default_rng(6).normal(3.0, 2.0, size=(4, 3, 6))
+    model = Sequential([LayerNorm(eps=0.0)], (3, 6), xp=np, dtype=np.float64)
+    model.init_params(0)
+    y = model.forward(x)
+    np.testing.assert_allclose(y.mean(axis=-1), 0, atol=1e-14)
+    np.testing.assert_allclose(y.std(axis=-1), 1, rtol=1e-12)
+    layer = model.layers[0]
+    assert layer.params["gamma"].shape == (6,)
+    layer.params["gamma"][...], layer.params["beta"][...] = 2.0, 0.5
+    np.testing.assert_allclose(model.forward(x), 2 * y + 0.5, rtol=1e-12)
+
+
+# --- BatchNorm -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layers,shape", [
+    ([BatchNorm()], (3,)),
+    ([Dense(4), BatchNorm(), ReLU(), Dense(2)], (3,)),
+    ([BatchNorm()], (2, 3)),                      # (N, C, L): statistics over N and L
+    ([Conv2D(2, 3), BatchNorm(), ReLU(), Flatten(), Dense(2)], (1, 4, 4)),
+])
+def test_batchnorm_gradients_through_batch_statistics_match_finite_differences(layers, shape):
+    model = check_model_gradients(layers, shape, batch=4, training=True)
+    for lo, hi in model.running_entries():
+        assert not model.grads[lo:hi].any()      # never trained
+
+
+def test_batchnorm_moves_running_statistics_and_evaluation_uses_them():
+    rng = np.random.default_rng(7)
+    x = rng.normal(2.0, 3.0, size=(8, 3, 5))
+    model = Sequential([BatchNorm(momentum=0.25)], (3, 5), xp=np, dtype=np.float64)
+    model.init_params(0)
+    layer = model.layers[0]
+    y = model.forward(x, training=True)
+    np.testing.assert_allclose(y.mean(axis=(0, 2)), 0, atol=1e-13)
+    np.testing.assert_allclose(y.var(axis=(0, 2)), 1, rtol=1e-5)        # eps = 1e-5
+    np.testing.assert_allclose(layer.params["running_mean"], 0.25 * x.mean(axis=(0, 2)), rtol=1e-13)
+    unbiased = x.transpose(1, 0, 2).reshape(3, -1).var(axis=1, ddof=1)
+    np.testing.assert_allclose(layer.params["running_var"], 0.75 + 0.25 * unbiased, rtol=1e-13)
+    layer.params["running_mean"][...], layer.params["running_var"][...] = [1.0, 2.0, 3.0], [4.0, 1.0, 0.25]
+    layer.params["gamma"][...], layer.params["beta"][...] = 2.0, 1.0
+    before = model.params.copy()
+    expected = 2 * (x - np.array([1.0, 2.0, 3.0])[:, None]) / np.sqrt(np.array([4.0, 1.0, 0.25])[:, None] + 1e-5) + 1
+    np.testing.assert_allclose(model.forward(x, training=False), expected, rtol=1e-13)
+    np.testing.assert_array_equal(model.params, before)                  # evaluation moves nothing
+
+
+def test_running_entries_are_the_flat_ranges_of_running_statistics():
+    model = Sequential([Dense(4), BatchNorm(), Residual(Dense(4), BatchNorm()), Dense(2)], (3,))
+    first, nested = model.layers[1], model.layers[2].layers[1]
+    ranges = model.running_entries()
+    assert len(ranges) == 4
+    for (lo, hi), (layer, name) in zip(ranges, [(first, "running_mean"), (first, "running_var"),
+                                                (nested, "running_mean"), (nested, "running_var")]):
+        assert hi - lo == 4 and np.shares_memory(model.params[lo:hi], layer.params[name])
+    model.init_params(0)
+    np.testing.assert_array_equal(first.params["running_var"], 1.0)
+    np.testing.assert_array_equal(first.params["running_mean"], 0.0)
+
+
+class FakeAllreduce:
+    """In-place sum across ``parts`` threads, each standing for one worker: the MPI Allreduce a strategy would pass."""
+
+    def __init__(self, parts):
+        self.barrier = threading.Barrier(parts, timeout=30)
+        self.slots = [None] * parts
+        self.calls = 0
+
+    def for_worker(self, worker):
+        def reduce(array):
+            assert array.dtype == np.float64 and array.flags.c_contiguous
+            self.slots[worker] = array.copy()
+            self.barrier.wait()
+            total = sum(self.slots)            # same order on every worker: identical results
+            self.barrier.wait()                # everyone has read before the next call overwrites a slot
+            array[...] = total
+            self.calls += worker == 0
+        return reduce
+
+
+def run_workers(parts, work):
+    """``work(worker)`` on one thread per worker; returns the results in worker order, re-raising any failure."""
+    results, errors = [None] * parts, []
+
+    def target(worker):
+        try:
+            results[worker] = work(worker)
+        except BaseException as err:   # noqa: B902 -- reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=target, args=(w,)) for w in range(parts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("shape,sizes", [((3,), [5, 3]), ((2, 4), [4, 1, 3]), ((2, 3, 3), [2, 6])])
+def test_synchronised_batchnorm_on_shards_equals_batchnorm_on_the_whole_batch(shape, sizes):
+    """W workers with uneven shards, loss scaled by each one's share: outputs, summed parameter
+    gradients, input gradients and running statistics all equal a single BatchNorm on the global batch."""
+    rng = np.random.default_rng(8)
+    total = sum(sizes)
+    x = rng.normal(1.0, 2.0, size=(total,) + shape)
+    r = rng.normal(size=x.shape)                   # d(global loss)/dy for every sample
+    params = rng.normal(size=4 * shape[0])
+
+    def model(sync):
+        m = Sequential([BatchNorm(sync=sync)], shape, xp=np, dtype=np.float64)
+        m.params[...] = params
+        m.layers[0].params["running_var"][...] = np.abs(m.layers[0].params["running_var"])
+        return m
+
+    whole = model(sync=False)
+    expected_y = whole.forward(x, training=True)
+    expected_dx = whole.backward(r.copy())
+
+    fake = FakeAllreduce(len(sizes))
+    bounds = np.cumsum([0] + sizes)
+
+    def work(worker):
+        local = model(sync=True)
+        local.layers[0].reduce = fake.for_worker(worker)
+        part = slice(bounds[worker], bounds[worker + 1])
+        y = local.forward(x[part], training=True)
+        dx = local.backward(r[part].copy())
+        return y, dx, local.grads.copy(), local.params.copy()
+
+    results = run_workers(len(sizes), work)
+    assert fake.calls == 2                         # one reduce in forward, one in backward
+    np.testing.assert_allclose(np.concatenate([y for y, _, _, _ in results]), expected_y, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(np.concatenate([dx for _, dx, _, _ in results]), expected_dx, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(sum(g for _, _, g, _ in results), whole.grads, rtol=0, atol=1e-12)
+    for _, _, _, p in results:                     # every worker's running statistics are the global ones
+        np.testing.assert_allclose(p, whole.params, rtol=0, atol=1e-12)
+
+
+def test_batchnorm_without_a_reducer_is_per_worker():
+    x = np.random.default_rng(9).normal(size=(6, 3))
+    synced = Sequential([BatchNorm(sync=True)], (3,), xp=np, dtype=np.float64)
+    plain = Sequential([BatchNorm()], (3,), xp=np, dtype=np.float64)
+    np.testing.assert_allclose(synced.forward(x, training=True), plain.forward(x, training=True), rtol=1e-14)
+
+
+# --- Embedding -------------------------------------------------------------------------------------------------------
+
+def test_embedding_gradient_adds_up_repeated_ids():
+    ids = np.array([[0, 2, 2, 4], [4, 4, 1, 2], [3, 0, 2, 2]])
+    # float ids, as a dataset stores them; + 0.25 keeps the int cast fixed under finite differences
+    check_model_gradients([Embedding(5, 3), Flatten(), Dense(2)], (4,), x=ids + 0.25)
+
+
+def test_embedding_looks_up_rows_and_its_input_gradient_is_zero():
+    model = Sequential([Embedding(6, 2)], (3,), xp=np, dtype=np.float64)
+    model.init_params(0)
+    ids = np.array([[5, 0, 5]], dtype=np.float32)
+    table = model.layers[0].params["W"]
+    np.testing.assert_array_equal(model.forward(ids), table[[[5, 0, 5]]])
+    dx = model.backward(np.ones((1, 3, 2)))
+    assert dx.shape == (1, 3) and not dx.any()
+    np.testing.assert_array_equal(model.grads.reshape(6, 2)[:, 0], [1, 0, 0, 0, 0, 2])
+    assert model.backward(np.ones((1, 3, 2)), input_grad=False) is None
+
+
+# --- Residual --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layers,shape", [
+    ([Residual(Dense(4), ReLU(), Dense(4))], (4,)),
+    ([Dense(3), Residual(Dense(5), Tanh(), Dense(3)), Dense(2)], (4,)),
+    ([Residual(Conv2D(2, 3), ReLU(), Conv2D(2, 3))], (2, 4, 4)),
+    ([Residual(Dense(3), Residual(Dense(3), Tanh()), ReLU()), Dense(2)], (3,)),        # nested
+    ([Residual(Conv1D(3, 4), LayerNorm(), GELU()), GlobalAvgPool(), Dense(2)], (3, 5)),
+])
+def test_residual_gradients_match_finite_differences(layers, shape):
+    check_model_gradients(layers, shape)
+
+
+def test_dropout_inside_a_residual_gets_its_own_stream():
+    model = check_model_gradients([Residual(Dense(6), Dropout(0.5)), Residual(Dense(6), Dropout(0.5))], (6,),
+                                  training=True)
+    first, second = model.layers[0].layers[1], model.layers[1].layers[1]
+    assert first.rng is not None and second.rng is not None
+    model.reseed(1)
+    assert first.rng.random() != second.rng.random()
+
+
+def test_residual_parameters_live_in_the_flat_buffers_and_count_as_the_blocks():
+    inner = Dense(3)
+    model = Sequential([Dense(3), Residual(inner, ReLU(), Residual(Dense(3))), Dense(2)], (2,), xp=np)
+    assert len(model.layers) == 3
+    assert [model.layer_params(i) for i in range(3)] == [9, 24, 8]
+    assert model.num_params == 41
+    assert np.shares_memory(inner.params["W"], model.params[9:18])
+    assert np.shares_memory(inner.grads["W"], model.grads[9:18])
+    assert model.layers[1].layers[2].layers[0].xp is np
+
+
+def test_stash_and_restore_include_sublayers():
+    model = Sequential([Residual(Dense(3), ReLU())], (3,), xp=np, dtype=np.float64)
+    model.init_params(0)
+    a, b = np.ones((2, 3)), np.arange(6.0).reshape(2, 3)
+    model.forward(a)
+    saved = model.stash()
+    expected = model.backward(np.ones((2, 3)))
+    model.forward(b)
+    model.restore(saved)
+    np.testing.assert_array_equal(model.backward(np.ones((2, 3))), expected)
+
+
+def test_residual_block_that_changes_the_shape_is_a_shape_error_naming_both():
+    with pytest.raises(nn.ShapeError, match=r"layer 1 .*Residual.*\(4,\) to \(3,\)"):
+        Sequential([Dense(4), Residual(Dense(3))], (2,))
+    with pytest.raises(nn.ShapeError, match=r"block layer 0 .*Flatten"):
+        Sequential([Residual(Dense(3))], (2, 2))
+
+
+# --- zoo specs -------------------------------------------------------------------------------------------------------
+
+def dense_widths(model):
+    return [layer.units for layer in model.layers if isinstance(layer, Dense)]
+
+
+def test_mlp_spec_sets_the_hidden_widths():
+    model = nn.build_model("mlp:256,256,256", (8, 8), 10, np, np.float32)
+    assert dense_widths(model) == [256, 256, 256, 10]
+    assert dense_widths(nn.build_model("mlp", (8, 8), 10, np, np.float32)) == [128, 128, 10]
+    assert nn.parse_spec("mlp:7") == ("mlp", (7,)) and nn.parse_spec("cnn") == ("cnn", None)
+
+
+def test_cnn_spec_sets_the_conv_filters_and_the_default_image_cnn_is_unchanged():
+    default = nn.build_model("cnn", (8, 8), 10, np, np.float32)
+    assert default.num_params == 13706       # Conv16-Pool-Conv32-Pool-Dense64-Dense10 on 8x8: checkpoints rely on it
+    assert nn.build_model("cnn:16,32", (8, 8), 10, np, np.float32).num_params == 13706
+    model = nn.build_model("cnn:4,8,8,8", (1, 8, 8), 10, np, np.float32)   # pools stop at 1x1
+    assert [layer.filters for layer in model.layers if isinstance(layer, Conv2D)] == [4, 8, 8, 8]
+    assert model.shapes[-1] == (64,)
+
+
+def test_cnn_on_1d_samples_is_a_conv1d_stack():
+    assert nn.input_shape_for("cnn:8", (40,)) == (1, 40)
+    model = nn.build_model("cnn", (40,), 10, np, np.float32)
+    assert model.input_shape == (1, 40)
+    assert [layer.filters for layer in model.layers if isinstance(layer, Conv1D)] == [32, 32, 32]
+    small = nn.build_model("cnn:4,6", (40,), 10, np, np.float32)
+    assert [type(layer).__name__ for layer in small.layers] == ["Conv1D", "ReLU", "MaxPool1D", "Conv1D", "ReLU",
+                                                                "MaxPool1D", "Flatten", "Dense"]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("mlp:", r"mlp:N1,N2,\.\.\. with positive integers"),
+    ("mlp:0", r"positive integers"),
+    ("mlp:a", r"positive integers"),
+    ("mlp:8,,8", r"positive integers"),
+    ("linear:3", r"'linear' takes no arguments"),
+    ("mlp-wide:1", r"'mlp-wide' takes no arguments"),
+    ("nosuch:1", r"'nosuch' is not in the zoo; choose from linear, mlp\[:N1,N2,\.\.\.\], mlp-wide, cnn"),
+])
+def test_bad_specs_are_spec_errors_naming_the_valid_forms(spec, message):
+    with pytest.raises(nn.SpecError, match=message):
+        nn.build_model(spec, (8, 8), 10, np, np.float32)
+    with pytest.raises(ValueError):
+        nn.input_shape_for(spec, (8, 8))
+
+
+def test_the_1d_cnn_trains():
+    first, last = fit_one_batch("cnn:8,8", (24,), 4, steps=40)
+    assert last < 0.5 * first

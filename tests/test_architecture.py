@@ -1,0 +1,168 @@
+"""The package's shape is a contract: layers that import only downward, no cycle, small modules and classes."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "mpidist"
+
+
+def _lint_imports():
+    """``lint-imports`` beside this Python (the test extra installs it), else the one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    return beside if os.path.exists(beside) else shutil.which("lint-imports")
+
+
+def test_the_import_linter_contracts_hold(tmp_path):
+    """setup.cfg's layers and forbidden contracts (docs/development.rst draws them), imports in functions included."""
+    command = _lint_imports()
+    assert command, "lint-imports is missing: pip install -e '.[test]' installs import-linter"
+    done = subprocess.run([command, "--config", str(ROOT / "setup.cfg"), "--no-cache"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout and "Layers:" in done.stdout
+
+
+def _modules():
+    """``{dotted name: path}`` of every module of the package."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imported(name, path, modules):
+    """The package's modules that ``name`` imports anywhere in it (inside functions too)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                child = f"{target}.{alias.name}"
+                found.add(child if child in modules else target)
+    return {module for module in found if module in modules and module != name}
+
+
+def _cycles(graph):
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_cycle_finder_finds_a_cycle_and_only_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set(), "c": {"b"}}) == []
+
+
+def test_no_module_imports_itself_back_even_from_inside_a_function():
+    modules = _modules()
+    graph = {name: _imported(name, path, modules) for name, path in modules.items()}
+    assert _cycles(graph) == []
+
+
+ATTRIBUTES = 15   # past this, a class is several objects
+LINES = 500       # past this, a module is several concepts
+
+
+def _assigned_attributes(cls):
+    """The distinct ``self.x`` a class assigns (plain, annotated and augmented; tuple targets included).
+
+    ``self.x[i] = v`` and ``self.x.y = v`` change what ``self.x`` holds, not which attributes the object has.
+    """
+    def targets_of(target):
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for element in target.elts:
+                yield from targets_of(element)
+        elif isinstance(target, ast.Starred):
+            yield from targets_of(target.value)
+        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+            yield target.attr
+
+    names = set()
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            names.update(targets_of(target))
+    return names
+
+
+def test_attribute_counter_counts_tuple_and_augmented_assignments():
+    source = ("class A:\n def f(self):\n  self.a, (self.b, self.c) = 1, (2, 3)\n  self.d += 1\n  self.a = 4\n"
+              "  x.e = 5\n  self.f[0] = 1\n  self.g.h = 2\n  *self.i, = [3]\n")
+    assert _assigned_attributes(ast.parse(source).body[0]) == {"a", "b", "c", "d", "i"}
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))
+def test_modules_are_small_and_classes_hold_few_attributes(path):
+    lines = path.read_text().count("\n")
+    assert lines <= LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {LINES}): split it by concept"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            names = _assigned_attributes(node)
+            assert len(names) <= ATTRIBUTES, (f"{path.relative_to(ROOT)}: class {node.name} assigns {len(names)} "
+                                              f"attributes (at most {ATTRIBUTES}): {sorted(names)}")
+
+
+#: mpi4py's buffer-based calls: the ones that hand an array to MPI
+BUFFER_CALLS = {"Send", "Recv", "Isend", "Irecv", "Bcast", "Ibcast", "Allreduce", "Iallreduce", "Reduce", "Ireduce",
+                "Allgather", "Iallgather", "Allgatherv", "Gather", "Gatherv", "Scatter", "Scatterv", "Reduce_scatter",
+                "Sendrecv", "Alltoall", "Alltoallv", "Put", "Get", "Accumulate", "Get_accumulate", "Fetch_and_op",
+                "Compare_and_swap", "Rput", "Rget"}
+#: the modules that hand arrays to MPI, and the named exceptions (docs/development.rst says why)
+MPI_GATES = {"mpidist/runtime/comm.py", "mpidist/runtime/rma.py",
+             "mpidist/bench/rows.py"}   # the hand-written baseline: what a user writes with raw mpi4py
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))
+def test_arrays_reach_mpi_only_through_comm_and_rma(path):
+    if str(path.relative_to(ROOT)) in MPI_GATES:
+        return
+    calls = [f"line {node.lineno}: .{node.func.attr}(...)" for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUFFER_CALLS]
+    assert not calls, f"{path.relative_to(ROOT)} hands arrays to MPI itself (use mpidist.runtime.comm): {calls}"
