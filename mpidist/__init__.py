@@ -28,8 +28,8 @@ from . import nn  # noqa: E402  (after the BLAS limit, on purpose)
 from .api import Result, evaluate, train  # noqa: E402
 from .data.arrays import ArrayData  # noqa: E402
 from .loop.callbacks import Callback, EarlyStopping  # noqa: E402
-from .settings.config import Settings  # noqa: E402
 from .runtime.errors import RunError, UsageError  # noqa: E402
+from .settings.config import Settings  # noqa: E402
 from .tools.predictions import Predictions, predict  # noqa: E402
 
 __all__ = ["train", "evaluate", "predict", "Predictions", "Settings", "Result", "ArrayData", "Callback",

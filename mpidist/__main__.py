@@ -10,9 +10,9 @@ def main():
     from .runtime.agreement import install_abort_on_exception
 
     install_abort_on_exception()
-    from .tools import cli
     from .runtime import ulfm
     from .runtime.preempt import stop_signals
+    from .tools import cli
 
     stop_signals().install()   # from here on, a scheduler's SIGTERM stops the run cleanly (exit code 3)
 

@@ -22,22 +22,22 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from .store import checkpoint, rundir
-from .nn import scores
-from .runtime import ulfm
-from . import data as datasets   # (``data`` is the argument users know)
+from . import data as datasets  # (``data`` is the argument users know)
 from .loop.setup import Inputs, build_model_for
+from .nn import scores
+from .observe.stall import LocalWatch
+from .runtime import ulfm
+from .runtime.agreement import agreed, ends_the_job_on_error
 from .runtime.cluster import PS, build_cluster
 from .runtime.comm import bcast_text
-from .settings.config import Settings, settings_from
-from .runtime.agreement import agreed, ends_the_job_on_error
 from .runtime.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError
 from .runtime.preempt import stop_signals
-from .observe.stall import LocalWatch
 from .runtime.text import printable
 from .runtime.threads import limit_blas_threads
 from .runtime.whereabouts import here
 from .runtime.xp import select_device
+from .settings.config import Settings, settings_from
+from .store import checkpoint, rundir
 
 
 @dataclasses.dataclass

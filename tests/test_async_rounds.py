@@ -5,10 +5,27 @@ import math
 import numpy as np
 import pytest
 
-from mpidist.parallel.async_rounds import (LOOK_EVERY, NEVER, POLL_MAX_SECONDS, POLL_SECONDS, Act, Lost, Serving,
-                                           WorkerPace, ahead_of_slowest, carries_gradient, follower_action,
-                                           inbox_action, look_now, mean_step, next_pause, own_squared_norm,
-                                           sort_lost, watches_checkpoints, within_bound)
+from mpidist.parallel.async_rounds import (
+    LOOK_EVERY,
+    NEVER,
+    POLL_MAX_SECONDS,
+    POLL_SECONDS,
+    Act,
+    Lost,
+    Serving,
+    WorkerPace,
+    ahead_of_slowest,
+    carries_gradient,
+    follower_action,
+    inbox_action,
+    look_now,
+    mean_step,
+    next_pause,
+    own_squared_norm,
+    sort_lost,
+    watches_checkpoints,
+    within_bound,
+)
 from mpidist.parallel.base import SkipCounter, finite
 from mpidist.parallel.recipe import clip_factor
 from mpidist.runtime.cluster import PS, WORKER

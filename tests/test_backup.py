@@ -5,12 +5,12 @@ import time
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_parallel import small_convnet, worker_slice
 
 from mpidist import nn
-from mpidist.runtime.cluster import build_cluster
 from mpidist.parallel import LocalStrategy
 from mpidist.parallel.backup import BackupWorkersStrategy
-from test_parallel import small_convnet, worker_slice
+from mpidist.runtime.cluster import build_cluster
 
 STEPS = 10
 

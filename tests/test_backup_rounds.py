@@ -5,9 +5,24 @@ import math
 import numpy as np
 import pytest
 
-from mpidist.parallel.backup_rounds import (ACCEPTED as A, STALE as S, Closing, Note, Round, Rounds, Settled, Tally,
-                                            admit, close_round, closed, encode_round, open_round, settle,
-                                            squares_with_loss, tally_notes)
+from mpidist.parallel.backup_rounds import ACCEPTED as A
+from mpidist.parallel.backup_rounds import STALE as S
+from mpidist.parallel.backup_rounds import (
+    Closing,
+    Note,
+    Round,
+    Rounds,
+    Settled,
+    Tally,
+    admit,
+    close_round,
+    closed,
+    encode_round,
+    open_round,
+    settle,
+    squares_with_loss,
+    tally_notes,
+)
 from mpidist.parallel.base import SkipCounter
 from mpidist.parallel.recipe import clip_factor
 from mpidist.runtime.errors import RunError

@@ -6,8 +6,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpidist.store import checkpoint
 from mpidist.runtime.errors import UsageError
+from mpidist.store import checkpoint
 
 
 def write(directory, step):

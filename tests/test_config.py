@@ -6,10 +6,18 @@ import os
 
 import pytest
 
-from mpidist.settings.config import (FIELDS, INT_LIMIT, Settings, _make_settings, add_flags, settings_from, settings_from_args)
-from mpidist.runtime.errors import UsageError
 from mpidist.parallel import STRATEGIES
 from mpidist.parallel.registry import Option
+from mpidist.runtime.errors import UsageError
+from mpidist.settings.config import (
+    FIELDS,
+    INT_LIMIT,
+    Settings,
+    _make_settings,
+    add_flags,
+    settings_from,
+    settings_from_args,
+)
 
 
 def parse(argv):

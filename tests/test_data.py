@@ -261,6 +261,7 @@ class _Split:
 @pytest.mark.mpi(min_size=2)
 def test_in_graph_scatter_gives_each_worker_its_slice_of_the_chiefs_global_batch():
     from mpi4py import MPI
+
     from mpidist.parallel.scatter import ScatteredBatches
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()

@@ -225,11 +225,11 @@ def test_ps_sync_survivor_state_is_the_state_at_the_chiefs_step():
     """A ps one update ahead of the chief (the gather broke) rolls back; the shards gather to the chief."""
     import numpy as np
     from mpi4py import MPI
+    from test_parallel import small_convnet, worker_slice
 
     from mpidist import nn
-    from mpidist.runtime.cluster import PS, build_cluster
     from mpidist.parallel import LocalStrategy, PsSyncStrategy
-    from test_parallel import small_convnet, worker_slice
+    from mpidist.runtime.cluster import PS, build_cluster
     cluster = build_cluster(MPI.COMM_WORLD, num_ps=1)
     rng = np.random.default_rng(0)
     batch = 2 * cluster.num_workers

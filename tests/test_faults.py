@@ -20,9 +20,10 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import checkpoint_at, checkpoint_steps, events, rank_pids, run_mpi, start_mpi, wait_for_step
 from mpidist.store import checkpoint
 from mpidist.tools.ingest import write_dataset
+
+from conftest import checkpoint_at, checkpoint_steps, events, rank_pids, run_mpi, start_mpi, wait_for_step
 
 SECONDS_TO_END = 10
 

@@ -24,12 +24,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import events, run_mpi
-from mpidist.store import checkpoint
 from mpidist import data
+from mpidist.runtime.errors import UsageError
 from mpidist.settings import models
 from mpidist.settings.config import add_flags, settings_from_args
-from mpidist.runtime.errors import UsageError
+from mpidist.store import checkpoint
+
+from conftest import events, run_mpi
 
 EXAMPLES = int(os.environ.get("MPIDIST_FUZZ_EXAMPLES", "60"))
 RUNS = int(os.environ.get("MPIDIST_FUZZ_RUNS", "4"))

@@ -33,6 +33,7 @@ def test_a_training_step_on_the_gpu_matches_numpy(name):
 @pytest.mark.mpi(min_size=2)
 def test_allreduce_of_device_arrays_on_either_path(monkeypatch):
     from mpi4py import MPI
+
     from mpidist.runtime import comm
     world = MPI.COMM_WORLD
     monkeypatch.delenv("MPIDIST_CUDA_AWARE", raising=False)

@@ -9,8 +9,28 @@ import numpy as np
 import pytest
 
 from mpidist import nn
-from mpidist.nn import (GELU, AvgPool1D, AvgPool2D, BatchNorm, Conv1D, Conv2D, Dense, Dropout, Embedding, Flatten,
-                        GlobalAvgPool, LayerNorm, MaxPool1D, MaxPool2D, ReLU, Residual, Sequential, Sigmoid, Tanh)
+from mpidist.nn import (
+    GELU,
+    AvgPool1D,
+    AvgPool2D,
+    BatchNorm,
+    Conv1D,
+    Conv2D,
+    Dense,
+    Dropout,
+    Embedding,
+    Flatten,
+    GlobalAvgPool,
+    LayerNorm,
+    MaxPool1D,
+    MaxPool2D,
+    ReLU,
+    Residual,
+    Sequential,
+    Sigmoid,
+    Tanh,
+)
+
 from test_nn import check_model_gradients, fit_one_batch
 
 

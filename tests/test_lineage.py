@@ -10,8 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from mpidist.store import checkpoint, lineage
 from mpidist.runtime.errors import UsageError
+from mpidist.store import checkpoint, lineage
 from mpidist.store.lineage import CheckpointDir, DirectoryLock, claim
 
 

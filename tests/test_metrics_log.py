@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from mpidist.runtime.errors import UsageError
 from mpidist.loop.metrics import MetricsLog
+from mpidist.runtime.errors import UsageError
 
 
 @pytest.mark.parametrize("tail", ['{"event": "step", "st', '{"ev', "{"])

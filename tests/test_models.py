@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from mpidist.settings import models
 from mpidist import nn
 from mpidist.runtime.errors import UsageError
+from mpidist.settings import models
 
 
 def test_zoo_specs_set_widths_and_name_themselves():

@@ -3,14 +3,15 @@
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_parallel import small_convnet, worker_slice
 
 from mpidist import nn
-from mpidist.runtime.cluster import PS, build_cluster
-from mpidist.runtime.errors import RunError
 from mpidist.parallel import AllreduceStrategy, PipelineStrategy, PsSyncStrategy
 from mpidist.parallel.base import SkipCounter, finite
+from mpidist.runtime.cluster import PS, build_cluster
+from mpidist.runtime.errors import RunError
+
 from conftest import cluster_with_ps
-from test_parallel import small_convnet, worker_slice
 
 
 def test_finite_sees_one_bad_element_anywhere():

@@ -5,10 +5,10 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.runtime.cluster import build_cluster
 from mpidist.data import local_batch_size
 from mpidist.nn import Conv2D, Dense, Flatten, MaxPool2D, ReLU, Sequential
 from mpidist.parallel import AllreduceStrategy, LocalStrategy, bucket_slices
+from mpidist.runtime.cluster import build_cluster
 
 
 def test_buckets_cover_the_buffer_contiguously():

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_parallel import small_convnet, worker_slice
 
 from mpidist import nn
-from mpidist.store.checkpoint import Checkpoint
-from mpidist.runtime.cluster import build_cluster
 from mpidist.parallel import LocalStrategy, PipelineStrategy
 from mpidist.parallel.pipeline import balance_by_parameters, layer_costs, split_sizes
-from test_parallel import small_convnet, worker_slice
+from mpidist.runtime.cluster import build_cluster
+from mpidist.store.checkpoint import Checkpoint
 
 
 def test_balance_minimises_the_largest_stage():

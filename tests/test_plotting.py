@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from mpidist.tools import plotting
 from mpidist.runtime.errors import UsageError
+from mpidist.tools import plotting
 
 from conftest import mpidist
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import checkpoint_at, checkpoint_steps, events, mpidist, rank_pids, start_mpidist, wait_for_step
 from mpidist.runtime.errors import EXIT_PREEMPTED
 from mpidist.runtime.preempt import StepAgreement, StopSignals, settle, signal_name
+
+from conftest import checkpoint_at, checkpoint_steps, events, mpidist, rank_pids, start_mpidist, wait_for_step
 
 
 def test_a_signal_is_recorded_not_acted_on_and_a_second_ctrl_c_interrupts():

@@ -5,15 +5,16 @@ import time
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_parallel import small_convnet
 
 from mpidist import nn
-from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.parallel import PsAsyncStrategy
 from mpidist.parallel.ps_async import AsyncExchange
 from mpidist.parallel.shards import shard_bounds
+from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.runtime.rma import Window
+
 from conftest import cluster_with_ps
-from test_parallel import small_convnet
 
 
 @pytest.mark.mpi(min_size=2)

@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_parallel import small_convnet, worker_slice
 
 from mpidist import nn
-from mpidist.store.checkpoint import Checkpoint
-from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.parallel import LocalStrategy, PsSyncStrategy
 from mpidist.parallel.ps_sync import PreviousShard, StepLedger
 from mpidist.parallel.shards import imbalance, shard_bounds
-from test_parallel import small_convnet, worker_slice
+from mpidist.runtime.cluster import PS, build_cluster
+from mpidist.store.checkpoint import Checkpoint
 
 
 def test_shards_are_contiguous_balanced_and_cover_everything():

@@ -5,9 +5,10 @@ import re
 
 import pytest
 
-from conftest import ROOT
-from mpidist.settings.config import Settings
 from mpidist.nn import MODELS
+from mpidist.settings.config import Settings
+
+from conftest import ROOT
 
 README = (ROOT / "README.rst").read_text()
 DOCS = {path.name: path.read_text() for path in sorted((ROOT / "docs").glob("*.rst"))}

@@ -11,17 +11,16 @@ import math
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_parallel import small_convnet, worker_slice
 
 import mpidist
-from mpidist.store import checkpoint
 from mpidist import nn
-from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.nn import BatchNorm, Dense, LayerNorm, ReLU, Sequential
 from mpidist.nn.schedules import LearningRate
 from mpidist.parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsSyncStrategy
 from mpidist.parallel.recipe import Recipe, clip_factor
-
-from test_parallel import small_convnet, worker_slice
+from mpidist.runtime.cluster import PS, build_cluster
+from mpidist.store import checkpoint
 
 
 # -- schedules ---------------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mpidist.store import rundir
-from mpidist.settings.config import Settings, load_toml, settings_from
 from mpidist.runtime.errors import UsageError
+from mpidist.settings.config import Settings, load_toml, settings_from
+from mpidist.store import rundir
 
 from conftest import events, mpidist
 

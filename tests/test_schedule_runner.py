@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
+from test_parallel import small_convnet
 
 from mpidist import nn
 from mpidist.parallel.schedule import schedule
 from mpidist.parallel.schedule_runner import ScheduleRunner
 from mpidist.parallel.stage import StageLayout
-from test_parallel import small_convnet
 
 
 # small_convnet: Conv2D(3,3) ReLU MaxPool2D(2) | Flatten Dense(8) ReLU Dense(4), 30 + 224 + 36 = 290 parameters

@@ -15,12 +15,12 @@ from mpi4py import MPI
 
 import mpidist
 from mpidist import nn
-from mpidist.nn import scores
 from mpidist.loop.callbacks import EarlyStopping
-from mpidist.tools.cli import eval_text
+from mpidist.nn import scores
+from mpidist.parallel import AllreduceStrategy
 from mpidist.runtime.cluster import build_cluster
 from mpidist.runtime.errors import UsageError
-from mpidist.parallel import AllreduceStrategy
+from mpidist.tools.cli import eval_text
 
 # 3 classes, 6 samples.  Predictions (highest logit) 0 1 1 1 2 0 for labels 0 0 1 1 2 2:
 # confusion [[1, 1, 0], [0, 2, 0], [1, 0, 1]]; sample 1's label is its second choice, sample 5's its last.

@@ -7,12 +7,11 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.runtime.cluster import build_cluster
-from mpidist.runtime.errors import UsageError
 from mpidist.parallel import AllreduceStrategy, Exchange
 from mpidist.parallel.compression import CompressedExchange
-from mpidist.parallel.shared_memory import (ONE_WORKER, SharedMemoryExchange, _part_bounds,
-                                            shared_memory_possible)
+from mpidist.parallel.shared_memory import ONE_WORKER, SharedMemoryExchange, _part_bounds, shared_memory_possible
+from mpidist.runtime.cluster import build_cluster
+from mpidist.runtime.errors import UsageError
 
 
 @pytest.mark.parametrize("count,itemsize,parts", [(1, 4, 2), (5, 4, 3), (100, 4, 2), (1000, 8, 6), (33, 4, 4)])

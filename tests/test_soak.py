@@ -28,9 +28,10 @@ import time
 
 import pytest
 
-from conftest import events, rank_pids, run_mpi, start_mpi
 from mpidist.store import checkpoint
 from mpidist.store.lineage import CheckpointDir
+
+from conftest import events, rank_pids, run_mpi, start_mpi
 
 SEQUENCES = int(os.environ.get("MPIDIST_SOAK_SEQUENCES", "3"))
 OPERATIONS = ("resume",) * 7 + ("kill",) * 5 + ("term",) * 3 + ("fresh", "fresh", "branch", "second", "second")

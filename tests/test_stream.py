@@ -17,8 +17,8 @@ import pytest
 
 from mpidist import data
 from mpidist.data import stream as streaming
-from mpidist.settings.config import Settings
 from mpidist.runtime.errors import UsageError
+from mpidist.settings.config import Settings
 
 from conftest import checkpoint_at, events, mpidist
 
@@ -389,6 +389,7 @@ def test_rows_read_around_the_page_cache_are_the_rows_h5py_reads(tmp_path, monke
 def test_a_file_system_refusing_o_direct_is_read_through_the_cache(tmp_path, monkeypatch):
     """EINVAL on opening with O_DIRECT, or on reading with it: the stream reads the same batches, cached."""
     import errno
+
     from mpidist.data import direct as direct_module
     info = data.inspect(write(tmp_path / "d.h5", 700, chunk=8))
     expected = [rows_of([b]) for b in data.Stream(info, "train", 0, 2, (4,), np.float32, buffer=50).batches(

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from mpidist.runtime import recorder
 from mpidist.observe import trace
+from mpidist.runtime import recorder
 
 from conftest import mpidist
 

@@ -11,12 +11,13 @@ import json
 
 import numpy as np
 import pytest
-from conftest import checkpoint_steps
 from mpi4py import MPI
 
 import mpidist
 from mpidist.parallel import Strategy
 from mpidist.parallel.registry import STRATEGIES, register
+
+from conftest import checkpoint_steps
 
 
 class FakeStrategy(Strategy):

@@ -9,10 +9,10 @@ import pytest
 
 import mpidist
 from mpidist import data
-from mpidist.settings.config import Settings
-from mpidist.runtime.errors import UsageError
-from mpidist.nn.schedules import LearningRate
 from mpidist.loop.evaluations import BestSoFar
+from mpidist.nn.schedules import LearningRate
+from mpidist.runtime.errors import UsageError
+from mpidist.settings.config import Settings
 
 
 def digits_info():

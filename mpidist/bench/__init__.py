@@ -22,16 +22,18 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_info
 
-from ..runtime.cluster import build_cluster
 from ..runtime.agreement import agreed
+from ..runtime.cluster import build_cluster
 from ..runtime.errors import RunError
 from ..runtime.threads import limit_blas_threads
 from . import reference
 from . import rows as rows_of
 from .output import check_output, format_table, write_results  # noqa: F401  (check_output: the CLI's and tests')
 from .pipeline import PIPELINE_COLUMNS, pipeline_rows
-from .streaming import COLUMNS as STREAMING_COLUMNS, streaming_rows
-from .tracing import COLUMNS as TRACING_COLUMNS, tracing_rows
+from .streaming import COLUMNS as STREAMING_COLUMNS
+from .streaming import streaming_rows
+from .tracing import COLUMNS as TRACING_COLUMNS
+from .tracing import tracing_rows
 
 
 def bench_model(world, cluster, name, batch, seconds, rounds=3):

@@ -5,9 +5,9 @@ import os
 import secrets
 import stat
 
-from ..store import atomic
 from ..runtime.errors import UsageError
 from ..runtime.text import os_reason
+from ..store import atomic
 
 
 def format_table(rows, columns):

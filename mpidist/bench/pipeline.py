@@ -3,10 +3,10 @@
 import numpy as np
 
 from .. import nn
-from ..runtime.cluster import build_cluster
 from ..parallel import PipelineStrategy
 from ..parallel.pipeline import split_sizes
 from ..parallel.schedule import bubble
+from ..runtime.cluster import build_cluster
 from .rows import sgd
 from .timing import synced_timed
 

@@ -33,10 +33,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime import comm as mpi
 from .. import nn
-from ..runtime.cluster import build_cluster
 from ..parallel import AllreduceStrategy, Exchange, LocalStrategy, PsAsyncStrategy, PsSyncStrategy
+from ..runtime import comm as mpi
+from ..runtime.cluster import build_cluster
 from ..runtime.rma import Window
 from . import reference
 from .handwritten import HandwrittenMLP

@@ -26,10 +26,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .arrays import ArrayData
 from ..runtime.errors import UsageError
 from ..runtime.text import printable, shown
 from ..runtime.whereabouts import here
+from .arrays import ArrayData
 
 SPLITS = ("train", "test")
 OPTIONAL_SPLITS = ("val",)   # a validation split a file may hold (else --val-fraction carves one from train)

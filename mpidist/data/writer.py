@@ -24,9 +24,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..runtime.errors import UsageError
 from ..store import atomic
 from ..store.outputs import unwritable
-from ..runtime.errors import UsageError
 
 CHUNK_BYTES = 1 << 20          # a chunk of x: a stream's block is whole chunks of it
 WRITE_BYTES = 64 << 20         # rows written (and generated) at once

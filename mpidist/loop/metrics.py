@@ -13,8 +13,8 @@ import stat
 import sys
 import time
 
-from ..runtime.errors import UsageError
 from ..nn.scores import progress_text
+from ..runtime.errors import UsageError
 from ..runtime.whereabouts import here
 
 

@@ -9,15 +9,15 @@ layout, when an elastic run loses workers (see :mod:`mpidist.loop.elastic`).
 import dataclasses
 import os
 
-from ..store import checkpoint
 from .. import data, nn
-from ..settings import models
 from ..nn import scores
+from ..parallel import STRATEGIES
+from ..parallel.recipe import recipe_for, total_steps
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
 from ..runtime.text import printable
-from ..parallel import STRATEGIES
-from ..parallel.recipe import recipe_for, total_steps
+from ..settings import models
+from ..store import checkpoint
 
 
 @dataclasses.dataclass

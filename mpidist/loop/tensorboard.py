@@ -20,8 +20,8 @@ same values:
 
 import math
 
-from .callbacks import Callback
 from ..runtime.errors import UsageError
+from .callbacks import Callback
 
 INSTALL = "pip install 'mpidist[tensorboard]' (or: pip install tensorboardX)"
 STEP_FIGURES = {"loss": "train/loss", "lr": "lr", "samples_per_s": "samples_per_s",

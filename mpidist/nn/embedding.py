@@ -17,7 +17,7 @@ def _scatter_add(xp, target, index, values):
     if xp is np:
         np.add.at(target, index, values)
     else:
-        import cupyx   # only reached with cupy as xp
+        import cupyx  # only reached with cupy as xp
         cupyx.scatter_add(target, index, values)
 
 

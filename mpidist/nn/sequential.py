@@ -9,7 +9,6 @@ import numpy as np
 
 from ..runtime.memory import check_fits
 from ..runtime.recorder import tracer
-
 from .layers import ShapeError
 from .workspace import Workspace
 

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..store import atomic
 from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from ..runtime.recorder import LIMIT, THREADS, now, tracer
+from ..store import atomic
 
 ROUNDS = 5          # ping-pongs per rank when aligning clocks: the shortest round trip's offset is kept
 _TRACER = tracer()

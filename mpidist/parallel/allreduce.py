@@ -14,8 +14,8 @@ in place (:mod:`mpidist.parallel.shared_memory`; ``--exchange``).
 """
 
 from ..runtime.errors import UsageError
-from .data_parallel import DataParallel
 from .compression import CompressedExchange
+from .data_parallel import DataParallel
 from .exchange import Exchange
 from .registry import Option, register
 from .shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible

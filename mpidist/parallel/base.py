@@ -15,12 +15,11 @@ import math
 
 import numpy as np
 
+from ..nn import BatchNorm, SoftmaxCrossEntropy, scores
+from ..nn.sequential import walk
 from ..runtime import comm as mpi
-from ..nn import scores
 from ..runtime.errors import RunError
 from ..runtime.recorder import tracer
-from ..nn import BatchNorm, SoftmaxCrossEntropy
-from ..nn.sequential import walk
 from ..runtime.xp import to_host
 from .recipe import Recipe, clip_factor
 

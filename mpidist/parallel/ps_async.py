@@ -34,12 +34,25 @@ import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime import recorder
-from ..runtime.ulfm import FailureWatch, cannot_go_on, describe_lost
 from ..runtime.errors import RunError, UsageError
 from ..runtime.rma import Window
+from ..runtime.ulfm import FailureWatch, cannot_go_on, describe_lost
 from ..runtime.xp import is_device_array, to_host
-from .async_rounds import (NEVER, POLL_SECONDS, Act, Serving, WorkerPace, carries_gradient, follower_action,
-                           inbox_action, look_now, next_pause, own_squared_norm, sort_lost, watches_checkpoints)
+from .async_rounds import (
+    NEVER,
+    POLL_SECONDS,
+    Act,
+    Serving,
+    WorkerPace,
+    carries_gradient,
+    follower_action,
+    inbox_action,
+    look_now,
+    next_pause,
+    own_squared_norm,
+    sort_lost,
+    watches_checkpoints,
+)
 from .base import SkipCounter, finite
 from .registry import Option, register
 from .shards import ShardedStrategy

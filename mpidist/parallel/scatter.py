@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from ..runtime import comm as mpi
 from ..data import local_batch_size
+from ..runtime import comm as mpi
 
 
 class ScatteredBatches:

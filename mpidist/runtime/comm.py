@@ -78,13 +78,17 @@ def _typed(buffer, counts, displs):
     return [buffer, list(counts), list(displs), from_numpy_dtype(buffer.dtype)]
 
 
-def allreduce_sum(comm, array):
-    """Sum ``array`` (contiguous) over ``comm`` in place."""
+def _allreduce_in_place(comm, array, op):
     buffer, back = _for_mpi(array)
-    comm.Allreduce(MPI.IN_PLACE, buffer)
+    comm.Allreduce(MPI.IN_PLACE, buffer, op=op)
     if back:
         back()
     return array
+
+
+def allreduce_sum(comm, array):
+    """Sum ``array`` (contiguous) over ``comm`` in place."""
+    return _allreduce_in_place(comm, array, MPI.SUM)
 
 
 def iallreduce_sum(comm, array):
@@ -179,20 +183,12 @@ def scatterv(comm, send, recv, counts, displs, root):
 
 def allreduce_max(comm, array):
     """Each element of ``array`` (contiguous, host) becomes its maximum over ``comm``, in place."""
-    buffer, back = _for_mpi(array)
-    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.MAX)
-    if back:
-        back()
-    return array
+    return _allreduce_in_place(comm, array, MPI.MAX)
 
 
 def allreduce_min(comm, array):
     """Each element of ``array`` (contiguous, host) becomes its minimum over ``comm``, in place."""
-    buffer, back = _for_mpi(array)
-    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.MIN)
-    if back:
-        back()
-    return array
+    return _allreduce_in_place(comm, array, MPI.MIN)
 
 
 def isend(comm, array, dest, tag):

@@ -15,10 +15,10 @@ import os
 import stat
 import sys
 
-from ..runtime.errors import UsageError
-from ..runtime.memory import parse_bytes
 from ..nn.schedules import SCHEDULES
 from ..parallel import STRATEGIES, declared_options
+from ..runtime.errors import UsageError
+from ..runtime.memory import parse_bytes
 from ..runtime.text import os_reason
 
 if sys.version_info >= (3, 11):

@@ -21,12 +21,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from . import atomic
-from . import lineage as lineages
 from ..runtime.errors import RunError, UsageError
 from ..runtime.memory import check_fits
 from ..runtime.text import printable, shown
 from ..runtime.whereabouts import here
+from . import atomic
+from . import lineage as lineages
 
 FORMAT = "mpidist-checkpoint-1"
 #: what each optimizer keeps, one flat array per name (a checkpoint's optimizer/ group)

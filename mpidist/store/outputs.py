@@ -18,9 +18,9 @@ import errno
 import os
 from pathlib import Path
 
-from . import atomic
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
+from . import atomic
 
 
 def unwritable(path, what, err):

@@ -28,8 +28,8 @@ import re
 import shlex
 from pathlib import Path
 
-from . import atomic
 from ..runtime.errors import UsageError
+from . import atomic
 from .lineage import LOCK_NAME
 
 ROOT = "runs"

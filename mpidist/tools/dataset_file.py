@@ -14,8 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..data import MAX_CLASSES, MAX_NAME
-from ..data import writer
+from ..data import MAX_CLASSES, MAX_NAME, writer
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
 from ..store.outputs import claimed

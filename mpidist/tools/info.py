@@ -4,15 +4,15 @@ import platform
 import sys
 
 import h5py
+import mpi4py
 import numpy as np
 from mpi4py import MPI
-import mpi4py
 
 from .. import __version__, data
+from ..nn import MODELS
 from ..runtime import comm
 from ..runtime.memory import default_budget, human, ranks_per_node
 from ..runtime.ulfm import ulfm_support
-from ..nn import MODELS
 
 THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                  MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}

@@ -33,9 +33,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..api import load_trained
-from ..runtime.agreement import ends_the_job_on_error
 from ..runtime import comm as mpi
-from ..runtime.agreement import agreed
+from ..runtime.agreement import agreed, ends_the_job_on_error
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
 from ..runtime.whereabouts import here
@@ -113,9 +112,9 @@ def predict(checkpoint_path, data=None, output=None, *, model=None, comm=None, s
         :class:`Predictions` on every rank, its arrays on rank 0.  Bad input raises
         ``SystemExit(2)`` on every rank, after one message.
     """
-    from ..settings.config import Settings
     from ..observe.stall import LocalWatch
     from ..runtime.threads import limit_blas_threads
+    from ..settings.config import Settings
 
     limit_blas_threads()
     world = MPI.COMM_WORLD if comm is None else comm
