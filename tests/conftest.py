@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -50,20 +51,35 @@ def child_environ(**extra):
     return environ
 
 
-def _command_and_env(ranks, args, env, prefix=()):
-    command = list(prefix) + [mpiexec_path(), "-n", str(ranks), sys.executable] + list(args)
+#: names of this machine, one an emulated node: MPICH's launcher starts the ranks of each host name given with
+#: ``-hosts`` as one node (a node communicator of their own, the network module between them), with no ssh
+NODE_NAMES = ("127.0.0.1", "localhost", socket.gethostname())
+
+
+def node_hosts(nodes, per_node):
+    """``-hosts`` for ``nodes`` emulated nodes of ``per_node`` ranks each, on this machine (MPICH's launcher)."""
+    if nodes > len(NODE_NAMES):
+        raise ValueError(f"{nodes} emulated nodes: this machine has {len(NODE_NAMES)} names for itself")
+    return ",".join(f"{name}:{per_node}" for name in NODE_NAMES[:nodes])
+
+
+def _command_and_env(ranks, args, env, prefix=(), nodes=None):
+    """The command that runs ``ranks`` ranks of ``python ARGS``; ``nodes``: on that many emulated nodes."""
+    hosts = ["-hosts", node_hosts(nodes, ranks // nodes)] if nodes else []
+    command = list(prefix) + [mpiexec_path(), *hosts, "-n", str(ranks), sys.executable] + list(args)
     full_env = child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     full_env.update(env or {})
     return command, full_env
 
 
-def run_mpi(ranks, args, timeout=60, cwd=None, env=None, prefix=()):
+def run_mpi(ranks, args, timeout=60, cwd=None, env=None, prefix=(), nodes=None):
     """Run ``[PREFIX...] mpiexec -n ranks python ARGS``; returns the CompletedProcess and seconds taken.
 
-    A run that outlives ``timeout`` is a hang: the test fails with what it printed.
+    ``nodes``: spread the ranks evenly over that many emulated nodes (:func:`node_hosts`).  A run that
+    outlives ``timeout`` is a hang: the test fails with what it printed.
     """
     import time
-    command, full_env = _command_and_env(ranks, args, env, prefix)
+    command, full_env = _command_and_env(ranks, args, env, prefix, nodes)
     start = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd or os.getcwd(),
@@ -73,9 +89,9 @@ def run_mpi(ranks, args, timeout=60, cwd=None, env=None, prefix=()):
     return done, time.perf_counter() - start
 
 
-def mpidist(ranks, *flags, timeout=60, cwd=None, env=None):
-    """``mpiexec -n ranks python -m mpidist FLAGS``."""
-    return run_mpi(ranks, ["-m", "mpidist", *flags], timeout=timeout, cwd=cwd, env=env)
+def mpidist(ranks, *flags, timeout=60, cwd=None, env=None, nodes=None):
+    """``mpiexec -n ranks python -m mpidist FLAGS`` (on ``nodes`` emulated nodes, if given)."""
+    return run_mpi(ranks, ["-m", "mpidist", *flags], timeout=timeout, cwd=cwd, env=env, nodes=nodes)
 
 
 def start_mpi(ranks, args, env=None):

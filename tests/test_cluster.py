@@ -42,12 +42,13 @@ def test_all_ranks_are_workers_and_rank_0_is_the_chief():
     nodes_total = world.allreduce(1 if cluster.local_rank == 0 else 0)
     assert nodes_total == cluster.num_nodes
     table = cluster.table("cpu")
-    pids = world.gather(os.getpid())
+    pids, nodes = world.gather(os.getpid()), world.allgather(cluster.node_index)
     if cluster.is_chief:
         lines = table.splitlines()
-        assert lines[0].split() == ["rank", "host", "pid", "local", "role", "index", "device"]
+        assert lines[0].split() == ["rank", "host", "node", "pid", "local", "role", "index", "device"]
         assert [line.split()[0] for line in lines[1:]] == [str(r) for r in range(world.Get_size())]
-        assert [int(line.split()[2]) for line in lines[1:]] == pids    # a launcher names pids, not ranks
+        assert [int(line.split()[3]) for line in lines[1:]] == pids    # a launcher names pids, not ranks
+        assert [int(line.split()[2]) for line in lines[1:]] == nodes
     else:
         assert table is None
     cluster.free()

@@ -13,6 +13,7 @@ one shared-memory window instead, and each worker sums its part of everyone's
 in place (:mod:`mpidist.parallel.shared_memory`; ``--exchange``).
 """
 
+from ..runtime.agreement import agreed
 from ..runtime.errors import UsageError
 from .compression import CompressedExchange
 from .data_parallel import DataParallel
@@ -61,8 +62,9 @@ class AllreduceStrategy(DataParallel):
             why_not = shared_memory_possible(self.worker_comm, self.buffer)   # collective: the same everywhere
             if why_not is None:
                 return SharedMemoryExchange(self.worker_comm, self.buffer)
-            if self.exchange_kind == "shared-memory" and why_not != ONE_WORKER:
-                raise UsageError(f"--exchange shared-memory: {why_not}; use --exchange mpi or auto")
+            with agreed(self.worker_comm):   # (every worker refuses alike: one message, every rank exits 2)
+                if self.exchange_kind == "shared-memory" and why_not != ONE_WORKER:
+                    raise UsageError(f"--exchange shared-memory: {why_not}; use --exchange mpi or auto")
         return Exchange(self.worker_comm, self.buffer, self.bucket_bytes)
 
 

@@ -120,12 +120,13 @@ class Cluster:
         rank reads any.
         """
         # the pid lets a user map a launcher's "PID 4711 killed by signal 9" back to a rank
-        row = (self.rank, self.host, os.getpid(), self.local_rank, self.role,
+        # the node is MPI's (the ranks that share memory), which a host name alone may not tell apart
+        row = (self.rank, self.host, self.node_index, os.getpid(), self.local_rank, self.role,
                "" if self.worker_index is None else self.worker_index, device, data)
         rows = self.world.gather(row, root=self.chief_rank)  # start-up only, small strings
         if rows is None:
             return None
-        header = ("rank", "host", "pid", "local", "role", "index", "device", "data")
+        header = ("rank", "host", "node", "pid", "local", "role", "index", "device", "data")
         if not any(r[-1] for r in rows):
             rows, header = [r[:-1] for r in rows], header[:-1]
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]

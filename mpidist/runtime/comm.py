@@ -210,8 +210,16 @@ ANY_SOURCE = MPI.ANY_SOURCE
 def recv(comm, array, source, tag, status=None):
     """Receive into ``array`` (contiguous) from ``source`` (a rank, or :data:`ANY_SOURCE`).
 
-    ``status``: a :class:`Status` that learns who sent the message.
+    ``status``: a :class:`Status` that learns who sent the message.  From
+    :data:`ANY_SOURCE` the sender is found by a probe first and then received
+    from by name: MPICH's network module (ranks on other nodes, or every rank
+    with ``MPIR_CVAR_NOLOCAL=1``) left a posted any-source receive unmatched
+    while the message waited, which hung backup workers' coordinator.
     """
+    if source == ANY_SOURCE:
+        found = MPI.Status()
+        comm.Probe(ANY_SOURCE, tag, found)
+        source = found.Get_source()
     buffer, back = _for_mpi(array)
     comm.Recv(buffer, source=source, tag=tag, status=None if status is None else status.mpi)
     if back:

@@ -11,6 +11,7 @@ from mpi4py import MPI
 from .. import __version__, data
 from ..nn import MODELS
 from ..runtime import comm
+from ..runtime.cluster import node_layout
 from ..runtime.memory import default_budget, human, ranks_per_node
 from ..runtime.ulfm import ulfm_support
 
@@ -32,14 +33,15 @@ def report(world, models_only=False):
         if world.Get_rank() != 0:
             return None
         return "\n".join(f"{name:<10} {text}" for name, (_, text) in MODELS.items())
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    hosts = world.gather((MPI.Get_processor_name(), node.Get_size()), root=0)
+    # nodes as MPI sees them (the ranks that share memory): host names alone may not tell them apart
+    node, index, _, _ = node_layout(world)
+    hosts = world.gather((index, MPI.Get_processor_name()), root=0)
     node.Free()
     if world.Get_rank() != 0:
         return None
     per_node = {}
-    for host, size in hosts:
-        per_node[host] = size
+    for index, host in hosts:
+        per_node.setdefault(index, [host, 0])[1] += 1
     version = MPI.Get_library_version().strip().splitlines()[0]
     elastic, why_not = ulfm_support()
     rows = [
@@ -53,7 +55,7 @@ def report(world, models_only=False):
                            f"{comm.transfer_path()} (override: MPIDIST_CUDA_AWARE=0|1)"),
         ("--elastic", "yes: this MPI reports dead processes (ULFM)" if elastic else f"no: {why_not}"),
         ("ranks", f"{world.Get_size()} on {len(per_node)} node(s): "
-                  + ", ".join(f"{h} x{n}" for h, n in sorted(per_node.items()))),
+                  + ", ".join(f"node {i} ({host}) x{n}" for i, (host, n) in sorted(per_node.items()))),
         ("numpy / h5py", f"{np.__version__} / {h5py.__version__} (HDF5 {h5py.version.hdf5_version})"),
         ("GPUs", _gpus()),
         ("models", ", ".join(MODELS)),

@@ -1,0 +1,96 @@
+"""Runs on emulated clusters: N nodes x 2 ranks on this one machine.
+
+MPICH's launcher starts the ranks of each ``-hosts`` name as a node of their
+own (``conftest.node_hosts``): they share memory with each other and talk to
+the other nodes through MPI's network module, as on a cluster.  Every
+strategy trains across nodes; the ps placement, pipelines whose stages span
+nodes, a resume on another node layout, streaming data and the refusal of the
+shared-memory exchange are checked where the node layout decides them.
+"""
+
+import pytest
+
+from conftest import events, mpidist
+
+LAYOUTS = {"2 nodes x 2": 2, "3 nodes x 2": 3}
+PER_NODE = 2
+#: each strategy's flags for ``nodes`` nodes of PER_NODE ranks
+STRATEGIES = {
+    "allreduce": lambda nodes: ["--strategy", "allreduce"],
+    "ps-sync": lambda nodes: ["--strategy", "ps-sync", "--ps", "1"],
+    "ps-sync --aggregate": lambda nodes: ["--strategy", "ps-sync", "--ps", "1", "--aggregate",
+                                          str(nodes * PER_NODE - 2)],
+    "ps-async": lambda nodes: ["--strategy", "ps-async", "--ps", "1"],
+    "pipeline": lambda nodes: ["--strategy", "pipeline", "--stages", str(nodes)],   # a replica spans nodes
+    "local-sgd": lambda nodes: ["--strategy", "local-sgd", "--sync-every", "2"],
+}
+
+
+def role_table(stdout):
+    """``[(rank, node, role)]`` from the role table the chief prints at start-up."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:4] == ["rank", "host", "node", "pid"])
+    rows = []
+    for line in lines[start + 1:]:
+        fields = line.split()
+        if not fields or not fields[0].isdigit():
+            break
+        rows.append((int(fields[0]), int(fields[2]), fields[5]))
+    return rows
+
+
+def train(tmp_path, nodes, *flags, epochs=4, timeout=180):
+    done, _ = mpidist(nodes * PER_NODE, "train", "--epochs", str(epochs), "--run-dir", str(tmp_path / "run"),
+                      *flags, nodes=nodes, timeout=timeout)
+    return done
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=list(STRATEGIES))
+def test_every_strategy_trains_across_emulated_nodes(tmp_path, strategy, layout):
+    nodes = LAYOUTS[layout]
+    done = train(tmp_path, nodes, *STRATEGIES[strategy](nodes))
+    assert done.returncode == 0, done.stderr
+    table = role_table(done.stdout)
+    assert [node for _, node, _ in table] == [rank // PER_NODE for rank in range(nodes * PER_NODE)]
+    final = events(tmp_path / "run" / "metrics.jsonl", "done")[-1]
+    assert final["test_accuracy"] >= 0.8, final      # 4 epochs of the bundled digits, whatever the layout
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_ps_ranks_go_one_per_node_before_a_second_on_any(tmp_path, layout):
+    nodes = LAYOUTS[layout]
+    done = train(tmp_path, nodes, "--strategy", "ps-sync", "--ps", "2", epochs=1)
+    assert done.returncode == 0, done.stderr
+    ps_nodes = sorted(node for _, node, role in role_table(done.stdout) if role == "ps")
+    assert ps_nodes == [0, 1]
+    assert ("0", "worker") == next((str(rank), role) for rank, _, role in role_table(done.stdout))   # the chief
+
+
+def test_a_run_resumes_on_another_node_layout(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    first = train(tmp_path, 2, "--checkpoint-dir", str(checkpoints), epochs=2)
+    assert first.returncode == 0, first.stderr
+    written = events(tmp_path / "run" / "metrics.jsonl", "done")[-1]["steps"]
+    resumed, _ = mpidist(3 * PER_NODE, "train", "--epochs", "4", "--checkpoint-dir", str(checkpoints),
+                         "--resume", "auto", "--run-dir", str(tmp_path / "again"), nodes=3, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at step {written}" in resumed.stdout
+    final = events(tmp_path / "again" / "metrics.jsonl", "done")[-1]
+    assert final["epochs"] == 4 and final["workers"] == 3 * PER_NODE and final["test_accuracy"] >= 0.8
+
+
+def test_ranks_stream_their_shards_across_nodes(tmp_path):
+    done = train(tmp_path, 2, "--data-mode", "stream", epochs=3)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(" stream (") == 2 * PER_NODE     # every rank's data column says it streams
+    assert events(tmp_path / "run" / "metrics.jsonl", "done")[-1]["test_accuracy"] >= 0.8
+
+
+def test_the_shared_memory_exchange_is_refused_once_when_workers_span_nodes(tmp_path):
+    done = train(tmp_path, 2, "--exchange", "shared-memory", epochs=1)
+    assert done.returncode == 2
+    assert done.stderr.count("--exchange shared-memory: the workers span more than one node; use --exchange mpi "
+                             "or auto") == 1
+    auto = train(tmp_path, 2, "--exchange", "auto", "--run-dir", str(tmp_path / "auto"), epochs=1)
+    assert auto.returncode == 0, auto.stderr    # auto falls back to MPI's allreduce across nodes
