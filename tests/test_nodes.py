@@ -94,3 +94,12 @@ def test_the_shared_memory_exchange_is_refused_once_when_workers_span_nodes(tmp_
                              "or auto") == 1
     auto = train(tmp_path, 2, "--exchange", "auto", "--run-dir", str(tmp_path / "auto"), epochs=1)
     assert auto.returncode == 0, auto.stderr    # auto falls back to MPI's allreduce across nodes
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_info_counts_the_nodes_mpi_sees_whatever_their_host_names(layout):
+    nodes = LAYOUTS[layout]
+    done, _ = mpidist(nodes * PER_NODE, "info", nodes=nodes)
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("ranks"))
+    assert f"{nodes * PER_NODE} on {nodes} node(s): node 0 (" in line and line.count(f") x{PER_NODE}") == nodes
