@@ -13,11 +13,15 @@ one shared-memory window instead, and each worker sums its part of everyone's
 in place (:mod:`mpidist.parallel.shared_memory`; ``--exchange``).
 """
 
+import dataclasses
+
 from ..runtime.agreement import agreed
 from ..runtime.errors import UsageError
+from ..runtime.xp import to_host
 from .compression import CompressedExchange
 from .data_parallel import DataParallel
 from .exchange import Exchange
+from .optimizer_shard import OptimizerShard
 from .registry import Option, register
 from .shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
 
@@ -28,10 +32,6 @@ class AllreduceStrategy(DataParallel):
 
     name = "allreduce"
     elastic_recovery = True
-
-    @classmethod
-    def auto_rank(cls, settings, world_size):
-        return 3   # what auto runs when nothing asks for another
     options = (Option("compress", "none", "allreduce: send gradients as 16-bit floats, with error feedback "
                                           "(half the bytes; see the performance docs)",
                       choices=("none", "fp16", "bf16")),
@@ -39,21 +39,68 @@ class AllreduceStrategy(DataParallel):
                                           "one node: the buffers in one shared window, summed in place), 'mpi' "
                                           "(Iallreduce per bucket, overlapped with backward), 'auto' (shared "
                                           "memory where possible and --compress is none, else mpi)",
-                      choices=("auto", "shared-memory", "mpi")))
+                      choices=("auto", "shared-memory", "mpi")),
+               Option("shard", "none", "allreduce: 'optimizer' keeps each worker's optimizer state for its slice "
+                                       "of the model alone (ZeRO stage 1: the state per worker / W; each worker "
+                                       "updates its slice, then an Allgatherv shares them); 'none': every worker "
+                                       "holds and updates all of it",
+                      choices=("none", "optimizer")))
+
+    @classmethod
+    def auto_rank(cls, settings, world_size):
+        return 3   # what auto runs when nothing asks for another
 
     @classmethod
     def check(cls, settings, world_size):
         _check_exchange(settings.exchange, settings.compress, settings.elastic)
+        if settings.shard != "none" and settings.elastic:
+            raise UsageError(f"--shard {settings.shard} keeps optimizer state on one worker alone, which a lost "
+                             "worker would take with it: not with --elastic")
 
     @classmethod
     def arguments(cls, settings, setup):
         # elastic: a lost worker must surface as MPI's process-failure error, which only MPI's collectives give
-        return {"compress": settings.compress, "exchange": "mpi" if settings.elastic else settings.exchange}
+        return {"compress": settings.compress, "exchange": "mpi" if settings.elastic else settings.exchange,
+                "shard": settings.shard}
 
-    def __init__(self, *args, compress="none", exchange="auto", **kwargs):
+    def __init__(self, *args, compress="none", exchange="auto", shard="none", **kwargs):
         _check_exchange(exchange, compress)
         self.compress, self.exchange_kind = compress, exchange
         super().__init__(*args, **kwargs)
+        self.part = None   # --shard optimizer: this worker's slice (None: it updates the whole model)
+        if shard == "optimizer" and self.worker_comm is not None and self.worker_comm.Get_size() > 1:
+            self.part = OptimizerShard(self.worker_comm, self.model.num_params)
+            self.optimizer = self.make_optimizer(self.part.size, self.part.lo)   # (the whole one is let go)
+
+    def update(self, grads, step):
+        if self.part is None:
+            return super().update(grads, step)
+        lo, hi = self.part.lo, self.part.hi
+        self.optimizer.step(self.model.params[lo:hi], grads[lo:hi], self.recipe.lr(step))
+        self.part.share(self.model.params)
+
+    def initialize(self, checkpoint=None):
+        if self.part is not None and checkpoint is not None:   # (a checkpoint holds the whole state: load a slice)
+            checkpoint = dataclasses.replace(checkpoint, optimizer_state=self.part.part(checkpoint.optimizer_state))
+        super().initialize(checkpoint)
+
+    def state(self):
+        if self.part is None:
+            return super().state()
+        self.average_running()
+        arrays = self.part.gather(self.optimizer.state_arrays())   # collective over the workers
+        if not self.cluster.is_chief:
+            return None
+        return to_host(self.model.params), arrays, self.optimizer.steps
+
+    def survivor_state(self, cluster, step):
+        raise RuntimeError("--shard optimizer does not run with --elastic")   # (refused by check())
+
+    def stats(self):
+        if self.part is None:
+            return super().stats()
+        held = sum(int(array.nbytes) for array in self.optimizer.state_arrays().values())
+        return {**super().stats(), "shard": [self.part.lo, self.part.hi], "optimizer_state_bytes": held}
 
     def make_exchange(self):
         if self.compress != "none":

@@ -106,5 +106,9 @@ class DataParallel(Strategy):
         self.clipped = False
         if not self.skipped:
             grads = self.clip(self.model.grads, out=self._clip_space() if self.exchange.holds_buffer else None)
-            self.optimizer.step(self.model.params, grads, self.recipe.lr(step))
+            self.update(grads, step)
         return float(self.buffer[-1])
+
+    def update(self, grads, step):
+        """The optimizer's step from the summed (and clipped) ``grads``, the same on every worker."""
+        self.optimizer.step(self.model.params, grads, self.recipe.lr(step))

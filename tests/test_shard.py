@@ -1,0 +1,90 @@
+"""``--shard optimizer`` (ZeRO stage 1): each worker keeps the optimizer state of its slice, and trains as local does."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist import nn
+from mpidist.parallel import AllreduceStrategy, LocalStrategy
+from mpidist.parallel.shards import shard_bounds
+from mpidist.runtime.cluster import build_cluster
+from mpidist.store.checkpoint import Checkpoint
+
+from conftest import events, mpidist
+from test_parallel import small_convnet
+from test_recipe import STEPS, batches, make, recipe, reference_run, worker_slice
+
+
+def _sharded(cluster, optimizer, accumulate=1):
+    return AllreduceStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), cluster, seed=3,
+                             recipe=recipe(accumulate), shard="optimizer")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_sharded_optimizer_clips_schedules_and_accumulates_as_local(accumulate, optimizer):
+    cluster = build_cluster(MPI.COMM_WORLD)
+    global_batch = 3 * cluster.num_workers + 2
+    expected, clipped = reference_run(global_batch, optimizer)
+    xs, ys = batches(global_batch)
+    strategy = _sharded(cluster, optimizer, accumulate)
+    strategy.initialize()
+    part = worker_slice(global_batch, cluster.num_workers, cluster.worker_index)
+    for step in range(STEPS):
+        strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
+        np.testing.assert_allclose(strategy.model.params, expected[step], rtol=1e-9, atol=1e-12)
+        assert strategy.clipped == clipped[step]
+    every = cluster.workers.allgather(strategy.model.params.tobytes())
+    assert all(params == every[0] for params in every)          # bit-identical on every worker
+    strategy.free()
+    cluster.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_each_worker_holds_its_slice_of_the_state_and_a_checkpoint_holds_it_whole():
+    cluster = build_cluster(MPI.COMM_WORLD)
+    workers, worker = cluster.num_workers, cluster.worker_index
+    global_batch = 2 * workers
+    xs, ys = batches(global_batch)
+    strategy = _sharded(cluster, "adam")
+    strategy.initialize()
+    count = strategy.model.num_params
+    lo, hi = shard_bounds(count, workers)[worker]
+    assert {name: array.size for name, array in strategy.optimizer.state_arrays().items()} == \
+        {"m": hi - lo, "v": hi - lo}
+    assert strategy.stats()["optimizer_state_bytes"] == 2 * 8 * (hi - lo)     # Adam's two moments, float64
+    part = worker_slice(global_batch, workers, worker)
+    for step in range(2):
+        strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
+    state = strategy.state()
+    if cluster.is_chief:
+        params, arrays, steps = state
+        assert arrays["m"].shape == arrays["v"].shape == (count,) and steps == 2
+        assert np.array_equal(arrays["m"][lo:hi], strategy.optimizer.state_arrays()["m"])
+    whole = MPI.COMM_WORLD.bcast(state, root=0)
+    again = _sharded(cluster, "adam")      # resumed, sharded the same way or another: each takes its slice
+    again.initialize(Checkpoint(path=None, params=whole[0], optimizer_state=whole[1], optimizer_steps=whole[2],
+                                step=2, epoch=0, epoch_step=2, config={}))
+    assert np.array_equal(again.optimizer.state_arrays()["v"], whole[1]["v"][lo:hi]) and again.optimizer.steps == 2
+    np.testing.assert_array_equal(again.model.params, strategy.model.params)
+    for done in (strategy, again):
+        done.free()
+    cluster.free()
+
+
+def test_a_sharded_run_resumes_unsharded_and_elastic_is_refused(tmp_path):
+    checkpoints = str(tmp_path / "ckpt")
+    done, _ = mpidist(4, "train", "--shard", "optimizer", "--epochs", "2", "--optimizer", "adam",
+                      "--checkpoint-dir", checkpoints, "--run-dir", str(tmp_path / "a"), "--exchange", "mpi")
+    assert done.returncode == 0, done.stderr
+    final = events(tmp_path / "a" / "metrics.jsonl", "done")[-1]
+    held = [role["optimizer_state_bytes"] for role in final["roles"]]
+    assert len(held) == 4 and max(held) - min(held) <= 2 * 4 * 2 and final["test_accuracy"] >= 0.8
+    resumed, _ = mpidist(2, "train", "--epochs", "3", "--optimizer", "adam", "--checkpoint-dir", checkpoints,
+                         "--resume", "auto", "--run-dir", str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert events(tmp_path / "b" / "metrics.jsonl", "done")[-1]["epochs"] == 3
+    refused, _ = mpidist(2, "train", "--shard", "optimizer", "--elastic")
+    assert refused.returncode == 2 and "--shard optimizer keeps optimizer state on one worker alone" in \
+        refused.stderr
