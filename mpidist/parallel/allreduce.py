@@ -94,7 +94,9 @@ class AllreduceStrategy(DataParallel):
         return to_host(self.model.params), arrays, self.optimizer.steps
 
     def survivor_state(self, cluster, step):
-        raise RuntimeError("--shard optimizer does not run with --elastic")   # (refused by check())
+        if self.part is not None:   # (check() refuses --elastic with --shard: a slice is not the whole state)
+            raise RuntimeError("--shard optimizer does not run with --elastic")
+        return super().survivor_state(cluster, step)
 
     def stats(self):
         if self.part is None:
