@@ -172,21 +172,24 @@ def test_accumulating_in_slices_equals_one_pass_locally():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shard", ["none", "optimizer"])   # (--shard optimizer: each worker updates a slice)
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_allreduce_clips_schedules_and_accumulates_as_local(accumulate, optimizer):
+def test_allreduce_clips_schedules_and_accumulates_as_local(accumulate, optimizer, shard):
     cluster = build_cluster(MPI.COMM_WORLD)
     global_batch = 3 * cluster.num_workers + 2
     expected, clipped = reference_run(global_batch, optimizer)
     xs, ys = batches(global_batch)
     strategy = AllreduceStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), cluster, seed=3,
-                                 recipe=recipe(accumulate))
+                                 recipe=recipe(accumulate), shard=shard)
     strategy.initialize()
     part = worker_slice(global_batch, cluster.num_workers, cluster.worker_index)
     for step in range(STEPS):
         strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
         np.testing.assert_allclose(strategy.model.params, expected[step], rtol=1e-9, atol=1e-12)
         assert strategy.clipped == clipped[step]
+    every = cluster.workers.allgather(strategy.model.params.tobytes())
+    assert all(params == every[0] for params in every)          # bit-identical on every worker
     strategy.free()
     cluster.free()
 

@@ -14,7 +14,6 @@ gradients added up over a step are the global batch's mean gradient.
 """
 
 import dataclasses
-import time
 
 import numpy as np
 
