@@ -281,9 +281,9 @@ class Training:
             log.write("skipped", step=step, epoch=self.position.epoch + 1, reason="loss or gradients NaN or Inf")
         if step % config.log_every == 0:
             mean, rate, clipped_steps, now = self.window.line(config.batch_size)
-            rate_now = self.strategy.recipe.lr(step - 1)   # the learning rate of the update computed at step - 1
+            scheduled = self.strategy.recipe.lr(step - 1)   # the learning rate of the update computed at step - 1
             log.write("step", step=step, epoch=self.position.epoch + 1, loss=mean,
-                      lr=config.lr if rate_now is None else rate_now, **self._training_figures(),
+                      lr=config.lr if scheduled is None else scheduled, **self._training_figures(),
                       **({"clipped": clipped_steps} if config.clip_norm and self.strategy.lockstep else {}),
                       samples_per_s=rate, time=self.checkpointer.run_time(now))
             self.outputs.progress.update(step, self.position.epoch, mean, rate)

@@ -17,7 +17,6 @@ import dataclasses
 
 from ..runtime.agreement import agreed
 from ..runtime.errors import UsageError
-from ..runtime.xp import to_host
 from .compression import CompressedExchange
 from .data_parallel import DataParallel
 from .exchange import Exchange
@@ -65,12 +64,13 @@ class AllreduceStrategy(DataParallel):
 
     def __init__(self, *args, compress="none", exchange="auto", shard="none", **kwargs):
         _check_exchange(exchange, compress)
-        self.compress, self.exchange_kind = compress, exchange
+        self.compress, self.exchange_kind, self.shard_mode = compress, exchange, shard
         super().__init__(*args, **kwargs)
-        self.part = None   # --shard optimizer: this worker's slice (None: it updates the whole model)
-        if shard == "optimizer" and self.worker_comm is not None and self.worker_comm.Get_size() > 1:
-            self.part = OptimizerShard(self.worker_comm, self.model.num_params)
-            self.optimizer = self.make_optimizer(self.part.size, self.part.lo)   # (the whole one is let go)
+
+    def optimizer_part(self):
+        if self.shard_mode == "optimizer" and self.worker_comm is not None and self.worker_comm.Get_size() > 1:
+            return OptimizerShard(self.worker_comm, self.model.num_params)   # --shard optimizer: one slice
+        return None
 
     def update(self, grads, step):
         if self.part is None:
@@ -81,17 +81,13 @@ class AllreduceStrategy(DataParallel):
 
     def initialize(self, checkpoint=None):
         if self.part is not None and checkpoint is not None:   # (a checkpoint holds the whole state: load a slice)
-            checkpoint = dataclasses.replace(checkpoint, optimizer_state=self.part.part(checkpoint.optimizer_state))
+            checkpoint = dataclasses.replace(checkpoint, optimizer_state=self.part.slice_of(checkpoint.optimizer_state))
         super().initialize(checkpoint)
 
-    def state(self):
+    def whole_optimizer_arrays(self):
         if self.part is None:
-            return super().state()
-        self.average_running()
-        arrays = self.part.gather(self.optimizer.state_arrays())   # collective over the workers
-        if not self.cluster.is_chief:
-            return None
-        return to_host(self.model.params), arrays, self.optimizer.steps
+            return super().whole_optimizer_arrays()
+        return self.part.gather(self.optimizer.state_arrays())   # collective over the workers
 
     def survivor_state(self, cluster, step):
         if self.part is not None:   # (check() refuses --elastic with --shard: a slice is not the whole state)

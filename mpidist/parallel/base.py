@@ -447,10 +447,17 @@ class Strategy:
 
     def state(self):
         """Collective: ``(params, optimizer arrays, optimizer steps)`` as host arrays on the chief, else None."""
+        arrays = self.whole_optimizer_arrays()   # (collective where the optimizer state is sharded)
         if self.cluster is not None and not self.cluster.is_chief:
             return None
-        arrays = {name: to_host(a) for name, a in self.optimizer.state_arrays().items()}
         return to_host(self.model.params), arrays, self.optimizer.steps
+
+    def whole_optimizer_arrays(self):
+        """The optimizer's state arrays, whole and in host memory, on the chief (None elsewhere); collective
+        where each worker holds a slice of them."""
+        if self.cluster is not None and not self.cluster.is_chief:
+            return None
+        return {name: to_host(a) for name, a in self.optimizer.state_arrays().items()}
 
 
 def synchronise_batch_norms(model, comm):

@@ -34,12 +34,18 @@ class DataParallel(Strategy):
         model = self.model
         self.buffer = model.xp.zeros(model.num_params + 1, dtype=model.dtype)
         model.bind_grads(self.buffer)
-        self.optimizer = self.make_optimizer(model.num_params)
+        self.part = self.optimizer_part()   # the slice this worker's optimizer updates (None: all of it)
+        self.optimizer = self.make_optimizer(model.num_params) if self.part is None else \
+            self.make_optimizer(self.part.size, self.part.lo)
         self.running = model.running_entries()
         synchronise_batch_norms(model, self.worker_comm)
         self.exchange = self.make_exchange()
         if self.exchange.holds_buffer:   # the buffer moved into the exchange (shared memory)
             self._bind_buffer(self.exchange.buffer)
+
+    def optimizer_part(self):
+        """The :class:`~mpidist.parallel.optimizer_shard.OptimizerShard` this worker updates, or None (the whole model)."""
+        return None
 
     def _bind_buffer(self, buffer):
         self.buffer = buffer

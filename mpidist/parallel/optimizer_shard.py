@@ -51,6 +51,6 @@ class OptimizerShard:
             whole[name] = target
         return whole if self.comm.Get_rank() == root else None
 
-    def part(self, arrays):
+    def slice_of(self, arrays):
         """This worker's slice of whole-model ``arrays`` (a checkpoint's optimizer state)."""
         return {name: array[self.lo:self.hi] for name, array in arrays.items()}
