@@ -9,14 +9,15 @@ from mpi4py import MPI
 from mpidist import nn
 from mpidist.parallel import AllreduceStrategy, Exchange
 from mpidist.parallel.compression import CompressedExchange
-from mpidist.parallel.shared_memory import ONE_WORKER, SharedMemoryExchange, _part_bounds, shared_memory_possible
+from mpidist.parallel.node_model import NodeModelExchange
+from mpidist.parallel.shared_memory import ONE_WORKER, SharedMemoryExchange, part_bounds, shared_memory_possible
 from mpidist.runtime.cluster import build_cluster
 from mpidist.runtime.errors import UsageError
 
 
 @pytest.mark.parametrize("count,itemsize,parts", [(1, 4, 2), (5, 4, 3), (100, 4, 2), (1000, 8, 6), (33, 4, 4)])
 def test_parts_cover_the_buffer_and_start_on_cache_lines(count, itemsize, parts):
-    bounds = _part_bounds(count, itemsize, parts)
+    bounds = part_bounds(count, itemsize, parts)
     assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == count
     assert all(lo <= hi for lo, hi in zip(bounds, bounds[1:]))
     assert all(b % (64 // itemsize) == 0 for b in bounds[:-1])
@@ -157,12 +158,19 @@ def test_allreduce_trains_the_same_over_shared_memory_as_over_mpi():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_auto_picks_shared_memory_on_one_node_and_mpi_to_compress():
+def test_auto_picks_one_model_per_node_then_shared_gradients_and_mpi_to_compress():
     comm = MPI.COMM_WORLD
-    for arguments, kind in (({}, SharedMemoryExchange), ({"exchange": "mpi"}, Exchange),
-                            ({"compress": "bf16"}, CompressedExchange)):
+    for arguments, kind in (({}, NodeModelExchange), ({"exchange": "shared-memory"}, SharedMemoryExchange),
+                            ({"exchange": "mpi"}, Exchange), ({"compress": "bf16"}, CompressedExchange)):
         strategy = _strategy(comm, **arguments)
         try:
             assert type(strategy.exchange) is kind
         finally:
             strategy.free()
+    # BatchNorm's running statistics are written by each worker's forward: no one copy of them per node
+    model = nn.Sequential([nn.Flatten(), nn.Dense(8), nn.BatchNorm(), nn.Dense(10)], (8, 8), dtype=np.float32)
+    strategy = AllreduceStrategy(model, nn.loss_for(10, np), _sgd, build_cluster(comm), seed=3)
+    try:
+        assert type(strategy.exchange) is SharedMemoryExchange
+    finally:
+        strategy.free()

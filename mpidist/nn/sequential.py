@@ -80,13 +80,14 @@ class Sequential:
         self.random_layers = [(path, layer) for path, layer in walk(self.layers) if hasattr(layer, "rng")]
         self.reseed(0)
 
-    def bind_params(self, buffer):
+    def bind_params(self, buffer, copy=True):
         """Move the parameters into ``buffer[:num_params]`` (values copied) and rebind every layer.
 
         Strategies call this to place the parameters inside a larger buffer
-        that MPI fills directly (e.g. followed by the loss).
+        that MPI fills directly (e.g. followed by the loss), or in memory
+        shared with other processes (``copy=False``: one of them fills it).
         """
-        if hasattr(self, "params"):
+        if copy and hasattr(self, "params"):
             buffer[:self.num_params] = self.params
         self.params = buffer[:self.num_params]
         for layer, name, lo, pshape, _ in self.entries:

@@ -8,9 +8,12 @@ same optimizer update to identical parameters.  The buffer is cut into
 contiguous buckets of at most ``bucket_bytes``, each reduced by a non-blocking
 ``Iallreduce`` started as soon as backward has filled it
 (:mod:`mpidist.parallel.exchange`): one MPI call per bucket, never one per
-tensor, and no copy.  Where every worker runs on one node the buffers live in
-one shared-memory window instead, and each worker sums its part of everyone's
-in place (:mod:`mpidist.parallel.shared_memory`; ``--exchange``).
+tensor, and no copy.  On CPUs the model lives once per node instead, in a
+shared-memory window whose ranks each sum and update their part of it, with a
+ring between nodes (:mod:`mpidist.parallel.node_model`); where it cannot
+(BatchNorm's running statistics), on one node the gradient buffers alone go
+to a shared window (:mod:`mpidist.parallel.shared_memory`).  ``--exchange``
+chooses.
 """
 
 import dataclasses
@@ -20,6 +23,7 @@ from ..runtime.errors import UsageError
 from .compression import CompressedExchange
 from .data_parallel import DataParallel
 from .exchange import Exchange
+from .node_model import NodeModelExchange, NodePart, node_model_possible
 from .optimizer_shard import OptimizerShard
 from .registry import Option, register
 from .shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
@@ -34,11 +38,13 @@ class AllreduceStrategy(DataParallel):
     options = (Option("compress", "none", "allreduce: send gradients as 16-bit floats, with error feedback "
                                           "(half the bytes; see the performance docs)",
                       choices=("none", "fp16", "bf16")),
-               Option("exchange", "auto", "allreduce: how gradients are summed: 'shared-memory' (every worker on "
-                                          "one node: the buffers in one shared window, summed in place), 'mpi' "
-                                          "(Iallreduce per bucket, overlapped with backward), 'auto' (shared "
-                                          "memory where possible and --compress is none, else mpi)",
-                      choices=("auto", "shared-memory", "mpi")),
+               Option("exchange", "auto", "allreduce: how gradients are summed: 'node' (one copy of the model per "
+                                          "node in shared memory, each rank summing and updating 1/L of it, "
+                                          "a ring between nodes), 'shared-memory' (every worker on one node "
+                                          "and its own copy: the gradients in one shared window, summed in "
+                                          "place), 'mpi' (Iallreduce per bucket, overlapped with backward), "
+                                          "'auto' (the first of these that can serve; mpi with --compress)",
+                      choices=("auto", "node", "shared-memory", "mpi")),
                Option("shard", "none", "allreduce: 'optimizer' keeps each worker's optimizer state for its slice "
                                        "of the model alone (ZeRO stage 1: the state per worker / W; each worker "
                                        "updates its slice, then an Allgatherv shares them); 'none': every worker "
@@ -68,6 +74,8 @@ class AllreduceStrategy(DataParallel):
         super().__init__(*args, **kwargs)
 
     def optimizer_part(self):
+        if isinstance(self.exchange, NodeModelExchange):   # one copy per node: this rank's part of it
+            return NodePart(self.exchange)
         if self.shard_mode == "optimizer" and self.worker_comm is not None and self.worker_comm.Get_size() > 1:
             return OptimizerShard(self.worker_comm, self.model.num_params)   # --shard optimizer: one slice
         return None
@@ -95,31 +103,45 @@ class AllreduceStrategy(DataParallel):
         return super().survivor_state(cluster, step)
 
     def stats(self):
+        figures = super().stats()
+        if isinstance(self.exchange, NodeModelExchange):   # measured by the ring: what this rank sent to other nodes
+            figures["internode_bytes_per_step"] = self.exchange.internode_bytes_per_step()
         if self.part is None:
-            return super().stats()
+            return figures
         held = sum(int(array.nbytes) for array in self.optimizer.state_arrays().values())
-        return {**super().stats(), "shard": [self.part.lo, self.part.hi], "optimizer_state_bytes": held}
+        return {**figures, "shard": [self.part.lo, self.part.hi], "optimizer_state_bytes": held}
 
     def make_exchange(self):
         if self.compress != "none":
             return CompressedExchange(self.worker_comm, self.buffer, self.bucket_bytes, self.compress)
-        if self.exchange_kind != "mpi":
-            why_not = shared_memory_possible(self.worker_comm, self.buffer)   # collective: the same everywhere
+        comm, kind = self.worker_comm, self.exchange_kind
+        if kind in ("auto", "node"):
+            why_not = node_model_possible(comm, self.buffer, self.model)   # collective: the same everywhere
             if why_not is None:
-                return SharedMemoryExchange(self.worker_comm, self.buffer)
-            with agreed(self.worker_comm):   # (every worker refuses alike: one message, every rank exits 2)
-                if self.exchange_kind == "shared-memory" and why_not != ONE_WORKER:
-                    raise UsageError(f"--exchange shared-memory: {why_not}; use --exchange mpi or auto")
+                return NodeModelExchange(comm, self.buffer, self.model.params, sharded=self.shard_mode == "optimizer")
+            _refuse_if_asked(comm, kind, "node", why_not)
+        if kind in ("auto", "shared-memory"):
+            why_not = shared_memory_possible(comm, self.buffer)
+            if why_not is None:
+                return SharedMemoryExchange(comm, self.buffer)
+            _refuse_if_asked(comm, kind, "shared-memory", why_not)
         return Exchange(self.worker_comm, self.buffer, self.bucket_bytes)
 
 
+def _refuse_if_asked(comm, asked, kind, why_not):
+    """Collective: where ``--exchange`` named ``kind`` and it cannot serve, every worker exits 2 with ``why_not``."""
+    with agreed(comm):   # (every worker refuses alike: one message, every rank exits 2)
+        if asked == kind and why_not != ONE_WORKER:
+            raise UsageError(f"--exchange {kind}: {why_not}; use --exchange mpi or auto")
+
+
 def _check_exchange(exchange, compress, elastic=False):
-    """Refuse ``--exchange shared-memory`` where it cannot serve (a UsageError naming the conflict)."""
-    if exchange != "shared-memory":
+    """Refuse ``--exchange node`` or ``shared-memory`` where it cannot serve (a UsageError naming the conflict)."""
+    if exchange not in ("node", "shared-memory"):
         return
     if compress != "none":
-        raise UsageError(f"--exchange shared-memory sums in place and sends nothing, so there is nothing for "
+        raise UsageError(f"--exchange {exchange} sums in shared memory, so there is nothing for "
                          f"--compress {compress} to compress: use --exchange mpi (or auto) with --compress")
     if elastic:
-        raise UsageError("--exchange shared-memory does not survive a lost worker (MPI's shared-memory windows "
+        raise UsageError(f"--exchange {exchange} does not survive a lost worker (MPI's shared-memory windows "
                          "are not fault tolerant): use --exchange mpi or auto with --elastic")

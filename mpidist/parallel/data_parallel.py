@@ -34,14 +34,16 @@ class DataParallel(Strategy):
         model = self.model
         self.buffer = model.xp.zeros(model.num_params + 1, dtype=model.dtype)
         model.bind_grads(self.buffer)
-        self.part = self.optimizer_part()   # the slice this worker's optimizer updates (None: all of it)
-        self.optimizer = self.make_optimizer(model.num_params) if self.part is None else \
-            self.make_optimizer(self.part.size, self.part.lo)
         self.running = model.running_entries()
         synchronise_batch_norms(model, self.worker_comm)
         self.exchange = self.make_exchange()
         if self.exchange.holds_buffer:   # the buffer moved into the exchange (shared memory)
             self._bind_buffer(self.exchange.buffer)
+        if self.exchange.holds_params:   # one copy of the model per node
+            model.bind_params(self.exchange.params, copy=False)
+        self.part = self.optimizer_part()   # the slice this worker's optimizer updates (None: all of it)
+        self.optimizer = self.make_optimizer(model.num_params) if self.part is None else \
+            self.make_optimizer(self.part.size, self.part.lo)
 
     def optimizer_part(self):
         """The :class:`~mpidist.parallel.optimizer_shard.OptimizerShard` this worker updates, or None (the whole model)."""
@@ -65,7 +67,10 @@ class DataParallel(Strategy):
 
     def state(self):
         self.average_running()
-        return super().state()
+        state = super().state()
+        if state is not None and self.exchange.holds_params:   # (the window's copy goes when the strategy does)
+            state = (state[0].copy(), *state[1:])
+        return state
 
     def survivor_state(self, cluster, step):
         return Strategy.state(self)   # (the old communicators are revoked: no averaging)
@@ -83,6 +88,8 @@ class DataParallel(Strategy):
     def free(self):
         if self.exchange.holds_buffer:   # the gradients outlive the exchange's memory
             self._bind_buffer(self.buffer.copy())
+        if self.exchange.holds_params:   # and so do the parameters
+            self.model.bind_params(self.model.params.copy())
         self.exchange.free()
 
     def initialize(self, checkpoint=None):
@@ -92,7 +99,9 @@ class DataParallel(Strategy):
                 self.model.init_params(self.seed)
             else:
                 self.model.params[...] = self.model.xp.asarray(checkpoint.params)
-        if comm is not None:
+        if self.exchange.holds_params:   # each node's copy from the chief's node, written once per node
+            self.exchange.share_initial()
+        elif comm is not None:
             mpi.bcast(comm, self.model.params, root=0)
         if checkpoint is not None and self.optimizer is not None:
             self.optimizer.load_state(checkpoint.optimizer_state, checkpoint.optimizer_steps)
@@ -111,9 +120,17 @@ class DataParallel(Strategy):
         self.skipped = not self.exchange.finite()
         self.clipped = False
         if not self.skipped:
-            grads = self.clip(self.model.grads, out=self._clip_space() if self.exchange.holds_buffer else None)
-            self.update(grads, step)
+            self.update(self._clipped_gradient(), step)
+        self.exchange.settle()   # (one copy per node: every part is updated before anyone reads the parameters)
         return float(self.buffer[-1])
+
+    def _clipped_gradient(self):
+        """The summed gradient, clipped to ``--clip-norm`` by its global norm (where the exchange knows it)."""
+        norm = self.exchange.squared_norm()
+        if norm is not None:   # one copy per node: this rank reads only its own part now, so clip that in place
+            self.clip(self.model.grads[self.part.lo:self.part.hi], squared_norm=norm)
+            return self.model.grads
+        return self.clip(self.model.grads, out=self._clip_space() if self.exchange.holds_buffer else None)
 
     def update(self, grads, step):
         """The optimizer's step from the summed (and clipped) ``grads``, the same on every worker."""

@@ -64,6 +64,8 @@ class NoExchange:
     #: Whether :attr:`buffer` is memory of the exchange's own that the strategy's gradients must be bound to
     #: (and bound away from before :meth:`free`): the shared-memory exchange's window.
     holds_buffer = False
+    #: Whether the model's parameters live in :attr:`params`, memory of the exchange's own (one copy per node).
+    holds_params = False
 
     def __init__(self, buffer=None):
         self.buffer = buffer
@@ -84,6 +86,13 @@ class NoExchange:
 
     def free(self):
         """Release what the exchange holds of MPI (a compressed one's reduction operation)."""
+
+    def settle(self):
+        """After the optimizer's step (taken or skipped): what must hold before the next forward."""
+
+    def squared_norm(self):
+        """The summed gradient's squared norm where the exchange took it (None: the strategy takes it)."""
+        return None
 
     def finite(self):
         """Whether every element of the summed buffer is finite (after :meth:`finish`)."""

@@ -44,7 +44,7 @@ LINE = 64   # bytes: parts start on cache-line boundaries, so two workers never 
 ONE_WORKER = "one worker has nothing to exchange"
 
 
-def _part_bounds(count, itemsize, parts):
+def part_bounds(count, itemsize, parts):
     """``parts + 1`` boundaries cutting ``[0, count)`` into near-equal parts that start on cache lines."""
     step = max(1, LINE // itemsize)
     return [min(count, round(count * i / parts / step) * step) for i in range(parts)] + [count]
@@ -64,23 +64,33 @@ def shared_memory_possible(comm, buffer):
     node.Free()
     if not one_node:   # the same answer on every rank: all on one node, or no node holds them all
         return "the workers span more than one node"
-    reason = None
-    if comm.Get_rank() == 0:   # rank 0 decides, and tells everyone: one branch for all
-        if ulfm_support()[0]:
-            reason = ("MPI runs with fault tolerance on (mpirun --with-ft ulfm), and a lost worker must surface as "
-                      "its process-failure error, which its shared-memory windows do not give")
-        elif not isinstance(buffer, np.ndarray):
-            reason = "the gradients are on GPUs"
-        else:
-            try:
-                stats = os.statvfs("/dev/shm")
-                room = stats.f_bavail * stats.f_frsize
-            except OSError:
-                room = None   # no /dev/shm: MPI's segments live elsewhere (System V), nothing to check
-            needed = 2 * comm.Get_size() * (buffer.nbytes + 2 * LINE)
-            if room is not None and room < needed:
-                reason = f"/dev/shm has {room >> 20} MiB free, the gradient windows need {needed >> 20} MiB"
+    reason = host_memory_reason(buffer, comm.Get_size()) if comm.Get_rank() == 0 else None
     return comm.bcast(reason, root=0)
+
+
+def host_memory_reason(buffer, copies):
+    """``None`` if ``copies`` of ``buffer`` can go to shared windows on this node, else why not.
+
+    Not where MPI runs with fault tolerance on (a lost rank must surface as
+    MPI's process-failure error, which shared windows do not give), not for
+    arrays on GPUs, and not where /dev/shm (where MPICH puts its segments)
+    has less room than twice what the windows take.  Local: one rank asks,
+    and tells the others.
+    """
+    if ulfm_support()[0]:
+        return ("MPI runs with fault tolerance on (mpirun --with-ft ulfm), and a lost worker must surface as "
+                "its process-failure error, which its shared-memory windows do not give")
+    if not isinstance(buffer, np.ndarray):
+        return "the gradients are on GPUs"
+    try:
+        stats = os.statvfs("/dev/shm")
+        room = stats.f_bavail * stats.f_frsize
+    except OSError:
+        return None   # no /dev/shm: MPI's segments live elsewhere (System V), nothing to check
+    needed = int(2 * copies * (buffer.nbytes + 2 * LINE))
+    if room < needed:
+        return f"/dev/shm has {room >> 20} MiB free, the shared windows need {needed >> 20} MiB"
+    return None
 
 
 class SharedMemoryExchange(NoExchange):
@@ -111,7 +121,7 @@ class SharedMemoryExchange(NoExchange):
             self.squares.append(np.frombuffer(memory, dtype=np.float64, count=1, offset=squares_at))
         self.buffer = self.buffers[self.rank]
         self.buffer[...] = buffer
-        self.bounds = _part_bounds(count, dtype.itemsize, size)
+        self.bounds = part_bounds(count, dtype.itemsize, size)
         self.bytes_per_step = int(buffer.nbytes)
         self.win.Lock_all(MPI.MODE_NOCHECK)   # one passive epoch for the window's life: fences are Win.Sync
 

@@ -203,6 +203,11 @@ def send(comm, array, dest, tag):
     comm.Send(buffer, dest=dest, tag=tag)
 
 
+def sendrecv(comm, send_array, dest, recv_array, source, tag=0):
+    """Send ``send_array`` to ``dest`` while receiving ``recv_array`` from ``source`` (host arrays, contiguous)."""
+    comm.Sendrecv(send_array, dest=dest, sendtag=tag, recvbuf=recv_array, source=source, recvtag=tag)
+
+
 #: ``source`` of :func:`recv` that takes a message from whichever rank sent one first.
 ANY_SOURCE = MPI.ANY_SOURCE
 
