@@ -67,7 +67,8 @@ def add_ratios(rows):
     ``vs local``: against mpidist's one process; ``vs hand-written``: local
     against the hand-written loop, allreduce against the hand-written loop with
     one Allreduce; ``vs torch``: local against torch; ``of limit``: every
-    multi-rank row against every rank computing with no exchange.
+    multi-rank row against every rank computing with no exchange; ``of sync``:
+    each allreduce row against the same with a barrier after each step.
     """
     by_name = {row["strategy"]: row for row in rows}
     speed = {name: row["samples_per_s"] for name, row in by_name.items() if row.get("samples_per_s")}
@@ -82,6 +83,8 @@ def add_ratios(rows):
             row["vs_torch"] = row["samples_per_s"] / speed["torch"]
         if row["ranks"] > 1 and "no exchange" in speed and name != "no exchange":
             row["of_limit"] = row["samples_per_s"] / speed["no exchange"]
+        if row["ranks"] > 1 and "no exchange, barrier" in speed and name.startswith("allreduce"):
+            row["of_sync_limit"] = row["samples_per_s"] / speed["no exchange, barrier"]
     return rows
 
 
@@ -89,7 +92,8 @@ COLUMNS = [("model", "model", "{}"), ("strategy", "row", "{}"), ("ranks", "ranks
            ("workers", "workers", "{}"), ("steps_per_s", "steps/s per worker", "{:.1f}"),
            ("samples_per_s", "samples/s", "{:,.0f}"), ("samples_vs_local", "vs local", "{:.2f}x"),
            ("vs_handwritten", "vs hand-written", "{:.3f}"), ("vs_torch", "vs torch", "{:.2f}"),
-           ("of_limit", "of limit", "{:.3f}"), ("exchange_bytes", "bytes/step", "{:,}"),
+           ("of_limit", "of limit", "{:.3f}"), ("of_sync_limit", "of sync", "{:.3f}"),
+           ("exchange_bytes", "bytes/step", "{:,}"), ("internode_bytes_per_step", "inter-node B/step", "{:,.0f}"),
            ("exchange_ms", "exchange ms", "{:.3f}"),
            ("bare_ms", "bare MPI ms", "{:.3f}"), ("exchange_over_bare", "exchange/bare", "{:.3f}")]
 

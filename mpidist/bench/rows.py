@@ -14,10 +14,16 @@ Every rank together, alternating step by step as well:
 
 * ``no exchange``: every rank computes mpidist's local step and nothing is
   exchanged: the limit for data parallelism on these cores;
-* ``allreduce`` (its default exchange: on one node, the shared-memory sum),
-  ``allreduce, mpi`` (``--exchange mpi``: ``Iallreduce`` per bucket,
-  overlapped with backward) and ``allreduce, mpi, no overlap`` (the same
-  buckets, reduced after backward): what each way of summing costs;
+* ``no exchange, barrier``: the same, then a ``Barrier``: what a step costs
+  that only waits for the slowest rank, the floor of every synchronous
+  exchange (ranks that differ in speed, or stall at random, pay it);
+* ``allreduce`` (its default exchange: one copy of the model per node, each
+  rank summing and updating its part), ``allreduce, shared-memory`` (a copy
+  per rank, the gradients summed in one shared window), ``allreduce, mpi``
+  (``--exchange mpi``: ``Iallreduce`` per bucket, the default 64 MiB buckets),
+  and ``allreduce, mpi, 0.25 MiB`` with and without overlap (buckets small
+  enough to split these models, reduced as backward fills them or after it):
+  what each way of summing costs;
 * ``allreduce, bf16``: ``--compress bf16``, half the bytes (its exchange is
   timed against the bare float32 ``Allreduce``: below 1, compression pays);
 * ``hand-written+Allreduce``: the hand-written loop with one ``Allreduce`` of
@@ -44,6 +50,7 @@ from .timing import alternating, release, sleep_until_released, synced_alternati
 
 SHAPES = {"mlp-wide": ((28, 28), 10), "cnn": ((28, 28), 10)}   # MNIST-shaped: the README's figures
 DEFAULT_SHAPE = ((8, 8), 10)                                      # the bundled digits
+SMALL_BUCKETS = 1 << 18   # bytes: buckets that split mlp-wide (2.7 MB) and cnn (0.4 MB), to measure overlap
 
 
 def sgd(size):
@@ -123,22 +130,33 @@ def one_process_rows(world, name, batch, seconds):
 
 
 def parallel_rows(world, cluster, name, batch, seconds):
-    """``no exchange``, ``allreduce`` (shared memory; MPI with and without overlap; bf16) and ``hand-written+Allreduce``."""
+    """``no exchange``, every ``allreduce`` exchange (see the module's docstring) and ``hand-written+Allreduce``."""
     size = world.Get_size()
     model, x, y = _problem(name, batch, world.Get_rank())
     strategy = _allreduce(model, cluster)
-    overlapped = _allreduce(_model(name), cluster, exchange="mpi")
-    after_backward = _allreduce(_model(name), cluster, exchange="mpi")
+    owners = {"allreduce": strategy,
+              "allreduce, mpi": _allreduce(_model(name), cluster, exchange="mpi"),
+              "allreduce, mpi, 0.25 MiB": _allreduce(_model(name), cluster, exchange="mpi",
+                                                     bucket_bytes=SMALL_BUCKETS),
+              "allreduce, mpi, 0.25 MiB, no overlap": _allreduce(_model(name), cluster, exchange="mpi",
+                                                                 bucket_bytes=SMALL_BUCKETS),
+              "allreduce, bf16": _allreduce(_model(name), cluster, compress="bf16")}
+    if cluster.num_nodes == 1 and size > 1:   # (a copy per rank, the gradients in one node's shared window)
+        owners["allreduce, shared-memory"] = _allreduce(_model(name), cluster, exchange="shared-memory")
+    after_backward = owners["allreduce, mpi, 0.25 MiB, no overlap"]
     after_backward.exchange = Exchange(after_backward.worker_comm, after_backward.buffer, after_backward.bucket_bytes,
                                        overlap=False)
-    compressed = _allreduce(_model(name), cluster, compress="bf16")
     _, _, _, alone_step = _local(name, batch, world.Get_rank())
+    _, _, _, waiting_step = _local(name, batch, world.Get_rank())
+
+    def then_wait():   # a synchronous step's floor: the local step, then wait for the slowest rank
+        waiting_step()
+        world.Barrier()
+
     counter = iter(range(1 << 30))
-    steps = {"no exchange": alone_step,
-             "allreduce": lambda: strategy.train_step(x, y, 1.0 / size, next(counter)),
-             "allreduce, mpi": lambda: overlapped.train_step(x, y, 1.0 / size, next(counter)),
-             "allreduce, mpi, no overlap": lambda: after_backward.train_step(x, y, 1.0 / size, next(counter)),
-             "allreduce, bf16": lambda: compressed.train_step(x, y, 1.0 / size, next(counter))}
+    steps = {"no exchange": alone_step, "no exchange, barrier": then_wait}
+    for label, owner in owners.items():
+        steps[label] = lambda owner=owner: owner.train_step(x, y, 1.0 / size, next(counter))
     hand = handwritten_for(model, batch)
     if hand is not None:
         flat = x.reshape(batch, -1)
@@ -156,7 +174,10 @@ def parallel_rows(world, cluster, name, batch, seconds):
     if size > 1:  # on one rank both are no-ops: a ratio of microseconds would mislead
         # each exchange against one bare float32 Allreduce of the same buffer (bf16: what compression saves)
         bare = np.zeros_like(strategy.buffer)
-        for label, owner in (("allreduce", strategy), ("allreduce, mpi", overlapped), ("allreduce, bf16", compressed)):
+        for label in ("allreduce", "allreduce, shared-memory", "allreduce, mpi", "allreduce, bf16"):
+            owner = owners.get(label)
+            if owner is None:
+                continue
             # each timed exchange sums the buffer in place: from zeros (and no rounding error carried over
             # from training), like the bare call's, it stays zero instead of doubling to overflow
             world.Barrier()   # (the last timed step's copies from the peers' buffers are over)
@@ -165,7 +186,10 @@ def parallel_rows(world, cluster, name, batch, seconds):
                 owner.exchange.residual[...] = 0
             _compare(world, rows[label], _whole_exchange(owner.exchange), lambda: world.Allreduce(MPI.IN_PLACE, bare),
                      seconds, owner.exchange.bytes_per_step)
-    for owner in (strategy, overlapped, after_backward, compressed):
+        internode = strategy.stats().get("internode_bytes_per_step")
+        if internode is not None:   # what this node sent to other nodes per training step (emulated nodes)
+            rows["allreduce"]["internode_bytes_per_step"] = strategy.exchange.node.allreduce(internode)
+    for owner in owners.values():
         owner.free()
     return list(rows.values())
 
@@ -175,6 +199,7 @@ def _whole_exchange(exchange):
     def run():
         exchange.begin()
         exchange.finish()
+        exchange.settle()
     return run
 
 

@@ -6,9 +6,12 @@ maps; each rank still back-propagates into a gradient buffer of its own, in
 the same window, where the node's other ranks can read it.  The flat buffer
 is cut into ``L`` parts, one per local rank.  A step:
 
-1. every rank's gradients are complete (a barrier);
+1. as backward fills a rank's buffer from the top, the rank announces how
+   far it has got (a fence and one store in the window);
 2. each rank sums its part over the node's ``L`` gradient buffers, in place
-   in its own buffer, then exchanges that part with the ranks owning it on
+   in its own buffer, piece by piece as every rank's backward passes each
+   piece (a rank that finished first sums while the others compute the
+   layers below), then exchanges that part with the ranks owning it on
    the other nodes (:class:`~mpidist.parallel.ring.Ring`: ``L`` concurrent
    inter-node exchanges of ``1/L`` of the buffer each, no leader carrying
    everything), and writes the part's squared norm where everyone sees it;
@@ -35,6 +38,8 @@ different numbers of workers (their parts would not line up).  The
 takes the next exchange.
 """
 
+import os
+
 import numpy as np
 from mpi4py import MPI
 
@@ -46,6 +51,7 @@ from .ring import Ring
 from .shared_memory import LINE, ONE_WORKER, part_bounds, host_memory_reason
 
 _TRACER = recorder.tracer()
+PIECE = 1 << 15   # elements a rank sums at a time, as the node's backward passes them (128 KiB in float32)
 
 
 def _lines(nbytes):
@@ -113,7 +119,8 @@ class NodeWindow:
         params_bytes, grads_bytes = _lines(count * dtype.itemsize), _lines(buffer.nbytes)
         self.win = MPI.Win.Allocate_shared((params_bytes if self.local == 0 else 0) + grads_bytes + LINE, 1,
                                            comm=node)
-        self.buffers, self.squares = [], []   # every rank's gradient buffer, and its part's squared norm
+        # every rank's gradient buffer, its part's squared norm, and how far its backward has got
+        self.buffers, self.squares, self.progress = [], [], []
         for rank in range(node.Get_size()):
             memory, _ = self.win.Shared_query(rank)
             at = params_bytes if rank == 0 else 0
@@ -121,8 +128,29 @@ class NodeWindow:
                 self.params = np.frombuffer(memory, dtype=dtype, count=count)
             self.buffers.append(np.frombuffer(memory, dtype=dtype, count=buffer.size, offset=at))
             self.squares.append(np.frombuffer(memory, dtype=np.float64, count=1, offset=at + grads_bytes))
+            self.progress.append(np.frombuffer(memory, dtype=np.int64, count=1, offset=at + grads_bytes + 8))
         self.buffers[self.local][...] = buffer
+        self.progress[self.local][0] = 0
         self.win.Lock_all(MPI.MODE_NOCHECK)   # one passive epoch for the window's life: fences are Win.Sync
+        self.everyone_here()
+
+    def announce(self, mark):
+        """Tell the node this rank's progress: ``mark`` (a fence first, so what it wrote before is seen with it)."""
+        self.win.Sync()
+        self.progress[self.local][0] = mark
+
+    def wait_for(self, mark):
+        """Return once every rank of the node has announced at least ``mark`` (a fence after, for what they wrote).
+
+        Polls the node's progress; a waiting rank yields its core between
+        polls, so ranks that share cores (more ranks than cores) let the rank
+        they wait for run.
+        """
+        while True:
+            self.win.Sync()
+            if min(int(progress[0]) for progress in self.progress) >= mark:
+                return
+            os.sched_yield()
 
     def everyone_here(self):
         """A barrier of the node with memory fences: what each rank wrote before it, each sees after it."""
@@ -134,7 +162,7 @@ class NodeWindow:
         """Collective over the node: release the window and the node's communicator; once."""
         if self.win is None:
             return
-        self.buffers = self.squares = self.params = None
+        self.buffers = self.squares = self.progress = self.params = None
         self.win.Unlock_all()
         self.win.Free()
         self.win = None
@@ -190,18 +218,33 @@ class NodeModelExchange(NoExchange):
             mpi.bcast(self.cross, self.params, root=0)
         self.window.everyone_here()
 
+    def begin(self):
+        super().begin()
+        self.steps += 1
+
+    def _mark(self, lo):
+        """The progress mark of "``buffer[lo:]`` is final" in this step: it grows with the step and as ``lo`` falls,
+        so a mark of an earlier step never passes for one of this step."""
+        size = self.buffer.size
+        return self.steps * (size + 1) + (size - lo)
+
     def ready(self, lo):
-        """Nothing to start: a part's sum needs every rank of the node."""
+        """``buffer[lo:]`` is final: the node may sum it (one fence and one store)."""
+        self.window.announce(self._mark(lo))
 
     def finish(self):
-        with _TRACER.span("wait for the workers", "wait", recorder.BUCKETS):
-            self.window.everyone_here()   # every rank's gradients are complete
+        self.window.announce(self._mark(0))
         lo, hi = self.part
         with _TRACER.span("sum own part", "exchange", recorder.BUCKETS, part=self.local):
-            mine = self.buffer[lo:hi]
-            for rank, theirs in enumerate(self.window.buffers):
-                if rank != self.local:
-                    mine += theirs[lo:hi]
+            # piece by piece from the top, as soon as every rank's backward has passed it: a rank that
+            # finished first sums while the others still compute the layers below
+            for top in range(hi, lo, -PIECE):
+                bottom = max(lo, top - PIECE)
+                self.window.wait_for(self._mark(bottom))
+                mine = self.buffer[bottom:top]
+                for rank, theirs in enumerate(self.window.buffers):
+                    if rank != self.local:
+                        mine += theirs[bottom:top]
         if self.nodes > 1:
             with _TRACER.span("exchange own part between nodes", "exchange", recorder.BUCKETS, part=self.local):
                 self.ring.reduce_scatter(self.buffer)
@@ -214,7 +257,6 @@ class NodeModelExchange(NoExchange):
         self._squared_norm = sum(float(square[0]) for square in self.window.squares)
         self.buffer[-1] = self.window.buffers[-1][-1]   # the loss, summed in the last part
         self._squares = self._squared_norm + float(self.buffer[-1]) ** 2
-        self.steps += 1
 
     def _note_part(self):
         """This rank's summed part's squared norm (the loss left out) where the node sees it; the loss, summed.
