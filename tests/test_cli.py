@@ -225,19 +225,23 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert "exchange/bare" in done.stdout
     document = json.loads(out.read_text())
     rows = {row["strategy"]: row for row in document["rows"]}
-    assert set(rows) == {"local", "hand-written", "no exchange", "allreduce", "allreduce, mpi", "allreduce, mpi, no overlap",
-                         "allreduce, bf16", "hand-written+Allreduce", "ps-sync", "ps-async"} | ({"torch"} if "torch" in rows
-                                                                                                 else set())
+    assert set(rows) == {"local", "hand-written", "no exchange", "no exchange, barrier", "allreduce",
+                         "allreduce, shared-memory", "allreduce, mpi", "allreduce, mpi, 0.25 MiB",
+                         "allreduce, mpi, 0.25 MiB, no overlap", "allreduce, bf16", "hand-written+Allreduce", "ps-sync",
+                         "ps-async"} | ({"torch"} if "torch" in rows else set())
     for strategy, row in rows.items():
         assert row["steps_per_s"] > 0 and row["samples_per_s"] > 0
         if strategy != "local":
             assert row["samples_vs_local"] > 0
-        if strategy in ("allreduce", "allreduce, mpi", "ps-sync", "ps-async"):
+        if strategy in ("allreduce", "allreduce, shared-memory", "allreduce, mpi", "ps-sync", "ps-async"):
             assert row["exchange_ms"] > 0 and row["bare_ms"] > 0 and row["exchange_over_bare"] > 0
     assert rows["allreduce"]["workers"] == 2 and rows["ps-sync"]["workers"] == 1
     # the ratios the table exists for: against the floor, and against the limit
     assert rows["local"]["vs_handwritten"] == rows["local"]["samples_per_s"] / rows["hand-written"]["samples_per_s"]
     assert rows["allreduce"]["of_limit"] == rows["allreduce"]["samples_per_s"] / rows["no exchange"]["samples_per_s"]
+    assert rows["allreduce"]["of_sync_limit"] == \
+        rows["allreduce"]["samples_per_s"] / rows["no exchange, barrier"]["samples_per_s"]
+    assert rows["allreduce"]["internode_bytes_per_step"] == 0   # (one node: the rings send nothing)
     assert rows["allreduce, bf16"]["exchange_bytes"] == (rows["allreduce"]["exchange_bytes"] - 4) // 2 + 4
     assert document["meta"]["cores"] >= 1 and document["meta"]["blas"]
     assert "core(s)" in done.stdout and "BLAS:" in done.stdout

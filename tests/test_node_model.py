@@ -123,6 +123,31 @@ def test_one_copy_per_node_trains_as_local_and_sends_the_rings_bound(optimizer, 
     cluster.free()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
+    cluster = build_cluster(MPI.COMM_WORLD)
+    strategy = _node_strategy(cluster, "adam", 1, "none")
+    strategy.initialize()
+    before = strategy.model.params.copy()
+    rng = np.random.default_rng(cluster.worker_index)
+    x, y = rng.random((3, 1, 6, 6)), rng.integers(0, 4, 3)
+    for bad in range(cluster.num_workers):
+        poisoned = x.copy()
+        if cluster.worker_index == bad:
+            poisoned[0, 0, 0, 0] = np.nan
+        strategy.train_step(poisoned, y, 1 / cluster.num_workers, bad)
+        assert strategy.skipped                             # on every rank, whichever rank saw the NaN
+        np.testing.assert_array_equal(strategy.model.params, before)
+    strategy.train_step(x, y, 1 / cluster.num_workers, 1)   # (a step whose learning rate is not 0)
+    assert not strategy.skipped and not np.array_equal(strategy.model.params, before)
+    held = strategy.held_bytes()   # a node's copy counted 1/L on each rank; optimizer state for the part alone
+    local = strategy.exchange.node.Get_size()
+    assert held["params"] == 8 * strategy.model.num_params // local and held["grads"] == strategy.buffer.nbytes
+    assert held["optimizer_state"] == 2 * 8 * strategy.part.size
+    strategy.free()
+    cluster.free()
+
+
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_the_node_model_tests_pass_on_emulated_nodes(nodes):
     done, _ = run_mpi(2 * nodes, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "mpi", "--with-mpi",

@@ -8,6 +8,8 @@ nodes, a resume on another node layout, streaming data and the refusal of the
 shared-memory exchange are checked where the node layout decides them.
 """
 
+import json
+
 import pytest
 
 from conftest import events, mpidist
@@ -103,3 +105,13 @@ def test_info_counts_the_nodes_mpi_sees_whatever_their_host_names(layout):
     assert done.returncode == 0, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("ranks"))
     assert f"{nodes * PER_NODE} on {nodes} node(s): node 0 (" in line and line.count(f") x{PER_NODE}") == nodes
+
+
+def test_bench_on_emulated_nodes_reports_what_a_node_sends_to_the_others(tmp_path):
+    out = tmp_path / "bench.json"
+    done = mpidist(4, "bench", "--seconds", "0.2", "--models", "mlp", "--output", str(out), nodes=2, timeout=180)[0]
+    assert done.returncode == 0, done.stderr
+    rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
+    assert "allreduce, shared-memory" not in rows     # (a copy per rank with shared gradients: one node only)
+    # 2 nodes: each node sends the ring's bound, 2 (N - 1) / N = 1 times its gradient buffer, per step
+    assert rows["allreduce"]["internode_bytes_per_step"] == pytest.approx(rows["allreduce"]["exchange_bytes"], rel=0.01)

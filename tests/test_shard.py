@@ -64,6 +64,14 @@ def test_a_sharded_run_resumes_unsharded_and_elastic_is_refused(tmp_path):
     final = events(tmp_path / "a" / "metrics.jsonl", "done")[-1]
     held = [role["optimizer_state_bytes"] for role in final["roles"]]
     assert len(held) == 4 and max(held) - min(held) <= 2 * 4 * 2 and final["test_accuracy"] >= 0.8
+    # the start event says what each rank holds: the whole parameters and gradients, a quarter of Adam's moments
+    start = events(tmp_path / "a" / "metrics.jsonl", "start")[0]
+    count = start["params"]
+    assert [entry["rank"] for entry in start["held_bytes"]] == [0, 1, 2, 3]
+    for entry, role in zip(start["held_bytes"], final["roles"]):
+        assert entry["params"] == 4 * count and entry["grads"] == 4 * (count + 1)
+        assert entry["optimizer_state"] == role["optimizer_state_bytes"] == role["held_bytes"]["optimizer_state"]
+        assert abs(entry["optimizer_state"] - 2 * 4 * count / 4) <= 2 * 4
     resumed, _ = mpidist(2, "train", "--epochs", "3", "--optimizer", "adam", "--checkpoint-dir", checkpoints,
                          "--resume", "auto", "--run-dir", str(tmp_path / "b"))
     assert resumed.returncode == 0, resumed.stderr

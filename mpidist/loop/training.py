@@ -123,8 +123,9 @@ class Training:
         table = cluster.table(self.device.label + (" " + place if place else ""),   # (collective)
                               setup.reading.why if setup.reading else "")
         self.strategy.initialize(resume)
+        held = cluster.world.gather((cluster.rank, self.strategy.held_bytes()), root=cluster.chief_rank)  # (start-up)
         if self.chief:
-            self._header(table, asked)
+            self._header(table, asked, [{"rank": rank, **bytes_} for rank, bytes_ in held if bytes_])
         outputs.show_progress(config, total_steps(config, setup), 0 if resume is None else resume.step)
         self.window = StepWindow(config.nan_patience)
         # (its clock is the run's: the metrics' time goes on from a resumed checkpoint's)
@@ -134,8 +135,9 @@ class Training:
                                        early_stopping)
         self._move_to(resume)
 
-    def _header(self, table, asked_seed):
-        """Chief: what runs where (``table``), and every note of the set-up; the ``start`` event."""
+    def _header(self, table, asked_seed, held):
+        """Chief: what runs where (``table``), and every note of the set-up; the ``start`` event (``held``: the
+        bytes each rank holds, where its strategy reports them)."""
         config, cluster, setup, resume, say = self.config, self.cluster, self.setup, self.setup.resume, \
             self.outputs.say
         say(f"mpidist: {setup.info.name} ({setup.info.sizes['train']} train / {setup.info.sizes['test']} test), "
@@ -160,7 +162,7 @@ class Training:
                                workers=cluster.num_workers, ps=config.ps, dataset=setup.info.name,
                                params=setup.model.num_params, steps_per_epoch=setup.steps_per_epoch,
                                resumed_from=None if resume is None else str(resume.path),
-                               step=0 if resume is None else resume.step)
+                               step=0 if resume is None else resume.step, **({"held_bytes": held} if held else {}))
 
     def _share_lineage(self):
         """Collective: ``(lineage, parent)`` the chief settled, on every rank (the first ps of ps-async writes too)."""

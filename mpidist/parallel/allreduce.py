@@ -102,17 +102,21 @@ class AllreduceStrategy(DataParallel):
             raise RuntimeError("--shard optimizer does not run with --elastic")
         return super().survivor_state(cluster, step)
 
-    def stats(self):
+    def held_bytes(self):
         state = sum(int(array.nbytes) for array in self.optimizer.state_arrays().values()) if self.optimizer else 0
-        # what this rank holds; a node's one copy of the parameters counts 1/L on each of its L ranks
+        # a node's one copy of the parameters counts 1/L on each of its L ranks
         sharing = self.exchange.node.Get_size() if self.exchange.holds_params else 1
-        figures = {**super().stats(), "held_bytes": {"params": int(self.model.params.nbytes) // sharing,
-                                                     "grads": int(self.buffer.nbytes), "optimizer_state": state}}
+        return {"params": int(self.model.params.nbytes) // sharing, "grads": int(self.buffer.nbytes),
+                "optimizer_state": state}
+
+    def stats(self):
+        held = self.held_bytes()
+        figures = {**super().stats(), "held_bytes": held}
         if isinstance(self.exchange, NodeModelExchange):   # measured by the ring: what this rank sent to other nodes
             figures["internode_bytes_per_step"] = self.exchange.internode_bytes_per_step()
         if self.part is None:
             return figures
-        return {**figures, "shard": [self.part.lo, self.part.hi], "optimizer_state_bytes": state}
+        return {**figures, "shard": [self.part.lo, self.part.hi], "optimizer_state_bytes": held["optimizer_state"]}
 
     def make_exchange(self):
         if self.compress != "none":

@@ -301,6 +301,10 @@ class Strategy:
         """Per-role figures for the metrics (JSON-serialisable dict)."""
         return {}
 
+    def held_bytes(self):
+        """``{"params", "grads", "optimizer_state"}``: the bytes of each this rank holds, or None (not reported)."""
+        return None
+
     def free(self):
         """Collective: release the MPI resources (windows, communicators, operations) the strategy made; once."""
 
