@@ -115,3 +115,16 @@ def test_bench_on_emulated_nodes_reports_what_a_node_sends_to_the_others(tmp_pat
     assert "allreduce, shared-memory" not in rows     # (a copy per rank with shared gradients: one node only)
     # 2 nodes: each node sends the ring's bound, 2 (N - 1) / N = 1 times its gradient buffer, per step
     assert rows["allreduce"]["internode_bytes_per_step"] == pytest.approx(rows["allreduce"]["exchange_bytes"], rel=0.01)
+
+
+def test_with_one_worker_per_node_auto_sums_over_mpi_and_node_is_refused(tmp_path):
+    done, _ = mpidist(2, "train", "--epochs", "1", "--run-dir", str(tmp_path / "run"), nodes=2, timeout=120)
+    assert done.returncode == 0, done.stderr
+    start, final = (events(tmp_path / "run" / "metrics.jsonl", kind)[-1] for kind in ("start", "done"))
+    for role, held in zip(final["roles"], start["held_bytes"]):
+        assert "internode_bytes_per_step" not in role                 # (no ring: MPI's Iallreduce)
+        assert held["params"] == 4 * start["params"]                 # a copy of its own on each rank
+    refused, _ = mpidist(2, "train", "--exchange", "node", nodes=2, timeout=120)
+    assert refused.returncode == 2
+    assert refused.stderr.count("--exchange node: each node holds one worker, so there is nothing for a node's "
+                                "ranks to share; use --exchange mpi or auto") == 1, refused.stderr

@@ -32,8 +32,9 @@ the updated parameters instead of the gradients -- the same bytes.
 Not where a rank may be lost (``--elastic``, MPI with fault tolerance):
 shared windows do not report a lost process; not for arrays on GPUs; not for
 models whose forward pass writes parameters (BatchNorm's running statistics,
-which each rank would overwrite in the one copy); and not where nodes hold
-different numbers of workers (their parts would not line up).  The
+which each rank would overwrite in the one copy); not where nodes hold
+different numbers of workers (their parts would not line up), nor one each
+(nothing to share: MPI's bucketed ``Iallreduce`` serves).  The
 :func:`node_model_possible` check says which, and ``--exchange auto`` then
 takes the next exchange.
 """
@@ -68,6 +69,8 @@ def node_model_possible(comm, buffer, model):
     mpi.allreduce_max(comm, sizes)
     if sizes[0] != -sizes[1]:
         return f"the nodes hold different numbers of workers (from {-sizes[1]} to {sizes[0]})"
+    if sizes[0] == 1:   # (a copy per node is a copy per rank: MPI's Iallreduce, overlapped with backward, serves)
+        return "each node holds one worker, so there is nothing for a node's ranks to share"
     reason = None
     if comm.Get_rank() == 0:   # rank 0 decides, and tells everyone: one branch for all
         if model.running_entries():
