@@ -124,6 +124,35 @@ def test_one_copy_per_node_trains_as_local_and_sends_the_rings_bound(optimizer, 
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
+def test_a_model_smaller_than_a_cache_line_per_rank_trains_as_local(shard):
+    """Parts and chunks may be empty; the last, which holds the loss, never is."""
+    cluster = build_cluster(MPI.COMM_WORLD)
+    workers, worker = cluster.num_workers, cluster.worker_index
+
+    def tiny():
+        return Sequential([Dense(2)], (2,), dtype=np.float64)   # 6 parameters, the loss: 7 of 8 per line
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((2 * workers, 2)), rng.integers(0, 2, 2 * workers)
+    local = LocalStrategy(tiny(), nn.loss_for(2, np), make("adam"), seed=3)
+    strategy = AllreduceStrategy(tiny(), nn.loss_for(2, np), make("adam"), cluster, seed=3, exchange="node",
+                                 shard=shard)
+    for one in (local, strategy):
+        one.initialize()
+    mine = slice(2 * worker, 2 * worker + 2)
+    for step in range(3):
+        expected = local.train_step(x, y, 1.0, step)
+        assert strategy.train_step(x[mine], y[mine], 1 / workers, step) == pytest.approx(expected, rel=1e-12)
+        np.testing.assert_allclose(strategy.model.params, local.model.params, rtol=1e-9, atol=1e-12)
+    whole = strategy.state()
+    if cluster.is_chief:
+        np.testing.assert_allclose(whole[1]["v"], local.optimizer.state_arrays()["v"], rtol=1e-9, atol=1e-15)
+    strategy.free()
+    cluster.free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
     cluster = build_cluster(MPI.COMM_WORLD)
     strategy = _node_strategy(cluster, "adam", 1, "none")

@@ -48,8 +48,8 @@ from ..runtime import comm as mpi
 from ..runtime import recorder
 from .exchange import NoExchange
 from .optimizer_shard import OptimizerShard
-from .ring import Ring
-from .shared_memory import LINE, ONE_WORKER, part_bounds, host_memory_reason
+from .ring import Ring, chunk_bounds
+from .shared_memory import LINE, ONE_WORKER, host_memory_reason
 
 _TRACER = recorder.tracer()
 PIECE = 1 << 15   # elements a rank sums at a time, as the node's backward passes them (128 KiB in float32)
@@ -64,21 +64,21 @@ def node_model_possible(comm, buffer, model):
     if comm is None or comm.Get_size() < 2:
         return ONE_WORKER
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    sizes = np.array([node.Get_size(), -node.Get_size()], dtype=np.int64)
+    local, local_size = node.Get_rank(), node.Get_size()
     node.Free()
+    sizes = np.array([local_size, -local_size], dtype=np.int64)
     mpi.allreduce_max(comm, sizes)
     if sizes[0] != -sizes[1]:
         return f"the nodes hold different numbers of workers (from {-sizes[1]} to {sizes[0]})"
     if sizes[0] == 1:   # (a copy per node is a copy per rank: MPI's Iallreduce, overlapped with backward, serves)
         return "each node holds one worker, so there is nothing for a node's ranks to share"
-    reason = None
-    if comm.Get_rank() == 0:   # rank 0 decides, and tells everyone: one branch for all
-        if model.running_entries():
-            reason = ("the model keeps running statistics (BatchNorm) that each worker's forward pass writes into "
-                      "its parameters")
-        else:
-            reason = host_memory_reason(buffer, copies=int(sizes[0]) + 1)   # L gradient buffers, one model
-    return comm.bcast(reason, root=0)
+    if model.running_entries():   # (the same model everywhere: the same answer)
+        return ("the model keeps running statistics (BatchNorm) that each worker's forward pass writes into its "
+                "parameters")
+    # each node checks its own memory (L gradient buffers and one model); rank 0 tells everyone the first refusal
+    mine = host_memory_reason(buffer, copies=local_size + 1) if local == 0 else None
+    reasons = comm.gather(mine, root=0)   # (start-up only: a few short strings)
+    return comm.bcast(next((why for why in reasons if why), None) if comm.Get_rank() == 0 else None, root=0)
 
 
 class NodePart(OptimizerShard):
@@ -100,6 +100,15 @@ class NodePart(OptimizerShard):
         spans = np.empty((self.comm.Get_size(), 2), dtype=np.int64)
         mpi.allgather(self.comm, np.array([self.lo, self.size], dtype=np.int64), spans)
         self.displs, self.counts = spans[:, 0].tolist(), spans[:, 1].tolist()
+
+    def gather(self, arrays, root=0):
+        """Collective over the node (sharded: the workers): the whole optimizer state on the chief, else None.
+
+        Unsharded, every node holds the same state: the chief's node alone gathers it.
+        """
+        if not self.sharded and not self.exchange.holds_chief:
+            return None
+        return super().gather(arrays, root)
 
     def share(self, params):
         """After the optimizer, sharded over several nodes: the updated chunks go round the ring."""
@@ -152,6 +161,7 @@ class NodeWindow:
         while True:
             self.win.Sync()
             if min(int(progress[0]) for progress in self.progress) >= mark:
+                self.win.Sync()   # (the acquire: no read of their buffers moves before the marks were seen)
                 return
             os.sched_yield()
 
@@ -193,8 +203,11 @@ class NodeModelExchange(NoExchange):
         # the ranks that own the same part on every node, in node order (the ring between nodes)
         self.cross = comm.Split(self.local, key=comm.Get_rank())
         self.buffer = self.window.buffers[self.local]
-        bounds = part_bounds(buffer.size, buffer.itemsize, self.node.Get_size())
+        # (cut down to cache lines: the last part, which holds the loss, is never empty)
+        bounds = chunk_bounds(0, buffer.size, buffer.itemsize, self.node.Get_size())
         self.part = bounds[self.local], bounds[self.local + 1]
+        # whether worker 0 (the chief, local rank 0 of its node) is on this node: only its node gathers checkpoints
+        self.holds_chief = bool(self.node.bcast(comm.Get_rank() == 0, root=0))
         self.ring = Ring(self.cross, *self.part, buffer.dtype)
         self.steps, self._squared_norm = 0, 0.0
         self.bytes_per_step = int(buffer.nbytes)
