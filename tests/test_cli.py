@@ -247,6 +247,19 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert "core(s)" in done.stdout and "BLAS:" in done.stdout
 
 
+def test_bench_with_adam_leaves_out_the_sgd_references(tmp_path):
+    out = tmp_path / "bench.json"
+    done, _ = mpidist(2, "bench", "--seconds", "0.2", "--models", "mlp", "--optimizer", "adam", "--output", str(out),
+                      timeout=120)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    rows = {row["strategy"]: row for row in document["rows"]}
+    assert document["meta"]["optimizer"] == "adam"
+    assert {"hand-written", "hand-written+Allreduce", "torch"}.isdisjoint(rows)
+    assert rows["allreduce"]["of_limit"] > 0 and "vs_handwritten" not in rows["local"]
+    assert "left out with --optimizer adam" in done.stdout
+
+
 def _unwritable_output(tmp_path, case):
     """An ``--output`` path that cannot be written, and the reason the message gives (None: not here, as root)."""
     import os

@@ -36,7 +36,7 @@ from .tracing import COLUMNS as TRACING_COLUMNS
 from .tracing import tracing_rows
 
 
-def bench_model(world, cluster, name, batch, seconds, rounds=3):
+def bench_model(world, cluster, name, batch, seconds, rounds=3, optimizer="sgd"):
     """Rows for one model (complete on rank 0; every rank must call).
 
     The rows are measured in ``rounds`` interleaved rounds (and alternate step
@@ -46,10 +46,11 @@ def bench_model(world, cluster, name, batch, seconds, rounds=3):
     share = seconds / rounds
     measured = []
     for _ in range(rounds):
-        rows = rows_of.one_process_rows(world, name, batch, share) + rows_of.parallel_rows(world, cluster, name,
-                                                                                        batch, share)
+        rows = rows_of.one_process_rows(world, name, batch, share, optimizer) + \
+            rows_of.parallel_rows(world, cluster, name, batch, share, optimizer)
         if world.Get_size() > 1:
-            rows += [rows_of.ps_sync_row(world, name, batch, share), rows_of.ps_async_row(world, name, batch, share)]
+            rows += [rows_of.ps_sync_row(world, name, batch, share, optimizer),
+                     rows_of.ps_async_row(world, name, batch, share, optimizer)]
         measured.append(rows)
     merged = []
     for index, first in enumerate(measured[0]):
@@ -106,7 +107,7 @@ def machine():
             "torch": reference.available()}
 
 
-def run_bench(world, models, seconds, batch, output):
+def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
     """Run every benchmark; rank 0 prints the table and writes ``output``.
 
     ``output`` is checked on rank 0 before anything runs: every rank exits
@@ -116,15 +117,19 @@ def run_bench(world, models, seconds, batch, output):
         if world.Get_rank() == 0:
             check_output(output)
     cluster = build_cluster(world)
-    rows = [row for name in models for row in bench_model(world, cluster, name, batch, seconds)]
+    rows = [row for name in models for row in bench_model(world, cluster, name, batch, seconds, optimizer=optimizer)]
     pipeline = pipeline_rows(world, seconds) if world.Get_size() > 1 else []
     if world.Get_rank() != 0:
         return None
     meta = {"mpi": MPI.Get_library_version().strip().splitlines()[0], "ranks": world.Get_size(),
             "blas_threads_per_rank": limit_blas_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **machine()}
+    meta["optimizer"] = optimizer
     print(f"mpidist bench: {world.Get_size()} rank(s) on {meta['cores']} core(s), {batch} samples per rank per step, "
-          f"BLAS: {meta['blas']}; {meta['mpi']}")
-    if not meta["torch"]:
+          f"{optimizer}, BLAS: {meta['blas']}; {meta['mpi']}")
+    if optimizer != "sgd":
+        print(f"mpidist bench: the hand-written loop and torch use SGD with momentum alone, so their rows are left "
+              f"out with --optimizer {optimizer}")
+    elif not meta["torch"]:
         print("mpidist bench: torch is not installed, so its reference rows are left out (pip install torch adds them)")
     print(format_table(rows, COLUMNS))
     if pipeline:

@@ -57,14 +57,23 @@ def sgd(size):
     return nn.make_optimizer("sgd", size, 0.01)
 
 
+def adam(size):
+    return nn.make_optimizer("adam", size, 0.001)
+
+
+#: ``bench --optimizer``: what every mpidist row trains with.  The hand-written loop and torch implement SGD
+#: with momentum alone, so their rows (and the ratios against them) come with ``sgd`` only.
+OPTIMIZERS = {"sgd": sgd, "adam": adam}
+
+
 def _model(name):
     """The zoo model ``name`` for bench's sample shape, in float32."""
     return nn.build_model(name, *SHAPES.get(name, DEFAULT_SHAPE), np, np.float32)
 
 
-def _allreduce(model, cluster, **arguments):
-    """An initialised allreduce strategy on ``model`` with plain SGD."""
-    strategy = AllreduceStrategy(model, nn.loss_for(10, np), sgd, cluster, seed=0, **arguments)
+def _allreduce(model, cluster, optimizer="sgd", **arguments):
+    """An initialised allreduce strategy on ``model`` with ``optimizer``."""
+    strategy = AllreduceStrategy(model, nn.loss_for(10, np), OPTIMIZERS[optimizer], cluster, seed=0, **arguments)
     strategy.initialize()
     return strategy
 
@@ -78,10 +87,10 @@ def _problem(name, batch, seed):
     return model, x, y
 
 
-def _local(name, batch, seed):
+def _local(name, batch, seed, optimizer="sgd"):
     """A local strategy on ``name`` with its batch, and a step function that counts steps."""
     model, x, y = _problem(name, batch, seed)
-    local = LocalStrategy(model, nn.loss_for(10, np), sgd, seed=0)
+    local = LocalStrategy(model, nn.loss_for(10, np), OPTIMIZERS[optimizer], seed=0)
     local.initialize()
     counter = iter(range(1 << 30))
     return local, x, y, lambda: local.train_step(x, y, 1.0, next(counter))
@@ -108,17 +117,17 @@ def _row(name, strategy, ranks, workers, batch, per_step, params):
             "params": params, "steps_per_s": 1 / per_step, "samples_per_s": workers * batch / per_step}
 
 
-def one_process_rows(world, name, batch, seconds):
+def one_process_rows(world, name, batch, seconds, optimizer="sgd"):
     """``local``, ``hand-written`` and ``torch`` on rank 0 while the other ranks sleep (complete on rank 0)."""
     rows = []
     if world.Get_rank() == 0:
-        local, x, y, local_step = _local(name, batch, 0)
+        local, x, y, local_step = _local(name, batch, 0, optimizer)
         steps = {"local": local_step}
-        hand = handwritten_for(local.model, batch)
+        hand = handwritten_for(local.model, batch) if optimizer == "sgd" else None
         if hand is not None:
             flat = x.reshape(batch, -1)
             steps["hand-written"] = lambda: hand.step(flat, y)
-        torch_step = reference.torch_step(local.model, x, y)
+        torch_step = reference.torch_step(local.model, x, y) if optimizer == "sgd" else None
         if torch_step is not None:
             steps["torch"] = torch_step
         medians = alternating(steps, seconds)
@@ -129,25 +138,25 @@ def one_process_rows(world, name, batch, seconds):
     return rows
 
 
-def parallel_rows(world, cluster, name, batch, seconds):
+def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):
     """``no exchange``, every ``allreduce`` exchange (see the module's docstring) and ``hand-written+Allreduce``."""
     size = world.Get_size()
     model, x, y = _problem(name, batch, world.Get_rank())
-    strategy = _allreduce(model, cluster)
+    strategy = _allreduce(model, cluster, optimizer)
     owners = {"allreduce": strategy,
-              "allreduce, mpi": _allreduce(_model(name), cluster, exchange="mpi"),
-              "allreduce, mpi, 0.25 MiB": _allreduce(_model(name), cluster, exchange="mpi",
+              "allreduce, mpi": _allreduce(_model(name), cluster, optimizer, exchange="mpi"),
+              "allreduce, mpi, 0.25 MiB": _allreduce(_model(name), cluster, optimizer, exchange="mpi",
                                                      bucket_bytes=SMALL_BUCKETS),
-              "allreduce, mpi, 0.25 MiB, no overlap": _allreduce(_model(name), cluster, exchange="mpi",
+              "allreduce, mpi, 0.25 MiB, no overlap": _allreduce(_model(name), cluster, optimizer, exchange="mpi",
                                                                  bucket_bytes=SMALL_BUCKETS),
-              "allreduce, bf16": _allreduce(_model(name), cluster, compress="bf16")}
+              "allreduce, bf16": _allreduce(_model(name), cluster, optimizer, compress="bf16")}
     if cluster.num_nodes == 1 and size > 1:   # (a copy per rank, the gradients in one node's shared window)
-        owners["allreduce, shared-memory"] = _allreduce(_model(name), cluster, exchange="shared-memory")
+        owners["allreduce, shared-memory"] = _allreduce(_model(name), cluster, optimizer, exchange="shared-memory")
     after_backward = owners["allreduce, mpi, 0.25 MiB, no overlap"]
     after_backward.exchange = Exchange(after_backward.worker_comm, after_backward.buffer, after_backward.bucket_bytes,
                                        overlap=False)
-    _, _, _, alone_step = _local(name, batch, world.Get_rank())
-    _, _, _, waiting_step = _local(name, batch, world.Get_rank())
+    _, _, _, alone_step = _local(name, batch, world.Get_rank(), optimizer)
+    _, _, _, waiting_step = _local(name, batch, world.Get_rank(), optimizer)
 
     def then_wait():   # a synchronous step's floor: the local step, then wait for the slowest rank
         waiting_step()
@@ -157,7 +166,7 @@ def parallel_rows(world, cluster, name, batch, seconds):
     steps = {"no exchange": alone_step, "no exchange, barrier": then_wait}
     for label, owner in owners.items():
         steps[label] = lambda owner=owner: owner.train_step(x, y, 1.0 / size, next(counter))
-    hand = handwritten_for(model, batch)
+    hand = handwritten_for(model, batch) if optimizer == "sgd" else None
     if hand is not None:
         flat = x.reshape(batch, -1)
 
@@ -210,11 +219,11 @@ def _compare(world, row, exchange, bare, seconds, nbytes):
     row["exchange_over_bare"] = row["exchange_ms"] / row["bare_ms"]
 
 
-def ps_sync_row(world, name, batch, seconds):
+def ps_sync_row(world, name, batch, seconds, optimizer="sgd"):
     cluster = build_cluster(world, num_ps=1)
     workers = cluster.num_workers
     model, x, y = _problem(name, batch, world.Get_rank())
-    strategy = PsSyncStrategy(model, nn.loss_for(10, np), sgd, cluster, seed=0)
+    strategy = PsSyncStrategy(model, nn.loss_for(10, np), OPTIMIZERS[optimizer], cluster, seed=0)
     strategy.initialize()
     if not strategy.is_worker:
         x = y = None
@@ -237,11 +246,11 @@ def ps_sync_row(world, name, batch, seconds):
     return row
 
 
-def ps_async_row(world, name, batch, seconds):
+def ps_async_row(world, name, batch, seconds, optimizer="sgd"):
     """Workers train for ``seconds`` while the ps serves; then exchange against raw window ops."""
     cluster = build_cluster(world, num_ps=1)
     model, x, y = _problem(name, batch, world.Get_rank())
-    strategy = PsAsyncStrategy(model, nn.loss_for(10, np), sgd, cluster, seed=0)
+    strategy = PsAsyncStrategy(model, nn.loss_for(10, np), OPTIMIZERS[optimizer], cluster, seed=0)
     strategy.initialize()
     ps = strategy.ps_ranks[0]
     raw = Window(world, model.num_params if cluster.rank == ps else 0, np.float32)

@@ -125,6 +125,9 @@ def build_parser():
     bench.add_argument("--models", default="mlp,mlp-wide,cnn",
                        help="comma-separated zoo models (default: mlp,mlp-wide,cnn)")
     bench.add_argument("--batch-per-rank", type=int, default=128, help="samples per rank per step (default: 128)")
+    bench.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                       help="what mpidist's rows train with (default: sgd, with momentum, as the hand-written loop "
+                       "and torch do; with adam, train's default, their rows are left out)")
     bench.add_argument("--streaming", default=None, metavar="DATA",
                        help="instead: train an epoch of DATA (a dataset, e.g. one `ingest synthetic:...` wrote) "
                        "held in memory, then streamed with a cold page cache, in interleaved rounds; the first "
@@ -257,7 +260,7 @@ def cmd_bench(args, world):
         from ..bench import run_tracing_bench
         run_tracing_bench(world, args.tracing, models[0], args.batch_per_rank, args.steps, args.output)
         return EXIT_OK
-    run_bench(world, models, args.seconds, args.batch_per_rank, args.output)
+    run_bench(world, models, args.seconds, args.batch_per_rank, args.output, args.optimizer)
     return EXIT_OK
 
 
