@@ -37,6 +37,7 @@ from .runtime.threads import limit_blas_threads
 from .runtime.whereabouts import here
 from .runtime.xp import select_device
 from .settings.config import Settings, settings_from
+from .settings.models import refuse_training_while_loading
 from .store import checkpoint, rundir
 
 
@@ -93,6 +94,7 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
     Returns:
         :class:`Result` on every rank.
     """
+    refuse_training_while_loading()   # (a builder's file calling train() as --model loads it)
     limit_blas_threads()
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)

@@ -94,7 +94,31 @@ def test_the_readmes_example_trains_a_layer_of_its_own_on_4_ranks(tmp_path):
     assert lines[0] == "import mpidist"
     script = tmp_path / "my_script.py"
     script.write_text("\n".join(lines) + "\n")
-    done, _ = run_mpi(4, [str(script)], timeout=120)
+    runs = tmp_path / "runs"
+    done, _ = run_mpi(4, [str(script)], timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     accuracy = float(done.stdout.rsplit("test accuracy ", 1)[1].split("%")[0])
     assert accuracy >= 95.0
+    assert done.stdout.count("mpidist: done") == 1 and len(list(runs.iterdir())) == 1   # it trained once
+    # the same file as --model: loading it defines the builder and trains nothing; the command trains once
+    cli, _ = run_mpi(4, ["-m", "mpidist", "train", "--model", f"{script}:build", "--epochs", "2"], timeout=120,
+                     cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.count("mpidist: done") == 1 and len(list(runs.iterdir())) == 2
+    assert "ps-sync" not in cli.stdout.split("mpidist: done")[0].splitlines()[0]   # (the command's run, not the file's)
+
+
+def test_a_builder_file_that_trains_when_loaded_is_refused_with_the_fix(tmp_path):
+    from conftest import mpidist
+    block = README.split("Your own model\n")[1].split("::\n\n", 1)[1].splitlines()
+    end = next(index for index, line in enumerate(block) if line and not line.startswith("    "))
+    lines = [line[4:] for line in block[:end]]
+    guard = next(index for index, line in enumerate(lines) if line.startswith("if __name__"))
+    unguarded = lines[:guard] + [line[4:] for line in lines[guard + 1:]]   # the training at module level
+    script = tmp_path / "trains_when_loaded.py"
+    script.write_text("\n".join(unguarded) + "\n")
+    refused, _ = mpidist(2, "train", "--model", f"{script}:build", "--epochs", "1", cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.count("calls mpidist.train() when it is loaded") == 1, refused.stderr
+    assert 'if __name__ == "__main__":' in refused.stderr and "Traceback" not in refused.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())   # nothing trained

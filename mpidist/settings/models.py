@@ -35,6 +35,18 @@ from ..runtime.errors import UsageError
 
 #: The spec recorded for a model given as layer objects: no string can rebuild it.
 OBJECTS = "<layers given in Python>"
+#: The file ``--model file.py:function`` is running to find its builder (None: none is), so that a file
+#: which trains when loaded is told so instead of training (see :func:`refuse_training_while_loading`).
+_loading = [None]
+
+
+def refuse_training_while_loading():
+    """Raise :class:`UsageError` where a builder's file is being loaded: it must define its model, not train it."""
+    if _loading[0] is not None:
+        where = _loading[0]
+        raise UsageError(f"{where} calls mpidist.train() when it is loaded, so --model {where}:... would train "
+                         "twice (once as the file says, once as the command says): put that call under "
+                         "'if __name__ == \"__main__\":', so that loading the file only defines the model")
 
 
 @dataclasses.dataclass
@@ -126,11 +138,17 @@ def load_builder(spec):
             loader = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(loader)
             sys.modules[module_name] = module
+            _loading[0] = where
             try:
                 loader.loader.exec_module(module)
+            except UsageError:   # (the file trains when loaded: its own message says so)
+                del sys.modules[module_name]
+                raise
             except Exception as err:
                 del sys.modules[module_name]
                 raise UsageError(f"--model {spec}: running {where} failed: {type(err).__name__}: {err}") from None
+            finally:
+                _loading[0] = None
     else:
         try:
             module = importlib.import_module(where)
