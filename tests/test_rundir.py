@@ -163,3 +163,13 @@ def test_a_refused_run_changes_no_run_directory_and_leaves_no_new_one(tmp_path):
     done, _ = mpidist(2, "train", "--resume", "nowhere.h5", "--progress", "none", cwd=tmp_path)
     assert done.returncode == 2 and "nowhere.h5" in done.stderr
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_a_run_refused_for_a_taken_checkpoint_directory_leaves_no_run_directory(tmp_path):
+    """Refused after it opened its metrics file, the new run directory goes with the empty file."""
+    done, _ = mpidist(2, "train", "--steps", "5", "--checkpoint-dir", "ckpt", "--progress", "none", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    first = sorted((tmp_path / "runs").iterdir())
+    refused, _ = mpidist(2, "train", "--steps", "5", "--checkpoint-dir", "ckpt", "--progress", "none", cwd=tmp_path)
+    assert refused.returncode == 2 and "holds the checkpoints of another run" in refused.stderr
+    assert sorted((tmp_path / "runs").iterdir()) == first and (first[0] / "metrics.jsonl").stat().st_size > 0

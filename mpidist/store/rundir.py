@@ -121,11 +121,19 @@ def make(config, where, now=None, root=ROOT):
 
 
 def remove_if_empty(path):
-    """Remove run directory ``path`` if the run wrote nothing into it (an empty ``checkpoints/``, its lock aside)."""
+    """Remove run directory ``path`` if the run wrote nothing into it.
+
+    Nothing: an empty ``checkpoints/`` (its lock aside), and a metrics file
+    or log opened but never written (a run refused after it opened them).
+    """
     root, checkpoints = Path(path), Path(path) / CHECKPOINTS
     try:
-        if {entry.name for entry in root.iterdir()} - {CHECKPOINTS}:
+        unwritten = [root / name for name in (METRICS, LOG) if (root / name).is_file() and
+                     (root / name).stat().st_size == 0]
+        if {entry.name for entry in root.iterdir()} - {CHECKPOINTS} - {entry.name for entry in unwritten}:
             return
+        for entry in unwritten:
+            entry.unlink()
         if checkpoints.is_dir():
             if {entry.name for entry in checkpoints.iterdir()} - {LOCK_NAME}:
                 return
