@@ -173,3 +173,23 @@ def test_a_run_refused_for_a_taken_checkpoint_directory_leaves_no_run_directory(
     refused, _ = mpidist(2, "train", "--steps", "5", "--checkpoint-dir", "ckpt", "--progress", "none", cwd=tmp_path)
     assert refused.returncode == 2 and "holds the checkpoints of another run" in refused.stderr
     assert sorted((tmp_path / "runs").iterdir()) == first and (first[0] / "metrics.jsonl").stat().st_size > 0
+
+
+def test_a_resume_from_a_checkpoint_directory_elsewhere_continues_the_run_directory_it_recorded(tmp_path):
+    done, _ = mpidist(2, "train", "--epochs", "1", "--checkpoint-dir", "ckpt", "--progress", "none", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    [run] = (tmp_path / "runs").iterdir()
+    first = events(run / "metrics.jsonl", "done")[-1]
+    resumed, _ = mpidist(2, "train", "--epochs", "2", "--checkpoint-dir", "ckpt", "--resume", "auto", "--progress",
+                         "none", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert list((tmp_path / "runs").iterdir()) == [run]                      # no new run directory
+    assert [e["step"] for e in events(run / "metrics.jsonl", "start")] == [0, first["steps"]]
+    steps = events(run / "metrics.jsonl", "step")
+    assert steps[-1]["time"] > first["train_time"]                           # its clock goes on
+    # a run directory that is gone is not recreated: the resumed run gets a new one
+    run.rename(tmp_path / "moved")
+    again, _ = mpidist(2, "train", "--epochs", "3", "--checkpoint-dir", "ckpt", "--resume", "auto", "--progress",
+                       "none", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert len(list((tmp_path / "runs").iterdir())) == 1 and not (tmp_path / "runs" / run.name).exists()

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..runtime.errors import UsageError
 from . import atomic
-from .lineage import LOCK_NAME
+from .lineage import LOCK_NAME, newest_checkpoint
 
 ROOT = "runs"
 SETTINGS, METRICS, LOG, TRACE, CHECKPOINTS = "settings.toml", "metrics.jsonl", "log.txt", "trace.json", "checkpoints"
@@ -55,11 +55,37 @@ def planned(config):
             Path(config.checkpoint_dir) if config.checkpoint_dir not in (AUTO, "") else None
         if source is not None and source.name == CHECKPOINTS and (source.parent / SETTINGS).is_file():
             return str(source.parent)
+        # a checkpoint kept elsewhere (--checkpoint-dir): the run directory its run recorded, if it is still there
+        path = config.resume if config.resume != AUTO else \
+            newest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir not in (AUTO, "") else None
+        recorded = _recorded_run_dir(path) if path else None
+        if recorded is not None:
+            return recorded
     if config.resume == AUTO and config.checkpoint_dir == AUTO:
         newest = newest_run(config)
         if newest is not None:
             return str(newest)
     return None
+
+
+def _recorded_run_dir(path):
+    """The run directory checkpoint ``path``'s settings name, where it still holds that run's settings; else None.
+
+    Only the ``config`` attribute is read, as text parsed as JSON (the file is
+    untrusted: anything unexpected is no answer, and ``--resume`` itself
+    validates the whole file later).
+    """
+    try:
+        import h5py
+        with h5py.File(path, "r") as handle:
+            text = handle.attrs.get("config")
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        recorded = json.loads(text).get("run_dir") if isinstance(text, str) and len(text) < 1 << 20 else None
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, RuntimeError):
+        return None
+    if not isinstance(recorded, str) or not recorded or not os.path.isabs(recorded):
+        return None
+    return recorded if (Path(recorded) / SETTINGS).is_file() else None
 
 
 def newest_run(config, root=ROOT):
