@@ -42,6 +42,9 @@ def test_event_files_hold_the_figures_of_the_metrics(tmp_path):
                 tag = name.replace("_", "/", 1)
                 assert scalars[tag][evaluation["step"]] == pytest.approx(value, rel=1e-6), tag
     assert "val/accuracy" in scalars and "test/accuracy" in scalars
+    # the start line counts the validation rows --val-fraction carved out; the summary names the event files
+    assert "digits (1294 train / 144 val / 359 test)" in done.stdout
+    assert f"tensorboard          {run} (tensorboard --logdir {run})" in done.stdout
 
 
 def test_per_rank_figures_go_in_too(tmp_path):

@@ -67,6 +67,9 @@ class Report:
             rows.append(("metrics", config.metrics))
         if self.outputs.trace_path is not None:
             rows.append(("trace", f"{self.outputs.trace_path} (ui.perfetto.dev, chrome://tracing)"))
+        if self.outputs.board is not None:
+            logdir = self.outputs.board.logdir
+            rows.append(("tensorboard", f"{logdir} (tensorboard --logdir {logdir})"))
         if config.checkpoint_dir:
             rows.append(("checkpoints", config.checkpoint_dir))
         self.outputs.say("mpidist: done\n" + format_summary(rows))

@@ -45,7 +45,8 @@ class TensorBoard(Callback):
     """A callback writing the run's figures to TensorBoard event files in ``logdir`` (the chief's only)."""
 
     def __init__(self, logdir):
-        self.writer = require()(logdir=str(logdir))
+        self.logdir = str(logdir)
+        self.writer = require()(logdir=self.logdir)
 
     def on_step(self, figures):
         for name, tag in STEP_FIGURES.items():

@@ -140,7 +140,9 @@ class Training:
         bytes each rank holds, where its strategy reports them)."""
         config, cluster, setup, resume, say = self.config, self.cluster, self.setup, self.setup.resume, \
             self.outputs.say
-        say(f"mpidist: {setup.info.name} ({setup.info.sizes['train']} train / {setup.info.sizes['test']} test), "
+        sizes = setup.info.sizes
+        val = f" / {sizes['val']} val" if "val" in sizes else ""   # (a file's own, or --val-fraction's)
+        say(f"mpidist: {setup.info.name} ({sizes['train']} train{val} / {sizes['test']} test), "
             f"model {config.model} ({setup.model.num_params:,} parameters), strategy {config.strategy} on "
             f"{layout_text(config, cluster)}, global batch {config.batch_size}, {setup.steps_per_epoch} "
             f"steps/epoch\n{table}")

@@ -173,7 +173,7 @@ class CommonSettings:
     steps: int = _field(0, "stop after this many steps in total (0 = no limit)")
     batch_size: int = _field(64, "global batch size, split across workers")
     lr: float = _field(0.003, "learning rate")
-    optimizer: str = _field("adam", "optimizer", OPTIMIZER_NAMES)
+    optimizer: str = _field("adam", "optimizer: adam, or sgd (with --momentum)", OPTIMIZER_NAMES)
     momentum: float = _field(0.9, "momentum of sgd")
     lr_schedule: str = _field("constant", "learning-rate schedule after the warm-up: constant; step (x --lr-gamma "
                               "every --lr-step-epochs epochs); exponential (x --lr-gamma every epoch); cosine or "
