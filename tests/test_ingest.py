@@ -513,6 +513,8 @@ def test_the_result_is_the_path_and_the_summary_says_what_was_written(tmp_path):
                          "  classes       2 named by the text labels: 0 'high', 1 'low'",
                          "  delimiter     ',' (detected)",
                          "  header        line 1 skipped (column names)",
+                         "  index         column 1 ('x1') holds the row numbers 0 to 19; kept as a feature (if it "
+                         "is an index, it carries nothing to learn: remove it from the file)",
                          "  standardised  yes: stats/mean and stats/std of the training rows stored; train, eval and "
                          "predict read (x - mean) / std"]
     np.savez(tmp_path / "r.npz", x=np.zeros((8, 3, 2)), y=np.linspace(0, 1, 16).reshape(8, 2))
@@ -531,3 +533,29 @@ def test_the_command_line_prints_the_summary(tmp_path):
     assert done.returncode == 0, done.stderr
     for text in ("wrote", "8 train, 2 test", "0 'a', 1 'b'", "';' (given)", "header        none", "yes: stats"):
         assert text in done.stdout
+
+
+@pytest.mark.parametrize("first_cell,start", [("", 0), ("Unnamed: 0", 0), ("", 1)])
+def test_an_unnamed_first_column_of_row_numbers_is_an_index_and_is_dropped_with_a_note(tmp_path, first_cell, start):
+    rng = np.random.default_rng(0)
+    features, labels = rng.random((12, 2)), rng.integers(0, 2, 12)
+
+    def write(name, first, column):
+        path = tmp_path / name
+        path.write_text("\n".join([f"{first},a,b,label"] + [f"{column(i)},{f[0]},{f[1]},{c}"
+                                                           for i, (f, c) in enumerate(zip(features, labels))]) + "\n")
+        return str(path)
+
+    written = ingest(write("indexed.csv", first_cell, lambda i: start + i), str(tmp_path / "out.h5"),
+                     test_fraction=0.25)
+    assert written.sample_shape == (2,)                                       # a, b: the index is gone
+    assert "dropped" in written.index_note and "index" in written.summary()
+    with h5py.File(written.path, "r") as f:
+        rows = np.concatenate([f["train/x"][...], f["test/x"][...]])
+    assert sorted(map(tuple, rows.round(5))) == sorted(map(tuple, features.astype(np.float32).round(5)))
+    # named, the row numbers stay a feature, and the summary says what they look like
+    named = ingest(write("named.csv", "step", lambda i: i), str(tmp_path / "named.h5"), test_fraction=0.25)
+    assert named.sample_shape == (3,) and "kept as a feature" in named.index_note
+    # unnamed but not the row numbers: a feature, nothing to say
+    other = ingest(write("other.csv", "", lambda i: 2 * i + 1), str(tmp_path / "other.h5"), test_fraction=0.25)
+    assert other.sample_shape == (3,) and other.index_note is None

@@ -116,6 +116,7 @@ class Table:
     detected: bool              # the delimiter was detected (not given)
     header_line: int = None     # the line skipped as column names
     class_names: tuple = None   # where the label column holds names: class i is class_names[i]
+    index_note: str = None      # what was done with a first column of row numbers (an index?), or None
 
 
 def read_csv(path, label_column=-1, delimiter="auto"):
@@ -172,8 +173,25 @@ def read_csv(path, label_column=-1, delimiter="auto"):
                              f"({split(rows[r][1])[columns[c]].strip()!r}); {why}")
     if not named:
         y, table = table[:, label], np.delete(table, label, axis=1)
+    index_note = None
+    if label != 0 and table.shape[1] > 1 and _row_numbers(table[:, 0]):
+        # a first column of row numbers: an index when the header leaves it unnamed (pandas' to_csv writes one)
+        name = unquoted(split(header[0][1])[0]) if header else None
+        numbers = f"the row numbers {int(table[0, 0])} to {int(table[-1, 0])}"
+        if name is not None and (not name or name.startswith("Unnamed")):
+            index_note = f"column 1 ({f'{name!r}' if name else 'unnamed'}) dropped: it holds {numbers}, an index"
+            table = table[:, 1:]
+        else:
+            index_note = (f"column 1{f' ({printable(repr(name), 40)})' if name else ''} holds {numbers}; kept as a "
+                          "feature (if it is an index, it carries nothing to learn: remove it from the file)")
     return Table(x=table, y=y, label=label, delimiter=delimiter, detected=detected,
-                 header_line=header[0][0] if header else None, class_names=names)
+                 header_line=header[0][0] if header else None, class_names=names, index_note=index_note)
+
+
+def _row_numbers(column):
+    """Whether ``column`` is 0, 1, 2, ... or 1, 2, 3, ...: the row numbers an index column holds."""
+    start = column[0]
+    return start in (0, 1) and np.array_equal(column, np.arange(start, start + len(column)))
 
 
 def read_names(path, rows, split, width, label):
@@ -207,5 +225,6 @@ def from_csv(path, label_column, test_fraction, seed, task, delimiter="auto"):
     else:
         y, num_classes = infer_task(table.y, task, path, key)
     facts = {"class_names": table.class_names, "delimiter": SHOWN[table.delimiter],
-             "delimiter_detected": table.detected, "header_line": table.header_line}
+             "delimiter_detected": table.detected, "header_line": table.header_line,
+             "index_note": table.index_note}
     return split_train_test(table.x.astype(np.float32), y, test_fraction, seed), num_classes, facts

@@ -67,6 +67,7 @@ class Ingested:
     delimiter: str = None
     delimiter_detected: bool = False
     header_line: int = None
+    index_note: str = None          # what was done with a CSV's first column of row numbers, or None
 
     def __fspath__(self):
         return os.fspath(self.path)
@@ -88,6 +89,8 @@ class Ingested:
             rows.append(("delimiter", f"{self.delimiter} ({'detected' if self.delimiter_detected else 'given'})"))
             rows.append(("header", f"line {self.header_line} skipped (column names)" if self.header_line
                          else "none: the first line is data"))
+            if self.index_note:
+                rows.append(("index", self.index_note))
         rows.append(("standardised", "yes: stats/mean and stats/std of the training rows stored; train, eval and "
                      "predict read (x - mean) / std" if self.standardized else "no"))
         return "\n".join([f"mpidist ingest: wrote {self.path} (dataset {printable(self.name)!r} from "
