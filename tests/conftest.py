@@ -14,6 +14,64 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# -- under mpiexec (--with-mpi): one rank speaks for the phase --------------------------------------------
+# Every rank runs the same tests; rank 0 prints the progress and the summary.  The other ranks write theirs to
+# a scratch file, printed (on stderr, under a rank heading) only where that rank saw a test fail.
+
+def _mpi_rank(config):
+    """This process's rank in COMM_WORLD under ``--with-mpi``, else None."""
+    if not config.getoption("with_mpi", False):
+        return None
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_rank()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    rank = _mpi_rank(config)
+    if rank:   # (before the terminal reporter is made, so that it writes to the scratch file)
+        import tempfile
+        config.stash[_QUIET] = (sys.stdout, tempfile.TemporaryFile("w+"))
+        sys.stdout = config.stash[_QUIET][1]
+
+
+_QUIET = pytest.StashKey()
+_FAILED = pytest.StashKey()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_FAILED] = exitstatus not in (0, 5)   # (5: nothing collected)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    quiet = config.stash.get(_QUIET, None)
+    if quiet is None:
+        return
+    sys.stdout, scratch = quiet
+    if config.stash.get(_FAILED, False):
+        scratch.seek(0)
+        sys.stderr.write(f"\n---- rank {_mpi_rank(config)} ----\n{scratch.read()}")
+    scratch.close()
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """Inside pytest's own summary (failures before, the short summary after): pytest-mpi's "MPI Information"
+    block, the same on every run, is left out (``python -m mpidist info`` says it all)."""
+    if _mpi_rank(terminalreporter.config) is None:
+        yield
+        return
+    silenced = {name: getattr(terminalreporter, name) for name in ("section", "write", "line", "write_line")}
+    for name in silenced:
+        setattr(terminalreporter, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name in silenced:
+            delattr(terminalreporter, name)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _scratch_session_directory(tmp_path_factory):
     """Module fixtures that train run in a scratch directory too: runs write ``runs/`` where they start."""
