@@ -96,3 +96,20 @@ def test_a_timeline_passes_over_events_of_the_wrong_shape(tmp_path):
     (tmp_path / "deep.json").write_text("[" * 100000)
     with pytest.raises(UsageError, match="not a trace mpidist wrote"):
         plotting.plot_timeline(tmp_path / "deep.json", tmp_path / "d.png")
+
+
+def test_legends_stand_beside_the_curves_not_on_them():
+    figure, (by_step, by_time) = plotting._figure()
+    for index, name in enumerate(["my_script-build-digits-ps-sync-20261125-101010", "mlp-digits-allreduce-2"]):
+        for axes in (by_step, by_time):
+            axes.plot(range(50), [1 / (step + 1 + index) for step in range(50)], label=name)
+    plotting._label(figure, (by_step, by_time), "training loss", "loss")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    assert by_step.get_legend() is None                                   # one legend for the pair
+    legend, plot = by_time.get_legend().get_window_extent(renderer), by_time.get_window_extent(renderer)
+    assert legend.x0 >= plot.x1                                           # right of the curves
+    assert legend.x1 <= figure.bbox.x1 + 1                                # and inside the figure
+

@@ -21,8 +21,13 @@ NOW = datetime.datetime(2026, 11, 25, 9, 30, 5)
 def test_a_run_is_named_by_model_data_and_strategy_in_safe_characters():
     config = Settings(model="mlp:256,256", data="/data/sets/big 2.h5", strategy="ps-async")
     assert rundir.run_name(config) == "mlp-256-256-big-2-ps-async"
+    # a builder by its file's (or module's) name and function, not by the path that leads to it
     assert rundir.run_name(Settings(model="examples/net.py:build", data="digits", strategy="allreduce")) == \
-        "examples-net.py-build-digits-allreduce"
+        "net-build-digits-allreduce"
+    assert rundir.run_name(Settings(model="/tmp/newcomer/work/my_script.py:build", data="digits",
+                                    strategy="ps-sync")) == "my_script-build-digits-ps-sync"
+    assert rundir.run_name(Settings(model="mypkg.models:build_net", data="digits", strategy="local")) == \
+        "models-build_net-digits-local"
 
 
 def test_new_run_directories_are_stamped_and_never_shared(tmp_path):

@@ -40,10 +40,25 @@ WHERE = ("run_dir", "resume", "metrics", "checkpoint_dir", "config")
 
 
 def run_name(config):
-    """``mlp-digits-allreduce``: the model, the dataset and the strategy, in characters safe in a file name."""
+    """``mlp-digits-allreduce``: the model, the dataset and the strategy, in characters safe in a file name.
+
+    A builder is named by its file's or module's last name and its function
+    (``my_script-build`` for ``/home/me/work/my_script.py:build``), not by the
+    path that leads to it.
+    """
     data = Path(config.data).stem if os.sep in config.data or config.data.endswith(".h5") else config.data
-    parts = [config.model, data, config.strategy]
+    parts = [_model_name(config.model), data, config.strategy]
     return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "-", part).strip("-.")[:40] for part in parts if part)
+
+
+def _model_name(spec):
+    """A model spec's short name: a zoo spec as it is, a builder's file (or module) stem and function."""
+    where, _, function = spec.rpartition(":")
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        return f"{Path(where).stem}-{function}"
+    if "." in where:   # package.module:function
+        return f"{where.rsplit('.', 1)[1]}-{function}"
+    return spec
 
 
 def planned(config):

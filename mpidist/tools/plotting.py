@@ -113,7 +113,7 @@ def plot_runs(runs, output):
         _, times, rate = run.series("samples_per_s")
         axes.plot(times, rate, color=f"C{index}", label=run.name)
     axes.set(title="throughput", xlabel="time (s)", ylabel="samples/s")
-    axes.legend(fontsize="small")
+    _legend_beside(axes)
     written.append(_save(figure, Path(output) / "throughput.png"))
     return written
 
@@ -149,7 +149,12 @@ def _label(figure, axes_pair, title, ylabel, log=False):
     for axes in axes_pair:
         if log:
             axes.set_yscale("log")
-        axes.legend(fontsize="small")
+    _legend_beside(by_time)   # (both axes draw the same runs: one legend, right of them)
+
+
+def _legend_beside(axes):
+    """The legend right of ``axes``, off the curves (the constrained layout makes room for it)."""
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", borderaxespad=0.0)
 
 
 def read_trace(path):
@@ -212,7 +217,7 @@ def plot_timeline(trace_path, output, steps=3):
     axes.set_yticks(range(len(ranks)), [names.get(rank, f"rank {rank}") for rank in ranks], fontsize="small")
     axes.invert_yaxis()
     axes.set(xlabel="time (ms)", title=f"{Path(trace_path).parent.name}: {steps} steps of every rank")
-    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    _legend_beside(axes)
     return _save(figure, output)
 
 
