@@ -268,3 +268,41 @@ def test_an_unwritable_output_is_refused_as_the_predictions_and_nothing_is_left(
     assert stopped.value.code == 2 and err.count("mpidist: error") == 1, err
     assert f"{output}: cannot write the predictions there: {tmp_path / 'plain'}: " in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
+
+
+def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_rows(tmp_path):
+    """Rows of scikit-learn's breast-cancer table as a CSV user has them: ingest (standardised), train, eval;
+    then predict the test split's rows from a CSV (label column included) into a CSV."""
+    import csv
+
+    datasets = pytest.importorskip("sklearn.datasets", reason="the test extra")
+    x, y = datasets.load_breast_cancer(return_X_y=True)
+    header = ",".join(f"f{i}" for i in range(x.shape[1])) + ",label"
+    (tmp_path / "bc.csv").write_text("\n".join([header] + [",".join(map(repr, map(float, row))) + f",{label}"
+                                                           for row, label in zip(x, y)]) + "\n")
+    for flags in (["ingest", "bc.csv", "bc.h5", "--standardize"],
+                  ["train", "--data", "bc.h5", "--epochs", "5", "--run-dir", "run", "--progress", "none"]):
+        done, _ = launch(1, *flags, cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr
+    checkpoint = sorted((tmp_path / "run" / "checkpoints").glob("ckpt-*.h5"))[-1]
+    figures = mpidist.evaluate(checkpoint, comm=MPI.COMM_SELF)
+    with h5py.File(tmp_path / "bc.h5", "r") as handle:
+        test_x, test_y = handle["test/x"][...], handle["test/y"][...]   # (stored as read: predict standardises)
+    (tmp_path / "new.csv").write_text("\n".join([header] + [",".join(map(repr, map(float, row))) + f",{label}"
+                                                            for row, label in zip(test_x, test_y)]) + "\n")
+    done, _ = launch(2, "predict", str(checkpoint), "--data", "new.csv", "--output", "preds.csv", cwd=tmp_path,
+                     timeout=120)
+    assert done.returncode == 0, done.stderr
+    with open(tmp_path / "preds.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == ["class", "p0", "p1"] and len(rows) == len(test_y)
+    classes = np.array([int(row["class"]) for row in rows])
+    assert (classes == test_y).mean() == figures["test_accuracy"]
+    probabilities = np.array([[float(row["p0"]), float(row["p1"])] for row in rows])
+    assert np.allclose(probabilities.sum(axis=1), 1, atol=1e-5) and (probabilities.argmax(axis=1) == classes).all()
+    # .npy by its suffix: the classes; a row of the wrong width is refused with the counts
+    done, _ = launch(1, "predict", str(checkpoint), "--data", "new.csv", "--output", "classes.npy", cwd=tmp_path)
+    assert done.returncode == 0 and np.array_equal(np.load(tmp_path / "classes.npy"), classes), done.stderr
+    (tmp_path / "narrow.csv").write_text("a,b,c\n1,2,3\n4,5,6\n")
+    done, _ = launch(1, "predict", str(checkpoint), "--data", "narrow.csv", "--output", "x.csv", cwd=tmp_path)
+    assert done.returncode == 2 and "narrow.csv" in done.stderr and "shape" in done.stderr, done.stderr

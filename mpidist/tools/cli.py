@@ -67,12 +67,14 @@ def build_parser():
                              "or values (regression).")
     predict.add_argument("checkpoint", help="checkpoint file (ckpt-*.h5)")
     predict.add_argument("--data", default=None, help="a dataset in the mpidist layout (its --split is predicted), "
-                         "or plain samples: an HDF5 file with a dataset x, a .npy file, or a .npz file with an "
-                         "array x (default: the dataset the checkpoint trained on)")
+                         "or plain samples: an HDF5 file with a dataset x, a .npy file, a .npz file with an "
+                         "array x, or a .csv file of rows (as ingest reads them; a label column after the features "
+                         "is left out) (default: the dataset the checkpoint trained on)")
     predict.add_argument("--split", choices=("train", "test", "val"), default="test",
                          help="the split of a dataset to predict; val where the file has one (default: test)")
-    predict.add_argument("--output", required=True, help="HDF5 file for the predictions (an existing one is "
-                         "replaced once the new one is whole)")
+    predict.add_argument("--output", required=True, help="file for the predictions, by its suffix: .csv (class, "
+                         "name, probabilities; or values), .npy (classes, or values), else HDF5 (an existing one "
+                         "is replaced once the new one is whole)")
     predict.add_argument("--model", default=None, help="model spec or builder (default: the one the checkpoint "
                          "names; its code is imported: use only checkpoints you trust)")
 

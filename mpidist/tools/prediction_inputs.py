@@ -7,8 +7,9 @@
   is built for that dataset, as ``eval`` builds it;
 * plain samples: an HDF5 file with a dataset ``x``, a ``.npy`` array, an
   ``.npz`` file with an array ``x`` (both read with ``allow_pickle=False``:
-  a file never runs code), or, in Python, a numpy array (the same on every
-  rank).  Plain samples say nothing of the task, so the model is built for the
+  a file never runs code), a CSV file (parsed as ``ingest`` parses one; a
+  last column beyond the model's features is a label column, left out), or,
+  in Python, a numpy array (the same on every rank).  Plain samples say nothing of the task, so the model is built for the
   dataset the checkpoint trained on (its settings' ``data``), which must be
   readable; the samples must have its sample shape, and are fed as stored
   (standardised with that dataset's statistics where it has them, as Shard does).
@@ -59,6 +60,8 @@ def reader_for(data, split):
     if not isinstance(data, (str, os.PathLike)):
         raise UsageError(f"data: give a file, a bundled dataset's name, an ArrayData or a numpy array, not "
                          f"{type(data).__name__}")
+    if os.fspath(data).lower().endswith(".csv"):
+        return PlainSamples(CsvSamples(Path(os.fspath(data))), split)
     path = datasets.resolve(os.fspath(data))
     if path.suffix.lower() in (".npy", ".npz"):
         return PlainSamples(NumpyFile(path), split)
@@ -132,6 +135,7 @@ class PlainSamples:
         return self.info
 
     def check_shape(self, net):
+        self.samples_in.fit(int(np.prod(self.info.sample_shape)))
         shape = self.samples_in.shape[1:]
         if shape not in (tuple(self.info.sample_shape), tuple(net.input_shape)):
             raise UsageError(f"{self.where}: x holds samples of shape {shape}, but the model takes samples of shape "
@@ -173,6 +177,9 @@ class Samples:
         _checked_layout(where, self.dtype, self.shape)
         self.count, self.data = self.shape[0], str(where)
 
+    def fit(self, features):
+        """Told the model's features per sample: a table with a label column too drops it (CSV only)."""
+
     def fits(self, rows, dtype, whole=False):
         values = (self.count if whole else rows) * int(np.prod(self.shape[1:]))
         check_fits(values * (self.dtype.itemsize + np.dtype(dtype).itemsize),
@@ -183,6 +190,33 @@ class ArraySamples(Samples):
     def __init__(self, array):
         super().__init__("the numpy array given", array.dtype, array.shape)
         self.array, self.data = array, "numpy array in memory"
+
+    def read(self, lo, hi, dtype):
+        return self.array[lo:hi]
+
+
+class CsvSamples(Samples):
+    """Rows of a CSV file, parsed as ``ingest`` parses them (delimiter and header detected, every cell checked,
+    an unnamed index column dropped); each rank reads the whole file.
+
+    A row holds the model's features, or the features and then a label column
+    (as the file ``ingest`` read), which is left out.
+    """
+
+    def __init__(self, path):
+        from .csv_table import read_csv
+
+        self.path = path
+        table = read_csv(path)   # (the last column as labels: numbers, or class names left out)
+        self.labelled = table.class_names is not None
+        self.array = table.x if self.labelled else np.column_stack([table.x, table.y])
+        super().__init__(path, self.array.dtype, self.array.shape)
+        self.data = str(path)
+
+    def fit(self, features):
+        if not self.labelled and self.shape[1] == features + 1:   # features, then the label column
+            self.array = self.array[:, :features]
+            self.shape = self.array.shape
 
     def read(self, lo, hi, dtype):
         return self.array[lo:hi]

@@ -24,6 +24,7 @@ dataset names its classes.
 """
 
 import contextlib
+import csv
 import dataclasses
 import os
 from pathlib import Path
@@ -250,7 +251,16 @@ def _refuse_an_input(target, inputs):
 
 
 def _write(aside, result, checkpoint_path, reader):
-    """Rank 0: the predictions into the file ``aside`` (its claim renames it into place once whole)."""
+    """Rank 0: the predictions into the file ``aside`` (its claim renames it into place once whole), as the
+    output's suffix says: ``.csv`` (a header, then a row per sample), ``.npy`` (the classes, or the values),
+    else HDF5."""
+    suffix = Path(result.output).suffix.lower()
+    if suffix == ".csv":
+        return _write_csv(aside, result)
+    if suffix == ".npy":
+        with open(aside, "wb") as handle:
+            np.save(handle, result.classes if result.task == "classification" else result.values)
+        return None
     with h5py.File(aside, "w") as handle:
         if result.task == "classification":
             handle.create_dataset("class", data=result.classes)
@@ -262,3 +272,21 @@ def _write(aside, result, checkpoint_path, reader):
                              "split": reader.split or "", "task": result.task, "samples": int(result.samples)})
         if result.class_names is not None:
             handle.attrs["class_names"] = np.array(result.class_names, dtype=h5py.string_dtype())
+
+
+def _write_csv(aside, result):
+    """A row per sample: the class (and its name, where the dataset names them) and each class's probability;
+    for regression, the values."""
+    with open(aside, "w", encoding="utf-8", newline="") as handle:
+        writer = csv.writer(handle)
+        if result.task == "classification":
+            names = result.class_names
+            width = result.probabilities.shape[1]
+            writer.writerow(["class"] + (["name"] if names else []) + [f"p{k}" for k in range(width)])
+            for label, row in zip(result.classes, result.probabilities):
+                writer.writerow([int(label)] + ([names[label]] if names else []) + [f"{p:.6g}" for p in row])
+        else:
+            width = result.values.shape[1]
+            writer.writerow(["value"] if width == 1 else [f"value{k}" for k in range(width)])
+            writer.writerows([[f"{v:.9g}" for v in row] for row in result.values.reshape(len(result.values), -1)])
+
