@@ -16,12 +16,13 @@ from mpidist import nn
 from mpidist.nn import BatchNorm, Dense, Flatten, Sequential
 from mpidist.parallel import AllreduceStrategy, LocalStrategy
 from mpidist.parallel.node_model import NodeModelExchange, node_model_possible
-from mpidist.parallel.ring import Ring, chunk_bounds
+from mpidist.parallel.ring import Ring
+from mpidist.parallel.shards import chunk_bounds
 from mpidist.runtime.cluster import build_cluster
 
 from conftest import ROOT, run_mpi
 from test_parallel import small_convnet, worker_slice
-from test_recipe import STEPS, batches, make, recipe
+from test_recipe import STEPS, batches, make, recipe, reference_local
 
 
 @pytest.mark.parametrize("lo,hi,itemsize,parts", [(0, 1, 4, 2), (16, 117, 4, 3), (0, 1000, 8, 6), (5, 9, 4, 4)])
@@ -66,20 +67,6 @@ def _node_strategy(cluster, optimizer, accumulate, shard):
                              recipe=recipe(accumulate), exchange="node", shard=shard)
 
 
-def _local_reference(global_batch, optimizer, accumulate):
-    """The local strategy on the whole batch: parameters and optimizer state after each step, clipped steps."""
-    xs, ys = batches(global_batch)
-    local = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), seed=3,
-                          recipe=recipe(accumulate))
-    local.initialize()
-    params, clipped = [], []
-    for step in range(STEPS):
-        local.train_step(xs[step], ys[step], 1.0, step)
-        params.append(local.model.params.copy())
-        clipped.append(local.clipped)
-    return params, clipped, {name: array.copy() for name, array in local.optimizer.state_arrays().items()}
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("shard", ["none", "optimizer"])
 @pytest.mark.parametrize("optimizer,accumulate", [("sgd", 1), ("adam", 3)])
@@ -87,7 +74,8 @@ def test_one_copy_per_node_trains_as_local_and_sends_the_rings_bound(optimizer, 
     cluster = build_cluster(MPI.COMM_WORLD)
     workers = cluster.num_workers
     global_batch = 3 * workers + 2
-    expected, clipped, state = _local_reference(global_batch, optimizer, accumulate)
+    local, expected, clipped = reference_local(global_batch, optimizer, accumulate)
+    state = local.optimizer.state_arrays()
     xs, ys = batches(global_batch)
     strategy = _node_strategy(cluster, optimizer, accumulate, shard)
     exchange = strategy.exchange

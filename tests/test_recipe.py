@@ -143,16 +143,24 @@ def batches(global_batch):
     return rng.random((STEPS, global_batch, 1, 6, 6)), rng.integers(0, 4, (STEPS, global_batch))
 
 
-def reference_run(global_batch, optimizer):
-    """The local strategy on the whole global batch: the parameters after each step, and the clipped steps."""
+def reference_local(global_batch, optimizer, accumulate=1):
+    """The local strategy after training on the whole global batch, the parameters after each step, and the
+    clipped steps."""
     xs, ys = batches(global_batch)
-    local = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), seed=3, recipe=recipe())
+    local = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), seed=3,
+                          recipe=recipe(accumulate))
     local.initialize()
     params, clipped = [], []
     for step in range(STEPS):
         local.train_step(xs[step], ys[step], 1.0, step)
         params.append(local.model.params.copy())
         clipped.append(local.clipped)
+    return local, params, clipped
+
+
+def reference_run(global_batch, optimizer):
+    """The local strategy on the whole global batch: the parameters after each step, and the clipped steps."""
+    _, params, clipped = reference_local(global_batch, optimizer)
     assert any(clipped) and not all(clipped)   # the test covers both
     return params, clipped
 

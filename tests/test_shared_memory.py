@@ -10,14 +10,15 @@ from mpidist import nn
 from mpidist.parallel import AllreduceStrategy, Exchange
 from mpidist.parallel.compression import CompressedExchange
 from mpidist.parallel.node_model import NodeModelExchange
-from mpidist.parallel.shared_memory import ONE_WORKER, SharedMemoryExchange, part_bounds, shared_memory_possible
+from mpidist.parallel.shards import chunk_bounds
+from mpidist.parallel.shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
 from mpidist.runtime.cluster import build_cluster
 from mpidist.runtime.errors import UsageError
 
 
 @pytest.mark.parametrize("count,itemsize,parts", [(1, 4, 2), (5, 4, 3), (100, 4, 2), (1000, 8, 6), (33, 4, 4)])
 def test_parts_cover_the_buffer_and_start_on_cache_lines(count, itemsize, parts):
-    bounds = part_bounds(count, itemsize, parts)
+    bounds = chunk_bounds(0, count, itemsize, parts)
     assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == count
     assert all(lo <= hi for lo, hi in zip(bounds, bounds[1:]))
     assert all(b % (64 // itemsize) == 0 for b in bounds[:-1])

@@ -21,30 +21,30 @@ Every worker reads only its own part of each split.
 
 from .arrays import ArrayData
 from .batches import (
-                      Prefetcher,
-                      epoch_order,
-                      eval_batches,
-                      global_batches,
-                      local_batch_size,
-                      shard_size,
-                      steps_per_epoch,
-                      train_batches,
+    Prefetcher,
+    epoch_order,
+    eval_batches,
+    global_batches,
+    local_batch_size,
+    shard_size,
+    steps_per_epoch,
+    train_batches,
 )
 from .budget import Reading, budget_of, plan
 from .layout import (
-                      MAX_CLASSES,
-                      MAX_NAME,
-                      OPTIONAL_SPLITS,
-                      SPLITS,
-                      DatasetInfo,
-                      Member,
-                      bundled_names,
-                      carve_validation,
-                      data_dirs,
-                      inspect,
-                      members,
-                      open_source,
-                      resolve,
+    MAX_CLASSES,
+    MAX_NAME,
+    OPTIONAL_SPLITS,
+    SPLITS,
+    DatasetInfo,
+    Member,
+    bundled_names,
+    carve_validation,
+    data_dirs,
+    inspect,
+    members,
+    open_source,
+    resolve,
 )
 from .rows import SplitRows, read_rows
 from .samples import standardizer

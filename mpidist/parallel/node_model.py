@@ -48,15 +48,12 @@ from ..runtime import comm as mpi
 from ..runtime import recorder
 from .exchange import NoExchange
 from .optimizer_shard import OptimizerShard
-from .ring import Ring, chunk_bounds
-from .shared_memory import LINE, ONE_WORKER, host_memory_reason
+from .ring import Ring
+from .shards import LINE, chunk_bounds, line_bytes
+from .shared_memory import ONE_WORKER, host_memory_reason
 
 _TRACER = recorder.tracer()
 PIECE = 1 << 15   # elements a rank sums at a time, as the node's backward passes them (128 KiB in float32)
-
-
-def _lines(nbytes):
-    return -(-nbytes // LINE) * LINE
 
 
 def node_model_possible(comm, buffer, model):
@@ -128,7 +125,7 @@ class NodeWindow:
 
     def __init__(self, node, count, buffer):
         self.node, self.local, dtype = node, node.Get_rank(), buffer.dtype
-        params_bytes, grads_bytes = _lines(count * dtype.itemsize), _lines(buffer.nbytes)
+        params_bytes, grads_bytes = line_bytes(count * dtype.itemsize), line_bytes(buffer.nbytes)
         self.win = MPI.Win.Allocate_shared((params_bytes if self.local == 0 else 0) + grads_bytes + LINE, 1,
                                            comm=node)
         # every rank's gradient buffer, its part's squared norm, and how far its backward has got

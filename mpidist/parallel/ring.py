@@ -15,19 +15,7 @@ node gets the same bits.  The ring counts what it sends, which is what
 import numpy as np
 
 from ..runtime import comm as mpi
-
-LINE = 64   # bytes: chunks start on cache lines
-
-
-def chunk_bounds(lo, hi, itemsize, parts):
-    """``parts + 1`` boundaries cutting ``[lo, hi)`` into near-equal chunks (cache-line steps from ``lo``).
-
-    >>> chunk_bounds(0, 100, 8, 2)
-    [0, 48, 100]
-    """
-    step = max(1, LINE // itemsize)
-    count = hi - lo
-    return [lo + min(count, int(count * i / parts / step) * step) for i in range(parts)] + [hi]
+from .shards import chunk_bounds
 
 
 class Ring:

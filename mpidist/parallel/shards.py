@@ -34,6 +34,28 @@ def shard_bounds(count, parts):
     return bounds
 
 
+#: Bytes of a cache line: shared-memory parts and ring chunks start on one, so two ranks never write one line.
+LINE = 64
+
+
+def chunk_bounds(lo, hi, itemsize, parts):
+    """``parts + 1`` boundaries cutting ``[lo, hi)`` into near-equal chunks, in cache-line steps from ``lo``.
+
+    Rounded down, so the last chunk (which holds the buffer's end: the loss) is never empty.
+
+    >>> chunk_bounds(0, 100, 8, 2)
+    [0, 48, 100]
+    """
+    step = max(1, LINE // itemsize)
+    count = hi - lo
+    return [lo + min(count, int(count * i / parts / step) * step) for i in range(parts)] + [hi]
+
+
+def line_bytes(nbytes):
+    """``nbytes`` rounded up to whole cache lines."""
+    return -(-nbytes // LINE) * LINE
+
+
 def imbalance(bounds):
     """Largest shard over the mean shard, minus one (0.0 is perfect balance)."""
     sizes = [hi - lo for lo, hi in bounds]

@@ -37,17 +37,11 @@ from mpi4py import MPI
 from ..runtime import recorder
 from ..runtime.ulfm import ulfm_support
 from .exchange import NoExchange
+from .shards import LINE, chunk_bounds, line_bytes
 
 _TRACER = recorder.tracer()
 
-LINE = 64   # bytes: parts start on cache-line boundaries, so two workers never write one line
 ONE_WORKER = "one worker has nothing to exchange"
-
-
-def part_bounds(count, itemsize, parts):
-    """``parts + 1`` boundaries cutting ``[0, count)`` into near-equal parts that start on cache lines."""
-    step = max(1, LINE // itemsize)
-    return [min(count, round(count * i / parts / step) * step) for i in range(parts)] + [count]
 
 
 def shared_memory_possible(comm, buffer):
@@ -112,7 +106,7 @@ class SharedMemoryExchange(NoExchange):
         super().__init__()
         self.comm, self.rank, size = comm, comm.Get_rank(), comm.Get_size()
         count, dtype = buffer.size, buffer.dtype
-        squares_at = -(-buffer.nbytes // LINE) * LINE           # a float64 per worker, on its own line
+        squares_at = line_bytes(buffer.nbytes)           # a float64 per worker, on its own line
         self.win = MPI.Win.Allocate_shared(squares_at + LINE, 1, comm=comm)
         self.buffers, self.squares = [], []
         for rank in range(size):
@@ -121,7 +115,7 @@ class SharedMemoryExchange(NoExchange):
             self.squares.append(np.frombuffer(memory, dtype=np.float64, count=1, offset=squares_at))
         self.buffer = self.buffers[self.rank]
         self.buffer[...] = buffer
-        self.bounds = part_bounds(count, dtype.itemsize, size)
+        self.bounds = chunk_bounds(0, count, dtype.itemsize, size)
         self.bytes_per_step = int(buffer.nbytes)
         self.win.Lock_all(MPI.MODE_NOCHECK)   # one passive epoch for the window's life: fences are Win.Sync
 

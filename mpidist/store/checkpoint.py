@@ -236,6 +236,16 @@ def _text(attrs, name, bad):
     return value
 
 
+def settings_of(path):
+    """The settings checkpoint ``path`` was written with (its ``config`` attribute, read alone), or None where
+    they cannot be read (the file is untrusted: :func:`load` checks the whole of it)."""
+    try:
+        with h5py.File(path, "r") as handle:
+            return _json(handle.attrs, "config", lambda item, why: ValueError(why))
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError):
+        return None
+
+
 def newest_valid(directory):
     """``(newest checkpoint that loads, [(path, reason) for newer ones that did not])``.
 

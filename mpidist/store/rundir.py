@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..runtime.errors import UsageError
 from . import atomic
+from .checkpoint import settings_of
 from .lineage import LOCK_NAME, newest_checkpoint
 
 ROOT = "runs"
@@ -86,18 +87,9 @@ def planned(config):
 def _recorded_run_dir(path):
     """The run directory checkpoint ``path``'s settings name, where it still holds that run's settings; else None.
 
-    Only the ``config`` attribute is read, as text parsed as JSON (the file is
-    untrusted: anything unexpected is no answer, and ``--resume`` itself
-    validates the whole file later).
+    Only the settings are read (``--resume`` itself validates the whole file later).
     """
-    try:
-        import h5py
-        with h5py.File(path, "r") as handle:
-            text = handle.attrs.get("config")
-        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
-        recorded = json.loads(text).get("run_dir") if isinstance(text, str) and len(text) < 1 << 20 else None
-    except (OSError, ValueError, TypeError, AttributeError, KeyError, RuntimeError):
-        return None
+    recorded = (settings_of(path) or {}).get("run_dir")
     if not isinstance(recorded, str) or not recorded or not os.path.isabs(recorded):
         return None
     return recorded if (Path(recorded) / SETTINGS).is_file() else None
