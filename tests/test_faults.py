@@ -456,6 +456,27 @@ def at_step(number, rank, action):
 
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}    # about 30 ms a step: time to act mid-run
 
+
+def sparse_dataset(p):
+    """A dataset declaring 10^11 rows a split, none stored: an evaluation of it would take days."""
+    from test_evaluations import sparse_dataset as sparse
+    return str(sparse(p / "huge.h5"))
+
+
+def in_the_evaluation(rank, signal_number):
+    """``during``: once the chief logged its last step (2) and has evaluated for a while, signal ``rank``."""
+    def during(launcher, p):
+        wait_for_step(p / "m.jsonl", 2, launcher)
+        time.sleep(2)
+        os.kill(rank_pids(launcher)[rank], signal_number)
+    return during
+
+
+def checkpoint_before_the_evaluation(p, out, err):
+    stop, = events(p / "m.jsonl", "stopped")
+    assert stop["step"] == 2 and not events(p / "m.jsonl", "eval")
+    assert checkpoint_steps(p / "ckpt") == [2]
+
 FAULTS = {
     # bad usage and configuration
     "unknown flag": bad("--epoch", "3", message="unrecognized arguments: --epoch 3"),
@@ -587,6 +608,10 @@ FAULTS = {
     "a signal during a checkpoint write": Fault(
         script(SIGNAL_MID_WRITE, lambda p: str(p / "m.jsonl"), lambda p: str(p / "ckpt")), 3,
         "stopped by SIGTERM (rank 0) at step 12", check=both_checkpoints_whole, one_message=False),
+    "a stop signal during a long evaluation": Fault(
+        train("--data", sparse_dataset, "--steps", "2", "--log-every", "1", "--checkpoint-dir",
+              lambda p: str(p / "ckpt")), 3, "stopped by SIGTERM (rank 1) at step 2",
+        during=in_the_evaluation(1, signal.SIGTERM), check=checkpoint_before_the_evaluation, one_message=False),
 }
 
 

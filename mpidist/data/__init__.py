@@ -42,6 +42,7 @@ from .layout import (
     carve_validation,
     data_dirs,
     inspect,
+    limit_evaluation,
     members,
     open_source,
     resolve,
@@ -56,5 +57,5 @@ _read_rows = read_rows   # (the name tests knew)
 __all__ = ["ArrayData", "DatasetInfo", "MAX_CLASSES", "MAX_NAME", "Member", "OPTIONAL_SPLITS", "Prefetcher",
            "Reading", "SPLITS", "Shard", "SplitRows", "Stream", "budget_of", "bundled_names",
            "carve_validation", "data_dirs", "epoch_order", "eval_batches", "global_batches", "inspect",
-           "local_batch_size", "members", "open_source", "plan", "read_rows", "resolve", "shard_size",
+           "limit_evaluation", "local_batch_size", "members", "open_source", "plan", "read_rows", "resolve", "shard_size",
            "standardizer", "steps_per_epoch", "train_batches"]

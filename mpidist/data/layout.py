@@ -127,6 +127,8 @@ class DatasetInfo:
     carved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     #: the files, in order (one for a single file): a split's rows are theirs, concatenated
     files: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    #: a split that ``--eval-samples`` limited: name -> the rows it has without the limit
+    limited: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def bytes_of(self, split):
         """Bytes of ``split``'s samples as stored (``x`` only)."""
@@ -165,6 +167,26 @@ def carve_validation(info, fraction, seed):
     carved = {"train": ("train", np.flatnonzero(~chosen)), "val": ("train", np.flatnonzero(chosen))}
     sizes = dict(info.sizes, train=n - count, val=count)
     return dataclasses.replace(info, sizes=sizes, carved=carved)
+
+
+def limit_evaluation(info, samples, splits=("test", "val")):
+    """``info`` with each of ``splits`` longer than ``samples`` rows cut to ``samples`` evenly spread ones.
+
+    Rows ``0, s, 2s, ...`` with ``s = rows // samples``: the same subset every
+    time (it depends on nothing but the split's length), spread over the whole
+    split (a file sorted by class keeps every class), and one evenly strided
+    read per file.  A split carved by ``--val-fraction`` is cut among its own rows.
+    """
+    carved, sizes, limited = dict(info.carved), dict(info.sizes), dict(info.limited)
+    for split in splits:
+        rows = sizes.get(split, 0)
+        if not samples or rows <= samples:
+            continue
+        group, picked = info.rows_of(split)
+        every = np.arange(samples, dtype=np.int64) * (rows // samples)
+        carved[split] = (group, every if picked is None else picked[every])
+        sizes[split], limited[split] = samples, limited.get(split, rows)
+    return dataclasses.replace(info, sizes=sizes, carved=carved, limited=limited)
 
 
 def open_source(path):

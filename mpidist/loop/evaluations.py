@@ -1,8 +1,43 @@
 """A run's evaluations: the latest figures of each split, the best validation so far, and where they were taken."""
 
 import math
+import time
 
 from .callbacks import lower_is_better
+
+#: a split of more samples than this is named at start-up as one whose every evaluation reads it all
+LARGE_EVALUATION = 1_000_000
+#: an evaluation says how far it got once it has run this long, and again every PROGRESS_EVERY seconds
+PROGRESS_AFTER, PROGRESS_EVERY = 5.0, 15.0
+
+
+def shown(batches, total, split, say, clock=time.monotonic):
+    """``batches`` of ``(x, y)``, saying now and then how many of ``total`` samples an evaluation of ``split`` took.
+
+    The chief's count of its own part: the others' parts are as large (within a batch) and go as fast.
+    """
+    began, done = clock(), 0
+    due = began + PROGRESS_AFTER
+    for batch in batches:
+        yield batch
+        done += len(batch[1])
+        now = clock()
+        if now >= due and done < total:
+            rate, share = done / (now - began), 100 * done / total
+            say(f"mpidist: evaluating {split}: {f'{share:.1f}%' if share >= 0.1 else 'under 0.1%'} ({done:,} of "
+                f"{total:,} samples) after {duration(now - began)}, about {duration((total - done) / rate)} left")
+            due = now + PROGRESS_EVERY
+
+
+def duration(seconds):
+    """``12 s``, ``4 min 10 s``, ``3 h 12 min``, ``9 d 5 h``: a time in its two largest units."""
+    seconds = int(round(seconds))
+    units = [("d", 86400), ("h", 3600), ("min", 60), ("s", 1)]
+    for index, (name, size) in enumerate(units[:-1]):
+        if seconds >= size:
+            smaller, small_size = units[index + 1]
+            return f"{seconds // size} {name} {seconds % size // small_size} {smaller}"
+    return f"{seconds} s"
 
 
 class BestSoFar:

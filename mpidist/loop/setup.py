@@ -87,6 +87,8 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
     if config.val_fraction:   # (a resumed run's rows are its checkpoint's: drawn by the seed it continues with)
         info = data.carve_validation(info, config.val_fraction, config.seed if resume is None else resume.seed)
+    if config.eval_samples:
+        info = data.limit_evaluation(info, config.eval_samples)
     check_validation(config, info)
     model = build_model_for(config, inputs, info, xp)
     notes = []

@@ -32,12 +32,13 @@ from ..runtime import recorder
 from ..runtime.agreement import agreed
 from ..runtime.comm import bcast
 from ..runtime.memory import peak_memory
+from ..runtime.phase import PhaseAgreement
 from ..runtime.preempt import EARLY_STOP, WRITE_FAILED, settle, signal_name, stop_signals
 from ..runtime.whereabouts import here
 from . import elastic
 from .callbacks import EarlyStopping
 from .checkpointer import Checkpointer
-from .evaluations import Evaluations
+from .evaluations import LARGE_EVALUATION, Evaluations, shown
 from .feed import epoch_batches
 from .outputs import Outputs, trace_file
 from .position import Position
@@ -140,14 +141,21 @@ class Training:
         bytes each rank holds, where its strategy reports them)."""
         config, cluster, setup, resume, say = self.config, self.cluster, self.setup, self.setup.resume, \
             self.outputs.say
-        sizes = setup.info.sizes
-        val = f" / {sizes['val']} val" if "val" in sizes else ""   # (a file's own, or --val-fraction's)
-        say(f"mpidist: {setup.info.name} ({sizes['train']} train{val} / {sizes['test']} test), "
+        sizes, limited = setup.info.sizes, setup.info.limited
+
+        def rows(split):   # (what an evaluation takes, and of how many where --eval-samples cut it)
+            return f"{sizes[split]}" + (f" of {limited[split]}" if split in limited else "") + f" {split}"
+        val = f" / {rows('val')}" if "val" in sizes else ""   # (a file's own, or --val-fraction's)
+        say(f"mpidist: {setup.info.name} ({sizes['train']} train{val} / {rows('test')}), "
             f"model {config.model} ({setup.model.num_params:,} parameters), strategy {config.strategy} on "
             f"{layout_text(config, cluster)}, global batch {config.batch_size}, {setup.steps_per_epoch} "
             f"steps/epoch\n{table}")
         if self.strategy.imbalance is not None:
             say(f"mpidist: parameter shards balanced to within {100 * self.strategy.imbalance:.2f}%")
+        large = [split for split in ("val", "test") if sizes.get(split, 0) > LARGE_EVALUATION and split not in limited]
+        if large:
+            say(f"mpidist: note: each evaluation takes every sample of {' and '.join(large)} "
+                f"({', '.join(f'{sizes[split]:,}' for split in large)}); --eval-samples N bounds it")
         for path, reason in setup.skipped:
             say(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}")
         for note in setup.notes + self.outputs.claim.notes:
@@ -164,7 +172,9 @@ class Training:
                                workers=cluster.num_workers, ps=config.ps, dataset=setup.info.name,
                                params=setup.model.num_params, steps_per_epoch=setup.steps_per_epoch,
                                resumed_from=None if resume is None else str(resume.path),
-                               step=0 if resume is None else resume.step, **({"held_bytes": held} if held else {}))
+                               step=0 if resume is None else resume.step,
+                               evaluated={split: sizes[split] for split in ("val", "test") if split in sizes},
+                               **({"held_bytes": held} if held else {}))
 
     def _share_lineage(self):
         """Collective: ``(lineage, parent)`` the chief settled, on every rank (the first ps of ps-async writes too)."""
@@ -247,7 +257,13 @@ class Training:
             if self._train_epoch(steps_to_run):
                 break   # (before the loop moves `epoch` on: the checkpoint must name this epoch)
             if config.eval_every and (epoch + 1) % config.eval_every == 0:
-                self.evaluate(self.evaluations.monitored)
+                # a signal cuts the validation short: a lockstep run stops now, with a checkpoint; the others'
+                # next step boundary carries the signal as ever
+                if self.evaluate(self.evaluations.monitored, together=self.strategy.lockstep) \
+                        and self.strategy.lockstep:
+                    stops.early = True
+                    self.save()
+                    break
 
     def _train_epoch(self, steps_to_run):
         """One epoch from the current position; True when the run stops in it."""
@@ -343,16 +359,29 @@ class Training:
         if began is not None:
             TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=position.step)
 
-    def evaluate(self, split="test"):
+    def evaluate(self, split="test", together=True):
         """Collective over the evaluating ranks: the task's figures on ``split`` (:mod:`~mpidist.nn.scores`).
 
         The chief reports them (``test_*`` or ``val_*``).  After a validation,
         ``--keep-best`` keeps a checkpoint of an improved state (collective over
-        every rank of a lockstep strategy).
+        every rank of a lockstep strategy).  A stop signal cuts the evaluation
+        short (on every rank, ``together``; else on this one): nothing is
+        reported and the agreed ``{"signal", "rank"}`` is returned (else None).
         """
         position, shard = self.position, self.setup.val if split == "val" else self.setup.test
-        with TRACER.span(f"evaluate {split}", "eval", recorder.STEPS, step=position.step):
-            figures = self.strategy.evaluate(data.eval_batches(shard) if shard else [])
+        batches = data.eval_batches(shard) if shard else []
+        if self.chief and shard:
+            batches = shown(batches, len(shard), split, self.outputs.say)
+        with PhaseAgreement(self.cluster.world if together else None, self.stops.signals) as phase:
+            self.state.revoked.append(phase.comm)   # (a survivor of a lost rank may be waiting in it)
+            items = phase.items(batches)
+            with TRACER.span(f"evaluate {split}", "eval", recorder.STEPS, step=position.step):
+                figures = self.strategy.evaluate(items)
+            for _ in items:   # (a rank that evaluates nothing, a ps, still takes part in the agreement)
+                pass
+            self.state.revoked.remove(phase.comm)
+        if phase.cut:
+            return phase.cut
         self.evaluations.record(split, figures, position.step)
         self.outputs.progress.evaluated(position.step, position.epoch, self.window.last_loss, figures, split)
         self.outputs.log.write("eval", step=position.step, epoch=position.epoch + 1,
@@ -389,8 +418,11 @@ class Training:
         stopped = flags if flags["signal"] and flags["early"] and not (stopped_early or write_failed) else {}
         elapsed = self.window.elapsed()   # (training time: the final evaluation and checkpoint are not in it)
         if not (stopped or stops.diverged or write_failed):   # (a stopping job has no time to spare)
-            for split in self.evaluations.missing_at(self.position.step):
-                self.evaluate(split)
+            for split in self._missing_splits():
+                cut = self.evaluate(split)
+                if cut:   # (a stopping job has no time for the rest of it either)
+                    stopped = {**cut, "early": 1}
+                    break
         state = None
         if not stops.diverged:   # a diverged state must not push a good checkpoint out of --keep
             here().enter("gather")
@@ -408,6 +440,21 @@ class Training:
         self.monitor.free()
         strategy.free()
         return self._outcome(state, roles, elapsed, stopped, stopped_early, write_failed)
+
+    def _missing_splits(self):
+        """Collective: the splits the end of the run still evaluates, as the chief knows them.
+
+        (Ranks out of lockstep validated at steps of their own, and a ps of
+        ``ps-async`` never: only the chief's record counts, and every rank
+        takes part in the evaluation's agreement on stopping.)
+        """
+        names = ("val", "test")
+        wanted = np.zeros(len(names), dtype=np.int64)
+        if self.chief:
+            missing = self.evaluations.missing_at(self.position.step)
+            wanted[:] = [missing.index(name) + 1 if name in missing else 0 for name in names]
+        bcast(self.cluster.world, wanted, root=self.cluster.chief_rank)
+        return [name for _, name in sorted((order, name) for order, name in zip(wanted, names) if order)]
 
     def _outcome(self, state, roles, elapsed, stopped, stopped_early, write_failed):
         """What the run returns (and the chief reports): failed, stopped, or done with its figures."""

@@ -98,8 +98,8 @@ _SECONDS = Bounds(0, math.inf, text="a finite number of seconds, 0 or more")
 #: before any strategy is chosen (a negative count would pick ps-sync).
 BOUNDS = {
     "epochs": Bounds(1), "batch_size": Bounds(1), "log_every": Bounds(1),
-    "steps": Bounds(0), "eval_every": Bounds(0), "checkpoint_every": Bounds(0), "keep": Bounds(0),
-    "nan_patience": Bounds(0),
+    "steps": Bounds(0), "eval_every": Bounds(0), "eval_samples": Bounds(0), "checkpoint_every": Bounds(0),
+    "keep": Bounds(0), "nan_patience": Bounds(0),
     "seed": Bounds(0, hint=" (numpy's random generators take no negative seeds)"),
     "lr": _POSITIVE,
     "momentum": Bounds(0, 1, high_open=True, text="a finite number in [0, 1)"),
@@ -201,6 +201,8 @@ class CommonSettings:
     log_every: int = _field(10, "steps between metrics lines and progress updates")
     eval_every: int = _field(1, "epochs between evaluations (0 = only at the end): on the validation split where "
                              "there is one, else on the test split")
+    eval_samples: int = _field(0, "samples of each evaluated split an evaluation takes: the same evenly spread "
+                               "rows every time (0 = the whole split)")
     val_fraction: float = _field(0.0, "share of the training split held out for validation, chosen by --seed (0 = "
                                  "none; a dataset's own val/ split is used without it); with a validation split, "
                                  "the test split is evaluated once, at the end")

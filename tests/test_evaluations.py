@@ -1,0 +1,148 @@
+"""Evaluations that are bounded (``--eval-samples``), seen (a progress line) and cut short by a stop signal."""
+
+import signal
+import time
+import types
+
+import h5py
+import numpy as np
+import pytest
+
+from mpidist.data import inspect, limit_evaluation
+from mpidist.data.layout import carve_validation
+from mpidist.loop.evaluations import duration, shown
+from mpidist.runtime.phase import PhaseAgreement
+
+from conftest import events, run_mpi, start_mpi
+
+HUGE = 10 ** 11
+
+
+def sparse_dataset(path, rows=HUGE):
+    """A dataset that declares ``rows`` rows per split and stores none of them (every chunk reads as zeros)."""
+    with h5py.File(path, "w") as handle:
+        handle.attrs.update(name="huge", num_classes=3, source="a sparse file")
+        for split in ("train", "test"):
+            handle.create_dataset(f"{split}/x", shape=(rows, 4), dtype="f4", chunks=(65536, 4), compression="gzip")
+            handle.create_dataset(f"{split}/y", shape=(rows,), dtype="i8", chunks=(65536,), compression="gzip")
+    return path
+
+
+def small_dataset(path, train=50, test=23):
+    with h5py.File(path, "w") as handle:
+        handle.attrs.update(name="small", num_classes=3, source="")
+        for split, rows in (("train", train), ("test", test)):
+            handle[f"{split}/x"] = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
+            handle[f"{split}/y"] = np.arange(rows) % 3
+    return path
+
+
+def test_an_evaluation_limit_takes_evenly_spread_rows_the_same_every_time(tmp_path):
+    info = inspect(small_dataset(tmp_path / "d.h5"))
+    limited = limit_evaluation(info, 5)
+    assert limited.sizes == {"train": 50, "test": 5} and limited.limited == {"test": 23}
+    group, rows = limited.rows_of("test")
+    assert group == "test" and rows.tolist() == [0, 4, 8, 12, 16]   # every 23 // 5 = 4th row
+    assert limit_evaluation(info, 5).rows_of("test")[1].tolist() == rows.tolist()
+    assert limit_evaluation(info, 23).sizes == info.sizes and limit_evaluation(info, 0).sizes == info.sizes
+    # a validation split carved from train is cut among its own rows; train is left whole
+    carved = carve_validation(info, 0.5, seed=3)
+    own = carved.rows_of("val")[1]
+    cut = limit_evaluation(carved, 4)
+    assert cut.sizes["val"] == 4 and cut.rows_of("val")[1].tolist() == own[[0, 6, 12, 18]].tolist()
+    assert cut.rows_of("train")[1].tolist() == carved.rows_of("train")[1].tolist()
+
+
+def test_a_long_evaluation_says_how_far_it_got_after_a_while_and_then_now_and_then():
+    said, now = [], [0.0]
+    batches = [(None, np.zeros(100))] * 30
+
+    def clock():
+        now[0] += 1.0   # one second a batch
+        return now[0]
+
+    assert len(list(shown(iter(batches), 3000, "test", said.append, clock=clock))) == 30
+    # after 5 s, then every 15 s; never once the last batch is in
+    assert [line.split(": ", 1)[1] for line in said] == [
+        "evaluating test: 16.7% (500 of 3,000 samples) after 5 s, about 25 s left",
+        "evaluating test: 66.7% (2,000 of 3,000 samples) after 20 s, about 10 s left"]
+    assert [duration(s) for s in (9, 250, 11520, 797159)] == ["9 s", "4 min 10 s", "3 h 12 min", "9 d 5 h"]
+
+
+def test_alone_a_phase_ends_at_the_first_item_after_a_signal():
+    signals = types.SimpleNamespace(received=0)
+    phase = PhaseAgreement(None, signals)
+    taken = []
+    for item in phase.items(range(10)):
+        taken.append(item)
+        if item == 3:
+            signals.received = 15
+    assert taken == [0, 1, 2, 3] and phase.cut == {"signal": 15, "rank": 0}
+    phase.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("signal_after", [None, 0, 3, 8])
+def test_the_ranks_of_a_phase_stop_at_the_same_item_whatever_their_counts(signal_after):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    own = [6, 2, 0, 9][rank % 4] + rank // 4   # ranks with many items, few, none
+    signals = types.SimpleNamespace(received=0)
+    with PhaseAgreement(comm, signals) as phase:
+        taken = 0
+        for _ in phase.items(range(own)):
+            taken += 1
+            if rank == 1 and signal_after is not None and taken == signal_after + 1:
+                signals.received = 15
+    if signal_after is None or signal_after + 1 > own_of(1):   # rank 1 never got that far: no signal
+        assert taken == own and phase.cut is None
+    else:   # posted at rank 1's next boundary, seen by every rank at the one after: one item more each
+        assert taken == min(own, signal_after + 2) and phase.cut == {"signal": 15, "rank": 2}
+
+
+def own_of(rank):
+    return [6, 2, 0, 9][rank % 4] + rank // 4
+
+
+def test_a_split_of_a_hundred_billion_rows_is_evaluated_on_a_thousand_of_them_in_seconds(tmp_path):
+    """The issue's figure: ``train --steps 2 --eval-samples 1000`` on 10^11 declared rows in under 30 s."""
+    data = sparse_dataset(tmp_path / "huge.h5")
+    metrics = tmp_path / "m.jsonl"
+    done, seconds = run_mpi(2, ["-m", "mpidist", "--data", str(data), "--steps", "2", "--eval-samples", "1000",
+                                "--run-dir", "", "--metrics", str(metrics)], timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert seconds < 30
+    assert f"({HUGE} train / 1000 of {HUGE} test)" in done.stdout
+    assert "--eval-samples N bounds it" not in done.stdout
+    start, = events(metrics, "start")
+    assert start["evaluated"] == {"test": 1000} and start["config"]["eval_samples"] == 1000
+    final, = events(metrics, "done")
+    assert sum(record["support"] for record in final["test_per_class"]) == 1000
+
+
+def test_a_long_evaluation_is_announced_shows_progress_and_a_signal_cuts_it_short(tmp_path):
+    """Without a limit: the start-up note, a progress line after 5 s, and SIGTERM acted on within seconds."""
+    data = sparse_dataset(tmp_path / "huge.h5")
+    launcher = start_mpi(1, ["-m", "mpidist", "--data", str(data), "--steps", "2", "--run-dir", "",
+                             "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")])
+    try:
+        lines = []
+        for line in launcher.stdout:
+            lines.append(line)
+            if "evaluating test: " in line:
+                break
+        signalled = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)   # (mpiexec passes it on to the rank)
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert time.monotonic() - signalled < 10
+    out = "".join(lines) + out
+    assert launcher.returncode == 3, (out, err)
+    assert f"note: each evaluation takes every sample of test ({HUGE:,}); --eval-samples N bounds it" in out
+    assert f"of {HUGE:,} samples) after 5 s, about " in out
+    assert "stopped by SIGTERM (rank 0) at step 2: checkpoint" in out
+    assert not events(tmp_path / "m.jsonl", "eval") and events(tmp_path / "m.jsonl", "stopped")
+    assert (tmp_path / "ck").glob("ckpt-*2.h5")
