@@ -42,6 +42,7 @@ import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime.cluster import PS
+from ..runtime.errors import UsageError
 from ..runtime.xp import is_device_array, to_host
 from .backup_rounds import Note, Rounds, settle, squares_with_loss
 from .base import SkipCounter, finite
@@ -123,7 +124,11 @@ class BackupWorkersStrategy(ShardedStrategy):
         if not 1 <= int(aggregate) <= cluster.num_workers:
             raise ValueError(f"aggregate {aggregate} must be between 1 and {cluster.num_workers} workers")
         if int(total_steps) >= 1 << 24:   # versions travel in the model's float buffers
-            raise ValueError(f"{total_steps} steps is more than backup-worker mode counts exactly")
+            # (found here, after the set-up's agreement, alike on every rank: one of them says so, see
+            # mpidist.runtime.agreement.OneVoice)
+            raise UsageError(f"--aggregate {aggregate}: backup workers count steps in float32, exactly up to "
+                             f"{(1 << 24) - 1:,}, and this run takes {int(total_steps):,}: give --steps or "
+                             "--epochs for fewer")
         self.rounds = Rounds(total_steps, aggregate, cluster.num_workers)
         self.shard(n)
         self.worker_ranks = [rank for rank, role in enumerate(cluster.roles) if role != PS]
