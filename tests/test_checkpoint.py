@@ -12,7 +12,8 @@ from mpidist.store import checkpoint
 
 def write(directory, step):
     return checkpoint.save(directory, np.full(5, float(step)), {"m": np.zeros(5)}, step, step, 0, step,
-                           '{"seed": 1}', seed=11, workers=3)
+                           '{"seed": 1}', seed=11, workers=3,
+                           per_worker={"params": np.arange(10.0).reshape(2, 5), "m": np.ones((2, 5))})
 
 
 def test_a_checkpoint_round_trips_and_leaves_nothing_aside(tmp_path):
@@ -24,6 +25,8 @@ def test_a_checkpoint_round_trips_and_leaves_nothing_aside(tmp_path):
     with h5py.File(path) as handle:
         order, rng = json.loads(handle.attrs["data_order"]), json.loads(handle.attrs["rng"])
     assert (order["seed"], order["epoch_step"], order["workers"], rng["step"]) == (11, 7, 3, 7)
+    np.testing.assert_array_equal(loaded.per_worker["params"], np.arange(10.0).reshape(2, 5))   # a row per worker
+    assert sorted(loaded.per_worker) == ["m", "params"]
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-00000007.h5"]
 
 
@@ -77,6 +80,12 @@ def set_attr(name, value, group="/"):
     (set_attr("lineage", "../../x"), "attribute lineage is '../../x'"),
     (set_attr("rng", '{"seed": -1}'), "rng seed is -1"),
     (set_attr("format", "something else"), "not an mpidist checkpoint"),
+    (replace("workers/params", np.zeros((2, 4))), "workers/params has shape (2, 4)"),
+    (replace("workers/params", np.zeros(5)), "workers/params has shape (5,)"),
+    (replace("workers/params", np.zeros((2, 5), dtype=np.float32)), "workers/params has shape (2, 5) and dtype "
+                                                                     "float32"),
+    (replace("workers/m", np.zeros((3, 5))), "workers holds rows for different worker counts ([2, 3])"),
+    (replace("workers/m", np.full((2, 5), np.nan)), "workers/m holds NaN or Inf (10 of 10 values)"),
 ])
 def test_everything_read_from_a_checkpoint_is_checked_before_use(tmp_path, change, message):
     path = tampered(tmp_path, change)
@@ -100,5 +109,55 @@ def test_a_checkpoint_larger_than_memory_is_refused_before_it_is_read(tmp_path, 
     from mpidist.runtime import memory
     monkeypatch.setattr(memory, "available_bytes", lambda: 50)
     monkeypatch.setattr(memory, "ranks_per_node", lambda: 1)
-    with pytest.raises(UsageError, match="needs 80 B, more than this rank's share"):
+    # params and optimizer/m, and the two workers' rows of params and m: 6 x 5 float64
+    with pytest.raises(UsageError, match="needs 240 B, more than this rank's share"):
         checkpoint.load(write(tmp_path, 3))
+
+
+# -- what each worker holds of its own: a run stopped and resumed ends where an uninterrupted one does --------
+PER_WORKER_RUNS = {
+    # between averages local-sgd's workers hold their own parameters; their Adam moments always differ
+    "local-sgd": ["--strategy", "local-sgd", "--sync-every", "4", "--optimizer", "adam", "--lr", "0.01"],
+    # --compress keeps each worker's rounding error (its residual) for its next step
+    "allreduce --compress": ["--strategy", "allreduce", "--compress", "bf16", "--exchange", "mpi"],
+}
+
+
+def _final_checkpoint(tmp_path, name, flags, stops):
+    """The checkpoint of step 20 of a run on 2 ranks, stopped (and resumed with --resume auto) at ``stops``."""
+    from conftest import checkpoint_at, mpidist
+    directory = tmp_path / name
+    for steps in [*stops, 20]:
+        done, _ = mpidist(2, "train", *flags, "--steps", str(steps), "--checkpoint-dir", str(directory / "ck"),
+                          "--run-dir", str(directory / "run"), "--resume", "auto", timeout=120)
+        assert done.returncode == 0, done.stderr
+    return checkpoint.load(checkpoint_at(directory / "ck", 20))
+
+
+@pytest.mark.parametrize("strategy", PER_WORKER_RUNS)
+def test_a_run_stopped_and_resumed_ends_bitwise_where_an_uninterrupted_one_does(tmp_path, strategy):
+    flags = PER_WORKER_RUNS[strategy]
+    whole = _final_checkpoint(tmp_path, "whole", flags, [])
+    resumed = _final_checkpoint(tmp_path, "resumed", flags, [6])     # (6: between two averages of every 4)
+    np.testing.assert_array_equal(resumed.params, whole.params)
+    assert sorted(resumed.per_worker) == sorted(whole.per_worker) and len(whole.per_worker) >= 1
+    for name, rows in whole.per_worker.items():
+        assert rows.shape[0] == 2
+        np.testing.assert_array_equal(resumed.per_worker[name], rows, err_msg=name)
+    for name, array in whole.optimizer_state.items():
+        np.testing.assert_array_equal(resumed.optimizer_state[name], array, err_msg=name)
+
+
+def test_local_sgd_resumed_on_another_worker_count_starts_every_worker_from_the_mean(tmp_path):
+    from conftest import checkpoint_at, mpidist
+    flags = PER_WORKER_RUNS["local-sgd"]
+    stopped = _final_checkpoint(tmp_path, "two", flags, [])
+    assert not np.array_equal(*stopped.per_worker["m"])      # the workers' own moments, kept apart
+    done, _ = mpidist(3, "train", *flags, "--steps", "21", "--checkpoint-dir", str(tmp_path / "two" / "ck"),
+                      "--run-dir", str(tmp_path / "two" / "run"), "--resume", "auto", "--sync-every", "1",
+                      timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "at step 20" in done.stdout
+    after = checkpoint.load(checkpoint_at(tmp_path / "two" / "ck", 21))
+    rows = after.per_worker["params"]
+    assert rows.shape[0] == 3 and (rows == rows[0]).all()    # (--sync-every 1: averaged at step 21)

@@ -1,5 +1,5 @@
-"""The calls the ps serving loops make through runtime.comm (reductions by maximum and minimum, receives from
-any rank), and the failure watch freed by its maker."""
+"""The calls the ps serving loops make through runtime.comm (reductions by maximum and minimum, a receive
+posted per rank), and the failure watch freed by its maker."""
 
 import numpy as np
 import pytest
@@ -19,20 +19,38 @@ def test_allreduce_max_and_min_take_each_element_over_the_ranks():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_receive_from_any_rank_says_who_sent_it():
+def test_one_receive_per_rank_takes_each_message_as_it_completes_and_says_from_whom():
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     if rank == 0:
-        senders = []
-        for _ in range(size - 1):
-            words, status = np.zeros(2, dtype=np.int64), mpi.Status()
-            mpi.recv(world, words, mpi.ANY_SOURCE, 21, status=status)
-            assert words.tolist() == [status.source, 10 * status.source]
-            senders.append(status.source)
-        assert sorted(senders) == list(range(1, size))
+        senders = list(range(1, size))
+        words = np.zeros((len(senders), 2), dtype=np.int64)
+        requests = [mpi.irecv(world, words[index], sender, 21) for index, sender in enumerate(senders)]
+        taken = []
+        for look in range(len(senders)):
+            index = mpi.wait_any(requests, first=look)
+            assert requests[index] is None and words[index].tolist() == [senders[index], 10 * senders[index]]
+            taken.append(index)
+        assert sorted(taken) == list(range(len(senders)))
+        assert mpi.wait_any(requests) is None and mpi.wait_any([]) is None    # nothing posted: nothing to wait for
     else:
         note = np.array([rank, 10 * rank], dtype=np.int64)
         mpi.wait_all([mpi.isend(world, note, 0, 21)[0]])
+    world.Barrier()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_wait_any_looks_first_where_it_is_told():
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    if rank == 0:
+        words = np.zeros((2, 1), dtype=np.int64)
+        requests = [mpi.irecv(world, words[index], index + 1, 22) for index in range(2)]
+        while not all(request.Get_status() for request in requests):   # both arrived (Get_status frees nothing)
+            pass
+        assert mpi.wait_any(requests, first=1) == 1 and mpi.wait_any(requests, first=1) == 0
+    elif rank in (1, 2):
+        mpi.wait_all([mpi.isend(world, np.array([rank], dtype=np.int64), 0, 22)[0]])
     world.Barrier()
 
 

@@ -1,9 +1,10 @@
 """Agreement on set-up errors: every rank exits together, one message."""
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidist.runtime.agreement import agreed
+from mpidist.runtime.agreement import OneVoice, agreed
 from mpidist.runtime.errors import EXIT_FAILURE, EXIT_USAGE, UsageError, error_line
 
 
@@ -57,3 +58,17 @@ def test_an_unexpected_exception_exits_1_with_its_traceback(capsys):
     if world.Get_rank() == 0:
         err = capsys.readouterr().err
         assert "unexpected failure" in err and "KeyError: 'boom'" in err
+
+
+@pytest.mark.mpi(min_size=2)
+def test_when_every_rank_claims_the_voice_exactly_one_gets_it():
+    world = MPI.COMM_WORLD
+    voice = OneVoice(world)
+    try:
+        won = np.zeros(world.Get_size(), dtype=np.int64)
+        world.Allgather(np.array([int(voice.claim(seconds=30))], dtype=np.int64), won)
+        assert won.sum() == 1, won
+        assert not voice.claim()   # (claimed already: a second failure on any rank stays quiet)
+    finally:
+        world.Barrier()
+        voice.free()

@@ -9,8 +9,12 @@ shared-memory exchange are checked where the node layout decides them.
 """
 
 import json
+import re
+from pathlib import Path
 
 import pytest
+
+from mpidist.runtime import comm
 
 from conftest import events, mpidist
 
@@ -128,3 +132,27 @@ def test_with_one_worker_per_node_auto_sums_over_mpi_and_node_is_refused(tmp_pat
     assert refused.returncode == 2
     assert refused.stderr.count("--exchange node: each node holds one worker, so there is nothing for a node's "
                                 "ranks to share; use --exchange mpi or auto") == 1, refused.stderr
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_backup_workers_hear_every_note_across_nodes_even_where_most_are_left_for_later_rounds(tmp_path, layout):
+    # --aggregate 1: each round takes one note and leaves the others' for later rounds.  The coordinator once took
+    # notes with a receive from any source, which MPICH's network module left unmatched: this run hung every time
+    nodes = LAYOUTS[layout]
+    done = train(tmp_path, nodes, "--strategy", "ps-sync", "--ps", "1", "--aggregate", "1", "--steps", "40",
+                 "--log-every", "1", epochs=20, timeout=60)
+    assert done.returncode == 0, done.stderr
+    final = events(tmp_path / "run" / "metrics.jsonl", "done")[-1]
+    ps, = [role for role in final["roles"] if "aggregate" in role]
+    assert final["steps"] == 40 and ps["updates"] == 40 and ps["accepted"] == 40
+    assert ps["dropped"] >= 1   # the notes left for later rounds were heard there (stale) and answered
+
+
+def test_no_protocol_receives_from_any_source():
+    # a posted receive from MPI_ANY_SOURCE hung across nodes (MPICH's UCX module): mpidist receives by name
+    # (the stall monitor and the failure watch only poll, with Iprobe)
+    receive = re.compile(r"\b(recv|Recv|Irecv|irecv|Probe|Mprobe|Improbe|Mrecv)\([^)]*ANY_SOURCE")
+    package = Path(comm.__file__).resolve().parent.parent
+    found = [f"{path.relative_to(package)}: {match.group(0)}" for path in sorted(package.rglob("*.py"))
+             for match in receive.finditer(path.read_text())]
+    assert found == []

@@ -104,15 +104,16 @@ class Checkpointer:
         return self.best
 
     def write(self, state, step, epoch, epoch_step, workers, best=None):
-        """Write ``state`` (``(params, optimizer arrays, optimizer steps)``) as the checkpoint of ``step``; prune.
+        """Write ``state`` (``(params, optimizer arrays, optimizer steps[, each worker's own state])``) as the
+        checkpoint of ``step``; prune.
 
         ``best``: the ``--keep-best`` figure's best so far (``{"figure", "value", "step"}``), stored with it.
         """
         config = self.config
-        params, opt_state, opt_steps = state
+        params, opt_state, opt_steps, *per_worker = state
         path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
                                config.to_json(), config.seed, workers, self.lineage, self.parent, best=best,
-                               elapsed=self.run_time())
+                               elapsed=self.run_time(), per_worker=per_worker[0] if per_worker else None)
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         self.written.append(path)
         self.last_step = step

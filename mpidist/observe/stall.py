@@ -38,7 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime import comm as mpi
-from ..runtime.agreement import ABORT_GRACE_SECONDS
+from ..runtime.agreement import ABORT_GRACE_SECONDS, abort_quietly
 from ..runtime.errors import EXIT_FAILURE, error_line
 from ..runtime.whereabouts import PHASES, WAITS
 
@@ -280,5 +280,5 @@ def end_job(message):
     sys.stderr.flush()
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         time.sleep(ABORT_GRACE_SECONDS)   # as errors.py: else the launcher may tear the job down before it forwards the line
-        MPI.COMM_WORLD.Abort(EXIT_FAILURE)
+        abort_quietly(EXIT_FAILURE)   # (MPI's own abort line would follow the one above)
     os._exit(EXIT_FAILURE)   # one process: the main thread may be stuck where no exception reaches it

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime.cluster import PS
+from ..runtime.errors import UsageError
 from ..runtime.xp import is_device_array, to_host
 from .backup_rounds import Note, Rounds, settle, squares_with_loss
 from .base import SkipCounter, finite
@@ -49,6 +50,44 @@ from .recipe import total_steps
 from .shards import ShardedStrategy
 
 TAG_NOTE, TAG_GRAD, TAG_PARAMS = 11, 12, 13
+
+
+class NoteInbox:
+    """The coordinator's notes: one receive posted per worker, from that worker by name.
+
+    Notes come from whichever worker is ready first, yet never through a
+    receive from any source (see :func:`mpidist.runtime.comm.recv`: MPICH's
+    network module left one unmatched, and the coordinator hung whenever the
+    workers spanned nodes).  A worker sends its next note only after the
+    reply to its last, so one receive per worker is enough: posted at the
+    start and again before each reply that does not tell the worker to stop,
+    so none is left posted when the run ends.
+
+    Args:
+        world: the communicator the notes travel on.
+        worker_ranks: each worker's rank in it.
+    """
+
+    def __init__(self, world, worker_ranks):
+        self.world, self.worker_ranks = world, list(worker_ranks)
+        self.words = np.zeros((len(self.worker_ranks), 3), dtype=np.int64)
+        self.requests = [None] * len(self.worker_ranks)
+        self.first = 0   # where the next look begins: no worker is always looked at first
+        self.expect(range(len(self.worker_ranks)))
+
+    def expect(self, workers):
+        """Post the receive of each of these workers' next note."""
+        for worker in workers:
+            self.requests[worker] = mpi.irecv(self.world, self.words[worker], self.worker_ranks[worker], TAG_NOTE)
+
+    def notes(self):
+        """The notes as they complete (from any worker); ends when no receive is posted."""
+        while True:
+            worker = mpi.wait_any(self.requests, self.first)
+            if worker is None:
+                return
+            self.first = (worker + 1) % len(self.requests)
+            yield Note.decode(self.words[worker])
 
 
 class BackupWorkersStrategy(ShardedStrategy):
@@ -85,7 +124,11 @@ class BackupWorkersStrategy(ShardedStrategy):
         if not 1 <= int(aggregate) <= cluster.num_workers:
             raise ValueError(f"aggregate {aggregate} must be between 1 and {cluster.num_workers} workers")
         if int(total_steps) >= 1 << 24:   # versions travel in the model's float buffers
-            raise ValueError(f"{total_steps} steps is more than backup-worker mode counts exactly")
+            # (found here, after the set-up's agreement, alike on every rank: one of them says so, see
+            # mpidist.runtime.agreement.OneVoice)
+            raise UsageError(f"--aggregate {aggregate}: backup workers count steps in float32, exactly up to "
+                             f"{(1 << 24) - 1:,}, and this run takes {int(total_steps):,}: give --steps or "
+                             "--epochs for fewer")
         self.rounds = Rounds(total_steps, aggregate, cluster.num_workers)
         self.shard(n)
         self.worker_ranks = [rank for rank, role in enumerate(cluster.roles) if role != PS]
@@ -156,13 +199,6 @@ class BackupWorkersStrategy(ShardedStrategy):
         return float(self.replies[0][-1])
 
     # -- ps ----------------------------------------------------------------------
-    def _notes(self):
-        """Coordinator: the workers' notes, in the order they arrive (from any worker)."""
-        words = np.zeros(3, dtype=np.int64)
-        while True:
-            mpi.recv(self.cluster.world, words, mpi.ANY_SOURCE, TAG_NOTE)
-            yield Note.decode(words)
-
     def serve(self, control=None):
         """Rounds until the last step is taken and every worker has been told to stop.
 
@@ -179,7 +215,8 @@ class BackupWorkersStrategy(ShardedStrategy):
         incoming = np.zeros(size + 2, dtype=self.model.dtype)
         total = np.zeros(size, dtype=self.model.dtype)
         reply = np.zeros(size + 3, dtype=self.model.dtype)
-        notes = self._notes() if coordinator else None
+        inbox = NoteInbox(self.cluster.world, self.worker_ranks) if coordinator else None
+        notes = inbox.notes() if coordinator else None
         loss = 0.0
         while not rounds.over:
             statuses = rounds.tally(notes).statuses if coordinator else (0,) * workers
@@ -199,6 +236,8 @@ class BackupWorkersStrategy(ShardedStrategy):
                 rounds.checkpoint_due = bool(control.checkpoint_due(closing.version))
             reply[:size] = self.shard_view()
             reply[-3:] = (rounds.limit, rounds.version, loss)
+            if coordinator:   # (before the reply: a worker's next note finds its receive posted)
+                inbox.expect(worker for worker in round_.heard if not rounds.stopped[worker])
             for worker in round_.heard:
                 mpi.send(self.cluster.world, reply, self.worker_ranks[worker], TAG_PARAMS)
 

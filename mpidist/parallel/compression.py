@@ -115,6 +115,10 @@ class CompressedExchange(Exchange):
         self.bytes_per_step = int(self.patterns.nbytes + buffer.itemsize)
         self._loss = None
 
+    def own_state(self):
+        """The rounding error this worker sends with its next step: each worker's own, kept in checkpoints."""
+        return {"residual": self.residual}
+
     def begin(self):
         super().begin()
         self._loss = None

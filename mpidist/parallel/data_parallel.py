@@ -6,7 +6,10 @@ sums them over the workers while backward runs, and every worker applies the
 same update to the same parameters.
 """
 
+import numpy as np
+
 from ..runtime import comm as mpi
+from ..runtime.xp import to_host
 from .base import Strategy, synchronise_batch_norms
 
 
@@ -66,11 +69,21 @@ class DataParallel(Strategy):
         return super().evaluate(batches)
 
     def state(self):
+        """Collective over the workers: the chief's state, with every worker's :meth:`own_state` gathered (if any)."""
         self.average_running()
         state = super().state()
         if state is not None and self.exchange.holds_params:   # (the window's copy goes when the strategy does)
             state = (state[0].copy(), *state[1:])
-        return state
+        comm, own = self.worker_comm, self.own_state()
+        if comm is None or comm.Get_size() == 1 or not own:
+            return state
+        size, n = comm.Get_size(), self.model.num_params
+        rows = {}
+        for name in sorted(own):   # (the same order on every worker)
+            mine = np.ascontiguousarray(to_host(own[name]))
+            rows[name] = np.empty((size, n), dtype=mine.dtype) if comm.Get_rank() == 0 else None
+            mpi.gatherv(comm, mine, rows[name], [n] * size, [n * worker for worker in range(size)], root=0)
+        return state if state is None else (*state, rows)
 
     def survivor_state(self, cluster, step):
         return Strategy.state(self)   # (the old communicators are revoked: no averaging)
@@ -105,6 +118,33 @@ class DataParallel(Strategy):
             mpi.bcast(comm, self.model.params, root=0)
         if checkpoint is not None and self.optimizer is not None:
             self.optimizer.load_state(checkpoint.optimizer_state, checkpoint.optimizer_steps)
+        self.restore_own_state(checkpoint)
+
+    def own_state(self):
+        """This worker's arrays that differ from the other workers' (name -> flat array as long as the
+        parameters, a view of the live one), which a checkpoint keeps row by row: the exchange's (``--compress``'s
+        residuals)."""
+        n = self.model.num_params
+        return {name: array[:n] for name, array in self.exchange.own_state().items()}
+
+    def restore_own_state(self, checkpoint):
+        """Each worker's row of ``checkpoint.per_worker`` into its :meth:`own_state`; whether they were restored.
+
+        Only where the checkpoint has a row for each of these workers: with
+        another worker count every worker goes on from what :meth:`initialize`
+        gave it (the checkpoint's parameters and the chief's optimizer state;
+        zero residuals), the same everywhere.
+        """
+        comm, own = self.worker_comm, self.own_state()
+        rows = checkpoint.per_worker if checkpoint is not None and checkpoint.per_worker else {}
+        size = 1 if comm is None else comm.Get_size()
+        if not own or not rows or any(len(row) != size for row in rows.values()):
+            return False
+        worker = 0 if comm is None else comm.Get_rank()
+        for name, array in own.items():
+            if name in rows:   # (another optimizer's arrays are left out: it starts afresh, as initialize says)
+                array[...] = self.model.xp.asarray(rows[name][worker])
+        return True
 
     def train_step(self, x, y, weight, step):
         def loss_into_buffer(loss):   # the loss rides in the top bucket, the first to leave

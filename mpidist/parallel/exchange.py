@@ -94,6 +94,10 @@ class NoExchange:
         """The summed gradient's squared norm where the exchange took it (None: the strategy takes it)."""
         return None
 
+    def own_state(self):
+        """What this worker's exchange carries from step to step, its own (name -> flat array): none here."""
+        return {}
+
     def finite(self):
         """Whether every element of the summed buffer is finite (after :meth:`finish`)."""
         return math.isfinite(self._squares)

@@ -9,9 +9,13 @@ the workers exchange only the loss and a finite flag (two numbers). With
 ``K = 1`` and plain SGD (no momentum) on equal parts it is ``allreduce``
 exactly: the mean of ``p - lr * g_w`` is ``p - lr * mean(g_w)`` (tested).
 
-Each worker keeps its own optimizer state; parameters are also averaged
-before each evaluation and checkpoint, which holds the average and the
-chief's optimizer state.
+Each worker keeps its own optimizer state.  An evaluation scores the
+workers' mean parameters and leaves each worker its own, so evaluating does
+not change the training; a checkpoint holds the mean too (what ``eval`` and
+``predict`` read) and, row by row, every worker's own parameters and
+optimizer state.  Resumed on as many workers, each worker takes its own row
+back and the run goes on exactly as it would have; on another worker count
+every worker starts from the mean and the chief's optimizer state.
 
 This module is all there is to the strategy: its flag, its validation and
 its data layout are declared here and registered with :func:`register`.
@@ -21,6 +25,7 @@ import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
+from ..runtime.xp import to_host
 from .base import finite
 from .data_parallel import DataParallel, average_over
 from .exchange import NoExchange, bucket_slices
@@ -84,12 +89,37 @@ class LocalSgdStrategy(DataParallel):
         self.averaged = True
 
     def evaluate(self, batches):
+        """Collective: the figures of the workers' mean parameters; each worker then goes on from its own."""
+        if self.averaged or self.worker_comm is None or self.worker_comm.Get_size() == 1:
+            return super().evaluate(batches)
+        own = self.model.params.copy()
         self.average_params()
-        return super().evaluate(batches)
+        try:
+            return super().evaluate(batches)
+        finally:
+            self.model.params[...] = own
+            self.averaged = False
+
+    def own_state(self):
+        """Between averages the workers' parameters differ, and their optimizer states always do."""
+        return {"params": self.model.params, **self.optimizer.state_arrays(), **super().own_state()}
 
     def state(self):
-        self.average_params()
-        return super().state()
+        """Collective: the workers' mean parameters, the chief's optimizer state, and every worker's own rows."""
+        state = super().state()
+        comm = self.worker_comm
+        if comm is None or comm.Get_size() == 1:
+            return state
+        mean = np.ascontiguousarray(to_host(self.model.params)).copy()   # (the live parameters stay each worker's)
+        average_over(comm, mean)
+        return state if state is None else (mean, *state[1:])
+
+    def restore_own_state(self, checkpoint):
+        restored = super().restore_own_state(checkpoint)
+        if restored:   # the same parameters on every worker: averaged (as they were when it was written)
+            rows = checkpoint.per_worker["params"]
+            self.averaged = bool((rows == rows[0]).all())
+        return restored
 
     def stats(self):
         return {"averages": self.averages} if self.cluster is not None and self.cluster.is_chief else {}

@@ -4,6 +4,13 @@
    prints its traceback tagged with the rank and calls ``MPI_Abort``, so the
    other ranks are killed instead of waiting forever in a collective (a plain
    Python exit on one rank leaves the rest blocked; see README "Failures").
+   A refusal or failure mpidist understands (:class:`UsageError`,
+   :class:`RunError`) raised after the set-up's agreement -- by a strategy's
+   construction, a stream's check of a block it reads, the first forward
+   pass -- may come on several ranks at once: inside
+   :class:`ends_the_job_on_error` the first of them to claim :class:`OneVoice`
+   prints its one line, the others print nothing, and MPI's own abort line
+   (which repeats nothing useful) is not shown.
 2. :func:`agreed`: set-up work that only touches local state (parsing flags,
    reading this rank's shard, building the model) runs inside ``with
    agreed(comm, ...)``.  At its end every rank reports success or failure in
@@ -13,6 +20,7 @@
 """
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -21,12 +29,74 @@ import traceback
 import numpy as np
 
 from . import comm as mpi
+from . import ulfm
 from .errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, RunError, UsageError, error_line
+from .rma import Window
 from .whereabouts import here
 
 # Time the launcher gets to forward what a failing rank printed before MPI_Abort
 # tears the job down: without it, 1 traceback in 100 was lost under load (MPICH hydra).
 ABORT_GRACE_SECONDS = 0.5
+# How long a rank that found a failure waits to learn whether another rank speaks for it, and how long a
+# rank that lost the claim waits for the speaker's MPI_Abort before calling its own
+CLAIM_SECONDS = 2.0
+QUIET_SECONDS = 2.0
+
+
+class OneVoice:
+    """Which rank speaks for a failure found on several ranks at once: the first to claim it.
+
+    One counter in a window on rank 0 of ``comm`` (collective to make and to
+    :meth:`free`).  :meth:`claim` adds one to it, atomically: the rank that
+    found it 0 speaks.  Between ranks on one node the add needs nothing of
+    rank 0; across nodes rank 0 answers as soon as it is in MPI, which a rank
+    that waits for a failed one is.  No answer within ``CLAIM_SECONDS`` (rank
+    0 busy, or gone) counts as the claim won: a second line is better than
+    none.
+    """
+
+    def __init__(self, comm):
+        self.window = Window(comm, 1 if comm.Get_rank() == 0 else 0, np.int64)
+
+    def claim(self, seconds=CLAIM_SECONDS):
+        """Whether this rank speaks (the first to claim, or no answer in ``seconds``)."""
+        earlier = np.full(1, -1, dtype=np.int64)
+
+        def add():
+            try:
+                self.window.fetch_add(np.ones(1, dtype=np.int64), earlier, 0)
+                self.window.flush(0)
+            except Exception:   # (a broken window: this rank speaks)
+                earlier[0] = -1
+
+        from mpi4py import MPI
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:   # (the claim could block with no way to give up)
+            return True
+        asking = threading.Thread(target=add, daemon=True, name="mpidist-claim")
+        asking.start()
+        asking.join(seconds)
+        return asking.is_alive() or int(earlier[0]) <= 0
+
+    def free(self):
+        """Collective: release the window (once)."""
+        self.window.free()
+
+
+_VOICE = None   # the OneVoice of the job's ends_the_job_on_error, while one is entered
+
+
+def abort_quietly(code):
+    """``MPI_Abort(code)`` on the world, without MPI's own line (``Abort(2) on node ...``).
+
+    For where mpidist has printed the one line that says why: stderr goes to
+    /dev/null first, so the job's output ends with that line.
+    """
+    from mpi4py import MPI
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    except OSError:
+        pass
+    MPI.COMM_WORLD.Abort(code)
 
 
 def _tagged(text, rank):
@@ -36,23 +106,29 @@ def _tagged(text, rank):
 def abort_job(exc_type, exc, tb):
     """Report ``exc`` (tagged with this rank) and end the whole MPI job with its exit code.
 
-    A :class:`UsageError` or :class:`RunError` prints one line, anything else
+    A :class:`UsageError` or :class:`RunError` prints one line (inside
+    :class:`ends_the_job_on_error`, only on the rank that claims
+    :class:`OneVoice` first; MPI's abort line is not shown), anything else
     its traceback.  With more than one rank this calls ``MPI_Abort``: the
     other ranks may be waiting for this one in a collective.
     """
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
-    if isinstance(exc, (UsageError, RunError)):
+    many = MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
+    understood = isinstance(exc, (UsageError, RunError))
+    speaks = not (understood and many and _VOICE is not None) or _VOICE.claim()
+    if understood and speaks:
         sys.stderr.write(error_line(exc, rank) + "\n")
-        code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
-    else:
+    elif not understood:
         sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb)), rank))
-        code = EXIT_FAILURE
+    code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
     sys.stderr.flush()
     sys.stdout.flush()
-    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-        time.sleep(ABORT_GRACE_SECONDS)
+    if many:
+        time.sleep(ABORT_GRACE_SECONDS if speaks else QUIET_SECONDS)   # (the speaker's abort ends this one first)
+        if understood:
+            abort_quietly(code)
         MPI.COMM_WORLD.Abort(code)
     sys.exit(code)
 
@@ -98,17 +174,31 @@ class ends_the_job_on_error:
 
     Ranks past the set-up agreement may be waiting for this one in a
     collective: letting the exception reach a ``try`` in the user's script
-    would leave them waiting forever.  ``SystemExit`` (an agreed exit, on
-    every rank alike) passes through; one process alone just raises.
+    would leave them waiting forever.  A refusal found here on several ranks
+    (the same flag refused by every rank's strategy, bad rows in two
+    workers' streams) prints one line: the rank that claims :class:`OneVoice`
+    first speaks.  ``SystemExit`` (an agreed exit, on every rank alike)
+    passes through; one process alone just raises.  Collective to enter and
+    (without an error) to leave.
     """
 
     def __init__(self, world):
         self.world = world
+        self.voice = self.outer = None
 
     def __enter__(self):
+        global _VOICE
+        if self.world.Get_size() > 1:
+            self.voice, self.outer = OneVoice(self.world), _VOICE
+            _VOICE = self.voice
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        global _VOICE
         if exc is None or isinstance(exc, SystemExit) or self.world.Get_size() == 1:
+            if self.voice is not None:
+                _VOICE = self.outer
+                if not ulfm.failure_seen():   # (after a lost rank the window's communicator is broken)
+                    self.voice.free()
             return False
         abort_job(exc_type, exc, tb)

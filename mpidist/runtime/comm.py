@@ -208,42 +208,48 @@ def sendrecv(comm, send_array, dest, recv_array, source, tag=0):
     comm.Sendrecv(send_array, dest=dest, sendtag=tag, recvbuf=recv_array, source=source, recvtag=tag)
 
 
-#: ``source`` of :func:`recv` that takes a message from whichever rank sent one first.
-ANY_SOURCE = MPI.ANY_SOURCE
+def recv(comm, array, source, tag):
+    """Receive into ``array`` (contiguous) from the rank ``source``.
 
-
-def recv(comm, array, source, tag, status=None):
-    """Receive into ``array`` (contiguous) from ``source`` (a rank, or :data:`ANY_SOURCE`).
-
-    ``status``: a :class:`Status` that learns who sent the message.  From
-    :data:`ANY_SOURCE` the sender is found by a probe first and then received
-    from by name: MPICH's network module (ranks on other nodes, or every rank
-    with ``MPIR_CVAR_NOLOCAL=1``) left a posted any-source receive unmatched
-    while the message waited, which hung backup workers' coordinator.
+    Always from a named rank: mpidist's protocols never receive from
+    ``MPI_ANY_SOURCE``.  The standard makes such a receive as safe as a named
+    one, but MPICH's UCX network module (ranks on other nodes, or every rank
+    with ``MPIR_CVAR_NOLOCAL=1``) leaves a posted any-source receive unmatched
+    while the message it should take waits (an mpi4py program of twenty lines
+    hangs so), which hung backup workers' coordinator.  Where messages may
+    come from any of several ranks, :func:`irecv` posts one receive per rank
+    and :func:`wait_any` takes whichever completes.
     """
-    if source == ANY_SOURCE:
-        found = MPI.Status()
-        comm.Probe(ANY_SOURCE, tag, found)
-        source = found.Get_source()
     buffer, back = _for_mpi(array)
-    comm.Recv(buffer, source=source, tag=tag, status=None if status is None else status.mpi)
+    comm.Recv(buffer, source=source, tag=tag)
     if back:
         back()
     return array
 
 
-class Status:
-    """Who sent the message a :func:`recv` took (with :data:`ANY_SOURCE`, any rank may have)."""
+def irecv(comm, array, source, tag):
+    """Start receiving into ``array`` (host, contiguous: keep it untouched until done) from the rank ``source``.
 
-    __slots__ = ("mpi",)
+    Returns the request, for :func:`wait_any` or :func:`wait_all`.
+    """
+    return comm.Irecv(array, source=source, tag=tag)
 
-    def __init__(self):
-        self.mpi = MPI.Status()
 
-    @property
-    def source(self):
-        """The sender's rank in the communicator received on."""
-        return self.mpi.Get_source()
+def wait_any(requests, first=0):
+    """Block until one of ``requests`` (None: nothing posted there) completes; its index (None if none is posted).
+
+    The requests are looked at from index ``first`` on, round the end and back:
+    where several have completed, which one is taken is up to the caller
+    (MPI takes the lowest index, which would always favour the same one).
+    """
+    count = len(requests)
+    order = [(first + step) % count for step in range(count)]
+    posted = [requests[index] if requests[index] is not None else MPI.REQUEST_NULL for index in order]
+    found = MPI.Request.Waitany(posted) if posted else MPI.UNDEFINED
+    if found == MPI.UNDEFINED:
+        return None
+    requests[order[found]] = None   # (MPI has freed it)
+    return order[found]
 
 
 def wait_all(requests):

@@ -52,17 +52,25 @@ class Checkpoint:
     parent: str = ""        # the lineage it branched from, if it did
     best: dict = None       # --keep-best: {"figure", "value", "step"} of the best validation so far
     elapsed: float = 0.0    # seconds the run had trained when it was written (its metrics' time)
+    # what each worker holds of its own where workers differ (local-sgd's parameters and optimizer state between
+    # averages, --compress's residuals): name -> (workers, params.size), row w worker w's; None where they agree
+    per_worker: dict = None
 
+
+PER_WORKER = "workers"   # the group of each worker's own state
+MAX_WORKERS = 1 << 20    # rows of per-worker state a checkpoint may claim
 
 DATA_ORDER = "strided shards w::W, one permutation per epoch from (seed, epoch, worker)"
 RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
 def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
-         workers, lineage="", parent="", best=None, elapsed=0.0):
+         workers, lineage="", parent="", best=None, elapsed=0.0, per_worker=None):
     """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
     ``seed`` and ``workers`` fix the data order and random streams (see the module text).
+    ``per_worker``: each worker's own state where the workers' differ (name ->
+    ``(workers, params.size)`` array), written in the group ``workers/``.
     A write that fails (a full disk, a quota) raises :class:`RunError` with the
     reason; the file written aside is removed and every older checkpoint is intact.
     """
@@ -84,6 +92,10 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
                                  "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})})
             if best:   # (a resumed run goes on judging against it)
                 handle.attrs["best"] = json.dumps(best)
+            if per_worker:
+                rows = handle.create_group(PER_WORKER)
+                for name, array in per_worker.items():
+                    rows.create_dataset(name, data=array)
     except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
         reason = os.strerror(err.errno) if err.errno else str(err)
         kept = ", ".join(e.path.name for e in lineages.CheckpointDir(directory).entries()) or "none"
@@ -152,8 +164,9 @@ def _read(path, handle):
             raise bad(f"optimizer/{printable(name)}", f"has shape {array.shape} and dtype {array.dtype}; it must "
                                                       f"be flat like params {params.shape}")
         arrays[name] = array
-    check_fits((1 + len(arrays)) * params.size * params.dtype.itemsize, f"checkpoint {path} ({params.size:,} "
-                                                                        "parameters)")
+    rows = _per_worker_arrays(handle, params, bad)
+    check_fits((1 + len(arrays) + sum(len(array) for array in rows.values())) * params.size * params.dtype.itemsize,
+               f"checkpoint {path} ({params.size:,} parameters)")
     values = {name: _count(handle.attrs, name, bad) for name in ("step", "epoch", "epoch_step")}
     optimizer_steps = _count(group.attrs, "steps", bad, prefix="optimizer/")
     config = _json(handle.attrs, "config", bad)
@@ -169,14 +182,37 @@ def _read(path, handle):
     loaded = {"params": handle["params"][...]}
     for name in arrays:
         loaded[name] = group[name][...]
-    for name, array in loaded.items():
+    per_worker = {name: handle[PER_WORKER][name][...] for name in rows}
+    for item, array in [*loaded.items(), *((f"{PER_WORKER}/{name}", array) for name, array in per_worker.items())]:
         if not np.isfinite(array).all():
-            item = name if name == "params" else f"optimizer/{printable(name)}"
-            raise bad(item, f"holds NaN or Inf ({int(np.count_nonzero(~np.isfinite(array)))} of {array.size} "
-                            "values): it cannot be trained or evaluated from; resume an earlier checkpoint")
+            item = item if item == "params" or item.startswith(PER_WORKER) else f"optimizer/{printable(item)}"
+            raise bad(printable(item), f"holds NaN or Inf ({int(np.count_nonzero(~np.isfinite(array)))} of "
+                                       f"{array.size} values): it cannot be trained or evaluated from; resume an "
+                                       "earlier checkpoint")
     return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded,
                       optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage,
-                      parent=parent, best=best, elapsed=float(elapsed), **values)
+                      parent=parent, best=best, elapsed=float(elapsed), per_worker=per_worker or None, **values)
+
+
+def _per_worker_arrays(handle, params, bad):
+    """The ``workers/`` group's datasets, checked (not read): ``{name: dataset}``, every one ``(W, params.size)``."""
+    if PER_WORKER not in handle:
+        return {}
+    if handle.get(PER_WORKER, getclass=True) is not h5py.Group:
+        raise bad(PER_WORKER, "is not a group")
+    rows, workers = {}, set()
+    for name in handle[PER_WORKER]:
+        array = _array(handle[PER_WORKER], name, bad, prefix=PER_WORKER + "/")
+        if array.ndim != 2 or array.shape[1] != params.size or not 1 <= array.shape[0] <= MAX_WORKERS \
+                or array.dtype != params.dtype:
+            raise bad(f"{PER_WORKER}/{printable(name)}", f"has shape {array.shape} and dtype {array.dtype}; it must "
+                                                          f"hold one row like params {params.shape} {params.dtype} "
+                                                          "per worker")
+        rows[name] = array
+        workers.add(array.shape[0])
+    if len(workers) > 1:
+        raise bad(PER_WORKER, f"holds rows for different worker counts ({sorted(workers)})")
+    return rows
 
 
 def _best(table, step, bad):
