@@ -20,10 +20,10 @@ from mpidist.data import stream as streaming
 from mpidist.runtime.errors import UsageError
 from mpidist.settings.config import Settings
 
-from conftest import checkpoint_at, events, mpidist
+from conftest import checkpoint_at, corrupt_chunk, events, mpidist
 
 
-def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5):
+def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5, compression=None):
     """A dataset whose sample ``i`` is ``[offset + i, ...]`` with label ``(offset + i) % num_classes``."""
     numbers = np.arange(offset, offset + rows)
     x = np.repeat(numbers[:, None], width, axis=1).astype(np.float32)
@@ -31,7 +31,7 @@ def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5
         handle.attrs.update(name="rows", num_classes=num_classes, source="test")
         for split, (xs, ys) in {"train": (x, numbers % num_classes), "test": (x[:test_rows], numbers[:test_rows] % num_classes)}.items():
             chunks = (min(chunk, len(xs)), width) if chunk and len(xs) else None
-            handle.create_dataset(f"{split}/x", data=xs, chunks=chunks)
+            handle.create_dataset(f"{split}/x", data=xs, chunks=chunks, compression=compression if chunks else None)
             handle.create_dataset(f"{split}/y", data=ys.astype(np.int64))
     return path
 
@@ -170,6 +170,18 @@ def test_bad_rows_in_a_block_are_refused_naming_file_and_row(tmp_path):
     part = data.Stream(data.inspect(path), "train", 0, 1, (4,), np.float32, buffer=20)
     with pytest.raises(UsageError, match=r"d.h5: train/x holds NaN or Inf \(first at sample 57\)"):
         list(part.eval_batches())
+
+
+def test_a_chunk_that_does_not_decode_is_named_with_the_rows_read_in_memory_and_streamed(tmp_path):
+    path = corrupt_chunk(write(tmp_path / "d.h5", 400, chunk=50, compression="gzip"), "train/x", 3)
+    info = data.inspect(path)      # (the layout is intact: only the chunk's bytes are not)
+    with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 0..399 \(HDF5: .*filter"):
+        data.Shard(info, "train", 0, 1, (4,), np.float32)
+    part = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400)    # blocks of 100 rows
+    with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 100..199 \(HDF5: "):
+        list(part.eval_batches())
+    with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 100..199 \(HDF5: "):
+        list(part.batches(10, 40, 0, 0, 0))
 
 
 def test_streaming_memory_is_bounded_by_the_buffer_not_the_data(tmp_path):

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from ..runtime.reads import HDF5_ERRORS, reading
 from ..runtime.whereabouts import here
 from .direct import DirectFile, byte_ranges, direct_rows, readable
 from .layout import open_source
@@ -83,11 +84,15 @@ class SplitRows:
             begin, end = max(first, self.starts[index]), min(last, self.starts[index + 1])
             if end <= begin or not isinstance(member.path, os.PathLike):
                 continue
-            for item in self._items(member.path, handles, None):
-                if self._direct(item, member.path, handles) is not None:    # read around the cache: no hint
-                    continue
-                for offset, length in byte_ranges(item, int(begin - self.starts[index]), int(end - self.starts[index])):
-                    os.posix_fadvise(self._fd(member.path, handles), offset, length, os.POSIX_FADV_WILLNEED)
+            try:
+                for item in self._items(member.path, handles, None):
+                    if self._direct(item, member.path, handles) is not None:    # read around the cache: no hint
+                        continue
+                    for offset, length in byte_ranges(item, int(begin - self.starts[index]),
+                                                      int(end - self.starts[index])):
+                        os.posix_fadvise(self._fd(member.path, handles), offset, length, os.POSIX_FADV_WILLNEED)
+            except (*HDF5_ERRORS, KeyError):   # a hint only: the read that follows names what fails
+                continue
 
     def _fd(self, path, handles):
         """An OS file descriptor of ``path`` kept in ``handles`` (a stream's), or None (arrays, or no stream)."""
@@ -120,14 +125,16 @@ class SplitRows:
     def _items(self, path, handles, opened):
         """``(x, y)`` of this split's group in file ``path``: from ``handles`` (opened into it on first use), or
         opened for this call (``opened``)."""
-        if handles is None:
-            handle = opened.enter_context(open_source(path))
-            return handle[f"{self.group}/x"], handle[f"{self.group}/y"]
-        if (path, self.group) not in handles:
-            if path not in handles:
-                handles[path] = open_source(path)
-            handles[path, self.group] = handles[path][f"{self.group}/x"], handles[path][f"{self.group}/y"]
-        return handles[path, self.group]
+        # (checked when the run began, the file is opened again for each read or epoch: it may have changed)
+        with reading(f"{path}: {self.group}/x and {self.group}/y", errors=(*HDF5_ERRORS, KeyError)):
+            if handles is None:
+                handle = opened.enter_context(open_source(path))
+                return handle[f"{self.group}/x"], handle[f"{self.group}/y"]
+            if (path, self.group) not in handles:
+                if path not in handles:
+                    handles[path] = open_source(path)
+                handles[path, self.group] = handles[path][f"{self.group}/x"], handles[path][f"{self.group}/y"]
+            return handles[path, self.group]
 
     def _piece(self, items, path, local, handles=None):
         """Rows ``local`` of one file, read in one call where they are evenly spaced.
@@ -140,14 +147,14 @@ class SplitRows:
             y = np.empty((0,) if self.info.num_classes or self.info.target_width == 1 else (0, self.info.target_width))
             return prepare(x, y, self.info, where, local, self.input_shape, self.dtype)
         with here().doing("io", f"reading {where}"):
-            x, y = items
+            read = []
             step = int(local[1] - local[0]) if len(local) > 1 else 1
-            if step > 0 and local[-1] - local[0] == step * (len(local) - 1) and (np.diff(local) == step).all():
-                span = slice(int(local[0]), int(local[-1]) + 1, step)
-                x, y = (self._read_span(item, span, path, handles) for item in (x, y))
-            else:
-                x, y = read_rows(x, local), read_rows(y, local)
-        return prepare(x, y, self.info, where, local, self.input_shape, self.dtype)
+            even = step > 0 and local[-1] - local[0] == step * (len(local) - 1) and (np.diff(local) == step).all()
+            for key, item in zip("xy", items):
+                with reading(f"{where}/{key}", f"at samples {int(local[0])}..{int(local[-1])}"):
+                    read.append(self._read_span(item, slice(int(local[0]), int(local[-1]) + 1, step), path, handles)
+                                if even else read_rows(item, local))
+        return prepare(*read, self.info, where, local, self.input_shape, self.dtype)
 
 
     def _read_span(self, item, span, path, handles):
