@@ -534,6 +534,20 @@ def ingest_corrupt_npz(p, stack=None):
     return Launch(["-m", "mpidist", "ingest", str(path), str(p / "out.h5")])
 
 
+def one_chunk(compression):
+    """A dataset whose train split is stored in one chunk (5 MB of samples), compressed or not."""
+    def provoke(p):
+        path = p / "whole.h5"
+        with h5py.File(path, "w") as handle:
+            handle.attrs.update({"name": "whole", "num_classes": 3, "source": ""})
+            x = np.random.default_rng(0).random((20_000, 64), dtype=np.float32)
+            handle.create_dataset("train/x", data=x, chunks=x.shape, compression=compression)
+            handle.create_dataset("train/y", data=np.arange(20_000) % 3, chunks=(20_000,), compression=compression)
+            handle["test/x"], handle["test/y"] = x[:200], np.arange(200) % 3
+        return str(path)
+    return provoke
+
+
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}    # about 30 ms a step: time to act mid-run
 
 FAULTS = {
@@ -683,6 +697,17 @@ FAULTS = {
     "ingest of an .npz whose compressed array is corrupt": Fault(
         ingest_corrupt_npz, 2, "broken.npz: not a readable .npz file of plain arrays (Error -3 while "
         "decompressing data", check=nothing_written("out.h5")),
+    # a stream's buffers, sized from the memory budget
+    "--shuffle-buffer beyond what --memory-budget holds": bad(
+        "--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "4M", "--shuffle-buffer", "1000000000",
+        message="--memory-budget 4M: streaming with --shuffle-buffer 1,000,000,000 holds about "),
+    "a split stored as one chunk, streamed": Fault(
+        train("--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "4M", "--steps", "20"), 0,
+        "train/x is stored in chunks of 20,000 rows (4.9 MiB), more than a stream's blocks", one_message=False),
+    "a compressed chunk larger than the memory budget": bad(
+        "--data", one_chunk("gzip"), "--data-mode", "stream", "--memory-budget", "4M",
+        message="train/x is stored in compressed chunks of 20,000 rows (4.9 MiB decompressed): reading any of its "
+                "samples decompresses a whole chunk"),
 }
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..runtime.reads import HDF5_ERRORS, reading
 from ..runtime.whereabouts import here
 from .direct import DirectFile, byte_ranges, direct_rows, readable
-from .layout import open_source
+from .layout import CHUNK_CACHE, open_source
 from .samples import prepare
 
 
@@ -40,6 +40,9 @@ class SplitRows:
                 starts.append(total)
                 total += rows
         self.starts = np.array(starts + [total], dtype=np.int64)   # each file's first row in the group, and the end
+        # a file whose compressed chunks are larger than HDF5's chunk cache: opened with a cache of one
+        self.cache = {member.path: member.span(self.group) for member in self.files
+                      if member.span(self.group) > CHUNK_CACHE}
         self.count = total if self.picked is None else len(self.picked)
 
     def __len__(self):
@@ -56,10 +59,10 @@ class SplitRows:
         """
         rows = self.group_rows(numbers)
         pieces = []
-        with contextlib.ExitStack() as opened:
-            for index, member in enumerate(self.files):
-                lo, hi = np.searchsorted(rows, self.starts[index:index + 2])
-                if hi > lo:
+        for index, member in enumerate(self.files):
+            lo, hi = np.searchsorted(rows, self.starts[index:index + 2])
+            if hi > lo:
+                with contextlib.ExitStack() as opened:    # (one file open at a time, its chunk cache with it)
                     items = self._items(member.path, handles, opened)
                     pieces.append(self._piece(items, member.path, rows[lo:hi] - self.starts[index], handles))
         if len(pieces) == 1:
@@ -127,14 +130,25 @@ class SplitRows:
         opened for this call (``opened``)."""
         # (checked when the run began, the file is opened again for each read or epoch: it may have changed)
         with reading(f"{path}: {self.group}/x and {self.group}/y", errors=(*HDF5_ERRORS, KeyError)):
+            cache = self.cache.get(path, 0)
             if handles is None:
-                handle = opened.enter_context(open_source(path))
+                handle = opened.enter_context(open_source(path, cache))
                 return handle[f"{self.group}/x"], handle[f"{self.group}/y"]
             if (path, self.group) not in handles:
                 if path not in handles:
-                    handles[path] = open_source(path)
+                    if cache:   # one such file open at a time: its cache holds a chunk as long as it is open
+                        self._let_go(handles.pop(("cached",), None), handles)
+                        handles[("cached",)] = path
+                    handles[path] = open_source(path, cache)
                 handles[path, self.group] = handles[path][f"{self.group}/x"], handles[path][f"{self.group}/y"]
             return handles[path, self.group]
+
+    def _let_go(self, path, handles):
+        """Close file ``path`` of ``handles`` (None: nothing to close), with its datasets and their caches."""
+        if path is not None:
+            for key in [key for key in handles if isinstance(key, tuple) and len(key) == 2 and key[0] == path]:
+                del handles[key]
+            handles.pop(path).close()
 
     def _piece(self, items, path, local, handles=None):
         """Rows ``local`` of one file, read in one call where they are evenly spaced.
