@@ -5,7 +5,10 @@ a contiguous range of the split's rows (the first ``n % W`` workers one row
 more: the counts of a strided shard, so steps per epoch do not change), cut
 into blocks at multiples of each file's block length: whole HDF5 chunks, about
 :data:`BLOCK_BYTES` of them, so a block is one read call and no chunk is
-decompressed twice.  Each epoch:
+decompressed twice.  Where whole chunks do not fit the memory budget
+(:func:`stream_bytes`, :mod:`mpidist.data.budget`), a chunk larger than a block
+is read in slices (``sliced``); the slices of a compressed chunk are read one
+after the other from a cache of that chunk (:func:`block_groups`).  Each epoch:
 
 1. the blocks are put in an order drawn from ``(seed, epoch, worker)``;
 2. consecutive blocks of that order form windows of at least ``buffer``
