@@ -231,3 +231,16 @@ def checkpoint_at(directory, step):
     found = list(Path(directory).glob(f"ckpt-{step:08d}*.h5"))
     assert len(found) == 1, (step, sorted(p.name for p in Path(directory).iterdir()))
     return found[0]
+
+
+def corrupt_chunk(path, item, index):
+    """Bytes inverted in the middle of chunk ``index`` of HDF5 dataset ``item``: its gzip filter cannot decode it."""
+    import h5py
+    with h5py.File(path, "r") as handle:
+        chunk = handle[item].id.get_chunk_info(index)
+    with open(path, "r+b") as handle:
+        handle.seek(chunk.byte_offset + chunk.size // 4)
+        middle = handle.read(chunk.size // 2)
+        handle.seek(chunk.byte_offset + chunk.size // 4)
+        handle.write(bytes(b ^ 0xFF for b in middle))
+    return path

@@ -23,7 +23,8 @@ import pytest
 from mpidist.store import checkpoint
 from mpidist.tools.ingest import write_dataset
 
-from conftest import checkpoint_at, checkpoint_steps, events, rank_pids, run_mpi, start_mpi, wait_for_step
+from conftest import (checkpoint_at, checkpoint_steps, corrupt_chunk, events, rank_pids, run_mpi, start_mpi,
+                      wait_for_step)
 
 SECONDS_TO_END = 10
 
@@ -484,6 +485,99 @@ def labels_bad_late_in_every_part(p):
     return str(path)
 
 
+# -- files whose bytes a library cannot read, past the checks of their layout ------------------------------
+def compressed_dataset(path, rows=4000, chunk=100):
+    """A dataset in the layout whose splits are stored in gzip-compressed chunks of ``chunk`` rows."""
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as handle:
+        handle.attrs.update({"name": path.stem, "num_classes": 3, "source": ""})
+        for split, n in (("train", rows), ("test", rows // 4)):
+            handle.create_dataset(f"{split}/x", data=rng.random((n, 4), dtype=np.float32), chunks=(chunk, 4),
+                                  compression="gzip")
+            handle.create_dataset(f"{split}/y", data=np.arange(n) % 3, chunks=(chunk,), compression="gzip")
+    return path
+
+
+STREAMED = ("--data-mode", "stream", "--shuffle-buffer", "400", "--seed", "0", "--epochs", "2")
+
+
+def chunk_read_after_the_start(p):
+    """A chunk of train/x that no worker (of 2 or of 4) reads in its first window, which set-up reads: the
+    stream reaches it while training."""
+    from mpidist import data
+    path = compressed_dataset(p / "late.h5")
+    info = data.inspect(path)
+    early = set()
+    for workers in (2, 4):
+        for worker in range(workers):
+            stream = data.Stream(info, "train", worker, workers, (4,), np.float32, buffer=400)
+            for block in data.stream.epoch_windows(stream.sizes, stream.buffer, 0, 0, worker)[0]:
+                early.update(range(int(stream.cuts[block]) // 100, -(-int(stream.cuts[block + 1]) // 100)))
+    late = min(set(range(info.sizes["train"] // 100)) - early)
+    return str(corrupt_chunk(path, "train/x", late))
+
+
+def training_had_started(p, out, err):
+    assert events(p / "m.jsonl", "start") and "mpidist: error (rank " in err
+
+
+def checkpoint_with_a_corrupt_chunk(p):
+    """A checkpoint of the default model whose params are stored compressed, one chunk of them corrupt."""
+    ck = first_run(p, "--steps", "3")
+    path = checkpoint_at(ck, 3)
+    with h5py.File(path, "a") as handle:
+        params = handle["params"][...]
+        del handle["params"]
+        handle.create_dataset("params", data=params, chunks=(1024,), compression="gzip")
+    return str(corrupt_chunk(path, "params", 2))
+
+
+def predict_corrupt_samples(p, stack=None):
+    """``predict`` of plain samples (digits' 8x8) stored compressed, one chunk corrupt."""
+    ck = first_run(p, "--steps", "3")
+    with h5py.File(p / "plain.h5", "w") as handle:
+        x = np.random.default_rng(0).random((400, 8, 8), dtype=np.float32)
+        handle.create_dataset("x", data=x, chunks=(50, 8, 8), compression="gzip")
+    corrupt_chunk(p / "plain.h5", "x", 5)
+    return Launch(["-m", "mpidist", "predict", str(checkpoint_at(ck, 3)), "--data", str(p / "plain.h5"),
+                   "--output", str(p / "out.csv")])
+
+
+def nothing_written(name):
+    def check(p, out, err):
+        assert not (p / name).exists()
+    return check
+
+
+def ingest_corrupt_npz(p, stack=None):
+    """An .npz whose compressed x.npy is not deflate data (the zip's directory is intact)."""
+    import zipfile
+    path = p / "broken.npz"
+    np.savez_compressed(path, x=np.random.default_rng(0).random((300, 4)), y=np.arange(300) % 3)
+    with zipfile.ZipFile(path) as archive:
+        member = archive.getinfo("x.npy")
+    with open(path, "r+b") as handle:
+        handle.seek(member.header_offset + 26)
+        start = member.header_offset + 30 + sum(int.from_bytes(handle.read(2), "little") for _ in range(2))
+        handle.seek(start)
+        handle.write(b"\xff" * 16)        # a deflate block of the reserved type 3: "invalid block type"
+    return Launch(["-m", "mpidist", "ingest", str(path), str(p / "out.h5")])
+
+
+def one_chunk(compression):
+    """A dataset whose train split is stored in one chunk (5 MB of samples), compressed or not."""
+    def provoke(p):
+        path = p / "whole.h5"
+        with h5py.File(path, "w") as handle:
+            handle.attrs.update({"name": "whole", "num_classes": 3, "source": ""})
+            x = np.random.default_rng(0).random((20_000, 64), dtype=np.float32)
+            handle.create_dataset("train/x", data=x, chunks=x.shape, compression=compression)
+            handle.create_dataset("train/y", data=np.arange(20_000) % 3, chunks=(20_000,), compression=compression)
+            handle["test/x"], handle["test/y"] = x[:200], np.arange(200) % 3
+        return str(path)
+    return provoke
+
+
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}    # about 30 ms a step: time to act mid-run
 
 
@@ -653,6 +747,33 @@ FAULTS = {
     "bad labels that a stream reads mid-run": bad("--data", labels_bad_late_in_every_part, "--data-mode", "stream",
                                                   "--shuffle-buffer", "2000", "--epochs", "1",
                                                   message="train/y has label 9 at sample"),
+    # a read the file's library fails, past the checks of its layout
+    "a corrupt compressed chunk in a dataset": bad("--data", lambda p: str(corrupt_chunk(compressed_dataset(
+        p / "corrupt.h5"), "train/x", 7)), message="corrupt.h5: train/x cannot be read at samples 0..39"),
+    "a corrupt compressed chunk reached while streaming": Fault(
+        train("--data", chunk_read_after_the_start, *STREAMED), 2, "late.h5: train/x cannot be read at samples ",
+        check=training_had_started),
+    "a corrupt chunk of the test split, at evaluation": Fault(
+        train("--data", lambda p: str(corrupt_chunk(compressed_dataset(p / "test.h5"), "test/x", 3)), *STREAMED),
+        2, "test.h5: test/x cannot be read at samples ", check=training_had_started),
+    "a checkpoint whose parameters cannot be read": bad("--resume", checkpoint_with_a_corrupt_chunk,
+                                                        message="params cannot be read (HDF5: "),
+    "predict on samples that cannot be read": Fault(predict_corrupt_samples, 2, "plain.h5: x cannot be read at "
+                                                    "samples ", check=nothing_written("out.csv")),
+    "ingest of an .npz whose compressed array is corrupt": Fault(
+        ingest_corrupt_npz, 2, "broken.npz: not a readable .npz file of plain arrays (Error -3 while "
+        "decompressing data", check=nothing_written("out.h5")),
+    # a stream's buffers, sized from the memory budget
+    "--shuffle-buffer beyond what --memory-budget holds": bad(
+        "--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "4M", "--shuffle-buffer", "1000000000",
+        message="--memory-budget 4M: streaming with --shuffle-buffer 1,000,000,000 holds about "),
+    "a split stored as one chunk, streamed": Fault(
+        train("--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "4M", "--steps", "20"), 0,
+        "train/x is stored in chunks of 20,000 rows (4.9 MiB), more than a stream's blocks", one_message=False),
+    "a compressed chunk larger than the memory budget": bad(
+        "--data", one_chunk("gzip"), "--data-mode", "stream", "--memory-budget", "4M",
+        message="train/x is stored in compressed chunks of 20,000 rows (4.9 MiB decompressed): reading any of its "
+                "samples decompresses a whole chunk"),
 }
 
 

@@ -20,10 +20,10 @@ from mpidist.data import stream as streaming
 from mpidist.runtime.errors import UsageError
 from mpidist.settings.config import Settings
 
-from conftest import checkpoint_at, events, mpidist
+from conftest import checkpoint_at, corrupt_chunk, events, mpidist
 
 
-def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5):
+def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5, compression=None):
     """A dataset whose sample ``i`` is ``[offset + i, ...]`` with label ``(offset + i) % num_classes``."""
     numbers = np.arange(offset, offset + rows)
     x = np.repeat(numbers[:, None], width, axis=1).astype(np.float32)
@@ -31,7 +31,7 @@ def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5
         handle.attrs.update(name="rows", num_classes=num_classes, source="test")
         for split, (xs, ys) in {"train": (x, numbers % num_classes), "test": (x[:test_rows], numbers[:test_rows] % num_classes)}.items():
             chunks = (min(chunk, len(xs)), width) if chunk and len(xs) else None
-            handle.create_dataset(f"{split}/x", data=xs, chunks=chunks)
+            handle.create_dataset(f"{split}/x", data=xs, chunks=chunks, compression=compression if chunks else None)
             handle.create_dataset(f"{split}/y", data=ys.astype(np.int64))
     return path
 
@@ -172,6 +172,18 @@ def test_bad_rows_in_a_block_are_refused_naming_file_and_row(tmp_path):
         list(part.eval_batches())
 
 
+def test_a_chunk_that_does_not_decode_is_named_with_the_rows_read_in_memory_and_streamed(tmp_path):
+    path = corrupt_chunk(write(tmp_path / "d.h5", 400, chunk=50, compression="gzip"), "train/x", 3)
+    info = data.inspect(path)      # (the layout is intact: only the chunk's bytes are not)
+    with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 0..399 \(HDF5: .*filter"):
+        data.Shard(info, "train", 0, 1, (4,), np.float32)
+    part = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400)    # blocks of 100 rows
+    with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 100..199 \(HDF5: "):
+        list(part.eval_batches())
+    with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 100..199 \(HDF5: "):
+        list(part.batches(10, 40, 0, 0, 0))
+
+
 def test_streaming_memory_is_bounded_by_the_buffer_not_the_data(tmp_path):
     rows, width = 12_000, 1000                 # 48 MB of float32
     path = tmp_path / "big.h5"
@@ -212,6 +224,76 @@ def test_the_budget_decides_between_memory_and_stream():
     assert data.plan(Settings(data_mode="stream"), info, parts, (100,), np.float32).mode == "stream"
     with pytest.raises(UsageError, match="--memory-budget 3M: streaming with --shuffle-buffer 100,000"):
         data.plan(Settings(memory_budget="3M", shuffle_buffer=100_000), info, parts, (100,), np.float32)
+
+
+def test_a_shuffle_buffer_beyond_the_budget_is_capped_to_what_fits_or_refused_where_both_were_given(monkeypatch):
+    from mpidist.data import budget
+    info = data.DatasetInfo(path="d.h5", name="d", num_classes=10, source="", sample_shape=(100,),
+                            sizes={"train": 10_000, "test": 100},
+                            files=(data.Member("d.h5", {"train": 10_000, "test": 100}, {"train": 1, "test": 1},
+                                               {"train": 400, "test": 400}),))
+    parts = [("train", 5_000), ("test", 50)]
+    monkeypatch.setattr(budget, "default_budget", lambda: 3 << 20)       # --memory-budget auto on a small node
+    chosen = data.plan(Settings(data_mode="stream", shuffle_buffer=10 ** 9), info, parts, (100,), np.float32)
+    assert "(capped)" in chosen.why and chosen.notes[0].startswith("--shuffle-buffer 1,000,000,000 capped to "
+                                                                      f"{chosen.buffer:,} samples")
+
+    def held(buffer):
+        return sum(streaming.stream_bytes(info, split, buffer, (100,), np.float32, chosen.sliced,
+                                          train=split == "train") for split, _ in parts)
+    assert held(chosen.buffer) <= 3 << 20 < held(chosen.buffer + 1)       # the largest that fits
+    # a buffer as large as the part orders it as one window, as any larger one: kept, not capped
+    whole = data.plan(Settings(data_mode="stream", shuffle_buffer=10 ** 9, memory_budget="1G"), info, parts,
+                      (100,), np.float32)
+    assert whole.buffer == 5_000 and not whole.notes
+    with pytest.raises(UsageError, match=f"give --shuffle-buffer {chosen.buffer:,} or less, or a larger budget"):
+        data.plan(Settings(data_mode="stream", shuffle_buffer=10 ** 9, memory_budget=str(3 << 20)), info, parts,
+                  (100,), np.float32)
+
+
+def test_a_split_stored_in_one_chunk_streams_in_slices_within_its_budget(tmp_path):
+    rows, width = 12_000, 250                  # 12 MB of float32 in one chunk
+    info = data.inspect(write(tmp_path / "one.h5", rows, width=width, chunk=rows))
+    whole_chunks = streaming.stream_bytes(info, "train", 1000, (width,), np.float32, sliced=False)
+    assert whole_chunks > 4 * 12e6            # four windows of at least the chunk: the old way
+    reading = data.plan(Settings(data_mode="stream", memory_budget="4M"), info, [("train", rows)], (width,),
+                        np.float32)
+    assert reading.sliced and "train/x is stored in chunks of 12,000 rows" in reading.notes[0]
+    assert streaming.stream_bytes(info, "train", reading.buffer, (width,), np.float32, sliced=True) <= 4 << 20
+    part = reading.open(info, "train", 0, 1, (width,), np.float32)
+    assert part.groups is None and part.sizes.max() < rows     # uncompressed: slices cost no extra reading
+    tracemalloc.start()
+    got = rows_of(part.batches(100, rows // 100, 0, 0, 0))
+    top = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert sorted(got) == list(range(rows)) and top < 4 << 20, top
+
+
+def test_slices_of_a_compressed_chunk_are_read_one_after_the_other_from_a_cache_of_one_chunk(tmp_path):
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    for index in range(2):                     # two files, each split in one compressed chunk of 1.2 MB
+        write(folder / f"part-{index}.h5", 1000, width=300, chunk=1000, offset=1000 * index, test_rows=2,
+              compression="gzip")
+    info = data.inspect(folder)
+    part = data.Stream(info, "train", 0, 1, (300,), np.float32, buffer=200, sliced=True)   # 59 KiB blocks
+    assert part.groups is not None and sorted(set(part.groups.tolist())) == [0, 1]
+    order = [block for window in streaming.epoch_windows(part.sizes, part.buffer, 0, 0, 0, part.groups)
+             for block in window]
+    chunks = [int(part.groups[block]) for block in order]
+    assert sorted(order) == list(range(len(part.sizes))) and order != sorted(order)
+    assert chunks == sorted(chunks) or chunks == sorted(chunks, reverse=True)    # each chunk's slices together
+    handles = {}
+    try:
+        first, second = (folder / f"part-{index}.h5" for index in range(2))
+        part.source.read(np.arange(0, 10), handles)
+        x, _ = handles[first, "train"]
+        assert x.id.get_access_plist().get_chunk_cache()[1] >= 1000 * 300 * 4   # the chunk is decompressed once
+        part.source.read(np.arange(1000, 1010), handles)
+        assert first not in handles and second in handles      # one such file open at a time: one chunk held
+    finally:
+        streaming._close(handles)
+    assert sorted(rows_of(part.batches(100, 20, 0, 0, 0))) == list(range(2000))
 
 
 @pytest.mark.parametrize("text,expected", [("512M", 512 << 20), ("1.5GiB", 3 << 29), ("2g", 2 << 30),

@@ -7,6 +7,14 @@ streams every split it reads.  The workers of a run hold shards of the same
 size, so with the same budget they choose alike; a worker's epoch order
 depends on its mode, so pin ``--data-mode`` where a resumed run must repeat the
 stopped one's order on machines with other memory.
+
+A stream's every buffer is sized from the budget and checked against it
+before anything is allocated (:func:`~mpidist.data.stream.stream_bytes`): its
+windows, the block being read, an evaluation's blocks, and the chunk cache of
+compressed chunks larger than HDF5's.  Where they do not fit, chunks larger
+than a block are read in slices, then the shuffle buffer is capped (the
+start-up table and a note say so), and where even a buffer of one sample does
+not fit, the run is refused, naming what takes the memory.
 """
 
 import dataclasses
@@ -17,7 +25,14 @@ from ..runtime.errors import UsageError
 from ..runtime.memory import default_budget, human, parse_bytes
 from .samples import footprint
 from .shard import Shard
-from .stream import WINDOWS, Stream, block_bytes_for, block_length, default_buffer
+from .stream import (
+    WINDOWS,
+    Stream,
+    block_bytes_for,
+    block_length,
+    default_buffer,
+    stream_bytes,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +43,14 @@ class Reading:
     why: str
     buffer: int = 0     # samples in a stream's shuffle buffer
     direct: bool = False    # a stream reads around the page cache (--stream-io direct)
+    sliced: bool = False    # a stream reads chunks larger than its blocks in slices
+    notes: tuple = ()       # what the chief says of it (a buffer capped, chunks read in slices)
 
     def open(self, info, split, worker, num_workers, input_shape, dtype):
         """The shard of ``split`` for this worker: a :class:`Shard` in memory, or a :class:`Stream`."""
         if self.mode == "memory":
             return Shard(info, split, worker, num_workers, input_shape, dtype)
-        return Stream(info, split, worker, num_workers, input_shape, dtype, self.buffer, self.direct)
+        return Stream(info, split, worker, num_workers, input_shape, dtype, self.buffer, self.direct, self.sliced)
 
 
 def budget_of(config):
@@ -53,14 +70,85 @@ def plan(config, info, parts, input_shape, dtype):
         return Reading("memory", f"memory {human(need)} (--data-mode memory)")
     if config.data_mode == "auto" and need <= budget:
         return Reading("memory", f"memory {human(need)} <= budget {human(budget)}")
-    sample = int(np.prod(input_shape)) * np.dtype(dtype).itemsize
-    buffer = config.shuffle_buffer or default_buffer(input_shape, dtype, budget)
-    block = block_bytes_for(buffer, input_shape, dtype)
-    largest = max(block_length(m, info.rows_of(split)[0], block) for m in info.files for split, _ in parts)
-    held = WINDOWS * (buffer + largest) * (sample + 16)
-    if held > budget and how == "--memory-budget" and config.shuffle_buffer:
-        raise UsageError(f"--memory-budget {config.memory_budget}: streaming with --shuffle-buffer {buffer:,} "
-                         f"holds about {human(held)} ({WINDOWS} windows of that many {human(sample)} samples, and "
-                         "a block); give a smaller --shuffle-buffer or a larger budget")
     why = "--data-mode stream" if config.data_mode == "stream" else f"{human(need)} > budget {human(budget)}"
-    return Reading("stream", f"stream ({why}), buffer {buffer:,}", buffer, config.stream_io == "direct")
+    return _streaming(config, info, dict(parts), input_shape, dtype, budget, how, why)
+
+
+def _streaming(config, info, parts, input_shape, dtype, budget, how, why):
+    """A stream's :class:`Reading` of ``parts`` (``{split: rows}``): whole chunks where they fit ``budget``, else
+    slices of them, then a smaller buffer; refused where a buffer of one sample does not fit."""
+    splits = list(parts)
+    def held(buffer, sliced):   # (a rank streams every split it reads: the train split with its windows)
+        return sum(stream_bytes(info, split, buffer, input_shape, dtype, sliced, train=split == "train")
+                   for split in splits)
+
+    asked = config.shuffle_buffer
+    buffer = asked or default_buffer(input_shape, dtype, budget)
+    if "train" in parts:    # a window holds the part at most: a larger buffer gives the same order
+        buffer = max(1, min(buffer, parts["train"]))
+    limit = f"--memory-budget {config.memory_budget}" if how == "--memory-budget" else \
+        f"the memory budget {human(budget)} (--memory-budget auto)"
+    sliced = held(buffer, False) > budget
+    notes, capped = [], held(buffer, sliced) > budget
+    if capped:
+        fits = _largest(lambda size: held(size, True) <= budget, buffer)
+        if fits == 0:
+            raise UsageError(_too_small(info, splits, held(1, True), limit))
+        if asked and how == "--memory-budget":
+            sample = int(np.prod(input_shape)) * np.dtype(dtype).itemsize
+            raise UsageError(f"--memory-budget {config.memory_budget}: streaming with --shuffle-buffer {asked:,} "
+                             f"holds about {human(held(buffer, True))} ({WINDOWS} windows of {buffer:,} "
+                             f"{human(sample)} samples, and its blocks); give --shuffle-buffer {fits:,} or less, "
+                             "or a larger budget")
+        if asked:   # (the default is what fits: no news)
+            notes.append(f"--shuffle-buffer {asked:,} capped to {fits:,} samples: a stream holds {WINDOWS} windows "
+                         f"of it, which must fit {limit} beside its blocks (the data order depends on it: pin "
+                         "--memory-budget where a resumed run must repeat it)")
+        buffer = fits
+    notes.extend(_slicing(info, splits, block_bytes_for(buffer, input_shape, dtype)) if sliced else [])
+    why = f"stream ({why}), buffer {buffer:,}" + (" (capped)" if capped and asked else "")
+    return Reading("stream", why, buffer, config.stream_io == "direct", sliced, tuple(notes))
+
+
+def _largest(fits, upto):
+    """The largest ``n`` in ``[1, upto]`` with ``fits(n)`` (which holds below any ``n`` it holds for), or 0."""
+    lo, hi = 0, upto
+    while lo < hi:
+        middle = (lo + hi + 1) // 2
+        lo, hi = (middle, hi) if fits(middle) else (lo, middle - 1)
+    return lo
+
+
+def _chunks(info, splits):
+    """``(member, group, chunk rows)`` of each file and split read, largest chunk of ``x`` first."""
+    found = [(m, info.rows_of(s)[0], m.chunk_rows.get(info.rows_of(s)[0], 1)) for s in splits for m in info.files]
+    return sorted(found, key=lambda f: -f[2] * f[0].row_bytes.get(f[1], 1))
+
+
+def _slicing(info, splits, block):
+    """Notes on the chunks a stream reads in slices: larger than its blocks of ``block`` bytes."""
+    for member, group, chunk in _chunks(info, splits):
+        length = block_length(member, group, block, sliced=True)
+        if length < chunk:
+            compressed = member.spans.get(group, (0, 0))[0] > 0
+            return [f"{member.path}: {group}/x is stored in chunks of {chunk:,} rows "
+                    f"({human(chunk * member.row_bytes[group])}), more than a stream's blocks ({human(block)}) "
+                    f"and its budget allow: read in slices of {length:,} rows"
+                    + ("; a compressed chunk is decompressed whole to read any slice, so its slices are read "
+                       "one after the other (a window draws from fewer places) from a cache of one chunk"
+                       if compressed else "")]
+    return []
+
+
+def _too_small(info, splits, least, limit):
+    """Why a stream does not fit ``limit`` even with a buffer of one sample (it needs ``least`` bytes)."""
+    member, group, chunk = _chunks(info, splits)[0]
+    span = member.spans.get(group, (0, 0))[0]
+    if 2 * member.cache_bytes(group) > least:     # the chunk cache takes most of it
+        return (f"{member.path}: {group}/x is stored in compressed chunks of {chunk:,} rows ({human(span)} "
+                f"decompressed): reading any of its samples decompresses a whole chunk, and a stream holds one, "
+                f"needing at least {human(least)}, more than {limit}; rewrite the file in smaller chunks "
+                "(`python -m mpidist ingest` writes chunks of about 1 MiB; or h5repack -l "
+                f"{group}/x:CHUNK=...), or give a larger --memory-budget")
+    return (f"streaming needs at least {human(least)} (a shuffle buffer of one sample, and a block), more than "
+            f"{limit}: give a larger --memory-budget")

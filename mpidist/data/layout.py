@@ -38,6 +38,7 @@ MAX_CLASSES = 2 ** 24   # more output units than any classifier here could train
 MAX_NAME = 200          # characters in a class name
 MAX_FILES = 100_000     # files in one dataset: more is a wrong directory, and each is opened by every rank
 SUFFIXES = (".h5", ".hdf5")
+CHUNK_CACHE = 1 << 20   # HDF5's own chunk cache per dataset
 
 
 def data_dirs():
@@ -104,6 +105,19 @@ class Member:
     sizes: dict         # split -> rows in this file
     chunk_rows: dict    # split -> rows per HDF5 chunk of x (1 where x is not chunked)
     row_bytes: dict     # split -> bytes of one sample of x as stored
+    #: split -> (x, y): bytes HDF5 decompresses to read any row of a compressed chunk (a chunk's rows, all
+    #: their values), 0 where the item is not compressed
+    spans: dict = dataclasses.field(default_factory=dict)
+
+    def span(self, group):
+        """Bytes of the larger of ``group``'s x and y decompressed chunk spans (0: neither is compressed)."""
+        return max(self.spans.get(group, (0, 0)))
+
+    def cache_bytes(self, group):
+        """Bytes reading ``group`` holds for compressed chunks larger than HDF5's cache (0: none): a chunk span of
+        x and of y decompressed, and the compressed one being read (as large, for data that does not compress)."""
+        spans = self.spans.get(group, (0, 0))
+        return sum(spans) + max(spans) if max(spans) > CHUNK_CACHE else 0
 
 
 @dataclasses.dataclass
@@ -189,9 +203,17 @@ def limit_evaluation(info, samples, splits=("test", "val")):
     return dataclasses.replace(info, sizes=sizes, carved=carved, limited=limited)
 
 
-def open_source(path):
-    """An HDF5 file, or an :class:`~mpidist.data.arrays.ArrayData`'s image, open for reading."""
-    return path.open() if isinstance(path, ArrayData) else h5py.File(path, "r")
+def open_source(path, cache=0):
+    """An HDF5 file, or an :class:`~mpidist.data.arrays.ArrayData`'s image, open for reading.
+
+    ``cache``: bytes of a compressed chunk span reads must not decompress again and again (reading part of a
+    compressed chunk decompresses all of it): each dataset's chunk cache holds one, where HDF5's is smaller.
+    """
+    if isinstance(path, ArrayData):
+        return path.open()
+    if cache > CHUNK_CACHE:
+        return h5py.File(path, "r", rdcc_nbytes=cache + CHUNK_CACHE)
+    return h5py.File(path, "r")
 
 
 def inspect(path, allow_external=False):
@@ -290,11 +312,19 @@ def _describe(path, handle, allow_external, part=False):
     mean, std = _stats(path, handle, sample_shape, allow_external)
     member = Member(path, sizes, chunk_rows={s: int(items[s, "x"].chunks[0]) if items[s, "x"].chunks else 1
                                              for s in splits},
-                    row_bytes={s: int(np.prod(sample_shape)) * items[s, "x"].dtype.itemsize for s in splits})
+                    row_bytes={s: int(np.prod(sample_shape)) * items[s, "x"].dtype.itemsize for s in splits},
+                    spans={s: (_span(items[s, "x"]), _span(items[s, "y"])) for s in splits})
     return DatasetInfo(path=path, name=_text(handle.attrs.get("name"), path.stem), num_classes=num_classes,
                        source=_text(handle.attrs.get("source"), ""), sample_shape=sample_shape, sizes=sizes,
                        target_width=widths.pop(), mean=mean, std=std,
                        class_names=_class_names(path, handle, num_classes, allow_external), files=(member,))
+
+
+def _span(item):
+    """Bytes HDF5 decompresses to read any row of a chunk of ``item``: its chunk rows' values; 0 if not filtered."""
+    if item.chunks is None or not item.id.get_create_plist().get_nfilters():
+        return 0
+    return int(item.chunks[0]) * item.dtype.itemsize * int(np.prod(item.shape[1:], dtype=np.int64))
 
 
 def _present(handle, name):

@@ -13,9 +13,10 @@ import os
 
 import numpy as np
 
+from ..runtime.reads import HDF5_ERRORS, reading
 from ..runtime.whereabouts import here
 from .direct import DirectFile, byte_ranges, direct_rows, readable
-from .layout import open_source
+from .layout import CHUNK_CACHE, open_source
 from .samples import prepare
 
 
@@ -39,6 +40,9 @@ class SplitRows:
                 starts.append(total)
                 total += rows
         self.starts = np.array(starts + [total], dtype=np.int64)   # each file's first row in the group, and the end
+        # a file whose compressed chunks are larger than HDF5's chunk cache: opened with a cache of one
+        self.cache = {member.path: member.span(self.group) for member in self.files
+                      if member.span(self.group) > CHUNK_CACHE}
         self.count = total if self.picked is None else len(self.picked)
 
     def __len__(self):
@@ -55,10 +59,10 @@ class SplitRows:
         """
         rows = self.group_rows(numbers)
         pieces = []
-        with contextlib.ExitStack() as opened:
-            for index, member in enumerate(self.files):
-                lo, hi = np.searchsorted(rows, self.starts[index:index + 2])
-                if hi > lo:
+        for index, member in enumerate(self.files):
+            lo, hi = np.searchsorted(rows, self.starts[index:index + 2])
+            if hi > lo:
+                with contextlib.ExitStack() as opened:    # (one file open at a time, its chunk cache with it)
                     items = self._items(member.path, handles, opened)
                     pieces.append(self._piece(items, member.path, rows[lo:hi] - self.starts[index], handles))
         if len(pieces) == 1:
@@ -83,11 +87,15 @@ class SplitRows:
             begin, end = max(first, self.starts[index]), min(last, self.starts[index + 1])
             if end <= begin or not isinstance(member.path, os.PathLike):
                 continue
-            for item in self._items(member.path, handles, None):
-                if self._direct(item, member.path, handles) is not None:    # read around the cache: no hint
-                    continue
-                for offset, length in byte_ranges(item, int(begin - self.starts[index]), int(end - self.starts[index])):
-                    os.posix_fadvise(self._fd(member.path, handles), offset, length, os.POSIX_FADV_WILLNEED)
+            try:
+                for item in self._items(member.path, handles, None):
+                    if self._direct(item, member.path, handles) is not None:    # read around the cache: no hint
+                        continue
+                    for offset, length in byte_ranges(item, int(begin - self.starts[index]),
+                                                      int(end - self.starts[index])):
+                        os.posix_fadvise(self._fd(member.path, handles), offset, length, os.POSIX_FADV_WILLNEED)
+            except (*HDF5_ERRORS, KeyError):   # a hint only: the read that follows names what fails
+                continue
 
     def _fd(self, path, handles):
         """An OS file descriptor of ``path`` kept in ``handles`` (a stream's), or None (arrays, or no stream)."""
@@ -120,14 +128,27 @@ class SplitRows:
     def _items(self, path, handles, opened):
         """``(x, y)`` of this split's group in file ``path``: from ``handles`` (opened into it on first use), or
         opened for this call (``opened``)."""
-        if handles is None:
-            handle = opened.enter_context(open_source(path))
-            return handle[f"{self.group}/x"], handle[f"{self.group}/y"]
-        if (path, self.group) not in handles:
-            if path not in handles:
-                handles[path] = open_source(path)
-            handles[path, self.group] = handles[path][f"{self.group}/x"], handles[path][f"{self.group}/y"]
-        return handles[path, self.group]
+        # (checked when the run began, the file is opened again for each read or epoch: it may have changed)
+        with reading(f"{path}: {self.group}/x and {self.group}/y", errors=(*HDF5_ERRORS, KeyError)):
+            cache = self.cache.get(path, 0)
+            if handles is None:
+                handle = opened.enter_context(open_source(path, cache))
+                return handle[f"{self.group}/x"], handle[f"{self.group}/y"]
+            if (path, self.group) not in handles:
+                if path not in handles:
+                    if cache:   # one such file open at a time: its cache holds a chunk as long as it is open
+                        self._let_go(handles.pop(("cached",), None), handles)
+                        handles[("cached",)] = path
+                    handles[path] = open_source(path, cache)
+                handles[path, self.group] = handles[path][f"{self.group}/x"], handles[path][f"{self.group}/y"]
+            return handles[path, self.group]
+
+    def _let_go(self, path, handles):
+        """Close file ``path`` of ``handles`` (None: nothing to close), with its datasets and their caches."""
+        if path is not None:
+            for key in [key for key in handles if isinstance(key, tuple) and len(key) == 2 and key[0] == path]:
+                del handles[key]
+            handles.pop(path).close()
 
     def _piece(self, items, path, local, handles=None):
         """Rows ``local`` of one file, read in one call where they are evenly spaced.
@@ -140,14 +161,14 @@ class SplitRows:
             y = np.empty((0,) if self.info.num_classes or self.info.target_width == 1 else (0, self.info.target_width))
             return prepare(x, y, self.info, where, local, self.input_shape, self.dtype)
         with here().doing("io", f"reading {where}"):
-            x, y = items
+            read = []
             step = int(local[1] - local[0]) if len(local) > 1 else 1
-            if step > 0 and local[-1] - local[0] == step * (len(local) - 1) and (np.diff(local) == step).all():
-                span = slice(int(local[0]), int(local[-1]) + 1, step)
-                x, y = (self._read_span(item, span, path, handles) for item in (x, y))
-            else:
-                x, y = read_rows(x, local), read_rows(y, local)
-        return prepare(x, y, self.info, where, local, self.input_shape, self.dtype)
+            even = step > 0 and local[-1] - local[0] == step * (len(local) - 1) and (np.diff(local) == step).all()
+            for key, item in zip("xy", items):
+                with reading(f"{where}/{key}", f"at samples {int(local[0])}..{int(local[-1])}"):
+                    read.append(self._read_span(item, slice(int(local[0]), int(local[-1]) + 1, step), path, handles)
+                                if even else read_rows(item, local))
+        return prepare(*read, self.info, where, local, self.input_shape, self.dtype)
 
 
     def _read_span(self, item, span, path, handles):

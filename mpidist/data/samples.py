@@ -54,10 +54,12 @@ def _first_bad_row(x):
 
 
 def footprint(rows, info, group, dtype):
-    """Bytes reading ``rows`` samples of ``group`` into memory takes at its peak: as stored, converted, targets."""
+    """Bytes reading ``rows`` samples of ``group`` into memory takes at its peak: as stored, converted, targets,
+    and a compressed chunk larger than HDF5's cache decompressed (its x and y, and the compressed one read)."""
     sample = int(np.prod(info.sample_shape))
     stored = max((m.row_bytes.get(group, 0) for m in info.files), default=sample * 8)
-    return rows * (stored + sample * np.dtype(dtype).itemsize + (8 * sample if standardizer(info) else 0) + 16)
+    cache = max((m.cache_bytes(group) for m in info.files), default=0)
+    return rows * (stored + sample * np.dtype(dtype).itemsize + (8 * sample if standardizer(info) else 0) + 16) + cache
 
 
 def standardizer(info):

@@ -5,7 +5,10 @@ a contiguous range of the split's rows (the first ``n % W`` workers one row
 more: the counts of a strided shard, so steps per epoch do not change), cut
 into blocks at multiples of each file's block length: whole HDF5 chunks, about
 :data:`BLOCK_BYTES` of them, so a block is one read call and no chunk is
-decompressed twice.  Each epoch:
+decompressed twice.  Where whole chunks do not fit the memory budget
+(:func:`stream_bytes`, :mod:`mpidist.data.budget`), a chunk larger than a block
+is read in slices (``sliced``); the slices of a compressed chunk are read one
+after the other from a cache of that chunk (:func:`block_groups`).  Each epoch:
 
 1. the blocks are put in an order drawn from ``(seed, epoch, worker)``;
 2. consecutive blocks of that order form windows of at least ``buffer``
@@ -40,6 +43,7 @@ STREAM_SEED = 0x5354          # mixed into the seed: the stream's order is not a
 BLOCK_BYTES = 4 << 20         # one read call: a few of a parallel file system's stripes; a window draws 16
 BUFFER_BYTES = 64 << 20       # the default shuffle buffer: this many bytes of samples in the model's dtype
 WINDOWS = 4                   # windows a stream holds at once: training, the one before, read, being read
+EVAL_BLOCKS = 3               # blocks an evaluation holds: being cut into batches, read ahead, being read
 
 
 def worker_range(n, workers, worker):
@@ -49,27 +53,83 @@ def worker_range(n, workers, worker):
     return lo, lo + base + (1 if worker < extra else 0)
 
 
-def block_cuts(source, lo, hi, block_bytes=BLOCK_BYTES):
+def block_cuts(source, lo, hi, block_bytes=BLOCK_BYTES, sliced=False):
     """Sorted row numbers of :class:`SplitRows` ``source`` cutting ``[lo, hi)`` into blocks.
 
     A file's blocks start at multiples of its block length: whole chunks of
-    ``x``, about ``block_bytes`` of them (one chunk at least); files are never
-    read in one block together.
+    ``x``, about ``block_bytes`` of them (one chunk at least); with ``sliced``,
+    a chunk larger than that is cut in equal slices from its start.  Files are
+    never read in one block together.
     """
     cuts = [np.array([lo, hi], dtype=np.int64)]
     for index, member in enumerate(source.files):
-        length = block_length(member, source.group, block_bytes)
-        starts = source.starts[index] + np.arange(0, member.sizes[source.group], length, dtype=np.int64)
+        length = block_length(member, source.group, block_bytes, sliced)
+        rows, chunk = member.sizes[source.group], max(1, member.chunk_rows.get(source.group, 1))
+        if length < chunk:     # slices of each chunk
+            starts = (np.arange(0, rows, chunk, dtype=np.int64)[:, None] + np.arange(0, chunk, length)).ravel()
+            starts = source.starts[index] + np.sort(starts[starts < rows])
+        else:
+            starts = source.starts[index] + np.arange(0, rows, length, dtype=np.int64)
         if source.picked is not None:      # a carved split: where its rows cross the file's boundaries
             starts = np.searchsorted(source.picked, starts).astype(np.int64)
         cuts.append(starts[(starts > lo) & (starts < hi)])
     return np.unique(np.concatenate(cuts))
 
 
-def block_length(member, group, block_bytes=BLOCK_BYTES):
-    """Rows of a block of ``group`` in file ``member``: whole chunks of ``x``, about ``block_bytes`` (one chunk at least)."""
-    chunk = max(1, member.chunk_rows.get(group, 1))
-    return max(chunk, block_bytes // max(member.row_bytes.get(group, 1), 1) // chunk * chunk)
+def block_length(member, group, block_bytes=BLOCK_BYTES, sliced=False):
+    """Rows of a block of ``group`` in file ``member``: whole chunks of ``x``, about ``block_bytes`` (one chunk at
+    least); with ``sliced``, a chunk larger than ``block_bytes`` is read in equal slices of at most about that."""
+    return _length(member.chunk_rows.get(group, 1), member.row_bytes.get(group, 1), block_bytes, sliced)
+
+
+def _length(chunk, row, block_bytes, sliced):
+    chunk, row = max(1, chunk), max(1, row)
+    if sliced and chunk * row > block_bytes:
+        pieces = -(-chunk * row // block_bytes)
+        return -(-chunk // pieces)
+    return max(chunk, block_bytes // row // chunk * chunk)
+
+
+def block_groups(source, cuts, block_bytes, sliced):
+    """Which blocks between ``cuts`` slice one compressed chunk (the same number), or None where none do.
+
+    Reading part of a compressed chunk decompresses all of it: an epoch reads
+    the slices of one such chunk one after the other, from the chunk cache
+    :class:`SplitRows` gives it, so each is decompressed about once an epoch.
+    """
+    compressed = [sliced and member.spans.get(source.group, (0, 0))[0] > 0
+                  and block_length(member, source.group, block_bytes, True) < member.chunk_rows.get(source.group, 1)
+                  for member in source.files]
+    if not any(compressed) or len(cuts) < 3:
+        return None
+    rows = source.group_rows(cuts[:-1])
+    files = np.searchsorted(source.starts, rows, side="right") - 1
+    chunks = (rows - source.starts[files]) // np.array([max(1, m.chunk_rows.get(source.group, 1))
+                                                        for m in source.files])[files]
+    same = (files[1:] == files[:-1]) & (chunks[1:] == chunks[:-1]) & np.array(compressed)[files[1:]]
+    groups = np.concatenate([[0], np.cumsum(~same)])
+    return None if groups[-1] == len(groups) - 1 else groups
+
+
+def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, train=True):
+    """Bytes a :class:`Stream` of ``split`` holds at most (``train``: with its windows; else an evaluation's blocks).
+
+    Its :data:`WINDOWS` windows of ``buffer`` samples and a block (in the
+    model's dtype, with targets); a block being read (as stored, standardised
+    where the file says so, converted); and the chunk cache of a file whose
+    compressed chunks are larger than HDF5's (a chunk of ``x`` and of ``y``
+    decompressed, and the compressed one read).
+    """
+    group = info.rows_of(split)[0]
+    values = int(np.prod(input_shape))
+    sample = values * np.dtype(dtype).itemsize + (8 if info.num_classes else info.target_width * 8)
+    block = block_bytes_for(buffer, input_shape, dtype)
+    kinds = {(m.chunk_rows.get(group, 1), m.row_bytes.get(group, 0), m.cache_bytes(group)) for m in info.files}
+    rows = max(_length(chunk, row, block, sliced) for chunk, row, _ in kinds)
+    stored = max(r for _, r, _ in kinds) + 8 + (8 * values if info.mean is not None else 0)
+    cache = max(cache for _, _, cache in kinds)     # (one file's: a stream holds one such file open at a time)
+    held = (WINDOWS * (buffer + rows) if train else EVAL_BLOCKS * rows) * sample
+    return held + rows * (stored + sample) + cache
 
 
 def block_bytes_for(buffer, input_shape, dtype):
@@ -90,10 +150,22 @@ def default_buffer(input_shape, dtype, budget=None):
     return max(1, size // (int(np.prod(input_shape)) * np.dtype(dtype).itemsize))
 
 
-def epoch_windows(sizes, buffer, seed, epoch, worker):
-    """The blocks (indices into ``sizes``, their row counts) of each window of an epoch, in order."""
-    order = np.random.default_rng([seed, epoch, worker, STREAM_SEED]).permutation(len(sizes))
-    return _group(order.tolist(), sizes, buffer)
+def epoch_windows(sizes, buffer, seed, epoch, worker, groups=None):
+    """The blocks (indices into ``sizes``, their row counts) of each window of an epoch, in order.
+
+    ``groups`` (:func:`block_groups`): blocks of one group stay together, in
+    an order of their own; groups are ordered as blocks are without them.
+    """
+    generator = np.random.default_rng([seed, epoch, worker, STREAM_SEED])
+    if groups is None:
+        return _group(generator.permutation(len(sizes)).tolist(), sizes, buffer)
+    firsts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
+    ends = np.append(firsts[1:], len(groups))
+    order = []
+    for run in generator.permutation(len(firsts)).tolist():
+        lo, hi = int(firsts[run]), int(ends[run])
+        order.extend((lo + generator.permutation(hi - lo)).tolist() if hi - lo > 1 else [lo])
+    return _group(order, sizes, buffer)
 
 
 def window_order(length, seed, epoch, worker, window):
@@ -120,15 +192,19 @@ class Stream:
     Args:
         buffer: samples in the shuffle buffer (0: :func:`default_buffer`).
         direct: read around the page cache where the file system allows it (``--stream-io direct``).
+        sliced: read a chunk larger than a block in slices (see :func:`block_cuts`, :func:`block_groups`).
     """
 
     mode = "stream"
 
-    def __init__(self, info, split, worker, num_workers, input_shape, dtype, buffer=0, direct=False):
+    def __init__(self, info, split, worker, num_workers, input_shape, dtype, buffer=0, direct=False, sliced=False):
         self.source = SplitRows(info, split, input_shape, dtype, direct)
         self.lo, self.hi = worker_range(self.source.count, num_workers, worker)
-        self.buffer = int(buffer) or default_buffer(input_shape, dtype)
-        self.cuts = block_cuts(self.source, self.lo, self.hi, block_bytes_for(self.buffer, input_shape, dtype))
+        # (a window holds the part at most: a larger buffer orders it as one window too, and would be allocated)
+        self.buffer = max(1, min(int(buffer) or default_buffer(input_shape, dtype), self.hi - self.lo))
+        block = block_bytes_for(self.buffer, input_shape, dtype)
+        self.cuts = block_cuts(self.source, self.lo, self.hi, block, sliced)
+        self.groups = block_groups(self.source, self.cuts, block, sliced)
         self.sizes = np.diff(self.cuts)
         self.input_shape, self.dtype = tuple(input_shape), np.dtype(dtype)
         # window arrays the batches are done with, filled again: a fresh 64 MiB array costs its page faults
@@ -154,7 +230,7 @@ class Stream:
         way, while its last batches train.
         """
         self._allocate()
-        windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker)
+        windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker, self.groups)
         ends = np.cumsum([int(self.sizes[w].sum()) for w in windows])
         index = int(np.searchsorted(ends, first, side="right"))
         if index < len(windows):
@@ -181,7 +257,7 @@ class Stream:
         fresh in the cache and no batch refers to a window).  A window goes
         back to the pool once its last sample is gathered.
         """
-        windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker)
+        windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker, self.groups)
         ends = np.cumsum([int(self.sizes[w].sum()) for w in windows])
         first, last = skip * local_batch, steps * local_batch - 1
         if last < first:
@@ -197,7 +273,7 @@ class Stream:
                     self._advise(windows, index + (index == k), handles, both=index == k and ready is None)
                     yield ready if ready is not None else self._window(windows[index], handles)
                 if final == len(windows) - 1 and not last_epoch:   # the epoch's end: the next one's first window
-                    self._read_ahead(epoch_windows(self.sizes, self.buffer, seed, epoch + 1, worker), 0, seed,
+                    self._read_ahead(epoch_windows(self.sizes, self.buffer, seed, epoch + 1, worker, self.groups), 0, seed,
                                      epoch + 1, worker, handles)
             finally:
                 _close(handles)

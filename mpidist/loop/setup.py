@@ -118,6 +118,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     reads = _reads(config, cluster, info, worker, workers)
     reading = data.plan(config, info, [(split, len(range(w, info.sizes[split], n))) for split, w, n in reads.values()],
                         model.input_shape, model.dtype)
+    notes.extend(f"note: {note}" for note in reading.notes)   # (a stream's buffer capped, chunks read in slices)
     shards = {split: reading.open(info, split, w, n, model.input_shape, model.dtype) for split, w, n in reads.values()}
     train, test, val = (shards.get(split) for split in ("train", "test", "val"))
     if resume is not None and resume.params.size != model.num_params:

@@ -144,13 +144,16 @@ def agreed(comm):
     """Run a local-only phase; if it fails on any rank, every rank exits together.
 
     The body must not call collectives (it runs before the agreement).  A
-    :class:`UsageError` exits with code 2, any other exception with 1.
+    :class:`UsageError` exits with code 2, a :class:`RunError` with 1 (both one line), any other
+    exception with 1 and its traceback.
     """
     code, message = EXIT_OK, ""
     try:
         yield
     except UsageError as err:
         code, message = EXIT_USAGE, str(err)
+    except RunError as err:   # understood (the system failed a read): its line, no traceback
+        code, message = EXIT_FAILURE, str(err)
     except Exception:  # a bug or I/O failure: keep the traceback, still exit together
         code, message = EXIT_FAILURE, "unexpected failure:\n" + traceback.format_exc()
     size = 1 if comm is None else comm.Get_size()

@@ -232,7 +232,7 @@ class CommonSettings:
     memory_budget: str = _field("auto", "memory a rank's data may take before it streams, e.g. 512M, 8G; auto = half "
                                 "the node's free memory over the ranks on the node")
     shuffle_buffer: int = _field(0, "samples a streaming worker shuffles together: random blocks of its part, "
-                                 "permuted (0 = as many as fill 64 MiB)")
+                                 "permuted (0 = as many as fill 64 MiB); capped to what fits --memory-budget")
     stream_io: str = _field("direct", "how a stream reads uncompressed data: direct (around the page cache, O_DIRECT, "
                             "where the file system allows it; the least CPU), cached (through the page cache, which "
                             "may keep a dataset that fits the node's memory between epochs)", STREAM_IO)

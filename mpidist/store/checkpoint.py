@@ -23,6 +23,7 @@ import numpy as np
 
 from ..runtime.errors import RunError, UsageError
 from ..runtime.memory import check_fits
+from ..runtime.reads import reading
 from ..runtime.text import printable, shown
 from ..runtime.whereabouts import here
 from . import atomic
@@ -179,10 +180,14 @@ def _read(path, handle):
     elapsed = handle.attrs.get("elapsed", 0.0)      # (older checkpoints have none: time starts again)
     if not isinstance(elapsed, (float, np.floating)) or not 0 <= elapsed < 1e12:
         raise bad("elapsed", f"is {shown(elapsed)}; it must be seconds, from 0")
-    loaded = {"params": handle["params"][...]}
-    for name in arrays:
-        loaded[name] = group[name][...]
-    per_worker = {name: handle[PER_WORKER][name][...] for name in rows}
+    loaded = {}
+    for name, item in (("params", handle["params"]), *((name, group[name]) for name in arrays)):
+        with reading(f"{path}: {name if name == 'params' else 'optimizer/' + printable(name)}"):
+            loaded[name] = item[...]    # (a compressed chunk may not decode: the item is named)
+    per_worker = {}
+    for name in rows:
+        with reading(f"{path}: {PER_WORKER}/{printable(name)}"):
+            per_worker[name] = handle[PER_WORKER][name][...]
     for item, array in [*loaded.items(), *((f"{PER_WORKER}/{name}", array) for name, array in per_worker.items())]:
         if not np.isfinite(array).all():
             item = item if item == "params" or item.startswith(PER_WORKER) else f"optimizer/{printable(item)}"

@@ -26,6 +26,8 @@ the checkpoint's settings (:meth:`DatasetSplit.dataset_for`, which
 """
 
 import os
+import tokenize
+import zlib
 from pathlib import Path
 
 import h5py
@@ -34,10 +36,14 @@ import numpy as np
 from .. import data as datasets
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
+from ..runtime.reads import HDF5_ERRORS, reading
 from ..runtime.text import printable
 from ..runtime.whereabouts import here
 
 SPLITS = datasets.SPLITS + datasets.OPTIONAL_SPLITS
+#: what numpy raises reading a broken .npy or .npz: a compressed member that is not deflate data raises
+#: zlib's error, a header cut in a bracket tokenize's (besides zipfile's BadZipFile, imported where used)
+NUMPY_FILE_ERRORS = (OSError, ValueError, EOFError, zlib.error, tokenize.TokenError)
 KINDS = {"U": "text", "S": "bytes", "O": "Python objects", "c": "complex numbers", "M": "dates",
          "m": "time spans", "V": "records"}
 
@@ -240,7 +246,8 @@ class HDF5Samples(Samples):
 
     def read(self, lo, hi, dtype):
         self.fits(hi - lo, dtype)
-        with h5py.File(self.path, "r") as handle, here().doing("io", f"reading {self.path}: x"):
+        with reading(f"{self.path}: x", f"at samples {lo}..{hi - 1}", errors=(*HDF5_ERRORS, KeyError)), \
+                h5py.File(self.path, "r") as handle, here().doing("io", f"reading {self.path}: x"):
             return handle["x"][lo:hi]
 
 
@@ -263,7 +270,7 @@ class NumpyFile(Samples):
             else:
                 with open(path, "rb") as handle:
                     header = _npy_header(handle)
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        except (*NUMPY_FILE_ERRORS, zipfile.BadZipFile) as err:
             raise UsageError(f"{path}: not a readable {path.suffix} file of plain arrays ({printable(err)})") from None
         super().__init__(path, header[1], header[0])
 
@@ -277,7 +284,7 @@ class NumpyFile(Samples):
                     with np.load(self.path, allow_pickle=False) as arrays:
                         return arrays["x"][lo:hi].copy()
                 return np.array(np.load(self.path, mmap_mode="r", allow_pickle=False)[lo:hi])
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        except (*NUMPY_FILE_ERRORS, zipfile.BadZipFile) as err:
             raise UsageError(f"{self.path}: not a readable {self.path.suffix} file of plain arrays "
                              f"({printable(err)})") from None
 

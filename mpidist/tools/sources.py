@@ -8,11 +8,14 @@ what the bundled datasets are built from, each by the package that holds it
 (the ``datasets`` extra).
 """
 
+import tokenize
 import zipfile
+import zlib
 
 import numpy as np
 
 from ..runtime.errors import UsageError
+from ..runtime.text import printable
 from .dataset_file import as_numbers, check_floats, check_samples, check_targets
 from .labels import as_text, labels_of, shuffled, split_train_test
 
@@ -29,8 +32,9 @@ def load_npz(path):
                 if want <= keys:    # labels may be text or bytes: class names
                     return {key: arrays[key] if key[0] == "y" and arrays[key].dtype.kind in "US"
                             else as_numbers(path, key, arrays[key]) for key in want}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-        raise UsageError(f"{path}: not a readable .npz file of plain arrays ({err})") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, tokenize.TokenError) as err:
+        # (zlib: a compressed member that is not deflate data; tokenize: a header cut inside a bracket)
+        raise UsageError(f"{path}: not a readable .npz file of plain arrays ({printable(err)})") from None
     raise UsageError(f"{path}: needs arrays x_train, y_train, x_test, y_test or x, y; has {sorted(keys)}")
 
 
