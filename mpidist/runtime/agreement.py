@@ -21,7 +21,16 @@ import traceback
 import numpy as np
 
 from . import comm as mpi
-from .errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, RunError, UsageError, error_line
+from .errors import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    Interrupted,
+    RunError,
+    UsageError,
+    error_line,
+)
 from .whereabouts import here
 
 # Time the launcher gets to forward what a failing rank printed before MPI_Abort
@@ -36,8 +45,9 @@ def _tagged(text, rank):
 def abort_job(exc_type, exc, tb):
     """Report ``exc`` (tagged with this rank) and end the whole MPI job with its exit code.
 
-    A :class:`UsageError` or :class:`RunError` prints one line, anything else
-    its traceback.  With more than one rank this calls ``MPI_Abort``: the
+    A :class:`UsageError` or :class:`RunError` prints one line, an
+    :class:`Interrupted` command says which signal stopped it (exit code 3),
+    anything else prints its traceback.  With more than one rank this calls ``MPI_Abort``: the
     other ranks may be waiting for this one in a collective.
     """
     from mpi4py import MPI
@@ -46,6 +56,9 @@ def abort_job(exc_type, exc, tb):
     if isinstance(exc, (UsageError, RunError)):
         sys.stderr.write(error_line(exc, rank) + "\n")
         code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
+    elif isinstance(exc, Interrupted):
+        sys.stderr.write(f"mpidist: stopped by {exc.name} (rank {rank}); the files it was writing were removed\n")
+        code = EXIT_PREEMPTED
     else:
         sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb)), rank))
         code = EXIT_FAILURE
