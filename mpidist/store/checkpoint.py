@@ -15,6 +15,7 @@ very numbers the interrupted one would have (with the same worker count).
 import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -33,6 +34,7 @@ FORMAT = "mpidist-checkpoint-1"
 OPTIMIZER_STATE = {"adam": ("m", "v"), "sgd": ("velocity",)}
 FLOATS = (np.dtype("float32"), np.dtype("float64"))
 LARGEST = 2 ** 62   # step counts and seeds above this cannot be honest
+FINGERPRINT = re.compile(r"[0-9a-z-]{1,16}:[0-9a-f]{64}")   # "<scheme>:<hex digest>" (mpidist.data.fingerprint)
 
 
 @dataclasses.dataclass
@@ -52,6 +54,7 @@ class Checkpoint:
     parent: str = ""        # the lineage it branched from, if it did
     best: dict = None       # --keep-best: {"figure", "value", "step"} of the best validation so far
     elapsed: float = 0.0    # seconds the run had trained when it was written (its metrics' time)
+    dataset_fingerprint: str = ""   # its dataset's content (mpidist.data.fingerprint); "" where unknown
 
 
 DATA_ORDER = "strided shards w::W, one permutation per epoch from (seed, epoch, worker)"
@@ -59,10 +62,12 @@ RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
 def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
-         workers, lineage="", parent="", best=None, elapsed=0.0):
+         workers, lineage="", parent="", best=None, elapsed=0.0, dataset_fingerprint=""):
     """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
-    ``seed`` and ``workers`` fix the data order and random streams (see the module text).
+    ``seed`` and ``workers`` fix the data order and random streams (see the module text);
+    ``dataset_fingerprint`` (:func:`mpidist.data.fingerprint.fingerprint`) tells the dataset it
+    trained on from another under the same name.
     A write that fails (a full disk, a quota) raises :class:`RunError` with the
     reason; the file written aside is removed and every older checkpoint is intact.
     """
@@ -84,6 +89,8 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
                                  "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})})
             if best:   # (a resumed run goes on judging against it)
                 handle.attrs["best"] = json.dumps(best)
+            if dataset_fingerprint:
+                handle.attrs["dataset_fingerprint"] = dataset_fingerprint
     except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
         reason = os.strerror(err.errno) if err.errno else str(err)
         kept = ", ".join(e.path.name for e in lineages.CheckpointDir(directory).entries()) or "none"
@@ -166,6 +173,11 @@ def _read(path, handle):
     elapsed = handle.attrs.get("elapsed", 0.0)      # (older checkpoints have none: time starts again)
     if not isinstance(elapsed, (float, np.floating)) or not 0 <= elapsed < 1e12:
         raise bad("elapsed", f"is {shown(elapsed)}; it must be seconds, from 0")
+    fingerprint = handle.attrs.get("dataset_fingerprint", "")      # (older checkpoints have none)
+    if isinstance(fingerprint, bytes):
+        fingerprint = fingerprint.decode("ascii", "replace")
+    if not isinstance(fingerprint, str) or (fingerprint and not FINGERPRINT.fullmatch(fingerprint)):
+        raise bad("attribute dataset_fingerprint", f"is {shown(fingerprint)}; it must be a scheme and 64 hex digits")
     loaded = {"params": handle["params"][...]}
     for name in arrays:
         loaded[name] = group[name][...]
@@ -176,7 +188,7 @@ def _read(path, handle):
                             "values): it cannot be trained or evaluated from; resume an earlier checkpoint")
     return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded,
                       optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage,
-                      parent=parent, best=best, elapsed=float(elapsed), **values)
+                      parent=parent, best=best, elapsed=float(elapsed), dataset_fingerprint=fingerprint, **values)
 
 
 def _best(table, step, bad):
@@ -231,7 +243,7 @@ def _text(attrs, name, bad):
     value = attrs.get(name, "")
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
-    if not isinstance(value, str) or (value and not lineages.LINEAGE.match(value)):
+    if not isinstance(value, str) or (value and not lineages.LINEAGE.fullmatch(value)):
         raise bad(f"attribute {name}", f"is {shown(value)}; a lineage id is 8 hex digits")
     return value
 
