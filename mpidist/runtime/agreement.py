@@ -57,7 +57,8 @@ def abort_job(exc_type, exc, tb):
         sys.stderr.write(error_line(exc, rank) + "\n")
         code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
     elif isinstance(exc, Interrupted):
-        sys.stderr.write(f"mpidist: stopped by {exc.name} (rank {rank}); the files it was writing were removed\n")
+        sys.stderr.write(f"mpidist: stopped by {exc.name} (rank {rank}); a file it had not finished writing was "
+                         "removed, any it had finished is whole\n")
         code = EXIT_PREEMPTED
     else:
         sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb)), rank))

@@ -1,10 +1,13 @@
-"""Text that came from a file, made safe to print.
+"""Text that came from a file, made safe to print; names and paths given, made safe to use.
 
 A dataset's ``name`` attribute, a checkpoint's settings or an exception
 message quoting a file can hold escape sequences that clear the terminal or
 forge a line such as ``mpidist: done``.  Everything read from a file is
 printed through :func:`printable`, which shows control characters as
 Python escapes and keeps the rest as it is.
+
+Names and paths a user gives must be UTF-8 text (:func:`check_utf8`), and a
+label that becomes part of a file name is made safe first (:func:`file_label`).
 """
 
 import os
