@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import data as datasets  # (``data`` is the argument users know)
+from .data.fingerprint import mismatch, recorded
 from .loop.setup import Inputs, build_model_for
 from .nn import scores
 from .observe.stall import LocalWatch
@@ -32,7 +33,7 @@ from .runtime.cluster import PS, build_cluster
 from .runtime.comm import bcast_text
 from .runtime.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError
 from .runtime.preempt import stop_signals
-from .runtime.text import printable
+from .runtime.text import check_utf8, printable
 from .runtime.threads import limit_blas_threads
 from .runtime.whereabouts import here
 from .runtime.xp import select_device
@@ -109,8 +110,9 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
     with agreed(world):
         config = settings_from(settings, **flags)
         inputs = Inputs.of(config, model, data)
-        # what the settings (and so checkpoints) record: the model's spec, the data's path or name
-        config = dataclasses.replace(config, model=inputs.model.spec, data=str(inputs.data))
+        # what the settings (and so checkpoints) record: the model's spec, the data's absolute path or bundled name
+        config = dataclasses.replace(config, model=inputs.model.spec, data=recorded(inputs.data))
+        check_utf8(config.data, "--data")
         config = config.with_world(world.Get_size())
         # checked as it will run (--checkpoint-dir auto: in a run directory, if there is one) before one is made
         # (only whether there will be one matters here; rank 0 alone looks for it: --resume auto lists runs/)
@@ -119,8 +121,11 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
         if config.elastic:
             _require_ulfm()
         planned = rundir.planned(config) if world.Get_rank() == 0 else ""
+        if world.Get_rank() == 0 and planned != "":   # (a new one is made in the working directory's runs/)
+            check_utf8(rundir.ROOT if planned is None else planned,
+                       "--run-dir auto: a new run directory in" if planned is None else "--run-dir", absolute=True)
         made = rundir.make(config, planned) if world.Get_rank() == 0 else ""
-    config = rundir.resolved(config, bcast_text(world, made))
+    config = rundir.absolute(rundir.resolved(config, bcast_text(world, made)))
     watch.timeout = config.stall_timeout
     here().enter("start")   # collectives from here on: a wait on the others
     with ends_the_job_on_error(world):
@@ -175,8 +180,12 @@ def _evaluate(world, checkpoint_path, data, model):
     from .parallel import AllreduceStrategy
 
     with agreed(world):
+        check_utf8(checkpoint_path, "eval CHECKPOINT", absolute=True)
         trained = load_trained(checkpoint_path, data, model=model)
         info, net = trained.dataset, trained.model
+        if world.Get_rank() == 0:
+            for note in trained.notes:
+                print(f"mpidist: {note}", flush=True)
         rank, ranks = world.Get_rank(), world.Get_size()
         reading = datasets.plan(trained.settings, info, [("test", len(range(rank, info.sizes["test"], ranks)))],
                                 net.input_shape, net.dtype)
@@ -204,6 +213,7 @@ class Trained:
         spec: the model's spec (``"mlp"``, ``"mlp:256,256"``, ...).
         step: the checkpoint's step.
         path: the checkpoint file.
+        notes: warnings for the user (a dataset given that changed since the checkpoint was written).
     """
 
     model: object
@@ -212,9 +222,10 @@ class Trained:
     spec: str
     step: int
     path: Path
+    notes: list = dataclasses.field(default_factory=list)
 
 
-def load_trained(checkpoint_path, data=None, *, model=None):
+def load_trained(checkpoint_path, data=None, *, model=None, data_given=None):
     """A checkpoint's model, built again for a dataset and holding the checkpoint's parameters.
 
     The checkpoint, its stored settings and the model are checked as if given
@@ -230,6 +241,10 @@ def load_trained(checkpoint_path, data=None, *, model=None):
             (where which dataset depends on them); default: the dataset the checkpoint trained on.
         model: the model, where its checkpoint cannot name it (layers given as objects) or
             to choose the builder yourself; default: the model spec the checkpoint stores.
+        data_given: whether the user named the dataset (default: whether ``data`` is a dataset,
+            not None or a function).  A dataset that has the name the checkpoint recorded but not
+            its content (see :mod:`mpidist.data.fingerprint`) is refused where it was not given
+            (the checkpoint's own, silently another), and a warning in :attr:`Trained.notes` where it was.
 
     Returns:
         :class:`Trained`.
@@ -242,14 +257,27 @@ def load_trained(checkpoint_path, data=None, *, model=None):
     config = _stored_settings(saved)
     inputs = Inputs.of(config, model, None if callable(data) else data)
     xp, _ = select_device(config.device, 0)
-    info = data(config) if callable(data) else datasets.inspect(datasets.resolve(inputs.data))
+    given = (data is not None and not callable(data)) if data_given is None else data_given
+    try:
+        info = data(config) if callable(data) else datasets.inspect(datasets.resolve(inputs.data))
+    except UsageError as err:
+        if data is not None:     # (named by the user, or read by the caller's function: its words stand)
+            raise
+        raise UsageError(f"{checkpoint_path}: the dataset it was trained on, {printable(config.data)}, cannot be "
+                         f"read ({err}); name the dataset to use with --data") from None
+    notes = []
+    changed = mismatch(saved.dataset_fingerprint, config.data, info)
+    if changed is not None and not given:
+        raise UsageError(f"{checkpoint_path}: {changed}; name it with --data to use it all the same")
+    if changed is not None:
+        notes.append(f"warning: {checkpoint_path}: {changed}")
     net = build_model_for(config, inputs, info, xp)
     if net.num_params != saved.params.size:
         raise UsageError(f"{checkpoint_path}: holds {saved.params.size} parameters, but model "
                          f"{inputs.model.spec} on {info.name!r} has {net.num_params}")
     net.params[...] = xp.asarray(saved.params)
     return Trained(model=net, dataset=info, settings=config, spec=inputs.model.spec, step=saved.step,
-                   path=Path(checkpoint_path))
+                   path=Path(checkpoint_path), notes=notes)
 
 
 def _stored_settings(saved):

@@ -36,6 +36,7 @@ class Launch:
     args: list
     env: dict = dataclasses.field(default_factory=dict)
     prefix: tuple = ()
+    cwd: object = None           # where it runs (None: here)
 
 
 @dataclasses.dataclass
@@ -578,6 +579,132 @@ def one_chunk(compression):
     return provoke
 
 
+# -- paths, names and files (issue 30, item 6) --------------------------------------------------------------
+def command(*args, cwd=None):
+    """``python -m mpidist ARGS`` (a command other than train); an argument may be a function of the test's
+    directory."""
+    return lambda p, stack=None: Launch(["-m", "mpidist", *[a(p) if callable(a) else a for a in args]],
+                                        cwd=cwd(p) if cwd else None)
+
+
+def learnable(path, name=None, classes=3, seed=0):
+    """A small dataset a model learns something of; ``seed`` changes its values, not its shapes."""
+    x = np.random.default_rng(seed).random((200, 4))
+    return tiny_dataset(path, x, (x[:, 0] * classes).astype(int) % classes, num_classes=classes,
+                        **({"name": name} if name else {}))
+
+
+def trained_on(p, data, cwd=None):
+    """A checkpoint of a 3-step run on ``data`` (run in ``cwd``), in ``p/ck``."""
+    done, _ = run_mpi(1, ["-m", "mpidist", "--metrics", "", "--run-dir", "", "--progress", "none", "--steps", "3",
+                          "--data", data, "--checkpoint-dir", str(p / "ck")], cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return str(checkpoint_at(p / "ck", 3))
+
+
+def relative_data_evaluated_elsewhere(p, stack=None):
+    """Trained on ``rel.h5`` given relative in ``p``; evaluated from ``p/other``, which has another ``rel.h5``."""
+    learnable(p / "rel.h5")
+    path = trained_on(p, "rel.h5", cwd=p)
+    (p / "other").mkdir()
+    learnable(p / "other" / "rel.h5", name="impostor", classes=5)
+    return command("eval", path, cwd=lambda p: p / "other")(p)
+
+
+def not_the_impostor(p, out, err):
+    assert "impostor" not in out + err
+
+
+def changed_under_its_name(p):
+    """A checkpoint trained on ``p/ds.h5``, which was then written again with other values."""
+    learnable(p / "ds.h5")
+    path = trained_on(p, str(p / "ds.h5"))
+    learnable(p / "ds.h5", seed=1)
+    return path
+
+
+def resumed_on_a_changed_dataset(p, stack=None):
+    changed_under_its_name(p)
+    return train("--data", str(p / "ds.h5"), "--checkpoint-dir", str(p / "ck"), "--resume", "auto", "--steps", "4",
+                 "--run-dir", "")(p)
+
+
+def ingested_with_a_name_that_is_a_path(p, stack=None):
+    return command("ingest", "synthetic:300,4,3", str(p / "shards"), "--shard-size", "100", "--name",
+                   "../../escaped")(p)
+
+
+def shards_named_inside(p, out, err):
+    assert sorted(f.name for f in (p / "shards").iterdir()) == [f"escaped-{k:05d}.h5" for k in range(3)]
+    assert not list(p.parent.glob("escaped*")) and not list(p.glob("escaped*"))
+
+
+def lineage_ending_in_a_newline(handle):
+    handle.attrs["lineage"] = handle.attrs["lineage"] + "\n"
+
+
+def still_a_fifo(p, out, err):
+    import stat
+    assert stat.S_ISFIFO(os.stat(p / "pipe").st_mode)
+
+
+def predicted_into(output):
+    def provoke(p, stack=None):
+        path = trained_on(p, "digits")
+        return command("predict", path, "--output", output)(p)
+    return provoke
+
+
+def nothing_left_but_notes(p, out, err):
+    left = {f.name for f in p.iterdir()} - {"notes.txt", "run.toml", "latin1.toml", "ck"}
+    assert not left, left
+
+
+def past_step_10_to_the_8(p, stack=None):
+    """A first run's checkpoint of step 3, and a copy of it as the checkpoint of step 100,000,003."""
+    ck = first_run(p, "--steps", "3")
+    source = checkpoint_at(ck, 3)
+    forged = ck / source.name.replace("ckpt-00000003", "ckpt-100000003")
+    forged.write_bytes(source.read_bytes())
+    with h5py.File(forged, "a") as handle:
+        handle.attrs["step"] = 100_000_003
+        handle.attrs["rng"] = json.dumps({**json.loads(handle.attrs["rng"]), "step": 100_000_003})
+    return train("--checkpoint-dir", str(ck), "--resume", "auto", "--steps", "100000004", "--keep", "1")(p)
+
+
+def resumed_and_pruned_by_number(p, out, err):
+    assert checkpoint_steps(p / "ck") == [100_000_004]
+
+
+def ingesting(p, stack=None):
+    return command("ingest", "synthetic:3000000,50,10", str(p / "big.h5"), "--compression", "none")(p)
+
+
+def once_it_writes_aside(rank, number):
+    """``during``: once the ingest's aside file is there, send ``number`` to ``rank``."""
+    def during(launcher, where):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not list(where.glob(".big.h5.tmp-*")):
+            time.sleep(0.02)
+        os.kill(rank_pids(launcher)[rank], number)
+    return during
+
+
+def no_aside_file_left(p, out, err):
+    assert not list(p.glob(".big.h5*")) and not (p / "big.h5").exists()
+
+
+def predicted_on_shards(p, stack=None):
+    done, _ = run_mpi(1, ["-m", "mpidist", "ingest", "synthetic:600,4,3", str(p / "shards"), "--shard-size", "150"])
+    assert done.returncode == 0, done.stderr
+    path = trained_on(p, str(p / "shards"))
+    return command("predict", path, "--data", str(p / "shards"), "--output", str(p / "predicted.csv"))(p)
+
+
+def one_prediction_per_test_row(p, out, err):
+    assert len((p / "predicted.csv").read_text().splitlines()) == 1 + 120    # the header, then 600 x 0.2 rows
+
+
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}    # about 30 ms a step: time to act mid-run
 
 
@@ -600,6 +727,7 @@ def checkpoint_before_the_evaluation(p, out, err):
     stop, = events(p / "m.jsonl", "stopped")
     assert stop["step"] == 2 and not events(p / "m.jsonl", "eval")
     assert checkpoint_steps(p / "ckpt") == [2]
+
 
 FAULTS = {
     # bad usage and configuration
@@ -774,6 +902,35 @@ FAULTS = {
         "--data", one_chunk("gzip"), "--data-mode", "stream", "--memory-budget", "4M",
         message="train/x is stored in compressed chunks of 20,000 rows (4.9 MiB decompressed): reading any of its "
                 "samples decompresses a whole chunk"),
+    # paths, names and special files (issue 30, item 6)
+    "eval elsewhere of a checkpoint on a relative --data": Fault(
+        relative_data_evaluated_elsewhere, 0, "on 'rel'", check=not_the_impostor, one_message=False),
+    "eval of a checkpoint whose dataset changed": Fault(
+        command("eval", changed_under_its_name), 2, "is not the dataset it was trained on"),
+    "eval --data of a dataset changed under its name": Fault(
+        command("eval", changed_under_its_name, "--data", lambda p: str(p / "ds.h5")), 0,
+        "warning: ", one_message=False),
+    "--resume on a dataset changed under its name": Fault(resumed_on_a_changed_dataset, 0,
+                                                          "is not the dataset it was trained on", one_message=False),
+    "ingest --name that is a path, into shards": Fault(ingested_with_a_name_that_is_a_path, 0, "mpidist ingest: wrote",
+                                                       check=shards_named_inside, one_message=False),
+    "a checkpoint whose lineage ends in a newline": bad("--resume", checkpoint_with(lineage_ending_in_a_newline),
+                                                        message="a lineage id is 8 hex digits"),
+    "predict --output that is a FIFO": Fault(predicted_into(fifo), 2, "is a named pipe (FIFO), which writing",
+                                             check=still_a_fifo),
+    "ingest output that is a FIFO": Fault(command("ingest", "synthetic:300,4,3", fifo), 2,
+                                          "is a named pipe (FIFO), which writing", check=still_a_fifo),
+    "a --run-dir that is not UTF-8": Fault(train("--run-dir", lambda p: str(p / "run\udcff")), 2,
+                                           "not UTF-8 text", check=nothing_left_but_notes),
+    "predict --output under a directory that is not UTF-8": Fault(
+        predicted_into(lambda p: str(p / "out\udcff" / "p.h5")), 2, "not UTF-8 text", check=nothing_left_but_notes),
+    "checkpoints past step 10^8": Fault(past_step_10_to_the_8, 0, "resumed from", check=resumed_and_pruned_by_number,
+                                        one_message=False),
+    "a SIGTERM during ingest": Fault(ingesting, 3, "mpidist: stopped by SIGTERM (rank 0)",
+                                     during=once_it_writes_aside(0, signal.SIGTERM), check=no_aside_file_left,
+                                     one_message=False),
+    "predict on a directory of shards": Fault(predicted_on_shards, 0, "mpidist predict: 120 samples",
+                                              check=one_prediction_per_test_row, one_message=False),
 }
 
 
@@ -787,7 +944,8 @@ def test_each_fault_ends_with_its_documented_exit_code_and_message(tmp_path, cas
     with contextlib.ExitStack() as stack:
         launch = fault.provoke(tmp_path, stack)
         if fault.during is None:
-            done, seconds = run_mpi(ranks, launch.args, timeout=60, env=launch.env, prefix=launch.prefix)
+            done, seconds = run_mpi(ranks, launch.args, timeout=60, env=launch.env, prefix=launch.prefix,
+                                    cwd=launch.cwd)
             code, out, err = done.returncode, done.stdout, done.stderr
         else:
             launcher = start_mpi(ranks, launch.args, env=launch.env)

@@ -120,3 +120,26 @@ def test_lineage_ids_in_names_round_trip():
     assert lineage.parse_name(lineage.file_name(66, "3fa2c1d0")) == (66, "3fa2c1d0")
     assert lineage.parse_name("ckpt-00000066.h5") == (66, "")
     assert lineage.parse_name("ckpt-66.h5") is None and lineage.parse_name("ckpt-00000066-xyz.h5") is None
+
+
+def test_steps_past_eight_digits_are_found_and_ordered_by_number_and_names_match_whole(tmp_path):
+    for step in (99_999_999, 100_000_000, 100_000_001):
+        write(tmp_path, step, "0000abcd")
+    assert lineage.file_name(100_000_000, "0000abcd") == "ckpt-100000000-0000abcd.h5"
+    assert lineage.parse_name("ckpt-100000000-0000abcd.h5") == (100_000_000, "0000abcd")
+    place = CheckpointDir(tmp_path)
+    assert [e.step for e in place.entries()] == [99_999_999, 100_000_000, 100_000_001]   # not by the names
+    assert place.newest_of("0000abcd").step == 100_000_001
+    place.prune("0000abcd", keep=2, newest=place.newest_of("0000abcd").path)
+    assert names(tmp_path) == ["ckpt-100000000-0000abcd.h5", "ckpt-100000001-0000abcd.h5"]
+    # a trailing newline, or a step of more digits than any checkpoint may have, names no checkpoint
+    assert lineage.parse_name("ckpt-00000066.h5\n") is None and lineage.parse_name(f"ckpt-{'9' * 20}.h5") is None
+
+
+def test_a_lineage_attribute_with_a_newline_is_refused_when_loaded(tmp_path):
+    import h5py
+    path = write(tmp_path, 5, "0000abcd")
+    with h5py.File(path, "a") as handle:
+        handle.attrs["lineage"] = "0000abcd\n"
+    with pytest.raises(UsageError, match="a lineage id is 8 hex digits"):
+        checkpoint.load(path)

@@ -3,8 +3,10 @@
 ``ingest --shard-size N`` writes a directory of files in the mpidist layout:
 train rows cut into consecutive files of ``N`` rows, the test (and val) rows
 spread over the same files in proportion, so the files concatenated in name
-order are the single file ``ingest`` would write.  Every file carries the
-attributes, statistics and class names.  ``x`` and ``y`` are chunked by whole
+order are the single file ``ingest`` would write; they are named after the
+dataset's name as a label (:func:`mpidist.runtime.text.file_label`: ``--name
+../x`` names files ``x-00000.h5`` inside the directory).  Every file carries
+the attributes, statistics and class names.  ``x`` and ``y`` are chunked by whole
 samples, about :data:`CHUNK_BYTES` a chunk, so a stream reads whole chunks.
 The directory is written aside and renamed into place once whole.
 
@@ -25,6 +27,7 @@ import h5py
 import numpy as np
 
 from ..runtime.errors import UsageError
+from ..runtime.text import file_label
 from ..store import atomic
 from ..store.outputs import unwritable
 
@@ -114,7 +117,7 @@ def write_shards(out, rows, shard_size, compression="gzip"):
         for k in range(count):
             parts = {split: ((k * n // count, (k + 1) * n // count) if split != "train" else
                              (k * shard_size, min(n, (k + 1) * shard_size))) for split, n in rows.sizes.items()}
-            names.append(f"{rows.name}-{k:0{digits}d}.h5")
+            names.append(f"{file_label(rows.name)}-{k:0{digits}d}.h5")   # (a name is a label, not a path)
             write_file(aside / names[-1], rows, parts, compression)
         if out.is_dir():
             out.rmdir()     # (empty: checked above)

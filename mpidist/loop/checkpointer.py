@@ -10,6 +10,7 @@ passed in) and tested without MPI.
 
 import time
 
+from ..data.fingerprint import fingerprint
 from ..store import checkpoint
 from ..store.lineage import CheckpointDir
 
@@ -65,10 +66,13 @@ class Checkpointer:
         clock: seconds, monotonic (a test passes its own).
         elapsed: seconds the run had trained before this start (a resumed run's): each checkpoint
             stores the run's time so far, so a resumed run's metrics go on counting from it.
+        dataset: the :class:`~mpidist.data.DatasetInfo` trained on, whose fingerprint each checkpoint
+            stores (taken at the first write, on the rank that writes); None: none stored.
     """
 
-    def __init__(self, config, step, lineage="", parent="", clock=time.perf_counter, elapsed=0.0):
+    def __init__(self, config, step, lineage="", parent="", clock=time.perf_counter, elapsed=0.0, dataset=None):
         self.config, self.clock, self.lineage, self.parent = config, clock, lineage, parent or ""
+        self.dataset, self.dataset_fingerprint = dataset, None
         self.origin = clock() - elapsed
         self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
         self.written = []   # paths this process wrote, oldest first
@@ -111,9 +115,12 @@ class Checkpointer:
         """
         config = self.config
         params, opt_state, opt_steps, *per_worker = state
+        if self.dataset_fingerprint is None:
+            self.dataset_fingerprint = fingerprint(self.dataset) if self.dataset is not None else ""
         path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
                                config.to_json(), config.seed, workers, self.lineage, self.parent, best=best,
-                               elapsed=self.run_time(), per_worker=per_worker[0] if per_worker else None)
+                               elapsed=self.run_time(), per_worker=per_worker[0] if per_worker else None,
+                               dataset_fingerprint=self.dataset_fingerprint)
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         self.written.append(path)
         self.last_step = step

@@ -10,6 +10,7 @@ import dataclasses
 import os
 
 from .. import data, nn
+from ..data.fingerprint import mismatch
 from ..nn import scores
 from ..parallel import STRATEGIES
 from ..parallel.recipe import recipe_for, total_steps
@@ -138,6 +139,10 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     strategy_class(config, workers).check_slice(config, smallest // config.accumulate)
     if resume is not None:
         notes.extend(recipe_changes(config, resume))
+    changed = mismatch(resume.dataset_fingerprint, resume.config.get("data"), info) \
+        if resume is not None and cluster.is_chief else None
+    if changed is not None:   # (--data is given to a resumed run: it goes on, and the user is told)
+        notes.append(f"warning: --resume {resume.path}: {changed}; training goes on with it")
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     if train is not None:   # (a stream reads its first window now, as a shard in memory was read whole above)
         epoch, at = (0, 0) if resume is None else (resume.epoch, resume.epoch_step)

@@ -131,7 +131,7 @@ class Training:
         self.window = StepWindow(config.nan_patience)
         # (its clock is the run's: the metrics' time goes on from a resumed checkpoint's)
         self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step, *lineages,
-                                         elapsed=0.0 if resume is None else resume.elapsed)
+                                         elapsed=0.0 if resume is None else resume.elapsed, dataset=setup.info)
         self.evaluations = Evaluations(setup.info.sizes, config.keep_best, resume.best if resume else None,
                                        early_stopping)
         self._move_to(resume)

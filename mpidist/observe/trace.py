@@ -30,6 +30,7 @@ from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from ..runtime.recorder import LIMIT, THREADS, now, tracer
 from ..store import atomic
+from ..store.outputs import special_kind
 
 ROUNDS = 5          # ping-pongs per rank when aligning clocks: the shortest round trip's offset is kept
 _TRACER = tracer()
@@ -67,6 +68,10 @@ def check_writable(path):
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"--trace: {path} is a directory; the timeline is written there as a file")
+    kind = special_kind(path)
+    if kind is not None:     # (renamed over, the node would become a regular file)
+        raise UsageError(f"--trace: {path} is {kind}; the timeline is written aside and renamed into place: "
+                         "remove it, or give another --run-dir")
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise UsageError(f"--trace: cannot write {path} (its directory {path.parent} is not writable)")
 

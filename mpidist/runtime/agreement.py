@@ -30,7 +30,7 @@ import numpy as np
 
 from . import comm as mpi
 from . import ulfm
-from .errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, RunError, UsageError, error_line
+from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, Interrupted, RunError, UsageError, error_line
 from .rma import Window
 from .whereabouts import here
 
@@ -108,8 +108,9 @@ def abort_job(exc_type, exc, tb):
 
     A :class:`UsageError` or :class:`RunError` prints one line (inside
     :class:`ends_the_job_on_error`, only on the rank that claims
-    :class:`OneVoice` first; MPI's abort line is not shown), anything else
-    its traceback.  With more than one rank this calls ``MPI_Abort``: the
+    :class:`OneVoice` first; MPI's abort line is not shown), an
+    :class:`Interrupted` command says which signal stopped it (exit code 3),
+    anything else its traceback.  With more than one rank this calls ``MPI_Abort``: the
     other ranks may be waiting for this one in a collective.
     """
     from mpi4py import MPI
@@ -120,9 +121,13 @@ def abort_job(exc_type, exc, tb):
     speaks = not (understood and many and _VOICE is not None) or _VOICE.claim()
     if understood and speaks:
         sys.stderr.write(error_line(exc, rank) + "\n")
+    elif isinstance(exc, Interrupted):
+        sys.stderr.write(f"mpidist: stopped by {exc.name} (rank {rank}); a file it had not finished writing was "
+                         "removed, any it had finished is whole\n")
     elif not understood:
         sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb)), rank))
-    code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILURE
+    code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_PREEMPTED if isinstance(exc, Interrupted) \
+        else EXIT_FAILURE
     sys.stderr.flush()
     sys.stdout.flush()
     if many:

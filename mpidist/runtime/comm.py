@@ -272,14 +272,17 @@ def sum_float64(comm, values):
 
 
 def bcast_text(comm, text, root=0):
-    """``text`` (a str on ``root``, anything elsewhere) on every rank: its length, then its UTF-8 bytes."""
-    data = text.encode("utf-8") if comm.Get_rank() == root else b""
+    """``text`` (a str on ``root``, anything elsewhere) on every rank: its length, then its UTF-8 bytes.
+
+    A path's bytes that are not UTF-8 (lone surrogates in ``text``) travel as the bytes they stand for.
+    """
+    data = text.encode("utf-8", "surrogateescape") if comm.Get_rank() == root else b""
     length = np.array([len(data)], dtype=np.int64)
     comm.Bcast(length, root=root)
     buffer = np.frombuffer(data, dtype=np.uint8).copy() if comm.Get_rank() == root else \
         np.empty(int(length[0]), dtype=np.uint8)
     comm.Bcast(buffer, root=root)
-    return buffer.tobytes().decode("utf-8")
+    return buffer.tobytes().decode("utf-8", "surrogateescape")
 
 
 def iallreduce(comm, array, op, then=None):

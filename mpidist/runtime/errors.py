@@ -8,11 +8,26 @@ the abort hook) is :mod:`mpidist.runtime.agreement`.
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a failure while running (a bug, a lost rank, an I/O error)
 EXIT_USAGE = 2    # bad usage, configuration or input
-EXIT_PREEMPTED = 3  # stopped by SIGTERM/SIGUSR1/SIGINT after writing a checkpoint: resume to go on
+EXIT_PREEMPTED = 3  # stopped by SIGTERM/SIGUSR1/SIGINT: train after writing a checkpoint (resume to go on), the
+#                    other commands after removing the files they were writing (run them again)
 
 
 class UsageError(Exception):
     """Bad usage, configuration or input: one clear message, exit code 2."""
+
+
+class Interrupted(BaseException):
+    """A command other than ``train`` stopped by a signal (SIGTERM, SIGUSR1, SIGINT): exit code 3.
+
+    Raised by the signal handler the command line installs for them, so that
+    every ``finally`` on the way out removes the files being written (an
+    ingest's aside file, a prediction's); a ``BaseException``, so that no
+    ``except Exception`` takes it for an error of the work.
+    """
+
+    def __init__(self, number, name):
+        super().__init__(name)
+        self.number, self.name = number, name
 
 
 class RunError(Exception):

@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import comm as mpi
+from .errors import Interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -101,6 +102,29 @@ _PROCESS = StopSignals()
 def stop_signals():
     """This process's :class:`StopSignals` (the main thread's handlers are per process)."""
     return _PROCESS
+
+
+def interrupt_on_signals():
+    """For the commands other than ``train``: the first of :data:`SIGNALS` raises :class:`Interrupted`.
+
+    A command that writes a file (``ingest``, ``predict``, ``plot``, ``bench``)
+    writes it aside and renames it into place; raised where the signal lands,
+    the exception runs every ``finally`` on its way out, and so removes the
+    aside file.  Later signals are ignored while that cleaning is under way.
+    A signal recorded before (while the flags were parsed) is raised at once.
+    """
+    pending = stop_signals().received
+    stop_signals().restore()
+
+    def handle(number, frame):
+        for each in SIGNALS:
+            signal.signal(each, lambda *_: None)
+        raise Interrupted(number, signal_name(number))
+
+    for number in SIGNALS:
+        signal.signal(number, handle)
+    if pending:
+        handle(pending, None)
 
 
 class StepAgreement:

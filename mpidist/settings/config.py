@@ -19,7 +19,7 @@ from ..nn.schedules import SCHEDULES
 from ..parallel import STRATEGIES, declared_options
 from ..runtime.errors import UsageError
 from ..runtime.memory import parse_bytes
-from ..runtime.text import os_reason
+from ..runtime.text import check_utf8, os_reason
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -273,6 +273,8 @@ class CommonSettings:
         for f in dataclasses.fields(self):   # every number, the strategies' own included: finite, in range
             if f.type in (int, float):
                 check_number(f, getattr(self, f.name))
+            elif f.type is str:            # every text (names, paths) storable: UTF-8
+                check_utf8(getattr(self, f.name), f"--{self.flag(f.name)}")
         if self.memory_budget != "auto":
             parse_bytes(self.memory_budget)
 

@@ -15,6 +15,7 @@ very numbers the interrupted one would have (with the same worker count).
 import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,7 @@ FORMAT = "mpidist-checkpoint-1"
 OPTIMIZER_STATE = {"adam": ("m", "v"), "sgd": ("velocity",)}
 FLOATS = (np.dtype("float32"), np.dtype("float64"))
 LARGEST = 2 ** 62   # step counts and seeds above this cannot be honest
+FINGERPRINT = re.compile(r"[0-9a-z-]{1,16}:[0-9a-f]{64}")   # "<scheme>:<hex digest>" (mpidist.data.fingerprint)
 
 
 @dataclasses.dataclass
@@ -56,6 +58,7 @@ class Checkpoint:
     # what each worker holds of its own where workers differ (local-sgd's parameters and optimizer state between
     # averages, --compress's residuals): name -> (workers, params.size), row w worker w's; None where they agree
     per_worker: dict = None
+    dataset_fingerprint: str = ""   # its dataset's content (mpidist.data.fingerprint); "" where unknown
 
 
 PER_WORKER = "workers"   # the group of each worker's own state
@@ -66,12 +69,14 @@ RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
 def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
-         workers, lineage="", parent="", best=None, elapsed=0.0, per_worker=None):
+         workers, lineage="", parent="", best=None, elapsed=0.0, per_worker=None, dataset_fingerprint=""):
     """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
     ``seed`` and ``workers`` fix the data order and random streams (see the module text).
     ``per_worker``: each worker's own state where the workers' differ (name ->
     ``(workers, params.size)`` array), written in the group ``workers/``.
+    ``dataset_fingerprint`` (:func:`mpidist.data.fingerprint.fingerprint`) tells the dataset it
+    trained on from another under the same name.
     A write that fails (a full disk, a quota) raises :class:`RunError` with the
     reason; the file written aside is removed and every older checkpoint is intact.
     """
@@ -97,6 +102,8 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
                 rows = handle.create_group(PER_WORKER)
                 for name, array in per_worker.items():
                     rows.create_dataset(name, data=array)
+            if dataset_fingerprint:
+                handle.attrs["dataset_fingerprint"] = dataset_fingerprint
     except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
         reason = os.strerror(err.errno) if err.errno else str(err)
         kept = ", ".join(e.path.name for e in lineages.CheckpointDir(directory).entries()) or "none"
@@ -180,6 +187,11 @@ def _read(path, handle):
     elapsed = handle.attrs.get("elapsed", 0.0)      # (older checkpoints have none: time starts again)
     if not isinstance(elapsed, (float, np.floating)) or not 0 <= elapsed < 1e12:
         raise bad("elapsed", f"is {shown(elapsed)}; it must be seconds, from 0")
+    fingerprint = handle.attrs.get("dataset_fingerprint", "")      # (older checkpoints have none)
+    if isinstance(fingerprint, bytes):
+        fingerprint = fingerprint.decode("ascii", "replace")
+    if not isinstance(fingerprint, str) or (fingerprint and not FINGERPRINT.fullmatch(fingerprint)):
+        raise bad("attribute dataset_fingerprint", f"is {shown(fingerprint)}; it must be a scheme and 64 hex digits")
     loaded = {}
     for name, item in (("params", handle["params"]), *((name, group[name]) for name in arrays)):
         with reading(f"{path}: {name if name == 'params' else 'optimizer/' + printable(name)}"):
@@ -196,7 +208,8 @@ def _read(path, handle):
                                        "earlier checkpoint")
     return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded,
                       optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage,
-                      parent=parent, best=best, elapsed=float(elapsed), per_worker=per_worker or None, **values)
+                      parent=parent, best=best, elapsed=float(elapsed), per_worker=per_worker or None,
+                      dataset_fingerprint=fingerprint, **values)
 
 
 def _per_worker_arrays(handle, params, bad):
@@ -272,7 +285,7 @@ def _text(attrs, name, bad):
     value = attrs.get(name, "")
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
-    if not isinstance(value, str) or (value and not lineages.LINEAGE.match(value)):
+    if not isinstance(value, str) or (value and not lineages.LINEAGE.fullmatch(value)):
         raise bad(f"attribute {name}", f"is {shown(value)}; a lineage id is 8 hex digits")
     return value
 

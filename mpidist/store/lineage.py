@@ -32,9 +32,11 @@ from pathlib import Path
 
 from ..runtime.errors import UsageError
 
-PATTERN = re.compile(r"^ckpt-(\d{8})(?:-([0-9a-f]{8}))?\.h5$")
-LINEAGE = re.compile(r"^[0-9a-f]{8}$")
-TEMPORARY = re.compile(r"^\.(?:ckpt|best)-.*\.tmp-\d+$")
+#: a checkpoint's name: its step in 8 digits or more (``{step:08d}`` grows a digit from step 10^8 on; 19 hold
+#: any step a checkpoint may have, 2^62), then its lineage; matched whole (``fullmatch``: no trailing newline)
+PATTERN = re.compile(r"ckpt-(\d{8,19})(?:-([0-9a-f]{8}))?\.h5")
+LINEAGE = re.compile(r"[0-9a-f]{8}")
+TEMPORARY = re.compile(r"\.(?:ckpt|best)-.*\.tmp-\d+")
 LOCK_NAME = ".mpidist-lock"
 
 
@@ -49,8 +51,12 @@ def file_name(step, lineage):
 
 
 def parse_name(name):
-    """``(step, lineage)`` of a checkpoint file name, or None for other files."""
-    match = PATTERN.match(name)
+    """``(step, lineage)`` of a checkpoint file name, or None for other files.
+
+    Files are ordered by this step, a number (never by their names: ``ckpt-100000000`` sorts before
+    ``ckpt-99999999`` as a string).
+    """
+    match = PATTERN.fullmatch(name)
     return None if match is None else (int(match.group(1)), match.group(2) or "")
 
 
@@ -126,7 +132,7 @@ class CheckpointDir:
         removed = []
         if self.path.is_dir():
             for path in self.path.iterdir():
-                if TEMPORARY.match(path.name):
+                if TEMPORARY.fullmatch(path.name):
                     path.unlink(missing_ok=True)
                     removed.append(path.name)
         return sorted(removed)

@@ -11,11 +11,19 @@ the path holds the old file or the whole new one, never a part.
 Every failure is one :class:`~mpidist.runtime.errors.UsageError` worded by
 :func:`unwritable`: ``"<path>: cannot write <what> there: <reason>"``, where
 the caller names what it writes (``"the dataset"``, ``"the predictions"``).
+
+An output that is a special file -- a named pipe, a socket, a device -- is
+refused (:func:`refuse_special`): the rename would replace the node itself
+with a regular file (as root, an output ``/dev/null`` would replace the
+machine's), and writing through it instead could wait forever for a reader
+(a FIFO, as ``--metrics`` refuses one) or throw the file away (a device),
+which is not what a user naming a file for a dataset or predictions means.
 """
 
 import contextlib
 import errno
 import os
+import stat
 from pathlib import Path
 
 from ..runtime.errors import UsageError
@@ -35,6 +43,27 @@ def unwritable(path, what, err):
     return UsageError(f"{path}: cannot write {what} there: {reason}")
 
 
+SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def special_kind(path):
+    """What ``path`` is, in words, where it is a special file (a link is followed); None for anything else."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):       # (missing, or a name the OS refuses: whoever writes it will say)
+        return None
+    return next((words for test, words in SPECIAL if test(mode)), None)
+
+
+def refuse_special(path, what):
+    """Raise :func:`unwritable`'s error where output ``path`` is a special file, which a rename would replace."""
+    kind = special_kind(path)
+    if kind is not None:
+        raise unwritable(path, what, f"it is {kind}, which writing the file aside and renaming it into place "
+                                     "would replace with a regular file: name a regular file")
+
+
 class Claim:
     """An output path claimed by :func:`claimed`: its aside file exists, to be filled by :meth:`write`."""
 
@@ -47,6 +76,7 @@ class Claim:
         An :class:`OSError` of either (a full disk, the path made a directory
         meanwhile) is :func:`unwritable`'s error; ``path`` is then as it was.
         """
+        refuse_special(self.path, self.what)   # (made one since it was claimed)
         try:
             fill(self.aside)
             atomic.commit(self.aside, self.path)
@@ -59,7 +89,8 @@ def claimed(path, what):
     """The :class:`Claim` of output ``path``: its aside file created now, so an unwritable output fails at once.
 
     Creating the file is the test: ``os.access`` is fooled by root, and says
-    nothing of a path under a regular file.  Missing directories are made for
+    nothing of a path under a regular file.  A special file is refused
+    (:func:`refuse_special`).  Missing directories are made for
     it.  On the way out the aside file is removed (a :meth:`Claim.write` has
     renamed it into place), and if the body failed so are the directories made.
 
@@ -75,6 +106,7 @@ def claimed(path, what):
         try:
             if path.is_dir():
                 raise unwritable(path, what, os.strerror(errno.EISDIR))
+            refuse_special(path, what)
             for parent in path.parents:         # innermost first: the order to remove them in
                 if parent.exists():
                     if not parent.is_dir():

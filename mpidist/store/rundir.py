@@ -32,6 +32,7 @@ from ..runtime.errors import UsageError
 from . import atomic
 from .checkpoint import settings_of
 from .lineage import LOCK_NAME, newest_checkpoint
+from .outputs import special_kind
 
 ROOT = "runs"
 SETTINGS, METRICS, LOG, TRACE, CHECKPOINTS = "settings.toml", "metrics.jsonl", "log.txt", "trace.json", "checkpoints"
@@ -122,6 +123,17 @@ def resolved(config, run_dir):
     return dataclasses.replace(config, run_dir=run_dir, metrics=metrics, checkpoint_dir=checkpoint_dir)
 
 
+def absolute(config):
+    """``config`` with its paths (``--metrics``, ``--checkpoint-dir``, ``--resume``) absolute.
+
+    A checkpoint records its run's settings: a relative path there would
+    name another file for a command run from another directory.
+    """
+    paths = {name: os.path.abspath(getattr(config, name)) for name in ("metrics", "checkpoint_dir", "resume")
+             if getattr(config, name) not in ("", AUTO)}
+    return dataclasses.replace(config, **paths)
+
+
 def make(config, where, now=None, root=ROOT):
     """Create the run directory ``where`` (:func:`planned`'s answer for ``config``) and return its absolute path.
 
@@ -137,6 +149,11 @@ def make(config, where, now=None, root=ROOT):
                 raise UsageError(f"--run-dir {where}: is a file, not a directory")
             os.makedirs(where, exist_ok=True)
             _check_directory(where)
+            for name in (SETTINGS, LOG):    # (renamed over or appended to: a FIFO would be replaced or block)
+                kind = special_kind(Path(where) / name)
+                if kind is not None:
+                    raise UsageError(f"--run-dir {where}: its {name} is {kind}, not a file: remove it, or give "
+                                     "another --run-dir")
             return os.path.abspath(where)
         stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
         os.makedirs(root, exist_ok=True)
@@ -239,7 +256,7 @@ class LogCopy:
         if lines:
             try:
                 if self.file is None:   # opened at the first line: a run refused at set-up leaves no file
-                    self.file = open(self.path, "a", encoding="utf-8")
+                    self.file = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
                 self.file.write("".join(line.rsplit("\r", 1)[-1] + "\n" for line in lines))
                 self.file.flush()
             except OSError:     # a full disk: the terminal still shows everything, the log stops

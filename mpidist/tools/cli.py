@@ -6,17 +6,21 @@ Only world rank 0 prints help and usage text.
 """
 
 import argparse
-import os
 import sys
 
 from mpi4py import MPI
 
 from .. import __version__
-from ..runtime.agreement import agreed
-from ..runtime.errors import EXIT_OK, UsageError
-from ..runtime.preempt import stop_signals
+from ..runtime.agreement import abort_job, agreed
+from ..runtime.errors import EXIT_OK, Interrupted, UsageError
+from ..runtime.preempt import interrupt_on_signals
+from ..runtime.text import check_utf8
 
 COMMANDS = ("train", "eval", "predict", "ingest", "info", "bench")
+#: Arguments that are paths (of any command), checked as the absolute paths they stand for too where given
+#: (``--data`` and ingest's source may be names, not paths: the commands check the paths they stand for).
+PATHS = ("checkpoint_dir", "run_dir", "metrics", "config", "resume", "checkpoint", "output", "runs", "streaming",
+         "tracing")
 #: ``eval`` prints a per-class table up to this many classes.
 PER_CLASS_SHOWN = 100
 
@@ -147,11 +151,21 @@ def build_parser():
 
 
 def parse(argv):
-    """Parsed arguments; no subcommand means ``train``."""
+    """Parsed arguments; no subcommand means ``train``.  Every value given must be UTF-8 text (see
+    :func:`mpidist.runtime.text.check_utf8`): a path that is not is refused here, before anything is made."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["train"] + argv
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = next(action for action in parser._actions if action.dest == "command").choices[args.command]
+    for action in command._actions:
+        values = getattr(args, action.dest, None)
+        for value in values if isinstance(values, list) else [values]:
+            check_utf8(value, action.option_strings[-1] if action.option_strings else f"{args.command} "
+                       f"{action.metavar or action.dest.upper()}",
+                       absolute=action.dest in PATHS and value not in ("auto", "", action.default))
+    return args
 
 
 def cmd_train(args, world):
@@ -269,13 +283,17 @@ def cmd_bench(args, world):
 def main(argv=None):
     """Entry point of ``python -m mpidist`` (and the ``mpidist`` script)."""
     world = MPI.COMM_WORLD
+    for stream in (sys.stdout, sys.stderr):   # a file name that is not UTF-8, found on disk, is shown escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     with agreed(world):
         args = parse(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "ingest": cmd_ingest, "info": cmd_info,
                "bench": cmd_bench, "plot": cmd_plot}[args.command]
-    if args.command != "train":   # only training stops at a boundary; the others end as signals end them
-        signals = stop_signals()
-        signals.restore()
-        if signals.received:
-            os.kill(os.getpid(), signals.received)
-    return handler(args, world)
+    if args.command == "train":   # training stops at a step boundary, after a checkpoint
+        return handler(args, world)
+    try:   # the others stop where the signal lands, removing what they were writing (exit code 3)
+        interrupt_on_signals()
+        return handler(args, world)
+    except Interrupted as stop:
+        abort_job(Interrupted, stop, None)

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..data import writer
 from ..runtime.errors import UsageError
-from ..runtime.text import printable
+from ..runtime.text import check_utf8, printable
 from ..store.outputs import claimed
 from .csv_table import DELIMITERS, from_csv
 from .dataset_file import check_extras, check_splits, train_stats, write_dataset
@@ -119,6 +119,10 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
     split), which :class:`mpidist.data.Shard` applies when the data is read.
     ``delimiter``: ``auto`` (detected), ``,``, ``;``, ``tab`` or ``whitespace``.
     """
+    named = source in SOURCES or str(source).startswith("synthetic")
+    for value, what, path in ((source, "ingest SOURCE", not named), (out, "ingest OUTPUT", True),
+                              (name, "--name", False)):
+        check_utf8(value, what, absolute=path)
     check_options(test_fraction, seed, task, delimiter)
     writer.check_shard_size(shard_size)
     writer.filters(compression)

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime.errors import UsageError
+from ..store import atomic
+from ..store.outputs import refuse_special
 from ..store.rundir import METRICS, TRACE
 
 INSTALL = "plot needs matplotlib: pip install 'mpidist[plot]' (or: pip install matplotlib)"
@@ -87,8 +89,10 @@ def _save(figure, path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
-    try:
-        figure.savefig(path)
+    refuse_special(path, "the figure")
+    try:    # written aside and renamed into place: a stopped plot leaves no half figure
+        with atomic.replacing(Path(path)) as aside:
+            figure.savefig(aside, format="png")
     except OSError as err:
         raise UsageError(f"plot: cannot write {path} ({err.strerror or err})") from None
     return Path(path)

@@ -1,6 +1,7 @@
 """What ``predict`` reads: a split of a dataset, or plain samples, checked as they are read by blocks of rows.
 
-* a split of a dataset in the mpidist layout (``test`` by default; ``train``,
+* a split of a dataset in the mpidist layout, one file or a directory (or a
+  glob) of files as ``train`` reads them (``test`` by default; ``train``,
   or ``val`` where the file has one, or where the run carved one with
   ``--val-fraction``), read through :class:`mpidist.data.Shard`, so samples are
   checked and transformed exactly as training and ``eval`` read them; the model
@@ -34,6 +35,7 @@ import h5py
 import numpy as np
 
 from .. import data as datasets
+from ..data.fingerprint import recorded
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
 from ..runtime.reads import HDF5_ERRORS, reading
@@ -69,6 +71,8 @@ def reader_for(data, split):
     if os.fspath(data).lower().endswith(".csv"):
         return PlainSamples(CsvSamples(Path(os.fspath(data))), split)
     path = datasets.resolve(os.fspath(data))
+    if not path.is_file():      # a directory (or a glob) of files: a dataset in the mpidist layout, as train reads
+        return DatasetSplit(path, split, data)
     if path.suffix.lower() in (".npy", ".npz"):
         return PlainSamples(NumpyFile(path), split)
     try:
@@ -89,6 +93,7 @@ class DatasetSplit:
         # resolved: a path or an ArrayData, or None for the dataset the checkpoint trained on;
         # named: what the caller named, to tell the run's own dataset (whose carved val split is carved again)
         self.resolved, self.split, self.named = resolved, split, named
+        self.given = named is not None     # (else the checkpoint's own: it must be the dataset it recorded)
 
     def dataset_for(self, settings):
         """The dataset read, given the checkpoint's ``settings``; the model is built for it.
@@ -96,7 +101,7 @@ class DatasetSplit:
         A run that carved its validation split (``--val-fraction``) has it carved
         again from its own dataset, the same rows, for ``val``.
         """
-        own = self.named is None or str(self.named) == settings.data
+        own = self.named is None or recorded(self.named) == settings.data
         source = datasets.resolve(settings.data) if self.resolved is None else self.resolved
         self.info = datasets.inspect(source)
         if self.split == "val" and "val" not in self.info.sizes and own and settings.val_fraction:
@@ -106,8 +111,9 @@ class DatasetSplit:
         self.samples = self.info.sizes[self.split]
         self.where = f"{self.info.path}: {self.split}"
         self.source = f"{self.info.name!r} ({self.info.path}), {self.split} split"
-        self.data = str(self.info.path)
-        self.files = [] if isinstance(source, datasets.ArrayData) else [self.info.path]
+        self.data = recorded(self.info.path)
+        self.files = [] if isinstance(source, datasets.ArrayData) else \
+            [self.info.path] + [member.path for member in self.info.files]
         return self.info
 
     def check_shape(self, net):
@@ -126,6 +132,7 @@ class PlainSamples:
             raise UsageError(f"{samples.where}: holds plain samples, which have no splits (split {split!r})")
         self.samples_in, self.split, self.where = samples, None, samples.where
         self.samples, self.source, self.data = samples.count, samples.where, samples.data
+        self.given = False      # the task comes from the dataset the checkpoint recorded
 
     def dataset_for(self, settings):
         """The dataset the checkpoint trained on (``settings.data``): its task, shape and statistics are theirs."""
@@ -137,7 +144,8 @@ class PlainSamples:
                              "mpidist layout instead") from None
         # (x - mean) / std with the statistics of the dataset's file where it has them, as Shard reads it
         self.transform = datasets.standardizer(self.info)
-        self.files = [p for p in (self.samples_in.path, self.info.path) if isinstance(p, Path)]
+        self.files = [p for p in (self.samples_in.path, self.info.path) if isinstance(p, Path)] + \
+            [member.path for member in self.info.files if isinstance(member.path, Path)]
         return self.info
 
     def check_shape(self, net):
@@ -181,7 +189,8 @@ class Samples:
     def __init__(self, where, dtype, shape):
         self.where, self.dtype, self.shape = where, np.dtype(dtype), tuple(int(d) for d in shape)
         _checked_layout(where, self.dtype, self.shape)
-        self.count, self.data = self.shape[0], str(where)
+        # (what a predictions file records: a path absolute, to be found from anywhere)
+        self.count, self.data = self.shape[0], os.path.abspath(where) if isinstance(where, Path) else str(where)
 
     def fit(self, features):
         """Told the model's features per sample: a table with a label column too drops it (CSV only)."""
@@ -217,7 +226,6 @@ class CsvSamples(Samples):
         self.labelled = table.class_names is not None
         self.array = table.x if self.labelled else np.column_stack([table.x, table.y])
         super().__init__(path, self.array.dtype, self.array.shape)
-        self.data = str(path)
 
     def fit(self, features):
         if not self.labelled and self.shape[1] == features + 1:   # features, then the label column

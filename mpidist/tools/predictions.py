@@ -34,10 +34,12 @@ import numpy as np
 from mpi4py import MPI
 
 from ..api import load_trained
+from ..data.layout import SUFFIXES
 from ..runtime import comm as mpi
 from ..runtime.agreement import agreed, ends_the_job_on_error
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
+from ..runtime.text import check_utf8
 from ..runtime.whereabouts import here
 from ..store.outputs import claimed
 from .prediction_inputs import reader_for
@@ -129,10 +131,17 @@ def _predict(world, checkpoint_path, data, output, model, split):
     claiming = contextlib.ExitStack()   # rank 0's file written aside, removed unless renamed into place
     with claiming:
         with agreed(world):
+            for value, what in ((checkpoint_path, "predict CHECKPOINT"), (output, "predict --output")):
+                check_utf8(value, what, absolute=True)
+            check_utf8(data, "predict --data")
             reader = reader_for(data, split)
             # the model is built for the dataset predicted, or for plain samples the one it trained on
-            trained = load_trained(checkpoint_path, reader.dataset_for, model=model)
+            trained = load_trained(checkpoint_path, reader.dataset_for, model=model, data_given=reader.given)
+            check_utf8(reader.data, "predict --data")      # (as the file records it: absolute)
             net = trained.model
+            if rank == 0:
+                for note in trained.notes:
+                    print(f"mpidist: {note}", flush=True)
             reader.check_shape(net)
             counts, starts = blocks(reader.samples, size)
             width = int(np.prod(net.output_shape, dtype=np.int64))
@@ -240,7 +249,8 @@ def _names(info):
 
 
 def _refuse_an_input(target, inputs):
-    """Refuse an output that is a file this run reads: it would be replaced by what is read from it."""
+    """Refuse an output that is a file this run reads (it would be replaced by what is read from it), or a new
+    part of a dataset directory it reads (the next read of that dataset would take it for one)."""
     for source in inputs:
         source = Path(source)
         same = target.resolve() == source.resolve()
@@ -248,6 +258,9 @@ def _refuse_an_input(target, inputs):
             same = same or (target.exists() and os.path.samefile(target, source))
         if same:
             raise UsageError(f"--output {target}: is {source}, an input of this run; write the predictions elsewhere")
+        if source.is_dir() and target.resolve().parent == source.resolve() and target.suffix.lower() in SUFFIXES:
+            raise UsageError(f"--output {target}: is in {source}, a dataset directory this run reads, whose "
+                             f"{' and '.join(SUFFIXES)} files are its parts; write the predictions elsewhere")
 
 
 def _write(aside, result, checkpoint_path, reader):
