@@ -90,7 +90,7 @@ def test_callbacks_see_the_metrics_figures_on_the_chief_and_the_result_holds_the
     directory = world.bcast(str(tmp_path), root=0)
     recorder = Recorder()
     result = mpidist.train("mlp", "digits", callbacks=[recorder], **quiet(
-        epochs=2, log_every=5, checkpoint_dir=directory, checkpoint_every=10, keep=2))
+        epochs=2, log_every=5, checkpoint_dir=directory, checkpoint_every=10, checkpoint_wait=True, keep=2))
     steps = result.figures.get("steps") if result.is_chief else None
     if not result.is_chief:
         assert recorder.seen == [] and result.params is None and result.model is None

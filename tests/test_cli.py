@@ -168,7 +168,7 @@ def test_a_checkpoint_resumes_under_another_strategy_and_rank_count_exactly(tmp_
 
 def test_old_checkpoints_are_pruned_and_a_corrupt_newest_one_is_passed_over(tmp_path):
     common = ["train", "--metrics", "", "--progress", "none", "--checkpoint-dir", str(tmp_path)]
-    done, _ = mpidist(2, *common, "--steps", "20", "--checkpoint-every", "5", "--keep", "2")
+    done, _ = mpidist(2, *common, "--steps", "20", "--checkpoint-every", "5", "--checkpoint-wait", "--keep", "2")
     assert done.returncode == 0, done.stderr
     assert checkpoint_steps(tmp_path) == [15, 20]
     newest = checkpoint_at(tmp_path, 20)
@@ -346,7 +346,8 @@ def test_ps_ranks_write_mid_run_checkpoints_when_workers_are_not_in_step(tmp_pat
     # 2 cores a 3-epoch run once gave one mid-run checkpoint in a full-suite run (cause not found); 6 give room
     epochs = 6 if "ps-async" in strategy else 3
     common = ["--progress", "none", "--metrics", "", "--epochs", str(epochs), *strategy]
-    done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "10", "--keep", "0")
+    done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "10",
+                      "--checkpoint-wait", "--keep", "0")
     assert done.returncode == 0, done.stderr
     steps = checkpoint_steps(tmp_path)
     total = steps[-1]

@@ -142,7 +142,7 @@ def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, 
 def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoint(python, tmp_path, strategy):
     checkpoints = tmp_path / "ckpt"
     flags = ["--strategy", strategy, "--ps", "1", "--elastic", "--epochs", "6", "--checkpoint-dir", str(checkpoints),
-             "--checkpoint-every", "10"]
+             "--checkpoint-every", "10", "--checkpoint-wait"]
     metrics = tmp_path / "m.jsonl"
     code, out, err, seconds = run(python, 5, flags, metrics, kills=[(40, 4)])
     assert code == 1, (out, err)

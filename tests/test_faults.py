@@ -198,9 +198,10 @@ def first_run(p, *flags, ranks=2):
 
 def another_runs_directory(p, stack=None):
     """A first run's checkpoints 60, 65, 66; then a fresh run with another --lr in the same directory."""
-    first_run(p, "--epochs", "3", "--checkpoint-every", "5")
+    first_run(p, "--epochs", "3", "--checkpoint-every", "5", "--checkpoint-wait")
     (p / "before").write_text(repr(checkpoint_files(p / "ck")))
-    return train("--epochs", "1", "--checkpoint-dir", str(p / "ck"), "--checkpoint-every", "5", "--lr", "0.01")(p)
+    return train("--epochs", "1", "--checkpoint-dir", str(p / "ck"), "--checkpoint-every", "5", "--checkpoint-wait",
+                 "--lr", "0.01")(p)
 
 
 def first_runs_files_untouched(p, out, err):
@@ -222,13 +223,13 @@ def a_run_holding_the_directory(p, stack):
 
 def corrupt_newest_beside_a_good_one(p, stack=None):
     """Of steps 15, 30, 45, 60, 66 only 15 and a truncated 66 are left; resume with --keep 1."""
-    ck = first_run(p, "--steps", "66", "--checkpoint-every", "15", "--keep", "0")
+    ck = first_run(p, "--steps", "66", "--checkpoint-every", "15", "--checkpoint-wait", "--keep", "0")
     for step in (30, 45, 60):
         checkpoint_at(ck, step).unlink()
     cut = checkpoint_at(ck, 66)
     cut.write_bytes(cut.read_bytes()[:3000])
     return train("--checkpoint-dir", str(ck), "--resume", "auto", "--keep", "1", "--steps", "70",
-                 "--checkpoint-every", "5")(p)
+                 "--checkpoint-every", "5", "--checkpoint-wait")(p)
 
 
 def newest_kept_and_resumed_next(p, out, err):
@@ -359,7 +360,7 @@ def resume_onto_a_full_disk(p, stack):
     """A first run leaves ckpt-5 on a disk that then has no room for the resumed run's next one."""
     disk = p / "disk"
     prefix = stack.enter_context(full_disk(disk))   # unmounted after the test's run
-    common = ["--progress", "none", "--checkpoint-dir", str(disk), "--checkpoint-every", "5"]
+    common = ["--progress", "none", "--checkpoint-dir", str(disk), "--checkpoint-every", "5", "--checkpoint-wait"]
     done, _ = run_mpi(2, ["-m", "mpidist", "--metrics", "", "--steps", "5", *common])
     assert done.returncode == 0, done.stderr
     return train(*common, "--steps", "12", "--resume", "auto", prefix=prefix)(p)
@@ -425,7 +426,7 @@ SIGNAL_MID_WRITE = """
     atomic.sync_file = sync_file
     from mpidist.__main__ import main
     sys.argv = ["mpidist", "--metrics", sys.argv[1], "--progress", "none", "--checkpoint-dir", sys.argv[2],
-                "--checkpoint-every", "10", "--keep", "0"]
+                "--checkpoint-every", "10", "--checkpoint-wait", "--keep", "0"]
     sys.exit(main())
 """
 
@@ -821,7 +822,7 @@ FAULTS = {
                                                   check=previous_checkpoint_intact),
     "NaN loss or gradients during training": Fault(
         train("--optimizer", "sgd", "--lr", "1e6", "--nan-patience", "3", "--log-every", "1",
-              "--checkpoint-dir", lambda p: str(p / "ckpt"), "--checkpoint-every", "1"),
+              "--checkpoint-dir", lambda p: str(p / "ckpt"), "--checkpoint-every", "1", "--checkpoint-wait"),
         1, "NaN or Inf 4 step(s) in a row (--nan-patience 3)", check=diverged_without_writing_bad_checkpoints),
     "NaN gradients at a ps (ps-async)": Fault(
         train("--strategy", "ps-async", "--ps", "1", "--optimizer", "sgd", "--lr", "1e6", "--nan-patience", "3"),

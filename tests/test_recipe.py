@@ -275,12 +275,13 @@ def test_a_cosine_run_stopped_inside_its_warmup_resumes_exactly(tmp_path):
     assert 0 < stop_at < flags["warmup_steps"] < total and stop_at % every != 0   # stopped inside the warm-up
     assert [rate(stop_at)(s) for s in range(stop_at)] == [rate(total)(s) for s in range(stop_at)]
 
-    whole = mpidist.train(checkpoint_dir=str(tmp_path / "whole"), checkpoint_every=every, **flags)
-    stopped = mpidist.train(checkpoint_dir=str(tmp_path / "cut"), checkpoint_every=every, steps=stop_at, **flags)
+    flags = dict(flags, checkpoint_every=every, checkpoint_wait=True)
+    whole = mpidist.train(checkpoint_dir=str(tmp_path / "whole"), **flags)
+    stopped = mpidist.train(checkpoint_dir=str(tmp_path / "cut"), steps=stop_at, **flags)
     assert stopped.figures["steps"] == stop_at
     assert [checkpoint.load(path).step for path in stopped.checkpoints] == [3, 6, 7]
     stream = io.StringIO()
-    resumed = mpidist.train(checkpoint_dir=str(tmp_path / "cut"), checkpoint_every=every, resume="auto",
+    resumed = mpidist.train(checkpoint_dir=str(tmp_path / "cut"), resume="auto",
                             stream=stream, **flags)
     assert f"ckpt-{stop_at:08d}-" in stream.getvalue()   # resumed from the stopped run's last checkpoint
     assert whole.figures["steps"] == resumed.figures["steps"] == total
@@ -305,8 +306,8 @@ def test_the_scheduled_rate_is_the_rate_of_each_update(tmp_path):
     rate = LearningRate(0.05, "cosine", total_steps=epochs, warmup_steps=warmup, warmup_from=0.25, minimum=0.001)
     result = mpidist.train("linear", data, epochs=epochs, batch_size=len(x), optimizer="sgd", momentum=0.0, lr=0.05,
                            lr_schedule="cosine", warmup_steps=warmup, warmup_from=0.25, lr_min=0.001, dtype="float64",
-                           checkpoint_dir=str(tmp_path), checkpoint_every=1, keep=0, eval_every=0, progress="none",
-                           metrics="")
+                           checkpoint_dir=str(tmp_path), checkpoint_every=1, checkpoint_wait=True, keep=0, eval_every=0,
+                           progress="none", metrics="")
     saved = {ck.step: ck.params for ck in map(checkpoint.load, result.checkpoints)}
     assert sorted(saved) == list(range(1, epochs + 1))   # one step per epoch, each kept
     rates = []

@@ -40,7 +40,8 @@ SLOW = {"MPIDIST_TEST_DELAY": "*:0.02"}
 
 def flags(p, *more, metrics="m.jsonl"):
     return ["-m", "mpidist", "--progress", "none", "--metrics", str(p / metrics), "--log-every", "1",
-            "--epochs", "100", "--checkpoint-dir", str(p / "ck"), "--checkpoint-every", "1", "--keep", "2", *more]
+            "--epochs", "100", "--checkpoint-dir", str(p / "ck"), "--checkpoint-every", "1", "--checkpoint-wait",
+            "--keep", "2", *more]
 
 
 def snapshot(directory):

@@ -86,7 +86,7 @@ def test_the_loop_walks_every_step_of_every_epoch_with_the_whole_batch(fake, tmp
 
 def test_checkpoints_resume_at_the_next_step_of_the_same_epoch(fake, tmp_path):
     ck = tmp_path / "ck"
-    run(tmp_path, epochs=2, batch_size=100, steps=10, checkpoint_dir=str(ck), checkpoint_every=4)
+    run(tmp_path, epochs=2, batch_size=100, steps=10, checkpoint_dir=str(ck), checkpoint_every=4, checkpoint_wait=True)
     assert checkpoint_steps(ck) == [4, 8, 10]
     fake.calls.clear()
     result, _ = run(tmp_path, epochs=2, batch_size=100, checkpoint_dir=str(ck), resume="auto")

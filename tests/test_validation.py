@@ -107,8 +107,8 @@ def test_validation_runs_every_epoch_and_the_test_split_once_at_the_end(tmp_path
 def test_keep_best_keeps_the_checkpoint_of_the_best_validation_beyond_pruning(tmp_path):
     metrics, directory = tmp_path / "m.jsonl", tmp_path / "ckpt"
     result = mpidist.train(data="digits", epochs=4, val_fraction=0.2, keep_best="val_loss", keep=1,
-                           checkpoint_dir=str(directory), checkpoint_every=5, progress="none", metrics=str(metrics),
-                           dtype="float64")
+                           checkpoint_dir=str(directory), checkpoint_every=5, checkpoint_wait=True, progress="none",
+                           metrics=str(metrics), dtype="float64")
     losses = [(e["val_loss"], e["step"]) for e in events(metrics, "eval") if "val_loss" in e]
     best_loss, best_step = min(losses)
     best = result.figures["best"]

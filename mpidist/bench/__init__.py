@@ -32,6 +32,8 @@ from .output import check_output, format_table, write_results  # noqa: F401  (ch
 from .pipeline import PIPELINE_COLUMNS, pipeline_rows
 from .streaming import COLUMNS as STREAMING_COLUMNS
 from .streaming import streaming_rows
+from .checkpoints import COLUMNS as CHECKPOINT_COLUMNS
+from .checkpoints import checkpoint_rows
 from .tracing import COLUMNS as TRACING_COLUMNS
 from .tracing import tracing_rows
 
@@ -154,6 +156,12 @@ def run_streaming_bench(world, dataset, model, batch, steps, output, settle=None
 def run_tracing_bench(world, dataset, model, batch, steps, output):
     """``bench --tracing``: rank 0 prints the comparison of :mod:`mpidist.bench.tracing` and writes ``output``."""
     return _run_comparison(world, "tracing", tracing_rows, TRACING_COLUMNS, 7, dataset, model, batch, steps, output)
+
+
+def run_checkpoint_bench(world, dataset, model, batch, steps, output):
+    """``bench --checkpoints``: rank 0 prints the comparison of :mod:`mpidist.bench.checkpoints`, writes ``output``."""
+    return _run_comparison(world, "checkpoints", checkpoint_rows, CHECKPOINT_COLUMNS, 7, dataset, model, batch,
+                           steps, output)
 
 
 def _run_comparison(world, name, measure, columns, rounds, dataset, model, batch, steps, output, **options):

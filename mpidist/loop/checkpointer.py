@@ -8,7 +8,10 @@ workers): a step that passes a multiple of ``--checkpoint-every``, or
 passed in) and tested without MPI.
 """
 
+import threading
 import time
+
+import numpy as np
 
 from ..data.fingerprint import fingerprint
 from ..store import checkpoint
@@ -79,6 +82,7 @@ class Checkpointer:
         self.last_step = None
         self.taken_at = None   # the step the run's state was last checkpointed at, on every rank (once a step)
         self.best = None    # --keep-best: the file that keeps the best checkpoint, once there is one
+        self.behind = Behind()   # writing behind training (lockstep strategies)
 
     def run_time(self, now=None):
         """Seconds the run has trained, resumed parts included (what the metrics' ``time`` and checkpoints say)."""
@@ -113,15 +117,139 @@ class Checkpointer:
 
         ``best``: the ``--keep-best`` figure's best so far (``{"figure", "value", "step"}``), stored with it.
         """
-        config = self.config
-        params, opt_state, opt_steps, *per_worker = state
+        self.collect(wait=True)   # (never two in flight)
+        self._take_fingerprint()
+        path = self._save(state, step, epoch, epoch_step, workers, best, self.run_time())
+        self._written(path, step)
+        return path
+
+    def _take_fingerprint(self):
+        """The dataset's fingerprint, taken once, in the training thread (a write behind finds it taken)."""
         if self.dataset_fingerprint is None:
             self.dataset_fingerprint = fingerprint(self.dataset) if self.dataset is not None else ""
+
+    def _save(self, state, step, epoch, epoch_step, workers, best, elapsed):
+        """Write and prune (in the training thread, or behind it); the checkpoint's path."""
+        config = self.config
+        params, opt_state, opt_steps, *per_worker = state
         path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
                                config.to_json(), config.seed, workers, self.lineage, self.parent, best=best,
-                               elapsed=self.run_time(), per_worker=per_worker[0] if per_worker else None,
+                               elapsed=elapsed, per_worker=per_worker[0] if per_worker else None,
                                dataset_fingerprint=self.dataset_fingerprint)
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
+        return path
+
+    def _written(self, path, step):
         self.written.append(path)
         self.last_step = step
-        return path
+
+    # -- writing behind training ---------------------------------------------------------------------------
+    @property
+    def busy(self):
+        """Whether a checkpoint is being written behind training (on the chief; never elsewhere)."""
+        return self.behind.flight is not None and self.behind.flight.is_alive()
+
+    def starts_at(self, step, due, busy):
+        """Lockstep, alike on every rank: whether the checkpoint owed (``due`` now, or deferred) starts at ``step``.
+
+        ``busy``: the chief's writer was busy at the step before (as the step
+        agreement says, one step late); a write that started at the step
+        before is busy whatever that said.  A checkpoint due meanwhile waits
+        for the writer (several such become one), so training never waits for it.
+        """
+        behind = self.behind
+        behind.owed = behind.owed or bool(due)
+        return behind.owed and not busy and (behind.started_at is None or behind.started_at < step - 1)
+
+    def taken(self, step):
+        """Every rank: the checkpoint owed was taken at ``step`` (the chief writes it behind training)."""
+        self.behind.owed, self.behind.started_at = False, step
+
+    def write_behind(self, state, step, epoch, epoch_step, workers, best=None):
+        """Copy ``state`` (as :meth:`write` takes it) into host memory and write it in a background thread.
+
+        The copy goes into arrays kept from one checkpoint to the next.  One
+        write is in flight at most: one still running is waited for first
+        (``--checkpoint-wait``: training waits where writing takes longer than
+        the steps between two; else :meth:`starts_at` never starts one while
+        the last is written).  Returns what that earlier write completed (see
+        :meth:`collect`).
+        """
+        done = self.collect(wait=True)
+        self._take_fingerprint()
+        params, opt_state, opt_steps, *per_worker = state
+        staging = self.behind.staging
+        staged = (staging.copy("params", params), {name: staging.copy(f"optimizer/{name}", array)
+                                                   for name, array in opt_state.items()}, opt_steps)
+        if per_worker and per_worker[0]:
+            staged += ({name: staging.copy(f"workers/{name}", array) for name, array in per_worker[0].items()},)
+        elapsed = self.run_time()
+        self.behind.flight = BehindWrite(lambda: self._save(staged, step, epoch, epoch_step, workers, best, elapsed),
+                                         (step, epoch))
+        return done
+
+    def collect(self, wait=False):
+        """``[(path, step, epoch)]`` of the write behind that completed since the last call (waiting for it with
+        ``wait``); a write that failed raises its error here, in the training thread."""
+        behind = self.behind.flight
+        if behind is None or (behind.is_alive() and not wait):
+            return []
+        self.behind.flight = None
+        path = behind.result()
+        self._written(path, behind.step)
+        return [(path, *behind.where)]
+
+
+class Behind:
+    """What writing behind training keeps: the write in flight, the arrays it copies the state into, a checkpoint
+    that came due while the writer was busy (``owed``), the step the last write behind started at."""
+
+    def __init__(self):
+        self.flight, self.staging, self.owed, self.started_at = None, Staging(), False, None
+
+
+class Staging:
+    """Host arrays a checkpoint is copied into, kept for the next one: a write behind allocates once."""
+
+    def __init__(self):
+        self.arrays = {}
+
+    def copy(self, key, array):
+        """A copy of ``array`` in the arrays kept under ``key`` (made again where its shape or dtype changed)."""
+        array = np.asarray(array)
+        kept = self.arrays.get(key)
+        if kept is None or kept.shape != array.shape or kept.dtype != array.dtype:
+            kept = self.arrays[key] = np.empty_like(array)
+        np.copyto(kept, array)
+        return kept
+
+
+class BehindWrite:
+    """One checkpoint written by a thread of its own; :meth:`result` is its path, or raises what it raised.
+
+    Args:
+        work: writes the checkpoint, returns its path.
+        where: ``(step, epoch)`` of the checkpoint.
+    """
+
+    def __init__(self, work, where):
+        self.step, self.where = where[0], where
+        self._path, self._error = None, None
+        # (a daemon: a job that aborts does not wait for it; its file stays aside, for the next run to remove)
+        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True, name="mpidist-checkpoint")
+        self._thread.start()
+
+    def _run(self, work):
+        try:
+            self._path = work()
+        except BaseException as err:   # (raised again in the training thread, by result())
+            self._error = err
+
+    def is_alive(self):
+        return self._thread.is_alive()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._path

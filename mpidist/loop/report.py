@@ -1,13 +1,59 @@
 """The end of a run in words and figures: the ``done``, ``stopped`` or ``failed`` event and the terminal's lines."""
 
+import dataclasses
 import sys
 
 from ..nn import scores
 from ..runtime.errors import error_line
 from ..runtime.preempt import signal_name
 from ..store import rundir
+from .evaluations import LARGE_EVALUATION
 from .metrics import format_summary
 from .setup import layout_text
+
+
+def header(config, cluster, setup, outputs, table, asked_seed, held, imbalance=None, watched=True):
+    """Chief: what runs where (``table``), and every note of the set-up; the ``start`` event.
+
+    ``held``: the bytes each rank holds, where its strategy reports them;
+    ``imbalance``: of the ps shards, where there are; ``watched``: the stall
+    monitor runs (else a ``--stall-timeout`` goes undiagnosed, which is said).
+    """
+    resume, say = setup.resume, outputs.say
+    sizes, limited = setup.info.sizes, setup.info.limited
+
+    def rows(split):   # (what an evaluation takes, and of how many where --eval-samples cut it)
+        return f"{sizes[split]}" + (f" of {limited[split]}" if split in limited else "") + f" {split}"
+    val = f" / {rows('val')}" if "val" in sizes else ""   # (a file's own, or --val-fraction's)
+    say(f"mpidist: {setup.info.name} ({sizes['train']} train{val} / {rows('test')}), "
+        f"model {config.model} ({setup.model.num_params:,} parameters), strategy {config.strategy} on "
+        f"{layout_text(config, cluster)}, global batch {config.batch_size}, {setup.steps_per_epoch} "
+        f"steps/epoch\n{table}")
+    if imbalance is not None:
+        say(f"mpidist: parameter shards balanced to within {100 * imbalance:.2f}%")
+    large = [split for split in ("val", "test") if sizes.get(split, 0) > LARGE_EVALUATION and split not in limited]
+    if large:
+        say(f"mpidist: note: each evaluation takes every sample of {' and '.join(large)} "
+            f"({', '.join(f'{sizes[split]:,}' for split in large)}); --eval-samples N bounds it")
+    for path, reason in setup.skipped:
+        say(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}")
+    for note in setup.notes + outputs.claim.notes:
+        say(f"mpidist: {note}")
+    if resume is not None:
+        say(f"mpidist: resumed from {resume.path} at step {resume.step}")
+    if config.stall_timeout and cluster.size > 1 and not watched:
+        say("mpidist: warning: --stall-timeout needs MPI_THREAD_MULTIPLE, which this MPI does not give: a "
+            "hang will not be diagnosed")
+    if asked_seed != config.seed:
+        say(f"mpidist: note: --seed {asked_seed} ignored: the checkpoint's data order and random streams "
+            f"continue with seed {config.seed}")
+    outputs.log.write("start", config=dataclasses.asdict(config), ranks=cluster.size,
+                      workers=cluster.num_workers, ps=config.ps, dataset=setup.info.name,
+                      params=setup.model.num_params, steps_per_epoch=setup.steps_per_epoch,
+                      resumed_from=None if resume is None else str(resume.path),
+                      step=0 if resume is None else resume.step,
+                      evaluated={split: sizes[split] for split in ("val", "test") if split in sizes},
+                      **({"held_bytes": held} if held else {}))
 
 
 class Report:

@@ -38,13 +38,13 @@ from ..runtime.whereabouts import here
 from . import elastic
 from .callbacks import EarlyStopping
 from .checkpointer import Checkpointer
-from .evaluations import LARGE_EVALUATION, Evaluations, shown
+from .evaluations import Evaluations, shown
 from .feed import epoch_batches
 from .outputs import Outputs, trace_file
 from .position import Position
-from .report import Report
+from .report import Report, header
 from .serving import ServerControl
-from .setup import data_layout, find_resume, layout_text, make_strategy, prepare, test_delay
+from .setup import data_layout, find_resume, make_strategy, prepare, test_delay
 from .stops import Stops
 from .window import StepWindow
 
@@ -126,7 +126,9 @@ class Training:
         self.strategy.initialize(resume)
         held = cluster.world.gather((cluster.rank, self.strategy.held_bytes()), root=cluster.chief_rank)  # (start-up)
         if self.chief:
-            self._header(table, asked, [{"rank": rank, **bytes_} for rank, bytes_ in held if bytes_])
+            header(self.config, cluster, self.setup, self.outputs, table, asked,
+                   [{"rank": rank, **bytes_} for rank, bytes_ in held if bytes_],
+                   imbalance=self.strategy.imbalance, watched=self.monitor.active)
         outputs.show_progress(config, total_steps(config, setup), 0 if resume is None else resume.step)
         self.window = StepWindow(config.nan_patience)
         # (its clock is the run's: the metrics' time goes on from a resumed checkpoint's)
@@ -135,46 +137,6 @@ class Training:
         self.evaluations = Evaluations(setup.info.sizes, config.keep_best, resume.best if resume else None,
                                        early_stopping)
         self._move_to(resume)
-
-    def _header(self, table, asked_seed, held):
-        """Chief: what runs where (``table``), and every note of the set-up; the ``start`` event (``held``: the
-        bytes each rank holds, where its strategy reports them)."""
-        config, cluster, setup, resume, say = self.config, self.cluster, self.setup, self.setup.resume, \
-            self.outputs.say
-        sizes, limited = setup.info.sizes, setup.info.limited
-
-        def rows(split):   # (what an evaluation takes, and of how many where --eval-samples cut it)
-            return f"{sizes[split]}" + (f" of {limited[split]}" if split in limited else "") + f" {split}"
-        val = f" / {rows('val')}" if "val" in sizes else ""   # (a file's own, or --val-fraction's)
-        say(f"mpidist: {setup.info.name} ({sizes['train']} train{val} / {rows('test')}), "
-            f"model {config.model} ({setup.model.num_params:,} parameters), strategy {config.strategy} on "
-            f"{layout_text(config, cluster)}, global batch {config.batch_size}, {setup.steps_per_epoch} "
-            f"steps/epoch\n{table}")
-        if self.strategy.imbalance is not None:
-            say(f"mpidist: parameter shards balanced to within {100 * self.strategy.imbalance:.2f}%")
-        large = [split for split in ("val", "test") if sizes.get(split, 0) > LARGE_EVALUATION and split not in limited]
-        if large:
-            say(f"mpidist: note: each evaluation takes every sample of {' and '.join(large)} "
-                f"({', '.join(f'{sizes[split]:,}' for split in large)}); --eval-samples N bounds it")
-        for path, reason in setup.skipped:
-            say(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}")
-        for note in setup.notes + self.outputs.claim.notes:
-            say(f"mpidist: {note}")
-        if resume is not None:
-            say(f"mpidist: resumed from {resume.path} at step {resume.step}")
-        if config.stall_timeout and cluster.size > 1 and not self.monitor.active:
-            say("mpidist: warning: --stall-timeout needs MPI_THREAD_MULTIPLE, which this MPI does not give: a "
-                "hang will not be diagnosed")
-        if asked_seed != config.seed:
-            say(f"mpidist: note: --seed {asked_seed} ignored: the checkpoint's data order and random streams "
-                f"continue with seed {config.seed}")
-        self.outputs.log.write("start", config=dataclasses.asdict(config), ranks=cluster.size,
-                               workers=cluster.num_workers, ps=config.ps, dataset=setup.info.name,
-                               params=setup.model.num_params, steps_per_epoch=setup.steps_per_epoch,
-                               resumed_from=None if resume is None else str(resume.path),
-                               step=0 if resume is None else resume.step,
-                               evaluated={split: sizes[split] for split in ("val", "test") if split in sizes},
-                               **({"held_bytes": held} if held else {}))
 
     def _share_lineage(self):
         """Collective: ``(lineage, parent)`` the chief settled, on every rank (the first ps of ps-async writes too)."""
@@ -326,11 +288,20 @@ class Training:
         requested = stops.request(self.outputs.log)
         if stops.agreement:
             here().enter("agree")
-            schedule = self.checkpointer.schedule   # the time is the chief's, agreed at the boundary
-            flags = stops.agreement.boundary(requested, self.chief and schedule.timed(self.checkpointer.clock()))
+            checkpointer = self.checkpointer
+            schedule = checkpointer.schedule   # the time is the chief's, agreed at the boundary
+            flags = stops.agreement.boundary(requested, self.chief and schedule.timed(checkpointer.clock()),
+                                             checkpointer.busy)
             stops.early = bool(flags["signal"]) and position.step < steps_to_run
-            if (schedule.crossed(position.step) or flags["due"] or stops.early) and not self.window.skipped_in_row:
-                self.save()   # (never a state that is going wrong: it could push good ones out of --keep)
+            if self.chief:
+                self._log_written(checkpointer.collect())
+            due = schedule.crossed(position.step) or flags["due"]
+            if not config.checkpoint_wait:   # (a checkpoint due while one is written waits for the writer)
+                due = checkpointer.starts_at(position.step, due, flags["busy"])
+            if (due or stops.early) and not self.window.skipped_in_row:
+                # (never a state that is going wrong: it could push good ones out of --keep); a stopping job
+                # waits for its checkpoint
+                self.save(behind=not stops.early)
         else:   # the strategy carries the request to the others; the checkpoint comes after finish()
             if requested:
                 self.strategy.request_stop(requested)
@@ -338,10 +309,12 @@ class Training:
         return bool(stops.early or stops.diverged or (config.steps and position.step >= config.steps)
                     or result.finished)
 
-    def save(self, state=(), gathered=False):
+    def save(self, state=(), gathered=False, behind=False):
         """Collective: the chief writes a checkpoint of the current position (once per step).
 
         ``gathered``: the caller gathered the strategy's ``state()`` already (``state``: None off the chief).
+        ``behind``: the chief copies the state and a thread writes it while training goes on; the
+        ``checkpoint`` event comes once the file is whole.
         """
         position, checkpointer = self.position, self.checkpointer
         if not checkpointer.enabled or (self.strategy.lockstep and checkpointer.taken_at == position.step):
@@ -351,13 +324,25 @@ class Training:
         if not gathered:
             state = self.strategy.state()  # collective: shards are gathered to the chief
         checkpointer.taken_at = position.step
+        if behind:
+            checkpointer.taken(position.step)
         if self.chief:
             here().enter("write")
-            path = checkpointer.write(state, position.step, position.epoch, position.epoch_step,
-                                      data_layout(self.config, self.cluster)[0], best=self.evaluations.best.record())
-            self.outputs.log.write("checkpoint", step=position.step, epoch=position.epoch + 1, path=str(path))
+            workers = data_layout(self.config, self.cluster)[0]
+            where = (state, position.step, position.epoch, position.epoch_step, workers)
+            if behind:
+                self._log_written(checkpointer.write_behind(*where, best=self.evaluations.best.record()))
+            else:
+                self._log_written(checkpointer.collect(wait=True))
+                path = checkpointer.write(*where, best=self.evaluations.best.record())
+                self._log_written([(path, position.step, position.epoch)])
         if began is not None:
             TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=position.step)
+
+    def _log_written(self, written):
+        """Chief: the ``checkpoint`` event of each ``(path, step, epoch)`` written."""
+        for path, step, epoch in written:
+            self.outputs.log.write("checkpoint", step=step, epoch=epoch + 1, path=str(path))
 
     def evaluate(self, split="test", together=True):
         """Collective over the evaluating ranks: the task's figures on ``split`` (:mod:`~mpidist.nn.scores`).
@@ -416,6 +401,8 @@ class Training:
         stopped_early = flags["early"] and flags["signal"] == EARLY_STOP
         write_failed = flags["signal"] == WRITE_FAILED
         stopped = flags if flags["signal"] and flags["early"] and not (stopped_early or write_failed) else {}
+        if self.chief:   # (a write behind in flight: its event before the end's)
+            self._log_written(self.checkpointer.collect(wait=True))
         elapsed = self.window.elapsed()   # (training time: the final evaluation and checkpoint are not in it)
         if not (stopped or stops.diverged or write_failed):   # (a stopping job has no time to spare)
             for split in self._missing_splits():

@@ -131,21 +131,22 @@ class StepAgreement:
     """Flags every rank sees at the same step boundary, one step after they were raised.
 
     Flags (int64, combined with MAX): ``signal`` (the signal's number),
-    ``rank`` (1 + the rank that saw it) and ``due`` (a timed checkpoint is
-    due, as the chief's clock says).
+    ``rank`` (1 + the rank that saw it), ``due`` (a timed checkpoint is
+    due, as the chief's clock says) and ``busy`` (the chief is still writing
+    a checkpoint behind training).
     """
 
-    FIELDS = ("signal", "rank", "due")
+    FIELDS = ("signal", "rank", "due", "busy")
 
     def __init__(self, comm):
         self.comm = comm.Dup()   # its own context: never matched against the strategy's collectives
         self._flags = np.zeros(len(self.FIELDS), dtype=np.int64)   # this rank's, then (in place) every rank's max
         self._pending = None
 
-    def boundary(self, signal_number=0, due=False):
+    def boundary(self, signal_number=0, due=False, busy=False):
         """Post this rank's flags; returns the flags all ranks posted at the previous boundary (a dict)."""
         agreed = self._collect()
-        self._flags[...] = (signal_number, self.comm.Get_rank() + 1 if signal_number else 0, int(due))
+        self._flags[...] = (signal_number, self.comm.Get_rank() + 1 if signal_number else 0, int(due), int(busy))
         self._pending = mpi.iallreduce(self.comm, self._flags, MPI.MAX)
         return agreed
 

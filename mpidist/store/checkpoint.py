@@ -27,7 +27,7 @@ from ..runtime.memory import check_fits
 from ..runtime.reads import reading
 from ..runtime.text import printable, shown
 from ..runtime.whereabouts import here
-from . import atomic
+from . import atomic, bulk
 from . import lineage as lineages
 
 FORMAT = "mpidist-checkpoint-1"
@@ -83,33 +83,44 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
     directory = Path(directory)
     final = directory / lineages.file_name(step, lineage)
     try:
-        with atomic.replacing(final) as aside, h5py.File(aside, "w") as handle:
-            handle.create_dataset("params", data=params)
-            group = handle.create_group("optimizer")
-            group.attrs["steps"] = int(optimizer_steps)
-            for name, array in optimizer_state.items():
-                group.create_dataset(name, data=array)
-            handle.attrs.update({"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step),
-                                 "config": config_json, "format": FORMAT, "lineage": lineage,
-                                 "parent": parent or "", "elapsed": float(elapsed),
-                                 "data_order": json.dumps({"seed": int(seed), "epoch": int(epoch),
-                                                           "epoch_step": int(epoch_step), "workers": int(workers),
-                                                           "scheme": DATA_ORDER}),
-                                 "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})})
-            if best:   # (a resumed run goes on judging against it)
-                handle.attrs["best"] = json.dumps(best)
-            if per_worker:
-                rows = handle.create_group(PER_WORKER)
-                for name, array in per_worker.items():
-                    rows.create_dataset(name, data=array)
-            if dataset_fingerprint:
-                handle.attrs["dataset_fingerprint"] = dataset_fingerprint
+        with atomic.replacing(final) as aside:
+            places = []
+            with h5py.File(aside, "w") as handle:
+                _structure(handle, places, params, optimizer_state, optimizer_steps, step, epoch, epoch_step,
+                           config_json, seed, workers, lineage, parent, best, elapsed, per_worker,
+                           dataset_fingerprint)
+            bulk.fill(aside, places)   # (the arrays' bytes, without holding Python's lock)
     except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
         reason = os.strerror(err.errno) if err.errno else str(err)
         kept = ", ".join(e.path.name for e in lineages.CheckpointDir(directory).entries()) or "none"
         raise RunError(f"checkpoint of step {step} not written to {directory}: {reason} (checkpoints there, "
                        f"intact: {kept})") from None
     return final
+
+
+def _structure(handle, places, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json,
+               seed, workers, lineage, parent, best, elapsed, per_worker, dataset_fingerprint):
+    """A checkpoint's groups, attributes and (empty, allocated) datasets; their ``(offset, array)`` in ``places``."""
+    bulk.allocate(handle, "params", params, places)
+    group = handle.create_group("optimizer")
+    group.attrs["steps"] = int(optimizer_steps)
+    for name, array in optimizer_state.items():
+        bulk.allocate(group, name, array, places)
+    handle.attrs.update({"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step),
+                         "config": config_json, "format": FORMAT, "lineage": lineage,
+                         "parent": parent or "", "elapsed": float(elapsed),
+                         "data_order": json.dumps({"seed": int(seed), "epoch": int(epoch),
+                                                   "epoch_step": int(epoch_step), "workers": int(workers),
+                                                   "scheme": DATA_ORDER}),
+                         "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})})
+    if best:   # (a resumed run goes on judging against it)
+        handle.attrs["best"] = json.dumps(best)
+    if per_worker:
+        rows = handle.create_group(PER_WORKER)
+        for name, array in per_worker.items():
+            bulk.allocate(rows, name, array, places)
+    if dataset_fingerprint:
+        handle.attrs["dataset_fingerprint"] = dataset_fingerprint
 
 
 def keep_as(path, name):

@@ -141,12 +141,15 @@ def build_parser():
     bench.add_argument("--tracing", default=None, metavar="DATA",
                        help="instead: train DATA without and with --trace, in interleaved rounds (--steps each, "
                        "default 600); the first of --models is trained")
+    bench.add_argument("--checkpoints", default=None, metavar="DATA",
+                       help="instead: train DATA without checkpoints and with one every step (written behind "
+                       "training), in interleaved rounds (--steps each, default 600); the first of --models is trained")
     bench.add_argument("--settle", type=float, default=None, metavar="SECONDS",
                        help="with --streaming: idle seconds before each run (default: 15), so that memory the run "
                        "before freed, which a VM may be handing back to its host, costs the next run nothing")
     bench.add_argument("--steps", type=int, default=0,
                        help="with --streaming: steps per run in place of a whole epoch (default: 0 = an epoch); "
-                       "with --tracing: steps per run (default: 0 = 600)")
+                       "with --tracing and --checkpoints: steps per run (default: 0 = 600)")
     return parser
 
 
@@ -263,8 +266,10 @@ def cmd_bench(args, world):
             raise UsageError("--seconds must be positive and --batch-per-rank at least 1")
         if args.steps < 0:
             raise UsageError(f"--steps {args.steps}: give 0 (an epoch) or more")
-        if args.streaming is not None and args.tracing is not None:
-            raise UsageError("--streaming and --tracing are two benchmarks: give one")
+        chosen = [flag for flag in ("streaming", "tracing", "checkpoints") if getattr(args, flag) is not None]
+        if len(chosen) > 1:
+            count = ("two", "three")[len(chosen) - 2]
+            raise UsageError(f"{' and '.join('--' + flag for flag in chosen)} are {count} benchmarks: give one")
         if args.settle is not None and (args.streaming is None or not 0 <= args.settle <= 600):
             raise UsageError(f"--settle {args.settle:g}: give 0 to 600 seconds, with --streaming")
     if args.streaming is not None:
@@ -275,6 +280,10 @@ def cmd_bench(args, world):
     if args.tracing is not None:
         from ..bench import run_tracing_bench
         run_tracing_bench(world, args.tracing, models[0], args.batch_per_rank, args.steps, args.output)
+        return EXIT_OK
+    if args.checkpoints is not None:
+        from ..bench import run_checkpoint_bench
+        run_checkpoint_bench(world, args.checkpoints, models[0], args.batch_per_rank, args.steps, args.output)
         return EXIT_OK
     run_bench(world, models, args.seconds, args.batch_per_rank, args.output, args.optimizer)
     return EXIT_OK
