@@ -54,6 +54,19 @@ def test_a_checkpoint_due_while_the_writer_is_busy_waits_for_it_and_several_beco
     assert taken == [1, 6, 8]
 
 
+def test_after_a_write_the_writer_rests_so_that_writing_takes_a_bounded_share_of_the_time(tmp_path):
+    from mpidist.loop.checkpointer import WRITER_SHARE, BehindWrite
+    write = BehindWrite(lambda: "path", (5, 0), spent=0.001)   # the copy's CPU
+    assert write.result() == "path"
+    assert write.spent >= 0.001
+    assert write.free_at() == pytest.approx(write.began + write.spent / WRITER_SHARE)
+    writer = checkpointer(tmp_path)
+    writer.behind.last = write
+    assert writer.busy   # resting: 0.001 s of CPU at 2.5% is 40 ms
+    write.spent = 0.0
+    assert not writer.busy
+
+
 def test_a_write_behind_holds_the_state_as_it_was_and_reports_once_done(tmp_path):
     writer = checkpointer(tmp_path)
     params, optimizer, steps = state(1.0)

@@ -459,8 +459,9 @@ def script(text, *args):
 def both_checkpoints_whole(p, out, err):
     stop, = events(p / "m.jsonl", "stopped")
     steps = checkpoint_steps(p / "ckpt")
-    # posted at the boundary of step 11, learned by every rank one step later (see mpidist.runtime.preempt)
-    assert steps == [10, stop["step"]] and stop["step"] == 12 and stop["signal"] == "SIGTERM"
+    # the checkpoint of step 10 is written behind steps 11 and 12: the signal comes during one of them, is
+    # posted at the next boundary and learned by every rank one step later (see mpidist.runtime.preempt)
+    assert steps == [10, stop["step"]] and stop["step"] in (12, 13) and stop["signal"] == "SIGTERM"
     for step in steps:
         assert checkpoint.load(checkpoint_at(p / "ckpt", step)).step == step
 
@@ -860,7 +861,7 @@ FAULTS = {
         one_message=False),
     "a signal during a checkpoint write": Fault(
         script(SIGNAL_MID_WRITE, lambda p: str(p / "m.jsonl"), lambda p: str(p / "ckpt")), 3,
-        "stopped by SIGTERM (rank 0) at step 12", check=both_checkpoints_whole, one_message=False),
+        "stopped by SIGTERM (rank 0) at step 1", check=both_checkpoints_whole, one_message=False),
     "a stop signal during a long evaluation": Fault(
         train("--data", sparse_dataset, "--steps", "2", "--log-every", "1", "--checkpoint-dir",
               lambda p: str(p / "ckpt")), 3, "stopped by SIGTERM (rank 1) at step 2",

@@ -85,7 +85,7 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
     try:
         with atomic.replacing(final) as aside:
             places = []
-            with h5py.File(aside, "w") as handle:
+            with bulk.open_aligned(aside) as handle:
                 _structure(handle, places, params, optimizer_state, optimizer_steps, step, epoch, epoch_step,
                            config_json, seed, workers, lineage, parent, best, elapsed, per_worker,
                            dataset_fingerprint)
