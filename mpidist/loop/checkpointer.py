@@ -107,11 +107,12 @@ class Checkpointer:
         self.best = checkpoint.keep_as(self.last, f"best-{self.lineage or 'run'}.h5")
         return self.best
 
-    def write(self, state, step, epoch, epoch_step, workers, best=None):
+    def write(self, state, step, epoch, epoch_step, workers, best=None, data_position=None):
         """Write ``state`` (``(params, optimizer arrays, optimizer steps[, each worker's own state])``) as the
         checkpoint of ``step``; prune.
 
         ``best``: the ``--keep-best`` figure's best so far (``{"figure", "value", "step"}``), stored with it.
+        ``data_position``: what is left of the epoch (:func:`mpidist.loop.feed.data_position`), stored with it.
         """
         config = self.config
         params, opt_state, opt_steps, *per_worker = state
@@ -120,7 +121,7 @@ class Checkpointer:
         path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
                                config.to_json(), config.seed, workers, self.lineage, self.parent, best=best,
                                elapsed=self.run_time(), per_worker=per_worker[0] if per_worker else None,
-                               dataset_fingerprint=self.dataset_fingerprint)
+                               dataset_fingerprint=self.dataset_fingerprint, data_position=data_position)
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         self.written.append(path)
         self.last_step = step

@@ -39,7 +39,7 @@ from . import elastic
 from .callbacks import EarlyStopping
 from .checkpointer import Checkpointer
 from .evaluations import LARGE_EVALUATION, Evaluations, shown
-from .feed import epoch_batches
+from .feed import data_position, epoch_batches
 from .outputs import Outputs, trace_file
 from .position import Position
 from .report import Report
@@ -269,7 +269,7 @@ class Training:
         """One epoch from the current position; True when the run stops in it."""
         config, setup, position, strategy = self.config, self.setup, self.position, self.strategy
         delay, xp = test_delay(self.cluster.worker_index), self.device.xp
-        batches = epoch_batches(config, self.cluster, setup, position.epoch, position.epoch_step)
+        batches = epoch_batches(config, self.cluster, setup, position.epoch, position.epoch_step, position.segment)
         stop = False
         try:
             for x, y in batches:
@@ -354,7 +354,8 @@ class Training:
         if self.chief:
             here().enter("write")
             path = checkpointer.write(state, position.step, position.epoch, position.epoch_step,
-                                      data_layout(self.config, self.cluster)[0], best=self.evaluations.best.record())
+                                      data_layout(self.config, self.cluster)[0], best=self.evaluations.best.record(),
+                                      data_position=data_position(self.config, self.cluster, self.setup, position))
             self.outputs.log.write("checkpoint", step=position.step, epoch=position.epoch + 1, path=str(path))
         if began is not None:
             TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=position.step)

@@ -1,0 +1,145 @@
+"""Virtual shards: every sample of an epoch trained on exactly once, whatever happens to the worker count.
+
+Pure functions of :mod:`mpidist.data.virtual` first (no file, no MPI), then
+the shards in memory and streamed, whose samples carry their row number
+(``x[i, 0] == i``): an elastic shrink from 4 workers to 3 midway through an
+epoch is the data layer's :func:`~mpidist.data.virtual.advance` and a new
+:func:`~mpidist.data.virtual.split`, as the survivors do it.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+
+from mpidist import data
+from mpidist.data import virtual
+from mpidist.data.held import HeldShards
+from mpidist.data.streamed import StreamedShards
+
+from test_stream import write
+
+
+def positions(intervals):
+    """The ``(shard, position)`` pairs ``intervals`` name, in order."""
+    return [(shard, i) for shard, lo, hi in intervals.tolist() for i in range(lo, hi)]
+
+
+def batch_sizes(global_batch, workers):
+    return [data.local_batch_size(global_batch, workers, w) for w in range(workers)]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 100, 1000, 5003])
+def test_memory_shards_tile_the_split_and_never_depend_on_the_workers(rows):
+    sizes = virtual.memory_sizes(rows)
+    assert len(sizes) == min(rows, virtual.VIRTUAL_SHARDS) and sizes.min() >= 1   # a tiny split: one row a shard
+    everything = np.sort(np.concatenate([virtual.memory_rows(rows, v) for v in range(len(sizes))]))
+    assert everything.tolist() == list(range(rows))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 7])
+def test_the_pieces_of_an_epoch_are_disjoint_balanced_and_leave_less_than_a_global_batch(workers):
+    sizes, batch = virtual.memory_sizes(1003), 24
+    pieces = virtual.split(virtual.whole(sizes), batch_sizes(batch, workers))
+    steps = 1003 // batch
+    assert [virtual.length(p) for p in pieces] == [steps * b for b in batch_sizes(batch, workers)]
+    taken = [pair for piece in pieces for pair in positions(piece)]
+    assert len(taken) == len(set(taken)) == steps * batch
+
+
+def test_an_unchanged_worker_count_continues_each_worker_exactly():
+    sizes, local = virtual.memory_sizes(1000), batch_sizes(40, 4)
+    start = virtual.whole(sizes)
+    pieces = virtual.split(start, local)
+    for steps in (0, 1, 7, 24, 25):
+        again = virtual.split(virtual.advance(start, local, steps), local)
+        for piece, rest, size in zip(pieces, again, local):
+            assert positions(rest) == positions(piece)[steps * size:]
+    assert virtual.advance(virtual.advance(start, local, 3), local, 5).tolist() == \
+        virtual.advance(start, local, 8).tolist()
+
+
+@pytest.mark.parametrize("stop", [1, 9, 17])
+def test_a_shrink_from_4_to_3_workers_midway_trains_every_sample_once(stop):
+    """Positions (shard, i) a 4-worker segment trains, then a 3-worker one from what is left: each once."""
+    rows, batch = 1200, 48
+    sizes = virtual.memory_sizes(rows)
+    start = virtual.whole(sizes)
+    four, three = batch_sizes(batch, 4), batch_sizes(batch, 3)
+    trained = collections.Counter()
+    for piece, size in zip(virtual.split(start, four), four):
+        trained.update(positions(piece)[:stop * size])
+    left = virtual.advance(start, four, stop)
+    assert virtual.steps_left(left, batch) == rows // batch - stop       # the epoch keeps its length
+    for piece in virtual.split(left, three):
+        trained.update(positions(piece))
+    assert set(trained.values()) == {1} and len(trained) == rows
+
+
+def test_several_changes_of_the_worker_count_in_one_epoch_train_each_sample_at_most_once_and_all_but_a_batch():
+    rows, batch = 1001, 30
+    left, trained, steps = virtual.whole(virtual.memory_sizes(rows)), collections.Counter(), 0
+    for workers, run in ((5, 4), (2, 3), (6, 10), (3, 100)):
+        local = batch_sizes(batch, workers)
+        run = min(run, virtual.steps_left(left, batch))
+        for piece, size in zip(virtual.split(left, local), local):
+            trained.update(positions(piece)[:run * size])
+        left, steps = virtual.advance(left, local, run), steps + run
+    assert steps == rows // batch and max(trained.values()) == 1 and len(trained) == steps * batch
+    assert virtual.length(left) == rows % batch
+
+
+def worker_rows(shards, local, piece, seed, epoch, skip=0):
+    return [int(v) for x, _ in shards.batches(local, piece, seed, epoch, skip=skip) for v in x[:, 0]]
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_shrink_from_4_to_3_workers_midway_trains_every_row_once_in_memory_and_streamed(tmp_path, mode):
+    rows, batch, stop = 2000, 40, 13
+    info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=16))
+
+    def shards():
+        if mode == "memory":
+            return HeldShards(info, "train", (4,), np.float32)
+        return StreamedShards(info, "train", (4,), np.float32, buffer=64)
+
+    sizes = shards().shard_sizes
+    if mode == "stream":
+        assert 1 < len(sizes) <= rows // 64                  # every shard holds a buffer's worth of blocks
+    start, four, three = virtual.whole(sizes), batch_sizes(batch, 4), batch_sizes(batch, 3)
+    seen = collections.Counter()
+    for w, piece in enumerate(virtual.split(start, four)):
+        got = worker_rows(shards(), four[w], piece, seed=3, epoch=1)
+        assert len(got) == rows // batch * four[w]
+        seen.update(got[:stop * four[w]])
+    left = virtual.advance(start, four, stop)
+    for w, piece in enumerate(virtual.split(left, three)):
+        seen.update(worker_rows(shards(), three[w], piece, seed=3, epoch=1))
+    assert sorted(seen) == list(range(rows)) and set(seen.values()) == {1}
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_worker_resumed_at_any_step_continues_exactly_and_epochs_differ(tmp_path, mode):
+    info = data.inspect(write(tmp_path / "rows.h5", 900, chunk=10))
+    make = (lambda: HeldShards(info, "train", (4,), np.float32)) if mode == "memory" else \
+        (lambda: StreamedShards(info, "train", (4,), np.float32, buffer=50))
+    shards = make()
+    local = batch_sizes(30, 3)
+    piece = virtual.split(virtual.whole(shards.shard_sizes), local)[1]
+    whole = worker_rows(shards, local[1], piece, seed=0, epoch=2)
+    for skip in (1, 5, 29):
+        assert worker_rows(make(), local[1], piece, seed=0, epoch=2, skip=skip) == whole[skip * local[1]:]
+    again = virtual.split(virtual.advance(virtual.whole(shards.shard_sizes), local, 5), local)[1]
+    assert worker_rows(make(), local[1], again, seed=0, epoch=2) == whole[5 * local[1]:]
+    assert worker_rows(shards, local[1], piece, seed=0, epoch=3) != whole
+    assert sorted(worker_rows(shards, local[1], piece, seed=0, epoch=3)) != sorted(range(300))   # a strided mix
+
+
+def test_a_worker_in_memory_holds_its_part_and_at_most_two_shards_more(tmp_path):
+    rows = 5000
+    info = data.inspect(write(tmp_path / "rows.h5", rows))
+    local = batch_sizes(64, 3)
+    for piece in virtual.split(virtual.whole(virtual.memory_sizes(rows)), local):
+        shards = HeldShards(info, "train", (4,), np.float32)
+        shards.hold(piece)
+        assert len(shards) <= virtual.length(piece) + 2 * -(-rows // virtual.VIRTUAL_SHARDS)
