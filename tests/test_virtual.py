@@ -143,3 +143,36 @@ def test_a_worker_in_memory_holds_its_part_and_at_most_two_shards_more(tmp_path)
         shards = HeldShards(info, "train", (4,), np.float32)
         shards.hold(piece)
         assert len(shards) <= virtual.length(piece) + 2 * -(-rows // virtual.VIRTUAL_SHARDS)
+
+
+def trained(folder):
+    """``{epoch: Counter of rows}`` the workers of every run recorded in ``folder`` (``MPIDIST_TEST_RECORD``)."""
+    counts = collections.defaultdict(collections.Counter)
+    for path in folder.glob("worker-*.txt"):
+        for line in path.read_text().splitlines():
+            epoch, *rows = map(int, line.split())
+            counts[epoch].update(rows)
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_run_stopped_on_4_workers_midway_and_resumed_on_3_trains_each_sample_once_an_epoch(tmp_path, mode):
+    """960 rows, global batch 48: 20 steps an epoch.  Stopped at step 13, resumed on 3 workers to the end of
+    epoch 2: each epoch trained every row exactly once."""
+    from conftest import mpidist
+    dataset, record = write(tmp_path / "rows.h5", 960, chunk=10), tmp_path / "record"
+    record.mkdir()
+    common = ["train", "--data", str(dataset), "--model", "mlp:4", "--epochs", "2", "--batch-size", "48",
+              "--lr", "1e-9", "--dtype", "float64", "--metrics", "", "--progress", "none", "--eval-every", "0",
+              "--checkpoint-dir", str(tmp_path / "ck"), "--data-mode", mode, "--shuffle-buffer", "64"]
+    env = {"MPIDIST_TEST_RECORD": str(record)}
+    done, _ = mpidist(4, *common, "--steps", "13", env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "20 steps/epoch" in done.stdout
+    done, _ = mpidist(3, *common, "--resume", "auto", env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stdout and "20 steps/epoch" in done.stdout and "note: --resume" not in done.stdout
+    counts = trained(record)
+    assert sorted(counts) == [0, 1]
+    for epoch, rows in counts.items():
+        assert sorted(rows) == list(range(960)) and set(rows.values()) == {1}, (epoch, rows.most_common(3))

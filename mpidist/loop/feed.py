@@ -2,6 +2,8 @@
 (in-graph), or none (a ps); and what is left of the epoch (a checkpoint's data position)."""
 
 import itertools
+import os
+from pathlib import Path
 
 from ..data import virtual
 from ..parallel.recipe import total_steps
@@ -20,6 +22,33 @@ class NoData:
 
     def close(self):
         pass
+
+
+class Recorded:
+    """``batches``, each one's first input values written to ``path`` as it is handed over (tests only)."""
+
+    def __init__(self, batches, path, epoch):
+        self.batches, self.path, self.epoch = batches, path, epoch
+
+    def __iter__(self):
+        for x, y in self.batches:
+            if x is not None:
+                with open(self.path, "a") as out:
+                    out.write(f"{self.epoch} {' '.join(str(int(v)) for v in x.reshape(len(x), -1)[:, 0])}\n")
+            yield x, y
+
+    def close(self):
+        self.batches.close()
+
+
+def recorded(batches, worker, epoch):
+    """``batches``, recorded where ``MPIDIST_TEST_RECORD=DIRECTORY`` says (``worker-<pid>.txt``: a line per batch,
+    its epoch and its samples' first values).  For tests only: a dataset whose first value is the row number
+    shows which samples each epoch trained on; unset in real runs."""
+    folder = os.environ.get("MPIDIST_TEST_RECORD", "")
+    if not folder or worker is None:
+        return batches
+    return Recorded(batches, Path(folder) / f"worker-{os.getpid()}.txt", epoch)
 
 
 def entered(setup, epoch, segment):
@@ -52,8 +81,8 @@ def epoch_batches(config, cluster, setup, epoch, skip, segment=None):
     last_epoch = (epoch + 1) * setup.steps_per_epoch >= total_steps(config, setup)
     sizes, index = training_layout(config, cluster)
     remaining, at = entered(setup, epoch, segment)
-    return setup.train.batches(sizes[index], virtual.split(remaining, sizes)[index], config.seed, epoch,
-                               skip=skip - at, last_epoch=last_epoch)
+    return recorded(setup.train.batches(sizes[index], virtual.split(remaining, sizes)[index], config.seed, epoch,
+                                        skip=skip - at, last_epoch=last_epoch), index, epoch)
 
 
 def data_position(config, cluster, setup, position):
