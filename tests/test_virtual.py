@@ -11,13 +11,12 @@ import collections
 
 import numpy as np
 import pytest
+from test_stream import write
 
 from mpidist import data
 from mpidist.data import virtual
 from mpidist.data.held import HeldShards
 from mpidist.data.streamed import StreamedShards
-
-from test_stream import write
 
 
 def positions(intervals):
