@@ -175,3 +175,30 @@ def test_a_run_stopped_on_4_workers_midway_and_resumed_on_3_trains_each_sample_o
     assert sorted(counts) == [0, 1]
     for epoch, rows in counts.items():
         assert sorted(rows) == list(range(960)) and set(rows.values()) == {1}, (epoch, rows.most_common(3))
+
+
+@pytest.mark.parametrize("remaining,problem", [
+    ([[0, 5, 3]], "holds interval"),                 # empty (end before first)
+    ([[9, 0, 1]], "holds interval"),                 # a shard it does not have
+    ([[1, 0, 8]], "holds interval"),                 # past its shard's end
+    ([[0, 0, 4], [0, 3, 5]], "holds overlapping"),       # a sample twice
+])
+def test_a_checkpoint_s_data_position_round_trips_and_a_bad_one_is_refused_naming_it(tmp_path, remaining, problem):
+    import h5py
+
+    from mpidist.runtime.errors import UsageError
+    from mpidist.store import checkpoint
+
+    def save(left):
+        return checkpoint.save(tmp_path, np.zeros(3), {}, 0, 7, 0, 7, "{}", 1, 4,
+                               data_position=(np.array(left, dtype=np.int64), np.array([6, 6, 5])))
+    good = checkpoint.load(save([[0, 2, 6], [2, 0, 5]]))
+    assert good.remaining.tolist() == [[0, 2, 6], [2, 0, 5]] and good.shard_sizes.tolist() == [6, 6, 5]
+    path = save(remaining)
+    with pytest.raises(UsageError, match=f"{path}: data_position/remaining {problem}"):
+        checkpoint.load(path)
+    with h5py.File(path, "r+") as handle:    # not integers
+        del handle["data_position/remaining"]
+        handle["data_position/remaining"] = np.zeros((1, 3))
+    with pytest.raises(UsageError, match="data_position/remaining is not an array of integers"):
+        checkpoint.load(path)
