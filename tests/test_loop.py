@@ -204,7 +204,7 @@ def test_the_elastic_state_restores_the_chiefs_position_and_syncs_its_state_as_a
     params = np.arange(5, dtype=np.float32)
     held = (params, {"m": params * 2, "v": params * 3}, 9)
     strategy = Strategy(held)
-    setup = types.SimpleNamespace(model=types.SimpleNamespace(num_params=5, dtype=np.float32))
+    setup = types.SimpleNamespace(model=types.SimpleNamespace(num_params=5, dtype=np.float32), train=None)
     cluster = types.SimpleNamespace(chief_rank=0)
     state.bind(cluster, setup, strategy)
     world = MPI.COMM_SELF

@@ -147,7 +147,8 @@ class State:
         model, config = self.setup.model, self.config
         names = list(self.strategy.optimizer.state_arrays())
         # (the chief's own position, which the others took: self.cluster is still the one before the loss)
-        left = data_position(config, self.cluster, self.setup, self.position) if cluster.is_chief else None
+        left = data_position(config, self.cluster, self.setup, self.position) \
+            if world.Get_rank() == cluster.chief_rank else None
         return share(world, cluster.chief_rank, held, position, names, model.num_params, model.dtype,
                      dataclasses.asdict(config), config.seed, left)
 
