@@ -23,18 +23,13 @@ from mpidist.settings.config import Settings
 
 def test_a_position_starts_at_a_checkpoints_and_rolls_a_full_epoch_over():
     assert Position.of(None, 10) == Position(0, 0, 0)
-    resume = types.SimpleNamespace(step=25, epoch=2, epoch_step=5, remaining=None)    # (an older checkpoint)
+    resume = types.SimpleNamespace(step=25, epoch=2, epoch_step=5)
     assert Position.of(resume, 10) == Position(25, 2, 5)
-    assert Position.of(types.SimpleNamespace(step=30, epoch=2, epoch_step=10, remaining=None), 10) == \
-        Position(30, 3, 0)
-    left = types.SimpleNamespace(step=25, epoch=2, epoch_step=5, remaining="what is left")
-    assert Position.of(left, 10) == Position(25, 2, 5, (2, 5, "what is left"))     # the epoch entered midway
-    assert Position.of(types.SimpleNamespace(step=30, epoch=2, epoch_step=10, remaining="the tail"), 10) == \
-        Position(30, 3, 0)                                                          # a full epoch: the next whole
+    assert Position.of(types.SimpleNamespace(step=30, epoch=2, epoch_step=10), 10) == Position(30, 3, 0)
     shared = Position(1, 1, 1)
     holder = [shared]
-    shared.move_to(Position(7, 0, 7, (0, 3, "left")))
-    assert holder[0] == Position(7, 0, 7, (0, 3, "left")) and list(shared.as_array()) == [7, 0, 7]
+    shared.move_to(Position(7, 0, 7))
+    assert holder[0] == Position(7, 0, 7) and list(shared.as_array()) == [7, 0, 7]
 
 
 class Clock:
@@ -204,7 +199,7 @@ def test_the_elastic_state_restores_the_chiefs_position_and_syncs_its_state_as_a
     params = np.arange(5, dtype=np.float32)
     held = (params, {"m": params * 2, "v": params * 3}, 9)
     strategy = Strategy(held)
-    setup = types.SimpleNamespace(model=types.SimpleNamespace(num_params=5, dtype=np.float32), train=None)
+    setup = types.SimpleNamespace(model=types.SimpleNamespace(num_params=5, dtype=np.float32))
     cluster = types.SimpleNamespace(chief_rank=0)
     state.bind(cluster, setup, strategy)
     world = MPI.COMM_SELF

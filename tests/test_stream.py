@@ -242,11 +242,10 @@ def test_a_shuffle_buffer_beyond_the_budget_is_capped_to_what_fits_or_refused_wh
         return sum(streaming.stream_bytes(info, split, buffer, (100,), np.float32, chosen.sliced,
                                           train=split == "train") for split, _ in parts)
     assert held(chosen.buffer) <= 3 << 20 < held(chosen.buffer + 1)       # the largest that fits
-    # a buffer as large as the split orders it as one window, as any larger one: kept, not capped (the split's,
-    # not the worker's part: a worker's part of an epoch depends on the worker count, the order must not)
+    # a buffer as large as the part orders it as one window, as any larger one: kept, not capped
     whole = data.plan(Settings(data_mode="stream", shuffle_buffer=10 ** 9, memory_budget="1G"), info, parts,
                       (100,), np.float32)
-    assert whole.buffer == 10_000 and not whole.notes
+    assert whole.buffer == 5_000 and not whole.notes
     with pytest.raises(UsageError, match=f"give --shuffle-buffer {chosen.buffer:,} or less, or a larger budget"):
         data.plan(Settings(data_mode="stream", shuffle_buffer=10 ** 9, memory_budget=str(3 << 20)), info, parts,
                   (100,), np.float32)

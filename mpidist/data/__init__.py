@@ -11,10 +11,6 @@ One module per concept:
 * :mod:`~mpidist.data.shard`: a worker's strided shard, read whole into memory;
 * :mod:`~mpidist.data.stream`: a worker's contiguous part, streamed in
   chunk-aligned blocks through a shuffle buffer, with bounded memory;
-* :mod:`~mpidist.data.virtual`: the training split's virtual shards, each
-  worker's piece of an epoch and what is left of it (every sample once an
-  epoch, whatever the worker count); :mod:`~mpidist.data.held` and
-  :mod:`~mpidist.data.streamed` hold or stream them;
 * :mod:`~mpidist.data.budget`: which of the two a rank uses (``--data-mode``,
   ``--memory-budget``);
 * :mod:`~mpidist.data.batches`: batch sizes every worker agrees on, epoch

@@ -1,11 +1,10 @@
 """Batches: sizes every worker agrees on, epoch orders, background prefetch.
 
 The global batch ``B`` is split as evenly as possible over ``W`` workers (the
-first ``B % W`` take one more sample); an epoch has ``n // B`` steps whatever
-``W`` (each worker trains on its piece of the epoch's virtual shards:
-:mod:`mpidist.data.virtual`).  A shard (in memory or streamed) gives its own
-batches; the functions here are what the loop and the strategies call,
-whatever the shard.
+first ``B % W`` take one more sample); all workers run the same number of
+steps per epoch, computed from sizes alone.  A shard (in memory or streamed)
+gives its own batches; the functions here are what the loop and the
+strategies call, whatever the shard.
 """
 
 import queue
@@ -27,12 +26,12 @@ def local_batch_size(global_batch, num_workers, worker):
 
 
 def steps_per_epoch(n, global_batch, num_workers):
-    """Steps of an epoch of ``n`` samples: whole global batches, whatever the worker count (it must not exceed
-    the global batch: every worker needs at least one sample per step)."""
+    """Steps every worker can take per epoch: the same on all, from sizes alone."""
     if global_batch < num_workers:
         raise UsageError(f"--batch-size {global_batch} is smaller than the number of workers ({num_workers}): "
                          "every worker needs at least one sample per step")
-    return n // global_batch
+    return min(shard_size(n, num_workers, w) // local_batch_size(global_batch, num_workers, w)
+               for w in range(num_workers))
 
 
 class Prefetcher:

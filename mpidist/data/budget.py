@@ -23,7 +23,6 @@ import numpy as np
 
 from ..runtime.errors import UsageError
 from ..runtime.memory import default_budget, human, parse_bytes
-from .held import HeldShards
 from .samples import footprint
 from .shard import Shard
 from .stream import (
@@ -34,7 +33,6 @@ from .stream import (
     default_buffer,
     stream_bytes,
 )
-from .streamed import StreamedShards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +51,6 @@ class Reading:
         if self.mode == "memory":
             return Shard(info, split, worker, num_workers, input_shape, dtype)
         return Stream(info, split, worker, num_workers, input_shape, dtype, self.buffer, self.direct, self.sliced)
-
-    def open_training(self, info, input_shape, dtype):
-        """The training split as virtual shards (:mod:`mpidist.data.virtual`): in memory, or streamed."""
-        if self.mode == "memory":
-            return HeldShards(info, "train", input_shape, dtype)
-        return StreamedShards(info, "train", input_shape, dtype, self.buffer, self.direct, self.sliced)
 
 
 def budget_of(config):
@@ -92,8 +84,8 @@ def _streaming(config, info, parts, input_shape, dtype, budget, how, why):
 
     asked = config.shuffle_buffer
     buffer = asked or default_buffer(input_shape, dtype, budget)
-    if "train" in parts:    # a window holds the split at most: a larger buffer gives the same order
-        buffer = max(1, min(buffer, info.sizes["train"]))
+    if "train" in parts:    # a window holds the part at most: a larger buffer gives the same order
+        buffer = max(1, min(buffer, parts["train"]))
     limit = f"--memory-budget {config.memory_budget}" if how == "--memory-budget" else \
         f"the memory budget {human(budget)} (--memory-budget auto)"
     sliced = held(buffer, False) > budget

@@ -111,16 +111,15 @@ class Checkpointer:
         self.best = checkpoint.keep_as(self.last, f"best-{self.lineage or 'run'}.h5")
         return self.best
 
-    def write(self, state, step, epoch, epoch_step, workers, best=None, data_position=None):
+    def write(self, state, step, epoch, epoch_step, workers, best=None):
         """Write ``state`` (``(params, optimizer arrays, optimizer steps[, each worker's own state])``) as the
         checkpoint of ``step``; prune.
 
         ``best``: the ``--keep-best`` figure's best so far (``{"figure", "value", "step"}``), stored with it.
-        ``data_position``: what is left of the epoch (:func:`mpidist.loop.feed.data_position`), stored with it.
         """
         self.collect(wait=True)   # (never two in flight)
         self._take_fingerprint()
-        path = self._save(state, step, epoch, epoch_step, workers, best, self.run_time(), data_position)
+        path = self._save(state, step, epoch, epoch_step, workers, best, self.run_time())
         self._written(path, step)
         return path
 
@@ -129,14 +128,14 @@ class Checkpointer:
         if self.dataset_fingerprint is None:
             self.dataset_fingerprint = fingerprint(self.dataset) if self.dataset is not None else ""
 
-    def _save(self, state, step, epoch, epoch_step, workers, best, elapsed, data_position=None):
+    def _save(self, state, step, epoch, epoch_step, workers, best, elapsed):
         """Write and prune (in the training thread, or behind it); the checkpoint's path."""
         config = self.config
         params, opt_state, opt_steps, *per_worker = state
         path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
                                config.to_json(), config.seed, workers, self.lineage, self.parent, best=best,
                                elapsed=elapsed, per_worker=per_worker[0] if per_worker else None,
-                               dataset_fingerprint=self.dataset_fingerprint, data_position=data_position)
+                               dataset_fingerprint=self.dataset_fingerprint)
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         return path
 
@@ -168,7 +167,7 @@ class Checkpointer:
         """Every rank: the checkpoint owed was taken at ``step`` (the chief writes it behind training)."""
         self.behind.owed, self.behind.started_at = False, step
 
-    def write_behind(self, state, step, epoch, epoch_step, workers, best=None, data_position=None):
+    def write_behind(self, state, step, epoch, epoch_step, workers, best=None):
         """Copy ``state`` (as :meth:`write` takes it) into host memory and write it in a background thread.
 
         The copy goes into arrays kept from one checkpoint to the next.  One
@@ -189,7 +188,7 @@ class Checkpointer:
             staged += ({name: staging.copy(f"workers/{name}", array) for name, array in per_worker[0].items()},)
         elapsed = self.run_time()
         self.behind.flight = self.behind.last = BehindWrite(
-            lambda: self._save(staged, step, epoch, epoch_step, workers, best, elapsed, data_position), (step, epoch),
+            lambda: self._save(staged, step, epoch, epoch_step, workers, best, elapsed), (step, epoch),
             time.thread_time() - copying)
         return done
 

@@ -48,7 +48,6 @@ from ..runtime.errors import EXIT_FAILURE, RunError, error_line
 from ..runtime.ulfm import cannot_go_on, describe_lost, exit_after_failure, is_failure, shrink
 from ..store.checkpoint import Checkpoint
 from ..store.lineage import newest_checkpoint
-from .feed import data_position
 from .position import Position
 from .setup import data_layout
 
@@ -60,28 +59,11 @@ def share_position(comm, root, position):
     return Position(*(int(v) for v in values))
 
 
-def share_data_position(comm, root, held):
-    """Collective: ``root``'s ``(remaining, shard sizes)`` of the epoch (or None) on every rank."""
-    counts = np.array([-1, -1] if held is None else [len(held[0]), len(held[1])], dtype=np.int64) \
-        if comm.Get_rank() == root else np.zeros(2, dtype=np.int64)
-    mpi.bcast(comm, counts, root=root)
-    if counts[0] < 0:
-        return None
-    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in held] if comm.Get_rank() == root else \
-        [np.empty((int(counts[0]), 3), dtype=np.int64), np.empty(int(counts[1]), dtype=np.int64)]
-    for array in arrays:
-        mpi.bcast(comm, array, root=root)
-    return tuple(arrays)
-
-
-def share(comm, root, state, position, names, count, dtype, config, seed, data_position=None):
+def share(comm, root, state, position, names, count, dtype, config, seed):
     """Collective: ``root``'s ``(params, optimizer arrays, optimizer steps)`` as a :class:`Checkpoint` on every rank.
 
     The same object a checkpoint file loads as, so the survivors resume
     through the path ``--resume`` takes (and tests) for any rank count.
-    ``data_position`` (``root``'s): what is left of the epoch
-    (:func:`mpidist.loop.feed.data_position`), which the survivors share out
-    anew: each of the epoch's samples is still trained on once.
     """
     def broadcast(array):
         buffer = np.ascontiguousarray(array, dtype=dtype) if comm.Get_rank() == root else np.empty(count, dtype)
@@ -91,12 +73,10 @@ def share(comm, root, state, position, names, count, dtype, config, seed, data_p
     params, arrays, steps = state if comm.Get_rank() == root else (None, {}, 0)
     shared_steps = np.array([steps], dtype=np.int64)
     mpi.bcast(comm, shared_steps, root=root)
-    remaining, shard_sizes = share_data_position(comm, root, data_position) or (None, None)
     return Checkpoint(path="(memory: the survivors' state)", params=broadcast(params),
                       optimizer_state={name: broadcast(arrays.get(name)) for name in names},
                       optimizer_steps=int(shared_steps[0]), step=position.step, epoch=position.epoch,
-                      epoch_step=position.epoch_step, config=config, seed=seed, remaining=remaining,
-                      shard_sizes=shard_sizes)
+                      epoch_step=position.epoch_step, config=config, seed=seed)
 
 
 class State:
@@ -146,11 +126,8 @@ class State:
         """Collective: the chief's ``held`` state as a checkpoint on every survivor."""
         model, config = self.setup.model, self.config
         names = list(self.strategy.optimizer.state_arrays())
-        # (the chief's own position, which the others took: self.cluster is still the one before the loss)
-        left = data_position(config, self.cluster, self.setup, self.position) \
-            if world.Get_rank() == cluster.chief_rank else None
         return share(world, cluster.chief_rank, held, position, names, model.num_params, model.dtype,
-                     dataclasses.asdict(config), config.seed, left)
+                     dataclasses.asdict(config), config.seed)
 
     def recover(self):
         """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go on.

@@ -9,10 +9,7 @@ layout, when an elastic run loses workers (see :mod:`mpidist.loop.elastic`).
 import dataclasses
 import os
 
-import numpy as np
-
 from .. import data, nn
-from ..data import virtual
 from ..data.fingerprint import mismatch
 from ..nn import scores
 from ..parallel import STRATEGIES
@@ -120,11 +117,10 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
         raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
                          f"--batch-size {config.batch_size} over {workers} workers")
     reads = _reads(config, cluster, info, worker, workers)
-    reading = data.plan(config, info, [(split, _held(info, split, w, n, config.batch_size)) for split, w, n in reads.values()],
+    reading = data.plan(config, info, [(split, len(range(w, info.sizes[split], n))) for split, w, n in reads.values()],
                         model.input_shape, model.dtype)
     notes.extend(f"note: {note}" for note in reading.notes)   # (a stream's buffer capped, chunks read in slices)
-    shards = {split: reading.open_training(info, model.input_shape, model.dtype) if split == "train" else
-              reading.open(info, split, w, n, model.input_shape, model.dtype) for split, w, n in reads.values()}
+    shards = {split: reading.open(info, split, w, n, model.input_shape, model.dtype) for split, w, n in reads.values()}
     train, test, val = (shards.get(split) for split in ("train", "test", "val"))
     if resume is not None and resume.params.size != model.num_params:
         raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
@@ -148,58 +144,15 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     if changed is not None:   # (--data is given to a resumed run: it goes on, and the user is told)
         notes.append(f"warning: --resume {resume.path}: {changed}; training goes on with it")
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
-    if train is not None:   # (the shards this worker starts with are read now; a stream takes its windows' memory)
-        sizes, index = training_layout(config, cluster)
-        resume = _remaining(resume, train.shard_sizes, sizes, steps, notes)
-        remaining = virtual.whole(train.shard_sizes)
-        if resume is not None and resume.epoch_step < steps:
-            remaining = resume.remaining
-        train.hold(virtual.split(remaining, sizes)[index])
+    if train is not None:   # (a stream reads its first window now, as a shard in memory was read whole above)
+        epoch, at = (0, 0) if resume is None else (resume.epoch, resume.epoch_step)
+        epoch, at = (epoch + 1, 0) if at >= steps else (epoch, at)
+        if epoch < config.epochs:
+            train.prime(config.seed if resume is None else resume.seed, epoch, 0 if in_graph else worker,
+                        at * (config.batch_size if in_graph else local_batch))
     return Setup(info=info, model=model, train=train, test=test, val=val, local_batch=local_batch,
                  steps_per_epoch=steps, reading=reading,
                  resume=resume, skipped=list(skipped), notes=notes)
-
-
-def training_layout(config, cluster):
-    """``(each worker's samples a step, this rank's index among them or None)`` as the training data is drawn:
-    one reader of whole global batches in-graph, else the data-parallel workers' local batches."""
-    if config.replication == "in-graph":
-        return [config.batch_size], 0 if cluster.is_chief else None
-    workers, worker = data_layout(config, cluster)
-    return [data.local_batch_size(config.batch_size, workers, w) for w in range(workers)], worker
-
-
-def _held(info, split, worker, workers, global_batch):
-    """Rows of ``split`` this worker holds at most: its strided shard (an evaluated split), or for training its
-    piece of an epoch (the largest local batch's) and the two virtual shards it may share with its neighbours."""
-    rows = info.sizes[split]
-    if split != "train":
-        return len(range(worker, rows, workers))
-    piece = rows // global_batch * -(-global_batch // workers)
-    return min(rows, piece + 2 * -(-rows // virtual.shard_count(rows)))
-
-
-def _remaining(resume, shard_sizes, batch_sizes, steps, notes):
-    """``resume`` with what is left of its epoch for this run's virtual shards of ``shard_sizes``.
-
-    A checkpoint that recorded it for other shards or for another batch (an older
-    checkpoint, another dataset, ``--batch-size`` or stream buffer) continues
-    as the old way did: after its first ``epoch_step`` steps of this run's order
-    (a note says some samples of the epoch may then be trained twice or not at all).
-    """
-    if resume is None or resume.epoch_step >= steps:
-        return resume
-    left = steps - resume.epoch_step
-    if resume.remaining is not None and np.array_equal(resume.shard_sizes, shard_sizes) \
-            and virtual.steps_left(resume.remaining, sum(batch_sizes)) == left:
-        return resume
-    if resume.epoch_step:
-        why = "holds no record of" if resume.remaining is None else "recorded for another dataset, batch or buffer"
-        notes.append(f"note: --resume {resume.path}: {why} the samples left of epoch {resume.epoch + 1}: it goes on "
-                     f"after its first {resume.epoch_step} steps of this run's order (some of its samples may be "
-                     "trained on twice or not at all)")
-    remaining = virtual.advance(virtual.whole(shard_sizes), batch_sizes, resume.epoch_step)
-    return dataclasses.replace(resume, remaining=remaining, shard_sizes=np.asarray(shard_sizes))
 
 
 def _reads(config, cluster, info, worker, workers):

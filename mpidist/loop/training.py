@@ -39,7 +39,7 @@ from . import elastic
 from .callbacks import EarlyStopping
 from .checkpointer import Checkpointer
 from .evaluations import Evaluations, shown
-from .feed import data_position, epoch_batches
+from .feed import epoch_batches
 from .outputs import Outputs, trace_file
 from .position import Position
 from .report import Report, header
@@ -231,7 +231,7 @@ class Training:
         """One epoch from the current position; True when the run stops in it."""
         config, setup, position, strategy = self.config, self.setup, self.position, self.strategy
         delay, xp = test_delay(self.cluster.worker_index), self.device.xp
-        batches = epoch_batches(config, self.cluster, setup, position.epoch, position.epoch_step, position.segment)
+        batches = epoch_batches(config, self.cluster, setup, position.epoch, position.epoch_step)
         stop = False
         try:
             for x, y in batches:
@@ -330,13 +330,11 @@ class Training:
             here().enter("write")
             workers = data_layout(self.config, self.cluster)[0]
             where = (state, position.step, position.epoch, position.epoch_step, workers)
-            extra = {"best": self.evaluations.best.record(),
-                     "data_position": data_position(self.config, self.cluster, self.setup, position)}
             if behind:
-                self._log_written(checkpointer.write_behind(*where, **extra))
+                self._log_written(checkpointer.write_behind(*where, best=self.evaluations.best.record()))
             else:
                 self._log_written(checkpointer.collect(wait=True))
-                path = checkpointer.write(*where, **extra)
+                path = checkpointer.write(*where, best=self.evaluations.best.record())
                 self._log_written([(path, position.step, position.epoch)])
         if began is not None:
             TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=position.step)

@@ -6,14 +6,10 @@ and RNG state, and the run's config as JSON.  Parameters are stored flat, so a
 checkpoint does not depend on how many workers wrote it.
 
 mpidist's random streams are counter-based, so their state is small: the
-training split is cut into virtual shards whose orders are drawn from
-``(seed, epoch, shard)`` (:mod:`mpidist.data.virtual`) and dropout masks come
-from ``(seed, worker, step)``.  The checkpoint records the seed, the position,
-and what is left of the epoch (the group ``data_position``: each virtual
-shard's size, and the intervals of their orders not yet trained on), so a
-resumed run trains on each of the epoch's remaining samples once, on any
-number of workers, and draws the very numbers the interrupted one would have
-on the same number.
+data order of an epoch is a permutation drawn from ``(seed, epoch, worker)``
+and dropout masks come from ``(seed, worker, step)``.  The checkpoint records
+the seed, position and worker count that fix them, so a resumed run draws the
+very numbers the interrupted one would have (with the same worker count).
 """
 
 import dataclasses
@@ -63,25 +59,17 @@ class Checkpoint:
     # averages, --compress's residuals): name -> (workers, params.size), row w worker w's; None where they agree
     per_worker: dict = None
     dataset_fingerprint: str = ""   # its dataset's content (mpidist.data.fingerprint); "" where unknown
-    # what is left of the epoch: intervals (shard, first, end) of the virtual shards' orders, and each shard's
-    # size (mpidist.data.virtual); None in older checkpoints
-    remaining: np.ndarray = None
-    shard_sizes: np.ndarray = None
 
 
 PER_WORKER = "workers"   # the group of each worker's own state
 MAX_WORKERS = 1 << 20    # rows of per-worker state a checkpoint may claim
-MAX_SHARDS = 1 << 20     # virtual shards a checkpoint's data position may claim
-MAX_INTERVALS = 1 << 20  # intervals of remaining samples it may claim
 
-DATA_ORDER = "virtual shards, one order per epoch from (seed, epoch, shard); data_position: what is left"
-DATA_POSITION = "data_position"   # the group of what is left of the epoch
+DATA_ORDER = "strided shards w::W, one permutation per epoch from (seed, epoch, worker)"
 RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
 def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
-         workers, lineage="", parent="", best=None, elapsed=0.0, per_worker=None, dataset_fingerprint="",
-         data_position=None):
+         workers, lineage="", parent="", best=None, elapsed=0.0, per_worker=None, dataset_fingerprint=""):
     """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
     ``seed`` and ``workers`` fix the data order and random streams (see the module text).
@@ -89,7 +77,6 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
     ``(workers, params.size)`` array), written in the group ``workers/``.
     ``dataset_fingerprint`` (:func:`mpidist.data.fingerprint.fingerprint`) tells the dataset it
     trained on from another under the same name.
-    ``data_position``: ``(remaining, shard sizes)`` of the epoch (:mod:`mpidist.data.virtual`), or None.
     A write that fails (a full disk, a quota) raises :class:`RunError` with the
     reason; the file written aside is removed and every older checkpoint is intact.
     """
@@ -101,7 +88,7 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
             with bulk.open_aligned(aside) as handle:
                 _structure(handle, places, params, optimizer_state, optimizer_steps, step, epoch, epoch_step,
                            config_json, seed, workers, lineage, parent, best, elapsed, per_worker,
-                           dataset_fingerprint, data_position)
+                           dataset_fingerprint)
             bulk.fill(aside, places)   # (the arrays' bytes, without holding Python's lock)
     except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
         reason = os.strerror(err.errno) if err.errno else str(err)
@@ -112,7 +99,7 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
 
 
 def _structure(handle, places, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json,
-               seed, workers, lineage, parent, best, elapsed, per_worker, dataset_fingerprint, data_position=None):
+               seed, workers, lineage, parent, best, elapsed, per_worker, dataset_fingerprint):
     """A checkpoint's groups, attributes and (empty, allocated) datasets; their ``(offset, array)`` in ``places``."""
     bulk.allocate(handle, "params", params, places)
     group = handle.create_group("optimizer")
@@ -134,10 +121,6 @@ def _structure(handle, places, params, optimizer_state, optimizer_steps, step, e
             bulk.allocate(rows, name, array, places)
     if dataset_fingerprint:
         handle.attrs["dataset_fingerprint"] = dataset_fingerprint
-    if data_position is not None:   # (small: written by h5py)
-        place = handle.create_group(DATA_POSITION)
-        place.create_dataset("remaining", data=np.asarray(data_position[0], dtype=np.int64).reshape(-1, 3))
-        place.create_dataset("shard_sizes", data=np.asarray(data_position[1], dtype=np.int64))
 
 
 def keep_as(path, name):
@@ -224,7 +207,6 @@ def _read(path, handle):
     for name, item in (("params", handle["params"]), *((name, group[name]) for name in arrays)):
         with reading(f"{path}: {name if name == 'params' else 'optimizer/' + printable(name)}"):
             loaded[name] = item[...]    # (a compressed chunk may not decode: the item is named)
-    remaining, shard_sizes = _data_position(path, handle, bad)
     per_worker = {}
     for name in rows:
         with reading(f"{path}: {PER_WORKER}/{printable(name)}"):
@@ -238,29 +220,7 @@ def _read(path, handle):
     return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded,
                       optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage,
                       parent=parent, best=best, elapsed=float(elapsed), per_worker=per_worker or None,
-                      dataset_fingerprint=fingerprint, remaining=remaining, shard_sizes=shard_sizes, **values)
-
-
-def _data_position(path, handle, bad):
-    """``(remaining, shard sizes)`` of the group ``data_position``, checked; ``(None, None)`` where there is none."""
-    if DATA_POSITION not in handle:
-        return None, None
-    if handle.get(DATA_POSITION, getclass=True) is not h5py.Group:
-        raise bad(DATA_POSITION, "is not a group")
-    found = {}
-    for name, most in (("shard_sizes", MAX_SHARDS), ("remaining", 3 * MAX_INTERVALS)):
-        link = handle[DATA_POSITION].get(name, getlink=True)
-        item = handle[DATA_POSITION][name] if isinstance(link, h5py.HardLink) else None
-        if not isinstance(item, h5py.Dataset) or item.is_virtual or item.dtype.kind not in "iu" \
-                or item.size > most or item.ndim != (1 if name == "shard_sizes" else 2):
-            raise bad(f"{DATA_POSITION}/{name}", "is not an array of integers stored in this file")
-        with reading(f"{path}: {DATA_POSITION}/{name}"):
-            found[name] = item[...].astype(np.int64)
-    sizes = found["shard_sizes"]
-    if not len(sizes) or (sizes < 0).any() or (sizes >= LARGEST).any():
-        raise bad(f"{DATA_POSITION}/shard_sizes", f"holds {shown(sizes.tolist()[:8])}; sizes are integers from 0")
-    _check_remaining(found["remaining"], sizes, f"{path}: {DATA_POSITION}/remaining")
-    return found["remaining"], sizes
+                      dataset_fingerprint=fingerprint, **values)
 
 
 def _per_worker_arrays(handle, params, bad):
@@ -380,25 +340,3 @@ def prepare_directory(directory):
         raise UsageError(f"--checkpoint-dir {directory}: cannot create ({err.strerror})") from None
     if not os.access(directory, os.W_OK):
         raise UsageError(f"--checkpoint-dir {directory}: not writable")
-
-
-def _check_remaining(intervals, sizes, where):
-    """Raise :class:`UsageError` unless ``intervals`` are disjoint intervals ``(shard, first, end)`` of shards of
-    ``sizes`` (``where`` names the file's item: it is untrusted)."""
-    intervals, sizes = np.asarray(intervals), np.asarray(sizes)
-    if intervals.ndim != 2 or intervals.shape[1] != 3 or intervals.dtype.kind not in "iu":
-        raise UsageError(f"{where} has shape {intervals.shape} and dtype {intervals.dtype}; "
-                         "they are rows of three integers (shard, first, end)")
-    if len(intervals) > MAX_INTERVALS:
-        raise UsageError(f"{where} holds {len(intervals):,} intervals, more than {MAX_INTERVALS:,}")
-    shard, lo, hi = (intervals[:, i].astype(np.int64) for i in range(3))
-    bad = (shard < 0) | (shard >= len(sizes)) | (lo < 0) | (hi <= lo)
-    bad |= ~bad & (hi > sizes[np.clip(shard, 0, len(sizes) - 1)])     # (sizes are never empty here)
-    if bad.any():
-        row = intervals[int(np.flatnonzero(bad)[0])].tolist()
-        raise UsageError(f"{where} holds interval {row}, outside the {len(sizes)} virtual shards "
-                         "of its shard_sizes (or empty)")
-    order = np.lexsort((lo, shard))
-    same = shard[order][1:] == shard[order][:-1]
-    if (same & (lo[order][1:] < hi[order][:-1])).any():
-        raise UsageError(f"{where} holds overlapping intervals (a sample twice)")
