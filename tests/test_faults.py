@@ -155,15 +155,13 @@ def text_samples(p):
 
 def one_bad_label(p):
     labels = np.arange(100) % 3
-    # 100 virtual shards of a sample each, a first epoch of one global batch of 64: worker w of W trains on
-    # shards w*64/W .. (w+1)*64/W - 1, so sample 40 is worker 1's at 2 ranks, worker 2's at 4
-    labels[40] = 9
+    labels[7] = 9          # sample 7: worker 1's shard at 2 ranks, worker 3's at 4
     return str(tiny_dataset(p / "label.h5", np.zeros((100, 4)), labels))
 
 
 def names_the_rank_holding_it(p, out, err):
-    """Sample 40 is worker 1's at 2 ranks, worker 2's at 4: the message names the rank, as only it failed."""
-    assert "mpidist: error (rank 1): " in err or "mpidist: error (rank 2): " in err
+    """Sample 7 is worker 1's at 2 ranks, worker 3's at 4: the message names the rank, as only it failed."""
+    assert "mpidist: error (rank 1): " in err or "mpidist: error (rank 3): " in err
 
 
 def an_infinity(p):
@@ -771,7 +769,7 @@ FAULTS = {
     "truncated dataset file": bad("--data", truncated, message="cut.h5: not a readable HDF5 file"),
     "wrong layout": bad("--data", missing_labels, message="missing dataset 'train/y'"),
     "wrong dtype": bad("--data", text_samples, message="train/x has dtype |S1; it must be numeric"),
-    "labels out of range": dataclasses.replace(bad("--data", one_bad_label, message="label 9 at sample 40, outside "
+    "labels out of range": dataclasses.replace(bad("--data", one_bad_label, message="label 9 at sample 7, outside "
                                                    "[0, 3)"), check=names_the_rank_holding_it),
     "NaN or Inf in the data": bad("--data", an_infinity, message="train/x holds NaN or Inf (first at sample 41)"),
     "empty shard: more workers than samples": bad("--data", one_sample,
