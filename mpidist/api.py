@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from . import data as datasets  # (``data`` is the argument users know)
 from .data.fingerprint import mismatch, recorded
+from .loop.evaluations import shown
 from .loop.setup import Inputs, build_model_for
 from .nn import scores
 from .observe.stall import LocalWatch
@@ -146,7 +147,7 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
         return _result(outcome, cluster.is_chief, config, inputs)
 
 
-def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
+def evaluate(checkpoint_path, data=None, *, model=None, comm=None, samples=0):
     """Evaluate a checkpoint on a dataset's test split, spread over the ranks of ``comm``.
 
     Args:
@@ -154,6 +155,8 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
         data: the dataset (a path, a bundled name or an ArrayData); default: the one it trained on.
         model: the model, where its checkpoint cannot name it (layers given as objects) or
             to choose the builder yourself; default: the model spec the checkpoint stores.
+        samples: evaluate this many rows of the split, evenly spread, the same every time (as
+            ``--eval-samples`` in training); 0: all of them.
 
     Returns:
         A dict, the same on every rank, of the figures that fit the task (see
@@ -172,10 +175,10 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None):
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
     with LocalWatch(here(), Settings.stall_timeout, world.Get_rank()):
-        return _evaluate(world, checkpoint_path, data, model)
+        return _evaluate(world, checkpoint_path, data, model, samples)
 
 
-def _evaluate(world, checkpoint_path, data, model):
+def _evaluate(world, checkpoint_path, data, model, samples=0):
     from .nn import loss_for
     from .parallel import AllreduceStrategy
 
@@ -183,6 +186,9 @@ def _evaluate(world, checkpoint_path, data, model):
         check_utf8(checkpoint_path, "eval CHECKPOINT", absolute=True)
         trained = load_trained(checkpoint_path, data, model=model)
         info, net = trained.dataset, trained.model
+        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 0:
+            raise UsageError(f"--eval-samples {samples!r}: give a number of samples, 0 (all) or more")
+        info = datasets.limit_evaluation(info, int(samples), splits=("test",))
         if world.Get_rank() == 0:
             for note in trained.notes:
                 print(f"mpidist: {note}", flush=True)
@@ -194,7 +200,10 @@ def _evaluate(world, checkpoint_path, data, model):
         cluster = build_cluster(world)
         # (evaluation exchanges no gradients: no shared-memory window for them)
         strategy = AllreduceStrategy(net, loss_for(info.num_classes, net.xp), None, cluster, exchange="mpi")
-        figures = strategy.evaluate(datasets.eval_batches(test))
+        batches = datasets.eval_batches(test)
+        if world.Get_rank() == 0:   # (an evaluation past a few seconds says how far it got)
+            batches = shown(batches, len(test), "test", lambda line: print(line, flush=True))
+        figures = strategy.evaluate(batches)
         cluster.free()
     return {**scores.report(figures, getattr(info, "class_names", None)), "samples": figures["samples"],
             "step": trained.step, "model": trained.spec, "dataset": info.name}

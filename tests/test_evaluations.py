@@ -146,3 +146,17 @@ def test_a_long_evaluation_is_announced_shows_progress_and_a_signal_cuts_it_shor
     assert "stopped by SIGTERM (rank 0) at step 2: checkpoint" in out
     assert not events(tmp_path / "m.jsonl", "eval") and events(tmp_path / "m.jsonl", "stopped")
     assert (tmp_path / "ck").glob("ckpt-*2.h5")
+
+
+def test_eval_of_a_checkpoint_takes_the_samples_asked_for_and_refuses_a_negative_count(tmp_path):
+    from conftest import mpidist
+    ck = tmp_path / "ck"
+    done, _ = mpidist(2, "--steps", "3", "--checkpoint-dir", str(ck), "--run-dir", "", "--metrics", "")
+    assert done.returncode == 0, done.stderr
+    path = next(ck.glob("ckpt-*.h5"))
+    done, _ = mpidist(2, "eval", str(path), "--eval-samples", "100")
+    assert done.returncode == 0, done.stderr
+    assert "over 100 samples" in done.stdout, done.stdout
+    done, _ = mpidist(2, "eval", str(path), "--eval-samples", "-1")
+    assert done.returncode == 2 and done.stderr.count("mpidist: error") == 1
+    assert "--eval-samples -1: give a number of samples, 0 (all) or more" in done.stderr

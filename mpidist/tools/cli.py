@@ -64,6 +64,9 @@ def build_parser():
     evaluate.add_argument("--data", default=None, help="dataset (default: the one the checkpoint trained on)")
     evaluate.add_argument("--model", default=None, help="model spec or builder (default: the one the checkpoint "
                           "names; its code is imported: evaluate only checkpoints you trust)")
+    evaluate.add_argument("--eval-samples", type=int, default=0, metavar="N",
+                          help="evaluate N rows of the test split, evenly spread, the same every time (default: 0 = "
+                          "all)")
 
     predict = sub.add_parser("predict", help="write a checkpoint's predictions on new samples, in input order",
                              description="Apply a checkpoint to samples, each rank its own block of rows, and "
@@ -183,7 +186,7 @@ def cmd_train(args, world):
 def cmd_eval(args, world):
     from ..api import evaluate
 
-    figures = evaluate(args.checkpoint, data=args.data, model=args.model, comm=world)
+    figures = evaluate(args.checkpoint, data=args.data, model=args.model, comm=world, samples=args.eval_samples)
     if world.Get_rank() == 0:
         print(eval_text(args.checkpoint, figures))
     return EXIT_OK
