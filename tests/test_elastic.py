@@ -163,8 +163,10 @@ def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoi
     assert events(metrics, "done")[0]["steps"] == 6 * STEPS_PER_EPOCH
 
 
-def test_a_killed_chief_ends_the_run_and_says_so(python, tmp_path):
-    code, out, err, seconds = run(python, 4, ["--elastic", "--epochs", "6"], tmp_path / "m.jsonl", kills=[(30, 0)])
+def test_a_killed_chief_ends_the_run_and_says_so_where_the_others_do_not_hold_its_state(python, tmp_path):
+    """ps-sync: the chief's place is not the others' (allreduce's is: see the test of a replaced chief)."""
+    code, out, err, seconds = run(python, 5, ["--strategy", "ps-sync", "--ps", "1", "--elastic", "--epochs", "6"],
+                                  tmp_path / "m.jsonl", kills=[(30, 0)])
     assert code == 1, (out, err)
     assert "mpidist: error: rank 0 (the chief) died" in err and seconds < 10
 
@@ -319,3 +321,36 @@ def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(mon
     assert not ulfm.is_failure(other, alive) and alive.asked == ulfm.FAILED_LOOKS
     assert not ulfm.is_failure(other) and not ulfm.is_failure(MPI.Exception(MPI.ERR_BUFFER), Comm(dead=1))
     assert not ulfm.is_failure(ValueError("not MPI"), Comm(dead=1))
+
+
+def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path):
+    """allreduce, 4 ranks: kill -9 of the chief; the lowest surviving worker takes its place (metrics, log,
+    checkpoints); the run ends with exit 0 near a fault-free run's accuracy, its metrics file whole and continuous."""
+    flags = ["--strategy", "allreduce", "--elastic", "--epochs", "20", "--checkpoint-dir", str(tmp_path / "ckpt"),
+             "--checkpoint-every", "50"]
+    seed = random.randrange(1 << 30)
+    kill = random.Random(seed).randrange(STEPS_PER_EPOCH, 18 * STEPS_PER_EPOCH)
+    replay = f"(seed {seed}: kill -9 of the chief, rank 0, at step {kill})"
+    metrics = tmp_path / "elastic.jsonl"
+    code, out, err, seconds = run(python, 4, flags, metrics, [(kill, 0)])
+    assert code == 0, f"{replay}\n{out}\n{err}"
+    lines = metrics.read_text().splitlines(keepends=True)
+    assert all(line.endswith("\n") for line in lines)   # never a partial line
+    done, = events(metrics, "done")
+    recovered, = events(metrics, "recovered")
+    assert recovered["lost_ranks"] == [0] and recovered["workers"] == 3 and done["workers"] == 3, replay
+    assert abs(recovered["step"] - kill) <= 3, (replay, recovered)
+    assert "lost rank 0 (the chief)" in out and "continuing from step" in out, replay
+    # every step logged, in order; the one in flight when the chief died may be logged twice (by it and again)
+    steps = [event["step"] for event in events(metrics, "step")]
+    assert sorted(set(steps)) == list(range(1, done["steps"] + 1)), replay
+    assert all(b >= a - 1 for a, b in zip(steps, steps[1:])) and len(steps) - len(set(steps)) <= 2, replay
+    # the new chief checkpoints on schedule and at the end
+    written = [event["step"] for event in events(metrics, "checkpoint")]
+    assert [step for step in written if step > recovered["step"]][-1] == done["steps"], (replay, written)
+    assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay
+    reference = fault_free_accuracies(python, tmp_path, "allreduce", 4,
+                                      ["--strategy", "allreduce", "--elastic", "--epochs", "20"])
+    assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
+        (replay, done["test_accuracy"], reference)
+    assert seconds < 60

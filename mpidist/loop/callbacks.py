@@ -28,6 +28,8 @@ checkpointed, exit code 0).  A callback that raises ends the whole job on
 every rank with exit code 1 and its traceback, as any other error does.
 """
 
+import collections
+
 from ..runtime.errors import UsageError
 
 #: The metrics event each callback method follows.
@@ -124,6 +126,11 @@ class EarlyStopping(Callback):
             self.stop()
 
 
+#: step events a rank off the chief keeps (the steps a dead chief may not have written: the one in flight, and
+#: those a slow chief had not reached)
+UNWRITTEN = 8
+
+
 class Reporter:
     """The chief's record of a run: each event goes to the metrics file, then to the callbacks.
 
@@ -135,8 +142,13 @@ class Reporter:
 
     def __init__(self, log, callbacks=(), active=True):
         self.log, self.callbacks, self.active = log, list(callbacks) if active else [], active
+        # off the chief, the last step events it did not write: a worker that takes a dead chief's place
+        # writes those the chief had not (see Outputs.take_over)
+        self.unwritten = collections.deque(maxlen=UNWRITTEN)
 
     def write(self, event, **figures):
+        if not self.active and event == "step":
+            self.unwritten.append(figures)
         self.log.write(event, **figures)
         method = EVENTS.get(event)
         for callback in self.callbacks if method else ():

@@ -18,14 +18,17 @@ the survivors recover:
 1. :func:`~mpidist.runtime.ulfm.shrink`: revoke every communicator in use,
    so survivors blocked on each other are released too, and shrink the
    world to the survivors.
-2. If the chief or a parameter server died, the run cannot go on (their
-   state is not held anywhere else): every survivor ends with exit code 1
-   and the message says to resume from the last checkpoint.
-3. Otherwise the survivors rebuild the cluster (same roles), take the state
-   the strategy holds at the chief's step (:func:`share`: an in-memory
-   checkpoint, with the same layout as a file), re-divide the data, and go
-   on; a checkpoint resumes on any number of workers, so this is the same,
-   tested, path as ``--resume`` with fewer ranks.
+2. If a parameter server died, or the chief where the others do not hold
+   all it holds (:attr:`~mpidist.parallel.base.Strategy.chief_replaceable`),
+   the run cannot go on: every survivor ends with exit code 1 and the
+   message says to resume from the last checkpoint.
+3. Otherwise the survivors rebuild the cluster (same roles; a lost chief's
+   place goes to the lowest surviving worker, which then writes the metrics,
+   the log and the checkpoints), take the state the strategy holds at the
+   chief's step (:func:`share`: an in-memory checkpoint, with the same layout
+   as a file), re-divide the data, and go on; a checkpoint resumes on any
+   number of workers, so this is the same, tested, path as ``--resume`` with
+   fewer ranks.
 
 ``ps-async`` workers never block on each other: there the ranks watch for
 deaths (:class:`~mpidist.runtime.ulfm.FailureWatch`), the first ps drops a
@@ -138,7 +141,8 @@ class State:
         began, old, config = time.perf_counter(), self.cluster, self.config
         world, lost = shrink(old.world, [old.role_comm] + self.revoked)
         lost_text = describe_lost(lost, old)
-        if any(old.roles[rank] == PS or rank == old.chief_rank for rank in lost):
+        chief_lost = old.chief_rank in lost and not self.strategy.chief_replaceable
+        if any(old.roles[rank] == PS for rank in lost) or chief_lost or len(lost) >= old.num_workers:
             message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir))
             self._fire("give_up", message)
             if world.Get_rank() == 0:

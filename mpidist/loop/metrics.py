@@ -118,6 +118,28 @@ def _drop_partial_line(fd):
     return True
 
 
+def last_step_logged(path, tail=65536):
+    """The step of the last ``step`` event in metrics file ``path`` (its last ``tail`` bytes), or 0.
+
+    The file is the run's own, but read as any file is: a line that does not
+    parse, or an event without an integer step, is passed over.
+    """
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - tail))
+            lines = handle.read().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "step" and isinstance(event.get("step"), int):
+            return event["step"]
+    return 0
+
+
 class Progress:
     """Terminal output of the chief.
 

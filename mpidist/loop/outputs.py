@@ -10,7 +10,7 @@ from ..runtime import recorder
 from ..store import checkpoint, lineage, rundir
 from . import tensorboard
 from .callbacks import Reporter
-from .metrics import MetricsLog, Progress
+from .metrics import MetricsLog, Progress, last_step_logged
 
 TRACER = recorder.tracer()
 
@@ -34,6 +34,7 @@ class Outputs:
     def __init__(self, stream=sys.stdout, chief=True):
         self.stream, self.chief = stream, chief
         self.log = self.progress = self.board = self.log_copy = self.claim = None
+        self.callbacks = []
         self.trace_offset, self.trace_path = 0.0, None   # the chief's clock, and where the timeline went
 
     def open(self, config, callbacks, resume):
@@ -42,7 +43,7 @@ class Outputs:
         ``callbacks``: the user's and the run's own (early stopping); ``resume``: the checkpoint the run
         resumes from, or None.  Nothing is written yet: a run that any rank refuses changes nothing.
         """
-        callbacks = list(callbacks)
+        callbacks = self.callbacks = list(callbacks)
         if config.tensorboard:
             tensorboard.require()   # on every rank: without the package, all exit with its name (code 2)
             if self.chief:
@@ -58,6 +59,27 @@ class Outputs:
         if config.checkpoint_dir:
             checkpoint.prepare_directory(config.checkpoint_dir)
         self.claim = lineage.claim(config, resume)
+
+    def take_over(self, config, lineage_of):
+        """A worker that became the chief (the chief died, ``--elastic``): open what the chief writes.
+
+        The metrics file is appended to (a line the dead chief left unfinished is
+        cut first, as at any start), the log too, and the checkpoint directory's
+        lock, which died with the chief's process, is taken; ``lineage``: the
+        run's ``(lineage, parent)`` (``lineage_of``).  TensorBoard's files are not taken over.
+        """
+        self.chief = True
+        unwritten = self.log.unwritten
+        self.log = Reporter(MetricsLog(config.metrics), self.callbacks, True)
+        last = last_step_logged(config.metrics) if config.metrics else 0
+        for figures in unwritten:   # (the steps the dead chief had not written: the file stays continuous)
+            if figures["step"] > last:
+                self.log.write("step", **figures)
+        if config.run_dir:
+            self.log_copy = self.stream = rundir.LogCopy(self.stream, Path(config.run_dir) / rundir.LOG)
+        self.claim = lineage.Claim(*lineage_of)
+        if config.checkpoint_dir:
+            self.claim.lock = lineage.DirectoryLock(config.checkpoint_dir).acquire()
 
     def begin(self, config):
         """Once every rank's checks passed: the run directory's settings (a refused run changes nothing)."""

@@ -179,6 +179,9 @@ class Training:
         self.cluster = cluster
         with agreed(cluster.world):
             self.setup = prepare(self.config, cluster, self.device.xp, self.inputs, resume)
+            if cluster.is_chief and not self.outputs.chief:   # the chief died: this worker takes its place
+                self.outputs.take_over(self.config, (self.checkpointer.lineage, self.checkpointer.parent))
+                self.outputs.show_progress(self.config, total_steps(self.config, self.setup), resume.step)
         self._make_strategy()
         self.strategy.initialize(resume)
         self._move_to(resume, on_disk=False)

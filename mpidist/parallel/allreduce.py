@@ -35,6 +35,7 @@ class AllreduceStrategy(DataParallel):
 
     name = "allreduce"
     elastic_recovery = True
+    chief_replaceable = True   # (--elastic refuses --shard: every worker holds the whole state)
     options = (Option("compress", "none", "allreduce: send gradients as 16-bit floats, with error feedback "
                                           "(half the bytes; see the performance docs)",
                       choices=("none", "fp16", "bf16")),

@@ -134,6 +134,9 @@ class Strategy:
     running_statistics = True
     #: Whether survivors can carry on under ``--elastic`` when workers die.
     elastic_recovery = False
+    #: Whether every worker holds all the chief holds (parameters, optimizer state, position), so that under
+    #: ``--elastic`` a lost chief is replaced by the lowest surviving worker (as Horovod's elastic mode does).
+    chief_replaceable = False
 
     # -- What the running strategy reports: class defaults, set on the instance as it runs --
     #: Strategies that are not in lockstep pass a stop request on themselves:

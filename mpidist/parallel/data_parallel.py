@@ -86,7 +86,11 @@ class DataParallel(Strategy):
         return state if state is None else (*state, rows)
 
     def survivor_state(self, cluster, step):
-        return Strategy.state(self)   # (the old communicators are revoked: no averaging)
+        """The state as the survivors' chief holds it (``cluster``'s: the old chief, or the worker in its place)."""
+        if not cluster.is_chief:   # (the old communicators are revoked: nothing collective, no averaging)
+            return None
+        arrays = {name: to_host(array) for name, array in self.optimizer.state_arrays().items()}
+        return to_host(self.model.params), arrays, self.optimizer.steps
 
     def _clip_space(self):
         """Where a clipped gradient goes when the exchange holds the buffer (made on the first use)."""
