@@ -146,7 +146,7 @@ def exit_after_failure(code):
 def cannot_go_on(lost, newest=None):
     """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's path)."""
     where = f" (newest: {newest})" if newest else ""
-    return (f"{lost} died: --elastic carries on without lost workers (and under allreduce without a lost chief), "
+    return (f"{lost} died: --elastic carries on without lost workers (and under allreduce or ps-sync without a lost chief), "
             f"but a ps's shard, or the chief's role here, is held nowhere else; resume from the last checkpoint with "
             f"--resume auto{where}")
 
