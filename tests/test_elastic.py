@@ -358,3 +358,32 @@ def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path,
     assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
         (replay, done["test_accuracy"], reference)
     assert seconds < 60
+
+
+def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path):
+    """ps-sync, 3 workers and 2 ps: kill -9 of a ps; every survivor goes back to the newest checkpoint, the one
+    ps left holds the whole model, and the run ends with exit 0 near a fault-free run's accuracy."""
+    flags = ["--strategy", "ps-sync", "--ps", "2", "--elastic", "--epochs", "20", "--checkpoint-every", "10",
+             "--checkpoint-dir", str(tmp_path / "ckpt")]
+    seed = random.randrange(1 << 30)
+    kill = random.Random(seed).randrange(2 * STEPS_PER_EPOCH, 12 * STEPS_PER_EPOCH)
+    replay = f"(seed {seed}: kill -9 of rank 4, a ps, at step {kill})"
+    metrics = tmp_path / "m.jsonl"
+    code, out, err, seconds = run(python, 5, flags, metrics, [(kill, 4)])
+    assert code == 0, f"{replay}\n{out}\n{err}"
+    done, recoveries = events(metrics, "done")[0], events(metrics, "recovered")
+    assert len(recoveries) == 1, (replay, recoveries, out)
+    recovered = recoveries[0]
+    assert recovered["lost_ranks"] == [4] and recovered["ps"] == 1 and done["workers"] == 3, replay
+    # back to the newest checkpoint written before the loss (one is due every 10 steps; written behind training,
+    # one may come a few steps late)
+    written = [event["step"] for event in events(metrics, "checkpoint")]
+    assert recovered["step"] in written and recovered["steps_lost"] >= 0, (replay, recovered, written)
+    assert recovered["step"] + recovered["steps_lost"] >= kill - 1, (replay, recovered)
+    assert recovered["rolled_back_to"].endswith(".h5") and "rolled back" in out, replay
+    assert done["steps"] == 20 * events(metrics, "start")[0]["steps_per_epoch"], replay   # (no step lost for good)
+    reference = fault_free_accuracies(python, tmp_path, "ps-sync", 5,
+                                      ["--strategy", "ps-sync", "--ps", "2", "--elastic", "--epochs", "20"])
+    assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
+        (replay, done["test_accuracy"], reference)
+    assert seconds < 60

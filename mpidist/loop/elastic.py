@@ -40,6 +40,7 @@ job through the abort hook (a :class:`~mpidist.runtime.errors.RunError`).
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -49,6 +50,7 @@ from ..runtime import comm as mpi
 from ..runtime.cluster import PS
 from ..runtime.errors import EXIT_FAILURE, RunError, error_line
 from ..runtime.ulfm import cannot_go_on, describe_lost, exit_after_failure, is_failure, shrink
+from ..store import checkpoint
 from ..store.checkpoint import Checkpoint
 from ..store.lineage import newest_checkpoint
 from .position import Position
@@ -105,7 +107,7 @@ class State:
         self.cluster = self.setup = self.strategy = None
         self.revoked = []       # communicators besides the cluster's that survivors may be blocked in
         self.recoveries = []    # each loss survived ("recovered" events)
-        self.callbacks = {"reset": [], "give_up": [], "recovered": []}
+        self.callbacks = {"reset": [], "give_up": [], "recovered": [], "settle": []}
 
     def bind(self, cluster, setup, strategy):
         """What the run is made of now: its ranks, its set-up (data, model) and its strategy."""
@@ -113,7 +115,8 @@ class State:
 
     def register(self, event, callback):
         """Call ``callback`` on ``event``: ``reset(cluster, checkpoint)`` (build the loop again for the
-        survivors), ``give_up(message)`` (a lost chief or ps ends the run), ``recovered(record)``."""
+        survivors), ``give_up(message)`` (a lost chief or ps ends the run), ``recovered(record)``,
+        ``settle()`` (before a rollback: finish the checkpoint being written)."""
         self.callbacks[event].append(callback)
 
     def _fire(self, event, *args):
@@ -142,24 +145,50 @@ class State:
         world, lost = shrink(old.world, [old.role_comm] + self.revoked)
         lost_text = describe_lost(lost, old)
         chief_lost = old.chief_rank in lost and not self.strategy.chief_replaceable
-        if any(old.roles[rank] == PS for rank in lost) or chief_lost or len(lost) >= old.num_workers:
+        ps_lost = any(old.roles[rank] == PS for rank in lost)
+        cluster = old.survivors(world, lost) if len(lost) < old.num_workers else None
+        rollback = self._rollback_point(world, cluster) if ps_lost and cluster is not None else None
+        if (ps_lost and rollback is None) or chief_lost or cluster is None:
             message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir))
             self._fire("give_up", message)
             if world.Get_rank() == 0:
                 sys.stderr.write(error_line(message) + "\n")
             exit_after_failure(EXIT_FAILURE)
-        cluster = old.survivors(world, lost)
-        position, held = self.restore(world, cluster)
         self.revoked = []
-        self._fire("reset", cluster, self.sync(world, cluster, position, held))
+        if rollback is None:
+            position, held = self.restore(world, cluster)
+            self._fire("reset", cluster, self.sync(world, cluster, position, held))
+            rolled_back = {}
+        else:   # the lost shard is in no survivor: every rank goes back to the newest checkpoint
+            resume = checkpoint.load(rollback)
+            position = Position(resume.step, resume.epoch, resume.epoch_step)
+            rolled_back = {"rolled_back_to": str(rollback), "steps_lost": self.position.step - resume.step}
+            self._fire("reset", cluster, resume)
         workers = data_layout(config, cluster)[0]
         record = {"step": position.step, "epoch": position.epoch + 1, "lost": lost_text,
-                  "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, "ps": config.ps,
+                  "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, **rolled_back,
+                  "ps": cluster.roles.count(PS),
                   "global_batch": config.batch_size,
                   "local_batches": [data.local_batch_size(config.batch_size, workers, w) for w in range(workers)],
                   "steps_per_epoch": self.setup.steps_per_epoch, "seconds": time.perf_counter() - began}
         self.recoveries.append(record)
         self._fire("recovered", record)
+
+
+    def _rollback_point(self, world, cluster):
+        """Collective: the checkpoint every survivor goes back to after a lost ps, or None where there is none.
+
+        Only where the strategy can (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`), a ps is left to
+        take the lost shard, and the run writes checkpoints: the chief's write in flight is finished first
+        (``settle``), then the chief names the newest of the run's lineage.
+        """
+        if not self.strategy.ps_rollback or PS not in cluster.roles or not self.config.checkpoint_dir:
+            return None
+        self._fire("settle")
+        world.Barrier()
+        newest = newest_checkpoint(self.config.checkpoint_dir) if cluster.is_chief else None
+        named = mpi.bcast_text(world, str(newest) if newest else "", root=cluster.chief_rank)
+        return Path(named) if named else None
 
 
 def run_with_recovery(state, run):

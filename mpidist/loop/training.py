@@ -92,6 +92,7 @@ class Training:
         self.state.register("reset", self.continue_from)
         self.state.register("give_up", self.give_up)
         self.state.register("recovered", self.recovered)
+        self.state.register("settle", self._settle_writes)
 
     @property
     def chief(self):
@@ -197,7 +198,9 @@ class Training:
         if self.chief:
             self.outputs.log.write("recovered", **record)
             split = "/".join(map(str, record["local_batches"]))
-            self.outputs.say(f"mpidist: lost {record['lost']}; continuing from step {record['step']} with "
+            back = (f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: the lost shard was in "
+                    "no survivor)") if "rolled_back_to" in record else ""
+            self.outputs.say(f"mpidist: lost {record['lost']}{back}; continuing from step {record['step']} with "
                              f"{record['workers']} worker(s): global batch {record['global_batch']} split {split}, "
                              f"{record['steps_per_epoch']} steps/epoch (recovered in {record['seconds']:.2f} s)")
 
@@ -341,6 +344,11 @@ class Training:
                 self._log_written([(path, position.step, position.epoch)])
         if began is not None:
             TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=position.step)
+
+    def _settle_writes(self):
+        """Chief: a checkpoint being written behind training is finished (and logged) before a rollback."""
+        if self.chief:
+            self._log_written(self.checkpointer.collect(wait=True))
 
     def _log_written(self, written):
         """Chief: the ``checkpoint`` event of each ``(path, step, epoch)`` written."""

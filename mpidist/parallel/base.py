@@ -137,6 +137,9 @@ class Strategy:
     #: Whether every worker holds all the chief holds (parameters, optimizer state, position), so that under
     #: ``--elastic`` a lost chief is replaced by the lowest surviving worker (as Horovod's elastic mode does).
     chief_replaceable = False
+    #: Whether under ``--elastic`` a lost ps is survived by every rank going back to the newest checkpoint,
+    #: its shard re-divided among the ps ranks left (the lost shard is in no survivor).
+    ps_rollback = False
 
     # -- What the running strategy reports: class defaults, set on the instance as it runs --
     #: Strategies that are not in lockstep pass a stop request on themselves:

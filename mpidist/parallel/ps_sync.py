@@ -97,6 +97,7 @@ class PsSyncStrategy(ShardedStrategy):
     name = "ps-sync"
     elastic_recovery = True
     chief_replaceable = True   # (the state is the ps ranks'; a worker holds the position, as the chief does)
+    ps_rollback = True
     options = ShardedStrategy.options + (
         Option("aggregate", 0, "ps-sync: use the first R gradients of each step and drop late ones "
                                "(backup workers; 0 = all workers)"),)
