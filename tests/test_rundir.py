@@ -197,4 +197,8 @@ def test_a_resume_from_a_checkpoint_directory_elsewhere_continues_the_run_direct
     again, _ = mpidist(2, "train", "--epochs", "3", "--checkpoint-dir", "ckpt", "--resume", "auto", "--progress",
                        "none", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    assert len(list((tmp_path / "runs").iterdir())) == 1 and not (tmp_path / "runs" / run.name).exists()
+    # a fresh directory (named by the time, which may be the first run's second: fast runs share one)
+    [new] = (tmp_path / "runs").iterdir()
+    second = events(tmp_path / "moved" / "metrics.jsonl", "done")[-1]["steps"]
+    assert [e["step"] for e in events(new / "metrics.jsonl", "start")] == [second]
+    assert len(events(tmp_path / "moved" / "metrics.jsonl", "start")) == 2   # the moved one is left as it was
