@@ -161,3 +161,35 @@ def test_local_sgd_resumed_on_another_worker_count_starts_every_worker_from_the_
     after = checkpoint.load(checkpoint_at(tmp_path / "two" / "ck", 21))
     rows = after.per_worker["params"]
     assert rows.shape[0] == 3 and (rows == rows[0]).all()    # (--sync-every 1: averaged at step 21)
+
+
+def test_array_bytes_written_around_the_cache_fall_back_to_it_where_the_system_refuses(tmp_path, monkeypatch):
+    """O_DIRECT opened but refused at the write (EINVAL): the bytes go through the page cache, the file is whole."""
+    import errno
+    import os
+
+    from mpidist.store import bulk
+    real = os.pwrite
+    direct_fds = set()
+    real_open = os.open
+
+    def opening(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & getattr(os, "O_DIRECT", 0):
+            direct_fds.add(fd)
+        return fd
+
+    def refusing(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "open", opening)
+    monkeypatch.setattr(os, "pwrite", refusing)
+    params = bulk.aligned_empty((100_000,), np.float32)
+    params[:] = np.arange(100_000, dtype=np.float32)
+    path = checkpoint.save(tmp_path, params, {"m": params * 2}, 3, 5, 0, 5, "{}", 0, 1, "0123abcd")
+    monkeypatch.undo()
+    loaded = checkpoint.load(path)
+    assert (loaded.params == params).all() and (loaded.optimizer_state["m"] == params * 2).all()
+    assert direct_fds or not hasattr(os, "O_DIRECT")   # (the direct path was taken, then refused)

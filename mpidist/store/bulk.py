@@ -65,7 +65,12 @@ def fill(path, places):
             view = memoryview(array).cast("B")
             done = _pages(offset, array) if direct is not None else 0
             if done:
-                _write(direct, view[:done], offset)
+                try:
+                    _write(direct, view[:done], offset)
+                except OSError as error:   # (opened, but refused: an unusual block size) through the cache
+                    if error.errno != errno.EINVAL:
+                        raise
+                    done = 0
             _write(fd, view[done:], offset + done)
     finally:
         os.close(fd)
