@@ -44,7 +44,8 @@ def aligned_empty(shape, dtype):
 
 
 def allocate(group, name, array, places):
-    """An empty contiguous dataset in ``group`` for ``array``, its space allocated; ``(offset, array)`` to ``places``."""
+    """An empty contiguous dataset in ``group`` for ``array``, its space allocated; ``(offset, array)`` into
+    ``places``."""
     array = np.ascontiguousarray(array)
     properties = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     properties.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
@@ -57,7 +58,8 @@ def allocate(group, name, array, places):
 
 
 def fill(path, places):
-    """Write each ``(offset, array)`` of ``places`` into the closed file ``path`` (an ``OSError`` as the system says)."""
+    """Write each ``(offset, array)`` of ``places`` into the closed file ``path``; a failure is the system's
+    ``OSError``."""
     fd = os.open(path, os.O_WRONLY)
     direct = _direct(path) if any(_pages(offset, array) for offset, array in places) else None
     try:
