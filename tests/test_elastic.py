@@ -88,7 +88,6 @@ def draw(seed, workers, chief, count, last_step):
 
 CASES = {   # strategy flags, ranks, world ranks of the workers
     "allreduce": (["--strategy", "allreduce"], 4, [0, 1, 2, 3]),
-    "local-sgd": (["--strategy", "local-sgd"], 4, [0, 1, 2, 3]),
     "ps-sync": (["--strategy", "ps-sync", "--ps", "1"], 5, [0, 1, 2, 3]),
     "ps-async": (["--strategy", "ps-async", "--ps", "2"], 6, [0, 1, 2, 3]),
 }
@@ -325,7 +324,7 @@ def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(mon
     assert not ulfm.is_failure(ValueError("not MPI"), Comm(dead=1))
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "local-sgd", "ps-sync"])
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync"])
 def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path, strategy):
     """kill -9 of the chief; the lowest surviving worker takes its place (metrics, log, checkpoints); the run
     ends with exit 0 near a fault-free run's accuracy, its metrics file whole and continuous."""

@@ -41,11 +41,6 @@ class LocalSgdStrategy(DataParallel):
     """
 
     name = "local-sgd"
-    # a dead worker surfaces in the next step's loss sum (an Allreduce over the workers); the survivors go on
-    # from the chief's own parameters and optimizer state (the others' between two averages are dropped, as
-    # an average would have mixed them in), so a lost chief is replaced as any worker is
-    elastic_recovery = True
-    chief_replaceable = True
     options = (Option("sync_every", 4, "local-sgd: steps each worker takes alone between two averages of the "
                                        "parameters"),)
 
