@@ -8,11 +8,8 @@ ratio (``vs_none_paired``).
 """
 
 import io
-import shutil
-import tempfile
 
-from ..runtime.comm import bcast_text
-from .timing import compared_rows, interleaved_runs
+from .timing import compared_in_scratch
 
 COLUMNS = [("checkpoints", "checkpoints", "{}"), ("ranks", "ranks", "{}"), ("steps", "steps", "{}"),
            ("samples_per_s", "samples/s", "{:,.0f}"), ("vs_none", "vs none", "{:.3f}")]
@@ -23,19 +20,12 @@ def checkpoint_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=
     """Rows of the comparison (complete on rank 0; every rank must call)."""
     from ..api import train
 
-    scratch = bcast_text(world, tempfile.mkdtemp(prefix="mpidist-bench-ckpt-") if world.Get_rank() == 0 else "")
-
-    def run(mode, index):
+    def run(mode, index, scratch):
         every = 1 if mode == "every step" else 0
         return train(model=model, data=dataset, epochs=10 ** 6, steps=steps or STEPS, eval_every=0,
                      batch_size=batch_per_rank * world.Get_size(), metrics="", run_dir="", progress="none",
                      checkpoint_dir=f"{scratch}/{index}" if every else "", checkpoint_every=every,
                      comm=world, stream=io.StringIO())
 
-    try:
-        measured = interleaved_runs(world, ("none", "every step"), run, rounds)
-    finally:
-        world.Barrier()
-        if world.Get_rank() == 0:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return None if measured is None else compared_rows(measured, "checkpoints", world.Get_size(), "vs_none")
+    return compared_in_scratch(world, "mpidist-bench-ckpt-", ("none", "every step"), run, rounds, "checkpoints",
+                               "vs_none")

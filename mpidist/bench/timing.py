@@ -1,5 +1,7 @@
 """Timing that is fair on a shared machine: medians, and calls every rank makes together."""
 
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -134,3 +136,19 @@ def compared_rows(measured, key, ranks, ratio):
     rows[1][ratio] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
     rows[1][f"{ratio}_paired"] = float(np.median([b / a for (a, _), (b, _) in zip(base, other)]))
     return rows
+
+
+def compared_in_scratch(world, prefix, modes, run, rounds, key, ratio):
+    """Collective: :func:`interleaved_runs` of ``run(mode, round, scratch)`` compared as :func:`compared_rows` says.
+
+    ``scratch`` is a directory rank 0 makes (named ``prefix...``) for what the runs write, removed at the end.
+    Rows on rank 0, else None.
+    """
+    scratch = mpi.bcast_text(world, tempfile.mkdtemp(prefix=prefix) if world.Get_rank() == 0 else "")
+    try:
+        measured = interleaved_runs(world, modes, lambda mode, index: run(mode, index, scratch), rounds)
+    finally:
+        world.Barrier()
+        if world.Get_rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return None if measured is None else compared_rows(measured, key, world.Get_size(), ratio)

@@ -7,11 +7,8 @@ ratio, and the median of each round's own ratio (``vs_untraced_paired``).
 """
 
 import io
-import shutil
-import tempfile
 
-from ..runtime.comm import bcast_text
-from .timing import compared_rows, interleaved_runs
+from .timing import compared_in_scratch
 
 COLUMNS = [("trace", "trace", "{}"), ("ranks", "ranks", "{}"), ("steps", "steps", "{}"),
            ("samples_per_s", "samples/s", "{:,.0f}"), ("vs_untraced", "vs untraced", "{:.3f}")]
@@ -22,18 +19,10 @@ def tracing_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, 
     """Rows of the comparison (complete on rank 0; every rank must call)."""
     from ..api import train
 
-    scratch = bcast_text(world, tempfile.mkdtemp(prefix="mpidist-bench-trace-") if world.Get_rank() == 0 else "")
-
-    def run(mode, index):
+    def run(mode, index, scratch):
         return train(model=model, data=dataset, epochs=10 ** 6, steps=steps or STEPS, eval_every=0,
                      batch_size=batch_per_rank * world.Get_size(), metrics="", checkpoint_dir="",
                      run_dir=f"{scratch}/{mode}-{index}" if mode == "on" else "", trace=mode, progress="none",
                      comm=world, stream=io.StringIO())
 
-    try:
-        measured = interleaved_runs(world, ("off", "on"), run, rounds)
-    finally:
-        world.Barrier()
-        if world.Get_rank() == 0:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return None if measured is None else compared_rows(measured, "trace", world.Get_size(), "vs_untraced")
+    return compared_in_scratch(world, "mpidist-bench-trace-", ("off", "on"), run, rounds, "trace", "vs_untraced")

@@ -89,8 +89,10 @@ def _pages(offset, array):
 
 def _direct(path):
     """A descriptor of ``path`` that writes around the page cache, or None where the file system refuses."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
     try:
-        return os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0)) if hasattr(os, "O_DIRECT") else None
+        return os.open(path, os.O_WRONLY | os.O_DIRECT)
     except OSError as error:
         if error.errno != errno.EINVAL:
             raise
