@@ -41,6 +41,11 @@ class LocalSgdStrategy(DataParallel):
     """
 
     name = "local-sgd"
+    # a dead worker surfaces in the next step's loss sum (an Allreduce over the workers); the survivors go on
+    # from the mean of their own parameters and optimizer states (survivor_state), so a lost chief is replaced
+    # as any worker is
+    elastic_recovery = True
+    chief_replaceable = True
     options = (Option("sync_every", 4, "local-sgd: steps each worker takes alone between two averages of the "
                                        "parameters"),)
 
@@ -113,6 +118,26 @@ class LocalSgdStrategy(DataParallel):
         mean = np.ascontiguousarray(to_host(self.model.params)).copy()   # (the live parameters stay each worker's)
         average_over(comm, mean)
         return state if state is None else (mean, *state[1:])
+
+    def survivor_state(self, cluster, step):
+        """Collective over the survivors (``cluster``): the mean of their parameters and optimizer states, on the chief.
+
+        Between two averages every worker's parameters hold its own steps: the
+        survivors' mean keeps them all (the lost worker's since the last
+        average are gone with it), as the next average would have, where the
+        chief's alone would drop the others' (a point of accuracy on digits).
+        Each survivor may have taken the step in flight or not: the mean mixes
+        at most that one step's difference.
+        """
+        comm = cluster.workers   # (the survivors' own communicator: the strategy's is revoked)
+        arrays = {"params": self.model.params, **self.optimizer.state_arrays()}
+        mean = {}
+        for name in sorted(arrays):   # (the same order on every survivor)
+            mean[name] = np.ascontiguousarray(to_host(arrays[name]), dtype=self.model.dtype).copy()
+            average_over(comm, mean[name])
+        if not cluster.is_chief:
+            return None
+        return mean.pop("params"), mean, self.optimizer.steps
 
     def restore_own_state(self, checkpoint):
         restored = super().restore_own_state(checkpoint)

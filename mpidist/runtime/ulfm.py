@@ -146,9 +146,9 @@ def exit_after_failure(code):
 def cannot_go_on(lost, newest=None):
     """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's path)."""
     where = f" (newest: {newest})" if newest else ""
-    return (f"{lost} died: --elastic carries on without lost workers (and under allreduce or ps-sync without a lost chief), "
-            f"but a ps's shard, or the chief's role here, is held nowhere else; resume from the last checkpoint with "
-            f"--resume auto{where}")
+    return (f"{lost} died: --elastic carries on without lost workers (and under allreduce, local-sgd or ps-sync "
+            f"without a lost chief), but a ps's shard, or the chief's role here, is held nowhere else; resume from "
+            f"the last checkpoint with --resume auto{where}")
 
 
 def describe_lost(ranks, cluster):
