@@ -190,6 +190,49 @@ def test_with_failures_reported_but_no_elastic_the_survivors_say_what_happened(p
     assert "Traceback" not in err
 
 
+HELD_UP = """
+import os, signal, sys, threading, time
+import numpy as np
+from mpi4py import MPI
+from mpidist.runtime.rma import Window
+from mpidist.runtime.ulfm import StuckGuard
+world = MPI.COMM_WORLD
+world.Set_errhandler(MPI.ERRORS_RETURN)
+rank, size = world.Get_rank(), 4_000_000
+guard, watch = StuckGuard.on(world, seconds=2.0, period=0.2)
+window = Window(world, size if rank == 1 else 0, np.float64, guard)
+if rank == 1:   # killed inside one of its own accumulates, which hold its lock nearly all the time
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    values = np.ones(size)
+    while True:
+        window.add(values, 1)
+time.sleep(2.0)
+if rank == 0:   # held up at the dead rank's lock, for good but for the guard
+    print("adding", flush=True)
+    window.add(np.ones(4), 1)
+    print("never", flush=True)
+began = time.monotonic()
+world.Revoke()
+print("rank", rank, "shrunk to", world.Shrink().Get_size(), "in", round(time.monotonic() - began, 1), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_rank_held_up_in_an_operation_at_a_dead_rank_is_ended_so_that_the_others_go_on(python, tmp_path):
+    """Open MPI's shared-memory windows: a rank killed inside an accumulate at itself keeps its lock; the next
+    accumulate there spins for good.  The guard ends the rank held up, and the third one's shrink completes."""
+    script = tmp_path / "held_up.py"
+    script.write_text(HELD_UP)
+    extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", *extra, "--mca", "osc", "^ucx",
+               "-n", "3", str(python), str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, errors="replace",
+                          env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"))
+    assert "adding" in done.stdout and "never" not in done.stdout, (done.stdout, done.stderr)
+    assert "rank 2 shrunk to 1" in done.stdout, (done.stdout, done.stderr)
+    assert "mpidist: rank 0 held" in done.stderr and "in a one-sided operation" in done.stderr, done.stderr
+
+
 # -- the parts, without deaths: under any MPI ----------------------------------------------------------------
 def test_an_mpi_without_failure_mitigation_is_named():
     from mpi4py import MPI
@@ -305,6 +348,41 @@ def test_the_chiefs_state_reaches_every_survivor_as_a_checkpoint():
     watch.free()
 
 
+def test_the_guard_ends_a_process_held_in_an_operation_only_while_a_process_is_dead():
+    from mpidist.runtime.ulfm import StuckGuard
+    ended, dead = [], [False]
+    guard = StuckGuard(lambda: dead[0], seconds=5.0, end=ended.append)
+    assert not guard.look(1e9) and guard.held(1e9) == 0.0   # in no operation
+    with guard:
+        began = guard.since
+        with guard:                                          # (re-entrant: the outer one's time counts)
+            pass
+        assert guard.since == began
+        assert not guard.look(began + 6)                     # slow, but nobody died: not held up
+        dead[0] = True
+        assert not guard.look(began + 4)                     # within the seconds
+        assert guard.look(began + 6) and ended[0].startswith("held 6.0 s in a one-sided operation")
+    assert guard.since is None and not guard.look(began + 100)
+    guard.stop()                                             # (never started: nothing to join)
+
+
+def test_the_guards_thread_looks_until_it_is_stopped():
+    import threading
+
+    from mpidist.runtime.ulfm import StuckGuard
+    ended = threading.Event()
+    guard = StuckGuard(lambda: True, seconds=0.05, period=0.01, end=lambda why: ended.set())
+    guard.thread.start()
+    with guard:
+        assert ended.wait(5)
+    guard.thread.join(5)
+    assert not guard.thread.is_alive()                       # it ended the process: nothing more to look for
+    quiet = StuckGuard(lambda: True, seconds=0.05, period=0.01, end=lambda why: ended.clear())
+    quiet.thread.start()
+    quiet.stop()
+    assert not quiet.thread.is_alive() and ended.is_set()
+
+
 def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(monkeypatch):
     """Open MPI's nonblocking collectives report a peer's death as ERR_OTHER (seen in CI: libnbc's error 75)."""
     from mpi4py import MPI
@@ -392,3 +470,4 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
     assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
         (replay, done["test_accuracy"], reference)
     assert seconds < 60
+
