@@ -383,6 +383,11 @@ def test_the_guards_thread_looks_until_it_is_stopped():
     assert not quiet.thread.is_alive() and ended.is_set()
 
 
+def test_a_watchers_loss_counts_as_a_failure():
+    from mpidist.runtime.ulfm import ProcessLost, is_failure
+    assert is_failure(ProcessLost("rank 5 (ps)"))
+
+
 def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(monkeypatch):
     """Open MPI's nonblocking collectives report a peer's death as ERR_OTHER (seen in CI: libnbc's error 75)."""
     from mpi4py import MPI
@@ -471,3 +476,36 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
         (replay, done["test_accuracy"], reference)
     assert seconds < 60
 
+
+def test_a_killed_ps_of_two_under_ps_async_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path):
+    """ps-async, 4 workers and 2 ps: kill -9 of either ps (the first one also decides and writes the checkpoints)
+    at a random step.  No call fails: every rank sees the death on its own watch, as it steps, waits on the
+    staleness bound or serves, and they recover together, back to the newest checkpoint, the one ps left holding
+    the whole model on new windows; the run ends with exit 0 within the fault-free runs' range."""
+    from mpidist.store.lineage import parse_name
+    flags = ["--strategy", "ps-async", "--ps", "2", "--elastic", "--epochs", "20", "--checkpoint-every", "10",
+             "--checkpoint-dir", str(tmp_path / "ckpt")]
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    victim, kill = rng.choice([4, 5]), rng.randrange(2 * STEPS_PER_EPOCH, 12 * STEPS_PER_EPOCH)
+    replay = f"(seed {seed}: kill -9 of rank {victim}, a ps, at step {kill})"
+    metrics = tmp_path / "m.jsonl"
+    code, out, err, seconds = run(python, 6, flags, metrics, [(kill, victim)])
+    assert code == 0, f"{replay}\n{out}\n{err}"
+    assert all(line.endswith("\n") for line in metrics.read_text().splitlines(keepends=True)), replay
+    done, recoveries = events(metrics, "done")[0], events(metrics, "recovered")
+    assert len(recoveries) == 1, (replay, recoveries, out)
+    recovered = recoveries[0]
+    assert recovered["lost_ranks"] == [victim] and recovered["ps"] == 1 and done["workers"] == 4, (replay, recovered)
+    assert [role["role"] for role in done["roles"]].count("ps") == 1, replay
+    # back to a checkpoint of the run's, written before the loss: at most the steps the chief took since
+    assert parse_name(Path(recovered["rolled_back_to"]).name)[0] == recovered["step"], (replay, recovered)
+    assert recovered["steps_lost"] >= 0 and recovered["step"] + recovered["steps_lost"] >= kill, (replay, recovered)
+    assert "rolled back" in out and "mpidist: lost rank" in out, replay
+    assert done["steps"] == 20 * STEPS_PER_EPOCH, replay   # (no step lost for good)
+    assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay   # the end is checkpointed
+    reference = fault_free_accuracies(python, tmp_path, "ps-async", 6,
+                                      ["--strategy", "ps-async", "--ps", "2", "--elastic", "--epochs", "20"])
+    assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
+        (replay, done["test_accuracy"], reference, recovered)
+    assert seconds < 60

