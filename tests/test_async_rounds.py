@@ -188,8 +188,9 @@ def test_a_lost_worker_is_retired_and_a_lost_ps_or_chief_ends_the_job(lost, expe
     ([0], [], False, False),          # no checkpoints to go back to: the job ends
     ([0, 4], [], True, False),        # no ps left
     ([4], [0], True, False),          # the other ps was lost before
-    ([0, 1], [], True, False),        # the chief too: the job ends
-    ([1], [], True, False),           # the chief alone
+    ([0, 1], [], True, True),         # the chief too: a survivor takes its place
+    ([1], [], True, True),            # the chief alone (its position is the run's: back to a checkpoint too)
+    ([1], [], False, False),          # ... where there are checkpoints
     ([2], [], True, False),           # a worker: retired, nobody recovers
 ])
 def test_a_lost_ps_makes_every_rank_recover_where_another_ps_is_left_and_there_are_checkpoints(

@@ -168,8 +168,8 @@ def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoi
 
 
 def test_a_killed_chief_ends_the_run_and_says_so_where_the_others_do_not_hold_its_state(python, tmp_path):
-    """ps-async: the chief's place is not the others' (allreduce's and ps-sync's are: see the test of a replaced
-    chief)."""
+    """ps-async without checkpoints: the chief's place is not the others' (allreduce's and ps-sync's are: see the
+    test of a replaced chief; ps-async's is, by going back to a checkpoint: see the test of a rollback)."""
     code, out, err, seconds = run(python, 6, ["--strategy", "ps-async", "--ps", "2", "--elastic", "--epochs", "6"],
                                   tmp_path / "m.jsonl", kills=[(30, 0)])
     assert code == 1, (out, err)
@@ -477,32 +477,39 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
     assert seconds < 60
 
 
-def test_a_killed_ps_of_two_under_ps_async_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path):
-    """ps-async, 4 workers and 2 ps: kill -9 of either ps (the first one also decides and writes the checkpoints)
-    at a random step.  No call fails: every rank sees the death on its own watch, as it steps, waits on the
-    staleness bound or serves, and they recover together, back to the newest checkpoint, the one ps left holding
-    the whole model on new windows; the run ends with exit 0 within the fault-free runs' range."""
+@pytest.mark.parametrize("victim", ["ps", "chief"])
+def test_a_killed_ps_or_chief_under_ps_async_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path,
+                                                                                                 victim):
+    """ps-async, 4 workers and 2 ps, with checkpoints: kill -9 of either ps (the first one also decides and writes
+    the checkpoints), or of the chief, at a random step.  No call fails: every rank sees the death on its own watch,
+    as it steps, waits on the staleness bound or serves, and they recover together, back to the newest checkpoint,
+    on new windows (a lost ps: the one left holds the whole model; a lost chief: the lowest worker takes its place);
+    the run ends with exit 0 within the fault-free runs' range."""
     from mpidist.store.lineage import parse_name
     flags = ["--strategy", "ps-async", "--ps", "2", "--elastic", "--epochs", "20", "--checkpoint-every", "10",
              "--checkpoint-dir", str(tmp_path / "ckpt")]
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    victim, kill = rng.choice([4, 5]), rng.randrange(2 * STEPS_PER_EPOCH, 12 * STEPS_PER_EPOCH)
-    replay = f"(seed {seed}: kill -9 of rank {victim}, a ps, at step {kill})"
+    rank, kill = rng.choice([4, 5]) if victim == "ps" else 0, rng.randrange(2 * STEPS_PER_EPOCH, 12 * STEPS_PER_EPOCH)
+    replay = f"(seed {seed}: kill -9 of rank {rank}, the {victim}, at step {kill})"
     metrics = tmp_path / "m.jsonl"
-    code, out, err, seconds = run(python, 6, flags, metrics, [(kill, victim)])
+    code, out, err, seconds = run(python, 6, flags, metrics, [(kill, rank)])
     assert code == 0, f"{replay}\n{out}\n{err}"
     assert all(line.endswith("\n") for line in metrics.read_text().splitlines(keepends=True)), replay
     done, recoveries = events(metrics, "done")[0], events(metrics, "recovered")
     assert len(recoveries) == 1, (replay, recoveries, out)
     recovered = recoveries[0]
-    assert recovered["lost_ranks"] == [victim] and recovered["ps"] == 1 and done["workers"] == 4, (replay, recovered)
-    assert [role["role"] for role in done["roles"]].count("ps") == 1, replay
+    ps_left, workers = (1, 4) if victim == "ps" else (2, 3)
+    assert recovered["lost_ranks"] == [rank] and recovered["ps"] == ps_left, (replay, recovered)
+    assert done["workers"] == workers and done["ps"] == ps_left, replay
+    assert [role["role"] for role in done["roles"]].count("ps") == ps_left, replay
     # back to a checkpoint of the run's, written before the loss: at most the steps the chief took since
     assert parse_name(Path(recovered["rolled_back_to"]).name)[0] == recovered["step"], (replay, recovered)
     assert recovered["steps_lost"] >= 0 and recovered["step"] + recovered["steps_lost"] >= kill, (replay, recovered)
-    assert "rolled back" in out and "mpidist: lost rank" in out, replay
-    assert done["steps"] == 20 * STEPS_PER_EPOCH, replay   # (no step lost for good)
+    assert "rolled back" in out and f"mpidist: lost rank {rank} (" in out, replay
+    # every epoch, none lost for good (3 workers take an epoch of digits in 21 steps of 64)
+    assert done["epochs"] == 20 and 20 * recovered["steps_per_epoch"] <= done["steps"] <= 20 * STEPS_PER_EPOCH, \
+        (replay, done["steps"], recovered)
     assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay   # the end is checkpointed
     reference = fault_free_accuracies(python, tmp_path, "ps-async", 6,
                                       ["--strategy", "ps-async", "--ps", "2", "--elastic", "--epochs", "20"])

@@ -19,15 +19,15 @@ or a watcher saw one die where the survivors must recover together
 1. :func:`~mpidist.runtime.ulfm.shrink`: revoke every communicator in use,
    so survivors blocked on each other are released too, and shrink the
    world to the survivors.
-2. If a parameter server died, its shard is in no survivor.  Where the
-   strategy allows it (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`:
+2. If a parameter server died, its shard is in no survivor, nor is the
+   chief's state where the others do not hold all it holds
+   (:attr:`~mpidist.parallel.base.Strategy.chief_replaceable`) and it died.
+   Where the strategy allows it (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`:
    ``ps-sync``, ``ps-async``), a ps is left and the run writes checkpoints,
    every survivor goes back to the newest checkpoint of the run's lineage
    (the chief first finishes a write behind training, then names it): the
-   rollback.  Otherwise, or where the chief died and the others do not hold
-   all it holds (:attr:`~mpidist.parallel.base.Strategy.chief_replaceable`),
-   the run cannot go on: every survivor ends with exit code 1 and the
-   message says to resume from the last checkpoint.
+   rollback.  Otherwise the run cannot go on: every survivor ends with exit
+   code 1 and the message says to resume from the last checkpoint.
 3. The survivors rebuild the cluster (same roles; a lost chief's place goes
    to the lowest surviving worker, which then writes the metrics, the log
    and the checkpoints; after a rollback the shards are re-divided among the
@@ -44,13 +44,13 @@ or a watcher saw one die where the survivors must recover together
 deaths (:class:`~mpidist.runtime.ulfm.FailureWatch`, as they step, while the
 staleness bound holds them, as they serve), the first ps drops a dead worker
 from the staleness bound, and the others never notice; the survivors shrink
-at the end.  A dead ps that a rollback can replace is a
+at the end.  A dead ps or chief that a rollback can replace is a
 :class:`~mpidist.runtime.ulfm.ProcessLost` on every rank that sees it, which
 enters the recovery above as a failed call would (a rank held up in a
 one-sided operation at the dead ps ends itself, see
 :class:`~mpidist.runtime.ulfm.StuckGuard`: one more lost rank).  Any other
-dead ps, or the chief, seen by a watcher ends the job through the abort
-hook (a :class:`~mpidist.runtime.errors.RunError`).  A second death during
+dead ps or chief seen by a watcher ends the job through the abort hook (a
+:class:`~mpidist.runtime.errors.RunError`).  A second death during
 a recovery ends the job too (exit code 1, one line).
 """
 
@@ -155,11 +155,10 @@ class State:
     def recover(self):
         """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go on.
 
-        A lost ps is replaced by a rollback to the newest checkpoint where
-        :meth:`_rollback_point` finds one; otherwise a lost ps, or a chief
-        the others cannot replace, ends every survivor with exit code 1
-        (their state is held nowhere else); the message names the newest
-        checkpoint.
+        A lost ps, or a chief the others cannot replace, is replaced by a
+        rollback to the newest checkpoint where :meth:`_rollback_point` finds
+        one; otherwise it ends every survivor with exit code 1 (their state
+        is held nowhere else); the message names the newest checkpoint.
         """
         began, old, config = time.perf_counter(), self.cluster, self.config
         world, lost = shrink(old.world, [old.role_comm] + self.revoked)
@@ -168,8 +167,9 @@ class State:
         ps_lost = any(old.roles[rank] == PS for rank in lost)
         workers_lost = sum(old.roles[rank] != PS for rank in lost)
         cluster = old.survivors(world, lost) if workers_lost < old.num_workers else None
-        rollback = self._rollback_point(world, cluster) if ps_lost and cluster is not None else None
-        if (ps_lost and rollback is None) or chief_lost or cluster is None:
+        held_nowhere = ps_lost or chief_lost   # (only going back to a checkpoint replaces what they held)
+        rollback = self._rollback_point(world, cluster) if held_nowhere and cluster is not None else None
+        if (held_nowhere and rollback is None) or cluster is None:
             message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir))
             self._fire("give_up", message)
             if world.Get_rank() == 0:
@@ -180,7 +180,7 @@ class State:
             position, held = self.restore(world, cluster)
             self._fire("reset", cluster, self.sync(world, cluster, position, held))
             rolled_back = {}
-        else:   # the lost shard is in no survivor: every rank goes back to the newest checkpoint
+        else:   # what was lost is in no survivor: every rank goes back to the newest checkpoint
             resume = checkpoint.load(rollback)
             position = Position(resume.step, resume.epoch, resume.epoch_step)
             rolled_back = {"rolled_back_to": str(rollback), "steps_lost": self.position.step - resume.step}
@@ -197,11 +197,12 @@ class State:
 
 
     def _rollback_point(self, world, cluster):
-        """Collective: the checkpoint every survivor goes back to after a lost ps, or None where there is none.
+        """Collective: the checkpoint every survivor goes back to after a lost ps (or a chief the others cannot
+        replace), or None where there is none.
 
         Only where the strategy can (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`), a ps is left to
         take the lost shard, and the run writes checkpoints: the chief's write in flight is finished first
-        (``settle``), then the chief names the newest of the run's lineage.
+        (``settle``), then the chief (a new one, where it was lost) names the newest of the run's lineage.
         """
         if not self.strategy.ps_rollback or PS not in cluster.roles or not self.config.checkpoint_dir:
             return None

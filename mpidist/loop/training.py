@@ -199,7 +199,7 @@ class Training:
         if self.chief:
             self.outputs.log.write("recovered", **record)
             split = "/".join(map(str, record["local_batches"]))
-            back = (f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: the lost shard was in "
+            back = (f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: what was lost is in "
                     "no survivor)") if "rolled_back_to" in record else ""
             self.outputs.say(f"mpidist: lost {record['lost']}{back}; continuing from step {record['step']} with "
                              f"{record['workers']} worker(s): global batch {record['global_batch']} split {split}, "

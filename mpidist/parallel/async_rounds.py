@@ -17,9 +17,9 @@ the first ps's control words) and carries out what these functions decide:
 * what arrived is applied unless it is all zeros (:func:`carries_gradient`)
   or not finite (within ``--nan-patience``), at the learning rate of the mean
   step of its gradients (:func:`mean_step`);
-* a lost worker is retired; a lost ps, where another ps is left and the run
-  writes checkpoints, makes every survivor recover (back to the newest
-  checkpoint); else a lost ps, or the chief, ends the job (:func:`sort_lost`).
+* a lost worker is retired; a lost ps or chief, where a ps is left and the
+  run writes checkpoints, makes every survivor recover (back to the newest
+  checkpoint); else it ends the job (:func:`sort_lost`).
 """
 
 import enum
@@ -189,7 +189,7 @@ class Lost(typing.NamedTuple):
 
     fatal: tuple     # world ranks whose state is held nowhere else: a ps (its shard) or the chief
     retired: tuple   # (world rank, worker index) of lost workers: their clocks are retired, they hold nobody back
-    recover: bool = False   # the fatal ones are ps, another is left, and there are checkpoints: every rank recovers
+    recover: bool = False   # fatal ones, a ps left, and checkpoints: every rank recovers (back to a checkpoint)
 
 
 def sort_lost(lost, roles, chief_rank, earlier=(), rollback=False):
@@ -203,4 +203,4 @@ def sort_lost(lost, roles, chief_rank, earlier=(), rollback=False):
     retired = tuple((rank, roles[:rank].count(WORKER)) for rank in lost if rank not in fatal)
     gone = set(lost) | set(earlier)
     ps_left = any(role == PS and rank not in gone for rank, role in enumerate(roles))
-    return Lost(fatal, retired, bool(fatal) and rollback and chief_rank not in fatal and ps_left)
+    return Lost(fatal, retired, bool(fatal) and rollback and ps_left)

@@ -138,7 +138,8 @@ class Strategy:
     #: ``--elastic`` a lost chief is replaced by the lowest surviving worker (as Horovod's elastic mode does).
     chief_replaceable = False
     #: Whether under ``--elastic`` a lost ps is survived by every rank going back to the newest checkpoint,
-    #: its shard re-divided among the ps ranks left (the lost shard is in no survivor).
+    #: its shard re-divided among the ps ranks left (the lost shard is in no survivor); so is a lost chief
+    #: that is not :attr:`chief_replaceable` (the lowest surviving worker takes its place).
     ps_rollback = False
 
     # -- What the running strategy reports: class defaults, set on the instance as it runs --

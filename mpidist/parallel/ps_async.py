@@ -21,10 +21,10 @@ here the windows are read and the choices carried out.
 With ``--elastic`` (an MPI with ULFM), every rank also polls for dead
 processes (as it steps, while the bound holds it, as it serves); the first
 ps retires a dead worker's clock, so the others never wait for it.  A dead
-ps, where another is left and there are checkpoints, is a
+ps or chief, where a ps is left and there are checkpoints, is a
 :class:`~mpidist.runtime.ulfm.ProcessLost` wherever it is seen: the
-survivors recover together (see :mod:`mpidist.loop.elastic`); otherwise a
-dead ps, or the chief, ends the job.  A :class:`~mpidist.runtime.ulfm.StuckGuard`
+survivors recover together (see :mod:`mpidist.loop.elastic`); otherwise it
+ends the job.  A :class:`~mpidist.runtime.ulfm.StuckGuard`
 gets a rank out of an operation that a dead one holds up.
 
 Figures: ``staleness`` is SSP's, in steps: how far this worker was ahead of
@@ -202,11 +202,11 @@ class LostRanks:
     """``--elastic``: the watch for dead ranks, what a death means, and the guard of the windows' operations.
 
     The first ps retires a dead worker's clock, so that the others never wait
-    for it, and notes it in ``figures["dropped_workers"]``.  A dead ps, where
-    another is left and there are checkpoints (``rollback``), raises
-    :class:`~mpidist.runtime.ulfm.ProcessLost` on every rank that sees it:
-    they all recover together.  Else a dead ps or chief ends the job (no
-    survivor waits: the abort ends all).
+    for it, and notes it in ``figures["dropped_workers"]``.  A dead ps or
+    chief, where a ps is left and there are checkpoints (``rollback``),
+    raises :class:`~mpidist.runtime.ulfm.ProcessLost` on every rank that
+    sees it: they all recover together, back to the newest checkpoint.
+    Else it ends the job (no survivor waits: the abort ends all).
     """
 
     def __init__(self, cluster, figures, elastic, rollback=False):
@@ -259,7 +259,7 @@ class PsAsyncStrategy(ShardedStrategy):
     name = "ps-async"
     running_statistics = False   # workers' steps are not aligned: nothing to average them at
     elastic_recovery = True
-    ps_rollback = True   # (checked by LostRanks as the ranks see a ps die, and by the recovery)
+    ps_rollback = True   # (a lost ps or chief: checked by LostRanks as the ranks see it die, and by the recovery)
     options = ShardedStrategy.options + (
         Option("staleness", 2, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound: "
                                "fully asynchronous)"),)

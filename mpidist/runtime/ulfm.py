@@ -166,8 +166,8 @@ def cannot_go_on(lost, newest=None):
     """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's path)."""
     where = f" (newest: {newest})" if newest else ""
     return (f"{lost} died: --elastic carries on without lost workers (and under allreduce, local-sgd or ps-sync "
-            f"without a lost chief; under ps-sync or ps-async without a lost ps, by going back to the newest "
-            f"checkpoint, where another ps is left and --checkpoint-dir has one), but a ps's shard, or the chief's "
+            f"without a lost chief; under ps-sync or ps-async without a lost ps or chief, by going back to the "
+            f"newest checkpoint, where a ps is left and --checkpoint-dir has one), but a ps's shard, or the chief's "
             f"role here, is held nowhere else; resume from the last checkpoint with --resume auto{where}")
 
 
