@@ -80,7 +80,8 @@ def test_missing_config_file():
     (["--checkpoint-seconds", "-5"], 1, "--checkpoint-seconds must be a finite number of seconds, 0 or more, got -5.0"),
     (["--nan-patience", "-1"], 1, "--nan-patience must be 0 or more, got -1"),
     (["--stall-timeout", "-1"], 1, "--stall-timeout must be a finite number of seconds, 0 or more, got -1.0"),
-    (["--elastic", "--strategy", "pipeline", "--stages", "2"], 4, "not with pipelines"),
+    (["--elastic", "--strategy", "pipeline", "--stages", "2"], 2, "make 1 replica: a lost stage would end the run; "
+                                                                  "run 4 ranks or more"),
     (["--elastic", "--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"], 4, "backup workers"),
     (["--elastic", "--replication", "in-graph"], 2, "--replication in-graph"),
     (["--elastic", "--exchange", "shared-memory"], 2, "shared-memory does not survive a lost worker"),

@@ -67,9 +67,12 @@ def run(python, ranks, flags, metrics, kills=(), timeout=120, ulfm=True):
                       env={"MPIDIST_TEST_DELAY": SLOW} if kills else None, ulfm=ulfm)
     killed = None
     try:
+        if kills:   # (the ranks' pids found ahead: a search of /proc under load can take several steps)
+            wait_for_step(metrics, 1, launcher)
+            pids = rank_pids(launcher)
         for step, rank in kills:
             wait_for_step(metrics, step, launcher)
-            os.kill(rank_pids(launcher)[rank], signal.SIGKILL)
+            os.kill(pids[rank], signal.SIGKILL)
             killed = time.monotonic()
         out, err = launcher.communicate(timeout=timeout)
     finally:
@@ -95,15 +98,24 @@ CASES = {   # strategy flags, ranks, world ranks of the workers, steps per epoch
     "ps-sync": (["--strategy", "ps-sync", "--ps", "1"], 5, [0, 1, 2, 3], STEPS_PER_EPOCH),
     "ps-async": (["--strategy", "ps-async", "--ps", "2"], 6, [0, 1, 2, 3], STEPS_PER_EPOCH),
 }
+PIPELINE = ["--strategy", "pipeline", "--stages", "2"]   # 4 ranks: 2 replicas of 2 stages
 
 
 def fault_free_accuracies(python, tmp_path, strategy, ranks, flags):
-    """The reference: fault-free runs' accuracies (ps-async varies run to run: three of them)."""
+    """The reference: fault-free runs' accuracies (ps-async varies run to run: three of them).
+
+    A pipeline that lost a replica trains on with the others: its reference is a fault-free run of each layout
+    (2 replicas, and 1 replica on half the ranks, without --elastic, which one replica refuses).  On mnist-5k
+    the two end 1.1 points apart: the global batch is composed of other samples.
+    """
     runs = 3 if strategy == "ps-async" else 1
+    layouts = [(ranks, flags)] * runs
+    if strategy == "pipeline":
+        layouts.append((ranks // 2, [flag for flag in flags if flag != "--elastic"]))
     accuracies = []
-    for index in range(runs):
+    for index, (size, layout) in enumerate(layouts):
         metrics = tmp_path / f"reference-{index}.jsonl"
-        code, out, err, _ = run(python, ranks, flags, metrics)
+        code, out, err, _ = run(python, size, layout, metrics)
         assert code == 0, err
         accuracies.append(events(metrics, "done")[0]["test_accuracy"])
     return accuracies
@@ -257,9 +269,9 @@ def test_a_ps_takes_back_an_update_the_chief_never_received():
     import numpy as np
 
     from mpidist.nn import make_optimizer
-    from mpidist.parallel.ps_sync import PreviousShard
+    from mpidist.parallel.rewind import PreviousSlice
     shard, optimizer = np.arange(4.0), make_optimizer("adam", 4, 0.1, dtype=np.float64)
-    previous = PreviousShard(shard, optimizer)
+    previous = PreviousSlice(shard, optimizer)
     optimizer.step(shard, np.ones(4))
     before = shard.copy(), optimizer.m.copy(), optimizer.steps
     previous.keep(shard, optimizer)
@@ -411,11 +423,14 @@ def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(mon
     assert not ulfm.is_failure(ValueError("not MPI"), Comm(dead=1))
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "local-sgd", "ps-sync"])
+@pytest.mark.parametrize("strategy", ["allreduce", "local-sgd", "ps-sync", "pipeline"])
 def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path, strategy):
     """kill -9 of the chief on mnist-5k; the lowest surviving worker takes its place (metrics, log, checkpoints);
-    the run ends with exit 0 near a fault-free run's accuracy, its metrics file whole and continuous."""
-    strategy_flags, ranks, _, _ = CASES[strategy]
+    the run ends with exit 0 near a fault-free run's accuracy, its metrics file whole and continuous.  A
+    pipeline's replica 0 has lost a stage: its other stage (rank 1) waits idle, replica 1 goes on."""
+    strategy_flags, ranks, _, _ = CASES[strategy] if strategy != "pipeline" else (PIPELINE, 4, None, None)
+    # data-parallel workers left (a pipeline's: replicas), worker ranks left, idle ranks
+    left, ranks_left, idle = (1, 2, [1]) if strategy == "pipeline" else (3, 3, None)
     strategy_flags = [flag for flag in strategy_flags if flag not in ("--data", "mnist-5k")] + ["--data", "mnist-5k"]
     flags = [*strategy_flags, "--elastic", "--epochs", "20", "--checkpoint-dir", str(tmp_path / "ckpt"),
              "--checkpoint-every", "50"]
@@ -430,7 +445,8 @@ def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path,
     done, recoveries = events(metrics, "done")[0], events(metrics, "recovered")
     assert len(recoveries) == 1, (replay, recoveries, out)
     recovered = recoveries[0]
-    assert recovered["lost_ranks"] == [0] and recovered["workers"] == 3 and done["workers"] == 3, replay
+    assert recovered["lost_ranks"] == [0] and recovered["workers"] == left and done["workers"] == ranks_left, replay
+    assert recovered.get("idle_ranks") == idle, (replay, recovered)
     assert abs(recovered["step"] - kill) <= 3, (replay, recovered)
     assert "lost rank 0 (the chief)" in out and "continuing from step" in out, replay
     # every step logged, in order; the one in flight when the chief died may be logged twice (by it and again)
@@ -443,6 +459,34 @@ def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path,
     assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay
     reference = fault_free_accuracies(python, tmp_path, strategy, ranks,
                                       [*strategy_flags, "--elastic", "--epochs", "20"])
+    assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
+        (replay, done["test_accuracy"], reference)
+    assert seconds < 60
+
+
+def test_a_pipeline_replica_that_lost_a_stage_is_set_aside_and_the_other_goes_on(python, tmp_path):
+    """kill -9 of a stage of replica 1, or of replica 0's last stage (the chief's neighbour: the chief itself is
+    set aside, and replica 1's first stage takes its place); exit 0 near a fault-free run, every step logged."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    victim, kill = rng.choice([1, 2, 3]), rng.randrange(MNIST_STEPS, 12 * MNIST_STEPS)
+    replay = f"(seed {seed}: kill -9 of rank {victim} at step {kill})"
+    flags = [*PIPELINE, "--data", "mnist-5k", "--elastic", "--epochs", "20", "--checkpoint-every", "50",
+             "--checkpoint-dir", str(tmp_path / "ckpt")]
+    metrics = tmp_path / "m.jsonl"
+    code, out, err, seconds = run(python, 4, flags, metrics, [(kill, victim)])
+    assert code == 0, f"{replay}\n{out}\n{err}"
+    done, (recovered,) = events(metrics, "done")[0], events(metrics, "recovered")
+    partner = victim ^ 1   # (its replica's other stage)
+    assert recovered["lost_ranks"] == [victim] and recovered["idle_ranks"] == [partner], (replay, recovered)
+    assert recovered["workers"] == 1 and done["workers"] == 2 and abs(recovered["step"] - kill) <= 3, \
+        (replay, recovered)
+    assert "idle (their replica lost a stage)" in out, replay
+    steps = [event["step"] for event in events(metrics, "step")]
+    assert sorted(set(steps)) == list(range(1, done["steps"] + 1)) and done["steps"] == 20 * MNIST_STEPS, replay
+    assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay
+    reference = fault_free_accuracies(python, tmp_path, "pipeline", 4,
+                                      [*PIPELINE, "--data", "mnist-5k", "--elastic", "--epochs", "20"])
     assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
         (replay, done["test_accuracy"], reference)
     assert seconds < 60

@@ -752,8 +752,9 @@ FAULTS = {
         "--resume", "auto", "--run-dir", "", message="--resume auto needs --checkpoint-dir (or a --run-dir) to look in"),
     "--elastic on an MPI without failure mitigation": bad(
         "--elastic", message="--elastic needs an MPI library with User-Level Failure Mitigation, and this is MPICH"),
-    "--elastic with a pipeline": bad("--elastic", "--strategy", "pipeline", "--stages", "2",
-                                     message="--elastic carries on without lost workers under --strategy allreduce"),
+    "--elastic with in-graph replication": bad("--elastic", "--replication", "in-graph",
+                                               message="--elastic carries on without lost workers under --strategy "
+                                                       "allreduce"),
     "more backup aggregates than workers": bad("--strategy", "ps-sync", "--ps", "1", "--aggregate", "9",
                                                message="--aggregate 9 is more than the"),
     "too few ranks for the ps": bad("--strategy", "ps-sync", "--ps", "4", message="--ps 4 needs at least 5 ranks"),

@@ -32,6 +32,23 @@ def test_a_position_starts_at_a_checkpoints_and_rolls_a_full_epoch_over():
     assert holder[0] == Position(7, 0, 7) and list(shared.as_array()) == [7, 0, 7]
 
 
+@pytest.mark.parametrize("position, steps, expected", [
+    (Position(25, 2, 5), -1, Position(24, 2, 4)),
+    (Position(25, 2, 5), 1, Position(26, 2, 6)),
+    (Position(25, 2, 5), 0, Position(25, 2, 5)),
+    (Position(30, 3, 0), -1, Position(29, 2, 9)),    # back over the start of an epoch: its last step
+    (Position(30, 2, 10), 1, Position(31, 3, 1)),    # on from a finished epoch: the next one's first step
+    (Position(29, 2, 9), 1, Position(30, 2, 10)),    # (the epoch's last step: Position.of rolls it over)
+])
+def test_a_position_moves_one_step_either_way_across_epochs(position, steps, expected):
+    assert position.shifted(steps, 10) == expected
+
+
+def test_a_position_moves_one_step_at_most():
+    with pytest.raises(ValueError, match="one step at most, not 2"):
+        Position(5, 0, 5).shifted(2, 10)
+
+
 class Clock:
     def __init__(self):
         self.now = 100.0
@@ -179,11 +196,17 @@ def test_a_failed_run_is_reported_by_the_chief_alone(tmp_path, capsys):
 
 
 class Strategy:
-    """A strategy as the elastic state sees it: its one hook, and its optimizer's state names."""
+    """A strategy as the elastic state sees it: its hooks, and its optimizer's state names.
 
-    def __init__(self, held):
-        self.held, self.asked = held, []
+    ``behind``: the survivors' agreed step is this many steps before the chief's.
+    """
+
+    def __init__(self, held, behind=0):
+        self.held, self.asked, self.behind = held, [], behind
         self.optimizer = types.SimpleNamespace(state_arrays=lambda: {"m": None, "v": None})
+
+    def survivors_step(self, cluster, step):
+        return step - self.behind
 
     def survivor_state(self, cluster, step):
         self.asked.append(step)
@@ -199,12 +222,14 @@ def test_the_elastic_state_restores_the_chiefs_position_and_syncs_its_state_as_a
     params = np.arange(5, dtype=np.float32)
     held = (params, {"m": params * 2, "v": params * 3}, 9)
     strategy = Strategy(held)
-    setup = types.SimpleNamespace(model=types.SimpleNamespace(num_params=5, dtype=np.float32))
+    setup = types.SimpleNamespace(model=types.SimpleNamespace(num_params=5, dtype=np.float32), steps_per_epoch=10)
     cluster = types.SimpleNamespace(chief_rank=0)
     state.bind(cluster, setup, strategy)
     world = MPI.COMM_SELF
     agreed, got = state.restore(world, cluster)
     assert agreed == Position(30, 2, 4) and got is held and strategy.asked == [30]
+    state.bind(cluster, setup, Strategy(held, behind=1))   # (a pipeline stage never applied the chief's last step)
+    assert state.restore(world, cluster)[0] == Position(29, 2, 3) and state.strategy.asked == [29]
     checkpoint = state.sync(world, cluster, agreed, got)
     assert (checkpoint.step, checkpoint.epoch, checkpoint.epoch_step, checkpoint.optimizer_steps) == (30, 2, 4, 9)
     assert np.array_equal(checkpoint.params, params) and np.array_equal(checkpoint.optimizer_state["v"], params * 3)

@@ -28,7 +28,10 @@ def test_micro_batches_split_the_batch_evenly():
     assert split_sizes(10, 4) == [3, 3, 2, 2] and split_sizes(8, 8) == [1] * 8
 
 
-def run_pipeline(stages, micro_batches, schedule_name, optimizer="sgd", steps=3, balance=None):
+def run_pipeline(stages, micro_batches, schedule_name, optimizer="sgd", steps=3, balance=None, elastic=False,
+                 snapshots=None):
+    """``(cluster, strategy, reference)`` after ``steps`` steps of a pipeline and of a local reference on the
+    same global batches; ``snapshots``: a list the reference's (params, optimizer m) after each step go to."""
     world = MPI.COMM_WORLD
     cluster = build_cluster(world)
     replicas = world.Get_size() // stages
@@ -41,14 +44,15 @@ def run_pipeline(stages, micro_batches, schedule_name, optimizer="sgd", steps=3,
     reference.initialize()
     strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3,
                                 stages=stages, micro_batches=micro_batches, schedule_name=schedule_name,
-                                balance=balance, global_batch=global_batch)
+                                balance=balance, global_batch=global_batch, elastic=elastic)
     strategy.initialize()
     part = worker_slice(global_batch, replicas, strategy.replica)
     for step in range(steps):
         loss = strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
         expected = reference.train_step(xs[step], ys[step], 1.0, step)
-        if cluster.is_chief:
-            assert np.isclose(loss, expected, rtol=1e-9)
+        assert np.isclose(loss, expected, rtol=1e-9)   # (every rank learns the global loss: any may become chief)
+        if snapshots is not None:
+            snapshots.append((reference.model.params.copy(), reference.optimizer.state_arrays()["m"].copy()))
     return cluster, strategy, reference
 
 
@@ -125,6 +129,45 @@ def test_pipelined_evaluation_counts_every_test_sample_once():
         assert np.isclose(figures["accuracy"], (out.argmax(axis=1) == y).mean())
         assert np.array_equal(np.array(figures["confusion"]),
                               np.bincount(y * 4 + out.argmax(axis=1), minlength=16).reshape(4, 4))
+    strategy.free()
+    cluster.free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_survivors_of_a_pipeline_agree_on_the_least_step_and_the_stages_ahead_take_it_back():
+    """A death may break a step's collective on some ranks only: the last rank plays one that never applied
+    step 3, the others take step 3 back, and replica 0's slices gather on the chief as the local model after
+    two steps (the survivors here are every rank: what a recovery does after the shrink)."""
+    fits(2)
+    snapshots = []
+    cluster, strategy, _ = run_pipeline(2, 2, "1f1b", optimizer="adam", steps=3, elastic=True, snapshots=snapshots)
+    if cluster.rank == cluster.size - 1:      # (its update of step 3 undone, as if the collective had failed)
+        strategy.ledger.previous.restore(strategy.model.params, strategy.optimizer)
+        strategy.ledger.applied -= 1
+    assert strategy.survivors_step(cluster, 3) == 2
+    state = strategy.survivor_state(cluster, 2)
+    params, m = snapshots[1]
+    lo, hi = strategy.param_lo, strategy.param_hi
+    np.testing.assert_allclose(strategy.model.params, params[lo:hi], rtol=1e-9, atol=1e-12)
+    if cluster.is_chief:
+        np.testing.assert_allclose(state[0], params, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(state[1]["m"], m, rtol=1e-9, atol=1e-15)
+        assert state[2] == 2
+    assert not np.allclose(params, snapshots[2][0])   # (step 3 did change the model: the rewind is seen)
+    strategy.free()
+    cluster.free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_lost_rank_leaves_the_other_stages_of_its_replica_idle():
+    fits(2)
+    cluster = build_cluster(MPI.COMM_WORLD)
+    strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), None, cluster, seed=3, stages=2,
+                                micro_batches=2, schedule_name="1f1b", global_batch=4)
+    assert strategy.left_idle([3]) == [2] and strategy.left_idle([0]) == [1] and strategy.left_idle([0, 1]) == []
+    if cluster.size >= 6:
+        assert strategy.left_idle([1, 4]) == [0, 5]
+    assert strategy.communicators() == [strategy.links.pipe, strategy.links.peers]
     strategy.free()
     cluster.free()
 

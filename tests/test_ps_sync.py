@@ -7,7 +7,7 @@ from test_parallel import small_convnet, worker_slice
 
 from mpidist import nn
 from mpidist.parallel import LocalStrategy, PsSyncStrategy
-from mpidist.parallel.ps_sync import PreviousShard, StepLedger
+from mpidist.parallel.rewind import PreviousSlice, StepLedger
 from mpidist.parallel.shards import imbalance, shard_bounds
 from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.store.checkpoint import Checkpoint
@@ -114,7 +114,7 @@ def test_ps_ranks_own_their_shards_and_count_their_traffic():
 def test_a_ps_one_update_ahead_of_the_chief_takes_it_back(chief_step, params, steps):
     optimizer = nn.make_optimizer("adam", 3, 0.1, xp=np, dtype=np.float64)
     shard = np.array([1.0, 2.0, 3.0])
-    ledger = StepLedger(PreviousShard(shard, optimizer))
+    ledger = StepLedger(PreviousSlice(shard, optimizer))
     ledger.start_step = 10
     ledger.keep(shard, optimizer)
     optimizer.step(shard, np.ones(3))
@@ -122,7 +122,7 @@ def test_a_ps_one_update_ahead_of_the_chief_takes_it_back(chief_step, params, st
     ledger.rewind_to(chief_step, shard, optimizer)
     np.testing.assert_allclose(shard, params)
     assert optimizer.steps == steps and (optimizer.state_arrays()["m"] != 0).all() == (steps == 1)
-    with pytest.raises(AssertionError, match="ps at step 11, the chief at 9"):
+    with pytest.raises(AssertionError, match="this rank is at step 11, the survivors agreed on step 9"):
         ledger.rewind_to(9, shard, optimizer)
 
 

@@ -6,10 +6,13 @@ and, when a process dies, the :class:`State` recovers: the survivors agree
 on the state (restore, sync) and the state's reset callbacks build the loop
 again from it.  The state owns the run's position (the loop moves it step by
 step: the commit) and knows what the run is made of now (``bind``); it uses
-nothing else of the loop.  Strategies take part through one hook,
-:meth:`~mpidist.parallel.base.Strategy.survivor_state` (a ps-sync ps takes
-back the one update the chief never saw, kept by its
-:class:`~mpidist.parallel.ps_sync.PreviousShard`); the figures they count
+nothing else of the loop.  Strategies take part through a few hooks of
+:class:`~mpidist.parallel.base.Strategy`: ``communicators`` (theirs, to
+revoke), ``left_idle`` (survivors that cannot train on), ``survivors_step``
+(the step the survivors agree on, the chief's by default) and
+``survivor_state`` (the state at that step: a ps-sync ps or a pipeline stage
+takes back an update the others never saw, kept by its
+:class:`~mpidist.parallel.rewind.PreviousSlice`); the figures they count
 live in a dict the loop owns, which outlives them.
 
 When a blocking call reports a dead process (:mod:`mpidist.runtime.ulfm`),
@@ -18,7 +21,9 @@ or a watcher saw one die where the survivors must recover together
 
 1. :func:`~mpidist.runtime.ulfm.shrink`: revoke every communicator in use,
    so survivors blocked on each other are released too, and shrink the
-   world to the survivors.
+   world to the survivors.  Survivors that cannot train on (the other stages
+   of a pipeline replica that lost one) are set aside: they let go of what
+   they hold and wait, asleep, for the others' end.
 2. If a parameter server died, its shard is in no survivor, nor is the
    chief's state where the others do not hold all it holds
    (:attr:`~mpidist.parallel.base.Strategy.chief_replaceable`) and it died.
@@ -26,12 +31,13 @@ or a watcher saw one die where the survivors must recover together
    ``ps-sync``, ``ps-async``), a ps is left and the run writes checkpoints,
    every survivor goes back to the newest checkpoint of the run's lineage
    (the chief first finishes a write behind training, then names it): the
-   rollback.  Otherwise the run cannot go on: every survivor ends with exit
-   code 1 and the message says to resume from the last checkpoint.
+   rollback.  Otherwise, or where no worker can train on, the run cannot go
+   on: every survivor ends with exit code 1 and the message says to resume
+   from the last checkpoint.
 3. The survivors rebuild the cluster (same roles; a lost chief's place goes
    to the lowest surviving worker, which then writes the metrics, the log
    and the checkpoints; after a rollback the shards are re-divided among the
-   ps left), take the state the strategy holds at the chief's step
+   ps left), take the state the strategy holds at the agreed step
    (:func:`share`: an in-memory checkpoint, with the same layout as a file)
    or the checkpoint rolled back to, re-divide the data, and go on; a
    checkpoint resumes on any number of workers and ps ranks, so this is the
@@ -64,8 +70,8 @@ from mpi4py import MPI
 
 from .. import data
 from ..runtime import comm as mpi
-from ..runtime.cluster import PS
-from ..runtime.errors import EXIT_FAILURE, RunError, error_line
+from ..runtime.cluster import PS, WORKER
+from ..runtime.errors import EXIT_FAILURE, EXIT_OK, RunError, error_line
 from ..runtime.ulfm import ProcessLost, cannot_go_on, describe_lost, exit_after_failure, is_failure, shrink
 from ..store import checkpoint
 from ..store.checkpoint import Checkpoint
@@ -124,7 +130,7 @@ class State:
         self.cluster = self.setup = self.strategy = None
         self.revoked = []       # communicators besides the cluster's that survivors may be blocked in
         self.recoveries = []    # each loss survived ("recovered" events)
-        self.callbacks = {"reset": [], "give_up": [], "recovered": [], "settle": []}
+        self.callbacks = {"reset": [], "give_up": [], "recovered": [], "settle": [], "leave": []}
 
     def bind(self, cluster, setup, strategy):
         """What the run is made of now: its ranks, its set-up (data, model) and its strategy."""
@@ -133,7 +139,8 @@ class State:
     def register(self, event, callback):
         """Call ``callback`` on ``event``: ``reset(cluster, checkpoint)`` (build the loop again for the
         survivors), ``give_up(message)`` (a lost chief or ps ends the run), ``recovered(record)``,
-        ``settle()`` (before a rollback: finish the checkpoint being written)."""
+        ``settle()`` (before a rollback: finish the checkpoint being written), ``leave()`` (this rank
+        survived but cannot train on: let go of what it holds)."""
         self.callbacks[event].append(callback)
 
     def _fire(self, event, *args):
@@ -141,9 +148,15 @@ class State:
             callback(*args)
 
     def restore(self, world, cluster):
-        """Collective: ``(the chief's Position, the strategy's state at that step on the chief)``."""
+        """Collective: ``(the agreed Position, the strategy's state at that step on the chief)``.
+
+        The chief's position, unless the strategy's ranks agree on a step one
+        away from it (:meth:`~mpidist.parallel.base.Strategy.survivors_step`).
+        """
         position = share_position(world, cluster.chief_rank, self.position)
-        return position, self.strategy.survivor_state(cluster, position.step)
+        step = self.strategy.survivors_step(cluster, position.step)
+        position = position.shifted(step - position.step, self.setup.steps_per_epoch)
+        return position, self.strategy.survivor_state(cluster, step)
 
     def sync(self, world, cluster, position, held):
         """Collective: the chief's ``held`` state as a checkpoint on every survivor."""
@@ -161,16 +174,22 @@ class State:
         is held nowhere else); the message names the newest checkpoint.
         """
         began, old, config = time.perf_counter(), self.cluster, self.config
-        world, lost = shrink(old.world, [old.role_comm] + self.revoked)
+        world, lost = shrink(old.world, [old.role_comm] + self.revoked + self.strategy.communicators())
         lost_text = describe_lost(lost, old)
         chief_lost = old.chief_rank in lost and not self.strategy.chief_replaceable
         ps_lost = any(old.roles[rank] == PS for rank in lost)
-        workers_lost = sum(old.roles[rank] != PS for rank in lost)
-        cluster = old.survivors(world, lost) if workers_lost < old.num_workers else None
+        idle = self.strategy.left_idle(lost)   # survivors that cannot train on (a pipeline replica's other stages)
+        gone = sorted(set(lost) | set(idle))
+        trains_on = any(old.roles[rank] == WORKER and rank not in gone for rank in range(old.size))
+        if idle and trains_on:
+            world = self._set_aside(world, old.rank in idle)
+        cluster = old.survivors(world, gone) if trains_on else None
         held_nowhere = ps_lost or chief_lost   # (only going back to a checkpoint replaces what they held)
         rollback = self._rollback_point(world, cluster) if held_nowhere and cluster is not None else None
         if (held_nowhere and rollback is None) or cluster is None:
-            message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir))
+            why = (f"every replica lost a rank, and the others ({describe_lost(idle, old)}) hold only part of "
+                   "the model" if idle else None)
+            message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir), why)
             self._fire("give_up", message)
             if world.Get_rank() == 0:
                 sys.stderr.write(error_line(message) + "\n")
@@ -188,6 +207,8 @@ class State:
         workers = data_layout(config, cluster)[0]
         record = {"step": position.step, "epoch": position.epoch + 1, "lost": lost_text,
                   "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, **rolled_back,
+                  **({"idle": describe_lost(idle, old), "idle_ranks": [old.origin[rank] for rank in idle]}
+                     if idle else {}),
                   "ps": cluster.roles.count(PS),
                   "global_batch": config.batch_size,
                   "local_batches": [data.local_batch_size(config.batch_size, workers, w) for w in range(workers)],
@@ -195,6 +216,20 @@ class State:
         self.recoveries.append(record)
         self._fire("recovered", record)
 
+
+    def _set_aside(self, world, idle):
+        """Collective over the survivors: the world of those that train on; an ``idle`` survivor never returns.
+
+        It lets go of what it holds (``leave``: a chief its files and lock,
+        before the new chief opens them) and waits, asleep, for the others'
+        end (:func:`~mpidist.runtime.ulfm.exit_after_failure`).
+        """
+        if idle:
+            self._fire("leave")
+        kept = world.Split(MPI.UNDEFINED if idle else 0, key=world.Get_rank())
+        if idle:
+            exit_after_failure(EXIT_OK)
+        return kept
 
     def _rollback_point(self, world, cluster):
         """Collective: the checkpoint every survivor goes back to after a lost ps (or a chief the others cannot

@@ -27,6 +27,16 @@ class Position:
             return cls(resume.step, resume.epoch + 1, 0)
         return cls(resume.step, resume.epoch, resume.epoch_step)
 
+    def shifted(self, steps, steps_per_epoch):
+        """This position ``steps`` (-1, 0 or 1) steps on, in epochs of ``steps_per_epoch`` (a new object)."""
+        if steps not in (-1, 0, 1):
+            raise ValueError(f"a position moves one step at most, not {steps}")
+        if steps < 0 and self.epoch_step == 0:     # the last step of the epoch before
+            return Position(self.step - 1, self.epoch - 1, steps_per_epoch - 1)
+        if steps > 0 and self.epoch_step >= steps_per_epoch:   # the first of the next one
+            return Position(self.step + 1, self.epoch + 1, 1)
+        return Position(self.step + steps, self.epoch, self.epoch_step + steps)
+
     def move_to(self, other):
         """Take ``other``'s place (in place: everyone holding this object sees it)."""
         self.step, self.epoch, self.epoch_step = other.step, other.epoch, other.epoch_step

@@ -93,6 +93,7 @@ class Training:
         self.state.register("give_up", self.give_up)
         self.state.register("recovered", self.recovered)
         self.state.register("settle", self._settle_writes)
+        self.state.register("leave", self.leave)
 
     @property
     def chief(self):
@@ -194,6 +195,15 @@ class Training:
             self.outputs.log.write("failed", step=self.position.step, epoch=self.position.epoch + 1, reason=message)
             self.outputs.log.close()
 
+    def leave(self):
+        """This rank survived a loss but cannot train on (its pipeline replica lost a stage): let go of all it holds
+        (a chief: the checkpoint being written, its files and the directory's lock, for the new chief)."""
+        self.monitor.free(abandon=True)
+        self._settle_writes()
+        if self.chief:
+            self.outputs.log.close()
+        self.outputs.close()
+
     def recovered(self, record):
         """Chief: the ``recovered`` event and a line saying who was lost and how the run goes on."""
         if self.chief:
@@ -201,6 +211,7 @@ class Training:
             split = "/".join(map(str, record["local_batches"]))
             back = (f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: what was lost is in "
                     "no survivor)") if "rolled_back_to" in record else ""
+            back += f"; {record['idle']} idle (their replica lost a stage)" if "idle" in record else ""
             self.outputs.say(f"mpidist: lost {record['lost']}{back}; continuing from step {record['step']} with "
                              f"{record['workers']} worker(s): global batch {record['global_batch']} split {split}, "
                              f"{record['steps_per_epoch']} steps/epoch (recovered in {record['seconds']:.2f} s)")

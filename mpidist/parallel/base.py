@@ -452,6 +452,18 @@ class Strategy:
         self.track("exchange")
         return scoring.figures(mpi.sum_float64(comm, sums))
 
+    def communicators(self):
+        """Communicators of its own this strategy's ranks may block in: a recovery revokes them too."""
+        return []
+
+    def left_idle(self, lost):
+        """Ranks of this strategy's cluster that survive ``lost`` but cannot train on (a pipeline's broken replica)."""
+        return []
+
+    def survivors_step(self, cluster, step):
+        """Collective over the survivors: the step their state is taken at (the chief's ``step``, by default)."""
+        return step
+
     def survivor_state(self, cluster, step):
         """Collective over the survivors (``cluster``, after a lost rank): the state at the chief's ``step``.
 

@@ -32,6 +32,7 @@ from ..runtime.errors import UsageError
 from ..runtime.xp import to_host
 from .base import Strategy
 from .registry import Option, register
+from .rewind import PreviousSlice, StepLedger
 from .schedule import schedule
 from .schedule_runner import ScheduleRunner, split_sizes  # noqa: F401  (split_sizes: the bench's and tests')
 from .stage import StageLayout, StageLinks
@@ -107,6 +108,11 @@ class PipelineStrategy(Strategy):
     """
 
     name = "pipeline"
+    # a lost rank breaks its replica: the other replicas hold every stage's state and go on (the broken one's
+    # survivors wait idle for the end); every stage keeps its slice before the last update, so that the
+    # survivors agree on one step (a death may break a step's collective on some ranks only)
+    elastic_recovery = True
+    chief_replaceable = True
     options = (
         Option("stages", 1, "pipeline: ranks per model replica, each holding consecutive layers"),
         Option("micro_batches", 4, "pipeline: micro-batches each replica's batch is cut into"),
@@ -131,6 +137,10 @@ class PipelineStrategy(Strategy):
         if settings.replication == "in-graph":
             raise UsageError("--replication in-graph does not combine with --strategy pipeline (its first and "
                              "last stages read the data)")
+        if settings.elastic and replicas < 2:
+            raise UsageError(f"--elastic carries a pipeline on with the replicas a lost rank leaves whole, and "
+                             f"{world_size} ranks with --stages {settings.stages} make {replicas} replica: a lost "
+                             f"stage would end the run; run {2 * settings.stages} ranks or more (2+ replicas)")
 
     @classmethod
     def layout_text(cls, settings, cluster):
@@ -160,9 +170,10 @@ class PipelineStrategy(Strategy):
     def arguments(cls, settings, setup):
         return {"stages": settings.stages, "micro_batches": settings.micro_batches,
                 "schedule_name": settings.schedule, "balance": parse_balance(settings, setup.model),
-                "global_batch": settings.batch_size}
+                "global_batch": settings.batch_size, "elastic": settings.elastic}
 
-    def __init__(self, *args, stages, micro_batches, schedule_name, balance=None, global_batch, **kwargs):
+    def __init__(self, *args, stages, micro_batches, schedule_name, balance=None, global_batch, elastic=False,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         full, cluster = self.model, self.cluster
         self.full = full
@@ -175,6 +186,7 @@ class PipelineStrategy(Strategy):
         self.links = StageLinks(cluster.world, layout, self.figures, self.track)
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
         self.optimizer = self.make_optimizer(self.model.num_params, layout.param_lo)
+        self.ledger = StepLedger(PreviousSlice(self.model.params, self.optimizer) if elastic else None)
         self.model.use_workspace(self.loss)
         self.count(steps=0, pipeline_s=0.0, idle_s=0.0, peak_activations=0)
         self.runner = ScheduleRunner(self.model, self.loss, layout, self.links,
@@ -216,6 +228,7 @@ class PipelineStrategy(Strategy):
         if checkpoint is not None and self.optimizer is not None:
             state = {name: array[lo:hi] for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
+        self.ledger.start_step = 0 if checkpoint is None else int(checkpoint.step)
 
     def train_step(self, x, y, weight, step):
         """One step: the schedule runs once per ``--accumulate`` slice, adding into the same gradients."""
@@ -233,23 +246,28 @@ class PipelineStrategy(Strategy):
         if layout.replicas > 1:
             mpi.allreduce_sum(self.links.peers, self.accumulated)
         # stages hold different gradients and only the last sees the loss: skip everywhere or nowhere.  One
-        # Allreduce gives both the verdict and the global squared norm (each replica's stages hold the same)
+        # Allreduce gives the verdict, the global squared norm (each replica's stages hold the same) and, from
+        # replica 0's last stage, the global loss to every rank (any of them may become the chief)
+        loss = float(self.accumulated[-1])
         squares = np.array([float(gradients.dot(gradients)),
-                            0.0 * float(self.accumulated[-1])])   # (0 x NaN or Inf is NaN: a broken loss shows)
+                            0.0 * loss,   # (0 x NaN or Inf is NaN: a broken loss shows)
+                            loss if layout.is_last and layout.replica == 0 else 0.0])
         mpi.allreduce_sum(self.cluster.world, squares)
         self.track("compute")
         self.skipped = not np.isfinite(squares).all()
         self.clipped = False
+        self.ledger.keep(self.model.params, self.optimizer)
         if not self.skipped:
             self.clip(gradients, squared_norm=float(squares[0]) / layout.replicas)
             self.optimizer.step(self.model.params, gradients, self.recipe.lr(step))
-        loss = self._to_chief(np.array([np.nan if self.skipped else float(self.accumulated[-1])]), tag=77)[0]
+        self.ledger.applied += 1
+        loss = math.nan if self.skipped else float(squares[2])
         if layout.stages > 1:   # the chief reports the training figures replica 0's last stage counted
             sent = self.take_train_counts() if layout.is_last and layout.replica == 0 else [0.0, 0]
             counts = self._to_chief(np.array(sent, dtype=np.float64), tag=79)
             if self.cluster.is_chief:
                 self.train_counts = [self.train_counts[0] + float(counts[0]), self.train_counts[1] + int(counts[1])]
-        return float(loss) if self.cluster.is_chief or layout.is_last else math.nan
+        return loss
 
     def _to_chief(self, values, tag):
         """The last stage of replica 0 holds the global figures; the chief (rank 0) needs them.
@@ -286,7 +304,12 @@ class PipelineStrategy(Strategy):
 
     def state(self):
         """Collective: replica 0's stages send their slices to the chief."""
-        cluster, full, layout = self.cluster, self.full, self.layout
+        return self._gathered(self.cluster)
+
+    def _gathered(self, cluster):
+        """Collective over ``cluster``'s world, whose first ``P`` ranks are a replica's stages: their slices,
+        whole, on its chief."""
+        full, layout = self.full, self.layout
         counts = np.zeros(cluster.size, dtype=np.int64)
         displs = np.zeros(cluster.size, dtype=np.int64)
         offsets = layout.param_offsets
@@ -297,12 +320,38 @@ class PipelineStrategy(Strategy):
         whole = {}
         for name, part in arrays.items():
             target = np.zeros(full.num_params, dtype=full.dtype) if cluster.is_chief else None
-            send = part if layout.replica == 0 else part[:0]
+            send = part if cluster.rank < layout.stages else part[:0]
             whole[name] = mpi.gatherv(cluster.world, send, target, counts, displs, cluster.chief_rank)
         if not cluster.is_chief:
             return None
         params = whole.pop("params")
         return params, whole, self.optimizer.steps
+
+    # -- --elastic: the survivors of a lost rank ------------------------------------------------------------
+    def communicators(self):
+        return [self.links.pipe, self.links.peers]
+
+    def left_idle(self, lost):
+        """The survivors in a replica that lost a stage: its layers are in no rank of it any more."""
+        stages, broken = self.layout.stages, {rank // self.layout.stages for rank in lost}
+        return [rank for rank in range(self.cluster.size) if rank // stages in broken and rank not in lost]
+
+    def survivors_step(self, cluster, step):
+        """Collective over the replicas left whole: the least step any of their stages is at.
+
+        A death may break a step's collective on some ranks only, so a stage
+        may be one update ahead of another (or of the chief's position); the
+        ones ahead take it back (:meth:`survivor_state`).
+        """
+        steps = np.array([self.ledger.step], dtype=np.int64)
+        mpi.allreduce_min(cluster.world, steps)
+        return int(steps[0])
+
+    def survivor_state(self, cluster, step):
+        """Collective over the replicas left whole: every stage at ``step``; the new replica 0's slices, whole,
+        on the chief."""
+        self.ledger.rewind_to(step, self.model.params, self.optimizer)
+        return self._gathered(cluster)
 
     def stats(self):
         f, layout = self.figures, self.layout

@@ -26,56 +26,8 @@ from ..runtime.errors import UsageError
 from .backup import BackupWorkersStrategy
 from .base import finite, synchronise_batch_norms
 from .registry import Option, register
+from .rewind import PreviousSlice, StepLedger
 from .shards import ShardedStrategy
-
-
-class PreviousShard:
-    """A ps shard and its optimizer state as they were before the last update: the commit of a ps-sync ps.
-
-    Under ``--elastic`` a ps-sync ps keeps it each step, so that when a worker
-    dies between the ps's update and the chief's receipt of it, the ps can
-    take the update back and every survivor agrees on the chief's step.
-    """
-
-    def __init__(self, params, optimizer):
-        self.params = params.copy()
-        self.arrays = {name: array.copy() for name, array in optimizer.state_arrays().items()}
-        self.steps = optimizer.steps
-
-    def keep(self, params, optimizer):
-        self.params[...] = params
-        for name, array in optimizer.state_arrays().items():
-            np.copyto(self.arrays[name], array)
-        self.steps = optimizer.steps
-
-    def restore(self, params, optimizer):
-        params[...] = self.params
-        optimizer.load_state(self.arrays, self.steps)
-
-
-class StepLedger:
-    """A ps-sync ps's count of the steps it applied, and (under ``--elastic``) its shard before the last one.
-
-    Args:
-        previous: a :class:`PreviousShard` to keep each step, or None (no ``--elastic``).
-    """
-
-    def __init__(self, previous=None):
-        self.previous = previous
-        self.start_step = 0   # the run's step at initialize
-        self.applied = 0      # steps this ps has taken part in since (updated or skipped)
-
-    def keep(self, params, optimizer):
-        """Before a step's update: remember the shard as it is (under ``--elastic``)."""
-        if self.previous is not None:
-            self.previous.keep(params, optimizer)
-
-    def rewind_to(self, step, params, optimizer):
-        """Make the shard the one of the chief's ``step``: a ps one update ahead (the chief never got it) takes it back."""
-        ahead = self.start_step + self.applied - step
-        assert ahead in (0, 1), f"ps at step {self.start_step + self.applied}, the chief at {step}"
-        if ahead:
-            self.previous.restore(params, optimizer)
 
 
 class RunningEntries(typing.NamedTuple):
@@ -91,7 +43,7 @@ class PsSyncStrategy(ShardedStrategy):
 
     Args:
         elastic: keep each ps's previous shard, so survivors of a lost rank can
-            agree on the chief's step (see :class:`PreviousShard`).
+            agree on the chief's step (see :class:`~mpidist.parallel.rewind.PreviousSlice`).
     """
 
     name = "ps-sync"
@@ -138,7 +90,7 @@ class PsSyncStrategy(ShardedStrategy):
         self.param_hi = min(self.hi, n)                          # the loss slot is not a parameter
         self.inbox = xp.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.param_hi - self.lo, self.lo)
-        self.ledger = StepLedger(PreviousShard(self.shard_params(), self.optimizer)
+        self.ledger = StepLedger(PreviousSlice(self.shard_params(), self.optimizer)
                                  if elastic and not self.is_worker else None)
         self.count(updates=0, bytes_in=0, bytes_out=0)
         # running statistics travel as weighted values in the gradients' place: the ps gets their mean

@@ -20,7 +20,9 @@ be a signal or ``MPI_Abort``); survivors' ``MPI_Finalize`` after a failure
 hung in about a third of runs, so a process that saw a failure ends with
 :func:`exit_after_failure` (a barrier on the survivors, then ``_exit``); and
 ``mpirun`` then exits with the survivors' code, so mpidist reports the
-failure itself (metrics, terminal).
+failure itself (metrics, terminal).  A survivor that cannot train on (a
+pipeline replica's stage, once another of its stages died) waits in that
+barrier, asleep, for the others' end.
 """
 
 import ctypes
@@ -39,11 +41,12 @@ FAILURE_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_
                         if hasattr(MPI, name))
 
 FAILED_LOOKS, FAILED_PAUSE = 20, 0.05   # an ERR_OTHER is weighed against the failure detector for up to 1 s
+BARRIER_PAUSE = 0.01                     # how often a process waiting for the others' end looks
 
 #: A one-sided operation group longer than this, while a process is known dead, is held up for good (StuckGuard)
 STUCK_SECONDS, STUCK_PERIOD = 5.0, 0.5
 
-_survivors = None   # the shrunk world, once this process has seen a failure
+_survivors = []   # every world of survivors this process took part in, the first shrink's first
 
 
 class ProcessLost(Exception):
@@ -133,7 +136,6 @@ def shrink(world, others=()):
     ``others`` are the other communicators in use: they are revoked too, so
     that a survivor blocked in any of them is released.
     """
-    global _survivors
     for comm in (world, *others):
         if comm is not None and comm != MPI.COMM_NULL:
             try:
@@ -142,33 +144,48 @@ def shrink(world, others=()):
                 pass   # already revoked, or unusable: either way nobody waits on it any more
     survivors = world.Shrink()
     kept = MPI.Group.Translate_ranks(survivors.Get_group(), list(range(survivors.Get_size())), world.Get_group())
-    _survivors = survivors
+    _survivors.append(survivors)
     return survivors, sorted(set(range(world.Get_size())) - set(kept))
 
 
 def failure_seen():
     """Whether this process took part in a recovery (and must not finalise MPI)."""
-    return _survivors is not None
+    return bool(_survivors)
 
 
 def exit_after_failure(code):
-    """End a process that saw a failure: a barrier on the survivors, then ``_exit`` without finalising."""
+    """End a process that saw a failure: a barrier on each world of survivors it was in, then ``_exit``.
+
+    Each of them, oldest first: a survivor set aside after one recovery
+    waits in the first until every survivor of that one ends.  The barrier
+    is nonblocking and looked at every :data:`BARRIER_PAUSE` s, so a process
+    that waits long (set aside) leaves the cores to the others.  One that
+    fails (a later death) is revoked, which releases whoever waits in it.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    try:
-        _survivors.Barrier()
-    except MPI.Exception:
-        pass   # another failure during the last barrier: nothing is left to wait for
+    for comm in _survivors:
+        try:
+            request = comm.Ibarrier()
+            while not request.Test():
+                time.sleep(BARRIER_PAUSE)
+        except MPI.Exception:   # another failure: nothing is left to wait for there, nor for anyone else
+            try:
+                comm.Revoke()
+            except MPI.Exception:
+                pass
     os._exit(int(code or 0))
 
 
-def cannot_go_on(lost, newest=None):
-    """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's path)."""
+def cannot_go_on(lost, newest=None, why=None):
+    """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's path;
+    ``why``: the reason the run cannot go on, where it is not a ps's shard or the chief's role)."""
     where = f" (newest: {newest})" if newest else ""
-    return (f"{lost} died: --elastic carries on without lost workers (and under allreduce, local-sgd or ps-sync "
-            f"without a lost chief; under ps-sync or ps-async without a lost ps or chief, by going back to the "
-            f"newest checkpoint, where a ps is left and --checkpoint-dir has one), but a ps's shard, or the chief's "
-            f"role here, is held nowhere else; resume from the last checkpoint with --resume auto{where}")
+    why = why or ("--elastic carries on without lost workers (and under allreduce, local-sgd, ps-sync or pipeline "
+                  "replicas without a lost chief; under ps-sync or ps-async without a lost ps or chief, by going "
+                  "back to the newest checkpoint, where a ps is left and --checkpoint-dir has one), but a ps's "
+                  "shard, or the chief's role here, is held nowhere else")
+    return f"{lost} died: {why}; resume from the last checkpoint with --resume auto{where}"
 
 
 def describe_lost(ranks, cluster):

@@ -297,8 +297,8 @@ class CommonSettings:
                              or self.replication == "in-graph"):
             elastic = " or ".join(name for name, cls in STRATEGIES.items() if cls.elastic_recovery)
             raise UsageError(f"--elastic carries on without lost workers under --strategy {elastic}, with each "
-                             "worker reading its own data; not with pipelines (a lost stage takes its layers), "
-                             "backup workers (--aggregate) or --replication in-graph")
+                             "worker reading its own data; not with backup workers (--aggregate) or "
+                             "--replication in-graph")
         if self.warmup_epochs and self.warmup_steps:
             raise UsageError(f"--warmup-epochs {self.warmup_epochs} and --warmup-steps {self.warmup_steps}: give "
                              "the warm-up's length one way")
