@@ -180,3 +180,21 @@ ROLES = [PS, WORKER, WORKER, WORKER, PS]   # the chief is rank 1
 ])
 def test_a_lost_worker_is_retired_and_a_lost_ps_or_chief_ends_the_job(lost, expected):
     assert sort_lost(lost, ROLES, chief_rank=1) == expected
+
+
+@pytest.mark.parametrize("lost, earlier, rollback, recover", [
+    ([0], [], True, True),            # a ps, the other left, checkpoints: every rank recovers (rolls back)
+    ([4], [2], True, True),           # (a worker lost before changes nothing)
+    ([0], [], False, False),          # no checkpoints to go back to: the job ends
+    ([0, 4], [], True, False),        # no ps left
+    ([4], [0], True, False),          # the other ps was lost before
+    ([0, 1], [], True, True),         # the chief too: a survivor takes its place
+    ([1], [], True, True),            # the chief alone (its position is the run's: back to a checkpoint too)
+    ([1], [], False, False),          # ... where there are checkpoints
+    ([2], [], True, False),           # a worker: retired, nobody recovers
+])
+def test_a_lost_ps_makes_every_rank_recover_where_another_ps_is_left_and_there_are_checkpoints(
+        lost, earlier, rollback, recover):
+    verdict = sort_lost(lost, ROLES, chief_rank=1, earlier=earlier, rollback=rollback)
+    assert verdict.recover is recover
+    assert verdict.fatal == tuple(rank for rank in lost if rank in (0, 1, 4))   # (what the ending message names)

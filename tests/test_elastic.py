@@ -180,8 +180,8 @@ def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoi
 
 
 def test_a_killed_chief_ends_the_run_and_says_so_where_the_others_do_not_hold_its_state(python, tmp_path):
-    """ps-async: the chief's place is not the others' (allreduce's and ps-sync's are: see the test of a replaced
-    chief)."""
+    """ps-async without checkpoints: the chief's place is not the others' (allreduce's and ps-sync's are: see the
+    test of a replaced chief; ps-async's is, by going back to a checkpoint: see the test of a rollback)."""
     code, out, err, seconds = run(python, 6, ["--strategy", "ps-async", "--ps", "2", "--elastic", "--epochs", "6"],
                                   tmp_path / "m.jsonl", kills=[(30, 0)])
     assert code == 1, (out, err)
@@ -200,6 +200,49 @@ def test_with_failures_reported_but_no_elastic_the_survivors_say_what_happened(p
     assert code == 1 and seconds < 10
     assert "a process of the job died" in err and "without --elastic the run cannot go on" in err, err
     assert "Traceback" not in err
+
+
+HELD_UP = """
+import os, signal, sys, threading, time
+import numpy as np
+from mpi4py import MPI
+from mpidist.runtime.rma import Window
+from mpidist.runtime.ulfm import StuckGuard
+world = MPI.COMM_WORLD
+world.Set_errhandler(MPI.ERRORS_RETURN)
+rank, size = world.Get_rank(), 4_000_000
+guard, watch = StuckGuard.on(world, seconds=2.0, period=0.2)
+window = Window(world, size if rank == 1 else 0, np.float64, guard)
+if rank == 1:   # killed inside one of its own accumulates, which hold its lock nearly all the time
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    values = np.ones(size)
+    while True:
+        window.add(values, 1)
+time.sleep(2.0)
+if rank == 0:   # held up at the dead rank's lock, for good but for the guard
+    print("adding", flush=True)
+    window.add(np.ones(4), 1)
+    print("never", flush=True)
+began = time.monotonic()
+world.Revoke()
+print("rank", rank, "shrunk to", world.Shrink().Get_size(), "in", round(time.monotonic() - began, 1), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_rank_held_up_in_an_operation_at_a_dead_rank_is_ended_so_that_the_others_go_on(python, tmp_path):
+    """Open MPI's shared-memory windows: a rank killed inside an accumulate at itself keeps its lock; the next
+    accumulate there spins for good.  The guard ends the rank held up, and the third one's shrink completes."""
+    script = tmp_path / "held_up.py"
+    script.write_text(HELD_UP)
+    extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", *extra, "--mca", "osc", "^ucx",
+               "-n", "3", str(python), str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, errors="replace",
+                          env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"))
+    assert "adding" in done.stdout and "never" not in done.stdout, (done.stdout, done.stderr)
+    assert "rank 2 shrunk to 1" in done.stdout, (done.stdout, done.stderr)
+    assert "mpidist: rank 0 held" in done.stderr and "in a one-sided operation" in done.stderr, done.stderr
 
 
 # -- the parts, without deaths: under any MPI ----------------------------------------------------------------
@@ -315,6 +358,46 @@ def test_the_chiefs_state_reaches_every_survivor_as_a_checkpoint():
     watch = FailureWatch(world)
     assert watch.poll() == []                        # nobody died
     watch.free()
+
+
+def test_the_guard_ends_a_process_held_in_an_operation_only_while_a_process_is_dead():
+    from mpidist.runtime.ulfm import StuckGuard
+    ended, dead = [], [False]
+    guard = StuckGuard(lambda: dead[0], seconds=5.0, end=ended.append)
+    assert not guard.look(1e9) and guard.held(1e9) == 0.0   # in no operation
+    with guard:
+        began = guard.since
+        with guard:                                          # (re-entrant: the outer one's time counts)
+            pass
+        assert guard.since == began
+        assert not guard.look(began + 6)                     # slow, but nobody died: not held up
+        dead[0] = True
+        assert not guard.look(began + 4)                     # within the seconds
+        assert guard.look(began + 6) and ended[0].startswith("held 6.0 s in a one-sided operation")
+    assert guard.since is None and not guard.look(began + 100)
+    guard.stop()                                             # (never started: nothing to join)
+
+
+def test_the_guards_thread_looks_until_it_is_stopped():
+    import threading
+
+    from mpidist.runtime.ulfm import StuckGuard
+    ended = threading.Event()
+    guard = StuckGuard(lambda: True, seconds=0.05, period=0.01, end=lambda why: ended.set())
+    guard.thread.start()
+    with guard:
+        assert ended.wait(5)
+    guard.thread.join(5)
+    assert not guard.thread.is_alive()                       # it ended the process: nothing more to look for
+    quiet = StuckGuard(lambda: True, seconds=0.05, period=0.01, end=lambda why: ended.clear())
+    quiet.thread.start()
+    quiet.stop()
+    assert not quiet.thread.is_alive() and ended.is_set()
+
+
+def test_a_watchers_loss_counts_as_a_failure():
+    from mpidist.runtime.ulfm import ProcessLost, is_failure
+    assert is_failure(ProcessLost("rank 5 (ps)"))
 
 
 def test_an_error_other_counts_as_a_death_only_while_a_process_is_known_dead(monkeypatch):
@@ -435,4 +518,45 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
                                       ["--strategy", "ps-sync", "--ps", "2", "--elastic", "--epochs", "20"])
     assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
         (replay, done["test_accuracy"], reference)
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("victim", ["ps", "chief"])
+def test_a_killed_ps_or_chief_under_ps_async_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path,
+                                                                                                 victim):
+    """ps-async, 4 workers and 2 ps, with checkpoints: kill -9 of either ps (the first one also decides and writes
+    the checkpoints), or of the chief, at a random step.  No call fails: every rank sees the death on its own watch,
+    as it steps, waits on the staleness bound or serves, and they recover together, back to the newest checkpoint,
+    on new windows (a lost ps: the one left holds the whole model; a lost chief: the lowest worker takes its place);
+    the run ends with exit 0 within the fault-free runs' range."""
+    from mpidist.store.lineage import parse_name
+    flags = ["--strategy", "ps-async", "--ps", "2", "--elastic", "--epochs", "20", "--checkpoint-every", "10",
+             "--checkpoint-dir", str(tmp_path / "ckpt")]
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    rank, kill = rng.choice([4, 5]) if victim == "ps" else 0, rng.randrange(2 * STEPS_PER_EPOCH, 12 * STEPS_PER_EPOCH)
+    replay = f"(seed {seed}: kill -9 of rank {rank}, the {victim}, at step {kill})"
+    metrics = tmp_path / "m.jsonl"
+    code, out, err, seconds = run(python, 6, flags, metrics, [(kill, rank)])
+    assert code == 0, f"{replay}\n{out}\n{err}"
+    assert all(line.endswith("\n") for line in metrics.read_text().splitlines(keepends=True)), replay
+    done, recoveries = events(metrics, "done")[0], events(metrics, "recovered")
+    assert len(recoveries) == 1, (replay, recoveries, out)
+    recovered = recoveries[0]
+    ps_left, workers = (1, 4) if victim == "ps" else (2, 3)
+    assert recovered["lost_ranks"] == [rank] and recovered["ps"] == ps_left, (replay, recovered)
+    assert done["workers"] == workers and done["ps"] == ps_left, replay
+    assert [role["role"] for role in done["roles"]].count("ps") == ps_left, replay
+    # back to a checkpoint of the run's, written before the loss: at most the steps the chief took since
+    assert parse_name(Path(recovered["rolled_back_to"]).name)[0] == recovered["step"], (replay, recovered)
+    assert recovered["steps_lost"] >= 0 and recovered["step"] + recovered["steps_lost"] >= kill, (replay, recovered)
+    assert "rolled back" in out and f"mpidist: lost rank {rank} (" in out, replay
+    # every epoch, none lost for good (3 workers take an epoch of digits in 21 steps of 64)
+    assert done["epochs"] == 20 and 20 * recovered["steps_per_epoch"] <= done["steps"] <= 20 * STEPS_PER_EPOCH, \
+        (replay, done["steps"], recovered)
+    assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay   # the end is checkpointed
+    reference = fault_free_accuracies(python, tmp_path, "ps-async", 6,
+                                      ["--strategy", "ps-async", "--ps", "2", "--elastic", "--epochs", "20"])
+    assert min(reference) - 0.01 <= done["test_accuracy"] <= max(reference) + 0.01, \
+        (replay, done["test_accuracy"], reference, recovered)
     assert seconds < 60

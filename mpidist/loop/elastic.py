@@ -16,31 +16,48 @@ takes back an update the others never saw, kept by its
 live in a dict the loop owns, which outlives them.
 
 When a blocking call reports a dead process (:mod:`mpidist.runtime.ulfm`),
-the survivors recover:
+or a watcher saw one die where the survivors must recover together
+(:class:`~mpidist.runtime.ulfm.ProcessLost`), the survivors recover:
 
 1. :func:`~mpidist.runtime.ulfm.shrink`: revoke every communicator in use,
    so survivors blocked on each other are released too, and shrink the
    world to the survivors.  Survivors that cannot train on (the other stages
    of a pipeline replica that lost one) are set aside: they let go of what
    they hold and wait, asleep, for the others' end.
-2. If the chief died where the others do not hold all it holds
-   (:attr:`~mpidist.parallel.base.Strategy.chief_replaceable`), no worker can
-   train on, or a parameter server died with no checkpoint to go back to,
-   the run cannot go on: every survivor ends with exit code 1 and the
-   message says to resume from the last checkpoint.
-3. Otherwise the survivors rebuild the cluster (same roles; a lost chief's
-   place goes to the lowest surviving worker, which then writes the metrics,
-   the log and the checkpoints), take the state the strategy holds at the
-   agreed step (:func:`share`: an in-memory checkpoint, with the same layout
-   as a file), re-divide the data, and go on; a checkpoint resumes on any
-   number of workers, so this is the same, tested, path as ``--resume`` with
-   fewer ranks.
+2. If a parameter server died, its shard is in no survivor, nor is the
+   chief's state where the others do not hold all it holds
+   (:attr:`~mpidist.parallel.base.Strategy.chief_replaceable`) and it died.
+   Where the strategy allows it (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`:
+   ``ps-sync``, ``ps-async``), a ps is left and the run writes checkpoints,
+   every survivor goes back to the newest checkpoint of the run's lineage
+   (the chief first finishes a write behind training, then names it): the
+   rollback.  Otherwise, or where no worker can train on, the run cannot go
+   on: every survivor ends with exit code 1 and the message says to resume
+   from the last checkpoint.
+3. The survivors rebuild the cluster (same roles; a lost chief's place goes
+   to the lowest surviving worker, which then writes the metrics, the log
+   and the checkpoints; after a rollback the shards are re-divided among the
+   ps left), take the state the strategy holds at the agreed step
+   (:func:`share`: an in-memory checkpoint, with the same layout as a file)
+   or the checkpoint rolled back to, re-divide the data, and go on; a
+   checkpoint resumes on any number of workers and ps ranks, so this is the
+   same, tested, path as ``--resume`` with fewer ranks.  The strategy built
+   for the broken world is abandoned (:meth:`~mpidist.parallel.base.Strategy.abandon`):
+   its threads stop, and its windows and communicators are left unfreed, as
+   freeing them is collective over a world with a dead member.
 
 ``ps-async`` workers never block on each other: there the ranks watch for
-deaths (:class:`~mpidist.runtime.ulfm.FailureWatch`), the first ps drops a
-dead worker from the staleness bound, and the others never notice; the
-survivors shrink at the end.  A dead ps or chief seen by a watcher ends the
-job through the abort hook (a :class:`~mpidist.runtime.errors.RunError`).
+deaths (:class:`~mpidist.runtime.ulfm.FailureWatch`, as they step, while the
+staleness bound holds them, as they serve), the first ps drops a dead worker
+from the staleness bound, and the others never notice; the survivors shrink
+at the end.  A dead ps or chief that a rollback can replace is a
+:class:`~mpidist.runtime.ulfm.ProcessLost` on every rank that sees it, which
+enters the recovery above as a failed call would (a rank held up in a
+one-sided operation at the dead ps ends itself, see
+:class:`~mpidist.runtime.ulfm.StuckGuard`: one more lost rank).  Any other
+dead ps or chief seen by a watcher ends the job through the abort hook (a
+:class:`~mpidist.runtime.errors.RunError`).  A second death during
+a recovery ends the job too (exit code 1, one line).
 """
 
 import dataclasses
@@ -55,7 +72,7 @@ from .. import data
 from ..runtime import comm as mpi
 from ..runtime.cluster import PS, WORKER
 from ..runtime.errors import EXIT_FAILURE, EXIT_OK, RunError, error_line
-from ..runtime.ulfm import cannot_go_on, describe_lost, exit_after_failure, is_failure, shrink
+from ..runtime.ulfm import ProcessLost, cannot_go_on, describe_lost, exit_after_failure, is_failure, shrink
 from ..store import checkpoint
 from ..store.checkpoint import Checkpoint
 from ..store.lineage import newest_checkpoint
@@ -151,8 +168,10 @@ class State:
     def recover(self):
         """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go on.
 
-        A lost chief or ps ends every survivor with exit code 1 (their state is
-        held nowhere else); the message names the newest checkpoint.
+        A lost ps, or a chief the others cannot replace, is replaced by a
+        rollback to the newest checkpoint where :meth:`_rollback_point` finds
+        one; otherwise it ends every survivor with exit code 1 (their state
+        is held nowhere else); the message names the newest checkpoint.
         """
         began, old, config = time.perf_counter(), self.cluster, self.config
         world, lost = shrink(old.world, [old.role_comm] + self.revoked + self.strategy.communicators())
@@ -165,8 +184,9 @@ class State:
         if idle and trains_on:
             world = self._set_aside(world, old.rank in idle)
         cluster = old.survivors(world, gone) if trains_on else None
-        rollback = self._rollback_point(world, cluster) if ps_lost and cluster is not None else None
-        if (ps_lost and rollback is None) or chief_lost or cluster is None:
+        held_nowhere = ps_lost or chief_lost   # (only going back to a checkpoint replaces what they held)
+        rollback = self._rollback_point(world, cluster) if held_nowhere and cluster is not None else None
+        if (held_nowhere and rollback is None) or cluster is None:
             why = (f"every replica lost a rank, and the others ({describe_lost(idle, old)}) hold only part of "
                    "the model" if idle else None)
             message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir), why)
@@ -179,7 +199,7 @@ class State:
             position, held = self.restore(world, cluster)
             self._fire("reset", cluster, self.sync(world, cluster, position, held))
             rolled_back = {}
-        else:   # the lost shard is in no survivor: every rank goes back to the newest checkpoint
+        else:   # what was lost is in no survivor: every rank goes back to the newest checkpoint
             resume = checkpoint.load(rollback)
             position = Position(resume.step, resume.epoch, resume.epoch_step)
             rolled_back = {"rolled_back_to": str(rollback), "steps_lost": self.position.step - resume.step}
@@ -212,11 +232,12 @@ class State:
         return kept
 
     def _rollback_point(self, world, cluster):
-        """Collective: the checkpoint every survivor goes back to after a lost ps, or None where there is none.
+        """Collective: the checkpoint every survivor goes back to after a lost ps (or a chief the others cannot
+        replace), or None where there is none.
 
         Only where the strategy can (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`), a ps is left to
         take the lost shard, and the run writes checkpoints: the chief's write in flight is finished first
-        (``settle``), then the chief names the newest of the run's lineage.
+        (``settle``), then the chief (a new one, where it was lost) names the newest of the run's lineage.
         """
         if not self.strategy.ps_rollback or PS not in cluster.roles or not self.config.checkpoint_dir:
             return None
@@ -232,11 +253,12 @@ def run_with_recovery(state, run):
     while True:
         try:
             return run()
-        except MPI.Exception as err:
+        except (MPI.Exception, ProcessLost) as err:   # (ProcessLost: a watcher's, where no call failed)
             if not is_failure(err, state.cluster.world):
                 raise
             if not state.config.elastic:   # an MPI that reports deaths, but no --elastic: say so, end
-                raise RunError(f"a process of the job died ({err.Get_error_string()}); without --elastic the "
+                said = err.Get_error_string() if isinstance(err, MPI.Exception) else str(err)
+                raise RunError(f"a process of the job died ({said}); without --elastic the "
                                "run cannot go on: resume from the last checkpoint with --resume auto") from None
             try:
                 state.recover()

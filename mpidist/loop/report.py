@@ -4,6 +4,7 @@ import dataclasses
 import sys
 
 from ..nn import scores
+from ..runtime.cluster import PS
 from ..runtime.errors import error_line
 from ..runtime.preempt import signal_name
 from ..store import rundir
@@ -88,7 +89,8 @@ class Report:
         epochs = min(self.position.epoch + 1, config.epochs)   # (resumed or recovered at the end: past the last)
         best = evaluations.best
         final = {"steps": step, "epochs": epochs, "loss": window.last_loss, **headline, "train_time": elapsed,
-                 "samples_per_s": samples_per_s, "workers": cluster.num_workers, "ps": config.ps,
+                 "samples_per_s": samples_per_s, "workers": cluster.num_workers,
+                 "ps": cluster.roles.count(PS),   # (as the run ended: after a lost ps, those left)
                  "strategy": config.strategy,
                  **({"clipped_steps": clipped} if clipped is not None else {}),
                  **(scores.headline(evaluations.val, prefix="val_") if evaluations.val else {}),

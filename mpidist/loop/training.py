@@ -178,6 +178,7 @@ class Training:
         memory, so the next save writes it.
         """
         self.monitor.free(abandon=True)
+        self.strategy.abandon()   # (its windows and communicators are the broken world's: left unfreed)
         self.cluster = cluster
         with agreed(cluster.world):
             self.setup = prepare(self.config, cluster, self.device.xp, self.inputs, resume)
@@ -208,7 +209,7 @@ class Training:
         if self.chief:
             self.outputs.log.write("recovered", **record)
             split = "/".join(map(str, record["local_batches"]))
-            back = (f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: the lost shard was in "
+            back = (f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: what was lost is in "
                     "no survivor)") if "rolled_back_to" in record else ""
             back += f"; {record['idle']} idle (their replica lost a stage)" if "idle" in record else ""
             self.outputs.say(f"mpidist: lost {record['lost']}{back}; continuing from step {record['step']} with "

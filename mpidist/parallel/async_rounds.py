@@ -17,8 +17,9 @@ the first ps's control words) and carries out what these functions decide:
 * what arrived is applied unless it is all zeros (:func:`carries_gradient`)
   or not finite (within ``--nan-patience``), at the learning rate of the mean
   step of its gradients (:func:`mean_step`);
-* a lost ps or chief ends the job; a lost worker is retired
-  (:func:`sort_lost`).
+* a lost worker is retired; a lost ps or chief, where a ps is left and the
+  run writes checkpoints, makes every survivor recover (back to the newest
+  checkpoint); else it ends the job (:func:`sort_lost`).
 """
 
 import enum
@@ -186,12 +187,20 @@ class Serving:
 class Lost(typing.NamedTuple):
     """What the ranks lost since the last look mean."""
 
-    fatal: tuple     # world ranks whose loss ends the job: a ps (its shard is held nowhere else) or the chief
+    fatal: tuple     # world ranks whose state is held nowhere else: a ps (its shard) or the chief
     retired: tuple   # (world rank, worker index) of lost workers: their clocks are retired, they hold nobody back
+    recover: bool = False   # fatal ones, a ps left, and checkpoints: every rank recovers (back to a checkpoint)
 
 
-def sort_lost(lost, roles, chief_rank):
-    """Sort the world ranks ``lost`` by ``roles`` (each rank's, ``PS`` or ``WORKER``)."""
+def sort_lost(lost, roles, chief_rank, earlier=(), rollback=False):
+    """Sort the world ranks ``lost`` by ``roles`` (each rank's, ``PS`` or ``WORKER``).
+
+    Args:
+        earlier: ranks lost before (retired workers): a ps among them is not left to take a lost shard.
+        rollback: whether the run writes checkpoints that every rank can go back to (``--checkpoint-dir``).
+    """
     fatal = tuple(rank for rank in lost if roles[rank] == PS or rank == chief_rank)
     retired = tuple((rank, roles[:rank].count(WORKER)) for rank in lost if rank not in fatal)
-    return Lost(fatal, retired)
+    gone = set(lost) | set(earlier)
+    ps_left = any(role == PS and rank not in gone for rank, role in enumerate(roles))
+    return Lost(fatal, retired, bool(fatal) and rollback and ps_left)

@@ -138,7 +138,8 @@ class Strategy:
     #: ``--elastic`` a lost chief is replaced by the lowest surviving worker (as Horovod's elastic mode does).
     chief_replaceable = False
     #: Whether under ``--elastic`` a lost ps is survived by every rank going back to the newest checkpoint,
-    #: its shard re-divided among the ps ranks left (the lost shard is in no survivor).
+    #: its shard re-divided among the ps ranks left (the lost shard is in no survivor); so is a lost chief
+    #: that is not :attr:`chief_replaceable` (the lowest surviving worker takes its place).
     ps_rollback = False
 
     # -- What the running strategy reports: class defaults, set on the instance as it runs --
@@ -313,6 +314,10 @@ class Strategy:
 
     def free(self):
         """Collective: release the MPI resources (windows, communicators, operations) the strategy made; once."""
+
+    def abandon(self):
+        """After a lost rank (``--elastic``): stop this strategy's threads, without MPI; its MPI objects are
+        the broken world's, where a collective free would wait for the dead."""
 
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):
         """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss.

@@ -19,8 +19,13 @@ rules of :mod:`~mpidist.parallel.async_rounds`, tested there by literal tables;
 here the windows are read and the choices carried out.
 
 With ``--elastic`` (an MPI with ULFM), every rank also polls for dead
-processes; the first ps retires a dead worker's clock, so the others never
-wait for it, and a dead ps or chief ends the job (see :mod:`mpidist.loop.elastic`).
+processes (as it steps, while the bound holds it, as it serves); the first
+ps retires a dead worker's clock, so the others never wait for it.  A dead
+ps or chief, where a ps is left and there are checkpoints, is a
+:class:`~mpidist.runtime.ulfm.ProcessLost` wherever it is seen: the
+survivors recover together (see :mod:`mpidist.loop.elastic`); otherwise it
+ends the job.  A :class:`~mpidist.runtime.ulfm.StuckGuard`
+gets a rank out of an operation that a dead one holds up.
 
 Figures: ``staleness`` is SSP's, in steps: how far this worker was ahead of
 the slowest when it read the parameters (``--staleness S`` bounds it by S);
@@ -36,7 +41,7 @@ from ..runtime import comm as mpi
 from ..runtime import recorder
 from ..runtime.errors import RunError, UsageError
 from ..runtime.rma import Window
-from ..runtime.ulfm import FailureWatch, cannot_go_on, describe_lost
+from ..runtime.ulfm import FailureWatch, ProcessLost, StuckGuard, cannot_go_on, describe_lost
 from ..runtime.xp import is_device_array, to_host
 from .async_rounds import (
     NEVER,
@@ -61,20 +66,21 @@ TRACER = recorder.tracer()
 
 
 class AsyncExchange:
-    """The windows of ps-async, collective to create and to free."""
+    """The windows of ps-async, collective to create and to free (``guard``: each operation's, see
+    :class:`~mpidist.runtime.rma.Window`)."""
 
-    def __init__(self, world, ps_ranks, bounds, num_workers, dtype):
+    def __init__(self, world, ps_ranks, bounds, num_workers, dtype, guard=None):
         rank = world.Get_rank()
         self.ps_ranks, self.bounds, self.num_workers = ps_ranks, bounds, num_workers
         lo, hi = bounds[ps_ranks.index(rank)] if rank in ps_ranks else (0, 0)
         is_ps = rank in ps_ranks
-        self.params = Window(world, hi - lo, dtype)                  # the ps's parameter shard
-        self.inbox = Window(world, hi - lo, dtype)                   # summed gradients not yet applied
+        self.params = Window(world, hi - lo, dtype, guard)           # the ps's parameter shard
+        self.inbox = Window(world, hi - lo, dtype, guard)            # summed gradients not yet applied
         # [version, arrivals, the sum of the arrivals' steps] (the learning rate is the gradients' step's)
-        self.meta = Window(world, 3 if is_ps else 0, np.int64)
+        self.meta = Window(world, 3 if is_ps else 0, np.int64, guard)
         # [clocks..., stop signal, 1 + rank that asked, snapshots asked, serving over]:
         # one read gives a worker the clocks and any stop request
-        self.clock = Window(world, 4 + num_workers if rank == ps_ranks[0] else 0, np.int64)
+        self.clock = Window(world, 4 + num_workers if rank == ps_ranks[0] else 0, np.int64, guard)
         self.stop = (0, 0)   # (signal, 1 + rank) as last read
         self._control = 2 + num_workers   # offset of [snapshots asked, serving over]
         self._one = np.ones(1, dtype=np.int64)
@@ -193,29 +199,35 @@ class AsyncExchange:
 
 
 class LostRanks:
-    """``--elastic``: the watch for dead ranks, and what a death means.
+    """``--elastic``: the watch for dead ranks, what a death means, and the guard of the windows' operations.
 
-    A dead ps or chief ends the job (no survivor waits: the abort ends all);
-    the first ps retires a dead worker's clock, so that the others never wait
-    for it, and notes it in ``figures["dropped_workers"]``.
+    The first ps retires a dead worker's clock, so that the others never wait
+    for it, and notes it in ``figures["dropped_workers"]``.  A dead ps or
+    chief, where a ps is left and there are checkpoints (``rollback``),
+    raises :class:`~mpidist.runtime.ulfm.ProcessLost` on every rank that
+    sees it: they all recover together, back to the newest checkpoint.
+    Else it ends the job (no survivor waits: the abort ends all).
     """
 
-    def __init__(self, cluster, exchange, figures, elastic):
-        self.cluster, self.exchange, self.figures = cluster, exchange, figures
+    def __init__(self, cluster, figures, elastic, rollback=False):
+        self.cluster, self.figures, self.rollback = cluster, figures, rollback
         self.watch = FailureWatch(cluster.world) if elastic else None
+        self.guard, self.guard_watch = StuckGuard.on(cluster.world) if elastic else (None, None)
 
     @property
     def watched(self):
         return self.watch is not None
 
-    def look(self, serving):
+    def look(self, serving, exchange):
         """Act on deaths since the last look (``serving``: the :class:`~mpidist.parallel.async_rounds.Serving`
         that knows the run's step from the chief's clock)."""
         lost = self.watch.poll() if self.watch is not None else []
         if not lost:
             return
-        cluster, exchange = self.cluster, self.exchange
-        verdict = sort_lost(lost, cluster.roles, cluster.chief_rank)
+        cluster = self.cluster
+        verdict = sort_lost(lost, cluster.roles, cluster.chief_rank, self.watch.known, self.rollback)
+        if verdict.recover:   # as a collective would have failed: every survivor sees it and recovers
+            raise ProcessLost(describe_lost(verdict.fatal, cluster))
         if verdict.fatal:
             raise RunError(cannot_go_on(describe_lost(verdict.fatal, cluster)))
         if cluster.rank == exchange.ps_ranks[0]:
@@ -224,9 +236,16 @@ class LostRanks:
                 exchange.retire(worker)   # its clock holds nobody back
                 self.figures["dropped_workers"].append({"rank": cluster.origin[rank], "step": step})
 
+    def abandon(self):
+        """After a lost rank: stop the guard's thread; the watches' communicators are left to the broken world."""
+        if self.guard is not None:
+            self.guard.stop()
+
     def free(self):
-        if self.watch is not None:
-            self.watch.free()
+        self.abandon()
+        for watch in (self.watch, self.guard_watch):
+            if watch is not None:
+                watch.free()
 
 
 @register
@@ -240,6 +259,7 @@ class PsAsyncStrategy(ShardedStrategy):
     name = "ps-async"
     running_statistics = False   # workers' steps are not aligned: nothing to average them at
     elastic_recovery = True
+    ps_rollback = True   # (a lost ps or chief: checked by LostRanks as the ranks see it die, and by the recovery)
     options = ShardedStrategy.options + (
         Option("staleness", 2, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound: "
                                "fully asynchronous)"),)
@@ -257,11 +277,12 @@ class PsAsyncStrategy(ShardedStrategy):
     @classmethod
     def arguments(cls, settings, setup):
         return {"staleness": None if settings.staleness < 0 else settings.staleness,
-                "nan_patience": settings.nan_patience, "elastic": settings.elastic}
+                "nan_patience": settings.nan_patience, "elastic": settings.elastic,
+                "rollback": bool(settings.checkpoint_dir)}
     evaluation = "chief"
     lockstep = False
 
-    def __init__(self, *args, staleness=None, nan_patience=10, elastic=False, **kwargs):
+    def __init__(self, *args, staleness=None, nan_patience=10, elastic=False, rollback=False, **kwargs):
         super().__init__(*args, **kwargs)
         self.nan_guard = SkipCounter(nan_patience, figures=self.figures)
         model, cluster = self.model, self.cluster
@@ -275,14 +296,15 @@ class PsAsyncStrategy(ShardedStrategy):
             model.bind_grads(self.host_grads)
         self.shard_values = np.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.hi - self.lo, self.lo)
-        self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype)
+        # --elastic: every rank polls for deaths; the first ps drops dead workers from the staleness bound
+        self.lost = LostRanks(cluster, self.figures, elastic, rollback)
+        self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype,
+                                      self.lost.guard)
         self.pace = WorkerPace(staleness)   # (workers)
         self.serving = Serving()            # (ps; its start step is set by initialize)
         self.count(staleness=[], updates_missed=[], wait_s=0.0, updates=0, gradients=0, dropped_workers=[],
                    steps=0)
         self._stop_sent = False
-        # --elastic: every rank polls for deaths; the first ps drops dead workers from the staleness bound
-        self.lost = LostRanks(cluster, self.exchange, self.figures, elastic)
 
     @property
     def serves(self):
@@ -313,8 +335,8 @@ class PsAsyncStrategy(ShardedStrategy):
         self.cluster.world.Barrier()  # every shard published before any worker reads
 
     def _look_for_the_lost(self):
-        """``--elastic``: act on deaths since the last look (a dead ps or chief ends the job)."""
-        self.lost.look(self.serving)
+        """``--elastic``: act on deaths since the last look (see :class:`LostRanks`)."""
+        self.lost.look(self.serving, self.exchange)
 
     def _wait_for_slowest(self):
         """Stale synchronous parallel: returns how far ahead of the slowest worker this one is."""
@@ -466,6 +488,12 @@ class PsAsyncStrategy(ShardedStrategy):
                 "updates_missed_mean": float(np.mean(f["updates_missed"])) if f["updates_missed"] else 0.0,
                 "updates_missed_max": int(max(f["updates_missed"], default=0))}
 
+    def abandon(self):
+        # The windows (and the watches' communicators) are the broken world's: freeing one is collective over it,
+        # a dead member never joins, and ULFM promises nothing of windows after a failure (Open MPI warns that
+        # its shared-memory ones are untested there).  They are left: a few shard-sized segments, freed at exit.
+        self.lost.abandon()
+
     def free(self):
         self.exchange.free()
-        self.lost.free()   # the watch's duplicate of the world
+        self.lost.free()   # the guard's thread; the watches' duplicates of the world

@@ -70,7 +70,7 @@ class ShardedStrategy(Strategy):
 
     @classmethod
     def layout_text(cls, settings, cluster):
-        return f"{cluster.num_workers} worker(s) and {settings.ps} ps"
+        return f"{cluster.num_workers} worker(s) and {cluster.roles.count(PS)} ps"   # (after a lost ps: those left)
 
     @classmethod
     def check(cls, settings, world_size):

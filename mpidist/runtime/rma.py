@@ -13,7 +13,15 @@ other.  Reads, writes and updates all use the accumulate family
 (``Get_accumulate`` with ``NO_OP`` to read, ``REPLACE`` to write, ``SUM`` to
 add), which MPI makes atomic per element against each other, so concurrent
 readers and writers never see a torn element and no update is lost.
+
+Open MPI's shared-memory windows take a spin lock at the target for each
+such operation: a process killed while holding one holds up, for good,
+whoever next operates at that target.  A window may be given a guard (a
+context manager, :class:`~mpidist.runtime.ulfm.StuckGuard`) that each
+operation runs inside, so that a process held up so can be got out.
 """
+
+import contextlib
 
 import numpy as np
 from mpi4py import MPI
@@ -24,10 +32,12 @@ class Window:
     """``count`` elements of ``dtype`` on this rank (0 for ranks that only access others).
 
     Collective over ``comm`` to create and to :meth:`free`; use as a context
-    manager so it is freed exactly once.
+    manager so it is freed exactly once.  ``guard``: a context manager each
+    operation runs inside (see above).
     """
 
-    def __init__(self, comm, count, dtype):
+    def __init__(self, comm, count, dtype, guard=None):
+        self.guard = guard if guard is not None else contextlib.nullcontext()
         self.dtype = np.dtype(dtype)
         self.type = from_numpy_dtype(self.dtype)
         self.count = int(count)
@@ -44,33 +54,39 @@ class Window:
 
     def read(self, out, target, offset=0):
         """Atomically (per element) copy ``target``'s elements ``[offset, offset + out.size)`` into ``out``."""
-        self.win.Get_accumulate([self._nothing, 0, self.type], [out, self.type], target,
-                                target=self._target(offset, out.size), op=MPI.NO_OP)
+        with self.guard:
+            self.win.Get_accumulate([self._nothing, 0, self.type], [out, self.type], target,
+                                    target=self._target(offset, out.size), op=MPI.NO_OP)
 
     def add(self, values, target, offset=0):
         """Atomically add ``values`` into ``target``'s elements from ``offset``."""
-        self.win.Accumulate([values, self.type], target, target=self._target(offset, values.size), op=MPI.SUM)
+        with self.guard:
+            self.win.Accumulate([values, self.type], target, target=self._target(offset, values.size), op=MPI.SUM)
 
     def replace(self, values, target, offset=0):
         """Atomically overwrite ``target``'s elements from ``offset`` with ``values``."""
-        self.win.Accumulate([values, self.type], target, target=self._target(offset, values.size), op=MPI.REPLACE)
+        with self.guard:
+            self.win.Accumulate([values, self.type], target, target=self._target(offset, values.size), op=MPI.REPLACE)
 
     def fetch_add(self, values, out, target, offset=0):
         """Atomically add ``values`` and get the previous contents out."""
-        self.win.Get_accumulate([values, self.type], [out, self.type], target,
-                                target=self._target(offset, values.size), op=MPI.SUM)
+        with self.guard:
+            self.win.Get_accumulate([values, self.type], [out, self.type], target,
+                                    target=self._target(offset, values.size), op=MPI.SUM)
 
     def swap(self, values, out, target, offset=0):
         """Atomically put ``values`` in and get the previous contents out (e.g. take and zero an inbox)."""
-        self.win.Get_accumulate([values, self.type], [out, self.type], target,
-                                target=self._target(offset, values.size), op=MPI.REPLACE)
+        with self.guard:
+            self.win.Get_accumulate([values, self.type], [out, self.type], target,
+                                    target=self._target(offset, values.size), op=MPI.REPLACE)
 
     def flush(self, target=None):
         """Complete this rank's operations (to ``target``, or to all) at the target."""
-        if target is None:
-            self.win.Flush_all()
-        else:
-            self.win.Flush(target)
+        with self.guard:
+            if target is None:
+                self.win.Flush_all()
+            else:
+                self.win.Flush(target)
 
     def free(self):
         """Collective: release the window (idempotent)."""

