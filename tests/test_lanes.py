@@ -21,7 +21,7 @@ from mpidist.data import windows as windows_module
 from mpidist.data.blocks import block_cuts, lane_share
 from mpidist.data.lanes import Lanes, memory_positions, memory_rows, stream_bounds
 
-from conftest import mpidist
+from conftest import epochs_of, mpidist, trained_rows
 
 
 def lanes_of(batch, workers):
@@ -272,3 +272,65 @@ def test_gathering_takes_a_segment_of_steps_at_a_time(tmp_path, monkeypatch):
     batches = list(stream.batches(300, 0, 0))
     bases = {id(x.base) for x, _ in batches}
     assert len(batches) == 300 and len(bases) < 300 / 4
+
+
+# -- real runs: the rows each worker trained on, recorded (MPIDIST_TEST_RECORD) ----------------------------------
+ROWS, BATCH, STEPS = 1000, 48, 20           # 20 steps an epoch, 40 rows left out of each
+
+
+def recorded_run(tmp_path, ranks, folder, *flags):
+    (tmp_path / folder).mkdir(exist_ok=True)
+    done, _ = mpidist(ranks, "train", "--data", str(tmp_path / "rows.h5"), "--model", "mlp:4", "--epochs", "2",
+                      "--batch-size", str(BATCH), "--lr", "1e-9", "--dtype", "float64", "--metrics", "",
+                      "--progress", "none", "--eval-every", "0", *flags,
+                      env={"MPIDIST_TEST_RECORD": str(tmp_path / folder)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"{STEPS} steps/epoch" in done.stdout, done.stdout
+    return done
+
+
+def assert_each_sample_once_an_epoch_as_one_worker_trains(trained, reference):
+    """Each epoch of ``trained`` trains on each of its rows once, and each step on the rows one worker's does."""
+    assert sorted(trained) == sorted(reference) == [(epoch, step) for epoch in range(2) for step in range(STEPS)]
+    for key, rows in reference.items():
+        assert trained[key] == rows, key       # the same global batch, step by step
+    for epoch, rows in epochs_of(trained).items():
+        assert set(rows.values()) == {1} and len(rows) == STEPS * BATCH, (epoch, rows.most_common(3))
+    assert all(trained[0, step] != trained[1, step] for step in range(STEPS))     # the next epoch, other batches
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_run_stopped_on_4_workers_and_resumed_on_3_trains_each_sample_once_an_epoch(tmp_path, mode):
+    """Stopped at step 13 of the first epoch on 4 workers, resumed on 3 to the end of the second: every epoch
+    trains on each of its 960 rows once, and every step on the global batch a 1-worker run trains on."""
+    write(tmp_path / "rows.h5", ROWS, chunk=10)
+    flags = ["--data-mode", mode, "--shuffle-buffer", "96", "--checkpoint-dir", str(tmp_path / "ck")]
+    recorded_run(tmp_path, 4, "split", *flags, "--steps", "13")
+    done = recorded_run(tmp_path, 3, "split", *flags, "--resume", "auto")
+    assert "resumed from" in done.stdout and "ckpt-00000013-" in done.stdout
+    recorded_run(tmp_path, 1, "one", "--data-mode", mode, "--shuffle-buffer", "96")
+    trained = trained_rows(tmp_path / "split")
+    assert_each_sample_once_an_epoch_as_one_worker_trains(trained, trained_rows(tmp_path / "one"))
+    # (steps 0..12 came from 4 workers, the rest from 3: each line is a worker's batch)
+    lines = [line.split()[:3] for path in (tmp_path / "split").glob("*.txt") for line in path.read_text().splitlines()]
+    assert sorted({(int(step) < 13, workers) for epoch, step, workers in lines if epoch == "0"}) == \
+        [(False, "3"), (True, "4")]
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_a_worker_s_lanes_are_read_from_a_file_as_one_selection_of_evenly_spaced_runs(tmp_path, compression):
+    from mpidist.data.rows import read_runs, regular_runs
+    import h5py
+    path = write(tmp_path / "rows.h5", 1003, chunk=7, compression=compression)
+    with h5py.File(path) as handle:
+        item = handle["train/x"]
+        for lanes in (Lanes.of(64, 4, 1), Lanes.of(10, 3, 2), Lanes.of(13, 2, 0), Lanes.of(64, 4, 3)):
+            rows = memory_rows(1003, lanes)
+            for lo, hi in [(0, 1003), (5, 600), (333, 1003)]:      # (a file's part of the rows)
+                part = rows[(rows >= lo) & (rows < hi)]
+                runs = regular_runs(part)
+                assert runs is not None and runs[3] >= 1 and runs[4] == lanes.count and runs[2] == lanes.total
+                np.testing.assert_array_equal(read_runs(item, part, runs), item[...][part])
+    assert regular_runs([1, 2, 5, 6, 9]) == (2, 5, 2, 1, 2, 1)
+    assert regular_runs([1, 2, 5, 6, 7, 9, 10, 14]) is None and regular_runs([0, 3, 4, 7, 8, 12, 13, 20]) is None
+    assert regular_runs([3, 4, 5]) is None and regular_runs([3, 4, 8]) is None       # fewer than three runs

@@ -7,6 +7,7 @@ from pathlib import Path
 from .. import data
 from ..parallel.recipe import total_steps
 from ..parallel.scatter import ScatteredBatches
+from .setup import data_layout
 
 
 class NoData:
@@ -25,28 +26,31 @@ class NoData:
 class Recorded:
     """``batches``, each one's samples' first values written to ``path`` as it is handed over (tests only)."""
 
-    def __init__(self, batches, path, epoch, skip):
-        self.batches, self.path, self.epoch, self.skip = batches, path, epoch, skip
+    def __init__(self, batches, path, epoch, skip, workers):
+        self.batches, self.path, self.head = batches, path, (epoch, skip, workers)
 
     def __iter__(self):
-        for step, (x, y) in enumerate(self.batches, start=self.skip):
+        epoch, skip, workers = self.head
+        for step, (x, y) in enumerate(self.batches, start=skip):
             if x is not None:
                 with open(self.path, "a") as out:
-                    out.write(f"{self.epoch} {step} {' '.join(str(int(v)) for v in x.reshape(len(x), -1)[:, 0])}\n")
+                    rows = " ".join(str(int(v)) for v in x.reshape(len(x), -1)[:, 0])
+                    out.write(f"{epoch} {step} {workers} {rows}\n")
             yield x, y
 
     def close(self):
         self.batches.close()
 
 
-def recorded(batches, epoch, skip):
+def recorded(batches, epoch, skip, workers):
     """``batches``, recorded where ``MPIDIST_TEST_RECORD=DIRECTORY`` says (``worker-<pid>.txt``: a line per batch,
-    its epoch, its step and its samples' first values, in order).  For tests only: a dataset whose first value is
-    the row number shows which samples each step of each epoch trained on; unset in real runs."""
+    its epoch, its step, the worker count and its samples' first values, in order).  For tests only: a dataset
+    whose first value is the row number shows which samples each step of each epoch trained on; unset in real
+    runs."""
     folder = os.environ.get("MPIDIST_TEST_RECORD", "")
     if not folder:
         return batches
-    return Recorded(batches, Path(folder) / f"worker-{os.getpid()}.txt", epoch, skip)
+    return Recorded(batches, Path(folder) / f"worker-{os.getpid()}.txt", epoch, skip, workers)
 
 
 def epoch_batches(config, cluster, setup, epoch, skip):
@@ -62,8 +66,8 @@ def epoch_batches(config, cluster, setup, epoch, skip):
                                                                             setup.model.dtype)
         return recorded(ScatteredBatches(cluster.workers, source, config.batch_size, setup.model.input_shape,
                                          y_shape, setup.model.dtype, y_dtype, setup.steps_per_epoch - skip),
-                        epoch, skip)
+                        epoch, skip, cluster.num_workers)
     if setup.train is None:
         return NoData(setup.steps_per_epoch, skip)
     return recorded(data.train_batches(setup.train, setup.steps_per_epoch, config.seed, epoch, skip=skip,
-                                       last_epoch=last_epoch), epoch, skip)
+                                       last_epoch=last_epoch), epoch, skip, data_layout(config, cluster)[0])
