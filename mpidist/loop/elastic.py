@@ -26,13 +26,15 @@ the survivors recover:
    place goes to the lowest surviving worker, which then writes the metrics,
    the log and the checkpoints), take the state the strategy holds at the
    chief's step (:func:`share`: an in-memory checkpoint, with the same layout
-   as a file), re-divide the data, and go on; a checkpoint resumes on any
-   number of workers, so this is the same, tested, path as ``--resume`` with
-   fewer ranks.
+   as a file), re-divide the global batch's lanes, and go on, every lane at the
+   chief's step (each sample of the epoch once: :mod:`mpidist.data.lanes`); a
+   checkpoint resumes on any number of workers, so this is the same, tested,
+   path as ``--resume`` with fewer ranks.
 
 ``ps-async`` workers never block on each other: there the ranks watch for
 deaths (:class:`~mpidist.runtime.ulfm.FailureWatch`), the first ps drops a
-dead worker from the staleness bound, and the others never notice; the
+dead worker from the staleness bound, and the others never notice (nobody
+takes up its lanes: their samples are left out for the rest of the run); the
 survivors shrink at the end.  A dead ps or chief seen by a watcher ends the
 job through the abort hook (a :class:`~mpidist.runtime.errors.RunError`).
 """
