@@ -18,7 +18,7 @@ import numpy as np
 
 from ..runtime.reads import HDF5_ERRORS, reading
 from ..runtime.whereabouts import here
-from .direct import DirectFile, byte_ranges, direct_rows, readable
+from .direct import DirectFile, byte_ranges, direct_rows, layout, readable
 from .layout import CHUNK_CACHE, open_source
 from .samples import prepare
 
@@ -108,15 +108,16 @@ class SplitRows:
             handles["fd", path] = os.open(path, os.O_RDONLY)
         return handles["fd", path]
 
-    def _direct(self, item, path, handles):
-        """The :class:`DirectFile` reading dataset ``item`` of ``path``, kept in ``handles``; None where not direct.
+    def _direct(self, item, path, handles, name=None):
+        """The :class:`DirectFile` reading dataset ``item`` (``name``, where the caller knows it) of ``path``, kept
+        in ``handles``; None where not direct.
 
         One per dataset: a read returns a view of its buffer, and a block's
         ``x`` and ``y`` are read before either is used.
         """
         if not self.direct or handles is None or not isinstance(path, os.PathLike):
             return None
-        key = ("direct", path, item.name)
+        key = ("direct", path, name or item.name)
         if key not in handles and not readable(item):
             handles[key] = None
         if key not in handles:
@@ -172,24 +173,28 @@ class SplitRows:
                 with reading(f"{where}/{key}", f"at samples {int(local[0])}..{int(local[-1])}"):
                     if even:
                         read.append(self._read_span(item, slice(int(local[0]), int(local[-1]) + 1, step), path,
-                                                    handles))
+                                                    handles, f"/{self.group}/{key}"))
                     else:
                         read.append(read_runs(item, local, runs) if runs else read_rows(item, local))
         return prepare(*read, self.info, where, local, self.input_shape, self.dtype)
 
 
-    def _read_span(self, item, span, path, handles):
-        """Rows ``span`` of ``item``: straight from the file where :func:`direct_rows` can, else through h5py."""
+    def _read_span(self, item, span, path, handles, name):
+        """Rows ``span`` of ``item`` (``name`` in its file): straight from the file where :func:`direct_rows` can,
+        else through h5py."""
         if span.step != 1:
             return item[span]
-        fd, direct = self._fd(path, handles), self._direct(item, path, handles)
+        fd, direct = self._fd(path, handles), self._direct(item, path, handles, name)
+        known = None
+        if fd is not None:     # (a stream's: what the reads ask of the dataset, kept with its open files)
+            known = handles.get(("layout", path, name)) or handles.setdefault(("layout", path, name), layout(item))
         try:
-            got = direct_rows(item, span.start, span.stop, fd, path, direct)
+            got = direct_rows(item, span.start, span.stop, fd, path, direct, known)
         except OSError as error:      # O_DIRECT opened but refused to read (an unusual block size): cached from now
             if direct is None or error.errno != errno.EINVAL:
                 raise
             direct.close()
-            handles["direct", path, item.name] = None
+            handles["direct", path, name] = None
             got = direct_rows(item, span.start, span.stop, fd, path)
         return item[span] if got is None else got
 
