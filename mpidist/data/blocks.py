@@ -11,6 +11,8 @@ chunk are read one after the other from a cache of that chunk
 
 import numpy as np
 
+from .direct import HUGE_PAGE
+
 BLOCK_BYTES = 4 << 20         # one read call: a few of a parallel file system's stripes
 BUFFER_BYTES = 64 << 20       # the default shuffle buffer: this many bytes of samples in the model's dtype
 WINDOWS = 2                   # windows a lane holds at once: the one its batches come from, the next (read ahead)
@@ -107,9 +109,10 @@ def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, lanes=No
     ``buffer`` samples, and a block), the index of the windows' samples, and
     the batches it gathers ahead (:data:`SEGMENTS` segments); an evaluation:
     :data:`EVAL_BLOCKS` blocks.  Both: a block being read (as stored,
-    standardised where the file says so, converted), and the chunk cache of a
-    file whose compressed chunks are larger than HDF5's (a chunk of ``x`` and
-    of ``y`` decompressed, and the compressed one read).
+    standardised where the file says so, converted; read around the page
+    cache into a huge page where it takes an eighth of one or more), and the
+    chunk cache of a file whose compressed chunks are larger than HDF5's (a
+    chunk of ``x`` and of ``y`` decompressed, and the compressed one read).
     """
     group = info.rows_of(split)[0]
     values = int(np.prod(input_shape))
@@ -120,6 +123,8 @@ def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, lanes=No
     rows = max(_length(chunk, row, block, sliced) for chunk, row, _ in kinds)
     stored = max(r for _, r, _ in kinds) + 8 + (8 * values if info.mean is not None else 0)
     cache = max(cache for _, _, cache in kinds)     # (one file's: a stream holds one such file open at a time)
+    read = rows * max(r for _, r, _ in kinds)       # a direct read's buffer: a huge page where a block is near one
+    cache += HUGE_PAGE - read if HUGE_PAGE // 8 <= read < HUGE_PAGE else 0
     if lanes is None:
         held = EVAL_BLOCKS * rows * sample
     else:

@@ -74,7 +74,9 @@ class DirectFile:
         start = offset - offset % ALIGN
         stop = -(-(offset + length) // ALIGN) * ALIGN
         if self.buffer is None or len(self.buffer) < stop - start:
-            self.buffer = _aligned(stop - start)
+            # (a read of an eighth of a huge page or more gets a whole one: a 1 MiB read into it cost 0.045 ms of
+            # CPU per MiB, into small pages 0.109)
+            self.buffer = _aligned(max(stop - start, HUGE_PAGE if stop - start >= HUGE_PAGE // 8 else 0))
         got = os.preadv(self.fd, [memoryview(self.buffer)[:stop - start]], start)
         return memoryview(self.buffer)[offset - start:min(got, offset - start + length)]
 
