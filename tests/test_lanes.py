@@ -334,3 +334,18 @@ def test_a_worker_s_lanes_are_read_from_a_file_as_one_selection_of_evenly_spaced
     assert regular_runs([1, 2, 5, 6, 9]) == (2, 5, 2, 1, 2, 1)
     assert regular_runs([1, 2, 5, 6, 7, 9, 10, 14]) is None and regular_runs([0, 3, 4, 7, 8, 12, 13, 20]) is None
     assert regular_runs([3, 4, 5]) is None and regular_runs([3, 4, 8]) is None       # fewer than three runs
+
+
+def test_a_resume_with_another_batch_size_mid_epoch_says_it_cuts_other_lanes():
+    import types
+
+    from mpidist.loop.setup import recipe_changes
+    from mpidist.settings.config import Settings
+    resume = types.SimpleNamespace(config={"batch_size": 64}, path="ck.h5", epoch=1, epoch_step=5)
+    notes = recipe_changes(Settings(batch_size=32), resume)
+    assert len(notes) == 2 and "--batch-size 64 -> 32" in notes[0]
+    assert notes[1] == ("note: --batch-size 32 cuts the training split into 32 lanes, not 64: epoch 2 goes on from "
+                        "step 5 of the new lanes' orders, so some of its samples may come twice or not at all; every "
+                        "later epoch trains on each sample once")
+    assert len(recipe_changes(Settings(batch_size=32), types.SimpleNamespace(**{**vars(resume), "epoch_step": 0}))) == 1
+    assert recipe_changes(Settings(batch_size=64), resume) == []
