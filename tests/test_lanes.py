@@ -349,3 +349,20 @@ def test_a_resume_with_another_batch_size_mid_epoch_says_it_cuts_other_lanes():
                         "later epoch trains on each sample once")
     assert len(recipe_changes(Settings(batch_size=32), types.SimpleNamespace(**{**vars(resume), "epoch_step": 0}))) == 1
     assert recipe_changes(Settings(batch_size=64), resume) == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_between_graph_workers_train_on_the_global_batches_one_process_trains_on():
+    """allreduce on every rank of the world (3, 4, 6 workers...) and one process, 30 steps of mlp in float64,
+    between-graph: each worker reads its own lanes, and the parameters agree to rounding (the gradient is summed
+    in another order): the same samples at every step."""
+    import io
+
+    from mpi4py import MPI
+
+    import mpidist
+    quiet = dict(metrics="", progress="none", eval_every=0, data="digits", steps=30, batch_size=60, dtype="float64")
+    one = mpidist.train("mlp", strategy="local", comm=MPI.COMM_SELF, stream=io.StringIO(), **quiet)
+    many = mpidist.train("mlp", strategy="allreduce", stream=io.StringIO(), **quiet)
+    if many.is_chief:
+        assert np.abs(many.params - one.params).max() < 1e-9
