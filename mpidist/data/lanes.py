@@ -66,11 +66,6 @@ class Lanes:
         return int(self.sizes(n).sum())
 
 
-def steps_in(n, lanes):
-    """Steps an epoch of ``n`` rows has with ``lanes``' global batch: ``n // B``, for any worker count."""
-    return n // lanes.total
-
-
 def _mix(z):
     """SplitMix64's finaliser of the uint64 array ``z`` (wrapping arithmetic)."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
