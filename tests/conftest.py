@@ -244,3 +244,30 @@ def corrupt_chunk(path, item, index):
         handle.seek(chunk.byte_offset + chunk.size // 4)
         handle.write(bytes(b ^ 0xFF for b in middle))
     return path
+
+
+def trained_rows(folder, completed=None):
+    """``{(epoch, step): Counter of rows}`` that the workers of the runs recorded in ``folder`` trained on
+    (``MPIDIST_TEST_RECORD``: a line per batch, ``epoch step workers row row ...``).
+
+    ``completed``: ``(workers, steps per epoch, steps)``: batches of a layout of that many workers at or past
+    that many steps of the run were in flight when a worker died, and taken again by the survivors: left out.
+    """
+    import collections
+    counts = collections.defaultdict(collections.Counter)
+    for path in Path(folder).glob("worker-*.txt"):
+        for line in path.read_text().splitlines():
+            epoch, step, workers, *rows = map(int, line.split())
+            if completed and workers == completed[0] and epoch * completed[1] + step >= completed[2]:
+                continue
+            counts[epoch, step].update(rows)
+    return counts
+
+
+def epochs_of(steps):
+    """``{epoch: Counter of rows}`` of :func:`trained_rows`' steps."""
+    import collections
+    counts = collections.defaultdict(collections.Counter)
+    for (epoch, _), rows in steps.items():
+        counts[epoch].update(rows)
+    return counts

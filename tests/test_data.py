@@ -200,30 +200,27 @@ def test_local_batches_add_up_to_the_global_batch(batch, workers):
     assert sum(sizes) == batch and max(sizes) - min(sizes) <= 1
 
 
-def test_steps_per_epoch_is_limited_by_the_tightest_worker():
-    assert data.steps_per_epoch(1437, 64, 4) == 22
-    assert data.steps_per_epoch(10, 4, 3) == 2      # shards 4,3,3; local batches 2,1,1
-    assert data.steps_per_epoch(3, 4, 4) == 0       # worker 3 has no samples
+def test_steps_per_epoch_are_n_over_the_global_batch_on_any_worker_count():
+    assert data.steps_per_epoch(1437, 64, 4) == data.steps_per_epoch(1438, 64, 3) == 22
+    assert data.steps_per_epoch(10, 4, 3) == 2      # 4 lanes of 3, 3, 2, 2 rows
+    assert data.steps_per_epoch(3, 4, 4) == 0       # lane 3 has no samples
     with pytest.raises(UsageError, match="--batch-size 3 is smaller than the number of workers \\(4\\)"):
         data.steps_per_epoch(100, 3, 4)
 
 
-def test_epoch_order_is_reproducible_and_changes_every_epoch():
-    a = data.epoch_order(100, seed=1, epoch=0, worker=0)
-    np.testing.assert_array_equal(a, data.epoch_order(100, seed=1, epoch=0, worker=0))
-    assert sorted(a) == list(range(100))
-    assert not np.array_equal(a, data.epoch_order(100, seed=1, epoch=1, worker=0))
-    assert not np.array_equal(a, data.epoch_order(100, seed=1, epoch=0, worker=1))
-
-
-def test_train_batches_follow_the_epoch_order_and_skip_resumed_steps(tmp_path):
+def test_train_batches_are_a_sample_of_each_lane_a_step_and_skip_resumed_steps(tmp_path):
+    from mpidist.data.lanes import memory_positions, memory_rows
     x = np.arange(40, dtype=np.float32).reshape(40, 1, 1)
     info = data.inspect(make_file(tmp_path / "toy.h5", shape=(1, 1), train=(x, np.arange(40) % 5)))
-    shard = data.Shard(info, "train", 0, 1, (1, 1), np.float32)
-    order = data.epoch_order(40, 0, 3, 0)
-    batches = data.train_batches(shard, 8, 5, seed=0, epoch=3, worker=0, skip=2)
+    lanes = data.Lanes.of(16, 2, 1)                # lanes 8..15: rows 8..15 and 24..31
+    shard = data.Shard(info, "train", 0, 1, (1, 1), np.float32, lanes=lanes)
+    assert shard.x[:, 0, 0].astype(int).tolist() == memory_rows(40, lanes).tolist() == [*range(8, 16), *range(24, 32)]
+    batches = data.train_batches(shard, 2, seed=0, epoch=3)
     got = [bx[:, 0, 0].astype(int).tolist() for bx, _ in batches]
-    assert got == [order[16:24].tolist(), order[24:32].tolist(), order[32:40].tolist()]
+    assert [sorted(pair) for pair in zip(*got)] == [[lane, lane + 16] for lane in range(8, 16)]
+    expected = memory_rows(40, lanes)[memory_positions(40, lanes, 0, 3)].tolist()
+    assert got == expected and got[0] != sorted(got[0])
+    assert [bx[:, 0, 0].astype(int).tolist() for bx, _ in data.train_batches(shard, 2, 0, 3, skip=1)] == got[1:]
 
 
 def test_prefetcher_reraises_errors_from_its_thread():
@@ -246,33 +243,33 @@ def test_prefetcher_can_be_closed_before_the_end():
 
 
 class _Split:
-    """A stand-in for a chief's training split: sample i is filled with i."""
+    """A stand-in for a chief's training split, every lane of ``global_batch``: sample i is filled with i."""
 
-    def __init__(self, n):
+    def __init__(self, n, global_batch):
         self.x = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)
         self.y = np.arange(n, dtype=np.int64)
+        self.count, self.lanes = n, data.Lanes(global_batch, 0, global_batch)     # (its rows: 0..n-1 in order)
 
     def __len__(self):
         return len(self.y)
 
-    batches = data.Shard.batches     # a shard in memory's epoch order
+    batches = data.Shard.batches     # a shard in memory's batches
 
 
 @pytest.mark.mpi(min_size=2)
-def test_in_graph_scatter_gives_each_worker_its_slice_of_the_chiefs_global_batch():
+def test_in_graph_scatter_gives_each_worker_the_batches_its_own_lanes_would():
     from mpi4py import MPI
 
+    from mpidist.data.lanes import memory_positions, memory_rows
     from mpidist.parallel.scatter import ScatteredBatches
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
-    global_batch, steps, split = 2 * size + 1, 3, _Split(50)
-    source = data.global_batches(split, global_batch, steps, seed=4, epoch=1) if rank == 0 else None
+    global_batch, steps, split = 2 * size + 1, 3, _Split(50, 2 * size + 1)
+    source = data.global_batches(split, steps, seed=4, epoch=1) if rank == 0 else None
     feed = ScatteredBatches(world, source, global_batch, (3,), (), np.float32, np.int64, steps)
-    order = data.epoch_order(50, 4, 1, 0)                       # what one process would draw
-    sizes = [data.local_batch_size(global_batch, size, w) for w in range(size)]
-    lo = sum(sizes[:rank])
+    mine = data.Lanes.of(global_batch, size, rank)       # the lanes this worker would read between-graph
+    own = memory_rows(50, mine)[memory_positions(50, mine, 4, 1)]
     for step, (x, y) in enumerate(feed):
-        expected = order[step * global_batch:(step + 1) * global_batch][lo:lo + sizes[rank]]
-        np.testing.assert_array_equal(y, expected)
-        np.testing.assert_array_equal(x[:, 2], expected.astype(np.float32))
+        np.testing.assert_array_equal(y, own[step])
+        np.testing.assert_array_equal(x[:, 2], own[step].astype(np.float32))
     feed.close()

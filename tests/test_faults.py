@@ -155,18 +155,18 @@ def text_samples(p):
 
 def one_bad_label(p):
     labels = np.arange(100) % 3
-    labels[7] = 9          # sample 7: worker 1's shard at 2 ranks, worker 3's at 4
+    labels[50] = 9         # sample 50: lane 50 of 64, worker 1's at 2 ranks, worker 3's at 4
     return str(tiny_dataset(p / "label.h5", np.zeros((100, 4)), labels))
 
 
 def names_the_rank_holding_it(p, out, err):
-    """Sample 7 is worker 1's at 2 ranks, worker 3's at 4: the message names the rank, as only it failed."""
+    """Sample 50 is worker 1's at 2 ranks, worker 3's at 4: the message names the rank, as only it failed."""
     assert "mpidist: error (rank 1): " in err or "mpidist: error (rank 3): " in err
 
 
 def an_infinity(p):
     x = np.random.default_rng(0).random((100, 4))
-    x[41, 2] = np.inf      # sample 41: worker 1's shard at 2 and at 4 ranks
+    x[41, 2] = np.inf      # sample 41: lane 41 of 64, worker 1's at 2 ranks, 2's at 4
     return str(tiny_dataset(p / "inf.h5", x, np.arange(100) % 3))
 
 
@@ -505,7 +505,7 @@ STREAMED = ("--data-mode", "stream", "--shuffle-buffer", "400", "--seed", "0", "
 
 
 def chunk_read_after_the_start(p):
-    """A chunk of train/x that no worker (of 2 or of 4) reads in its first window, which set-up reads: the
+    """A chunk of train/x that no worker (of 2 or of 4) reads in its first windows, which set-up reads: the
     stream reaches it while training."""
     from mpidist import data
     path = compressed_dataset(p / "late.h5")
@@ -513,8 +513,9 @@ def chunk_read_after_the_start(p):
     early = set()
     for workers in (2, 4):
         for worker in range(workers):
-            stream = data.Stream(info, "train", worker, workers, (4,), np.float32, buffer=400)
-            for block in data.stream.epoch_windows(stream.sizes, stream.buffer, 0, 0, worker)[0]:
+            stream = data.Stream(info, "train", worker, workers, (4,), np.float32, buffer=400,
+                                 lanes=data.Lanes.of(64, workers, worker))     # (the default global batch)
+            for block in (block for window in stream._schedule(0, 0, 0, 1) for block in window.blocks):
                 early.update(range(int(stream.cuts[block]) // 100, -(-int(stream.cuts[block + 1]) // 100)))
     late = min(set(range(info.sizes["train"] // 100)) - early)
     return str(corrupt_chunk(path, "train/x", late))
@@ -770,7 +771,7 @@ FAULTS = {
     "truncated dataset file": bad("--data", truncated, message="cut.h5: not a readable HDF5 file"),
     "wrong layout": bad("--data", missing_labels, message="missing dataset 'train/y'"),
     "wrong dtype": bad("--data", text_samples, message="train/x has dtype |S1; it must be numeric"),
-    "labels out of range": dataclasses.replace(bad("--data", one_bad_label, message="label 9 at sample 7, outside "
+    "labels out of range": dataclasses.replace(bad("--data", one_bad_label, message="label 9 at sample 50, outside "
                                                    "[0, 3)"), check=names_the_rank_holding_it),
     "NaN or Inf in the data": bad("--data", an_infinity, message="train/x holds NaN or Inf (first at sample 41)"),
     "empty shard: more workers than samples": bad("--data", one_sample,

@@ -8,13 +8,17 @@ One module per concept:
   calls as their pattern allows;
 * :mod:`~mpidist.data.samples`: the checks and conversions every read sample
   goes through;
-* :mod:`~mpidist.data.shard`: a worker's strided shard, read whole into memory;
-* :mod:`~mpidist.data.stream`: a worker's contiguous part, streamed in
-  chunk-aligned blocks through a shuffle buffer, with bounded memory;
+* :mod:`~mpidist.data.lanes`: the global batch's lanes, each fed one sample a
+  step from an order of its own, whatever the worker count;
+* :mod:`~mpidist.data.shard`: a worker's lanes (or an evaluation's strided
+  shard), read whole into memory;
+* :mod:`~mpidist.data.stream`: a worker's lanes (or an evaluation's contiguous
+  part), streamed in chunk-aligned blocks (:mod:`~mpidist.data.blocks`)
+  through windows (:mod:`~mpidist.data.windows`), with bounded memory;
 * :mod:`~mpidist.data.budget`: which of the two a rank uses (``--data-mode``,
   ``--memory-budget``);
-* :mod:`~mpidist.data.batches`: batch sizes every worker agrees on, epoch
-  orders, prefetching.
+* :mod:`~mpidist.data.batches`: batch sizes every worker agrees on,
+  prefetching.
 
 Every worker reads only its own part of each split.
 """
@@ -22,7 +26,6 @@ Every worker reads only its own part of each split.
 from .arrays import ArrayData
 from .batches import (
     Prefetcher,
-    epoch_order,
     eval_batches,
     global_batches,
     local_batch_size,
@@ -31,6 +34,7 @@ from .batches import (
     train_batches,
 )
 from .budget import Reading, budget_of, plan
+from .lanes import Lanes
 from .layout import (
     MAX_CLASSES,
     MAX_NAME,
@@ -54,8 +58,8 @@ from .stream import Stream
 
 _read_rows = read_rows   # (the name tests knew)
 
-__all__ = ["ArrayData", "DatasetInfo", "MAX_CLASSES", "MAX_NAME", "Member", "OPTIONAL_SPLITS", "Prefetcher",
+__all__ = ["ArrayData", "DatasetInfo", "Lanes", "MAX_CLASSES", "MAX_NAME", "Member", "OPTIONAL_SPLITS", "Prefetcher",
            "Reading", "SPLITS", "Shard", "SplitRows", "Stream", "budget_of", "bundled_names",
-           "carve_validation", "data_dirs", "epoch_order", "eval_batches", "global_batches", "inspect",
+           "carve_validation", "data_dirs", "eval_batches", "global_batches", "inspect",
            "limit_evaluation", "local_batch_size", "members", "open_source", "plan", "read_rows", "resolve", "shard_size",
            "standardizer", "steps_per_epoch", "train_batches"]

@@ -1,22 +1,20 @@
-"""Batches: sizes every worker agrees on, epoch orders, background prefetch.
+"""Batches: sizes every worker agrees on, background prefetch.
 
 The global batch ``B`` is split as evenly as possible over ``W`` workers (the
-first ``B % W`` take one more sample); all workers run the same number of
-steps per epoch, computed from sizes alone.  A shard (in memory or streamed)
-gives its own batches; the functions here are what the loop and the
-strategies call, whatever the shard.
+first ``B % W`` take one more sample): worker ``w``'s share is its lanes
+(:mod:`mpidist.data.lanes`).  An epoch has ``n // B`` steps on any number of
+workers.  A shard (in memory or streamed) gives its own batches; the functions
+here are what the loop and the strategies call, whatever the shard.
 """
 
 import queue
 import threading
 
-import numpy as np
-
 from ..runtime.errors import UsageError
 
 
 def shard_size(n, num_workers, worker):
-    """Rows ``worker, worker + W, ...`` below ``n``."""
+    """Rows ``worker, worker + W, ...`` below ``n`` (an evaluation's strided shard)."""
     return len(range(worker, n, num_workers))
 
 
@@ -26,12 +24,11 @@ def local_batch_size(global_batch, num_workers, worker):
 
 
 def steps_per_epoch(n, global_batch, num_workers):
-    """Steps every worker can take per epoch: the same on all, from sizes alone."""
+    """Steps per epoch: ``n // B``, one sample of each of the ``B`` lanes a step, whatever the worker count."""
     if global_batch < num_workers:
         raise UsageError(f"--batch-size {global_batch} is smaller than the number of workers ({num_workers}): "
                          "every worker needs at least one sample per step")
-    return min(shard_size(n, num_workers, w) // local_batch_size(global_batch, num_workers, w)
-               for w in range(num_workers))
+    return n // global_batch
 
 
 class Prefetcher:
@@ -91,26 +88,22 @@ class Prefetcher:
         self._thread.join()
 
 
-def epoch_order(shard_len, seed, epoch, worker):
-    """This worker's sample order for ``epoch``: reproducible from the seed."""
-    return np.random.default_rng([seed, epoch, worker]).permutation(shard_len)
-
-
-def train_batches(shard, local_batch, steps, seed, epoch, worker, skip=0, last_epoch=False):
-    """The ``(x, y)`` batches of one epoch of ``shard`` from step ``skip`` on, prefetched.
+def train_batches(shard, steps, seed, epoch, skip=0, last_epoch=False):
+    """The ``(x, y)`` batches of one epoch of ``shard`` (opened with its worker's lanes) from step ``skip`` on,
+    prefetched.
 
     ``last_epoch``: no epoch follows (a stream then reads nothing of the next).
     """
-    return shard.batches(local_batch, steps, seed, epoch, worker, skip=skip, last_epoch=last_epoch)
+    return shard.batches(steps, seed, epoch, skip=skip, last_epoch=last_epoch)
 
 
-def global_batches(split, global_batch, steps, seed, epoch, skip=0):
+def global_batches(split, steps, seed, epoch, skip=0, last_epoch=False):
     """In-graph replication, on the chief: whole global batches of one epoch, prefetched.
 
-    The order is the one a single process would use (``worker`` 0 of 1), so
-    in-graph training on any number of workers sees the same global batches.
+    ``split`` holds every lane (worker 0 of 1): the global batches every
+    layout of the lanes over workers gives, in-graph or not.
     """
-    return split.batches(global_batch, steps, seed, epoch, 0, skip=skip)
+    return split.batches(steps, seed, epoch, skip=skip, last_epoch=last_epoch)
 
 
 def eval_batches(shard, size=1024):

@@ -3,18 +3,20 @@
 A rank holds its shards in memory when what it reads (its training shard, and
 the evaluation shards it reads) fits its budget at the peak of reading (as
 stored, converted, and standardised where the dataset says so); otherwise it
-streams every split it reads.  The workers of a run hold shards of the same
-size, so with the same budget they choose alike; a worker's epoch order
-depends on its mode, so pin ``--data-mode`` where a resumed run must repeat the
-stopped one's order on machines with other memory.
+streams every split it reads.  The workers of a run hold parts of about the
+same size, so with the same budget they choose alike; the lanes depend on the
+mode (strided rows in memory, contiguous ranges streamed), so pin
+``--data-mode`` where the ranks' budgets differ, or where a resumed run must
+repeat the stopped one's order on machines with other memory.
 
 A stream's every buffer is sized from the budget and checked against it
-before anything is allocated (:func:`~mpidist.data.stream.stream_bytes`): its
-windows, the block being read, an evaluation's blocks, and the chunk cache of
-compressed chunks larger than HDF5's.  Where they do not fit, chunks larger
-than a block are read in slices, then the shuffle buffer is capped (the
-start-up table and a note say so), and where even a buffer of one sample does
-not fit, the run is refused, naming what takes the memory.
+before anything is allocated (:func:`~mpidist.data.blocks.stream_bytes`): its
+lanes' windows, the batches it gathers ahead, the block being read, an
+evaluation's blocks, and the chunk cache of compressed chunks larger than
+HDF5's.  Where they do not fit, chunks larger than a block are read in
+slices, then the shuffle buffer is capped (the start-up table and a note say
+so), and where even a buffer of one sample does not fit, the run is refused,
+naming what takes the memory.
 """
 
 import dataclasses
@@ -25,14 +27,8 @@ from ..runtime.errors import UsageError
 from ..runtime.memory import default_budget, human, parse_bytes
 from .samples import footprint
 from .shard import Shard
-from .stream import (
-    WINDOWS,
-    Stream,
-    block_bytes_for,
-    block_length,
-    default_buffer,
-    stream_bytes,
-)
+from .blocks import WINDOWS, block_bytes_for, block_length, default_buffer, lane_share, stream_bytes
+from .stream import Stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +42,13 @@ class Reading:
     sliced: bool = False    # a stream reads chunks larger than its blocks in slices
     notes: tuple = ()       # what the chief says of it (a buffer capped, chunks read in slices)
 
-    def open(self, info, split, worker, num_workers, input_shape, dtype):
-        """The shard of ``split`` for this worker: a :class:`Shard` in memory, or a :class:`Stream`."""
+    def open(self, info, split, worker, num_workers, input_shape, dtype, lanes=None):
+        """The shard of ``split`` for this worker: a :class:`Shard` in memory, or a :class:`Stream`; ``lanes``
+        (:class:`~mpidist.data.lanes.Lanes`): the training split's lanes it holds."""
         if self.mode == "memory":
-            return Shard(info, split, worker, num_workers, input_shape, dtype)
-        return Stream(info, split, worker, num_workers, input_shape, dtype, self.buffer, self.direct, self.sliced)
+            return Shard(info, split, worker, num_workers, input_shape, dtype, lanes=lanes)
+        return Stream(info, split, worker, num_workers, input_shape, dtype, self.buffer, self.direct, self.sliced,
+                      lanes=lanes)
 
 
 def budget_of(config):
@@ -60,8 +58,9 @@ def budget_of(config):
     return parse_bytes(config.memory_budget), "--memory-budget"
 
 
-def plan(config, info, parts, input_shape, dtype):
-    """The :class:`Reading` of a rank that reads ``parts`` (``[(split, rows)]``) of dataset ``info``."""
+def plan(config, info, parts, input_shape, dtype, lanes=None):
+    """The :class:`Reading` of a rank that reads ``parts`` (``[(split, rows)]``) of dataset ``info``; ``lanes``:
+    the :class:`~mpidist.data.lanes.Lanes` of its ``train`` part."""
     if not parts:
         return Reading("memory", "")
     need = sum(footprint(rows, info, info.rows_of(split)[0], dtype) for split, rows in parts)
@@ -71,21 +70,21 @@ def plan(config, info, parts, input_shape, dtype):
     if config.data_mode == "auto" and need <= budget:
         return Reading("memory", f"memory {human(need)} <= budget {human(budget)}")
     why = "--data-mode stream" if config.data_mode == "stream" else f"{human(need)} > budget {human(budget)}"
-    return _streaming(config, info, dict(parts), input_shape, dtype, budget, how, why)
+    return _streaming(config, info, dict(parts), input_shape, dtype, budget, how, why, lanes)
 
 
-def _streaming(config, info, parts, input_shape, dtype, budget, how, why):
+def _streaming(config, info, parts, input_shape, dtype, budget, how, why, lanes):
     """A stream's :class:`Reading` of ``parts`` (``{split: rows}``): whole chunks where they fit ``budget``, else
     slices of them, then a smaller buffer; refused where a buffer of one sample does not fit."""
     splits = list(parts)
     def held(buffer, sliced):   # (a rank streams every split it reads: the train split with its windows)
-        return sum(stream_bytes(info, split, buffer, input_shape, dtype, sliced, train=split == "train")
-                   for split in splits)
+        return sum(stream_bytes(info, split, buffer, input_shape, dtype, sliced,
+                                lanes=lanes if split == "train" else None) for split in splits)
 
     asked = config.shuffle_buffer
     buffer = asked or default_buffer(input_shape, dtype, budget)
-    if "train" in parts:    # a window holds the part at most: a larger buffer gives the same order
-        buffer = max(1, min(buffer, parts["train"]))
+    if "train" in parts:    # the lanes' windows hold the split at most: a larger buffer gives the same order
+        buffer = max(1, min(buffer, info.sizes["train"]))
     limit = f"--memory-budget {config.memory_budget}" if how == "--memory-budget" else \
         f"the memory budget {human(budget)} (--memory-budget auto)"
     sliced = held(buffer, False) > budget
@@ -96,14 +95,16 @@ def _streaming(config, info, parts, input_shape, dtype, budget, how, why):
             raise UsageError(_too_small(info, splits, held(1, True), limit))
         if asked and how == "--memory-budget":
             sample = int(np.prod(input_shape)) * np.dtype(dtype).itemsize
+            held_lanes = lanes.count if lanes else 1
+            share = lane_share(buffer, info.sizes["train"], lanes.total) if lanes else buffer
             raise UsageError(f"--memory-budget {config.memory_budget}: streaming with --shuffle-buffer {asked:,} "
-                             f"holds about {human(held(buffer, True))} ({WINDOWS} windows of {buffer:,} "
-                             f"{human(sample)} samples, and its blocks); give --shuffle-buffer {fits:,} or less, "
-                             "or a larger budget")
+                             f"holds about {human(held(buffer, True))} ({WINDOWS} windows of at least {share:,} "
+                             f"{human(sample)} samples for each of its {held_lanes:,} lane(s), and its blocks); "
+                             f"give --shuffle-buffer {fits:,} or less, or a larger budget")
         if asked:   # (the default is what fits: no news)
             notes.append(f"--shuffle-buffer {asked:,} capped to {fits:,} samples: a stream holds {WINDOWS} windows "
-                         f"of it, which must fit {limit} beside its blocks (the data order depends on it: pin "
-                         "--memory-budget where a resumed run must repeat it)")
+                         f"of its lanes' share of it, which must fit {limit} beside its blocks (the data order "
+                         "depends on it: pin --memory-budget where a resumed run must repeat it)")
         buffer = fits
     notes.extend(_slicing(info, splits, block_bytes_for(buffer, input_shape, dtype)) if sliced else [])
     why = f"stream ({why}), buffer {buffer:,}" + (" (capped)" if capped and asked else "")
@@ -134,8 +135,10 @@ def _slicing(info, splits, block):
             return [f"{member.path}: {group}/x is stored in chunks of {chunk:,} rows "
                     f"({human(chunk * member.row_bytes[group])}), more than a stream's blocks ({human(block)}) "
                     f"and its budget allow: read in slices of {length:,} rows"
-                    + ("; a compressed chunk is decompressed whole to read any slice, so its slices are read "
-                       "one after the other (a window draws from fewer places) from a cache of one chunk"
+                    + ("; a compressed chunk is decompressed whole to read any slice: a lane reads its slices "
+                       "of a chunk one after the other (a window draws from fewer places) from a cache of one "
+                       "chunk, but the lanes' windows take turns, so a chunk is decompressed again for each "
+                       "window that reads it (rewrite the file in smaller chunks where that costs)"
                        if compressed else "")]
     return []
 

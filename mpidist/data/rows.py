@@ -4,18 +4,21 @@ A split's rows are numbered ``0 .. count-1`` over the concatenation of its
 files (and, for a split carved by ``--val-fraction``, over the rows chosen for
 it).  Readers ask for increasing row numbers; :class:`SplitRows` maps them to
 files and reads each file's part in as few HDF5 calls as its pattern allows: a
-contiguous or evenly strided part in one, scattered rows in 64 MiB spans.
+contiguous or evenly strided part in one, evenly spaced runs of rows (a
+training shard's lanes) in one selection of them, scattered rows in 64 MiB
+spans.
 """
 
 import contextlib
 import errno
 import os
 
+import h5py
 import numpy as np
 
 from ..runtime.reads import HDF5_ERRORS, reading
 from ..runtime.whereabouts import here
-from .direct import DirectFile, byte_ranges, direct_rows, readable
+from .direct import DirectFile, byte_ranges, direct_rows, layout, readable
 from .layout import CHUNK_CACHE, open_source
 from .samples import prepare
 
@@ -105,15 +108,16 @@ class SplitRows:
             handles["fd", path] = os.open(path, os.O_RDONLY)
         return handles["fd", path]
 
-    def _direct(self, item, path, handles):
-        """The :class:`DirectFile` reading dataset ``item`` of ``path``, kept in ``handles``; None where not direct.
+    def _direct(self, item, path, handles, name=None):
+        """The :class:`DirectFile` reading dataset ``item`` (``name``, where the caller knows it) of ``path``, kept
+        in ``handles``; None where not direct.
 
         One per dataset: a read returns a view of its buffer, and a block's
         ``x`` and ``y`` are read before either is used.
         """
         if not self.direct or handles is None or not isinstance(path, os.PathLike):
             return None
-        key = ("direct", path, item.name)
+        key = ("direct", path, name or item.name)
         if key not in handles and not readable(item):
             handles[key] = None
         if key not in handles:
@@ -164,27 +168,72 @@ class SplitRows:
             read = []
             step = int(local[1] - local[0]) if len(local) > 1 else 1
             even = step > 0 and local[-1] - local[0] == step * (len(local) - 1) and (np.diff(local) == step).all()
+            runs = None if even else regular_runs(local)
             for key, item in zip("xy", items):
                 with reading(f"{where}/{key}", f"at samples {int(local[0])}..{int(local[-1])}"):
-                    read.append(self._read_span(item, slice(int(local[0]), int(local[-1]) + 1, step), path, handles)
-                                if even else read_rows(item, local))
+                    if even:
+                        read.append(self._read_span(item, slice(int(local[0]), int(local[-1]) + 1, step), path,
+                                                    handles, f"/{self.group}/{key}"))
+                    else:
+                        read.append(read_runs(item, local, runs) if runs else read_rows(item, local))
         return prepare(*read, self.info, where, local, self.input_shape, self.dtype)
 
 
-    def _read_span(self, item, span, path, handles):
-        """Rows ``span`` of ``item``: straight from the file where :func:`direct_rows` can, else through h5py."""
+    def _read_span(self, item, span, path, handles, name):
+        """Rows ``span`` of ``item`` (``name`` in its file): straight from the file where :func:`direct_rows` can,
+        else through h5py."""
         if span.step != 1:
             return item[span]
-        fd, direct = self._fd(path, handles), self._direct(item, path, handles)
+        fd, direct = self._fd(path, handles), self._direct(item, path, handles, name)
+        known = None
+        if fd is not None:     # (a stream's: what the reads ask of the dataset, kept with its open files)
+            known = handles.get(("layout", path, name)) or handles.setdefault(("layout", path, name), layout(item))
         try:
-            got = direct_rows(item, span.start, span.stop, fd, path, direct)
+            got = direct_rows(item, span.start, span.stop, fd, path, direct, known)
         except OSError as error:      # O_DIRECT opened but refused to read (an unusual block size): cached from now
             if direct is None or error.errno != errno.EINVAL:
                 raise
             direct.close()
-            handles["direct", path, item.name] = None
+            handles["direct", path, name] = None
             got = direct_rows(item, span.start, span.stop, fd, path)
         return item[span] if got is None else got
+
+
+def regular_runs(numbers):
+    """``(head, start, stride, count, length, tail)`` where increasing ``numbers`` are a run of ``head`` rows,
+    ``count`` runs of ``length`` consecutive rows ``stride`` apart from row ``start``, and a run of ``tail`` rows
+    (a training shard's lanes in a file: rows ``q * B + l`` of lanes ``l`` in ``[first, first + count)``); None
+    where they are not (or where that is not worth it: fewer than three runs)."""
+    numbers = np.asarray(numbers, dtype=np.int64)
+    cuts = np.flatnonzero(np.diff(numbers) != 1) + 1
+    if len(cuts) < 2:
+        return None
+    firsts = numbers[np.concatenate([[0], cuts])]
+    lengths = np.diff(np.concatenate([[0], cuts, [len(numbers)]]))
+    middle, gaps = lengths[1:-1], np.diff(firsts[1:-1])
+    if (middle != middle[0]).any() or (len(gaps) and (gaps != gaps[0]).any()):
+        return None
+    stride = int(gaps[0]) if len(gaps) else int(middle[0])
+    return int(lengths[0]), int(firsts[1]), stride, len(middle), int(middle[0]), int(lengths[-1])
+
+
+def read_runs(item, numbers, runs):
+    """Rows ``numbers`` of the HDF5 dataset ``item``, :func:`regular_runs` ``runs`` of them: the regular runs in
+    one HDF5 read of a strided selection of blocks, so only those rows' bytes are read."""
+    head, start, stride, count, length, tail = runs
+    out = np.empty((len(numbers),) + item.shape[1:], dtype=item.dtype)
+    out[:head] = item[int(numbers[0]):int(numbers[0]) + head]
+    middle = out[head:head + count * length]
+    if isinstance(item, np.ndarray) or not hasattr(item, "id"):     # (arrays: no selection to make)
+        middle[...] = item[numbers[head:head + count * length]]
+    else:
+        extra = len(item.shape) - 1
+        space = item.id.get_space()
+        space.select_hyperslab((start,) + (0,) * extra, (count,) + (1,) * extra, stride=(stride,) + (1,) * extra,
+                               block=(length,) + tuple(item.shape[1:]))
+        item.id.read(h5py.h5s.create_simple(middle.shape), space, middle)
+    out[len(numbers) - tail:] = item[int(numbers[-tail]):int(numbers[-1]) + 1]
+    return out
 
 
 def read_rows(item, numbers, block_bytes=64 << 20):

@@ -1,16 +1,22 @@
-"""A worker's shard read whole into memory (small datasets: the default below ``--memory-budget``).
+"""A worker's part of a split read whole into memory (small datasets: the default below ``--memory-budget``).
 
-Worker ``w`` of ``W`` holds rows ``w, w+W, w+2W, ...`` of a split: a strided
-shard, so every worker sees every class even when a file is stored sorted by
-label.  Each epoch it permutes its shard with a generator seeded by ``(seed,
-epoch, worker)``: the order is reproducible, so a resumed run continues
-exactly where it stopped.
+Training: worker ``w`` of ``W`` holds its lanes (:mod:`mpidist.data.lanes`):
+lane ``l`` of a global batch ``B`` is rows ``l, l+B, l+2B, ...``, strided, so
+every lane sees every class even when a file is stored sorted by label.  Each
+epoch each lane permutes its rows by ``(seed, epoch, lane)``, and step ``s``
+takes sample ``s`` of each of the worker's lanes: the global batch of a step
+is the same on any number of workers, and a run resumed (or shrunk) at step
+``s`` of an epoch, on any number of workers, continues every lane there.
+
+Evaluation: worker ``w`` of ``W`` holds rows ``w, w+W, w+2W, ...`` of the
+split, evaluated whole.
 """
 
 import numpy as np
 
 from ..runtime.memory import check_fits
-from .batches import Prefetcher, epoch_order
+from .batches import Prefetcher
+from .lanes import memory_positions, memory_rows
 from .rows import SplitRows
 from .samples import footprint
 
@@ -21,18 +27,25 @@ class Shard:
     Args:
         info: the dataset's :class:`~mpidist.data.DatasetInfo`.
         split: "train", "test" or "val".
-        worker, num_workers: this worker's index and the worker count.
+        worker, num_workers: this worker's index and the worker count (an evaluation's strided shard).
         input_shape: per-sample shape the model is fed (may add a channel axis).
         dtype: floating dtype of the samples.
         rows: a slice of the split's rows to read in place of the strided shard (``predict``
             reads a contiguous block per rank); ``worker`` and ``num_workers`` are then unused.
+        lanes: the worker's :class:`~mpidist.data.lanes.Lanes` of the training split: the rows it holds and
+            the batches it gives (``worker`` and ``num_workers`` unused).
     """
 
     mode = "memory"
 
-    def __init__(self, info, split, worker, num_workers, input_shape, dtype, rows=None):
+    def __init__(self, info, split, worker, num_workers, input_shape, dtype, rows=None, lanes=None):
         source = SplitRows(info, split, input_shape, dtype)
-        numbers = np.arange(source.count, dtype=np.int64)[slice(worker, None, num_workers) if rows is None else rows]
+        self.lanes, self.count = lanes, source.count
+        if lanes is not None:
+            numbers = memory_rows(source.count, lanes)
+        else:
+            numbers = np.arange(source.count, dtype=np.int64)[slice(worker, None, num_workers) if rows is None
+                                                              else rows]
         # the file's row counts decide the size: checked before anything is read
         check_fits(footprint(len(numbers), info, source.group, dtype),
                    f"{info.path}: {source.group} ({len(numbers):,} rows of {int(np.prod(info.sample_shape)):,} "
@@ -42,16 +55,16 @@ class Shard:
     def __len__(self):
         return len(self.y)
 
-    def prime(self, seed, epoch, worker, first):
-        """Nothing to read ahead: the shard is in memory (a :class:`~mpidist.data.Stream` reads its first window)."""
+    def prime(self, seed, epoch, step):
+        """Nothing to read ahead: the shard is in memory (a :class:`~mpidist.data.Stream` reads its first windows)."""
 
-    def batches(self, local_batch, steps, seed, epoch, worker, skip=0, last_epoch=False):
-        """The ``(x, y)`` batches of one epoch from step ``skip`` on, prefetched (``last_epoch``: for a stream)."""
-        order = epoch_order(len(self), seed, epoch, worker)
+    def batches(self, steps, seed, epoch, skip=0, last_epoch=False):
+        """The ``(x, y)`` batches of steps ``skip..steps-1`` of ``epoch``, prefetched (``last_epoch``: for a stream).
 
+        Batch ``s`` is sample ``s`` of each lane's order, in lane order.
+        """
         def batches():
-            for step in range(skip, steps):
-                index = order[step * local_batch:(step + 1) * local_batch]
+            for index in memory_positions(self.count, self.lanes, seed, epoch, skip)[:max(0, steps - skip)]:
                 yield self.x[index], self.y[index]
 
         return Prefetcher(batches())

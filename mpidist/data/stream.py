@@ -1,315 +1,201 @@
-"""A worker's part of a split read as training goes: chunk-aligned blocks, a shuffle buffer, bounded memory.
+"""A worker's lanes of the training split read as training goes (or its part of an evaluation split), bounded memory.
 
-Datasets larger than ``--memory-budget`` stream.  Worker ``w`` of ``W`` owns
-a contiguous range of the split's rows (the first ``n % W`` workers one row
-more: the counts of a strided shard, so steps per epoch do not change), cut
-into blocks at multiples of each file's block length: whole HDF5 chunks, about
-:data:`BLOCK_BYTES` of them, so a block is one read call and no chunk is
-decompressed twice.  Where whole chunks do not fit the memory budget
-(:func:`stream_bytes`, :mod:`mpidist.data.budget`), a chunk larger than a block
-is read in slices (``sliced``); the slices of a compressed chunk are read one
-after the other from a cache of that chunk (:func:`block_groups`).  Each epoch:
+Datasets larger than ``--memory-budget`` stream.  For training, a worker
+holds its lanes (:mod:`mpidist.data.lanes`): contiguous, balanced ranges of
+rows, so its lanes are one contiguous range, read in chunk-aligned blocks
+(:mod:`mpidist.data.blocks`) cut at the lanes' bounds too.  Each epoch each
+lane's blocks are put in an order of their own and grouped into windows, each
+window's samples permuted (:mod:`mpidist.data.windows`), and step ``s`` takes
+sample ``s`` of every lane: the same samples on any number of workers.
 
-1. the blocks are put in an order drawn from ``(seed, epoch, worker)``;
-2. consecutive blocks of that order form windows of at least ``buffer``
-   samples (the shuffle buffer);
-3. each window's samples are permuted (seeded by ``(seed, epoch, worker,
-   window)``), and batches are cut from the windows in turn.
+Two background threads.  One reads the windows in the order the steps need
+them, each lane's next window while its current one is trained on, into a
+pool of :data:`~mpidist.data.blocks.WINDOWS` windows a lane, allocated and
+written at set-up and reused.  The other gathers the batches a segment of
+steps at a time (steps during which no lane changes window): one take from
+the pool per segment, through an index of each lane's current window in its
+permuted order, a copy, as a shard in memory's batches are.  The first
+windows are read at set-up (:meth:`Stream.prime`) and, while an epoch's last
+batches train, the next epoch's.  The order is a function of the seed, the
+epoch, the lanes, the buffer and the files' chunking (nothing read, nothing
+timed), so a resumed run, on any number of workers, starts at the windows
+holding its step and continues exactly.
 
-A background thread reads the windows, a window ahead, and another gathers
-each batch's samples from them in the window's permuted order (a copy, as a
-shard in memory's batches are), a batch ahead of training.  The order is a
-function of the seed, the epoch, the worker and the worker count, the buffer
-and the files' chunking (nothing read, nothing timed), so a resumed run
-starts at the window holding its next sample and continues exactly.
-Memory: :data:`WINDOWS` windows (the one being gathered, the one read next,
-the one being read, and one that has just been gathered: batches may span
-two), written at set-up and reused, whatever the dataset's size.
+An evaluation split is streamed as a worker's contiguous part
+(:func:`~mpidist.data.blocks.worker_range`), in order, a block at a time.
 
-Compared with a shard in memory, which permutes all its rows every epoch, a
-sample's neighbours in a batch come from the same window: random blocks of the
-worker's range, not the whole range (``docs/datasets.rst`` has the figures).
+Compared with a shard in memory, whose lanes permute all their rows every
+epoch, a lane's consecutive samples come from one window: random blocks of the
+lane, not the whole lane; a batch still draws one sample from each of the
+``B`` lanes, spread over the whole split (``docs/datasets.rst`` has the figures).
 """
 
 import os
 import queue
+import threading
 
 import numpy as np
 
 from .batches import Prefetcher
+from .blocks import (
+    WINDOWS,
+    block_bytes_for,
+    block_cuts,
+    block_groups,
+    default_buffer,
+    lane_share,
+    segment_steps,
+    worker_range,
+)
+from .lanes import stream_bounds
 from .rows import SplitRows
-
-STREAM_SEED = 0x5354          # mixed into the seed: the stream's order is not a shard's permutation
-BLOCK_BYTES = 4 << 20         # one read call: a few of a parallel file system's stripes; a window draws 16
-BUFFER_BYTES = 64 << 20       # the default shuffle buffer: this many bytes of samples in the model's dtype
-WINDOWS = 4                   # windows a stream holds at once: training, the one before, read, being read
-EVAL_BLOCKS = 3               # blocks an evaluation holds: being cut into batches, read ahead, being read
-
-
-def worker_range(n, workers, worker):
-    """``(lo, hi)``: worker ``worker``'s contiguous rows of ``n``, balanced (the first ``n % workers`` one more)."""
-    base, extra = divmod(n, workers)
-    lo = worker * base + min(worker, extra)
-    return lo, lo + base + (1 if worker < extra else 0)
-
-
-def block_cuts(source, lo, hi, block_bytes=BLOCK_BYTES, sliced=False):
-    """Sorted row numbers of :class:`SplitRows` ``source`` cutting ``[lo, hi)`` into blocks.
-
-    A file's blocks start at multiples of its block length: whole chunks of
-    ``x``, about ``block_bytes`` of them (one chunk at least); with ``sliced``,
-    a chunk larger than that is cut in equal slices from its start.  Files are
-    never read in one block together.
-    """
-    cuts = [np.array([lo, hi], dtype=np.int64)]
-    for index, member in enumerate(source.files):
-        length = block_length(member, source.group, block_bytes, sliced)
-        rows, chunk = member.sizes[source.group], max(1, member.chunk_rows.get(source.group, 1))
-        if length < chunk:     # slices of each chunk
-            starts = (np.arange(0, rows, chunk, dtype=np.int64)[:, None] + np.arange(0, chunk, length)).ravel()
-            starts = source.starts[index] + np.sort(starts[starts < rows])
-        else:
-            starts = source.starts[index] + np.arange(0, rows, length, dtype=np.int64)
-        if source.picked is not None:      # a carved split: where its rows cross the file's boundaries
-            starts = np.searchsorted(source.picked, starts).astype(np.int64)
-        cuts.append(starts[(starts > lo) & (starts < hi)])
-    return np.unique(np.concatenate(cuts))
-
-
-def block_length(member, group, block_bytes=BLOCK_BYTES, sliced=False):
-    """Rows of a block of ``group`` in file ``member``: whole chunks of ``x``, about ``block_bytes`` (one chunk at
-    least); with ``sliced``, a chunk larger than ``block_bytes`` is read in equal slices of at most about that."""
-    return _length(member.chunk_rows.get(group, 1), member.row_bytes.get(group, 1), block_bytes, sliced)
-
-
-def _length(chunk, row, block_bytes, sliced):
-    chunk, row = max(1, chunk), max(1, row)
-    if sliced and chunk * row > block_bytes:
-        pieces = -(-chunk * row // block_bytes)
-        return -(-chunk // pieces)
-    return max(chunk, block_bytes // row // chunk * chunk)
-
-
-def block_groups(source, cuts, block_bytes, sliced):
-    """Which blocks between ``cuts`` slice one compressed chunk (the same number), or None where none do.
-
-    Reading part of a compressed chunk decompresses all of it: an epoch reads
-    the slices of one such chunk one after the other, from the chunk cache
-    :class:`SplitRows` gives it, so each is decompressed about once an epoch.
-    """
-    compressed = [sliced and member.spans.get(source.group, (0, 0))[0] > 0
-                  and block_length(member, source.group, block_bytes, True) < member.chunk_rows.get(source.group, 1)
-                  for member in source.files]
-    if not any(compressed) or len(cuts) < 3:
-        return None
-    rows = source.group_rows(cuts[:-1])
-    files = np.searchsorted(source.starts, rows, side="right") - 1
-    chunks = (rows - source.starts[files]) // np.array([max(1, m.chunk_rows.get(source.group, 1))
-                                                        for m in source.files])[files]
-    same = (files[1:] == files[:-1]) & (chunks[1:] == chunks[:-1]) & np.array(compressed)[files[1:]]
-    groups = np.concatenate([[0], np.cumsum(~same)])
-    return None if groups[-1] == len(groups) - 1 else groups
-
-
-def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, train=True):
-    """Bytes a :class:`Stream` of ``split`` holds at most (``train``: with its windows; else an evaluation's blocks).
-
-    Its :data:`WINDOWS` windows of ``buffer`` samples and a block (in the
-    model's dtype, with targets); a block being read (as stored, standardised
-    where the file says so, converted); and the chunk cache of a file whose
-    compressed chunks are larger than HDF5's (a chunk of ``x`` and of ``y``
-    decompressed, and the compressed one read).
-    """
-    group = info.rows_of(split)[0]
-    values = int(np.prod(input_shape))
-    sample = values * np.dtype(dtype).itemsize + (8 if info.num_classes else info.target_width * 8)
-    block = block_bytes_for(buffer, input_shape, dtype)
-    kinds = {(m.chunk_rows.get(group, 1), m.row_bytes.get(group, 0), m.cache_bytes(group)) for m in info.files}
-    rows = max(_length(chunk, row, block, sliced) for chunk, row, _ in kinds)
-    stored = max(r for _, r, _ in kinds) + 8 + (8 * values if info.mean is not None else 0)
-    cache = max(cache for _, _, cache in kinds)     # (one file's: a stream holds one such file open at a time)
-    held = (WINDOWS * (buffer + rows) if train else EVAL_BLOCKS * rows) * sample
-    return held + rows * (stored + sample) + cache
-
-
-def block_bytes_for(buffer, input_shape, dtype):
-    """Bytes of a block for a shuffle buffer of ``buffer`` samples: :data:`BLOCK_BYTES`, or a quarter of a small buffer.
-
-    A window then holds four blocks at least, drawn from anywhere in the part.
-    """
-    return min(BLOCK_BYTES, max(1, buffer * int(np.prod(input_shape)) * np.dtype(dtype).itemsize // 4))
-
-
-def default_buffer(input_shape, dtype, budget=None):
-    """Samples in the default shuffle buffer: :data:`BUFFER_BYTES` of them, less in a small ``budget``; one at least.
-
-    A stream holds four windows of about a buffer each: with a budget, the
-    buffer is at most an eighth of it, so the windows take half.
-    """
-    size = BUFFER_BYTES if budget is None else min(BUFFER_BYTES, budget // 8)
-    return max(1, size // (int(np.prod(input_shape)) * np.dtype(dtype).itemsize))
-
-
-def epoch_windows(sizes, buffer, seed, epoch, worker, groups=None):
-    """The blocks (indices into ``sizes``, their row counts) of each window of an epoch, in order.
-
-    ``groups`` (:func:`block_groups`): blocks of one group stay together, in
-    an order of their own; groups are ordered as blocks are without them.
-    """
-    generator = np.random.default_rng([seed, epoch, worker, STREAM_SEED])
-    if groups is None:
-        return _group(generator.permutation(len(sizes)).tolist(), sizes, buffer)
-    firsts = np.flatnonzero(np.concatenate([[True], groups[1:] != groups[:-1]]))
-    ends = np.append(firsts[1:], len(groups))
-    order = []
-    for run in generator.permutation(len(firsts)).tolist():
-        lo, hi = int(firsts[run]), int(ends[run])
-        order.extend((lo + generator.permutation(hi - lo)).tolist() if hi - lo > 1 else [lo])
-    return _group(order, sizes, buffer)
-
-
-def window_order(length, seed, epoch, worker, window):
-    """The permutation of window ``window``'s ``length`` samples."""
-    return np.random.default_rng([seed, epoch, worker, STREAM_SEED, window]).permutation(length)
-
-
-def _group(blocks, sizes, buffer):
-    windows, current, rows = [], [], 0
-    for block in blocks:
-        current.append(block)
-        rows += int(sizes[block])
-        if rows >= buffer:
-            windows.append(current)
-            current, rows = [], 0
-    if current:
-        windows.append(current)
-    return windows
+from .windows import schedule, window_order
 
 
 class Stream:
     """One split's rows for one worker, streamed.  Arguments as :class:`~mpidist.data.Shard`'s, and:
 
     Args:
-        buffer: samples in the shuffle buffer (0: :func:`default_buffer`).
+        buffer: samples in the shuffle buffer, shared by the lanes (0: :func:`~mpidist.data.blocks.default_buffer`).
         direct: read around the page cache where the file system allows it (``--stream-io direct``).
-        sliced: read a chunk larger than a block in slices (see :func:`block_cuts`, :func:`block_groups`).
+        sliced: read a chunk larger than a block in slices (see :func:`~mpidist.data.blocks.block_cuts`).
+        lanes: the worker's :class:`~mpidist.data.lanes.Lanes` of the training split; None for an evaluation's part.
     """
 
     mode = "stream"
 
-    def __init__(self, info, split, worker, num_workers, input_shape, dtype, buffer=0, direct=False, sliced=False):
+    def __init__(self, info, split, worker, num_workers, input_shape, dtype, buffer=0, direct=False, sliced=False,
+                 lanes=None):
         self.source = SplitRows(info, split, input_shape, dtype, direct)
-        self.lo, self.hi = worker_range(self.source.count, num_workers, worker)
-        # (a window holds the part at most: a larger buffer orders it as one window too, and would be allocated)
-        self.buffer = max(1, min(int(buffer) or default_buffer(input_shape, dtype), self.hi - self.lo))
-        block = block_bytes_for(self.buffer, input_shape, dtype)
-        self.cuts = block_cuts(self.source, self.lo, self.hi, block, sliced)
-        self.groups = block_groups(self.source, self.cuts, block, sliced)
+        count, self.lanes = self.source.count, lanes
+        asked = int(buffer) or default_buffer(input_shape, dtype)
+        if lanes is None:
+            self.lo, self.hi = worker_range(count, num_workers, worker)
+            bounds = np.array([self.lo, self.hi], dtype=np.int64)
+            # (a window holds the part at most: a larger buffer orders it as one window too)
+            self.buffer = self.share = max(1, min(asked, self.hi - self.lo))
+        else:
+            bounds = stream_bounds(count, lanes.total)[lanes.first:lanes.first + lanes.count + 1]
+            self.lo, self.hi = int(bounds[0]), int(bounds[-1])
+            # (the split caps it, not the worker's part: the order must not depend on the worker count)
+            self.buffer = max(1, min(asked, count))
+            self.share = lane_share(self.buffer, count, lanes.total)
+        block = block_bytes_for(self.share, input_shape, dtype)
+        self.cuts = np.union1d(block_cuts(self.source, self.lo, self.hi, block, sliced), bounds)
         self.sizes = np.diff(self.cuts)
-        self.input_shape, self.dtype = tuple(input_shape), np.dtype(dtype)
-        # window arrays the batches are done with, filled again: a fresh 64 MiB array costs its page faults
-        # (tens of ms on a VM) each time; the reading thread takes, the consumer gives back
-        self._spare = queue.SimpleQueue()
-        self._allocated = 0     # window arrays made (in the pool, or in use)
-        # a window read before it was asked for: (seed, epoch, worker, window) -> (x, y); see prime()
-        self._ahead = {}
+        self.lane_of = np.searchsorted(bounds, self.cuts[:-1], side="right") - 1     # each block's (local) lane
+        self.groups = block_groups(self.source, self.cuts, block, sliced, self.lane_of)
+        # a window holds a lane's share and all but one row of a block at most, and its lane at most
+        rows = min(self.share + int(self.sizes.max(initial=1)) - 1, int(np.diff(bounds).max(initial=1)))
+        self.pool = Pool(lanes.count if lanes else 1, rows, input_shape, dtype, info)
+        self._ahead = {}            # windows read before they were asked for: (seed, epoch, lane, window) -> slot
 
     def __len__(self):
         return self.hi - self.lo
 
-    def window_rows(self):
-        """The most samples a window holds: the buffer, plus all but one row of the largest block."""
-        return self.buffer + int(self.sizes.max(initial=1)) - 1
-
-    def prime(self, seed, epoch, worker, first):
-        """Read now the window that holds sample ``first`` of ``epoch``: the first batches then wait for nothing.
+    def prime(self, seed, epoch, step):
+        """Read now the windows that hold step ``step`` of ``epoch``: the first batches then wait for nothing.
 
         The run's set-up calls it where a shard in memory is loaded, so both
         modes start training with their data at hand.  An epoch read to its
-        end (but the run's last) reads the next one's first window the same
+        end (but the run's last) reads the next one's first windows the same
         way, while its last batches train.
         """
-        self._allocate()
-        windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker, self.groups)
-        ends = np.cumsum([int(self.sizes[w].sum()) for w in windows])
-        index = int(np.searchsorted(ends, first, side="right"))
-        if index < len(windows):
-            handles = {}
-            try:
-                self._read_ahead(windows, index, seed, epoch, worker, handles)
-            finally:
-                _close(handles)
+        self.pool.allocate()
+        self._ahead = {}
+        self.pool.release({})
+        handles = {}
+        try:
+            self._read_ahead(self._schedule(seed, epoch, step, step + 1), seed, epoch, handles, threading.Event())
+        finally:
+            _close(handles)
 
-    def _read_ahead(self, windows, index, seed, epoch, worker, handles):
-        self._advise(windows, index, handles)
-        self._ahead = {(seed, epoch, worker, index): self._window(windows[index], handles)}
+    def _schedule(self, seed, epoch, first, last):
+        return schedule(self.sizes, self.lane_of, self.lanes.ids, self.share, seed, epoch, first, last, self.groups)
 
-    def batches(self, local_batch, steps, seed, epoch, worker, skip=0, last_epoch=False):
-        """The ``(x, y)`` batches of one epoch from step ``skip`` on: windows read ahead, batches gathered ahead.
+    def _key(self, seed, epoch, window):
+        return seed, epoch, self.lanes.first + window.lane, window.index
 
-        Read to its end, an epoch reads the next one's first window while its
-        last batches train, unless it is the ``last_epoch`` (a window of reading
-        for nothing: a sixteenth of a gigabyte part).
+    def _read_ahead(self, windows, seed, epoch, handles, stop):
+        """Read ``windows`` of ``epoch`` into free slots, kept for the :meth:`batches` that asks for them."""
+        self._advise([w.blocks for w in windows], handles)
+        for window in windows:
+            slot = self.pool.take(stop)
+            if slot is None:
+                return
+            self._read(window.blocks, slot, handles)
+            self._ahead[self._key(seed, epoch, window)] = slot
 
-        Two background threads: one reads the windows, one gathers each
-        batch's samples from them in the window's permuted order (a copy, as
-        a shard in memory's batches are, so the training thread gets them
-        fresh in the cache and no batch refers to a window).  A window goes
-        back to the pool once its last sample is gathered.
+    def batches(self, steps, seed, epoch, skip=0, last_epoch=False):
+        """The ``(x, y)`` batches of steps ``skip..steps-1`` of ``epoch``: windows read ahead, batches gathered ahead.
+
+        Read to its end, an epoch reads the next one's first windows while its
+        last batches train, unless it is the ``last_epoch`` (reading for nothing).
         """
-        windows = epoch_windows(self.sizes, self.buffer, seed, epoch, worker, self.groups)
-        ends = np.cumsum([int(self.sizes[w].sum()) for w in windows])
-        first, last = skip * local_batch, steps * local_batch - 1
-        if last < first:
-            return iter(())
-        k, final = (int(np.searchsorted(ends, row, side="right")) for row in (first, last))
-        offset = first - (int(ends[k - 1]) if k else 0)
+        if skip >= steps:
+            return Prefetcher(iter(()))
+        self.pool.allocate()
+        windows = self._schedule(seed, epoch, skip, steps)
+        keys = [self._key(seed, epoch, window) for window in windows]
+        ready = {index: self._ahead[key] for index, key in enumerate(keys) if key in self._ahead}
+        self._ahead = {}
+        self.pool.release(ready)
+        stop = threading.Event()     # the batches were closed early: the reading thread lets go
 
         def read():
-            handles = {}
+            handles, advised = {}, 0     # (windows before `advised` were advised: the kernel reads them ahead)
             try:
-                for index in range(k, final + 1):
-                    ready = self._ahead.pop((seed, epoch, worker, index), None) if index == k else None
-                    self._advise(windows, index + (index == k), handles, both=index == k and ready is None)
-                    yield ready if ready is not None else self._window(windows[index], handles)
-                if final == len(windows) - 1 and not last_epoch:   # the epoch's end: the next one's first window
-                    self._read_ahead(epoch_windows(self.sizes, self.buffer, seed, epoch + 1, worker, self.groups), 0, seed,
-                                     epoch + 1, worker, handles)
+                for index, window in enumerate(windows):
+                    slot = ready.pop(index, None)
+                    if slot is None:
+                        self._advise([w.blocks for w in windows[max(advised, index):index + 2]], handles)
+                        advised = index + 2
+                        slot = self.pool.take(stop)
+                        if slot is None:
+                            return
+                        self._read(window.blocks, slot, handles)
+                    yield slot, window_order(window.rows, seed, epoch, self.lanes.first + window.lane, window.index)
+                if not last_epoch:   # the epoch's end: the next one's first windows
+                    self._read_ahead(self._schedule(seed, epoch + 1, 0, 1), seed, epoch + 1, handles, stop)
             finally:
                 _close(handles)
 
-        def gather():
-            reader = Prefetcher(read(), depth=1)
-            window, index, at = None, k, offset      # window: (x, y, order) of the one being sampled
-            try:
-                for _ in range(steps - skip):
-                    xs, ys, wanted = [], [], local_batch
-                    while wanted:       # a batch may span windows
-                        if window is None or at == len(window[2]):
-                            if window is not None:
-                                self._give_back(window)
-                                at = 0
-                            x, y = next(reader)
-                            window = x, y, window_order(len(x), seed, epoch, worker, index)
-                            index += 1
-                        x, y, order = window
-                        rows = order[at:at + wanted]
-                        xs.append(x[rows])
-                        ys.append(y[rows])
-                        at += len(rows)
-                        wanted -= len(rows)
-                    yield (xs[0], ys[0]) if len(xs) == 1 else (np.concatenate(xs), np.concatenate(ys))
-            finally:
-                reader.close()
-                if window is not None:
-                    self._give_back(window)
+        return Prefetcher(self._gather(windows, read(), steps, skip, stop))
 
-        return Prefetcher(gather())
-
-    def _give_back(self, window):
-        """Put the arrays of ``window`` (``(x, y, order)``, every sample gathered) back in the pool."""
-        x, y, _ = window
-        self._spare.put((x.base if x.base is not None else x, y.base if y.base is not None else y))
+    def _gather(self, windows, reads, steps, skip, stop):
+        """The batches of steps ``skip..steps-1``, a segment of steps at a time, from the windows ``reads`` gives."""
+        pool = self.pool
+        (x, y, index), count, rows = pool.arrays, self.lanes.count, pool.rows
+        reader = Prefetcher(reads, depth=pool.slots)
+        held, begins, lanes = [None] * count, np.zeros(count, dtype=np.int64), np.arange(count)
+        most = segment_steps(self.share, count * (x[:1].nbytes + y[:1].nbytes))
+        at, following, finished = skip, 0, False
+        try:
+            while at < steps:
+                while following < len(windows) and windows[following].start <= at:
+                    window = windows[following]
+                    slot, order = next(reader)
+                    index[window.lane, :window.rows] = slot * rows + order
+                    begins[window.lane] = window.start
+                    if held[window.lane] is not None:
+                        pool.free.put(held[window.lane])
+                    held[window.lane] = slot
+                    following += 1
+                end = min(steps, at + most, windows[following].start if following < len(windows) else steps)
+                taken = index[lanes[None, :], np.arange(at, end)[:, None] - begins[None, :]].ravel()
+                bx, by = x[taken], y[taken]
+                bx, by = bx.reshape((end - at, count) + bx.shape[1:]), by.reshape((end - at, count) + by.shape[1:])
+                for step in range(end - at):
+                    yield bx[step], by[step]
+                at = end
+            finished = True
+        finally:
+            for slot in held:
+                if slot is not None:
+                    pool.free.put(slot)
+            if not finished:
+                stop.set()
+            reader.close()
 
     def eval_batches(self, size=1024):
         """The whole part in order, in chunks of ``size`` (the last one shorter), read a block ahead.
@@ -335,48 +221,70 @@ class Stream:
         finally:
             reader.close()
 
-    def _advise(self, windows, index, handles, both=False):
-        """Ask the kernel to read window ``index``'s blocks ahead (and the one before it too, with ``both``)."""
-        for blocks in windows[index - 1:index + 1] if both else windows[index:index + 1]:
+    def _advise(self, windows, handles):
+        """Ask the kernel to read the blocks of ``windows`` (tuples of blocks) ahead."""
+        for blocks in windows:
             for block in blocks:
                 self.source.advise(int(self.cuts[block]), int(self.cuts[block + 1]), handles)
 
-    def _window(self, blocks, handles):
-        """The samples of ``blocks``, in the order read, one read call per block."""
-        x, y = self._arrays(int(self.sizes[blocks].sum()))
-        done = 0
+    def _read(self, blocks, slot, handles):
+        """The samples of ``blocks`` into slot ``slot`` of the pool, in the order read, one read call per block."""
+        x, y, _ = self.pool.arrays
+        at = slot * self.pool.rows
         for block in blocks:
             bx, by = self.source.read(np.arange(self.cuts[block], self.cuts[block + 1]), handles)
-            x[done:done + len(bx)], y[done:done + len(by)] = bx, by
-            done += len(bx)
-        return x, y
+            x[at:at + len(bx)], y[at:at + len(by)] = bx, by
+            at += len(bx)
 
-    def _allocate(self):
-        """Put :data:`WINDOWS` windows' arrays in the pool, every page written: at set-up, not in training.
+
+class Pool:
+    """The windows a training stream holds: :data:`~mpidist.data.blocks.WINDOWS` slots a lane of ``rows`` samples
+    each, in one array allocated and written once, reused; and which slots no window holds.
+
+    The reading thread takes free slots, the gathering thread gives them back
+    once their window's samples are gathered.  ``arrays`` is ``(x, y,
+    index)``: the samples, their targets, and each lane's current window's
+    samples (rows of ``x``) in its permuted order.
+    """
+
+    def __init__(self, lanes, rows, input_shape, dtype, info):
+        self.lanes, self.rows, self.slots = lanes, max(1, int(rows)), WINDOWS * lanes
+        self.input_shape, self.dtype, self.info = tuple(input_shape), np.dtype(dtype), info
+        self.arrays = None
+        self.free = queue.Queue()
+
+    def allocate(self):
+        """The arrays, every page written: at set-up, not in training (all slots free on first call).
 
         A page's first write costs a fault (on a VM, tens of ms a window);
         done here, the memory the stream holds is also taken, and any
         shortage shows, before training starts, as a shard's loading would.
         """
-        while self._allocated < WINDOWS:
-            x, y = self._arrays(0, new=True)
-            x.base[...] = 0
-            y.base[...] = 0
-            self._spare.put((x.base, y.base))
+        if self.arrays is not None:
+            return
+        rows = self.slots * self.rows
+        targets = ((rows,), np.int64) if self.info.num_classes else ((rows, self.info.target_width), self.dtype)
+        x, y = np.zeros((rows,) + self.input_shape, dtype=self.dtype), np.zeros(*targets)
+        index = np.zeros((self.lanes, self.rows), dtype=np.int64)
+        for array in (x, y, index):
+            array.reshape(-1)[::max(1, 4096 // array.itemsize)] = 0      # (np.zeros may map untouched pages)
+        self.arrays = x, y, index
+        self.release({})
 
-    def _arrays(self, length, new=False):
-        """``(x, y)`` to hold a window of ``length`` samples: a spare pair where there is one, else new ones."""
-        while not new:
+    def take(self, stop):
+        """A free slot, once one is; None once ``stop`` (an Event) is set."""
+        while True:
             try:
-                x, y = self._spare.get_nowait()
+                return self.free.get(timeout=0.05)
             except queue.Empty:
-                break
-            if len(x) >= length:
-                return x[:length], y[:length]
-        self._allocated += 1
-        info, rows = self.source.info, self.window_rows()
-        targets = ((rows,), np.int64) if info.num_classes else ((rows, info.target_width), self.dtype)
-        return np.empty((rows,) + self.input_shape, dtype=self.dtype)[:length], np.empty(*targets)[:length]
+                if stop.is_set():
+                    return None
+
+    def release(self, kept):
+        """Every slot free but those in ``kept`` (a dict's values): no thread uses the pool."""
+        self.free = queue.Queue()
+        for slot in sorted(set(range(self.slots)) - set(kept.values())):
+            self.free.put(slot)
 
 
 def _own(array):

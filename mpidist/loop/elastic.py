@@ -39,7 +39,9 @@ or a watcher saw one die where the survivors must recover together
    and the checkpoints; after a rollback the shards are re-divided among the
    ps left), take the state the strategy holds at the agreed step
    (:func:`share`: an in-memory checkpoint, with the same layout as a file)
-   or the checkpoint rolled back to, re-divide the data, and go on; a
+   or the checkpoint rolled back to, re-divide the global batch's lanes, and
+   go on, every lane at that step (each sample of the epoch once:
+   :mod:`mpidist.data.lanes`); a
    checkpoint resumes on any number of workers and ps ranks, so this is the
    same, tested, path as ``--resume`` with fewer ranks.  The strategy built
    for the broken world is abandoned (:meth:`~mpidist.parallel.base.Strategy.abandon`):
@@ -49,8 +51,9 @@ or a watcher saw one die where the survivors must recover together
 ``ps-async`` workers never block on each other: there the ranks watch for
 deaths (:class:`~mpidist.runtime.ulfm.FailureWatch`, as they step, while the
 staleness bound holds them, as they serve), the first ps drops a dead worker
-from the staleness bound, and the others never notice; the survivors shrink
-at the end.  A dead ps or chief that a rollback can replace is a
+from the staleness bound, and the others never notice (nobody takes up its
+lanes: their samples are left out for the rest of the run); the survivors
+shrink at the end.  A dead ps or chief that a rollback can replace is a
 :class:`~mpidist.runtime.ulfm.ProcessLost` on every rank that sees it, which
 enters the recovery above as a failed call would (a rank held up in a
 one-sided operation at the dead ps ends itself, see

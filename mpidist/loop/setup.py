@@ -109,18 +109,19 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     if not in_graph and info.sizes["train"] < workers:
         raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training sample(s), fewer than the "
                          f"{workers} workers: worker {info.sizes['train']} would have an empty shard")
-    # in-graph: global batches come from one reader, so an epoch is the whole split's worth of them
-    steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, workers)
-    if in_graph:
-        steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, 1)
+    # one sample of each of the global batch's lanes a step: n // B steps, in-graph or not, on any worker count
+    steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, 1 if in_graph else workers)
     if steps == 0:
         raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
                          f"--batch-size {config.batch_size} over {workers} workers")
     reads = _reads(config, cluster, info, worker, workers)
-    reading = data.plan(config, info, [(split, len(range(w, info.sizes[split], n))) for split, w, n in reads.values()],
-                        model.input_shape, model.dtype)
+    lanes = data.Lanes.of(config.batch_size, reads["train"][2], reads["train"][1]) if "train" in reads else None
+    reading = data.plan(config, info, [(split, lanes.rows(info.sizes[split]) if split == "train" else
+                                        len(range(w, info.sizes[split], n))) for split, w, n in reads.values()],
+                        model.input_shape, model.dtype, lanes)
     notes.extend(f"note: {note}" for note in reading.notes)   # (a stream's buffer capped, chunks read in slices)
-    shards = {split: reading.open(info, split, w, n, model.input_shape, model.dtype) for split, w, n in reads.values()}
+    shards = {split: reading.open(info, split, w, n, model.input_shape, model.dtype,
+                                  lanes=lanes if split == "train" else None) for split, w, n in reads.values()}
     train, test, val = (shards.get(split) for split in ("train", "test", "val"))
     if resume is not None and resume.params.size != model.num_params:
         raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
@@ -144,19 +145,19 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     if changed is not None:   # (--data is given to a resumed run: it goes on, and the user is told)
         notes.append(f"warning: --resume {resume.path}: {changed}; training goes on with it")
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
-    if train is not None:   # (a stream reads its first window now, as a shard in memory was read whole above)
+    if train is not None:   # (a stream reads its first windows now, as a shard in memory was read whole above)
         epoch, at = (0, 0) if resume is None else (resume.epoch, resume.epoch_step)
         epoch, at = (epoch + 1, 0) if at >= steps else (epoch, at)
         if epoch < config.epochs:
-            train.prime(config.seed if resume is None else resume.seed, epoch, 0 if in_graph else worker,
-                        at * (config.batch_size if in_graph else local_batch))
+            train.prime(config.seed if resume is None else resume.seed, epoch, at)
     return Setup(info=info, model=model, train=train, test=test, val=val, local_batch=local_batch,
                  steps_per_epoch=steps, reading=reading,
                  resume=resume, skipped=list(skipped), notes=notes)
 
 
 def _reads(config, cluster, info, worker, workers):
-    """``{split: (split, worker, workers)}``: the part of each split this rank reads (none: not in the dict)."""
+    """``{split: (split, worker, workers)}``: the part of each split this rank reads (none: not in the dict); of
+    the training split, the lanes of that worker of that many."""
     evaluated = ("test", "val") if "val" in info.sizes else ("test",)
     if config.replication == "in-graph":   # the chief is the one client that reads samples
         return {split: (split, 0, 1) for split in ("train",) + evaluated} if cluster.is_chief else {}
@@ -202,13 +203,23 @@ def recipe_changes(config, resume):
     A schedule is a function of the step and these settings alone: with the
     same ones a resumed run continues exactly; with others it continues on a
     new schedule from the checkpoint's step, which the user should know.
+    Another ``--batch-size`` also cuts the data into other lanes
+    (:mod:`mpidist.data.lanes`): mid-epoch, the epoch is not the same set of
+    samples once.
     """
     changed = [f"--{name.replace('_', '-')} {printable(repr(resume.config[name]))} -> {getattr(config, name)!r}"
                for name in RECIPE if name in resume.config and resume.config[name] != getattr(config, name)]
     if not changed:
         return []
-    return [f"note: resumed with another recipe than {resume.path} was written with ({', '.join(changed)}): "
-            "the schedule continues as the new settings give it from this step"]
+    notes = [f"note: resumed with another recipe than {resume.path} was written with ({', '.join(changed)}): "
+             "the schedule continues as the new settings give it from this step"]
+    before = resume.config.get("batch_size", config.batch_size)
+    if before != config.batch_size and resume.epoch_step:
+        notes.append(f"note: --batch-size {config.batch_size} cuts the training split into {config.batch_size} "
+                     f"lanes, not {printable(repr(before))}: epoch {resume.epoch + 1} goes on from step "
+                     f"{resume.epoch_step} of the new lanes' orders, so some of its samples may come twice or not at "
+                     "all; every later epoch trains on each sample once")
+    return notes
 
 
 def strategy_class(config, workers):

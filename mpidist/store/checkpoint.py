@@ -6,10 +6,13 @@ and RNG state, and the run's config as JSON.  Parameters are stored flat, so a
 checkpoint does not depend on how many workers wrote it.
 
 mpidist's random streams are counter-based, so their state is small: the
-data order of an epoch is a permutation drawn from ``(seed, epoch, worker)``
-and dropout masks come from ``(seed, worker, step)``.  The checkpoint records
-the seed, position and worker count that fix them, so a resumed run draws the
-very numbers the interrupted one would have (with the same worker count).
+data order of an epoch is each lane's order, drawn from ``(seed, epoch,
+lane)`` (:mod:`mpidist.data.lanes`: the global batch's lanes, the same on any
+number of workers), and dropout masks come from ``(seed, worker, step)``.  The
+checkpoint records the seed and the position (epoch, step in it) that fix
+them, so a resumed run, on any number of workers, trains the rest of the epoch
+on exactly the samples the interrupted one had left, and draws the very
+numbers it would have (dropout's with the same worker count).
 """
 
 import dataclasses
@@ -64,7 +67,7 @@ class Checkpoint:
 PER_WORKER = "workers"   # the group of each worker's own state
 MAX_WORKERS = 1 << 20    # rows of per-worker state a checkpoint may claim
 
-DATA_ORDER = "strided shards w::W, one permutation per epoch from (seed, epoch, worker)"
+DATA_ORDER = "lanes of the global batch, each ordered per epoch from (seed, epoch, lane); step s takes sample s of each"
 RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
@@ -72,7 +75,7 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
          workers, lineage="", parent="", best=None, elapsed=0.0, per_worker=None, dataset_fingerprint=""):
     """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
-    ``seed`` and ``workers`` fix the data order and random streams (see the module text).
+    ``seed`` and the position fix the data order, and with ``workers`` the random streams (see the module text).
     ``per_worker``: each worker's own state where the workers' differ (name ->
     ``(workers, params.size)`` array), written in the group ``workers/``.
     ``dataset_fingerprint`` (:func:`mpidist.data.fingerprint.fingerprint`) tells the dataset it

@@ -1,0 +1,155 @@
+"""A stream's blocks and what a stream holds: chunk-aligned cuts, buffer sizes, bytes checked against the budget.
+
+A stream reads its rows in blocks cut at multiples of each file's block
+length: whole HDF5 chunks, about :data:`BLOCK_BYTES` of them, so a block is one
+read call and no chunk is decompressed twice.  Where whole chunks do not fit the
+memory budget (:func:`stream_bytes`, :mod:`mpidist.data.budget`), a chunk
+larger than a block is read in slices (``sliced``); the slices of a compressed
+chunk are read one after the other from a cache of that chunk
+(:func:`block_groups`).
+"""
+
+import numpy as np
+
+from .direct import HUGE_PAGE
+
+BLOCK_BYTES = 4 << 20         # one read call: a few of a parallel file system's stripes
+BUFFER_BYTES = 64 << 20       # the default shuffle buffer: this many bytes of samples in the model's dtype
+WINDOWS = 2                   # windows a lane holds at once: the one its batches come from, the next (read ahead)
+EVAL_BLOCKS = 3               # blocks an evaluation holds: being cut into batches, read ahead, being read
+SEGMENT_BYTES = 4 << 20       # batches gathered in one go: at most about this many bytes (one batch at least)
+SEGMENTS = 4                  # gathered segments alive at once: being gathered, two queued, one training
+
+
+def worker_range(n, workers, worker):
+    """``(lo, hi)``: worker ``worker``'s contiguous rows of ``n``, balanced (the first ``n % workers`` one more)."""
+    base, extra = divmod(n, workers)
+    lo = worker * base + min(worker, extra)
+    return lo, lo + base + (1 if worker < extra else 0)
+
+
+def block_cuts(source, lo, hi, block_bytes=BLOCK_BYTES, sliced=False):
+    """Sorted row numbers of :class:`SplitRows` ``source`` cutting ``[lo, hi)`` into blocks.
+
+    A file's blocks start at multiples of its block length: whole chunks of
+    ``x``, about ``block_bytes`` of them (one chunk at least); with ``sliced``,
+    a chunk larger than that is cut in equal slices from its start.  Files are
+    never read in one block together.
+    """
+    cuts = [np.array([lo, hi], dtype=np.int64)]
+    for index, member in enumerate(source.files):
+        length = block_length(member, source.group, block_bytes, sliced)
+        rows, chunk = member.sizes[source.group], max(1, member.chunk_rows.get(source.group, 1))
+        if length < chunk:     # slices of each chunk
+            starts = (np.arange(0, rows, chunk, dtype=np.int64)[:, None] + np.arange(0, chunk, length)).ravel()
+            starts = source.starts[index] + np.sort(starts[starts < rows])
+        else:
+            starts = source.starts[index] + np.arange(0, rows, length, dtype=np.int64)
+        if source.picked is not None:      # a carved split: where its rows cross the file's boundaries
+            starts = np.searchsorted(source.picked, starts).astype(np.int64)
+        cuts.append(starts[(starts > lo) & (starts < hi)])
+    return np.unique(np.concatenate(cuts))
+
+
+def block_length(member, group, block_bytes=BLOCK_BYTES, sliced=False):
+    """Rows of a block of ``group`` in file ``member``: whole chunks of ``x``, about ``block_bytes`` (one chunk at
+    least); with ``sliced``, a chunk larger than ``block_bytes`` is read in equal slices of at most about that."""
+    return _length(member.chunk_rows.get(group, 1), member.row_bytes.get(group, 1), block_bytes, sliced)
+
+
+def _length(chunk, row, block_bytes, sliced):
+    chunk, row = max(1, chunk), max(1, row)
+    if sliced and chunk * row > block_bytes:
+        pieces = -(-chunk * row // block_bytes)
+        return -(-chunk // pieces)
+    return max(chunk, block_bytes // row // chunk * chunk)
+
+
+def block_groups(source, cuts, block_bytes, sliced, lanes=None):
+    """Which blocks between ``cuts`` slice one compressed chunk (the same number), or None where none do.
+
+    Reading part of a compressed chunk decompresses all of it: an epoch reads
+    the slices of one such chunk one after the other, from the chunk cache
+    :class:`SplitRows` gives it, so each is decompressed about once an epoch.
+    ``lanes``: the lane of each block; a group never spans two.
+    """
+    compressed = [sliced and member.spans.get(source.group, (0, 0))[0] > 0
+                  and block_length(member, source.group, block_bytes, True) < member.chunk_rows.get(source.group, 1)
+                  for member in source.files]
+    if not any(compressed) or len(cuts) < 3:
+        return None
+    rows = source.group_rows(cuts[:-1])
+    files = np.searchsorted(source.starts, rows, side="right") - 1
+    chunks = (rows - source.starts[files]) // np.array([max(1, m.chunk_rows.get(source.group, 1))
+                                                        for m in source.files])[files]
+    same = (files[1:] == files[:-1]) & (chunks[1:] == chunks[:-1]) & np.array(compressed)[files[1:]]
+    if lanes is not None:
+        same &= lanes[1:] == lanes[:-1]
+    groups = np.concatenate([[0], np.cumsum(~same)])
+    return None if groups[-1] == len(groups) - 1 else groups
+
+
+def lane_share(buffer, n, lanes):
+    """Samples a lane's window holds at least: its share of a shuffle buffer of ``buffer`` samples over ``lanes``
+    (the global batch), the buffer at most the split's ``n`` rows (a larger one orders the lanes alike)."""
+    return max(1, -(-min(int(buffer), max(int(n), 1)) // lanes))
+
+
+def segment_steps(share, batch_bytes):
+    """Steps whose batches a stream gathers in one go: :data:`SEGMENT_BYTES` of them, at most a quarter of a lane's
+    window (``share`` samples), one at least."""
+    return max(1, min(SEGMENT_BYTES // max(1, batch_bytes), share // 4))
+
+
+def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, lanes=None):
+    """Bytes a :class:`Stream` of ``split`` holds at most: a training stream's with ``lanes`` (its
+    :class:`~mpidist.data.lanes.Lanes`), else an evaluation's.
+
+    Training: :data:`WINDOWS` windows of each of its lanes (a lane's share of
+    ``buffer`` samples, and a block), the index of the windows' samples, and
+    the batches it gathers ahead (:data:`SEGMENTS` segments); an evaluation:
+    :data:`EVAL_BLOCKS` blocks.  Both: a block being read (as stored,
+    standardised where the file says so, converted; read around the page
+    cache into a huge page where it takes an eighth of one or more), and the
+    chunk cache of a file whose compressed chunks are larger than HDF5's (a
+    chunk of ``x`` and of ``y`` decompressed, and the compressed one read).
+    """
+    group = info.rows_of(split)[0]
+    values = int(np.prod(input_shape))
+    sample = values * np.dtype(dtype).itemsize + (8 if info.num_classes else info.target_width * 8)
+    share = buffer if lanes is None else lane_share(buffer, info.sizes[split], lanes.total)
+    block = block_bytes_for(share, input_shape, dtype)
+    kinds = {(m.chunk_rows.get(group, 1), m.row_bytes.get(group, 0), m.cache_bytes(group)) for m in info.files}
+    rows = max(_length(chunk, row, block, sliced) for chunk, row, _ in kinds)
+    stored = max(r for _, r, _ in kinds) + 8 + (8 * values if info.mean is not None else 0)
+    cache = max(cache for _, _, cache in kinds)     # (one file's: a stream holds one such file open at a time)
+    read = rows * max(r for _, r, _ in kinds)       # a direct read's buffer: a huge page where a block is near one
+    cache += HUGE_PAGE - read if HUGE_PAGE // 8 <= read < HUGE_PAGE else 0
+    if lanes is None:
+        held = EVAL_BLOCKS * rows * sample
+    else:
+        window = min(share + rows - 1, -(-info.sizes[split] // lanes.total))
+        batch = lanes.count * sample
+        held = lanes.count * window * (WINDOWS * sample + 8) + SEGMENTS * segment_steps(share, batch) * batch
+    return held + rows * (stored + sample) + cache
+
+
+def block_bytes_for(buffer, input_shape, dtype):
+    """Bytes of a block for windows of ``buffer`` samples: :data:`BLOCK_BYTES`, or a quarter of a small window.
+
+    A window then holds four blocks at least (where the chunks allow), drawn
+    from anywhere in its lane.
+    """
+    return min(BLOCK_BYTES, max(1, buffer * int(np.prod(input_shape)) * np.dtype(dtype).itemsize // 4))
+
+
+def default_buffer(input_shape, dtype, budget=None):
+    """Samples in the default shuffle buffer: :data:`BUFFER_BYTES` of them, less in a small ``budget``; one at least.
+
+    The buffer is shared by the global batch's lanes: a worker holds its
+    lanes' part of it, twice (:data:`WINDOWS`).  With a budget, the buffer is
+    at most an eighth of it, so one worker holding every lane's windows takes
+    a quarter.
+    """
+    size = BUFFER_BYTES if budget is None else min(BUFFER_BYTES, budget // 8)
+    return max(1, size // (int(np.prod(input_shape)) * np.dtype(dtype).itemsize))

@@ -1,0 +1,368 @@
+"""Lanes: every sample of an epoch once, whatever the worker count does, in memory and streamed.
+
+Pure functions of :mod:`mpidist.data.lanes` and :mod:`mpidist.data.windows`
+first (no file), then shards in memory and streams of a file whose samples
+carry their row number (``x[i, 0] == i``): what each worker's batches hold,
+against closed-form expectations and against one worker holding every lane.
+Then real runs (:func:`test_a_run_stopped_on_4_workers_and_resumed_on_3_trains_each_sample_once_an_epoch`),
+which record the rows each worker trained on (``MPIDIST_TEST_RECORD``).
+"""
+
+import collections
+import itertools
+
+import numpy as np
+import pytest
+from test_stream import write
+
+from mpidist import data
+from mpidist.data import lanes as lanes_module
+from mpidist.data import windows as windows_module
+from mpidist.data.blocks import block_cuts, lane_share
+from mpidist.data.lanes import Lanes, memory_positions, memory_rows, stream_bounds
+
+from conftest import epochs_of, mpidist, trained_rows
+
+
+def lanes_of(batch, workers):
+    return [Lanes.of(batch, workers, w) for w in range(workers)]
+
+
+@pytest.mark.parametrize("batch,workers", [(64, 4), (10, 3), (7, 7), (100, 6), (5, 1)])
+def test_a_worker_s_lanes_are_its_local_batch_after_the_earlier_workers(batch, workers):
+    found = lanes_of(batch, workers)
+    assert [lane.count for lane in found] == [data.local_batch_size(batch, workers, w) for w in range(workers)]
+    assert [lane.first for lane in found] == [sum(lane.count for lane in found[:w]) for w in range(workers)]
+    assert found[-1].first + found[-1].count == batch and all(lane.total == batch for lane in found)
+
+
+@pytest.mark.parametrize("n,batch", [(40, 8), (37, 10), (10, 10), (1003, 64), (65, 64)])
+def test_in_memory_lane_l_holds_rows_l_l_plus_b_and_every_row_is_in_one_lane(n, batch):
+    held = [memory_rows(n, Lanes(batch, lane, 1)) for lane in range(batch)]
+    for lane, rows in enumerate(held):
+        assert rows.tolist() == list(range(lane, n, batch))
+        assert len(rows) == Lanes(batch, lane, 1).rows(n)
+    for workers in (1, 2, 3):
+        parts = [memory_rows(n, lanes) for lanes in lanes_of(batch, workers)]
+        assert sorted(np.concatenate(parts).tolist()) == list(range(n))
+        assert [len(part) for part in parts] == [lanes.rows(n) for lanes in lanes_of(batch, workers)]
+
+
+@pytest.mark.parametrize("n,batch", [(40, 8), (37, 10), (1003, 64)])
+def test_streamed_lanes_are_balanced_contiguous_ranges_as_large_as_in_memory(n, batch):
+    bounds = stream_bounds(n, batch)
+    assert bounds[0] == 0 and bounds[-1] == n and (np.diff(bounds) >= 0).all()
+    assert np.diff(bounds).tolist() == Lanes(batch, 0, batch).sizes(n).tolist()
+
+
+def global_batch_rows(n, batch, workers, seed, epoch, skip=0):
+    """Row numbers of each step's global batch, workers' batches side by side (in memory)."""
+    parts = []
+    for lanes in lanes_of(batch, workers):
+        rows = memory_rows(n, lanes)
+        parts.append(rows[memory_positions(n, lanes, seed, epoch, skip)])
+    return np.concatenate(parts, axis=1)
+
+
+@pytest.mark.parametrize("n,batch", [(1003, 12), (240, 24), (61, 6)])
+def test_the_global_batch_of_every_step_is_the_same_for_any_worker_count(n, batch):
+    one = global_batch_rows(n, batch, 1, seed=7, epoch=3)
+    assert one.shape == (n // batch, batch)
+    assert len(set(one.ravel().tolist())) == n // batch * batch          # each sample once, n mod B left out
+    assert all(row % batch == lane for lane, column in enumerate(one.T) for row in column)   # lane l: its rows
+    for workers in range(2, 7):
+        assert np.array_equal(global_batch_rows(n, batch, workers, seed=7, epoch=3), one), workers
+
+
+def test_a_resume_at_any_step_continues_each_lane_exactly():
+    n, batch = 500, 10
+    for workers in (1, 3):
+        whole = global_batch_rows(n, batch, workers, seed=2, epoch=1)
+        for skip in (0, 1, 17, 49, 50):
+            assert np.array_equal(global_batch_rows(n, batch, workers, seed=2, epoch=1, skip=skip), whole[skip:])
+
+
+def co_occurring(batches):
+    """The pairs of samples that share a batch, as a set of ``(low, high)``."""
+    return {pair for batch in batches for pair in itertools.combinations(sorted(batch), 2)}
+
+
+def test_batches_differ_from_epoch_to_epoch_as_chance_has_it():
+    """The pairs sharing a batch in one epoch share one in the next about as often as random pairs do (B/n):
+    a design that kept batches nearly fixed across epochs (the reverted virtual shards) fails it."""
+    n, batch = 2000, 20
+    first = co_occurring(global_batch_rows(n, batch, 1, seed=0, epoch=0).tolist())
+    second = co_occurring(global_batch_rows(n, batch, 1, seed=0, epoch=1).tolist())
+    chance = batch / n
+    assert len(first & second) / len(first) < 2 * chance
+    assert not np.array_equal(global_batch_rows(n, batch, 1, seed=0, epoch=0),
+                              global_batch_rows(n, batch, 1, seed=1, epoch=0))
+
+
+def test_lane_orders_are_drawn_from_the_seed_the_epoch_and_the_lane_alone():
+    keys = lanes_module.keys(lanes_module.seeds(3, 4, np.arange(5)), 100)
+    again = lanes_module.keys(lanes_module.seeds(3, 4, np.arange(2, 5)), 100)
+    assert np.array_equal(keys[2:], again) and keys.dtype == np.uint64
+    assert len(np.unique(keys)) == keys.size
+    order = lanes_module.orders(lanes_module.seeds(3, 4, [0]), 1000)[0]
+    assert sorted(order.tolist()) == list(range(1000)) and abs(np.corrcoef(order, np.arange(1000))[0, 1]) < 0.1
+
+
+# -- a stream's windows, without a file ------------------------------------------------------------------------
+def test_each_lane_s_windows_hold_its_blocks_once_at_least_the_buffer_but_the_last():
+    sizes = np.array([5, 3, 8, 2, 7, 1, 4, 6, 6, 2])
+    lane_of = np.array([0, 0, 0, 0, 1, 1, 1, 2, 2, 2])
+    windows = windows_module.epoch_windows(sizes, lane_of, [4, 5, 6], 9, seed=3, epoch=1)
+    for lane, found in enumerate(windows):
+        assert sorted(b for w in found for b in w.tolist()) == np.flatnonzero(lane_of == lane).tolist()
+        assert all(sizes[w].sum() >= 9 for w in found[:-1])
+        assert all(sizes[w[:-1]].sum() < 9 for w in found)     # a window closes as soon as it is full
+    again = windows_module.epoch_windows(sizes, lane_of, [4, 5, 6], 9, seed=3, epoch=1)
+    assert [[w.tolist() for w in lane] for lane in windows] == [[w.tolist() for w in lane] for lane in again]
+    other = windows_module.epoch_windows(sizes, lane_of, [4, 5, 6], 9, seed=3, epoch=2)
+    assert [[w.tolist() for w in lane] for lane in windows] != [[w.tolist() for w in lane] for lane in other]
+    # a lane's windows are its own: lane 5 alone (another worker's layout) orders its blocks alike
+    alone = windows_module.epoch_windows(sizes[4:7], [0, 0, 0], [5], 9, seed=3, epoch=1)
+    assert [(w + 4).tolist() for w in alone[0]] == [w.tolist() for w in windows[1]]
+
+
+def test_blocks_of_a_group_stay_together_and_groups_never_span_lanes():
+    lane_of = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1])
+    groups = np.array([0, 0, 0, 1, 2, 2, 3, 3, 4])
+    order = windows_module.block_order(lane_of, [0, 1], seed=1, epoch=0, groups=groups).tolist()
+    assert sorted(order) == list(range(9)) and lane_of[order].tolist() == sorted(lane_of.tolist())
+    runs = [group for group, _ in itertools.groupby(groups[order].tolist())]
+    assert len(runs) == len(set(runs))
+
+
+def test_a_schedule_lists_the_windows_of_the_steps_asked_by_start_then_lane():
+    sizes = np.array([4, 4, 4, 3, 5, 4])
+    lane_of = np.array([0, 0, 0, 1, 1, 1])
+    found = windows_module.schedule(sizes, lane_of, [0, 1], 4, seed=0, epoch=0, first=0, last=12)
+    assert [(w.start, w.lane) for w in found] == sorted((w.start, w.lane) for w in found)
+    for lane in (0, 1):
+        mine = [w for w in found if w.lane == lane]
+        assert [w.index for w in mine] == list(range(len(mine))) and mine[0].start == 0
+        assert all(a.start + a.rows == b.start for a, b in zip(mine, mine[1:]))
+    middle = windows_module.schedule(sizes, lane_of, [0, 1], 4, seed=0, epoch=0, first=5, last=6)
+    assert [(w.lane, w.start) for w in middle] == sorted((w.lane, w.start) for w in found
+                                                         if w.start <= 5 < w.start + w.rows)
+
+
+# -- shards in memory and streams of a file ---------------------------------------------------------------------
+def rows_of(batches):
+    return [[int(v) for v in np.asarray(x).reshape(len(x), -1)[:, 0]] for x, _ in batches]
+
+
+def opened(info, mode, lanes, buffer=64):
+    if mode == "memory":
+        return data.Shard(info, "train", 0, 1, (4,), np.float32, lanes=lanes)
+    return data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=buffer, lanes=lanes)
+
+
+def epoch_of(info, mode, batch, workers, seed, epoch, skip=0, buffer=64):
+    """Each step's global batch (rows), its workers' batches side by side, from step ``skip`` on."""
+    steps = info.sizes["train"] // batch
+    parts = []
+    for lanes in lanes_of(batch, workers):
+        batches = opened(info, mode, lanes, buffer).batches(steps, seed, epoch, skip=skip)
+        parts.append(rows_of(batches))
+        batches.close()
+    return [sum(step, []) for step in zip(*parts)]
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_workers_batches_make_the_same_global_batches_for_any_worker_count(tmp_path, mode):
+    rows, batch = 1000, 24                       # 41 steps, 16 rows left out
+    info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=8))
+    one = epoch_of(info, mode, batch, 1, seed=5, epoch=2)
+    assert len(one) == rows // batch and all(len(step) == batch for step in one)
+    flat = sum(one, [])
+    assert len(set(flat)) == len(flat) == rows // batch * batch
+    for workers in (2, 3, 4, 5, 6):
+        assert epoch_of(info, mode, batch, workers, seed=5, epoch=2) == one, workers
+    # the lanes' rows: strided in memory, contiguous ranges streamed
+    bounds = stream_bounds(rows, batch)
+    for step in one:
+        for lane, row in enumerate(step):
+            assert row % batch == lane if mode == "memory" else bounds[lane] <= row < bounds[lane + 1]
+    assert epoch_of(info, mode, batch, 3, seed=5, epoch=3) != one
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+@pytest.mark.parametrize("stop", [1, 13, 40])
+def test_a_shrink_from_4_to_3_workers_midway_trains_every_row_of_the_epoch_once(tmp_path, mode, stop):
+    rows, batch = 1000, 24
+    info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=8))
+    before = epoch_of(info, mode, batch, 4, seed=1, epoch=0)[:stop]
+    after = epoch_of(info, mode, batch, 3, seed=1, epoch=0, skip=stop)
+    trained = collections.Counter(row for step in before + after for row in step)
+    assert len(before) + len(after) == rows // batch
+    assert set(trained.values()) == {1} and len(trained) == rows // batch * batch
+    assert before + after == epoch_of(info, mode, batch, 1, seed=1, epoch=0)
+
+
+def test_a_file_sorted_by_label_gives_every_lane_every_class_in_memory_and_every_batch_its_share_streamed(tmp_path):
+    """5 classes stored in 5 runs of 200 rows: a lane in memory (strided) holds rows of each; streamed, lanes are
+    ranges of the file, so each batch, one sample a lane, holds B/5 of each class."""
+    rows, batch = 1000, 20
+    info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=8))
+    for lane in range(batch):
+        assert {row * 5 // rows for row in memory_rows(rows, Lanes(batch, lane, 1))} == set(range(5))
+    for step in epoch_of(info, "stream", batch, 2, seed=0, epoch=0):
+        assert collections.Counter(row * 5 // rows for row in step) == {c: batch // 5 for c in range(5)}
+
+
+def test_a_stream_s_windows_are_its_lanes_share_of_the_buffer_and_whole_blocks(tmp_path):
+    rows, batch = 2000, 10
+    info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=16))
+    stream = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400, lanes=Lanes(batch, 2, 3))
+    assert stream.share == lane_share(400, rows, batch) == 40
+    assert (stream.lo, stream.hi) == (400, 1000) and len(stream) == 600
+    source = data.SplitRows(info, "train", (4,), np.float32)
+    cuts = set(block_cuts(source, 400, 1000, 40 * 16 // 4).tolist()) | {600, 800}
+    assert stream.cuts.tolist() == sorted(cuts)                # chunk multiples, and the lanes' bounds
+    assert stream.pool.rows == 40 + int(stream.sizes.max()) - 1 and stream.pool.slots == 2 * 3
+    for window in stream._schedule(0, 0, 0, 200):
+        assert window.rows >= 40 or window.start + window.rows == 200
+
+
+def test_a_stream_reads_its_first_windows_at_set_up_and_the_next_epoch_s_while_the_last_batches_train(tmp_path):
+    info = data.inspect(write(tmp_path / "rows.h5", 700, chunk=8))
+    lanes = Lanes(9, 3, 4)
+    fresh, ahead = (data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=90, lanes=lanes) for _ in range(2))
+    steps = 700 // 9
+    for epoch in range(2):
+        for skip in (0, 11):
+            expected = rows_of(fresh.batches(steps, 2, epoch, skip=skip))
+            ahead.prime(2, epoch, skip)
+            assert len(ahead._ahead) == lanes.count     # the window holding the step, of each lane
+            assert rows_of(ahead.batches(steps, 2, epoch, skip=skip)) == expected
+    batches = ahead.batches(steps, 2, 5)               # read to its end: epoch 6's first windows are read too
+    assert len(list(batches)) == steps
+    batches.close()
+    assert sorted(key[:3] for key in ahead._ahead) == [(2, 6, lane) for lane in range(3, 7)]
+    assert {key[3] for key in ahead._ahead} == {0}
+    assert rows_of(ahead.batches(steps, 2, 6)) == rows_of(fresh.batches(steps, 2, 6))
+    batches = ahead.batches(steps, 2, 7, last_epoch=True)    # the run's last epoch: nothing of the next is read
+    assert len(list(batches)) == steps
+    batches.close()
+    assert not ahead._ahead
+
+
+def test_a_stream_closed_early_lets_its_threads_go_and_gives_the_same_batches_after(tmp_path):
+    import threading
+    info = data.inspect(write(tmp_path / "rows.h5", 600, chunk=8))
+    stream = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=40, lanes=Lanes(6, 0, 6))
+    expected = rows_of(stream.batches(100, 0, 0))
+    before = set(threading.enumerate())
+    batches = stream.batches(100, 0, 0)
+    next(iter(batches))
+    started = set(threading.enumerate()) - before
+    assert len(started) == 2       # the one reading windows, the one gathering batches
+    batches.close()
+    assert not any(thread.is_alive() for thread in started)
+    assert rows_of(stream.batches(100, 0, 0)) == expected
+
+
+def test_gathering_takes_a_segment_of_steps_at_a_time(tmp_path, monkeypatch):
+    """Batches come from one take per segment of steps, not per sample: a segment holds several steps."""
+    info = data.inspect(write(tmp_path / "rows.h5", 3000, chunk=8))
+    stream = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=3000, lanes=Lanes(10, 0, 10))
+    batches = list(stream.batches(300, 0, 0))
+    bases = {id(x.base) for x, _ in batches}
+    assert len(batches) == 300 and len(bases) < 300 / 4
+
+
+# -- real runs: the rows each worker trained on, recorded (MPIDIST_TEST_RECORD) ----------------------------------
+ROWS, BATCH, STEPS = 1000, 48, 20           # 20 steps an epoch, 40 rows left out of each
+
+
+def recorded_run(tmp_path, ranks, folder, *flags):
+    (tmp_path / folder).mkdir(exist_ok=True)
+    done, _ = mpidist(ranks, "train", "--data", str(tmp_path / "rows.h5"), "--model", "mlp:4", "--epochs", "2",
+                      "--batch-size", str(BATCH), "--lr", "1e-9", "--dtype", "float64", "--metrics", "",
+                      "--progress", "none", "--eval-every", "0", *flags,
+                      env={"MPIDIST_TEST_RECORD": str(tmp_path / folder)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"{STEPS} steps/epoch" in done.stdout, done.stdout
+    return done
+
+
+def assert_each_sample_once_an_epoch_as_one_worker_trains(trained, reference):
+    """Each epoch of ``trained`` trains on each of its rows once, and each step on the rows one worker's does."""
+    assert sorted(trained) == sorted(reference) == [(epoch, step) for epoch in range(2) for step in range(STEPS)]
+    for key, rows in reference.items():
+        assert trained[key] == rows, key       # the same global batch, step by step
+    for epoch, rows in epochs_of(trained).items():
+        assert set(rows.values()) == {1} and len(rows) == STEPS * BATCH, (epoch, rows.most_common(3))
+    assert all(trained[0, step] != trained[1, step] for step in range(STEPS))     # the next epoch, other batches
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_run_stopped_on_4_workers_and_resumed_on_3_trains_each_sample_once_an_epoch(tmp_path, mode):
+    """Stopped at step 13 of the first epoch on 4 workers, resumed on 3 to the end of the second: every epoch
+    trains on each of its 960 rows once, and every step on the global batch a 1-worker run trains on."""
+    write(tmp_path / "rows.h5", ROWS, chunk=10)
+    flags = ["--data-mode", mode, "--shuffle-buffer", "96", "--checkpoint-dir", str(tmp_path / "ck")]
+    recorded_run(tmp_path, 4, "split", *flags, "--steps", "13")
+    done = recorded_run(tmp_path, 3, "split", *flags, "--resume", "auto")
+    assert "resumed from" in done.stdout and "ckpt-00000013-" in done.stdout
+    recorded_run(tmp_path, 1, "one", "--data-mode", mode, "--shuffle-buffer", "96")
+    trained = trained_rows(tmp_path / "split")
+    assert_each_sample_once_an_epoch_as_one_worker_trains(trained, trained_rows(tmp_path / "one"))
+    # (steps 0..12 came from 4 workers, the rest from 3: each line is a worker's batch)
+    lines = [line.split()[:3] for path in (tmp_path / "split").glob("*.txt") for line in path.read_text().splitlines()]
+    assert sorted({(int(step) < 13, workers) for epoch, step, workers in lines if epoch == "0"}) == \
+        [(False, "3"), (True, "4")]
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_a_worker_s_lanes_are_read_from_a_file_as_one_selection_of_evenly_spaced_runs(tmp_path, compression):
+    from mpidist.data.rows import read_runs, regular_runs
+    import h5py
+    path = write(tmp_path / "rows.h5", 1003, chunk=7, compression=compression)
+    with h5py.File(path) as handle:
+        item = handle["train/x"]
+        for lanes in (Lanes.of(64, 4, 1), Lanes.of(10, 3, 2), Lanes.of(13, 2, 0), Lanes.of(64, 4, 3)):
+            rows = memory_rows(1003, lanes)
+            for lo, hi in [(0, 1003), (5, 600), (333, 1003)]:      # (a file's part of the rows)
+                part = rows[(rows >= lo) & (rows < hi)]
+                runs = regular_runs(part)
+                assert runs is not None and runs[3] >= 1 and runs[4] == lanes.count and runs[2] == lanes.total
+                np.testing.assert_array_equal(read_runs(item, part, runs), item[...][part])
+    assert regular_runs([1, 2, 5, 6, 9]) == (2, 5, 2, 1, 2, 1)
+    assert regular_runs([1, 2, 5, 6, 7, 9, 10, 14]) is None and regular_runs([0, 3, 4, 7, 8, 12, 13, 20]) is None
+    assert regular_runs([3, 4, 5]) is None and regular_runs([3, 4, 8]) is None       # fewer than three runs
+
+
+def test_a_resume_with_another_batch_size_mid_epoch_says_it_cuts_other_lanes():
+    import types
+
+    from mpidist.loop.setup import recipe_changes
+    from mpidist.settings.config import Settings
+    resume = types.SimpleNamespace(config={"batch_size": 64}, path="ck.h5", epoch=1, epoch_step=5)
+    notes = recipe_changes(Settings(batch_size=32), resume)
+    assert len(notes) == 2 and "--batch-size 64 -> 32" in notes[0]
+    assert notes[1] == ("note: --batch-size 32 cuts the training split into 32 lanes, not 64: epoch 2 goes on from "
+                        "step 5 of the new lanes' orders, so some of its samples may come twice or not at all; every "
+                        "later epoch trains on each sample once")
+    assert len(recipe_changes(Settings(batch_size=32), types.SimpleNamespace(**{**vars(resume), "epoch_step": 0}))) == 1
+    assert recipe_changes(Settings(batch_size=64), resume) == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_between_graph_workers_train_on_the_global_batches_one_process_trains_on():
+    """allreduce on every rank of the world (3, 4, 6 workers...) and one process, 30 steps of mlp in float64,
+    between-graph: each worker reads its own lanes, and the parameters agree to rounding (the gradient is summed
+    in another order): the same samples at every step."""
+    import io
+
+    from mpi4py import MPI
+
+    import mpidist
+    quiet = dict(metrics="", progress="none", eval_every=0, data="digits", steps=30, batch_size=60, dtype="float64")
+    one = mpidist.train("mlp", strategy="local", comm=MPI.COMM_SELF, stream=io.StringIO(), **quiet)
+    many = mpidist.train("mlp", strategy="allreduce", stream=io.StringIO(), **quiet)
+    if many.is_chief:
+        assert np.abs(many.params - one.params).max() < 1e-9
