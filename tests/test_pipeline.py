@@ -56,6 +56,14 @@ def run_pipeline(stages, micro_batches, schedule_name, optimizer="sgd", steps=3,
     return cluster, strategy, reference
 
 
+def bare_pipeline():
+    """``(cluster, strategy)``: a 2-stage pipeline of the world's ranks, with no optimizer and no step taken."""
+    fits(2)
+    cluster = build_cluster(MPI.COMM_WORLD)
+    return cluster, PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), None, cluster, seed=3, stages=2,
+                                     micro_batches=2, schedule_name="1f1b", global_batch=4)
+
+
 def fits(stages):
     size = MPI.COMM_WORLD.Get_size()
     if size % stages:
@@ -160,10 +168,7 @@ def test_survivors_of_a_pipeline_agree_on_the_least_step_and_the_stages_ahead_ta
 
 @pytest.mark.mpi(min_size=4)
 def test_a_lost_rank_leaves_the_other_stages_of_its_replica_idle():
-    fits(2)
-    cluster = build_cluster(MPI.COMM_WORLD)
-    strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), None, cluster, seed=3, stages=2,
-                                micro_batches=2, schedule_name="1f1b", global_batch=4)
+    cluster, strategy = bare_pipeline()
     assert strategy.left_idle([3]) == [2] and strategy.left_idle([0]) == [1] and strategy.left_idle([0, 1]) == []
     if cluster.size >= 6:
         assert strategy.left_idle([1, 4]) == [0, 5]
@@ -174,10 +179,7 @@ def test_a_lost_rank_leaves_the_other_stages_of_its_replica_idle():
 
 @pytest.mark.mpi(min_size=2)
 def test_freeing_twice_frees_the_stage_communicators_once():
-    fits(2)
-    cluster = build_cluster(MPI.COMM_WORLD)
-    strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), None, cluster, seed=3, stages=2,
-                                micro_batches=2, schedule_name="1f1b", global_batch=4)
+    cluster, strategy = bare_pipeline()
     strategy.free()
     strategy.free()   # nothing left to free: no error, no second Free
     assert strategy.links.pipe is None and strategy.links.peers is None
