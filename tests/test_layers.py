@@ -393,7 +393,7 @@ def test_residual_block_that_changes_the_shape_is_a_shape_error_naming_both():
     with pytest.raises(nn.ShapeError, match=r"layer 1 .*Residual.*\(4,\) to \(3,\)"):
         Sequential([Dense(4), Residual(Dense(3))], (2,))
     with pytest.raises(nn.ShapeError, match=r"block layer 0 .*Flatten"):
-        Sequential([Residual(Dense(3))], (2, 2))
+        Sequential([Residual(Dense(3))], (1, 2, 2))
 
 
 # --- zoo specs -------------------------------------------------------------------------------------------------------

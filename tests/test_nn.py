@@ -51,6 +51,8 @@ def check_model_gradients(layers, input_shape, batch=3, seed=0, training=False, 
     ([Dense(5, init="glorot"), Tanh(), Dense(3)], (4,)),
     ([Dense(6), ReLU(), Dense(2)], (3,)),
     ([Flatten(), Dense(3)], (2, 3)),
+    ([Dense(5), Tanh(), Dense(3)], (4, 6)),              # a sequence of 4 tokens, mapped token by token
+    ([Dense(5, bias=False)], (3,)),
     ([Conv2D(3, 3)], (2, 5, 5)),
     ([Conv2D(2, 3, stride=2, padding=0)], (1, 7, 7)),
     ([Conv2D(2, 2, stride=1, padding=1)], (2, 4, 4)),
@@ -236,4 +238,13 @@ def test_cnn_on_volumes_is_a_shape_error_naming_the_shapes():
 
 def test_dense_on_images_without_flatten_is_a_shape_error():
     with pytest.raises(nn.ShapeError, match="layer 0 .*Flatten"):
-        Sequential([Dense(3)], (2, 2))
+        Sequential([Dense(3)], (1, 2, 2))
+
+
+def test_dense_maps_each_token_of_a_sequence_alike_and_may_leave_its_bias_out():
+    model = Sequential([Dense(3, bias=False)], (4, 2), dtype=np.float64)
+    model.init_params(0)
+    x = np.random.default_rng(1).random((5, 4, 2))
+    out = model.forward(x)
+    assert out.shape == (5, 4, 3) and model.num_params == 6
+    np.testing.assert_allclose(out[:, 2], model.forward(x[:, 2:3])[:, 0], rtol=1e-12)

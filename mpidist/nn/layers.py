@@ -83,48 +83,61 @@ class Layer(UsesWorkspace):
 
 
 class Dense(Layer):
-    """Fully connected: ``(N, in) -> (N, units)``, ``y = x W + b``."""
+    """Fully connected on the last axis: ``(N, ..., in) -> (N, ..., units)``, ``y = x W + b``.
+
+    Flat samples ``(N, in)`` are the common case; a sequence ``(N, L, in)``
+    is mapped token by token with the same ``W``.  ``bias=False`` leaves
+    ``b`` out (a row-parallel shard adds its bias after the sum, see
+    :mod:`mpidist.nn.tensor`).
+    """
 
     cache = ("x",)
     hands_over = True
 
-    def __init__(self, units, init="he"):
+    def __init__(self, units, init="he", bias=True):
         super().__init__()
         self.units = int(units)
         self.init = init
+        self.bias = bool(bias)
 
     def build(self, input_shape):
-        if len(input_shape) != 1:
-            raise ShapeError(f"Dense needs flat samples, got per-sample shape {tuple(input_shape)}"
-                             " (put a Flatten before it)")
-        self.fan_in = int(input_shape[0])
-        return (self.units,)
+        if len(input_shape) < 1:
+            raise ShapeError(f"Dense needs samples with a feature axis, got per-sample shape {tuple(input_shape)}")
+        if len(input_shape) > 2:
+            raise ShapeError(f"Dense maps flat samples (in,) or sequences (L, in), got per-sample shape "
+                             f"{tuple(input_shape)} (put a Flatten before it)")
+        self.fan_in = int(input_shape[-1])
+        return tuple(input_shape[:-1]) + (self.units,)
 
     def param_specs(self):
         if self.init == "he":
             w_init = functools.partial(init.he_normal, fan_in=self.fan_in)
         else:
             w_init = functools.partial(init.glorot_uniform, fan_in=self.fan_in, fan_out=self.units)
-        return [("W", (self.fan_in, self.units), w_init), ("b", (self.units,), init.zeros)]
+        return [("W", (self.fan_in, self.units), w_init)] + ([("b", (self.units,), init.zeros)] if self.bias else [])
 
     def forward(self, x, training=False):
         self.x = x
         w = self.params["W"]
-        y = self.xp.matmul(x, w, out=self.scratch("y", (x.shape[0], self.units), self.xp.result_type(x, w)))
-        y += self.params["b"]
+        y = self.xp.matmul(x, w, out=self.scratch("y", x.shape[:-1] + (self.units,), self.xp.result_type(x, w)))
+        if self.bias:
+            y += self.params["b"]
         return y
 
     def backward(self, dy):
         self.backward_params(dy)
         w = self.params["W"]
-        return self.xp.matmul(dy, w.T, out=self.scratch("dx", (dy.shape[0], self.fan_in), self.xp.result_type(dy, w)))
+        return self.xp.matmul(dy, w.T, out=self.scratch("dx", dy.shape[:-1] + (self.fan_in,),
+                                                         self.xp.result_type(dy, w)))
 
     def backward_params(self, dy):
-        self.xp.matmul(self.x.T, dy, out=self.grads["W"])
-        dy.sum(axis=0, out=self.grads["b"])   # the method: np.sum's argument handling costs more than the sum
+        x, dy = self.x.reshape(-1, self.fan_in), dy.reshape(-1, self.units)   # (tokens of every sample as rows)
+        self.xp.matmul(x.T, dy, out=self.grads["W"])
+        if self.bias:
+            dy.sum(axis=0, out=self.grads["b"])   # the method: np.sum's argument handling costs more than the sum
 
     def __repr__(self):
-        return f"Dense({self.units})"
+        return f"Dense({self.units}{'' if self.bias else ', bias=False'})"
 
 
 class Flatten(Layer):
