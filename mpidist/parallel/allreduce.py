@@ -27,6 +27,7 @@ from .node_model import NodeModelExchange, NodePart, node_model_possible
 from .optimizer_shard import OptimizerShard
 from .registry import Option, register
 from .shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
+from .tensor import TENSOR, TensorPart, check_tensor
 
 
 @register
@@ -50,7 +51,8 @@ class AllreduceStrategy(DataParallel):
                                        "of the model alone (ZeRO stage 1: the state per worker / W; each worker "
                                        "updates its slice, then an Allgatherv shares them); 'none': every worker "
                                        "holds and updates all of it",
-                      choices=("none", "optimizer")))
+                      choices=("none", "optimizer")),
+               TENSOR)
 
     @classmethod
     def auto_rank(cls, settings, world_size):
@@ -62,17 +64,38 @@ class AllreduceStrategy(DataParallel):
         if settings.shard != "none" and settings.elastic:
             raise UsageError(f"--shard {settings.shard} keeps optimizer state on one worker alone, which a lost "
                              "worker would take with it: not with --elastic")
+        check_tensor(settings, world_size)
+
+    @classmethod
+    def data_layout(cls, settings, cluster):
+        """The ``T`` parts of a tensor group read the same shard: the groups are the data-parallel workers."""
+        if settings.tensor == 1 or cluster.worker_index is None:
+            return super().data_layout(settings, cluster)
+        return cluster.num_workers // settings.tensor, cluster.worker_index // settings.tensor
+
+    @classmethod
+    def layout_text(cls, settings, cluster):
+        if settings.tensor == 1:
+            return super().layout_text(settings, cluster)
+        return f"{cluster.num_workers // settings.tensor} worker(s) x {settings.tensor} tensor parts"
 
     @classmethod
     def arguments(cls, settings, setup):
         # elastic: a lost worker must surface as MPI's process-failure error, which only MPI's collectives give
-        return {"compress": settings.compress, "exchange": "mpi" if settings.elastic else settings.exchange,
-                "shard": settings.shard}
+        # (a tensor run's gradients are summed by MPI: the node's shared windows hold whole models)
+        return {"compress": settings.compress,
+                "exchange": "mpi" if settings.elastic or settings.tensor > 1 else settings.exchange,
+                "shard": settings.shard, "tensor": settings.tensor}
 
-    def __init__(self, *args, compress="none", exchange="auto", shard="none", **kwargs):
+    def __init__(self, model, loss, make_optimizer=None, cluster=None, *args, compress="none", exchange="auto",
+                 shard="none", tensor=1, **kwargs):
         _check_exchange(exchange, compress)
         self.compress, self.exchange_kind, self.shard_mode = compress, exchange, shard
-        super().__init__(*args, **kwargs)
+        if tensor > 1:   # this rank's part of the model: the strategy trains it as it would the whole
+            group, part = divmod(cluster.worker_index, tensor)
+            self.tensor = TensorPart(model, cluster.workers, tensor, group, part)
+            model = self.tensor.model
+        super().__init__(model, loss, make_optimizer, cluster, *args, **kwargs)
 
     def optimizer_part(self):
         if isinstance(self.exchange, NodeModelExchange):   # one copy per node: this rank's part of it
@@ -118,6 +141,16 @@ class AllreduceStrategy(DataParallel):
         if self.part is None:
             return figures
         return {**figures, "shard": [self.part.lo, self.part.hi], "optimizer_state_bytes": held["optimizer_state"]}
+
+    def describe(self, rank):
+        if self.tensor is None:
+            return super().describe(rank)
+        return f"tensor part {self.tensor.part}/{self.tensor.parts}"
+
+    def free(self):
+        super().free()
+        if self.tensor is not None:
+            self.tensor.free()
 
     def make_exchange(self):
         if self.compress != "none":

@@ -30,7 +30,15 @@ class DataParallel(Strategy):
     Running statistics (BatchNorm's) are each worker's own while it trains;
     they are averaged over the workers before each evaluation and checkpoint
     (with synchronised BatchNorm they are equal already).
+
+    With a :attr:`tensor` part (``allreduce --tensor T``) the model is this
+    rank's part of the whole, the workers it exchanges with are the same part
+    of every tensor group, and the parts of a group agree on each step's
+    skip and gradient norm.
     """
+
+    #: This rank's :class:`~mpidist.parallel.tensor.TensorPart`, or None (the whole model).
+    tensor = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -68,9 +76,19 @@ class DataParallel(Strategy):
         self.average_running()
         return super().evaluate(batches)
 
+    @property
+    def worker_comm(self):
+        return self.tensor.data if self.tensor is not None else super().worker_comm
+
+    @property
+    def worker_index(self):
+        return self.tensor.data.Get_rank() if self.tensor is not None else super().worker_index
+
     def state(self):
         """Collective over the workers: the chief's state, with every worker's :meth:`own_state` gathered (if any)."""
         self.average_running()
+        if self.tensor is not None:   # the parts of the first tensor group gather theirs on the chief
+            return self._gathered_parts()
         state = super().state()
         if state is not None and self.exchange.holds_params:   # (the window's copy goes when the strategy does)
             state = (state[0].copy(), *state[1:])
@@ -84,6 +102,15 @@ class DataParallel(Strategy):
             rows[name] = np.empty((size, n), dtype=mine.dtype) if comm.Get_rank() == 0 else None
             mpi.gatherv(comm, mine, rows[name], [n] * size, [n * worker for worker in range(size)], root=0)
         return state if state is None else (*state, rows)
+
+    def _gathered_parts(self):
+        """Collective over the first tensor group: the whole model's state, gathered from its parts, on the chief."""
+        arrays = {"params": to_host(self.model.params),
+                  **{name: to_host(array) for name, array in self.optimizer.state_arrays().items()}}
+        whole = self.tensor.gather(arrays, self.tensor.size) if self.worker_index == 0 else None
+        if not self.cluster.is_chief:
+            return None
+        return whole.pop("params"), whole, self.optimizer.steps
 
     def survivor_state(self, cluster, step):
         """The state as the survivors' chief holds it (``cluster``'s: the old chief, or the worker in its place)."""
@@ -110,6 +137,14 @@ class DataParallel(Strategy):
         self.exchange.free()
 
     def initialize(self, checkpoint=None):
+        if self.tensor is not None:   # every part takes its slices of the whole model's start (the same on every rank)
+            whole = checkpoint.params if checkpoint is not None else self.tensor.initial(self.seed)
+            self.model.params[...] = self.model.xp.asarray(self.tensor.take(whole))
+            if checkpoint is not None and self.optimizer is not None:
+                self.optimizer.load_state({name: self.tensor.take(array)
+                                           for name, array in checkpoint.optimizer_state.items()},
+                                          checkpoint.optimizer_steps)
+            return
         comm = self.worker_comm
         if comm is None or comm.Get_rank() == 0:
             if checkpoint is None:
@@ -161,15 +196,20 @@ class DataParallel(Strategy):
         self.exchange.finish()
         self.track("compute")   # (the optimizer's step)
         # every worker holds the same summed buffer, so every worker decides the same
-        self.skipped = not self.exchange.finite()
+        self.skipped, norm = not self.exchange.finite(), None
+        if self.tensor is not None:   # (and the parts of a tensor group decide together)
+            self.skipped, norm = self.tensor.agree(self.model.grads, self.skipped, self.recipe.clip_norm)
         self.clipped = False
         if not self.skipped:
-            self.update(self._clipped_gradient(), step)
+            self.update(self._clipped_gradient(norm), step)
         self.exchange.settle()   # (one copy per node: every part is updated before anyone reads the parameters)
         return float(self.buffer[-1])
 
-    def _clipped_gradient(self):
-        """The summed gradient, clipped to ``--clip-norm`` by its global norm (where the exchange knows it)."""
+    def _clipped_gradient(self, norm=None):
+        """The summed gradient, clipped to ``--clip-norm`` by its global norm (``norm``: the squared one, where
+        the tensor group agreed on it; else where the exchange knows it)."""
+        if norm is not None:
+            return self.clip(self.model.grads, squared_norm=norm)
         norm = self.exchange.squared_norm()
         if norm is not None:   # one copy per node: this rank reads only its own part now, so clip that in place
             self.clip(self.model.grads[self.part.lo:self.part.hi], squared_norm=norm)

@@ -1,0 +1,273 @@
+"""Tensor parallelism's arithmetic: a model's layers split across the ``T`` ranks of a tensor group (no MPI).
+
+Megatron-LM's scheme (Shoeybi et al., 2019).  A pair of ``Dense`` layers with
+only elementwise layers between them (an MLP's hidden layer) is split so
+that no activation is gathered in between: the first by output columns
+(each part computes its slice of the hidden features), the second by input
+rows (each part's product is a partial sum of the output).  Two operators
+bracket the pair: :class:`TensorCopy` before it (identity forward; its
+backward sums the input gradient over the group) and :class:`TensorSum`
+after it (sums the partial outputs forward; identity backward), then the
+second layer's bias, once (:class:`Bias`).  One sum of activations forward,
+one backward.  Attention splits by heads the same way (see
+:func:`split_layers`); an ``Embedding`` by vocabulary rows, each part looking
+up the ids it holds, then a sum.  Every other layer is replicated: it sees
+the same input on every part and computes the same output.
+
+The sums are a function the strategy gives each operator (``reduce``: an
+in-place sum over the group); this module never communicates.  Each part's
+parameters are slices of the whole model's: :func:`split_model` returns,
+with the part's model, where each of its parameters sits in the whole
+model's flat buffer, so initialisation and checkpoints stay those of the
+whole model (one file, any layout).
+
+A layer of one's own splits where it defines ``tensor_split(part, parts)``,
+returning the layers that replace it; each new layer with parameters names
+where they come from in ``tensor_origin``: ``{name: (whole_name, index)}``,
+``index`` a numpy index into the whole layer's parameter ``whole_name``.
+Where the layer stands alone, its parts take the whole input and must give
+the whole output (with sums of their own: attention does); a layer that sets
+``elementwise = True`` may stand between the two layers of a split pair,
+where it sees the part's slice of the features (``part_range`` of them) and
+splits as they do (one with parameters must define ``tensor_split`` then).
+Without it, a layer is replicated.
+"""
+
+import copy
+
+import numpy as np
+
+from . import init
+from .activations import GELU, Sigmoid
+from .embedding import Embedding, _scatter_add
+from .layers import Dense, Dropout, Layer, ReLU, Tanh
+from .sequential import Sequential, walk
+
+#: Layers that act on each feature alone: a split pair may have them between its two Dense layers.
+ELEMENTWISE = (ReLU, Tanh, GELU, Sigmoid, Dropout)
+
+
+def part_range(size, part, parts):
+    """``(lo, hi)``: part ``part`` of ``parts`` of ``range(size)``, balanced (the first ``size % parts`` one more)."""
+    base, extra = divmod(int(size), int(parts))
+    lo = part * base + min(part, extra)
+    return lo, lo + base + (1 if part < extra else 0)
+
+
+class TensorCopy(Layer):
+    """Megatron's ``f``: the identity forward; backward sums the input gradient over the tensor group."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = None   # an in-place sum over the group, set by the strategy (None: one part)
+
+    def forward(self, x, training=False):
+        return x
+
+    def backward(self, dy):
+        if self.reduce is not None:
+            self.reduce(dy)
+        return dy
+
+    def __repr__(self):
+        return "TensorCopy()"
+
+
+class TensorSum(Layer):
+    """Megatron's ``g``: sums the parts' partial outputs over the tensor group forward; the identity backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = None
+
+    def forward(self, x, training=False):
+        if self.reduce is not None:
+            x = self.xp.ascontiguousarray(x)
+            self.reduce(x)
+        return x
+
+    def backward(self, dy):
+        return dy
+
+    def __repr__(self):
+        return "TensorSum()"
+
+
+class Bias(Layer):
+    """``y = x + b`` over the last axis: a split layer's bias, added once after the parts' sum."""
+
+    def build(self, input_shape):
+        self.size = int(input_shape[-1])
+        return tuple(input_shape)
+
+    def param_specs(self):
+        return [("b", (self.size,), init.zeros)]
+
+    def forward(self, x, training=False):
+        return self.xp.add(x, self.params["b"], out=self.scratch("y", x.shape, x.dtype))
+
+    def backward(self, dy):
+        self.backward_params(dy)
+        return dy
+
+    def backward_params(self, dy):
+        dy.reshape(-1, self.size).sum(axis=0, out=self.grads["b"])
+
+    def __repr__(self):
+        return f"Bias({self.size})"
+
+
+class VocabularyPart(Embedding):
+    """An ``Embedding``'s rows ``[lo, hi)``: ids outside them look up zeros (a :class:`TensorSum` adds the parts)."""
+
+    def __init__(self, lo, hi, dim):
+        super().__init__(hi - lo, dim)
+        self.lo, self.hi = int(lo), int(hi)
+
+    def forward(self, x, training=False):
+        ids = x.astype(np.int64)
+        self.held = (ids >= self.lo) & (ids < self.hi)
+        self.ids = self.xp.where(self.held, ids - self.lo, 0)
+        return self.params["W"][self.ids] * self.held[..., None]
+
+    def backward_params(self, dy):
+        grad = self.grads["W"]
+        grad[...] = 0
+        held = self.held.reshape(-1)
+        _scatter_add(self.xp, grad, self.ids.reshape(-1)[held], dy.reshape(-1, self.dim)[held])
+
+    def __repr__(self):
+        return f"VocabularyPart({self.lo}:{self.hi}, {self.dim})"
+
+
+def _origin(layer, **names):
+    """Set ``layer.tensor_origin`` from ``name=(whole_name, index)`` pairs; return the layer."""
+    layer.tensor_origin = names
+    return layer
+
+
+def _columns(dense, part, parts):
+    """The first of a split pair: output columns ``[lo, hi)`` of ``dense``."""
+    lo, hi = part_range(dense.units, part, parts)
+    shard = Dense(hi - lo, init=dense.init, bias=dense.bias)
+    names = {"W": ("W", (slice(None), slice(lo, hi)))}
+    if dense.bias:
+        names["b"] = ("b", slice(lo, hi))
+    return _origin(shard, **names)
+
+
+def _rows(dense, features, part, parts):
+    """The second of a split pair: input rows ``[lo, hi)`` of ``dense`` (the first's columns), its bias after the sum."""
+    lo, hi = part_range(features, part, parts)
+    layers = [_origin(Dense(dense.units, init=dense.init, bias=False), W=("W", (slice(lo, hi), slice(None)))),
+              TensorSum()]
+    if dense.bias:
+        layers.append(_origin(Bias(), b=("b", slice(None))))
+    for layer in layers:
+        layer.tensor_whole = dense
+    return layers
+
+
+def _pair_end(layers, start):
+    """Index of the Dense that pairs with the Dense at ``start``, or None: only elementwise layers between."""
+    for index in range(start + 1, len(layers)):
+        layer = layers[index]
+        if isinstance(layer, Dense):
+            return index
+        if not (isinstance(layer, ELEMENTWISE) or getattr(layer, "elementwise", False)):
+            return None
+    return None
+
+
+def _between(layer, part, parts):
+    """A layer between a split pair: the same object, or its ``tensor_split`` where it has parameters."""
+    if hasattr(layer, "tensor_split"):
+        made = list(layer.tensor_split(part, parts))
+        for piece in made:
+            piece.tensor_whole = layer
+        return made
+    if layer.param_specs():
+        raise ValueError(f"{layer!r} has parameters and stands between a split pair of Dense layers, where each "
+                         "part sees its slice of the features: give it tensor_split(part, parts)")
+    return [layer]
+
+
+def split_layers(layers, part, parts):
+    """Part ``part`` of ``parts`` of ``layers`` (built, as in a whole :class:`Sequential`): new layers, in order.
+
+    Split: Dense pairs (columns, then rows), layers with ``tensor_split``
+    (attention by heads), ``Embedding`` (by vocabulary); blocks with a
+    ``layers`` list (``Residual``) are split inside, on a copy.  Each new
+    layer with parameters carries ``tensor_whole`` (the layer it is a part
+    of) and ``tensor_origin``; a replicated layer is the same object.
+    """
+    out, index = [], 0
+    while index < len(layers):
+        layer = layers[index]
+        end = _pair_end(layers, index) if isinstance(layer, Dense) else None
+        if end is not None:
+            first = _columns(layer, part, parts)
+            first.tensor_whole = layer
+            between = [piece for middle in layers[index + 1:end] for piece in _between(middle, part, parts)]
+            out += [TensorCopy(), first, *between, *_rows(layers[end], layer.units, part, parts)]
+            index = end + 1
+            continue
+        if hasattr(layer, "tensor_split"):
+            made = list(layer.tensor_split(part, parts))
+            for piece in made:
+                if getattr(piece, "tensor_origin", None):
+                    piece.tensor_whole = layer
+            out += made
+        elif isinstance(layer, Embedding) and not isinstance(layer, VocabularyPart):
+            lo, hi = part_range(layer.vocab, part, parts)
+            piece = _origin(VocabularyPart(lo, hi, layer.dim), W=("W", (slice(lo, hi), slice(None))))
+            piece.tensor_whole = layer
+            out += [piece, TensorSum()]
+        elif isinstance(getattr(layer, "layers", None), list) and layer.sublayers() is layer.layers:
+            block = copy.copy(layer)   # (the whole model's block keeps its own sublayers)
+            block.params, block.grads = {}, {}
+            block.layers = split_layers(layer.layers, part, parts)
+            out.append(block)
+        else:
+            out.append(layer)
+        index += 1
+    return out
+
+
+def split_model(whole, part, parts):
+    """``(model, where)``: part ``part`` of ``parts`` of ``whole`` (a :class:`Sequential`) as a model of its own,
+    and ``where``, an int64 array: element ``i`` of its flat buffer is element ``where[i]`` of the whole's.
+
+    Parameters the parts share (replicated layers') are where they are in the whole model; :func:`replicated`
+    names them.
+    """
+    model = Sequential(split_layers(whole.layers, part, parts), whole.input_shape, xp=whole.xp, dtype=whole.dtype)
+    if model.output_shape != whole.output_shape:
+        raise ValueError(f"a part of the model ends in {model.output_shape}, the whole in {whole.output_shape}")
+    whole_at = {(id(layer), name): (offset, shape) for layer, name, offset, shape, _ in whole.entries}
+    where = np.empty(model.num_params, dtype=np.int64)
+    for layer, name, lo, shape, _ in model.entries:
+        size = int(np.prod(shape))
+        origin = getattr(layer, "tensor_origin", None)
+        if origin:
+            whole_name, index = origin[name]
+            offset, whole_shape = whole_at[(id(layer.tensor_whole), whole_name)]
+            picked = np.arange(int(np.prod(whole_shape)), dtype=np.int64).reshape(whole_shape)[index]
+        else:
+            offset, whole_shape = whole_at[(id(layer), name)]
+            picked = np.arange(int(np.prod(whole_shape)), dtype=np.int64)
+        if picked.size != size:
+            raise ValueError(f"{layer!r}: parameter {name} holds {size} values, its origin {picked.size}")
+        where[lo:lo + size] = offset + picked.reshape(-1)
+    return model, where
+
+
+def replicated(model):
+    """``(lo, hi)`` ranges of ``model``'s flat buffer (a part's) that every part holds alike."""
+    return [(lo, lo + int(np.prod(shape))) for layer, _, lo, shape, _ in model.entries
+            if not getattr(layer, "tensor_origin", None) or isinstance(layer, Bias)]
+
+
+def operators(model):
+    """The layers of ``model`` (a part's) that sum over the tensor group: they take the strategy's ``reduce``."""
+    return [layer for _, layer in walk(model.layers) if isinstance(layer, (TensorCopy, TensorSum))]

@@ -1,0 +1,229 @@
+"""Tensor parallelism: a model split across the ranks of tensor groups trains as ``local`` on the global batch.
+
+The pure part (:mod:`mpidist.nn.tensor`: which layers split and where each
+part's parameters sit in the whole model) is tested with the parts run in
+threads, their sums carried between threads; the strategies' part with real
+ranks.  Expected values are a single process's, in float64, to 1e-9.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+from test_parallel import worker_slice
+
+from mpidist import nn
+from mpidist.nn import init
+from mpidist.nn.tensor import Bias, TensorCopy, TensorSum, VocabularyPart, operators, part_range, split_model
+from mpidist.parallel import LocalStrategy
+
+
+def mlp():
+    return [nn.Dense(8), nn.ReLU(), nn.Dense(7), nn.Tanh(), nn.Dense(4, init="glorot")]
+
+
+def residual_mlp():
+    return [nn.Dense(6), nn.Residual(nn.LayerNorm(), nn.Dense(12), nn.GELU(), nn.Dense(6)), nn.Dense(4)]
+
+
+def embedded():
+    return [nn.Embedding(11, 6), nn.Dense(8), nn.ReLU(), nn.Dense(6), nn.Flatten(), nn.Dense(4)]
+
+
+MODELS = {"mlp": (mlp, (6,)), "residual": (residual_mlp, (6,)), "embedding": (embedded, (3,))}
+
+
+def whole_model(name):
+    layers, shape = MODELS[name]
+    model = nn.Sequential(layers(), shape, dtype=np.float64)
+    model.init_params(3)
+    return model
+
+
+def inputs(name, batch=5, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = MODELS[name][1]
+    x = rng.integers(0, 11, (batch,) + shape).astype(np.float64) if name == "embedding" else rng.random((batch,) + shape)
+    return x, rng.integers(0, 4, batch)
+
+
+class ThreadSum:
+    """An in-place sum over ``parts`` threads: each calls its part's function with its own array."""
+
+    def __init__(self, parts):
+        self.barrier, self.slots = threading.Barrier(parts), [None] * parts
+
+    def of(self, part):
+        def reduce(array):
+            self.slots[part] = array.copy()
+            self.barrier.wait()
+            total = sum(self.slots)
+            self.barrier.wait()
+            array[...] = total
+        return reduce
+
+
+def forward_backward(model, x, y):
+    loss = nn.SoftmaxCrossEntropy(np)
+    out = model.forward(x, training=True)
+    value = float(loss.forward(out, y))
+    model.backward(loss.backward(), input_grad=True)
+    return out.copy(), value
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("parts", [2, 3])
+def test_the_parts_of_a_split_model_compute_the_whole_models_outputs_and_gradients(name, parts):
+    whole = whole_model(name)
+    x, y = inputs(name)
+    expected_out, expected_loss = forward_backward(whole, x, y)
+    expected = whole.grads.copy()
+    sums, results = ThreadSum(parts), [None] * parts
+
+    def run(part):   # (each part's own copy of the whole model, as each rank builds one)
+        model, where = split_model(whole_model(name), part, parts)
+        model.params[...] = whole.params[where]
+        for operator in operators(model):
+            operator.reduce = sums.of(part)
+        results[part] = (*forward_backward(model, x, y), model.grads.copy(), where, model.num_params)
+
+    threads = [threading.Thread(target=run, args=(part,)) for part in range(parts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    grads, seen = np.zeros_like(expected), np.zeros(len(expected), dtype=int)
+    for out, loss, part_grads, where, size in results:
+        np.testing.assert_allclose(out, expected_out, rtol=1e-12, atol=1e-14)
+        assert np.isclose(loss, expected_loss, rtol=1e-12)
+        grads[where] = part_grads
+        seen[where] += 1
+        assert size < whole.num_params
+    assert seen.min() >= 1    # every parameter of the whole model is in some part
+    np.testing.assert_allclose(grads, expected, rtol=1e-10, atol=1e-14)
+
+
+def test_a_dense_pair_splits_by_columns_then_rows_with_its_bias_after_the_sum():
+    whole = whole_model("mlp")
+    model, where = split_model(whole, 1, 2)
+    kinds = [type(layer).__name__ for layer in model.layers]
+    assert kinds == ["TensorCopy", "Dense", "ReLU", "Dense", "TensorSum", "Bias", "Tanh", "Dense"]
+    assert model.layers[1].units == 4 and not model.layers[3].bias and isinstance(model.layers[5], Bias)
+    # the first layer's W columns 4..7 of (6, 8); the whole model's W is its first entry, at offset 0
+    np.testing.assert_array_equal(where[:24], (np.arange(48).reshape(6, 8)[:, 4:]).ravel())
+    assert len(operators(model)) == 2 and isinstance(model.layers[0], TensorCopy)
+    assert isinstance(model.layers[4], TensorSum)
+
+
+def test_parts_of_an_uneven_size_differ_by_one_and_cover_it():
+    assert [part_range(7, part, 3) for part in range(3)] == [(0, 3), (3, 5), (5, 7)]
+
+
+def test_an_embedding_splits_by_vocabulary_and_looks_up_zeros_for_the_ids_it_lacks():
+    layer = VocabularyPart(3, 6, 2)
+    model = nn.Sequential([layer], (4,), dtype=np.float64)
+    model.params[...] = np.arange(6.0)
+    out = model.forward(np.array([[0.0, 3.0, 5.0, 9.0]]))
+    np.testing.assert_array_equal(out[0], [[0, 0], [0, 1], [4, 5], [0, 0]])
+
+
+class Scale(nn.Layer):
+    """A user's layer that declares its split: a per-feature scale, split by features as the pair's hidden ones."""
+
+    elementwise = True
+
+    def build(self, input_shape):
+        self.size = input_shape[-1]
+        return tuple(input_shape)
+
+    def param_specs(self):
+        return [("s", (self.size,), init.ones)]
+
+    def tensor_split(self, part, parts):
+        lo, hi = part_range(self.size, part, parts)
+        piece = Scale()
+        piece.tensor_origin = {"s": ("s", slice(lo, hi))}
+        return [piece]
+
+
+def test_a_users_layer_may_declare_how_it_splits():
+    whole = nn.Sequential([nn.Dense(4), Scale(), nn.Dense(2)], (3,), dtype=np.float64)
+    model, where = split_model(whole, 1, 2)
+    scale = model.layers[2]   # (after the TensorCopy and the first Dense's columns)
+    assert isinstance(scale, Scale) and scale.params["s"].shape == (2,)
+    # the part's W (3x2) and b (2) first, then its scale: the whole W (3x4) and b (4) come first there
+    np.testing.assert_array_equal(where[8:10], [12 + 4 + 2, 12 + 4 + 3])
+
+
+class Shift(nn.Layer):
+    """Elementwise, with a parameter, and no split declared."""
+
+    elementwise = True
+
+    def build(self, input_shape):
+        self.size = input_shape[-1]
+        return tuple(input_shape)
+
+    def param_specs(self):
+        return [("t", (self.size,), init.zeros)]
+
+
+def test_a_layer_with_parameters_between_a_split_pair_must_declare_its_split():
+    whole = nn.Sequential([nn.Dense(4), Shift(), nn.Dense(2)], (3,), dtype=np.float64)
+    with pytest.raises(ValueError, match="has parameters and stands between a split pair"):
+        split_model(whole, 0, 2)
+
+
+# -- with real ranks -----------------------------------------------------------------------------------------
+def tensor_runs(tensor, name, optimizer="adam", steps=4, global_batch=12, clip=0.0):
+    """``(cluster, strategy, reference)``: ``allreduce --tensor T`` on the world and ``local`` on the global batch."""
+    from mpi4py import MPI
+
+    from mpidist.parallel import AllreduceStrategy
+    from mpidist.parallel.recipe import Recipe
+    from mpidist.runtime.cluster import build_cluster
+    world = MPI.COMM_WORLD
+    if world.Get_size() % tensor:
+        pytest.skip(f"--tensor {tensor} does not divide {world.Get_size()} ranks")
+    cluster = build_cluster(world)
+    make = lambda size: nn.make_optimizer(optimizer, size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
+    recipe = Recipe(clip_norm=clip) if clip else None
+    reference = LocalStrategy(whole_model(name), nn.loss_for(4, np), make, seed=3, recipe=recipe)
+    strategy = AllreduceStrategy(whole_model(name), nn.loss_for(4, np), make, cluster, seed=3, exchange="mpi",
+                                 tensor=tensor, recipe=recipe)
+    reference.initialize()
+    strategy.initialize()
+    groups = cluster.num_workers // tensor
+    part = worker_slice(global_batch, groups, strategy.worker_index)
+    for step in range(steps):
+        x, y = inputs(name, global_batch, seed=step)
+        expected = reference.train_step(x, y, 1.0, step)
+        loss = strategy.train_step(x[part], y[part], (part.stop - part.start) / global_batch, step)
+        assert np.isclose(loss, expected, rtol=1e-9)
+    return cluster, strategy, reference
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("tensor", [2, 3])
+def test_allreduce_with_tensor_parts_trains_as_local_on_the_global_batch(name, tensor):
+    cluster, strategy, reference = tensor_runs(tensor, name)
+    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.tensor.where], rtol=1e-9,
+                               atol=1e-12)
+    state = strategy.state()   # the whole model's, gathered on the chief
+    if cluster.is_chief:
+        np.testing.assert_allclose(state[0], reference.model.params, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(state[1]["m"], reference.optimizer.state_arrays()["m"], rtol=1e-9, atol=1e-15)
+        assert state[2] == 4
+    strategy.free()
+    cluster.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_clipped_tensor_run_clips_by_the_whole_models_norm():
+    cluster, strategy, reference = tensor_runs(2, "residual", optimizer="sgd", clip=0.05)
+    assert reference.clipped and strategy.clipped
+    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.tensor.where], rtol=1e-9,
+                               atol=1e-12)
+    strategy.free()
+    cluster.free()
