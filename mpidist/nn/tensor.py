@@ -120,6 +120,8 @@ class Bias(Layer):
 class VocabularyPart(Embedding):
     """An ``Embedding``'s rows ``[lo, hi)``: ids outside them look up zeros (a :class:`TensorSum` adds the parts)."""
 
+    cache = ("ids", "held")
+
     def __init__(self, lo, hi, dim):
         super().__init__(hi - lo, dim)
         self.lo, self.hi = int(lo), int(hi)

@@ -20,6 +20,9 @@ Each micro-batch's loss is weighted by its share of the global batch, so the
 summed gradients are the global-batch mean: a pipeline step equals a local
 step on the same batch.  A stage's parameters are a contiguous slice of the
 whole model's flat buffer, so initialisation and checkpoints stay whole.
+With ``--tensor T`` each stage is split over ``T`` ranks
+(:mod:`mpidist.parallel.tensor`); a rank's parameters are then slices of
+its stage's (``positions``: their places in the whole model's buffer).
 """
 
 import math
@@ -36,6 +39,7 @@ from .rewind import PreviousSlice, StepLedger
 from .schedule import schedule
 from .schedule_runner import ScheduleRunner, split_sizes  # noqa: F401  (split_sizes: the bench's and tests')
 from .stage import StageLayout, StageLinks
+from .tensor import TENSOR, TensorPart, check_tensor
 
 
 def balance_by_parameters(costs, stages):
@@ -119,6 +123,7 @@ class PipelineStrategy(Strategy):
         Option("schedule", "1f1b", "pipeline: 1f1b (at most P micro-batches in flight) or gpipe (all M)",
                ("1f1b", "gpipe")),
         Option("balance", "", "pipeline: layers per stage, e.g. 3,3 ('' = balance by parameters)"),
+        TENSOR,
     )
 
     @classmethod
@@ -129,7 +134,8 @@ class PipelineStrategy(Strategy):
         if world_size % settings.stages:
             raise UsageError(f"--stages {settings.stages} does not divide the {world_size} ranks (ranks = stages x "
                              "data-parallel replicas)")
-        replicas = world_size // settings.stages
+        check_tensor(settings, world_size, settings.stages)
+        replicas = world_size // (settings.stages * max(settings.tensor, 1))
         if settings.batch_size // replicas < settings.micro_batches:
             raise UsageError(f"--batch-size {settings.batch_size} over {replicas} replica(s) leaves "
                              f"{settings.batch_size // replicas} samples per replica, fewer than "
@@ -144,13 +150,17 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def layout_text(cls, settings, cluster):
-        return (f"{settings.stages} stages x {cluster.size // settings.stages} replica(s) ({settings.schedule}, "
+        ranks = settings.stages * settings.tensor
+        parts = f" x {settings.tensor} tensor parts" if settings.tensor > 1 else ""
+        return (f"{settings.stages} stages{parts} x {cluster.size // ranks} replica(s) ({settings.schedule}, "
                 f"{settings.micro_batches} micro-batches)")
 
     @classmethod
     def data_layout(cls, settings, cluster):
-        """A pipeline's ``P`` stages of one replica read the same shard (the first stage its samples, the last its labels)."""
-        return cluster.size // settings.stages, cluster.rank // settings.stages
+        """A pipeline's ``P`` stages (and their parts) of one replica read the same shard (the first stage its
+        samples, the last its labels)."""
+        ranks = settings.stages * settings.tensor
+        return cluster.size // ranks, cluster.rank // ranks
 
     @classmethod
     def check_model(cls, settings, model):
@@ -170,10 +180,10 @@ class PipelineStrategy(Strategy):
     def arguments(cls, settings, setup):
         return {"stages": settings.stages, "micro_batches": settings.micro_batches,
                 "schedule_name": settings.schedule, "balance": parse_balance(settings, setup.model),
-                "global_batch": settings.batch_size, "elastic": settings.elastic}
+                "global_batch": settings.batch_size, "elastic": settings.elastic, "tensor": settings.tensor}
 
     def __init__(self, *args, stages, micro_batches, schedule_name, balance=None, global_batch, elastic=False,
-                 **kwargs):
+                 tensor=1, **kwargs):
         super().__init__(*args, **kwargs)
         full, cluster = self.model, self.cluster
         self.full = full
@@ -181,11 +191,18 @@ class PipelineStrategy(Strategy):
         balance = list(balance) if balance else balance_by_parameters(layer_costs(full), stages)
         if len(balance) != stages:
             raise ValueError(f"balance {balance} gives {len(balance)} stages, not {stages}")
-        self.layout = layout = StageLayout(full, balance, cluster.rank, cluster.size)
+        self.layout = layout = StageLayout(full, balance, cluster.rank, cluster.size, tensor)
         self.model = layout.stage_model(full)
+        self.tensor = None
+        self.positions = np.arange(layout.param_lo, layout.param_hi, dtype=np.int64)   # (in the whole model's buffer)
+        if tensor > 1:   # this rank's part of its stage
+            self.tensor = TensorPart(self.model, cluster.world, tensor, cluster.rank // tensor, layout.part, data=False)
+            self.model, self.positions = self.tensor.model, layout.param_lo + self.tensor.where
         self.links = StageLinks(cluster.world, layout, self.figures, self.track)
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
         self.optimizer = self.make_optimizer(self.model.num_params, layout.param_lo)
+        if self.tensor is not None and self.optimizer is not None:   # (a part is no slice of the whole: its own)
+            self.optimizer.decay_ranges = self.model.decay_ranges()
         self.ledger = StepLedger(PreviousSlice(self.model.params, self.optimizer) if elastic else None)
         self.model.use_workspace(self.loss)
         self.count(steps=0, pipeline_s=0.0, idle_s=0.0, peak_activations=0)
@@ -212,10 +229,11 @@ class PipelineStrategy(Strategy):
         """Role-table text for this rank."""
         layout = self.layout
         return (f"stage {layout.stage}/{layout.stages} layers {layout.first_layer}-{layout.end_layer - 1}"
+                + (f" part {layout.part}/{layout.tensor}" if layout.tensor > 1 else "")
                 + (f" replica {layout.replica}" if layout.replicas > 1 else ""))
 
     def initialize(self, checkpoint=None):
-        cluster, lo, hi = self.cluster, self.layout.param_lo, self.layout.param_hi
+        cluster = self.cluster
         whole = np.zeros(self.full.num_params, dtype=self.full.dtype)
         if cluster.is_chief:
             if checkpoint is None:
@@ -224,9 +242,9 @@ class PipelineStrategy(Strategy):
             else:
                 whole[...] = checkpoint.params
         mpi.bcast(cluster.world, whole, root=cluster.chief_rank)
-        self.model.params[...] = self.model.xp.asarray(whole[lo:hi])
+        self.model.params[...] = self.model.xp.asarray(whole[self.positions])
         if checkpoint is not None and self.optimizer is not None:
-            state = {name: array[lo:hi] for name, array in checkpoint.optimizer_state.items()}
+            state = {name: np.asarray(array)[self.positions] for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
         self.ledger.start_step = 0 if checkpoint is None else int(checkpoint.step)
 
@@ -249,9 +267,9 @@ class PipelineStrategy(Strategy):
         # Allreduce gives the verdict, the global squared norm (each replica's stages hold the same) and, from
         # replica 0's last stage, the global loss to every rank (any of them may become the chief)
         loss = float(self.accumulated[-1])
-        squares = np.array([float(gradients.dot(gradients)),
+        squares = np.array([self._squares(gradients),
                             0.0 * loss,   # (0 x NaN or Inf is NaN: a broken loss shows)
-                            loss if layout.is_last and layout.replica == 0 else 0.0])
+                            loss if layout.is_last and layout.replica == 0 and layout.part == 0 else 0.0])
         mpi.allreduce_sum(self.cluster.world, squares)
         self.track("compute")
         self.skipped = not np.isfinite(squares).all()
@@ -263,18 +281,25 @@ class PipelineStrategy(Strategy):
         self.ledger.applied += 1
         loss = math.nan if self.skipped else float(squares[2])
         if layout.stages > 1:   # the chief reports the training figures replica 0's last stage counted
-            sent = self.take_train_counts() if layout.is_last and layout.replica == 0 else [0.0, 0]
+            sent = self.take_train_counts() if self.cluster.rank == layout.rank_of(0, layout.stages - 1) else [0.0, 0]
             counts = self._to_chief(np.array(sent, dtype=np.float64), tag=79)
             if self.cluster.is_chief:
                 self.train_counts = [self.train_counts[0] + float(counts[0]), self.train_counts[1] + int(counts[1])]
         return loss
 
+    def _squares(self, gradients):
+        """This rank's share of the global squared gradient norm: a part's parameters, its stage's shared ones once."""
+        squares = float(gradients.dot(gradients))
+        if self.tensor is not None and self.tensor.part != 0:
+            squares -= sum(float(gradients[lo:hi].dot(gradients[lo:hi])) for lo, hi in self.tensor.shared)
+        return squares
+
     def _to_chief(self, values, tag):
-        """The last stage of replica 0 holds the global figures; the chief (rank 0) needs them.
+        """The last stage of replica 0 (its first part) holds the global figures; the chief (rank 0) needs them.
 
         ``values`` is a float64 array, filled in place on the chief.
         """
-        cluster, last = self.cluster, self.layout.stages - 1
+        cluster, last = self.cluster, self.layout.rank_of(0, self.layout.stages - 1)
         if last == cluster.chief_rank:
             return values
         if cluster.rank == last:
@@ -307,21 +332,26 @@ class PipelineStrategy(Strategy):
         return self._gathered(self.cluster)
 
     def _gathered(self, cluster):
-        """Collective over ``cluster``'s world, whose first ``P`` ranks are a replica's stages: their slices,
-        whole, on its chief."""
-        full, layout = self.full, self.layout
-        counts = np.zeros(cluster.size, dtype=np.int64)
-        displs = np.zeros(cluster.size, dtype=np.int64)
-        offsets = layout.param_offsets
-        for stage in range(layout.stages):   # world ranks 0..P-1 are replica 0's stages
-            counts[stage], displs[stage] = offsets[stage + 1] - offsets[stage], offsets[stage]
+        """Collective over ``cluster``'s world, whose first ``P x T`` ranks are a replica's stages (and their
+        parts): their slices, placed in the whole model's layout on its chief."""
+        full = self.full
         arrays = {"params": to_host(self.model.params)}
         arrays.update({name: to_host(a) for name, a in self.optimizer.state_arrays().items()})
+        sends = cluster.rank < self.layout.stages * self.layout.tensor   # (the first replica's ranks)
+        counts = np.zeros(cluster.size, dtype=np.int64)
+        mpi.allgather(cluster.world, np.array([len(self.positions) if sends else 0], dtype=np.int64), counts)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        total = int(counts.sum())
+        where = mpi.gatherv(cluster.world, self.positions if sends else self.positions[:0],
+                            np.empty(total, dtype=np.int64) if cluster.is_chief else None, counts, displs,
+                            cluster.chief_rank)
         whole = {}
         for name, part in arrays.items():
-            target = np.zeros(full.num_params, dtype=full.dtype) if cluster.is_chief else None
-            send = part if cluster.rank < layout.stages else part[:0]
-            whole[name] = mpi.gatherv(cluster.world, send, target, counts, displs, cluster.chief_rank)
+            received = np.empty(total, dtype=full.dtype) if cluster.is_chief else None
+            mpi.gatherv(cluster.world, part if sends else part[:0], received, counts, displs, cluster.chief_rank)
+            if cluster.is_chief:
+                whole[name] = np.zeros(full.num_params, dtype=full.dtype)
+                whole[name][where] = received
         if not cluster.is_chief:
             return None
         params = whole.pop("params")
@@ -362,3 +392,5 @@ class PipelineStrategy(Strategy):
     def free(self):
         """Collective: free the stage's communicators (a second free does nothing)."""
         self.links.free()
+        if self.tensor is not None:
+            self.tensor.free()

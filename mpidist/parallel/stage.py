@@ -1,10 +1,14 @@
 """A pipeline stage's place: the layers and parameters it holds, and its links to the other ranks.
 
 With ``N = P x D`` ranks there are ``D`` replicas of a ``P``-stage pipeline:
-rank ``r`` is stage ``r % P`` of replica ``r // P``.  :class:`StageLayout`
-is that arithmetic (no MPI); :class:`StageLinks` holds the two
-communicators a stage talks over -- its replica's stages, and its stage in
-every replica -- and moves activations and gradients along the pipe.
+rank ``r`` is stage ``r % P`` of replica ``r // P``.  With ``--tensor T``
+each stage is ``T`` consecutive ranks, each holding a part of the stage's
+layers (``N = D x P x T``: rank ``r`` is part ``r % T`` of stage ``(r // T) %
+P`` of replica ``r // (P T)``).  :class:`StageLayout` is that arithmetic (no
+MPI); :class:`StageLinks` holds the two communicators a stage talks over --
+its replica's stages, and its stage in every replica, both of its own part
+-- and moves activations and gradients along the pipe (whole activations:
+every part of a stage holds them after its parts' sum).
 """
 
 import time
@@ -25,14 +29,15 @@ class StageLayout:
     Args:
         model: the whole model (a :class:`~mpidist.nn.Sequential`).
         balance: layers per stage, in order (its length is ``P``).
-        rank, world_size: this rank and the number of ranks (``P x D``).
+        rank, world_size: this rank and the number of ranks (``D x P x T``).
+        tensor: ``T``, the parts of each stage.
     """
 
-    def __init__(self, model, balance, rank, world_size):
+    def __init__(self, model, balance, rank, world_size, tensor=1):
         self.balance = [int(size) for size in balance]
-        self.stages = len(self.balance)
-        self.replica, self.stage = divmod(rank, self.stages)
-        self.replicas = world_size // self.stages
+        self.stages, self.tensor = len(self.balance), int(tensor)
+        (self.replica, self.stage), self.part = divmod(rank // self.tensor, self.stages), rank % self.tensor
+        self.replicas = world_size // (self.stages * self.tensor)
         starts = np.concatenate([[0], np.cumsum(self.balance)]).astype(int)
         self.first_layer, self.end_layer = int(starts[self.stage]), int(starts[self.stage + 1])
         #: where each stage's parameters start in the whole model's flat buffer, and the end
@@ -47,6 +52,10 @@ class StageLayout:
     @property
     def is_last(self):
         return self.stage == self.stages - 1
+
+    def rank_of(self, replica, stage, part=0):
+        """The world rank of ``part`` of ``stage`` of ``replica``."""
+        return (replica * self.stages + stage) * self.tensor + part
 
     @property
     def param_lo(self):
@@ -80,8 +89,8 @@ class StageLinks:
 
     def __init__(self, world, layout, figures, track):
         self.layout, self.figures, self.track = layout, figures, track
-        self.pipe = world.Split(layout.replica, key=layout.stage)
-        self.peers = world.Split(layout.stage, key=layout.replica)
+        self.pipe = world.Split(layout.replica * layout.tensor + layout.part, key=layout.stage)
+        self.peers = world.Split(layout.stage * layout.tensor + layout.part, key=layout.replica)
 
     def recv(self, buffer, source, tag, flow=None):
         """Receive ``buffer`` from stage ``source``; ``flow``: ``(step, round)`` to draw the sender's arrow (--trace)."""

@@ -63,14 +63,14 @@ class TensorPart:
         parts: ``T``.
         group: this rank's tensor group (ranks ``group * T .. group * T + T - 1`` of the layout).
         part: this rank's part, ``0 .. T-1``.
-        peers: the colour of the ranks it exchanges gradients with (the same part; in a pipeline, also the
-            same stage).
+        data: whether to split off the communicator of the same part of every group (the data-parallel
+            workers of ``allreduce``; a pipeline has its own, a stage's part in every replica).
     """
 
-    def __init__(self, whole, world, parts, group, part, peers=0):
+    def __init__(self, whole, world, parts, group, part, data=True):
         self.parts, self.part = int(parts), int(part)
         self.comm = world.Split(group, key=part)            # the tensor group, by part
-        self.data = world.Split(peers * parts + part, key=group)   # the same part of every group, by group
+        self.data = world.Split(part, key=group) if data else None   # the same part of every group, by group
         self.whole, self.size = whole, whole.num_params
         self.model, self.where = split_model(whole, part, parts)
         self.shared = replicated(self.model)                # every part holds these alike: counted once
