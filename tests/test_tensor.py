@@ -283,3 +283,35 @@ def test_data_pipeline_and_tensor_layouts_of_8_ranks_train_as_local():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # every test runs at 8 ranks but --tensor 3's (3 does not divide 8)
     assert "failed" not in done.stdout and "7 passed, 3 skipped" in done.stdout, done.stdout
+
+
+def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluates(tmp_path):
+    """Written at data x tensor 2 x 2; resumed as local, as allreduce on 3 ranks and as pipeline x tensor 2 x 2,
+    each 4 steps more: the same global batches (the lanes), so the same model to 1e-9 in float64; and eval gives
+    the test figures the run ended with."""
+    from conftest import checkpoint_at, events
+
+    from mpidist.store import checkpoint
+    common = ["-m", "mpidist", "--dtype", "float64", "--progress", "none", "--run-dir", "", "--checkpoint-wait"]
+    done, _ = run_mpi(4, [*common, "--tensor", "2", "--steps", "10", "--metrics", str(tmp_path / "m.jsonl"),
+                          "--checkpoint-dir", str(tmp_path / "ck")], timeout=120)
+    assert done.returncode == 0, done.stderr
+    written = checkpoint_at(tmp_path / "ck", 10)
+    ended = events(tmp_path / "m.jsonl", "done")[0]
+    layouts = {"local": (1, ["--strategy", "local"]), "allreduce": (3, ["--strategy", "allreduce"]),
+               "pipeline-tensor": (4, ["--strategy", "pipeline", "--stages", "2", "--tensor", "2"])}
+    params = {}
+    for name, (ranks, flags) in layouts.items():
+        done, _ = run_mpi(ranks, [*common, *flags, "--resume", str(written), "--steps", "14",
+                                  "--metrics", str(tmp_path / f"{name}.jsonl"),
+                                  "--checkpoint-dir", str(tmp_path / name)], timeout=120)
+        assert done.returncode == 0, (name, done.stderr)
+        assert f"resumed from {written} at step 10" in done.stdout, (name, done.stdout)
+        params[name] = checkpoint.load(checkpoint_at(tmp_path / name, 14)).params
+    assert not np.allclose(params["local"], checkpoint.load(written).params)   # (4 steps did train)
+    for name in ("allreduce", "pipeline-tensor"):
+        np.testing.assert_allclose(params[name], params["local"], rtol=1e-9, atol=1e-12, err_msg=name)
+    done, _ = run_mpi(2, ["-m", "mpidist", "eval", str(written)], timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"{100 * ended['test_accuracy']:.2f}%" in done.stdout and f"{ended['test_loss']:.4f}" in done.stdout, \
+        (done.stdout, ended)
