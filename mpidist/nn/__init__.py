@@ -6,6 +6,7 @@ Nothing in here imports MPI; arrays come from an ``xp`` module (numpy or cupy).
 from .activations import GELU, Sigmoid
 from .conv import Conv1D, Conv2D
 from .embedding import Embedding
+from .gradcheck import GradientError, check_gradients
 from .layers import Dense, Dropout, Flatten, Layer, ReLU, ShapeError, Tanh
 from .losses import MeanSquaredError, SoftmaxCrossEntropy, loss_for
 from .norm import BatchNorm, LayerNorm
@@ -19,4 +20,4 @@ __all__ = ["GELU", "Sigmoid", "Conv1D", "Conv2D", "Embedding", "MaxPool1D", "Max
            "GlobalAvgPool", "Dense", "Dropout", "Flatten", "Layer", "ReLU", "ShapeError", "Tanh", "BatchNorm",
            "LayerNorm", "Residual", "MeanSquaredError", "SoftmaxCrossEntropy", "loss_for", "OPTIMIZERS", "SGD",
            "Adam", "Optimizer", "make_optimizer", "Sequential", "MODELS", "SpecError", "build_model",
-           "input_shape_for", "parse_spec"]
+           "input_shape_for", "parse_spec", "check_gradients", "GradientError"]
