@@ -5,6 +5,8 @@ that need more ranks skip themselves).
 """
 
 import io
+import json
+import re
 
 import h5py
 import numpy as np
@@ -208,3 +210,45 @@ def test_load_trained_refuses_a_dataset_the_checkpoints_parameters_do_not_fit(di
     assert result.params.size == 8320 + 16512 + 1290
     assert str(refused.value) == (f"{checkpoint}: holds 26122 parameters, but model mlp on 'three' has "
                                   f"{8320 + 16512 + 387}")
+
+
+def token_arrays(train=256, test=64, length=8, vocab=5):
+    """Sequences of ids labelled at every position by the next id, ``(id + 1) % vocab``."""
+    rng = np.random.default_rng(0)
+
+    def split(n):
+        ids = rng.integers(0, vocab, (n, length))
+        return ids.astype(np.float32), (ids + 1) % vocab
+    return mpidist.ArrayData(train=split(train), test=split(test), name="tokens")
+
+
+def causal_lm(sample_shape, outputs):
+    return [nn.Embedding(outputs, 16), nn.PositionalEmbedding(sample_shape[0]), nn.TransformerBlock(2, causal=True),
+            nn.LayerNorm(), nn.Dense(outputs)]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_language_model_trains_on_labels_per_position_and_is_scored_per_token(tmp_path):
+    metrics = tmp_path / "metrics.jsonl" if MPI.COMM_WORLD.Get_rank() == 0 else None
+    metrics = MPI.COMM_WORLD.bcast(metrics)
+    result = mpidist.train(causal_lm, token_arrays(), **dict(quiet(epochs=5, optimizer="adam", lr=0.01, batch_size=32),
+                                                             metrics=str(metrics)))
+    if result.is_chief:
+        assert result.test_accuracy > 0.95 and result.figures["test_loss"] < 0.2
+        per_class = result.figures["test_per_class"]
+        assert sum(record["support"] for record in per_class) == 64 * 8     # tokens, not samples
+        steps = [event for event in map(json.loads, metrics.read_text().splitlines()) if event["event"] == "step"]
+        first, last = steps[0]["train_accuracy"], steps[-1]["train_accuracy"]     # fractions of tokens
+        assert 0 < first <= last <= 1.0 and last > 0.9
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_classifier_of_one_label_per_sample_on_labels_per_position_is_refused_naming_both(capsys):
+    def pooled(sample_shape, outputs):
+        return causal_lm(sample_shape, outputs)[:-2] + [nn.SequencePool(), nn.Dense(outputs)]
+    with pytest.raises(SystemExit) as stopped:
+        mpidist.train(pooled, token_arrays(), **quiet(epochs=1))
+    assert stopped.value.code == 2
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert re.search(r"outputs \(5,\) per sample, but the dataset has 8 labels per sample .*it needs outputs "
+                         r"\(8, 5\)", capsys.readouterr().err)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from mpidist import data
+from mpidist.data.lanes import Lanes
 from mpidist.runtime.errors import UsageError
 from mpidist.tools.ingest import write_dataset
 
@@ -273,3 +274,57 @@ def test_in_graph_scatter_gives_each_worker_the_batches_its_own_lanes_would():
         np.testing.assert_array_equal(y, own[step])
         np.testing.assert_array_equal(x[:, 2], own[step].astype(np.float32))
     feed.close()
+
+
+# --- labels per position (sequences) -------------------------------------------------------------------------------
+
+def token_file(path, n_train=40, n_test=10, length=6, classes=5):
+    """Sequences ``(N, L)`` of ids whose label at each position is the next id: ``(id + 1) % classes``."""
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        ids = rng.integers(0, classes, (n, length))
+        splits[split] = (ids.astype(np.float32), (ids + 1) % classes)
+    return write_dataset(path, "tokens", splits, classes, "made by a test", check_values=True)
+
+
+def test_labels_with_a_sequence_axis_are_read_per_position_in_memory_and_streamed(tmp_path):
+    info = data.inspect(token_file(tmp_path / "tokens.h5"))
+    assert (info.target_width, info.target_shape, info.outputs) == (6, (6,), 5)
+    shard = data.Shard(info, "train", 0, 2, (6,), np.float32)
+    assert shard.y.shape == (20, 6) and shard.y.dtype == np.int64
+    np.testing.assert_array_equal(shard.y, (shard.x.astype(np.int64) + 1) % 5)
+    streamed = data.Stream(info, "train", 0, 1, (6,), np.float32, buffer=8)
+    x, y = next(iter(streamed.eval_batches(8)))
+    assert y.shape == (8, 6) and np.array_equal(y, (np.asarray(x).astype(np.int64) + 1) % 5)
+    trained = data.Stream(info, "train", 0, 1, (6,), np.float32, buffer=20, lanes=Lanes(10, 0, 10))
+    batches = trained.batches(4, 0, 0)
+    for x, y in batches:
+        assert y.shape == (10, 6) and np.array_equal(y, (np.asarray(x).astype(np.int64) + 1) % 5)
+    batches.close()
+
+
+def test_a_label_out_of_range_is_named_with_its_sample_and_position(tmp_path):
+    path = token_file(tmp_path / "tokens.h5")
+    with h5py.File(path, "a") as handle:
+        labels = handle["train/y"][...]
+        labels[13, 4] = 9
+        handle["train/y"][...] = labels
+    info = data.inspect(path)
+    with pytest.raises(UsageError, match=r"label 9 at sample 13 position 4, outside \[0, 5\)"):
+        data.Shard(info, "train", 0, 1, (6,), np.float32)
+    splits = {"train": (np.zeros((2, 3), np.float32), np.array([[0, 1, 7], [0, 0, 0]])),
+              "test": (np.zeros((1, 3), np.float32), np.zeros((1, 3), int))}
+    with pytest.raises(UsageError, match=r"train/y\[0, 2\] is 7, outside \[0, 5\)"):
+        write_dataset(tmp_path / "bad.h5", "bad", splits, 5, "test", check_values=True)
+
+
+@pytest.mark.parametrize("labels,message", [
+    (np.zeros((10, 2, 3), int), "integer class labels .*\\(N, L\\) for one per position, got shape \\(10, 2, 3\\)"),
+    (np.zeros((10, 0), int), "integer class labels"),
+])
+def test_labels_of_three_axes_or_no_positions_are_refused(tmp_path, labels, message):
+    path = mutate(make_file(tmp_path / "toy.h5"), lambda h: (h.__delitem__("test/y"),
+                                                               h.create_dataset("test/y", data=labels)))
+    with pytest.raises(UsageError, match=message):
+        data.inspect(path)

@@ -8,42 +8,12 @@ from mpidist import nn
 from mpidist.nn import Conv2D, Dense, Dropout, Flatten, MaxPool2D, ReLU, Sequential, Tanh
 
 
-def numeric_grad(f, array, eps=1e-6):
-    """Central differences of scalar ``f()`` with respect to every entry of ``array`` (in place)."""
-    grad = np.zeros_like(array)
-    flat, out = array.reshape(-1), grad.reshape(-1)
-    for i in range(flat.size):
-        saved = flat[i]
-        flat[i] = saved + eps
-        plus = f()
-        flat[i] = saved - eps
-        minus = f()
-        flat[i] = saved
-        out[i] = (plus - minus) / (2 * eps)
-    return grad
-
-
 def check_model_gradients(layers, input_shape, batch=3, seed=0, training=False, x=None):
-    """Compare backprop of sum(out * r) with finite differences, for params and input.
+    """Backprop of sum(out * r) against finite differences, for params and input (:func:`mpidist.nn.check_gradients`).
 
     ``x`` replaces the random normal input (e.g. token ids); returns the model.
     """
-    rng = np.random.default_rng(seed)
-    model = Sequential(layers, input_shape, xp=np, dtype=np.float64)
-    model.init_params(seed)
-    model.params += rng.normal(0, 0.1, model.num_params)   # break symmetry of zero biases
-    x = rng.normal(size=(batch,) + tuple(input_shape)) if x is None else x
-    r = rng.normal(size=(x.shape[0],) + model.output_shape)
-
-    def objective():
-        model.reseed(7)
-        return float((model.forward(x, training) * r).sum())
-
-    objective()
-    dx = model.backward(r.copy())
-    np.testing.assert_allclose(model.grads, numeric_grad(objective, model.params), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(dx, numeric_grad(objective, x), rtol=1e-5, atol=1e-7)
-    return model
+    return nn.check_gradients(layers, input_shape, batch=batch, seed=seed, training=training, x=x)
 
 
 @pytest.mark.parametrize("layers,shape", [
@@ -126,7 +96,8 @@ def test_maxpool_sends_a_tied_gradient_to_one_position_only():
 def loss_check(loss, out, target):
     value = lambda: float(loss.forward(out, target))  # noqa: E731
     value()
-    np.testing.assert_allclose(loss.backward(scale=0.3), 0.3 * numeric_grad(value, out), rtol=1e-6, atol=1e-9)
+    numeric = nn.gradcheck.numeric_gradient(value, out)
+    np.testing.assert_allclose(loss.backward(scale=0.3), 0.3 * numeric, rtol=1e-6, atol=1e-9)
 
 
 def test_cross_entropy_value_and_gradient():

@@ -302,3 +302,17 @@ def test_on_ranks_the_done_event_counts_every_test_sample_once(tmp_path, strateg
     if result.is_chief:
         assert "accuracy" not in (tmp_path / "r" / "metrics.jsonl").read_text()
         assert 0 < events[-1]["test_mse"] and events[-1]["test_r2"] <= 1
+
+
+def test_outputs_per_position_are_scored_token_by_token_and_samples_count_sequences():
+    scoring = scores.scoring(True, (4, 3))                 # sequences of 4 positions, 3 classes
+    assert (scoring.classes, scoring.positions) == (3, 4)
+    rng = np.random.default_rng(0)
+    logits, labels = rng.normal(size=(5, 4, 3)), rng.integers(0, 3, (5, 4))
+    figures = scoring.figures(scoring.add(scoring.zeros(), logits, labels, 0.5))
+    flat = scores.scoring(True, (3,))
+    tokens = flat.figures(flat.add(flat.zeros(), logits.reshape(20, 3), labels.reshape(20), 0.5))
+    assert figures["samples"] == 5 and tokens["samples"] == 20
+    assert figures["accuracy"] == tokens["accuracy"] == (logits.argmax(-1) == labels).mean()
+    assert figures["loss"] == 0.5 and figures["confusion"] == tokens["confusion"]
+    assert sum(figures["per_class"]["support"]) == 20

@@ -116,7 +116,7 @@ def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, lanes=No
     """
     group = info.rows_of(split)[0]
     values = int(np.prod(input_shape))
-    sample = values * np.dtype(dtype).itemsize + (8 if info.num_classes else info.target_width * 8)
+    sample = values * np.dtype(dtype).itemsize + info.target_width * 8
     share = buffer if lanes is None else lane_share(buffer, info.sizes[split], lanes.total)
     block = block_bytes_for(share, input_shape, dtype)
     kinds = {(m.chunk_rows.get(group, 1), m.row_bytes.get(group, 0), m.cache_bytes(group)) for m in info.files}

@@ -2,7 +2,8 @@
 
 Layout (contract): one HDF5 file with groups ``train/`` and ``test/``, each
 holding ``x`` (samples first) and ``y`` (integer class labels, or float
-targets); file attributes ``name``, ``num_classes`` (0 for regression) and
+targets; class labels may have a sequence axis, ``(N, L)``: one label per
+position, for models that classify every position); file attributes ``name``, ``num_classes`` (0 for regression) and
 ``source``.  Optional: ``stats/mean`` and ``stats/std`` (floats of the sample
 shape: standardisation statistics, applied when samples are read, so ``x``
 stays as stored), ``class_names`` (text, one per class) and a ``val/`` group
@@ -130,6 +131,7 @@ class DatasetInfo:
     source: str
     sample_shape: tuple
     sizes: dict  # split -> number of samples
+    #: values of ``y`` per sample: regression targets, or class labels (``L`` for labels ``(N, L)``, one per position)
     target_width: int = 1
     #: standardisation statistics where the file has them (float64 arrays of the sample shape):
     #: :class:`Shard` returns ``(x - mean) / std``
@@ -154,6 +156,11 @@ class DatasetInfo:
     def rows_of(self, split):
         """``(the file's split, its row numbers or None for all)`` that make up ``split``."""
         return self.carved.get(split, (split, None))
+
+    @property
+    def target_shape(self):
+        """One sample's ``y`` as read: ``()`` for a class label, ``(L,)`` for one per position, ``(W,)`` for targets."""
+        return () if self.num_classes > 0 and self.target_width == 1 else (self.target_width,)
 
     @property
     def outputs(self):
@@ -296,9 +303,9 @@ def _describe(path, handle, allow_external, part=False):
         if x.shape[0] == 0 and not part:
             raise UsageError(f"{path}: the {split} split is empty; training and evaluation need samples in "
                              "both (`python -m mpidist ingest --test-fraction` splits a source)")
-        if num_classes > 0 and (y.ndim != 1 or y.dtype.kind not in "biu"):
-            raise UsageError(f"{path}: {split}/y must be 1-D integer class labels for num_classes = "
-                             f"{num_classes}, got shape {y.shape} dtype {y.dtype}")
+        if num_classes > 0 and (y.ndim not in (1, 2) or y.dtype.kind not in "biu" or 0 in y.shape[1:]):
+            raise UsageError(f"{path}: {split}/y must be integer class labels for num_classes = {num_classes}, "
+                             f"(N,) or (N, L) for one per position, got shape {y.shape} dtype {y.dtype}")
         if num_classes == 0 and (y.ndim > 2 or (y.ndim == 2 and y.shape[1] == 0)):
             raise UsageError(f"{path}: {split}/y has shape {y.shape}; regression targets are (N,) or (N, K)")
         sizes[split] = int(x.shape[0])

@@ -162,7 +162,7 @@ class SplitRows:
         where = f"{path}: {self.group}"
         if items is None:   # no rows: empty arrays of the right shapes
             x = np.empty((0,) + tuple(self.info.sample_shape))
-            y = np.empty((0,) if self.info.num_classes or self.info.target_width == 1 else (0, self.info.target_width))
+            y = np.empty((0,) if self.info.target_width == 1 else (0, self.info.target_width))
             return prepare(x, y, self.info, where, local, self.input_shape, self.dtype)
         with here().doing("io", f"reading {where}"):
             read = []

@@ -15,18 +15,19 @@ def prepare(x, y, info, where, rows, input_shape, dtype):
 
     ``rows`` are the file's row numbers of ``x`` (for messages).  Samples come
     back standardised where the dataset has statistics, as ``dtype``, shaped
-    ``(n,) + input_shape``; class labels as int64, regression targets as
-    ``dtype`` of shape ``(n, width)``.
+    ``(n,) + input_shape``; class labels as int64 of shape ``(n,)`` (``(n, L)``
+    for labels per position), regression targets as ``dtype`` of shape ``(n, width)``.
     """
     if x.dtype.kind == "f" and not _all_finite(x):
         raise UsageError(f"{where}/x holds NaN or Inf (first at sample {rows[_first_bad_row(x)]})")
     if info.num_classes > 0:
         out = (y < 0) | (y >= info.num_classes)
         if out.any():
-            bad = int(np.flatnonzero(out)[0])
-            raise UsageError(f"{where}/y has label {int(y[bad])} at sample {rows[bad]}, "
+            bad = np.unravel_index(int(np.flatnonzero(out)[0]), y.shape)
+            position = f" position {int(bad[1])}" if len(bad) > 1 else ""
+            raise UsageError(f"{where}/y has label {int(y[bad])} at sample {rows[bad[0]]}{position}, "
                              f"outside [0, {info.num_classes}) (num_classes = {info.num_classes})")
-        y = y.astype(np.int64)
+        y = y.astype(np.int64).reshape((len(y),) + info.target_shape)
     else:
         if y.dtype.kind == "f" and not np.isfinite(y).all():
             raise UsageError(f"{where}/y holds NaN or Inf")
@@ -59,7 +60,9 @@ def footprint(rows, info, group, dtype):
     sample = int(np.prod(info.sample_shape))
     stored = max((m.row_bytes.get(group, 0) for m in info.files), default=sample * 8)
     cache = max((m.cache_bytes(group) for m in info.files), default=0)
-    return rows * (stored + sample * np.dtype(dtype).itemsize + (8 * sample if standardizer(info) else 0) + 16) + cache
+    targets = 8 * (info.target_width + 1)
+    return rows * (stored + sample * np.dtype(dtype).itemsize + (8 * sample if standardizer(info) else 0) + targets) \
+        + cache
 
 
 def standardizer(info):

@@ -263,7 +263,7 @@ class Pool:
         if self.arrays is not None:
             return
         rows = self.slots * self.rows
-        targets = ((rows,), np.int64) if self.info.num_classes else ((rows, self.info.target_width), self.dtype)
+        targets = ((rows,) + self.info.target_shape, np.int64 if self.info.num_classes else self.dtype)
         x, y = np.zeros((rows,) + self.input_shape, dtype=self.dtype), np.zeros(*targets)
         index = np.zeros((self.lanes, self.rows), dtype=np.int64)
         for array in (x, y, index):

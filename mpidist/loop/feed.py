@@ -62,8 +62,7 @@ def epoch_batches(config, cluster, setup, epoch, skip):
         if cluster.is_chief:
             source = data.global_batches(setup.train, setup.steps_per_epoch, config.seed, epoch, skip=skip,
                                          last_epoch=last_epoch)
-        y_shape, y_dtype = ((), "int64") if setup.info.num_classes else ((setup.info.target_width,),
-                                                                            setup.model.dtype)
+        y_shape, y_dtype = setup.info.target_shape, "int64" if setup.info.num_classes else setup.model.dtype
         return recorded(ScatteredBatches(cluster.workers, source, config.batch_size, setup.model.input_shape,
                                          y_shape, setup.model.dtype, y_dtype, setup.steps_per_epoch - skip),
                         epoch, skip, cluster.num_workers)

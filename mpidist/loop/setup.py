@@ -59,6 +59,7 @@ def build_model_for(config, inputs, info, xp):
     """The model sized for dataset ``info``; a shape mismatch is a :class:`UsageError` naming the dataset."""
     try:
         model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype)
+        check_outputs(model, info, inputs.model.spec)
         # what training holds besides: gradients, the optimizer's arrays, the chief's gathered copy
         arrays = 3 + len(checkpoint.OPTIMIZER_STATE.get(config.optimizer, ()))
         check_fits(arrays * model.num_params * model.dtype.itemsize,
@@ -67,6 +68,17 @@ def build_model_for(config, inputs, info, xp):
     except UsageError as err:
         outputs = f"{info.num_classes:,} classes" if info.num_classes else f"{info.target_width} target(s)"
         raise UsageError(f"dataset {info.name!r} ({info.path}, {outputs}): {err}") from None
+
+
+def check_outputs(model, info, spec):
+    """Refuse a classifier whose outputs do not give one row of ``num_classes`` per label of a sample."""
+    if not info.num_classes:
+        return
+    shape, labels = tuple(model.output_shape), info.target_shape
+    if shape != labels + (info.num_classes,):
+        per = f"{labels[0]} labels per sample (one per position)" if labels else "one label per sample"
+        raise UsageError(f"the model ({printable(spec)}) outputs {shape} per sample, but the dataset has {per}, "
+                         f"of {info.num_classes:,} classes: it needs outputs {labels + (info.num_classes,)}")
 
 
 def find_resume(config):

@@ -29,13 +29,24 @@ class Embedding(Layer):
     zeros: put Embedding first in a model (``Sequential.backward`` then skips
     it entirely when ``input_grad=False``).  The table starts N(0, 1), as
     PyTorch's.
+
+    ``pad_id``: the id that pads sequences to one length.  The layer is then a
+    *mask source*: after each forward its ``padding`` attribute is the bool
+    ``(N, L)`` array ``ids == pad_id``, which a
+    :class:`~mpidist.nn.MultiHeadAttention` (or a
+    :class:`~mpidist.nn.TransformerBlock`, :class:`~mpidist.nn.SequencePool`)
+    given ``padding=`` this layer reads, so that no token attends to padding.
     """
 
     cache = ("ids",)
 
-    def __init__(self, vocab, dim):
+    def __init__(self, vocab, dim, pad_id=None):
         super().__init__()
         self.vocab, self.dim = int(vocab), int(dim)
+        self.pad_id = None if pad_id is None else int(pad_id)
+        if self.pad_id is not None and not 0 <= self.pad_id < self.vocab:
+            raise ValueError(f"Embedding pad_id {pad_id} is not an id of the vocabulary [0, {self.vocab})")
+        self.padding = None
 
     def build(self, input_shape):
         if len(input_shape) != 1:
@@ -47,6 +58,8 @@ class Embedding(Layer):
 
     def forward(self, x, training=False):
         self.ids = x.astype(np.int64)
+        if self.pad_id is not None:
+            self.padding = self.ids == self.pad_id
         return self.params["W"][self.ids]
 
     def backward_params(self, dy):
@@ -59,4 +72,4 @@ class Embedding(Layer):
         return self.xp.zeros(self.ids.shape, dtype=dy.dtype)
 
     def __repr__(self):
-        return f"Embedding({self.vocab}, {self.dim})"
+        return f"Embedding({self.vocab}, {self.dim}" + ("" if self.pad_id is None else f", pad_id={self.pad_id}") + ")"

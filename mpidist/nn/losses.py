@@ -14,18 +14,34 @@ from .workspace import UsesWorkspace
 
 
 class SoftmaxCrossEntropy(UsesWorkspace):
-    """Cross-entropy of softmax(logits) against integer labels.
+    """Cross-entropy of softmax(logits) against integer labels, averaged over every labelled position.
 
-    ``logits (N, K)``, ``labels (N,)`` ints in ``[0, K)``.
+    ``logits (N, K)`` and ``labels (N,)`` ints in ``[0, K)``: one class per
+    sample.  Sequences are labelled token by token: ``logits (N, L, K)``
+    (any axes between the first and the classes) and ``labels (N, L)``
+    (next-token prediction), the loss the mean over the ``N * L`` tokens.
+    The softmax subtracts each row's maximum first: no logit overflows.
     """
 
-    cache = ("probs", "labels")
+    cache = ("probs", "labels", "shape")
 
     def __init__(self, xp):
         self.xp = xp
 
+    def _rows_of(self, logits, labels):
+        """``(logits as (M, K), labels as (M,))``: one row per labelled position."""
+        k = logits.shape[-1]
+        rows = logits.size // k if k else 0
+        if labels.size != rows:
+            raise ValueError(f"cross-entropy of logits {tuple(logits.shape)} needs {rows} labels, one per row of "
+                             f"{k} classes, got labels {tuple(labels.shape)}")
+        return logits.reshape(rows, k), labels.reshape(rows)
+
     def forward(self, logits, labels):
-        xp, (n, k), dtype = self.xp, logits.shape, logits.dtype
+        xp, dtype = self.xp, logits.dtype
+        self.shape = logits.shape
+        logits, labels = self._rows_of(logits, labels)
+        n, k = logits.shape
         # log_p = shifted - log(sum(exp(shifted))), shifted = logits - max: computed in two (N, K) arrays
         log_p, probs = self.scratch("log_p", (n, k), dtype), self.scratch("probs", (n, k), dtype)
         row = self.scratch("row", (n, 1), dtype)
@@ -45,16 +61,22 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         return rows
 
     def backward(self, scale=1.0):
+        """The gradient of ``scale * loss``, shaped as the logits."""
         n = self.labels.shape[0]
         grad = self.scratch("grad", self.probs.shape, self.probs.dtype)
         grad[...] = self.probs
         grad[self._rows(n), self.labels] -= 1.0
         grad *= scale / n
-        return grad
+        return grad.reshape(self.shape)
 
     def correct(self, logits, labels):
-        """Number of samples whose top logit is the label."""
+        """Number of labelled positions (samples, or tokens) whose top logit is the label."""
+        logits, labels = self._rows_of(logits, labels)
         return (logits.argmax(axis=1) == labels).sum()
+
+    def positions(self, labels):
+        """Number of labelled positions in ``labels``: samples, or tokens of sequences (what :meth:`correct` counts)."""
+        return int(labels.size)
 
 
 class MeanSquaredError(UsesWorkspace):
@@ -82,6 +104,10 @@ class MeanSquaredError(UsesWorkspace):
     def correct(self, pred, target):
         """Regression has no accuracy: always 0."""
         return 0
+
+    def positions(self, target):
+        """Samples in ``target`` (what a training figure is averaged over)."""
+        return len(target)
 
 
 def loss_for(num_classes, xp):

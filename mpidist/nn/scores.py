@@ -13,7 +13,11 @@ samples, the samples whose label is among the ``k`` highest outputs
 (``k = min(5, K - 1)``; none for 2 classes, where it would always be 1; fewer
 than ``k`` outputs above the label's, so ties count in its favour), and
 the confusion matrix (true class x predicted class, the predicted class being
-the highest output, first on ties).  Up to :data:`CONFUSION_LIMIT` classes the
+the highest output, first on ties).  A model that classifies every position of
+a sequence (outputs ``(L, K)``, labels ``(L,)`` per sample: next-token
+prediction) is scored token by token: every figure but ``samples`` counts
+tokens (``accuracy`` is the fraction of tokens predicted right, ``loss`` the
+mean over tokens, ``support`` counts tokens).  Up to :data:`CONFUSION_LIMIT` classes the
 whole matrix is summed (``K**2`` numbers); above it, only each class's
 support, predictions and correct predictions (``3 K``).  Its figures:
 
@@ -78,7 +82,10 @@ def scoring(classification, output_shape):
     loss); else they are regression targets (mean squared error).
     """
     width = int(np.prod(output_shape, dtype=np.int64)) if len(output_shape) else 1
-    return Classification(width) if classification else Regression(width)
+    if not classification:
+        return Regression(width)
+    classes = int(output_shape[-1]) if len(output_shape) else 1
+    return Classification(classes, positions=width // max(classes, 1))
 
 
 class Scoring:
@@ -105,13 +112,17 @@ class Scoring:
 
 
 class Classification(Scoring):
-    """Classification into ``classes`` classes: the layout is
-    ``[loss sum, samples, top-k correct, confusion (K x K, row-major) | support (K), predicted (K), correct (K)]``."""
+    """Classification into ``classes`` classes, at ``positions`` positions per sample (1, or a sequence's ``L``).
+
+    The layout is ``[loss sum, positions, top-k correct, confusion (K x K,
+    row-major) | support (K), predicted (K), correct (K)]``, every count of
+    positions (samples where there is one per sample).
+    """
 
     task = "classification"
 
-    def __init__(self, classes):
-        self.classes = int(classes)
+    def __init__(self, classes, positions=1):
+        self.classes, self.positions = int(classes), int(positions)
         self.k = top_k(self.classes)
         self.full_confusion = self.classes <= CONFUSION_LIMIT
         self.size = 3 + (self.classes ** 2 if self.full_confusion else 3 * self.classes)
@@ -120,7 +131,8 @@ class Classification(Scoring):
         return ("loss", "accuracy") + ((f"top{self.k}_accuracy",) if self.k else ())
 
     def add(self, sums, outputs, targets, loss, xp=np):
-        n, classes = len(outputs), self.classes
+        classes = self.classes
+        n = len(outputs) * self.positions     # labelled positions: samples, or tokens of sequences
         if n == 0:
             return sums
         logits = outputs.reshape(n, classes)
@@ -158,7 +170,7 @@ class Classification(Scoring):
         figures = {"loss": sums[0] / count, "accuracy": correct.sum() / count}
         if self.k:
             figures[f"top{self.k}_accuracy"] = sums[2] / count
-        figures["samples"] = count
+        figures["samples"] = count // self.positions
         figures["per_class"] = {"precision": _ratios(correct, predicted), "recall": _ratios(correct, support),
                                 "f1": _ratios(2 * correct, support + predicted),
                                 "support": [int(s) for s in support]}

@@ -390,11 +390,12 @@ class Strategy:
         Call right after the loss's forward on ``out``: regression reads the loss's differences.
         """
         counts = self.train_counts
-        if isinstance(self.loss, SoftmaxCrossEntropy):   # samples whose top output is the label
+        if isinstance(self.loss, SoftmaxCrossEntropy):   # samples (or tokens) whose top output is the label
             counts[0] += float(self.loss.correct(out, y))
+            counts[1] += self.loss.positions(y)
         else:                                            # the absolute error, averaged over the outputs
             counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(out), 1), 1)
-        counts[1] += len(out)
+            counts[1] += len(out)
 
     def take_train_counts(self):
         """``(correct or summed absolute error, samples)`` since the last call, this worker's own."""

@@ -72,15 +72,17 @@ def check_splits(splits, num_classes, where, check_values=True):
         as_numbers(where, f"{split}/y", y)
         check_samples(where, f"{split}/x", x, need=1)
         check_targets(where, f"{split}/x", len(x), f"{split}/y", y)
-        if num_classes > 0 and (y.ndim != 1 or y.dtype.kind not in "biu"):
-            raise UsageError(f"{where}: {split}/y must be 1-D integer class labels for num_classes = "
-                             f"{num_classes}, got shape {y.shape} dtype {y.dtype}")
+        if num_classes > 0 and y.dtype.kind not in "biu":
+            raise UsageError(f"{where}: {split}/y must be integer class labels for num_classes = {num_classes}, "
+                             f"(N,) or (N, L) for one per position, got shape {y.shape} dtype {y.dtype}")
         if check_values:
             check_floats(where, f"{split}/x", x)
             check_floats(where, f"{split}/y", y)
             outside = np.flatnonzero((y < 0) | (y >= num_classes)) if num_classes > 0 else ()
             if len(outside):
-                raise UsageError(f"{where}: {split}/y[{outside[0]}] is {y[outside[0]]}, outside [0, {num_classes})")
+                at = np.unravel_index(int(outside[0]), y.shape)
+                raise UsageError(f"{where}: {split}/y[{', '.join(map(str, at))}] is {y[at]}, outside "
+                                 f"[0, {num_classes})")
     (xa, ya), (xb, yb) = splits["train"], splits["test"]
     if np.shape(xa)[1:] != np.shape(xb)[1:] or np.shape(ya)[1:] != np.shape(yb)[1:]:
         raise UsageError(f"{where}: train and test differ in shape: x {np.shape(xa)} and {np.shape(xb)}, "
@@ -127,7 +129,7 @@ def check_samples(where, key, x, need):
 
 
 def check_targets(where, xkey, n, ykey, y):
-    """One target per sample: ``(N,)`` labels or ``(N, K)`` regression targets."""
+    """One target per sample: ``(N,)`` labels, ``(N, L)`` labels per position, or ``(N, K)`` regression targets."""
     if y.ndim == 0 or len(y) != n:
         raise UsageError(f"{where}: {xkey} has {n} samples but {ykey} has {len(y) if y.ndim else 'one value'}")
     if y.ndim > 2 or 0 in y.shape[1:]:
