@@ -28,12 +28,14 @@ class Option:
         default: its value when not given; also its type (int, float, str or bool).
         help: the flag's help text.
         choices: the values allowed, where only some are.
+        why: why the other strategies refuse it, where that is not plain (said when they do).
     """
 
     name: str
     default: object
     help: str
     choices: tuple = None
+    why: str = ""
 
     @property
     def type(self):

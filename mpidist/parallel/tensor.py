@@ -17,7 +17,7 @@ layout for a checkpoint, which therefore resumes on any layout.
 
 import numpy as np
 
-from ..nn.tensor import operators, replicated, split_model
+from ..nn.tensor import operators, replicated, split_layers, split_model
 from ..runtime import comm as mpi
 from ..runtime import recorder
 from ..runtime.errors import UsageError
@@ -29,7 +29,10 @@ TRACER = recorder.tracer()
 #: The setting, declared by each strategy it composes with.
 TENSOR = Option("tensor", 1, "allreduce, pipeline: ranks each large layer is split across (tensor parallelism: Dense "
                              "pairs by columns then rows, attention by heads, embeddings by vocabulary), consecutive "
-                             "ranks forming a group; a run is data x pipeline x tensor")
+                             "ranks forming a group; a run is data x pipeline x tensor",
+                why="the parts of a tensor group sum activations at every split layer, so they take each step "
+                    "together on one batch and hold the optimizer state of their slices: ps-sync and ps-async keep "
+                    "parameters and state on ps ranks, and local-sgd's workers step apart")
 
 
 def check_tensor(settings, world_size, stages=1):
@@ -52,6 +55,15 @@ def check_tensor(settings, world_size, stages=1):
     for refused_it, what in refused:
         if refused_it:
             raise UsageError(f"--tensor {tensor} does not combine with {what}")
+
+
+def check_split(layers, parts, where="--model"):
+    """Refuse (a UsageError) a model whose ``layers`` (built) cannot be split in ``parts`` (local, no MPI)."""
+    try:
+        for part in range(parts):
+            split_layers(layers, part, parts)
+    except ValueError as err:
+        raise UsageError(f"--tensor {parts}: {where}: {err}") from None
 
 
 class TensorPart:

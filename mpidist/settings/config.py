@@ -290,8 +290,9 @@ class CommonSettings:
         for name, (option, users) in declared_options().items():   # a strategy's own settings, for others
             value = getattr(self, name)
             if value != option.default and self.strategy not in users:
+                why = f": {option.why}" if option.why else ""
                 raise UsageError(f"--{self.flag(name)} {value} applies to --strategy {' and '.join(users)} only, "
-                                 f"not {self.strategy}")
+                                 f"not {self.strategy}{why}")
         chosen = STRATEGIES[self.strategy]
         chosen.check(self, world_size)
         if self.elastic and (not chosen.variant(self, world_size - self.ps).elastic_recovery
