@@ -39,9 +39,13 @@ import numpy as np
 
 from . import init
 from .activations import GELU, Sigmoid
+from .attention import MultiHeadAttention
 from .embedding import Embedding, _scatter_add
 from .layers import Dense, Dropout, Layer, ReLU, Tanh
 from .sequential import Sequential, walk
+
+#: The attributes by which a layer names a mask source (see MultiHeadAttention's ``padding``).
+MASK_SOURCES = ("padding", "source")
 
 #: Layers that act on each feature alone: a split pair may have them between its two Dense layers.
 ELEMENTWISE = (ReLU, Tanh, GELU, Sigmoid, Dropout)
@@ -122,12 +126,15 @@ class VocabularyPart(Embedding):
 
     cache = ("ids", "held")
 
-    def __init__(self, lo, hi, dim):
+    def __init__(self, lo, hi, dim, pad_id=None):
         super().__init__(hi - lo, dim)
         self.lo, self.hi = int(lo), int(hi)
+        self.pad_id = pad_id   # (the whole vocabulary's: this part is a mask source as the whole layer was)
 
     def forward(self, x, training=False):
         ids = x.astype(np.int64)
+        if self.pad_id is not None:
+            self.padding = ids == self.pad_id
         self.held = (ids >= self.lo) & (ids < self.hi)
         self.ids = self.xp.where(self.held, ids - self.lo, 0)
         return self.params["W"][self.ids] * self.held[..., None]
@@ -170,6 +177,27 @@ def _rows(dense, features, part, parts):
     return layers
 
 
+def _heads(attention, part, parts, replaced):
+    """``attention`` split by heads: the part's heads' columns of ``Wq``, ``Wk``, ``Wv`` and rows of ``Wo``, between a
+    :class:`TensorCopy` and a :class:`TensorSum`, then ``bo`` once."""
+    lo, hi = part_range(attention.heads, part, parts)
+    if hi == lo:
+        raise ValueError(f"{attention!r} has {attention.heads} heads: --tensor {parts} leaves part {part} none")
+    columns = slice(lo * attention.dh, hi * attention.dh)
+    padding = replaced.get(id(attention.padding), attention.padding)
+    shard = MultiHeadAttention(hi - lo, head_dim=attention.dh, causal=attention.causal, output_bias=False,
+                               padding=padding)
+    names = {f"W{n}": (f"W{n}", (slice(None), columns)) for n in attention.names}
+    names.update({f"b{n}": (f"b{n}", columns) for n in attention.names})
+    names["Wo"] = ("Wo", (columns, slice(None)))
+    layers = [TensorCopy(), _origin(shard, **names), TensorSum()]
+    if attention.output_bias:
+        layers.append(_origin(Bias(), b=("bo", slice(None))))
+    for layer in layers:
+        layer.tensor_whole = attention
+    return layers
+
+
 def _pair_end(layers, start):
     """Index of the Dense that pairs with the Dense at ``start``, or None: only elementwise layers between."""
     for index in range(start + 1, len(layers)):
@@ -194,15 +222,18 @@ def _between(layer, part, parts):
     return [layer]
 
 
-def split_layers(layers, part, parts):
+def split_layers(layers, part, parts, replaced=None):
     """Part ``part`` of ``parts`` of ``layers`` (built, as in a whole :class:`Sequential`): new layers, in order.
 
-    Split: Dense pairs (columns, then rows), layers with ``tensor_split``
-    (attention by heads), ``Embedding`` (by vocabulary); blocks with a
-    ``layers`` list (``Residual``) are split inside, on a copy.  Each new
-    layer with parameters carries ``tensor_whole`` (the layer it is a part
-    of) and ``tensor_origin``; a replicated layer is the same object.
+    Split: Dense pairs (columns, then rows), ``MultiHeadAttention`` (by
+    heads), ``Embedding`` (by vocabulary), layers with ``tensor_split``;
+    blocks with a ``layers`` list (``Residual``, ``TransformerBlock``) are
+    split inside, on a copy.  Each new layer with parameters carries
+    ``tensor_whole`` (the layer it is a part of) and ``tensor_origin``; a
+    replicated layer is the same object.  ``replaced``: whole layers' ids to
+    the parts that replace them (an attention's mask source), filled here.
     """
+    replaced = {} if replaced is None else replaced
     out, index = [], 0
     while index < len(layers):
         layer = layers[index]
@@ -220,15 +251,17 @@ def split_layers(layers, part, parts):
                 if getattr(piece, "tensor_origin", None):
                     piece.tensor_whole = layer
             out += made
+        elif isinstance(layer, MultiHeadAttention):
+            out += _heads(layer, part, parts, replaced)
         elif isinstance(layer, Embedding) and not isinstance(layer, VocabularyPart):
             lo, hi = part_range(layer.vocab, part, parts)
-            piece = _origin(VocabularyPart(lo, hi, layer.dim), W=("W", (slice(lo, hi), slice(None))))
-            piece.tensor_whole = layer
+            piece = _origin(VocabularyPart(lo, hi, layer.dim, layer.pad_id), W=("W", (slice(lo, hi), slice(None))))
+            piece.tensor_whole, replaced[id(layer)] = layer, piece
             out += [piece, TensorSum()]
         elif isinstance(getattr(layer, "layers", None), list) and layer.sublayers() is layer.layers:
             block = copy.copy(layer)   # (the whole model's block keeps its own sublayers)
             block.params, block.grads = {}, {}
-            block.layers = split_layers(layer.layers, part, parts)
+            block.layers = split_layers(layer.layers, part, parts, replaced)
             out.append(block)
         else:
             out.append(layer)
@@ -243,7 +276,14 @@ def split_model(whole, part, parts):
     Parameters the parts share (replicated layers') are where they are in the whole model; :func:`replicated`
     names them.
     """
-    model = Sequential(split_layers(whole.layers, part, parts), whole.input_shape, xp=whole.xp, dtype=whole.dtype)
+    replaced = {}
+    layers = split_layers(whole.layers, part, parts, replaced)
+    for _, layer in walk(layers):   # a layer reading a mask source that was split reads its part (the same mask)
+        for name in MASK_SOURCES:
+            source = getattr(layer, name, None)
+            if source is not None and id(source) in replaced:
+                setattr(layer, name, replaced[id(source)])
+    model = Sequential(layers, whole.input_shape, xp=whole.xp, dtype=whole.dtype)
     if model.output_shape != whole.output_shape:
         raise ValueError(f"a part of the model ends in {model.output_shape}, the whole in {whole.output_shape}")
     whole_at = {(id(layer), name): (offset, shape) for layer, name, offset, shape, _ in whole.entries}

@@ -27,7 +27,7 @@ from .node_model import NodeModelExchange, NodePart, node_model_possible
 from .optimizer_shard import OptimizerShard
 from .registry import Option, register
 from .shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
-from .tensor import TENSOR, TensorPart, check_tensor
+from .tensor import TENSOR, TensorPart, check_split, check_tensor
 
 
 @register
@@ -65,6 +65,11 @@ class AllreduceStrategy(DataParallel):
             raise UsageError(f"--shard {settings.shard} keeps optimizer state on one worker alone, which a lost "
                              "worker would take with it: not with --elastic")
         check_tensor(settings, world_size)
+
+    @classmethod
+    def check_model(cls, settings, model):
+        if settings.tensor > 1:
+            check_split(model.layers, settings.tensor)
 
     @classmethod
     def data_layout(cls, settings, cluster):

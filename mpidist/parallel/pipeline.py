@@ -30,6 +30,9 @@ import time
 
 import numpy as np
 
+from ..nn import Layer
+from ..nn.sequential import walk
+from ..nn.tensor import MASK_SOURCES
 from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from ..runtime.xp import to_host
@@ -39,7 +42,7 @@ from .rewind import PreviousSlice, StepLedger
 from .schedule import schedule
 from .schedule_runner import ScheduleRunner, split_sizes  # noqa: F401  (split_sizes: the bench's and tests')
 from .stage import StageLayout, StageLinks
-from .tensor import TENSOR, TensorPart, check_tensor
+from .tensor import TENSOR, TensorPart, check_split, check_tensor
 
 
 def balance_by_parameters(costs, stages):
@@ -164,7 +167,20 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def check_model(cls, settings, model):
-        parse_balance(settings, model)
+        balance = parse_balance(settings, model) or balance_by_parameters(layer_costs(model), settings.stages)
+        starts = np.concatenate([[0], np.cumsum(balance)]).astype(int)
+        for stage, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+            layers = model.layers[lo:hi]
+            held = {id(node) for _, node in walk(layers)}
+            for _, node in walk(layers):   # a mask source must run where its reader does
+                for name in MASK_SOURCES:
+                    source = getattr(node, name, None)
+                    if isinstance(source, Layer) and id(source) not in held:
+                        raise UsageError(f"--stages {settings.stages}: {node!r} in stage {stage} reads its mask from "
+                                         f"{source!r}, which runs in another stage (layers {lo}-{hi - 1} here): put "
+                                         "them in one stage with --balance")
+            if settings.tensor > 1:
+                check_split(layers, settings.tensor, f"stage {stage}")
 
     @classmethod
     def auto_rank(cls, settings, world_size):
