@@ -329,9 +329,13 @@ def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluate
     assert done.returncode == 0, done.stderr
     written = checkpoint_at(tmp_path / "ck", 10)
     ended = events(tmp_path / "m.jsonl", "done")[0]
+    # mlp on digits: Dense 64-128, 128-128, 128-10, 26,122 parameters. At T = 2 the first pair splits (the first
+    # by columns, the second by rows, its 128 biases whole) and the last Dense stays whole: 12,352 + 1,418 a part
+    held = events(tmp_path / "m.jsonl", "start")[0]["held_bytes"]
+    assert [(entry["rank"], entry["params"]) for entry in held] == [(rank, 13_770 * 8) for rank in range(4)], held
     layouts = {"local": (1, ["--strategy", "local"]), "allreduce": (3, ["--strategy", "allreduce"]),
                "pipeline-tensor": (4, ["--strategy", "pipeline", "--stages", "2", "--tensor", "2"])}
-    params = {}
+    params, held = {}, {"tensor": held}
     for name, (ranks, flags) in layouts.items():
         done, _ = run_mpi(ranks, [*common, *flags, "--resume", str(written), "--steps", "14",
                                   "--metrics", str(tmp_path / f"{name}.jsonl"),
@@ -339,6 +343,11 @@ def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluate
         assert done.returncode == 0, (name, done.stderr)
         assert f"resumed from {written} at step 10" in done.stdout, (name, done.stdout)
         params[name] = checkpoint.load(checkpoint_at(tmp_path / name, 14)).params
+        held[name] = [entry["params"] for entry in events(tmp_path / f"{name}.jsonl", "start")[0].get("held_bytes", [])]
+    assert held["allreduce"] == [26_122 * 8 // 3] * 3, held   # T = 1: the node's one whole copy, 1/3 a rank
+    # two stages: the first holds Dense 64-128 alone (no pair to split: whole on both parts), the second splits
+    # the pair 128-128 (by columns: 8,256) and 128-10 (by rows, its biases whole: 650)
+    assert held["pipeline-tensor"] == [8_320 * 8] * 2 + [8_906 * 8] * 2, held
     assert not np.allclose(params["local"], checkpoint.load(written).params)   # (4 steps did train)
     for name in ("allreduce", "pipeline-tensor"):
         np.testing.assert_allclose(params[name], params["local"], rtol=1e-9, atol=ATOL, err_msg=name)

@@ -399,6 +399,12 @@ class PipelineStrategy(Strategy):
         self.ledger.rewind_to(step, self.model.params, self.optimizer)
         return self._gathered(cluster)
 
+    def held_bytes(self):
+        """The stage's (or, with ``--tensor``, its part's) slice: the whole model is held by no rank."""
+        state = sum(int(array.nbytes) for array in self.optimizer.state_arrays().values())
+        return {"params": int(self.model.params.nbytes), "grads": int(self.accumulated.nbytes),
+                "optimizer_state": state}
+
     def stats(self):
         f, layout = self.figures, self.layout
         return {"stage": layout.stage, "replica": layout.replica, "layers": [layout.first_layer, layout.end_layer],
