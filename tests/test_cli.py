@@ -245,6 +245,14 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert rows["allreduce, bf16"]["exchange_bytes"] == (rows["allreduce"]["exchange_bytes"] - 4) // 2 + 4
     assert document["meta"]["cores"] >= 1 and document["meta"]["blas"]
     assert "core(s)" in done.stdout and "BLAS:" in done.stdout
+    # a transformer block (D = 128, MLP 512, 10 classes) of 199,562 parameters; 2,058 of them stay whole at T = 2
+    # (the norms, the biases added after a row-parallel sum, the head), the rest split in halves
+    tensor = {row["tensor"]: row for row in document["tensor"]}
+    assert tensor[1]["params_bytes"] == 199_562 * 4 and tensor[2]["params_bytes"] == (98_752 + 2_058) * 4, tensor
+    assert tensor[2]["optimizer_state_bytes"] == 2 * tensor[2]["params_bytes"]   # Adam: two moments
+    # two sums in forward and two in backward, each of the 64 sequences' 32 x 128 activations in float32
+    assert tensor[1]["summed_bytes_per_step"] == 0 and tensor[2]["summed_bytes_per_step"] == 4 * 64 * 32 * 128 * 4
+    assert tensor[1]["vs_t1"] == 1.0 and tensor[2]["samples_per_s"] > 0 and "tensor-summed B/step" in done.stdout
 
 
 def test_bench_with_adam_leaves_out_the_sgd_references(tmp_path):

@@ -6,6 +6,7 @@ threads, their sums carried between threads; the strategies' part with real
 ranks.  Expected values are a single process's, in float64, to 1e-9.
 """
 
+import re
 import threading
 
 import numpy as np
@@ -355,3 +356,19 @@ def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluate
     assert done.returncode == 0, done.stderr
     assert f"{100 * ended['test_accuracy']:.2f}%" in done.stdout and f"{ended['test_loss']:.4f}" in done.stdout, \
         (done.stdout, ended)
+
+
+@pytest.mark.parametrize("hosts, across", [("127.0.0.1:2,localhost:2", False), ("127.0.0.1:1,localhost:1", True)])
+def test_the_role_table_says_when_a_tensor_group_spans_nodes(hosts, across):
+    """Two emulated nodes: ranks placed in blocks keep each group of 2 on a node; dealt out in turn (one slot a
+    host), every group spans both, and every rank's row says so."""
+    import subprocess
+    import sys
+
+    from conftest import child_environ, mpiexec_path
+    done = subprocess.run([mpiexec_path(), "-hosts", hosts, "-n", "4", sys.executable, "-m", "mpidist", "--tensor",
+                           "2", "--steps", "1", "--progress", "none", "--run-dir", ""], capture_output=True,
+                          text=True, timeout=120, env=child_environ(PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if re.search(r"cpu tensor part \d/2", line)]
+    assert len(rows) == 4 and all(("(group across nodes)" in row) == across for row in rows), done.stdout

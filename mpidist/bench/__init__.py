@@ -8,7 +8,8 @@ is installed; ``allreduce`` against every rank computing with no exchange
 (the limit for data parallelism) and against the hand-written loop with one
 ``Allreduce``; ``ps-sync`` and ``ps-async``; each exchange against the bare MPI
 calls that move the same bytes.  Then the pipeline's bubble
-(:mod:`mpidist.bench.pipeline`).
+(:mod:`mpidist.bench.pipeline`) and, on an even number of ranks, a
+transformer block at ``--tensor`` 1 and 2 (:mod:`mpidist.bench.tensor`).
 
 Every figure is a median: of single steps alternating between the rows
 compared, then of three interleaved rounds.  Compare ratios from one run
@@ -30,6 +31,7 @@ from . import reference
 from . import rows as rows_of
 from .output import check_output, format_table, write_results  # noqa: F401  (check_output: the CLI's and tests')
 from .pipeline import PIPELINE_COLUMNS, pipeline_rows
+from .tensor import TENSOR_COLUMNS, tensor_rows
 from .streaming import COLUMNS as STREAMING_COLUMNS
 from .streaming import streaming_rows
 from .checkpoints import COLUMNS as CHECKPOINT_COLUMNS
@@ -121,6 +123,7 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
     cluster = build_cluster(world)
     rows = [row for name in models for row in bench_model(world, cluster, name, batch, seconds, optimizer=optimizer)]
     pipeline = pipeline_rows(world, seconds) if world.Get_size() > 1 else []
+    tensor = tensor_rows(world, seconds) if world.Get_size() % 2 == 0 else []
     if world.Get_rank() != 0:
         return None
     meta = {"mpi": MPI.Get_library_version().strip().splitlines()[0], "ranks": world.Get_size(),
@@ -138,8 +141,12 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
         print(f"\npipeline: {world.Get_size()} stages of equal work (8 x Dense(512)+ReLU), "
               "32 samples per micro-batch; bubble = idle / pipeline time, mean over stages")
         print(format_table(pipeline, PIPELINE_COLUMNS))
+    if tensor:
+        print(f"\ntensor: the same global batch ({world.Get_size()} x 32 sequences) at --tensor 1 and 2, Adam; "
+              "bytes a rank holds, and the activations its tensor group sums per step")
+        print(format_table(tensor, TENSOR_COLUMNS))
     try:
-        write_results(output, {"meta": meta, "rows": rows, "pipeline": pipeline})
+        write_results(output, {"meta": meta, "rows": rows, "pipeline": pipeline, "tensor": tensor})
     except OSError as err:
         raise RunError(f"--output {output}: the results (above) could not be written: "
                        f"{err.strerror or err}") from None

@@ -150,7 +150,7 @@ class AllreduceStrategy(DataParallel):
     def describe(self, rank):
         if self.tensor is None:
             return super().describe(rank)
-        return f"tensor part {self.tensor.part}/{self.tensor.parts}"
+        return f"tensor {self.tensor.describe()}"
 
     def free(self):
         super().free()

@@ -245,7 +245,7 @@ class PipelineStrategy(Strategy):
         """Role-table text for this rank."""
         layout = self.layout
         return (f"stage {layout.stage}/{layout.stages} layers {layout.first_layer}-{layout.end_layer - 1}"
-                + (f" part {layout.part}/{layout.tensor}" if layout.tensor > 1 else "")
+                + (f" {self.tensor.describe()}" if self.tensor is not None else "")
                 + (f" replica {layout.replica}" if layout.replicas > 1 else ""))
 
     def initialize(self, checkpoint=None):

@@ -16,6 +16,7 @@ layout for a checkpoint, which therefore resumes on any layout.
 """
 
 import numpy as np
+from mpi4py import MPI
 
 from ..nn.tensor import operators, replicated, split_layers, split_model
 from ..runtime import comm as mpi
@@ -82,6 +83,11 @@ class TensorPart:
     def __init__(self, whole, world, parts, group, part, data=True):
         self.parts, self.part = int(parts), int(part)
         self.comm = world.Split(group, key=part)            # the tensor group, by part
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        # (a launcher that deals ranks out to nodes in turn puts a group's parts on different nodes: said in the
+        # role table, for every sum of activations then crosses the network)
+        self.across_nodes = local.Get_size() < self.parts
+        local.Free()
         self.data = world.Split(part, key=group) if data else None   # the same part of every group, by group
         self.whole, self.size = whole, whole.num_params
         self.model, self.where = split_model(whole, part, parts)
@@ -89,6 +95,10 @@ class TensorPart:
         for operator in operators(self.model):
             operator.reduce = self.sum
         self.gathered_where = None   # the chief's: every part's map, once gathered
+
+    def describe(self):
+        """Role-table text: this rank's part, and whether its group spans nodes."""
+        return f"part {self.part}/{self.parts}" + (" (group across nodes)" if self.across_nodes else "")
 
     def sum(self, array):
         """In place: ``array`` summed over the tensor group (one ``Allreduce``)."""
