@@ -138,12 +138,24 @@ def test_a_model_that_cannot_be_split_is_refused_naming_why():
     from mpidist.runtime.errors import UsageError
     from mpidist.settings.config import Settings
     model = whole_model("transformer")   # (3 heads)
-    with pytest.raises(UsageError, match=r"--tensor 4: --model: MultiHeadAttention\(3.*has 3 heads: --tensor 4 "
+    with pytest.raises(UsageError, match=r"--tensor 4: --model test: MultiHeadAttention\(3.*has 3 heads: --tensor 4 "
                                          r"leaves part 3 none"):
-        AllreduceStrategy.check_model(Settings(tensor=4), model)
-    AllreduceStrategy.check_model(Settings(tensor=3), model)
+        AllreduceStrategy.check_model(Settings(tensor=4, model="test"), model)
+    assert AllreduceStrategy.check_model(Settings(tensor=3), model) == []
     with pytest.raises(UsageError, match=r"SequencePool.* in stage 1 reads its mask from Embedding.*another stage"):
         PipelineStrategy.check_model(Settings(strategy="pipeline", stages=2, balance="3,3"), model)
+
+
+def test_a_model_or_stage_with_nothing_to_split_is_said_to_run_whole():
+    from mpidist.parallel import AllreduceStrategy, PipelineStrategy
+    from mpidist.settings.config import Settings
+    linear = nn.Sequential([nn.Dense(4)], (6,), dtype=np.float64)
+    assert AllreduceStrategy.check_model(Settings(tensor=2, model="linear"), linear) == [
+        "note: --tensor 2: no layer of --model linear splits (a Dense pair, attention, an embedding, a layer with "
+        "tensor_split): each of its 2 parts holds and computes it whole"]
+    notes = PipelineStrategy.check_model(Settings(strategy="pipeline", stages=2, balance="1,4", tensor=2),
+                                         whole_model("mlp"))   # stage 0: one Dense; stage 1: a pair, then a Dense
+    assert len(notes) == 1 and "no layer of stage 0 (layers 0-0) splits" in notes[0], notes
 
 
 def test_parts_of_an_uneven_size_differ_by_one_and_cover_it():

@@ -108,7 +108,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     if info.num_classes > info.sizes["train"]:
         notes.append(f"warning: dataset {info.name!r} declares {info.num_classes:,} classes but has "
                      f"{info.sizes['train']:,} training samples: some classes have none (a wrong num_classes?)")
-    STRATEGIES[config.strategy].check_model(config, model)
+    notes.extend(STRATEGIES[config.strategy].check_model(config, model))
     workers, worker = data_layout(config, cluster)
     running = strategy_class(config, workers)
     if model.running_entries() and not running.running_statistics:

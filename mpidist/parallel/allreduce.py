@@ -68,8 +68,7 @@ class AllreduceStrategy(DataParallel):
 
     @classmethod
     def check_model(cls, settings, model):
-        if settings.tensor > 1:
-            check_split(model.layers, settings.tensor)
+        return check_split(model.layers, settings.tensor, f"--model {settings.model}") if settings.tensor > 1 else []
 
     @classmethod
     def data_layout(cls, settings, cluster):

@@ -176,7 +176,9 @@ class Strategy:
 
     @classmethod
     def check_model(cls, settings, model):
-        """Raise :class:`~mpidist.runtime.errors.UsageError` if ``model`` cannot run as ``settings`` say (local, no MPI)."""
+        """Raise :class:`~mpidist.runtime.errors.UsageError` if ``model`` cannot run as ``settings`` say (local, no
+        MPI); returns notes for the chief to say about how it runs (a list of lines)."""
+        return []
 
     @classmethod
     def auto_rank(cls, settings, world_size):

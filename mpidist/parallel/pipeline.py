@@ -169,6 +169,7 @@ class PipelineStrategy(Strategy):
     def check_model(cls, settings, model):
         balance = parse_balance(settings, model) or balance_by_parameters(layer_costs(model), settings.stages)
         starts = np.concatenate([[0], np.cumsum(balance)]).astype(int)
+        notes = []
         for stage, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
             layers = model.layers[lo:hi]
             held = {id(node) for _, node in walk(layers)}
@@ -180,7 +181,8 @@ class PipelineStrategy(Strategy):
                                          f"{source!r}, which runs in another stage (layers {lo}-{hi - 1} here): put "
                                          "them in one stage with --balance")
             if settings.tensor > 1:
-                check_split(layers, settings.tensor, f"stage {stage}")
+                notes += check_split(layers, settings.tensor, f"stage {stage} (layers {lo}-{hi - 1})")
+        return notes
 
     @classmethod
     def auto_rank(cls, settings, world_size):

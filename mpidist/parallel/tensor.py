@@ -18,7 +18,8 @@ layout for a checkpoint, which therefore resumes on any layout.
 import numpy as np
 from mpi4py import MPI
 
-from ..nn.tensor import operators, replicated, split_layers, split_model
+from ..nn.sequential import walk
+from ..nn.tensor import TensorCopy, TensorSum, operators, replicated, split_layers, split_model
 from ..runtime import comm as mpi
 from ..runtime import recorder
 from ..runtime.errors import UsageError
@@ -59,12 +60,16 @@ def check_tensor(settings, world_size, stages=1):
 
 
 def check_split(layers, parts, where="--model"):
-    """Refuse (a UsageError) a model whose ``layers`` (built) cannot be split in ``parts`` (local, no MPI)."""
+    """Refuse (a UsageError) a model whose ``layers`` (built) cannot be split in ``parts`` (local, no MPI); returns
+    notes for the chief: where nothing splits (every part holds and computes those layers whole)."""
     try:
-        for part in range(parts):
-            split_layers(layers, part, parts)
+        split = [split_layers(layers, part, parts) for part in range(parts)]
     except ValueError as err:
         raise UsageError(f"--tensor {parts}: {where}: {err}") from None
+    if any(isinstance(node, (TensorCopy, TensorSum)) for _, node in walk(split[0])):
+        return []
+    return [f"note: --tensor {parts}: no layer of {where} splits (a Dense pair, attention, an embedding, a layer "
+            f"with tensor_split): each of its {parts} parts holds and computes it whole"]
 
 
 class TensorPart:
