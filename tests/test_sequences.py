@@ -243,3 +243,36 @@ def test_token_cross_entropy_is_the_mean_over_tokens_and_its_gradient_matches_fi
     assert loss.positions(labels) == 12
     with pytest.raises(ValueError, match=r"needs 12 labels.*got labels \(3,\)"):
         loss.forward(logits, labels[:, 0])
+
+
+# --- the zoo's transformer -------------------------------------------------------------------------------------------
+
+def test_the_transformer_spec_builds_blocks_of_the_given_width_and_heads_on_steps_of_one_feature():
+    model = nn.build_model("transformer:3,16,2", (40,), 10, np, np.float32)
+    assert model.input_shape == (40, 1) and nn.input_shape_for("transformer", (40,)) == (40, 1)
+    assert [type(layer).__name__ for layer in model.layers] == [
+        "Dense", "PositionalEmbedding", "TransformerBlock", "TransformerBlock", "TransformerBlock", "LayerNorm",
+        "SequencePool", "Dense"]
+    attention = model.layers[2].layers[0].layers[1]
+    assert (attention.heads, attention.dh, model.shapes[2], model.output_shape) == (2, 8, (40, 16), (10,))
+    default = nn.build_model("transformer", (12, 3), 4, np, np.float32)      # (L, F): L steps of F features
+    assert default.input_shape == (12, 3) and default.shapes[2] == (12, 32)
+    assert sum(isinstance(layer, TransformerBlock) for layer in default.layers) == 2
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("transformer:2,64", r"write transformer:LAYERS,DIM,HEADS with 3 positive integers \(blocks, model width, "
+                         r"attention heads\)"),
+    ("transformer:2,64,4,1", "with 3 positive integers"),
+    ("transformer:0,64,4", "with 3 positive integers"),
+    ("transformer:2,64,5", "5 heads do not divide the width 64"),
+    ("nosuch", r"transformer\[:LAYERS,DIM,HEADS\]"),
+])
+def test_bad_transformer_specs_are_spec_errors_naming_the_form(spec, message):
+    with pytest.raises(nn.SpecError, match=message):
+        nn.build_model(spec, (40,), 10, np, np.float32)
+
+
+def test_the_transformer_refuses_samples_of_three_axes():
+    with pytest.raises(nn.ShapeError, match=r"'transformer' needs sequences \(L,\) or \(L, F\).*\(1, 8, 8\)"):
+        nn.build_model("transformer", (1, 8, 8), 10, np, np.float32)
