@@ -25,6 +25,25 @@ def test_a_layer_of_ones_own_trains_under_every_strategy_at_4_ranks(flags):
     done, _ = run_mpi(4, [str(EXAMPLES / "custom_layer.py"), *flags], timeout=120)
     assert done.returncode == 0, done.stderr
     assert accuracy(done.stdout, "custom_layer") >= 95.0     # 98.3-98.6% measured; mlp on digits: ~97%
+    assert "custom_layer: PReLU's gradients match finite differences" in done.stdout
+
+
+def test_the_example_layers_gradient_check_catches_a_wrong_backward():
+    """The example's check, on its PReLU with the slope's gradient summed over the wrong sign: named, refused."""
+    from mpidist import nn
+    spec = importlib.util.spec_from_file_location("custom_layer_example", EXAMPLES / "custom_layer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    nn.check_gradients(example.PReLU(), input_shape=(8,))
+
+    class Wrong(example.PReLU):
+        def backward(self, dy):
+            dx = super().backward(dy)
+            self.grads["alpha"][...] = (dy * self.xp.maximum(self.x, 0)).sum(axis=0)   # the positive part
+            return dx
+
+    with pytest.raises(nn.GradientError, match=r"parameter 'alpha'\[\d+\] of layer 0 \(Wrong\(\)\)"):
+        nn.check_gradients(Wrong(), input_shape=(8,))
 
 
 @pytest.mark.parametrize("name,least", [("custom_model", 95.0), ("arrays", 95.0), ("early_stopping", 95.0),
