@@ -170,14 +170,21 @@ def test_an_embedding_splits_by_vocabulary_and_looks_up_zeros_for_the_ids_it_lac
     np.testing.assert_array_equal(out[0], [[0, 0], [0, 1], [4, 5], [0, 0]])
 
 
-class Scale(nn.Layer):
-    """A user's layer that declares its split: a per-feature scale, split by features as the pair's hidden ones."""
+class Shift(nn.Layer):
+    """Elementwise, with a parameter, and no split declared."""
 
     elementwise = True
 
     def build(self, input_shape):
         self.size = input_shape[-1]
         return tuple(input_shape)
+
+    def param_specs(self):
+        return [("t", (self.size,), init.zeros)]
+
+
+class Scale(Shift):
+    """A user's layer that declares its split: a per-feature scale, split by features as the pair's hidden ones."""
 
     def param_specs(self):
         return [("s", (self.size,), init.ones)]
@@ -196,19 +203,6 @@ def test_a_users_layer_may_declare_how_it_splits():
     assert isinstance(scale, Scale) and scale.params["s"].shape == (2,)
     # the part's W (3x2) and b (2) first, then its scale: the whole W (3x4) and b (4) come first there
     np.testing.assert_array_equal(where[8:10], [12 + 4 + 2, 12 + 4 + 3])
-
-
-class Shift(nn.Layer):
-    """Elementwise, with a parameter, and no split declared."""
-
-    elementwise = True
-
-    def build(self, input_shape):
-        self.size = input_shape[-1]
-        return tuple(input_shape)
-
-    def param_specs(self):
-        return [("t", (self.size,), init.zeros)]
 
 
 def test_a_layer_with_parameters_between_a_split_pair_must_declare_its_split():
