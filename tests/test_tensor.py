@@ -332,9 +332,18 @@ def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluate
     from mpidist.store import checkpoint
     common = ["-m", "mpidist", "--dtype", "float64", "--progress", "none", "--run-dir", "", "--checkpoint-wait"]
     done, _ = run_mpi(4, [*common, "--tensor", "2", "--steps", "10", "--metrics", str(tmp_path / "m.jsonl"),
-                          "--checkpoint-dir", str(tmp_path / "ck")], timeout=120)
+                          "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5"], timeout=120)
     assert done.returncode == 0, done.stderr
     written = checkpoint_at(tmp_path / "ck", 10)
+    # the second gather of the run (its first at step 5) holds the whole state, as one process trained it
+    done, _ = run_mpi(1, [*common, "--strategy", "local", "--steps", "10", "--checkpoint-dir", str(tmp_path / "one")],
+                      timeout=120)
+    assert done.returncode == 0, done.stderr
+    alone, split = checkpoint.load(checkpoint_at(tmp_path / "one", 10)), checkpoint.load(written)
+    np.testing.assert_allclose(split.params, alone.params, rtol=1e-9, atol=ATOL)
+    assert sorted(split.optimizer_state) == sorted(alone.optimizer_state) == ["m", "v"]
+    for name in ("m", "v"):
+        np.testing.assert_allclose(split.optimizer_state[name], alone.optimizer_state[name], rtol=1e-7, atol=1e-12)
     ended = events(tmp_path / "m.jsonl", "done")[0]
     # mlp on digits: Dense 64-128, 128-128, 128-10, 26,122 parameters. At T = 2 the first pair splits (the first
     # by columns, the second by rows, its 128 biases whole) and the last Dense stays whole: 12,352 + 1,418 a part
