@@ -136,6 +136,24 @@ def test_a_script_that_imports_numpy_first_still_runs_one_blas_thread_per_core()
     assert all(int(n) == share for n in re.findall(r"threads (\d+)", done.stdout)), done.stdout
 
 
+@pytest.mark.parametrize("given", ["", "3"])
+def test_ranks_a_driver_launches_size_their_own_blas_pools(given):
+    """A process that imported mpidist set the BLAS variables for itself (every core, one process); the ranks
+    it launches get them as it found them: unset, each rank takes its share; set by the user, they stay."""
+    import os
+    import subprocess
+    import sys
+    probe = ("import os, mpidist\nfrom mpidist.runtime.threads import launch_environment\n"
+             "print(os.environ.get('OMP_NUM_THREADS'), launch_environment().get('OMP_NUM_THREADS'))\n")
+    environ = {name: value for name, value in os.environ.items() if not name.endswith("_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          env={**environ, **({"OMP_NUM_THREADS": given} if given else {})}, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    own, launched = done.stdout.split()
+    share = str(len(os.sched_getaffinity(0)))
+    assert (own, launched) == ((share, "None") if not given else (given, given)), done.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gensim") is None,
                     reason="the char_lm example's corpus is gensim's test data (the datasets and test extras)")
 def test_the_character_language_model_learns_the_corpus_in_a_short_run(tmp_path):
