@@ -70,7 +70,7 @@ class Deadlock(RuntimeError):
     """No stage can move: every one waits for a message nobody will send."""
 
 
-def simulate(plans, cost=None, transfer=0.0):
+def simulate(plans, cost=None, transfer=0):
     """Run every stage's actions against the others; unit time per forward and backward, or ``cost(stage, op)``
     seconds (``op`` is ``"fwd"`` or ``"bwd"``), each message arriving ``transfer`` after it was sent.
 

@@ -39,16 +39,20 @@ class Calibration:
     Attributes:
         model, data, optimizer, dtype: what was measured (the run's settings).
         itemsize: bytes per parameter; sample_bytes: bytes per training sample as read.
+        batch_per_rank: the batch it was measured at (``plan``'s default).
         train_samples: the training split's rows (an epoch's data held in memory).
         layers: a :class:`LayerCost` per top-level layer; loss: its (fixed, per-sample) seconds.
         tensor_sums: the elements per sample of each sum of activations a tensor group makes in forward (as
             many again in backward).
         optimizer_per_param: seconds per parameter of an update (the optimizer and the checks around it).
+        step_overhead: seconds a step of ``train`` takes besides the strategy's step (batches, metrics).
         sum_per_byte: seconds per byte of summing one buffer into another in memory.
         jitter: the relative spread of one rank's step times (its standard deviation over the median).
-        node, network: the links within a node and between nodes (None: not measured).
+        node, network: the links within a node and between nodes (None: not measured, for want of two ranks
+            on one node, or of two nodes).
         baseline_bytes: a rank's resident memory before any data or model (Python, numpy, MPI).
-        ranks_per_node, cores: where it was measured.
+        ranks_per_node, cores, node_memory_bytes: where it was measured (the node's memory as available
+            then: what a layout must fit in, unless ``plan --memory-per-node`` says otherwise).
     """
 
     model: str
@@ -57,11 +61,13 @@ class Calibration:
     dtype: str
     itemsize: int
     sample_bytes: int
+    batch_per_rank: int
     train_samples: int
     layers: tuple
     loss: tuple
     tensor_sums: tuple
     optimizer_per_param: float
+    step_overhead: float
     sum_per_byte: float
     jitter: float
     node: Link
@@ -69,6 +75,7 @@ class Calibration:
     baseline_bytes: int
     ranks_per_node: int
     cores: int
+    node_memory_bytes: int
 
     @property
     def params(self):
@@ -134,11 +141,14 @@ def _checked(document, where):
     return Calibration(
         model=read.value("model", str), data=read.value("data", str), optimizer=read.value("optimizer", str),
         dtype=read.value("dtype", str), itemsize=read.count("itemsize", least=1),
-        sample_bytes=read.count("sample_bytes"), train_samples=read.count("train_samples", least=1),
+        sample_bytes=read.count("sample_bytes"), batch_per_rank=read.count("batch_per_rank", least=1),
+        train_samples=read.count("train_samples", least=1),
         layers=tuple(costs), loss=read.pair("loss"), tensor_sums=tuple(sums), optimizer_per_param=read.seconds("optimizer_per_param"),
-        sum_per_byte=read.seconds("sum_per_byte"), jitter=read.seconds("jitter"), node=read.link("node"),
+        step_overhead=read.seconds("step_overhead"),
+        sum_per_byte=read.seconds("sum_per_byte"), jitter=read.seconds("jitter"), node=read.link("node", optional=True),
         network=read.link("network", optional=True), baseline_bytes=read.count("baseline_bytes"),
-        ranks_per_node=read.count("ranks_per_node", least=1), cores=read.count("cores", least=1))
+        ranks_per_node=read.count("ranks_per_node", least=1), cores=read.count("cores", least=1),
+        node_memory_bytes=read.count("node_memory_bytes", least=1))
 
 
 class _Reader:

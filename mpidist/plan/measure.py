@@ -21,7 +21,7 @@ from ..nn.tensor import TensorSum, operators, split_model
 from ..parallel import LocalStrategy
 from ..runtime import comm as mpi
 from ..runtime.cluster import node_layout
-from ..runtime.memory import peak_memory
+from ..runtime.memory import available_bytes, peak_memory
 from .calibration import Calibration, LayerCost
 from .links import fit
 
@@ -47,7 +47,7 @@ def calibrate(world, config, seconds=1.0):
         return None
     return Calibration(**figures, node=within, network=between, baseline_bytes=baseline,
                        ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
-                       cores=_cores())
+                       cores=_cores(), node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
 
 
 def _cores():
@@ -83,6 +83,7 @@ def _compute(config, seconds):
     steps = iter(range(1 << 30))
     step, times = _median_seconds(lambda: local.train_step(x[:batch], y[:batch], 1.0, next(steps)),
                                   max(REPEATS, int(seconds / 0.01)) if seconds else REPEATS)
+    overhead = _loop_overhead(config, batch, step)
     layers_s = sum(f[0] + f[1] * batch + b[0] + b[1] * batch for f, b in zip(forward, backward)) \
         + losses[0] + losses[1] * batch
     params = max(1, model.num_params)
@@ -98,9 +99,25 @@ def _compute(config, seconds):
             "dtype": np.dtype(model.dtype).name, "itemsize": int(np.dtype(model.dtype).itemsize),
             "sample_bytes": int(np.prod(model.input_shape)) * int(np.dtype(model.dtype).itemsize),
             "train_samples": int(info.sizes["train"]), "layers": layers, "loss": losses, "tensor_sums": sums,
-            "optimizer_per_param": max(0.0, step - layers_s) / params,
+            "batch_per_rank": batch, "optimizer_per_param": max(0.0, step - layers_s) / params,
+            "step_overhead": overhead,
             "sum_per_byte": summed / buffer.nbytes,
-            "jitter": float(np.std(times) / np.median(times))}
+            # (the spread of the upper half, robust to the odd step a busy machine stretches tenfold)
+            "jitter": float((np.percentile(times, 84) - np.median(times)) / np.median(times))}
+
+
+def _loop_overhead(config, batch, step, steps=200):
+    """Seconds a step of ``train`` (one process) takes besides the strategy's ``step`` seconds."""
+    import io
+
+    from mpi4py import MPI
+
+    from ..api import train
+    result = train(model=config.model, data=config.data, optimizer=config.optimizer, lr=config.lr,
+                   dtype=config.dtype, batch_size=batch, steps=steps, epochs=10 ** 6, eval_every=0, metrics="",
+                   checkpoint_dir="", run_dir="", progress="none", comm=MPI.COMM_SELF, stream=io.StringIO())
+    rate = result.figures.get("samples_per_s") or 0.0
+    return max(0.0, batch / rate - step) if rate > 0 else 0.0
 
 
 def _layer_lines(model, loss, x, y, sizes):

@@ -53,8 +53,9 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-    """Seconds per step in parts (``compute``, ``exchange``, ``optimizer``, ``bubble``, ``wait``), the samples
-    per second they give, and the bytes the fullest rank holds."""
+    """Seconds per step in parts (``compute``, ``exchange``, ``optimizer``, ``bubble``, ``wait`` and ``loop``:
+    what ``train`` does besides the strategy's step), the samples per second they give, and the bytes the
+    fullest rank holds."""
 
     layout: Layout
     compute: float
@@ -63,10 +64,11 @@ class Prediction:
     bubble: float
     wait: float
     memory: int
+    loop: float = 0.0
 
     @property
     def step(self):
-        return self.compute + self.exchange + self.optimizer + self.bubble + self.wait
+        return self.compute + self.exchange + self.optimizer + self.bubble + self.wait + self.loop
 
     @property
     def samples_per_s(self):
@@ -78,7 +80,7 @@ def predict(cal, layout):
     check(cal, layout)
     cost = {"local": _local, "allreduce": _allreduce, "ps-sync": _ps_sync, "ps-async": _ps_async,
             "pipeline": _pipeline}[layout.strategy]
-    return cost(cal, layout)
+    return dataclasses.replace(cost(cal, layout), loop=cal.step_overhead)
 
 
 def check(cal, layout):
@@ -87,6 +89,9 @@ def check(cal, layout):
     if layout.nodes > 1 and cal.network is None:
         raise UsageError(f"{layout.nodes} nodes: the calibration has no link between nodes (it ran on one): "
                          "give one with --link, e.g. --link 25GB/s,2us")
+    if layout.per_node > 1 and cal.node is None:
+        raise UsageError(f"{layout.per_node} ranks a node: the calibration has no link within a node (it ran one "
+                         "rank a node): calibrate with two ranks on one node")
     if layout.ranks % (layout.stages * layout.tensor):
         raise UsageError(f"--stages {layout.stages} x --tensor {layout.tensor} does not divide {layout.ranks} ranks")
     if layout.stages > len(cal.layers):
