@@ -107,15 +107,22 @@ def _compute(config, seconds):
 
 
 def _loop_overhead(config, batch, step, steps=200):
-    """Seconds a step of ``train`` (one process) takes besides the strategy's ``step`` seconds."""
+    """Seconds a step of ``train`` (one process) takes besides the strategy's ``step`` seconds: batches, the
+    metrics of a run directory (in a scratch one, removed after)."""
     import io
+    import shutil
+    import tempfile
 
     from mpi4py import MPI
 
     from ..api import train
-    result = train(model=config.model, data=config.data, optimizer=config.optimizer, lr=config.lr,
-                   dtype=config.dtype, batch_size=batch, steps=steps, epochs=10 ** 6, eval_every=0, metrics="",
-                   checkpoint_dir="", run_dir="", progress="none", comm=MPI.COMM_SELF, stream=io.StringIO())
+    scratch = tempfile.mkdtemp(prefix="mpidist-calibrate-")
+    try:
+        result = train(model=config.model, data=config.data, optimizer=config.optimizer, lr=config.lr,
+                       dtype=config.dtype, batch_size=batch, steps=steps, epochs=10 ** 6, eval_every=0,
+                       checkpoint_dir="", run_dir=scratch, progress="none", comm=MPI.COMM_SELF, stream=io.StringIO())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     rate = result.figures.get("samples_per_s") or 0.0
     return max(0.0, batch / rate - step) if rate > 0 else 0.0
 
