@@ -1,5 +1,6 @@
 """examples/ run as users run them, under mpiexec; a model of one's own through the command line."""
 
+import importlib.util
 import re
 import shutil
 
@@ -24,6 +25,25 @@ def test_a_layer_of_ones_own_trains_under_every_strategy_at_4_ranks(flags):
     done, _ = run_mpi(4, [str(EXAMPLES / "custom_layer.py"), *flags], timeout=120)
     assert done.returncode == 0, done.stderr
     assert accuracy(done.stdout, "custom_layer") >= 95.0     # 98.3-98.6% measured; mlp on digits: ~97%
+    assert "custom_layer: PReLU's gradients match finite differences" in done.stdout
+
+
+def test_the_example_layers_gradient_check_catches_a_wrong_backward():
+    """The example's check, on its PReLU with the slope's gradient summed over the wrong sign: named, refused."""
+    from mpidist import nn
+    spec = importlib.util.spec_from_file_location("custom_layer_example", EXAMPLES / "custom_layer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    nn.check_gradients(example.PReLU(), input_shape=(8,))
+
+    class Wrong(example.PReLU):
+        def backward(self, dy):
+            dx = super().backward(dy)
+            self.grads["alpha"][...] = (dy * self.xp.maximum(self.x, 0)).sum(axis=0)   # the positive part
+            return dx
+
+    with pytest.raises(nn.GradientError, match=r"parameter 'alpha'\[\d+\] of layer 0 \(Wrong\(\)\)"):
+        nn.check_gradients(Wrong(), input_shape=(8,))
 
 
 @pytest.mark.parametrize("name,least", [("custom_model", 95.0), ("arrays", 95.0), ("early_stopping", 95.0),
@@ -114,3 +134,44 @@ def test_a_script_that_imports_numpy_first_still_runs_one_blas_thread_per_core()
     share = max(1, len(os.sched_getaffinity(0)) // 2)
     assert done.stdout.split().count("threads") == 2
     assert all(int(n) == share for n in re.findall(r"threads (\d+)", done.stdout)), done.stdout
+
+
+@pytest.mark.parametrize("given", ["", "3"])
+def test_ranks_a_driver_launches_size_their_own_blas_pools(given):
+    """A process that imported mpidist set the BLAS variables for itself (every core, one process); the ranks
+    it launches get them as it found them: unset, each rank takes its share; set by the user, they stay."""
+    import os
+    import subprocess
+    import sys
+    probe = ("import os, mpidist\nfrom mpidist.runtime.threads import launch_environment\n"
+             "print(os.environ.get('OMP_NUM_THREADS'), launch_environment().get('OMP_NUM_THREADS'))\n")
+    environ = {name: value for name, value in os.environ.items() if not name.endswith("_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          env={**environ, **({"OMP_NUM_THREADS": given} if given else {})}, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    own, launched = done.stdout.split()
+    share = str(len(os.sched_getaffinity(0)))
+    assert (own, launched) == ((share, "None") if not given else (given, given)), done.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gensim") is None,
+                    reason="the char_lm example's corpus is gensim's test data (the datasets and test extras)")
+def test_the_character_language_model_learns_the_corpus_in_a_short_run(tmp_path):
+    """30 steps of the example end below the unigram entropy of the val text (3.09 nats; 2.70 measured)."""
+    import h5py
+    import numpy as np
+    from mpidist.tools.ingest import ingest
+    corpus = ingest("lee-text", tmp_path / "lee-text.h5").path
+    with h5py.File(corpus) as handle:
+        counts = np.bincount(handle["val/y"][...].ravel())
+    share = counts[counts > 0] / counts.sum()
+    unigram = float(-(share * np.log(share)).sum())     # nats per character of a model that knows no context
+    done, _ = run_mpi(2, [str(EXAMPLES / "char_lm.py"), "--data", str(corpus), "--steps", "30", "--eval-samples",
+                          "64", "--generate", "40"], timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"^char_lm: 30 steps, val loss ([\d.]+) nats/char \(([\d.]+) bits/char\).*\n(The .*)",
+                      done.stdout, re.MULTILINE | re.DOTALL)
+    assert found, done.stdout
+    nats, bits = float(found.group(1)), float(found.group(2))
+    assert nats < unigram - 0.2 and abs(bits - nats / np.log(2)) < 1e-3
+    assert len(found.group(3).rstrip("\n")) == 4 + 40                  # the prompt and the 40 characters it wrote

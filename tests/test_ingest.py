@@ -75,7 +75,7 @@ def test_a_failed_ingest_leaves_no_file_behind(tmp_path):
 
 @pytest.mark.parametrize("name,exact", [("digits", True), ("mnist1d", False), ("mnist-5k", True)])
 def test_bundled_files_are_rebuilt_from_their_sources(name, exact):
-    splits, num_classes, source = build_source(name)
+    splits, num_classes, source, _ = build_source(name)
     with h5py.File(data.resolve(name)) as handle:
         assert int(handle.attrs["num_classes"]) == num_classes and handle.attrs["source"] == source
         for split, (x, y) in splits.items():

@@ -198,7 +198,9 @@ def fit_one_batch(spec, sample_shape, classes, steps):
 
 @pytest.mark.parametrize("name", list(nn.MODELS))
 def test_every_zoo_model_trains_on_images(name):
-    first, last = fit_one_batch(name, (8, 8), 10, steps=30)
+    # 50 steps: the transformer's tokens of 5 rows of uniform [0, 1) noise start alike and plateau near 2.1
+    # for ~25 steps before it memorises the batch (0.11 at step 50; the others are below half by step 30)
+    first, last = fit_one_batch(name, (8, 8), 10, steps=50)
     assert last < 0.5 * first
 
 

@@ -16,6 +16,7 @@ from mpidist.nn import (
     Residual,
     SequencePool,
     Sequential,
+    TokenConv,
     TransformerBlock,
     check_gradients,
 )
@@ -32,6 +33,9 @@ from mpidist.nn import (
     ([Dense(4), PositionalEmbedding(5), TransformerBlock(2, mlp_ratio=2), LayerNorm(), SequencePool(), Dense(3)],
      (5, 2)),
     ([TransformerBlock(2, mlp_ratio=1, causal=True), TransformerBlock(1, mlp_ratio=2)], (3, 4)),
+    ([TokenConv(4, 3)], (5, 2)),
+    ([TokenConv(3, 4)], (6, 1)),                                          # even: one more position after
+    ([TokenConv(2, 5), PositionalEmbedding(5), TransformerBlock(1, mlp_ratio=1)], (5, 2)),  # every window padded
 ])
 def test_sequence_layer_gradients_match_finite_differences(layers, shape):
     check_gradients(layers, shape)
@@ -243,3 +247,70 @@ def test_token_cross_entropy_is_the_mean_over_tokens_and_its_gradient_matches_fi
     assert loss.positions(labels) == 12
     with pytest.raises(ValueError, match=r"needs 12 labels.*got labels \(3,\)"):
         loss.forward(logits, labels[:, 0])
+
+
+# --- the zoo's transformer -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", [1, 2, 3, 5])
+def test_token_conv_is_conv1d_along_the_positions(kernel):
+    """The same kernel as an independent reference, Conv1D on (N, F, L) ("same" padding, one more after if even)."""
+    rng = np.random.default_rng(kernel)
+    ours = Sequential([TokenConv(3, kernel)], (9, 2), xp=np, dtype=np.float64)
+    conv = Sequential([nn.Conv1D(3, kernel)], (2, 9), xp=np, dtype=np.float64)
+    ours.params[...] = rng.normal(size=ours.num_params)
+    conv.layers[0].params["W"][...] = ours.layers[0].params["W"].transpose(2, 1, 0)    # (k, F, D) -> (D, F, k)
+    conv.layers[0].params["b"][...] = ours.layers[0].params["b"]
+    x = rng.normal(size=(4, 9, 2))
+    np.testing.assert_allclose(ours.forward(x), conv.forward(x.transpose(0, 2, 1)).transpose(0, 2, 1), atol=1e-12)
+    single = Sequential([TokenConv(3, 1)], (9, 2), xp=np, dtype=np.float64)         # kernel 1: a Dense per step
+    single.params[...] = rng.normal(size=single.num_params)
+    w, b = single.layers[0].params["W"][0], single.layers[0].params["b"]
+    np.testing.assert_allclose(single.forward(x), x @ w + b, atol=1e-12)
+
+
+def test_token_conv_refuses_a_kernel_longer_than_the_sequence_and_non_sequences():
+    with pytest.raises(nn.ShapeError, match=r"TokenConv kernel 9 is longer than the sequences \(8 steps\)"):
+        Sequential([TokenConv(4, 9)], (8, 1))
+    with pytest.raises(nn.ShapeError, match=r"TokenConv needs sequences \(L, D\), got per-sample shape \(8,\)"):
+        Sequential([TokenConv(4, 3)], (8,))
+    with pytest.raises(ValueError, match="TokenConv needs dim and kernel >= 1, got 4 and 0"):
+        TokenConv(4, 0)
+
+
+def test_the_transformer_spec_builds_blocks_of_the_given_width_and_heads_on_steps_of_one_feature():
+    model = nn.build_model("transformer:3,16,2", (40,), 10, np, np.float32)
+    assert model.input_shape == (40, 1) and nn.input_shape_for("transformer", (40,)) == (40, 1)
+    assert repr(model.layers[0]) == "TokenConv(16, kernel=5)"                 # tokens of 5 neighbouring steps
+    assert [type(layer).__name__ for layer in model.layers] == [
+        "TokenConv", "PositionalEmbedding", "TransformerBlock", "TransformerBlock", "TransformerBlock", "LayerNorm",
+        "SequencePool", "Dense"]
+    attention = model.layers[2].layers[0].layers[1]
+    assert (attention.heads, attention.dh, model.shapes[2], model.output_shape) == (2, 8, (40, 16), (10,))
+    default = nn.build_model("transformer", (12, 3), 4, np, np.float32)      # (L, F): L steps of F features
+    assert default.input_shape == (12, 3) and default.shapes[2] == (12, 32)
+    assert sum(isinstance(layer, TransformerBlock) for layer in default.layers) == 2
+    per_step = nn.build_model("transformer:2,32,4,1", (40,), 10, np, np.float32)   # KERNEL 1: a Dense per step
+    wide = nn.build_model("transformer:2,32,4,7", (40,), 10, np, np.float32)
+    assert (repr(per_step.layers[0]), repr(wide.layers[0])) == ("TokenConv(32, kernel=1)", "TokenConv(32, kernel=7)")
+    assert wide.num_params - per_step.num_params == 6 * 32                    # 6 more weights per output feature
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("transformer:2,64", r"write transformer:LAYERS,DIM,HEADS\[,KERNEL\] with 3 or 4 positive integers \(blocks, "
+                         r"model width, attention heads, token kernel\)"),
+    ("transformer:2,64,4,5,1", "with 3 or 4 positive integers"),
+    ("transformer:0,64,4", "with 3 or 4 positive integers"),
+    ("transformer:2,64,4,0", "with 3 or 4 positive integers"),
+    ("transformer:2,64,5", "5 heads do not divide the width 64"),
+    ("nosuch", r"transformer\[:LAYERS,DIM,HEADS\[,KERNEL\]\]"),
+])
+def test_bad_transformer_specs_are_spec_errors_naming_the_form(spec, message):
+    with pytest.raises(nn.SpecError, match=message):
+        nn.build_model(spec, (40,), 10, np, np.float32)
+
+
+def test_the_transformer_refuses_samples_of_three_axes_and_a_kernel_longer_than_the_steps():
+    with pytest.raises(nn.ShapeError, match=r"TokenConv kernel 41 is longer than the sequences \(40 steps\)"):
+        nn.build_model("transformer:2,32,4,41", (40,), 10, np, np.float32)
+    with pytest.raises(nn.ShapeError, match=r"'transformer' needs sequences \(L,\) or \(L, F\).*\(1, 8, 8\)"):
+        nn.build_model("transformer", (1, 8, 8), 10, np, np.float32)

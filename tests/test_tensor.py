@@ -158,6 +158,63 @@ def test_a_model_or_stage_with_nothing_to_split_is_said_to_run_whole():
     assert len(notes) == 1 and "no layer of stage 0 (layers 0-0) splits" in notes[0], notes
 
 
+def decayed(model):
+    return np.concatenate([np.arange(lo, hi) for lo, hi in model.decay_ranges()] or [np.zeros(0, dtype=int)])
+
+
+def test_each_slice_decays_as_the_whole_parameter_it_is_part_of():
+    whole = whole_model("transformer")
+    whole.layers[0].weight_decay = {"W": False}     # choices a user made (docs/recipe.rst), kept by the slices
+    mlp = whole.layers[2].layers[1].layers
+    mlp[1].weight_decay, mlp[3].weight_decay = {"b": True, "W": False}, {"b": True}
+    whole_decayed = set(decayed(whole).tolist())
+    for part in range(2):
+        model, where = split_model(whole, part, 2)
+        assert set(where[decayed(model)].tolist()) == whole_decayed & set(where.tolist()), part
+
+
+def test_dropout_between_a_split_pair_draws_its_own_mask_on_each_part():
+    whole = nn.Sequential([nn.Dense(8), nn.Dropout(0.5), nn.Dense(2)], (3,), dtype=np.float64)
+    whole.init_params(0)
+    masks = []
+    for part in range(2):
+        model, _ = split_model(whole, part, 2)
+        model.reseed(7, 0, 0)   # (every part reseeds with the same key: seed, group, step)
+        model.forward(np.ones((64, 3)), training=True)
+        masks += [next(layer.mask for _, layer in nn.sequential.walk(model.layers) if isinstance(layer, nn.Dropout))]
+    assert masks[0].shape == masks[1].shape == (64, 4) and not np.array_equal(masks[0], masks[1])
+
+
+def test_splitting_leaves_the_users_layers_as_they_were():
+    """The whole model's layers (a user's objects, which Result.model and a second run rebuild) keep reading
+    their own mask source; a subclass of Dense (it may compute otherwise) stays whole."""
+    whole = whole_model("transformer")
+    pool, tokens = whole.layers[4], whole.layers[0]
+    split_model(whole, 1, 2)
+    assert pool.padding is tokens and whole.layers[2].layers[0].layers[1].padding is tokens
+
+    class Scaled(nn.Dense):
+        pass
+    layers = [Scaled(8), nn.ReLU(), nn.Dense(4)]
+    model, _ = split_model(nn.Sequential(layers, (3,), dtype=np.float64), 0, 2)
+    assert model.layers[0] is layers[0] and model.num_params == 3 * 8 + 8 + 8 * 4 + 4
+
+
+def test_too_few_ids_or_a_split_piece_without_an_origin_is_refused_by_name():
+    from mpidist.parallel.tensor import check_split
+    from mpidist.runtime.errors import UsageError
+    small = nn.Sequential([nn.Embedding(2, 4), nn.Flatten(), nn.Dense(3)], (2,), dtype=np.float64)
+    with pytest.raises(UsageError, match=r"Embedding.* has 2 ids: --tensor 3 leaves part 2 none"):
+        check_split(small.layers, 3)
+
+    class Orphan(Shift):
+        def tensor_split(self, part, parts):
+            return [Shift()]   # (parameters, and no tensor_origin)
+    whole = nn.Sequential([nn.Dense(4), Orphan(), nn.Dense(2)], (3,), dtype=np.float64)
+    with pytest.raises(ValueError, match="parameter t but no tensor_origin"):
+        split_model(whole, 0, 2)
+
+
 def test_parts_of_an_uneven_size_differ_by_one_and_cover_it():
     assert [part_range(7, part, 3) for part in range(3)] == [(0, 3), (3, 5), (5, 7)]
 
@@ -170,14 +227,21 @@ def test_an_embedding_splits_by_vocabulary_and_looks_up_zeros_for_the_ids_it_lac
     np.testing.assert_array_equal(out[0], [[0, 0], [0, 1], [4, 5], [0, 0]])
 
 
-class Scale(nn.Layer):
-    """A user's layer that declares its split: a per-feature scale, split by features as the pair's hidden ones."""
+class Shift(nn.Layer):
+    """Elementwise, with a parameter, and no split declared."""
 
     elementwise = True
 
     def build(self, input_shape):
         self.size = input_shape[-1]
         return tuple(input_shape)
+
+    def param_specs(self):
+        return [("t", (self.size,), init.zeros)]
+
+
+class Scale(Shift):
+    """A user's layer that declares its split: a per-feature scale, split by features as the pair's hidden ones."""
 
     def param_specs(self):
         return [("s", (self.size,), init.ones)]
@@ -196,19 +260,6 @@ def test_a_users_layer_may_declare_how_it_splits():
     assert isinstance(scale, Scale) and scale.params["s"].shape == (2,)
     # the part's W (3x2) and b (2) first, then its scale: the whole W (3x4) and b (4) come first there
     np.testing.assert_array_equal(where[8:10], [12 + 4 + 2, 12 + 4 + 3])
-
-
-class Shift(nn.Layer):
-    """Elementwise, with a parameter, and no split declared."""
-
-    elementwise = True
-
-    def build(self, input_shape):
-        self.size = input_shape[-1]
-        return tuple(input_shape)
-
-    def param_specs(self):
-        return [("t", (self.size,), init.zeros)]
 
 
 def test_a_layer_with_parameters_between_a_split_pair_must_declare_its_split():
@@ -338,9 +389,18 @@ def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluate
     from mpidist.store import checkpoint
     common = ["-m", "mpidist", "--dtype", "float64", "--progress", "none", "--run-dir", "", "--checkpoint-wait"]
     done, _ = run_mpi(4, [*common, "--tensor", "2", "--steps", "10", "--metrics", str(tmp_path / "m.jsonl"),
-                          "--checkpoint-dir", str(tmp_path / "ck")], timeout=120)
+                          "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5"], timeout=120)
     assert done.returncode == 0, done.stderr
     written = checkpoint_at(tmp_path / "ck", 10)
+    # the second gather of the run (its first at step 5) holds the whole state, as one process trained it
+    done, _ = run_mpi(1, [*common, "--strategy", "local", "--steps", "10", "--checkpoint-dir", str(tmp_path / "one")],
+                      timeout=120)
+    assert done.returncode == 0, done.stderr
+    alone, split = checkpoint.load(checkpoint_at(tmp_path / "one", 10)), checkpoint.load(written)
+    np.testing.assert_allclose(split.params, alone.params, rtol=1e-9, atol=ATOL)
+    assert sorted(split.optimizer_state) == sorted(alone.optimizer_state) == ["m", "v"]
+    for name in ("m", "v"):
+        np.testing.assert_allclose(split.optimizer_state[name], alone.optimizer_state[name], rtol=1e-7, atol=1e-12)
     ended = events(tmp_path / "m.jsonl", "done")[0]
     # mlp on digits: Dense 64-128, 128-128, 128-10, 26,122 parameters. At T = 2 the first pair splits (the first
     # by columns, the second by rows, its 128 biases whole) and the last Dense stays whole: 12,352 + 1,418 a part

@@ -20,6 +20,8 @@ import threading
 import time
 from statistics import median
 
+from ..runtime.threads import launch_environment
+
 _PSS = re.compile(r"^Pss:\s+(\d+) kB", re.MULTILINE)
 
 
@@ -47,7 +49,8 @@ def node_pss(ranks, flags, interval=0.1):
     """Run ``train`` on ``ranks`` ranks with ``flags``: every sum of their Pss sampled, in bytes."""
     command = [shutil.which("mpiexec") or "mpiexec", "-n", str(ranks), sys.executable, "-m", "mpidist", "train",
                "--progress", "none", "--run-dir", "", "--checkpoint-dir", "", *flags]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=launch_environment())
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(run.stdout), daemon=True)
     reader.start()

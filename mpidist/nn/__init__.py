@@ -14,7 +14,7 @@ from .norm import BatchNorm, LayerNorm
 from .optimizers import OPTIMIZERS, SGD, Adam, Optimizer, make_optimizer
 from .pooling import AvgPool1D, AvgPool2D, GlobalAvgPool, MaxPool1D, MaxPool2D
 from .residual import Residual
-from .sequences import ClassToken, PositionalEmbedding, SequencePool
+from .sequences import ClassToken, PositionalEmbedding, SequencePool, TokenConv
 from .sequential import Sequential
 from .transformer import TransformerBlock
 from .zoo import MODELS, SpecError, build_model, input_shape_for, parse_spec
@@ -24,4 +24,4 @@ __all__ = ["GELU", "Sigmoid", "Conv1D", "Conv2D", "Embedding", "MaxPool1D", "Max
            "LayerNorm", "Residual", "MeanSquaredError", "SoftmaxCrossEntropy", "loss_for", "OPTIMIZERS", "SGD",
            "Adam", "Optimizer", "make_optimizer", "Sequential", "MODELS", "SpecError", "build_model",
            "input_shape_for", "parse_spec", "MultiHeadAttention", "PositionalEmbedding", "ClassToken", "SequencePool",
-           "TransformerBlock", "check_gradients", "GradientError"]
+           "TokenConv", "TransformerBlock", "check_gradients", "GradientError"]

@@ -18,15 +18,37 @@ class GELU(Layer):
 
     cache = ("x", "t")
 
+    # (in place, in arrays kept from step to step: the plain expressions made a temporary per operation, and
+    # GELU was the costliest layer of a transformer block's backward)
     def forward(self, x, training=False):
+        xp = self.xp
         self.x = x
-        self.t = self.xp.tanh(_GELU_C * (x + _GELU_A * x * x * x))
-        return 0.5 * x * (1 + self.t)
+        t = self.t = xp.multiply(x, x, out=self.scratch_like("t", x))
+        t *= _GELU_A
+        t += 1
+        t *= x
+        t *= _GELU_C
+        xp.tanh(t, out=t)                          # tanh(c (x + a x^3))
+        y = xp.add(t, 1, out=self.scratch_like("y", x))
+        y *= x
+        y *= 0.5
+        return y
 
     def backward(self, dy):
-        x, t = self.x, self.t
-        du = _GELU_C * (1 + 3 * _GELU_A * x * x)
-        return dy * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * du)
+        xp, x, t = self.xp, self.x, self.t
+        grad = xp.multiply(x, x, out=self.scratch_like("dx", dy))
+        grad *= 3 * _GELU_A
+        grad += 1
+        grad *= 0.5 * _GELU_C
+        grad *= x                                  # 0.5 x du/dx, u = c (x + a x^3)
+        part = xp.multiply(t, t, out=self.scratch_like("part", dy))
+        xp.subtract(1, part, out=part)
+        grad *= part                               # 0.5 x (1 - t^2) du/dx
+        xp.add(t, 1, out=part)
+        part *= 0.5
+        grad += part                               # + 0.5 (1 + t)
+        grad *= dy
+        return grad
 
 
 class Sigmoid(Layer):

@@ -3,6 +3,18 @@
 from .layers import Layer, ShapeError
 
 
+def build_in_turn(layers, input_shape):
+    """Build a block's ``layers`` one after another from ``input_shape``; returns the last one's output shape
+    (a layer's refusal names its place in the block)."""
+    shape = tuple(input_shape)
+    for index, layer in enumerate(layers):
+        try:
+            shape = tuple(layer.build(shape))
+        except ShapeError as err:
+            raise ShapeError(f"block layer {index} ({layer!r}): {err}") from None
+    return shape
+
+
 class Residual(Layer):
     """``y = x + block(x)`` where ``block`` is ``layers`` applied in order; shape kept.
 
@@ -21,12 +33,7 @@ class Residual(Layer):
         return self.layers
 
     def build(self, input_shape):
-        shape = tuple(input_shape)
-        for index, layer in enumerate(self.layers):
-            try:
-                shape = tuple(layer.build(shape))
-            except ShapeError as err:
-                raise ShapeError(f"block layer {index} ({layer!r}): {err}") from None
+        shape = build_in_turn(self.layers, input_shape)
         if shape != tuple(input_shape):
             raise ShapeError(f"Residual block maps per-sample shape {tuple(input_shape)} to {shape}; "
                              "x + block(x) needs them equal")

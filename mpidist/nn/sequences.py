@@ -1,4 +1,5 @@
-"""Layers of sequences ``(N, L, D)``: learned positions, a class token, pooling over the length."""
+"""Layers of sequences ``(N, L, D)``: learned positions, a class token, pooling over the length, tokens of
+neighbourhoods."""
 
 import functools
 
@@ -158,3 +159,70 @@ class SequencePool(Layer):
 
     def __repr__(self):
         return f"SequencePool({self.mode!r}" + (", padding=...)" if self.padding is not None else ")")
+
+
+class TokenConv(Layer):
+    """Tokens from neighbourhoods: a convolution along the positions, ``(N, L, F) -> (N, L, D)``.
+
+    ``y[:, i] = b + sum_j x[:, i + j - left] @ W[j]`` for ``j < kernel``, with
+    zeros beyond the ends (``left = (kernel - 1) // 2``: the length is kept).
+    In place of a ``Dense`` per position it gives attention local features to
+    start from (a convolutional stem, as in hybrid vision transformers):
+    a position of a 1-D signal alone is one number, its slope and curvature
+    are in its neighbours.  ``kernel=1`` is a ``Dense``.
+    """
+
+    cache = ("windows",)
+    hands_over = True
+
+    def __init__(self, dim, kernel=5):
+        super().__init__()
+        self.dim, self.kernel = int(dim), int(kernel)
+        if self.dim < 1 or self.kernel < 1:
+            raise ValueError(f"TokenConv needs dim and kernel >= 1, got {dim} and {kernel}")
+        self.left = (self.kernel - 1) // 2
+
+    def build(self, input_shape):
+        length, self.features = _sequence_shape("TokenConv", input_shape)
+        if self.kernel > length:     # (its windows would be mostly the zeros beyond the ends)
+            raise ShapeError(f"TokenConv kernel {self.kernel} is longer than the sequences ({length} steps)")
+        return (length, self.dim)
+
+    def param_specs(self):
+        fan_in = self.kernel * self.features
+        return [("W", (self.kernel, self.features, self.dim),
+                 functools.partial(init.glorot_uniform, fan_in=fan_in, fan_out=self.dim)),
+                ("b", (self.dim,), init.zeros)]
+
+    def forward(self, x, training=False):
+        n, length, f = x.shape
+        # x between zeros (never written: they stay zero), then (N, L, kernel, F): position i's window
+        padded = self.scratch("padded", (n, length + self.kernel - 1, f), x.dtype, zeroed=True)
+        padded[:, self.left:self.left + length] = x
+        windows = self.windows = self.scratch("windows", (n, length, self.kernel, f), x.dtype)
+        for j in range(self.kernel):
+            windows[:, :, j] = padded[:, j:j + length]
+        y = self.xp.matmul(windows.reshape(n, length, -1), self.params["W"].reshape(-1, self.dim),
+                           out=self.scratch("y", (n, length, self.dim), x.dtype))
+        y += self.params["b"]
+        return y
+
+    def backward_params(self, dy):
+        rows = self.windows.reshape(-1, self.kernel * self.features)
+        self.xp.matmul(rows.T, dy.reshape(-1, self.dim), out=self.grads["W"].reshape(-1, self.dim))
+        dy.sum(axis=(0, 1), out=self.grads["b"])
+
+    def backward(self, dy):
+        self.backward_params(dy)
+        n, length, _ = dy.shape
+        w = self.params["W"].reshape(-1, self.dim)
+        dwindows = self.xp.matmul(dy, w.T, out=self.scratch("dwindows", (n, length, w.shape[0]), dy.dtype))
+        dwindows = dwindows.reshape(n, length, self.kernel, self.features)
+        dcols = self.scratch("dcols", (n, length + self.kernel - 1, self.features), dy.dtype)
+        dcols[...] = 0
+        for j in range(self.kernel):
+            dcols[:, j:j + length] += dwindows[:, :, j]
+        return dcols[:, self.left:self.left + length]
+
+    def __repr__(self):
+        return f"TokenConv({self.dim}, kernel={self.kernel})"

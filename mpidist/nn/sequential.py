@@ -166,8 +166,9 @@ class Sequential:
         from ``[*key, i, j]``: no two layers share a stream.
         """
         for path, layer in self.random_layers:
-            # an int seed: cupy's default_rng does not take numpy seed arrays
-            seed = int(np.random.SeedSequence([*key, *path]).generate_state(1, dtype=np.uint64)[0])
+            # an int seed: cupy's default_rng does not take numpy seed arrays; ``stream``: a tensor part's own
+            seed = int(np.random.SeedSequence([*key, *path, *getattr(layer, "stream", ())])
+                       .generate_state(1, dtype=np.uint64)[0])
             layer.rng = self.xp.random.default_rng(seed)
 
     def use_workspace(self, loss):

@@ -12,7 +12,9 @@ second layer's bias, once (:class:`Bias`).  One sum of activations forward,
 one backward.  Attention splits by heads the same way (see
 :func:`split_layers`); an ``Embedding`` by vocabulary rows, each part looking
 up the ids it holds, then a sum.  Every other layer is replicated: it sees
-the same input on every part and computes the same output.
+the same input on every part and computes the same output (a ``Dropout``
+between the two layers of a pair, on each part's slice of the features,
+draws a mask of its own there).
 
 The sums are a function the strategy gives each operator (``reduce``: an
 in-place sum over the group); this module never communicates.  Each part's
@@ -202,7 +204,7 @@ def _pair_end(layers, start):
     """Index of the Dense that pairs with the Dense at ``start``, or None: only elementwise layers between."""
     for index in range(start + 1, len(layers)):
         layer = layers[index]
-        if isinstance(layer, Dense):
+        if type(layer) is Dense:
             return index
         if not (isinstance(layer, ELEMENTWISE) or getattr(layer, "elementwise", False)):
             return None
@@ -219,6 +221,10 @@ def _between(layer, part, parts):
     if layer.param_specs():
         raise ValueError(f"{layer!r} has parameters and stands between a split pair of Dense layers, where each "
                          "part sees its slice of the features: give it tensor_split(part, parts)")
+    if hasattr(layer, "rng"):   # (a Dropout: each part's slice of the features draws a mask of its own)
+        piece = copy.copy(layer)
+        piece.stream = (parts, part)
+        return [piece]
     return [layer]
 
 
@@ -226,7 +232,8 @@ def split_layers(layers, part, parts, replaced=None):
     """Part ``part`` of ``parts`` of ``layers`` (built, as in a whole :class:`Sequential`): new layers, in order.
 
     Split: Dense pairs (columns, then rows), ``MultiHeadAttention`` (by
-    heads), ``Embedding`` (by vocabulary), layers with ``tensor_split``;
+    heads), ``Embedding`` (by vocabulary) -- those classes exactly: a
+    subclass may compute otherwise --, layers with ``tensor_split``;
     blocks with a ``layers`` list (``Residual``, ``TransformerBlock``) are
     split inside, on a copy.  Each new layer with parameters carries
     ``tensor_whole`` (the layer it is a part of) and ``tensor_origin``; a
@@ -237,7 +244,7 @@ def split_layers(layers, part, parts, replaced=None):
     out, index = [], 0
     while index < len(layers):
         layer = layers[index]
-        end = _pair_end(layers, index) if isinstance(layer, Dense) else None
+        end = _pair_end(layers, index) if type(layer) is Dense else None
         if end is not None:
             first = _columns(layer, part, parts)
             first.tensor_whole = layer
@@ -251,10 +258,12 @@ def split_layers(layers, part, parts, replaced=None):
                 if getattr(piece, "tensor_origin", None):
                     piece.tensor_whole = layer
             out += made
-        elif isinstance(layer, MultiHeadAttention):
+        elif type(layer) is MultiHeadAttention:
             out += _heads(layer, part, parts, replaced)
-        elif isinstance(layer, Embedding) and not isinstance(layer, VocabularyPart):
+        elif type(layer) is Embedding:
             lo, hi = part_range(layer.vocab, part, parts)
+            if hi == lo:
+                raise ValueError(f"{layer!r} has {layer.vocab} ids: --tensor {parts} leaves part {part} none")
             piece = _origin(VocabularyPart(lo, hi, layer.dim, layer.pad_id), W=("W", (slice(lo, hi), slice(None))))
             piece.tensor_whole, replaced[id(layer)] = layer, piece
             out += [piece, TensorSum()]
@@ -269,6 +278,37 @@ def split_layers(layers, part, parts, replaced=None):
     return out
 
 
+def _reading_parts(layers, replaced):
+    """``layers`` with each one that reads a mask source that was split replaced by a copy reading the part (the
+    same mask): the whole model's layers, the user's objects, keep reading the whole source."""
+    out = []
+    for layer in layers:
+        sources = {name: replaced[id(getattr(layer, name))] for name in MASK_SOURCES
+                   if getattr(layer, name, None) is not None and id(getattr(layer, name)) in replaced}
+        if sources:
+            layer = copy.copy(layer)
+            for name, source in sources.items():
+                setattr(layer, name, source)
+        if isinstance(getattr(layer, "layers", None), list) and layer.sublayers() is layer.layers:
+            inner = _reading_parts(layer.layers, replaced)
+            if any(a is not b for a, b in zip(inner, layer.layers)):
+                layer = copy.copy(layer)
+                layer.params, layer.grads = {}, {}
+                layer.layers = inner
+        out.append(layer)
+    return out
+
+
+def _decay_as_whole(model):
+    """Each split piece decays (``--weight-decay``) as the parameter of the whole layer it is a slice of (the
+    whole layer's rule and the user's ``weight_decay`` choices both)."""
+    for _, layer in walk(model.layers):
+        origin, whole = getattr(layer, "tensor_origin", None), getattr(layer, "tensor_whole", None)
+        if origin and whole is not None:
+            layer.weight_decay = {name: whole.decays(whole_name, whole.params[whole_name].shape)
+                                  for name, (whole_name, _) in origin.items()}
+
+
 def split_model(whole, part, parts):
     """``(model, where)``: part ``part`` of ``parts`` of ``whole`` (a :class:`Sequential`) as a model of its own,
     and ``where``, an int64 array: element ``i`` of its flat buffer is element ``where[i]`` of the whole's.
@@ -278,11 +318,7 @@ def split_model(whole, part, parts):
     """
     replaced = {}
     layers = split_layers(whole.layers, part, parts, replaced)
-    for _, layer in walk(layers):   # a layer reading a mask source that was split reads its part (the same mask)
-        for name in MASK_SOURCES:
-            source = getattr(layer, name, None)
-            if source is not None and id(source) in replaced:
-                setattr(layer, name, replaced[id(source)])
+    layers = _reading_parts(layers, replaced)
     model = Sequential(layers, whole.input_shape, xp=whole.xp, dtype=whole.dtype)
     if model.output_shape != whole.output_shape:
         raise ValueError(f"a part of the model ends in {model.output_shape}, the whole in {whole.output_shape}")
@@ -295,19 +331,30 @@ def split_model(whole, part, parts):
             whole_name, index = origin[name]
             offset, whole_shape = whole_at[(id(layer.tensor_whole), whole_name)]
             picked = np.arange(int(np.prod(whole_shape)), dtype=np.int64).reshape(whole_shape)[index]
-        else:
+        elif (id(layer), name) in whole_at:
             offset, whole_shape = whole_at[(id(layer), name)]
             picked = np.arange(int(np.prod(whole_shape)), dtype=np.int64)
+        else:
+            raise ValueError(f"{layer!r} (from tensor_split) has parameter {name} but no tensor_origin saying "
+                             "which of the whole layer's parameters it is a slice of")
         if picked.size != size:
             raise ValueError(f"{layer!r}: parameter {name} holds {size} values, its origin {picked.size}")
         where[lo:lo + size] = offset + picked.reshape(-1)
+    _decay_as_whole(model)
     return model, where
 
 
 def replicated(model):
-    """``(lo, hi)`` ranges of ``model``'s flat buffer (a part's) that every part holds alike."""
-    return [(lo, lo + int(np.prod(shape))) for layer, _, lo, shape, _ in model.entries
-            if not getattr(layer, "tensor_origin", None) or isinstance(layer, Bias)]
+    """``(lo, hi)`` ranges of ``model``'s flat buffer (a part's) that every part holds alike: parameters that are
+    not slices, and slices that take their whole parameter (a bias added after a sum; a user's piece that keeps
+    its whole parameter)."""
+    ranges = []
+    for layer, name, lo, shape, _ in model.entries:
+        size = int(np.prod(shape))
+        origin, whole = getattr(layer, "tensor_origin", None), getattr(layer, "tensor_whole", None)
+        if not origin or whole is None or int(np.prod(whole.params[origin[name][0]].shape)) == size:
+            ranges.append((lo, lo + size))
+    return ranges
 
 
 def operators(model):

@@ -4,7 +4,7 @@ from .activations import GELU
 from .attention import MultiHeadAttention
 from .layers import Dense, Dropout, Layer, ShapeError
 from .norm import LayerNorm
-from .residual import Residual
+from .residual import Residual, build_in_turn
 
 
 class TransformerBlock(Layer):
@@ -54,13 +54,7 @@ class TransformerBlock(Layer):
         for layer, made, units in zip((mlp[1], mlp[3]), self.sized, (self.mlp_ratio * dim, dim)):
             if layer is made:
                 layer.units = units
-        shape = tuple(input_shape)
-        for index, layer in enumerate(self.layers):
-            try:
-                shape = tuple(layer.build(shape))
-            except ShapeError as err:
-                raise ShapeError(f"block layer {index} ({layer!r}): {err}") from None
-        return shape
+        return build_in_turn(self.layers, input_shape)
 
     def forward(self, x, training=False):
         for layer in self.layers:

@@ -99,7 +99,8 @@ class TensorPart:
         self.shared = replicated(self.model)                # every part holds these alike: counted once
         for operator in operators(self.model):
             operator.reduce = self.sum
-        self.gathered_where = None   # the chief's: every part's map, once gathered
+        self.gathered_where = None   # part 0's: every part's map, once gathered
+        self.where_gathered = False
 
     def describe(self):
         """Role-table text: this rank's part, and whether its group spans nodes."""
@@ -144,9 +145,10 @@ class TensorPart:
         counts = np.zeros(self.parts, dtype=np.int64)
         mpi.allgather(comm, np.array([len(self.where)], dtype=np.int64), counts)
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        if self.gathered_where is None:   # (the map never changes: gathered once)
+        if not self.where_gathered:   # (the map never changes: gathered once, a flag every part keeps alike)
             where = np.empty(int(counts.sum()), dtype=np.int64) if self.part == root else None
             self.gathered_where = mpi.gatherv(comm, self.where, where, counts, displs, root)
+            self.where_gathered = True
         whole = {}
         for name in sorted(arrays):   # (the same order on every part)
             part = np.ascontiguousarray(arrays[name])

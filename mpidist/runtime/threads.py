@@ -23,6 +23,7 @@ import sys
 
 _VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _threads = None   # the count chosen, once chosen
+_inherited = {}   # the variables as this process found them, before it sized its own pool
 
 
 def share_of_node():
@@ -47,9 +48,23 @@ def limit_blas_threads():
             _resize_loaded_pools(_threads)
         else:   # (not both: the environment is inherited by every process this one starts)
             for name in _VARIABLES:
+                _inherited[name] = os.environ.get(name)
                 if not os.environ.get(name):   # (one set by the user stays)
                     os.environ[name] = str(_threads)
     return _threads
+
+
+def launch_environment(**extra):
+    """This process's environment for ranks it launches (``mpiexec`` from a driver): the BLAS variables as this
+    process found them, so that each rank sizes its own pool for its share of the node, not this process's
+    (one process owning every core would give each of N ranks every core: N times too many threads)."""
+    environ = dict(os.environ, **extra)
+    for name, value in _inherited.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return environ
 
 
 def _resize_loaded_pools(threads):

@@ -64,8 +64,8 @@ def check_splits(splits, num_classes, where, check_values=True):
     if num_classes < 0 or num_classes == 1 or num_classes > MAX_CLASSES:
         raise UsageError(f"{where}: num_classes = {num_classes}; use 0 for regression or 2 to {MAX_CLASSES:,} "
                          "classes")
-    if sorted(splits) != ["test", "train"]:
-        raise UsageError(f"{where}: needs the splits train and test, got {sorted(splits)}")
+    if sorted(set(splits) - {"val"}) != ["test", "train"]:
+        raise UsageError(f"{where}: needs the splits train and test (and val, if any), got {sorted(splits)}")
     for split, (x, y) in splits.items():
         x, y = np.asarray(x), np.asarray(y)
         as_numbers(where, f"{split}/x", x)
@@ -83,10 +83,12 @@ def check_splits(splits, num_classes, where, check_values=True):
                 at = np.unravel_index(int(outside[0]), y.shape)
                 raise UsageError(f"{where}: {split}/y[{', '.join(map(str, at))}] is {y[at]}, outside "
                                  f"[0, {num_classes})")
-    (xa, ya), (xb, yb) = splits["train"], splits["test"]
-    if np.shape(xa)[1:] != np.shape(xb)[1:] or np.shape(ya)[1:] != np.shape(yb)[1:]:
-        raise UsageError(f"{where}: train and test differ in shape: x {np.shape(xa)} and {np.shape(xb)}, "
-                         f"y {np.shape(ya)} and {np.shape(yb)}")
+    xa, ya = splits["train"]
+    for other in sorted(set(splits) - {"train"}):
+        xb, yb = splits[other]
+        if np.shape(xa)[1:] != np.shape(xb)[1:] or np.shape(ya)[1:] != np.shape(yb)[1:]:
+            raise UsageError(f"{where}: train and {other} differ in shape: x {np.shape(xa)} and {np.shape(xb)}, "
+                             f"y {np.shape(ya)} and {np.shape(yb)}")
 
 
 def check_extras(splits, num_classes, where, stats=None, class_names=None):

@@ -32,7 +32,8 @@ def report(world, models_only=False):
     if models_only:
         if world.Get_rank() != 0:
             return None
-        return "\n".join(f"{name:<10} {text}" for name, (_, text) in MODELS.items())
+        width = max(map(len, MODELS)) + 1
+        return "\n".join(f"{name:<{width}} {text}" for name, (_, text) in MODELS.items())
     # nodes as MPI sees them (the ranks that share memory): host names alone may not tell them apart
     node, index, _, _ = node_layout(world)
     hosts = world.gather((index, MPI.Get_processor_name()), root=0)

@@ -2,7 +2,8 @@
 
 Sources: ``.npz`` files (read with ``allow_pickle=False``: a file never runs
 code), ``.csv`` files, and the named sources the bundled datasets are built
-from (``digits``, ``mnist1d``, ``mnist-5k``).  Files are written aside and
+from (``digits``, ``mnist1d``, ``mnist-5k``), and ``lee-text``, a text corpus
+as a character-level language-modelling dataset (:mod:`mpidist.tools.text`).  Files are written aside and
 renamed into place, so an interrupted ingest never leaves a half-written
 dataset under the target name.
 
@@ -74,7 +75,8 @@ class Ingested:
 
     def summary(self):
         """The lines ``python -m mpidist ingest`` prints."""
-        rows = [("samples", f"{self.sizes['train']:,} train, {self.sizes['test']:,} test"),
+        held = f", {self.sizes['val']:,} val" if "val" in self.sizes else ""
+        rows = [("samples", f"{self.sizes['train']:,} train{held}, {self.sizes['test']:,} test"),
                 ("features", f"{int(np.prod(self.sample_shape)):,} per sample, sample shape {self.sample_shape}")]
         if self.num_classes and self.class_names:
             more = len(self.class_names) - NAMES_SHOWN
@@ -85,6 +87,8 @@ class Ingested:
             rows.append(("classes", f"{self.num_classes:,} (labels 0 to {self.num_classes - 1})"))
         else:
             rows.append(("task", f"regression, {self.target_width} target{'s' * (self.target_width != 1)} per sample"))
+        if self.num_classes and self.target_width > 1:
+            rows.append(("labels", f"{self.target_width} per sample, one per position"))
         if self.delimiter is not None:
             rows.append(("delimiter", f"{self.delimiter} ({'detected' if self.delimiter_detected else 'given'})"))
             rows.append(("header", f"line {self.header_line} skipped (column names)" if self.header_line
@@ -143,7 +147,7 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
     with claimed(out, "the dataset") if shard_size is None else contextlib.nullcontext():
         facts = {}
         if source in SOURCES:
-            splits, num_classes, text = build_source(source, seed)
+            splits, num_classes, text, facts = build_source(source, seed)
             name = name or source
         else:
             if path.suffix == ".npz":

@@ -143,6 +143,10 @@ def _predict(world, checkpoint_path, data, output, model, split):
                 for note in trained.notes:
                     print(f"mpidist: {note}", flush=True)
             reader.check_shape(net)
+            if reader.info.num_classes > 0 and len(net.output_shape) > 1:
+                raise UsageError(f"predict writes one class per sample, and model {trained.spec} classifies each "
+                                 f"position of a sequence (outputs {tuple(net.output_shape)} per sample): load it "
+                                 "with mpidist.api.load_trained and call model.forward for its outputs")
             counts, starts = blocks(reader.samples, size)
             width = int(np.prod(net.output_shape, dtype=np.int64))
             if reader.samples * width > GATHER_LIMIT:

