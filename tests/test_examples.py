@@ -144,14 +144,16 @@ def test_ranks_a_driver_launches_size_their_own_blas_pools(given):
     import subprocess
     import sys
     probe = ("import os, mpidist\nfrom mpidist.runtime.threads import launch_environment\n"
-             "print(os.environ.get('OMP_NUM_THREADS'), launch_environment().get('OMP_NUM_THREADS'))\n")
+             "print(os.environ.get('OMP_NUM_THREADS'), launch_environment().get('OMP_NUM_THREADS'),\n"
+             "      launch_environment(OMP_NUM_THREADS='7')['OMP_NUM_THREADS'])\n")
     environ = {name: value for name, value in os.environ.items() if not name.endswith("_NUM_THREADS")}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                           env={**environ, **({"OMP_NUM_THREADS": given} if given else {})}, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    own, launched = done.stdout.split()
+    own, launched, chosen = done.stdout.split()
     share = str(len(os.sched_getaffinity(0)))
     assert (own, launched) == ((share, "None") if not given else (given, given)), done.stdout
+    assert chosen == "7"   # (what the driver sets for its ranks wins)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gensim") is None,
