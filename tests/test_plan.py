@@ -21,7 +21,8 @@ MS = 1e-3
 def made_up(layers=4, params=1000, forward=(0.0, 1e-4), backward=(0.0, 2e-4), **changes):
     """A calibration of ``layers`` equal Dense layers of ``params`` parameters and 10 outputs a sample."""
     figures = dict(model="mlp", data="digits", optimizer="adam", dtype="float32", itemsize=4, sample_bytes=256,
-                   batch_per_rank=64, train_samples=1000,
+                   stored_row_bytes=512,
+                   batch_per_rank=64, train_samples=1000, test_samples=100,
                    layers=tuple(LayerCost("Dense", params, 10, True, forward, backward) for _ in range(layers)),
                    loss=(0.0, 0.0), tensor_sums=(10,), optimizer_per_param=1e-9, step_overhead=0.0,
                    sum_per_byte=1e-10, jitter=0.0, node=Link(1e-6, 1e-10), network=Link(2e-6, 4e-10),
@@ -88,9 +89,11 @@ def test_the_memory_a_rank_holds_counts_its_share_of_each_array():
     cal = made_up()
     one = predict(cal, Layout("local", 1, 1, 64)).memory
     # baseline, the whole training split, parameters and gradients, Adam's two moments, each layer's outputs
-    assert one == 50 * 2 ** 20 + 1000 * 256 + 2 * 4000 * 4 + 2 * 4000 * 4 + 64 * 4 * 40
+    # for the batch and for the test split's 100 samples
+    assert one == 50 * 2 ** 20 + 1000 * 256 + 2 * 4000 * 4 + 2 * 4000 * 4 + 64 * 4 * 40 + 100 * 4 * 40
     sharded = predict(cal, Layout("allreduce", 1, 4, 256, exchange="mpi", shard="optimizer")).memory
-    assert sharded == 50 * 2 ** 20 + 250 * 256 + 2 * 4000 * 4 + 2 * 1000 * 4 + 64 * 4 * 40
+    # 4 workers: a quarter of the rows, and the block of the file they are read from (the whole split here)
+    assert sharded == 50 * 2 ** 20 + 250 * 256 + 1000 * 512 + 2 * 4000 * 4 + 2 * 1000 * 4 + 64 * 4 * 40 + 25 * 4 * 40
 
 
 def test_the_advice_is_the_fastest_layout_that_fits_and_the_knee_where_efficiency_falls():

@@ -38,9 +38,11 @@ class Calibration:
 
     Attributes:
         model, data, optimizer, dtype: what was measured (the run's settings).
-        itemsize: bytes per parameter; sample_bytes: bytes per training sample as read.
+        itemsize: bytes per parameter; sample_bytes: bytes per training sample as read; stored_row_bytes: as
+            stored in the file (a worker reading its lanes in memory reads blocks of the file).
         batch_per_rank: the batch it was measured at (``plan``'s default).
-        train_samples: the training split's rows (an epoch's data held in memory).
+        train_samples, test_samples: the splits' rows (an epoch's data held in memory; what the last evaluation
+            reads, spread over the workers).
         layers: a :class:`LayerCost` per top-level layer; loss: its (fixed, per-sample) seconds.
         tensor_sums: the elements per sample of each sum of activations a tensor group makes in forward (as
             many again in backward).
@@ -61,8 +63,10 @@ class Calibration:
     dtype: str
     itemsize: int
     sample_bytes: int
+    stored_row_bytes: int
     batch_per_rank: int
     train_samples: int
+    test_samples: int
     layers: tuple
     loss: tuple
     tensor_sums: tuple
@@ -141,8 +145,10 @@ def _checked(document, where):
     return Calibration(
         model=read.value("model", str), data=read.value("data", str), optimizer=read.value("optimizer", str),
         dtype=read.value("dtype", str), itemsize=read.count("itemsize", least=1),
-        sample_bytes=read.count("sample_bytes"), batch_per_rank=read.count("batch_per_rank", least=1),
+        sample_bytes=read.count("sample_bytes"),
+        stored_row_bytes=read.count("stored_row_bytes"), batch_per_rank=read.count("batch_per_rank", least=1),
         train_samples=read.count("train_samples", least=1),
+        test_samples=read.count("test_samples"),
         layers=tuple(costs), loss=read.pair("loss"), tensor_sums=tuple(sums), optimizer_per_param=read.seconds("optimizer_per_param"),
         step_overhead=read.seconds("step_overhead"),
         sum_per_byte=read.seconds("sum_per_byte"), jitter=read.seconds("jitter"), node=read.link("node", optional=True),

@@ -1,18 +1,24 @@
 """``plan --calibrate``: measure, under the user's own launcher, what a prediction needs (collective).
 
 Rank 0 times the model while the other ranks sleep (the cores are its own):
-each top-level layer's forward and backward at three batch sizes (a line
-fitted through them: a fixed cost and a cost per sample), the loss, a whole
+each top-level layer's forward and backward at four batch sizes (a line
+fitted through them: a fixed cost and a cost per sample), scaled to add up
+to the whole pass's own line (timed for ``--seconds``), the loss, a whole
 ``local`` step (what the step adds besides the layers: the optimizer and
 its checks, per parameter), the spread of step times, and a sum of one
-buffer into another.  Then pairs of ranks send messages of 8 B to 16 MiB
-back and forth, within a node and, where there are several, between two
-nodes; a line through the times gives each link's latency and time per byte.
+buffer into another; first of all, a short ``train`` of one process, whose
+peak resident memory anchors the memory a rank holds besides its arrays.
+Then pairs of ranks sum buffers of 8 B to 32 MiB (an ``Allreduce`` of the
+two), within a node and, where there are several, between two nodes; a line
+through the times gives each link's latency and time per byte as the
+collectives see it (their sums and copies included).
 """
 
+import dataclasses
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import data, nn
 from ..bench.timing import release, sleep_until_released
@@ -23,7 +29,8 @@ from ..runtime import comm as mpi
 from ..runtime.cluster import node_layout
 from ..runtime.memory import available_bytes, peak_memory
 from .calibration import Calibration, LayerCost
-from .links import fit
+from .step import Layout, predict
+from .links import Link, fit
 
 SIZES = [8 << (2 * k) for k in range(12)]   # 8 B .. 32 MiB by factors of 4
 REPEATS = 7
@@ -45,9 +52,13 @@ def calibrate(world, config, seconds=1.0):
     node.Free()
     if world.Get_rank() != 0:
         return None
-    return Calibration(**figures, node=within, network=between, baseline_bytes=baseline,
+    peak = figures.pop("run_peak_bytes")
+    made = Calibration(**figures, node=within, network=between, baseline_bytes=0,
                        ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
                        cores=_cores(), node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
+    # what a rank holds besides the arrays the model counts: the one-process run's peak less its arrays
+    arrays = predict(made, Layout("local", 1, 1, made.batch_per_rank)).memory
+    return dataclasses.replace(made, baseline_bytes=max(baseline, peak - arrays))
 
 
 def _cores():
@@ -66,6 +77,7 @@ def _median_seconds(fn, repeats=REPEATS):
 
 
 def _compute(config, seconds):
+    rate, peak = _short_run(config, max(4, config.batch_size))   # (first: its peak is a whole run's, no more)
     inputs = Inputs.of(config)
     info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
     model = build_model_for(config, inputs, info, np)
@@ -75,15 +87,16 @@ def _compute(config, seconds):
     x, y = shard.x, shard.y
     while len(y) < batch:                          # (a split smaller than a batch: its rows again)
         x, y = np.concatenate([x, shard.x]), np.concatenate([y, shard.y])
-    sizes = sorted({max(1, batch // 4), max(1, batch // 2), batch})
-    forward, backward, losses = _layer_lines(model, loss, x, y, sizes)
+    sizes = sorted({max(1, batch // 8), max(1, batch // 4), max(1, batch // 2), batch})   # (micro-batches too)
     make = lambda size: nn.make_optimizer(config.optimizer, size, config.lr, xp=np, dtype=model.dtype)  # noqa
     local = LocalStrategy(model, loss, make, seed=config.seed)
-    local.initialize()
+    local.initialize()   # (first: the passes below then run in the workspace training uses, as fast as there)
+    forward, backward, losses = _scaled(*_layer_lines(model, loss, x, y, sizes),
+                                        _whole_line(model, loss, x, y, sizes, seconds))
     steps = iter(range(1 << 30))
     step, times = _median_seconds(lambda: local.train_step(x[:batch], y[:batch], 1.0, next(steps)),
                                   max(REPEATS, int(seconds / 0.01)) if seconds else REPEATS)
-    overhead = _loop_overhead(config, batch, step)
+    overhead = max(0.0, batch / rate - step) if rate > 0 else 0.0
     layers_s = sum(f[0] + f[1] * batch + b[0] + b[1] * batch for f, b in zip(forward, backward)) \
         + losses[0] + losses[1] * batch
     params = max(1, model.num_params)
@@ -98,17 +111,19 @@ def _compute(config, seconds):
     return {"model": config.model, "data": str(info.path), "optimizer": config.optimizer,
             "dtype": np.dtype(model.dtype).name, "itemsize": int(np.dtype(model.dtype).itemsize),
             "sample_bytes": int(np.prod(model.input_shape)) * int(np.dtype(model.dtype).itemsize),
-            "train_samples": int(info.sizes["train"]), "layers": layers, "loss": losses, "tensor_sums": sums,
+            "stored_row_bytes": max((int(m.row_bytes.get("train", 0)) for m in info.files), default=0),
+            "train_samples": int(info.sizes["train"]), "test_samples": int(info.sizes.get("test", 0)),
+            "layers": layers, "loss": losses, "tensor_sums": sums,
             "batch_per_rank": batch, "optimizer_per_param": max(0.0, step - layers_s) / params,
-            "step_overhead": overhead,
+            "step_overhead": overhead, "run_peak_bytes": peak,
             "sum_per_byte": summed / buffer.nbytes,
             # (the spread of the upper half, robust to the odd step a busy machine stretches tenfold)
             "jitter": float((np.percentile(times, 84) - np.median(times)) / np.median(times))}
 
 
-def _loop_overhead(config, batch, step, steps=200):
-    """Seconds a step of ``train`` (one process) takes besides the strategy's ``step`` seconds: batches, the
-    metrics of a run directory (in a scratch one, removed after)."""
+def _short_run(config, batch, steps=200):
+    """``(samples/s, peak resident bytes)`` of ``steps`` steps of ``train`` on one process, with a run
+    directory's metrics (in a scratch one, removed after), as users run it."""
     import io
     import shutil
     import tempfile
@@ -123,8 +138,7 @@ def _loop_overhead(config, batch, step, steps=200):
                        checkpoint_dir="", run_dir=scratch, progress="none", comm=MPI.COMM_SELF, stream=io.StringIO())
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    rate = result.figures.get("samples_per_s") or 0.0
-    return max(0.0, batch / rate - step) if rate > 0 else 0.0
+    return result.figures.get("samples_per_s") or 0.0, peak_memory()
 
 
 def _layer_lines(model, loss, x, y, sizes):
@@ -143,6 +157,34 @@ def _layer_lines(model, loss, x, y, sizes):
     for which in range(2):
         lines.append([_line(sizes, [medians[size][which][index] for size in sizes]) for index in range(count)])
     return lines[0], lines[1], _line(sizes, [medians[size][2] for size in sizes])
+
+
+def _whole_line(model, loss, x, y, sizes, seconds):
+    """``(fixed, per sample)`` of a whole training pass (forward, loss, backward as training runs them), from
+    medians of as many passes as ``seconds`` allows: steadier than the sum of the layers' own lines."""
+    def run(n):
+        def one_pass():
+            out = model.forward(x[:n], training=True)
+            loss.forward(out, y[:n])
+            model.backward(loss.backward(), input_grad=False)
+        return one_pass
+    medians = []
+    for n in sizes:
+        first, _ = _median_seconds(run(n), 3)
+        medians.append(_median_seconds(run(n), max(REPEATS, int(seconds / len(sizes) / max(first, 1e-6))))[0])
+    return _line(sizes, medians)
+
+
+def _scaled(forward, backward, losses, whole):
+    """The layers' lines (and the loss's) scaled so that they add up to the whole pass's ``whole`` line: each
+    layer keeps its share, the total is the steadier measurement."""
+    parts = list(forward) + list(backward) + [losses]
+    factors = []
+    for column in range(2):
+        total = sum(part[column] for part in parts)
+        factors.append(whole[column] / total if total > 0 else 1.0)
+    scale = lambda part: (part[0] * factors[0], part[1] * factors[1])  # noqa: E731
+    return [scale(f) for f in forward], [scale(b) for b in backward], scale(losses)
 
 
 def _line(sizes, seconds):
@@ -170,9 +212,13 @@ def _timed_pass(model, loss, x, y):
     loss.forward(out, y)
     grad = loss.backward()
     spent = time.perf_counter() - start
-    for index in range(len(model.layers) - 1, -1, -1):
+    # as training runs it: backward stops at the first layer with parameters, without its input gradient
+    for index in range(len(model.layers) - 1, model.first_trained - 1, -1):
         start = time.perf_counter()
-        grad = model.layers[index].backward(grad)
+        if index == model.first_trained:
+            model.layers[index].backward_params(grad)
+        else:
+            grad = model.layers[index].backward(grad)
         backward[index] = time.perf_counter() - start
     return forward, backward, spent
 
@@ -195,28 +241,29 @@ def _tensor_shape(model):
 
 
 def _pair(world, node_of_rank, same_node):
-    """The :class:`Link` between rank 0 and the next rank on its node (``same_node``) or on another node;
-    None where there is none.  Every rank calls; two of them measure."""
+    """The :class:`Link` between rank 0 and the next rank on its node (``same_node``) or on another node, as
+    the collectives see it: an ``Allreduce`` of ``n`` bytes over the two, a ring's two steps of ``n / 2``,
+    takes ``2 latency + n per_byte`` (sums and copies included); None where there is no such rank.  Every
+    rank calls; two of them measure."""
     rank = world.Get_rank()
     partner = next((r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node),
                    None)
     if partner is None:
         return None
+    pair = world.Split(0 if rank in (0, partner) else MPI.UNDEFINED, key=rank)
     seconds = []
-    if rank in (0, partner):
-        other = partner if rank == 0 else 0
+    if pair != MPI.COMM_NULL:
         for size in SIZES:
-            buffer = np.zeros(size, dtype=np.uint8)
+            buffer = np.ones(size // 4, dtype=np.float32)
             trips = []
             for _ in range(REPEATS + 1):
                 start = time.perf_counter()
-                if rank == 0:
-                    mpi.send(world, buffer, other, 7)
-                    mpi.recv(world, buffer, other, 7)
-                else:
-                    mpi.recv(world, buffer, other, 7)
-                    mpi.send(world, buffer, other, 7)
+                mpi.allreduce_sum(pair, buffer)
                 trips.append(time.perf_counter() - start)
-            seconds.append(float(np.median(trips[1:])) / 2)     # one way
+            seconds.append(float(np.median(trips[1:])))
+        pair.Free()
     world.Barrier()
-    return fit(SIZES, seconds) if rank == 0 else None
+    if rank != 0:
+        return None
+    whole = fit([4 * (size // 4) for size in SIZES], seconds)
+    return Link(whole.latency / 2, whole.per_byte)

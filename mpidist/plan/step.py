@@ -108,13 +108,23 @@ def _wait(cal, compute, ranks):
     return cal.jitter * compute * math.sqrt(2 * math.log(ranks)) if ranks > 1 else 0.0
 
 
+READ_BLOCK = 64 << 20   # the block of a file a worker reading its lanes in memory reads at a time (data.rows)
+EVAL_BATCH = 1024       # samples an evaluation runs through the model at once (data.batches.eval_batches)
+
+
 def _memory(cal, layout, params, updated, workers, activations):
-    """A rank's resident bytes: the baseline, its lanes of the training data, parameters and gradients,
-    the optimizer state of what it updates, and the activations of the samples it holds at once."""
+    """A rank's resident bytes: the baseline, its lanes of the training data (and, with other workers' lanes
+    between its rows, the block of the file it reads them from), parameters and gradients, the optimizer state
+    of what it updates, and the activations of the samples it holds at once."""
     item = cal.itemsize
     state = OPTIMIZER_ARRAYS.get(cal.optimizer, 2) * updated * item
     data = cal.train_samples * cal.sample_bytes // max(1, workers)
-    return int(cal.baseline_bytes + data + 2 * params * item + state + activations)
+    if workers > 1:
+        data += min(READ_BLOCK, cal.train_samples * cal.stored_row_bytes)
+    # the last evaluation: its share of the test split, a batch of up to EVAL_BATCH through every layer
+    evaluated = min(EVAL_BATCH, -(-cal.test_samples // max(1, workers))) * item * sum(
+        layer.out_elements for layer in cal.layers)
+    return int(cal.baseline_bytes + data + 2 * params * item + state + activations + evaluated)
 
 
 def _activations(cal, samples, first=0, end=None):
@@ -151,16 +161,18 @@ def _allreduce(cal, layout):
         if layout.nodes > 1:
             exchange += 2 * (layout.nodes - 1) * (cal.network.latency + nbytes / layout.nodes * cal.network.per_byte)
         updated = params / local
+        window = (local - 1) * nbytes // local   # (the others' gradients a rank sums its part of: its pages too)
     else:            # MPI's allreduce over the groups' same parts
         link = _link(cal, layout)
         exchange = link.allreduce(nbytes, groups) + (groups - 1) / groups * nbytes * cal.sum_per_byte
         updated = params / groups if layout.shard == "optimizer" else params
+        window = 0
     if layout.tensor > 1:   # two sums of activations per split pair, forward and backward, within a node
         sums = sum(elements for elements in cal.tensor_sums) * samples * cal.itemsize
         exchange += 2 * cal.node.allreduce(sums, layout.tensor) + 2 * len(cal.tensor_sums) * cal.node.latency
     return Prediction(layout, compute, exchange, cal.optimizer_per_param * updated, 0.0,
                       _wait(cal, compute, layout.ranks),
-                      _memory(cal, layout, params, updated, groups, _activations(cal, samples) * share))
+                      _memory(cal, layout, params, updated, groups, _activations(cal, samples) * share) + window)
 
 
 def _ps_sync(cal, layout):
@@ -173,7 +185,9 @@ def _ps_sync(cal, layout):
     # sums them; Allgatherv: each ps's updated shard to every rank
     gather = workers * link.time(nbytes / ps) + workers * nbytes / ps * cal.sum_per_byte
     scatter = (layout.ranks - 1) * link.latency + nbytes * link.per_byte
-    return Prediction(layout, compute, gather + scatter, cal.optimizer_per_param * cal.params / ps, 0.0,
+    # a ps keeps the previous shard and its optimizer state (a lost rank's rollback) and checks the sum: copies
+    kept = (1 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2) + 0.5) * nbytes / ps * cal.sum_per_byte
+    return Prediction(layout, compute, gather + scatter, cal.optimizer_per_param * cal.params / ps + kept, 0.0,
                       _wait(cal, compute, workers),
                       _memory(cal, layout, cal.params, cal.params / ps, workers, _activations(cal, samples)))
 

@@ -3,7 +3,8 @@
 ``python -m mpidist.plan.validate --model mlp-wide --data mnist-5k`` calibrates
 (two ranks on this node, then one rank on each of two emulated nodes for the
 network), trains each layout of :data:`LAYOUTS` for ``--steps`` steps in
-``--rounds`` interleaved rounds, and prints each layout's predicted samples/s
+``--rounds`` interleaved rounds (each rank with the BLAS threads of one of the
+two calibrated ranks: half the cores), and prints each layout's predicted samples/s
 and peak memory beside the medians measured, with their ratios.  Every rank
 runs on this machine: on a machine of fewer cores than ranks, nothing here
 means anything.  Two names must reach this machine for the emulated nodes
@@ -12,6 +13,7 @@ means anything.  Two names must reach this machine for the emulated nodes
 
 import argparse
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -20,6 +22,7 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
+from ..runtime.threads import launch_environment
 from . import calibration
 from .check import read_layout
 from .step import predict
@@ -40,7 +43,12 @@ def _mpiexec(ranks, nodes, hosts, args):
 
 
 def _run(command):
-    done = subprocess.run(command, capture_output=True, text=True)
+    # every rank of every run with the BLAS threads of one of the calibration's two ranks: half the cores (an
+    # emulated node's rank would take every core, as on a node of its own, and oversubscribe the machine; a
+    # one-rank run would compute faster than the rank that was calibrated)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    threads = {name: share for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    done = subprocess.run(command, capture_output=True, text=True, env=launch_environment(**threads))
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return done
