@@ -48,7 +48,7 @@ def header(config, cluster, setup, outputs, table, asked_seed, held, imbalance=N
     if asked_seed != config.seed:
         say(f"mpidist: note: --seed {asked_seed} ignored: the checkpoint's data order and random streams "
             f"continue with seed {config.seed}")
-    outputs.log.write("start", config=dataclasses.asdict(config), ranks=cluster.size,
+    outputs.log.write("start", config=dataclasses.asdict(config), ranks=cluster.size, nodes=cluster.num_nodes,
                       workers=cluster.num_workers, ps=config.ps, dataset=setup.info.name,
                       params=setup.model.num_params, steps_per_epoch=setup.steps_per_epoch,
                       resumed_from=None if resume is None else str(resume.path),

@@ -70,8 +70,9 @@ class Deadlock(RuntimeError):
     """No stage can move: every one waits for a message nobody will send."""
 
 
-def simulate(plans):
-    """Run every stage's actions against the others; unit time per forward and backward.
+def simulate(plans, cost=None, transfer=0):
+    """Run every stage's actions against the others; unit time per forward and backward, or ``cost(stage, op)``
+    seconds (``op`` is ``"fwd"`` or ``"bwd"``), each message arriving ``transfer`` after it was sent.
 
     Sends are buffered (mpidist posts them non-blocking); a receive waits until
     its message was sent and the sender's compute finished.
@@ -97,13 +98,13 @@ def simulate(plans):
                 op, micro = plans[s][position[s]]
                 if op in ("fwd", "bwd"):
                     timeline[s].append((clock[s], op, micro))
-                    clock[s] += 1
+                    clock[s] += 1 if cost is None else cost(s, op)
                     held[s] += 1 if op == "fwd" else -1
                     peak[s] = max(peak[s], held[s])
                 elif op == "send_fwd":
-                    sent[(s, s + 1, "fwd", micro)] = clock[s]
+                    sent[(s, s + 1, "fwd", micro)] = clock[s] + transfer
                 elif op == "send_bwd":
-                    sent[(s, s - 1, "bwd", micro)] = clock[s]
+                    sent[(s, s - 1, "bwd", micro)] = clock[s] + transfer
                 else:
                     source = s - 1 if op == "recv_fwd" else s + 1
                     key = (source, s, op[5:], micro)

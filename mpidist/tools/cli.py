@@ -1,4 +1,4 @@
-"""Subcommands: ``train`` (the default), ``eval``, ``predict``, ``ingest``, ``info``, ``bench``.
+"""Subcommands: ``train`` (the default), ``eval``, ``predict``, ``ingest``, ``info``, ``bench``, ``plan``.
 
 Every rank parses the same command line; errors are agreed on (see
 :mod:`mpidist.runtime.errors`) so one message is printed and every rank exits 2.
@@ -16,11 +16,11 @@ from ..runtime.errors import EXIT_OK, Interrupted, UsageError
 from ..runtime.preempt import interrupt_on_signals
 from ..runtime.text import check_utf8
 
-COMMANDS = ("train", "eval", "predict", "ingest", "info", "bench")
+COMMANDS = ("train", "eval", "predict", "ingest", "info", "bench", "plan")
 #: Arguments that are paths (of any command), checked as the absolute paths they stand for too where given
 #: (``--data`` and ingest's source may be names, not paths: the commands check the paths they stand for).
 PATHS = ("checkpoint_dir", "run_dir", "metrics", "config", "resume", "checkpoint", "output", "runs", "streaming",
-         "tracing")
+         "tracing", "calibration", "check")
 #: ``eval`` prints a per-class table up to this many classes.
 PER_CLASS_SHOWN = 100
 
@@ -153,6 +153,36 @@ def build_parser():
     bench.add_argument("--steps", type=int, default=0,
                        help="with --streaming: steps per run in place of a whole epoch (default: 0 = an epoch); "
                        "with --tracing and --checkpoints: steps per run (default: 0 = 600)")
+    plan = sub.add_parser("plan", help="predict speed and memory of every layout on N nodes, from a calibration",
+                          description="Predict each strategy's samples/s, scaling efficiency and memory per rank "
+                          "at the node counts asked, and recommend the fastest layout that fits. First measure "
+                          "the model and the links where it will run: mpiexec -n 2 python -m mpidist plan "
+                          "--calibrate --model M --data D (two ranks on one node, or one on each of two nodes "
+                          "to measure the network too).")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure --model on --data here (under the launcher) and write --calibration")
+    plan.add_argument("--calibration", default="calibration.json",
+                      help="the calibration file to write or read (default: calibration.json)")
+    plan.add_argument("--model", default="mlp", help="with --calibrate: the model, as train's --model (default: mlp)")
+    plan.add_argument("--data", default="digits", help="with --calibrate: the dataset, as train's --data "
+                      "(default: digits)")
+    plan.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                      help="with --calibrate: the optimizer (default: adam)")
+    plan.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                      help="with --calibrate: the parameters' type (default: float32)")
+    plan.add_argument("--batch-per-rank", type=int, default=0,
+                      help="samples a rank trains a step (default: 64 to calibrate; the calibration's to predict)")
+    plan.add_argument("--seconds", type=float, default=1.0, help="with --calibrate: time per measurement (default: 1)")
+    plan.add_argument("--nodes", default="1,2,4,8", help="node counts to predict (default: 1,2,4,8)")
+    plan.add_argument("--ranks-per-node", type=int, default=0,
+                      help="ranks per node (default: as many as the calibration ran on one node)")
+    plan.add_argument("--link", default=None, metavar="BANDWIDTH,LATENCY",
+                      help="the network between nodes, e.g. 25GB/s,2us, in place of the calibration's")
+    plan.add_argument("--memory-per-node", default=None, metavar="SIZE",
+                      help="memory a node gives a run, e.g. 256G (default: what the calibrated node had free)")
+    plan.add_argument("--check", nargs="+", default=None, metavar="RUN_DIR",
+                      help="instead: the prediction for each finished run beside what it measured")
+    plan.add_argument("--output", default="plan.json", help="JSON file for the results (default: plan.json)")
     return parser
 
 
@@ -292,6 +322,35 @@ def cmd_bench(args, world):
     return EXIT_OK
 
 
+def cmd_plan(args, world):
+    from ..plan import command
+
+    if args.calibrate:
+        with agreed(world):
+            if args.check is not None:
+                raise UsageError("--calibrate and --check: give one")
+            if args.seconds <= 0 or args.batch_per_rank < 0:
+                raise UsageError("--seconds must be positive and --batch-per-rank at least 1")
+            from ..settings.config import Settings
+            settings = Settings(model=args.model, data=args.data, optimizer=args.optimizer, dtype=args.dtype,
+                                batch_size=args.batch_per_rank or 64)
+            if world.Get_rank() == 0:
+                from ..bench.output import check_output
+                check_output(args.calibration)
+        command.calibrate(world, settings, args.calibration, args.seconds)
+        return EXIT_OK
+    with agreed(world):
+        if world.Get_rank() == 0:
+            if args.check is not None:
+                command.check(args.calibration, args.check, args.output)
+            else:
+                if args.ranks_per_node < 0 or args.batch_per_rank < 0:
+                    raise UsageError("--ranks-per-node and --batch-per-rank must be at least 1")
+                command.plan(args.calibration, args.nodes, args.ranks_per_node, args.batch_per_rank, args.link,
+                             args.memory_per_node, args.output)
+    return EXIT_OK
+
+
 def main(argv=None):
     """Entry point of ``python -m mpidist`` (and the ``mpidist`` script)."""
     world = MPI.COMM_WORLD
@@ -301,7 +360,7 @@ def main(argv=None):
     with agreed(world):
         args = parse(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "ingest": cmd_ingest, "info": cmd_info,
-               "bench": cmd_bench, "plot": cmd_plot}[args.command]
+               "bench": cmd_bench, "plot": cmd_plot, "plan": cmd_plan}[args.command]
     if args.command == "train":   # training stops at a step boundary, after a checkpoint
         return handler(args, world)
     try:   # the others stop where the signal lands, removing what they were writing (exit code 3)

@@ -1,0 +1,85 @@
+"""Every layout worth trying at each node count, predicted; the fastest that fits, and where adding nodes
+stops paying.
+
+The batch grows with the ranks (``--batch-per-rank`` samples a rank, as
+scaling figures are usually quoted): a layout's scaling efficiency is its
+samples/s over the node count times the best one-node samples/s.
+"""
+
+import dataclasses
+
+from ..runtime.errors import UsageError
+from .step import Layout, predict
+
+#: below this scaling efficiency, more nodes are not worth what they cost
+KNEE = 0.5
+
+
+def layouts(cal, nodes, per_node, batch_per_rank):
+    """The layouts :func:`advise` compares on ``nodes`` nodes of ``per_node`` ranks."""
+    ranks = nodes * per_node
+    batch = batch_per_rank * ranks
+    if ranks == 1:
+        return [Layout("local", 1, 1, batch)]
+    made = [Layout("allreduce", nodes, per_node, batch), Layout("allreduce", nodes, per_node, batch, exchange="mpi"),
+            Layout("allreduce", nodes, per_node, batch, exchange="mpi", shard="optimizer")]
+    if any(layer.splits for layer in cal.layers) and ranks % 2 == 0 and per_node % 2 == 0:
+        made.append(Layout("allreduce", nodes, per_node, batch, tensor=2))
+    for ps in sorted({1, nodes}):
+        if ps < ranks:
+            made += [Layout("ps-sync", nodes, per_node, batch, ps=ps), Layout("ps-async", nodes, per_node, batch, ps=ps)]
+    for stages in (2, 4):
+        if ranks % stages == 0 and stages <= len(cal.layers):
+            best = None
+            for micro in (4, 8, 16):
+                if batch // (ranks // stages) >= micro:
+                    candidate = Layout("pipeline", nodes, per_node, batch, stages=stages, micro_batches=micro)
+                    if best is None or predict(cal, candidate).step < predict(cal, best).step:
+                        best = candidate
+            if best is not None:
+                made.append(best)
+    return made
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One layout at one node count: its prediction, its efficiency, and whether it fits memory."""
+
+    nodes: int
+    layout: str
+    samples_per_s: float
+    step_ms: float
+    efficiency: float
+    memory_per_rank: int
+    memory_per_node: int
+    fits: bool
+    parts: dict
+
+
+def advise(cal, node_counts, per_node, batch_per_rank, memory_per_node):
+    """``(rows, best, knee)``: every layout at every node count; the fastest that fits at each count (node
+    count -> row); the largest count whose best efficiency is at least :data:`KNEE` (None: not even one)."""
+    if per_node < 1 or batch_per_rank < 1:
+        raise UsageError("--ranks-per-node and --batch-per-rank must be at least 1")
+    one_node = max((predict(cal, layout).samples_per_s for layout in layouts(cal, 1, per_node, batch_per_rank)),
+                   default=0.0)
+    rows, best = [], {}
+    for nodes in node_counts:
+        for layout in layouts(cal, nodes, per_node, batch_per_rank):
+            made = predict(cal, layout)
+            per_node_bytes = made.memory * layout.per_node
+            row = Row(nodes, layout.describe(), made.samples_per_s, made.step * 1e3,
+                      made.samples_per_s / (nodes * one_node) if one_node else 0.0, made.memory, per_node_bytes,
+                      per_node_bytes <= memory_per_node,
+                      {name: getattr(made, name) * 1e3 for name in ("compute", "exchange", "optimizer", "bubble",
+                                                                     "wait", "loop")})
+            rows.append(row)
+            if row.fits and (nodes not in best or row.samples_per_s > best[nodes].samples_per_s):
+                best[nodes] = row
+    paying = [nodes for nodes, row in best.items() if row.efficiency >= KNEE]
+    return rows, best, max(paying) if paying else None
+
+
+COLUMNS = [("nodes", "nodes", "{}"), ("layout", "layout", "{}"), ("samples_per_s", "samples/s", "{:,.0f}"),
+           ("step_ms", "step ms", "{:.2f}"), ("efficiency", "efficiency", "{:.2f}"),
+           ("memory_per_rank", "MiB/rank", "{:,.0f}"), ("fits", "fits", "{}")]

@@ -1,0 +1,197 @@
+"""What ``plan --calibrate`` measured, as a JSON file: the figures every prediction starts from.
+
+Everything in it is read back as untrusted input (a file anyone may have
+edited): each figure is checked for its type, finiteness and range before a
+prediction uses it, and a file that fails names the figure.
+"""
+
+import dataclasses
+import json
+import math
+
+from ..bench.output import write_results
+from ..runtime.errors import UsageError
+from .links import Link
+
+FORMAT = "mpidist-calibration-1"
+MAX_BYTES = 1 << 22          # a calibration is a few KiB: refuse to read a larger file whole
+MAX_LAYERS = 100_000
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """One top-level layer: its parameters, its output's elements per sample, whether ``--tensor`` divides it
+    (its parameters and work), and its time per step as ``fixed + per_sample x samples`` seconds, forward and
+    backward."""
+
+    name: str
+    params: int
+    out_elements: int
+    splits: bool
+    forward: tuple      # (fixed s, s per sample)
+    backward: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The figures of one model on one machine.
+
+    Attributes:
+        model, data, optimizer, dtype: what was measured (the run's settings).
+        itemsize: bytes per parameter; sample_bytes: bytes per training sample as read; stored_row_bytes: as
+            stored in the file (a worker reading its lanes in memory reads blocks of the file).
+        batch_per_rank: the batch it was measured at (``plan``'s default).
+        train_samples, test_samples: the splits' rows (an epoch's data held in memory; what the last evaluation
+            reads, spread over the workers).
+        layers: a :class:`LayerCost` per top-level layer; loss: its (fixed, per-sample) seconds.
+        tensor_sums: the elements per sample of each sum of activations a tensor group makes in forward (as
+            many again in backward).
+        optimizer_per_param: seconds per parameter of an update (the optimizer and the checks around it).
+        step_overhead: seconds a step of ``train`` takes besides the strategy's step (batches, metrics).
+        sum_per_byte: seconds per byte of summing one buffer into another in memory.
+        jitter: the relative spread of one rank's step times (its standard deviation over the median).
+        node, network: the links within a node and between nodes (None: not measured, for want of two ranks
+            on one node, or of two nodes).
+        baseline_bytes: a rank's resident memory before any data or model (Python, numpy, MPI).
+        ranks_per_node, cores, node_memory_bytes: where it was measured (the node's memory as available
+            then: what a layout must fit in, unless ``plan --memory-per-node`` says otherwise).
+    """
+
+    model: str
+    data: str
+    optimizer: str
+    dtype: str
+    itemsize: int
+    sample_bytes: int
+    stored_row_bytes: int
+    batch_per_rank: int
+    train_samples: int
+    test_samples: int
+    layers: tuple
+    loss: tuple
+    tensor_sums: tuple
+    optimizer_per_param: float
+    step_overhead: float
+    sum_per_byte: float
+    jitter: float
+    node: Link
+    network: Link
+    baseline_bytes: int
+    ranks_per_node: int
+    cores: int
+    node_memory_bytes: int
+
+    @property
+    def params(self):
+        return sum(layer.params for layer in self.layers)
+
+    def compute(self, samples, first=0, end=None):
+        """Seconds of forward and backward of layers ``first .. end - 1`` on ``samples`` samples (the loss with
+        the last layer)."""
+        end = len(self.layers) if end is None else end
+        seconds = sum(layer.forward[0] + layer.forward[1] * samples + layer.backward[0] + layer.backward[1] * samples
+                      for layer in self.layers[first:end])
+        if end == len(self.layers):
+            seconds += self.loss[0] + self.loss[1] * samples
+        return seconds
+
+    def to_json(self):
+        document = dataclasses.asdict(self)
+        document["format"] = FORMAT
+        return document
+
+
+def save(calibration, path):
+    """Write ``calibration`` to ``path`` whole (aside, then renamed over it)."""
+    write_results(path, calibration.to_json())
+
+
+def load(path):
+    """The :class:`Calibration` in ``path``, every figure checked; a :class:`UsageError` names what is wrong."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_BYTES + 1)
+    except OSError as err:
+        raise UsageError(f"--calibration {path}: cannot be read: {err.strerror or err}") from None
+    if len(raw) > MAX_BYTES:
+        raise UsageError(f"--calibration {path}: larger than {MAX_BYTES:,} bytes: not a calibration")
+    try:
+        document = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise UsageError(f"--calibration {path}: not JSON ({err})") from None
+    return _checked(document, f"--calibration {path}")
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a figure")
+
+
+def _checked(document, where):
+    read = _Reader(document, where)
+    if read.value("format", str) != FORMAT:
+        raise UsageError(f"{where}: format {document.get('format')!r}, not {FORMAT!r} (calibrate again)")
+    layers = read.value("layers", list)
+    if not 0 < len(layers) <= MAX_LAYERS:
+        raise UsageError(f"{where}: layers: {len(layers)} layers (1 to {MAX_LAYERS:,} expected)")
+    costs = []
+    for index, entry in enumerate(layers):
+        layer = _Reader(entry, f"{where}: layers[{index}]")
+        costs.append(LayerCost(layer.value("name", str), layer.count("params"), layer.count("out_elements"),
+                               layer.value("splits", bool), layer.pair("forward"), layer.pair("backward")))
+    sums = read.value("tensor_sums", list)
+    if len(sums) > MAX_LAYERS or not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 40
+                                         for n in sums):
+        raise UsageError(f"{where}: tensor_sums: positive element counts expected")
+    return Calibration(
+        model=read.value("model", str), data=read.value("data", str), optimizer=read.value("optimizer", str),
+        dtype=read.value("dtype", str), itemsize=read.count("itemsize", least=1),
+        sample_bytes=read.count("sample_bytes"),
+        stored_row_bytes=read.count("stored_row_bytes"), batch_per_rank=read.count("batch_per_rank", least=1),
+        train_samples=read.count("train_samples", least=1),
+        test_samples=read.count("test_samples"),
+        layers=tuple(costs), loss=read.pair("loss"), tensor_sums=tuple(sums), optimizer_per_param=read.seconds("optimizer_per_param"),
+        step_overhead=read.seconds("step_overhead"),
+        sum_per_byte=read.seconds("sum_per_byte"), jitter=read.seconds("jitter"), node=read.link("node", optional=True),
+        network=read.link("network", optional=True), baseline_bytes=read.count("baseline_bytes"),
+        ranks_per_node=read.count("ranks_per_node", least=1), cores=read.count("cores", least=1),
+        node_memory_bytes=read.count("node_memory_bytes", least=1))
+
+
+class _Reader:
+    """Typed, range-checked reads of one JSON object, each failure a :class:`UsageError` naming the field."""
+
+    def __init__(self, document, where):
+        if not isinstance(document, dict):
+            raise UsageError(f"{where}: an object expected, got {type(document).__name__}")
+        self.document, self.where = document, where
+
+    def value(self, name, kind):
+        value = self.document.get(name)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise UsageError(f"{self.where}: {name}: {kind.__name__} expected, got {value!r:.60}")
+        return value
+
+    def count(self, name, least=0):
+        value = self.value(name, int)
+        if not least <= value < 1 << 62:
+            raise UsageError(f"{self.where}: {name}: {value} is out of range")
+        return value
+
+    def seconds(self, name, value=None):
+        value = self.document.get(name) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise UsageError(f"{self.where}: {name}: a finite figure of at least 0 expected, got {value!r:.60}")
+        return float(value)
+
+    def pair(self, name):
+        value = self.value(name, list)
+        if len(value) != 2:
+            raise UsageError(f"{self.where}: {name}: two figures expected (fixed, per sample), got {len(value)}")
+        return tuple(self.seconds(name, figure) for figure in value)
+
+    def link(self, name, optional=False):
+        value = self.document.get(name)
+        if value is None and optional:
+            return None
+        figures = _Reader(value, f"{self.where}: {name}")
+        return Link(figures.seconds("latency"), figures.seconds("per_byte"))

@@ -1,0 +1,86 @@
+"""``plan --check RUN_DIR...``: the prediction for runs that happened, beside what they measured.
+
+A run's ``metrics.jsonl`` says its layout (the ``start`` event's settings,
+ranks and nodes) and its figures (the ``done`` event's ``samples_per_s`` and
+``peak_rss_mib``).  The file is untrusted: a run whose events are missing
+or malformed is named and passed over, never guessed at.
+"""
+
+import json
+from pathlib import Path
+
+from ..runtime.errors import UsageError
+from ..store.rundir import METRICS
+from .step import Layout, predict
+
+MAX_LINE = 1 << 20
+
+
+def read_layout(run_dir):
+    """``(Layout, samples/s measured, peak bytes measured, model, data)`` of a finished run, or a reason
+    (a str) it cannot be checked."""
+    path = Path(run_dir)
+    metrics = path if path.is_file() else path / METRICS
+    start = done = None
+    try:
+        with open(metrics, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if len(line) > MAX_LINE:
+                    continue
+                try:
+                    event = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(event, dict) and event.get("event") in ("start", "done"):
+                    start, done = (event, done) if event["event"] == "start" else (start, event)
+    except OSError as err:
+        return f"{metrics}: {err.strerror or err}"
+    if start is None or done is None:
+        return f"{metrics}: no {'start' if start is None else 'done'} event (a run that did not finish?)"
+    config = start.get("config")
+    try:
+        ranks, nodes = int(start["ranks"]), int(start.get("nodes", 1))
+        if not isinstance(config, dict) or ranks < 1 or nodes < 1 or ranks % nodes:
+            raise ValueError
+        layout = Layout(strategy=str(config["strategy"]), nodes=nodes, per_node=ranks // nodes,
+                        batch=int(config["batch_size"]), ps=int(config.get("ps", 0)),
+                        stages=int(config.get("stages", 1)), micro_batches=int(config.get("micro_batches", 4)),
+                        schedule=str(config.get("schedule", "1f1b")), tensor=int(config.get("tensor", 1)),
+                        exchange=str(config.get("exchange", "auto")), shard=str(config.get("shard", "none")))
+        measured = float(done["samples_per_s"])
+        peak = int(float(done.get("peak_rss_mib", 0)) * (1 << 20))
+    except (KeyError, TypeError, ValueError):
+        return f"{metrics}: its start or done event lacks the layout or the figures"
+    if layout.strategy not in ("local", "allreduce", "ps-sync", "ps-async", "pipeline"):
+        return f"{metrics}: --strategy {layout.strategy} is not predicted"
+    return layout, measured, peak, str(config.get("model")), str(config.get("data"))
+
+
+def check_runs(cal, run_dirs):
+    """Rows of prediction against measurement, one per run that can be checked; notes for the others."""
+    rows, notes = [], []
+    for run_dir in run_dirs:
+        read = read_layout(run_dir)
+        if isinstance(read, str):
+            notes.append(f"passed over: {read}")
+            continue
+        layout, measured, peak, model, _ = read
+        if model != cal.model:
+            notes.append(f"note: {run_dir} trained --model {model}, the calibration {cal.model}")
+        try:
+            made = predict(cal, layout)
+        except UsageError as err:
+            notes.append(f"passed over: {run_dir}: {err}")
+            continue
+        rows.append({"run": str(run_dir), "layout": layout.describe(), "ranks": layout.ranks,
+                     "nodes": layout.nodes, "predicted": made.samples_per_s, "measured": measured,
+                     "speed_ratio": made.samples_per_s / measured if measured else None,
+                     "memory_predicted_mib": made.memory / (1 << 20), "memory_measured_mib": peak / (1 << 20),
+                     "memory_ratio": made.memory / peak if peak else None})
+    return rows, notes
+
+
+COLUMNS = [("layout", "layout", "{}"), ("ranks", "ranks", "{}"), ("nodes", "nodes", "{}"),
+           ("predicted", "predicted/s", "{:,.0f}"), ("measured", "measured/s", "{:,.0f}"),
+           ("speed_ratio", "ratio", "{:.2f}"), ("memory_predicted_mib", "MiB predicted", "{:,.0f}"),
+           ("memory_measured_mib", "MiB measured", "{:,.0f}"), ("memory_ratio", "ratio", "{:.2f}")]

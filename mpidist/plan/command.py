@@ -1,0 +1,78 @@
+"""What ``python -m mpidist plan`` does: calibrate (collective), predict and advise, or check runs."""
+
+import dataclasses
+
+from ..bench.output import check_output, format_table, write_results
+from ..runtime.errors import UsageError
+from ..runtime.memory import human, parse_bytes
+from . import advice, calibration
+from .check import COLUMNS as CHECK_COLUMNS
+from .check import check_runs
+from .links import parse_link
+
+MAX_NODES = 1 << 20
+
+
+def calibrate(world, settings, path, seconds):
+    """``plan --calibrate``: measure on every rank, write ``path`` on rank 0; returns the calibration there."""
+    from .measure import calibrate as measure
+    made = measure(world, settings, seconds)
+    if made is not None:
+        calibration.save(made, path)
+        between = made.network.describe() if made.network else "not measured (one node)"
+        print(f"mpidist plan: calibrated {made.model} on {made.data} ({made.params:,} parameters): "
+              f"within a node {made.node.describe() if made.node else 'not measured (one rank a node)'}; "
+              f"between nodes {between}; written to {path}")
+    return made
+
+
+def parse_nodes(text):
+    """``"1,8,64"`` -> ``[1, 8, 64]`` (ascending, each at least 1)."""
+    try:
+        counts = sorted({int(part) for part in str(text).split(",") if part.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1 or counts[-1] > MAX_NODES:
+        raise UsageError(f"--nodes {text!r}: give node counts from 1 to {MAX_NODES:,}, e.g. 1,8,64,512")
+    return counts
+
+
+def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
+    """Predict every layout at each node count; print the table and the advice; write ``output``."""
+    cal = calibration.load(path)
+    if link is not None:
+        cal = dataclasses.replace(cal, network=parse_link(link))
+    per_node = per_node or cal.ranks_per_node
+    batch_per_rank = batch_per_rank or cal.batch_per_rank
+    budget = parse_bytes(memory, "--memory-per-node") if memory else cal.node_memory_bytes
+    check_output(output)
+    rows, best, knee = advice.advise(cal, parse_nodes(nodes), per_node, batch_per_rank, budget)
+    print(f"mpidist plan: {cal.model} ({cal.params:,} parameters, {cal.optimizer}), {batch_per_rank} samples per "
+          f"rank, {per_node} rank(s) per node, {human(budget)} per node; between nodes "
+          f"{cal.network.describe() if cal.network else 'no link (one node only)'}")
+    table = [{**dataclasses.asdict(row), "memory_per_rank": row.memory_per_rank / (1 << 20),
+              "fits": "yes" if row.fits else "no"} for row in rows]
+    print(format_table(table, advice.COLUMNS))
+    for count, row in best.items():
+        print(f"mpidist plan: on {count} node(s): {row.layout}, {row.samples_per_s:,.0f} samples/s "
+              f"({row.efficiency:.0%} of linear)")
+    print("mpidist plan: " + (f"adding nodes pays up to {knee} (efficiency at least {advice.KNEE:.0%} there)"
+                              if knee else f"no node count keeps {advice.KNEE:.0%} efficiency"))
+    write_results(output, {"calibration": str(path), "ranks_per_node": per_node, "batch_per_rank": batch_per_rank,
+                           "memory_per_node": budget, "rows": [dataclasses.asdict(row) for row in rows],
+                           "best": {str(count): row.layout for count, row in best.items()}, "knee": knee})
+    return rows, best, knee
+
+
+def check(path, run_dirs, output):
+    """``plan --check``: prediction beside measurement for each run."""
+    cal = calibration.load(path)
+    check_output(output)
+    rows, notes = check_runs(cal, run_dirs)
+    for note in notes:
+        print(f"mpidist plan: {note}")
+    if not rows:
+        raise UsageError("plan --check: none of the runs given can be checked (see above)")
+    print(format_table(rows, CHECK_COLUMNS))
+    write_results(output, {"calibration": str(path), "checked": rows, "notes": notes})
+    return rows

@@ -1,0 +1,269 @@
+"""``plan --calibrate``: measure, under the user's own launcher, what a prediction needs (collective).
+
+Rank 0 times the model while the other ranks sleep (the cores are its own):
+each top-level layer's forward and backward at four batch sizes (a line
+fitted through them: a fixed cost and a cost per sample), scaled to add up
+to the whole pass's own line (timed for ``--seconds``), the loss, a whole
+``local`` step (what the step adds besides the layers: the optimizer and
+its checks, per parameter), the spread of step times, and a sum of one
+buffer into another; first of all, a short ``train`` of one process, whose
+peak resident memory anchors the memory a rank holds besides its arrays.
+Then pairs of ranks sum buffers of 8 B to 32 MiB (an ``Allreduce`` of the
+two), within a node and, where there are several, between two nodes; a line
+through the times gives each link's latency and time per byte as the
+collectives see it (their sums and copies included).
+"""
+
+import dataclasses
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import data, nn
+from ..bench.timing import release, sleep_until_released
+from ..loop.setup import Inputs, build_model_for
+from ..nn.tensor import TensorSum, operators, split_model
+from ..parallel import LocalStrategy
+from ..runtime import comm as mpi
+from ..runtime.cluster import node_layout
+from ..runtime.memory import available_bytes, peak_memory
+from .calibration import Calibration, LayerCost
+from .step import Layout, predict
+from .links import Link, fit
+
+SIZES = [8 << (2 * k) for k in range(12)]   # 8 B .. 32 MiB by factors of 4
+REPEATS = 7
+
+
+def calibrate(world, config, seconds=1.0):
+    """The :class:`Calibration` of ``config``'s model and data on this machine (complete on rank 0; every rank
+    must call)."""
+    baseline = peak_memory()   # (before any data or model: what Python, numpy and MPI hold)
+    node, _, num_nodes, node_of_rank = node_layout(world)
+    figures = None
+    if world.Get_rank() == 0:
+        figures = _compute(config, seconds)
+        release(world)
+    else:
+        sleep_until_released(world)
+    within = _pair(world, node_of_rank, same_node=True)
+    between = _pair(world, node_of_rank, same_node=False)
+    node.Free()
+    if world.Get_rank() != 0:
+        return None
+    peak = figures.pop("run_peak_bytes")
+    made = Calibration(**figures, node=within, network=between, baseline_bytes=0,
+                       ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
+                       cores=_cores(), node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
+    # what a rank holds besides the arrays the model counts: the one-process run's peak less its arrays
+    arrays = predict(made, Layout("local", 1, 1, made.batch_per_rank)).memory
+    return dataclasses.replace(made, baseline_bytes=max(baseline, peak - arrays))
+
+
+def _cores():
+    import os
+    return len(os.sched_getaffinity(0))
+
+
+def _median_seconds(fn, repeats=REPEATS):
+    fn()                                           # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), times
+
+
+def _compute(config, seconds):
+    rate, peak = _short_run(config, max(4, config.batch_size))   # (first: its peak is a whole run's, no more)
+    inputs = Inputs.of(config)
+    info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
+    model = build_model_for(config, inputs, info, np)
+    loss = nn.loss_for(info.num_classes, np)
+    batch = max(4, config.batch_size)
+    shard = data.Shard(info, "train", 0, 1, model.input_shape, model.dtype, rows=slice(0, batch))
+    x, y = shard.x, shard.y
+    while len(y) < batch:                          # (a split smaller than a batch: its rows again)
+        x, y = np.concatenate([x, shard.x]), np.concatenate([y, shard.y])
+    sizes = sorted({max(1, batch // 8), max(1, batch // 4), max(1, batch // 2), batch})   # (micro-batches too)
+    make = lambda size: nn.make_optimizer(config.optimizer, size, config.lr, xp=np, dtype=model.dtype)  # noqa
+    local = LocalStrategy(model, loss, make, seed=config.seed)
+    local.initialize()   # (first: the passes below then run in the workspace training uses, as fast as there)
+    forward, backward, losses = _scaled(*_layer_lines(model, loss, x, y, sizes),
+                                        _whole_line(model, loss, x, y, sizes, seconds))
+    steps = iter(range(1 << 30))
+    step, times = _median_seconds(lambda: local.train_step(x[:batch], y[:batch], 1.0, next(steps)),
+                                  max(REPEATS, int(seconds / 0.01)) if seconds else REPEATS)
+    overhead = max(0.0, batch / rate - step) if rate > 0 else 0.0
+    layers_s = sum(f[0] + f[1] * batch + b[0] + b[1] * batch for f, b in zip(forward, backward)) \
+        + losses[0] + losses[1] * batch
+    params = max(1, model.num_params)
+    buffer = np.ones(max(params, 1 << 20), dtype=model.dtype)
+    other = buffer.copy()
+    summed, _ = _median_seconds(lambda: np.add(buffer, other, out=buffer))
+    splits, sums = _tensor_shape(model)
+    shapes = model.shapes[1:] + [model.output_shape]
+    layers = tuple(LayerCost(type(layer).__name__, model.layer_params(index), int(np.prod(shapes[index])),
+                             splits[index], forward[index], backward[index])
+                   for index, layer in enumerate(model.layers))
+    return {"model": config.model, "data": str(info.path), "optimizer": config.optimizer,
+            "dtype": np.dtype(model.dtype).name, "itemsize": int(np.dtype(model.dtype).itemsize),
+            "sample_bytes": int(np.prod(model.input_shape)) * int(np.dtype(model.dtype).itemsize),
+            "stored_row_bytes": max((int(m.row_bytes.get("train", 0)) for m in info.files), default=0),
+            "train_samples": int(info.sizes["train"]), "test_samples": int(info.sizes.get("test", 0)),
+            "layers": layers, "loss": losses, "tensor_sums": sums,
+            "batch_per_rank": batch, "optimizer_per_param": max(0.0, step - layers_s) / params,
+            "step_overhead": overhead, "run_peak_bytes": peak,
+            "sum_per_byte": summed / buffer.nbytes,
+            # (the spread of the upper half, robust to the odd step a busy machine stretches tenfold)
+            "jitter": float((np.percentile(times, 84) - np.median(times)) / np.median(times))}
+
+
+def _short_run(config, batch, steps=200):
+    """``(samples/s, peak resident bytes)`` of ``steps`` steps of ``train`` on one process, with a run
+    directory's metrics (in a scratch one, removed after), as users run it."""
+    import io
+    import shutil
+    import tempfile
+
+    from mpi4py import MPI
+
+    from ..api import train
+    scratch = tempfile.mkdtemp(prefix="mpidist-calibrate-")
+    try:
+        result = train(model=config.model, data=config.data, optimizer=config.optimizer, lr=config.lr,
+                       dtype=config.dtype, batch_size=batch, steps=steps, epochs=10 ** 6, eval_every=0,
+                       checkpoint_dir="", run_dir=scratch, progress="none", comm=MPI.COMM_SELF, stream=io.StringIO())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result.figures.get("samples_per_s") or 0.0, peak_memory()
+
+
+def _layer_lines(model, loss, x, y, sizes):
+    """Per layer, forward and backward ``(fixed, per sample)`` seconds fitted over ``sizes``; the loss's too."""
+    count = len(model.layers)
+    at = {size: ([], [], []) for size in sizes}
+    for size in sizes:
+        forward, backward, losses = at[size]
+        for _ in range(REPEATS + 1):
+            f, b, lo = _timed_pass(model, loss, x[:size], y[:size])
+            forward.append(f)
+            backward.append(b)
+            losses.append(lo)
+    medians = {size: [np.median(np.array(values[1:]), axis=0) for values in at[size]] for size in sizes}
+    lines = []
+    for which in range(2):
+        lines.append([_line(sizes, [medians[size][which][index] for size in sizes]) for index in range(count)])
+    return lines[0], lines[1], _line(sizes, [medians[size][2] for size in sizes])
+
+
+def _whole_line(model, loss, x, y, sizes, seconds):
+    """``(fixed, per sample)`` of a whole training pass (forward, loss, backward as training runs them), from
+    medians of as many passes as ``seconds`` allows: steadier than the sum of the layers' own lines."""
+    def run(n):
+        def one_pass():
+            out = model.forward(x[:n], training=True)
+            loss.forward(out, y[:n])
+            model.backward(loss.backward(), input_grad=False)
+        return one_pass
+    medians = []
+    for n in sizes:
+        first, _ = _median_seconds(run(n), 3)
+        medians.append(_median_seconds(run(n), max(REPEATS, int(seconds / len(sizes) / max(first, 1e-6))))[0])
+    return _line(sizes, medians)
+
+
+def _scaled(forward, backward, losses, whole):
+    """The layers' lines (and the loss's) scaled so that they add up to the whole pass's ``whole`` line: each
+    layer keeps its share, the total is the steadier measurement."""
+    parts = list(forward) + list(backward) + [losses]
+    factors = []
+    for column in range(2):
+        total = sum(part[column] for part in parts)
+        factors.append(whole[column] / total if total > 0 else 1.0)
+    scale = lambda part: (part[0] * factors[0], part[1] * factors[1])  # noqa: E731
+    return [scale(f) for f in forward], [scale(b) for b in backward], scale(losses)
+
+
+def _line(sizes, seconds):
+    """``(fixed, per sample)``, neither below zero, through ``seconds`` measured at ``sizes`` samples."""
+    if len(sizes) == 1:
+        return 0.0, float(seconds[0]) / sizes[0]
+    slope, fixed = np.polyfit(np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float), 1)
+    if slope < 0:
+        return float(np.median(seconds)), 0.0
+    if fixed < 0:
+        return 0.0, float(np.median(np.asarray(seconds) / np.asarray(sizes)))
+    return float(fixed), float(slope)
+
+
+def _timed_pass(model, loss, x, y):
+    """One training pass, each top-level layer timed: ``(forward s per layer, backward s per layer, loss s)``."""
+    model.workspace.active = True
+    forward, backward = np.zeros(len(model.layers)), np.zeros(len(model.layers))
+    out = x
+    for index, layer in enumerate(model.layers):
+        start = time.perf_counter()
+        out = layer.forward(out, True)
+        forward[index] = time.perf_counter() - start
+    start = time.perf_counter()
+    loss.forward(out, y)
+    grad = loss.backward()
+    spent = time.perf_counter() - start
+    # as training runs it: backward stops at the first layer with parameters, without its input gradient
+    for index in range(len(model.layers) - 1, model.first_trained - 1, -1):
+        start = time.perf_counter()
+        if index == model.first_trained:
+            model.layers[index].backward_params(grad)
+        else:
+            grad = model.layers[index].backward(grad)
+        backward[index] = time.perf_counter() - start
+    return forward, backward, spent
+
+
+def _tensor_shape(model):
+    """Which top-level layers ``--tensor`` divides, and the elements per sample of each forward sum."""
+    try:
+        part, where = split_model(model, 0, 2)
+    except ValueError:
+        return [False] * len(model.layers), ()
+    ends = model.offsets[1:] + [model.num_params]
+    kept = np.bincount(np.searchsorted(np.asarray(ends), where, side="right"), minlength=len(model.layers))
+    splits = [bool(kept[index] < model.layer_params(index)) for index in range(len(model.layers))]
+    sizes = []
+    for operator in operators(part):
+        if isinstance(operator, TensorSum):
+            operator.reduce = lambda array, sizes=sizes: sizes.append(int(array.size))
+    part.forward(np.zeros((1, *model.input_shape), dtype=model.dtype), training=False)
+    return splits, tuple(sizes)
+
+
+def _pair(world, node_of_rank, same_node):
+    """The :class:`Link` between rank 0 and the next rank on its node (``same_node``) or on another node, as
+    the collectives see it: an ``Allreduce`` of ``n`` bytes over the two, a ring's two steps of ``n / 2``,
+    takes ``2 latency + n per_byte`` (sums and copies included); None where there is no such rank.  Every
+    rank calls; two of them measure."""
+    rank = world.Get_rank()
+    partner = next((r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node),
+                   None)
+    if partner is None:
+        return None
+    pair = world.Split(0 if rank in (0, partner) else MPI.UNDEFINED, key=rank)
+    seconds = []
+    if pair != MPI.COMM_NULL:
+        for size in SIZES:
+            buffer = np.ones(size // 4, dtype=np.float32)
+            trips = []
+            for _ in range(REPEATS + 1):
+                start = time.perf_counter()
+                mpi.allreduce_sum(pair, buffer)
+                trips.append(time.perf_counter() - start)
+            seconds.append(float(np.median(trips[1:])))
+        pair.Free()
+    world.Barrier()
+    if rank != 0:
+        return None
+    whole = fit([4 * (size // 4) for size in SIZES], seconds)
+    return Link(whole.latency / 2, whole.per_byte)

@@ -1,0 +1,239 @@
+"""A training step's time and a rank's memory, predicted for a layout from a :class:`Calibration`.
+
+Each strategy is costed as mpidist runs it (the module docstrings of
+:mod:`mpidist.parallel` say how): the compute of a worker's share of the
+global batch, the part of the exchange that backward does not hide (here:
+all of it, a bound), the optimizer on the parameters a rank updates, the
+pipeline's bubble from the schedule's own simulation with measured stage
+times, and the wait for the slowest of the ranks a step synchronises.
+"""
+
+import dataclasses
+import math
+
+from ..parallel.pipeline import balance_by_parameters
+from ..parallel.schedule import schedule as stage_plan
+from ..parallel.schedule import simulate
+from ..runtime.errors import UsageError
+
+OPTIMIZER_ARRAYS = {"adam": 2, "sgd": 1}   # optimizer state per parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a run's ranks go: ``nodes`` x ``per_node`` ranks, and the strategy's own settings."""
+
+    strategy: str
+    nodes: int
+    per_node: int
+    batch: int                   # the global batch
+    ps: int = 0
+    stages: int = 1
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+    tensor: int = 1
+    exchange: str = "auto"       # allreduce: auto (one model per node on CPUs), mpi
+    shard: str = "none"
+
+    @property
+    def ranks(self):
+        return self.nodes * self.per_node
+
+    def describe(self):
+        extra = {"ps-sync": f" --ps {self.ps}", "ps-async": f" --ps {self.ps}",
+                 "pipeline": f" --stages {self.stages} --micro-batches {self.micro_batches}"}.get(self.strategy, "")
+        if self.tensor > 1:
+            extra += f" --tensor {self.tensor}"
+        if self.exchange != "auto":
+            extra += f" --exchange {self.exchange}"
+        if self.shard != "none":
+            extra += f" --shard {self.shard}"
+        return self.strategy + extra
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Seconds per step in parts (``compute``, ``exchange``, ``optimizer``, ``bubble``, ``wait`` and ``loop``:
+    what ``train`` does besides the strategy's step), the samples per second they give, and the bytes the
+    fullest rank holds."""
+
+    layout: Layout
+    compute: float
+    exchange: float
+    optimizer: float
+    bubble: float
+    wait: float
+    memory: int
+    loop: float = 0.0
+
+    @property
+    def step(self):
+        return self.compute + self.exchange + self.optimizer + self.bubble + self.wait + self.loop
+
+    @property
+    def samples_per_s(self):
+        return self.layout.batch / self.step
+
+
+def predict(cal, layout):
+    """The :class:`Prediction` of ``layout`` (a :class:`UsageError` where the layout cannot run)."""
+    check(cal, layout)
+    cost = {"local": _local, "allreduce": _allreduce, "ps-sync": _ps_sync, "ps-async": _ps_async,
+            "pipeline": _pipeline}[layout.strategy]
+    return dataclasses.replace(cost(cal, layout), loop=cal.step_overhead)
+
+
+def check(cal, layout):
+    if layout.strategy in ("ps-sync", "ps-async") and not 0 < layout.ps < layout.ranks:
+        raise UsageError(f"{layout.describe()}: needs 1 to {layout.ranks - 1} ps ranks on {layout.ranks}")
+    if layout.nodes > 1 and cal.network is None:
+        raise UsageError(f"{layout.nodes} nodes: the calibration has no link between nodes (it ran on one): "
+                         "give one with --link, e.g. --link 25GB/s,2us")
+    if layout.per_node > 1 and cal.node is None:
+        raise UsageError(f"{layout.per_node} ranks a node: the calibration has no link within a node (it ran one "
+                         "rank a node): calibrate with two ranks on one node")
+    if layout.ranks % (layout.stages * layout.tensor):
+        raise UsageError(f"--stages {layout.stages} x --tensor {layout.tensor} does not divide {layout.ranks} ranks")
+    if layout.stages > len(cal.layers):
+        raise UsageError(f"--stages {layout.stages}: the model has {len(cal.layers)} layers")
+
+
+def _link(cal, layout, within_node=False):
+    return cal.node if within_node or layout.nodes == 1 else cal.network
+
+
+def _wait(cal, compute, ranks):
+    """The expected wait for the slowest of ``ranks`` ranks whose step times spread by ``cal.jitter``: the
+    expected maximum of ``ranks`` normal deviations, about ``sigma sqrt(2 ln r)``."""
+    return cal.jitter * compute * math.sqrt(2 * math.log(ranks)) if ranks > 1 else 0.0
+
+
+READ_BLOCK = 64 << 20   # the block of a file a worker reading its lanes in memory reads at a time (data.rows)
+EVAL_BATCH = 1024       # samples an evaluation runs through the model at once (data.batches.eval_batches)
+
+
+def _memory(cal, layout, params, updated, workers, activations):
+    """A rank's resident bytes: the baseline, its lanes of the training data (and, with other workers' lanes
+    between its rows, the block of the file it reads them from), parameters and gradients, the optimizer state
+    of what it updates, and the activations of the samples it holds at once."""
+    item = cal.itemsize
+    state = OPTIMIZER_ARRAYS.get(cal.optimizer, 2) * updated * item
+    data = cal.train_samples * cal.sample_bytes // max(1, workers)
+    if workers > 1:
+        data += min(READ_BLOCK, cal.train_samples * cal.stored_row_bytes)
+    # the last evaluation: its share of the test split, a batch of up to EVAL_BATCH through every layer
+    evaluated = min(EVAL_BATCH, -(-cal.test_samples // max(1, workers))) * item * sum(
+        layer.out_elements for layer in cal.layers)
+    return int(cal.baseline_bytes + data + 2 * params * item + state + activations + evaluated)
+
+
+def _activations(cal, samples, first=0, end=None):
+    end = len(cal.layers) if end is None else end
+    return samples * cal.itemsize * sum(layer.out_elements for layer in cal.layers[first:end])
+
+
+def _local(cal, layout):
+    compute = cal.compute(layout.batch)
+    return Prediction(layout, compute, 0.0, cal.optimizer_per_param * cal.params, 0.0, 0.0,
+                      _memory(cal, layout, cal.params, cal.params, 1, _activations(cal, layout.batch)))
+
+
+def _tensor_share(cal, tensor):
+    """``(parameters a part holds, fraction of the compute it does)`` at ``--tensor tensor``."""
+    if tensor == 1:
+        return cal.params, 1.0
+    params = sum(layer.params / tensor if layer.splits else layer.params for layer in cal.layers)
+    whole = sum(layer.forward[1] + layer.backward[1] for layer in cal.layers) or 1.0
+    share = sum((layer.forward[1] + layer.backward[1]) / (tensor if layer.splits else 1) for layer in cal.layers)
+    return int(params), share / whole
+
+
+def _allreduce(cal, layout):
+    groups = layout.ranks // layout.tensor
+    samples = layout.batch / groups
+    params, share = _tensor_share(cal, layout.tensor)
+    compute = cal.compute(samples) * share
+    nbytes = params * cal.itemsize
+    node_model = layout.exchange == "auto" and layout.tensor == 1 and layout.per_node > 1
+    if node_model:   # one copy per node: a rank sums its 1/L over the node, rings between nodes, updates 1/L
+        local = layout.per_node
+        exchange = (local - 1) * nbytes / local * cal.sum_per_byte
+        if layout.nodes > 1:
+            exchange += 2 * (layout.nodes - 1) * (cal.network.latency + nbytes / layout.nodes * cal.network.per_byte)
+        updated = params / local
+        window = (local - 1) * nbytes // local   # (the others' gradients a rank sums its part of: its pages too)
+    else:            # MPI's allreduce over the groups' same parts
+        link = _link(cal, layout)
+        exchange = link.allreduce(nbytes, groups) + (groups - 1) / groups * nbytes * cal.sum_per_byte
+        updated = params / groups if layout.shard == "optimizer" else params
+        window = 0
+    if layout.tensor > 1:   # two sums of activations per split pair, forward and backward, within a node
+        sums = sum(elements for elements in cal.tensor_sums) * samples * cal.itemsize
+        exchange += 2 * cal.node.allreduce(sums, layout.tensor) + 2 * len(cal.tensor_sums) * cal.node.latency
+    return Prediction(layout, compute, exchange, cal.optimizer_per_param * updated, 0.0,
+                      _wait(cal, compute, layout.ranks),
+                      _memory(cal, layout, params, updated, groups, _activations(cal, samples) * share) + window)
+
+
+def _ps_sync(cal, layout):
+    workers, ps = layout.ranks - layout.ps, layout.ps
+    samples = layout.batch / workers
+    compute = cal.compute(samples)
+    nbytes = cal.params * cal.itemsize
+    link = _link(cal, layout)
+    # Reduce_scatter: each ps takes its shard of every worker's gradients (its link carries them in turn) and
+    # sums them; Allgatherv: each ps's updated shard to every rank
+    gather = workers * link.time(nbytes / ps) + workers * nbytes / ps * cal.sum_per_byte
+    scatter = (layout.ranks - 1) * link.latency + nbytes * link.per_byte
+    # a ps keeps the previous shard and its optimizer state (a lost rank's rollback) and checks the sum: copies
+    kept = (1 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2) + 0.5) * nbytes / ps * cal.sum_per_byte
+    return Prediction(layout, compute, gather + scatter, cal.optimizer_per_param * cal.params / ps + kept, 0.0,
+                      _wait(cal, compute, workers),
+                      _memory(cal, layout, cal.params, cal.params / ps, workers, _activations(cal, samples)))
+
+
+def _ps_async(cal, layout):
+    """Workers step apart: a worker's step is its compute and a push and a pull of the whole model; a ps
+    serves every worker's push in turn, which bounds the rate when the workers outrun it."""
+    workers, ps = layout.ranks - layout.ps, layout.ps
+    samples = layout.batch / workers
+    compute = cal.compute(samples)
+    nbytes = cal.params * cal.itemsize
+    link = _link(cal, layout)
+    moves = 2 * link.time(nbytes, messages=ps)
+    serve = link.time(2 * nbytes / ps) + nbytes / ps * cal.sum_per_byte + cal.optimizer_per_param * cal.params / ps
+    # one worker-step of the whole job (every worker once) takes the longer of a worker's step and the ps's turns
+    round_s = max(compute + moves, workers * serve)
+    return Prediction(layout, compute, round_s - compute, 0.0, 0.0, 0.0,
+                      _memory(cal, layout, cal.params, cal.params / ps, workers, _activations(cal, samples)))
+
+
+def _pipeline(cal, layout):
+    stages, tensor = layout.stages, layout.tensor
+    replicas = layout.ranks // (stages * tensor)
+    micro = layout.batch / (replicas * layout.micro_batches)
+    sizes = balance_by_parameters([layer.params + 1 for layer in cal.layers], stages)
+    starts = [sum(sizes[:stage]) for stage in range(stages + 1)]
+    spans = list(zip(starts[:-1], starts[1:]))
+    seconds = {}
+    for stage, (lo, hi) in enumerate(spans):
+        forward = sum(cal.layers[i].forward[0] + cal.layers[i].forward[1] * micro for i in range(lo, hi))
+        backward = sum(cal.layers[i].backward[0] + cal.layers[i].backward[1] * micro for i in range(lo, hi))
+        if hi == len(cal.layers):
+            backward += cal.loss[0] + cal.loss[1] * micro
+        seconds[stage, "fwd"], seconds[stage, "bwd"] = forward, backward
+    link = _link(cal, layout)
+    largest = max(cal.layers[hi - 1].out_elements for _, hi in spans[:-1]) if stages > 1 else 0
+    transfer = link.time(micro * largest * cal.itemsize) if stages > 1 else 0.0
+    plans = [stage_plan(layout.schedule, stage, stages, layout.micro_batches) for stage in range(stages)]
+    timeline, peak = simulate(plans, cost=lambda stage, op: seconds[stage, op], transfer=transfer)
+    makespan = max(start + seconds[stage, op] for stage, line in enumerate(timeline) for start, op, _ in line)
+    busy = max(sum(seconds[stage, op] for _, op, _ in line) for stage, line in enumerate(timeline))
+    stage_params = max(sum(cal.layers[i].params for i in range(lo, hi)) for lo, hi in spans)
+    nbytes = stage_params * cal.itemsize
+    exchange = _link(cal, layout).allreduce(nbytes, replicas) + (replicas - 1) / replicas * nbytes * cal.sum_per_byte
+    held = max(peak[stage] * micro * cal.itemsize * sum(cal.layers[i].out_elements for i in range(lo, hi))
+               for stage, (lo, hi) in enumerate(spans))
+    return Prediction(layout, busy, exchange, cal.optimizer_per_param * stage_params, makespan - busy,
+                      _wait(cal, busy, layout.ranks),
+                      _memory(cal, layout, stage_params, stage_params, replicas, held))

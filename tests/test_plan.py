@@ -1,0 +1,186 @@
+"""``plan``: the link model, the calibration file (untrusted), the step model in closed form, the command."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+from conftest import mpidist, run_mpi
+
+from mpidist.parallel.schedule import schedule, simulate
+from mpidist.plan import calibration
+from mpidist.plan.advice import advise
+from mpidist.plan.calibration import Calibration, LayerCost
+from mpidist.plan.links import Link, fit, parse_link
+from mpidist.plan.step import Layout, predict
+from mpidist.runtime.errors import UsageError
+
+MS = 1e-3
+
+
+def made_up(layers=4, params=1000, forward=(0.0, 1e-4), backward=(0.0, 2e-4), **changes):
+    """A calibration of ``layers`` equal Dense layers of ``params`` parameters and 10 outputs a sample."""
+    figures = dict(model="mlp", data="digits", optimizer="adam", dtype="float32", itemsize=4, sample_bytes=256,
+                   stored_row_bytes=512,
+                   batch_per_rank=64, train_samples=1000, test_samples=100,
+                   layers=tuple(LayerCost("Dense", params, 10, True, forward, backward) for _ in range(layers)),
+                   loss=(0.0, 0.0), tensor_sums=(10,), optimizer_per_param=1e-9, step_overhead=0.0,
+                   sum_per_byte=1e-10, jitter=0.0, node=Link(1e-6, 1e-10), network=Link(2e-6, 4e-10),
+                   baseline_bytes=50 << 20, ranks_per_node=2, cores=2, node_memory_bytes=16 << 30)
+    figures.update(changes)
+    return Calibration(**figures)
+
+
+def test_a_link_is_fitted_from_times_it_explains_and_given_as_bandwidth_and_latency():
+    sizes = [8 << (2 * k) for k in range(10)]
+    link = fit(sizes, [3e-6 + size / 5e9 for size in sizes])
+    assert link.latency == pytest.approx(3e-6, rel=1e-6) and link.per_byte == pytest.approx(1 / 5e9, rel=1e-6)
+    assert parse_link("25GB/s,2us") == Link(2e-6, 1 / 25e9)
+    assert parse_link("100 MB/s, 0.5 ms") == Link(5e-4, 1e-8)
+    for bad in ("25GB,2us", "fast", "0GB/s,1us", "25GB/s", "25GB/s,-1us"):
+        with pytest.raises(UsageError, match="--link"):
+            parse_link(bad)
+    # a ring allreduce: 2 (r - 1) messages, each rank moving 2 (r - 1) / r of the buffer
+    assert Link(1e-6, 1e-9).allreduce(4000, 4) == pytest.approx(2 * 3 * (1e-6 + 1000 * 1e-9))
+    assert Link(1e-6, 1e-9).allreduce(4000, 1) == 0.0
+
+
+def test_the_schedule_simulation_takes_stage_times_and_a_transfer_time():
+    stages, micro, f, b, t = 3, 4, 2.0, 3.0, 0.5
+    plans = [schedule("gpipe", s, stages, micro) for s in range(stages)]
+    timeline, _ = simulate(plans, cost=lambda stage, op: f if op == "fwd" else b, transfer=t)
+    end = max(start + (f if op == "fwd" else b) for line in timeline for start, op, _ in line)
+    # GPipe: the last stage starts after (P - 1) forwards and transfers, runs M forwards, then the backwards
+    # climb back: (M + P - 1) (f + b) plus a transfer at each of the 2 (P - 1) stage boundaries crossed
+    assert end == pytest.approx((micro + stages - 1) * (f + b) + 2 * (stages - 1) * t)
+    assert simulate(plans) == simulate(plans, cost=lambda stage, op: 1, transfer=0)   # (unit time as before)
+
+
+def test_local_and_allreduce_steps_in_closed_form():
+    cal = made_up()
+    local = predict(cal, Layout("local", 1, 1, 64))
+    assert local.compute == pytest.approx(4 * 64 * 3e-4) and local.optimizer == pytest.approx(4000 * 1e-9)
+    assert local.samples_per_s == pytest.approx(64 / (4 * 64 * 3e-4 + 4000 * 1e-9))
+    # MPI's allreduce on 4 ranks of 2 nodes: the network's ring over the 16,000-byte buffer, and its sums
+    flat = predict(cal, Layout("allreduce", 2, 2, 256, exchange="mpi"))
+    assert flat.compute == pytest.approx(4 * 64 * 3e-4)
+    assert flat.exchange == pytest.approx(2 * 3 * (2e-6 + 4000 * 4e-10) + 0.75 * 16000 * 1e-10)
+    # one copy per node: each of the 2 ranks sums half with the other's, then a ring between the 2 nodes
+    node = predict(cal, Layout("allreduce", 2, 2, 256))
+    assert node.exchange == pytest.approx(8000 * 1e-10 + 2 * (2e-6 + 8000 * 4e-10))
+    assert node.optimizer == pytest.approx(2000 * 1e-9)
+
+
+def test_a_pipeline_of_equal_stages_pays_the_schedules_bubble():
+    cal = made_up(layers=4, forward=(0.0, 1e-4), backward=(0.0, 1e-4), node=Link(0.0, 0.0))
+    made = predict(cal, Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4))
+    stage = 2 * 16 * 2e-4   # two layers, micro-batches of 16, forward and backward
+    assert made.compute == pytest.approx(4 * stage) and made.bubble == pytest.approx(stage)   # (P - 1) of M + P - 1
+
+
+def test_jitter_costs_the_wait_for_the_slowest_of_the_synchronised_ranks():
+    calm, noisy = made_up(), made_up(jitter=0.1)
+    layout = Layout("allreduce", 4, 2, 512)
+    assert predict(calm, layout).wait == 0.0
+    assert predict(noisy, layout).wait == pytest.approx(0.1 * 4 * 64 * 3e-4 * math.sqrt(2 * math.log(8)))
+
+
+def test_the_memory_a_rank_holds_counts_its_share_of_each_array():
+    cal = made_up()
+    one = predict(cal, Layout("local", 1, 1, 64)).memory
+    # baseline, the whole training split, parameters and gradients, Adam's two moments, each layer's outputs
+    # for the batch and for the test split's 100 samples
+    assert one == 50 * 2 ** 20 + 1000 * 256 + 2 * 4000 * 4 + 2 * 4000 * 4 + 64 * 4 * 40 + 100 * 4 * 40
+    sharded = predict(cal, Layout("allreduce", 1, 4, 256, exchange="mpi", shard="optimizer")).memory
+    # 4 workers: a quarter of the rows, and the block of the file they are read from (the whole split here)
+    assert sharded == 50 * 2 ** 20 + 250 * 256 + 1000 * 512 + 2 * 4000 * 4 + 2 * 1000 * 4 + 64 * 4 * 40 + 25 * 4 * 40
+
+
+def test_the_advice_is_the_fastest_layout_that_fits_and_the_knee_where_efficiency_falls():
+    cal = made_up()
+    rows, best, knee = advise(cal, [1, 2, 1024], 2, 64, 16 << 30)
+    assert set(best) == {1, 2, 1024}
+    for nodes, row in best.items():
+        assert row.samples_per_s == max(r.samples_per_s for r in rows if r.nodes == nodes and r.fits)
+    assert knee in (1, 2, 1024) and best[knee].efficiency >= 0.5
+    _, nothing, _ = advise(cal, [1], 2, 64, 1 << 20)   # 1 MiB a node: nothing fits
+    assert nothing == {}
+
+
+def write(path, document):
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_a_calibration_file_round_trips_and_every_bad_figure_is_named(tmp_path):
+    cal = made_up()
+    calibration.save(cal, tmp_path / "c.json")
+    assert calibration.load(tmp_path / "c.json") == cal
+    good = json.loads((tmp_path / "c.json").read_text())
+    cases = {"format": ("format", "x"), "optimizer_per_param": ("optimizer_per_param", -1.0),
+             "jitter": ("jitter", "fast"), "layers": ("layers", {}), "itemsize": ("itemsize", 0),
+             "tensor_sums": ("tensor_sums", [0]), "node": ("node", 3)}
+    for name, (field, value) in cases.items():
+        with pytest.raises(UsageError, match=name):
+            calibration.load(write(tmp_path / "bad.json", {**good, field: value}))
+    (tmp_path / "nan.json").write_text((tmp_path / "c.json").read_text().replace('"jitter": 0.0', '"jitter": NaN'))
+    with pytest.raises(UsageError, match="not JSON"):
+        calibration.load(tmp_path / "nan.json")
+    bad_layer = {**good, "layers": [{**good["layers"][0], "forward": [1.0]}]}
+    with pytest.raises(UsageError, match=r"layers\[0\]: forward: two figures"):
+        calibration.load(write(tmp_path / "bad.json", bad_layer))
+    (tmp_path / "big.json").write_bytes(b" " * (calibration.MAX_BYTES + 1))
+    with pytest.raises(UsageError, match="larger than"):
+        calibration.load(tmp_path / "big.json")
+    with pytest.raises(UsageError, match="cannot be read"):
+        calibration.load(tmp_path / "missing.json")
+
+
+def test_plan_prints_every_layout_and_a_recommendation_for_each_node_count(tmp_path):
+    calibration.save(made_up(network=None), tmp_path / "c.json")
+    done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,8,64,512", "--link",
+                      "25GB/s,2us", "--output", str(tmp_path / "plan.json"), timeout=60)
+    assert done.returncode == 0, done.stderr
+    for nodes in (1, 8, 64, 512):
+        assert f"on {nodes} node(s): " in done.stdout
+    written = json.loads((tmp_path / "plan.json").read_text())
+    at_8 = {row["layout"] for row in written["rows"] if row["nodes"] == 8}
+    assert at_8 >= {"allreduce", "allreduce --exchange mpi", "allreduce --tensor 2", "ps-sync --ps 1",
+                    "ps-sync --ps 8", "ps-async --ps 1", "ps-async --ps 8"}, at_8
+    assert {layout.split(" --micro")[0] for layout in at_8 if layout.startswith("pipeline")} == {
+        "pipeline --stages 2", "pipeline --stages 4"}, at_8
+    assert "25.00 GB/s, 2.0 us" in done.stdout
+    # more than one node without a link between them: refused, naming the flag
+    done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,2", "--output",
+                      str(tmp_path / "plan.json"), timeout=60)
+    assert done.returncode == 2 and "give one with --link" in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_calibrate_measures_the_model_and_the_links_under_the_launcher(tmp_path, nodes):
+    """Two ranks on one node measure the link within it; one on each of two emulated nodes, the network."""
+    done, _ = run_mpi(2, ["-m", "mpidist", "plan", "--calibrate", "--calibration", str(tmp_path / "c.json"),
+                          "--seconds", "0.1"], nodes=nodes if nodes > 1 else None, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cal = calibration.load(tmp_path / "c.json")
+    assert (cal.network is not None) == (nodes == 2) and (cal.node is not None) == (nodes == 1)
+    assert [layer.name for layer in cal.layers] == ["Flatten", "Dense", "ReLU", "Dense", "ReLU", "Dense"]
+    assert cal.params == 26_122 and cal.tensor_sums == (128,) and [layer.splits for layer in cal.layers] == [
+        False, True, False, True, False, False]
+    assert all(layer.forward[1] + layer.backward[1] > 0 for layer in cal.layers if layer.params)
+    assert cal.baseline_bytes > 10 << 20 and cal.batch_per_rank == 64
+
+
+def test_check_sets_a_prediction_beside_what_a_run_measured(tmp_path):
+    done, _ = mpidist(2, "--steps", "30", "--run-dir", str(tmp_path / "run"), "--progress", "none", timeout=120)
+    assert done.returncode == 0, done.stderr
+    calibration.save(dataclasses.replace(made_up(), model="mlp"), tmp_path / "c.json")
+    (tmp_path / "empty").mkdir()
+    done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--check", str(tmp_path / "run"),
+                      str(tmp_path / "empty"), "--output", str(tmp_path / "check.json"), timeout=60)
+    assert done.returncode == 0, done.stderr
+    checked = json.loads((tmp_path / "check.json").read_text())
+    assert len(checked["checked"]) == 1 and checked["checked"][0]["layout"] == "allreduce"
+    row = checked["checked"][0]
+    assert row["speed_ratio"] == pytest.approx(row["predicted"] / row["measured"]) and row["measured"] > 0
+    assert any("empty" in note for note in checked["notes"])
