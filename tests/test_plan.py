@@ -26,6 +26,7 @@ def made_up(layers=4, params=1000, forward=(0.0, 1e-4), backward=(0.0, 2e-4), **
                    layers=tuple(LayerCost("Dense", params, 10, True, forward, backward) for _ in range(layers)),
                    loss=(0.0, 0.0), tensor_sums=(10,), optimizer_per_param=1e-9, step_overhead=0.0,
                    sum_per_byte=1e-10, jitter=0.0, node=Link(1e-6, 1e-10), network=Link(2e-6, 4e-10),
+                   node_crowding=1.0, network_crowding=1.0,
                    baseline_bytes=50 << 20, ranks_per_node=2, cores=2, node_memory_bytes=16 << 30)
     figures.update(changes)
     return Calibration(**figures)
@@ -76,6 +77,13 @@ def test_a_pipeline_of_equal_stages_pays_the_schedules_bubble():
     made = predict(cal, Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4))
     stage = 2 * 16 * 2e-4   # two layers, micro-batches of 16, forward and backward
     assert made.compute == pytest.approx(4 * stage) and made.bubble == pytest.approx(stage)   # (P - 1) of M + P - 1
+
+
+def test_ranks_of_one_node_that_crowd_each_other_compute_slower():
+    cal = made_up(node_crowding=1.25, network_crowding=1.1)
+    assert predict(cal, Layout("local", 1, 1, 64)).compute == pytest.approx(4 * 64 * 3e-4)
+    assert predict(cal, Layout("allreduce", 1, 2, 128)).compute == pytest.approx(1.25 * 4 * 64 * 3e-4)
+    assert predict(cal, Layout("allreduce", 2, 1, 128)).compute == pytest.approx(1.1 * 4 * 64 * 3e-4)
 
 
 def test_jitter_costs_the_wait_for_the_slowest_of_the_synchronised_ranks():

@@ -50,6 +50,8 @@ class Calibration:
         step_overhead: seconds a step of ``train`` takes besides the strategy's step (batches, metrics).
         sum_per_byte: seconds per byte of summing one buffer into another in memory.
         jitter: the relative spread of one rank's step times (its standard deviation over the median).
+        node_crowding, network_crowding: how much slower a rank's step runs while another rank on its node (on
+            another node) trains too (1.0: not slower, or not measured).
         node, network: the links within a node and between nodes (None: not measured, for want of two ranks
             on one node, or of two nodes).
         baseline_bytes: a rank's resident memory before any data or model (Python, numpy, MPI).
@@ -76,6 +78,8 @@ class Calibration:
     jitter: float
     node: Link
     network: Link
+    node_crowding: float
+    network_crowding: float
     baseline_bytes: int
     ranks_per_node: int
     cores: int
@@ -152,7 +156,8 @@ def _checked(document, where):
         layers=tuple(costs), loss=read.pair("loss"), tensor_sums=tuple(sums), optimizer_per_param=read.seconds("optimizer_per_param"),
         step_overhead=read.seconds("step_overhead"),
         sum_per_byte=read.seconds("sum_per_byte"), jitter=read.seconds("jitter"), node=read.link("node", optional=True),
-        network=read.link("network", optional=True), baseline_bytes=read.count("baseline_bytes"),
+        network=read.link("network", optional=True), node_crowding=read.seconds("node_crowding"),
+        network_crowding=read.seconds("network_crowding"), baseline_bytes=read.count("baseline_bytes"),
         ranks_per_node=read.count("ranks_per_node", least=1), cores=read.count("cores", least=1),
         node_memory_bytes=read.count("node_memory_bytes", least=1))
 

@@ -41,19 +41,23 @@ def calibrate(world, config, seconds=1.0):
     must call)."""
     baseline = peak_memory()   # (before any data or model: what Python, numpy and MPI hold)
     node, _, num_nodes, node_of_rank = node_layout(world)
-    figures = None
+    figures = trainer = None
     if world.Get_rank() == 0:
-        figures = _compute(config, seconds)
+        figures, trainer = _compute(config, seconds)
         release(world)
     else:
         sleep_until_released(world)
     within = _pair(world, node_of_rank, same_node=True)
     between = _pair(world, node_of_rank, same_node=False)
+    trainer = trainer or _Trainer(config)
+    alone = mpi.bcast_text(world, repr(figures.pop("alone_s")) if figures else "", root=0)
+    crowding = [_crowding(world, node_of_rank, same, trainer, float(alone), seconds) for same in (True, False)]
     node.Free()
     if world.Get_rank() != 0:
         return None
     peak = figures.pop("run_peak_bytes")
-    made = Calibration(**figures, node=within, network=between, baseline_bytes=0,
+    made = Calibration(**figures, node=within, network=between, baseline_bytes=0, node_crowding=crowding[0],
+                       network_crowding=crowding[1],
                        ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
                        cores=_cores(), node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
     # what a rank holds besides the arrays the model counts: the one-process run's peak less its arrays
@@ -76,26 +80,37 @@ def _median_seconds(fn, repeats=REPEATS):
     return float(np.median(times)), times
 
 
+class _Trainer:
+    """``config``'s model on a batch of its training rows, ready to train: ``step()`` is one ``local`` step."""
+
+    def __init__(self, config):
+        inputs = Inputs.of(config)
+        self.info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
+        self.model = model = build_model_for(config, inputs, self.info, np)
+        self.loss = nn.loss_for(self.info.num_classes, np)
+        self.batch = batch = max(4, config.batch_size)
+        shard = data.Shard(self.info, "train", 0, 1, model.input_shape, model.dtype, rows=slice(0, batch))
+        x, y = shard.x, shard.y
+        while len(y) < batch:                          # (a split smaller than a batch: its rows again)
+            x, y = np.concatenate([x, shard.x]), np.concatenate([y, shard.y])
+        self.x, self.y = x[:batch], y[:batch]
+        make = lambda size: nn.make_optimizer(config.optimizer, size, config.lr, xp=np, dtype=model.dtype)  # noqa
+        self.local = LocalStrategy(model, self.loss, make, seed=config.seed)
+        self.local.initialize()   # (first: passes then run in the workspace training uses, as fast as there)
+        self.steps = iter(range(1 << 30))
+
+    def step(self):
+        self.local.train_step(self.x, self.y, 1.0, next(self.steps))
+
+
 def _compute(config, seconds):
     rate, peak = _short_run(config, max(4, config.batch_size))   # (first: its peak is a whole run's, no more)
-    inputs = Inputs.of(config)
-    info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
-    model = build_model_for(config, inputs, info, np)
-    loss = nn.loss_for(info.num_classes, np)
-    batch = max(4, config.batch_size)
-    shard = data.Shard(info, "train", 0, 1, model.input_shape, model.dtype, rows=slice(0, batch))
-    x, y = shard.x, shard.y
-    while len(y) < batch:                          # (a split smaller than a batch: its rows again)
-        x, y = np.concatenate([x, shard.x]), np.concatenate([y, shard.y])
+    trainer = _Trainer(config)
+    info, model, loss, x, y, batch = trainer.info, trainer.model, trainer.loss, trainer.x, trainer.y, trainer.batch
     sizes = sorted({max(1, batch // 8), max(1, batch // 4), max(1, batch // 2), batch})   # (micro-batches too)
-    make = lambda size: nn.make_optimizer(config.optimizer, size, config.lr, xp=np, dtype=model.dtype)  # noqa
-    local = LocalStrategy(model, loss, make, seed=config.seed)
-    local.initialize()   # (first: the passes below then run in the workspace training uses, as fast as there)
     forward, backward, losses = _scaled(*_layer_lines(model, loss, x, y, sizes),
                                         _whole_line(model, loss, x, y, sizes, seconds))
-    steps = iter(range(1 << 30))
-    step, times = _median_seconds(lambda: local.train_step(x[:batch], y[:batch], 1.0, next(steps)),
-                                  max(REPEATS, int(seconds / 0.01)) if seconds else REPEATS)
+    step, times = _median_seconds(trainer.step, max(REPEATS, int(seconds / 0.01)) if seconds else REPEATS)
     overhead = max(0.0, batch / rate - step) if rate > 0 else 0.0
     layers_s = sum(f[0] + f[1] * batch + b[0] + b[1] * batch for f, b in zip(forward, backward)) \
         + losses[0] + losses[1] * batch
@@ -115,10 +130,10 @@ def _compute(config, seconds):
             "train_samples": int(info.sizes["train"]), "test_samples": int(info.sizes.get("test", 0)),
             "layers": layers, "loss": losses, "tensor_sums": sums,
             "batch_per_rank": batch, "optimizer_per_param": max(0.0, step - layers_s) / params,
-            "step_overhead": overhead, "run_peak_bytes": peak,
+            "step_overhead": overhead, "run_peak_bytes": peak, "alone_s": step,
             "sum_per_byte": summed / buffer.nbytes,
             # (the spread of the upper half, robust to the odd step a busy machine stretches tenfold)
-            "jitter": float((np.percentile(times, 84) - np.median(times)) / np.median(times))}
+            "jitter": float((np.percentile(times, 84) - np.median(times)) / np.median(times))}, trainer
 
 
 def _short_run(config, batch, steps=200):
@@ -238,6 +253,31 @@ def _tensor_shape(model):
             operator.reduce = lambda array, sizes=sizes: sizes.append(int(array.size))
     part.forward(np.zeros((1, *model.input_shape), dtype=model.dtype), training=False)
     return splits, tuple(sizes)
+
+
+def _crowding(world, node_of_rank, same_node, trainer, alone, seconds):
+    """How much slower rank 0's step runs while the next rank on its node (``same_node``; or on another node)
+    trains too, over its step alone (``alone`` seconds): ranks that share a node's memory and caches slow each
+    other.  1.0 where there is no such rank.  Every rank calls; two of them train."""
+    rank = world.Get_rank()
+    partner = next((r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node),
+                   None)
+    if partner is None:
+        return 1.0
+    count = max(REPEATS, int(seconds / max(alone, 1e-6)))
+    times = []
+    if rank in (0, partner):
+        pair = world.Split(0, key=rank)
+        for _ in range(count):
+            pair.Barrier()
+            start = time.perf_counter()
+            trainer.step()
+            times.append(time.perf_counter() - start)
+        pair.Free()
+    else:
+        world.Split(MPI.UNDEFINED, key=rank)
+    world.Barrier()
+    return max(1.0, float(np.median(times)) / alone) if rank == 0 else None
 
 
 def _pair(world, node_of_rank, same_node):

@@ -80,7 +80,12 @@ def predict(cal, layout):
     check(cal, layout)
     cost = {"local": _local, "allreduce": _allreduce, "ps-sync": _ps_sync, "ps-async": _ps_async,
             "pipeline": _pipeline}[layout.strategy]
-    return dataclasses.replace(cost(cal, layout), loop=cal.step_overhead)
+    made = cost(cal, layout)
+    # ranks that train at once slow each other (a node's memory and caches; emulated nodes share a machine)
+    crowding = max(1.0, cal.node_crowding if layout.per_node > 1 else 1.0,
+                   cal.network_crowding if layout.nodes > 1 else 1.0)
+    return dataclasses.replace(made, compute=made.compute * crowding, optimizer=made.optimizer * crowding,
+                               loop=cal.step_overhead)
 
 
 def check(cal, layout):

@@ -61,7 +61,7 @@ def calibrated(folder, model, data, hosts, seconds):
                                         str(seconds), "--calibration", str(folder / f"{name}.json")]))
     within, between = calibration.load(folder / "node.json"), calibration.load(folder / "network.json")
     import dataclasses
-    return dataclasses.replace(within, network=between.network)
+    return dataclasses.replace(within, network=between.network, network_crowding=between.network_crowding)
 
 
 def batch_flags(name, ranks, batch_per_rank):
