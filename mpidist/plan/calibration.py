@@ -38,8 +38,9 @@ class Calibration:
 
     Attributes:
         model, data, optimizer, dtype: what was measured (the run's settings).
-        itemsize: bytes per parameter; sample_bytes: bytes per training sample as read; stored_row_bytes: as
-            stored in the file (a worker reading its lanes in memory reads blocks of the file).
+        itemsize: bytes per parameter; sample_bytes: bytes per training sample as read.
+        read_overhead_bytes: what reading a worker's lanes in memory (one of two workers) took at its peak
+            above what it then held: the blocks and chunks of the file it reads them from.
         batch_per_rank: the batch it was measured at (``plan``'s default).
         train_samples, test_samples: the splits' rows (an epoch's data held in memory; what the last evaluation
             reads, spread over the workers).
@@ -65,7 +66,7 @@ class Calibration:
     dtype: str
     itemsize: int
     sample_bytes: int
-    stored_row_bytes: int
+    read_overhead_bytes: int
     batch_per_rank: int
     train_samples: int
     test_samples: int
@@ -150,7 +151,7 @@ def _checked(document, where):
         model=read.value("model", str), data=read.value("data", str), optimizer=read.value("optimizer", str),
         dtype=read.value("dtype", str), itemsize=read.count("itemsize", least=1),
         sample_bytes=read.count("sample_bytes"),
-        stored_row_bytes=read.count("stored_row_bytes"), batch_per_rank=read.count("batch_per_rank", least=1),
+        read_overhead_bytes=read.count("read_overhead_bytes"), batch_per_rank=read.count("batch_per_rank", least=1),
         train_samples=read.count("train_samples", least=1),
         test_samples=read.count("test_samples"),
         layers=tuple(costs), loss=read.pair("loss"), tensor_sums=tuple(sums), optimizer_per_param=read.seconds("optimizer_per_param"),

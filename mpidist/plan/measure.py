@@ -103,8 +103,48 @@ class _Trainer:
         self.local.train_step(self.x, self.y, 1.0, next(self.steps))
 
 
+def _high_water():
+    """This process's peak resident bytes since :func:`_reset_high_water` (Linux's ``VmHWM``), or None."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_high_water():
+    """Start the peak over from the present (``clear_refs`` 5, Linux 4.0 on); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _read_overhead(config):
+    """Bytes reading one worker's lanes of the training split in memory (worker 0 of 2) takes at its peak above
+    what it then holds: the blocks and chunks the file is read in (0 where the peak cannot be started over)."""
+    inputs = Inputs.of(config)
+    info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
+    model = build_model_for(config, inputs, info, np)
+    global_batch = 2 * max(4, config.batch_size)
+    if info.sizes["train"] < global_batch or not _reset_high_water():
+        return 0
+    before = _high_water()
+    shard = data.Shard(info, "train", 0, 2, model.input_shape, model.dtype, lanes=data.Lanes.of(global_batch, 2, 0))
+    after = _high_water()
+    if before is None or after is None:
+        return 0
+    return max(0, after - before - int(shard.x.nbytes) - int(shard.y.nbytes))
+
+
 def _compute(config, seconds):
     rate, peak = _short_run(config, max(4, config.batch_size))   # (first: its peak is a whole run's, no more)
+    read_overhead = _read_overhead(config)
     trainer = _Trainer(config)
     info, model, loss, x, y, batch = trainer.info, trainer.model, trainer.loss, trainer.x, trainer.y, trainer.batch
     sizes = sorted({max(1, batch // 8), max(1, batch // 4), max(1, batch // 2), batch})   # (micro-batches too)
@@ -126,11 +166,10 @@ def _compute(config, seconds):
     return {"model": config.model, "data": str(info.path), "optimizer": config.optimizer,
             "dtype": np.dtype(model.dtype).name, "itemsize": int(np.dtype(model.dtype).itemsize),
             "sample_bytes": int(np.prod(model.input_shape)) * int(np.dtype(model.dtype).itemsize),
-            "stored_row_bytes": max((int(m.row_bytes.get("train", 0)) for m in info.files), default=0),
             "train_samples": int(info.sizes["train"]), "test_samples": int(info.sizes.get("test", 0)),
             "layers": layers, "loss": losses, "tensor_sums": sums,
             "batch_per_rank": batch, "optimizer_per_param": max(0.0, step - layers_s) / params,
-            "step_overhead": overhead, "run_peak_bytes": peak, "alone_s": step,
+            "step_overhead": overhead, "run_peak_bytes": peak, "alone_s": step, "read_overhead_bytes": read_overhead,
             "sum_per_byte": summed / buffer.nbytes,
             # (the spread of the upper half, robust to the odd step a busy machine stretches tenfold)
             "jitter": float((np.percentile(times, 84) - np.median(times)) / np.median(times))}, trainer

@@ -113,23 +113,23 @@ def _wait(cal, compute, ranks):
     return cal.jitter * compute * math.sqrt(2 * math.log(ranks)) if ranks > 1 else 0.0
 
 
-READ_BLOCK = 64 << 20   # the block of a file a worker reading its lanes in memory reads at a time (data.rows)
 EVAL_BATCH = 1024       # samples an evaluation runs through the model at once (data.batches.eval_batches)
 
 
 def _memory(cal, layout, params, updated, workers, activations):
     """A rank's resident bytes: the baseline, its lanes of the training data (and, with other workers' lanes
-    between its rows, the block of the file it reads them from), parameters and gradients, the optimizer state
-    of what it updates, and the activations of the samples it holds at once."""
+    between its rows, what reading them takes above that, as calibrated), parameters and gradients, the
+    optimizer state of what it updates, and the activations of the samples it holds at once."""
     item = cal.itemsize
     state = OPTIMIZER_ARRAYS.get(cal.optimizer, 2) * updated * item
     data = cal.train_samples * cal.sample_bytes // max(1, workers)
-    if workers > 1:
-        data += min(READ_BLOCK, cal.train_samples * cal.stored_row_bytes)
     # the last evaluation: its share of the test split, a batch of up to EVAL_BATCH through every layer
     evaluated = min(EVAL_BATCH, -(-cal.test_samples // max(1, workers))) * item * sum(
         layer.out_elements for layer in cal.layers)
-    return int(cal.baseline_bytes + data + 2 * params * item + state + activations + evaluated)
+    # the peak is the larger of two moments: reading the lanes at set-up (with other workers' lanes between a
+    # worker's rows, what the read takes above them), and training then evaluating
+    transient = max(cal.read_overhead_bytes if workers > 1 else 0, activations + evaluated)
+    return int(cal.baseline_bytes + data + 2 * params * item + state + transient)
 
 
 def _activations(cal, samples, first=0, end=None):
