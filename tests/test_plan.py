@@ -192,3 +192,16 @@ def test_check_sets_a_prediction_beside_what_a_run_measured(tmp_path):
     row = checked["checked"][0]
     assert row["speed_ratio"] == pytest.approx(row["predicted"] / row["measured"]) and row["measured"] > 0
     assert any("empty" in note for note in checked["notes"])
+
+
+def test_the_peak_a_read_is_measured_against_starts_over():
+    import numpy as np
+
+    from mpidist.runtime.memory import high_water, reset_high_water
+    held = np.ones(64 << 20, dtype=np.uint8)    # 64 MiB, touched
+    del held
+    assert reset_high_water() and high_water() is not None
+    start = high_water()
+    assert start < 1 << 40
+    held = np.ones(32 << 20, dtype=np.uint8)
+    assert high_water() - start >= 30 << 20   # (the 64 MiB before the reset no longer counts)

@@ -27,7 +27,7 @@ from ..nn.tensor import TensorSum, operators, split_model
 from ..parallel import LocalStrategy
 from ..runtime import comm as mpi
 from ..runtime.cluster import node_layout
-from ..runtime.memory import available_bytes, peak_memory
+from ..runtime.memory import available_bytes, high_water, peak_memory, reset_high_water
 from .calibration import Calibration, LayerCost
 from .step import Layout, predict
 from .links import Link, fit
@@ -103,28 +103,6 @@ class _Trainer:
         self.local.train_step(self.x, self.y, 1.0, next(self.steps))
 
 
-def _high_water():
-    """This process's peak resident bytes since :func:`_reset_high_water` (Linux's ``VmHWM``), or None."""
-    try:
-        with open("/proc/self/status", "rb") as status:
-            for line in status:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _reset_high_water():
-    """Start the peak over from the present (``clear_refs`` 5, Linux 4.0 on); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _read_overhead(config):
     """Bytes reading one worker's lanes of the training split in memory (worker 0 of 2) takes at its peak above
     what it then holds: the blocks and chunks the file is read in (0 where the peak cannot be started over)."""
@@ -132,11 +110,11 @@ def _read_overhead(config):
     info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
     model = build_model_for(config, inputs, info, np)
     global_batch = 2 * max(4, config.batch_size)
-    if info.sizes["train"] < global_batch or not _reset_high_water():
+    if info.sizes["train"] < global_batch or not reset_high_water():
         return 0
-    before = _high_water()
+    before = high_water()
     shard = data.Shard(info, "train", 0, 2, model.input_shape, model.dtype, lanes=data.Lanes.of(global_batch, 2, 0))
-    after = _high_water()
+    after = high_water()
     if before is None or after is None:
         return 0
     return max(0, after - before - int(shard.x.nbytes) - int(shard.y.nbytes))

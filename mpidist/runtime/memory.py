@@ -15,15 +15,38 @@ import sys
 from .errors import UsageError
 
 
-def available_bytes():
-    """Memory the node can still give (``MemAvailable``), or None where that cannot be read."""
+def _kib_field(path, name):
+    """The ``name:`` line of a ``/proc`` file counted in kB, as bytes, or None where it cannot be read."""
     try:
-        with open("/proc/meminfo", "rb") as handle:
+        with open(path, "rb") as handle:
             for line in handle:
-                if line.startswith(b"MemAvailable:"):
+                if line.startswith(name + b":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def high_water():
+    """This process's peak resident bytes since :func:`reset_high_water` (Linux's ``VmHWM``), or None."""
+    return _kib_field("/proc/self/status", b"VmHWM")
+
+
+def reset_high_water():
+    """Start this process's peak over from the present (``clear_refs`` 5, Linux 4.0 on); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def available_bytes():
+    """Memory the node can still give (``MemAvailable``), or None where that cannot be read."""
+    found = _kib_field("/proc/meminfo", b"MemAvailable")
+    if found is not None:
+        return found
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):
