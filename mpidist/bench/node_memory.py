@@ -12,7 +12,6 @@ to save it); Linux only.
 """
 
 import argparse
-import re
 import shutil
 import subprocess
 import sys
@@ -20,19 +19,13 @@ import threading
 import time
 from statistics import median
 
+from ..runtime.memory import kib_field
 from ..runtime.threads import launch_environment
-
-_PSS = re.compile(r"^Pss:\s+(\d+) kB", re.MULTILINE)
 
 
 def pss_bytes(pid):
     """``Pss`` of process ``pid`` in bytes, or 0 once it has gone."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as rollup:
-            found = _PSS.search(rollup.read())
-    except OSError:
-        return 0
-    return int(found.group(1)) * 1024 if found else 0
+    return kib_field(f"/proc/{pid}/smaps_rollup", b"Pss") or 0
 
 
 def _pids(lines):

@@ -13,12 +13,12 @@ import numpy as np
 
 from .. import nn
 from ..nn.tensor import operators
-from ..parallel import AllreduceStrategy
 from ..runtime.cluster import build_cluster
-from .rows import adam
+from .rows import _allreduce
 from .timing import synced_alternating
 
 LENGTH, WIDTH, HEADS, CLASSES = 32, 128, 4, 10   # a sequence of 32 tokens of 128 features, 4 heads
+# (10 classes: the loss rows._allreduce gives every bench model)
 SEQUENCES_PER_RANK = 32                           # the global batch: this times the ranks
 
 
@@ -65,9 +65,7 @@ def tensor_rows(world, seconds, counts=(1, 2)):
     strategies, steps, moved = {}, {}, {}
     for count in counts:
         # (MPI's Allreduce for both: a copy of the model per rank, as on GPUs, so the bytes compare per rank)
-        strategy = AllreduceStrategy(transformer_block(), nn.loss_for(CLASSES, np), adam, cluster, seed=0,
-                                     exchange="mpi", tensor=count)
-        strategy.initialize()
+        strategy = _allreduce(transformer_block(), cluster, "adam", exchange="mpi", tensor=count)
         groups = ranks // count
         lo, hi = strategy.worker_index * batch // groups, (strategy.worker_index + 1) * batch // groups
         step = _stepper(strategy, x[lo:hi], y[lo:hi], (hi - lo) / batch)

@@ -11,6 +11,7 @@ chunk are read one after the other from a cache of that chunk
 
 import numpy as np
 
+from ..nn.tensor import part_range
 from .direct import HUGE_PAGE
 
 BLOCK_BYTES = 4 << 20         # one read call: a few of a parallel file system's stripes
@@ -23,9 +24,7 @@ SEGMENTS = 4                  # gathered segments alive at once: being gathered,
 
 def worker_range(n, workers, worker):
     """``(lo, hi)``: worker ``worker``'s contiguous rows of ``n``, balanced (the first ``n % workers`` one more)."""
-    base, extra = divmod(n, workers)
-    lo = worker * base + min(worker, extra)
-    return lo, lo + base + (1 if worker < extra else 0)
+    return part_range(n, worker, workers)
 
 
 def block_cuts(source, lo, hi, block_bytes=BLOCK_BYTES, sliced=False):

@@ -3,6 +3,17 @@
 from .layers import Layer, ShapeError
 
 
+def backward_in_turn(layers, dy, input_grad=True):
+    """Back-propagate ``dy`` through a block's ``layers``, last first; returns the input gradient, or None with
+    ``input_grad`` False (the first layer's parameter gradients alone: nothing below it is trained)."""
+    for layer in reversed(layers[1:]):
+        dy = layer.backward(dy)
+    if not input_grad:
+        layers[0].backward_params(dy)
+        return None
+    return layers[0].backward(dy)
+
+
 def build_in_turn(layers, input_shape):
     """Build a block's ``layers`` one after another from ``input_shape``; returns the last one's output shape
     (a layer's refusal names its place in the block)."""
@@ -45,21 +56,13 @@ class Residual(Layer):
             h = layer.forward(h, training)
         return x + h
 
-    def _block_backward(self, dy, input_grad):
-        for layer in reversed(self.layers[1:]):
-            dy = layer.backward(dy)
-        if not input_grad:
-            self.layers[0].backward_params(dy)
-            return None
-        return self.layers[0].backward(dy)
-
     def backward(self, dy):
         # the identity path adds dy itself to the block's input gradient
-        return dy + self._block_backward(dy, True) if self.layers else dy + dy
+        return dy + backward_in_turn(self.layers, dy) if self.layers else dy + dy
 
     def backward_params(self, dy):
         if self.layers:
-            self._block_backward(dy, False)
+            backward_in_turn(self.layers, dy, input_grad=False)
 
     def __repr__(self):
         return f"Residual({', '.join(repr(layer) for layer in self.layers)})"

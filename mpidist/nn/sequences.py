@@ -137,9 +137,9 @@ class SequencePool(Layer):
             y = self.scratch("y", (n, d), x.dtype)
             y[...] = x[:, 0]
             return y
-        if self.padding is None:
-            self.keep, self.count = None, length
-            return x.mean(axis=1)
+        if self.padding is None:   # (backward divides by ``length``)
+            self.keep, self.count = None, None
+            return x.mean(axis=1, out=self.scratch("y", (n, d), x.dtype))
         keep = ~padding_of(self.padding, (n, length))
         self.keep = keep.astype(x.dtype)[:, :, None]
         self.count = xp.maximum(self.keep.sum(axis=1), 1)    # (N, 1): a sequence of padding only pools to 0

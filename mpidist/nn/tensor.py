@@ -151,9 +151,31 @@ class VocabularyPart(Embedding):
         return f"VocabularyPart({self.lo}:{self.hi}, {self.dim})"
 
 
-def _origin(layer, **names):
-    """Set ``layer.tensor_origin`` from ``name=(whole_name, index)`` pairs; return the layer."""
-    layer.tensor_origin = names
+def _origin(layer, whole, **names):
+    """``layer``, a slice of ``whole``: ``tensor_whole`` set, and ``tensor_origin`` from ``name=(whole_name,
+    index)`` pairs."""
+    layer.tensor_whole, layer.tensor_origin = whole, names
+    return layer
+
+
+def _user_split(layer, part, parts):
+    """The layers a user's ``tensor_split`` gives for ``layer``, each slice of it knowing its whole."""
+    made = list(layer.tensor_split(part, parts))
+    for piece in made:
+        if getattr(piece, "tensor_origin", None):
+            piece.tensor_whole = layer
+    return made
+
+
+def _reading(layer, replaced):
+    """``layer``, or where it reads a mask source that was split, a copy reading the part (the same mask): the
+    whole model's layer, the user's object, keeps reading the whole source."""
+    sources = {name: replaced[id(getattr(layer, name))] for name in MASK_SOURCES
+               if getattr(layer, name, None) is not None and id(getattr(layer, name)) in replaced}
+    if sources:
+        layer = copy.copy(layer)
+        for name, source in sources.items():
+            setattr(layer, name, source)
     return layer
 
 
@@ -164,18 +186,16 @@ def _columns(dense, part, parts):
     names = {"W": ("W", (slice(None), slice(lo, hi)))}
     if dense.bias:
         names["b"] = ("b", slice(lo, hi))
-    return _origin(shard, **names)
+    return _origin(shard, dense, **names)
 
 
 def _rows(dense, features, part, parts):
     """The second of a split pair: input rows ``[lo, hi)`` of ``dense`` (the first's columns), its bias after the sum."""
     lo, hi = part_range(features, part, parts)
-    layers = [_origin(Dense(dense.units, init=dense.init, bias=False), W=("W", (slice(lo, hi), slice(None)))),
-              TensorSum()]
+    rows = Dense(dense.units, init=dense.init, bias=False)
+    layers = [_origin(rows, dense, W=("W", (slice(lo, hi), slice(None)))), TensorSum()]
     if dense.bias:
-        layers.append(_origin(Bias(), b=("b", slice(None))))
-    for layer in layers:
-        layer.tensor_whole = dense
+        layers.append(_origin(Bias(), dense, b=("b", slice(None))))
     return layers
 
 
@@ -192,11 +212,9 @@ def _heads(attention, part, parts, replaced):
     names = {f"W{n}": (f"W{n}", (slice(None), columns)) for n in attention.names}
     names.update({f"b{n}": (f"b{n}", columns) for n in attention.names})
     names["Wo"] = ("Wo", (columns, slice(None)))
-    layers = [TensorCopy(), _origin(shard, **names), TensorSum()]
+    layers = [TensorCopy(), _origin(shard, attention, **names), TensorSum()]
     if attention.output_bias:
-        layers.append(_origin(Bias(), b=("bo", slice(None))))
-    for layer in layers:
-        layer.tensor_whole = attention
+        layers.append(_origin(Bias(), attention, b=("bo", slice(None))))
     return layers
 
 
@@ -214,10 +232,7 @@ def _pair_end(layers, start):
 def _between(layer, part, parts):
     """A layer between a split pair: the same object, or its ``tensor_split`` where it has parameters."""
     if hasattr(layer, "tensor_split"):
-        made = list(layer.tensor_split(part, parts))
-        for piece in made:
-            piece.tensor_whole = layer
-        return made
+        return _user_split(layer, part, parts)
     if layer.param_specs():
         raise ValueError(f"{layer!r} has parameters and stands between a split pair of Dense layers, where each "
                          "part sees its slice of the features: give it tensor_split(part, parts)")
@@ -247,55 +262,30 @@ def split_layers(layers, part, parts, replaced=None):
         end = _pair_end(layers, index) if type(layer) is Dense else None
         if end is not None:
             first = _columns(layer, part, parts)
-            first.tensor_whole = layer
             between = [piece for middle in layers[index + 1:end] for piece in _between(middle, part, parts)]
             out += [TensorCopy(), first, *between, *_rows(layers[end], layer.units, part, parts)]
             index = end + 1
             continue
         if hasattr(layer, "tensor_split"):
-            made = list(layer.tensor_split(part, parts))
-            for piece in made:
-                if getattr(piece, "tensor_origin", None):
-                    piece.tensor_whole = layer
-            out += made
+            out += _user_split(layer, part, parts)
         elif type(layer) is MultiHeadAttention:
             out += _heads(layer, part, parts, replaced)
         elif type(layer) is Embedding:
             lo, hi = part_range(layer.vocab, part, parts)
             if hi == lo:
                 raise ValueError(f"{layer!r} has {layer.vocab} ids: --tensor {parts} leaves part {part} none")
-            piece = _origin(VocabularyPart(lo, hi, layer.dim, layer.pad_id), W=("W", (slice(lo, hi), slice(None))))
-            piece.tensor_whole, replaced[id(layer)] = layer, piece
+            piece = _origin(VocabularyPart(lo, hi, layer.dim, layer.pad_id), layer,
+                            W=("W", (slice(lo, hi), slice(None))))
+            replaced[id(layer)] = piece
             out += [piece, TensorSum()]
         elif isinstance(getattr(layer, "layers", None), list) and layer.sublayers() is layer.layers:
             block = copy.copy(layer)   # (the whole model's block keeps its own sublayers)
             block.params, block.grads = {}, {}
             block.layers = split_layers(layer.layers, part, parts, replaced)
             out.append(block)
-        else:
-            out.append(layer)
+        else:   # (replicated; a mask source runs before its readers, so a split one is in ``replaced`` by now)
+            out.append(_reading(layer, replaced))
         index += 1
-    return out
-
-
-def _reading_parts(layers, replaced):
-    """``layers`` with each one that reads a mask source that was split replaced by a copy reading the part (the
-    same mask): the whole model's layers, the user's objects, keep reading the whole source."""
-    out = []
-    for layer in layers:
-        sources = {name: replaced[id(getattr(layer, name))] for name in MASK_SOURCES
-                   if getattr(layer, name, None) is not None and id(getattr(layer, name)) in replaced}
-        if sources:
-            layer = copy.copy(layer)
-            for name, source in sources.items():
-                setattr(layer, name, source)
-        if isinstance(getattr(layer, "layers", None), list) and layer.sublayers() is layer.layers:
-            inner = _reading_parts(layer.layers, replaced)
-            if any(a is not b for a, b in zip(inner, layer.layers)):
-                layer = copy.copy(layer)
-                layer.params, layer.grads = {}, {}
-                layer.layers = inner
-        out.append(layer)
     return out
 
 
@@ -318,7 +308,6 @@ def split_model(whole, part, parts):
     """
     replaced = {}
     layers = split_layers(whole.layers, part, parts, replaced)
-    layers = _reading_parts(layers, replaced)
     model = Sequential(layers, whole.input_shape, xp=whole.xp, dtype=whole.dtype)
     if model.output_shape != whole.output_shape:
         raise ValueError(f"a part of the model ends in {model.output_shape}, the whole in {whole.output_shape}")
@@ -358,5 +347,6 @@ def replicated(model):
 
 
 def operators(model):
-    """The layers of ``model`` (a part's) that sum over the tensor group: they take the strategy's ``reduce``."""
-    return [layer for _, layer in walk(model.layers) if isinstance(layer, (TensorCopy, TensorSum))]
+    """The layers of ``model`` (a part's, or its list of layers) that sum over the tensor group: they take the
+    strategy's ``reduce``."""
+    return [layer for _, layer in walk(getattr(model, "layers", model)) if isinstance(layer, (TensorCopy, TensorSum))]

@@ -4,7 +4,7 @@ from .activations import GELU
 from .attention import MultiHeadAttention
 from .layers import Dense, Dropout, Layer, ShapeError
 from .norm import LayerNorm
-from .residual import Residual, build_in_turn
+from .residual import Residual, backward_in_turn, build_in_turn
 
 
 class TransformerBlock(Layer):
@@ -62,14 +62,10 @@ class TransformerBlock(Layer):
         return x
 
     def backward(self, dy):
-        for layer in reversed(self.layers):
-            dy = layer.backward(dy)
-        return dy
+        return backward_in_turn(self.layers, dy)
 
     def backward_params(self, dy):
-        for layer in reversed(self.layers[1:]):
-            dy = layer.backward(dy)
-        self.layers[0].backward_params(dy)
+        backward_in_turn(self.layers, dy, input_grad=False)
 
     def __repr__(self):
         attention = self.layers[0].layers[1]

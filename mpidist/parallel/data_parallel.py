@@ -82,7 +82,7 @@ class DataParallel(Strategy):
 
     @property
     def worker_index(self):
-        return self.tensor.data.Get_rank() if self.tensor is not None else super().worker_index
+        return self.tensor.group if self.tensor is not None else super().worker_index
 
     def state(self):
         """Collective over the workers: the chief's state, with every worker's :meth:`own_state` gathered (if any)."""
@@ -107,7 +107,7 @@ class DataParallel(Strategy):
         """Collective over the first tensor group: the whole model's state, gathered from its parts, on the chief."""
         arrays = {"params": to_host(self.model.params),
                   **{name: to_host(array) for name, array in self.optimizer.state_arrays().items()}}
-        whole = self.tensor.gather(arrays, self.tensor.size) if self.worker_index == 0 else None
+        whole = self.tensor.gather(arrays) if self.worker_index == 0 else None
         if not self.cluster.is_chief:
             return None
         return whole.pop("params"), whole, self.optimizer.steps

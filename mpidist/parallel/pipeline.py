@@ -42,7 +42,7 @@ from .rewind import PreviousSlice, StepLedger
 from .schedule import schedule
 from .schedule_runner import ScheduleRunner, split_sizes  # noqa: F401  (split_sizes: the bench's and tests')
 from .stage import StageLayout, StageLinks
-from .tensor import TENSOR, TensorPart, check_split, check_tensor
+from .tensor import TENSOR, TensorPart, check_split, check_tensor, gather_placed
 
 
 def balance_by_parameters(costs, stages):
@@ -138,7 +138,7 @@ class PipelineStrategy(Strategy):
             raise UsageError(f"--stages {settings.stages} does not divide the {world_size} ranks (ranks = stages x "
                              "data-parallel replicas)")
         check_tensor(settings, world_size, settings.stages)
-        replicas = world_size // (settings.stages * max(settings.tensor, 1))
+        replicas = world_size // (settings.stages * settings.tensor)
         if settings.batch_size // replicas < settings.micro_batches:
             raise UsageError(f"--batch-size {settings.batch_size} over {replicas} replica(s) leaves "
                              f"{settings.batch_size // replicas} samples per replica, fewer than "
@@ -307,10 +307,7 @@ class PipelineStrategy(Strategy):
 
     def _squares(self, gradients):
         """This rank's share of the global squared gradient norm: a part's parameters, its stage's shared ones once."""
-        squares = float(gradients.dot(gradients))
-        if self.tensor is not None and self.tensor.part != 0:
-            squares -= sum(float(gradients[lo:hi].dot(gradients[lo:hi])) for lo, hi in self.tensor.shared)
-        return squares
+        return float(gradients.dot(gradients)) if self.tensor is None else self.tensor.squares(gradients)
 
     def _to_chief(self, values, tag):
         """The last stage of replica 0 (its first part) holds the global figures; the chief (rank 0) needs them.
@@ -352,24 +349,12 @@ class PipelineStrategy(Strategy):
     def _gathered(self, cluster):
         """Collective over ``cluster``'s world, whose first ``P x T`` ranks are a replica's stages (and their
         parts): their slices, placed in the whole model's layout on its chief."""
-        full = self.full
         arrays = {"params": to_host(self.model.params)}
         arrays.update({name: to_host(a) for name, a in self.optimizer.state_arrays().items()})
         sends = cluster.rank < self.layout.stages * self.layout.tensor   # (the first replica's ranks)
-        counts = np.zeros(cluster.size, dtype=np.int64)
-        mpi.allgather(cluster.world, np.array([len(self.positions) if sends else 0], dtype=np.int64), counts)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        total = int(counts.sum())
-        where = mpi.gatherv(cluster.world, self.positions if sends else self.positions[:0],
-                            np.empty(total, dtype=np.int64) if cluster.is_chief else None, counts, displs,
-                            cluster.chief_rank)
-        whole = {}
-        for name, part in arrays.items():
-            received = np.empty(total, dtype=full.dtype) if cluster.is_chief else None
-            mpi.gatherv(cluster.world, part if sends else part[:0], received, counts, displs, cluster.chief_rank)
-            if cluster.is_chief:
-                whole[name] = np.zeros(full.num_params, dtype=full.dtype)
-                whole[name][where] = received
+        count = len(self.positions) if sends else 0
+        whole = gather_placed(cluster.world, {name: array[:count] for name, array in arrays.items()},
+                              self.positions[:count], self.full.num_params, cluster.chief_rank)
         if not cluster.is_chief:
             return None
         params = whole.pop("params")

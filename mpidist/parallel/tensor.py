@@ -18,8 +18,7 @@ layout for a checkpoint, which therefore resumes on any layout.
 import numpy as np
 from mpi4py import MPI
 
-from ..nn.sequential import walk
-from ..nn.tensor import TensorCopy, TensorSum, operators, replicated, split_layers, split_model
+from ..nn.tensor import operators, replicated, split_layers, split_model
 from ..runtime import comm as mpi
 from ..runtime import recorder
 from ..runtime.errors import UsageError
@@ -49,10 +48,10 @@ def check_tensor(settings, world_size, stages=1):
         raise UsageError(f"{layout} does not divide the {world_size} ranks (ranks = data-parallel groups x "
                          f"{'stages x ' if stages > 1 else ''}tensor parts)")
     refused = [(settings.elastic, "--elastic (a lost rank takes its part of every split layer)"),
-               (getattr(settings, "shard", "none") != "none", f"--shard {getattr(settings, 'shard', '')}"),
-               (getattr(settings, "compress", "none") != "none", f"--compress {getattr(settings, 'compress', '')}"),
-               (getattr(settings, "exchange", "auto") in ("node", "shared-memory"),
-                f"--exchange {getattr(settings, 'exchange', '')} (a tensor run sums gradients with MPI)"),
+               (settings.shard != "none", f"--shard {settings.shard}"),
+               (settings.compress != "none", f"--compress {settings.compress}"),
+               (settings.exchange in ("node", "shared-memory"),
+                f"--exchange {settings.exchange} (a tensor run sums gradients with MPI)"),
                (settings.replication == "in-graph", "--replication in-graph")]
     for refused_it, what in refused:
         if refused_it:
@@ -66,10 +65,31 @@ def check_split(layers, parts, where="--model"):
         split = [split_layers(layers, part, parts) for part in range(parts)]
     except ValueError as err:
         raise UsageError(f"--tensor {parts}: {where}: {err}") from None
-    if any(isinstance(node, (TensorCopy, TensorSum)) for _, node in walk(split[0])):
+    if operators(split[0]):
         return []
     return [f"note: --tensor {parts}: no layer of {where} splits (a Dense pair, attention, an embedding, a layer "
             f"with tensor_split): each of its {parts} parts holds and computes it whole"]
+
+
+def gather_placed(comm, arrays, where, size, root):
+    """Collective over ``comm``: each rank's ``arrays`` (name -> flat host array, element ``i`` at ``where[i]`` of
+    the whole; a rank with nothing to give passes empty ones) placed in whole arrays of ``size`` on ``root``
+    (None elsewhere)."""
+    counts = np.zeros(comm.Get_size(), dtype=np.int64)
+    mpi.allgather(comm, np.array([len(where)], dtype=np.int64), counts)
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    total, here = int(counts.sum()), comm.Get_rank() == root
+    placed = mpi.gatherv(comm, np.ascontiguousarray(where, dtype=np.int64),
+                         np.empty(total, dtype=np.int64) if here else None, counts, displs, root)
+    whole = {}
+    for name in sorted(arrays):   # (the same order on every rank)
+        part = np.ascontiguousarray(arrays[name])
+        received = np.empty(total, dtype=part.dtype) if here else None
+        mpi.gatherv(comm, part, received, counts, displs, root)
+        if here:
+            whole[name] = np.zeros(size, dtype=part.dtype)
+            whole[name][placed] = received
+    return whole if here else None
 
 
 class TensorPart:
@@ -86,7 +106,7 @@ class TensorPart:
     """
 
     def __init__(self, whole, world, parts, group, part, data=True):
-        self.parts, self.part = int(parts), int(part)
+        self.parts, self.part, self.group = int(parts), int(part), int(group)
         self.comm = world.Split(group, key=part)            # the tensor group, by part
         local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
         # (a launcher that deals ranks out to nodes in turn puts a group's parts on different nodes: said in the
@@ -99,8 +119,6 @@ class TensorPart:
         self.shared = replicated(self.model)                # every part holds these alike: counted once
         for operator in operators(self.model):
             operator.reduce = self.sum
-        self.gathered_where = None   # part 0's: every part's map, once gathered
-        self.where_gathered = False
 
     def describe(self):
         """Role-table text: this rank's part, and whether its group spans nodes."""
@@ -130,34 +148,22 @@ class TensorPart:
         values = np.zeros(2)
         values[0] = float(skipped)
         if norm:
-            host = to_host(grads)
-            squares = float(np.dot(host, host))
-            if self.part != 0:   # (the shared parameters: counted on part 0 alone)
-                squares -= sum(float(np.dot(host[lo:hi], host[lo:hi])) for lo, hi in self.shared)
-            values[1] = squares
+            values[1] = self.squares(grads)
         mpi.allreduce_sum(self.comm, values)
         return bool(values[0]), (float(values[1]) if norm else None)
 
-    def gather(self, arrays, size):
+    def squares(self, grads):
+        """This part's share of the whole model's squared gradient norm (on the arrays' device): its split
+        parameters, and the shared ones on part 0 alone (every part holds them alike)."""
+        squares = float(grads.dot(grads))
+        if self.part != 0:
+            squares -= sum(float(grads[lo:hi].dot(grads[lo:hi])) for lo, hi in self.shared)
+        return squares
+
+    def gather(self, arrays):
         """Collective over the tensor group: the parts' ``arrays`` (name -> this part's flat host array) as
-        whole-model arrays of ``size`` elements on part 0 (None elsewhere)."""
-        comm, root = self.comm, 0
-        counts = np.zeros(self.parts, dtype=np.int64)
-        mpi.allgather(comm, np.array([len(self.where)], dtype=np.int64), counts)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        if not self.where_gathered:   # (the map never changes: gathered once, a flag every part keeps alike)
-            where = np.empty(int(counts.sum()), dtype=np.int64) if self.part == root else None
-            self.gathered_where = mpi.gatherv(comm, self.where, where, counts, displs, root)
-            self.where_gathered = True
-        whole = {}
-        for name in sorted(arrays):   # (the same order on every part)
-            part = np.ascontiguousarray(arrays[name])
-            received = np.empty(int(counts.sum()), dtype=part.dtype) if self.part == root else None
-            mpi.gatherv(comm, part, received, counts, displs, root)
-            if self.part == root:
-                whole[name] = np.zeros(size, dtype=part.dtype)
-                whole[name][self.gathered_where] = received
-        return whole if self.part == root else None
+        whole-model arrays on part 0 (None elsewhere)."""
+        return gather_placed(self.comm, arrays, self.where, self.size, 0)
 
     def free(self):
         """Free the two communicators (once)."""

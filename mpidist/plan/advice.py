@@ -30,14 +30,10 @@ def layouts(cal, nodes, per_node, batch_per_rank):
             made += [Layout("ps-sync", nodes, per_node, batch, ps=ps), Layout("ps-async", nodes, per_node, batch, ps=ps)]
     for stages in (2, 4):
         if ranks % stages == 0 and stages <= len(cal.layers):
-            best = None
-            for micro in (4, 8, 16):
-                if batch // (ranks // stages) >= micro:
-                    candidate = Layout("pipeline", nodes, per_node, batch, stages=stages, micro_batches=micro)
-                    if best is None or predict(cal, candidate).step < predict(cal, best).step:
-                        best = candidate
-            if best is not None:
-                made.append(best)
+            candidates = [Layout("pipeline", nodes, per_node, batch, stages=stages, micro_batches=micro)
+                          for micro in (4, 8, 16) if batch // (ranks // stages) >= micro]
+            if candidates:   # (each predicted once: the fastest micro-batch count)
+                made.append(min(candidates, key=lambda layout: predict(cal, layout).step))
     return made
 
 

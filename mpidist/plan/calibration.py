@@ -90,15 +90,10 @@ class Calibration:
     def params(self):
         return sum(layer.params for layer in self.layers)
 
-    def compute(self, samples, first=0, end=None):
-        """Seconds of forward and backward of layers ``first .. end - 1`` on ``samples`` samples (the loss with
-        the last layer)."""
-        end = len(self.layers) if end is None else end
-        seconds = sum(layer.forward[0] + layer.forward[1] * samples + layer.backward[0] + layer.backward[1] * samples
-                      for layer in self.layers[first:end])
-        if end == len(self.layers):
-            seconds += self.loss[0] + self.loss[1] * samples
-        return seconds
+    def compute(self, samples):
+        """Seconds of forward and backward of the whole model, the loss included, on ``samples`` samples."""
+        return sum(part[0] + part[1] * samples for layer in self.layers for part in (layer.forward, layer.backward)) \
+            + self.loss[0] + self.loss[1] * samples
 
     def to_json(self):
         document = dataclasses.asdict(self)

@@ -15,6 +15,7 @@ collectives see it (their sums and copies included).
 """
 
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -40,7 +41,7 @@ def calibrate(world, config, seconds=1.0):
     """The :class:`Calibration` of ``config``'s model and data on this machine (complete on rank 0; every rank
     must call)."""
     baseline = peak_memory()   # (before any data or model: what Python, numpy and MPI hold)
-    node, _, num_nodes, node_of_rank = node_layout(world)
+    node, _, _, node_of_rank = node_layout(world)
     figures = trainer = None
     if world.Get_rank() == 0:
         figures, trainer = _compute(config, seconds)
@@ -59,15 +60,10 @@ def calibrate(world, config, seconds=1.0):
     made = Calibration(**figures, node=within, network=between, baseline_bytes=0, node_crowding=crowding[0],
                        network_crowding=crowding[1],
                        ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
-                       cores=_cores(), node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
+                       cores=len(os.sched_getaffinity(0)), node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
     # what a rank holds besides the arrays the model counts: the one-process run's peak less its arrays
     arrays = predict(made, Layout("local", 1, 1, made.batch_per_rank)).memory
     return dataclasses.replace(made, baseline_bytes=max(baseline, peak - arrays))
-
-
-def _cores():
-    import os
-    return len(os.sched_getaffinity(0))
 
 
 def _median_seconds(fn, repeats=REPEATS):
@@ -103,12 +99,9 @@ class _Trainer:
         self.local.train_step(self.x, self.y, 1.0, next(self.steps))
 
 
-def _read_overhead(config):
+def _read_overhead(config, info, model):
     """Bytes reading one worker's lanes of the training split in memory (worker 0 of 2) takes at its peak above
     what it then holds: the blocks and chunks the file is read in (0 where the peak cannot be started over)."""
-    inputs = Inputs.of(config)
-    info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
-    model = build_model_for(config, inputs, info, np)
     global_batch = 2 * max(4, config.batch_size)
     if info.sizes["train"] < global_batch or not reset_high_water():
         return 0
@@ -122,9 +115,9 @@ def _read_overhead(config):
 
 def _compute(config, seconds):
     rate, peak = _short_run(config, max(4, config.batch_size))   # (first: its peak is a whole run's, no more)
-    read_overhead = _read_overhead(config)
     trainer = _Trainer(config)
     info, model, loss, x, y, batch = trainer.info, trainer.model, trainer.loss, trainer.x, trainer.y, trainer.batch
+    read_overhead = _read_overhead(config, info, model)
     sizes = sorted({max(1, batch // 8), max(1, batch // 4), max(1, batch // 2), batch})   # (micro-batches too)
     forward, backward, losses = _scaled(*_layer_lines(model, loss, x, y, sizes),
                                         _whole_line(model, loss, x, y, sizes, seconds))
@@ -276,25 +269,30 @@ def _crowding(world, node_of_rank, same_node, trainer, alone, seconds):
     """How much slower rank 0's step runs while the next rank on its node (``same_node``; or on another node)
     trains too, over its step alone (``alone`` seconds): ranks that share a node's memory and caches slow each
     other.  1.0 where there is no such rank.  Every rank calls; two of them train."""
-    rank = world.Get_rank()
-    partner = next((r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node),
-                   None)
-    if partner is None:
+    pair = _pair_with_rank_0(world, node_of_rank, same_node)
+    if pair is None:
         return 1.0
     count = max(REPEATS, int(seconds / max(alone, 1e-6)))
     times = []
-    if rank in (0, partner):
-        pair = world.Split(0, key=rank)
+    if pair != MPI.COMM_NULL:
         for _ in range(count):
             pair.Barrier()
             start = time.perf_counter()
             trainer.step()
             times.append(time.perf_counter() - start)
         pair.Free()
-    else:
-        world.Split(MPI.UNDEFINED, key=rank)
     world.Barrier()
-    return max(1.0, float(np.median(times)) / alone) if rank == 0 else None
+    return max(1.0, float(np.median(times)) / alone) if world.Get_rank() == 0 else None
+
+
+def _pair_with_rank_0(world, node_of_rank, same_node):
+    """Collective: a communicator of rank 0 and the next rank on its node (``same_node``) or on another node
+    (``COMM_NULL`` on the other ranks); None where there is no such rank."""
+    partner = next((r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node),
+                   None)
+    if partner is None:
+        return None
+    return world.Split(0 if world.Get_rank() in (0, partner) else MPI.UNDEFINED, key=world.Get_rank())
 
 
 def _pair(world, node_of_rank, same_node):
@@ -302,12 +300,9 @@ def _pair(world, node_of_rank, same_node):
     the collectives see it: an ``Allreduce`` of ``n`` bytes over the two, a ring's two steps of ``n / 2``,
     takes ``2 latency + n per_byte`` (sums and copies included); None where there is no such rank.  Every
     rank calls; two of them measure."""
-    rank = world.Get_rank()
-    partner = next((r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node),
-                   None)
-    if partner is None:
+    pair = _pair_with_rank_0(world, node_of_rank, same_node)
+    if pair is None:
         return None
-    pair = world.Split(0 if rank in (0, partner) else MPI.UNDEFINED, key=rank)
     seconds = []
     if pair != MPI.COMM_NULL:
         for size in SIZES:
@@ -320,7 +315,7 @@ def _pair(world, node_of_rank, same_node):
             seconds.append(float(np.median(trips[1:])))
         pair.Free()
     world.Barrier()
-    if rank != 0:
+    if world.Get_rank() != 0:
         return None
     whole = fit([4 * (size // 4) for size in SIZES], seconds)
     return Link(whole.latency / 2, whole.per_byte)

@@ -103,8 +103,8 @@ def check(cal, layout):
         raise UsageError(f"--stages {layout.stages}: the model has {len(cal.layers)} layers")
 
 
-def _link(cal, layout, within_node=False):
-    return cal.node if within_node or layout.nodes == 1 else cal.network
+def _link(cal, layout):
+    return cal.node if layout.nodes == 1 else cal.network
 
 
 def _wait(cal, compute, ranks):
@@ -236,9 +236,8 @@ def _pipeline(cal, layout):
     busy = max(sum(seconds[stage, op] for _, op, _ in line) for stage, line in enumerate(timeline))
     stage_params = max(sum(cal.layers[i].params for i in range(lo, hi)) for lo, hi in spans)
     nbytes = stage_params * cal.itemsize
-    exchange = _link(cal, layout).allreduce(nbytes, replicas) + (replicas - 1) / replicas * nbytes * cal.sum_per_byte
-    held = max(peak[stage] * micro * cal.itemsize * sum(cal.layers[i].out_elements for i in range(lo, hi))
-               for stage, (lo, hi) in enumerate(spans))
+    exchange = link.allreduce(nbytes, replicas) + (replicas - 1) / replicas * nbytes * cal.sum_per_byte
+    held = max(_activations(cal, peak[stage] * micro, lo, hi) for stage, (lo, hi) in enumerate(spans))
     return Prediction(layout, busy, exchange, cal.optimizer_per_param * stage_params, makespan - busy,
                       _wait(cal, busy, layout.ranks),
                       _memory(cal, layout, stage_params, stage_params, replicas, held))

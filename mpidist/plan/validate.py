@@ -12,6 +12,7 @@ means anything.  Two names must reach this machine for the emulated nodes
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -60,7 +61,6 @@ def calibrated(folder, model, data, hosts, seconds):
         _run(_mpiexec(2, nodes, hosts, ["plan", "--calibrate", "--model", model, "--data", data, "--seconds",
                                         str(seconds), "--calibration", str(folder / f"{name}.json")]))
     within, between = calibration.load(folder / "node.json"), calibration.load(folder / "network.json")
-    import dataclasses
     return dataclasses.replace(within, network=between.network, network_crowding=between.network_crowding)
 
 

@@ -15,7 +15,7 @@ import sys
 from .errors import UsageError
 
 
-def _kib_field(path, name):
+def kib_field(path, name):
     """The ``name:`` line of a ``/proc`` file counted in kB, as bytes, or None where it cannot be read."""
     try:
         with open(path, "rb") as handle:
@@ -29,7 +29,7 @@ def _kib_field(path, name):
 
 def high_water():
     """This process's peak resident bytes since :func:`reset_high_water` (Linux's ``VmHWM``), or None."""
-    return _kib_field("/proc/self/status", b"VmHWM")
+    return kib_field("/proc/self/status", b"VmHWM")
 
 
 def reset_high_water():
@@ -44,7 +44,7 @@ def reset_high_water():
 
 def available_bytes():
     """Memory the node can still give (``MemAvailable``), or None where that cannot be read."""
-    found = _kib_field("/proc/meminfo", b"MemAvailable")
+    found = kib_field("/proc/meminfo", b"MemAvailable")
     if found is not None:
         return found
     try:

@@ -145,7 +145,6 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
         raise UsageError(f"ingest: --delimiter applies to .csv files, not to {source}")
     # (an unwritable output fails now, before the source is read)
     with claimed(out, "the dataset") if shard_size is None else contextlib.nullcontext():
-        facts = {}
         if source in SOURCES:
             splits, num_classes, text, facts = build_source(source, seed)
             name = name or source
