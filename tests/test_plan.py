@@ -12,7 +12,7 @@ from mpidist.plan import calibration
 from mpidist.plan.advice import advise
 from mpidist.plan.calibration import Calibration, LayerCost
 from mpidist.plan.links import Link, fit, parse_link
-from mpidist.plan.step import Layout, predict
+from mpidist.plan.step import Layout, predict, slowest_of
 from mpidist.runtime.errors import UsageError
 
 MS = 1e-3
@@ -24,7 +24,7 @@ def made_up(layers=4, params=1000, forward=(0.0, 1e-4), backward=(0.0, 2e-4), **
                    read_overhead_bytes=512_000,
                    batch_per_rank=64, train_samples=1000, test_samples=100,
                    layers=tuple(LayerCost("Dense", params, 10, True, forward, backward) for _ in range(layers)),
-                   loss=(0.0, 0.0), tensor_sums=(10,), optimizer_per_param=1e-9, step_overhead=0.0,
+                   loss=(0.0, 0.0), tensor_sums=(10,), optimizer_per_param=1e-9, step_overhead=0.0, micro_batch_s=0.0,
                    sum_per_byte=1e-10, jitter=0.0, node=Link(1e-6, 1e-10), network=Link(2e-6, 4e-10),
                    node_crowding=1.0, network_crowding=1.0,
                    baseline_bytes=50 << 20, ranks_per_node=2, cores=2, node_memory_bytes=16 << 30)
@@ -73,9 +73,11 @@ def test_local_and_allreduce_steps_in_closed_form():
 
 
 def test_a_pipeline_of_equal_stages_pays_the_schedules_bubble():
-    cal = made_up(layers=4, forward=(0.0, 1e-4), backward=(0.0, 1e-4), node=Link(0.0, 0.0))
+    cal = made_up(layers=4, forward=(0.0, 1e-4), backward=(0.0, 1e-4), node=Link(0.0, 0.0), micro_batch_s=5e-5)
     made = predict(cal, Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4))
-    stage = 2 * 16 * 2e-4   # two layers, micro-batches of 16, forward and backward
+    # two layers, micro-batches of 16, forward and backward; then the stage's 2,000 gradients added into the
+    # step's, and the runner's own time
+    stage = 2 * 16 * 2e-4 + 2000 * 4 * 1e-10 + 5e-5
     assert made.compute == pytest.approx(4 * stage) and made.bubble == pytest.approx(stage)   # (P - 1) of M + P - 1
 
 
@@ -87,10 +89,26 @@ def test_ranks_of_one_node_that_crowd_each_other_compute_slower():
 
 
 def test_jitter_costs_the_wait_for_the_slowest_of_the_synchronised_ranks():
+    # the expected largest of r standard normals: 1 / sqrt(pi) for 2, 1.4236 for 8, 3.2414 for 1000
+    for count, largest, within in ((2, 1 / math.sqrt(math.pi), 0.05), (8, 1.4236, 0.01), (1000, 3.2414, 0.01)):
+        assert slowest_of(count) == pytest.approx(largest, rel=within)
+    assert slowest_of(1) == 0.0
     calm, noisy = made_up(), made_up(jitter=0.1)
     layout = Layout("allreduce", 4, 2, 512)
     assert predict(calm, layout).wait == 0.0
-    assert predict(noisy, layout).wait == pytest.approx(0.1 * 4 * 64 * 3e-4 * math.sqrt(2 * math.log(8)))
+    assert predict(noisy, layout).wait == pytest.approx(0.1 * 4 * 64 * 3e-4 * 1.4236, rel=0.01)
+
+
+def test_a_pipeline_waits_for_stages_as_loaded_as_each_other_and_not_for_one_with_slack():
+    even = made_up(layers=4, forward=(0.0, 1e-4), backward=(0.0, 1e-4), jitter=0.1)
+    heavy, light = even.layers[0], dataclasses.replace(even.layers[0], forward=(0, 1e-6), backward=(0, 1e-6))
+    lopsided = dataclasses.replace(even, layers=(heavy, heavy, light, light))   # (2 layers a stage)
+    layout = Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4)
+    assert predict(dataclasses.replace(even, jitter=0.0), layout).wait == 0.0
+    assert predict(even, layout).wait > 0.02 * predict(even, layout).compute
+    assert predict(lopsided, layout).wait < 0.005 * predict(lopsided, layout).compute
+    # replicas wait for the slowest replica's schedule too
+    assert predict(even, Layout("pipeline", 1, 8, 256, stages=2, micro_batches=4)).wait > predict(even, layout).wait
 
 
 def test_the_memory_a_rank_holds_counts_its_share_of_each_array():
@@ -100,8 +118,14 @@ def test_the_memory_a_rank_holds_counts_its_share_of_each_array():
     # for the batch and for the test split's 100 samples
     assert one == 50 * 2 ** 20 + 1000 * 256 + 2 * 4000 * 4 + 2 * 4000 * 4 + 64 * 4 * 40 + 100 * 4 * 40
     sharded = predict(cal, Layout("allreduce", 1, 4, 256, exchange="mpi", shard="optimizer")).memory
-    # 4 workers: a quarter of the rows, and what reading them between the others' rows takes (as calibrated)
-    assert sharded == 50 * 2 ** 20 + 250 * 256 + 2 * 4000 * 4 + 2 * 1000 * 4 + max(512_000, 64 * 4 * 40 + 25 * 4 * 40)
+    # 4 workers: a quarter of the rows; then the larger of what reading them between the others' rows takes
+    # (as calibrated) and training's optimizer state and activations (the model is built before the read)
+    assert sharded == 50 * 2 ** 20 + 250 * 256 + 2 * 4000 * 4 + max(512_000, 2 * 1000 * 4 + 64 * 4 * 40 + 25 * 4 * 40)
+    # a stage of 2 layers: its slice twice, Adam's moments and the accumulated gradients of the slice; the
+    # whole model's parameters the chief filled, and the whole parameters and moments it gathers at the end
+    stage = predict(cal, Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4))
+    held = 2 * 2000 * 4 + (2 * 2000 + 2000) * 4 + 2 * 16 * 4 * 20 + 100 * 4 * 40   # (2 micro-batches in flight)
+    assert stage.memory == 50 * 2 ** 20 + 1000 * 256 + held + (1 + 1 + 2) * 4000 * 4
 
 
 def test_the_advice_is_the_fastest_layout_that_fits_and_the_knee_where_efficiency_falls():

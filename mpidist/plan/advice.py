@@ -27,7 +27,7 @@ def layouts(cal, nodes, per_node, batch_per_rank):
         made.append(Layout("allreduce", nodes, per_node, batch, tensor=2))
     for ps in sorted({1, nodes}):
         if ps < ranks:
-            made += [Layout("ps-sync", nodes, per_node, batch, ps=ps), Layout("ps-async", nodes, per_node, batch, ps=ps)]
+            made += [Layout(strategy, nodes, per_node, batch, ps=ps) for strategy in ("ps-sync", "ps-async")]
     for stages in (2, 4):
         if ranks % stages == 0 and stages <= len(cal.layers):
             candidates = [Layout("pipeline", nodes, per_node, batch, stages=stages, micro_batches=micro)

@@ -49,6 +49,8 @@ class Calibration:
             many again in backward).
         optimizer_per_param: seconds per parameter of an update (the optimizer and the checks around it).
         step_overhead: seconds a step of ``train`` takes besides the strategy's step (batches, metrics).
+        micro_batch_s: seconds a pipeline stage spends on each micro-batch besides its layers' lines and the
+            sum of its gradients (its bookkeeping, and what small batches cost the layers above their lines).
         sum_per_byte: seconds per byte of summing one buffer into another in memory.
         jitter: the relative spread of one rank's step times (its standard deviation over the median).
         node_crowding, network_crowding: how much slower a rank's step runs while another rank on its node (on
@@ -75,6 +77,7 @@ class Calibration:
     tensor_sums: tuple
     optimizer_per_param: float
     step_overhead: float
+    micro_batch_s: float
     sum_per_byte: float
     jitter: float
     node: Link
@@ -149,9 +152,11 @@ def _checked(document, where):
         read_overhead_bytes=read.count("read_overhead_bytes"), batch_per_rank=read.count("batch_per_rank", least=1),
         train_samples=read.count("train_samples", least=1),
         test_samples=read.count("test_samples"),
-        layers=tuple(costs), loss=read.pair("loss"), tensor_sums=tuple(sums), optimizer_per_param=read.seconds("optimizer_per_param"),
-        step_overhead=read.seconds("step_overhead"),
-        sum_per_byte=read.seconds("sum_per_byte"), jitter=read.seconds("jitter"), node=read.link("node", optional=True),
+        layers=tuple(costs), loss=read.pair("loss"), tensor_sums=tuple(sums),
+        optimizer_per_param=read.seconds("optimizer_per_param"),
+        step_overhead=read.seconds("step_overhead"), micro_batch_s=read.seconds("micro_batch_s"),
+        sum_per_byte=read.seconds("sum_per_byte"), jitter=read.seconds("jitter"),
+        node=read.link("node", optional=True),
         network=read.link("network", optional=True), node_crowding=read.seconds("node_crowding"),
         network_crowding=read.seconds("network_crowding"), baseline_bytes=read.count("baseline_bytes"),
         ranks_per_node=read.count("ranks_per_node", least=1), cores=read.count("cores", least=1),

@@ -60,7 +60,8 @@ def calibrate(world, config, seconds=1.0):
     made = Calibration(**figures, node=within, network=between, baseline_bytes=0, node_crowding=crowding[0],
                        network_crowding=crowding[1],
                        ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
-                       cores=len(os.sched_getaffinity(0)), node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
+                       cores=len(os.sched_getaffinity(0)),
+                       node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
     # what a rank holds besides the arrays the model counts: the one-process run's peak less its arrays
     arrays = predict(made, Layout("local", 1, 1, made.batch_per_rank)).memory
     return dataclasses.replace(made, baseline_bytes=max(baseline, peak - arrays))
@@ -129,6 +130,9 @@ def _compute(config, seconds):
     buffer = np.ones(max(params, 1 << 20), dtype=model.dtype)
     other = buffer.copy()
     summed, _ = _median_seconds(lambda: np.add(buffer, other, out=buffer))
+    added = params * buffer.itemsize * summed / buffer.nbytes   # (a micro-batch's gradients into the step's)
+    fixed = sum(f[0] + b[0] for f, b in zip(forward, backward)) + losses[0] + added
+    micro_batch_s = _micro_batch_seconds(config, batch, fixed)
     splits, sums = _tensor_shape(model)
     shapes = model.shapes[1:] + [model.output_shape]
     layers = tuple(LayerCost(type(layer).__name__, model.layer_params(index), int(np.prod(shapes[index])),
@@ -140,15 +144,29 @@ def _compute(config, seconds):
             "train_samples": int(info.sizes["train"]), "test_samples": int(info.sizes.get("test", 0)),
             "layers": layers, "loss": losses, "tensor_sums": sums,
             "batch_per_rank": batch, "optimizer_per_param": max(0.0, step - layers_s) / params,
-            "step_overhead": overhead, "run_peak_bytes": peak, "alone_s": step, "read_overhead_bytes": read_overhead,
+            "step_overhead": overhead, "micro_batch_s": micro_batch_s, "run_peak_bytes": peak, "alone_s": step,
+            "read_overhead_bytes": read_overhead,
             "sum_per_byte": summed / buffer.nbytes,
             # (the spread of the upper half, robust to the odd step a busy machine stretches tenfold)
             "jitter": float((np.percentile(times, 84) - np.median(times)) / np.median(times))}, trainer
 
 
-def _short_run(config, batch, steps=200):
-    """``(samples/s, peak resident bytes)`` of ``steps`` steps of ``train`` on one process, with a run
-    directory's metrics (in a scratch one, removed after), as users run it."""
+def _micro_batch_seconds(config, batch, fixed, steps=150):
+    """Seconds a pipeline stage spends on each micro-batch besides ``fixed`` (the layers' and the loss's fixed
+    seconds and the sum of the gradients): from one-stage pipelines of 1 and of M micro-batches, the step's
+    growth per micro-batch added."""
+    micro = min(8, batch)
+    if micro < 2:
+        return 0.0
+    rates = [_short_run(config, batch, steps, strategy="pipeline", stages=1, micro_batches=m)[0] for m in (1, micro)]
+    if min(rates) <= 0:
+        return 0.0
+    return max(0.0, (batch / rates[1] - batch / rates[0]) / (micro - 1) - fixed)
+
+
+def _short_run(config, batch, steps=200, **strategy):
+    """``(samples/s, peak resident bytes)`` of ``steps`` steps of ``train`` on one process (with ``strategy``'s
+    settings), with a run directory's metrics (in a scratch one, removed after), as users run it."""
     import io
     import shutil
     import tempfile
@@ -160,7 +178,8 @@ def _short_run(config, batch, steps=200):
     try:
         result = train(model=config.model, data=config.data, optimizer=config.optimizer, lr=config.lr,
                        dtype=config.dtype, batch_size=batch, steps=steps, epochs=10 ** 6, eval_every=0,
-                       checkpoint_dir="", run_dir=scratch, progress="none", comm=MPI.COMM_SELF, stream=io.StringIO())
+                       checkpoint_dir="", run_dir=scratch, progress="none", comm=MPI.COMM_SELF, stream=io.StringIO(),
+                       **strategy)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return result.figures.get("samples_per_s") or 0.0, peak_memory()

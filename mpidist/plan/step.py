@@ -9,7 +9,9 @@ times, and the wait for the slowest of the ranks a step synchronises.
 """
 
 import dataclasses
-import math
+import statistics
+
+import numpy as np
 
 from ..parallel.pipeline import balance_by_parameters
 from ..parallel.schedule import schedule as stage_plan
@@ -107,29 +109,37 @@ def _link(cal, layout):
     return cal.node if layout.nodes == 1 else cal.network
 
 
+def slowest_of(count):
+    """The expected largest of ``count`` standard normal draws (Blom's approximation, within 1% from 2 to
+    millions; ``sqrt(2 ln count)``, its limit, is twice too large at 2)."""
+    if count <= 1:
+        return 0.0
+    return statistics.NormalDist().inv_cdf((count - 0.375) / (count + 0.25))
+
+
 def _wait(cal, compute, ranks):
-    """The expected wait for the slowest of ``ranks`` ranks whose step times spread by ``cal.jitter``: the
-    expected maximum of ``ranks`` normal deviations, about ``sigma sqrt(2 ln r)``."""
-    return cal.jitter * compute * math.sqrt(2 * math.log(ranks)) if ranks > 1 else 0.0
+    """The expected wait for the slowest of ``ranks`` ranks whose step times spread by ``cal.jitter`` (as
+    independent normal draws)."""
+    return cal.jitter * compute * slowest_of(ranks)
 
 
 EVAL_BATCH = 1024       # samples an evaluation runs through the model at once (data.batches.eval_batches)
 
 
-def _memory(cal, layout, params, updated, workers, activations):
-    """A rank's resident bytes: the baseline, its lanes of the training data (and, with other workers' lanes
-    between its rows, what reading them takes above that, as calibrated), parameters and gradients, the
-    optimizer state of what it updates, and the activations of the samples it holds at once."""
+def _memory(cal, layout, params, updated, workers, activations, kept=0):
+    """A rank's resident bytes at the larger of two moments, on top of the baseline, its lanes of the training
+    data, and its parameters and gradients (the model is built first): reading its lanes at set-up (with other
+    workers' lanes between its rows, what the read takes above them, as calibrated); then training and the
+    last evaluation, with the optimizer state of what it updates, ``kept`` more values the strategy keeps, a
+    step's ``activations`` and an evaluation batch's."""
     item = cal.itemsize
-    state = OPTIMIZER_ARRAYS.get(cal.optimizer, 2) * updated * item
+    state = (OPTIMIZER_ARRAYS.get(cal.optimizer, 2) * updated + kept) * item
     data = cal.train_samples * cal.sample_bytes // max(1, workers)
     # the last evaluation: its share of the test split, a batch of up to EVAL_BATCH through every layer
     evaluated = min(EVAL_BATCH, -(-cal.test_samples // max(1, workers))) * item * sum(
         layer.out_elements for layer in cal.layers)
-    # the peak is the larger of two moments: reading the lanes at set-up (with other workers' lanes between a
-    # worker's rows, what the read takes above them), and training then evaluating
-    transient = max(cal.read_overhead_bytes if workers > 1 else 0, activations + evaluated)
-    return int(cal.baseline_bytes + data + 2 * params * item + state + transient)
+    reading = cal.read_overhead_bytes if workers > 1 else 0
+    return int(cal.baseline_bytes + data + 2 * params * item + max(reading, state + activations + evaluated))
 
 
 def _activations(cal, samples, first=0, end=None):
@@ -226,18 +236,50 @@ def _pipeline(cal, layout):
         backward = sum(cal.layers[i].backward[0] + cal.layers[i].backward[1] * micro for i in range(lo, hi))
         if hi == len(cal.layers):
             backward += cal.loss[0] + cal.loss[1] * micro
+        # each micro-batch's gradients are added into the step's, and the runner keeps its books
+        backward += sum(cal.layers[i].params for i in range(lo, hi)) * cal.itemsize * cal.sum_per_byte \
+            + cal.micro_batch_s
         seconds[stage, "fwd"], seconds[stage, "bwd"] = forward, backward
     link = _link(cal, layout)
     largest = max(cal.layers[hi - 1].out_elements for _, hi in spans[:-1]) if stages > 1 else 0
     transfer = link.time(micro * largest * cal.itemsize) if stages > 1 else 0.0
     plans = [stage_plan(layout.schedule, stage, stages, layout.micro_batches) for stage in range(stages)]
-    timeline, peak = simulate(plans, cost=lambda stage, op: seconds[stage, op], transfer=transfer)
-    makespan = max(start + seconds[stage, op] for stage, line in enumerate(timeline) for start, op, _ in line)
-    busy = max(sum(seconds[stage, op] for _, op, _ in line) for stage, line in enumerate(timeline))
+    makespan, peak = _makespan(plans, seconds, transfer)
+    busy = max(sum(seconds[stage, op] for op, _ in plan if op in ("fwd", "bwd")) for stage, plan in enumerate(plans))
     stage_params = max(sum(cal.layers[i].params for i in range(lo, hi)) for lo, hi in spans)
     nbytes = stage_params * cal.itemsize
     exchange = link.allreduce(nbytes, replicas) + (replicas - 1) / replicas * nbytes * cal.sum_per_byte
     held = max(_activations(cal, peak[stage] * micro, lo, hi) for stage, (lo, hi) in enumerate(spans))
+    # (every rank keeps the whole model's parameters it was built from; the chief fills them, and at the end
+    # gathers the stages' slices and optimizer state into whole arrays of its own)
+    whole = (2 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2)) * cal.params * cal.itemsize
     return Prediction(layout, busy, exchange, cal.optimizer_per_param * stage_params, makespan - busy,
-                      _wait(cal, busy, layout.ranks),
-                      _memory(cal, layout, stage_params, stage_params, replicas, held))
+                      _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas),
+                      _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params) + whole)
+
+
+def _makespan(plans, seconds, transfer):
+    """``(seconds from the first stage's start to the last's end, activations held per stage)`` of the
+    schedule run with ``seconds[stage, op]`` per computation."""
+    timeline, peak = simulate(plans, cost=lambda stage, op: seconds[stage, op], transfer=transfer)
+    return max(start + seconds[stage, op] for stage, line in enumerate(timeline) for start, op, _ in line), peak
+
+
+DRAWS = 64   # schedules run with drawn stage speeds, for the pipeline's wait
+
+
+def _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas):
+    """What stages that step at different speeds add to the schedule's makespan: the schedule run
+    :data:`DRAWS` times, each stage's step slowed or sped by a draw of the calibrated spread (a stage with
+    slack to spare delays no one; stages as loaded as each other wait for the slowest), then the slowest of
+    ``replicas`` replicas' makespans, which the replicas' allreduce waits for."""
+    if cal.jitter <= 0:
+        return 0.0
+    rng = np.random.default_rng(0)   # (the same prediction every time)
+    spans = []
+    for _ in range(DRAWS):
+        factor = np.maximum(0.1, 1.0 + cal.jitter * rng.standard_normal(len(plans)))
+        drawn = {(stage, op): value * factor[stage] for (stage, op), value in seconds.items()}
+        spans.append(_makespan(plans, drawn, transfer)[0])
+    mean, spread = float(np.mean(spans)), float(np.std(spans))
+    return max(0.0, mean - makespan) + spread * slowest_of(replicas)

@@ -1,13 +1,14 @@
 """How far ``plan`` can be trusted here: its predictions against runs of the same layouts, measured.
 
-``python -m mpidist.plan.validate --model mlp-wide --data mnist-5k`` calibrates
-(two ranks on this node, then one rank on each of two emulated nodes for the
-network), trains each layout of :data:`LAYOUTS` for ``--steps`` steps in
-``--rounds`` interleaved rounds (each rank with the BLAS threads of one of the
-two calibrated ranks: half the cores), and prints each layout's predicted samples/s
-and peak memory beside the medians measured, with their ratios.  Every rank
-runs on this machine: on a machine of fewer cores than ranks, nothing here
-means anything.  Two names must reach this machine for the emulated nodes
+``python -m mpidist.plan.validate --model mlp-wide --data mnist-5k``, in each
+of ``--rounds`` rounds, calibrates (two ranks on this node, then one rank on
+each of two emulated nodes for the network) and trains each layout of
+:data:`LAYOUTS` for ``--steps`` steps (each rank with the BLAS threads of one
+of the two calibrated ranks: half the cores); it prints each layout's
+predicted samples/s and peak memory (medians of the rounds' predictions)
+beside the medians measured, with their ratios.  Every rank runs on this
+machine: on a machine of fewer cores than ranks, nothing here means
+anything.  Two names must reach this machine for the emulated nodes
 (``--hosts``; MPICH's launcher starts each name's ranks as a node).
 """
 
@@ -84,32 +85,38 @@ def main(argv=None):
     hosts = options.hosts.split(",")
     folder = Path(tempfile.mkdtemp(prefix="mpidist-plan-validate-"))
     try:
-        cal = calibrated(folder, options.model, options.data, hosts, options.seconds)
         measured = {name: [] for name, *_ in LAYOUTS}
+        predicted = {name: [] for name, *_ in LAYOUTS}
+        calibrations = []
         for round_ in range(options.rounds):
+            # a calibration each round, beside the runs it predicts: this machine's speed drifts by ~10%
+            cal = calibrated(folder, options.model, options.data, hosts, options.seconds)
+            calibrations.append(cal.to_json())
             for name, ranks, nodes, flags in LAYOUTS:
-                run_dir = folder / f"{len(measured[name])}-{name.replace(' ', '_').replace(',', '')}"
+                run_dir = folder / f"{round_}-{name.replace(' ', '_').replace(',', '')}"
                 _run(_mpiexec(ranks, nodes, hosts, ["--model", options.model, "--data", options.data, *flags,
                                                     *batch_flags(name, ranks, cal.batch_per_rank), "--steps",
                                                     str(options.steps), "--eval-every", "0", "--checkpoint-dir", "",
                                                     "--progress", "none", "--run-dir", str(run_dir)]))
                 measured[name].append(read_layout(run_dir))
+                predicted[name].append(predict(cal, measured[name][-1][0]))
         rows = []
         for name, runs in measured.items():
-            layout = runs[0][0]
-            made = predict(cal, layout)
+            made = predicted[name]
             speed, peak = median(run[1] for run in runs), median(run[2] for run in runs)
-            rows.append({"layout": name, "predicted": made.samples_per_s, "measured": speed,
-                         "speed_ratio": made.samples_per_s / speed, "memory_predicted_mib": made.memory / 2 ** 20,
-                         "memory_measured_mib": peak / 2 ** 20, "memory_ratio": made.memory / peak,
-                         "measured_each": [run[1] for run in runs]})
+            rate, memory = median(m.samples_per_s for m in made), median(m.memory for m in made)
+            rows.append({"layout": name, "predicted": rate, "measured": speed,
+                         "speed_ratio": rate / speed, "memory_predicted_mib": memory / 2 ** 20,
+                         "memory_measured_mib": peak / 2 ** 20, "memory_ratio": memory / peak,
+                         "measured_each": [run[1] for run in runs],
+                         "predicted_each": [m.samples_per_s for m in made]})
         from ..bench.output import format_table
         from .check import COLUMNS
         print(f"mpidist plan: {options.model} on {options.data}, {options.steps} steps a run, medians of "
               f"{options.rounds} interleaved rounds")
         print(format_table(rows, [column for column in COLUMNS if column[0] not in ("ranks", "nodes")]))
         if options.output:
-            Path(options.output).write_text(json.dumps({"calibration": cal.to_json(), "rows": rows}, indent=1))
+            Path(options.output).write_text(json.dumps({"calibrations": calibrations, "rows": rows}, indent=1))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
