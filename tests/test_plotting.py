@@ -99,7 +99,7 @@ def test_a_timeline_passes_over_events_of_the_wrong_shape(tmp_path):
 
 
 def test_legends_stand_beside_the_curves_not_on_them():
-    figure, (by_step, by_time) = plotting._figure()
+    figure, (by_step, by_time) = plotting.new_figure()
     for index, name in enumerate(["my_script-build-digits-ps-sync-20261125-101010", "mlp-digits-allreduce-2"]):
         for axes in (by_step, by_time):
             axes.plot(range(50), [1 / (step + 1 + index) for step in range(50)], label=name)
@@ -113,3 +113,53 @@ def test_legends_stand_beside_the_curves_not_on_them():
     assert legend.x0 >= plot.x1                                           # right of the curves
     assert legend.x1 <= figure.bbox.x1 + 1                                # and inside the figure
 
+
+
+def test_plot_draws_a_plan_one_line_per_layout_with_measured_runs_on_top(two_runs, tmp_path):
+    from mpidist.plan import calibration
+    from mpidist.tools import plan_figure
+    from test_plan import made_up
+
+    calibration.save(made_up(), tmp_path / "c.json")
+    done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,2,4",
+                      "--output", str(tmp_path / "plan.json"))
+    assert done.returncode == 0, done.stderr
+    lines = plan_figure.read_plan(tmp_path / "plan.json")
+    assert [n for n, _, _ in lines["allreduce"]] == [1, 2, 4]     # (by node count; some layouts need 2 nodes)
+    assert all({n for n, _, _ in points} <= {1, 2, 4} for points in lines.values())
+    done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "plan.json"), str(two_runs / "allreduce"),
+                      str(tmp_path / "nowhere"))
+    assert done.returncode == 0, done.stderr
+    assert png(tmp_path / "plan.png") == (800, 500)
+    assert "passed over" in done.stdout and "nowhere" in done.stdout
+    # what is drawn: a line per layout, the linear scaling, and the allreduce run (3 ranks, one node) as a
+    # star in allreduce's colour
+    measured, _ = plan_figure.measured_points([two_runs / "allreduce"])
+    figure = plan_figure.draw_plan(lines, measured, "plan.json")
+    drawn = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert set(lines) | {"linear", "measured: allreduce (allreduce)"} <= set(drawn)
+    star = drawn["measured: allreduce (allreduce)"]
+    assert star.get_xdata().tolist() == [1] and star.get_color() == drawn["allreduce"].get_color()
+    assert drawn["linear"].get_ydata()[-1] == pytest.approx(4 * max(r for p in lines.values() for n, r, _ in p
+                                                                  if n == 1))
+
+
+def test_a_plan_file_is_untrusted(tmp_path):
+    from mpidist.tools import plan_figure
+
+    rows = [{"nodes": 1, "layout": "allreduce", "samples_per_s": 100.0, "fits": True},
+            {"nodes": 2, "layout": "allreduce", "samples_per_s": 180.0, "fits": False},
+            {"nodes": True, "layout": "x", "samples_per_s": 1.0}, {"nodes": 0, "layout": "x", "samples_per_s": 1.0},
+            {"nodes": 4, "layout": 7, "samples_per_s": 1.0}, {"nodes": 4, "layout": "x", "samples_per_s": -1},
+            {"nodes": 4, "layout": "x", "samples_per_s": 10 ** 400}, "row", None]
+    (tmp_path / "p.json").write_text(json.dumps({"rows": rows}))
+    assert plan_figure.read_plan(tmp_path / "p.json") == {"allreduce": [(1, 100.0, True), (2, 180.0, False)]}
+    for text, message in (("{not json", "not a plan mpidist wrote"), ("[1]", "not a plan mpidist wrote"),
+                          ('{"rows": [{"nodes": 0}]}', "holds no rows"), ("[" * 100000, "not a plan")):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(UsageError, match=message):
+            plan_figure.read_plan(tmp_path / "bad.json")
+    done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "nowhere.json"))
+    assert done.returncode == 2 and "cannot be read" in done.stderr and "Traceback" not in done.stderr
+    done, _ = mpidist(1, "plot")
+    assert done.returncode == 2 and "give run directories to draw, or --plan" in done.stderr

@@ -114,12 +114,17 @@ def build_parser():
     ingest.add_argument("--standardize", action="store_true", help="store each feature's mean and standard "
                         "deviation over the training rows; train, eval and predict then read (x - mean) / std")
 
-    plot = sub.add_parser("plot", help="draw PNG figures of runs: loss, evaluations, throughput, timeline",
-                          description="Draw the training loss and the evaluations against step and time, and the "
-                          "throughput over time, of one or more run directories on one set of axes; for a run "
-                          "with --trace, a few steps of every rank's timeline. Needs the plot extra (matplotlib).")
-    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or metrics.jsonl files)")
-    plot.add_argument("--output", default=None, help="directory for the PNG files (default: the first run's plots/)")
+    plot = sub.add_parser("plot", help="draw PNG figures of runs (loss, evaluations, throughput, timeline) or "
+                          "of a plan", description="Draw the training loss and the evaluations against step and "
+                          "time, and the throughput over time, of one or more run directories on one set of axes; "
+                          "for a run with --trace, a few steps of every rank's timeline. With --plan, draw plan's "
+                          "predicted samples/s against nodes instead, one line per layout, the runs given as "
+                          "measured points on top. Needs the plot extra (matplotlib).")
+    plot.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (or metrics.jsonl files)")
+    plot.add_argument("--plan", default=None, metavar="PLAN_JSON",
+                      help="a file written by plan --output: draw plan.png (the runs as measured points)")
+    plot.add_argument("--output", default=None, help="directory for the PNG files (default: the first run's plots/; "
+                      "with --plan, the plan file's directory)")
 
     info = sub.add_parser("info", help="show the MPI library, devices, ranks per node, models and datasets",
                           description="Show what mpidist sees: MPI library, thread level, CUDA-awareness, "
@@ -268,10 +273,21 @@ def cmd_ingest(args, world):
 
 
 def cmd_plot(args, world):
+    from .plan_figure import main as plot_plan
     from .plotting import main as plot
 
+    notes = []
     with agreed(world):
-        written = plot(args.runs, args.output) if world.Get_rank() == 0 else []
+        if world.Get_rank() != 0:
+            written = []
+        elif args.plan is not None:
+            written, notes = plot_plan(args.plan, args.runs, args.output)
+        elif not args.runs:
+            raise UsageError("plot: give run directories to draw, or --plan PLAN_JSON")
+        else:
+            written = plot(args.runs, args.output)
+    for note in notes:
+        print(f"mpidist plot: {note}")
     for path in written:
         print(f"mpidist plot: wrote {path}")
     return 0

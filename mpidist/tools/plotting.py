@@ -36,7 +36,7 @@ class Run:
     def series(self, figure):
         """``(steps, times, values)`` of a step-event figure, by step, finite values only."""
         rows = [(step, event.get("time"), event.get(figure)) for step, event in sorted(self.steps.items())]
-        rows = [row for row in rows if _number(row[2]) and _number(row[1])]
+        rows = [row for row in rows if is_finite_number(row[2]) and is_finite_number(row[1])]
         return tuple(np.array(column, dtype=float) for column in zip(*rows)) if rows else (np.array([]),) * 3
 
 
@@ -54,7 +54,7 @@ def read_run(run_dir):
             event = json.loads(line)
         except (ValueError, RecursionError):     # a line a crash cut short, or not JSON one can read
             continue
-        if not isinstance(event, dict) or not _number(event.get("step")):
+        if not isinstance(event, dict) or not is_finite_number(event.get("step")):
             continue
         if event.get("event") == "step":
             steps[int(event["step"])] = event
@@ -62,20 +62,20 @@ def read_run(run_dir):
             evals = [e for e in evals if e["step"] != event["step"] or set(e) != set(event)] + [event]
     if not steps:
         raise UsageError(f"plot: {metrics}: holds no step events to plot")
-    known = sorted((step, event["time"]) for step, event in steps.items() if _number(event.get("time")))
+    known = sorted((step, event["time"]) for step, event in steps.items() if is_finite_number(event.get("time")))
     for event in evals:    # an evaluation's time: its step's, from the step events around it
         event["time"] = float(np.interp(event["step"], *zip(*known))) if known else math.nan
     return Run(name=path.resolve().name if path.is_dir() else path.resolve().parent.name, steps=steps, evals=evals)
 
 
-def _number(value):
+def is_finite_number(value):
     """A finite int or float of a size a float holds (JSON allows a 400-digit integer)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return abs(value) < 2 ** 53 if isinstance(value, int) else math.isfinite(value)
 
 
-def _figure(columns=2):
+def new_figure(columns=2):
     """A matplotlib figure and its axes, made without pyplot (no global state, no display)."""
     try:
         from matplotlib.figure import Figure
@@ -85,7 +85,7 @@ def _figure(columns=2):
     return figure, figure.subplots(1, columns, squeeze=False)[0]
 
 
-def _save(figure, path):
+def save_png(figure, path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
@@ -101,35 +101,35 @@ def _save(figure, path):
 def plot_runs(runs, output):
     """``loss.png``, ``accuracy.png`` (where there are evaluations) and ``throughput.png`` in ``output``."""
     written = []
-    figure, (by_step, by_time) = _figure()
+    figure, (by_step, by_time) = new_figure()
     for index, run in enumerate(runs):
         steps, times, loss = run.series("loss")
         marker = "o" if len(steps) == 1 else None     # (one point: a line would not show)
         by_step.plot(steps, loss, color=f"C{index}", marker=marker, label=run.name)
         by_time.plot(times, loss, color=f"C{index}", marker=marker, label=run.name)
     _label(figure, (by_step, by_time), "training loss", "loss", log=all((r.series("loss")[2] > 0).all() for r in runs))
-    written.append(_save(figure, Path(output) / "loss.png"))
+    written.append(save_png(figure, Path(output) / "loss.png"))
     figure = _evaluations(runs)
     if figure is not None:
-        written.append(_save(figure, Path(output) / "accuracy.png"))
-    figure, (axes,) = _figure(columns=1)
+        written.append(save_png(figure, Path(output) / "accuracy.png"))
+    figure, (axes,) = new_figure(columns=1)
     for index, run in enumerate(runs):
         _, times, rate = run.series("samples_per_s")
         axes.plot(times, rate, color=f"C{index}", label=run.name)
     axes.set(title="throughput", xlabel="time (s)", ylabel="samples/s")
-    _legend_beside(axes)
-    written.append(_save(figure, Path(output) / "throughput.png"))
+    legend_beside(axes)
+    written.append(save_png(figure, Path(output) / "throughput.png"))
     return written
 
 
 def _evaluations(runs):
     """Test (or validation) accuracy, or MSE for a regression, against step and time; None without any."""
     names = ("test_accuracy", "val_accuracy", "test_mse", "val_mse")
-    figure, (by_step, by_time) = _figure()
+    figure, (by_step, by_time) = new_figure()
     drawn = False
     for index, run in enumerate(runs):     # a run's colour; its test figure solid, its training one dashed
         for style, name in zip(("-o", ":s", "-o", ":s"), names):
-            points = [(e["step"], e.get("time", math.nan), e[name]) for e in run.evals if _number(e.get(name))]
+            points = [(e["step"], e.get("time", math.nan), e[name]) for e in run.evals if is_finite_number(e.get(name))]
             if points:
                 steps, times, values = np.array(points, dtype=float).T
                 for axes, x in ((by_step, steps), (by_time, times)):
@@ -153,10 +153,10 @@ def _label(figure, axes_pair, title, ylabel, log=False):
     for axes in axes_pair:
         if log:
             axes.set_yscale("log")
-    _legend_beside(by_time)   # (both axes draw the same runs: one legend, right of them)
+    legend_beside(by_time)   # (both axes draw the same runs: one legend, right of them)
 
 
-def _legend_beside(axes):
+def legend_beside(axes):
     """The legend right of ``axes``, off the curves (the constrained layout makes room for it)."""
     axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", borderaxespad=0.0)
 
@@ -170,22 +170,22 @@ def read_trace(path):
     if not isinstance(events, list):
         raise UsageError(f"plot: {path}: has no traceEvents list")
     return [e for e in events if isinstance(e, dict) and _whole(e.get("pid")) and _whole(e.get("tid", 0))
-            and _number(e.get("ts", 0))]
+            and is_finite_number(e.get("ts", 0))]
 
 
 def _whole(value):
-    return _number(value) and isinstance(value, int)
+    return is_finite_number(value) and isinstance(value, int)
 
 
 def plot_timeline(trace_path, output, steps=3):
     """A picture of ``steps`` steps from the middle of a traced run: one row per rank, spans coloured by kind."""
     events = read_trace(trace_path)
     spans = [dict(e, tid=e.get("tid", 0), cat=e.get("cat") if isinstance(e.get("cat"), str) else "wait")
-             for e in events if e.get("ph") == "X" and _number(e.get("ts")) and _number(e.get("dur"))]
+             for e in events if e.get("ph") == "X" and is_finite_number(e.get("ts")) and is_finite_number(e.get("dur"))]
     if not spans:
         raise UsageError(f"plot: {trace_path}: holds no spans")
     marks = sorted((_args(s)["step"], s["ts"], s["ts"] + s["dur"]) for s in spans
-                   if s.get("name") == "step" and s.get("tid") == 1 and _number(_args(s).get("step")))
+                   if s.get("name") == "step" and s.get("tid") == 1 and is_finite_number(_args(s).get("step")))
     if marks:
         middle = marks[len(marks) // 2][0]
         chosen = [m for m in marks if middle <= m[0] < middle + steps]
@@ -194,7 +194,7 @@ def plot_timeline(trace_path, output, steps=3):
         start, end = min(s["ts"] for s in spans), max(s["ts"] + s["dur"] for s in spans)
     names = {e["pid"]: str(_args(e).get("name")) for e in events if e.get("name") == "process_name"}
     ranks = sorted({s["pid"] for s in spans})
-    figure, (axes,) = _figure(columns=1)
+    figure, (axes,) = new_figure(columns=1)
     figure.set_size_inches(12, 1.0 + 0.6 * len(ranks))
     seen = set()
     for row, rank in enumerate(ranks):
@@ -221,8 +221,8 @@ def plot_timeline(trace_path, output, steps=3):
     axes.set_yticks(range(len(ranks)), [names.get(rank, f"rank {rank}") for rank in ranks], fontsize="small")
     axes.invert_yaxis()
     axes.set(xlabel="time (ms)", title=f"{Path(trace_path).parent.name}: {steps} steps of every rank")
-    _legend_beside(axes)
-    return _save(figure, output)
+    legend_beside(axes)
+    return save_png(figure, output)
 
 
 def _args(event):
