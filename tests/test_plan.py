@@ -9,7 +9,7 @@ from conftest import mpidist, run_mpi
 
 from mpidist.parallel.schedule import schedule, simulate
 from mpidist.plan import calibration
-from mpidist.plan.advice import advise
+from mpidist.plan.advice import advise, per_strategy
 from mpidist.plan.calibration import Calibration, LayerCost
 from mpidist.plan.links import Link, fit, parse_link
 from mpidist.plan.step import Layout, predict, slowest_of
@@ -135,6 +135,17 @@ def test_the_advice_is_the_fastest_layout_that_fits_and_the_knee_where_efficienc
     for nodes, row in best.items():
         assert row.samples_per_s == max(r.samples_per_s for r in rows if r.nodes == nodes and r.fits)
     assert knee in (1, 2, 1024) and best[knee].efficiency >= 0.5
+    # each strategy's own advice: its fastest that fits at each count; the overall best is the best of them
+    strategies = per_strategy(rows)
+    assert set(strategies) == {"allreduce", "ps-sync", "ps-async", "pipeline"}   # (2 ranks a node: no local)
+    for strategy, (fastest, paying) in strategies.items():
+        for nodes, row in fastest.items():
+            assert row.strategy == strategy and row.samples_per_s == max(
+                r.samples_per_s for r in rows if r.nodes == nodes and r.fits and r.strategy == strategy)
+        assert paying is None or fastest[paying].efficiency >= 0.5
+    for nodes, row in best.items():
+        assert row.samples_per_s == max(fastest[nodes].samples_per_s for fastest, _ in strategies.values()
+                                        if nodes in fastest)
     _, nothing, _ = advise(cal, [1], 2, 64, 1 << 20)   # 1 MiB a node: nothing fits
     assert nothing == {}
 
@@ -182,6 +193,11 @@ def test_plan_prints_every_layout_and_a_recommendation_for_each_node_count(tmp_p
     assert {layout.split(" --micro")[0] for layout in at_8 if layout.startswith("pipeline")} == {
         "pipeline --stages 2", "pipeline --stages 4"}, at_8
     assert "25.00 GB/s, 2.0 us" in done.stdout
+    # and a recommendation for every strategy: its best settings at each count, and its knee
+    assert set(written["by_strategy"]) == {"allreduce", "ps-sync", "ps-async", "pipeline"}
+    for strategy, advised in written["by_strategy"].items():
+        assert set(advised["best"]) == {"1", "8", "64", "512"} and advised["best"]["8"].startswith(strategy)
+        assert f"mpidist plan: {strategy}: 1: " in done.stdout
     # more than one node without a link between them: refused, naming the flag
     done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,2", "--output",
                       str(tmp_path / "plan.json"), timeout=60)

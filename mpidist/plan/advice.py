@@ -42,6 +42,7 @@ class Row:
     """One layout at one node count: its prediction, its efficiency, and whether it fits memory."""
 
     nodes: int
+    strategy: str
     layout: str
     samples_per_s: float
     step_ms: float
@@ -64,7 +65,7 @@ def advise(cal, node_counts, per_node, batch_per_rank, memory_per_node):
         for layout in layouts(cal, nodes, per_node, batch_per_rank):
             made = predict(cal, layout)
             per_node_bytes = made.memory * layout.per_node
-            row = Row(nodes, layout.describe(), made.samples_per_s, made.step * 1e3,
+            row = Row(nodes, layout.strategy, layout.describe(), made.samples_per_s, made.step * 1e3,
                       made.samples_per_s / (nodes * one_node) if one_node else 0.0, made.memory, per_node_bytes,
                       per_node_bytes <= memory_per_node,
                       {name: getattr(made, name) * 1e3 for name in ("compute", "exchange", "optimizer", "bubble",
@@ -72,8 +73,25 @@ def advise(cal, node_counts, per_node, batch_per_rank, memory_per_node):
             rows.append(row)
             if row.fits and (nodes not in best or row.samples_per_s > best[nodes].samples_per_s):
                 best[nodes] = row
+    return rows, best, knee(best)
+
+
+def knee(best):
+    """The largest node count of ``best`` (node count -> row) whose efficiency is at least :data:`KNEE`."""
     paying = [nodes for nodes, row in best.items() if row.efficiency >= KNEE]
-    return rows, best, max(paying) if paying else None
+    return max(paying) if paying else None
+
+
+def per_strategy(rows):
+    """``{strategy: (best, knee)}``: each strategy's fastest layout that fits at each node count, and its knee
+    (what to run if the strategy is chosen for other reasons: ps-async's tolerance of stragglers, a pipeline
+    for a model too large for one rank)."""
+    made = {}
+    for row in rows:
+        best = made.setdefault(row.strategy, {})
+        if row.fits and (row.nodes not in best or row.samples_per_s > best[row.nodes].samples_per_s):
+            best[row.nodes] = row
+    return {strategy: (best, knee(best)) for strategy, best in made.items()}
 
 
 COLUMNS = [("nodes", "nodes", "{}"), ("layout", "layout", "{}"), ("samples_per_s", "samples/s", "{:,.0f}"),

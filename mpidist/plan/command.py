@@ -58,9 +58,18 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
               f"({row.efficiency:.0%} of linear)")
     print("mpidist plan: " + (f"adding nodes pays up to {knee} (efficiency at least {advice.KNEE:.0%} there)"
                               if knee else f"no node count keeps {advice.KNEE:.0%} efficiency"))
+    strategies = advice.per_strategy(rows)
+    for strategy, (fastest, paying) in strategies.items():
+        each = "; ".join(f"{count}: {row.layout.removeprefix(strategy).strip() or 'its defaults'} "
+                         f"({row.efficiency:.0%})" for count, row in fastest.items())
+        print(f"mpidist plan: {strategy}: {each or 'fits nowhere'}"
+              + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient"))
     write_results(output, {"calibration": str(path), "ranks_per_node": per_node, "batch_per_rank": batch_per_rank,
                            "memory_per_node": budget, "rows": [dataclasses.asdict(row) for row in rows],
-                           "best": {str(count): row.layout for count, row in best.items()}, "knee": knee})
+                           "best": {str(count): row.layout for count, row in best.items()}, "knee": knee,
+                           "by_strategy": {strategy: {"best": {str(count): row.layout for count, row in fastest.items()},
+                                                      "knee": paying}
+                                           for strategy, (fastest, paying) in strategies.items()}})
     return rows, best, knee
 
 
