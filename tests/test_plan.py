@@ -8,7 +8,7 @@ import pytest
 from conftest import mpidist, run_mpi
 
 from mpidist.parallel.schedule import schedule, simulate
-from mpidist.plan import calibration
+from mpidist.plan import buckets, calibration
 from mpidist.plan.advice import advise, per_strategy
 from mpidist.plan.calibration import Calibration, LayerCost
 from mpidist.plan.links import Link, fit, parse_link
@@ -41,8 +41,11 @@ def test_a_link_is_fitted_from_times_it_explains_and_given_as_bandwidth_and_late
     for bad in ("25GB,2us", "fast", "0GB/s,1us", "25GB/s", "25GB/s,-1us"):
         with pytest.raises(UsageError, match="--link"):
             parse_link(bad)
-    # a ring allreduce: 2 (r - 1) messages, each rank moving 2 (r - 1) / r of the buffer
-    assert Link(1e-6, 1e-9).allreduce(4000, 4) == pytest.approx(2 * 3 * (1e-6 + 1000 * 1e-9))
+    # an allreduce as MPI runs a large one: 2 log2 r messages, each rank moving 2 (r - 1) / r of the buffer;
+    # on 2 ranks, a ring's two steps of half the buffer
+    assert Link(1e-6, 1e-9).allreduce(4000, 4) == pytest.approx(2 * 2 * 1e-6 + 2 * 3 * 1000 * 1e-9)
+    assert Link(1e-6, 1e-9).allreduce(4000, 1000) == pytest.approx(2 * 10 * 1e-6 + 2 * 999 * 4 * 1e-9)
+    assert Link(1e-6, 1e-9).allreduce(4000, 2) == pytest.approx(2 * (1e-6 + 2000 * 1e-9))
     assert Link(1e-6, 1e-9).allreduce(4000, 1) == 0.0
 
 
@@ -65,7 +68,7 @@ def test_local_and_allreduce_steps_in_closed_form():
     # MPI's allreduce on 4 ranks of 2 nodes: the network's ring over the 16,000-byte buffer, and its sums
     flat = predict(cal, Layout("allreduce", 2, 2, 256, exchange="mpi"))
     assert flat.compute == pytest.approx(4 * 64 * 3e-4)
-    assert flat.exchange == pytest.approx(2 * 3 * (2e-6 + 4000 * 4e-10) + 0.75 * 16000 * 1e-10)
+    assert flat.exchange == pytest.approx(2 * 2 * 2e-6 + 2 * 3 * 4000 * 4e-10 + 0.75 * 16000 * 1e-10)
     # one copy per node: each of the 2 ranks sums half with the other's, then a ring between the 2 nodes
     node = predict(cal, Layout("allreduce", 2, 2, 256))
     assert node.exchange == pytest.approx(8000 * 1e-10 + 2 * (2e-6 + 8000 * 4e-10))
@@ -109,6 +112,28 @@ def test_a_pipeline_waits_for_stages_as_loaded_as_each_other_and_not_for_one_wit
     assert predict(lopsided, layout).wait < 0.005 * predict(lopsided, layout).compute
     # replicas wait for the slowest replica's schedule too
     assert predict(even, Layout("pipeline", 1, 8, 256, stages=2, micro_batches=4)).wait > predict(even, layout).wait
+
+
+def test_buckets_started_as_backward_completes_them_leave_the_last_ones_exchange():
+    cal = made_up()   # 4 layers of 1,000 parameters (4,000 bytes), 2e-4 s a sample of backward each
+    layout = Layout("allreduce", 1, 2, 64, exchange="mpi")
+    backward = 32 * 2e-4      # a layer's backward on a worker's 32 samples
+
+    def exchange(nbytes):     # a bucket's allreduce over 2 ranks, and its sum
+        return cal.node.allreduce(nbytes, 2) + 0.5 * nbytes * cal.sum_per_byte
+
+    # a bucket a layer: each reduced while the layers under it go backward, only the last left after
+    assert buckets.exposed(cal, layout, 4000) == pytest.approx(exchange(4000))
+    assert buckets.exposed(cal, layout, 16000) == pytest.approx(exchange(16000))   # one bucket: all of it
+    # a link slower than backward: the buckets queue behind the first, ready after the top layer
+    slow = dataclasses.replace(cal, node=Link(0.0, 1e-5))
+    one = slow.node.allreduce(4000, 2) + 0.5 * 4000 * cal.sum_per_byte
+    assert buckets.exposed(slow, layout, 4000) == pytest.approx(backward + 4 * one - 4 * backward)
+    # the best of the sizes tried: for a model of 64 MiB of gradients, a bucket smaller than all of it
+    big = made_up(params=4 << 20)
+    size, left = buckets.best_bucket(big, layout)
+    assert size < 64 and left < buckets.exposed(big, layout, 64 << 20)
+    assert left == min(buckets.exposed(big, layout, mib * (1 << 20)) for mib in buckets.CANDIDATES if mib <= 64)
 
 
 def test_the_memory_a_rank_holds_counts_its_share_of_each_array():

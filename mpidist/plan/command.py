@@ -8,7 +8,9 @@ from ..runtime.memory import human, parse_bytes
 from . import advice, calibration
 from .check import COLUMNS as CHECK_COLUMNS
 from .check import check_runs
+from .buckets import best_bucket
 from .links import parse_link
+from .step import Layout, predict
 
 MAX_NODES = 1 << 20
 
@@ -64,13 +66,27 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
                          f"({row.efficiency:.0%})" for count, row in fastest.items())
         print(f"mpidist plan: {strategy}: {each or 'fits nowhere'}"
               + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient"))
+    buckets = {}
+    for count in parse_nodes(nodes):
+        if count * per_node > 1:
+            layout = Layout("allreduce", count, per_node, batch_per_rank * count * per_node, exchange="mpi")
+            buckets[count] = best_bucket(cal, layout) + (predict(cal, layout).exchange,)
+    if buckets:
+        print("mpidist plan: --bucket-mb for allreduce --exchange mpi, were its transfers hidden behind backward: "
+              + "; ".join(f"{count}: {size:g} ({left * 1e3:.2f} of {whole * 1e3:.2f} ms left)"
+                          for count, (size, left, whole) in buckets.items()))
     write_results(output, {"calibration": str(path), "ranks_per_node": per_node, "batch_per_rank": batch_per_rank,
                            "memory_per_node": budget, "rows": [dataclasses.asdict(row) for row in rows],
-                           "best": {str(count): row.layout for count, row in best.items()}, "knee": knee,
-                           "by_strategy": {strategy: {"best": {str(count): row.layout for count, row in fastest.items()},
-                                                      "knee": paying}
+                           "best": _layouts(best), "knee": knee,
+                           "bucket_mb": {str(count): size for count, (size, _, _) in buckets.items()},
+                           "by_strategy": {strategy: {"best": _layouts(fastest), "knee": paying}
                                            for strategy, (fastest, paying) in strategies.items()}})
     return rows, best, knee
+
+
+def _layouts(best):
+    """``{"8": "allreduce ...", ...}``: the layout of each node count's row, keyed as JSON keys are."""
+    return {str(count): row.layout for count, row in best.items()}
 
 
 def check(path, run_dirs, output):

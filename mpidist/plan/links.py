@@ -1,9 +1,10 @@
 """What moving bytes costs: a latency and a time per byte (the alpha-beta model), fitted or given.
 
 The collectives mpidist uses are costed from a link's two figures with the
-textbook bounds of their algorithms (a ring allreduce moves ``2 (r-1)/r``
-of the buffer through each rank in ``2 (r-1)`` messages); MPI libraries pick
-other algorithms for some sizes, which :mod:`mpidist.plan.check` measures.
+textbook bounds of their algorithms (an allreduce moves ``2 (r-1)/r`` of
+the buffer through each rank, in ``2 log2 r`` messages as MPI libraries run
+large ones); MPI libraries pick other algorithms for some sizes and rank
+counts, which ``plan --check`` (:mod:`mpidist.plan.check`) shows.
 """
 
 import dataclasses
@@ -30,8 +31,13 @@ class Link:
         return messages * self.latency + nbytes * self.per_byte
 
     def allreduce(self, nbytes, ranks):
-        """A ring allreduce of ``nbytes`` over ``ranks``: a reduce-scatter and an allgather."""
-        return 2 * self.reduce_scatter(nbytes, ranks)
+        """An allreduce of ``nbytes`` over ``ranks`` as MPI libraries run a large one (Rabenseifner's: a
+        reduce-scatter by recursive halving, an allgather by recursive doubling): ``2 (r-1)/r`` of the buffer
+        through each rank, as a ring moves, in ``2 ceil(log2 r)`` messages instead of the ring's ``2 (r-1)``
+        (the two agree on 2 ranks, where the link is calibrated)."""
+        if ranks <= 1:
+            return 0.0
+        return 2 * math.ceil(math.log2(ranks)) * self.latency + 2 * (ranks - 1) / ranks * nbytes * self.per_byte
 
     def reduce_scatter(self, nbytes, ranks):
         """A ring reduce-scatter (or allgather) of ``nbytes`` over ``ranks``: ``r - 1`` steps of ``1/r``."""

@@ -105,7 +105,7 @@ def check(cal, layout):
         raise UsageError(f"--stages {layout.stages}: the model has {len(cal.layers)} layers")
 
 
-def _link(cal, layout):
+def link_between(cal, layout):
     return cal.node if layout.nodes == 1 else cal.network
 
 
@@ -178,7 +178,7 @@ def _allreduce(cal, layout):
         updated = params / local
         window = (local - 1) * nbytes // local   # (the others' gradients a rank sums its part of: its pages too)
     else:            # MPI's allreduce over the groups' same parts
-        link = _link(cal, layout)
+        link = link_between(cal, layout)
         exchange = link.allreduce(nbytes, groups) + (groups - 1) / groups * nbytes * cal.sum_per_byte
         updated = params / groups if layout.shard == "optimizer" else params
         window = 0
@@ -195,7 +195,7 @@ def _ps_sync(cal, layout):
     samples = layout.batch / workers
     compute = cal.compute(samples)
     nbytes = cal.params * cal.itemsize
-    link = _link(cal, layout)
+    link = link_between(cal, layout)
     # Reduce_scatter: each ps takes its shard of every worker's gradients (its link carries them in turn) and
     # sums them; Allgatherv: each ps's updated shard to every rank
     gather = workers * link.time(nbytes / ps) + workers * nbytes / ps * cal.sum_per_byte
@@ -214,7 +214,7 @@ def _ps_async(cal, layout):
     samples = layout.batch / workers
     compute = cal.compute(samples)
     nbytes = cal.params * cal.itemsize
-    link = _link(cal, layout)
+    link = link_between(cal, layout)
     moves = 2 * link.time(nbytes, messages=ps)
     serve = link.time(2 * nbytes / ps) + nbytes / ps * cal.sum_per_byte + cal.optimizer_per_param * cal.params / ps
     # one worker-step of the whole job (every worker once) takes the longer of a worker's step and the ps's turns
@@ -240,7 +240,7 @@ def _pipeline(cal, layout):
         backward += sum(cal.layers[i].params for i in range(lo, hi)) * cal.itemsize * cal.sum_per_byte \
             + cal.micro_batch_s
         seconds[stage, "fwd"], seconds[stage, "bwd"] = forward, backward
-    link = _link(cal, layout)
+    link = link_between(cal, layout)
     largest = max(cal.layers[hi - 1].out_elements for _, hi in spans[:-1]) if stages > 1 else 0
     transfer = link.time(micro * largest * cal.itemsize) if stages > 1 else 0.0
     plans = [stage_plan(layout.schedule, stage, stages, layout.micro_batches) for stage in range(stages)]
