@@ -124,9 +124,13 @@ def test_plot_draws_a_plan_one_line_per_layout_with_measured_runs_on_top(two_run
     done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,2,4",
                       "--output", str(tmp_path / "plan.json"))
     assert done.returncode == 0, done.stderr
-    lines = plan_figure.read_plan(tmp_path / "plan.json")
-    assert [n for n, _, _ in lines["allreduce"]] == [1, 2, 4]     # (by node count; some layouts need 2 nodes)
-    assert all({n for n, _, _ in points} <= {1, 2, 4} for points in lines.values())
+    plan = plan_figure.read_plan(tmp_path / "plan.json")
+    assert [n for n, _, _ in plan.lines["allreduce"]] == [1, 2, 4]     # (by node count; some layouts need 2)
+    assert all({n for n, _, _ in points} <= {1, 2, 4} for points in plan.lines.values())
+    assert "ps-sync --ps NODES" in plan.lines and plan.skipped == 0     # (--ps 2 on 2 nodes, --ps 4 on 4: one line)
+    written = json.loads((tmp_path / "plan.json").read_text())
+    best_one_node = max(row["samples_per_s"] for row in written["rows"] if row["nodes"] == 1 and row["fits"])
+    assert plan.linear == pytest.approx(best_one_node)                  # (the efficiency column's reference)
     done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "plan.json"), str(two_runs / "allreduce"),
                       str(tmp_path / "nowhere"))
     assert done.returncode == 0, done.stderr
@@ -135,30 +139,41 @@ def test_plot_draws_a_plan_one_line_per_layout_with_measured_runs_on_top(two_run
     # what is drawn: a line per layout, the linear scaling, and the allreduce run (3 ranks, one node) as a
     # star in allreduce's colour
     measured, _ = plan_figure.measured_points([two_runs / "allreduce"])
-    figure = plan_figure.draw_plan(lines, measured, "plan.json")
+    figure = plan_figure.draw_plan(plan, measured, "plan.json")
     drawn = {line.get_label(): line for line in figure.axes[0].get_lines()}
-    assert set(lines) | {"linear", "measured: allreduce (allreduce)"} <= set(drawn)
+    assert set(plan.lines) | {"linear", "measured: allreduce (allreduce)"} <= set(drawn)
     star = drawn["measured: allreduce (allreduce)"]
     assert star.get_xdata().tolist() == [1] and star.get_color() == drawn["allreduce"].get_color()
-    assert drawn["linear"].get_ydata()[-1] == pytest.approx(4 * max(r for p in lines.values() for n, r, _ in p
-                                                                  if n == 1))
+    assert drawn["linear"].get_ydata().tolist() == pytest.approx([best_one_node * n for n in (1, 2, 4)])
 
 
 def test_a_plan_file_is_untrusted(tmp_path):
     from mpidist.tools import plan_figure
 
-    rows = [{"nodes": 1, "layout": "allreduce", "samples_per_s": 100.0, "fits": True},
-            {"nodes": 2, "layout": "allreduce", "samples_per_s": 180.0, "fits": False},
+    rows = [{"nodes": 1, "layout": "allreduce", "samples_per_s": 100.0, "fits": True, "efficiency": 1.0},
+            {"nodes": 2, "layout": "allreduce", "samples_per_s": 180.0, "fits": False, "efficiency": 0.9},
             {"nodes": True, "layout": "x", "samples_per_s": 1.0}, {"nodes": 0, "layout": "x", "samples_per_s": 1.0},
             {"nodes": 4, "layout": 7, "samples_per_s": 1.0}, {"nodes": 4, "layout": "x", "samples_per_s": -1},
-            {"nodes": 4, "layout": "x", "samples_per_s": 10 ** 400}, "row", None]
+            {"nodes": 4, "layout": "x", "samples_per_s": 10 ** 400}, {"nodes": 4, "layout": "x" * 500,
+                                                                      "samples_per_s": 1.0}, "row", None]
     (tmp_path / "p.json").write_text(json.dumps({"rows": rows}))
-    assert plan_figure.read_plan(tmp_path / "p.json") == {"allreduce": [(1, 100.0, True), (2, 180.0, False)]}
+    plan = plan_figure.read_plan(tmp_path / "p.json")
+    assert plan.lines == {"allreduce": [(1, 100.0, True), (2, 180.0, False)]} and plan.skipped == 8
+    assert plan.linear == pytest.approx(100.0)
+    many = [{"nodes": n, "layout": f"l{k}", "samples_per_s": 1.0} for n in (1, 2) for k in range(41)]
     for text, message in (("{not json", "not a plan mpidist wrote"), ("[1]", "not a plan mpidist wrote"),
-                          ('{"rows": [{"nodes": 0}]}', "holds no rows"), ("[" * 100000, "not a plan")):
+                          ('{"rows": [{"nodes": 0}]}', "holds no rows"), ("[" * 100000, "not a plan"),
+                          (json.dumps({"rows": many}), "more than a figure shows")):
         (tmp_path / "bad.json").write_text(text)
         with pytest.raises(UsageError, match=message):
             plan_figure.read_plan(tmp_path / "bad.json")
+    # labels are drawn as written: matplotlib would read $...$ as TeX, and fail on a bad one
+    (tmp_path / "tex.json").write_text(json.dumps({"rows": [{"nodes": 1, "layout": "$\\foo$", "samples_per_s": 1.0}]}))
+    done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "tex.json"))
+    assert done.returncode == 0 and (tmp_path / "plan.png").exists(), done.stderr
+    assert "passed over" not in done.stdout
+    done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "p.json"))
+    assert done.returncode == 0 and "passed over 8 row(s)" in done.stdout, done.stderr
     done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "nowhere.json"))
     assert done.returncode == 2 and "cannot be read" in done.stderr and "Traceback" not in done.stderr
     done, _ = mpidist(1, "plot")

@@ -60,20 +60,26 @@ def advise(cal, node_counts, per_node, batch_per_rank, memory_per_node):
         raise UsageError("--ranks-per-node and --batch-per-rank must be at least 1")
     one_node = max((predict(cal, layout).samples_per_s for layout in layouts(cal, 1, per_node, batch_per_rank)),
                    default=0.0)
-    rows, best = [], {}
+    rows = []
     for nodes in node_counts:
         for layout in layouts(cal, nodes, per_node, batch_per_rank):
             made = predict(cal, layout)
-            per_node_bytes = made.memory * layout.per_node
-            row = Row(nodes, layout.strategy, layout.describe(), made.samples_per_s, made.step * 1e3,
-                      made.samples_per_s / (nodes * one_node) if one_node else 0.0, made.memory, per_node_bytes,
-                      per_node_bytes <= memory_per_node,
-                      {name: getattr(made, name) * 1e3 for name in ("compute", "exchange", "optimizer", "bubble",
-                                                                     "wait", "loop")})
-            rows.append(row)
-            if row.fits and (nodes not in best or row.samples_per_s > best[nodes].samples_per_s):
-                best[nodes] = row
+            rows.append(Row(nodes, layout.strategy, layout.describe(), made.samples_per_s, made.step * 1e3,
+                            made.samples_per_s / (nodes * one_node) if one_node else 0.0, made.fullest,
+                            made.node_memory, made.node_memory <= memory_per_node,
+                            {name: getattr(made, name) * 1e3 for name in ("compute", "exchange", "optimizer",
+                                                                           "bubble", "wait", "loop")}))
+    best = fastest(rows)
     return rows, best, knee(best)
+
+
+def fastest(rows):
+    """``{nodes: row}``: the fastest of ``rows`` that fits at each node count."""
+    best = {}
+    for row in rows:
+        if row.fits and (row.nodes not in best or row.samples_per_s > best[row.nodes].samples_per_s):
+            best[row.nodes] = row
+    return best
 
 
 def knee(best):
@@ -83,14 +89,12 @@ def knee(best):
 
 
 def per_strategy(rows):
-    """``{strategy: (best, knee)}``: each strategy's fastest layout that fits at each node count, and its knee
+    """``{strategy: (best, knee)}``: each strategy's fastest layout that fits at each node count, and the
+    largest count where it keeps :data:`KNEE` of linear scaling from the best one-node layout of any strategy
     (what to run if the strategy is chosen for other reasons: ps-async's tolerance of stragglers, a pipeline
     for a model too large for one rank)."""
-    made = {}
-    for row in rows:
-        best = made.setdefault(row.strategy, {})
-        if row.fits and (row.nodes not in best or row.samples_per_s > best[row.nodes].samples_per_s):
-            best[row.nodes] = row
+    strategies = dict.fromkeys(row.strategy for row in rows)
+    made = {strategy: fastest([row for row in rows if row.strategy == strategy]) for strategy in strategies}
     return {strategy: (best, knee(best)) for strategy, best in made.items()}
 
 

@@ -1,13 +1,14 @@
 """The gradient bucket size (``--bucket-mb``) that leaves the least exchange after backward.
 
-``allreduce --exchange mpi`` cuts the gradients into buckets from the top
-(:func:`mpidist.parallel.exchange.top_down_buckets`) and starts each one's
-``Iallreduce`` as soon as backward has finished every layer under it.  Here
-backward runs layer by layer from the last, each bucket is ready when the
-layer holding its lowest parameter is done, and the link reduces one bucket
-at a time: what is left when backward ends is the exchange a step waits for.
-Small buckets start early but pay a latency each; one large bucket starts
-only after the first layer.
+``allreduce --exchange mpi`` cuts its buffer (the gradients, then the loss)
+into buckets from the top (:func:`mpidist.parallel.exchange.top_down_buckets`)
+and starts each one's ``Iallreduce`` as soon as backward has gone from the
+last layer down to the one holding the bucket's lowest element.  Here
+backward runs layer by layer on the calibrated (and crowded) times, and the
+link moves one bucket at a time: what it has left to move when backward
+ends, and the sums of every bucket (arithmetic on the cores that also run
+backward), are the exchange a step waits for.  Small buckets start early
+but pay a latency each; one large bucket starts only after the first layer.
 
 The step prediction itself (:mod:`mpidist.plan.step`) hides none of the
 exchange: this model assumes the link moves bytes while the cores compute
@@ -15,7 +16,8 @@ exchange: this model assumes the link moves bytes while the cores compute
 ranks that do the transfers on the cores they compute on do not get.
 """
 
-from .step import link_between
+from ..parallel.exchange import top_down_buckets
+from .step import Layout, crowding, link_between, predict
 
 MIB = 1 << 20
 #: bucket sizes tried, in MiB: 1/4 to 1024 by factors of 2
@@ -26,30 +28,40 @@ def exposed(cal, layout, bucket_bytes):
     """Seconds of the exchange left after backward, with buckets of at most ``bucket_bytes``."""
     groups = layout.ranks // layout.tensor
     samples = layout.batch / groups
-    link = link_between(cal, layout)
-    item = cal.itemsize
+    link, slower, item = link_between(cal, layout), crowding(cal, layout), cal.itemsize
     # when backward has finished each layer (from the last, the loss's gradient first)
-    done_at, clock = [0.0] * len(cal.layers), cal.loss[0] + cal.loss[1] * samples
+    done_at, clock = [0.0] * len(cal.layers), (cal.loss[0] + cal.loss[1] * samples) * slower
     for index in range(len(cal.layers) - 1, -1, -1):
-        clock += cal.layers[index].backward[0] + cal.layers[index].backward[1] * samples
+        clock += (cal.layers[index].backward[0] + cal.layers[index].backward[1] * samples) * slower
         done_at[index] = clock
-    starts = [0]
+    ends, total = [], 0
     for layer in cal.layers:
-        starts.append(starts[-1] + layer.params)
-    total, per_bucket = starts[-1], max(1, int(bucket_bytes) // item)
+        total += layer.params
+        ends.append(total)
     link_free = 0.0
-    for hi in range(total, 0, -per_bucket):
-        lo = max(hi - per_bucket, 0)
-        holder = next(index for index in range(len(cal.layers)) if starts[index + 1] > lo)
-        nbytes = (hi - lo) * item
-        link_free = max(link_free, done_at[holder]) + link.allreduce(nbytes, groups) \
-            + (groups - 1) / groups * nbytes * cal.sum_per_byte
-    return max(0.0, link_free - clock)
+    for lo, hi in top_down_buckets(total + 1, item, int(bucket_bytes)):   # (+1: the loss, summed with them)
+        holder = next((index for index, end in enumerate(ends) if end > lo), 0)
+        link_free = max(link_free, done_at[holder]) + link.allreduce((hi - lo) * item, groups)
+    return max(0.0, link_free - clock) + (groups - 1) / groups * (total + 1) * item * cal.sum_per_byte
 
 
 def best_bucket(cal, layout):
     """``(MiB, seconds exposed)`` of the best of :data:`CANDIDATES` (the largest of equals: fewer calls)."""
-    whole = cal.params * cal.itemsize
-    tried = [(exposed(cal, layout, size * MIB), size) for size in CANDIDATES if size * MIB < 2 * whole or size == 0.25]
+    whole = (cal.params + 1) * cal.itemsize
+    # (up to the first size that holds the whole buffer: any larger is the same one bucket)
+    sizes = [size for size in CANDIDATES if size * MIB < whole]
+    sizes += [next((size for size in CANDIDATES if size * MIB >= whole), CANDIDATES[-1])]
+    tried = [(exposed(cal, layout, size * MIB), size) for size in sizes]
     seconds, size = min(tried, key=lambda pair: (round(pair[0], 9), -pair[1]))
     return size, seconds
+
+
+def advise(cal, node_counts, per_node, batch_per_rank):
+    """``{nodes: (MiB, seconds left, seconds of the whole exchange)}`` for ``allreduce --exchange mpi`` at each
+    node count of more than one rank."""
+    made = {}
+    for nodes in node_counts:
+        if nodes * per_node > 1:
+            layout = Layout("allreduce", nodes, per_node, batch_per_rank * nodes * per_node, exchange="mpi")
+            made[nodes] = best_bucket(cal, layout) + (predict(cal, layout).exchange,)
+    return made

@@ -13,7 +13,7 @@ from ..bench.output import write_results
 from ..runtime.errors import UsageError
 from .links import Link
 
-FORMAT = "mpidist-calibration-1"
+FORMAT = "mpidist-calibration-2"   # (2: micro_batch_s; the baseline with the read before the state)
 MAX_BYTES = 1 << 22          # a calibration is a few KiB: refuse to read a larger file whole
 MAX_LAYERS = 100_000
 

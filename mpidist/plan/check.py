@@ -49,7 +49,7 @@ def read_layout(run_dir):
                         exchange=str(config.get("exchange", "auto")), shard=str(config.get("shard", "none")))
         measured = float(done["samples_per_s"])
         peak = int(float(done.get("peak_rss_mib", 0)) * (1 << 20))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):   # (OverflowError: an infinite figure as an int)
         return f"{metrics}: its start or done event lacks the layout or the figures"
     if layout.strategy not in ("local", "allreduce", "ps-sync", "ps-async", "pipeline"):
         return f"{metrics}: --strategy {layout.strategy} is not predicted"
@@ -75,8 +75,8 @@ def check_runs(cal, run_dirs):
         rows.append({"run": str(run_dir), "layout": layout.describe(), "ranks": layout.ranks,
                      "nodes": layout.nodes, "predicted": made.samples_per_s, "measured": measured,
                      "speed_ratio": made.samples_per_s / measured if measured else None,
-                     "memory_predicted_mib": made.memory / (1 << 20), "memory_measured_mib": peak / (1 << 20),
-                     "memory_ratio": made.memory / peak if peak else None})
+                     "memory_predicted_mib": made.fullest / (1 << 20), "memory_measured_mib": peak / (1 << 20),
+                     "memory_ratio": made.fullest / peak if peak else None})
     return rows, notes
 
 

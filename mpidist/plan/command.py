@@ -6,11 +6,10 @@ from ..bench.output import check_output, format_table, write_results
 from ..runtime.errors import UsageError
 from ..runtime.memory import human, parse_bytes
 from . import advice, calibration
+from .buckets import advise as bucket_advice
 from .check import COLUMNS as CHECK_COLUMNS
 from .check import check_runs
-from .buckets import best_bucket
 from .links import parse_link
-from .step import Layout, predict
 
 MAX_NODES = 1 << 20
 
@@ -48,7 +47,8 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
     batch_per_rank = batch_per_rank or cal.batch_per_rank
     budget = parse_bytes(memory, "--memory-per-node") if memory else cal.node_memory_bytes
     check_output(output)
-    rows, best, knee = advice.advise(cal, parse_nodes(nodes), per_node, batch_per_rank, budget)
+    counts = parse_nodes(nodes)
+    rows, best, knee = advice.advise(cal, counts, per_node, batch_per_rank, budget)
     print(f"mpidist plan: {cal.model} ({cal.params:,} parameters, {cal.optimizer}), {batch_per_rank} samples per "
           f"rank, {per_node} rank(s) per node, {human(budget)} per node; between nodes "
           f"{cal.network.describe() if cal.network else 'no link (one node only)'}")
@@ -66,11 +66,7 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
                          f"({row.efficiency:.0%})" for count, row in fastest.items())
         print(f"mpidist plan: {strategy}: {each or 'fits nowhere'}"
               + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient"))
-    buckets = {}
-    for count in parse_nodes(nodes):
-        if count * per_node > 1:
-            layout = Layout("allreduce", count, per_node, batch_per_rank * count * per_node, exchange="mpi")
-            buckets[count] = best_bucket(cal, layout) + (predict(cal, layout).exchange,)
+    buckets = bucket_advice(cal, counts, per_node, batch_per_rank)
     if buckets:
         print("mpidist plan: --bucket-mb for allreduce --exchange mpi, were its transfers hidden behind backward: "
               + "; ".join(f"{count}: {size:g} ({left * 1e3:.2f} of {whole * 1e3:.2f} ms left)"

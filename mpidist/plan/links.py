@@ -3,7 +3,7 @@
 The collectives mpidist uses are costed from a link's two figures with the
 textbook bounds of their algorithms (an allreduce moves ``2 (r-1)/r`` of
 the buffer through each rank, in ``2 log2 r`` messages as MPI libraries run
-large ones); MPI libraries pick other algorithms for some sizes and rank
+large ones on a power of two of ranks); MPI libraries pick other algorithms for some sizes and rank
 counts, which ``plan --check`` (:mod:`mpidist.plan.check`) shows.
 """
 
@@ -31,13 +31,20 @@ class Link:
         return messages * self.latency + nbytes * self.per_byte
 
     def allreduce(self, nbytes, ranks):
-        """An allreduce of ``nbytes`` over ``ranks`` as MPI libraries run a large one (Rabenseifner's: a
-        reduce-scatter by recursive halving, an allgather by recursive doubling): ``2 (r-1)/r`` of the buffer
-        through each rank, as a ring moves, in ``2 ceil(log2 r)`` messages instead of the ring's ``2 (r-1)``
-        (the two agree on 2 ranks, where the link is calibrated)."""
+        """An allreduce of ``nbytes`` over ``ranks``, as the cheaper of the algorithms MPI libraries run a large
+        one with: a ring (``2 (r-1)`` messages, ``2 (r-1)/r`` of the buffer through each rank) and
+        Rabenseifner's (a reduce-scatter by recursive halving and an allgather by recursive doubling over the
+        largest power of two ``p`` of ranks: ``2 log2 p`` messages, ``2 (p-1)/p`` of the buffer; the other
+        ranks first hand their buffers in and at the end take the result back).  Both are a ring's two steps
+        on 2 ranks, where the link is calibrated."""
         if ranks <= 1:
             return 0.0
-        return 2 * math.ceil(math.log2(ranks)) * self.latency + 2 * (ranks - 1) / ranks * nbytes * self.per_byte
+        ring = 2 * self.reduce_scatter(nbytes, ranks)
+        power = 1 << (ranks.bit_length() - 1)
+        halving = 2 * (power.bit_length() - 1) * self.latency + 2 * (power - 1) / power * nbytes * self.per_byte
+        if power < ranks:
+            halving += 2 * (self.latency + nbytes * self.per_byte)
+        return min(ring, halving)
 
     def reduce_scatter(self, nbytes, ranks):
         """A ring reduce-scatter (or allgather) of ``nbytes`` over ``ranks``: ``r - 1`` steps of ``1/r``."""

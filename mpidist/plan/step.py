@@ -9,6 +9,8 @@ times, and the wait for the slowest of the ranks a step synchronises.
 """
 
 import dataclasses
+import functools
+import math
 import statistics
 
 import numpy as np
@@ -56,8 +58,8 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """Seconds per step in parts (``compute``, ``exchange``, ``optimizer``, ``bubble``, ``wait`` and ``loop``:
-    what ``train`` does besides the strategy's step), the samples per second they give, and the bytes the
-    fullest rank holds."""
+    what ``train`` does besides the strategy's step), the samples per second they give, the bytes every rank
+    holds (``memory``) and what the chief holds above that (``chief_extra``)."""
 
     layout: Layout
     compute: float
@@ -67,6 +69,7 @@ class Prediction:
     wait: float
     memory: int
     loop: float = 0.0
+    chief_extra: int = 0
 
     @property
     def step(self):
@@ -76,6 +79,23 @@ class Prediction:
     def samples_per_s(self):
         return self.layout.batch / self.step
 
+    @property
+    def fullest(self):
+        """Bytes of the fullest rank (the chief)."""
+        return self.memory + self.chief_extra
+
+    @property
+    def node_memory(self):
+        """Bytes of the fullest node: its ranks, the chief among them."""
+        return self.memory * self.layout.per_node + self.chief_extra
+
+
+def crowding(cal, layout):
+    """How much slower a rank computes beside the layout's others: ranks that train at once slow each other
+    (a node's memory and caches; emulated nodes share a machine)."""
+    return max(1.0, cal.node_crowding if layout.per_node > 1 else 1.0,
+               cal.network_crowding if layout.nodes > 1 else 1.0)
+
 
 def predict(cal, layout):
     """The :class:`Prediction` of ``layout`` (a :class:`UsageError` where the layout cannot run)."""
@@ -83,11 +103,9 @@ def predict(cal, layout):
     cost = {"local": _local, "allreduce": _allreduce, "ps-sync": _ps_sync, "ps-async": _ps_async,
             "pipeline": _pipeline}[layout.strategy]
     made = cost(cal, layout)
-    # ranks that train at once slow each other (a node's memory and caches; emulated nodes share a machine)
-    crowding = max(1.0, cal.node_crowding if layout.per_node > 1 else 1.0,
-                   cal.network_crowding if layout.nodes > 1 else 1.0)
-    return dataclasses.replace(made, compute=made.compute * crowding, optimizer=made.optimizer * crowding,
-                               loop=cal.step_overhead)
+    slower = crowding(cal, layout)   # (a bubble and a wait are made of stage and step times: as slow)
+    return dataclasses.replace(made, compute=made.compute * slower, optimizer=made.optimizer * slower,
+                               bubble=made.bubble * slower, wait=made.wait * slower, loop=cal.step_overhead)
 
 
 def check(cal, layout):
@@ -109,12 +127,17 @@ def link_between(cal, layout):
     return cal.node if layout.nodes == 1 else cal.network
 
 
+@functools.lru_cache(maxsize=None)
 def slowest_of(count):
-    """The expected largest of ``count`` standard normal draws (Blom's approximation, within 1% from 2 to
-    millions; ``sqrt(2 ln count)``, its limit, is twice too large at 2)."""
+    """The expected largest of ``count`` standard normal draws: ``integral of x d(Phi(x)^count)``, summed on a
+    fine grid (to 1e-4; ``sqrt(2 ln count)``, its limit, is twice too large at 2)."""
     if count <= 1:
         return 0.0
-    return statistics.NormalDist().inv_cdf((count - 0.375) / (count + 0.25))
+    x = np.linspace(-8.0, 8.0 + math.sqrt(2 * math.log(count)), 8001)
+    below = np.array([statistics.NormalDist().cdf(value) for value in x])
+    # Phi^count from its logarithm: at a million ranks Phi^(count - 1) underflows where the density is not 0
+    top = np.exp(count * np.log(np.maximum(below, 1e-300)))
+    return float(np.sum(0.5 * (x[1:] + x[:-1]) * np.diff(top)))
 
 
 def _wait(cal, compute, ranks):
@@ -250,12 +273,14 @@ def _pipeline(cal, layout):
     nbytes = stage_params * cal.itemsize
     exchange = link.allreduce(nbytes, replicas) + (replicas - 1) / replicas * nbytes * cal.sum_per_byte
     held = max(_activations(cal, peak[stage] * micro, lo, hi) for stage, (lo, hi) in enumerate(spans))
-    # (every rank keeps the whole model's parameters it was built from; the chief fills them, and at the end
-    # gathers the stages' slices and optimizer state into whole arrays of its own)
-    whole = (2 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2)) * cal.params * cal.itemsize
+    # (every rank receives the whole model's parameters at the start, into a buffer of its own; the chief
+    # also fills the whole model it was built from, and at the end gathers the stages' slices and optimizer
+    # state into whole arrays)
+    whole = cal.params * cal.itemsize
     return Prediction(layout, busy, exchange, cal.optimizer_per_param * stage_params, makespan - busy,
                       _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas),
-                      _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params) + whole)
+                      _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params) + whole,
+                      chief_extra=(1 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2)) * whole)
 
 
 def _makespan(plans, seconds, transfer):

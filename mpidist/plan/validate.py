@@ -98,13 +98,16 @@ def main(argv=None):
                                                     *batch_flags(name, ranks, cal.batch_per_rank), "--steps",
                                                     str(options.steps), "--eval-every", "0", "--checkpoint-dir", "",
                                                     "--progress", "none", "--run-dir", str(run_dir)]))
-                measured[name].append(read_layout(run_dir))
+                read = read_layout(run_dir)
+                if isinstance(read, str):   # (a run that exited 0 but left no figures: say so, do not guess)
+                    raise SystemExit(f"mpidist plan validate: {name}: {read}")
+                measured[name].append(read)
                 predicted[name].append(predict(cal, measured[name][-1][0]))
         rows = []
         for name, runs in measured.items():
             made = predicted[name]
             speed, peak = median(run[1] for run in runs), median(run[2] for run in runs)
-            rate, memory = median(m.samples_per_s for m in made), median(m.memory for m in made)
+            rate, memory = median(m.samples_per_s for m in made), median(m.fullest for m in made)
             rows.append({"layout": name, "predicted": rate, "measured": speed,
                          "speed_ratio": rate / speed, "memory_predicted_mib": memory / 2 ** 20,
                          "memory_measured_mib": peak / 2 ** 20, "memory_ratio": memory / peak,

@@ -65,7 +65,13 @@ def read_run(run_dir):
     known = sorted((step, event["time"]) for step, event in steps.items() if is_finite_number(event.get("time")))
     for event in evals:    # an evaluation's time: its step's, from the step events around it
         event["time"] = float(np.interp(event["step"], *zip(*known))) if known else math.nan
-    return Run(name=path.resolve().name if path.is_dir() else path.resolve().parent.name, steps=steps, evals=evals)
+    return Run(name=run_name(path), steps=steps, evals=evals)
+
+
+def run_name(path):
+    """A run's name: its directory's (of a metrics file given itself, the directory holding it)."""
+    path = Path(path).resolve()
+    return path.name if path.is_dir() else path.parent.name
 
 
 def is_finite_number(value):
@@ -95,6 +101,8 @@ def save_png(figure, path):
             figure.savefig(aside, format="png")
     except OSError as err:
         raise UsageError(f"plot: cannot write {path} ({err.strerror or err})") from None
+    except ValueError as err:   # (text matplotlib cannot lay out: what a file gave it, not a bug to trace)
+        raise UsageError(f"plot: cannot draw {path}: {str(err).splitlines()[0] if str(err) else err!r}") from None
     return Path(path)
 
 
