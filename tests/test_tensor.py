@@ -304,6 +304,11 @@ def test_allreduce_with_tensor_parts_trains_as_local_on_the_global_batch(name, t
     cluster, strategy, reference = tensor_runs(tensor, name)
     np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.tensor.where], rtol=1e-9,
                                atol=ATOL)
+    # the parameters every part holds alike (never re-synced) are alike to the bit on every rank: each part
+    # updates them from the same sums
+    shared = np.concatenate([strategy.model.params[lo:hi] for lo, hi in strategy.tensor.shared] + [np.zeros(0)])
+    every = cluster.world.allgather(shared)
+    assert shared.size and all(np.array_equal(other, every[0]) for other in every)
     state = strategy.state()   # the whole model's, gathered on the chief
     if cluster.is_chief:
         np.testing.assert_allclose(state[0], reference.model.params, rtol=1e-9, atol=ATOL)
