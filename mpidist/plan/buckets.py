@@ -17,7 +17,7 @@ ranks that do the transfers on the cores they compute on do not get.
 """
 
 from ..parallel.exchange import top_down_buckets
-from .step import Layout, crowding, link_between, predict
+from .step import Layout, crowding, link_between
 
 MIB = 1 << 20
 #: bucket sizes tried, in MiB: 1/4 to 1024 by factors of 2
@@ -57,11 +57,12 @@ def best_bucket(cal, layout):
 
 
 def advise(cal, node_counts, per_node, batch_per_rank):
-    """``{nodes: (MiB, seconds left, seconds of the whole exchange)}`` for ``allreduce --exchange mpi`` at each
-    node count of more than one rank."""
+    """``{nodes: (MiB, seconds left, seconds left by one bucket of everything)}`` for ``allreduce --exchange
+    mpi`` at each node count of more than one rank."""
     made = {}
     for nodes in node_counts:
         if nodes * per_node > 1:
             layout = Layout("allreduce", nodes, per_node, batch_per_rank * nodes * per_node, exchange="mpi")
-            made[nodes] = best_bucket(cal, layout) + (predict(cal, layout).exchange,)
+            one = exposed(cal, layout, (cal.params + 1) * cal.itemsize)   # (as one bucket: all of it left)
+            made[nodes] = best_bucket(cal, layout) + (one,)
     return made
