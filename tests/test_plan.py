@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 from conftest import mpidist, run_mpi
@@ -219,6 +220,12 @@ def test_a_calibration_file_round_trips_and_every_bad_figure_is_named(tmp_path):
         calibration.load(tmp_path / "big.json")
     with pytest.raises(UsageError, match="cannot be read"):
         calibration.load(tmp_path / "missing.json")
+    os.mkfifo(tmp_path / "pipe.json")   # (opening a named pipe would wait for a writer forever)
+    with pytest.raises(UsageError, match="named pipe"):
+        calibration.load(tmp_path / "pipe.json")
+    (tmp_path / "piped").mkdir()
+    os.mkfifo(tmp_path / "piped" / "metrics.jsonl")
+    assert "named pipe" in check.read_layout(tmp_path / "piped")
 
 
 def test_plan_prints_every_layout_and_a_recommendation_for_each_node_count(tmp_path):

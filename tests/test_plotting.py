@@ -1,6 +1,7 @@
 """python -m mpidist plot: PNG figures of runs, read back and checked."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -174,6 +175,13 @@ def test_a_plan_file_is_untrusted(tmp_path):
     assert "passed over" not in done.stdout
     done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "p.json"))
     assert done.returncode == 0 and "passed over 8 row(s)" in done.stdout, done.stderr
+    os.mkfifo(tmp_path / "pipe.json")   # (a named pipe would block the reader forever)
+    with pytest.raises(UsageError, match="named pipe"):
+        plan_figure.read_plan(tmp_path / "pipe.json")
+    (tmp_path / "piped").mkdir()
+    os.mkfifo(tmp_path / "piped" / "metrics.jsonl")
+    with pytest.raises(UsageError, match="named pipe"):
+        plotting.read_run(tmp_path / "piped")
     done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "nowhere.json"))
     assert done.returncode == 2 and "cannot be read" in done.stderr and "Traceback" not in done.stderr
     done, _ = mpidist(1, "plot")

@@ -11,6 +11,7 @@ import math
 
 from ..bench.output import write_results
 from ..runtime.errors import UsageError
+from ..store.outputs import special_input
 from .links import Link
 
 FORMAT = "mpidist-calibration-2"   # (2: micro_batch_s; the baseline with the read before the state)
@@ -111,6 +112,9 @@ def save(calibration, path):
 
 def load(path):
     """The :class:`Calibration` in ``path``, every figure checked; a :class:`UsageError` names what is wrong."""
+    special = special_input(path)
+    if special:
+        raise UsageError(f"--calibration {path}: cannot be read: {special}")
     try:
         with open(path, "rb") as handle:
             raw = handle.read(MAX_BYTES + 1)

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from ..runtime.errors import UsageError
+from ..store.outputs import special_input
 from ..store.rundir import METRICS
 from .step import Layout, predict
 
@@ -22,6 +23,9 @@ def read_layout(run_dir):
     path = Path(run_dir)
     metrics = path if path.is_file() else path / METRICS
     start = done = None
+    special = special_input(metrics)
+    if special:
+        return f"{metrics}: {special}"
     try:
         with open(metrics, encoding="utf-8", errors="replace") as handle:
             for line in handle:

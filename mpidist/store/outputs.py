@@ -56,6 +56,13 @@ def special_kind(path):
     return next((words for test, words in SPECIAL if test(mode)), None)
 
 
+def special_input(path):
+    """Why ``path`` cannot be read as a file (a named pipe would block the reader forever, a device never
+    end), in words; None for a regular file or anything whose opening will say what is wrong."""
+    kind = special_kind(path)
+    return None if kind is None else f"it is {kind}, not a file: name a regular file"
+
+
 def refuse_special(path, what):
     """Raise :func:`unwritable`'s error where output ``path`` is a special file, which a rename would replace."""
     kind = special_kind(path)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..plan.check import read_layout
 from ..runtime.errors import UsageError
+from ..store.outputs import special_input
 from .plotting import is_finite_number, legend_beside, new_figure, run_name, save_png
 
 MAX_BYTES = 64 << 20     # a plan of every layout at thousands of node counts is a few MB
@@ -40,6 +41,9 @@ class Plan:
 
 def read_plan(path):
     """The :class:`Plan` of ``plan --output``'s JSON (untrusted: checked row by row, and bounded)."""
+    special = special_input(path)
+    if special:
+        raise UsageError(f"plot --plan {path}: cannot be read ({special})")
     try:
         with open(path, "rb") as handle:
             raw = handle.read(MAX_BYTES + 1)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..runtime.errors import UsageError
 from ..store import atomic
-from ..store.outputs import refuse_special
+from ..store.outputs import refuse_special, special_input
 from ..store.rundir import METRICS, TRACE
 
 INSTALL = "plot needs matplotlib: pip install 'mpidist[plot]' (or: pip install matplotlib)"
@@ -44,6 +44,9 @@ def read_run(run_dir):
     """The :class:`Run` of ``run_dir`` (or of a metrics file given itself)."""
     path = Path(run_dir)
     metrics = path if path.is_file() else path / METRICS
+    special = special_input(metrics)
+    if special:
+        raise UsageError(f"plot: {run_dir}: no metrics to plot ({metrics}: {special})")
     try:
         lines = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as err:
