@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 from conftest import mpidist, run_mpi
 
@@ -25,7 +26,7 @@ def made_up(layers=4, params=1000, forward=(0.0, 1e-4), backward=(0.0, 2e-4), **
                    read_overhead_bytes=512_000,
                    batch_per_rank=64, train_samples=1000, test_samples=100,
                    layers=tuple(LayerCost("Dense", params, 10, True, forward, backward) for _ in range(layers)),
-                   loss=(0.0, 0.0), tensor_sums=(10,), optimizer_per_param=1e-9, step_overhead=0.0, micro_batch_s=0.0,
+                   loss=(0.0, 0.0), tensor_sums=(10,), optimizer_per_param=1e-9, step_overhead=0.0, micro_batch_s=0.0, overlap=0.0,
                    sum_per_byte=1e-10, jitter=0.0, node=Link(1e-6, 1e-10), network=Link(2e-6, 4e-10),
                    node_crowding=1.0, network_crowding=1.0,
                    baseline_bytes=50 << 20, ranks_per_node=2, cores=2, node_memory_bytes=16 << 30)
@@ -149,6 +150,44 @@ def test_buckets_started_as_backward_completes_them_leave_the_last_ones_exchange
     assert size < 64 and left < buckets.exposed(big, layout, 128 << 20)
     assert left == min(buckets.exposed(big, layout, mib * (1 << 20)) for mib in buckets.CANDIDATES if mib <= 128)
     assert buckets.best_bucket(dataclasses.replace(big, node=Link(0.0, 0.0)), layout)[0] == 128
+
+
+def test_the_calibrated_overlap_hides_its_share_of_what_buckets_can_hide_and_picks_their_size():
+    big = made_up(params=1 << 20, node=Link(1e-6, 1e-9))   # 4 layers of 4 MiB of gradients each
+    layout = Layout("allreduce", 1, 2, 128, exchange="mpi", bucket_mb=4)
+    whole = buckets.exposed(big, layout, (big.params + 1) * 4)
+    hideable = whole - buckets.exposed(big, layout, 4 << 20)
+    assert hideable > 0
+    none = predict(big, layout).exchange
+    assert predict(dataclasses.replace(big, overlap=0.5), layout).exchange == pytest.approx(none - 0.5 * hideable)
+    assert layout.describe() == "allreduce --exchange mpi --bucket-mb 4" and layout.buckets
+    assert not Layout("allreduce", 1, 2, 128).buckets                     # (one model per node: no buckets)
+    assert Layout("allreduce", 2, 1, 128).buckets                         # (a rank a node: MPI's, bucketed)
+    # the advice gives bucketed layouts their best size where backward hides any, and leaves them be elsewhere
+    at = {row.layout for row in advise(dataclasses.replace(big, overlap=0.5), [1], 2, 64, 16 << 30)[0]}
+    size = buckets.best_bucket(big, Layout("allreduce", 1, 2, 128, exchange="mpi"))[0]
+    assert size < 16 and f"allreduce --exchange mpi --bucket-mb {size:g}" in at
+    assert "allreduce --exchange mpi" in {row.layout for row in advise(big, [1], 2, 64, 16 << 30)[0]}
+
+
+def test_overlap_is_measured_beyond_the_noise_of_the_turns():
+    from mpidist.plan.measure import _overlap_share
+
+    cal = made_up(params=1 << 20, node=Link(1e-6, 1e-9), batch_per_rank=64)
+    bucket = (cal.params + 1) * 4 // 4
+    layout = Layout("allreduce", 1, 2, 128, exchange="mpi")
+    whole = buckets.exposed(cal, layout, (cal.params + 1) * 4)
+    could = (whole - buckets.exposed(cal, layout, bucket)) / whole
+    rng = np.random.default_rng(0)
+    alone = 5e-3 + 1e-4 * rng.standard_normal(80)
+    late = alone + 1e-3
+    # every turn gains a tenth of the exchange: a tenth over what the model says buckets can hide
+    steady = {"alone": alone, "after backward": late, "overlapped": late - 1e-4}
+    assert _overlap_share(cal, (steady, bucket, 1)) == pytest.approx(min(1.0, 0.1 / could))
+    # gains and losses at random: nothing
+    noisy = {"alone": alone, "after backward": late, "overlapped": late + 3e-4 * rng.standard_normal(80)}
+    assert _overlap_share(cal, (noisy, bucket, 1)) == 0.0
+    assert _overlap_share(cal, None) == 0.0
 
 
 def test_the_memory_a_rank_holds_counts_its_share_of_each_array():

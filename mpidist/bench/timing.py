@@ -79,13 +79,14 @@ def alternating(steps, seconds, min_calls=5):
     return {name: float(np.median(values)) for name, values in times.items()}
 
 
-def synced_alternating(world, steps, seconds, min_calls=5):
+def synced_alternating(world, steps, seconds, min_calls=5, every=False):
     """:func:`alternating` for collectives: every rank calls each step the same number of times, together, in turn.
 
     A barrier before each timed call starts the ranks together (the barrier
     is outside the timing); rank 0 picks the count from a short calibration
     and broadcasts it, since ranks that stopped on their own clocks could
-    leave a collective unmatched.
+    leave a collective unmatched.  Returns each step's median seconds (with
+    ``every``: each call's seconds, turn by turn, to pair the steps of a turn).
     """
     world.Barrier()
     start = time.perf_counter()
@@ -103,6 +104,8 @@ def synced_alternating(world, steps, seconds, min_calls=5):
             start = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - start)
+    if every:
+        return times
     return {name: float(np.median(values)) for name, values in times.items()}
 
 

@@ -9,6 +9,7 @@ samples/s over the node count times the best one-node samples/s.
 import dataclasses
 
 from ..runtime.errors import UsageError
+from .buckets import MIB, best_bucket, exposed
 from .step import Layout, predict
 
 #: below this scaling efficiency, more nodes are not worth what they cost
@@ -28,6 +29,7 @@ def layouts(cal, nodes, per_node, batch_per_rank):
     for ps in sorted({1, nodes}):
         if ps < ranks:
             made += [Layout(strategy, nodes, per_node, batch, ps=ps) for strategy in ("ps-sync", "ps-async")]
+    made = [_best_buckets(cal, layout) for layout in made]
     for stages in (2, 4):
         if ranks % stages == 0 and stages <= len(cal.layers):
             candidates = [Layout("pipeline", nodes, per_node, batch, stages=stages, micro_batches=micro)
@@ -35,6 +37,17 @@ def layouts(cal, nodes, per_node, batch_per_rank):
             if candidates:   # (each predicted once: the fastest micro-batch count)
                 made.append(min(candidates, key=lambda layout: predict(cal, layout).step))
     return made
+
+
+def _best_buckets(cal, layout):
+    """``layout`` with the bucket size that hides the most behind backward, where the calibration says backward
+    hides any and a size other than the default hides more."""
+    if not layout.buckets or cal.overlap <= 0:
+        return layout
+    size, left = best_bucket(cal, layout)
+    if left < exposed(cal, layout, layout.bucket_mb * MIB) * (1 - 1e-9):
+        return dataclasses.replace(layout, bucket_mb=size)
+    return layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,3 +114,16 @@ def per_strategy(rows):
 COLUMNS = [("nodes", "nodes", "{}"), ("layout", "layout", "{}"), ("samples_per_s", "samples/s", "{:,.0f}"),
            ("step_ms", "step ms", "{:.2f}"), ("efficiency", "efficiency", "{:.2f}"),
            ("memory_per_rank", "MiB/rank", "{:,.0f}"), ("fits", "fits", "{}")]
+
+
+def buckets(cal, node_counts, per_node, batch_per_rank):
+    """``{nodes: (MiB, seconds left at the calibrated overlap, seconds left were all of it hidden, seconds left
+    by one bucket of everything)}`` for ``allreduce --exchange mpi`` at each node count of more than one rank."""
+    made = {}
+    for nodes in node_counts:
+        if nodes * per_node > 1:
+            layout = Layout("allreduce", nodes, per_node, batch_per_rank * nodes * per_node, exchange="mpi")
+            one = exposed(cal, layout, (cal.params + 1) * cal.itemsize)   # (as one bucket: all of it left)
+            size, best = best_bucket(cal, layout)
+            made[nodes] = size, one - cal.overlap * (one - best), best, one
+    return made

@@ -10,14 +10,15 @@ ends, and the sums of every bucket (arithmetic on the cores that also run
 backward), are the exchange a step waits for.  Small buckets start early
 but pay a latency each; one large bucket starts only after the first layer.
 
-The step prediction itself (:mod:`mpidist.plan.step`) hides none of the
-exchange: this model assumes the link moves bytes while the cores compute
-(a network card's transfers, MPI's progress driven between layers), which
-ranks that do the transfers on the cores they compute on do not get.
+This is the exchange left were the link to move bytes while the cores
+compute (a network card's transfers, MPI's progress driven between layers);
+ranks that move them on the cores they compute on get less of it, or none.
+The step prediction (:mod:`mpidist.plan.step`) hides the calibrated share
+of it (``Calibration.overlap``, measured by running the exchange overlapped
+and not).
 """
 
 from ..parallel.exchange import top_down_buckets
-from .step import Layout, crowding, link_between
 
 MIB = 1 << 20
 #: bucket sizes tried, in MiB: 1/4 to 1024 by factors of 2
@@ -28,7 +29,7 @@ def exposed(cal, layout, bucket_bytes):
     """Seconds of the exchange left after backward, with buckets of at most ``bucket_bytes``."""
     groups = layout.ranks // layout.tensor
     samples = layout.batch / groups
-    link, slower, item = link_between(cal, layout), crowding(cal, layout), cal.itemsize
+    link, slower, item = cal.link_for(layout), cal.crowding_for(layout), cal.itemsize
     # when backward has finished each layer (from the last, the loss's gradient first)
     done_at, clock = [0.0] * len(cal.layers), (cal.loss[0] + cal.loss[1] * samples) * slower
     for index in range(len(cal.layers) - 1, -1, -1):
@@ -54,15 +55,3 @@ def best_bucket(cal, layout):
     tried = [(exposed(cal, layout, size * MIB), size) for size in sizes]
     seconds, size = min(tried, key=lambda pair: (round(pair[0], 9), -pair[1]))
     return size, seconds
-
-
-def advise(cal, node_counts, per_node, batch_per_rank):
-    """``{nodes: (MiB, seconds left, seconds left by one bucket of everything)}`` for ``allreduce --exchange
-    mpi`` at each node count of more than one rank."""
-    made = {}
-    for nodes in node_counts:
-        if nodes * per_node > 1:
-            layout = Layout("allreduce", nodes, per_node, batch_per_rank * nodes * per_node, exchange="mpi")
-            one = exposed(cal, layout, (cal.params + 1) * cal.itemsize)   # (as one bucket: all of it left)
-            made[nodes] = best_bucket(cal, layout) + (one,)
-    return made

@@ -14,7 +14,7 @@ from ..runtime.errors import UsageError
 from ..store.outputs import special_input
 from .links import Link
 
-FORMAT = "mpidist-calibration-2"   # (2: micro_batch_s; the baseline with the read before the state)
+FORMAT = "mpidist-calibration-2"   # (2: micro_batch_s, overlap; the baseline with the read before the state)
 MAX_BYTES = 1 << 22          # a calibration is a few KiB: refuse to read a larger file whole
 MAX_LAYERS = 100_000
 
@@ -52,6 +52,9 @@ class Calibration:
         step_overhead: seconds a step of ``train`` takes besides the strategy's step (batches, metrics).
         micro_batch_s: seconds a pipeline stage spends on each micro-batch besides its layers' lines and the
             sum of its gradients (its bookkeeping, and what small batches cost the layers above their lines).
+        overlap: the share of what ``allreduce --exchange mpi``'s buckets could hide behind backward that it did
+            hide, measured (0: none, as where ranks move the bytes on the cores they compute on; 1: all the
+            bucket model says, as where a network card moves them).
         sum_per_byte: seconds per byte of summing one buffer into another in memory.
         jitter: the relative spread of one rank's step times (its standard deviation over the median).
         node_crowding, network_crowding: how much slower a rank's step runs while another rank on its node (on
@@ -79,6 +82,7 @@ class Calibration:
     optimizer_per_param: float
     step_overhead: float
     micro_batch_s: float
+    overlap: float
     sum_per_byte: float
     jitter: float
     node: Link
@@ -93,6 +97,16 @@ class Calibration:
     @property
     def params(self):
         return sum(layer.params for layer in self.layers)
+
+    def link_for(self, layout):
+        """The link a layout's exchanges cross: this node's on one node, else the network's."""
+        return self.node if layout.nodes == 1 else self.network
+
+    def crowding_for(self, layout):
+        """How much slower a rank computes beside the layout's others: ranks that train at once slow each
+        other (a node's memory and caches; emulated nodes share a machine)."""
+        return max(1.0, self.node_crowding if layout.per_node > 1 else 1.0,
+                   self.network_crowding if layout.nodes > 1 else 1.0)
 
     def compute(self, samples):
         """Seconds of forward and backward of the whole model, the loss included, on ``samples`` samples."""
@@ -159,6 +173,7 @@ def _checked(document, where):
         layers=tuple(costs), loss=read.pair("loss"), tensor_sums=tuple(sums),
         optimizer_per_param=read.seconds("optimizer_per_param"),
         step_overhead=read.seconds("step_overhead"), micro_batch_s=read.seconds("micro_batch_s"),
+        overlap=read.share("overlap"),
         sum_per_byte=read.seconds("sum_per_byte"), jitter=read.seconds("jitter"),
         node=read.link("node", optional=True),
         network=read.link("network", optional=True), node_crowding=read.seconds("node_crowding"),
@@ -192,6 +207,12 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise UsageError(f"{self.where}: {name}: a finite figure of at least 0 expected, got {value!r:.60}")
         return float(value)
+
+    def share(self, name):
+        value = self.seconds(name)
+        if value > 1:
+            raise UsageError(f"{self.where}: {name}: a share from 0 to 1 expected, got {value!r:.60}")
+        return value
 
     def pair(self, name):
         value = self.value(name, list)

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..runtime.errors import UsageError
 from ..store.outputs import special_input
 from ..store.rundir import METRICS
-from .step import Layout, predict
+from .step import DEFAULT_BUCKET_MB, Layout, predict
 
 MAX_LINE = 1 << 20
 
@@ -50,7 +50,8 @@ def read_layout(run_dir):
                         batch=int(config["batch_size"]), ps=int(config.get("ps", 0)),
                         stages=int(config.get("stages", 1)), micro_batches=int(config.get("micro_batches", 4)),
                         schedule=str(config.get("schedule", "1f1b")), tensor=int(config.get("tensor", 1)),
-                        exchange=str(config.get("exchange", "auto")), shard=str(config.get("shard", "none")))
+                        exchange=str(config.get("exchange", "auto")), shard=str(config.get("shard", "none")),
+                        bucket_mb=float(config.get("bucket_mb", DEFAULT_BUCKET_MB)))
         measured = float(done["samples_per_s"])
         peak = int(float(done.get("peak_rss_mib", 0)) * (1 << 20))
     except (KeyError, TypeError, ValueError, OverflowError):   # (OverflowError: an infinite figure as an int)

@@ -6,7 +6,6 @@ from ..bench.output import check_output, format_table, write_results
 from ..runtime.errors import UsageError
 from ..runtime.memory import human, parse_bytes
 from . import advice, calibration
-from .buckets import advise as bucket_advice
 from .check import COLUMNS as CHECK_COLUMNS
 from .check import check_runs
 from .links import parse_link
@@ -66,15 +65,22 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
                          f"({row.efficiency:.0%})" for count, row in fastest.items())
         print(f"mpidist plan: {strategy}: {each or 'fits nowhere'}"
               + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient"))
-    buckets = bucket_advice(cal, counts, per_node, batch_per_rank)
+    buckets = advice.buckets(cal, counts, per_node, batch_per_rank)
     if buckets:
-        print("mpidist plan: --bucket-mb for allreduce --exchange mpi, were its transfers hidden behind backward: "
-              + "; ".join(f"{count}: {size:g} ({left * 1e3:.2f} of {whole * 1e3:.2f} ms left)"
-                          for count, (size, left, whole) in buckets.items()))
+        if cal.overlap > 0:
+            print(f"mpidist plan: --bucket-mb for allreduce --exchange mpi (backward hid {cal.overlap:.0%} of what "
+                  "buckets can hide, as calibrated): " + "; ".join(
+                      f"{count}: {size:g} ({left * 1e3:.2f} of {one * 1e3:.2f} ms left)"
+                      for count, (size, left, _, one) in buckets.items()))
+        else:
+            print("mpidist plan: --bucket-mb for allreduce --exchange mpi: backward hid none of the exchange in the "
+                  "calibration (any size does); were all it can hide hidden (a network card moving the bytes): "
+                  + "; ".join(f"{count}: {size:g} ({best * 1e3:.2f} of {one * 1e3:.2f} ms left)"
+                              for count, (size, _, best, one) in buckets.items()))
     write_results(output, {"calibration": str(path), "ranks_per_node": per_node, "batch_per_rank": batch_per_rank,
                            "memory_per_node": budget, "rows": [dataclasses.asdict(row) for row in rows],
                            "best": _layouts(best), "knee": knee,
-                           "bucket_mb": {str(count): size for count, (size, _, _) in buckets.items()},
+                           "bucket_mb": {str(count): size for count, (size, *_) in buckets.items()},
                            "by_strategy": {strategy: {"best": _layouts(fastest), "knee": paying}
                                            for strategy, (fastest, paying) in strategies.items()}})
     return rows, best, knee

@@ -30,6 +30,7 @@ from ..runtime import comm as mpi
 from ..runtime.cluster import node_layout
 from ..runtime.memory import available_bytes, high_water, peak_memory, reset_high_water
 from .calibration import Calibration, LayerCost
+from .buckets import exposed
 from .step import Layout, predict
 from .links import Link, fit
 
@@ -53,18 +54,20 @@ def calibrate(world, config, seconds=1.0):
     trainer = trainer or _Trainer(config)
     alone = mpi.bcast_text(world, repr(figures.pop("alone_s")) if figures else "", root=0)
     crowding = [_crowding(world, node_of_rank, same, trainer, float(alone), seconds) for same in (True, False)]
+    overlap = _overlap_times(world, node_of_rank, config, trainer, seconds)
     node.Free()
     if world.Get_rank() != 0:
         return None
     peak = figures.pop("run_peak_bytes")
-    made = Calibration(**figures, node=within, network=between, baseline_bytes=0, node_crowding=crowding[0],
-                       network_crowding=crowding[1],
+    made = Calibration(**figures, node=within, network=between, baseline_bytes=0, overlap=0.0,
+                       node_crowding=crowding[0], network_crowding=crowding[1],
                        ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
                        cores=len(os.sched_getaffinity(0)),
                        node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
     # what a rank holds besides the arrays the model counts: the one-process run's peak less its arrays
     arrays = predict(made, Layout("local", 1, 1, made.batch_per_rank)).fullest
-    return dataclasses.replace(made, baseline_bytes=max(baseline, peak - arrays))
+    return dataclasses.replace(made, baseline_bytes=max(baseline, peak - arrays),
+                               overlap=_overlap_share(made, overlap))
 
 
 def _median_seconds(fn, repeats=REPEATS):
@@ -91,8 +94,8 @@ class _Trainer:
         while len(y) < batch:                          # (a split smaller than a batch: its rows again)
             x, y = np.concatenate([x, shard.x]), np.concatenate([y, shard.y])
         self.x, self.y = x[:batch], y[:batch]
-        make = lambda size: nn.make_optimizer(config.optimizer, size, config.lr, xp=np, dtype=model.dtype)  # noqa
-        self.local = LocalStrategy(model, self.loss, make, seed=config.seed)
+        self.make = lambda size: nn.make_optimizer(config.optimizer, size, config.lr, xp=np, dtype=model.dtype)  # noqa
+        self.local = LocalStrategy(model, self.loss, self.make, seed=config.seed)
         self.local.initialize()   # (first: passes then run in the workspace training uses, as fast as there)
         self.steps = iter(range(1 << 30))
 
@@ -312,6 +315,74 @@ def _pair_with_rank_0(world, node_of_rank, same_node):
     if partner is None:
         return None
     return world.Split(0 if world.Get_rank() in (0, partner) else MPI.UNDEFINED, key=world.Get_rank())
+
+
+def _overlap_times(world, node_of_rank, config, trainer, seconds):
+    """Collective: on rank 0 and the next rank on another node (else on its node), the times of a local step
+    and of ``allreduce --exchange mpi`` steps with buckets of a quarter of the gradients, reduced as backward
+    fills them and after it, interleaved; ``(times, bucket bytes, nodes of the pair)`` on rank 0 (None
+    elsewhere, or without a second rank)."""
+    pair, nodes = _pair_with_rank_0(world, node_of_rank, same_node=False), 2
+    if pair is None:
+        pair, nodes = _pair_with_rank_0(world, node_of_rank, same_node=True), 1
+    if pair is None:
+        return None
+    made = None
+    if pair != MPI.COMM_NULL:
+        from ..bench.timing import synced_alternating
+        from ..parallel import AllreduceStrategy
+        from ..parallel.exchange import Exchange
+        from ..runtime.cluster import build_cluster
+        cluster = build_cluster(pair)
+        inputs, info = Inputs.of(config), trainer.info
+        loss = nn.loss_for(info.num_classes, np)
+        owners = {}
+        for name in ("overlapped", "after backward"):
+            model = build_model_for(config, inputs, info, np)
+            bucket = max(1 << 12, (model.num_params + 1) * np.dtype(model.dtype).itemsize // 4)
+            owners[name] = AllreduceStrategy(model, loss, trainer.make, cluster, seed=config.seed, exchange="mpi",
+                                             bucket_bytes=bucket)
+            owners[name].initialize()
+        late = owners["after backward"]
+        late.exchange = Exchange(late.worker_comm, late.buffer, late.bucket_bytes, overlap=False)
+        counter = iter(range(1 << 30))
+        steps = {"alone": trainer.step}
+        steps.update({name: lambda owner=owner: owner.train_step(trainer.x, trainer.y, 0.5, next(counter))
+                      for name, owner in owners.items()})
+        times = synced_alternating(pair, steps, 2 * seconds, every=True)
+        for owner in owners.values():
+            owner.free()
+        cluster.free()
+        pair.Free()
+        made = times, bucket, nodes
+    world.Barrier()
+    return made if world.Get_rank() == 0 else None
+
+
+def _overlap_share(cal, measured):
+    """The share of what buckets could hide (the bucket model's) that the measured steps hid: the median of
+    each turn's ``after backward - overlapped`` over the exchange (``after backward - alone``), against the
+    model's ``(one bucket - these buckets) / one bucket``.  0 where nothing was measured, where the buckets
+    could hide next to nothing, or where what was hidden is within the turns' noise: a machine that overlaps
+    nothing must not be credited with its noise."""
+    if measured is None:
+        return 0.0
+    times, bucket, nodes = measured
+    late, early = np.asarray(times["after backward"]), np.asarray(times["overlapped"])
+    exchange = float(np.median(late) - np.median(times["alone"]))
+    gains = late - early
+    gained = float(np.median(gains))
+    # beyond noise: three standard errors of the median, and more turns gaining than losing by three standard
+    # deviations of a fair coin's count (this machine's steps stretch at random, by more than the gain)
+    noise = 3 * 1.2533 * float(np.std(gains)) / np.sqrt(len(gains))
+    wins = int(np.sum(gains > 0)) - len(gains) / 2
+    if exchange <= 0 or gained <= noise or wins <= 1.5 * np.sqrt(len(gains)) or (
+            cal.node if nodes == 1 else cal.network) is None:
+        return 0.0
+    layout = Layout("allreduce", nodes, 2 // nodes, 2 * cal.batch_per_rank, exchange="mpi")
+    whole = exposed(cal, layout, (cal.params + 1) * cal.itemsize)
+    could = (whole - exposed(cal, layout, bucket)) / whole if whole > 0 else 0.0
+    return float(min(1.0, gained / exchange / could)) if could > 0.02 else 0.0
 
 
 def _pair(world, node_of_rank, same_node):

@@ -19,8 +19,10 @@ from ..parallel.pipeline import balance_by_parameters
 from ..parallel.schedule import schedule as stage_plan
 from ..parallel.schedule import simulate
 from ..runtime.errors import UsageError
+from .buckets import exposed
 
 OPTIMIZER_ARRAYS = {"adam": 2, "sgd": 1}   # optimizer state per parameter
+DEFAULT_BUCKET_MB = 64.0                   # train's --bucket-mb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Layout:
     tensor: int = 1
     exchange: str = "auto"       # allreduce: auto (one model per node on CPUs), mpi
     shard: str = "none"
+    bucket_mb: float = DEFAULT_BUCKET_MB   # allreduce with MPI's exchange: its buckets
 
     @property
     def ranks(self):
@@ -52,7 +55,16 @@ class Layout:
             extra += f" --exchange {self.exchange}"
         if self.shard != "none":
             extra += f" --shard {self.shard}"
+        if self.bucket_mb != DEFAULT_BUCKET_MB:
+            extra += f" --bucket-mb {self.bucket_mb:g}"
         return self.strategy + extra
+
+    @property
+    def buckets(self):
+        """Whether the step's gradients go through MPI's bucketed ``Iallreduce`` (whose buckets backward can
+        hide): ``allreduce`` with MPI's exchange (chosen, or one rank a node), whole parameters, no shards."""
+        return (self.strategy == "allreduce" and self.tensor == 1 and self.shard == "none"
+                and (self.exchange == "mpi" or self.per_node == 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,20 +102,13 @@ class Prediction:
         return self.memory * self.layout.per_node + self.chief_extra
 
 
-def crowding(cal, layout):
-    """How much slower a rank computes beside the layout's others: ranks that train at once slow each other
-    (a node's memory and caches; emulated nodes share a machine)."""
-    return max(1.0, cal.node_crowding if layout.per_node > 1 else 1.0,
-               cal.network_crowding if layout.nodes > 1 else 1.0)
-
-
 def predict(cal, layout):
     """The :class:`Prediction` of ``layout`` (a :class:`UsageError` where the layout cannot run)."""
     check(cal, layout)
     cost = {"local": _local, "allreduce": _allreduce, "ps-sync": _ps_sync, "ps-async": _ps_async,
             "pipeline": _pipeline}[layout.strategy]
     made = cost(cal, layout)
-    slower = crowding(cal, layout)   # (a bubble and a wait are made of stage and step times: as slow)
+    slower = cal.crowding_for(layout)   # (a bubble and a wait are made of stage and step times: as slow)
     return dataclasses.replace(made, compute=made.compute * slower, optimizer=made.optimizer * slower,
                                bubble=made.bubble * slower, wait=made.wait * slower, loop=cal.step_overhead)
 
@@ -121,10 +126,6 @@ def check(cal, layout):
         raise UsageError(f"--stages {layout.stages} x --tensor {layout.tensor} does not divide {layout.ranks} ranks")
     if layout.stages > len(cal.layers):
         raise UsageError(f"--stages {layout.stages}: the model has {len(cal.layers)} layers")
-
-
-def link_between(cal, layout):
-    return cal.node if layout.nodes == 1 else cal.network
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,8 +202,11 @@ def _allreduce(cal, layout):
         updated = params / local
         window = (local - 1) * nbytes // local   # (the others' gradients a rank sums its part of: its pages too)
     else:            # MPI's allreduce over the groups' same parts
-        link = link_between(cal, layout)
+        link = cal.link_for(layout)
         exchange = link.allreduce(nbytes, groups) + (groups - 1) / groups * nbytes * cal.sum_per_byte
+        if layout.buckets and cal.overlap > 0:   # (the calibrated share of what the buckets can hide)
+            whole = exposed(cal, layout, (cal.params + 1) * cal.itemsize)
+            exchange -= cal.overlap * max(0.0, whole - exposed(cal, layout, layout.bucket_mb * (1 << 20)))
         updated = params / groups if layout.shard == "optimizer" else params
         window = 0
     if layout.tensor > 1:   # two sums of activations per split pair, forward and backward, within a node
@@ -218,7 +222,7 @@ def _ps_sync(cal, layout):
     samples = layout.batch / workers
     compute = cal.compute(samples)
     nbytes = cal.params * cal.itemsize
-    link = link_between(cal, layout)
+    link = cal.link_for(layout)
     # Reduce_scatter: each ps takes its shard of every worker's gradients (its link carries them in turn) and
     # sums them; Allgatherv: each ps's updated shard to every rank
     gather = workers * link.time(nbytes / ps) + workers * nbytes / ps * cal.sum_per_byte
@@ -237,7 +241,7 @@ def _ps_async(cal, layout):
     samples = layout.batch / workers
     compute = cal.compute(samples)
     nbytes = cal.params * cal.itemsize
-    link = link_between(cal, layout)
+    link = cal.link_for(layout)
     moves = 2 * link.time(nbytes, messages=ps)
     serve = link.time(2 * nbytes / ps) + nbytes / ps * cal.sum_per_byte + cal.optimizer_per_param * cal.params / ps
     # one worker-step of the whole job (every worker once) takes the longer of a worker's step and the ps's turns
@@ -263,7 +267,7 @@ def _pipeline(cal, layout):
         backward += sum(cal.layers[i].params for i in range(lo, hi)) * cal.itemsize * cal.sum_per_byte \
             + cal.micro_batch_s
         seconds[stage, "fwd"], seconds[stage, "bwd"] = forward, backward
-    link = link_between(cal, layout)
+    link = cal.link_for(layout)
     largest = max(cal.layers[hi - 1].out_elements for _, hi in spans[:-1]) if stages > 1 else 0
     transfer = link.time(micro * largest * cal.itemsize) if stages > 1 else 0.0
     plans = [stage_plan(layout.schedule, stage, stages, layout.micro_batches) for stage in range(stages)]
