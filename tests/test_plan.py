@@ -118,6 +118,14 @@ def test_a_pipeline_waits_for_stages_as_loaded_as_each_other_and_not_for_one_wit
     assert predict(dataclasses.replace(even, jitter=0.0), layout).wait == 0.0
     assert predict(even, layout).wait > 0.02 * predict(even, layout).compute
     assert predict(lopsided, layout).wait < 0.005 * predict(lopsided, layout).compute
+    # ranks crowd each other only while both compute: the lopsided pipeline's busy stage mostly computes alone
+    crowded = {name: dataclasses.replace(cal, node_crowding=1.5, jitter=0.0) for name, cal in
+               (("even", even), ("lopsided", lopsided))}
+    assert predict(crowded["even"], layout).compute == pytest.approx(1.5 * predict(
+        dataclasses.replace(even, jitter=0.0), layout).compute)
+    light_share = 1e-6 / 1e-4
+    assert predict(crowded["lopsided"], layout).compute == pytest.approx(
+        (1 + 0.5 * light_share) * predict(dataclasses.replace(lopsided, jitter=0.0), layout).compute, rel=1e-3)
     # replicas wait for the slowest replica's schedule too
     assert predict(even, Layout("pipeline", 1, 8, 256, stages=2, micro_batches=4)).wait > predict(even, layout).wait
 

@@ -31,7 +31,7 @@ from ..runtime.cluster import node_layout
 from ..runtime.memory import available_bytes, high_water, peak_memory, reset_high_water
 from .calibration import Calibration, LayerCost
 from .buckets import exposed
-from .step import Layout, predict
+from .step import Layout, predict, slowest_of
 from .links import Link, fit
 
 SIZES = [8 << (2 * k) for k in range(12)]   # 8 B .. 32 MiB by factors of 4
@@ -52,13 +52,16 @@ def calibrate(world, config, seconds=1.0):
     within = _pair(world, node_of_rank, same_node=True)
     between = _pair(world, node_of_rank, same_node=False)
     trainer = trainer or _Trainer(config)
-    alone = mpi.bcast_text(world, repr(figures.pop("alone_s")) if figures else "", root=0)
-    crowding = [_crowding(world, node_of_rank, same, trainer, float(alone), seconds) for same in (True, False)]
+    crowding, spreads = zip(*[_crowding(world, node_of_rank, same, trainer, seconds) or (None, None)
+                              for same in (True, False)])
     overlap = _overlap_times(world, node_of_rank, config, trainer, seconds)
     node.Free()
     if world.Get_rank() != 0:
         return None
     peak = figures.pop("run_peak_bytes")
+    measured = next((spread for spread in spreads if spread is not None), None)
+    if measured is not None:   # (as a synchronous step meets it; the spread of one rank alone otherwise)
+        figures["jitter"] = measured
     made = Calibration(**figures, node=within, network=between, baseline_bytes=0, overlap=0.0,
                        node_crowding=crowding[0], network_crowding=crowding[1],
                        ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
@@ -147,7 +150,7 @@ def _compute(config, seconds):
             "train_samples": int(info.sizes["train"]), "test_samples": int(info.sizes.get("test", 0)),
             "layers": layers, "loss": losses, "tensor_sums": sums,
             "batch_per_rank": batch, "optimizer_per_param": max(0.0, step - layers_s) / params,
-            "step_overhead": overhead, "micro_batch_s": micro_batch_s, "run_peak_bytes": peak, "alone_s": step,
+            "step_overhead": overhead, "micro_batch_s": micro_batch_s, "run_peak_bytes": peak,
             "read_overhead_bytes": read_overhead,
             "sum_per_byte": summed / buffer.nbytes,
             # (the spread of the upper half, robust to the odd step a busy machine stretches tenfold)
@@ -287,24 +290,49 @@ def _tensor_shape(model):
     return splits, tuple(sizes)
 
 
-def _crowding(world, node_of_rank, same_node, trainer, alone, seconds):
-    """How much slower rank 0's step runs while the next rank on its node (``same_node``; or on another node)
-    trains too, over its step alone (``alone`` seconds): ranks that share a node's memory and caches slow each
-    other.  1.0 where there is no such rank.  Every rank calls; two of them train."""
+def _crowding(world, node_of_rank, same_node, trainer, seconds):
+    """``(crowding, spread)`` on rank 0: how much slower its step runs while the next rank on its node
+    (``same_node``; or on another node) trains too than while that rank sleeps (ranks that share a node's
+    memory and caches slow each other), and the spread of the two's step times as a synchronous step meets
+    it (what waiting for the slower adds).  Measured turn by turn, alone, together, and together then
+    waiting for each other, so that the machine's own drift falls on all three.  ``(1.0, None)`` where there
+    is no such rank.  Every rank calls; two of them train."""
     pair = _pair_with_rank_0(world, node_of_rank, same_node)
     if pair is None:
-        return 1.0
-    count = max(REPEATS, int(seconds / max(alone, 1e-6)))
-    times = []
+        return 1.0, None
+    ratio = None
     if pair != MPI.COMM_NULL:
-        for _ in range(count):
+        first = pair.Get_rank() == 0
+        start = time.perf_counter()
+        trainer.step()
+        count = np.array([max(REPEATS, int(seconds / max(2 * (time.perf_counter() - start), 1e-6)))], dtype=np.int64)
+        mpi.bcast(pair, count, root=0)   # (rank 0's count: the pair takes as many turns)
+        alone, together, waited = [], [], []
+        for _ in range(int(count[0])):
+            if first:   # alone: its partner asleep (not spinning in a barrier, which would take a core)
+                start = time.perf_counter()
+                trainer.step()
+                alone.append(time.perf_counter() - start)
+                release(pair)
+            else:
+                sleep_until_released(pair)
             pair.Barrier()
             start = time.perf_counter()
             trainer.step()
-            times.append(time.perf_counter() - start)
+            together.append(time.perf_counter() - start)
+            pair.Barrier()
+            start = time.perf_counter()   # (then as a synchronous step: each waits for the slower)
+            trainer.step()
+            pair.Barrier()
+            waited.append(time.perf_counter() - start)
         pair.Free()
+        if first:
+            # the wait for the slower of two is 1/sqrt(pi) standard deviations of a step: the spread as it acts
+            # (each turn's wait against the step before it: the machine's drift from turn to turn cancels)
+            spread = np.median(np.subtract(waited, together)) / np.median(together) / slowest_of(2)
+            ratio = max(1.0, float(np.median(together) / np.median(alone))), max(0.0, float(spread))
     world.Barrier()
-    return max(1.0, float(np.median(times)) / alone) if world.Get_rank() == 0 else None
+    return ratio if world.Get_rank() == 0 else None
 
 
 def _pair_with_rank_0(world, node_of_rank, same_node):

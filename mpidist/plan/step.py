@@ -82,6 +82,7 @@ class Prediction:
     memory: int
     loop: float = 0.0
     chief_extra: int = 0
+    together: float = 1.0   # the share of the step's compute during which the node's other ranks compute too
 
     @property
     def step(self):
@@ -108,7 +109,9 @@ def predict(cal, layout):
     cost = {"local": _local, "allreduce": _allreduce, "ps-sync": _ps_sync, "ps-async": _ps_async,
             "pipeline": _pipeline}[layout.strategy]
     made = cost(cal, layout)
-    slower = cal.crowding_for(layout)   # (a bubble and a wait are made of stage and step times: as slow)
+    # ranks crowd each other while they compute at once: a pipeline stage with slack leaves its neighbour
+    # alone for part of the step (and a bubble and a wait are made of stage and step times: as slow)
+    slower = 1.0 + (cal.crowding_for(layout) - 1.0) * made.together
     return dataclasses.replace(made, compute=made.compute * slower, optimizer=made.optimizer * slower,
                                bubble=made.bubble * slower, wait=made.wait * slower, loop=cal.step_overhead)
 
@@ -272,7 +275,8 @@ def _pipeline(cal, layout):
     transfer = link.time(micro * largest * cal.itemsize) if stages > 1 else 0.0
     plans = [stage_plan(layout.schedule, stage, stages, layout.micro_batches) for stage in range(stages)]
     makespan, peak = _makespan(plans, seconds, transfer)
-    busy = max(sum(seconds[stage, op] for op, _ in plan if op in ("fwd", "bwd")) for stage, plan in enumerate(plans))
+    loads = [sum(seconds[stage, op] for op, _ in plan if op in ("fwd", "bwd")) for stage, plan in enumerate(plans)]
+    busy = max(loads)
     stage_params = max(sum(cal.layers[i].params for i in range(lo, hi)) for lo, hi in spans)
     nbytes = stage_params * cal.itemsize
     exchange = link.allreduce(nbytes, replicas) + (replicas - 1) / replicas * nbytes * cal.sum_per_byte
@@ -281,10 +285,14 @@ def _pipeline(cal, layout):
     # also fills the whole model it was built from, and at the end gathers the stages' slices and optimizer
     # state into whole arrays)
     whole = cal.params * cal.itemsize
+    # (the busiest stage computes beside the others only while they compute: the rest of its step, alone;
+    # replicas side by side on a node compute at once)
+    together = 1.0 if stages == 1 or layout.per_node > stages * tensor else min(
+        1.0, (sum(loads) - busy) / ((stages - 1) * busy)) if busy > 0 else 1.0
     return Prediction(layout, busy, exchange, cal.optimizer_per_param * stage_params, makespan - busy,
                       _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas),
                       _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params) + whole,
-                      chief_extra=(1 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2)) * whole)
+                      chief_extra=(1 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2)) * whole, together=together)
 
 
 def _makespan(plans, seconds, transfer):
