@@ -56,7 +56,8 @@ class Calibration:
             hide, measured (0: none, as where ranks move the bytes on the cores they compute on; 1: all the
             bucket model says, as where a network card moves them).
         sum_per_byte: seconds per byte of summing one buffer into another in memory.
-        jitter: the relative spread of one rank's step times (its standard deviation over the median).
+        jitter: the relative spread of step times (a standard deviation over the median) as two ranks'
+            synchronous steps meet it (where one rank was calibrated alone: its own steps').
         node_crowding, network_crowding: how much slower a rank's step runs while another rank on its node (on
             another node) trains too (1.0: not slower, or not measured).
         node, network: the links within a node and between nodes (None: not measured, for want of two ranks

@@ -11,7 +11,12 @@ peak resident memory anchors the memory a rank holds besides its arrays.
 Then pairs of ranks sum buffers of 8 B to 32 MiB (an ``Allreduce`` of the
 two), within a node and, where there are several, between two nodes; a line
 through the times gives each link's latency and time per byte as the
-collectives see it (their sums and copies included).
+collectives see it (their sums and copies included).  The same pairs train
+side by side, in blocks, to measure how much they slow each other and how
+far apart their steps end (:func:`_crowding`), and run ``allreduce
+--exchange mpi`` with its buckets reduced during backward and after it, to
+measure how much of the exchange backward hides (:func:`_overlap_times`).
+One-stage pipelines of 1 and 8 micro-batches give a micro-batch's own cost.
 """
 
 import dataclasses
@@ -290,13 +295,18 @@ def _tensor_shape(model):
     return splits, tuple(sizes)
 
 
+BLOCKS = 4   # crowding's blocks of each kind, interleaved
+
+
 def _crowding(world, node_of_rank, same_node, trainer, seconds):
     """``(crowding, spread)`` on rank 0: how much slower its step runs while the next rank on its node
     (``same_node``; or on another node) trains too than while that rank sleeps (ranks that share a node's
     memory and caches slow each other), and the spread of the two's step times as a synchronous step meets
-    it (what waiting for the slower adds).  Measured turn by turn, alone, together, and together then
-    waiting for each other, so that the machine's own drift falls on all three.  ``(1.0, None)`` where there
-    is no such rank.  Every rank calls; two of them train."""
+    it (what waiting for the slower adds).  Measured in :data:`BLOCKS` blocks of each, in turn: rank 0 alone,
+    the two together, the two waiting for each other after each step.  Blocks, not single steps: a host
+    slows two cores kept busy more than two that take turns (one block alone and one together, minutes
+    apart, gave 1.0 to 1.24 for the same pair; single steps in turn, 1.04-1.07 where runs met 1.15).
+    ``(1.0, None)`` where there is no such rank.  Every rank calls; two of them train."""
     pair = _pair_with_rank_0(world, node_of_rank, same_node)
     if pair is None:
         return 1.0, None
@@ -305,31 +315,35 @@ def _crowding(world, node_of_rank, same_node, trainer, seconds):
         first = pair.Get_rank() == 0
         start = time.perf_counter()
         trainer.step()
-        count = np.array([max(REPEATS, int(seconds / max(2 * (time.perf_counter() - start), 1e-6)))], dtype=np.int64)
-        mpi.bcast(pair, count, root=0)   # (rank 0's count: the pair takes as many turns)
+        steps = max(REPEATS, int(seconds / BLOCKS / 3 / max(time.perf_counter() - start, 1e-6)))
+        count = np.array([steps], dtype=np.int64)
+        mpi.bcast(pair, count, root=0)   # (rank 0's count: the pair takes as many steps)
         alone, together, waited = [], [], []
-        for _ in range(int(count[0])):
+        for _ in range(BLOCKS):
             if first:   # alone: its partner asleep (not spinning in a barrier, which would take a core)
-                start = time.perf_counter()
-                trainer.step()
-                alone.append(time.perf_counter() - start)
+                for _ in range(int(count[0])):
+                    start = time.perf_counter()
+                    trainer.step()
+                    alone.append(time.perf_counter() - start)
                 release(pair)
             else:
                 sleep_until_released(pair)
             pair.Barrier()
-            start = time.perf_counter()
-            trainer.step()
-            together.append(time.perf_counter() - start)
+            for _ in range(int(count[0])):
+                start = time.perf_counter()
+                trainer.step()
+                together.append(time.perf_counter() - start)
             pair.Barrier()
-            start = time.perf_counter()   # (then as a synchronous step: each waits for the slower)
-            trainer.step()
-            pair.Barrier()
-            waited.append(time.perf_counter() - start)
+            for _ in range(int(count[0])):   # as a synchronous step: each waits for the slower
+                pair.Barrier()
+                start = time.perf_counter()
+                trainer.step()
+                pair.Barrier()
+                waited.append(time.perf_counter() - start)
         pair.Free()
         if first:
             # the wait for the slower of two is 1/sqrt(pi) standard deviations of a step: the spread as it acts
-            # (each turn's wait against the step before it: the machine's drift from turn to turn cancels)
-            spread = np.median(np.subtract(waited, together)) / np.median(together) / slowest_of(2)
+            spread = (np.median(waited) - np.median(together)) / np.median(together) / slowest_of(2)
             ratio = max(1.0, float(np.median(together) / np.median(alone))), max(0.0, float(spread))
     world.Barrier()
     return ratio if world.Get_rank() == 0 else None
