@@ -11,7 +11,7 @@ import math
 
 from ..bench.output import write_results
 from ..runtime.errors import UsageError
-from ..store.outputs import special_input
+from ..store.outputs import read_input
 from .links import Link
 
 FORMAT = "mpidist-calibration-2"   # (2: micro_batch_s, overlap; the baseline with the read before the state)
@@ -127,16 +127,7 @@ def save(calibration, path):
 
 def load(path):
     """The :class:`Calibration` in ``path``, every figure checked; a :class:`UsageError` names what is wrong."""
-    special = special_input(path)
-    if special:
-        raise UsageError(f"--calibration {path}: cannot be read: {special}")
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_BYTES + 1)
-    except OSError as err:
-        raise UsageError(f"--calibration {path}: cannot be read: {err.strerror or err}") from None
-    if len(raw) > MAX_BYTES:
-        raise UsageError(f"--calibration {path}: larger than {MAX_BYTES:,} bytes: not a calibration")
+    raw = read_input(path, MAX_BYTES, "--calibration", "a calibration")
     try:
         document = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as err:

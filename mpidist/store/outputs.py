@@ -63,6 +63,22 @@ def special_input(path):
     return None if kind is None else f"it is {kind}, not a file: name a regular file"
 
 
+def read_input(path, limit, what, kind):
+    """The bytes of the file ``path`` (untrusted): a :class:`UsageError` naming ``what`` (the flag) where it
+    is a special file, cannot be read, or holds more than ``limit`` bytes (then it is not ``kind``)."""
+    special = special_input(path)
+    if special:
+        raise UsageError(f"{what} {path}: cannot be read: {special}")
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(limit + 1)
+    except OSError as err:
+        raise UsageError(f"{what} {path}: cannot be read: {err.strerror or err}") from None
+    if len(raw) > limit:
+        raise UsageError(f"{what} {path}: larger than {limit:,} bytes: not {kind}")
+    return raw
+
+
 def refuse_special(path, what):
     """Raise :func:`unwritable`'s error where output ``path`` is a special file, which a rename would replace."""
     kind = special_kind(path)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..plan.check import read_layout
 from ..runtime.errors import UsageError
-from ..store.outputs import special_input
+from ..store.outputs import read_input
 from .plotting import is_finite_number, legend_beside, new_figure, run_name, save_png
 
 MAX_BYTES = 64 << 20     # a plan of every layout at thousands of node counts is a few MB
@@ -41,17 +41,9 @@ class Plan:
 
 def read_plan(path):
     """The :class:`Plan` of ``plan --output``'s JSON (untrusted: checked row by row, and bounded)."""
-    special = special_input(path)
-    if special:
-        raise UsageError(f"plot --plan {path}: cannot be read ({special})")
+    raw = read_input(path, MAX_BYTES, "plot --plan", "a plan mpidist wrote")
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_BYTES + 1)
-        if len(raw) > MAX_BYTES:
-            raise ValueError(f"larger than {MAX_BYTES:,} bytes")
         rows = json.loads(raw.decode("utf-8", errors="replace")).get("rows")
-    except OSError as err:
-        raise UsageError(f"plot --plan {path}: cannot be read ({err.strerror or err})") from None
     except (ValueError, AttributeError, RecursionError) as err:
         raise UsageError(f"plot --plan {path}: not a plan mpidist wrote ({err})") from None
     rows = rows if isinstance(rows, list) else []
