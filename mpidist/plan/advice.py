@@ -9,19 +9,20 @@ samples/s over the node count times the best one-node samples/s.
 import dataclasses
 
 from ..runtime.errors import UsageError
-from .buckets import MIB, best_bucket, exposed
+from .buckets import MIB, best_bucket, exposed, hideable
 from .step import Layout, predict
 
 #: below this scaling efficiency, more nodes are not worth what they cost
 KNEE = 0.5
 
 
-def layouts(cal, nodes, per_node, batch_per_rank):
-    """The layouts :func:`advise` compares on ``nodes`` nodes of ``per_node`` ranks."""
+def predictions(cal, nodes, per_node, batch_per_rank):
+    """The :class:`~mpidist.plan.step.Prediction` of each layout :func:`advise` compares on ``nodes`` nodes of
+    ``per_node`` ranks."""
     ranks = nodes * per_node
     batch = batch_per_rank * ranks
     if ranks == 1:
-        return [Layout("local", 1, 1, batch)]
+        return [predict(cal, Layout("local", 1, 1, batch))]
     made = [Layout("allreduce", nodes, per_node, batch), Layout("allreduce", nodes, per_node, batch, exchange="mpi"),
             Layout("allreduce", nodes, per_node, batch, exchange="mpi", shard="optimizer")]
     if any(layer.splits for layer in cal.layers) and ranks % 2 == 0 and per_node % 2 == 0:
@@ -29,13 +30,13 @@ def layouts(cal, nodes, per_node, batch_per_rank):
     for ps in sorted({1, nodes}):
         if ps < ranks:
             made += [Layout(strategy, nodes, per_node, batch, ps=ps) for strategy in ("ps-sync", "ps-async")]
-    made = [_best_buckets(cal, layout) for layout in made]
+    made = [predict(cal, _best_buckets(cal, layout)) for layout in made]
     for stages in (2, 4):
         if ranks % stages == 0 and stages <= len(cal.layers):
-            candidates = [Layout("pipeline", nodes, per_node, batch, stages=stages, micro_batches=micro)
+            candidates = [predict(cal, Layout("pipeline", nodes, per_node, batch, stages=stages, micro_batches=micro))
                           for micro in (4, 8, 16) if batch // (ranks // stages) >= micro]
-            if candidates:   # (each predicted once: the fastest micro-batch count)
-                made.append(min(candidates, key=lambda layout: predict(cal, layout).step))
+            if candidates:   # (the fastest micro-batch count)
+                made.append(min(candidates, key=lambda prediction: prediction.step))
     return made
 
 
@@ -71,12 +72,12 @@ def advise(cal, node_counts, per_node, batch_per_rank, memory_per_node):
     count -> row); the largest count whose best efficiency is at least :data:`KNEE` (None: not even one)."""
     if per_node < 1 or batch_per_rank < 1:
         raise UsageError("--ranks-per-node and --batch-per-rank must be at least 1")
-    one_node = max((predict(cal, layout).samples_per_s for layout in layouts(cal, 1, per_node, batch_per_rank)),
-                   default=0.0)
+    at_one = predictions(cal, 1, per_node, batch_per_rank)   # (the efficiency's reference, and the 1-node rows)
+    one_node = max((made.samples_per_s for made in at_one), default=0.0)
     rows = []
     for nodes in node_counts:
-        for layout in layouts(cal, nodes, per_node, batch_per_rank):
-            made = predict(cal, layout)
+        for made in at_one if nodes == 1 else predictions(cal, nodes, per_node, batch_per_rank):
+            layout = made.layout
             rows.append(Row(nodes, layout.strategy, layout.describe(), made.samples_per_s, made.step * 1e3,
                             made.samples_per_s / (nodes * one_node) if one_node else 0.0, made.fullest,
                             made.node_memory, made.node_memory <= memory_per_node,
@@ -123,7 +124,7 @@ def buckets(cal, node_counts, per_node, batch_per_rank):
     for nodes in node_counts:
         if nodes * per_node > 1:
             layout = Layout("allreduce", nodes, per_node, batch_per_rank * nodes * per_node, exchange="mpi")
-            one = exposed(cal, layout, (cal.params + 1) * cal.itemsize)   # (as one bucket: all of it left)
             size, best = best_bucket(cal, layout)
-            made[nodes] = size, one - cal.overlap * (one - best), best, one
+            hidden, one = hideable(cal, layout, size * MIB)   # (one: one bucket of everything, all of it left)
+            made[nodes] = size, one - cal.overlap * hidden, best, one
     return made

@@ -18,11 +18,19 @@ of it (``Calibration.overlap``, measured by running the exchange overlapped
 and not).
 """
 
+import bisect
+import itertools
+
 from ..parallel.exchange import top_down_buckets
 
 MIB = 1 << 20
 #: bucket sizes tried, in MiB: 1/4 to 1024 by factors of 2
 CANDIDATES = tuple(2.0 ** k for k in range(-2, 11))
+
+
+def buffer_bytes(cal):
+    """Bytes of the buffer ``allreduce`` sums: the gradients, then the loss."""
+    return (cal.params + 1) * cal.itemsize
 
 
 def exposed(cal, layout, bucket_bytes):
@@ -35,20 +43,23 @@ def exposed(cal, layout, bucket_bytes):
     for index in range(len(cal.layers) - 1, -1, -1):
         clock += (cal.layers[index].backward[0] + cal.layers[index].backward[1] * samples) * slower
         done_at[index] = clock
-    ends, total = [], 0
-    for layer in cal.layers:
-        total += layer.params
-        ends.append(total)
+    ends = list(itertools.accumulate(layer.params for layer in cal.layers))   # (each layer's end in the buffer)
     link_free = 0.0
-    for lo, hi in top_down_buckets(total + 1, item, int(bucket_bytes)):   # (+1: the loss, summed with them)
-        holder = next((index for index, end in enumerate(ends) if end > lo), 0)
+    for lo, hi in top_down_buckets(ends[-1] + 1, item, int(bucket_bytes)):   # (+1: the loss, summed with them)
+        holder = bisect.bisect_right(ends, lo) % len(ends)   # (the layer holding element lo; the loss's: the first)
         link_free = max(link_free, done_at[holder]) + link.allreduce((hi - lo) * item, groups)
-    return max(0.0, link_free - clock) + (groups - 1) / groups * (total + 1) * item * cal.sum_per_byte
+    return max(0.0, link_free - clock) + (groups - 1) / groups * buffer_bytes(cal) * cal.sum_per_byte
+
+
+def hideable(cal, layout, bucket_bytes):
+    """``(seconds buckets of at most bucket_bytes could hide, seconds left by one bucket of everything)``."""
+    whole = exposed(cal, layout, buffer_bytes(cal))
+    return max(0.0, whole - exposed(cal, layout, bucket_bytes)), whole
 
 
 def best_bucket(cal, layout):
     """``(MiB, seconds exposed)`` of the best of :data:`CANDIDATES` (the largest of equals: fewer calls)."""
-    whole = (cal.params + 1) * cal.itemsize
+    whole = buffer_bytes(cal)
     # (up to the first size that holds the whole buffer: any larger is the same one bucket)
     sizes = [size for size in CANDIDATES if size * MIB < whole]
     sizes += [next((size for size in CANDIDATES if size * MIB >= whole), CANDIDATES[-1])]

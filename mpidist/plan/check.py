@@ -7,11 +7,10 @@ or malformed is named and passed over, never guessed at.
 """
 
 import json
-from pathlib import Path
 
 from ..runtime.errors import UsageError
 from ..store.outputs import special_input
-from ..store.rundir import METRICS
+from ..store.rundir import metrics_of
 from .step import DEFAULT_BUCKET_MB, Layout, predict
 
 MAX_LINE = 1 << 20
@@ -20,8 +19,7 @@ MAX_LINE = 1 << 20
 def read_layout(run_dir):
     """``(Layout, samples/s measured, peak bytes measured, model, data)`` of a finished run, or a reason
     (a str) it cannot be checked."""
-    path = Path(run_dir)
-    metrics = path if path.is_file() else path / METRICS
+    metrics = metrics_of(run_dir)
     start = done = None
     special = special_input(metrics)
     if special:

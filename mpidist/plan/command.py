@@ -66,17 +66,14 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
         print(f"mpidist plan: {strategy}: {each or 'fits nowhere'}"
               + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient"))
     buckets = advice.buckets(cal, counts, per_node, batch_per_rank)
-    if buckets:
-        if cal.overlap > 0:
-            print(f"mpidist plan: --bucket-mb for allreduce --exchange mpi (backward hid {cal.overlap:.0%} of what "
-                  "buckets can hide, as calibrated): " + "; ".join(
-                      f"{count}: {size:g} ({left * 1e3:.2f} of {one * 1e3:.2f} ms left)"
-                      for count, (size, left, _, one) in buckets.items()))
-        else:
-            print("mpidist plan: --bucket-mb for allreduce --exchange mpi: backward hid none of the exchange in the "
-                  "calibration (any size does); were all it can hide hidden (a network card moving the bytes): "
-                  + "; ".join(f"{count}: {size:g} ({best * 1e3:.2f} of {one * 1e3:.2f} ms left)"
-                              for count, (size, _, best, one) in buckets.items()))
+    if buckets:   # (where the calibration saw nothing hidden: what a network card moving the bytes would leave)
+        hidden = cal.overlap > 0
+        said = (f" (backward hid {cal.overlap:.0%} of what buckets can hide, as calibrated): " if hidden else
+                ": backward hid none of the exchange in the calibration (any size does); were all it can hide "
+                "hidden (a network card moving the bytes): ")
+        print("mpidist plan: --bucket-mb for allreduce --exchange mpi" + said + "; ".join(
+            f"{count}: {size:g} ({(left if hidden else best) * 1e3:.2f} of {one * 1e3:.2f} ms left)"
+            for count, (size, left, best, one) in buckets.items()))
     write_results(output, {"calibration": str(path), "ranks_per_node": per_node, "batch_per_rank": batch_per_rank,
                            "memory_per_node": budget, "rows": [dataclasses.asdict(row) for row in rows],
                            "best": _layouts(best), "knee": knee,

@@ -35,7 +35,7 @@ from ..runtime import comm as mpi
 from ..runtime.cluster import node_layout
 from ..runtime.memory import available_bytes, high_water, peak_memory, reset_high_water
 from .calibration import Calibration, LayerCost
-from .buckets import exposed
+from .buckets import hideable
 from .step import Layout, predict, slowest_of
 from .links import Link, fit
 
@@ -307,11 +307,7 @@ def _crowding(world, node_of_rank, same_node, trainer, seconds):
     slows two cores kept busy more than two that take turns (one block alone and one together, minutes
     apart, gave 1.0 to 1.24 for the same pair; single steps in turn, 1.04-1.07 where runs met 1.15).
     ``(1.0, None)`` where there is no such rank.  Every rank calls; two of them train."""
-    pair = _pair_with_rank_0(world, node_of_rank, same_node)
-    if pair is None:
-        return 1.0, None
-    ratio = None
-    if pair != MPI.COMM_NULL:
+    def measure(pair):
         first = pair.Get_rank() == 0
         start = time.perf_counter()
         trainer.step()
@@ -321,42 +317,55 @@ def _crowding(world, node_of_rank, same_node, trainer, seconds):
         alone, together, waited = [], [], []
         for _ in range(BLOCKS):
             if first:   # alone: its partner asleep (not spinning in a barrier, which would take a core)
-                for _ in range(int(count[0])):
-                    start = time.perf_counter()
-                    trainer.step()
-                    alone.append(time.perf_counter() - start)
+                _timed(trainer.step, count[0], alone)
                 release(pair)
             else:
                 sleep_until_released(pair)
             pair.Barrier()
-            for _ in range(int(count[0])):
-                start = time.perf_counter()
-                trainer.step()
-                together.append(time.perf_counter() - start)
+            _timed(trainer.step, count[0], together)
             pair.Barrier()
-            for _ in range(int(count[0])):   # as a synchronous step: each waits for the slower
-                pair.Barrier()
-                start = time.perf_counter()
-                trainer.step()
-                pair.Barrier()
-                waited.append(time.perf_counter() - start)
-        pair.Free()
-        if first:
-            # the wait for the slower of two is 1/sqrt(pi) standard deviations of a step: the spread as it acts
-            spread = (np.median(waited) - np.median(together)) / np.median(together) / slowest_of(2)
-            ratio = max(1.0, float(np.median(together) / np.median(alone))), max(0.0, float(spread))
-    world.Barrier()
-    return ratio if world.Get_rank() == 0 else None
+            _timed(trainer.step, count[0], waited, pair)   # (as a synchronous step: each waits for the slower)
+        if not first:
+            return None
+        # the wait for the slower of two is 1/sqrt(pi) standard deviations of a step: the spread as it acts
+        spread = (np.median(waited) - np.median(together)) / np.median(together) / slowest_of(2)
+        return max(1.0, float(np.median(together) / np.median(alone))), max(0.0, float(spread))
+
+    made = _on_pair(world, node_of_rank, same_node, measure)
+    return (1.0, None) if made is NO_PAIR else made
 
 
-def _pair_with_rank_0(world, node_of_rank, same_node):
-    """Collective: a communicator of rank 0 and the next rank on its node (``same_node``) or on another node
-    (``COMM_NULL`` on the other ranks); None where there is no such rank."""
+def _timed(step, count, into, pair=None):
+    """``count`` calls of ``step``, each one's seconds appended to ``into``; with ``pair``, each between two
+    barriers (timed to the second: the wait for the slower rank)."""
+    for _ in range(int(count)):
+        if pair is not None:
+            pair.Barrier()
+        start = time.perf_counter()
+        step()
+        if pair is not None:
+            pair.Barrier()
+        into.append(time.perf_counter() - start)
+
+
+NO_PAIR = object()   # what :func:`_on_pair` gives where there is no second rank to measure with
+
+
+def _on_pair(world, node_of_rank, same_node, measure):
+    """Collective: ``measure(pair)`` on rank 0 and the next rank on its node (``same_node``) or on another node,
+    over a communicator of the two, the other ranks waiting; its result on rank 0 (None on the others), or
+    :data:`NO_PAIR` on every rank where there is no such rank."""
     partner = next((r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node),
                    None)
     if partner is None:
-        return None
-    return world.Split(0 if world.Get_rank() in (0, partner) else MPI.UNDEFINED, key=world.Get_rank())
+        return NO_PAIR
+    pair = world.Split(0 if world.Get_rank() in (0, partner) else MPI.UNDEFINED, key=world.Get_rank())
+    made = None
+    if pair != MPI.COMM_NULL:
+        made = measure(pair)
+        pair.Free()
+    world.Barrier()
+    return made if world.Get_rank() == 0 else None
 
 
 def _overlap_times(world, node_of_rank, config, trainer, seconds):
@@ -364,13 +373,10 @@ def _overlap_times(world, node_of_rank, config, trainer, seconds):
     and of ``allreduce --exchange mpi`` steps with buckets of a quarter of the gradients, reduced as backward
     fills them and after it, interleaved; ``(times, bucket bytes, nodes of the pair)`` on rank 0 (None
     elsewhere, or without a second rank)."""
-    pair, nodes = _pair_with_rank_0(world, node_of_rank, same_node=False), 2
-    if pair is None:
-        pair, nodes = _pair_with_rank_0(world, node_of_rank, same_node=True), 1
-    if pair is None:
-        return None
-    made = None
-    if pair != MPI.COMM_NULL:
+    model = trainer.model
+    bucket = max(1 << 12, (model.num_params + 1) * np.dtype(model.dtype).itemsize // 4)
+
+    def measure(pair):
         from ..bench.timing import synced_alternating
         from ..parallel import AllreduceStrategy
         from ..parallel.exchange import Exchange
@@ -378,13 +384,11 @@ def _overlap_times(world, node_of_rank, config, trainer, seconds):
         cluster = build_cluster(pair)
         inputs, info = Inputs.of(config), trainer.info
         loss = nn.loss_for(info.num_classes, np)
-        owners = {}
-        for name in ("overlapped", "after backward"):
-            model = build_model_for(config, inputs, info, np)
-            bucket = max(1 << 12, (model.num_params + 1) * np.dtype(model.dtype).itemsize // 4)
-            owners[name] = AllreduceStrategy(model, loss, trainer.make, cluster, seed=config.seed, exchange="mpi",
-                                             bucket_bytes=bucket)
-            owners[name].initialize()
+        owners = {name: AllreduceStrategy(build_model_for(config, inputs, info, np), loss, trainer.make, cluster,
+                                          seed=config.seed, exchange="mpi", bucket_bytes=bucket)
+                  for name in ("overlapped", "after backward")}
+        for owner in owners.values():
+            owner.initialize()
         late = owners["after backward"]
         late.exchange = Exchange(late.worker_comm, late.buffer, late.bucket_bytes, overlap=False)
         counter = iter(range(1 << 30))
@@ -395,10 +399,13 @@ def _overlap_times(world, node_of_rank, config, trainer, seconds):
         for owner in owners.values():
             owner.free()
         cluster.free()
-        pair.Free()
-        made = times, bucket, nodes
-    world.Barrier()
-    return made if world.Get_rank() == 0 else None
+        return times
+
+    for same_node, nodes in ((False, 2), (True, 1)):   # (across nodes where there are two: the link that counts)
+        times = _on_pair(world, node_of_rank, same_node, measure)
+        if times is not NO_PAIR:
+            return (times, bucket, nodes) if world.Get_rank() == 0 else None
+    return None
 
 
 def _overlap_share(cal, measured):
@@ -418,12 +425,11 @@ def _overlap_share(cal, measured):
     # deviations of a fair coin's count (this machine's steps stretch at random, by more than the gain)
     noise = 3 * 1.2533 * float(np.std(gains)) / np.sqrt(len(gains))
     wins = int(np.sum(gains > 0)) - len(gains) / 2
-    if exchange <= 0 or gained <= noise or wins <= 1.5 * np.sqrt(len(gains)) or (
-            cal.node if nodes == 1 else cal.network) is None:
-        return 0.0
     layout = Layout("allreduce", nodes, 2 // nodes, 2 * cal.batch_per_rank, exchange="mpi")
-    whole = exposed(cal, layout, (cal.params + 1) * cal.itemsize)
-    could = (whole - exposed(cal, layout, bucket)) / whole if whole > 0 else 0.0
+    if exchange <= 0 or gained <= noise or wins <= 1.5 * np.sqrt(len(gains)) or cal.link_for(layout) is None:
+        return 0.0
+    hidden, whole = hideable(cal, layout, bucket)
+    could = hidden / whole if whole > 0 else 0.0
     return float(min(1.0, gained / exchange / could)) if could > 0.02 else 0.0
 
 
@@ -432,11 +438,8 @@ def _pair(world, node_of_rank, same_node):
     the collectives see it: an ``Allreduce`` of ``n`` bytes over the two, a ring's two steps of ``n / 2``,
     takes ``2 latency + n per_byte`` (sums and copies included); None where there is no such rank.  Every
     rank calls; two of them measure."""
-    pair = _pair_with_rank_0(world, node_of_rank, same_node)
-    if pair is None:
-        return None
-    seconds = []
-    if pair != MPI.COMM_NULL:
+    def measure(pair):
+        seconds = []
         for size in SIZES:
             buffer = np.ones(size // 4, dtype=np.float32)
             trips = []
@@ -445,9 +448,10 @@ def _pair(world, node_of_rank, same_node):
                 mpi.allreduce_sum(pair, buffer)
                 trips.append(time.perf_counter() - start)
             seconds.append(float(np.median(trips[1:])))
-        pair.Free()
-    world.Barrier()
-    if world.Get_rank() != 0:
+        return seconds
+
+    seconds = _on_pair(world, node_of_rank, same_node, measure)
+    if seconds is NO_PAIR or world.Get_rank() != 0:
         return None
     whole = fit([4 * (size // 4) for size in SIZES], seconds)
     return Link(whole.latency / 2, whole.per_byte)

@@ -19,7 +19,7 @@ from ..parallel.pipeline import balance_by_parameters
 from ..parallel.schedule import schedule as stage_plan
 from ..parallel.schedule import simulate
 from ..runtime.errors import UsageError
-from .buckets import exposed
+from .buckets import MIB, hideable
 
 OPTIMIZER_ARRAYS = {"adam": 2, "sgd": 1}   # optimizer state per parameter
 DEFAULT_BUCKET_MB = 64.0                   # train's --bucket-mb
@@ -208,8 +208,7 @@ def _allreduce(cal, layout):
         link = cal.link_for(layout)
         exchange = link.allreduce(nbytes, groups) + (groups - 1) / groups * nbytes * cal.sum_per_byte
         if layout.buckets and cal.overlap > 0:   # (the calibrated share of what the buckets can hide)
-            whole = exposed(cal, layout, (cal.params + 1) * cal.itemsize)
-            exchange -= cal.overlap * max(0.0, whole - exposed(cal, layout, layout.bucket_mb * (1 << 20)))
+            exchange -= cal.overlap * hideable(cal, layout, layout.bucket_mb * MIB)[0]
         updated = params / groups if layout.shard == "optimizer" else params
         window = 0
     if layout.tensor > 1:   # two sums of activations per split pair, forward and backward, within a node
@@ -260,6 +259,7 @@ def _pipeline(cal, layout):
     sizes = balance_by_parameters([layer.params + 1 for layer in cal.layers], stages)
     starts = [sum(sizes[:stage]) for stage in range(stages + 1)]
     spans = list(zip(starts[:-1], starts[1:]))
+    params = [sum(layer.params for layer in cal.layers[lo:hi]) for lo, hi in spans]   # (each stage's)
     seconds = {}
     for stage, (lo, hi) in enumerate(spans):
         forward = sum(cal.layers[i].forward[0] + cal.layers[i].forward[1] * micro for i in range(lo, hi))
@@ -267,8 +267,7 @@ def _pipeline(cal, layout):
         if hi == len(cal.layers):
             backward += cal.loss[0] + cal.loss[1] * micro
         # each micro-batch's gradients are added into the step's, and the runner keeps its books
-        backward += sum(cal.layers[i].params for i in range(lo, hi)) * cal.itemsize * cal.sum_per_byte \
-            + cal.micro_batch_s
+        backward += params[stage] * cal.itemsize * cal.sum_per_byte + cal.micro_batch_s
         seconds[stage, "fwd"], seconds[stage, "bwd"] = forward, backward
     link = cal.link_for(layout)
     largest = max(cal.layers[hi - 1].out_elements for _, hi in spans[:-1]) if stages > 1 else 0
@@ -277,7 +276,7 @@ def _pipeline(cal, layout):
     makespan, peak = _makespan(plans, seconds, transfer)
     loads = [sum(seconds[stage, op] for op, _ in plan if op in ("fwd", "bwd")) for stage, plan in enumerate(plans)]
     busy = max(loads)
-    stage_params = max(sum(cal.layers[i].params for i in range(lo, hi)) for lo, hi in spans)
+    stage_params = max(params)
     nbytes = stage_params * cal.itemsize
     exchange = link.allreduce(nbytes, replicas) + (replicas - 1) / replicas * nbytes * cal.sum_per_byte
     held = max(_activations(cal, peak[stage] * micro, lo, hi) for stage, (lo, hi) in enumerate(spans))
@@ -287,8 +286,9 @@ def _pipeline(cal, layout):
     whole = cal.params * cal.itemsize
     # (the busiest stage computes beside the others only while they compute: the rest of its step, alone;
     # replicas side by side on a node compute at once)
-    together = 1.0 if stages == 1 or layout.per_node > stages * tensor else min(
-        1.0, (sum(loads) - busy) / ((stages - 1) * busy)) if busy > 0 else 1.0
+    together = 1.0
+    if 1 < stages and layout.per_node <= stages * tensor and busy > 0:
+        together = min(1.0, (sum(loads) - busy) / ((stages - 1) * busy))
     return Prediction(layout, busy, exchange, cal.optimizer_per_param * stage_params, makespan - busy,
                       _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas),
                       _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params) + whole,

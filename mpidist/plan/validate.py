@@ -102,7 +102,7 @@ def main(argv=None):
                 if isinstance(read, str):   # (a run that exited 0 but left no figures: say so, do not guess)
                     raise SystemExit(f"mpidist plan validate: {name}: {read}")
                 measured[name].append(read)
-                predicted[name].append(predict(cal, measured[name][-1][0]))
+                predicted[name].append(predict(cal, read[0]))
         rows = []
         for name, runs in measured.items():
             made = predicted[name]

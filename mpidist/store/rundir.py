@@ -96,6 +96,12 @@ def _recorded_run_dir(path):
     return recorded if (Path(recorded) / SETTINGS).is_file() else None
 
 
+def metrics_of(path):
+    """The metrics file of run directory ``path`` (or ``path`` itself, a metrics file given as such)."""
+    path = Path(path)
+    return path if path.is_file() else path / METRICS
+
+
 def newest_run(config, root=ROOT):
     """The newest directory of runs named as ``config``'s under ``root`` holding a checkpoint, or None."""
     pattern = re.compile(re.escape(run_name(config)) + r"-(\d{8}-\d{6})(?:-(\d+))?")

@@ -19,7 +19,7 @@ import numpy as np
 from ..plan.check import read_layout
 from ..runtime.errors import UsageError
 from ..store.outputs import read_input
-from .plotting import is_finite_number, legend_beside, new_figure, run_name, save_png
+from .plotting import is_finite_number, legend_beside, new_figure, run_label, save_png
 
 MAX_BYTES = 64 << 20     # a plan of every layout at thousands of node counts is a few MB
 MAX_LINES = 40           # beyond these, a figure no one can read (and minutes of matplotlib)
@@ -87,7 +87,7 @@ def measured_points(run_dirs):
         elif not (is_finite_number(read[1]) and read[1] > 0):
             notes.append(f"passed over: {run_dir}: no samples/s measured")
         else:
-            points.append((run_name(run_dir), read[0], read[1]))
+            points.append((run_label(run_dir), read[0], read[1]))
     return points, notes
 
 

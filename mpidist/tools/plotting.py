@@ -18,7 +18,7 @@ import numpy as np
 from ..runtime.errors import UsageError
 from ..store import atomic
 from ..store.outputs import refuse_special, special_input
-from ..store.rundir import METRICS, TRACE
+from ..store.rundir import TRACE, metrics_of
 
 INSTALL = "plot needs matplotlib: pip install 'mpidist[plot]' (or: pip install matplotlib)"
 COLOURS = {"compute": "#4c72b0", "exchange": "#dd8452", "wait": "#c7c7c7", "serve": "#55a868", "pipeline": "#c44e52",
@@ -42,8 +42,7 @@ class Run:
 
 def read_run(run_dir):
     """The :class:`Run` of ``run_dir`` (or of a metrics file given itself)."""
-    path = Path(run_dir)
-    metrics = path if path.is_file() else path / METRICS
+    metrics = metrics_of(run_dir)
     special = special_input(metrics)
     if special:
         raise UsageError(f"plot: {run_dir}: no metrics to plot ({metrics}: {special})")
@@ -68,11 +67,11 @@ def read_run(run_dir):
     known = sorted((step, event["time"]) for step, event in steps.items() if is_finite_number(event.get("time")))
     for event in evals:    # an evaluation's time: its step's, from the step events around it
         event["time"] = float(np.interp(event["step"], *zip(*known))) if known else math.nan
-    return Run(name=run_name(path), steps=steps, evals=evals)
+    return Run(name=run_label(run_dir), steps=steps, evals=evals)
 
 
-def run_name(path):
-    """A run's name: its directory's (of a metrics file given itself, the directory holding it)."""
+def run_label(path):
+    """A run's name on a figure: its directory's (of a metrics file given itself, the directory holding it)."""
     path = Path(path).resolve()
     return path.name if path.is_dir() else path.parent.name
 
