@@ -16,6 +16,10 @@ Adam with weight decay is AdamW; SGD with it is SGDW.
 
 import numpy as np
 
+#: Elements an update on the host takes at a time (128 Ki: its terms, 512 KiB each in float32, stay in the
+#: cache; measured against whole-buffer updates: within 5% on 0.7 M parameters, a third faster on 17 M).
+BLOCK = 1 << 17
+
 
 class Optimizer:
     """Base class. ``step(params, grads)`` updates ``params`` in place.
@@ -58,6 +62,21 @@ class Optimizer:
         """The gradient's part of a step, at ``self.lr`` (subclasses)."""
         raise NotImplementedError
 
+    def blocks(self):
+        """``(lo, hi)`` blocks an update goes through, with scratch arrays of one block: on the host, blocks of
+        :data:`BLOCK` (the intermediate terms stay in the cache, and take no memory in proportion to the
+        model); on a device, one kernel per operation over the whole."""
+        block = BLOCK if self.xp is np else max(self.size, 1)
+        return [(lo, min(lo + block, self.size)) for lo in range(0, self.size, block)]
+
+    def scratch(self, count):
+        """``count`` arrays of one block's size for an update's intermediate terms (made on first use, never in
+        checkpoints)."""
+        if getattr(self, "_scratch", None) is None:
+            block = BLOCK if self.xp is np else self.size
+            self._scratch = tuple(self.xp.empty(min(block, self.size), dtype=self.dtype) for _ in range(count))
+        return self._scratch
+
     def state_arrays(self):
         """Named flat state arrays (for checkpoints)."""
         return {}
@@ -79,17 +98,17 @@ class SGD(Optimizer):
         super().__init__(size, xp, dtype, **decay)
         self.lr, self.momentum = float(lr), float(momentum)
         self.velocity = xp.zeros(self.size, dtype=self.dtype)
-        self._scratch = xp.zeros(self.size, dtype=self.dtype)   # lr * v without a new array each step
 
     def update(self, params, grads):
-        v = self.velocity
-        if self.momentum:
-            v *= self.momentum
-            v += grads
-        else:
-            v[...] = grads
-        v_scaled = self.xp.multiply(v, self.lr, out=self._scratch)
-        params -= v_scaled
+        (scratch,) = self.scratch(1)   # lr * v without a new array each step
+        for lo, hi in self.blocks():
+            v, g = self.velocity[lo:hi], grads[lo:hi]
+            if self.momentum:
+                v *= self.momentum
+                v += g
+            else:
+                v[...] = g
+            params[lo:hi] -= self.xp.multiply(v, self.lr, out=scratch[:hi - lo])
 
     def state_arrays(self):
         return {"velocity": self.velocity}
@@ -106,27 +125,24 @@ class Adam(Optimizer):
 
     def update(self, params, grads):
         xp, b1, b2 = self.xp, self.beta1, self.beta2
-        term, denom = self._scratch()
         t = self.steps + 1   # (the count is moved on by step(), after this)
-        self.m *= b1
-        self.m += xp.multiply(grads, 1 - b1, out=term)
-        self.v *= b2
-        term = xp.multiply(grads, grads, out=term)
-        term *= 1 - b2
-        self.v += term
-        # textbook form (as PyTorch): lr * m_hat / (sqrt(v_hat) + eps)
-        xp.sqrt(self.v, out=denom)
-        denom *= 1.0 / np.sqrt(1 - b2 ** t)
-        denom += self.eps
-        step = xp.divide(self.m, denom, out=term)
-        step *= self.lr / (1 - b1 ** t)
-        params -= step
-
-    def _scratch(self):
-        """Two arrays of the update's size for its intermediate terms, made on the first step (not in checkpoints)."""
-        if getattr(self, "_terms", None) is None:
-            self._terms = (self.xp.empty(self.size, dtype=self.dtype), self.xp.empty(self.size, dtype=self.dtype))
-        return self._terms
+        unbias, step_size = 1.0 / np.sqrt(1 - b2 ** t), self.lr / (1 - b1 ** t)
+        terms, denoms = self.scratch(2)
+        for lo, hi in self.blocks():
+            m, v, g, term, denom = self.m[lo:hi], self.v[lo:hi], grads[lo:hi], terms[:hi - lo], denoms[:hi - lo]
+            m *= b1
+            m += xp.multiply(g, 1 - b1, out=term)
+            v *= b2
+            term = xp.multiply(g, g, out=term)
+            term *= 1 - b2
+            v += term
+            # textbook form (as PyTorch): lr * m_hat / (sqrt(v_hat) + eps)
+            xp.sqrt(v, out=denom)
+            denom *= unbias
+            denom += self.eps
+            step = xp.divide(m, denom, out=term)
+            step *= step_size
+            params[lo:hi] -= step
 
     def state_arrays(self):
         return {"m": self.m, "v": self.v}
