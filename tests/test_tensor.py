@@ -99,7 +99,8 @@ def test_the_parts_of_a_split_model_compute_the_whole_models_outputs_and_gradien
     sums, results = ThreadSum(parts), [None] * parts
 
     def run(part):   # (each part's own copy of the whole model, as each rank builds one)
-        model, where = split_model(whole_model(name), part, parts)
+        model, placement = split_model(whole_model(name), part, parts)
+        where = placement.positions()
         model.params[...] = whole.params[where]
         for operator in operators(model):
             operator.reduce = sums.of(part)
@@ -123,7 +124,8 @@ def test_the_parts_of_a_split_model_compute_the_whole_models_outputs_and_gradien
 
 def test_a_dense_pair_splits_by_columns_then_rows_with_its_bias_after_the_sum():
     whole = whole_model("mlp")
-    model, where = split_model(whole, 1, 2)
+    model, placement = split_model(whole, 1, 2)
+    where = placement.positions()
     kinds = [type(layer).__name__ for layer in model.layers]
     assert kinds == ["TensorCopy", "Dense", "ReLU", "Dense", "TensorSum", "Bias", "Tanh", "Dense"]
     assert model.layers[1].units == 4 and not model.layers[3].bias and isinstance(model.layers[5], Bias)
@@ -169,7 +171,8 @@ def test_each_slice_decays_as_the_whole_parameter_it_is_part_of():
     mlp[1].weight_decay, mlp[3].weight_decay = {"b": True, "W": False}, {"b": True}
     whole_decayed = set(decayed(whole).tolist())
     for part in range(2):
-        model, where = split_model(whole, part, 2)
+        model, placement = split_model(whole, part, 2)
+        where = placement.positions()
         assert set(where[decayed(model)].tolist()) == whole_decayed & set(where.tolist()), part
 
 
@@ -255,7 +258,8 @@ class Scale(Shift):
 
 def test_a_users_layer_may_declare_how_it_splits():
     whole = nn.Sequential([nn.Dense(4), Scale(), nn.Dense(2)], (3,), dtype=np.float64)
-    model, where = split_model(whole, 1, 2)
+    model, placement = split_model(whole, 1, 2)
+    where = placement.positions()
     scale = model.layers[2]   # (after the TensorCopy and the first Dense's columns)
     assert isinstance(scale, Scale) and scale.params["s"].shape == (2,)
     # the part's W (3x2) and b (2) first, then its scale: the whole W (3x4) and b (4) come first there
@@ -302,7 +306,7 @@ def tensor_runs(tensor, name, optimizer="adam", steps=4, global_batch=12, clip=0
 @pytest.mark.parametrize("tensor", [2, 3])
 def test_allreduce_with_tensor_parts_trains_as_local_on_the_global_batch(name, tensor):
     cluster, strategy, reference = tensor_runs(tensor, name)
-    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.tensor.where], rtol=1e-9,
+    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.tensor.placement.positions()], rtol=1e-9,
                                atol=ATOL)
     # the parameters every part holds alike (never re-synced) are alike to the bit on every rank: each part
     # updates them from the same sums
@@ -322,7 +326,7 @@ def test_allreduce_with_tensor_parts_trains_as_local_on_the_global_batch(name, t
 def test_a_clipped_tensor_run_clips_by_the_whole_models_norm():
     cluster, strategy, reference = tensor_runs(2, "residual", optimizer="sgd", clip=0.05)
     assert reference.clipped and strategy.clipped
-    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.tensor.where], rtol=1e-9,
+    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.tensor.placement.positions()], rtol=1e-9,
                                atol=ATOL)
     strategy.free()
     cluster.free()
@@ -363,7 +367,7 @@ def test_a_pipeline_with_tensor_parts_trains_as_local_on_the_global_batch(name):
         expected = reference.train_step(x, y, 1.0, step)
         loss = strategy.train_step(x[part], y[part], (part.stop - part.start) / global_batch, step)
         assert np.isclose(loss, expected, rtol=1e-9)
-    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.positions], rtol=1e-9,
+    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.placement.positions()], rtol=1e-9,
                                atol=ATOL)
     if strategy.stage == 0:   # (each model has a split layer in its first stage: a part holds less than it)
         assert strategy.model.num_params < strategy.param_hi - strategy.param_lo

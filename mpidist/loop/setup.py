@@ -58,7 +58,8 @@ class Setup:
 def build_model_for(config, inputs, info, xp):
     """The model sized for dataset ``info``; a shape mismatch is a :class:`UsageError` naming the dataset."""
     try:
-        model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype)
+        # (a map of shapes: the strategy makes the buffers of what this rank holds, the whole model's or a part's)
+        model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype, buffers=False)
         check_outputs(model, info, inputs.model.spec)
         # what training holds besides: gradients, the optimizer's arrays, the chief's gathered copy
         arrays = 3 + len(checkpoint.OPTIMIZER_STATE.get(config.optimizer, ()))

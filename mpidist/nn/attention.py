@@ -4,7 +4,6 @@ The parameter names, shapes and the head layout are a contract that tensor
 parallelism relies on: it splits the layer by heads by slicing exactly these.
 """
 
-import functools
 import math
 
 from . import init
@@ -94,9 +93,9 @@ class MultiHeadAttention(Layer):
 
     def param_specs(self):
         d, w = self.dim, self.width
-        glorot = functools.partial(init.glorot_uniform, fan_in=d, fan_out=w)
+        glorot = init.glorot_uniform(d, w)
         specs = [(f"W{n}", (d, w), glorot) for n in self.names] + [(f"b{n}", (w,), init.zeros) for n in self.names]
-        specs.append(("Wo", (w, d), functools.partial(init.glorot_uniform, fan_in=w, fan_out=d)))
+        specs.append(("Wo", (w, d), init.glorot_uniform(w, d)))
         return specs + ([("bo", (d,), init.zeros)] if self.output_bias else [])
 
     def _heads(self, a):

@@ -22,7 +22,6 @@ rest after (as TensorFlow does), so even kernels keep the size too; at stride
 ``s`` the output has ``ceil(L / s)`` positions.
 """
 
-import functools
 
 from . import init
 from .layers import Layer, ShapeError
@@ -197,7 +196,7 @@ class Conv2D(_ChannelsLastConv):
     def param_specs(self):
         fan_in = self.in_channels * self.kernel * self.kernel
         shape = (self.filters, self.in_channels, self.kernel, self.kernel)
-        return [("W", shape, functools.partial(init.he_normal, fan_in=fan_in)),
+        return [("W", shape, init.he_normal(fan_in)),
                 ("b", (self.filters,), init.zeros)]
 
     def __repr__(self):
@@ -236,7 +235,7 @@ class Conv1D(_ChannelsLastConv):
 
     def param_specs(self):
         fan_in = self.in_channels * self.kernel
-        return [("W", (self.filters, self.in_channels, self.kernel), functools.partial(init.he_normal, fan_in=fan_in)),
+        return [("W", (self.filters, self.in_channels, self.kernel), init.he_normal(fan_in)),
                 ("b", (self.filters,), init.zeros)]
 
     def _as_images(self, x):

@@ -1,6 +1,5 @@
 """Embedding: a lookup table from integer tokens to vectors."""
 
-import functools
 
 import numpy as np
 
@@ -54,7 +53,7 @@ class Embedding(Layer):
         return (int(input_shape[0]), self.dim)
 
     def param_specs(self):
-        return [("W", (self.vocab, self.dim), functools.partial(init.normal, std=1.0))]
+        return [("W", (self.vocab, self.dim), init.normal(1.0))]
 
     def forward(self, x, training=False):
         self.ids = x.astype(np.int64)

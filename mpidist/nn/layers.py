@@ -9,7 +9,6 @@ buffer completely and nothing needs zeroing between steps.
 Shapes in docstrings are per batch: ``N`` samples first.
 """
 
-import functools
 
 from . import init
 from .workspace import UsesWorkspace
@@ -111,9 +110,9 @@ class Dense(Layer):
 
     def param_specs(self):
         if self.init == "he":
-            w_init = functools.partial(init.he_normal, fan_in=self.fan_in)
+            w_init = init.he_normal(self.fan_in)
         else:
-            w_init = functools.partial(init.glorot_uniform, fan_in=self.fan_in, fan_out=self.units)
+            w_init = init.glorot_uniform(self.fan_in, self.units)
         return [("W", (self.fan_in, self.units), w_init)] + ([("b", (self.units,), init.zeros)] if self.bias else [])
 
     def forward(self, x, training=False):

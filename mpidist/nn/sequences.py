@@ -1,7 +1,6 @@
 """Layers of sequences ``(N, L, D)``: learned positions, a class token, pooling over the length, tokens of
 neighbourhoods."""
 
-import functools
 
 from . import init
 from .attention import padding_of
@@ -44,7 +43,7 @@ class PositionalEmbedding(Layer):
         return tuple(input_shape)
 
     def param_specs(self):
-        return [("table", (self.max_length, self.dim), functools.partial(init.normal, std=TABLE_STD))]
+        return [("table", (self.max_length, self.dim), init.normal(TABLE_STD))]
 
     def forward(self, x, training=False):
         self._check(x.shape[1])
@@ -85,7 +84,7 @@ class ClassToken(Layer):
         return (length + 1, self.dim)
 
     def param_specs(self):
-        return [("token", (self.dim,), functools.partial(init.normal, std=TABLE_STD))]
+        return [("token", (self.dim,), init.normal(TABLE_STD))]
 
     def forward(self, x, training=False):
         xp, (n, length, d) = self.xp, x.shape
@@ -191,7 +190,7 @@ class TokenConv(Layer):
     def param_specs(self):
         fan_in = self.kernel * self.features
         return [("W", (self.kernel, self.features, self.dim),
-                 functools.partial(init.glorot_uniform, fan_in=fan_in, fan_out=self.dim)),
+                 init.glorot_uniform(fan_in, self.dim)),
                 ("b", (self.dim,), init.zeros)]
 
     def forward(self, x, training=False):

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..runtime.memory import check_fits
 from ..runtime.recorder import tracer
+from . import init
 from .layers import ShapeError
 from .workspace import Workspace
 
@@ -27,6 +28,17 @@ def walk(layers, path=()):
         yield from walk(getattr(layer, "sublayers", list)(), path + (index,))
 
 
+def _groups(keys):
+    """``(key, where)`` for each distinct value of ``keys`` (int array), ``where`` the places that hold it: slices
+    where ``keys`` is sorted (a range of positions, the common case), else index arrays."""
+    if np.all(keys[1:] >= keys[:-1]):
+        bounds = [0, *(np.flatnonzero(keys[1:] != keys[:-1]) + 1), len(keys)]
+        return [(int(keys[lo]), slice(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    order = np.argsort(keys, kind="stable")
+    values, firsts = np.unique(keys[order], return_index=True)
+    return [(int(value), order[lo:hi]) for value, lo, hi in zip(values, firsts, [*firsts[1:], len(order)])]
+
+
 class Sequential:
     """Layers applied in order to samples of shape ``input_shape``.
 
@@ -35,9 +47,12 @@ class Sequential:
         input_shape: shape of one sample (without the batch axis).
         xp: array module (numpy or cupy).
         dtype: parameter and activation dtype.
+        buffers: make the flat buffers now (and bind every layer's ``params`` and ``grads`` to them); with
+            False they are made when first used (:attr:`params`, :attr:`grads`, a pass): the run's set-up
+            builds the whole model so, as a map of shapes, and each rank makes the buffers of what it holds.
     """
 
-    def __init__(self, layers, input_shape, xp=np, dtype=np.float32):
+    def __init__(self, layers, input_shape, xp=np, dtype=np.float32, buffers=True):
         self.layers, self.xp, self.dtype = list(layers), xp, np.dtype(dtype)
         self.input_shape = tuple(int(d) for d in input_shape)
         # arrays the training passes reuse from step to step (see mpidist.nn.workspace)
@@ -73,12 +88,48 @@ class Sequential:
         # input gradient stops
         ends = self.offsets[1:] + [offset]
         self.first_trained = next((i for i, (lo, hi) in enumerate(zip(self.offsets, ends)) if hi > lo), 0)
-        # sizes come from the data (a dataset's num_classes): checked before the buffers are allocated
-        check_fits(2 * offset * self.dtype.itemsize, f"a model of {offset:,} parameters (values and gradients)")
-        self.bind_params(xp.zeros(offset, dtype=self.dtype))
-        self.bind_grads(xp.zeros(offset, dtype=self.dtype))
+        # without ``buffers``, made when first asked for: a model that is a map of shapes (the whole model beside
+        # a pipeline stage or a tensor part, each of which holds a buffer of its own) never allocates them
+        self._params = self._grads = None
+        self.shapes_only = False
+        if buffers:
+            self.bind_params(self._zeros("values"), copy=False)
+            self.bind_grads(self._zeros("gradients"))
         self.random_layers = [(path, layer) for path, layer in walk(self.layers) if hasattr(layer, "rng")]
         self.reseed(0)
+
+    @property
+    def params(self):
+        """The flat parameter buffer (made, zeros, on first use)."""
+        if self._params is None:
+            self.bind_params(self._zeros("values"), copy=False)
+        return self._params
+
+    @params.setter
+    def params(self, values):   # (``model.params += noise`` and ``model.params = array``: values into the buffer)
+        if values is not self._params:
+            self.params[...] = values
+
+    @property
+    def grads(self):
+        """The flat gradient buffer (made, zeros, on first use)."""
+        if self._grads is None:
+            self.bind_grads(self._zeros("gradients"))
+        return self._grads
+
+    @grads.setter
+    def grads(self, values):
+        if values is not self._grads:
+            self.grads[...] = values
+
+    def _zeros(self, what):
+        """A buffer of ``num_params`` zeros, after checking it fits (sizes come from the data: a dataset's
+        ``num_classes``)."""
+        if self.shapes_only:
+            raise RuntimeError(f"this model of {self.num_params:,} parameters is a map of shapes: its layers' "
+                               f"{what} live in the buffers of the part of it this rank holds")
+        check_fits(self.num_params * self.dtype.itemsize, f"the {what} of a model of {self.num_params:,} parameters")
+        return self.xp.zeros(self.num_params, dtype=self.dtype)
 
     def bind_params(self, buffer, copy=True):
         """Move the parameters into ``buffer[:num_params]`` (values copied) and rebind every layer.
@@ -87,11 +138,11 @@ class Sequential:
         that MPI fills directly (e.g. followed by the loss), or in memory
         shared with other processes (``copy=False``: one of them fills it).
         """
-        if copy and hasattr(self, "params"):
-            buffer[:self.num_params] = self.params
-        self.params = buffer[:self.num_params]
+        if copy and self._params is not None:
+            buffer[:self.num_params] = self._params
+        self._params = buffer[:self.num_params]
         for layer, name, lo, pshape, _ in self.entries:
-            layer.params[name] = self.params[lo:lo + int(np.prod(pshape))].reshape(pshape)
+            layer.params[name] = self._params[lo:lo + int(np.prod(pshape))].reshape(pshape)
 
     def bind_grads(self, buffer):
         """Make every layer write its gradients into ``buffer[:num_params]``.
@@ -99,17 +150,57 @@ class Sequential:
         Strategies call this to place the gradients inside a larger exchange
         buffer (e.g. followed by the loss), so no copy is needed before MPI.
         """
-        self.grads = buffer[:self.num_params]
+        self._grads = buffer[:self.num_params]
         for layer, name, lo, pshape, _ in self.entries:
-            layer.grads[name] = self.grads[lo:lo + int(np.prod(pshape))].reshape(pshape)
+            layer.grads[name] = self._grads[lo:lo + int(np.prod(pshape))].reshape(pshape)
 
     def init_params(self, seed):
-        """Fill ``params`` from ``seed`` (host RNG, so identical on any device)."""
-        rng = np.random.default_rng(seed)
-        host = np.empty(self.num_params, dtype=self.dtype)
-        for _, _, lo, pshape, initialiser in self.entries:
-            host[lo:lo + int(np.prod(pshape))] = np.asarray(initialiser(rng, pshape)).ravel()
-        self.params[...] = self.xp.asarray(host)
+        """Fill ``params`` from ``seed`` (drawn on the host, so identical on any device): :meth:`initial_values`
+        of every element."""
+        if self.xp is np:
+            self.initial_values(seed, range(self.num_params), out=self.params)
+        else:
+            self.params[...] = self.xp.asarray(self.initial_values(seed, range(self.num_params)))
+
+    def initial_values(self, seed, positions, out=None, chunk=1 << 18):
+        """The initial values of the elements at ``positions`` (an int64 array, or a ``range``) of the flat buffer,
+        as a host array of ``dtype`` (``out``, where given).
+
+        Element ``i`` of entry ``e`` is ``initialiser.values(parameter_key(seed, e), i)``
+        (:mod:`mpidist.nn.init`): a function of the seed, the parameter and the element alone, so a rank holding
+        a slice of this model (a stage's elements, a tensor part's ``where``) draws exactly that slice and gets
+        what a whole draw would give.  Computed ``chunk`` elements at a time; an initialiser of one's own
+        ``(rng, shape)`` is drawn whole for each parameter a chunk touches.
+        """
+        out = np.empty(len(positions), dtype=self.dtype) if out is None else out
+        starts = np.array([lo for _, _, lo, _, _ in self.entries], dtype=np.int64)
+        whole = {}   # a plain initialiser's last whole draw: (entry, values)
+        for begin in range(0, len(positions), chunk):
+            part = positions[begin:begin + chunk]
+            part = (np.arange(part.start, part.stop, dtype=np.int64) if isinstance(part, range)
+                    else np.asarray(part, dtype=np.int64))
+            owners = np.searchsorted(starts, part, side="right") - 1
+            for entry, picked in _groups(owners):
+                index = part[picked] - starts[entry]
+                out[begin:begin + len(part)][picked] = self._entry_values(seed, int(entry), index, whole)
+        return out
+
+    def _entry_values(self, seed, entry, index, whole):
+        """float64 initial values of elements ``index`` of entry ``entry`` (see :meth:`initial_values`)."""
+        _, name, _, pshape, initialiser = self.entries[entry]
+        if isinstance(initialiser, init.Initialiser):
+            return initialiser.values(self.parameter_key(seed, entry), index)
+        if whole.get("entry") != entry:
+            drawn = np.asarray(initialiser(np.random.default_rng([seed, entry]), pshape), dtype=np.float64)
+            if drawn.size != int(np.prod(pshape)):
+                raise ValueError(f"the initialiser of parameter {name} {pshape} gave {drawn.size} values")
+            whole.update(entry=entry, values=drawn.reshape(-1))
+        return whole["values"][index]
+
+    @staticmethod
+    def parameter_key(seed, entry):
+        """The key of entry ``entry``'s draws (its index in :attr:`entries` of the whole model) under ``seed``."""
+        return np.random.SeedSequence([seed, entry]).generate_state(1, dtype=np.uint64)[0]
 
     def layer_params(self, index):
         """Number of parameters of top-level layer ``index``, its sublayers' included."""
@@ -183,6 +274,8 @@ class Sequential:
         Inference (``training=False``) returns arrays of its own.
         """
         self.workspace.active = bool(training)
+        if self._params is None:   # (the layers read their views of the buffer)
+            self.params
         if _TRACER.detail and _TRACER.on:     # --trace detail: each layer a span
             for index, layer in enumerate(self.layers):
                 with _TRACER.span(type(layer).__name__, "compute", layer=index):
@@ -205,6 +298,8 @@ class Sequential:
         the top down): a data-parallel exchange starts on those buckets while
         backward goes on.
         """
+        if self._grads is None:   # (the layers write into their views of the buffer)
+            self.grads
         # without an input gradient, backward stops at the first layer with parameters: nothing below it
         # is trained (a Flatten), and its own input gradient would cost a whole matrix product
         last = 0 if input_grad else self.first_trained

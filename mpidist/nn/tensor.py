@@ -19,14 +19,15 @@ draws a mask of its own there).
 The sums are a function the strategy gives each operator (``reduce``: an
 in-place sum over the group); this module never communicates.  Each part's
 parameters are slices of the whole model's: :func:`split_model` returns,
-with the part's model, where each of its parameters sits in the whole
-model's flat buffer, so initialisation and checkpoints stay those of the
-whole model (one file, any layout).
+with the part's model, its :class:`~mpidist.nn.placement.Placement` (each
+of its parameters a rectangular slice of one of the whole model's), so
+initialisation and checkpoints stay those of the whole model (any layout).
 
 A layer of one's own splits where it defines ``tensor_split(part, parts)``,
 returning the layers that replace it; each new layer with parameters names
 where they come from in ``tensor_origin``: ``{name: (whole_name, index)}``,
-``index`` a numpy index into the whole layer's parameter ``whole_name``.
+``index`` a slice per axis (or one slice, for the first) of the whole
+layer's parameter ``whole_name``: a rectangular part of it.
 Where the layer stands alone, its parts take the whole input and must give
 the whole output (with sums of their own: attention does); a layer that sets
 ``elementwise = True`` may stand between the two layers of a split pair,
@@ -44,6 +45,7 @@ from .activations import GELU, Sigmoid
 from .attention import MultiHeadAttention
 from .embedding import Embedding, _scatter_add
 from .layers import Dense, Dropout, Layer, ReLU, Tanh
+from .placement import Placement, Region, rectangle
 from .sequential import Sequential, walk
 
 #: The attributes by which a layer names a mask source (see MultiHeadAttention's ``padding``).
@@ -289,48 +291,59 @@ def split_layers(layers, part, parts, replaced=None):
     return out
 
 
+def parameter_shapes(layer):
+    """``{name: shape}`` of ``layer``'s parameters, from its specs (a whole layer beside its parts holds no buffer)."""
+    return {name: tuple(shape) for name, shape, _ in layer.param_specs()}
+
+
 def _decay_as_whole(model):
     """Each split piece decays (``--weight-decay``) as the parameter of the whole layer it is a slice of (the
     whole layer's rule and the user's ``weight_decay`` choices both)."""
     for _, layer in walk(model.layers):
         origin, whole = getattr(layer, "tensor_origin", None), getattr(layer, "tensor_whole", None)
         if origin and whole is not None:
-            layer.weight_decay = {name: whole.decays(whole_name, whole.params[whole_name].shape)
+            shapes = parameter_shapes(whole)
+            layer.weight_decay = {name: whole.decays(whole_name, shapes[whole_name])
                                   for name, (whole_name, _) in origin.items()}
 
 
-def split_model(whole, part, parts):
-    """``(model, where)``: part ``part`` of ``parts`` of ``whole`` (a :class:`Sequential`) as a model of its own,
-    and ``where``, an int64 array: element ``i`` of its flat buffer is element ``where[i]`` of the whole's.
+def split_model(whole, part, parts, writes=True):
+    """``(model, placement)``: part ``part`` of ``parts`` of ``whole`` (a :class:`Sequential`) as a model of its
+    own, and its :class:`~mpidist.nn.placement.Placement` over ``whole``: each of its parameters a rectangular
+    slice of one of the whole model's (no array of the whole's size is made).
 
-    Parameters the parts share (replicated layers') are where they are in the whole model; :func:`replicated`
-    names them.
+    Parameters the parts share (replicated layers') are their whole parameters; of those, part 0 alone
+    writes them (``writes``: this part's group writes at all; :func:`replicated` names them).
     """
     replaced = {}
     layers = split_layers(whole.layers, part, parts, replaced)
     model = Sequential(layers, whole.input_shape, xp=whole.xp, dtype=whole.dtype)
     if model.output_shape != whole.output_shape:
         raise ValueError(f"a part of the model ends in {model.output_shape}, the whole in {whole.output_shape}")
-    whole_at = {(id(layer), name): (offset, shape) for layer, name, offset, shape, _ in whole.entries}
-    where = np.empty(model.num_params, dtype=np.int64)
+    whole_at = {(id(layer), name): (entry, shape) for entry, (layer, name, _, shape, _) in enumerate(whole.entries)}
+    regions = []
     for layer, name, lo, shape, _ in model.entries:
-        size = int(np.prod(shape))
         origin = getattr(layer, "tensor_origin", None)
         if origin:
             whole_name, index = origin[name]
-            offset, whole_shape = whole_at[(id(layer.tensor_whole), whole_name)]
-            picked = np.arange(int(np.prod(whole_shape)), dtype=np.int64).reshape(whole_shape)[index]
+            entry, whole_shape = whole_at[(id(layer.tensor_whole), whole_name)]
         elif (id(layer), name) in whole_at:
-            offset, whole_shape = whole_at[(id(layer), name)]
-            picked = np.arange(int(np.prod(whole_shape)), dtype=np.int64)
+            (entry, whole_shape), index = whole_at[(id(layer), name)], ()
         else:
             raise ValueError(f"{layer!r} (from tensor_split) has parameter {name} but no tensor_origin saying "
                              "which of the whole layer's parameters it is a slice of")
-        if picked.size != size:
-            raise ValueError(f"{layer!r}: parameter {name} holds {size} values, its origin {picked.size}")
-        where[lo:lo + size] = offset + picked.reshape(-1)
+        try:
+            start, stop = rectangle(index, whole_shape)
+        except ValueError as err:
+            raise ValueError(f"{layer!r}: parameter {name}'s tensor_origin: {err}") from None
+        region = Region(entry, start, stop, lo, writes and (part == 0 or tuple(stop) != tuple(whole_shape)
+                                                            or any(start)))
+        if region.size != int(np.prod(shape)):
+            raise ValueError(f"{layer!r}: parameter {name} holds {int(np.prod(shape))} values, its origin "
+                             f"{region.size}")
+        regions.append(region)
     _decay_as_whole(model)
-    return model, where
+    return model, Placement(whole, regions)
 
 
 def replicated(model):
@@ -341,7 +354,7 @@ def replicated(model):
     for layer, name, lo, shape, _ in model.entries:
         size = int(np.prod(shape))
         origin, whole = getattr(layer, "tensor_origin", None), getattr(layer, "tensor_whole", None)
-        if not origin or whole is None or int(np.prod(whole.params[origin[name][0]].shape)) == size:
+        if not origin or whole is None or int(np.prod(parameter_shapes(whole)[origin[name][0]])) == size:
             ranges.append((lo, lo + size))
     return ranges
 

@@ -144,8 +144,9 @@ def parse_spec(spec):
     return name, args
 
 
-def build_model(spec, sample_shape, outputs, xp, dtype):
-    """The zoo model ``spec`` (``name`` or ``name:N1,N2,...``) for samples of ``sample_shape``.
+def build_model(spec, sample_shape, outputs, xp, dtype, buffers=True):
+    """The zoo model ``spec`` (``name`` or ``name:N1,N2,...``) for samples of ``sample_shape`` (``buffers``: as
+    :class:`Sequential` takes it).
 
     Raises:
         SpecError: a bad spec (see :func:`parse_spec`).
@@ -154,7 +155,7 @@ def build_model(spec, sample_shape, outputs, xp, dtype):
     name, args = parse_spec(spec)
     layers_of, _ = MODELS[name]
     input_shape = input_shape_for(spec, sample_shape)
-    return Sequential(layers_of(args, input_shape, outputs), input_shape, xp=xp, dtype=dtype)
+    return Sequential(layers_of(args, input_shape, outputs), input_shape, xp=xp, dtype=dtype, buffers=buffers)
 
 
 def input_shape_for(spec, sample_shape):

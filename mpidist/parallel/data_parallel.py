@@ -137,9 +137,14 @@ class DataParallel(Strategy):
         self.exchange.free()
 
     def initialize(self, checkpoint=None):
-        if self.tensor is not None:   # every part takes its slices of the whole model's start (the same on every rank)
-            whole = checkpoint.params if checkpoint is not None else self.tensor.initial(self.seed)
-            self.model.params[...] = self.model.xp.asarray(self.tensor.take(whole))
+        if self.tensor is not None:   # every part draws (or reads) its slices of the whole model's start alone
+            params = self.model.params
+            if checkpoint is not None:
+                params[...] = self.model.xp.asarray(self.tensor.take(checkpoint.params))
+            elif self.model.xp is np:   # (drawn into place)
+                self.tensor.initial(self.seed, out=params)
+            else:
+                params[...] = self.model.xp.asarray(self.tensor.initial(self.seed))
             if checkpoint is not None and self.optimizer is not None:
                 self.optimizer.load_state({name: self.tensor.take(array)
                                            for name, array in checkpoint.optimizer_state.items()},

@@ -19,10 +19,12 @@ layers over the stages and takes the step around the schedule.
 Each micro-batch's loss is weighted by its share of the global batch, so the
 summed gradients are the global-batch mean: a pipeline step equals a local
 step on the same batch.  A stage's parameters are a contiguous slice of the
-whole model's flat buffer, so initialisation and checkpoints stay whole.
+whole model's flat buffer: each stage draws its own slice of the initial
+parameters (:meth:`mpidist.nn.Sequential.initial_values`), the same values a
+whole draw gives, and no rank builds the whole model's buffers.
 With ``--tensor T`` each stage is split over ``T`` ranks
 (:mod:`mpidist.parallel.tensor`); a rank's parameters are then slices of
-its stage's (``positions``: their places in the whole model's buffer).
+its stage's (``placement``: their regions of the whole model's parameters).
 """
 
 import math
@@ -31,6 +33,7 @@ import time
 import numpy as np
 
 from ..nn import Layer
+from ..nn.placement import Placement
 from ..nn.sequential import walk
 from ..nn.tensor import MASK_SOURCES
 from ..runtime import comm as mpi
@@ -95,6 +98,12 @@ def parse_balance(config, model):
                          f"--stages is {config.stages} and --model {config.model} has {len(model.layers)} layers "
                          f"({names}); each stage needs at least one")
     return sizes
+
+
+def first_entry(model, layer):
+    """The index in ``model.entries`` of the first parameter of top-level layer ``layer`` (or of those after)."""
+    before = {id(node) for top in model.layers[:layer] for _, node in walk([top])}
+    return sum(1 for owner, *_ in model.entries if id(owner) in before)
 
 
 def _from_layout(name, doc):
@@ -211,11 +220,17 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"balance {balance} gives {len(balance)} stages, not {stages}")
         self.layout = layout = StageLayout(full, balance, cluster.rank, cluster.size, tensor)
         self.model = layout.stage_model(full)
+        full.shapes_only = True   # (its layers are bound to the stage's buffers now)
         self.tensor = None
-        self.positions = np.arange(layout.param_lo, layout.param_hi, dtype=np.int64)   # (in the whole model's buffer)
+        # this rank's regions of the whole model's parameters (its stage's, or its part of them), as a replica
+        # that writes them would write (a gather among the survivors of a lost rank makes another one that)
+        first = first_entry(full, layout.first_layer)
+        self._as_writer = Placement.of_entries(full, first, first + len(self.model.entries))
         if tensor > 1:   # this rank's part of its stage
             self.tensor = TensorPart(self.model, cluster.world, tensor, cluster.rank // tensor, layout.part, data=False)
-            self.model, self.positions = self.tensor.model, layout.param_lo + self.tensor.where
+            self.model, self._as_writer = self.tensor.model, self.tensor.placement.within(full, first)
+        #: the regions, written by the first replica
+        self.placement = self._as_writer.within(full, 0, writes=layout.replica == 0)
         self.links = StageLinks(cluster.world, layout, self.figures, self.track)
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
         self.optimizer = self.make_optimizer(self.model.num_params, layout.param_lo)
@@ -251,18 +266,17 @@ class PipelineStrategy(Strategy):
                 + (f" replica {layout.replica}" if layout.replicas > 1 else ""))
 
     def initialize(self, checkpoint=None):
-        cluster = self.cluster
-        whole = np.zeros(self.full.num_params, dtype=self.full.dtype)
-        if cluster.is_chief:
-            if checkpoint is None:
-                self.full.init_params(self.seed)
-                whole[...] = to_host(self.full.params)
-            else:
-                whole[...] = checkpoint.params
-        mpi.bcast(cluster.world, whole, root=cluster.chief_rank)
-        self.model.params[...] = self.model.xp.asarray(whole[self.positions])
+        """Each rank draws its own slice of the whole model's start (no rank holds the whole, no traffic), or
+        takes it from ``checkpoint``."""
+        params, placement = self.model.params, self.placement
+        if checkpoint is not None:
+            params[...] = self.model.xp.asarray(placement.take(np.asarray(checkpoint.params)))
+        elif self.model.xp is np:   # (drawn into place: no second copy of the slice)
+            placement.initial(self.seed, params)
+        else:
+            params[...] = self.model.xp.asarray(placement.initial(self.seed, np.empty(placement.size, params.dtype)))
         if checkpoint is not None and self.optimizer is not None:
-            state = {name: np.asarray(array)[self.positions] for name, array in checkpoint.optimizer_state.items()}
+            state = {name: placement.take(np.asarray(array)) for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
         self.ledger.start_step = 0 if checkpoint is None else int(checkpoint.step)
 
@@ -352,9 +366,7 @@ class PipelineStrategy(Strategy):
         arrays = {"params": to_host(self.model.params)}
         arrays.update({name: to_host(a) for name, a in self.optimizer.state_arrays().items()})
         sends = cluster.rank < self.layout.stages * self.layout.tensor   # (the first replica's ranks)
-        count = len(self.positions) if sends else 0
-        whole = gather_placed(cluster.world, {name: array[:count] for name, array in arrays.items()},
-                              self.positions[:count], self.full.num_params, cluster.chief_rank)
+        whole = gather_placed(cluster.world, self._as_writer, arrays, cluster.chief_rank, sends)
         if not cluster.is_chief:
             return None
         params = whole.pop("params")

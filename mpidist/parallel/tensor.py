@@ -9,20 +9,21 @@ form the data-parallel (``allreduce``) or pipeline layout as whole ranks
 would: the ranks of one part number in every group exchange gradients
 among themselves.
 
-A part's parameters are slices of the whole model's flat buffer (``where``):
-every rank takes its slices of the whole model's initial parameters or of a
-checkpoint, and the chief gathers the slices back into the whole model's
-layout for a checkpoint, which therefore resumes on any layout.
+A part's parameters are slices of the whole model's (its ``placement``):
+every rank draws its slices of the whole model's initial parameters alone
+(no rank draws or holds the whole), or takes them from a checkpoint; the
+chief gathers the slices back into the whole model's layout for a
+checkpoint, which therefore resumes on any layout.
 """
 
 import numpy as np
 from mpi4py import MPI
 
+from ..nn.placement import COLUMNS, Placement
 from ..nn.tensor import operators, replicated, split_layers, split_model
 from ..runtime import comm as mpi
 from ..runtime import recorder
 from ..runtime.errors import UsageError
-from ..runtime.xp import to_host
 from .registry import Option
 
 TRACER = recorder.tracer()
@@ -71,25 +72,34 @@ def check_split(layers, parts, where="--model"):
             f"with tensor_split): each of its {parts} parts holds and computes it whole"]
 
 
-def gather_placed(comm, arrays, where, size, root):
-    """Collective over ``comm``: each rank's ``arrays`` (name -> flat host array, element ``i`` at ``where[i]`` of
-    the whole; a rank with nothing to give passes empty ones) placed in whole arrays of ``size`` on ``root``
-    (None elsewhere)."""
-    counts = np.zeros(comm.Get_size(), dtype=np.int64)
-    mpi.allgather(comm, np.array([len(where)], dtype=np.int64), counts)
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    total, here = int(counts.sum()), comm.Get_rank() == root
-    placed = mpi.gatherv(comm, np.ascontiguousarray(where, dtype=np.int64),
-                         np.empty(total, dtype=np.int64) if here else None, counts, displs, root)
+def gather_placed(comm, placement, arrays, root, sends=True):
+    """Collective over ``comm``: the regions each rank writes of its ``arrays`` (name -> the rank's flat host
+    buffer, ordered as its :class:`~mpidist.nn.placement.Placement`), placed in whole-model arrays on ``root``
+    (None elsewhere).  ``sends`` False: this rank gives nothing (a replica that is not the first).
+
+    The regions travel as int64 tables (:meth:`~mpidist.nn.placement.Placement.describe`), the values as one
+    ``Gatherv`` per array: no pickle, and no index array of the buffer's size on any rank.
+    """
+    rows = placement.describe() if sends else np.zeros((0, COLUMNS), dtype=np.int64)
+    sizes = np.zeros((comm.Get_size(), 2), dtype=np.int64)
+    mpi.allgather(comm, np.array([rows.size, int(rows[:, 1].sum())], dtype=np.int64), sizes)
+    here = comm.Get_rank() == root
+    table = np.empty(int(sizes[:, 0].sum()), dtype=np.int64) if here else None
+    mpi.gatherv(comm, rows.reshape(-1), table, sizes[:, 0], _displacements(sizes[:, 0]), root)
     whole = {}
     for name in sorted(arrays):   # (the same order on every rank)
-        part = np.ascontiguousarray(arrays[name])
-        received = np.empty(total, dtype=part.dtype) if here else None
-        mpi.gatherv(comm, part, received, counts, displs, root)
+        array = arrays[name]
+        part = np.ascontiguousarray(placement.written(array) if sends else array[:0])
+        received = np.empty(int(sizes[:, 1].sum()), dtype=part.dtype) if here else None
+        mpi.gatherv(comm, part, received, sizes[:, 1], _displacements(sizes[:, 1]), root)
         if here:
-            whole[name] = np.zeros(size, dtype=part.dtype)
-            whole[name][placed] = received
+            whole[name] = np.zeros(placement.whole.num_params, dtype=part.dtype)
+            Placement.fill(placement.whole, table.reshape(-1, COLUMNS), received, whole[name])
     return whole if here else None
+
+
+def _displacements(counts):
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
 class TensorPart:
@@ -114,8 +124,11 @@ class TensorPart:
         self.across_nodes = local.Get_size() < self.parts
         local.Free()
         self.data = world.Split(part, key=group) if data else None   # the same part of every group, by group
-        self.whole, self.size = whole, whole.num_params
-        self.model, self.where = split_model(whole, part, parts)
+        self.whole = whole
+        #: this part's regions of the whole model's parameters (written by the first group's parts; a pipeline
+        #: stage's by every replica's, of which its gather takes the first's)
+        self.model, self.placement = split_model(whole, part, parts, writes=self.group == 0 or not data)
+        whole.shapes_only = True   # (its replicated layers are bound to the part's buffers now)
         self.shared = replicated(self.model)                # every part holds these alike: counted once
         for operator in operators(self.model):
             operator.reduce = self.sum
@@ -129,14 +142,15 @@ class TensorPart:
         with TRACER.span("tensor-sum", "exchange", size=int(array.size)):
             mpi.allreduce_sum(self.comm, array)
 
-    def initial(self, seed):
-        """The whole model's initial parameters from ``seed`` (host), as one process would draw them."""
-        self.whole.init_params(seed)
-        return to_host(self.whole.params)
+    def initial(self, seed, out=None):
+        """This part's initial parameters from ``seed`` (host, in this part's order, into ``out`` where given):
+        its slices of the whole model's, drawn alone (:meth:`~mpidist.nn.placement.Placement.initial`)."""
+        out = np.empty(self.placement.size, dtype=self.model.dtype) if out is None else out
+        return self.placement.initial(seed, out)
 
     def take(self, whole):
         """This part's slice of a whole-model flat array (host), in this part's order."""
-        return np.asarray(whole)[self.where]
+        return self.placement.take(np.asarray(whole))
 
     def agree(self, grads, skipped, norm):
         """Collective over the tensor group: ``(skipped anywhere, the whole model's squared gradient norm or None)``.
@@ -163,7 +177,7 @@ class TensorPart:
     def gather(self, arrays):
         """Collective over the tensor group: the parts' ``arrays`` (name -> this part's flat host array) as
         whole-model arrays on part 0 (None elsewhere)."""
-        return gather_placed(self.comm, arrays, self.where, self.size, 0)
+        return gather_placed(self.comm, self.placement, arrays, 0)
 
     def free(self):
         """Free the two communicators (once)."""

@@ -281,7 +281,8 @@ def _timed_pass(model, loss, x, y):
 def _tensor_shape(model):
     """Which top-level layers ``--tensor`` divides, and the elements per sample of each forward sum."""
     try:
-        part, where = split_model(model, 0, 2)
+        part, placement = split_model(model, 0, 2)
+        where = placement.positions()   # (a calibration's model: small)
     except ValueError:
         return [False] * len(model.layers), ()
     ends = model.offsets[1:] + [model.num_params]

@@ -280,9 +280,8 @@ def _pipeline(cal, layout):
     nbytes = stage_params * cal.itemsize
     exchange = link.allreduce(nbytes, replicas) + (replicas - 1) / replicas * nbytes * cal.sum_per_byte
     held = max(_activations(cal, peak[stage] * micro, lo, hi) for stage, (lo, hi) in enumerate(spans))
-    # (every rank receives the whole model's parameters at the start, into a buffer of its own; the chief
-    # also fills the whole model it was built from, and at the end gathers the stages' slices and optimizer
-    # state into whole arrays)
+    # (each rank draws its own slice of the initial parameters; at the end the chief gathers the stages' slices
+    # and optimizer state into whole arrays)
     whole = cal.params * cal.itemsize
     # (the busiest stage computes beside the others only while they compute: the rest of its step, alone;
     # replicas side by side on a node compute at once)
@@ -291,7 +290,7 @@ def _pipeline(cal, layout):
         together = min(1.0, (sum(loads) - busy) / ((stages - 1) * busy))
     return Prediction(layout, busy, exchange, cal.optimizer_per_param * stage_params, makespan - busy,
                       _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas),
-                      _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params) + whole,
+                      _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params),
                       chief_extra=(1 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2)) * whole, together=together)
 
 

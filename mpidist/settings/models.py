@@ -57,20 +57,23 @@ class ModelSource:
     builder: object = None        # (sample_shape, outputs) -> layers or Sequential; None for zoo specs
     layers: object = None         # a list of layers or a Sequential given as objects
 
-    def build(self, sample_shape, outputs, xp, dtype):
-        """The model for samples of ``sample_shape`` and ``outputs`` outputs; a mismatch is a :class:`UsageError`."""
+    def build(self, sample_shape, outputs, xp, dtype, buffers=True):
+        """The model for samples of ``sample_shape`` and ``outputs`` outputs; a mismatch is a :class:`UsageError`.
+
+        ``buffers``: as :class:`~mpidist.nn.Sequential` takes it (False: a map of shapes until first used).
+        """
         try:
             if self.layers is not None:
-                return _as_model(self.layers, sample_shape, xp, dtype)
+                return _as_model(self.layers, sample_shape, xp, dtype, buffers)
             if self.builder is None:
-                return nn.build_model(self.spec, sample_shape, outputs, xp, dtype)
-            return _as_model(self.builder(tuple(sample_shape), int(outputs)), sample_shape, xp, dtype)
+                return nn.build_model(self.spec, sample_shape, outputs, xp, dtype, buffers)
+            return _as_model(self.builder(tuple(sample_shape), int(outputs)), sample_shape, xp, dtype, buffers)
         except nn.ShapeError as err:
             raise UsageError(f"--model {self.spec} does not fit samples of shape {tuple(sample_shape)} with "
                              f"{outputs} outputs: {err}") from None
 
 
-def _as_model(made, sample_shape, xp, dtype):
+def _as_model(made, sample_shape, xp, dtype, buffers=True):
     """A builder's result (layers, or a Sequential) as a :class:`~mpidist.nn.Sequential` on ``xp``."""
     if isinstance(made, nn.Sequential):
         made = made.layers   # rebuilt here, on this run's device and dtype
@@ -78,7 +81,7 @@ def _as_model(made, sample_shape, xp, dtype):
     if not layers or not all(isinstance(layer, nn.Layer) for layer in layers):
         raise UsageError(f"a model builder must return a non-empty list of mpidist.nn layers (or an "
                          f"mpidist.nn.Sequential), got {type(made).__name__}")
-    return nn.Sequential(layers, sample_shape, xp=xp, dtype=dtype)
+    return nn.Sequential(layers, sample_shape, xp=xp, dtype=dtype, buffers=buffers)
 
 
 def resolve(model):
