@@ -22,7 +22,7 @@ from mpidist.runtime.cluster import build_cluster
 
 from conftest import ROOT, run_mpi
 from test_parallel import small_convnet, worker_slice
-from test_recipe import STEPS, batches, make, recipe, reference_local
+from test_recipe import STEPS, batches, clip_for, make, recipe, reference_local
 
 
 @pytest.mark.parametrize("lo,hi,itemsize,parts", [(0, 1, 4, 2), (16, 117, 4, 3), (0, 1000, 8, 6), (5, 9, 4, 4)])
@@ -62,9 +62,9 @@ def test_the_ring_sums_every_chunk_and_counts_what_it_sends(count):
     assert all(one == every[0] for one in every)
 
 
-def _node_strategy(cluster, optimizer, accumulate, shard):
+def _node_strategy(cluster, optimizer, accumulate, shard, clip=2.0):
     return AllreduceStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), cluster, seed=3,
-                             recipe=recipe(accumulate), exchange="node", shard=shard)
+                             recipe=recipe(accumulate, clip), exchange="node", shard=shard)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -77,7 +77,7 @@ def test_one_copy_per_node_trains_as_local_and_sends_the_rings_bound(optimizer, 
     local, expected, clipped = reference_local(global_batch, optimizer, accumulate)
     state = local.optimizer.state_arrays()
     xs, ys = batches(global_batch)
-    strategy = _node_strategy(cluster, optimizer, accumulate, shard)
+    strategy = _node_strategy(cluster, optimizer, accumulate, shard, clip_for(global_batch, optimizer))
     exchange = strategy.exchange
     assert isinstance(exchange, NodeModelExchange)
     strategy.initialize()

@@ -67,3 +67,21 @@ def test_a_region_says_its_shape_size_and_index():
     region = Region(entry=3, start=(0, 2), stop=(4, 5), lo=10)
     assert region.shape == (4, 3) and region.size == 12 and region.index == (slice(0, 4), slice(2, 5))
     assert region.writes
+
+
+class Scale(nn.Layer):
+    """One learned scalar (a parameter of shape ()), drawn by an initialiser of one's own."""
+
+    def param_specs(self):
+        return [("s", (), lambda rng, shape: np.asarray(rng.normal()))]
+
+    def forward(self, x, training=False):
+        return x * self.params["s"]
+
+
+def test_a_scalar_parameter_and_an_initialiser_of_ones_own_are_placed_and_drawn_as_the_whole_draw():
+    model = nn.Sequential([nn.Dense(3), Scale(), nn.Dense(600)], (2,), dtype=np.float64)
+    model.init_params(4)
+    placement = Placement.of_entries(model, 0, len(model.entries))
+    assert np.array_equal(placement.positions(), np.arange(model.num_params))
+    assert np.array_equal(placement.initial(4, np.empty(placement.size)), model.params)

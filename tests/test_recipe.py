@@ -5,6 +5,7 @@ local reference on the same global batch, with clipping that bites, a
 warm-up schedule and accumulation in slices: equal to 1e-9 in float64.
 """
 
+import functools
 import io
 import math
 
@@ -128,10 +129,25 @@ def test_local_clipping_scales_the_gradient_to_the_norm():
 STEPS = 4
 
 
-def recipe(accumulate=1):
-    """A warm-up into cosine, and a clip that bites on the first steps (the gradient norms here fall from ~4-8 to <1)."""
+def recipe(accumulate=1, clip=0.0):
+    """A warm-up into cosine, and a clip of ``clip`` (:func:`clip_for`: one that bites on some steps only)."""
     return Recipe(learning_rate=LearningRate(0.05, "cosine", total_steps=STEPS, warmup_steps=2, warmup_from=0.5),
-                  clip_norm=2.0, accumulate=accumulate)
+                  clip_norm=clip, accumulate=accumulate)
+
+
+@functools.lru_cache
+def clip_for(global_batch, optimizer):
+    """A clip between the gradient norms of the run without one (halfway between its middle two of the four
+    steps'): the clipped run then clips some steps and not others (``reference_run`` checks it does)."""
+    xs, ys = batches(global_batch)
+    local = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), seed=3, recipe=recipe())
+    local.initialize()
+    norms = []
+    for step in range(STEPS):
+        local.train_step(xs[step], ys[step], 1.0, step)
+        norms.append(float(np.linalg.norm(local.model.grads)))
+    middle = sorted(norms)[STEPS // 2 - 1:STEPS // 2 + 1]
+    return sum(middle) / 2
 
 
 def make(optimizer):
@@ -148,7 +164,7 @@ def reference_local(global_batch, optimizer, accumulate=1):
     clipped steps."""
     xs, ys = batches(global_batch)
     local = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), seed=3,
-                          recipe=recipe(accumulate))
+                          recipe=recipe(accumulate, clip_for(global_batch, optimizer)))
     local.initialize()
     params, clipped = [], []
     for step in range(STEPS):
@@ -170,7 +186,7 @@ def test_accumulating_in_slices_equals_one_pass_locally():
     runs = []
     for accumulate in (1, 3, 10):
         local = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make("adam"), seed=3,
-                              recipe=recipe(accumulate))
+                              recipe=recipe(accumulate, clip_for(10, "adam")))
         local.initialize()
         losses = [local.train_step(xs[s], ys[s], 1.0, s) for s in range(STEPS)]
         runs.append((local.model.params.copy(), losses))
@@ -189,7 +205,7 @@ def test_allreduce_clips_schedules_and_accumulates_as_local(accumulate, optimize
     expected, clipped = reference_run(global_batch, optimizer)
     xs, ys = batches(global_batch)
     strategy = AllreduceStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), cluster, seed=3,
-                                 recipe=recipe(accumulate), shard=shard)
+                                 recipe=recipe(accumulate, clip_for(global_batch, optimizer)), shard=shard)
     strategy.initialize()
     part = worker_slice(global_batch, cluster.num_workers, cluster.worker_index)
     for step in range(STEPS):
@@ -212,7 +228,7 @@ def test_ps_sync_clips_by_the_norm_over_every_shard(accumulate):
     expected, clipped = reference_run(global_batch, "adam")
     xs, ys = batches(global_batch)
     strategy = PsSyncStrategy(small_convnet(np.float64), nn.loss_for(4, np), make("adam"), cluster, seed=3,
-                              recipe=recipe(accumulate))
+                              recipe=recipe(accumulate, clip_for(global_batch, "adam")))
     strategy.initialize()
     if cluster.role != PS:
         part = worker_slice(global_batch, cluster.num_workers, cluster.worker_index)
@@ -238,7 +254,7 @@ def test_pipeline_clips_by_the_norm_over_every_stage(accumulate):
     xs, ys = batches(global_batch)
     strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), make("sgd"), cluster, seed=3,
                                 stages=stages, micro_batches=2, schedule_name="1f1b", global_batch=global_batch,
-                                recipe=recipe(accumulate))
+                                recipe=recipe(accumulate, clip_for(global_batch, "sgd")))
     strategy.initialize()
     part = worker_slice(global_batch, replicas, strategy.replica)
     for step in range(STEPS):

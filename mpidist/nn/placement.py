@@ -108,7 +108,11 @@ class Placement:
         for region in self.regions:
             shape, offset = self._shape(region), self._offset(region)
             for begin in range(0, region.size, chunk):
-                coords = np.unravel_index(np.arange(begin, min(begin + chunk, region.size)), region.shape)
+                end = min(begin + chunk, region.size)
+                if region.shape == shape:   # (a whole parameter: its elements in order)
+                    yield region.lo + begin, offset + np.arange(begin, end, dtype=np.int64)
+                    continue
+                coords = np.unravel_index(np.arange(begin, end), region.shape)
                 placed = tuple(c + a for c, a in zip(coords, region.start))
                 yield region.lo + begin, offset + np.ravel_multi_index(placed, shape).astype(np.int64)
 
@@ -118,8 +122,9 @@ class Placement:
 
     def initial(self, seed, out):
         """Fill ``out`` (host, the rank's buffer) with its initial values (``whole.initial_values``)."""
+        drawn = {}   # (an initialiser of one's own: its parameter drawn whole once)
         for lo, positions in self.chunks():
-            self.whole.initial_values(seed, positions, out=out[lo:lo + len(positions)])
+            self.whole.initial_values(seed, positions, out=out[lo:lo + len(positions)], whole=drawn)
         return out
 
     def take(self, array, out=None):

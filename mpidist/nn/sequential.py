@@ -162,19 +162,19 @@ class Sequential:
         else:
             self.params[...] = self.xp.asarray(self.initial_values(seed, range(self.num_params)))
 
-    def initial_values(self, seed, positions, out=None, chunk=1 << 18):
+    def initial_values(self, seed, positions, out=None, chunk=1 << 18, whole=None):
         """The initial values of the elements at ``positions`` (an int64 array, or a ``range``) of the flat buffer,
         as a host array of ``dtype`` (``out``, where given).
 
         Element ``i`` of entry ``e`` is ``initialiser.values(parameter_key(seed, e), i)``
         (:mod:`mpidist.nn.init`): a function of the seed, the parameter and the element alone, so a rank holding
-        a slice of this model (a stage's elements, a tensor part's ``where``) draws exactly that slice and gets
+        a slice of this model (a stage's elements, a tensor part's regions) draws exactly that slice and gets
         what a whole draw would give.  Computed ``chunk`` elements at a time; an initialiser of one's own
-        ``(rng, shape)`` is drawn whole for each parameter a chunk touches.
+        ``(rng, shape)`` is drawn whole for a parameter, once for calls that pass the same ``whole`` (a dict).
         """
         out = np.empty(len(positions), dtype=self.dtype) if out is None else out
         starts = np.array([lo for _, _, lo, _, _ in self.entries], dtype=np.int64)
-        whole = {}   # a plain initialiser's last whole draw: (entry, values)
+        whole = {} if whole is None else whole   # a plain initialiser's last whole draw: (entry, values)
         for begin in range(0, len(positions), chunk):
             part = positions[begin:begin + chunk]
             part = (np.arange(part.start, part.stop, dtype=np.int64) if isinstance(part, range)

@@ -84,6 +84,10 @@ def gather_placed(comm, placement, arrays, root, sends=True):
     sizes = np.zeros((comm.Get_size(), 2), dtype=np.int64)
     mpi.allgather(comm, np.array([rows.size, int(rows[:, 1].sum())], dtype=np.int64), sizes)
     here = comm.Get_rank() == root
+    if int(sizes[:, 1].sum()) != placement.whole.num_params:   # (every rank knows: all raise alike)
+        raise RuntimeError(f"the ranks write {int(sizes[:, 1].sum()):,} elements of a model of "
+                           f"{placement.whole.num_params:,} parameters: each must be written once (a tensor_split "
+                           "that gives a whole parameter to a part other than 0 alone?)")
     table = np.empty(int(sizes[:, 0].sum()), dtype=np.int64) if here else None
     mpi.gatherv(comm, rows.reshape(-1), table, sizes[:, 0], _displacements(sizes[:, 0]), root)
     whole = {}
