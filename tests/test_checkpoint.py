@@ -1,6 +1,7 @@
 """Checkpoint files: atomic writes, everything in them checked when loaded, falling back past a corrupt one."""
 
 import json
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -193,3 +194,32 @@ def test_array_bytes_written_around_the_cache_fall_back_to_it_where_the_system_r
     loaded = checkpoint.load(path)
     assert (loaded.params == params).all() and (loaded.optimizer_state["m"] == params * 2).all()
     assert direct_fds or not hasattr(os, "O_DIRECT")   # (the direct path was taken, then refused)
+
+
+#: A checkpoint of format 1 (one file, the flat arrays whole), written by mpidist 0.2.0: ``python -m mpidist
+#: --strategy local --model mlp:8 --steps 10`` (digits, float32, Adam).  Kept as it was written, so that every
+#: later format (sharded checkpoints) still reads it.
+FORMAT_1 = Path(__file__).parent / "checkpoints" / "format1-mlp8-digits.h5"
+
+
+def test_a_kept_format_1_checkpoint_still_loads_resumes_and_evaluates(tmp_path):
+    import mpidist
+    from conftest import checkpoint_at, mpidist as run
+
+    kept = FORMAT_1.read_bytes()
+    saved = checkpoint.load(FORMAT_1)
+    # mlp:8 on digits: Dense 64-8 and 8-10, 610 parameters; Adam's two moments; step 10 of epoch 0
+    assert (saved.step, saved.epoch, saved.epoch_step, saved.params.size) == (10, 0, 10, 610)
+    assert saved.params.dtype == np.float32 and sorted(saved.optimizer_state) == ["m", "v"]
+    assert saved.optimizer_steps == 10 and saved.config["model"] == "mlp:8"
+    figures = mpidist.evaluate(str(FORMAT_1))   # (in this process: one rank)
+    done, _ = run(2, "eval", str(FORMAT_1), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"{100 * figures['test_accuracy']:.2f}%" in done.stdout and figures["step"] == 10, done.stdout
+    done, _ = run(2, "train", "--resume", str(FORMAT_1), "--model", "mlp:8", "--steps", "14", "--strategy", "allreduce",
+                  "--checkpoint-dir", str(tmp_path / "ck"), "--run-dir", "", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {FORMAT_1} at step 10" in done.stdout, done.stdout
+    resumed = checkpoint.load(checkpoint_at(tmp_path / "ck", 14))
+    assert resumed.optimizer_steps == 14 and not np.allclose(resumed.params, saved.params)   # (4 steps trained)
+    assert FORMAT_1.read_bytes() == kept   # (never written to, nor pruned)
