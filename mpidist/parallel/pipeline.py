@@ -20,8 +20,8 @@ Each micro-batch's loss is weighted by its share of the global batch, so the
 summed gradients are the global-batch mean: a pipeline step equals a local
 step on the same batch.  A stage's parameters are a contiguous slice of the
 whole model's flat buffer: each stage draws its own slice of the initial
-parameters (:meth:`mpidist.nn.Sequential.initial_values`), the same values a
-whole draw gives, and no rank builds the whole model's buffers.
+parameters (:meth:`mpidist.nn.placement.Placement.initial`), the same values
+a whole draw gives, and no rank builds the whole model's buffers.
 With ``--tensor T`` each stage is split over ``T`` ranks
 (:mod:`mpidist.parallel.tensor`); a rank's parameters are then slices of
 its stage's (``placement``: their regions of the whole model's parameters).

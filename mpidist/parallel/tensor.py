@@ -81,29 +81,27 @@ def gather_placed(comm, placement, arrays, root, sends=True):
     ``Gatherv`` per array: no pickle, and no index array of the buffer's size on any rank.
     """
     rows = placement.describe() if sends else np.zeros((0, COLUMNS), dtype=np.int64)
-    sizes = np.zeros((comm.Get_size(), 2), dtype=np.int64)
+    sizes = np.zeros((comm.Get_size(), 2), dtype=np.int64)   # (each rank's table entries and values)
     mpi.allgather(comm, np.array([rows.size, int(rows[:, 1].sum())], dtype=np.int64), sizes)
+    starts = np.concatenate([np.zeros((1, 2), dtype=np.int64), np.cumsum(sizes, axis=0)[:-1]])
+    entries, values = (int(total) for total in sizes.sum(axis=0))
+    if values != placement.whole.num_params:   # (every rank knows: all raise alike)
+        raise RuntimeError(f"the ranks write {values:,} elements of a model of {placement.whole.num_params:,} "
+                           "parameters: each must be written once (a tensor_split that gives a whole parameter "
+                           "to a part other than 0 alone?)")
     here = comm.Get_rank() == root
-    if int(sizes[:, 1].sum()) != placement.whole.num_params:   # (every rank knows: all raise alike)
-        raise RuntimeError(f"the ranks write {int(sizes[:, 1].sum()):,} elements of a model of "
-                           f"{placement.whole.num_params:,} parameters: each must be written once (a tensor_split "
-                           "that gives a whole parameter to a part other than 0 alone?)")
-    table = np.empty(int(sizes[:, 0].sum()), dtype=np.int64) if here else None
-    mpi.gatherv(comm, rows.reshape(-1), table, sizes[:, 0], _displacements(sizes[:, 0]), root)
+    table = np.empty(entries, dtype=np.int64) if here else None
+    mpi.gatherv(comm, rows.reshape(-1), table, sizes[:, 0], starts[:, 0], root)
     whole = {}
     for name in sorted(arrays):   # (the same order on every rank)
         array = arrays[name]
         part = np.ascontiguousarray(placement.written(array) if sends else array[:0])
-        received = np.empty(int(sizes[:, 1].sum()), dtype=part.dtype) if here else None
-        mpi.gatherv(comm, part, received, sizes[:, 1], _displacements(sizes[:, 1]), root)
+        received = np.empty(values, dtype=part.dtype) if here else None
+        mpi.gatherv(comm, part, received, sizes[:, 1], starts[:, 1], root)
         if here:
             whole[name] = np.zeros(placement.whole.num_params, dtype=part.dtype)
             Placement.fill(placement.whole, table.reshape(-1, COLUMNS), received, whole[name])
     return whole if here else None
-
-
-def _displacements(counts):
-    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
 class TensorPart:
@@ -128,7 +126,6 @@ class TensorPart:
         self.across_nodes = local.Get_size() < self.parts
         local.Free()
         self.data = world.Split(part, key=group) if data else None   # the same part of every group, by group
-        self.whole = whole
         #: this part's regions of the whole model's parameters (written by the first group's parts; a pipeline
         #: stage's by every replica's, of which its gather takes the first's)
         self.model, self.placement = split_model(whole, part, parts, writes=self.group == 0 or not data)
