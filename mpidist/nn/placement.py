@@ -102,38 +102,44 @@ class Placement:
     def _offset(self, region):
         return int(self.whole.entries[region.entry][2])
 
-    def chunks(self, chunk=CHUNK):
-        """``(lo, positions)`` for pieces of at most ``chunk`` elements: ``positions`` (int64) are where the
-        buffer's elements ``lo, lo + 1, ...`` sit in the whole model's flat buffer."""
+    def _elements(self, chunk):
+        """``(region, lo, index)`` for pieces of at most ``chunk`` elements: ``index`` (int64) are the places in
+        the region's whole parameter (C order) of the buffer's elements ``lo, lo + 1, ...``."""
         for region in self.regions:
-            shape, offset = self._shape(region), self._offset(region)
+            shape = self._shape(region)
             for begin in range(0, region.size, chunk):
                 end = min(begin + chunk, region.size)
                 if region.shape == shape:   # (a whole parameter: its elements in order)
-                    yield region.lo + begin, offset + np.arange(begin, end, dtype=np.int64)
+                    yield region, region.lo + begin, np.arange(begin, end, dtype=np.int64)
                     continue
                 coords = np.unravel_index(np.arange(begin, end), region.shape)
                 placed = tuple(c + a for c, a in zip(coords, region.start))
-                yield region.lo + begin, offset + np.ravel_multi_index(placed, shape).astype(np.int64)
+                yield region, region.lo + begin, np.ravel_multi_index(placed, shape).astype(np.int64)
+
+    def chunks(self, chunk=CHUNK):
+        """``(lo, positions)`` for pieces of at most ``chunk`` elements: ``positions`` (int64) are where the
+        buffer's elements ``lo, lo + 1, ...`` sit in the whole model's flat buffer."""
+        for region, lo, index in self._elements(chunk):
+            yield lo, self._offset(region) + index
 
     def positions(self):
         """Where each element of the buffer sits in the whole model's flat buffer (int64; for checks and tests)."""
         return np.concatenate([positions for _, positions in self.chunks()] + [np.zeros(0, dtype=np.int64)])
 
     def initial(self, seed, out):
-        """Fill ``out`` (host, the rank's buffer) with its initial values (``whole.initial_values``)."""
+        """Fill ``out`` (host, the rank's buffer) with its initial values (``whole.entry_values`` of each region's
+        elements: a region is one parameter, so no element's parameter is looked up)."""
         drawn = {}   # (an initialiser of one's own: its parameter drawn whole once)
-        for lo, positions in self.chunks():
-            self.whole.initial_values(seed, positions, out=out[lo:lo + len(positions)], whole=drawn)
+        for region, lo, index in self._elements(CHUNK):
+            out[lo:lo + len(index)] = self.whole.entry_values(seed, region.entry, index, drawn)
         return out
 
     def take(self, array, out=None):
         """This rank's elements of ``array``, a whole-model flat array (host), in the buffer's order."""
         out = np.empty(self.size, dtype=array.dtype) if out is None else out
         for region in self.regions:
-            offset, shape = self._offset(region), self._shape(region)
-            whole = array[offset:offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
-            out[region.lo:region.lo + region.size] = whole[region.index].reshape(-1)
+            values = parameter(self.whole, array, region.entry)[region.index]
+            out[region.lo:region.lo + region.size] = values.reshape(-1)
         return out
 
     def written(self, array):
@@ -164,9 +170,14 @@ class Placement:
             entry, size = int(row[0]), int(row[1])
             ndim = int(np.count_nonzero(row[2:2 + AXES] >= 0))
             start, stop = row[2:2 + ndim], row[2 + AXES:2 + AXES + ndim]
-            _, _, offset, shape, _ = whole.entries[entry]
-            target = arrays[offset:offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+            target = parameter(whole, arrays, entry)
             target[tuple(slice(int(a), int(b)) for a, b in zip(start, stop))] = values[at:at + size].reshape(
                 tuple(int(b - a) for a, b in zip(start, stop)))
             at += size
 
+
+def parameter(whole, array, entry):
+    """Entry ``entry`` of ``whole`` (a :class:`Sequential`) in ``array``, a flat array of the whole model: a view,
+    in the parameter's shape."""
+    _, _, offset, shape, _ = whole.entries[entry]
+    return array[offset:offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)

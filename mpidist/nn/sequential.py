@@ -182,11 +182,12 @@ class Sequential:
             owners = np.searchsorted(starts, part, side="right") - 1
             for entry, picked in _groups(owners):
                 index = part[picked] - starts[entry]
-                out[begin:begin + len(part)][picked] = self._entry_values(seed, int(entry), index, whole)
+                out[begin:begin + len(part)][picked] = self.entry_values(seed, int(entry), index, whole)
         return out
 
-    def _entry_values(self, seed, entry, index, whole):
-        """float64 initial values of elements ``index`` of entry ``entry`` (see :meth:`initial_values`)."""
+    def entry_values(self, seed, entry, index, whole):
+        """float64 initial values of elements ``index`` (int64, C order) of entry ``entry``; ``whole``: a dict
+        keeping an initialiser of one's own's last whole draw (see :meth:`initial_values`)."""
         _, name, _, pshape, initialiser = self.entries[entry]
         if isinstance(initialiser, init.Initialiser):
             return initialiser.values(self.parameter_key(seed, entry), index)
