@@ -60,6 +60,26 @@ def test_sum_float64_without_a_communicator_is_the_values():
     np.testing.assert_array_equal(comm.sum_float64(None, [2, 3]), [2.0, 3.0])
 
 
+class FakeDeviceScalar:
+    """A cupy 0-d array as numpy sees it: ``float()`` copies it to the host, implicit conversion is refused."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __float__(self):
+        return float(self.value)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed")
+
+
+def test_sum_float64_takes_device_scalars_beside_host_ones():
+    # local-sgd sums its loss as computed, a device scalar on a GPU (found by gpu/check.sh on an H200)
+    total = comm.sum_float64(None, [FakeDeviceScalar(2.5), True, np.float32(1.5)])
+    np.testing.assert_array_equal(total, [2.5, 1.0, 1.5])
+    np.testing.assert_array_equal(comm.sum_float64(None, np.array([[1, 2], [3, 4]])), [[1.0, 2.0], [3.0, 4.0]])
+
+
 @pytest.mark.parametrize("value,expected", [("1", True), ("yes", True), ("0", False), ("false", False)])
 def test_cuda_awareness_can_be_overridden(cuda_aware_env, value, expected):
     cuda_aware_env(value)

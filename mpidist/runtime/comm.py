@@ -264,8 +264,16 @@ def allgather(comm, send, recv):
 
 
 def sum_float64(comm, values):
-    """Sum a few host scalars over ``comm`` (metrics, evaluation counts)."""
-    buffer = np.asarray(values, dtype=np.float64).copy()
+    """Sum a few scalars over ``comm`` (metrics, evaluation counts).
+
+    Each value is taken with ``float()``: a loss computed on a GPU is a cupy
+    0-d array, which ``float()`` copies to the host and numpy refuses to
+    convert implicitly.
+    """
+    if isinstance(values, np.ndarray):
+        buffer = values.astype(np.float64)   # a copy, of the same shape
+    else:
+        buffer = np.array([float(value) for value in values], dtype=np.float64)
     if comm is not None:
         comm.Allreduce(MPI.IN_PLACE, buffer)
     return buffer
