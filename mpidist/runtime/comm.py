@@ -3,7 +3,7 @@
 numpy arrays go to MPI as they are.  cupy arrays go directly when the MPI
 library is CUDA-aware, after synchronising the stream that produced them (MPI
 reads device memory outside cupy's stream order); otherwise they are staged
-through host memory.  The path is decided once per process
+through pinned host memory.  The path is decided once per process
 (:func:`cuda_aware`) and shown by ``python -m mpidist info``.  Every call here
 is buffer-based: no pickle ever touches array data.
 """
@@ -63,13 +63,32 @@ def _synchronize(array):
     return array
 
 
+def _host_copy(array):
+    """A copy of the device ``array`` in pinned (page-locked) host memory from cupy's pool.
+
+    Measured on an H200 (gpu/check.sh) for 64 MiB: 50 GB/s device to pinned
+    host against 3 GB/s to freshly allocated pageable memory, which made a
+    host-staged pipeline send 5 times slower than MPI between the same host
+    buffers.  The pool hands the same blocks out again once a copy is dropped.
+    Without cupy (an array that only looks like a device one) the array's own
+    ``get()`` copies.
+    """
+    try:
+        import cupy
+    except ImportError:
+        return array.get()
+    memory = cupy.cuda.alloc_pinned_memory(array.nbytes)
+    host = np.frombuffer(memory, array.dtype, array.size).reshape(array.shape)
+    return array.get(out=host)
+
+
 def _for_mpi(array):
     """``(buffer MPI may use, function copying results back or None)``."""
     if not is_device_array(array):
         return array, None
     if cuda_aware():
         return _synchronize(array), None
-    host = array.get()
+    host = _host_copy(array)
     return host, lambda: array.set(host)
 
 
