@@ -43,10 +43,11 @@ def _translate(torch, layer):
     return None
 
 
-def torch_step(model, x, y, lr=0.01, momentum=0.9):
+def torch_step(model, x, y, lr=0.01, momentum=0.9, device="cpu"):
     """A function taking one torch training step of ``model``'s layers on ``(x, y)``, or None without torch.
 
-    None as well where a layer has no exact torch counterpart.
+    None as well where a layer has no exact torch counterpart.  On ``device="cuda"`` the step
+    waits for the GPU before it returns, so that a host clock around it times the work.
     """
     if not available():
         return None
@@ -55,10 +56,11 @@ def torch_step(model, x, y, lr=0.01, momentum=0.9):
     modules = [_translate(torch, layer) for layer in model.layers]
     if any(module is None for module in modules):
         return None
-    net = torch.nn.Sequential(*modules)
+    net = torch.nn.Sequential(*modules).to(device)
     net.train()
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
-    inputs, labels = torch.from_numpy(x), torch.from_numpy(y).long()
+    inputs, labels = torch.from_numpy(x).to(device), torch.from_numpy(y).long().to(device)
+    finish = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     loss_of = torch.nn.CrossEntropyLoss()
 
     def step():
@@ -66,5 +68,6 @@ def torch_step(model, x, y, lr=0.01, momentum=0.9):
         loss = loss_of(net(inputs), labels)
         loss.backward()
         optimizer.step()
+        finish()
 
     return step

@@ -1,0 +1,170 @@
+"""The GPU check's benchmark: mpidist against torch on the same GPU, and a pipeline's activation send.
+
+``python gpu/bench.py models --out F``: one training step (forward, loss,
+backward, SGD with momentum) of the MLP 784-512-512-10 (``mlp-wide``) and the
+``cnn`` on MNIST-shaped float32 batches of 256 to 4096, mpidist on cupy against
+the same layers in torch (eager, TF32 off), alternating step by step, medians.
+
+``mpiexec -n 2 python gpu/bench.py send --out F``: the bytes of one activation
+sent from rank 0 to rank 1 as the pipeline sends them (``runtime.comm.send``:
+device to device where MPI is CUDA-aware, staged through the host where not),
+against a cupy device-to-device copy of the same bytes, on each path MPI offers;
+and the pieces of a host-staged send: device to host (pageable and pinned
+memory) and MPI between host buffers.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+BATCHES = (256, 1024, 4096)
+MODELS = {"mlp-wide": "MLP 784-512-512-10", "cnn": "cnn"}
+SEND_MIB = (1, 16, 64)
+
+
+def _median_seconds(steps, seconds, min_calls=5):
+    """Median seconds per call of each of ``steps``, called in turn after a warm-up (each call synchronises)."""
+    for step in steps.values():
+        step()
+        step()
+    times = {name: [] for name in steps}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or min(len(t) for t in times.values()) < min_calls:
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(values)) for name, values in times.items()}
+
+
+def models(seconds):
+    import cupy
+
+    from mpidist import nn
+    from mpidist.bench.reference import torch_step
+    from mpidist.bench.rows import SHAPES
+    from mpidist.parallel import LocalStrategy
+
+    import torch
+    # float32 as it is written: torch would otherwise run its convolutions in TF32 (cuDNN's default)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rows = []
+    for name, label in MODELS.items():
+        for batch in BATCHES:
+            shape, classes = SHAPES[name]
+            model = nn.build_model(name, shape, classes, cupy, np.float32)
+            local = LocalStrategy(model, nn.loss_for(classes, cupy),
+                                  lambda size: nn.make_optimizer("sgd", size, 0.01, xp=cupy), seed=0)
+            local.initialize()
+            rng = np.random.default_rng(0)
+            x = rng.random((batch,) + model.input_shape, dtype=np.float32)
+            y = rng.integers(0, classes, batch)
+            x_gpu, y_gpu = cupy.asarray(x), cupy.asarray(y)
+            stream = cupy.cuda.get_current_stream()
+            counter = iter(range(1 << 30))
+
+            def ours():
+                local.train_step(x_gpu, y_gpu, 1.0, next(counter))
+                stream.synchronize()
+
+            steps = {"mpidist": ours}
+            theirs = torch_step(local.model, x, y, device="cuda")
+            if theirs is not None:
+                steps["torch"] = theirs
+            medians = _median_seconds(steps, seconds)
+            row = {"model": label, "batch": batch,
+                   "mpidist samples/s": batch / medians["mpidist"]}
+            if "torch" in medians:
+                row["torch samples/s"] = batch / medians["torch"]
+                row["mpidist/torch"] = medians["torch"] / medians["mpidist"]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def _timed_send(world, send_one, receive_one, seconds):
+    """Median seconds of one message from rank 0 to rank 1, timed between barriers; rank 0 says when to stop."""
+    times, stop = [], np.zeros(1, dtype=np.int64)
+    deadline = time.perf_counter() + seconds
+    while not stop[0]:
+        world.Barrier()
+        start = time.perf_counter()
+        if world.Get_rank() == 0:
+            send_one()
+        else:
+            receive_one()
+        world.Barrier()
+        times.append(time.perf_counter() - start)
+        stop[0] = time.perf_counter() > deadline and len(times) >= 5
+        world.Bcast(stop, root=0)
+    return float(np.median(times))
+
+
+def send(seconds):
+    """Each size: the pipeline's send on every path MPI offers, and the pieces a host-staged send is made of."""
+    import cupy
+    from mpi4py import MPI
+
+    from mpidist.runtime import comm
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    stream = cupy.cuda.get_current_stream()
+    paths = ["0", "1"] if comm.cuda_aware() else ["0"]
+    rows = []
+    for mib in SEND_MIB:
+        array = cupy.arange(mib << 18, dtype=cupy.float32)   # mib MiB of float32
+        host = np.empty(array.shape, dtype=array.dtype)
+        row = {"MiB": mib}
+        for aware in paths:
+            os.environ["MPIDIST_CUDA_AWARE"] = aware
+            comm.cuda_aware.cache_clear()
+            if rank == 1:
+                array.fill(-1)
+            label = "cuda-aware" if aware == "1" else "host-staged"
+            seconds_each = _timed_send(world, lambda: comm.send(world, array, 1, 7),
+                                       lambda: (comm.recv(world, array, 0, 7), stream.synchronize()), seconds)
+            if rank == 1:
+                expected = cupy.arange(mib << 18, dtype=cupy.float32)
+                assert bool((array == expected).all()), "the received activation differs from the sent one"
+            row[f"{label} send GB/s"] = array.nbytes / seconds_each / 1e9
+        # a host-staged send is: device to host, MPI between host buffers, host to device
+        row["MPI host send GB/s"] = array.nbytes / _timed_send(world, lambda: world.Send(host, 1, 8),
+                                                               lambda: world.Recv(host, 0, 8), seconds) / 1e9
+        if rank == 0:
+            copy_into = cupy.empty_like(array)
+            pinned = cupy.cuda.alloc_pinned_memory(array.nbytes)
+            pinned_host = np.frombuffer(pinned, array.dtype, array.size)
+            medians = _median_seconds({
+                "cupy copy": lambda: (copy_into.__setitem__(Ellipsis, array), stream.synchronize()),
+                "to host": lambda: array.get(),
+                "to pinned host": lambda: array.get(out=pinned_host),
+            }, seconds / 2)
+            for name, value in medians.items():
+                row[f"{name} GB/s"] = array.nbytes / value / 1e9
+            rows.append(row)
+            print(row, flush=True)
+    comm.cuda_aware.cache_clear()
+    return rows if rank == 0 else None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("models", "send"))
+    parser.add_argument("--out", required=True, help="JSON file for the rows")
+    parser.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
+    args = parser.parse_args()
+    rows = models(args.seconds) if args.what == "models" else send(args.seconds)
+    if rows is not None:
+        with open(args.out, "w") as file:
+            json.dump(rows, file, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU check in one command, for a bare GPU machine with no package registry:
+#
+#   gpu/check.sh [OUT]        OUT: folder for summary.txt, summary.json and every log
+#                             (default: gpu-check in the repository, ignored by git)
+#
+# 1. installs the wheels gpu/wheels.sh fetched (gpu/wheels, or $MPIDIST_GPU_WHEELS) into a
+#    scratch prefix: MPICH, mpi4py, pytest-mpi; the repository itself runs from its checkout;
+# 2. runs gpu/check.py: `python -m mpidist info`, tests/test_gpu.py on 1 process and 2 ranks,
+#    every strategy and layout on --device gpu against the same run on the CPU, and a short
+#    benchmark (mpidist against torch on the GPU, and a pipeline's activation send).
+#
+# Each part stops at its own limit (gpu/check.py's LIMITS, under 8 minutes in all). Without a
+# GPU the parts that need none still run and the rest are reported as not run. Exit 0 when
+# nothing failed, 1 when a part failed, 2 when there are no wheels to install.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+out=${1:-$repo/gpu-check}
+wheels=${MPIDIST_GPU_WHEELS:-$here/wheels}
+python=${PYTHON:-python3}
+if ! compgen -G "$wheels/*.whl" >/dev/null; then
+    echo "gpu/check.sh: no wheels in $wheels: run gpu/wheels.sh there first (on a machine with a registry)" >&2
+    exit 2
+fi
+mkdir -p "$out"
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/mpidist-gpu.XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
+start=$SECONDS
+# --ignore-installed: a package of the same version already there would otherwise be skipped,
+# and the check would run whatever MPI that one finds.
+timeout 45 "$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+    --ignore-installed --disable-pip-version-check --prefix "$scratch" "$wheels"/*.whl >"$out/install.log" 2>&1
+installed=$?
+# pip picks lib/ or lib64/ and the pythonX.Y folder itself: find where mpi4py landed.
+site=$(find "$scratch" -maxdepth 5 -type d -name mpi4py | head -n 1)
+if [ -z "$site" ]; then
+    echo "gpu/check.sh: the wheels in $wheels hold no mpi4py for $("$python" -V)" >>"$out/install.log"
+    installed=${installed/#0/3}
+    site=$scratch
+else
+    site=$(dirname "$site")
+fi
+export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$scratch/bin:$PATH"
+export LD_LIBRARY_PATH="$scratch/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# mpi4py looks for libmpi in its own environment first: name the carried one, so the check
+# runs the MPI it installed and `info` shows which.
+[ -e "$scratch/lib/libmpi.so.12" ] && export MPI4PY_LIBMPI="$scratch/lib/libmpi.so.12"
+export PYTHONUNBUFFERED=1
+"$python" "$here/check.py" --out "$out" --install-exit "$installed" --install-seconds $((SECONDS - start))

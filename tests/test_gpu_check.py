@@ -1,0 +1,112 @@
+"""gpu/check.sh, the GPU check a lent GPU machine runs in one call, run here without a GPU so that it cannot rot.
+
+Here it installs the wheels gpu/wheels.sh fetches (for this interpreter) into a
+scratch prefix, runs ``info`` and the CPU reference of every strategy and
+layout, and reports the GPU steps as not run.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+GPU = ROOT / "gpu"
+
+
+def _check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU / "check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check = _check_module()
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory):
+    """The wheels gpu/wheels.sh fetches, for this interpreter (the GPU machine's is 3.12)."""
+    folder = tmp_path_factory.mktemp("wheels")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    done = subprocess.run([GPU / "wheels.sh", folder], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MPIDIST_WHEELS_PYTHON": version, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    return folder
+
+
+def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_not_run(wheels, tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([GPU / "check.sh", out], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "MPIDIST_GPU_WHEELS": str(wheels), "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["gpu"] is False
+    assert summary["total_limit_s"] < 8 * 60
+    parts = {part["part"]: part for part in summary["parts"]}
+    assert [parts[name]["status"] for name in ("install", "info", "unit tests", "strategies", "benchmark")] == \
+        ["pass", "pass", "not run", "not run", "not run"]
+    # the MPI the check runs is the one it installed from the wheels, not this environment's
+    library = next(row for row in parts["info"]["rows"] if row.startswith("MPI library"))
+    assert "/mpidist-gpu." in library, library
+    rows = parts["strategies"]["rows"]
+    assert [row["strategy"] for row in rows] == [case for case, _, _ in check.CASES]
+    assert all(row["cpu reference"] == "ok" and row["verdict"] == "not run" for row in rows)
+    text = (out / "summary.txt").read_text()
+    for name in ("allreduce", "ps-sync", "ps-async", "local-sgd", "pipeline", "hybrid", "--tensor", "--shard"):
+        assert f"strategy {name}" in text
+    # each CPU reference trained: six finite losses and a checkpoint, in float32 and float64
+    for dtype in ("float32", "float64"):
+        losses, params = check.train(out, "probe", 2, ["--strategy", "allreduce"], "cpu", dtype, 120)
+        assert len(losses) == 6 and np.all(np.isfinite(losses)) and params.size > 0
+
+
+def test_the_check_stops_with_a_message_where_there_are_no_wheels(tmp_path):
+    done = subprocess.run([GPU / "check.sh", tmp_path / "out"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MPIDIST_GPU_WHEELS": str(tmp_path)})
+    assert done.returncode == 2
+    assert "run gpu/wheels.sh" in done.stderr
+
+
+def _run(losses, params):
+    return np.array(losses, dtype=np.float64), np.array(params, dtype=np.float64)
+
+
+def test_a_gpu_run_passes_within_float32_rounding_of_the_cpu_and_fails_beyond_it():
+    exact = _run([2.0, 1.0], [1.0, 1.0, 1.0, 1.0])
+    cpu = _run([2.0 * (1 + 1e-5), 1.0], [1.0, 1.0, 1.0, 1.0])          # float32 costs 1e-5 of the loss here
+    near = _run([2.0 * (1 + 5e-5), 1.0], [1.0, 1.0, 1.0, 1.0])         # 4e-5 off the CPU: under 10x rounding
+    far = _run([2.0 * (1 + 5e-4), 1.0], [1.0, 1.0, 1.0, 1.0])          # 4.9e-4 off: over it
+    row = check.compare("allreduce", near, cpu, exact)
+    assert row["verdict"] == "pass"
+    assert row["loss bound"] == pytest.approx(check.ROUNDING_FACTOR * np.linalg.norm(cpu[0] - exact[0])
+                                              / np.linalg.norm(exact[0]))
+    assert row["params bound"] == check.FLOOR                          # no rounding at all: the floor
+    assert check.compare("allreduce", far, cpu, exact)["verdict"] == "fail"
+    nan = _run([2.0, float("nan")], [1.0, 1.0, 1.0, 1.0])
+    assert check.compare("allreduce", nan, cpu, exact)["verdict"] == "fail"
+    assert check.compare("allreduce", _run([2.0], [1.0]), cpu, exact)["verdict"] == "fail"
+
+
+def test_an_asynchronous_run_is_compared_on_its_first_step_alone():
+    case = "ps-async (ps on the host)"
+    assert case in check.FIRST_STEP_ONLY
+    exact = _run([2.0, 1.0], [1.0, 1.0])
+    later_differs = _run([2.0, 0.5], [3.0, 1.0])
+    assert check.compare(case, later_differs, exact, exact)["verdict"] == "pass"
+    assert check.compare(case, _run([2.5, 1.0], [1.0, 1.0]), exact, exact)["verdict"] == "fail"
+    assert check.compare(case, _run([2.0, float("inf")], [1.0, 1.0]), exact, exact)["verdict"] == "fail"
+
+
+def test_a_part_that_breaks_is_reported_failed_with_its_log(tmp_path, monkeypatch):
+    # the benchmark's program missing: both of its runs exit non-zero, the GPU or not
+    monkeypatch.setattr(check, "HERE", tmp_path / "nowhere")
+    part = check.benchmark_part(tmp_path, True).as_dict()
+    assert part["status"] == "fail"
+    assert "see bench-send.log" in part["reason"]
+    assert "bench.py" in (tmp_path / "bench-models.log").read_text()
