@@ -63,23 +63,38 @@ def _synchronize(array):
     return array
 
 
-def _host_copy(array):
-    """A copy of the device ``array`` in pinned (page-locked) host memory from cupy's pool.
+def _staged(array):
+    """``(host copy of the device array, function copying the host copy back into it)``.
 
-    Measured on an H200 (gpu/check.sh) for 64 MiB: 50 GB/s device to pinned
-    host against 3 GB/s to freshly allocated pageable memory, which made a
-    host-staged pipeline send 5 times slower than MPI between the same host
-    buffers.  The pool hands the same blocks out again once a copy is dropped.
-    Without cupy (an array that only looks like a device one) the array's own
-    ``get()`` copies.
+    The copy is in pinned (page-locked) host memory from cupy's pool.  Measured
+    on an H200 (gpu/check.sh) for 64 MiB: 50 GB/s device to pinned host against
+    3 GB/s to freshly allocated pageable memory, which made a host-staged
+    pipeline send 5 times slower than MPI between the same host buffers.  Both
+    copies wait for the device: a copy from pinned memory is asynchronous,
+    and the pool hands the block out again (``cupy.asarray`` of the next batch
+    writes into it at once) as soon as the host copy is dropped.  Where pinned
+    memory cannot be had, and without cupy (an array that only looks like a
+    device one), the array's own ``get()`` copies into pageable memory.
     """
     try:
         import cupy
+        memory = cupy.cuda.alloc_pinned_memory(array.nbytes)
     except ImportError:
-        return array.get()
-    memory = cupy.cuda.alloc_pinned_memory(array.nbytes)
+        host = array.get()
+        return host, lambda: array.set(host)
+    except cupy.cuda.runtime.CUDARuntimeError:   # (page-locked memory is a limited resource)
+        host = array.get()
+        return host, lambda: array.set(host)
+    stream = cupy.cuda.get_current_stream()
     host = np.frombuffer(memory, array.dtype, array.size).reshape(array.shape)
-    return array.get(out=host)
+    array.get(out=host, stream=stream)
+    stream.synchronize()
+
+    def back():
+        array.set(host, stream=stream)
+        stream.synchronize()
+
+    return host, back
 
 
 def _for_mpi(array):
@@ -88,8 +103,7 @@ def _for_mpi(array):
         return array, None
     if cuda_aware():
         return _synchronize(array), None
-    host = _host_copy(array)
-    return host, lambda: array.set(host)
+    return _staged(array)
 
 
 def _typed(buffer, counts, displs):
