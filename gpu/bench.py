@@ -49,10 +49,13 @@ def models(seconds):
     from mpidist.bench.rows import SHAPES
     from mpidist.parallel import LocalStrategy
 
-    import torch
-    # float32 as it is written: torch would otherwise run its convolutions in TF32 (cuDNN's default)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    try:   # (without torch the rows are mpidist's alone)
+        import torch
+    except ImportError:
+        torch = None
+    else:  # float32 as it is written: torch would otherwise run its convolutions in TF32 (cuDNN's default)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     rows = []
     for name, label in MODELS.items():
         for batch in BATCHES:

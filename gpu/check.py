@@ -25,21 +25,24 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 #: Seconds each part may take; the installs are check.sh's (it passes how long they took).
-LIMITS = {"install": 45, "info": 30, "unit tests": 75, "strategies": 200, "benchmark": 120}
+LIMITS = {"install": 45, "gpu": 10, "info": 30, "unit tests": 75, "strategies": 190, "benchmark": 120}
 TOTAL_LIMIT = sum(LIMITS.values())
 
-#: Every strategy and layout, as (name, ranks, train arguments).  Two ranks share the GPU
-#: (the hybrid needs four: two pipelines of two stages); ps ranks compute on the host.
+#: Every strategy and layout, as (name, ranks, train arguments).  Two ranks share the GPU (the
+#: products of two layouts need four); ps ranks compute on the host.  On GPUs allreduce sums over
+#: MPI: the node's shared-memory exchanges hold host memory.  Not run: backup workers (ps-sync
+#: --aggregate, whose step takes whichever gradients come first) and in-graph replication.
 CASES = [
     ("local", 1, ["--strategy", "local"]),
     ("allreduce", 2, ["--strategy", "allreduce"]),
-    ("allreduce --exchange mpi", 2, ["--strategy", "allreduce", "--exchange", "mpi"]),
     ("ps-sync (ps on the host)", 2, ["--strategy", "ps-sync", "--ps", "1"]),
     ("ps-async (ps on the host)", 2, ["--strategy", "ps-async", "--ps", "1"]),
     ("local-sgd", 2, ["--strategy", "local-sgd", "--sync-every", "2"]),
-    ("pipeline", 2, ["--strategy", "pipeline", "--stages", "2"]),
+    ("pipeline (1f1b)", 2, ["--strategy", "pipeline", "--stages", "2"]),
+    ("pipeline --schedule gpipe", 2, ["--strategy", "pipeline", "--stages", "2", "--schedule", "gpipe"]),
     ("hybrid (pipeline x data)", 4, ["--strategy", "pipeline", "--stages", "2"]),
     ("--tensor 2", 2, ["--strategy", "allreduce", "--tensor", "2"]),
+    ("pipeline x tensor", 4, ["--strategy", "pipeline", "--stages", "2", "--tensor", "2"]),
     ("--shard optimizer", 2, ["--strategy", "allreduce", "--shard", "optimizer"]),
 ]
 #: Asynchronous updates land in an order no run repeats, on the CPU too: only their first step is compared.
@@ -50,34 +53,68 @@ TRAIN = ["--data", "digits", "--model", "mlp", "--steps", "6", "--batch-size", "
 #: against float64), with a floor for runs whose float32 error happens to be tiny.
 ROUNDING_FACTOR, FLOOR = 10.0, 1e-6
 #: Seconds one GPU run may take (cupy compiles its kernels on first use; a hang must not eat the part).
-GPU_RUN_LIMIT = 45
+GPU_RUN_LIMIT = 60
 
 
-def has_gpu():
-    """Whether cupy sees a CUDA GPU here."""
+def cupy_gpus():
+    """``(GPUs cupy sees, why none where it sees none)``."""
     try:
         import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver: no GPU either way
-        return False
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # no cupy, a cupy built for another CUDA, no driver: no GPU to use either way
+        return 0, f"{type(err).__name__}: {err}"
+    return count, "" if count else "cupy sees no GPU"
+
+
+def gpu_part():
+    """Whether cupy can compute here; a failure where the driver lists a GPU that cupy cannot use."""
+    part = Part("gpu")
+    count, why = cupy_gpus()
+    listed = shutil.which("nvidia-smi") and run(["nvidia-smi", "-L"], part.left(), os.devnull)[0] == 0
+    if count:
+        part.rows = [f"cupy sees {count} GPU(s)"]
+    elif listed:
+        part.fail(f"nvidia-smi lists a GPU, but cupy cannot use it ({why})")
+    else:
+        part.skip(f"no GPU ({why})")
+    return part
 
 
 def run(command, limit, log, env=None):
-    """Run ``command`` for at most ``limit`` seconds with its output in ``log``; ``(exit code or None, seconds)``.
+    """Run ``command`` for at most ``limit`` seconds with its output in ``log``; ``(exit code, seconds)``.
 
-    It gets a process group of its own, so that a timeout ends mpiexec's ranks too.
+    The exit code is None after a timeout, and the reason where the command could not start.  A
+    command that outlives its limit is told to stop (mpiexec then ends its ranks, which the
+    launcher runs in sessions of their own), then killed with its process group.
     """
     start = time.monotonic()
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env=env, start_new_session=True)
+        try:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                       env=env, start_new_session=True)
+        except OSError as err:
+            return f"could not start {command[0]}: {err.strerror or err}", time.monotonic() - start
         try:
             code = process.wait(timeout=max(limit, 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        except BaseException as err:   # the limit, or this check interrupted: leave nothing running
+            _stop(process)
+            if not isinstance(err, subprocess.TimeoutExpired):
+                raise
             code = None
     return code, time.monotonic() - start
+
+
+def _stop(process, grace=5):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 class Part:
@@ -154,13 +191,18 @@ def train(out, label, ranks, arguments, device, dtype, limit):
     code, _ = run(command, limit, run_dir / "output.txt")
     if code != 0:
         last = (run_dir / "output.txt").read_text().strip().splitlines()[-3:]
-        return f"exit {code}: " + " | ".join(last)
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = np.array([event["loss"] for event in events if event.get("event") == "step"])
-    import h5py
-    checkpoint = sorted((run_dir / "ck").glob("ckpt-*.h5"))[-1]
-    with h5py.File(checkpoint, "r") as file:
-        params = np.asarray(file["params"], dtype=np.float64)
+        return f"{'timed out' if code is None else f'exit {code}'}: " + " | ".join(last)
+    try:
+        events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses = np.array([event["loss"] for event in events if event.get("event") == "step"])
+        checkpoints = sorted((run_dir / "ck").glob("ckpt-*.h5"))
+        if not checkpoints:
+            return f"no checkpoint in {run_dir / 'ck'}"
+        import h5py
+        with h5py.File(checkpoints[-1], "r") as file:
+            params = np.asarray(file["params"], dtype=np.float64)
+    except (OSError, ValueError, KeyError) as err:
+        return f"its metrics or checkpoint unreadable: {err}"
     return losses, params
 
 
@@ -255,20 +297,41 @@ def write_summary(out, parts, install):
     return text
 
 
+def _guarded(build, out, gpu, installed):
+    """The part ``build`` makes; one that could not run or crashed is a part that says so."""
+    name = {info_part: "info", unit_part: "unit tests", strategies_part: "strategies",
+            benchmark_part: "benchmark"}[build]
+    if not installed:
+        part = Part(name)
+        part.skip("the wheels' install failed")
+        return part
+    try:
+        return build(out) if build is info_part else build(out, gpu)
+    except Exception as err:   # a check that breaks reports it with the rest, and the summary is still written
+        part = Part(name)
+        part.fail(f"the check itself broke: {type(err).__name__}: {err}")
+        return part
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the summary and every log")
     parser.add_argument("--install-exit", type=int, required=True, help="the wheels' install's exit code")
     parser.add_argument("--install-seconds", type=float, required=True, help="how long the install took")
     args = parser.parse_args()
+    args.out = args.out.resolve()   # (the runs start in the repository)
     args.out.mkdir(parents=True, exist_ok=True)
     install = {"part": "install", "status": "pass" if args.install_exit == 0 else "fail",
-               "reason": "" if args.install_exit == 0 else f"pip exited {args.install_exit} (see install.log)",
+               "reason": "" if args.install_exit == 0 else
+               f"pip exited {args.install_exit} (see install.log; wheels for another Python? gpu/wheels.sh "
+               f"with MPIDIST_WHEELS_PYTHON={sys.version_info.major}.{sys.version_info.minor})",
                "limit_s": LIMITS["install"], "seconds": round(args.install_seconds, 1), "rows": []}
-    gpu = has_gpu()
-    parts = [{"gpu": gpu}]
+    found = gpu_part()
+    gpu = found.status == "pass"
+    parts = [{"gpu": gpu}, found.as_dict()]
+    print(f"[{found.status}] gpu", flush=True)
     for build in (info_part, unit_part, strategies_part, benchmark_part):
-        part = build(args.out) if build is info_part else build(args.out, gpu)
+        part = _guarded(build, args.out, gpu, install["status"] == "pass")
         parts.append(part.as_dict())
         print(f"[{part.status}] {part.name}", flush=True)
     print(write_summary(args.out, parts, install), end="")

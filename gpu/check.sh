@@ -23,7 +23,7 @@ if ! compgen -G "$wheels/*.whl" >/dev/null; then
     echo "gpu/check.sh: no wheels in $wheels: run gpu/wheels.sh there first (on a machine with a registry)" >&2
     exit 2
 fi
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/mpidist-gpu.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
 start=$SECONDS
@@ -32,20 +32,23 @@ start=$SECONDS
 timeout 45 "$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
     --ignore-installed --disable-pip-version-check --prefix "$scratch" "$wheels"/*.whl >"$out/install.log" 2>&1
 installed=$?
-# pip picks lib/ or lib64/ and the pythonX.Y folder itself: find where mpi4py landed.
-site=$(find "$scratch" -maxdepth 5 -type d -name mpi4py | head -n 1)
-if [ -z "$site" ]; then
-    echo "gpu/check.sh: the wheels in $wheels hold no mpi4py for $("$python" -V)" >>"$out/install.log"
-    installed=${installed/#0/3}
-    site=$scratch
+# Where pip put things depends on the Python (lib/ or lib64/, a local/ level on Debian's): find
+# mpi4py, mpiexec and libmpi rather than assume.
+found() { find "$scratch" -maxdepth 6 "$@" -print -quit; }
+site=$(found -type d -name mpi4py)
+launcher=$(found -type f -name mpiexec)
+libmpi=$(found -name libmpi.so.12)
+if [ -z "$site" ] || [ -z "$launcher" ] || [ -z "$libmpi" ]; then
+    echo "gpu/check.sh: the wheels in $wheels did not give mpi4py, mpiexec and libmpi for $("$python" -V)" \
+        >>"$out/install.log"
+    [ "$installed" = 0 ] && installed=3
 else
-    site=$(dirname "$site")
+    export PYTHONPATH="$repo:$(dirname "$site")${PYTHONPATH:+:$PYTHONPATH}"
+    export PATH="$(dirname "$launcher"):$PATH"
+    export LD_LIBRARY_PATH="$(dirname "$libmpi")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # mpi4py looks for libmpi in its own environment first: name the carried one, so the check
+    # runs the MPI it installed and `info` shows which.
+    export MPI4PY_LIBMPI="$libmpi"
 fi
-export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$scratch/bin:$PATH"
-export LD_LIBRARY_PATH="$scratch/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# mpi4py looks for libmpi in its own environment first: name the carried one, so the check
-# runs the MPI it installed and `info` shows which.
-[ -e "$scratch/lib/libmpi.so.12" ] && export MPI4PY_LIBMPI="$scratch/lib/libmpi.so.12"
 export PYTHONUNBUFFERED=1
 "$python" "$here/check.py" --out "$out" --install-exit "$installed" --install-seconds $((SECONDS - start))

@@ -16,6 +16,7 @@ dir=${1:-$here/wheels}
 python_version=${MPIDIST_WHEELS_PYTHON:-3.12}
 limit_mib=40
 mkdir -p "$dir"
+rm -f "$dir"/*.whl   # (check.sh installs every wheel there: one version of each, for one Python)
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
          manylinux_2_5_x86_64 manylinux1_x86_64; do

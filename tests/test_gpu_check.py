@@ -40,17 +40,18 @@ def wheels(tmp_path_factory):
     return folder
 
 
-def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_not_run(wheels, tmp_path):
-    out = tmp_path / "out"
-    done = subprocess.run([GPU / "check.sh", out], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_not_run(wheels, tmp_path,
+                                                                                        monkeypatch):
+    out = tmp_path / "out"   # given relative to where the check starts, as a user would
+    done = subprocess.run([GPU / "check.sh", "out"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env={**os.environ, "MPIDIST_GPU_WHEELS": str(wheels), "PYTHON": sys.executable})
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gpu"] is False
     assert summary["total_limit_s"] < 8 * 60
     parts = {part["part"]: part for part in summary["parts"]}
-    assert [parts[name]["status"] for name in ("install", "info", "unit tests", "strategies", "benchmark")] == \
-        ["pass", "pass", "not run", "not run", "not run"]
+    assert [parts[name]["status"] for name in ("install", "gpu", "info", "unit tests", "strategies", "benchmark")] \
+        == ["pass", "not run", "pass", "not run", "not run", "not run"]
     # the MPI the check runs is the one it installed from the wheels, not this environment's
     library = next(row for row in parts["info"]["rows"] if row.startswith("MPI library"))
     assert "/mpidist-gpu." in library, library
@@ -58,9 +59,11 @@ def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_n
     assert [row["strategy"] for row in rows] == [case for case, _, _ in check.CASES]
     assert all(row["cpu reference"] == "ok" and row["verdict"] == "not run" for row in rows)
     text = (out / "summary.txt").read_text()
-    for name in ("allreduce", "ps-sync", "ps-async", "local-sgd", "pipeline", "hybrid", "--tensor", "--shard"):
+    for name in ("allreduce", "ps-sync", "ps-async", "local-sgd", "pipeline (1f1b)", "pipeline --schedule gpipe",
+                 "hybrid", "--tensor", "pipeline x tensor", "--shard"):
         assert f"strategy {name}" in text
     # each CPU reference trained: six finite losses and a checkpoint, in float32 and float64
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")   # its mpiexec
     for dtype in ("float32", "float64"):
         losses, params = check.train(out, "probe", 2, ["--strategy", "allreduce"], "cpu", dtype, 120)
         assert len(losses) == 6 and np.all(np.isfinite(losses)) and params.size > 0
@@ -110,3 +113,19 @@ def test_a_part_that_breaks_is_reported_failed_with_its_log(tmp_path, monkeypatc
     assert part["status"] == "fail"
     assert "see bench-send.log" in part["reason"]
     assert "bench.py" in (tmp_path / "bench-models.log").read_text()
+
+
+def test_a_check_that_cannot_start_a_program_reports_why(tmp_path):
+    code, _ = check.run([str(tmp_path / "no-such-program")], 10, tmp_path / "log")
+    assert isinstance(code, str) and "could not start" in code
+
+
+def test_a_program_past_its_limit_is_stopped_with_what_it_started(tmp_path):
+    marker = tmp_path / "child"
+    script = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
+             f"'import time; time.sleep(60)']); open({str(marker)!r}, 'w').close(); time.sleep(60)"
+    code, seconds = check.run([sys.executable, "-c", script], 4, tmp_path / "log")
+    assert code is None and seconds < 15
+    assert marker.exists()
+    survivors = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
+    assert not survivors
