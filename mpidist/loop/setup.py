@@ -12,7 +12,7 @@ import os
 from .. import data, nn
 from ..data.fingerprint import mismatch
 from ..nn import scores
-from ..parallel import STRATEGIES
+from ..parallel import STRATEGIES, holding
 from ..parallel.recipe import recipe_for, total_steps
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
@@ -55,20 +55,35 @@ class Setup:
     notes: list = dataclasses.field(default_factory=list)     # what the chief says about the set-up
 
 
-def build_model_for(config, inputs, info, xp):
-    """The model sized for dataset ``info``; a shape mismatch is a :class:`UsageError` naming the dataset."""
+def build_model_for(config, inputs, info, xp, cluster=None):
+    """The model sized for dataset ``info``; a shape mismatch is a :class:`UsageError` naming the dataset.
+
+    With ``cluster``, what this rank will hold under the run's layout must fit
+    (:mod:`mpidist.parallel.holding`); without, the whole model's training state.
+    """
     try:
         # (a map of shapes: the strategy makes the buffers of what this rank holds, the whole model's or a part's)
         model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype, buffers=False)
         check_outputs(model, info, inputs.model.spec)
-        # what training holds besides: gradients, the optimizer's arrays, the chief's gathered copy
-        arrays = 3 + len(checkpoint.OPTIMIZER_STATE.get(config.optimizer, ()))
-        check_fits(arrays * model.num_params * model.dtype.itemsize,
-                   f"training {model.num_params:,} parameters with {config.optimizer}")
+        check_holds(config, cluster, model)
         return model
     except UsageError as err:
         outputs = f"{info.num_classes:,} classes" if info.num_classes else f"{info.target_width} target(s)"
         raise UsageError(f"dataset {info.name!r} ({info.path}, {outputs}): {err}") from None
+
+
+def check_holds(config, cluster, model):
+    """Refuse, naming what it needs, a model whose share on this rank does not fit in what the rank may hold."""
+    arrays = len(checkpoint.OPTIMIZER_STATE.get(config.optimizer, ()))
+    whole = model.num_params
+    share = holding.held(config, cluster, model, arrays) if cluster is not None else \
+        holding.Held(whole, whole, whole)
+    what = f"training {whole:,} parameters with {config.optimizer}"
+    if share.part:
+        what = (f"{share.part} ({share.params:,} of the model's {whole:,} parameters), trained with "
+                f"{config.optimizer}" + (f", and assembling the whole model's parameters and optimizer state "
+                                         f"for checkpoints ({share.gathered:,} values)" if share.gathered else ""))
+    check_fits(holding.held_bytes(share, arrays, model.dtype.itemsize), what)
 
 
 def check_outputs(model, info, spec):
@@ -104,7 +119,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     if config.eval_samples:
         info = data.limit_evaluation(info, config.eval_samples)
     check_validation(config, info)
-    model = build_model_for(config, inputs, info, xp)
+    model = build_model_for(config, inputs, info, xp, cluster)
     notes = []
     if info.num_classes > info.sizes["train"]:
         notes.append(f"warning: dataset {info.name!r} declares {info.num_classes:,} classes but has "

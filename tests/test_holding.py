@@ -1,0 +1,84 @@
+"""What a rank holds of the model under each layout, priced at start-up before any strategy exists."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mpidist import nn
+from mpidist.loop.setup import check_holds
+from mpidist.parallel import holding
+from mpidist.runtime.errors import UsageError
+
+ADAM = 2   # Adam's state arrays: m and v
+
+
+def model():
+    # Flatten, Dense 64->32, ReLU, Dense 32->32, ReLU, Dense 32->10: 2080 + 1056 + 330 parameters
+    return nn.build_model("mlp:32,32", (8, 8), 10, np, np.float32, buffers=False)
+
+
+def settings(strategy="allreduce", stages=1, tensor=1, shard="none"):
+    return SimpleNamespace(strategy=strategy, stages=stages, tensor=tensor, shard=shard, balance="",
+                           model="mlp:32,32", optimizer="adam")
+
+
+def cluster(rank, size, workers=None):
+    return SimpleNamespace(rank=rank, size=size, is_chief=rank == 0, num_workers=workers or size)
+
+
+def test_a_data_parallel_rank_holds_the_whole_model_and_the_chiefs_copy():
+    whole = model().num_params
+    assert whole == 2080 + 1056 + 330
+    for rank in (0, 1):
+        assert holding.held(settings(), cluster(rank, 2), model(), ADAM) == holding.Held(whole, whole, whole)
+
+
+def test_a_worker_under_shard_optimizer_holds_its_slice_of_the_state_and_the_chief_assembles_it():
+    whole = model().num_params
+    chief, other = (holding.held(settings(shard="optimizer"), cluster(rank, 3), model(), ADAM) for rank in (0, 1))
+    # its copy of the parameters for a checkpoint, and the whole m and v assembled from the slices
+    assert (chief.params, chief.optimizer, chief.gathered) == (whole, math.ceil(whole / 3), whole * (1 + ADAM))
+    assert (other.params, other.optimizer, other.gathered) == (whole, math.ceil(whole / 3), whole)
+
+
+def test_pipeline_stages_hold_their_layers_and_the_chief_assembles_the_whole():
+    whole = model().num_params
+    stages = [holding.held(settings("pipeline", stages=2), cluster(rank, 2), model(), ADAM) for rank in (0, 1)]
+    assert sum(stage.params for stage in stages) == whole          # every parameter on exactly one stage
+    assert all(0 < stage.params < whole for stage in stages)
+    assert stages[0].gathered == whole * (2 + ADAM) and stages[1].gathered == 0
+    assert stages[1].part == "stage 1 of 2"
+    # with --tensor 2 each of a stage's two ranks holds half of it
+    parts = [holding.held(settings("pipeline", stages=2, tensor=2), cluster(rank, 4), model(), ADAM)
+             for rank in range(4)]
+    assert [part.params for part in parts] == [math.ceil(stages[0].params / 2)] * 2 + \
+        [math.ceil(stages[1].params / 2)] * 2
+    assert parts[3].part == "stage 1 of 2, part 1 of 2"
+
+
+def test_a_tensor_part_holds_about_a_tth_of_the_model():
+    whole = model().num_params
+    part = holding.held(settings(tensor=4), cluster(5, 8), model(), ADAM)
+    assert (part.params, part.optimizer, part.gathered, part.part) == \
+        (math.ceil(whole / 4), math.ceil(whole / 4), 0, "tensor part 1 of 4")
+
+
+def test_the_start_up_check_prices_this_ranks_share_not_the_whole_model(monkeypatch):
+    from mpidist.runtime import memory
+    whole = model().num_params
+    last_stage = holding.held(settings("pipeline", stages=2), cluster(1, 2), model(), ADAM).params
+    need = 4 * (2 + ADAM) * last_stage   # parameters, gradients, m, v of its stage: nothing assembled
+    monkeypatch.setattr(memory, "ranks_per_node", lambda: 1)
+    monkeypatch.setattr(memory, "available_bytes", lambda: need)
+    check_holds(settings("pipeline", stages=2), cluster(1, 2), model())   # fits exactly
+    with pytest.raises(UsageError, match=f"training {whole:,} parameters with adam needs "):
+        check_holds(settings(), cluster(1, 2), model())                  # the whole model on this rank does not
+    with pytest.raises(UsageError, match=r"stage 0 of 2 \(.* of the model's 3,466 parameters\), trained with "
+                                         r"adam, and assembling the whole model's parameters and optimizer "
+                                         r"state for checkpoints \(13,864 values\)"):
+        check_holds(settings("pipeline", stages=2), cluster(0, 2), model())
+    monkeypatch.setattr(memory, "available_bytes", lambda: need - 1)
+    with pytest.raises(UsageError, match=f"stage 1 of 2 .* needs {memory.human(need)}"):
+        check_holds(settings("pipeline", stages=2), cluster(1, 2), model())
