@@ -30,7 +30,7 @@ from ..runtime.memory import check_fits
 from ..runtime.reads import reading
 from ..runtime.text import printable, shown
 from ..runtime.whereabouts import here
-from . import atomic, bulk
+from . import atomic, bulk, sharded
 from . import lineage as lineages
 
 FORMAT = "mpidist-checkpoint-1"
@@ -109,21 +109,28 @@ def _structure(handle, places, params, optimizer_state, optimizer_steps, step, e
     group.attrs["steps"] = int(optimizer_steps)
     for name, array in optimizer_state.items():
         bulk.allocate(group, name, array, places)
-    handle.attrs.update({"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step),
-                         "config": config_json, "format": FORMAT, "lineage": lineage,
-                         "parent": parent or "", "elapsed": float(elapsed),
-                         "data_order": json.dumps({"seed": int(seed), "epoch": int(epoch),
-                                                   "epoch_step": int(epoch_step), "workers": int(workers),
-                                                   "scheme": DATA_ORDER}),
-                         "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})})
-    if best:   # (a resumed run goes on judging against it)
-        handle.attrs["best"] = json.dumps(best)
+    handle.attrs.update(attributes(step, epoch, epoch_step, config_json, seed, workers, lineage, parent, best,
+                                   elapsed, dataset_fingerprint))
+    handle.attrs["format"] = FORMAT
     if per_worker:
         rows = handle.create_group(PER_WORKER)
         for name, array in per_worker.items():
             bulk.allocate(rows, name, array, places)
+
+
+def attributes(step, epoch, epoch_step, config_json, seed, workers, lineage="", parent="", best=None, elapsed=0.0,
+               dataset_fingerprint=""):
+    """A checkpoint's attributes beside its format, in either format: its position, settings, random streams."""
+    attrs = {"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step), "config": config_json,
+             "lineage": lineage, "parent": parent or "", "elapsed": float(elapsed),
+             "data_order": json.dumps({"seed": int(seed), "epoch": int(epoch), "epoch_step": int(epoch_step),
+                                       "workers": int(workers), "scheme": DATA_ORDER}),
+             "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})}
+    if best:   # (a resumed run goes on judging against it)
+        attrs["best"] = json.dumps(best)
     if dataset_fingerprint:
-        handle.attrs["dataset_fingerprint"] = dataset_fingerprint
+        attrs["dataset_fingerprint"] = dataset_fingerprint
+    return attrs
 
 
 def keep_as(path, name):
@@ -169,9 +176,13 @@ def _read(path, handle):
     def bad(item, problem):
         return UsageError(f"{path}: {item} {problem}")
 
-    if handle.attrs.get("format") != FORMAT:
+    virtual = handle.attrs.get("format") == sharded.FORMAT   # (an index over part files)
+    if handle.attrs.get("format") != FORMAT and not virtual:
         raise UsageError(f"{path}: not an mpidist checkpoint (no format attribute {FORMAT!r})")
-    params = _array(handle, "params", bad)
+    problem = sharded.verify(path, handle) if virtual else None
+    if problem:
+        raise UsageError(f"{path}: {problem}")
+    params = _array(handle, "params", bad, virtual=virtual)
     if params.ndim != 1 or params.dtype not in FLOATS:
         raise bad("params", f"has shape {params.shape} and dtype {params.dtype}; a checkpoint holds one flat "
                             "float32 or float64 array")
@@ -181,7 +192,7 @@ def _read(path, handle):
     group = handle["optimizer"]
     arrays = {}
     for name in group:
-        array = _array(group, name, bad, prefix="optimizer/")
+        array = _array(group, name, bad, prefix="optimizer/", virtual=virtual)
         if array.shape != params.shape or array.dtype not in FLOATS:
             raise bad(f"optimizer/{printable(name)}", f"has shape {array.shape} and dtype {array.dtype}; it must "
                                                       f"be flat like params {params.shape}")
@@ -259,15 +270,16 @@ def _best(table, step, bad):
     return {"figure": figure, "value": float(value), "step": at}
 
 
-def _array(group, name, bad, prefix=""):
-    """The dataset ``name`` of ``group`` (not read yet), checked to be a plain numeric array in this file."""
+def _array(group, name, bad, prefix="", virtual=False):
+    """The dataset ``name`` of ``group`` (not read yet), checked to be a plain numeric array in this file, or with
+    ``virtual`` a virtual one (a sharded checkpoint's, whose sources :func:`sharded.verify` checked)."""
     link = group.get(name, getlink=True)
     if link is None:
         raise bad(prefix + printable(name), "is missing")
     if not isinstance(link, h5py.HardLink):
         raise bad(prefix + printable(name), "is a link to elsewhere; a checkpoint holds its arrays itself")
     item = group[name]
-    if not isinstance(item, h5py.Dataset) or item.is_virtual or item.dtype.kind != "f":
+    if not isinstance(item, h5py.Dataset) or item.is_virtual != virtual or item.dtype.kind != "f":
         raise bad(prefix + printable(name), "is not an array of floats stored in this file")
     return item
 
