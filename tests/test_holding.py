@@ -77,7 +77,7 @@ def test_the_start_up_check_prices_this_ranks_share_not_the_whole_model(monkeypa
         check_holds(settings(), cluster(1, 2), model())                  # the whole model on this rank does not
     with pytest.raises(UsageError, match=r"stage 0 of 2 \(.* of the model's 3,466 parameters\), trained with "
                                          r"adam, and assembling the whole model's parameters and optimizer "
-                                         r"state for checkpoints \(13,864 values\)"):
+                                         r"state for the run's result \(13,864 values\)"):
         check_holds(settings("pipeline", stages=2), cluster(0, 2), model())
     monkeypatch.setattr(memory, "available_bytes", lambda: need - 1)
     with pytest.raises(UsageError, match=f"stage 1 of 2 .* needs {memory.human(need)}"):

@@ -16,6 +16,7 @@ import numpy as np
 from ..data.fingerprint import fingerprint
 from ..store import bulk, checkpoint
 from ..store.lineage import CheckpointDir
+from . import sharded_save
 
 
 class CheckpointSchedule:
@@ -121,6 +122,34 @@ class Checkpointer:
         self._take_fingerprint()
         path = self._save(state, step, epoch, epoch_step, workers, best, self.run_time())
         self._written(path, step)
+        return path
+
+    def take(self, cluster, placement, placed, state, where, best, behind):
+        """Collective where the model is split: write the checkpoint of ``where`` (``(step, epoch, epoch_step,
+        workers)``): by the ranks that hold the model, each its ``placed`` state (``(arrays, optimizer steps)``,
+        ordered as ``placement``), or else by the chief from the gathered ``state``, behind training with
+        ``behind``.  Returns the ``(path, step, epoch)`` of what the chief wrote (or completed) since the last call.
+        """
+        chief, (step, epoch) = cluster.is_chief, where[:2]
+        if placed is None and chief and behind:
+            return self.write_behind(state, *where, best=best)
+        done = self.collect(wait=True) if chief else []
+        if placed is not None:
+            path = self.write_sharded(cluster.world, placement, *placed, where, cluster.chief_rank, best)
+        elif chief:
+            path = self.write(state, *where, best=best)
+        return done + [(path, step, epoch)] if chief else []
+
+    def write_sharded(self, comm, placement, arrays, optimizer_steps, where, root, best=None):
+        """Collective over ``comm``: the checkpoint of ``where`` (``(step, epoch, epoch_step, workers)``) written
+        by the ranks that hold the model, each its own slices (:mod:`mpidist.loop.sharded_save`); pruned by
+        ``root``, the chief, which gets the index's path (None elsewhere)."""
+        if comm.Get_rank() == root:
+            self.collect(wait=True)   # (never two in flight)
+            self._take_fingerprint()
+        path = sharded_save.write_sharded(self, comm, placement, arrays, optimizer_steps, where, root, best)
+        if path is not None:
+            self._written(path, where[0])
         return path
 
     def _take_fingerprint(self):

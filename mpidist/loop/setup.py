@@ -82,7 +82,8 @@ def check_holds(config, cluster, model):
     if share.part:
         what = (f"{share.part} ({share.params:,} of the model's {whole:,} parameters), trained with "
                 f"{config.optimizer}" + (f", and assembling the whole model's parameters and optimizer state "
-                                         f"for checkpoints ({share.gathered:,} values)" if share.gathered else ""))
+                                         f"for the run's result ({share.gathered:,} values)" if share.gathered
+                                         else ""))
     check_fits(holding.held_bytes(share, arrays, model.dtype.itemsize), what)
 
 

@@ -328,32 +328,29 @@ class Training:
                     or result.finished)
 
     def save(self, state=(), gathered=False, behind=False):
-        """Collective: the chief writes a checkpoint of the current position (once per step).
+        """Collective: a checkpoint of the current position (once per step), written by the chief, or where the
+        strategy splits the model (:attr:`~mpidist.parallel.base.Strategy.placement`) by the ranks that hold it.
 
         ``gathered``: the caller gathered the strategy's ``state()`` already (``state``: None off the chief).
-        ``behind``: the chief copies the state and a thread writes it while training goes on; the
-        ``checkpoint`` event comes once the file is whole.
+        ``behind``: the chief copies a gathered state and a thread writes it while training goes on; the
+        ``checkpoint`` event comes once the file is whole (a split model's is written in this thread).
         """
         position, checkpointer = self.position, self.checkpointer
         if not checkpointer.enabled or (self.strategy.lockstep and checkpointer.taken_at == position.step):
             return   # (other strategies' ranks count steps apart: each call must be collective)
         here().enter("gather")
         began = recorder.now() if TRACER.on else None
-        if not gathered:
+        placement = self.strategy.placement   # (a split model: nothing is gathered)
+        placed = self.strategy.placed_state() if placement is not None else None
+        if placed is None and not gathered:
             state = self.strategy.state()  # collective: shards are gathered to the chief
         checkpointer.taken_at = position.step
         if behind:
             checkpointer.taken(position.step)
-        if self.chief:
-            here().enter("write")
-            workers = data_layout(self.config, self.cluster)[0]
-            where = (state, position.step, position.epoch, position.epoch_step, workers)
-            if behind:
-                self._log_written(checkpointer.write_behind(*where, best=self.evaluations.best.record()))
-            else:
-                self._log_written(checkpointer.collect(wait=True))
-                path = checkpointer.write(*where, best=self.evaluations.best.record())
-                self._log_written([(path, position.step, position.epoch)])
+        where = (position.step, position.epoch, position.epoch_step, data_layout(self.config, self.cluster)[0])
+        here().enter("write")
+        self._log_written(checkpointer.take(self.cluster, placement, placed, state, where,
+                                            self.evaluations.best.record(), behind))
         if began is not None:
             TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=position.step)
 

@@ -98,7 +98,7 @@ class AllreduceStrategy(DataParallel):
         if tensor > 1:   # this rank's part of the model: the strategy trains it as it would the whole
             group, part = divmod(cluster.worker_index, tensor)
             self.tensor = TensorPart(model, cluster.workers, tensor, group, part)
-            model = self.tensor.model
+            model, self.placement = self.tensor.model, self.tensor.placement
         super().__init__(model, loss, make_optimizer, cluster, *args, **kwargs)
 
     def optimizer_part(self):

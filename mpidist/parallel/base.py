@@ -15,8 +15,7 @@ import math
 
 import numpy as np
 
-from ..nn import BatchNorm, SoftmaxCrossEntropy, scores
-from ..nn.sequential import walk
+from ..nn import SoftmaxCrossEntropy, scores
 from ..runtime import comm as mpi
 from ..runtime.errors import RunError
 from ..runtime.recorder import tracer
@@ -141,6 +140,9 @@ class Strategy:
     #: its shard re-divided among the ps ranks left (the lost shard is in no survivor); so is a lost chief
     #: that is not :attr:`chief_replaceable` (the lowest surviving worker takes its place).
     ps_rollback = False
+    #: This rank's regions of the whole model where the strategy splits it (a pipeline stage, a tensor part):
+    #: its checkpoints are then sharded, each rank writing its own (:meth:`placed_state`); None elsewhere.
+    placement = None
 
     # -- What the running strategy reports: class defaults, set on the instance as it runs --
     #: Strategies that are not in lockstep pass a stop request on themselves:
@@ -482,6 +484,13 @@ class Strategy:
             return None
         return to_host(self.model.params), arrays, self.optimizer.steps
 
+    def placed_state(self):
+        """Collective like :meth:`state`, where the strategy splits the model (:attr:`placement`): this rank's own
+        host buffers (``"params"``, ``"optimizer/<name>"``, ordered as the placement) and the optimizer's steps."""
+        arrays = {"params": to_host(self.model.params)}
+        arrays.update({f"optimizer/{name}": to_host(a) for name, a in self.optimizer.state_arrays().items()})
+        return arrays, self.optimizer.steps
+
     def whole_optimizer_arrays(self):
         """The optimizer's state arrays, whole and in host memory, on the chief (None elsewhere); collective
         where each worker holds a slice of them."""
@@ -489,12 +498,3 @@ class Strategy:
             return None
         return {name: to_host(a) for name, a in self.optimizer.state_arrays().items()}
 
-
-def synchronise_batch_norms(model, comm):
-    """Make every ``BatchNorm(sync=True)`` of ``model`` sum its statistics over ``comm`` (one Allreduce each).
-
-    With ``comm`` None (one worker) they keep their local statistics, which then are the global ones.
-    """
-    for _, layer in walk(model.layers):
-        if isinstance(layer, BatchNorm) and layer.sync and comm is not None:
-            layer.reduce = lambda array, comm=comm: mpi.allreduce_sum(comm, array)

@@ -10,7 +10,8 @@ import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime.xp import to_host
-from .base import Strategy, synchronise_batch_norms
+from .base import Strategy
+from .batch_norms import synchronise_batch_norms
 
 
 def average_over(comm, array):
@@ -102,6 +103,11 @@ class DataParallel(Strategy):
             rows[name] = np.empty((size, n), dtype=mine.dtype) if comm.Get_rank() == 0 else None
             mpi.gatherv(comm, mine, rows[name], [n] * size, [n * worker for worker in range(size)], root=0)
         return state if state is None else (*state, rows)
+
+    def placed_state(self):
+        """Collective over the workers (their running statistics averaged first), as :meth:`state` is."""
+        self.average_running()
+        return super().placed_state()
 
     def _gathered_parts(self):
         """Collective over the first tensor group: the whole model's state, gathered from its parts, on the chief."""

@@ -5,8 +5,9 @@ the whole model on every rank: a pipeline stage's ranks hold their stage's
 parameters (with ``--tensor T``, about 1/T of them each), a tensor part
 about 1/T of the model, a worker under ``--shard optimizer`` 1/W of the
 optimizer state.  While the model is split, the chief still assembles the
-whole model's parameters and optimizer state for each checkpoint and the run's
-result, and is priced for them.  Layouts that keep a whole copy per rank are
+whole model's parameters and optimizer state for the run's result at its end
+(checkpoints are sharded, written by the ranks that hold the model), and is
+priced for them.  Layouts that keep a whole copy per rank are
 priced as before: the whole model, and the chief's copy of it, on every rank.
 """
 
@@ -53,7 +54,7 @@ def held(settings, cluster, model, optimizer_arrays):
 
 
 def assembled(optimizer_arrays):
-    """Whole-model arrays the chief holds at the peak of assembling a checkpoint: the parameters and each
+    """Whole-model arrays the chief holds at the peak of assembling the run's result: the parameters and each
     optimizer state array, and one array's values as received before they are placed
     (:func:`~mpidist.parallel.tensor.gather_placed`).  Measured: a 4-stage pipeline's chief peaked at 894 MiB
     over its baseline training mlp:4096x4 with Adam, 4.4 times the model's 204 MiB."""

@@ -24,7 +24,8 @@ import numpy as np
 from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from .backup import BackupWorkersStrategy
-from .base import finite, synchronise_batch_norms
+from .base import finite
+from .batch_norms import synchronise_batch_norms
 from .registry import Option, register
 from .rewind import PreviousSlice, StepLedger
 from .shards import ShardedStrategy

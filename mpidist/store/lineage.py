@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from ..runtime.errors import UsageError
+from . import sharded
 
 #: a checkpoint's name: its step in 8 digits or more (``{step:08d}`` grows a digit from step 10^8 on; 19 hold
 #: any step a checkpoint may have, 2^62), then its lineage; matched whole (``fullmatch``: no trailing newline)
@@ -128,14 +129,15 @@ class CheckpointDir:
         return [e.path for e in old]
 
     def remove_stale_temporaries(self):
-        """Delete what killed writers left behind (call with the lock held); returns the names removed."""
+        """Delete what killed writers left behind (call with the lock held): files aside, and the parts folders
+        of sharded checkpoints no index names; returns the names removed."""
         removed = []
         if self.path.is_dir():
             for path in self.path.iterdir():
                 if TEMPORARY.fullmatch(path.name):
                     path.unlink(missing_ok=True)
                     removed.append(path.name)
-        return sorted(removed)
+        return sorted(removed + sharded.remove_unnamed_folders(self.path))
 
 
 def newest_checkpoint(directory):

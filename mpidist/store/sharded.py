@@ -26,6 +26,7 @@ mappings, a few integers per region.
 import hashlib
 import json
 import os
+import re
 from pathlib import Path, PurePosixPath
 
 import h5py
@@ -223,3 +224,45 @@ def remove_parts(folder):
     for part in folder.glob("*"):
         part.unlink(missing_ok=True)
     os.rmdir(folder)
+
+
+def parts_folder(index, token):
+    """The folder of the parts of the checkpoint ``index`` written with ``token`` (a fresh one for every write,
+    so a checkpoint written again under the same name never overwrites the parts its old index names)."""
+    index = Path(index)
+    return index.with_name(f"{index.stem}.parts-{token}")
+
+
+FOLDER = re.compile(r"(?:ckpt|best)-.+\.parts-[0-9a-f]{1,32}")
+
+
+def named_folders(directory):
+    """The parts folders the indexes in ``directory`` name (an index that cannot be read names none)."""
+    named = set()
+    for index in Path(directory).glob("*.h5"):
+        try:
+            with h5py.File(index, "r") as handle:
+                if handle.attrs.get("format") != FORMAT:
+                    continue
+                listed = json.loads(handle.attrs.get(PARTS, "[]"))
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError):
+            continue
+        for record in listed if isinstance(listed, list) else []:
+            if isinstance(record, dict) and isinstance(record.get("file"), str):
+                named.add(PurePosixPath(record["file"]).parts[0])
+    return named
+
+
+def remove_unnamed_folders(directory):
+    """Remove the parts folders in ``directory`` that no index names: those of pruned checkpoints, and those a
+    write that never completed left (call where no write is in flight: the chief after its index is in place,
+    or at start-up with the directory's lock held).  Returns the names removed."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    named, removed = named_folders(directory), []
+    for folder in directory.iterdir():
+        if FOLDER.fullmatch(folder.name) and folder.is_dir() and folder.name not in named:
+            remove_parts(folder)
+            removed.append(folder.name)
+    return sorted(removed)

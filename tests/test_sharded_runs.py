@@ -1,0 +1,89 @@
+"""Runs of a split model write sharded checkpoints: each rank its own slices, the chief an index over them.
+
+Pipeline stages and tensor parts write their parts; the index reads as a whole checkpoint (h5py by parameter
+name, ``eval``, ``--resume`` on another layout), and pruning takes a checkpoint's parts with its index.
+"""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import checkpoint_at, events, mpidist
+from mpidist.store import checkpoint, sharded
+
+TRAIN = ["train", "--data", "digits", "--model", "mlp:16,16", "--batch-size", "32", "--dtype", "float64",
+         "--eval-every", "0", "--progress", "none", "--seed", "3"]
+LAYOUTS = {"pipeline": (2, ["--strategy", "pipeline", "--stages", "2"]),
+           "tensor": (2, ["--strategy", "allreduce", "--tensor", "2"]),
+           "pipeline x data": (4, ["--strategy", "pipeline", "--stages", "2"])}
+
+
+def train(tmp_path, name, ranks, layout, *more):
+    directory = tmp_path / name
+    done, _ = mpidist(ranks, *TRAIN, *layout, "--run-dir", str(directory / "run"), "--checkpoint-dir",
+                      str(directory / "ck"), *more, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return directory
+
+
+def folders(directory):
+    return sorted(path.name for path in directory.iterdir() if path.is_dir())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same training on one rank, 6 steps, its format-1 checkpoint: what every layout must end equal to."""
+    directory = train(tmp_path_factory.mktemp("local"), "local", 1, ["--strategy", "local"], "--steps", "6")
+    return checkpoint.load(checkpoint_at(directory / "ck", 6))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_split_model_writes_its_parts_and_an_index_equal_to_one_process(tmp_path, reference, layout):
+    ranks, flags = LAYOUTS[layout]
+    directory = train(tmp_path, "run", ranks, flags, "--steps", "6", "--checkpoint-every", "2", "--keep", "2")
+    ck = directory / "ck"
+    index = checkpoint_at(ck, 6)
+    # ckpt 2 pruned with its parts: two indexes, two folders, each named by its index
+    assert sorted(p.name for p in ck.glob("ckpt-*.h5")) == [checkpoint_at(ck, 4).name, index.name]
+    assert len(folders(ck)) == 2 and all(name.startswith(("ckpt-00000004", "ckpt-00000006")) for name in folders(ck))
+    loaded = checkpoint.load(index)
+    np.testing.assert_allclose(loaded.params, reference.params, rtol=1e-9, atol=1e-12)
+    for name in reference.optimizer_state:
+        np.testing.assert_allclose(loaded.optimizer_state[name], reference.optimizer_state[name], rtol=1e-9,
+                                   atol=1e-12)
+    assert (loaded.step, loaded.optimizer_steps) == (6, 6)
+    with h5py.File(index, "r") as handle:
+        assert handle.attrs["format"] == sharded.FORMAT
+        parts = [handle[f"{sharded.PARAMETERS}/{name}"] for name in handle[sharded.PARAMETERS]]
+        assert sum(part.size for part in parts) == reference.params.size
+        first = parts[0]   # the first Dense's weights, (64, 16), in their own shape, by name
+        assert first.name.endswith("0000.Dense.W") and first.shape == (64, 16)
+        np.testing.assert_allclose(first[...].reshape(-1), reference.params[:64 * 16], rtol=1e-9, atol=1e-12)
+        # two ranks write (the stages of the first replica, or the parts of the first tensor group)
+        assert len(json.loads(handle.attrs[sharded.PARTS])) == 2
+
+
+def test_a_sharded_checkpoint_resumes_on_another_layout_and_evaluates(tmp_path, reference):
+    directory = train(tmp_path, "first", 2, LAYOUTS["pipeline"][1], "--steps", "3")
+    index = checkpoint_at(directory / "ck", 3)
+    resumed = train(tmp_path, "second", 2, LAYOUTS["tensor"][1], "--steps", "6", "--resume", str(index))
+    ended = checkpoint.load(checkpoint_at(resumed / "ck", 6))
+    np.testing.assert_allclose(ended.params, reference.params, rtol=1e-9, atol=1e-12)
+    done, _ = mpidist(2, "eval", str(index), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "test" in done.stdout
+
+
+def test_a_parts_folder_no_index_names_is_removed_at_the_next_start(tmp_path):
+    directory = train(tmp_path, "run", 2, LAYOUTS["pipeline"][1], "--steps", "2")
+    ck = directory / "ck"
+    stray = ck / "ckpt-00000004-0123abcd.parts-00ff"   # as a write killed before its index leaves it
+    stray.mkdir()
+    (stray / sharded.part_name(0)).write_bytes(b"half a part")
+    before = folders(ck)
+    train(tmp_path, "run", 2, LAYOUTS["pipeline"][1], "--steps", "4", "--resume", "auto")
+    assert stray.name in before and stray.name not in folders(ck)
+    assert checkpoint.load(checkpoint_at(ck, 4)).step == 4
+    assert events(directory / "run" / "metrics.jsonl", "checkpoint")
