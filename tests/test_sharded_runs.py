@@ -5,12 +5,15 @@ name, ``eval``, ``--resume`` on another layout), and pruning takes a checkpoint'
 """
 
 import json
+import os
+import signal
+import time
 
 import h5py
 import numpy as np
 import pytest
 
-from conftest import checkpoint_at, events, mpidist
+from conftest import checkpoint_at, events, mpidist, rank_pids, start_mpidist, wait_for_step
 from mpidist.store import checkpoint, sharded
 
 TRAIN = ["train", "--data", "digits", "--model", "mlp:16,16", "--batch-size", "32", "--dtype", "float64",
@@ -87,3 +90,26 @@ def test_a_parts_folder_no_index_names_is_removed_at_the_next_start(tmp_path):
     assert stray.name in before and stray.name not in folders(ck)
     assert checkpoint.load(checkpoint_at(ck, 4)).step == 4
     assert events(directory / "run" / "metrics.jsonl", "checkpoint")
+
+
+def test_a_rank_killed_while_the_parts_are_written_ends_the_job_and_the_run_resumes_from_a_whole_checkpoint(
+        tmp_path):
+    # a checkpoint every step, each written by both stages: the kill lands in a write or between two, and either
+    # way no index names a part that is not whole
+    ck, metrics = tmp_path / "ck", tmp_path / "run" / "metrics.jsonl"
+    flags = [*TRAIN, *LAYOUTS["pipeline"][1], "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(ck),
+             "--log-every", "1", "--checkpoint-every", "1", "--checkpoint-wait"]
+    launcher = start_mpidist(2, *flags, "--epochs", "50", env={"MPIDIST_TEST_DELAY": "*:0.03"})
+    wait_for_step(metrics, 5, launcher)
+    os.kill(rank_pids(launcher)[1], signal.SIGKILL)
+    killed = time.monotonic()
+    launcher.communicate(timeout=30)
+    assert time.monotonic() - killed < 10 and launcher.returncode != 0
+    written = sorted(int(p.name[5:13]) for p in ck.glob("ckpt-*.h5"))
+    assert written, "no checkpoint before the kill"
+    done, _ = mpidist(2, *flags, "--steps", str(written[-1] + 2), "--resume", "auto", timeout=120)
+    assert done.returncode == 0, done.stderr
+    start = events(metrics, "start")[-1]
+    assert start["resumed_from"] is not None and start["step"] in written
+    named = sharded.named_folders(ck)
+    assert all(folder.name in named for folder in ck.iterdir() if folder.is_dir())   # (strays removed)
