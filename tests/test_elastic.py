@@ -118,6 +118,12 @@ PIPELINE = ["--strategy", "pipeline", "--stages", "2"]   # 4 ranks: 2 replicas o
 NEAR = 0.02
 
 
+#: fault-free accuracies measured in this session, by the runs' launcher, strategy, ranks and flags: each is a
+#: 20-epoch run (three for ps-async), and the tests that kill one worker or two, or the chief, compare with the
+#: same reference, which is measured once
+_REFERENCES = {}
+
+
 def fault_free_accuracies(python, tmp_path, strategy, ranks, flags):
     """The reference: fault-free runs' accuracies (ps-async varies run to run: three of them).
 
@@ -125,6 +131,13 @@ def fault_free_accuracies(python, tmp_path, strategy, ranks, flags):
     (2 replicas, and 1 replica on half the ranks, without --elastic, which one replica refuses).  On mnist-5k
     the two end 1.1 points apart: the global batch is composed of other samples.
     """
+    key = (str(python), strategy, ranks, tuple(flags))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _measure_fault_free(python, tmp_path, strategy, ranks, flags)
+    return list(_REFERENCES[key])
+
+
+def _measure_fault_free(python, tmp_path, strategy, ranks, flags):
     runs = 3 if strategy == "ps-async" else 1
     layouts = [(ranks, flags)] * runs
     if strategy == "pipeline":
