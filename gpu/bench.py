@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -26,27 +25,13 @@ MODELS = {"mlp-wide": "MLP 784-512-512-10", "cnn": "cnn"}
 SEND_MIB = (1, 16, 64)
 
 
-def _median_seconds(steps, seconds, min_calls=5):
-    """Median seconds per call of each of ``steps``, called in turn after a warm-up (each call synchronises)."""
-    for step in steps.values():
-        step()
-        step()
-    times = {name: [] for name in steps}
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or min(len(t) for t in times.values()) < min_calls:
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(values)) for name, values in times.items()}
-
-
 def models(seconds):
     import cupy
 
     from mpidist import nn
     from mpidist.bench.reference import torch_step
     from mpidist.bench.rows import SHAPES
+    from mpidist.bench.timing import alternating
     from mpidist.parallel import LocalStrategy
 
     try:   # (without torch the rows are mpidist's alone)
@@ -79,7 +64,7 @@ def models(seconds):
             theirs = torch_step(local.model, x, y, device="cuda")
             if theirs is not None:
                 steps["torch"] = theirs
-            medians = _median_seconds(steps, seconds)
+            medians = alternating(steps, seconds)
             row = {"model": label, "batch": batch,
                    "mpidist samples/s": batch / medians["mpidist"]}
             if "torch" in medians:
@@ -90,33 +75,21 @@ def models(seconds):
     return rows
 
 
-def _timed_send(world, send_one, receive_one, seconds):
-    """Median seconds of one message from rank 0 to rank 1, timed between barriers; rank 0 says when to stop."""
-    times, stop = [], np.zeros(1, dtype=np.int64)
-    deadline = time.perf_counter() + seconds
-    while not stop[0]:
-        world.Barrier()
-        start = time.perf_counter()
-        if world.Get_rank() == 0:
-            send_one()
-        else:
-            receive_one()
-        world.Barrier()
-        times.append(time.perf_counter() - start)
-        stop[0] = time.perf_counter() > deadline and len(times) >= 5
-        world.Bcast(stop, root=0)
-    return float(np.median(times))
-
-
 def send(seconds):
     """Each size: the pipeline's send on every path MPI offers, and the pieces a host-staged send is made of."""
     import cupy
     from mpi4py import MPI
 
+    from mpidist.bench.timing import alternating, synced_timed
     from mpidist.runtime import comm
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
+
+    def until_received(send_one, receive_one):
+        """One message from rank 0 to rank 1, timed until the receiver has it (a Barrier after)."""
+        return lambda: (send_one() if rank == 0 else receive_one(), world.Barrier())
+
     stream = cupy.cuda.get_current_stream()
     paths = ["0", "1"] if comm.cuda_aware() else ["0"]
     rows = []
@@ -130,20 +103,20 @@ def send(seconds):
             if rank == 1:
                 array.fill(-1)
             label = "cuda-aware" if aware == "1" else "host-staged"
-            seconds_each = _timed_send(world, lambda: comm.send(world, array, 1, 7),
-                                       lambda: (comm.recv(world, array, 0, 7), stream.synchronize()), seconds)
+            seconds_each = synced_timed(world, until_received(lambda: comm.send(world, array, 1, 7), lambda: (
+                comm.recv(world, array, 0, 7), stream.synchronize())), seconds)
             if rank == 1:
                 expected = cupy.arange(mib << 18, dtype=cupy.float32)
                 assert bool((array == expected).all()), "the received activation differs from the sent one"
             row[f"{label} send GB/s"] = array.nbytes / seconds_each / 1e9
         # a host-staged send is: device to host, MPI between host buffers, host to device
-        row["MPI host send GB/s"] = array.nbytes / _timed_send(world, lambda: world.Send(host, 1, 8),
-                                                               lambda: world.Recv(host, 0, 8), seconds) / 1e9
+        row["MPI host send GB/s"] = array.nbytes / synced_timed(world, until_received(
+            lambda: world.Send(host, 1, 8), lambda: world.Recv(host, 0, 8)), seconds) / 1e9
         if rank == 0:
             copy_into = cupy.empty_like(array)
             pinned = cupy.cuda.alloc_pinned_memory(array.nbytes)
             pinned_host = np.frombuffer(pinned, array.dtype, array.size)
-            medians = _median_seconds({
+            medians = alternating({
                 "cupy copy": lambda: (copy_into.__setitem__(Ellipsis, array), stream.synchronize()),
                 "to host": lambda: array.get(),
                 "to pinned host": lambda: array.get(out=pinned_host),

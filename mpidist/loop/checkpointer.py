@@ -144,8 +144,7 @@ class Checkpointer:
         """Collective over ``comm``: the checkpoint of ``where`` (``(step, epoch, epoch_step, workers)``) written
         by the ranks that hold the model, each its own slices (:mod:`mpidist.loop.sharded_save`); pruned by
         ``root``, the chief, which gets the index's path (None elsewhere)."""
-        if comm.Get_rank() == root:
-            self.collect(wait=True)   # (never two in flight)
+        if comm.Get_rank() == root:   # (a write behind in flight was collected, and logged, by take)
             self._take_fingerprint()
         path = sharded_save.write_sharded(self, comm, placement, arrays, optimizer_steps, where, root, best)
         if path is not None:

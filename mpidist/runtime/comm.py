@@ -76,15 +76,11 @@ def _staged(array):
     memory cannot be had, and without cupy (an array that only looks like a
     device one), the array's own ``get()`` copies into pageable memory.
     """
-    try:
-        import cupy
-        memory = cupy.cuda.alloc_pinned_memory(array.nbytes)
-    except ImportError:
+    memory = _pinned(array)
+    if memory is None:
         host = array.get()
         return host, lambda: array.set(host)
-    except cupy.cuda.runtime.CUDARuntimeError:   # (page-locked memory is a limited resource)
-        host = array.get()
-        return host, lambda: array.set(host)
+    import cupy
     stream = cupy.cuda.get_current_stream()
     host = np.frombuffer(memory, array.dtype, array.size).reshape(array.shape)
     array.get(out=host, stream=stream)
@@ -95,6 +91,19 @@ def _staged(array):
         stream.synchronize()
 
     return host, back
+
+
+def _pinned(array):
+    """Pinned memory from cupy's pool the size of the device ``array``, or None without cupy or where none can
+    be had (page-locked memory is a limited resource)."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    try:
+        return cupy.cuda.alloc_pinned_memory(array.nbytes)
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return None
 
 
 def _for_mpi(array):
