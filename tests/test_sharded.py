@@ -35,8 +35,9 @@ def layouts(model):
     return {"pipeline": stages, "tensor": parts, "pipeline with a replica": stages + [replica]}
 
 
-def write(folder, model, placements, moments):
-    """Each rank's part of ``model.params`` and of ``moments`` (an optimizer array), then the index."""
+def write(folder, model, placements, moments, attrs=None):
+    """Each rank's part of ``model.params`` and of ``moments`` (an optimizer array), then the index (with
+    ``attrs``, a checkpoint's attributes, or a few)."""
     (folder / "ckpt.parts").mkdir(parents=True)
     parts = []
     for rank, placement in enumerate(placements):
@@ -46,7 +47,7 @@ def write(folder, model, placements, moments):
         record = sharded.write_part(folder / file, placement.describe(), arrays)
         parts.append((file, placement.describe(), record))
     sharded.write_index(folder / "ckpt.h5", parameters(model), parts, ["params", "optimizer/m"], model.dtype,
-                        {"step": 7, "config": {"model": "test"}, "optimizer": {"steps": 7}})
+                        attrs or {"step": 7, "config": {"model": "test"}, "optimizer": {"steps": 7}})
     return folder / "ckpt.h5"
 
 
@@ -150,16 +151,8 @@ def test_a_sharded_checkpoint_loads_as_a_whole_one_after_its_parts_are_checked(t
     from mpidist.store import checkpoint
     model = whole()
     moments = np.random.default_rng(1).random(model.num_params)
-    (tmp_path / "ckpt.parts").mkdir()
-    parts = []
-    for rank, placement in enumerate(layouts(model)["tensor"]):
-        arrays = {"params": placement.written(placement.take(model.params)),
-                  "optimizer/m": placement.written(placement.take(moments))}
-        file = f"ckpt.parts/{sharded.part_name(rank)}"
-        parts.append((file, placement.describe(), sharded.write_part(tmp_path / file, placement.describe(), arrays)))
     attrs = checkpoint.attributes(12, 2, 3, json.dumps({"model": "test", "seed": 5}), 5, 3, lineage="0123abcd")
-    sharded.write_index(tmp_path / "ckpt.h5", parameters(model), parts, ["params", "optimizer/m"], model.dtype,
-                        {**attrs, "optimizer": {"steps": 12}})
+    write(tmp_path, model, layouts(model)["tensor"], moments, {**attrs, "optimizer": {"steps": 12}})
     loaded = checkpoint.load(tmp_path / "ckpt.h5")
     np.testing.assert_array_equal(loaded.params, model.params)
     np.testing.assert_array_equal(loaded.optimizer_state["m"], moments)

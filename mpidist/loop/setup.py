@@ -99,12 +99,13 @@ def check_outputs(model, info, spec):
 
 
 def find_resume(config):
-    """``(checkpoint --resume names or None, [(path, reason) of unreadable newer ones skipped])``."""
+    """``(checkpoint --resume names or None, [(path, reason) of unreadable newer ones skipped])``: checked, its
+    arrays not read yet (each rank reads what it will hold: :meth:`~mpidist.store.checkpoint.Checkpoint.read`)."""
     if not config.resume:
         return None, []
     if config.resume == "auto":
-        return checkpoint.newest_valid(config.checkpoint_dir)   # empty directory: start afresh
-    return checkpoint.load(config.resume), []
+        return checkpoint.newest_valid(config.checkpoint_dir, arrays=False)   # empty directory: start afresh
+    return checkpoint.load(config.resume, arrays=False), []
 
 
 def data_layout(config, cluster):
@@ -152,8 +153,8 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     shards = {split: reading.open(info, split, w, n, model.input_shape, model.dtype,
                                   lanes=lanes if split == "train" else None) for split, w, n in reads.values()}
     train, test, val = (shards.get(split) for split in ("train", "test", "val"))
-    if resume is not None and resume.params.size != model.num_params:
-        raise UsageError(f"--resume {resume.path}: holds {resume.params.size} parameters, but --model "
+    if resume is not None and resume.num_params != model.num_params:
+        raise UsageError(f"--resume {resume.path}: holds {resume.num_params} parameters, but --model "
                          f"{config.model} on {info.name!r} has {model.num_params} (it was written by --model "
                          f"{printable(resume.config.get('model'))} on {printable(repr(resume.config.get('data')))})")
     if resume is not None and set(resume.optimizer_state) != set(checkpoint.OPTIMIZER_STATE[config.optimizer]):

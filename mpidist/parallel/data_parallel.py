@@ -146,15 +146,14 @@ class DataParallel(Strategy):
         if self.tensor is not None:   # every part draws (or reads) its slices of the whole model's start alone
             params = self.model.params
             if checkpoint is not None:
-                params[...] = self.model.xp.asarray(self.tensor.take(checkpoint.params))
+                held, state = checkpoint.held_by(self.placement)
+                params[...] = self.model.xp.asarray(held)
             elif self.model.xp is np:   # (drawn into place)
                 self.tensor.initial(self.seed, out=params)
             else:
                 params[...] = self.model.xp.asarray(self.tensor.initial(self.seed))
             if checkpoint is not None and self.optimizer is not None:
-                self.optimizer.load_state({name: self.tensor.take(array)
-                                           for name, array in checkpoint.optimizer_state.items()},
-                                          checkpoint.optimizer_steps)
+                self.optimizer.load_state(state, checkpoint.optimizer_steps)
             return
         comm = self.worker_comm
         if comm is None or comm.Get_rank() == 0:

@@ -270,13 +270,13 @@ class PipelineStrategy(Strategy):
         takes it from ``checkpoint``."""
         params, placement = self.model.params, self.placement
         if checkpoint is not None:
-            params[...] = self.model.xp.asarray(placement.take(np.asarray(checkpoint.params)))
+            held, state = checkpoint.held_by(placement)
+            params[...] = self.model.xp.asarray(held)
         elif self.model.xp is np:   # (drawn into place: no second copy of the slice)
             placement.initial(self.seed, params)
         else:
             params[...] = self.model.xp.asarray(placement.initial(self.seed, np.empty(placement.size, params.dtype)))
         if checkpoint is not None and self.optimizer is not None:
-            state = {name: placement.take(np.asarray(array)) for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
         self.ledger.start_step = 0 if checkpoint is None else int(checkpoint.step)
 

@@ -149,10 +149,6 @@ class TensorPart:
         out = np.empty(self.placement.size, dtype=self.model.dtype) if out is None else out
         return self.placement.initial(seed, out)
 
-    def take(self, whole):
-        """This part's slice of a whole-model flat array (host), in this part's order."""
-        return self.placement.take(np.asarray(whole))
-
     def agree(self, grads, skipped, norm):
         """Collective over the tensor group: ``(skipped anywhere, the whole model's squared gradient norm or None)``.
 

@@ -30,7 +30,7 @@ from ..runtime.memory import check_fits
 from ..runtime.reads import reading
 from ..runtime.text import printable, shown
 from ..runtime.whereabouts import here
-from . import atomic, bulk, sharded
+from . import atomic, bulk, sharded, slices
 from . import lineage as lineages
 
 FORMAT = "mpidist-checkpoint-1"
@@ -62,6 +62,39 @@ class Checkpoint:
     # averages, --compress's residuals): name -> (workers, params.size), row w worker w's; None where they agree
     per_worker: dict = None
     dataset_fingerprint: str = ""   # its dataset's content (mpidist.data.fingerprint); "" where unknown
+    num_params: int = 0     # the whole model's parameters, and their dtype, known before any array is read
+    dtype: np.dtype = None
+    # what params and the optimizer arrays hold: the whole model's (None), or this placement's slices (read)
+    placement: object = None
+
+    def __post_init__(self):
+        if self.params is not None and self.placement is None:   # (made whole in memory: the survivors' state)
+            self.num_params, self.dtype = self.params.size, self.params.dtype
+
+    def read(self, placement=None, share=(0, 1)):
+        """This checkpoint with its arrays read (a :func:`load` with ``arrays=False`` has read none): the whole
+        model's, or with ``placement`` (a :class:`mpidist.nn.placement.Placement`) only its slices.
+
+        A sharded checkpoint's parts were checked for size when it was loaded; their checksums are read here,
+        for ``share`` of them (see :func:`sharded.verify`: ranks that read slices check a share each).
+        """
+        if self.params is not None:
+            return self
+        if placement is None:
+            whole = load(self.path)
+            _same(self, whole)
+            return dataclasses.replace(whole, optimizer_state={name: whole.optimizer_state[name]
+                                                               for name in self.optimizer_state})
+        return _read_slices(self, placement, share)
+
+    def held_by(self, placement):
+        """``(params, optimizer_state)`` in ``placement``'s buffer order (taken from the whole, or as read)."""
+        if self.placement is placement:
+            return self.params, self.optimizer_state
+        if self.placement is not None:
+            raise ValueError(f"{self.path} was read for another placement")
+        return (placement.take(np.asarray(self.params)),
+                {name: placement.take(np.asarray(array)) for name, array in self.optimizer_state.items()})
 
 
 PER_WORKER = "workers"   # the group of each worker's own state
@@ -154,32 +187,34 @@ def keep_as(path, name):
     return final
 
 
-def load(path):
+def load(path, arrays=True):
     """Read a checkpoint file and check everything in it; a missing or bad one is a :class:`UsageError`.
 
     The file is untrusted: its arrays' shapes and dtypes are checked before
     they are read (and their size against the memory free), their values for
     NaN and Inf, its attributes for type and range.  The message names the
-    file, the item and the value.
+    file, the item and the value.  With ``arrays`` False no array is read
+    yet (nor a sharded checkpoint's checksums): :meth:`Checkpoint.read` reads
+    them, the whole or one rank's slices, and checks them as it does.
     """
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path}: no such checkpoint file")
     try:
         with here().doing("io", f"reading checkpoint {path}"), h5py.File(path, "r") as handle:
-            return _read(path, handle)
+            return _read(path, handle, arrays)
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
         raise UsageError(f"{path}: not a readable checkpoint ({printable(err)})") from None
 
 
-def _read(path, handle):
+def _read(path, handle, read_arrays=True):
     def bad(item, problem):
         return UsageError(f"{path}: {item} {problem}")
 
     virtual = handle.attrs.get("format") == sharded.FORMAT   # (an index over part files)
     if handle.attrs.get("format") != FORMAT and not virtual:
         raise UsageError(f"{path}: not an mpidist checkpoint (no format attribute {FORMAT!r})")
-    problem = sharded.verify(path, handle) if virtual else None
+    problem = sharded.verify(path, handle, share=(0, 1) if read_arrays else (0, 0)) if virtual else None
     if problem:
         raise UsageError(f"{path}: {problem}")
     params = _array(handle, "params", bad, virtual=virtual)
@@ -198,8 +233,37 @@ def _read(path, handle):
                                                       f"be flat like params {params.shape}")
         arrays[name] = array
     rows = _per_worker_arrays(handle, params, bad)
+    header = _header(path, handle, group, bad)
+    if not read_arrays:
+        return Checkpoint(path=path, params=None, optimizer_state=dict.fromkeys(arrays), **header)
     check_fits((1 + len(arrays) + sum(len(array) for array in rows.values())) * params.size * params.dtype.itemsize,
                f"checkpoint {path} ({params.size:,} parameters)")
+    loaded = {}
+    for name, item in (("params", handle["params"]), *((name, group[name]) for name in arrays)):
+        with reading(f"{path}: {name if name == 'params' else 'optimizer/' + printable(name)}"):
+            loaded[name] = item[...]    # (a compressed chunk may not decode: the item is named)
+    per_worker = {}
+    for name in rows:
+        with reading(f"{path}: {PER_WORKER}/{printable(name)}"):
+            per_worker[name] = handle[PER_WORKER][name][...]
+    for item, array in [*loaded.items(), *((f"{PER_WORKER}/{name}", array) for name, array in per_worker.items())]:
+        _check_finite(path, item, array)
+    return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded, per_worker=per_worker or None,
+                      **header)
+
+
+def _check_finite(path, item, array, whose=""):
+    """Refuse ``array`` (``item``: "params", an optimizer array's name, or a per-worker one) holding NaN or Inf."""
+    if not np.isfinite(array).all():
+        item = item if item == "params" or item.startswith(PER_WORKER) else f"optimizer/{printable(item)}"
+        raise UsageError(f"{path}: {printable(item)} holds NaN or Inf ({int(np.count_nonzero(~np.isfinite(array)))} "
+                         f"of {whose}{array.size} values): it cannot be trained or evaluated from; resume an earlier "
+                         "checkpoint")
+
+
+def _header(path, handle, group, bad):
+    """The checkpoint's attributes, checked: everything but its arrays, as :class:`Checkpoint`'s fields."""
+    params = handle["params"]
     values = {name: _count(handle.attrs, name, bad) for name in ("step", "epoch", "epoch_step")}
     optimizer_steps = _count(group.attrs, "steps", bad, prefix="optimizer/")
     config = _json(handle.attrs, "config", bad)
@@ -217,24 +281,40 @@ def _read(path, handle):
         fingerprint = fingerprint.decode("ascii", "replace")
     if not isinstance(fingerprint, str) or (fingerprint and not FINGERPRINT.fullmatch(fingerprint)):
         raise bad("attribute dataset_fingerprint", f"is {shown(fingerprint)}; it must be a scheme and 64 hex digits")
-    loaded = {}
-    for name, item in (("params", handle["params"]), *((name, group[name]) for name in arrays)):
-        with reading(f"{path}: {name if name == 'params' else 'optimizer/' + printable(name)}"):
-            loaded[name] = item[...]    # (a compressed chunk may not decode: the item is named)
-    per_worker = {}
-    for name in rows:
-        with reading(f"{path}: {PER_WORKER}/{printable(name)}"):
-            per_worker[name] = handle[PER_WORKER][name][...]
-    for item, array in [*loaded.items(), *((f"{PER_WORKER}/{name}", array) for name, array in per_worker.items())]:
-        if not np.isfinite(array).all():
-            item = item if item == "params" or item.startswith(PER_WORKER) else f"optimizer/{printable(item)}"
-            raise bad(printable(item), f"holds NaN or Inf ({int(np.count_nonzero(~np.isfinite(array)))} of "
-                                       f"{array.size} values): it cannot be trained or evaluated from; resume an "
-                                       "earlier checkpoint")
-    return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded,
-                      optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage,
-                      parent=parent, best=best, elapsed=float(elapsed), per_worker=per_worker or None,
-                      dataset_fingerprint=fingerprint, **values)
+    return dict(optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage, parent=parent,
+                best=best, elapsed=float(elapsed), dataset_fingerprint=fingerprint, num_params=params.size,
+                dtype=params.dtype, **values)
+
+
+def _same(loaded, again):
+    """Refuse a checkpoint that is another file now than when its header was loaded (replaced in between)."""
+    if (again.step, again.lineage, again.num_params, again.dtype) != (loaded.step, loaded.lineage,
+                                                                      loaded.num_params, loaded.dtype):
+        raise UsageError(f"{loaded.path}: the checkpoint changed while the run started (it was replaced)")
+
+
+def _read_slices(loaded, placement, share):
+    """:meth:`Checkpoint.read` of ``placement``'s slices."""
+    path = loaded.path
+    check_fits((1 + len(loaded.optimizer_state)) * placement.size * loaded.dtype.itemsize,
+               f"this rank's slices of checkpoint {path} ({placement.size:,} of its {loaded.num_params:,} parameters)")
+    try:
+        with here().doing("io", f"reading slices of checkpoint {path}"), h5py.File(path, "r") as handle:
+            virtual = handle.attrs.get("format") == sharded.FORMAT
+            problem = sharded.verify(path, handle, share) if virtual else None
+            if problem:
+                raise UsageError(f"{path}: {problem}")
+            header = _header(path, handle, handle["optimizer"], lambda item, why: UsageError(f"{path}: {item} {why}"))
+            _same(loaded, Checkpoint(path=path, params=None, optimizer_state={}, **header))
+            read = {}
+            for name, key in (("params", "params"), *((name, f"optimizer/{name}") for name in loaded.optimizer_state)):
+                with reading(f"{path}: {key}"):
+                    read[name] = slices.read(handle[key], placement, loaded.dtype)
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
+        raise UsageError(f"{path}: not a readable checkpoint ({printable(err)})") from None
+    for name, array in read.items():
+        _check_finite(path, name, array, whose="this rank's ")
+    return dataclasses.replace(loaded, params=read.pop("params"), optimizer_state=read, placement=placement)
 
 
 def _per_worker_arrays(handle, params, bad):
@@ -326,8 +406,9 @@ def settings_of(path):
         return None
 
 
-def newest_valid(directory):
-    """``(newest checkpoint that loads, [(path, reason) for newer ones that did not])``.
+def newest_valid(directory, arrays=True):
+    """``(newest checkpoint that loads, [(path, reason) for newer ones that did not])``; its arrays unread
+    without ``arrays`` (see :func:`load`).
 
     The newest of the lineage written last (see :mod:`mpidist.store.lineage`):
     another run's checkpoints in the same directory are never resumed by
@@ -341,7 +422,7 @@ def newest_valid(directory):
     skipped = []
     for entry in reversed(place.entries(latest) if latest is not None else []):
         try:
-            return load(entry.path), skipped
+            return load(entry.path, arrays), skipped
         except UsageError as err:
             skipped.append((entry.path, str(err)))
     return None, skipped
