@@ -57,9 +57,11 @@ class Result:
             ``test_top5_accuracy``, ``test_per_class``, ``test_confusion`` for classification,
             ``test_mse``, ``test_mae``, ``test_r2`` for regression); ``{}`` off the chief.
         checkpoints: the checkpoint files this run wrote that are still kept, oldest first.
-        params: the trained flat parameter vector (numpy), on the chief; None elsewhere.
+        params: the trained flat parameter vector (numpy), on the chief; None elsewhere, and
+            where the layout splits the model (``pipeline``, ``tensor``): no rank holds it
+            whole, and the last of ``checkpoints`` holds it (:func:`load_trained`, or h5py).
         model: an :class:`~mpidist.nn.Sequential` on the host holding ``params``, on the
-            chief (call ``result.model.forward(x)`` to predict); None elsewhere.
+            chief (call ``result.model.forward(x)`` to predict); None where ``params`` is.
     """
 
     status: str

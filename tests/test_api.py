@@ -114,6 +114,22 @@ def test_callbacks_see_the_metrics_figures_on_the_chief_and_the_result_holds_the
         assert np.array_equal(handle["params"][...], result.params)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_split_model_is_never_gathered_its_last_checkpoint_holds_the_result(tmp_path):
+    world = MPI.COMM_WORLD
+    directory = world.bcast(str(tmp_path), root=0)
+    result = mpidist.train("mlp", "digits", strategy="pipeline", stages=2, **quiet(
+        steps=6, eval_every=0, checkpoint_dir=directory, checkpoint_wait=True))
+    assert result.params is None and result.model is None   # (on the chief too: no rank holds it whole)
+    if not result.is_chief:
+        return
+    trained = load_trained(result.checkpoints[-1])
+    with h5py.File(resolve("digits"), "r") as handle:
+        x, y = handle["test/x"][...], handle["test/y"][...]
+    predicted = trained.model.forward(x.astype(np.float64)).argmax(axis=1)
+    assert (predicted == y).mean() == pytest.approx(result.test_accuracy, abs=1e-12)
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("strategy,ps", [("auto", 0), ("ps-async", 1), ("ps-sync", 1)])
 def test_a_callback_stops_every_rank_early_and_the_run_ends_as_finished(strategy, ps):

@@ -43,12 +43,12 @@ def test_a_worker_under_shard_optimizer_holds_its_slice_of_the_state_and_the_chi
     assert (other.params, other.optimizer, other.gathered) == (whole, math.ceil(whole / 3), whole)
 
 
-def test_pipeline_stages_hold_their_layers_and_the_chief_assembles_the_whole():
+def test_pipeline_stages_hold_their_layers_and_nothing_of_the_whole():
     whole = model().num_params
     stages = [holding.held(settings("pipeline", stages=2), cluster(rank, 2), model(), ADAM) for rank in (0, 1)]
     assert sum(stage.params for stage in stages) == whole          # every parameter on exactly one stage
     assert all(0 < stage.params < whole for stage in stages)
-    assert stages[0].gathered == whole * (2 + ADAM) and stages[1].gathered == 0
+    assert stages[0].gathered == stages[1].gathered == 0   # (the chief too: a split model is never assembled)
     assert stages[1].part == "stage 1 of 2"
     # with --tensor 2 each of a stage's two ranks holds half of it
     parts = [holding.held(settings("pipeline", stages=2, tensor=2), cluster(rank, 4), model(), ADAM)
@@ -75,10 +75,25 @@ def test_the_start_up_check_prices_this_ranks_share_not_the_whole_model(monkeypa
     check_holds(settings("pipeline", stages=2), cluster(1, 2), model())   # fits exactly
     with pytest.raises(UsageError, match=f"training {whole:,} parameters with adam needs "):
         check_holds(settings(), cluster(1, 2), model())                  # the whole model on this rank does not
-    with pytest.raises(UsageError, match=r"stage 0 of 2 \(.* of the model's 3,466 parameters\), trained with "
-                                         r"adam, and assembling the whole model's parameters and optimizer "
-                                         r"state for the run's result \(13,864 values\)"):
+    first_stage = holding.held(settings("pipeline", stages=2), cluster(0, 2), model(), ADAM).params
+    assert (first_stage, last_stage) == (2080, 1056 + 330)   # (the chief holds its stage alone, as every stage does)
+    with pytest.raises(UsageError, match=r"stage 0 of 2 \(2,080 of the model's 3,466 parameters\), trained with "
+                                         r"adam needs"):
         check_holds(settings("pipeline", stages=2), cluster(0, 2), model())
     monkeypatch.setattr(memory, "available_bytes", lambda: need - 1)
     with pytest.raises(UsageError, match=f"stage 1 of 2 .* needs {memory.human(need)}"):
         check_holds(settings("pipeline", stages=2), cluster(1, 2), model())
+
+
+def test_a_whole_model_that_does_not_fit_is_refused_naming_the_pipeline_it_would_fit_as(monkeypatch):
+    from mpidist.runtime import memory
+    monkeypatch.setattr(memory, "ranks_per_node", lambda: 1)
+    largest = 4 * (2 + ADAM) * 2080   # the Dense 64->32 layer's training state: no stage can be smaller
+    monkeypatch.setattr(memory, "available_bytes", lambda: largest)
+    with pytest.raises(UsageError, match=r"training 3,466 parameters with adam needs .*; split, it fits: "
+                                         r"--strategy pipeline --stages 2 on 2 or more ranks \(its largest stage "
+                                         r"needs 32.5 KiB\)"):
+        check_holds(settings(), cluster(0, 2), model())
+    monkeypatch.setattr(memory, "available_bytes", lambda: largest - 1)
+    with pytest.raises(UsageError, match=r"training 3,466 parameters with adam needs [^;]*$"):
+        check_holds(settings(), cluster(0, 2), model())

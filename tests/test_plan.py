@@ -209,13 +209,11 @@ def test_the_memory_a_rank_holds_counts_its_share_of_each_array():
     # (as calibrated) and training's optimizer state and activations (the model is built before the read)
     assert sharded == 50 * 2 ** 20 + 250 * 256 + 2 * 4000 * 4 + max(512_000, 2 * 1000 * 4 + 64 * 4 * 40 + 25 * 4 * 40)
     # a stage of 2 layers: its slice twice, Adam's moments and the accumulated gradients of the slice (each
-    # rank draws its own slice: nothing whole at the start); on the chief, the whole parameters and moments it
-    # gathers at the end
+    # rank draws, writes and reads its own slice: nothing whole, on the chief neither)
     stage = predict(cal, Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4))
     held = 2 * 2000 * 4 + (2 * 2000 + 2000) * 4 + 2 * 16 * 4 * 20 + 100 * 4 * 40   # (2 micro-batches in flight)
     assert stage.memory == 50 * 2 ** 20 + 1000 * 256 + held
-    assert stage.chief_extra == (1 + 2) * 4000 * 4 and stage.fullest == stage.memory + stage.chief_extra
-    assert stage.node_memory == 2 * stage.memory + stage.chief_extra   # (one chief a run, not one a rank)
+    assert stage.node_memory == 2 * stage.memory
 
 
 def test_the_advice_is_the_fastest_layout_that_fits_and_the_knee_where_efficiency_falls():

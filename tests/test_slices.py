@@ -9,7 +9,7 @@ from mpidist import nn
 from mpidist.nn.placement import Placement
 from mpidist.nn.tensor import split_model
 from mpidist.runtime.errors import UsageError
-from mpidist.store import checkpoint, sharded
+from mpidist.store import checkpoint
 from test_sharded import write
 
 METADATA = 1 << 20   # bytes an open reads beside the values asked for (superblocks, object headers, mappings)

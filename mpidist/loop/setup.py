@@ -15,7 +15,7 @@ from ..nn import scores
 from ..parallel import STRATEGIES, holding
 from ..parallel.recipe import recipe_for, total_steps
 from ..runtime.errors import UsageError
-from ..runtime.memory import check_fits
+from ..runtime.memory import check_fits, holdable, human
 from ..runtime.text import printable
 from ..settings import models
 from ..store import checkpoint
@@ -81,10 +81,18 @@ def check_holds(config, cluster, model):
     what = f"training {whole:,} parameters with {config.optimizer}"
     if share.part:
         what = (f"{share.part} ({share.params:,} of the model's {whole:,} parameters), trained with "
-                f"{config.optimizer}" + (f", and assembling the whole model's parameters and optimizer state "
-                                         f"for the run's result ({share.gathered:,} values)" if share.gathered
-                                         else ""))
-    check_fits(holding.held_bytes(share, arrays, model.dtype.itemsize), what)
+                f"{config.optimizer}" + (f", and assembling the whole model's state for checkpoints "
+                                         f"({share.gathered:,} values)" if share.gathered else ""))
+    try:
+        check_fits(holding.held_bytes(share, arrays, model.dtype.itemsize), what)
+    except UsageError as err:
+        split = holding.fitting_stages(model, arrays, model.dtype.itemsize, holdable()[0]) \
+            if share.params == whole else None
+        if split is None:
+            raise
+        stages, need = split
+        raise UsageError(f"{err}; split, it fits: --strategy pipeline --stages {stages} on {stages} or more ranks "
+                         f"(its largest stage needs {human(need)})") from None
 
 
 def check_outputs(model, info, spec):

@@ -436,7 +436,8 @@ class Training:
         state = None
         if not stops.diverged:   # a diverged state must not push a good checkpoint out of --keep
             here().enter("gather")
-            state = strategy.state()   # collective: the trained model, on the chief
+            if strategy.placement is None:   # (a split model is never gathered: its checkpoint holds the result)
+                state = strategy.state()   # collective: the trained model, on the chief
             self.save(state, gathered=True)
         here().enter("finish")
         roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats(), peak_memory()),
@@ -486,7 +487,7 @@ class Training:
                                   recoveries=self.state.recoveries if config.elastic else None)
         if log.failure:   # the last events could not be written: the run's record is incomplete
             outcome = report.failed(log.failure)
-        outcome["params"] = state[0]
+        outcome["params"] = state[0] if state is not None else None
         outcome["checkpoints"] = self.checkpointer.kept()
         return outcome
 

@@ -4,11 +4,11 @@ The start-up memory check (``loop/setup.py``) prices this rank's share, not
 the whole model on every rank: a pipeline stage's ranks hold their stage's
 parameters (with ``--tensor T``, about 1/T of them each), a tensor part
 about 1/T of the model, a worker under ``--shard optimizer`` 1/W of the
-optimizer state.  While the model is split, the chief still assembles the
-whole model's parameters and optimizer state for the run's result at its end
-(checkpoints are sharded, written by the ranks that hold the model), and is
-priced for them.  Layouts that keep a whole copy per rank are
-priced as before: the whole model, and the chief's copy of it, on every rank.
+optimizer state.  A split model is never assembled on one rank (its
+checkpoints are sharded, written and read by the ranks that hold it, and the
+run's result is its last checkpoint).  Layouts that keep a whole copy per rank
+are priced as before: the whole model, and the chief's copy of it, on every
+rank.
 """
 
 import dataclasses
@@ -50,18 +50,24 @@ def held(settings, cluster, model, optimizer_arrays):
         # the chief assembles the workers' slices of the optimizer state for a checkpoint
         return Held(whole, math.ceil(whole / max(cluster.num_workers, 1)),
                     whole * (1 + (optimizer_arrays if cluster.is_chief else 0)), "a 1/W slice of the optimizer state")
-    return Held(params, params, whole * assembled(optimizer_arrays) if cluster.is_chief else 0, part)
-
-
-def assembled(optimizer_arrays):
-    """Whole-model arrays the chief holds at the peak of assembling the run's result: the parameters and each
-    optimizer state array, and one array's values as received before they are placed
-    (:func:`~mpidist.parallel.tensor.gather_placed`).  Measured: a 4-stage pipeline's chief peaked at 894 MiB
-    over its baseline training mlp:4096x4 with Adam, 4.4 times the model's 204 MiB."""
-    return 2 + optimizer_arrays
+    return Held(params, params, 0, part)
 
 
 def held_bytes(held_elements, optimizer_arrays, itemsize):
     """Bytes of ``held_elements`` (a :class:`Held`): parameters and gradients, optimizer state, gathered arrays."""
     h = held_elements
     return itemsize * (2 * h.params + optimizer_arrays * h.optimizer + h.gathered)
+
+
+def fitting_stages(model, optimizer_arrays, itemsize, limit):
+    """``(stages, bytes of the largest)``: the fewest pipeline stages (balanced by parameters) whose largest
+    stage's training state fits in ``limit`` bytes, or None where even one layer a stage does not fit."""
+    costs = layer_costs(model)
+    for stages in range(2, len(model.layers) + 1):
+        balance = balance_by_parameters(costs, stages)
+        ends = [sum(balance[:stage + 1]) for stage in range(stages)]
+        largest = max(sum(model.layer_params(i) for i in range(end - size, end)) for size, end in zip(balance, ends))
+        need = held_bytes(Held(largest, largest, 0), optimizer_arrays, itemsize)
+        if need <= limit:
+            return stages, need
+    return None

@@ -79,7 +79,7 @@ def advise(cal, node_counts, per_node, batch_per_rank, memory_per_node):
         for made in at_one if nodes == 1 else predictions(cal, nodes, per_node, batch_per_rank):
             layout = made.layout
             rows.append(Row(nodes, layout.strategy, layout.describe(), made.samples_per_s, made.step * 1e3,
-                            made.samples_per_s / (nodes * one_node) if one_node else 0.0, made.fullest,
+                            made.samples_per_s / (nodes * one_node) if one_node else 0.0, made.memory,
                             made.node_memory, made.node_memory <= memory_per_node,
                             {name: getattr(made, name) * 1e3 for name in ("compute", "exchange", "optimizer",
                                                                            "bubble", "wait", "loop")}))

@@ -78,8 +78,8 @@ def check_runs(cal, run_dirs):
         rows.append({"run": str(run_dir), "layout": layout.describe(), "ranks": layout.ranks,
                      "nodes": layout.nodes, "predicted": made.samples_per_s, "measured": measured,
                      "speed_ratio": made.samples_per_s / measured if measured else None,
-                     "memory_predicted_mib": made.fullest / (1 << 20), "memory_measured_mib": peak / (1 << 20),
-                     "memory_ratio": made.fullest / peak if peak else None})
+                     "memory_predicted_mib": made.memory / (1 << 20), "memory_measured_mib": peak / (1 << 20),
+                     "memory_ratio": made.memory / peak if peak else None})
     return rows, notes
 
 

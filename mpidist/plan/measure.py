@@ -73,7 +73,7 @@ def calibrate(world, config, seconds=1.0):
                        cores=len(os.sched_getaffinity(0)),
                        node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
     # what a rank holds besides the arrays the model counts: the one-process run's peak less its arrays
-    arrays = predict(made, Layout("local", 1, 1, made.batch_per_rank)).fullest
+    arrays = predict(made, Layout("local", 1, 1, made.batch_per_rank)).memory
     return dataclasses.replace(made, baseline_bytes=max(baseline, peak - arrays),
                                overlap=_overlap_share(made, overlap))
 

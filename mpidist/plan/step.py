@@ -71,7 +71,7 @@ class Layout:
 class Prediction:
     """Seconds per step in parts (``compute``, ``exchange``, ``optimizer``, ``bubble``, ``wait`` and ``loop``:
     what ``train`` does besides the strategy's step), the samples per second they give, the bytes every rank
-    holds (``memory``) and what the chief holds above that (``chief_extra``)."""
+    holds (``memory``: the chief no more than the others, since no layout assembles a split model on it)."""
 
     layout: Layout
     compute: float
@@ -81,7 +81,6 @@ class Prediction:
     wait: float
     memory: int
     loop: float = 0.0
-    chief_extra: int = 0
     together: float = 1.0   # the share of the step's compute during which the node's other ranks compute too
 
     @property
@@ -93,14 +92,9 @@ class Prediction:
         return self.layout.batch / self.step
 
     @property
-    def fullest(self):
-        """Bytes of the fullest rank (the chief)."""
-        return self.memory + self.chief_extra
-
-    @property
     def node_memory(self):
-        """Bytes of the fullest node: its ranks, the chief among them."""
-        return self.memory * self.layout.per_node + self.chief_extra
+        """Bytes of a node: its ranks'."""
+        return self.memory * self.layout.per_node
 
 
 def predict(cal, layout):
@@ -280,9 +274,7 @@ def _pipeline(cal, layout):
     nbytes = stage_params * cal.itemsize
     exchange = link.allreduce(nbytes, replicas) + (replicas - 1) / replicas * nbytes * cal.sum_per_byte
     held = max(_activations(cal, peak[stage] * micro, lo, hi) for stage, (lo, hi) in enumerate(spans))
-    # (each rank draws its own slice of the initial parameters; at the end the chief gathers the stages' slices
-    # and optimizer state into whole arrays)
-    whole = cal.params * cal.itemsize
+    # (each rank draws, writes and reads only its own slices: no rank, the chief included, holds the whole)
     # (the busiest stage computes beside the others only while they compute: the rest of its step, alone;
     # replicas side by side on a node compute at once)
     together = 1.0
@@ -291,7 +283,7 @@ def _pipeline(cal, layout):
     return Prediction(layout, busy, exchange, cal.optimizer_per_param * stage_params, makespan - busy,
                       _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas),
                       _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params),
-                      chief_extra=(1 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2)) * whole, together=together)
+                      together=together)
 
 
 def _makespan(plans, seconds, transfer):

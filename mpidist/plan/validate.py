@@ -107,7 +107,7 @@ def main(argv=None):
         for name, runs in measured.items():
             made = predicted[name]
             speed, peak = median(run[1] for run in runs), median(run[2] for run in runs)
-            rate, memory = median(m.samples_per_s for m in made), median(m.fullest for m in made)
+            rate, memory = median(m.samples_per_s for m in made), median(m.memory for m in made)
             rows.append({"layout": name, "predicted": rate, "measured": speed,
                          "speed_ratio": rate / speed, "memory_predicted_mib": memory / 2 ** 20,
                          "memory_measured_mib": peak / 2 ** 20, "memory_ratio": memory / peak,
