@@ -69,7 +69,8 @@ def test_the_start_up_check_prices_this_ranks_share_not_the_whole_model(monkeypa
     from mpidist.runtime import memory
     whole = model().num_params
     last_stage = holding.held(settings("pipeline", stages=2), cluster(1, 2), model(), ADAM).params
-    need = 4 * (2 + ADAM) * last_stage   # parameters, gradients, m, v of its stage: nothing assembled
+    # parameters, a micro-batch's gradients and the step's sum, m, v of its stage: nothing assembled
+    need = 4 * (3 + ADAM) * last_stage
     monkeypatch.setattr(memory, "ranks_per_node", lambda: 1)
     monkeypatch.setattr(memory, "available_bytes", lambda: need)
     check_holds(settings("pipeline", stages=2), cluster(1, 2), model())   # fits exactly
@@ -88,11 +89,11 @@ def test_the_start_up_check_prices_this_ranks_share_not_the_whole_model(monkeypa
 def test_a_whole_model_that_does_not_fit_is_refused_naming_the_pipeline_it_would_fit_as(monkeypatch):
     from mpidist.runtime import memory
     monkeypatch.setattr(memory, "ranks_per_node", lambda: 1)
-    largest = 4 * (2 + ADAM) * 2080   # the Dense 64->32 layer's training state: no stage can be smaller
+    largest = 4 * (3 + ADAM) * 2080   # the Dense 64->32 layer's training state: no stage can be smaller
     monkeypatch.setattr(memory, "available_bytes", lambda: largest)
     with pytest.raises(UsageError, match=r"training 3,466 parameters with adam needs .*; split, it fits: "
                                          r"--strategy pipeline --stages 2 on 2 or more ranks \(its largest stage "
-                                         r"needs 32.5 KiB\)"):
+                                         r"needs 40.6 KiB\)"):
         check_holds(settings(), cluster(0, 2), model())
     monkeypatch.setattr(memory, "available_bytes", lambda: largest - 1)
     with pytest.raises(UsageError, match=r"training 3,466 parameters with adam needs [^;]*$"):

@@ -1,4 +1,5 @@
-"""A rank resuming a split model reads its slices of a checkpoint, and no more (format 1 and 2, any layout)."""
+"""A rank resuming a split model reads its slices of a checkpoint into place, and no more (format 1 and 2, any
+layout)."""
 
 import json
 
@@ -35,6 +36,13 @@ def layouts(model):
     return {"pipeline 2": stages, "tensor 3": [split_model(model, part, 3)[1] for part in range(3)]}
 
 
+def restored(header, placement, dtype=np.float64):
+    """``(params, m)`` of ``placement`` restored from ``header`` into fresh buffers."""
+    buffers = {"params": np.full(placement.size, np.nan, dtype), "m": np.full(placement.size, np.nan, dtype)}
+    header.restore(placement, buffers)
+    return buffers["params"], buffers["m"]
+
+
 def attributes():
     return {**checkpoint.attributes(7, 1, 2, json.dumps({"model": "test"}), 5, 2), "optimizer": {"steps": 7}}
 
@@ -48,26 +56,25 @@ def test_each_rank_reads_its_slices_of_a_sharded_checkpoint_and_no_more(tmp_path
     for placement in layouts(model)[resumed]:
         header = checkpoint.load(index, arrays=False)
         assert header.params is None and header.num_params == model.num_params
+        params, m = np.empty(placement.size), np.empty(placement.size)
         before = bytes_read()
-        held = header.read(placement, share=(0, 0))
+        header.restore(placement, {"params": params, "m": m})   # (into the buffers: no copy of a slice)
         read = bytes_read() - before
-        params, state = held.held_by(placement)
         np.testing.assert_array_equal(params, placement.take(model.params))
-        np.testing.assert_array_equal(state["m"], placement.take(moments))
+        np.testing.assert_array_equal(m, placement.take(moments))
         slices = 2 * placement.size * 8
         assert slices <= read <= slices + METADATA < whole_bytes, (read, slices, whole_bytes)
 
 
 def test_the_ranks_check_the_parts_checksums_a_share_each(tmp_path, model):
     index = write(tmp_path, model, layouts(model)["tensor 3"], np.zeros(model.num_params), attributes())
-    placement = layouts(model)["pipeline 2"][0]
     parts = sorted((tmp_path / "ckpt.parts").iterdir())
     header = checkpoint.load(index, arrays=False)
     before = bytes_read()
-    header.read(placement, share=(0, 0))
+    header.check_parts((0, 0))
     alone = bytes_read() - before
     before = bytes_read()
-    header.read(placement, share=(1, 2))   # (the second part of three)
+    header.check_parts((1, 2))   # (the second part of three)
     hashed = bytes_read() - before - alone
     assert parts[1].stat().st_size <= hashed <= parts[1].stat().st_size + (64 << 10)
     with parts[1].open("r+b") as part:   # (the same size, another finite value: only its checksum tells)
@@ -75,9 +82,11 @@ def test_the_ranks_check_the_parts_checksums_a_share_each(tmp_path, model):
         part.write(np.float64(1.5).tobytes())
     header = checkpoint.load(index, arrays=False)   # (sizes only: the part is not read)
     for share in ((0, 2), (0, 3), (2, 3)):   # (in a run, the rank that checks it fails the start on every rank)
-        header.read(placement, share=share)
+        header.check_parts(share)
     with pytest.raises(UsageError, match="ckpt.parts/rank-00001.h5 is not the file that was written"):
-        header.read(placement, share=(1, 3))
+        header.check_parts((1, 3))
+    with pytest.raises(UsageError, match="ckpt.parts/rank-00001.h5 is not the file that was written"):
+        header.whole()   # (reading the whole checks every part)
 
 
 def test_a_format_1_checkpoint_is_read_by_slices_too(tmp_path, model):
@@ -86,10 +95,14 @@ def test_a_format_1_checkpoint_is_read_by_slices_too(tmp_path, model):
     for placement in layouts(model)["tensor 3"]:
         header = checkpoint.load(path, arrays=False)
         before = bytes_read()
-        params, state = header.read(placement).held_by(placement)
+        params, m = restored(header, placement, np.float32)   # (converted as read: a float32 run's buffers)
         assert bytes_read() - before <= 2 * placement.size * 8 + METADATA
-        np.testing.assert_array_equal(params, placement.take(model.params))
-        np.testing.assert_array_equal(state["m"], placement.take(moments))
+        np.testing.assert_array_equal(params, placement.take(model.params).astype(np.float32))
+        np.testing.assert_array_equal(m, placement.take(moments).astype(np.float32))
+        # a checkpoint read whole (by another layout, or the survivors' state) gives the same slices
+        again = restored(header.whole(), placement)
+        np.testing.assert_array_equal(again[0], placement.take(model.params))
+        np.testing.assert_array_equal(again[1], placement.take(moments))
 
 
 def test_slices_holding_nan_or_a_replaced_checkpoint_are_refused_by_name(tmp_path, model):
@@ -98,10 +111,10 @@ def test_slices_holding_nan_or_a_replaced_checkpoint_are_refused_by_name(tmp_pat
     path = checkpoint.save(tmp_path, params, {}, 7, 7, 1, 2, json.dumps({"model": "test"}), 5, 2)
     first, last = layouts(model)["pipeline 2"]
     header = checkpoint.load(path, arrays=False)
-    header.read(first)
+    restored(header, first)
     with pytest.raises(UsageError, match=r"params holds NaN or Inf \(1 of this rank's \d+ values\)"):
-        header.read(last)
+        restored(header, last)
     (tmp_path / "other").mkdir()
     checkpoint.save(tmp_path / "other", model.params, {}, 9, 9, 1, 4, json.dumps({"model": "test"}), 5, 2).replace(path)
     with pytest.raises(UsageError, match="the checkpoint changed while the run started"):
-        header.read(first)
+        restored(header, first)

@@ -50,7 +50,7 @@ def write_sharded(checkpointer, comm, placement, arrays, optimizer_steps, where,
         record = None
         if rows.size:
             part = folder / sharded.part_name(comm.Get_rank())
-            record = sharded.write_part(part, rows, {key: placement.written(array) for key, array in arrays.items()})
+            record = sharded.write_part(part, rows, {key: placement.pieces(array) for key, array in arrays.items()})
     except OSError as err:
         reason = f"rank {comm.Get_rank()}: {os.strerror(err.errno) if err.errno else err}"
     failed = mpi.allreduce_max(comm, np.array([1 if reason else 0], dtype=np.int64))   # (any rank's, everywhere)

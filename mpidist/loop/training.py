@@ -125,9 +125,10 @@ class Training:
         place = self.strategy.describe(cluster.rank)
         table = cluster.table(self.device.label + (" " + place if place else ""),   # (collective)
                               setup.reading.why if setup.reading else "")
-        if resume is not None:   # each rank reads what it will hold: a split model's slices, else the whole
-            with agreed(cluster.world):
-                resume = resume.read(self.strategy.placement, (cluster.rank, cluster.size))
+        if resume is not None:   # (local) a split model's ranks check a share of its parts and read their slices
+            with agreed(cluster.world):   # as the strategy restores them; other layouts read the whole
+                resume = resume.check_parts((cluster.rank, cluster.size)) if self.strategy.placement is not None \
+                    else resume.whole()
         self.strategy.initialize(resume)
         held = cluster.world.gather((cluster.rank, self.strategy.held_bytes()), root=cluster.chief_rank)  # (start-up)
         if self.chief:

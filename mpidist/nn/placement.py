@@ -142,9 +142,15 @@ class Placement:
             out[region.lo:region.lo + region.size] = values.reshape(-1)
         return out
 
+    def pieces(self, array):
+        """The elements of ``array`` (the rank's buffer) in the regions this rank writes: views, one a region
+        (a file takes them one after the other, with no copy)."""
+        return [array[r.lo:r.lo + r.size] for r in self.regions if r.writes]
+
     def written(self, array):
-        """The elements of ``array`` (the rank's buffer) in the regions this rank writes, one after the other."""
-        kept = [array[r.lo:r.lo + r.size] for r in self.regions if r.writes]
+        """The elements of ``array`` (the rank's buffer) in the regions this rank writes, one after the other:
+        one array (a copy where a region between is not written)."""
+        kept = self.pieces(array)
         if len(kept) == len(self.regions):
             return array[:self.size]
         return np.concatenate(kept) if kept else array[:0]

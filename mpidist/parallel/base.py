@@ -19,8 +19,8 @@ from ..nn import SoftmaxCrossEntropy, scores
 from ..runtime import comm as mpi
 from ..runtime.errors import RunError
 from ..runtime.recorder import tracer
-from ..runtime.xp import to_host
 from .recipe import Recipe, clip_factor
+from .saved_state import SavedState
 
 TRACER = tracer()
 
@@ -92,7 +92,7 @@ class StepResult:
     clipped: bool = False
 
 
-class Strategy:
+class Strategy(SavedState):
     """Interface every strategy implements.
 
     Args:
@@ -476,25 +476,3 @@ class Strategy:
         chief, else None.  A replicated strategy's chief holds it all already.
         """
         return self.state()
-
-    def state(self):
-        """Collective: ``(params, optimizer arrays, optimizer steps)`` as host arrays on the chief, else None."""
-        arrays = self.whole_optimizer_arrays()   # (collective where the optimizer state is sharded)
-        if self.cluster is not None and not self.cluster.is_chief:
-            return None
-        return to_host(self.model.params), arrays, self.optimizer.steps
-
-    def placed_state(self):
-        """Collective like :meth:`state`, where the strategy splits the model (:attr:`placement`): this rank's own
-        host buffers (``"params"``, ``"optimizer/<name>"``, ordered as the placement) and the optimizer's steps."""
-        arrays = {"params": to_host(self.model.params)}
-        arrays.update({f"optimizer/{name}": to_host(a) for name, a in self.optimizer.state_arrays().items()})
-        return arrays, self.optimizer.steps
-
-    def whole_optimizer_arrays(self):
-        """The optimizer's state arrays, whole and in host memory, on the chief (None elsewhere); collective
-        where each worker holds a slice of them."""
-        if self.cluster is not None and not self.cluster.is_chief:
-            return None
-        return {name: to_host(a) for name, a in self.optimizer.state_arrays().items()}
-

@@ -145,15 +145,12 @@ class DataParallel(Strategy):
     def initialize(self, checkpoint=None):
         if self.tensor is not None:   # every part draws (or reads) its slices of the whole model's start alone
             params = self.model.params
-            if checkpoint is not None:
-                held, state = checkpoint.held_by(self.placement)
-                params[...] = self.model.xp.asarray(held)
+            if checkpoint is not None:   # (read into place: this part's slices, one array at a time)
+                self.restore(checkpoint)
             elif self.model.xp is np:   # (drawn into place)
                 self.tensor.initial(self.seed, out=params)
             else:
                 params[...] = self.model.xp.asarray(self.tensor.initial(self.seed))
-            if checkpoint is not None and self.optimizer is not None:
-                self.optimizer.load_state(state, checkpoint.optimizer_steps)
             return
         comm = self.worker_comm
         if comm is None or comm.Get_rank() == 0:

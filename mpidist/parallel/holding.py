@@ -20,13 +20,15 @@ from .stage import StageLayout
 
 @dataclasses.dataclass(frozen=True)
 class Held:
-    """Elements this rank holds: of parameters (and as many gradients), of each optimizer state array, and of
-    whole-model arrays it assembles; ``part`` says which part of the model it holds ("" for all of it)."""
+    """Elements this rank holds: of parameters, of each optimizer state array, of whole-model arrays it
+    assembles, and of gradients (None: as many as parameters); ``part`` says which part of the model it holds
+    ("" for all of it)."""
 
     params: int
     optimizer: int
     gathered: int
     part: str = ""
+    grads: int = None
 
 
 def held(settings, cluster, model, optimizer_arrays):
@@ -41,22 +43,22 @@ def held(settings, cluster, model, optimizer_arrays):
         layout = StageLayout(model, balance, cluster.rank, cluster.size, tensor)
         params = math.ceil((layout.param_hi - layout.param_lo) / tensor)
         part = f"stage {layout.stage} of {layout.stages}" + (f", part {layout.part} of {tensor}" if tensor > 1 else "")
-    elif tensor > 1:
-        params, part = math.ceil(whole / tensor), f"tensor part {cluster.rank % tensor} of {tensor}"
-    else:
-        sharded = settings.strategy == "allreduce" and settings.shard == "optimizer"
-        if not sharded:
-            return Held(whole, whole, whole)
-        # the chief assembles the workers' slices of the optimizer state for a checkpoint
-        return Held(whole, math.ceil(whole / max(cluster.num_workers, 1)),
-                    whole * (1 + (optimizer_arrays if cluster.is_chief else 0)), "a 1/W slice of the optimizer state")
-    return Held(params, params, 0, part)
+        return Held(params, params, 0, part, grads=2 * params)   # (a micro-batch's gradients, and the step's sum)
+    if tensor > 1:
+        params = math.ceil(whole / tensor)
+        return Held(params, params, 0, f"tensor part {cluster.rank % tensor} of {tensor}")
+    if not (settings.strategy == "allreduce" and settings.shard == "optimizer"):
+        return Held(whole, whole, whole)
+    # the chief assembles the workers' slices of the optimizer state for a checkpoint
+    return Held(whole, math.ceil(whole / max(cluster.num_workers, 1)),
+                whole * (1 + (optimizer_arrays if cluster.is_chief else 0)), "a 1/W slice of the optimizer state")
 
 
 def held_bytes(held_elements, optimizer_arrays, itemsize):
     """Bytes of ``held_elements`` (a :class:`Held`): parameters and gradients, optimizer state, gathered arrays."""
     h = held_elements
-    return itemsize * (2 * h.params + optimizer_arrays * h.optimizer + h.gathered)
+    grads = h.params if h.grads is None else h.grads
+    return itemsize * (h.params + grads + optimizer_arrays * h.optimizer + h.gathered)
 
 
 def fitting_stages(model, optimizer_arrays, itemsize, limit):
@@ -67,7 +69,7 @@ def fitting_stages(model, optimizer_arrays, itemsize, limit):
         balance = balance_by_parameters(costs, stages)
         ends = [sum(balance[:stage + 1]) for stage in range(stages)]
         largest = max(sum(model.layer_params(i) for i in range(end - size, end)) for size, end in zip(balance, ends))
-        need = held_bytes(Held(largest, largest, 0), optimizer_arrays, itemsize)
+        need = held_bytes(Held(largest, largest, 0, grads=2 * largest), optimizer_arrays, itemsize)
         if need <= limit:
             return stages, need
     return None

@@ -269,15 +269,12 @@ class PipelineStrategy(Strategy):
         """Each rank draws its own slice of the whole model's start (no rank holds the whole, no traffic), or
         takes it from ``checkpoint``."""
         params, placement = self.model.params, self.placement
-        if checkpoint is not None:
-            held, state = checkpoint.held_by(placement)
-            params[...] = self.model.xp.asarray(held)
+        if checkpoint is not None:   # (read into place: this rank's slices, one array at a time)
+            self.restore(checkpoint)
         elif self.model.xp is np:   # (drawn into place: no second copy of the slice)
             placement.initial(self.seed, params)
         else:
             params[...] = self.model.xp.asarray(placement.initial(self.seed, np.empty(placement.size, params.dtype)))
-        if checkpoint is not None and self.optimizer is not None:
-            self.optimizer.load_state(state, checkpoint.optimizer_steps)
         self.ledger.start_step = 0 if checkpoint is None else int(checkpoint.step)
 
     def train_step(self, x, y, weight, step):
@@ -399,10 +396,11 @@ class PipelineStrategy(Strategy):
         return self._gathered(cluster)
 
     def held_bytes(self):
-        """The stage's (or, with ``--tensor``, its part's) slice: the whole model is held by no rank."""
+        """The stage's (or, with ``--tensor``, its part's) slice: the whole model is held by no rank.  Its
+        gradients twice: a micro-batch's, and the step's sum they are added into."""
         state = sum(int(array.nbytes) for array in self.optimizer.state_arrays().values())
-        return {"params": int(self.model.params.nbytes), "grads": int(self.accumulated.nbytes),
-                "optimizer_state": state}
+        return {"params": int(self.model.params.nbytes),
+                "grads": int(self.accumulated.nbytes) + int(self.model.grads.nbytes), "optimizer_state": state}
 
     def stats(self):
         f, layout = self.figures, self.layout

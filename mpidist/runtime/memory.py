@@ -108,10 +108,15 @@ def holdable():
                                                     f"({human(free // ranks)} of {human(free)} for {ranks} rank(s))")]
     try:
         import resource
-        for which, name in ((resource.RLIMIT_AS, "ulimit -v"), (resource.RLIMIT_DATA, "ulimit -d")):
+        # (what the process has mapped already counts against its limit: the interpreter, its libraries'
+        # buffers, the data read so far)
+        for which, name, used in ((resource.RLIMIT_AS, "ulimit -v", b"VmSize"),
+                                  (resource.RLIMIT_DATA, "ulimit -d", b"VmData")):
             soft = resource.getrlimit(which)[0]
             if soft != resource.RLIM_INFINITY:
-                found.append((soft, f"this process's limit ({name}: {human(soft)})"))
+                used = kib_field("/proc/self/status", used) or 0
+                found.append((max(0, soft - used), f"this process's limit ({name}: {human(soft)}, "
+                                                   f"{human(used)} of it in use)"))
     except (ImportError, OSError, ValueError):   # pragma: no cover - not POSIX
         pass
     try:

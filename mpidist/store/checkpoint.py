@@ -64,37 +64,40 @@ class Checkpoint:
     dataset_fingerprint: str = ""   # its dataset's content (mpidist.data.fingerprint); "" where unknown
     num_params: int = 0     # the whole model's parameters, and their dtype, known before any array is read
     dtype: np.dtype = None
-    # what params and the optimizer arrays hold: the whole model's (None), or this placement's slices (read)
-    placement: object = None
 
     def __post_init__(self):
-        if self.params is not None and self.placement is None:   # (made whole in memory: the survivors' state)
+        if self.params is not None:   # (arrays read, or made in memory: the survivors' state)
             self.num_params, self.dtype = self.params.size, self.params.dtype
 
-    def read(self, placement=None, share=(0, 1)):
-        """This checkpoint with its arrays read (a :func:`load` with ``arrays=False`` has read none): the whole
-        model's, or with ``placement`` (a :class:`mpidist.nn.placement.Placement`) only its slices.
-
-        A sharded checkpoint's parts were checked for size when it was loaded; their checksums are read here,
-        for ``share`` of them (see :func:`sharded.verify`: ranks that read slices check a share each).
-        """
+    def whole(self):
+        """This checkpoint with its arrays read whole (a :func:`load` with ``arrays=False`` read none), every
+        part of a sharded one checked first."""
         if self.params is not None:
             return self
-        if placement is None:
-            whole = load(self.path)
-            _same(self, whole)
-            return dataclasses.replace(whole, optimizer_state={name: whole.optimizer_state[name]
-                                                               for name in self.optimizer_state})
-        return _read_slices(self, placement, share)
+        whole = load(self.path)
+        _same(self, whole)
+        return dataclasses.replace(whole, optimizer_state={name: whole.optimizer_state[name]
+                                                           for name in self.optimizer_state})
 
-    def held_by(self, placement):
-        """``(params, optimizer_state)`` in ``placement``'s buffer order (taken from the whole, or as read)."""
-        if self.placement is placement:
-            return self.params, self.optimizer_state
-        if self.placement is not None:
-            raise ValueError(f"{self.path} was read for another placement")
-        return (placement.take(np.asarray(self.params)),
-                {name: placement.take(np.asarray(array)) for name, array in self.optimizer_state.items()})
+    def check_parts(self, share):
+        """Check the checksums of ``share`` ``(i, n)`` of a sharded checkpoint's parts (see :func:`sharded.verify`:
+        ``n`` ranks that each check a share read the parts once between them); this checkpoint."""
+        if self.params is None:
+            _check_parts(self, share)
+        return self
+
+    def restore(self, placement, buffers):
+        """Fill ``buffers`` (``"params"`` and optimizer state names -> this rank's flat arrays, host or device, in
+        ``placement``'s order) with ``placement``'s slices (a :class:`mpidist.nn.placement.Placement`), one array
+        at a time: taken from the whole arrays held, or read from the file as hyperslabs, into the buffers
+        themselves where they are host arrays.  Only the arrays the checkpoint holds are filled."""
+        held = {"params": self.params, **self.optimizer_state}
+        names = [name for name in held if name in buffers]
+        if self.params is not None:
+            for name in names:
+                _fill(buffers[name], placement.take(np.asarray(held[name])))
+        else:
+            _restore_slices(self, placement, {name: buffers[name] for name in names})
 
 
 PER_WORKER = "workers"   # the group of each worker's own state
@@ -293,28 +296,49 @@ def _same(loaded, again):
         raise UsageError(f"{loaded.path}: the checkpoint changed while the run started (it was replaced)")
 
 
-def _read_slices(loaded, placement, share):
-    """:meth:`Checkpoint.read` of ``placement``'s slices."""
+def _check_parts(loaded, share):
+    """:meth:`Checkpoint.check_parts` of a checkpoint whose arrays are not read."""
+    try:
+        with h5py.File(loaded.path, "r") as handle:
+            problem = sharded.verify(loaded.path, handle, share) if handle.attrs.get("format") == sharded.FORMAT \
+                else None
+    except OSError as err:
+        raise UsageError(f"{loaded.path}: not a readable checkpoint ({printable(err)})") from None
+    if problem:
+        raise UsageError(f"{loaded.path}: {problem}")
+
+
+def _fill(buffer, values):
+    """Copy host ``values`` into ``buffer`` (a host or device array)."""
+    if isinstance(buffer, np.ndarray):
+        buffer[...] = values
+    else:
+        buffer.set(np.ascontiguousarray(values, dtype=buffer.dtype))
+
+
+def _restore_slices(loaded, placement, buffers):
+    """:meth:`Checkpoint.restore` from the file: each array's slices read straight into a host buffer (HDF5
+    converts the dtype), or through one host array of a slice's size into a device buffer."""
     path = loaded.path
-    check_fits((1 + len(loaded.optimizer_state)) * placement.size * loaded.dtype.itemsize,
-               f"this rank's slices of checkpoint {path} ({placement.size:,} of its {loaded.num_params:,} parameters)")
+    staged = [name for name, buffer in buffers.items() if not isinstance(buffer, np.ndarray)]
+    if staged:
+        check_fits(placement.size * loaded.dtype.itemsize,
+                   f"a host copy of this rank's slices of checkpoint {path} ({placement.size:,} parameters)")
     try:
         with here().doing("io", f"reading slices of checkpoint {path}"), h5py.File(path, "r") as handle:
-            virtual = handle.attrs.get("format") == sharded.FORMAT
-            problem = sharded.verify(path, handle, share) if virtual else None
-            if problem:
-                raise UsageError(f"{path}: {problem}")
             header = _header(path, handle, handle["optimizer"], lambda item, why: UsageError(f"{path}: {item} {why}"))
             _same(loaded, Checkpoint(path=path, params=None, optimizer_state={}, **header))
-            read = {}
-            for name, key in (("params", "params"), *((name, f"optimizer/{name}") for name in loaded.optimizer_state)):
+            for name, buffer in buffers.items():
+                key = name if name == "params" else f"optimizer/{name}"
+                host = isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous
                 with reading(f"{path}: {key}"):
-                    read[name] = slices.read(handle[key], placement, loaded.dtype)
+                    values = slices.read(handle[key], placement, loaded.dtype,
+                                         out=buffer[:placement.size] if host else None)
+                _check_finite(path, name, values, whose="" if placement.size == loaded.num_params else "this rank's ")
+                if not host:
+                    _fill(buffer, values)
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
         raise UsageError(f"{path}: not a readable checkpoint ({printable(err)})") from None
-    for name, array in read.items():
-        _check_finite(path, name, array, whose="this rank's ")
-    return dataclasses.replace(loaded, params=read.pop("params"), optimizer_state=read, placement=placement)
 
 
 def _per_worker_arrays(handle, params, bad):

@@ -52,7 +52,8 @@ def parameter_name(entry, layer, name):
 
 def write_part(path, rows, arrays):
     """Write a rank's part: its ``rows`` (int64 region table) and ``arrays`` (``"params"`` or
-    ``"optimizer/<name>"`` -> the written regions' values, one after the other in the table's order).
+    ``"optimizer/<name>"`` -> the written regions' values in the table's order: one 1-D array, or a list of
+    them written one after the other, so that regions apart in a rank's buffer need no joined copy).
 
     Written aside, synced and renamed into place; returns ``{"bytes", "sha256"}`` of the file.
     """
@@ -62,7 +63,14 @@ def write_part(path, rows, arrays):
             handle.attrs["format"] = FORMAT
             handle.create_dataset(REGIONS, data=np.asarray(rows, dtype=np.int64))
             for key, values in arrays.items():
-                handle.create_dataset(key, data=np.ascontiguousarray(values))
+                pieces = values if isinstance(values, (list, tuple)) else [values]
+                dtype = pieces[0].dtype if pieces else np.float64
+                dataset = handle.create_dataset(key, shape=(sum(len(piece) for piece in pieces),), dtype=dtype)
+                at = 0
+                for piece in pieces:
+                    if len(piece):
+                        dataset[at:at + len(piece)] = np.ascontiguousarray(piece)
+                    at += len(piece)
     return {"bytes": path.stat().st_size, "sha256": checksum(path)}
 
 

@@ -20,10 +20,10 @@ import numpy as np
 from .sharded import flat_selection
 
 
-def read(dataset, placement, dtype):
+def read(dataset, placement, dtype, out=None):
     """``placement``'s elements of ``dataset`` (an open 1-D h5py dataset of the whole model), in its buffer
-    order, as ``dtype``."""
-    out = np.empty(placement.size, dtype=dtype)
+    order, as ``dtype``, or into ``out`` (a contiguous host array of ``placement.size``, in its own dtype)."""
+    out = np.empty(placement.size, dtype=dtype) if out is None else out
     for region in placement.regions:
         if region.size == 0:
             continue
