@@ -33,6 +33,7 @@ from .runtime.agreement import agreed, ends_the_job_on_error
 from .runtime.cluster import PS, build_cluster
 from .runtime.comm import bcast_text
 from .runtime.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError
+from .runtime.memory import check_fits
 from .runtime.preempt import stop_signals
 from .runtime.text import check_utf8, printable
 from .runtime.threads import limit_blas_threads
@@ -149,7 +150,7 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
         return _result(outcome, cluster.is_chief, config, inputs)
 
 
-def evaluate(checkpoint_path, data=None, *, model=None, comm=None, samples=0):
+def evaluate(checkpoint_path, data=None, *, model=None, comm=None, samples=0, stages=1, tensor=1):
     """Evaluate a checkpoint on a dataset's test split, spread over the ranks of ``comm``.
 
     Args:
@@ -159,6 +160,10 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None, samples=0):
             to choose the builder yourself; default: the model spec the checkpoint stores.
         samples: evaluate this many rows of the split, evenly spread, the same every time (as
             ``--eval-samples`` in training); 0: all of them.
+        stages, tensor: split the model over the ranks as training does (``--stages``,
+            ``--tensor``; see :mod:`mpidist.loop.split_model`), for a model no rank can hold:
+            each rank reads only its part of the checkpoint.  1 and 1 (the default): every
+            rank loads the whole model and evaluates a share of the split.
 
     Returns:
         A dict, the same on every rank, of the figures that fit the task (see
@@ -177,35 +182,48 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None, samples=0):
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
     with LocalWatch(here(), Settings.stall_timeout, world.Get_rank()):
-        return _evaluate(world, checkpoint_path, data, model, samples)
+        return _evaluate(world, checkpoint_path, data, model, samples, stages, tensor)
 
 
-def _evaluate(world, checkpoint_path, data, model, samples=0):
+def _evaluate(world, checkpoint_path, data, model, samples=0, stages=1, tensor=1):
+    from .loop import split_model
     from .nn import loss_for
     from .parallel import AllreduceStrategy
 
+    split = stages != 1 or tensor != 1
+    rank, ranks = world.Get_rank(), world.Get_size()
     with agreed(world):
         check_utf8(checkpoint_path, "eval CHECKPOINT", absolute=True)
-        trained = load_trained(checkpoint_path, data, model=model)
+        if split:   # (its arrays are read by slices once the layout exists)
+            saved = checkpoint.load(checkpoint_path, arrays=False)
+            trained = _trained(saved, data, model)
+            settings = split_model.layout_settings(trained.settings, ranks, stages, tensor, trained.model)
+            split_model.check_holds(settings, rank, ranks, trained.model)
+        else:
+            trained = load_trained(checkpoint_path, data, model=model)
         info, net = trained.dataset, trained.model
         if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 0:
             raise UsageError(f"--eval-samples {samples!r}: give a number of samples, 0 (all) or more")
         info = datasets.limit_evaluation(info, int(samples), splits=("test",))
-        if world.Get_rank() == 0:
+        if rank == 0:
             for note in trained.notes:
                 print(f"mpidist: {note}", flush=True)
-        rank, ranks = world.Get_rank(), world.Get_size()
-        reading = datasets.plan(trained.settings, info, [("test", len(range(rank, info.sizes["test"], ranks)))],
+        share, shares = split_model.data_share(rank, ranks, stages, tensor) if split else (rank, ranks)
+        reading = datasets.plan(trained.settings, info, [("test", len(range(share, info.sizes["test"], shares)))],
                                 net.input_shape, net.dtype)
-        test = reading.open(info, "test", rank, ranks, net.input_shape, net.dtype)
+        test = reading.open(info, "test", share, shares, net.input_shape, net.dtype)
     with ends_the_job_on_error(world):
         cluster = build_cluster(world)
-        # (evaluation exchanges no gradients: no shared-memory window for them)
-        strategy = AllreduceStrategy(net, loss_for(info.num_classes, net.xp), None, cluster, exchange="mpi")
         batches = datasets.eval_batches(test)
-        if world.Get_rank() == 0:   # (an evaluation past a few seconds says how far it got)
+        if rank == 0:   # (an evaluation past a few seconds says how far it got)
             batches = shown(batches, len(test), "test", lambda line: print(line, flush=True))
-        figures = strategy.evaluate(batches)
+        if split:
+            strategy = split_model.split_strategy(settings, net, info, cluster)
+            figures = split_model.evaluate(strategy, saved, batches, world)
+            strategy.free()
+        else:   # (evaluation exchanges no gradients: no shared-memory window for them)
+            strategy = AllreduceStrategy(net, loss_for(info.num_classes, net.xp), None, cluster, exchange="mpi")
+            figures = strategy.evaluate(batches)
         cluster.free()
     return {**scores.report(figures, getattr(info, "class_names", None)), "samples": figures["samples"],
             "step": trained.step, "model": trained.spec, "dataset": info.name}
@@ -264,7 +282,21 @@ def load_trained(checkpoint_path, data=None, *, model=None, data_given=None):
         UsageError: the checkpoint, its settings, the model or the dataset are not usable,
             or the model does not hold the checkpoint's parameters.
     """
-    saved = checkpoint.load(checkpoint_path)
+    from .nn.placement import Placement
+
+    saved = checkpoint.load(checkpoint_path, arrays=False)
+    trained = _trained(saved, data, model, data_given)
+    net = trained.model
+    check_fits(net.num_params * net.dtype.itemsize, f"the model of {checkpoint_path} ({net.num_params:,} parameters)")
+    # the parameters alone (no optimizer state), every part checked, read straight into the model's buffer
+    saved.check_parts((0, 1)).restore(Placement.of_entries(net, 0, len(net.entries)), {"params": net.params})
+    return trained
+
+
+def _trained(saved, data, model, data_given=None):
+    """:func:`load_trained`'s :class:`Trained` of checkpoint ``saved`` (its arrays need not be read), its model
+    a map of shapes with no buffers yet, checked to have the checkpoint's number of parameters."""
+    checkpoint_path = saved.path
     config = _stored_settings(saved)
     inputs = Inputs.of(config, model, None if callable(data) else data)
     xp, _ = select_device(config.device, 0)
@@ -282,11 +314,10 @@ def load_trained(checkpoint_path, data=None, *, model=None, data_given=None):
         raise UsageError(f"{checkpoint_path}: {changed}; name it with --data to use it all the same")
     if changed is not None:
         notes.append(f"warning: {checkpoint_path}: {changed}")
-    net = build_model_for(config, inputs, info, xp)
-    if net.num_params != saved.params.size:
-        raise UsageError(f"{checkpoint_path}: holds {saved.params.size} parameters, but model "
+    net = build_model_for(config, inputs, info, xp, training=False)   # (what a rank holds is priced by the caller)
+    if net.num_params != saved.num_params:
+        raise UsageError(f"{checkpoint_path}: holds {saved.num_params} parameters, but model "
                          f"{inputs.model.spec} on {info.name!r} has {net.num_params}")
-    net.params[...] = xp.asarray(saved.params)
     return Trained(model=net, dataset=info, settings=config, spec=inputs.model.spec, step=saved.step,
                    path=Path(checkpoint_path), notes=notes)
 

@@ -55,17 +55,19 @@ class Setup:
     notes: list = dataclasses.field(default_factory=list)     # what the chief says about the set-up
 
 
-def build_model_for(config, inputs, info, xp, cluster=None):
+def build_model_for(config, inputs, info, xp, cluster=None, training=True):
     """The model sized for dataset ``info``; a shape mismatch is a :class:`UsageError` naming the dataset.
 
     With ``cluster``, what this rank will hold under the run's layout must fit
-    (:mod:`mpidist.parallel.holding`); without, the whole model's training state.
+    (:mod:`mpidist.parallel.holding`); without, the whole model's training
+    state, or with ``training`` False nothing (the caller prices what it holds).
     """
     try:
         # (a map of shapes: the strategy makes the buffers of what this rank holds, the whole model's or a part's)
         model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype, buffers=False)
         check_outputs(model, info, inputs.model.spec)
-        check_holds(config, cluster, model)
+        if training:
+            check_holds(config, cluster, model)
         return model
     except UsageError as err:
         outputs = f"{info.num_classes:,} classes" if info.num_classes else f"{info.target_width} target(s)"

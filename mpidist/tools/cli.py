@@ -67,6 +67,12 @@ def build_parser():
     evaluate.add_argument("--eval-samples", type=int, default=0, metavar="N",
                           help="evaluate N rows of the test split, evenly spread, the same every time (default: 0 = "
                           "all)")
+    evaluate.add_argument("--stages", type=int, default=1, metavar="S",
+                          help="split the model into S pipeline stages, as training does, for a model no rank can "
+                          "hold: each rank reads only its part of the checkpoint (S x T divides the ranks; "
+                          "default: 1, every rank loads the whole model)")
+    evaluate.add_argument("--tensor", type=int, default=1, metavar="T",
+                          help="split each stage's layers into T tensor parts, as training does (default: 1)")
 
     predict = sub.add_parser("predict", help="write a checkpoint's predictions on new samples, in input order",
                              description="Apply a checkpoint to samples, each rank its own block of rows, and "
@@ -221,7 +227,8 @@ def cmd_train(args, world):
 def cmd_eval(args, world):
     from ..api import evaluate
 
-    figures = evaluate(args.checkpoint, data=args.data, model=args.model, comm=world, samples=args.eval_samples)
+    figures = evaluate(args.checkpoint, data=args.data, model=args.model, comm=world, samples=args.eval_samples,
+                       stages=args.stages, tensor=args.tensor)
     if world.Get_rank() == 0:
         print(eval_text(args.checkpoint, figures))
     return EXIT_OK

@@ -1,0 +1,84 @@
+"""Evaluating a model no rank can hold: split across the ranks as training splits it, each rank reading its part.
+
+``eval --stages S`` (and ``--tensor T``) builds the layout training builds
+for ``--strategy pipeline --stages S --tensor T`` (or ``allreduce --tensor
+T``) from the checkpoint's settings: every rank makes the buffers of its
+stage or part alone, checks its share of a sharded checkpoint's parts, reads
+its slices into place (:meth:`~mpidist.parallel.saved_state.SavedState.restore`),
+and the replicas (``ranks / (S x T)``) each evaluate a share of the test
+split through their pipeline.  No rank holds the whole model.
+"""
+
+import dataclasses
+
+from ..nn import loss_for
+from ..parallel import STRATEGIES, AllreduceStrategy, PipelineStrategy, holding
+from ..runtime.errors import UsageError
+from ..runtime.memory import check_fits
+
+
+def layout_settings(settings, ranks, stages, tensor, model):
+    """``settings`` (a checkpoint's) with the split ``stages`` x ``tensor``, checked for ``ranks`` ranks and
+    ``model`` (a map of shapes); :class:`UsageError` naming the flag where they do not fit."""
+    for flag, value in (("--stages", stages), ("--tensor", tensor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{flag} {value!r}: give a number of ranks, 1 or more")
+    split = dataclasses.replace(settings, strategy="pipeline" if stages > 1 else "allreduce", stages=stages,
+                                tensor=tensor, micro_batches=1, schedule="gpipe", balance="", elastic=False,
+                                replication="between-graph", shard="none", compress="none", exchange="mpi",
+                                batch_size=max(settings.batch_size, ranks))
+    if ranks % (stages * tensor):
+        raise UsageError(f"--stages {stages} x --tensor {tensor} does not divide the {ranks} ranks (ranks = stages "
+                         "x tensor parts x replicas)")
+    STRATEGIES[split.strategy].check(split, ranks)
+    STRATEGIES[split.strategy].check_model(split, model)
+    return split
+
+
+def check_holds(settings, rank, ranks, model):
+    """Refuse, naming what it needs, a part of ``model`` (a map of shapes) whose parameters do not fit in what
+    this rank may hold (evaluation holds no gradients and no optimizer state)."""
+    share = holding.held(settings, _Ranks(rank, ranks), model, 0)
+    check_fits(share.params * model.dtype.itemsize,
+               f"evaluating {share.part} ({share.params:,} of the model's {model.num_params:,} parameters)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ranks:
+    """Where a rank sits, as :func:`~mpidist.parallel.holding.held` reads it, before the cluster exists."""
+
+    rank: int
+    size: int
+
+    @property
+    def is_chief(self):
+        return self.rank == 0
+
+    @property
+    def num_workers(self):
+        return self.size
+
+
+def data_share(rank, ranks, stages, tensor):
+    """``(replica, replicas)``: whose share of the test split this rank reads (a replica's ranks read the same)."""
+    return rank // (stages * tensor), ranks // (stages * tensor)
+
+
+def split_strategy(settings, model, info, cluster):
+    """Collective: the strategy holding this rank's part of ``model`` under ``settings`` (no optimizer)."""
+    loss = loss_for(info.num_classes, model.xp)
+    if settings.strategy == "pipeline":
+        return PipelineStrategy(model, loss, None, cluster, seed=settings.seed, stages=settings.stages,
+                                micro_batches=1, schedule_name="gpipe", global_batch=settings.batch_size,
+                                tensor=settings.tensor)
+    return AllreduceStrategy(model, loss, None, cluster, seed=settings.seed, exchange="mpi", tensor=settings.tensor)
+
+
+def evaluate(strategy, saved, batches, world):
+    """Collective: ``saved``'s (a checkpoint, its arrays not read) figures over ``batches``, through ``strategy``
+    (:func:`split_strategy`); the same on every rank."""
+    saved.check_parts((world.Get_rank(), world.Get_size()))
+    strategy.restore(saved)
+    figures = strategy.evaluate(batches)
+    chief = strategy.cluster.chief_rank   # (a pipeline's figures are the chief's: its last stage sent them there)
+    return world.bcast(figures if world.Get_rank() == chief else None, root=chief)
