@@ -105,12 +105,13 @@ def _read_cvar_flag(library, name):
 def is_failure(error, comm=None):
     """Whether ``error`` (an exception) says that a process died.
 
-    With ``comm``: also an ``ERR_OTHER`` while a process of ``comm`` is known
-    to have died.  Open MPI's nonblocking collectives (libnbc) report a peer's
-    death inside a schedule that way ("NBC_Progress: an error 75 was found"),
-    not as ``ERR_PROC_FAILED``; the failure detector may need a moment to
-    name the dead, so it is asked a few times before the error counts as
-    something else.
+    With ``comm``: also an ``ERR_OTHER`` or ``ERR_IN_STATUS`` while a process
+    of ``comm`` is known to have died.  Open MPI's nonblocking collectives
+    (libnbc) report a peer's death inside a schedule that way ("NBC_Progress:
+    an error 75 was found"), and ``Waitall`` over a pipeline's sends, one of
+    them to the dead, as an error in a request's status; the failure detector
+    may need a moment to name the dead, so it is asked a few times before the
+    error counts as something else.
     """
     if isinstance(error, ProcessLost):
         return True
@@ -118,7 +119,8 @@ def is_failure(error, comm=None):
         return False
     if error.Get_error_class() in FAILURE_CLASSES:
         return True
-    if comm is None or error.Get_error_class() != MPI.ERR_OTHER or not hasattr(comm, "Get_failed"):
+    if comm is None or error.Get_error_class() not in (MPI.ERR_OTHER, MPI.ERR_IN_STATUS) \
+            or not hasattr(comm, "Get_failed"):
         return False
     for _ in range(FAILED_LOOKS):
         try:
