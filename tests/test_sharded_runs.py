@@ -113,3 +113,27 @@ def test_a_rank_killed_while_the_parts_are_written_ends_the_job_and_the_run_resu
     assert start["resumed_from"] is not None and start["step"] in written
     named = sharded.named_folders(ck)
     assert all(folder.name in named for folder in ck.iterdir() if folder.is_dir())   # (strays removed)
+
+
+def test_under_a_memory_cap_a_split_model_trains_resumes_and_evaluates_where_the_whole_one_is_refused(tmp_path):
+    # 19.1 M parameters with Adam: the whole model's training state is 365 MiB, a stage's or a part's about half;
+    # every rank may map 420 MB of data (RLIMIT_DATA, inherited from mpiexec), of which ~130 MiB are in use when
+    # the check runs (the interpreter and its libraries)
+    from conftest import run_mpi
+    capped = ("prlimit", "--data=420000000")
+    flags = ["--data", "digits", "--model", "mlp:3072,3072,3072", "--batch-size", "32", "--eval-every", "0",
+             "--progress", "none", "--metrics", "", "--run-dir", "", "--checkpoint-dir", str(tmp_path / "ck")]
+
+    def run(ranks, *more):
+        return run_mpi(ranks, ["-m", "mpidist", *more], timeout=120, prefix=capped)[0]
+
+    whole = run(1, "train", *flags, "--strategy", "local", "--steps", "2")
+    assert whole.returncode == 2 and not list(tmp_path.glob("ck/*.h5")), whole.stderr
+    assert "training 19,110,922 parameters with adam needs 364.5 MiB, more than this process's limit" in whole.stderr
+    assert "split, it fits: --strategy pipeline --stages 2 on 2 or more ranks" in whole.stderr
+    done = run(2, "train", *flags, "--strategy", "pipeline", "--stages", "2", "--steps", "2")
+    assert done.returncode == 0, done.stderr
+    done = run(2, "train", *flags, "--tensor", "2", "--steps", "3", "--resume", "auto")
+    assert done.returncode == 0, done.stderr
+    done = run(2, "eval", checkpoint_at(tmp_path / "ck", 3), "--stages", "2", "--eval-samples", "64")
+    assert done.returncode == 0 and "(step 3, model mlp:3072,3072,3072)" in done.stdout, done.stderr
