@@ -118,7 +118,8 @@ def test_callbacks_see_the_metrics_figures_on_the_chief_and_the_result_holds_the
 def test_a_split_model_is_never_gathered_its_last_checkpoint_holds_the_result(tmp_path):
     world = MPI.COMM_WORLD
     directory = world.bcast(str(tmp_path), root=0)
-    result = mpidist.train("mlp", "digits", strategy="pipeline", stages=2, **quiet(
+    stages = 2 if world.Get_size() % 2 == 0 else world.Get_size()   # (mlp has 6 layers: any -n the suite runs)
+    result = mpidist.train("mlp", "digits", strategy="pipeline", stages=stages, **quiet(
         steps=6, eval_every=0, checkpoint_dir=directory, checkpoint_wait=True))
     assert result.params is None and result.model is None   # (on the chief too: no rank holds it whole)
     if not result.is_chief:

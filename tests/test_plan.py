@@ -307,8 +307,10 @@ def test_plan_prints_every_layout_and_a_recommendation_for_each_node_count(tmp_p
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_calibrate_measures_the_model_and_the_links_under_the_launcher(tmp_path, nodes):
     """Two ranks on one node measure the link within it; one on each of two emulated nodes, the network."""
+    # (0.3 s a measurement: at 0.1 s a layer's cost per sample, 0.2 us, was sometimes lost in the noise and fitted
+    # as none, in the suite)
     done, _ = run_mpi(2, ["-m", "mpidist", "plan", "--calibrate", "--calibration", str(tmp_path / "c.json"),
-                          "--seconds", "0.1"], nodes=nodes if nodes > 1 else None, timeout=120)
+                          "--seconds", "0.3"], nodes=nodes if nodes > 1 else None, timeout=120)
     assert done.returncode == 0, done.stderr
     cal = calibration.load(tmp_path / "c.json")
     assert (cal.network is not None) == (nodes == 2) and (cal.node is not None) == (nodes == 1)
