@@ -110,7 +110,8 @@ def check_outputs(model, info, spec):
 
 def find_resume(config):
     """``(checkpoint --resume names or None, [(path, reason) of unreadable newer ones skipped])``: checked, its
-    arrays not read yet (each rank reads what it will hold: :meth:`~mpidist.store.checkpoint.Checkpoint.read`)."""
+    arrays not read yet (each rank reads what it will hold: :meth:`~mpidist.store.checkpoint.Checkpoint.whole`,
+    or its slices by :meth:`~mpidist.store.checkpoint.Checkpoint.restore`)."""
     if not config.resume:
         return None, []
     if config.resume == "auto":

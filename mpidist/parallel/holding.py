@@ -43,7 +43,7 @@ def held(settings, cluster, model, optimizer_arrays):
         layout = StageLayout(model, balance, cluster.rank, cluster.size, tensor)
         params = math.ceil((layout.param_hi - layout.param_lo) / tensor)
         part = f"stage {layout.stage} of {layout.stages}" + (f", part {layout.part} of {tensor}" if tensor > 1 else "")
-        return Held(params, params, 0, part, grads=2 * params)   # (a micro-batch's gradients, and the step's sum)
+        return stage_held(params, part)
     if tensor > 1:
         params = math.ceil(whole / tensor)
         return Held(params, params, 0, f"tensor part {cluster.rank % tensor} of {tensor}")
@@ -61,15 +61,20 @@ def held_bytes(held_elements, optimizer_arrays, itemsize):
     return itemsize * (h.params + grads + optimizer_arrays * h.optimizer + h.gathered)
 
 
+def stage_held(params, part=""):
+    """A pipeline stage's :class:`Held` of ``params`` parameters: its gradients twice (a micro-batch's, and the
+    step's sum they are added into)."""
+    return Held(params, params, 0, part, grads=2 * params)
+
+
 def fitting_stages(model, optimizer_arrays, itemsize, limit):
     """``(stages, bytes of the largest)``: the fewest pipeline stages (balanced by parameters) whose largest
     stage's training state fits in ``limit`` bytes, or None where even one layer a stage does not fit."""
     costs = layer_costs(model)
     for stages in range(2, len(model.layers) + 1):
-        balance = balance_by_parameters(costs, stages)
-        ends = [sum(balance[:stage + 1]) for stage in range(stages)]
-        largest = max(sum(model.layer_params(i) for i in range(end - size, end)) for size, end in zip(balance, ends))
-        need = held_bytes(Held(largest, largest, 0, grads=2 * largest), optimizer_arrays, itemsize)
+        offsets = StageLayout(model, balance_by_parameters(costs, stages), 0, stages).param_offsets
+        largest = max(hi - lo for lo, hi in zip(offsets[:-1], offsets[1:]))
+        need = held_bytes(stage_held(largest), optimizer_arrays, itemsize)
         if need <= limit:
             return stages, need
     return None

@@ -197,8 +197,9 @@ def load(path, arrays=True):
     they are read (and their size against the memory free), their values for
     NaN and Inf, its attributes for type and range.  The message names the
     file, the item and the value.  With ``arrays`` False no array is read
-    yet (nor a sharded checkpoint's checksums): :meth:`Checkpoint.read` reads
-    them, the whole or one rank's slices, and checks them as it does.
+    yet (nor a sharded checkpoint's checksums): :meth:`Checkpoint.whole` reads
+    them whole, :meth:`Checkpoint.restore` one rank's slices, each checking
+    what it reads.
     """
     path = Path(path)
     if not path.is_file():
@@ -217,9 +218,7 @@ def _read(path, handle, read_arrays=True):
     virtual = handle.attrs.get("format") == sharded.FORMAT   # (an index over part files)
     if handle.attrs.get("format") != FORMAT and not virtual:
         raise UsageError(f"{path}: not an mpidist checkpoint (no format attribute {FORMAT!r})")
-    problem = sharded.verify(path, handle, share=(0, 1) if read_arrays else (0, 0)) if virtual else None
-    if problem:
-        raise UsageError(f"{path}: {problem}")
+    _verified(path, handle, share=(0, 1) if read_arrays else (0, 0))
     params = _array(handle, "params", bad, virtual=virtual)
     if params.ndim != 1 or params.dtype not in FLOATS:
         raise bad("params", f"has shape {params.shape} and dtype {params.dtype}; a checkpoint holds one flat "
@@ -296,16 +295,21 @@ def _same(loaded, again):
         raise UsageError(f"{loaded.path}: the checkpoint changed while the run started (it was replaced)")
 
 
+def _verified(path, handle, share):
+    """Refuse a sharded checkpoint (``handle``, open, at ``path``) whose parts :func:`sharded.verify` finds wrong,
+    their checksums read for ``share``; a checkpoint of one file passes."""
+    problem = sharded.verify(path, handle, share) if handle.attrs.get("format") == sharded.FORMAT else None
+    if problem:
+        raise UsageError(f"{path}: {problem}")
+
+
 def _check_parts(loaded, share):
     """:meth:`Checkpoint.check_parts` of a checkpoint whose arrays are not read."""
     try:
         with h5py.File(loaded.path, "r") as handle:
-            problem = sharded.verify(loaded.path, handle, share) if handle.attrs.get("format") == sharded.FORMAT \
-                else None
+            _verified(loaded.path, handle, share)
     except OSError as err:
         raise UsageError(f"{loaded.path}: not a readable checkpoint ({printable(err)})") from None
-    if problem:
-        raise UsageError(f"{loaded.path}: {problem}")
 
 
 def _fill(buffer, values):
@@ -320,8 +324,7 @@ def _restore_slices(loaded, placement, buffers):
     """:meth:`Checkpoint.restore` from the file: each array's slices read straight into a host buffer (HDF5
     converts the dtype), or through one host array of a slice's size into a device buffer."""
     path = loaded.path
-    staged = [name for name, buffer in buffers.items() if not isinstance(buffer, np.ndarray)]
-    if staged:
+    if not all(isinstance(buffer, np.ndarray) for buffer in buffers.values()):   # (a device buffer: staged)
         check_fits(placement.size * loaded.dtype.itemsize,
                    f"a host copy of this rank's slices of checkpoint {path} ({placement.size:,} parameters)")
     try:
