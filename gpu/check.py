@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 #: Seconds each part may take; the installs are check.sh's (it passes how long they took).
-LIMITS = {"install": 45, "gpu": 10, "info": 30, "unit tests": 75, "strategies": 190, "benchmark": 120}
+LIMITS = {"install": 45, "gpu": 10, "info": 30, "unit tests": 75, "strategies": 170, "resume": 50,
+          "benchmark": 90}
 TOTAL_LIMIT = sum(LIMITS.values())
 
 #: Every strategy and layout, as (name, ranks, train arguments).  Two ranks share the GPU (the
@@ -45,6 +46,11 @@ CASES = [
     ("pipeline x tensor", 4, ["--strategy", "pipeline", "--stages", "2", "--tensor", "2"]),
     ("--shard optimizer", 2, ["--strategy", "allreduce", "--shard", "optimizer"]),
 ]
+#: A sharded checkpoint written by one split layout on the GPU, then resumed by another (each rank
+#: reads its slices from the host file straight into its device buffers): (label, ranks, arguments)
+#: of the writer, then of the reader.
+RESUME = (("pipeline 2", 2, ["--strategy", "pipeline", "--stages", "2", "--checkpoint-every", "3"]),
+          ("--tensor 2", 2, ["--strategy", "allreduce", "--tensor", "2"]))
 #: Asynchronous updates land in an order no run repeats, on the CPU too: only their first step is compared.
 FIRST_STEP_ONLY = {"ps-async (ps on the host)"}
 TRAIN = ["--data", "digits", "--model", "mlp", "--steps", "6", "--batch-size", "32", "--log-every", "1",
@@ -181,9 +187,13 @@ def unit_part(out, part):
     return part
 
 
+def run_dir_of(out, label, device, dtype):
+    return out / "runs" / f"{label}-{device}-{dtype}".replace(" ", "_").replace("/", "")
+
+
 def train(out, label, ranks, arguments, device, dtype, limit):
     """One short training run; ``(losses per step, final parameters)``, or a string saying why not."""
-    run_dir = out / "runs" / f"{label}-{device}-{dtype}".replace(" ", "_").replace("/", "")
+    run_dir = run_dir_of(out, label, device, dtype)
     shutil.rmtree(run_dir, ignore_errors=True)
     command = mpiexec(ranks) + [sys.executable, "-m", "mpidist", "train", *TRAIN, *arguments, "--device", device,
                                 "--dtype", dtype, "--run-dir", str(run_dir), "--checkpoint-dir", str(run_dir / "ck")]
@@ -260,6 +270,39 @@ def strategies_part(out, gpu):
     return part
 
 
+def resume_runs(out, device, dtype, limit):
+    """The reader's run of :data:`RESUME` on ``device``, resumed from the writer's step-3 checkpoint."""
+    (writer, ranks, arguments), (reader, reader_ranks, reader_arguments) = RESUME
+    written = train(out, writer, ranks, arguments, device, dtype, limit / 2)
+    if isinstance(written, str):
+        return f"{writer} (the writer): {written}"
+    found = sorted((run_dir_of(out, writer, device, dtype) / "ck").glob("ckpt-00000003*.h5"))
+    if not found:
+        return f"{writer} wrote no step-3 checkpoint"
+    checkpoint = found[0]
+    resumed = train(out, f"{reader} from {writer}", reader_ranks,
+                    reader_arguments + ["--resume", str(checkpoint)], device, dtype, limit / 2)
+    return f"{reader} (the reader): {resumed}" if isinstance(resumed, str) else resumed
+
+
+@needs_gpu("resume")
+def resume_part(out, part):
+    (writer, _, _), (reader, _, _) = RESUME
+    row = {"written by": writer, "resumed by": reader}
+    part.rows.append(row)
+    runs = {}
+    for device, dtype in (("cpu", "float32"), ("cpu", "float64"), ("gpu", "float32")):
+        runs[device, dtype] = resume_runs(out, device, dtype, max(part.left(), 1) / (3 - len(runs)))
+        if isinstance(runs[device, dtype], str):
+            row.update(verdict="fail", why=f"{device} {dtype}: {runs[device, dtype]}")
+            part.fail("a resume failed")
+            return part
+    row.update(compare(reader, runs["gpu", "float32"], runs["cpu", "float32"], runs["cpu", "float64"]))
+    if row["verdict"] == "fail":
+        part.fail("the resumed GPU run differs from the CPU's")
+    return part
+
+
 @needs_gpu("benchmark")
 def benchmark_part(out, part):
     steps = [("models", [sys.executable, str(HERE / "bench.py"), "models", "--out", str(out / "bench-models.json")],
@@ -299,7 +342,7 @@ def write_summary(out, parts, install):
 
 def _guarded(build, out, gpu, installed):
     """The part ``build`` makes; one that could not run or crashed is a part that says so."""
-    name = {info_part: "info", unit_part: "unit tests", strategies_part: "strategies",
+    name = {info_part: "info", unit_part: "unit tests", strategies_part: "strategies", resume_part: "resume",
             benchmark_part: "benchmark"}[build]
     if not installed:
         part = Part(name)
@@ -330,7 +373,7 @@ def main():
     gpu = found.status == "pass"
     parts = [{"gpu": gpu}, found.as_dict()]
     print(f"[{found.status}] gpu", flush=True)
-    for build in (info_part, unit_part, strategies_part, benchmark_part):
+    for build in (info_part, unit_part, strategies_part, resume_part, benchmark_part):
         part = _guarded(build, args.out, gpu, install["status"] == "pass")
         parts.append(part.as_dict())
         print(f"[{part.status}] {part.name}", flush=True)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
 
@@ -50,8 +51,9 @@ def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_n
     assert summary["gpu"] is False
     assert summary["total_limit_s"] < 8 * 60
     parts = {part["part"]: part for part in summary["parts"]}
-    assert [parts[name]["status"] for name in ("install", "gpu", "info", "unit tests", "strategies", "benchmark")] \
-        == ["pass", "not run", "pass", "not run", "not run", "not run"]
+    assert [parts[name]["status"] for name in ("install", "gpu", "info", "unit tests", "strategies", "resume",
+                                               "benchmark")] \
+        == ["pass", "not run", "pass", "not run", "not run", "not run", "not run"]
     # the MPI the check runs is the one it installed from the wheels, not this environment's
     library = next(row for row in parts["info"]["rows"] if row.startswith("MPI library"))
     assert "/mpidist-gpu." in library, library
@@ -67,6 +69,14 @@ def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_n
     for dtype in ("float32", "float64"):
         losses, params = check.train(out, "probe", 2, ["--strategy", "allreduce"], "cpu", dtype, 120)
         assert len(losses) == 6 and np.all(np.isfinite(losses)) and params.size > 0
+    # the resume part's runs: the reader takes steps 4 to 6 from the writer's step-3 checkpoint and ends
+    # where the writer, which never stopped, ended
+    losses, params = check.resume_runs(out, "cpu", "float64", 240)
+    (writer, _, _), _ = check.RESUME
+    final = sorted((check.run_dir_of(out, writer, "cpu", "float64") / "ck").glob("ckpt-00000006*.h5"))[0]
+    with h5py.File(final, "r") as file:
+        never_stopped = np.asarray(file["params"])
+    assert len(losses) == 3 and np.allclose(params, never_stopped, rtol=0, atol=1e-9)
 
 
 def test_the_check_stops_with_a_message_where_there_are_no_wheels(tmp_path):
