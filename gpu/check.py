@@ -49,7 +49,8 @@ CASES = [
 #: A sharded checkpoint written by one split layout on the GPU, then resumed by another (each rank
 #: reads its slices from the host file straight into its device buffers): (label, ranks, arguments)
 #: of the writer, then of the reader.
-RESUME = (("pipeline 2", 2, ["--strategy", "pipeline", "--stages", "2", "--checkpoint-every", "3"]),
+RESUME = (("pipeline 2", 2, ["--strategy", "pipeline", "--stages", "2", "--checkpoint-every", "3",
+                              "--checkpoint-wait"]),
           ("--tensor 2", 2, ["--strategy", "allreduce", "--tensor", "2"]))
 #: Asynchronous updates land in an order no run repeats, on the CPU too: only their first step is compared.
 FIRST_STEP_ONLY = {"ps-async (ps on the host)"}

@@ -55,7 +55,7 @@ def test_a_checkpoint_due_while_the_writer_is_busy_waits_for_it_and_several_beco
 
 
 def test_after_a_write_the_writer_rests_so_that_writing_takes_a_bounded_share_of_the_time(tmp_path):
-    from mpidist.loop.checkpointer import WRITER_SHARE, BehindWrite
+    from mpidist.loop.writer import WRITER_SHARE, BehindWrite
     write = BehindWrite(lambda: "path", (5, 0), spent=0.001)   # the copy's CPU
     assert write.result() == "path"
     assert write.spent >= 0.001
@@ -116,3 +116,28 @@ def test_a_run_checkpointing_every_step_writes_behind_and_ends_with_its_last_ste
     for index, (kind, step) in enumerate(order):
         if kind == "checkpoint":
             assert ("step", step) in order[:index]
+
+
+class PartsUnderWay:
+    """A sharded checkpoint begun at ``step`` (stands in for ShardedWrite): completing it gives its index."""
+
+    def __init__(self, step, path):
+        self.where, self.path, self.writing, self.completed = (step, 0), path, False, 0
+
+    def complete(self):
+        self.completed += 1
+        return self.path
+
+
+def test_a_sharded_checkpoint_behind_training_completes_at_the_first_boundary_whose_flags_postdate_it(tmp_path):
+    writer = checkpointer(tmp_path)
+    parts = writer.behind.parts = PartsUnderWay(5, tmp_path / "ckpt-5.h5")
+    idle, syncing = {"writing": 0}, {"writing": 1}
+    assert writer.at_boundary(6, idle) == [] and not parts.completed   # (flags posted before the write began)
+    assert writer.at_boundary(7, syncing) == [] and not parts.completed   # (a rank still syncing its part)
+    assert writer.at_boundary(8, idle) == [(tmp_path / "ckpt-5.h5", 5, 0)] and parts.completed == 1
+    assert writer.behind.parts is None and writer.last == tmp_path / "ckpt-5.h5"
+    # the index is written at 8: no checkpoint starts there, nor at 9 (whose flags predate the index's write)
+    assert not writer.starts_at(8, due=True, busy=False) and not writer.starts_at(9, due=True, busy=False)
+    assert writer.starts_at(10, due=True, busy=False)
+    assert writer.at_boundary(11, idle) == [] and parts.completed == 1

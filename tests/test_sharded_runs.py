@@ -17,7 +17,7 @@ from conftest import checkpoint_at, events, mpidist, rank_pids, start_mpidist, w
 from mpidist.store import checkpoint, sharded
 
 TRAIN = ["train", "--data", "digits", "--model", "mlp:16,16", "--batch-size", "32", "--dtype", "float64",
-         "--eval-every", "0", "--progress", "none", "--seed", "3"]
+         "--eval-every", "0", "--progress", "none", "--seed", "3", "--checkpoint-wait"]
 LAYOUTS = {"pipeline": (2, ["--strategy", "pipeline", "--stages", "2"]),
            "tensor": (2, ["--strategy", "allreduce", "--tensor", "2"]),
            "pipeline x data": (4, ["--strategy", "pipeline", "--stages", "2"])}
@@ -92,13 +92,47 @@ def test_a_parts_folder_no_index_names_is_removed_at_the_next_start(tmp_path):
     assert events(directory / "run" / "metrics.jsonl", "checkpoint")
 
 
+def test_checkpoints_written_behind_training_are_each_whole_when_logged_and_leave_no_stray_parts(tmp_path):
+    # a checkpoint due every step, not waited for: each rank syncs its part in a thread, and the chief writes the
+    # index at a later step boundary, once every rank said its part is on disk
+    ck, metrics = tmp_path / "ck", tmp_path / "run" / "metrics.jsonl"
+    flags = [arg for arg in TRAIN if arg != "--checkpoint-wait"]
+    done, _ = mpidist(2, *flags, *LAYOUTS["pipeline"][1], "--run-dir", str(tmp_path / "run"), "--checkpoint-dir",
+                      str(ck), "--checkpoint-every", "1", "--keep", "3", "--steps", "60", timeout=120,
+                      env={"MPIDIST_TEST_DELAY": "*:0.03"})
+    assert done.returncode == 0, done.stderr
+    logged = [event["step"] for event in events(metrics, "checkpoint")]
+    # the writer rests between writes (a bounded share of the time): not every step, but during the run too
+    assert len(logged) >= 3 and logged == sorted(set(logged)) and logged[-1] == 60, logged
+    indexes = sorted(ck.glob("ckpt-*.h5"))
+    assert [int(p.name[5:13]) for p in indexes] == logged[-3:]
+    for index in indexes:
+        with h5py.File(index, "r") as handle:
+            assert sharded.verify(index, handle) is None
+    assert folders(ck) == sorted(sharded.named_folders(ck))   # (the pruned checkpoints' parts went with them)
+    assert not [p.name for p in ck.rglob(".*tmp-*")]
+
+
+def test_keep_best_of_a_split_model_keeps_the_parts_its_index_names_and_no_others(tmp_path):
+    ck, metrics = tmp_path / "ck", tmp_path / "run" / "metrics.jsonl"
+    done, _ = mpidist(2, *TRAIN, *LAYOUTS["pipeline"][1], "--run-dir", str(tmp_path / "run"), "--checkpoint-dir",
+                      str(ck), "--epochs", "4", "--val-fraction", "0.2", "--eval-every", "1", "--keep-best",
+                      "val_loss", "--keep", "1", "--checkpoint-every", "5", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len(events(metrics, "best")) >= 2   # (a best replaced: the parts only it named must go with it)
+    best = ck / "best-run.h5" if (ck / "best-run.h5").exists() else next(ck.glob("best-*.h5"))
+    with h5py.File(best, "r") as handle:
+        assert sharded.verify(best, handle) is None
+    assert len(list(ck.glob("*.h5"))) == 2 and folders(ck) == sorted(sharded.named_folders(ck))
+
+
 def test_a_rank_killed_while_the_parts_are_written_ends_the_job_and_the_run_resumes_from_a_whole_checkpoint(
         tmp_path):
     # a checkpoint every step, each written by both stages: the kill lands in a write or between two, and either
     # way no index names a part that is not whole
     ck, metrics = tmp_path / "ck", tmp_path / "run" / "metrics.jsonl"
     flags = [*TRAIN, *LAYOUTS["pipeline"][1], "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(ck),
-             "--log-every", "1", "--checkpoint-every", "1", "--checkpoint-wait"]
+             "--log-every", "1", "--checkpoint-every", "1"]
     launcher = start_mpidist(2, *flags, "--epochs", "50", env={"MPIDIST_TEST_DELAY": "*:0.03"})
     wait_for_step(metrics, 5, launcher)
     os.kill(rank_pids(launcher)[1], signal.SIGKILL)

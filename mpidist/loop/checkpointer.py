@@ -8,15 +8,15 @@ workers): a step that passes a multiple of ``--checkpoint-every``, or
 passed in) and tested without MPI.
 """
 
-import threading
 import time
 
 import numpy as np
 
 from ..data.fingerprint import fingerprint
-from ..store import bulk, checkpoint
+from ..store import bulk, checkpoint, sharded
 from ..store.lineage import CheckpointDir
 from . import sharded_save
+from .writer import BehindWrite
 
 
 class CheckpointSchedule:
@@ -110,6 +110,9 @@ class Checkpointer:
         """
         assert self.last_step == step, f"the checkpoint of step {step} is not the last written"
         self.best = checkpoint.keep_as(self.last, f"best-{self.lineage or 'run'}.h5")
+        # (the best it replaced may have been the last to name a pruned sharded checkpoint's parts; nothing is
+        # being written now: take() completed every write)
+        sharded.remove_unnamed_folders(self.config.checkpoint_dir)
         return self.best
 
     def write(self, state, step, epoch, epoch_step, workers, best=None):
@@ -133,23 +136,61 @@ class Checkpointer:
         chief, (step, epoch) = cluster.is_chief, where[:2]
         if placed is None and chief and behind:
             return self.write_behind(state, *where, best=best)
-        done = self.collect(wait=True) if chief else []
+        done = self.complete_parts()   # (collective where the model is split: a sharded write under way ends)
+        done += self.collect(wait=True) if chief else []
         if placed is not None:
-            path = self.write_sharded(cluster.world, placement, *placed, where, cluster.chief_rank, best)
-        elif chief:
-            path = self.write(state, *where, best=best)
-        return done + [(path, step, epoch)] if chief else []
+            return done + self.write_sharded(cluster.world, placement, *placed, where, cluster.chief_rank, best,
+                                             behind and not self.config.elastic)
+        if chief:
+            done.append((self.write(state, *where, best=best), step, epoch))
+        return done
 
-    def write_sharded(self, comm, placement, arrays, optimizer_steps, where, root, best=None):
+    def write_sharded(self, comm, placement, arrays, optimizer_steps, where, root, best=None, behind=False):
         """Collective over ``comm``: the checkpoint of ``where`` (``(step, epoch, epoch_step, workers)``) written
-        by the ranks that hold the model, each its own slices (:mod:`mpidist.loop.sharded_save`); pruned by
-        ``root``, the chief, which gets the index's path (None elsewhere)."""
-        if comm.Get_rank() == root:   # (a write behind in flight was collected, and logged, by take)
+        by the ranks that hold the model, each its own slices (:mod:`mpidist.loop.sharded_save`), and pruned by
+        ``root``, the chief; what it completed (as :meth:`take`).  ``behind``: the parts are synced and the index
+        written in threads, and a later step boundary completes it (:meth:`at_boundary`).  Never under
+        ``--elastic``: completing it is collective, and a lost rank would leave it half done."""
+        if comm.Get_rank() == root:
             self._take_fingerprint()
-        path = sharded_save.write_sharded(self, comm, placement, arrays, optimizer_steps, where, root, best)
-        if path is not None:
-            self._written(path, where[0])
-        return path
+        self.behind.parts = write = sharded_save.ShardedWrite(self, comm, placement, arrays, optimizer_steps, where,
+                                                              root, best, behind)
+        if not behind:
+            return self.complete_parts()
+        if write.part is not None:   # (this rank's syncing thread: busy while it rests, as a chief's write is)
+            self.behind.last = write.part
+        return []
+
+    @property
+    def writing(self):
+        """Whether this rank's part of a sharded checkpoint behind training is still being synced."""
+        return self.behind.parts is not None and self.behind.parts.writing
+
+    def at_boundary(self, step, flags):
+        """Lockstep, at every step boundary, with what the ranks agreed (``flags``, posted at the boundary
+        before): a sharded checkpoint whose parts every rank had synced is completed (collective; a boundary
+        one step after its start carries flags from before it began), and the chief collects a write behind
+        that finished.  Returns what was completed, as :meth:`take`."""
+        parts, done = self.behind.parts, []
+        if parts is not None and not flags["writing"] and step >= parts.where[0] + 2:
+            done = self.complete_parts()
+            self.behind.started_at = step   # (the index is written now: no checkpoint starts at this step)
+        return done + self.collect()
+
+    def settle(self):
+        """Collective after the last step: what is written behind training is completed and collected."""
+        return self.complete_parts() + self.collect(wait=True)
+
+    def complete_parts(self):
+        """Collective where a sharded checkpoint is under way (:meth:`write_sharded`): complete it; as :meth:`take`."""
+        write, self.behind.parts = self.behind.parts, None
+        result = write.complete() if write is not None else None
+        if isinstance(result, BehindWrite):   # (the chief's index, written behind training: collect() takes it)
+            self.behind.flight = self.behind.last = result
+        elif result is not None:
+            self._written(result, write.where[0])
+            return [(result, *write.where[:2])]
+        return []
 
     def _take_fingerprint(self):
         """The dataset's fingerprint, taken once, in the training thread (a write behind finds it taken)."""
@@ -175,7 +216,8 @@ class Checkpointer:
     @property
     def busy(self):
         """Whether the writer behind training is not free (on the chief; never elsewhere): a write in flight,
-        or the rest after one that keeps writing within :data:`WRITER_SHARE` of the chief's time."""
+        or the rest after one that keeps writing within :data:`~mpidist.loop.writer.WRITER_SHARE` of the chief's
+        time."""
         last = self.behind.last
         return last is not None and (last.is_alive() or time.monotonic() < last.free_at())
 
@@ -232,21 +274,15 @@ class Checkpointer:
         return [(path, *behind.where)]
 
 
-#: the share of the chief's time (one core's) writing behind training may take, its copy included: after a
-#: write that cost C seconds of CPU the writer rests until C / WRITER_SHARE seconds after the write began, so
-#: ``--checkpoint-every 1`` writes as often as that allows (without: 25% of the samples/s of mlp-wide on 2
-#: ranks of a 2-core machine, each checkpoint costing 2.6 ms of CPU against 7 ms steps)
-WRITER_SHARE = 0.025
-
-
 class Behind:
     """What writing behind training keeps: the write in flight (and the last one started), the arrays it copies
     the state into, a checkpoint that came due while the writer was busy (``owed``), the step the last write
-    behind started at."""
+    behind started at, and a sharded checkpoint whose parts are being synced."""
 
     def __init__(self):
         self.flight = self.last = None
         self.staging, self.owed, self.started_at = Staging(), False, None
+        self.parts = None   # a sharded checkpoint under way (:class:`~mpidist.loop.sharded_save.ShardedWrite`)
 
 
 class Staging:
@@ -263,43 +299,3 @@ class Staging:
             kept = self.arrays[key] = bulk.aligned_empty(array.shape, array.dtype)   # (written around the cache)
         np.copyto(kept, array)
         return kept
-
-
-class BehindWrite:
-    """One checkpoint written by a thread of its own; :meth:`result` is its path, or raises what it raised.
-
-    Args:
-        work: writes the checkpoint, returns its path.
-        where: ``(step, epoch)`` of the checkpoint.
-        spent: CPU seconds the training thread spent on it already (the copy).
-    """
-
-    def __init__(self, work, where, spent=0.0):
-        self.step, self.where = where[0], where
-        self.began, self.spent = time.monotonic(), spent
-        self._path, self._error = None, None
-        # (a daemon: a job that aborts does not wait for it; its file stays aside, for the next run to remove)
-        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True, name="mpidist-checkpoint")
-        self._thread.start()
-
-    def _run(self, work):
-        began = time.thread_time()
-        try:
-            self._path = work()
-        except BaseException as err:   # (raised again in the training thread, by result())
-            self._error = err
-        finally:
-            self.spent += time.thread_time() - began
-
-    def free_at(self):
-        """When (monotonic) the writer is free again after this write: its cost spread at :data:`WRITER_SHARE`."""
-        return self.began + self.spent / WRITER_SHARE
-
-    def is_alive(self):
-        return self._thread.is_alive()
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._path

@@ -313,10 +313,9 @@ class Training:
             checkpointer = self.checkpointer
             schedule = checkpointer.schedule   # the time is the chief's, agreed at the boundary
             flags = stops.agreement.boundary(requested, self.chief and schedule.timed(checkpointer.clock()),
-                                             checkpointer.busy)
+                                             checkpointer.busy, checkpointer.writing)
             stops.early = bool(flags["signal"]) and position.step < steps_to_run
-            if self.chief:
-                self._log_written(checkpointer.collect())
+            self._log_written(checkpointer.at_boundary(position.step, flags))
             due = schedule.crossed(position.step) or flags["due"]
             if not config.checkpoint_wait:   # (a checkpoint due while one is written waits for the writer)
                 due = checkpointer.starts_at(position.step, due, flags["busy"])
@@ -405,7 +404,8 @@ class Training:
             improved[0] = self.evaluations.best.offer(value, step)
         bcast(self.cluster.world, improved, root=self.cluster.chief_rank)
         if improved[0] and self.checkpointer.enabled:
-            self.save()
+            self.save()   # (taken already where this step's checkpoint was due: then it may be under way)
+            self._log_written(self.checkpointer.settle())
             if self.chief:
                 path = self.checkpointer.keep_best(step)
                 self.outputs.log.write("best", step=step, epoch=self.position.epoch + 1,
@@ -425,8 +425,7 @@ class Training:
         stopped_early = flags["early"] and flags["signal"] == EARLY_STOP
         write_failed = flags["signal"] == WRITE_FAILED
         stopped = flags if flags["signal"] and flags["early"] and not (stopped_early or write_failed) else {}
-        if self.chief:   # (a write behind in flight: its event before the end's)
-            self._log_written(self.checkpointer.collect(wait=True))
+        self._log_written(self.checkpointer.settle())   # (a write behind in flight: its event before the end's)
         elapsed = self.window.elapsed()   # (training time: the final evaluation and checkpoint are not in it)
         if not (stopped or stops.diverged or write_failed):   # (a stopping job has no time to spare)
             for split in self._missing_splits():

@@ -132,21 +132,23 @@ class StepAgreement:
 
     Flags (int64, combined with MAX): ``signal`` (the signal's number),
     ``rank`` (1 + the rank that saw it), ``due`` (a timed checkpoint is
-    due, as the chief's clock says) and ``busy`` (the chief is still writing
-    a checkpoint behind training).
+    due, as the chief's clock says), ``busy`` (a rank's writer behind
+    training is not free for the next checkpoint) and ``writing`` (a rank is
+    still syncing its part of a sharded checkpoint).
     """
 
-    FIELDS = ("signal", "rank", "due", "busy")
+    FIELDS = ("signal", "rank", "due", "busy", "writing")
 
     def __init__(self, comm):
         self.comm = comm.Dup()   # its own context: never matched against the strategy's collectives
         self._flags = np.zeros(len(self.FIELDS), dtype=np.int64)   # this rank's, then (in place) every rank's max
         self._pending = None
 
-    def boundary(self, signal_number=0, due=False, busy=False):
+    def boundary(self, signal_number=0, due=False, busy=False, writing=False):
         """Post this rank's flags; returns the flags all ranks posted at the previous boundary (a dict)."""
         agreed = self._collect()
-        self._flags[...] = (signal_number, self.comm.Get_rank() + 1 if signal_number else 0, int(due), int(busy))
+        self._flags[...] = (signal_number, self.comm.Get_rank() + 1 if signal_number else 0, int(due), int(busy),
+                            int(writing))
         self._pending = mpi.iallreduce(self.comm, self._flags, MPI.MAX)
         return agreed
 

@@ -57,21 +57,36 @@ def write_part(path, rows, arrays):
 
     Written aside, synced and renamed into place; returns ``{"bytes", "sha256"}`` of the file.
     """
-    path = Path(path)
-    with atomic.replacing(path) as aside:
-        with h5py.File(aside, "w") as handle:
-            handle.attrs["format"] = FORMAT
-            handle.create_dataset(REGIONS, data=np.asarray(rows, dtype=np.int64))
-            for key, values in arrays.items():
-                pieces = values if isinstance(values, (list, tuple)) else [values]
-                dtype = pieces[0].dtype if pieces else np.float64
-                dataset = handle.create_dataset(key, shape=(sum(len(piece) for piece in pieces),), dtype=dtype)
-                at = 0
-                for piece in pieces:
-                    if len(piece):
-                        dataset[at:at + len(piece)] = np.ascontiguousarray(piece)
-                    at += len(piece)
-    return {"bytes": path.stat().st_size, "sha256": checksum(path)}
+    aside = atomic.aside_path(path)
+    try:
+        write_part_aside(aside, rows, arrays)
+        return commit_part(aside, path)
+    finally:
+        atomic.remove_aside(aside)
+
+
+def write_part_aside(aside, rows, arrays):
+    """:func:`write_part`'s first half: the part's content in the file ``aside``, handed to the operating
+    system but not yet synced (a copy in the page cache: the caller's arrays may change once this returns)."""
+    with h5py.File(aside, "w") as handle:
+        handle.attrs["format"] = FORMAT
+        handle.create_dataset(REGIONS, data=np.asarray(rows, dtype=np.int64))
+        for key, values in arrays.items():
+            pieces = values if isinstance(values, (list, tuple)) else [values]
+            dtype = pieces[0].dtype if pieces else np.float64
+            dataset = handle.create_dataset(key, shape=(sum(len(piece) for piece in pieces),), dtype=dtype)
+            at = 0
+            for piece in pieces:
+                if len(piece):
+                    dataset[at:at + len(piece)] = np.ascontiguousarray(piece)
+                at += len(piece)
+
+
+def commit_part(aside, path):
+    """:func:`write_part`'s second half (a thread may do it while training goes on): ``aside`` synced and
+    renamed to ``path``; returns ``{"bytes", "sha256"}`` of the file."""
+    atomic.commit(aside, path)
+    return {"bytes": Path(path).stat().st_size, "sha256": checksum(path)}
 
 
 def checksum(path):
@@ -249,10 +264,11 @@ def parts_folder(index, token):
 FOLDER = re.compile(r"(?:ckpt|best)-.+\.parts-[0-9a-f]{1,32}")
 
 
-def named_folders(directory):
-    """The parts folders the indexes in ``directory`` name (an index that cannot be read names none)."""
+def named_folders(directory, pattern="*.h5"):
+    """The parts folders the indexes in ``directory`` (those matching ``pattern``) name (an index that cannot
+    be read names none)."""
     named = set()
-    for index in Path(directory).glob("*.h5"):
+    for index in Path(directory).glob(pattern):
         try:
             with h5py.File(index, "r") as handle:
                 if handle.attrs.get("format") != FORMAT:
@@ -279,3 +295,28 @@ def remove_unnamed_folders(directory):
             remove_parts(folder)
             removed.append(folder.name)
     return sorted(removed)
+
+
+def remove_replaced_folders(directory, current, pruned):
+    """After the index ``current`` is in place and the indexes ``pruned`` were deleted: remove their parts
+    folders, and those of an earlier write under ``current``'s name, unless a ``best-*.h5`` index (a kept
+    link to a checkpoint's index) names them.  What :func:`remove_unnamed_folders` does after each write, for
+    a directory listing and a read of the best indexes rather than a read of every index; returns the names
+    removed."""
+    current = Path(current)
+    stems = {Path(index).stem for index in pruned} | {current.stem}
+    kept = named_folders(directory, "best-*.h5") | set(_named_by(current))
+    removed = []
+    for folder in Path(directory).iterdir():
+        stem, _, token = folder.name.rpartition(".parts-")
+        if stem in stems and token and FOLDER.fullmatch(folder.name) and folder.name not in kept \
+                and folder.is_dir():
+            remove_parts(folder)
+            removed.append(folder.name)
+    return sorted(removed)
+
+
+def _named_by(index):
+    with h5py.File(index, "r") as handle:
+        listed = json.loads(handle.attrs.get(PARTS, "[]"))
+    return [PurePosixPath(record["file"]).parts[0] for record in listed]
