@@ -195,10 +195,7 @@ def _evaluate(world, checkpoint_path, data, model, samples=0, stages=1, tensor=1
     with agreed(world):
         check_utf8(checkpoint_path, "eval CHECKPOINT", absolute=True)
         if split:   # (its arrays are read by slices once the layout exists)
-            saved = checkpoint.load(checkpoint_path, arrays=False)
-            trained = _trained(saved, data, model)
-            settings = split_model.layout_settings(trained.settings, ranks, stages, tensor, trained.model)
-            split_model.check_holds(settings, rank, ranks, trained.model)
+            saved, trained, settings = load_split(checkpoint_path, data, model, world, stages, tensor)
         else:
             trained = load_trained(checkpoint_path, data, model=model)
         info, net = trained.dataset, trained.model
@@ -291,6 +288,21 @@ def load_trained(checkpoint_path, data=None, *, model=None, data_given=None):
     # the parameters alone (no optimizer state), every part checked, read straight into the model's buffer
     saved.check_parts((0, 1)).restore(Placement.of_entries(net, 0, len(net.entries)), {"params": net.params})
     return trained
+
+
+def load_split(checkpoint_path, data, model, world, stages, tensor, data_given=None):
+    """:func:`load_trained` for a model split over the ranks of ``world`` as training splits it (``stages`` x
+    ``tensor``; see :mod:`mpidist.loop.split_model`): ``(checkpoint, trained, settings)``: the checkpoint, its
+    arrays not read (each rank reads its slices once its part exists), its :class:`Trained` (a map of shapes),
+    and the layout's settings, checked for the ranks and for what this rank may hold.  Local."""
+    from .loop import split_model
+
+    saved = checkpoint.load(checkpoint_path, arrays=False)
+    trained = _trained(saved, data, model, data_given)
+    ranks = world.Get_size()
+    settings = split_model.layout_settings(trained.settings, ranks, stages, tensor, trained.model)
+    split_model.check_holds(settings, world.Get_rank(), ranks, trained.model)
+    return saved, trained, settings
 
 
 def _trained(saved, data, model, data_given=None):

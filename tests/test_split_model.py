@@ -1,5 +1,5 @@
-"""Evaluating a model split over the ranks as training splits it (pipeline stages, tensor parts): each rank
-reads its part of the checkpoint, and the figures are the whole model's."""
+"""Evaluating and predicting with a model split over the ranks as training splits it (pipeline stages, tensor
+parts): each rank reads its part of the checkpoint, and the figures and outputs are the whole model's."""
 
 import io
 
@@ -44,6 +44,22 @@ def test_a_split_model_evaluates_as_the_whole_one_on_every_layout_the_ranks_allo
         assert split["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-12), (stages, tensor)
         assert split["test_accuracy"] == whole["test_accuracy"], (stages, tensor)
         np.testing.assert_array_equal(split["test_confusion"], whole["test_confusion"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_split_model_predicts_what_the_whole_one_does_on_every_layout_the_ranks_allow(trained, tmp_path):
+    path, _ = trained
+    world = MPI.COMM_WORLD
+    samples = np.random.default_rng(5).random((301, 8, 8))   # (plain samples: 301 rows, in blocks of no even size)
+    whole = mpidist.predict(path, samples, comm=world)
+    for stages, tensor in layouts(world.Get_size()):
+        split = mpidist.predict(path, samples, comm=world, stages=stages, tensor=tensor)
+        assert split.samples == 301
+        if world.Get_rank() == 0:   # (the same outputs, gathered in input order from each replica's last stage)
+            np.testing.assert_allclose(split.probabilities, whole.probabilities, rtol=0, atol=1e-6)
+            np.testing.assert_array_equal(split.classes, whole.classes)
+    labelled = mpidist.predict(path, comm=world, stages=world.Get_size())   # (the test split: its accuracy)
+    assert labelled.figures["accuracy"] == mpidist.predict(path, comm=world).figures["accuracy"]
 
 
 @pytest.mark.mpi(min_size=2)

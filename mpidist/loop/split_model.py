@@ -1,6 +1,7 @@
-"""Evaluating a model no rank can hold: split across the ranks as training splits it, each rank reading its part.
+"""Evaluating and predicting with a model no rank can hold: split across the ranks as training splits it, each
+rank reading its part.
 
-``eval --stages S`` (and ``--tensor T``) builds the layout training builds
+``eval --stages S`` (and ``--tensor T``, and ``predict`` with the same flags) builds the layout training builds
 for ``--strategy pipeline --stages S --tensor T`` (or ``allreduce --tensor
 T``) from the checkpoint's settings: every rank makes the buffers of its
 stage or part alone, checks its share of a sharded checkpoint's parts, reads
@@ -82,3 +83,19 @@ def evaluate(strategy, saved, batches, world):
     figures = strategy.evaluate(batches)
     chief = strategy.cluster.chief_rank   # (a pipeline's figures are the chief's: its last stage sent them there)
     return world.bcast(figures if world.Get_rank() == chief else None, root=chief)
+
+
+def gives_outputs(strategy):
+    """Whether this rank gives its replica's outputs (:func:`outputs`): the last stage's first tensor part."""
+    last = not isinstance(strategy, PipelineStrategy) or strategy.layout.is_last
+    return last and (strategy.tensor is None or strategy.tensor.part == 0)
+
+
+def outputs(strategy, x):
+    """Collective over this rank's replica: the model's outputs on the batch ``x`` where this rank
+    :func:`gives_outputs` them (a device or host array), else None."""
+    if isinstance(strategy, PipelineStrategy):
+        out = strategy.forward_only(x)
+    else:   # (a tensor group's parts all end with the whole outputs)
+        out = strategy.model.forward(strategy.model.xp.asarray(x), training=False)
+    return out if gives_outputs(strategy) else None

@@ -334,21 +334,29 @@ class PipelineStrategy(Strategy):
             mpi.recv(cluster.world, values, last, tag)
         return values
 
+    def forward_only(self, x):
+        """Collective over this rank's replica: the whole model's outputs on the batch ``x`` (every stage is
+        given the batch, of which the first reads the samples, the others the count), on the last stage's ranks;
+        None on the others."""
+        layout, model = self.layout, self.model
+        inp = model.xp.asarray(x) if layout.is_first else self.links.recv(
+            model.xp.empty((len(x),) + layout.in_shape, dtype=model.dtype), layout.stage - 1, 0)
+        out = model.forward(inp, training=False)
+        if layout.is_last:
+            return out
+        request, _ = self.links.isend(model.xp.ascontiguousarray(out), layout.stage + 1, 0)
+        request.Wait()
+        return None
+
     def evaluate(self, batches):
         """Forward-only pipeline over this replica's test chunks; the chief gets the sums' figures (others: NaN)."""
         scoring, layout, model = self.scoring, self.layout, self.model   # (the whole model's outputs: the last stage's)
         totals = scoring.zeros()
         for x, y in batches:
-            x = model.xp.asarray(x)
-            inp = x if layout.is_first else self.links.recv(
-                model.xp.empty((len(x),) + layout.in_shape, dtype=model.dtype), layout.stage - 1, 0)
-            out = model.forward(inp, training=False)
-            if layout.is_last:
+            out = self.forward_only(x)
+            if out is not None:
                 y = model.xp.asarray(y)
                 scoring.add(totals, out, y, float(self.loss.forward(out, y)), model.xp)
-            else:
-                request, _ = self.links.isend(model.xp.ascontiguousarray(out), layout.stage + 1, 0)
-                request.Wait()
         if layout.is_last and layout.replicas > 1:
             totals = mpi.sum_float64(self.links.peers, totals)
         return scoring.figures(self._to_chief(np.asarray(totals, dtype=np.float64), tag=78))

@@ -67,12 +67,7 @@ def build_parser():
     evaluate.add_argument("--eval-samples", type=int, default=0, metavar="N",
                           help="evaluate N rows of the test split, evenly spread, the same every time (default: 0 = "
                           "all)")
-    evaluate.add_argument("--stages", type=int, default=1, metavar="S",
-                          help="split the model into S pipeline stages, as training does, for a model no rank can "
-                          "hold: each rank reads only its part of the checkpoint (S x T divides the ranks; "
-                          "default: 1, every rank loads the whole model)")
-    evaluate.add_argument("--tensor", type=int, default=1, metavar="T",
-                          help="split each stage's layers into T tensor parts, as training does (default: 1)")
+    add_split_flags(evaluate)
 
     predict = sub.add_parser("predict", help="write a checkpoint's predictions on new samples, in input order",
                              description="Apply a checkpoint to samples, each rank its own block of rows, and "
@@ -90,6 +85,7 @@ def build_parser():
                          "is replaced once the new one is whole)")
     predict.add_argument("--model", default=None, help="model spec or builder (default: the one the checkpoint "
                          "names; its code is imported: use only checkpoints you trust)")
+    add_split_flags(predict)
 
     ingest = sub.add_parser("ingest", help="write a dataset in the mpidist HDF5 layout",
                             description="Write a dataset in the mpidist HDF5 layout from a .npz or .csv file "
@@ -256,11 +252,21 @@ def eval_text(checkpoint, figures):
     return "\n".join(lines)
 
 
+def add_split_flags(parser):
+    """``--stages`` and ``--tensor`` of ``eval`` and ``predict``: the model split as training splits it."""
+    parser.add_argument("--stages", type=int, default=1, metavar="S",
+                        help="split the model into S pipeline stages, as training does, for a model no rank can "
+                        "hold: each rank reads only its part of the checkpoint (S x T divides the ranks; "
+                        "default: 1, every rank loads the whole model)")
+    parser.add_argument("--tensor", type=int, default=1, metavar="T",
+                        help="split each stage's layers into T tensor parts, as training does (default: 1)")
+
+
 def cmd_predict(args, world):
     from .predictions import predict
 
     result = predict(args.checkpoint, data=args.data, output=args.output, model=args.model, comm=world,
-                     split=args.split)
+                     split=args.split, stages=args.stages, tensor=args.tensor)
     if world.Get_rank() == 0:
         print(result.summary())
     return EXIT_OK

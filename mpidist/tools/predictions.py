@@ -11,7 +11,9 @@ left waiting.
 
 Rank ``r`` of ``W`` reads one contiguous block of rows (the first ``N % W``
 ranks one more), runs ``model.forward(training=False)`` over it in batches of
-:data:`BATCH`, and the outputs are gathered to rank 0 with one ``Gatherv``
+:data:`BATCH` (a model split as training splits it, ``stages`` x ``tensor``:
+each replica its block, through its stages, :mod:`mpidist.loop.split_model`),
+and the outputs are gathered to rank 0 with one ``Gatherv``
 (:func:`mpidist.runtime.comm.gatherv`: buffers, no pickle), in input order.  Rank 0
 writes the output file aside and renames it into place
 (:func:`mpidist.store.outputs.claimed`), so an existing file is replaced only by a
@@ -33,7 +35,8 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from ..api import load_trained
+from ..api import load_split, load_trained
+from ..loop import split_model
 from ..data.layout import SUFFIXES
 from ..runtime import comm as mpi
 from ..runtime.agreement import agreed, ends_the_job_on_error
@@ -95,7 +98,7 @@ class Predictions:
         return line
 
 
-def predict(checkpoint_path, data=None, output=None, *, model=None, comm=None, split="test"):
+def predict(checkpoint_path, data=None, output=None, *, model=None, comm=None, split="test", stages=1, tensor=1):
     """Predict with a checkpoint on new samples, each rank its own block, and write the predictions in input order.
 
     Every rank calls it with the same arguments.
@@ -110,6 +113,10 @@ def predict(checkpoint_path, data=None, output=None, *, model=None, comm=None, s
         model: the model, where its checkpoint cannot name it; default: the spec the checkpoint stores.
         comm: the communicator whose ranks predict together (default ``MPI.COMM_WORLD``).
         split: the split of a dataset: ``"test"``, ``"train"`` or ``"val"`` (where the file has one).
+        stages, tensor: split the model over the ranks as training does (``--stages``, ``--tensor``; see
+            :mod:`mpidist.loop.split_model`), for a model no rank can hold: each rank reads only its part of
+            the checkpoint, each replica (``ranks / (stages x tensor)``) predicts a block of rows, and its last
+            stage's outputs go to rank 0.  1 and 1 (the default): every rank loads the whole model.
 
     Returns:
         :class:`Predictions` on every rank, its arrays on rank 0.  Bad input raises
@@ -123,11 +130,12 @@ def predict(checkpoint_path, data=None, output=None, *, model=None, comm=None, s
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
     with LocalWatch(here(), Settings.stall_timeout, world.Get_rank()):
-        return _predict(world, checkpoint_path, data, output, model, split)
+        return _predict(world, checkpoint_path, data, output, model, split, (stages, tensor))
 
 
-def _predict(world, checkpoint_path, data, output, model, split):
+def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
     rank, size = world.Get_rank(), world.Get_size()
+    split_up, saved = layout != (1, 1), None
     claiming = contextlib.ExitStack()   # rank 0's file written aside, removed unless renamed into place
     with claiming:
         with agreed(world):
@@ -136,7 +144,11 @@ def _predict(world, checkpoint_path, data, output, model, split):
             check_utf8(data, "predict --data")
             reader = reader_for(data, split)
             # the model is built for the dataset predicted, or for plain samples the one it trained on
-            trained = load_trained(checkpoint_path, reader.dataset_for, model=model, data_given=reader.given)
+            if split_up:   # (its arrays are read by slices once the layout exists)
+                saved, trained, settings = load_split(checkpoint_path, reader.dataset_for, model, world, *layout,
+                                                      data_given=reader.given)
+            else:
+                trained = load_trained(checkpoint_path, reader.dataset_for, model=model, data_given=reader.given)
             check_utf8(reader.data, "predict --data")      # (as the file records it: absolute)
             net = trained.model
             if rank == 0:
@@ -147,7 +159,8 @@ def _predict(world, checkpoint_path, data, output, model, split):
                 raise UsageError(f"predict writes one class per sample, and model {trained.spec} classifies each "
                                  f"position of a sequence (outputs {tuple(net.output_shape)} per sample): load it "
                                  "with mpidist.api.load_trained and call model.forward for its outputs")
-            counts, starts = blocks(reader.samples, size)
+            share, shares = split_model.data_share(rank, size, *layout)   # (a replica's ranks: the same rows)
+            counts, starts = blocks(reader.samples, shares)
             width = int(np.prod(net.output_shape, dtype=np.int64))
             if reader.samples * width > GATHER_LIMIT:
                 raise UsageError(f"{reader.where}: {reader.samples:,} samples of {width:,} outputs are more values "
@@ -161,25 +174,32 @@ def _predict(world, checkpoint_path, data, output, model, split):
                 if target is not None:
                     claim = claiming.enter_context(claimed(target, "the predictions"))   # unwritable: fails now
         _agree_on_sizes(world, reader.samples, width)
+        forward = (lambda x: _forward(net, x, width)) if saved is None else \
+            SplitForward(world, saved, settings, net, reader.info, width)
+        givers = _givers(world, forward)
         # rows are read and predicted a part at a time (the memory of a part, whatever the input's size); every
         # rank takes as many parts, so each read is agreed on: bad rows end every rank cleanly, output untouched
         part = max(1, PART_BYTES // (8 * int(np.prod(reader.info.sample_shape))))
         outputs, targets = [], []
         for lo in range(0, max(counts) or 1, part):
             with agreed(world):
-                begin, end = starts[rank] + min(lo, counts[rank]), starts[rank] + min(lo + part, counts[rank])
+                begin, end = starts[share] + min(lo, counts[share]), starts[share] + min(lo + part, counts[share])
                 x, y = reader.read(begin, end, net)
             with ends_the_job_on_error(world):
-                outputs.append(_forward(net, x, width))
-                targets.append(y)
+                outputs.append(forward(x))
+                targets.append(None if y is None else y[:len(outputs[-1])])   # (no outputs here: no targets)
         with ends_the_job_on_error(world):
+            if saved is not None:
+                forward.free()
             mine = np.concatenate(outputs)
             classification = reader.info.num_classes > 0
             y = None if targets[0] is None else np.concatenate(targets)
             figures = _figures(world, mine, y, classification) if y is not None else {}
             here().enter("gather")
             gathered = np.empty((reader.samples, width), dtype=mine.dtype) if rank == 0 else None
-            mpi.gatherv(world, mine, gathered, [c * width for c in counts], [s * width for s in starts], root=0)
+            owner = [split_model.data_share(r, size, *layout)[0] for r in range(size)]   # (each rank's block)
+            mpi.gatherv(world, mine, gathered, [counts[owner[r]] * width * givers[r] for r in range(size)],
+                        [starts[owner[r]] * width for r in range(size)], root=0)
         result = Predictions(samples=reader.samples, output=target, model=trained.spec, step=trained.step,
                              task="classification" if classification else "regression", source=reader.source,
                              class_names=_names(reader.info), figures=figures)
@@ -221,6 +241,45 @@ def _forward(net, x, width):
     for lo in range(0, len(x), BATCH):
         out[lo:lo + BATCH] = to_host(net.forward(xp.asarray(x[lo:lo + BATCH]), training=False)).reshape(-1, width)
     return out
+
+
+class SplitForward:
+    """``forward(x)`` for a model split over the ranks (collective over a replica): the outputs on the rank that
+    gives its replica's (``(len(x), width)``, host), an empty ``(0, width)`` array on the others."""
+
+    def __init__(self, world, saved, settings, net, info, width):
+        from ..runtime.cluster import build_cluster
+
+        with agreed(world):   # (a part whose checksum differs: one message, every rank exits 2)
+            saved.check_parts((world.Get_rank(), world.Get_size()))
+        with ends_the_job_on_error(world):
+            self.cluster = build_cluster(world)
+            self.strategy = split_model.split_strategy(settings, net, info, self.cluster)
+            self.strategy.restore(saved)
+        self.gives, self.width, self.dtype = split_model.gives_outputs(self.strategy), width, net.dtype
+
+    def __call__(self, x):
+        from ..runtime.xp import to_host
+
+        here().enter("compute")
+        out = np.empty((len(x) if self.gives else 0, self.width), dtype=self.dtype)
+        for lo in range(0, len(x), BATCH):
+            part = split_model.outputs(self.strategy, x[lo:lo + BATCH])
+            if part is not None:
+                out[lo:lo + BATCH] = to_host(part).reshape(-1, self.width)
+        return out
+
+    def free(self):
+        self.strategy.free()
+        self.cluster.free()
+
+
+def _givers(world, forward):
+    """Which ranks give outputs to the gather (1 or 0 each): every rank, or one of each replica of a split model."""
+    mine = np.array([getattr(forward, "gives", True)], dtype=np.int64)
+    every = np.empty(world.Get_size(), dtype=np.int64)
+    mpi.allgather(world, mine, every)
+    return [int(flag) for flag in every]
 
 
 def _figures(world, outputs, y, classification):
