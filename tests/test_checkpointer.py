@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from mpidist.loop.checkpointer import Checkpointer, CheckpointSchedule
+from mpidist.parallel.saved_state import WholeState
 from mpidist.runtime.errors import RunError
 from mpidist.settings.config import Settings
 from mpidist.store import checkpoint
@@ -37,7 +38,7 @@ def checkpointer(directory, every=1):
 
 def state(value, size=1000):
     params = np.full(size, value, dtype=np.float32)
-    return params, {"m": params * 2, "v": params * 3}, 7
+    return WholeState(params, {"m": params * 2, "v": params * 3}, 7)
 
 
 def test_a_checkpoint_due_while_the_writer_is_busy_waits_for_it_and_several_become_one(tmp_path):
@@ -69,8 +70,9 @@ def test_after_a_write_the_writer_rests_so_that_writing_takes_a_bounded_share_of
 
 def test_a_write_behind_holds_the_state_as_it_was_and_reports_once_done(tmp_path):
     writer = checkpointer(tmp_path)
-    params, optimizer, steps = state(1.0)
-    assert writer.write_behind((params, optimizer, steps), 5, 0, 5, 2) == []
+    whole = state(1.0)
+    params, optimizer = whole.params, whole.optimizer
+    assert writer.write_behind(whole, 5, 0, 5, 2) == []
     params[:] = 99.0   # training goes on: the checkpoint holds the state as it was copied
     optimizer["m"][:] = 99.0
     kept = writer.behind.staging.arrays["params"]

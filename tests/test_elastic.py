@@ -379,10 +379,9 @@ def test_ps_sync_survivor_state_is_the_state_at_the_chiefs_step():
         strategy.train_step(*args, step)
     state = strategy.survivor_state(cluster, 1)      # the chief had finished step 1 only
     if cluster.is_chief:
-        params, arrays, steps = state
-        np.testing.assert_allclose(params, after_one[0], rtol=1e-9)
-        np.testing.assert_allclose(arrays["m"], after_one[1], rtol=1e-9, atol=1e-15)
-        assert steps == 1
+        np.testing.assert_allclose(state.params, after_one[0], rtol=1e-9)
+        np.testing.assert_allclose(state.optimizer["m"], after_one[1], rtol=1e-9, atol=1e-15)
+        assert state.steps == 1
     else:
         assert state is None
 

@@ -12,6 +12,7 @@ import pytest
 from mpidist.loop.callbacks import EarlyStopping
 from mpidist.loop.elastic import State
 from mpidist.loop.evaluations import Evaluations
+from mpidist.parallel.saved_state import WholeState
 from mpidist.loop.outputs import Outputs, trace_file
 from mpidist.loop.position import Position
 from mpidist.loop.report import Report
@@ -220,7 +221,7 @@ def test_the_elastic_state_restores_the_chiefs_position_and_syncs_its_state_as_a
     position = Position(30, 2, 4)
     state = State(config, position)
     params = np.arange(5, dtype=np.float32)
-    held = (params, {"m": params * 2, "v": params * 3}, 9)
+    held = WholeState(params, {"m": params * 2, "v": params * 3}, 9)
     strategy = Strategy(held)
     setup = types.SimpleNamespace(model=types.SimpleNamespace(num_params=5, dtype=np.float32), steps_per_epoch=10)
     cluster = types.SimpleNamespace(chief_rank=0)

@@ -101,7 +101,7 @@ def test_one_copy_per_node_trains_as_local_and_sends_the_rings_bound(optimizer, 
     # a checkpoint holds the whole optimizer state, gathered from the slices
     whole = strategy.state()
     if cluster.is_chief:
-        params, arrays, steps = whole
+        params, arrays, steps = whole.params, whole.optimizer, whole.steps
         np.testing.assert_allclose(params, expected[-1], rtol=1e-9, atol=1e-12)
         assert steps == STEPS and arrays.keys() == state.keys()
         for name in state:
@@ -135,7 +135,7 @@ def test_a_model_smaller_than_a_cache_line_per_rank_trains_as_local(shard):
         np.testing.assert_allclose(strategy.model.params, local.model.params, rtol=1e-9, atol=1e-12)
     whole = strategy.state()
     if cluster.is_chief:
-        np.testing.assert_allclose(whole[1]["v"], local.optimizer.state_arrays()["v"], rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(whole.optimizer["v"], local.optimizer.state_arrays()["v"], rtol=1e-9, atol=1e-15)
     strategy.free()
     cluster.free()
 

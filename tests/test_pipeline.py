@@ -104,7 +104,7 @@ def test_an_explicit_balance_places_the_layers_and_checkpoints_stay_whole():
     assert (strategy.first_layer, strategy.end_layer) == ((0, 5) if strategy.stage == 0 else (5, 7))
     state = strategy.state()
     if cluster.is_chief:
-        params, arrays, steps = state
+        params, arrays, steps = state.params, state.optimizer, state.steps
         np.testing.assert_allclose(params, reference.model.params, rtol=1e-9)
         np.testing.assert_allclose(arrays["m"], reference.optimizer.state_arrays()["m"], rtol=1e-9, atol=1e-15)
         assert steps == 3
@@ -113,8 +113,8 @@ def test_an_explicit_balance_places_the_layers_and_checkpoints_stay_whole():
                                lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64),
                                cluster, seed=3, stages=2, micro_batches=2, schedule_name="1f1b", balance=[5, 2],
                                global_batch=5)
-    resumed.initialize(Checkpoint(path=None, params=whole[0], optimizer_state=whole[1], optimizer_steps=whole[2],
-                                  step=3, epoch=0, epoch_step=3, config={}))
+    resumed.initialize(Checkpoint(path=None, params=whole.params, optimizer_state=whole.optimizer,
+                                  optimizer_steps=whole.steps, step=3, epoch=0, epoch_step=3, config={}))
     np.testing.assert_array_equal(resumed.model.params, strategy.model.params)
     np.testing.assert_array_equal(resumed.optimizer.state_arrays()["v"], strategy.optimizer.state_arrays()["v"])
     resumed.free()
@@ -158,9 +158,9 @@ def test_survivors_of_a_pipeline_agree_on_the_least_step_and_the_stages_ahead_ta
     lo, hi = strategy.param_lo, strategy.param_hi
     np.testing.assert_allclose(strategy.model.params, params[lo:hi], rtol=1e-9, atol=1e-12)
     if cluster.is_chief:
-        np.testing.assert_allclose(state[0], params, rtol=1e-9, atol=1e-12)
-        np.testing.assert_allclose(state[1]["m"], m, rtol=1e-9, atol=1e-15)
-        assert state[2] == 2
+        np.testing.assert_allclose(state.params, params, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(state.optimizer["m"], m, rtol=1e-9, atol=1e-15)
+        assert state.steps == 2
     assert not np.allclose(params, snapshots[2][0])   # (step 3 did change the model: the rewind is seen)
     strategy.free()
     cluster.free()

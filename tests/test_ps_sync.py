@@ -71,7 +71,7 @@ def test_ps_sync_gathers_the_sharded_optimizer_state_for_a_checkpoint_and_reload
     cluster, strategy, reference = run_ps_sync(num_ps, "adam")
     state = strategy.state()
     if cluster.is_chief:
-        params, arrays, steps = state
+        params, arrays, steps = state.params, state.optimizer, state.steps
         np.testing.assert_allclose(params, reference.model.params, rtol=1e-9)
         for name, array in reference.optimizer.state_arrays().items():
             np.testing.assert_allclose(arrays[name], array, rtol=1e-9, atol=1e-15)
@@ -80,8 +80,8 @@ def test_ps_sync_gathers_the_sharded_optimizer_state_for_a_checkpoint_and_reload
         assert state is None
     # a fresh ps-sync run resumed from the gathered state continues identically
     full = world.bcast(state, root=cluster.chief_rank)
-    ckpt = Checkpoint(path=None, params=full[0], optimizer_state=full[1], optimizer_steps=full[2], step=4, epoch=0,
-                      epoch_step=4, config={})
+    ckpt = Checkpoint(path=None, params=full.params, optimizer_state=full.optimizer, optimizer_steps=full.steps,
+                      step=4, epoch=0, epoch_step=4, config={})
     make = lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
     resumed = PsSyncStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3)
     resumed.initialize(ckpt)

@@ -42,14 +42,15 @@ def test_each_worker_holds_its_slice_of_the_state_and_a_checkpoint_holds_it_whol
         strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
     state = strategy.state()
     if cluster.is_chief:
-        params, arrays, steps = state
+        arrays, steps = state.optimizer, state.steps
         assert arrays["m"].shape == arrays["v"].shape == (count,) and steps == 2
         assert np.array_equal(arrays["m"][lo:hi], strategy.optimizer.state_arrays()["m"])
     whole = MPI.COMM_WORLD.bcast(state, root=0)
     again = _sharded(cluster, "adam")      # resumed, sharded the same way or another: each takes its slice
-    again.initialize(Checkpoint(path=None, params=whole[0], optimizer_state=whole[1], optimizer_steps=whole[2],
-                                step=2, epoch=0, epoch_step=2, config={}))
-    assert np.array_equal(again.optimizer.state_arrays()["v"], whole[1]["v"][lo:hi]) and again.optimizer.steps == 2
+    again.initialize(Checkpoint(path=None, params=whole.params, optimizer_state=whole.optimizer,
+                                optimizer_steps=whole.steps, step=2, epoch=0, epoch_step=2, config={}))
+    assert np.array_equal(again.optimizer.state_arrays()["v"], whole.optimizer["v"][lo:hi])
+    assert again.optimizer.steps == 2
     np.testing.assert_array_equal(again.model.params, strategy.model.params)
     for done in (strategy, again):
         done.free()

@@ -315,9 +315,10 @@ def test_allreduce_with_tensor_parts_trains_as_local_on_the_global_batch(name, t
     assert shared.size and all(np.array_equal(other, every[0]) for other in every)
     state = strategy.state()   # the whole model's, gathered on the chief
     if cluster.is_chief:
-        np.testing.assert_allclose(state[0], reference.model.params, rtol=1e-9, atol=ATOL)
-        np.testing.assert_allclose(state[1]["m"], reference.optimizer.state_arrays()["m"], rtol=1e-9, atol=1e-15)
-        assert state[2] == 4
+        np.testing.assert_allclose(state.params, reference.model.params, rtol=1e-9, atol=ATOL)
+        np.testing.assert_allclose(state.optimizer["m"], reference.optimizer.state_arrays()["m"], rtol=1e-9,
+                                   atol=1e-15)
+        assert state.steps == 4
     strategy.free()
     cluster.free()
 
@@ -373,8 +374,9 @@ def test_a_pipeline_with_tensor_parts_trains_as_local_on_the_global_batch(name):
         assert strategy.model.num_params < strategy.param_hi - strategy.param_lo
     state = strategy.state()
     if cluster.is_chief:
-        np.testing.assert_allclose(state[0], reference.model.params, rtol=1e-9, atol=ATOL)
-        np.testing.assert_allclose(state[1]["v"], reference.optimizer.state_arrays()["v"], rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(state.params, reference.model.params, rtol=1e-9, atol=ATOL)
+        np.testing.assert_allclose(state.optimizer["v"], reference.optimizer.state_arrays()["v"], rtol=1e-9,
+                                   atol=1e-15)
     strategy.free()
     cluster.free()
 

@@ -16,6 +16,7 @@ from ..data.fingerprint import fingerprint
 from ..store import bulk, checkpoint, sharded
 from ..store.lineage import CheckpointDir
 from . import sharded_save
+from ..parallel.saved_state import WholeState
 from .writer import BehindWrite
 
 
@@ -116,8 +117,8 @@ class Checkpointer:
         return self.best
 
     def write(self, state, step, epoch, epoch_step, workers, best=None):
-        """Write ``state`` (``(params, optimizer arrays, optimizer steps[, each worker's own state])``) as the
-        checkpoint of ``step``; prune.
+        """Write ``state`` (a :class:`~mpidist.parallel.saved_state.WholeState`) as the checkpoint of ``step``;
+        prune.
 
         ``best``: the ``--keep-best`` figure's best so far (``{"figure", "value", "step"}``), stored with it.
         """
@@ -129,8 +130,9 @@ class Checkpointer:
 
     def take(self, cluster, placement, placed, state, where, best, behind):
         """Collective where the model is split: write the checkpoint of ``where`` (``(step, epoch, epoch_step,
-        workers)``): by the ranks that hold the model, each its ``placed`` state (``(arrays, optimizer steps)``,
-        ordered as ``placement``), or else by the chief from the gathered ``state``, behind training with
+        workers)``): by the ranks that hold the model, each its ``placed`` state (a
+        :class:`~mpidist.parallel.saved_state.PlacedState`, ordered as ``placement``), or else by the chief from
+        the gathered ``state`` (a :class:`~mpidist.parallel.saved_state.WholeState`), behind training with
         ``behind``.  Returns the ``(path, step, epoch)`` of what the chief wrote (or completed) since the last call.
         """
         chief, (step, epoch) = cluster.is_chief, where[:2]
@@ -139,13 +141,13 @@ class Checkpointer:
         done = self.complete_parts()   # (collective where the model is split: a sharded write under way ends)
         done += self.collect(wait=True) if chief else []
         if placed is not None:
-            return done + self.write_sharded(cluster.world, placement, *placed, where, cluster.chief_rank, best,
+            return done + self.write_sharded(cluster.world, placement, placed, where, cluster.chief_rank, best,
                                              behind and not self.config.elastic)
         if chief:
             done.append((self.write(state, *where, best=best), step, epoch))
         return done
 
-    def write_sharded(self, comm, placement, arrays, optimizer_steps, where, root, best=None, behind=False):
+    def write_sharded(self, comm, placement, placed, where, root, best=None, behind=False):
         """Collective over ``comm``: the checkpoint of ``where`` (``(step, epoch, epoch_step, workers)``) written
         by the ranks that hold the model, each its own slices (:mod:`mpidist.loop.sharded_save`), and pruned by
         ``root``, the chief; what it completed (as :meth:`take`).  ``behind``: the parts are synced and the index
@@ -153,8 +155,8 @@ class Checkpointer:
         ``--elastic``: completing it is collective, and a lost rank would leave it half done."""
         if comm.Get_rank() == root:
             self._take_fingerprint()
-        self.behind.parts = write = sharded_save.ShardedWrite(self, comm, placement, arrays, optimizer_steps, where,
-                                                              root, best, behind)
+        self.behind.parts = write = sharded_save.ShardedWrite(self, comm, placement, placed, where, root, best,
+                                                              behind)
         if not behind:
             return self.complete_parts()
         if write.part is not None:   # (this rank's syncing thread: busy while it rests, as a chief's write is)
@@ -200,10 +202,9 @@ class Checkpointer:
     def _save(self, state, step, epoch, epoch_step, workers, best, elapsed):
         """Write and prune (in the training thread, or behind it); the checkpoint's path."""
         config = self.config
-        params, opt_state, opt_steps, *per_worker = state
-        path = checkpoint.save(config.checkpoint_dir, params, opt_state, opt_steps, step, epoch, epoch_step,
-                               config.to_json(), config.seed, workers, self.lineage, self.parent, best=best,
-                               elapsed=elapsed, per_worker=per_worker[0] if per_worker else None,
+        path = checkpoint.save(config.checkpoint_dir, state.params, state.optimizer, state.steps, step, epoch,
+                               epoch_step, config.to_json(), config.seed, workers, self.lineage, self.parent,
+                               best=best, elapsed=elapsed, per_worker=state.per_worker or None,
                                dataset_fingerprint=self.dataset_fingerprint)
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         return path
@@ -249,13 +250,12 @@ class Checkpointer:
         """
         done = self.collect(wait=True)
         self._take_fingerprint()
-        params, opt_state, opt_steps, *per_worker = state
         copying = time.thread_time()
         staging = self.behind.staging
-        staged = (staging.copy("params", params), {name: staging.copy(f"optimizer/{name}", array)
-                                                   for name, array in opt_state.items()}, opt_steps)
-        if per_worker and per_worker[0]:
-            staged += ({name: staging.copy(f"workers/{name}", array) for name, array in per_worker[0].items()},)
+        staged = WholeState(staging.copy("params", state.params),
+                            {name: staging.copy(f"optimizer/{name}", array) for name, array in state.optimizer.items()},
+                            state.steps, {name: staging.copy(f"workers/{name}", array)
+                                          for name, array in (state.per_worker or {}).items()})
         elapsed = self.run_time()
         self.behind.flight = self.behind.last = BehindWrite(
             lambda: self._save(staged, step, epoch, epoch_step, workers, best, elapsed), (step, epoch),

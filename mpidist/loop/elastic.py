@@ -91,7 +91,7 @@ def share_position(comm, root, position):
 
 
 def share(comm, root, state, position, names, count, dtype, config, seed):
-    """Collective: ``root``'s ``(params, optimizer arrays, optimizer steps)`` as a :class:`Checkpoint` on every rank.
+    """Collective: ``root``'s :class:`~mpidist.parallel.saved_state.WholeState` as a :class:`Checkpoint` on every rank.
 
     The same object a checkpoint file loads as, so the survivors resume
     through the path ``--resume`` takes (and tests) for any rank count.
@@ -101,7 +101,7 @@ def share(comm, root, state, position, names, count, dtype, config, seed):
         mpi.bcast(comm, buffer, root=root)
         return buffer
 
-    params, arrays, steps = state if comm.Get_rank() == root else (None, {}, 0)
+    params, arrays, steps = (state.params, state.optimizer, state.steps) if comm.Get_rank() == root else (None, {}, 0)
     shared_steps = np.array([steps], dtype=np.int64)
     mpi.bcast(comm, shared_steps, root=root)
     return Checkpoint(path="(memory: the survivors' state)", params=broadcast(params),

@@ -47,20 +47,19 @@ class ShardedWrite:
         checkpointer: the run's :class:`~mpidist.loop.checkpointer.Checkpointer` (its settings, lineage, clock).
         comm, root: the ranks that train, and the chief's rank among them.
         placement: this rank's :class:`~mpidist.nn.placement.Placement`.
-        arrays: ``"params"`` and ``"optimizer/<name>"``: this rank's host buffers, ordered as ``placement``.
-        optimizer_steps, where, best: the optimizer's step count, ``(step, epoch, epoch_step, workers)``, and
-            the ``--keep-best`` record, stored in the index.
+        placed: this rank's :class:`~mpidist.parallel.saved_state.PlacedState` (its buffers, as ``placement``).
+        where, best: ``(step, epoch, epoch_step, workers)`` and the ``--keep-best`` record, stored in the index.
         behind: sync the parts and write the index in threads, while training goes on.
     """
 
-    def __init__(self, checkpointer, comm, placement, arrays, optimizer_steps, where, root, best=None,
-                 behind=False):
+    def __init__(self, checkpointer, comm, placement, placed, where, root, best=None, behind=False):
         self.checkpointer, self.comm, self.root, self.where = checkpointer, comm, root, where
         self.chief, self.behind = comm.Get_rank() == root, behind
         directory = checkpointer.config.checkpoint_dir
         self.index = Path(directory) / file_name(where[0], checkpointer.lineage)
         token = mpi.bcast_text(comm, secrets.token_hex(8) if self.chief else "", root)
         self.folder = sharded.parts_folder(self.index, token)
+        arrays = placed.arrays
         self.rows, self.keys = placement.describe(), list(arrays)
         self.dtype = next(iter(arrays.values())).dtype
         self.whole = placement.whole
@@ -68,7 +67,7 @@ class ShardedWrite:
                                                     checkpointer.config.seed, where[3], checkpointer.lineage,
                                                     checkpointer.parent, best, checkpointer.run_time(),
                                                     checkpointer.dataset_fingerprint or ""),
-                            "optimizer": {"steps": int(optimizer_steps)}}
+                            "optimizer": {"steps": int(placed.steps)}}
         self.reason, self.part = "", None
         try:
             if self.rows.size:

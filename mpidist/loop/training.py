@@ -487,7 +487,7 @@ class Training:
                                   recoveries=self.state.recoveries if config.elastic else None)
         if log.failure:   # the last events could not be written: the run's record is incomplete
             outcome = report.failed(log.failure)
-        outcome["params"] = state[0] if state is not None else None
+        outcome["params"] = state.params if state is not None else None
         outcome["checkpoints"] = self.checkpointer.kept()
         return outcome
 

@@ -6,12 +6,15 @@ sums them over the workers while backward runs, and every worker applies the
 same update to the same parameters.
 """
 
+import dataclasses
+
 import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime.xp import to_host
 from .base import Strategy
 from .batch_norms import synchronise_batch_norms
+from .saved_state import WholeState
 
 
 def average_over(comm, array):
@@ -92,7 +95,7 @@ class DataParallel(Strategy):
             return self._gathered_parts()
         state = super().state()
         if state is not None and self.exchange.holds_params:   # (the window's copy goes when the strategy does)
-            state = (state[0].copy(), *state[1:])
+            state = dataclasses.replace(state, params=state.params.copy())
         comm, own = self.worker_comm, self.own_state()
         if comm is None or comm.Get_size() == 1 or not own:
             return state
@@ -102,7 +105,7 @@ class DataParallel(Strategy):
             mine = np.ascontiguousarray(to_host(own[name]))
             rows[name] = np.empty((size, n), dtype=mine.dtype) if comm.Get_rank() == 0 else None
             mpi.gatherv(comm, mine, rows[name], [n] * size, [n * worker for worker in range(size)], root=0)
-        return state if state is None else (*state, rows)
+        return state if state is None else dataclasses.replace(state, per_worker=rows)
 
     def placed_state(self):
         """Collective over the workers (their running statistics averaged first), as :meth:`state` is."""
@@ -116,14 +119,14 @@ class DataParallel(Strategy):
         whole = self.tensor.gather(arrays) if self.worker_index == 0 else None
         if not self.cluster.is_chief:
             return None
-        return whole.pop("params"), whole, self.optimizer.steps
+        return WholeState(whole.pop("params"), whole, self.optimizer.steps)
 
     def survivor_state(self, cluster, step):
         """The state as the survivors' chief holds it (``cluster``'s: the old chief, or the worker in its place)."""
         if not cluster.is_chief:   # (the old communicators are revoked: nothing collective, no averaging)
             return None
         arrays = {name: to_host(array) for name, array in self.optimizer.state_arrays().items()}
-        return to_host(self.model.params), arrays, self.optimizer.steps
+        return WholeState(to_host(self.model.params), arrays, self.optimizer.steps)
 
     def _clip_space(self):
         """Where a clipped gradient goes when the exchange holds the buffer (made on the first use)."""

@@ -21,6 +21,8 @@ This module is all there is to the strategy: its flag, its validation and
 its data layout are declared here and registered with :func:`register`.
 """
 
+import dataclasses
+
 import numpy as np
 
 from ..runtime import comm as mpi
@@ -30,6 +32,7 @@ from .base import finite
 from .data_parallel import DataParallel, average_over
 from .exchange import NoExchange, bucket_slices
 from .registry import Option, register
+from .saved_state import WholeState
 
 
 @register
@@ -117,7 +120,7 @@ class LocalSgdStrategy(DataParallel):
             return state
         mean = np.ascontiguousarray(to_host(self.model.params)).copy()   # (the live parameters stay each worker's)
         average_over(comm, mean)
-        return state if state is None else (mean, *state[1:])
+        return state if state is None else dataclasses.replace(state, params=mean)
 
     def survivor_state(self, cluster, step):
         """Collective over the survivors (``cluster``): the mean of their parameters and optimizer states, on the chief.
@@ -137,7 +140,7 @@ class LocalSgdStrategy(DataParallel):
             average_over(comm, mean[name])
         if not cluster.is_chief:
             return None
-        return mean.pop("params"), mean, self.optimizer.steps
+        return WholeState(mean.pop("params"), mean, self.optimizer.steps)
 
     def restore_own_state(self, checkpoint):
         restored = super().restore_own_state(checkpoint)

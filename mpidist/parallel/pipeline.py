@@ -42,6 +42,7 @@ from ..runtime.xp import to_host
 from .base import Strategy
 from .registry import Option, register
 from .rewind import PreviousSlice, StepLedger
+from .saved_state import WholeState
 from .schedule import schedule
 from .schedule_runner import ScheduleRunner, split_sizes  # noqa: F401  (split_sizes: the bench's and tests')
 from .stage import StageLayout, StageLinks
@@ -375,7 +376,7 @@ class PipelineStrategy(Strategy):
         if not cluster.is_chief:
             return None
         params = whole.pop("params")
-        return params, whole, self.optimizer.steps
+        return WholeState(params, whole, self.optimizer.steps)
 
     # -- --elastic: the survivors of a lost rank ------------------------------------------------------------
     def communicators(self):

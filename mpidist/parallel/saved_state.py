@@ -9,25 +9,60 @@ whole.  A mixin of :class:`~mpidist.parallel.base.Strategy`, which gives
 ``model``, ``optimizer``, ``cluster`` and ``placement``.
 """
 
+import dataclasses
+
+import numpy as np
+
 from ..runtime.xp import to_host
+
+
+@dataclasses.dataclass
+class WholeState:
+    """A model's training state, whole, in host memory (on the chief): what a checkpoint of one file holds.
+
+    Attributes:
+        params: the flat parameters.
+        optimizer: the optimizer's state arrays (name -> flat array, ordered as ``params``).
+        steps: the optimizer's step count.
+        per_worker: where each worker holds state of its own (``local-sgd``, ``--compress``): name -> one row per
+            worker; None where none does.
+    """
+
+    params: np.ndarray
+    optimizer: dict
+    steps: int
+    per_worker: dict = None
+
+
+@dataclasses.dataclass
+class PlacedState:
+    """This rank's slices of a split model's training state (:attr:`SavedState.placement`), in host memory.
+
+    Attributes:
+        arrays: ``"params"`` and ``"optimizer/<name>"`` -> this rank's flat buffers, ordered as the placement.
+        steps: the optimizer's step count.
+    """
+
+    arrays: dict
+    steps: int
 
 
 class SavedState:
     """A strategy's state for checkpoints (mixed into :class:`~mpidist.parallel.base.Strategy`)."""
 
     def state(self):
-        """Collective: ``(params, optimizer arrays, optimizer steps)`` as host arrays on the chief, else None."""
+        """Collective: the :class:`WholeState` on the chief, else None."""
         arrays = self.whole_optimizer_arrays()   # (collective where the optimizer state is sharded)
         if self.cluster is not None and not self.cluster.is_chief:
             return None
-        return to_host(self.model.params), arrays, self.optimizer.steps
+        return WholeState(to_host(self.model.params), arrays, self.optimizer.steps)
 
     def placed_state(self):
-        """Collective like :meth:`state`, where the strategy splits the model (:attr:`placement`): this rank's own
-        host buffers (``"params"``, ``"optimizer/<name>"``, ordered as the placement) and the optimizer's steps."""
+        """Collective like :meth:`state`, where the strategy splits the model (:attr:`placement`): this rank's
+        :class:`PlacedState`."""
         arrays = {"params": to_host(self.model.params)}
         arrays.update({f"optimizer/{name}": to_host(a) for name, a in self.optimizer.state_arrays().items()})
-        return arrays, self.optimizer.steps
+        return PlacedState(arrays, self.optimizer.steps)
 
     def restore(self, checkpoint):
         """Where the strategy splits the model (:attr:`placement`): this rank's parameters and optimizer state

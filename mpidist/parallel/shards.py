@@ -13,6 +13,7 @@ from ..runtime.errors import UsageError
 from ..runtime.xp import is_device_array, to_host
 from .base import Strategy
 from .registry import Option
+from .saved_state import WholeState
 
 
 def shard_bounds(count, parts):
@@ -153,7 +154,7 @@ class ShardedStrategy(Strategy):
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
 
     def gather_on_first_ps(self, shard):
-        """Collective over the ps ranks only: the first ps gets ``(params, optimizer arrays, steps)``.
+        """Collective over the ps ranks only: the first ps gets the :class:`~mpidist.parallel.saved_state.WholeState`.
 
         For checkpoints taken while the workers train on: ``shard`` is this
         ps's parameter slice.  The optimizer step count is the first ps's.
@@ -162,7 +163,7 @@ class ShardedStrategy(Strategy):
         counts = np.array([max(min(hi, n) - lo, 0) for lo, hi in self.bounds], dtype=np.int64)
         displs = np.array([lo for lo, _ in self.bounds], dtype=np.int64)
         arrays = self._gather_whole(comm, 0, counts, displs, {"params": shard, **self.optimizer.state_arrays()})
-        return (arrays.pop("params"), arrays, int(self.optimizer.steps)) if comm.Get_rank() == 0 else None
+        return WholeState(arrays.pop("params"), arrays, int(self.optimizer.steps)) if comm.Get_rank() == 0 else None
 
     def _gather_whole(self, comm, root, counts, displs, parts):
         """Collective over ``comm``: ``root`` gets each of ``parts`` (name -> this rank's slice) as a whole array.
@@ -177,7 +178,8 @@ class ShardedStrategy(Strategy):
         return whole if is_root else {}
 
     def gather_state(self, params, cluster=None):
-        """Collective over ``cluster`` (default: this strategy's): ``(params, optimizer arrays, steps)`` on its chief.
+        """Collective over ``cluster`` (default: this strategy's): the :class:`~mpidist.parallel.saved_state.WholeState`
+        on its chief.
 
         ``params``: the whole flat parameters as the chief holds them, or None
         to gather them from the ps shards too (:meth:`shard_params`) -- after a
@@ -194,7 +196,7 @@ class ShardedStrategy(Strategy):
         if not cluster.is_chief:
             return None
         params = arrays.pop("params") if params is None else to_host(params).copy()
-        return params, arrays, int(steps[0])
+        return WholeState(params, arrays, int(steps[0]))
 
     def shard_params(self):
         """This ps's parameter slice (empty on workers)."""
