@@ -413,12 +413,13 @@ def test_the_chiefs_state_reaches_every_survivor_as_a_checkpoint():
 
     from mpidist.loop.elastic import share, share_position
     from mpidist.loop.position import Position
+    from mpidist.parallel.saved_state import WholeState
     from mpidist.runtime.ulfm import FailureWatch
     world = MPI.COMM_WORLD
     root = world.Get_size() - 1
     mine = world.Get_rank() == root
     position = share_position(world, root, Position(57, 2, 13) if mine else Position(0, 0, 0))
-    state = (np.arange(5.0), {"m": np.full(5, 2.0), "v": np.full(5, 3.0)}, 41) if mine else None
+    state = WholeState(np.arange(5.0), {"m": np.full(5, 2.0), "v": np.full(5, 3.0)}, 41) if mine else None
     checkpoint = share(world, root, state, position, ["m", "v"], 5, np.float64, {"model": "mlp"}, 7)
     assert (checkpoint.step, checkpoint.epoch, checkpoint.epoch_step) == (57, 2, 13)
     np.testing.assert_array_equal(checkpoint.params, np.arange(5.0))
