@@ -177,6 +177,25 @@ def test_bad_class_names_are_refused(tmp_path, names, message):
         data.inspect(path)
 
 
+@pytest.mark.parametrize("names,message", [
+    (["a", "b"], None),
+    (["a", "b", "c"], r"feature_names has shape \(3,\); it needs one name per feature, shape \(2,\)"),
+    (["a", "a"], r"feature_names\[1\] repeats feature_names\[0\] \('a'\)"),
+    (["a", ""], r"feature_names\[1\] is empty; every feature needs a name"),
+    (np.arange(2), "feature_names has dtype int64; it must hold text"),
+])
+def test_feature_names_are_read_checked_as_untrusted_text(tmp_path, names, message):
+    path = write_dataset(tmp_path / "f.h5", "f", {"train": (np.zeros((4, 2)), np.zeros(4)),
+                                                  "test": (np.zeros((2, 2)), np.zeros(2))}, 0, "")
+    mutate(path, lambda h: h.create_dataset("feature_names", data=names, dtype=None if message and "dtype" in message
+                                            else h5py.string_dtype()))
+    if message is None:
+        assert data.inspect(path).feature_names == ("a", "b")
+        return
+    with pytest.raises(UsageError, match=f"{path}: {message}"):
+        data.inspect(path)
+
+
 def test_class_names_need_classes(tmp_path):
     path = write_dataset(tmp_path / "r.h5", "r", {"train": (np.zeros((4, 2)), np.zeros(4)),
                                                   "test": (np.zeros((2, 2)), np.zeros(2))}, 0, "")

@@ -213,6 +213,23 @@ def test_a_single_class_is_refused_unless_the_task_is_regression(tmp_path):
     assert info.num_classes == 0
 
 
+def test_whole_number_targets_with_fewer_than_two_rows_a_class_ask_for_the_task(tmp_path):
+    # scikit-learn's diabetes targets as its CSV has them (151.0, 75.0, ...): 442 rows of whole numbers 25 to 346
+    rng = np.random.default_rng(0)
+    y = rng.integers(25, 347, 442).astype(float)
+    (tmp_path / "diabetes.csv").write_text("age,bmi,target\n" + "".join(f"{a:.4f},{b:.4f},{t}\n" for a, b, t in zip(
+        rng.normal(size=442), rng.normal(size=442), y)))
+    refused(tmp_path, tmp_path / "diabetes.csv", r"diabetes.csv: the label column \(column 3\) holds whole numbers "
+            r"from 25.0 to 346.0: as classes, 347 of them for 442 rows \(fewer than 2 rows a class\); if they are "
+            r"quantities to predict, pass --task regression, if classes, --task classification")
+    assert accepted(ingest(str(tmp_path / "diabetes.csv"), tmp_path / "r.h5", task="regression")).num_classes == 0
+    assert accepted(ingest(str(tmp_path / "diabetes.csv"), tmp_path / "c.h5", task="classification")).num_classes \
+        == 347
+    # 20 classes or fewer, or 2 rows a class or more: classes, as before
+    (tmp_path / "few.csv").write_text("".join(f"{i},{i % 20}\n" for i in range(30)))
+    assert accepted(ingest(str(tmp_path / "few.csv"), tmp_path / "f.h5")).num_classes == 20
+
+
 @pytest.mark.parametrize("labels,message", [([0, 1, 2.5, 1], "y has 2.5"), ([0, 1, -1, 1], "y has -1"),
                                             (np.zeros((4, 2), int), r"y has shape \(4, 2\)")])
 def test_classification_asked_of_non_labels_names_the_value(tmp_path, labels, message):
@@ -556,6 +573,14 @@ def test_an_unnamed_first_column_of_row_numbers_is_an_index_and_is_dropped_with_
     # named, the row numbers stay a feature, and the summary says what they look like
     named = ingest(write("named.csv", "step", lambda i: i), str(tmp_path / "named.h5"), test_fraction=0.25)
     assert named.sample_shape == (3,) and "kept as a feature" in named.index_note
-    # unnamed but not the row numbers: a feature, nothing to say
-    other = ingest(write("other.csv", "", lambda i: 2 * i + 1), str(tmp_path / "other.h5"), test_fraction=0.25)
-    assert other.sample_shape == (3,) and other.index_note is None
+    # unnamed above named columns, whatever it numbers (a subset's index, pandas' "Unnamed: 0"): an index too
+    for first in ("", "Unnamed: 0"):
+        other = ingest(write("other.csv", first, lambda i: 2 * i + 101), str(tmp_path / "other.h5"),
+                       test_fraction=0.25)
+        assert other.sample_shape == (2,) and "dropped" in other.index_note
+        assert other.feature_names == ("a", "b")
+    # a file without a header: its columns are kept, and it has no names to store
+    path = tmp_path / "bare.csv"
+    path.write_text("\n".join(f"{2 * i + 101},{f[0]},{f[1]},{c}" for i, (f, c) in enumerate(zip(features, labels))))
+    bare = ingest(str(path), str(tmp_path / "bare.h5"), test_fraction=0.25)
+    assert bare.sample_shape == (3,) and bare.index_note is None and bare.feature_names is None

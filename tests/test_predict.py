@@ -303,6 +303,30 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
     # .npy by its suffix: the classes; a row of the wrong width is refused with the counts
     done, _ = launch(1, "predict", str(checkpoint), "--data", "new.csv", "--output", "classes.npy", cwd=tmp_path)
     assert done.returncode == 0 and np.array_equal(np.load(tmp_path / "classes.npy"), classes), done.stderr
-    (tmp_path / "narrow.csv").write_text("a,b,c\n1,2,3\n4,5,6\n")
+    (tmp_path / "narrow.csv").write_text("1,2,3\n4,5,6\n")   # (no header: the columns are taken in order)
     done, _ = launch(1, "predict", str(checkpoint), "--data", "narrow.csv", "--output", "x.csv", cwd=tmp_path)
     assert done.returncode == 2 and "narrow.csv" in done.stderr and "shape" in done.stderr, done.stderr
+    # the same rows as pandas writes a subset (df.iloc[100:].to_csv): an unnamed index column first, numbering
+    # rows from 100, no label; then by name in another order with the label; predicted as ingest would read them
+    names = [f"f{i}" for i in range(x.shape[1])]
+
+    def table(name, columns, rows):
+        lines = [",".join(columns)] + [",".join(map(str, row)) for row in rows]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+
+    table("indexed.csv", [""] + names, [[100 + i, *map(repr, map(float, row))] for i, row in enumerate(test_x)])
+    order = names[::-1]
+    table("shuffled.csv", order + ["label"], [[*map(repr, map(float, row[::-1])), label]
+                                               for row, label in zip(test_x, test_y)])
+    for name in ("indexed.csv", "shuffled.csv"):
+        done, _ = launch(1, "predict", str(checkpoint), "--data", name, "--output", f"{name}.npy", cwd=tmp_path)
+        assert done.returncode == 0 and np.array_equal(np.load(tmp_path / f"{name}.npy"), classes), done.stderr
+    # columns that are not the model's, by name: refused, named (a feature missing; one the model does not take)
+    table("missing.csv", names[:3] + names[4:], [list(map(repr, map(float, np.delete(row, 3)))) for row in test_x])
+    table("extra.csv", names[:3] + ["id"] + names[3:] + ["label"],
+          [[*map(repr, map(float, row[:3])), 7, *map(repr, map(float, row[3:])), label]
+           for row, label in zip(test_x, test_y)])
+    for name, why in (("missing.csv", "lacks the model's features, by the names ingest stored: 'f3'"),
+                      ("extra.csv", "has columns the model does not take, by the names ingest stored: 'id'")):
+        done, _ = launch(1, "predict", str(checkpoint), "--data", name, "--output", "x.npy", cwd=tmp_path)
+        assert done.returncode == 2 and f"{name}: {why}" in done.stderr, done.stderr

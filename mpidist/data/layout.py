@@ -6,8 +6,9 @@ targets; class labels may have a sequence axis, ``(N, L)``: one label per
 position, for models that classify every position); file attributes ``name``, ``num_classes`` (0 for regression) and
 ``source``.  Optional: ``stats/mean`` and ``stats/std`` (floats of the sample
 shape: standardisation statistics, applied when samples are read, so ``x``
-stays as stored), ``class_names`` (text, one per class) and a ``val/`` group
-(the validation split, checked like the others).
+stays as stored), ``class_names`` (text, one per class), ``feature_names``
+(text, one per value of a sample of one axis: a CSV header's) and a ``val/``
+group (the validation split, checked like the others).
 
 A dataset may also be a directory (or a glob) of such files, taken in natural
 name order (``part-2`` before ``part-10``): each split's rows are the
@@ -139,6 +140,7 @@ class DatasetInfo:
     std: object = dataclasses.field(default=None, repr=False, compare=False)
     #: one name per class, control characters escaped, where the file names them
     class_names: tuple = None
+    feature_names: tuple = None   # a CSV header's names of a sample's values, where ingest stored them
     #: splits carved out of another (``--val-fraction``): name -> (the file's split, its sorted row numbers)
     carved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     #: the files, in order (one for a single file): a split's rows are theirs, concatenated
@@ -260,6 +262,7 @@ def _combined(path, parts):
                                    ("sample shape", first.sample_shape, other.sample_shape),
                                    ("target width", first.target_width, other.target_width),
                                    ("class_names", first.class_names, other.class_names),
+                                   ("feature_names", first.feature_names, other.feature_names),
                                    ("splits", sorted(first.sizes), sorted(other.sizes))):
             if mine != theirs:
                 raise UsageError(f"{path}: the files differ in {what}: {first.path.name} has "
@@ -324,7 +327,8 @@ def _describe(path, handle, allow_external, part=False):
     return DatasetInfo(path=path, name=_text(handle.attrs.get("name"), path.stem), num_classes=num_classes,
                        source=_text(handle.attrs.get("source"), ""), sample_shape=sample_shape, sizes=sizes,
                        target_width=widths.pop(), mean=mean, std=std,
-                       class_names=_class_names(path, handle, num_classes, allow_external), files=(member,))
+                       class_names=_class_names(path, handle, num_classes, allow_external),
+                       feature_names=_feature_names(path, handle, sample_shape, allow_external), files=(member,))
 
 
 def _span(item):
@@ -371,31 +375,44 @@ def _stats(path, handle, sample_shape, allow_external):
 
 def _class_names(path, handle, num_classes, allow_external):
     """The ``class_names`` item as a tuple of printable strings, checked; None where the file has none."""
-    if not _present(handle, "class_names"):
-        return None
-    item = _item(path, handle, "class_names", allow_external)
-    if num_classes == 0:
+    if _present(handle, "class_names") and num_classes == 0:
         raise UsageError(f"{path}: has class_names but num_classes = 0 (regression): names need classes")
+    return _names(path, handle, "class_names", num_classes, "class", allow_external)
+
+
+def _feature_names(path, handle, sample_shape, allow_external):
+    """The ``feature_names`` item (a CSV header's names of a sample's values), checked; None where there is none."""
+    if _present(handle, "feature_names") and len(sample_shape) != 1:
+        raise UsageError(f"{path}: has feature_names but its samples have shape {sample_shape}: names are for "
+                         "samples of one axis")
+    return _names(path, handle, "feature_names", sample_shape[0] if sample_shape else 0, "feature", allow_external)
+
+
+def _names(path, handle, key, count, what, allow_external):
+    """Item ``key``: ``count`` distinct, non-empty, bounded UTF-8 names, as printable strings; None where absent."""
+    if not _present(handle, key):
+        return None
+    item = _item(path, handle, key, allow_external)
     if h5py.check_string_dtype(item.dtype) is None:
-        raise UsageError(f"{path}: class_names has dtype {item.dtype}; it must hold text (UTF-8 strings)")
-    if tuple(item.shape) != (num_classes,):
-        raise UsageError(f"{path}: class_names has shape {tuple(item.shape)}; it needs one name per class, "
-                         f"shape ({num_classes},)")
+        raise UsageError(f"{path}: {key} has dtype {item.dtype}; it must hold text (UTF-8 strings)")
+    if tuple(item.shape) != (count,):
+        raise UsageError(f"{path}: {key} has shape {tuple(item.shape)}; it needs one name per {what}, "
+                         f"shape ({count},)")
     try:
         values = item.asstr()[()]
     except UnicodeDecodeError:
-        raise UsageError(f"{path}: class_names holds bytes that are not UTF-8 text") from None
+        raise UsageError(f"{path}: {key} holds bytes that are not UTF-8 text") from None
     names, seen = [], {}
     for index, value in enumerate(values):
         name = str(value)
         if not name.strip():
-            raise UsageError(f"{path}: class_names[{index}] is empty; every class needs a name")
+            raise UsageError(f"{path}: {key}[{index}] is empty; every {what} needs a name")
         if len(name) > MAX_NAME:
-            raise UsageError(f"{path}: class_names[{index}] is {len(name):,} characters long; a class name has "
+            raise UsageError(f"{path}: {key}[{index}] is {len(name):,} characters long; a {what} name has "
                              f"at most {MAX_NAME}")
         if name in seen:
-            raise UsageError(f"{path}: class_names[{index}] repeats class_names[{seen[name]}] "
-                             f"({printable(repr(name))}); every class needs a name of its own")
+            raise UsageError(f"{path}: {key}[{index}] repeats {key}[{seen[name]}] "
+                             f"({printable(repr(name))}); every {what} needs a name of its own")
         seen[name] = index
         names.append(printable(name))
     return tuple(names)

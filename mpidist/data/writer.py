@@ -64,10 +64,11 @@ def check_shard_size(shard_size):
 class Rows:
     """A dataset to write: ``sizes`` per split, ``read(split, lo, hi) -> (x, y)``, and what the files say."""
 
-    def __init__(self, sizes, read, x_meta, y_meta, name, num_classes, source, stats=None, class_names=None):
+    def __init__(self, sizes, read, x_meta, y_meta, name, num_classes, source, stats=None, class_names=None,
+                 feature_names=None):
         self.sizes, self.read, self.x_meta, self.y_meta = sizes, read, x_meta, y_meta   # meta: (shape, dtype)
         self.name, self.num_classes, self.source = name, num_classes, source
-        self.stats, self.class_names = stats, class_names
+        self.stats, self.class_names, self.feature_names = stats, class_names, feature_names
 
     @classmethod
     def of_arrays(cls, splits, **facts):
@@ -95,8 +96,9 @@ def write_file(path, rows, parts, compression):
                 made["y"][at - lo:at - lo + len(y)] = y
         for key, value in zip(("mean", "std"), rows.stats if rows.stats is not None else ()):
             handle.create_dataset(f"stats/{key}", data=np.asarray(value, np.float64))
-        if rows.class_names is not None:
-            handle.create_dataset("class_names", data=list(rows.class_names), dtype=h5py.string_dtype())
+        for key, names in (("class_names", rows.class_names), ("feature_names", rows.feature_names)):
+            if names is not None:
+                handle.create_dataset(key, data=list(names), dtype=h5py.string_dtype())
     atomic.sync_file(path)    # on disk before the directory is renamed into place
 
 

@@ -77,7 +77,8 @@ def build_parser():
     predict.add_argument("--data", default=None, help="a dataset in the mpidist layout (its --split is predicted), "
                          "or plain samples: an HDF5 file with a dataset x, a .npy file, a .npz file with an "
                          "array x, or a .csv file of rows (as ingest reads them; a label column after the features "
-                         "is left out) (default: the dataset the checkpoint trained on)")
+                         "is left out; with a header, columns are matched by the names ingest stored) (default: the "
+                         "dataset the checkpoint trained on)")
     predict.add_argument("--split", choices=("train", "test", "val"), default="test",
                          help="the split of a dataset to predict; val where the file has one (default: test)")
     predict.add_argument("--output", required=True, help="file for the predictions, by its suffix: .csv (class, "

@@ -11,11 +11,13 @@ column holds numbers, or class names in every row.  A refusal names the row
 
 import dataclasses
 
+import re
+
 import numpy as np
 
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
-from .dataset_file import FLOAT32_MAX
+from .dataset_file import FLOAT32_MAX, MAX_NAME
 from .labels import checked_names, infer_task, split_train_test
 
 #: ``--delimiter`` values and the delimiter each means (None: runs of whitespace)
@@ -117,6 +119,8 @@ class Table:
     header_line: int = None     # the line skipped as column names
     class_names: tuple = None   # where the label column holds names: class i is class_names[i]
     index_note: str = None      # what was done with a first column of row numbers (an index?), or None
+    names: tuple = None         # the header's names of the columns of x (None: no header)
+    label_name: str = None      # the header's name of the label column
 
 
 def read_csv(path, label_column=-1, delimiter="auto"):
@@ -155,7 +159,7 @@ def read_csv(path, label_column=-1, delimiter="auto"):
     # names in the label column's first rows: the column holds class names (all of it, checked)
     named = any(label < len(cells) and cells[label].strip() and not is_number(cells[label])
                 for cells in map(split, (line for _, line in rows[:SNIFFED])))
-    y, names = read_names(path, rows, split, width, label) if named else (None, None)
+    y, class_names = read_names(path, rows, split, width, label) if named else (None, None)
     columns = [column for column in range(width) if column != label] if named else list(range(width))
     try:
         table = np.loadtxt([line for _, line in rows], delimiter=delimiter, ndmin=2, comments=None,
@@ -173,19 +177,37 @@ def read_csv(path, label_column=-1, delimiter="auto"):
                              f"({split(rows[r][1])[columns[c]].strip()!r}); {why}")
     if not named:
         y, table = table[:, label], np.delete(table, label, axis=1)
+    titles = [unquoted(cell) for cell in split(header[0][1])] if header else None
+    names = tuple(title for column, title in enumerate(titles) if column != label) if titles else None
     index_note = None
-    if label != 0 and table.shape[1] > 1 and _row_numbers(table[:, 0]):
-        # a first column of row numbers: an index when the header leaves it unnamed (pandas' to_csv writes one)
-        name = unquoted(split(header[0][1])[0]) if header else None
+    first = names[0] if names else None
+    if label != 0 and table.shape[1] > 1 and first is not None and _unnamed(first) \
+            and not any(map(_unnamed, names[1:])):
+        # a first column the header leaves unnamed above named ones: the index pandas' to_csv writes, whatever
+        # rows it numbers (a subset's are not 0, 1, 2, ...): a feature would be named as the others are
+        index_note = f"column 1 ({f'{first!r}' if first else 'unnamed'}) dropped: an index (the header names " \
+                     "every other column)"
+        table, names = table[:, 1:], names[1:]
+    elif label != 0 and table.shape[1] > 1 and _row_numbers(table[:, 0]):
         numbers = f"the row numbers {int(table[0, 0])} to {int(table[-1, 0])}"
-        if name is not None and (not name or name.startswith("Unnamed")):
-            index_note = f"column 1 ({f'{name!r}' if name else 'unnamed'}) dropped: it holds {numbers}, an index"
-            table = table[:, 1:]
-        else:
-            index_note = (f"column 1{f' ({printable(repr(name), 40)})' if name else ''} holds {numbers}; kept as a "
-                          "feature (if it is an index, it carries nothing to learn: remove it from the file)")
+        index_note = (f"column 1{f' ({printable(repr(first), 40)})' if first else ''} holds {numbers}; kept as a "
+                      "feature (if it is an index, it carries nothing to learn: remove it from the file)")
     return Table(x=table, y=y, label=label, delimiter=delimiter, detected=detected,
-                 header_line=header[0][0] if header else None, class_names=names, index_note=index_note)
+                 header_line=header[0][0] if header else None, class_names=class_names, index_note=index_note,
+                 names=names, label_name=titles[label] if titles else None)
+
+
+def _storable(names):
+    """A header's feature names where ``predict`` can match columns by them (each given, once, of a bounded
+    length), else None."""
+    if not names or len(set(names)) != len(names) or any(_unnamed(n) or len(n) > MAX_NAME for n in names):
+        return None
+    return tuple(names)
+
+
+def _unnamed(title):
+    """Whether a header cell names no column: empty, or pandas' ``Unnamed: N``."""
+    return not title or re.fullmatch(r"Unnamed: \d+", title) is not None
 
 
 def _row_numbers(column):
@@ -226,5 +248,5 @@ def from_csv(path, label_column, test_fraction, seed, task, delimiter="auto"):
         y, num_classes = infer_task(table.y, task, path, key)
     facts = {"class_names": table.class_names, "delimiter": SHOWN[table.delimiter],
              "delimiter_detected": table.detected, "header_line": table.header_line,
-             "index_note": table.index_note}
+             "index_note": table.index_note, "feature_names": _storable(table.names)}
     return split_train_test(table.x.astype(np.float32), y, test_fraction, seed), num_classes, facts

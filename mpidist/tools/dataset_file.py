@@ -25,18 +25,19 @@ KINDS = {"U": "text", "S": "bytes", "O": "objects", "c": "complex numbers", "M":
 
 
 def write_dataset(path, name, splits, num_classes, source, where=None, check_values=False, stats=None,
-                  class_names=None, compression="gzip"):
+                  class_names=None, compression="gzip", feature_names=None):
     """Write ``splits = {"train": (x, y), "test": (x, y)}`` to ``path`` atomically, if they pass :func:`check_splits`.
 
     ``check_values`` (ingest sets it) also checks the values; off by default, as
     tests write bad values on purpose to see training refuse them.  Messages name
     ``where`` (default: ``path``).  ``stats`` (``(mean, std)``, each of the sample
     shape) are stored as ``stats/mean`` and ``stats/std`` (float64), ``class_names``
-    (one per class) as ``class_names`` (UTF-8 strings).
+    (one per class) as ``class_names``, ``feature_names`` (one per value of a sample) as ``feature_names``
+    (UTF-8 strings).
     """
     path = Path(path)
     check_splits(splits, num_classes, where or path, check_values)
-    check_extras(splits, num_classes, where or path, stats, class_names)
+    check_extras(splits, num_classes, where or path, stats, class_names, feature_names)
 
     def fill(aside):
         with h5py.File(aside, "w") as handle:
@@ -51,8 +52,9 @@ def write_dataset(path, name, splits, num_classes, source, where=None, check_val
                                          **(writer.filters(compression) if len(value) else {}))
             for key, value in zip(("mean", "std"), stats if stats is not None else ()):
                 handle.create_dataset(f"stats/{key}", data=np.asarray(value, np.float64))
-            if class_names is not None:
-                handle.create_dataset("class_names", data=list(class_names), dtype=h5py.string_dtype())
+            for key, names in (("class_names", class_names), ("feature_names", feature_names)):
+                if names is not None:
+                    handle.create_dataset(key, data=list(names), dtype=h5py.string_dtype())
 
     with claimed(path, "the dataset") as claim:
         claim.write(fill)
@@ -91,8 +93,8 @@ def check_splits(splits, num_classes, where, check_values=True):
                              f"y {np.shape(ya)} and {np.shape(yb)}")
 
 
-def check_extras(splits, num_classes, where, stats=None, class_names=None):
-    """Refuse standardisation statistics and class names that :func:`mpidist.data.inspect` would refuse."""
+def check_extras(splits, num_classes, where, stats=None, class_names=None, feature_names=None):
+    """Refuse standardisation statistics, class and feature names that :func:`mpidist.data.inspect` would refuse."""
     shape = tuple(np.shape(splits["train"][0])[1:])
     for key, value in zip(("mean", "std"), stats if stats is not None else ()):
         value = np.asarray(value, np.float64)
@@ -100,16 +102,23 @@ def check_extras(splits, num_classes, where, stats=None, class_names=None):
             raise UsageError(f"{where}: stats/{key} has shape {value.shape}; it must be the sample shape {shape}")
         if not np.isfinite(value).all() or (key == "std" and not (value > 0).all()):
             raise UsageError(f"{where}: stats/{key} must be finite" + (" and greater than 0" if key == "std" else ""))
-    if class_names is None:
-        return
-    if len(class_names) != num_classes:
-        raise UsageError(f"{where}: {len(class_names)} class names for num_classes = {num_classes}")
-    for index, name in enumerate(class_names):
+    if class_names is not None:
+        if len(class_names) != num_classes:
+            raise UsageError(f"{where}: {len(class_names)} class names for num_classes = {num_classes}")
+        _check_names(where, class_names, "class")
+    if feature_names is not None:
+        if len(shape) != 1 or len(feature_names) != shape[0]:
+            raise UsageError(f"{where}: {len(feature_names)} feature names for samples of shape {shape}")
+        _check_names(where, feature_names, "feature")
+
+
+def _check_names(where, names, what):
+    for index, name in enumerate(names):
         if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME:
-            raise UsageError(f"{where}: class name {index} is {printable(repr(name))}: a class name is text of 1 to "
-                             f"{MAX_NAME} characters")
-    if len(set(class_names)) != len(class_names):
-        raise UsageError(f"{where}: the class names repeat a name; every class needs a name of its own")
+            raise UsageError(f"{where}: {what} name {index} is {printable(repr(name))}: a {what} name is text of 1 "
+                             f"to {MAX_NAME} characters")
+    if len(set(names)) != len(names):
+        raise UsageError(f"{where}: the {what} names repeat a name; every {what} needs a name of its own")
 
 
 def train_stats(x):

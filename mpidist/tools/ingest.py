@@ -69,6 +69,7 @@ class Ingested:
     delimiter_detected: bool = False
     header_line: int = None
     index_note: str = None          # what was done with a CSV's first column of row numbers, or None
+    feature_names: tuple = None     # a CSV header's names of the features, stored in the file
 
     def __fspath__(self):
         return os.fspath(self.path)
@@ -160,12 +161,14 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
             stats = train_stats(x)
         if shard_size is None:
             written = write_dataset(out, name, splits, num_classes, text, where=source, check_values=True,
-                                    stats=stats, class_names=facts.get("class_names"), compression=compression)
+                                    stats=stats, class_names=facts.get("class_names"), compression=compression,
+                                    feature_names=facts.get("feature_names"))
         else:
             check_splits(splits, num_classes, source, True)
-            check_extras(splits, num_classes, source, stats, facts.get("class_names"))
+            check_extras(splits, num_classes, source, stats, facts.get("class_names"), facts.get("feature_names"))
             writer.write_shards(out, writer.Rows.of_arrays(splits, name=name, num_classes=num_classes, source=text,
-                                                           stats=stats, class_names=facts.get("class_names")),
+                                                           stats=stats, class_names=facts.get("class_names"),
+                                                           feature_names=facts.get("feature_names")),
                                 shard_size, compression)
             written = Path(out)
     return Ingested(path=written, name=name, source=str(source), sizes={s: len(splits[s][0]) for s in splits},

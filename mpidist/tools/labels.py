@@ -40,12 +40,22 @@ def shuffled(x, y, seed):
     return x[order], y[order]
 
 
+#: Above this many classes, whole-number labels with fewer than 2 rows a class are as likely quantities (ages,
+#: prices, counts): ``--task auto`` asks which rather than guess
+AMBIGUOUS_CLASSES = 20
+
+
 def infer_task(y, task, where="ingest", key="y"):
     """``(y, num_classes)``: integer labels for classification, float32 targets for regression."""
     integral = y.dtype.kind in "iu" or (y.ndim == 1 and np.all(np.mod(y, 1) == 0) and np.abs(y).max() <= EXACT_INTEGERS)
     labels = integral and y.ndim == 1 and y.min() >= 0
     if task == "auto":
         task = "classification" if labels else "regression"
+        classes = int(y.max()) + 1 if labels else 0
+        if classes > AMBIGUOUS_CLASSES and classes > len(y) / 2:
+            raise UsageError(f"{where}: {key} holds whole numbers from {y.min()} to {y.max()}: as classes, "
+                             f"{classes} of them for {len(y):,} rows (fewer than 2 rows a class); if they "
+                             "are quantities to predict, pass --task regression, if classes, --task classification")
     if task == "regression":
         check_floats(where, key, y)
         return y.astype(np.float32), 0

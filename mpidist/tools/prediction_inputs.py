@@ -149,7 +149,7 @@ class PlainSamples:
         return self.info
 
     def check_shape(self, net):
-        self.samples_in.fit(int(np.prod(self.info.sample_shape)))
+        self.samples_in.fit(int(np.prod(self.info.sample_shape)), getattr(self.info, "feature_names", None))
         shape = self.samples_in.shape[1:]
         if shape not in (tuple(self.info.sample_shape), tuple(net.input_shape)):
             raise UsageError(f"{self.where}: x holds samples of shape {shape}, but the model takes samples of shape "
@@ -192,7 +192,7 @@ class Samples:
         # (what a predictions file records: a path absolute, to be found from anywhere)
         self.count, self.data = self.shape[0], os.path.abspath(where) if isinstance(where, Path) else str(where)
 
-    def fit(self, features):
+    def fit(self, features, names=None):
         """Told the model's features per sample: a table with a label column too drops it (CSV only)."""
 
     def fits(self, rows, dtype, whole=False):
@@ -215,7 +215,11 @@ class CsvSamples(Samples):
     an unnamed index column dropped); each rank reads the whole file.
 
     A row holds the model's features, or the features and then a label column
-    (as the file ``ingest`` read), which is left out.
+    (as the file ``ingest`` read), which is left out.  Where the file has a
+    header and the dataset the model trained on stores its features' names
+    (``ingest`` of a CSV with a header), the columns are taken by name, in the
+    model's order; a feature the file lacks, or a column it has besides them
+    and a last label column, is refused, named.
     """
 
     def __init__(self, path):
@@ -225,12 +229,29 @@ class CsvSamples(Samples):
         table = read_csv(path)   # (the last column as labels: numbers, or class names left out)
         self.labelled = table.class_names is not None
         self.array = table.x if self.labelled else np.column_stack([table.x, table.y])
+        self.names = None if table.names is None else table.names + (() if self.labelled else (table.label_name,))
         super().__init__(path, self.array.dtype, self.array.shape)
 
-    def fit(self, features):
-        if not self.labelled and self.shape[1] == features + 1:   # features, then the label column
+    def fit(self, features, names=None):
+        if names is not None and self.names is not None:
+            self.array = self.array[:, self._by_name(names)]
+        elif not self.labelled and self.shape[1] == features + 1:   # features, then the label column
             self.array = self.array[:, :features]
-            self.shape = self.array.shape
+        self.shape = self.array.shape
+
+    def _by_name(self, names):
+        """The columns of the model's features ``names``, in their order; refused where they do not match."""
+        column = {name: index for index, name in enumerate(self.names)}
+        missing = [name for name in names if name not in column]
+        wanted = set(names)
+        extra = [name for name in self.names[:-1] if name not in wanted]   # (a last column: the label's)
+        for what, found in (("lacks the model's features", missing), ("has columns the model does not take", extra)):
+            if found:
+                shown = ", ".join(printable(repr(name), 40) for name in found[:5]) + (", ..." if len(found) > 5 else "")
+                raise UsageError(f"{self.path}: {what}, by the names ingest stored: {shown} ({len(names)} features "
+                                 f"named {', '.join(printable(repr(n), 40) for n in names[:3])}, ...); give the "
+                                 "columns the training data had, with their header")
+        return [column[name] for name in names]
 
     def read(self, lo, hi, dtype):
         return self.array[lo:hi]
