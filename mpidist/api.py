@@ -310,7 +310,13 @@ def _trained(saved, data, model, data_given=None):
     a map of shapes with no buffers yet, checked to have the checkpoint's number of parameters."""
     checkpoint_path = saved.path
     config = _stored_settings(saved)
-    inputs = Inputs.of(config, model, None if callable(data) else data)
+    try:
+        inputs = Inputs.of(config, model, None if callable(data) else data)
+    except UsageError as err:
+        if model is not None:   # (the user's own --model: its words stand)
+            raise
+        raise UsageError(f"{checkpoint_path}: the model it names cannot be rebuilt ({printable(err)}): if its file "
+                         "moved or its function was renamed, give the new one with --model") from None
     xp, _ = select_device(config.device, 0)
     given = (data is not None and not callable(data)) if data_given is None else data_given
     try:

@@ -216,6 +216,8 @@ def test_info_reports_the_mpi_library_and_layout():
                  "no: this is MPICH Version: "):            # (the row of --elastic: the CI's MPI has no ULFM)
         assert text in done.stdout
     assert done.stdout.count("MPI library") == 1
+    library = next(line for line in done.stdout.splitlines() if line.startswith("MPI library"))
+    assert "  " not in library.split("MPI library", 1)[1].strip()   # (the library's own padding: one space)
 
 
 def test_bench_prints_a_table_and_writes_json(tmp_path):

@@ -263,8 +263,12 @@ def test_a_calibration_file_round_trips_and_every_bad_figure_is_named(tmp_path):
     (tmp_path / "big.json").write_bytes(b" " * (calibration.MAX_BYTES + 1))
     with pytest.raises(UsageError, match="larger than"):
         calibration.load(tmp_path / "big.json")
-    with pytest.raises(UsageError, match="cannot be read"):
+    with pytest.raises(UsageError, match=r"missing.json: no such file; measure one where the run will go first: "
+                       r"mpiexec -n 2 python -m mpidist plan --calibrate --model MODEL --data DATA"):
         calibration.load(tmp_path / "missing.json")
+    os.symlink(tmp_path / "gone.json", tmp_path / "dangling.json")
+    with pytest.raises(UsageError, match="cannot be read"):   # (there, but not readable: the reason, not the hint)
+        calibration.load(tmp_path / "dangling.json")
     os.mkfifo(tmp_path / "pipe.json")   # (opening a named pipe would wait for a writer forever)
     with pytest.raises(UsageError, match="named pipe"):
         calibration.load(tmp_path / "pipe.json")

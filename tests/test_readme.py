@@ -122,3 +122,19 @@ def test_a_builder_file_that_trains_when_loaded_is_refused_with_the_fix(tmp_path
     assert refused.stderr.count("calls mpidist.train() when it is loaded") == 1, refused.stderr
     assert 'if __name__ == "__main__":' in refused.stderr and "Traceback" not in refused.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())   # nothing trained
+
+
+def test_the_readmes_commands_write_nothing_into_the_checkout():
+    """Run verbatim from a fresh clone, the README's commands leave ``git status`` clean: what they write goes to
+    new paths, or to ``runs/`` (ignored), never over a tracked file or into a tracked folder."""
+    import subprocess
+    from pathlib import Path
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    folders = {str(Path(name).parent) for name in tracked.splitlines()} - {"."}
+    text = (ROOT / "README.rst").read_text()
+    written = re.findall(r"(?:--output|--run-dir|--checkpoint-dir) (\S+)", text)
+    written += re.findall(r"ingest \S+ (\S+)", text)
+    assert "runs/plots" in written and len(written) >= 6, written
+    for path in written:
+        assert path not in tracked.splitlines() and str(Path(path).parent) not in folders, path

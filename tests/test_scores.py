@@ -177,6 +177,11 @@ def test_reports_name_the_task_figures_and_the_classes():
     assert set(scores.report(figures)) == {"test_loss", "test_mse", "test_mae", "test_r2"}
     assert [label for label, _ in scores.summary_rows(figures)] == ["test loss", "test MSE", "test MAE", "test R^2"]
     assert "accuracy" not in scores.progress_text(figures)
+    # errors on the targets' scale: 4 significant digits, trailing zeros kept, never a trailing point
+    assert [scores.digits4(v) for v in (3581.0, 0.12, 12345.0, 1.0)] == ["3581", "0.1200", "1.234e+04", "1.000"]
+    big = dict(figures, loss=3581.0, mse=3581.0, mae=47.0)
+    assert "val loss 3581  val MSE 3581  MAE 47.00" in scores.progress_text(big, "val")
+    assert dict(scores.summary_rows(big))["test loss"] == "3581"
 
 
 def test_eval_prints_the_figures_of_the_task():

@@ -271,13 +271,20 @@ def summary_rows(figures):
         return rows + [(f"test top-{name[3:-len('_accuracy')]} accuracy", f"{100 * value:.2f}%")
                        for name, value in figures.items() if name.startswith("top") and name.endswith("_accuracy")]
     # (errors on the targets' scale: significant digits, not decimals)
-    return [("test loss", f"{figures['loss']:#.4g}"), ("test MSE", f"{figures['mse']:#.4g}"),
-            ("test MAE", f"{figures['mae']:#.4g}"), ("test R^2", f"{figures['r2']:.4f}")]
+    return [("test loss", digits4(figures["loss"])), ("test MSE", digits4(figures["mse"])),
+            ("test MAE", digits4(figures["mae"])), ("test R^2", f"{figures['r2']:.4f}")]
+
+
+def digits4(value):
+    """An error on the targets' scale, to 4 significant digits, trailing zeros kept (0.1200) but not a trailing
+    point (3581, not ``#.4g``'s 3581.)."""
+    text = f"{value:#.4g}"
+    return text[:-1] if text.endswith(".") else text
 
 
 def progress_text(figures, split="test"):
     """The figures of an evaluation of ``split`` (test or val) on one progress line."""
     if is_classification(figures):
         return f"{split} loss {figures['loss']:.4f}  {split} accuracy {100 * figures['accuracy']:5.1f}%"
-    return (f"{split} loss {figures['loss']:#.4g}  {split} MSE {figures['mse']:#.4g}  MAE {figures['mae']:#.4g}  "
-            f"R^2 {figures['r2']:.4f}")
+    return (f"{split} loss {digits4(figures['loss'])}  {split} MSE {digits4(figures['mse'])}  "
+            f"MAE {digits4(figures['mae'])}  R^2 {figures['r2']:.4f}")

@@ -8,6 +8,7 @@ prediction uses it, and a file that fails names the figure.
 import dataclasses
 import json
 import math
+import os
 
 from ..bench.output import write_results
 from ..runtime.errors import UsageError
@@ -127,6 +128,10 @@ def save(calibration, path):
 
 def load(path):
     """The :class:`Calibration` in ``path``, every figure checked; a :class:`UsageError` names what is wrong."""
+    if not os.path.lexists(path):   # (the first plan a user runs: say how to make one)
+        raise UsageError(f"--calibration {path}: no such file; measure one where the run will go first: mpiexec -n 2 "
+                         "python -m mpidist plan --calibrate --model MODEL --data DATA (it writes calibration.json, or "
+                         "--calibration FILE)")
     raw = read_input(path, MAX_BYTES, "--calibration", "a calibration")
     try:
         document = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)

@@ -133,8 +133,7 @@ def load_builder(spec):
     if where.endswith(".py"):
         path = Path(where).expanduser()
         if not path.is_file():
-            raise UsageError(f"--model {spec}: no such file {where} (the model cannot be rebuilt: if the file "
-                             "moved, give its new place with --model)")
+            raise UsageError(f"--model {spec}: no such file {where}")
         module_name = f"mpidist_user_model_{abs(hash(str(path.resolve())))}"
         module = sys.modules.get(module_name)
         if module is None:
@@ -161,8 +160,7 @@ def load_builder(spec):
     for part in name.split("."):
         builder = getattr(builder, part, None)
     if not callable(builder):
-        raise UsageError(f"--model {spec}: {where} has no function {name!r} (the model cannot be rebuilt: if "
-                         "it was renamed, give its new name with --model)")
+        raise UsageError(f"--model {spec}: {where} has no function {name!r}")
     return builder
 
 

@@ -11,6 +11,7 @@ import sys
 from mpi4py import MPI
 
 from .. import __version__
+from ..nn.scores import digits4
 from ..runtime.agreement import abort_job, agreed
 from ..runtime.errors import EXIT_OK, Interrupted, UsageError
 from ..runtime.preempt import interrupt_on_signals
@@ -238,8 +239,8 @@ def eval_text(checkpoint, figures):
         shown += "".join(f", top-{name[len('test_top'):-len('_accuracy')]} accuracy {100 * value:.2f}%"
                          for name, value in figures.items() if name.startswith("test_top"))
     else:
-        shown = (f"test loss {figures['test_loss']:#.4g}, test MSE {figures['test_mse']:#.4g}, "
-                 f"MAE {figures['test_mae']:#.4g}, R^2 {figures['test_r2']:.4f}")
+        shown = (f"test loss {digits4(figures['test_loss'])}, test MSE {digits4(figures['test_mse'])}, "
+                 f"MAE {digits4(figures['test_mae'])}, R^2 {figures['test_r2']:.4f}")
     lines = [f"mpidist eval: {checkpoint} (step {figures['step']}, model {figures['model']}) on "
              f"{figures['dataset']!r}: {shown} over {figures['samples']} samples"]
     per_class = figures.get("test_per_class") or []

@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 from ..api import load_split, load_trained
 from ..loop import split_model
+from ..nn.scores import digits4
 from ..data.layout import SUFFIXES
 from ..runtime import comm as mpi
 from ..runtime.agreement import agreed, ends_the_job_on_error
@@ -94,7 +95,7 @@ class Predictions:
         if "accuracy" in self.figures:
             line += f", accuracy {100 * self.figures['accuracy']:.2f}%"
         elif "mse" in self.figures:
-            line += f", MSE {self.figures['mse']:#.4g}"
+            line += f", MSE {digits4(self.figures['mse'])}"
         return line
 
 
