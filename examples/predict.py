@@ -21,8 +21,8 @@ import mpidist
 if __name__ == "__main__":
     world = MPI.COMM_WORLD
     directory = Path(world.bcast(tempfile.mkdtemp(prefix="mpidist-predict-") if world.Get_rank() == 0 else None))
-    result = mpidist.train("mlp", "digits", epochs=10, checkpoint_dir=str(directory / "ck"), progress="none",
-                           metrics="")
+    result = mpidist.train("mlp", "digits", epochs=10, run_dir=str(directory / "run"),
+                           checkpoint_dir=str(directory / "ck"), progress="none", metrics="")
     checkpoint = world.bcast(str(result.checkpoints[-1]) if result.is_chief else None)
     evaluated = mpidist.evaluate(checkpoint)
     # the test split of the dataset the checkpoint trained on, written to preds.h5

@@ -48,9 +48,14 @@ def test_the_example_layers_gradient_check_catches_a_wrong_backward():
 
 @pytest.mark.parametrize("name,least", [("custom_model", 95.0), ("arrays", 95.0), ("early_stopping", 95.0),
                                         ("predict", 95.0)])
-def test_every_example_runs_at_2_ranks(name, least):
-    done, _ = run_mpi(2, [str(EXAMPLES / f"{name}.py")], timeout=120)
+def test_every_example_runs_at_2_ranks(name, least, tmp_path):
+    done, _ = run_mpi(2, [str(EXAMPLES / f"{name}.py")], timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+    # where it ran: the run directories of its runs (runs/, holding their checkpoints), or nothing where its
+    # checkpoints went to a temporary directory it removed (a run directory without them would name files gone)
+    left = sorted(path.name for path in tmp_path.iterdir())
+    assert left == ([] if name == "predict" else ["runs"]), left
+    assert all((run / "checkpoints").is_dir() for run in tmp_path.glob("runs/*")), list(tmp_path.glob("runs/*/*"))
     assert accuracy(done.stdout, name) >= least
     if name == "early_stopping":   # before the last of its 60 epochs, as a finished run
         assert re.search(r"stopped early at step \d+", done.stdout), done.stdout
