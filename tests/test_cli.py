@@ -38,7 +38,13 @@ def test_ps_sync_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, ps):
     done, _ = mpidist(ranks, "train", "--strategy", "ps-sync", "--ps", str(ps), "--metrics", str(tmp_path / "m.jsonl"),
                       timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "shard [0, " in done.stdout
+    # the role table: each ps has its index among the ps and its shard under "holds", aligned with the header
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("rank  host"))
+    columns = {name: header.index(name) for name in ("index", "device", "holds")}
+    servers = [line for line in lines if line[:columns["index"]].split()[-1:] == ["ps"]]
+    assert len(servers) == ps and servers[0][columns["holds"]:].startswith("shard [0, "), (header, servers)
+    assert [line[columns["index"]:columns["device"]].strip() for line in servers] == [str(i) for i in range(ps)]
     final = events(tmp_path / "m.jsonl")[-1]
     assert final["test_accuracy"] >= STATED_ACCURACY and final["ps"] == ps and final["workers"] == ranks - ps
     servers = [r for r in final["roles"] if r["role"] == "ps"]

@@ -123,8 +123,7 @@ class Training:
             config = self.config = self.state.config = dataclasses.replace(config, seed=resume.seed)
         self._make_strategy()
         place = self.strategy.describe(cluster.rank)
-        table = cluster.table(self.device.label + (" " + place if place else ""),   # (collective)
-                              setup.reading.why if setup.reading else "")
+        table = cluster.table(self.device.label, setup.reading.why if setup.reading else "", place)   # (collective)
         if resume is not None:   # (local) a split model's ranks check a share of its parts and read their slices
             with agreed(cluster.world):   # as the strategy restores them; other layouts read the whole
                 resume = resume.check_parts((cluster.rank, cluster.size)) if self.strategy.placement is not None \

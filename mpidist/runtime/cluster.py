@@ -113,22 +113,23 @@ class Cluster:
     def local_size(self):
         return self.node.Get_size()
 
-    def table(self, device, data=""):
+    def table(self, device, data="", holds=""):
         """Collective: the chief gets the role table as text, others None.
 
-        ``data``: how this rank holds its data (in memory or streamed, and why); the column is left out when no
-        rank reads any.
+        ``holds``: this rank's part of the model (a ps shard, a pipeline stage, a tensor part); ``data``: how it
+        holds its data (in memory or streamed, and why).  Each column is left out where no rank has one.
         """
         # the pid lets a user map a launcher's "PID 4711 killed by signal 9" back to a rank
         # the node is MPI's (the ranks that share memory), which a host name alone may not tell apart
-        row = (self.rank, self.host, self.node_index, os.getpid(), self.local_rank, self.role,
-               "" if self.worker_index is None else self.worker_index, device, data)
+        index = self.worker_index if self.role == WORKER else self.role_comm.Get_rank()   # (a ps: among the ps)
+        row = (self.rank, self.host, self.node_index, os.getpid(), self.local_rank, self.role, index, device, holds,
+               data)
         rows = self.world.gather(row, root=self.chief_rank)  # start-up only, small strings
         if rows is None:
             return None
-        header = ("rank", "host", "node", "pid", "local", "role", "index", "device", "data")
-        if not any(r[-1] for r in rows):
-            rows, header = [r[:-1] for r in rows], header[:-1]
+        header = ("rank", "host", "node", "pid", "local", "role", "index", "device", "holds", "data")
+        kept = [column for column in range(len(header)) if column < 8 or any(r[column] for r in rows)]
+        rows, header = [[r[c] for c in kept] for r in rows], [header[c] for c in kept]
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*header)] + [fmt.format(*map(str, r)) for r in rows]
