@@ -43,7 +43,8 @@ def report(world, models_only=False):
     per_node = {}
     for index, host in hosts:
         per_node.setdefault(index, [host, 0])[1] += 1
-    version = " ".join(MPI.Get_library_version().replace("\x00", "").split("\n", 1)[0].split())   # (its padding: one space)
+    # (the library's own padding, "MPICH Version:      5.0.2", folded to one space)
+    version = " ".join(MPI.Get_library_version().replace("\x00", "").split("\n", 1)[0].split())
     elastic, why_not = ulfm_support()
     rows = [
         ("mpidist", __version__),
