@@ -56,6 +56,35 @@ def fake_run(root, name, checkpoint=True):
     return path
 
 
+def test_a_dataset_file_names_its_runs_by_the_name_it_records(tmp_path):
+    import h5py
+
+    def dataset(name, value):
+        with h5py.File(tmp_path / name, "w") as handle:
+            if value is not None:
+                handle.attrs["name"] = value
+        return str(tmp_path / name)
+
+    def named(path):
+        return rundir.run_name(Settings(model="mlp", data=path, strategy="allreduce"))
+
+    assert named(dataset("data.h5", "diabetes")) == "mlp-diabetes-allreduce"           # (ingest wrote the source's)
+    assert named(dataset("none.h5", None)) == "mlp-none-allreduce"                      # no name: the file's
+    # untrusted: made safe and short, or the file's where nothing is left of it
+    assert named(dataset("odd.h5", "\x1b[2J../../etc" + "x" * 500)) == "mlp-2J..-..-etc" + "x" * 29 + "-allreduce"
+    assert named(dataset("bad.h5", "//..")) == "mlp-bad-allreduce" and named(dataset("int.h5", 7)) == \
+        "mlp-int-allreduce"
+    os.mkfifo(tmp_path / "pipe.h5")   # (never opened: a named pipe would wait for a writer)
+    assert named(str(tmp_path / "pipe.h5")) == "mlp-pipe-allreduce"
+    # --resume auto finds the runs named by the file, as they were before, and by the name
+    config = Settings(model="mlp", data=str(tmp_path / "data.h5"), strategy="allreduce", resume="auto")
+    older = fake_run(tmp_path / "runs", "mlp-data-allreduce-20261124-100000")
+    os.chdir(tmp_path)
+    assert rundir.planned(config) == str(Path("runs") / older.name)
+    newer = fake_run(tmp_path / "runs", "mlp-diabetes-allreduce-20261125-100000")
+    assert rundir.planned(config) == str(Path("runs") / newer.name)
+
+
 def test_a_resumed_run_continues_the_run_directory_it_resumes_from(tmp_path):
     config = Settings(strategy="allreduce")
     older = fake_run(tmp_path / "runs", "mlp-digits-allreduce-20261124-100000")

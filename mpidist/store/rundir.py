@@ -41,16 +41,40 @@ AUTO = "auto"
 WHERE = ("run_dir", "resume", "metrics", "checkpoint_dir", "config")
 
 
-def run_name(config):
+def run_name(config, by_file=False):
     """``mlp-digits-allreduce``: the model, the dataset and the strategy, in characters safe in a file name.
 
     A builder is named by its file's or module's last name and its function
     (``my_script-build`` for ``/home/me/work/my_script.py:build``), not by the
-    path that leads to it.
+    path that leads to it.  A dataset file is named by the ``name`` it records
+    (``ingest`` writes the source's: ``diabetes``, not ``data`` of ``data.h5``),
+    or ``by_file``, or where it records none, by the file's.
     """
-    data = Path(config.data).stem if os.sep in config.data or config.data.endswith(".h5") else config.data
+    data = config.data
+    if os.sep in data or data.endswith(".h5"):
+        data = (None if by_file else _recorded_name(data)) or Path(data).stem
     parts = [_model_name(config.model), data, config.strategy]
-    return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "-", part).strip("-.")[:40] for part in parts if part)
+    return "-".join(_safe(part) for part in parts if part)
+
+
+def _safe(part):
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", part).strip("-.")[:40]
+
+
+def _recorded_name(path):
+    """The ``name`` attribute of dataset file ``path`` as a name part, or None (not a regular HDF5 file, no name,
+    nothing left of it once made safe).  Untrusted: only its first 200 characters are looked at."""
+    import h5py
+
+    if not os.path.isfile(path):   # (a directory of files, or something opening would wait on: the file's name)
+        return None
+    try:
+        with h5py.File(path, "r") as handle:
+            name = handle.attrs.get("name")
+    except (OSError, ValueError, RuntimeError):
+        return None
+    name = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+    return (_safe(name[:200]) or None) if isinstance(name, str) else None
 
 
 def _model_name(spec):
@@ -103,8 +127,10 @@ def metrics_of(path):
 
 
 def newest_run(config, root=ROOT):
-    """The newest directory of runs named as ``config``'s under ``root`` holding a checkpoint, or None."""
-    pattern = re.compile(re.escape(run_name(config)) + r"-(\d{8}-\d{6})(?:-(\d+))?")
+    """The newest directory of runs named as ``config``'s under ``root`` holding a checkpoint, or None (runs
+    named by their dataset file's name, as before datasets were named by what they record, too)."""
+    names = "|".join(re.escape(run_name(config, by_file)) for by_file in (False, True))
+    pattern = re.compile(rf"(?:{names})-(\d{{8}}-\d{{6}})(?:-(\d+))?")
 
     def started(entry):    # (its time, then its -2, -3... among runs started in the same second)
         match = pattern.fullmatch(entry.name)
