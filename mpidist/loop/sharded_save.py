@@ -143,5 +143,5 @@ class ShardedWrite:
                            f"{os.strerror(err.errno) if err.errno else err}") from None
         config = self.checkpointer.config
         pruned = CheckpointDir(directory).prune(self.checkpointer.lineage, config.keep, newest=self.index)
-        sharded.remove_replaced_folders(directory, self.index, pruned)
+        sharded.remove_replaced_folders(directory, self.index, self.folder, pruned)   # (its folder: known here)
         return self.index

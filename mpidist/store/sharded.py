@@ -297,15 +297,15 @@ def remove_unnamed_folders(directory):
     return sorted(removed)
 
 
-def remove_replaced_folders(directory, current, pruned):
-    """After the index ``current`` is in place and the indexes ``pruned`` were deleted: remove their parts
-    folders, and those of an earlier write under ``current``'s name, unless a ``best-*.h5`` index (a kept
-    link to a checkpoint's index) names them.  What :func:`remove_unnamed_folders` does after each write, for
-    a directory listing and a read of the best indexes rather than a read of every index; returns the names
-    removed."""
+def remove_replaced_folders(directory, current, folder, pruned):
+    """After the index ``current`` (over the parts in ``folder``) is in place and the indexes ``pruned`` were
+    deleted: remove their parts folders, and those of an earlier write under ``current``'s name, unless a
+    ``best-*.h5`` index (a kept link to a checkpoint's index) names them.  What :func:`remove_unnamed_folders`
+    does after each write, for a directory listing and a read of the best indexes rather than a read of every
+    index; returns the names removed."""
     current = Path(current)
     stems = {Path(index).stem for index in pruned} | {current.stem}
-    kept = named_folders(directory, "best-*.h5") | set(_named_by(current))
+    kept = named_folders(directory, "best-*.h5") | {Path(folder).name}
     removed = []
     for folder in Path(directory).iterdir():
         stem, _, token = folder.name.rpartition(".parts-")
@@ -315,8 +315,3 @@ def remove_replaced_folders(directory, current, pruned):
             removed.append(folder.name)
     return sorted(removed)
 
-
-def _named_by(index):
-    with h5py.File(index, "r") as handle:
-        listed = json.loads(handle.attrs.get(PARTS, "[]"))
-    return [PurePosixPath(record["file"]).parts[0] for record in listed]
