@@ -229,17 +229,18 @@ def test_steps_per_epoch_are_n_over_the_global_batch_on_any_worker_count():
 
 
 def test_train_batches_are_a_sample_of_each_lane_a_step_and_skip_resumed_steps(tmp_path):
-    from mpidist.data.lanes import memory_positions, memory_rows
+    from mpidist.data.order import order_for
     x = np.arange(40, dtype=np.float32).reshape(40, 1, 1)
     info = data.inspect(make_file(tmp_path / "toy.h5", shape=(1, 1), train=(x, np.arange(40) % 5)))
-    lanes = data.Lanes.of(16, 2, 1)                # lanes 8..15: rows 8..15 and 24..31
-    shard = data.Shard(info, "train", 0, 1, (1, 1), np.float32, lanes=lanes)
-    assert shard.x[:, 0, 0].astype(int).tolist() == memory_rows(40, lanes).tolist() == [*range(8, 16), *range(24, 32)]
+    lanes = data.Lanes.of(16, 2, 1)                # lanes 8..15 of 16: the last 8 of 40 rows in 16 lanes
+    shard = data.Shard(info, "train", 0, 1, (1, 1), np.float32, lanes=lanes, buffer=6)
+    assert shard.x[:, 0, 0].astype(int).tolist() == list(range(24, 40))     # lanes 8..15: rows 24..39, 2 each
     batches = data.train_batches(shard, 2, seed=0, epoch=3)
     got = [bx[:, 0, 0].astype(int).tolist() for bx, _ in batches]
-    assert [sorted(pair) for pair in zip(*got)] == [[lane, lane + 16] for lane in range(8, 16)]
-    expected = memory_rows(40, lanes)[memory_positions(40, lanes, 0, 3)].tolist()
-    assert got == expected and got[0] != sorted(got[0])
+    assert [sorted(pair) for pair in zip(*got)] == [[24 + 2 * lane, 25 + 2 * lane] for lane in range(8)]
+    order = order_for(info, "train", 6, (1, 1), np.float32, 16)
+    expected = order.rows(lanes.ids[None, :], np.arange(2)[:, None], 0, 3).tolist()
+    assert got == expected and got != [list(range(24, 40, 2)), list(range(25, 40, 2))]
     assert [bx[:, 0, 0].astype(int).tolist() for bx, _ in data.train_batches(shard, 2, 0, 3, skip=1)] == got[1:]
 
 
@@ -266,9 +267,11 @@ class _Split:
     """A stand-in for a chief's training split, every lane of ``global_batch``: sample i is filled with i."""
 
     def __init__(self, n, global_batch):
+        from mpidist.data.order import LaneOrder
         self.x = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)
         self.y = np.arange(n, dtype=np.int64)
         self.count, self.lanes = n, data.Lanes(global_batch, 0, global_batch)     # (its rows: 0..n-1 in order)
+        self.order = LaneOrder(n, global_batch, 2, 3)
 
     def __len__(self):
         return len(self.y)
@@ -280,7 +283,6 @@ class _Split:
 def test_in_graph_scatter_gives_each_worker_the_batches_its_own_lanes_would():
     from mpi4py import MPI
 
-    from mpidist.data.lanes import memory_positions, memory_rows
     from mpidist.parallel.scatter import ScatteredBatches
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
@@ -288,7 +290,7 @@ def test_in_graph_scatter_gives_each_worker_the_batches_its_own_lanes_would():
     source = data.global_batches(split, steps, seed=4, epoch=1) if rank == 0 else None
     feed = ScatteredBatches(world, source, global_batch, (3,), (), np.float32, np.int64, steps)
     mine = data.Lanes.of(global_batch, size, rank)       # the lanes this worker would read between-graph
-    own = memory_rows(50, mine)[memory_positions(50, mine, 4, 1)]
+    own = split.order.rows(mine.ids[None, :], np.arange(steps)[:, None], 4, 1)
     for step, (x, y) in enumerate(feed):
         np.testing.assert_array_equal(y, own[step])
         np.testing.assert_array_equal(x[:, 2], own[step].astype(np.float32))

@@ -1,6 +1,6 @@
 """Lanes: every sample of an epoch once, whatever the worker count does, in memory and streamed.
 
-Pure functions of :mod:`mpidist.data.lanes` and :mod:`mpidist.data.windows`
+Pure functions of :mod:`mpidist.data.lanes` and :mod:`mpidist.data.order`
 first (no file), then shards in memory and streams of a file whose samples
 carry their row number (``x[i, 0] == i``): what each worker's batches hold,
 against closed-form expectations and against one worker holding every lane.
@@ -10,18 +10,21 @@ which record the rows each worker trained on (``MPIDIST_TEST_RECORD``).
 
 import collections
 import itertools
+import json
+import re
+import tracemalloc
 
 import numpy as np
 import pytest
 from test_stream import write
 
 from mpidist import data
-from mpidist.data import lanes as lanes_module
-from mpidist.data import windows as windows_module
-from mpidist.data.blocks import block_cuts, lane_share
-from mpidist.data.lanes import Lanes, memory_positions, memory_rows, stream_bounds
+from mpidist.data import order as order_module
+from mpidist.data.blocks import lane_share, order_units
+from mpidist.data.lanes import Lanes, stream_bounds
+from mpidist.data.order import LaneOrder
 
-from conftest import epochs_of, mpidist, trained_rows
+from conftest import checkpoint_at, epochs_of, mpidist, trained_rows
 
 
 def lanes_of(batch, workers):
@@ -36,40 +39,67 @@ def test_a_worker_s_lanes_are_its_local_batch_after_the_earlier_workers(batch, w
     assert found[-1].first + found[-1].count == batch and all(lane.total == batch for lane in found)
 
 
-@pytest.mark.parametrize("n,batch", [(40, 8), (37, 10), (10, 10), (1003, 64), (65, 64)])
-def test_in_memory_lane_l_holds_rows_l_l_plus_b_and_every_row_is_in_one_lane(n, batch):
-    held = [memory_rows(n, Lanes(batch, lane, 1)) for lane in range(batch)]
-    for lane, rows in enumerate(held):
-        assert rows.tolist() == list(range(lane, n, batch))
-        assert len(rows) == Lanes(batch, lane, 1).rows(n)
-    for workers in (1, 2, 3):
-        parts = [memory_rows(n, lanes) for lanes in lanes_of(batch, workers)]
-        assert sorted(np.concatenate(parts).tolist()) == list(range(n))
-        assert [len(part) for part in parts] == [lanes.rows(n) for lanes in lanes_of(batch, workers)]
-
-
 @pytest.mark.parametrize("n,batch", [(40, 8), (37, 10), (1003, 64)])
-def test_streamed_lanes_are_balanced_contiguous_ranges_as_large_as_in_memory(n, batch):
+def test_lanes_are_balanced_contiguous_ranges(n, batch):
     bounds = stream_bounds(n, batch)
     assert bounds[0] == 0 and bounds[-1] == n and (np.diff(bounds) >= 0).all()
     assert np.diff(bounds).tolist() == Lanes(batch, 0, batch).sizes(n).tolist()
 
 
-def global_batch_rows(n, batch, workers, seed, epoch, skip=0):
-    """Row numbers of each step's global batch, workers' batches side by side (in memory)."""
-    parts = []
-    for lanes in lanes_of(batch, workers):
-        rows = memory_rows(n, lanes)
-        parts.append(rows[memory_positions(n, lanes, seed, epoch, skip)])
-    return np.concatenate(parts, axis=1)
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 16, 17, 100, 1000, 4097])
+def test_a_keyed_feistel_permutes_any_range_and_undoes_itself(size):
+    for key in (0, 1, 2 ** 63 + 5):
+        placed = order_module.permute(np.arange(size), size, np.uint64(key))
+        assert sorted(placed.tolist()) == list(range(size))
+        assert order_module.permute(placed, size, np.uint64(key), inverse=True).tolist() == list(range(size))
+    if size >= 1000:   # another key, another permutation; neither near the identity
+        other = order_module.permute(np.arange(size), size, np.uint64(2))
+        assert (other != placed).mean() > 0.9 and abs(np.corrcoef(placed, np.arange(size))[0, 1]) < 0.1
+    huge = 10 ** 11     # any position of a range of 10^11 in a few operations: no table
+    assert 0 <= int(order_module.permute(huge - 1, huge, np.uint64(3))) < huge
+
+
+ORDERS = [(40, 8, 2, 2), (37, 10, 3, 1), (1003, 64, 4, 3), (1003, 12, 7, 2), (100, 3, 7, 3), (61, 6, 64, 1),
+          (500, 4, 9, 1), (500, 4, 1, 500)]
+
+
+@pytest.mark.parametrize("n,batch,unit,window", ORDERS)
+def test_each_lane_s_order_is_its_rows_once_and_its_windows_give_the_same_order(n, batch, unit, window):
+    """Position by position (a shard in memory) and window by window (a stream): the same rows, each once."""
+    order = LaneOrder(n, batch, unit, window)
+    for seed, epoch in [(0, 0), (3, 1)]:
+        for lane in range(batch):
+            size, first = int(order.rows_of([lane])[0]), int(stream_bounds(n, batch)[lane])
+            rows = order.rows(lane, np.arange(size), seed, epoch)
+            assert sorted(rows.tolist()) == list(range(first, first + size))
+            streamed, start = [], 0
+            for found in order.windows([lane], seed, epoch, 0, size):
+                assert found.start == start and found.rows <= unit * window
+                assert all(hi - lo <= unit for lo, hi in found.units) and len(found.units) <= window
+                held = [row for lo, hi in found.units for row in range(lo, hi)]
+                streamed += [held[i] for i in order.window_order(found.rows, seed, epoch, lane, found.index)]
+                start += found.rows
+            assert streamed == rows.tolist()
+            for position in range(0, size, 5):     # the window holding any one position, alone
+                [alone] = order.windows([lane], seed, epoch, position, position + 1)
+                assert alone.start <= position < alone.start + alone.rows
+
+
+def global_batch_rows(n, batch, workers, seed, epoch, skip=0, unit=3, window=4):
+    """Row numbers of each step's global batch, workers' batches side by side."""
+    order = LaneOrder(n, batch, unit, window)
+    steps = np.arange(skip, n // batch)[:, None]
+    return np.concatenate([order.rows(lanes.ids[None, :], steps, seed, epoch) for lanes in lanes_of(batch, workers)],
+                          axis=1)
 
 
 @pytest.mark.parametrize("n,batch", [(1003, 12), (240, 24), (61, 6)])
-def test_the_global_batch_of_every_step_is_the_same_for_any_worker_count(n, batch):
+def test_the_global_batch_of_every_step_is_each_lane_s_next_sample_for_any_worker_count(n, batch):
     one = global_batch_rows(n, batch, 1, seed=7, epoch=3)
     assert one.shape == (n // batch, batch)
     assert len(set(one.ravel().tolist())) == n // batch * batch          # each sample once, n mod B left out
-    assert all(row % batch == lane for lane, column in enumerate(one.T) for row in column)   # lane l: its rows
+    bounds = stream_bounds(n, batch)
+    assert all(bounds[lane] <= row < bounds[lane + 1] for lane, column in enumerate(one.T) for row in column)
     for workers in range(2, 7):
         assert np.array_equal(global_batch_rows(n, batch, workers, seed=7, epoch=3), one), workers
 
@@ -91,62 +121,30 @@ def test_batches_differ_from_epoch_to_epoch_as_chance_has_it():
     """The pairs sharing a batch in one epoch share one in the next about as often as random pairs do (B/n):
     a design that kept batches nearly fixed across epochs (the reverted virtual shards) fails it."""
     n, batch = 2000, 20
-    first = co_occurring(global_batch_rows(n, batch, 1, seed=0, epoch=0).tolist())
-    second = co_occurring(global_batch_rows(n, batch, 1, seed=0, epoch=1).tolist())
+    first = co_occurring(global_batch_rows(n, batch, 1, seed=0, epoch=0, unit=100, window=1).tolist())
+    second = co_occurring(global_batch_rows(n, batch, 1, seed=0, epoch=1, unit=100, window=1).tolist())
     chance = batch / n
     assert len(first & second) / len(first) < 2 * chance
     assert not np.array_equal(global_batch_rows(n, batch, 1, seed=0, epoch=0),
                               global_batch_rows(n, batch, 1, seed=1, epoch=0))
 
 
-def test_lane_orders_are_drawn_from_the_seed_the_epoch_and_the_lane_alone():
-    keys = lanes_module.keys(lanes_module.seeds(3, 4, np.arange(5)), 100)
-    again = lanes_module.keys(lanes_module.seeds(3, 4, np.arange(2, 5)), 100)
-    assert np.array_equal(keys[2:], again) and keys.dtype == np.uint64
-    assert len(np.unique(keys)) == keys.size
-    order = lanes_module.orders(lanes_module.seeds(3, 4, [0]), 1000)[0]
-    assert sorted(order.tolist()) == list(range(1000)) and abs(np.corrcoef(order, np.arange(1000))[0, 1]) < 0.1
+def test_the_order_s_memory_is_the_same_at_a_million_rows_and_at_a_hundred_billion():
+    """A step's rows and the windows around any position of a lane: the same few arrays at 10^6 rows and 10^11
+    (traced by tracemalloc, which counts numpy's allocations)."""
+    def peak(n):
+        order = LaneOrder(n, 64, 16384, 4)
+        middle = n // 64 // 2
+        tracemalloc.start()
+        order.rows(np.arange(64)[None, :], np.arange(middle, middle + 8)[:, None], seed=1, epoch=2)
+        windows = list(order.windows(np.arange(32, 64), 1, 2, middle, middle + 8))
+        top = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert len(windows) >= 32
+        return top
 
-
-# -- a stream's windows, without a file ------------------------------------------------------------------------
-def test_each_lane_s_windows_hold_its_blocks_once_at_least_the_buffer_but_the_last():
-    sizes = np.array([5, 3, 8, 2, 7, 1, 4, 6, 6, 2])
-    lane_of = np.array([0, 0, 0, 0, 1, 1, 1, 2, 2, 2])
-    windows = windows_module.epoch_windows(sizes, lane_of, [4, 5, 6], 9, seed=3, epoch=1)
-    for lane, found in enumerate(windows):
-        assert sorted(b for w in found for b in w.tolist()) == np.flatnonzero(lane_of == lane).tolist()
-        assert all(sizes[w].sum() >= 9 for w in found[:-1])
-        assert all(sizes[w[:-1]].sum() < 9 for w in found)     # a window closes as soon as it is full
-    again = windows_module.epoch_windows(sizes, lane_of, [4, 5, 6], 9, seed=3, epoch=1)
-    assert [[w.tolist() for w in lane] for lane in windows] == [[w.tolist() for w in lane] for lane in again]
-    other = windows_module.epoch_windows(sizes, lane_of, [4, 5, 6], 9, seed=3, epoch=2)
-    assert [[w.tolist() for w in lane] for lane in windows] != [[w.tolist() for w in lane] for lane in other]
-    # a lane's windows are its own: lane 5 alone (another worker's layout) orders its blocks alike
-    alone = windows_module.epoch_windows(sizes[4:7], [0, 0, 0], [5], 9, seed=3, epoch=1)
-    assert [(w + 4).tolist() for w in alone[0]] == [w.tolist() for w in windows[1]]
-
-
-def test_blocks_of_a_group_stay_together_and_groups_never_span_lanes():
-    lane_of = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1])
-    groups = np.array([0, 0, 0, 1, 2, 2, 3, 3, 4])
-    order = windows_module.block_order(lane_of, [0, 1], seed=1, epoch=0, groups=groups).tolist()
-    assert sorted(order) == list(range(9)) and lane_of[order].tolist() == sorted(lane_of.tolist())
-    runs = [group for group, _ in itertools.groupby(groups[order].tolist())]
-    assert len(runs) == len(set(runs))
-
-
-def test_a_schedule_lists_the_windows_of_the_steps_asked_by_start_then_lane():
-    sizes = np.array([4, 4, 4, 3, 5, 4])
-    lane_of = np.array([0, 0, 0, 1, 1, 1])
-    found = windows_module.schedule(sizes, lane_of, [0, 1], 4, seed=0, epoch=0, first=0, last=12)
-    assert [(w.start, w.lane) for w in found] == sorted((w.start, w.lane) for w in found)
-    for lane in (0, 1):
-        mine = [w for w in found if w.lane == lane]
-        assert [w.index for w in mine] == list(range(len(mine))) and mine[0].start == 0
-        assert all(a.start + a.rows == b.start for a, b in zip(mine, mine[1:]))
-    middle = windows_module.schedule(sizes, lane_of, [0, 1], 4, seed=0, epoch=0, first=5, last=6)
-    assert [(w.lane, w.start) for w in middle] == sorted((w.lane, w.start) for w in found
-                                                         if w.start <= 5 < w.start + w.rows)
+    small, large = peak(10 ** 6), peak(10 ** 11)
+    assert large < small * 1.1 + 4096 and large < 1 << 20, (small, large)
 
 
 # -- shards in memory and streams of a file ---------------------------------------------------------------------
@@ -156,7 +154,7 @@ def rows_of(batches):
 
 def opened(info, mode, lanes, buffer=64):
     if mode == "memory":
-        return data.Shard(info, "train", 0, 1, (4,), np.float32, lanes=lanes)
+        return data.Shard(info, "train", 0, 1, (4,), np.float32, lanes=lanes, buffer=buffer)
     return data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=buffer, lanes=lanes)
 
 
@@ -181,12 +179,23 @@ def test_workers_batches_make_the_same_global_batches_for_any_worker_count(tmp_p
     assert len(set(flat)) == len(flat) == rows // batch * batch
     for workers in (2, 3, 4, 5, 6):
         assert epoch_of(info, mode, batch, workers, seed=5, epoch=2) == one, workers
-    # the lanes' rows: strided in memory, contiguous ranges streamed
-    bounds = stream_bounds(rows, batch)
-    for step in one:
-        for lane, row in enumerate(step):
-            assert row % batch == lane if mode == "memory" else bounds[lane] <= row < bounds[lane + 1]
+    bounds = stream_bounds(rows, batch)      # the lanes' rows: contiguous ranges
+    assert all(bounds[lane] <= row < bounds[lane + 1] for step in one for lane, row in enumerate(step))
     assert epoch_of(info, mode, batch, 3, seed=5, epoch=3) != one
+
+
+@pytest.mark.parametrize("buffer", [24, 100, 5000])
+def test_in_memory_and_streamed_the_order_is_the_same_on_any_worker_count(tmp_path, buffer):
+    """The order is the run's (seed, epoch, global batch, buffer): a resume or a shrink that switches between
+    memory and stream (another worker count, another budget) goes on with the very same samples."""
+    rows, batch = 1000, 24
+    info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=8))
+    streamed = epoch_of(info, "stream", batch, 1, seed=4, epoch=1, buffer=buffer)
+    for workers in (1, 3):
+        assert epoch_of(info, "memory", batch, workers, seed=4, epoch=1, buffer=buffer) == streamed
+    mixed = epoch_of(info, "memory", batch, 4, seed=4, epoch=1, buffer=buffer)[:9] + \
+        epoch_of(info, "stream", batch, 2, seed=4, epoch=1, skip=9, buffer=buffer)
+    assert mixed == streamed
 
 
 @pytest.mark.parametrize("mode", ["memory", "stream"])
@@ -202,29 +211,32 @@ def test_a_shrink_from_4_to_3_workers_midway_trains_every_row_of_the_epoch_once(
     assert before + after == epoch_of(info, mode, batch, 1, seed=1, epoch=0)
 
 
-def test_a_file_sorted_by_label_gives_every_lane_every_class_in_memory_and_every_batch_its_share_streamed(tmp_path):
-    """5 classes stored in 5 runs of 200 rows: a lane in memory (strided) holds rows of each; streamed, lanes are
-    ranges of the file, so each batch, one sample a lane, holds B/5 of each class."""
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_file_sorted_by_label_gives_every_batch_its_share_of_each_class(tmp_path, mode):
+    """5 classes stored in 5 runs of 200 rows: lanes are ranges of the file, so each batch, one sample a lane,
+    holds B/5 of each class."""
     rows, batch = 1000, 20
     info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=8))
-    for lane in range(batch):
-        assert {row * 5 // rows for row in memory_rows(rows, Lanes(batch, lane, 1))} == set(range(5))
-    for step in epoch_of(info, "stream", batch, 2, seed=0, epoch=0):
+    for step in epoch_of(info, mode, batch, 2, seed=0, epoch=0):
         assert collections.Counter(row * 5 // rows for row in step) == {c: batch // 5 for c in range(5)}
 
 
-def test_a_stream_s_windows_are_its_lanes_share_of_the_buffer_and_whole_blocks(tmp_path):
+def test_a_stream_s_windows_are_its_lanes_share_of_the_buffer_in_units_of_whole_chunks(tmp_path):
     rows, batch = 2000, 10
     info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=16))
     stream = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400, lanes=Lanes(batch, 2, 3))
     assert stream.share == lane_share(400, rows, batch) == 40
     assert (stream.lo, stream.hi) == (400, 1000) and len(stream) == 600
-    source = data.SplitRows(info, "train", (4,), np.float32)
-    cuts = set(block_cuts(source, 400, 1000, 40 * 16 // 4).tolist()) | {600, 800}
-    assert stream.cuts.tolist() == sorted(cuts)                # chunk multiples, and the lanes' bounds
-    assert stream.pool.rows == 40 + int(stream.sizes.max()) - 1 and stream.pool.slots == 2 * 3
+    # units: about a quarter of the share (160 B), whole chunks or equal slices of a larger one (here halves of
+    # its 16 rows of 16 B); windows: as many as hold the share
+    assert order_units(info, "train", 400, (4,), np.float32, batch) == (8, 5)
+    assert order_units(info, "train", 4000, (4,), np.float32, batch) == (48, 5)     # shares of 200: 3 chunks
+    assert (stream.order.unit, stream.order.window) == (8, 5)
+    assert stream.pool.rows == 40 and stream.pool.slots == 2 * 3
     for window in stream._schedule(0, 0, 0, 200):
         assert window.rows >= 40 or window.start + window.rows == 200
+        first = 400 + 200 * window.lane     # (a unit is 8 rows from its lane's first, or the lane's last rows)
+        assert all((lo - first) % 8 == 0 and (hi - lo == 8 or hi == first + 200) for lo, hi in window.units)
 
 
 def test_a_stream_reads_its_first_windows_at_set_up_and_the_next_epoch_s_while_the_last_batches_train(tmp_path):
@@ -317,6 +329,29 @@ def test_a_run_stopped_on_4_workers_and_resumed_on_3_trains_each_sample_once_an_
         [(False, "3"), (True, "4")]
 
 
+@pytest.mark.parametrize("first,then", [
+    (["--data-mode", "memory"], ["--data-mode", "stream"]),
+    (["--data-mode", "stream"], ["--data-mode", "memory"]),
+    # the very same flags: 4 workers hold their 240 rows in memory; 2 workers' 480 rows stream
+    (["--memory-budget", "16K"], ["--memory-budget", "16K"])])
+def test_a_run_resumed_on_another_worker_count_and_data_mode_trains_each_sample_once_an_epoch(tmp_path, first, then):
+    """Stopped at step 13 on 4 workers, resumed on 2 in the other mode, with the buffer the run started with
+    (its checkpoint's): each epoch trains on each of its rows once, step by step as one worker with that buffer."""
+    import h5py
+    write(tmp_path / "rows.h5", ROWS, chunk=10)
+    flags = ["--checkpoint-dir", str(tmp_path / "ck")]
+    started = recorded_run(tmp_path, 4, "split", *flags, *first, "--steps", "13")
+    done = recorded_run(tmp_path, 2, "split", *flags, *then, "--resume", "auto")
+    with h5py.File(checkpoint_at(tmp_path / "ck", 13)) as handle:
+        buffer = json.loads(handle.attrs["config"])["shuffle_buffer"]
+    assert buffer > 0 and "resumed from" in done.stdout
+    modes = [re.findall(r"worker +\d+ +cpu +(\w+)", run.stdout) for run in (started, done)]
+    assert modes[0] and modes[1] and set(modes[0]).isdisjoint(modes[1]), modes      # the mode did switch
+    recorded_run(tmp_path, 1, "one", "--shuffle-buffer", str(buffer))
+    assert_each_sample_once_an_epoch_as_one_worker_trains(trained_rows(tmp_path / "split"),
+                                                         trained_rows(tmp_path / "one"))
+
+
 @pytest.mark.parametrize("compression", [None, "gzip"])
 def test_a_worker_s_lanes_are_read_from_a_file_as_one_selection_of_evenly_spaced_runs(tmp_path, compression):
     from mpidist.data.rows import read_runs, regular_runs
@@ -325,7 +360,8 @@ def test_a_worker_s_lanes_are_read_from_a_file_as_one_selection_of_evenly_spaced
     with h5py.File(path) as handle:
         item = handle["train/x"]
         for lanes in (Lanes.of(64, 4, 1), Lanes.of(10, 3, 2), Lanes.of(13, 2, 0), Lanes.of(64, 4, 3)):
-            rows = memory_rows(1003, lanes)
+            q, extra = divmod(1003, lanes.total)    # a strided selection: rows q * B + l of the lanes l
+            rows = np.sort(np.concatenate([np.arange(q + (lane < extra)) * lanes.total + lane for lane in lanes.ids]))
             for lo, hi in [(0, 1003), (5, 600), (333, 1003)]:      # (a file's part of the rows)
                 part = rows[(rows >= lo) & (rows < hi)]
                 runs = regular_runs(part)

@@ -18,7 +18,6 @@ import pytest
 from mpidist import data
 from mpidist.data import blocks
 from mpidist.data import stream as streaming
-from mpidist.data import windows
 from mpidist.data.lanes import Lanes
 from mpidist.runtime.errors import UsageError
 from mpidist.settings.config import Settings
@@ -221,7 +220,16 @@ def test_the_budget_decides_between_memory_and_stream():
     assert data.plan(Settings(memory_budget="5M"), info, parts, (100,), np.float32, lanes).mode == "memory"
     chosen = data.plan(Settings(memory_budget="3M"), info, parts, (100,), np.float32, lanes)
     assert chosen.mode == "stream" and "> budget 3.0 MiB" in chosen.why
-    assert chosen.buffer == (3 << 20) // 8 // 400          # an eighth of the budget (the lanes' windows, twice)
+
+    def held(buffer):   # the widest worker's training stream, and an evaluation's blocks of the whole test split
+        return blocks.stream_bytes(info, "train", buffer, (100,), np.float32, True, lanes) + \
+            blocks.stream_bytes(info, "test", 100, (100,), np.float32, True)
+    assert held(chosen.buffer) <= 3 << 20 < held(chosen.buffer + 1)     # the largest that fits
+    # the order's buffer is the same in memory: a worker in memory and one streaming take the same samples
+    assert data.plan(Settings(memory_budget="3M", data_mode="memory"), info, parts, (100,), np.float32,
+                     lanes).buffer == chosen.buffer
+    assert data.plan(Settings(memory_budget="5M"), info, parts, (100,), np.float32, lanes).buffer == \
+        data.plan(Settings(memory_budget="5M", data_mode="stream"), info, parts, (100,), np.float32, lanes).buffer
     assert data.plan(Settings(data_mode="memory", memory_budget="1M"), info, parts, (100,), np.float32,
                      lanes).mode == "memory"
     assert data.plan(Settings(data_mode="stream"), info, parts, (100,), np.float32, lanes).mode == "stream"
@@ -242,9 +250,9 @@ def test_a_shuffle_buffer_beyond_the_budget_is_capped_to_what_fits_or_refused_wh
     assert "(capped)" in chosen.why and chosen.notes[0].startswith("--shuffle-buffer 1,000,000,000 capped to "
                                                                       f"{chosen.buffer:,} samples")
 
-    def held(buffer):
-        return sum(blocks.stream_bytes(info, split, buffer, (100,), np.float32, chosen.sliced,
-                                          lanes=lanes if split == "train" else None) for split, _ in parts)
+    def held(buffer):   # (as every worker sizes it: by the widest worker's lanes, beside an evaluation's blocks)
+        return blocks.stream_bytes(info, "train", buffer, (100,), np.float32, True, lanes) + \
+            blocks.stream_bytes(info, "test", 100, (100,), np.float32, True)
     assert held(chosen.buffer) <= 3 << 20 < held(chosen.buffer + 1)       # the largest that fits
     # a buffer as large as the split orders the lanes as any larger one: kept at the split's size, not capped
     whole = data.plan(Settings(data_mode="stream", shuffle_buffer=10 ** 9, memory_budget="1G"), info, parts,
@@ -259,15 +267,17 @@ def test_a_split_stored_in_one_chunk_streams_in_slices_within_its_budget(tmp_pat
     rows, width = 12_000, 250                  # 12 MB of float32 in one chunk
     info = data.inspect(write(tmp_path / "one.h5", rows, width=width, chunk=rows))
     lanes = Lanes(100, 0, 100)                 # lanes of 120 rows
-    whole_chunks = blocks.stream_bytes(info, "train", 1000, (width,), np.float32, sliced=False, lanes=lanes)
-    assert whole_chunks > 4 * 12e6            # the block being read is the chunk, and every lane's windows whole
+    # an evaluation reading whole chunks would hold the chunk; the training order's units slice it whatever
+    # the budget (windows of 10 samples a lane here, in units of a quarter of that)
+    assert blocks.stream_bytes(info, "train", 1000, (width,), np.float32, sliced=False) > 3 * 12e6
+    assert blocks.stream_bytes(info, "train", 1000, (width,), np.float32, sliced=False, lanes=lanes) < 4 << 20
     reading = data.plan(Settings(data_mode="stream", memory_budget="4M"), info, [("train", rows)], (width,),
                         np.float32, lanes)
-    assert reading.sliced and "train/x is stored in chunks of 12,000 rows" in reading.notes[0]
+    assert "train/x is stored in chunks of 12,000 rows" in reading.notes[0]
     assert blocks.stream_bytes(info, "train", reading.buffer, (width,), np.float32, sliced=True,
                                   lanes=lanes) <= 4 << 20
     part = reading.open(info, "train", 0, 1, (width,), np.float32, lanes)
-    assert part.groups is None and part.sizes.max() < 120     # uncompressed: slices cost no extra reading
+    assert part.order.unit < 120     # the order's units: slices of the chunk
     tracemalloc.start()
     got = rows_of(part.batches(rows // 100, 0, 0))
     top = tracemalloc.get_traced_memory()[1]
@@ -282,14 +292,10 @@ def test_slices_of_a_compressed_chunk_are_read_one_after_the_other_from_a_cache_
         write(folder / f"part-{index}.h5", 1000, width=300, chunk=1000, offset=1000 * index, test_rows=2,
               compression="gzip")
     info = data.inspect(folder)
-    # 4 lanes of 500 rows, two in each chunk; windows of at least 50 samples in blocks of 15 KiB
+    # 4 lanes of 500 rows, two in each chunk; windows of at least 50 samples in units of 15 KiB
     part = data.Stream(info, "train", 0, 1, (300,), np.float32, buffer=200, sliced=True, lanes=Lanes(4, 0, 4))
-    assert part.groups is not None and sorted(set(part.groups.tolist())) == [0, 1, 2, 3]
-    assert (part.groups == part.lane_of).all()         # a group never spans lanes
-    order = windows.block_order(part.lane_of, part.lanes.ids, 0, 0, part.groups).tolist()
-    assert sorted(order) == list(range(len(part.sizes))) and order != sorted(order)
-    groups = [int(part.groups[block]) for block in order]
-    assert groups == sorted(groups)      # each lane's slices of its chunk together
+    assert part.order.unit == 13 and part.order.window == 4
+    assert sorted(rows_of(part.batches(500, 0, 0))) == list(range(2000))
     handles = {}
     try:
         first, second = (folder / f"part-{index}.h5" for index in range(2))

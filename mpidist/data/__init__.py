@@ -33,7 +33,7 @@ from .batches import (
     steps_per_epoch,
     train_batches,
 )
-from .budget import Reading, budget_of, plan
+from .budget import Reading, budget_of, order_buffer_for, plan
 from .lanes import Lanes
 from .layout import (
     MAX_CLASSES,
@@ -60,6 +60,6 @@ _read_rows = read_rows   # (the name tests knew)
 
 __all__ = ["ArrayData", "DatasetInfo", "Lanes", "MAX_CLASSES", "MAX_NAME", "Member", "OPTIONAL_SPLITS", "Prefetcher",
            "Reading", "SPLITS", "Shard", "SplitRows", "Stream", "budget_of", "bundled_names",
-           "carve_validation", "data_dirs", "eval_batches", "global_batches", "inspect",
+           "carve_validation", "data_dirs", "eval_batches", "global_batches", "inspect", "order_buffer_for",
            "limit_evaluation", "local_batch_size", "members", "open_source", "plan", "read_rows", "resolve", "shard_size",
            "standardizer", "steps_per_epoch", "train_batches"]

@@ -64,34 +64,27 @@ def _length(chunk, row, block_bytes, sliced):
     return max(chunk, block_bytes // row // chunk * chunk)
 
 
-def block_groups(source, cuts, block_bytes, sliced, lanes=None):
-    """Which blocks between ``cuts`` slice one compressed chunk (the same number), or None where none do.
-
-    Reading part of a compressed chunk decompresses all of it: an epoch reads
-    the slices of one such chunk one after the other, from the chunk cache
-    :class:`SplitRows` gives it, so each is decompressed about once an epoch.
-    ``lanes``: the lane of each block; a group never spans two.
-    """
-    compressed = [sliced and member.spans.get(source.group, (0, 0))[0] > 0
-                  and block_length(member, source.group, block_bytes, True) < member.chunk_rows.get(source.group, 1)
-                  for member in source.files]
-    if not any(compressed) or len(cuts) < 3:
-        return None
-    rows = source.group_rows(cuts[:-1])
-    files = np.searchsorted(source.starts, rows, side="right") - 1
-    chunks = (rows - source.starts[files]) // np.array([max(1, m.chunk_rows.get(source.group, 1))
-                                                        for m in source.files])[files]
-    same = (files[1:] == files[:-1]) & (chunks[1:] == chunks[:-1]) & np.array(compressed)[files[1:]]
-    if lanes is not None:
-        same &= lanes[1:] == lanes[:-1]
-    groups = np.concatenate([[0], np.cumsum(~same)])
-    return None if groups[-1] == len(groups) - 1 else groups
-
-
 def lane_share(buffer, n, lanes):
     """Samples a lane's window holds at least: its share of a shuffle buffer of ``buffer`` samples over ``lanes``
     (the global batch), the buffer at most the split's ``n`` rows (a larger one orders the lanes alike)."""
     return max(1, -(-min(int(buffer), max(int(n), 1)) // lanes))
+
+
+def order_units(info, split, buffer, input_shape, dtype, total):
+    """``(unit, window)``: the rows of a unit of the training order (:mod:`mpidist.data.order`) of ``split``
+    for a shuffle buffer of ``buffer`` samples over ``total`` lanes, and the units of a window.
+
+    A unit is whole chunks of about a quarter of a lane's share of the buffer
+    (:func:`block_bytes_for`; an equal slice of a larger chunk), a lane's rows
+    at most; a window as many units as hold the share.  Nothing here depends
+    on the worker count, the data mode or the memory budget.
+    """
+    n, group = info.sizes[split], info.rows_of(split)[0]
+    share = lane_share(buffer, n, total)
+    block = block_bytes_for(share, input_shape, dtype)
+    unit = max(block_length(member, group, block, sliced=True) for member in info.files)
+    unit = max(1, min(unit, -(-n // total)))
+    return unit, -(-share // unit)
 
 
 def segment_steps(share, batch_bytes):
@@ -116,10 +109,12 @@ def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, lanes=No
     group = info.rows_of(split)[0]
     values = int(np.prod(input_shape))
     sample = values * np.dtype(dtype).itemsize + info.target_width * 8
-    share = buffer if lanes is None else lane_share(buffer, info.sizes[split], lanes.total)
-    block = block_bytes_for(share, input_shape, dtype)
     kinds = {(m.chunk_rows.get(group, 1), m.row_bytes.get(group, 0), m.cache_bytes(group)) for m in info.files}
-    rows = max(_length(chunk, row, block, sliced) for chunk, row, _ in kinds)
+    if lanes is None:
+        rows = max(_length(chunk, row, block_bytes_for(buffer, input_shape, dtype), sliced) for chunk, row, _ in kinds)
+    else:
+        share = lane_share(buffer, info.sizes[split], lanes.total)
+        rows, units = order_units(info, split, buffer, input_shape, dtype, lanes.total)
     stored = max(r for _, r, _ in kinds) + 8 + (8 * values if info.mean is not None else 0)
     cache = max(cache for _, _, cache in kinds)     # (one file's: a stream holds one such file open at a time)
     read = rows * max(r for _, r, _ in kinds)       # a direct read's buffer: a huge page where a block is near one
@@ -127,7 +122,7 @@ def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, lanes=No
     if lanes is None:
         held = EVAL_BLOCKS * rows * sample
     else:
-        window = min(share + rows - 1, -(-info.sizes[split] // lanes.total))
+        window = min(rows * units, -(-info.sizes[split] // lanes.total))
         batch = lanes.count * sample
         held = lanes.count * window * (WINDOWS * sample + 8) + SEGMENTS * segment_steps(share, batch) * batch
     return held + rows * (stored + sample) + cache

@@ -3,20 +3,22 @@
 A rank holds its shards in memory when what it reads (its training shard, and
 the evaluation shards it reads) fits its budget at the peak of reading (as
 stored, converted, and standardised where the dataset says so); otherwise it
-streams every split it reads.  The workers of a run hold parts of about the
-same size, so with the same budget they choose alike; the lanes depend on the
-mode (strided rows in memory, contiguous ranges streamed), so pin
-``--data-mode`` where the ranks' budgets differ, or where a resumed run must
-repeat the stopped one's order on machines with other memory.
+streams every split it reads.  The data order is the same either way
+(:mod:`mpidist.data.order`): it depends on the run's shuffle buffer, which
+every rank sizes alike (:func:`order_buffer_for`, from the largest worker's
+lanes and the budget) and a resumed run takes from its checkpoint, so a
+resume or a shrink on another worker count, in another mode or with another
+budget continues the very order.
 
 A stream's every buffer is sized from the budget and checked against it
 before anything is allocated (:func:`~mpidist.data.blocks.stream_bytes`): its
 lanes' windows, the batches it gathers ahead, the block being read, an
 evaluation's blocks, and the chunk cache of compressed chunks larger than
-HDF5's.  Where they do not fit, chunks larger than a block are read in
-slices, then the shuffle buffer is capped (the start-up table and a note say
-so), and where even a buffer of one sample does not fit, the run is refused,
-naming what takes the memory.
+HDF5's.  Where they do not fit, an evaluation reads chunks larger than a
+block in slices (training's units slice them always), a new run's shuffle
+buffer is capped (the start-up table and a note say so), and where even a
+buffer of one sample does not fit, the run is refused, naming what takes the
+memory.
 """
 
 import dataclasses
@@ -37,7 +39,7 @@ class Reading:
 
     mode: str
     why: str
-    buffer: int = 0     # samples in a stream's shuffle buffer
+    buffer: int = 0     # samples in the shuffle buffer of the run's data order (training)
     direct: bool = False    # a stream reads around the page cache (--stream-io direct)
     sliced: bool = False    # a stream reads chunks larger than its blocks in slices
     notes: tuple = ()       # what the chief says of it (a buffer capped, chunks read in slices)
@@ -46,7 +48,7 @@ class Reading:
         """The shard of ``split`` for this worker: a :class:`Shard` in memory, or a :class:`Stream`; ``lanes``
         (:class:`~mpidist.data.lanes.Lanes`): the training split's lanes it holds."""
         if self.mode == "memory":
-            return Shard(info, split, worker, num_workers, input_shape, dtype, lanes=lanes)
+            return Shard(info, split, worker, num_workers, input_shape, dtype, lanes=lanes, buffer=self.buffer)
         return Stream(info, split, worker, num_workers, input_shape, dtype, self.buffer, self.direct, self.sliced,
                       lanes=lanes)
 
@@ -58,55 +60,87 @@ def budget_of(config):
     return parse_bytes(config.memory_budget), "--memory-budget"
 
 
-def plan(config, info, parts, input_shape, dtype, lanes=None):
+def plan(config, info, parts, input_shape, dtype, lanes=None, order=None):
     """The :class:`Reading` of a rank that reads ``parts`` (``[(split, rows)]``) of dataset ``info``; ``lanes``:
-    the :class:`~mpidist.data.lanes.Lanes` of its ``train`` part."""
+    the :class:`~mpidist.data.lanes.Lanes` of its ``train`` part; ``order``: the run's shuffle buffer (samples),
+    whether it was capped, whether it is a resumed run's (:func:`order_buffer_for`; by default, a new run's
+    sized by ``lanes``)."""
+    if order is None:
+        order = order_buffer_for(config, info, input_shape, dtype, lanes) if lanes else (0, False, False)
     if not parts:
-        return Reading("memory", "")
+        return Reading("memory", "", order[0])
     need = sum(footprint(rows, info, info.rows_of(split)[0], dtype) for split, rows in parts)
     budget, how = budget_of(config)
+    buffer = order[0]
     if config.data_mode == "memory":
-        return Reading("memory", f"memory {human(need)} (--data-mode memory)")
+        return Reading("memory", f"memory {human(need)} (--data-mode memory)", buffer)
     if config.data_mode == "auto" and need <= budget:
-        return Reading("memory", f"memory {human(need)} <= budget {human(budget)}")
+        return Reading("memory", f"memory {human(need)} <= budget {human(budget)}", buffer)
     why = "--data-mode stream" if config.data_mode == "stream" else f"{human(need)} > budget {human(budget)}"
-    return _streaming(config, info, dict(parts), input_shape, dtype, budget, how, why, lanes)
+    return _streaming(config, info, dict(parts), input_shape, dtype, (budget, how), why, lanes, order)
 
 
-def _streaming(config, info, parts, input_shape, dtype, budget, how, why, lanes):
-    """A stream's :class:`Reading` of ``parts`` (``{split: rows}``): whole chunks where they fit ``budget``, else
-    slices of them, then a smaller buffer; refused where a buffer of one sample does not fit."""
-    splits = list(parts)
-    def held(buffer, sliced):   # (a rank streams every split it reads: the train split with its windows)
-        return sum(stream_bytes(info, split, buffer, input_shape, dtype, sliced,
+def order_buffer_for(config, info, input_shape, dtype, widest, resumed=0):
+    """``(samples, capped, resumed)``: the shuffle buffer of the run's data order, the same on every rank
+    whatever its mode, and whether it was capped, whether it is a resumed run's.
+
+    A resumed run keeps its checkpoint's (``resumed``).  A new run takes
+    ``--shuffle-buffer`` (default :func:`~mpidist.data.blocks.default_buffer`),
+    at most the training split, capped where the ``widest`` worker's training
+    stream (:class:`~mpidist.data.lanes.Lanes`) would not fit the budget
+    beside an evaluation's blocks: the largest that does.
+    """
+    if resumed:
+        return max(1, min(int(resumed), info.sizes["train"])), False, True
+    budget = budget_of(config)[0]
+    buffer = max(1, min(config.shuffle_buffer or default_buffer(input_shape, dtype), info.sizes["train"]))
+    # (an evaluation's blocks, as a stream of a whole split has them: every rank reserves alike)
+    reserve = sum(stream_bytes(info, split, max(1, min(buffer, rows)), input_shape, dtype, True)
+                  for split, rows in info.sizes.items() if split != "train")
+
+    def fits(size):
+        return stream_bytes(info, "train", size, input_shape, dtype, True, widest) + reserve <= budget
+
+    if fits(buffer):
+        return buffer, False, False
+    return max(1, _largest(fits, buffer)), True, False
+
+
+def _streaming(config, info, parts, input_shape, dtype, limits, why, lanes, order):
+    """A stream's :class:`Reading` of ``parts`` (``{split: rows}``) with the order's buffer (``order``: samples,
+    whether capped, whether a resumed run's): chunks larger than a block read in slices where whole ones do not
+    fit the budget; refused where a buffer of one sample does not fit, or a buffer given with the budget does
+    not."""
+    splits, (budget, how), (buffer, capped, resumed) = list(parts), limits, order
+    def held(size, sliced):   # (a rank streams every split it reads: the train split with its windows)
+        return sum(stream_bytes(info, split, size, input_shape, dtype, sliced,
                                 lanes=lanes if split == "train" else None) for split in splits)
 
     asked = config.shuffle_buffer
-    buffer = asked or default_buffer(input_shape, dtype, budget)
-    if "train" in parts:    # the lanes' windows hold the split at most: a larger buffer gives the same order
-        buffer = max(1, min(buffer, info.sizes["train"]))
     limit = f"--memory-budget {config.memory_budget}" if how == "--memory-budget" else \
         f"the memory budget {human(budget)} (--memory-budget auto)"
+    if held(1, True) > budget:
+        raise UsageError(_too_small(info, splits, held(1, True), limit))
     sliced = held(buffer, False) > budget
-    notes, capped = [], held(buffer, sliced) > budget
-    if capped:
-        fits = _largest(lambda size: held(size, True) <= budget, buffer)
-        if fits == 0:
-            raise UsageError(_too_small(info, splits, held(1, True), limit))
-        if asked and how == "--memory-budget":
-            sample = int(np.prod(input_shape)) * np.dtype(dtype).itemsize
-            held_lanes = lanes.count if lanes else 1
-            share = lane_share(buffer, info.sizes["train"], lanes.total) if lanes else buffer
-            raise UsageError(f"--memory-budget {config.memory_budget}: streaming with --shuffle-buffer {asked:,} "
-                             f"holds about {human(held(buffer, True))} ({WINDOWS} windows of at least {share:,} "
-                             f"{human(sample)} samples for each of its {held_lanes:,} lane(s), and its blocks); "
-                             f"give --shuffle-buffer {fits:,} or less, or a larger budget")
-        if asked:   # (the default is what fits: no news)
-            notes.append(f"--shuffle-buffer {asked:,} capped to {fits:,} samples: a stream holds {WINDOWS} windows "
-                         f"of its lanes' share of it, which must fit {limit} beside its blocks (the data order "
-                         "depends on it: pin --memory-budget where a resumed run must repeat it)")
-        buffer = fits
-    notes.extend(_slicing(info, splits, block_bytes_for(buffer, input_shape, dtype)) if sliced else [])
+    notes = []
+    if capped and asked and how == "--memory-budget":
+        sample = int(np.prod(input_shape)) * np.dtype(dtype).itemsize
+        held_lanes = lanes.count if lanes else 1
+        share = lane_share(asked, info.sizes["train"], lanes.total) if lanes else asked
+        raise UsageError(f"--memory-budget {config.memory_budget}: streaming with --shuffle-buffer {asked:,} "
+                         f"holds about {human(held(asked, True))} ({WINDOWS} windows of at least {share:,} "
+                         f"{human(sample)} samples for each of its {held_lanes:,} lane(s), and its blocks); "
+                         f"give --shuffle-buffer {buffer:,} or less, or a larger budget")
+    if capped and asked:   # (the default is what fits: no news)
+        notes.append(f"--shuffle-buffer {asked:,} capped to {buffer:,} samples: a stream holds {WINDOWS} windows "
+                     f"of its lanes' share of it, which must fit {limit} beside its blocks (the run keeps this "
+                     "buffer, and so its data order, when it is resumed)")
+    if resumed and held(buffer, True) > budget:
+        notes.append(f"the data order resumed holds windows of {buffer:,} samples over the global batch: this "
+                     f"rank's stream holds about {human(held(buffer, True))}, more than {limit} (the order is "
+                     "kept, so each sample is still trained once an epoch)")
+    if sliced or "train" in parts:     # (the order's units slice a chunk larger than a block, whatever the budget)
+        notes.extend(_slicing(info, splits, block_bytes_for(buffer, input_shape, dtype)))
     why = f"stream ({why}), buffer {buffer:,}" + (" (capped)" if capped and asked else "")
     return Reading("stream", why, buffer, config.stream_io == "direct", sliced, tuple(notes))
 

@@ -15,15 +15,16 @@ After a change of ``W`` at step ``s`` (an elastic shrink, a resume on another
 count) the new workers continue every lane at ``s``: each sample of the epoch
 is trained on once.
 
-* In memory (:class:`~mpidist.data.Shard`) lane ``l`` holds rows ``l, l + B,
-  l + 2B, ...``: strided, so every lane sees every class in a file sorted by
-  label; its order is a permutation.
-* Streamed (:class:`~mpidist.data.Stream`) lane ``l`` is a contiguous,
-  balanced range of rows, so a worker's lanes are one contiguous range; its
-  order is made of blocks and windows (:mod:`mpidist.data.windows`).
+Lane ``l`` is a contiguous, balanced range of rows (:func:`stream_bounds`),
+so a worker's lanes are one contiguous range, and its order is made of units
+and windows (:mod:`mpidist.data.order`), the same in memory
+(:class:`~mpidist.data.Shard`) and streamed (:class:`~mpidist.data.Stream`).
+Every batch draws one sample from each of the ``B`` lanes, spread over the
+whole split: a file stored sorted by label gives every batch its share of
+each class.
 
-The random numbers are counter-based: :func:`keys` hashes ``(seed, epoch,
-lane, ...)`` and a counter with SplitMix64's finaliser, so the orders of any
+The random numbers are counter-based: :func:`seeds` hashes ``(seed, epoch,
+lane, ...)`` with SplitMix64's finaliser (:func:`mix`), so the orders of any
 set of lanes come from a few array operations, the same on any worker.
 """
 
@@ -35,7 +36,6 @@ from .batches import local_batch_size
 
 MASK = (1 << 64) - 1
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)     # SplitMix64's increment
-MEMORY = 0x4C414E45                         # mixed into a shard in memory's lane orders ("LANE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Lanes:
         return int(self.sizes(n).sum())
 
 
-def _mix(z):
+def mix(z):
     """SplitMix64's finaliser of the uint64 array ``z`` (wrapping arithmetic)."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -85,53 +85,8 @@ def seeds(*words):
     with np.errstate(over="ignore"):
         out = np.uint64(0x6D70696469737421)      # "mpidist!"
         for word in words:
-            out = _mix(out + GOLDEN + _word(word))
+            out = mix(out + GOLDEN + _word(word))
         return np.asarray(out, dtype=np.uint64)
-
-
-def numbers(streams, counters):
-    """Number ``counter`` (from 0) of the SplitMix64 stream seeded with ``stream``, element by element (broadcast)."""
-    with np.errstate(over="ignore"):
-        return _mix(np.asarray(streams, dtype=np.uint64) + GOLDEN * (np.asarray(counters).astype(np.uint64) + 1))
-
-
-def keys(streams, counts):
-    """``(len(streams), counts)`` uint64 random keys: row ``i`` is the first ``counts`` numbers of stream ``i``."""
-    return numbers(np.asarray(streams, dtype=np.uint64).reshape(-1, 1), np.arange(counts)[None, :])
-
-
-def orders(streams, counts):
-    """One random permutation of ``range(counts)`` per stream of ``streams``: the argsort of its :func:`keys`."""
-    return np.argsort(keys(streams, counts), axis=1, kind="stable")
-
-
-def memory_rows(n, lanes):
-    """The row numbers a worker with ``lanes`` holds in memory, increasing: rows ``q * B + l`` of its lanes ``l``.
-
-    Position ``q * count + (l - first)`` holds lane ``l``'s ``q``-th row
-    (the last ``q`` only for lanes that have one: the lowest, so positions
-    stay dense).
-    """
-    q, extra = divmod(n, lanes.total)
-    full = (np.arange(q, dtype=np.int64)[:, None] * lanes.total + lanes.ids[None, :]).ravel()
-    last = max(lanes.first, min(extra, lanes.first + lanes.count))     # lanes below n mod B have a last row
-    tail = q * lanes.total + np.arange(lanes.first, last, dtype=np.int64)
-    return np.concatenate([full, tail])
-
-
-def memory_positions(n, lanes, seed, epoch, skip=0):
-    """``(steps - skip, count)``: the positions in :func:`memory_rows` of each step's batch from step ``skip`` on.
-
-    Lane ``l``'s order is a permutation of its rows drawn from ``(seed,
-    epoch, l)``; a lane of ``n // B + 1`` rows drops the last of its order.
-    """
-    steps = n // lanes.total
-    if steps <= skip:
-        return np.empty((0, lanes.count), dtype=np.int64)
-    drawn = keys(seeds(seed, epoch, lanes.ids, MEMORY), steps + 1)
-    drawn[lanes.sizes(n) <= steps, steps] = np.iinfo(np.uint64).max     # lanes without a last row: last
-    order = np.argsort(drawn, axis=1, kind="stable")[:, skip:steps]
-    return np.ascontiguousarray((order * lanes.count + np.arange(lanes.count)[:, None]).T)
 
 
 def stream_bounds(n, total):

@@ -1,12 +1,11 @@
 """A worker's part of a split read whole into memory (small datasets: the default below ``--memory-budget``).
 
-Training: worker ``w`` of ``W`` holds its lanes (:mod:`mpidist.data.lanes`):
-lane ``l`` of a global batch ``B`` is rows ``l, l+B, l+2B, ...``, strided, so
-every lane sees every class even when a file is stored sorted by label.  Each
-epoch each lane permutes its rows by ``(seed, epoch, lane)``, and step ``s``
-takes sample ``s`` of each of the worker's lanes: the global batch of a step
-is the same on any number of workers, and a run resumed (or shrunk) at step
-``s`` of an epoch, on any number of workers, continues every lane there.
+Training: worker ``w`` of ``W`` holds its lanes (:mod:`mpidist.data.lanes`),
+contiguous ranges of rows, and gives the order a stream of the same lanes
+gives (:mod:`mpidist.data.order`): step ``s`` takes sample ``s`` of each of
+its lanes.  The global batch of a step is the same on any number of workers,
+in memory or streamed, and a run resumed (or shrunk) at step ``s`` of an
+epoch, on any number of workers and in either mode, continues every lane there.
 
 Evaluation: worker ``w`` of ``W`` holds rows ``w, w+W, w+2W, ...`` of the
 split, evaluated whole.
@@ -16,9 +15,14 @@ import numpy as np
 
 from ..runtime.memory import check_fits
 from .batches import Prefetcher
-from .lanes import memory_positions, memory_rows
+from .blocks import default_buffer
+from .lanes import stream_bounds
+from .order import order_for
 from .rows import SplitRows
 from .samples import footprint
+
+
+SEGMENT = 256       # steps whose rows are computed at once
 
 
 class Shard:
@@ -34,15 +38,20 @@ class Shard:
             reads a contiguous block per rank); ``worker`` and ``num_workers`` are then unused.
         lanes: the worker's :class:`~mpidist.data.lanes.Lanes` of the training split: the rows it holds and
             the batches it gives (``worker`` and ``num_workers`` unused).
+        buffer: the run's shuffle buffer, in samples (0: :func:`~mpidist.data.blocks.default_buffer`): it fixes
+            the order's windows, as a stream's.
     """
 
     mode = "memory"
 
-    def __init__(self, info, split, worker, num_workers, input_shape, dtype, rows=None, lanes=None):
+    def __init__(self, info, split, worker, num_workers, input_shape, dtype, rows=None, lanes=None, buffer=0):
         source = SplitRows(info, split, input_shape, dtype)
         self.lanes, self.count = lanes, source.count
         if lanes is not None:
-            numbers = memory_rows(source.count, lanes)
+            buffer = max(1, min(int(buffer) or default_buffer(input_shape, dtype), source.count))
+            self.order = order_for(info, split, buffer, input_shape, dtype, lanes.total)
+            bounds = stream_bounds(source.count, lanes.total)
+            numbers = np.arange(bounds[lanes.first], bounds[lanes.first + lanes.count], dtype=np.int64)
         else:
             numbers = np.arange(source.count, dtype=np.int64)[slice(worker, None, num_workers) if rows is None
                                                               else rows]
@@ -63,9 +72,13 @@ class Shard:
 
         Batch ``s`` is sample ``s`` of each lane's order, in lane order.
         """
+        first = stream_bounds(self.count, self.lanes.total)[self.lanes.first]
+
         def batches():
-            for index in memory_positions(self.count, self.lanes, seed, epoch, skip)[:max(0, steps - skip)]:
-                yield self.x[index], self.y[index]
+            for lo in range(skip, steps, SEGMENT):      # (the rows of a few steps at a time: O(1) memory)
+                at = np.arange(lo, min(steps, lo + SEGMENT))[:, None]
+                for index in self.order.rows(self.lanes.ids[None, :], at, seed, epoch) - first:
+                    yield self.x[index], self.y[index]
 
         return Prefetcher(batches())
 

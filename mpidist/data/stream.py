@@ -2,11 +2,11 @@
 
 Datasets larger than ``--memory-budget`` stream.  For training, a worker
 holds its lanes (:mod:`mpidist.data.lanes`): contiguous, balanced ranges of
-rows, so its lanes are one contiguous range, read in chunk-aligned blocks
-(:mod:`mpidist.data.blocks`) cut at the lanes' bounds too.  Each epoch each
-lane's blocks are put in an order of their own and grouped into windows, each
-window's samples permuted (:mod:`mpidist.data.windows`), and step ``s`` takes
-sample ``s`` of every lane: the same samples on any number of workers.
+rows, so its lanes are one contiguous range.  Each epoch each lane's units
+are put in an order of their own and grouped into windows, each window's
+samples permuted (:mod:`mpidist.data.order`), and step ``s`` takes sample
+``s`` of every lane: the same samples on any number of workers, and in
+memory (:class:`~mpidist.data.Shard` computes the same order row by row).
 
 Two background threads.  One reads the windows in the order the steps need
 them, each lane's next window while its current one is trained on, into a
@@ -19,15 +19,15 @@ windows are read at set-up (:meth:`Stream.prime`) and, while an epoch's last
 batches train, the next epoch's.  The order is a function of the seed, the
 epoch, the lanes, the buffer and the files' chunking (nothing read, nothing
 timed), so a resumed run, on any number of workers, starts at the windows
-holding its step and continues exactly.
+holding its step and continues exactly.  The windows are made as they are
+needed: nothing here grows with the split, only with what a worker reads.
 
 An evaluation split is streamed as a worker's contiguous part
 (:func:`~mpidist.data.blocks.worker_range`), in order, a block at a time.
 
-Compared with a shard in memory, whose lanes permute all their rows every
-epoch, a lane's consecutive samples come from one window: random blocks of the
-lane, not the whole lane; a batch still draws one sample from each of the
-``B`` lanes, spread over the whole split (``docs/datasets.rst`` has the figures).
+A lane's consecutive samples come from one window: random units of the lane,
+not the whole lane; a batch still draws one sample from each of the ``B``
+lanes, spread over the whole split.
 """
 
 import os
@@ -37,19 +37,10 @@ import threading
 import numpy as np
 
 from .batches import Prefetcher
-from .blocks import (
-    WINDOWS,
-    block_bytes_for,
-    block_cuts,
-    block_groups,
-    default_buffer,
-    lane_share,
-    segment_steps,
-    worker_range,
-)
+from .blocks import WINDOWS, block_bytes_for, block_cuts, default_buffer, lane_share, segment_steps, worker_range
 from .lanes import stream_bounds
+from .order import order_for
 from .rows import SplitRows
-from .windows import schedule, window_order
 
 
 class Stream:
@@ -71,23 +62,20 @@ class Stream:
         asked = int(buffer) or default_buffer(input_shape, dtype)
         if lanes is None:
             self.lo, self.hi = worker_range(count, num_workers, worker)
-            bounds = np.array([self.lo, self.hi], dtype=np.int64)
             # (a window holds the part at most: a larger buffer orders it as one window too)
             self.buffer = self.share = max(1, min(asked, self.hi - self.lo))
-        else:
-            bounds = stream_bounds(count, lanes.total)[lanes.first:lanes.first + lanes.count + 1]
-            self.lo, self.hi = int(bounds[0]), int(bounds[-1])
-            # (the split caps it, not the worker's part: the order must not depend on the worker count)
-            self.buffer = max(1, min(asked, count))
-            self.share = lane_share(self.buffer, count, lanes.total)
-        block = block_bytes_for(self.share, input_shape, dtype)
-        self.cuts = np.union1d(block_cuts(self.source, self.lo, self.hi, block, sliced), bounds)
-        self.sizes = np.diff(self.cuts)
-        self.lane_of = np.searchsorted(bounds, self.cuts[:-1], side="right") - 1     # each block's (local) lane
-        self.groups = block_groups(self.source, self.cuts, block, sliced, self.lane_of)
-        # a window holds a lane's share and all but one row of a block at most, and its lane at most
-        rows = min(self.share + int(self.sizes.max(initial=1)) - 1, int(np.diff(bounds).max(initial=1)))
-        self.pool = Pool(lanes.count if lanes else 1, rows, input_shape, dtype, info)
+            self.blocks = (block_bytes_for(self.share, input_shape, dtype), sliced)
+            return
+        bounds = stream_bounds(count, lanes.total)[lanes.first:lanes.first + lanes.count + 1]
+        self.lo, self.hi = int(bounds[0]), int(bounds[-1])
+        # (the split caps it, not the worker's part: the order must not depend on the worker count)
+        self.buffer = max(1, min(asked, count))
+        self.share = lane_share(self.buffer, count, lanes.total)
+        self.order = order_for(info, split, self.buffer, input_shape, dtype, lanes.total)
+        self.blocks = (block_bytes_for(self.share, input_shape, dtype), sliced)     # (read in order: eval_batches)
+        # a window holds its units, and its lane at most
+        rows = min(self.order.unit * self.order.window, int(np.diff(bounds).max(initial=1)))
+        self.pool = Pool(lanes.count, rows, input_shape, dtype, info)
         self._ahead = {}            # windows read before they were asked for: (seed, epoch, lane, window) -> slot
 
     def __len__(self):
@@ -106,24 +94,26 @@ class Stream:
         self.pool.release({})
         handles = {}
         try:
-            self._read_ahead(self._schedule(seed, epoch, step, step + 1), seed, epoch, handles, threading.Event())
+            self._read_ahead(list(self._schedule(seed, epoch, step, step + 1)), seed, epoch, handles,
+                             threading.Event())
         finally:
             _close(handles)
 
     def _schedule(self, seed, epoch, first, last):
-        return schedule(self.sizes, self.lane_of, self.lanes.ids, self.share, seed, epoch, first, last, self.groups)
+        """The windows of this stream's lanes holding positions ``[first, last)`` of ``epoch``, in turn."""
+        return self.order.windows(self.lanes.ids, seed, epoch, first, last)
 
     def _key(self, seed, epoch, window):
         return seed, epoch, self.lanes.first + window.lane, window.index
 
     def _read_ahead(self, windows, seed, epoch, handles, stop):
         """Read ``windows`` of ``epoch`` into free slots, kept for the :meth:`batches` that asks for them."""
-        self._advise([w.blocks for w in windows], handles)
+        self._advise([w.units for w in windows], handles)
         for window in windows:
             slot = self.pool.take(stop)
             if slot is None:
                 return
-            self._read(window.blocks, slot, handles)
+            self._read(window.units, slot, handles)
             self._ahead[self._key(seed, epoch, window)] = slot
 
     def batches(self, steps, seed, epoch, skip=0, last_epoch=False):
@@ -135,53 +125,58 @@ class Stream:
         if skip >= steps:
             return Prefetcher(iter(()))
         self.pool.allocate()
-        windows = self._schedule(seed, epoch, skip, steps)
-        keys = [self._key(seed, epoch, window) for window in windows]
-        ready = {index: self._ahead[key] for index, key in enumerate(keys) if key in self._ahead}
+        # the windows read ahead (by prime, or the last epoch's end) are the first ones: any other slot is free
+        first = {self._key(seed, epoch, window) for window in self._schedule(seed, epoch, skip, skip + 1)}
+        ready = {key: slot for key, slot in self._ahead.items() if key in first}
         self._ahead = {}
         self.pool.release(ready)
         stop = threading.Event()     # the batches were closed early: the reading thread lets go
 
         def read():
-            handles, advised = {}, 0     # (windows before `advised` were advised: the kernel reads them ahead)
+            handles, advised = {}, None     # (the window advised last: the kernel reads it ahead)
             try:
-                for index, window in enumerate(windows):
-                    slot = ready.pop(index, None)
+                windows = self._schedule(seed, epoch, skip, steps)
+                following = next(windows, None)
+                while following is not None:
+                    window, following = following, next(windows, None)
+                    slot = ready.pop(self._key(seed, epoch, window), None)
                     if slot is None:
-                        self._advise([w.blocks for w in windows[max(advised, index):index + 2]], handles)
-                        advised = index + 2
+                        self._advise([w.units for w in (window, following) if w is not None and w != advised],
+                                     handles)
+                        advised = following
                         slot = self.pool.take(stop)
                         if slot is None:
                             return
-                        self._read(window.blocks, slot, handles)
-                    yield slot, window_order(window.rows, seed, epoch, self.lanes.first + window.lane, window.index)
+                        self._read(window.units, slot, handles)
+                    lane = self.lanes.first + window.lane
+                    yield slot, self.order.window_order(window.rows, seed, epoch, lane, window.index)
                 if not last_epoch:   # the epoch's end: the next one's first windows
-                    self._read_ahead(self._schedule(seed, epoch + 1, 0, 1), seed, epoch + 1, handles, stop)
+                    self._read_ahead(list(self._schedule(seed, epoch + 1, 0, 1)), seed, epoch + 1, handles, stop)
             finally:
                 _close(handles)
 
-        return Prefetcher(self._gather(windows, read(), steps, skip, stop))
+        return Prefetcher(self._gather(self._schedule(seed, epoch, skip, steps), read(), steps, skip, stop))
 
     def _gather(self, windows, reads, steps, skip, stop):
-        """The batches of steps ``skip..steps-1``, a segment of steps at a time, from the windows ``reads`` gives."""
+        """The batches of steps ``skip..steps-1``, a segment of steps at a time, from ``windows`` (their
+        :class:`~mpidist.data.order.Window`\\ s, in turn) as ``reads`` gives them read."""
         pool = self.pool
         (x, y, index), count, rows = pool.arrays, self.lanes.count, pool.rows
         reader = Prefetcher(reads, depth=pool.slots)
         held, begins, lanes = [None] * count, np.zeros(count, dtype=np.int64), np.arange(count)
         most = segment_steps(self.share, count * (x[:1].nbytes + y[:1].nbytes))
-        at, following, finished = skip, 0, False
+        at, following, finished = skip, next(windows, None), False
         try:
             while at < steps:
-                while following < len(windows) and windows[following].start <= at:
-                    window = windows[following]
+                while following is not None and following.start <= at:
+                    window, following = following, next(windows, None)
                     slot, order = next(reader)
                     index[window.lane, :window.rows] = slot * rows + order
                     begins[window.lane] = window.start
                     if held[window.lane] is not None:
                         pool.free.put(held[window.lane])
                     held[window.lane] = slot
-                    following += 1
-                end = min(steps, at + most, windows[following].start if following < len(windows) else steps)
+                end = min(steps, at + most, following.start if following is not None else steps)
                 taken = index[lanes[None, :], np.arange(at, end)[:, None] - begins[None, :]].ravel()
                 bx, by = x[taken], y[taken]
                 bx, by = bx.reshape((end - at, count) + bx.shape[1:]), by.reshape((end - at, count) + by.shape[1:])
@@ -203,14 +198,16 @@ class Stream:
         Evaluation needs no shuffle buffer: it reads a block at a time, so it
         holds a few blocks, not windows, beside what training holds.
         """
+        cuts = block_cuts(self.source, self.lo, self.hi, *self.blocks)
+
         def read():
             handles = {}
             try:
-                for block in range(len(self.sizes)):
+                for block in range(len(cuts) - 1):
                     for ahead in (block, block + 1) if block == 0 else (block + 1,):
-                        if ahead < len(self.sizes):
-                            self.source.advise(int(self.cuts[ahead]), int(self.cuts[ahead + 1]), handles)
-                    x, y = self.source.read(np.arange(self.cuts[block], self.cuts[block + 1]), handles)
+                        if ahead < len(cuts) - 1:
+                            self.source.advise(int(cuts[ahead]), int(cuts[ahead + 1]), handles)
+                    x, y = self.source.read(np.arange(cuts[block], cuts[block + 1]), handles)
                     yield _own(x), _own(y)      # the next read may reuse a direct read's buffer
             finally:
                 _close(handles)
@@ -222,17 +219,17 @@ class Stream:
             reader.close()
 
     def _advise(self, windows, handles):
-        """Ask the kernel to read the blocks of ``windows`` (tuples of blocks) ahead."""
-        for blocks in windows:
-            for block in blocks:
-                self.source.advise(int(self.cuts[block]), int(self.cuts[block + 1]), handles)
+        """Ask the kernel to read the units of ``windows`` (tuples of ``(lo, hi)`` rows) ahead."""
+        for units in windows:
+            for lo, hi in units:
+                self.source.advise(lo, hi, handles)
 
-    def _read(self, blocks, slot, handles):
-        """The samples of ``blocks`` into slot ``slot`` of the pool, in the order read, one read call per block."""
+    def _read(self, units, slot, handles):
+        """The samples of ``units`` (``(lo, hi)`` rows) into slot ``slot`` of the pool, in turn, a read call each."""
         x, y, _ = self.pool.arrays
         at = slot * self.pool.rows
-        for block in blocks:
-            bx, by = self.source.read(np.arange(self.cuts[block], self.cuts[block + 1]), handles)
+        for lo, hi in units:
+            bx, by = self.source.read(np.arange(lo, hi), handles)
             x[at:at + len(bx)], y[at:at + len(by)] = bx, by
             at += len(bx)
 

@@ -157,9 +157,16 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
                          f"--batch-size {config.batch_size} over {workers} workers")
     reads = _reads(config, cluster, info, worker, workers)
     lanes = data.Lanes.of(config.batch_size, reads["train"][2], reads["train"][1]) if "train" in reads else None
+    # every rank sizes the data order's buffer alike, by the widest worker's lanes (a resumed run keeps its own)
+    widest = data.Lanes.of(config.batch_size, 1 if in_graph else workers, 0)
+    order = data.order_buffer_for(config, info, model.input_shape, model.dtype, widest, resumed_buffer(resume))
     reading = data.plan(config, info, [(split, lanes.rows(info.sizes[split]) if split == "train" else
                                         len(range(w, info.sizes[split], n))) for split, w, n in reads.values()],
-                        model.input_shape, model.dtype, lanes)
+                        model.input_shape, model.dtype, lanes, order)
+    if order[2] and config.shuffle_buffer not in (0, order[0]):
+        notes.append(f"note: --shuffle-buffer {config.shuffle_buffer:,} ignored: the resumed run's data order "
+                     f"keeps the buffer it started with, {order[0]:,} samples, so each sample is trained once an "
+                     "epoch (start a new run for another)")
     notes.extend(f"note: {note}" for note in reading.notes)   # (a stream's buffer capped, chunks read in slices)
     shards = {split: reading.open(info, split, w, n, model.input_shape, model.dtype,
                                   lanes=lanes if split == "train" else None) for split, w, n in reads.values()}
@@ -236,6 +243,21 @@ def check_validation(config, info):
 #: Settings that shape the learning rate of every step: a resumed run that changes them changes its schedule.
 RECIPE = ("lr", "lr_schedule", "lr_gamma", "lr_step_epochs", "lr_min", "warmup_epochs", "warmup_steps",
           "warmup_from", "epochs", "steps", "batch_size", "weight_decay", "clip_norm", "accumulate", "val_fraction")
+
+
+def continued(config, setup):
+    """``config`` as the run goes on with it: a resumed run's random streams as its checkpoint left them (its
+    seed), and the shuffle buffer of the data order (``setup.reading``'s), which its checkpoints record."""
+    kept = dict(seed=setup.resume.seed if setup.resume is not None else config.seed,
+                shuffle_buffer=setup.reading.buffer if setup.reading is not None else config.shuffle_buffer)
+    return dataclasses.replace(config, **kept) if any(getattr(config, k) != v for k, v in kept.items()) else config
+
+
+def resumed_buffer(resume):
+    """The shuffle buffer of the data order ``resume`` (a checkpoint, or None) was written in; 0 where it
+    records none (older checkpoints, whose order was another) or one that is not a count of samples."""
+    value = resume.config.get("shuffle_buffer") if resume is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2 ** 62 else 0
 
 
 def recipe_changes(config, resume):

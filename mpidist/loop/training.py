@@ -18,7 +18,6 @@ agrees on.
 """
 
 import collections
-import dataclasses
 import sys
 import time
 
@@ -44,7 +43,7 @@ from .outputs import Outputs, trace_file
 from .position import Position
 from .report import Report, header
 from .serving import ServerControl
-from .setup import data_layout, find_resume, make_strategy, prepare, test_delay
+from .setup import continued, data_layout, find_resume, make_strategy, prepare, test_delay
 from .stops import Stops
 from .window import StepWindow
 
@@ -119,8 +118,7 @@ class Training:
         outputs.start_trace(config, cluster)   # (the set-up's files and checks are not on the timeline)
         setup, resume = self.setup, self.setup.resume
         asked = config.seed
-        if resume is not None and resume.seed != config.seed:   # the random streams go on as the checkpoint left them
-            config = self.config = self.state.config = dataclasses.replace(config, seed=resume.seed)
+        config = self.config = self.state.config = continued(config, setup)   # the seed and buffer it goes on with
         self._make_strategy()
         place = self.strategy.describe(cluster.rank)
         table = cluster.table(self.device.label, setup.reading.why if setup.reading else "", place)   # (collective)

@@ -234,9 +234,10 @@ class CommonSettings:
                             "--memory-budget", DATA_MODES)
     memory_budget: str = _field("auto", "memory a rank's data may take before it streams, e.g. 512M, 8G; auto = half "
                                 "the node's free memory over the ranks on the node")
-    shuffle_buffer: int = _field(0, "samples a stream's lanes shuffle together, over the whole global batch: each "
-                                 "lane's windows hold at least N / batch size, in random blocks of the lane, "
-                                 "permuted (0 = as many as fill 64 MiB); capped to what fits --memory-budget")
+    shuffle_buffer: int = _field(0, "samples the data order shuffles together, over the whole global batch (in "
+                                 "memory and streamed alike): each lane's windows hold at least N / batch size, in "
+                                 "random units of the lane, permuted (0 = as many as fill 64 MiB); a new run's is "
+                                 "capped to what a stream fits in --memory-budget; a resumed run keeps its own")
     stream_io: str = _field("direct", "how a stream reads uncompressed data: direct (around the page cache, O_DIRECT, "
                             "where the file system allows it; the least CPU), cached (through the page cache, which "
                             "may keep a dataset that fits the node's memory between epochs)", STREAM_IO)

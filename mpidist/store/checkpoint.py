@@ -103,7 +103,8 @@ class Checkpoint:
 PER_WORKER = "workers"   # the group of each worker's own state
 MAX_WORKERS = 1 << 20    # rows of per-worker state a checkpoint may claim
 
-DATA_ORDER = "lanes of the global batch, each ordered per epoch from (seed, epoch, lane); step s takes sample s of each"
+DATA_ORDER = ("lanes of the global batch as contiguous ranges, each ordered per epoch in windows of units by keyed "
+              "Feistel permutations of (seed, epoch, lane) and the settings' shuffle_buffer; step s takes sample s of each")
 RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
