@@ -155,18 +155,34 @@ def text_samples(p):
 
 def one_bad_label(p):
     labels = np.arange(100) % 3
-    labels[50] = 9         # sample 50: lane 50 of 64, worker 1's at 2 ranks, worker 3's at 4
+    labels[86] = 9         # sample 86: lane 50 of 64 (lanes 36 on hold a row each), worker 1's at 2 ranks, 3's at 4
     return str(tiny_dataset(p / "label.h5", np.zeros((100, 4)), labels))
 
 
 def names_the_rank_holding_it(p, out, err):
-    """Sample 50 is worker 1's at 2 ranks, worker 3's at 4: the message names the rank, as only it failed."""
+    """Sample 86 is worker 1's at 2 ranks, worker 3's at 4: the message names the rank, as only it failed."""
     assert "mpidist: error (rank 1): " in err or "mpidist: error (rank 3): " in err
+
+
+def token_model(p, stack=None):
+    """A model of one's own that reads token ids: an Embedding of 10 ids first."""
+    (p / "tokens.py").write_text("from mpidist import nn\n\n\ndef build(sample_shape, outputs):\n"
+                                 "    return [nn.Embedding(10, 4), nn.Flatten(), nn.Dense(outputs)]\n")
+    return f"{p / 'tokens.py'}:build"
+
+
+def token_ids(bad):
+    """Token sequences of ids 0..7 but ``bad`` at position 3 of every sample: every worker's first batch has one."""
+    def make(p, stack=None):
+        x = np.tile(np.arange(8, dtype=np.float32), (100, 1))
+        x[:, 3] = bad
+        return str(raw_dataset(p / "tokens.h5", {"train": (x, np.arange(100) % 3), "test": (x[:6], np.arange(6) % 3)}))
+    return make
 
 
 def an_infinity(p):
     x = np.random.default_rng(0).random((100, 4))
-    x[41, 2] = np.inf      # sample 41: lane 41 of 64, worker 1's at 2 ranks, 2's at 4
+    x[41, 2] = np.inf      # sample 41: lane 20 of 64, worker 0's at 2 ranks, 1's at 4
     return str(tiny_dataset(p / "inf.h5", x, np.arange(100) % 3))
 
 
@@ -772,8 +788,14 @@ FAULTS = {
     "truncated dataset file": bad("--data", truncated, message="cut.h5: not a readable HDF5 file"),
     "wrong layout": bad("--data", missing_labels, message="missing dataset 'train/y'"),
     "wrong dtype": bad("--data", text_samples, message="train/x has dtype |S1; it must be numeric"),
-    "labels out of range": dataclasses.replace(bad("--data", one_bad_label, message="label 9 at sample 50, outside "
+    "labels out of range": dataclasses.replace(bad("--data", one_bad_label, message="label 9 at sample 86, outside "
                                                    "[0, 3)"), check=names_the_rank_holding_it),
+    "token ids outside an Embedding's vocabulary": bad("--data", token_ids(12), "--model", token_model,
+                                                       message="Embedding(10): token id 12.0 at sample 0 of the batch, "
+                                                               "position 3, is not a whole number in [0, 10)"),
+    "fractional or negative token ids, --tensor 2": bad(
+        "--data", token_ids(-1.5), "--model", token_model, "--tensor", "2",
+        message="Embedding(10): token id -1.5 at sample 0 of the batch, position 3, is not a whole number"),
     "NaN or Inf in the data": bad("--data", an_infinity, message="train/x holds NaN or Inf (first at sample 41)"),
     "empty shard: more workers than samples": bad("--data", one_sample,
                                                   message="has 1 training sample(s), fewer than the"),

@@ -2,6 +2,7 @@
 embedding, residual blocks) and zoo specs: gradients against finite
 differences, outputs against straightforward loops and formulas."""
 
+import re
 import threading
 import warnings
 
@@ -328,8 +329,25 @@ def test_batchnorm_without_a_reducer_is_per_worker():
 
 def test_embedding_gradient_adds_up_repeated_ids():
     ids = np.array([[0, 2, 2, 4], [4, 4, 1, 2], [3, 0, 2, 2]])
-    # float ids, as a dataset stores them; + 0.25 keeps the int cast fixed under finite differences
-    check_model_gradients([Embedding(5, 3), Flatten(), Dense(2)], (4,), x=ids + 0.25)
+    # float ids, as a dataset stores them; the input is not perturbed (ids have no gradient: the next test)
+    nn.check_gradients([Embedding(5, 3), Flatten(), Dense(2)], (4,), x=ids.astype(np.float32), input_grad=False)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, 6, np.nan, 1e30])
+def test_an_embedding_refuses_ids_that_are_not_its_tokens_naming_the_sample_and_position(bad):
+    """A negative id would index the table from its end, a fractional one be cut to another: refused, as is one
+    past the vocabulary, whole or split by vocabulary (a part checks the ids against the whole vocabulary)."""
+    from mpidist.nn.tensor import VocabularyPart
+    from mpidist.runtime.errors import UsageError
+    ids = np.array([[5, 0, 5], [1, 2, 3]], dtype=np.float64)
+    ids[1, 2] = bad
+    for layer in (Embedding(6, 2), VocabularyPart(3, 6, 2, whole=6), VocabularyPart(0, 3, 2, whole=6)):
+        model = Sequential([layer], (3,), xp=np, dtype=np.float64)
+        with pytest.raises(UsageError, match=rf"Embedding\(6\): token id {re.escape(repr(float(bad)))} at sample 1 "
+                                             r"of the batch, position 2, is not a whole number in \[0, 6\)"):
+            model.forward(ids)
+    ids[1, 2] = 5.0      # whole ids of the vocabulary, as a dataset stores them (floats), pass
+    assert Sequential([Embedding(6, 2)], (3,), xp=np, dtype=np.float64).forward(ids).shape == (2, 3, 2)
 
 
 def test_embedding_looks_up_rows_and_its_input_gradient_is_zero():

@@ -223,7 +223,7 @@ def test_parts_of_an_uneven_size_differ_by_one_and_cover_it():
 
 
 def test_an_embedding_splits_by_vocabulary_and_looks_up_zeros_for_the_ids_it_lacks():
-    layer = VocabularyPart(3, 6, 2)
+    layer = VocabularyPart(3, 6, 2, whole=10)
     model = nn.Sequential([layer], (4,), dtype=np.float64)
     model.params[...] = np.arange(6.0)
     out = model.forward(np.array([[0.0, 3.0, 5.0, 9.0]]))

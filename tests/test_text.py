@@ -62,6 +62,13 @@ def test_ingest_without_gensim_names_the_install_command_and_writes_nothing(monk
     assert not (tmp_path / "lee.h5").exists()
 
 
+def test_standardising_token_ids_is_refused_before_anything_is_read(tmp_path):
+    """Standardised character ids become negative and fractional numbers an Embedding would misread."""
+    with pytest.raises(UsageError, match="ingest lee-text --standardize: its samples are token ids"):
+        ingest("lee-text", tmp_path / "lee.h5", standardize=True)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_gensim_without_the_corpus_is_one_line_and_exit_code_2(tmp_path):
     """A package called gensim that lacks its test data (a stripped install): named, nothing written."""
     (tmp_path / "fake" / "gensim").mkdir(parents=True)

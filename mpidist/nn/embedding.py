@@ -3,6 +3,7 @@
 
 import numpy as np
 
+from ..runtime.errors import UsageError
 from . import init
 from .layers import Layer, ShapeError
 
@@ -20,11 +21,36 @@ def _scatter_add(xp, target, index, values):
         cupyx.scatter_add(target, index, values)
 
 
+def token_ids(x, vocab):
+    """``x`` as int64 token ids; refused where one is negative, not a whole number, or not below ``vocab``.
+
+    A negative id would index the table from its end and a fractional one
+    be cut to another, silently: a dataset standardised or scaled by mistake
+    trains on wrong tokens.  The check is a few passes over ``(N, L)``
+    integers beside the lookup's ``(N, L, dim)``; the message names the
+    batch's sample and position (the same on every layout: a
+    :class:`~mpidist.nn.tensor.VocabularyPart` checks against the whole
+    vocabulary).
+    """
+    ids = x.astype(np.int64)
+    bad = (ids < 0) | (ids >= vocab)
+    if x.dtype.kind in "fc":
+        bad |= ids != x     # (fractions, NaN and values past int64)
+    if bool(bad.any()):
+        sample, position = (int(i) for i in np.unravel_index(int(bad.reshape(-1).argmax()), bad.shape)[:2])
+        value = x.reshape(bad.shape)[sample, position].item()
+        raise UsageError(f"Embedding({vocab}): token id {value!r} at sample {sample} of the batch, position "
+                         f"{position}, is not a whole number in [0, {vocab}): the ids must be the dataset's "
+                         "token numbers as ingested (not standardised), below the model's vocabulary")
+    return ids
+
+
 class Embedding(Layer):
     """Token ids to vectors: ``(N, L)`` integers in ``[0, vocab)`` -> ``(N, L, dim)``.
 
     Ids may arrive as floats (datasets store one dtype); they are cast with
-    ``astype(int64)``.  Ids are not differentiable, so the input gradient is
+    ``astype(int64)``, and a negative, fractional or too large one is refused
+    (:func:`token_ids`).  Ids are not differentiable, so the input gradient is
     zeros: put Embedding first in a model (``Sequential.backward`` then skips
     it entirely when ``input_grad=False``).  The table starts N(0, 1), as
     PyTorch's.
@@ -56,7 +82,7 @@ class Embedding(Layer):
         return [("W", (self.vocab, self.dim), init.normal(1.0))]
 
     def forward(self, x, training=False):
-        self.ids = x.astype(np.int64)
+        self.ids = token_ids(x, self.vocab)
         if self.pad_id is not None:
             self.padding = self.ids == self.pad_id
         return self.params["W"][self.ids]

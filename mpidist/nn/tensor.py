@@ -43,7 +43,7 @@ import numpy as np
 from . import init
 from .activations import GELU, Sigmoid
 from .attention import MultiHeadAttention
-from .embedding import Embedding, _scatter_add
+from .embedding import Embedding, _scatter_add, token_ids
 from .layers import Dense, Dropout, Layer, ReLU, Tanh
 from .placement import Placement, Region, rectangle
 from .sequential import Sequential, walk
@@ -130,13 +130,14 @@ class VocabularyPart(Embedding):
 
     cache = ("ids", "held")
 
-    def __init__(self, lo, hi, dim, pad_id=None):
+    def __init__(self, lo, hi, dim, pad_id=None, whole=None):
         super().__init__(hi - lo, dim)
         self.lo, self.hi = int(lo), int(hi)
+        self.whole = int(hi if whole is None else whole)     # the whole vocabulary, which ids must be in
         self.pad_id = pad_id   # (the whole vocabulary's: this part is a mask source as the whole layer was)
 
     def forward(self, x, training=False):
-        ids = x.astype(np.int64)
+        ids = token_ids(x, self.whole)
         if self.pad_id is not None:
             self.padding = ids == self.pad_id
         self.held = (ids >= self.lo) & (ids < self.hi)
@@ -276,7 +277,7 @@ def split_layers(layers, part, parts, replaced=None):
             lo, hi = part_range(layer.vocab, part, parts)
             if hi == lo:
                 raise ValueError(f"{layer!r} has {layer.vocab} ids: --tensor {parts} leaves part {part} none")
-            piece = _origin(VocabularyPart(lo, hi, layer.dim, layer.pad_id), layer,
+            piece = _origin(VocabularyPart(lo, hi, layer.dim, layer.pad_id, layer.vocab), layer,
                             W=("W", (slice(lo, hi), slice(None))))
             replaced[id(layer)] = piece
             out += [piece, TensorSum()]

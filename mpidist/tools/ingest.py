@@ -42,7 +42,7 @@ from ..store.outputs import claimed
 from .csv_table import DELIMITERS, from_csv
 from .dataset_file import check_extras, check_splits, train_stats, write_dataset
 from .labels import check_test_fraction
-from .sources import SOURCES, build_source, from_npz
+from .sources import SOURCES, TOKEN_SOURCES, build_source, from_npz
 
 NAMES_SHOWN = 20                # class names listed in the summary
 
@@ -129,6 +129,10 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
                               (name, "--name", False)):
         check_utf8(value, what, absolute=path)
     check_options(test_fraction, seed, task, delimiter)
+    if standardize and source in TOKEN_SOURCES:
+        raise UsageError(f"ingest {source} --standardize: its samples are token ids (an Embedding's input), which "
+                         "standardising would turn into other numbers (negative and fractional ones); leave "
+                         "--standardize out")
     writer.check_shard_size(shard_size)
     writer.filters(compression)
     generated = writer.synthetic(source, test_fraction, seed, name)

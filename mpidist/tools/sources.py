@@ -106,6 +106,7 @@ SOURCES = {
                  "28x28 scaled to [0, 1], CC BY-SA 3.0; split 80/20 with seed 0"),
     "lee-text": (lee_text, "gensim", LEE_SOURCE),
 }
+TOKEN_SOURCES = ("lee-text",)     # sources whose samples are token ids (an Embedding's input), not measurements
 
 
 def build_source(name, seed=0):
