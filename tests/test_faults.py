@@ -237,6 +237,24 @@ def a_run_holding_the_directory(p, stack):
     return train("--checkpoint-dir", str(p / "ck"), "--resume", "auto")(p)
 
 
+def a_run_holding_its_run_directory(p, stack):
+    """A slow first run writing ``p/run`` (checkpoints in ``p/ck1``); then a second run on that run directory
+    with checkpoints of its own."""
+    holder = start_mpi(1, ["-m", "mpidist", "--log-every", "1", "--epochs", "50", "--run-dir", str(p / "run"),
+                           "--checkpoint-dir", str(p / "ck1")], env=SLOW)
+    stack.callback(lambda: (holder.kill(), holder.wait()))
+    wait_for_step(p / "run" / "metrics.jsonl", 2, holder)
+    return train("--run-dir", str(p / "run"), "--checkpoint-dir", str(p / "ck2"), "--seed", "7")(p)
+
+
+def the_run_directory_is_the_first_run_s(p, out, err):
+    """Its settings and its metrics are the first run's alone; the second wrote nothing, anywhere."""
+    settings = (p / "run" / "settings.toml").read_text()
+    assert "\nseed = 0\n" in settings and "seed = 7" not in settings
+    assert len(events(p / "run" / "metrics.jsonl", "start")) == 1
+    assert not (p / "ck2").exists() or not list((p / "ck2").glob("ckpt-*"))
+
+
 def corrupt_newest_beside_a_good_one(p, stack=None):
     """Of steps 15, 30, 45, 60, 66 only 15 and a truncated 66 are left; resume with --keep 1."""
     ck = first_run(p, "--steps", "66", "--checkpoint-every", "15", "--checkpoint-wait", "--keep", "0")
@@ -836,6 +854,9 @@ FAULTS = {
                                                                "holds the checkpoints of another run",
                                                                check=first_runs_files_untouched),
     "two live runs on one checkpoint directory": Fault(a_run_holding_the_directory, 2, "is in use by another run"),
+    "two live runs on one run directory": Fault(a_run_holding_its_run_directory, 2,
+                                                "/run is in use by another run (pid",
+                                                check=the_run_directory_is_the_first_run_s),
     "a corrupt newest checkpoint, --keep 1 --resume auto": Fault(
         corrupt_newest_beside_a_good_one, 0, "branching:", check=newest_kept_and_resumed_next, one_message=False),
     "temporary files of a killed writer": Fault(left_by_a_killed_writer, 0, "removed 1 temporary file(s)",

@@ -52,13 +52,21 @@ class Outputs:
         self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), callbacks, self.chief)
         if not self.chief:
             return
-        if config.run_dir:
-            self.log_copy = self.stream = rundir.LogCopy(self.stream, Path(config.run_dir) / rundir.LOG)
-        if config.trace != "off":
-            trace.check_writable(trace_file(config, resume))
-        if config.checkpoint_dir:
-            checkpoint.prepare_directory(config.checkpoint_dir)
-        self.claim = lineage.claim(config, resume)
+        # a live run's directory is its own, as its checkpoint directory is: taken before anything there is opened
+        run_lock = lineage.DirectoryLock(config.run_dir, run=True).acquire() if config.run_dir else None
+        try:
+            if config.run_dir:
+                self.log_copy = self.stream = rundir.LogCopy(self.stream, Path(config.run_dir) / rundir.LOG)
+            if config.trace != "off":
+                trace.check_writable(trace_file(config, resume))
+            if config.checkpoint_dir:
+                checkpoint.prepare_directory(config.checkpoint_dir)
+            self.claim = lineage.claim(config, resume)
+        except BaseException:
+            if run_lock is not None:
+                run_lock.release()
+            raise
+        self.claim.run_lock = run_lock
 
     def take_over(self, config, lineage_of):
         """A worker that became the chief (the chief died, ``--elastic``): open what the chief writes.
@@ -75,9 +83,10 @@ class Outputs:
         for figures in unwritten:   # (the steps the dead chief had not written: the file stays continuous)
             if figures["step"] > last:
                 self.log.write("step", **figures)
-        if config.run_dir:
-            self.log_copy = self.stream = rundir.LogCopy(self.stream, Path(config.run_dir) / rundir.LOG)
         self.claim = lineage.Claim(*lineage_of)
+        if config.run_dir:
+            self.claim.run_lock = lineage.DirectoryLock(config.run_dir, run=True).acquire()
+            self.log_copy = self.stream = rundir.LogCopy(self.stream, Path(config.run_dir) / rundir.LOG)
         if config.checkpoint_dir:
             self.claim.lock = lineage.DirectoryLock(config.checkpoint_dir).acquire()
 

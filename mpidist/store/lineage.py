@@ -27,6 +27,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ PATTERN = re.compile(r"ckpt-(\d{8,19})(?:-([0-9a-f]{8}))?\.h5")
 LINEAGE = re.compile(r"[0-9a-f]{8}")
 TEMPORARY = re.compile(r"\.(?:ckpt|best)-.*\.tmp-\d+")
 LOCK_NAME = ".mpidist-lock"
+RUN_LOCK_NAME = ".mpidist-run-lock"     # a run directory's: its metrics, log and settings are one run's
 
 
 def new_lineage():
@@ -157,39 +159,49 @@ class Claim:
     parent: str = None
     notes: list = dataclasses.field(default_factory=list)
     lock: "DirectoryLock" = None
+    run_lock: "DirectoryLock" = None     # the run directory's, where there is one
 
     def release(self):
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        for lock in (self.lock, self.run_lock):
+            if lock is not None:
+                lock.release()
+        self.lock = self.run_lock = None
 
 
 class DirectoryLock:
-    """An exclusive ``flock`` on ``DIR/.mpidist-lock``, held while a run may write checkpoints there."""
+    """An exclusive ``flock`` on ``DIR/.mpidist-lock``, held while a run may write checkpoints there; with
+    ``run`` on ``DIR/.mpidist-run-lock``, held while a run writes its run directory's metrics, log and settings."""
 
-    def __init__(self, directory):
-        self.path = Path(directory) / LOCK_NAME
+    def __init__(self, directory, run=False):
+        self.path = Path(directory) / (RUN_LOCK_NAME if run else LOCK_NAME)
+        self.flag, self.what = ("--run-dir", "a run directory's metrics and settings") if run else \
+            ("--checkpoint-dir", "checkpoints to one directory")
         self.fd = None
         self.warning = None   # why the directory could not be locked, where the file system cannot
 
     def acquire(self):
         """Take the lock, or raise :class:`UsageError` naming the run that holds it."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # (O_NONBLOCK: a FIFO named like the lock is not waited on; S_ISREG refuses it below)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
         except OSError as err:
-            raise UsageError(f"--checkpoint-dir {self.path.parent}: cannot create its lock file {LOCK_NAME} "
+            raise UsageError(f"{self.flag} {self.path.parent}: cannot create its lock file {self.path.name} "
                              f"({err.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UsageError(f"{self.flag} {self.path.parent}: its lock file {self.path.name} is not a file: "
+                             "remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 holder = _read_holder(fd)
                 os.close(fd)
-                raise UsageError(f"--checkpoint-dir {self.path.parent} is in use by another run ({holder}): two "
-                                 "runs cannot write checkpoints to one directory; wait for it to end, or use "
-                                 "another --checkpoint-dir") from None
+                raise UsageError(f"{self.flag} {self.path.parent} is in use by another run ({holder}): two "
+                                 f"runs cannot write {self.what}; wait for it to end, or use another "
+                                 f"{self.flag}") from None
             # some parallel file systems have no locks (Lustre without -o flock): go on, and say so
-            self.warning = (f"--checkpoint-dir {self.path.parent} cannot be locked ({err.strerror}): make sure no "
+            self.warning = (f"{self.flag} {self.path.parent} cannot be locked ({err.strerror}): make sure no "
                             "other run writes there")
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
@@ -199,6 +211,8 @@ class DirectoryLock:
 
     def release(self):
         if self.fd is not None:
+            if self.path.name == RUN_LOCK_NAME:   # (a run directory is the user's to read: no file is left there)
+                self.path.unlink(missing_ok=True)
             os.close(self.fd)   # closing the descriptor drops the flock
             self.fd = None
 

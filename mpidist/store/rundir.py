@@ -31,7 +31,7 @@ from pathlib import Path
 from ..runtime.errors import UsageError
 from . import atomic
 from .checkpoint import settings_of
-from .lineage import LOCK_NAME, newest_checkpoint
+from .lineage import LOCK_NAME, RUN_LOCK_NAME, newest_checkpoint
 from .outputs import special_kind
 
 ROOT = "runs"
@@ -205,17 +205,17 @@ def make(config, where, now=None, root=ROOT):
 def remove_if_empty(path):
     """Remove run directory ``path`` if the run wrote nothing into it.
 
-    Nothing: an empty ``checkpoints/`` (its lock aside), and a metrics file
+    Nothing: an empty ``checkpoints/`` (its lock aside), the run's lock, and a metrics file
     or log opened but never written (a run refused after it opened them).
     """
     root, checkpoints = Path(path), Path(path) / CHECKPOINTS
     try:
         unwritten = [root / name for name in (METRICS, LOG) if (root / name).is_file() and
                      (root / name).stat().st_size == 0]
-        if {entry.name for entry in root.iterdir()} - {CHECKPOINTS} - {entry.name for entry in unwritten}:
+        if {entry.name for entry in root.iterdir()} - {CHECKPOINTS, RUN_LOCK_NAME} - {e.name for e in unwritten}:
             return
-        for entry in unwritten:
-            entry.unlink()
+        for entry in unwritten + [root / RUN_LOCK_NAME]:
+            entry.unlink(missing_ok=True)
         if checkpoints.is_dir():
             if {entry.name for entry in checkpoints.iterdir()} - {LOCK_NAME}:
                 return
