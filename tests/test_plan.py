@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -363,3 +364,93 @@ def test_the_peak_a_read_is_measured_against_starts_over():
     assert start <= peak - (200 << 20)          # the 256 MiB before the reset no longer counts
     held = np.ones(128 << 20, dtype=np.uint8)
     assert high_water() - start >= 120 << 20
+
+
+# -- a calibration is untrusted input, its sizes and extremes too (issue 41, item 9) ------------------------------
+def _no_constant(name):
+    raise ValueError(f"{name} in plan.json")
+
+
+@pytest.mark.parametrize("extreme", [
+    dict(layers=30_000),                                  # stage balancing was quadratic: hours
+    dict(layers=4, params=(1 << 50) // 4),                # a bucket a tuple: unbounded memory
+    dict(jitter=calibration.MOST_FACTOR, node_crowding=calibration.MOST_FACTOR,
+         network_crowding=calibration.MOST_FACTOR),
+    dict(forward=(calibration.MOST_SECONDS,) * 2, backward=(calibration.MOST_SECONDS,) * 2,
+         optimizer_per_param=calibration.MOST_SECONDS, step_overhead=calibration.MOST_SECONDS)],
+    ids=["30000 layers", "2^50 parameters", "spreads", "seconds"])
+def test_plan_answers_any_calibration_it_accepts_in_bounded_time_with_finite_figures(tmp_path, extreme):
+    figures = made_up(**{key: value for key, value in extreme.items() if key in ("layers", "params", "forward",
+                                                                                  "backward")})
+    figures = dataclasses.replace(figures, **{key: value for key, value in extreme.items()
+                                              if key not in ("layers", "params", "forward", "backward")})
+    (tmp_path / "c.json").write_text(json.dumps(figures.to_json(), separators=(",", ":")))    # (within MAX_BYTES)
+    done, seconds = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,8,512",
+                            "--output", str(tmp_path / "plan.json"), timeout=60)
+    assert done.returncode == 0, done.stderr
+    written = json.loads((tmp_path / "plan.json").read_text(), parse_constant=_no_constant)    # no NaN, no Inf
+    assert written["rows"] and all(math.isfinite(row["samples_per_s"]) for row in written["rows"])
+    assert seconds < 30, seconds
+
+
+@pytest.mark.parametrize("changes,named", [
+    (dict(forward=(0.0, 0.0), backward=(0.0, 0.0), loss=(0.0, 0.0), step_overhead=0.0),
+     "layers, loss and step_overhead: every figure is 0, so a step would take no time"),
+    (dict(jitter=1e300), "jitter: a figure from 0 to 86,400 expected, got 1e+300"),
+    (dict(jitter=5000.0), "jitter: 5000.0 is more than 1000"),
+    (dict(network_crowding=2e3), "network_crowding: 2000.0 is more than 1000"),
+    (dict(sum_per_byte=1e9), "sum_per_byte: a figure from 0 to 86,400 expected"),
+    (dict(params=(1 << 50)), "parameters in all, more than 1,125,899,906,842,624 (2^50)")])
+def test_a_calibration_beyond_what_a_machine_measures_is_refused_naming_the_figure(tmp_path, changes, named):
+    sized = {key: changes.pop(key) for key in ("forward", "backward", "params") if key in changes}
+    calibration.save(dataclasses.replace(made_up(**sized), **changes), tmp_path / "c.json")
+    with pytest.raises(UsageError, match=re.escape(named)):
+        calibration.load(tmp_path / "c.json")
+
+
+def test_stage_balancing_gives_the_exhaustive_search_s_split_in_a_fraction_of_its_time():
+    from mpidist.parallel.pipeline import balance_by_parameters
+
+    def exhaustive(costs, stages):
+        """The dynamic programme it replaced: every cut of every prefix tried, the first best kept."""
+        prefix = np.concatenate([[0], np.cumsum(costs)])
+        best = np.full((stages + 1, len(costs) + 1), np.inf)
+        cut = np.zeros((stages + 1, len(costs) + 1), dtype=int)
+        best[0][0] = 0
+        for s in range(1, stages + 1):
+            for i in range(s, len(costs) + 1):
+                for j in range(s - 1, i):
+                    if max(best[s - 1][j], prefix[i] - prefix[j]) < best[s][i]:
+                        best[s][i], cut[s][i] = max(best[s - 1][j], prefix[i] - prefix[j]), j
+        sizes, i = [], len(costs)
+        for s in range(stages, 0, -1):
+            sizes.append(int(i - cut[s][i]))
+            i = cut[s][i]
+        return sizes[::-1]
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        count = int(rng.integers(1, 12))
+        costs = [int(c) for c in rng.choice([1, 2, 3, 10, 500], size=count)]
+        stages = int(rng.integers(1, count + 1))
+        assert balance_by_parameters(costs, stages) == exhaustive(costs, stages), (costs, stages)
+    assert sum(balance_by_parameters([1 + i % 7 for i in range(30_000)], 64)) == 30_000
+
+
+def test_bucket_runs_are_the_buckets_backward_completes_however_many():
+    import bisect
+    import itertools
+
+    from mpidist.parallel.exchange import top_down_buckets
+    rng = np.random.default_rng(5)
+    for _ in range(500):
+        params = [int(p) for p in rng.integers(0, 20, size=int(rng.integers(1, 6)))]
+        ends, per = list(itertools.accumulate(params)), int(rng.integers(1, 25))
+        expected = [(bisect.bisect_right(ends, lo) % len(ends), hi - lo)
+                    for lo, hi in top_down_buckets(ends[-1] + 1, 1, per)]
+        runs = [(holder, size) for holder, sizes in buckets._bucket_runs(ends, per)
+                for size, count in sizes for _ in range(count)]
+        assert runs == expected, (params, per)
+    huge = list(buckets._bucket_runs([10 ** 15, 2 * 10 ** 15], 1))    # 2 * 10^15 buckets: two runs
+    assert [(holder, sum(count for _, count in sizes)) for holder, sizes in huge] == \
+        [(0, 1), (1, 10 ** 15), (0, 10 ** 15)]

@@ -58,17 +58,25 @@ def balance_by_parameters(costs, stages):
     count = len(costs)
     if not 1 <= stages <= count:
         raise ValueError(f"{stages} stages need at least {stages} layers, the model has {count}")
-    prefix = np.concatenate([[0], np.cumsum(costs)])
-    # best[s][i]: smallest max-cost splitting the first i layers into s stages
+    prefix = np.concatenate([[0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+    # best[s][i]: smallest max-cost splitting the first i layers into s stages, cut[s][i] the first j giving it.
+    # With positive costs best[s - 1][j] grows with j and the last stage's cost prefix[i] - prefix[j] falls,
+    # so the best j is where they cross: a binary search for every i at once (stages x layers x log layers,
+    # where trying every j took hours for tens of thousands of layers)
     best = np.full((stages + 1, count + 1), np.inf)
     cut = np.zeros((stages + 1, count + 1), dtype=int)
     best[0][0] = 0
     for s in range(1, stages + 1):
-        for i in range(s, count + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
+        rises = best[s - 1][s - 1:] + prefix[s - 1:]     # (increasing: costs are positive)
+        i = np.arange(s, count + 1)
+        # the first j in [s - 1, i) with best[s - 1][j] >= prefix[i] - prefix[j], and the one before it
+        cross = np.minimum(np.searchsorted(rises, prefix[i], side="left") + (s - 1), i - 1)
+        before = np.maximum(cross - 1, s - 1)
+        at_cross = np.maximum(best[s - 1][cross], prefix[i] - prefix[cross])
+        at_before = np.maximum(best[s - 1][before], prefix[i] - prefix[before])
+        take_before = (at_before <= at_cross) & (before < cross)
+        best[s][s:] = np.where(take_before, at_before, at_cross)
+        cut[s][s:] = np.where(take_before, before, cross)
     sizes, i = [], count
     for s in range(stages, 0, -1):
         j = cut[s][i]

@@ -21,11 +21,11 @@ and not).
 import bisect
 import itertools
 
-from ..parallel.exchange import top_down_buckets
 
 MIB = 1 << 20
 #: bucket sizes tried, in MiB: 1/4 to 1024 by factors of 2
 CANDIDATES = tuple(2.0 ** k for k in range(-2, 11))
+MOST_BUCKETS = 1 << 16    # sizes that cut the buffer into more are not tried: each bucket is a step of the model
 
 
 def buffer_bytes(cal):
@@ -45,10 +45,35 @@ def exposed(cal, layout, bucket_bytes):
         done_at[index] = clock
     ends = list(itertools.accumulate(layer.params for layer in cal.layers))   # (each layer's end in the buffer)
     link_free = 0.0
-    for lo, hi in top_down_buckets(ends[-1] + 1, item, int(bucket_bytes)):   # (+1: the loss, summed with them)
-        holder = bisect.bisect_right(ends, lo) % len(ends)   # (the layer holding element lo; the loss's: the first)
-        link_free = max(link_free, done_at[holder]) + link.allreduce((hi - lo) * item, groups)
+    for holder, sizes in _bucket_runs(ends, max(1, int(bucket_bytes) // item)):
+        link_free = max(link_free, done_at[holder])
+        for size, count in sizes:    # (a run's buckets wait for nothing but each other: count of one size at once)
+            link_free += count * link.allreduce(size * item, groups)
     return max(0.0, link_free - clock) + (groups - 1) / groups * buffer_bytes(cal) * cal.sum_per_byte
+
+
+def _bucket_runs(ends, per):
+    """:func:`~mpidist.parallel.exchange.top_down_buckets` of ``ends[-1] + 1`` elements (the gradients, then the
+    loss) in runs of consecutive buckets whose lowest element one layer holds: ``(layer, [(elements, buckets)])``
+    in the order backward completes them, a run per layer at most, however many buckets (the loss's element,
+    where a bucket is it alone, counts as the first layer's).
+    """
+    count = ends[-1] + 1
+    total = -(-count // per)                  # buckets; the last (lowest) is the short one
+    last = count - (total - 1) * per
+    at = 0
+    while at < total:
+        lo = max(count - (at + 1) * per, 0)
+        holder = bisect.bisect_right(ends, lo) % len(ends)
+        start = 0 if holder == 0 else ends[holder - 1]
+        # the buckets from `at` whose lowest element is still this layer's (a bucket of the loss alone: itself)
+        upto = at if lo == ends[-1] else (total - 1 if start == 0 else max(at, (count - start) // per - 1))
+        full = min(upto, total - 2) - at + 1
+        sizes = [(per, full)] if full > 0 else []
+        if upto == total - 1:
+            sizes.append((last, 1))
+        yield holder, sizes
+        at = upto + 1
 
 
 def hideable(cal, layout, bucket_bytes):
@@ -61,7 +86,8 @@ def best_bucket(cal, layout):
     """``(MiB, seconds exposed)`` of the best of :data:`CANDIDATES` (the largest of equals: fewer calls)."""
     whole = buffer_bytes(cal)
     # (up to the first size that holds the whole buffer: any larger is the same one bucket)
-    sizes = [size for size in CANDIDATES if size * MIB < whole]
+    # (and none that cuts it into more than MOST_BUCKETS: the advice costs a bounded time on any model)
+    sizes = [size for size in CANDIDATES if size * MIB < whole and whole / (size * MIB) <= MOST_BUCKETS]
     sizes += [next((size for size in CANDIDATES if size * MIB >= whole), CANDIDATES[-1])]
     tried = [(exposed(cal, layout, size * MIB), size) for size in sizes]
     seconds, size = min(tried, key=lambda pair: (round(pair[0], 9), -pair[1]))

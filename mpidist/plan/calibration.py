@@ -18,6 +18,12 @@ from .links import Link
 FORMAT = "mpidist-calibration-2"   # (2: micro_batch_s, overlap; the baseline with the read before the state)
 MAX_BYTES = 1 << 22          # a calibration is a few KiB: refuse to read a larger file whole
 MAX_LAYERS = 100_000
+# Bounds of what a machine can have measured, so that every prediction is a finite number: no figure of
+# seconds above a day (a step of one layer, a byte, a parameter), no slowdown or spread above a thousandfold,
+# no model above 2^50 parameters (a petabyte of float32; the bucket advice tries only sizes of few buckets)
+MOST_SECONDS = 86_400.0
+MOST_FACTOR = 1_000.0
+MOST_PARAMS = 1 << 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,11 +162,14 @@ def _checked(document, where):
         layer = _Reader(entry, f"{where}: layers[{index}]")
         costs.append(LayerCost(layer.value("name", str), layer.count("params"), layer.count("out_elements"),
                                layer.value("splits", bool), layer.pair("forward"), layer.pair("backward")))
+    if sum(cost.params for cost in costs) > MOST_PARAMS:
+        raise UsageError(f"{where}: layers: {sum(cost.params for cost in costs):,} parameters in all, more than "
+                         f"{MOST_PARAMS:,} (2^50): not a model a calibration measured")
     sums = read.value("tensor_sums", list)
     if len(sums) > MAX_LAYERS or not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 40
                                          for n in sums):
         raise UsageError(f"{where}: tensor_sums: positive element counts expected")
-    return Calibration(
+    made = Calibration(
         model=read.value("model", str), data=read.value("data", str), optimizer=read.value("optimizer", str),
         dtype=read.value("dtype", str), itemsize=read.count("itemsize", least=1),
         sample_bytes=read.count("sample_bytes"),
@@ -177,6 +186,14 @@ def _checked(document, where):
         network_crowding=read.seconds("network_crowding"), baseline_bytes=read.count("baseline_bytes"),
         ranks_per_node=read.count("ranks_per_node", least=1), cores=read.count("cores", least=1),
         node_memory_bytes=read.count("node_memory_bytes", least=1))
+    for name in ("jitter", "node_crowding", "network_crowding"):
+        if getattr(made, name) > MOST_FACTOR:
+            raise UsageError(f"{where}: {name}: {getattr(made, name)!r:.60} is more than {MOST_FACTOR:g}: not a "
+                             "spread or a slowdown a machine shows")
+    if made.compute(made.batch_per_rank) + made.step_overhead <= 0:    # (every prediction divides by a step)
+        raise UsageError(f"{where}: layers, loss and step_overhead: every figure is 0, so a step would take no "
+                         "time: not a measurement (calibrate again)")
+    return made
 
 
 class _Reader:
@@ -201,8 +218,10 @@ class _Reader:
 
     def seconds(self, name, value=None):
         value = self.document.get(name) if value is None else value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise UsageError(f"{self.where}: {name}: a finite figure of at least 0 expected, got {value!r:.60}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                not 0 <= value <= MOST_SECONDS:
+            raise UsageError(f"{self.where}: {name}: a figure from 0 to {MOST_SECONDS:,.0f} expected, got "
+                             f"{value!r:.60}")
         return float(value)
 
     def share(self, name):
