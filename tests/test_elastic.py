@@ -12,6 +12,7 @@ every failure message, to replay it.
 
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -184,7 +185,7 @@ def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, 
     assert seconds < 60
 
 
-@pytest.mark.parametrize("mode", ["memory", "stream"])
+@pytest.mark.parametrize("mode", ["memory", "stream", "budget"])
 def test_killed_workers_midway_through_an_epoch_under_allreduce_leave_each_sample_trained_on_once(python, tmp_path,
                                                                                                   mode):
     """kill -9 of worker 2 of 4 in the middle of an epoch: the 3 survivors hold every lane from the chief's step
@@ -194,7 +195,10 @@ def test_killed_workers_midway_through_an_epoch_under_allreduce_leave_each_sampl
     from test_stream import write
     write(tmp_path / "rows.h5", 1000, chunk=10)
     flags = ["--data", str(tmp_path / "rows.h5"), "--model", "mlp:4", "--epochs", "4", "--batch-size", "48",
-             "--lr", "1e-9", "--dtype", "float64", "--eval-every", "0", "--data-mode", mode, "--shuffle-buffer", "96"]
+             "--lr", "1e-9", "--dtype", "float64", "--eval-every", "0"]
+    # (budget: 4 workers hold their 250 rows of 64 B in memory, the 3 survivors' 334 cross the budget and stream,
+    # in the order the run started with)
+    flags += ["--memory-budget", "18K"] if mode == "budget" else ["--data-mode", mode, "--shuffle-buffer", "96"]
     for folder in ("record", "one"):
         (tmp_path / folder).mkdir()
     metrics = tmp_path / "m.jsonl"
@@ -205,6 +209,10 @@ def test_killed_workers_midway_through_an_epoch_under_allreduce_leave_each_sampl
     assert recovered["workers"] == 3 and recovered["steps_per_epoch"] == 20 and 30 <= recovered["step"] < 40, \
         recovered        # (in the middle of the second epoch)
     assert events(metrics, "done")[0]["steps"] == 80
+    if mode == "budget":   # the mode switched, the order did not: one worker with the run's buffer is the reference
+        assert re.search(r"worker  0 +cpu +memory .* <= budget 18.0 KiB", out), out
+        assert re.search(r"the chief's data stream \(.* > budget 18.0 KiB\)", recovered["data"] and out), out
+        flags = flags[:-2] + ["--shuffle-buffer", str(events(metrics, "start")[0]["config"]["shuffle_buffer"])]
     done, _ = mpidist(1, "train", *flags, "--metrics", "", "--progress", "none",
                       env={"MPIDIST_TEST_RECORD": str(tmp_path / "one")}, timeout=120)
     assert done.returncode == 0, done.stderr

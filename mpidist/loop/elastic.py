@@ -215,7 +215,9 @@ class State:
                   "ps": cluster.roles.count(PS),
                   "global_batch": config.batch_size,
                   "local_batches": [data.local_batch_size(config.batch_size, workers, w) for w in range(workers)],
-                  "steps_per_epoch": self.setup.steps_per_epoch, "seconds": time.perf_counter() - began}
+                  "steps_per_epoch": self.setup.steps_per_epoch, "seconds": time.perf_counter() - began,
+                  # (the chief's data now: a larger share may stream where it was in memory, in the same order)
+                  "data": self.setup.reading.why if self.setup.reading else ""}
         self.recoveries.append(record)
         self._fire("recovered", record)
 

@@ -113,12 +113,11 @@ class Training:
                 if config.early_stop else None
             outputs.open(config, list(callbacks) + ([early_stopping] if early_stopping else []), self.setup.resume)
         here().enter("start")   # collectives from here on: a wait on the others
-        outputs.begin(config)
+        setup, resume, asked = self.setup, self.setup.resume, config.seed
+        config = self.config = self.state.config = continued(config, setup)   # the seed and buffer it goes on with
+        outputs.begin(config)   # (settings.toml as the run goes on: `train --config` repeats its data order)
         lineages = self._share_lineage()
         outputs.start_trace(config, cluster)   # (the set-up's files and checks are not on the timeline)
-        setup, resume = self.setup, self.setup.resume
-        asked = config.seed
-        config = self.config = self.state.config = continued(config, setup)   # the seed and buffer it goes on with
         self._make_strategy()
         place = self.strategy.describe(cluster.rank)
         table = cluster.table(self.device.label, setup.reading.why if setup.reading else "", place)   # (collective)
@@ -215,7 +214,8 @@ class Training:
             back += f"; {record['idle']} idle (their replica lost a stage)" if "idle" in record else ""
             self.outputs.say(f"mpidist: lost {record['lost']}{back}; continuing from step {record['step']} with "
                              f"{record['workers']} worker(s): global batch {record['global_batch']} split {split}, "
-                             f"{record['steps_per_epoch']} steps/epoch (recovered in {record['seconds']:.2f} s)")
+                             f"{record['steps_per_epoch']} steps/epoch, the chief's data {record['data'] or 'none'} "
+                             f"(recovered in {record['seconds']:.2f} s)")
 
     def train(self):
         """The epochs from the current position, until the end, ``--steps``, a stop request or divergence."""
