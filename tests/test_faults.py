@@ -936,6 +936,10 @@ FAULTS = {
                                      one_message=False),
     "predict on a directory of shards": Fault(predicted_on_shards, 0, "mpidist predict: 120 samples",
                                               check=one_prediction_per_test_row, one_message=False),
+    # an option the source would pass over (issue 41, item 13)
+    "ingest --task regression of a named source": Fault(
+        command("ingest", "digits", lambda p: str(p / "digits.h5"), "--task", "regression"), 2,
+        "--task regression applies to .npz and .csv files; digits is a named source", check=nothing_left_but_notes),
 }
 
 
