@@ -708,6 +708,22 @@ def one_prediction_per_test_row(p, out, err):
     assert len((p / "predicted.csv").read_text().splitlines()) == 1 + 120    # the header, then 600 x 0.2 rows
 
 
+def predicted_with_formula_names(p, stack=None):
+    """A checkpoint of a dataset whose class names are formulas, predicted into a CSV file."""
+    x = np.random.default_rng(0).random((200, 4))
+    tiny = tiny_dataset(p / "formulas.h5", x, (x[:, 0] * 3).astype(int) % 3)
+    with h5py.File(tiny, "a") as handle:
+        handle.create_dataset("class_names", data=["=1+2", "-1.5", "@SUM(A1)"], dtype=h5py.string_dtype())
+    path = trained_on(p, str(tiny))
+    return command("predict", path, "--output", str(p / "p.csv"))(p)
+
+
+def names_written_as_text(p, out, err):
+    import csv
+    with open(p / "p.csv", newline="") as handle:
+        names = {row["name"] for row in csv.DictReader(handle)}
+    assert names and names <= {"'=1+2", "-1.5", "'@SUM(A1)"}, names
+
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}    # about 30 ms a step: time to act mid-run
 
 
@@ -940,6 +956,9 @@ FAULTS = {
     "ingest --task regression of a named source": Fault(
         command("ingest", "digits", lambda p: str(p / "digits.h5"), "--task", "regression"), 2,
         "--task regression applies to .npz and .csv files; digits is a named source", check=nothing_left_but_notes),
+    # CSV cells a spreadsheet would run (issue 41, item 12)
+    "predict --output x.csv of class names like =1+2": Fault(predicted_with_formula_names, 0, "mpidist predict: ",
+                                                              check=names_written_as_text, one_message=False),
 }
 
 

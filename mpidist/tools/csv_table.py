@@ -34,6 +34,28 @@ def is_number(text):
         return False
 
 
+#: what a spreadsheet takes a cell beginning with for a formula (OWASP, "CSV Injection"): ``=``, ``+``, ``-``,
+#: ``@``, and a tab or carriage return, which some strip before looking at the next character
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+#: a plain decimal number, signed: a spreadsheet reads it as that number, not as a formula
+PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def spreadsheet_safe(cell):
+    """``cell`` (text written into a CSV file mpidist makes) as a spreadsheet shows it and never runs it.
+
+    A class name such as ``=HYPERLINK(...)`` or ``@SUM(A1)`` comes from a user's data, and a spreadsheet that
+    opens the file would evaluate it: a text cell that begins like a formula is prefixed with a single quote,
+    as the OWASP guidance says (the quote is visible in a text editor, and marks the cell as text in a
+    spreadsheet).  A plain number (``-1.5``, ``+2e-3``) is left as it is: a spreadsheet reads it as the number
+    it is, which is what it means, and never as a formula.
+    """
+    text = str(cell)
+    if text.startswith(FORMULA_STARTS) and not PLAIN_NUMBER.fullmatch(text):
+        return "'" + text
+    return text
+
+
 def cells_of(delimiter):
     """A function cutting one line into its cells at ``delimiter`` (None: at runs of whitespace)."""
     return str.split if delimiter is None else lambda line: line.split(delimiter)
