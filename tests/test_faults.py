@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpidist.store import checkpoint
+from mpidist.store import checkpoint, lineage
 from mpidist.tools.ingest import write_dataset
 
 from conftest import (checkpoint_at, checkpoint_steps, corrupt_chunk, events, rank_pids, run_mpi, start_mpi,
@@ -708,6 +708,19 @@ def one_prediction_per_test_row(p, out, err):
     assert len((p / "predicted.csv").read_text().splitlines()) == 1 + 120    # the header, then 600 x 0.2 rows
 
 
+def a_pipe_named_like_a_checkpoint(p):
+    """``p/ck`` holding a named pipe ``ckpt-00000004-abcdef01.h5`` (the run hung in its claim, which opened it)."""
+    (p / "ck").mkdir()
+    os.mkfifo(p / "ck" / "ckpt-00000004-abcdef01.h5")
+    return str(p / "ck")
+
+
+def pipe_left_alone(p, out, err):
+    import stat
+    assert stat.S_ISFIFO(os.stat(p / "ck" / "ckpt-00000004-abcdef01.h5").st_mode)
+    assert [entry.step for entry in lineage.CheckpointDir(p / "ck").entries()] == [3]   # (and the pipe, 4)
+
+
 def predicted_with_formula_names(p, stack=None):
     """A checkpoint of a dataset whose class names are formulas, predicted into a CSV file."""
     x = np.random.default_rng(0).random((200, 4))
@@ -956,6 +969,10 @@ FAULTS = {
     "ingest --task regression of a named source": Fault(
         command("ingest", "digits", lambda p: str(p / "digits.h5"), "--task", "regression"), 2,
         "--task regression applies to .npz and .csv files; digits is a named source", check=nothing_left_but_notes),
+    # special files under a checkpoint's name (issue 41, item 2)
+    "a pipe named like a checkpoint in --checkpoint-dir": Fault(
+        train("--checkpoint-dir", a_pipe_named_like_a_checkpoint, "--resume", "auto", "--checkpoint-every", "1",
+              "--keep", "1", "--steps", "3"), 0, "mpidist: done", check=pipe_left_alone, one_message=False),
     # CSV cells a spreadsheet would run (issue 41, item 12)
     "predict --output x.csv of class names like =1+2": Fault(predicted_with_formula_names, 0, "mpidist predict: ",
                                                               check=names_written_as_text, one_message=False),

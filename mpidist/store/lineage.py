@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..runtime.errors import UsageError
 from . import sharded
+from .outputs import is_regular_file
 
 #: a checkpoint's name: its step in 8 digits or more (``{step:08d}`` grows a digit from step 10^8 on; 19 hold
 #: any step a checkpoint may have, 2^62), then its lineage; matched whole (``fullmatch``: no trailing newline)
@@ -89,13 +90,18 @@ class CheckpointDir:
         self.path = Path(path)
 
     def entries(self, lineage=None):
-        """Checkpoint files (of ``lineage``, or all), lowest step first."""
+        """Checkpoint files (of ``lineage``, or all), lowest step first.
+
+        Only regular files count: a named pipe, a socket, a device or a directory under a checkpoint's name
+        is no checkpoint, and every user of this list (pruning, ``--resume auto``, the best checkpoint) would
+        otherwise open it, where a pipe waits for a writer forever.  It is left where it is, untouched.
+        """
         if not self.path.is_dir():
             return []
         found = []
         for path in self.path.iterdir():
             parsed = parse_name(path.name)
-            if parsed is not None and (lineage is None or parsed[1] == lineage):
+            if parsed is not None and (lineage is None or parsed[1] == lineage) and is_regular_file(path):
                 found.append(Entry(path, *parsed))
         return sorted(found, key=lambda e: (e.step, e.lineage))
 
@@ -134,7 +140,7 @@ class CheckpointDir:
         removed = []
         if self.path.is_dir():
             for path in self.path.iterdir():
-                if TEMPORARY.fullmatch(path.name):
+                if TEMPORARY.fullmatch(path.name) and not path.is_dir():   # (no writer of ours makes one)
                     path.unlink(missing_ok=True)
                     removed.append(path.name)
         return sorted(removed + sharded.remove_unnamed_folders(self.path))

@@ -56,6 +56,19 @@ def special_kind(path):
     return next((words for test, words in SPECIAL if test(mode)), None)
 
 
+def is_regular_file(path):
+    """Whether ``path`` is a regular file (a link followed), found without opening it.
+
+    Whatever lists a directory and opens what it finds by name (checkpoints, their indexes, a dataset's
+    files) asks this first: a named pipe opened to read waits for a writer forever, a device may never end,
+    and a directory is not a file.  Such a node under a checkpoint's name is passed over, never opened.
+    """
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):       # (gone meanwhile, a link that loops, a name the OS refuses)
+        return False
+
+
 def special_input(path):
     """Why ``path`` cannot be read as a file (a named pipe would block the reader forever, a device never
     end), in words; None for a regular file or anything whose opening will say what is wrong."""

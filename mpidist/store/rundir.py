@@ -32,7 +32,7 @@ from ..runtime.errors import UsageError
 from . import atomic
 from .checkpoint import settings_of
 from .lineage import LOCK_NAME, newest_checkpoint
-from .outputs import special_kind
+from .outputs import is_regular_file, special_kind
 
 ROOT = "runs"
 SETTINGS, METRICS, LOG, TRACE, CHECKPOINTS = "settings.toml", "metrics.jsonl", "log.txt", "trace.json", "checkpoints"
@@ -138,7 +138,7 @@ def newest_run(config, root=ROOT):
 
     try:
         candidates = [entry for entry in Path(root).iterdir() if pattern.fullmatch(entry.name)
-                      and any((entry / CHECKPOINTS).glob("ckpt-*.h5"))]
+                      and any(is_regular_file(ckpt) for ckpt in (entry / CHECKPOINTS).glob("ckpt-*.h5"))]
     except OSError:
         return None
     return max(candidates, key=started, default=None)
