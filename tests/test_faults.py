@@ -708,6 +708,23 @@ def one_prediction_per_test_row(p, out, err):
     assert len((p / "predicted.csv").read_text().splitlines()) == 1 + 120    # the header, then 600 x 0.2 rows
 
 
+def planned_into_a_link(p, stack=None):
+    """``plan --output p/out/plan.json``, a link to ``p/victim.json``, from a made-up calibration."""
+    from mpidist.plan import calibration
+    from test_plan import made_up
+    calibration.save(made_up(), p / "c.json")
+    (p / "victim.json").write_text("keep")
+    (p / "out").mkdir()
+    (p / "out" / "plan.json").symlink_to(p / "victim.json")
+    return command("plan", "--calibration", str(p / "c.json"), "--nodes", "1", "--output",
+                   str(p / "out" / "plan.json"))(p)
+
+
+def link_replaced(p, out, err):
+    assert (p / "victim.json").read_text() == "keep"
+    assert not (p / "out" / "plan.json").is_symlink() and json.loads((p / "out" / "plan.json").read_text())
+
+
 def a_pipe_named_like_a_checkpoint(p):
     """``p/ck`` holding a named pipe ``ckpt-00000004-abcdef01.h5`` (the run hung in its claim, which opened it)."""
     (p / "ck").mkdir()
@@ -969,6 +986,9 @@ FAULTS = {
     "ingest --task regression of a named source": Fault(
         command("ingest", "digits", lambda p: str(p / "digits.h5"), "--task", "regression"), 2,
         "--task regression applies to .npz and .csv files; digits is a named source", check=nothing_left_but_notes),
+    # one rule for a link at every output: replaced itself, never written through (issue 41, item 7)
+    "plan --output that is a symbolic link": Fault(planned_into_a_link, 0, "mpidist plan: ", check=link_replaced,
+                                                   one_message=False),
     # special files under a checkpoint's name (issue 41, item 2)
     "a pipe named like a checkpoint in --checkpoint-dir": Fault(
         train("--checkpoint-dir", a_pipe_named_like_a_checkpoint, "--resume", "auto", "--checkpoint-every", "1",

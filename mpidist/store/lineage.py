@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from ..runtime.errors import UsageError
-from . import sharded
+from . import atomic, sharded
 from .outputs import is_regular_file
 
 #: a checkpoint's name: its step in 8 digits or more (``{step:08d}`` grows a digit from step 10^8 on; 19 hold
@@ -181,10 +181,13 @@ class DirectoryLock:
     def acquire(self):
         """Take the lock, or raise :class:`UsageError` naming the run that holds it."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # (the holder's description is written into it: through a link, into any file the user may write)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | atomic.NO_FOLLOW, 0o644)
         except OSError as err:
+            reason = "it is a symbolic link, which mpidist never writes through" if err.errno == errno.ELOOP \
+                else err.strerror
             raise UsageError(f"--checkpoint-dir {self.path.parent}: cannot create its lock file {LOCK_NAME} "
-                             f"({err.strerror})") from None
+                             f"({reason})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
