@@ -708,6 +708,17 @@ def one_prediction_per_test_row(p, out, err):
     assert len((p / "predicted.csv").read_text().splitlines()) == 1 + 120    # the header, then 600 x 0.2 rows
 
 
+def one_long_line(p):
+    """A run directory whose metrics file is one line, no newline, past the limit (a sparse file: a gigabyte
+    costs no more to make, but a 17 MiB one shows the bound)."""
+    from mpidist.runtime.lines import LINE_LIMIT
+    (p / "run").mkdir()
+    with open(p / "run" / "metrics.jsonl", "wb") as handle:
+        handle.write(b'{"event": "step", "step": 1, "pad": "')
+        handle.truncate(LINE_LIMIT + (1 << 20))
+    return str(p / "run")
+
+
 def planned_into_a_link(p, stack=None):
     """``plan --output p/out/plan.json``, a link to ``p/victim.json``, from a made-up calibration."""
     from mpidist.plan import calibration
@@ -986,6 +997,9 @@ FAULTS = {
     "ingest --task regression of a named source": Fault(
         command("ingest", "digits", lambda p: str(p / "digits.h5"), "--task", "regression"), 2,
         "--task regression applies to .npz and .csv files; digits is a named source", check=nothing_left_but_notes),
+    # a line of unbounded length (issue 41, item 10)
+    "a metrics file of one line of a gigabyte": Fault(command("plot", one_long_line), 2,
+                                                      "metrics.jsonl: line 1 is longer than 16,777,216 bytes"),
     # one rule for a link at every output: replaced itself, never written through (issue 41, item 7)
     "plan --output that is a symbolic link": Fault(planned_into_a_link, 0, "mpidist plan: ", check=link_replaced,
                                                    one_message=False),

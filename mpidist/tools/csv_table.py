@@ -16,6 +16,7 @@ import re
 import numpy as np
 
 from ..runtime.errors import UsageError
+from ..runtime.lines import bounded_lines
 from ..runtime.text import printable
 from .dataset_file import FLOAT32_MAX, MAX_NAME
 from .labels import checked_names, infer_task, split_train_test
@@ -153,9 +154,9 @@ def read_csv(path, label_column=-1, delimiter="auto"):
     above a column of numbers.  Every cell but the label column's must be a
     number; the label column holds numbers, or class names in every row.
     """
-    try:
-        with open(path, encoding="utf-8-sig") as handle:
-            lines = handle.read().splitlines()
+    try:    # (a line at a time, each bounded: one line of a gigabyte is refused before it is held)
+        lines = [piece for _, line in bounded_lines(path, str(path), encoding="utf-8-sig", errors="strict")
+                 for piece in line.splitlines() or [""]]     # (numbered as str.splitlines numbers the whole)
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"{path}: not a readable text file ({err})") from None
     rows = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
