@@ -58,7 +58,7 @@ def write_part(path, rows, arrays):
 
     Written aside, synced and renamed into place; returns ``{"bytes", "sha256"}`` of the file.
     """
-    aside = atomic.aside_path(path)
+    aside = atomic.fresh_aside(path)
     try:
         write_part_aside(aside, rows, arrays)
         return commit_part(aside, path)
