@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpidist.store import checkpoint
+from mpidist.store import checkpoint, lineage
 from mpidist.tools.ingest import write_dataset
 
 from conftest import (checkpoint_at, checkpoint_steps, corrupt_chunk, events, rank_pids, run_mpi, start_mpi,
@@ -742,6 +742,63 @@ def one_prediction_per_test_row(p, out, err):
     assert len((p / "predicted.csv").read_text().splitlines()) == 1 + 120    # the header, then 600 x 0.2 rows
 
 
+def one_long_line(p):
+    """A run directory whose metrics file is one line, no newline, past the limit (a sparse file: a gigabyte
+    costs no more to make, but a 17 MiB one shows the bound)."""
+    from mpidist.runtime.lines import LINE_LIMIT
+    (p / "run").mkdir()
+    with open(p / "run" / "metrics.jsonl", "wb") as handle:
+        handle.write(b'{"event": "step", "step": 1, "pad": "')
+        handle.truncate(LINE_LIMIT + (1 << 20))
+    return str(p / "run")
+
+
+def planned_into_a_link(p, stack=None):
+    """``plan --output p/out/plan.json``, a link to ``p/victim.json``, from a made-up calibration."""
+    from mpidist.plan import calibration
+    from test_plan import made_up
+    calibration.save(made_up(), p / "c.json")
+    (p / "victim.json").write_text("keep")
+    (p / "out").mkdir()
+    (p / "out" / "plan.json").symlink_to(p / "victim.json")
+    return command("plan", "--calibration", str(p / "c.json"), "--nodes", "1", "--output",
+                   str(p / "out" / "plan.json"))(p)
+
+
+def link_replaced(p, out, err):
+    assert (p / "victim.json").read_text() == "keep"
+    assert not (p / "out" / "plan.json").is_symlink() and json.loads((p / "out" / "plan.json").read_text())
+
+
+def a_pipe_named_like_a_checkpoint(p):
+    """``p/ck`` holding a named pipe ``ckpt-00000004-abcdef01.h5`` (the run hung in its claim, which opened it)."""
+    (p / "ck").mkdir()
+    os.mkfifo(p / "ck" / "ckpt-00000004-abcdef01.h5")
+    return str(p / "ck")
+
+
+def pipe_left_alone(p, out, err):
+    import stat
+    assert stat.S_ISFIFO(os.stat(p / "ck" / "ckpt-00000004-abcdef01.h5").st_mode)
+    assert [entry.step for entry in lineage.CheckpointDir(p / "ck").entries()] == [3]   # (and the pipe, 4)
+
+
+def predicted_with_formula_names(p, stack=None):
+    """A checkpoint of a dataset whose class names are formulas, predicted into a CSV file."""
+    x = np.random.default_rng(0).random((200, 4))
+    tiny = tiny_dataset(p / "formulas.h5", x, (x[:, 0] * 3).astype(int) % 3)
+    with h5py.File(tiny, "a") as handle:
+        handle.create_dataset("class_names", data=["=1+2", "-1.5", "@SUM(A1)"], dtype=h5py.string_dtype())
+    path = trained_on(p, str(tiny))
+    return command("predict", path, "--output", str(p / "p.csv"))(p)
+
+
+def names_written_as_text(p, out, err):
+    import csv
+    with open(p / "p.csv", newline="") as handle:
+        names = {row["name"] for row in csv.DictReader(handle)}
+    assert names and names <= {"'=1+2", "-1.5", "'@SUM(A1)"}, names
+
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}    # about 30 ms a step: time to act mid-run
 
 
@@ -979,6 +1036,23 @@ FAULTS = {
                                      one_message=False),
     "predict on a directory of shards": Fault(predicted_on_shards, 0, "mpidist predict: 120 samples",
                                               check=one_prediction_per_test_row, one_message=False),
+    # an option the source would pass over (issue 41, item 13)
+    "ingest --task regression of a named source": Fault(
+        command("ingest", "digits", lambda p: str(p / "digits.h5"), "--task", "regression"), 2,
+        "--task regression applies to .npz and .csv files; digits is a named source", check=nothing_left_but_notes),
+    # a line of unbounded length (issue 41, item 10)
+    "a metrics file of one line of a gigabyte": Fault(command("plot", one_long_line), 2,
+                                                      "metrics.jsonl: line 1 is longer than 16,777,216 bytes"),
+    # one rule for a link at every output: replaced itself, never written through (issue 41, item 7)
+    "plan --output that is a symbolic link": Fault(planned_into_a_link, 0, "mpidist plan: ", check=link_replaced,
+                                                   one_message=False),
+    # special files under a checkpoint's name (issue 41, item 2)
+    "a pipe named like a checkpoint in --checkpoint-dir": Fault(
+        train("--checkpoint-dir", a_pipe_named_like_a_checkpoint, "--resume", "auto", "--checkpoint-every", "1",
+              "--keep", "1", "--steps", "3"), 0, "mpidist: done", check=pipe_left_alone, one_message=False),
+    # CSV cells a spreadsheet would run (issue 41, item 12)
+    "predict --output x.csv of class names like =1+2": Fault(predicted_with_formula_names, 0, "mpidist predict: ",
+                                                              check=names_written_as_text, one_message=False),
 }
 
 

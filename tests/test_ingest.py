@@ -584,3 +584,32 @@ def test_an_unnamed_first_column_of_row_numbers_is_an_index_and_is_dropped_with_
     path.write_text("\n".join(f"{2 * i + 101},{f[0]},{f[1]},{c}" for i, (f, c) in enumerate(zip(features, labels))))
     bare = ingest(str(path), str(tmp_path / "bare.h5"), test_fraction=0.25)
     assert bare.sample_shape == (3,) and bare.index_note is None and bare.feature_names is None
+
+
+@pytest.mark.parametrize("source,options,message", [
+    ("digits", {"task": "regression"}, "--task regression applies to .npz and .csv files; digits is a named source"),
+    ("synthetic:40,3,2", {"task": "regression"}, "synthetic:40,3,2 is a named source of classes"),
+    ("digits", {"label_column": 0}, "--label-column applies to .csv files, not to digits"),
+    ("synthetic:40,3,2", {"label_column": 0}, "--label-column applies to .csv files"),
+    ("synthetic:40,3,2", {"delimiter": ";"}, "--delimiter applies to .csv files"),
+    ("d.npz", {"label_column": 1}, "--label-column applies to .csv files, not to .*d.npz"),
+])
+def test_an_option_the_source_would_ignore_is_refused(tmp_path, source, options, message):
+    """Issue 41, item 13: ``--task regression`` on a named source wrote a classification file without a word;
+    so did --label-column and --delimiter wherever there is no CSV to apply them to."""
+    np.savez(tmp_path / "d.npz", x=np.zeros((4, 2)), y=np.arange(4) % 2)
+    refused(tmp_path, tmp_path / source if source.endswith(".npz") else source, message, **options)
+
+
+def test_task_classification_on_a_named_source_is_what_it_is(tmp_path):
+    result = ingest("synthetic:40,3,2", tmp_path / "s.h5", task="classification")
+    assert result.num_classes == 2
+
+
+def test_ingest_task_regression_of_a_named_source_exits_2_on_one_line(tmp_path):
+    from conftest import mpidist
+    done, _ = mpidist(1, "ingest", "digits", str(tmp_path / "d.h5"), "--task", "regression")
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--task regression applies to .npz and .csv files" in lines[0], done.stderr
+    assert not list(tmp_path.iterdir())

@@ -143,3 +143,117 @@ def test_a_lineage_attribute_with_a_newline_is_refused_when_loaded(tmp_path):
         handle.attrs["lineage"] = "0000abcd\n"
     with pytest.raises(UsageError, match="a lineage id is 8 hex digits"):
         checkpoint.load(path)
+
+
+# -- special files under a checkpoint's name (issue 41, item 2) ---------------------------------------------
+class WatchedFifo:
+    """A named pipe at ``path`` that records whether anyone opened it to read, without letting them hang.
+
+    A process of its own (h5py holds Python's lock while it opens a file, so a thread could not run) keeps
+    trying to open the write end without blocking, which succeeds only while a reader waits on the other: it
+    then counts the opening and closes, so the reader reads end-of-file and goes on.  The code under test must
+    never have opened it: on the old code the test fails instead of hanging.
+    """
+
+    WATCH = ("import os, sys, time\n"
+             "path, opened = sys.argv[1], 0\n"
+             "while not os.path.exists(path + '.stop'):\n"
+             "    try:\n"
+             "        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))\n"
+             "        opened += 1\n"
+             "    except OSError:\n"
+             "        pass\n"
+             "    time.sleep(0.005)\n"
+             "print(opened)\n")
+
+    def __init__(self, path):
+        self.path = path
+        os.mkfifo(path)
+        self.watcher = subprocess.Popen([sys.executable, "-c", self.WATCH, str(path)], stdout=subprocess.PIPE,
+                                        text=True)
+
+    def stop(self):
+        """How many times it was opened to read."""
+        open(f"{self.path}.stop", "w").close()
+        out, _ = self.watcher.communicate(timeout=30)
+        os.unlink(f"{self.path}.stop")
+        return int(out)
+
+
+def special_files(directory, step=4, run="abcdef01"):
+    """A pipe, a socket, a directory and a link to a pipe, each named like a checkpoint of ``run``."""
+    import socket
+    fifo = WatchedFifo(directory / lineage.file_name(step, run))
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(directory / lineage.file_name(step + 1, run)))
+    (directory / lineage.file_name(step + 2, run)).mkdir()
+    (directory / lineage.file_name(step + 3, run)).symlink_to(fifo.path)
+    return fifo, unix
+
+
+def test_a_pipe_socket_or_directory_named_like_a_checkpoint_is_no_checkpoint(tmp_path):
+    fifo, unix = special_files(tmp_path)
+    try:
+        place = CheckpointDir(tmp_path)
+        assert place.entries() == [] and place.last_written() is None and place.latest_lineage() is None
+        assert lineage.newest_checkpoint(tmp_path) is None
+        assert checkpoint.newest_valid(tmp_path) == (None, [])
+        claim(settings(tmp_path), None).release()      # a fresh run: nothing there is another run's checkpoint
+        newest = write(tmp_path, 1, "abcdef01")
+        assert [e.path for e in place.entries("abcdef01")] == [newest]
+        assert lineage.newest_checkpoint(tmp_path) == newest
+        newer = write(tmp_path, 9, "abcdef01")
+        assert place.prune("abcdef01", keep=1, newest=newer) == [newest]
+        assert names(tmp_path) == [lineage.file_name(step, "abcdef01") for step in (4, 5, 6, 7, 9)]
+    finally:
+        assert fifo.stop() == 0, "a pipe named like a checkpoint was opened"
+        unix.close()
+
+
+def test_the_indexes_read_for_parts_folders_and_a_claim_never_open_a_pipe(tmp_path):
+    from mpidist.store import sharded
+    fifos = [WatchedFifo(tmp_path / "ckpt-00000004-abcdef01.h5"), WatchedFifo(tmp_path / "best-abcdef01.h5")]
+    (tmp_path / ".ckpt-00000003-abcdef01.h5.tmp-12").mkdir()   # a directory is never removed as a temporary
+    try:
+        assert sharded.named_folders(tmp_path) == set() and sharded.named_folders(tmp_path, "best-*.h5") == set()
+        assert sharded.remove_unnamed_folders(tmp_path) == []
+        claim(settings(tmp_path, resume="auto"), None).release()
+        assert checkpoint.settings_of(fifos[0].path) is None
+        with pytest.raises(UsageError, match=r"cannot be read: it is a named pipe \(FIFO\), not a file"):
+            checkpoint.load(fifos[0].path)
+    finally:
+        assert [fifo.stop() for fifo in fifos] == [0, 0]
+
+
+def test_a_run_beside_a_pipe_named_like_a_checkpoint_finishes(tmp_path):
+    """The pipe hung every run after its first checkpoint (the claim and the pruning opened it); now every run,
+    --resume auto, fresh or --new-lineage, passes over it and leaves it as it was."""
+    import stat
+
+    from conftest import mpidist
+    directory = tmp_path / "D"
+    directory.mkdir()
+    os.mkfifo(directory / "ckpt-00000004-abcdef01.h5")
+    common = ["train", "--checkpoint-dir", str(directory), "--checkpoint-every", "1", "--keep", "1", "--steps",
+              "3", "--run-dir", "", "--metrics", ""]
+    best = ["--resume", "auto", "--steps", "6", "--keep-best", "val_loss", "--val-fraction", "0.1"]
+    for extra in (["--resume", "auto"], ["--new-lineage"], best):
+        done, _ = mpidist(2, *common, *extra, timeout=60)
+        assert done.returncode == 0, done.stderr
+    assert stat.S_ISFIFO(os.stat(directory / "ckpt-00000004-abcdef01.h5").st_mode)
+    written = [entry for entry in CheckpointDir(directory).entries()]
+    assert sorted(entry.step for entry in written) == [3, 6] and list(directory.glob("best-*.h5"))
+
+
+def test_a_dataset_directory_with_a_pipe_named_like_a_part_is_refused(tmp_path):
+    from mpidist import data
+    learnable = np.random.default_rng(0).random((40, 3))
+    from mpidist.tools.ingest import write_dataset
+    write_dataset(tmp_path / "a.h5", "a", {"train": (learnable[:30], np.arange(30) % 2),
+                                           "test": (learnable[30:], np.arange(10) % 2)}, 2, "test")
+    fifo = WatchedFifo(tmp_path / "b.h5")
+    try:
+        with pytest.raises(UsageError, match=r"b.h5 is a named pipe \(FIFO\), not a file"):
+            data.inspect(tmp_path)
+    finally:
+        assert fifo.stop() == 0

@@ -330,3 +330,46 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
                       ("extra.csv", "has columns the model does not take, by the names ingest stored: 'id'")):
         done, _ = launch(1, "predict", str(checkpoint), "--data", name, "--output", "x.npy", cwd=tmp_path)
         assert done.returncode == 2 and f"{name}: {why}" in done.stderr, done.stderr
+
+
+# -- CSV cells a spreadsheet would run (issue 41, item 12) ---------------------------------------------------
+FORMULAS = ["=1+2", "+SUM(A1:A9)", "-2+3", "@cmd", "\tx=1", "\r=2", "-1.5", "+3", "plain", "a=b"]
+
+
+@pytest.mark.parametrize("cell,written", [
+    ("=1+2", "'=1+2"), ("+SUM(A1:A9)", "'+SUM(A1:A9)"), ("-2+3", "'-2+3"), ("@cmd", "'@cmd"),
+    ("\tx=1", "'\tx=1"), ("\r=2", "'\r=2"), ("-", "'-"), ("--1", "'--1"), ("-1.5e3x", "'-1.5e3x"),
+    ("-1.5", "-1.5"), ("+3", "+3"), ("-.5", "-.5"), ("-2E-3", "-2E-3"), ("plain", "plain"), ("a=b", "a=b"),
+    ("'=quoted", "'=quoted"), ("", ""),
+])
+def test_a_csv_cell_that_begins_like_a_formula_is_made_text_and_a_negative_number_stays_a_number(cell, written):
+    from mpidist.tools.csv_table import spreadsheet_safe
+    assert spreadsheet_safe(cell) == written
+
+
+def test_predicts_csv_neutralises_class_names_a_spreadsheet_would_run(tmp_path):
+    """Class names are the user's data: ``=1+2`` was written verbatim into the CSV's ``name`` column."""
+    import csv
+
+    from mpidist.runtime.text import printable
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3)).astype(np.float32)
+    y = np.arange(200) % len(FORMULAS)
+    write_dataset(tmp_path / "named.h5", "named", {"train": (x[:150], y[:150]), "test": (x[150:], y[150:])},
+                  len(FORMULAS), "test", class_names=sorted(FORMULAS))
+    done, _ = launch(1, "--data", str(tmp_path / "named.h5"), "--steps", "2", "--checkpoint-dir",
+                     str(tmp_path / "ck"), "--run-dir", "", "--metrics", "", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    checkpoint, = (tmp_path / "ck").glob("ckpt-*.h5")
+    done, _ = launch(2, "predict", str(checkpoint), "--output", str(tmp_path / "p.csv"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    with open(tmp_path / "p.csv", newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 50
+    names = sorted(FORMULAS)
+    for row in rows:
+        name = names[int(row["class"])]
+        shown = printable(name)     # (a dataset's class names are read with control characters escaped)
+        expected = shown if name in ("-1.5", "+3", "plain", "a=b", "\tx=1", "\r=2") else "'" + name
+        assert row["name"] == expected
+        assert not row["name"].startswith(("=", "+", "-", "@", "\t", "\r")) or name in ("-1.5", "+3")

@@ -1,5 +1,6 @@
 """Where ``bench`` results go: the table printed, and the JSON file written whole or not at all."""
 
+import contextlib
 import json
 import os
 import secrets
@@ -25,13 +26,16 @@ def _create_beside(target):
 
 
 def _existing_file(target):
-    """Raise ``OSError`` or ``ValueError`` unless ``target`` is absent or a regular file that can be appended to.
+    """Raise ``OSError`` or ``ValueError`` unless ``target`` is absent, a symbolic link (replaced itself, see
+    :mod:`mpidist.store.atomic`: what it points to is never written), or a regular file that can be appended to.
 
     Opens to append (never truncates) and closes: the file is left as it was.
     """
     try:
-        info = os.stat(target)
+        info = os.lstat(target)
     except FileNotFoundError:
+        return
+    if stat.S_ISLNK(info.st_mode):
         return
     if stat.S_ISDIR(info.st_mode):
         raise ValueError("it is a directory; name a file")
@@ -59,7 +63,7 @@ def check_output(output):
     and a probe file is created beside it and removed (the results are
     written aside and renamed over it: its directory must take new files).
     """
-    target = os.path.realpath(output)         # a link is followed: its target gets the results
+    target = os.fspath(output)        # a link there is replaced itself, never written through
     try:
         _existing_file(target)
         _directory_takes_files(target)
@@ -74,15 +78,19 @@ def write_results(output, document):
     """Write ``document`` as JSON to ``output`` atomically: aside, then renamed over it.
 
     An existing results file is replaced whole or left as it was, never half
-    written; the new file takes the mode of the one it replaces.
+    written; the new file takes the mode of the one it replaces.  A symbolic
+    link at ``output`` is replaced by the file, and what it pointed to is left
+    as it was (one rule for every output: :mod:`mpidist.store.atomic`).
     """
-    target = os.path.realpath(output)
+    target = os.fspath(output)
     fd, aside = _create_beside(target)
     try:
         with os.fdopen(fd, "w") as handle:
             json.dump(document, handle, indent=2)
-        if os.path.exists(target):
-            os.chmod(aside, stat.S_IMODE(os.stat(target).st_mode))
+        with contextlib.suppress(FileNotFoundError):
+            info = os.lstat(target)
+            if stat.S_ISREG(info.st_mode):
+                os.chmod(aside, stat.S_IMODE(info.st_mode))
         atomic.commit(aside, target)
     finally:
         atomic.remove_aside(aside)

@@ -31,6 +31,7 @@ import numpy as np
 from ..runtime.errors import UsageError
 from ..runtime.text import printable, shown
 from ..runtime.whereabouts import here
+from ..store.outputs import is_regular_file, special_kind
 from .arrays import ArrayData
 
 SPLITS = ("train", "test")
@@ -89,6 +90,10 @@ def members(path):
     if path.is_dir():
         found = [p for p in path.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".")]
         what = f"{path}: a directory with no .h5 or .hdf5 files"
+        odd = next((p for p in found if not is_regular_file(p)), None)
+        if odd is not None:     # (refused, not passed over: training on fewer parts than given is silently wrong)
+            raise UsageError(f"{path}: {odd.name} is {special_kind(odd) or 'a directory'}, not a file; the .h5 and "
+                             ".hdf5 files of a dataset directory are its parts, and opening it could wait forever")
     else:
         found = [Path(p) for p in glob.glob(str(path)) if os.path.isfile(p)]
         what = f"--data {path}: matches no files"

@@ -16,6 +16,7 @@ import time
 from ..nn.scores import progress_text
 from ..runtime.errors import UsageError
 from ..runtime.whereabouts import here
+from ..store import atomic
 
 
 class MetricsLog:
@@ -37,7 +38,7 @@ class MetricsLog:
                 os.makedirs(directory, exist_ok=True)
                 with here().doing("io", f"opening --metrics {path}"):
                     _check_writable_target(path)
-                    self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+                    self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | atomic.NO_FOLLOW, 0o644)
                     if not _drop_partial_line(self.fd):
                         self.close()
                         raise UsageError(f"--metrics {path}: ends inside a line mpidist did not write: not a "
@@ -67,11 +68,16 @@ class MetricsLog:
 
 
 def _check_writable_target(path):
-    """Refuse what an append would block on or cannot hold: a FIFO, a socket, a directory."""
+    """Refuse what an append would block on or cannot hold: a FIFO, a socket, a directory; and a symbolic link,
+    which an append would write through (into whatever file it points to: never an output's rule, see
+    :mod:`mpidist.store.atomic`)."""
     try:
-        kind = os.stat(path).st_mode
+        kind = os.lstat(path).st_mode
     except FileNotFoundError:
         return
+    if stat.S_ISLNK(kind):
+        raise UsageError(f"--metrics {path}: is a symbolic link; mpidist appends to a file itself, never through a "
+                         "link: name the file it points to, or another")
     if stat.S_ISDIR(kind):
         raise UsageError(f"--metrics {path}: is a directory")
     if stat.S_ISFIFO(kind) or stat.S_ISSOCK(kind):

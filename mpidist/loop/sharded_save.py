@@ -78,7 +78,7 @@ class ShardedWrite:
 
     def _begin_part(self, pieces):
         path = self.folder / sharded.part_name(self.comm.Get_rank())
-        aside = atomic.aside_path(path)
+        aside = atomic.fresh_aside(path)
         copying = time.thread_time()
         try:
             sharded.write_part_aside(aside, self.rows, pieces)

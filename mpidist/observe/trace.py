@@ -102,7 +102,7 @@ def gather_and_write(comm, root, offset, label, path):
         mpi.send(comm, own, root, 0x7acf)
         return None
     path = Path(path)
-    aside = atomic.aside_path(path)
+    aside = atomic.fresh_aside(path)
     problem, handle = None, None
     try:
         handle = open(aside, "wb")

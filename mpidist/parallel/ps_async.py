@@ -226,10 +226,8 @@ class LostRanks:
             return
         cluster = self.cluster
         verdict = sort_lost(lost, cluster.roles, cluster.chief_rank, self.watch.known, self.rollback)
-        # a ps or the chief: as a collective would have failed, every survivor sees it and recovers together,
-        # back to a checkpoint, or to the one line and exit code that end them all where there is none.  (An
-        # MPI_Abort from the rank that saw it first ended the processes, but under load 1 run in ~20 left Open
-        # MPI's mpirun waiting for ever after them: the survivors' agreed exit is the end a lost rank allows.)
+        # a ps or the chief: every survivor sees it and recovers together, back to a checkpoint or else to one
+        # line and an agreed exit (an MPI_Abort left Open MPI's mpirun waiting for ever in ~1 run of 20)
         if verdict.recover or verdict.fatal:
             raise ProcessLost(describe_lost(verdict.fatal, cluster))
         if cluster.rank == exchange.ps_ranks[0]:

@@ -9,11 +9,10 @@ or malformed is named and passed over, never guessed at.
 import json
 
 from ..runtime.errors import UsageError
+from ..runtime.lines import bounded_lines
 from ..store.outputs import special_input
 from ..store.rundir import metrics_of
 from .step import DEFAULT_BUCKET_MB, Layout, predict
-
-MAX_LINE = 1 << 20
 
 
 def read_layout(run_dir):
@@ -24,19 +23,16 @@ def read_layout(run_dir):
     special = special_input(metrics)
     if special:
         return f"{metrics}: {special}"
-    try:
-        with open(metrics, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if len(line) > MAX_LINE:
-                    continue
-                try:
-                    event = json.loads(line)
-                except (ValueError, RecursionError):
-                    continue
-                if isinstance(event, dict) and event.get("event") in ("start", "done"):
-                    start, done = (event, done) if event["event"] == "start" else (start, event)
-    except OSError as err:
-        return f"{metrics}: {err.strerror or err}"
+    try:    # (a line at a time, each bounded: a line of a gigabyte is refused, never held whole)
+        for _, line in bounded_lines(metrics, str(metrics)):
+            try:
+                event = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(event, dict) and event.get("event") in ("start", "done"):
+                start, done = (event, done) if event["event"] == "start" else (start, event)
+    except UsageError as err:
+        return str(err)
     if start is None or done is None:
         return f"{metrics}: no {'start' if start is None else 'done'} event (a run that did not finish?)"
     config = start.get("config")

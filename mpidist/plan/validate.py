@@ -14,7 +14,6 @@ anything.  Two names must reach this machine for the emulated nodes
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import socket
@@ -113,13 +112,13 @@ def main(argv=None):
                          "memory_measured_mib": peak / 2 ** 20, "memory_ratio": memory / peak,
                          "measured_each": [run[1] for run in runs],
                          "predicted_each": [m.samples_per_s for m in made]})
-        from ..bench.output import format_table
+        from ..bench.output import format_table, write_results
         from .check import COLUMNS
         print(f"mpidist plan: {options.model} on {options.data}, {options.steps} steps a run, medians of "
               f"{options.rounds} interleaved rounds")
         print(format_table(rows, [column for column in COLUMNS if column[0] not in ("ranks", "nodes")]))
         if options.output:
-            Path(options.output).write_text(json.dumps({"calibrations": calibrations, "rows": rows}, indent=1))
+            write_results(options.output, {"calibrations": calibrations, "rows": rows})   # (whole; a link replaced)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -16,6 +16,15 @@ new one, never a part:
 A failure anywhere removes the aside file and leaves the final name as it
 was; the :class:`OSError` goes on to the caller, which words it for its user
 (for an output the user named, :mod:`mpidist.store.outputs` does).
+
+A symbolic link at the final name is replaced by the rename, itself: the
+file it points to is never written (it may be anywhere, outside the chosen
+directory, and someone else's).  This is the one rule for every output
+mpidist writes; a file that is appended to rather than replaced (the
+metrics, a run's log, a checkpoint directory's lock) is opened with
+``O_NOFOLLOW`` (:data:`NO_FOLLOW`), and a link there is refused.  The aside
+name is made afresh (:func:`fresh_aside`): whatever sits under it -- a stale
+file, a link planted there -- is removed first, never written through.
 """
 
 import contextlib
@@ -27,6 +36,17 @@ def aside_path(final):
     """Where ``final`` is written before it is renamed into place: ``.<name>.tmp-<pid>`` beside it."""
     final = Path(final)
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+#: open flags that refuse a symbolic link at the last part of the path (ELOOP) instead of following it
+NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def fresh_aside(final):
+    """:func:`aside_path` of ``final``, with whatever was under that name removed: the writer creates it anew."""
+    aside = aside_path(final)
+    remove_aside(aside)
+    return aside
 
 
 def sync_file(path):
@@ -69,7 +89,7 @@ def replacing(final):
     ``aside`` becomes ``path`` (:func:`commit`); if the body or the commit
     raises, ``aside`` is removed and ``path`` is untouched.
     """
-    aside = aside_path(final)
+    aside = fresh_aside(final)
     try:
         yield aside
         commit(aside, final)

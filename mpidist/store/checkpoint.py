@@ -32,6 +32,7 @@ from ..runtime.text import printable, shown
 from ..runtime.whereabouts import here
 from . import atomic, bulk, sharded, slices
 from . import lineage as lineages
+from .outputs import is_regular_file, special_input
 
 FORMAT = "mpidist-checkpoint-1"
 #: what each optimizer keeps, one flat array per name (a checkpoint's optimizer/ group)
@@ -204,7 +205,8 @@ def load(path, arrays=True):
     """
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"{path}: no such checkpoint file")
+        special = special_input(path) if path.exists() else None    # (a pipe would block the open forever)
+        raise UsageError(f"{path}: {'cannot be read: ' + special if special else 'no such checkpoint file'}")
     try:
         with here().doing("io", f"reading checkpoint {path}"), h5py.File(path, "r") as handle:
             return _read(path, handle, arrays)
@@ -427,6 +429,8 @@ def _text(attrs, name, bad):
 def settings_of(path):
     """The settings checkpoint ``path`` was written with (its ``config`` attribute, read alone), or None where
     they cannot be read (the file is untrusted: :func:`load` checks the whole of it)."""
+    if not is_regular_file(path):
+        return None
     try:
         with h5py.File(path, "r") as handle:
             return _json(handle.attrs, "config", lambda item, why: ValueError(why))

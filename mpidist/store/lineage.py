@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from ..runtime.errors import UsageError
-from . import sharded
+from . import atomic, sharded
+from .outputs import is_regular_file
 
 #: a checkpoint's name: its step in 8 digits or more (``{step:08d}`` grows a digit from step 10^8 on; 19 hold
 #: any step a checkpoint may have, 2^62), then its lineage; matched whole (``fullmatch``: no trailing newline)
@@ -91,13 +92,18 @@ class CheckpointDir:
         self.path = Path(path)
 
     def entries(self, lineage=None):
-        """Checkpoint files (of ``lineage``, or all), lowest step first."""
+        """Checkpoint files (of ``lineage``, or all), lowest step first.
+
+        Only regular files count: a named pipe, a socket, a device or a directory under a checkpoint's name
+        is no checkpoint, and every user of this list (pruning, ``--resume auto``, the best checkpoint) would
+        otherwise open it, where a pipe waits for a writer forever.  It is left where it is, untouched.
+        """
         if not self.path.is_dir():
             return []
         found = []
         for path in self.path.iterdir():
             parsed = parse_name(path.name)
-            if parsed is not None and (lineage is None or parsed[1] == lineage):
+            if parsed is not None and (lineage is None or parsed[1] == lineage) and is_regular_file(path):
                 found.append(Entry(path, *parsed))
         return sorted(found, key=lambda e: (e.step, e.lineage))
 
@@ -136,7 +142,7 @@ class CheckpointDir:
         removed = []
         if self.path.is_dir():
             for path in self.path.iterdir():
-                if TEMPORARY.fullmatch(path.name):
+                if TEMPORARY.fullmatch(path.name) and not path.is_dir():   # (no writer of ours makes one)
                     path.unlink(missing_ok=True)
                     removed.append(path.name)
         return sorted(removed + sharded.remove_unnamed_folders(self.path))
@@ -182,11 +188,14 @@ class DirectoryLock:
     def acquire(self):
         """Take the lock, or raise :class:`UsageError` naming the run that holds it."""
         try:
-            # (O_NONBLOCK: a FIFO named like the lock is not waited on; S_ISREG refuses it below)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
+            # (the holder's description is written into it: through a link, into any file the user may write;
+            # O_NONBLOCK: a FIFO named like the lock is not waited on, and S_ISREG refuses it below)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | atomic.NO_FOLLOW, 0o644)
         except OSError as err:
+            reason = "it is a symbolic link, which mpidist never writes through" if err.errno == errno.ELOOP \
+                else err.strerror
             raise UsageError(f"{self.flag} {self.path.parent}: cannot create its lock file {self.path.name} "
-                             f"({err.strerror})") from None
+                             f"({reason})") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise UsageError(f"{self.flag} {self.path.parent}: its lock file {self.path.name} is not a file: "

@@ -18,6 +18,11 @@ with a regular file (as root, an output ``/dev/null`` would replace the
 machine's), and writing through it instead could wait forever for a reader
 (a FIFO, as ``--metrics`` refuses one) or throw the file away (a device),
 which is not what a user naming a file for a dataset or predictions means.
+
+A symbolic link at the output is replaced itself, as :mod:`mpidist.store.atomic`
+says for every output: whatever it points to (a FIFO, a directory, a file
+elsewhere) is neither refused nor written, so the checks here look at the
+link (``lstat``), not through it.
 """
 
 import contextlib
@@ -47,13 +52,27 @@ SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
            (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-def special_kind(path):
-    """What ``path`` is, in words, where it is a special file (a link is followed); None for anything else."""
+def special_kind(path, follow=True):
+    """What ``path`` is, in words, where it is a special file (a link followed, unless not ``follow``); None for
+    anything else."""
     try:
-        mode = os.stat(path).st_mode
+        mode = (os.stat if follow else os.lstat)(path).st_mode
     except (OSError, ValueError):       # (missing, or a name the OS refuses: whoever writes it will say)
         return None
     return next((words for test, words in SPECIAL if test(mode)), None)
+
+
+def is_regular_file(path):
+    """Whether ``path`` is a regular file (a link followed), found without opening it.
+
+    Whatever lists a directory and opens what it finds by name (checkpoints, their indexes, a dataset's
+    files) asks this first: a named pipe opened to read waits for a writer forever, a device may never end,
+    and a directory is not a file.  Such a node under a checkpoint's name is passed over, never opened.
+    """
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):       # (gone meanwhile, a link that loops, a name the OS refuses)
+        return False
 
 
 def special_input(path):
@@ -80,8 +99,9 @@ def read_input(path, limit, what, kind):
 
 
 def refuse_special(path, what):
-    """Raise :func:`unwritable`'s error where output ``path`` is a special file, which a rename would replace."""
-    kind = special_kind(path)
+    """Raise :func:`unwritable`'s error where output ``path`` is a special file, which a rename would replace (a
+    link to one is not: the rename replaces the link, and the node it points to is left as it is)."""
+    kind = special_kind(path, follow=False)
     if kind is not None:
         raise unwritable(path, what, f"it is {kind}, which writing the file aside and renaming it into place "
                                      "would replace with a regular file: name a regular file")
@@ -127,7 +147,7 @@ def claimed(path, what):
     path, made, ok, aside = Path(path), [], False, None
     try:
         try:
-            if path.is_dir():
+            if path.is_dir() and not path.is_symlink():     # (a link to a directory is replaced, as any link)
                 raise unwritable(path, what, os.strerror(errno.EISDIR))
             refuse_special(path, what)
             for parent in path.parents:         # innermost first: the order to remove them in
@@ -136,9 +156,9 @@ def claimed(path, what):
                         raise unwritable(path, what, f"{parent}: {os.strerror(errno.ENOTDIR)}")
                     break
                 made.append(parent)
-            aside = atomic.aside_path(path)
+            aside = atomic.fresh_aside(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            open(aside, "wb").close()
+            os.close(os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))   # (ours: never through a link)
         except OSError as err:                  # permission denied, a read-only file system, ...
             raise unwritable(path, what, err) from None
         yield Claim(path, what, aside)

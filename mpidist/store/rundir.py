@@ -32,7 +32,7 @@ from ..runtime.errors import UsageError
 from . import atomic
 from .checkpoint import settings_of
 from .lineage import LOCK_NAME, RUN_LOCK_NAME, newest_checkpoint
-from .outputs import special_kind
+from .outputs import is_regular_file, special_kind
 
 ROOT = "runs"
 SETTINGS, METRICS, LOG, TRACE, CHECKPOINTS = "settings.toml", "metrics.jsonl", "log.txt", "trace.json", "checkpoints"
@@ -138,7 +138,7 @@ def newest_run(config, root=ROOT):
 
     try:
         candidates = [entry for entry in Path(root).iterdir() if pattern.fullmatch(entry.name)
-                      and any((entry / CHECKPOINTS).glob("ckpt-*.h5"))]
+                      and any(is_regular_file(ckpt) for ckpt in (entry / CHECKPOINTS).glob("ckpt-*.h5"))]
     except OSError:
         return None
     return max(candidates, key=started, default=None)
@@ -183,6 +183,8 @@ def make(config, where, now=None, root=ROOT):
             _check_directory(where)
             for name in (SETTINGS, LOG):    # (renamed over or appended to: a FIFO would be replaced or block)
                 kind = special_kind(Path(where) / name)
+                if name == LOG and os.path.islink(Path(where) / name):  # (appended: it would be written through)
+                    kind = "a symbolic link, which appending would write through"
                 if kind is not None:
                     raise UsageError(f"--run-dir {where}: its {name} is {kind}, not a file: remove it, or give "
                                      "another --run-dir")
@@ -288,7 +290,8 @@ class LogCopy:
         if lines:
             try:
                 if self.file is None:   # opened at the first line: a run refused at set-up leaves no file
-                    self.file = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | atomic.NO_FOLLOW, 0o644)
+                    self.file = open(fd, "a", encoding="utf-8", errors="backslashreplace")
                 self.file.write("".join(line.rsplit("\r", 1)[-1] + "\n" for line in lines))
                 self.file.flush()
             except OSError:     # a full disk: the terminal still shows everything, the log stops

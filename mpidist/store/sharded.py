@@ -33,6 +33,7 @@ import h5py
 import numpy as np
 
 from . import atomic
+from .outputs import is_regular_file
 
 FORMAT = "mpidist-checkpoint-2"
 PARTS = "parts"            # the index's attribute listing the part files: [{"file", "bytes", "sha256"}]
@@ -57,7 +58,7 @@ def write_part(path, rows, arrays):
 
     Written aside, synced and renamed into place; returns ``{"bytes", "sha256"}`` of the file.
     """
-    aside = atomic.aside_path(path)
+    aside = atomic.fresh_aside(path)
     try:
         write_part_aside(aside, rows, arrays)
         return commit_part(aside, path)
@@ -269,6 +270,8 @@ def named_folders(directory, pattern="*.h5"):
     be read names none)."""
     named = set()
     for index in Path(directory).glob(pattern):
+        if not is_regular_file(index):      # (a named pipe under an index's name would block the open forever)
+            continue
         try:
             with h5py.File(index, "r") as handle:
                 if handle.attrs.get("format") != FORMAT:

@@ -16,6 +16,7 @@ import re
 import numpy as np
 
 from ..runtime.errors import UsageError
+from ..runtime.lines import bounded_lines
 from ..runtime.text import printable
 from .dataset_file import FLOAT32_MAX, MAX_NAME
 from .labels import checked_names, infer_task, split_train_test
@@ -32,6 +33,28 @@ def is_number(text):
         return True
     except ValueError:
         return False
+
+
+#: what a spreadsheet takes a cell beginning with for a formula (OWASP, "CSV Injection"): ``=``, ``+``, ``-``,
+#: ``@``, and a tab or carriage return, which some strip before looking at the next character
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+#: a plain decimal number, signed: a spreadsheet reads it as that number, not as a formula
+PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def spreadsheet_safe(cell):
+    """``cell`` (text written into a CSV file mpidist makes) as a spreadsheet shows it and never runs it.
+
+    A class name such as ``=HYPERLINK(...)`` or ``@SUM(A1)`` comes from a user's data, and a spreadsheet that
+    opens the file would evaluate it: a text cell that begins like a formula is prefixed with a single quote,
+    as the OWASP guidance says (the quote is visible in a text editor, and marks the cell as text in a
+    spreadsheet).  A plain number (``-1.5``, ``+2e-3``) is left as it is: a spreadsheet reads it as the number
+    it is, which is what it means, and never as a formula.
+    """
+    text = str(cell)
+    if text.startswith(FORMULA_STARTS) and not PLAIN_NUMBER.fullmatch(text):
+        return "'" + text
+    return text
 
 
 def cells_of(delimiter):
@@ -131,9 +154,9 @@ def read_csv(path, label_column=-1, delimiter="auto"):
     above a column of numbers.  Every cell but the label column's must be a
     number; the label column holds numbers, or class names in every row.
     """
-    try:
-        with open(path, encoding="utf-8-sig") as handle:
-            lines = handle.read().splitlines()
+    try:    # (a line at a time, each bounded: one line of a gigabyte is refused before it is held)
+        lines = [piece for _, line in bounded_lines(path, str(path), encoding="utf-8-sig", errors="strict")
+                 for piece in line.splitlines() or [""]]     # (numbered as str.splitlines numbers the whole)
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"{path}: not a readable text file ({err})") from None
     rows = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]

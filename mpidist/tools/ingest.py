@@ -129,6 +129,7 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
                               (name, "--name", False)):
         check_utf8(value, what, absolute=path)
     check_options(test_fraction, seed, task, delimiter)
+    _refuse_what_the_source_ignores(source, named, task, label_column, delimiter)
     if standardize and source in TOKEN_SOURCES:
         raise UsageError(f"ingest {source} --standardize: its samples are token ids (an Embedding's input), which "
                          "standardising would turn into other numbers (negative and fractional ones); leave "
@@ -146,8 +147,6 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
             raise UsageError(f"ingest: {source}: unsupported file type {path.suffix!r} (use .npz or .csv)")
         if os.path.realpath(out) == os.path.realpath(path):
             raise UsageError(f"ingest: the output {out} is the source file, which writing would destroy")
-    if delimiter != "auto" and (source in SOURCES or path.suffix != ".csv"):
-        raise UsageError(f"ingest: --delimiter applies to .csv files, not to {source}")
     # (an unwritable output fails now, before the source is read)
     with claimed(out, "the dataset") if shard_size is None else contextlib.nullcontext():
         if source in SOURCES:
@@ -179,6 +178,23 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
                     sample_shape=tuple(int(d) for d in np.shape(x)[1:]), num_classes=int(num_classes),
                     target_width=1 if np.ndim(y) == 1 else int(np.shape(y)[1]), standardized=stats is not None,
                     **facts)
+
+
+def _refuse_what_the_source_ignores(source, named, task, label_column, delimiter):
+    """Refuse an option that ``source`` would pass over without a word: a user who asked for regression, a
+    label column or a delimiter must not get a file that silently has none of them.
+
+    A named source (``digits``, ``synthetic:...``) is classes by construction: ``--task classification`` says
+    what it is, ``--task regression`` cannot be honoured.  ``--label-column`` and ``--delimiter`` are the
+    cells of a CSV file: nothing else has them.
+    """
+    if named and task == "regression":
+        raise UsageError(f"ingest: --task regression applies to .npz and .csv files; {printable(source)} is a "
+                         "named source of classes (its task is fixed): ingest it without --task")
+    csv = not named and Path(source).suffix == ".csv"
+    for flag, given in (("--label-column", label_column != -1), ("--delimiter", delimiter != "auto")):
+        if given and not csv:
+            raise UsageError(f"ingest: {flag} applies to .csv files, not to {printable(source)}")
 
 
 def _write_generated(rows, source, out, shard_size, compression, standardize):

@@ -11,11 +11,13 @@ that are not whole JSON objects with the fields used are passed over.
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 
 from ..runtime.errors import UsageError
+from ..runtime.lines import bounded_lines
 from ..store import atomic
 from ..store.outputs import refuse_special, special_input
 from ..store.rundir import TRACE, metrics_of
@@ -46,12 +48,10 @@ def read_run(run_dir):
     special = special_input(metrics)
     if special:
         raise UsageError(f"plot: {run_dir}: no metrics to plot ({metrics}: {special})")
-    try:
-        lines = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as err:
-        raise UsageError(f"plot: {run_dir}: no metrics to plot ({metrics}: {err.strerror})") from None
+    if not os.path.lexists(metrics):
+        raise UsageError(f"plot: {run_dir}: no metrics to plot ({metrics}: no such file)")
     steps, evals = {}, []
-    for line in lines:
+    for _, line in bounded_lines(metrics, f"plot: {metrics}"):   # (a line of a gigabyte: refused, never held)
         try:
             event = json.loads(line)
         except (ValueError, RecursionError):     # a line a crash cut short, or not JSON one can read

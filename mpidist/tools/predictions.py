@@ -46,6 +46,7 @@ from ..runtime.memory import check_fits
 from ..runtime.text import check_utf8
 from ..runtime.whereabouts import here
 from ..store.outputs import claimed
+from .csv_table import spreadsheet_safe
 from .prediction_inputs import reader_for
 
 FORMAT = "mpidist-predictions-1"
@@ -353,7 +354,8 @@ def _write(aside, result, checkpoint_path, reader):
 
 def _write_csv(aside, result):
     """A row per sample: the class (and its name, where the dataset names them) and each class's probability;
-    for regression, the values."""
+    for regression, the values.  The names come from the user's data: each is made
+    :func:`~mpidist.tools.csv_table.spreadsheet_safe`; the figures are numbers mpidist formats, left as they are."""
     with open(aside, "w", encoding="utf-8", newline="") as handle:
         writer = csv.writer(handle)
         if result.task == "classification":
@@ -361,7 +363,8 @@ def _write_csv(aside, result):
             width = result.probabilities.shape[1]
             writer.writerow(["class"] + (["name"] if names else []) + [f"p{k}" for k in range(width)])
             for label, row in zip(result.classes, result.probabilities):
-                writer.writerow([int(label)] + ([names[label]] if names else []) + [f"{p:.6g}" for p in row])
+                named = [spreadsheet_safe(names[label])] if names else []
+                writer.writerow([int(label)] + named + [f"{p:.6g}" for p in row])
         else:
             width = result.values.shape[1]
             writer.writerow(["value"] if width == 1 else [f"value{k}" for k in range(width)])
