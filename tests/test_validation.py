@@ -1,6 +1,8 @@
 """Validation splits, --keep-best, --early-stop, and the figures of each step."""
 
+import filecmp
 import json
+import os
 import re
 
 import h5py
@@ -119,6 +121,19 @@ def test_keep_best_keeps_the_checkpoint_of_the_best_validation_beyond_pruning(tm
     assert len(names) == 2 and names[0].startswith("best-")   # the newest (--keep 1) and the best
     # the kept state is the one that was validated: evaluating it on the validation rows gives the same loss
     assert events(metrics, "best")[-1]["step"] == best_step
+
+
+def test_keep_best_of_a_run_resumed_at_its_end_keeps_the_checkpoint_it_resumed_from(tmp_path):
+    """A run resumed where it ended writes no checkpoint of its own: its best (its one validation) is the
+    checkpoint it resumed from, kept by its own name, where an assertion traceback ended it."""
+    directory = tmp_path / "ckpt"
+    quiet = dict(data="digits", steps=5, checkpoint_dir=str(directory), progress="none", metrics="", run_dir="")
+    mpidist.train(**quiet)
+    resumed = mpidist.train(**quiet, resume="auto", val_fraction=0.2, keep_best="val_loss")
+    best = resumed.figures["best"]
+    assert best["step"] == 5 and best["path"].startswith(str(directory / "best-"))
+    written, = directory.glob("ckpt-*.h5")
+    assert os.path.samefile(best["path"], written) or filecmp.cmp(best["path"], written, shallow=False)
 
 
 def test_early_stop_ends_the_run_when_the_validation_figure_stops_improving(tmp_path):

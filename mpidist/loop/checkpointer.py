@@ -9,10 +9,12 @@ passed in) and tested without MPI.
 """
 
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ..data.fingerprint import fingerprint
+from ..runtime.errors import RunError
 from ..store import bulk, checkpoint, sharded
 from ..store.lineage import CheckpointDir
 from . import sharded_save
@@ -103,14 +105,19 @@ class Checkpointer:
         """The checkpoints this process wrote that pruning kept, oldest first."""
         return [path for path in self.written if path.exists()]
 
-    def keep_best(self, step):
-        """Keep the checkpoint of ``step`` (written last) as ``best-<lineage>.h5``, beyond pruning; its path.
+    def keep_best(self, step, resumed=None):
+        """Keep the checkpoint of ``step`` (written last, or else ``resumed``'s file: a run resumed at its end
+        writes none of its own) as ``best-<lineage>.h5``, beyond pruning; its path.
 
         A hard link where the file system allows it (no copy), else a copy; put
         in place by an atomic rename, so the best checkpoint is never half there.
         """
-        assert self.last_step == step, f"the checkpoint of step {step} is not the last written"
-        self.best = checkpoint.keep_as(self.last, f"best-{self.lineage or 'run'}.h5")
+        source = self.last if self.last_step == step else \
+            Path(resumed.path) if resumed is not None and resumed.step == step else None
+        if source is None or not source.is_file():
+            raise RunError(f"--keep-best: the checkpoint of step {step}, the best so far, was neither written by "
+                           f"this run nor resumed from ({source or 'none'}): it cannot be kept")
+        self.best = checkpoint.keep_as(source, f"best-{self.lineage or 'run'}.h5")
         # (the best it replaced may have been the last to name a pruned sharded checkpoint's parts; nothing is
         # being written now: take() completed every write)
         sharded.remove_unnamed_folders(self.config.checkpoint_dir)

@@ -404,7 +404,7 @@ class Training:
             self.save()   # (taken already where this step's checkpoint was due: then it may be under way)
             self._log_written(self.checkpointer.settle())
             if self.chief:
-                path = self.checkpointer.keep_best(step)
+                path = self.checkpointer.keep_best(step, self.setup.resume)
                 self.outputs.log.write("best", step=step, epoch=self.position.epoch + 1,
                                        figure=self.config.keep_best, value=value, path=str(path))
 
