@@ -228,8 +228,10 @@ class Training:
         stops.early = False
         stop = bool(config.steps and position.step >= config.steps)
         if self.strategy.serves:   # ps-async and backup ps ranks: serve until the workers are done
-            self.strategy.serve(ServerControl(config, self.setup, stops.signals, data_layout(config, cluster)[0],
-                                              position.step, (self.checkpointer.lineage, self.checkpointer.parent)))
+            control = ServerControl(config, self.setup, stops.signals, data_layout(config, cluster)[0],
+                                    position.step, (self.checkpointer.lineage, self.checkpointer.parent))
+            self.strategy.serve(control)
+            control.settle()
             stop = True
         start_epoch, start_in_epoch = position.epoch, position.epoch_step
         for epoch in range(start_epoch, config.epochs if not stop else start_epoch):

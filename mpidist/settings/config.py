@@ -219,8 +219,9 @@ class CommonSettings:
     checkpoint_seconds: float = _field(0.0, "seconds between checkpoints, by the chief's clock (0 = off); "
                                             "combines with --checkpoint-every")
     checkpoint_wait: bool = _field(False, "take every checkpoint due at its step: training waits for one still "
-                                   "being written (by default the next is taken at the first step after that write "
-                                   "ends, and several due meanwhile become one)")
+                                   "being written (ps-async: the chief holds at the step until the first ps has "
+                                   "taken it); by default the next is taken at the first step after that write "
+                                   "ends, and several due meanwhile become one")
     keep: int = _field(3, "checkpoints kept in --checkpoint-dir, newest first (0 = all)")
     resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest of the run written last "
                          "in --checkpoint-dir (by default: the newest run directory of this model, data and "
