@@ -8,6 +8,7 @@ import stat
 from ..runtime.errors import UsageError
 from ..runtime.text import os_reason
 from ..store import atomic
+from ..store.outputs import unwritable
 
 
 def format_table(rows, columns):
@@ -70,19 +71,26 @@ def check_output(output):
         raise UsageError(f"--output {output}: cannot be written: {reason}") from None
 
 
-def write_results(output, document):
+def write_results(output, document, what="the results"):
     """Write ``document`` as JSON to ``output`` atomically: aside, then renamed over it.
 
     An existing results file is replaced whole or left as it was, never half
-    written; the new file takes the mode of the one it replaces.
+    written; the new file takes the mode of the one it replaces.  A write that
+    fails (a full disk, a quota) is one :class:`UsageError` naming ``output``
+    and ``what`` was to be written there (:func:`mpidist.store.outputs.unwritable`),
+    as for the other outputs a user names.
     """
     target = os.path.realpath(output)
-    fd, aside = _create_beside(target)
+    aside = None
     try:
+        fd, aside = _create_beside(target)
         with os.fdopen(fd, "w") as handle:
             json.dump(document, handle, indent=2)
         if os.path.exists(target):
             os.chmod(aside, stat.S_IMODE(os.stat(target).st_mode))
         atomic.commit(aside, target)
+    except OSError as err:
+        raise unwritable(output, what, err) from None
     finally:
-        atomic.remove_aside(aside)
+        if aside is not None:
+            atomic.remove_aside(aside)

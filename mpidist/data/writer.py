@@ -28,7 +28,7 @@ import numpy as np
 
 from ..runtime.errors import UsageError
 from ..runtime.text import file_label
-from ..store import atomic
+from ..store import atomic, new_hdf5
 from ..store.outputs import unwritable
 
 CHUNK_BYTES = 1 << 20          # a chunk of x: a stream's block is whole chunks of it
@@ -80,7 +80,7 @@ class Rows:
 
 def write_file(path, rows, parts, compression):
     """Write ``rows`` to ``path``: ``parts[split] = (lo, hi)`` of each split, copied :data:`WRITE_BYTES` at a time."""
-    with h5py.File(path, "w") as handle:
+    with new_hdf5.created(path) as handle:
         handle.attrs.update(name=rows.name, num_classes=int(rows.num_classes), source=rows.source)
         for split, (lo, hi) in parts.items():
             made = {}
