@@ -977,6 +977,10 @@ FAULTS = {
     "predict on a directory of shards": Fault(predicted_on_shards, 0, "mpidist predict: 120 samples",
                                               check=one_prediction_per_test_row, one_message=False),
     # issue 41: signals that land anywhere, disks that fill anywhere
+    "a signal where an exception would be swallowed": Fault(
+        with_a_previous("p.h5", hooked(f"signal-in-del={int(signal.SIGTERM)}", "predict", STORED_CHECKPOINT,
+                                       "--output", lambda p: str(p / "p.h5"))), 3,
+        "mpidist: stopped by SIGTERM (rank 0)", check=previous_kept_and_nothing_aside("p.h5"), one_message=False),
     "a full disk under an output": Fault(
         on_a_small_disk(["ingest", "synthetic:30000,20,3", lambda p: str(p / "disk" / "out.h5")]), 2,
         "disk/out.h5: cannot write the dataset there: ", check=previous_kept_and_nothing_aside("disk/out.h5")),

@@ -5,6 +5,7 @@ import os
 import secrets
 import stat
 
+from ..runtime import leftovers
 from ..runtime.errors import UsageError
 from ..runtime.text import os_reason
 from ..store import atomic
@@ -84,11 +85,12 @@ def write_results(output, document, what="the results"):
     aside = None
     try:
         fd, aside = _create_beside(target)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(document, handle, indent=2)
-        if os.path.exists(target):
-            os.chmod(aside, stat.S_IMODE(os.stat(target).st_mode))
-        atomic.commit(aside, target)
+        with leftovers.pending(aside):   # (a signal that ends the command removes it too)
+            with os.fdopen(fd, "w") as handle:
+                json.dump(document, handle, indent=2)
+            if os.path.exists(target):
+                os.chmod(aside, stat.S_IMODE(os.stat(target).st_mode))
+            atomic.commit(aside, target)
     except OSError as err:
         raise unwritable(output, what, err) from None
     finally:

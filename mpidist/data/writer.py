@@ -26,6 +26,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..runtime import leftovers
 from ..runtime.errors import UsageError
 from ..runtime.text import file_label
 from ..store import atomic, new_hdf5
@@ -114,17 +115,18 @@ def write_shards(out, rows, shard_size, compression="gzip"):
     digits = max(5, len(str(count - 1)))
     aside = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        aside.mkdir(parents=False)
-        names = []
-        for k in range(count):
-            parts = {split: ((k * n // count, (k + 1) * n // count) if split != "train" else
-                             (k * shard_size, min(n, (k + 1) * shard_size))) for split, n in rows.sizes.items()}
-            names.append(f"{file_label(rows.name)}-{k:0{digits}d}.h5")   # (a name is a label, not a path)
-            write_file(aside / names[-1], rows, parts, compression)
-        if out.is_dir():
-            out.rmdir()     # (empty: checked above)
-        os.replace(aside, out)
-        atomic.sync_directory(out.parent)        # the rename on disk too
+        with leftovers.pending(aside, tree=True):   # (a signal that ends the command removes it too)
+            aside.mkdir(parents=False)
+            names = []
+            for k in range(count):
+                parts = {split: ((k * n // count, (k + 1) * n // count) if split != "train" else
+                                 (k * shard_size, min(n, (k + 1) * shard_size))) for split, n in rows.sizes.items()}
+                names.append(f"{file_label(rows.name)}-{k:0{digits}d}.h5")   # (a name is a label, not a path)
+                write_file(aside / names[-1], rows, parts, compression)
+            if out.is_dir():
+                out.rmdir()     # (empty: checked above)
+            os.replace(aside, out)
+            atomic.sync_directory(out.parent)        # the rename on disk too
     except OSError as err:
         raise unwritable(out, "the dataset", err) from None
     finally:

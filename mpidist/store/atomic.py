@@ -22,6 +22,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from ..runtime import leftovers
+
 
 def aside_path(final):
     """Where ``final`` is written before it is renamed into place: ``.<name>.tmp-<pid>`` beside it."""
@@ -71,7 +73,8 @@ def replacing(final):
     """
     aside = aside_path(final)
     try:
-        yield aside
-        commit(aside, final)
+        with leftovers.pending(aside):   # (a signal that ends a command removes it too)
+            yield aside
+            commit(aside, final)
     finally:
         remove_aside(aside)
