@@ -981,6 +981,11 @@ FAULTS = {
         with_a_previous("p.h5", hooked(f"signal-in-del={int(signal.SIGTERM)}", "predict", STORED_CHECKPOINT,
                                        "--output", lambda p: str(p / "p.h5"))), 3,
         "mpidist: stopped by SIGTERM (rank 0)", check=previous_kept_and_nothing_aside("p.h5"), one_message=False),
+    "a signal while plan --calibrate times a run": Fault(
+        with_a_previous("cal.json", hooked(f"signal-in-train={int(signal.SIGTERM)},0.5", "plan", "--calibrate",
+                                           "--seconds", "0.1", "--calibration", lambda p: str(p / "cal.json"),
+                                           env={"MPIDIST_TEST_DELAY": "*:0.05"})), 3,
+        "mpidist: stopped by SIGTERM (rank 0)", check=previous_kept_and_nothing_aside("cal.json"), one_message=False),
     "a full disk under an output": Fault(
         on_a_small_disk(["ingest", "synthetic:30000,20,3", lambda p: str(p / "disk" / "out.h5")]), 2,
         "disk/out.h5: cannot write the dataset there: ", check=previous_kept_and_nothing_aside("disk/out.h5")),

@@ -97,6 +97,18 @@ def test_a_hangup_ignored_by_nohup_stays_ignored(tmp_path):
     assert (tmp_path / "big.h5").stat().st_size > 0 and not left_aside(tmp_path)
 
 
+def test_a_signal_while_plan_calibrate_times_the_training_loop_ends_it_with_nothing_written(tmp_path):
+    """The run ``plan --calibrate`` times kept the signal for itself (a run stops at a step boundary, its
+    caller goes on): the calibration was written, exit 0, its step overhead 0.  Now the command ends there."""
+    (tmp_path / "cal.json").write_text("the previous calibration")
+    done = run_hooked(tmp_path, f"signal-in-train={int(signal.SIGTERM)},0.5", "plan", "--calibrate", "--seconds",
+                      "0.1", "--calibration", "cal.json", env={"MPIDIST_TEST_DELAY": "*:0.05"})
+    assert done.returncode == EXIT_PREEMPTED, done.stdout + done.stderr
+    assert one_line_and_no_traceback(done.stderr).startswith("mpidist: stopped by SIGTERM (rank 0)")
+    assert (tmp_path / "cal.json").read_text() == "the previous calibration"
+    assert not left_aside(tmp_path), left_aside(tmp_path)    # (the timed run's scratch folder neither)
+
+
 def test_leftovers_removes_what_is_pending_newest_first_and_forgets_what_was_left(tmp_path):
     made, aside, scratch = tmp_path / "made", tmp_path / "made" / ".out.tmp-1", tmp_path / "scratch"
     made.mkdir()

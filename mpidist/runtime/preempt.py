@@ -80,7 +80,7 @@ class StopSignals:
 
     def install(self):
         self._depth += 1
-        if self._depth == 1:
+        if self._depth == 1 and not _INTERRUPTING:   # (a command's handlers stay: see interrupt_on_signals)
             for number in SIGNALS:
                 self._previous[number] = signal.signal(number, self._handle)
             self.received = 0
@@ -102,6 +102,7 @@ class StopSignals:
 
 
 _PROCESS = StopSignals()
+_INTERRUPTING = False   # set once interrupt_on_signals has installed its handlers: a command, not a training run
 
 
 def stop_signals():
@@ -120,11 +121,16 @@ def interrupt_on_signals():
     an exception raised by a signal handler lands wherever the main thread
     is, and a ``__del__`` or a weak reference's callback swallows it (the
     command went on and wrote its output), while inside h5py it leaves a file
-    half-closed.  A signal recorded before (while the flags were parsed) ends
-    it at once.  ``SIGHUP`` is left ignored where it was (``nohup``).
+    half-closed.  A training run inside the command (``plan --calibrate``,
+    ``bench``) keeps these handlers (:meth:`StopSignals.install` leaves them):
+    it is the command's measurement, not a run to checkpoint, and the signal
+    ends the command.  A signal recorded before (while the flags were parsed)
+    ends it at once.  ``SIGHUP`` is left ignored where it was (``nohup``).
     """
+    global _INTERRUPTING
     pending = stop_signals().received
     stop_signals().restore()
+    _INTERRUPTING = True
     for number in INTERRUPTS:
         if number != signal.SIGHUP or signal.getsignal(number) is not signal.SIG_IGN:
             signal.signal(number, _end_here)
