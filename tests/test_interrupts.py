@@ -17,7 +17,7 @@ from mpidist.runtime import leftovers
 from mpidist.runtime.errors import EXIT_PREEMPTED
 
 from conftest import ROOT, child_environ
-from writes import left_aside, made_up_calibration, one_line_and_no_traceback, run_hooked
+from writes import hangups_as_at_a_terminal, left_aside, made_up_calibration, one_line_and_no_traceback, run_hooked
 
 STORED_CHECKPOINT = ROOT / "tests" / "checkpoints" / "format1-mlp8-digits.h5"
 
@@ -62,7 +62,7 @@ def test_a_signal_mid_ingest_ends_it_at_once_with_its_line_and_no_file_aside(tmp
     (tmp_path / "big.h5").write_text("the previous output")
     ingest = subprocess.Popen([sys.executable, "-m", "mpidist", "ingest", "synthetic:2000000,50,10", "big.h5",
                                "--compression", "none"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=child_environ(PYTHONPATH=str(ROOT)))
+                              text=True, env=child_environ(PYTHONPATH=str(ROOT)), preexec_fn=hangups_as_at_a_terminal)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(path.stat().st_size > (1 << 20)

@@ -17,6 +17,7 @@ Only rank 0 is hooked.
 """
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -79,10 +80,15 @@ def hooked_script(folder):
     return str(path)
 
 
+def hangups_as_at_a_terminal():
+    """``preexec_fn``: SIGHUP's default disposition, whatever the tests inherited (``nohup pytest`` ignores it)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def run_hooked(folder, hook, *args, env=None, timeout=120):
     """``python hooked.py HOOK ARGS`` (no launcher: one process) in ``folder``; the CompletedProcess."""
     return subprocess.run([sys.executable, hooked_script(folder), hook, *map(str, args)], capture_output=True,
-                          text=True, cwd=folder, timeout=timeout,
+                          text=True, cwd=folder, timeout=timeout, preexec_fn=hangups_as_at_a_terminal,
                           env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TMPDIR=str(folder),
                                             **(env or {})))
 
