@@ -123,3 +123,21 @@ def test_every_command_on_a_full_disk_says_so_in_one_line_and_keeps_the_previous
         assert not (tmp_path / output).exists()
     else:
         assert (tmp_path / output).read_text() == "the previous file"
+
+
+def test_no_module_but_new_hdf5_writes_an_hdf5_file_on_disk_through_h5py_itself():
+    """Every writer goes through :func:`mpidist.store.new_hdf5.created` (a new one too): h5py's own driver is for
+    reading, and for the in-memory image of arrays (no disk to fill)."""
+    import ast
+    allowed = {"mpidist/store/new_hdf5.py", "mpidist/data/arrays.py"}
+    found = []
+    for path in sorted((ROOT / "mpidist").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "File" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "h5py":
+                mode = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == "mode"), None)
+                if not (isinstance(mode, ast.Constant) and mode.value == "r") and name not in allowed:
+                    found.append(f"{name}:{node.lineno}")
+    assert not found, f"HDF5 files written with h5py's own driver (use new_hdf5.created): {found}"
