@@ -30,6 +30,8 @@ WRITERS = {
     "ingest lee-text": (["ingest", "lee-text", "out.h5"], "out.h5", True),
     "predict --output .h5": (["predict", str(STORED_CHECKPOINT), "--output", "p.h5"], "p.h5", True),
     "predict --output .csv": (["predict", str(STORED_CHECKPOINT), "--output", "p.csv"], "p.csv", True),
+    "predict --output in directories it makes": (["predict", str(STORED_CHECKPOINT), "--output", "new/sub/p.npy"],
+                                                  "new/sub/p.npy", False),
     "plan --output": (["plan", "--calibration", "c.json", "--link", "25GB/s,2us", "--output", "plan.json"],
                       "plan.json", True),
 }
@@ -52,8 +54,8 @@ def test_a_signal_that_lands_where_exceptions_are_swallowed_still_ends_the_comma
     assert not left_aside(tmp_path), left_aside(tmp_path)
     if existed:
         assert (tmp_path / output).read_text() == "the previous output"
-    else:
-        assert not (tmp_path / output).exists()
+    else:   # (nor the directories made for it)
+        assert not (tmp_path / Path(output).parts[0]).exists(), Path(output).parts[0]
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
