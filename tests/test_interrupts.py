@@ -130,3 +130,16 @@ def test_leftovers_removes_what_is_pending_newest_first_and_forgets_what_was_lef
     assert (kept / "someone's").exists()
     leftovers.remove_all()   # (nothing pending: nothing happens)
     assert sorted(path.name for path in Path(tmp_path).iterdir()) == ["kept", "renamed"]
+
+
+def test_a_command_holds_the_handlers_while_it_runs_even_over_a_run_inside_and_gives_them_back():
+    from mpidist.runtime import preempt
+    before = {number: signal.getsignal(number) for number in preempt.INTERRUPTS}
+    with preempt.interrupt_on_signals():
+        assert signal.getsignal(signal.SIGTERM) is preempt._end_here
+        with preempt.stop_signals():   # (a training run the command makes: plan --calibrate, bench)
+            assert signal.getsignal(signal.SIGTERM) is preempt._end_here
+        assert signal.getsignal(signal.SIGHUP) is preempt._end_here
+    assert {number: signal.getsignal(number) for number in preempt.INTERRUPTS} == before
+    with preempt.stop_signals():   # (and a run after it, as train's own, installs its handlers again)
+        assert signal.getsignal(signal.SIGTERM) == preempt.stop_signals()._handle

@@ -19,6 +19,7 @@ every strategy ends with :func:`settle`, where all ranks agree on whether a
 signal cut the run short.
 """
 
+import contextlib
 import signal
 
 import numpy as np
@@ -110,8 +111,10 @@ def stop_signals():
     return _PROCESS
 
 
+@contextlib.contextmanager
 def interrupt_on_signals():
-    """For the commands other than ``train``: the first of :data:`INTERRUPTS` ends the process where it lands.
+    """For the commands other than ``train``, run inside: the first of :data:`INTERRUPTS` ends the process where it
+    lands.
 
     A command that writes a file (``ingest``, ``predict``, ``plot``, ``bench``,
     ``plan``) writes it aside and renames it into place, and names what it
@@ -131,11 +134,16 @@ def interrupt_on_signals():
     pending = stop_signals().received
     stop_signals().restore()
     _INTERRUPTING = True
-    for number in INTERRUPTS:
-        if number != signal.SIGHUP or signal.getsignal(number) is not signal.SIG_IGN:
-            signal.signal(number, _end_here)
+    previous = {number: signal.signal(number, _end_here) for number in INTERRUPTS
+                if number != signal.SIGHUP or signal.getsignal(number) is not signal.SIG_IGN}
     if pending:
         _end_here(pending, None)
+    try:
+        yield
+    finally:   # (the command returned: a process that goes on, a test's, gets its handlers back)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        _INTERRUPTING = False
 
 
 def _end_here(number, frame):

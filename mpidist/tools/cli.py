@@ -394,5 +394,5 @@ def main(argv=None):
                "bench": cmd_bench, "plot": cmd_plot, "plan": cmd_plan}[args.command]
     if args.command == "train":   # training stops at a step boundary, after a checkpoint
         return handler(args, world)
-    interrupt_on_signals()   # the others end where the signal lands, removing what they were writing (exit code 3)
-    return handler(args, world)
+    with interrupt_on_signals():   # the others end where the signal lands, removing what they were writing (exit 3)
+        return handler(args, world)
