@@ -23,8 +23,9 @@ import pytest
 from mpidist.store import checkpoint, lineage
 from mpidist.tools.ingest import write_dataset
 
-from conftest import (checkpoint_at, checkpoint_steps, corrupt_chunk, events, rank_pids, run_mpi, start_mpi,
+from conftest import (ROOT, checkpoint_at, checkpoint_steps, corrupt_chunk, events, rank_pids, run_mpi, start_mpi,
                       wait_for_step)
+from writes import hooked_script, left_aside
 
 SECONDS_TO_END = 10
 
@@ -799,6 +800,45 @@ def names_written_as_text(p, out, err):
         names = {row["name"] for row in csv.DictReader(handle)}
     assert names and names <= {"'=1+2", "-1.5", "'@SUM(A1)"}, names
 
+def hooked(hook, *args, env=None):
+    """``python -m mpidist ARGS`` with rank 0 hooked as tests/writes.py's ``HOOK`` says."""
+    def provoke(p, stack=None):
+        return Launch([hooked_script(p), hook, *[a(p) if callable(a) else a for a in args]], env or {})
+    return provoke
+
+
+def with_a_previous(name, provoke):
+    """``provoke``, after writing a previous file ``name`` (a few bytes) for the command to replace."""
+    def before(p, stack=None):
+        (p / name).parent.mkdir(exist_ok=True)
+        (p / name).write_text("the previous file")
+        return provoke(p, stack)
+    return before
+
+
+def previous_kept_and_nothing_aside(name):
+    def check(p, out, err):
+        assert (p / name).read_text() == "the previous file"
+        assert not left_aside(p) and not left_aside((p / name).parent), os.listdir((p / name).parent)
+    return check
+
+
+def on_a_small_disk(args, size="16k", previous="disk/out.h5"):
+    """``python -m mpidist ARGS`` with ``p/disk`` a file system of ``size``, holding a previous file ``previous``."""
+    def provoke(p, stack):
+        prefix = stack.enter_context(full_disk(p / "disk", size=size))
+        (p / previous).write_text("the previous file")
+        return Launch(["-m", "mpidist", *[a(p) if callable(a) else a for a in args]], prefix=prefix)
+    return provoke
+
+
+STORED_CHECKPOINT = str(ROOT / "tests" / "checkpoints" / "format1-mlp8-digits.h5")
+
+
+def nothing_but_the_lock_and_notes(p, out, err):
+    assert sorted(os.listdir(p / "disk")) == [".mpidist-lock", "notes"]
+
+
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}    # about 30 ms a step: time to act mid-run
 
 
@@ -1053,6 +1093,26 @@ FAULTS = {
     # CSV cells a spreadsheet would run (issue 41, item 12)
     "predict --output x.csv of class names like =1+2": Fault(predicted_with_formula_names, 0, "mpidist predict: ",
                                                               check=names_written_as_text, one_message=False),
+    # issue 41: signals that land anywhere, disks that fill anywhere
+    "a signal where an exception would be swallowed": Fault(
+        with_a_previous("p.h5", hooked(f"signal-in-del={int(signal.SIGTERM)}", "predict", STORED_CHECKPOINT,
+                                       "--output", lambda p: str(p / "p.h5"))), 3,
+        "mpidist: stopped by SIGTERM (rank 0)", check=previous_kept_and_nothing_aside("p.h5"), one_message=False),
+    "a signal while plan --calibrate times a run": Fault(
+        with_a_previous("cal.json", hooked(f"signal-in-train={int(signal.SIGTERM)},0.5", "plan", "--calibrate",
+                                           "--seconds", "0.1", "--calibration", lambda p: str(p / "cal.json"),
+                                           env={"MPIDIST_TEST_DELAY": "*:0.05"})), 3,
+        "mpidist: stopped by SIGTERM (rank 0)", check=previous_kept_and_nothing_aside("cal.json"), one_message=False),
+    "a full disk under an output": Fault(
+        on_a_small_disk(["ingest", "synthetic:30000,20,3", lambda p: str(p / "disk" / "out.h5")]), 2,
+        "disk/out.h5: cannot write the dataset there: ", check=previous_kept_and_nothing_aside("disk/out.h5")),
+    "a full disk under predict --output": Fault(
+        on_a_small_disk(["predict", STORED_CHECKPOINT, "--output", lambda p: str(p / "disk" / "out.h5")]), 2,
+        "disk/out.h5: cannot write the predictions there: ", check=previous_kept_and_nothing_aside("disk/out.h5")),
+    "a checkpoint on a disk with 8 KiB free": Fault(
+        on_a_small_disk(["--metrics", "", "--run-dir", "", "--steps", "3", "--checkpoint-every", "2",
+                         "--checkpoint-dir", lambda p: str(p / "disk")], size="16k", previous="disk/notes"), 1,
+        "checkpoint of step 2 not written to ", check=nothing_but_the_lock_and_notes),
 }
 
 

@@ -6,9 +6,11 @@ import os
 import secrets
 import stat
 
+from ..runtime import leftovers
 from ..runtime.errors import UsageError
 from ..runtime.text import os_reason
 from ..store import atomic
+from ..store.outputs import unwritable
 
 
 def format_table(rows, columns):
@@ -74,23 +76,31 @@ def check_output(output):
         raise UsageError(f"--output {output}: cannot be written: {reason}") from None
 
 
-def write_results(output, document):
+def write_results(output, document, what="the results"):
     """Write ``document`` as JSON to ``output`` atomically: aside, then renamed over it.
 
     An existing results file is replaced whole or left as it was, never half
     written; the new file takes the mode of the one it replaces.  A symbolic
     link at ``output`` is replaced by the file, and what it pointed to is left
-    as it was (one rule for every output: :mod:`mpidist.store.atomic`).
+    as it was (one rule for every output: :mod:`mpidist.store.atomic`).  A
+    write that fails (a full disk, a quota) is one :class:`UsageError` naming
+    ``output`` and ``what`` was to be written there
+    (:func:`mpidist.store.outputs.unwritable`), as for the other outputs a user names.
     """
     target = os.fspath(output)
-    fd, aside = _create_beside(target)
+    aside = None
     try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(document, handle, indent=2)
-        with contextlib.suppress(FileNotFoundError):
-            info = os.lstat(target)
-            if stat.S_ISREG(info.st_mode):
-                os.chmod(aside, stat.S_IMODE(info.st_mode))
-        atomic.commit(aside, target)
+        fd, aside = _create_beside(target)
+        with leftovers.pending(aside):   # (a signal that ends the command removes it too)
+            with os.fdopen(fd, "w") as handle:
+                json.dump(document, handle, indent=2)
+            with contextlib.suppress(FileNotFoundError):
+                info = os.lstat(target)
+                if stat.S_ISREG(info.st_mode):
+                    os.chmod(aside, stat.S_IMODE(info.st_mode))
+            atomic.commit(aside, target)
+    except OSError as err:
+        raise unwritable(output, what, err) from None
     finally:
-        atomic.remove_aside(aside)
+        if aside is not None:
+            atomic.remove_aside(aside)

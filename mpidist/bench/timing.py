@@ -1,5 +1,6 @@
 """Timing that is fair on a shared machine: medians, and calls every rank makes together."""
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -7,6 +8,7 @@ import time
 import numpy as np
 
 from ..runtime import comm as mpi
+from ..runtime import leftovers
 
 
 def sleep_until_released(world, root=0):
@@ -149,7 +151,9 @@ def compared_in_scratch(world, prefix, modes, run, rounds, key, ratio):
     """
     scratch = mpi.bcast_text(world, tempfile.mkdtemp(prefix=prefix) if world.Get_rank() == 0 else "")
     try:
-        measured = interleaved_runs(world, modes, lambda mode, index: run(mode, index, scratch), rounds)
+        # (rank 0 made it: its removal, where a signal ends the command, is rank 0's)
+        with leftovers.pending(scratch, tree=True) if world.Get_rank() == 0 else contextlib.nullcontext():
+            measured = interleaved_runs(world, modes, lambda mode, index: run(mode, index, scratch), rounds)
     finally:
         world.Barrier()
         if world.Get_rank() == 0:

@@ -26,9 +26,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..runtime import leftovers
 from ..runtime.errors import UsageError
 from ..runtime.text import file_label
-from ..store import atomic
+from ..store import atomic, new_hdf5
 from ..store.outputs import unwritable
 
 CHUNK_BYTES = 1 << 20          # a chunk of x: a stream's block is whole chunks of it
@@ -80,7 +81,7 @@ class Rows:
 
 def write_file(path, rows, parts, compression):
     """Write ``rows`` to ``path``: ``parts[split] = (lo, hi)`` of each split, copied :data:`WRITE_BYTES` at a time."""
-    with h5py.File(path, "w") as handle:
+    with new_hdf5.created(path) as handle:
         handle.attrs.update(name=rows.name, num_classes=int(rows.num_classes), source=rows.source)
         for split, (lo, hi) in parts.items():
             made = {}
@@ -114,17 +115,18 @@ def write_shards(out, rows, shard_size, compression="gzip"):
     digits = max(5, len(str(count - 1)))
     aside = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        aside.mkdir(parents=False)
-        names = []
-        for k in range(count):
-            parts = {split: ((k * n // count, (k + 1) * n // count) if split != "train" else
-                             (k * shard_size, min(n, (k + 1) * shard_size))) for split, n in rows.sizes.items()}
-            names.append(f"{file_label(rows.name)}-{k:0{digits}d}.h5")   # (a name is a label, not a path)
-            write_file(aside / names[-1], rows, parts, compression)
-        if out.is_dir():
-            out.rmdir()     # (empty: checked above)
-        os.replace(aside, out)
-        atomic.sync_directory(out.parent)        # the rename on disk too
+        with leftovers.pending(aside, tree=True):   # (a signal that ends the command removes it too)
+            aside.mkdir(parents=False)
+            names = []
+            for k in range(count):
+                parts = {split: ((k * n // count, (k + 1) * n // count) if split != "train" else
+                                 (k * shard_size, min(n, (k + 1) * shard_size))) for split, n in rows.sizes.items()}
+                names.append(f"{file_label(rows.name)}-{k:0{digits}d}.h5")   # (a name is a label, not a path)
+                write_file(aside / names[-1], rows, parts, compression)
+            if out.is_dir():
+                out.rmdir()     # (empty: checked above)
+            os.replace(aside, out)
+            atomic.sync_directory(out.parent)        # the rename on disk too
     except OSError as err:
         raise unwritable(out, "the dataset", err) from None
     finally:

@@ -129,7 +129,7 @@ class Calibration:
 
 def save(calibration, path):
     """Write ``calibration`` to ``path`` whole (aside, then renamed over it)."""
-    write_results(path, calibration.to_json())
+    write_results(path, calibration.to_json(), "the calibration")
 
 
 def load(path):

@@ -185,12 +185,14 @@ def _short_run(config, batch, steps=200, **strategy):
     from mpi4py import MPI
 
     from ..api import train
+    from ..runtime import leftovers
     scratch = tempfile.mkdtemp(prefix="mpidist-calibrate-")
     try:
-        result = train(model=config.model, data=config.data, optimizer=config.optimizer, lr=config.lr,
-                       dtype=config.dtype, batch_size=batch, steps=steps, epochs=10 ** 6, eval_every=0,
-                       checkpoint_dir="", run_dir=scratch, progress="none", comm=MPI.COMM_SELF, stream=io.StringIO(),
-                       **strategy)
+        with leftovers.pending(scratch, tree=True):   # (a signal that ends the command removes it too)
+            result = train(model=config.model, data=config.data, optimizer=config.optimizer, lr=config.lr,
+                           dtype=config.dtype, batch_size=batch, steps=steps, epochs=10 ** 6, eval_every=0,
+                           checkpoint_dir="", run_dir=scratch, progress="none", comm=MPI.COMM_SELF,
+                           stream=io.StringIO(), **strategy)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return result.figures.get("samples_per_s") or 0.0, peak_memory()

@@ -122,8 +122,7 @@ def abort_job(exc_type, exc, tb):
     if understood and speaks:
         sys.stderr.write(error_line(exc, rank) + "\n")
     elif isinstance(exc, Interrupted):
-        sys.stderr.write(f"mpidist: stopped by {exc.name} (rank {rank}); a file it had not finished writing was "
-                         "removed, any it had finished is whole\n")
+        sys.stderr.write(interrupted_line(exc, rank) + "\n")
     elif not understood:
         sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb)), rank))
     code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_PREEMPTED if isinstance(exc, Interrupted) \
@@ -136,6 +135,34 @@ def abort_job(exc_type, exc, tb):
             abort_quietly(code)
         MPI.COMM_WORLD.Abort(code)
     sys.exit(code)
+
+
+def interrupted_line(stop, rank):
+    """The one line a command other than ``train`` stopped by a signal (an :class:`Interrupted`) prints."""
+    return (f"mpidist: stopped by {stop.name} (rank {rank}); a file it had not finished writing was removed, any it "
+            "had finished is whole")
+
+
+def end_interrupted(stop):
+    """End this process at once for :class:`Interrupted` ``stop``: its line, then exit code 3 for every rank.
+
+    Called by a signal handler, where the main thread stands: nothing may run
+    after it (no ``finally``, no h5py closing a file half-written, no exit
+    handler), so one process ends with ``os._exit``; with more than one rank
+    ``MPI_Abort`` ends them all (the others may wait for this one).
+    """
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+    many = MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
+    with contextlib.suppress(Exception):   # (a closed stream must not keep the process from ending)
+        sys.stderr.write(interrupted_line(stop, rank) + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    if many:
+        time.sleep(ABORT_GRACE_SECONDS)   # (the launcher forwards the line before the abort tears the job down)
+        abort_quietly(EXIT_PREEMPTED)
+    os._exit(EXIT_PREEMPTED)
 
 
 def install_abort_on_exception():

@@ -9,7 +9,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1  # a failure while running (a bug, a lost rank, an I/O error)
 EXIT_USAGE = 2    # bad usage, configuration or input
 EXIT_PREEMPTED = 3  # stopped by SIGTERM/SIGUSR1/SIGINT: train after writing a checkpoint (resume to go on), the
-#                    other commands after removing the files they were writing (run them again)
+#                    other commands (SIGHUP too) after removing the files they were writing (run them again)
 
 
 class UsageError(Exception):
@@ -17,12 +17,15 @@ class UsageError(Exception):
 
 
 class Interrupted(BaseException):
-    """A command other than ``train`` stopped by a signal (SIGTERM, SIGUSR1, SIGINT): exit code 3.
+    """A command other than ``train`` stopped by a signal (SIGTERM, SIGUSR1, SIGINT, SIGHUP): exit code 3.
 
-    Raised by the signal handler the command line installs for them, so that
-    every ``finally`` on the way out removes the files being written (an
-    ingest's aside file, a prediction's); a ``BaseException``, so that no
-    ``except Exception`` takes it for an error of the work.
+    What the command line's handler ends the process for
+    (:func:`mpidist.runtime.agreement.end_interrupted`), after removing the
+    files being written (:mod:`mpidist.runtime.leftovers`); it is not raised
+    there, as an exception a signal handler raises can be swallowed where it
+    lands.  Raised all the same (a ``BaseException``, so that no ``except
+    Exception`` takes it for an error of the work), it ends the job with its
+    line and exit code 3 too.
     """
 
     def __init__(self, number, name):

@@ -19,15 +19,21 @@ every strategy ends with :func:`settle`, where all ranks agree on whether a
 signal cut the run short.
 """
 
+import contextlib
 import signal
 
 import numpy as np
 from mpi4py import MPI
 
 from . import comm as mpi
+from . import leftovers
+from .agreement import end_interrupted
 from .errors import Interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+#: What ends a command other than ``train``: a closed terminal too (``train`` runs under schedulers and
+#: ``nohup``; a command run at a terminal that goes away should not leave its file aside behind).
+INTERRUPTS = SIGNALS + (signal.SIGHUP,)
 
 #: A stop a callback asked for, carried where signal numbers are (flags combine with MAX): it is below
 #: every signal mpidist catches, so a real signal seen at the same boundary wins (checkpoint, exit 3).
@@ -75,7 +81,7 @@ class StopSignals:
 
     def install(self):
         self._depth += 1
-        if self._depth == 1:
+        if self._depth == 1 and not _INTERRUPTING:   # (a command's handlers stay: see interrupt_on_signals)
             for number in SIGNALS:
                 self._previous[number] = signal.signal(number, self._handle)
             self.received = 0
@@ -97,6 +103,7 @@ class StopSignals:
 
 
 _PROCESS = StopSignals()
+_INTERRUPTING = False   # set once interrupt_on_signals has installed its handlers: a command, not a training run
 
 
 def stop_signals():
@@ -104,27 +111,47 @@ def stop_signals():
     return _PROCESS
 
 
+@contextlib.contextmanager
 def interrupt_on_signals():
-    """For the commands other than ``train``: the first of :data:`SIGNALS` raises :class:`Interrupted`.
+    """For the commands other than ``train``, run inside: the first of :data:`INTERRUPTS` ends the process where it
+    lands.
 
-    A command that writes a file (``ingest``, ``predict``, ``plot``, ``bench``)
-    writes it aside and renames it into place; raised where the signal lands,
-    the exception runs every ``finally`` on its way out, and so removes the
-    aside file.  Later signals are ignored while that cleaning is under way.
-    A signal recorded before (while the flags were parsed) is raised at once.
+    A command that writes a file (``ingest``, ``predict``, ``plot``, ``bench``,
+    ``plan``) writes it aside and renames it into place, and names what it
+    is writing to :mod:`mpidist.runtime.leftovers`.  The handler removes
+    those, prints one line and ends the process at once with exit code 3
+    (every rank: ``MPI_Abort`` where there are several).  It raises nothing:
+    an exception raised by a signal handler lands wherever the main thread
+    is, and a ``__del__`` or a weak reference's callback swallows it (the
+    command went on and wrote its output), while inside h5py it leaves a file
+    half-closed.  A training run inside the command (``plan --calibrate``,
+    ``bench``) keeps these handlers (:meth:`StopSignals.install` leaves them):
+    it is the command's measurement, not a run to checkpoint, and the signal
+    ends the command.  A signal recorded before (while the flags were parsed)
+    ends it at once.  ``SIGHUP`` is left ignored where it was (``nohup``).
     """
+    global _INTERRUPTING
     pending = stop_signals().received
     stop_signals().restore()
-
-    def handle(number, frame):
-        for each in SIGNALS:
-            signal.signal(each, lambda *_: None)
-        raise Interrupted(number, signal_name(number))
-
-    for number in SIGNALS:
-        signal.signal(number, handle)
+    _INTERRUPTING = True
+    previous = {number: signal.signal(number, _end_here) for number in INTERRUPTS
+                if number != signal.SIGHUP or signal.getsignal(number) is not signal.SIG_IGN}
     if pending:
-        handle(pending, None)
+        _end_here(pending, None)
+    try:
+        yield
+    finally:   # (the command returned: a process that goes on, a test's, gets its handlers back)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        _INTERRUPTING = False
+
+
+def _end_here(number, frame):
+    """The handler :func:`interrupt_on_signals` installs: remove what is being written, say so, end (code 3)."""
+    for each in INTERRUPTS:   # (a second signal while this one cleans up changes nothing)
+        signal.signal(each, signal.SIG_IGN)
+    leftovers.remove_all()
+    end_interrupted(Interrupted(number, signal.Signals(number).name))   # (not signal_name: SIGHUP is 1, EARLY_STOP)
 
 
 class StepAgreement:

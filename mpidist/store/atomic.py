@@ -31,6 +31,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from ..runtime import leftovers
+
 
 def aside_path(final):
     """Where ``final`` is written before it is renamed into place: ``.<name>.tmp-<pid>`` beside it."""
@@ -91,7 +93,8 @@ def replacing(final):
     """
     aside = fresh_aside(final)
     try:
-        yield aside
-        commit(aside, final)
+        with leftovers.pending(aside):   # (a signal that ends a command removes it too)
+            yield aside
+            commit(aside, final)
     finally:
         remove_aside(aside)

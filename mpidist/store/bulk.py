@@ -26,13 +26,15 @@ import os
 import h5py
 import numpy as np
 
+from . import new_hdf5
+
 PAGE = 4096          # what O_DIRECT asks of offsets, lengths and memory: a page, the largest logical block in use
 ALIGNED_FROM = 1 << 16   # datasets at least this large start on a page (small ones are packed as h5py packs them)
 
 
 def open_aligned(path):
     """A new HDF5 file at ``path`` whose large datasets start on a page."""
-    return h5py.File(path, "w", alignment_threshold=ALIGNED_FROM, alignment_interval=PAGE)
+    return new_hdf5.created(path, alignment_threshold=ALIGNED_FROM, alignment_interval=PAGE)
 
 
 def aligned_empty(shape, dtype):

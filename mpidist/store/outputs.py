@@ -31,6 +31,7 @@ import os
 import stat
 from pathlib import Path
 
+from ..runtime import leftovers
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
 from . import atomic
@@ -145,6 +146,7 @@ def claimed(path, what):
         UsageError: ``path`` cannot be written (see :func:`unwritable`).
     """
     path, made, ok, aside = Path(path), [], False, None
+    stopping = contextlib.ExitStack()   # what a signal that ends the command removes (mpidist.runtime.leftovers)
     try:
         try:
             if path.is_dir() and not path.is_symlink():     # (a link to a directory is replaced, as any link)
@@ -157,13 +159,17 @@ def claimed(path, what):
                     break
                 made.append(parent)
             aside = atomic.fresh_aside(path)
+            for directory in reversed(made):    # (outermost first: removed last)
+                stopping.enter_context(leftovers.pending(directory))
             path.parent.mkdir(parents=True, exist_ok=True)
+            stopping.enter_context(leftovers.pending(aside))
             os.close(os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))   # (ours: never through a link)
         except OSError as err:                  # permission denied, a read-only file system, ...
             raise unwritable(path, what, err) from None
         yield Claim(path, what, aside)
         ok = True
     finally:
+        stopping.close()
         if aside is not None:                   # None: it failed before naming one
             atomic.remove_aside(aside)
         for directory in made if not ok else ():

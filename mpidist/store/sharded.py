@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 import h5py
 import numpy as np
 
-from . import atomic
+from . import atomic, new_hdf5
 from .outputs import is_regular_file
 
 FORMAT = "mpidist-checkpoint-2"
@@ -69,7 +69,7 @@ def write_part(path, rows, arrays):
 def write_part_aside(aside, rows, arrays):
     """:func:`write_part`'s first half: the part's content in the file ``aside``, handed to the operating
     system but not yet synced (a copy in the page cache: the caller's arrays may change once this returns)."""
-    with h5py.File(aside, "w") as handle:
+    with new_hdf5.created(aside) as handle:
         handle.attrs["format"] = FORMAT
         handle.create_dataset(REGIONS, data=np.asarray(rows, dtype=np.int64))
         for key, values in arrays.items():
@@ -189,7 +189,7 @@ def write_index(path, parameters, parts, keys, dtype, attrs):
             whole[entry].append((select_shaped, file, "params", lo, size, held))
             lo += size
     with atomic.replacing(path) as aside:
-        with h5py.File(aside, "w") as handle:
+        with new_hdf5.created(aside) as handle:
             handle.attrs["format"] = FORMAT
             handle.attrs[PARTS] = json.dumps([{"file": file, **record} for file, _, record in parts])
             for name, value in attrs.items():

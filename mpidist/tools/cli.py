@@ -12,8 +12,8 @@ from mpi4py import MPI
 
 from .. import __version__
 from ..nn.scores import digits4
-from ..runtime.agreement import abort_job, agreed
-from ..runtime.errors import EXIT_OK, Interrupted, UsageError
+from ..runtime.agreement import agreed
+from ..runtime.errors import EXIT_OK, UsageError
 from ..runtime.preempt import interrupt_on_signals
 from ..runtime.text import check_utf8
 
@@ -394,8 +394,5 @@ def main(argv=None):
                "bench": cmd_bench, "plot": cmd_plot, "plan": cmd_plan}[args.command]
     if args.command == "train":   # training stops at a step boundary, after a checkpoint
         return handler(args, world)
-    try:   # the others stop where the signal lands, removing what they were writing (exit code 3)
-        interrupt_on_signals()
+    with interrupt_on_signals():   # the others end where the signal lands, removing what they were writing (exit 3)
         return handler(args, world)
-    except Interrupted as stop:
-        abort_job(Interrupted, stop, None)

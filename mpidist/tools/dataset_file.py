@@ -17,6 +17,7 @@ import numpy as np
 from ..data import MAX_CLASSES, MAX_NAME, writer
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
+from ..store import new_hdf5
 from ..store.outputs import claimed
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -40,7 +41,7 @@ def write_dataset(path, name, splits, num_classes, source, where=None, check_val
     check_extras(splits, num_classes, where or path, stats, class_names, feature_names)
 
     def fill(aside):
-        with h5py.File(aside, "w") as handle:
+        with new_hdf5.created(aside) as handle:
             handle.attrs["name"] = name
             handle.attrs["num_classes"] = int(num_classes)
             handle.attrs["source"] = source

@@ -28,6 +28,7 @@ dataset names its classes.
 import contextlib
 import csv
 import dataclasses
+import io
 import os
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
 from ..runtime.text import check_utf8
 from ..runtime.whereabouts import here
+from ..store import new_hdf5
 from ..store.outputs import claimed
 from .csv_table import spreadsheet_safe
 from .prediction_inputs import reader_for
@@ -336,10 +338,14 @@ def _write(aside, result, checkpoint_path, reader):
     if suffix == ".csv":
         return _write_csv(aside, result)
     if suffix == ".npy":
+        # np.save into a real file writes with C's fwrite, whose short write on a full disk went unseen (a cut
+        # file renamed into place); into memory, then written by Python, which raises for it
+        image = io.BytesIO()
+        np.save(image, result.classes if result.task == "classification" else result.values)
         with open(aside, "wb") as handle:
-            np.save(handle, result.classes if result.task == "classification" else result.values)
+            handle.write(image.getbuffer())
         return None
-    with h5py.File(aside, "w") as handle:
+    with new_hdf5.created(aside) as handle:
         if result.task == "classification":
             handle.create_dataset("class", data=result.classes)
             handle.create_dataset("probabilities", data=result.probabilities)
