@@ -543,16 +543,16 @@ def chunk_read_after_the_start(p):
     """A chunk of train/x that no worker (of 2 or of 4) reads in its first windows, which set-up reads: the
     stream reaches it while training."""
     from mpidist import data
-    path = compressed_dataset(p / "late.h5")
+    path = compressed_dataset(p / "late.h5", chunk=10)    # (chunks smaller than a lane: windows of whole ones)
     info = data.inspect(path)
     early = set()
     for workers in (2, 4):
         for worker in range(workers):
             stream = data.Stream(info, "train", worker, workers, (4,), np.float32, buffer=400,
                                  lanes=data.Lanes.of(64, workers, worker))     # (the default global batch)
-            for block in (block for window in stream._schedule(0, 0, 0, 1) for block in window.blocks):
-                early.update(range(int(stream.cuts[block]) // 100, -(-int(stream.cuts[block + 1]) // 100)))
-    late = min(set(range(info.sizes["train"] // 100)) - early)
+            for lo, hi in (unit for window in stream._schedule(0, 0, 0, 1) for unit in window.units):
+                early.update(range(lo // 10, -(-hi // 10)))
+    late = min(set(range(info.sizes["train"] // 10)) - early)
     return str(corrupt_chunk(path, "train/x", late))
 
 
@@ -1022,7 +1022,7 @@ FAULTS = {
                                                   message="train/y has label 9 at sample"),
     # a read the file's library fails, past the checks of its layout
     "a corrupt compressed chunk in a dataset": bad("--data", lambda p: str(corrupt_chunk(compressed_dataset(
-        p / "corrupt.h5"), "train/x", 7)), message="corrupt.h5: train/x cannot be read at samples 0..39"),
+        p / "corrupt.h5"), "train/x", 7)), message="corrupt.h5: train/x cannot be read at samples 700..799 "),
     "a corrupt compressed chunk reached while streaming": Fault(
         train("--data", chunk_read_after_the_start, *STREAMED), 2, "late.h5: train/x cannot be read at samples ",
         check=training_had_started),
@@ -1038,8 +1038,8 @@ FAULTS = {
         "decompressing data", check=nothing_written("out.h5")),
     # a stream's buffers, sized from the memory budget
     "--shuffle-buffer beyond what --memory-budget holds": bad(
-        "--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "4M", "--shuffle-buffer", "1000000000",
-        message="--memory-budget 4M: streaming with --shuffle-buffer 1,000,000,000 holds about "),
+        "--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "2M", "--shuffle-buffer", "1000000000",
+        message="--memory-budget 2M: streaming with --shuffle-buffer 1,000,000,000 holds about "),
     "a split stored as one chunk, streamed": Fault(
         train("--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "4M", "--steps", "20"), 0,
         "train/x is stored in chunks of 20,000 rows (4.9 MiB), more than a stream's blocks", one_message=False),

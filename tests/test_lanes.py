@@ -227,16 +227,29 @@ def test_a_stream_s_windows_are_its_lanes_share_of_the_buffer_in_units_of_whole_
     stream = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400, lanes=Lanes(batch, 2, 3))
     assert stream.share == lane_share(400, rows, batch) == 40
     assert (stream.lo, stream.hi) == (400, 1000) and len(stream) == 600
-    # units: about a quarter of the share (160 B), whole chunks or equal slices of a larger one (here halves of
-    # its 16 rows of 16 B); windows: as many as hold the share
-    assert order_units(info, "train", 400, (4,), np.float32, batch) == (8, 5)
-    assert order_units(info, "train", 4000, (4,), np.float32, batch) == (48, 5)     # shares of 200: 3 chunks
-    assert (stream.order.unit, stream.order.window) == (8, 5)
-    assert stream.pool.rows == 40 and stream.pool.slots == 2 * 3
+    # units: whole chunks of about a quarter of the share, one chunk at least (a compressed chunk is decompressed
+    # whole to read any of it); windows: as many units as hold the share.  The model's dtype changes nothing
+    assert order_units(info, "train", 400, (4,), np.float32, batch) == (16, 3)
+    assert order_units(info, "train", 4000, (4,), np.float64, batch) == (48, 5)     # (shares of 200: 3 chunks)
+    assert (stream.order.unit, stream.order.window) == (16, 3)
+    assert stream.pool.rows == 48 and stream.pool.slots == 2 * 3
     for window in stream._schedule(0, 0, 0, 200):
         assert window.rows >= 40 or window.start + window.rows == 200
-        first = 400 + 200 * window.lane     # (a unit is 8 rows from its lane's first, or the lane's last rows)
-        assert all((lo - first) % 8 == 0 and (hi - lo == 8 or hi == first + 200) for lo, hi in window.units)
+        first = 400 + 200 * window.lane     # (a unit is 16 rows from its lane's first, or the lane's last rows)
+        assert all((lo - first) % 16 == 0 and (hi - lo == 16 or hi == first + 200) for lo, hi in window.units)
+
+
+def test_a_lane_that_fits_its_share_is_ordered_alike_whatever_the_files_chunks(tmp_path):
+    """A lane of one window is a permutation of its rows alone: the same samples stored in other chunks (or
+    held as arrays in memory) train in the same order, in memory and streamed."""
+    rows, batch = 1000, 24
+    orders = []
+    for chunk in (8, 100, None):
+        info = data.inspect(write(tmp_path / f"rows-{chunk}.h5", rows, chunk=chunk))
+        orders.append(epoch_of(info, "stream", batch, 2, seed=3, epoch=1, buffer=rows))
+        orders.append(epoch_of(info, "memory", batch, 3, seed=3, epoch=1, buffer=rows))
+    assert all(order == orders[0] for order in orders)
+    assert orders[0] != epoch_of(info, "memory", batch, 3, seed=3, epoch=2, buffer=rows)
 
 
 def test_a_stream_reads_its_first_windows_at_set_up_and_the_next_epoch_s_while_the_last_batches_train(tmp_path):
@@ -338,7 +351,7 @@ def test_a_run_resumed_on_another_worker_count_and_data_mode_trains_each_sample_
     """Stopped at step 13 on 4 workers, resumed on 2 in the other mode, with the buffer the run started with
     (its checkpoint's): each epoch trains on each of its rows once, step by step as one worker with that buffer."""
     import h5py
-    write(tmp_path / "rows.h5", ROWS, chunk=10)
+    write(tmp_path / "rows.h5", ROWS, chunk=2)      # (a window holds whole chunks: small ones, for the budget)
     flags = ["--checkpoint-dir", str(tmp_path / "ck")]
     started = recorded_run(tmp_path, 4, "split", *flags, *first, "--steps", "13")
     done = recorded_run(tmp_path, 2, "split", *flags, *then, "--resume", "auto")

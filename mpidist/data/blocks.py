@@ -74,16 +74,21 @@ def order_units(info, split, buffer, input_shape, dtype, total):
     """``(unit, window)``: the rows of a unit of the training order (:mod:`mpidist.data.order`) of ``split``
     for a shuffle buffer of ``buffer`` samples over ``total`` lanes, and the units of a window.
 
-    A unit is whole chunks of about a quarter of a lane's share of the buffer
-    (:func:`block_bytes_for`; an equal slice of a larger chunk), a lane's rows
-    at most; a window as many units as hold the share.  Nothing here depends
-    on the worker count, the data mode or the memory budget.
+    A unit is whole chunks of ``x``, about a quarter of a lane's share of the buffer and at most
+    :data:`BLOCK_BYTES` (one chunk at least: a compressed chunk is decompressed whole to read any of it, so a
+    window holds the share at least, in whole chunks), or, where a chunk is larger than a lane, equal slices
+    of it; a lane's rows at most.  A window is as many units as hold the share.  Nothing here depends on the
+    worker count, the data mode, the memory budget or the model's dtype (the share's bytes are reckoned in
+    float32).
     """
     n, group = info.sizes[split], info.rows_of(split)[0]
-    share = lane_share(buffer, n, total)
-    block = block_bytes_for(share, input_shape, dtype)
-    unit = max(block_length(member, group, block, sliced=True) for member in info.files)
-    unit = max(1, min(unit, -(-n // total)))
+    share, lane = lane_share(buffer, n, total), -(-n // total)
+    block = block_bytes_for(share, input_shape, np.float32)
+    units = []
+    for member in info.files:
+        chunk, row = max(1, member.chunk_rows.get(group, 1)), max(1, member.row_bytes.get(group, 1))
+        units.append(_length(chunk, row, block, sliced=chunk > lane))
+    unit = max(1, min(max(units), lane))
     return unit, -(-share // unit)
 
 

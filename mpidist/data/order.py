@@ -11,7 +11,7 @@ cut into *units* of ``U`` rows (the last one ``d`` rows short), and each epoch:
 3. each window's samples are permuted, drawn from ``(seed, epoch, l, window)``.
 
 Step ``s`` takes sample ``s`` of each lane.  ``U`` and ``K`` come from the
-files' chunking and the run's shuffle buffer (:func:`order_for`): nothing of
+run's shuffle buffer and the sample's size (:func:`order_for`): nothing of
 the worker count, the data mode or the memory budget, so a run resumed or
 shrunk on another layout, streamed or in memory, continues the very order.
 
@@ -112,8 +112,18 @@ class LaneOrder:
         units = np.maximum(1, -(-rows // self.unit))
         short = units * self.unit - rows
         key = seeds(seed, epoch, lanes, ORDER, UNITS)
-        place = permute(units - 1, units, key, inverse=True)
+        place = self._unit(units - 1, units, key, inverse=True)
         return first, rows, units, short, key, np.where(short > 0, place, units * self.window)
+
+    def _unit(self, place, units, key, inverse=False):
+        """The unit at ``place`` of a lane's order of ``units`` units (with ``inverse``, the place of a unit).
+
+        A lane of one window keeps its units in their order: its window's
+        permutation then orders its rows alone, so that how its rows are cut
+        into units (the files' chunks) changes nothing in a lane that fits the
+        share (any small dataset's: the same samples from arrays or from a file).
+        """
+        return np.where(units <= self.window, place, permute(place, units, key, inverse))
 
     def rows(self, lanes, positions, seed, epoch):
         """The split rows at ``positions`` (each below its lane's rows) of ``lanes``, broadcast together."""
@@ -130,7 +140,7 @@ class LaneOrder:
         # (in the window holding the short unit, the offsets past it are its rows short of a whole unit)
         gap = (index == shorts) & (offset >= (place - index * self.window + 1) * self.unit - short)
         offset = offset + np.where(gap, short, 0)
-        unit = permute(index * self.window + offset // self.unit, units, key)
+        unit = self._unit(index * self.window + offset // self.unit, units, key)
         return first + unit * self.unit + offset % self.unit
 
     def windows(self, lanes, seed, epoch, first, last):
@@ -153,7 +163,7 @@ class LaneOrder:
         lowest, highest = (self.window_of(position, span, short, shorts) for position in (first, top - 1))
         for index in range(lowest, highest + 1):
             count = min(self.window, units - index * self.window)
-            order = permute(index * self.window + np.arange(count), units, key).tolist()
+            order = self._unit(index * self.window + np.arange(count), units, key).tolist()
             cut = tuple((starts + u * self.unit, starts + min((u + 1) * self.unit, rows)) for u in order)
             start = index * span - (short if index > shorts else 0)
             yield Window(place, index, start, sum(hi - lo for lo, hi in cut), cut)

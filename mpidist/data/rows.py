@@ -16,7 +16,7 @@ import os
 import h5py
 import numpy as np
 
-from ..runtime.reads import HDF5_ERRORS, reading
+from ..runtime.reads import HDF5_ERRORS, read_failure, reading
 from ..runtime.whereabouts import here
 from .direct import DirectFile, byte_ranges, direct_rows, layout, readable
 from .layout import CHUNK_CACHE, open_source
@@ -170,12 +170,14 @@ class SplitRows:
             even = step > 0 and local[-1] - local[0] == step * (len(local) - 1) and (np.diff(local) == step).all()
             runs = None if even else regular_runs(local)
             for key, item in zip("xy", items):
-                with reading(f"{where}/{key}", f"at samples {int(local[0])}..{int(local[-1])}"):
+                try:
                     if even:
                         read.append(self._read_span(item, slice(int(local[0]), int(local[-1]) + 1, step), path,
                                                     handles, f"/{self.group}/{key}"))
                     else:
                         read.append(read_runs(item, local, runs) if runs else read_rows(item, local))
+                except HDF5_ERRORS as error:
+                    raise read_failure(error, f"{where}/{key}", failing_rows(item, local)) from None
         return prepare(*read, self.info, where, local, self.input_shape, self.dtype)
 
 
@@ -249,3 +251,21 @@ def read_rows(item, numbers, block_bytes=64 << 20):
         if done == len(numbers):
             break
     return out
+
+
+def failing_rows(item, local, most=4096):
+    """``"at samples A..B"``: the rows of ``local`` in the first chunk of HDF5 dataset ``item`` that cannot be
+    read alone (a chunk its filter cannot decode), or all of ``local`` where none fails alone, ``item`` is not
+    chunked, or it spans more than ``most`` chunks (tried one by one only once a read has failed)."""
+    chunk = (getattr(item, "chunks", None) or (0,))[0]
+    whole = f"at samples {int(local[0])}..{int(local[-1])}"
+    if not chunk or (int(local[-1]) - int(local[0])) // chunk > most:
+        return whole
+    for lo in range(int(local[0]) // chunk * chunk, int(local[-1]) + 1, chunk):
+        inside = local[(local >= lo) & (local < lo + chunk)]
+        if len(inside):
+            try:
+                item[int(inside[0]):int(inside[-1]) + 1]
+            except HDF5_ERRORS:
+                return f"at samples {int(inside[0])}..{int(inside[-1])}"
+    return whole

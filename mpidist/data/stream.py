@@ -17,7 +17,7 @@ the pool per segment, through an index of each lane's current window in its
 permuted order, a copy, as a shard in memory's batches are.  The first
 windows are read at set-up (:meth:`Stream.prime`) and, while an epoch's last
 batches train, the next epoch's.  The order is a function of the seed, the
-epoch, the lanes, the buffer and the files' chunking (nothing read, nothing
+epoch, the lanes, the buffer and the sample's size (nothing read, nothing
 timed), so a resumed run, on any number of workers, starts at the windows
 holding its step and continues exactly.  The windows are made as they are
 needed: nothing here grows with the split, only with what a worker reads.
