@@ -93,10 +93,10 @@ def test_a_streamed_epoch_gives_each_row_of_the_lanes_once_in_an_order_of_seed_e
 
 @pytest.mark.parametrize("batch", [7, 10, 64])
 def test_a_stream_resumed_at_any_step_continues_exactly(tmp_path, batch):
-    info = data.inspect(write(tmp_path / "d.h5", 1400, chunk=8))
-    # windows of at least 8 samples a lane, in blocks of a chunk: batches span them
+    info = data.inspect(write(tmp_path / "d.h5", 700, chunk=8))
+    # windows of at least 8 samples a lane, in units of a chunk: batches span them (every step is resumed at)
     part = data.Stream(info, "train", 0, 2, (4,), np.float32, buffer=16 * batch, lanes=Lanes.of(2 * batch, 2, 0))
-    steps = 1400 // (2 * batch)
+    steps = 700 // (2 * batch)
     whole = [rows_of([b]) for b in part.batches(steps, seed=5, epoch=2)]
     assert len(whole) == steps
     for skip in range(steps):
