@@ -271,7 +271,7 @@ class _Split:
         self.x = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)
         self.y = np.arange(n, dtype=np.int64)
         self.count, self.lanes = n, data.Lanes(global_batch, 0, global_batch)     # (its rows: 0..n-1 in order)
-        self.order = LaneOrder(n, global_batch, 2, 3)
+        self.order, self.first = LaneOrder(n, global_batch, 2, 3), 0
 
     def __len__(self):
         return len(self.y)

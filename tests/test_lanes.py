@@ -69,7 +69,8 @@ def test_each_lane_s_order_is_its_rows_once_and_its_windows_give_the_same_order(
     order = LaneOrder(n, batch, unit, window)
     for seed, epoch in [(0, 0), (3, 1)]:
         for lane in range(batch):
-            size, first = int(order.rows_of([lane])[0]), int(stream_bounds(n, batch)[lane])
+            first, end = (int(bound) for bound in stream_bounds(n, batch)[lane:lane + 2])
+            size = end - first
             rows = order.rows(lane, np.arange(size), seed, epoch)
             assert sorted(rows.tolist()) == list(range(first, first + size))
             streamed, start = [], 0

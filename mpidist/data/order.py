@@ -28,7 +28,7 @@ import heapq
 import numpy as np
 
 from .blocks import order_units
-from .lanes import mix, seeds
+from .lanes import mix, seeds, stream_bounds
 
 ORDER = 0x4F524452      # mixed into the seeds ("ORDR")
 UNITS, SAMPLES = 1, 2   # which permutation of a lane's epoch a seed is for
@@ -107,8 +107,8 @@ class LaneOrder:
         """Per lane (an int64 array): its first row, rows, units, rows its last unit lacks, the units' key, and
         the place of the short unit in the units' order (past the last window where none is short)."""
         lanes = np.asarray(lanes, dtype=np.int64)
-        rows = self.n // self.total + (lanes < self.n % self.total)
-        first = lanes * (self.n // self.total) + np.minimum(lanes, self.n % self.total)
+        bounds = stream_bounds(self.n, self.total)
+        first, rows = bounds[lanes], bounds[lanes + 1] - bounds[lanes]
         units = np.maximum(1, -(-rows // self.unit))
         short = units * self.unit - rows
         key = seeds(seed, epoch, lanes, ORDER, UNITS)
@@ -177,11 +177,6 @@ class LaneOrder:
         """Where in its window (as read: its units in turn) each of the ``rows`` positions of window ``window`` of
         lane ``lane`` (its number) takes its sample from."""
         return permute(np.arange(rows), rows, seeds(seed, epoch, lane, ORDER, SAMPLES, window))
-
-    def rows_of(self, lanes):
-        """Each of ``lanes``' rows (int64 array)."""
-        lanes = np.asarray(lanes, dtype=np.int64)
-        return self.n // self.total + (lanes < self.n % self.total)
 
 
 def order_for(info, split, buffer, input_shape, dtype, total):

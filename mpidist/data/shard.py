@@ -51,7 +51,8 @@ class Shard:
             buffer = max(1, min(int(buffer) or default_buffer(input_shape, dtype), source.count))
             self.order = order_for(info, split, buffer, input_shape, dtype, lanes.total)
             bounds = stream_bounds(source.count, lanes.total)
-            numbers = np.arange(bounds[lanes.first], bounds[lanes.first + lanes.count], dtype=np.int64)
+            self.first = int(bounds[lanes.first])    # (the row the shard's position 0 holds)
+            numbers = np.arange(self.first, bounds[lanes.first + lanes.count], dtype=np.int64)
         else:
             numbers = np.arange(source.count, dtype=np.int64)[slice(worker, None, num_workers) if rows is None
                                                               else rows]
@@ -72,12 +73,10 @@ class Shard:
 
         Batch ``s`` is sample ``s`` of each lane's order, in lane order.
         """
-        first = stream_bounds(self.count, self.lanes.total)[self.lanes.first]
-
         def batches():
             for lo in range(skip, steps, SEGMENT):      # (the rows of a few steps at a time: O(1) memory)
                 at = np.arange(lo, min(steps, lo + SEGMENT))[:, None]
-                for index in self.order.rows(self.lanes.ids[None, :], at, seed, epoch) - first:
+                for index in self.order.rows(self.lanes.ids[None, :], at, seed, epoch) - self.first:
                     yield self.x[index], self.y[index]
 
         return Prefetcher(batches())

@@ -155,6 +155,8 @@ class Stream:
             finally:
                 _close(handles)
 
+        # (the gathering thread walks the same schedule again for the windows' starts: a few integers a window,
+        # where sharing one generator between the two threads would need a lock)
         return Prefetcher(self._gather(self._schedule(seed, epoch, skip, steps), read(), steps, skip, stop))
 
     def _gather(self, windows, reads, steps, skip, stop):
