@@ -72,17 +72,6 @@ def pytest_terminal_summary(terminalreporter):
             delattr(terminalreporter, name)
 
 
-@pytest.hookimpl(tryfirst=True)   # (before pytest-xdist reads the groups)
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (``--dist loadgroup``), the tests that share a module fixture (a trained run, a
-    private Slurm cluster) run on one worker, which sets it up once, as a serial session does."""
-    for item in items:
-        fixtures = getattr(item, "_fixtureinfo", None)
-        if fixtures is not None and any(definitions[-1].scope == "module"
-                                        for definitions in fixtures.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _scratch_session_directory(tmp_path_factory):
     """Module fixtures that train run in a scratch directory too: runs write ``runs/`` where they start."""

@@ -45,7 +45,7 @@ def ulfm_python():
     return candidate if candidate.exists() and (candidate.parent / "mpirun").exists() else None
 
 
-@pytest.fixture(scope="session")   # (a lookup: not a module's set-up, which pytest-xdist keeps on one worker)
+@pytest.fixture(scope="module")
 def python():
     found = ulfm_python()
     if found is None:
@@ -119,12 +119,6 @@ PIPELINE = ["--strategy", "pipeline", "--stages", "2"]   # 4 ranks: 2 replicas o
 NEAR = 0.02
 
 
-def sharing_references(*strategies):
-    """The strategies as parameters, each in the group of tests that compare with its fault-free runs: under
-    pytest-xdist (``--dist loadgroup``) one worker measures them once, as a serial session does."""
-    return [pytest.param(strategy, marks=pytest.mark.xdist_group(f"elastic {strategy}")) for strategy in strategies]
-
-
 #: fault-free accuracies measured in this session, by the runs' launcher, strategy, ranks and flags: each is a
 #: 20-epoch run (three for ps-async), and the tests that kill one worker or two, or the chief, compare with the
 #: same reference, which is measured once
@@ -159,7 +153,7 @@ def _measure_fault_free(python, tmp_path, strategy, ranks, flags):
 
 
 @pytest.mark.parametrize("count", [1, 2], ids=["one worker", "two workers"])
-@pytest.mark.parametrize("strategy", sharing_references(*CASES))
+@pytest.mark.parametrize("strategy", list(CASES))
 def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, tmp_path, strategy, count):
     strategy_flags, ranks, workers, per_epoch = CASES[strategy]
     epochs = 20   # the default: accuracy has settled (fewer epochs left 1.1 points between two sound runs)
@@ -511,7 +505,7 @@ def test_an_error_other_or_in_a_status_counts_as_a_death_only_while_a_process_is
     assert ulfm.is_failure(in_status, Comm(dead=1)) and not ulfm.is_failure(in_status, Comm(dead=0))
 
 
-@pytest.mark.parametrize("strategy", sharing_references("allreduce", "local-sgd", "ps-sync", "pipeline"))
+@pytest.mark.parametrize("strategy", ["allreduce", "local-sgd", "ps-sync", "pipeline"])
 def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path, strategy):
     """kill -9 of the chief on mnist-5k; the lowest surviving worker takes its place (metrics, log, checkpoints);
     the run ends with exit 0 near a fault-free run's accuracy, its metrics file whole and continuous.  A
@@ -552,7 +546,6 @@ def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path,
     assert seconds < 60
 
 
-@pytest.mark.xdist_group("elastic pipeline")
 def test_a_pipeline_replica_that_lost_a_stage_is_set_aside_and_the_other_goes_on(python, tmp_path):
     """kill -9 of a stage of replica 1, or of replica 0's last stage (the chief's neighbour: the chief itself is
     set aside, and replica 1's first stage takes its place); exit 0 near a fault-free run, every step logged."""
@@ -581,7 +574,6 @@ def test_a_pipeline_replica_that_lost_a_stage_is_set_aside_and_the_other_goes_on
     assert seconds < 60
 
 
-@pytest.mark.xdist_group("elastic ps-sync")
 def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path):
     """ps-sync, 3 workers and 2 ps: kill -9 of a ps; every survivor goes back to the newest checkpoint, the one
     ps left holds the whole model, and the run ends with exit 0 near a fault-free run's accuracy."""
@@ -611,7 +603,6 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
     assert seconds < 60
 
 
-@pytest.mark.xdist_group("elastic ps-async")
 @pytest.mark.parametrize("victim", ["ps", "chief"])
 def test_a_killed_ps_or_chief_under_ps_async_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path,
                                                                                                  victim):
