@@ -8,6 +8,7 @@ submission instead of pending forever.
 """
 
 import getpass
+import os
 import shutil
 import signal
 import socket
@@ -85,8 +86,9 @@ class PrivateSlurm:
         self._daemons = []
 
     def start(self, timeout=30):
-        for sub in ("state", "spool"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        for sub in ("state", "spool"):   # (empty: a cluster started again forgets the jobs of the one stopped)
+            shutil.rmtree(self.root / sub, ignore_errors=True)
+            (self.root / sub).mkdir(parents=True)
         self.conf.write_text(_config(self.root, *_free_ports(2)))
         sbin = lambda name: shutil.which(name) or f"/usr/sbin/{name}"   # noqa: E731
         # -D: stay in the foreground, so we own the processes; -i: ignore any saved state
@@ -107,6 +109,8 @@ class PrivateSlurm:
         raise RuntimeError(f"private Slurm did not come up (node state {state!r}):\n{logs}")
 
     def stop(self):
+        """Stop the daemons, then end what their jobs left running: a job step's ``slurmstepd`` and its ranks
+        outlive ``slurmd`` (a test that timed out left ranks spinning in ``MPI_Init`` for minutes)."""
         for daemon in self._daemons:
             if daemon.poll() is None:
                 daemon.send_signal(signal.SIGTERM)
@@ -117,6 +121,28 @@ class PrivateSlurm:
                 daemon.kill()
                 daemon.wait()
         self._daemons.clear()
+        deadline = time.monotonic() + 10
+        while self._leftovers() and time.monotonic() < deadline:   # (a step may start a process as we look)
+            for pid in self._leftovers():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:   # (ended meanwhile)
+                    pass
+            time.sleep(0.1)
+
+    def _leftovers(self):
+        """Pids of the processes of this cluster: each has its ``SLURM_CONF`` (daemons, steps and jobs inherit it;
+        the test process does not: clients get a copy of its environment)."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                alive = entry.name.isdigit() and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+                if alive and mark in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+        return found
 
     def logs(self):
         return "\n".join(f"--- {name}:\n" + (self.root / name).read_text()[-3000:]

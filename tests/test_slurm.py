@@ -168,3 +168,33 @@ def test_a_signalled_job_checkpoints_and_ends_with_exit_code_3(slurm, tmp_path, 
     assert fields["ExitCode"] == "3:0", output(tmp_path, job)
     stopped, = [e for e in metrics(tmp_path, job) if e["event"] == "stopped"]
     assert stopped["signal"] == f"SIG{signal_name}" and Path(stopped["checkpoint"]).exists()
+
+
+def test_a_stopped_cluster_leaves_no_job_running(slurm, tmp_path):
+    """A job still running when its cluster stops (a test that timed out) is ended with it, steps and all."""
+    marker = f"mpidist-left-{os.getpid()}"
+    done = slurm.run("sbatch", "--parsable", f"--output={tmp_path}/job.out", "--wrap",
+                     f"srun --mpi=none bash -c 'sleep 600; : {marker}'", cwd=tmp_path)
+    job = int(done.stdout.strip())
+    try:
+        slurm.wait_for(job, {"RUNNING"})
+        deadline = time.monotonic() + 30
+        while not any(marker in command for command in commands()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert any(marker in command for command in commands()), (tmp_path / "job.out").read_text()
+    finally:
+        slurm.stop()
+        left, running = slurm._leftovers(), [command for command in commands() if marker in command]
+        slurm.start()   # (for the module's other tests)
+    assert not left and not running, (left, running)
+
+
+def commands():
+    """Every process's command line, as text."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return found
