@@ -593,11 +593,18 @@ def test_an_unnamed_first_column_of_row_numbers_is_an_index_and_is_dropped_with_
     ("synthetic:40,3,2", {"label_column": 0}, "--label-column applies to .csv files"),
     ("synthetic:40,3,2", {"delimiter": ";"}, "--delimiter applies to .csv files"),
     ("d.npz", {"label_column": 1}, "--label-column applies to .csv files, not to .*d.npz"),
+    ("digits", {"test_fraction": 0.3}, "--test-fraction applies where the source has no test split; digits comes "
+                                       "with its own"),
+    ("mnist-5k", {"test_fraction": 0.2}, "mnist-5k comes with its own"),   # (the default's value, given)
+    ("split.npz", {"test_fraction": 0.3}, "split.npz: has a test split of its own"),
 ])
 def test_an_option_the_source_would_ignore_is_refused(tmp_path, source, options, message):
     """Issue 41, item 13: ``--task regression`` on a named source wrote a classification file without a word;
-    so did --label-column and --delimiter wherever there is no CSV to apply them to."""
+    so did --label-column and --delimiter wherever there is no CSV to apply them to, and --test-fraction
+    wherever the source has a test split of its own."""
     np.savez(tmp_path / "d.npz", x=np.zeros((4, 2)), y=np.arange(4) % 2)
+    np.savez(tmp_path / "split.npz", x_train=np.zeros((4, 2)), y_train=np.arange(4) % 2, x_test=np.ones((2, 2)),
+             y_test=np.arange(2))
     refused(tmp_path, tmp_path / source if source.endswith(".npz") else source, message, **options)
 
 

@@ -98,8 +98,9 @@ def build_parser():
     ingest.add_argument("output", help="HDF5 file to write (replaced atomically), or with --shard-size a new "
                         "directory")
     ingest.add_argument("--name", default=None, help="dataset name stored in the file (default: from the source)")
-    ingest.add_argument("--test-fraction", type=float, default=0.2,
-                        help="share of samples held out as test when the source has no split (default: 0.2)")
+    ingest.add_argument("--test-fraction", type=float, default=None,
+                        help="share of samples held out as test when the source has no split (default: 0.2); "
+                        "refused where it has one")
     ingest.add_argument("--seed", type=int, default=0, help="seed of the shuffle and split (default: 0)")
     ingest.add_argument("--task", choices=("auto", "classification", "regression"), default="auto",
                         help="auto: non-negative integer labels, or class names, mean classification "

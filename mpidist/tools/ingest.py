@@ -41,7 +41,7 @@ from ..runtime.text import check_utf8, printable
 from ..store.outputs import claimed
 from .csv_table import DELIMITERS, from_csv
 from .dataset_file import check_extras, check_splits, train_stats, write_dataset
-from .labels import check_test_fraction
+from .labels import TEST_FRACTION, check_test_fraction
 from .sources import SOURCES, TOKEN_SOURCES, build_source, from_npz
 
 NAMES_SHOWN = 20                # class names listed in the summary
@@ -113,7 +113,7 @@ def check_options(test_fraction, seed=0, task="auto", delimiter="auto"):
         raise UsageError(f"--task must be auto, classification or regression, got {task!r}")
 
 
-def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label_column=-1, standardize=False,
+def ingest(source, out, name=None, test_fraction=None, seed=0, task="auto", label_column=-1, standardize=False,
            delimiter="auto", shard_size=None, compression="gzip"):
     """Write ``source`` (a named source, .npz or .csv path) to ``out``; returns an :class:`Ingested`.
 
@@ -123,20 +123,23 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
     per-feature mean and standard deviation of the training rows (after the
     split), which :class:`mpidist.data.Shard` applies when the data is read.
     ``delimiter``: ``auto`` (detected), ``,``, ``;``, ``tab`` or ``whitespace``.
+    ``test_fraction``: the test split's share where the source has none
+    (``None``: :data:`~mpidist.tools.labels.TEST_FRACTION`); refused where it has one.
     """
     named = source in SOURCES or str(source).startswith("synthetic")
     for value, what, path in ((source, "ingest SOURCE", not named), (out, "ingest OUTPUT", True),
                               (name, "--name", False)):
         check_utf8(value, what, absolute=path)
-    check_options(test_fraction, seed, task, delimiter)
-    _refuse_what_the_source_ignores(source, named, task, label_column, delimiter)
+    check_options(TEST_FRACTION if test_fraction is None else test_fraction, seed, task, delimiter)
+    _refuse_what_the_source_ignores(source, named, task, label_column, delimiter, test_fraction is not None)
     if standardize and source in TOKEN_SOURCES:
         raise UsageError(f"ingest {source} --standardize: its samples are token ids (an Embedding's input), which "
                          "standardising would turn into other numbers (negative and fractional ones); leave "
                          "--standardize out")
     writer.check_shard_size(shard_size)
     writer.filters(compression)
-    generated = writer.synthetic(source, test_fraction, seed, name)
+    fraction = TEST_FRACTION if test_fraction is None else test_fraction
+    generated = writer.synthetic(source, fraction, seed, name)
     if generated is not None:
         return _write_generated(generated, source, out, shard_size, compression, standardize)
     path = Path(source)
@@ -156,7 +159,7 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
             if path.suffix == ".npz":
                 splits, num_classes, facts = from_npz(path, test_fraction, seed, task)
             else:
-                splits, num_classes, facts = from_csv(path, label_column, test_fraction, seed, task, delimiter)
+                splits, num_classes, facts = from_csv(path, label_column, fraction, seed, task, delimiter)
             text, name = f"ingested from {path.name}", name or path.stem
         (x, y), stats = splits["train"], None
         if standardize:
@@ -180,14 +183,18 @@ def ingest(source, out, name=None, test_fraction=0.2, seed=0, task="auto", label
                     **facts)
 
 
-def _refuse_what_the_source_ignores(source, named, task, label_column, delimiter):
+def _refuse_what_the_source_ignores(source, named, task, label_column, delimiter, fraction_given):
     """Refuse an option that ``source`` would pass over without a word: a user who asked for regression, a
-    label column or a delimiter must not get a file that silently has none of them.
+    label column, a delimiter or a test fraction must not get a file that silently has none of them.
 
     A named source (``digits``, ``synthetic:...``) is classes by construction: ``--task classification`` says
     what it is, ``--task regression`` cannot be honoured.  ``--label-column`` and ``--delimiter`` are the
-    cells of a CSV file: nothing else has them.
+    cells of a CSV file: nothing else has them.  A named dataset (``digits``) comes with its own test split
+    (as does an ``.npz`` file with ``x_test``: :func:`~mpidist.tools.sources.from_npz` refuses it there).
     """
+    if fraction_given and source in SOURCES:
+        raise UsageError(f"ingest: --test-fraction applies where the source has no test split; {source} comes "
+                         "with its own: ingest it without --test-fraction")
     if named and task == "regression":
         raise UsageError(f"ingest: --task regression applies to .npz and .csv files; {printable(source)} is a "
                          "named source of classes (its task is fixed): ingest it without --task")

@@ -16,6 +16,7 @@ from ..runtime.text import printable
 from .dataset_file import check_floats, check_samples
 
 EXACT_INTEGERS = 2.0 ** 53      # floats beyond this are not exact integers: never read them as labels
+TEST_FRACTION = 0.2             # ingest's test split, where neither the source nor --test-fraction gives one
 
 
 def check_test_fraction(test_fraction):

@@ -18,7 +18,7 @@ import numpy as np
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
 from .dataset_file import as_numbers, check_floats, check_samples, check_targets
-from .labels import as_text, labels_of, shuffled, split_train_test
+from .labels import TEST_FRACTION, as_text, labels_of, shuffled, split_train_test
 from .text import LEE_SOURCE, lee_text
 
 
@@ -43,9 +43,14 @@ def load_npz(path):
 def from_npz(path, test_fraction, seed, task):
     """Arrays ``x_train, y_train, x_test, y_test``, or ``x, y`` (then split); ``(splits, num_classes, facts)``.
 
-    Labels that are text (or UTF-8 bytes) are class names: ``facts["class_names"]``.
+    Labels that are text (or UTF-8 bytes) are class names: ``facts["class_names"]``.  ``test_fraction``
+    splits ``x, y`` (``None``: :data:`~mpidist.tools.labels.TEST_FRACTION`); with a split of the file's own
+    it is refused, as ignoring it would be silent.
     """
     arrays = load_npz(path)
+    if "x_test" in arrays and test_fraction is not None:
+        raise UsageError(f"{path}: has a test split of its own (x_test, y_test); --test-fraction applies to "
+                         "x, y: ingest it without --test-fraction")
     if "y_train" in arrays and len({arrays[key].dtype.kind in "US" for key in ("y_train", "y_test")}) > 1:
         raise UsageError(f"{path}: one of y_train and y_test holds text (class names), the other numbers; "
                          "give both the same kind of labels")
@@ -59,7 +64,8 @@ def from_npz(path, test_fraction, seed, task):
             arrays[xkey] = arrays[xkey].astype(np.float32)
     if "x" in arrays:
         y, num_classes, names = labels_of(arrays["y"], task, path)
-        return split_train_test(arrays["x"], y, test_fraction, seed), num_classes, {"class_names": names}
+        fraction = TEST_FRACTION if test_fraction is None else test_fraction
+        return split_train_test(arrays["x"], y, fraction, seed), num_classes, {"class_names": names}
     for key in ("x", "y"):      # checked here: the labels are concatenated to infer the task
         train, test = arrays[f"{key}_train"].shape[1:], arrays[f"{key}_test"].shape[1:]
         if train != test:
