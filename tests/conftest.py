@@ -33,6 +33,22 @@ def pytest_configure(config):
         import tempfile
         config.stash[_QUIET] = (sys.stdout, tempfile.TemporaryFile("w+"))
         sys.stdout = config.stash[_QUIET][1]
+    else:
+        compile_the_package()
+
+
+def compile_the_package():
+    """Write the package's bytecode before any test starts a process.
+
+    Where the environment forbids writing it (``PYTHONDONTWRITEBYTECODE``, set
+    in many container images) every rank of every run compiled the package
+    from source: 0.26 s of a 0.78 s start-up, in each of the thousands of
+    processes the suite starts.  Python reads bytecode whatever that variable
+    says; a file edited later is compiled afresh, as without this.  Files stay
+    where Python would put them (``__pycache__``, ignored by git).
+    """
+    import compileall
+    compileall.compile_dir(ROOT / "mpidist", quiet=2)
 
 
 _QUIET = pytest.StashKey()
