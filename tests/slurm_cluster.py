@@ -38,11 +38,19 @@ def _free_ports(count):
     return ports
 
 
+def first_job_id():
+    """Job ids that no earlier cluster gave: MPICH names a job step's shared memory after it (``/dev/shm``), and a
+    segment a killed rank left there under the same name made the next step's ranks wait in ``MPI_Init`` for good
+    (every cluster numbered its jobs from 1; job 2, the srun script's, hung in every session after one such kill)."""
+    return 1 + int(time.time() * 10) % 60_000_000   # (Slurm's job ids end at 67,108,863)
+
+
 def _config(root, controller_port, node_port):
     user = getpass.getuser()
     host = socket.gethostname().split(".")[0]
     return f"""\
 ClusterName=mpidisttest
+FirstJobId={first_job_id()}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={controller_port}
 SlurmdPort={node_port}
