@@ -130,15 +130,15 @@ class PrivateSlurm:
                 daemon.wait()
         self._daemons.clear()
         deadline = time.monotonic() + 10
-        while self._leftovers() and time.monotonic() < deadline:   # (a step may start a process as we look)
-            for pid in self._leftovers():
+        while (left := self.leftovers()) and time.monotonic() < deadline:   # (a step may start one as we look)
+            for pid in left:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:   # (ended meanwhile)
                     pass
             time.sleep(0.1)
 
-    def _leftovers(self):
+    def leftovers(self):
         """Pids of the processes of this cluster: each has its ``SLURM_CONF`` (daemons, steps and jobs inherit it;
         the test process does not: clients get a copy of its environment)."""
         mark = f"SLURM_CONF={self.conf}".encode()

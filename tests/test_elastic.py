@@ -115,7 +115,8 @@ PIPELINE = ["--strategy", "pipeline", "--stages", "2"]   # 4 ranks: 2 replicas o
 # constant rate, Adam's loss near zero spikes now and then, and two runs that sum in another order spike at other
 # steps: one killed-chief run ended in such a spike (its last step's loss 0.108 against 0.0002, 3.2 points of test
 # accuracy below the fault-free run, 1 run in 12), though its losses equalled the fault-free run's up to step 682.
-EPOCHS = ["--epochs", "20", "--lr-schedule", "cosine"]
+RUN_EPOCHS = 20
+EPOCHS = ["--epochs", str(RUN_EPOCHS), "--lr-schedule", "cosine"]
 # How near a run that lost ranks ends to a fault-free one, in test accuracy on mnist-5k's 1000 test samples. The
 # run that goes on sums in another order (fewer workers) and may take a step or two again, and 20 epochs carry
 # such differences far: the same fault-free run ends at 93.1% under MPICH and 94.1% under Open MPI (the
@@ -164,7 +165,7 @@ def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, 
     # (20 epochs, the default: accuracy has settled; fewer left 1.1 points between two sound runs)
     flags = [*strategy_flags, "--elastic", *EPOCHS, "--checkpoint-dir", str(tmp_path / "ckpt")]
     seed = random.randrange(1 << 30)
-    kills = draw(seed, workers, 0, count, int(EPOCHS[1]) * per_epoch, per_epoch)
+    kills = draw(seed, workers, 0, count, RUN_EPOCHS * per_epoch, per_epoch)
     replay = f"(seed {seed}: kill -9 at (step, rank) {kills})"
     metrics = tmp_path / "elastic.jsonl"
     code, out, err, seconds = run(python, ranks, flags, metrics, kills)
@@ -569,7 +570,7 @@ def test_a_pipeline_replica_that_lost_a_stage_is_set_aside_and_the_other_goes_on
         (replay, recovered)
     assert "idle (their replica lost a stage)" in out, replay
     steps = [event["step"] for event in events(metrics, "step")]
-    assert sorted(set(steps)) == list(range(1, done["steps"] + 1)) and done["steps"] == 20 * MNIST_STEPS, replay
+    assert sorted(set(steps)) == list(range(1, done["steps"] + 1)) and done["steps"] == RUN_EPOCHS * MNIST_STEPS, replay
     assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay
     reference = fault_free_accuracies(python, tmp_path, "pipeline", 4,
                                       [*PIPELINE, "--data", "mnist-5k", "--elastic", *EPOCHS])
@@ -599,7 +600,8 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
     assert recovered["step"] in written and recovered["steps_lost"] >= 0, (replay, recovered, written)
     assert recovered["step"] + recovered["steps_lost"] >= kill - 1, (replay, recovered)
     assert recovered["rolled_back_to"].endswith(".h5") and "rolled back" in out, replay
-    assert done["steps"] == 20 * events(metrics, "start")[0]["steps_per_epoch"], replay   # (no step lost for good)
+    # (no step lost for good)
+    assert done["steps"] == RUN_EPOCHS * events(metrics, "start")[0]["steps_per_epoch"], replay
     reference = fault_free_accuracies(python, tmp_path, "ps-sync", 5,
                                       ["--strategy", "ps-sync", "--ps", "2", "--elastic", *EPOCHS])
     assert min(reference) - NEAR <= done["test_accuracy"] <= max(reference) + NEAR, \
@@ -638,7 +640,8 @@ def test_a_killed_ps_or_chief_under_ps_async_is_survived_by_a_rollback_to_the_ne
     assert recovered["steps_lost"] >= 0 and recovered["step"] + recovered["steps_lost"] >= kill, (replay, recovered)
     assert "rolled back" in out and f"mpidist: lost rank {rank} (" in out, replay
     # every epoch, none lost for good (3 workers take an epoch of digits in 21 steps of 64)
-    assert done["epochs"] == 20 and 20 * recovered["steps_per_epoch"] <= done["steps"] <= 20 * STEPS_PER_EPOCH, \
+    assert done["epochs"] == RUN_EPOCHS, (replay, done["epochs"])
+    assert RUN_EPOCHS * recovered["steps_per_epoch"] <= done["steps"] <= RUN_EPOCHS * STEPS_PER_EPOCH, \
         (replay, done["steps"], recovered)
     assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay   # the end is checkpointed
     reference = fault_free_accuracies(python, tmp_path, "ps-async", 6,

@@ -184,7 +184,7 @@ def test_a_stopped_cluster_leaves_no_job_running(slurm, tmp_path):
         assert any(marker in command for command in commands()), (tmp_path / "job.out").read_text()
     finally:
         slurm.stop()
-        left, running = slurm._leftovers(), [command for command in commands() if marker in command]
+        left, running = slurm.leftovers(), [command for command in commands() if marker in command]
         slurm.start()   # (for the module's other tests)
     assert not left and not running, (left, running)
 

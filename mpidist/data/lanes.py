@@ -91,5 +91,10 @@ def seeds(*words):
 
 def stream_bounds(n, total):
     """``total + 1`` row numbers: lane ``l`` of a stream of ``n`` rows is ``[bounds[l], bounds[l + 1])``, balanced."""
-    lanes = np.arange(total + 1, dtype=np.int64)
+    return lane_starts(n, total, np.arange(total + 1, dtype=np.int64))
+
+
+def lane_starts(n, total, lanes):
+    """The first row of each of ``lanes`` (an int64 array; ``total`` gives the end) of ``n`` rows in ``total``
+    balanced lanes: :func:`stream_bounds` at those lanes alone."""
     return lanes * (n // total) + np.minimum(lanes, n % total)

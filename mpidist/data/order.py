@@ -28,7 +28,7 @@ import heapq
 import numpy as np
 
 from .blocks import order_units
-from .lanes import mix, seeds, stream_bounds
+from .lanes import lane_starts, mix, seeds
 
 ORDER = 0x4F524452      # mixed into the seeds ("ORDR")
 UNITS, SAMPLES = 1, 2   # which permutation of a lane's epoch a seed is for
@@ -107,8 +107,8 @@ class LaneOrder:
         """Per lane (an int64 array): its first row, rows, units, rows its last unit lacks, the units' key, and
         the place of the short unit in the units' order (past the last window where none is short)."""
         lanes = np.asarray(lanes, dtype=np.int64)
-        bounds = stream_bounds(self.n, self.total)
-        first, rows = bounds[lanes], bounds[lanes + 1] - bounds[lanes]
+        first = lane_starts(self.n, self.total, lanes)
+        rows = lane_starts(self.n, self.total, lanes + 1) - first
         units = np.maximum(1, -(-rows // self.unit))
         short = units * self.unit - rows
         key = seeds(seed, epoch, lanes, ORDER, UNITS)

@@ -130,7 +130,8 @@ def ingest(source, out, name=None, test_fraction=None, seed=0, task="auto", labe
     for value, what, path in ((source, "ingest SOURCE", not named), (out, "ingest OUTPUT", True),
                               (name, "--name", False)):
         check_utf8(value, what, absolute=path)
-    check_options(TEST_FRACTION if test_fraction is None else test_fraction, seed, task, delimiter)
+    fraction = TEST_FRACTION if test_fraction is None else test_fraction
+    check_options(fraction, seed, task, delimiter)
     _refuse_what_the_source_ignores(source, named, task, label_column, delimiter, test_fraction is not None)
     if standardize and source in TOKEN_SOURCES:
         raise UsageError(f"ingest {source} --standardize: its samples are token ids (an Embedding's input), which "
@@ -138,7 +139,6 @@ def ingest(source, out, name=None, test_fraction=None, seed=0, task="auto", labe
                          "--standardize out")
     writer.check_shard_size(shard_size)
     writer.filters(compression)
-    fraction = TEST_FRACTION if test_fraction is None else test_fraction
     generated = writer.synthetic(source, fraction, seed, name)
     if generated is not None:
         return _write_generated(generated, source, out, shard_size, compression, standardize)
