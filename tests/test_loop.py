@@ -4,6 +4,7 @@ outputs, report, and the elastic state's restore and sync."""
 import io
 import json
 import math
+import sys
 import types
 
 import numpy as np
@@ -246,3 +247,14 @@ def test_the_elastic_state_calls_what_was_registered_in_order():
     assert seen == [("first", {"step": 3}), ("second", {"step": 3})]
     with pytest.raises(KeyError):
         state.register("lost", print)
+
+
+@pytest.mark.parametrize("spec, worker, expected", [
+    ("", 0, (0.0, 0)), ("*:0.01", None, (0.0, 0)),        # unset; a ps (no worker index) never sleeps
+    ("*:0.01", 3, (0.01, sys.maxsize)), ("2:0.5", 2, (0.5, sys.maxsize)), ("2:0.5", 1, (0.0, 0)),
+    ("*:0.01:40", 0, (0.01, 40)),                           # up to step 40, then at full speed
+])
+def test_the_test_delay_names_a_worker_its_seconds_and_the_last_step_it_slows(monkeypatch, spec, worker, expected):
+    from mpidist.loop import setup   # (imported here: a name beginning with test_ would be collected as a test)
+    monkeypatch.setenv("MPIDIST_TEST_DELAY", spec)
+    assert setup.test_delay(worker) == expected

@@ -8,6 +8,7 @@ layout, when an elastic run loses workers (see :mod:`mpidist.loop.elastic`).
 
 import dataclasses
 import os
+import sys
 
 from .. import data, nn
 from ..data.fingerprint import mismatch
@@ -304,16 +305,19 @@ def make_strategy(config, setup, cluster, xp, where=None, figures=None):
 
 
 def test_delay(worker):
-    """Seconds worker ``worker`` sleeps before each step: ``MPIDIST_TEST_DELAY=WORKER:SECONDS``.
+    """``(seconds, last step)``: worker ``worker`` sleeps that long before each step up to that step of the run.
 
-    ``WORKER`` is a worker index, or ``*`` for every worker.  For tests only
-    (a deliberately slow worker, or a slow run to signal midway); unset in real runs.
+    ``MPIDIST_TEST_DELAY=WORKER:SECONDS[:LAST_STEP]``: ``WORKER`` is a worker index, or ``*`` for every worker;
+    without ``LAST_STEP``, before every step.  For tests only (a deliberately slow worker, or a slow run to
+    signal or kill a rank at a chosen step, then at full speed to the end); unset in real runs.
     """
     spec = os.environ.get("MPIDIST_TEST_DELAY", "")
     if not spec or worker is None:
-        return 0.0
-    index, seconds = spec.split(":")
-    return float(seconds) if index == "*" or int(index) == worker else 0.0
+        return 0.0, 0
+    index, seconds, *last = spec.split(":")
+    if index != "*" and int(index) != worker:
+        return 0.0, 0
+    return float(seconds), int(last[0]) if last else sys.maxsize
 
 
 def layout_text(config, cluster):

@@ -251,7 +251,7 @@ class Training:
     def _train_epoch(self, steps_to_run):
         """One epoch from the current position; True when the run stops in it."""
         config, setup, position, strategy = self.config, self.setup, self.position, self.strategy
-        delay, xp = test_delay(self.cluster.worker_index), self.device.xp
+        (delay, last_delayed), xp = test_delay(self.cluster.worker_index), self.device.xp
         batches = epoch_batches(config, self.cluster, setup, position.epoch, position.epoch_step)
         stop = False
         try:
@@ -259,7 +259,7 @@ class Training:
                 if x is not None:
                     x, y = xp.asarray(x), xp.asarray(y)
                 here().enter("compute", position.step + 1)
-                if delay:
+                if delay and position.step < last_delayed:
                     time.sleep(delay)
                 began = recorder.now() if TRACER.on else None
                 result = strategy.step(x, y, setup.local_batch / config.batch_size, position.step)
