@@ -98,3 +98,31 @@ def test_evaluation_sums_every_workers_shard():
     assert figures["samples"] == 50 and sum(figures["per_class"]["support"]) == 50
     assert np.isclose(figures["loss"], float(nn.SoftmaxCrossEntropy(np).forward(out, y)))
     assert np.isclose(figures["accuracy"], (out.argmax(axis=1) == y).mean())
+
+
+def test_an_average_that_fails_leaves_the_array_as_it_was(monkeypatch):
+    """A collective that fails (a rank died in it) leaves its buffer undefined: the average writes nothing then."""
+    from mpidist.parallel import data_parallel
+
+    def dies_midway(comm, array):
+        array[: len(array) // 2] *= 3.0          # a partial sum, as a broken Allreduce may leave
+        raise MPI.Exception(MPI.ERR_OTHER)
+
+    params = np.arange(6.0)
+    monkeypatch.setattr(data_parallel.mpi, "allreduce_sum", dies_midway)
+    with pytest.raises(MPI.Exception):
+        data_parallel.average_over(MPI.COMM_SELF, params[2:])
+    np.testing.assert_array_equal(params, np.arange(6.0))
+    monkeypatch.undo()
+    data_parallel.average_over(MPI.COMM_SELF, params[2:])   # (and one that succeeds writes the mean in place)
+    np.testing.assert_array_equal(params, np.arange(6.0))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_average_over_the_ranks_is_their_mean_in_place():
+    from mpidist.parallel.data_parallel import average_over
+    comm = MPI.COMM_WORLD
+    params = np.full(5, float(comm.Get_rank()))
+    average_over(comm, params[1:])
+    expected = (comm.Get_size() - 1) / 2
+    np.testing.assert_array_equal(params, [comm.Get_rank()] + [expected] * 4)

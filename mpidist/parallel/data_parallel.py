@@ -18,9 +18,19 @@ from .saved_state import WholeState
 
 
 def average_over(comm, array):
-    """Collective over ``comm``: ``array`` (contiguous) becomes its mean over the ranks, in place."""
-    mpi.allreduce_sum(comm, array)
-    array /= comm.Get_size()
+    """Collective over ``comm``: ``array`` (contiguous) becomes its mean over the ranks, or stays as it was.
+
+    The sum is taken in a copy, written back once the collective succeeded: a
+    collective that fails (a rank died in it) leaves its buffer undefined, and
+    a local-sgd worker killed in an average left the survivors a partial sum
+    of the parameters as theirs (the loss from 0.006 to 5.4 at the next step,
+    2.6 points of test accuracy lost for good).  The copy is the size of what
+    one call averages (a bucket of parameters, or the running statistics).
+    """
+    total = array.copy()
+    mpi.allreduce_sum(comm, total)
+    total /= comm.Get_size()
+    array[...] = total
 
 
 class DataParallel(Strategy):
