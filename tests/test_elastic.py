@@ -70,8 +70,9 @@ def launch(python, ranks, *flags, env=None, ulfm=True):
     ft = ["--with-ft", "ulfm"] if ulfm else []
     command = [mpirun, *ft, "--oversubscribe", *extra, "--mca", "osc", "^ucx", *passed,
                "-n", str(ranks), str(python), "-m", "mpidist", *flags]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-                            errors="replace")
+    # (in the test's own directory, where its runs write their run directories: never in the checkout)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
+                            env=env, errors="replace")
 
 
 class LauncherHung(Exception):
@@ -400,7 +401,7 @@ def test_a_rank_held_up_in_an_operation_at_a_dead_rank_is_ended_so_that_the_othe
     command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", *extra, "--mca", "osc", "^ucx",
                "-n", "3", str(python), str(script)]
     for _ in range(5):   # (the kill must land while rank 1 holds its lock: nearly always, not always)
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, errors="replace",
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, errors="replace",
                               env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"))
         assert "adding" in done.stdout, (done.stdout, done.stderr)
         if "never" not in done.stdout:   # held up at the dead rank's lock: what this test is about
