@@ -55,10 +55,12 @@ def compile_the_package():
 def keep_the_tests_bytecode():
     """Let pytest keep the test modules it compiles (with their assertions rewritten) for the next process.
 
-    Under ``PYTHONDONTWRITEBYTECODE`` pytest rewrites and compiles all 80 test
-    modules again in every process that collects them: 3 of the 5 CPU seconds
+    Under ``PYTHONDONTWRITEBYTECODE`` pytest rewrites and compiles every test
+    module again in every process that collects them: 3 of the 5 CPU seconds
     of a collection, in each rank of each multi-rank phase.  It reads the files
     it kept whatever that variable says (``tests/__pycache__``, ignored by git).
+    The setting is the test process's as a whole: what it imports later writes
+    its bytecode too, as it would without the variable.
     """
     sys.dont_write_bytecode = False
 

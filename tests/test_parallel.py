@@ -112,10 +112,7 @@ def test_an_average_that_fails_leaves_the_array_as_it_was(monkeypatch):
     monkeypatch.setattr(data_parallel.mpi, "allreduce_sum", dies_midway)
     with pytest.raises(MPI.Exception):
         data_parallel.average_over(MPI.COMM_SELF, params[2:])
-    np.testing.assert_array_equal(params, np.arange(6.0))
-    monkeypatch.undo()
-    data_parallel.average_over(MPI.COMM_SELF, params[2:])   # (and one that succeeds writes the mean in place)
-    np.testing.assert_array_equal(params, np.arange(6.0))
+    np.testing.assert_array_equal(params, np.arange(6.0))   # (one that succeeds: the multi-rank test below)
 
 
 @pytest.mark.mpi(min_size=2)

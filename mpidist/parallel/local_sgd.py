@@ -29,7 +29,7 @@ from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from ..runtime.xp import to_host
 from .base import finite
-from .data_parallel import DataParallel, average_over
+from .data_parallel import DataParallel, average_over, mean_in_place
 from .exchange import NoExchange, bucket_slices
 from .registry import Option, register
 from .saved_state import WholeState
@@ -119,7 +119,7 @@ class LocalSgdStrategy(DataParallel):
         if comm is None or comm.Get_size() == 1:
             return state
         mean = np.ascontiguousarray(to_host(self.model.params)).copy()   # (the live parameters stay each worker's)
-        average_over(comm, mean)
+        mean_in_place(comm, mean)   # (a copy: the live parameters are not touched)
         return state if state is None else dataclasses.replace(state, params=mean)
 
     def survivor_state(self, cluster, step):
@@ -137,7 +137,7 @@ class LocalSgdStrategy(DataParallel):
         mean = {}
         for name in sorted(arrays):   # (the same order on every survivor)
             mean[name] = np.ascontiguousarray(to_host(arrays[name]), dtype=self.model.dtype).copy()
-            average_over(comm, mean[name])
+            mean_in_place(comm, mean[name])
         if not cluster.is_chief:
             return None
         return WholeState(mean.pop("params"), mean, self.optimizer.steps)
