@@ -194,15 +194,27 @@ def start_mpidist(ranks, *flags, env=None):
     return start_mpi(ranks, ["-m", "mpidist", *flags], env=env)
 
 
+def stat_fields(pid):
+    """The fields of ``/proc/PID/stat`` after the command's name (state, parent, ...), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def running(pid):
+    """Whether process ``pid`` exists and has not ended (a zombie has)."""
+    fields = stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
+
+
 def rank_pids(launcher):
     """``{rank: pid}`` of the ranks a running ``mpiexec`` or ``mpirun`` (a Popen) started, found through /proc."""
     children = {}
     for entry in Path("/proc").iterdir():
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-        except (ValueError, OSError, IndexError):
-            continue
+        fields = stat_fields(entry.name) if entry.name.isdigit() else None
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     ranks, todo = {}, [launcher.pid]
     while todo:
         pid = todo.pop()

@@ -16,9 +16,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import child_environ
+from conftest import child_environ, running
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
+#: the states of a job that has ended
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE"}
 NODE = "mpidist-node"
 CPUS = 8
 
@@ -145,10 +148,10 @@ class PrivateSlurm:
         found = []
         for entry in Path("/proc").iterdir():
             try:
-                alive = entry.name.isdigit() and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-                if alive and mark in (entry / "environ").read_bytes().split(b"\0"):
+                if entry.name.isdigit() and running(entry.name) and \
+                        mark in (entry / "environ").read_bytes().split(b"\0"):
                     found.append(int(entry.name))
-            except (OSError, IndexError):
+            except OSError:
                 continue
         return found
 
@@ -165,6 +168,10 @@ class PrivateSlurm:
         """``scontrol show job`` as a dict of its ``Key=Value`` fields ({} once the job is forgotten)."""
         shown = self.run("scontrol", "-o", "show", "job", str(job_id)).stdout.strip()
         return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+    def wait_for_end(self, job_id, timeout=120):
+        """Poll until the job has ended; returns the job's fields."""
+        return self.wait_for(job_id, ENDED, timeout)
 
     def wait_for(self, job_id, states, timeout=120):
         """Poll until the job's state is one of ``states``; returns the job's fields."""

@@ -32,6 +32,7 @@ from conftest import (
     events,
     mpidist,
     rank_pids,
+    running,
     trained_rows,
     wait_for_step,
 )
@@ -70,9 +71,9 @@ def launch(python, ranks, *flags, env=None, ulfm=True):
     ft = ["--with-ft", "ulfm"] if ulfm else []
     command = [mpirun, *ft, "--oversubscribe", *extra, "--mca", "osc", "^ucx", *passed,
                "-n", str(ranks), str(python), "-m", "mpidist", *flags]
-    # (in the test's own directory, where its runs write their run directories: never in the checkout)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
-                            env=env, errors="replace")
+    # (no cwd: in the test's own directory, where its runs write their run directories, never in the checkout)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            errors="replace")
 
 
 class LauncherHung(Exception):
@@ -115,14 +116,6 @@ def rerun_if_the_launcher_hangs(test):
     return once_more
 
 
-def _process_running(pid):
-    """Whether process ``pid`` exists and has not ended (a zombie has)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _waiting_on_a_lock(pid):
     """Whether the main thread of process ``pid`` sleeps in the kernel's futex wait (a lock, not its event loop)."""
     try:
@@ -143,7 +136,7 @@ def wait_for_the_launcher(launcher, pids, timeout):
             now = time.monotonic()
             if now >= deadline:
                 raise
-        if pids and not any(map(_process_running, pids.values())):
+        if pids and not any(map(running, pids.values())):
             ranks_ended = ranks_ended or now
             if now - ranks_ended > LAUNCHER_GRACE and _waiting_on_a_lock(launcher.pid):
                 raise LauncherHung(f"the launcher (pid {launcher.pid}) lived on {now - ranks_ended:.0f} s after "

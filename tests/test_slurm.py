@@ -53,15 +53,10 @@ def submit(slurm, tmp_path, script, *flags, sbatch=(), wait=True, env=None):
     match = re.match(r"^(\d+)", done.stdout.strip())
     job = int(match.group(1)) if match else None
     if wait and job is not None:
-        fields = slurm.wait_for(job, ENDED, timeout=180)
+        fields = slurm.wait_for_end(job, timeout=180)
         code, signal_number = map(int, fields["ExitCode"].split(":"))
         done.returncode = code or (128 + signal_number if signal_number else 0)
     return done, job
-
-
-#: the states of a job that has ended
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE"}
 
 
 def output(tmp_path, job):
@@ -150,7 +145,7 @@ def test_the_requeue_script_checkpoints_requeues_and_resumes_to_the_end(slurm, t
     # credential was revoked: slurmd compares whole seconds and kills the job as "credential revoked"
     time.sleep(2)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
-    fields = slurm.wait_for(job, ENDED)
+    fields = slurm.wait_for_end(job)
     log = output(tmp_path, job)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", log
     events = metrics(tmp_path, job)
@@ -177,7 +172,7 @@ def test_a_signalled_job_checkpoints_and_ends_with_exit_code_3(slurm, tmp_path, 
     slurm.wait_for(job, {"RUNNING"})
     wait_for_step(tmp_path, job, 30, slurm)
     assert slurm.run("scancel", f"--signal={signal_name}", str(job)).returncode == 0
-    fields = slurm.wait_for(job, ENDED)
+    fields = slurm.wait_for_end(job)
     assert fields["ExitCode"] == "3:0", output(tmp_path, job)
     stopped, = [e for e in metrics(tmp_path, job) if e["event"] == "stopped"]
     assert stopped["signal"] == f"SIG{signal_name}" and Path(stopped["checkpoint"]).exists()

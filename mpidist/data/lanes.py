@@ -32,6 +32,7 @@ import dataclasses
 
 import numpy as np
 
+from ..nn.tensor import part_range
 from .batches import local_batch_size
 
 MASK = (1 << 64) - 1
@@ -49,7 +50,7 @@ class Lanes:
     @classmethod
     def of(cls, global_batch, workers, worker):
         """Worker ``worker`` of ``workers``'s lanes: as many as its local batch, after the earlier workers'."""
-        first = worker * (global_batch // workers) + min(worker, global_batch % workers)
+        first, _ = part_range(global_batch, worker, workers)
         return cls(int(global_batch), int(first), local_batch_size(global_batch, workers, worker))
 
     @property
@@ -64,6 +65,12 @@ class Lanes:
     def rows(self, n):
         """Rows these lanes hold of a split of ``n`` rows."""
         return int(self.sizes(n).sum())
+
+    def span(self, n):
+        """``(lo, hi)``: the contiguous rows these lanes hold of a split of ``n`` rows (two lanes' bounds computed,
+        not every lane's)."""
+        lo, hi = lane_starts(n, self.total, np.array([self.first, self.first + self.count], dtype=np.int64))
+        return int(lo), int(hi)
 
 
 def mix(z):

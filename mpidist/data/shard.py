@@ -16,7 +16,6 @@ import numpy as np
 from ..runtime.memory import check_fits
 from .batches import Prefetcher
 from .blocks import default_buffer
-from .lanes import stream_bounds
 from .order import order_for
 from .rows import SplitRows
 from .samples import footprint
@@ -50,9 +49,8 @@ class Shard:
         if lanes is not None:
             buffer = max(1, min(int(buffer) or default_buffer(input_shape, dtype), source.count))
             self.order = order_for(info, split, buffer, input_shape, dtype, lanes.total)
-            bounds = stream_bounds(source.count, lanes.total)
-            self.first = int(bounds[lanes.first])    # (the row the shard's position 0 holds)
-            numbers = np.arange(self.first, bounds[lanes.first + lanes.count], dtype=np.int64)
+            self.first, end = lanes.span(source.count)    # (first: the row the shard's position 0 holds)
+            numbers = np.arange(self.first, end, dtype=np.int64)
         else:
             numbers = np.arange(source.count, dtype=np.int64)[slice(worker, None, num_workers) if rows is None
                                                               else rows]

@@ -38,7 +38,6 @@ import numpy as np
 
 from .batches import Prefetcher
 from .blocks import WINDOWS, block_bytes_for, block_cuts, default_buffer, lane_share, segment_steps, worker_range
-from .lanes import stream_bounds
 from .order import order_for
 from .rows import SplitRows
 
@@ -66,15 +65,14 @@ class Stream:
             self.buffer = self.share = max(1, min(asked, self.hi - self.lo))
             self.blocks = (block_bytes_for(self.share, input_shape, dtype), sliced)
             return
-        bounds = stream_bounds(count, lanes.total)[lanes.first:lanes.first + lanes.count + 1]
-        self.lo, self.hi = int(bounds[0]), int(bounds[-1])
+        self.lo, self.hi = lanes.span(count)
         # (the split caps it, not the worker's part: the order must not depend on the worker count)
         self.buffer = max(1, min(asked, count))
         self.share = lane_share(self.buffer, count, lanes.total)
         self.order = order_for(info, split, self.buffer, input_shape, dtype, lanes.total)
         self.blocks = (block_bytes_for(self.share, input_shape, dtype), sliced)     # (read in order: eval_batches)
         # a window holds its units, and its lane at most
-        rows = min(self.order.unit * self.order.window, int(np.diff(bounds).max(initial=1)))
+        rows = min(self.order.unit * self.order.window, int(lanes.sizes(count).max(initial=1)))
         self.pool = Pool(lanes.count, rows, input_shape, dtype, info)
         self._ahead = {}            # windows read before they were asked for: (seed, epoch, lane, window) -> slot
 
