@@ -1,8 +1,9 @@
 """``plan --calibrate``: measure, under the user's own launcher, what a prediction needs (collective).
 
 Rank 0 times the model while the other ranks sleep (the cores are its own):
-each top-level layer's forward and backward at four batch sizes (a line
-fitted through them: a fixed cost and a cost per sample), scaled to add up
+each top-level layer's forward and backward at four batch sizes, timed in
+interleaved rounds for ``--seconds`` (a line fitted through them: a fixed
+cost and a cost per sample), scaled to add up
 to the whole pass's own line (timed for ``--seconds``), the loss, a whole
 ``local`` step (what the step adds besides the layers: the optimizer and
 its checks, per parameter), the spread of step times, and a sum of one
@@ -131,7 +132,7 @@ def _compute(config, seconds):
     info, model, loss, x, y, batch = trainer.info, trainer.model, trainer.loss, trainer.x, trainer.y, trainer.batch
     read_overhead = _read_overhead(config, info, model)
     sizes = sorted({max(1, batch // 8), max(1, batch // 4), max(1, batch // 2), batch})   # (micro-batches too)
-    forward, backward, losses = _scaled(*_layer_lines(model, loss, x, y, sizes),
+    forward, backward, losses = _scaled(*_layer_lines(model, loss, x, y, sizes, seconds),
                                         _whole_line(model, loss, x, y, sizes, seconds))
     step, times = _median_seconds(trainer.step, max(REPEATS, int(seconds / 0.01)) if seconds else REPEATS)
     overhead = max(0.0, batch / rate - step) if rate > 0 else 0.0
@@ -198,38 +199,43 @@ def _short_run(config, batch, steps=200, **strategy):
     return result.figures.get("samples_per_s") or 0.0, peak_memory()
 
 
-def _layer_lines(model, loss, x, y, sizes):
-    """Per layer, forward and backward ``(fixed, per sample)`` seconds fitted over ``sizes``; the loss's too."""
-    count = len(model.layers)
-    at = {size: ([], [], []) for size in sizes}
-    for size in sizes:
-        forward, backward, losses = at[size]
-        for _ in range(REPEATS + 1):
-            f, b, lo = _timed_pass(model, loss, x[:size], y[:size])
-            forward.append(f)
-            backward.append(b)
-            losses.append(lo)
-    medians = {size: [np.median(np.array(values[1:]), axis=0) for values in at[size]] for size in sizes}
-    lines = []
-    for which in range(2):
-        lines.append([_line(sizes, [medians[size][which][index] for size in sizes]) for index in range(count)])
+def _interleaved(sizes, seconds, measure):
+    """``{size: [measure(size) each round]}``, in as many rounds as ``seconds`` allows (at least
+    ``REPEATS``), each round measuring every size in turn: a drift of the machine while it measures then
+    moves every size alike, where sizes measured one after the other took it as a cost of their samples
+    (a small layer's cost per sample, 0.2 us, adds only a few microseconds across the sizes)."""
+    started = time.perf_counter()
+    for size in sizes:                                       # (a warm-up, and the time of a round)
+        measure(size)
+    rounds = max(REPEATS, int(seconds / max(time.perf_counter() - started, 1e-6)))
+    at = {size: [] for size in sizes}
+    for _ in range(rounds):
+        for size in sizes:
+            at[size].append(measure(size))
+    return at
+
+
+def _layer_lines(model, loss, x, y, sizes, seconds):
+    """Per layer, forward and backward ``(fixed, per sample)`` seconds fitted over ``sizes`` from the medians
+    of passes interleaved over ``seconds``; the loss's too."""
+    at = _interleaved(sizes, seconds, lambda size: _timed_pass(model, loss, x[:size], y[:size]))
+    medians = {size: [np.median(np.array(values), axis=0) for values in zip(*at[size])] for size in sizes}
+    lines = [[_line(sizes, [medians[size][which][index] for size in sizes]) for index in range(len(model.layers))]
+             for which in range(2)]
     return lines[0], lines[1], _line(sizes, [medians[size][2] for size in sizes])
 
 
 def _whole_line(model, loss, x, y, sizes, seconds):
     """``(fixed, per sample)`` of a whole training pass (forward, loss, backward as training runs them), from
-    medians of as many passes as ``seconds`` allows: steadier than the sum of the layers' own lines."""
-    def run(n):
-        def one_pass():
-            out = model.forward(x[:n], training=True)
-            loss.forward(out, y[:n])
-            model.backward(loss.backward(), input_grad=False)
-        return one_pass
-    medians = []
-    for n in sizes:
-        first, _ = _median_seconds(run(n), 3)
-        medians.append(_median_seconds(run(n), max(REPEATS, int(seconds / len(sizes) / max(first, 1e-6))))[0])
-    return _line(sizes, medians)
+    the medians of passes interleaved over ``seconds``: steadier than the sum of the layers' own lines."""
+    def timed_pass(n):
+        start = time.perf_counter()
+        out = model.forward(x[:n], training=True)
+        loss.forward(out, y[:n])
+        model.backward(loss.backward(), input_grad=False)
+        return time.perf_counter() - start
+    at = _interleaved(sizes, seconds, timed_pass)
+    return _line(sizes, [float(np.median(at[size])) for size in sizes])
 
 
 def _scaled(forward, backward, losses, whole):
