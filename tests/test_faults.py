@@ -2,7 +2,10 @@
 
 One test per row, at 2 and 4 ranks, each under a timeout: the run must end
 with the row's exit code and message, every rank gone, within SECONDS_TO_END
-of the fault (for bad input: of the launch).  tests/test_readme.py keeps the
+of the fault (for bad input: of the launch).  Bad input that every rank meets
+alike, before any rank has a role or a shard (ALIKE_ON_EVERY_RANK), runs at 2
+ranks only: the agreement that ends the others is the same at any count, and
+4 ranks proved nothing more for twice the start-ups.  tests/test_readme.py keeps the
 README's table and this catalogue the same.
 """
 
@@ -1116,8 +1119,29 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("case", list(FAULTS))
+#: rows of bad input every rank meets alike: the command line, a config file, a dataset's or a checkpoint's header,
+#: an output the chief opens; none of them depends on a rank's role, shard or count
+ALIKE_ON_EVERY_RANK = {
+    "unknown flag", "bad flag value", "unknown model", "unknown strategy", "unknown schedule",
+    "config file with unknown keys", "config file that is not TOML", "contradictory flags: --ps without a ps strategy",
+    "contradictory flags: --staleness without ps-async", "contradictory flags: in-graph with ps-async",
+    "contradictory flags: --resume auto without a directory", "--elastic on an MPI without failure mitigation",
+    "--elastic with in-graph replication", "a flag that is not finite", "a config file that is not UTF-8",
+    "missing dataset file", "unknown dataset name", "not an HDF5 file", "truncated dataset file", "wrong layout",
+    "wrong dtype", "num_classes that is not a number", "num_classes NaN", "num_classes too large to be real",
+    "samples of no features", "an empty test split", "soft links that loop", "an external link to another file",
+    "model that does not fit the data", "missing checkpoint to resume", "not a checkpoint",
+    "checkpoint from another model", "unwritable checkpoint directory", "unwritable metrics file",
+    "metrics path that is a FIFO",
+}
+ROWS = [(case, ranks) for case in FAULTS for ranks in ((2,) if case in ALIKE_ON_EVERY_RANK else (2, 4))]
+
+
+def test_the_rows_run_at_one_count_are_rows_of_the_catalogue_and_of_bad_input():
+    assert ALIKE_ON_EVERY_RANK <= set(FAULTS) and all(FAULTS[case].code == 2 for case in ALIKE_ON_EVERY_RANK)
+
+
+@pytest.mark.parametrize("case, ranks", ROWS, ids=[f"{case}-{ranks}" for case, ranks in ROWS])
 def test_each_fault_ends_with_its_documented_exit_code_and_message(tmp_path, case, ranks):
     (tmp_path / "notes.txt").write_text("not a dataset")
     (tmp_path / "run.toml").write_text("epoch = 3\n")
