@@ -32,7 +32,8 @@ def token_ids(x, vocab):
     :class:`~mpidist.nn.tensor.VocabularyPart` checks against the whole
     vocabulary).
     """
-    ids = x.astype(np.int64)
+    with np.errstate(invalid="ignore"):   # (NaN, Inf and values past int64 cast to garbage, refused below)
+        ids = x.astype(np.int64)
     bad = (ids < 0) | (ids >= vocab)
     if x.dtype.kind in "fc":
         bad |= ids != x     # (fractions, NaN and values past int64)
