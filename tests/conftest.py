@@ -313,3 +313,13 @@ def epochs_of(steps):
     for (epoch, _), rows in steps.items():
         counts[epoch].update(rows)
     return counts
+
+
+def strategy_of(flags, ranks):
+    """The strategy a run of ``flags`` on ``ranks`` ranks trains with: its ``--strategy``, or what ``auto`` picks
+    (local on one rank, allreduce on more).  Tests hold their tables of runs against the registry with it, so a
+    strategy added later cannot be left out."""
+    flags = list(flags)
+    if "--strategy" in flags:
+        return flags[flags.index("--strategy") + 1]
+    return "local" if ranks == 1 else "allreduce"

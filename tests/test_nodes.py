@@ -16,7 +16,7 @@ import pytest
 
 from mpidist.runtime import comm
 
-from conftest import events, mpidist
+from conftest import events, mpidist, strategy_of
 
 LAYOUTS = {"2 nodes x 2": 2, "3 nodes x 2": 3}
 PER_NODE = 2
@@ -30,6 +30,11 @@ STRATEGIES = {
     "pipeline": lambda nodes: ["--strategy", "pipeline", "--stages", str(nodes)],   # a replica spans nodes
     "local-sgd": lambda nodes: ["--strategy", "local-sgd", "--sync-every", "2"],
 }
+
+
+def test_the_table_covers_every_strategy_that_spans_ranks():
+    from mpidist.parallel import STRATEGIES as REGISTERED
+    assert {strategy_of(flags(2), 4) for flags in STRATEGIES.values()} == set(REGISTERED) - {"local"}
 
 
 def role_table(stdout):

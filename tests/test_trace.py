@@ -8,7 +8,7 @@ import pytest
 from mpidist.observe import trace
 from mpidist.runtime import recorder
 
-from conftest import mpidist
+from conftest import mpidist, strategy_of
 
 
 def test_spans_are_chrome_records_and_nothing_is_kept_while_off():
@@ -59,6 +59,11 @@ STRATEGIES = {
     "pipeline": (2, ["--strategy", "pipeline", "--stages", "2"]),
     "hybrid": (4, ["--strategy", "pipeline", "--stages", "2"]),
 }
+
+
+def test_the_table_covers_every_strategy():
+    from mpidist.parallel import STRATEGIES as REGISTERED
+    assert {strategy_of(flags, ranks) for ranks, flags in STRATEGIES.values()} == set(REGISTERED)
 
 
 @pytest.mark.parametrize("case", STRATEGIES, ids=list(STRATEGIES))

@@ -153,13 +153,6 @@ class DatasetInfo:
     #: a split that ``--eval-samples`` limited: name -> the rows it has without the limit
     limited: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
-    def bytes_of(self, split):
-        """Bytes of ``split``'s samples as stored (``x`` only)."""
-        group, picked = self.rows_of(split)
-        total = sum(m.sizes.get(group, 0) * m.row_bytes.get(group, 0) for m in self.files)
-        rows = sum(m.sizes.get(group, 0) for m in self.files)
-        return total if picked is None else (total * len(picked)) // max(rows, 1)
-
     def rows_of(self, split):
         """``(the file's split, its row numbers or None for all)`` that make up ``split``."""
         return self.carved.get(split, (split, None))
