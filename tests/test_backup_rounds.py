@@ -12,14 +12,14 @@ from mpidist.parallel.backup_rounds import (
     Note,
     Round,
     Rounds,
-    Settled,
+    RoundUpdate,
     Tally,
     admit,
     close_round,
     closed,
     encode_round,
     open_round,
-    settle,
+    round_update,
     squares_with_loss,
     tally_notes,
 )
@@ -225,16 +225,16 @@ def test_a_worker_learns_the_version_and_the_last_one_from_each_reply():
 
 @pytest.mark.parametrize("rounds, expected", [
     # (moved, ok) per round -> (apply, loss the reply carries); the round's loss is 2.0, the last one carried 1.0
-    ([(True, True)], [Settled(True, 2.0)]),
-    ([(True, False)], [Settled(False, math.nan)]),           # skipped alike on every shard: NaN tells the workers
-    ([(False, True)], [Settled(False, 1.0)]),                # no gradient: the last loss again
+    ([(True, True)], [RoundUpdate(True, 2.0)]),
+    ([(True, False)], [RoundUpdate(False, math.nan)]),           # skipped alike on every shard: NaN tells the workers
+    ([(False, True)], [RoundUpdate(False, 1.0)]),                # no gradient: the last loss again
     ([(True, False), (True, True), (True, False)],           # a good update resets the count in a row
-     [Settled(False, math.nan), Settled(True, 2.0), Settled(False, math.nan)]),
+     [RoundUpdate(False, math.nan), RoundUpdate(True, 2.0), RoundUpdate(False, math.nan)]),
 ])
 def test_nan_gradients_are_skipped_and_the_reply_says_so(rounds, expected):
     guard = SkipCounter(patience=1)
-    settled = [settle(moved, ok, guard, 2.0, 1.0, "x were") for moved, ok in rounds]
-    assert [(s.apply, s.loss if math.isfinite(s.loss) else "nan") for s in settled] == \
+    updates = [round_update(moved, ok, guard, 2.0, 1.0, "x were") for moved, ok in rounds]
+    assert [(s.apply, s.loss if math.isfinite(s.loss) else "nan") for s in updates] == \
         [(s.apply, s.loss if math.isfinite(s.loss) else "nan") for s in expected]
     assert guard.total == sum(1 for moved, ok in rounds if moved and not ok)
 
@@ -242,9 +242,9 @@ def test_nan_gradients_are_skipped_and_the_reply_says_so(rounds, expected):
 def test_nan_gradients_past_the_patience_end_the_run():
     guard = SkipCounter(patience=2)
     for _ in range(2):
-        assert settle(True, False, guard, 2.0, 1.0, "the accepted gradients of step 7 were").apply is False
+        assert round_update(True, False, guard, 2.0, 1.0, "the accepted gradients of step 7 were").apply is False
     with pytest.raises(RunError, match=r"step 7 were NaN or Inf 3 time\(s\) in a row \(--nan-patience 2\)"):
-        settle(True, False, guard, 2.0, 1.0, "the accepted gradients of step 7 were")
+        round_update(True, False, guard, 2.0, 1.0, "the accepted gradients of step 7 were")
 
 
 @pytest.mark.parametrize("shard_squares, loss, clip_norm, factor", [

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidist.runtime.errors import EXIT_PREEMPTED
-from mpidist.runtime.preempt import StepAgreement, StopSignals, settle, signal_name
+from mpidist.runtime.preempt import StepAgreement, StopSignals, agree_on_stop, signal_name
 
 from conftest import checkpoint_at, checkpoint_steps, events, mpidist, rank_pids, start_mpidist, wait_for_step
 
@@ -41,7 +41,7 @@ def test_every_rank_learns_a_signal_at_the_same_boundary_one_step_later():
         seen.append(agreement.boundary(raised, due=(rank == 0 and step == 1)))
     agreement.free()
     agreement.free()   # a second free does nothing
-    final = settle(comm, signal.SIGUSR1 if rank == 1 else 0, early=(rank == 0))
+    final = agree_on_stop(comm, signal.SIGUSR1 if rank == 1 else 0, early=(rank == 0))
     assert [flags["signal"] for flags in seen] == [0, 0, 0, 0, signal.SIGTERM, signal.SIGTERM]
     assert [flags["due"] for flags in seen] == [0, 0, 1, 0, 0, 0]
     assert seen[4]["rank"] == size                                  # 1 + the rank that saw it

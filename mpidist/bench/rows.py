@@ -208,7 +208,7 @@ def _whole_exchange(exchange):
     def run():
         exchange.begin()
         exchange.finish()
-        exchange.settle()
+        exchange.after_update()
     return run
 
 

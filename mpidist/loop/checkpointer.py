@@ -186,7 +186,7 @@ class Checkpointer:
             self.behind.started_at = step   # (the index is written now: no checkpoint starts at this step)
         return done + self.collect()
 
-    def settle(self):
+    def finish_writes(self):
         """Collective after the last step: what is written behind training is completed and collected."""
         return self.complete_parts() + self.collect(wait=True)
 

@@ -133,7 +133,7 @@ class State:
         self.cluster = self.setup = self.strategy = None
         self.revoked = []       # communicators besides the cluster's that survivors may be blocked in
         self.recoveries = []    # each loss survived ("recovered" events)
-        self.callbacks = {"reset": [], "give_up": [], "recovered": [], "settle": [], "leave": []}
+        self.callbacks = {"reset": [], "give_up": [], "recovered": [], "finish_writes": [], "leave": []}
 
     def bind(self, cluster, setup, strategy):
         """What the run is made of now: its ranks, its set-up (data, model) and its strategy."""
@@ -142,7 +142,7 @@ class State:
     def register(self, event, callback):
         """Call ``callback`` on ``event``: ``reset(cluster, checkpoint)`` (build the loop again for the
         survivors), ``give_up(message)`` (a lost chief or ps ends the run), ``recovered(record)``,
-        ``settle()`` (before a rollback: finish the checkpoint being written), ``leave()`` (this rank
+        ``finish_writes()`` (before a rollback: finish the checkpoint being written), ``leave()`` (this rank
         survived but cannot train on: let go of what it holds)."""
         self.callbacks[event].append(callback)
 
@@ -242,11 +242,11 @@ class State:
 
         Only where the strategy can (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`), a ps is left to
         take the lost shard, and the run writes checkpoints: the chief's write in flight is finished first
-        (``settle``), then the chief (a new one, where it was lost) names the newest of the run's lineage.
+        (``finish_writes``), then the chief (a new one, where it was lost) names the newest of the run's lineage.
         """
         if not self.strategy.ps_rollback or PS not in cluster.roles or not self.config.checkpoint_dir:
             return None
-        self._fire("settle")
+        self._fire("finish_writes")
         world.Barrier()
         newest = newest_checkpoint(self.config.checkpoint_dir) if cluster.is_chief else None
         named = mpi.bcast_text(world, str(newest) if newest else "", root=cluster.chief_rank)

@@ -39,6 +39,6 @@ class ServerControl:
         epoch, epoch_step = divmod(step, self.setup.steps_per_epoch)
         self.checkpointer.write_behind(state, step, epoch, epoch_step, self.workers)
 
-    def settle(self):
+    def finish_writes(self):
         """After serving: the write still under way is completed (a failed one raises here)."""
         self.checkpointer.collect(wait=True)

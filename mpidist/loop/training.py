@@ -32,7 +32,7 @@ from ..runtime.agreement import agreed
 from ..runtime.comm import bcast
 from ..runtime.memory import peak_memory
 from ..runtime.phase import PhaseAgreement
-from ..runtime.preempt import EARLY_STOP, WRITE_FAILED, settle, signal_name, stop_signals
+from ..runtime.preempt import EARLY_STOP, WRITE_FAILED, agree_on_stop, signal_name, stop_signals
 from ..runtime.whereabouts import here
 from . import elastic
 from .callbacks import EarlyStopping
@@ -91,7 +91,7 @@ class Training:
         self.state.register("reset", self.continue_from)
         self.state.register("give_up", self.give_up)
         self.state.register("recovered", self.recovered)
-        self.state.register("settle", self._settle_writes)
+        self.state.register("finish_writes", self._finish_writes)
         self.state.register("leave", self.leave)
 
     @property
@@ -199,7 +199,7 @@ class Training:
         """This rank survived a loss but cannot train on (its pipeline replica lost a stage): let go of all it holds
         (a chief: the checkpoint being written, its files and the directory's lock, for the new chief)."""
         self.monitor.free(abandon=True)
-        self._settle_writes()
+        self._finish_writes()
         if self.chief:
             self.outputs.log.close()
         self.outputs.close()
@@ -231,7 +231,7 @@ class Training:
             control = ServerControl(config, self.setup, stops.signals, data_layout(config, cluster)[0],
                                     position.step, (self.checkpointer.lineage, self.checkpointer.parent))
             self.strategy.serve(control)
-            control.settle()
+            control.finish_writes()
             stop = True
         start_epoch, start_in_epoch = position.epoch, position.epoch_step
         for epoch in range(start_epoch, config.epochs if not stop else start_epoch):
@@ -356,7 +356,7 @@ class Training:
         if began is not None:
             TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=position.step)
 
-    def _settle_writes(self):
+    def _finish_writes(self):
         """Chief: a checkpoint being written behind training is finished (and logged) before a rollback."""
         if self.chief:
             self._log_written(self.checkpointer.collect(wait=True))
@@ -404,7 +404,7 @@ class Training:
         bcast(self.cluster.world, improved, root=self.cluster.chief_rank)
         if improved[0] and self.checkpointer.enabled:
             self.save()   # (taken already where this step's checkpoint was due: then it may be under way)
-            self._log_written(self.checkpointer.settle())
+            self._log_written(self.checkpointer.finish_writes())
             if self.chief:
                 path = self.checkpointer.keep_best(step, self.setup.resume)
                 self.outputs.log.write("best", step=step, epoch=self.position.epoch + 1,
@@ -412,19 +412,19 @@ class Training:
 
     # -- the end -------------------------------------------------------------------------------------------
     def conclude(self):
-        """Collective: settle, evaluate and checkpoint as the run ended; the chief reports."""
+        """Collective: agree on how the run ended, evaluate and checkpoint; the chief reports."""
         cluster, strategy, stops, outputs = self.cluster, self.strategy, self.stops, self.outputs
         here().enter("finish")
         outputs.progress.close()
         stops.free()
         strategy.finish()
-        flags = settle(cluster.world, stops.request(outputs.log), stops.early)
+        flags = agree_on_stop(cluster.world, stops.request(outputs.log), stops.early)
         # a callback's stop ends the run as a finished one; a signal's, as a preempted one; a failed write
         # (which stops the run wherever it is), as a failed one
         stopped_early = flags["early"] and flags["signal"] == EARLY_STOP
         write_failed = flags["signal"] == WRITE_FAILED
         stopped = flags if flags["signal"] and flags["early"] and not (stopped_early or write_failed) else {}
-        self._log_written(self.checkpointer.settle())   # (a write behind in flight: its event before the end's)
+        self._log_written(self.checkpointer.finish_writes())   # (a write behind in flight: its event before the end's)
         elapsed = self.window.elapsed()   # (training time: the final evaluation and checkpoint are not in it)
         if not (stopped or stops.diverged or write_failed):   # (a stopping job has no time to spare)
             for split in self._missing_splits():

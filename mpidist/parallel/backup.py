@@ -44,7 +44,7 @@ from ..runtime import comm as mpi
 from ..runtime.cluster import PS
 from ..runtime.errors import UsageError
 from ..runtime.xp import is_device_array, to_host
-from .backup_rounds import Note, Rounds, settle, squares_with_loss
+from .backup_rounds import Note, Rounds, round_update, squares_with_loss
 from .base import SkipCounter, finite
 from .recipe import total_steps
 from .shards import ShardedStrategy
@@ -263,14 +263,14 @@ class BackupWorkersStrategy(ShardedStrategy):
             ok = math.isfinite(squares)
         else:
             ok = self.ps_agree(finite(total) and math.isfinite(loss))
-        settled = settle(True, ok, self.nan_guard, loss, previous_loss,
+        update = round_update(True, ok, self.nan_guard, loss, previous_loss,
                          f"the accepted gradients of step {self.rounds.version + 1} were")
-        if settled.apply:
+        if update.apply:
             if self.recipe.clip_norm:
                 self.clip(total, squares)
             self.optimizer.step(self.shard_view(), total, self.recipe.lr(self.rounds.version))
             self.figures["updates"] += 1
-        return settled.loss
+        return update.loss
 
     def shard_view(self):
         return self.host_params[self.lo:self.hi]

@@ -11,7 +11,7 @@ pure function of plain values, which the MPI loop gathers and carries out:
    ps's stop signal and checkpoint flag, combined by maximum): the workers
    heard, the run's last version (a stop moves it to the next version), and
    whether the state is written before the round changes anything.
-3. :func:`settle` and :func:`close_round` (every ps, alike): whether the
+3. :func:`round_update` and :func:`close_round` (every ps, alike): whether the
    accepted gradients are applied (NaN or Inf ones are skipped, within
    ``--nan-patience``), what loss the reply carries, the version after the
    round, which workers the reply tells to stop, and whether the coordinator
@@ -134,14 +134,14 @@ def open_round(decision, version, limit):
     return Round(tuple(statuses), min(limit, version + 1) if signal else limit, bool(checkpoint))
 
 
-class Settled(typing.NamedTuple):
+class RoundUpdate(typing.NamedTuple):
     """Whether a round's accepted gradients are applied, and the loss its reply carries."""
 
     apply: bool
     loss: float
 
 
-def settle(moved, ok, guard, loss, previous_loss, what):
+def round_update(moved, ok, guard, loss, previous_loss, what):
     """The update of a round.
 
     Args:
@@ -154,10 +154,10 @@ def settle(moved, ok, guard, loss, previous_loss, what):
         what: the gradients in words, for the patience's message.
     """
     if not moved:
-        return Settled(False, previous_loss)
+        return RoundUpdate(False, previous_loss)
     if guard.update_allowed(ok, what):
-        return Settled(True, loss)
-    return Settled(False, math.nan)   # skipped alike on every shard; the version still moves on
+        return RoundUpdate(True, loss)
+    return RoundUpdate(False, math.nan)   # skipped alike on every shard; the version still moves on
 
 
 def squares_with_loss(shard_squares, loss):

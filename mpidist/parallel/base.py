@@ -306,7 +306,7 @@ class Strategy(SavedState):
         raise NotImplementedError
 
     def finish(self):
-        """Collective: end of training (strategies with background work settle it here)."""
+        """Collective: end of training (strategies with background work finish it here)."""
 
     def stats(self):
         """Per-role figures for the metrics (JSON-serialisable dict)."""

@@ -228,7 +228,7 @@ class DataParallel(Strategy):
         self.clipped = False
         if not self.skipped:
             self.update(self._clipped_gradient(norm), step)
-        self.exchange.settle()   # (one copy per node: every part is updated before anyone reads the parameters)
+        self.exchange.after_update()   # (one copy per node: every part is updated before anyone reads the parameters)
         return float(self.buffer[-1])
 
     def _clipped_gradient(self, norm=None):

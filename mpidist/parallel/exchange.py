@@ -87,7 +87,7 @@ class NoExchange:
     def free(self):
         """Release what the exchange holds of MPI (a compressed one's reduction operation)."""
 
-    def settle(self):
+    def after_update(self):
         """After the optimizer's step (taken or skipped): what must hold before the next forward."""
 
     def squared_norm(self):

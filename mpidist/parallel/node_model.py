@@ -294,7 +294,7 @@ class NodeModelExchange(NoExchange):
         """The squared norm of the whole summed gradient (the loss left out), after :meth:`finish`."""
         return self._squared_norm
 
-    def settle(self):
+    def after_update(self):
         """Collective over the node: every rank has updated its part before anyone reads the parameters."""
         with _TRACER.span("wait for the workers", "wait", recorder.BUCKETS):
             self.window.everyone_here()

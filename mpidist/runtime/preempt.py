@@ -15,7 +15,7 @@ one step after the first rank saw them.
 
 Strategies whose ranks do not step together (``ps-async``, backup workers)
 carry the stop request in their own traffic instead (see their modules);
-every strategy ends with :func:`settle`, where all ranks agree on whether a
+every strategy ends with :func:`agree_on_stop`, where all ranks agree on whether a
 signal cut the run short.
 """
 
@@ -195,7 +195,7 @@ class StepAgreement:
             self.comm.Free()
 
 
-def settle(comm, signal_number, early):
+def agree_on_stop(comm, signal_number, early):
     """Blocking, after the last step: ``{"signal", "rank", "early"}`` over all ranks.
 
     ``early``: this rank left the training loop before its last step because
