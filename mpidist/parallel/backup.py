@@ -264,7 +264,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         else:
             ok = self.ps_agree(finite(total) and math.isfinite(loss))
         update = round_update(True, ok, self.nan_guard, loss, previous_loss,
-                         f"the accepted gradients of step {self.rounds.version + 1} were")
+                              f"the accepted gradients of step {self.rounds.version + 1} were")
         if update.apply:
             if self.recipe.clip_norm:
                 self.clip(total, squares)
