@@ -316,10 +316,13 @@ def epochs_of(steps):
 
 
 def strategy_of(flags, ranks):
-    """The strategy a run of ``flags`` on ``ranks`` ranks trains with: its ``--strategy``, or what ``auto`` picks
-    (local on one rank, allreduce on more).  Tests hold their tables of runs against the registry with it, so a
-    strategy added later cannot be left out."""
+    """The strategy a run of ``flags`` on ``ranks`` ranks trains with: its ``--strategy``, or what ``auto``
+    picks on that many ranks, as the settings pick it.  Tests hold their tables of runs against the registry
+    with it, so a strategy added later cannot be left out."""
+    from mpidist.settings.config import Settings
     flags = list(flags)
     if "--strategy" in flags:
         return flags[flags.index("--strategy") + 1]
-    return "local" if ranks == 1 else "allreduce"
+    # (auto reads --ps and --stages too: a row that gives them without --strategy would need them here)
+    assert not {"--ps", "--stages"} & set(flags) and not any(f.startswith("--strategy=") for f in flags), flags
+    return Settings().with_world(ranks).strategy

@@ -2,10 +2,10 @@
 
 One test per row, at 2 and 4 ranks, each under a timeout: the run must end
 with the row's exit code and message, every rank gone, within SECONDS_TO_END
-of the fault (for bad input: of the launch).  Bad input that every rank meets
-alike, before any rank has a role or a shard (ALIKE_ON_EVERY_RANK), runs at 2
-ranks only: the agreement that ends the others is the same at any count, and
-4 ranks proved nothing more for twice the start-ups.  tests/test_readme.py keeps the
+of the fault (for bad input: of the launch).  Bad input that every rank refuses
+alike, whatever its role or shard (ALIKE_ON_EVERY_RANK), runs at 2 ranks only:
+the agreement that ends the others is the same at any count, and 4 ranks
+proved nothing more for twice the start-ups.  tests/test_readme.py keeps the
 README's table and this catalogue the same.
 """
 

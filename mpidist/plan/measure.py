@@ -199,26 +199,31 @@ def _short_run(config, batch, steps=200, **strategy):
     return result.figures.get("samples_per_s") or 0.0, peak_memory()
 
 
-def _interleaved(sizes, seconds, measure):
-    """``{size: [measure(size) each round]}``, in as many rounds as ``seconds`` allows (at least
-    ``REPEATS``), each round measuring every size in turn: a drift of the machine while it measures then
-    moves every size alike, where sizes measured one after the other took it as a cost of their samples
-    (a small layer's cost per sample, 0.2 us, adds only a few microseconds across the sizes)."""
-    started = time.perf_counter()
-    for size in sizes:                                       # (a warm-up, and the time of a round)
-        measure(size)
-    rounds = max(REPEATS, int(seconds / max(time.perf_counter() - started, 1e-6)))
+def _interleaved(workspace, sizes, seconds, measure):
+    """``{size: [measure(size) each round]}``, in rounds of every size in turn for ``seconds`` (at least
+    ``REPEATS`` rounds): a drift of the machine while it measures then moves every size alike, where sizes
+    measured one after the other took it as a cost of their samples (a small layer's cost per sample, 0.2 us,
+    adds only a few microseconds across the sizes).  Each size keeps its own ``workspace`` slot, as a step's
+    slices of two sizes do: no pass reallocates its arrays, as no training pass does."""
     at = {size: [] for size in sizes}
-    for _ in range(rounds):
-        for size in sizes:
-            at[size].append(measure(size))
+    try:
+        for slot, size in enumerate(sizes):   # (a round first, untimed: each slot's arrays are made)
+            workspace.slot = slot
+            measure(size)
+        deadline = time.perf_counter() + seconds
+        while len(at[sizes[-1]]) < REPEATS or time.perf_counter() < deadline:
+            for slot, size in enumerate(sizes):
+                workspace.slot = slot
+                at[size].append(measure(size))
+    finally:
+        workspace.slot = 0
     return at
 
 
 def _layer_lines(model, loss, x, y, sizes, seconds):
     """Per layer, forward and backward ``(fixed, per sample)`` seconds fitted over ``sizes`` from the medians
     of passes interleaved over ``seconds``; the loss's too."""
-    at = _interleaved(sizes, seconds, lambda size: _timed_pass(model, loss, x[:size], y[:size]))
+    at = _interleaved(model.workspace, sizes, seconds, lambda size: _timed_pass(model, loss, x[:size], y[:size]))
     medians = {size: [np.median(np.array(values), axis=0) for values in zip(*at[size])] for size in sizes}
     lines = [[_line(sizes, [medians[size][which][index] for size in sizes]) for index in range(len(model.layers))]
              for which in range(2)]
@@ -234,7 +239,7 @@ def _whole_line(model, loss, x, y, sizes, seconds):
         loss.forward(out, y[:n])
         model.backward(loss.backward(), input_grad=False)
         return time.perf_counter() - start
-    at = _interleaved(sizes, seconds, timed_pass)
+    at = _interleaved(model.workspace, sizes, seconds, timed_pass)
     return _line(sizes, [float(np.median(at[size])) for size in sizes])
 
 
