@@ -169,6 +169,15 @@ def run(python, ranks, flags, metrics, kills=(), timeout=120, ulfm=True, env=Non
     return launcher.returncode, out, err, (time.monotonic() - killed) if killed else 0.0
 
 
+def the_end(metrics, code, out, err, replay=""):
+    """The run's ``done`` event, where it exited 0 and logged one; else a failure that says what to replay, the
+    last event the chief logged and what the ranks printed.  (One run, in a full suite, exited 0 with its last
+    step logged at 806 of 1240 and no ``done``: the message then showed neither the draw nor the output.)"""
+    ended = events(metrics, "done")
+    assert code == 0 and ended, f"{replay}\nexit {code}, last event {events(metrics)[-1:]}\n{out}\n{err}"
+    return ended[0]
+
+
 def assert_the_losses_go_on_at_each_recovery(metrics, replay):
     """The survivors go on from the run's state: the 20 steps after a recovery lose at most 10 times the most of
     the 50 before it.  (Fault-free runs stay within 1.9 times anywhere; survivors of a local-sgd worker killed in
@@ -241,8 +250,7 @@ def _measure_fault_free(python, tmp_path, strategy, ranks, flags):
     for index, (size, layout) in enumerate(layouts):
         metrics = tmp_path / f"reference-{index}.jsonl"
         code, out, err, _ = run(python, size, layout, metrics)
-        assert code == 0, err
-        accuracies.append(events(metrics, "done")[0]["test_accuracy"])
+        accuracies.append(the_end(metrics, code, out, err, "(a fault-free reference)")["test_accuracy"])
     return accuracies
 
 
@@ -258,8 +266,7 @@ def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, 
     replay = f"(seed {seed}: kill -9 at (step, rank) {kills})"
     metrics = tmp_path / "elastic.jsonl"
     code, out, err, seconds = run(python, ranks, flags, metrics, kills)
-    assert code == 0, f"{replay}\n{out}\n{err}"
-    done = events(metrics, "done")[0]
+    done = the_end(metrics, code, out, err, replay)
     assert done["workers"] == len(workers) - count and done["steps"] >= 10 * per_epoch - 2, replay
     lost = sorted(rank for r in done["recoveries"] for rank in r["lost_ranks"])
     assert lost == sorted(rank for _, rank in kills), (replay, done["recoveries"])
@@ -668,10 +675,9 @@ def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path,
     replay = f"(seed {seed}: kill -9 of the chief, rank 0, at step {kill})"
     metrics = tmp_path / "elastic.jsonl"
     code, out, err, seconds = run(python, ranks, flags, metrics, [(kill, 0)])
-    assert code == 0, f"{replay}\n{out}\n{err}"
+    done, recoveries = the_end(metrics, code, out, err, replay), events(metrics, "recovered")
     lines = metrics.read_text().splitlines(keepends=True)
     assert all(line.endswith("\n") for line in lines)   # never a partial line
-    done, recoveries = events(metrics, "done")[0], events(metrics, "recovered")
     assert len(recoveries) == 1, (replay, recoveries, out)
     recovered = recoveries[0]
     assert recovered["lost_ranks"] == [0] and recovered["workers"] == left and done["workers"] == ranks_left, replay
@@ -706,8 +712,7 @@ def test_a_pipeline_replica_that_lost_a_stage_is_set_aside_and_the_other_goes_on
              "--checkpoint-dir", str(tmp_path / "ckpt")]
     metrics = tmp_path / "m.jsonl"
     code, out, err, seconds = run(python, 4, flags, metrics, [(kill, victim)])
-    assert code == 0, f"{replay}\n{out}\n{err}"
-    done, (recovered,) = events(metrics, "done")[0], events(metrics, "recovered")
+    done, (recovered,) = the_end(metrics, code, out, err, replay), events(metrics, "recovered")
     partner = victim ^ 1   # (its replica's other stage)
     assert recovered["lost_ranks"] == [victim] and recovered["idle_ranks"] == [partner], (replay, recovered)
     assert recovered["workers"] == 1 and done["workers"] == 2 and abs(recovered["step"] - kill) <= 3, \
@@ -734,8 +739,7 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
     replay = f"(seed {seed}: kill -9 of rank 4, a ps, at step {kill})"
     metrics = tmp_path / "m.jsonl"
     code, out, err, seconds = run(python, 5, flags, metrics, [(kill, 4)])
-    assert code == 0, f"{replay}\n{out}\n{err}"
-    done, recoveries = events(metrics, "done")[0], events(metrics, "recovered")
+    done, recoveries = the_end(metrics, code, out, err, replay), events(metrics, "recovered")
     assert len(recoveries) == 1, (replay, recoveries, out)
     recovered = recoveries[0]
     assert recovered["lost_ranks"] == [4] and recovered["ps"] == 1 and done["workers"] == 3, replay
@@ -772,9 +776,8 @@ def test_a_killed_ps_or_chief_under_ps_async_is_survived_by_a_rollback_to_the_ne
     replay = f"(seed {seed}: kill -9 of rank {rank}, the {victim}, at step {kill})"
     metrics = tmp_path / "m.jsonl"
     code, out, err, seconds = run(python, 6, flags, metrics, [(kill, rank)])
-    assert code == 0, f"{replay}\n{out}\n{err}"
+    done, recoveries = the_end(metrics, code, out, err, replay), events(metrics, "recovered")
     assert all(line.endswith("\n") for line in metrics.read_text().splitlines(keepends=True)), replay
-    done, recoveries = events(metrics, "done")[0], events(metrics, "recovered")
     assert len(recoveries) == 1, (replay, recoveries, out)
     recovered = recoveries[0]
     ps_left, workers = (1, 4) if victim == "ps" else (2, 3)
