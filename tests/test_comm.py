@@ -131,3 +131,40 @@ def test_point_to_point_staging_sends_and_receives_device_arrays_through_the_hos
     comm.recv(world, incoming, (rank - 1) % size, tag=5)
     request.Wait()
     np.testing.assert_array_equal(incoming.host, np.arange(4.0) + 10 * ((rank - 1) % size))
+
+
+def test_an_operation_still_in_flight_at_a_loss_keeps_its_buffer_after_its_starter_lets_go():
+    """After a lost rank the survivors drop the objects that started operations on the broken world; a buffer
+    MPI may still write into must not be freed with them (mpi4py lets go of it with its request)."""
+    import gc
+    import weakref
+
+    private = MPI.COMM_SELF.Dup()
+    buffer = np.zeros(4)
+    watch = weakref.ref(buffer)
+    comm.irecv(private, buffer, 0, tag=7)   # (nobody sends: it stays in flight, as on a revoked communicator)
+    done = np.zeros(3)
+    done_watch = weakref.ref(done)
+    comm.iallreduce_sum(private, done).wait()   # (completed: nothing to keep)
+    assert comm.keep_in_flight() == 1
+    del buffer, done
+    gc.collect()
+    assert watch() is not None and done_watch() is None
+    assert comm.keep_in_flight() == 0   # (each is kept once)
+
+
+def test_completed_operations_are_let_go_as_more_are_started():
+    import gc
+    import weakref
+
+    private = MPI.COMM_SELF.Dup()
+    watches = []
+    for _ in range(3 * comm.InFlight.FIRST_PASS):
+        array = np.ones(2)
+        watches.append(weakref.ref(array))
+        comm.iallreduce_sum(private, array).wait()
+    del array
+    gc.collect()
+    assert sum(watch() is not None for watch in watches) <= comm.InFlight.FIRST_PASS
+    comm.keep_in_flight()
+    private.Free()

@@ -11,6 +11,7 @@ is buffer-based: no pickle ever touches array data.
 import ctypes
 import functools
 import os
+import threading
 
 import numpy as np
 from mpi4py import MPI
@@ -115,6 +116,63 @@ def _for_mpi(array):
     return _staged(array)
 
 
+class InFlight:
+    """The non-blocking operations started here that may not have completed, each with its buffer.
+
+    A buffer must outlive its operation (MPI reads or writes it until then),
+    and mpi4py lets go of a buffer with the last reference to its request,
+    completed or not.  That only matters after a lost rank: on a revoked
+    communicator an operation in flight may never complete (measured under
+    Open MPI's ULFM: an ``Iallreduce`` over 4 ranks, one killed, was still
+    active on 2 of the 3 survivors after their shrink), and the objects that
+    started it are dropped as the survivors build the loop again: a round of
+    it whose data had arrived could still be applied at MPI's next progress,
+    into freed memory (the MPI standard leaves that undefined).  So
+    :func:`keep_in_flight` keeps every such operation for the rest of the
+    process.  Completed ones are dropped as more are started, once the list
+    has doubled since the last pass (a few entries per step, amortised; never
+    a copy of a buffer).
+    """
+
+    FIRST_PASS = 64   # entries before the first pass that drops the completed ones
+
+    def __init__(self):
+        self.started, self.kept = [], []
+        self.next_pass = self.FIRST_PASS
+        self.lock = threading.Lock()   # (the stall monitor's thread starts sends too)
+
+    def track(self, request, buffer):
+        """Note ``request`` (an mpi4py request) and the ``buffer`` it uses; returns the request."""
+        with self.lock:
+            if len(self.started) >= self.next_pass:
+                self.started = self._not_completed()
+                self.next_pass = max(self.FIRST_PASS, 2 * len(self.started))
+            self.started.append((request, buffer))
+        return request
+
+    def keep(self):
+        """Keep every operation not yet completed, and its buffer, until the process ends; returns their count."""
+        with self.lock:
+            pending = self._not_completed()
+            self.kept.extend(pending)
+            self.started = []
+        return len(pending)
+
+    def _not_completed(self):
+        return [item for item in self.started if item[0] != MPI.REQUEST_NULL]
+
+
+_IN_FLIGHT = InFlight()
+
+
+def keep_in_flight():
+    """After a lost rank: the operations still in flight (and their buffers) are kept until the process ends.
+
+    Returns how many were.  See :class:`InFlight`.
+    """
+    return _IN_FLIGHT.keep()
+
+
 def _typed(buffer, counts, displs):
     from mpi4py.util.dtlib import from_numpy_dtype
     return [buffer, list(counts), list(displs), from_numpy_dtype(buffer.dtype)]
@@ -140,7 +198,7 @@ def iallreduce_sum(comm, array):
     copied back when the reduction completes.
     """
     buffer, back = _for_mpi(array)
-    return Pending(comm.Iallreduce(MPI.IN_PLACE, buffer), buffer, back)
+    return Pending(_IN_FLIGHT.track(comm.Iallreduce(MPI.IN_PLACE, buffer), buffer), buffer, back)
 
 
 class Pending:
@@ -236,7 +294,7 @@ def allreduce_min(comm, array):
 def isend(comm, array, dest, tag):
     """Start sending ``array``; returns ``(request, buffer)``: keep the buffer until the request is done."""
     buffer, _ = _for_mpi(array)
-    return comm.Isend(buffer, dest=dest, tag=tag), buffer
+    return _IN_FLIGHT.track(comm.Isend(buffer, dest=dest, tag=tag), buffer), buffer
 
 
 def send(comm, array, dest, tag):
@@ -274,7 +332,7 @@ def irecv(comm, array, source, tag):
 
     Returns the request, for :func:`wait_any` or :func:`wait_all`.
     """
-    return comm.Irecv(array, source=source, tag=tag)
+    return _IN_FLIGHT.track(comm.Irecv(array, source=source, tag=tag), array)
 
 
 def wait_any(requests, first=0):
@@ -349,4 +407,5 @@ def iallreduce(comm, array, op, then=None):
             back()
         then()
 
-    return Pending(comm.Iallreduce(MPI.IN_PLACE, buffer, op=op), buffer, back if then is None else complete)
+    request = _IN_FLIGHT.track(comm.Iallreduce(MPI.IN_PLACE, buffer, op=op), buffer)
+    return Pending(request, buffer, back if then is None else complete)

@@ -34,7 +34,7 @@ import time
 
 from mpi4py import MPI
 
-from .comm import mpi_library_path
+from .comm import keep_in_flight, mpi_library_path
 
 #: Error classes that mean "a process died" (or a survivor said so by revoking).
 FAILURE_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
@@ -136,8 +136,11 @@ def shrink(world, others=()):
     """Collective over the survivors: ``(their communicator, world ranks lost)``.
 
     ``others`` are the other communicators in use: they are revoked too, so
-    that a survivor blocked in any of them is released.
+    that a survivor blocked in any of them is released.  What was in flight
+    on them is kept, with its buffers, for the rest of the process
+    (:func:`~mpidist.runtime.comm.keep_in_flight`).
     """
+    keep_in_flight()
     for comm in (world, *others):
         if comm is not None and comm != MPI.COMM_NULL:
             try:
