@@ -342,7 +342,9 @@ def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoi
     flags = ["--strategy", strategy, "--ps", "1", "--elastic", "--epochs", "6", "--checkpoint-dir", str(checkpoints),
              "--checkpoint-every", "10", "--checkpoint-wait"]
     metrics = tmp_path / "m.jsonl"
-    code, out, err, seconds = run(python, 5, flags, metrics, kills=[(40, 4)])
+    # (killed once step 41 is logged: step 40's checkpoint was gathered before step 41 began, where the line of
+    # step 40 comes just before that gather, and a kill there left the newest at 30, 1 run in 17)
+    code, out, err, seconds = run(python, 5, flags, metrics, kills=[(41, 4)])
     assert code == 1, (out, err)
     assert "rank 4 (ps) died: --elastic carries on without lost workers" in err
     assert "resume from the last checkpoint with --resume auto" in err
@@ -434,6 +436,54 @@ def test_a_rank_held_up_in_an_operation_at_a_dead_rank_is_ended_so_that_the_othe
     assert "never" not in done.stdout, ("five kills landed outside the lock", done.stdout)
     assert "rank 2 shrunk to 1" in done.stdout, (done.stdout, done.stderr)
     assert "mpidist: rank 0 held" in done.stderr and "in a one-sided operation" in done.stderr, done.stderr
+
+
+ONLY_PS_HELD = """
+import os, signal, threading, time
+import numpy as np
+from mpi4py import MPI
+from mpidist.parallel.ps_async import LostRanks
+from mpidist.runtime.cluster import PS, WORKER, build_cluster
+from mpidist.runtime.rma import Window
+world = MPI.COMM_WORLD
+world.Set_errhandler(MPI.ERRORS_RETURN)
+cluster = build_cluster(world, roles=[WORKER, WORKER, PS])
+lost = LostRanks(cluster, {}, elastic=True, rollback=False)   # (no checkpoints: a lost ps ends the run)
+lost.guard.seconds, lost.guard.period = 2.0, 0.2
+rank, size = world.Get_rank(), 4_000_000
+window = Window(world, size if rank == 2 else 0, np.float64, lost.guard)
+if rank == 2:   # the only ps, killed inside one of its own accumulates (taking its inbox holds its lock)
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    values = np.ones(size)
+    while True:
+        window.add(values, 2)
+time.sleep(2.0)
+print("adding", flush=True)   # both workers push at the dead ps: held up, both of them, for good but for the guard
+window.add(np.ones(4), 2)
+print("never", flush=True)
+os._exit(0)
+"""
+
+
+def test_where_every_rank_is_held_at_the_only_ps_that_died_the_run_ends_with_its_line_and_exit_1(python, tmp_path):
+    """The guard's SIGKILL of each held worker left nobody to say that the ps died, and Open MPI's launcher
+    under --with-ft ulfm exits 0 when every rank died by a signal: 1 whole run of test_elastic in 3 failed so
+    (test_a_killed_ps_ends_the_run_promptly...[ps-async], exit 0)."""
+    script = tmp_path / "only_ps_held.py"
+    script.write_text(ONLY_PS_HELD)
+    extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", *extra, "--mca", "osc", "^ucx",
+               "-n", "3", str(python), str(script)]
+    for _ in range(5):   # (the kill must land while the ps holds its lock: nearly always, not always)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, errors="replace",
+                              env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"))
+        assert "adding" in done.stdout, (done.stdout, done.stderr)
+        if "never" not in done.stdout:
+            break
+    assert "never" not in done.stdout, ("five kills landed outside the lock", done.stdout)
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    assert "mpidist: error: rank 2 (ps) died: --elastic carries on without lost workers" in done.stderr, done.stderr
+    assert "resume from the last checkpoint with --resume auto" in done.stderr, done.stderr
 
 
 # -- the parts, without deaths: under any MPI ----------------------------------------------------------------

@@ -142,8 +142,8 @@ class State:
     def register(self, event, callback):
         """Call ``callback`` on ``event``: ``reset(cluster, checkpoint)`` (build the loop again for the
         survivors), ``give_up(message)`` (a lost chief or ps ends the run), ``recovered(record)``,
-        ``finish_writes()`` (before a rollback: finish the checkpoint being written), ``leave()`` (this rank
-        survived but cannot train on: let go of what it holds)."""
+        ``finish_writes()`` (before a rollback or giving up: finish the checkpoint being written), ``leave()``
+        (this rank survived but cannot train on: let go of what it holds)."""
         self.callbacks[event].append(callback)
 
     def _fire(self, event, *args):
@@ -190,6 +190,10 @@ class State:
         held_nowhere = ps_lost or chief_lost   # (only going back to a checkpoint replaces what they held)
         rollback = self._rollback_point(world, cluster) if held_nowhere and cluster is not None else None
         if (held_nowhere and rollback is None) or cluster is None:
+            # the chief's checkpoint written behind training is finished first: it is the newest to resume from
+            # (exiting would drop it, gathered and half written, and the message name the one before)
+            self._fire("finish_writes")
+            world.Barrier()
             why = (f"every replica lost a rank, and the others ({describe_lost(idle, old)}) hold only part of "
                    "the model" if idle else None)
             message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir), why)

@@ -39,8 +39,16 @@ import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime import recorder
-from ..runtime.errors import UsageError
-from ..runtime.ulfm import FailureWatch, ProcessLost, StuckGuard, describe_lost
+from ..runtime.errors import EXIT_FAILURE, UsageError, error_line
+from ..runtime.ulfm import (
+    FailureWatch,
+    ProcessLost,
+    StuckGuard,
+    cannot_go_on,
+    describe_lost,
+    end_the_job,
+    end_this_process,
+)
 from ..runtime.xp import is_device_array, to_host
 from .async_exchange import AsyncExchange
 from .async_rounds import (
@@ -78,7 +86,8 @@ class LostRanks:
     def __init__(self, cluster, figures, elastic, rollback=False):
         self.cluster, self.figures, self.rollback = cluster, figures, rollback
         self.watch = FailureWatch(cluster.world) if elastic else None
-        self.guard, self.guard_watch = StuckGuard.on(cluster.world) if elastic else (None, None)
+        self.guard, self.guard_watch = StuckGuard.on(cluster.world, end=self._held_for_good) if elastic \
+            else (None, None)
 
     @property
     def watched(self):
@@ -101,6 +110,22 @@ class LostRanks:
             for rank, worker in verdict.retired:
                 exchange.retire(worker)   # its clock holds nobody back
                 self.figures["dropped_workers"].append({"rank": cluster.origin[rank], "step": step})
+
+    def _held_for_good(self, why):
+        """The guard's end of this process, held for good in an operation at a dead target (from its thread).
+
+        One more lost rank for the others (SIGKILL), unless the dead the guard
+        knows of end the run anyway (a ps or the chief, and no checkpoint to go
+        back to or no ps left): then the run's line and exit code 1, which ends
+        the job.  A SIGKILL there left nobody to say it where every rank was
+        held: the only ps killed while it held its inbox's lock held every
+        worker at their next push, and ``mpirun`` exited 0 with no line.
+        """
+        cluster = self.cluster
+        lost = sort_lost(sorted(self.guard_watch.known), cluster.roles, cluster.chief_rank, (), self.rollback)
+        if not lost.fatal or lost.recover:
+            end_this_process(why)
+        end_the_job(error_line(cannot_go_on(describe_lost(lost.fatal, cluster))), EXIT_FAILURE)
 
     def abandon(self):
         """After a lost rank: stop the guard's thread; the watches' communicators are left to the broken world."""

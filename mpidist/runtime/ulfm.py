@@ -278,7 +278,7 @@ class StuckGuard:
 
     def __init__(self, died, seconds=STUCK_SECONDS, period=STUCK_PERIOD, end=None):
         self.died, self.seconds, self.period = died, seconds, period
-        self.end = end or _end_this_process
+        self.end = end or end_this_process
         self.depth, self.since = 0, None
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="mpidist-stuck-guard")
@@ -331,8 +331,22 @@ class StuckGuard:
             self.thread.join()
 
 
-def _end_this_process(why):
+def end_this_process(why):
     """SIGKILL this process after a line on stderr: the survivors see it as a lost rank."""
     sys.stderr.write(f"mpidist: rank {MPI.COMM_WORLD.Get_rank()} {why}\n")
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def end_the_job(line, code):
+    """End this process (from any thread, without finalising) with ``code`` after ``line`` on stderr.
+
+    Under ULFM an exit with a non-zero code is no lost rank: the launcher
+    ends the whole job and exits with that code (measured: the other ranks
+    ended within a second), where a SIGKILL is one more lost rank and, were
+    every rank so ended, ``mpirun`` exits 0.
+    """
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
