@@ -11,7 +11,7 @@ import pytest
 from mpidist.data import inspect, limit_evaluation
 from mpidist.data.layout import carve_validation
 from mpidist.loop.evaluations import duration, shown
-from mpidist.runtime.phase import PhaseAgreement
+from mpidist.runtime.phase import PhaseAgreement, PhaseComm
 
 from conftest import events, run_mpi, start_mpi
 
@@ -78,14 +78,14 @@ def test_alone_a_phase_ends_at_the_first_item_after_a_signal():
         if item == 3:
             signals.received = 15
     assert taken == [0, 1, 2, 3] and phase.cut == {"signal": 15, "rank": 0}
-    phase.free()
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("signal_after", [None, 0, 3, 8])
 def test_the_ranks_of_a_phase_stop_at_the_same_item_whatever_their_counts(signal_after):
     from mpi4py import MPI
-    comm = MPI.COMM_WORLD
+    phases = PhaseComm()
+    comm = phases.over(MPI.COMM_WORLD)
     rank = comm.Get_rank()
     own = [6, 2, 0, 9][rank % 4] + rank // 4   # ranks with many items, few, none
     signals = types.SimpleNamespace(received=0)
@@ -95,10 +95,30 @@ def test_the_ranks_of_a_phase_stop_at_the_same_item_whatever_their_counts(signal
             taken += 1
             if rank == 1 and signal_after is not None and taken == signal_after + 1:
                 signals.received = 15
+    phases.free()
     if signal_after is None or signal_after + 1 > own_of(1):   # rank 1 never got that far: no signal
         assert taken == own and phase.cut is None
     else:   # posted at rank 1's next boundary, seen by every rank at the one after: one item more each
         assert taken == min(own, signal_after + 2) and phase.cut == {"signal": 15, "rank": 2}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_phases_of_a_loop_agree_on_one_communicator_made_once_per_world():
+    """A duplicate of the world made and freed at every evaluation crashed every rank in MPI_Comm_dup under
+    Open MPI's ULFM (1 run of the elastic tests in about 20): a loop makes one."""
+    from mpi4py import MPI
+    phases, made = PhaseComm(), []
+    first = phases.over(MPI.COMM_WORLD, made.append)
+    assert phases.over(MPI.COMM_WORLD, made.append) is first and made == [first]   # (the next phases: the same)
+    assert MPI.Comm.Compare(first, MPI.COMM_WORLD) == MPI.CONGRUENT              # (a context of its own)
+    survivors = MPI.COMM_WORLD.Dup()   # (a recovery's new world)
+    second = phases.over(survivors, made.append)
+    assert second is not first and made == [first, second]
+    first.Free()   # (the test's to free: a broken world's is left to it)
+    phases.free()
+    assert phases.comm is None and second == MPI.COMM_NULL
+    phases.free()   # (once: a second call does nothing)
+    survivors.Free()
 
 
 def own_of(rank):

@@ -1,5 +1,6 @@
 """Why a rank leaves the loop: a signal, a callback's stop, a failed write, divergence -- and the agreement on it."""
 
+from ..runtime.phase import PhaseComm
 from ..runtime.preempt import EARLY_STOP, WRITE_FAILED, StepAgreement
 
 
@@ -13,6 +14,7 @@ class Stops:
     def __init__(self, signals):
         self.signals = signals
         self.agreement = None   # lockstep strategies: the step agreement of the current loop
+        self.phases = PhaseComm()   # what the ranks' evaluations agree on (freed after the loop's last one)
         self.early = False      # this rank left the loop on a stop request
         self.diverged = None    # the message, once --nan-patience ran out
 

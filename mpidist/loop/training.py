@@ -379,14 +379,14 @@ class Training:
         batches = data.eval_batches(shard) if shard else []
         if self.chief and shard:
             batches = shown(batches, len(shard), split, self.outputs.say)
-        with PhaseAgreement(self.cluster.world if together else None, self.stops.signals) as phase:
-            self.state.revoked.append(phase.comm)   # (a survivor of a lost rank may be waiting in it)
+        # (a survivor of a lost rank may be waiting in the phases' communicator: a recovery revokes it)
+        comm = self.stops.phases.over(self.cluster.world, self.state.revoked.append) if together else None
+        with PhaseAgreement(comm, self.stops.signals) as phase:
             items = phase.items(batches)
             with TRACER.span(f"evaluate {split}", "eval", recorder.STEPS, step=position.step):
                 figures = self.strategy.evaluate(items)
             for _ in items:   # (a rank that evaluates nothing, a ps, still takes part in the agreement)
                 pass
-            self.state.revoked.remove(phase.comm)
         if phase.cut:
             return phase.cut
         self.evaluations.record(split, figures, position.step)
@@ -448,6 +448,7 @@ class Training:
                                 f"rank {cluster.rank} ({cluster.role}{', ' + part if part else ''})")
             here().enter("finish")
         self.monitor.free()
+        self.stops.phases.free()
         strategy.free()
         return self._outcome(state, roles, elapsed, stopped, stopped_early, write_failed)
 

@@ -116,10 +116,11 @@ class LostRanks:
 
         One more lost rank for the others (SIGKILL), unless the dead the guard
         knows of end the run anyway (a ps or the chief, and no checkpoint to go
-        back to or no ps left): then the run's line and exit code 1, which ends
-        the job.  A SIGKILL there left nobody to say it where every rank was
-        held: the only ps killed while it held its inbox's lock held every
-        worker at their next push, and ``mpirun`` exited 0 with no line.
+        back to or no ps left): then the run's line and exit code 1, with which
+        ``mpirun`` exits (every other rank held there ends itself alike).  A
+        SIGKILL there left nobody to say it where every rank was held: the only
+        ps killed while it held its inbox's lock held every worker at their next
+        push, and ``mpirun`` exited 0 with no line.
         """
         cluster = self.cluster
         lost = sort_lost(sorted(self.guard_watch.known), cluster.roles, cluster.chief_rank, (), self.rollback)

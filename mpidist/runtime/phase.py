@@ -26,9 +26,11 @@ _END = object()
 class PhaseAgreement:
     """The items of a long phase, until the ranks of ``comm`` agree to stop (``None``: this rank alone decides).
 
-    Collective over ``comm`` (a duplicate of it is made and freed here).
-    After the phase, :attr:`cut` is None, or the agreed flags of the signal
-    that cut it short: ``{"signal", "rank"}`` (``rank``: 1 + the rank that saw it).
+    Collective over ``comm``, a communicator of the phases' own (its
+    exchanges are never matched against others'), made once by the caller
+    for every phase of a loop (:class:`PhaseComm`).  After the phase,
+    :attr:`cut` is None, or the agreed flags of the signal that cut it short:
+    ``{"signal", "rank"}`` (``rank``: 1 + the rank that saw it).
 
     Args:
         comm: the ranks that go through the phase together, or None.
@@ -38,7 +40,7 @@ class PhaseAgreement:
     FIELDS = ("signal", "rank", "busy")
 
     def __init__(self, comm, signals):
-        self.comm = comm.Dup() if comm is not None else None   # its own context: never matched against others
+        self.comm = comm
         self.signals = signals
         self.cut = None
         self._flags = np.zeros(len(self.FIELDS), dtype=np.int64)
@@ -81,20 +83,40 @@ class PhaseAgreement:
         self._pending = mpi.iallreduce(self.comm, self._flags, MPI.MAX)
         return agreed
 
-    def free(self):
-        """Free the duplicate communicator (once: a second call does nothing).
-
-        A phase left by an error has an exchange pending, which the others may
-        never join: the communicator is freed without waiting (MPI completes it
-        first, if ever).
-        """
-        self._pending = None
-        if self.comm is not None:
-            self.comm.Free()
-            self.comm = None
-
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.free()
+        # a phase left by an error has an exchange pending, which the others may never join: it is let go
+        # without waiting (the communicator is revoked, or the job ends)
+        self._pending = None
+
+
+class PhaseComm:
+    """The communicator the phases of a loop agree on: a duplicate of ``world``, made at the first phase.
+
+    One per world, not one per phase: with a duplicate made and freed at each
+    evaluation, every rank of a run under Open MPI's ULFM crashed (SIGSEGV)
+    in that ``MPI_Comm_dup`` at the start of an evaluation, in 1 of about 20
+    runs of the elastic tests (faulthandler's traces: every rank in it), and
+    ``mpirun`` exited 0.  Collective over ``world`` the first time; a new
+    world (the survivors of a lost rank) gets a new one, the broken world's
+    being left to it (freeing is collective over the dead too).
+    """
+
+    def __init__(self):
+        self.world = self.comm = None
+
+    def over(self, world, made=None):
+        """The communicator for ``world`` (made now, and passed to ``made``, where there is none for it yet)."""
+        if self.world is not world:
+            self.world, self.comm = world, world.Dup()
+            if made is not None:
+                made(self.comm)
+        return self.comm
+
+    def free(self):
+        """Collective: free the communicator of the current world (once)."""
+        if self.comm is not None:
+            self.comm.Free()
+        self.world = self.comm = None

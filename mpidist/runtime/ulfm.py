@@ -333,20 +333,28 @@ class StuckGuard:
 
 def end_this_process(why):
     """SIGKILL this process after a line on stderr: the survivors see it as a lost rank."""
-    sys.stderr.write(f"mpidist: rank {MPI.COMM_WORLD.Get_rank()} {why}\n")
-    sys.stderr.flush()
+    _say(f"mpidist: rank {MPI.COMM_WORLD.Get_rank()} {why}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def end_the_job(line, code):
     """End this process (from any thread, without finalising) with ``code`` after ``line`` on stderr.
 
-    Under ULFM an exit with a non-zero code is no lost rank: the launcher
-    ends the whole job and exits with that code (measured: the other ranks
-    ended within a second), where a SIGKILL is one more lost rank and, were
-    every rank so ended, ``mpirun`` exits 0.
+    Under ULFM an exit with a non-zero code is no lost rank: ``mpirun`` exits
+    at once with that code (measured), where a SIGKILL is one more lost rank
+    and, were every rank so ended, ``mpirun`` exits 0.  The other ranks end
+    as they find out, no longer waited for by the launcher: a rank held as
+    this one is ends itself alike.
     """
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-    sys.stdout.flush()
+    _say(line)
     os._exit(code)
+
+
+def _say(line):
+    """``line`` on stderr, if it can still be written: the launcher that read it may be gone (the end must come)."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except (OSError, ValueError):   # (a closed pipe, a closed stream)
+        pass
