@@ -20,11 +20,9 @@ from mpidist.parallel.backup_rounds import (
     encode_round,
     open_round,
     round_update,
-    squares_with_loss,
     tally_notes,
 )
 from mpidist.parallel.base import SkipCounter
-from mpidist.parallel.recipe import clip_factor
 from mpidist.runtime.errors import RunError
 
 
@@ -245,19 +243,3 @@ def test_nan_gradients_past_the_patience_end_the_run():
         assert round_update(True, False, guard, 2.0, 1.0, "the accepted gradients of step 7 were").apply is False
     with pytest.raises(RunError, match=r"step 7 were NaN or Inf 3 time\(s\) in a row \(--nan-patience 2\)"):
         round_update(True, False, guard, 2.0, 1.0, "the accepted gradients of step 7 were")
-
-
-@pytest.mark.parametrize("shard_squares, loss, clip_norm, factor", [
-    ([9.0, 16.0], 0.5, 1.0, 0.2),        # the norm over every shard: 5, brought down to 1
-    ([9.0, 16.0], 0.5, 10.0, 1.0),       # within the limit
-    ([0.25], 0.5, 1.0, 1.0),
-    ([9.0, 16.0], math.nan, 1.0, None),  # a broken loss breaks the sum: the step is skipped, not clipped
-    ([math.inf, 16.0], 0.5, 1.0, None),
-])
-def test_clipping_takes_the_norm_over_every_shard_and_a_broken_loss_skips_the_step(shard_squares, loss, clip_norm,
-                                                                                 factor):
-    squares = sum(squares_with_loss(part, loss) for part in shard_squares)   # what sum_float64 adds over the ps
-    if factor is None:
-        assert not math.isfinite(squares) and clip_factor(squares, clip_norm) == 1.0
-    else:
-        assert clip_factor(squares, clip_norm) == pytest.approx(factor)

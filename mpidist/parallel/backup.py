@@ -36,18 +36,17 @@ tested there by literal tables; this module gathers their inputs over MPI and
 carries out what they decide.
 """
 
-import math
-
 import numpy as np
 
 from ..runtime import comm as mpi
 from ..runtime.cluster import PS
 from ..runtime.errors import UsageError
 from ..runtime.xp import is_device_array, to_host
-from .backup_rounds import Note, Rounds, round_update, squares_with_loss
-from .base import SkipCounter, finite
+from .backup_rounds import Note, Rounds, round_update
+from .base import SkipCounter
 from .recipe import total_steps
 from .shards import ShardedStrategy
+from .verdict import agree
 
 TAG_NOTE, TAG_GRAD, TAG_PARAMS = 11, 12, 13
 
@@ -258,17 +257,15 @@ class BackupWorkersStrategy(ShardedStrategy):
 
     def _update(self, total, loss, previous_loss):
         """Apply the mean accepted gradient ``total`` (every shard skips alike); returns the loss the reply carries."""
-        if self.recipe.clip_norm:   # the norm over every shard, one Allreduce (0 x a broken loss is NaN)
-            squares = mpi.sum_float64(self.cluster.role_comm, [squares_with_loss(float(total.dot(total)), loss)])[0]
-            ok = math.isfinite(squares)
-        else:
-            ok = self.ps_agree(finite(total) and math.isfinite(loss))
-        update = round_update(True, ok, self.nan_guard, loss, previous_loss,
+        # the norm over every shard, one small Allreduce where there are several (0 x a broken loss is NaN)
+        group = self.cluster.role_comm if len(self.ps_ranks) > 1 else None
+        verdict, _ = agree(group, float(total.dot(total)), loss, self.recipe.clip_norm)
+        update = round_update(True, not verdict.skip, self.nan_guard, loss, previous_loss,
                               f"the accepted gradients of step {self.rounds.version + 1} were")
         if update.apply:
-            if self.recipe.clip_norm:
-                self.clip(total, squares)
-            self.optimizer.step(self.shard_view(), total, self.recipe.lr(self.rounds.version))
+            self.judge(verdict)
+            gradient = self.scaled(total, verdict.factor)
+            self.optimizer.step(self.shard_view(), gradient, self.recipe.lr(self.rounds.version))
             self.figures["updates"] += 1
         return update.loss
 

@@ -160,11 +160,6 @@ def round_update(moved, ok, guard, loss, previous_loss, what):
     return RoundUpdate(False, math.nan)   # skipped alike on every shard; the version still moves on
 
 
-def squares_with_loss(shard_squares, loss):
-    """A shard's squared norm to sum over the ps ranks for clipping: ``0 x loss`` added, so a broken loss breaks it."""
-    return shard_squares + 0.0 * loss
-
-
 @dataclasses.dataclass(frozen=True)
 class Closing:
     """How a round ends on every ps.

@@ -19,7 +19,7 @@ from ..nn import SoftmaxCrossEntropy, scores
 from ..runtime import comm as mpi
 from ..runtime.errors import RunError
 from ..runtime.recorder import tracer
-from .recipe import Recipe, clip_factor
+from .recipe import Recipe
 from .saved_state import SavedState
 
 TRACER = tracer()
@@ -406,29 +406,22 @@ class Strategy(SavedState):
         counts, self.train_counts = self.train_counts, [0.0, 0]
         return counts
 
-    def clip(self, grads, squared_norm=None, out=None):
-        """``grads`` scaled down to ``--clip-norm`` by the global norm (in place, or into ``out``); sets :attr:`clipped`.
+    def judge(self, verdict, skips=True):
+        """Take the step's :class:`~mpidist.parallel.verdict.Verdict`: sets :attr:`skipped` (``skips`` False: not
+        this rank's to decide, as a ps-async worker only clips the gradient it sends) and :attr:`clipped`, and
+        counts a clipped step in the figures; returns the verdict."""
+        if skips:
+            self.skipped = verdict.skip
+        self.clipped = verdict.clipped
+        if verdict.clipped:
+            self.figures["clipped"] = self.figures.get("clipped", 0) + 1
+        return verdict
 
-        ``squared_norm``: the global squared norm where the strategy reduced it
-        (shards, stages); default: ``grads`` is the whole summed gradient.
-        ``out``: where the scaled gradient goes when ``grads`` must stay as it
-        is (other workers still read it: the shared-memory exchange).
-        ``grads`` None: only note whether the step was clipped (a worker of ps-sync).
-        Returns the gradient to apply.
-        """
-        clip_norm = self.recipe.clip_norm
-        self.clipped = False
-        if not clip_norm:
+    def scaled(self, grads, factor, out=None):
+        """``grads`` multiplied by a verdict's ``factor``: in place, or into ``out`` where ``grads`` must stay as
+        it is (other workers still read it: the shared-memory exchange); ``grads`` itself where the factor is 1."""
+        if factor == 1.0:
             return grads
-        if squared_norm is None:
-            squared_norm = float(grads.dot(grads))
-        factor = clip_factor(squared_norm, clip_norm)
-        self.clipped = factor < 1.0
-        if not self.clipped:
-            return grads
-        self.figures["clipped"] = self.figures.get("clipped", 0) + 1
-        if grads is None:   # (a rank that only learns of the step's clipping)
-            return None
         if out is None:
             grads *= factor
             return grads

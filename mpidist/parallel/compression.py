@@ -140,7 +140,6 @@ class CompressedExchange(Exchange):
         super().finish()
         if self._loss is not None:
             self._loss.wait()
-        self._squares += float(self.buffer[-1]) ** 2
         if not self.finite():
             # the step is skipped, its gradients dropped: so is what they left behind (an fp16 overflow
             # would otherwise leave an infinite residual that poisons every later step)

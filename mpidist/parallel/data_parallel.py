@@ -15,6 +15,7 @@ from ..runtime.xp import to_host
 from .base import Strategy
 from .batch_norms import synchronise_batch_norms
 from .saved_state import WholeState
+from .verdict import agree, decide
 
 
 def average_over(comm, array):
@@ -221,26 +222,33 @@ class DataParallel(Strategy):
         self.track("exchange")
         self.exchange.finish()
         self.track("compute")   # (the optimizer's step)
-        # every worker holds the same summed buffer, so every worker decides the same
-        self.skipped, norm = not self.exchange.finite(), None
-        if self.tensor is not None:   # (and the parts of a tensor group decide together)
-            self.skipped, norm = self.tensor.agree(self.model.grads, self.skipped, self.recipe.clip_norm)
-        self.clipped = False
-        if not self.skipped:
-            self.update(self._clipped_gradient(norm), step)
+        verdict = self.judge(self.verdict())
+        if not verdict.skip:
+            self.update(self._clipped_gradient(verdict.factor), step)
         self.exchange.after_update()   # (one copy per node: every part is updated before anyone reads the parameters)
         return float(self.buffer[-1])
 
-    def _clipped_gradient(self, norm=None):
-        """The summed gradient, clipped to ``--clip-norm`` by its global norm (``norm``: the squared one, where
-        the tensor group agreed on it; else where the exchange knows it)."""
-        if norm is not None:
-            return self.clip(self.model.grads, squared_norm=norm)
-        norm = self.exchange.squared_norm()
-        if norm is not None:   # one copy per node: this rank reads only its own part now, so clip that in place
-            self.clip(self.model.grads[self.part.lo:self.part.hi], squared_norm=norm)
-            return self.model.grads
-        return self.clip(self.model.grads, out=self._clip_space() if self.exchange.holds_buffer else None)
+    def verdict(self):
+        """The step's :class:`~mpidist.parallel.verdict.Verdict`, once the exchange has finished.
+
+        Every worker holds the same summed buffer and the exchange its squared
+        norm, so every worker decides the same; the parts of a tensor group
+        decide together (one small ``Allreduce``).
+        """
+        loss, clip_norm, norm = float(self.buffer[-1]), self.recipe.clip_norm, self.exchange.squared_norm()
+        if self.tensor is not None:
+            return agree(self.tensor.comm, self.tensor.squares(self.model.grads, norm), loss, clip_norm)[0]
+        return decide(norm, loss, clip_norm)
+
+    def _clipped_gradient(self, factor):
+        """The summed gradient multiplied by the verdict's ``factor``: only the part this worker updates where it
+        updates one (one copy per node: the others' parts are theirs to read; ``--shard optimizer``), and into a
+        space of its own where other workers still read the buffer (the shared-memory exchange)."""
+        grads = self.model.grads
+        if self.part is not None:
+            self.scaled(grads[self.part.lo:self.part.hi], factor)
+            return grads
+        return self.scaled(grads, factor, out=self._clip_space() if self.exchange.holds_buffer else None)
 
     def update(self, grads, step):
         """The optimizer's step from the summed (and clipped) ``grads``, the same on every worker."""

@@ -91,8 +91,9 @@ class NoExchange:
         """After the optimizer's step (taken or skipped): what must hold before the next forward."""
 
     def squared_norm(self):
-        """The summed gradient's squared norm where the exchange took it (None: the strategy takes it)."""
-        return None
+        """The summed gradient's squared norm (the loss left out), taken as its parts arrived (after :meth:`finish`):
+        what the step's :func:`~mpidist.parallel.verdict.decide` reads."""
+        return self._squares
 
     def own_state(self):
         """What this worker's exchange carries from step to step, its own (name -> flat array): none here."""
@@ -100,16 +101,17 @@ class NoExchange:
 
     def finite(self):
         """Whether every element of the summed buffer is finite (after :meth:`finish`)."""
-        return math.isfinite(self._squares)
+        return math.isfinite(self._squares) and math.isfinite(float(self.buffer[-1]))
 
     def _check(self, lo, hi):
-        """Add the squares of ``buffer[lo:hi]`` (one BLAS pass, no temporary).
+        """Add the squares of the gradients in ``buffer[lo:hi]`` (one BLAS pass, no temporary; the loss slot is
+        the verdict's to look at).
 
         One worker checks from the top down as backward fills the buffer
         (``_unchecked`` is where it has got to); an exchange, bucket by bucket.
         """
         if lo < hi:
-            part = self.buffer[lo:hi]
+            part = self.buffer[lo:min(hi, self.buffer.size - 1)]
             self._squares += float(part.dot(part))
             self._unchecked = min(self._unchecked, lo)
 

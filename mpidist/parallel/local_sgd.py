@@ -5,7 +5,8 @@ Lin et al., "Don't use large mini-batches, use local SGD", 2020) trades
 gradient exchanges for model averaging: each worker applies its optimizer to
 the mean gradient of its own part of the batch, and every ``--sync-every K``
 steps one bucketed ``Allreduce`` averages the parameters. Between averages
-the workers exchange only the loss and a finite flag (two numbers). With
+the workers exchange only the loss and their gradients' squared norms (three
+numbers, :func:`~mpidist.parallel.verdict.agree`: whether any broke). With
 ``K = 1`` and plain SGD (no momentum) on equal parts it is ``allreduce``
 exactly: the mean of ``p - lr * g_w`` is ``p - lr * mean(g_w)`` (tested).
 
@@ -25,14 +26,13 @@ import dataclasses
 
 import numpy as np
 
-from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from ..runtime.xp import to_host
-from .base import finite
 from .data_parallel import DataParallel, average_over, mean_in_place
 from .exchange import NoExchange, bucket_slices
 from .registry import Option, register
 from .saved_state import WholeState
+from .verdict import agree, decide
 
 
 @register
@@ -75,12 +75,13 @@ class LocalSgdStrategy(DataParallel):
         model = self.model
         loss = self.backprop(x, y, 1.0, step)       # this worker's own mean gradient
         self.track("exchange")
-        # the global batch's loss and whether any worker's gradients broke: the same answer everywhere
-        loss_sum, broken = mpi.sum_float64(self.worker_comm, [loss * weight, not finite(model.grads)])
-        self.skipped = bool(broken) or not np.isfinite(loss_sum)
-        self.clipped = False
-        if not self.skipped:   # (no summed gradient: each worker clips its own batch's, as under ps-async)
-            self.optimizer.step(model.params, self.clip(model.grads), self.recipe.lr(step))
+        # whether any worker's gradients or loss broke, and the global batch's loss: the same answer everywhere
+        own, clip_norm = float(model.grads.dot(model.grads)), self.recipe.clip_norm
+        agreed, (loss_sum,) = agree(self.worker_comm, own, loss, clip_norm, carry=(loss * weight,))
+        # (no summed gradient: each worker clips its own batch's, as under ps-async)
+        verdict = self.judge(agreed if agreed.skip else decide(own, loss, clip_norm))
+        if not verdict.skip:
+            self.optimizer.step(model.params, self.scaled(model.grads, verdict.factor), self.recipe.lr(step))
             self.averaged = False
         if (step + 1) % self.sync_every == 0:
             self.average_params()

@@ -206,7 +206,7 @@ class NodeModelExchange(NoExchange):
         # whether worker 0 (the chief, local rank 0 of its node) is on this node: only its node gathers checkpoints
         self.holds_chief = bool(self.node.bcast(comm.Get_rank() == 0, root=0))
         self.ring = Ring(self.cross, *self.part, buffer.dtype)
-        self.steps, self._squared_norm = 0, 0.0
+        self.steps = 0
         self.bytes_per_step = int(buffer.nbytes)
 
     @property
@@ -267,9 +267,8 @@ class NodeModelExchange(NoExchange):
         with _TRACER.span("wait for the workers", "wait", recorder.BUCKETS):
             self.window.everyone_here()   # every part is summed
         # the same numbers added in the same order on every rank: the same decisions everywhere
-        self._squared_norm = sum(float(square[0]) for square in self.window.squares)
+        self._squares = sum(float(square[0]) for square in self.window.squares)
         self.buffer[-1] = self.window.buffers[-1][-1]   # the loss, summed in the last part
-        self._squares = self._squared_norm + float(self.buffer[-1]) ** 2
 
     def _note_part(self):
         """This rank's summed part's squared norm (the loss left out) where the node sees it; the loss, summed.
@@ -289,10 +288,6 @@ class NodeModelExchange(NoExchange):
             if self.part[1] == self.buffer.size:
                 self.buffer[-1] = figures[1]
         self.window.squares[self.local][0] = figures[0]
-
-    def squared_norm(self):
-        """The squared norm of the whole summed gradient (the loss left out), after :meth:`finish`."""
-        return self._squared_norm
 
     def after_update(self):
         """Collective over the node: every rank has updated its part before anyone reads the parameters."""

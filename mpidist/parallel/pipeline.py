@@ -47,6 +47,7 @@ from .schedule import schedule
 from .schedule_runner import ScheduleRunner, split_sizes  # noqa: F401  (split_sizes: the bench's and tests')
 from .stage import StageLayout, StageLinks
 from .tensor import TENSOR, TensorPart, check_split, check_tensor, gather_placed
+from .verdict import agree
 
 
 def balance_by_parameters(costs, stages):
@@ -302,22 +303,19 @@ class PipelineStrategy(Strategy):
         if layout.replicas > 1:
             mpi.allreduce_sum(self.links.peers, self.accumulated)
         # stages hold different gradients and only the last sees the loss: skip everywhere or nowhere.  One
-        # Allreduce gives the verdict, the global squared norm (each replica's stages hold the same) and, from
+        # Allreduce gives the verdict on the global squared norm (each replica's stages hold the same) and, from
         # replica 0's last stage, the global loss to every rank (any of them may become the chief)
         loss = float(self.accumulated[-1])
-        squares = np.array([self._squares(gradients),
-                            0.0 * loss,   # (0 x NaN or Inf is NaN: a broken loss shows)
-                            loss if layout.is_last and layout.replica == 0 and layout.part == 0 else 0.0])
-        mpi.allreduce_sum(self.cluster.world, squares)
+        verdict, (loss,) = agree(self.cluster.world, self._squares(gradients), loss, self.recipe.clip_norm,
+                                 carry=[loss if layout.is_last and layout.replica == 0 and layout.part == 0 else 0.0],
+                                 copies=layout.replicas)
         self.track("compute")
-        self.skipped = not np.isfinite(squares).all()
-        self.clipped = False
+        self.judge(verdict)
         self.ledger.keep(self.model.params, self.optimizer)
-        if not self.skipped:
-            self.clip(gradients, squared_norm=float(squares[0]) / layout.replicas)
-            self.optimizer.step(self.model.params, gradients, self.recipe.lr(step))
+        if not verdict.skip:
+            self.optimizer.step(self.model.params, self.scaled(gradients, verdict.factor), self.recipe.lr(step))
         self.ledger.applied += 1
-        loss = math.nan if self.skipped else float(squares[2])
+        loss = math.nan if verdict.skip else float(loss)
         if layout.stages > 1:   # the chief reports the training figures replica 0's last stage counted
             sent = self.take_train_counts() if self.cluster.rank == layout.rank_of(0, layout.stages - 1) else [0.0, 0]
             counts = self._to_chief(np.array(sent, dtype=np.float64), tag=79)

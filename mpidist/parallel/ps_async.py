@@ -68,6 +68,7 @@ from .async_rounds import (
 from .base import SkipCounter, finite
 from .registry import Option, register
 from .shards import ShardedStrategy
+from .verdict import decide
 
 TRACER = recorder.tracer()
 
@@ -275,7 +276,9 @@ class PsAsyncStrategy(ShardedStrategy):
             model.params[...] = model.xp.asarray(self.host_params)
         loss = self.backprop(x, y, weight, step)
         if self.recipe.clip_norm:   # no summed gradient exists here: each worker clips its own batch's
-            self.clip(model.grads, squared_norm=own_squared_norm(model.grads.dot(model.grads), weight))
+            own = own_squared_norm(float(model.grads.dot(model.grads)), weight)
+            verdict = self.judge(decide(own, loss, self.recipe.clip_norm), skips=False)   # (the ps skips)
+            self.scaled(model.grads, verdict.factor)
         grads = self.host_grads
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)

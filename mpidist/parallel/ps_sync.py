@@ -24,11 +24,11 @@ import numpy as np
 from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from .backup import BackupWorkersStrategy
-from .base import finite
 from .batch_norms import synchronise_batch_norms
 from .registry import Option, register
 from .rewind import PreviousSlice, StepLedger
 from .shards import ShardedStrategy
+from .verdict import agree
 
 
 class RunningEntries(typing.NamedTuple):
@@ -114,22 +114,22 @@ class PsSyncStrategy(ShardedStrategy):
         world = self.cluster.world
         self.track("exchange")
         mpi.reduce_scatter_sum(world, self.outbox, self.inbox, self.counts)
-        squared_norm = self._global_squares() if self.recipe.clip_norm else None
+        verdict = self._verdict()
         self.clipped = False
-        if self.is_worker and squared_norm is not None:   # (the workers learn whether the step was clipped)
-            self.clip(None, squared_norm)
+        if verdict is not None:   # (with --clip-norm the workers learn whether the step was clipped)
+            self.judge(verdict)
         if not self.is_worker:
             count = self.param_hi - self.lo
             self.track("serve")     # (the ps applies the summed shard)
-            update = math.isfinite(squared_norm) if squared_norm is not None else self.ps_agree(finite(self.inbox))
+            update = not verdict.skip
             shard = self.shard_params()
             self.ledger.keep(shard, self.optimizer)
             if update:
                 for lo, hi in self.running.here:   # the workers' mean, not a gradient
                     shard[lo:hi] = self.inbox[lo:hi]
                     self.inbox[lo:hi] = 0
-                self.clip(self.inbox[:count], squared_norm)
-                self.optimizer.step(shard, self.inbox[:count], self.recipe.lr(step))
+                gradient = self.scaled(self.inbox[:count], verdict.factor)
+                self.optimizer.step(shard, gradient, self.recipe.lr(step))
                 self.figures["updates"] += 1
             if self.hi > self.param_hi:   # the loss slot: NaN tells every rank the step was skipped
                 self.values[-1] = self.inbox[-1] if update else np.nan
@@ -142,21 +142,29 @@ class PsSyncStrategy(ShardedStrategy):
         self.skipped = not math.isfinite(float(self.values[-1]))
         return float(self.values[-1])
 
-    def _global_squares(self):
-        """Collective over the world: the summed gradient's squared norm, from every ps's shard of it.
+    def _verdict(self):
+        """Collective: the step's :class:`~mpidist.parallel.verdict.Verdict` (None on a worker without clipping).
 
-        Running statistics travel in the gradients' place and are left out; the
-        loss slot adds ``0 x loss``, so a NaN or Inf loss makes the sum NaN too
-        (the step is skipped everywhere).  Workers add nothing.
+        With ``--clip-norm`` every rank takes part: the summed gradient's
+        squared norm from every ps's shard of it (workers add nothing; running
+        statistics travel in the gradients' place and are left out; the loss
+        slot's ``0 x loss`` makes a broken loss skip the step everywhere).
+        Without, the ps ranks alone agree whether every shard, its running
+        statistics too, is finite; a worker learns of a skipped step from the
+        loss slot.
         """
-        squares = np.zeros(1)
-        if not self.is_worker:
-            count, inbox = self.param_hi - self.lo, self.inbox
-            edges = [0] + [bound for lo, hi in self.running.here for bound in (lo, hi)] + [count]
-            squares[0] = sum(float(inbox[a:b].dot(inbox[a:b])) for a, b in zip(edges[::2], edges[1::2]))
-            if self.hi > self.param_hi:
-                squares[0] += 0.0 * float(inbox[-1])
-        return float(mpi.sum_float64(self.cluster.world, squares)[0])
+        clip_norm = self.recipe.clip_norm
+        if self.is_worker:
+            return agree(self.cluster.world, 0.0, 0.0, clip_norm)[0] if clip_norm else None
+        inbox = self.inbox
+        if not clip_norm:
+            group = self.cluster.role_comm if len(self.ps_ranks) > 1 else None
+            return agree(group, float(inbox.dot(inbox)), 0.0, 0.0)[0]
+        count = self.param_hi - self.lo
+        edges = [0] + [bound for lo, hi in self.running.here for bound in (lo, hi)] + [count]
+        squares = sum(float(inbox[a:b].dot(inbox[a:b])) for a, b in zip(edges[::2], edges[1::2]))
+        loss = float(inbox[-1]) if self.hi > self.param_hi else 0.0   # (the ps that holds the loss slot)
+        return agree(self.cluster.world, squares, loss, clip_norm)[0]
 
     def state(self):
         """Collective over the world: the chief gathers every ps's optimizer shard."""

@@ -118,16 +118,6 @@ class ShardedStrategy(Strategy):
             counts[rank], displs[rank] = max(end - lo, 0), lo
         return counts, displs
 
-    def ps_agree(self, ok):
-        """ps ranks only: whether ``ok`` holds on every ps (one tiny ``Allreduce`` when there are several).
-
-        For decisions every shard must take alike, such as skipping a NaN update.
-        """
-        if len(self.ps_ranks) == 1:
-            return bool(ok)
-        flag = np.array([int(bool(ok))], dtype=np.int64)
-        return bool(mpi.allreduce_min(self.cluster.role_comm, flag)[0])
-
     def broadcast_initial(self, buffer, checkpoint=None):
         """Collective: the chief's initial (or ``checkpoint``'s) parameters in ``buffer[:n]`` on every rank.
 

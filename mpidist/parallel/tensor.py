@@ -149,24 +149,11 @@ class TensorPart:
         out = np.empty(self.placement.size, dtype=self.model.dtype) if out is None else out
         return self.placement.initial(seed, out)
 
-    def agree(self, grads, skipped, norm):
-        """Collective over the tensor group: ``(skipped anywhere, the whole model's squared gradient norm or None)``.
-
-        A NaN in any part skips the step on every part; the norm (with
-        ``norm`` set: ``--clip-norm``) counts the parts' split parameters once
-        each and the shared ones once.
-        """
-        values = np.zeros(2)
-        values[0] = float(skipped)
-        if norm:
-            values[1] = self.squares(grads)
-        mpi.allreduce_sum(self.comm, values)
-        return bool(values[0]), (float(values[1]) if norm else None)
-
-    def squares(self, grads):
+    def squares(self, grads, whole=None):
         """This part's share of the whole model's squared gradient norm (on the arrays' device): its split
-        parameters, and the shared ones on part 0 alone (every part holds them alike)."""
-        squares = float(grads.dot(grads))
+        parameters, and the shared ones on part 0 alone (every part holds them alike).  ``whole``: the squared
+        norm of ``grads``, where it was taken already (the exchange's)."""
+        squares = float(grads.dot(grads)) if whole is None else whole
         if self.part != 0:
             squares -= sum(float(grads[lo:hi].dot(grads[lo:hi])) for lo, hi in self.shared)
         return squares

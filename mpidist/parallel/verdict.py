@@ -1,0 +1,80 @@
+"""One rule for every strategy: whether a step's update is skipped, and by what factor it is clipped.
+
+Each layout holds its summed gradient its own way -- whole on every worker
+(``allreduce``, ``local``), a shard on each ps (``ps-sync``, backup
+workers), a stage's or a tensor part's share on each rank (``pipeline``,
+``--tensor``), each worker's own under ``local-sgd`` and ``ps-async`` -- so
+each sums the squared norm over its own group, inside a collective it makes
+anyway where it can (see :mod:`mpidist.parallel.recipe`).  What it decides
+from that sum is the same everywhere and is decided here, once:
+
+* the step is skipped where the gradient's squared norm or the loss is not
+  finite (a NaN or Inf anywhere makes the squared norm so);
+* otherwise the gradient is scaled by :func:`~mpidist.parallel.recipe.clip_factor`
+  of the squared norm (1.0: within ``--clip-norm``, or no clipping).
+
+:func:`decide` is the rule (pure, tested by a table); :func:`agree` sums
+each rank's share over a group first, in one ``Allreduce`` that may carry a
+few more numbers the strategy needs summed at the same moment (a pipeline's
+loss), as torchtitan's one ``clip_grad_norm_`` serves every layout.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..runtime import comm as mpi
+from .recipe import clip_factor
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A step's verdict.
+
+    Attributes:
+        skip: no update is applied (a NaN or Inf in the gradients or the loss).
+        squared_norm: the gradient's squared global norm, as summed (NaN or Inf where skipped).
+        factor: what the gradient is multiplied by before the update (1.0: not clipped).
+    """
+
+    skip: bool
+    squared_norm: float
+    factor: float = 1.0
+
+    @property
+    def clipped(self):
+        """Whether the update applied is clipped."""
+        return not self.skip and self.factor < 1.0
+
+
+def decide(squared_norm, loss, clip_norm):
+    """The verdict on a step whose gradient has squared global norm ``squared_norm`` and whose loss is ``loss``.
+
+    >>> decide(25.0, 0.5, 1.0)
+    Verdict(skip=False, squared_norm=25.0, factor=0.2)
+    >>> decide(float("nan"), 0.5, 1.0).skip
+    True
+    """
+    squared_norm, loss = float(squared_norm), float(loss)
+    if not (math.isfinite(squared_norm) and math.isfinite(loss)):
+        return Verdict(True, squared_norm)
+    return Verdict(False, squared_norm, clip_factor(squared_norm, clip_norm))
+
+
+def agree(group, squares, loss, clip_norm, carry=(), copies=1):
+    """Collective over ``group`` (None: this rank alone): the verdict on the ranks' summed shares.
+
+    Args:
+        squares: this rank's share of the gradient's squared norm.
+        loss: a loss this rank knows, or 0.0 (only whether it is finite counts: ``0 x loss`` is summed).
+        carry: more numbers summed in the same ``Allreduce`` (returned summed).
+        copies: how many ranks of ``group`` hold each share alike (a pipeline's replicas): the sum is divided.
+
+    Returns:
+        ``(Verdict, the sums of carry as a float64 array)``.
+    """
+    values = np.array([squares, 0.0 * float(loss), *carry], dtype=np.float64)
+    if group is not None:
+        mpi.allreduce_sum(group, values)
+    return decide(values[0] / copies, values[1], clip_norm), values[2:]
