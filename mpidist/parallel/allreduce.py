@@ -23,7 +23,7 @@ from ..runtime.errors import UsageError
 from .compression import CompressedExchange
 from .data_parallel import DataParallel
 from .exchange import Exchange
-from .node_model import NodeModelExchange, NodePart, node_model_possible
+from .node_model import NodeModelExchange, node_model_possible
 from .optimizer_shard import OptimizerShard
 from .registry import Option, register
 from .shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
@@ -102,8 +102,9 @@ class AllreduceStrategy(DataParallel):
         super().__init__(model, loss, make_optimizer, cluster, *args, **kwargs)
 
     def optimizer_part(self):
-        if isinstance(self.exchange, NodeModelExchange):   # one copy per node: this rank's part of it
-            return NodePart(self.exchange)
+        part = self.exchange.optimizer_part()   # (one copy per node: this rank's part of it)
+        if part is not None:
+            return part
         if self.shard_mode == "optimizer" and self.worker_comm is not None and self.worker_comm.Get_size() > 1:
             return OptimizerShard(self.worker_comm, self.model.num_params)   # --shard optimizer: one slice
         return None
@@ -139,9 +140,7 @@ class AllreduceStrategy(DataParallel):
 
     def stats(self):
         held = self.held_bytes()
-        figures = {**super().stats(), "held_bytes": held}
-        if isinstance(self.exchange, NodeModelExchange):   # measured by the ring: what this rank sent to other nodes
-            figures["internode_bytes_per_step"] = self.exchange.internode_bytes_per_step()
+        figures = {**super().stats(), "held_bytes": held, **self.exchange.stats()}
         if self.part is None:
             return figures
         return {**figures, "shard": [self.part.lo, self.part.hi], "optimizer_state_bytes": held["optimizer_state"]}

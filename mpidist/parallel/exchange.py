@@ -69,11 +69,13 @@ class NoExchange:
 
     def __init__(self, buffer=None):
         self.buffer = buffer
-        self._squares, self._unchecked = 0.0, 0
+        #: The summed gradient's squared norm as far as it has arrived (an exchange that sums otherwise sets it)
+        self.summed_squares = 0.0
+        self._unchecked = 0
 
     def begin(self):
         """A new step's gradients are about to be computed."""
-        self._squares = 0.0
+        self.summed_squares = 0.0
         self._unchecked = 0 if self.buffer is None else self.buffer.size
 
     def ready(self, lo):
@@ -93,15 +95,24 @@ class NoExchange:
     def squared_norm(self):
         """The summed gradient's squared norm (the loss left out), taken as its parts arrived (after :meth:`finish`):
         what the step's :func:`~mpidist.parallel.verdict.decide` reads."""
-        return self._squares
+        return self.summed_squares
 
     def own_state(self):
         """What this worker's exchange carries from step to step, its own (name -> flat array): none here."""
         return {}
 
+    def optimizer_part(self):
+        """The slice of the model this rank's optimizer updates where the exchange decides it, else None (the
+        strategy's choice: the whole model, or ``--shard optimizer``'s slice).  Collective where it is not None."""
+        return None
+
+    def stats(self):
+        """The exchange's own figures for the ``done`` event: none here."""
+        return {}
+
     def finite(self):
         """Whether every element of the summed buffer is finite (after :meth:`finish`)."""
-        return math.isfinite(self._squares) and math.isfinite(float(self.buffer[-1]))
+        return math.isfinite(self.summed_squares) and math.isfinite(float(self.buffer[-1]))
 
     def _check(self, lo, hi):
         """Add the squares of the gradients in ``buffer[lo:hi]`` (one BLAS pass, no temporary; the loss slot is
@@ -112,7 +123,7 @@ class NoExchange:
         """
         if lo < hi:
             part = self.buffer[lo:min(hi, self.buffer.size - 1)]
-            self._squares += float(part.dot(part))
+            self.summed_squares += float(part.dot(part))
             self._unchecked = min(self._unchecked, lo)
 
 

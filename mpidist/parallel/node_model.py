@@ -267,7 +267,7 @@ class NodeModelExchange(NoExchange):
         with _TRACER.span("wait for the workers", "wait", recorder.BUCKETS):
             self.window.everyone_here()   # every part is summed
         # the same numbers added in the same order on every rank: the same decisions everywhere
-        self._squares = sum(float(square[0]) for square in self.window.squares)
+        self.summed_squares = sum(float(square[0]) for square in self.window.squares)
         self.buffer[-1] = self.window.buffers[-1][-1]   # the loss, summed in the last part
 
     def _note_part(self):
@@ -288,6 +288,14 @@ class NodeModelExchange(NoExchange):
             if self.part[1] == self.buffer.size:
                 self.buffer[-1] = figures[1]
         self.window.squares[self.local][0] = figures[0]
+
+    def optimizer_part(self):
+        """Collective: this rank's :class:`NodePart` of the node's one copy (the slice it sums and updates)."""
+        return NodePart(self)
+
+    def stats(self):
+        """Measured by the ring: what this rank sent to other nodes per step."""
+        return {"internode_bytes_per_step": self.internode_bytes_per_step()}
 
     def after_update(self):
         """Collective over the node: every rank has updated its part before anyone reads the parameters."""

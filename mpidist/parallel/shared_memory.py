@@ -159,7 +159,7 @@ class SharedMemoryExchange(NoExchange):
                 part = slice(self.bounds[rank], self.bounds[rank + 1])
                 self.buffer[part] = theirs[part]
         # the same numbers added in the same order on every worker: the same decision everywhere
-        self._squares = sum(float(square[0]) for square in self.squares)
+        self.summed_squares = sum(float(square[0]) for square in self.squares)
 
     def free(self):
         """Collective: release the window (the buffer with it: the strategy rebinds to a copy first); once."""
