@@ -15,7 +15,7 @@ from mpidist.plan import buckets, calibration, check
 from mpidist.plan.advice import advise, per_strategy
 from mpidist.plan.calibration import Calibration, LayerCost
 from mpidist.plan.links import Link, fit, parse_link
-from mpidist.plan.step import Layout, predict, slowest_of
+from mpidist.plan.step import Layout, predict, predicted, slowest_of
 from mpidist.runtime.errors import UsageError
 
 MS = 1e-3
@@ -348,6 +348,18 @@ def test_check_sets_a_prediction_beside_what_a_run_measured(tmp_path):
         assert changed != lines
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(changed) + "\n")
         assert "lacks the layout or the figures" in check.read_layout(tmp_path / name)
+    # a strategy plan has no cost model for is a run passed over, named
+    (tmp_path / "sgd").mkdir()
+    (tmp_path / "sgd" / "metrics.jsonl").write_text(
+        "\n".join(line.replace('"strategy": "allreduce"', '"strategy": "local-sgd"') for line in lines) + "\n")
+    assert "--strategy local-sgd is not predicted" in check.read_layout(tmp_path / "sgd")
+
+
+def test_plan_costs_every_registered_strategy_but_local_sgd():
+    """Found through the registry: a strategy registered later is not predicted until plan has its cost."""
+    from mpidist.parallel.registry import STRATEGIES
+    assert [name for name in STRATEGIES if not predicted(name)] == ["local-sgd"]
+    assert not predicted("no-such-strategy")
 
 
 def test_the_peak_a_read_is_measured_against_starts_over():

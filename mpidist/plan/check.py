@@ -12,7 +12,7 @@ from ..runtime.errors import UsageError
 from ..runtime.lines import bounded_lines
 from ..store.outputs import special_input
 from ..store.rundir import metrics_of
-from .step import DEFAULT_BUCKET_MB, Layout, predict
+from .step import DEFAULT_BUCKET_MB, Layout, predict, predicted
 
 
 def read_layout(run_dir):
@@ -50,7 +50,7 @@ def read_layout(run_dir):
         peak = int(float(done.get("peak_rss_mib", 0)) * (1 << 20))
     except (KeyError, TypeError, ValueError, OverflowError):   # (OverflowError: an infinite figure as an int)
         return f"{metrics}: its start or done event lacks the layout or the figures"
-    if layout.strategy not in ("local", "allreduce", "ps-sync", "ps-async", "pipeline"):
+    if not predicted(layout.strategy):
         return f"{metrics}: --strategy {layout.strategy} is not predicted"
     return layout, measured, peak, str(config.get("model")), str(config.get("data"))
 

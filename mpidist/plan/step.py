@@ -15,7 +15,9 @@ import statistics
 
 import numpy as np
 
+from ..parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
 from ..parallel.pipeline import balance_by_parameters
+from ..parallel.registry import STRATEGIES
 from ..parallel.schedule import schedule as stage_plan
 from ..parallel.schedule import simulate
 from ..runtime.errors import UsageError
@@ -97,12 +99,16 @@ class Prediction:
         return self.memory * self.layout.per_node
 
 
+def predicted(strategy):
+    """Whether ``plan`` costs the registered strategy named ``strategy`` (``local-sgd`` has no cost model;
+    ``plan --check`` passes its runs over, saying so)."""
+    return STRATEGIES.get(strategy) in _COSTS
+
+
 def predict(cal, layout):
     """The :class:`Prediction` of ``layout`` (a :class:`UsageError` where the layout cannot run)."""
     check(cal, layout)
-    cost = {"local": _local, "allreduce": _allreduce, "ps-sync": _ps_sync, "ps-async": _ps_async,
-            "pipeline": _pipeline}[layout.strategy]
-    made = cost(cal, layout)
+    made = _COSTS[STRATEGIES[layout.strategy]](cal, layout)
     # ranks crowd each other while they compute at once: a pipeline stage with slack leaves its neighbour
     # alone for part of the step (and a bubble and a wait are made of stage and step times: as slow)
     slower = 1.0 + (cal.crowding_for(layout) - 1.0) * made.together
@@ -311,3 +317,9 @@ def _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas):
         spans.append(_makespan(plans, drawn, transfer)[0])
     mean, spread = float(np.mean(spans)), float(np.std(spans))
     return max(0.0, mean - makespan) + spread * slowest_of(replicas)
+
+
+#: The cost of a step of each strategy plan predicts, by its registered class (a renamed or subclassed
+#: strategy is found through the registry, and a strategy left out is said to be so: :func:`predicted`)
+_COSTS = {LocalStrategy: _local, AllreduceStrategy: _allreduce, PsSyncStrategy: _ps_sync,
+          PsAsyncStrategy: _ps_async, PipelineStrategy: _pipeline}
