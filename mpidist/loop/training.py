@@ -297,7 +297,7 @@ class Training:
         Each worker sees a random part of every global batch, so the chief's
         part estimates the whole; it costs no communication.
         """
-        right, seen = self.strategy.take_train_counts()
+        right, seen = self.strategy.passes.take_counts()
         if not seen:
             return {}
         name = "train_accuracy" if self.setup.info.num_classes else "train_mae"

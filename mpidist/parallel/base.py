@@ -13,16 +13,12 @@ applies the optimizer.  Strategies never parse flags and never print.
 import dataclasses
 import math
 
-import numpy as np
-
 from ..nn import SoftmaxCrossEntropy, scores
 from ..runtime import comm as mpi
 from ..runtime.errors import RunError
-from ..runtime.recorder import tracer
+from .passes import Passes
 from .recipe import Recipe
 from .saved_state import SavedState
-
-TRACER = tracer()
 
 
 def finite(array):
@@ -221,8 +217,8 @@ class Strategy(SavedState):
                  figures=None, recipe=None):
         self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed
         self.recipe = recipe or Recipe()
-        self._accumulated = None   # --accumulate: the earlier slices' gradients (made on the first such step)
-        self.train_counts = [0.0, 0]   # (correct or absolute error, samples) of this worker's batches, since read
+        #: this worker's forward and backward passes (``--accumulate``'s slices) and the training figures they count
+        self.passes = Passes(model, loss, self.recipe.accumulate, seed)
         model.use_workspace(loss)
         self._make_optimizer = make_optimizer
         self.decay_ranges = model.decay_ranges()   # (of the whole model, whatever part of it this rank updates)
@@ -324,87 +320,10 @@ class Strategy(SavedState):
         the broken world's, where a collective free would wait for the dead."""
 
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):
-        """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss.
-
-        With ``--accumulate K`` the batch goes through in ``K`` slices, one after
-        the other, each weighted by its share: ``model.grads`` ends as the
-        gradient of the whole batch (equal to one pass, to rounding), while the
-        activations held at any time are one slice's.
-
-        Args:
-            before_backward: called with the loss once it is known, before backward starts.
-            ready: called with ``lo`` each time backward has finished ``grads[lo:]``
-                (see :meth:`mpidist.nn.Sequential.backward`).
-        """
-        model = self.model
+        """This worker's forward and backward passes (:meth:`~mpidist.parallel.passes.Passes.backprop`): fills
+        ``model.grads``, returns the loss."""
         self.track("compute")
-        slices = min(self.recipe.accumulate, len(x))
-        if slices <= 1:
-            model.reseed(self.seed, self.worker_index, step)
-            with TRACER.span("forward", "compute"):
-                loss = self._forward(x, y)
-            if before_backward is not None:
-                before_backward(loss)
-            with TRACER.span("backward", "compute"):
-                model.backward(self.loss.backward(scale=weight), input_grad=False, ready=ready)
-            return loss
-        if self._accumulated is None:
-            self._accumulated = model.xp.zeros(model.num_params, dtype=model.dtype)
-        accumulated, grads, n = self._accumulated, model.grads, len(x)
-        bounds = np.linspace(0, n, slices + 1).round().astype(int)
-        largest = int(np.diff(bounds).max())
-        loss = 0.0
-        for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            model.reseed(self.seed, self.worker_index, step, index)
-            # slices of two sizes (an uneven split) each keep their own arrays: none is reallocated per slice
-            model.workspace.slot = 0 if hi - lo == largest else 1
-            with TRACER.span("forward", "compute", slice=index):
-                loss += float(self._forward(x[lo:hi], y[lo:hi])) * (hi - lo) / n
-            last = index == slices - 1
-            if last and before_backward is not None:
-                before_backward(loss)
-            top = [model.num_params]
-
-            def add_earlier(lo_ready):   # the last slice: add the earlier ones' sum as each part is final
-                grads[lo_ready:top[0]] += accumulated[lo_ready:top[0]]
-                top[0] = lo_ready
-                if ready is not None:
-                    ready(lo_ready)
-
-            with TRACER.span("backward", "compute", slice=index):
-                model.backward(self.loss.backward(scale=weight * (hi - lo) / n), input_grad=False,
-                               ready=add_earlier if last else None)
-            if index == 0:
-                accumulated[...] = grads
-            elif not last:
-                accumulated += grads
-        model.workspace.slot = 0
-        return loss
-
-    def _forward(self, x, y):
-        """A training forward pass and its loss; counts this worker's training accuracy (or absolute error)."""
-        out = self.model.forward(x, training=True)
-        loss = self.loss.forward(out, y)
-        self.count_training(out, y)
-        return loss
-
-    def count_training(self, out, y):
-        """Add a batch's correct answers (classification) or absolute error (regression) to the training figures.
-
-        Call right after the loss's forward on ``out``: regression reads the loss's differences.
-        """
-        counts = self.train_counts
-        if isinstance(self.loss, SoftmaxCrossEntropy):   # samples (or tokens) whose top output is the label
-            counts[0] += float(self.loss.correct(out, y))
-            counts[1] += self.loss.positions(y)
-        else:                                            # the absolute error, averaged over the outputs
-            counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(out), 1), 1)
-            counts[1] += len(out)
-
-    def take_train_counts(self):
-        """``(correct or summed absolute error, samples)`` since the last call, this worker's own."""
-        counts, self.train_counts = self.train_counts, [0.0, 0]
-        return counts
+        return self.passes.backprop(x, y, weight, step, self.worker_index, before_backward, ready)
 
     def judge(self, verdict, skips=True):
         """Take the step's :class:`~mpidist.parallel.verdict.Verdict`: sets :attr:`skipped` (``skips`` False: not

@@ -252,7 +252,7 @@ class PipelineStrategy(Strategy):
         self.runner = ScheduleRunner(self.model, self.loss, layout, self.links,
                                      schedule(schedule_name, layout.stage, stages, int(micro_batches)),
                                      int(micro_batches), int(global_batch), self.seed, self.figures,
-                                     self.count_training)
+                                     self.passes.count)
 
     # where this rank sits, as callers and tests read it (the layout holds it)
     stage = _from_layout("stage", "This rank's stage, ``0 .. P-1``.")
@@ -317,10 +317,10 @@ class PipelineStrategy(Strategy):
         self.ledger.applied += 1
         loss = math.nan if verdict.skip else float(loss)
         if layout.stages > 1:   # the chief reports the training figures replica 0's last stage counted
-            sent = self.take_train_counts() if self.cluster.rank == layout.rank_of(0, layout.stages - 1) else [0.0, 0]
+            sent = self.passes.take_counts() if self.cluster.rank == layout.rank_of(0, layout.stages - 1) else [0.0, 0]
             counts = self._to_chief(np.array(sent, dtype=np.float64), tag=79)
             if self.cluster.is_chief:
-                self.train_counts = [self.train_counts[0] + float(counts[0]), self.train_counts[1] + int(counts[1])]
+                self.passes.counts = [self.passes.counts[0] + float(counts[0]), self.passes.counts[1] + int(counts[1])]
         return loss
 
     def _squares(self, gradients):

@@ -1,0 +1,112 @@
+"""A worker's training passes: forward and backward over its batch, in ``--accumulate``'s slices, and the
+training figures they count.
+
+Every strategy whose workers compute gradients of a whole model (all but a
+pipeline's stages, which run their schedule) takes its gradients from
+:meth:`Passes.backprop`; the loop reads the figures through
+:meth:`Passes.take_counts`.  No MPI here.
+"""
+
+import numpy as np
+
+from ..nn import SoftmaxCrossEntropy
+from ..runtime.recorder import tracer
+
+TRACER = tracer()
+
+
+class Passes:
+    """Forward and backward passes of ``model`` under ``loss``.
+
+    Args:
+        accumulate: slices a batch goes through one after the other (``--accumulate``).
+        seed: the run's seed (dropout streams derive from it, the worker and the step).
+    """
+
+    def __init__(self, model, loss, accumulate=1, seed=0):
+        self.model, self.loss, self.accumulate, self.seed = model, loss, accumulate, seed
+        self.accumulated = None   # --accumulate: the earlier slices' gradients (made on the first such step)
+        self.counts = [0.0, 0]    # (correct or absolute error, samples) of this worker's batches, since read
+
+    def backprop(self, x, y, weight, step, stream, before_backward=None, ready=None):
+        """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss.
+
+        With ``--accumulate K`` the batch goes through in ``K`` slices, one after
+        the other, each weighted by its share: ``model.grads`` ends as the
+        gradient of the whole batch (equal to one pass, to rounding), while the
+        activations held at any time are one slice's.
+
+        Args:
+            stream: the worker's dropout stream (its index among the workers that see different data).
+            before_backward: called with the loss once it is known, before backward starts.
+            ready: called with ``lo`` each time backward has finished ``grads[lo:]``
+                (see :meth:`mpidist.nn.Sequential.backward`).
+        """
+        model = self.model
+        slices = min(self.accumulate, len(x))
+        if slices <= 1:
+            model.reseed(self.seed, stream, step)
+            with TRACER.span("forward", "compute"):
+                loss = self._forward(x, y)
+            if before_backward is not None:
+                before_backward(loss)
+            with TRACER.span("backward", "compute"):
+                model.backward(self.loss.backward(scale=weight), input_grad=False, ready=ready)
+            return loss
+        if self.accumulated is None:
+            self.accumulated = model.xp.zeros(model.num_params, dtype=model.dtype)
+        accumulated, grads, n = self.accumulated, model.grads, len(x)
+        bounds = np.linspace(0, n, slices + 1).round().astype(int)
+        largest = int(np.diff(bounds).max())
+        loss = 0.0
+        for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            model.reseed(self.seed, stream, step, index)
+            # slices of two sizes (an uneven split) each keep their own arrays: none is reallocated per slice
+            model.workspace.slot = 0 if hi - lo == largest else 1
+            with TRACER.span("forward", "compute", slice=index):
+                loss += float(self._forward(x[lo:hi], y[lo:hi])) * (hi - lo) / n
+            last = index == slices - 1
+            if last and before_backward is not None:
+                before_backward(loss)
+            top = [model.num_params]
+
+            def add_earlier(lo_ready):   # the last slice: add the earlier ones' sum as each part is final
+                grads[lo_ready:top[0]] += accumulated[lo_ready:top[0]]
+                top[0] = lo_ready
+                if ready is not None:
+                    ready(lo_ready)
+
+            with TRACER.span("backward", "compute", slice=index):
+                model.backward(self.loss.backward(scale=weight * (hi - lo) / n), input_grad=False,
+                               ready=add_earlier if last else None)
+            if index == 0:
+                accumulated[...] = grads
+            elif not last:
+                accumulated += grads
+        model.workspace.slot = 0
+        return loss
+
+    def _forward(self, x, y):
+        """A training forward pass and its loss; counts this worker's training accuracy (or absolute error)."""
+        out = self.model.forward(x, training=True)
+        loss = self.loss.forward(out, y)
+        self.count(out, y)
+        return loss
+
+    def count(self, out, y):
+        """Add a batch's correct answers (classification) or absolute error (regression) to the training figures.
+
+        Call right after the loss's forward on ``out``: regression reads the loss's differences.
+        """
+        counts = self.counts
+        if isinstance(self.loss, SoftmaxCrossEntropy):   # samples (or tokens) whose top output is the label
+            counts[0] += float(self.loss.correct(out, y))
+            counts[1] += self.loss.positions(y)
+        else:                                            # the absolute error, averaged over the outputs
+            counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(out), 1), 1)
+            counts[1] += len(out)
+
+    def take_counts(self):
+        """``(correct or summed absolute error, samples)`` since the last call, this worker's own."""
+        counts, self.counts = self.counts, [0.0, 0]
+        return counts
