@@ -26,8 +26,8 @@ or a watcher saw one die where the survivors must recover together
    they hold and wait, asleep, for the others' end.
 2. If a parameter server died, its shard is in no survivor, nor is the
    chief's state where the others do not hold all it holds
-   (:attr:`~mpidist.parallel.base.Strategy.chief_replaceable`) and it died.
-   Where the strategy allows it (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`:
+   (:attr:`~mpidist.parallel.declared.Declared.chief_replaceable`) and it died.
+   Where the strategy allows it (:attr:`~mpidist.parallel.declared.Declared.ps_rollback`:
    ``ps-sync``, ``ps-async``), a ps is left and the run writes checkpoints,
    every survivor goes back to the newest checkpoint of the run's lineage
    (the chief first finishes a write behind training, then names it): the
@@ -244,7 +244,7 @@ class State:
         """Collective: the checkpoint every survivor goes back to after a lost ps (or a chief the others cannot
         replace), or None where there is none.
 
-        Only where the strategy can (:attr:`~mpidist.parallel.base.Strategy.ps_rollback`), a ps is left to
+        Only where the strategy can (:attr:`~mpidist.parallel.declared.Declared.ps_rollback`), a ps is left to
         take the lost shard, and the run writes checkpoints: the chief's write in flight is finished first
         (``finish_writes``), then the chief (a new one, where it was lost) names the newest of the run's lineage.
         """

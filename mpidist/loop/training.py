@@ -331,7 +331,7 @@ class Training:
 
     def save(self, state=(), gathered=False, behind=False):
         """Collective: a checkpoint of the current position (once per step), written by the chief, or where the
-        strategy splits the model (:attr:`~mpidist.parallel.base.Strategy.placement`) by the ranks that hold it.
+        strategy splits the model (:attr:`~mpidist.parallel.declared.Declared.placement`) by the ranks that hold it.
 
         ``gathered``: the caller gathered the strategy's ``state()`` already (``state``: None off the chief).
         ``behind``: the chief copies a gathered state and a thread writes it while training goes on; the
@@ -493,7 +493,7 @@ class Training:
 
     def _clipped_total(self, roles):
         """Steps clipped: the chief's count where it takes part in every step's decision, else the strategy's
-        total of the ranks' own counts (:meth:`~mpidist.parallel.base.Strategy.clipped_steps`)."""
+        total of the ranks' own counts (:meth:`~mpidist.parallel.declared.Declared.clipped_steps`)."""
         if self.strategy.lockstep:
             return self.window.clipped_total
         return int(self.strategy.clipped_steps([stats.get("clipped", 0) for _, _, stats, _ in roles]))
