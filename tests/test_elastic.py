@@ -389,6 +389,16 @@ def test_with_failures_reported_but_no_elastic_the_survivors_say_what_happened(p
     assert "Traceback" not in err
 
 
+def run_script(python, script, text):
+    """``text`` as the Python script ``script``, run on 3 ranks under ``mpirun --with-ft ulfm``: its CompletedProcess."""
+    script.write_text(text)
+    extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", *extra, "--mca", "osc", "^ucx",
+               "-n", "3", str(python), str(script)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, errors="replace",
+                          env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"))
+
+
 HELD_UP = """
 import os, signal, sys, threading, time
 import numpy as np
@@ -420,14 +430,8 @@ os._exit(0)
 def test_a_rank_held_up_in_an_operation_at_a_dead_rank_is_ended_so_that_the_others_go_on(python, tmp_path):
     """Open MPI's shared-memory windows: a rank killed inside an accumulate at itself keeps its lock; the next
     accumulate there spins for good.  The guard ends the rank held up, and the third one's shrink completes."""
-    script = tmp_path / "held_up.py"
-    script.write_text(HELD_UP)
-    extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", *extra, "--mca", "osc", "^ucx",
-               "-n", "3", str(python), str(script)]
     for _ in range(5):   # (the kill must land while rank 1 holds its lock: nearly always, not always)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, errors="replace",
-                              env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"))
+        done = run_script(python, tmp_path / "held_up.py", HELD_UP)
         assert "adding" in done.stdout, (done.stdout, done.stderr)
         if "never" not in done.stdout:   # held up at the dead rank's lock: what this test is about
             break
@@ -469,14 +473,8 @@ def test_where_every_rank_is_held_at_the_only_ps_that_died_the_run_ends_with_its
     """The guard's SIGKILL of each held worker left nobody to say that the ps died, and Open MPI's launcher
     under --with-ft ulfm exits 0 when every rank died by a signal: 1 whole run of test_elastic in 3 failed so
     (test_a_killed_ps_ends_the_run_promptly...[ps-async], exit 0)."""
-    script = tmp_path / "only_ps_held.py"
-    script.write_text(ONLY_PS_HELD)
-    extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    command = [str(python.parent / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", *extra, "--mca", "osc", "^ucx",
-               "-n", "3", str(python), str(script)]
     for _ in range(5):   # (the kill must land while the ps holds its lock: nearly always, not always)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, errors="replace",
-                              env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"))
+        done = run_script(python, tmp_path / "only_ps_held.py", ONLY_PS_HELD)
         assert "adding" in done.stdout, (done.stdout, done.stderr)
         if "never" not in done.stdout:
             break

@@ -188,12 +188,13 @@ class State:
             world = self._set_aside(world, old.rank in idle)
         cluster = old.survivors(world, gone) if trains_on else None
         held_nowhere = ps_lost or chief_lost   # (only going back to a checkpoint replaces what they held)
-        rollback = self._rollback_point(world, cluster) if held_nowhere and cluster is not None else None
-        if (held_nowhere and rollback is None) or cluster is None:
-            # the chief's checkpoint written behind training is finished first: it is the newest to resume from
-            # (exiting would drop it, gathered and half written, and the message name the one before)
+        if held_nowhere or cluster is None:
+            # the chief's checkpoint written behind training is finished first: it is the newest to go back or
+            # resume from (giving up would drop it, gathered and half written, and name the one before)
             self._fire("finish_writes")
             world.Barrier()
+        rollback = self._rollback_point(world, cluster) if held_nowhere and cluster is not None else None
+        if (held_nowhere and rollback is None) or cluster is None:
             why = (f"every replica lost a rank, and the others ({describe_lost(idle, old)}) hold only part of "
                    "the model" if idle else None)
             message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir), why)
@@ -245,13 +246,11 @@ class State:
         replace), or None where there is none.
 
         Only where the strategy can (:attr:`~mpidist.parallel.declared.Declared.ps_rollback`), a ps is left to
-        take the lost shard, and the run writes checkpoints: the chief's write in flight is finished first
-        (``finish_writes``), then the chief (a new one, where it was lost) names the newest of the run's lineage.
+        take the lost shard, and the run writes checkpoints: the chief (a new one, where it was lost) names the
+        newest of the run's lineage, once the write in flight is finished (``finish_writes``, in :meth:`recover`).
         """
         if not self.strategy.ps_rollback or PS not in cluster.roles or not self.config.checkpoint_dir:
             return None
-        self._fire("finish_writes")
-        world.Barrier()
         newest = newest_checkpoint(self.config.checkpoint_dir) if cluster.is_chief else None
         named = mpi.bcast_text(world, str(newest) if newest else "", root=cluster.chief_rank)
         return Path(named) if named else None

@@ -14,10 +14,10 @@ fusion and DDP's gradient buckets do.  One MPI call per bucket, never one per
 tensor, and no copy.
 """
 
-import math
 
 from ..runtime import comm as mpi
 from ..runtime import recorder
+from .verdict import decide
 
 _TRACER = recorder.tracer()
 
@@ -112,7 +112,7 @@ class NoExchange:
 
     def finite(self):
         """Whether every element of the summed buffer is finite (after :meth:`finish`)."""
-        return math.isfinite(self.summed_squares) and math.isfinite(float(self.buffer[-1]))
+        return not decide(self.summed_squares, self.buffer[-1], 0.0).skip   # (the verdict's own rule)
 
     def _check(self, lo, hi):
         """Add the squares of the gradients in ``buffer[lo:hi]`` (one BLAS pass, no temporary; the loss slot is
