@@ -166,3 +166,49 @@ def test_arrays_reach_mpi_only_through_comm_and_rma(path):
     calls = [f"line {node.lineno}: .{node.func.attr}(...)" for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUFFER_CALLS]
     assert not calls, f"{path.relative_to(ROOT)} hands arrays to MPI itself (use mpidist.runtime.comm): {calls}"
+
+
+#: where the layout may be asked what it is: the mesh, and the tensor modules (whose business the parts are)
+LAYOUT_OWNERS = {"mpidist/parallel/mesh.py", "mpidist/parallel/tensor.py", "mpidist/nn/tensor.py"}
+
+
+def _layout_probes(tree):
+    """Lines that ask what kind of exchange an object is (``isinstance(x, ...Exchange)``) or whether a tensor
+    part exists (``x.tensor is None``, ``if x.tensor``): layout by flags, where the mesh and the exchange's own
+    methods should answer."""
+    def names(node):
+        return [e for n in node.elts for e in names(n)] if isinstance(node, ast.Tuple) else \
+            [node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")]
+
+    def is_tensor(node):
+        return isinstance(node, ast.Attribute) and node.attr == "tensor"
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance" and len(node.args) == 2 \
+                and any(name.endswith("Exchange") for name in names(node.args[1])):
+            found.append(f"line {node.lineno}: isinstance on an exchange")
+        if isinstance(node, ast.Compare) and is_tensor(node.left) and any(isinstance(op, (ast.Is, ast.IsNot))
+                                                                          for op in node.ops):
+            found.append(f"line {node.lineno}: a test of .tensor against None")
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)) and (is_tensor(node.test) or (
+                isinstance(node.test, ast.UnaryOp) and is_tensor(node.test.operand))):
+            found.append(f"line {node.lineno}: a branch on .tensor")
+    return sorted(found, key=lambda probe: int(probe.split()[1].rstrip(":")))
+
+
+def test_the_layout_probe_finder_finds_each_kind_and_nothing_else():
+    source = ("if isinstance(e, (int, NodeModelExchange)): pass\nif self.tensor is not None: pass\n"
+              "x = 1 if not strategy.tensor else 2\nif self.tensor: pass\nif settings.tensor > 1: pass\n"
+              "isinstance(e, Exchanger)\nself.tensor.squares(g)\n")
+    assert [line.split(":")[0] for line in _layout_probes(ast.parse(source))] == \
+        ["line 1", "line 2", "line 3", "line 4"]
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))
+def test_the_layout_enters_through_the_mesh_not_through_flags(path):
+    if str(path.relative_to(ROOT)) in LAYOUT_OWNERS:
+        return
+    probes = _layout_probes(ast.parse(path.read_text()))
+    assert not probes, (f"{path.relative_to(ROOT)} asks what the layout is (ask the mesh, or give the exchange or "
+                        f"the tensor part a method): {probes}")

@@ -87,8 +87,7 @@ def evaluate(strategy, saved, batches, world):
 
 def gives_outputs(strategy):
     """Whether this rank gives its replica's outputs (:func:`outputs`): the last stage's first tensor part."""
-    last = not isinstance(strategy, PipelineStrategy) or strategy.layout.is_last
-    return last and (strategy.tensor is None or strategy.tensor.part == 0)
+    return strategy.mesh.is_last("stage") and strategy.mesh.index("part") == 0
 
 
 def outputs(strategy, x):

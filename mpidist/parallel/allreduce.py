@@ -23,11 +23,12 @@ from ..runtime.errors import UsageError
 from .compression import CompressedExchange
 from .data_parallel import DataParallel
 from .exchange import Exchange
+from .mesh import MeshShape
 from .node_model import NodeModelExchange, node_model_possible
 from .optimizer_shard import OptimizerShard
 from .registry import Option, register
 from .shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
-from .tensor import TENSOR, TensorPart, check_split, check_tensor
+from .tensor import TENSOR, check_split, check_tensor
 
 
 @register
@@ -73,15 +74,17 @@ class AllreduceStrategy(DataParallel):
     @classmethod
     def data_layout(cls, settings, cluster):
         """The ``T`` parts of a tensor group read the same shard: the groups are the data-parallel workers."""
-        if settings.tensor == 1 or cluster.worker_index is None:
+        if cluster.worker_index is None:
             return super().data_layout(settings, cluster)
-        return cluster.num_workers // settings.tensor, cluster.worker_index // settings.tensor
+        shape = MeshShape(cluster.num_workers, parts=settings.tensor)
+        return shape.size("replica"), shape.coordinates(cluster.worker_index)[0]
 
     @classmethod
     def layout_text(cls, settings, cluster):
         if settings.tensor == 1:
             return super().layout_text(settings, cluster)
-        return f"{cluster.num_workers // settings.tensor} worker(s) x {settings.tensor} tensor parts"
+        replicas = MeshShape(cluster.num_workers, parts=settings.tensor).size("replica")
+        return f"{replicas} worker(s) x {settings.tensor} tensor parts"
 
     @classmethod
     def arguments(cls, settings, setup):
@@ -91,15 +94,10 @@ class AllreduceStrategy(DataParallel):
                 "exchange": "mpi" if settings.elastic or settings.tensor > 1 else settings.exchange,
                 "shard": settings.shard, "tensor": settings.tensor}
 
-    def __init__(self, model, loss, make_optimizer=None, cluster=None, *args, compress="none", exchange="auto",
-                 shard="none", tensor=1, **kwargs):
+    def __init__(self, *args, compress="none", exchange="auto", shard="none", **kwargs):
         _check_exchange(exchange, compress)
         self.compress, self.exchange_kind, self.shard_mode = compress, exchange, shard
-        if tensor > 1:   # this rank's part of the model: the strategy trains it as it would the whole
-            group, part = divmod(cluster.worker_index, tensor)
-            self.tensor = TensorPart(model, cluster.workers, tensor, group, part)
-            model, self.placement = self.tensor.model, self.tensor.placement
-        super().__init__(model, loss, make_optimizer, cluster, *args, **kwargs)
+        super().__init__(*args, **kwargs)
 
     def optimizer_part(self):
         part = self.exchange.optimizer_part()   # (one copy per node: this rank's part of it)
@@ -146,14 +144,8 @@ class AllreduceStrategy(DataParallel):
         return {**figures, "shard": [self.part.lo, self.part.hi], "optimizer_state_bytes": held["optimizer_state"]}
 
     def describe(self, rank):
-        if self.tensor is None:
-            return super().describe(rank)
-        return f"tensor {self.tensor.describe()}"
-
-    def free(self):
-        super().free()
-        if self.tensor is not None:
-            self.tensor.free()
+        part = self.tensor.describe()
+        return f"tensor {part}" if part else super().describe(rank)
 
     def make_exchange(self):
         if self.compress != "none":

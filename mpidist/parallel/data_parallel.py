@@ -14,8 +14,9 @@ from ..runtime import comm as mpi
 from ..runtime.xp import to_host
 from .base import Strategy
 from .batch_norms import synchronise_batch_norms
+from .mesh import Mesh
 from .saved_state import WholeState
-from .verdict import agree, decide
+from .tensor import split_over
 
 
 def average_over(comm, array):
@@ -52,17 +53,21 @@ class DataParallel(Strategy):
     they are averaged over the workers before each evaluation and checkpoint
     (with synchronised BatchNorm they are equal already).
 
-    With a :attr:`tensor` part (``allreduce --tensor T``) the model is this
-    rank's part of the whole, the workers it exchanges with are the same part
-    of every tensor group, and the parts of a group agree on each step's
-    skip and gradient norm.
+    The workers are a :class:`~mpidist.parallel.mesh.Mesh` of replicas and
+    tensor parts.  With ``T`` parts (``allreduce --tensor T``) the model is
+    this rank's part of the whole (:attr:`tensor`), the workers it exchanges
+    with are its replica axis (the same part of every tensor group), and the
+    parts of a group agree on each step's skip and gradient norm.
     """
 
-    #: This rank's :class:`~mpidist.parallel.tensor.TensorPart`, or None (the whole model).
-    tensor = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model, loss, make_optimizer=None, cluster=None, *args, tensor=1, **kwargs):
+        #: the workers' grid (made and freed here)
+        self.mesh = Mesh(None if cluster is None else cluster.workers, parts=tensor)
+        #: this rank's part of the model (the strategy trains it as it would the whole): a
+        #: :class:`~mpidist.parallel.tensor.TensorPart`, or the model whole
+        self.tensor = split_over(model, self.mesh, writes=self.mesh.index("replica") == 0)
+        self.placement = self.tensor.placement
+        super().__init__(self.tensor.model, loss, make_optimizer, cluster, *args, **kwargs)
         model = self.model
         self.buffer = model.xp.zeros(model.num_params + 1, dtype=model.dtype)
         model.bind_grads(self.buffer)
@@ -99,16 +104,16 @@ class DataParallel(Strategy):
 
     @property
     def worker_comm(self):
-        return self.tensor.data if self.tensor is not None else super().worker_comm
+        return self.mesh.comm("replica")
 
     @property
     def worker_index(self):
-        return self.tensor.group if self.tensor is not None else super().worker_index
+        return self.mesh.index("replica")
 
     def state(self):
         """Collective over the workers: the chief's state, with every worker's :meth:`own_state` gathered (if any)."""
         self.average_running()
-        if self.tensor is not None:   # the parts of the first tensor group gather theirs on the chief
+        if self.placement is not None:   # the parts of the first tensor group gather theirs on the chief
             return self._gathered_parts()
         state = super().state()
         if state is not None and self.exchange.holds_params:   # (the window's copy goes when the strategy does)
@@ -161,9 +166,10 @@ class DataParallel(Strategy):
         if self.exchange.holds_params:   # and so do the parameters
             self.model.bind_params(self.model.params.copy())
         self.exchange.free()
+        self.mesh.free()
 
     def initialize(self, checkpoint=None):
-        if self.tensor is not None:   # every part draws (or reads) its slices of the whole model's start alone
+        if self.placement is not None:   # every part draws (or reads) its slices of the whole model's start alone
             params = self.model.params
             if checkpoint is not None:   # (read into place: this part's slices, one array at a time)
                 self.restore(checkpoint)
@@ -235,10 +241,8 @@ class DataParallel(Strategy):
         norm, so every worker decides the same; the parts of a tensor group
         decide together (one small ``Allreduce``).
         """
-        loss, clip_norm, norm = float(self.buffer[-1]), self.recipe.clip_norm, self.exchange.squared_norm()
-        if self.tensor is not None:
-            return agree(self.tensor.comm, self.tensor.squares(self.model.grads, norm), loss, clip_norm)[0]
-        return decide(norm, loss, clip_norm)
+        return self.tensor.verdict(self.model.grads, self.exchange.squared_norm(), float(self.buffer[-1]),
+                                   self.recipe.clip_norm)
 
     def _clipped_gradient(self, factor):
         """The summed gradient multiplied by the verdict's ``factor``: only the part this worker updates where it

@@ -14,6 +14,7 @@ rank.
 import dataclasses
 import math
 
+from .mesh import MeshShape
 from .pipeline import balance_by_parameters, layer_costs, parse_balance
 from .stage import StageLayout
 
@@ -46,7 +47,8 @@ def held(settings, cluster, model, optimizer_arrays):
         return stage_held(params, part)
     if tensor > 1:
         params = math.ceil(whole / tensor)
-        return Held(params, params, 0, f"tensor part {cluster.rank % tensor} of {tensor}")
+        part = MeshShape(cluster.size, parts=tensor).coordinates(cluster.rank)[2]   # (every rank a worker)
+        return Held(params, params, 0, f"tensor part {part} of {tensor}")
     if not (settings.strategy == "allreduce" and settings.shard == "optimizer"):
         return Held(whole, whole, whole)
     # the chief assembles the workers' slices of the optimizer state for a checkpoint

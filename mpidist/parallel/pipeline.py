@@ -33,20 +33,20 @@ import time
 import numpy as np
 
 from ..nn import Layer
-from ..nn.placement import Placement
 from ..nn.sequential import walk
 from ..nn.tensor import MASK_SOURCES
 from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from ..runtime.xp import to_host
 from .base import Strategy
+from .mesh import Mesh, MeshShape
 from .registry import Option, register
 from .rewind import PreviousSlice, StepLedger
 from .saved_state import WholeState
 from .schedule import schedule
 from .schedule_runner import ScheduleRunner, split_sizes  # noqa: F401  (split_sizes: the bench's and tests')
 from .stage import StageLayout, StageLinks
-from .tensor import TENSOR, TensorPart, check_split, check_tensor, gather_placed
+from .tensor import TENSOR, check_split, check_tensor, gather_placed, split_over
 from .verdict import agree
 
 
@@ -157,7 +157,7 @@ class PipelineStrategy(Strategy):
             raise UsageError(f"--stages {settings.stages} does not divide the {world_size} ranks (ranks = stages x "
                              "data-parallel replicas)")
         check_tensor(settings, world_size, settings.stages)
-        replicas = world_size // (settings.stages * settings.tensor)
+        replicas = MeshShape(world_size, settings.stages, settings.tensor).size("replica")
         if settings.batch_size // replicas < settings.micro_batches:
             raise UsageError(f"--batch-size {settings.batch_size} over {replicas} replica(s) leaves "
                              f"{settings.batch_size // replicas} samples per replica, fewer than "
@@ -172,17 +172,17 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def layout_text(cls, settings, cluster):
-        ranks = settings.stages * settings.tensor
+        replicas = MeshShape(cluster.size, settings.stages, settings.tensor).size("replica")
         parts = f" x {settings.tensor} tensor parts" if settings.tensor > 1 else ""
-        return (f"{settings.stages} stages{parts} x {cluster.size // ranks} replica(s) ({settings.schedule}, "
+        return (f"{settings.stages} stages{parts} x {replicas} replica(s) ({settings.schedule}, "
                 f"{settings.micro_batches} micro-batches)")
 
     @classmethod
     def data_layout(cls, settings, cluster):
         """A pipeline's ``P`` stages (and their parts) of one replica read the same shard (the first stage its
         samples, the last its labels)."""
-        ranks = settings.stages * settings.tensor
-        return cluster.size // ranks, cluster.rank // ranks
+        shape = MeshShape(cluster.size, settings.stages, settings.tensor)
+        return shape.size("replica"), shape.coordinates(cluster.rank)[0]
 
     @classmethod
     def check_model(cls, settings, model):
@@ -229,22 +229,22 @@ class PipelineStrategy(Strategy):
         if len(balance) != stages:
             raise ValueError(f"balance {balance} gives {len(balance)} stages, not {stages}")
         self.layout = layout = StageLayout(full, balance, cluster.rank, cluster.size, tensor)
-        self.model = layout.stage_model(full)
+        #: the grid of replicas, stages and parts (made and freed here)
+        self.mesh = Mesh(cluster.world, stages, tensor)
+        stage_model = layout.stage_model(full)
         full.shapes_only = True   # (its layers are bound to the stage's buffers now)
-        self.tensor = None
+        #: this rank's part of its stage (the stage whole, with one part)
+        self.tensor = split_over(stage_model, self.mesh, writes=True)
+        self.model = self.tensor.model
         # this rank's regions of the whole model's parameters (its stage's, or its part of them), as a replica
         # that writes them would write (a gather among the survivors of a lost rank makes another one that)
-        first = first_entry(full, layout.first_layer)
-        self._as_writer = Placement.of_entries(full, first, first + len(self.model.entries))
-        if tensor > 1:   # this rank's part of its stage
-            self.tensor = TensorPart(self.model, cluster.world, tensor, cluster.rank // tensor, layout.part, data=False)
-            self.model, self._as_writer = self.tensor.model, self.tensor.placement.within(full, first)
+        self._as_writer = self.tensor.within(full, first_entry(full, layout.first_layer))
         #: the regions, written by the first replica
         self.placement = self._as_writer.within(full, 0, writes=layout.replica == 0)
-        self.links = StageLinks(cluster.world, layout, self.figures, self.track)
+        self.links = StageLinks(self.mesh, layout, self.figures, self.track)
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
         self.optimizer = self.make_optimizer(self.model.num_params, layout.param_lo)
-        if self.tensor is not None and self.optimizer is not None:   # (a part is no slice of the whole: its own)
+        if self.optimizer is not None:   # (a part is no slice of the whole: its own; a stage's are the same)
             self.optimizer.decay_ranges = self.model.decay_ranges()
         self.ledger = StepLedger(PreviousSlice(self.model.params, self.optimizer) if elastic else None)
         self.model.use_workspace(self.loss)
@@ -271,9 +271,9 @@ class PipelineStrategy(Strategy):
     def describe(self, rank):
         """Role-table text for this rank."""
         layout = self.layout
-        return (f"stage {layout.stage}/{layout.stages} layers {layout.first_layer}-{layout.end_layer - 1}"
-                + (f" {self.tensor.describe()}" if self.tensor is not None else "")
-                + (f" replica {layout.replica}" if layout.replicas > 1 else ""))
+        words = (f"stage {layout.stage}/{layout.stages} layers {layout.first_layer}-{layout.end_layer - 1}",
+                 self.tensor.describe(), f"replica {layout.replica}" if layout.replicas > 1 else "")
+        return " ".join(word for word in words if word)
 
     def initialize(self, checkpoint=None):
         """Each rank draws its own slice of the whole model's start (no rank holds the whole, no traffic), or
@@ -325,7 +325,7 @@ class PipelineStrategy(Strategy):
 
     def _squares(self, gradients):
         """This rank's share of the global squared gradient norm: a part's parameters, its stage's shared ones once."""
-        return float(gradients.dot(gradients)) if self.tensor is None else self.tensor.squares(gradients)
+        return self.tensor.squares(gradients)
 
     def _to_chief(self, values, tag):
         """The last stage of replica 0 (its first part) holds the global figures; the chief (rank 0) needs them.
@@ -377,7 +377,7 @@ class PipelineStrategy(Strategy):
         parts): their slices, placed in the whole model's layout on its chief."""
         arrays = {"params": to_host(self.model.params)}
         arrays.update({name: to_host(a) for name, a in self.optimizer.state_arrays().items()})
-        sends = cluster.rank < self.layout.stages * self.layout.tensor   # (the first replica's ranks)
+        sends = cluster.rank < self.layout.rank_of(1, 0)   # (the first replica's ranks)
         whole = gather_placed(cluster.world, self._as_writer, arrays, cluster.chief_rank, sends)
         if not cluster.is_chief:
             return None
@@ -386,12 +386,13 @@ class PipelineStrategy(Strategy):
 
     # -- --elastic: the survivors of a lost rank ------------------------------------------------------------
     def communicators(self):
-        return [self.links.pipe, self.links.peers]
+        return self.mesh.owned()
 
     def left_idle(self, lost):
         """The survivors in a replica that lost a stage: its layers are in no rank of it any more."""
-        stages, broken = self.layout.stages, {rank // self.layout.stages for rank in lost}
-        return [rank for rank in range(self.cluster.size) if rank // stages in broken and rank not in lost]
+        replica_of = self.layout.replica_of
+        broken = {replica_of(rank) for rank in lost}
+        return [rank for rank in range(self.cluster.size) if replica_of(rank) in broken and rank not in lost]
 
     def survivors_step(self, cluster, step):
         """Collective over the replicas left whole: the least step any of their stages is at.
@@ -425,6 +426,4 @@ class PipelineStrategy(Strategy):
 
     def free(self):
         """Collective: free the stage's communicators (a second free does nothing)."""
-        self.links.free()
-        if self.tensor is not None:
-            self.tensor.free()
+        self.mesh.free()

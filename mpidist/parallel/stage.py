@@ -1,14 +1,13 @@
 """A pipeline stage's place: the layers and parameters it holds, and its links to the other ranks.
 
-With ``N = P x D`` ranks there are ``D`` replicas of a ``P``-stage pipeline:
-rank ``r`` is stage ``r % P`` of replica ``r // P``.  With ``--tensor T``
-each stage is ``T`` consecutive ranks, each holding a part of the stage's
-layers (``N = D x P x T``: rank ``r`` is part ``r % T`` of stage ``(r // T) %
-P`` of replica ``r // (P T)``).  :class:`StageLayout` is that arithmetic (no
-MPI); :class:`StageLinks` holds the two communicators a stage talks over --
-its replica's stages, and its stage in every replica, both of its own part
--- and moves activations and gradients along the pipe (whole activations:
-every part of a stage holds them after its parts' sum).
+With ``N = D x P x T`` ranks there are ``D`` replicas of a ``P``-stage
+pipeline, each stage ``T`` tensor parts: the grid of a
+:class:`~mpidist.parallel.mesh.MeshShape` (rank ``r`` is part ``r % T`` of
+stage ``(r // T) % P`` of replica ``r // (P T)``).  :class:`StageLayout`
+says which layers and parameters a stage holds (no MPI); :class:`StageLinks`
+moves activations and gradients along the pipe over the mesh's ``stage``
+axis -- its replica's stages, of its own part (whole activations: every part
+of a stage holds them after its parts' sum).
 """
 
 import time
@@ -19,6 +18,7 @@ from mpi4py import MPI
 from ..nn import Sequential
 from ..runtime import comm as mpi
 from ..runtime import recorder
+from .mesh import MeshShape
 
 TRACER = recorder.tracer()
 
@@ -35,9 +35,10 @@ class StageLayout:
 
     def __init__(self, model, balance, rank, world_size, tensor=1):
         self.balance = [int(size) for size in balance]
-        self.stages, self.tensor = len(self.balance), int(tensor)
-        (self.replica, self.stage), self.part = divmod(rank // self.tensor, self.stages), rank % self.tensor
-        self.replicas = world_size // (self.stages * self.tensor)
+        #: the grid the ranks make (:class:`~mpidist.parallel.mesh.MeshShape`)
+        self.shape = MeshShape(world_size, len(self.balance), int(tensor))
+        self.replicas, self.stages, self.parts = self.shape.sizes
+        self.replica, self.stage, self.part = self.shape.coordinates(rank)
         starts = np.concatenate([[0], np.cumsum(self.balance)]).astype(int)
         self.first_layer, self.end_layer = int(starts[self.stage]), int(starts[self.stage + 1])
         #: where each stage's parameters start in the whole model's flat buffer, and the end
@@ -55,7 +56,11 @@ class StageLayout:
 
     def rank_of(self, replica, stage, part=0):
         """The world rank of ``part`` of ``stage`` of ``replica``."""
-        return (replica * self.stages + stage) * self.tensor + part
+        return self.shape.rank_of(replica, stage, part)
+
+    def replica_of(self, rank):
+        """The replica ``rank`` is in."""
+        return self.shape.coordinates(rank)[0]
 
     @property
     def param_lo(self):
@@ -74,23 +79,22 @@ class StageLayout:
 
 
 class StageLinks:
-    """A stage's communicators, made here and freed here once, and the transfers along its pipe.
+    """A stage's transfers along its pipe, and the two groups it talks over (the mesh's, which frees them).
 
     ``pipe`` holds this replica's stages (ranked by stage); ``peers`` holds
     this stage in every replica (ranked by replica).  Time spent waiting for
     a neighbour counts as ``idle_s`` in ``figures``.
 
     Args:
-        world: the communicator of every rank (split collectively here).
+        mesh: the run's :class:`~mpidist.parallel.mesh.Mesh`.
         layout: this rank's :class:`StageLayout`.
         figures: the strategy's figures (``idle_s`` is added to).
         track: the strategy's ``track(phase)`` (where the stall monitor sees this rank).
     """
 
-    def __init__(self, world, layout, figures, track):
+    def __init__(self, mesh, layout, figures, track):
         self.layout, self.figures, self.track = layout, figures, track
-        self.pipe = world.Split(layout.replica * layout.tensor + layout.part, key=layout.stage)
-        self.peers = world.Split(layout.stage * layout.tensor + layout.part, key=layout.replica)
+        self.pipe, self.peers = mesh.comm("stage"), mesh.comm("replica")
 
     def recv(self, buffer, source, tag, flow=None):
         """Receive ``buffer`` from stage ``source``; ``flow``: ``(step, round)`` to draw the sender's arrow (--trace)."""
@@ -123,13 +127,6 @@ class StageLinks:
         self.track("exchange")
         MPI.Request.Waitall(requests)
         self.figures["idle_s"] += time.perf_counter() - start
-
-    def free(self):
-        """Collective over each communicator: release both.  A second call does nothing."""
-        for comm in (self.pipe, self.peers):
-            if comm is not None:
-                comm.Free()
-        self.pipe = self.peers = None
 
 
 def _carried(tag):

@@ -25,6 +25,7 @@ from ..runtime import comm as mpi
 from ..runtime import recorder
 from ..runtime.errors import UsageError
 from .registry import Option
+from .verdict import agree, decide
 
 TRACER = recorder.tracer()
 
@@ -105,30 +106,25 @@ def gather_placed(comm, placement, arrays, root, sends=True):
 
 
 class TensorPart:
-    """This rank's part of a model split over its tensor group: the part's model, communicators and map.
+    """This rank's part of a model split over its tensor group: the part's model and map, and the group's sums.
 
     Args:
         whole: the whole model (a :class:`~mpidist.nn.Sequential`).
-        world: the ranks that train (split collectively here).
-        parts: ``T``.
-        group: this rank's tensor group (ranks ``group * T .. group * T + T - 1`` of the layout).
-        part: this rank's part, ``0 .. T-1``.
-        data: whether to split off the communicator of the same part of every group (the data-parallel
-            workers of ``allreduce``; a pipeline has its own, a stage's part in every replica).
+        mesh: the run's :class:`~mpidist.parallel.mesh.Mesh` (its ``part`` axis is the tensor group).
+        writes: whether this part writes its regions of the whole model (the first data-parallel replica's
+            parts; a pipeline stage's are written by every replica, of which its gather takes the first's).
     """
 
-    def __init__(self, whole, world, parts, group, part, data=True):
-        self.parts, self.part, self.group = int(parts), int(part), int(group)
-        self.comm = world.Split(group, key=part)            # the tensor group, by part
+    def __init__(self, whole, mesh, writes):
+        self.parts, self.part = mesh.size("part"), mesh.index("part")
+        self.comm = mesh.comm("part")   # (the mesh's: it frees it)
         local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
         # (a launcher that deals ranks out to nodes in turn puts a group's parts on different nodes: said in the
         # role table, for every sum of activations then crosses the network)
         self.across_nodes = local.Get_size() < self.parts
         local.Free()
-        self.data = world.Split(part, key=group) if data else None   # the same part of every group, by group
-        #: this part's regions of the whole model's parameters (written by the first group's parts; a pipeline
-        #: stage's by every replica's, of which its gather takes the first's)
-        self.model, self.placement = split_model(whole, part, parts, writes=self.group == 0 or not data)
+        #: this part's regions of the whole model's parameters
+        self.model, self.placement = split_model(whole, self.part, self.parts, writes=writes)
         whole.shapes_only = True   # (its replicated layers are bound to the part's buffers now)
         self.shared = replicated(self.model)                # every part holds these alike: counted once
         for operator in operators(self.model):
@@ -158,14 +154,45 @@ class TensorPart:
             squares -= sum(float(grads[lo:hi].dot(grads[lo:hi])) for lo, hi in self.shared)
         return squares
 
+    def verdict(self, grads, squares, loss, clip_norm):
+        """Collective over the tensor group: the step's :class:`~mpidist.parallel.verdict.Verdict` from this
+        part's summed ``grads`` (``squares``: their squared norm, where taken already) and the ``loss``."""
+        return agree(self.comm, self.squares(grads, squares), loss, clip_norm)[0]
+
+    def within(self, whole, first_entry):
+        """This part's regions as regions of ``whole``, whose entries from ``first_entry`` on are the model this
+        part was split from (a pipeline stage's)."""
+        return self.placement.within(whole, first_entry)
+
     def gather(self, arrays):
         """Collective over the tensor group: the parts' ``arrays`` (name -> this part's flat host array) as
         whole-model arrays on part 0 (None elsewhere)."""
         return gather_placed(self.comm, self.placement, arrays, 0)
 
-    def free(self):
-        """Free the two communicators (once)."""
-        for comm in (self.comm, self.data):
-            if comm is not None:
-                comm.Free()
-        self.comm = self.data = None
+
+class WholeModel:
+    """What :class:`TensorPart` answers, for a rank that holds its model (or its stage) whole: a tensor axis of
+    one part, whose group is this rank alone."""
+
+    parts, part, placement, shared = 1, 0, None, ()
+
+    def __init__(self, model):
+        self.model = model
+
+    def describe(self):
+        return ""
+
+    def squares(self, grads, whole=None):
+        return float(grads.dot(grads)) if whole is None else whole
+
+    def verdict(self, grads, squares, loss, clip_norm):
+        return decide(self.squares(grads, squares), loss, clip_norm)
+
+    def within(self, whole, first_entry):
+        return Placement.of_entries(whole, first_entry, first_entry + len(self.model.entries))
+
+
+def split_over(model, mesh, writes):
+    """This rank's part of ``model`` over the ``mesh``'s tensor axis: a :class:`TensorPart`, or
+    :class:`WholeModel` where the axis has one part."""
+    return TensorPart(model, mesh, writes) if mesh.size("part") > 1 else WholeModel(model)
