@@ -30,9 +30,11 @@ from mpidist import nn
 
 def build(sample_shape, vocab, dim=64, layers=2, heads=4):
     """Ids ``(L,)`` -> logits ``(L, vocab)``: position ``t`` sees characters ``0..t`` only (causal attention)."""
-    return ([nn.Embedding(vocab, dim), nn.PositionalEmbedding(sample_shape[0])]
-            + [nn.TransformerBlock(heads, causal=True) for _ in range(layers)]
-            + [nn.LayerNorm(), nn.Dense(vocab, init="glorot")])
+    return (
+        [nn.Embedding(vocab, dim), nn.PositionalEmbedding(sample_shape[0])]
+        + [nn.TransformerBlock(heads, causal=True) for _ in range(layers)]
+        + [nn.LayerNorm(), nn.Dense(vocab, init="glorot")]
+    )
 
 
 def generate(model, names, prompt, length, temperature=0.8, seed=0):
@@ -54,11 +56,13 @@ def dataset(path):
     if path:
         return path, None
     from mpi4py import MPI
+
     world = MPI.COMM_WORLD
     folder = world.bcast(tempfile.mkdtemp(prefix="char_lm-") if world.Get_rank() == 0 else None)
     target = Path(folder) / "lee-text.h5"
     if world.Get_rank() == 0:
         from mpidist.tools.ingest import ingest
+
         ingest("lee-text", target)
     world.Barrier()
     return str(target), folder
@@ -66,7 +70,9 @@ def dataset(path):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="", help="lee-text.h5 as `python -m mpidist ingest lee-text` writes it")
+    parser.add_argument(
+        "--data", default="", help="lee-text.h5 as `python -m mpidist ingest lee-text` writes it"
+    )
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: the epochs)")
     parser.add_argument("--lr", type=float, default=0.003)
@@ -80,14 +86,26 @@ if __name__ == "__main__":
         return build(sample_shape, vocab, dim=args.dim, layers=args.layers)
 
     data, scratch = dataset(args.data)
-    result = mpidist.train(model, data, epochs=args.epochs, steps=args.steps, lr=args.lr, batch_size=64,
-                           lr_schedule="cosine", warmup_steps=100 if args.steps == 0 or args.steps > 200 else 0,
-                           eval_samples=args.eval_samples, progress="none", metrics="")
+    result = mpidist.train(
+        model,
+        data,
+        epochs=args.epochs,
+        steps=args.steps,
+        lr=args.lr,
+        batch_size=64,
+        lr_schedule="cosine",
+        warmup_steps=100 if args.steps == 0 or args.steps > 200 else 0,
+        eval_samples=args.eval_samples,
+        progress="none",
+        metrics="",
+    )
     if result.is_chief:
         figures = result.figures
         val = figures["val_loss"]
-        print(f"char_lm: {figures['steps']} steps, val loss {val:.4f} nats/char ({val / math.log(2):.4f} bits/char), "
-              f"test loss {figures['test_loss']:.4f} nats/char, test accuracy {100 * result.test_accuracy:.2f}%")
+        print(
+            f"char_lm: {figures['steps']} steps, val loss {val:.4f} nats/char ({val / math.log(2):.4f} bits/char), "
+            f"test loss {figures['test_loss']:.4f} nats/char, test accuracy {100 * result.test_accuracy:.2f}%"
+        )
         if args.generate:
             print(generate(result.model, datasets.inspect(data).class_names, "The ", args.generate))
         if scratch:

@@ -24,7 +24,7 @@ from mpidist import nn
 class PReLU(nn.Layer):
     """``y = x`` where ``x > 0``, else ``alpha * x``, with one learned ``alpha`` per unit: ``(N, D) -> (N, D)``."""
 
-    cache = ("x",)   # what forward leaves for backward (a pipeline keeps one per micro-batch)
+    cache = ("x",)  # what forward leaves for backward (a pipeline keeps one per micro-batch)
 
     def build(self, input_shape):
         self.units = input_shape[-1]
@@ -40,7 +40,7 @@ class PReLU(nn.Layer):
 
     def backward(self, dy):
         negative = self.xp.minimum(self.x, 0)
-        self.grads["alpha"][...] = (dy * negative).sum(axis=0)     # overwrite: one backward fills all gradients
+        self.grads["alpha"][...] = (dy * negative).sum(axis=0)  # overwrite: one backward fills all gradients
         return self.xp.where(self.x > 0, dy, self.params["alpha"] * dy)
 
 
@@ -58,8 +58,16 @@ if __name__ == "__main__":
     args = parser.parse_args()
     # every rank: a few dozen forward passes, no MPI; a wrong backward raises nn.GradientError naming the entry
     nn.check_gradients(PReLU(), input_shape=(8,))
-    result = mpidist.train(build, "digits", strategy=args.strategy, ps=args.ps, stages=args.stages,
-                           epochs=args.epochs, progress="none", metrics="")
+    result = mpidist.train(
+        build,
+        "digits",
+        strategy=args.strategy,
+        ps=args.ps,
+        stages=args.stages,
+        epochs=args.epochs,
+        progress="none",
+        metrics="",
+    )
     if result.is_chief:
         print("custom_layer: PReLU's gradients match finite differences")
         print(f"custom_layer: {args.strategy} test accuracy {100 * result.test_accuracy:.2f}%")

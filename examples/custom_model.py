@@ -13,14 +13,25 @@ from mpidist import nn
 
 def build(sample_shape, outputs):
     """``(sample_shape, outputs) -> layers``: called on every rank with the dataset's shapes."""
+
     def block():
         return nn.Residual(nn.Dense(64), nn.BatchNorm(sync=True), nn.GELU(), nn.Dense(64))
 
-    return [nn.Flatten(), nn.Dense(64), block(), nn.ReLU(), block(), nn.ReLU(), nn.Dense(outputs, init="glorot")]
+    return [
+        nn.Flatten(),
+        nn.Dense(64),
+        block(),
+        nn.ReLU(),
+        block(),
+        nn.ReLU(),
+        nn.Dense(outputs, init="glorot"),
+    ]
 
 
 if __name__ == "__main__":
     result = mpidist.train(build, "digits", strategy="allreduce", epochs=15, progress="none", metrics="")
     if result.is_chief:
-        print(f"custom_model: {result.model.num_params:,} parameters, "
-              f"test accuracy {100 * result.test_accuracy:.2f}%")
+        print(
+            f"custom_model: {result.model.num_params:,} parameters, "
+            f"test accuracy {100 * result.test_accuracy:.2f}%"
+        )

@@ -22,8 +22,9 @@ class Printer(mpidist.Callback):
 
 if __name__ == "__main__":
     stopper = mpidist.EarlyStopping(patience=2, min_delta=0.002)
-    result = mpidist.train("mlp", "digits", epochs=60, callbacks=[stopper, Printer()], progress="none",
-                           metrics="")
+    result = mpidist.train(
+        "mlp", "digits", epochs=60, callbacks=[stopper, Printer()], progress="none", metrics=""
+    )
     if result.is_chief:
         stopped = f"stopped early at step {stopper.stopped_at}" if stopper.stopped_at else "ran every epoch"
         print(f"early_stopping: {stopped}, test accuracy {100 * result.test_accuracy:.2f}%")

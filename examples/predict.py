@@ -20,16 +20,25 @@ import mpidist
 
 if __name__ == "__main__":
     world = MPI.COMM_WORLD
-    directory = Path(world.bcast(tempfile.mkdtemp(prefix="mpidist-predict-") if world.Get_rank() == 0 else None))
-    result = mpidist.train("mlp", "digits", epochs=10, run_dir=str(directory / "run"),
-                           checkpoint_dir=str(directory / "ck"), progress="none", metrics="")
+    directory = Path(
+        world.bcast(tempfile.mkdtemp(prefix="mpidist-predict-") if world.Get_rank() == 0 else None)
+    )
+    result = mpidist.train(
+        "mlp",
+        "digits",
+        epochs=10,
+        run_dir=str(directory / "run"),
+        checkpoint_dir=str(directory / "ck"),
+        progress="none",
+        metrics="",
+    )
     checkpoint = world.bcast(str(result.checkpoints[-1]) if result.is_chief else None)
     evaluated = mpidist.evaluate(checkpoint)
     # the test split of the dataset the checkpoint trained on, written to preds.h5
     predictions = mpidist.predict(checkpoint, output=directory / "preds.h5")
     # plain samples (a numpy array, the same on every rank): predicted, not written
     with h5py.File(predictions.output, "r") as handle:
-        source = handle.attrs["data"]          # the dataset predicted, as the file records it
+        source = handle.attrs["data"]  # the dataset predicted, as the file records it
     with h5py.File(source, "r") as handle:
         first = handle["test/x"][:5]
     few = mpidist.predict(checkpoint, first)
@@ -37,6 +46,8 @@ if __name__ == "__main__":
         print(f"the first classes predicted: {predictions.classes[:10].tolist()}")
         print(f"the first five again, as plain samples: {few.classes.tolist()}")
         print(f"eval's test accuracy: {100 * evaluated['test_accuracy']:.2f}%")
-        print(f"predict: {predictions.samples} samples of {predictions.source}, test accuracy "
-              f"{100 * predictions.figures['accuracy']:.2f}%")
+        print(
+            f"predict: {predictions.samples} samples of {predictions.source}, test accuracy "
+            f"{100 * predictions.figures['accuracy']:.2f}%"
+        )
         shutil.rmtree(directory)

@@ -34,7 +34,7 @@ def models(seconds):
     from mpidist.bench.timing import alternating
     from mpidist.parallel import LocalStrategy
 
-    try:   # (without torch the rows are mpidist's alone)
+    try:  # (without torch the rows are mpidist's alone)
         import torch
     except ImportError:
         torch = None
@@ -46,8 +46,12 @@ def models(seconds):
         for batch in BATCHES:
             shape, classes = SHAPES[name]
             model = nn.build_model(name, shape, classes, cupy, np.float32)
-            local = LocalStrategy(model, nn.loss_for(classes, cupy),
-                                  lambda size: nn.make_optimizer("sgd", size, 0.01, xp=cupy), seed=0)
+            local = LocalStrategy(
+                model,
+                nn.loss_for(classes, cupy),
+                lambda size: nn.make_optimizer("sgd", size, 0.01, xp=cupy),
+                seed=0,
+            )
             local.initialize()
             rng = np.random.default_rng(0)
             x = rng.random((batch,) + model.input_shape, dtype=np.float32)
@@ -65,8 +69,7 @@ def models(seconds):
             if theirs is not None:
                 steps["torch"] = theirs
             medians = alternating(steps, seconds)
-            row = {"model": label, "batch": batch,
-                   "mpidist samples/s": batch / medians["mpidist"]}
+            row = {"model": label, "batch": batch, "mpidist samples/s": batch / medians["mpidist"]}
             if "torch" in medians:
                 row["torch samples/s"] = batch / medians["torch"]
                 row["mpidist/torch"] = medians["torch"] / medians["mpidist"]
@@ -94,7 +97,7 @@ def send(seconds):
     paths = ["0", "1"] if comm.cuda_aware() else ["0"]
     rows = []
     for mib in SEND_MIB:
-        array = cupy.arange(mib << 18, dtype=cupy.float32)   # mib MiB of float32
+        array = cupy.arange(mib << 18, dtype=cupy.float32)  # mib MiB of float32
         host = np.empty(array.shape, dtype=array.dtype)
         row = {"MiB": mib}
         for aware in paths:
@@ -103,24 +106,38 @@ def send(seconds):
             if rank == 1:
                 array.fill(-1)
             label = "cuda-aware" if aware == "1" else "host-staged"
-            seconds_each = synced_timed(world, until_received(lambda: comm.send(world, array, 1, 7), lambda: (
-                comm.recv(world, array, 0, 7), stream.synchronize())), seconds)
+            seconds_each = synced_timed(
+                world,
+                until_received(
+                    lambda: comm.send(world, array, 1, 7),
+                    lambda: (comm.recv(world, array, 0, 7), stream.synchronize()),
+                ),
+                seconds,
+            )
             if rank == 1:
                 expected = cupy.arange(mib << 18, dtype=cupy.float32)
                 assert bool((array == expected).all()), "the received activation differs from the sent one"
             row[f"{label} send GB/s"] = array.nbytes / seconds_each / 1e9
         # a host-staged send is: device to host, MPI between host buffers, host to device
-        row["MPI host send GB/s"] = array.nbytes / synced_timed(world, until_received(
-            lambda: world.Send(host, 1, 8), lambda: world.Recv(host, 0, 8)), seconds) / 1e9
+        row["MPI host send GB/s"] = (
+            array.nbytes
+            / synced_timed(
+                world, until_received(lambda: world.Send(host, 1, 8), lambda: world.Recv(host, 0, 8)), seconds
+            )
+            / 1e9
+        )
         if rank == 0:
             copy_into = cupy.empty_like(array)
             pinned = cupy.cuda.alloc_pinned_memory(array.nbytes)
             pinned_host = np.frombuffer(pinned, array.dtype, array.size)
-            medians = alternating({
-                "cupy copy": lambda: (copy_into.__setitem__(Ellipsis, array), stream.synchronize()),
-                "to host": lambda: array.get(),
-                "to pinned host": lambda: array.get(out=pinned_host),
-            }, seconds / 2)
+            medians = alternating(
+                {
+                    "cupy copy": lambda: (copy_into.__setitem__(Ellipsis, array), stream.synchronize()),
+                    "to host": lambda: array.get(),
+                    "to pinned host": lambda: array.get(out=pinned_host),
+                },
+                seconds / 2,
+            )
             for name, value in medians.items():
                 row[f"{name} GB/s"] = array.nbytes / value / 1e9
             rows.append(row)

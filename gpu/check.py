@@ -25,8 +25,15 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 #: Seconds each part may take; the installs are check.sh's (it passes how long they took).
-LIMITS = {"install": 45, "gpu": 10, "info": 30, "unit tests": 75, "strategies": 170, "resume": 50,
-          "benchmark": 90}
+LIMITS = {
+    "install": 45,
+    "gpu": 10,
+    "info": 30,
+    "unit tests": 75,
+    "strategies": 170,
+    "resume": 50,
+    "benchmark": 90,
+}
 TOTAL_LIMIT = sum(LIMITS.values())
 
 #: Every strategy and layout, as (name, ranks, train arguments).  Two ranks share the GPU (the
@@ -49,13 +56,34 @@ CASES = [
 #: A sharded checkpoint written by one split layout on the GPU, then resumed by another (each rank
 #: reads its slices from the host file straight into its device buffers): (label, ranks, arguments)
 #: of the writer, then of the reader.
-RESUME = (("pipeline 2", 2, ["--strategy", "pipeline", "--stages", "2", "--checkpoint-every", "3",
-                              "--checkpoint-wait"]),
-          ("--tensor 2", 2, ["--strategy", "allreduce", "--tensor", "2"]))
+RESUME = (
+    (
+        "pipeline 2",
+        2,
+        ["--strategy", "pipeline", "--stages", "2", "--checkpoint-every", "3", "--checkpoint-wait"],
+    ),
+    ("--tensor 2", 2, ["--strategy", "allreduce", "--tensor", "2"]),
+)
 #: Asynchronous updates land in an order no run repeats, on the CPU too: only their first step is compared.
 FIRST_STEP_ONLY = {"ps-async (ps on the host)"}
-TRAIN = ["--data", "digits", "--model", "mlp", "--steps", "6", "--batch-size", "32", "--log-every", "1",
-         "--eval-every", "0", "--seed", "0", "--progress", "none"]
+TRAIN = [
+    "--data",
+    "digits",
+    "--model",
+    "mlp",
+    "--steps",
+    "6",
+    "--batch-size",
+    "32",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--seed",
+    "0",
+    "--progress",
+    "none",
+]
 #: GPU against CPU (float32) may differ by this many times what float32 itself costs (CPU float32
 #: against float64), with a floor for runs whose float32 error happens to be tiny.
 ROUNDING_FACTOR, FLOOR = 10.0, 1e-6
@@ -67,6 +95,7 @@ def cupy_gpus():
     """``(GPUs cupy sees, why none where it sees none)``."""
     try:
         import cupy
+
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as err:  # no cupy, a cupy built for another CUDA, no driver: no GPU to use either way
         return 0, f"{type(err).__name__}: {err}"
@@ -97,13 +126,14 @@ def run(command, limit, log, env=None):
     start = time.monotonic()
     with open(log, "w") as out:
         try:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                       env=env, start_new_session=True)
+            process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+            )
         except OSError as err:
             return f"could not start {command[0]}: {err.strerror or err}", time.monotonic() - start
         try:
             code = process.wait(timeout=max(limit, 1))
-        except BaseException as err:   # the limit, or this check interrupted: leave nothing running
+        except BaseException as err:  # the limit, or this check interrupted: leave nothing running
             _stop(process)
             if not isinstance(err, subprocess.TimeoutExpired):
                 raise
@@ -142,8 +172,14 @@ class Part:
         self.status, self.reason = "not run", reason
 
     def as_dict(self):
-        return {"part": self.name, "status": self.status, "reason": self.reason, "limit_s": self.limit,
-                "seconds": round(time.monotonic() - self.start, 1), "rows": self.rows}
+        return {
+            "part": self.name,
+            "status": self.status,
+            "reason": self.reason,
+            "limit_s": self.limit,
+            "seconds": round(time.monotonic() - self.start, 1),
+            "rows": self.rows,
+        }
 
 
 def mpiexec(ranks):
@@ -161,6 +197,7 @@ def info_part(out):
 
 def needs_gpu(name):
     """The part ``name`` as the decorated ``build(out, part)`` makes it where there is a GPU; not run elsewhere."""
+
     def decorate(build):
         def part_for(out, gpu):
             part = Part(name)
@@ -168,17 +205,39 @@ def needs_gpu(name):
                 part.skip("no GPU visible to cupy")
                 return part
             return build(out, part)
+
         return part_for
+
     return decorate
 
 
 @needs_gpu("unit tests")
 def unit_part(out, part):
-    runs = [("tests/test_gpu.py, 1 process", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                              "tests/test_gpu.py"], "unit-serial.log"),
-            ("tests/test_gpu.py, 2 ranks", mpiexec(2) + [sys.executable, "-m", "pytest", "-q", "-rs", "-p",
-                                                          "no:cacheprovider", "-m", "mpi", "--with-mpi",
-                                                          "tests/test_gpu.py"], "unit-mpi.log")]
+    runs = [
+        (
+            "tests/test_gpu.py, 1 process",
+            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+            "unit-serial.log",
+        ),
+        (
+            "tests/test_gpu.py, 2 ranks",
+            mpiexec(2)
+            + [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-rs",
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                "mpi",
+                "--with-mpi",
+                "tests/test_gpu.py",
+            ],
+            "unit-mpi.log",
+        ),
+    ]
     for label, command, log in runs:
         code, seconds = run(command, part.left(), out / log)
         tail = (out / log).read_text().strip().splitlines()[-1:] or [""]
@@ -196,8 +255,22 @@ def train(out, label, ranks, arguments, device, dtype, limit):
     """One short training run; ``(losses per step, final parameters)``, or a string saying why not."""
     run_dir = run_dir_of(out, label, device, dtype)
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = mpiexec(ranks) + [sys.executable, "-m", "mpidist", "train", *TRAIN, *arguments, "--device", device,
-                                "--dtype", dtype, "--run-dir", str(run_dir), "--checkpoint-dir", str(run_dir / "ck")]
+    command = mpiexec(ranks) + [
+        sys.executable,
+        "-m",
+        "mpidist",
+        "train",
+        *TRAIN,
+        *arguments,
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--run-dir",
+        str(run_dir),
+        "--checkpoint-dir",
+        str(run_dir / "ck"),
+    ]
     run_dir.mkdir(parents=True)
     code, _ = run(command, limit, run_dir / "output.txt")
     if code != 0:
@@ -210,6 +283,7 @@ def train(out, label, ranks, arguments, device, dtype, limit):
         if not checkpoints:
             return f"no checkpoint in {run_dir / 'ck'}"
         import h5py
+
         with h5py.File(checkpoints[-1], "r") as file:
             params = np.asarray(file["params"], dtype=np.float64)
     except (OSError, ValueError, KeyError) as err:
@@ -263,7 +337,9 @@ def strategies_part(out, gpu):
             row.update(verdict="not run", why="no GPU")
             continue
         ours = train(out, case, ranks, arguments, "gpu", "float32", min(part.left(), GPU_RUN_LIMIT))
-        row.update({"verdict": "fail", "why": ours} if isinstance(ours, str) else compare(case, ours, cpu, cpu64))
+        row.update(
+            {"verdict": "fail", "why": ours} if isinstance(ours, str) else compare(case, ours, cpu, cpu64)
+        )
         if row["verdict"] == "fail":
             part.fail("a strategy's GPU run differs from the CPU or failed")
     if not gpu and part.status == "pass":
@@ -281,8 +357,15 @@ def resume_runs(out, device, dtype, limit):
     if not found:
         return f"{writer} wrote no step-3 checkpoint"
     checkpoint = found[0]
-    resumed = train(out, f"{reader} from {writer}", reader_ranks,
-                    reader_arguments + ["--resume", str(checkpoint)], device, dtype, limit / 2)
+    resumed = train(
+        out,
+        f"{reader} from {writer}",
+        reader_ranks,
+        reader_arguments + ["--resume", str(checkpoint)],
+        device,
+        dtype,
+        limit / 2,
+    )
     return f"{reader} (the reader): {resumed}" if isinstance(resumed, str) else resumed
 
 
@@ -306,10 +389,19 @@ def resume_part(out, part):
 
 @needs_gpu("benchmark")
 def benchmark_part(out, part):
-    steps = [("models", [sys.executable, str(HERE / "bench.py"), "models", "--out", str(out / "bench-models.json")],
-              0.6),
-             ("send", mpiexec(2) + [sys.executable, str(HERE / "bench.py"), "send", "--out",
-                                    str(out / "bench-send.json")], 1.0)]
+    steps = [
+        (
+            "models",
+            [sys.executable, str(HERE / "bench.py"), "models", "--out", str(out / "bench-models.json")],
+            0.6,
+        ),
+        (
+            "send",
+            mpiexec(2)
+            + [sys.executable, str(HERE / "bench.py"), "send", "--out", str(out / "bench-send.json")],
+            1.0,
+        ),
+    ]
     for name, command, share in steps:
         code, _ = run(command, part.left() * share, out / f"bench-{name}.log")
         if code != 0:
@@ -326,32 +418,45 @@ def _format(value):
 
 
 def write_summary(out, parts, install):
-    lines = [f"mpidist GPU check: {'a GPU' if parts[0]['gpu'] else 'no GPU'} here; limits add up to "
-             f"{TOTAL_LIMIT} s", ""]
+    lines = [
+        f"mpidist GPU check: {'a GPU' if parts[0]['gpu'] else 'no GPU'} here; limits add up to "
+        f"{TOTAL_LIMIT} s",
+        "",
+    ]
     for part in [install] + parts[1:]:
-        lines.append(f"[{part['status']}] {part['part']} ({part['seconds']} s of {part['limit_s']})"
-                     + (f": {part['reason']}" if part["reason"] else ""))
+        lines.append(
+            f"[{part['status']}] {part['part']} ({part['seconds']} s of {part['limit_s']})"
+            + (f": {part['reason']}" if part["reason"] else "")
+        )
         for row in part["rows"]:
             text = row if isinstance(row, str) else ", ".join(f"{k} {_format(v)}" for k, v in row.items())
             lines.append(f"    {text}")
     text = "\n".join(lines) + "\n"
     (out / "summary.txt").write_text(text)
-    (out / "summary.json").write_text(json.dumps({"gpu": parts[0]["gpu"], "total_limit_s": TOTAL_LIMIT,
-                                                  "parts": [install] + parts[1:]}, indent=1))
+    (out / "summary.json").write_text(
+        json.dumps(
+            {"gpu": parts[0]["gpu"], "total_limit_s": TOTAL_LIMIT, "parts": [install] + parts[1:]}, indent=1
+        )
+    )
     return text
 
 
 def _guarded(build, out, gpu, installed):
     """The part ``build`` makes; one that could not run or crashed is a part that says so."""
-    name = {info_part: "info", unit_part: "unit tests", strategies_part: "strategies", resume_part: "resume",
-            benchmark_part: "benchmark"}[build]
+    name = {
+        info_part: "info",
+        unit_part: "unit tests",
+        strategies_part: "strategies",
+        resume_part: "resume",
+        benchmark_part: "benchmark",
+    }[build]
     if not installed:
         part = Part(name)
         part.skip("the wheels' install failed")
         return part
     try:
         return build(out) if build is info_part else build(out, gpu)
-    except Exception as err:   # a check that breaks reports it with the rest, and the summary is still written
+    except Exception as err:  # a check that breaks reports it with the rest, and the summary is still written
         part = Part(name)
         part.fail(f"the check itself broke: {type(err).__name__}: {err}")
         return part
@@ -363,13 +468,19 @@ def main():
     parser.add_argument("--install-exit", type=int, required=True, help="the wheels' install's exit code")
     parser.add_argument("--install-seconds", type=float, required=True, help="how long the install took")
     args = parser.parse_args()
-    args.out = args.out.resolve()   # (the runs start in the repository)
+    args.out = args.out.resolve()  # (the runs start in the repository)
     args.out.mkdir(parents=True, exist_ok=True)
-    install = {"part": "install", "status": "pass" if args.install_exit == 0 else "fail",
-               "reason": "" if args.install_exit == 0 else
-               f"pip exited {args.install_exit} (see install.log; wheels for another Python? gpu/wheels.sh "
-               f"with MPIDIST_WHEELS_PYTHON={sys.version_info.major}.{sys.version_info.minor})",
-               "limit_s": LIMITS["install"], "seconds": round(args.install_seconds, 1), "rows": []}
+    install = {
+        "part": "install",
+        "status": "pass" if args.install_exit == 0 else "fail",
+        "reason": ""
+        if args.install_exit == 0
+        else f"pip exited {args.install_exit} (see install.log; wheels for another Python? gpu/wheels.sh "
+        f"with MPIDIST_WHEELS_PYTHON={sys.version_info.major}.{sys.version_info.minor})",
+        "limit_s": LIMITS["install"],
+        "seconds": round(args.install_seconds, 1),
+        "rows": [],
+    }
     found = gpu_part()
     gpu = found.status == "pass"
     parts = [{"gpu": gpu}, found.as_dict()]

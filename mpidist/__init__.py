@@ -22,7 +22,7 @@ __version__ = "0.2.0"
 
 from .runtime.threads import limit_blas_threads
 
-limit_blas_threads()   # before anything below imports numpy
+limit_blas_threads()  # before anything below imports numpy
 
 from . import nn  # noqa: E402  (after the BLAS limit, on purpose)
 from .api import Result, evaluate, train  # noqa: E402
@@ -32,5 +32,19 @@ from .runtime.errors import RunError, UsageError  # noqa: E402
 from .settings.config import Settings  # noqa: E402
 from .tools.predictions import Predictions, predict  # noqa: E402
 
-__all__ = ["train", "evaluate", "predict", "Predictions", "Settings", "Result", "ArrayData", "Callback",
-           "EarlyStopping", "nn", "UsageError", "RunError", "limit_blas_threads", "__version__"]
+__all__ = [
+    "train",
+    "evaluate",
+    "predict",
+    "Predictions",
+    "Settings",
+    "Result",
+    "ArrayData",
+    "Callback",
+    "EarlyStopping",
+    "nn",
+    "UsageError",
+    "RunError",
+    "limit_blas_threads",
+    "__version__",
+]

@@ -14,13 +14,13 @@ def main():
     from .runtime.preempt import stop_signals
     from .tools import cli
 
-    stop_signals().install()   # from here on, a scheduler's SIGTERM stops the run cleanly (exit code 3)
+    stop_signals().install()  # from here on, a scheduler's SIGTERM stops the run cleanly (exit code 3)
 
     try:
         code = cli.main()
     except SystemExit as done:
         code = done.code
-    if ulfm.failure_seen():   # after a lost rank, MPI_Finalize can hang: end as the survivors agree
+    if ulfm.failure_seen():  # after a lost rank, MPI_Finalize can hang: end as the survivors agree
         ulfm.exit_after_failure(code)
     return code
 

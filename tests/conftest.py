@@ -18,11 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every rank runs the same tests; rank 0 prints the progress and the summary.  The other ranks write theirs to
 # a scratch file, printed (on stderr, under a rank heading) only where that rank saw a test fail.
 
+
 def _mpi_rank(config):
     """This process's rank in COMM_WORLD under ``--with-mpi``, else None."""
     if not config.getoption("with_mpi", False):
         return None
     from mpi4py import MPI
+
     return MPI.COMM_WORLD.Get_rank()
 
 
@@ -30,8 +32,9 @@ def _mpi_rank(config):
 def pytest_configure(config):
     keep_the_tests_bytecode()
     rank = _mpi_rank(config)
-    if rank:   # (before the terminal reporter is made, so that it writes to the scratch file)
+    if rank:  # (before the terminal reporter is made, so that it writes to the scratch file)
         import tempfile
+
         config.stash[_QUIET] = (sys.stdout, tempfile.TemporaryFile("w+"))
         sys.stdout = config.stash[_QUIET][1]
     else:
@@ -49,6 +52,7 @@ def compile_the_package():
     where Python would put them (``__pycache__``, ignored by git).
     """
     import compileall
+
     compileall.compile_dir(ROOT / "mpidist", quiet=2)
 
 
@@ -70,7 +74,7 @@ _FAILED = pytest.StashKey()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    session.config.stash[_FAILED] = exitstatus not in (0, 5)   # (5: nothing collected)
+    session.config.stash[_FAILED] = exitstatus not in (0, 5)  # (5: nothing collected)
 
 
 @pytest.hookimpl(trylast=True)
@@ -124,8 +128,9 @@ def mpiexec_path():
 
 # BLAS thread variables as the test run found them: importing mpidist in this process (a single
 # rank owning every core) may set them, and launched ranks must size their own pools, not inherit that
-BLAS_VARIABLES = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                                          "MKL_NUM_THREADS")}
+BLAS_VARIABLES = {
+    name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+}
 
 
 def child_environ(**extra):
@@ -167,13 +172,17 @@ def run_mpi(ranks, args, timeout=60, cwd=None, env=None, prefix=(), nodes=None):
     outlives ``timeout`` is a hang: the test fails with what it printed.
     """
     import time
+
     command, full_env = _command_and_env(ranks, args, env, prefix, nodes)
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd or os.getcwd(),
-                              env=full_env)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, cwd=cwd or os.getcwd(), env=full_env
+        )
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"hung: {' '.join(command)} ran past {timeout} s\nstdout:\n{err.stdout}\nstderr:\n{err.stderr}")
+        pytest.fail(
+            f"hung: {' '.join(command)} ran past {timeout} s\nstdout:\n{err.stdout}\nstderr:\n{err.stderr}"
+        )
     return done, time.perf_counter() - start
 
 
@@ -185,8 +194,9 @@ def mpidist(ranks, *flags, timeout=60, cwd=None, env=None, nodes=None):
 def start_mpi(ranks, args, env=None):
     """``mpiexec -n ranks python ARGS`` in the background (a Popen with text pipes)."""
     command, full_env = _command_and_env(ranks, args, env)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
-                            env=full_env)
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.getcwd(), env=full_env
+    )
 
 
 def start_mpidist(ranks, *flags, env=None):
@@ -224,9 +234,9 @@ def rank_pids(launcher):
         except OSError:
             continue
         for item in environ:
-            for name in (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK="):   # MPICH's launcher, Open MPI's
+            for name in (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK="):  # MPICH's launcher, Open MPI's
                 if item.startswith(name):
-                    ranks[int(item[len(name):])] = pid
+                    ranks[int(item[len(name) :])] = pid
     return ranks
 
 
@@ -257,6 +267,7 @@ def cluster_with_ps(num_ps):
     from mpi4py import MPI
 
     from mpidist.runtime.cluster import build_cluster
+
     if MPI.COMM_WORLD.Get_size() < num_ps + 1:
         pytest.skip(f"--ps {num_ps} needs {num_ps + 1} ranks")
     return build_cluster(MPI.COMM_WORLD, num_ps=num_ps)
@@ -265,7 +276,10 @@ def cluster_with_ps(num_ps):
 def checkpoint_steps(directory):
     """The steps of the checkpoint files in ``directory`` (any lineage), lowest first."""
     from mpidist.store.lineage import parse_name
-    return sorted(parsed[0] for parsed in map(parse_name, (p.name for p in Path(directory).iterdir())) if parsed)
+
+    return sorted(
+        parsed[0] for parsed in map(parse_name, (p.name for p in Path(directory).iterdir())) if parsed
+    )
 
 
 def checkpoint_at(directory, step):
@@ -278,6 +292,7 @@ def checkpoint_at(directory, step):
 def corrupt_chunk(path, item, index):
     """Bytes inverted in the middle of chunk ``index`` of HDF5 dataset ``item``: its gzip filter cannot decode it."""
     import h5py
+
     with h5py.File(path, "r") as handle:
         chunk = handle[item].id.get_chunk_info(index)
     with open(path, "r+b") as handle:
@@ -296,6 +311,7 @@ def trained_rows(folder, completed=None):
     that many steps of the run were in flight when a worker died, and taken again by the survivors: left out.
     """
     import collections
+
     counts = collections.defaultdict(collections.Counter)
     for path in Path(folder).glob("worker-*.txt"):
         for line in path.read_text().splitlines():
@@ -309,6 +325,7 @@ def trained_rows(folder, completed=None):
 def epochs_of(steps):
     """``{epoch: Counter of rows}`` of :func:`trained_rows`' steps."""
     import collections
+
     counts = collections.defaultdict(collections.Counter)
     for (epoch, _), rows in steps.items():
         counts[epoch].update(rows)
@@ -320,9 +337,12 @@ def strategy_of(flags, ranks):
     picks on that many ranks, as the settings pick it.  Tests hold their tables of runs against the registry
     with it, so a strategy added later cannot be left out."""
     from mpidist.settings.config import Settings
+
     flags = list(flags)
     if "--strategy" in flags:
         return flags[flags.index("--strategy") + 1]
     # (auto reads --ps and --stages too: a row that gives them without --strategy would need them here)
-    assert not {"--ps", "--stages"} & set(flags) and not any(f.startswith("--strategy=") for f in flags), flags
+    assert not {"--ps", "--stages"} & set(flags) and not any(f.startswith("--strategy=") for f in flags), (
+        flags
+    )
     return Settings().with_world(ranks).strategy

@@ -20,8 +20,17 @@ from conftest import child_environ, running
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
 #: the states of a job that has ended
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE"}
+ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 NODE = "mpidist-node"
 CPUS = 8
 
@@ -45,7 +54,7 @@ def first_job_id():
     """Job ids that no earlier cluster gave: MPICH names a job step's shared memory after it (``/dev/shm``), and a
     segment a killed rank left there under the same name made the next step's ranks wait in ``MPI_Init`` for good
     (every cluster numbered its jobs from 1; job 2, the srun script's, hung in every session after one such kill)."""
-    return 1 + int(time.time() * 10) % 60_000_000   # (Slurm's job ids end at 67,108,863)
+    return 1 + int(time.time() * 10) % 60_000_000  # (Slurm's job ids end at 67,108,863)
 
 
 def _config(root, controller_port, node_port):
@@ -93,20 +102,32 @@ class PrivateSlurm:
         self.root = Path(root)
         self.conf = self.root / "slurm.conf"
         self.env = child_environ(SLURM_CONF=str(self.conf))
-        self.env.pop("SLURM_JOB_ID", None)   # never mistake the test's own job (if any) for ours
+        self.env.pop("SLURM_JOB_ID", None)  # never mistake the test's own job (if any) for ours
         self._daemons = []
 
     def start(self, timeout=30):
-        for sub in ("state", "spool"):   # (empty: a cluster started again forgets the jobs of the one stopped)
+        for sub in ("state", "spool"):  # (empty: a cluster started again forgets the jobs of the one stopped)
             shutil.rmtree(self.root / sub, ignore_errors=True)
             (self.root / sub).mkdir(parents=True)
         self.conf.write_text(_config(self.root, *_free_ports(2)))
-        sbin = lambda name: shutil.which(name) or f"/usr/sbin/{name}"   # noqa: E731
+        sbin = lambda name: shutil.which(name) or f"/usr/sbin/{name}"  # noqa: E731
         # -D: stay in the foreground, so we own the processes; -i: ignore any saved state
-        self._daemons.append(subprocess.Popen([sbin("slurmctld"), "-D", "-i", "-f", str(self.conf)], env=self.env,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        self._daemons.append(subprocess.Popen([sbin("slurmd"), "-D", "-f", str(self.conf), "-N", NODE], env=self.env,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        self._daemons.append(
+            subprocess.Popen(
+                [sbin("slurmctld"), "-D", "-i", "-f", str(self.conf)],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        self._daemons.append(
+            subprocess.Popen(
+                [sbin("slurmd"), "-D", "-f", str(self.conf), "-N", NODE],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             state = self.run("sinfo", "-h", "-n", NODE, "-o", "%T").stdout.strip()
@@ -133,11 +154,11 @@ class PrivateSlurm:
                 daemon.wait()
         self._daemons.clear()
         deadline = time.monotonic() + 10
-        while (left := self.leftovers()) and time.monotonic() < deadline:   # (a step may start one as we look)
+        while (left := self.leftovers()) and time.monotonic() < deadline:  # (a step may start one as we look)
             for pid in left:
                 try:
                     os.kill(pid, signal.SIGKILL)
-                except OSError:   # (ended meanwhile)
+                except OSError:  # (ended meanwhile)
                     pass
             time.sleep(0.1)
 
@@ -148,21 +169,33 @@ class PrivateSlurm:
         found = []
         for entry in Path("/proc").iterdir():
             try:
-                if entry.name.isdigit() and running(entry.name) and \
-                        mark in (entry / "environ").read_bytes().split(b"\0"):
+                if (
+                    entry.name.isdigit()
+                    and running(entry.name)
+                    and mark in (entry / "environ").read_bytes().split(b"\0")
+                ):
                     found.append(int(entry.name))
             except OSError:
                 continue
         return found
 
     def logs(self):
-        return "\n".join(f"--- {name}:\n" + (self.root / name).read_text()[-3000:]
-                         for name in ("slurmctld.log", "slurmd.log") if (self.root / name).exists())
+        return "\n".join(
+            f"--- {name}:\n" + (self.root / name).read_text()[-3000:]
+            for name in ("slurmctld.log", "slurmd.log")
+            if (self.root / name).exists()
+        )
 
     def run(self, *command, timeout=60, env=None, cwd=None):
         """A Slurm client command against this cluster (a CompletedProcess with text output)."""
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                              env=dict(self.env, **(env or {})))
+        return subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+            env=dict(self.env, **(env or {})),
+        )
 
     def job(self, job_id):
         """``scontrol show job`` as a dict of its ``Key=Value`` fields ({} once the job is forgotten)."""

@@ -28,7 +28,14 @@ def quiet(**settings):
 
 def batch_norm_net(sync):
     def build(sample_shape, outputs):
-        return [nn.Flatten(), nn.Dense(16), nn.BatchNorm(sync=sync), nn.ReLU(), nn.Dense(outputs, init="glorot")]
+        return [
+            nn.Flatten(),
+            nn.Dense(16),
+            nn.BatchNorm(sync=sync),
+            nn.ReLU(),
+            nn.Dense(outputs, init="glorot"),
+        ]
+
     return build
 
 
@@ -42,21 +49,25 @@ def test_synchronised_batch_norm_on_every_worker_equals_one_process_on_the_globa
     common = dict(data="digits", steps=12, batch_size=64, eval_every=0)
     one = mpidist.train(batch_norm_net(True), strategy="local", comm=MPI.COMM_SELF, **quiet(**common))
     for sync in (True, False):
-        many = mpidist.train(batch_norm_net(sync), strategy=strategy, ps=ps, replication="in-graph",
-                             **quiet(**common))
+        many = mpidist.train(
+            batch_norm_net(sync), strategy=strategy, ps=ps, replication="in-graph", **quiet(**common)
+        )
         if many.is_chief:
             gap = np.abs(many.params - one.params).max()
             if sync:
                 assert gap < 1e-9
-            else:   # each worker normalising by its own part is a different model: the test can tell
+            else:  # each worker normalising by its own part is a different model: the test can tell
                 assert gap > 1e-6
 
 
 @pytest.mark.mpi(min_size=1)
 def test_arrays_in_memory_train_exactly_as_the_same_data_from_its_file():
     with h5py.File(resolve("digits"), "r") as handle:
-        arrays = mpidist.ArrayData(train=(handle["train/x"][...], handle["train/y"][...]),
-                                   test=(handle["test/x"][...], handle["test/y"][...]), name="digits-arrays")
+        arrays = mpidist.ArrayData(
+            train=(handle["train/x"][...], handle["train/y"][...]),
+            test=(handle["test/x"][...], handle["test/y"][...]),
+            name="digits-arrays",
+        )
     from_file = mpidist.train("mlp", "digits", **quiet(epochs=2))
     from_arrays = mpidist.train("mlp", arrays, **quiet(epochs=2))
     if from_file.is_chief:
@@ -91,8 +102,14 @@ def test_callbacks_see_the_metrics_figures_on_the_chief_and_the_result_holds_the
     world = MPI.COMM_WORLD
     directory = world.bcast(str(tmp_path), root=0)
     recorder = Recorder()
-    result = mpidist.train("mlp", "digits", callbacks=[recorder], **quiet(
-        epochs=2, log_every=5, checkpoint_dir=directory, checkpoint_every=10, checkpoint_wait=True, keep=2))
+    result = mpidist.train(
+        "mlp",
+        "digits",
+        callbacks=[recorder],
+        **quiet(
+            epochs=2, log_every=5, checkpoint_dir=directory, checkpoint_every=10, checkpoint_wait=True, keep=2
+        ),
+    )
     steps = result.figures.get("steps") if result.is_chief else None
     if not result.is_chief:
         assert recorder.seen == [] and result.params is None and result.model is None
@@ -103,7 +120,7 @@ def test_callbacks_see_the_metrics_figures_on_the_chief_and_the_result_holds_the
     evals = [e for e in recorder.seen if e[0] == "eval"]
     assert len(evals) == 2 and evals[-1][2] == result.test_accuracy
     written = [e[2] for e in recorder.seen if e[0] == "checkpoint"]
-    assert [str(p) for p in result.checkpoints] == written[-2:]    # --keep 2: the two newest are kept
+    assert [str(p) for p in result.checkpoints] == written[-2:]  # --keep 2: the two newest are kept
     assert recorder.seen[-1] == ("end", "done", result.test_accuracy)
     # the returned model is the trained one: its accuracy on the test split is the run's
     with h5py.File(resolve("digits"), "r") as handle:
@@ -118,10 +135,15 @@ def test_callbacks_see_the_metrics_figures_on_the_chief_and_the_result_holds_the
 def test_a_split_model_is_never_gathered_its_last_checkpoint_holds_the_result(tmp_path):
     world = MPI.COMM_WORLD
     directory = world.bcast(str(tmp_path), root=0)
-    stages = 2 if world.Get_size() % 2 == 0 else world.Get_size()   # (mlp has 6 layers: any -n the suite runs)
-    result = mpidist.train("mlp", "digits", strategy="pipeline", stages=stages, **quiet(
-        steps=6, eval_every=0, checkpoint_dir=directory, checkpoint_wait=True))
-    assert result.params is None and result.model is None   # (on the chief too: no rank holds it whole)
+    stages = 2 if world.Get_size() % 2 == 0 else world.Get_size()  # (mlp has 6 layers: any -n the suite runs)
+    result = mpidist.train(
+        "mlp",
+        "digits",
+        strategy="pipeline",
+        stages=stages,
+        **quiet(steps=6, eval_every=0, checkpoint_dir=directory, checkpoint_wait=True),
+    )
+    assert result.params is None and result.model is None  # (on the chief too: no rank holds it whole)
     if not result.is_chief:
         return
     trained = load_trained(result.checkpoints[-1])
@@ -138,8 +160,9 @@ def test_a_callback_stops_every_rank_early_and_the_run_ends_as_finished(strategy
     if world.Get_size() < ps + 1:
         pytest.skip(f"needs {ps + 1} ranks")
     recorder = Recorder(stop_at=10)
-    result = mpidist.train("mlp", "digits", strategy=strategy, ps=ps, callbacks=[recorder],
-                           **quiet(epochs=5, log_every=2))
+    result = mpidist.train(
+        "mlp", "digits", strategy=strategy, ps=ps, callbacks=[recorder], **quiet(epochs=5, log_every=2)
+    )
     assert result.status == "done" and result.exit_code == 0
     if result.is_chief:
         # the request is seen at a boundary a step or two later (ps-async: the workers' next clock reads)
@@ -162,7 +185,8 @@ def test_layers_given_as_objects_train_and_their_spec_says_they_cannot_be_rebuil
     if result.is_chief:
         assert result.test_accuracy > 0.85
     from mpidist.settings import models
-    assert models.resolve(layers).spec == models.OBJECTS     # what its checkpoints record
+
+    assert models.resolve(layers).spec == models.OBJECTS  # what its checkpoints record
     with pytest.raises(mpidist.UsageError, match="cannot rebuild"):
         models.resolve(models.OBJECTS)
 
@@ -180,7 +204,7 @@ def test_local_sgd_averaging_every_step_with_plain_sgd_on_equal_parts_is_allredu
     if reference.is_chief:
         assert np.abs(every_step.params - reference.params).max() < 1e-10
         assert np.abs(every_4.params - reference.params).max() > 1e-6
-        assert every_4.figures["roles"][0]["averages"] == 30 // 4 + 1    # + one before the final evaluation
+        assert every_4.figures["roles"][0]["averages"] == 30 // 4 + 1  # + one before the final evaluation
 
 
 # -- load_trained: the one way a checkpoint becomes a model again (serial) -----------------------------------
@@ -188,7 +212,9 @@ def test_local_sgd_averaging_every_step_with_plain_sgd_on_equal_parts_is_allredu
 def digits_checkpoint(tmp_path_factory):
     """``(checkpoint, the Result)`` of a short digits run in this process alone."""
     directory = tmp_path_factory.mktemp("trained")
-    result = mpidist.train("mlp", "digits", comm=MPI.COMM_SELF, checkpoint_dir=str(directory), **quiet(steps=20))
+    result = mpidist.train(
+        "mlp", "digits", comm=MPI.COMM_SELF, checkpoint_dir=str(directory), **quiet(steps=20)
+    )
     return result.checkpoints[-1], result
 
 
@@ -212,7 +238,7 @@ def test_load_trained_builds_for_the_dataset_a_function_of_the_settings_names(di
         return data.inspect(data.resolve(settings.data))
 
     trained = load_trained(checkpoint, dataset_of)
-    assert seen == ["digits"]                   # (the data the run was given, as its settings record it)
+    assert seen == ["digits"]  # (the data the run was given, as its settings record it)
     assert np.array_equal(trained.model.params, result.params)
 
 
@@ -225,8 +251,9 @@ def test_load_trained_refuses_a_dataset_the_checkpoints_parameters_do_not_fit(di
         load_trained(checkpoint, str(three))
     # mlp on 8x8 samples: (64*128 + 128) + (128*128 + 128) + (128*K + K) parameters for K classes
     assert result.params.size == 8320 + 16512 + 1290
-    assert str(refused.value) == (f"{checkpoint}: holds 26122 parameters, but model mlp on 'three' has "
-                                  f"{8320 + 16512 + 387}")
+    assert str(refused.value) == (
+        f"{checkpoint}: holds 26122 parameters, but model mlp on 'three' has {8320 + 16512 + 387}"
+    )
 
 
 def token_arrays(train=256, test=64, length=8, vocab=5):
@@ -236,26 +263,37 @@ def token_arrays(train=256, test=64, length=8, vocab=5):
     def split(n):
         ids = rng.integers(0, vocab, (n, length))
         return ids.astype(np.float32), (ids + 1) % vocab
+
     return mpidist.ArrayData(train=split(train), test=split(test), name="tokens")
 
 
 def causal_lm(sample_shape, outputs):
-    return [nn.Embedding(outputs, 16), nn.PositionalEmbedding(sample_shape[0]), nn.TransformerBlock(2, causal=True),
-            nn.LayerNorm(), nn.Dense(outputs)]
+    return [
+        nn.Embedding(outputs, 16),
+        nn.PositionalEmbedding(sample_shape[0]),
+        nn.TransformerBlock(2, causal=True),
+        nn.LayerNorm(),
+        nn.Dense(outputs),
+    ]
 
 
 @pytest.mark.mpi(min_size=1)
 def test_a_language_model_trains_on_labels_per_position_and_is_scored_per_token(tmp_path):
     metrics = tmp_path / "metrics.jsonl" if MPI.COMM_WORLD.Get_rank() == 0 else None
     metrics = MPI.COMM_WORLD.bcast(metrics)
-    result = mpidist.train(causal_lm, token_arrays(), **dict(quiet(epochs=5, optimizer="adam", lr=0.01, batch_size=32),
-                                                             metrics=str(metrics)))
+    result = mpidist.train(
+        causal_lm,
+        token_arrays(),
+        **dict(quiet(epochs=5, optimizer="adam", lr=0.01, batch_size=32), metrics=str(metrics)),
+    )
     if result.is_chief:
         assert result.test_accuracy > 0.95 and result.figures["test_loss"] < 0.2
         per_class = result.figures["test_per_class"]
-        assert sum(record["support"] for record in per_class) == 64 * 8     # tokens, not samples
-        steps = [event for event in map(json.loads, metrics.read_text().splitlines()) if event["event"] == "step"]
-        first, last = steps[0]["train_accuracy"], steps[-1]["train_accuracy"]     # fractions of tokens
+        assert sum(record["support"] for record in per_class) == 64 * 8  # tokens, not samples
+        steps = [
+            event for event in map(json.loads, metrics.read_text().splitlines()) if event["event"] == "step"
+        ]
+        first, last = steps[0]["train_accuracy"], steps[-1]["train_accuracy"]  # fractions of tokens
         assert 0 < first <= last <= 1.0 and last > 0.9
 
 
@@ -263,9 +301,13 @@ def test_a_language_model_trains_on_labels_per_position_and_is_scored_per_token(
 def test_a_classifier_of_one_label_per_sample_on_labels_per_position_is_refused_naming_both(capsys):
     def pooled(sample_shape, outputs):
         return causal_lm(sample_shape, outputs)[:-2] + [nn.SequencePool(), nn.Dense(outputs)]
+
     with pytest.raises(SystemExit) as stopped:
         mpidist.train(pooled, token_arrays(), **quiet(epochs=1))
     assert stopped.value.code == 2
     if MPI.COMM_WORLD.Get_rank() == 0:
-        assert re.search(r"outputs \(5,\) per sample, but the dataset has 8 labels per sample .*it needs outputs "
-                         r"\(8, 5\)", capsys.readouterr().err)
+        assert re.search(
+            r"outputs \(5,\) per sample, but the dataset has 8 labels per sample .*it needs outputs "
+            r"\(8, 5\)",
+            capsys.readouterr().err,
+        )

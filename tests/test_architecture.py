@@ -13,18 +13,40 @@ from conftest import ROOT
 PACKAGE = ROOT / "mpidist"
 
 
+def _tool(name):
+    """The command ``name`` beside this Python (the test extra installs it), else the one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.path.exists(beside) else shutil.which(name)
+
+
 def _lint_imports():
-    """``lint-imports`` beside this Python (the test extra installs it), else the one on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "lint-imports")
-    return beside if os.path.exists(beside) else shutil.which("lint-imports")
+    return _tool("lint-imports")
+
+
+@pytest.mark.parametrize("check", [["format", "--check"], ["check"]], ids=["formatted", "linted"])
+def test_the_code_is_formatted_and_linted_by_ruff(check):
+    """pyproject.toml's [tool.ruff]: ``ruff format`` at 110 columns, ``ruff check`` (pyflakes, pycodestyle)."""
+    command = _tool("ruff")
+    assert command, "ruff is missing: pip install -e '.[test]' installs it"
+    done = subprocess.run(
+        [command, *check, "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (
+        f"ruff {' '.join(check)} (run it to see, or fix):\n{done.stdout}{done.stderr}"
+    )
 
 
 def test_the_import_linter_contracts_hold(tmp_path):
     """setup.cfg's layers and forbidden contracts (docs/development.rst draws them), imports in functions included."""
     command = _lint_imports()
     assert command, "lint-imports is missing: pip install -e '.[test]' installs import-linter"
-    done = subprocess.run([command, "--config", str(ROOT / "setup.cfg"), "--no-cache"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [command, "--config", str(ROOT / "setup.cfg"), "--no-cache"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 broken" in done.stdout and "Layers:" in done.stdout
 
@@ -46,7 +68,7 @@ def _imported(name, path, modules):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in modules)
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
             target = ".".join(base + ([node.module] if node.module else []))
             for alias in node.names:
                 child = f"{target}.{alias.name}"
@@ -105,8 +127,8 @@ def test_no_module_imports_itself_back_even_from_inside_a_function():
     assert _cycles(graph) == []
 
 
-ATTRIBUTES = 15   # past this, a class is several objects
-LINES = 500       # past this, a module is several concepts
+ATTRIBUTES = 15  # past this, a class is several objects
+LINES = 500  # past this, a module is several concepts
 
 
 def _assigned_attributes(cls):
@@ -114,58 +136,111 @@ def _assigned_attributes(cls):
 
     ``self.x[i] = v`` and ``self.x.y = v`` change what ``self.x`` holds, not which attributes the object has.
     """
+
     def targets_of(target):
         if isinstance(target, (ast.Tuple, ast.List)):
             for element in target.elts:
                 yield from targets_of(element)
         elif isinstance(target, ast.Starred):
             yield from targets_of(target.value)
-        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+        elif (
+            isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "self"
+        ):
             yield target.attr
 
     names = set()
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
         for target in targets:
             names.update(targets_of(target))
     return names
 
 
 def test_attribute_counter_counts_tuple_and_augmented_assignments():
-    source = ("class A:\n def f(self):\n  self.a, (self.b, self.c) = 1, (2, 3)\n  self.d += 1\n  self.a = 4\n"
-              "  x.e = 5\n  self.f[0] = 1\n  self.g.h = 2\n  *self.i, = [3]\n")
+    source = (
+        "class A:\n def f(self):\n  self.a, (self.b, self.c) = 1, (2, 3)\n  self.d += 1\n  self.a = 4\n"
+        "  x.e = 5\n  self.f[0] = 1\n  self.g.h = 2\n  *self.i, = [3]\n"
+    )
     assert _assigned_attributes(ast.parse(source).body[0]) == {"a", "b", "c", "d", "i"}
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))
 def test_modules_are_small_and_classes_hold_few_attributes(path):
     lines = path.read_text().count("\n")
-    assert lines <= LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {LINES}): split it by concept"
+    assert lines <= LINES, (
+        f"{path.relative_to(ROOT)} has {lines} lines (at most {LINES}): split it by concept"
+    )
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ClassDef):
             names = _assigned_attributes(node)
-            assert len(names) <= ATTRIBUTES, (f"{path.relative_to(ROOT)}: class {node.name} assigns {len(names)} "
-                                              f"attributes (at most {ATTRIBUTES}): {sorted(names)}")
+            assert len(names) <= ATTRIBUTES, (
+                f"{path.relative_to(ROOT)}: class {node.name} assigns {len(names)} "
+                f"attributes (at most {ATTRIBUTES}): {sorted(names)}"
+            )
 
 
 #: mpi4py's buffer-based calls: the ones that hand an array to MPI
-BUFFER_CALLS = {"Send", "Recv", "Isend", "Irecv", "Bcast", "Ibcast", "Allreduce", "Iallreduce", "Reduce", "Ireduce",
-                "Allgather", "Iallgather", "Allgatherv", "Gather", "Gatherv", "Scatter", "Scatterv", "Reduce_scatter",
-                "Sendrecv", "Alltoall", "Alltoallv", "Put", "Get", "Accumulate", "Get_accumulate", "Fetch_and_op",
-                "Compare_and_swap", "Rput", "Rget"}
+BUFFER_CALLS = {
+    "Send",
+    "Recv",
+    "Isend",
+    "Irecv",
+    "Bcast",
+    "Ibcast",
+    "Allreduce",
+    "Iallreduce",
+    "Reduce",
+    "Ireduce",
+    "Allgather",
+    "Iallgather",
+    "Allgatherv",
+    "Gather",
+    "Gatherv",
+    "Scatter",
+    "Scatterv",
+    "Reduce_scatter",
+    "Sendrecv",
+    "Alltoall",
+    "Alltoallv",
+    "Put",
+    "Get",
+    "Accumulate",
+    "Get_accumulate",
+    "Fetch_and_op",
+    "Compare_and_swap",
+    "Rput",
+    "Rget",
+}
 #: the modules that hand arrays to MPI, and the named exceptions (docs/development.rst says why)
-MPI_GATES = {"mpidist/runtime/comm.py", "mpidist/runtime/rma.py",
-             "mpidist/bench/rows.py"}   # the hand-written baseline: what a user writes with raw mpi4py
+MPI_GATES = {
+    "mpidist/runtime/comm.py",
+    "mpidist/runtime/rma.py",
+    "mpidist/bench/rows.py",
+}  # the hand-written baseline: what a user writes with raw mpi4py
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))
 def test_arrays_reach_mpi_only_through_comm_and_rma(path):
     if str(path.relative_to(ROOT)) in MPI_GATES:
         return
-    calls = [f"line {node.lineno}: .{node.func.attr}(...)" for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BUFFER_CALLS]
-    assert not calls, f"{path.relative_to(ROOT)} hands arrays to MPI itself (use mpidist.runtime.comm): {calls}"
+    calls = [
+        f"line {node.lineno}: .{node.func.attr}(...)"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in BUFFER_CALLS
+    ]
+    assert not calls, (
+        f"{path.relative_to(ROOT)} hands arrays to MPI itself (use mpidist.runtime.comm): {calls}"
+    )
 
 
 #: where the layout may be asked what it is: the mesh, and the tensor modules (whose business the parts are)
@@ -176,33 +251,51 @@ def _layout_probes(tree):
     """Lines that ask what kind of exchange an object is (``isinstance(x, ...Exchange)``) or whether a tensor
     part exists (``x.tensor is None``, ``if x.tensor``): layout by flags, where the mesh and the exchange's own
     methods should answer."""
+
     def names(node):
-        return [e for n in node.elts for e in names(n)] if isinstance(node, ast.Tuple) else \
-            [node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")]
+        return (
+            [e for n in node.elts for e in names(n)]
+            if isinstance(node, ast.Tuple)
+            else [node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")]
+        )
 
     def is_tensor(node):
         return isinstance(node, ast.Attribute) and node.attr == "tensor"
 
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance" and len(node.args) == 2 \
-                and any(name.endswith("Exchange") for name in names(node.args[1])):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", "") == "isinstance"
+            and len(node.args) == 2
+            and any(name.endswith("Exchange") for name in names(node.args[1]))
+        ):
             found.append(f"line {node.lineno}: isinstance on an exchange")
-        if isinstance(node, ast.Compare) and is_tensor(node.left) and any(isinstance(op, (ast.Is, ast.IsNot))
-                                                                          for op in node.ops):
+        if (
+            isinstance(node, ast.Compare)
+            and is_tensor(node.left)
+            and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+        ):
             found.append(f"line {node.lineno}: a test of .tensor against None")
-        if isinstance(node, (ast.If, ast.IfExp, ast.While)) and (is_tensor(node.test) or (
-                isinstance(node.test, ast.UnaryOp) and is_tensor(node.test.operand))):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)) and (
+            is_tensor(node.test) or (isinstance(node.test, ast.UnaryOp) and is_tensor(node.test.operand))
+        ):
             found.append(f"line {node.lineno}: a branch on .tensor")
     return sorted(found, key=lambda probe: int(probe.split()[1].rstrip(":")))
 
 
 def test_the_layout_probe_finder_finds_each_kind_and_nothing_else():
-    source = ("if isinstance(e, (int, NodeModelExchange)): pass\nif self.tensor is not None: pass\n"
-              "x = 1 if not strategy.tensor else 2\nif self.tensor: pass\nif settings.tensor > 1: pass\n"
-              "isinstance(e, Exchanger)\nself.tensor.squares(g)\n")
-    assert [line.split(":")[0] for line in _layout_probes(ast.parse(source))] == \
-        ["line 1", "line 2", "line 3", "line 4"]
+    source = (
+        "if isinstance(e, (int, NodeModelExchange)): pass\nif self.tensor is not None: pass\n"
+        "x = 1 if not strategy.tensor else 2\nif self.tensor: pass\nif settings.tensor > 1: pass\n"
+        "isinstance(e, Exchanger)\nself.tensor.squares(g)\n"
+    )
+    assert [line.split(":")[0] for line in _layout_probes(ast.parse(source))] == [
+        "line 1",
+        "line 2",
+        "line 3",
+        "line 4",
+    ]
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))
@@ -210,5 +303,7 @@ def test_the_layout_enters_through_the_mesh_not_through_flags(path):
     if str(path.relative_to(ROOT)) in LAYOUT_OWNERS:
         return
     probes = _layout_probes(ast.parse(path.read_text()))
-    assert not probes, (f"{path.relative_to(ROOT)} asks what the layout is (ask the mesh, or give the exchange or "
-                        f"the tensor part a method): {probes}")
+    assert not probes, (
+        f"{path.relative_to(ROOT)} asks what the layout is (ask the mesh, or give the exchange or "
+        f"the tensor part a method): {probes}"
+    )

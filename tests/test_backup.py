@@ -24,8 +24,15 @@ def run(num_ps, aggregate, slow_delay=0.0, optimizer="sgd"):
     xs = rng.random((STEPS, global_batch, 1, 6, 6))
     ys = rng.integers(0, 4, (STEPS, global_batch))
     make = lambda size: nn.make_optimizer(optimizer, size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
-    strategy = BackupWorkersStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3,
-                                     aggregate=aggregate, total_steps=STEPS)
+    strategy = BackupWorkersStrategy(
+        small_convnet(np.float64),
+        nn.loss_for(4, np),
+        make,
+        cluster,
+        seed=3,
+        aggregate=aggregate,
+        total_steps=STEPS,
+    )
     strategy.initialize()
     start = time.perf_counter()
     iterations = 0
@@ -51,8 +58,9 @@ def run(num_ps, aggregate, slow_delay=0.0, optimizer="sgd"):
 def test_aggregating_every_worker_equals_local_training(optimizer):
     world = MPI.COMM_WORLD
     num_ps = 2 if world.Get_size() >= 4 else 1
-    cluster, strategy, everyone, (xs, ys, make) = run(num_ps, aggregate=world.Get_size() - num_ps,
-                                                       optimizer=optimizer)
+    cluster, strategy, everyone, (xs, ys, make) = run(
+        num_ps, aggregate=world.Get_size() - num_ps, optimizer=optimizer
+    )
     reference = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, seed=3)
     reference.initialize()
     for step in range(STEPS):

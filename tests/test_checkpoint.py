@@ -12,21 +12,33 @@ from mpidist.store import checkpoint
 
 
 def write(directory, step):
-    return checkpoint.save(directory, np.full(5, float(step)), {"m": np.zeros(5)}, step, step, 0, step,
-                           '{"seed": 1}', seed=11, workers=3,
-                           per_worker={"params": np.arange(10.0).reshape(2, 5), "m": np.ones((2, 5))})
+    return checkpoint.save(
+        directory,
+        np.full(5, float(step)),
+        {"m": np.zeros(5)},
+        step,
+        step,
+        0,
+        step,
+        '{"seed": 1}',
+        seed=11,
+        workers=3,
+        per_worker={"params": np.arange(10.0).reshape(2, 5), "m": np.ones((2, 5))},
+    )
 
 
 def test_a_checkpoint_round_trips_and_leaves_nothing_aside(tmp_path):
     path = write(tmp_path, 7)
     loaded = checkpoint.load(path)
-    assert path.name == "ckpt-00000007.h5" and loaded.step == 7 and loaded.optimizer_steps == 7   # no lineage
+    assert path.name == "ckpt-00000007.h5" and loaded.step == 7 and loaded.optimizer_steps == 7  # no lineage
     np.testing.assert_array_equal(loaded.params, np.full(5, 7.0))
-    assert loaded.seed == 11 and loaded.config == {"seed": 1}   # the seed that drew the streams wins
+    assert loaded.seed == 11 and loaded.config == {"seed": 1}  # the seed that drew the streams wins
     with h5py.File(path) as handle:
         order, rng = json.loads(handle.attrs["data_order"]), json.loads(handle.attrs["rng"])
     assert (order["seed"], order["epoch_step"], order["workers"], rng["step"]) == (11, 7, 3, 7)
-    np.testing.assert_array_equal(loaded.per_worker["params"], np.arange(10.0).reshape(2, 5))   # a row per worker
+    np.testing.assert_array_equal(
+        loaded.per_worker["params"], np.arange(10.0).reshape(2, 5)
+    )  # a row per worker
     assert sorted(loaded.per_worker) == ["m", "params"]
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-00000007.h5"]
 
@@ -34,7 +46,7 @@ def test_a_checkpoint_round_trips_and_leaves_nothing_aside(tmp_path):
 def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(tmp_path):
     write(tmp_path, 10)
     newest = write(tmp_path, 20)
-    newest.write_bytes(newest.read_bytes()[:200])                     # truncated by a failing disk
+    newest.write_bytes(newest.read_bytes()[:200])  # truncated by a failing disk
     loaded, skipped = checkpoint.newest_valid(tmp_path)
     assert loaded.step == 10
     assert [path.name for path, _ in skipped] == ["ckpt-00000020.h5"] and "not a readable" in skipped[0][1]
@@ -58,36 +70,43 @@ def replace(name, value):
     def change(handle):
         del handle[name]
         handle[name] = value
+
     return change
 
 
 def set_attr(name, value, group="/"):
     def change(handle):
         handle[group].attrs[name] = value
+
     return change
 
 
-@pytest.mark.parametrize("change,message", [
-    (replace("params", np.full(5, np.nan)), "params holds NaN or Inf (5 of 5 values)"),
-    (replace("params", np.ones((5, 2))), "params has shape (5, 2)"),
-    (replace("params", np.arange(5)), "params is not an array of floats"),
-    (replace("optimizer/m", np.zeros(3)), "optimizer/m has shape (3,)"),
-    (replace("optimizer/m", np.array([np.inf] * 5)), "optimizer/m holds NaN or Inf"),
-    (set_attr("step", -4), "attribute step is -4; it must be an integer from 0"),
-    (set_attr("step", "ten"), "attribute step is 'ten'"),
-    (set_attr("epoch", np.array([1, 2])), "attribute epoch is an array of shape (2,)"),
-    (set_attr("steps", 2.5, group="optimizer"), "attribute optimizer/steps is 2.5"),
-    (set_attr("config", "[1, 2]"), "attribute config is not a JSON object"),
-    (set_attr("lineage", "../../x"), "attribute lineage is '../../x'"),
-    (set_attr("rng", '{"seed": -1}'), "rng seed is -1"),
-    (set_attr("format", "something else"), "not an mpidist checkpoint"),
-    (replace("workers/params", np.zeros((2, 4))), "workers/params has shape (2, 4)"),
-    (replace("workers/params", np.zeros(5)), "workers/params has shape (5,)"),
-    (replace("workers/params", np.zeros((2, 5), dtype=np.float32)), "workers/params has shape (2, 5) and dtype "
-                                                                     "float32"),
-    (replace("workers/m", np.zeros((3, 5))), "workers holds rows for different worker counts ([2, 3])"),
-    (replace("workers/m", np.full((2, 5), np.nan)), "workers/m holds NaN or Inf (10 of 10 values)"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (replace("params", np.full(5, np.nan)), "params holds NaN or Inf (5 of 5 values)"),
+        (replace("params", np.ones((5, 2))), "params has shape (5, 2)"),
+        (replace("params", np.arange(5)), "params is not an array of floats"),
+        (replace("optimizer/m", np.zeros(3)), "optimizer/m has shape (3,)"),
+        (replace("optimizer/m", np.array([np.inf] * 5)), "optimizer/m holds NaN or Inf"),
+        (set_attr("step", -4), "attribute step is -4; it must be an integer from 0"),
+        (set_attr("step", "ten"), "attribute step is 'ten'"),
+        (set_attr("epoch", np.array([1, 2])), "attribute epoch is an array of shape (2,)"),
+        (set_attr("steps", 2.5, group="optimizer"), "attribute optimizer/steps is 2.5"),
+        (set_attr("config", "[1, 2]"), "attribute config is not a JSON object"),
+        (set_attr("lineage", "../../x"), "attribute lineage is '../../x'"),
+        (set_attr("rng", '{"seed": -1}'), "rng seed is -1"),
+        (set_attr("format", "something else"), "not an mpidist checkpoint"),
+        (replace("workers/params", np.zeros((2, 4))), "workers/params has shape (2, 4)"),
+        (replace("workers/params", np.zeros(5)), "workers/params has shape (5,)"),
+        (
+            replace("workers/params", np.zeros((2, 5), dtype=np.float32)),
+            "workers/params has shape (2, 5) and dtype float32",
+        ),
+        (replace("workers/m", np.zeros((3, 5))), "workers holds rows for different worker counts ([2, 3])"),
+        (replace("workers/m", np.full((2, 5), np.nan)), "workers/m holds NaN or Inf (10 of 10 values)"),
+    ],
+)
 def test_everything_read_from_a_checkpoint_is_checked_before_use(tmp_path, change, message):
     path = tampered(tmp_path, change)
     with pytest.raises(UsageError) as caught:
@@ -99,15 +118,20 @@ def test_a_link_out_of_the_file_is_refused(tmp_path):
     elsewhere = tmp_path / "other.h5"
     with h5py.File(elsewhere, "w") as handle:
         handle["secret"] = np.ones(5)
-    path = tampered(tmp_path, lambda handle: (handle.__delitem__("params"),
-                                              handle.__setitem__("params", h5py.ExternalLink(str(elsewhere),
-                                                                                              "secret"))))
+    path = tampered(
+        tmp_path,
+        lambda handle: (
+            handle.__delitem__("params"),
+            handle.__setitem__("params", h5py.ExternalLink(str(elsewhere), "secret")),
+        ),
+    )
     with pytest.raises(UsageError, match="params is a link to elsewhere"):
         checkpoint.load(path)
 
 
 def test_a_checkpoint_larger_than_memory_is_refused_before_it_is_read(tmp_path, monkeypatch):
     from mpidist.runtime import memory
+
     monkeypatch.setattr(memory, "available_bytes", lambda: 50)
     monkeypatch.setattr(memory, "ranks_per_node", lambda: 1)
     # params and optimizer/m, and the two workers' rows of params and m: 6 x 5 float64
@@ -127,10 +151,23 @@ PER_WORKER_RUNS = {
 def _final_checkpoint(tmp_path, name, flags, stops):
     """The checkpoint of step 20 of a run on 2 ranks, stopped (and resumed with --resume auto) at ``stops``."""
     from conftest import checkpoint_at, mpidist
+
     directory = tmp_path / name
     for steps in [*stops, 20]:
-        done, _ = mpidist(2, "train", *flags, "--steps", str(steps), "--checkpoint-dir", str(directory / "ck"),
-                          "--run-dir", str(directory / "run"), "--resume", "auto", timeout=120)
+        done, _ = mpidist(
+            2,
+            "train",
+            *flags,
+            "--steps",
+            str(steps),
+            "--checkpoint-dir",
+            str(directory / "ck"),
+            "--run-dir",
+            str(directory / "run"),
+            "--resume",
+            "auto",
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
     return checkpoint.load(checkpoint_at(directory / "ck", 20))
 
@@ -139,7 +176,7 @@ def _final_checkpoint(tmp_path, name, flags, stops):
 def test_a_run_stopped_and_resumed_ends_bitwise_where_an_uninterrupted_one_does(tmp_path, strategy):
     flags = PER_WORKER_RUNS[strategy]
     whole = _final_checkpoint(tmp_path, "whole", flags, [])
-    resumed = _final_checkpoint(tmp_path, "resumed", flags, [6])     # (6: between two averages of every 4)
+    resumed = _final_checkpoint(tmp_path, "resumed", flags, [6])  # (6: between two averages of every 4)
     np.testing.assert_array_equal(resumed.params, whole.params)
     assert sorted(resumed.per_worker) == sorted(whole.per_worker) and len(whole.per_worker) >= 1
     for name, rows in whole.per_worker.items():
@@ -151,17 +188,31 @@ def test_a_run_stopped_and_resumed_ends_bitwise_where_an_uninterrupted_one_does(
 
 def test_local_sgd_resumed_on_another_worker_count_starts_every_worker_from_the_mean(tmp_path):
     from conftest import checkpoint_at, mpidist
+
     flags = PER_WORKER_RUNS["local-sgd"]
     stopped = _final_checkpoint(tmp_path, "two", flags, [])
-    assert not np.array_equal(*stopped.per_worker["m"])      # the workers' own moments, kept apart
-    done, _ = mpidist(3, "train", *flags, "--steps", "21", "--checkpoint-dir", str(tmp_path / "two" / "ck"),
-                      "--run-dir", str(tmp_path / "two" / "run"), "--resume", "auto", "--sync-every", "1",
-                      timeout=120)
+    assert not np.array_equal(*stopped.per_worker["m"])  # the workers' own moments, kept apart
+    done, _ = mpidist(
+        3,
+        "train",
+        *flags,
+        "--steps",
+        "21",
+        "--checkpoint-dir",
+        str(tmp_path / "two" / "ck"),
+        "--run-dir",
+        str(tmp_path / "two" / "run"),
+        "--resume",
+        "auto",
+        "--sync-every",
+        "1",
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "at step 20" in done.stdout
     after = checkpoint.load(checkpoint_at(tmp_path / "two" / "ck", 21))
     rows = after.per_worker["params"]
-    assert rows.shape[0] == 3 and (rows == rows[0]).all()    # (--sync-every 1: averaged at step 21)
+    assert rows.shape[0] == 3 and (rows == rows[0]).all()  # (--sync-every 1: averaged at step 21)
 
 
 def test_array_bytes_written_around_the_cache_fall_back_to_it_where_the_system_refuses(tmp_path, monkeypatch):
@@ -170,6 +221,7 @@ def test_array_bytes_written_around_the_cache_fall_back_to_it_where_the_system_r
     import os
 
     from mpidist.store import bulk
+
     real = os.pwrite
     direct_fds = set()
     real_open = os.open
@@ -193,7 +245,7 @@ def test_array_bytes_written_around_the_cache_fall_back_to_it_where_the_system_r
     monkeypatch.undo()
     loaded = checkpoint.load(path)
     assert (loaded.params == params).all() and (loaded.optimizer_state["m"] == params * 2).all()
-    assert direct_fds or not hasattr(os, "O_DIRECT")   # (the direct path was taken, then refused)
+    assert direct_fds or not hasattr(os, "O_DIRECT")  # (the direct path was taken, then refused)
 
 
 #: A checkpoint of format 1 (one file, the flat arrays whole), written by mpidist 0.2.0: ``python -m mpidist
@@ -212,14 +264,31 @@ def test_a_kept_format_1_checkpoint_still_loads_resumes_and_evaluates(tmp_path):
     assert (saved.step, saved.epoch, saved.epoch_step, saved.params.size) == (10, 0, 10, 610)
     assert saved.params.dtype == np.float32 and sorted(saved.optimizer_state) == ["m", "v"]
     assert saved.optimizer_steps == 10 and saved.config["model"] == "mlp:8"
-    figures = mpidist.evaluate(str(FORMAT_1))   # (in this process: one rank)
+    figures = mpidist.evaluate(str(FORMAT_1))  # (in this process: one rank)
     done, _ = run(2, "eval", str(FORMAT_1), timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"{100 * figures['test_accuracy']:.2f}%" in done.stdout and figures["step"] == 10, done.stdout
-    done, _ = run(2, "train", "--resume", str(FORMAT_1), "--model", "mlp:8", "--steps", "14", "--strategy", "allreduce",
-                  "--checkpoint-dir", str(tmp_path / "ck"), "--run-dir", "", timeout=120)
+    done, _ = run(
+        2,
+        "train",
+        "--resume",
+        str(FORMAT_1),
+        "--model",
+        "mlp:8",
+        "--steps",
+        "14",
+        "--strategy",
+        "allreduce",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--run-dir",
+        "",
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert f"resumed from {FORMAT_1} at step 10" in done.stdout, done.stdout
     resumed = checkpoint.load(checkpoint_at(tmp_path / "ck", 14))
-    assert resumed.optimizer_steps == 14 and not np.allclose(resumed.params, saved.params)   # (4 steps trained)
-    assert FORMAT_1.read_bytes() == kept   # (never written to, nor pruned)
+    assert resumed.optimizer_steps == 14 and not np.allclose(
+        resumed.params, saved.params
+    )  # (4 steps trained)
+    assert FORMAT_1.read_bytes() == kept  # (never written to, nor pruned)

@@ -13,7 +13,7 @@ from mpidist.store import checkpoint
 def test_every_k_steps_a_checkpoint_is_due_at_each_multiple_passed_once():
     schedule = CheckpointSchedule(every=5, seconds=0, step=0, now=0.0)
     assert [step for step in range(1, 16) if schedule.crossed(step)] == [5, 10, 15]
-    jumps = CheckpointSchedule(every=5, seconds=0, step=3, now=0.0)   # a ps sees the chief's step jump
+    jumps = CheckpointSchedule(every=5, seconds=0, step=3, now=0.0)  # a ps sees the chief's step jump
     assert [jumps.crossed(step) for step in (4, 11, 12, 16, 16)] == [False, True, False, True, False]
 
 
@@ -25,9 +25,9 @@ def test_timed_checkpoints_restart_the_wait_when_due():
 
 def test_a_step_checkpoint_also_restarts_the_timed_wait():
     schedule = CheckpointSchedule(every=4, seconds=10, step=0, now=0.0)
-    assert schedule.due(4, now=8.0)          # by step
-    assert not schedule.due(5, now=15.0)     # 7 s after it, not 10
-    assert schedule.due(6, now=18.5)         # by time
+    assert schedule.due(4, now=8.0)  # by step
+    assert not schedule.due(5, now=15.0)  # 7 s after it, not 10
+    assert schedule.due(6, now=18.5)  # by time
 
 
 # -- writing behind training ------------------------------------------------------------------------------
@@ -45,8 +45,17 @@ def test_a_checkpoint_due_while_the_writer_is_busy_waits_for_it_and_several_beco
     writer = checkpointer(tmp_path)
     # every step due to step 7; the writer (as agreed, a step late) busy at 3-5
     taken = []
-    for step, due, busy in [(1, True, False), (2, True, False), (3, True, True), (4, True, True), (5, True, True),
-                            (6, True, False), (7, True, False), (8, False, False), (9, False, False)]:
+    for step, due, busy in [
+        (1, True, False),
+        (2, True, False),
+        (3, True, True),
+        (4, True, True),
+        (5, True, True),
+        (6, True, False),
+        (7, True, False),
+        (8, False, False),
+        (9, False, False),
+    ]:
         if writer.starts_at(step, due=due, busy=busy):
             writer.taken(step)
             taken.append(step)
@@ -57,13 +66,14 @@ def test_a_checkpoint_due_while_the_writer_is_busy_waits_for_it_and_several_beco
 
 def test_after_a_write_the_writer_rests_so_that_writing_takes_a_bounded_share_of_the_time(tmp_path):
     from mpidist.loop.writer import WRITER_SHARE, BehindWrite
-    write = BehindWrite(lambda: "path", (5, 0), spent=0.001)   # the copy's CPU
+
+    write = BehindWrite(lambda: "path", (5, 0), spent=0.001)  # the copy's CPU
     assert write.result() == "path"
     assert write.spent >= 0.001
     assert write.free_at() == pytest.approx(write.began + write.spent / WRITER_SHARE)
     writer = checkpointer(tmp_path)
     writer.behind.last = write
-    assert writer.busy   # resting: 0.001 s of CPU at 2.5% is 40 ms
+    assert writer.busy  # resting: 0.001 s of CPU at 2.5% is 40 ms
     write.spent = 0.0
     assert not writer.busy
 
@@ -73,7 +83,7 @@ def test_a_write_behind_holds_the_state_as_it_was_and_reports_once_done(tmp_path
     whole = state(1.0)
     params, optimizer = whole.params, whole.optimizer
     assert writer.write_behind(whole, 5, 0, 5, 2) == []
-    params[:] = 99.0   # training goes on: the checkpoint holds the state as it was copied
+    params[:] = 99.0  # training goes on: the checkpoint holds the state as it was copied
     optimizer["m"][:] = 99.0
     kept = writer.behind.staging.arrays["params"]
     done = writer.collect(wait=True)
@@ -101,20 +111,48 @@ def test_a_write_behind_that_fails_raises_in_the_training_thread(tmp_path):
 @pytest.mark.parametrize("wait", [False, True])
 def test_a_run_checkpointing_every_step_writes_behind_and_ends_with_its_last_step_whole(tmp_path, wait):
     from conftest import events, run_mpi
+
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    done, _ = run_mpi(2, ["-m", "mpidist", "--model", "mlp-wide", "--data", "mnist-5k", "--steps", "12",
-                          "--checkpoint-every", "1", "--keep", "0", "--checkpoint-dir", str(ck), "--run-dir", "",
-                          "--metrics", str(metrics), "--log-every", "1", *(["--checkpoint-wait"] if wait else [])],
-                      timeout=120)
+    done, _ = run_mpi(
+        2,
+        [
+            "-m",
+            "mpidist",
+            "--model",
+            "mlp-wide",
+            "--data",
+            "mnist-5k",
+            "--steps",
+            "12",
+            "--checkpoint-every",
+            "1",
+            "--keep",
+            "0",
+            "--checkpoint-dir",
+            str(ck),
+            "--run-dir",
+            "",
+            "--metrics",
+            str(metrics),
+            "--log-every",
+            "1",
+            *(["--checkpoint-wait"] if wait else []),
+        ],
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     written = [event["step"] for event in events(metrics, "checkpoint")]
-    if wait:   # every step's, in order, once: a write behind in flight is waited for
+    if wait:  # every step's, in order, once: a write behind in flight is waited for
         assert written == list(range(1, 13))
-    else:      # in order, once each; those due while one was written became one; the end's always
+    else:  # in order, once each; those due while one was written became one; the end's always
         assert written == sorted(set(written)) and written[0] == 1 and written[-1] == 12
     assert sorted(checkpoint.load(path).step for path in ck.glob("ckpt-*.h5")) == written
     # an event comes once its file is whole: after the step events of the steps it is behind
-    order = [(event["event"], event["step"]) for event in events(metrics) if event["event"] in ("step", "checkpoint")]
+    order = [
+        (event["event"], event["step"])
+        for event in events(metrics)
+        if event["event"] in ("step", "checkpoint")
+    ]
     for index, (kind, step) in enumerate(order):
         if kind == "checkpoint":
             assert ("step", step) in order[:index]
@@ -131,12 +169,14 @@ class PartsUnderWay:
         return self.path
 
 
-def test_a_sharded_checkpoint_behind_training_completes_at_the_first_boundary_whose_flags_postdate_it(tmp_path):
+def test_a_sharded_checkpoint_behind_training_completes_at_the_first_boundary_whose_flags_postdate_it(
+    tmp_path,
+):
     writer = checkpointer(tmp_path)
     parts = writer.behind.parts = PartsUnderWay(5, tmp_path / "ckpt-5.h5")
     idle, syncing = {"writing": 0}, {"writing": 1}
-    assert writer.at_boundary(6, idle) == [] and not parts.completed   # (flags posted before the write began)
-    assert writer.at_boundary(7, syncing) == [] and not parts.completed   # (a rank still syncing its part)
+    assert writer.at_boundary(6, idle) == [] and not parts.completed  # (flags posted before the write began)
+    assert writer.at_boundary(7, syncing) == [] and not parts.completed  # (a rank still syncing its part)
     assert writer.at_boundary(8, idle) == [(tmp_path / "ckpt-5.h5", 5, 0)] and parts.completed == 1
     assert writer.behind.parts is None and writer.last == tmp_path / "ckpt-5.h5"
     # the index is written at 8: no checkpoint starts there, nor at 9 (whose flags predate the index's write)

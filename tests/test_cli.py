@@ -13,13 +13,13 @@ import pytest
 
 from conftest import checkpoint_at, checkpoint_steps, events, mpidist
 
-STATED_ACCURACY = 0.90      # README: the default run reaches at least this test accuracy
+STATED_ACCURACY = 0.90  # README: the default run reaches at least this test accuracy
 
 
 def test_default_run_at_4_ranks_reaches_the_stated_accuracy_and_writes_metrics(tmp_path):
     done, seconds = mpidist(4, "--metrics", str(tmp_path / "m.jsonl"), timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("mpidist: done") == 1                      # the chief alone reports
+    assert done.stdout.count("mpidist: done") == 1  # the chief alone reports
     assert "allreduce on 4 worker(s)" in done.stdout and "test accuracy" in done.stdout
     log = events(tmp_path / "m.jsonl")
     kinds = [e["event"] for e in log]
@@ -35,16 +35,27 @@ def test_default_run_at_4_ranks_reaches_the_stated_accuracy_and_writes_metrics(t
 
 @pytest.mark.parametrize("ranks,ps", [(4, 1), (6, 1), (6, 2)])
 def test_ps_sync_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, ps):
-    done, _ = mpidist(ranks, "train", "--strategy", "ps-sync", "--ps", str(ps), "--metrics", str(tmp_path / "m.jsonl"),
-                      timeout=120)
+    done, _ = mpidist(
+        ranks,
+        "train",
+        "--strategy",
+        "ps-sync",
+        "--ps",
+        str(ps),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     # the role table: each ps has its index among the ps and its shard under "holds", aligned with the header
     lines = done.stdout.splitlines()
     header = next(line for line in lines if line.startswith("rank  host"))
     columns = {name: header.index(name) for name in ("index", "device", "holds")}
-    servers = [line for line in lines if line[:columns["index"]].split()[-1:] == ["ps"]]
-    assert len(servers) == ps and servers[0][columns["holds"]:].startswith("shard [0, "), (header, servers)
-    assert [line[columns["index"]:columns["device"]].strip() for line in servers] == [str(i) for i in range(ps)]
+    servers = [line for line in lines if line[: columns["index"]].split()[-1:] == ["ps"]]
+    assert len(servers) == ps and servers[0][columns["holds"] :].startswith("shard [0, "), (header, servers)
+    assert [line[columns["index"] : columns["device"]].strip() for line in servers] == [
+        str(i) for i in range(ps)
+    ]
     final = events(tmp_path / "m.jsonl")[-1]
     assert final["test_accuracy"] >= STATED_ACCURACY and final["ps"] == ps and final["workers"] == ranks - ps
     servers = [r for r in final["roles"] if r["role"] == "ps"]
@@ -54,10 +65,22 @@ def test_ps_sync_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, ps):
 @pytest.mark.parametrize("ranks,ps", [(4, 2), (6, 2)])
 def test_ps_async_reaches_within_2_points_of_ps_sync(tmp_path, ranks, ps):
     """ps-sync is deterministic for a seed; ps-async is not, so its typical run (median of three) is compared."""
+
     def train(strategy, run):
         metrics = tmp_path / f"{strategy}-{run}.jsonl"
-        done, _ = mpidist(ranks, "train", "--strategy", strategy, "--ps", str(ps), "--metrics", str(metrics),
-                          "--progress", "none", timeout=120)
+        done, _ = mpidist(
+            ranks,
+            "train",
+            "--strategy",
+            strategy,
+            "--ps",
+            str(ps),
+            "--metrics",
+            str(metrics),
+            "--progress",
+            "none",
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         return events(metrics)[-1]
 
@@ -69,14 +92,29 @@ def test_ps_async_reaches_within_2_points_of_ps_sync(tmp_path, ranks, ps):
     workers = [r for r in runs[0]["roles"] if r["role"] == "worker"]
     assert len(workers) == ranks - ps and all(w["steps"] == runs[0]["steps"] for w in workers)
     assert all({"staleness_mean", "staleness_max", "updates_missed_max", "wait_s"} <= set(w) for w in workers)
-    assert max(w["staleness_max"] for w in workers) <= 2                  # the default bound
+    assert max(w["staleness_max"] for w in workers) <= 2  # the default bound
 
 
 def test_backup_workers_keep_the_step_rate_when_one_worker_is_slow(tmp_path):
-    delay, steps = 0.05, 40       # the slow worker alone would take 2 s
-    done, _ = mpidist(4, "train", "--strategy", "ps-sync", "--ps", "1", "--aggregate", "2", "--steps", str(steps),
-                      "--metrics", str(tmp_path / "m.jsonl"), "--progress", "none",
-                      env={"MPIDIST_TEST_DELAY": f"2:{delay}"}, timeout=120)
+    delay, steps = 0.05, 40  # the slow worker alone would take 2 s
+    done, _ = mpidist(
+        4,
+        "train",
+        "--strategy",
+        "ps-sync",
+        "--ps",
+        "1",
+        "--aggregate",
+        "2",
+        "--steps",
+        str(steps),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        "--progress",
+        "none",
+        env={"MPIDIST_TEST_DELAY": f"2:{delay}"},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     final = events(tmp_path / "m.jsonl")[-1]
     assert final["steps"] == steps and final["train_time"] < 0.5 * steps * delay
@@ -86,9 +124,11 @@ def test_backup_workers_keep_the_step_rate_when_one_worker_is_slow(tmp_path):
 
 def test_in_graph_replication_on_any_rank_count_equals_one_process(tmp_path):
     common = ["train", "--metrics", "", "--dtype", "float64", "--steps", "25", "--progress", "none"]
-    runs = {"local": (1, ["--strategy", "local"]),
-            "allreduce-2": (2, ["--strategy", "allreduce", "--replication", "in-graph"]),
-            "ps-sync-4": (4, ["--strategy", "ps-sync", "--ps", "1", "--replication", "in-graph"])}
+    runs = {
+        "local": (1, ["--strategy", "local"]),
+        "allreduce-2": (2, ["--strategy", "allreduce", "--replication", "in-graph"]),
+        "ps-sync-4": (4, ["--strategy", "ps-sync", "--ps", "1", "--replication", "in-graph"]),
+    }
     params = {}
     for name, (ranks, flags) in runs.items():
         done, _ = mpidist(ranks, *common, *flags, "--checkpoint-dir", str(tmp_path / name))
@@ -99,15 +139,28 @@ def test_in_graph_replication_on_any_rank_count_equals_one_process(tmp_path):
         np.testing.assert_allclose(params[name], params["local"], rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("ranks,flags", [
-    (2, ["--stages", "2", "--micro-batches", "8", "--schedule", "1f1b"]),
-    (2, ["--stages", "2", "--micro-batches", "8", "--schedule", "gpipe"]),
-    (4, ["--stages", "2", "--micro-batches", "8"]),             # hybrid: 2 replicas of 2 stages
-    (4, ["--stages", "4", "--micro-batches", "8"]),
-])
+@pytest.mark.parametrize(
+    "ranks,flags",
+    [
+        (2, ["--stages", "2", "--micro-batches", "8", "--schedule", "1f1b"]),
+        (2, ["--stages", "2", "--micro-batches", "8", "--schedule", "gpipe"]),
+        (4, ["--stages", "2", "--micro-batches", "8"]),  # hybrid: 2 replicas of 2 stages
+        (4, ["--stages", "4", "--micro-batches", "8"]),
+    ],
+)
 def test_pipeline_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, flags):
-    done, _ = mpidist(ranks, "train", "--strategy", "pipeline", *flags, "--metrics", str(tmp_path / "m.jsonl"),
-                      "--progress", "none", timeout=120)
+    done, _ = mpidist(
+        ranks,
+        "train",
+        "--strategy",
+        "pipeline",
+        *flags,
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        "--progress",
+        "none",
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     final = events(tmp_path / "m.jsonl")[-1]
     assert final["test_accuracy"] >= STATED_ACCURACY
@@ -130,8 +183,21 @@ def test_help_is_printed_once_and_exits_0():
     done, _ = mpidist(2, "train", "--help")
     assert done.returncode == 0
     assert done.stdout.count("usage: python -m mpidist train") == 1
-    for flag in ("--model", "--data", "--strategy", "--epochs", "--steps", "--batch-size", "--lr", "--optimizer",
-                 "--seed", "--metrics", "--checkpoint-dir", "--resume", "--config"):
+    for flag in (
+        "--model",
+        "--data",
+        "--strategy",
+        "--epochs",
+        "--steps",
+        "--batch-size",
+        "--lr",
+        "--optimizer",
+        "--seed",
+        "--metrics",
+        "--checkpoint-dir",
+        "--resume",
+        "--config",
+    ):
         assert flag in done.stdout
 
 
@@ -149,32 +215,61 @@ def test_resumed_training_ends_where_an_uninterrupted_run_ends(tmp_path):
         np.testing.assert_array_equal(a["params"][...], b["params"][...])
         np.testing.assert_array_equal(a["optimizer/m"][...], b["optimizer/m"][...])
         assert a.attrs["step"] == b.attrs["step"] == 30
-    assert not [p for p in half.iterdir() if p.name.startswith(".ckpt")]   # nothing left aside
+    assert not [p for p in half.iterdir() if p.name.startswith(".ckpt")]  # nothing left aside
 
 
-@pytest.mark.parametrize("first,then,reference", [
-    ((4, ["--strategy", "allreduce"]), (6, ["--strategy", "ps-sync", "--ps", "2"]), (4, ["--strategy", "allreduce"])),
-    ((2, ["--strategy", "pipeline", "--stages", "2"]), (1, ["--strategy", "local"]), (1, ["--strategy", "local"])),
-])
+@pytest.mark.parametrize(
+    "first,then,reference",
+    [
+        (
+            (4, ["--strategy", "allreduce"]),
+            (6, ["--strategy", "ps-sync", "--ps", "2"]),
+            (4, ["--strategy", "allreduce"]),
+        ),
+        (
+            (2, ["--strategy", "pipeline", "--stages", "2"]),
+            (1, ["--strategy", "local"]),
+            (1, ["--strategy", "local"]),
+        ),
+    ],
+)
 def test_a_checkpoint_resumes_under_another_strategy_and_rank_count_exactly(tmp_path, first, then, reference):
     """Checkpoints hold the whole model: ps shards and pipeline stages are gathered and re-cut on resume."""
     common = ["train", "--metrics", "", "--progress", "none", "--dtype", "float64", "--epochs", "3"]
-    done, _ = mpidist(first[0], *common, *first[1], "--steps", "17", "--checkpoint-dir", str(tmp_path / "run"))
+    done, _ = mpidist(
+        first[0], *common, *first[1], "--steps", "17", "--checkpoint-dir", str(tmp_path / "run")
+    )
     assert done.returncode == 0, done.stderr
-    done, _ = mpidist(then[0], *common, *then[1], "--steps", "40", "--checkpoint-dir", str(tmp_path / "run"),
-                      "--resume", "auto")
+    done, _ = mpidist(
+        then[0],
+        *common,
+        *then[1],
+        "--steps",
+        "40",
+        "--checkpoint-dir",
+        str(tmp_path / "run"),
+        "--resume",
+        "auto",
+    )
     assert done.returncode == 0, done.stderr
     assert "resumed from" in done.stdout and "ckpt-00000017-" in done.stdout
-    done, _ = mpidist(reference[0], *common, *reference[1], "--steps", "40", "--checkpoint-dir", str(tmp_path / "ref"))
+    done, _ = mpidist(
+        reference[0], *common, *reference[1], "--steps", "40", "--checkpoint-dir", str(tmp_path / "ref")
+    )
     assert done.returncode == 0, done.stderr
-    with h5py.File(checkpoint_at(tmp_path / "run", 40)) as got, h5py.File(checkpoint_at(tmp_path / "ref", 40)) as ref:
+    with (
+        h5py.File(checkpoint_at(tmp_path / "run", 40)) as got,
+        h5py.File(checkpoint_at(tmp_path / "ref", 40)) as ref,
+    ):
         np.testing.assert_allclose(got["params"][...], ref["params"][...], rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(got["optimizer/v"][...], ref["optimizer/v"][...], rtol=1e-9, atol=1e-15)
 
 
 def test_old_checkpoints_are_pruned_and_a_corrupt_newest_one_is_passed_over(tmp_path):
     common = ["train", "--metrics", "", "--progress", "none", "--checkpoint-dir", str(tmp_path)]
-    done, _ = mpidist(2, *common, "--steps", "20", "--checkpoint-every", "5", "--checkpoint-wait", "--keep", "2")
+    done, _ = mpidist(
+        2, *common, "--steps", "20", "--checkpoint-every", "5", "--checkpoint-wait", "--keep", "2"
+    )
     assert done.returncode == 0, done.stderr
     assert checkpoint_steps(tmp_path) == [15, 20]
     newest = checkpoint_at(tmp_path, 20)
@@ -200,9 +295,21 @@ def test_ingest_then_train_a_regression(tmp_path):
     np.savez(tmp_path / "lin.npz", x=x, y=x @ np.array([1.0, -2.0, 0.5]))
     done, _ = mpidist(1, "ingest", str(tmp_path / "lin.npz"), str(tmp_path / "lin.h5"))
     assert done.returncode == 0 and "wrote" in done.stdout
-    done, _ = mpidist(2, "--data", str(tmp_path / "lin.h5"), "--model", "linear", "--lr", "0.05",
-                      "--epochs", "30", "--metrics", str(tmp_path / "m.jsonl"),
-                      "--checkpoint-dir", str(tmp_path / "ck"))
+    done, _ = mpidist(
+        2,
+        "--data",
+        str(tmp_path / "lin.h5"),
+        "--model",
+        "linear",
+        "--lr",
+        "0.05",
+        "--epochs",
+        "30",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+    )
     assert done.returncode == 0, done.stderr
     final = events(tmp_path / "m.jsonl")[-1]
     assert final["test_loss"] < 1e-3 and final["test_mse"] < 1e-3 and final["test_r2"] > 0.999
@@ -218,12 +325,19 @@ def test_ingest_then_train_a_regression(tmp_path):
 def test_info_reports_the_mpi_library_and_layout():
     done, _ = mpidist(2, "info")
     assert done.returncode == 0, done.stderr
-    for text in ("MPI library", "thread level", "CUDA-aware MPI", "ranks", "2 on 1 node(s)", "bundled datasets",
-                 "no: this is MPICH Version: "):            # (the row of --elastic: the CI's MPI has no ULFM)
+    for text in (
+        "MPI library",
+        "thread level",
+        "CUDA-aware MPI",
+        "ranks",
+        "2 on 1 node(s)",
+        "bundled datasets",
+        "no: this is MPICH Version: ",
+    ):  # (the row of --elastic: the CI's MPI has no ULFM)
         assert text in done.stdout
     assert done.stdout.count("MPI library") == 1
     library = next(line for line in done.stdout.splitlines() if line.startswith("MPI library"))
-    assert "  " not in library.split("MPI library", 1)[1].strip()   # (the library's own padding: one space)
+    assert "  " not in library.split("MPI library", 1)[1].strip()  # (the library's own padding: one space)
 
 
 def test_bench_prints_a_table_and_writes_json(tmp_path):
@@ -233,10 +347,21 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert "exchange/bare" in done.stdout
     document = json.loads(out.read_text())
     rows = {row["strategy"]: row for row in document["rows"]}
-    assert set(rows) == {"local", "hand-written", "no exchange", "no exchange, barrier", "allreduce",
-                         "allreduce, shared-memory", "allreduce, mpi", "allreduce, mpi, 0.25 MiB",
-                         "allreduce, mpi, 0.25 MiB, no overlap", "allreduce, bf16", "hand-written+Allreduce", "ps-sync",
-                         "ps-async"} | ({"torch"} if "torch" in rows else set())
+    assert set(rows) == {
+        "local",
+        "hand-written",
+        "no exchange",
+        "no exchange, barrier",
+        "allreduce",
+        "allreduce, shared-memory",
+        "allreduce, mpi",
+        "allreduce, mpi, 0.25 MiB",
+        "allreduce, mpi, 0.25 MiB, no overlap",
+        "allreduce, bf16",
+        "hand-written+Allreduce",
+        "ps-sync",
+        "ps-async",
+    } | ({"torch"} if "torch" in rows else set())
     for strategy, row in rows.items():
         assert row["steps_per_s"] > 0 and row["samples_per_s"] > 0
         if strategy != "local":
@@ -245,28 +370,54 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
             assert row["exchange_ms"] > 0 and row["bare_ms"] > 0 and row["exchange_over_bare"] > 0
     assert rows["allreduce"]["workers"] == 2 and rows["ps-sync"]["workers"] == 1
     # the ratios the table exists for: against the floor, and against the limit
-    assert rows["local"]["vs_handwritten"] == rows["local"]["samples_per_s"] / rows["hand-written"]["samples_per_s"]
-    assert rows["allreduce"]["of_limit"] == rows["allreduce"]["samples_per_s"] / rows["no exchange"]["samples_per_s"]
-    assert rows["allreduce"]["of_sync_limit"] == \
-        rows["allreduce"]["samples_per_s"] / rows["no exchange, barrier"]["samples_per_s"]
-    assert rows["allreduce"]["internode_bytes_per_step"] == 0   # (one node: the rings send nothing)
+    assert (
+        rows["local"]["vs_handwritten"]
+        == rows["local"]["samples_per_s"] / rows["hand-written"]["samples_per_s"]
+    )
+    assert (
+        rows["allreduce"]["of_limit"]
+        == rows["allreduce"]["samples_per_s"] / rows["no exchange"]["samples_per_s"]
+    )
+    assert (
+        rows["allreduce"]["of_sync_limit"]
+        == rows["allreduce"]["samples_per_s"] / rows["no exchange, barrier"]["samples_per_s"]
+    )
+    assert rows["allreduce"]["internode_bytes_per_step"] == 0  # (one node: the rings send nothing)
     assert rows["allreduce, bf16"]["exchange_bytes"] == (rows["allreduce"]["exchange_bytes"] - 4) // 2 + 4
     assert document["meta"]["cores"] >= 1 and document["meta"]["blas"]
     assert "core(s)" in done.stdout and "BLAS:" in done.stdout
     # a transformer block (D = 128, MLP 512, 10 classes) of 199,562 parameters; 2,058 of them stay whole at T = 2
     # (the norms, the biases added after a row-parallel sum, the head), the rest split in halves
     tensor = {row["tensor"]: row for row in document["tensor"]}
-    assert tensor[1]["params_bytes"] == 199_562 * 4 and tensor[2]["params_bytes"] == (98_752 + 2_058) * 4, tensor
-    assert tensor[2]["optimizer_state_bytes"] == 2 * tensor[2]["params_bytes"]   # Adam: two moments
+    assert tensor[1]["params_bytes"] == 199_562 * 4 and tensor[2]["params_bytes"] == (98_752 + 2_058) * 4, (
+        tensor
+    )
+    assert tensor[2]["optimizer_state_bytes"] == 2 * tensor[2]["params_bytes"]  # Adam: two moments
     # two sums in forward and two in backward, each of the 64 sequences' 32 x 128 activations in float32
-    assert tensor[1]["summed_bytes_per_step"] == 0 and tensor[2]["summed_bytes_per_step"] == 4 * 64 * 32 * 128 * 4
-    assert tensor[1]["vs_t1"] == 1.0 and tensor[2]["samples_per_s"] > 0 and "tensor-summed B/step" in done.stdout
+    assert (
+        tensor[1]["summed_bytes_per_step"] == 0
+        and tensor[2]["summed_bytes_per_step"] == 4 * 64 * 32 * 128 * 4
+    )
+    assert (
+        tensor[1]["vs_t1"] == 1.0 and tensor[2]["samples_per_s"] > 0 and "tensor-summed B/step" in done.stdout
+    )
 
 
 def test_bench_with_adam_leaves_out_the_sgd_references(tmp_path):
     out = tmp_path / "bench.json"
-    done, _ = mpidist(2, "bench", "--seconds", "0.2", "--models", "mlp", "--optimizer", "adam", "--output", str(out),
-                      timeout=120)
+    done, _ = mpidist(
+        2,
+        "bench",
+        "--seconds",
+        "0.2",
+        "--models",
+        "mlp",
+        "--optimizer",
+        "adam",
+        "--output",
+        str(out),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     document = json.loads(out.read_text())
     rows = {row["strategy"]: row for row in document["rows"]}
@@ -279,6 +430,7 @@ def test_bench_with_adam_leaves_out_the_sgd_references(tmp_path):
 def _unwritable_output(tmp_path, case):
     """An ``--output`` path that cannot be written, and the reason the message gives (None: not here, as root)."""
     import os
+
     if case == "a directory":
         return tmp_path, "it is a directory; name a file"
     if case == "under a regular file":
@@ -294,14 +446,23 @@ def _unwritable_output(tmp_path, case):
         (tmp_path / "ro").chmod(0o555)
         writable = os.access(tmp_path / "ro", os.W_OK)
         return tmp_path / "ro" / "bench.json", None if writable else "permission denied"
-    (tmp_path / "old.json").write_text("{}")       # a read-only results file
+    (tmp_path / "old.json").write_text("{}")  # a read-only results file
     (tmp_path / "old.json").chmod(0o444)
     writable = os.access(tmp_path / "old.json", os.W_OK)
     return tmp_path / "old.json", None if writable else "the file is not writable"
 
 
-@pytest.mark.parametrize("case", ["a directory", "under a regular file", "no such directory", "a named pipe",
-                                  "a read-only directory", "a read-only file"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "a directory",
+        "under a regular file",
+        "no such directory",
+        "a named pipe",
+        "a read-only directory",
+        "a read-only file",
+    ],
+)
 def test_bench_refuses_an_unwritable_output_before_it_runs_anything(tmp_path, monkeypatch, capsys, case):
     """No benchmark runs (it would be lost): ``check_output`` names the path, every rank exits with code 2."""
     import re
@@ -310,6 +471,7 @@ def test_bench_refuses_an_unwritable_output_before_it_runs_anything(tmp_path, mo
 
     from mpidist import bench
     from mpidist.runtime.errors import EXIT_USAGE, UsageError
+
     output, reason = _unwritable_output(tmp_path, case)
     if reason is None:
         pytest.skip("this user (root) writes whatever the permissions")
@@ -325,11 +487,12 @@ def test_bench_refuses_an_unwritable_output_before_it_runs_anything(tmp_path, mo
         bench.run_bench(MPI.COMM_SELF, ["mlp"], 0.1, 8, str(output))
     assert stopped.value.code == EXIT_USAGE
     assert f"mpidist: error: --output {output}: cannot be written: {reason}" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before          # no probe file left behind
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no probe file left behind
 
 
 def test_bench_output_check_leaves_a_writable_path_as_it_was(tmp_path):
     from mpidist.bench import check_output
+
     check_output(str(tmp_path / "new.json"))
     (tmp_path / "old.json").write_text('{"rows": []}')
     check_output(str(tmp_path / "old.json"))
@@ -341,42 +504,61 @@ def test_bench_results_replace_an_existing_file_whole_or_not_at_all(tmp_path):
     import os
 
     from mpidist.bench import write_results
+
     path = tmp_path / "bench.json"
     path.write_text('{"old": true}')
     path.chmod(0o640)
     write_results(str(path), {"rows": [1, 2]})
     assert json.loads(path.read_text()) == {"rows": [1, 2]} and (path.stat().st_mode & 0o777) == 0o640
-    with pytest.raises(TypeError):                                      # fails half-way through the JSON
+    with pytest.raises(TypeError):  # fails half-way through the JSON
         write_results(str(path), {"rows": [1, object()]})
-    assert json.loads(path.read_text()) == {"rows": [1, 2]}             # the old results, whole
-    assert os.listdir(tmp_path) == ["bench.json"]                      # nothing written aside is left
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}  # the old results, whole
+    assert os.listdir(tmp_path) == ["bench.json"]  # nothing written aside is left
 
 
-@pytest.mark.parametrize("ranks,strategy", [
-    (4, ["--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"]),
-    (5, ["--strategy", "ps-async", "--ps", "2"]),
-])
+@pytest.mark.parametrize(
+    "ranks,strategy",
+    [
+        (4, ["--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"]),
+        (5, ["--strategy", "ps-async", "--ps", "2"]),
+    ],
+)
 def test_ps_ranks_write_mid_run_checkpoints_when_workers_are_not_in_step(tmp_path, ranks, strategy):
     """The first ps gathers the shards and writes; a resumed run goes on from any of them.  With
     --checkpoint-wait every checkpoint is taken at its step: backup workers' between two rounds, ps-async's while
     the chief holds at its step (the workers never waited for a ps, and one write spanned several multiples)."""
     epochs = 3
     common = ["--progress", "none", "--metrics", "", "--epochs", str(epochs), *strategy]
-    done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "10",
-                      "--checkpoint-wait", "--keep", "0")
+    done, _ = mpidist(
+        ranks,
+        *common,
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "10",
+        "--checkpoint-wait",
+        "--keep",
+        "0",
+    )
     assert done.returncode == 0, done.stderr
     steps = checkpoint_steps(tmp_path)
     total = steps[-1]
-    assert total == epochs * 22   # 1438 // 64: one sample of each of the 64 lanes a step, on 3 workers too
+    assert total == epochs * 22  # 1438 // 64: one sample of each of the 64 lanes a step, on 3 workers too
     middle = steps[:-1]
-    assert middle == list(range(10, total, 10))      # exactly at each multiple of 10
+    assert middle == list(range(10, total, 10))  # exactly at each multiple of 10
     for step in middle:
         with h5py.File(checkpoint_at(tmp_path, step)) as handle:
             assert handle.attrs["step"] == step and np.isfinite(handle["params"][...]).all()
             assert handle["optimizer"].attrs["steps"] > 0 and np.abs(handle["optimizer/v"][...]).sum() > 0
-            if "--aggregate" in strategy:   # a consistent state: the optimizer took exactly `step` updates
+            if "--aggregate" in strategy:  # a consistent state: the optimizer took exactly `step` updates
                 assert handle["optimizer"].attrs["steps"] == step
-    done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(tmp_path / "again"),
-                      "--resume", str(checkpoint_at(tmp_path, middle[1])))
+    done, _ = mpidist(
+        ranks,
+        *common,
+        "--checkpoint-dir",
+        str(tmp_path / "again"),
+        "--resume",
+        str(checkpoint_at(tmp_path, middle[1])),
+    )
     assert done.returncode == 0, done.stderr
     assert f"at step {middle[1]}" in done.stdout and re.search(rf"\n  steps +{total} ", done.stdout)

@@ -45,10 +45,10 @@ def test_all_ranks_are_workers_and_rank_0_is_the_chief():
     pids, nodes = world.gather(os.getpid()), world.allgather(cluster.node_index)
     if cluster.is_chief:
         lines = table.splitlines()
-        assert lines[0].split() == ["rank", "host", "node", "pid", "local", "role", "index", "device"]   # (no
+        assert lines[0].split() == ["rank", "host", "node", "pid", "local", "role", "index", "device"]  # (no
         # part of a model held, no data read: those columns are left out)
         assert [line.split()[0] for line in lines[1:]] == [str(r) for r in range(world.Get_size())]
-        assert [int(line.split()[3]) for line in lines[1:]] == pids    # a launcher names pids, not ranks
+        assert [int(line.split()[3]) for line in lines[1:]] == pids  # a launcher names pids, not ranks
         assert [int(line.split()[2]) for line in lines[1:]] == nodes
     else:
         assert table is None
@@ -62,5 +62,5 @@ def test_a_cluster_frees_the_communicators_it_made_once():
     made = (cluster.role_comm, cluster.node)
     cluster.free()
     assert all(comm == MPI.COMM_NULL for comm in made)
-    cluster.free()   # a second free does nothing (it would be an MPI error on a freed handle)
-    assert world.allreduce(1) == world.Get_size()   # the world itself is untouched
+    cluster.free()  # a second free does nothing (it would be an MPI error on a freed handle)
+    assert world.allreduce(1) == world.Get_size()  # the world itself is untouched

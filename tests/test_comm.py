@@ -13,7 +13,7 @@ def test_allreduce_sum_of_ranks_is_the_triangle_number(dtype):
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
     array = np.full(1000, rank, dtype=dtype)
-    assert comm.allreduce_sum(world, array) is array          # in place
+    assert comm.allreduce_sum(world, array) is array  # in place
     np.testing.assert_array_equal(array, size * (size - 1) // 2)
 
 
@@ -45,6 +45,7 @@ def test_sum_float64_adds_scalars_over_ranks():
 @pytest.fixture
 def cuda_aware_env(monkeypatch):
     """Set (or with None, remove) MPIDIST_CUDA_AWARE; the detection cache is cleared around the test."""
+
     def set_to(value):
         if value is None:
             monkeypatch.delenv("MPIDIST_CUDA_AWARE", raising=False)
@@ -77,7 +78,9 @@ def test_sum_float64_takes_device_scalars_beside_host_ones():
     # local-sgd sums its loss as computed, a device scalar on a GPU (found by gpu/check.sh on an H200)
     total = comm.sum_float64(None, [FakeDeviceScalar(2.5), True, np.float32(1.5)])
     np.testing.assert_array_equal(total, [2.5, 1.0, 1.5])
-    np.testing.assert_array_equal(comm.sum_float64(None, np.array([[1, 2], [3, 4]])), [[1.0, 2.0], [3.0, 4.0]])
+    np.testing.assert_array_equal(
+        comm.sum_float64(None, np.array([[1, 2], [3, 4]])), [[1.0, 2.0], [3.0, 4.0]]
+    )
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("yes", True), ("0", False), ("false", False)])
@@ -113,7 +116,9 @@ def test_device_arrays_are_staged_through_the_host_when_mpi_is_not_cuda_aware(cu
     world = MPI.COMM_WORLD
     array = FakeDeviceArray([world.Get_rank(), 1.0])
     comm.allreduce_sum(world, array)
-    np.testing.assert_array_equal(array.host, [world.Get_size() * (world.Get_size() - 1) / 2, world.Get_size()])
+    np.testing.assert_array_equal(
+        array.host, [world.Get_size() * (world.Get_size() - 1) / 2, world.Get_size()]
+    )
     array = FakeDeviceArray([world.Get_rank()] * 3)
     comm.bcast(world, array, root=1)
     np.testing.assert_array_equal(array.host, [1.0] * 3)
@@ -126,7 +131,7 @@ def test_point_to_point_staging_sends_and_receives_device_arrays_through_the_hos
     rank, size = world.Get_rank(), world.Get_size()
     outgoing = FakeDeviceArray(np.arange(4.0) + 10 * rank)
     request, staged = comm.isend(world, outgoing, (rank + 1) % size, tag=5)
-    assert isinstance(staged, np.ndarray)                # a host copy travels, kept alive by the caller
+    assert isinstance(staged, np.ndarray)  # a host copy travels, kept alive by the caller
     incoming = FakeDeviceArray(np.zeros(4))
     comm.recv(world, incoming, (rank - 1) % size, tag=5)
     request.Wait()
@@ -142,15 +147,15 @@ def test_an_operation_still_in_flight_at_a_loss_keeps_its_buffer_after_its_start
     private = MPI.COMM_SELF.Dup()
     buffer = np.zeros(4)
     watch = weakref.ref(buffer)
-    comm.irecv(private, buffer, 0, tag=7)   # (nobody sends: it stays in flight, as on a revoked communicator)
+    comm.irecv(private, buffer, 0, tag=7)  # (nobody sends: it stays in flight, as on a revoked communicator)
     done = np.zeros(3)
     done_watch = weakref.ref(done)
-    comm.iallreduce_sum(private, done).wait()   # (completed: nothing to keep)
+    comm.iallreduce_sum(private, done).wait()  # (completed: nothing to keep)
     assert comm.keep_in_flight() == 1
     del buffer, done
     gc.collect()
     assert watch() is not None and done_watch() is None
-    assert comm.keep_in_flight() == 0   # (each is kept once)
+    assert comm.keep_in_flight() == 0  # (each is kept once)
 
 
 def test_completed_operations_are_let_go_as_more_are_started():

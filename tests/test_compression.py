@@ -12,19 +12,21 @@ from mpidist.runtime import comm
 
 
 def test_bf16_rounds_to_nearest_even_and_widens_exactly():
-    values = np.array([1.0, -2.5, 3.0e38, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -9, 0.0, -0.0],
-                      dtype=np.float32)
+    values = np.array(
+        [1.0, -2.5, 3.0e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-9, 0.0, -0.0], dtype=np.float32
+    )
     patterns = to_bf16(values, np.empty(values.size, np.uint16))
     back = from_bf16(patterns, np.empty(values.size, np.float32))
     # representable values come back unchanged; halfway cases go to the even mantissa
     assert back.tolist()[:3] == [1.0, -2.5, float(np.float32(back[2]))]
-    assert back[3] == 1.0                    # 1 + 2^-8 is halfway between 1 and 1 + 2^-7: even is 1
-    assert back[4] == 1.0 + 2 ** -6          # 1 + 3 * 2^-8: halfway, the even neighbour is above
-    assert back[5] == 1.0                    # below halfway
-    assert abs(back[2] - 3.0e38) / 3.0e38 < 2 ** -8
+    assert back[3] == 1.0  # 1 + 2^-8 is halfway between 1 and 1 + 2^-7: even is 1
+    assert back[4] == 1.0 + 2**-6  # 1 + 3 * 2^-8: halfway, the even neighbour is above
+    assert back[5] == 1.0  # below halfway
+    assert abs(back[2] - 3.0e38) / 3.0e38 < 2**-8
     assert np.signbit(back[7]) and back[6] == 0
-    assert np.isinf(from_bf16(to_bf16(np.array([np.inf], np.float32), np.empty(1, np.uint16)),
-                              np.empty(1, np.float32))[0])
+    assert np.isinf(
+        from_bf16(to_bf16(np.array([np.inf], np.float32), np.empty(1, np.uint16)), np.empty(1, np.float32))[0]
+    )
 
 
 def test_every_nan_stays_a_nan_in_bf16():
@@ -68,12 +70,15 @@ def test_error_feedback_delivers_every_gradient_over_steps(name):
             exchange.begin()
             exchange.ready(0)
             exchange.finish()
-            assert exchange.finite() and buffer[-1] == 0.25       # the loss travels in float32, unrounded
+            assert exchange.finite() and buffer[-1] == 0.25  # the loss travels in float32, unrounded
             delivered += buffer[:-1]
         one_step_error = np.abs(delivered / 50 - true).max()
-        # without feedback each step would miss by up to half an ulp of 16 bits; with it, only the last residual is missing
-        assert np.abs(delivered - 50 * true.astype(np.float64)).max() <= np.abs(exchange.residual).max() + 1e-9
-        assert one_step_error < 1e-3 * 2 ** -9
+        # without feedback each step would miss by up to half an ulp of 16 bits; with it, only the last residual
+        # is missing
+        assert (
+            np.abs(delivered - 50 * true.astype(np.float64)).max() <= np.abs(exchange.residual).max() + 1e-9
+        )
+        assert one_step_error < 1e-3 * 2**-9
         assert exchange.bytes_per_step == 2 * true.size + 4
     finally:
         exchange.free()
@@ -83,11 +88,11 @@ def test_a_step_that_overflows_fp16_is_dropped_with_what_it_left_behind():
     buffer = np.zeros(9, np.float32)
     exchange = CompressedExchange(MPI.COMM_SELF, buffer, 1 << 10, "fp16")
     try:
-        buffer[:-1] = 1e6                      # beyond fp16's 65504: Inf
+        buffer[:-1] = 1e6  # beyond fp16's 65504: Inf
         exchange.begin()
         exchange.finish()
         assert not exchange.finite()
-        assert not exchange.residual.any()     # no infinite residual to poison the next steps
+        assert not exchange.residual.any()  # no infinite residual to poison the next steps
         buffer[:-1] = 1.0
         exchange.begin()
         exchange.finish()
@@ -104,7 +109,7 @@ def test_compressed_buckets_sum_over_the_ranks(name):
     size, rank = world.Get_size(), world.Get_rank()
     base = (np.arange(1000) % 7).astype(np.float32)
     buffer = np.zeros(base.size + 1, np.float32)
-    exchange = CompressedExchange(world, buffer, 256, name)   # many buckets, started as "backward" goes
+    exchange = CompressedExchange(world, buffer, 256, name)  # many buckets, started as "backward" goes
     try:
         buffer[:-1], buffer[-1] = base * (rank + 1), 0.1 * (rank + 1)
         exchange.begin()
@@ -134,11 +139,12 @@ def test_comm_iallreduce_sums_16_bit_patterns_with_codec_op_and_completes_once(n
         pending.wait()
         pending.wait()
         assert done == [1]
-        np.testing.assert_array_equal(codec.widen(patterns, np.empty(base.size, np.float32)),
-                                      base * (size * (size + 1) // 2))
+        np.testing.assert_array_equal(
+            codec.widen(patterns, np.empty(base.size, np.float32)), base * (size * (size + 1) // 2)
+        )
     finally:
         codec.free()
-        codec.free()   # a second free does nothing
+        codec.free()  # a second free does nothing
 
 
 @pytest.mark.mpi(min_size=2)
@@ -150,8 +156,12 @@ def test_compressed_training_converges_within_half_a_point_of_uncompressed():
     settings = dict(progress="none", metrics="", stream=io.StringIO(), epochs=10, strategy="allreduce")
 
     def mean_accuracy(compress):
-        results = [mpidist.train("mlp", "digits", compress=compress, seed=seed, **settings) for seed in (1, 2, 3)]
-        return np.mean([result.figures["test_accuracy"] for result in results]) if results[0].is_chief else None
+        results = [
+            mpidist.train("mlp", "digits", compress=compress, seed=seed, **settings) for seed in (1, 2, 3)
+        ]
+        return (
+            np.mean([result.figures["test_accuracy"] for result in results]) if results[0].is_chief else None
+        )
 
     plain = mean_accuracy("none")
     for name in ("fp16", "bf16"):

@@ -41,10 +41,15 @@ def test_toml_keys_are_flag_names_and_the_command_line_wins(tmp_path):
     assert (config.model, config.batch_size, config.lr) == ("cnn", 16, 1.0)
 
 
-@pytest.mark.parametrize("text,message", [('batch_sise = 3', "unknown setting 'batch_sise'"),
-                                          ('epochs = "ten"', "epochs = 'ten' should be an int"),
-                                          ('epochs = true', "should be an int"),
-                                          ('epochs = ', "not readable as TOML")])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("batch_sise = 3", "unknown setting 'batch_sise'"),
+        ('epochs = "ten"', "epochs = 'ten' should be an int"),
+        ("epochs = true", "should be an int"),
+        ("epochs = ", "not readable as TOML"),
+    ],
+)
 def test_bad_config_files_are_named(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text + "\n")
@@ -57,7 +62,7 @@ def test_a_switch_takes_no_value_on_the_command_line_and_a_boolean_in_toml(tmp_p
     path = tmp_path / "run.toml"
     path.write_text("elastic = true\n")
     assert parse(["--config", str(path)]).elastic is True
-    assert parse(["--config", str(path), "--no-elastic"]).elastic is False      # the command line wins
+    assert parse(["--config", str(path), "--no-elastic"]).elastic is False  # the command line wins
     path.write_text('elastic = "yes"\n')
     with pytest.raises(UsageError, match="elastic = 'yes' should be a bool"):
         parse(["--config", str(path)])
@@ -68,34 +73,63 @@ def test_missing_config_file():
         parse(["--config", "/nonexistent.toml"])
 
 
-@pytest.mark.parametrize("flags,ranks,message", [
-    (["--strategy", "gossip"], 1, "--strategy 'gossip' is not one of"),
-    (["--optimizer", "lbfgs"], 1, "--optimizer 'lbfgs' is not one of"),
-    (["--epochs", "0"], 1, "--epochs must be at least 1, got 0"),
-    (["--batch-size", "0"], 1, "--batch-size must be at least 1"),
-    (["--lr", "-1"], 1, r"--lr must be a finite positive number, got -1\.0"),
-    (["--steps", "-2"], 1, "--steps must be 0 or more"),
-    (["--strategy", "local"], 2, "--strategy local runs on one rank, got 2 ranks"),
-    (["--resume", "auto", "--run-dir", ""], 1, r"--resume auto needs --checkpoint-dir \(or a --run-dir\)"),
-    (["--checkpoint-seconds", "-5"], 1, "--checkpoint-seconds must be a finite number of seconds, 0 or more, got -5.0"),
-    (["--nan-patience", "-1"], 1, "--nan-patience must be 0 or more, got -1"),
-    (["--stall-timeout", "-1"], 1, "--stall-timeout must be a finite number of seconds, 0 or more, got -1.0"),
-    (["--elastic", "--strategy", "pipeline", "--stages", "2"], 2, "make 1 replica: a lost stage would end the run; "
-                                                                  "run 4 ranks or more"),
-    (["--elastic", "--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"], 4, "backup workers"),
-    (["--elastic", "--replication", "in-graph"], 2, "--replication in-graph"),
-    (["--tensor", "2", "--strategy", "ps-sync", "--ps", "1"], 4, "applies to --strategy allreduce and pipeline only, "
-                                                                  "not ps-sync: the parts of a tensor group"),
-    (["--tensor", "2", "--strategy", "local-sgd"], 4, "local-sgd's workers step apart"),
-    (["--tensor", "2"], 3, r"--tensor 2 does not divide the 3 ranks"),
-    (["--tensor", "2", "--strategy", "pipeline", "--stages", "2"], 6, r"--stages 2 x --tensor 2 does not divide the 6"),
-    (["--tensor", "0"], 2, "--tensor must be at least 1, got 0"),
-    (["--tensor", "2", "--elastic"], 4, "--tensor 2 does not combine with --elastic"),
-    (["--tensor", "2", "--shard", "optimizer"], 4, "--tensor 2 does not combine with --shard optimizer"),
-    (["--elastic", "--exchange", "shared-memory"], 2, "shared-memory does not survive a lost worker"),
-    (["--exchange", "shared-memory", "--compress", "fp16"], 2, "nothing for --compress fp16 to compress"),
-    (["--strategy", "ps-sync", "--ps", "1", "--exchange", "mpi"], 3, "--exchange mpi applies to --strategy allreduce"),
-])
+@pytest.mark.parametrize(
+    "flags,ranks,message",
+    [
+        (["--strategy", "gossip"], 1, "--strategy 'gossip' is not one of"),
+        (["--optimizer", "lbfgs"], 1, "--optimizer 'lbfgs' is not one of"),
+        (["--epochs", "0"], 1, "--epochs must be at least 1, got 0"),
+        (["--batch-size", "0"], 1, "--batch-size must be at least 1"),
+        (["--lr", "-1"], 1, r"--lr must be a finite positive number, got -1\.0"),
+        (["--steps", "-2"], 1, "--steps must be 0 or more"),
+        (["--strategy", "local"], 2, "--strategy local runs on one rank, got 2 ranks"),
+        (
+            ["--resume", "auto", "--run-dir", ""],
+            1,
+            r"--resume auto needs --checkpoint-dir \(or a --run-dir\)",
+        ),
+        (
+            ["--checkpoint-seconds", "-5"],
+            1,
+            "--checkpoint-seconds must be a finite number of seconds, 0 or more, got -5.0",
+        ),
+        (["--nan-patience", "-1"], 1, "--nan-patience must be 0 or more, got -1"),
+        (
+            ["--stall-timeout", "-1"],
+            1,
+            "--stall-timeout must be a finite number of seconds, 0 or more, got -1.0",
+        ),
+        (
+            ["--elastic", "--strategy", "pipeline", "--stages", "2"],
+            2,
+            "make 1 replica: a lost stage would end the run; run 4 ranks or more",
+        ),
+        (["--elastic", "--strategy", "ps-sync", "--ps", "1", "--aggregate", "2"], 4, "backup workers"),
+        (["--elastic", "--replication", "in-graph"], 2, "--replication in-graph"),
+        (
+            ["--tensor", "2", "--strategy", "ps-sync", "--ps", "1"],
+            4,
+            "applies to --strategy allreduce and pipeline only, not ps-sync: the parts of a tensor group",
+        ),
+        (["--tensor", "2", "--strategy", "local-sgd"], 4, "local-sgd's workers step apart"),
+        (["--tensor", "2"], 3, r"--tensor 2 does not divide the 3 ranks"),
+        (
+            ["--tensor", "2", "--strategy", "pipeline", "--stages", "2"],
+            6,
+            r"--stages 2 x --tensor 2 does not divide the 6",
+        ),
+        (["--tensor", "0"], 2, "--tensor must be at least 1, got 0"),
+        (["--tensor", "2", "--elastic"], 4, "--tensor 2 does not combine with --elastic"),
+        (["--tensor", "2", "--shard", "optimizer"], 4, "--tensor 2 does not combine with --shard optimizer"),
+        (["--elastic", "--exchange", "shared-memory"], 2, "shared-memory does not survive a lost worker"),
+        (["--exchange", "shared-memory", "--compress", "fp16"], 2, "nothing for --compress fp16 to compress"),
+        (
+            ["--strategy", "ps-sync", "--ps", "1", "--exchange", "mpi"],
+            3,
+            "--exchange mpi applies to --strategy allreduce",
+        ),
+    ],
+)
 def test_invalid_settings_are_refused_with_their_values(flags, ranks, message):
     with pytest.raises(UsageError, match=message):
         parse(flags).validate(ranks)
@@ -103,40 +137,65 @@ def test_invalid_settings_are_refused_with_their_values(flags, ranks, message):
 
 def test_every_flag_has_help_and_a_default():
     import dataclasses
+
     for field in dataclasses.fields(Settings):
         assert field.metadata["help"] and field.default is not dataclasses.MISSING
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--lr", "inf"], r"^--lr must be a finite positive number, got inf$"),
-    (["--lr", "nan"], r"^--lr must be a finite positive number, got nan$"),
-    (["--lr", "0"], r"^--lr must be a finite positive number, got 0\.0$"),
-    (["--momentum", "nan"], r"^--momentum must be a finite number in \[0, 1\), got nan$"),
-    (["--momentum", "1"], r"^--momentum must be a finite number in \[0, 1\), got 1\.0$"),
-    (["--momentum", "-0.1"], r"^--momentum must be a finite number in \[0, 1\), got -0\.1$"),
-    (["--stall-timeout", "nan"], r"^--stall-timeout must be a finite number of seconds, 0 or more, got nan; use 0 "),
-    (["--stall-timeout", "inf"], r"^--stall-timeout must be .*, got inf; use 0 for no limit$"),
-    (["--checkpoint-seconds", "nan"], r"^--checkpoint-seconds must be a finite number .*, got nan \(0 = no "),
-    (["--checkpoint-seconds", "inf"], r"^--checkpoint-seconds must be a finite number .*, got inf"),
-    (["--bucket-mb", "inf"], r"^--bucket-mb must be a finite positive number of MiB, .*, got inf$"),
-    (["--bucket-mb", "nan"], r"^--bucket-mb must be a finite positive number of MiB, .*, got nan$"),
-    (["--bucket-mb", "1e30"], r"^--bucket-mb must be .* at most 4398046511104, got 1e\+30$"),
-    (["--seed", "-1"], r"^--seed must be 0 or more, got -1 \(numpy's random generators take no negative seeds\)$"),
-    (["--ps", "-1"], r"^--ps must be 0 or more, got -1$"),
-    (["--eval-every", "-1"], r"^--eval-every must be 0 or more, got -1$"),
-    (["--keep", "-1"], r"^--keep must be 0 or more, got -1$"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--lr", "inf"], r"^--lr must be a finite positive number, got inf$"),
+        (["--lr", "nan"], r"^--lr must be a finite positive number, got nan$"),
+        (["--lr", "0"], r"^--lr must be a finite positive number, got 0\.0$"),
+        (["--momentum", "nan"], r"^--momentum must be a finite number in \[0, 1\), got nan$"),
+        (["--momentum", "1"], r"^--momentum must be a finite number in \[0, 1\), got 1\.0$"),
+        (["--momentum", "-0.1"], r"^--momentum must be a finite number in \[0, 1\), got -0\.1$"),
+        (
+            ["--stall-timeout", "nan"],
+            r"^--stall-timeout must be a finite number of seconds, 0 or more, got nan; use 0 ",
+        ),
+        (["--stall-timeout", "inf"], r"^--stall-timeout must be .*, got inf; use 0 for no limit$"),
+        (
+            ["--checkpoint-seconds", "nan"],
+            r"^--checkpoint-seconds must be a finite number .*, got nan \(0 = no ",
+        ),
+        (["--checkpoint-seconds", "inf"], r"^--checkpoint-seconds must be a finite number .*, got inf"),
+        (["--bucket-mb", "inf"], r"^--bucket-mb must be a finite positive number of MiB, .*, got inf$"),
+        (["--bucket-mb", "nan"], r"^--bucket-mb must be a finite positive number of MiB, .*, got nan$"),
+        (["--bucket-mb", "1e30"], r"^--bucket-mb must be .* at most 4398046511104, got 1e\+30$"),
+        (
+            ["--seed", "-1"],
+            r"^--seed must be 0 or more, got -1 \(numpy's random generators take no negative seeds\)$",
+        ),
+        (["--ps", "-1"], r"^--ps must be 0 or more, got -1$"),
+        (["--eval-every", "-1"], r"^--eval-every must be 0 or more, got -1$"),
+        (["--keep", "-1"], r"^--keep must be 0 or more, got -1$"),
+    ],
+)
 def test_non_finite_and_out_of_range_numbers_are_refused(flags, message):
     with pytest.raises(UsageError, match=message):
         parse(flags).validate(1)
 
 
-@pytest.mark.parametrize("name", ["steps", "epochs", "batch_size", "seed", "log_every", "eval_every",
-                                  "checkpoint_every", "keep", "nan_patience"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "steps",
+        "epochs",
+        "batch_size",
+        "seed",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+        "keep",
+        "nan_patience",
+    ],
+)
 def test_int_settings_too_large_for_int64_are_refused(name):
     flag = "--" + name.replace("_", "-")
-    parse([flag, str(INT_LIMIT)]).validate(1)                        # the limit itself is allowed
-    for value in (INT_LIMIT + 1, 2 ** 63, 10 ** 30):
+    parse([flag, str(INT_LIMIT)]).validate(1)  # the limit itself is allowed
+    for value in (INT_LIMIT + 1, 2**63, 10**30):
         with pytest.raises(UsageError, match=rf"^{flag} must be at most {INT_LIMIT}, got {value}$"):
             parse([flag, str(value)]).validate(1)
 
@@ -147,7 +206,9 @@ def test_every_float_field_is_checked_for_finiteness_the_strategies_own_included
     assert {"lr", "momentum", "stall_timeout", "checkpoint_seconds", "bucket_mb"} <= {f.name for f in floats}
     for field in floats:
         for value in (float("nan"), float("inf"), float("-inf")):
-            with pytest.raises(UsageError, match=rf"^--{field.name.replace('_', '-')} must be .*, got {value}"):
+            with pytest.raises(
+                UsageError, match=rf"^--{field.name.replace('_', '-')} must be .*, got {value}"
+            ):
                 dataclasses.replace(Settings(), **{field.name: value}).validate(1)
 
     class Declaring(STRATEGIES["allreduce"]):
@@ -158,25 +219,30 @@ def test_every_float_field_is_checked_for_finiteness_the_strategies_own_included
     extended = _make_settings()
     with pytest.raises(UsageError, match=r"^--ratio must be a finite number, got nan$"):
         extended(strategy="declaring", ratio=float("nan")).validate(1)
-    with pytest.raises(UsageError, match=rf"^--count must be at most {INT_LIMIT}, got {2 ** 63}$"):
-        extended(strategy="declaring", count=2 ** 63).validate(1)
-    extended(strategy="declaring", ratio=-1e300, count=-5).validate(1)     # no range beyond that: the strategy's
+    with pytest.raises(UsageError, match=rf"^--count must be at most {INT_LIMIT}, got {2**63}$"):
+        extended(strategy="declaring", count=2**63).validate(1)
+    extended(strategy="declaring", ratio=-1e300, count=-5).validate(1)  # no range beyond that: the strategy's
 
 
 @pytest.mark.parametrize("name", [name for name, f in FIELDS.items() if f.type is int])
 def test_every_int_field_is_bounded_by_int64(name):
     """Strategies' options (stages, micro_batches, staleness, ...) included: none may overflow an int64."""
-    with pytest.raises(UsageError, match=rf"^--{name.replace('_', '-')} must be at most {INT_LIMIT}, got {2 ** 64}$"):
-        dataclasses.replace(Settings(), **{name: 2 ** 64}).validate(8)
+    with pytest.raises(
+        UsageError, match=rf"^--{name.replace('_', '-')} must be at most {INT_LIMIT}, got {2**64}$"
+    ):
+        dataclasses.replace(Settings(), **{name: 2**64}).validate(8)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"lr": float("nan")}, r"^--lr must be a finite positive number, got nan$"),
-    ({"momentum": float("inf")}, r"^--momentum must be a finite number in \[0, 1\), got inf$"),
-    ({"seed": -3}, r"^--seed must be 0 or more, got -3"),
-    ({"steps": 2 ** 80}, rf"^--steps must be at most {INT_LIMIT}, got {2 ** 80}$"),
-    ({"lr": 10 ** 400}, r"^mpidist\.train\(\): lr = 1000.* is too large for a float$"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"lr": float("nan")}, r"^--lr must be a finite positive number, got nan$"),
+        ({"momentum": float("inf")}, r"^--momentum must be a finite number in \[0, 1\), got inf$"),
+        ({"seed": -3}, r"^--seed must be 0 or more, got -3"),
+        ({"steps": 2**80}, rf"^--steps must be at most {INT_LIMIT}, got {2**80}$"),
+        ({"lr": 10**400}, r"^mpidist\.train\(\): lr = 1000.* is too large for a float$"),
+    ],
+)
 def test_keyword_arguments_pass_the_same_checks(overrides, message):
     with pytest.raises(UsageError, match=message):
         settings_from(None, **overrides).validate(1)
@@ -187,15 +253,18 @@ def test_a_settings_object_with_a_non_number_is_refused_not_a_type_error():
         Settings(lr="0.1").validate(1)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("lr = nan", r"--lr must be a finite positive number, got nan$"),
-    ("lr = inf", r"--lr must be a finite positive number, got inf$"),
-    ("momentum = -inf", r"--momentum must be a finite number in \[0, 1\), got -inf$"),
-    ("stall-timeout = +inf", r"--stall-timeout must be .*, got inf; use 0 for no limit$"),
-    ("bucket-mb = nan", r"--bucket-mb must be a finite positive number of MiB, .*, got nan$"),
-    ("seed = -1", r"--seed must be 0 or more, got -1"),
-    ("steps = 9223372036854775807", rf"--steps must be at most {INT_LIMIT}, got 9223372036854775807$"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("lr = nan", r"--lr must be a finite positive number, got nan$"),
+        ("lr = inf", r"--lr must be a finite positive number, got inf$"),
+        ("momentum = -inf", r"--momentum must be a finite number in \[0, 1\), got -inf$"),
+        ("stall-timeout = +inf", r"--stall-timeout must be .*, got inf; use 0 for no limit$"),
+        ("bucket-mb = nan", r"--bucket-mb must be a finite positive number of MiB, .*, got nan$"),
+        ("seed = -1", r"--seed must be 0 or more, got -1"),
+        ("steps = 9223372036854775807", rf"--steps must be at most {INT_LIMIT}, got 9223372036854775807$"),
+    ],
+)
 def test_toml_values_pass_the_same_checks(tmp_path, text, message):
     path = tmp_path / "run.toml"
     path.write_text(text + "\n")
@@ -216,8 +285,9 @@ def test_a_utf8_config_with_a_byte_order_mark_is_read(tmp_path):
     assert parse(["--config", str(path)]).epochs == 2
 
 
-@pytest.mark.parametrize("data", [b"\xff\xfe lr = 1\n", "lr = 1 # caf\u00e9\n".encode("latin-1"),
-                                  "lr = 1\n".encode("utf-16")])
+@pytest.mark.parametrize(
+    "data", [b"\xff\xfe lr = 1\n", "lr = 1 # caf\u00e9\n".encode("latin-1"), "lr = 1\n".encode("utf-16")]
+)
 def test_a_config_file_that_is_not_utf8_is_named(tmp_path, data):
     path = tmp_path / "run.toml"
     path.write_bytes(data)
@@ -276,9 +346,16 @@ def test_strategies_declare_what_the_loop_set_up_and_settings_once_named_them_fo
     assert STRATEGIES["ps-sync"].variant(aggregate, 3) is BackupWorkersStrategy
     assert BackupWorkersStrategy.title(aggregate) == "ps-sync with --aggregate"
     assert STRATEGIES["ps-sync"].title(aggregate) == "ps-sync"
-    assert STRATEGIES["ps-async"].clipped_steps([2, 3, 0]) == 5          # each worker clips its own pushes
-    assert BackupWorkersStrategy.clipped_steps([2, 3, 0]) == 3            # the ps ranks decide together
+    assert STRATEGIES["ps-async"].clipped_steps([2, 3, 0]) == 5  # each worker clips its own pushes
+    assert BackupWorkersStrategy.clipped_steps([2, 3, 0]) == 3  # the ps ranks decide together
     assert STRATEGIES["local-sgd"].clipped_steps([]) == 0
     ranks = {name: cls.auto_rank(Settings(ps=1, stages=2), 4) for name, cls in STRATEGIES.items()}
-    assert ranks == {"local": None, "allreduce": 3, "ps-sync": 0, "ps-async": None, "pipeline": 1, "local-sgd": None}
+    assert ranks == {
+        "local": None,
+        "allreduce": 3,
+        "ps-sync": 0,
+        "ps-async": None,
+        "pipeline": 1,
+        "local-sgd": None,
+    }
     assert STRATEGIES["local"].auto_rank(Settings(), 1) == 2

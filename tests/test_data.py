@@ -12,8 +12,10 @@ from mpidist.tools.ingest import write_dataset
 
 def make_file(path, n_train=40, n_test=10, shape=(3, 4), classes=5, **overrides):
     rng = np.random.default_rng(0)
-    splits = {"train": (rng.random((n_train,) + shape).astype(np.float32), np.arange(n_train) % classes),
-              "test": (rng.random((n_test,) + shape).astype(np.float32), np.arange(n_test) % classes)}
+    splits = {
+        "train": (rng.random((n_train,) + shape).astype(np.float32), np.arange(n_train) % classes),
+        "test": (rng.random((n_test,) + shape).astype(np.float32), np.arange(n_test) % classes),
+    }
     splits.update(overrides)
     return write_dataset(path, "toy", splits, classes, "made by a test")
 
@@ -31,8 +33,10 @@ def test_bundled_datasets_resolve_by_name_and_follow_the_layout():
         assert info.num_classes == 10 and info.source
 
 
-@pytest.mark.parametrize("spec,message", [("no-such-dataset", "no bundled dataset of that name"),
-                                          ("missing/file.h5", "no such file")])
+@pytest.mark.parametrize(
+    "spec,message",
+    [("no-such-dataset", "no bundled dataset of that name"), ("missing/file.h5", "no such file")],
+)
 def test_unknown_data_names_the_problem(spec, message):
     with pytest.raises(UsageError, match=message):
         data.resolve(spec)
@@ -51,16 +55,34 @@ def mutate(path, fn):
     return path
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda h: h.__delitem__("train/y"), "missing dataset 'train/y'"),
-    (lambda h: h.attrs.__delitem__("num_classes"), "missing file attribute 'num_classes'"),
-    (lambda h: h.attrs.__setitem__("num_classes", 1), "num_classes = 1"),
-    (lambda h: (h.__delitem__("test/y"), h.create_dataset("test/y", data=np.zeros(3, int))), "10 samples but"),
-    (lambda h: (h.__delitem__("test/x"), h.create_dataset("test/x", data=np.zeros((10, 12)))), "differ in shape"),
-    (lambda h: (h.__delitem__("test/y"), h.create_dataset("test/y", data=np.zeros(10))), "integer class labels"),
-    (lambda h: (h.__delitem__("test/x"), h.create_dataset("test/x", data=np.zeros(10))), "at least one feature"),
-    (lambda h: (h.__delitem__("test/x"), h.create_dataset("test/x", data=np.array([b"a"] * 10))), "numeric"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda h: h.__delitem__("train/y"), "missing dataset 'train/y'"),
+        (lambda h: h.attrs.__delitem__("num_classes"), "missing file attribute 'num_classes'"),
+        (lambda h: h.attrs.__setitem__("num_classes", 1), "num_classes = 1"),
+        (
+            lambda h: (h.__delitem__("test/y"), h.create_dataset("test/y", data=np.zeros(3, int))),
+            "10 samples but",
+        ),
+        (
+            lambda h: (h.__delitem__("test/x"), h.create_dataset("test/x", data=np.zeros((10, 12)))),
+            "differ in shape",
+        ),
+        (
+            lambda h: (h.__delitem__("test/y"), h.create_dataset("test/y", data=np.zeros(10))),
+            "integer class labels",
+        ),
+        (
+            lambda h: (h.__delitem__("test/x"), h.create_dataset("test/x", data=np.zeros(10))),
+            "at least one feature",
+        ),
+        (
+            lambda h: (h.__delitem__("test/x"), h.create_dataset("test/x", data=np.array([b"a"] * 10))),
+            "numeric",
+        ),
+    ],
+)
 def test_layout_violations_are_named(tmp_path, change, message):
     path = mutate(make_file(tmp_path / "toy.h5"), change)
     with pytest.raises(UsageError, match=message):
@@ -72,7 +94,7 @@ def test_labels_out_of_range_are_found_with_their_sample(tmp_path):
     labels[13] = 7
     path = make_file(tmp_path / "toy.h5", train=(np.zeros((40, 3, 4), np.float32), labels))
     info = data.inspect(path)
-    data.Shard(info, "train", 0, 2, (3, 4), np.float32)                  # sample 13 is odd: not worker 0's
+    data.Shard(info, "train", 0, 2, (3, 4), np.float32)  # sample 13 is odd: not worker 0's
     with pytest.raises(UsageError, match=r"label 7 at sample 13, outside \[0, 5\)"):
         data.Shard(info, "train", 1, 2, (3, 4), np.float32)
 
@@ -87,11 +109,15 @@ def test_nan_in_samples_is_refused(tmp_path):
 
 def with_stats(path, mean=None, std=None, shape=(3, 4)):
     """``path`` with standardisation statistics ``stats/mean`` and ``stats/std`` (default: 0 and 1) added."""
+
     def add(handle):
         for key, value in (("mean", mean), ("std", std)):
-            if not isinstance(value, str):      # a string: leave the item out
-                handle.create_dataset(f"stats/{key}", data=np.full(shape, 0.0 if key == "mean" else 1.0)
-                                      if value is None else value)
+            if not isinstance(value, str):  # a string: leave the item out
+                handle.create_dataset(
+                    f"stats/{key}",
+                    data=np.full(shape, 0.0 if key == "mean" else 1.0) if value is None else value,
+                )
+
     return mutate(path, add)
 
 
@@ -102,27 +128,44 @@ def test_standardisation_statistics_are_described_and_applied_when_read(tmp_path
     np.testing.assert_array_equal(info.mean, mean)
     np.testing.assert_array_equal(info.std, std)
     assert info.mean.dtype == np.float64 and "mean" not in repr(info)
-    shard = data.Shard(info, "train", 1, 2, (12,), np.float32)        # the rows of worker 1, the model's shape
+    shard = data.Shard(info, "train", 1, 2, (12,), np.float32)  # the rows of worker 1, the model's shape
     np.testing.assert_allclose(shard.x, ((x[1::2] - mean) / std).reshape(20, 12), rtol=1e-6)
-    np.testing.assert_array_equal(data.standardizer(info)(x[:2].reshape(2, 12)), ((x[:2] - mean) / std).reshape(2, 12))
+    np.testing.assert_array_equal(
+        data.standardizer(info)(x[:2].reshape(2, 12)), ((x[:2] - mean) / std).reshape(2, 12)
+    )
     plain = data.inspect(make_file(tmp_path / "plain.h5"))
     assert plain.mean is None and plain.std is None and plain.class_names is None
     assert data.standardizer(plain) is None
 
 
-@pytest.mark.parametrize("mean,std,message", [
-    (np.zeros(12), None, r"stats/mean has shape \(12,\); it must be the sample shape \(3, 4\)"),
-    (None, np.ones((4, 3)), r"stats/std has shape \(4, 3\); it must be the sample shape \(3, 4\)"),
-    (np.where(np.eye(3, 4) > 0, np.nan, 0.0), None, r"stats/mean\[0, 0\] is nan; standardisation statistics must "
-     "be finite"),
-    (None, np.where(np.arange(12).reshape(3, 4) == 6, 0.0, 1.0), r"stats/std\[1, 2\] is 0.0; standard deviations "
-     "must be finite and greater than 0"),
-    (None, np.full((3, 4), -1.0), r"stats/std\[0, 0\] is -1.0"),
-    (None, np.full((3, 4), np.inf), r"stats/std\[0, 0\] is inf"),
-    (np.zeros((3, 4), np.int64), None, "stats/mean has dtype int64; standardisation statistics must be floats"),
-    (None, np.array([b"1"] * 12).reshape(3, 4), r"stats/std has dtype \|S1"),
-    (None, "left out", "has 'stats' but no dataset 'stats/std'"),
-])
+@pytest.mark.parametrize(
+    "mean,std,message",
+    [
+        (np.zeros(12), None, r"stats/mean has shape \(12,\); it must be the sample shape \(3, 4\)"),
+        (None, np.ones((4, 3)), r"stats/std has shape \(4, 3\); it must be the sample shape \(3, 4\)"),
+        (
+            np.where(np.eye(3, 4) > 0, np.nan, 0.0),
+            None,
+            r"stats/mean\[0, 0\] is nan; standardisation statistics must "
+            "be finite",
+        ),
+        (
+            None,
+            np.where(np.arange(12).reshape(3, 4) == 6, 0.0, 1.0),
+            r"stats/std\[1, 2\] is 0.0; standard deviations "
+            "must be finite and greater than 0",
+        ),
+        (None, np.full((3, 4), -1.0), r"stats/std\[0, 0\] is -1.0"),
+        (None, np.full((3, 4), np.inf), r"stats/std\[0, 0\] is inf"),
+        (
+            np.zeros((3, 4), np.int64),
+            None,
+            "stats/mean has dtype int64; standardisation statistics must be floats",
+        ),
+        (None, np.array([b"1"] * 12).reshape(3, 4), r"stats/std has dtype \|S1"),
+        (None, "left out", "has 'stats' but no dataset 'stats/std'"),
+    ],
+)
 def test_bad_standardisation_statistics_are_refused(tmp_path, mean, std, message):
     path = with_stats(make_file(tmp_path / "toy.h5"), mean, std)
     with pytest.raises(UsageError, match=f"{tmp_path / 'toy.h5'}: {message}") as caught:
@@ -130,25 +173,33 @@ def test_bad_standardisation_statistics_are_refused(tmp_path, mean, std, message
     assert "\n" not in str(caught.value)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast")     # numpy's, as the values are checked
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # numpy's, as the values are checked
 def test_statistics_that_do_not_fit_the_data_are_refused_when_read(tmp_path):
     x = np.ones((40, 3, 4), np.float32)
     x[7] = 3.0
     path = make_file(tmp_path / "toy.h5", train=(x, np.arange(40) % 5))
-    info = data.inspect(with_stats(path, std=np.full((3, 4), 1e-310)))     # > 0, but x / std is Inf
-    with pytest.raises(UsageError, match=r"train/x standardised with the file's stats/mean and stats/std holds Inf "
-                       r"\(first at sample 0\)"):
+    info = data.inspect(with_stats(path, std=np.full((3, 4), 1e-310)))  # > 0, but x / std is Inf
+    with pytest.raises(
+        UsageError,
+        match=r"train/x standardised with the file's stats/mean and stats/std holds Inf "
+        r"\(first at sample 0\)",
+    ):
         data.Shard(info, "train", 0, 1, (3, 4), np.float32)
-    mutate(path, lambda h: h["stats/std"].__setitem__(..., 1e-39))          # finite, but beyond float32
+    mutate(path, lambda h: h["stats/std"].__setitem__(..., 1e-39))  # finite, but beyond float32
     info = data.inspect(path)
-    with pytest.raises(UsageError, match=r"train/x \(standardised\) holds values up to 3e\+39, beyond the range of "
-                       "--dtype float32"):
+    with pytest.raises(
+        UsageError,
+        match=r"train/x \(standardised\) holds values up to 3e\+39, beyond the range of "
+        "--dtype float32",
+    ):
         data.Shard(info, "train", 0, 1, (3, 4), np.float32)
     assert data.Shard(info, "train", 0, 1, (3, 4), np.float64).x.max() == pytest.approx(3e39)
 
 
 def with_names(path, names, dtype=None):
-    return mutate(path, lambda h: h.create_dataset("class_names", data=names, dtype=dtype or h5py.string_dtype()))
+    return mutate(
+        path, lambda h: h.create_dataset("class_names", data=names, dtype=dtype or h5py.string_dtype())
+    )
 
 
 def test_class_names_are_described_with_control_characters_escaped(tmp_path):
@@ -159,14 +210,20 @@ def test_class_names_are_described_with_control_characters_escaped(tmp_path):
     assert info.class_names == ("a", "b", "c", "d", "e")
 
 
-@pytest.mark.parametrize("names,message", [
-    (["a", "b", "c", "d"], r"class_names has shape \(4,\); it needs one name per class, shape \(5,\)"),
-    (np.arange(5), "class_names has dtype int64; it must hold text"),
-    (["a", "b", " ", "d", "e"], r"class_names\[2\] is empty"),
-    (["a", "b", "c", "b", "e"], r"class_names\[3\] repeats class_names\[1\] \('b'\)"),
-    (["a", "b", "c", "d", "e" * 201], r"class_names\[4\] is 201 characters long; a class name has at most 200"),
-    ([b"a", b"b", b"\xff", b"d", b"e"], "class_names holds bytes that are not UTF-8 text"),
-])
+@pytest.mark.parametrize(
+    "names,message",
+    [
+        (["a", "b", "c", "d"], r"class_names has shape \(4,\); it needs one name per class, shape \(5,\)"),
+        (np.arange(5), "class_names has dtype int64; it must hold text"),
+        (["a", "b", " ", "d", "e"], r"class_names\[2\] is empty"),
+        (["a", "b", "c", "b", "e"], r"class_names\[3\] repeats class_names\[1\] \('b'\)"),
+        (
+            ["a", "b", "c", "d", "e" * 201],
+            r"class_names\[4\] is 201 characters long; a class name has at most 200",
+        ),
+        ([b"a", b"b", b"\xff", b"d", b"e"], "class_names holds bytes that are not UTF-8 text"),
+    ],
+)
 def test_bad_class_names_are_refused(tmp_path, names, message):
     dtype = h5py.string_dtype() if isinstance(names, list) and isinstance(names[0], str) else None
     if isinstance(names, list) and isinstance(names[0], bytes):
@@ -177,18 +234,30 @@ def test_bad_class_names_are_refused(tmp_path, names, message):
         data.inspect(path)
 
 
-@pytest.mark.parametrize("names,message", [
-    (["a", "b"], None),
-    (["a", "b", "c"], r"feature_names has shape \(3,\); it needs one name per feature, shape \(2,\)"),
-    (["a", "a"], r"feature_names\[1\] repeats feature_names\[0\] \('a'\)"),
-    (["a", ""], r"feature_names\[1\] is empty; every feature needs a name"),
-    (np.arange(2), "feature_names has dtype int64; it must hold text"),
-])
+@pytest.mark.parametrize(
+    "names,message",
+    [
+        (["a", "b"], None),
+        (["a", "b", "c"], r"feature_names has shape \(3,\); it needs one name per feature, shape \(2,\)"),
+        (["a", "a"], r"feature_names\[1\] repeats feature_names\[0\] \('a'\)"),
+        (["a", ""], r"feature_names\[1\] is empty; every feature needs a name"),
+        (np.arange(2), "feature_names has dtype int64; it must hold text"),
+    ],
+)
 def test_feature_names_are_read_checked_as_untrusted_text(tmp_path, names, message):
-    path = write_dataset(tmp_path / "f.h5", "f", {"train": (np.zeros((4, 2)), np.zeros(4)),
-                                                  "test": (np.zeros((2, 2)), np.zeros(2))}, 0, "")
-    mutate(path, lambda h: h.create_dataset("feature_names", data=names, dtype=None if message and "dtype" in message
-                                            else h5py.string_dtype()))
+    path = write_dataset(
+        tmp_path / "f.h5",
+        "f",
+        {"train": (np.zeros((4, 2)), np.zeros(4)), "test": (np.zeros((2, 2)), np.zeros(2))},
+        0,
+        "",
+    )
+    mutate(
+        path,
+        lambda h: h.create_dataset(
+            "feature_names", data=names, dtype=None if message and "dtype" in message else h5py.string_dtype()
+        ),
+    )
     if message is None:
         assert data.inspect(path).feature_names == ("a", "b")
         return
@@ -197,8 +266,13 @@ def test_feature_names_are_read_checked_as_untrusted_text(tmp_path, names, messa
 
 
 def test_class_names_need_classes(tmp_path):
-    path = write_dataset(tmp_path / "r.h5", "r", {"train": (np.zeros((4, 2)), np.zeros(4)),
-                                                  "test": (np.zeros((2, 2)), np.zeros(2))}, 0, "")
+    path = write_dataset(
+        tmp_path / "r.h5",
+        "r",
+        {"train": (np.zeros((4, 2)), np.zeros(4)), "test": (np.zeros((2, 2)), np.zeros(2))},
+        0,
+        "",
+    )
     with pytest.raises(UsageError, match="has class_names but num_classes = 0"):
         data.inspect(with_names(path, ["a", "b"]))
 
@@ -207,11 +281,13 @@ def test_class_names_need_classes(tmp_path):
 def test_shards_are_disjoint_and_cover_the_split(tmp_path, workers):
     x = np.arange(40, dtype=np.float32).reshape(40, 1, 1).repeat(4, axis=2)
     info = data.inspect(make_file(tmp_path / "toy.h5", shape=(1, 4), train=(x, np.arange(40) % 5)))
-    seen = np.concatenate([data.Shard(info, "train", w, workers, (1, 4), np.float32).x[:, 0, 0]
-                           for w in range(workers)])
+    seen = np.concatenate(
+        [data.Shard(info, "train", w, workers, (1, 4), np.float32).x[:, 0, 0] for w in range(workers)]
+    )
     assert sorted(seen.tolist()) == list(range(40))
-    assert [data.shard_size(40, workers, w) for w in range(workers)] == \
-        [len(data.Shard(info, "train", w, workers, (1, 4), np.float32)) for w in range(workers)]
+    assert [data.shard_size(40, workers, w) for w in range(workers)] == [
+        len(data.Shard(info, "train", w, workers, (1, 4), np.float32)) for w in range(workers)
+    ]
 
 
 @pytest.mark.parametrize("batch,workers", [(64, 4), (10, 3), (7, 7), (100, 6)])
@@ -222,26 +298,29 @@ def test_local_batches_add_up_to_the_global_batch(batch, workers):
 
 def test_steps_per_epoch_are_n_over_the_global_batch_on_any_worker_count():
     assert data.steps_per_epoch(1437, 64, 4) == data.steps_per_epoch(1438, 64, 3) == 22
-    assert data.steps_per_epoch(10, 4, 3) == 2      # 4 lanes of 3, 3, 2, 2 rows
-    assert data.steps_per_epoch(3, 4, 4) == 0       # lane 3 has no samples
+    assert data.steps_per_epoch(10, 4, 3) == 2  # 4 lanes of 3, 3, 2, 2 rows
+    assert data.steps_per_epoch(3, 4, 4) == 0  # lane 3 has no samples
     with pytest.raises(UsageError, match="--batch-size 3 is smaller than the number of workers \\(4\\)"):
         data.steps_per_epoch(100, 3, 4)
 
 
 def test_train_batches_are_a_sample_of_each_lane_a_step_and_skip_resumed_steps(tmp_path):
     from mpidist.data.order import order_for
+
     x = np.arange(40, dtype=np.float32).reshape(40, 1, 1)
     info = data.inspect(make_file(tmp_path / "toy.h5", shape=(1, 1), train=(x, np.arange(40) % 5)))
-    lanes = data.Lanes.of(16, 2, 1)                # lanes 8..15 of 16: the last 8 of 40 rows in 16 lanes
+    lanes = data.Lanes.of(16, 2, 1)  # lanes 8..15 of 16: the last 8 of 40 rows in 16 lanes
     shard = data.Shard(info, "train", 0, 1, (1, 1), np.float32, lanes=lanes, buffer=6)
-    assert shard.x[:, 0, 0].astype(int).tolist() == list(range(24, 40))     # lanes 8..15: rows 24..39, 2 each
+    assert shard.x[:, 0, 0].astype(int).tolist() == list(range(24, 40))  # lanes 8..15: rows 24..39, 2 each
     batches = data.train_batches(shard, 2, seed=0, epoch=3)
     got = [bx[:, 0, 0].astype(int).tolist() for bx, _ in batches]
     assert [sorted(pair) for pair in zip(*got)] == [[24 + 2 * lane, 25 + 2 * lane] for lane in range(8)]
     order = order_for(info, "train", 6, (1, 1), np.float32, 16)
     expected = order.rows(lanes.ids[None, :], np.arange(2)[:, None], 0, 3).tolist()
     assert got == expected and got != [list(range(24, 40, 2)), list(range(25, 40, 2))]
-    assert [bx[:, 0, 0].astype(int).tolist() for bx, _ in data.train_batches(shard, 2, 0, 3, skip=1)] == got[1:]
+    assert [bx[:, 0, 0].astype(int).tolist() for bx, _ in data.train_batches(shard, 2, 0, 3, skip=1)] == got[
+        1:
+    ]
 
 
 def test_prefetcher_reraises_errors_from_its_thread():
@@ -257,7 +336,7 @@ def test_prefetcher_reraises_errors_from_its_thread():
 
 
 def test_prefetcher_can_be_closed_before_the_end():
-    prefetcher = data.Prefetcher(iter(range(10 ** 9)))
+    prefetcher = data.Prefetcher(iter(range(10**9)))
     assert [next(prefetcher) for _ in range(3)] == [0, 1, 2]
     prefetcher.close()
     assert not prefetcher._thread.is_alive()
@@ -268,15 +347,16 @@ class _Split:
 
     def __init__(self, n, global_batch):
         from mpidist.data.order import LaneOrder
+
         self.x = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)
         self.y = np.arange(n, dtype=np.int64)
-        self.count, self.lanes = n, data.Lanes(global_batch, 0, global_batch)     # (its rows: 0..n-1 in order)
+        self.count, self.lanes = n, data.Lanes(global_batch, 0, global_batch)  # (its rows: 0..n-1 in order)
         self.order, self.first = LaneOrder(n, global_batch, 2, 3), 0
 
     def __len__(self):
         return len(self.y)
 
-    batches = data.Shard.batches     # a shard in memory's batches
+    batches = data.Shard.batches  # a shard in memory's batches
 
 
 @pytest.mark.mpi(min_size=2)
@@ -284,12 +364,13 @@ def test_in_graph_scatter_gives_each_worker_the_batches_its_own_lanes_would():
     from mpi4py import MPI
 
     from mpidist.parallel.scatter import ScatteredBatches
+
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
     global_batch, steps, split = 2 * size + 1, 3, _Split(50, 2 * size + 1)
     source = data.global_batches(split, steps, seed=4, epoch=1) if rank == 0 else None
     feed = ScatteredBatches(world, source, global_batch, (3,), (), np.float32, np.int64, steps)
-    mine = data.Lanes.of(global_batch, size, rank)       # the lanes this worker would read between-graph
+    mine = data.Lanes.of(global_batch, size, rank)  # the lanes this worker would read between-graph
     own = split.order.rows(mine.ids[None, :], np.arange(steps)[:, None], 4, 1)
     for step, (x, y) in enumerate(feed):
         np.testing.assert_array_equal(y, own[step])
@@ -298,6 +379,7 @@ def test_in_graph_scatter_gives_each_worker_the_batches_its_own_lanes_would():
 
 
 # --- labels per position (sequences) -------------------------------------------------------------------------------
+
 
 def token_file(path, n_train=40, n_test=10, length=6, classes=5):
     """Sequences ``(N, L)`` of ids whose label at each position is the next id: ``(id + 1) % classes``."""
@@ -334,18 +416,28 @@ def test_a_label_out_of_range_is_named_with_its_sample_and_position(tmp_path):
     info = data.inspect(path)
     with pytest.raises(UsageError, match=r"label 9 at sample 13 position 4, outside \[0, 5\)"):
         data.Shard(info, "train", 0, 1, (6,), np.float32)
-    splits = {"train": (np.zeros((2, 3), np.float32), np.array([[0, 1, 7], [0, 0, 0]])),
-              "test": (np.zeros((1, 3), np.float32), np.zeros((1, 3), int))}
+    splits = {
+        "train": (np.zeros((2, 3), np.float32), np.array([[0, 1, 7], [0, 0, 0]])),
+        "test": (np.zeros((1, 3), np.float32), np.zeros((1, 3), int)),
+    }
     with pytest.raises(UsageError, match=r"train/y\[0, 2\] is 7, outside \[0, 5\)"):
         write_dataset(tmp_path / "bad.h5", "bad", splits, 5, "test", check_values=True)
 
 
-@pytest.mark.parametrize("labels,message", [
-    (np.zeros((10, 2, 3), int), "integer class labels .*\\(N, L\\) for one per position, got shape \\(10, 2, 3\\)"),
-    (np.zeros((10, 0), int), "integer class labels"),
-])
+@pytest.mark.parametrize(
+    "labels,message",
+    [
+        (
+            np.zeros((10, 2, 3), int),
+            "integer class labels .*\\(N, L\\) for one per position, got shape \\(10, 2, 3\\)",
+        ),
+        (np.zeros((10, 0), int), "integer class labels"),
+    ],
+)
 def test_labels_of_three_axes_or_no_positions_are_refused(tmp_path, labels, message):
-    path = mutate(make_file(tmp_path / "toy.h5"), lambda h: (h.__delitem__("test/y"),
-                                                               h.create_dataset("test/y", data=labels)))
+    path = mutate(
+        make_file(tmp_path / "toy.h5"),
+        lambda h: (h.__delitem__("test/y"), h.create_dataset("test/y", data=labels)),
+    )
     with pytest.raises(UsageError, match=message):
         data.inspect(path)

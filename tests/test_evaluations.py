@@ -15,7 +15,7 @@ from mpidist.runtime.phase import PhaseAgreement, PhaseComm
 
 from conftest import events, run_mpi, start_mpi
 
-HUGE = 10 ** 11
+HUGE = 10**11
 
 
 def sparse_dataset(path, rows=HUGE):
@@ -23,8 +23,12 @@ def sparse_dataset(path, rows=HUGE):
     with h5py.File(path, "w") as handle:
         handle.attrs.update(name="huge", num_classes=3, source="a sparse file")
         for split in ("train", "test"):
-            handle.create_dataset(f"{split}/x", shape=(rows, 4), dtype="f4", chunks=(65536, 4), compression="gzip")
-            handle.create_dataset(f"{split}/y", shape=(rows,), dtype="i8", chunks=(65536,), compression="gzip")
+            handle.create_dataset(
+                f"{split}/x", shape=(rows, 4), dtype="f4", chunks=(65536, 4), compression="gzip"
+            )
+            handle.create_dataset(
+                f"{split}/y", shape=(rows,), dtype="i8", chunks=(65536,), compression="gzip"
+            )
     return path
 
 
@@ -42,7 +46,7 @@ def test_an_evaluation_limit_takes_evenly_spread_rows_the_same_every_time(tmp_pa
     limited = limit_evaluation(info, 5)
     assert limited.sizes == {"train": 50, "test": 5} and limited.limited == {"test": 23}
     group, rows = limited.rows_of("test")
-    assert group == "test" and rows.tolist() == [0, 4, 8, 12, 16]   # every 23 // 5 = 4th row
+    assert group == "test" and rows.tolist() == [0, 4, 8, 12, 16]  # every 23 // 5 = 4th row
     assert limit_evaluation(info, 5).rows_of("test")[1].tolist() == rows.tolist()
     assert limit_evaluation(info, 23).sizes == info.sizes and limit_evaluation(info, 0).sizes == info.sizes
     # a validation split carved from train is cut among its own rows; train is left whole
@@ -58,14 +62,15 @@ def test_a_long_evaluation_says_how_far_it_got_after_a_while_and_then_now_and_th
     batches = [(None, np.zeros(100))] * 30
 
     def clock():
-        now[0] += 1.0   # one second a batch
+        now[0] += 1.0  # one second a batch
         return now[0]
 
     assert len(list(shown(iter(batches), 3000, "test", said.append, clock=clock))) == 30
     # after 5 s, then every 15 s; never once the last batch is in
     assert [line.split(": ", 1)[1] for line in said] == [
         "evaluating test: 16.7% (500 of 3,000 samples) after 5 s, about 25 s left",
-        "evaluating test: 66.7% (2,000 of 3,000 samples) after 20 s, about 10 s left"]
+        "evaluating test: 66.7% (2,000 of 3,000 samples) after 20 s, about 10 s left",
+    ]
     assert [duration(s) for s in (9, 250, 11520, 797159)] == ["9 s", "4 min 10 s", "3 h 12 min", "9 d 5 h"]
 
 
@@ -84,10 +89,11 @@ def test_alone_a_phase_ends_at_the_first_item_after_a_signal():
 @pytest.mark.parametrize("signal_after", [None, 0, 3, 8])
 def test_the_ranks_of_a_phase_stop_at_the_same_item_whatever_their_counts(signal_after):
     from mpi4py import MPI
+
     phases = PhaseComm()
     comm = phases.over(MPI.COMM_WORLD)
     rank = comm.Get_rank()
-    own = [6, 2, 0, 9][rank % 4] + rank // 4   # ranks with many items, few, none
+    own = [6, 2, 0, 9][rank % 4] + rank // 4  # ranks with many items, few, none
     signals = types.SimpleNamespace(received=0)
     with PhaseAgreement(comm, signals) as phase:
         taken = 0
@@ -96,9 +102,9 @@ def test_the_ranks_of_a_phase_stop_at_the_same_item_whatever_their_counts(signal
             if rank == 1 and signal_after is not None and taken == signal_after + 1:
                 signals.received = 15
     phases.free()
-    if signal_after is None or signal_after + 1 > own_of(1):   # rank 1 never got that far: no signal
+    if signal_after is None or signal_after + 1 > own_of(1):  # rank 1 never got that far: no signal
         assert taken == own and phase.cut is None
-    else:   # posted at rank 1's next boundary, seen by every rank at the one after: one item more each
+    else:  # posted at rank 1's next boundary, seen by every rank at the one after: one item more each
         assert taken == min(own, signal_after + 2) and phase.cut == {"signal": 15, "rank": 2}
 
 
@@ -107,17 +113,20 @@ def test_the_phases_of_a_loop_agree_on_one_communicator_made_once_per_world():
     """A duplicate of the world made and freed at every evaluation crashed every rank in MPI_Comm_dup under
     Open MPI's ULFM (1 run of the elastic tests in about 20): a loop makes one."""
     from mpi4py import MPI
+
     phases, made = PhaseComm(), []
     first = phases.over(MPI.COMM_WORLD, made.append)
-    assert phases.over(MPI.COMM_WORLD, made.append) is first and made == [first]   # (the next phases: the same)
-    assert MPI.Comm.Compare(first, MPI.COMM_WORLD) == MPI.CONGRUENT              # (a context of its own)
-    survivors = MPI.COMM_WORLD.Dup()   # (a recovery's new world)
+    assert phases.over(MPI.COMM_WORLD, made.append) is first and made == [
+        first
+    ]  # (the next phases: the same)
+    assert MPI.Comm.Compare(first, MPI.COMM_WORLD) == MPI.CONGRUENT  # (a context of its own)
+    survivors = MPI.COMM_WORLD.Dup()  # (a recovery's new world)
     second = phases.over(survivors, made.append)
     assert second is not first and made == [first, second]
-    first.Free()   # (the test's to free: a broken world's is left to it)
+    first.Free()  # (the test's to free: a broken world's is left to it)
     phases.free()
     assert phases.comm is None and second == MPI.COMM_NULL
-    phases.free()   # (once: a second call does nothing)
+    phases.free()  # (once: a second call does nothing)
     survivors.Free()
 
 
@@ -130,26 +139,57 @@ def test_a_split_of_a_hundred_billion_rows_is_evaluated_on_a_thousand_of_them_in
     300 MB a rank: the data order costs nothing proportional to the rows (tests/test_lanes.py measures it)."""
     data = sparse_dataset(tmp_path / "huge.h5")
     metrics = tmp_path / "m.jsonl"
-    done, seconds = run_mpi(2, ["-m", "mpidist", "--data", str(data), "--steps", "2", "--eval-samples", "1000",
-                                "--run-dir", "", "--metrics", str(metrics)], timeout=60)
+    done, seconds = run_mpi(
+        2,
+        [
+            "-m",
+            "mpidist",
+            "--data",
+            str(data),
+            "--steps",
+            "2",
+            "--eval-samples",
+            "1000",
+            "--run-dir",
+            "",
+            "--metrics",
+            str(metrics),
+        ],
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert seconds < 30
     assert f"({HUGE} train / 1000 of {HUGE} test)" in done.stdout
     assert "--eval-samples N bounds it" not in done.stdout
-    start, = events(metrics, "start")
+    (start,) = events(metrics, "start")
     assert start["evaluated"] == {"test": 1000} and start["config"]["eval_samples"] == 1000
-    final, = events(metrics, "done")
+    (final,) = events(metrics, "done")
     assert sum(record["support"] for record in final["test_per_class"]) == 1000
-    assert final["peak_rss_mib"] < 300, final["peak_rss_mib"]      # (the largest rank's, resident)
+    assert final["peak_rss_mib"] < 300, final["peak_rss_mib"]  # (the largest rank's, resident)
 
 
 def test_a_long_evaluation_is_announced_shows_progress_and_a_signal_cuts_it_short(tmp_path):
     """Without a limit: the start-up note, a progress line after 5 s, and SIGTERM acted on within seconds (a
     billion rows take hours to evaluate; the hundred billion of the test of --eval-samples only start slower)."""
-    rows = 10 ** 9
+    rows = 10**9
     data = sparse_dataset(tmp_path / "huge.h5", rows=rows)
-    launcher = start_mpi(1, ["-m", "mpidist", "--data", str(data), "--steps", "2", "--run-dir", "",
-                             "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")])
+    launcher = start_mpi(
+        1,
+        [
+            "-m",
+            "mpidist",
+            "--data",
+            str(data),
+            "--steps",
+            "2",
+            "--run-dir",
+            "",
+            "--metrics",
+            str(tmp_path / "m.jsonl"),
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+        ],
+    )
     try:
         lines = []
         for line in launcher.stdout:
@@ -157,7 +197,7 @@ def test_a_long_evaluation_is_announced_shows_progress_and_a_signal_cuts_it_shor
             if "evaluating test: " in line:
                 break
         signalled = time.monotonic()
-        launcher.send_signal(signal.SIGTERM)   # (mpiexec passes it on to the rank)
+        launcher.send_signal(signal.SIGTERM)  # (mpiexec passes it on to the rank)
         out, err = launcher.communicate(timeout=30)
     finally:
         if launcher.poll() is None:
@@ -174,6 +214,7 @@ def test_a_long_evaluation_is_announced_shows_progress_and_a_signal_cuts_it_shor
 
 def test_eval_of_a_checkpoint_takes_the_samples_asked_for_and_refuses_a_negative_count(tmp_path):
     from conftest import mpidist
+
     ck = tmp_path / "ck"
     done, _ = mpidist(2, "--steps", "3", "--checkpoint-dir", str(ck), "--run-dir", "", "--metrics", "")
     assert done.returncode == 0, done.stderr

@@ -26,8 +26,17 @@ import pytest
 from mpidist.store import checkpoint, lineage
 from mpidist.tools.ingest import write_dataset
 
-from conftest import (ROOT, checkpoint_at, checkpoint_steps, corrupt_chunk, events, rank_pids, run_mpi, start_mpi,
-                      wait_for_step)
+from conftest import (
+    ROOT,
+    checkpoint_at,
+    checkpoint_steps,
+    corrupt_chunk,
+    events,
+    rank_pids,
+    run_mpi,
+    start_mpi,
+    wait_for_step,
+)
 from writes import hooked_script, left_aside
 
 SECONDS_TO_END = 10
@@ -40,26 +49,29 @@ class Launch:
     args: list
     env: dict = dataclasses.field(default_factory=dict)
     prefix: tuple = ()
-    cwd: object = None           # where it runs (None: here)
+    cwd: object = None  # where it runs (None: here)
 
 
 @dataclasses.dataclass
 class Fault:
     """A row: how to provoke it, the exit code and message it ends with, what else must hold."""
 
-    provoke: Callable            # (tmp_path, ExitStack) -> Launch (may prepare files, or run a first job)
+    provoke: Callable  # (tmp_path, ExitStack) -> Launch (may prepare files, or run a first job)
     code: int
-    message: str                 # in stderr (or stdout)
-    during: Callable = None      # (launcher, tmp_path) -> None: acts on the running job
-    check: Callable = None       # (tmp_path, stdout, stderr) -> None: what must be kept
-    one_message: bool = True     # exactly one "mpidist: error" line
-    ranks: tuple = (2, 4)        # the rank counts it runs at
+    message: str  # in stderr (or stdout)
+    during: Callable = None  # (launcher, tmp_path) -> None: acts on the running job
+    check: Callable = None  # (tmp_path, stdout, stderr) -> None: what must be kept
+    one_message: bool = True  # exactly one "mpidist: error" line
+    ranks: tuple = (2, 4)  # the rank counts it runs at
 
 
 def train(*flags, env=None, prefix=()):
     """``python -m mpidist FLAGS``; a flag may be a function of the test's directory."""
-    return lambda p, stack=None: Launch(["-m", "mpidist", "--metrics", str(p / "m.jsonl"),
-                                         *[f(p) if callable(f) else f for f in flags]], env or {}, prefix)
+    return lambda p, stack=None: Launch(
+        ["-m", "mpidist", "--metrics", str(p / "m.jsonl"), *[f(p) if callable(f) else f for f in flags]],
+        env or {},
+        prefix,
+    )
 
 
 def bad(*flags, message, alike=False):
@@ -80,28 +92,42 @@ def raw_dataset(path, splits, **attrs):
 
 
 def tiny_dataset(path, train_x, train_y, num_classes=3, **attrs):
-    return raw_dataset(path, {"train": (train_x, train_y), "test": (np.zeros((6, 4)), np.arange(6) % 3)},
-                       num_classes=num_classes, **attrs)
+    return raw_dataset(
+        path,
+        {"train": (train_x, train_y), "test": (np.zeros((6, 4)), np.arange(6) % 3)},
+        num_classes=num_classes,
+        **attrs,
+    )
 
 
 def classes(value):
     """A dataset whose num_classes attribute is ``value``."""
-    return lambda p: str(tiny_dataset(p / "classes.h5", np.zeros((40, 4)), np.arange(40) % 3, num_classes=value))
+    return lambda p: str(
+        tiny_dataset(p / "classes.h5", np.zeros((40, 4)), np.arange(40) % 3, num_classes=value)
+    )
 
 
 def featureless(p):
-    return str(raw_dataset(p / "empty.h5", {"train": (np.zeros((40, 0)), np.arange(40) % 3),
-                                            "test": (np.zeros((6, 0)), np.arange(6) % 3)}))
+    return str(
+        raw_dataset(
+            p / "empty.h5",
+            {"train": (np.zeros((40, 0)), np.arange(40) % 3), "test": (np.zeros((6, 0)), np.arange(6) % 3)},
+        )
+    )
 
 
 def no_test_samples(p):
-    return str(raw_dataset(p / "notest.h5", {"train": (np.zeros((40, 4)), np.arange(40) % 3),
-                                             "test": (np.zeros((0, 4)), np.zeros(0, int))}))
+    return str(
+        raw_dataset(
+            p / "notest.h5",
+            {"train": (np.zeros((40, 4)), np.arange(40) % 3), "test": (np.zeros((0, 4)), np.zeros(0, int))},
+        )
+    )
 
 
 def huge_values(p):
     x = np.random.default_rng(0).random((200, 4))
-    x[9, 1] = 1e300   # finite in float64, Inf in float32
+    x[9, 1] = 1e300  # finite in float64, Inf in float32
     return str(tiny_dataset(p / "huge.h5", x, np.arange(200) % 3))
 
 
@@ -125,8 +151,14 @@ def external_link(p):
 
 
 def escapes_in_the_name(p):
-    return str(tiny_dataset(p / "named.h5", np.random.default_rng(0).random((200, 4)), np.arange(200) % 3,
-                            name="\x1b[2J\rmpidist: done"))
+    return str(
+        tiny_dataset(
+            p / "named.h5",
+            np.random.default_rng(0).random((200, 4)),
+            np.arange(200) % 3,
+            name="\x1b[2J\rmpidist: done",
+        )
+    )
 
 
 def name_shown_escaped(p, out, err):
@@ -162,7 +194,7 @@ def text_samples(p):
 
 def one_bad_label(p):
     labels = np.arange(100) % 3
-    labels[86] = 9         # sample 86: lane 50 of 64 (lanes 36 on hold a row each), worker 1's at 2 ranks, 3's at 4
+    labels[86] = 9  # sample 86: lane 50 of 64 (lanes 36 on hold a row each), worker 1's at 2 ranks, 3's at 4
     return str(tiny_dataset(p / "label.h5", np.zeros((100, 4)), labels))
 
 
@@ -173,31 +205,46 @@ def names_the_rank_holding_it(p, out, err):
 
 def token_model(p, stack=None):
     """A model of one's own that reads token ids: an Embedding of 10 ids first."""
-    (p / "tokens.py").write_text("from mpidist import nn\n\n\ndef build(sample_shape, outputs):\n"
-                                 "    return [nn.Embedding(10, 4), nn.Flatten(), nn.Dense(outputs)]\n")
+    (p / "tokens.py").write_text(
+        "from mpidist import nn\n\n\ndef build(sample_shape, outputs):\n"
+        "    return [nn.Embedding(10, 4), nn.Flatten(), nn.Dense(outputs)]\n"
+    )
     return f"{p / 'tokens.py'}:build"
 
 
 def token_ids(bad):
     """Token sequences of ids 0..7 but ``bad`` at position 3 of every sample: every worker's first batch has one."""
+
     def make(p, stack=None):
         x = np.tile(np.arange(8, dtype=np.float32), (100, 1))
         x[:, 3] = bad
-        return str(raw_dataset(p / "tokens.h5", {"train": (x, np.arange(100) % 3), "test": (x[:6], np.arange(6) % 3)}))
+        return str(
+            raw_dataset(
+                p / "tokens.h5", {"train": (x, np.arange(100) % 3), "test": (x[:6], np.arange(6) % 3)}
+            )
+        )
+
     return make
 
 
 def an_infinity(p):
     x = np.random.default_rng(0).random((100, 4))
-    x[41, 2] = np.inf      # sample 41: lane 20 of 64, worker 0's at 2 ranks, 1's at 4
+    x[41, 2] = np.inf  # sample 41: lane 20 of 64, worker 0's at 2 ranks, 1's at 4
     return str(tiny_dataset(p / "inf.h5", x, np.arange(100) % 3))
 
 
 def volumes(p):
     """Samples of four axes: no zoo model takes them."""
     x = np.zeros((12, 2, 2, 2, 2))
-    return str(write_dataset(p / "volumes.h5", "volumes", {"train": (x, np.arange(12) % 3),
-                                                            "test": (x[:6], np.arange(6) % 3)}, 3, ""))
+    return str(
+        write_dataset(
+            p / "volumes.h5",
+            "volumes",
+            {"train": (x, np.arange(12) % 3), "test": (x[:6], np.arange(6) % 3)},
+            3,
+            "",
+        )
+    )
 
 
 def one_sample(p):
@@ -205,16 +252,31 @@ def one_sample(p):
 
 
 def checkpoint_of_another_model(p):
-    done, _ = run_mpi(1, ["-m", "mpidist", "--metrics", "", "--model", "mlp-wide", "--steps", "1",
-                          "--checkpoint-dir", str(p / "wide")])
+    done, _ = run_mpi(
+        1,
+        [
+            "-m",
+            "mpidist",
+            "--metrics",
+            "",
+            "--model",
+            "mlp-wide",
+            "--steps",
+            "1",
+            "--checkpoint-dir",
+            str(p / "wide"),
+        ],
+    )
     assert done.returncode == 0, done.stderr
     return str(checkpoint_at(p / "wide", 1))
 
 
 def first_run(p, *flags, ranks=2):
     """A finished run of the default model writing checkpoints to ``p/ck``."""
-    done, _ = run_mpi(ranks, ["-m", "mpidist", "--metrics", "", "--progress", "none", "--checkpoint-dir",
-                              str(p / "ck"), *flags])
+    done, _ = run_mpi(
+        ranks,
+        ["-m", "mpidist", "--metrics", "", "--progress", "none", "--checkpoint-dir", str(p / "ck"), *flags],
+    )
     assert done.returncode == 0, done.stderr
     return p / "ck"
 
@@ -223,8 +285,17 @@ def another_runs_directory(p, stack=None):
     """A first run's checkpoints 60, 65, 66; then a fresh run with another --lr in the same directory."""
     first_run(p, "--epochs", "3", "--checkpoint-every", "5", "--checkpoint-wait")
     (p / "before").write_text(repr(checkpoint_files(p / "ck")))
-    return train("--epochs", "1", "--checkpoint-dir", str(p / "ck"), "--checkpoint-every", "5", "--checkpoint-wait",
-                 "--lr", "0.01")(p)
+    return train(
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        str(p / "ck"),
+        "--checkpoint-every",
+        "5",
+        "--checkpoint-wait",
+        "--lr",
+        "0.01",
+    )(p)
 
 
 def first_runs_files_untouched(p, out, err):
@@ -237,8 +308,22 @@ def checkpoint_files(directory):
 
 def a_run_holding_the_directory(p, stack):
     """A slow first run that holds ``p/ck``; then a second run on it."""
-    holder = start_mpi(1, ["-m", "mpidist", "--metrics", str(p / "first.jsonl"), "--log-every", "1",
-                           "--epochs", "50", "--checkpoint-dir", str(p / "ck")], env=SLOW)
+    holder = start_mpi(
+        1,
+        [
+            "-m",
+            "mpidist",
+            "--metrics",
+            str(p / "first.jsonl"),
+            "--log-every",
+            "1",
+            "--epochs",
+            "50",
+            "--checkpoint-dir",
+            str(p / "ck"),
+        ],
+        env=SLOW,
+    )
     stack.callback(lambda: (holder.kill(), holder.wait()))
     wait_for_step(p / "first.jsonl", 2, holder)
     return train("--checkpoint-dir", str(p / "ck"), "--resume", "auto")(p)
@@ -247,8 +332,22 @@ def a_run_holding_the_directory(p, stack):
 def a_run_holding_its_run_directory(p, stack):
     """A slow first run writing ``p/run`` (checkpoints in ``p/ck1``); then a second run on that run directory
     with checkpoints of its own."""
-    holder = start_mpi(1, ["-m", "mpidist", "--log-every", "1", "--epochs", "50", "--run-dir", str(p / "run"),
-                           "--checkpoint-dir", str(p / "ck1")], env=SLOW)
+    holder = start_mpi(
+        1,
+        [
+            "-m",
+            "mpidist",
+            "--log-every",
+            "1",
+            "--epochs",
+            "50",
+            "--run-dir",
+            str(p / "run"),
+            "--checkpoint-dir",
+            str(p / "ck1"),
+        ],
+        env=SLOW,
+    )
     stack.callback(lambda: (holder.kill(), holder.wait()))
     wait_for_step(p / "run" / "metrics.jsonl", 2, holder)
     return train("--run-dir", str(p / "run"), "--checkpoint-dir", str(p / "ck2"), "--seed", "7")(p)
@@ -269,8 +368,19 @@ def corrupt_newest_beside_a_good_one(p, stack=None):
         checkpoint_at(ck, step).unlink()
     cut = checkpoint_at(ck, 66)
     cut.write_bytes(cut.read_bytes()[:3000])
-    return train("--checkpoint-dir", str(ck), "--resume", "auto", "--keep", "1", "--steps", "70",
-                 "--checkpoint-every", "5", "--checkpoint-wait")(p)
+    return train(
+        "--checkpoint-dir",
+        str(ck),
+        "--resume",
+        "auto",
+        "--keep",
+        "1",
+        "--steps",
+        "70",
+        "--checkpoint-every",
+        "5",
+        "--checkpoint-wait",
+    )(p)
 
 
 def newest_kept_and_resumed_next(p, out, err):
@@ -278,7 +388,11 @@ def newest_kept_and_resumed_next(p, out, err):
     ck = p / "ck"
     assert checkpoint_steps(ck) == [15, 66, 70]
     loaded, skipped = checkpoint.newest_valid(ck)
-    assert loaded.step == 70 and skipped == [] and loaded.parent == checkpoint.load(checkpoint_at(ck, 15)).lineage
+    assert (
+        loaded.step == 70
+        and skipped == []
+        and loaded.parent == checkpoint.load(checkpoint_at(ck, 15)).lineage
+    )
 
 
 def left_by_a_killed_writer(p, stack=None):
@@ -293,12 +407,14 @@ def no_temporary_files_left(p, out, err):
 
 def checkpoint_with(change):
     """A checkpoint of the default model, then ``change(handle)`` applied to it."""
+
     def provoke(p):
         ck = first_run(p, "--steps", "3")
         path = checkpoint_at(ck, 3)
         with h5py.File(path, "a") as handle:
             change(handle)
         return str(path)
+
     return provoke
 
 
@@ -320,14 +436,23 @@ def optimizer_state_cut_short(handle):
 
 def metrics_on_a_disk_that_fills(p, stack):
     prefix = stack.enter_context(full_disk(p / "disk", size="6k"))
-    return train("--metrics", str(p / "disk" / "m.jsonl"), "--log-every", "1", "--epochs", "3",
-                 "--checkpoint-dir", str(p / "ck"), prefix=prefix)(p)
+    return train(
+        "--metrics",
+        str(p / "disk" / "m.jsonl"),
+        "--log-every",
+        "1",
+        "--epochs",
+        "3",
+        "--checkpoint-dir",
+        str(p / "ck"),
+        prefix=prefix,
+    )(p)
 
 
 def metrics_lines_whole_and_checkpoint_written(p, out, err):
     lines = (p / "disk" / "m.jsonl").read_bytes().split(b"\n")
-    assert lines[-1] == b"" and all(json.loads(line) for line in lines[:-1])   # whole lines only
-    if os.path.ismount(p / "disk"):   # (a file-size limit instead of a small disk limits checkpoints too)
+    assert lines[-1] == b"" and all(json.loads(line) for line in lines[:-1])  # whole lines only
+    if os.path.ismount(p / "disk"):  # (a file-size limit instead of a small disk limits checkpoints too)
         assert checkpoint_steps(p / "ck"), "no checkpoint written before the failure"
 
 
@@ -354,7 +479,8 @@ BLOCKED_IO = """
 
 
 def builder_that_takes_its_time(p):
-    (p / "slow.py").write_text(textwrap.dedent(f"""
+    (p / "slow.py").write_text(
+        textwrap.dedent(f"""
         import os, pathlib, time
         from mpidist import nn
 
@@ -362,12 +488,14 @@ def builder_that_takes_its_time(p):
             pathlib.Path({str(p)!r}, f"building-{{os.getpid()}}").touch()
             time.sleep(3)
             return [nn.Flatten(), nn.Dense(outputs)]
-    """))
+    """)
+    )
     return f"{p / 'slow.py'}:build"
 
 
 def when_building(rank, number):
     """``during``: once ``rank`` runs the model builder (set-up), send ``number`` to it."""
+
     def during(launcher, p):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -376,6 +504,7 @@ def when_building(rank, number):
                 break
             time.sleep(0.02)
         os.kill(pid, number)
+
     return during
 
 
@@ -388,8 +517,12 @@ def full_disk(path, size="500k"):
     file-size limit below a checkpoint instead (the same failed write: EFBIG).
     """
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
     try:
         yield () if mounted else ("prlimit", "--fsize=200000")
     finally:
@@ -400,8 +533,16 @@ def full_disk(path, size="500k"):
 def resume_onto_a_full_disk(p, stack):
     """A first run leaves ckpt-5 on a disk that then has no room for the resumed run's next one."""
     disk = p / "disk"
-    prefix = stack.enter_context(full_disk(disk))   # unmounted after the test's run
-    common = ["--progress", "none", "--checkpoint-dir", str(disk), "--checkpoint-every", "5", "--checkpoint-wait"]
+    prefix = stack.enter_context(full_disk(disk))  # unmounted after the test's run
+    common = [
+        "--progress",
+        "none",
+        "--checkpoint-dir",
+        str(disk),
+        "--checkpoint-every",
+        "5",
+        "--checkpoint-wait",
+    ]
     done, _ = run_mpi(2, ["-m", "mpidist", "--metrics", "", "--steps", "5", *common])
     assert done.returncode == 0, done.stderr
     return train(*common, "--steps", "12", "--resume", "auto", prefix=prefix)(p)
@@ -410,13 +551,16 @@ def resume_onto_a_full_disk(p, stack):
 def previous_checkpoint_intact(p, out, err):
     kept = checkpoint.load(checkpoint_at(p / "disk", 5))
     assert kept.step == 5 and np.isfinite(kept.params).all()
-    assert sorted(f.name for f in (p / "disk").iterdir()) == [".mpidist-lock", kept.path.name]   # nothing half-written
+    assert sorted(f.name for f in (p / "disk").iterdir()) == [
+        ".mpidist-lock",
+        kept.path.name,
+    ]  # nothing half-written
 
 
 def diverged_without_writing_bad_checkpoints(p, out, err):
     kinds = [e["event"] for e in events(p / "m.jsonl", "skipped") + events(p / "m.jsonl", "failed")]
-    assert kinds == ["skipped"] * 4 + ["failed"]                # patience 3: the 4th skip in a row ends it
-    assert checkpoint_steps(p / "ckpt") == [1, 2]   # none while steps were skipped
+    assert kinds == ["skipped"] * 4 + ["failed"]  # patience 3: the 4th skip in a row ends it
+    assert checkpoint_steps(p / "ckpt") == [1, 2]  # none while steps were skipped
 
 
 RAISE_AT_STEP_5 = """
@@ -494,11 +638,12 @@ def script(text, *args):
         path = p / "script.py"
         path.write_text(textwrap.dedent(text))
         return Launch([str(path), *[a(p) if callable(a) else a for a in args]])
+
     return provoke
 
 
 def both_checkpoints_whole(p, out, err):
-    stop, = events(p / "m.jsonl", "stopped")
+    (stop,) = events(p / "m.jsonl", "stopped")
     steps = checkpoint_steps(p / "ckpt")
     # the checkpoint of step 10 is written behind the steps after it: the signal comes during one of them (which,
     # depends on the machine's load), is posted at the next boundary and learned by every rank one step later
@@ -509,9 +654,11 @@ def both_checkpoints_whole(p, out, err):
 
 def at_step(number, rank, action):
     """``during``: once the chief logged step ``number``, do ``action`` to ``rank``'s process."""
+
     def during(launcher, p):
         wait_for_step(p / "m.jsonl", number, launcher)
         action(rank_pids(launcher)[rank])
+
     return during
 
 
@@ -536,8 +683,9 @@ def compressed_dataset(path, rows=4000, chunk=100):
     with h5py.File(path, "w") as handle:
         handle.attrs.update({"name": path.stem, "num_classes": 3, "source": ""})
         for split, n in (("train", rows), ("test", rows // 4)):
-            handle.create_dataset(f"{split}/x", data=rng.random((n, 4), dtype=np.float32), chunks=(chunk, 4),
-                                  compression="gzip")
+            handle.create_dataset(
+                f"{split}/x", data=rng.random((n, 4), dtype=np.float32), chunks=(chunk, 4), compression="gzip"
+            )
             handle.create_dataset(f"{split}/y", data=np.arange(n) % 3, chunks=(chunk,), compression="gzip")
     return path
 
@@ -549,13 +697,22 @@ def chunk_read_after_the_start(p):
     """A chunk of train/x that no worker (of 2 or of 4) reads in its first windows, which set-up reads: the
     stream reaches it while training."""
     from mpidist import data
-    path = compressed_dataset(p / "late.h5", chunk=10)    # (chunks smaller than a lane: windows of whole ones)
+
+    path = compressed_dataset(p / "late.h5", chunk=10)  # (chunks smaller than a lane: windows of whole ones)
     info = data.inspect(path)
     early = set()
     for workers in (2, 4):
         for worker in range(workers):
-            stream = data.Stream(info, "train", worker, workers, (4,), np.float32, buffer=400,
-                                 lanes=data.Lanes.of(64, workers, worker))     # (the default global batch)
+            stream = data.Stream(
+                info,
+                "train",
+                worker,
+                workers,
+                (4,),
+                np.float32,
+                buffer=400,
+                lanes=data.Lanes.of(64, workers, worker),
+            )  # (the default global batch)
             for lo, hi in (unit for window in stream._schedule(0, 0, 0, 1) for unit in window.units):
                 early.update(range(lo // 10, -(-hi // 10)))
     late = min(set(range(info.sizes["train"] // 10)) - early)
@@ -584,19 +741,31 @@ def predict_corrupt_samples(p, stack=None):
         x = np.random.default_rng(0).random((400, 8, 8), dtype=np.float32)
         handle.create_dataset("x", data=x, chunks=(50, 8, 8), compression="gzip")
     corrupt_chunk(p / "plain.h5", "x", 5)
-    return Launch(["-m", "mpidist", "predict", str(checkpoint_at(ck, 3)), "--data", str(p / "plain.h5"),
-                   "--output", str(p / "out.csv")])
+    return Launch(
+        [
+            "-m",
+            "mpidist",
+            "predict",
+            str(checkpoint_at(ck, 3)),
+            "--data",
+            str(p / "plain.h5"),
+            "--output",
+            str(p / "out.csv"),
+        ]
+    )
 
 
 def nothing_written(name):
     def check(p, out, err):
         assert not (p / name).exists()
+
     return check
 
 
 def ingest_corrupt_npz(p, stack=None):
     """An .npz whose compressed x.npy is not deflate data (the zip's directory is intact)."""
     import zipfile
+
     path = p / "broken.npz"
     np.savez_compressed(path, x=np.random.default_rng(0).random((300, 4)), y=np.arange(300) % 3)
     with zipfile.ZipFile(path) as archive:
@@ -605,21 +774,25 @@ def ingest_corrupt_npz(p, stack=None):
         handle.seek(member.header_offset + 26)
         start = member.header_offset + 30 + sum(int.from_bytes(handle.read(2), "little") for _ in range(2))
         handle.seek(start)
-        handle.write(b"\xff" * 16)        # a deflate block of the reserved type 3: "invalid block type"
+        handle.write(b"\xff" * 16)  # a deflate block of the reserved type 3: "invalid block type"
     return Launch(["-m", "mpidist", "ingest", str(path), str(p / "out.h5")])
 
 
 def one_chunk(compression):
     """A dataset whose train split is stored in one chunk (5 MB of samples), compressed or not."""
+
     def provoke(p):
         path = p / "whole.h5"
         with h5py.File(path, "w") as handle:
             handle.attrs.update({"name": "whole", "num_classes": 3, "source": ""})
             x = np.random.default_rng(0).random((20_000, 64), dtype=np.float32)
             handle.create_dataset("train/x", data=x, chunks=x.shape, compression=compression)
-            handle.create_dataset("train/y", data=np.arange(20_000) % 3, chunks=(20_000,), compression=compression)
+            handle.create_dataset(
+                "train/y", data=np.arange(20_000) % 3, chunks=(20_000,), compression=compression
+            )
             handle["test/x"], handle["test/y"] = x[:200], np.arange(200) % 3
         return str(path)
+
     return provoke
 
 
@@ -627,21 +800,45 @@ def one_chunk(compression):
 def command(*args, cwd=None):
     """``python -m mpidist ARGS`` (a command other than train); an argument may be a function of the test's
     directory."""
-    return lambda p, stack=None: Launch(["-m", "mpidist", *[a(p) if callable(a) else a for a in args]],
-                                        cwd=cwd(p) if cwd else None)
+    return lambda p, stack=None: Launch(
+        ["-m", "mpidist", *[a(p) if callable(a) else a for a in args]], cwd=cwd(p) if cwd else None
+    )
 
 
 def learnable(path, name=None, classes=3, seed=0):
     """A small dataset a model learns something of; ``seed`` changes its values, not its shapes."""
     x = np.random.default_rng(seed).random((200, 4))
-    return tiny_dataset(path, x, (x[:, 0] * classes).astype(int) % classes, num_classes=classes,
-                        **({"name": name} if name else {}))
+    return tiny_dataset(
+        path,
+        x,
+        (x[:, 0] * classes).astype(int) % classes,
+        num_classes=classes,
+        **({"name": name} if name else {}),
+    )
 
 
 def trained_on(p, data, cwd=None):
     """A checkpoint of a 3-step run on ``data`` (run in ``cwd``), in ``p/ck``."""
-    done, _ = run_mpi(1, ["-m", "mpidist", "--metrics", "", "--run-dir", "", "--progress", "none", "--steps", "3",
-                          "--data", data, "--checkpoint-dir", str(p / "ck")], cwd=cwd)
+    done, _ = run_mpi(
+        1,
+        [
+            "-m",
+            "mpidist",
+            "--metrics",
+            "",
+            "--run-dir",
+            "",
+            "--progress",
+            "none",
+            "--steps",
+            "3",
+            "--data",
+            data,
+            "--checkpoint-dir",
+            str(p / "ck"),
+        ],
+        cwd=cwd,
+    )
     assert done.returncode == 0, done.stderr
     return str(checkpoint_at(p / "ck", 3))
 
@@ -669,13 +866,24 @@ def changed_under_its_name(p):
 
 def resumed_on_a_changed_dataset(p, stack=None):
     changed_under_its_name(p)
-    return train("--data", str(p / "ds.h5"), "--checkpoint-dir", str(p / "ck"), "--resume", "auto", "--steps", "4",
-                 "--run-dir", "")(p)
+    return train(
+        "--data",
+        str(p / "ds.h5"),
+        "--checkpoint-dir",
+        str(p / "ck"),
+        "--resume",
+        "auto",
+        "--steps",
+        "4",
+        "--run-dir",
+        "",
+    )(p)
 
 
 def ingested_with_a_name_that_is_a_path(p, stack=None):
-    return command("ingest", "synthetic:300,4,3", str(p / "shards"), "--shard-size", "100", "--name",
-                   "../../escaped")(p)
+    return command(
+        "ingest", "synthetic:300,4,3", str(p / "shards"), "--shard-size", "100", "--name", "../../escaped"
+    )(p)
 
 
 def shards_named_inside(p, out, err):
@@ -689,6 +897,7 @@ def lineage_ending_in_a_newline(handle):
 
 def still_a_fifo(p, out, err):
     import stat
+
     assert stat.S_ISFIFO(os.stat(p / "pipe").st_mode)
 
 
@@ -696,6 +905,7 @@ def predicted_into(output):
     def provoke(p, stack=None):
         path = trained_on(p, "digits")
         return command("predict", path, "--output", output)(p)
+
     return provoke
 
 
@@ -726,11 +936,13 @@ def ingesting(p, stack=None):
 
 def once_it_writes_aside(rank, number):
     """``during``: once the ingest's aside file is there, send ``number`` to ``rank``."""
+
     def during(launcher, where):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not list(where.glob(".big.h5.tmp-*")):
             time.sleep(0.02)
         os.kill(rank_pids(launcher)[rank], number)
+
     return during
 
 
@@ -739,20 +951,23 @@ def no_aside_file_left(p, out, err):
 
 
 def predicted_on_shards(p, stack=None):
-    done, _ = run_mpi(1, ["-m", "mpidist", "ingest", "synthetic:600,4,3", str(p / "shards"), "--shard-size", "150"])
+    done, _ = run_mpi(
+        1, ["-m", "mpidist", "ingest", "synthetic:600,4,3", str(p / "shards"), "--shard-size", "150"]
+    )
     assert done.returncode == 0, done.stderr
     path = trained_on(p, str(p / "shards"))
     return command("predict", path, "--data", str(p / "shards"), "--output", str(p / "predicted.csv"))(p)
 
 
 def one_prediction_per_test_row(p, out, err):
-    assert len((p / "predicted.csv").read_text().splitlines()) == 1 + 120    # the header, then 600 x 0.2 rows
+    assert len((p / "predicted.csv").read_text().splitlines()) == 1 + 120  # the header, then 600 x 0.2 rows
 
 
 def one_long_line(p):
     """A run directory whose metrics file is one line, no newline, past the limit (a sparse file: a gigabyte
     costs no more to make, but a 17 MiB one shows the bound)."""
     from mpidist.runtime.lines import LINE_LIMIT
+
     (p / "run").mkdir()
     with open(p / "run" / "metrics.jsonl", "wb") as handle:
         handle.write(b'{"event": "step", "step": 1, "pad": "')
@@ -764,12 +979,14 @@ def planned_into_a_link(p, stack=None):
     """``plan --output p/out/plan.json``, a link to ``p/victim.json``, from a made-up calibration."""
     from mpidist.plan import calibration
     from test_plan import made_up
+
     calibration.save(made_up(), p / "c.json")
     (p / "victim.json").write_text("keep")
     (p / "out").mkdir()
     (p / "out" / "plan.json").symlink_to(p / "victim.json")
-    return command("plan", "--calibration", str(p / "c.json"), "--nodes", "1", "--output",
-                   str(p / "out" / "plan.json"))(p)
+    return command(
+        "plan", "--calibration", str(p / "c.json"), "--nodes", "1", "--output", str(p / "out" / "plan.json")
+    )(p)
 
 
 def link_replaced(p, out, err):
@@ -786,8 +1003,9 @@ def a_pipe_named_like_a_checkpoint(p):
 
 def pipe_left_alone(p, out, err):
     import stat
+
     assert stat.S_ISFIFO(os.stat(p / "ck" / "ckpt-00000004-abcdef01.h5").st_mode)
-    assert [entry.step for entry in lineage.CheckpointDir(p / "ck").entries()] == [3]   # (and the pipe, 4)
+    assert [entry.step for entry in lineage.CheckpointDir(p / "ck").entries()] == [3]  # (and the pipe, 4)
 
 
 def predicted_with_formula_names(p, stack=None):
@@ -802,23 +1020,29 @@ def predicted_with_formula_names(p, stack=None):
 
 def names_written_as_text(p, out, err):
     import csv
+
     with open(p / "p.csv", newline="") as handle:
         names = {row["name"] for row in csv.DictReader(handle)}
     assert names and names <= {"'=1+2", "-1.5", "'@SUM(A1)"}, names
 
+
 def hooked(hook, *args, env=None):
     """``python -m mpidist ARGS`` with rank 0 hooked as tests/writes.py's ``HOOK`` says."""
+
     def provoke(p, stack=None):
         return Launch([hooked_script(p), hook, *[a(p) if callable(a) else a for a in args]], env or {})
+
     return provoke
 
 
 def with_a_previous(name, provoke):
     """``provoke``, after writing a previous file ``name`` (a few bytes) for the command to replace."""
+
     def before(p, stack=None):
         (p / name).parent.mkdir(exist_ok=True)
         (p / name).write_text("the previous file")
         return provoke(p, stack)
+
     return before
 
 
@@ -826,15 +1050,18 @@ def previous_kept_and_nothing_aside(name):
     def check(p, out, err):
         assert (p / name).read_text() == "the previous file"
         assert not left_aside(p) and not left_aside((p / name).parent), os.listdir((p / name).parent)
+
     return check
 
 
 def on_a_small_disk(args, size="16k", previous="disk/out.h5"):
     """``python -m mpidist ARGS`` with ``p/disk`` a file system of ``size``, holding a previous file ``previous``."""
+
     def provoke(p, stack):
         prefix = stack.enter_context(full_disk(p / "disk", size=size))
         (p / previous).write_text("the previous file")
         return Launch(["-m", "mpidist", *[a(p) if callable(a) else a for a in args]], prefix=prefix)
+
     return provoke
 
 
@@ -845,27 +1072,30 @@ def nothing_but_the_lock_and_notes(p, out, err):
     assert sorted(os.listdir(p / "disk")) == [".mpidist-lock", "notes"]
 
 
-SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}    # about 30 ms a step: time to act mid-run
+SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}  # about 30 ms a step: time to act mid-run
 
 
 def sparse_dataset(p):
     """A dataset declaring 10^9 rows a split, none stored: an evaluation of it would take hours (10^11, days, only
     starts slower: tests/test_evaluations.py trains on that many)."""
     from test_evaluations import sparse_dataset as sparse
-    return str(sparse(p / "huge.h5", rows=10 ** 9))
+
+    return str(sparse(p / "huge.h5", rows=10**9))
 
 
 def in_the_evaluation(rank, signal_number):
     """``during``: once the chief logged its last step (2) and has evaluated for a while, signal ``rank``."""
+
     def during(launcher, p):
         wait_for_step(p / "m.jsonl", 2, launcher)
         time.sleep(2)
         os.kill(rank_pids(launcher)[rank], signal_number)
+
     return during
 
 
 def checkpoint_before_the_evaluation(p, out, err):
-    stop, = events(p / "m.jsonl", "stopped")
+    (stop,) = events(p / "m.jsonl", "stopped")
     assert stop["step"] == 2 and not events(p / "m.jsonl", "eval")
     assert checkpoint_steps(p / "ckpt") == [2]
 
@@ -873,266 +1103,637 @@ def checkpoint_before_the_evaluation(p, out, err):
 FAULTS = {
     # bad usage and configuration
     "unknown flag": bad("--epoch", "3", message="unrecognized arguments: --epoch 3", alike=True),
-    "bad flag value": bad("--epochs", "ten", message="argument --epochs: invalid int value: 'ten'", alike=True),
-    "unknown model": bad("--model", "resnet", message="'resnet' is not in the zoo; choose from linear, mlp",
-                         alike=True),
-    "unknown strategy": bad("--strategy", "gossip", message="--strategy 'gossip' is not one of: auto, local",
-                            alike=True),
-    "unknown schedule": bad("--strategy", "pipeline", "--stages", "2", "--schedule", "zigzag",
-                            message="--schedule 'zigzag' is not one of: 1f1b, gpipe", alike=True),
-    "config file with unknown keys": bad("--config", lambda p: str(p / "run.toml"), message="unknown setting 'epoch'",
-                                         alike=True),
-    "config file that is not TOML": bad("--config", lambda p: str(p / "notes.txt"), message="not readable as TOML",
-                                        alike=True),
-    "contradictory flags: --ps without a ps strategy": bad("--strategy", "allreduce", "--ps", "1",
-                                                           message="--ps 1 applies to --strategy ps-sync and ps-async only",
-                                                           alike=True),
+    "bad flag value": bad(
+        "--epochs", "ten", message="argument --epochs: invalid int value: 'ten'", alike=True
+    ),
+    "unknown model": bad(
+        "--model", "resnet", message="'resnet' is not in the zoo; choose from linear, mlp", alike=True
+    ),
+    "unknown strategy": bad(
+        "--strategy", "gossip", message="--strategy 'gossip' is not one of: auto, local", alike=True
+    ),
+    "unknown schedule": bad(
+        "--strategy",
+        "pipeline",
+        "--stages",
+        "2",
+        "--schedule",
+        "zigzag",
+        message="--schedule 'zigzag' is not one of: 1f1b, gpipe",
+        alike=True,
+    ),
+    "config file with unknown keys": bad(
+        "--config", lambda p: str(p / "run.toml"), message="unknown setting 'epoch'", alike=True
+    ),
+    "config file that is not TOML": bad(
+        "--config", lambda p: str(p / "notes.txt"), message="not readable as TOML", alike=True
+    ),
+    "contradictory flags: --ps without a ps strategy": bad(
+        "--strategy",
+        "allreduce",
+        "--ps",
+        "1",
+        message="--ps 1 applies to --strategy ps-sync and ps-async only",
+        alike=True,
+    ),
     "contradictory flags: --staleness without ps-async": bad(
-        "--strategy", "ps-sync", "--ps", "1", "--staleness", "5",
-        message="--staleness 5 applies to --strategy ps-async only", alike=True),
-    "contradictory flags: in-graph with ps-async": bad("--strategy", "ps-async", "--ps", "1", "--replication",
-                                                       "in-graph", message="--replication in-graph feeds every worker",
-                                                       alike=True),
+        "--strategy",
+        "ps-sync",
+        "--ps",
+        "1",
+        "--staleness",
+        "5",
+        message="--staleness 5 applies to --strategy ps-async only",
+        alike=True,
+    ),
+    "contradictory flags: in-graph with ps-async": bad(
+        "--strategy",
+        "ps-async",
+        "--ps",
+        "1",
+        "--replication",
+        "in-graph",
+        message="--replication in-graph feeds every worker",
+        alike=True,
+    ),
     "contradictory flags: --resume auto without a directory": bad(
-        "--resume", "auto", "--run-dir", "", message="--resume auto needs --checkpoint-dir (or a --run-dir) to look in",
-        alike=True),
+        "--resume",
+        "auto",
+        "--run-dir",
+        "",
+        message="--resume auto needs --checkpoint-dir (or a --run-dir) to look in",
+        alike=True,
+    ),
     "--elastic on an MPI without failure mitigation": bad(
-        "--elastic", message="--elastic needs an MPI library with User-Level Failure Mitigation, and this is MPICH",
-        alike=True),
-    "--elastic with in-graph replication": bad("--elastic", "--replication", "in-graph",
-                                               message="--elastic carries on without lost workers under --strategy "
-                                                       "allreduce", alike=True),
-    "more backup aggregates than workers": bad("--strategy", "ps-sync", "--ps", "1", "--aggregate", "9",
-                                               message="--aggregate 9 is more than the"),
-    "too few ranks for the ps": bad("--strategy", "ps-sync", "--ps", "4", message="--ps 4 needs at least 5 ranks"),
-    "rank count does not fit the strategy": bad("--strategy", "local", message="--strategy local runs on one rank"),
-    "stages that do not divide the ranks": bad("--strategy", "pipeline", "--stages", "3",
-                                               message="--stages 3 does not divide the"),
-    "balance that does not fit the model": bad("--strategy", "pipeline", "--stages", "2", "--balance", "3,2",
-                                               message="--balance 3,2 gives 2 stages with 5 layers"),
+        "--elastic",
+        message="--elastic needs an MPI library with User-Level Failure Mitigation, and this is MPICH",
+        alike=True,
+    ),
+    "--elastic with in-graph replication": bad(
+        "--elastic",
+        "--replication",
+        "in-graph",
+        message="--elastic carries on without lost workers under --strategy allreduce",
+        alike=True,
+    ),
+    "more backup aggregates than workers": bad(
+        "--strategy", "ps-sync", "--ps", "1", "--aggregate", "9", message="--aggregate 9 is more than the"
+    ),
+    "too few ranks for the ps": bad(
+        "--strategy", "ps-sync", "--ps", "4", message="--ps 4 needs at least 5 ranks"
+    ),
+    "rank count does not fit the strategy": bad(
+        "--strategy", "local", message="--strategy local runs on one rank"
+    ),
+    "stages that do not divide the ranks": bad(
+        "--strategy", "pipeline", "--stages", "3", message="--stages 3 does not divide the"
+    ),
+    "balance that does not fit the model": bad(
+        "--strategy",
+        "pipeline",
+        "--stages",
+        "2",
+        "--balance",
+        "3,2",
+        message="--balance 3,2 gives 2 stages with 5 layers",
+    ),
     # datasets
-    "missing dataset file": bad("--data", lambda p: str(p / "none.h5"), message="none.h5: no such file", alike=True),
+    "missing dataset file": bad(
+        "--data", lambda p: str(p / "none.h5"), message="none.h5: no such file", alike=True
+    ),
     "unknown dataset name": bad("--data", "cifar", message="no bundled dataset of that name", alike=True),
-    "not an HDF5 file": bad("--data", lambda p: str(p / "notes.txt"), message="not a readable HDF5 file", alike=True),
-    "truncated dataset file": bad("--data", truncated, message="cut.h5: not a readable HDF5 file", alike=True),
+    "not an HDF5 file": bad(
+        "--data", lambda p: str(p / "notes.txt"), message="not a readable HDF5 file", alike=True
+    ),
+    "truncated dataset file": bad(
+        "--data", truncated, message="cut.h5: not a readable HDF5 file", alike=True
+    ),
     "wrong layout": bad("--data", missing_labels, message="missing dataset 'train/y'", alike=True),
-    "wrong dtype": bad("--data", text_samples, message="train/x has dtype |S1; it must be numeric", alike=True),
-    "labels out of range": dataclasses.replace(bad("--data", one_bad_label, message="label 9 at sample 86, outside "
-                                                   "[0, 3)"), check=names_the_rank_holding_it),
-    "token ids outside an Embedding's vocabulary": bad("--data", token_ids(12), "--model", token_model,
-                                                       message="Embedding(10): token id 12.0 at sample 0 of the batch, "
-                                                               "position 3, is not a whole number in [0, 10)"),
+    "wrong dtype": bad(
+        "--data", text_samples, message="train/x has dtype |S1; it must be numeric", alike=True
+    ),
+    "labels out of range": dataclasses.replace(
+        bad("--data", one_bad_label, message="label 9 at sample 86, outside [0, 3)"),
+        check=names_the_rank_holding_it,
+    ),
+    "token ids outside an Embedding's vocabulary": bad(
+        "--data",
+        token_ids(12),
+        "--model",
+        token_model,
+        message="Embedding(10): token id 12.0 at sample 0 of the batch, "
+        "position 3, is not a whole number in [0, 10)",
+    ),
     "fractional or negative token ids, --tensor 2": bad(
-        "--data", token_ids(-1.5), "--model", token_model, "--tensor", "2",
-        message="Embedding(10): token id -1.5 at sample 0 of the batch, position 3, is not a whole number"),
-    "NaN or Inf in the data": bad("--data", an_infinity, message="train/x holds NaN or Inf (first at sample 41)"),
-    "empty shard: more workers than samples": bad("--data", one_sample,
-                                                  message="has 1 training sample(s), fewer than the"),
-    "batch smaller than the worker count": bad("--batch-size", "1", message="is smaller than the number of workers"),
-    "num_classes that is not a number": bad("--data", classes("ten"), message="num_classes = 'ten' is not an integer",
-                                            alike=True),
-    "num_classes NaN": bad("--data", classes(np.nan), message="num_classes = nan is not an integer", alike=True),
-    "num_classes too large to be real": bad("--data", classes(10 ** 12),
-                                            message="num_classes = 1000000000000; use 0 for regression or 2 to",
-                                            alike=True),
-    "num_classes that would not fit in memory": bad("--data", classes(10 ** 7), "--model", "mlp:4096",
-                                                    message="more than this rank's share of the memory free"),
+        "--data",
+        token_ids(-1.5),
+        "--model",
+        token_model,
+        "--tensor",
+        "2",
+        message="Embedding(10): token id -1.5 at sample 0 of the batch, position 3, is not a whole number",
+    ),
+    "NaN or Inf in the data": bad(
+        "--data", an_infinity, message="train/x holds NaN or Inf (first at sample 41)"
+    ),
+    "empty shard: more workers than samples": bad(
+        "--data", one_sample, message="has 1 training sample(s), fewer than the"
+    ),
+    "batch smaller than the worker count": bad(
+        "--batch-size", "1", message="is smaller than the number of workers"
+    ),
+    "num_classes that is not a number": bad(
+        "--data", classes("ten"), message="num_classes = 'ten' is not an integer", alike=True
+    ),
+    "num_classes NaN": bad(
+        "--data", classes(np.nan), message="num_classes = nan is not an integer", alike=True
+    ),
+    "num_classes too large to be real": bad(
+        "--data",
+        classes(10**12),
+        message="num_classes = 1000000000000; use 0 for regression or 2 to",
+        alike=True,
+    ),
+    "num_classes that would not fit in memory": bad(
+        "--data",
+        classes(10**7),
+        "--model",
+        "mlp:4096",
+        message="more than this rank's share of the memory free",
+    ),
     "samples of no features": bad("--data", featureless, message="samples of no features", alike=True),
     "an empty test split": bad("--data", no_test_samples, message="the test split is empty", alike=True),
-    "float64 values that overflow float32": bad("--data", huge_values,
-                                                message="holds values up to 1e+300, beyond the range of --dtype"),
+    "float64 values that overflow float32": bad(
+        "--data", huge_values, message="holds values up to 1e+300, beyond the range of --dtype"
+    ),
     "soft links that loop": bad("--data", links_that_loop, message="'train/x' cannot be read", alike=True),
-    "an external link to another file": bad("--data", external_link, message="is an external link to", alike=True),
-    "escape sequences in a dataset's name": Fault(train("--data", escapes_in_the_name, "--steps", "3"), 0,
-                                                  "dataset ", check=name_shown_escaped, one_message=False),
-    "model that does not fit the data": bad("--model", "cnn", "--data", volumes,
-                                            message="--model cnn does not fit samples of shape (2, 2, 2, 2)",
-                                            alike=True),
+    "an external link to another file": bad(
+        "--data", external_link, message="is an external link to", alike=True
+    ),
+    "escape sequences in a dataset's name": Fault(
+        train("--data", escapes_in_the_name, "--steps", "3"),
+        0,
+        "dataset ",
+        check=name_shown_escaped,
+        one_message=False,
+    ),
+    "model that does not fit the data": bad(
+        "--model",
+        "cnn",
+        "--data",
+        volumes,
+        message="--model cnn does not fit samples of shape (2, 2, 2, 2)",
+        alike=True,
+    ),
     # checkpoints and outputs
-    "missing checkpoint to resume": bad("--resume", lambda p: str(p / "ckpt-00000007.h5"),
-                                        message="ckpt-00000007.h5: no such checkpoint file", alike=True),
-    "not a checkpoint": bad("--resume", lambda p: str(p / "notes.txt"), message="notes.txt: not a readable checkpoint",
-                            alike=True),
-    "checkpoint from another model": bad("--resume", checkpoint_of_another_model,
-                                         message="written by --model mlp-wide on 'digits'", alike=True),
-    "unwritable checkpoint directory": bad("--checkpoint-dir", lambda p: str(p / "notes.txt" / "ckpt"),
-                                           message="notes.txt/ckpt: cannot create (Not a directory)", alike=True),
-    "unwritable metrics file": bad("--metrics", "/proc/mpidist/m.jsonl", message="--metrics /proc/mpidist", alike=True),
-    "metrics path that is a FIFO": bad("--metrics", fifo, message="is a FIFO or socket, not a file", alike=True),
-    "checkpoint holding NaN": bad("--resume", checkpoint_with(nan_parameters), message="params holds NaN or Inf"),
-    "checkpoint with 2-D parameters": bad("--resume", checkpoint_with(two_axis_parameters),
-                                          message="params has shape (1, "),
-    "checkpoint with optimizer state cut short": bad("--resume", checkpoint_with(optimizer_state_cut_short),
-                                                     message="optimizer/m has shape (10,)"),
+    "missing checkpoint to resume": bad(
+        "--resume",
+        lambda p: str(p / "ckpt-00000007.h5"),
+        message="ckpt-00000007.h5: no such checkpoint file",
+        alike=True,
+    ),
+    "not a checkpoint": bad(
+        "--resume", lambda p: str(p / "notes.txt"), message="notes.txt: not a readable checkpoint", alike=True
+    ),
+    "checkpoint from another model": bad(
+        "--resume", checkpoint_of_another_model, message="written by --model mlp-wide on 'digits'", alike=True
+    ),
+    "unwritable checkpoint directory": bad(
+        "--checkpoint-dir",
+        lambda p: str(p / "notes.txt" / "ckpt"),
+        message="notes.txt/ckpt: cannot create (Not a directory)",
+        alike=True,
+    ),
+    "unwritable metrics file": bad(
+        "--metrics", "/proc/mpidist/m.jsonl", message="--metrics /proc/mpidist", alike=True
+    ),
+    "metrics path that is a FIFO": bad(
+        "--metrics", fifo, message="is a FIFO or socket, not a file", alike=True
+    ),
+    "checkpoint holding NaN": bad(
+        "--resume", checkpoint_with(nan_parameters), message="params holds NaN or Inf"
+    ),
+    "checkpoint with 2-D parameters": bad(
+        "--resume", checkpoint_with(two_axis_parameters), message="params has shape (1, "
+    ),
+    "checkpoint with optimizer state cut short": bad(
+        "--resume", checkpoint_with(optimizer_state_cut_short), message="optimizer/m has shape (10,)"
+    ),
     # checkpoint directories
-    "a fresh run in another run's checkpoint directory": Fault(another_runs_directory, 2,
-                                                               "holds the checkpoints of another run",
-                                                               check=first_runs_files_untouched),
-    "two live runs on one checkpoint directory": Fault(a_run_holding_the_directory, 2, "is in use by another run"),
-    "two live runs on one run directory": Fault(a_run_holding_its_run_directory, 2,
-                                                "/run is in use by another run (pid",
-                                                check=the_run_directory_is_the_first_run_s),
+    "a fresh run in another run's checkpoint directory": Fault(
+        another_runs_directory, 2, "holds the checkpoints of another run", check=first_runs_files_untouched
+    ),
+    "two live runs on one checkpoint directory": Fault(
+        a_run_holding_the_directory, 2, "is in use by another run"
+    ),
+    "two live runs on one run directory": Fault(
+        a_run_holding_its_run_directory,
+        2,
+        "/run is in use by another run (pid",
+        check=the_run_directory_is_the_first_run_s,
+    ),
     "a corrupt newest checkpoint, --keep 1 --resume auto": Fault(
-        corrupt_newest_beside_a_good_one, 0, "branching:", check=newest_kept_and_resumed_next, one_message=False),
-    "temporary files of a killed writer": Fault(left_by_a_killed_writer, 0, "removed 1 temporary file(s)",
-                                                check=no_temporary_files_left, one_message=False),
+        corrupt_newest_beside_a_good_one,
+        0,
+        "branching:",
+        check=newest_kept_and_resumed_next,
+        one_message=False,
+    ),
+    "temporary files of a killed writer": Fault(
+        left_by_a_killed_writer,
+        0,
+        "removed 1 temporary file(s)",
+        check=no_temporary_files_left,
+        one_message=False,
+    ),
     # flags
-    "a flag that is not finite": bad("--lr", "inf", message="--lr must be a finite positive number, got inf",
-                                     alike=True),
-    "a config file that is not UTF-8": bad("--config", lambda p: str(p / "latin1.toml"), message="not UTF-8 text",
-                                           alike=True),
+    "a flag that is not finite": bad(
+        "--lr", "inf", message="--lr must be a finite positive number, got inf", alike=True
+    ),
+    "a config file that is not UTF-8": bad(
+        "--config", lambda p: str(p / "latin1.toml"), message="not UTF-8 text", alike=True
+    ),
     # while running
-    "full disk while writing a checkpoint": Fault(resume_onto_a_full_disk, 1, "checkpoint of step 10 not written",
-                                                  check=previous_checkpoint_intact),
+    "full disk while writing a checkpoint": Fault(
+        resume_onto_a_full_disk, 1, "checkpoint of step 10 not written", check=previous_checkpoint_intact
+    ),
     "NaN loss or gradients during training": Fault(
-        train("--optimizer", "sgd", "--lr", "1e6", "--nan-patience", "3", "--log-every", "1",
-              "--checkpoint-dir", lambda p: str(p / "ckpt"), "--checkpoint-every", "1", "--checkpoint-wait"),
-        1, "NaN or Inf 4 step(s) in a row (--nan-patience 3)", check=diverged_without_writing_bad_checkpoints),
+        train(
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "1e6",
+            "--nan-patience",
+            "3",
+            "--log-every",
+            "1",
+            "--checkpoint-dir",
+            lambda p: str(p / "ckpt"),
+            "--checkpoint-every",
+            "1",
+            "--checkpoint-wait",
+        ),
+        1,
+        "NaN or Inf 4 step(s) in a row (--nan-patience 3)",
+        check=diverged_without_writing_bad_checkpoints,
+    ),
     "NaN gradients at a ps (ps-async)": Fault(
-        train("--strategy", "ps-async", "--ps", "1", "--optimizer", "sgd", "--lr", "1e6", "--nan-patience", "3"),
-        1, "were NaN or Inf 4 time(s) in a row (--nan-patience 3): training diverged"),
-    "metrics on a full device": Fault(train("--metrics", "/dev/full", "--checkpoint-dir", lambda p: str(p / "ck")), 1,
-                                      "--metrics /dev/full: a write failed (No space left on device)",
-                                      check=checkpoint_written_at_the_stop),
-    "metrics on a disk that fills mid-run": Fault(metrics_on_a_disk_that_fills, 1, "m.jsonl: a write failed",
-                                                  check=metrics_lines_whole_and_checkpoint_written),
-    "a rank that raises mid-step": Fault(script(RAISE_AT_STEP_5), 1,
-                                         "[rank 1] RuntimeError: injected failure at step 5", one_message=False,
-                                         check=tagged_traceback),
-    "an exception in a helper thread": Fault(script(RAISE_IN_A_THREAD), 1, "[rank 0] ZeroDivisionError",
-                                             one_message=False),
+        train(
+            "--strategy", "ps-async", "--ps", "1", "--optimizer", "sgd", "--lr", "1e6", "--nan-patience", "3"
+        ),
+        1,
+        "were NaN or Inf 4 time(s) in a row (--nan-patience 3): training diverged",
+    ),
+    "metrics on a full device": Fault(
+        train("--metrics", "/dev/full", "--checkpoint-dir", lambda p: str(p / "ck")),
+        1,
+        "--metrics /dev/full: a write failed (No space left on device)",
+        check=checkpoint_written_at_the_stop,
+    ),
+    "metrics on a disk that fills mid-run": Fault(
+        metrics_on_a_disk_that_fills,
+        1,
+        "m.jsonl: a write failed",
+        check=metrics_lines_whole_and_checkpoint_written,
+    ),
+    "a rank that raises mid-step": Fault(
+        script(RAISE_AT_STEP_5),
+        1,
+        "[rank 1] RuntimeError: injected failure at step 5",
+        one_message=False,
+        check=tagged_traceback,
+    ),
+    "an exception in a helper thread": Fault(
+        script(RAISE_IN_A_THREAD), 1, "[rank 0] ZeroDivisionError", one_message=False
+    ),
     "a rank killed (kill -9) without --elastic": Fault(
         # MPICH's launcher ends every rank; its banner's pid is sometimes another rank's (seen: 1 run in 2)
-        train("--epochs", "50", "--log-every", "1", env=SLOW), 9, "Killed (signal 9)",
-        during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGKILL)), one_message=False),
-    "a rank that hangs": Fault(train("--stall-timeout", "2", env={"MPIDIST_TEST_DELAY": "1:60"}), 1,
-                               "in exchange at step 1; not arrived: rank 1 (compute at step 1 for "),
+        train("--epochs", "50", "--log-every", "1", env=SLOW),
+        9,
+        "Killed (signal 9)",
+        during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGKILL)),
+        one_message=False,
+    ),
+    "a rank that hangs": Fault(
+        train("--stall-timeout", "2", env={"MPIDIST_TEST_DELAY": "1:60"}),
+        1,
+        "in exchange at step 1; not arrived: rank 1 (compute at step 1 for ",
+    ),
     "a rank frozen (SIGSTOP)": Fault(
-        train("--stall-timeout", "2", "--epochs", "50", "--log-every", "1", env=SLOW), 1,
-        "not arrived: rank 1 (no report for", during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGSTOP))),
+        train("--stall-timeout", "2", "--epochs", "50", "--log-every", "1", env=SLOW),
+        1,
+        "not arrived: rank 1 (no report for",
+        during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGSTOP)),
+    ),
     "the chief frozen (SIGSTOP)": Fault(
-        train("--stall-timeout", "2", "--epochs", "50", "--log-every", "1", env=SLOW), 1,
-        "the chief (rank 0) has not reported for", during=at_step(5, 0, lambda pid: os.kill(pid, signal.SIGSTOP))),
-    "I/O that never returns during set-up": Fault(script(BLOCKED_IO, fifo), 1,
-                                                 "rank 0 has been blocked for 2."),
+        train("--stall-timeout", "2", "--epochs", "50", "--log-every", "1", env=SLOW),
+        1,
+        "the chief (rank 0) has not reported for",
+        during=at_step(5, 0, lambda pid: os.kill(pid, signal.SIGSTOP)),
+    ),
+    "I/O that never returns during set-up": Fault(
+        script(BLOCKED_IO, fifo), 1, "rank 0 has been blocked for 2."
+    ),
     "a preemption signal during start-up": Fault(
-        train("--model", builder_that_takes_its_time), 3, "stopped by SIGTERM (rank 1) at step",
-        during=when_building(1, signal.SIGTERM), one_message=False),
+        train("--model", builder_that_takes_its_time),
+        3,
+        "stopped by SIGTERM (rank 1) at step",
+        during=when_building(1, signal.SIGTERM),
+        one_message=False,
+    ),
     "a preemption signal (SIGTERM) to one rank": Fault(
-        train("--epochs", "50", "--log-every", "1", "--checkpoint-dir", lambda p: str(p / "ckpt"), env=SLOW), 3,
-        "stopped by SIGTERM (rank 1) at step", during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGTERM)),
-        one_message=False),
+        train("--epochs", "50", "--log-every", "1", "--checkpoint-dir", lambda p: str(p / "ckpt"), env=SLOW),
+        3,
+        "stopped by SIGTERM (rank 1) at step",
+        during=at_step(5, 1, lambda pid: os.kill(pid, signal.SIGTERM)),
+        one_message=False,
+    ),
     "a signal during a checkpoint write": Fault(
-        script(SIGNAL_MID_WRITE, lambda p: str(p / "m.jsonl"), lambda p: str(p / "ckpt")), 3,
-        "stopped by SIGTERM (rank 0) at step ", check=both_checkpoints_whole, one_message=False),
+        script(SIGNAL_MID_WRITE, lambda p: str(p / "m.jsonl"), lambda p: str(p / "ckpt")),
+        3,
+        "stopped by SIGTERM (rank 0) at step ",
+        check=both_checkpoints_whole,
+        one_message=False,
+    ),
     "a stop signal during a long evaluation": Fault(
-        train("--data", sparse_dataset, "--steps", "2", "--log-every", "1", "--checkpoint-dir",
-              lambda p: str(p / "ckpt")), 3, "stopped by SIGTERM (rank 1) at step 2",
-        during=in_the_evaluation(1, signal.SIGTERM), check=checkpoint_before_the_evaluation, one_message=False),
+        train(
+            "--data",
+            sparse_dataset,
+            "--steps",
+            "2",
+            "--log-every",
+            "1",
+            "--checkpoint-dir",
+            lambda p: str(p / "ckpt"),
+        ),
+        3,
+        "stopped by SIGTERM (rank 1) at step 2",
+        during=in_the_evaluation(1, signal.SIGTERM),
+        check=checkpoint_before_the_evaluation,
+        one_message=False,
+    ),
     # MPICH's network module for every message (as between nodes): the coordinator once hung in a receive from
     # any source there; it now posts one receive per worker
     "backup workers whose notes cross the network module": Fault(
-        train("--strategy", "ps-sync", "--ps", "1", "--aggregate", "1", "--steps", "30",
-              env={"MPIR_CVAR_NOLOCAL": "1"}), 0, "mpidist: done", one_message=False),
+        train(
+            "--strategy",
+            "ps-sync",
+            "--ps",
+            "1",
+            "--aggregate",
+            "1",
+            "--steps",
+            "30",
+            env={"MPIR_CVAR_NOLOCAL": "1"},
+        ),
+        0,
+        "mpidist: done",
+        one_message=False,
+    ),
     # refused by every rank's strategy, after the set-up's agreement: the first rank to claim it speaks
-    "a refusal every rank finds after the set-up": Fault(script(REFUSED_BY_EVERY_STRATEGY), 2,
-                                                         "--exchange mpi: refused by AllreduceStrategy's"),
-    "bad labels that a stream reads mid-run": bad("--data", labels_bad_late_in_every_part, "--data-mode", "stream",
-                                                  "--shuffle-buffer", "2000", "--epochs", "1",
-                                                  message="train/y has label 9 at sample"),
+    "a refusal every rank finds after the set-up": Fault(
+        script(REFUSED_BY_EVERY_STRATEGY), 2, "--exchange mpi: refused by AllreduceStrategy's"
+    ),
+    "bad labels that a stream reads mid-run": bad(
+        "--data",
+        labels_bad_late_in_every_part,
+        "--data-mode",
+        "stream",
+        "--shuffle-buffer",
+        "2000",
+        "--epochs",
+        "1",
+        message="train/y has label 9 at sample",
+    ),
     # a read the file's library fails, past the checks of its layout
-    "a corrupt compressed chunk in a dataset": bad("--data", lambda p: str(corrupt_chunk(compressed_dataset(
-        p / "corrupt.h5"), "train/x", 7)), message="corrupt.h5: train/x cannot be read at samples 700..799 "),
+    "a corrupt compressed chunk in a dataset": bad(
+        "--data",
+        lambda p: str(corrupt_chunk(compressed_dataset(p / "corrupt.h5"), "train/x", 7)),
+        message="corrupt.h5: train/x cannot be read at samples 700..799 ",
+    ),
     "a corrupt compressed chunk reached while streaming": Fault(
-        train("--data", chunk_read_after_the_start, *STREAMED), 2, "late.h5: train/x cannot be read at samples ",
-        check=training_had_started),
+        train("--data", chunk_read_after_the_start, *STREAMED),
+        2,
+        "late.h5: train/x cannot be read at samples ",
+        check=training_had_started,
+    ),
     "a corrupt chunk of the test split, at evaluation": Fault(
-        train("--data", lambda p: str(corrupt_chunk(compressed_dataset(p / "test.h5"), "test/x", 3)), *STREAMED),
-        2, "test.h5: test/x cannot be read at samples ", check=training_had_started),
-    "a checkpoint whose parameters cannot be read": bad("--resume", checkpoint_with_a_corrupt_chunk,
-                                                        message="params cannot be read (HDF5: "),
-    "predict on samples that cannot be read": Fault(predict_corrupt_samples, 2, "plain.h5: x cannot be read at "
-                                                    "samples ", check=nothing_written("out.csv")),
+        train(
+            "--data", lambda p: str(corrupt_chunk(compressed_dataset(p / "test.h5"), "test/x", 3)), *STREAMED
+        ),
+        2,
+        "test.h5: test/x cannot be read at samples ",
+        check=training_had_started,
+    ),
+    "a checkpoint whose parameters cannot be read": bad(
+        "--resume", checkpoint_with_a_corrupt_chunk, message="params cannot be read (HDF5: "
+    ),
+    "predict on samples that cannot be read": Fault(
+        predict_corrupt_samples, 2, "plain.h5: x cannot be read at samples ", check=nothing_written("out.csv")
+    ),
     "ingest of an .npz whose compressed array is corrupt": Fault(
-        ingest_corrupt_npz, 2, "broken.npz: not a readable .npz file of plain arrays (Error -3 while "
-        "decompressing data", check=nothing_written("out.h5")),
+        ingest_corrupt_npz,
+        2,
+        "broken.npz: not a readable .npz file of plain arrays (Error -3 while decompressing data",
+        check=nothing_written("out.h5"),
+    ),
     # a stream's buffers, sized from the memory budget
     "--shuffle-buffer beyond what --memory-budget holds": bad(
-        "--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "2M", "--shuffle-buffer", "1000000000",
-        message="--memory-budget 2M: streaming with --shuffle-buffer 1,000,000,000 holds about "),
+        "--data",
+        one_chunk(None),
+        "--data-mode",
+        "stream",
+        "--memory-budget",
+        "2M",
+        "--shuffle-buffer",
+        "1000000000",
+        message="--memory-budget 2M: streaming with --shuffle-buffer 1,000,000,000 holds about ",
+    ),
     "a split stored as one chunk, streamed": Fault(
-        train("--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "4M", "--steps", "20"), 0,
-        "train/x is stored in chunks of 20,000 rows (4.9 MiB), more than a stream's blocks", one_message=False),
+        train("--data", one_chunk(None), "--data-mode", "stream", "--memory-budget", "4M", "--steps", "20"),
+        0,
+        "train/x is stored in chunks of 20,000 rows (4.9 MiB), more than a stream's blocks",
+        one_message=False,
+    ),
     "a compressed chunk larger than the memory budget": bad(
-        "--data", one_chunk("gzip"), "--data-mode", "stream", "--memory-budget", "4M",
+        "--data",
+        one_chunk("gzip"),
+        "--data-mode",
+        "stream",
+        "--memory-budget",
+        "4M",
         message="train/x is stored in compressed chunks of 20,000 rows (4.9 MiB decompressed): reading any of its "
-                "samples decompresses a whole chunk"),
+        "samples decompresses a whole chunk",
+    ),
     # paths, names and special files (issue 30, item 6)
     "eval elsewhere of a checkpoint on a relative --data": Fault(
-        relative_data_evaluated_elsewhere, 0, "on 'rel'", check=not_the_impostor, one_message=False),
+        relative_data_evaluated_elsewhere, 0, "on 'rel'", check=not_the_impostor, one_message=False
+    ),
     "eval of a checkpoint whose dataset changed": Fault(
-        command("eval", changed_under_its_name), 2, "is not the dataset it was trained on"),
+        command("eval", changed_under_its_name), 2, "is not the dataset it was trained on"
+    ),
     "eval --data of a dataset changed under its name": Fault(
-        command("eval", changed_under_its_name, "--data", lambda p: str(p / "ds.h5")), 0,
-        "warning: ", one_message=False),
-    "--resume on a dataset changed under its name": Fault(resumed_on_a_changed_dataset, 0,
-                                                          "is not the dataset it was trained on", one_message=False),
-    "ingest --name that is a path, into shards": Fault(ingested_with_a_name_that_is_a_path, 0, "mpidist ingest: wrote",
-                                                       check=shards_named_inside, one_message=False),
-    "a checkpoint whose lineage ends in a newline": bad("--resume", checkpoint_with(lineage_ending_in_a_newline),
-                                                        message="a lineage id is 8 hex digits"),
-    "predict --output that is a FIFO": Fault(predicted_into(fifo), 2, "is a named pipe (FIFO), which writing",
-                                             check=still_a_fifo),
-    "ingest output that is a FIFO": Fault(command("ingest", "synthetic:300,4,3", fifo), 2,
-                                          "is a named pipe (FIFO), which writing", check=still_a_fifo),
-    "a --run-dir that is not UTF-8": Fault(train("--run-dir", lambda p: str(p / "run\udcff")), 2,
-                                           "not UTF-8 text", check=nothing_left_but_notes),
+        command("eval", changed_under_its_name, "--data", lambda p: str(p / "ds.h5")),
+        0,
+        "warning: ",
+        one_message=False,
+    ),
+    "--resume on a dataset changed under its name": Fault(
+        resumed_on_a_changed_dataset, 0, "is not the dataset it was trained on", one_message=False
+    ),
+    "ingest --name that is a path, into shards": Fault(
+        ingested_with_a_name_that_is_a_path,
+        0,
+        "mpidist ingest: wrote",
+        check=shards_named_inside,
+        one_message=False,
+    ),
+    "a checkpoint whose lineage ends in a newline": bad(
+        "--resume", checkpoint_with(lineage_ending_in_a_newline), message="a lineage id is 8 hex digits"
+    ),
+    "predict --output that is a FIFO": Fault(
+        predicted_into(fifo), 2, "is a named pipe (FIFO), which writing", check=still_a_fifo
+    ),
+    "ingest output that is a FIFO": Fault(
+        command("ingest", "synthetic:300,4,3", fifo),
+        2,
+        "is a named pipe (FIFO), which writing",
+        check=still_a_fifo,
+    ),
+    "a --run-dir that is not UTF-8": Fault(
+        train("--run-dir", lambda p: str(p / "run\udcff")), 2, "not UTF-8 text", check=nothing_left_but_notes
+    ),
     "predict --output under a directory that is not UTF-8": Fault(
-        predicted_into(lambda p: str(p / "out\udcff" / "p.h5")), 2, "not UTF-8 text", check=nothing_left_but_notes),
-    "checkpoints past step 10^8": Fault(past_step_10_to_the_8, 0, "resumed from", check=resumed_and_pruned_by_number,
-                                        one_message=False),
-    "a SIGTERM during ingest": Fault(ingesting, 3, "mpidist: stopped by SIGTERM (rank 0)",
-                                     during=once_it_writes_aside(0, signal.SIGTERM), check=no_aside_file_left,
-                                     one_message=False),
-    "predict on a directory of shards": Fault(predicted_on_shards, 0, "mpidist predict: 120 samples",
-                                              check=one_prediction_per_test_row, one_message=False),
+        predicted_into(lambda p: str(p / "out\udcff" / "p.h5")),
+        2,
+        "not UTF-8 text",
+        check=nothing_left_but_notes,
+    ),
+    "checkpoints past step 10^8": Fault(
+        past_step_10_to_the_8, 0, "resumed from", check=resumed_and_pruned_by_number, one_message=False
+    ),
+    "a SIGTERM during ingest": Fault(
+        ingesting,
+        3,
+        "mpidist: stopped by SIGTERM (rank 0)",
+        during=once_it_writes_aside(0, signal.SIGTERM),
+        check=no_aside_file_left,
+        one_message=False,
+    ),
+    "predict on a directory of shards": Fault(
+        predicted_on_shards,
+        0,
+        "mpidist predict: 120 samples",
+        check=one_prediction_per_test_row,
+        one_message=False,
+    ),
     # an option the source would pass over (issue 41, item 13)
     "ingest --task regression of a named source": Fault(
-        command("ingest", "digits", lambda p: str(p / "digits.h5"), "--task", "regression"), 2,
-        "--task regression applies to .npz and .csv files; digits is a named source", check=nothing_left_but_notes),
+        command("ingest", "digits", lambda p: str(p / "digits.h5"), "--task", "regression"),
+        2,
+        "--task regression applies to .npz and .csv files; digits is a named source",
+        check=nothing_left_but_notes,
+    ),
     # a line of unbounded length (issue 41, item 10)
-    "a metrics file of one line of a gigabyte": Fault(command("plot", one_long_line), 2,
-                                                      "metrics.jsonl: line 1 is longer than 16,777,216 bytes"),
+    "a metrics file of one line of a gigabyte": Fault(
+        command("plot", one_long_line), 2, "metrics.jsonl: line 1 is longer than 16,777,216 bytes"
+    ),
     # one rule for a link at every output: replaced itself, never written through (issue 41, item 7)
-    "plan --output that is a symbolic link": Fault(planned_into_a_link, 0, "mpidist plan: ", check=link_replaced,
-                                                   one_message=False),
+    "plan --output that is a symbolic link": Fault(
+        planned_into_a_link, 0, "mpidist plan: ", check=link_replaced, one_message=False
+    ),
     # special files under a checkpoint's name (issue 41, item 2)
     "a pipe named like a checkpoint in --checkpoint-dir": Fault(
-        train("--checkpoint-dir", a_pipe_named_like_a_checkpoint, "--resume", "auto", "--checkpoint-every", "1",
-              "--keep", "1", "--steps", "3"), 0, "mpidist: done", check=pipe_left_alone, one_message=False),
+        train(
+            "--checkpoint-dir",
+            a_pipe_named_like_a_checkpoint,
+            "--resume",
+            "auto",
+            "--checkpoint-every",
+            "1",
+            "--keep",
+            "1",
+            "--steps",
+            "3",
+        ),
+        0,
+        "mpidist: done",
+        check=pipe_left_alone,
+        one_message=False,
+    ),
     # CSV cells a spreadsheet would run (issue 41, item 12)
-    "predict --output x.csv of class names like =1+2": Fault(predicted_with_formula_names, 0, "mpidist predict: ",
-                                                              check=names_written_as_text, one_message=False),
+    "predict --output x.csv of class names like =1+2": Fault(
+        predicted_with_formula_names, 0, "mpidist predict: ", check=names_written_as_text, one_message=False
+    ),
     # issue 41: signals that land anywhere, disks that fill anywhere
     "a signal where an exception would be swallowed": Fault(
-        with_a_previous("p.h5", hooked(f"signal-in-del={int(signal.SIGTERM)}", "predict", STORED_CHECKPOINT,
-                                       "--output", lambda p: str(p / "p.h5"))), 3,
-        "mpidist: stopped by SIGTERM (rank 0)", check=previous_kept_and_nothing_aside("p.h5"), one_message=False),
+        with_a_previous(
+            "p.h5",
+            hooked(
+                f"signal-in-del={int(signal.SIGTERM)}",
+                "predict",
+                STORED_CHECKPOINT,
+                "--output",
+                lambda p: str(p / "p.h5"),
+            ),
+        ),
+        3,
+        "mpidist: stopped by SIGTERM (rank 0)",
+        check=previous_kept_and_nothing_aside("p.h5"),
+        one_message=False,
+    ),
     "a signal while plan --calibrate times a run": Fault(
-        with_a_previous("cal.json", hooked(f"signal-in-train={int(signal.SIGTERM)},0.5", "plan", "--calibrate",
-                                           "--seconds", "0.1", "--calibration", lambda p: str(p / "cal.json"),
-                                           env={"MPIDIST_TEST_DELAY": "*:0.05"})), 3,
-        "mpidist: stopped by SIGTERM (rank 0)", check=previous_kept_and_nothing_aside("cal.json"), one_message=False),
+        with_a_previous(
+            "cal.json",
+            hooked(
+                f"signal-in-train={int(signal.SIGTERM)},0.5",
+                "plan",
+                "--calibrate",
+                "--seconds",
+                "0.1",
+                "--calibration",
+                lambda p: str(p / "cal.json"),
+                env={"MPIDIST_TEST_DELAY": "*:0.05"},
+            ),
+        ),
+        3,
+        "mpidist: stopped by SIGTERM (rank 0)",
+        check=previous_kept_and_nothing_aside("cal.json"),
+        one_message=False,
+    ),
     "a full disk under an output": Fault(
-        on_a_small_disk(["ingest", "synthetic:30000,20,3", lambda p: str(p / "disk" / "out.h5")]), 2,
-        "disk/out.h5: cannot write the dataset there: ", check=previous_kept_and_nothing_aside("disk/out.h5")),
+        on_a_small_disk(["ingest", "synthetic:30000,20,3", lambda p: str(p / "disk" / "out.h5")]),
+        2,
+        "disk/out.h5: cannot write the dataset there: ",
+        check=previous_kept_and_nothing_aside("disk/out.h5"),
+    ),
     "a full disk under predict --output": Fault(
-        on_a_small_disk(["predict", STORED_CHECKPOINT, "--output", lambda p: str(p / "disk" / "out.h5")]), 2,
-        "disk/out.h5: cannot write the predictions there: ", check=previous_kept_and_nothing_aside("disk/out.h5")),
+        on_a_small_disk(["predict", STORED_CHECKPOINT, "--output", lambda p: str(p / "disk" / "out.h5")]),
+        2,
+        "disk/out.h5: cannot write the predictions there: ",
+        check=previous_kept_and_nothing_aside("disk/out.h5"),
+    ),
     "a checkpoint on a disk with 8 KiB free": Fault(
-        on_a_small_disk(["--metrics", "", "--run-dir", "", "--steps", "3", "--checkpoint-every", "2",
-                         "--checkpoint-dir", lambda p: str(p / "disk")], size="16k", previous="disk/notes"), 1,
-        "checkpoint of step 2 not written to ", check=nothing_but_the_lock_and_notes),
+        on_a_small_disk(
+            [
+                "--metrics",
+                "",
+                "--run-dir",
+                "",
+                "--steps",
+                "3",
+                "--checkpoint-every",
+                "2",
+                "--checkpoint-dir",
+                lambda p: str(p / "disk"),
+            ],
+            size="16k",
+            previous="disk/notes",
+        ),
+        1,
+        "checkpoint of step 2 not written to ",
+        check=nothing_but_the_lock_and_notes,
+    ),
 }
 
 
@@ -1148,8 +1749,9 @@ def test_each_fault_ends_with_its_documented_exit_code_and_message(tmp_path, cas
     with contextlib.ExitStack() as stack:
         launch = fault.provoke(tmp_path, stack)
         if fault.during is None:
-            done, seconds = run_mpi(ranks, launch.args, timeout=60, env=launch.env, prefix=launch.prefix,
-                                    cwd=launch.cwd)
+            done, seconds = run_mpi(
+                ranks, launch.args, timeout=60, env=launch.env, prefix=launch.prefix, cwd=launch.cwd
+            )
             code, out, err = done.returncode, done.stdout, done.stderr
         else:
             launcher = start_mpi(ranks, launch.args, env=launch.env)
@@ -1168,5 +1770,5 @@ def test_each_fault_ends_with_its_documented_exit_code_and_message(tmp_path, cas
             assert err.count("mpidist: error") == 1, err
             assert "Traceback" not in err and "MPI_Abort" not in err, err
         if fault.check:
-            fault.check(tmp_path, out, err)   # (before the stack unmounts what it looks at)
+            fault.check(tmp_path, out, err)  # (before the stack unmounts what it looks at)
         assert seconds < SECONDS_TO_END, f"took {seconds:.1f} s"

@@ -38,10 +38,12 @@ MANY = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list
 FEW = settings(max_examples=RUNS, deadline=None, suppress_health_check=list(HealthCheck))
 
 # -- what the generators draw from ---------------------------------------------------------------------------
-weird_numbers = st.sampled_from([0, 1, 2, 3, 10, -1, -(2 ** 63), 2 ** 62, 10 ** 12, 10 ** 7, 0.5, 2.0, math.nan,
-                                 math.inf, -math.inf, 1e300, -0.0])
-weird_text = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=12) | st.sampled_from(
-    ["\x1b[2J", "mpidist: done\r", "ten", "", "nan", "inf", "-1", "1e999", "0x10"])
+weird_numbers = st.sampled_from(
+    [0, 1, 2, 3, 10, -1, -(2**63), 2**62, 10**12, 10**7, 0.5, 2.0, math.nan, math.inf, -math.inf, 1e300, -0.0]
+)
+weird_text = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=12
+) | st.sampled_from(["\x1b[2J", "mpidist: done\r", "ten", "", "nan", "inf", "-1", "1e999", "0x10"])
 attribute = weird_numbers | weird_text | st.sampled_from([True, np.array([1, 2]), np.array([]), b"\xff\xfe"])
 dtypes = st.sampled_from(["float32", "float64", "int64", "uint8", "bool", "S2", "float16"])
 fill = st.sampled_from(["random", "zeros", "nan", "inf", "huge", "negative", "labels"])
@@ -71,7 +73,7 @@ def array(shape, dtype, how, rng):
 @st.composite
 def dataset_files(draw):
     """A small dataset file, right or wrong in any of the ways a file can be."""
-    rng = np.random.default_rng(draw(st.integers(0, 2 ** 16)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     attrs = {"name": draw(attribute), "source": draw(attribute)}
     if draw(st.booleans()):
         attrs["num_classes"] = draw(attribute)
@@ -83,10 +85,16 @@ def dataset_files(draw):
         rows = draw(st.sampled_from([0, 1, 3, 40, 130]))
         x = array((rows,) + width, draw(dtypes), draw(fill), rng)
         y_shape = draw(st.sampled_from([(rows,), (rows, 1), (rows, 2), (rows + 1,), ()]))
-        y = array(y_shape, draw(dtypes), draw(st.sampled_from(["labels", "labels", "random", "nan", "negative"])),
-                  rng)
+        y = array(
+            y_shape,
+            draw(dtypes),
+            draw(st.sampled_from(["labels", "labels", "random", "nan", "negative"])),
+            rng,
+        )
         splits[split] = (x, y)
-    damage = draw(st.sampled_from(["none", "none", "none", "missing", "group", "softloop", "external", "truncate"]))
+    damage = draw(
+        st.sampled_from(["none", "none", "none", "missing", "group", "softloop", "external", "truncate"])
+    )
     return attrs, splits, damage
 
 
@@ -119,13 +127,27 @@ def checkpoint_files(draw):
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["attr", "attr", "params", "optimizer", "config", "drop"]))
         if kind == "attr":
-            changes.append((kind, draw(st.sampled_from(["step", "epoch", "epoch_step", "format", "lineage", "rng",
-                                                         "parent"])), draw(attribute)))
+            changes.append(
+                (
+                    kind,
+                    draw(
+                        st.sampled_from(["step", "epoch", "epoch_step", "format", "lineage", "rng", "parent"])
+                    ),
+                    draw(attribute),
+                )
+            )
         elif kind in ("params", "optimizer"):
             changes.append((kind, draw(st.sampled_from(["nan", "short", "2d", "int", "long", "text"])), None))
         elif kind == "config":
-            changes.append((kind, draw(st.sampled_from(["lr", "model", "data", "epochs", "strategy", "dtype",
-                                                         "optimizer"])), draw(attribute)))
+            changes.append(
+                (
+                    kind,
+                    draw(
+                        st.sampled_from(["lr", "model", "data", "epochs", "strategy", "dtype", "optimizer"])
+                    ),
+                    draw(attribute),
+                )
+            )
         else:
             changes.append((kind, draw(st.sampled_from(["params", "optimizer", "optimizer/m"])), None))
     return changes
@@ -142,31 +164,93 @@ def damaged(good, changes, path):
                 if key not in handle:
                     continue
                 flat = handle[key][...]
-                new = {"nan": np.full(flat.shape, np.nan), "short": flat[:7], "2d": flat.reshape(1, -1),
-                       "int": np.arange(flat.size), "long": np.concatenate([flat, flat]),
-                       "text": np.full(3, b"xy")}[name]
+                new = {
+                    "nan": np.full(flat.shape, np.nan),
+                    "short": flat[:7],
+                    "2d": flat.reshape(1, -1),
+                    "int": np.arange(flat.size),
+                    "long": np.concatenate([flat, flat]),
+                    "text": np.full(3, b"xy"),
+                }[name]
                 del handle[key]
                 handle[key] = new
             elif kind == "config":
                 config = json.loads(handle.attrs["config"]) if isinstance(handle.attrs["config"], str) else {}
-                config[name] = value.tolist() if isinstance(value, np.ndarray) else \
-                    value.decode("latin-1") if isinstance(value, bytes) else value
+                config[name] = (
+                    value.tolist()
+                    if isinstance(value, np.ndarray)
+                    else value.decode("latin-1")
+                    if isinstance(value, bytes)
+                    else value
+                )
                 handle.attrs["config"] = json.dumps(config)
             elif name in handle:
                 del handle[name]
     return path
 
 
-tomls = st.dictionaries(st.sampled_from(["lr", "epochs", "batch-size", "model", "strategy", "momentum", "seed",
-                                         "stall-timeout", "checkpoint-seconds", "bucket-mb", "keep", "dtype",
-                                         "steps", "ps", "unknown-key"]),
-                        st.sampled_from(["1", "0", "-1", "nan", "inf", "-inf", "1e309", "3.5", '"ten"', "true",
-                                         "[1, 2]", '"mlp"', '"allreduce"', "9223372036854775807", '"\\u001b[2J"']),
-                        max_size=5)
-flag_values = st.sampled_from(["1", "0", "-1", "nan", "inf", "1e999", "3.5", "ten", "", "-0", "1e-320", "99999999999999999999"])
-numeric_flags = st.sampled_from(["--lr", "--epochs", "--batch-size", "--momentum", "--seed", "--stall-timeout",
-                                 "--checkpoint-seconds", "--bucket-mb", "--keep", "--steps", "--log-every",
-                                 "--nan-patience", "--eval-every", "--checkpoint-every"])
+tomls = st.dictionaries(
+    st.sampled_from(
+        [
+            "lr",
+            "epochs",
+            "batch-size",
+            "model",
+            "strategy",
+            "momentum",
+            "seed",
+            "stall-timeout",
+            "checkpoint-seconds",
+            "bucket-mb",
+            "keep",
+            "dtype",
+            "steps",
+            "ps",
+            "unknown-key",
+        ]
+    ),
+    st.sampled_from(
+        [
+            "1",
+            "0",
+            "-1",
+            "nan",
+            "inf",
+            "-inf",
+            "1e309",
+            "3.5",
+            '"ten"',
+            "true",
+            "[1, 2]",
+            '"mlp"',
+            '"allreduce"',
+            "9223372036854775807",
+            '"\\u001b[2J"',
+        ]
+    ),
+    max_size=5,
+)
+flag_values = st.sampled_from(
+    ["1", "0", "-1", "nan", "inf", "1e999", "3.5", "ten", "", "-0", "1e-320", "99999999999999999999"]
+)
+numeric_flags = st.sampled_from(
+    [
+        "--lr",
+        "--epochs",
+        "--batch-size",
+        "--momentum",
+        "--seed",
+        "--stall-timeout",
+        "--checkpoint-seconds",
+        "--bucket-mb",
+        "--keep",
+        "--steps",
+        "--log-every",
+        "--nan-patience",
+        "--eval-every",
+        "--checkpoint-every",
+    ]
+)
 
 
 def digest(path):
@@ -207,8 +291,21 @@ def test_any_dataset_file_is_read_or_refused_in_one_line(case):
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("good")
-    done, _ = run_mpi(1, ["-m", "mpidist", "--metrics", "", "--progress", "none", "--steps", "2",
-                          "--checkpoint-dir", str(directory)])
+    done, _ = run_mpi(
+        1,
+        [
+            "-m",
+            "mpidist",
+            "--metrics",
+            "",
+            "--progress",
+            "none",
+            "--steps",
+            "2",
+            "--checkpoint-dir",
+            str(directory),
+        ],
+    )
     assert done.returncode == 0, done.stderr
     return next(directory.glob("ckpt-*.h5"))
 
@@ -244,7 +341,10 @@ def test_any_toml_config_is_taken_or_refused_in_one_line(table):
             try:
                 config = parse(["--config", str(path)])
                 config.validate(2)
-                assert all(math.isfinite(getattr(config, f)) for f in ("lr", "momentum", "stall_timeout", "bucket_mb"))
+                assert all(
+                    math.isfinite(getattr(config, f))
+                    for f in ("lr", "momentum", "stall_timeout", "bucket_mb")
+                )
             except UsageError as err:
                 one_line(err)
 
@@ -258,7 +358,7 @@ def test_any_flag_values_are_taken_or_refused_in_one_line(pairs):
         config.validate(2)
         assert math.isfinite(config.lr) and config.lr > 0 and config.batch_size >= 1
     except argparse.ArgumentError:
-        pass   # (the command line's argparse prints its usage and exits 2 for these)
+        pass  # (the command line's argparse prints its usage and exits 2 for these)
     except UsageError as err:
         one_line(err)
 
@@ -266,8 +366,23 @@ def test_any_flag_values_are_taken_or_refused_in_one_line(pairs):
 # -- end to end: a few examples through real ranks ---------------------------------------------------------
 def launch(tmp, *flags):
     """``mpiexec -n 2 python -m mpidist train --steps 3 FLAGS`` under the 10-second limit; (code, stdout, stderr)."""
-    done, seconds = run_mpi(2, ["-m", "mpidist", "--progress", "none", "--metrics", str(Path(tmp) / "m.jsonl"),
-                                "--steps", "3", "--stall-timeout", "5", *flags], timeout=30)
+    done, seconds = run_mpi(
+        2,
+        [
+            "-m",
+            "mpidist",
+            "--progress",
+            "none",
+            "--metrics",
+            str(Path(tmp) / "m.jsonl"),
+            "--steps",
+            "3",
+            "--stall-timeout",
+            "5",
+            *flags,
+        ],
+        timeout=30,
+    )
     assert seconds < 10, f"took {seconds:.1f} s"
     return done.returncode, done.stdout, done.stderr
 
@@ -278,7 +393,7 @@ def ended_cleanly(code, out, err, tmp):
     if code == 2:
         assert err.count("mpidist: error") == 1, err
     else:
-        done, = events(Path(tmp) / "m.jsonl", "done")
+        (done,) = events(Path(tmp) / "m.jsonl", "done")
         assert done["steps"] == 3 and math.isfinite(done["loss"]) and 0 <= done["test_accuracy"] <= 1
 
 
@@ -306,7 +421,7 @@ def test_any_checkpoint_resumed_ends_every_rank_cleanly(good_checkpoint, changes
         with left_unchanged(path):
             code, out, err = launch(tmp, "--resume", str(path))
             assert code in (0, 2), err
-            if code == 0:   # resumed at step 2 (or whatever valid step it holds): ran on to step 3 at most
+            if code == 0:  # resumed at step 2 (or whatever valid step it holds): ran on to step 3 at most
                 assert "Traceback" not in err
             else:
                 ended_cleanly(code, out, err, tmp)

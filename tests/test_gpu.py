@@ -35,6 +35,7 @@ def test_allreduce_of_device_arrays_on_either_path(monkeypatch):
     from mpi4py import MPI
 
     from mpidist.runtime import comm
+
     world = MPI.COMM_WORLD
     monkeypatch.delenv("MPIDIST_CUDA_AWARE", raising=False)
     comm.cuda_aware.cache_clear()
@@ -54,13 +55,14 @@ def test_allreduce_of_device_arrays_on_either_path(monkeypatch):
 def test_host_staging_copies_into_pinned_memory_from_cupys_pool():
     # pageable memory made a host-staged send 5 times slower than MPI between host buffers (gpu/check.sh, H200)
     from mpidist.runtime import comm
+
     array = cupy.arange(1000, dtype=cupy.float32)
     host, _ = comm._staged(array)
     np.testing.assert_array_equal(host, np.arange(1000, dtype=np.float32))
     owner = host
     while isinstance(owner, np.ndarray):
         owner = owner.base
-    assert isinstance(owner, memoryview)                  # np.frombuffer's view of what exported the memory
+    assert isinstance(owner, memoryview)  # np.frombuffer's view of what exported the memory
     assert isinstance(owner.obj, cupy.cuda.PinnedMemoryPointer)
 
 
@@ -68,7 +70,8 @@ def test_a_staged_copy_back_is_complete_before_its_pinned_block_is_handed_out_ag
     # a copy from pinned memory is asynchronous: were the block handed out while the GPU still read it, the
     # next batch's cupy.asarray (which writes into a pooled pinned block at once) would land in the array
     from mpidist.runtime import comm
-    size = 64 << 18   # 64 MiB of float32: a copy long enough to be caught in flight
+
+    size = 64 << 18  # 64 MiB of float32: a copy long enough to be caught in flight
     array = cupy.zeros(size, dtype=cupy.float32)
     host, back = comm._staged(array)
     host[...] = 1.0

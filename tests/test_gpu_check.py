@@ -35,25 +35,38 @@ def wheels(tmp_path_factory):
     """The wheels gpu/wheels.sh fetches, for this interpreter (the GPU machine's is 3.12)."""
     folder = tmp_path_factory.mktemp("wheels")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    done = subprocess.run([GPU / "wheels.sh", folder], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "MPIDIST_WHEELS_PYTHON": version, "PYTHON": sys.executable})
+    done = subprocess.run(
+        [GPU / "wheels.sh", folder],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MPIDIST_WHEELS_PYTHON": version, "PYTHON": sys.executable},
+    )
     assert done.returncode == 0, done.stderr
     return folder
 
 
-def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_not_run(wheels, tmp_path,
-                                                                                        monkeypatch):
-    out = tmp_path / "out"   # given relative to where the check starts, as a user would
-    done = subprocess.run([GPU / "check.sh", "out"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env={**os.environ, "MPIDIST_GPU_WHEELS": str(wheels), "PYTHON": sys.executable})
+def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_not_run(
+    wheels, tmp_path, monkeypatch
+):
+    out = tmp_path / "out"  # given relative to where the check starts, as a user would
+    done = subprocess.run(
+        [GPU / "check.sh", "out"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "MPIDIST_GPU_WHEELS": str(wheels), "PYTHON": sys.executable},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gpu"] is False
     assert summary["total_limit_s"] < 8 * 60
     parts = {part["part"]: part for part in summary["parts"]}
-    assert [parts[name]["status"] for name in ("install", "gpu", "info", "unit tests", "strategies", "resume",
-                                               "benchmark")] \
-        == ["pass", "not run", "pass", "not run", "not run", "not run", "not run"]
+    assert [
+        parts[name]["status"]
+        for name in ("install", "gpu", "info", "unit tests", "strategies", "resume", "benchmark")
+    ] == ["pass", "not run", "pass", "not run", "not run", "not run", "not run"]
     # the MPI the check runs is the one it installed from the wheels, not this environment's
     library = next(row for row in parts["info"]["rows"] if row.startswith("MPI library"))
     assert "/mpidist-gpu." in library, library
@@ -61,11 +74,23 @@ def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_n
     assert [row["strategy"] for row in rows] == [case for case, _, _ in check.CASES]
     assert all(row["cpu reference"] == "ok" and row["verdict"] == "not run" for row in rows)
     text = (out / "summary.txt").read_text()
-    for name in ("allreduce", "ps-sync", "ps-async", "local-sgd", "pipeline (1f1b)", "pipeline --schedule gpipe",
-                 "hybrid", "--tensor", "pipeline x tensor", "--shard"):
+    for name in (
+        "allreduce",
+        "ps-sync",
+        "ps-async",
+        "local-sgd",
+        "pipeline (1f1b)",
+        "pipeline --schedule gpipe",
+        "hybrid",
+        "--tensor",
+        "pipeline x tensor",
+        "--shard",
+    ):
         assert f"strategy {name}" in text
     # each CPU reference trained: six finite losses and a checkpoint, in float32 and float64
-    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")   # its mpiexec
+    monkeypatch.setenv(
+        "PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+    )  # its mpiexec
     for dtype in ("float32", "float64"):
         losses, params = check.train(out, "probe", 2, ["--strategy", "allreduce"], "cpu", dtype, 120)
         assert len(losses) == 6 and np.all(np.isfinite(losses)) and params.size > 0
@@ -80,8 +105,13 @@ def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_n
 
 
 def test_the_check_stops_with_a_message_where_there_are_no_wheels(tmp_path):
-    done = subprocess.run([GPU / "check.sh", tmp_path / "out"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "MPIDIST_GPU_WHEELS": str(tmp_path)})
+    done = subprocess.run(
+        [GPU / "check.sh", tmp_path / "out"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MPIDIST_GPU_WHEELS": str(tmp_path)},
+    )
     assert done.returncode == 2
     assert "run gpu/wheels.sh" in done.stderr
 
@@ -92,14 +122,15 @@ def _run(losses, params):
 
 def test_a_gpu_run_passes_within_float32_rounding_of_the_cpu_and_fails_beyond_it():
     exact = _run([2.0, 1.0], [1.0, 1.0, 1.0, 1.0])
-    cpu = _run([2.0 * (1 + 1e-5), 1.0], [1.0, 1.0, 1.0, 1.0])          # float32 costs 1e-5 of the loss here
-    near = _run([2.0 * (1 + 5e-5), 1.0], [1.0, 1.0, 1.0, 1.0])         # 4e-5 off the CPU: under 10x rounding
-    far = _run([2.0 * (1 + 5e-4), 1.0], [1.0, 1.0, 1.0, 1.0])          # 4.9e-4 off: over it
+    cpu = _run([2.0 * (1 + 1e-5), 1.0], [1.0, 1.0, 1.0, 1.0])  # float32 costs 1e-5 of the loss here
+    near = _run([2.0 * (1 + 5e-5), 1.0], [1.0, 1.0, 1.0, 1.0])  # 4e-5 off the CPU: under 10x rounding
+    far = _run([2.0 * (1 + 5e-4), 1.0], [1.0, 1.0, 1.0, 1.0])  # 4.9e-4 off: over it
     row = check.compare("allreduce", near, cpu, exact)
     assert row["verdict"] == "pass"
-    assert row["loss bound"] == pytest.approx(check.ROUNDING_FACTOR * np.linalg.norm(cpu[0] - exact[0])
-                                              / np.linalg.norm(exact[0]))
-    assert row["params bound"] == check.FLOOR                          # no rounding at all: the floor
+    assert row["loss bound"] == pytest.approx(
+        check.ROUNDING_FACTOR * np.linalg.norm(cpu[0] - exact[0]) / np.linalg.norm(exact[0])
+    )
+    assert row["params bound"] == check.FLOOR  # no rounding at all: the floor
     assert check.compare("allreduce", far, cpu, exact)["verdict"] == "fail"
     nan = _run([2.0, float("nan")], [1.0, 1.0, 1.0, 1.0])
     assert check.compare("allreduce", nan, cpu, exact)["verdict"] == "fail"
@@ -132,10 +163,14 @@ def test_a_check_that_cannot_start_a_program_reports_why(tmp_path):
 
 def test_a_program_past_its_limit_is_stopped_with_what_it_started(tmp_path):
     marker = tmp_path / "child"
-    script = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
-             f"'import time; time.sleep(60)']); open({str(marker)!r}, 'w').close(); time.sleep(60)"
+    script = (
+        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+        f"'import time; time.sleep(60)']); open({str(marker)!r}, 'w').close(); time.sleep(60)"
+    )
     code, seconds = check.run([sys.executable, "-c", script], 4, tmp_path / "log")
     assert code is None and seconds < 15
     assert marker.exists()
-    survivors = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout.split()
+    survivors = subprocess.run(
+        ["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True
+    ).stdout.split()
     assert not survivors

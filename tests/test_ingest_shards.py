@@ -41,7 +41,9 @@ def test_shards_concatenated_are_the_single_file(tmp_path, npz, source):
     ingest(source, tmp_path / "many", shard_size=100, standardize=True)
     files = sorted((tmp_path / "many").iterdir())
     train = single.sizes["train"]
-    assert len(files) == -(-train // 100) and [f.name for f in files] == [f"{single.name}-{k:05d}.h5" for k in range(len(files))]
+    assert len(files) == -(-train // 100) and [f.name for f in files] == [
+        f"{single.name}-{k:05d}.h5" for k in range(len(files))
+    ]
     whole, parts = arrays(tmp_path / "one.h5"), arrays(tmp_path / "many")
     for split in whole:
         np.testing.assert_array_equal(whole[split][0], parts[split][0])
@@ -65,7 +67,9 @@ def test_every_compression_reads_back_the_same_rows(tmp_path, npz, compression):
     with h5py.File(tmp_path / "d.h5") as handle:
         assert handle["train/x"].compression == (None if compression == "none" else compression)
     streamed = data.Stream(data.inspect(tmp_path / "d.h5"), "train", 0, 1, (3, 2), np.float64, buffer=30)
-    np.testing.assert_array_equal(np.concatenate([x for x, _ in streamed.eval_batches()]), expected["train"][0])
+    np.testing.assert_array_equal(
+        np.concatenate([x for x, _ in streamed.eval_batches()]), expected["train"][0]
+    )
 
 
 def test_bad_shard_sizes_and_occupied_outputs_are_refused_and_nothing_is_left(tmp_path, npz, monkeypatch):
@@ -89,7 +93,7 @@ def test_bad_shard_sizes_and_occupied_outputs_are_refused_and_nothing_is_left(tm
 
 def test_synthetic_data_is_the_same_however_it_is_written(tmp_path, monkeypatch):
     ingest("synthetic:9000,5,3", tmp_path / "one.h5", seed=4, compression="none")
-    monkeypatch.setattr(dataset_writer, "WRITE_BYTES", 777)     # other write blocks, the same rows
+    monkeypatch.setattr(dataset_writer, "WRITE_BYTES", 777)  # other write blocks, the same rows
     ingest("synthetic:9000,5,3", tmp_path / "many", seed=4, shard_size=2500)
     one, many = arrays(tmp_path / "one.h5"), arrays(tmp_path / "many")
     assert one["train"][0].shape == (7200, 5) and one["test"][0].shape == (1800, 5)
@@ -114,8 +118,23 @@ def test_a_directory_of_shards_trains_to_the_accuracy_of_the_single_file(tmp_pat
     accuracy = {}
     for name in ("one.h5", "many"):
         metrics = tmp_path / f"{name}.jsonl"
-        done, _ = mpidist(2, "train", "--data", str(tmp_path / name), "--data-mode", mode, "--shuffle-buffer", "300",
-                          "--epochs", "8", "--metrics", str(metrics), "--progress", "none", timeout=120)
+        done, _ = mpidist(
+            2,
+            "train",
+            "--data",
+            str(tmp_path / name),
+            "--data-mode",
+            mode,
+            "--shuffle-buffer",
+            "300",
+            "--epochs",
+            "8",
+            "--metrics",
+            str(metrics),
+            "--progress",
+            "none",
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         accuracy[name] = events(metrics, "done")[0]["test_accuracy"]
     assert accuracy["one.h5"] > 0.9
@@ -124,14 +143,32 @@ def test_a_directory_of_shards_trains_to_the_accuracy_of_the_single_file(tmp_pat
 
 def test_a_stream_read_around_the_page_cache_trains_exactly_as_one_read_through_it(tmp_path):
     """--stream-io only changes how the bytes arrive: the same samples in the same order, so the same run."""
-    done, _ = mpidist(1, "ingest", "digits", str(tmp_path / "many"), "--shard-size", "300", "--compression", "none")
+    done, _ = mpidist(
+        1, "ingest", "digits", str(tmp_path / "many"), "--shard-size", "300", "--compression", "none"
+    )
     assert done.returncode == 0, done.stderr
     finals = {}
     for io in ("direct", "cached"):
         metrics = tmp_path / f"{io}.jsonl"
-        done, _ = mpidist(2, "train", "--data", str(tmp_path / "many"), "--data-mode", "stream", "--stream-io", io,
-                          "--shuffle-buffer", "200", "--epochs", "2", "--metrics", str(metrics), "--progress", "none",
-                          timeout=120)
+        done, _ = mpidist(
+            2,
+            "train",
+            "--data",
+            str(tmp_path / "many"),
+            "--data-mode",
+            "stream",
+            "--stream-io",
+            io,
+            "--shuffle-buffer",
+            "200",
+            "--epochs",
+            "2",
+            "--metrics",
+            str(metrics),
+            "--progress",
+            "none",
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         finals[io] = events(metrics, "done")[0]
     assert finals["direct"]["test_accuracy"] > 0.5

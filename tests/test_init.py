@@ -34,8 +34,16 @@ class Gate(nn.Layer):
 def layers():
     """Seven layers of each kind of initialiser: a Dense pair that splits, one that stays whole, a user's layer,
     a LayerNorm (constants) and a Glorot classifier."""
-    return [nn.Dense(16), nn.ReLU(), nn.Dense(12), nn.Tanh(), nn.Dense(10), Gate(), nn.LayerNorm(),
-            nn.Dense(4, init="glorot")]
+    return [
+        nn.Dense(16),
+        nn.ReLU(),
+        nn.Dense(12),
+        nn.Tanh(),
+        nn.Dense(10),
+        Gate(),
+        nn.LayerNorm(),
+        nn.Dense(4, init="glorot"),
+    ]
 
 
 def whole(dtype=np.float32, buffers=True):
@@ -51,7 +59,8 @@ def test_any_slice_of_a_draw_is_that_slice_of_the_whole_draw(initialiser):
     assert np.array_equal(initialiser.values(key, np.arange(5000, 6000)), every[5000:6000])
     # another key, another draw (but for the constant)
     assert np.array_equal(initialiser.values(np.uint64(1), np.arange(10)), every[:10]) == isinstance(
-        initialiser, init.Constant)
+        initialiser, init.Constant
+    )
 
 
 def test_the_draws_have_the_moments_they_promise():
@@ -59,7 +68,7 @@ def test_the_draws_have_the_moments_they_promise():
     normal = init.Normal(2.0).values(key, index)
     # mean 0 and std 2: the sample mean's standard error is 2e-3, the sample std's about 1.4e-3
     assert abs(normal.mean()) < 5 * 2.0 / np.sqrt(n) and abs(normal.std() - 2.0) < 5 * 2.0 / np.sqrt(2 * n)
-    assert abs(np.mean(np.abs(normal) < 2.0) - 0.6827) < 3e-3   # one std either side holds 68.27%
+    assert abs(np.mean(np.abs(normal) < 2.0) - 0.6827) < 3e-3  # one std either side holds 68.27%
     uniform = init.Uniform(3.0).values(key, index)
     assert -3.0 < uniform.min() and uniform.max() < 3.0
     assert abs(uniform.mean()) < 5 * np.sqrt(3.0) / np.sqrt(n) and abs(uniform.var() - 3.0) < 0.02
@@ -79,40 +88,43 @@ def test_a_model_draws_any_set_of_its_elements_as_the_whole_draw_gives_them(chun
     model = whole(np.float64)
     model.init_params(7)
     every = model.params.copy()
-    for positions in (np.random.default_rng(3).permutation(model.num_params)[:150], range(40, 333),
-                      np.arange(model.num_params)[::-1]):
+    for positions in (
+        np.random.default_rng(3).permutation(model.num_params)[:150],
+        range(40, 333),
+        np.arange(model.num_params)[::-1],
+    ):
         assert np.array_equal(model.initial_values(7, positions, chunk=chunk), every[np.asarray(positions)])
     model.init_params(8)
-    assert not np.allclose(model.params, every)   # (the seed matters)
+    assert not np.allclose(model.params, every)  # (the seed matters)
 
 
 def test_each_parameter_draws_from_its_own_key_and_a_plain_initialiser_from_its_own_generator():
     model = whole(np.float64)
     model.init_params(11)
-    entries = {}   # (the first layer of each kind's)
+    entries = {}  # (the first layer of each kind's)
     for index, (layer, name, lo, shape, _) in enumerate(model.entries):
         entries.setdefault((type(layer).__name__, name), (index, lo, shape))
     index, lo, shape = entries[("Gate", "g")]
     expected = np.random.default_rng([11, index]).uniform(0.5, 1.5, shape)
-    assert np.array_equal(model.params[lo:lo + shape[0]], expected)
-    index, lo, shape = entries[("Dense", "W")]   # (the first Dense: He normal, std sqrt(2 / 6))
+    assert np.array_equal(model.params[lo : lo + shape[0]], expected)
+    index, lo, shape = entries[("Dense", "W")]  # (the first Dense: He normal, std sqrt(2 / 6))
     key = nn.Sequential.parameter_key(11, index)
-    assert np.array_equal(model.params[lo:lo + 6 * 16], init.he_normal(6).values(key, np.arange(6 * 16)))
+    assert np.array_equal(model.params[lo : lo + 6 * 16], init.he_normal(6).values(key, np.arange(6 * 16)))
     index, lo, shape = entries[("LayerNorm", "gamma")]
-    assert np.array_equal(model.params[lo:lo + 10], np.ones(10))
+    assert np.array_equal(model.params[lo : lo + 10], np.ones(10))
 
 
 def test_a_model_built_without_buffers_makes_them_when_first_used_and_never_as_a_map_of_shapes():
     model = whole(buffers=False)
-    assert model._params is None and model._grads is None   # (nothing allocated by building)
+    assert model._params is None and model._grads is None  # (nothing allocated by building)
     assert model.layers[0].params == {}
-    model.init_params(0)   # (first use: made and bound)
+    model.init_params(0)  # (first use: made and bound)
     assert np.shares_memory(model.layers[0].params["W"], model.params)
     out = model.forward(np.ones((2, 6), dtype=np.float32), training=True)
     model.backward(np.ones_like(out))
     assert np.shares_memory(model.layers[0].grads["W"], model.grads)
     shapes = whole(buffers=False)
-    shapes.shapes_only = True   # (a pipeline stage's or a tensor part's whole model)
+    shapes.shapes_only = True  # (a pipeline stage's or a tensor part's whole model)
     with pytest.raises(RuntimeError, match="map of shapes"):
         shapes.params
 
@@ -124,13 +136,15 @@ def fingerprints(model, positions, values):
     if isinstance(positions, range):
         positions = np.arange(positions.start, positions.stop, dtype=np.int64)
     bits = np.ascontiguousarray(values).view(np.uint32 if values.dtype.itemsize == 4 else np.uint64)
-    hashed = init.uniform_bits(np.uint64(0), (positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-                                              ^ bits.astype(np.uint64)).view(np.int64))
+    hashed = init.uniform_bits(
+        np.uint64(0),
+        (positions.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ bits.astype(np.uint64)).view(np.int64),
+    )
     starts = np.array([lo for _, _, lo, _, _ in model.entries], dtype=np.int64)
     owners = np.searchsorted(starts, positions, side="right") - 1
     sums = np.zeros(len(starts), dtype=np.uint64)
     counts = np.bincount(owners, minlength=len(starts)).astype(np.uint64)
-    np.add.at(sums, owners, hashed)   # (uint64 arithmetic wraps: a sum modulo 2^64)
+    np.add.at(sums, owners, hashed)  # (uint64 arithmetic wraps: a sum modulo 2^64)
     return sums, counts
 
 
@@ -138,6 +152,7 @@ def make_layout(name, cluster):
     """``(strategy, placement)``: the strategy ``name`` on ``cluster``, initialised, and the regions of the
     whole model it holds (None: it holds the whole model)."""
     from mpidist.parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy
+
     model, loss = whole(buffers=False), nn.loss_for(4, np)
     make = lambda size: nn.make_optimizer("adam", size, 0.01, xp=np, dtype=np.float32)  # noqa: E731
     common = dict(seed=5)
@@ -145,23 +160,48 @@ def make_layout(name, cluster):
         strategy = LocalStrategy(model, loss, make, **common)
     elif name.startswith("allreduce"):
         tensor = int(name.split("tensor ")[1]) if "tensor" in name else 1
-        strategy = AllreduceStrategy(model, loss, make, cluster, exchange="mpi", tensor=tensor,
-                                     shard="optimizer" if "shard" in name else "none", **common)
+        strategy = AllreduceStrategy(
+            model,
+            loss,
+            make,
+            cluster,
+            exchange="mpi",
+            tensor=tensor,
+            shard="optimizer" if "shard" in name else "none",
+            **common,
+        )
     else:
         stages, tensor = (int(part) for part in name.split()[1].split("x"))
-        strategy = PipelineStrategy(model, loss, make, cluster, stages=stages, micro_batches=2,
-                                    schedule_name="1f1b", global_batch=8, tensor=tensor,
-                                    balance=[3, 5] if stages == 2 else None, **common)
+        strategy = PipelineStrategy(
+            model,
+            loss,
+            make,
+            cluster,
+            stages=stages,
+            micro_batches=2,
+            schedule_name="1f1b",
+            global_batch=8,
+            tensor=tensor,
+            balance=[3, 5] if stages == 2 else None,
+            **common,
+        )
     strategy.initialize()
-    placement = getattr(strategy, "placement", None)   # (a pipeline's, or a tensor part's)
+    placement = getattr(strategy, "placement", None)  # (a pipeline's, or a tensor part's)
     if placement is None and getattr(strategy, "tensor", None) is not None:
         placement = strategy.tensor.placement
     return strategy, placement
 
 
 #: Layout -> ranks: pipelines are "pipeline PxT" (stages x tensor parts).
-LAYOUTS = {"local": 1, "allreduce --shard optimizer": 3, "pipeline 2x1": 2, "pipeline 4x1": 4,
-           "allreduce --tensor 2": 2, "allreduce --tensor 4": 4, "pipeline 2x2": 4}
+LAYOUTS = {
+    "local": 1,
+    "allreduce --shard optimizer": 3,
+    "pipeline 2x1": 2,
+    "pipeline 4x1": 4,
+    "allreduce --tensor 2": 2,
+    "allreduce --tensor 4": 4,
+    "pipeline 2x2": 4,
+}
 
 
 @pytest.mark.mpi(min_size=4)
@@ -172,6 +212,7 @@ def test_every_layout_starts_from_bit_identical_parameters(layout):
     from mpi4py import MPI
 
     from mpidist.runtime.cluster import build_cluster
+
     world, ranks = MPI.COMM_WORLD, LAYOUTS[layout]
     comm = world.Split(0 if world.Get_rank() < ranks else 1, key=world.Get_rank())
     if world.Get_rank() < ranks:
@@ -180,7 +221,7 @@ def test_every_layout_starts_from_bit_identical_parameters(layout):
         positions = range(strategy.model.num_params) if placement is None else placement.positions()
         sums, counts = fingerprints(whole(), positions, np.asarray(strategy.model.params))
         assert len(positions) == strategy.model.num_params
-        if placement is not None:   # of the ranks holding an element, exactly one writes it
+        if placement is not None:  # of the ranks holding an element, exactly one writes it
             written = np.zeros(len(placement.whole.entries), dtype=np.int64)
             for region in placement.regions:
                 written[region.entry] += region.size if region.writes else 0
@@ -192,9 +233,12 @@ def test_every_layout_starts_from_bit_identical_parameters(layout):
         alone.init_params(5)
         expected, sizes = fingerprints(alone, range(alone.num_params), alone.params)
         held = counts // sizes
-        assert np.array_equal(held * sizes, counts) and (held >= 1).all(), (counts, sizes)   # every element, alike
+        assert np.array_equal(held * sizes, counts) and (held >= 1).all(), (
+            counts,
+            sizes,
+        )  # every element, alike
         assert np.array_equal(sums, expected * held), layout
-        if layout == "allreduce --tensor 4":   # (and no rank of a split layout holds the whole model)
+        if layout == "allreduce --tensor 4":  # (and no rank of a split layout holds the whole model)
             assert strategy.model.num_params < alone.num_params
         strategy.free()
         cluster.free()

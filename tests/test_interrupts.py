@@ -17,7 +17,13 @@ from mpidist.runtime import leftovers
 from mpidist.runtime.errors import EXIT_PREEMPTED
 
 from conftest import ROOT, child_environ
-from writes import hangups_as_at_a_terminal, left_aside, made_up_calibration, one_line_and_no_traceback, run_hooked
+from writes import (
+    hangups_as_at_a_terminal,
+    left_aside,
+    made_up_calibration,
+    one_line_and_no_traceback,
+    run_hooked,
+)
 
 STORED_CHECKPOINT = ROOT / "tests" / "checkpoints" / "format1-mlp8-digits.h5"
 
@@ -26,14 +32,24 @@ STORED_CHECKPOINT = ROOT / "tests" / "checkpoints" / "format1-mlp8-digits.h5"
 # (command line, output, whether an output existed before)
 WRITERS = {
     "ingest": (["ingest", "synthetic:3000,8,3", "out.h5"], "out.h5", True),
-    "ingest --shard-size": (["ingest", "synthetic:3000,8,3", "shards", "--shard-size", "1000"], "shards", False),
+    "ingest --shard-size": (
+        ["ingest", "synthetic:3000,8,3", "shards", "--shard-size", "1000"],
+        "shards",
+        False,
+    ),
     "ingest lee-text": (["ingest", "lee-text", "out.h5"], "out.h5", True),
     "predict --output .h5": (["predict", str(STORED_CHECKPOINT), "--output", "p.h5"], "p.h5", True),
     "predict --output .csv": (["predict", str(STORED_CHECKPOINT), "--output", "p.csv"], "p.csv", True),
-    "predict --output in directories it makes": (["predict", str(STORED_CHECKPOINT), "--output", "new/sub/p.npy"],
-                                                  "new/sub/p.npy", False),
-    "plan --output": (["plan", "--calibration", "c.json", "--link", "25GB/s,2us", "--output", "plan.json"],
-                      "plan.json", True),
+    "predict --output in directories it makes": (
+        ["predict", str(STORED_CHECKPOINT), "--output", "new/sub/p.npy"],
+        "new/sub/p.npy",
+        False,
+    ),
+    "plan --output": (
+        ["plan", "--calibration", "c.json", "--link", "25GB/s,2us", "--output", "plan.json"],
+        "plan.json",
+        True,
+    ),
 }
 
 
@@ -54,7 +70,7 @@ def test_a_signal_that_lands_where_exceptions_are_swallowed_still_ends_the_comma
     assert not left_aside(tmp_path), left_aside(tmp_path)
     if existed:
         assert (tmp_path / output).read_text() == "the previous output"
-    else:   # (nor the directories made for it)
+    else:  # (nor the directories made for it)
         assert not (tmp_path / Path(output).parts[0]).exists(), Path(output).parts[0]
 
 
@@ -62,13 +78,29 @@ def test_a_signal_that_lands_where_exceptions_are_swallowed_still_ends_the_comma
 def test_a_signal_mid_ingest_ends_it_at_once_with_its_line_and_no_file_aside(tmp_path, number):
     """A signal from outside while a large ingest writes (tens of MB): the process is gone within seconds."""
     (tmp_path / "big.h5").write_text("the previous output")
-    ingest = subprocess.Popen([sys.executable, "-m", "mpidist", "ingest", "synthetic:2000000,50,10", "big.h5",
-                               "--compression", "none"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=child_environ(PYTHONPATH=str(ROOT)), preexec_fn=hangups_as_at_a_terminal)
+    ingest = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mpidist",
+            "ingest",
+            "synthetic:2000000,50,10",
+            "big.h5",
+            "--compression",
+            "none",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_environ(PYTHONPATH=str(ROOT)),
+        preexec_fn=hangups_as_at_a_terminal,
+    )
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(path.stat().st_size > (1 << 20)
-                                                      for path in tmp_path.glob(".big.h5.tmp-*")):
+        while time.monotonic() < deadline and not any(
+            path.stat().st_size > (1 << 20) for path in tmp_path.glob(".big.h5.tmp-*")
+        ):
             time.sleep(0.02)
         ingest.send_signal(number)
         out, err = ingest.communicate(timeout=10)
@@ -81,12 +113,28 @@ def test_a_signal_mid_ingest_ends_it_at_once_with_its_line_and_no_file_aside(tmp
 
 def test_a_hangup_ignored_by_nohup_stays_ignored(tmp_path):
     """``nohup python -m mpidist ingest ...``: the terminal going away does not stop it."""
+
     def ignore_hangups():
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    ingest = subprocess.Popen([sys.executable, "-m", "mpidist", "ingest", "synthetic:300000,50,10", "big.h5",
-                               "--compression", "none"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=child_environ(PYTHONPATH=str(ROOT)), preexec_fn=ignore_hangups)
+    ingest = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mpidist",
+            "ingest",
+            "synthetic:300000,50,10",
+            "big.h5",
+            "--compression",
+            "none",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_environ(PYTHONPATH=str(ROOT)),
+        preexec_fn=ignore_hangups,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not list(tmp_path.glob(".big.h5.tmp-*")):
@@ -103,12 +151,21 @@ def test_a_signal_while_plan_calibrate_times_the_training_loop_ends_it_with_noth
     """The run ``plan --calibrate`` times kept the signal for itself (a run stops at a step boundary, its
     caller goes on): the calibration was written, exit 0, its step overhead 0.  Now the command ends there."""
     (tmp_path / "cal.json").write_text("the previous calibration")
-    done = run_hooked(tmp_path, f"signal-in-train={int(signal.SIGTERM)},0.5", "plan", "--calibrate", "--seconds",
-                      "0.1", "--calibration", "cal.json", env={"MPIDIST_TEST_DELAY": "*:0.05"})
+    done = run_hooked(
+        tmp_path,
+        f"signal-in-train={int(signal.SIGTERM)},0.5",
+        "plan",
+        "--calibrate",
+        "--seconds",
+        "0.1",
+        "--calibration",
+        "cal.json",
+        env={"MPIDIST_TEST_DELAY": "*:0.05"},
+    )
     assert done.returncode == EXIT_PREEMPTED, done.stdout + done.stderr
     assert one_line_and_no_traceback(done.stderr).startswith("mpidist: stopped by SIGTERM (rank 0)")
     assert (tmp_path / "cal.json").read_text() == "the previous calibration"
-    assert not left_aside(tmp_path), left_aside(tmp_path)    # (the timed run's scratch folder neither)
+    assert not left_aside(tmp_path), left_aside(tmp_path)  # (the timed run's scratch folder neither)
 
 
 def test_leftovers_removes_what_is_pending_newest_first_and_forgets_what_was_left(tmp_path):
@@ -118,28 +175,29 @@ def test_leftovers_removes_what_is_pending_newest_first_and_forgets_what_was_lef
     (scratch / "inner").mkdir()
     with leftovers.pending(made), leftovers.pending(aside), leftovers.pending(scratch, tree=True):
         aside.write_text("half")
-        with leftovers.pending(tmp_path / "renamed"):   # left before the signal: not removed
+        with leftovers.pending(tmp_path / "renamed"):  # left before the signal: not removed
             (tmp_path / "renamed").write_text("whole")
         leftovers.remove_all()
         assert not made.exists() and not scratch.exists() and (tmp_path / "renamed").exists()
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "someone's").write_text("")
-    with leftovers.pending(kept):   # a directory made for an output, filled by someone else since: kept
+    with leftovers.pending(kept):  # a directory made for an output, filled by someone else since: kept
         leftovers.remove_all()
     assert (kept / "someone's").exists()
-    leftovers.remove_all()   # (nothing pending: nothing happens)
+    leftovers.remove_all()  # (nothing pending: nothing happens)
     assert sorted(path.name for path in Path(tmp_path).iterdir()) == ["kept", "renamed"]
 
 
 def test_a_command_holds_the_handlers_while_it_runs_even_over_a_run_inside_and_gives_them_back():
     from mpidist.runtime import preempt
+
     before = {number: signal.getsignal(number) for number in preempt.INTERRUPTS}
     with preempt.interrupt_on_signals():
         assert signal.getsignal(signal.SIGTERM) is preempt._end_here
-        with preempt.stop_signals():   # (a training run the command makes: plan --calibrate, bench)
+        with preempt.stop_signals():  # (a training run the command makes: plan --calibrate, bench)
             assert signal.getsignal(signal.SIGTERM) is preempt._end_here
         assert signal.getsignal(signal.SIGHUP) is preempt._end_here
     assert {number: signal.getsignal(number) for number in preempt.INTERRUPTS} == before
-    with preempt.stop_signals():   # (and a run after it, as train's own, installs its handlers again)
+    with preempt.stop_signals():  # (and a run after it, as train's own, installs its handlers again)
         assert signal.getsignal(signal.SIGTERM) == preempt.stop_signals()._handle

@@ -34,7 +34,9 @@ def lanes_of(batch, workers):
 @pytest.mark.parametrize("batch,workers", [(64, 4), (10, 3), (7, 7), (100, 6), (5, 1)])
 def test_a_worker_s_lanes_are_its_local_batch_after_the_earlier_workers(batch, workers):
     found = lanes_of(batch, workers)
-    assert [lane.count for lane in found] == [data.local_batch_size(batch, workers, w) for w in range(workers)]
+    assert [lane.count for lane in found] == [
+        data.local_batch_size(batch, workers, w) for w in range(workers)
+    ]
     assert [lane.first for lane in found] == [sum(lane.count for lane in found[:w]) for w in range(workers)]
     assert found[-1].first + found[-1].count == batch and all(lane.total == batch for lane in found)
 
@@ -48,19 +50,27 @@ def test_lanes_are_balanced_contiguous_ranges(n, batch):
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 16, 17, 100, 1000, 4097])
 def test_a_keyed_feistel_permutes_any_range_and_undoes_itself(size):
-    for key in (0, 1, 2 ** 63 + 5):
+    for key in (0, 1, 2**63 + 5):
         placed = order_module.permute(np.arange(size), size, np.uint64(key))
         assert sorted(placed.tolist()) == list(range(size))
         assert order_module.permute(placed, size, np.uint64(key), inverse=True).tolist() == list(range(size))
-    if size >= 1000:   # another key, another permutation; neither near the identity
+    if size >= 1000:  # another key, another permutation; neither near the identity
         other = order_module.permute(np.arange(size), size, np.uint64(2))
         assert (other != placed).mean() > 0.9 and abs(np.corrcoef(placed, np.arange(size))[0, 1]) < 0.1
-    huge = 10 ** 11     # any position of a range of 10^11 in a few operations: no table
+    huge = 10**11  # any position of a range of 10^11 in a few operations: no table
     assert 0 <= int(order_module.permute(huge - 1, huge, np.uint64(3))) < huge
 
 
-ORDERS = [(40, 8, 2, 2), (37, 10, 3, 1), (1003, 64, 4, 3), (1003, 12, 7, 2), (100, 3, 7, 3), (61, 6, 64, 1),
-          (500, 4, 9, 1), (500, 4, 1, 500)]
+ORDERS = [
+    (40, 8, 2, 2),
+    (37, 10, 3, 1),
+    (1003, 64, 4, 3),
+    (1003, 12, 7, 2),
+    (100, 3, 7, 3),
+    (61, 6, 64, 1),
+    (500, 4, 9, 1),
+    (500, 4, 1, 500),
+]
 
 
 @pytest.mark.parametrize("n,batch,unit,window", ORDERS)
@@ -69,7 +79,7 @@ def test_each_lane_s_order_is_its_rows_once_and_its_windows_give_the_same_order(
     order = LaneOrder(n, batch, unit, window)
     for seed, epoch in [(0, 0), (3, 1)]:
         for lane in range(batch):
-            first, end = (int(bound) for bound in stream_bounds(n, batch)[lane:lane + 2])
+            first, end = (int(bound) for bound in stream_bounds(n, batch)[lane : lane + 2])
             size = end - first
             rows = order.rows(lane, np.arange(size), seed, epoch)
             assert sorted(rows.tolist()) == list(range(first, first + size))
@@ -81,7 +91,7 @@ def test_each_lane_s_order_is_its_rows_once_and_its_windows_give_the_same_order(
                 streamed += [held[i] for i in order.window_order(found.rows, seed, epoch, lane, found.index)]
                 start += found.rows
             assert streamed == rows.tolist()
-            for position in range(0, size, 5):     # the window holding any one position, alone
+            for position in range(0, size, 5):  # the window holding any one position, alone
                 [alone] = order.windows([lane], seed, epoch, position, position + 1)
                 assert alone.start <= position < alone.start + alone.rows
 
@@ -90,15 +100,16 @@ def global_batch_rows(n, batch, workers, seed, epoch, skip=0, unit=3, window=4):
     """Row numbers of each step's global batch, workers' batches side by side."""
     order = LaneOrder(n, batch, unit, window)
     steps = np.arange(skip, n // batch)[:, None]
-    return np.concatenate([order.rows(lanes.ids[None, :], steps, seed, epoch) for lanes in lanes_of(batch, workers)],
-                          axis=1)
+    return np.concatenate(
+        [order.rows(lanes.ids[None, :], steps, seed, epoch) for lanes in lanes_of(batch, workers)], axis=1
+    )
 
 
 @pytest.mark.parametrize("n,batch", [(1003, 12), (240, 24), (61, 6)])
 def test_the_global_batch_of_every_step_is_each_lane_s_next_sample_for_any_worker_count(n, batch):
     one = global_batch_rows(n, batch, 1, seed=7, epoch=3)
     assert one.shape == (n // batch, batch)
-    assert len(set(one.ravel().tolist())) == n // batch * batch          # each sample once, n mod B left out
+    assert len(set(one.ravel().tolist())) == n // batch * batch  # each sample once, n mod B left out
     bounds = stream_bounds(n, batch)
     assert all(bounds[lane] <= row < bounds[lane + 1] for lane, column in enumerate(one.T) for row in column)
     for workers in range(2, 7):
@@ -110,7 +121,9 @@ def test_a_resume_at_any_step_continues_each_lane_exactly():
     for workers in (1, 3):
         whole = global_batch_rows(n, batch, workers, seed=2, epoch=1)
         for skip in (0, 1, 17, 49, 50):
-            assert np.array_equal(global_batch_rows(n, batch, workers, seed=2, epoch=1, skip=skip), whole[skip:])
+            assert np.array_equal(
+                global_batch_rows(n, batch, workers, seed=2, epoch=1, skip=skip), whole[skip:]
+            )
 
 
 def co_occurring(batches):
@@ -126,13 +139,15 @@ def test_batches_differ_from_epoch_to_epoch_as_chance_has_it():
     second = co_occurring(global_batch_rows(n, batch, 1, seed=0, epoch=1, unit=100, window=1).tolist())
     chance = batch / n
     assert len(first & second) / len(first) < 2 * chance
-    assert not np.array_equal(global_batch_rows(n, batch, 1, seed=0, epoch=0),
-                              global_batch_rows(n, batch, 1, seed=1, epoch=0))
+    assert not np.array_equal(
+        global_batch_rows(n, batch, 1, seed=0, epoch=0), global_batch_rows(n, batch, 1, seed=1, epoch=0)
+    )
 
 
 def test_the_order_s_memory_is_the_same_at_a_million_rows_and_at_a_hundred_billion():
     """A step's rows and the windows around any position of a lane: the same few arrays at 10^6 rows and 10^11
     (traced by tracemalloc, which counts numpy's allocations)."""
+
     def peak(n):
         order = LaneOrder(n, 64, 16384, 4)
         middle = n // 64 // 2
@@ -144,7 +159,7 @@ def test_the_order_s_memory_is_the_same_at_a_million_rows_and_at_a_hundred_billi
         assert len(windows) >= 32
         return top
 
-    small, large = peak(10 ** 6), peak(10 ** 11)
+    small, large = peak(10**6), peak(10**11)
     assert large < small * 1.1 + 4096 and large < 1 << 20, (small, large)
 
 
@@ -172,7 +187,7 @@ def epoch_of(info, mode, batch, workers, seed, epoch, skip=0, buffer=64):
 
 @pytest.mark.parametrize("mode", ["memory", "stream"])
 def test_workers_batches_make_the_same_global_batches_for_any_worker_count(tmp_path, mode):
-    rows, batch = 1000, 24                       # 41 steps, 16 rows left out
+    rows, batch = 1000, 24  # 41 steps, 16 rows left out
     info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=8))
     one = epoch_of(info, mode, batch, 1, seed=5, epoch=2)
     assert len(one) == rows // batch and all(len(step) == batch for step in one)
@@ -180,7 +195,7 @@ def test_workers_batches_make_the_same_global_batches_for_any_worker_count(tmp_p
     assert len(set(flat)) == len(flat) == rows // batch * batch
     for workers in (2, 3, 4, 5, 6):
         assert epoch_of(info, mode, batch, workers, seed=5, epoch=2) == one, workers
-    bounds = stream_bounds(rows, batch)      # the lanes' rows: contiguous ranges
+    bounds = stream_bounds(rows, batch)  # the lanes' rows: contiguous ranges
     assert all(bounds[lane] <= row < bounds[lane + 1] for step in one for lane, row in enumerate(step))
     assert epoch_of(info, mode, batch, 3, seed=5, epoch=3) != one
 
@@ -194,8 +209,9 @@ def test_in_memory_and_streamed_the_order_is_the_same_on_any_worker_count(tmp_pa
     streamed = epoch_of(info, "stream", batch, 1, seed=4, epoch=1, buffer=buffer)
     for workers in (1, 3):
         assert epoch_of(info, "memory", batch, workers, seed=4, epoch=1, buffer=buffer) == streamed
-    mixed = epoch_of(info, "memory", batch, 4, seed=4, epoch=1, buffer=buffer)[:9] + \
-        epoch_of(info, "stream", batch, 2, seed=4, epoch=1, skip=9, buffer=buffer)
+    mixed = epoch_of(info, "memory", batch, 4, seed=4, epoch=1, buffer=buffer)[:9] + epoch_of(
+        info, "stream", batch, 2, seed=4, epoch=1, skip=9, buffer=buffer
+    )
     assert mixed == streamed
 
 
@@ -231,12 +247,12 @@ def test_a_stream_s_windows_are_its_lanes_share_of_the_buffer_in_units_of_whole_
     # units: whole chunks of about a quarter of the share, one chunk at least (a compressed chunk is decompressed
     # whole to read any of it); windows: as many units as hold the share.  The model's dtype changes nothing
     assert order_units(info, "train", 400, (4,), np.float32, batch) == (16, 3)
-    assert order_units(info, "train", 4000, (4,), np.float64, batch) == (48, 5)     # (shares of 200: 3 chunks)
+    assert order_units(info, "train", 4000, (4,), np.float64, batch) == (48, 5)  # (shares of 200: 3 chunks)
     assert (stream.order.unit, stream.order.window) == (16, 3)
     assert stream.pool.rows == 48 and stream.pool.slots == 2 * 3
     for window in stream._schedule(0, 0, 0, 200):
         assert window.rows >= 40 or window.start + window.rows == 200
-        first = 400 + 200 * window.lane     # (a unit is 16 rows from its lane's first, or the lane's last rows)
+        first = 400 + 200 * window.lane  # (a unit is 16 rows from its lane's first, or the lane's last rows)
         assert all((lo - first) % 16 == 0 and (hi - lo == 16 or hi == first + 200) for lo, hi in window.units)
 
 
@@ -253,24 +269,28 @@ def test_a_lane_that_fits_its_share_is_ordered_alike_whatever_the_files_chunks(t
     assert orders[0] != epoch_of(info, "memory", batch, 3, seed=3, epoch=2, buffer=rows)
 
 
-def test_a_stream_reads_its_first_windows_at_set_up_and_the_next_epoch_s_while_the_last_batches_train(tmp_path):
+def test_a_stream_reads_its_first_windows_at_set_up_and_the_next_epoch_s_while_the_last_batches_train(
+    tmp_path,
+):
     info = data.inspect(write(tmp_path / "rows.h5", 700, chunk=8))
     lanes = Lanes(9, 3, 4)
-    fresh, ahead = (data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=90, lanes=lanes) for _ in range(2))
+    fresh, ahead = (
+        data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=90, lanes=lanes) for _ in range(2)
+    )
     steps = 700 // 9
     for epoch in range(2):
         for skip in (0, 11):
             expected = rows_of(fresh.batches(steps, 2, epoch, skip=skip))
             ahead.prime(2, epoch, skip)
-            assert len(ahead._ahead) == lanes.count     # the window holding the step, of each lane
+            assert len(ahead._ahead) == lanes.count  # the window holding the step, of each lane
             assert rows_of(ahead.batches(steps, 2, epoch, skip=skip)) == expected
-    batches = ahead.batches(steps, 2, 5)               # read to its end: epoch 6's first windows are read too
+    batches = ahead.batches(steps, 2, 5)  # read to its end: epoch 6's first windows are read too
     assert len(list(batches)) == steps
     batches.close()
     assert sorted(key[:3] for key in ahead._ahead) == [(2, 6, lane) for lane in range(3, 7)]
     assert {key[3] for key in ahead._ahead} == {0}
     assert rows_of(ahead.batches(steps, 2, 6)) == rows_of(fresh.batches(steps, 2, 6))
-    batches = ahead.batches(steps, 2, 7, last_epoch=True)    # the run's last epoch: nothing of the next is read
+    batches = ahead.batches(steps, 2, 7, last_epoch=True)  # the run's last epoch: nothing of the next is read
     assert len(list(batches)) == steps
     batches.close()
     assert not ahead._ahead
@@ -278,6 +298,7 @@ def test_a_stream_reads_its_first_windows_at_set_up_and_the_next_epoch_s_while_t
 
 def test_a_stream_closed_early_lets_its_threads_go_and_gives_the_same_batches_after(tmp_path):
     import threading
+
     info = data.inspect(write(tmp_path / "rows.h5", 600, chunk=8))
     stream = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=40, lanes=Lanes(6, 0, 6))
     expected = rows_of(stream.batches(100, 0, 0))
@@ -285,7 +306,7 @@ def test_a_stream_closed_early_lets_its_threads_go_and_gives_the_same_batches_af
     batches = stream.batches(100, 0, 0)
     next(iter(batches))
     started = set(threading.enumerate()) - before
-    assert len(started) == 2       # the one reading windows, the one gathering batches
+    assert len(started) == 2  # the one reading windows, the one gathering batches
     batches.close()
     assert not any(thread.is_alive() for thread in started)
     assert rows_of(stream.batches(100, 0, 0)) == expected
@@ -301,15 +322,36 @@ def test_gathering_takes_a_segment_of_steps_at_a_time(tmp_path, monkeypatch):
 
 
 # -- real runs: the rows each worker trained on, recorded (MPIDIST_TEST_RECORD) ----------------------------------
-ROWS, BATCH, STEPS = 1000, 48, 20           # 20 steps an epoch, 40 rows left out of each
+ROWS, BATCH, STEPS = 1000, 48, 20  # 20 steps an epoch, 40 rows left out of each
 
 
 def recorded_run(tmp_path, ranks, folder, *flags):
     (tmp_path / folder).mkdir(exist_ok=True)
-    done, _ = mpidist(ranks, "train", "--data", str(tmp_path / "rows.h5"), "--model", "mlp:4", "--epochs", "2",
-                      "--batch-size", str(BATCH), "--lr", "1e-9", "--dtype", "float64", "--metrics", "",
-                      "--progress", "none", "--eval-every", "0", *flags,
-                      env={"MPIDIST_TEST_RECORD": str(tmp_path / folder)}, timeout=120)
+    done, _ = mpidist(
+        ranks,
+        "train",
+        "--data",
+        str(tmp_path / "rows.h5"),
+        "--model",
+        "mlp:4",
+        "--epochs",
+        "2",
+        "--batch-size",
+        str(BATCH),
+        "--lr",
+        "1e-9",
+        "--dtype",
+        "float64",
+        "--metrics",
+        "",
+        "--progress",
+        "none",
+        "--eval-every",
+        "0",
+        *flags,
+        env={"MPIDIST_TEST_RECORD": str(tmp_path / folder)},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert f"{STEPS} steps/epoch" in done.stdout, done.stdout
     return done
@@ -317,12 +359,14 @@ def recorded_run(tmp_path, ranks, folder, *flags):
 
 def assert_each_sample_once_an_epoch_as_one_worker_trains(trained, reference):
     """Each epoch of ``trained`` trains on each of its rows once, and each step on the rows one worker's does."""
-    assert sorted(trained) == sorted(reference) == [(epoch, step) for epoch in range(2) for step in range(STEPS)]
+    assert (
+        sorted(trained) == sorted(reference) == [(epoch, step) for epoch in range(2) for step in range(STEPS)]
+    )
     for key, rows in reference.items():
-        assert trained[key] == rows, key       # the same global batch, step by step
+        assert trained[key] == rows, key  # the same global batch, step by step
     for epoch, rows in epochs_of(trained).items():
         assert set(rows.values()) == {1} and len(rows) == STEPS * BATCH, (epoch, rows.most_common(3))
-    assert all(trained[0, step] != trained[1, step] for step in range(STEPS))     # the next epoch, other batches
+    assert all(trained[0, step] != trained[1, step] for step in range(STEPS))  # the next epoch, other batches
 
 
 @pytest.mark.parametrize("mode", ["memory", "stream"])
@@ -338,21 +382,34 @@ def test_a_run_stopped_on_4_workers_and_resumed_on_3_trains_each_sample_once_an_
     trained = trained_rows(tmp_path / "split")
     assert_each_sample_once_an_epoch_as_one_worker_trains(trained, trained_rows(tmp_path / "one"))
     # (steps 0..12 came from 4 workers, the rest from 3: each line is a worker's batch)
-    lines = [line.split()[:3] for path in (tmp_path / "split").glob("*.txt") for line in path.read_text().splitlines()]
-    assert sorted({(int(step) < 13, workers) for epoch, step, workers in lines if epoch == "0"}) == \
-        [(False, "3"), (True, "4")]
+    lines = [
+        line.split()[:3]
+        for path in (tmp_path / "split").glob("*.txt")
+        for line in path.read_text().splitlines()
+    ]
+    assert sorted({(int(step) < 13, workers) for epoch, step, workers in lines if epoch == "0"}) == [
+        (False, "3"),
+        (True, "4"),
+    ]
 
 
-@pytest.mark.parametrize("first,then", [
-    (["--data-mode", "memory"], ["--data-mode", "stream"]),
-    (["--data-mode", "stream"], ["--data-mode", "memory"]),
-    # the very same flags: 4 workers hold their 240 rows in memory; 2 workers' 480 rows stream
-    (["--memory-budget", "16K"], ["--memory-budget", "16K"])])
-def test_a_run_resumed_on_another_worker_count_and_data_mode_trains_each_sample_once_an_epoch(tmp_path, first, then):
+@pytest.mark.parametrize(
+    "first,then",
+    [
+        (["--data-mode", "memory"], ["--data-mode", "stream"]),
+        (["--data-mode", "stream"], ["--data-mode", "memory"]),
+        # the very same flags: 4 workers hold their 240 rows in memory; 2 workers' 480 rows stream
+        (["--memory-budget", "16K"], ["--memory-budget", "16K"]),
+    ],
+)
+def test_a_run_resumed_on_another_worker_count_and_data_mode_trains_each_sample_once_an_epoch(
+    tmp_path, first, then
+):
     """Stopped at step 13 on 4 workers, resumed on 2 in the other mode, with the buffer the run started with
     (its checkpoint's): each epoch trains on each of its rows once, step by step as one worker with that buffer."""
     import h5py
-    write(tmp_path / "rows.h5", ROWS, chunk=2)      # (a window holds whole chunks: small ones, for the budget)
+
+    write(tmp_path / "rows.h5", ROWS, chunk=2)  # (a window holds whole chunks: small ones, for the budget)
     flags = ["--checkpoint-dir", str(tmp_path / "ck")]
     started = recorded_run(tmp_path, 4, "split", *flags, *first, "--steps", "13")
     done = recorded_run(tmp_path, 2, "split", *flags, *then, "--resume", "auto")
@@ -360,30 +417,36 @@ def test_a_run_resumed_on_another_worker_count_and_data_mode_trains_each_sample_
         buffer = json.loads(handle.attrs["config"])["shuffle_buffer"]
     assert buffer > 0 and "resumed from" in done.stdout
     modes = [re.findall(r"worker +\d+ +cpu +(\w+)", run.stdout) for run in (started, done)]
-    assert modes[0] and modes[1] and set(modes[0]).isdisjoint(modes[1]), modes      # the mode did switch
+    assert modes[0] and modes[1] and set(modes[0]).isdisjoint(modes[1]), modes  # the mode did switch
     recorded_run(tmp_path, 1, "one", "--shuffle-buffer", str(buffer))
-    assert_each_sample_once_an_epoch_as_one_worker_trains(trained_rows(tmp_path / "split"),
-                                                         trained_rows(tmp_path / "one"))
+    assert_each_sample_once_an_epoch_as_one_worker_trains(
+        trained_rows(tmp_path / "split"), trained_rows(tmp_path / "one")
+    )
 
 
 @pytest.mark.parametrize("compression", [None, "gzip"])
 def test_a_worker_s_lanes_are_read_from_a_file_as_one_selection_of_evenly_spaced_runs(tmp_path, compression):
     from mpidist.data.rows import read_runs, regular_runs
     import h5py
+
     path = write(tmp_path / "rows.h5", 1003, chunk=7, compression=compression)
     with h5py.File(path) as handle:
         item = handle["train/x"]
         for lanes in (Lanes.of(64, 4, 1), Lanes.of(10, 3, 2), Lanes.of(13, 2, 0), Lanes.of(64, 4, 3)):
-            q, extra = divmod(1003, lanes.total)    # a strided selection: rows q * B + l of the lanes l
-            rows = np.sort(np.concatenate([np.arange(q + (lane < extra)) * lanes.total + lane for lane in lanes.ids]))
-            for lo, hi in [(0, 1003), (5, 600), (333, 1003)]:      # (a file's part of the rows)
+            q, extra = divmod(1003, lanes.total)  # a strided selection: rows q * B + l of the lanes l
+            rows = np.sort(
+                np.concatenate([np.arange(q + (lane < extra)) * lanes.total + lane for lane in lanes.ids])
+            )
+            for lo, hi in [(0, 1003), (5, 600), (333, 1003)]:  # (a file's part of the rows)
                 part = rows[(rows >= lo) & (rows < hi)]
                 runs = regular_runs(part)
                 assert runs is not None and runs[3] >= 1 and runs[4] == lanes.count and runs[2] == lanes.total
                 np.testing.assert_array_equal(read_runs(item, part, runs), item[...][part])
     assert regular_runs([1, 2, 5, 6, 9]) == (2, 5, 2, 1, 2, 1)
-    assert regular_runs([1, 2, 5, 6, 7, 9, 10, 14]) is None and regular_runs([0, 3, 4, 7, 8, 12, 13, 20]) is None
-    assert regular_runs([3, 4, 5]) is None and regular_runs([3, 4, 8]) is None       # fewer than three runs
+    assert (
+        regular_runs([1, 2, 5, 6, 7, 9, 10, 14]) is None and regular_runs([0, 3, 4, 7, 8, 12, 13, 20]) is None
+    )
+    assert regular_runs([3, 4, 5]) is None and regular_runs([3, 4, 8]) is None  # fewer than three runs
 
 
 def test_a_resume_with_another_batch_size_mid_epoch_says_it_cuts_other_lanes():
@@ -391,13 +454,23 @@ def test_a_resume_with_another_batch_size_mid_epoch_says_it_cuts_other_lanes():
 
     from mpidist.loop.setup import recipe_changes
     from mpidist.settings.config import Settings
+
     resume = types.SimpleNamespace(config={"batch_size": 64}, path="ck.h5", epoch=1, epoch_step=5)
     notes = recipe_changes(Settings(batch_size=32), resume)
     assert len(notes) == 2 and "--batch-size 64 -> 32" in notes[0]
-    assert notes[1] == ("note: --batch-size 32 cuts the training split into 32 lanes, not 64: epoch 2 goes on from "
-                        "step 5 of the new lanes' orders, so some of its samples may come twice or not at all; every "
-                        "later epoch trains on each sample once")
-    assert len(recipe_changes(Settings(batch_size=32), types.SimpleNamespace(**{**vars(resume), "epoch_step": 0}))) == 1
+    assert notes[1] == (
+        "note: --batch-size 32 cuts the training split into 32 lanes, not 64: epoch 2 goes on from "
+        "step 5 of the new lanes' orders, so some of its samples may come twice or not at all; every "
+        "later epoch trains on each sample once"
+    )
+    assert (
+        len(
+            recipe_changes(
+                Settings(batch_size=32), types.SimpleNamespace(**{**vars(resume), "epoch_step": 0})
+            )
+        )
+        == 1
+    )
     assert recipe_changes(Settings(batch_size=64), resume) == []
 
 
@@ -411,7 +484,10 @@ def test_between_graph_workers_train_on_the_global_batches_one_process_trains_on
     from mpi4py import MPI
 
     import mpidist
-    quiet = dict(metrics="", progress="none", eval_every=0, data="digits", steps=30, batch_size=60, dtype="float64")
+
+    quiet = dict(
+        metrics="", progress="none", eval_every=0, data="digits", steps=30, batch_size=60, dtype="float64"
+    )
     one = mpidist.train("mlp", strategy="local", comm=MPI.COMM_SELF, stream=io.StringIO(), **quiet)
     many = mpidist.train("mlp", strategy="allreduce", stream=io.StringIO(), **quiet)
     if many.is_chief:

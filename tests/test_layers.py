@@ -35,34 +35,38 @@ from mpidist.nn import (
 from test_nn import check_model_gradients, fit_one_batch
 
 
-@pytest.mark.parametrize("layers,shape", [
-    ([Conv1D(3, 3)], (2, 7)),
-    ([Conv1D(2, 3, stride=2, padding=0)], (1, 9)),
-    ([Conv1D(2, 4)], (2, 6)),                       # even kernel, asymmetric "same"
-    ([Conv1D(2, 2, stride=2, padding=1)], (2, 5)),
-    ([Conv2D(2, 4)], (2, 5, 5)),                    # even kernel, asymmetric "same"
-    ([Conv2D(2, 2, stride=2)], (1, 5, 4)),
-    ([Conv2D(1, 3)], (1, 5, 5)),                    # one channel in and out: windows gathered per kernel offset
-    ([Conv1D(1, 3), ReLU(), Conv1D(1, 3, stride=2, padding=1)], (1, 9)),
-    ([MaxPool1D(2)], (2, 6)),
-    ([MaxPool1D(3)], (1, 8)),                       # crops the remainder
-    ([AvgPool1D(2)], (2, 7)),
-    ([AvgPool2D(2)], (2, 4, 5)),
-    ([AvgPool2D(3)], (1, 7, 6)),
-    ([GlobalAvgPool()], (3, 5)),
-    ([GlobalAvgPool()], (2, 3, 4)),
-    ([Dense(5), GELU(), Dense(2)], (3,)),
-    ([Dense(5), Sigmoid(), Dense(2)], (3,)),
-    ([LayerNorm(), Dense(2)], (4,)),
-    ([LayerNorm()], (3, 5)),                        # normalises the last axis of each row
-    ([Dense(4), LayerNorm(), Tanh(), Dense(2)], (3,)),
-    ([Conv1D(4, 5), ReLU(), MaxPool1D(2), Conv1D(3, 3), ReLU(), GlobalAvgPool(), Dense(2)], (1, 12)),
-])
+@pytest.mark.parametrize(
+    "layers,shape",
+    [
+        ([Conv1D(3, 3)], (2, 7)),
+        ([Conv1D(2, 3, stride=2, padding=0)], (1, 9)),
+        ([Conv1D(2, 4)], (2, 6)),  # even kernel, asymmetric "same"
+        ([Conv1D(2, 2, stride=2, padding=1)], (2, 5)),
+        ([Conv2D(2, 4)], (2, 5, 5)),  # even kernel, asymmetric "same"
+        ([Conv2D(2, 2, stride=2)], (1, 5, 4)),
+        ([Conv2D(1, 3)], (1, 5, 5)),  # one channel in and out: windows gathered per kernel offset
+        ([Conv1D(1, 3), ReLU(), Conv1D(1, 3, stride=2, padding=1)], (1, 9)),
+        ([MaxPool1D(2)], (2, 6)),
+        ([MaxPool1D(3)], (1, 8)),  # crops the remainder
+        ([AvgPool1D(2)], (2, 7)),
+        ([AvgPool2D(2)], (2, 4, 5)),
+        ([AvgPool2D(3)], (1, 7, 6)),
+        ([GlobalAvgPool()], (3, 5)),
+        ([GlobalAvgPool()], (2, 3, 4)),
+        ([Dense(5), GELU(), Dense(2)], (3,)),
+        ([Dense(5), Sigmoid(), Dense(2)], (3,)),
+        ([LayerNorm(), Dense(2)], (4,)),
+        ([LayerNorm()], (3, 5)),  # normalises the last axis of each row
+        ([Dense(4), LayerNorm(), Tanh(), Dense(2)], (3,)),
+        ([Conv1D(4, 5), ReLU(), MaxPool1D(2), Conv1D(3, 3), ReLU(), GlobalAvgPool(), Dense(2)], (1, 12)),
+    ],
+)
 def test_layer_gradients_match_finite_differences(layers, shape):
     check_model_gradients(layers, shape)
 
 
 # --- convolutions and pooling against loops ------------------------------------------------------------------------
+
 
 def reference_conv1d(x, w, b, stride, pads):
     n, c, length = x.shape
@@ -73,14 +77,21 @@ def reference_conv1d(x, w, b, stride, pads):
     for i in range(n):
         for o in range(f):
             for r in range(lo):
-                out[i, o, r] = (xp[i, :, r * stride:r * stride + k] * w[o]).sum() + b[o]
+                out[i, o, r] = (xp[i, :, r * stride : r * stride + k] * w[o]).sum() + b[o]
     return out
 
 
-@pytest.mark.parametrize("stride,padding,kernel,pads", [
-    (1, "same", 3, (1, 1)), (2, 0, 3, (0, 0)), (1, 0, 1, (0, 0)), (2, 2, 5, (2, 2)), (1, "same", 4, (1, 2)),
-    (3, "same", 2, (0, 1)),
-])
+@pytest.mark.parametrize(
+    "stride,padding,kernel,pads",
+    [
+        (1, "same", 3, (1, 1)),
+        (2, 0, 3, (0, 0)),
+        (1, 0, 1, (0, 0)),
+        (2, 2, 5, (2, 2)),
+        (1, "same", 4, (1, 2)),
+        (3, "same", 2, (0, 1)),
+    ],
+)
 def test_conv1d_matches_a_direct_loop(stride, padding, kernel, pads):
     rng = np.random.default_rng(1)
     layer = Conv1D(4, kernel, stride=stride, padding=padding)
@@ -102,7 +113,9 @@ def test_even_kernel_same_conv2d_pads_one_more_after_as_tensorflow_does():
     for o in range(2):
         for r in range(6):
             for s in range(5):
-                expected = (padded[0, 0, r:r + 4, s:s + 4] * layer.params["W"][o, 0]).sum() + layer.params["b"][o]
+                expected = (
+                    padded[0, 0, r : r + 4, s : s + 4] * layer.params["W"][o, 0]
+                ).sum() + layer.params["b"][o]
                 assert np.isclose(out[0, o, r, s], expected, rtol=1e-12)
     assert "padding=(1, 2)" in repr(layer)
 
@@ -112,7 +125,7 @@ def test_same_padding_keeps_the_size_for_every_kernel(kernel):
     assert Sequential([Conv2D(2, kernel)], (3, 9, 9)).output_shape == (2, 9, 9)
     assert Sequential([Conv2D(2, kernel)], (3, 8, 7)).output_shape == (2, 8, 7)
     assert Sequential([Conv1D(2, kernel)], (3, 9)).output_shape == (2, 9)
-    assert Sequential([Conv1D(2, kernel, stride=2)], (3, 9)).output_shape == (2, 5)   # ceil(9 / 2)
+    assert Sequential([Conv1D(2, kernel, stride=2)], (3, 9)).output_shape == (2, 5)  # ceil(9 / 2)
 
 
 def test_pool1d_matches_a_direct_loop_and_crops_partial_windows():
@@ -121,8 +134,8 @@ def test_pool1d_matches_a_direct_loop_and_crops_partial_windows():
     mean = Sequential([AvgPool1D(3)], (3, 11), xp=np, dtype=np.float64).forward(x)
     assert top.shape == mean.shape == (2, 3, 3)
     for r in range(3):
-        np.testing.assert_array_equal(top[:, :, r], x[:, :, 3 * r:3 * r + 3].max(axis=2))
-        np.testing.assert_allclose(mean[:, :, r], x[:, :, 3 * r:3 * r + 3].mean(axis=2), rtol=1e-14)
+        np.testing.assert_array_equal(top[:, :, r], x[:, :, 3 * r : 3 * r + 3].max(axis=2))
+        np.testing.assert_allclose(mean[:, :, r], x[:, :, 3 * r : 3 * r + 3].mean(axis=2), rtol=1e-14)
 
 
 def test_avgpool2d_matches_a_direct_loop_and_maxpool2d_is_unchanged():
@@ -131,7 +144,7 @@ def test_avgpool2d_matches_a_direct_loop_and_maxpool2d_is_unchanged():
     top = Sequential([MaxPool2D(3)], (3, 7, 6), xp=np, dtype=np.float64).forward(x)
     for r in range(2):
         for s in range(2):
-            window = x[:, :, 3 * r:3 * r + 3, 3 * s:3 * s + 3]
+            window = x[:, :, 3 * r : 3 * r + 3, 3 * s : 3 * s + 3]
             np.testing.assert_allclose(mean[:, :, r, s], window.mean(axis=(2, 3)), rtol=1e-14)
             np.testing.assert_array_equal(top[:, :, r, s], window.max(axis=(2, 3)))
 
@@ -160,13 +173,18 @@ def test_pools_that_do_not_fit_are_shape_errors():
 
 # --- activations and LayerNorm ---------------------------------------------------------------------------------------
 
+
 def test_gelu_is_the_tanh_approximation():
     layer = GELU()
     layer.xp = np
     x = np.array([-3.0, -1.0, 0.0, 1.0, 2.0])
     c = np.sqrt(2 / np.pi)
-    np.testing.assert_allclose(layer.forward(x), 0.5 * x * (1 + np.tanh(c * (x + 0.044715 * x ** 3))), rtol=1e-15)
-    assert np.isclose(layer.forward(np.array([1.0]))[0], 0.8411919906082768, rtol=1e-12)   # torch, approximate="tanh"
+    np.testing.assert_allclose(
+        layer.forward(x), 0.5 * x * (1 + np.tanh(c * (x + 0.044715 * x**3))), rtol=1e-15
+    )
+    assert np.isclose(
+        layer.forward(np.array([1.0]))[0], 0.8411919906082768, rtol=1e-12
+    )  # torch, approximate="tanh"
 
 
 def test_sigmoid_is_exact_and_quiet_for_huge_inputs():
@@ -193,16 +211,20 @@ def test_layernorm_normalises_the_last_axis_and_applies_gamma_beta():
 
 # --- BatchNorm -------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layers,shape", [
-    ([BatchNorm()], (3,)),
-    ([Dense(4), BatchNorm(), ReLU(), Dense(2)], (3,)),
-    ([BatchNorm()], (2, 3)),                      # (N, C, L): statistics over N and L
-    ([Conv2D(2, 3), BatchNorm(), ReLU(), Flatten(), Dense(2)], (1, 4, 4)),
-])
+
+@pytest.mark.parametrize(
+    "layers,shape",
+    [
+        ([BatchNorm()], (3,)),
+        ([Dense(4), BatchNorm(), ReLU(), Dense(2)], (3,)),
+        ([BatchNorm()], (2, 3)),  # (N, C, L): statistics over N and L
+        ([Conv2D(2, 3), BatchNorm(), ReLU(), Flatten(), Dense(2)], (1, 4, 4)),
+    ],
+)
 def test_batchnorm_gradients_through_batch_statistics_match_finite_differences(layers, shape):
     model = check_model_gradients(layers, shape, batch=4, training=True)
     for lo, hi in model.running_entries():
-        assert not model.grads[lo:hi].any()      # never trained
+        assert not model.grads[lo:hi].any()  # never trained
 
 
 def test_batchnorm_moves_running_statistics_and_evaluation_uses_them():
@@ -213,16 +235,18 @@ def test_batchnorm_moves_running_statistics_and_evaluation_uses_them():
     layer = model.layers[0]
     y = model.forward(x, training=True)
     np.testing.assert_allclose(y.mean(axis=(0, 2)), 0, atol=1e-13)
-    np.testing.assert_allclose(y.var(axis=(0, 2)), 1, rtol=1e-5)        # eps = 1e-5
+    np.testing.assert_allclose(y.var(axis=(0, 2)), 1, rtol=1e-5)  # eps = 1e-5
     np.testing.assert_allclose(layer.params["running_mean"], 0.25 * x.mean(axis=(0, 2)), rtol=1e-13)
     unbiased = x.transpose(1, 0, 2).reshape(3, -1).var(axis=1, ddof=1)
     np.testing.assert_allclose(layer.params["running_var"], 0.75 + 0.25 * unbiased, rtol=1e-13)
     layer.params["running_mean"][...], layer.params["running_var"][...] = [1.0, 2.0, 3.0], [4.0, 1.0, 0.25]
     layer.params["gamma"][...], layer.params["beta"][...] = 2.0, 1.0
     before = model.params.copy()
-    expected = 2 * (x - np.array([1.0, 2.0, 3.0])[:, None]) / np.sqrt(np.array([4.0, 1.0, 0.25])[:, None] + 1e-5) + 1
+    expected = (
+        2 * (x - np.array([1.0, 2.0, 3.0])[:, None]) / np.sqrt(np.array([4.0, 1.0, 0.25])[:, None] + 1e-5) + 1
+    )
     np.testing.assert_allclose(model.forward(x, training=False), expected, rtol=1e-13)
-    np.testing.assert_array_equal(model.params, before)                  # evaluation moves nothing
+    np.testing.assert_array_equal(model.params, before)  # evaluation moves nothing
 
 
 def test_running_entries_are_the_flat_ranges_of_running_statistics():
@@ -230,8 +254,10 @@ def test_running_entries_are_the_flat_ranges_of_running_statistics():
     first, nested = model.layers[1], model.layers[2].layers[1]
     ranges = model.running_entries()
     assert len(ranges) == 4
-    for (lo, hi), (layer, name) in zip(ranges, [(first, "running_mean"), (first, "running_var"),
-                                                (nested, "running_mean"), (nested, "running_var")]):
+    for (lo, hi), (layer, name) in zip(
+        ranges,
+        [(first, "running_mean"), (first, "running_var"), (nested, "running_mean"), (nested, "running_var")],
+    ):
         assert hi - lo == 4 and np.shares_memory(model.params[lo:hi], layer.params[name])
     model.init_params(0)
     np.testing.assert_array_equal(first.params["running_var"], 1.0)
@@ -251,10 +277,11 @@ class FakeAllreduce:
             assert array.dtype == np.float64 and array.flags.c_contiguous
             self.slots[worker] = array.copy()
             self.barrier.wait()
-            total = sum(self.slots)            # same order on every worker: identical results
-            self.barrier.wait()                # everyone has read before the next call overwrites a slot
+            total = sum(self.slots)  # same order on every worker: identical results
+            self.barrier.wait()  # everyone has read before the next call overwrites a slot
             array[...] = total
             self.calls += worker == 0
+
         return reduce
 
 
@@ -265,7 +292,7 @@ def run_workers(parts, work):
     def target(worker):
         try:
             results[worker] = work(worker)
-        except BaseException as err:   # noqa: B902 -- reported by the main thread
+        except BaseException as err:  # noqa: B902 -- reported by the main thread
             errors.append(err)
 
     threads = [threading.Thread(target=target, args=(w,)) for w in range(parts)]
@@ -285,7 +312,7 @@ def test_synchronised_batchnorm_on_shards_equals_batchnorm_on_the_whole_batch(sh
     rng = np.random.default_rng(8)
     total = sum(sizes)
     x = rng.normal(1.0, 2.0, size=(total,) + shape)
-    r = rng.normal(size=x.shape)                   # d(global loss)/dy for every sample
+    r = rng.normal(size=x.shape)  # d(global loss)/dy for every sample
     params = rng.normal(size=4 * shape[0])
 
     def model(sync):
@@ -310,11 +337,13 @@ def test_synchronised_batchnorm_on_shards_equals_batchnorm_on_the_whole_batch(sh
         return y, dx, local.grads.copy(), local.params.copy()
 
     results = run_workers(len(sizes), work)
-    assert fake.calls == 2                         # one reduce in forward, one in backward
+    assert fake.calls == 2  # one reduce in forward, one in backward
     np.testing.assert_allclose(np.concatenate([y for y, _, _, _ in results]), expected_y, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(np.concatenate([dx for _, dx, _, _ in results]), expected_dx, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        np.concatenate([dx for _, dx, _, _ in results]), expected_dx, rtol=0, atol=1e-12
+    )
     np.testing.assert_allclose(sum(g for _, _, g, _ in results), whole.grads, rtol=0, atol=1e-12)
-    for _, _, _, p in results:                     # every worker's running statistics are the global ones
+    for _, _, _, p in results:  # every worker's running statistics are the global ones
         np.testing.assert_allclose(p, whole.params, rtol=0, atol=1e-12)
 
 
@@ -327,10 +356,13 @@ def test_batchnorm_without_a_reducer_is_per_worker():
 
 # --- Embedding -------------------------------------------------------------------------------------------------------
 
+
 def test_embedding_gradient_adds_up_repeated_ids():
     ids = np.array([[0, 2, 2, 4], [4, 4, 1, 2], [3, 0, 2, 2]])
     # float ids, as a dataset stores them; the input is not perturbed (ids have no gradient: the next test)
-    nn.check_gradients([Embedding(5, 3), Flatten(), Dense(2)], (4,), x=ids.astype(np.float32), input_grad=False)
+    nn.check_gradients(
+        [Embedding(5, 3), Flatten(), Dense(2)], (4,), x=ids.astype(np.float32), input_grad=False
+    )
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, 6, np.nan, 1e30])
@@ -339,14 +371,18 @@ def test_an_embedding_refuses_ids_that_are_not_its_tokens_naming_the_sample_and_
     past the vocabulary, whole or split by vocabulary (a part checks the ids against the whole vocabulary)."""
     from mpidist.nn.tensor import VocabularyPart
     from mpidist.runtime.errors import UsageError
+
     ids = np.array([[5, 0, 5], [1, 2, 3]], dtype=np.float64)
     ids[1, 2] = bad
     for layer in (Embedding(6, 2), VocabularyPart(3, 6, 2, whole=6), VocabularyPart(0, 3, 2, whole=6)):
         model = Sequential([layer], (3,), xp=np, dtype=np.float64)
-        with pytest.raises(UsageError, match=rf"Embedding\(6\): token id {re.escape(repr(float(bad)))} at sample 1 "
-                                             r"of the batch, position 2, is not a whole number in \[0, 6\)"):
+        with pytest.raises(
+            UsageError,
+            match=rf"Embedding\(6\): token id {re.escape(repr(float(bad)))} at sample 1 "
+            r"of the batch, position 2, is not a whole number in \[0, 6\)",
+        ):
             model.forward(ids)
-    ids[1, 2] = 5.0      # whole ids of the vocabulary, as a dataset stores them (floats), pass
+    ids[1, 2] = 5.0  # whole ids of the vocabulary, as a dataset stores them (floats), pass
     assert Sequential([Embedding(6, 2)], (3,), xp=np, dtype=np.float64).forward(ids).shape == (2, 3, 2)
 
 
@@ -364,20 +400,25 @@ def test_embedding_looks_up_rows_and_its_input_gradient_is_zero():
 
 # --- Residual --------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layers,shape", [
-    ([Residual(Dense(4), ReLU(), Dense(4))], (4,)),
-    ([Dense(3), Residual(Dense(5), Tanh(), Dense(3)), Dense(2)], (4,)),
-    ([Residual(Conv2D(2, 3), ReLU(), Conv2D(2, 3))], (2, 4, 4)),
-    ([Residual(Dense(3), Residual(Dense(3), Tanh()), ReLU()), Dense(2)], (3,)),        # nested
-    ([Residual(Conv1D(3, 4), LayerNorm(), GELU()), GlobalAvgPool(), Dense(2)], (3, 5)),
-])
+
+@pytest.mark.parametrize(
+    "layers,shape",
+    [
+        ([Residual(Dense(4), ReLU(), Dense(4))], (4,)),
+        ([Dense(3), Residual(Dense(5), Tanh(), Dense(3)), Dense(2)], (4,)),
+        ([Residual(Conv2D(2, 3), ReLU(), Conv2D(2, 3))], (2, 4, 4)),
+        ([Residual(Dense(3), Residual(Dense(3), Tanh()), ReLU()), Dense(2)], (3,)),  # nested
+        ([Residual(Conv1D(3, 4), LayerNorm(), GELU()), GlobalAvgPool(), Dense(2)], (3, 5)),
+    ],
+)
 def test_residual_gradients_match_finite_differences(layers, shape):
     check_model_gradients(layers, shape)
 
 
 def test_dropout_inside_a_residual_gets_its_own_stream():
-    model = check_model_gradients([Residual(Dense(6), Dropout(0.5)), Residual(Dense(6), Dropout(0.5))], (6,),
-                                  training=True)
+    model = check_model_gradients(
+        [Residual(Dense(6), Dropout(0.5)), Residual(Dense(6), Dropout(0.5))], (6,), training=True
+    )
     first, second = model.layers[0].layers[1], model.layers[1].layers[1]
     assert first.rng is not None and second.rng is not None
     model.reseed(1)
@@ -416,6 +457,7 @@ def test_residual_block_that_changes_the_shape_is_a_shape_error_naming_both():
 
 # --- zoo specs -------------------------------------------------------------------------------------------------------
 
+
 def dense_widths(model):
     return [layer.units for layer in model.layers if isinstance(layer, Dense)]
 
@@ -429,9 +471,11 @@ def test_mlp_spec_sets_the_hidden_widths():
 
 def test_cnn_spec_sets_the_conv_filters_and_the_default_image_cnn_is_unchanged():
     default = nn.build_model("cnn", (8, 8), 10, np, np.float32)
-    assert default.num_params == 13706       # Conv16-Pool-Conv32-Pool-Dense64-Dense10 on 8x8: checkpoints rely on it
+    assert (
+        default.num_params == 13706
+    )  # Conv16-Pool-Conv32-Pool-Dense64-Dense10 on 8x8: checkpoints rely on it
     assert nn.build_model("cnn:16,32", (8, 8), 10, np, np.float32).num_params == 13706
-    model = nn.build_model("cnn:4,8,8,8", (1, 8, 8), 10, np, np.float32)   # pools stop at 1x1
+    model = nn.build_model("cnn:4,8,8,8", (1, 8, 8), 10, np, np.float32)  # pools stop at 1x1
     assert [layer.filters for layer in model.layers if isinstance(layer, Conv2D)] == [4, 8, 8, 8]
     assert model.shapes[-1] == (64,)
 
@@ -442,19 +486,30 @@ def test_cnn_on_1d_samples_is_a_conv1d_stack():
     assert model.input_shape == (1, 40)
     assert [layer.filters for layer in model.layers if isinstance(layer, Conv1D)] == [32, 32, 32]
     small = nn.build_model("cnn:4,6", (40,), 10, np, np.float32)
-    assert [type(layer).__name__ for layer in small.layers] == ["Conv1D", "ReLU", "MaxPool1D", "Conv1D", "ReLU",
-                                                                "MaxPool1D", "Flatten", "Dense"]
+    assert [type(layer).__name__ for layer in small.layers] == [
+        "Conv1D",
+        "ReLU",
+        "MaxPool1D",
+        "Conv1D",
+        "ReLU",
+        "MaxPool1D",
+        "Flatten",
+        "Dense",
+    ]
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("mlp:", r"mlp:N1,N2,\.\.\. with positive integers"),
-    ("mlp:0", r"positive integers"),
-    ("mlp:a", r"positive integers"),
-    ("mlp:8,,8", r"positive integers"),
-    ("linear:3", r"'linear' takes no arguments"),
-    ("mlp-wide:1", r"'mlp-wide' takes no arguments"),
-    ("nosuch:1", r"'nosuch' is not in the zoo; choose from linear, mlp\[:N1,N2,\.\.\.\], mlp-wide, cnn"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("mlp:", r"mlp:N1,N2,\.\.\. with positive integers"),
+        ("mlp:0", r"positive integers"),
+        ("mlp:a", r"positive integers"),
+        ("mlp:8,,8", r"positive integers"),
+        ("linear:3", r"'linear' takes no arguments"),
+        ("mlp-wide:1", r"'mlp-wide' takes no arguments"),
+        ("nosuch:1", r"'nosuch' is not in the zoo; choose from linear, mlp\[:N1,N2,\.\.\.\], mlp-wide, cnn"),
+    ],
+)
 def test_bad_specs_are_spec_errors_naming_the_valid_forms(spec, message):
     with pytest.raises(nn.SpecError, match=message):
         nn.build_model(spec, (8, 8), 10, np, np.float32)

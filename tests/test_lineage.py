@@ -16,8 +16,20 @@ from mpidist.store.lineage import CheckpointDir, DirectoryLock, claim
 
 
 def write(directory, step, run, parent=""):
-    return checkpoint.save(directory, np.full(4, float(step)), {"m": np.zeros(4)}, step, step, 0, step, "{}",
-                           seed=0, workers=1, lineage=run, parent=parent)
+    return checkpoint.save(
+        directory,
+        np.full(4, float(step)),
+        {"m": np.zeros(4)},
+        step,
+        step,
+        0,
+        step,
+        "{}",
+        seed=0,
+        workers=1,
+        lineage=run,
+        parent=parent,
+    )
 
 
 def settings(directory, resume="", new_lineage=False):
@@ -34,9 +46,14 @@ def test_a_run_prunes_only_its_own_lineage_and_never_the_file_it_just_wrote(tmp_
     for step in (5, 10, 15):
         newest = write(tmp_path, step, "bbbbbbbb")
         CheckpointDir(tmp_path).prune("bbbbbbbb", keep=2, newest=newest)
-    assert names(tmp_path) == ["ckpt-00000010-bbbbbbbb.h5", "ckpt-00000015-bbbbbbbb.h5",
-                               "ckpt-00000060-aaaaaaaa.h5", "ckpt-00000065-aaaaaaaa.h5", "ckpt-00000066-aaaaaaaa.h5"]
-    assert CheckpointDir(tmp_path).prune("bbbbbbbb", keep=0, newest=newest) == []   # 0 keeps everything
+    assert names(tmp_path) == [
+        "ckpt-00000010-bbbbbbbb.h5",
+        "ckpt-00000015-bbbbbbbb.h5",
+        "ckpt-00000060-aaaaaaaa.h5",
+        "ckpt-00000065-aaaaaaaa.h5",
+        "ckpt-00000066-aaaaaaaa.h5",
+    ]
+    assert CheckpointDir(tmp_path).prune("bbbbbbbb", keep=0, newest=newest) == []  # 0 keeps everything
 
 
 def test_resume_auto_follows_the_lineage_written_last_past_its_unreadable_files(tmp_path):
@@ -58,7 +75,7 @@ def test_a_fresh_run_in_a_directory_of_another_run_is_refused_with_the_ways_on(t
     message = str(refused.value)
     assert "holds the checkpoints of another run" in message and "ckpt-00000066-aaaaaaaa.h5" in message
     assert all(way in message for way in ("--resume auto", "another --checkpoint-dir", "--new-lineage"))
-    started = claim(settings(tmp_path, new_lineage=True), None)   # the lock was given back: a new claim works
+    started = claim(settings(tmp_path, new_lineage=True), None)  # the lock was given back: a new claim works
     assert started.lineage not in ("", "aaaaaaaa") and "beside 1 checkpoint(s)" in started.notes[0]
     started.release()
 
@@ -99,7 +116,7 @@ def test_two_live_runs_cannot_share_a_directory_and_a_dead_holder_keeps_no_lock(
             DirectoryLock(tmp_path).acquire()
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-        DirectoryLock(tmp_path).acquire().release()   # the kernel dropped the dead holder's lock
+        DirectoryLock(tmp_path).acquire().release()  # the kernel dropped the dead holder's lock
     finally:
         holder.kill()
         holder.wait()
@@ -109,10 +126,15 @@ def test_temporary_files_of_killed_writers_are_removed_by_the_next_claim(tmp_pat
     write(tmp_path, 5, "aaaaaaaa")
     (tmp_path / ".ckpt-00000010-aaaaaaaa.h5.tmp-4242").write_bytes(b"x" * 100)
     (tmp_path / "notes.txt").write_text("kept")
-    claimed = claim(settings(tmp_path, resume="auto"), checkpoint.load(tmp_path / "ckpt-00000005-aaaaaaaa.h5"))
+    claimed = claim(
+        settings(tmp_path, resume="auto"), checkpoint.load(tmp_path / "ckpt-00000005-aaaaaaaa.h5")
+    )
     claimed.release()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".mpidist-lock", "ckpt-00000005-aaaaaaaa.h5",
-                                                          "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".mpidist-lock",
+        "ckpt-00000005-aaaaaaaa.h5",
+        "notes.txt",
+    ]
     assert "removed 1 temporary file(s)" in claimed.notes[0]
 
 
@@ -128,16 +150,19 @@ def test_steps_past_eight_digits_are_found_and_ordered_by_number_and_names_match
     assert lineage.file_name(100_000_000, "0000abcd") == "ckpt-100000000-0000abcd.h5"
     assert lineage.parse_name("ckpt-100000000-0000abcd.h5") == (100_000_000, "0000abcd")
     place = CheckpointDir(tmp_path)
-    assert [e.step for e in place.entries()] == [99_999_999, 100_000_000, 100_000_001]   # not by the names
+    assert [e.step for e in place.entries()] == [99_999_999, 100_000_000, 100_000_001]  # not by the names
     assert place.newest_of("0000abcd").step == 100_000_001
     place.prune("0000abcd", keep=2, newest=place.newest_of("0000abcd").path)
     assert names(tmp_path) == ["ckpt-100000000-0000abcd.h5", "ckpt-100000001-0000abcd.h5"]
     # a trailing newline, or a step of more digits than any checkpoint may have, names no checkpoint
-    assert lineage.parse_name("ckpt-00000066.h5\n") is None and lineage.parse_name(f"ckpt-{'9' * 20}.h5") is None
+    assert (
+        lineage.parse_name("ckpt-00000066.h5\n") is None and lineage.parse_name(f"ckpt-{'9' * 20}.h5") is None
+    )
 
 
 def test_a_lineage_attribute_with_a_newline_is_refused_when_loaded(tmp_path):
     import h5py
+
     path = write(tmp_path, 5, "0000abcd")
     with h5py.File(path, "a") as handle:
         handle.attrs["lineage"] = "0000abcd\n"
@@ -155,22 +180,25 @@ class WatchedFifo:
     never have opened it: on the old code the test fails instead of hanging.
     """
 
-    WATCH = ("import os, sys, time\n"
-             "path, opened = sys.argv[1], 0\n"
-             "while not os.path.exists(path + '.stop'):\n"
-             "    try:\n"
-             "        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))\n"
-             "        opened += 1\n"
-             "    except OSError:\n"
-             "        pass\n"
-             "    time.sleep(0.005)\n"
-             "print(opened)\n")
+    WATCH = (
+        "import os, sys, time\n"
+        "path, opened = sys.argv[1], 0\n"
+        "while not os.path.exists(path + '.stop'):\n"
+        "    try:\n"
+        "        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))\n"
+        "        opened += 1\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    time.sleep(0.005)\n"
+        "print(opened)\n"
+    )
 
     def __init__(self, path):
         self.path = path
         os.mkfifo(path)
-        self.watcher = subprocess.Popen([sys.executable, "-c", self.WATCH, str(path)], stdout=subprocess.PIPE,
-                                        text=True)
+        self.watcher = subprocess.Popen(
+            [sys.executable, "-c", self.WATCH, str(path)], stdout=subprocess.PIPE, text=True
+        )
 
     def stop(self):
         """How many times it was opened to read."""
@@ -183,6 +211,7 @@ class WatchedFifo:
 def special_files(directory, step=4, run="abcdef01"):
     """A pipe, a socket, a directory and a link to a pipe, each named like a checkpoint of ``run``."""
     import socket
+
     fifo = WatchedFifo(directory / lineage.file_name(step, run))
     unix = socket.socket(socket.AF_UNIX)
     unix.bind(str(directory / lineage.file_name(step + 1, run)))
@@ -198,7 +227,7 @@ def test_a_pipe_socket_or_directory_named_like_a_checkpoint_is_no_checkpoint(tmp
         assert place.entries() == [] and place.last_written() is None and place.latest_lineage() is None
         assert lineage.newest_checkpoint(tmp_path) is None
         assert checkpoint.newest_valid(tmp_path) == (None, [])
-        claim(settings(tmp_path), None).release()      # a fresh run: nothing there is another run's checkpoint
+        claim(settings(tmp_path), None).release()  # a fresh run: nothing there is another run's checkpoint
         newest = write(tmp_path, 1, "abcdef01")
         assert [e.path for e in place.entries("abcdef01")] == [newest]
         assert lineage.newest_checkpoint(tmp_path) == newest
@@ -212,10 +241,13 @@ def test_a_pipe_socket_or_directory_named_like_a_checkpoint_is_no_checkpoint(tmp
 
 def test_the_indexes_read_for_parts_folders_and_a_claim_never_open_a_pipe(tmp_path):
     from mpidist.store import sharded
+
     fifos = [WatchedFifo(tmp_path / "ckpt-00000004-abcdef01.h5"), WatchedFifo(tmp_path / "best-abcdef01.h5")]
-    (tmp_path / ".ckpt-00000003-abcdef01.h5.tmp-12").mkdir()   # a directory is never removed as a temporary
+    (tmp_path / ".ckpt-00000003-abcdef01.h5.tmp-12").mkdir()  # a directory is never removed as a temporary
     try:
-        assert sharded.named_folders(tmp_path) == set() and sharded.named_folders(tmp_path, "best-*.h5") == set()
+        assert (
+            sharded.named_folders(tmp_path) == set() and sharded.named_folders(tmp_path, "best-*.h5") == set()
+        )
         assert sharded.remove_unnamed_folders(tmp_path) == []
         claim(settings(tmp_path, resume="auto"), None).release()
         assert checkpoint.settings_of(fifos[0].path) is None
@@ -231,11 +263,25 @@ def test_a_run_beside_a_pipe_named_like_a_checkpoint_finishes(tmp_path):
     import stat
 
     from conftest import mpidist
+
     directory = tmp_path / "D"
     directory.mkdir()
     os.mkfifo(directory / "ckpt-00000004-abcdef01.h5")
-    common = ["train", "--checkpoint-dir", str(directory), "--checkpoint-every", "1", "--keep", "1", "--steps",
-              "3", "--run-dir", "", "--metrics", ""]
+    common = [
+        "train",
+        "--checkpoint-dir",
+        str(directory),
+        "--checkpoint-every",
+        "1",
+        "--keep",
+        "1",
+        "--steps",
+        "3",
+        "--run-dir",
+        "",
+        "--metrics",
+        "",
+    ]
     best = ["--resume", "auto", "--steps", "6", "--keep-best", "val_loss", "--val-fraction", "0.1"]
     for extra in (["--resume", "auto"], ["--new-lineage"], best):
         done, _ = mpidist(2, *common, *extra, timeout=60)
@@ -247,10 +293,17 @@ def test_a_run_beside_a_pipe_named_like_a_checkpoint_finishes(tmp_path):
 
 def test_a_dataset_directory_with_a_pipe_named_like_a_part_is_refused(tmp_path):
     from mpidist import data
+
     learnable = np.random.default_rng(0).random((40, 3))
     from mpidist.tools.ingest import write_dataset
-    write_dataset(tmp_path / "a.h5", "a", {"train": (learnable[:30], np.arange(30) % 2),
-                                           "test": (learnable[30:], np.arange(10) % 2)}, 2, "test")
+
+    write_dataset(
+        tmp_path / "a.h5",
+        "a",
+        {"train": (learnable[:30], np.arange(30) % 2), "test": (learnable[30:], np.arange(10) % 2)},
+        2,
+        "test",
+    )
     fifo = WatchedFifo(tmp_path / "b.h5")
     try:
         with pytest.raises(UsageError, match=r"b.h5 is a named pipe \(FIFO\), not a file"):

@@ -20,8 +20,11 @@ def test_lines_are_numbered_and_a_line_over_the_limit_is_refused_naming_it(tmp_p
     with pytest.raises(UsageError, match=r"^f: line 3 is longer than 10 bytes"):
         for number, line in bounded_lines(path, "f", limit=10):
             got.append((number, line))
-    assert got == [(1, "one\n"), (2, "x" * 9 + "\n")]      # (a line of exactly the limit, newline included, passes)
-    path.write_bytes(b"a\n" + b"z" * 10)                      # (the last line, without a newline, of the limit)
+    assert got == [
+        (1, "one\n"),
+        (2, "x" * 9 + "\n"),
+    ]  # (a line of exactly the limit, newline included, passes)
+    path.write_bytes(b"a\n" + b"z" * 10)  # (the last line, without a newline, of the limit)
     assert list(bounded_lines(path, "f", limit=10)) == [(1, "a\n"), (2, "z" * 10)]
 
 
@@ -63,20 +66,26 @@ def test_one_line_of_64_mib_is_refused_by_every_reader_in_bounded_memory(tmp_pat
     for path in (tmp_path / "run" / "metrics.jsonl", tmp_path / "wide.csv"):
         with open(path, "wb") as handle:
             handle.write(b'{"event": "step", "step": 1, "pad": "' if path.suffix == ".jsonl" else b"1,")
-            handle.truncate(size)    # (a sparse file of zeros: no newline anywhere)
-    done = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+            handle.truncate(size)  # (a sparse file of zeros: no newline anywhere)
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     rows = [line.split("\t", 2) for line in done.stdout.splitlines()]
     assert [row[0] for row in rows] == ["plot", "plan --check", "ingest"]
     for name, peak, said in rows:
         assert "line 1 is longer than 16,777,216 bytes" in said, (name, said)
-        assert int(peak) < LINE_LIMIT * 2 + (8 << 20), f"{name} held {int(peak) >> 20} MiB"   # (old: > 128 MiB)
+        assert int(peak) < LINE_LIMIT * 2 + (8 << 20), (
+            f"{name} held {int(peak) >> 20} MiB"
+        )  # (old: > 128 MiB)
 
 
 def test_plot_of_a_metrics_file_of_one_long_line_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b"x" * (LINE_LIMIT + 10))
     done, _ = mpidist(1, "plot", str(tmp_path), "--output", str(tmp_path / "plots"))
     assert done.returncode == 2, done.stderr
-    assert "metrics.jsonl: line 1 is longer than 16,777,216 bytes" in done.stderr and "Traceback" not in done.stderr
+    assert (
+        "metrics.jsonl: line 1 is longer than 16,777,216 bytes" in done.stderr
+        and "Traceback" not in done.stderr
+    )
     assert not (tmp_path / "plots").exists()

@@ -34,14 +34,17 @@ def test_a_position_starts_at_a_checkpoints_and_rolls_a_full_epoch_over():
     assert holder[0] == Position(7, 0, 7) and list(shared.as_array()) == [7, 0, 7]
 
 
-@pytest.mark.parametrize("position, steps, expected", [
-    (Position(25, 2, 5), -1, Position(24, 2, 4)),
-    (Position(25, 2, 5), 1, Position(26, 2, 6)),
-    (Position(25, 2, 5), 0, Position(25, 2, 5)),
-    (Position(30, 3, 0), -1, Position(29, 2, 9)),    # back over the start of an epoch: its last step
-    (Position(30, 2, 10), 1, Position(31, 3, 1)),    # on from a finished epoch: the next one's first step
-    (Position(29, 2, 9), 1, Position(30, 2, 10)),    # (the epoch's last step: Position.of rolls it over)
-])
+@pytest.mark.parametrize(
+    "position, steps, expected",
+    [
+        (Position(25, 2, 5), -1, Position(24, 2, 4)),
+        (Position(25, 2, 5), 1, Position(26, 2, 6)),
+        (Position(25, 2, 5), 0, Position(25, 2, 5)),
+        (Position(30, 3, 0), -1, Position(29, 2, 9)),  # back over the start of an epoch: its last step
+        (Position(30, 2, 10), 1, Position(31, 3, 1)),  # on from a finished epoch: the next one's first step
+        (Position(29, 2, 9), 1, Position(30, 2, 10)),  # (the epoch's last step: Position.of rolls it over)
+    ],
+)
 def test_a_position_moves_one_step_either_way_across_epochs(position, steps, expected):
     assert position.shifted(steps, 10) == expected
 
@@ -69,7 +72,7 @@ def test_the_step_window_averages_finite_losses_and_counts_rates_clips_and_skips
     mean, rate, clipped, now = window.line(batch_size=8)
     assert (mean, rate, clipped, now) == (2.0, 3 * 8 / 2.0, 1, 102.0)
     assert window.trained == 3 and window.clipped_total == 1 and window.last_loss == 2.0
-    assert window.steps == window.good == window.clipped == 0 and window.loss == 0.0   # a new window
+    assert window.steps == window.good == window.clipped == 0 and window.loss == 0.0  # a new window
     assert window.elapsed() == 2.0
 
 
@@ -90,7 +93,7 @@ def test_an_epochs_last_finite_losses_become_the_loss_reported_and_a_window_of_s
     window.account(math.nan, skipped=True)
     window.end_epoch()
     assert window.last_loss == 3.0
-    assert math.isnan(window.line(1)[0])   # a line of skipped steps only has no loss
+    assert math.isnan(window.line(1)[0])  # a line of skipped steps only has no loss
 
 
 def test_evaluations_know_what_the_end_of_a_run_still_evaluates():
@@ -106,11 +109,17 @@ def test_evaluations_know_what_the_end_of_a_run_still_evaluates():
 
 def test_a_resumed_run_judges_early_stopping_against_the_best_its_checkpoint_stored():
     stopping = EarlyStopping(3, monitor="val_loss")
-    evaluations = Evaluations({"val": 1}, "val_loss", {"figure": "val_loss", "value": 0.25, "step": 40}, stopping)
-    assert stopping.best == 0.25 and evaluations.best.record() == {"figure": "val_loss", "value": 0.25, "step": 40}
+    evaluations = Evaluations(
+        {"val": 1}, "val_loss", {"figure": "val_loss", "value": 0.25, "step": 40}, stopping
+    )
+    assert stopping.best == 0.25 and evaluations.best.record() == {
+        "figure": "val_loss",
+        "value": 0.25,
+        "step": 40,
+    }
     assert not evaluations.best.offer(0.3, 50) and evaluations.best.offer(0.2, 60)
     other = Evaluations({"val": 1}, "val_accuracy", {"figure": "val_loss", "value": 0.25, "step": 40})
-    assert other.best.record() is None   # the checkpoint's best was of another figure
+    assert other.best.record() is None  # the checkpoint's best was of another figure
 
 
 class Log:
@@ -132,12 +141,15 @@ def test_a_failed_write_outranks_a_signal_which_outranks_a_callbacks_stop():
     signals.received = 15
     assert stops.request(Log(stop_asked=True)) == 15
     assert stops.request(Log(failure="disk full")) == WRITE_FAILED
-    stops.free()   # no agreement yet: nothing to free
+    stops.free()  # no agreement yet: nothing to free
 
 
 def test_outputs_open_a_run_directory_claim_it_and_close_once(tmp_path):
-    config = Settings(run_dir=str(tmp_path / "run"), metrics=str(tmp_path / "run" / "metrics.jsonl"),
-                      checkpoint_dir=str(tmp_path / "run" / "checkpoints"))
+    config = Settings(
+        run_dir=str(tmp_path / "run"),
+        metrics=str(tmp_path / "run" / "metrics.jsonl"),
+        checkpoint_dir=str(tmp_path / "run" / "checkpoints"),
+    )
     (tmp_path / "run").mkdir()
     terminal = io.StringIO()
     outputs = Outputs(terminal, chief=True)
@@ -146,7 +158,7 @@ def test_outputs_open_a_run_directory_claim_it_and_close_once(tmp_path):
     outputs.say("hello")
     outputs.log.write("start", step=0)
     outputs.close()
-    outputs.close()   # idempotent
+    outputs.close()  # idempotent
     assert terminal.getvalue() == "hello\n"
     assert (tmp_path / "run" / "log.txt").read_text() == "hello\n"
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text())["event"] == "start"
@@ -154,7 +166,9 @@ def test_outputs_open_a_run_directory_claim_it_and_close_once(tmp_path):
 
 
 def test_outputs_off_the_chief_write_nothing(tmp_path):
-    config = Settings(run_dir=str(tmp_path), metrics=str(tmp_path / "m.jsonl"), checkpoint_dir=str(tmp_path / "c"))
+    config = Settings(
+        run_dir=str(tmp_path), metrics=str(tmp_path / "m.jsonl"), checkpoint_dir=str(tmp_path / "c")
+    )
     outputs = Outputs(io.StringIO(), chief=False)
     outputs.open(config, [], resume=None)
     outputs.log.write("start", step=0)
@@ -181,7 +195,12 @@ def _report(tmp_path, chief=True, last=None, last_step=None):
 def test_a_stopped_run_says_which_signal_and_how_to_resume(tmp_path):
     report, outputs = _report(tmp_path, last=tmp_path / "ckpt" / "ckpt-12.h5", last_step=12)
     outcome = report.stopped({"signal": 15, "rank": 3})
-    assert outcome == {"steps": 12, "epochs": 2, "stopped_by": "SIGTERM", "checkpoint": tmp_path / "ckpt" / "ckpt-12.h5"}
+    assert outcome == {
+        "steps": 12,
+        "epochs": 2,
+        "stopped_by": "SIGTERM",
+        "checkpoint": tmp_path / "ckpt" / "ckpt-12.h5",
+    }
     event, figures = outputs.log.events[-1]
     assert event == "stopped" and figures["rank"] == 2 and outputs.log.closed
     assert "stopped by SIGTERM (rank 2) at step 12: checkpoint" in outputs.stream.getvalue()
@@ -224,17 +243,28 @@ def test_the_elastic_state_restores_the_chiefs_position_and_syncs_its_state_as_a
     params = np.arange(5, dtype=np.float32)
     held = WholeState(params, {"m": params * 2, "v": params * 3}, 9)
     strategy = Strategy(held)
-    setup = types.SimpleNamespace(model=types.SimpleNamespace(num_params=5, dtype=np.float32), steps_per_epoch=10)
+    setup = types.SimpleNamespace(
+        model=types.SimpleNamespace(num_params=5, dtype=np.float32), steps_per_epoch=10
+    )
     cluster = types.SimpleNamespace(chief_rank=0)
     state.bind(cluster, setup, strategy)
     world = MPI.COMM_SELF
     agreed, got = state.restore(world, cluster)
     assert agreed == Position(30, 2, 4) and got is held and strategy.asked == [30]
-    state.bind(cluster, setup, Strategy(held, behind=1))   # (a pipeline stage never applied the chief's last step)
+    state.bind(
+        cluster, setup, Strategy(held, behind=1)
+    )  # (a pipeline stage never applied the chief's last step)
     assert state.restore(world, cluster)[0] == Position(29, 2, 3) and state.strategy.asked == [29]
     checkpoint = state.sync(world, cluster, agreed, got)
-    assert (checkpoint.step, checkpoint.epoch, checkpoint.epoch_step, checkpoint.optimizer_steps) == (30, 2, 4, 9)
-    assert np.array_equal(checkpoint.params, params) and np.array_equal(checkpoint.optimizer_state["v"], params * 3)
+    assert (checkpoint.step, checkpoint.epoch, checkpoint.epoch_step, checkpoint.optimizer_steps) == (
+        30,
+        2,
+        4,
+        9,
+    )
+    assert np.array_equal(checkpoint.params, params) and np.array_equal(
+        checkpoint.optimizer_state["v"], params * 3
+    )
     assert checkpoint.seed == 7 and checkpoint.config["seed"] == 7
 
 
@@ -249,12 +279,23 @@ def test_the_elastic_state_calls_what_was_registered_in_order():
         state.register("lost", print)
 
 
-@pytest.mark.parametrize("spec, worker, expected", [
-    ("", 0, (0.0, 0)), ("*:0.01", None, (0.0, 0)),        # unset; a ps (no worker index) never sleeps
-    ("*:0.01", 3, (0.01, sys.maxsize)), ("2:0.5", 2, (0.5, sys.maxsize)), ("2:0.5", 1, (0.0, 0)),
-    ("*:0.01:40", 0, (0.01, 40)),                           # up to step 40, then at full speed
-])
-def test_the_test_delay_names_a_worker_its_seconds_and_the_last_step_it_slows(monkeypatch, spec, worker, expected):
-    from mpidist.loop import setup   # (imported here: a name beginning with test_ would be collected as a test)
+@pytest.mark.parametrize(
+    "spec, worker, expected",
+    [
+        ("", 0, (0.0, 0)),
+        ("*:0.01", None, (0.0, 0)),  # unset; a ps (no worker index) never sleeps
+        ("*:0.01", 3, (0.01, sys.maxsize)),
+        ("2:0.5", 2, (0.5, sys.maxsize)),
+        ("2:0.5", 1, (0.0, 0)),
+        ("*:0.01:40", 0, (0.01, 40)),  # up to step 40, then at full speed
+    ],
+)
+def test_the_test_delay_names_a_worker_its_seconds_and_the_last_step_it_slows(
+    monkeypatch, spec, worker, expected
+):
+    from mpidist.loop import (
+        setup,
+    )  # (imported here: a name beginning with test_ would be collected as a test)
+
     monkeypatch.setenv("MPIDIST_TEST_DELAY", spec)
     assert setup.test_delay(worker) == expected

@@ -7,14 +7,17 @@ from mpi4py import MPI
 from mpidist.parallel.mesh import AXES, Mesh, MeshShape
 
 
-@pytest.mark.parametrize("ranks, stages, parts, rank, sizes, coordinates", [
-    (8, 1, 1, 5, (8, 1, 1), (5, 0, 0)),        # data parallel: every rank a replica
-    (8, 1, 2, 5, (4, 1, 2), (2, 0, 1)),        # --tensor 2: consecutive ranks a tensor group
-    (8, 2, 1, 5, (4, 2, 1), (2, 1, 0)),        # --stages 2: consecutive ranks a replica's stages
-    (8, 2, 2, 5, (2, 2, 2), (1, 0, 1)),        # data x pipeline x tensor
-    (12, 3, 2, 11, (2, 3, 2), (1, 2, 1)),
-    (1, 1, 1, 0, (1, 1, 1), (0, 0, 0)),
-])
+@pytest.mark.parametrize(
+    "ranks, stages, parts, rank, sizes, coordinates",
+    [
+        (8, 1, 1, 5, (8, 1, 1), (5, 0, 0)),  # data parallel: every rank a replica
+        (8, 1, 2, 5, (4, 1, 2), (2, 0, 1)),  # --tensor 2: consecutive ranks a tensor group
+        (8, 2, 1, 5, (4, 2, 1), (2, 1, 0)),  # --stages 2: consecutive ranks a replica's stages
+        (8, 2, 2, 5, (2, 2, 2), (1, 0, 1)),  # data x pipeline x tensor
+        (12, 3, 2, 11, (2, 3, 2), (1, 2, 1)),
+        (1, 1, 1, 0, (1, 1, 1), (0, 0, 0)),
+    ],
+)
 def test_a_rank_is_part_fastest_then_stage_then_replica(ranks, stages, parts, rank, sizes, coordinates):
     shape = MeshShape(ranks, stages, parts)
     assert shape.sizes == sizes and shape.coordinates(rank) == coordinates
@@ -24,16 +27,20 @@ def test_a_rank_is_part_fastest_then_stage_then_replica(ranks, stages, parts, ra
 
 def test_every_rank_has_its_own_coordinates():
     shape = MeshShape(24, 3, 2)
-    assert sorted(shape.coordinates(rank) for rank in range(24)) == \
-        [(d, p, t) for d in range(4) for p in range(3) for t in range(2)]
+    assert sorted(shape.coordinates(rank) for rank in range(24)) == [
+        (d, p, t) for d in range(4) for p in range(3) for t in range(2)
+    ]
 
 
-@pytest.mark.parametrize("axis, rank, colour, key", [
-    ("part", 5, 2, 1),      # (1, 0, 1): the tensor group of replica 1's stage 0, third of 4 groups
-    ("stage", 5, 3, 0),     # a pipe: replica 1, part 1 -> colour 1 x 2 + 1
-    ("replica", 5, 1, 1),   # the same stage 0 and part 1 in every replica
-    ("replica", 6, 2, 1),   # (1, 1, 0)
-])
+@pytest.mark.parametrize(
+    "axis, rank, colour, key",
+    [
+        ("part", 5, 2, 1),  # (1, 0, 1): the tensor group of replica 1's stage 0, third of 4 groups
+        ("stage", 5, 3, 0),  # a pipe: replica 1, part 1 -> colour 1 x 2 + 1
+        ("replica", 5, 1, 1),  # the same stage 0 and part 1 in every replica
+        ("replica", 6, 2, 1),  # (1, 1, 0)
+    ],
+)
 def test_a_group_is_the_ranks_whose_other_coordinates_are_equal(axis, rank, colour, key):
     assert MeshShape(8, 2, 2).group(axis, rank) == (colour, key)
 
@@ -48,7 +55,10 @@ def test_the_ranks_of_one_colour_differ_in_the_axis_alone():
         assert len(groups) == 12 // shape.size(axis)
         for members in groups.values():
             assert sorted(members) == list(range(shape.size(axis)))
-            kept = {tuple(c for a, c in zip(AXES, shape.coordinates(rank)) if a != axis) for rank in members.values()}
+            kept = {
+                tuple(c for a, c in zip(AXES, shape.coordinates(rank)) if a != axis)
+                for rank in members.values()
+            }
             assert len(kept) == 1
 
 
@@ -84,12 +94,12 @@ def test_each_axis_sums_over_the_ranks_whose_other_coordinates_are_equal():
         members = [shape.rank_of(**{**coordinates, axis: index}) for index in range(shape.size(axis))]
         assert total[0] == sum(members)
     owned = mesh.owned()
-    assert len(owned) == (2 if size == 4 else 3)   # (with one replica its axis is COMM_SELF, not a split)
+    assert len(owned) == (2 if size == 4 else 3)  # (with one replica its axis is COMM_SELF, not a split)
     mesh.free()
     assert all(comm == MPI.COMM_NULL for comm in owned)
     with pytest.raises(RuntimeError, match="freed"):
         mesh.comm("part")
-    mesh.free()   # (a second free does nothing)
+    mesh.free()  # (a second free does nothing)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -99,4 +109,4 @@ def test_an_axis_over_every_rank_is_the_given_communicator_and_not_freed():
     assert mesh.comm("replica") is world and mesh.comm("stage") is MPI.COMM_SELF and mesh.owned() == []
     assert mesh.index("replica") == world.Get_rank()
     mesh.free()
-    assert mesh.comm("replica") is world   # (not the mesh's to free)
+    assert mesh.comm("replica") is world  # (not the mesh's to free)

@@ -29,16 +29,20 @@ def test_a_file_ending_inside_someone_elses_line_is_refused_and_left_as_it_was(t
 
 def test_the_last_step_logged_is_found_past_other_events_and_lines_that_do_not_parse(tmp_path):
     from mpidist.loop.metrics import last_step_logged
+
     path = tmp_path / "m.jsonl"
-    assert last_step_logged(path) == 0   # (no file yet)
-    path.write_text('{"event": "step", "step": 69}\n{"event": "checkpoint", "step": 50}\nnot json\n'
-                    '{"event": "step", "step": "70"}\n')
+    assert last_step_logged(path) == 0  # (no file yet)
+    path.write_text(
+        '{"event": "step", "step": 69}\n{"event": "checkpoint", "step": 50}\nnot json\n'
+        '{"event": "step", "step": "70"}\n'
+    )
     assert last_step_logged(path) == 69
 
 
 def test_off_the_chief_a_reporter_keeps_its_last_step_events_for_a_worker_that_takes_over():
     from mpidist.loop.callbacks import UNWRITTEN, Reporter
     from mpidist.loop.metrics import MetricsLog
+
     reporter = Reporter(MetricsLog(""), active=False)
     for step in range(1, 20):
         reporter.write("step", step=step, loss=1.0 / step)

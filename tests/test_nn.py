@@ -16,20 +16,23 @@ def check_model_gradients(layers, input_shape, batch=3, seed=0, training=False, 
     return nn.check_gradients(layers, input_shape, batch=batch, seed=seed, training=training, x=x)
 
 
-@pytest.mark.parametrize("layers,shape", [
-    ([Dense(5)], (4,)),
-    ([Dense(5, init="glorot"), Tanh(), Dense(3)], (4,)),
-    ([Dense(6), ReLU(), Dense(2)], (3,)),
-    ([Flatten(), Dense(3)], (2, 3)),
-    ([Dense(5), Tanh(), Dense(3)], (4, 6)),              # a sequence of 4 tokens, mapped token by token
-    ([Dense(5, bias=False)], (3,)),
-    ([Conv2D(3, 3)], (2, 5, 5)),
-    ([Conv2D(2, 3, stride=2, padding=0)], (1, 7, 7)),
-    ([Conv2D(2, 2, stride=1, padding=1)], (2, 4, 4)),
-    ([MaxPool2D(2)], (2, 4, 4)),
-    ([MaxPool2D(2)], (1, 5, 5)),
-    ([Conv2D(2, 3), ReLU(), MaxPool2D(2), Flatten(), Dense(3)], (1, 6, 6)),
-])
+@pytest.mark.parametrize(
+    "layers,shape",
+    [
+        ([Dense(5)], (4,)),
+        ([Dense(5, init="glorot"), Tanh(), Dense(3)], (4,)),
+        ([Dense(6), ReLU(), Dense(2)], (3,)),
+        ([Flatten(), Dense(3)], (2, 3)),
+        ([Dense(5), Tanh(), Dense(3)], (4, 6)),  # a sequence of 4 tokens, mapped token by token
+        ([Dense(5, bias=False)], (3,)),
+        ([Conv2D(3, 3)], (2, 5, 5)),
+        ([Conv2D(2, 3, stride=2, padding=0)], (1, 7, 7)),
+        ([Conv2D(2, 2, stride=1, padding=1)], (2, 4, 4)),
+        ([MaxPool2D(2)], (2, 4, 4)),
+        ([MaxPool2D(2)], (1, 5, 5)),
+        ([Conv2D(2, 3), ReLU(), MaxPool2D(2), Flatten(), Dense(3)], (1, 6, 6)),
+    ],
+)
 def test_layer_gradients_match_finite_differences(layers, shape):
     check_model_gradients(layers, shape)
 
@@ -59,7 +62,7 @@ def reference_conv(x, w, b, stride, pad):
         for o in range(f):
             for r in range(ho):
                 for s in range(wo):
-                    patch = xp[i, :, r * stride:r * stride + k, s * stride:s * stride + k]
+                    patch = xp[i, :, r * stride : r * stride + k, s * stride : s * stride + k]
                     out[i, o, r, s] = (patch * w[o]).sum() + b[o]
     return out
 
@@ -83,7 +86,9 @@ def test_maxpool_matches_a_direct_loop_and_crops_partial_windows():
     assert out.shape == (2, 3, 2, 2)
     for r in range(2):
         for s in range(2):
-            np.testing.assert_array_equal(out[:, :, r, s], x[:, :, 3 * r:3 * r + 3, 3 * s:3 * s + 3].max(axis=(2, 3)))
+            np.testing.assert_array_equal(
+                out[:, :, r, s], x[:, :, 3 * r : 3 * r + 3, 3 * s : 3 * s + 3].max(axis=(2, 3))
+            )
 
 
 def test_maxpool_sends_a_tied_gradient_to_one_position_only():
@@ -122,7 +127,7 @@ def test_mse_value_and_gradient():
     assert np.isclose(float(loss.forward(pred, target)), ((pred - target) ** 2).mean())
     loss_check(loss, pred, target)
     one = rng.normal(size=(6, 1))
-    assert np.isclose(float(loss.forward(one, one[:, 0] + 1.0)), 1.0)   # (N,) targets for one output
+    assert np.isclose(float(loss.forward(one, one[:, 0] + 1.0)), 1.0)  # (N,) targets for one output
 
 
 def test_parameters_and_gradients_are_views_of_the_flat_buffers():
@@ -153,9 +158,9 @@ def test_initialisation_depends_only_on_the_seed():
 def test_sgd_momentum_matches_closed_form():
     opt = nn.SGD(2, lr=0.1, momentum=0.5, dtype=np.float64)
     p, g = np.array([1.0, -1.0]), np.array([2.0, 4.0])
-    opt.step(p, g)                         # v = g, p -= 0.1 g
+    opt.step(p, g)  # v = g, p -= 0.1 g
     np.testing.assert_allclose(p, [0.8, -1.4])
-    opt.step(p, g)                         # v = 0.5 g + g = 1.5 g
+    opt.step(p, g)  # v = 0.5 g + g = 1.5 g
     np.testing.assert_allclose(p, [0.8 - 0.3, -1.4 - 0.6])
 
 

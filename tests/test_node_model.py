@@ -25,7 +25,9 @@ from test_parallel import small_convnet, worker_slice
 from test_recipe import STEPS, batches, clip_for, make, recipe, reference_local
 
 
-@pytest.mark.parametrize("lo,hi,itemsize,parts", [(0, 1, 4, 2), (16, 117, 4, 3), (0, 1000, 8, 6), (5, 9, 4, 4)])
+@pytest.mark.parametrize(
+    "lo,hi,itemsize,parts", [(0, 1, 4, 2), (16, 117, 4, 3), (0, 1000, 8, 6), (5, 9, 4, 4)]
+)
 def test_chunks_cover_the_part_in_cache_line_steps(lo, hi, itemsize, parts):
     bounds = chunk_bounds(lo, hi, itemsize, parts)
     assert len(bounds) == parts + 1 and bounds[0] == lo and bounds[-1] == hi
@@ -45,13 +47,15 @@ def test_a_model_with_running_statistics_keeps_a_copy_per_rank():
 def test_the_ring_sums_every_chunk_and_counts_what_it_sends(count):
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
-    lo, hi = 3, 3 + count   # a part of a larger buffer: the rest is left alone
+    lo, hi = 3, 3 + count  # a part of a larger buffer: the rest is left alone
     array = np.full(hi + 2, -1.0)
     array[lo:hi] = (rank + 1) * np.arange(count)
     ring = Ring(comm, lo, hi, array.dtype)
     ring.reduce_scatter(array)
     mine = slice(*ring.chunk)
-    np.testing.assert_array_equal(array[mine], size * (size + 1) // 2 * np.arange(count)[mine.start - lo:mine.stop - lo])
+    np.testing.assert_array_equal(
+        array[mine], size * (size + 1) // 2 * np.arange(count)[mine.start - lo : mine.stop - lo]
+    )
     ring.allgather(array)
     np.testing.assert_array_equal(array[lo:hi], size * (size + 1) // 2 * np.arange(count))
     assert (array[:lo] == -1).all() and (array[hi:] == -1).all()
@@ -63,8 +67,16 @@ def test_the_ring_sums_every_chunk_and_counts_what_it_sends(count):
 
 
 def _node_strategy(cluster, optimizer, accumulate, shard, clip=2.0):
-    return AllreduceStrategy(small_convnet(np.float64), nn.loss_for(4, np), make(optimizer), cluster, seed=3,
-                             recipe=recipe(accumulate, clip), exchange="node", shard=shard)
+    return AllreduceStrategy(
+        small_convnet(np.float64),
+        nn.loss_for(4, np),
+        make(optimizer),
+        cluster,
+        seed=3,
+        recipe=recipe(accumulate, clip),
+        exchange="node",
+        shard=shard,
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -87,12 +99,17 @@ def test_one_copy_per_node_trains_as_local_and_sends_the_rings_bound(optimizer, 
         np.testing.assert_allclose(strategy.model.params, expected[step], rtol=1e-9, atol=1e-12)
         assert strategy.clipped == clipped[step]
     every = cluster.workers.allgather(strategy.model.params.tobytes())
-    assert all(params == every[0] for params in every)          # bit-identical on every node's copy
+    assert all(params == every[0] for params in every)  # bit-identical on every node's copy
 
     # this rank updates a slice alone: 1/L of the node's model, 1/W with --shard optimizer
     nodes, local = exchange.nodes, exchange.node.Get_size()
-    assert nodes == int(os.environ.get("MPIDIST_TEST_NODES", "1"))   # (set where the ranks span emulated nodes)
-    assert strategy.part.size <= -(-strategy.model.num_params // (workers if shard == "optimizer" else local)) + 16
+    assert nodes == int(
+        os.environ.get("MPIDIST_TEST_NODES", "1")
+    )  # (set where the ranks span emulated nodes)
+    assert (
+        strategy.part.size
+        <= -(-strategy.model.num_params // (workers if shard == "optimizer" else local)) + 16
+    )
     # what the node sent to other nodes per step: the ring's bound on the gradient buffer, within 1%
     node_bytes = exchange.node.allreduce(strategy.stats().get("internode_bytes_per_step", 0.0))
     bound = 2 * (nodes - 1) / nodes * strategy.buffer.nbytes
@@ -107,7 +124,7 @@ def test_one_copy_per_node_trains_as_local_and_sends_the_rings_bound(optimizer, 
         for name in state:
             np.testing.assert_allclose(arrays[name], state[name], rtol=1e-9, atol=1e-12)
     strategy.free()
-    np.testing.assert_allclose(strategy.model.params, expected[-1], rtol=1e-9, atol=1e-12)   # (a copy now)
+    np.testing.assert_allclose(strategy.model.params, expected[-1], rtol=1e-9, atol=1e-12)  # (a copy now)
     cluster.free()
 
 
@@ -119,13 +136,14 @@ def test_a_model_smaller_than_a_cache_line_per_rank_trains_as_local(shard):
     workers, worker = cluster.num_workers, cluster.worker_index
 
     def tiny():
-        return Sequential([Dense(2)], (2,), dtype=np.float64)   # 6 parameters, the loss: 7 of 8 per line
+        return Sequential([Dense(2)], (2,), dtype=np.float64)  # 6 parameters, the loss: 7 of 8 per line
 
     rng = np.random.default_rng(0)
     x, y = rng.random((2 * workers, 2)), rng.integers(0, 2, 2 * workers)
     local = LocalStrategy(tiny(), nn.loss_for(2, np), make("adam"), seed=3)
-    strategy = AllreduceStrategy(tiny(), nn.loss_for(2, np), make("adam"), cluster, seed=3, exchange="node",
-                                 shard=shard)
+    strategy = AllreduceStrategy(
+        tiny(), nn.loss_for(2, np), make("adam"), cluster, seed=3, exchange="node", shard=shard
+    )
     for one in (local, strategy):
         one.initialize()
     mine = slice(2 * worker, 2 * worker + 2)
@@ -135,7 +153,9 @@ def test_a_model_smaller_than_a_cache_line_per_rank_trains_as_local(shard):
         np.testing.assert_allclose(strategy.model.params, local.model.params, rtol=1e-9, atol=1e-12)
     whole = strategy.state()
     if cluster.is_chief:
-        np.testing.assert_allclose(whole.optimizer["v"], local.optimizer.state_arrays()["v"], rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(
+            whole.optimizer["v"], local.optimizer.state_arrays()["v"], rtol=1e-9, atol=1e-15
+        )
     strategy.free()
     cluster.free()
 
@@ -153,13 +173,15 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
         if cluster.worker_index == bad:
             poisoned[0, 0, 0, 0] = np.nan
         strategy.train_step(poisoned, y, 1 / cluster.num_workers, bad)
-        assert strategy.skipped                             # on every rank, whichever rank saw the NaN
+        assert strategy.skipped  # on every rank, whichever rank saw the NaN
         np.testing.assert_array_equal(strategy.model.params, before)
-    strategy.train_step(x, y, 1 / cluster.num_workers, 1)   # (a step whose learning rate is not 0)
+    strategy.train_step(x, y, 1 / cluster.num_workers, 1)  # (a step whose learning rate is not 0)
     assert not strategy.skipped and not np.array_equal(strategy.model.params, before)
-    held = strategy.held_bytes()   # a node's copy counted 1/L on each rank; optimizer state for the part alone
+    held = strategy.held_bytes()  # a node's copy counted 1/L on each rank; optimizer state for the part alone
     local = strategy.exchange.node.Get_size()
-    assert held["params"] == 8 * strategy.model.num_params // local and held["grads"] == strategy.buffer.nbytes
+    assert (
+        held["params"] == 8 * strategy.model.num_params // local and held["grads"] == strategy.buffer.nbytes
+    )
     assert held["optimizer_state"] == 2 * 8 * strategy.part.size
     strategy.free()
     cluster.free()
@@ -167,8 +189,22 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
 
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_the_node_model_tests_pass_on_emulated_nodes(nodes):
-    done, _ = run_mpi(2 * nodes, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "mpi", "--with-mpi",
-                               str(ROOT / "tests" / "test_node_model.py")], nodes=nodes, timeout=300,
-                      env={"MPIDIST_TEST_NODES": str(nodes)})
+    done, _ = run_mpi(
+        2 * nodes,
+        [
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "mpi",
+            "--with-mpi",
+            str(ROOT / "tests" / "test_node_model.py"),
+        ],
+        nodes=nodes,
+        timeout=300,
+        env={"MPIDIST_TEST_NODES": str(nodes)},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "passed" in done.stdout and "failed" not in done.stdout

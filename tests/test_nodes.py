@@ -24,16 +24,23 @@ PER_NODE = 2
 STRATEGIES = {
     "allreduce": lambda nodes: ["--strategy", "allreduce"],
     "ps-sync": lambda nodes: ["--strategy", "ps-sync", "--ps", "1"],
-    "ps-sync --aggregate": lambda nodes: ["--strategy", "ps-sync", "--ps", "1", "--aggregate",
-                                          str(nodes * PER_NODE - 2)],
+    "ps-sync --aggregate": lambda nodes: [
+        "--strategy",
+        "ps-sync",
+        "--ps",
+        "1",
+        "--aggregate",
+        str(nodes * PER_NODE - 2),
+    ],
     "ps-async": lambda nodes: ["--strategy", "ps-async", "--ps", "1"],
-    "pipeline": lambda nodes: ["--strategy", "pipeline", "--stages", str(nodes)],   # a replica spans nodes
+    "pipeline": lambda nodes: ["--strategy", "pipeline", "--stages", str(nodes)],  # a replica spans nodes
     "local-sgd": lambda nodes: ["--strategy", "local-sgd", "--sync-every", "2"],
 }
 
 
 def test_the_table_covers_every_strategy_that_spans_ranks():
     from mpidist.parallel import STRATEGIES as REGISTERED
+
     assert {strategy_of(flags(2), 4) for flags in STRATEGIES.values()} == set(REGISTERED) - {"local"}
 
 
@@ -42,7 +49,7 @@ def role_table(stdout):
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.split()[:4] == ["rank", "host", "node", "pid"])
     rows = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         fields = line.split()
         if not fields or not fields[0].isdigit():
             break
@@ -51,8 +58,17 @@ def role_table(stdout):
 
 
 def train(tmp_path, nodes, *flags, epochs=4, timeout=180):
-    done, _ = mpidist(nodes * PER_NODE, "train", "--epochs", str(epochs), "--run-dir", str(tmp_path / "run"),
-                      *flags, nodes=nodes, timeout=timeout)
+    done, _ = mpidist(
+        nodes * PER_NODE,
+        "train",
+        "--epochs",
+        str(epochs),
+        "--run-dir",
+        str(tmp_path / "run"),
+        *flags,
+        nodes=nodes,
+        timeout=timeout,
+    )
     return done
 
 
@@ -65,7 +81,7 @@ def test_every_strategy_trains_across_emulated_nodes(tmp_path, strategy, layout)
     table = role_table(done.stdout)
     assert [node for _, node, _ in table] == [rank // PER_NODE for rank in range(nodes * PER_NODE)]
     final = events(tmp_path / "run" / "metrics.jsonl", "done")[-1]
-    assert final["test_accuracy"] >= 0.8, final      # 4 epochs of the bundled digits, whatever the layout
+    assert final["test_accuracy"] >= 0.8, final  # 4 epochs of the bundled digits, whatever the layout
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
@@ -75,7 +91,9 @@ def test_ps_ranks_go_one_per_node_before_a_second_on_any(tmp_path, layout):
     assert done.returncode == 0, done.stderr
     ps_nodes = sorted(node for _, node, role in role_table(done.stdout) if role == "ps")
     assert ps_nodes == [0, 1]
-    assert ("0", "worker") == next((str(rank), role) for rank, _, role in role_table(done.stdout))   # the chief
+    assert ("0", "worker") == next(
+        (str(rank), role) for rank, _, role in role_table(done.stdout)
+    )  # the chief
 
 
 def test_a_run_resumes_on_another_node_layout(tmp_path):
@@ -83,8 +101,20 @@ def test_a_run_resumes_on_another_node_layout(tmp_path):
     first = train(tmp_path, 2, "--checkpoint-dir", str(checkpoints), epochs=2)
     assert first.returncode == 0, first.stderr
     written = events(tmp_path / "run" / "metrics.jsonl", "done")[-1]["steps"]
-    resumed, _ = mpidist(3 * PER_NODE, "train", "--epochs", "4", "--checkpoint-dir", str(checkpoints),
-                         "--resume", "auto", "--run-dir", str(tmp_path / "again"), nodes=3, timeout=180)
+    resumed, _ = mpidist(
+        3 * PER_NODE,
+        "train",
+        "--epochs",
+        "4",
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--resume",
+        "auto",
+        "--run-dir",
+        str(tmp_path / "again"),
+        nodes=3,
+        timeout=180,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {written}" in resumed.stdout
     final = events(tmp_path / "again" / "metrics.jsonl", "done")[-1]
@@ -94,17 +124,21 @@ def test_a_run_resumes_on_another_node_layout(tmp_path):
 def test_ranks_stream_their_shards_across_nodes(tmp_path):
     done = train(tmp_path, 2, "--data-mode", "stream", epochs=3)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count(" stream (") == 2 * PER_NODE     # every rank's data column says it streams
+    assert done.stdout.count(" stream (") == 2 * PER_NODE  # every rank's data column says it streams
     assert events(tmp_path / "run" / "metrics.jsonl", "done")[-1]["test_accuracy"] >= 0.8
 
 
 def test_the_shared_memory_exchange_is_refused_once_when_workers_span_nodes(tmp_path):
     done = train(tmp_path, 2, "--exchange", "shared-memory", epochs=1)
     assert done.returncode == 2
-    assert done.stderr.count("--exchange shared-memory: the workers span more than one node; use --exchange mpi "
-                             "or auto") == 1
+    assert (
+        done.stderr.count(
+            "--exchange shared-memory: the workers span more than one node; use --exchange mpi or auto"
+        )
+        == 1
+    )
     auto = train(tmp_path, 2, "--exchange", "auto", "--run-dir", str(tmp_path / "auto"), epochs=1)
-    assert auto.returncode == 0, auto.stderr    # auto falls back to MPI's allreduce across nodes
+    assert auto.returncode == 0, auto.stderr  # auto falls back to MPI's allreduce across nodes
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
@@ -113,17 +147,23 @@ def test_info_counts_the_nodes_mpi_sees_whatever_their_host_names(layout):
     done, _ = mpidist(nodes * PER_NODE, "info", nodes=nodes)
     assert done.returncode == 0, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("ranks"))
-    assert f"{nodes * PER_NODE} on {nodes} node(s): node 0 (" in line and line.count(f") x{PER_NODE}") == nodes
+    assert (
+        f"{nodes * PER_NODE} on {nodes} node(s): node 0 (" in line and line.count(f") x{PER_NODE}") == nodes
+    )
 
 
 def test_bench_on_emulated_nodes_reports_what_a_node_sends_to_the_others(tmp_path):
     out = tmp_path / "bench.json"
-    done = mpidist(4, "bench", "--seconds", "0.2", "--models", "mlp", "--output", str(out), nodes=2, timeout=180)[0]
+    done = mpidist(
+        4, "bench", "--seconds", "0.2", "--models", "mlp", "--output", str(out), nodes=2, timeout=180
+    )[0]
     assert done.returncode == 0, done.stderr
     rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
-    assert "allreduce, shared-memory" not in rows     # (a copy per rank with shared gradients: one node only)
+    assert "allreduce, shared-memory" not in rows  # (a copy per rank with shared gradients: one node only)
     # 2 nodes: each node sends the ring's bound, 2 (N - 1) / N = 1 times its gradient buffer, per step
-    assert rows["allreduce"]["internode_bytes_per_step"] == pytest.approx(rows["allreduce"]["exchange_bytes"], rel=0.01)
+    assert rows["allreduce"]["internode_bytes_per_step"] == pytest.approx(
+        rows["allreduce"]["exchange_bytes"], rel=0.01
+    )
 
 
 def test_with_one_worker_per_node_auto_sums_over_mpi_and_node_is_refused(tmp_path):
@@ -131,26 +171,47 @@ def test_with_one_worker_per_node_auto_sums_over_mpi_and_node_is_refused(tmp_pat
     assert done.returncode == 0, done.stderr
     start, final = (events(tmp_path / "run" / "metrics.jsonl", kind)[-1] for kind in ("start", "done"))
     for role, held in zip(final["roles"], start["held_bytes"]):
-        assert "internode_bytes_per_step" not in role                 # (no ring: MPI's Iallreduce)
-        assert held["params"] == 4 * start["params"]                 # a copy of its own on each rank
+        assert "internode_bytes_per_step" not in role  # (no ring: MPI's Iallreduce)
+        assert held["params"] == 4 * start["params"]  # a copy of its own on each rank
     refused, _ = mpidist(2, "train", "--exchange", "node", nodes=2, timeout=120)
     assert refused.returncode == 2
-    assert refused.stderr.count("--exchange node: each node holds one worker, so there is nothing for a node's "
-                                "ranks to share; use --exchange mpi or auto") == 1, refused.stderr
+    assert (
+        refused.stderr.count(
+            "--exchange node: each node holds one worker, so there is nothing for a node's "
+            "ranks to share; use --exchange mpi or auto"
+        )
+        == 1
+    ), refused.stderr
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_backup_workers_hear_every_note_across_nodes_even_where_most_are_left_for_later_rounds(tmp_path, layout):
+def test_backup_workers_hear_every_note_across_nodes_even_where_most_are_left_for_later_rounds(
+    tmp_path, layout
+):
     # --aggregate 1: each round takes one note and leaves the others' for later rounds.  The coordinator once took
     # notes with a receive from any source, which MPICH's network module left unmatched: this run hung every time
     nodes = LAYOUTS[layout]
-    done = train(tmp_path, nodes, "--strategy", "ps-sync", "--ps", "1", "--aggregate", "1", "--steps", "40",
-                 "--log-every", "1", epochs=20, timeout=60)
+    done = train(
+        tmp_path,
+        nodes,
+        "--strategy",
+        "ps-sync",
+        "--ps",
+        "1",
+        "--aggregate",
+        "1",
+        "--steps",
+        "40",
+        "--log-every",
+        "1",
+        epochs=20,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     final = events(tmp_path / "run" / "metrics.jsonl", "done")[-1]
-    ps, = [role for role in final["roles"] if "aggregate" in role]
+    (ps,) = [role for role in final["roles"] if "aggregate" in role]
     assert final["steps"] == 40 and ps["updates"] == 40 and ps["accepted"] == 40
-    assert ps["dropped"] >= 1   # the notes left for later rounds were heard there (stale) and answered
+    assert ps["dropped"] >= 1  # the notes left for later rounds were heard there (stale) and answered
 
 
 def test_no_protocol_receives_from_any_source():
@@ -158,6 +219,9 @@ def test_no_protocol_receives_from_any_source():
     # (the stall monitor and the failure watch only poll, with Iprobe)
     receive = re.compile(r"\b(recv|Recv|Irecv|irecv|Probe|Mprobe|Improbe|Mrecv)\([^)]*ANY_SOURCE")
     package = Path(comm.__file__).resolve().parent.parent
-    found = [f"{path.relative_to(package)}: {match.group(0)}" for path in sorted(package.rglob("*.py"))
-             for match in receive.finditer(path.read_text())]
+    found = [
+        f"{path.relative_to(package)}: {match.group(0)}"
+        for path in sorted(package.rglob("*.py"))
+        for match in receive.finditer(path.read_text())
+    ]
     assert found == []

@@ -25,14 +25,19 @@ def test_finite_sees_one_bad_element_anywhere():
 
 def test_patience_counts_skips_in_a_row_and_resets_on_a_good_update():
     counter = SkipCounter(patience=2)
-    assert [counter.update_allowed(ok, "x were") for ok in (False, False, True, False, False)] == \
-        [False, False, True, False, False]
+    assert [counter.update_allowed(ok, "x were") for ok in (False, False, True, False, False)] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
     assert counter.total == 4
     with pytest.raises(RunError, match=r"x were NaN or Inf 3 time\(s\) in a row \(--nan-patience 2\)"):
         counter.update_allowed(False, "x were")
     with pytest.raises(RunError):
-        SkipCounter(patience=0).update_allowed(False, "x were")          # 0: the first one ends the run
-    silent = SkipCounter(patience=0, speaks=False)                          # another ps speaks for this one
+        SkipCounter(patience=0).update_allowed(False, "x were")  # 0: the first one ends the run
+    silent = SkipCounter(patience=0, speaks=False)  # another ps speaks for this one
     assert [silent.update_allowed(False, "x were") for _ in range(3)] == [False] * 3
 
 
@@ -57,8 +62,8 @@ def check_skip(strategy, params_of, step_of):
         skipped.append(strategy.skipped)
     assert skipped == [False, True, False]
     assert np.isfinite(seen[1]).all()
-    np.testing.assert_array_equal(seen[1], seen[0])      # nothing of the NaN step reached the parameters
-    assert not np.array_equal(seen[2], seen[1])           # and training went on
+    np.testing.assert_array_equal(seen[1], seen[0])  # nothing of the NaN step reached the parameters
+    assert not np.array_equal(seen[2], seen[1])  # and training went on
     assert MPI.COMM_WORLD.allgather(skipped) == [skipped] * MPI.COMM_WORLD.Get_size()
 
 
@@ -67,11 +72,16 @@ def test_allreduce_skips_a_step_with_a_nan_on_one_worker_everywhere():
     cluster = build_cluster(MPI.COMM_WORLD)
     global_batch = 3 * cluster.num_workers
     xs, ys = batches(global_batch, 3, poisoned_step=1)
-    strategy = AllreduceStrategy(small_convnet(np.float64), nn.loss_for(4, np), make_optimizer, cluster, seed=3)
+    strategy = AllreduceStrategy(
+        small_convnet(np.float64), nn.loss_for(4, np), make_optimizer, cluster, seed=3
+    )
     strategy.initialize()
     part = worker_slice(global_batch, cluster.num_workers, cluster.worker_index)
-    check_skip(strategy, lambda: strategy.model.params,
-               lambda step: strategy.train_step(xs[step][part], ys[step][part], 1 / cluster.num_workers, step))
+    check_skip(
+        strategy,
+        lambda: strategy.model.params,
+        lambda step: strategy.train_step(xs[step][part], ys[step][part], 1 / cluster.num_workers, step),
+    )
     assert strategy.optimizer.steps == 2
 
 
@@ -105,9 +115,21 @@ def test_pipeline_stages_skip_together_though_only_the_last_sees_the_loss():
     replicas = world.Get_size() // 2
     global_batch = 4 * replicas
     xs, ys = batches(global_batch, 3, poisoned_step=1)
-    strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), make_optimizer, cluster, seed=3,
-                                stages=2, micro_batches=2, schedule_name="1f1b", global_batch=global_batch)
+    strategy = PipelineStrategy(
+        small_convnet(np.float64),
+        nn.loss_for(4, np),
+        make_optimizer,
+        cluster,
+        seed=3,
+        stages=2,
+        micro_batches=2,
+        schedule_name="1f1b",
+        global_batch=global_batch,
+    )
     strategy.initialize()
     part = worker_slice(global_batch, replicas, strategy.replica)
-    check_skip(strategy, lambda: strategy.model.params,
-               lambda step: strategy.train_step(xs[step][part], ys[step][part], 1 / replicas, step))
+    check_skip(
+        strategy,
+        lambda: strategy.model.params,
+        lambda step: strategy.train_step(xs[step][part], ys[step][part], 1 / replicas, step),
+    )

@@ -25,6 +25,7 @@ def linked(tmp_path):
         link.unlink(missing_ok=True)
         link.symlink_to(victim)
         return link
+
     make.victim = victim
     return make
 
@@ -36,6 +37,7 @@ def replaced_itself(link, victim):
 
 def test_bench_and_plan_results_replace_a_link_itself(linked):
     from mpidist.bench.output import check_output, write_results
+
     link = linked("plan.json")
     check_output(str(link))
     write_results(str(link), {"rows": [1]})
@@ -46,6 +48,7 @@ def test_bench_and_plan_results_replace_a_link_itself(linked):
 def test_a_calibration_file_replaces_a_link_itself(linked):
     from mpidist.plan import calibration
     from test_plan import made_up
+
     link = linked("c.json")
     calibration.save(made_up(), link)
     replaced_itself(link, linked.victim)
@@ -54,6 +57,7 @@ def test_a_calibration_file_replaces_a_link_itself(linked):
 
 def test_a_claimed_output_replaces_a_link_itself_even_to_a_pipe_or_a_directory(linked, tmp_path):
     from mpidist.store import outputs
+
     for name, target in (("to-file.h5", None), ("to-pipe.h5", "pipe"), ("to-dir.h5", "dir")):
         link = linked(name)
         if target == "pipe":
@@ -73,6 +77,7 @@ def test_a_claimed_output_replaces_a_link_itself_even_to_a_pipe_or_a_directory(l
 
 def test_a_link_planted_at_the_aside_name_is_never_written_through(linked, tmp_path):
     from mpidist.store import atomic, outputs
+
     final = tmp_path / "out" / "preds.h5"
     os.symlink(linked.victim, atomic.aside_path(final))
     linked.victim.write_text("keep")
@@ -87,6 +92,7 @@ def test_a_link_planted_at_the_aside_name_is_never_written_through(linked, tmp_p
 
 def test_a_figure_replaces_a_link_itself(linked):
     from mpidist.tools.plotting import new_figure, save_png
+
     link = linked("loss.png")
     figure, _ = new_figure(1)
     save_png(figure, link)
@@ -97,6 +103,7 @@ def test_the_run_settings_replace_a_link_and_an_appended_file_refuses_one(linked
     from mpidist.loop.metrics import MetricsLog
     from mpidist.store import lineage, rundir
     from mpidist.settings.config import Settings
+
     link = linked(rundir.SETTINGS)
     rundir.write_settings(Settings(), str(tmp_path / "out"))
     replaced_itself(link, linked.victim)
@@ -113,20 +120,44 @@ def test_train_predict_and_ingest_replace_links_and_refuse_a_linked_log(linked, 
     """Through the commands: a run directory whose settings.toml is a link, predict and ingest outputs."""
     run = tmp_path / "out"
     settings = linked("settings.toml")
-    done, _ = mpidist(1, "train", "--steps", "2", "--run-dir", str(run), "--checkpoint-dir",
-                      str(tmp_path / "ck"), timeout=120)
+    done, _ = mpidist(
+        1,
+        "train",
+        "--steps",
+        "2",
+        "--run-dir",
+        str(run),
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     replaced_itself(settings, linked.victim)
-    checkpoint, = (tmp_path / "ck").glob("ckpt-*.h5")
-    for command, name in ((["predict", str(checkpoint), "--output"], "p.csv"),
-                          (["ingest", "synthetic:50,3,2"], "d.h5")):
+    (checkpoint,) = (tmp_path / "ck").glob("ckpt-*.h5")
+    for command, name in (
+        (["predict", str(checkpoint), "--output"], "p.csv"),
+        (["ingest", "synthetic:50,3,2"], "d.h5"),
+    ):
         link = linked(name)
         done, _ = mpidist(1, *command, str(link), timeout=120)
         assert done.returncode == 0, done.stderr
         replaced_itself(link, linked.victim)
     log = linked("log.txt")
-    done, _ = mpidist(1, "train", "--steps", "2", "--run-dir", str(run), "--checkpoint-dir",
-                      str(tmp_path / "ck"), "--resume", "auto", timeout=120)
-    assert done.returncode == 2 and "log.txt is a symbolic link, which appending would write through" \
-        in done.stderr, done.stderr
+    done, _ = mpidist(
+        1,
+        "train",
+        "--steps",
+        "2",
+        "--run-dir",
+        str(run),
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--resume",
+        "auto",
+        timeout=120,
+    )
+    assert (
+        done.returncode == 2
+        and "log.txt is a symbolic link, which appending would write through" in done.stderr
+    ), done.stderr
     assert log.is_symlink() and linked.victim.read_text() == "keep"

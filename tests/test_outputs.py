@@ -46,7 +46,7 @@ def test_a_failed_write_names_what_and_leaves_the_old_file_and_no_aside(tmp_path
         with outputs.claimed(final, "the dataset") as claim:
             claim.write(full_disk)
     assert str(refused.value) == f"{final}: cannot write the dataset there: {os.strerror(28)}"
-    assert list(tmp_path.iterdir()) == []           # the directories made for it are gone too
+    assert list(tmp_path.iterdir()) == []  # the directories made for it are gone too
 
 
 def test_a_body_that_fails_before_writing_leaves_the_old_file_and_no_aside(tmp_path):
@@ -61,14 +61,17 @@ def test_a_body_that_fails_before_writing_leaves_the_old_file_and_no_aside(tmp_p
 
 def test_an_error_without_an_errno_is_shown_by_its_text_made_printable():
     err = OSError("unable to create file (\x1b[2J)")
-    assert str(outputs.unwritable("o.h5", "the predictions", err)) == \
-        "o.h5: cannot write the predictions there: unable to create file (\\x1b[2J)"
+    assert (
+        str(outputs.unwritable("o.h5", "the predictions", err))
+        == "o.h5: cannot write the predictions there: unable to create file (\\x1b[2J)"
+    )
     reason = outputs.unwritable("o.h5", "the dataset", "a reason")
     assert str(reason) == "o.h5: cannot write the dataset there: a reason"
 
 
 def test_an_output_that_is_a_fifo_is_refused_and_stays_a_fifo(tmp_path):
     import stat
+
     pipe = tmp_path / "pipe.h5"
     os.mkfifo(pipe)
     with pytest.raises(UsageError) as refused:
@@ -76,11 +79,14 @@ def test_an_output_that_is_a_fifo_is_refused_and_stays_a_fifo(tmp_path):
             pytest.fail("the body ran for a FIFO")
     assert "cannot write the predictions there: it is a named pipe (FIFO)" in str(refused.value)
     assert stat.S_ISFIFO(os.stat(pipe).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["pipe.h5"]
-    assert outputs.special_kind("/dev/null") == "a character device" and outputs.special_kind(tmp_path) is None
+    assert (
+        outputs.special_kind("/dev/null") == "a character device" and outputs.special_kind(tmp_path) is None
+    )
 
 
 def test_a_fifo_made_after_the_claim_is_refused_before_the_rename(tmp_path):
     import stat
+
     final = tmp_path / "out.h5"
     with pytest.raises(UsageError, match="named pipe"):
         with outputs.claimed(final, "the dataset") as claim:

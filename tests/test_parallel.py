@@ -14,7 +14,7 @@ from mpidist.runtime.cluster import build_cluster
 def test_buckets_cover_the_buffer_contiguously():
     assert bucket_slices(10, 4, 16) == [(0, 4), (4, 8), (8, 10)]
     assert bucket_slices(10, 4, 1 << 20) == [(0, 10)]
-    assert bucket_slices(3, 8, 1) == [(0, 1), (1, 2), (2, 3)]      # never an empty bucket
+    assert bucket_slices(3, 8, 1) == [(0, 1), (1, 2), (2, 3)]  # never an empty bucket
 
 
 def small_convnet(dtype):
@@ -29,7 +29,7 @@ def worker_slice(global_batch, workers, worker):
 
 
 def train_both(cluster, global_batch, optimizer, dtype, steps=5, bucket_bytes=64 << 20):
-    rng = np.random.default_rng(0)                        # the same data on every rank
+    rng = np.random.default_rng(0)  # the same data on every rank
     xs = rng.random((steps, global_batch, 1, 6, 6)).astype(dtype)
     ys = rng.integers(0, 4, (steps, global_batch))
     make = lambda size: nn.make_optimizer(optimizer, size, 0.05, xp=np, dtype=dtype)  # noqa: E731
@@ -53,7 +53,7 @@ def train_both(cluster, global_batch, optimizer, dtype, steps=5, bucket_bytes=64
 def test_allreduce_equals_local_on_the_global_batch_float64(optimizer, extra):
     cluster = build_cluster(MPI.COMM_WORLD)
     expected, got = train_both(cluster, 4 * cluster.num_workers + extra, optimizer, np.float64)
-    assert not np.allclose(got, small_convnet(np.float64).params)      # it did train
+    assert not np.allclose(got, small_convnet(np.float64).params)  # it did train
     np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12)
 
 
@@ -79,7 +79,7 @@ def test_workers_start_from_the_chiefs_parameters():
     strategy = AllreduceStrategy(model, nn.loss_for(4, np), None, cluster, seed=10 + world.Get_rank())
     strategy.initialize()
     chief = small_convnet(np.float32)
-    chief.init_params(10)                                  # the chief's seed (rank 0)
+    chief.init_params(10)  # the chief's seed (rank 0)
     np.testing.assert_array_equal(model.params, chief.params)
 
 
@@ -105,19 +105,20 @@ def test_an_average_that_fails_leaves_the_array_as_it_was(monkeypatch):
     from mpidist.parallel import data_parallel
 
     def dies_midway(comm, array):
-        array[: len(array) // 2] *= 3.0          # a partial sum, as a broken Allreduce may leave
+        array[: len(array) // 2] *= 3.0  # a partial sum, as a broken Allreduce may leave
         raise MPI.Exception(MPI.ERR_OTHER)
 
     params = np.arange(6.0)
     monkeypatch.setattr(data_parallel.mpi, "allreduce_sum", dies_midway)
     with pytest.raises(MPI.Exception):
         data_parallel.average_over(MPI.COMM_SELF, params[2:])
-    np.testing.assert_array_equal(params, np.arange(6.0))   # (one that succeeds: the multi-rank test below)
+    np.testing.assert_array_equal(params, np.arange(6.0))  # (one that succeeds: the multi-rank test below)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_an_average_over_the_ranks_is_their_mean_in_place():
     from mpidist.parallel.data_parallel import average_over
+
     comm = MPI.COMM_WORLD
     params = np.full(5, float(comm.Get_rank()))
     average_over(comm, params[1:])

@@ -14,8 +14,8 @@ from mpidist.store.checkpoint import Checkpoint
 
 def test_balance_minimises_the_largest_stage():
     costs = [0, 8320, 0, 16512, 0, 1290]
-    sizes = balance_by_parameters(costs, 2)                 # [2, 4] and [3, 3] tie at 16512 + 1290
-    assert max(sum(costs[:sizes[0]]), sum(costs[sizes[0]:])) == 16512 + 1290
+    sizes = balance_by_parameters(costs, 2)  # [2, 4] and [3, 3] tie at 16512 + 1290
+    assert max(sum(costs[: sizes[0]]), sum(costs[sizes[0] :])) == 16512 + 1290
     assert balance_by_parameters([5, 5, 5, 5], 4) == [1, 1, 1, 1]
     assert balance_by_parameters([1, 1, 1, 10], 2) == [3, 1]
     sizes = balance_by_parameters(layer_costs(small_convnet(np.float32)), 3)
@@ -28,29 +28,51 @@ def test_micro_batches_split_the_batch_evenly():
     assert split_sizes(10, 4) == [3, 3, 2, 2] and split_sizes(8, 8) == [1] * 8
 
 
-def run_pipeline(stages, micro_batches, schedule_name, optimizer="sgd", steps=3, balance=None, elastic=False,
-                 snapshots=None):
+def run_pipeline(
+    stages,
+    micro_batches,
+    schedule_name,
+    optimizer="sgd",
+    steps=3,
+    balance=None,
+    elastic=False,
+    snapshots=None,
+):
     """``(cluster, strategy, reference)`` after ``steps`` steps of a pipeline and of a local reference on the
     same global batches; ``snapshots``: a list the reference's (params, optimizer m) after each step go to."""
     world = MPI.COMM_WORLD
     cluster = build_cluster(world)
     replicas = world.Get_size() // stages
-    global_batch = micro_batches * replicas + 1                       # uneven on purpose
+    global_batch = micro_batches * replicas + 1  # uneven on purpose
     rng = np.random.default_rng(0)
     xs = rng.random((steps, global_batch, 1, 6, 6))
     ys = rng.integers(0, 4, (steps, global_batch))
     make = lambda size: nn.make_optimizer(optimizer, size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
     reference = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, seed=3)
     reference.initialize()
-    strategy = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3,
-                                stages=stages, micro_batches=micro_batches, schedule_name=schedule_name,
-                                balance=balance, global_batch=global_batch, elastic=elastic)
+    strategy = PipelineStrategy(
+        small_convnet(np.float64),
+        nn.loss_for(4, np),
+        make,
+        cluster,
+        seed=3,
+        stages=stages,
+        micro_batches=micro_batches,
+        schedule_name=schedule_name,
+        balance=balance,
+        global_batch=global_batch,
+        elastic=elastic,
+    )
     strategy.initialize()
     part = worker_slice(global_batch, replicas, strategy.replica)
     for step in range(steps):
-        loss = strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
+        loss = strategy.train_step(
+            xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step
+        )
         expected = reference.train_step(xs[step], ys[step], 1.0, step)
-        assert np.isclose(loss, expected, rtol=1e-9)   # (every rank learns the global loss: any may become chief)
+        assert np.isclose(
+            loss, expected, rtol=1e-9
+        )  # (every rank learns the global loss: any may become chief)
         if snapshots is not None:
             snapshots.append((reference.model.params.copy(), reference.optimizer.state_arrays()["m"].copy()))
     return cluster, strategy, reference
@@ -60,8 +82,17 @@ def bare_pipeline():
     """``(cluster, strategy)``: a 2-stage pipeline of the world's ranks, with no optimizer and no step taken."""
     fits(2)
     cluster = build_cluster(MPI.COMM_WORLD)
-    return cluster, PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np), None, cluster, seed=3, stages=2,
-                                     micro_batches=2, schedule_name="1f1b", global_batch=4)
+    return cluster, PipelineStrategy(
+        small_convnet(np.float64),
+        nn.loss_for(4, np),
+        None,
+        cluster,
+        seed=3,
+        stages=2,
+        micro_batches=2,
+        schedule_name="1f1b",
+        global_batch=4,
+    )
 
 
 def fits(stages):
@@ -76,11 +107,17 @@ def fits(stages):
 def test_a_pipeline_step_equals_a_local_step(schedule_name, stages, micro_batches):
     fits(stages)
     cluster, strategy, reference = run_pipeline(stages, micro_batches, schedule_name, optimizer="adam")
-    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.param_lo:strategy.param_hi],
-                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        strategy.model.params,
+        reference.model.params[strategy.param_lo : strategy.param_hi],
+        rtol=1e-9,
+        atol=1e-12,
+    )
     assert not np.allclose(reference.model.params, small_convnet(np.float64).params)
     peak = strategy.stats()["peak_activations"]
-    assert peak <= (micro_batches if schedule_name == "gpipe" else min(stages - strategy.stage, micro_batches))
+    assert peak <= (
+        micro_batches if schedule_name == "gpipe" else min(stages - strategy.stage, micro_batches)
+    )
     strategy.free()
     cluster.free()
 
@@ -91,8 +128,12 @@ def test_hybrid_replicas_of_a_pipeline_equal_local_training_on_the_global_batch(
     fits(2)
     cluster, strategy, reference = run_pipeline(2, 4, schedule_name)
     assert strategy.replicas == MPI.COMM_WORLD.Get_size() // 2 >= 2
-    np.testing.assert_allclose(strategy.model.params, reference.model.params[strategy.param_lo:strategy.param_hi],
-                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        strategy.model.params,
+        reference.model.params[strategy.param_lo : strategy.param_hi],
+        rtol=1e-9,
+        atol=1e-12,
+    )
     strategy.free()
     cluster.free()
 
@@ -106,17 +147,39 @@ def test_an_explicit_balance_places_the_layers_and_checkpoints_stay_whole():
     if cluster.is_chief:
         params, arrays, steps = state.params, state.optimizer, state.steps
         np.testing.assert_allclose(params, reference.model.params, rtol=1e-9)
-        np.testing.assert_allclose(arrays["m"], reference.optimizer.state_arrays()["m"], rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(
+            arrays["m"], reference.optimizer.state_arrays()["m"], rtol=1e-9, atol=1e-15
+        )
         assert steps == 3
     whole = MPI.COMM_WORLD.bcast(state, root=0)
-    resumed = PipelineStrategy(small_convnet(np.float64), nn.loss_for(4, np),
-                               lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64),
-                               cluster, seed=3, stages=2, micro_batches=2, schedule_name="1f1b", balance=[5, 2],
-                               global_batch=5)
-    resumed.initialize(Checkpoint(path=None, params=whole.params, optimizer_state=whole.optimizer,
-                                  optimizer_steps=whole.steps, step=3, epoch=0, epoch_step=3, config={}))
+    resumed = PipelineStrategy(
+        small_convnet(np.float64),
+        nn.loss_for(4, np),
+        lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64),
+        cluster,
+        seed=3,
+        stages=2,
+        micro_batches=2,
+        schedule_name="1f1b",
+        balance=[5, 2],
+        global_batch=5,
+    )
+    resumed.initialize(
+        Checkpoint(
+            path=None,
+            params=whole.params,
+            optimizer_state=whole.optimizer,
+            optimizer_steps=whole.steps,
+            step=3,
+            epoch=0,
+            epoch_step=3,
+            config={},
+        )
+    )
     np.testing.assert_array_equal(resumed.model.params, strategy.model.params)
-    np.testing.assert_array_equal(resumed.optimizer.state_arrays()["v"], strategy.optimizer.state_arrays()["v"])
+    np.testing.assert_array_equal(
+        resumed.optimizer.state_arrays()["v"], strategy.optimizer.state_arrays()["v"]
+    )
     resumed.free()
     strategy.free()
     cluster.free()
@@ -135,8 +198,10 @@ def test_pipelined_evaluation_counts_every_test_sample_once():
         assert figures["samples"] == 30 and sum(figures["per_class"]["support"]) == 30
         assert np.isclose(figures["loss"], float(nn.SoftmaxCrossEntropy(np).forward(out, y)), rtol=1e-9)
         assert np.isclose(figures["accuracy"], (out.argmax(axis=1) == y).mean())
-        assert np.array_equal(np.array(figures["confusion"]),
-                              np.bincount(y * 4 + out.argmax(axis=1), minlength=16).reshape(4, 4))
+        assert np.array_equal(
+            np.array(figures["confusion"]),
+            np.bincount(y * 4 + out.argmax(axis=1), minlength=16).reshape(4, 4),
+        )
     strategy.free()
     cluster.free()
 
@@ -148,8 +213,10 @@ def test_survivors_of_a_pipeline_agree_on_the_least_step_and_the_stages_ahead_ta
     two steps (the survivors here are every rank: what a recovery does after the shrink)."""
     fits(2)
     snapshots = []
-    cluster, strategy, _ = run_pipeline(2, 2, "1f1b", optimizer="adam", steps=3, elastic=True, snapshots=snapshots)
-    if cluster.rank == cluster.size - 1:      # (its update of step 3 undone, as if the collective had failed)
+    cluster, strategy, _ = run_pipeline(
+        2, 2, "1f1b", optimizer="adam", steps=3, elastic=True, snapshots=snapshots
+    )
+    if cluster.rank == cluster.size - 1:  # (its update of step 3 undone, as if the collective had failed)
         strategy.ledger.previous.restore(strategy.model.params, strategy.optimizer)
         strategy.ledger.applied -= 1
     assert strategy.survivors_step(cluster, 3) == 2
@@ -161,7 +228,7 @@ def test_survivors_of_a_pipeline_agree_on_the_least_step_and_the_stages_ahead_ta
         np.testing.assert_allclose(state.params, params, rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(state.optimizer["m"], m, rtol=1e-9, atol=1e-15)
         assert state.steps == 2
-    assert not np.allclose(params, snapshots[2][0])   # (step 3 did change the model: the rewind is seen)
+    assert not np.allclose(params, snapshots[2][0])  # (step 3 did change the model: the rewind is seen)
     strategy.free()
     cluster.free()
 
@@ -169,13 +236,16 @@ def test_survivors_of_a_pipeline_agree_on_the_least_step_and_the_stages_ahead_ta
 @pytest.mark.mpi(min_size=4)
 def test_a_lost_rank_leaves_the_other_stages_of_its_replica_idle():
     cluster, strategy = bare_pipeline()
-    assert strategy.left_idle([3]) == [2] and strategy.left_idle([0]) == [1] and strategy.left_idle([0, 1]) == []
+    assert (
+        strategy.left_idle([3]) == [2] and strategy.left_idle([0]) == [1] and strategy.left_idle([0, 1]) == []
+    )
     if cluster.size >= 6:
         assert strategy.left_idle([1, 4]) == [0, 5]
     # (the mesh's splits: with 2+ replicas of 2 stages, the pipe and the peers, and nothing it did not split)
     owned = strategy.communicators()
-    assert len(owned) == 2 and all(any(comm is link for comm in owned)
-                                   for link in (strategy.links.pipe, strategy.links.peers))
+    assert len(owned) == 2 and all(
+        any(comm is link for comm in owned) for link in (strategy.links.pipe, strategy.links.peers)
+    )
     strategy.free()
     cluster.free()
 
@@ -183,10 +253,10 @@ def test_a_lost_rank_leaves_the_other_stages_of_its_replica_idle():
 @pytest.mark.mpi(min_size=2)
 def test_freeing_twice_frees_the_stage_communicators_once():
     cluster, strategy = bare_pipeline()
-    split = strategy.mesh.owned()   # (one replica of 2 stages at 2 ranks: no split, the pipe is the world)
+    split = strategy.mesh.owned()  # (one replica of 2 stages at 2 ranks: no split, the pipe is the world)
     assert len(split) == (0 if cluster.size == 2 else 2)
     strategy.free()
-    strategy.free()   # nothing left to free: no error, no second Free
+    strategy.free()  # nothing left to free: no error, no second Free
     assert all(comm == MPI.COMM_NULL for comm in split)
     cluster.free()
 
@@ -198,7 +268,9 @@ def test_a_pipeline_refuses_accumulation_slices_smaller_than_its_micro_batches()
 
     settings = Settings(strategy="pipeline", stages=2, micro_batches=4, accumulate=2)
     PipelineStrategy.check_slice(settings, 4)
-    with pytest.raises(UsageError, match="--accumulate 2 leaves slices of 3 sample.s. per replica, fewer than "
-                                         "--micro-batches 4"):
+    with pytest.raises(
+        UsageError,
+        match="--accumulate 2 leaves slices of 3 sample.s. per replica, fewer than --micro-batches 4",
+    ):
         PipelineStrategy.check_slice(settings, 3)
-    AllreduceStrategy.check_slice(Settings(strategy="allreduce"), 1)   # only pipelines cut slices further
+    AllreduceStrategy.check_slice(Settings(strategy="allreduce"), 1)  # only pipelines cut slices further

@@ -9,15 +9,16 @@ from mpidist.nn.tensor import split_model
 
 
 def whole():
-    model = nn.Sequential([nn.Dense(6), nn.ReLU(), nn.Dense(5), nn.LayerNorm(), nn.Dense(3)], (4,),
-                          dtype=np.float64)
+    model = nn.Sequential(
+        [nn.Dense(6), nn.ReLU(), nn.Dense(5), nn.LayerNorm(), nn.Dense(3)], (4,), dtype=np.float64
+    )
     model.init_params(2)
     return model
 
 
 def test_a_rectangle_is_a_slice_per_axis_and_anything_else_is_refused():
     assert rectangle((slice(None), slice(2, 4)), (3, 6)) == ((0, 2), (3, 4))
-    assert rectangle(slice(1, 3), (5, 2)) == ((1, 0), (3, 2))   # (the axes left out are whole)
+    assert rectangle(slice(1, 3), (5, 2)) == ((1, 0), (3, 2))  # (the axes left out are whole)
     assert rectangle((), (5,)) == ((0,), (5,))
     for index in ([0, 2], (slice(None, None, 2),), (0, slice(None))):
         with pytest.raises(ValueError, match="not a"):
@@ -26,7 +27,7 @@ def test_a_rectangle_is_a_slice_per_axis_and_anything_else_is_refused():
 
 def test_a_stages_regions_are_its_parameters_whole_in_order():
     model = whole()
-    placement = Placement.of_entries(model, 2, 6)   # (the second Dense, the LayerNorm)
+    placement = Placement.of_entries(model, 2, 6)  # (the second Dense, the LayerNorm)
     assert [region.entry for region in placement.regions] == [2, 3, 4, 5]
     lo, hi = model.entries[2][2], model.entries[5][2] + 5
     assert placement.size == hi - lo
@@ -45,7 +46,11 @@ def test_a_tensor_parts_regions_give_its_slices_its_draws_and_fill_the_whole_bac
     assert np.array_equal(placement.initial(2, np.empty(placement.size)), model.params[positions])
     assert np.array_equal(np.concatenate([p for _, p in placement.chunks(chunk=7)]), positions)
     # the first pair splits (Dense 6 by columns, Dense 5 by rows); the rest is whole, written by part 0 alone
-    split = {region.entry for region in placement.regions if region.size < int(np.prod(model.entries[region.entry][3]))}
+    split = {
+        region.entry
+        for region in placement.regions
+        if region.size < int(np.prod(model.entries[region.entry][3]))
+    }
     assert split == {0, 1, 2}
     assert all(region.writes == (part == 0 or region.entry in split) for region in placement.regions)
 

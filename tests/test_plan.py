@@ -23,14 +23,35 @@ MS = 1e-3
 
 def made_up(layers=4, params=1000, forward=(0.0, 1e-4), backward=(0.0, 2e-4), **changes):
     """A calibration of ``layers`` equal Dense layers of ``params`` parameters and 10 outputs a sample."""
-    figures = dict(model="mlp", data="digits", optimizer="adam", dtype="float32", itemsize=4, sample_bytes=256,
-                   read_overhead_bytes=512_000,
-                   batch_per_rank=64, train_samples=1000, test_samples=100,
-                   layers=tuple(LayerCost("Dense", params, 10, True, forward, backward) for _ in range(layers)),
-                   loss=(0.0, 0.0), tensor_sums=(10,), optimizer_per_param=1e-9, step_overhead=0.0, micro_batch_s=0.0, overlap=0.0,
-                   sum_per_byte=1e-10, jitter=0.0, node=Link(1e-6, 1e-10), network=Link(2e-6, 4e-10),
-                   node_crowding=1.0, network_crowding=1.0,
-                   baseline_bytes=50 << 20, ranks_per_node=2, cores=2, node_memory_bytes=16 << 30)
+    figures = dict(
+        model="mlp",
+        data="digits",
+        optimizer="adam",
+        dtype="float32",
+        itemsize=4,
+        sample_bytes=256,
+        read_overhead_bytes=512_000,
+        batch_per_rank=64,
+        train_samples=1000,
+        test_samples=100,
+        layers=tuple(LayerCost("Dense", params, 10, True, forward, backward) for _ in range(layers)),
+        loss=(0.0, 0.0),
+        tensor_sums=(10,),
+        optimizer_per_param=1e-9,
+        step_overhead=0.0,
+        micro_batch_s=0.0,
+        overlap=0.0,
+        sum_per_byte=1e-10,
+        jitter=0.0,
+        node=Link(1e-6, 1e-10),
+        network=Link(2e-6, 4e-10),
+        node_crowding=1.0,
+        network_crowding=1.0,
+        baseline_bytes=50 << 20,
+        ranks_per_node=2,
+        cores=2,
+        node_memory_bytes=16 << 30,
+    )
     figures.update(changes)
     return Calibration(**figures)
 
@@ -49,7 +70,8 @@ def test_a_link_is_fitted_from_times_it_explains_and_given_as_bandwidth_and_late
     assert Link(1e-6, 1e-9).allreduce(4000, 4) == pytest.approx(2 * 2 * 1e-6 + 2 * 3 * 1000 * 1e-9)
     # 1,000 ranks: recursive halving over 512, the other 488 handing their buffers in and taking them back
     assert Link(1e-6, 1e-9).allreduce(4000, 1000) == pytest.approx(
-        2 * 9 * 1e-6 + 2 * 511 / 512 * 4000 * 1e-9 + 2 * (1e-6 + 4000 * 1e-9))
+        2 * 9 * 1e-6 + 2 * 511 / 512 * 4000 * 1e-9 + 2 * (1e-6 + 4000 * 1e-9)
+    )
     # 3 ranks of a bandwidth-bound link: the ring moves less than halving on 2 and handing the third's in
     assert Link(0.0, 1e-9).allreduce(3000, 3) == pytest.approx(2 * 2 * 1000 * 1e-9)
     assert Link(1e-6, 1e-9).allreduce(4000, 2) == pytest.approx(2 * (1e-6 + 2000 * 1e-9))
@@ -64,7 +86,7 @@ def test_the_schedule_simulation_takes_stage_times_and_a_transfer_time():
     # GPipe: the last stage starts after (P - 1) forwards and transfers, runs M forwards, then the backwards
     # climb back: (M + P - 1) (f + b) plus a transfer at each of the 2 (P - 1) stage boundaries crossed
     assert end == pytest.approx((micro + stages - 1) * (f + b) + 2 * (stages - 1) * t)
-    assert simulate(plans) == simulate(plans, cost=lambda stage, op: 1, transfer=0)   # (unit time as before)
+    assert simulate(plans) == simulate(plans, cost=lambda stage, op: 1, transfer=0)  # (unit time as before)
 
 
 def test_local_and_allreduce_steps_in_closed_form():
@@ -83,12 +105,16 @@ def test_local_and_allreduce_steps_in_closed_form():
 
 
 def test_a_pipeline_of_equal_stages_pays_the_schedules_bubble():
-    cal = made_up(layers=4, forward=(0.0, 1e-4), backward=(0.0, 1e-4), node=Link(0.0, 0.0), micro_batch_s=5e-5)
+    cal = made_up(
+        layers=4, forward=(0.0, 1e-4), backward=(0.0, 1e-4), node=Link(0.0, 0.0), micro_batch_s=5e-5
+    )
     made = predict(cal, Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4))
     # two layers, micro-batches of 16, forward and backward; then the stage's 2,000 gradients added into the
     # step's, and the runner's own time
     stage = 2 * 16 * 2e-4 + 2000 * 4 * 1e-10 + 5e-5
-    assert made.compute == pytest.approx(4 * stage) and made.bubble == pytest.approx(stage)   # (P - 1) of M + P - 1
+    assert made.compute == pytest.approx(4 * stage) and made.bubble == pytest.approx(
+        stage
+    )  # (P - 1) of M + P - 1
 
 
 def test_ranks_of_one_node_that_crowd_each_other_compute_slower():
@@ -101,8 +127,13 @@ def test_ranks_of_one_node_that_crowd_each_other_compute_slower():
 def test_jitter_costs_the_wait_for_the_slowest_of_the_synchronised_ranks():
     # the expected largest of r standard normals: 1 / sqrt(pi) for 2, 3 / (2 sqrt(pi)) for 3, and the
     # tabulated 1.02938 for 4, 1.42360 for 8, 3.24144 for 1000
-    for count, largest in ((2, 1 / math.sqrt(math.pi)), (3, 1.5 / math.sqrt(math.pi)), (4, 1.02938),
-                           (8, 1.42360), (1000, 3.24144)):
+    for count, largest in (
+        (2, 1 / math.sqrt(math.pi)),
+        (3, 1.5 / math.sqrt(math.pi)),
+        (4, 1.02938),
+        (8, 1.42360),
+        (1000, 3.24144),
+    ):
         assert slowest_of(count) == pytest.approx(largest, rel=1e-4)
     assert slowest_of(1) == 0.0
     calm, noisy = made_up(), made_up(jitter=0.1)
@@ -114,30 +145,39 @@ def test_jitter_costs_the_wait_for_the_slowest_of_the_synchronised_ranks():
 def test_a_pipeline_waits_for_stages_as_loaded_as_each_other_and_not_for_one_with_slack():
     even = made_up(layers=4, forward=(0.0, 1e-4), backward=(0.0, 1e-4), jitter=0.1)
     heavy, light = even.layers[0], dataclasses.replace(even.layers[0], forward=(0, 1e-6), backward=(0, 1e-6))
-    lopsided = dataclasses.replace(even, layers=(heavy, heavy, light, light))   # (2 layers a stage)
+    lopsided = dataclasses.replace(even, layers=(heavy, heavy, light, light))  # (2 layers a stage)
     layout = Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4)
     assert predict(dataclasses.replace(even, jitter=0.0), layout).wait == 0.0
     assert predict(even, layout).wait > 0.02 * predict(even, layout).compute
     assert predict(lopsided, layout).wait < 0.005 * predict(lopsided, layout).compute
     # ranks crowd each other only while both compute: the lopsided pipeline's busy stage mostly computes alone
-    crowded = {name: dataclasses.replace(cal, node_crowding=1.5, jitter=0.0) for name, cal in
-               (("even", even), ("lopsided", lopsided))}
-    assert predict(crowded["even"], layout).compute == pytest.approx(1.5 * predict(
-        dataclasses.replace(even, jitter=0.0), layout).compute)
+    crowded = {
+        name: dataclasses.replace(cal, node_crowding=1.5, jitter=0.0)
+        for name, cal in (("even", even), ("lopsided", lopsided))
+    }
+    assert predict(crowded["even"], layout).compute == pytest.approx(
+        1.5 * predict(dataclasses.replace(even, jitter=0.0), layout).compute
+    )
     light_share = 1e-6 / 1e-4
     assert predict(crowded["lopsided"], layout).compute == pytest.approx(
-        (1 + 0.5 * light_share) * predict(dataclasses.replace(lopsided, jitter=0.0), layout).compute, rel=1e-3)
+        (1 + 0.5 * light_share) * predict(dataclasses.replace(lopsided, jitter=0.0), layout).compute, rel=1e-3
+    )
     # replicas wait for the slowest replica's schedule too
-    assert predict(even, Layout("pipeline", 1, 8, 256, stages=2, micro_batches=4)).wait > predict(even, layout).wait
+    assert (
+        predict(even, Layout("pipeline", 1, 8, 256, stages=2, micro_batches=4)).wait
+        > predict(even, layout).wait
+    )
 
 
 def test_buckets_started_as_backward_completes_them_leave_the_last_ones_exchange():
-    cal = made_up()   # 4 layers of 1,000 parameters, 2e-4 s a sample of backward each; the buffer ends in the loss
+    cal = (
+        made_up()
+    )  # 4 layers of 1,000 parameters, 2e-4 s a sample of backward each; the buffer ends in the loss
     layout = Layout("allreduce", 1, 2, 64, exchange="mpi")
-    backward = 32 * 2e-4                                  # a layer's backward on a worker's 32 samples
-    sums = 0.5 * 4001 * 4 * cal.sum_per_byte               # every bucket's sum, on the cores
+    backward = 32 * 2e-4  # a layer's backward on a worker's 32 samples
+    sums = 0.5 * 4001 * 4 * cal.sum_per_byte  # every bucket's sum, on the cores
 
-    def moved(nbytes, link=cal.node):                      # a bucket's allreduce over 2 ranks, on the link
+    def moved(nbytes, link=cal.node):  # a bucket's allreduce over 2 ranks, on the link
         return link.allreduce(nbytes, 2)
 
     # cut from the top as mpidist cuts (parallel.exchange.top_down_buckets): a bucket a layer, each moved while
@@ -146,32 +186,39 @@ def test_buckets_started_as_backward_completes_them_leave_the_last_ones_exchange
     assert buckets.exposed(cal, layout, 8000) == pytest.approx(moved(8000) + moved(4) + sums)
     # 1,500 a bucket: the middle one spans layers 1 and 2 and is ready after layer 1; the last holds 1,001
     assert buckets.exposed(cal, layout, 6000) == pytest.approx(moved(4004) + sums)
-    assert buckets.exposed(cal, layout, 1 << 20) == pytest.approx(moved(16004) + sums)   # one bucket: all of it
+    assert buckets.exposed(cal, layout, 1 << 20) == pytest.approx(
+        moved(16004) + sums
+    )  # one bucket: all of it
     # a link slower than backward: the buckets queue behind the first, ready after the top layer
     slow = dataclasses.replace(cal, node=Link(0.0, 1e-5))
     one = moved(4000, slow.node)
     assert buckets.exposed(slow, layout, 4000) == pytest.approx(
-        backward + 4 * one + moved(4, slow.node) - 4 * backward + sums)
+        backward + 4 * one + moved(4, slow.node) - 4 * backward + sums
+    )
     # the best of the sizes tried: for a model of 64 MiB of gradients (and the loss), a bucket smaller than all
     # of it; where the link costs nothing, the largest of equals (one call: the first size holding it all)
     big = made_up(params=4 << 20)
     size, left = buckets.best_bucket(big, layout)
     assert size < 64 and left < buckets.exposed(big, layout, 128 << 20)
-    assert left == min(buckets.exposed(big, layout, mib * (1 << 20)) for mib in buckets.CANDIDATES if mib <= 128)
+    assert left == min(
+        buckets.exposed(big, layout, mib * (1 << 20)) for mib in buckets.CANDIDATES if mib <= 128
+    )
     assert buckets.best_bucket(dataclasses.replace(big, node=Link(0.0, 0.0)), layout)[0] == 128
 
 
 def test_the_calibrated_overlap_hides_its_share_of_what_buckets_can_hide_and_picks_their_size():
-    big = made_up(params=1 << 20, node=Link(1e-6, 1e-9))   # 4 layers of 4 MiB of gradients each
+    big = made_up(params=1 << 20, node=Link(1e-6, 1e-9))  # 4 layers of 4 MiB of gradients each
     layout = Layout("allreduce", 1, 2, 128, exchange="mpi", bucket_mb=4)
     whole = buckets.exposed(big, layout, (big.params + 1) * 4)
     hideable = whole - buckets.exposed(big, layout, 4 << 20)
     assert hideable > 0
     none = predict(big, layout).exchange
-    assert predict(dataclasses.replace(big, overlap=0.5), layout).exchange == pytest.approx(none - 0.5 * hideable)
+    assert predict(dataclasses.replace(big, overlap=0.5), layout).exchange == pytest.approx(
+        none - 0.5 * hideable
+    )
     assert layout.describe() == "allreduce --exchange mpi --bucket-mb 4" and layout.buckets
-    assert not Layout("allreduce", 1, 2, 128).buckets                     # (one model per node: no buckets)
-    assert Layout("allreduce", 2, 1, 128).buckets                         # (a rank a node: MPI's, bucketed)
+    assert not Layout("allreduce", 1, 2, 128).buckets  # (one model per node: no buckets)
+    assert Layout("allreduce", 2, 1, 128).buckets  # (a rank a node: MPI's, bucketed)
     # the advice gives bucketed layouts their best size where backward hides any, and leaves them be elsewhere
     at = {row.layout for row in advise(dataclasses.replace(big, overlap=0.5), [1], 2, 64, 16 << 30)[0]}
     size = buckets.best_bucket(big, Layout("allreduce", 1, 2, 128, exchange="mpi"))[0]
@@ -204,16 +251,20 @@ def test_the_memory_a_rank_holds_counts_its_share_of_each_array():
     one = predict(cal, Layout("local", 1, 1, 64)).memory
     # baseline, the whole training split, parameters and gradients, Adam's two moments, each layer's outputs
     # for the batch and for the test split's 100 samples
-    assert one == 50 * 2 ** 20 + 1000 * 256 + 2 * 4000 * 4 + 2 * 4000 * 4 + 64 * 4 * 40 + 100 * 4 * 40
+    assert one == 50 * 2**20 + 1000 * 256 + 2 * 4000 * 4 + 2 * 4000 * 4 + 64 * 4 * 40 + 100 * 4 * 40
     sharded = predict(cal, Layout("allreduce", 1, 4, 256, exchange="mpi", shard="optimizer")).memory
     # 4 workers: a quarter of the rows; then the larger of what reading them between the others' rows takes
     # (as calibrated) and training's optimizer state and activations (the model is built before the read)
-    assert sharded == 50 * 2 ** 20 + 250 * 256 + 2 * 4000 * 4 + max(512_000, 2 * 1000 * 4 + 64 * 4 * 40 + 25 * 4 * 40)
+    assert sharded == 50 * 2**20 + 250 * 256 + 2 * 4000 * 4 + max(
+        512_000, 2 * 1000 * 4 + 64 * 4 * 40 + 25 * 4 * 40
+    )
     # a stage of 2 layers: its slice twice, Adam's moments and the accumulated gradients of the slice (each
     # rank draws, writes and reads its own slice: nothing whole, on the chief neither)
     stage = predict(cal, Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4))
-    held = 2 * 2000 * 4 + (2 * 2000 + 2000) * 4 + 2 * 16 * 4 * 20 + 100 * 4 * 40   # (2 micro-batches in flight)
-    assert stage.memory == 50 * 2 ** 20 + 1000 * 256 + held
+    held = (
+        2 * 2000 * 4 + (2 * 2000 + 2000) * 4 + 2 * 16 * 4 * 20 + 100 * 4 * 40
+    )  # (2 micro-batches in flight)
+    assert stage.memory == 50 * 2**20 + 1000 * 256 + held
     assert stage.node_memory == 2 * stage.memory
 
 
@@ -226,16 +277,18 @@ def test_the_advice_is_the_fastest_layout_that_fits_and_the_knee_where_efficienc
     assert knee in (1, 2, 1024) and best[knee].efficiency >= 0.5
     # each strategy's own advice: its fastest that fits at each count; the overall best is the best of them
     strategies = per_strategy(rows)
-    assert set(strategies) == {"allreduce", "ps-sync", "ps-async", "pipeline"}   # (2 ranks a node: no local)
+    assert set(strategies) == {"allreduce", "ps-sync", "ps-async", "pipeline"}  # (2 ranks a node: no local)
     for strategy, (fastest, paying) in strategies.items():
         for nodes, row in fastest.items():
             assert row.strategy == strategy and row.samples_per_s == max(
-                r.samples_per_s for r in rows if r.nodes == nodes and r.fits and r.strategy == strategy)
+                r.samples_per_s for r in rows if r.nodes == nodes and r.fits and r.strategy == strategy
+            )
         assert paying is None or fastest[paying].efficiency >= 0.5
     for nodes, row in best.items():
-        assert row.samples_per_s == max(fastest[nodes].samples_per_s for fastest, _ in strategies.values()
-                                        if nodes in fastest)
-    _, nothing, _ = advise(cal, [1], 2, 64, 1 << 20)   # 1 MiB a node: nothing fits
+        assert row.samples_per_s == max(
+            fastest[nodes].samples_per_s for fastest, _ in strategies.values() if nodes in fastest
+        )
+    _, nothing, _ = advise(cal, [1], 2, 64, 1 << 20)  # 1 MiB a node: nothing fits
     assert nothing == {}
 
 
@@ -249,13 +302,21 @@ def test_a_calibration_file_round_trips_and_every_bad_figure_is_named(tmp_path):
     calibration.save(cal, tmp_path / "c.json")
     assert calibration.load(tmp_path / "c.json") == cal
     good = json.loads((tmp_path / "c.json").read_text())
-    cases = {"format": ("format", "x"), "optimizer_per_param": ("optimizer_per_param", -1.0),
-             "jitter": ("jitter", "fast"), "layers": ("layers", {}), "itemsize": ("itemsize", 0),
-             "tensor_sums": ("tensor_sums", [0]), "node": ("node", 3)}
+    cases = {
+        "format": ("format", "x"),
+        "optimizer_per_param": ("optimizer_per_param", -1.0),
+        "jitter": ("jitter", "fast"),
+        "layers": ("layers", {}),
+        "itemsize": ("itemsize", 0),
+        "tensor_sums": ("tensor_sums", [0]),
+        "node": ("node", 3),
+    }
     for name, (field, value) in cases.items():
         with pytest.raises(UsageError, match=name):
             calibration.load(write(tmp_path / "bad.json", {**good, field: value}))
-    (tmp_path / "nan.json").write_text((tmp_path / "c.json").read_text().replace('"jitter": 0.0', '"jitter": NaN'))
+    (tmp_path / "nan.json").write_text(
+        (tmp_path / "c.json").read_text().replace('"jitter": 0.0', '"jitter": NaN')
+    )
     with pytest.raises(UsageError, match="not JSON"):
         calibration.load(tmp_path / "nan.json")
     bad_layer = {**good, "layers": [{**good["layers"][0], "forward": [1.0]}]}
@@ -264,13 +325,18 @@ def test_a_calibration_file_round_trips_and_every_bad_figure_is_named(tmp_path):
     (tmp_path / "big.json").write_bytes(b" " * (calibration.MAX_BYTES + 1))
     with pytest.raises(UsageError, match="larger than"):
         calibration.load(tmp_path / "big.json")
-    with pytest.raises(UsageError, match=r"missing.json: no such file; measure one where the run will go first: "
-                       r"mpiexec -n 2 python -m mpidist plan --calibrate --model MODEL --data DATA"):
+    with pytest.raises(
+        UsageError,
+        match=r"missing.json: no such file; measure one where the run will go first: "
+        r"mpiexec -n 2 python -m mpidist plan --calibrate --model MODEL --data DATA",
+    ):
         calibration.load(tmp_path / "missing.json")
     os.symlink(tmp_path / "gone.json", tmp_path / "dangling.json")
-    with pytest.raises(UsageError, match="cannot be read"):   # (there, but not readable: the reason, not the hint)
+    with pytest.raises(
+        UsageError, match="cannot be read"
+    ):  # (there, but not readable: the reason, not the hint)
         calibration.load(tmp_path / "dangling.json")
-    os.mkfifo(tmp_path / "pipe.json")   # (opening a named pipe would wait for a writer forever)
+    os.mkfifo(tmp_path / "pipe.json")  # (opening a named pipe would wait for a writer forever)
     with pytest.raises(UsageError, match="named pipe"):
         calibration.load(tmp_path / "pipe.json")
     (tmp_path / "piped").mkdir()
@@ -280,17 +346,37 @@ def test_a_calibration_file_round_trips_and_every_bad_figure_is_named(tmp_path):
 
 def test_plan_prints_every_layout_and_a_recommendation_for_each_node_count(tmp_path):
     calibration.save(made_up(network=None), tmp_path / "c.json")
-    done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,8,64,512", "--link",
-                      "25GB/s,2us", "--output", str(tmp_path / "plan.json"), timeout=60)
+    done, _ = mpidist(
+        1,
+        "plan",
+        "--calibration",
+        str(tmp_path / "c.json"),
+        "--nodes",
+        "1,8,64,512",
+        "--link",
+        "25GB/s,2us",
+        "--output",
+        str(tmp_path / "plan.json"),
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     for nodes in (1, 8, 64, 512):
         assert f"on {nodes} node(s): " in done.stdout
     written = json.loads((tmp_path / "plan.json").read_text())
     at_8 = {row["layout"] for row in written["rows"] if row["nodes"] == 8}
-    assert at_8 >= {"allreduce", "allreduce --exchange mpi", "allreduce --tensor 2", "ps-sync --ps 1",
-                    "ps-sync --ps 8", "ps-async --ps 1", "ps-async --ps 8"}, at_8
+    assert at_8 >= {
+        "allreduce",
+        "allreduce --exchange mpi",
+        "allreduce --tensor 2",
+        "ps-sync --ps 1",
+        "ps-sync --ps 8",
+        "ps-async --ps 1",
+        "ps-async --ps 8",
+    }, at_8
     assert {layout.split(" --micro")[0] for layout in at_8 if layout.startswith("pipeline")} == {
-        "pipeline --stages 2", "pipeline --stages 4"}, at_8
+        "pipeline --stages 2",
+        "pipeline --stages 4",
+    }, at_8
     assert "25.00 GB/s, 2.0 us" in done.stdout
     # the bucket size for allreduce --exchange mpi at each count, as buckets.best_bucket gives it
     assert set(written["bucket_mb"]) == {"1", "8", "64", "512"}
@@ -304,8 +390,17 @@ def test_plan_prints_every_layout_and_a_recommendation_for_each_node_count(tmp_p
         assert set(advised["best"]) == {"1", "8", "64", "512"} and advised["best"]["8"].startswith(strategy)
         assert f"mpidist plan: {strategy}: 1: " in done.stdout
     # more than one node without a link between them: refused, naming the flag
-    done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,2", "--output",
-                      str(tmp_path / "plan.json"), timeout=60)
+    done, _ = mpidist(
+        1,
+        "plan",
+        "--calibration",
+        str(tmp_path / "c.json"),
+        "--nodes",
+        "1,2",
+        "--output",
+        str(tmp_path / "plan.json"),
+        timeout=60,
+    )
     assert done.returncode == 2 and "give one with --link" in done.stderr + done.stdout
 
 
@@ -314,25 +409,53 @@ def test_calibrate_measures_the_model_and_the_links_under_the_launcher(tmp_path,
     """Two ranks on one node measure the link within it; one on each of two emulated nodes, the network."""
     # (0.3 s a measurement: at 0.1 s a layer's cost per sample, 0.2 us, was sometimes lost in the noise and fitted
     # as none, in the suite)
-    done, _ = run_mpi(2, ["-m", "mpidist", "plan", "--calibrate", "--calibration", str(tmp_path / "c.json"),
-                          "--seconds", "0.3"], nodes=nodes if nodes > 1 else None, timeout=120)
+    done, _ = run_mpi(
+        2,
+        [
+            "-m",
+            "mpidist",
+            "plan",
+            "--calibrate",
+            "--calibration",
+            str(tmp_path / "c.json"),
+            "--seconds",
+            "0.3",
+        ],
+        nodes=nodes if nodes > 1 else None,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     cal = calibration.load(tmp_path / "c.json")
     assert (cal.network is not None) == (nodes == 2) and (cal.node is not None) == (nodes == 1)
     assert [layer.name for layer in cal.layers] == ["Flatten", "Dense", "ReLU", "Dense", "ReLU", "Dense"]
-    assert cal.params == 26_122 and cal.tensor_sums == (128,) and [layer.splits for layer in cal.layers] == [
-        False, True, False, True, False, False]
+    assert (
+        cal.params == 26_122
+        and cal.tensor_sums == (128,)
+        and [layer.splits for layer in cal.layers] == [False, True, False, True, False, False]
+    )
     assert all(layer.forward[1] + layer.backward[1] > 0 for layer in cal.layers if layer.params)
     assert cal.baseline_bytes > 10 << 20 and cal.batch_per_rank == 64
 
 
 def test_check_sets_a_prediction_beside_what_a_run_measured(tmp_path):
-    done, _ = mpidist(2, "--steps", "30", "--run-dir", str(tmp_path / "run"), "--progress", "none", timeout=120)
+    done, _ = mpidist(
+        2, "--steps", "30", "--run-dir", str(tmp_path / "run"), "--progress", "none", timeout=120
+    )
     assert done.returncode == 0, done.stderr
     calibration.save(dataclasses.replace(made_up(), model="mlp"), tmp_path / "c.json")
     (tmp_path / "empty").mkdir()
-    done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--check", str(tmp_path / "run"),
-                      str(tmp_path / "empty"), "--output", str(tmp_path / "check.json"), timeout=60)
+    done, _ = mpidist(
+        1,
+        "plan",
+        "--calibration",
+        str(tmp_path / "c.json"),
+        "--check",
+        str(tmp_path / "run"),
+        str(tmp_path / "empty"),
+        "--output",
+        str(tmp_path / "check.json"),
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     checked = json.loads((tmp_path / "check.json").read_text())
     assert len(checked["checked"]) == 1 and checked["checked"][0]["layout"] == "allreduce"
@@ -343,21 +466,27 @@ def test_check_sets_a_prediction_beside_what_a_run_measured(tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     for name, bad in (("peak", '"peak_rss_mib": 1e999'), ("batch", '"batch_size": 1e999')):
         (tmp_path / name).mkdir()
-        changed = [line.replace('"peak_rss_mib": ', f'{bad}, "x": ') if name == "peak" else
-                   line.replace('"batch_size": ', f'{bad}, "x": ') for line in lines]
+        changed = [
+            line.replace('"peak_rss_mib": ', f'{bad}, "x": ')
+            if name == "peak"
+            else line.replace('"batch_size": ', f'{bad}, "x": ')
+            for line in lines
+        ]
         assert changed != lines
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(changed) + "\n")
         assert "lacks the layout or the figures" in check.read_layout(tmp_path / name)
     # a strategy plan has no cost model for is a run passed over, named
     (tmp_path / "sgd").mkdir()
     (tmp_path / "sgd" / "metrics.jsonl").write_text(
-        "\n".join(line.replace('"strategy": "allreduce"', '"strategy": "local-sgd"') for line in lines) + "\n")
+        "\n".join(line.replace('"strategy": "allreduce"', '"strategy": "local-sgd"') for line in lines) + "\n"
+    )
     assert "--strategy local-sgd is not predicted" in check.read_layout(tmp_path / "sgd")
 
 
 def test_plan_costs_every_registered_strategy_but_local_sgd():
     """Found through the registry: a strategy registered later is not predicted until plan has its cost."""
     from mpidist.parallel.registry import STRATEGIES
+
     assert [name for name in STRATEGIES if not predicted(name)] == ["local-sgd"]
     assert not predicted("no-such-strategy")
 
@@ -366,15 +495,16 @@ def test_the_peak_a_read_is_measured_against_starts_over():
     import numpy as np
 
     from mpidist.runtime.memory import high_water, reset_high_water
+
     # (allocations this large are fresh pages from the kernel, never reused heap: glibc maps anything above
     # 32 MiB on its own, whatever memory earlier tests freed)
-    held = np.ones(256 << 20, dtype=np.uint8)    # touched
+    held = np.ones(256 << 20, dtype=np.uint8)  # touched
     peak = high_water()
     del held
     assert reset_high_water() and high_water() is not None
     start = high_water()
-    assert start <= peak - (200 << 20)          # the 256 MiB before the reset no longer counts
-    held = np.ones(128 << 20, dtype=np.uint8)
+    assert start <= peak - (200 << 20)  # the 256 MiB before the reset no longer counts
+    held = np.ones(128 << 20, dtype=np.uint8)  # noqa: F841  (held, and touched, while the high water is read)
     assert high_water() - start >= 120 << 20
 
 
@@ -383,36 +513,71 @@ def _no_constant(name):
     raise ValueError(f"{name} in plan.json")
 
 
-@pytest.mark.parametrize("extreme", [
-    dict(layers=30_000),                                  # stage balancing was quadratic: hours
-    dict(layers=4, params=(1 << 50) // 4),                # a bucket a tuple: unbounded memory
-    dict(jitter=calibration.MOST_FACTOR, node_crowding=calibration.MOST_FACTOR,
-         network_crowding=calibration.MOST_FACTOR),
-    dict(forward=(calibration.MOST_SECONDS,) * 2, backward=(calibration.MOST_SECONDS,) * 2,
-         optimizer_per_param=calibration.MOST_SECONDS, step_overhead=calibration.MOST_SECONDS)],
-    ids=["30000 layers", "2^50 parameters", "spreads", "seconds"])
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        dict(layers=30_000),  # stage balancing was quadratic: hours
+        dict(layers=4, params=(1 << 50) // 4),  # a bucket a tuple: unbounded memory
+        dict(
+            jitter=calibration.MOST_FACTOR,
+            node_crowding=calibration.MOST_FACTOR,
+            network_crowding=calibration.MOST_FACTOR,
+        ),
+        dict(
+            forward=(calibration.MOST_SECONDS,) * 2,
+            backward=(calibration.MOST_SECONDS,) * 2,
+            optimizer_per_param=calibration.MOST_SECONDS,
+            step_overhead=calibration.MOST_SECONDS,
+        ),
+    ],
+    ids=["30000 layers", "2^50 parameters", "spreads", "seconds"],
+)
 def test_plan_answers_any_calibration_it_accepts_in_bounded_time_with_finite_figures(tmp_path, extreme):
-    figures = made_up(**{key: value for key, value in extreme.items() if key in ("layers", "params", "forward",
-                                                                                  "backward")})
-    figures = dataclasses.replace(figures, **{key: value for key, value in extreme.items()
-                                              if key not in ("layers", "params", "forward", "backward")})
-    (tmp_path / "c.json").write_text(json.dumps(figures.to_json(), separators=(",", ":")))    # (within MAX_BYTES)
-    done, seconds = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,8,512",
-                            "--output", str(tmp_path / "plan.json"), timeout=60)
+    figures = made_up(
+        **{key: value for key, value in extreme.items() if key in ("layers", "params", "forward", "backward")}
+    )
+    figures = dataclasses.replace(
+        figures,
+        **{
+            key: value
+            for key, value in extreme.items()
+            if key not in ("layers", "params", "forward", "backward")
+        },
+    )
+    (tmp_path / "c.json").write_text(
+        json.dumps(figures.to_json(), separators=(",", ":"))
+    )  # (within MAX_BYTES)
+    done, seconds = mpidist(
+        1,
+        "plan",
+        "--calibration",
+        str(tmp_path / "c.json"),
+        "--nodes",
+        "1,8,512",
+        "--output",
+        str(tmp_path / "plan.json"),
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
-    written = json.loads((tmp_path / "plan.json").read_text(), parse_constant=_no_constant)    # no NaN, no Inf
+    written = json.loads((tmp_path / "plan.json").read_text(), parse_constant=_no_constant)  # no NaN, no Inf
     assert written["rows"] and all(math.isfinite(row["samples_per_s"]) for row in written["rows"])
     assert seconds < 30, seconds
 
 
-@pytest.mark.parametrize("changes,named", [
-    (dict(forward=(0.0, 0.0), backward=(0.0, 0.0), loss=(0.0, 0.0), step_overhead=0.0),
-     "layers, loss and step_overhead: every figure is 0, so a step would take no time"),
-    (dict(jitter=1e300), "jitter: a figure from 0 to 86,400 expected, got 1e+300"),
-    (dict(jitter=5000.0), "jitter: 5000.0 is more than 1000"),
-    (dict(network_crowding=2e3), "network_crowding: 2000.0 is more than 1000"),
-    (dict(sum_per_byte=1e9), "sum_per_byte: a figure from 0 to 86,400 expected"),
-    (dict(params=(1 << 50)), "parameters in all, more than 1,125,899,906,842,624 (2^50)")])
+@pytest.mark.parametrize(
+    "changes,named",
+    [
+        (
+            dict(forward=(0.0, 0.0), backward=(0.0, 0.0), loss=(0.0, 0.0), step_overhead=0.0),
+            "layers, loss and step_overhead: every figure is 0, so a step would take no time",
+        ),
+        (dict(jitter=1e300), "jitter: a figure from 0 to 86,400 expected, got 1e+300"),
+        (dict(jitter=5000.0), "jitter: 5000.0 is more than 1000"),
+        (dict(network_crowding=2e3), "network_crowding: 2000.0 is more than 1000"),
+        (dict(sum_per_byte=1e9), "sum_per_byte: a figure from 0 to 86,400 expected"),
+        (dict(params=(1 << 50)), "parameters in all, more than 1,125,899,906,842,624 (2^50)"),
+    ],
+)
 def test_a_calibration_beyond_what_a_machine_measures_is_refused_naming_the_figure(tmp_path, changes, named):
     sized = {key: changes.pop(key) for key in ("forward", "backward", "params") if key in changes}
     calibration.save(dataclasses.replace(made_up(**sized), **changes), tmp_path / "c.json")
@@ -454,15 +619,25 @@ def test_bucket_runs_are_the_buckets_backward_completes_however_many():
     import itertools
 
     from mpidist.parallel.exchange import top_down_buckets
+
     rng = np.random.default_rng(5)
     for _ in range(500):
         params = [int(p) for p in rng.integers(0, 20, size=int(rng.integers(1, 6)))]
         ends, per = list(itertools.accumulate(params)), int(rng.integers(1, 25))
-        expected = [(bisect.bisect_right(ends, lo) % len(ends), hi - lo)
-                    for lo, hi in top_down_buckets(ends[-1] + 1, 1, per)]
-        runs = [(holder, size) for holder, sizes in buckets._bucket_runs(ends, per)
-                for size, count in sizes for _ in range(count)]
+        expected = [
+            (bisect.bisect_right(ends, lo) % len(ends), hi - lo)
+            for lo, hi in top_down_buckets(ends[-1] + 1, 1, per)
+        ]
+        runs = [
+            (holder, size)
+            for holder, sizes in buckets._bucket_runs(ends, per)
+            for size, count in sizes
+            for _ in range(count)
+        ]
         assert runs == expected, (params, per)
-    huge = list(buckets._bucket_runs([10 ** 15, 2 * 10 ** 15], 1))    # 2 * 10^15 buckets: two runs
-    assert [(holder, sum(count for _, count in sizes)) for holder, sizes in huge] == \
-        [(0, 1), (1, 10 ** 15), (0, 10 ** 15)]
+    huge = list(buckets._bucket_runs([10**15, 2 * 10**15], 1))  # 2 * 10^15 buckets: two runs
+    assert [(holder, sum(count for _, count in sizes)) for holder, sizes in huge] == [
+        (0, 1),
+        (1, 10**15),
+        (0, 10**15),
+    ]

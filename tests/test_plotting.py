@@ -16,7 +16,7 @@ image = pytest.importorskip("matplotlib.image", reason="the plot extra")
 
 def png(path):
     pixels = image.imread(path)
-    assert pixels.ndim == 3 and pixels.std() > 0.01, path      # not one colour: something is drawn
+    assert pixels.ndim == 3 and pixels.std() > 0.01, path  # not one colour: something is drawn
     return pixels.shape[1], pixels.shape[0]
 
 
@@ -25,14 +25,17 @@ def two_runs(tmp_path_factory):
     """A traced allreduce run and a ps-async run of the same model, 4 epochs each."""
     root = tmp_path_factory.mktemp("plots")
     for name, flags in [("allreduce", ["--trace"]), ("ps-async", ["--strategy", "ps-async", "--ps", "1"])]:
-        done, _ = mpidist(3, "train", "--epochs", "4", "--run-dir", str(root / name), *flags, "--progress", "none")
+        done, _ = mpidist(
+            3, "train", "--epochs", "4", "--run-dir", str(root / name), *flags, "--progress", "none"
+        )
         assert done.returncode == 0, done.stderr
     return root
 
 
 def test_plot_draws_two_runs_on_one_set_of_axes_and_a_timeline(two_runs, tmp_path):
-    done, _ = mpidist(1, "plot", str(two_runs / "allreduce"), str(two_runs / "ps-async"), "--output",
-                      str(tmp_path / "out"))
+    done, _ = mpidist(
+        1, "plot", str(two_runs / "allreduce"), str(two_runs / "ps-async"), "--output", str(tmp_path / "out")
+    )
     assert done.returncode == 0, done.stderr
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert written == ["accuracy.png", "loss.png", "throughput.png", "timeline-allreduce.png"]
@@ -42,22 +45,31 @@ def test_plot_draws_two_runs_on_one_set_of_axes_and_a_timeline(two_runs, tmp_pat
     assert png(tmp_path / "out" / "throughput.png") == (500, 400)
     width, height = png(tmp_path / "out" / "timeline-allreduce.png")
     assert width == 1200 and height >= 250
-    done, _ = mpidist(1, "plot", str(two_runs / "ps-async"))       # default: the run's own plots/
+    done, _ = mpidist(1, "plot", str(two_runs / "ps-async"))  # default: the run's own plots/
     assert done.returncode == 0 and (two_runs / "ps-async" / "plots" / "loss.png").exists(), done.stderr
 
 
 def test_metrics_are_read_as_untrusted_lines(tmp_path):
-    lines = [{"event": "start", "step": 0}, {"event": "step", "step": 10, "loss": 2.0, "time": 1.0},
-             {"event": "step", "step": 20, "loss": 1.0, "time": 2.0},
-             {"event": "eval", "step": 20, "test_accuracy": 0.5}, {"event": "start", "step": 10},
-             {"event": "step", "step": 20, "loss": 0.5, "time": 3.0}, {"event": "step", "step": "x"}, [1, 2],
-             {"event": "eval", "step": 20, "test_accuracy": 0.75}, {"event": "step", "step": 10 ** 400}]
+    lines = [
+        {"event": "start", "step": 0},
+        {"event": "step", "step": 10, "loss": 2.0, "time": 1.0},
+        {"event": "step", "step": 20, "loss": 1.0, "time": 2.0},
+        {"event": "eval", "step": 20, "test_accuracy": 0.5},
+        {"event": "start", "step": 10},
+        {"event": "step", "step": 20, "loss": 0.5, "time": 3.0},
+        {"event": "step", "step": "x"},
+        [1, 2],
+        {"event": "eval", "step": 20, "test_accuracy": 0.75},
+        {"event": "step", "step": 10**400},
+    ]
     text = "\n".join(json.dumps(line) for line in lines) + '\n{"event": "step", "st'
     (tmp_path / "metrics.jsonl").write_text(text)
     run = plotting.read_run(tmp_path)
     steps, times, loss = run.series("loss")
     assert steps.tolist() == [10, 20] and loss.tolist() == [2.0, 0.5] and times.tolist() == [1.0, 3.0]
-    assert [e["test_accuracy"] for e in run.evals] == [0.75] and run.evals[0]["time"] == 3.0   # the repeat wins
+    assert [e["test_accuracy"] for e in run.evals] == [0.75] and run.evals[0][
+        "time"
+    ] == 3.0  # the repeat wins
     with pytest.raises(UsageError, match="holds no step events"):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "metrics.jsonl").write_text('{"event": "start"}\n')
@@ -79,18 +91,43 @@ def test_bad_input_and_a_missing_matplotlib_are_one_message_and_exit_code_2(tmp_
 
 
 def test_a_timeline_passes_over_events_of_the_wrong_shape(tmp_path):
-    good = [{"name": "step", "cat": "step", "ph": "X", "pid": p, "tid": 1, "ts": 10.0 * s, "dur": 9.0,
-             "args": {"step": s}} for p in (0, 1) for s in range(1, 6)]
-    good += [{"name": "compute", "cat": "compute", "ph": "X", "pid": p, "tid": 0, "ts": 10.0 * s, "dur": 5.0}
-             for p in (0, 1) for s in range(1, 6)]
-    good += [{"name": "a", "cat": "pipeline", "ph": "s", "pid": 0, "tid": 0, "ts": 31.0, "id": 5},
-             {"name": "a", "cat": "pipeline", "ph": "f", "pid": 1, "tid": 0, "ts": 33.0, "id": 5, "bp": "e"}]
-    bad = [{"ph": "X", "pid": 0, "ts": 30, "dur": 1}, {"ph": "X", "pid": 0, "tid": 0, "ts": 30, "dur": 1, "cat": ["a"]},
-           {"ph": "s", "pid": 0, "tid": 0, "ts": 31, "id": [1]}, {"ph": "f", "pid": 0, "tid": 0, "ts": 31, "id": {"a": 1}},
-           {"ph": "s", "pid": 0, "tid": 0, "ts": "31", "id": 9}, {"ph": "f", "pid": 1, "tid": 0, "ts": 32, "id": 9},
-           {"ph": "s", "pid": 7, "tid": 0, "ts": 31, "id": 8}, {"ph": "f", "pid": 1, "tid": 0, "ts": 32, "id": 8},
-           {"ph": "X", "pid": 10 ** 400, "tid": 0, "ts": 30, "dur": 1}, {"ph": "X", "pid": 0, "tid": 0, "ts": 30,
-                                                                        "dur": 1, "args": [1]}, "text", None]
+    good = [
+        {
+            "name": "step",
+            "cat": "step",
+            "ph": "X",
+            "pid": p,
+            "tid": 1,
+            "ts": 10.0 * s,
+            "dur": 9.0,
+            "args": {"step": s},
+        }
+        for p in (0, 1)
+        for s in range(1, 6)
+    ]
+    good += [
+        {"name": "compute", "cat": "compute", "ph": "X", "pid": p, "tid": 0, "ts": 10.0 * s, "dur": 5.0}
+        for p in (0, 1)
+        for s in range(1, 6)
+    ]
+    good += [
+        {"name": "a", "cat": "pipeline", "ph": "s", "pid": 0, "tid": 0, "ts": 31.0, "id": 5},
+        {"name": "a", "cat": "pipeline", "ph": "f", "pid": 1, "tid": 0, "ts": 33.0, "id": 5, "bp": "e"},
+    ]
+    bad = [
+        {"ph": "X", "pid": 0, "ts": 30, "dur": 1},
+        {"ph": "X", "pid": 0, "tid": 0, "ts": 30, "dur": 1, "cat": ["a"]},
+        {"ph": "s", "pid": 0, "tid": 0, "ts": 31, "id": [1]},
+        {"ph": "f", "pid": 0, "tid": 0, "ts": 31, "id": {"a": 1}},
+        {"ph": "s", "pid": 0, "tid": 0, "ts": "31", "id": 9},
+        {"ph": "f", "pid": 1, "tid": 0, "ts": 32, "id": 9},
+        {"ph": "s", "pid": 7, "tid": 0, "ts": 31, "id": 8},
+        {"ph": "f", "pid": 1, "tid": 0, "ts": 32, "id": 8},
+        {"ph": "X", "pid": 10**400, "tid": 0, "ts": 30, "dur": 1},
+        {"ph": "X", "pid": 0, "tid": 0, "ts": 30, "dur": 1, "args": [1]},
+        "text",
+        None,
+    ]
     (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": good + bad}))
     path = plotting.plot_timeline(tmp_path / "trace.json", tmp_path / "t.png")
     assert png(path)[0] == 1200
@@ -101,19 +138,21 @@ def test_a_timeline_passes_over_events_of_the_wrong_shape(tmp_path):
 
 def test_legends_stand_beside_the_curves_not_on_them():
     figure, (by_step, by_time) = plotting.new_figure()
-    for index, name in enumerate(["my_script-build-digits-ps-sync-20261125-101010", "mlp-digits-allreduce-2"]):
+    for index, name in enumerate(
+        ["my_script-build-digits-ps-sync-20261125-101010", "mlp-digits-allreduce-2"]
+    ):
         for axes in (by_step, by_time):
             axes.plot(range(50), [1 / (step + 1 + index) for step in range(50)], label=name)
     plotting._label(figure, (by_step, by_time), "training loss", "loss")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     renderer = canvas.get_renderer()
-    assert by_step.get_legend() is None                                   # one legend for the pair
+    assert by_step.get_legend() is None  # one legend for the pair
     legend, plot = by_time.get_legend().get_window_extent(renderer), by_time.get_window_extent(renderer)
-    assert legend.x0 >= plot.x1                                           # right of the curves
-    assert legend.x1 <= figure.bbox.x1 + 1                                # and inside the figure
-
+    assert legend.x0 >= plot.x1  # right of the curves
+    assert legend.x1 <= figure.bbox.x1 + 1  # and inside the figure
 
 
 def test_plot_draws_a_plan_one_line_per_layout_with_measured_runs_on_top(two_runs, tmp_path):
@@ -122,18 +161,34 @@ def test_plot_draws_a_plan_one_line_per_layout_with_measured_runs_on_top(two_run
     from test_plan import made_up
 
     calibration.save(made_up(), tmp_path / "c.json")
-    done, _ = mpidist(1, "plan", "--calibration", str(tmp_path / "c.json"), "--nodes", "1,2,4",
-                      "--output", str(tmp_path / "plan.json"))
+    done, _ = mpidist(
+        1,
+        "plan",
+        "--calibration",
+        str(tmp_path / "c.json"),
+        "--nodes",
+        "1,2,4",
+        "--output",
+        str(tmp_path / "plan.json"),
+    )
     assert done.returncode == 0, done.stderr
     plan = plan_figure.read_plan(tmp_path / "plan.json")
-    assert [n for n, _, _ in plan.lines["allreduce"]] == [1, 2, 4]     # (by node count; some layouts need 2)
+    assert [n for n, _, _ in plan.lines["allreduce"]] == [1, 2, 4]  # (by node count; some layouts need 2)
     assert all({n for n, _, _ in points} <= {1, 2, 4} for points in plan.lines.values())
-    assert "ps-sync --ps NODES" in plan.lines and plan.skipped == 0     # (--ps 2 on 2 nodes, --ps 4 on 4: one line)
+    assert (
+        "ps-sync --ps NODES" in plan.lines and plan.skipped == 0
+    )  # (--ps 2 on 2 nodes, --ps 4 on 4: one line)
     written = json.loads((tmp_path / "plan.json").read_text())
     best_one_node = max(row["samples_per_s"] for row in written["rows"] if row["nodes"] == 1 and row["fits"])
-    assert plan.linear == pytest.approx(best_one_node)                  # (the efficiency column's reference)
-    done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "plan.json"), str(two_runs / "allreduce"),
-                      str(tmp_path / "nowhere"))
+    assert plan.linear == pytest.approx(best_one_node)  # (the efficiency column's reference)
+    done, _ = mpidist(
+        1,
+        "plot",
+        "--plan",
+        str(tmp_path / "plan.json"),
+        str(two_runs / "allreduce"),
+        str(tmp_path / "nowhere"),
+    )
     assert done.returncode == 0, done.stderr
     assert png(tmp_path / "plan.png") == (800, 500)
     assert "passed over" in done.stdout and "nowhere" in done.stdout
@@ -151,31 +206,43 @@ def test_plot_draws_a_plan_one_line_per_layout_with_measured_runs_on_top(two_run
 def test_a_plan_file_is_untrusted(tmp_path):
     from mpidist.tools import plan_figure
 
-    rows = [{"nodes": 1, "layout": "allreduce", "samples_per_s": 100.0, "fits": True, "efficiency": 1.0},
-            {"nodes": 2, "layout": "allreduce", "samples_per_s": 180.0, "fits": False, "efficiency": 0.9},
-            {"nodes": True, "layout": "x", "samples_per_s": 1.0}, {"nodes": 0, "layout": "x", "samples_per_s": 1.0},
-            {"nodes": 4, "layout": 7, "samples_per_s": 1.0}, {"nodes": 4, "layout": "x", "samples_per_s": -1},
-            {"nodes": 4, "layout": "x", "samples_per_s": 10 ** 400}, {"nodes": 4, "layout": "x" * 500,
-                                                                      "samples_per_s": 1.0}, "row", None]
+    rows = [
+        {"nodes": 1, "layout": "allreduce", "samples_per_s": 100.0, "fits": True, "efficiency": 1.0},
+        {"nodes": 2, "layout": "allreduce", "samples_per_s": 180.0, "fits": False, "efficiency": 0.9},
+        {"nodes": True, "layout": "x", "samples_per_s": 1.0},
+        {"nodes": 0, "layout": "x", "samples_per_s": 1.0},
+        {"nodes": 4, "layout": 7, "samples_per_s": 1.0},
+        {"nodes": 4, "layout": "x", "samples_per_s": -1},
+        {"nodes": 4, "layout": "x", "samples_per_s": 10**400},
+        {"nodes": 4, "layout": "x" * 500, "samples_per_s": 1.0},
+        "row",
+        None,
+    ]
     (tmp_path / "p.json").write_text(json.dumps({"rows": rows}))
     plan = plan_figure.read_plan(tmp_path / "p.json")
     assert plan.lines == {"allreduce": [(1, 100.0, True), (2, 180.0, False)]} and plan.skipped == 8
     assert plan.linear == pytest.approx(100.0)
     many = [{"nodes": n, "layout": f"l{k}", "samples_per_s": 1.0} for n in (1, 2) for k in range(41)]
-    for text, message in (("{not json", "not a plan mpidist wrote"), ("[1]", "not a plan mpidist wrote"),
-                          ('{"rows": [{"nodes": 0}]}', "holds no rows"), ("[" * 100000, "not a plan"),
-                          (json.dumps({"rows": many}), "more than a figure shows")):
+    for text, message in (
+        ("{not json", "not a plan mpidist wrote"),
+        ("[1]", "not a plan mpidist wrote"),
+        ('{"rows": [{"nodes": 0}]}', "holds no rows"),
+        ("[" * 100000, "not a plan"),
+        (json.dumps({"rows": many}), "more than a figure shows"),
+    ):
         (tmp_path / "bad.json").write_text(text)
         with pytest.raises(UsageError, match=message):
             plan_figure.read_plan(tmp_path / "bad.json")
     # labels are drawn as written: matplotlib would read $...$ as TeX, and fail on a bad one
-    (tmp_path / "tex.json").write_text(json.dumps({"rows": [{"nodes": 1, "layout": "$\\foo$", "samples_per_s": 1.0}]}))
+    (tmp_path / "tex.json").write_text(
+        json.dumps({"rows": [{"nodes": 1, "layout": "$\\foo$", "samples_per_s": 1.0}]})
+    )
     done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "tex.json"))
     assert done.returncode == 0 and (tmp_path / "plan.png").exists(), done.stderr
     assert "passed over" not in done.stdout
     done, _ = mpidist(1, "plot", "--plan", str(tmp_path / "p.json"))
     assert done.returncode == 0 and "passed over 8 row(s)" in done.stdout, done.stderr
-    os.mkfifo(tmp_path / "pipe.json")   # (a named pipe would block the reader forever)
+    os.mkfifo(tmp_path / "pipe.json")  # (a named pipe would block the reader forever)
     with pytest.raises(UsageError, match="named pipe"):
         plan_figure.read_plan(tmp_path / "pipe.json")
     (tmp_path / "piped").mkdir()

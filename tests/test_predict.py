@@ -52,8 +52,9 @@ def regression_run(tmp_path_factory):
     if MPI.COMM_WORLD.Get_rank() == 0:
         write_dataset(dataset, "lin", {"train": (x[:230], y[:230]), "test": (x[230:], y[230:])}, 0, "test")
     MPI.COMM_WORLD.Barrier()
-    result = mpidist.train("linear", str(dataset), epochs=3, lr=0.05, checkpoint_dir=str(directory / "ck"),
-                           **QUIET)
+    result = mpidist.train(
+        "linear", str(dataset), epochs=3, lr=0.05, checkpoint_dir=str(directory / "ck"), **QUIET
+    )
     checkpoint = MPI.COMM_WORLD.bcast(str(result.checkpoints[-1]) if result.is_chief else None, root=0)
     return Path(checkpoint), dataset
 
@@ -65,7 +66,9 @@ def softmax(logits):
 
 # -- on every rank of the world, in-process ------------------------------------------------------------------
 @pytest.mark.mpi(min_size=1)
-def test_predict_on_the_test_split_reproduces_evals_accuracy_exactly_in_input_order(digits_run, tmp_path_factory):
+def test_predict_on_the_test_split_reproduces_evals_accuracy_exactly_in_input_order(
+    digits_run, tmp_path_factory
+):
     checkpoint, model = digits_run
     world = MPI.COMM_WORLD
     output = shared_dir(tmp_path_factory, "out") / "preds.h5"
@@ -73,7 +76,7 @@ def test_predict_on_the_test_split_reproduces_evals_accuracy_exactly_in_input_or
     result = mpidist.predict(checkpoint, output=output)
     assert result.samples == figures["samples"] == 359 and result.output == output
     assert result.task == "classification" and result.step == figures["step"]
-    assert result.figures["accuracy"] == figures["test_accuracy"]            # on every rank, exactly
+    assert result.figures["accuracy"] == figures["test_accuracy"]  # on every rank, exactly
     if world.Get_rank() != 0:
         assert result.classes is None and result.probabilities is None and result.values is None
         return
@@ -81,7 +84,9 @@ def test_predict_on_the_test_split_reproduces_evals_accuracy_exactly_in_input_or
     with h5py.File(output, "r") as handle:
         classes, probabilities = handle["class"][...], handle["probabilities"][...]
         attrs = dict(handle.attrs)
-    assert classes.dtype == np.int64 and probabilities.dtype == np.float32 and probabilities.shape == (359, 10)
+    assert (
+        classes.dtype == np.int64 and probabilities.dtype == np.float32 and probabilities.shape == (359, 10)
+    )
     assert (classes == y).mean() == figures["test_accuracy"]
     assert np.array_equal(classes, result.classes) and np.array_equal(probabilities, result.probabilities)
     # input order: as one process's forward pass over the whole split
@@ -91,7 +96,7 @@ def test_predict_on_the_test_split_reproduces_evals_accuracy_exactly_in_input_or
     assert attrs["checkpoint"] == str(checkpoint.resolve()) and attrs["step"] == result.step
     assert attrs["model"] == "mlp" and attrs["split"] == "test" and attrs["data"] == str(resolve("digits"))
     assert attrs["task"] == "classification" and attrs["samples"] == 359
-    assert not list(output.parent.glob(".*tmp*"))                            # nothing left aside
+    assert not list(output.parent.glob(".*tmp*"))  # nothing left aside
 
 
 @pytest.mark.mpi(min_size=1)
@@ -120,7 +125,7 @@ def test_an_array_of_fewer_samples_than_ranks_predicts_each_in_order_and_writes_
     checkpoint, model = digits_run
     world = MPI.COMM_WORLD
     x, _ = digits_test()
-    few = x[:max(1, world.Get_size() - 1)]     # some ranks have no rows at all
+    few = x[: max(1, world.Get_size() - 1)]  # some ranks have no rows at all
     result = mpidist.predict(checkpoint, few)
     assert result.output is None and result.samples == len(few) and result.figures == {}
     if world.Get_rank() == 0:
@@ -132,8 +137,8 @@ def test_bad_samples_on_one_rank_end_every_rank_with_exit_code_2(digits_run):
     checkpoint, _ = digits_run
     world = MPI.COMM_WORLD
     x, _ = digits_test()
-    x = x[:2 * world.Get_size()].copy()
-    x[-1, 3, 3] = np.nan                       # in the last rank's block only
+    x = x[: 2 * world.Get_size()].copy()
+    x[-1, 3, 3] = np.nan  # in the last rank's block only
     with pytest.raises(SystemExit) as stopped:
         mpidist.predict(checkpoint, x)
     assert stopped.value.code == 2
@@ -152,7 +157,7 @@ def test_the_command_reproduces_evals_accuracy_exactly_at_1_2_and_4_ranks(digits
         classes = handle["class"][...]
     assert (classes == y).mean() == figures["test_accuracy"]
     assert np.array_equal(classes, model.forward(x).argmax(axis=1))
-    assert done.stdout.count("mpidist predict: ") == 1                          # rank 0 alone reports
+    assert done.stdout.count("mpidist predict: ") == 1  # rank 0 alone reports
     assert "359 samples" in done.stdout and str(output) in done.stdout
     assert f"accuracy {100 * figures['test_accuracy']:.2f}%" in done.stdout
 
@@ -166,10 +171,17 @@ def test_plain_sample_files_of_every_kind_give_the_dataset_splits_predictions(di
     with h5py.File(tmp_path / "x.h5", "w") as handle:
         handle["x"] = x.astype(np.float64)
     for name in ("x.npy", "x.npz", "x.h5"):
-        done, _ = launch(2, "predict", str(checkpoint), "--data", str(tmp_path / name),
-                         "--output", str(tmp_path / f"{name}.out.h5"))
+        done, _ = launch(
+            2,
+            "predict",
+            str(checkpoint),
+            "--data",
+            str(tmp_path / name),
+            "--output",
+            str(tmp_path / f"{name}.out.h5"),
+        )
         assert done.returncode == 0, done.stderr
-        assert "359 samples of" in done.stdout and "accuracy" not in done.stdout   # plain samples: no labels
+        assert "359 samples of" in done.stdout and "accuracy" not in done.stdout  # plain samples: no labels
         with h5py.File(tmp_path / f"{name}.out.h5", "r") as handle:
             assert np.array_equal(handle["class"][...], expected), name
             assert handle.attrs["data"] == str(tmp_path / name) and handle.attrs["split"] == ""
@@ -195,21 +207,39 @@ def _bad_inputs(tmp_path, checkpoint):
     with h5py.File(tmp_path / "text.h5", "w") as handle:
         handle["x"] = np.array([b"ab", b"cd"])
     np.savez(tmp_path / "noxs.npz", samples=x[:3])
-    return {"wrong shape": (["--data", str(tmp_path / "wide.npy")], "samples of shape (65,)"),
-            "NaN": (["--data", str(tmp_path / "nan.npy")], "NaN or Inf (first at sample 7)"),
-            "objects": (["--data", str(tmp_path / "objects.npy")], "dtype object"),
-            "text": (["--data", str(tmp_path / "text.h5")], "predict needs numbers"),
-            "no x": (["--data", str(tmp_path / "noxs.npz")], "needs an array x; has samples"),
-            "missing": (["--data", str(tmp_path / "missing.npy")], "no such file"),
-            "output = input": (["--data", str(tmp_path / "nan.npy"), "--output", str(tmp_path / "nan.npy")],
-                               "an input of this run"),
-            "output = checkpoint": (["--output", str(checkpoint)], "an input of this run"),
-            "no output": ([], "arguments are required: --output")}
+    return {
+        "wrong shape": (["--data", str(tmp_path / "wide.npy")], "samples of shape (65,)"),
+        "NaN": (["--data", str(tmp_path / "nan.npy")], "NaN or Inf (first at sample 7)"),
+        "objects": (["--data", str(tmp_path / "objects.npy")], "dtype object"),
+        "text": (["--data", str(tmp_path / "text.h5")], "predict needs numbers"),
+        "no x": (["--data", str(tmp_path / "noxs.npz")], "needs an array x; has samples"),
+        "missing": (["--data", str(tmp_path / "missing.npy")], "no such file"),
+        "output = input": (
+            ["--data", str(tmp_path / "nan.npy"), "--output", str(tmp_path / "nan.npy")],
+            "an input of this run",
+        ),
+        "output = checkpoint": (["--output", str(checkpoint)], "an input of this run"),
+        "no output": ([], "arguments are required: --output"),
+    }
 
 
-@pytest.mark.parametrize("case", ["wrong shape", "NaN", "objects", "text", "no x", "missing", "output = input",
-                                  "output = checkpoint", "no output"])
-def test_bad_input_exits_2_on_every_rank_with_one_message_and_leaves_the_old_output(digits_run, tmp_path, case):
+@pytest.mark.parametrize(
+    "case",
+    [
+        "wrong shape",
+        "NaN",
+        "objects",
+        "text",
+        "no x",
+        "missing",
+        "output = input",
+        "output = checkpoint",
+        "no output",
+    ],
+)
+def test_bad_input_exits_2_on_every_rank_with_one_message_and_leaves_the_old_output(
+    digits_run, tmp_path, case
+):
     checkpoint, _ = digits_run
     flags, message = _bad_inputs(tmp_path, checkpoint)[case]
     output = tmp_path / "old.h5"
@@ -220,7 +250,7 @@ def test_bad_input_exits_2_on_every_rank_with_one_message_and_leaves_the_old_out
     done, _ = launch(2, "predict", str(checkpoint), *flags)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert message in done.stderr and done.stderr.count("mpidist: error") == 1, done.stderr
-    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before          # nothing written, nothing aside
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written, nothing aside
     assert checkpoint.is_file()
 
 
@@ -250,9 +280,11 @@ def test_plain_samples_of_a_checkpoint_whose_dataset_cannot_be_read_are_refused(
 def test_the_api_refuses_an_unknown_split_and_non_numeric_arrays(digits_run, capsys):
     checkpoint, _ = digits_run
     x, _ = digits_test()
-    for data, split, message in ((None, "validation", "split 'validation'"),
-                                 (x.astype(np.complex64), "test", "complex numbers"),
-                                 (x[:, 0, 0], "test", "needs samples first")):
+    for data, split, message in (
+        (None, "validation", "split 'validation'"),
+        (x.astype(np.complex64), "test", "complex numbers"),
+        (x[:, 0, 0], "test", "needs samples first"),
+    ):
         with pytest.raises(SystemExit) as stopped:
             mpidist.predict(checkpoint, data, comm=MPI.COMM_SELF, split=split)
         assert stopped.value.code == 2 and message in capsys.readouterr().err
@@ -278,20 +310,33 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
     datasets = pytest.importorskip("sklearn.datasets", reason="the test extra")
     x, y = datasets.load_breast_cancer(return_X_y=True)
     header = ",".join(f"f{i}" for i in range(x.shape[1])) + ",label"
-    (tmp_path / "bc.csv").write_text("\n".join([header] + [",".join(map(repr, map(float, row))) + f",{label}"
-                                                           for row, label in zip(x, y)]) + "\n")
-    for flags in (["ingest", "bc.csv", "bc.h5", "--standardize"],
-                  ["train", "--data", "bc.h5", "--epochs", "5", "--run-dir", "run", "--progress", "none"]):
+    (tmp_path / "bc.csv").write_text(
+        "\n".join([header] + [",".join(map(repr, map(float, row))) + f",{label}" for row, label in zip(x, y)])
+        + "\n"
+    )
+    for flags in (
+        ["ingest", "bc.csv", "bc.h5", "--standardize"],
+        ["train", "--data", "bc.h5", "--epochs", "5", "--run-dir", "run", "--progress", "none"],
+    ):
         done, _ = launch(1, *flags, cwd=tmp_path, timeout=120)
         assert done.returncode == 0, done.stderr
     checkpoint = sorted((tmp_path / "run" / "checkpoints").glob("ckpt-*.h5"))[-1]
     figures = mpidist.evaluate(checkpoint, comm=MPI.COMM_SELF)
     with h5py.File(tmp_path / "bc.h5", "r") as handle:
-        test_x, test_y = handle["test/x"][...], handle["test/y"][...]   # (stored as read: predict standardises)
-    (tmp_path / "new.csv").write_text("\n".join([header] + [",".join(map(repr, map(float, row))) + f",{label}"
-                                                            for row, label in zip(test_x, test_y)]) + "\n")
-    done, _ = launch(2, "predict", str(checkpoint), "--data", "new.csv", "--output", "preds.csv", cwd=tmp_path,
-                     timeout=120)
+        test_x, test_y = (
+            handle["test/x"][...],
+            handle["test/y"][...],
+        )  # (stored as read: predict standardises)
+    (tmp_path / "new.csv").write_text(
+        "\n".join(
+            [header]
+            + [",".join(map(repr, map(float, row))) + f",{label}" for row, label in zip(test_x, test_y)]
+        )
+        + "\n"
+    )
+    done, _ = launch(
+        2, "predict", str(checkpoint), "--data", "new.csv", "--output", "preds.csv", cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     with open(tmp_path / "preds.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -299,11 +344,16 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
     classes = np.array([int(row["class"]) for row in rows])
     assert (classes == test_y).mean() == figures["test_accuracy"]
     probabilities = np.array([[float(row["p0"]), float(row["p1"])] for row in rows])
-    assert np.allclose(probabilities.sum(axis=1), 1, atol=1e-5) and (probabilities.argmax(axis=1) == classes).all()
+    assert (
+        np.allclose(probabilities.sum(axis=1), 1, atol=1e-5)
+        and (probabilities.argmax(axis=1) == classes).all()
+    )
     # .npy by its suffix: the classes; a row of the wrong width is refused with the counts
-    done, _ = launch(1, "predict", str(checkpoint), "--data", "new.csv", "--output", "classes.npy", cwd=tmp_path)
+    done, _ = launch(
+        1, "predict", str(checkpoint), "--data", "new.csv", "--output", "classes.npy", cwd=tmp_path
+    )
     assert done.returncode == 0 and np.array_equal(np.load(tmp_path / "classes.npy"), classes), done.stderr
-    (tmp_path / "narrow.csv").write_text("1,2,3\n4,5,6\n")   # (no header: the columns are taken in order)
+    (tmp_path / "narrow.csv").write_text("1,2,3\n4,5,6\n")  # (no header: the columns are taken in order)
     done, _ = launch(1, "predict", str(checkpoint), "--data", "narrow.csv", "--output", "x.csv", cwd=tmp_path)
     assert done.returncode == 2 and "narrow.csv" in done.stderr and "shape" in done.stderr, done.stderr
     # the same rows as pandas writes a subset (df.iloc[100:].to_csv): an unnamed index column first, numbering
@@ -314,20 +364,40 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
         lines = [",".join(columns)] + [",".join(map(str, row)) for row in rows]
         (tmp_path / name).write_text("\n".join(lines) + "\n")
 
-    table("indexed.csv", [""] + names, [[100 + i, *map(repr, map(float, row))] for i, row in enumerate(test_x)])
+    table(
+        "indexed.csv", [""] + names, [[100 + i, *map(repr, map(float, row))] for i, row in enumerate(test_x)]
+    )
     order = names[::-1]
-    table("shuffled.csv", order + ["label"], [[*map(repr, map(float, row[::-1])), label]
-                                               for row, label in zip(test_x, test_y)])
+    table(
+        "shuffled.csv",
+        order + ["label"],
+        [[*map(repr, map(float, row[::-1])), label] for row, label in zip(test_x, test_y)],
+    )
     for name in ("indexed.csv", "shuffled.csv"):
-        done, _ = launch(1, "predict", str(checkpoint), "--data", name, "--output", f"{name}.npy", cwd=tmp_path)
-        assert done.returncode == 0 and np.array_equal(np.load(tmp_path / f"{name}.npy"), classes), done.stderr
+        done, _ = launch(
+            1, "predict", str(checkpoint), "--data", name, "--output", f"{name}.npy", cwd=tmp_path
+        )
+        assert done.returncode == 0 and np.array_equal(np.load(tmp_path / f"{name}.npy"), classes), (
+            done.stderr
+        )
     # columns that are not the model's, by name: refused, named (a feature missing; one the model does not take)
-    table("missing.csv", names[:3] + names[4:], [list(map(repr, map(float, np.delete(row, 3)))) for row in test_x])
-    table("extra.csv", names[:3] + ["id"] + names[3:] + ["label"],
-          [[*map(repr, map(float, row[:3])), 7, *map(repr, map(float, row[3:])), label]
-           for row, label in zip(test_x, test_y)])
-    for name, why in (("missing.csv", "lacks the model's features, by the names ingest stored: 'f3'"),
-                      ("extra.csv", "has columns the model does not take, by the names ingest stored: 'id'")):
+    table(
+        "missing.csv",
+        names[:3] + names[4:],
+        [list(map(repr, map(float, np.delete(row, 3)))) for row in test_x],
+    )
+    table(
+        "extra.csv",
+        names[:3] + ["id"] + names[3:] + ["label"],
+        [
+            [*map(repr, map(float, row[:3])), 7, *map(repr, map(float, row[3:])), label]
+            for row, label in zip(test_x, test_y)
+        ],
+    )
+    for name, why in (
+        ("missing.csv", "lacks the model's features, by the names ingest stored: 'f3'"),
+        ("extra.csv", "has columns the model does not take, by the names ingest stored: 'id'"),
+    ):
         done, _ = launch(1, "predict", str(checkpoint), "--data", name, "--output", "x.npy", cwd=tmp_path)
         assert done.returncode == 2 and f"{name}: {why}" in done.stderr, done.stderr
 
@@ -336,14 +406,33 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
 FORMULAS = ["=1+2", "+SUM(A1:A9)", "-2+3", "@cmd", "\tx=1", "\r=2", "-1.5", "+3", "plain", "a=b"]
 
 
-@pytest.mark.parametrize("cell,written", [
-    ("=1+2", "'=1+2"), ("+SUM(A1:A9)", "'+SUM(A1:A9)"), ("-2+3", "'-2+3"), ("@cmd", "'@cmd"),
-    ("\tx=1", "'\tx=1"), ("\r=2", "'\r=2"), ("-", "'-"), ("--1", "'--1"), ("-1.5e3x", "'-1.5e3x"),
-    ("-1.5", "-1.5"), ("+3", "+3"), ("-.5", "-.5"), ("-2E-3", "-2E-3"), ("plain", "plain"), ("a=b", "a=b"),
-    ("'=quoted", "'=quoted"), ("", ""),
-])
-def test_a_csv_cell_that_begins_like_a_formula_is_made_text_and_a_negative_number_stays_a_number(cell, written):
+@pytest.mark.parametrize(
+    "cell,written",
+    [
+        ("=1+2", "'=1+2"),
+        ("+SUM(A1:A9)", "'+SUM(A1:A9)"),
+        ("-2+3", "'-2+3"),
+        ("@cmd", "'@cmd"),
+        ("\tx=1", "'\tx=1"),
+        ("\r=2", "'\r=2"),
+        ("-", "'-"),
+        ("--1", "'--1"),
+        ("-1.5e3x", "'-1.5e3x"),
+        ("-1.5", "-1.5"),
+        ("+3", "+3"),
+        ("-.5", "-.5"),
+        ("-2E-3", "-2E-3"),
+        ("plain", "plain"),
+        ("a=b", "a=b"),
+        ("'=quoted", "'=quoted"),
+        ("", ""),
+    ],
+)
+def test_a_csv_cell_that_begins_like_a_formula_is_made_text_and_a_negative_number_stays_a_number(
+    cell, written
+):
     from mpidist.tools.csv_table import spreadsheet_safe
+
     assert spreadsheet_safe(cell) == written
 
 
@@ -352,15 +441,34 @@ def test_predicts_csv_neutralises_class_names_a_spreadsheet_would_run(tmp_path):
     import csv
 
     from mpidist.runtime.text import printable
+
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 3)).astype(np.float32)
     y = np.arange(200) % len(FORMULAS)
-    write_dataset(tmp_path / "named.h5", "named", {"train": (x[:150], y[:150]), "test": (x[150:], y[150:])},
-                  len(FORMULAS), "test", class_names=sorted(FORMULAS))
-    done, _ = launch(1, "--data", str(tmp_path / "named.h5"), "--steps", "2", "--checkpoint-dir",
-                     str(tmp_path / "ck"), "--run-dir", "", "--metrics", "", cwd=tmp_path)
+    write_dataset(
+        tmp_path / "named.h5",
+        "named",
+        {"train": (x[:150], y[:150]), "test": (x[150:], y[150:])},
+        len(FORMULAS),
+        "test",
+        class_names=sorted(FORMULAS),
+    )
+    done, _ = launch(
+        1,
+        "--data",
+        str(tmp_path / "named.h5"),
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--run-dir",
+        "",
+        "--metrics",
+        "",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
-    checkpoint, = (tmp_path / "ck").glob("ckpt-*.h5")
+    (checkpoint,) = (tmp_path / "ck").glob("ckpt-*.h5")
     done, _ = launch(2, "predict", str(checkpoint), "--output", str(tmp_path / "p.csv"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     with open(tmp_path / "p.csv", newline="", encoding="utf-8") as handle:
@@ -369,7 +477,7 @@ def test_predicts_csv_neutralises_class_names_a_spreadsheet_would_run(tmp_path):
     names = sorted(FORMULAS)
     for row in rows:
         name = names[int(row["class"])]
-        shown = printable(name)     # (a dataset's class names are read with control characters escaped)
+        shown = printable(name)  # (a dataset's class names are read with control characters escaped)
         expected = shown if name in ("-1.5", "+3", "plain", "a=b", "\tx=1", "\r=2") else "'" + name
         assert row["name"] == expected
         assert not row["name"].startswith(("=", "+", "-", "@", "\t", "\r")) or name in ("-1.5", "+3")

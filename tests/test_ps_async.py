@@ -36,7 +36,7 @@ def test_window_adds_from_every_rank_are_exact_and_swap_takes_everything():
             np.testing.assert_array_equal(taken, 0)
         world.Barrier()
     assert window.win is None
-    window.free()                        # freeing twice is harmless
+    window.free()  # freeing twice is harmless
 
 
 @pytest.mark.mpi(min_size=2)
@@ -67,7 +67,7 @@ def test_concurrent_pushes_from_every_worker_lose_nothing(num_ps):
         expected = pushes * workers * (workers + 1) / 2 * np.arange(lo + 1, hi + 1)
         np.testing.assert_array_equal(total, expected)
         assert counted == pushes * workers
-        assert steps == workers * sum(range(pushes))   # each arrival's step, for its learning rate
+        assert steps == workers * sum(range(pushes))  # each arrival's step, for its learning rate
     else:
         gradient = (cluster.worker_index + 1.0) * np.arange(1, n + 1)
         for step in range(pushes):
@@ -82,8 +82,9 @@ def train_async(staleness, slow_worker_delay, steps=12):
     world = MPI.COMM_WORLD
     cluster = build_cluster(world, num_ps=1)
     make = lambda size: nn.make_optimizer("sgd", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
-    strategy = PsAsyncStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3,
-                               staleness=staleness)
+    strategy = PsAsyncStrategy(
+        small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3, staleness=staleness
+    )
     strategy.initialize()
     if strategy.serves:
         strategy.serve()
@@ -91,7 +92,7 @@ def train_async(staleness, slow_worker_delay, steps=12):
         rng = np.random.default_rng(cluster.worker_index)
         for step in range(steps):
             if cluster.worker_index == 1:
-                time.sleep(slow_worker_delay)          # a deliberately slow worker
+                time.sleep(slow_worker_delay)  # a deliberately slow worker
             x, y = rng.random((4, 1, 6, 6)), rng.integers(0, 4, 4)
             assert np.isfinite(strategy.train_step(x, y, 0.5, step))
     strategy.finish()
@@ -110,7 +111,7 @@ def test_the_recorded_staleness_never_exceeds_the_bound(bound):
     workers = [stats for role, stats in everyone if role == "worker"]
     assert all(stats["steps"] == 12 for stats in workers)
     assert max(stats["staleness_max"] for stats in workers) <= bound
-    assert max(stats["wait_s"] for stats in workers) > 0.05      # fast workers did wait for the slow one
+    assert max(stats["wait_s"] for stats in workers) > 0.05  # fast workers did wait for the slow one
 
 
 @pytest.mark.mpi(min_size=3)
@@ -133,10 +134,12 @@ def test_every_worker_ends_with_the_same_final_parameters_and_the_ps_counts_ever
 def test_free_frees_the_failure_watch_and_a_second_free_does_nothing():
     cluster = build_cluster(MPI.COMM_WORLD, num_ps=1)
     make = lambda size: nn.make_optimizer("sgd", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
-    strategy = PsAsyncStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3, elastic=True)
+    strategy = PsAsyncStrategy(
+        small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3, elastic=True
+    )
     strategy.initialize()
     watch = strategy.lost.watch
-    assert watch.poll() == []   # nobody died
+    assert watch.poll() == []  # nobody died
     strategy.free()
     assert watch.comm is None
     watch.free()

@@ -80,13 +80,23 @@ def test_ps_sync_gathers_the_sharded_optimizer_state_for_a_checkpoint_and_reload
         assert state is None
     # a fresh ps-sync run resumed from the gathered state continues identically
     full = world.bcast(state, root=cluster.chief_rank)
-    ckpt = Checkpoint(path=None, params=full.params, optimizer_state=full.optimizer, optimizer_steps=full.steps,
-                      step=4, epoch=0, epoch_step=4, config={})
+    ckpt = Checkpoint(
+        path=None,
+        params=full.params,
+        optimizer_state=full.optimizer,
+        optimizer_steps=full.steps,
+        step=4,
+        epoch=0,
+        epoch_step=4,
+        config={},
+    )
     make = lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
     resumed = PsSyncStrategy(small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3)
     resumed.initialize(ckpt)
     if cluster.role == PS:
-        np.testing.assert_array_equal(resumed.optimizer.state_arrays()["m"], strategy.optimizer.state_arrays()["m"])
+        np.testing.assert_array_equal(
+            resumed.optimizer.state_arrays()["m"], strategy.optimizer.state_arrays()["m"]
+        )
         assert resumed.optimizer.steps == 4
     np.testing.assert_array_equal(resumed.model.params, strategy.model.params)
     cluster.free()
@@ -107,10 +117,13 @@ def test_ps_ranks_own_their_shards_and_count_their_traffic():
     cluster.free()
 
 
-@pytest.mark.parametrize("chief_step, params, steps", [
-    (11, [0.9, 1.9, 2.9], 1),   # the chief got the update: the shard stays as it is
-    (10, [1.0, 2.0, 3.0], 0),   # the chief never got it: the ps takes it back, optimizer state and all
-])
+@pytest.mark.parametrize(
+    "chief_step, params, steps",
+    [
+        (11, [0.9, 1.9, 2.9], 1),  # the chief got the update: the shard stays as it is
+        (10, [1.0, 2.0, 3.0], 0),  # the chief never got it: the ps takes it back, optimizer state and all
+    ],
+)
 def test_a_ps_one_update_ahead_of_the_chief_takes_it_back(chief_step, params, steps):
     optimizer = nn.make_optimizer("adam", 3, 0.1, xp=np, dtype=np.float64)
     shard = np.array([1.0, 2.0, 3.0])
@@ -128,6 +141,6 @@ def test_a_ps_one_update_ahead_of_the_chief_takes_it_back(chief_step, params, st
 
 def test_a_ps_without_elastic_keeps_no_previous_shard():
     ledger = StepLedger()
-    ledger.keep(np.ones(3), None)   # nothing kept, nothing to fail
+    ledger.keep(np.ones(3), None)  # nothing kept, nothing to fail
     ledger.applied = 2
     ledger.rewind_to(2, np.ones(3), None)

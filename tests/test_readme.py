@@ -16,7 +16,9 @@ MANUAL = README + "\n".join(DOCS.values())
 
 
 def test_ci_runs_the_readmes_test_command_verbatim():
-    command = next(line.strip() for line in README.splitlines() if "python -m pytest" in line and "venv" in line)
+    command = next(
+        line.strip() for line in README.splitlines() if "python -m pytest" in line and "venv" in line
+    )
     assert command in (ROOT / ".ci" / "run").read_text()
 
 
@@ -26,16 +28,23 @@ def test_the_manuals_render_without_a_warning(path):
     import io
 
     import docutils.core
+
     warnings = io.StringIO()
-    docutils.core.publish_string((ROOT / path).read_text(), writer="null",
-                                 settings_overrides={"warning_stream": warnings, "report_level": 1})
+    docutils.core.publish_string(
+        (ROOT / path).read_text(),
+        writer="null",
+        settings_overrides={"warning_stream": warnings, "report_level": 1},
+    )
     assert warnings.getvalue() == ""
 
 
 def test_every_flag_and_its_default_is_documented():
     for field in dataclasses.fields(Settings):
         flag = "--" + Settings.flag(field.name)
-        row = next((line for line in DOCS["commands.rst"].splitlines() if re.match(rf"``{flag}``\s{{2,}}``", line)), None)
+        row = next(
+            (line for line in DOCS["commands.rst"].splitlines() if re.match(rf"``{flag}``\s{{2,}}``", line)),
+            None,
+        )
         assert row is not None, f"{flag} is not in the flag table of docs/commands.rst"
         default = field.default if field.default != "" else "''"
         shown = f"{default:g}" if isinstance(default, float) else str(default)
@@ -49,11 +58,13 @@ def test_every_zoo_model_is_documented():
 
 def test_the_stated_accuracy_is_the_one_the_tests_assert():
     from test_cli import STATED_ACCURACY
+
     assert f"at least {STATED_ACCURACY:.0%} test accuracy" in README
 
 
 def test_the_schedule_pictures_are_what_the_schedule_functions_draw():
     from mpidist.parallel.schedule import render
+
     for name in ("gpipe", "1f1b"):
         picture = "\n".join("    " + line for line in render(name, 4, 8).splitlines())
         assert f"    {name}\n{picture}\n" in DOCS["strategies.rst"]
@@ -64,12 +75,13 @@ def fault_table():
     section = DOCS["faults.rst"].split("What mpidist does when something goes wrong\n")[1]
     lines = section.splitlines()
     borders = [index for index, line in enumerate(lines) if line.startswith("=====")]
-    return [re.split(r"\s{2,}", line, maxsplit=2) for line in lines[borders[1] + 1:borders[2]]]
+    return [re.split(r"\s{2,}", line, maxsplit=2) for line in lines[borders[1] + 1 : borders[2]]]
 
 
 def test_the_fault_table_is_the_tested_catalogue():
     """Each row of the README's table is a row of tests/test_faults.py, with its exit code, and back."""
     from test_faults import FAULTS
+
     rows = fault_table()
     assert [row[0] for row in rows] == list(FAULTS)
     assert [int(row[1]) for row in rows] == [fault.code for fault in FAULTS.values()]
@@ -80,14 +92,31 @@ def test_the_docs_build_without_a_warning(tmp_path):
     """Sphinx with warnings as errors: a broken reference or docstring fails here, not on a user's screen."""
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-                           str(ROOT / "docs"), str(tmp_path / "html")], capture_output=True, text=True, timeout=300)
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            str(ROOT / "docs"),
+            str(tmp_path / "html"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "html" / "api.html").read_text().count("mpidist.train") > 0
 
 
 def test_the_readmes_example_trains_a_layer_of_its_own_on_4_ranks(tmp_path):
     from conftest import run_mpi
+
     block = README.split("Your own model\n")[1].split("::\n\n", 1)[1].splitlines()
     end = next(index for index, line in enumerate(block) if line and not line.startswith("    "))
     lines = [line[4:] for line in block[:end]]
@@ -99,29 +128,36 @@ def test_the_readmes_example_trains_a_layer_of_its_own_on_4_ranks(tmp_path):
     assert done.returncode == 0, done.stderr
     accuracy = float(done.stdout.rsplit("test accuracy ", 1)[1].split("%")[0])
     assert accuracy >= 95.0
-    assert done.stdout.count("mpidist: done") == 1 and len(list(runs.iterdir())) == 1   # it trained once
+    assert done.stdout.count("mpidist: done") == 1 and len(list(runs.iterdir())) == 1  # it trained once
     # the same file as --model: loading it defines the builder and trains nothing; the command trains once
-    cli, _ = run_mpi(4, ["-m", "mpidist", "train", "--model", f"{script}:build", "--epochs", "2"], timeout=120,
-                     cwd=tmp_path)
+    cli, _ = run_mpi(
+        4,
+        ["-m", "mpidist", "train", "--model", f"{script}:build", "--epochs", "2"],
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.count("mpidist: done") == 1 and len(list(runs.iterdir())) == 2
-    assert "ps-sync" not in cli.stdout.split("mpidist: done")[0].splitlines()[0]   # (the command's run, not the file's)
+    assert (
+        "ps-sync" not in cli.stdout.split("mpidist: done")[0].splitlines()[0]
+    )  # (the command's run, not the file's)
 
 
 def test_a_builder_file_that_trains_when_loaded_is_refused_with_the_fix(tmp_path):
     from conftest import mpidist
+
     block = README.split("Your own model\n")[1].split("::\n\n", 1)[1].splitlines()
     end = next(index for index, line in enumerate(block) if line and not line.startswith("    "))
     lines = [line[4:] for line in block[:end]]
     guard = next(index for index, line in enumerate(lines) if line.startswith("if __name__"))
-    unguarded = lines[:guard] + [line[4:] for line in lines[guard + 1:]]   # the training at module level
+    unguarded = lines[:guard] + [line[4:] for line in lines[guard + 1 :]]  # the training at module level
     script = tmp_path / "trains_when_loaded.py"
     script.write_text("\n".join(unguarded) + "\n")
     refused, _ = mpidist(2, "train", "--model", f"{script}:build", "--epochs", "1", cwd=tmp_path, timeout=120)
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.count("calls mpidist.train() when it is loaded") == 1, refused.stderr
     assert 'if __name__ == "__main__":' in refused.stderr and "Traceback" not in refused.stderr
-    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())   # nothing trained
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing trained
 
 
 def test_the_readmes_commands_write_nothing_into_the_checkout():

@@ -11,12 +11,15 @@ from mpidist.parallel.stage import StageLayout
 
 
 # small_convnet: Conv2D(3,3) ReLU MaxPool2D(2) | Flatten Dense(8) ReLU Dense(4), 30 + 224 + 36 = 290 parameters
-@pytest.mark.parametrize("rank,stage,replica,layers,params,in_shape,out_shape", [
-    (0, 0, 0, (0, 3), (0, 30), (1, 6, 6), (3, 3, 3)),
-    (1, 1, 0, (3, 7), (30, 290), (3, 3, 3), (4,)),
-    (2, 0, 1, (0, 3), (0, 30), (1, 6, 6), (3, 3, 3)),
-    (3, 1, 1, (3, 7), (30, 290), (3, 3, 3), (4,)),
-])
+@pytest.mark.parametrize(
+    "rank,stage,replica,layers,params,in_shape,out_shape",
+    [
+        (0, 0, 0, (0, 3), (0, 30), (1, 6, 6), (3, 3, 3)),
+        (1, 1, 0, (3, 7), (30, 290), (3, 3, 3), (4,)),
+        (2, 0, 1, (0, 3), (0, 30), (1, 6, 6), (3, 3, 3)),
+        (3, 1, 1, (3, 7), (30, 290), (3, 3, 3), (4,)),
+    ],
+)
 def test_a_stage_layout_places_each_rank(rank, stage, replica, layers, params, in_shape, out_shape):
     model = small_convnet(np.float64)
     layout = StageLayout(model, [3, 4], rank, world_size=4)
@@ -51,34 +54,47 @@ def one_stage(schedule_name, micro_batches, global_batch):
     loss = nn.loss_for(4, np)
     stage_model.use_workspace(loss)
     counted, figures, links = [], {"peak_activations": 0}, NoLinks()
-    runner = ScheduleRunner(stage_model, loss, layout, links, schedule(schedule_name, 0, 1, micro_batches),
-                            micro_batches, global_batch, 3, figures, lambda out, y: counted.append(len(out)))
+    runner = ScheduleRunner(
+        stage_model,
+        loss,
+        layout,
+        links,
+        schedule(schedule_name, 0, 1, micro_batches),
+        micro_batches,
+        global_batch,
+        3,
+        figures,
+        lambda out, y: counted.append(len(out)),
+    )
     return stage_model, runner, links, figures, counted
 
 
 @pytest.mark.parametrize("schedule_name,peak", [("gpipe", 5), ("1f1b", 1)])
-def test_a_one_stage_runner_adds_the_batch_mean_gradient_and_holds_what_its_schedule_says(schedule_name, peak):
+def test_a_one_stage_runner_adds_the_batch_mean_gradient_and_holds_what_its_schedule_says(
+    schedule_name, peak
+):
     rng = np.random.default_rng(0)
     x, y = rng.random((11, 1, 6, 6)), rng.integers(0, 4, 11)
     stage_model, runner, links, figures, counted = one_stage(schedule_name, 5, 11)
     gradients = np.zeros(stage_model.num_params)
     loss = runner.run(x, y, 0, 0, gradients)
-    local, local_loss = small_convnet(np.float64), nn.loss_for(4, np)   # (the stage model took model's layers)
+    local, local_loss = small_convnet(np.float64), nn.loss_for(4, np)  # (the stage model took model's layers)
     local.params[...] = stage_model.params
     expected = float(local_loss.forward(local.forward(x, training=True), y))
     local.backward(local_loss.backward(scale=1.0), input_grad=False)
     assert np.isclose(loss, expected, rtol=1e-12)
     np.testing.assert_allclose(gradients, local.grads, rtol=1e-9, atol=1e-12)
-    assert counted == [3, 2, 2, 2, 2]                       # 11 samples in 5 micro-batches
-    assert figures["peak_activations"] == peak              # gpipe holds all 5, 1f1b one at a time
-    assert runner.slots.size == peak                        # a slot per micro-batch held, reused after
+    assert counted == [3, 2, 2, 2, 2]  # 11 samples in 5 micro-batches
+    assert figures["peak_activations"] == peak  # gpipe holds all 5, 1f1b one at a time
+    assert runner.slots.size == peak  # a slot per micro-batch held, reused after
     assert links.waited == [[]] and links.phases == ["compute"] and runner.round is None
-    runner.run(x, y, 1, 0, gradients)                       # a second step reuses the same slots
+    runner.run(x, y, 1, 0, gradients)  # a second step reuses the same slots
     assert runner.slots.size == peak and figures["peak_activations"] == peak
 
 
 def test_a_schedule_operation_without_a_method_is_refused_by_name():
     stage_model, runner, links, figures, _ = one_stage("gpipe", 2, 4)
     with pytest.raises(ValueError, match=r"\['jump'\] have no method"):
-        ScheduleRunner(stage_model, runner.loss, runner.layout, links, [("fwd", 0), ("jump", 0)], 1, 4, 3,
-                       figures, None)
+        ScheduleRunner(
+            stage_model, runner.loss, runner.layout, links, [("fwd", 0), ("jump", 0)], 1, 4, 3, figures, None
+        )

@@ -47,7 +47,7 @@ def classify(logits, labels, losses):
     scoring = scores.Classification(logits.shape[1])
     sums = scoring.zeros()
     for i, loss in enumerate(losses):
-        scoring.add(sums, logits[2 * i:2 * i + 2], labels[2 * i:2 * i + 2], loss)
+        scoring.add(sums, logits[2 * i : 2 * i + 2], labels[2 * i : 2 * i + 2], loss)
     return scoring.figures(sums)
 
 
@@ -56,14 +56,14 @@ def test_classification_figures_are_those_worked_out_by_hand():
     assert figures["samples"] == 6
     assert figures["loss"] == pytest.approx((2 * 1.0 + 2 * 1.0 + 2 * 2.5) / 6)
     assert figures["accuracy"] == pytest.approx(4 / 6)
-    assert figures["top2_accuracy"] == pytest.approx(5 / 6)      # k = 2 for 3 classes
+    assert figures["top2_accuracy"] == pytest.approx(5 / 6)  # k = 2 for 3 classes
     assert "top5_accuracy" not in figures
     assert figures["confusion"] == [[1, 1, 0], [0, 2, 0], [1, 0, 1]]
     per_class = figures["per_class"]
     assert per_class["support"] == [2, 2, 2]
-    assert per_class["precision"] == pytest.approx([1 / 2, 2 / 3, 1 / 1])     # correct / predicted (2, 3, 1)
-    assert per_class["recall"] == pytest.approx([1 / 2, 2 / 2, 1 / 2])        # correct / support
-    assert per_class["f1"] == pytest.approx([1 / 2, 4 / 5, 2 / 3])            # 2 P R / (P + R)
+    assert per_class["precision"] == pytest.approx([1 / 2, 2 / 3, 1 / 1])  # correct / predicted (2, 3, 1)
+    assert per_class["recall"] == pytest.approx([1 / 2, 2 / 2, 1 / 2])  # correct / support
+    assert per_class["f1"] == pytest.approx([1 / 2, 4 / 5, 2 / 3])  # 2 P R / (P + R)
 
 
 def test_a_class_never_predicted_or_never_seen_scores_zero_as_sklearn_with_zero_division_0():
@@ -76,7 +76,7 @@ def test_a_class_never_predicted_or_never_seen_scores_zero_as_sklearn_with_zero_
     assert per_class["recall"] == pytest.approx([1.0, 0.0, 0.0])
     assert per_class["f1"] == pytest.approx([4 / 5, 0.0, 0.0])
     assert per_class["support"] == [2, 0, 1]
-    assert figures["top2_accuracy"] == 1.0     # class 2's logit is second for its sample
+    assert figures["top2_accuracy"] == 1.0  # class 2's logit is second for its sample
 
 
 def test_top_k_is_named_after_its_k_and_absent_for_two_classes():
@@ -101,7 +101,7 @@ def test_above_the_confusion_limit_only_per_class_counts_are_summed_with_the_sam
     assert "confusion" not in counted
     assert counted == {name: value for name, value in full.items() if name != "confusion"}
     monkeypatch.undo()
-    many = scores.Classification(scores.CONFUSION_LIMIT + 50)   # 150 classes: 3 x 150 sums, not 150**2
+    many = scores.Classification(scores.CONFUSION_LIMIT + 50)  # 150 classes: 3 x 150 sums, not 150**2
     assert many.size == 3 + 3 * 150
     rng = np.random.default_rng(1)
     logits, labels = rng.normal(size=(400, 150)), rng.integers(0, 150, 400)
@@ -118,31 +118,34 @@ def test_regression_figures_are_those_worked_out_by_hand():
     # target 1: errors 0 0 0 1 (SSE 1, SAE 1), mean 2.5, SST 5: R^2 0.8
     # target 2: errors .5 -1 .5 -1 (SSE 2.5, SAE 3), mean 1, SST 4: R^2 0.375
     targets = np.array([[1, 0], [2, 2], [3, 0], [4, 2]], dtype=np.float64)
-    outputs = np.array([[1, .5], [2, 1], [3, .5], [5, 1]], dtype=np.float64)
+    outputs = np.array([[1, 0.5], [2, 1], [3, 0.5], [5, 1]], dtype=np.float64)
     scoring = scores.Regression(2)
     sums = scoring.add(scoring.zeros(), outputs[:1], targets[:1], 0.1)
     sums = scoring.add(sums, outputs[1:], targets[1:], 0.5)
     figures = scoring.figures(sums)
-    assert figures == pytest.approx({"loss": (0.1 + 3 * 0.5) / 4, "mse": 3.5 / 8, "mae": 4 / 8,
-                                     "r2": (0.8 + 0.375) / 2, "samples": 4})
+    assert figures == pytest.approx(
+        {"loss": (0.1 + 3 * 0.5) / 4, "mse": 3.5 / 8, "mae": 4 / 8, "r2": (0.8 + 0.375) / 2, "samples": 4}
+    )
     assert "accuracy" not in figures and "per_class" not in figures
 
 
 def test_r2_of_a_target_with_no_variance_is_one_if_exact_else_zero_as_sklearn():
     scoring = scores.Regression(1)
-    constant = np.full((7, 1), 0.1)      # (0.1 is not exact in binary: SST rounds to about 0, not 0)
+    constant = np.full((7, 1), 0.1)  # (0.1 is not exact in binary: SST rounds to about 0, not 0)
     assert scoring.figures(scoring.add(scoring.zeros(), constant.copy(), constant, 0.0))["r2"] == 1.0
     assert scoring.figures(scoring.add(scoring.zeros(), constant + 0.5, constant, 0.0))["r2"] == 0.0
     # a large offset with a real spread is not taken for a constant
     y = 1e4 + np.arange(10.0).reshape(10, 1)
-    assert scoring.figures(scoring.add(scoring.zeros(), y + 1.0, y, 0.0))["r2"] == pytest.approx(1 - 10 / 82.5)
+    assert scoring.figures(scoring.add(scoring.zeros(), y + 1.0, y, 0.0))["r2"] == pytest.approx(
+        1 - 10 / 82.5
+    )
     # nor a mean a million times the deviation, summed over many batches (the review's case: it read 0.0)
     rng = np.random.default_rng(0)
     y = 1e6 + rng.normal(size=(2000, 1))
     pred = y + 0.1 * rng.normal(size=(2000, 1))
     sums = scoring.zeros()
     for lo in range(0, 2000, 50):
-        sums = scoring.add(sums, pred[lo:lo + 50], y[lo:lo + 50], 0.0)
+        sums = scoring.add(sums, pred[lo : lo + 50], y[lo : lo + 50], 0.0)
     expected = 1 - ((pred - y) ** 2).sum() / ((y - y.mean()) ** 2).sum()
     assert scoring.figures(sums)["r2"] == pytest.approx(expected, abs=1e-3)
 
@@ -152,7 +155,10 @@ def test_sums_add_up_so_shards_give_the_figures_of_the_whole():
     logits, labels = rng.normal(size=(37, 7)), rng.integers(0, 7, 37)
     scoring = scores.Classification(7)
     whole = scoring.add(scoring.zeros(), logits, labels, 0.25)
-    parts = [scoring.add(scoring.zeros(), logits[lo:hi], labels[lo:hi], 0.25) for lo, hi in ((0, 3), (3, 30), (30, 37))]
+    parts = [
+        scoring.add(scoring.zeros(), logits[lo:hi], labels[lo:hi], 0.25)
+        for lo, hi in ((0, 3), (3, 30), (30, 37))
+    ]
     np.testing.assert_allclose(sum(parts), whole)
     assert_same(scoring.figures(sum(parts)), scoring.figures(whole))
 
@@ -168,38 +174,72 @@ def test_reports_name_the_task_figures_and_the_classes():
     figures = classify(LOGITS, LABELS, [1.0, 1.0, 2.5])
     assert list(scores.headline(figures)) == ["test_loss", "test_accuracy", "test_top2_accuracy"]
     report = scores.report(figures, class_names=["cat", "dog", "emu"])
-    assert report["test_per_class"][1] == {"class": 1, "name": "dog", "precision": pytest.approx(2 / 3),
-                                           "recall": 1.0, "f1": pytest.approx(0.8), "support": 2}
+    assert report["test_per_class"][1] == {
+        "class": 1,
+        "name": "dog",
+        "precision": pytest.approx(2 / 3),
+        "recall": 1.0,
+        "f1": pytest.approx(0.8),
+        "support": 2,
+    }
     assert report["test_confusion"] == figures["confusion"]
     assert "name" not in scores.report(figures)["test_per_class"][0]
     regression = scores.Regression(1)
     figures = regression.figures(regression.add(regression.zeros(), np.ones((2, 1)), np.zeros((2, 1)), 1.0))
     assert set(scores.report(figures)) == {"test_loss", "test_mse", "test_mae", "test_r2"}
-    assert [label for label, _ in scores.summary_rows(figures)] == ["test loss", "test MSE", "test MAE", "test R^2"]
+    assert [label for label, _ in scores.summary_rows(figures)] == [
+        "test loss",
+        "test MSE",
+        "test MAE",
+        "test R^2",
+    ]
     assert "accuracy" not in scores.progress_text(figures)
     # errors on the targets' scale: 4 significant digits, trailing zeros kept, never a trailing point
-    assert [scores.digits4(v) for v in (3581.0, 0.12, 12345.0, 1.0)] == ["3581", "0.1200", "1.234e+04", "1.000"]
+    assert [scores.digits4(v) for v in (3581.0, 0.12, 12345.0, 1.0)] == [
+        "3581",
+        "0.1200",
+        "1.234e+04",
+        "1.000",
+    ]
     big = dict(figures, loss=3581.0, mse=3581.0, mae=47.0)
     assert "val loss 3581  val MSE 3581  MAE 47.00" in scores.progress_text(big, "val")
     assert dict(scores.summary_rows(big))["test loss"] == "3581"
 
 
 def test_eval_prints_the_figures_of_the_task():
-    figures = {**scores.report(classify(LOGITS, LABELS, [1.0, 1.0, 2.5]), ["cat", "dog", "emu"]), "samples": 6,
-               "step": 9, "model": "mlp", "dataset": "pets"}
+    figures = {
+        **scores.report(classify(LOGITS, LABELS, [1.0, 1.0, 2.5]), ["cat", "dog", "emu"]),
+        "samples": 6,
+        "step": 9,
+        "model": "mlp",
+        "dataset": "pets",
+    }
     text = eval_text("ck.h5", figures)
     assert "test accuracy 66.67%, top-2 accuracy 83.33% over 6 samples" in text
     assert "  dog       0.6667  1.0000  0.8000        2" in text
-    regression = {"test_loss": 0.5, "test_mse": 0.5, "test_mae": 0.25, "test_r2": 0.9, "samples": 4, "step": 9,
-                  "model": "linear", "dataset": "prices"}
+    regression = {
+        "test_loss": 0.5,
+        "test_mse": 0.5,
+        "test_mae": 0.25,
+        "test_r2": 0.9,
+        "samples": 4,
+        "step": 9,
+        "model": "linear",
+        "dataset": "prices",
+    }
     text = eval_text("ck.h5", regression)
-    assert "test loss 0.5000, test MSE 0.5000, MAE 0.2500, R^2 0.9000 over 4 samples" in text and "accuracy" not in text
+    assert (
+        "test loss 0.5000, test MSE 0.5000, MAE 0.2500, R^2 0.9000 over 4 samples" in text
+        and "accuracy" not in text
+    )
 
 
 def test_early_stopping_says_what_to_monitor_where_the_figure_is_missing():
     stopper = EarlyStopping()
     with pytest.raises(UsageError, match="'test_loss' with mode='min'"):
-        stopper.on_eval({"step": 5, "epoch": 1, "test_loss": 1.0, "test_mse": 1.0, "test_mae": 0.5, "test_r2": 0.1})
+        stopper.on_eval(
+            {"step": 5, "epoch": 1, "test_loss": 1.0, "test_mse": 1.0, "test_mae": 0.5, "test_r2": 0.1}
+        )
     with pytest.raises(ValueError):
         EarlyStopping(mode="lower")
     assert EarlyStopping(monitor="test_loss").mode == "min" and EarlyStopping(monitor="test_r2").mode == "max"
@@ -210,6 +250,7 @@ def test_early_stopping_says_what_to_monitor_where_the_figure_is_missing():
 
 
 # -- over ranks ------------------------------------------------------------------------------------------
+
 
 def uneven_part(n, rank, size):
     """Rank ``rank``'s part of ``n`` samples, rank r holding about r + 1 shares (some may hold none)."""
@@ -225,13 +266,14 @@ def test_figures_summed_over_ranks_equal_one_process_on_the_whole_split(classes)
     rng = np.random.default_rng(3)
     x = rng.normal(size=(41, 5))
     y = rng.integers(0, classes, 41) if classes else rng.normal(size=(41, 2))
-    model = nn.Sequential([nn.Dense(8), nn.Tanh(), nn.Dense(classes or 2, init="glorot")], (5,), xp=np,
-                          dtype=np.float64)
+    model = nn.Sequential(
+        [nn.Dense(8), nn.Tanh(), nn.Dense(classes or 2, init="glorot")], (5,), xp=np, dtype=np.float64
+    )
     cluster = build_cluster(world)
     strategy = AllreduceStrategy(model, nn.loss_for(classes, np), None, cluster, exchange="mpi")
     strategy.initialize()
     part = uneven_part(41, rank, size)
-    summed = strategy.evaluate([(x[part], y[part])])      # one batch per rank, of rank-dependent size
+    summed = strategy.evaluate([(x[part], y[part])])  # one batch per rank, of rank-dependent size
     loss = nn.loss_for(classes, np)
     out = model.forward(x)
     scoring = scores.scoring(classes > 0, model.output_shape)
@@ -241,12 +283,13 @@ def test_figures_summed_over_ranks_equal_one_process_on_the_whole_split(classes)
     if classes:
         assert sum(summed["per_class"]["support"]) == 41 and summed["confusion"] == alone["confusion"]
     else:
-        assert summed["mse"] == pytest.approx(summed["loss"], rel=1e-12)   # the MSE loss is the MSE
+        assert summed["mse"] == pytest.approx(summed["loss"], rel=1e-12)  # the MSE loss is the MSE
     strategy.free()
     cluster.free()
 
 
 # -- runs ------------------------------------------------------------------------------------------------
+
 
 def regression_data():
     rng = np.random.default_rng(4)
@@ -265,8 +308,17 @@ def classification_data():
 def train_with_metrics(tmp_path, data, comm, **settings):
     metrics = tmp_path / "metrics.jsonl"
     stream = io.StringIO()
-    result = mpidist.train("mlp:16", data, comm=comm, progress="lines", metrics=str(metrics), stream=stream,
-                           epochs=2, batch_size=20, **settings)
+    result = mpidist.train(
+        "mlp:16",
+        data,
+        comm=comm,
+        progress="lines",
+        metrics=str(metrics),
+        stream=stream,
+        epochs=2,
+        batch_size=20,
+        **settings,
+    )
     events = [json.loads(line) for line in metrics.read_text().splitlines()] if result.is_chief else []
     return result, events, stream.getvalue()
 
@@ -279,12 +331,14 @@ def test_a_regression_run_reports_mse_mae_r2_and_no_accuracy_anywhere(tmp_path):
     done = events[-1]
     assert done["event"] == "done" and {"test_mse", "test_mae", "test_r2"} <= set(done)
     assert "test_per_class" not in done and result.test_accuracy is None
-    assert done["test_mse"] == pytest.approx(done["test_loss"], rel=1e-5)    # (the loss is summed in float32)
+    assert done["test_mse"] == pytest.approx(done["test_loss"], rel=1e-5)  # (the loss is summed in float32)
     assert "accuracy" not in shown and "R^2" in shown and "test MAE" in shown
 
 
 def test_a_classification_runs_per_class_supports_sum_to_the_test_split(tmp_path):
-    result, events, shown = train_with_metrics(tmp_path, classification_data(), MPI.COMM_SELF, strategy="local")
+    result, events, shown = train_with_metrics(
+        tmp_path, classification_data(), MPI.COMM_SELF, strategy="local"
+    )
     done = events[-1]
     assert sum(record["support"] for record in done["test_per_class"]) == 40
     assert [record["class"] for record in done["test_per_class"]] == [0, 1, 2]
@@ -310,7 +364,7 @@ def test_on_ranks_the_done_event_counts_every_test_sample_once(tmp_path, strateg
 
 
 def test_outputs_per_position_are_scored_token_by_token_and_samples_count_sequences():
-    scoring = scores.scoring(True, (4, 3))                 # sequences of 4 positions, 3 classes
+    scoring = scores.scoring(True, (4, 3))  # sequences of 4 positions, 3 classes
     assert (scoring.classes, scoring.positions) == (3, 4)
     rng = np.random.default_rng(0)
     logits, labels = rng.normal(size=(5, 4, 3)), rng.integers(0, 3, (5, 4))

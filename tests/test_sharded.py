@@ -15,15 +15,29 @@ from mpidist.store import sharded
 
 def whole():
     # Dense pairs split by columns then rows, a LayerNorm every part holds whole, a conv kernel (4 axes)
-    model = nn.Sequential([nn.Conv2D(4, 3), nn.ReLU(), nn.Flatten(), nn.Dense(6), nn.ReLU(), nn.Dense(5),
-                           nn.LayerNorm(), nn.Dense(3)], (5, 5, 2), dtype=np.float64)
+    model = nn.Sequential(
+        [
+            nn.Conv2D(4, 3),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Dense(6),
+            nn.ReLU(),
+            nn.Dense(5),
+            nn.LayerNorm(),
+            nn.Dense(3),
+        ],
+        (5, 5, 2),
+        dtype=np.float64,
+    )
     model.init_params(2)
     return model
 
 
 def parameters(model):
-    return [(sharded.parameter_name(entry, type(layer).__name__, name), shape, offset)
-            for entry, (layer, name, offset, shape, _) in enumerate(model.entries)]
+    return [
+        (sharded.parameter_name(entry, type(layer).__name__, name), shape, offset)
+        for entry, (layer, name, offset, shape, _) in enumerate(model.entries)
+    ]
 
 
 def layouts(model):
@@ -41,13 +55,21 @@ def write(folder, model, placements, moments, attrs=None):
     (folder / "ckpt.parts").mkdir(parents=True)
     parts = []
     for rank, placement in enumerate(placements):
-        arrays = {"params": placement.written(placement.take(model.params)),
-                  "optimizer/m": placement.written(placement.take(moments))}
+        arrays = {
+            "params": placement.written(placement.take(model.params)),
+            "optimizer/m": placement.written(placement.take(moments)),
+        }
         file = f"ckpt.parts/{sharded.part_name(rank)}"
         record = sharded.write_part(folder / file, placement.describe(), arrays)
         parts.append((file, placement.describe(), record))
-    sharded.write_index(folder / "ckpt.h5", parameters(model), parts, ["params", "optimizer/m"], model.dtype,
-                        attrs or {"step": 7, "config": {"model": "test"}, "optimizer": {"steps": 7}})
+    sharded.write_index(
+        folder / "ckpt.h5",
+        parameters(model),
+        parts,
+        ["params", "optimizer/m"],
+        model.dtype,
+        attrs or {"step": 7, "config": {"model": "test"}, "optimizer": {"steps": 7}},
+    )
     return folder / "ckpt.h5"
 
 
@@ -84,7 +106,7 @@ def test_a_missing_or_changed_part_is_found_before_anything_is_read(tmp_path):
     model = whole()
     index = write(tmp_path, model, layouts(model)["tensor"], np.zeros(model.num_params))
     part = tmp_path / "ckpt.parts" / sharded.part_name(1)
-    with h5py.File(part, "r+") as handle:   # a value changed in place: the same size, another checksum
+    with h5py.File(part, "r+") as handle:  # a value changed in place: the same size, another checksum
         handle["params"][0] += 1
     with h5py.File(index, "r") as handle:
         assert "ckpt.parts/rank-00001.h5 is not the file that was written" in sharded.verify(index, handle)
@@ -123,14 +145,20 @@ def test_removing_a_checkpoints_parts_takes_its_folder(tmp_path):
 
 def test_rectangles_cut_on_several_axes_map_into_the_whole_in_c_order(tmp_path):
     from mpidist.nn.placement import Region
+
     model = whole()
-    a, b, c, d = model.entries[0][3]   # the conv kernel: cut on the first axis and the last, then the first alone
-    pieces = [((0, 0, 0, 0), (a - 1, b, c, d // 2)), ((0, 0, 0, d // 2), (a - 1, b, c, d)),
-              ((a - 1, 0, 0, 0), (a, b, c, d))]
+    a, b, c, d = model.entries[0][
+        3
+    ]  # the conv kernel: cut on the first axis and the last, then the first alone
+    pieces = [
+        ((0, 0, 0, 0), (a - 1, b, c, d // 2)),
+        ((0, 0, 0, d // 2), (a - 1, b, c, d)),
+        ((a - 1, 0, 0, 0), (a, b, c, d)),
+    ]
     placements = []
     for rank, (start, stop) in enumerate(pieces):
         regions = [Region(0, start, stop, 0)]
-        if rank == 0:   # (the rest of the model, whole, on the first rank)
+        if rank == 0:  # (the rest of the model, whole, on the first rank)
             lo = regions[0].size
             for entry in range(1, len(model.entries)):
                 shape = model.entries[entry][3]
@@ -142,22 +170,32 @@ def test_rectangles_cut_on_several_axes_map_into_the_whole_in_c_order(tmp_path):
     with h5py.File(index, "r") as handle:
         np.testing.assert_array_equal(handle["params"][...], model.params)
         np.testing.assert_array_equal(handle["optimizer/m"][...], np.arange(model.num_params))
-        np.testing.assert_array_equal(handle["parameters"][parameters(model)[0][0]][...],
-                                      parameter(model, model.params, 0))
+        np.testing.assert_array_equal(
+            handle["parameters"][parameters(model)[0][0]][...], parameter(model, model.params, 0)
+        )
 
 
 def test_a_sharded_checkpoint_loads_as_a_whole_one_after_its_parts_are_checked(tmp_path):
     from mpidist.runtime.errors import UsageError
     from mpidist.store import checkpoint
+
     model = whole()
     moments = np.random.default_rng(1).random(model.num_params)
-    attrs = checkpoint.attributes(12, 2, 3, json.dumps({"model": "test", "seed": 5}), 5, 3, lineage="0123abcd")
+    attrs = checkpoint.attributes(
+        12, 2, 3, json.dumps({"model": "test", "seed": 5}), 5, 3, lineage="0123abcd"
+    )
     write(tmp_path, model, layouts(model)["tensor"], moments, {**attrs, "optimizer": {"steps": 12}})
     loaded = checkpoint.load(tmp_path / "ckpt.h5")
     np.testing.assert_array_equal(loaded.params, model.params)
     np.testing.assert_array_equal(loaded.optimizer_state["m"], moments)
-    assert (loaded.step, loaded.epoch, loaded.epoch_step, loaded.optimizer_steps, loaded.seed, loaded.lineage) == \
-        (12, 2, 3, 12, 5, "0123abcd")
+    assert (
+        loaded.step,
+        loaded.epoch,
+        loaded.epoch_step,
+        loaded.optimizer_steps,
+        loaded.seed,
+        loaded.lineage,
+    ) == (12, 2, 3, 12, 5, "0123abcd")
     (tmp_path / "ckpt.parts" / sharded.part_name(2)).unlink()
     with pytest.raises(UsageError, match="part ckpt.parts/rank-00002.h5 is missing"):
         checkpoint.load(tmp_path / "ckpt.h5")
@@ -167,6 +205,7 @@ def test_a_format_1_checkpoint_with_a_virtual_dataset_is_refused(tmp_path):
     # (format 1 holds its arrays itself: a virtual one there could read any file)
     from mpidist.runtime.errors import UsageError
     from mpidist.store import checkpoint
+
     model = whole()
     index = write(tmp_path, model, layouts(model)["pipeline"], np.zeros(model.num_params))
     with h5py.File(index, "r+") as handle:

@@ -16,7 +16,9 @@ from mpidist.runtime.cluster import build_cluster
 from mpidist.runtime.errors import UsageError
 
 
-@pytest.mark.parametrize("count,itemsize,parts", [(1, 4, 2), (5, 4, 3), (100, 4, 2), (1000, 8, 6), (33, 4, 4)])
+@pytest.mark.parametrize(
+    "count,itemsize,parts", [(1, 4, 2), (5, 4, 3), (100, 4, 2), (1000, 8, 6), (33, 4, 4)]
+)
 def test_parts_cover_the_buffer_and_start_on_cache_lines(count, itemsize, parts):
     bounds = chunk_bounds(0, count, itemsize, parts)
     assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == count
@@ -48,6 +50,7 @@ def test_compression_and_a_forced_shared_memory_exchange_do_not_mix():
 def test_elastic_training_sums_over_mpi():
     """A lost worker must surface as MPI's process-failure error: MPI's shared-memory windows give none."""
     from mpidist.settings.config import Settings
+
     assert AllreduceStrategy.arguments(Settings(elastic=True), None)["exchange"] == "mpi"
     assert AllreduceStrategy.arguments(Settings(), None)["exchange"] == "auto"
 
@@ -57,10 +60,10 @@ def test_elastic_training_sums_over_mpi():
 def test_every_worker_gets_the_closed_form_sum(count):
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
-    assert shared_memory_possible(comm, np.zeros(count, np.float32)) is None   # mpiexec on one machine
+    assert shared_memory_possible(comm, np.zeros(count, np.float32)) is None  # mpiexec on one machine
     exchange = SharedMemoryExchange(comm, np.full(count, -1.0, np.float32))
     try:
-        assert (exchange.buffer == -1).all()                     # it starts from the buffer it was given
+        assert (exchange.buffer == -1).all()  # it starts from the buffer it was given
         for step in range(3):
             exchange.begin()
             exchange.buffer[...] = (rank + 1) * (step + 1) * np.arange(count, dtype=np.float32)
@@ -161,8 +164,12 @@ def test_allreduce_trains_the_same_over_shared_memory_as_over_mpi():
 @pytest.mark.mpi(min_size=2)
 def test_auto_picks_one_model_per_node_then_shared_gradients_and_mpi_to_compress():
     comm = MPI.COMM_WORLD
-    for arguments, kind in (({}, NodeModelExchange), ({"exchange": "shared-memory"}, SharedMemoryExchange),
-                            ({"exchange": "mpi"}, Exchange), ({"compress": "bf16"}, CompressedExchange)):
+    for arguments, kind in (
+        ({}, NodeModelExchange),
+        ({"exchange": "shared-memory"}, SharedMemoryExchange),
+        ({"exchange": "mpi"}, Exchange),
+        ({"compress": "bf16"}, CompressedExchange),
+    ):
         strategy = _strategy(comm, **arguments)
         try:
             assert type(strategy.exchange) is kind

@@ -13,7 +13,7 @@ from mpidist.runtime.errors import UsageError
 from mpidist.store import checkpoint
 from test_sharded import write
 
-METADATA = 1 << 20   # bytes an open reads beside the values asked for (superblocks, object headers, mappings)
+METADATA = 1 << 20  # bytes an open reads beside the values asked for (superblocks, object headers, mappings)
 
 
 def bytes_read():
@@ -25,8 +25,11 @@ def bytes_read():
 @pytest.fixture(scope="module")
 def model():
     # three Dense: the first two split by columns then rows in a tensor part, the third held whole by every part
-    model = nn.Sequential([nn.Dense(512), nn.ReLU(), nn.Dense(512), nn.ReLU(), nn.Dense(512), nn.LayerNorm(),
-                           nn.Dense(8)], (64,), dtype=np.float64)
+    model = nn.Sequential(
+        [nn.Dense(512), nn.ReLU(), nn.Dense(512), nn.ReLU(), nn.Dense(512), nn.LayerNorm(), nn.Dense(8)],
+        (64,),
+        dtype=np.float64,
+    )
     model.init_params(3)
     return model
 
@@ -47,7 +50,9 @@ def attributes():
     return {**checkpoint.attributes(7, 1, 2, json.dumps({"model": "test"}), 5, 2), "optimizer": {"steps": 7}}
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/io"), reason="counts bytes read by /proc/self/io")
+@pytest.mark.skipif(
+    not __import__("os").path.exists("/proc/self/io"), reason="counts bytes read by /proc/self/io"
+)
 @pytest.mark.parametrize("written, resumed", [("pipeline 2", "tensor 3"), ("tensor 3", "pipeline 2")])
 def test_each_rank_reads_its_slices_of_a_sharded_checkpoint_and_no_more(tmp_path, model, written, resumed):
     moments = np.random.default_rng(0).random(model.num_params)
@@ -58,7 +63,7 @@ def test_each_rank_reads_its_slices_of_a_sharded_checkpoint_and_no_more(tmp_path
         assert header.params is None and header.num_params == model.num_params
         params, m = np.empty(placement.size), np.empty(placement.size)
         before = bytes_read()
-        header.restore(placement, {"params": params, "m": m})   # (into the buffers: no copy of a slice)
+        header.restore(placement, {"params": params, "m": m})  # (into the buffers: no copy of a slice)
         read = bytes_read() - before
         np.testing.assert_array_equal(params, placement.take(model.params))
         np.testing.assert_array_equal(m, placement.take(moments))
@@ -74,28 +79,34 @@ def test_the_ranks_check_the_parts_checksums_a_share_each(tmp_path, model):
     header.check_parts((0, 0))
     alone = bytes_read() - before
     before = bytes_read()
-    header.check_parts((1, 2))   # (the second part of three)
+    header.check_parts((1, 2))  # (the second part of three)
     hashed = bytes_read() - before - alone
     assert parts[1].stat().st_size <= hashed <= parts[1].stat().st_size + (64 << 10)
-    with parts[1].open("r+b") as part:   # (the same size, another finite value: only its checksum tells)
+    with parts[1].open("r+b") as part:  # (the same size, another finite value: only its checksum tells)
         part.seek(-8, 2)
         part.write(np.float64(1.5).tobytes())
-    header = checkpoint.load(index, arrays=False)   # (sizes only: the part is not read)
-    for share in ((0, 2), (0, 3), (2, 3)):   # (in a run, the rank that checks it fails the start on every rank)
+    header = checkpoint.load(index, arrays=False)  # (sizes only: the part is not read)
+    for share in (
+        (0, 2),
+        (0, 3),
+        (2, 3),
+    ):  # (in a run, the rank that checks it fails the start on every rank)
         header.check_parts(share)
     with pytest.raises(UsageError, match="ckpt.parts/rank-00001.h5 is not the file that was written"):
         header.check_parts((1, 3))
     with pytest.raises(UsageError, match="ckpt.parts/rank-00001.h5 is not the file that was written"):
-        header.whole()   # (reading the whole checks every part)
+        header.whole()  # (reading the whole checks every part)
 
 
 def test_a_format_1_checkpoint_is_read_by_slices_too(tmp_path, model):
     moments = np.random.default_rng(2).random(model.num_params)
-    path = checkpoint.save(tmp_path, model.params, {"m": moments}, 7, 7, 1, 2, json.dumps({"model": "test"}), 5, 2)
+    path = checkpoint.save(
+        tmp_path, model.params, {"m": moments}, 7, 7, 1, 2, json.dumps({"model": "test"}), 5, 2
+    )
     for placement in layouts(model)["tensor 3"]:
         header = checkpoint.load(path, arrays=False)
         before = bytes_read()
-        params, m = restored(header, placement, np.float32)   # (converted as read: a float32 run's buffers)
+        params, m = restored(header, placement, np.float32)  # (converted as read: a float32 run's buffers)
         assert bytes_read() - before <= 2 * placement.size * 8 + METADATA
         np.testing.assert_array_equal(params, placement.take(model.params).astype(np.float32))
         np.testing.assert_array_equal(m, placement.take(moments).astype(np.float32))
@@ -107,7 +118,7 @@ def test_a_format_1_checkpoint_is_read_by_slices_too(tmp_path, model):
 
 def test_slices_holding_nan_or_a_replaced_checkpoint_are_refused_by_name(tmp_path, model):
     params = model.params.copy()
-    params[-1] = np.nan   # (in the last Dense's bias, which the first stage does not hold)
+    params[-1] = np.nan  # (in the last Dense's bias, which the first stage does not hold)
     path = checkpoint.save(tmp_path, params, {}, 7, 7, 1, 2, json.dumps({"model": "test"}), 5, 2)
     first, last = layouts(model)["pipeline 2"]
     header = checkpoint.load(path, arrays=False)
@@ -115,6 +126,8 @@ def test_slices_holding_nan_or_a_replaced_checkpoint_are_refused_by_name(tmp_pat
     with pytest.raises(UsageError, match=r"params holds NaN or Inf \(1 of this rank's \d+ values\)"):
         restored(header, last)
     (tmp_path / "other").mkdir()
-    checkpoint.save(tmp_path / "other", model.params, {}, 9, 9, 1, 4, json.dumps({"model": "test"}), 5, 2).replace(path)
+    checkpoint.save(
+        tmp_path / "other", model.params, {}, 9, 9, 1, 4, json.dumps({"model": "test"}), 5, 2
+    ).replace(path)
     with pytest.raises(UsageError, match="the checkpoint changed while the run started"):
         restored(header, first)

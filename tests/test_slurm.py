@@ -37,8 +37,12 @@ def slurm(tmp_path_factory):
 def job_env(**extra):
     """What a job needs to find this checkout's mpidist and its venv's mpiexec (sbatch exports it)."""
     bin_dir = str(Path(sys.executable).parent)
-    return {"MPIDIST_PYTHON": sys.executable, "PYTHONPATH": str(ROOT),
-            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), **extra}
+    return {
+        "MPIDIST_PYTHON": sys.executable,
+        "PYTHONPATH": str(ROOT),
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        **extra,
+    }
 
 
 def submit(slurm, tmp_path, script, *flags, sbatch=(), wait=True, env=None):
@@ -48,8 +52,9 @@ def submit(slurm, tmp_path, script, *flags, sbatch=(), wait=True, env=None):
     gives -- but looked at every 0.2 s: ``--wait`` looks after 2, 3, 4, ... s, and a job of 6 s took 10.
     """
     command = ["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out", *sbatch]
-    done = slurm.run(*command, str(SCRIPTS / script), *flags, cwd=tmp_path, env=job_env(**(env or {})),
-                     timeout=180)
+    done = slurm.run(
+        *command, str(SCRIPTS / script), *flags, cwd=tmp_path, env=job_env(**(env or {})), timeout=180
+    )
     match = re.match(r"^(\d+)", done.stdout.strip())
     job = int(match.group(1)) if match else None
     if wait and job is not None:
@@ -81,8 +86,9 @@ def test_every_cpu_script_trains_to_the_end(slurm, tmp_path, script):
 
 
 def test_a_ps_strategy_gets_one_ps_per_node_and_flags_override_the_script(slurm, tmp_path):
-    done, job = submit(slurm, tmp_path, "train-cpu.sbatch", "--strategy", "ps-sync", "--steps", "10",
-                       sbatch=["--ntasks=3"])
+    done, job = submit(
+        slurm, tmp_path, "train-cpu.sbatch", "--strategy", "ps-sync", "--steps", "10", sbatch=["--ntasks=3"]
+    )
     log = output(tmp_path, job)
     assert done.returncode == 0, log
     assert "strategy ps-sync on 2 worker(s) and 1 ps" in log and metrics(tmp_path, job)[-1]["steps"] == 10
@@ -110,10 +116,19 @@ def test_the_gpu_script_is_refused_where_there_are_no_gpus(slurm, tmp_path):
 def test_the_gpu_script_checks_its_gpu_request_itself(tmp_path):
     """Run as a plain script (as under a Slurm that grants no GPUs): a clear message, exit 2."""
     import subprocess
-    env = dict(os.environ, SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="1", SLURM_NTASKS_PER_NODE="5",
-               SLURM_JOB_NUM_NODES="1", SLURM_NTASKS="5")
+
+    env = dict(
+        os.environ,
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        SLURM_JOB_ID="1",
+        SLURM_NTASKS_PER_NODE="5",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NTASKS="5",
+    )
     env.pop("SLURM_GPUS_PER_NODE", None)
-    done = subprocess.run(["bash", str(SCRIPTS / "train-gpu.sbatch")], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "train-gpu.sbatch")], capture_output=True, text=True, env=env
+    )
     assert done.returncode == 2
     assert "needs --gpus-per-node N and --ntasks-per-node of at least N" in done.stderr
 
@@ -122,7 +137,9 @@ def wait_for_step(tmp_path, job, step, slurm, timeout=90):
     path = tmp_path / "runs" / str(job) / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and any(e.get("event") == "step" and e["step"] >= step for e in metrics(tmp_path, job)):
+        if path.exists() and any(
+            e.get("event") == "step" and e["step"] >= step for e in metrics(tmp_path, job)
+        ):
             return
         time.sleep(0.2)
     pytest.fail(f"job {job} never reached step {step}: {slurm.job(job)}\n{slurm.logs()}")
@@ -131,14 +148,15 @@ def wait_for_step(tmp_path, job, step, slurm, timeout=90):
 @pytest.mark.parametrize("interrupt", ["time-limit warning (SIGUSR1)", "preemption (scontrol requeue)"])
 def test_the_requeue_script_checkpoints_requeues_and_resumes_to_the_end(slurm, tmp_path, interrupt):
     flags = ["--epochs", "6", "--log-every", "1"]
-    _, job = submit(slurm, tmp_path, "train-requeue.sbatch", *flags, wait=False,
-                    env={"MPIDIST_TEST_DELAY": "0:0.03"})   # about 30 ms a step: 132 steps take 4 s
+    _, job = submit(
+        slurm, tmp_path, "train-requeue.sbatch", *flags, wait=False, env={"MPIDIST_TEST_DELAY": "0:0.03"}
+    )  # about 30 ms a step: 132 steps take 4 s
     slurm.wait_for(job, {"RUNNING"})
     wait_for_step(tmp_path, job, 10, slurm)
     if interrupt.startswith("time"):
-        assert slurm.run("scancel", "--signal=USR1", str(job)).returncode == 0   # as --signal=USR1@T would
+        assert slurm.run("scancel", "--signal=USR1", str(job)).returncode == 0  # as --signal=USR1@T would
     else:
-        assert slurm.run("scontrol", "requeue", str(job)).returncode == 0      # SIGTERM, then requeued
+        assert slurm.run("scontrol", "requeue", str(job)).returncode == 0  # SIGTERM, then requeued
     fields = slurm.wait_for(job, {"PENDING"})
     assert fields["Restarts"] == "1"
     # Slurm holds a requeued job back about 2 min; start it now, but not in the second its old
@@ -149,23 +167,27 @@ def test_the_requeue_script_checkpoints_requeues_and_resumes_to_the_end(slurm, t
     log = output(tmp_path, job)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", log
     events = metrics(tmp_path, job)
-    stopped, = [e for e in events if e["event"] == "stopped"]
+    (stopped,) = [e for e in events if e["event"] == "stopped"]
     assert stopped["signal"] == ("SIGUSR1" if interrupt.startswith("time") else "SIGTERM")
-    assert f"job {job} run 2" in log and f"resumed from {stopped['checkpoint']} at step {stopped['step']}" in log
-    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, 133))   # none lost, none twice
+    assert (
+        f"job {job} run 2" in log and f"resumed from {stopped['checkpoint']} at step {stopped['step']}" in log
+    )
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, 133))  # none lost, none twice
     assert events[-1]["event"] == "done" and events[-1]["steps"] == 132
 
 
 def test_every_script_is_submitted_here_and_every_sbatch_line_says_what_it_does():
     scripts = sorted(path.name for path in SCRIPTS.glob("*.sbatch"))
-    assert scripts == sorted(CPU_SCRIPTS + ["train-gpu.sbatch"])   # a new script must join a test above
+    assert scripts == sorted(CPU_SCRIPTS + ["train-gpu.sbatch"])  # a new script must join a test above
     for name in scripts:
         for line in (SCRIPTS / name).read_text().splitlines():
             if line.startswith("#SBATCH"):
                 assert re.match(r"#SBATCH \S+\s+# \w", line), f"{name}: no comment on {line!r}"
 
 
-@pytest.mark.parametrize("script,signal_name", [("train-cpu.sbatch", "TERM"), ("train-cpu-srun.sbatch", "USR1")])
+@pytest.mark.parametrize(
+    "script,signal_name", [("train-cpu.sbatch", "TERM"), ("train-cpu-srun.sbatch", "USR1")]
+)
 def test_a_signalled_job_checkpoints_and_ends_with_exit_code_3(slurm, tmp_path, script, signal_name):
     """Slurm's signals reach the ranks through srun and through MPICH's mpiexec (its proxies pass them on)."""
     _, job = submit(slurm, tmp_path, script, "--epochs", "400", wait=False)
@@ -174,15 +196,21 @@ def test_a_signalled_job_checkpoints_and_ends_with_exit_code_3(slurm, tmp_path, 
     assert slurm.run("scancel", f"--signal={signal_name}", str(job)).returncode == 0
     fields = slurm.wait_for_end(job)
     assert fields["ExitCode"] == "3:0", output(tmp_path, job)
-    stopped, = [e for e in metrics(tmp_path, job) if e["event"] == "stopped"]
+    (stopped,) = [e for e in metrics(tmp_path, job) if e["event"] == "stopped"]
     assert stopped["signal"] == f"SIG{signal_name}" and Path(stopped["checkpoint"]).exists()
 
 
 def test_a_stopped_cluster_leaves_no_job_running(slurm, tmp_path):
     """A job still running when its cluster stops (a test that timed out) is ended with it, steps and all."""
     marker = f"mpidist-left-{os.getpid()}"
-    done = slurm.run("sbatch", "--parsable", f"--output={tmp_path}/job.out", "--wrap",
-                     f"srun --mpi=none bash -c 'sleep 600; : {marker}'", cwd=tmp_path)
+    done = slurm.run(
+        "sbatch",
+        "--parsable",
+        f"--output={tmp_path}/job.out",
+        "--wrap",
+        f"srun --mpi=none bash -c 'sleep 600; : {marker}'",
+        cwd=tmp_path,
+    )
     job = int(done.stdout.strip())
     try:
         slurm.wait_for(job, {"RUNNING"})
@@ -193,7 +221,7 @@ def test_a_stopped_cluster_leaves_no_job_running(slurm, tmp_path):
     finally:
         slurm.stop()
         left, running = slurm.leftovers(), [command for command in commands() if marker in command]
-        slurm.start()   # (for the module's other tests)
+        slurm.start()  # (for the module's other tests)
     assert not left and not running, (left, running)
 
 

@@ -34,14 +34,33 @@ from mpidist.store.lineage import CheckpointDir
 from conftest import events, rank_pids, run_mpi, start_mpi
 
 SEQUENCES = int(os.environ.get("MPIDIST_SOAK_SEQUENCES", "3"))
-OPERATIONS = ("resume",) * 7 + ("kill",) * 5 + ("term",) * 3 + ("fresh", "fresh", "branch", "second", "second")
+OPERATIONS = (
+    ("resume",) * 7 + ("kill",) * 5 + ("term",) * 3 + ("fresh", "fresh", "branch", "second", "second")
+)
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.02"}
 
 
 def flags(p, *more, metrics="m.jsonl"):
-    return ["-m", "mpidist", "--progress", "none", "--metrics", str(p / metrics), "--log-every", "1",
-            "--epochs", "100", "--checkpoint-dir", str(p / "ck"), "--checkpoint-every", "1", "--checkpoint-wait",
-            "--keep", "2", *more]
+    return [
+        "-m",
+        "mpidist",
+        "--progress",
+        "none",
+        "--metrics",
+        str(p / metrics),
+        "--log-every",
+        "1",
+        "--epochs",
+        "100",
+        "--checkpoint-dir",
+        str(p / "ck"),
+        "--checkpoint-every",
+        "1",
+        "--checkpoint-wait",
+        "--keep",
+        "2",
+        *more,
+    ]
 
 
 def snapshot(directory):
@@ -66,7 +85,7 @@ def interrupt(p, extra, rng, number):
             if any(e["step"] >= target for e in events(p / "m.jsonl", "step")):
                 break
             time.sleep(0.005)
-        time.sleep(rng.uniform(0, 0.03))   # anywhere in a step, a checkpoint write included
+        time.sleep(rng.uniform(0, 0.03))  # anywhere in a step, a checkpoint write included
         pids = rank_pids(launcher)
         if launcher.poll() is None and pids:
             os.kill(pids[rng.choice(sorted(pids))], number)
@@ -80,7 +99,7 @@ def interrupt(p, extra, rng, number):
 
 def second_while_first_runs(p, rng):
     """A run on the directory while another is live: refused, exit 2."""
-    first = start_mpi(2, flags(p, "--resume", "auto", "--steps", str(10 ** 6)), env=SLOW)
+    first = start_mpi(2, flags(p, "--resume", "auto", "--steps", str(10**6)), env=SLOW)
     try:
         deadline = time.monotonic() + 60
         while not events(p / "m.jsonl", "step") and first.poll() is None and time.monotonic() < deadline:
@@ -89,7 +108,7 @@ def second_while_first_runs(p, rng):
         assert done.returncode == 2 and "is in use by another run" in done.stderr, done.stderr
     finally:
         pids = rank_pids(first)
-        if pids:   # the first run stops after a checkpoint
+        if pids:  # the first run stops after a checkpoint
             os.kill(pids[rng.choice(sorted(pids))], signal.SIGTERM)
         first.communicate(timeout=60)
     assert first.returncode == 3
@@ -117,7 +136,10 @@ def test_no_sequence_of_runs_kills_and_signals_loses_the_newest_checkpoint(tmp_p
         elif operation in ("kill", "term"):
             number = signal.SIGKILL if operation == "kill" else signal.SIGTERM
             code = interrupt(tmp_path, ["--resume", "auto", *further], rng, number)
-            assert operation == "kill" or code in (0, 3), (replay, code)   # (a kill: whatever the launcher says)
+            assert operation == "kill" or code in (0, 3), (
+                replay,
+                code,
+            )  # (a kill: whatever the launcher says)
         elif operation == "fresh":
             done, _ = run_mpi(2, flags(tmp_path, *further))
             assert done.returncode == 2 and "holds the checkpoints of another run" in done.stderr, replay
@@ -131,12 +153,12 @@ def test_no_sequence_of_runs_kills_and_signals_loses_the_newest_checkpoint(tmp_p
         else:
             second_while_first_runs(tmp_path, rng)
         after = snapshot(tmp_path / "ck")
-        for run, files in before.items():   # other lineages: untouched; the newest step of each: never lower
+        for run, files in before.items():  # other lineages: untouched; the newest step of each: never lower
             if run not in touched:
                 assert after.get(run) == files, replay
             assert newest_steps(after)[run] >= newest_steps(before)[run], replay
         for entry in CheckpointDir(tmp_path / "ck").entries():
-            checkpoint.load(entry.path)   # every file under a checkpoint name is whole
+            checkpoint.load(entry.path)  # every file under a checkpoint name is whole
         latest, skipped = checkpoint.newest_valid(tmp_path / "ck")
         newest_file = CheckpointDir(tmp_path / "ck").last_written()
         assert skipped == [] and latest.lineage == newest_file.lineage, replay

@@ -31,9 +31,14 @@ def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5
     x = np.repeat(numbers[:, None], width, axis=1).astype(np.float32)
     with h5py.File(path, "w") as handle:
         handle.attrs.update(name="rows", num_classes=num_classes, source="test")
-        for split, (xs, ys) in {"train": (x, numbers % num_classes), "test": (x[:test_rows], numbers[:test_rows] % num_classes)}.items():
+        for split, (xs, ys) in {
+            "train": (x, numbers % num_classes),
+            "test": (x[:test_rows], numbers[:test_rows] % num_classes),
+        }.items():
             chunks = (min(chunk, len(xs)), width) if chunk and len(xs) else None
-            handle.create_dataset(f"{split}/x", data=xs, chunks=chunks, compression=compression if chunks else None)
+            handle.create_dataset(
+                f"{split}/x", data=xs, chunks=chunks, compression=compression if chunks else None
+            )
             handle.create_dataset(f"{split}/y", data=ys.astype(np.int64))
     return path
 
@@ -69,14 +74,15 @@ def test_blocks_are_whole_chunks_of_one_file_each(tmp_path):
     # 16-byte rows, 100-byte blocks: 6 rows = two whole chunks of 3
     cuts = blocks.block_cuts(source, 5, 40, block_bytes=100)
     assert cuts.tolist() == [5, 6, 12, 18, 20, 26, 32, 33, 39, 40]
-    assert blocks.block_cuts(source, 0, 42, block_bytes=1).tolist() == \
-        sorted(set(range(0, 20, 3)) | set(range(20, 33, 3)) | set(range(33, 42, 3)) | {42})
+    assert blocks.block_cuts(source, 0, 42, block_bytes=1).tolist() == sorted(
+        set(range(0, 20, 3)) | set(range(20, 33, 3)) | set(range(33, 42, 3)) | {42}
+    )
 
 
 def test_a_streamed_epoch_gives_each_row_of_the_lanes_once_in_an_order_of_seed_epoch_and_lanes(tmp_path):
     info = data.inspect(write(tmp_path / "d.h5", 1000, chunk=16))
     part = data.Stream(info, "train", 1, 3, (4,), np.float32, buffer=300, lanes=Lanes.of(30, 3, 1))
-    assert (part.lo, part.hi) == (340, 670)          # lanes 10..19 of 30: 33 rows each (the first 10 hold 34)
+    assert (part.lo, part.hi) == (340, 670)  # lanes 10..19 of 30: 33 rows each (the first 10 hold 34)
     steps = 1000 // 30
     seen = rows_of(part.batches(steps, seed=0, epoch=0))
     assert sorted(seen) == list(range(340, 670)) and len(seen) == 330
@@ -87,7 +93,7 @@ def test_a_streamed_epoch_gives_each_row_of_the_lanes_once_in_an_order_of_seed_e
     # a batch: one sample of each lane, in lane order
     bounds = np.arange(10, 21) * 33 + 10
     for step in range(steps):
-        batch = seen[10 * step:10 * (step + 1)]
+        batch = seen[10 * step : 10 * (step + 1)]
         assert all(bounds[lane] <= row < bounds[lane + 1] for lane, row in enumerate(batch))
 
 
@@ -95,7 +101,9 @@ def test_a_streamed_epoch_gives_each_row_of_the_lanes_once_in_an_order_of_seed_e
 def test_a_stream_resumed_at_any_step_continues_exactly(tmp_path, batch):
     info = data.inspect(write(tmp_path / "d.h5", 700, chunk=8))
     # windows of at least 8 samples a lane, in units of a chunk: batches span them (every step is resumed at)
-    part = data.Stream(info, "train", 0, 2, (4,), np.float32, buffer=16 * batch, lanes=Lanes.of(2 * batch, 2, 0))
+    part = data.Stream(
+        info, "train", 0, 2, (4,), np.float32, buffer=16 * batch, lanes=Lanes.of(2 * batch, 2, 0)
+    )
     steps = 700 // (2 * batch)
     whole = [rows_of([b]) for b in part.batches(steps, seed=5, epoch=2)]
     assert len(whole) == steps
@@ -108,11 +116,13 @@ def test_a_stream_resumed_at_any_step_continues_exactly(tmp_path, batch):
 def test_a_stream_stopped_early_lets_its_threads_go(tmp_path):
     info = data.inspect(write(tmp_path / "d.h5", 500, chunk=8))
     before = set(threading.enumerate())
-    batches = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=40, lanes=Lanes(10, 0, 10)).batches(50, 0, 0)
+    batches = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=40, lanes=Lanes(10, 0, 10)).batches(
+        50, 0, 0
+    )
     next(iter(batches))
     started = set(threading.enumerate()) - before
-    assert len(started) == 2       # the one reading windows, the one gathering batches
-    batches.close()      # returns: both threads ended, the files closed
+    assert len(started) == 2  # the one reading windows, the one gathering batches
+    batches.close()  # returns: both threads ended, the files closed
     assert not any(thread.is_alive() for thread in started)
 
 
@@ -120,7 +130,7 @@ def test_a_directory_reads_as_the_concatenation_of_its_files(tmp_path):
     single = data.inspect(write(tmp_path / "d.h5", 42, test_rows=6))
     parts = data.inspect(directory(tmp_path, [20, 13, 9], chunk=3))
     assert parts.sizes == {"train": 42, "test": 6} and len(parts.files) == 3
-    for worker in range(3):     # in memory: the same strided shards
+    for worker in range(3):  # in memory: the same strided shards
         a = data.Shard(single, "train", worker, 3, (4,), np.float32)
         b = data.Shard(parts, "train", worker, 3, (4,), np.float32)
         np.testing.assert_array_equal(a.x, b.x)
@@ -172,28 +182,34 @@ def test_bad_rows_in_a_block_are_refused_naming_file_and_row(tmp_path):
 
 def test_a_chunk_that_does_not_decode_is_named_with_the_rows_read_in_memory_and_streamed(tmp_path):
     path = corrupt_chunk(write(tmp_path / "d.h5", 400, chunk=50, compression="gzip"), "train/x", 3)
-    info = data.inspect(path)      # (the layout is intact: only the chunk's bytes are not)
+    info = data.inspect(path)  # (the layout is intact: only the chunk's bytes are not)
     # a read that fails names the rows of the chunk that fails alone (3: rows 150..199), found chunk by chunk
-    with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 150..199 \(HDF5: .*filter"):
+    with pytest.raises(
+        UsageError, match=r"d.h5: train/x cannot be read at samples 150..199 \(HDF5: .*filter"
+    ):
         data.Shard(info, "train", 0, 1, (4,), np.float32)
-    part = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400)    # blocks of 100 rows
+    part = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400)  # blocks of 100 rows
     with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 150..199 \(HDF5: "):
         list(part.eval_batches())
     # lanes of 40 rows, units slicing the chunks: the chunk's rows 150..159 of one lane or 160..199 of the next
     part = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400, lanes=Lanes(10, 0, 10))
-    with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 1(5\d|[6-9]\d)..1[5-9]\d \("):
+    with pytest.raises(
+        UsageError, match=r"d.h5: train/x cannot be read at samples 1(5\d|[6-9]\d)..1[5-9]\d \("
+    ):
         list(part.batches(40, 0, 0))
 
 
 def test_streaming_memory_is_bounded_by_the_buffer_not_the_data(tmp_path):
-    rows, width = 12_000, 1000                 # 48 MB of float32
+    rows, width = 12_000, 1000  # 48 MB of float32
     path = tmp_path / "big.h5"
     with h5py.File(path, "w") as handle:
         handle.attrs.update(name="big", num_classes=2, source="test")
         for split, n in (("train", rows), ("test", 10)):
-            x = handle.create_dataset(f"{split}/x", shape=(n, width), dtype=np.float32, chunks=(min(64, n), width))
+            x = handle.create_dataset(
+                f"{split}/x", shape=(n, width), dtype=np.float32, chunks=(min(64, n), width)
+            )
             for lo in range(0, n, 2000):
-                x[lo:lo + 2000] = 1.0
+                x[lo : lo + 2000] = 1.0
             handle.create_dataset(f"{split}/y", data=np.arange(n) % 2)
     info = data.inspect(path)
 
@@ -212,73 +228,139 @@ def test_streaming_memory_is_bounded_by_the_buffer_not_the_data(tmp_path):
 
 
 def test_the_budget_decides_between_memory_and_stream():
-    info = data.DatasetInfo(path="d.h5", name="d", num_classes=10, source="", sample_shape=(100,),
-                            sizes={"train": 10_000, "test": 100},
-                            files=(data.Member("d.h5", {"train": 10_000, "test": 100}, {"train": 1, "test": 1},
-                                               {"train": 400, "test": 400}),))
-    parts = [("train", 5_000), ("test", 50)]   # 5,050 rows of 400 + 400 + 16 bytes: about 4.1 MB
-    lanes = Lanes.of(64, 2, 0)                 # worker 0 of 2: 32 lanes of 64
+    info = data.DatasetInfo(
+        path="d.h5",
+        name="d",
+        num_classes=10,
+        source="",
+        sample_shape=(100,),
+        sizes={"train": 10_000, "test": 100},
+        files=(
+            data.Member(
+                "d.h5", {"train": 10_000, "test": 100}, {"train": 1, "test": 1}, {"train": 400, "test": 400}
+            ),
+        ),
+    )
+    parts = [("train", 5_000), ("test", 50)]  # 5,050 rows of 400 + 400 + 16 bytes: about 4.1 MB
+    lanes = Lanes.of(64, 2, 0)  # worker 0 of 2: 32 lanes of 64
     assert data.plan(Settings(memory_budget="5M"), info, parts, (100,), np.float32, lanes).mode == "memory"
     chosen = data.plan(Settings(memory_budget="3M"), info, parts, (100,), np.float32, lanes)
     assert chosen.mode == "stream" and "> budget 3.0 MiB" in chosen.why
 
-    def held(buffer):   # the widest worker's training stream, and an evaluation's blocks of the whole test split
-        return blocks.stream_bytes(info, "train", buffer, (100,), np.float32, True, lanes) + \
-            blocks.stream_bytes(info, "test", 100, (100,), np.float32, True)
-    assert held(chosen.buffer) <= 3 << 20 < held(chosen.buffer + 1)     # the largest that fits
+    def held(
+        buffer,
+    ):  # the widest worker's training stream, and an evaluation's blocks of the whole test split
+        return blocks.stream_bytes(
+            info, "train", buffer, (100,), np.float32, True, lanes
+        ) + blocks.stream_bytes(info, "test", 100, (100,), np.float32, True)
+
+    assert held(chosen.buffer) <= 3 << 20 < held(chosen.buffer + 1)  # the largest that fits
     # the order's buffer is the same in memory: a worker in memory and one streaming take the same samples
-    assert data.plan(Settings(memory_budget="3M", data_mode="memory"), info, parts, (100,), np.float32,
-                     lanes).buffer == chosen.buffer
-    assert data.plan(Settings(memory_budget="5M"), info, parts, (100,), np.float32, lanes).buffer == \
-        data.plan(Settings(memory_budget="5M", data_mode="stream"), info, parts, (100,), np.float32, lanes).buffer
-    assert data.plan(Settings(data_mode="memory", memory_budget="1M"), info, parts, (100,), np.float32,
-                     lanes).mode == "memory"
+    assert (
+        data.plan(
+            Settings(memory_budget="3M", data_mode="memory"), info, parts, (100,), np.float32, lanes
+        ).buffer
+        == chosen.buffer
+    )
+    assert (
+        data.plan(Settings(memory_budget="5M"), info, parts, (100,), np.float32, lanes).buffer
+        == data.plan(
+            Settings(memory_budget="5M", data_mode="stream"), info, parts, (100,), np.float32, lanes
+        ).buffer
+    )
+    assert (
+        data.plan(
+            Settings(data_mode="memory", memory_budget="1M"), info, parts, (100,), np.float32, lanes
+        ).mode
+        == "memory"
+    )
     assert data.plan(Settings(data_mode="stream"), info, parts, (100,), np.float32, lanes).mode == "stream"
-    with pytest.raises(UsageError, match="--memory-budget 3M: streaming with --shuffle-buffer 100,000 holds about "
-                                         r".* \(2 windows of at least 157 400 B samples for each of its 32 lane"):
-        data.plan(Settings(memory_budget="3M", shuffle_buffer=100_000), info, parts, (100,), np.float32, lanes)
+    with pytest.raises(
+        UsageError,
+        match="--memory-budget 3M: streaming with --shuffle-buffer 100,000 holds about "
+        r".* \(2 windows of at least 157 400 B samples for each of its 32 lane",
+    ):
+        data.plan(
+            Settings(memory_budget="3M", shuffle_buffer=100_000), info, parts, (100,), np.float32, lanes
+        )
 
 
-def test_a_shuffle_buffer_beyond_the_budget_is_capped_to_what_fits_or_refused_where_both_were_given(monkeypatch):
+def test_a_shuffle_buffer_beyond_the_budget_is_capped_to_what_fits_or_refused_where_both_were_given(
+    monkeypatch,
+):
     from mpidist.data import budget
-    info = data.DatasetInfo(path="d.h5", name="d", num_classes=10, source="", sample_shape=(100,),
-                            sizes={"train": 10_000, "test": 100},
-                            files=(data.Member("d.h5", {"train": 10_000, "test": 100}, {"train": 1, "test": 1},
-                                               {"train": 400, "test": 400}),))
-    parts, lanes = [("train", 5_000), ("test", 50)], Lanes.of(64, 2, 1)
-    monkeypatch.setattr(budget, "default_budget", lambda: 3 << 20)       # --memory-budget auto on a small node
-    chosen = data.plan(Settings(data_mode="stream", shuffle_buffer=10 ** 9), info, parts, (100,), np.float32, lanes)
-    assert "(capped)" in chosen.why and chosen.notes[0].startswith("--shuffle-buffer 1,000,000,000 capped to "
-                                                                      f"{chosen.buffer:,} samples")
 
-    def held(buffer):   # (as every worker sizes it: by the widest worker's lanes, beside an evaluation's blocks)
-        return blocks.stream_bytes(info, "train", buffer, (100,), np.float32, True, lanes) + \
-            blocks.stream_bytes(info, "test", 100, (100,), np.float32, True)
-    assert held(chosen.buffer) <= 3 << 20 < held(chosen.buffer + 1)       # the largest that fits
+    info = data.DatasetInfo(
+        path="d.h5",
+        name="d",
+        num_classes=10,
+        source="",
+        sample_shape=(100,),
+        sizes={"train": 10_000, "test": 100},
+        files=(
+            data.Member(
+                "d.h5", {"train": 10_000, "test": 100}, {"train": 1, "test": 1}, {"train": 400, "test": 400}
+            ),
+        ),
+    )
+    parts, lanes = [("train", 5_000), ("test", 50)], Lanes.of(64, 2, 1)
+    monkeypatch.setattr(budget, "default_budget", lambda: 3 << 20)  # --memory-budget auto on a small node
+    chosen = data.plan(
+        Settings(data_mode="stream", shuffle_buffer=10**9), info, parts, (100,), np.float32, lanes
+    )
+    assert "(capped)" in chosen.why and chosen.notes[0].startswith(
+        f"--shuffle-buffer 1,000,000,000 capped to {chosen.buffer:,} samples"
+    )
+
+    def held(
+        buffer,
+    ):  # (as every worker sizes it: by the widest worker's lanes, beside an evaluation's blocks)
+        return blocks.stream_bytes(
+            info, "train", buffer, (100,), np.float32, True, lanes
+        ) + blocks.stream_bytes(info, "test", 100, (100,), np.float32, True)
+
+    assert held(chosen.buffer) <= 3 << 20 < held(chosen.buffer + 1)  # the largest that fits
     # a buffer as large as the split orders the lanes as any larger one: kept at the split's size, not capped
-    whole = data.plan(Settings(data_mode="stream", shuffle_buffer=10 ** 9, memory_budget="1G"), info, parts,
-                      (100,), np.float32, lanes)
+    whole = data.plan(
+        Settings(data_mode="stream", shuffle_buffer=10**9, memory_budget="1G"),
+        info,
+        parts,
+        (100,),
+        np.float32,
+        lanes,
+    )
     assert whole.buffer == 10_000 and not whole.notes
-    with pytest.raises(UsageError, match=f"give --shuffle-buffer {chosen.buffer:,} or less, or a larger budget"):
-        data.plan(Settings(data_mode="stream", shuffle_buffer=10 ** 9, memory_budget=str(3 << 20)), info, parts,
-                  (100,), np.float32, lanes)
+    with pytest.raises(
+        UsageError, match=f"give --shuffle-buffer {chosen.buffer:,} or less, or a larger budget"
+    ):
+        data.plan(
+            Settings(data_mode="stream", shuffle_buffer=10**9, memory_budget=str(3 << 20)),
+            info,
+            parts,
+            (100,),
+            np.float32,
+            lanes,
+        )
 
 
 def test_a_split_stored_in_one_chunk_streams_in_slices_within_its_budget(tmp_path):
-    rows, width = 12_000, 250                  # 12 MB of float32 in one chunk
+    rows, width = 12_000, 250  # 12 MB of float32 in one chunk
     info = data.inspect(write(tmp_path / "one.h5", rows, width=width, chunk=rows))
-    lanes = Lanes(100, 0, 100)                 # lanes of 120 rows
+    lanes = Lanes(100, 0, 100)  # lanes of 120 rows
     # an evaluation reading whole chunks would hold the chunk; the training order's units slice it whatever
     # the budget (windows of 10 samples a lane here, in units of a quarter of that)
     assert blocks.stream_bytes(info, "train", 1000, (width,), np.float32, sliced=False) > 3 * 12e6
     assert blocks.stream_bytes(info, "train", 1000, (width,), np.float32, sliced=False, lanes=lanes) < 4 << 20
-    reading = data.plan(Settings(data_mode="stream", memory_budget="4M"), info, [("train", rows)], (width,),
-                        np.float32, lanes)
+    reading = data.plan(
+        Settings(data_mode="stream", memory_budget="4M"), info, [("train", rows)], (width,), np.float32, lanes
+    )
     assert "train/x is stored in chunks of 12,000 rows" in reading.notes[0]
-    assert blocks.stream_bytes(info, "train", reading.buffer, (width,), np.float32, sliced=True,
-                                  lanes=lanes) <= 4 << 20
+    assert (
+        blocks.stream_bytes(info, "train", reading.buffer, (width,), np.float32, sliced=True, lanes=lanes)
+        <= 4 << 20
+    )
     part = reading.open(info, "train", 0, 1, (width,), np.float32, lanes)
-    assert part.order.unit < 120     # the order's units: slices of the chunk
+    assert part.order.unit < 120  # the order's units: slices of the chunk
     tracemalloc.start()
     got = rows_of(part.batches(rows // 100, 0, 0))
     top = tracemalloc.get_traced_memory()[1]
@@ -289,9 +371,16 @@ def test_a_split_stored_in_one_chunk_streams_in_slices_within_its_budget(tmp_pat
 def test_slices_of_a_compressed_chunk_are_read_one_after_the_other_from_a_cache_of_one_chunk(tmp_path):
     folder = tmp_path / "parts"
     folder.mkdir()
-    for index in range(2):                     # two files, each split in one compressed chunk of 1.2 MB
-        write(folder / f"part-{index}.h5", 1000, width=300, chunk=1000, offset=1000 * index, test_rows=2,
-              compression="gzip")
+    for index in range(2):  # two files, each split in one compressed chunk of 1.2 MB
+        write(
+            folder / f"part-{index}.h5",
+            1000,
+            width=300,
+            chunk=1000,
+            offset=1000 * index,
+            test_rows=2,
+            compression="gzip",
+        )
     info = data.inspect(folder)
     # 4 lanes of 500 rows, two in each chunk; windows of at least 50 samples in units of 13 (15 KiB)
     part = data.Stream(info, "train", 0, 1, (300,), np.float32, buffer=200, sliced=True, lanes=Lanes(4, 0, 4))
@@ -302,18 +391,23 @@ def test_slices_of_a_compressed_chunk_are_read_one_after_the_other_from_a_cache_
         first, second = (folder / f"part-{index}.h5" for index in range(2))
         part.source.read(np.arange(0, 10), handles)
         x, _ = handles[first, "train"]
-        assert x.id.get_access_plist().get_chunk_cache()[1] >= 1000 * 300 * 4   # the chunk is decompressed once
+        assert (
+            x.id.get_access_plist().get_chunk_cache()[1] >= 1000 * 300 * 4
+        )  # the chunk is decompressed once
         part.source.read(np.arange(1000, 1010), handles)
-        assert first not in handles and second in handles      # one such file open at a time: one chunk held
+        assert first not in handles and second in handles  # one such file open at a time: one chunk held
     finally:
         streaming._close(handles)
     assert sorted(rows_of(part.batches(500, 0, 0))) == list(range(2000))
 
 
-@pytest.mark.parametrize("text,expected", [("512M", 512 << 20), ("1.5GiB", 3 << 29), ("2g", 2 << 30),
-                                           ("100000", 100000), ("64 kb", 64 << 10)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [("512M", 512 << 20), ("1.5GiB", 3 << 29), ("2g", 2 << 30), ("100000", 100000), ("64 kb", 64 << 10)],
+)
 def test_memory_budgets_read_binary_units(text, expected):
     from mpidist.runtime.memory import parse_bytes
+
     assert parse_bytes(text) == expected
 
 
@@ -337,18 +431,35 @@ def test_a_streaming_run_resumes_mid_epoch_exactly(tmp_path, ranks, layout):
     else:
         folder = tmp_path / "d"
         folder.mkdir()
-        for k, (lo, hi) in enumerate([(0, 500), (500, 530), (530, 1200)]):   # uneven files: blocks cross none
+        for k, (lo, hi) in enumerate([(0, 500), (500, 530), (530, 1200)]):  # uneven files: blocks cross none
             write_split(folder / f"d-{k}.h5", x[lo:hi], y[lo:hi], x[:12], y[:12])
         dataset, done = folder, None
     assert done is None or done.returncode == 0, done.stderr
-    common = ["train", "--data", str(dataset), "--data-mode", "stream", "--shuffle-buffer", "100", "--epochs", "3",
-              "--batch-size", "60", "--metrics", "", "--progress", "none", "--dtype", "float64"]
+    common = [
+        "train",
+        "--data",
+        str(dataset),
+        "--data-mode",
+        "stream",
+        "--shuffle-buffer",
+        "100",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "60",
+        "--metrics",
+        "",
+        "--progress",
+        "none",
+        "--dtype",
+        "float64",
+    ]
     whole, half = tmp_path / "whole", tmp_path / "half"
     done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(whole))
     assert done.returncode == 0, done.stderr
     assert "stream (--data-mode stream), buffer 100" in done.stdout
     steps = int(done.stdout.split(" steps/epoch")[0].rsplit(" ", 1)[1])
-    stop = steps + steps // 2 + 1                    # mid-way through the second epoch
+    stop = steps + steps // 2 + 1  # mid-way through the second epoch
     done, _ = mpidist(ranks, *common, "--steps", str(stop), "--checkpoint-dir", str(half))
     assert done.returncode == 0, done.stderr
     done, _ = mpidist(ranks, *common, "--checkpoint-dir", str(half), "--resume", "auto")
@@ -367,24 +478,46 @@ def write_split(path, x, y, test_x, test_y):
 
 
 def test_the_start_up_table_says_how_each_rank_holds_its_data(tmp_path):
-    done, _ = mpidist(2, "train", "--steps", "3", "--metrics", str(tmp_path / "m.jsonl"), "--progress", "none",
-                      "--memory-budget", "300K")
+    done, _ = mpidist(
+        2,
+        "train",
+        "--steps",
+        "3",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        "--progress",
+        "none",
+        "--memory-budget",
+        "300K",
+    )
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
-    assert len(lines) == 2 and all(re.search(r"stream \(4[5-7]\d\.\d KiB > budget 300\.0 KiB\), buffer", line) for line in lines), \
-        done.stdout
+    assert len(lines) == 2 and all(
+        re.search(r"stream \(4[5-7]\d\.\d KiB > budget 300\.0 KiB\), buffer", line) for line in lines
+    ), done.stdout
     assert events(tmp_path / "m.jsonl", "done")
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(chunks=(7, 3, 2)), dict(chunks=(5, 3, 2), dtype=">f8"),
-                                    dict(chunks=(4, 3, 2), dtype="<i2")])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(),
+        dict(chunks=(7, 3, 2)),
+        dict(chunks=(5, 3, 2), dtype=">f8"),
+        dict(chunks=(4, 3, 2), dtype="<i2"),
+    ],
+)
 def test_rows_read_around_h5py_are_the_rows_h5py_reads(tmp_path, layout):
     from mpidist.data.direct import direct_rows
+
     values = np.arange(50 * 6).reshape(50, 3, 2)
     path = tmp_path / "d.h5"
     with h5py.File(path, "w") as handle:
-        handle.create_dataset("x", data=values.astype(layout.get("dtype", "<f4")), **{k: v for k, v in layout.items()
-                                                                                     if k == "chunks"})
+        handle.create_dataset(
+            "x",
+            data=values.astype(layout.get("dtype", "<f4")),
+            **{k: v for k, v in layout.items() if k == "chunks"},
+        )
     with h5py.File(path, "r") as handle:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -399,6 +532,7 @@ def test_rows_read_around_h5py_are_the_rows_h5py_reads(tmp_path, layout):
 
 def test_compressed_or_oddly_chunked_rows_are_left_to_h5py_and_truncation_is_named(tmp_path):
     from mpidist.data.direct import direct_rows
+
     path = tmp_path / "d.h5"
     with h5py.File(path, "w") as handle:
         handle.create_dataset("gz", data=np.ones((40, 4)), chunks=(8, 4), compression="gzip")
@@ -407,7 +541,10 @@ def test_compressed_or_oddly_chunked_rows_are_left_to_h5py_and_truncation_is_nam
     fd = os.open(path, os.O_RDONLY)
     try:
         with h5py.File(path, "r") as handle:
-            assert direct_rows(handle["gz"], 0, 10, fd) is None and direct_rows(handle["across"], 0, 10, fd) is None
+            assert (
+                direct_rows(handle["gz"], 0, 10, fd) is None
+                and direct_rows(handle["across"], 0, 10, fd) is None
+            )
             os.truncate(path, os.path.getsize(path) - 1000)
             with pytest.raises(UsageError, match="the file is truncated"):
                 direct_rows(handle["plain"], 3900, 4000, fd, path)
@@ -423,6 +560,7 @@ def direct_or_stand_in(path, monkeypatch):
     under test; the flag itself is the kernel's business.
     """
     from mpidist.data.direct import DirectFile
+
     try:
         return DirectFile(path)
     except OSError:
@@ -433,10 +571,13 @@ def direct_or_stand_in(path, monkeypatch):
 @pytest.mark.parametrize("layout", [dict(), dict(chunks=(7, 3, 2)), dict(chunks=(64, 3, 2), dtype="<f8")])
 def test_rows_read_around_the_page_cache_are_the_rows_h5py_reads(tmp_path, monkeypatch, layout):
     from mpidist.data.direct import ALIGN, direct_rows
+
     values = np.arange(5000 * 6).reshape(5000, 3, 2)
     path = tmp_path / "d.h5"
     with h5py.File(path, "w") as handle:
-        handle.create_dataset("x", data=values.astype(layout.get("dtype", "<f4")), chunks=layout.get("chunks"))
+        handle.create_dataset(
+            "x", data=values.astype(layout.get("dtype", "<f4")), chunks=layout.get("chunks")
+        )
     direct = direct_or_stand_in(path, monkeypatch)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -447,7 +588,7 @@ def test_rows_read_around_the_page_cache_are_the_rows_h5py_reads(tmp_path, monke
                 got = direct_rows(item, lo, hi, fd, path, direct)
                 np.testing.assert_array_equal(got, item[lo:hi])
                 assert got.dtype == item.dtype and got.shape == (hi - lo, 3, 2)
-            first = np.array(direct_rows(item, 0, 10, fd, path, direct))   # views of one buffer: copy to keep
+            first = np.array(direct_rows(item, 0, 10, fd, path, direct))  # views of one buffer: copy to keep
             direct_rows(item, 100, 200, fd, path, direct)
             np.testing.assert_array_equal(first, item[0:10])
             assert direct.buffer.ctypes.data % ALIGN == 0
@@ -461,10 +602,13 @@ def test_a_file_system_refusing_o_direct_is_read_through_the_cache(tmp_path, mon
     import errno
 
     from mpidist.data import direct as direct_module
+
     info = data.inspect(write(tmp_path / "d.h5", 700, chunk=8))
     lanes = Lanes.of(18, 2, 0)
-    expected = [rows_of([b]) for b in data.Stream(info, "train", 0, 2, (4,), np.float32, buffer=100,
-                                                  lanes=lanes).batches(30, 1, 0)]
+    expected = [
+        rows_of([b])
+        for b in data.Stream(info, "train", 0, 2, (4,), np.float32, buffer=100, lanes=lanes).batches(30, 1, 0)
+    ]
     real_open = os.open
 
     def refuse_at_open(path, flags, *args):
@@ -489,20 +633,39 @@ def test_a_file_system_refusing_o_direct_is_read_through_the_cache(tmp_path, mon
 def test_direct_and_cached_streams_give_the_same_batches(tmp_path, monkeypatch):
     folder = directory(tmp_path, [333, 250, 117], chunk=16)
     info = data.inspect(folder)
-    direct_or_stand_in(folder / "part-0.h5", monkeypatch).close()   # O_DIRECT, or the stand-in where refused
+    direct_or_stand_in(folder / "part-0.h5", monkeypatch).close()  # O_DIRECT, or the stand-in where refused
     from mpidist.data.direct import DirectFile
+
     reads, real_read = [], DirectFile.read
-    monkeypatch.setattr(DirectFile, "read", lambda self, *where: reads.append(where) or real_read(self, *where))
+    monkeypatch.setattr(
+        DirectFile, "read", lambda self, *where: reads.append(where) or real_read(self, *where)
+    )
     for worker in (0, 1):
         reads.clear()
-        streams = [data.Stream(info, "train", worker, 2, (4,), np.float32, buffer=128, direct=direct,
-                               lanes=Lanes.of(20, 2, worker)) for direct in (False, True)]
-        cached, direct = ([(rows_of([b]), b[1].tolist()) for b in s.batches(30, 3, 1, skip=2)] for s in streams)
+        streams = [
+            data.Stream(
+                info,
+                "train",
+                worker,
+                2,
+                (4,),
+                np.float32,
+                buffer=128,
+                direct=direct,
+                lanes=Lanes.of(20, 2, worker),
+            )
+            for direct in (False, True)
+        ]
+        cached, direct = (
+            [(rows_of([b]), b[1].tolist()) for b in s.batches(30, 3, 1, skip=2)] for s in streams
+        )
         assert direct == cached and len(direct) == 28 and reads
         evaluated = [rows_of([b]) for b in streams[1].eval_batches(100)]
         assert evaluated == [rows_of([b]) for b in streams[0].eval_batches(100)]
         # read a block at a time, cut as a shard in memory is: chunks of 100 across blocks and files, in order
-        assert [len(chunk) for chunk in evaluated[:-1]] == [100] * (len(evaluated) - 1) and 0 < len(evaluated[-1]) <= 100
+        assert [len(chunk) for chunk in evaluated[:-1]] == [100] * (len(evaluated) - 1) and 0 < len(
+            evaluated[-1]
+        ) <= 100
         assert sum(evaluated, []) == list(range(streams[0].lo, streams[0].hi))
 
 
@@ -510,25 +673,47 @@ def test_direct_and_cached_streams_give_the_same_batches(tmp_path, monkeypatch):
 def test_direct_read_buffers_are_aligned_zeroed_and_writable(size):
     """Small buffers are numpy's, a huge page or more anonymous memory asked for in huge pages: both aligned."""
     from mpidist.data.direct import ALIGN, HUGE_PAGE, _aligned
+
     buffer = _aligned(size)
     assert buffer.dtype == np.uint8 and buffer.shape == (size,) and not buffer.any()
-    assert buffer.ctypes.data % (HUGE_PAGE if size >= HUGE_PAGE and hasattr(__import__("mmap"), "MADV_HUGEPAGE")
-                                 else ALIGN) == 0
+    assert (
+        buffer.ctypes.data
+        % (HUGE_PAGE if size >= HUGE_PAGE and hasattr(__import__("mmap"), "MADV_HUGEPAGE") else ALIGN)
+        == 0
+    )
     buffer[-1] = 7
     assert buffer[-1] == 7
 
 
 def test_bench_streaming_compares_a_stream_with_the_data_in_memory(tmp_path):
     output = tmp_path / "bench.json"
-    done, _ = mpidist(2, "bench", "--streaming", "digits", "--models", "mlp", "--steps", "5", "--settle", "0",
-                      "--output", str(output), timeout=180)
+    done, _ = mpidist(
+        2,
+        "bench",
+        "--streaming",
+        "digits",
+        "--models",
+        "mlp",
+        "--steps",
+        "5",
+        "--settle",
+        "0",
+        "--output",
+        str(output),
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr
     memory, stream = json.loads(output.read_text())["streaming"]
-    assert (memory["mode"], stream["mode"]) == ("memory", "stream") and memory["steps"] == stream["steps"] == 5
+    assert (memory["mode"], stream["mode"]) == ("memory", "stream") and memory["steps"] == stream[
+        "steps"
+    ] == 5
     assert len(memory["rounds"]) == len(stream["rounds"]) == 5
     assert stream["vs_memory"] == stream["samples_per_s"] / memory["samples_per_s"]
     assert stream["cold"] in ("dropped", "kept") and memory["cold"] == "-"
-    for bad in (["--settle", "-1", "--streaming", "digits"], ["--settle", "nan", "--streaming", "digits"],
-                ["--settle", "5"]):
+    for bad in (
+        ["--settle", "-1", "--streaming", "digits"],
+        ["--settle", "nan", "--streaming", "digits"],
+        ["--settle", "5"],
+    ):
         done, _ = mpidist(1, "bench", *bad)
         assert done.returncode == 2 and "0 to 600 seconds, with --streaming" in done.stderr

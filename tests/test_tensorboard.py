@@ -16,8 +16,10 @@ def read_scalars(directory):
     for path in sorted(directory.glob("events.out.tfevents.*")):
         data, at = path.read_bytes(), 0
         while at < len(data):
-            length, = struct.unpack("<Q", data[at:at + 8])
-            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])   # (length, its crc, data, crc)
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(
+                data[at + 12 : at + 12 + length]
+            )  # (length, its crc, data, crc)
             at += 12 + length + 4
             for value in event.summary.value:
                 scalars.setdefault(value.tag, {})[event.step] = value.simple_value
@@ -25,16 +27,30 @@ def read_scalars(directory):
 
 
 def test_event_files_hold_the_figures_of_the_metrics(tmp_path):
-    done, _ = mpidist(2, "train", "--epochs", "2", "--tensorboard", "--val-fraction", "0.1", "--progress", "none",
-                      cwd=tmp_path)
+    done, _ = mpidist(
+        2,
+        "train",
+        "--epochs",
+        "2",
+        "--tensorboard",
+        "--val-fraction",
+        "0.1",
+        "--progress",
+        "none",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
-    run, = (tmp_path / "runs").iterdir()
+    (run,) = (tmp_path / "runs").iterdir()
     scalars = read_scalars(run)
     steps = events(run / "metrics.jsonl", "step")
     assert len(steps) == 4 and scalars["train/loss"].keys() == {s["step"] for s in steps}
     for step in steps:
-        for name, tag in [("loss", "train/loss"), ("lr", "lr"), ("samples_per_s", "samples_per_s"),
-                          ("train_accuracy", "train/accuracy")]:
+        for name, tag in [
+            ("loss", "train/loss"),
+            ("lr", "lr"),
+            ("samples_per_s", "samples_per_s"),
+            ("train_accuracy", "train/accuracy"),
+        ]:
             assert scalars[tag][step["step"]] == pytest.approx(step[name], rel=1e-6), (tag, step)
     for evaluation in events(run / "metrics.jsonl", "eval"):
         for name, value in evaluation.items():
@@ -48,8 +64,21 @@ def test_event_files_hold_the_figures_of_the_metrics(tmp_path):
 
 
 def test_per_rank_figures_go_in_too(tmp_path):
-    done, _ = mpidist(3, "train", "--epochs", "1", "--strategy", "ps-async", "--ps", "1", "--tensorboard",
-                      "--run-dir", str(tmp_path), "--progress", "none")
+    done, _ = mpidist(
+        3,
+        "train",
+        "--epochs",
+        "1",
+        "--strategy",
+        "ps-async",
+        "--ps",
+        "1",
+        "--tensorboard",
+        "--run-dir",
+        str(tmp_path),
+        "--progress",
+        "none",
+    )
     assert done.returncode == 0, done.stderr
     scalars = read_scalars(tmp_path)
     final = events(tmp_path / "metrics.jsonl", "done")[0]
@@ -61,8 +90,20 @@ def test_per_rank_figures_go_in_too(tmp_path):
 
 def test_without_the_package_the_flag_names_it_and_every_rank_exits_2(tmp_path):
     (tmp_path / "tensorboardX.py").write_text("raise ImportError('not installed')\n")
-    done, _ = mpidist(2, "train", "--epochs", "1", "--tensorboard", "--progress", "none", cwd=tmp_path,
-                      env={"PYTHONPATH": f"{tmp_path}:{__import__('conftest').ROOT}"})
+    done, _ = mpidist(
+        2,
+        "train",
+        "--epochs",
+        "1",
+        "--tensorboard",
+        "--progress",
+        "none",
+        cwd=tmp_path,
+        env={"PYTHONPATH": f"{tmp_path}:{__import__('conftest').ROOT}"},
+    )
     assert done.returncode == 2
-    assert done.stderr.count("--tensorboard needs the tensorboardX package: pip install 'mpidist[tensorboard]'") == 1
+    assert (
+        done.stderr.count("--tensorboard needs the tensorboardX package: pip install 'mpidist[tensorboard]'")
+        == 1
+    )
     assert "Traceback" not in done.stderr

@@ -29,13 +29,13 @@ def test_windows_are_labelled_by_the_next_character_and_the_splits_follow_the_te
     assert names[:2] == ["U+000A", "space"] and len(set(names)) == len(set(corpus))
     x, y = splits["train"]
     assert x.shape[1:] == y.shape[1:] == (8,) and x.dtype == np.uint8
-    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])                  # y is x one character on
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # y is x one character on
     assert decoded(x[0], names) == corpus[:8] and decoded(y[0], names) == corpus[1:9]
-    assert decoded(x[1], names) == corpus[4:12]                          # training windows every 4
+    assert decoded(x[1], names) == corpus[4:12]  # training windows every 4
     cut = int(round(0.8 * len(corpus)))
-    assert decoded(splits["val"][0][0], names) == corpus[cut:cut + 8]   # val follows train, test follows val
+    assert decoded(splits["val"][0][0], names) == corpus[cut : cut + 8]  # val follows train, test follows val
     val_x = splits["val"][0]
-    assert decoded(val_x[1], names) == corpus[cut + 8:cut + 16]          # val windows do not overlap
+    assert decoded(val_x[1], names) == corpus[cut + 8 : cut + 16]  # val windows do not overlap
     assert decoded(splits["test"][1][-1], names)[-1] in corpus[-9:]
 
 
@@ -47,7 +47,14 @@ def test_a_text_too_short_or_of_one_character_is_refused_naming_the_split():
 
 
 def test_class_names_are_the_characters_or_their_code_points():
-    assert [text.char_name(c) for c in "a \n\t\u00e9\x00"] == ["a", "space", "U+000A", "U+0009", "\u00e9", "U+0000"]
+    assert [text.char_name(c) for c in "a \n\t\u00e9\x00"] == [
+        "a",
+        "space",
+        "U+000A",
+        "U+0009",
+        "\u00e9",
+        "U+0000",
+    ]
 
 
 def test_a_missing_package_is_an_import_error():
@@ -56,8 +63,10 @@ def test_a_missing_package_is_an_import_error():
 
 
 def test_ingest_without_gensim_names_the_install_command_and_writes_nothing(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "gensim", None)                   # importing (or finding) it now fails
-    with pytest.raises(UsageError, match="source 'lee-text' needs the package 'gensim': pip install 'gensim'"):
+    monkeypatch.setitem(sys.modules, "gensim", None)  # importing (or finding) it now fails
+    with pytest.raises(
+        UsageError, match="source 'lee-text' needs the package 'gensim': pip install 'gensim'"
+    ):
         ingest("lee-text", tmp_path / "lee.h5")
     assert not (tmp_path / "lee.h5").exists()
 
@@ -73,8 +82,9 @@ def test_a_gensim_without_the_corpus_is_one_line_and_exit_code_2(tmp_path):
     """A package called gensim that lacks its test data (a stripped install): named, nothing written."""
     (tmp_path / "fake" / "gensim").mkdir(parents=True)
     (tmp_path / "fake" / "gensim" / "__init__.py").write_text("raise RuntimeError('never imported')\n")
-    done, _ = mpidist(1, "ingest", "lee-text", str(tmp_path / "lee.h5"),
-                      env={"PYTHONPATH": f"{tmp_path / 'fake'}:{ROOT}"})
+    done, _ = mpidist(
+        1, "ingest", "lee-text", str(tmp_path / "lee.h5"), env={"PYTHONPATH": f"{tmp_path / 'fake'}:{ROOT}"}
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().count("\n") == 0 and "has no test/test_data/lee_background.cor" in done.stderr
     assert "never imported" not in done.stderr and not (tmp_path / "lee.h5").exists()
@@ -90,7 +100,9 @@ def test_a_corpus_that_is_not_utf8_is_refused_naming_the_file(monkeypatch, tmp_p
     assert not (tmp_path / "lee.h5").exists()
 
 
-@pytest.mark.skipif(not HAS_GENSIM, reason="the lee-text source reads gensim's test data (the datasets extra)")
+@pytest.mark.skipif(
+    not HAS_GENSIM, reason="the lee-text source reads gensim's test data (the datasets extra)"
+)
 def test_lee_text_ingests_into_train_val_and_test_windows_of_64_labelled_per_position(tmp_path):
     written = ingest("lee-text", tmp_path / "lee.h5")
     info = data.inspect(written)

@@ -40,7 +40,7 @@ def check_chrome_format(events):
             assert event["dur"] >= 0, event
     starts = collections.Counter(e["id"] for e in events if e["ph"] == "s")
     finishes = collections.Counter(e["id"] for e in events if e["ph"] == "f")
-    assert starts == finishes            # every arrow has both ends, once
+    assert starts == finishes  # every arrow has both ends, once
     assert all(e.get("bp") == "e" for e in events if e["ph"] == "f")
 
 
@@ -63,16 +63,18 @@ STRATEGIES = {
 
 def test_the_table_covers_every_strategy():
     from mpidist.parallel import STRATEGIES as REGISTERED
+
     assert {strategy_of(flags, ranks) for ranks, flags in STRATEGIES.values()} == set(REGISTERED)
 
 
 @pytest.mark.parametrize("case", STRATEGIES, ids=list(STRATEGIES))
 def test_a_traced_run_has_a_span_for_every_rank_and_phase(tmp_path, case):
     ranks, flags = STRATEGIES[case]
-    done, _ = mpidist(ranks, "train", "--epochs", "2", "--trace", *flags, "--progress", "none", cwd=tmp_path,
-                      timeout=120)
+    done, _ = mpidist(
+        ranks, "train", "--epochs", "2", "--trace", *flags, "--progress", "none", cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 0, done.stderr
-    run, = (tmp_path / "runs").iterdir()
+    (run,) = (tmp_path / "runs").iterdir()
     document = json.loads((run / "trace.json").read_text())
     events = document["traceEvents"]
     check_chrome_format(events)
@@ -88,13 +90,17 @@ def test_a_traced_run_has_a_span_for_every_rank_and_phase(tmp_path, case):
         assert ("eval", "evaluate test") in got and any(cat == "exchange" for cat, _ in got), (name, got)
         if "stage" in name:
             assert {("pipeline", "send"), ("pipeline", "recv")} <= got, (name, got)
-    assert ("checkpoint", "write") in spans(events, 0)          # the chief writes it
+    assert ("checkpoint", "write") in spans(events, 0)  # the chief writes it
     if "buckets" in case:
         assert ("exchange", "bucket") in spans(events, 0)
     if case.startswith("pipeline") or case == "hybrid":
         assert any(e["ph"] == "s" for e in events)
-    if case == "allreduce":    # the clocks are aligned: each step overlaps on every rank (they wait for each other)
-        steps = {rank: [e for e in events if e["pid"] == rank and e["name"] == "step"] for rank in range(ranks)}
+    if (
+        case == "allreduce"
+    ):  # the clocks are aligned: each step overlaps on every rank (they wait for each other)
+        steps = {
+            rank: [e for e in events if e["pid"] == rank and e["name"] == "step"] for rank in range(ranks)
+        }
         assert len(steps[0]) == len(steps[1]) == 44
         for mine, theirs in zip(steps[0], steps[1]):
             assert mine["ts"] < theirs["ts"] + theirs["dur"] and theirs["ts"] < mine["ts"] + mine["dur"]
@@ -102,8 +108,18 @@ def test_a_traced_run_has_a_span_for_every_rank_and_phase(tmp_path, case):
 
 
 def test_trace_detail_has_a_span_per_layer_and_no_trace_writes_none(tmp_path):
-    done, _ = mpidist(2, "train", "--epochs", "1", "--trace", "detail", "--run-dir", str(tmp_path / "a"),
-                      "--progress", "none")
+    done, _ = mpidist(
+        2,
+        "train",
+        "--epochs",
+        "1",
+        "--trace",
+        "detail",
+        "--run-dir",
+        str(tmp_path / "a"),
+        "--progress",
+        "none",
+    )
     assert done.returncode == 0, done.stderr
     events = json.loads((tmp_path / "a" / "trace.json").read_text())["traceEvents"]
     layers = {e["name"] for e in events if e["ph"] == "X" and "layer" in e.get("args", {})}
@@ -115,14 +131,28 @@ def test_trace_detail_has_a_span_per_layer_and_no_trace_writes_none(tmp_path):
 
 def test_bench_tracing_compares_training_with_and_without_the_trace(tmp_path):
     output = tmp_path / "bench.json"
-    done, _ = mpidist(2, "bench", "--tracing", "digits", "--models", "mlp", "--steps", "5", "--output", str(output),
-                      timeout=180)
+    done, _ = mpidist(
+        2,
+        "bench",
+        "--tracing",
+        "digits",
+        "--models",
+        "mlp",
+        "--steps",
+        "5",
+        "--output",
+        str(output),
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr
     off, on = json.loads(output.read_text())["tracing"]
     assert (off["trace"], on["trace"]) == ("off", "on") and off["steps"] == on["steps"] == 5
-    assert len(off["rounds"]) == len(on["rounds"]) == 7 and on["vs_untraced"] == on["samples_per_s"] / off["samples_per_s"]
+    assert (
+        len(off["rounds"]) == len(on["rounds"]) == 7
+        and on["vs_untraced"] == on["samples_per_s"] / off["samples_per_s"]
+    )
     assert "vs untraced" in done.stdout
-    assert not list(tmp_path.glob("trace.json")) and not (tmp_path / "runs").exists()     # nothing left behind
+    assert not list(tmp_path.glob("trace.json")) and not (tmp_path / "runs").exists()  # nothing left behind
     done, _ = mpidist(1, "bench", "--tracing", "digits", "--streaming", "digits")
     assert done.returncode == 2 and "two benchmarks: give one" in done.stderr
 
@@ -132,8 +162,19 @@ def test_a_resumed_run_keeps_the_earlier_timeline_and_an_unwritable_one_is_refus
     done, _ = mpidist(2, "train", "--steps", "10", "--trace", "--run-dir", str(run), "--progress", "none")
     assert done.returncode == 0, done.stderr
     first = (run / "trace.json").read_bytes()
-    done, _ = mpidist(2, "train", "--steps", "20", "--trace", "--run-dir", str(run), "--resume", "auto",
-                      "--progress", "none")
+    done, _ = mpidist(
+        2,
+        "train",
+        "--steps",
+        "20",
+        "--trace",
+        "--run-dir",
+        str(run),
+        "--resume",
+        "auto",
+        "--progress",
+        "none",
+    )
     assert done.returncode == 0, done.stderr
     assert (run / "trace.json").read_bytes() == first
     later = json.loads((run / "trace-from-step-10.json").read_text())["traceEvents"]
@@ -142,7 +183,7 @@ def test_a_resumed_run_keeps_the_earlier_timeline_and_an_unwritable_one_is_refus
     (blocked / "trace.json").mkdir(parents=True)
     done, _ = mpidist(2, "train", "--steps", "5", "--trace", "--run-dir", str(blocked), "--progress", "none")
     assert done.returncode == 2 and "is a directory; the timeline is written there as a file" in done.stderr
-    assert not list(blocked.glob("*.toml"))        # refused before anything was written
+    assert not list(blocked.glob("*.toml"))  # refused before anything was written
 
 
 @pytest.mark.mpi(min_size=2)
@@ -163,6 +204,6 @@ def test_every_ranks_events_are_written_once_whichever_rank_writes(tmp_path, roo
     if rank == writer:
         events = json.loads(open(path, encoding="utf-8").read())["traceEvents"]
         marks = sorted((e["pid"], e["name"]) for e in events if e["name"].startswith("mark-"))
-    marks = world.bcast(marks, root=writer)      # every rank asserts the same: none is left waiting
+    marks = world.bcast(marks, root=writer)  # every rank asserts the same: none is left waiting
     assert problem is None and not tracer.on
     assert marks == [(r, f"mark-{r}") for r in range(size)]

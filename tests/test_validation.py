@@ -33,11 +33,11 @@ def test_a_carved_validation_split_is_disjoint_reproducible_and_sized_by_the_fra
     train, val = carved.rows_of("train")[1], carved.rows_of("val")[1]
     assert carved.sizes["val"] == len(val) == int(np.ceil(0.25 * n)) and carved.sizes["train"] == len(train)
     assert np.array_equal(np.union1d(train, val), np.arange(n)) and not np.intersect1d(train, val).size
-    assert np.all(np.diff(val) > 0)   # file order
+    assert np.all(np.diff(val) > 0)  # file order
     again = data.carve_validation(info, 0.25, seed=3).rows_of("val")[1]
     other = data.carve_validation(info, 0.25, seed=4).rows_of("val")[1]
     assert np.array_equal(again, val) and not np.array_equal(other, val)
-    assert info.sizes["train"] == n   # (a copy: the original is untouched)
+    assert info.sizes["train"] == n  # (a copy: the original is untouched)
 
 
 def test_a_carved_shard_reads_exactly_its_rows():
@@ -52,14 +52,16 @@ def test_a_carved_shard_reads_exactly_its_rows():
         np.testing.assert_array_equal(shard.y, expected_y[mine])
     # blocks smaller than the split: the same rows
     with h5py.File(info.path) as handle:
-        np.testing.assert_array_equal(data._read_rows(handle["train/x"], rows, block_bytes=1000), expected_x[rows])
+        np.testing.assert_array_equal(
+            data._read_rows(handle["train/x"], rows, block_bytes=1000), expected_x[rows]
+        )
 
 
 def test_fractions_that_leave_a_split_empty_and_a_file_with_its_own_val_split_are_refused(tmp_path):
     info = digits_info()
     with pytest.raises(UsageError, match="leaves no training samples"):
         data.carve_validation(info, 0.99999999, 0)
-    assert data.carve_validation(info, 1e-9, 0).sizes["val"] == 1   # (any fraction above 0 holds a sample out)
+    assert data.carve_validation(info, 1e-9, 0).sizes["val"] == 1  # (any fraction above 0 holds a sample out)
     path = tmp_path / "with-val.h5"
     with_val_split(path)
     with pytest.raises(UsageError, match="has a val/ split of its own"):
@@ -86,9 +88,13 @@ def test_a_files_val_split_is_checked_and_used(tmp_path):
     metrics = tmp_path / "m.jsonl"
     result = mpidist.train(data=str(path), epochs=2, progress="none", metrics=str(metrics))
     evals = events(metrics, "eval")
-    assert [sorted(k for k in e if k.endswith("_loss")) for e in evals] == [["val_loss"], ["val_loss"], ["test_loss"]]
+    assert [sorted(k for k in e if k.endswith("_loss")) for e in evals] == [
+        ["val_loss"],
+        ["val_loss"],
+        ["test_loss"],
+    ]
     assert result.figures["test_accuracy"] > 0.5 and "val_accuracy" in result.figures
-    with h5py.File(path, "a") as handle:   # a val/ split is checked like the others
+    with h5py.File(path, "a") as handle:  # a val/ split is checked like the others
         del handle["val/y"]
         handle["val/y"] = np.zeros(99, dtype=np.int64)
     with pytest.raises(UsageError, match="val/x has 100 samples but val/y has 99"):
@@ -103,14 +109,24 @@ def test_validation_runs_every_epoch_and_the_test_split_once_at_the_end(tmp_path
     assert ["val_accuracy" in e for e in evals] == [True, True, True, False]
     assert "test_accuracy" in evals[-1] and evals[-1]["step"] == result.figures["steps"]
     start = events(metrics, "start")[0]
-    assert start["steps_per_epoch"] == (1438 - 288) // 64   # the training split lost the carved rows
+    assert start["steps_per_epoch"] == (1438 - 288) // 64  # the training split lost the carved rows
 
 
 def test_keep_best_keeps_the_checkpoint_of_the_best_validation_beyond_pruning(tmp_path):
     metrics, directory = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    result = mpidist.train(data="digits", epochs=4, val_fraction=0.2, keep_best="val_loss", keep=1,
-                           checkpoint_dir=str(directory), checkpoint_every=5, checkpoint_wait=True, progress="none",
-                           metrics=str(metrics), dtype="float64")
+    result = mpidist.train(
+        data="digits",
+        epochs=4,
+        val_fraction=0.2,
+        keep_best="val_loss",
+        keep=1,
+        checkpoint_dir=str(directory),
+        checkpoint_every=5,
+        checkpoint_wait=True,
+        progress="none",
+        metrics=str(metrics),
+        dtype="float64",
+    )
     losses = [(e["val_loss"], e["step"]) for e in events(metrics, "eval") if "val_loss" in e]
     best_loss, best_step = min(losses)
     best = result.figures["best"]
@@ -118,7 +134,7 @@ def test_keep_best_keeps_the_checkpoint_of_the_best_validation_beyond_pruning(tm
     kept = mpidist.store.checkpoint.load(best["path"])
     assert kept.step == best_step
     names = sorted(p.name for p in directory.glob("*.h5"))
-    assert len(names) == 2 and names[0].startswith("best-")   # the newest (--keep 1) and the best
+    assert len(names) == 2 and names[0].startswith("best-")  # the newest (--keep 1) and the best
     # the kept state is the one that was validated: evaluating it on the validation rows gives the same loss
     assert events(metrics, "best")[-1]["step"] == best_step
 
@@ -127,43 +143,76 @@ def test_keep_best_of_a_run_resumed_at_its_end_keeps_the_checkpoint_it_resumed_f
     """A run resumed where it ended writes no checkpoint of its own: its best (its one validation) is the
     checkpoint it resumed from, kept by its own name, where an assertion traceback ended it."""
     directory = tmp_path / "ckpt"
-    quiet = dict(data="digits", steps=5, checkpoint_dir=str(directory), progress="none", metrics="", run_dir="")
+    quiet = dict(
+        data="digits", steps=5, checkpoint_dir=str(directory), progress="none", metrics="", run_dir=""
+    )
     mpidist.train(**quiet)
     resumed = mpidist.train(**quiet, resume="auto", val_fraction=0.2, keep_best="val_loss")
     best = resumed.figures["best"]
     assert best["step"] == 5 and best["path"].startswith(str(directory / "best-"))
-    written, = directory.glob("ckpt-*.h5")
+    (written,) = directory.glob("ckpt-*.h5")
     assert os.path.samefile(best["path"], written) or filecmp.cmp(best["path"], written, shallow=False)
 
 
 def test_early_stop_ends_the_run_when_the_validation_figure_stops_improving(tmp_path):
     metrics = tmp_path / "m.jsonl"
     # a learning rate too small to change any prediction: the validation accuracy never improves
-    result = mpidist.train(data="digits", epochs=10, lr=1e-12, val_fraction=0.2, keep_best="val_accuracy",
-                           checkpoint_dir=str(tmp_path / "c"), early_stop=2, progress="none", metrics=str(metrics))
+    result = mpidist.train(
+        data="digits",
+        epochs=10,
+        lr=1e-12,
+        val_fraction=0.2,
+        keep_best="val_accuracy",
+        checkpoint_dir=str(tmp_path / "c"),
+        early_stop=2,
+        progress="none",
+        metrics=str(metrics),
+    )
     assert result.status == "done" and result.figures.get("stopped_early")
     val_evals = [e for e in events(metrics, "eval") if "val_accuracy" in e]
     at_epoch_ends = [e for e in val_evals if e["step"] % 17 == 0]
-    assert len(at_epoch_ends) == 3   # the first sets the mark; two more without a gain stop the run
-    assert val_evals[-1]["step"] == result.figures["steps"]   # and the state it ends with is validated too
+    assert len(at_epoch_ends) == 3  # the first sets the mark; two more without a gain stop the run
+    assert val_evals[-1]["step"] == result.figures["steps"]  # and the state it ends with is validated too
     assert result.figures["epochs"] < 10
 
 
 def test_best_so_far_knows_which_way_is_better():
     lower, higher = BestSoFar("val_loss"), BestSoFar("val_accuracy")
-    assert [lower.offer(v, s) for s, v in enumerate([2.0, 1.0, 1.0, 3.0, 0.5])] == [True, True, False, False, True]
+    assert [lower.offer(v, s) for s, v in enumerate([2.0, 1.0, 1.0, 3.0, 0.5])] == [
+        True,
+        True,
+        False,
+        False,
+        True,
+    ]
     assert (lower.value, lower.step) == (0.5, 4)
-    assert [higher.offer(v, s) for s, v in enumerate([0.5, float("nan"), 0.4, 0.6])] == [True, False, False, True]
+    assert [higher.offer(v, s) for s, v in enumerate([0.5, float("nan"), 0.4, 0.6])] == [
+        True,
+        False,
+        False,
+        True,
+    ]
 
 
-@pytest.mark.parametrize("flags,message", [
-    ({"keep_best": "val_loss", "run_dir": ""}, "--keep-best val_loss keeps a checkpoint: it needs --checkpoint-dir"),
-    ({"early_stop": 2}, "--early-stop judge"),
-    ({"keep_best": "val_mse", "checkpoint_dir": "c", "val_fraction": 0.1}, "validated with val_loss, val_accuracy"),
-    ({"val_fraction": 1.0}, "--val-fraction must be a fraction in \\[0, 1\\)"),
-    ({"keep_best": "val_loss", "checkpoint_dir": "c", "val_fraction": 0.1, "eval_every": 0},
-     "--eval-every 0 has none"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            {"keep_best": "val_loss", "run_dir": ""},
+            "--keep-best val_loss keeps a checkpoint: it needs --checkpoint-dir",
+        ),
+        ({"early_stop": 2}, "--early-stop judge"),
+        (
+            {"keep_best": "val_mse", "checkpoint_dir": "c", "val_fraction": 0.1},
+            "validated with val_loss, val_accuracy",
+        ),
+        ({"val_fraction": 1.0}, "--val-fraction must be a fraction in \\[0, 1\\)"),
+        (
+            {"keep_best": "val_loss", "checkpoint_dir": "c", "val_fraction": 0.1, "eval_every": 0},
+            "--eval-every 0 has none",
+        ),
+    ],
+)
 def test_validation_settings_that_cannot_work_are_refused(flags, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
@@ -181,10 +230,21 @@ def test_keep_best_needs_a_strategy_whose_ranks_take_each_step_together():
 # -- what each step reports --------------------------------------------------------------------------------
 def test_step_events_carry_the_learning_rate_the_training_accuracy_and_clipped_steps(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    mpidist.train(data="digits", epochs=2, lr=0.01, lr_schedule="cosine", warmup_steps=5, clip_norm=0.5,
-                  log_every=4, progress="none", metrics=str(metrics))
+    mpidist.train(
+        data="digits",
+        epochs=2,
+        lr=0.01,
+        lr_schedule="cosine",
+        warmup_steps=5,
+        clip_norm=0.5,
+        log_every=4,
+        progress="none",
+        metrics=str(metrics),
+    )
     steps = events(metrics, "step")
-    rate = LearningRate(0.01, "cosine", total_steps=2 * (1438 // 64), steps_per_epoch=1438 // 64, warmup_steps=5)
+    rate = LearningRate(
+        0.01, "cosine", total_steps=2 * (1438 // 64), steps_per_epoch=1438 // 64, warmup_steps=5
+    )
     assert [e["lr"] for e in steps] == pytest.approx([rate(e["step"] - 1) for e in steps])
     assert all(0 <= e["train_accuracy"] <= 1 for e in steps) and all(0 <= e["clipped"] <= 4 for e in steps)
     done = events(metrics, "done")[0]
@@ -197,8 +257,15 @@ def test_a_regression_run_logs_its_training_error_and_no_accuracy(tmp_path):
     y = x @ np.array([1.0, -2.0, 0.5])
     arrays = mpidist.ArrayData(train=(x[:160], y[:160]), test=(x[160:], y[160:]), num_classes=0)
     metrics = tmp_path / "m.jsonl"
-    mpidist.train(model="mlp:16", data=arrays, epochs=2, batch_size=16, log_every=5, progress="none",
-                  metrics=str(metrics))
+    mpidist.train(
+        model="mlp:16",
+        data=arrays,
+        epochs=2,
+        batch_size=16,
+        log_every=5,
+        progress="none",
+        metrics=str(metrics),
+    )
     text = metrics.read_text()
     assert "accuracy" not in text
     assert all(e["train_mae"] >= 0 for e in events(metrics, "step"))
@@ -206,11 +273,20 @@ def test_a_regression_run_logs_its_training_error_and_no_accuracy(tmp_path):
 
 def test_a_resumed_run_keeps_its_validation_rows_and_its_best_so_far(tmp_path, monkeypatch):
     seeds, carve = [], data.carve_validation
-    monkeypatch.setattr(data, "carve_validation", lambda info, fraction, seed: seeds.append(seed) or
-                        carve(info, fraction, seed))
+    monkeypatch.setattr(
+        data,
+        "carve_validation",
+        lambda info, fraction, seed: seeds.append(seed) or carve(info, fraction, seed),
+    )
     directory, metrics = tmp_path / "c", tmp_path / "m.jsonl"
-    common = dict(data="digits", val_fraction=0.2, keep_best="val_loss", checkpoint_dir=str(directory),
-                  progress="none", metrics=str(metrics))
+    common = dict(
+        data="digits",
+        val_fraction=0.2,
+        keep_best="val_loss",
+        checkpoint_dir=str(directory),
+        progress="none",
+        metrics=str(metrics),
+    )
     mpidist.train(epochs=2, seed=5, **common)
     first = mpidist.store.checkpoint.load(next(directory.glob("best-*.h5")))
     assert first.best["figure"] == "val_loss" and first.best["step"] == first.step
@@ -221,13 +297,20 @@ def test_a_resumed_run_keeps_its_validation_rows_and_its_best_so_far(tmp_path, m
     assert all(later["value"] < earlier["value"] for earlier, later in zip(bests, bests[1:]))
     kept = mpidist.store.checkpoint.load(next(directory.glob("best-*.h5")))
     assert kept.best["value"] <= first.best["value"]
-    assert seeds and set(seeds) == {5}   # the rows held out are the first run's, whatever --seed says now
+    assert seeds and set(seeds) == {5}  # the rows held out are the first run's, whatever --seed says now
 
 
 def test_predict_finds_the_carved_validation_split_again(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    result = mpidist.train(data="digits", epochs=2, val_fraction=0.3, seed=5, checkpoint_dir=str(tmp_path / "c"),
-                           progress="none", metrics=str(metrics))
+    result = mpidist.train(
+        data="digits",
+        epochs=2,
+        val_fraction=0.3,
+        seed=5,
+        checkpoint_dir=str(tmp_path / "c"),
+        progress="none",
+        metrics=str(metrics),
+    )
     last_val = [e for e in events(metrics, "eval") if "val_accuracy" in e][-1]
     predictions = mpidist.predict(result.checkpoints[-1], split="val")
     assert predictions.samples == int(np.ceil(0.3 * 1438))

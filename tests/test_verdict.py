@@ -1,4 +1,5 @@
-"""The one step verdict every strategy takes: skip, squared norm, clip factor (tables), and its agreement over a group."""
+"""The one step verdict every strategy takes: skip, squared norm, clip factor (tables), and its agreement over a
+group."""
 
 import math
 
@@ -11,33 +12,42 @@ from mpidist.parallel.verdict import Verdict, agree, decide
 NAN, INF = math.nan, math.inf
 
 
-@pytest.mark.parametrize("squared_norm, loss, clip_norm, skip, factor", [
-    (25.0, 0.5, 1.0, False, 0.2),      # norm 5, brought down to 1
-    (25.0, 0.5, 10.0, False, 1.0),     # within the limit
-    (25.0, 0.5, 0.0, False, 1.0),      # no clipping
-    (0.25, 0.5, 1.0, False, 1.0),
-    (0.0, 0.0, 1.0, False, 1.0),       # a zero gradient is not clipped (nor divided by)
-    (NAN, 0.5, 1.0, True, 1.0),        # a NaN in the gradients: skipped, not clipped
-    (INF, 0.5, 0.0, True, 1.0),
-    (25.0, NAN, 1.0, True, 1.0),       # a broken loss skips the step too
-    (25.0, -INF, 0.0, True, 1.0),
-])
+@pytest.mark.parametrize(
+    "squared_norm, loss, clip_norm, skip, factor",
+    [
+        (25.0, 0.5, 1.0, False, 0.2),  # norm 5, brought down to 1
+        (25.0, 0.5, 10.0, False, 1.0),  # within the limit
+        (25.0, 0.5, 0.0, False, 1.0),  # no clipping
+        (0.25, 0.5, 1.0, False, 1.0),
+        (0.0, 0.0, 1.0, False, 1.0),  # a zero gradient is not clipped (nor divided by)
+        (NAN, 0.5, 1.0, True, 1.0),  # a NaN in the gradients: skipped, not clipped
+        (INF, 0.5, 0.0, True, 1.0),
+        (25.0, NAN, 1.0, True, 1.0),  # a broken loss skips the step too
+        (25.0, -INF, 0.0, True, 1.0),
+    ],
+)
 def test_the_verdict_skips_a_broken_step_and_clips_a_sound_one(squared_norm, loss, clip_norm, skip, factor):
     verdict = decide(squared_norm, loss, clip_norm)
     assert verdict.skip is skip and verdict.factor == pytest.approx(factor)
     assert verdict.clipped is (not skip and factor < 1.0)
-    assert verdict.squared_norm == squared_norm or (math.isnan(squared_norm) and math.isnan(verdict.squared_norm))
+    assert verdict.squared_norm == squared_norm or (
+        math.isnan(squared_norm) and math.isnan(verdict.squared_norm)
+    )
 
 
-@pytest.mark.parametrize("shard_squares, loss, clip_norm, factor", [
-    ([9.0, 16.0], 0.5, 1.0, 0.2),        # the norm over every shard: 5, brought down to 1
-    ([9.0, 16.0], 0.5, 10.0, 1.0),       # within the limit
-    ([0.25], 0.5, 1.0, 1.0),
-    ([9.0, 16.0], math.nan, 1.0, None),  # a broken loss breaks the sum: the step is skipped, not clipped
-    ([math.inf, 16.0], 0.5, 1.0, None),
-])
-def test_clipping_takes_the_norm_over_every_shard_and_a_broken_loss_skips_the_step(shard_squares, loss, clip_norm,
-                                                                                 factor):
+@pytest.mark.parametrize(
+    "shard_squares, loss, clip_norm, factor",
+    [
+        ([9.0, 16.0], 0.5, 1.0, 0.2),  # the norm over every shard: 5, brought down to 1
+        ([9.0, 16.0], 0.5, 10.0, 1.0),  # within the limit
+        ([0.25], 0.5, 1.0, 1.0),
+        ([9.0, 16.0], math.nan, 1.0, None),  # a broken loss breaks the sum: the step is skipped, not clipped
+        ([math.inf, 16.0], 0.5, 1.0, None),
+    ],
+)
+def test_clipping_takes_the_norm_over_every_shard_and_a_broken_loss_skips_the_step(
+    shard_squares, loss, clip_norm, factor
+):
     # what agree sums over a group of ps ranks: each shard's squares and 0 x the loss one of them holds
     verdict = decide(sum(shard_squares), sum(0.0 * loss for _ in shard_squares), clip_norm)
     if factor is None:

@@ -15,8 +15,12 @@ from mpidist.parallel.slots import SlotPool
 
 def _local(spec, sample_shape, batch, optimizer="sgd", dtype=np.float32):
     model = nn.build_model(spec, sample_shape, 10, np, dtype)
-    strategy = LocalStrategy(model, nn.loss_for(10, np), lambda n: nn.make_optimizer(optimizer, n, 0.01, xp=np,
-                                                                                   dtype=dtype), seed=0)
+    strategy = LocalStrategy(
+        model,
+        nn.loss_for(10, np),
+        lambda n: nn.make_optimizer(optimizer, n, 0.01, xp=np, dtype=dtype),
+        seed=0,
+    )
     strategy.initialize()
     rng = np.random.default_rng(0)
     x = rng.random((batch,) + model.input_shape, dtype=np.float32).astype(dtype)
@@ -38,8 +42,15 @@ def _warm_step_memory(spec, sample_shape, optimizer, batch):
     return current, peak, activations
 
 
-@pytest.mark.parametrize("spec,sample_shape,optimizer", [("mlp-wide", (28, 28), "sgd"), ("cnn", (28, 28), "adam"),
-                                                         ("cnn", (40,), "sgd"), ("mlp", (8, 8), "adam")])
+@pytest.mark.parametrize(
+    "spec,sample_shape,optimizer",
+    [
+        ("mlp-wide", (28, 28), "sgd"),
+        ("cnn", (28, 28), "adam"),
+        ("cnn", (40,), "sgd"),
+        ("mlp", (8, 8), "adam"),
+    ],
+)
 def test_a_warm_training_step_allocates_nothing_that_grows_with_the_batch(spec, sample_shape, optimizer):
     """numpy reports its array memory to tracemalloc: a warm step keeps nothing and allocates no activation.
 
@@ -49,7 +60,7 @@ def test_a_warm_training_step_allocates_nothing_that_grows_with_the_batch(spec, 
     """
     small = _warm_step_memory(spec, sample_shape, optimizer, 256)
     large = _warm_step_memory(spec, sample_shape, optimizer, 1024)
-    assert large[2] >= 1 << 20                                  # what every step allocated before
+    assert large[2] >= 1 << 20  # what every step allocated before
     for current, peak, activations in (small, large):
         assert current < 8 << 10, f"a warm step kept {current} bytes"
         assert peak < min(256 << 10, activations / 4), f"a warm step allocated {peak} bytes at its peak"
@@ -61,7 +72,10 @@ def test_reused_arrays_give_the_results_fresh_arrays_give():
     reused, x, y = _local("cnn", (12, 12), 16, dtype=np.float64)
     fresh, _, _ = _local("cnn", (12, 12), 16, dtype=np.float64)
     fresh.model.workspace.array = lambda owner, name, shape, dtype, zeroed=False: (
-        np.zeros(shape, dtype) if zeroed else np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 7, dtype))
+        np.zeros(shape, dtype)
+        if zeroed
+        else np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 7, dtype)
+    )
     # (a fresh array each time, poisoned: a value read before it is written shows)
     for step in range(4):
         assert reused.train_step(x, y, 1.0, step) == fresh.train_step(x, y, 1.0, step)
@@ -97,7 +111,7 @@ def test_channels_last_views_keep_their_memory_order_through_relu_and_pooling():
     model.init_params(0)
     x = np.random.default_rng(1).standard_normal((2, 3, 6, 6)).astype(np.float32)
     out = model.forward(x, training=True)
-    assert out.strides[1] == out.itemsize            # channels innermost in memory
+    assert out.strides[1] == out.itemsize  # channels innermost in memory
     plain = nn.Sequential([nn.Conv2D(4, 3), nn.ReLU(), nn.MaxPool2D(2)], (3, 6, 6))
     plain.init_params(0)
     expected = plain.forward(x)
@@ -152,9 +166,9 @@ class _Request:
 def test_slot_pool_hands_out_a_slot_again_only_once_its_sends_are_done():
     pool = SlotPool()
     assert [pool.take(), pool.take()] == [0, 1]
-    pool.release(0, [_Request(tests=1)])     # its send needs one more test
-    assert pool.take() == 2                   # slot 0 is still leaving
-    assert pool.take() == 0                   # now it has gone
+    pool.release(0, [_Request(tests=1)])  # its send needs one more test
+    assert pool.take() == 2  # slot 0 is still leaving
+    assert pool.take() == 0  # now it has gone
     pool.release(1)
     assert pool.take() == 1
     assert pool.size == 3

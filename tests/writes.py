@@ -87,10 +87,15 @@ def hangups_as_at_a_terminal():
 
 def run_hooked(folder, hook, *args, env=None, timeout=120):
     """``python hooked.py HOOK ARGS`` (no launcher: one process) in ``folder``; the CompletedProcess."""
-    return subprocess.run([sys.executable, hooked_script(folder), hook, *map(str, args)], capture_output=True,
-                          text=True, cwd=folder, timeout=timeout, preexec_fn=hangups_as_at_a_terminal,
-                          env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TMPDIR=str(folder),
-                                            **(env or {})))
+    return subprocess.run(
+        [sys.executable, hooked_script(folder), hook, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=timeout,
+        preexec_fn=hangups_as_at_a_terminal,
+        env=child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TMPDIR=str(folder), **(env or {})),
+    )
 
 
 def made_up_calibration(folder):
@@ -98,6 +103,7 @@ def made_up_calibration(folder):
     from test_plan import made_up
 
     from mpidist.plan import calibration
+
     calibration.save(made_up(network=None), folder / "c.json")
     return folder / "c.json"
 
@@ -105,11 +111,15 @@ def made_up_calibration(folder):
 def left_aside(folder):
     """The files and folders aside (``.NAME.tmp-...``, bench's ``.mpidist-bench-...``, scratch folders) in
     ``folder``."""
-    return sorted(name for name in os.listdir(folder) if ".tmp" in name or name.startswith("mpidist-calibrate-"))
+    return sorted(
+        name for name in os.listdir(folder) if ".tmp" in name or name.startswith("mpidist-calibrate-")
+    )
 
 
 def one_line_and_no_traceback(stderr):
-    assert "Traceback" not in stderr and "Exception ignored" not in stderr and "Segmentation" not in stderr, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr and "Segmentation" not in stderr, (
+        stderr
+    )
     assert "MPI_Abort" not in stderr, stderr
     lines = [line for line in stderr.splitlines() if line.startswith("mpidist: ")]
     assert len(lines) == 1, stderr

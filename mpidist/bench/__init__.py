@@ -50,11 +50,14 @@ def bench_model(world, cluster, name, batch, seconds, rounds=3, optimizer="sgd")
     share = seconds / rounds
     measured = []
     for _ in range(rounds):
-        rows = rows_of.one_process_rows(world, name, batch, share, optimizer) + \
-            rows_of.parallel_rows(world, cluster, name, batch, share, optimizer)
+        rows = rows_of.one_process_rows(world, name, batch, share, optimizer) + rows_of.parallel_rows(
+            world, cluster, name, batch, share, optimizer
+        )
         if world.Get_size() > 1:
-            rows += [rows_of.ps_sync_row(world, name, batch, share, optimizer),
-                     rows_of.ps_async_row(world, name, batch, share, optimizer)]
+            rows += [
+                rows_of.ps_sync_row(world, name, batch, share, optimizer),
+                rows_of.ps_async_row(world, name, batch, share, optimizer),
+            ]
         measured.append(rows)
     merged = []
     for index, first in enumerate(measured[0]):
@@ -93,22 +96,38 @@ def add_ratios(rows):
     return rows
 
 
-COLUMNS = [("model", "model", "{}"), ("strategy", "row", "{}"), ("ranks", "ranks", "{}"),
-           ("workers", "workers", "{}"), ("steps_per_s", "steps/s per worker", "{:.1f}"),
-           ("samples_per_s", "samples/s", "{:,.0f}"), ("samples_vs_local", "vs local", "{:.2f}x"),
-           ("vs_handwritten", "vs hand-written", "{:.3f}"), ("vs_torch", "vs torch", "{:.2f}"),
-           ("of_limit", "of limit", "{:.3f}"), ("of_sync_limit", "of sync", "{:.3f}"),
-           ("exchange_bytes", "bytes/step", "{:,}"), ("internode_bytes_per_step", "inter-node B/step", "{:,.0f}"),
-           ("exchange_ms", "exchange ms", "{:.3f}"),
-           ("bare_ms", "bare MPI ms", "{:.3f}"), ("exchange_over_bare", "exchange/bare", "{:.3f}")]
+COLUMNS = [
+    ("model", "model", "{}"),
+    ("strategy", "row", "{}"),
+    ("ranks", "ranks", "{}"),
+    ("workers", "workers", "{}"),
+    ("steps_per_s", "steps/s per worker", "{:.1f}"),
+    ("samples_per_s", "samples/s", "{:,.0f}"),
+    ("samples_vs_local", "vs local", "{:.2f}x"),
+    ("vs_handwritten", "vs hand-written", "{:.3f}"),
+    ("vs_torch", "vs torch", "{:.2f}"),
+    ("of_limit", "of limit", "{:.3f}"),
+    ("of_sync_limit", "of sync", "{:.3f}"),
+    ("exchange_bytes", "bytes/step", "{:,}"),
+    ("internode_bytes_per_step", "inter-node B/step", "{:,.0f}"),
+    ("exchange_ms", "exchange ms", "{:.3f}"),
+    ("bare_ms", "bare MPI ms", "{:.3f}"),
+    ("exchange_over_bare", "exchange/bare", "{:.3f}"),
+]
 
 
 def machine():
     """The cores this process may use, and the BLAS numpy calls (from threadpoolctl), for the header."""
-    blas = [f"{pool.get('internal_api')} {pool.get('version')} ({pool.get('num_threads')} thread(s))"
-            for pool in threadpool_info() if pool.get("user_api") == "blas"]
-    return {"cores": len(os.sched_getaffinity(0)), "blas": ", ".join(blas) or "unknown",
-            "torch": reference.available()}
+    blas = [
+        f"{pool.get('internal_api')} {pool.get('version')} ({pool.get('num_threads')} thread(s))"
+        for pool in threadpool_info()
+        if pool.get("user_api") == "blas"
+    ]
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "blas": ", ".join(blas) or "unknown",
+        "torch": reference.available(),
+    }
 
 
 def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
@@ -121,54 +140,88 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
         if world.Get_rank() == 0:
             check_output(output)
     cluster = build_cluster(world)
-    rows = [row for name in models for row in bench_model(world, cluster, name, batch, seconds, optimizer=optimizer)]
+    rows = [
+        row
+        for name in models
+        for row in bench_model(world, cluster, name, batch, seconds, optimizer=optimizer)
+    ]
     pipeline = pipeline_rows(world, seconds) if world.Get_size() > 1 else []
     tensor = tensor_rows(world, seconds) if world.Get_size() % 2 == 0 else []
     if world.Get_rank() != 0:
         return None
-    meta = {"mpi": MPI.Get_library_version().strip().splitlines()[0], "ranks": world.Get_size(),
-            "blas_threads_per_rank": limit_blas_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **machine()}
+    meta = {
+        "mpi": MPI.Get_library_version().strip().splitlines()[0],
+        "ranks": world.Get_size(),
+        "blas_threads_per_rank": limit_blas_threads(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **machine(),
+    }
     meta["optimizer"] = optimizer
-    print(f"mpidist bench: {world.Get_size()} rank(s) on {meta['cores']} core(s), {batch} samples per rank per step, "
-          f"{optimizer}, BLAS: {meta['blas']}; {meta['mpi']}")
+    print(
+        f"mpidist bench: {world.Get_size()} rank(s) on {meta['cores']} core(s), {batch} samples per rank per step, "
+        f"{optimizer}, BLAS: {meta['blas']}; {meta['mpi']}"
+    )
     if optimizer != "sgd":
-        print(f"mpidist bench: the hand-written loop and torch use SGD with momentum alone, so their rows are left "
-              f"out with --optimizer {optimizer}")
+        print(
+            f"mpidist bench: the hand-written loop and torch use SGD with momentum alone, so their rows are left "
+            f"out with --optimizer {optimizer}"
+        )
     elif not meta["torch"]:
-        print("mpidist bench: torch is not installed, so its reference rows are left out (pip install torch adds them)")
+        print(
+            "mpidist bench: torch is not installed, so its reference rows are left out (pip install torch adds them)"
+        )
     print(format_table(rows, COLUMNS))
     if pipeline:
-        print(f"\npipeline: {world.Get_size()} stages of equal work (8 x Dense(512)+ReLU), "
-              "32 samples per micro-batch; bubble = idle / pipeline time, mean over stages")
+        print(
+            f"\npipeline: {world.Get_size()} stages of equal work (8 x Dense(512)+ReLU), "
+            "32 samples per micro-batch; bubble = idle / pipeline time, mean over stages"
+        )
         print(format_table(pipeline, PIPELINE_COLUMNS))
     if tensor:
-        print(f"\ntensor: the same global batch ({world.Get_size()} x 32 sequences) at --tensor 1 and 2, Adam; "
-              "bytes a rank holds, and the activations its tensor group sums per step")
+        print(
+            f"\ntensor: the same global batch ({world.Get_size()} x 32 sequences) at --tensor 1 and 2, Adam; "
+            "bytes a rank holds, and the activations its tensor group sums per step"
+        )
         print(format_table(tensor, TENSOR_COLUMNS))
     try:
         write_results(output, {"meta": meta, "rows": rows, "pipeline": pipeline, "tensor": tensor})
     except OSError as err:
-        raise RunError(f"--output {output}: the results (above) could not be written: "
-                       f"{err.strerror or err}") from None
+        raise RunError(
+            f"--output {output}: the results (above) could not be written: {err.strerror or err}"
+        ) from None
     print(f"mpidist bench: results in {output}")
     return rows
 
 
 def run_streaming_bench(world, dataset, model, batch, steps, output, settle=None):
     """``bench --streaming``: rank 0 prints the comparison of :mod:`mpidist.bench.streaming` and writes ``output``."""
-    return _run_comparison(world, "streaming", streaming_rows, STREAMING_COLUMNS, 5, dataset, model, batch, steps,
-                           output, settle=settle)
+    return _run_comparison(
+        world,
+        "streaming",
+        streaming_rows,
+        STREAMING_COLUMNS,
+        5,
+        dataset,
+        model,
+        batch,
+        steps,
+        output,
+        settle=settle,
+    )
 
 
 def run_tracing_bench(world, dataset, model, batch, steps, output):
     """``bench --tracing``: rank 0 prints the comparison of :mod:`mpidist.bench.tracing` and writes ``output``."""
-    return _run_comparison(world, "tracing", tracing_rows, TRACING_COLUMNS, 7, dataset, model, batch, steps, output)
+    return _run_comparison(
+        world, "tracing", tracing_rows, TRACING_COLUMNS, 7, dataset, model, batch, steps, output
+    )
 
 
 def run_checkpoint_bench(world, dataset, model, batch, steps, output):
     """``bench --checkpoints``: rank 0 prints the comparison of :mod:`mpidist.bench.checkpoints`, writes ``output``."""
-    return _run_comparison(world, "checkpoints", checkpoint_rows, CHECKPOINT_COLUMNS, 7, dataset, model, batch,
-                           steps, output)
+    return _run_comparison(
+        world, "checkpoints", checkpoint_rows, CHECKPOINT_COLUMNS, 7, dataset, model, batch, steps, output
+    )
 
 
 def _run_comparison(world, name, measure, columns, rounds, dataset, model, batch, steps, output, **options):
@@ -178,14 +231,22 @@ def _run_comparison(world, name, measure, columns, rounds, dataset, model, batch
     rows = measure(world, dataset, model, batch, steps, rounds=rounds, **options)
     if world.Get_rank() != 0:
         return None
-    print(f"mpidist bench --{name}: {model} on {dataset}, {world.Get_size()} rank(s), {batch} samples per rank "
-          f"per step; median of {rounds} interleaved rounds")
+    print(
+        f"mpidist bench --{name}: {model} on {dataset}, {world.Get_size()} rank(s), {batch} samples per rank "
+        f"per step; median of {rounds} interleaved rounds"
+    )
     print(format_table(rows, columns))
     try:
-        write_results(output, {"meta": {"ranks": world.Get_size(), "model": model, "data": str(dataset),
-                                        **machine()}, name: rows})
+        write_results(
+            output,
+            {
+                "meta": {"ranks": world.Get_size(), "model": model, "data": str(dataset), **machine()},
+                name: rows,
+            },
+        )
     except OSError as err:
-        raise RunError(f"--output {output}: the results (above) could not be written: "
-                       f"{err.strerror or err}") from None
+        raise RunError(
+            f"--output {output}: the results (above) could not be written: {err.strerror or err}"
+        ) from None
     print(f"mpidist bench: results in {output}")
     return rows

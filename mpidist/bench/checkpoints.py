@@ -11,8 +11,13 @@ import io
 
 from .timing import compared_in_scratch
 
-COLUMNS = [("checkpoints", "checkpoints", "{}"), ("ranks", "ranks", "{}"), ("steps", "steps", "{}"),
-           ("samples_per_s", "samples/s", "{:,.0f}"), ("vs_none", "vs none", "{:.3f}")]
+COLUMNS = [
+    ("checkpoints", "checkpoints", "{}"),
+    ("ranks", "ranks", "{}"),
+    ("steps", "steps", "{}"),
+    ("samples_per_s", "samples/s", "{:,.0f}"),
+    ("vs_none", "vs none", "{:.3f}"),
+]
 STEPS = 600
 
 
@@ -22,10 +27,22 @@ def checkpoint_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=
 
     def run(mode, index, scratch):
         every = 1 if mode == "every step" else 0
-        return train(model=model, data=dataset, epochs=10 ** 6, steps=steps or STEPS, eval_every=0,
-                     batch_size=batch_per_rank * world.Get_size(), metrics="", run_dir="", progress="none",
-                     checkpoint_dir=f"{scratch}/{index}" if every else "", checkpoint_every=every,
-                     comm=world, stream=io.StringIO())
+        return train(
+            model=model,
+            data=dataset,
+            epochs=10**6,
+            steps=steps or STEPS,
+            eval_every=0,
+            batch_size=batch_per_rank * world.Get_size(),
+            metrics="",
+            run_dir="",
+            progress="none",
+            checkpoint_dir=f"{scratch}/{index}" if every else "",
+            checkpoint_every=every,
+            comm=world,
+            stream=io.StringIO(),
+        )
 
-    return compared_in_scratch(world, "mpidist-bench-ckpt-", ("none", "every step"), run, rounds, "checkpoints",
-                               "vs_none")
+    return compared_in_scratch(
+        world, "mpidist-bench-ckpt-", ("none", "every step"), run, rounds, "checkpoints", "vs_none"
+    )

@@ -27,15 +27,18 @@ class HandwrittenMLP:
         self.lr, self.momentum = lr, momentum
         shapes = [(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
         total = sum(a * b + b for a, b in shapes)
-        self.params, self.grads = np.zeros(total + 1, dtype), np.zeros(total + 1, dtype)   # + the loss slot
+        self.params, self.grads = np.zeros(total + 1, dtype), np.zeros(total + 1, dtype)  # + the loss slot
         self.velocity, self.scaled = np.zeros(total, dtype), np.zeros(total, dtype)
         self.weights, self.biases, self.weight_grads, self.bias_grads = [], [], [], []
         offset, rng = 0, np.random.default_rng(seed)
         for a, b in shapes:
-            for views, grads, shape in ((self.weights, self.weight_grads, (a, b)), (self.biases, self.bias_grads, (b,))):
+            for views, grads, shape in (
+                (self.weights, self.weight_grads, (a, b)),
+                (self.biases, self.bias_grads, (b,)),
+            ):
                 size = int(np.prod(shape))
-                views.append(self.params[offset:offset + size].reshape(shape))
-                grads.append(self.grads[offset:offset + size].reshape(shape))
+                views.append(self.params[offset : offset + size].reshape(shape))
+                grads.append(self.grads[offset : offset + size].reshape(shape))
                 offset += size
             self.weights[-1][...] = rng.normal(0, np.sqrt(2 / a), (a, b))
         self.outputs = [np.empty((batch, b), dtype) for _, b in shapes]

@@ -33,17 +33,32 @@ def _pids(lines):
     for at, line in enumerate(lines):
         fields = line.split()
         if fields[:4] == ["rank", "host", "node", "pid"]:
-            rows = [row.split() for row in lines[at + 1:]]
+            rows = [row.split() for row in lines[at + 1 :]]
             return [int(row[3]) for row in rows if len(row) > 3 and row[0].isdigit()]
     return []
 
 
 def node_pss(ranks, flags, interval=0.1):
     """Run ``train`` on ``ranks`` ranks with ``flags``: every sum of their Pss sampled, in bytes."""
-    command = [shutil.which("mpiexec") or "mpiexec", "-n", str(ranks), sys.executable, "-m", "mpidist", "train",
-               "--progress", "none", "--run-dir", "", "--checkpoint-dir", "", *flags]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=launch_environment())
+    command = [
+        shutil.which("mpiexec") or "mpiexec",
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "mpidist",
+        "train",
+        "--progress",
+        "none",
+        "--run-dir",
+        "",
+        "--checkpoint-dir",
+        "",
+        *flags,
+    ]
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_environment()
+    )
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(run.stdout), daemon=True)
     reader.start()
@@ -60,16 +75,22 @@ def node_pss(ranks, flags, interval=0.1):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mpidist.bench.node_memory", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mpidist.bench.node_memory", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--ranks", type=int, default=4, help="ranks, all on this node (default: 4)")
-    parser.add_argument("--exchanges", default="auto,mpi", help="--exchange values to compare (default: auto,mpi)")
+    parser.add_argument(
+        "--exchanges", default="auto,mpi", help="--exchange values to compare (default: auto,mpi)"
+    )
     parser.add_argument("flags", nargs="*", help="train's flags, after --")
     options = parser.parse_args(argv)
     flags = options.flags or ["--model", "mlp:2048,2048", "--optimizer", "adam", "--steps", "300"]
     for exchange in options.exchanges.split(","):
         samples = node_pss(options.ranks, [*flags, "--exchange", exchange])
-        print(f"--exchange {exchange}: the node's Pss (sum over its {options.ranks} ranks) {median(samples) / 1e6:.1f} "
-              f"MB while training (median of {len(samples)} samples), {max(samples, default=0) / 1e6:.1f} MB at most")
+        print(
+            f"--exchange {exchange}: the node's Pss (sum over its {options.ranks} ranks) {median(samples) / 1e6:.1f} "
+            f"MB while training (median of {len(samples)} samples), {max(samples, default=0) / 1e6:.1f} MB at most"
+        )
 
 
 if __name__ == "__main__":

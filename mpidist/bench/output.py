@@ -15,7 +15,9 @@ from ..store.outputs import unwritable
 
 def format_table(rows, columns):
     header = [title for _, title, _ in columns]
-    body = [[fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in columns] for row in rows]
+    body = [
+        [fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in columns] for row in rows
+    ]
     widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header] + body)
 
@@ -65,7 +67,7 @@ def check_output(output):
     and a probe file is created beside it and removed (the results are
     written aside and renamed over it: its directory must take new files).
     """
-    target = os.fspath(output)        # a link there is replaced itself, never written through
+    target = os.fspath(output)  # a link there is replaced itself, never written through
     try:
         _existing_file(target)
         _directory_takes_files(target)
@@ -91,7 +93,7 @@ def write_results(output, document, what="the results"):
     aside = None
     try:
         fd, aside = _create_beside(target)
-        with leftovers.pending(aside):   # (a signal that ends the command removes it too)
+        with leftovers.pending(aside):  # (a signal that ends the command removes it too)
             with os.fdopen(fd, "w") as handle:
                 json.dump(document, handle, indent=2)
             with contextlib.suppress(FileNotFoundError):

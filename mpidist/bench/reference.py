@@ -52,6 +52,7 @@ def torch_step(model, x, y, lr=0.01, momentum=0.9, device="cpu"):
     if not available():
         return None
     import torch
+
     torch.set_num_threads(limit_blas_threads())
     modules = [_translate(torch, layer) for layer in model.layers]
     if any(module is None for module in modules):

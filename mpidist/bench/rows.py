@@ -48,9 +48,9 @@ from . import reference
 from .handwritten import HandwrittenMLP
 from .timing import alternating, release, sleep_until_released, synced_alternating, synced_timed, timed_steps
 
-SHAPES = {"mlp-wide": ((28, 28), 10), "cnn": ((28, 28), 10)}   # MNIST-shaped: the README's figures
-DEFAULT_SHAPE = ((8, 8), 10)                                      # the bundled digits
-SMALL_BUCKETS = 1 << 18   # bytes: buckets that split mlp-wide (2.7 MB) and cnn (0.4 MB), to measure overlap
+SHAPES = {"mlp-wide": ((28, 28), 10), "cnn": ((28, 28), 10)}  # MNIST-shaped: the README's figures
+DEFAULT_SHAPE = ((8, 8), 10)  # the bundled digits
+SMALL_BUCKETS = 1 << 18  # bytes: buckets that split mlp-wide (2.7 MB) and cnn (0.4 MB), to measure overlap
 
 
 def sgd(size):
@@ -73,7 +73,9 @@ def _model(name):
 
 def _allreduce(model, cluster, optimizer="sgd", **arguments):
     """An initialised allreduce strategy on ``model`` with ``optimizer``."""
-    strategy = AllreduceStrategy(model, nn.loss_for(10, np), OPTIMIZERS[optimizer], cluster, seed=0, **arguments)
+    strategy = AllreduceStrategy(
+        model, nn.loss_for(10, np), OPTIMIZERS[optimizer], cluster, seed=0, **arguments
+    )
     strategy.initialize()
     return strategy
 
@@ -104,17 +106,31 @@ def handwritten_for(model, batch):
     can be slow): the comparison stays like for like however long it runs.
     """
     kinds = [type(layer).__name__ for layer in model.layers]
-    if kinds[:1] != ["Flatten"] or kinds[-1:] != ["Dense"] or kinds[1:-1] != ["Dense", "ReLU"] * ((len(kinds) - 2) // 2):
+    if (
+        kinds[:1] != ["Flatten"]
+        or kinds[-1:] != ["Dense"]
+        or kinds[1:-1] != ["Dense", "ReLU"] * ((len(kinds) - 2) // 2)
+    ):
         return None
-    sizes = [int(np.prod(model.input_shape))] + [layer.units for layer in model.layers if hasattr(layer, "units")]
+    sizes = [int(np.prod(model.input_shape))] + [
+        layer.units for layer in model.layers if hasattr(layer, "units")
+    ]
     hand = HandwrittenMLP(sizes, batch)
     hand.params[:-1] = model.params
     return hand
 
 
 def _row(name, strategy, ranks, workers, batch, per_step, params):
-    return {"model": name, "strategy": strategy, "ranks": ranks, "workers": workers, "batch_per_rank": batch,
-            "params": params, "steps_per_s": 1 / per_step, "samples_per_s": workers * batch / per_step}
+    return {
+        "model": name,
+        "strategy": strategy,
+        "ranks": ranks,
+        "workers": workers,
+        "batch_per_rank": batch,
+        "params": params,
+        "steps_per_s": 1 / per_step,
+        "samples_per_s": workers * batch / per_step,
+    }
 
 
 def one_process_rows(world, name, batch, seconds, optimizer="sgd"):
@@ -131,7 +147,10 @@ def one_process_rows(world, name, batch, seconds, optimizer="sgd"):
         if torch_step is not None:
             steps["torch"] = torch_step
         medians = alternating(steps, seconds)
-        rows = [_row(name, label, 1, 1, batch, per_step, local.model.num_params) for label, per_step in medians.items()]
+        rows = [
+            _row(name, label, 1, 1, batch, per_step, local.model.num_params)
+            for label, per_step in medians.items()
+        ]
         release(world)
     else:
         sleep_until_released(world)
@@ -143,22 +162,29 @@ def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):
     size = world.Get_size()
     model, x, y = _problem(name, batch, world.Get_rank())
     strategy = _allreduce(model, cluster, optimizer)
-    owners = {"allreduce": strategy,
-              "allreduce, mpi": _allreduce(_model(name), cluster, optimizer, exchange="mpi"),
-              "allreduce, mpi, 0.25 MiB": _allreduce(_model(name), cluster, optimizer, exchange="mpi",
-                                                     bucket_bytes=SMALL_BUCKETS),
-              "allreduce, mpi, 0.25 MiB, no overlap": _allreduce(_model(name), cluster, optimizer, exchange="mpi",
-                                                                 bucket_bytes=SMALL_BUCKETS),
-              "allreduce, bf16": _allreduce(_model(name), cluster, optimizer, compress="bf16")}
-    if cluster.num_nodes == 1 and size > 1:   # (a copy per rank, the gradients in one node's shared window)
-        owners["allreduce, shared-memory"] = _allreduce(_model(name), cluster, optimizer, exchange="shared-memory")
+    owners = {
+        "allreduce": strategy,
+        "allreduce, mpi": _allreduce(_model(name), cluster, optimizer, exchange="mpi"),
+        "allreduce, mpi, 0.25 MiB": _allreduce(
+            _model(name), cluster, optimizer, exchange="mpi", bucket_bytes=SMALL_BUCKETS
+        ),
+        "allreduce, mpi, 0.25 MiB, no overlap": _allreduce(
+            _model(name), cluster, optimizer, exchange="mpi", bucket_bytes=SMALL_BUCKETS
+        ),
+        "allreduce, bf16": _allreduce(_model(name), cluster, optimizer, compress="bf16"),
+    }
+    if cluster.num_nodes == 1 and size > 1:  # (a copy per rank, the gradients in one node's shared window)
+        owners["allreduce, shared-memory"] = _allreduce(
+            _model(name), cluster, optimizer, exchange="shared-memory"
+        )
     after_backward = owners["allreduce, mpi, 0.25 MiB, no overlap"]
-    after_backward.exchange = Exchange(after_backward.worker_comm, after_backward.buffer, after_backward.bucket_bytes,
-                                       overlap=False)
+    after_backward.exchange = Exchange(
+        after_backward.worker_comm, after_backward.buffer, after_backward.bucket_bytes, overlap=False
+    )
     _, _, _, alone_step = _local(name, batch, world.Get_rank(), optimizer)
     _, _, _, waiting_step = _local(name, batch, world.Get_rank(), optimizer)
 
-    def then_wait():   # a synchronous step's floor: the local step, then wait for the slowest rank
+    def then_wait():  # a synchronous step's floor: the local step, then wait for the slowest rank
         waiting_step()
         world.Barrier()
 
@@ -176,10 +202,13 @@ def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):
             hand.update()
 
         steps["hand-written+Allreduce"] = hand_allreduce
-    if size == 1:   # nothing to exchange: the variants would only repeat "no exchange"
+    if size == 1:  # nothing to exchange: the variants would only repeat "no exchange"
         steps = {"allreduce": steps["allreduce"]}
     medians = synced_alternating(world, steps, seconds)
-    rows = {label: _row(name, label, size, size, batch, per_step, model.num_params) for label, per_step in medians.items()}
+    rows = {
+        label: _row(name, label, size, size, batch, per_step, model.num_params)
+        for label, per_step in medians.items()
+    }
     if size > 1:  # on one rank both are no-ops: a ratio of microseconds would mislead
         # each exchange against one bare float32 Allreduce of the same buffer (bf16: what compression saves)
         bare = np.zeros_like(strategy.buffer)
@@ -189,14 +218,20 @@ def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):
                 continue
             # each timed exchange sums the buffer in place: from zeros (and no rounding error carried over
             # from training), like the bare call's, it stays zero instead of doubling to overflow
-            world.Barrier()   # (the last timed step's copies from the peers' buffers are over)
+            world.Barrier()  # (the last timed step's copies from the peers' buffers are over)
             owner.buffer[...] = 0
             if hasattr(owner.exchange, "residual"):
                 owner.exchange.residual[...] = 0
-            _compare(world, rows[label], _whole_exchange(owner.exchange), lambda: world.Allreduce(MPI.IN_PLACE, bare),
-                     seconds, owner.exchange.bytes_per_step)
+            _compare(
+                world,
+                rows[label],
+                _whole_exchange(owner.exchange),
+                lambda: world.Allreduce(MPI.IN_PLACE, bare),
+                seconds,
+                owner.exchange.bytes_per_step,
+            )
         internode = strategy.stats().get("internode_bytes_per_step")
-        if internode is not None:   # what this node sent to other nodes per training step (emulated nodes)
+        if internode is not None:  # what this node sent to other nodes per training step (emulated nodes)
             rows["allreduce"]["internode_bytes_per_step"] = strategy.exchange.node.allreduce(internode)
     for owner in owners.values():
         owner.free()
@@ -205,10 +240,12 @@ def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):
 
 def _whole_exchange(exchange):
     """The exchange of a whole buffer at once, as after backward."""
+
     def run():
         exchange.begin()
         exchange.finish()
         exchange.after_update()
+
     return run
 
 
@@ -254,7 +291,7 @@ def ps_async_row(world, name, batch, seconds, optimizer="sgd"):
     strategy.initialize()
     ps = strategy.ps_ranks[0]
     raw = Window(world, model.num_params if cluster.rank == ps else 0, np.float32)
-    timings = np.zeros(3)   # steps/s, exchange ms, bare ms (workers)
+    timings = np.zeros(3)  # steps/s, exchange ms, bare ms (workers)
     if strategy.serves:
         strategy.serve()
     else:
@@ -284,9 +321,19 @@ def ps_async_row(world, name, batch, seconds, optimizer="sgd"):
     raw.free()
     strategy.free()
     cluster.free()
-    row = _row(name, "ps-async", world.Get_size(), workers, batch, 1 / max(totals[0] / workers, 1e-9),
-               model.num_params)
-    row.update(exchange_bytes=int(2 * model.num_params * 4), exchange_ms=totals[1] / workers,
-               bare_ms=totals[2] / workers)
+    row = _row(
+        name,
+        "ps-async",
+        world.Get_size(),
+        workers,
+        batch,
+        1 / max(totals[0] / workers, 1e-9),
+        model.num_params,
+    )
+    row.update(
+        exchange_bytes=int(2 * model.num_params * 4),
+        exchange_ms=totals[1] / workers,
+        bare_ms=totals[2] / workers,
+    )
     row["exchange_over_bare"] = row["exchange_ms"] / row["bare_ms"] if row["bare_ms"] else math.nan
     return row

@@ -24,9 +24,14 @@ from mpi4py import MPI
 from .. import data as datasets
 from .timing import compared_rows, interleaved_runs
 
-COLUMNS = [("mode", "data", "{}"), ("ranks", "ranks", "{}"), ("steps", "steps", "{}"),
-           ("samples_per_s", "samples/s", "{:,.0f}"), ("vs_memory", "vs memory", "{:.3f}"),
-           ("cold", "page cache", "{}")]
+COLUMNS = [
+    ("mode", "data", "{}"),
+    ("ranks", "ranks", "{}"),
+    ("steps", "steps", "{}"),
+    ("samples_per_s", "samples/s", "{:,.0f}"),
+    ("vs_memory", "vs memory", "{:.3f}"),
+    ("cold", "page cache", "{}"),
+]
 
 
 def drop_from_page_cache(paths):
@@ -43,7 +48,7 @@ def drop_from_page_cache(paths):
     return True
 
 
-SETTLE_S = 15.0    # idle seconds before each run: long enough for a VM to hand 2 GB freed back to its host
+SETTLE_S = 15.0  # idle seconds before each run: long enough for a VM to hand 2 GB freed back to its host
 
 
 def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, rounds=5, settle=None):
@@ -56,14 +61,25 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
 
     def get_ready(mode):
         nonlocal cold
-        if mode == "stream" and local.Get_rank() == 0:   # one rank per node drops the node's cache
+        if mode == "stream" and local.Get_rank() == 0:  # one rank per node drops the node's cache
             cold = drop_from_page_cache(files) and cold
         time.sleep(SETTLE_S if settle is None else settle)
 
     def run(mode, _):
-        return train(model=model, data=dataset, data_mode=mode, epochs=1, steps=steps, eval_every=0,
-                     batch_size=batch_per_rank * world.Get_size(), metrics="", run_dir="", progress="none",
-                     comm=world, stream=io.StringIO())   # (each run's own summary: not this table's)
+        return train(
+            model=model,
+            data=dataset,
+            data_mode=mode,
+            epochs=1,
+            steps=steps,
+            eval_every=0,
+            batch_size=batch_per_rank * world.Get_size(),
+            metrics="",
+            run_dir="",
+            progress="none",
+            comm=world,
+            stream=io.StringIO(),
+        )  # (each run's own summary: not this table's)
 
     measured = interleaved_runs(world, ("memory", "stream"), run, rounds, prepare=get_ready)
     local.Free()
@@ -73,4 +89,3 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
     for row in rows:
         row["cold"] = ("dropped" if cold else "kept") if row["mode"] == "stream" else "-"
     return rows
-

@@ -17,15 +17,19 @@ from ..runtime.cluster import build_cluster
 from .rows import _allreduce
 from .timing import synced_alternating
 
-LENGTH, WIDTH, HEADS, CLASSES = 32, 128, 4, 10   # a sequence of 32 tokens of 128 features, 4 heads
+LENGTH, WIDTH, HEADS, CLASSES = 32, 128, 4, 10  # a sequence of 32 tokens of 128 features, 4 heads
 # (10 classes: the loss rows._allreduce gives every bench model)
-SEQUENCES_PER_RANK = 32                           # the global batch: this times the ranks
+SEQUENCES_PER_RANK = 32  # the global batch: this times the ranks
 
 
 def transformer_block():
     """One pre-norm block (attention and a GELU MLP of 4 x WIDTH), mean-pooled to a classifier."""
-    return nn.Sequential([nn.TransformerBlock(HEADS), nn.SequencePool(), nn.Dense(CLASSES, init="glorot")],
-                         (LENGTH, WIDTH), xp=np, dtype=np.float32)
+    return nn.Sequential(
+        [nn.TransformerBlock(HEADS), nn.SequencePool(), nn.Dense(CLASSES, init="glorot")],
+        (LENGTH, WIDTH),
+        xp=np,
+        dtype=np.float32,
+    )
 
 
 def _stepper(strategy, x, y, weight):
@@ -44,6 +48,7 @@ def _summed_bytes(strategy, step):
     def counted(array):
         moved.append(int(array.nbytes))
         total(array)
+
     for operator in operators(strategy.model):
         operator.reduce = counted
     step()
@@ -69,7 +74,7 @@ def tensor_rows(world, seconds, counts=(1, 2)):
         groups = ranks // count
         lo, hi = strategy.worker_index * batch // groups, (strategy.worker_index + 1) * batch // groups
         step = _stepper(strategy, x[lo:hi], y[lo:hi], (hi - lo) / batch)
-        step()                                   # warm-up, not counted
+        step()  # warm-up, not counted
         moved[count] = _summed_bytes(strategy, step)
         strategies[count], steps[count] = strategy, step
     per_step = synced_alternating(world, steps, seconds)
@@ -77,11 +82,17 @@ def tensor_rows(world, seconds, counts=(1, 2)):
     for count, strategy in strategies.items():
         held = world.gather(strategy.held_bytes(), root=0)
         if world.Get_rank() == 0:
-            rows.append({"model": f"transformer block {LENGTH}x{WIDTH}, {HEADS} heads", "tensor": count,
-                         "groups": ranks // count, "samples_per_s": batch / per_step[count],
-                         "params_bytes": max(h["params"] for h in held),
-                         "optimizer_state_bytes": max(h["optimizer_state"] for h in held),
-                         "summed_bytes_per_step": moved[count]})
+            rows.append(
+                {
+                    "model": f"transformer block {LENGTH}x{WIDTH}, {HEADS} heads",
+                    "tensor": count,
+                    "groups": ranks // count,
+                    "samples_per_s": batch / per_step[count],
+                    "params_bytes": max(h["params"] for h in held),
+                    "optimizer_state_bytes": max(h["optimizer_state"] for h in held),
+                    "summed_bytes_per_step": moved[count],
+                }
+            )
         strategy.free()
     cluster.free()
     if rows:
@@ -91,7 +102,13 @@ def tensor_rows(world, seconds, counts=(1, 2)):
     return rows
 
 
-TENSOR_COLUMNS = [("model", "model", "{}"), ("tensor", "T", "{}"), ("groups", "groups", "{}"),
-                  ("samples_per_s", "samples/s", "{:,.0f}"), ("vs_t1", "vs T=1", "{:.2f}x"),
-                  ("params_bytes", "params B/rank", "{:,}"), ("optimizer_state_bytes", "optimizer B/rank", "{:,}"),
-                  ("summed_bytes_per_step", "tensor-summed B/step", "{:,}")]
+TENSOR_COLUMNS = [
+    ("model", "model", "{}"),
+    ("tensor", "T", "{}"),
+    ("groups", "groups", "{}"),
+    ("samples_per_s", "samples/s", "{:,.0f}"),
+    ("vs_t1", "vs T=1", "{:.2f}x"),
+    ("params_bytes", "params B/rank", "{:,}"),
+    ("optimizer_state_bytes", "optimizer B/rank", "{:,}"),
+    ("summed_bytes_per_step", "tensor-summed B/step", "{:,}"),
+]

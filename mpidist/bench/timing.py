@@ -68,7 +68,7 @@ def alternating(steps, seconds, min_calls=5):
     cold).
     """
     for step in steps.values():
-        step()   # warm-up: first-touch allocations, caches
+        step()  # warm-up: first-touch allocations, caches
     names = list(steps)
     times = {name: [] for name in steps}
     deadline, turn = time.perf_counter() + seconds, 0
@@ -99,7 +99,7 @@ def synced_alternating(world, steps, seconds, min_calls=5, every=False):
     mpi.bcast(world, count, root=0)
     names = list(steps)
     times = {name: [] for name in steps}
-    for turn in range(int(count[0])):   # the same rotating order on every rank: the count is agreed
+    for turn in range(int(count[0])):  # the same rotating order on every rank: the count is agreed
         shift = turn % len(names)
         for name in names[shift:] + names[:shift]:
             world.Barrier()
@@ -112,7 +112,8 @@ def synced_alternating(world, steps, seconds, min_calls=5, every=False):
 
 
 def interleaved_runs(world, modes, run, rounds, prepare=None):
-    """Collective: ``run(mode, round)`` (a training :class:`~mpidist.api.Result`) for each mode in turn, ``rounds`` times.
+    """Collective: ``run(mode, round)`` (a training :class:`~mpidist.api.Result`) for each mode in turn,
+    ``rounds`` times.
 
     ``prepare(mode)`` runs on every rank before the ranks start together.
     On rank 0: ``{mode: [(samples/s, steps) of each round]}``; elsewhere None.
@@ -135,8 +136,16 @@ def compared_rows(measured, key, ranks, ratio):
     ``ratio``: the ratio of the medians; ``<ratio>_paired``: the median of each
     round's own ratio (drifts of a shared machine cancel within a round).
     """
-    rows = [{key: mode, "ranks": ranks, "steps": runs[0][1], "samples_per_s": float(np.median([r for r, _ in runs])),
-             "rounds": [rate for rate, _ in runs]} for mode, runs in measured.items()]
+    rows = [
+        {
+            key: mode,
+            "ranks": ranks,
+            "steps": runs[0][1],
+            "samples_per_s": float(np.median([r for r, _ in runs])),
+            "rounds": [rate for rate, _ in runs],
+        }
+        for mode, runs in measured.items()
+    ]
     base, other = measured.values()
     rows[1][ratio] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
     rows[1][f"{ratio}_paired"] = float(np.median([b / a for (a, _), (b, _) in zip(base, other)]))

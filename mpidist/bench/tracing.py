@@ -10,8 +10,13 @@ import io
 
 from .timing import compared_in_scratch
 
-COLUMNS = [("trace", "trace", "{}"), ("ranks", "ranks", "{}"), ("steps", "steps", "{}"),
-           ("samples_per_s", "samples/s", "{:,.0f}"), ("vs_untraced", "vs untraced", "{:.3f}")]
+COLUMNS = [
+    ("trace", "trace", "{}"),
+    ("ranks", "ranks", "{}"),
+    ("steps", "steps", "{}"),
+    ("samples_per_s", "samples/s", "{:,.0f}"),
+    ("vs_untraced", "vs untraced", "{:.3f}"),
+]
 STEPS = 600
 
 
@@ -20,9 +25,22 @@ def tracing_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, 
     from ..api import train
 
     def run(mode, index, scratch):
-        return train(model=model, data=dataset, epochs=10 ** 6, steps=steps or STEPS, eval_every=0,
-                     batch_size=batch_per_rank * world.Get_size(), metrics="", checkpoint_dir="",
-                     run_dir=f"{scratch}/{mode}-{index}" if mode == "on" else "", trace=mode, progress="none",
-                     comm=world, stream=io.StringIO())
+        return train(
+            model=model,
+            data=dataset,
+            epochs=10**6,
+            steps=steps or STEPS,
+            eval_every=0,
+            batch_size=batch_per_rank * world.Get_size(),
+            metrics="",
+            checkpoint_dir="",
+            run_dir=f"{scratch}/{mode}-{index}" if mode == "on" else "",
+            trace=mode,
+            progress="none",
+            comm=world,
+            stream=io.StringIO(),
+        )
 
-    return compared_in_scratch(world, "mpidist-bench-trace-", ("off", "on"), run, rounds, "trace", "vs_untraced")
+    return compared_in_scratch(
+        world, "mpidist-bench-trace-", ("off", "on"), run, rounds, "trace", "vs_untraced"
+    )

@@ -56,10 +56,39 @@ from .samples import standardizer
 from .shard import Shard
 from .stream import Stream
 
-_read_rows = read_rows   # (the name tests knew)
+_read_rows = read_rows  # (the name tests knew)
 
-__all__ = ["ArrayData", "DatasetInfo", "Lanes", "MAX_CLASSES", "MAX_NAME", "Member", "OPTIONAL_SPLITS", "Prefetcher",
-           "Reading", "SPLITS", "Shard", "SplitRows", "Stream", "budget_of", "bundled_names",
-           "carve_validation", "data_dirs", "eval_batches", "global_batches", "inspect", "limit_evaluation",
-           "local_batch_size", "members", "open_source", "order_buffer_for", "plan", "read_rows", "resolve",
-           "shard_size", "standardizer", "steps_per_epoch", "train_batches"]
+__all__ = [
+    "ArrayData",
+    "DatasetInfo",
+    "Lanes",
+    "MAX_CLASSES",
+    "MAX_NAME",
+    "Member",
+    "OPTIONAL_SPLITS",
+    "Prefetcher",
+    "Reading",
+    "SPLITS",
+    "Shard",
+    "SplitRows",
+    "Stream",
+    "budget_of",
+    "bundled_names",
+    "carve_validation",
+    "data_dirs",
+    "eval_batches",
+    "global_batches",
+    "inspect",
+    "limit_evaluation",
+    "local_batch_size",
+    "members",
+    "open_source",
+    "order_buffer_for",
+    "plan",
+    "read_rows",
+    "resolve",
+    "shard_size",
+    "standardizer",
+    "steps_per_epoch",
+    "train_batches",
+]

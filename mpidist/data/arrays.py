@@ -60,5 +60,7 @@ def _pair(split, name):
     try:
         x, y = split
     except (TypeError, ValueError):
-        raise UsageError(f"ArrayData {name}= takes a pair (x, y) of arrays, got {type(split).__name__}") from None
+        raise UsageError(
+            f"ArrayData {name}= takes a pair (x, y) of arrays, got {type(split).__name__}"
+        ) from None
     return np.asarray(x), np.asarray(y)

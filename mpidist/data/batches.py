@@ -26,8 +26,10 @@ def local_batch_size(global_batch, num_workers, worker):
 def steps_per_epoch(n, global_batch, num_workers):
     """Steps per epoch: ``n // B``, one sample of each of the ``B`` lanes a step, whatever the worker count."""
     if global_batch < num_workers:
-        raise UsageError(f"--batch-size {global_batch} is smaller than the number of workers ({num_workers}): "
-                         "every worker needs at least one sample per step")
+        raise UsageError(
+            f"--batch-size {global_batch} is smaller than the number of workers ({num_workers}): "
+            "every worker needs at least one sample per step"
+        )
     return n // global_batch
 
 
@@ -43,7 +45,9 @@ class Prefetcher:
     def __init__(self, source, depth=2):
         self._queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(iter(source),), daemon=True, name="mpidist-prefetch")
+        self._thread = threading.Thread(
+            target=self._run, args=(iter(source),), daemon=True, name="mpidist-prefetch"
+        )
         self._thread.start()
 
     def _run(self, iterator):
@@ -55,7 +59,7 @@ class Prefetcher:
         except BaseException as err:  # handed to the consumer, which raises it with its traceback
             self._put(err)
             return
-        finally:   # a source stopped early lets go of what it holds (a stream's open files) in this thread
+        finally:  # a source stopped early lets go of what it holds (a stream's open files) in this thread
             getattr(iterator, "close", lambda: None)()
         self._put(self._END)
 
@@ -80,7 +84,7 @@ class Prefetcher:
 
     def close(self):
         self._stop.set()
-        while self._thread.is_alive():     # take what it offers: a put waiting for room returns at once
+        while self._thread.is_alive():  # take what it offers: a put waiting for room returns at once
             try:
                 self._queue.get(timeout=0.01)
             except queue.Empty:

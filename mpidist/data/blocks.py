@@ -14,12 +14,12 @@ import numpy as np
 from ..nn.tensor import part_range
 from .direct import HUGE_PAGE
 
-BLOCK_BYTES = 4 << 20         # one read call: a few of a parallel file system's stripes
-BUFFER_BYTES = 64 << 20       # the default shuffle buffer: this many bytes of samples in the model's dtype
-WINDOWS = 2                   # windows a lane holds at once: the one its batches come from, the next (read ahead)
-EVAL_BLOCKS = 3               # blocks an evaluation holds: being cut into batches, read ahead, being read
-SEGMENT_BYTES = 4 << 20       # batches gathered in one go: at most about this many bytes (one batch at least)
-SEGMENTS = 4                  # gathered segments alive at once: being gathered, two queued, one training
+BLOCK_BYTES = 4 << 20  # one read call: a few of a parallel file system's stripes
+BUFFER_BYTES = 64 << 20  # the default shuffle buffer: this many bytes of samples in the model's dtype
+WINDOWS = 2  # windows a lane holds at once: the one its batches come from, the next (read ahead)
+EVAL_BLOCKS = 3  # blocks an evaluation holds: being cut into batches, read ahead, being read
+SEGMENT_BYTES = 4 << 20  # batches gathered in one go: at most about this many bytes (one batch at least)
+SEGMENTS = 4  # gathered segments alive at once: being gathered, two queued, one training
 
 
 def worker_range(n, workers, worker):
@@ -39,12 +39,14 @@ def block_cuts(source, lo, hi, block_bytes=BLOCK_BYTES, sliced=False):
     for index, member in enumerate(source.files):
         length = block_length(member, source.group, block_bytes, sliced)
         rows, chunk = member.sizes[source.group], max(1, member.chunk_rows.get(source.group, 1))
-        if length < chunk:     # slices of each chunk
-            starts = (np.arange(0, rows, chunk, dtype=np.int64)[:, None] + np.arange(0, chunk, length)).ravel()
+        if length < chunk:  # slices of each chunk
+            starts = (
+                np.arange(0, rows, chunk, dtype=np.int64)[:, None] + np.arange(0, chunk, length)
+            ).ravel()
             starts = source.starts[index] + np.sort(starts[starts < rows])
         else:
             starts = source.starts[index] + np.arange(0, rows, length, dtype=np.int64)
-        if source.picked is not None:      # a carved split: where its rows cross the file's boundaries
+        if source.picked is not None:  # a carved split: where its rows cross the file's boundaries
             starts = np.searchsorted(source.picked, starts).astype(np.int64)
         cuts.append(starts[(starts > lo) & (starts < hi)])
     return np.unique(np.concatenate(cuts))
@@ -114,15 +116,20 @@ def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, lanes=No
     group = info.rows_of(split)[0]
     values = int(np.prod(input_shape))
     sample = values * np.dtype(dtype).itemsize + info.target_width * 8
-    kinds = {(m.chunk_rows.get(group, 1), m.row_bytes.get(group, 0), m.cache_bytes(group)) for m in info.files}
+    kinds = {
+        (m.chunk_rows.get(group, 1), m.row_bytes.get(group, 0), m.cache_bytes(group)) for m in info.files
+    }
     if lanes is None:
-        rows = max(_length(chunk, row, block_bytes_for(buffer, input_shape, dtype), sliced) for chunk, row, _ in kinds)
+        rows = max(
+            _length(chunk, row, block_bytes_for(buffer, input_shape, dtype), sliced)
+            for chunk, row, _ in kinds
+        )
     else:
         share = lane_share(buffer, info.sizes[split], lanes.total)
         rows, units = order_units(info, split, buffer, input_shape, dtype, lanes.total)
     stored = max(r for _, r, _ in kinds) + 8 + (8 * values if info.mean is not None else 0)
-    cache = max(cache for _, _, cache in kinds)     # (one file's: a stream holds one such file open at a time)
-    read = rows * max(r for _, r, _ in kinds)       # a direct read's buffer: a huge page where a block is near one
+    cache = max(cache for _, _, cache in kinds)  # (one file's: a stream holds one such file open at a time)
+    read = rows * max(r for _, r, _ in kinds)  # a direct read's buffer: a huge page where a block is near one
     cache += HUGE_PAGE - read if HUGE_PAGE // 8 <= read < HUGE_PAGE else 0
     if lanes is None:
         held = EVAL_BLOCKS * rows * sample

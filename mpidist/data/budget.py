@@ -39,18 +39,30 @@ class Reading:
 
     mode: str
     why: str
-    buffer: int = 0     # samples in the shuffle buffer of the run's data order (training)
-    direct: bool = False    # a stream reads around the page cache (--stream-io direct)
-    sliced: bool = False    # a stream reads chunks larger than its blocks in slices
-    notes: tuple = ()       # what the chief says of it (a buffer capped, chunks read in slices)
+    buffer: int = 0  # samples in the shuffle buffer of the run's data order (training)
+    direct: bool = False  # a stream reads around the page cache (--stream-io direct)
+    sliced: bool = False  # a stream reads chunks larger than its blocks in slices
+    notes: tuple = ()  # what the chief says of it (a buffer capped, chunks read in slices)
 
     def open(self, info, split, worker, num_workers, input_shape, dtype, lanes=None):
         """The shard of ``split`` for this worker: a :class:`Shard` in memory, or a :class:`Stream`; ``lanes``
         (:class:`~mpidist.data.lanes.Lanes`): the training split's lanes it holds."""
         if self.mode == "memory":
-            return Shard(info, split, worker, num_workers, input_shape, dtype, lanes=lanes, buffer=self.buffer)
-        return Stream(info, split, worker, num_workers, input_shape, dtype, self.buffer, self.direct, self.sliced,
-                      lanes=lanes)
+            return Shard(
+                info, split, worker, num_workers, input_shape, dtype, lanes=lanes, buffer=self.buffer
+            )
+        return Stream(
+            info,
+            split,
+            worker,
+            num_workers,
+            input_shape,
+            dtype,
+            self.buffer,
+            self.direct,
+            self.sliced,
+            lanes=lanes,
+        )
 
 
 def budget_of(config):
@@ -95,8 +107,11 @@ def order_buffer_for(config, info, input_shape, dtype, widest, resumed=0):
     budget = budget_of(config)[0]
     buffer = max(1, min(config.shuffle_buffer or default_buffer(input_shape, dtype), info.sizes["train"]))
     # (an evaluation's blocks, as a stream of a whole split has them: every rank reserves alike)
-    reserve = sum(stream_bytes(info, split, max(1, min(buffer, rows)), input_shape, dtype, True)
-                  for split, rows in info.sizes.items() if split != "train")
+    reserve = sum(
+        stream_bytes(info, split, max(1, min(buffer, rows)), input_shape, dtype, True)
+        for split, rows in info.sizes.items()
+        if split != "train"
+    )
 
     def fits(size):
         return stream_bytes(info, "train", size, input_shape, dtype, True, widest) + reserve <= budget
@@ -112,13 +127,21 @@ def _streaming(config, info, parts, input_shape, dtype, limits, why, lanes, orde
     fit the budget; refused where a buffer of one sample does not fit, or a buffer given with the budget does
     not."""
     splits, (budget, how), (buffer, capped, resumed) = list(parts), limits, order
-    def held(size, sliced):   # (a rank streams every split it reads: the train split with its windows)
-        return sum(stream_bytes(info, split, size, input_shape, dtype, sliced,
-                                lanes=lanes if split == "train" else None) for split in splits)
+
+    def held(size, sliced):  # (a rank streams every split it reads: the train split with its windows)
+        return sum(
+            stream_bytes(
+                info, split, size, input_shape, dtype, sliced, lanes=lanes if split == "train" else None
+            )
+            for split in splits
+        )
 
     asked = config.shuffle_buffer
-    limit = f"--memory-budget {config.memory_budget}" if how == "--memory-budget" else \
-        f"the memory budget {human(budget)} (--memory-budget auto)"
+    limit = (
+        f"--memory-budget {config.memory_budget}"
+        if how == "--memory-budget"
+        else f"the memory budget {human(budget)} (--memory-budget auto)"
+    )
     if held(1, True) > budget:
         raise UsageError(_too_small(info, splits, held(1, True), limit))
     sliced = held(buffer, False) > budget
@@ -127,19 +150,27 @@ def _streaming(config, info, parts, input_shape, dtype, limits, why, lanes, orde
         sample = int(np.prod(input_shape)) * np.dtype(dtype).itemsize
         held_lanes = lanes.count if lanes else 1
         share = lane_share(asked, info.sizes["train"], lanes.total) if lanes else asked
-        raise UsageError(f"--memory-budget {config.memory_budget}: streaming with --shuffle-buffer {asked:,} "
-                         f"holds about {human(held(asked, True))} ({WINDOWS} windows of at least {share:,} "
-                         f"{human(sample)} samples for each of its {held_lanes:,} lane(s), and its blocks); "
-                         f"give --shuffle-buffer {buffer:,} or less, or a larger budget")
-    if capped and asked:   # (the default is what fits: no news)
-        notes.append(f"--shuffle-buffer {asked:,} capped to {buffer:,} samples: a stream holds {WINDOWS} windows "
-                     f"of its lanes' share of it, which must fit {limit} beside its blocks (the run keeps this "
-                     "buffer, and so its data order, when it is resumed)")
+        raise UsageError(
+            f"--memory-budget {config.memory_budget}: streaming with --shuffle-buffer {asked:,} "
+            f"holds about {human(held(asked, True))} ({WINDOWS} windows of at least {share:,} "
+            f"{human(sample)} samples for each of its {held_lanes:,} lane(s), and its blocks); "
+            f"give --shuffle-buffer {buffer:,} or less, or a larger budget"
+        )
+    if capped and asked:  # (the default is what fits: no news)
+        notes.append(
+            f"--shuffle-buffer {asked:,} capped to {buffer:,} samples: a stream holds {WINDOWS} windows "
+            f"of its lanes' share of it, which must fit {limit} beside its blocks (the run keeps this "
+            "buffer, and so its data order, when it is resumed)"
+        )
     if resumed and held(buffer, True) > budget:
-        notes.append(f"the data order resumed holds windows of {buffer:,} samples over the global batch: this "
-                     f"rank's stream holds about {human(held(buffer, True))}, more than {limit} (the order is "
-                     "kept, so each sample is still trained once an epoch)")
-    if sliced or "train" in parts:     # (the order's units slice a chunk larger than a block, whatever the budget)
+        notes.append(
+            f"the data order resumed holds windows of {buffer:,} samples over the global batch: this "
+            f"rank's stream holds about {human(held(buffer, True))}, more than {limit} (the order is "
+            "kept, so each sample is still trained once an epoch)"
+        )
+    if (
+        sliced or "train" in parts
+    ):  # (the order's units slice a chunk larger than a block, whatever the budget)
         notes.extend(_slicing(info, splits, block_bytes_for(buffer, input_shape, dtype)))
     why = f"stream ({why}), buffer {buffer:,}" + (" (capped)" if capped and asked else "")
     return Reading("stream", why, buffer, config.stream_io == "direct", sliced, tuple(notes))
@@ -156,7 +187,9 @@ def _largest(fits, upto):
 
 def _chunks(info, splits):
     """``(member, group, chunk rows)`` of each file and split read, largest chunk of ``x`` first."""
-    found = [(m, info.rows_of(s)[0], m.chunk_rows.get(info.rows_of(s)[0], 1)) for s in splits for m in info.files]
+    found = [
+        (m, info.rows_of(s)[0], m.chunk_rows.get(info.rows_of(s)[0], 1)) for s in splits for m in info.files
+    ]
     return sorted(found, key=lambda f: -f[2] * f[0].row_bytes.get(f[1], 1))
 
 
@@ -166,14 +199,19 @@ def _slicing(info, splits, block):
         length = block_length(member, group, block, sliced=True)
         if length < chunk:
             compressed = member.spans.get(group, (0, 0))[0] > 0
-            return [f"{member.path}: {group}/x is stored in chunks of {chunk:,} rows "
-                    f"({human(chunk * member.row_bytes[group])}), more than a stream's blocks ({human(block)}) "
-                    f"and its budget allow: read in slices of {length:,} rows"
-                    + ("; a compressed chunk is decompressed whole to read any slice: a lane reads its slices "
-                       "of a chunk one after the other (a window draws from fewer places) from a cache of one "
-                       "chunk, but the lanes' windows take turns, so a chunk is decompressed again for each "
-                       "window that reads it (rewrite the file in smaller chunks where that costs)"
-                       if compressed else "")]
+            return [
+                f"{member.path}: {group}/x is stored in chunks of {chunk:,} rows "
+                f"({human(chunk * member.row_bytes[group])}), more than a stream's blocks ({human(block)}) "
+                f"and its budget allow: read in slices of {length:,} rows"
+                + (
+                    "; a compressed chunk is decompressed whole to read any slice: a lane reads its slices "
+                    "of a chunk one after the other (a window draws from fewer places) from a cache of one "
+                    "chunk, but the lanes' windows take turns, so a chunk is decompressed again for each "
+                    "window that reads it (rewrite the file in smaller chunks where that costs)"
+                    if compressed
+                    else ""
+                )
+            ]
     return []
 
 
@@ -181,11 +219,15 @@ def _too_small(info, splits, least, limit):
     """Why a stream does not fit ``limit`` even with a buffer of one sample (it needs ``least`` bytes)."""
     member, group, chunk = _chunks(info, splits)[0]
     span = member.spans.get(group, (0, 0))[0]
-    if 2 * member.cache_bytes(group) > least:     # the chunk cache takes most of it
-        return (f"{member.path}: {group}/x is stored in compressed chunks of {chunk:,} rows ({human(span)} "
-                f"decompressed): reading any of its samples decompresses a whole chunk, and a stream holds one, "
-                f"needing at least {human(least)}, more than {limit}; rewrite the file in smaller chunks "
-                "(`python -m mpidist ingest` writes chunks of about 1 MiB; or h5repack -l "
-                f"{group}/x:CHUNK=...), or give a larger --memory-budget")
-    return (f"streaming needs at least {human(least)} (a shuffle buffer of one sample, and a block), more than "
-            f"{limit}: give a larger --memory-budget")
+    if 2 * member.cache_bytes(group) > least:  # the chunk cache takes most of it
+        return (
+            f"{member.path}: {group}/x is stored in compressed chunks of {chunk:,} rows ({human(span)} "
+            f"decompressed): reading any of its samples decompresses a whole chunk, and a stream holds one, "
+            f"needing at least {human(least)}, more than {limit}; rewrite the file in smaller chunks "
+            "(`python -m mpidist ingest` writes chunks of about 1 MiB; or h5repack -l "
+            f"{group}/x:CHUNK=...), or give a larger --memory-budget"
+        )
+    return (
+        f"streaming needs at least {human(least)} (a shuffle buffer of one sample, and a block), more than "
+        f"{limit}: give a larger --memory-budget"
+    )

@@ -34,7 +34,7 @@ def byte_ranges(item, lo, hi):
     dsid = item.id
     if item.chunks is None:
         offset = dsid.get_offset()
-        if offset is None:          # never written: nothing on disk
+        if offset is None:  # never written: nothing on disk
             return []
         return [(offset + lo * _row_bytes(item), (hi - lo) * _row_bytes(item))]
     ranges, step = [], item.chunks[0]
@@ -49,7 +49,7 @@ def _row_bytes(item):
     return item.dtype.itemsize * int(np.prod(item.shape[1:], dtype=np.int64))
 
 
-ALIGN = 4096    # what O_DIRECT asks of offsets, lengths and buffers: a page, the largest logical block in use
+ALIGN = 4096  # what O_DIRECT asks of offsets, lengths and buffers: a page, the largest logical block in use
 
 
 class DirectFile:
@@ -77,8 +77,8 @@ class DirectFile:
             # (a read of an eighth of a huge page or more gets a whole one: a 1 MiB read into it cost 0.045 ms of
             # CPU per MiB, into small pages 0.109)
             self.buffer = _aligned(max(stop - start, HUGE_PAGE if stop - start >= HUGE_PAGE // 8 else 0))
-        got = os.preadv(self.fd, [memoryview(self.buffer)[:stop - start]], start)
-        return memoryview(self.buffer)[offset - start:min(got, offset - start + length)]
+        got = os.preadv(self.fd, [memoryview(self.buffer)[: stop - start]], start)
+        return memoryview(self.buffer)[offset - start : min(got, offset - start + length)]
 
     def close(self):
         os.close(self.fd)
@@ -107,11 +107,11 @@ def _aligned(size):
         region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
             region.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:     # a kernel without transparent huge pages: small pages, still aligned
+        except OSError:  # a kernel without transparent huge pages: small pages, still aligned
             pass
         raw, align = np.frombuffer(region, dtype=np.uint8), HUGE_PAGE
     skip = -raw.ctypes.data % align
-    return raw[skip:skip + size]
+    return raw[skip : skip + size]
 
 
 def readable(item):
@@ -143,7 +143,7 @@ def direct_rows(item, lo, hi, fd, path="", direct=None, known=None):
     can, row, step, ndim, shape, dtype = known or layout(item)
     if not can:
         return None
-    spans = []     # (offset in the file, offset in the rows, bytes)
+    spans = []  # (offset in the file, offset in the rows, bytes)
     if step is None:
         offset = item.id.get_offset()
         if offset is None:
@@ -152,11 +152,11 @@ def direct_rows(item, lo, hi, fd, path="", direct=None, known=None):
     else:
         for start in range(lo - lo % step, hi, step):
             info = item.id.get_chunk_info_by_coord((start,) + (0,) * (ndim - 1))
-            if info.byte_offset is None:    # a chunk never written reads as the fill value: h5py knows it
+            if info.byte_offset is None:  # a chunk never written reads as the fill value: h5py knows it
                 return None
             first, last = max(lo, start), min(hi, start + step)
             span = (info.byte_offset + (first - start) * row, (first - lo) * row, (last - first) * row)
-            if spans and spans[-1][0] + spans[-1][2] == span[0]:     # chunks one after the other: one read
+            if spans and spans[-1][0] + spans[-1][2] == span[0]:  # chunks one after the other: one read
                 spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + span[2])
             else:
                 spans.append(span)
@@ -171,10 +171,10 @@ def direct_rows(item, lo, hi, fd, path="", direct=None, known=None):
         offset, at, length = span
         if direct is not None:
             got = direct.read(offset, length)
-            view[at:at + len(got)] = got
+            view[at : at + len(got)] = got
             got = len(got)
         else:
-            got = os.preadv(fd, [view[at:at + length]], offset)
+            got = os.preadv(fd, [view[at : at + length]], offset)
         _check_length(got, span, item, path)
     return out
 
@@ -182,5 +182,7 @@ def direct_rows(item, lo, hi, fd, path="", direct=None, known=None):
 def _check_length(got, span, item, path):
     offset, _, length = span
     if got != length:
-        raise UsageError(f"{path}: {item.name} ends before its data does (read {got} of {length} bytes at "
-                         f"{offset}): the file is truncated")
+        raise UsageError(
+            f"{path}: {item.name} ends before its data does (read {got} of {length} bytes at "
+            f"{offset}): the file is truncated"
+        )

@@ -29,9 +29,9 @@ from ..runtime.errors import UsageError
 from .arrays import ArrayData
 from .layout import open_source, resolve
 
-SCHEME = "sha256-1"                 # the fingerprint's recipe: a checkpoint written by another is not compared
-SAMPLED_FILES = 8                   # files of a dataset whose bytes are sampled (spread over them)
-SAMPLE_BYTES = 64 << 10             # bytes read at each of three places of each item of a sampled file
+SCHEME = "sha256-1"  # the fingerprint's recipe: a checkpoint written by another is not compared
+SAMPLED_FILES = 8  # files of a dataset whose bytes are sampled (spread over them)
+SAMPLE_BYTES = 64 << 10  # bytes read at each of three places of each item of a sampled file
 
 
 def recorded(spec):
@@ -39,16 +39,16 @@ def recorded(spec):
 
     An :class:`~mpidist.data.arrays.ArrayData` is recorded by its description.
     """
-    if not isinstance(spec, (str, os.PathLike)):     # (arrays in memory: no later command reads them again)
+    if not isinstance(spec, (str, os.PathLike)):  # (arrays in memory: no later command reads them again)
         return str(spec)
     text = os.fspath(spec)
     path = Path(text).expanduser()
     if path.is_file() or path.is_dir():
         return str(path.resolve())
     if glob.has_magic(text):
-        return os.path.abspath(path)            # (its matches are found again from there)
+        return os.path.abspath(path)  # (its matches are found again from there)
     if path.suffix == "" and os.sep not in text:
-        return text                             # a bundled dataset's name (or none: resolve() says so)
+        return text  # a bundled dataset's name (or none: resolve() says so)
     return os.path.abspath(path)
 
 
@@ -62,13 +62,23 @@ def fingerprint(info):
     def add(*parts):
         digest.update(repr(parts).encode("utf-8", "backslashreplace"))
 
-    add(info.name, info.num_classes, info.source, tuple(info.sample_shape), info.target_width, info.class_names)
+    add(
+        info.name,
+        info.num_classes,
+        info.source,
+        tuple(info.sample_shape),
+        info.target_width,
+        info.class_names,
+    )
     for stats in (info.mean, info.std):
         add(None if stats is None else np.asarray(stats, np.float64).tobytes())
     add([sorted(member.sizes.items()) for member in info.files])
     count = len(info.files)
-    picked = range(count) if count <= SAMPLED_FILES else \
-        sorted({k * (count - 1) // (SAMPLED_FILES - 1) for k in range(SAMPLED_FILES)})
+    picked = (
+        range(count)
+        if count <= SAMPLED_FILES
+        else sorted({k * (count - 1) // (SAMPLED_FILES - 1) for k in range(SAMPLED_FILES)})
+    )
     try:
         for index in picked:
             member = info.files[index]
@@ -76,7 +86,13 @@ def fingerprint(info):
                 for split in sorted(member.sizes):
                     for key in ("x", "y"):
                         _add_samples(add, handle[f"{split}/{key}"])
-    except (OSError, KeyError, ValueError, TypeError, RuntimeError):    # (gone or changed since it was inspected)
+    except (
+        OSError,
+        KeyError,
+        ValueError,
+        TypeError,
+        RuntimeError,
+    ):  # (gone or changed since it was inspected)
         return ""
     return f"{SCHEME}:{digest.hexdigest()}"
 
@@ -91,7 +107,10 @@ def _add_samples(add, item):
     # rows per place; where one row is larger than the sample, only the first part of its last axes
     row_bytes = max(1, item.dtype.itemsize * int(np.prod(trailing, dtype=np.int64)))
     take = max(1, min(rows, SAMPLE_BYTES // row_bytes))
-    while item.dtype.itemsize * take * int(np.prod(trailing, dtype=np.int64)) > SAMPLE_BYTES and max(trailing) > 1:
+    while (
+        item.dtype.itemsize * take * int(np.prod(trailing, dtype=np.int64)) > SAMPLE_BYTES
+        and max(trailing) > 1
+    ):
         largest = trailing.index(max(trailing))
         trailing[largest] = (trailing[largest] + 1) // 2
     for start in sorted({0, (rows - take) // 2, rows - take}):
@@ -110,15 +129,21 @@ def mismatch(recorded_fingerprint, recorded_data, info):
         None where ``info`` is another dataset than the one recorded (nothing to compare), where either
         fingerprint is unknown, or where they agree; else the words of the difference.
     """
-    if not recorded_fingerprint or not recorded_fingerprint.startswith(SCHEME + ":") or \
-            _where(info.path) is None or _where(info.path) != _where(recorded_data):
+    if (
+        not recorded_fingerprint
+        or not recorded_fingerprint.startswith(SCHEME + ":")
+        or _where(info.path) is None
+        or _where(info.path) != _where(recorded_data)
+    ):
         return None
     now = fingerprint(info)
     if not now or now == recorded_fingerprint:
         return None
-    return (f"dataset {recorded_data} is not the dataset it was trained on: its content changed since (its "
-            "fingerprint, over the attributes, shapes and a sample of the rows, differs from the one the "
-            "checkpoint recorded)")
+    return (
+        f"dataset {recorded_data} is not the dataset it was trained on: its content changed since (its "
+        "fingerprint, over the attributes, shapes and a sample of the rows, differs from the one the "
+        "checkpoint recorded)"
+    )
 
 
 def _where(spec):

@@ -36,7 +36,7 @@ from ..nn.tensor import part_range
 from .batches import local_batch_size
 
 MASK = (1 << 64) - 1
-GOLDEN = np.uint64(0x9E3779B97F4A7C15)     # SplitMix64's increment
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ def _word(value):
 def seeds(*words):
     """The uint64 hash of ``words`` (integers or integer arrays, broadcast together): one stream's seed each."""
     with np.errstate(over="ignore"):
-        out = np.uint64(0x6D70696469737421)      # "mpidist!"
+        out = np.uint64(0x6D70696469737421)  # "mpidist!"
         for word in words:
             out = mix(out + GOLDEN + _word(word))
         return np.asarray(out, dtype=np.uint64)

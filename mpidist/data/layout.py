@@ -35,13 +35,13 @@ from ..store.outputs import is_regular_file, special_kind
 from .arrays import ArrayData
 
 SPLITS = ("train", "test")
-OPTIONAL_SPLITS = ("val",)   # a validation split a file may hold (else --val-fraction carves one from train)
-VAL_SEED = 0x7661            # mixed into --seed for the carving, so it is not the data order's stream
-MAX_CLASSES = 2 ** 24   # more output units than any classifier here could train: a corrupt attribute
-MAX_NAME = 200          # characters in a class name
-MAX_FILES = 100_000     # files in one dataset: more is a wrong directory, and each is opened by every rank
+OPTIONAL_SPLITS = ("val",)  # a validation split a file may hold (else --val-fraction carves one from train)
+VAL_SEED = 0x7661  # mixed into --seed for the carving, so it is not the data order's stream
+MAX_CLASSES = 2**24  # more output units than any classifier here could train: a corrupt attribute
+MAX_NAME = 200  # characters in a class name
+MAX_FILES = 100_000  # files in one dataset: more is a wrong directory, and each is opened by every rank
 SUFFIXES = (".h5", ".hdf5")
-CHUNK_CACHE = 1 << 20   # HDF5's own chunk cache per dataset
+CHUNK_CACHE = 1 << 20  # HDF5's own chunk cache per dataset
 
 
 def data_dirs():
@@ -50,7 +50,7 @@ def data_dirs():
     if os.environ.get("MPIDIST_DATA_DIR"):
         dirs.append(Path(os.environ["MPIDIST_DATA_DIR"]))
     dirs.append(Path(__file__).resolve().parent.parent.parent / "data")  # a checkout / editable install
-    dirs.append(Path(sys.prefix) / "share" / "mpidist" / "data")         # a wheel install
+    dirs.append(Path(sys.prefix) / "share" / "mpidist" / "data")  # a wheel install
     return dirs
 
 
@@ -67,14 +67,16 @@ def resolve(spec):
     if path.is_file() or path.is_dir():
         return path
     if glob.has_magic(str(spec)):
-        return Path(os.path.expanduser(spec))     # expanded by members(): it must match files
+        return Path(os.path.expanduser(spec))  # expanded by members(): it must match files
     if path.suffix == "" and os.sep not in spec:
         for directory in data_dirs():
             candidate = directory / f"{spec}.h5"
             if candidate.is_file():
                 return candidate
         names = ", ".join(bundled_names()) or "none found"
-        raise UsageError(f"--data {spec!r}: no such file, and no bundled dataset of that name (bundled: {names})")
+        raise UsageError(
+            f"--data {spec!r}: no such file, and no bundled dataset of that name (bundled: {names})"
+        )
     raise UsageError(f"--data {spec}: no such file")
 
 
@@ -91,9 +93,13 @@ def members(path):
         found = [p for p in path.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".")]
         what = f"{path}: a directory with no .h5 or .hdf5 files"
         odd = next((p for p in found if not is_regular_file(p)), None)
-        if odd is not None:     # (refused, not passed over: training on fewer parts than given is silently wrong)
-            raise UsageError(f"{path}: {odd.name} is {special_kind(odd) or 'a directory'}, not a file; the .h5 and "
-                             ".hdf5 files of a dataset directory are its parts, and opening it could wait forever")
+        if (
+            odd is not None
+        ):  # (refused, not passed over: training on fewer parts than given is silently wrong)
+            raise UsageError(
+                f"{path}: {odd.name} is {special_kind(odd) or 'a directory'}, not a file; the .h5 and "
+                ".hdf5 files of a dataset directory are its parts, and opening it could wait forever"
+            )
     else:
         found = [Path(p) for p in glob.glob(str(path)) if os.path.isfile(p)]
         what = f"--data {path}: matches no files"
@@ -108,10 +114,10 @@ def members(path):
 class Member:
     """One file of a dataset: its rows per split, and how its ``x`` is stored (for reads aligned to its chunks)."""
 
-    path: object        # a Path, or the ArrayData given in Python
-    sizes: dict         # split -> rows in this file
-    chunk_rows: dict    # split -> rows per HDF5 chunk of x (1 where x is not chunked)
-    row_bytes: dict     # split -> bytes of one sample of x as stored
+    path: object  # a Path, or the ArrayData given in Python
+    sizes: dict  # split -> rows in this file
+    chunk_rows: dict  # split -> rows per HDF5 chunk of x (1 where x is not chunked)
+    row_bytes: dict  # split -> bytes of one sample of x as stored
     #: split -> (x, y): bytes HDF5 decompresses to read any row of a compressed chunk (a chunk's rows, all
     #: their values), 0 where the item is not compressed
     spans: dict = dataclasses.field(default_factory=dict)
@@ -131,7 +137,7 @@ class Member:
 class DatasetInfo:
     """What a dataset file declares, checked against the layout."""
 
-    path: Path      # or the ArrayData given in Python
+    path: Path  # or the ArrayData given in Python
     name: str
     num_classes: int
     source: str
@@ -145,7 +151,7 @@ class DatasetInfo:
     std: object = dataclasses.field(default=None, repr=False, compare=False)
     #: one name per class, control characters escaped, where the file names them
     class_names: tuple = None
-    feature_names: tuple = None   # a CSV header's names of a sample's values, where ingest stored them
+    feature_names: tuple = None  # a CSV header's names of a sample's values, where ingest stored them
     #: splits carved out of another (``--val-fraction``): name -> (the file's split, its sorted row numbers)
     carved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     #: the files, in order (one for a single file): a split's rows are theirs, concatenated
@@ -178,11 +184,15 @@ def carve_validation(info, fraction, seed):
     n = info.sizes["train"]
     count = math.ceil(fraction * n)
     if "val" in info.sizes:
-        raise UsageError(f"--val-fraction {fraction}: dataset {info.name!r} ({info.path}) has a val/ split of "
-                         "its own, used for validation; drop --val-fraction")
+        raise UsageError(
+            f"--val-fraction {fraction}: dataset {info.name!r} ({info.path}) has a val/ split of "
+            "its own, used for validation; drop --val-fraction"
+        )
     if not 0 < count < n:
-        raise UsageError(f"--val-fraction {fraction} of the {n} training samples leaves "
-                         f"{'no validation samples' if count == 0 else 'no training samples'}")
+        raise UsageError(
+            f"--val-fraction {fraction} of the {n} training samples leaves "
+            f"{'no validation samples' if count == 0 else 'no training samples'}"
+        )
     chosen = np.zeros(n, dtype=bool)
     chosen[np.random.default_rng([seed, VAL_SEED]).choice(n, size=count, replace=False)] = True
     carved = {"train": ("train", np.flatnonzero(~chosen)), "val": ("train", np.flatnonzero(chosen))}
@@ -248,34 +258,44 @@ def _inspect_file(path, allow_external, part):
         with handle:
             try:
                 return _describe(path, handle, allow_external, part)
-            except (KeyError, RuntimeError, OSError, ValueError, TypeError) as err:   # links that loop, a
-                raise UsageError(f"{path}: not a readable dataset ({printable(err)})") from None   # bad header
+            except (KeyError, RuntimeError, OSError, ValueError, TypeError) as err:  # links that loop, a
+                raise UsageError(f"{path}: not a readable dataset ({printable(err)})") from None  # bad header
 
 
 def _combined(path, parts):
     """One :class:`DatasetInfo` for the files ``parts`` describe: they must agree on all but their rows."""
     first = parts[0]
     for other in parts[1:]:
-        for what, mine, theirs in (("num_classes", first.num_classes, other.num_classes),
-                                   ("sample shape", first.sample_shape, other.sample_shape),
-                                   ("target width", first.target_width, other.target_width),
-                                   ("class_names", first.class_names, other.class_names),
-                                   ("feature_names", first.feature_names, other.feature_names),
-                                   ("splits", sorted(first.sizes), sorted(other.sizes))):
+        for what, mine, theirs in (
+            ("num_classes", first.num_classes, other.num_classes),
+            ("sample shape", first.sample_shape, other.sample_shape),
+            ("target width", first.target_width, other.target_width),
+            ("class_names", first.class_names, other.class_names),
+            ("feature_names", first.feature_names, other.feature_names),
+            ("splits", sorted(first.sizes), sorted(other.sizes)),
+        ):
             if mine != theirs:
-                raise UsageError(f"{path}: the files differ in {what}: {first.path.name} has "
-                                 f"{shown(mine)}, {other.path.name} has {shown(theirs)}; the files of one "
-                                 "dataset differ only in their rows")
+                raise UsageError(
+                    f"{path}: the files differ in {what}: {first.path.name} has "
+                    f"{shown(mine)}, {other.path.name} has {shown(theirs)}; the files of one "
+                    "dataset differ only in their rows"
+                )
         for key, mine, theirs in (("mean", first.mean, other.mean), ("std", first.std, other.std)):
             if (mine is None) != (theirs is None) or (mine is not None and not np.array_equal(mine, theirs)):
-                raise UsageError(f"{path}: the files differ in stats/{key}: {first.path.name} and "
-                                 f"{other.path.name} must be standardised with the same statistics")
+                raise UsageError(
+                    f"{path}: the files differ in stats/{key}: {first.path.name} and "
+                    f"{other.path.name} must be standardised with the same statistics"
+                )
     sizes = {split: sum(part.sizes[split] for part in parts) for split in first.sizes}
     for split, rows in sizes.items():
         if rows == 0:
-            raise UsageError(f"{path}: no file has rows of the {split} split; training and evaluation need "
-                             "samples in both train and test")
-    return dataclasses.replace(first, path=path, sizes=sizes, files=tuple(m for part in parts for m in part.files))
+            raise UsageError(
+                f"{path}: no file has rows of the {split} split; training and evaluation need "
+                "samples in both train and test"
+            )
+    return dataclasses.replace(
+        first, path=path, sizes=sizes, files=tuple(m for part in parts for m in part.files)
+    )
 
 
 def _describe(path, handle, allow_external, part=False):
@@ -293,8 +313,9 @@ def _describe(path, handle, allow_external, part=False):
             if item.dtype.kind not in "biuf":
                 raise UsageError(f"{path}: {split}/{key} has dtype {item.dtype}; it must be numeric")
         if x.ndim < 2:
-            raise UsageError(f"{path}: {split}/x has shape {x.shape}; it needs samples first and "
-                             "at least one feature axis")
+            raise UsageError(
+                f"{path}: {split}/x has shape {x.shape}; it needs samples first and at least one feature axis"
+            )
         if 0 in x.shape[1:]:
             raise UsageError(f"{path}: {split}/x has shape {x.shape}: samples of no features")
         if y.ndim == 0:
@@ -302,11 +323,15 @@ def _describe(path, handle, allow_external, part=False):
         if y.shape[0] != x.shape[0]:
             raise UsageError(f"{path}: {split}/x has {x.shape[0]} samples but {split}/y has {y.shape[0]}")
         if x.shape[0] == 0 and not part:
-            raise UsageError(f"{path}: the {split} split is empty; training and evaluation need samples in "
-                             "both (`python -m mpidist ingest --test-fraction` splits a source)")
+            raise UsageError(
+                f"{path}: the {split} split is empty; training and evaluation need samples in "
+                "both (`python -m mpidist ingest --test-fraction` splits a source)"
+            )
         if num_classes > 0 and (y.ndim not in (1, 2) or y.dtype.kind not in "biu" or 0 in y.shape[1:]):
-            raise UsageError(f"{path}: {split}/y must be integer class labels for num_classes = {num_classes}, "
-                             f"(N,) or (N, L) for one per position, got shape {y.shape} dtype {y.dtype}")
+            raise UsageError(
+                f"{path}: {split}/y must be integer class labels for num_classes = {num_classes}, "
+                f"(N,) or (N, L) for one per position, got shape {y.shape} dtype {y.dtype}"
+            )
         if num_classes == 0 and (y.ndim > 2 or (y.ndim == 2 and y.shape[1] == 0)):
             raise UsageError(f"{path}: {split}/y has shape {y.shape}; regression targets are (N,) or (N, K)")
         sizes[split] = int(x.shape[0])
@@ -318,15 +343,27 @@ def _describe(path, handle, allow_external, part=False):
         raise UsageError(f"{path}: the {', '.join(splits)} targets differ in width: {sorted(widths)}")
     sample_shape = shapes.pop()
     mean, std = _stats(path, handle, sample_shape, allow_external)
-    member = Member(path, sizes, chunk_rows={s: int(items[s, "x"].chunks[0]) if items[s, "x"].chunks else 1
-                                             for s in splits},
-                    row_bytes={s: int(np.prod(sample_shape)) * items[s, "x"].dtype.itemsize for s in splits},
-                    spans={s: (_span(items[s, "x"]), _span(items[s, "y"])) for s in splits})
-    return DatasetInfo(path=path, name=_text(handle.attrs.get("name"), path.stem), num_classes=num_classes,
-                       source=_text(handle.attrs.get("source"), ""), sample_shape=sample_shape, sizes=sizes,
-                       target_width=widths.pop(), mean=mean, std=std,
-                       class_names=_class_names(path, handle, num_classes, allow_external),
-                       feature_names=_feature_names(path, handle, sample_shape, allow_external), files=(member,))
+    member = Member(
+        path,
+        sizes,
+        chunk_rows={s: int(items[s, "x"].chunks[0]) if items[s, "x"].chunks else 1 for s in splits},
+        row_bytes={s: int(np.prod(sample_shape)) * items[s, "x"].dtype.itemsize for s in splits},
+        spans={s: (_span(items[s, "x"]), _span(items[s, "y"])) for s in splits},
+    )
+    return DatasetInfo(
+        path=path,
+        name=_text(handle.attrs.get("name"), path.stem),
+        num_classes=num_classes,
+        source=_text(handle.attrs.get("source"), ""),
+        sample_shape=sample_shape,
+        sizes=sizes,
+        target_width=widths.pop(),
+        mean=mean,
+        std=std,
+        class_names=_class_names(path, handle, num_classes, allow_external),
+        feature_names=_feature_names(path, handle, sample_shape, allow_external),
+        files=(member,),
+    )
 
 
 def _span(item):
@@ -352,21 +389,33 @@ def _stats(path, handle, sample_shape, allow_external):
     for key in ("mean", "std"):
         name = f"stats/{key}"
         if not _present(handle, name):
-            raise UsageError(f"{path}: has 'stats' but no dataset '{name}': standardisation statistics are "
-                             f"stats/mean and stats/std, both of the sample shape {tuple(sample_shape)}")
+            raise UsageError(
+                f"{path}: has 'stats' but no dataset '{name}': standardisation statistics are "
+                f"stats/mean and stats/std, both of the sample shape {tuple(sample_shape)}"
+            )
         item = _item(path, handle, name, allow_external)
         if item.dtype.kind != "f":
-            raise UsageError(f"{path}: {name} has dtype {item.dtype}; standardisation statistics must be floats")
+            raise UsageError(
+                f"{path}: {name} has dtype {item.dtype}; standardisation statistics must be floats"
+            )
         if tuple(item.shape) != tuple(sample_shape):
-            raise UsageError(f"{path}: {name} has shape {tuple(item.shape)}; it must be the sample shape "
-                             f"{tuple(sample_shape)}")
+            raise UsageError(
+                f"{path}: {name} has shape {tuple(item.shape)}; it must be the sample shape "
+                f"{tuple(sample_shape)}"
+            )
         value = np.asarray(item[()], dtype=np.float64)
         bad = ~np.isfinite(value) if key == "mean" else ~(np.isfinite(value) & (value > 0))
         if bad.any():
             index = np.unravel_index(int(np.flatnonzero(bad)[0]), value.shape)
-            raise UsageError(f"{path}: {name}[{', '.join(map(str, index))}] is {value[index]}; " + (
-                "standardisation statistics must be finite" if key == "mean" else
-                "standard deviations must be finite and greater than 0 (ingest stores 1 for a constant feature)"))
+            raise UsageError(
+                f"{path}: {name}[{', '.join(map(str, index))}] is {value[index]}; "
+                + (
+                    "standardisation statistics must be finite"
+                    if key == "mean"
+                    else "standard deviations must be finite and greater than 0 (ingest stores 1 for a "
+                    "constant feature)"
+                )
+            )
         found.append(value)
     return tuple(found)
 
@@ -381,9 +430,13 @@ def _class_names(path, handle, num_classes, allow_external):
 def _feature_names(path, handle, sample_shape, allow_external):
     """The ``feature_names`` item (a CSV header's names of a sample's values), checked; None where there is none."""
     if _present(handle, "feature_names") and len(sample_shape) != 1:
-        raise UsageError(f"{path}: has feature_names but its samples have shape {sample_shape}: names are for "
-                         "samples of one axis")
-    return _names(path, handle, "feature_names", sample_shape[0] if sample_shape else 0, "feature", allow_external)
+        raise UsageError(
+            f"{path}: has feature_names but its samples have shape {sample_shape}: names are for "
+            "samples of one axis"
+        )
+    return _names(
+        path, handle, "feature_names", sample_shape[0] if sample_shape else 0, "feature", allow_external
+    )
 
 
 def _names(path, handle, key, count, what, allow_external):
@@ -394,8 +447,9 @@ def _names(path, handle, key, count, what, allow_external):
     if h5py.check_string_dtype(item.dtype) is None:
         raise UsageError(f"{path}: {key} has dtype {item.dtype}; it must hold text (UTF-8 strings)")
     if tuple(item.shape) != (count,):
-        raise UsageError(f"{path}: {key} has shape {tuple(item.shape)}; it needs one name per {what}, "
-                         f"shape ({count},)")
+        raise UsageError(
+            f"{path}: {key} has shape {tuple(item.shape)}; it needs one name per {what}, shape ({count},)"
+        )
     try:
         values = item.asstr()[()]
     except UnicodeDecodeError:
@@ -406,11 +460,15 @@ def _names(path, handle, key, count, what, allow_external):
         if not name.strip():
             raise UsageError(f"{path}: {key}[{index}] is empty; every {what} needs a name")
         if len(name) > MAX_NAME:
-            raise UsageError(f"{path}: {key}[{index}] is {len(name):,} characters long; a {what} name has "
-                             f"at most {MAX_NAME}")
+            raise UsageError(
+                f"{path}: {key}[{index}] is {len(name):,} characters long; a {what} name has "
+                f"at most {MAX_NAME}"
+            )
         if name in seen:
-            raise UsageError(f"{path}: {key}[{index}] repeats {key}[{seen[name]}] "
-                             f"({printable(repr(name))}); every {what} needs a name of its own")
+            raise UsageError(
+                f"{path}: {key}[{index}] repeats {key}[{seen[name]}] "
+                f"({printable(repr(name))}); every {what} needs a name of its own"
+            )
         seen[name] = index
         names.append(printable(name))
     return tuple(names)
@@ -422,21 +480,31 @@ def _item(path, handle, name, allow_external):
     for depth, part in enumerate(parts):
         link = node.get(part, getlink=True) if isinstance(node, h5py.Group) else None
         if link is None:
-            raise UsageError(f"{path}: missing dataset '{name}' (the layout needs train/x, train/y, test/x, "
-                             "test/y; `python -m mpidist ingest` writes it)")
+            raise UsageError(
+                f"{path}: missing dataset '{name}' (the layout needs train/x, train/y, test/x, "
+                "test/y; `python -m mpidist ingest` writes it)"
+            )
         if isinstance(link, h5py.ExternalLink) and not allow_external:
-            raise UsageError(f"{path}: '{'/'.join(parts[:depth + 1])}' is an external link to "
-                             f"{printable(link.filename)!r}: refused, as it reads another file "
-                             "(--allow-external follows such links)")
+            raise UsageError(
+                f"{path}: '{'/'.join(parts[: depth + 1])}' is an external link to "
+                f"{printable(link.filename)!r}: refused, as it reads another file "
+                "(--allow-external follows such links)"
+            )
         try:
             node = node[part]
-        except (KeyError, RuntimeError, OSError, ValueError) as err:   # a soft link that loops or dangles
-            raise UsageError(f"{path}: '{'/'.join(parts[:depth + 1])}' cannot be read ({printable(err)})") from None
+        except (KeyError, RuntimeError, OSError, ValueError) as err:  # a soft link that loops or dangles
+            raise UsageError(
+                f"{path}: '{'/'.join(parts[: depth + 1])}' cannot be read ({printable(err)})"
+            ) from None
     if not isinstance(node, h5py.Dataset):
-        raise UsageError(f"{path}: '{name}' is not a dataset (the layout needs train/x, train/y, test/x, test/y)")
+        raise UsageError(
+            f"{path}: '{name}' is not a dataset (the layout needs train/x, train/y, test/x, test/y)"
+        )
     if node.is_virtual and not allow_external:
-        raise UsageError(f"{path}: '{name}' is a virtual dataset, which reads other files: refused "
-                         "(--allow-external allows it)")
+        raise UsageError(
+            f"{path}: '{name}' is a virtual dataset, which reads other files: refused "
+            "(--allow-external allows it)"
+        )
     return node
 
 
@@ -451,11 +519,15 @@ def _num_classes(path, attrs):
     if isinstance(value, (float, np.floating)) and np.isfinite(value) and float(value).is_integer():
         integral, value = True, int(value)
     if not integral:
-        raise UsageError(f"{path}: num_classes = {shown(value)} is not an integer (0 for regression, "
-                         "or the number of classes)")
+        raise UsageError(
+            f"{path}: num_classes = {shown(value)} is not an integer (0 for regression, "
+            "or the number of classes)"
+        )
     value = int(value)
     if value < 0 or value == 1 or value > MAX_CLASSES:
-        raise UsageError(f"{path}: num_classes = {value}; use 0 for regression or 2 to {MAX_CLASSES:,} classes")
+        raise UsageError(
+            f"{path}: num_classes = {value}; use 0 for regression or 2 to {MAX_CLASSES:,} classes"
+        )
     return value
 
 

@@ -30,16 +30,16 @@ import numpy as np
 from .blocks import order_units
 from .lanes import lane_starts, mix, seeds
 
-ORDER = 0x4F524452      # mixed into the seeds ("ORDR")
-UNITS, SAMPLES = 1, 2   # which permutation of a lane's epoch a seed is for
-ROUNDS = 4              # a Feistel network's rounds: four make a pseudo-random permutation (Luby-Rackoff)
+ORDER = 0x4F524452  # mixed into the seeds ("ORDR")
+UNITS, SAMPLES = 1, 2  # which permutation of a lane's epoch a seed is for
+ROUNDS = 4  # a Feistel network's rounds: four make a pseudo-random permutation (Luby-Rackoff)
 
 
 def _bits(values):
     """Bits of each of the non-negative int64 ``values`` (``int.bit_length``), element by element."""
     values = np.asarray(values, dtype=np.int64)
     bits = np.zeros(values.shape, dtype=np.int64)
-    for shift in (32, 16, 8, 4, 2, 1):    # (a binary search of the highest bit: exact where floats are not)
+    for shift in (32, 16, 8, 4, 2, 1):  # (a binary search of the highest bit: exact where floats are not)
         high = (values >> (bits + shift)) > 0
         bits = np.where(high, bits + shift, bits)
     return bits + (values > 0)
@@ -70,8 +70,9 @@ def permute(index, size, keys, inverse=False):
     until it falls inside (cycle-walking: a permutation of ``[0, size)``,
     about two passes on average, four at most on average).
     """
-    index, size, keys = np.broadcast_arrays(np.asarray(index, dtype=np.int64), np.asarray(size, dtype=np.int64),
-                                            np.asarray(keys, dtype=np.uint64))
+    index, size, keys = np.broadcast_arrays(
+        np.asarray(index, dtype=np.int64), np.asarray(size, dtype=np.int64), np.asarray(keys, dtype=np.uint64)
+    )
     half = np.maximum(1, (_bits(np.maximum(size - 1, 0)) + 1) // 2)
     out = _rounds(index.astype(np.uint64).ravel(), half.ravel(), keys.ravel(), inverse)
     limit = size.ravel().astype(np.uint64)
@@ -127,15 +128,18 @@ class LaneOrder:
 
     def rows(self, lanes, positions, seed, epoch):
         """The split rows at ``positions`` (each below its lane's rows) of ``lanes``, broadcast together."""
-        lanes, positions = np.broadcast_arrays(np.asarray(lanes, dtype=np.int64),
-                                               np.asarray(positions, dtype=np.int64))
+        lanes, positions = np.broadcast_arrays(
+            np.asarray(lanes, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+        )
         first, _, units, short, key, place = self._lanes(lanes, seed, epoch)
         span = self.unit * self.window
-        shorts = place // self.window    # (the window holding the short unit)
-        after = positions >= (shorts + 1) * span - short     # past the window with the short unit
+        shorts = place // self.window  # (the window holding the short unit)
+        after = positions >= (shorts + 1) * span - short  # past the window with the short unit
         index = np.where(after, (positions + short) // span, positions // span)
         offset = positions - index * span + np.where(after, short, 0)
-        held = np.minimum(self.window, units - index * self.window) * self.unit - np.where(index == shorts, short, 0)
+        held = np.minimum(self.window, units - index * self.window) * self.unit - np.where(
+            index == shorts, short, 0
+        )
         offset = permute(offset, held, seeds(seed, epoch, lanes, ORDER, SAMPLES, index))
         # (in the window holding the short unit, the offsets past it are its rows short of a whole unit)
         gap = (index == shorts) & (offset >= (place - index * self.window + 1) * self.unit - short)
@@ -148,8 +152,13 @@ class LaneOrder:
         in which a stream needs them (a window is read before the step it starts at).  A generator: an epoch
         of a large split has many windows, and each is made as it is needed."""
         lanes = np.asarray(lanes, dtype=np.int64)
-        return heapq.merge(*(self._lane_windows(place, lanes[place:place + 1], seed, epoch, first, last)
-                             for place in range(len(lanes))), key=lambda window: (window.start, window.lane))
+        return heapq.merge(
+            *(
+                self._lane_windows(place, lanes[place : place + 1], seed, epoch, first, last)
+                for place in range(len(lanes))
+            ),
+            key=lambda window: (window.start, window.lane),
+        )
 
     def _lane_windows(self, place, lane, seed, epoch, first, last):
         """The windows of lane ``lane`` (an array of one; ``place``: its place among those asked for) holding
@@ -182,5 +191,8 @@ class LaneOrder:
 def order_for(info, split, buffer, input_shape, dtype, total):
     """The :class:`LaneOrder` of ``split`` of ``info`` for a shuffle buffer of ``buffer`` samples over ``total``
     lanes (:func:`~mpidist.data.blocks.order_units`)."""
-    return LaneOrder(int(info.sizes[split]), int(total),
-                     *(int(v) for v in order_units(info, split, buffer, input_shape, dtype, total)))
+    return LaneOrder(
+        int(info.sizes[split]),
+        int(total),
+        *(int(v) for v in order_units(info, split, buffer, input_shape, dtype, total)),
+    )

@@ -34,7 +34,7 @@ class SplitRows:
     def __init__(self, info, split, input_shape, dtype, direct=False):
         self.info, self.split, self.input_shape, self.dtype = info, split, tuple(input_shape), np.dtype(dtype)
         self.direct = direct
-        self.group, self.picked = info.rows_of(split)   # a carved split: rows of another one
+        self.group, self.picked = info.rows_of(split)  # a carved split: rows of another one
         self.files, starts, total = [], [], 0
         for member in info.files:
             rows = member.sizes.get(self.group, 0)
@@ -42,10 +42,15 @@ class SplitRows:
                 self.files.append(member)
                 starts.append(total)
                 total += rows
-        self.starts = np.array(starts + [total], dtype=np.int64)   # each file's first row in the group, and the end
+        self.starts = np.array(
+            starts + [total], dtype=np.int64
+        )  # each file's first row in the group, and the end
         # a file whose compressed chunks are larger than HDF5's chunk cache: opened with a cache of one
-        self.cache = {member.path: member.span(self.group) for member in self.files
-                      if member.span(self.group) > CHUNK_CACHE}
+        self.cache = {
+            member.path: member.span(self.group)
+            for member in self.files
+            if member.span(self.group) > CHUNK_CACHE
+        }
         self.count = total if self.picked is None else len(self.picked)
 
     def __len__(self):
@@ -63,9 +68,9 @@ class SplitRows:
         rows = self.group_rows(numbers)
         pieces = []
         for index, member in enumerate(self.files):
-            lo, hi = np.searchsorted(rows, self.starts[index:index + 2])
+            lo, hi = np.searchsorted(rows, self.starts[index : index + 2])
             if hi > lo:
-                with contextlib.ExitStack() as opened:    # (one file open at a time, its chunk cache with it)
+                with contextlib.ExitStack() as opened:  # (one file open at a time, its chunk cache with it)
                     items = self._items(member.path, handles, opened)
                     pieces.append(self._piece(items, member.path, rows[lo:hi] - self.starts[index], handles))
         if len(pieces) == 1:
@@ -92,12 +97,15 @@ class SplitRows:
                 continue
             try:
                 for item in self._items(member.path, handles, None):
-                    if self._direct(item, member.path, handles) is not None:    # read around the cache: no hint
+                    if self._direct(item, member.path, handles) is not None:  # read around the cache: no hint
                         continue
-                    for offset, length in byte_ranges(item, int(begin - self.starts[index]),
-                                                      int(end - self.starts[index])):
-                        os.posix_fadvise(self._fd(member.path, handles), offset, length, os.POSIX_FADV_WILLNEED)
-            except (*HDF5_ERRORS, KeyError):   # a hint only: the read that follows names what fails
+                    for offset, length in byte_ranges(
+                        item, int(begin - self.starts[index]), int(end - self.starts[index])
+                    ):
+                        os.posix_fadvise(
+                            self._fd(member.path, handles), offset, length, os.POSIX_FADV_WILLNEED
+                        )
+            except (*HDF5_ERRORS, KeyError):  # a hint only: the read that follows names what fails
                 continue
 
     def _fd(self, path, handles):
@@ -126,7 +134,7 @@ class SplitRows:
             except OSError as error:
                 if error.errno != errno.EINVAL:
                     raise
-                handles[key] = None         # the file system does not allow it: read through the cache
+                handles[key] = None  # the file system does not allow it: read through the cache
         return handles[key]
 
     def _items(self, path, handles, opened):
@@ -140,7 +148,7 @@ class SplitRows:
                 return handle[f"{self.group}/x"], handle[f"{self.group}/y"]
             if (path, self.group) not in handles:
                 if path not in handles:
-                    if cache:   # one such file open at a time: its cache holds a chunk as long as it is open
+                    if cache:  # one such file open at a time: its cache holds a chunk as long as it is open
                         self._let_go(handles.pop(("cached",), None), handles)
                         handles[("cached",)] = path
                     handles[path] = open_source(path, cache)
@@ -150,7 +158,9 @@ class SplitRows:
     def _let_go(self, path, handles):
         """Close file ``path`` of ``handles`` (None: nothing to close), with its datasets and their caches."""
         if path is not None:
-            for key in [key for key in handles if isinstance(key, tuple) and len(key) == 2 and key[0] == path]:
+            for key in [
+                key for key in handles if isinstance(key, tuple) and len(key) == 2 and key[0] == path
+            ]:
                 del handles[key]
             handles.pop(path).close()
 
@@ -160,26 +170,36 @@ class SplitRows:
         ``handles``: a stream's open files, to read consecutive rows of uncompressed data with :func:`direct_rows`.
         """
         where = f"{path}: {self.group}"
-        if items is None:   # no rows: empty arrays of the right shapes
+        if items is None:  # no rows: empty arrays of the right shapes
             x = np.empty((0,) + tuple(self.info.sample_shape))
             y = np.empty((0,) if self.info.target_width == 1 else (0, self.info.target_width))
             return prepare(x, y, self.info, where, local, self.input_shape, self.dtype)
         with here().doing("io", f"reading {where}"):
             read = []
             step = int(local[1] - local[0]) if len(local) > 1 else 1
-            even = step > 0 and local[-1] - local[0] == step * (len(local) - 1) and (np.diff(local) == step).all()
+            even = (
+                step > 0
+                and local[-1] - local[0] == step * (len(local) - 1)
+                and (np.diff(local) == step).all()
+            )
             runs = None if even else regular_runs(local)
             for key, item in zip("xy", items):
                 try:
                     if even:
-                        read.append(self._read_span(item, slice(int(local[0]), int(local[-1]) + 1, step), path,
-                                                    handles, f"/{self.group}/{key}"))
+                        read.append(
+                            self._read_span(
+                                item,
+                                slice(int(local[0]), int(local[-1]) + 1, step),
+                                path,
+                                handles,
+                                f"/{self.group}/{key}",
+                            )
+                        )
                     else:
                         read.append(read_runs(item, local, runs) if runs else read_rows(item, local))
                 except HDF5_ERRORS as error:
                     raise read_failure(error, f"{where}/{key}", failing_rows(item, local)) from None
         return prepare(*read, self.info, where, local, self.input_shape, self.dtype)
-
 
     def _read_span(self, item, span, path, handles, name):
         """Rows ``span`` of ``item`` (``name`` in its file): straight from the file where :func:`direct_rows` can,
@@ -188,11 +208,15 @@ class SplitRows:
             return item[span]
         fd, direct = self._fd(path, handles), self._direct(item, path, handles, name)
         known = None
-        if fd is not None:     # (a stream's: what the reads ask of the dataset, kept with its open files)
-            known = handles.get(("layout", path, name)) or handles.setdefault(("layout", path, name), layout(item))
+        if fd is not None:  # (a stream's: what the reads ask of the dataset, kept with its open files)
+            known = handles.get(("layout", path, name)) or handles.setdefault(
+                ("layout", path, name), layout(item)
+            )
         try:
             got = direct_rows(item, span.start, span.stop, fd, path, direct, known)
-        except OSError as error:      # O_DIRECT opened but refused to read (an unusual block size): cached from now
+        except (
+            OSError
+        ) as error:  # O_DIRECT opened but refused to read (an unusual block size): cached from now
             if direct is None or error.errno != errno.EINVAL:
                 raise
             direct.close()
@@ -224,17 +248,21 @@ def read_runs(item, numbers, runs):
     one HDF5 read of a strided selection of blocks, so only those rows' bytes are read."""
     head, start, stride, count, length, tail = runs
     out = np.empty((len(numbers),) + item.shape[1:], dtype=item.dtype)
-    out[:head] = item[int(numbers[0]):int(numbers[0]) + head]
-    middle = out[head:head + count * length]
-    if isinstance(item, np.ndarray) or not hasattr(item, "id"):     # (arrays: no selection to make)
-        middle[...] = item[numbers[head:head + count * length]]
+    out[:head] = item[int(numbers[0]) : int(numbers[0]) + head]
+    middle = out[head : head + count * length]
+    if isinstance(item, np.ndarray) or not hasattr(item, "id"):  # (arrays: no selection to make)
+        middle[...] = item[numbers[head : head + count * length]]
     else:
         extra = len(item.shape) - 1
         space = item.id.get_space()
-        space.select_hyperslab((start,) + (0,) * extra, (count,) + (1,) * extra, stride=(stride,) + (1,) * extra,
-                               block=(length,) + tuple(item.shape[1:]))
+        space.select_hyperslab(
+            (start,) + (0,) * extra,
+            (count,) + (1,) * extra,
+            stride=(stride,) + (1,) * extra,
+            block=(length,) + tuple(item.shape[1:]),
+        )
         item.id.read(h5py.h5s.create_simple(middle.shape), space, middle)
-    out[len(numbers) - tail:] = item[int(numbers[-tail]):int(numbers[-1]) + 1]
+    out[len(numbers) - tail :] = item[int(numbers[-tail]) : int(numbers[-1]) + 1]
     return out
 
 
@@ -246,7 +274,7 @@ def read_rows(item, numbers, block_bytes=64 << 20):
     for lo in range(int(numbers[0]) if len(numbers) else 0, item.shape[0], block):
         upto = int(np.searchsorted(numbers, lo + block))
         if upto > done:
-            out[done:upto] = item[lo:min(lo + block, item.shape[0])][numbers[done:upto] - lo]
+            out[done:upto] = item[lo : min(lo + block, item.shape[0])][numbers[done:upto] - lo]
             done = upto
         if done == len(numbers):
             break
@@ -265,7 +293,7 @@ def failing_rows(item, local, most=4096):
         inside = local[(local >= lo) & (local < lo + chunk)]
         if len(inside):
             try:
-                item[int(inside[0]):int(inside[-1]) + 1]
+                item[int(inside[0]) : int(inside[-1]) + 1]
             except HDF5_ERRORS:
                 return f"at samples {int(inside[0])}..{int(inside[-1])}"
     return whole

@@ -25,19 +25,23 @@ def prepare(x, y, info, where, rows, input_shape, dtype):
         if out.any():
             bad = np.unravel_index(int(np.flatnonzero(out)[0]), y.shape)
             position = f" position {int(bad[1])}" if len(bad) > 1 else ""
-            raise UsageError(f"{where}/y has label {int(y[bad])} at sample {rows[bad[0]]}{position}, "
-                             f"outside [0, {info.num_classes}) (num_classes = {info.num_classes})")
+            raise UsageError(
+                f"{where}/y has label {int(y[bad])} at sample {rows[bad[0]]}{position}, "
+                f"outside [0, {info.num_classes}) (num_classes = {info.num_classes})"
+            )
         y = y.astype(np.int64).reshape((len(y),) + info.target_shape)
     else:
         if y.dtype.kind == "f" and not np.isfinite(y).all():
             raise UsageError(f"{where}/y holds NaN or Inf")
         y = converted(y, dtype, f"{where}/y").reshape(len(y), -1)
     transform = standardizer(info)
-    if transform is not None:     # checked again: statistics that do not fit the data can give Inf
+    if transform is not None:  # checked again: statistics that do not fit the data can give Inf
         x = transform(x)
         if not _all_finite(x):
-            raise UsageError(f"{where}/x standardised with the file's stats/mean and stats/std holds Inf "
-                             f"(first at sample {rows[_first_bad_row(x)]}): the statistics do not fit the data")
+            raise UsageError(
+                f"{where}/x standardised with the file's stats/mean and stats/std holds Inf "
+                f"(first at sample {rows[_first_bad_row(x)]}): the statistics do not fit the data"
+            )
     x = converted(x, dtype, f"{where}/x" + (" (standardised)" if transform else ""))
     return x.reshape((len(x),) + tuple(input_shape)), y
 
@@ -45,7 +49,7 @@ def prepare(x, y, info, where, rows, input_shape, dtype):
 def _all_finite(x):
     """Whether ``x`` holds no NaN or Inf: its sum first (one pass, no temporary), element by element if that is not."""
     with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(x.sum()):     # NaN and Inf make the sum non-finite; finite values rarely do (overflow)
+        if np.isfinite(x.sum()):  # NaN and Inf make the sum non-finite; finite values rarely do (overflow)
             return True
     return bool(np.isfinite(x).all())
 
@@ -61,8 +65,11 @@ def footprint(rows, info, group, dtype):
     stored = max((m.row_bytes.get(group, 0) for m in info.files), default=sample * 8)
     cache = max((m.cache_bytes(group) for m in info.files), default=0)
     targets = 8 * (info.target_width + 1)
-    return rows * (stored + sample * np.dtype(dtype).itemsize + (8 * sample if standardizer(info) else 0) + targets) \
+    return (
+        rows
+        * (stored + sample * np.dtype(dtype).itemsize + (8 * sample if standardizer(info) else 0) + targets)
         + cache
+    )
 
 
 def standardizer(info):
@@ -78,8 +85,8 @@ def standardizer(info):
 
     def standardize(x):
         x = np.asarray(x)
-        with np.errstate(over="ignore", invalid="ignore"):     # an Inf made here is refused by the caller
-            out = x.reshape(len(x), mean.size) - mean          # float64, as mean is
+        with np.errstate(over="ignore", invalid="ignore"):  # an Inf made here is refused by the caller
+            out = x.reshape(len(x), mean.size) - mean  # float64, as mean is
             out /= std
         return out.reshape(x.shape)
 
@@ -91,6 +98,8 @@ def converted(array, dtype, where):
     result = array.astype(dtype, copy=False)
     if result is not array and not np.isfinite(result).all():
         largest = float(np.max(np.abs(array)))
-        raise UsageError(f"{where} holds values up to {largest:.3g}, beyond the range of --dtype {dtype} "
-                         "(they would become Inf): scale the data, or train with --dtype float64")
+        raise UsageError(
+            f"{where} holds values up to {largest:.3g}, beyond the range of --dtype {dtype} "
+            "(they would become Inf): scale the data, or train with --dtype float64"
+        )
     return result

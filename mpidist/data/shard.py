@@ -21,7 +21,7 @@ from .rows import SplitRows
 from .samples import footprint
 
 
-SEGMENT = 256       # steps whose rows are computed at once
+SEGMENT = 256  # steps whose rows are computed at once
 
 
 class Shard:
@@ -49,15 +49,18 @@ class Shard:
         if lanes is not None:
             buffer = max(1, min(int(buffer) or default_buffer(input_shape, dtype), source.count))
             self.order = order_for(info, split, buffer, input_shape, dtype, lanes.total)
-            self.first, end = lanes.span(source.count)    # (first: the row the shard's position 0 holds)
+            self.first, end = lanes.span(source.count)  # (first: the row the shard's position 0 holds)
             numbers = np.arange(self.first, end, dtype=np.int64)
         else:
-            numbers = np.arange(source.count, dtype=np.int64)[slice(worker, None, num_workers) if rows is None
-                                                              else rows]
+            numbers = np.arange(source.count, dtype=np.int64)[
+                slice(worker, None, num_workers) if rows is None else rows
+            ]
         # the file's row counts decide the size: checked before anything is read
-        check_fits(footprint(len(numbers), info, source.group, dtype),
-                   f"{info.path}: {source.group} ({len(numbers):,} rows of {int(np.prod(info.sample_shape)):,} "
-                   "values for this worker)")
+        check_fits(
+            footprint(len(numbers), info, source.group, dtype),
+            f"{info.path}: {source.group} ({len(numbers):,} rows of {int(np.prod(info.sample_shape)):,} "
+            "values for this worker)",
+        )
         self.x, self.y = source.read(numbers)
 
     def __len__(self):
@@ -71,8 +74,9 @@ class Shard:
 
         Batch ``s`` is sample ``s`` of each lane's order, in lane order.
         """
+
         def batches():
-            for lo in range(skip, steps, SEGMENT):      # (the rows of a few steps at a time: O(1) memory)
+            for lo in range(skip, steps, SEGMENT):  # (the rows of a few steps at a time: O(1) memory)
                 at = np.arange(lo, min(steps, lo + SEGMENT))[:, None]
                 for index in self.order.rows(self.lanes.ids[None, :], at, seed, epoch) - self.first:
                     yield self.x[index], self.y[index]
@@ -82,4 +86,4 @@ class Shard:
     def eval_batches(self, size=1024):
         """The whole shard in order, in chunks of ``size``."""
         for lo in range(0, len(self), size):
-            yield self.x[lo:lo + size], self.y[lo:lo + size]
+            yield self.x[lo : lo + size], self.y[lo : lo + size]

@@ -37,7 +37,15 @@ import threading
 import numpy as np
 
 from .batches import Prefetcher
-from .blocks import WINDOWS, block_bytes_for, block_cuts, default_buffer, lane_share, segment_steps, worker_range
+from .blocks import (
+    WINDOWS,
+    block_bytes_for,
+    block_cuts,
+    default_buffer,
+    lane_share,
+    segment_steps,
+    worker_range,
+)
 from .order import order_for
 from .rows import SplitRows
 
@@ -54,8 +62,19 @@ class Stream:
 
     mode = "stream"
 
-    def __init__(self, info, split, worker, num_workers, input_shape, dtype, buffer=0, direct=False, sliced=False,
-                 lanes=None):
+    def __init__(
+        self,
+        info,
+        split,
+        worker,
+        num_workers,
+        input_shape,
+        dtype,
+        buffer=0,
+        direct=False,
+        sliced=False,
+        lanes=None,
+    ):
         self.source = SplitRows(info, split, input_shape, dtype, direct)
         count, self.lanes = self.source.count, lanes
         asked = int(buffer) or default_buffer(input_shape, dtype)
@@ -70,11 +89,14 @@ class Stream:
         self.buffer = max(1, min(asked, count))
         self.share = lane_share(self.buffer, count, lanes.total)
         self.order = order_for(info, split, self.buffer, input_shape, dtype, lanes.total)
-        self.blocks = (block_bytes_for(self.share, input_shape, dtype), sliced)     # (read in order: eval_batches)
+        self.blocks = (
+            block_bytes_for(self.share, input_shape, dtype),
+            sliced,
+        )  # (read in order: eval_batches)
         # a window holds its units, and its lane at most
         rows = min(self.order.unit * self.order.window, int(lanes.sizes(count).max(initial=1)))
         self.pool = Pool(lanes.count, rows, input_shape, dtype, info)
-        self._ahead = {}            # windows read before they were asked for: (seed, epoch, lane, window) -> slot
+        self._ahead = {}  # windows read before they were asked for: (seed, epoch, lane, window) -> slot
 
     def __len__(self):
         return self.hi - self.lo
@@ -92,8 +114,9 @@ class Stream:
         self.pool.release({})
         handles = {}
         try:
-            self._read_ahead(list(self._schedule(seed, epoch, step, step + 1)), seed, epoch, handles,
-                             threading.Event())
+            self._read_ahead(
+                list(self._schedule(seed, epoch, step, step + 1)), seed, epoch, handles, threading.Event()
+            )
         finally:
             _close(handles)
 
@@ -128,10 +151,10 @@ class Stream:
         ready = {key: slot for key, slot in self._ahead.items() if key in first}
         self._ahead = {}
         self.pool.release(ready)
-        stop = threading.Event()     # the batches were closed early: the reading thread lets go
+        stop = threading.Event()  # the batches were closed early: the reading thread lets go
 
         def read():
-            handles, advised = {}, None     # (the window advised last: the kernel reads it ahead)
+            handles, advised = {}, None  # (the window advised last: the kernel reads it ahead)
             try:
                 windows = self._schedule(seed, epoch, skip, steps)
                 following = next(windows, None)
@@ -139,8 +162,9 @@ class Stream:
                     window, following = following, next(windows, None)
                     slot = ready.pop(self._key(seed, epoch, window), None)
                     if slot is None:
-                        self._advise([w.units for w in (window, following) if w is not None and w != advised],
-                                     handles)
+                        self._advise(
+                            [w.units for w in (window, following) if w is not None and w != advised], handles
+                        )
                         advised = following
                         slot = self.pool.take(stop)
                         if slot is None:
@@ -148,8 +172,10 @@ class Stream:
                         self._read(window.units, slot, handles)
                     lane = self.lanes.first + window.lane
                     yield slot, self.order.window_order(window.rows, seed, epoch, lane, window.index)
-                if not last_epoch:   # the epoch's end: the next one's first windows
-                    self._read_ahead(list(self._schedule(seed, epoch + 1, 0, 1)), seed, epoch + 1, handles, stop)
+                if not last_epoch:  # the epoch's end: the next one's first windows
+                    self._read_ahead(
+                        list(self._schedule(seed, epoch + 1, 0, 1)), seed, epoch + 1, handles, stop
+                    )
             finally:
                 _close(handles)
 
@@ -171,7 +197,7 @@ class Stream:
                 while following is not None and following.start <= at:
                     window, following = following, next(windows, None)
                     slot, order = next(reader)
-                    index[window.lane, :window.rows] = slot * rows + order
+                    index[window.lane, : window.rows] = slot * rows + order
                     begins[window.lane] = window.start
                     if held[window.lane] is not None:
                         pool.free.put(held[window.lane])
@@ -179,7 +205,10 @@ class Stream:
                 end = min(steps, at + most, following.start if following is not None else steps)
                 taken = index[lanes[None, :], np.arange(at, end)[:, None] - begins[None, :]].ravel()
                 bx, by = x[taken], y[taken]
-                bx, by = bx.reshape((end - at, count) + bx.shape[1:]), by.reshape((end - at, count) + by.shape[1:])
+                bx, by = (
+                    bx.reshape((end - at, count) + bx.shape[1:]),
+                    by.reshape((end - at, count) + by.shape[1:]),
+                )
                 for step in range(end - at):
                     yield bx[step], by[step]
                 at = end
@@ -208,7 +237,7 @@ class Stream:
                         if ahead < len(cuts) - 1:
                             self.source.advise(int(cuts[ahead]), int(cuts[ahead + 1]), handles)
                     x, y = self.source.read(np.arange(cuts[block], cuts[block + 1]), handles)
-                    yield _own(x), _own(y)      # the next read may reuse a direct read's buffer
+                    yield _own(x), _own(y)  # the next read may reuse a direct read's buffer
             finally:
                 _close(handles)
 
@@ -230,7 +259,7 @@ class Stream:
         at = slot * self.pool.rows
         for lo, hi in units:
             bx, by = self.source.read(np.arange(lo, hi), handles)
-            x[at:at + len(bx)], y[at:at + len(by)] = bx, by
+            x[at : at + len(bx)], y[at : at + len(by)] = bx, by
             at += len(bx)
 
 
@@ -264,7 +293,7 @@ class Pool:
         x, y = np.zeros((rows,) + self.input_shape, dtype=self.dtype), np.zeros(*targets)
         index = np.zeros((self.lanes, self.rows), dtype=np.int64)
         for array in (x, y, index):
-            array.reshape(-1)[::max(1, 4096 // array.itemsize)] = 0      # (np.zeros may map untouched pages)
+            array.reshape(-1)[:: max(1, 4096 // array.itemsize)] = 0  # (np.zeros may map untouched pages)
         self.arrays = x, y, index
         self.release({})
 
@@ -299,8 +328,8 @@ def _rechunk(pieces, size):
         at = 0
         while at < len(x):
             take = min(size - have, len(x) - at)
-            xs.append(x[at:at + take])
-            ys.append(y[at:at + take])
+            xs.append(x[at : at + take])
+            ys.append(y[at : at + take])
             have, at = have + take, at + take
             if have == size:
                 yield _joined(xs, ys)

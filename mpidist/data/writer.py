@@ -32,12 +32,12 @@ from ..runtime.text import file_label
 from ..store import atomic, new_hdf5
 from ..store.outputs import unwritable
 
-CHUNK_BYTES = 1 << 20          # a chunk of x: a stream's block is whole chunks of it
-WRITE_BYTES = 64 << 20         # rows written (and generated) at once
-GENERATED_ROWS = 4096          # rows of one generator block of synthetic data: its seed is (seed, block)
+CHUNK_BYTES = 1 << 20  # a chunk of x: a stream's block is whole chunks of it
+WRITE_BYTES = 64 << 20  # rows written (and generated) at once
+GENERATED_ROWS = 4096  # rows of one generator block of synthetic data: its seed is (seed, block)
 COMPRESSIONS = ("gzip", "lzf", "none")
 SYNTHETIC = re.compile(r"synthetic:(\d+),(\d+),(\d+)")
-SEPARATION = 0.25              # class means of synthetic data: N(0, 1) x this per feature, plus N(0, 1) noise
+SEPARATION = 0.25  # class means of synthetic data: N(0, 1) x this per feature, plus N(0, 1) noise
 
 
 def chunks_for(shape, itemsize):
@@ -52,22 +52,37 @@ def filters(compression):
     """h5py keyword arguments for ``--compression``: gzip at level 4 (fast to write; 9 saves little more), lzf, none."""
     if compression not in COMPRESSIONS:
         raise UsageError(f"--compression {compression!r}: choose from {', '.join(COMPRESSIONS)}")
-    return {"gzip": {"compression": "gzip", "compression_opts": 4, "shuffle": True},
-            "lzf": {"compression": "lzf", "shuffle": True}, "none": {}}[compression]
+    return {
+        "gzip": {"compression": "gzip", "compression_opts": 4, "shuffle": True},
+        "lzf": {"compression": "lzf", "shuffle": True},
+        "none": {},
+    }[compression]
 
 
 def check_shard_size(shard_size):
-    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int)
-                                   or shard_size < 1):
+    if shard_size is not None and (
+        isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1
+    ):
         raise UsageError(f"--shard-size {shard_size!r}: give a positive number of training rows per file")
 
 
 class Rows:
     """A dataset to write: ``sizes`` per split, ``read(split, lo, hi) -> (x, y)``, and what the files say."""
 
-    def __init__(self, sizes, read, x_meta, y_meta, name, num_classes, source, stats=None, class_names=None,
-                 feature_names=None):
-        self.sizes, self.read, self.x_meta, self.y_meta = sizes, read, x_meta, y_meta   # meta: (shape, dtype)
+    def __init__(
+        self,
+        sizes,
+        read,
+        x_meta,
+        y_meta,
+        name,
+        num_classes,
+        source,
+        stats=None,
+        class_names=None,
+        feature_names=None,
+    ):
+        self.sizes, self.read, self.x_meta, self.y_meta = sizes, read, x_meta, y_meta  # meta: (shape, dtype)
         self.name, self.num_classes, self.source = name, num_classes, source
         self.stats, self.class_names, self.feature_names = stats, class_names, feature_names
 
@@ -75,8 +90,13 @@ class Rows:
     def of_arrays(cls, splits, **facts):
         """Rows held in memory: ``splits = {"train": (x, y), ...}``."""
         x, y = splits["train"]
-        return cls({s: len(splits[s][0]) for s in splits}, lambda s, lo, hi: (splits[s][0][lo:hi], splits[s][1][lo:hi]),
-                   (np.shape(x)[1:], np.asarray(x).dtype), (np.shape(y)[1:], np.asarray(y).dtype), **facts)
+        return cls(
+            {s: len(splits[s][0]) for s in splits},
+            lambda s, lo, hi: (splits[s][0][lo:hi], splits[s][1][lo:hi]),
+            (np.shape(x)[1:], np.asarray(x).dtype),
+            (np.shape(y)[1:], np.asarray(y).dtype),
+            **facts,
+        )
 
 
 def write_file(path, rows, parts, compression):
@@ -87,20 +107,26 @@ def write_file(path, rows, parts, compression):
             made = {}
             for key, (shape, dtype) in (("x", rows.x_meta), ("y", rows.y_meta)):
                 full = (hi - lo,) + tuple(shape)
-                made[key] = handle.create_dataset(f"{split}/{key}", shape=full, dtype=dtype,
-                                                  chunks=chunks_for(full, np.dtype(dtype).itemsize),
-                                                  **(filters(compression) if hi > lo else {}))
-            step = max(1, WRITE_BYTES // max(1, np.dtype(rows.x_meta[1]).itemsize * int(np.prod(rows.x_meta[0]))))
+                made[key] = handle.create_dataset(
+                    f"{split}/{key}",
+                    shape=full,
+                    dtype=dtype,
+                    chunks=chunks_for(full, np.dtype(dtype).itemsize),
+                    **(filters(compression) if hi > lo else {}),
+                )
+            step = max(
+                1, WRITE_BYTES // max(1, np.dtype(rows.x_meta[1]).itemsize * int(np.prod(rows.x_meta[0])))
+            )
             for at in range(lo, hi, step):
                 x, y = rows.read(split, at, min(hi, at + step))
-                made["x"][at - lo:at - lo + len(x)] = x
-                made["y"][at - lo:at - lo + len(y)] = y
+                made["x"][at - lo : at - lo + len(x)] = x
+                made["y"][at - lo : at - lo + len(y)] = y
         for key, value in zip(("mean", "std"), rows.stats if rows.stats is not None else ()):
             handle.create_dataset(f"stats/{key}", data=np.asarray(value, np.float64))
         for key, names in (("class_names", rows.class_names), ("feature_names", rows.feature_names)):
             if names is not None:
                 handle.create_dataset(key, data=list(names), dtype=h5py.string_dtype())
-    atomic.sync_file(path)    # on disk before the directory is renamed into place
+    atomic.sync_file(path)  # on disk before the directory is renamed into place
 
 
 def write_shards(out, rows, shard_size, compression="gzip"):
@@ -109,24 +135,32 @@ def write_shards(out, rows, shard_size, compression="gzip"):
     filters(compression)
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise UsageError(f"{out}: exists{' and is not empty' if out.is_dir() else ' and is not a directory'}; "
-                         "--shard-size writes a new directory: remove it, or choose another")
+        raise UsageError(
+            f"{out}: exists{' and is not empty' if out.is_dir() else ' and is not a directory'}; "
+            "--shard-size writes a new directory: remove it, or choose another"
+        )
     count = max(1, math.ceil(rows.sizes["train"] / shard_size))
     digits = max(5, len(str(count - 1)))
     aside = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with leftovers.pending(aside, tree=True):   # (a signal that ends the command removes it too)
+        with leftovers.pending(aside, tree=True):  # (a signal that ends the command removes it too)
             aside.mkdir(parents=False)
             names = []
             for k in range(count):
-                parts = {split: ((k * n // count, (k + 1) * n // count) if split != "train" else
-                                 (k * shard_size, min(n, (k + 1) * shard_size))) for split, n in rows.sizes.items()}
-                names.append(f"{file_label(rows.name)}-{k:0{digits}d}.h5")   # (a name is a label, not a path)
+                parts = {
+                    split: (
+                        (k * n // count, (k + 1) * n // count)
+                        if split != "train"
+                        else (k * shard_size, min(n, (k + 1) * shard_size))
+                    )
+                    for split, n in rows.sizes.items()
+                }
+                names.append(f"{file_label(rows.name)}-{k:0{digits}d}.h5")  # (a name is a label, not a path)
                 write_file(aside / names[-1], rows, parts, compression)
             if out.is_dir():
-                out.rmdir()     # (empty: checked above)
+                out.rmdir()  # (empty: checked above)
             os.replace(aside, out)
-            atomic.sync_directory(out.parent)        # the rename on disk too
+            atomic.sync_directory(out.parent)  # the rename on disk too
     except OSError as err:
         raise unwritable(out, "the dataset", err) from None
     finally:
@@ -139,13 +173,17 @@ def synthetic(spec, test_fraction, seed, name=None):
     match = SYNTHETIC.fullmatch(str(spec))
     if not match:
         if str(spec).startswith("synthetic"):
-            raise UsageError(f"ingest: {spec!r}: write synthetic:ROWS,FEATURES,CLASSES, e.g. synthetic:1700000,784,10")
+            raise UsageError(
+                f"ingest: {spec!r}: write synthetic:ROWS,FEATURES,CLASSES, e.g. synthetic:1700000,784,10"
+            )
         return None
     total, features, classes = (int(v) for v in match.groups())
     if total < 2 or features < 1 or not 2 <= classes <= 1 << 16 or features > 1 << 24:
         raise UsageError(f"ingest: {spec}: needs at least 2 rows, 1 feature and 2 to 65,536 classes")
     test = min(total - 1, max(1, math.ceil(test_fraction * total)))
-    means = (np.random.default_rng([seed, 0x5e9]).normal(size=(classes, features)) * SEPARATION).astype(np.float32)
+    means = (np.random.default_rng([seed, 0x5E9]).normal(size=(classes, features)) * SEPARATION).astype(
+        np.float32
+    )
 
     def generate(block):
         rng = np.random.default_rng([seed, block])
@@ -153,16 +191,25 @@ def synthetic(spec, test_fraction, seed, name=None):
         return means[labels] + rng.standard_normal((GENERATED_ROWS, features), dtype=np.float32), labels
 
     def read(split, lo, hi):
-        first = lo + (total - test if split == "test" else 0)      # test rows are the last ones generated
+        first = lo + (total - test if split == "test" else 0)  # test rows are the last ones generated
         start, xs, ys = first - first % GENERATED_ROWS, [], []
         for block in range(start // GENERATED_ROWS, (first + hi - lo - 1) // GENERATED_ROWS + 1):
             x, y = generate(block)
             xs.append(x)
             ys.append(y)
         at = first - start
-        return np.concatenate(xs)[at:at + hi - lo], np.concatenate(ys)[at:at + hi - lo]
+        return np.concatenate(xs)[at : at + hi - lo], np.concatenate(ys)[at : at + hi - lo]
 
-    source = (f"synthetic: {total:,} rows of {features:,} features, {classes} Gaussian classes around random means "
-              f"(N(0, {SEPARATION}^2) per feature) with N(0, 1) noise; seed {seed}; the last {test:,} rows are test")
-    return Rows({"train": total - test, "test": test}, read, ((features,), np.float32), ((), np.int64),
-                name=name or "synthetic", num_classes=classes, source=source)
+    source = (
+        f"synthetic: {total:,} rows of {features:,} features, {classes} Gaussian classes around random means "
+        f"(N(0, {SEPARATION}^2) per feature) with N(0, 1) noise; seed {seed}; the last {test:,} rows are test"
+    )
+    return Rows(
+        {"train": total - test, "test": test},
+        read,
+        ((features,), np.float32),
+        ((), np.int64),
+        name=name or "synthetic",
+        num_classes=classes,
+        source=source,
+    )

@@ -3,15 +3,17 @@
 Callbacks run on the chief only (the rank that writes the metrics), right
 after the matching metrics line is written, with the same figures as a dict:
 
-=================  =====================================  ================================
-method             when                                   figures (as in ``metrics.jsonl``)
-=================  =====================================  ================================
-``on_start``       once, before the first step            ``config``, ``dataset``, ``params``, ...
-``on_step``        every ``log_every`` steps               ``step``, ``epoch``, ``loss``, ``samples_per_s``, ``time``
-``on_eval``        after each evaluation                  ``step``, ``epoch``, ``test_loss``, and the task's figures (below)
-``on_checkpoint``  after each checkpoint is written       ``step``, ``epoch``, ``path``
-``on_end``         once, at the end                       the ``done``, ``stopped`` or ``failed`` event's
-=================  =====================================  ================================
+=================  ==================================  ===================================================
+method             when                                figures (as in ``metrics.jsonl``)
+=================  ==================================  ===================================================
+``on_start``       once, before the first step         ``config``, ``dataset``, ``params``, ...
+``on_step``        every ``log_every`` steps            ``step``, ``epoch``, ``loss``, ``samples_per_s``,
+                                                       ``time``
+``on_eval``        after each evaluation               ``step``, ``epoch``, ``test_loss``, and the task's
+                                                       figures (below)
+``on_checkpoint``  after each checkpoint is written    ``step``, ``epoch``, ``path``
+``on_end``         once, at the end                    the ``done``, ``stopped`` or ``failed`` event's
+=================  ==================================  ===================================================
 
 The test figures fit the task (see :mod:`mpidist.nn.scores`): classification
 ``test_accuracy`` and ``test_top5_accuracy`` (top-``k``, ``k = min(5, classes -
@@ -33,8 +35,15 @@ import collections
 from ..runtime.errors import UsageError
 
 #: The metrics event each callback method follows.
-EVENTS = {"start": "on_start", "step": "on_step", "eval": "on_eval", "checkpoint": "on_checkpoint",
-          "done": "on_end", "stopped": "on_end", "failed": "on_end"}
+EVENTS = {
+    "start": "on_start",
+    "step": "on_step",
+    "eval": "on_eval",
+    "checkpoint": "on_checkpoint",
+    "done": "on_end",
+    "stopped": "on_end",
+    "failed": "on_end",
+}
 
 
 class Callback:
@@ -63,7 +72,8 @@ class Callback:
 
 
 def lower_is_better(figure):
-    """Whether a lower value of the figure named ``figure`` is better: a loss or an error (``loss``, ``mse``, ``mae``)."""
+    """Whether a lower value of the figure named ``figure`` is better: a loss or an error (``loss``, ``mse``,
+    ``mae``)."""
     return str(figure).endswith(("loss", "mse", "mae"))
 
 
@@ -92,24 +102,37 @@ class EarlyStopping(Callback):
 
     def __init__(self, patience=3, min_delta=0.0, monitor="test_accuracy", mode="auto"):
         if not str(monitor).startswith(("test_", "val_")):
-            raise ValueError(f"EarlyStopping: monitor a figure of the eval events, test_* or val_* (test_loss, "
-                             f"val_accuracy, ...), got {monitor!r}")
+            raise ValueError(
+                f"EarlyStopping: monitor a figure of the eval events, test_* or val_* (test_loss, "
+                f"val_accuracy, ...), got {monitor!r}"
+            )
         if mode not in self.MODES:
-            raise ValueError(f"EarlyStopping: mode must be one of {', '.join(map(repr, self.MODES))}, got {mode!r}")
+            raise ValueError(
+                f"EarlyStopping: mode must be one of {', '.join(map(repr, self.MODES))}, got {mode!r}"
+            )
         if mode == "auto":
             mode = "min" if lower_is_better(monitor) else "max"
-        self.patience, self.min_delta, self.monitor, self.mode = int(patience), float(min_delta), monitor, mode
+        self.patience, self.min_delta, self.monitor, self.mode = (
+            int(patience),
+            float(min_delta),
+            monitor,
+            mode,
+        )
         self.best, self.waited, self.stopped_at = None, 0, None
 
     def on_eval(self, figures):
-        split = str(self.monitor).split("_")[0] + "_"   # test_ or val_: an evaluation of another split is not ours
+        split = (
+            str(self.monitor).split("_")[0] + "_"
+        )  # test_ or val_: an evaluation of another split is not ours
         if self.monitor not in figures and not any(name.startswith(split) for name in figures):
             return
         if self.monitor not in figures:
             reported = ", ".join(name for name in figures if name.startswith(split))
             why = "; a regression has no accuracy" if "test_mse" in figures else ""
-            raise UsageError(f"EarlyStopping monitors {self.monitor!r}, which this run's evaluations do not report "
-                             f"(they report {reported}{why}): monitor e.g. 'test_loss' with mode='min'")
+            raise UsageError(
+                f"EarlyStopping monitors {self.monitor!r}, which this run's evaluations do not report "
+                f"(they report {reported}{why}): monitor e.g. 'test_loss' with mode='min'"
+            )
         value = figures[self.monitor]
         if self.best is None:
             gained = True
@@ -122,7 +145,7 @@ class EarlyStopping(Callback):
             return
         self.waited += 1
         if self.waited >= self.patience and not self.stop_training:
-            self.stopped_at = figures["step"]   # (the run stops a step or two later, and evaluates once more)
+            self.stopped_at = figures["step"]  # (the run stops a step or two later, and evaluates once more)
             self.stop()
 
 

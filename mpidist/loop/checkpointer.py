@@ -77,16 +77,18 @@ class Checkpointer:
             stores (taken at the first write, on the rank that writes); None: none stored.
     """
 
-    def __init__(self, config, step, lineage="", parent="", clock=time.perf_counter, elapsed=0.0, dataset=None):
+    def __init__(
+        self, config, step, lineage="", parent="", clock=time.perf_counter, elapsed=0.0, dataset=None
+    ):
         self.config, self.clock, self.lineage, self.parent = config, clock, lineage, parent or ""
         self.dataset, self.dataset_fingerprint = dataset, None
         self.origin = clock() - elapsed
         self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
-        self.written = []   # paths this process wrote, oldest first
+        self.written = []  # paths this process wrote, oldest first
         self.last_step = None
-        self.taken_at = None   # the step the run's state was last checkpointed at, on every rank (once a step)
-        self.best = None    # --keep-best: the file that keeps the best checkpoint, once there is one
-        self.behind = Behind()   # writing behind training (lockstep strategies)
+        self.taken_at = None  # the step the run's state was last checkpointed at, on every rank (once a step)
+        self.best = None  # --keep-best: the file that keeps the best checkpoint, once there is one
+        self.behind = Behind()  # writing behind training (lockstep strategies)
 
     def run_time(self, now=None):
         """Seconds the run has trained, resumed parts included (what the metrics' ``time`` and checkpoints say)."""
@@ -112,11 +114,18 @@ class Checkpointer:
         A hard link where the file system allows it (no copy), else a copy; put
         in place by an atomic rename, so the best checkpoint is never half there.
         """
-        source = self.last if self.last_step == step else \
-            Path(resumed.path) if resumed is not None and resumed.step == step else None
+        source = (
+            self.last
+            if self.last_step == step
+            else Path(resumed.path)
+            if resumed is not None and resumed.step == step
+            else None
+        )
         if source is None or not source.is_file():
-            raise RunError(f"--keep-best: the checkpoint of step {step}, the best so far, was neither written by "
-                           f"this run nor resumed from ({source or 'none'}): it cannot be kept")
+            raise RunError(
+                f"--keep-best: the checkpoint of step {step}, the best so far, was neither written by "
+                f"this run nor resumed from ({source or 'none'}): it cannot be kept"
+            )
         self.best = checkpoint.keep_as(source, f"best-{self.lineage or 'run'}.h5")
         # (the best it replaced may have been the last to name a pruned sharded checkpoint's parts; nothing is
         # being written now: take() completed every write)
@@ -129,7 +138,7 @@ class Checkpointer:
 
         ``best``: the ``--keep-best`` figure's best so far (``{"figure", "value", "step"}``), stored with it.
         """
-        self.collect(wait=True)   # (never two in flight)
+        self.collect(wait=True)  # (never two in flight)
         self._take_fingerprint()
         path = self._save(state, step, epoch, epoch_step, workers, best, self.run_time())
         self._written(path, step)
@@ -145,11 +154,18 @@ class Checkpointer:
         chief, (step, epoch) = cluster.is_chief, where[:2]
         if placed is None and chief and behind:
             return self.write_behind(state, *where, best=best)
-        done = self.complete_parts()   # (collective where the model is split: a sharded write under way ends)
+        done = self.complete_parts()  # (collective where the model is split: a sharded write under way ends)
         done += self.collect(wait=True) if chief else []
         if placed is not None:
-            return done + self.write_sharded(cluster.world, placement, placed, where, cluster.chief_rank, best,
-                                             behind and not self.config.elastic)
+            return done + self.write_sharded(
+                cluster.world,
+                placement,
+                placed,
+                where,
+                cluster.chief_rank,
+                best,
+                behind and not self.config.elastic,
+            )
         if chief:
             done.append((self.write(state, *where, best=best), step, epoch))
         return done
@@ -162,11 +178,12 @@ class Checkpointer:
         ``--elastic``: completing it is collective, and a lost rank would leave it half done."""
         if comm.Get_rank() == root:
             self._take_fingerprint()
-        self.behind.parts = write = sharded_save.ShardedWrite(self, comm, placement, placed, where, root, best,
-                                                              behind)
+        self.behind.parts = write = sharded_save.ShardedWrite(
+            self, comm, placement, placed, where, root, best, behind
+        )
         if not behind:
             return self.complete_parts()
-        if write.part is not None:   # (this rank's syncing thread: busy while it rests, as a chief's write is)
+        if write.part is not None:  # (this rank's syncing thread: busy while it rests, as a chief's write is)
             self.behind.last = write.part
         return []
 
@@ -183,7 +200,7 @@ class Checkpointer:
         parts, done = self.behind.parts, []
         if parts is not None and not flags["writing"] and step >= parts.where[0] + 2:
             done = self.complete_parts()
-            self.behind.started_at = step   # (the index is written now: no checkpoint starts at this step)
+            self.behind.started_at = step  # (the index is written now: no checkpoint starts at this step)
         return done + self.collect()
 
     def finish_writes(self):
@@ -194,7 +211,9 @@ class Checkpointer:
         """Collective where a sharded checkpoint is under way (:meth:`write_sharded`): complete it; as :meth:`take`."""
         write, self.behind.parts = self.behind.parts, None
         result = write.complete() if write is not None else None
-        if isinstance(result, BehindWrite):   # (the chief's index, written behind training: collect() takes it)
+        if isinstance(
+            result, BehindWrite
+        ):  # (the chief's index, written behind training: collect() takes it)
             self.behind.flight = self.behind.last = result
         elif result is not None:
             self._written(result, write.where[0])
@@ -209,10 +228,24 @@ class Checkpointer:
     def _save(self, state, step, epoch, epoch_step, workers, best, elapsed):
         """Write and prune (in the training thread, or behind it); the checkpoint's path."""
         config = self.config
-        path = checkpoint.save(config.checkpoint_dir, state.params, state.optimizer, state.steps, step, epoch,
-                               epoch_step, config.to_json(), config.seed, workers, self.lineage, self.parent,
-                               best=best, elapsed=elapsed, per_worker=state.per_worker or None,
-                               dataset_fingerprint=self.dataset_fingerprint)
+        path = checkpoint.save(
+            config.checkpoint_dir,
+            state.params,
+            state.optimizer,
+            state.steps,
+            step,
+            epoch,
+            epoch_step,
+            config.to_json(),
+            config.seed,
+            workers,
+            self.lineage,
+            self.parent,
+            best=best,
+            elapsed=elapsed,
+            per_worker=state.per_worker or None,
+            dataset_fingerprint=self.dataset_fingerprint,
+        )
         CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
         return path
 
@@ -259,14 +292,21 @@ class Checkpointer:
         self._take_fingerprint()
         copying = time.thread_time()
         staging = self.behind.staging
-        staged = WholeState(staging.copy("params", state.params),
-                            {name: staging.copy(f"optimizer/{name}", array) for name, array in state.optimizer.items()},
-                            state.steps, {name: staging.copy(f"workers/{name}", array)
-                                          for name, array in (state.per_worker or {}).items()})
+        staged = WholeState(
+            staging.copy("params", state.params),
+            {name: staging.copy(f"optimizer/{name}", array) for name, array in state.optimizer.items()},
+            state.steps,
+            {
+                name: staging.copy(f"workers/{name}", array)
+                for name, array in (state.per_worker or {}).items()
+            },
+        )
         elapsed = self.run_time()
         self.behind.flight = self.behind.last = BehindWrite(
-            lambda: self._save(staged, step, epoch, epoch_step, workers, best, elapsed), (step, epoch),
-            time.thread_time() - copying)
+            lambda: self._save(staged, step, epoch, epoch_step, workers, best, elapsed),
+            (step, epoch),
+            time.thread_time() - copying,
+        )
         return done
 
     def collect(self, wait=False):
@@ -289,7 +329,7 @@ class Behind:
     def __init__(self):
         self.flight = self.last = None
         self.staging, self.owed, self.started_at = Staging(), False, None
-        self.parts = None   # a sharded checkpoint under way (:class:`~mpidist.loop.sharded_save.ShardedWrite`)
+        self.parts = None  # a sharded checkpoint under way (:class:`~mpidist.loop.sharded_save.ShardedWrite`)
 
 
 class Staging:
@@ -303,6 +343,8 @@ class Staging:
         array = np.asarray(array)
         kept = self.arrays.get(key)
         if kept is None or kept.shape != array.shape or kept.dtype != array.dtype:
-            kept = self.arrays[key] = bulk.aligned_empty(array.shape, array.dtype)   # (written around the cache)
+            kept = self.arrays[key] = bulk.aligned_empty(
+                array.shape, array.dtype
+            )  # (written around the cache)
         np.copyto(kept, array)
         return kept

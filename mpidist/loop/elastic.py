@@ -96,18 +96,30 @@ def share(comm, root, state, position, names, count, dtype, config, seed):
     The same object a checkpoint file loads as, so the survivors resume
     through the path ``--resume`` takes (and tests) for any rank count.
     """
+
     def broadcast(array):
-        buffer = np.ascontiguousarray(array, dtype=dtype) if comm.Get_rank() == root else np.empty(count, dtype)
+        buffer = (
+            np.ascontiguousarray(array, dtype=dtype) if comm.Get_rank() == root else np.empty(count, dtype)
+        )
         mpi.bcast(comm, buffer, root=root)
         return buffer
 
-    params, arrays, steps = (state.params, state.optimizer, state.steps) if comm.Get_rank() == root else (None, {}, 0)
+    params, arrays, steps = (
+        (state.params, state.optimizer, state.steps) if comm.Get_rank() == root else (None, {}, 0)
+    )
     shared_steps = np.array([steps], dtype=np.int64)
     mpi.bcast(comm, shared_steps, root=root)
-    return Checkpoint(path="(memory: the survivors' state)", params=broadcast(params),
-                      optimizer_state={name: broadcast(arrays.get(name)) for name in names},
-                      optimizer_steps=int(shared_steps[0]), step=position.step, epoch=position.epoch,
-                      epoch_step=position.epoch_step, config=config, seed=seed)
+    return Checkpoint(
+        path="(memory: the survivors' state)",
+        params=broadcast(params),
+        optimizer_state={name: broadcast(arrays.get(name)) for name in names},
+        optimizer_steps=int(shared_steps[0]),
+        step=position.step,
+        epoch=position.epoch,
+        epoch_step=position.epoch_step,
+        config=config,
+        seed=seed,
+    )
 
 
 class State:
@@ -131,8 +143,8 @@ class State:
     def __init__(self, config, position):
         self.config, self.position = config, position
         self.cluster = self.setup = self.strategy = None
-        self.revoked = []       # communicators besides the cluster's that survivors may be blocked in
-        self.recoveries = []    # each loss survived ("recovered" events)
+        self.revoked = []  # communicators besides the cluster's that survivors may be blocked in
+        self.recoveries = []  # each loss survived ("recovered" events)
         self.callbacks = {"reset": [], "give_up": [], "recovered": [], "finish_writes": [], "leave": []}
 
     def bind(self, cluster, setup, strategy):
@@ -165,8 +177,17 @@ class State:
         """Collective: the chief's ``held`` state as a checkpoint on every survivor."""
         model, config = self.setup.model, self.config
         names = list(self.strategy.optimizer.state_arrays())
-        return share(world, cluster.chief_rank, held, position, names, model.num_params, model.dtype,
-                     dataclasses.asdict(config), config.seed)
+        return share(
+            world,
+            cluster.chief_rank,
+            held,
+            position,
+            names,
+            model.num_params,
+            model.dtype,
+            dataclasses.asdict(config),
+            config.seed,
+        )
 
     def recover(self):
         """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go on.
@@ -181,13 +202,15 @@ class State:
         lost_text = describe_lost(lost, old)
         chief_lost = old.chief_rank in lost and not self.strategy.chief_replaceable
         ps_lost = any(old.roles[rank] == PS for rank in lost)
-        idle = self.strategy.left_idle(lost)   # survivors that cannot train on (a pipeline replica's other stages)
+        idle = self.strategy.left_idle(
+            lost
+        )  # survivors that cannot train on (a pipeline replica's other stages)
         gone = sorted(set(lost) | set(idle))
         trains_on = any(old.roles[rank] == WORKER and rank not in gone for rank in range(old.size))
         if idle and trains_on:
             world = self._set_aside(world, old.rank in idle)
         cluster = old.survivors(world, gone) if trains_on else None
-        held_nowhere = ps_lost or chief_lost   # (only going back to a checkpoint replaces what they held)
+        held_nowhere = ps_lost or chief_lost  # (only going back to a checkpoint replaces what they held)
         if held_nowhere or cluster is None:
             # the chief's checkpoint written behind training is finished first: it is the newest to go back or
             # resume from (giving up would drop it, gathered and half written, and name the one before)
@@ -195,8 +218,12 @@ class State:
             world.Barrier()
         rollback = self._rollback_point(world, cluster) if held_nowhere and cluster is not None else None
         if (held_nowhere and rollback is None) or cluster is None:
-            why = (f"every replica lost a rank, and the others ({describe_lost(idle, old)}) hold only part of "
-                   "the model" if idle else None)
+            why = (
+                f"every replica lost a rank, and the others ({describe_lost(idle, old)}) hold only part of "
+                "the model"
+                if idle
+                else None
+            )
             message = cannot_go_on(lost_text, newest_checkpoint(config.checkpoint_dir), why)
             self._fire("give_up", message)
             if world.Get_rank() == 0:
@@ -207,25 +234,34 @@ class State:
             position, held = self.restore(world, cluster)
             self._fire("reset", cluster, self.sync(world, cluster, position, held))
             rolled_back = {}
-        else:   # what was lost is in no survivor: every rank goes back to the newest checkpoint
+        else:  # what was lost is in no survivor: every rank goes back to the newest checkpoint
             resume = checkpoint.load(rollback)
             position = Position(resume.step, resume.epoch, resume.epoch_step)
             rolled_back = {"rolled_back_to": str(rollback), "steps_lost": self.position.step - resume.step}
             self._fire("reset", cluster, resume)
         workers = data_layout(config, cluster)[0]
-        record = {"step": position.step, "epoch": position.epoch + 1, "lost": lost_text,
-                  "lost_ranks": [old.origin[rank] for rank in lost], "workers": workers, **rolled_back,
-                  **({"idle": describe_lost(idle, old), "idle_ranks": [old.origin[rank] for rank in idle]}
-                     if idle else {}),
-                  "ps": cluster.roles.count(PS),
-                  "global_batch": config.batch_size,
-                  "local_batches": [data.local_batch_size(config.batch_size, workers, w) for w in range(workers)],
-                  "steps_per_epoch": self.setup.steps_per_epoch, "seconds": time.perf_counter() - began,
-                  # (the chief's data now: a larger share may stream where it was in memory, in the same order)
-                  "data": self.setup.reading.why if self.setup.reading else ""}
+        record = {
+            "step": position.step,
+            "epoch": position.epoch + 1,
+            "lost": lost_text,
+            "lost_ranks": [old.origin[rank] for rank in lost],
+            "workers": workers,
+            **rolled_back,
+            **(
+                {"idle": describe_lost(idle, old), "idle_ranks": [old.origin[rank] for rank in idle]}
+                if idle
+                else {}
+            ),
+            "ps": cluster.roles.count(PS),
+            "global_batch": config.batch_size,
+            "local_batches": [data.local_batch_size(config.batch_size, workers, w) for w in range(workers)],
+            "steps_per_epoch": self.setup.steps_per_epoch,
+            "seconds": time.perf_counter() - began,
+            # (the chief's data now: a larger share may stream where it was in memory, in the same order)
+            "data": self.setup.reading.why if self.setup.reading else "",
+        }
         self.recoveries.append(record)
         self._fire("recovered", record)
-
 
     def _set_aside(self, world, idle):
         """Collective over the survivors: the world of those that train on; an ``idle`` survivor never returns.
@@ -257,21 +293,26 @@ class State:
 
 
 def run_with_recovery(state, run):
-    """``run()`` to its end; with ``--elastic``, recover ``state`` from lost workers and run again (Horovod's ``run_fn``)."""
+    """``run()`` to its end; with ``--elastic``, recover ``state`` from lost workers and run again (Horovod's
+    ``run_fn``)."""
     while True:
         try:
             return run()
-        except (MPI.Exception, ProcessLost) as err:   # (ProcessLost: a watcher's, where no call failed)
+        except (MPI.Exception, ProcessLost) as err:  # (ProcessLost: a watcher's, where no call failed)
             if not is_failure(err, state.cluster.world):
                 raise
-            if not state.config.elastic:   # an MPI that reports deaths, but no --elastic: say so, end
+            if not state.config.elastic:  # an MPI that reports deaths, but no --elastic: say so, end
                 said = err.Get_error_string() if isinstance(err, MPI.Exception) else str(err)
-                raise RunError(f"a process of the job died ({said}); without --elastic the "
-                               "run cannot go on: resume from the last checkpoint with --resume auto") from None
+                raise RunError(
+                    f"a process of the job died ({said}); without --elastic the "
+                    "run cannot go on: resume from the last checkpoint with --resume auto"
+                ) from None
             try:
                 state.recover()
-            except MPI.Exception as again:   # within the recovery's few milliseconds: give up, clearly
+            except MPI.Exception as again:  # within the recovery's few milliseconds: give up, clearly
                 if not is_failure(again):
                     raise
-                raise RunError("another process died while the survivors recovered from a loss: resume from "
-                               "the last checkpoint with --resume auto") from None
+                raise RunError(
+                    "another process died while the survivors recovered from a loss: resume from "
+                    "the last checkpoint with --resume auto"
+                ) from None

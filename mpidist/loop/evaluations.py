@@ -24,8 +24,10 @@ def shown(batches, total, split, say, clock=time.monotonic):
         now = clock()
         if now >= due and done < total:
             rate, share = done / (now - began), 100 * done / total
-            say(f"mpidist: evaluating {split}: {f'{share:.1f}%' if share >= 0.1 else 'under 0.1%'} ({done:,} of "
-                f"{total:,} samples) after {duration(now - began)}, about {duration((total - done) / rate)} left")
+            say(
+                f"mpidist: evaluating {split}: {f'{share:.1f}%' if share >= 0.1 else 'under 0.1%'} ({done:,} of "
+                f"{total:,} samples) after {duration(now - began)}, about {duration((total - done) / rate)} left"
+            )
             due = now + PROGRESS_EVERY
 
 
@@ -45,9 +47,9 @@ class BestSoFar:
 
     def __init__(self, figure, stored=None):
         self.figure = figure
-        self.lower = lower_is_better(figure)   # (the rule --early-stop follows too)
+        self.lower = lower_is_better(figure)  # (the rule --early-stop follows too)
         self.value, self.step = None, None
-        if stored and stored.get("figure") == figure:   # a resumed run's checkpoint: the best it had seen
+        if stored and stored.get("figure") == figure:  # a resumed run's checkpoint: the best it had seen
             self.value, self.step = stored["value"], stored["step"]
 
     def record(self):
@@ -78,7 +80,7 @@ class Evaluations:
     """
 
     def __init__(self, splits, keep_best="", stored_best=None, early_stopping=None):
-        self.monitored = "val" if "val" in splits else "test"   # the split --eval-every evaluates
+        self.monitored = "val" if "val" in splits else "test"  # the split --eval-every evaluates
         self.figures, self.at = {"test": None, "val": None}, {"test": None, "val": None}
         self.best = BestSoFar(keep_best, stored_best)
         if early_stopping is not None and self.best.value is not None:
@@ -93,7 +95,7 @@ class Evaluations:
         if self.at["test"] == step and self.figures["test"] is not None:
             return missing
         if self.monitored == "val" and self.at["val"] != step:
-            missing.append("val")   # (the validation of the state the run ends with, as of every epoch's)
+            missing.append("val")  # (the validation of the state the run ends with, as of every epoch's)
         return missing + ["test"]
 
     @property

@@ -60,13 +60,32 @@ def epoch_batches(config, cluster, setup, epoch, skip):
     if config.replication == "in-graph" and cluster.worker_index is not None:
         source = None
         if cluster.is_chief:
-            source = data.global_batches(setup.train, setup.steps_per_epoch, config.seed, epoch, skip=skip,
-                                         last_epoch=last_epoch)
+            source = data.global_batches(
+                setup.train, setup.steps_per_epoch, config.seed, epoch, skip=skip, last_epoch=last_epoch
+            )
         y_shape, y_dtype = setup.info.target_shape, "int64" if setup.info.num_classes else setup.model.dtype
-        return recorded(ScatteredBatches(cluster.workers, source, config.batch_size, setup.model.input_shape,
-                                         y_shape, setup.model.dtype, y_dtype, setup.steps_per_epoch - skip),
-                        epoch, skip, cluster.num_workers)
+        return recorded(
+            ScatteredBatches(
+                cluster.workers,
+                source,
+                config.batch_size,
+                setup.model.input_shape,
+                y_shape,
+                setup.model.dtype,
+                y_dtype,
+                setup.steps_per_epoch - skip,
+            ),
+            epoch,
+            skip,
+            cluster.num_workers,
+        )
     if setup.train is None:
         return NoData(setup.steps_per_epoch, skip)
-    return recorded(data.train_batches(setup.train, setup.steps_per_epoch, config.seed, epoch, skip=skip,
-                                       last_epoch=last_epoch), epoch, skip, data_layout(config, cluster)[0])
+    return recorded(
+        data.train_batches(
+            setup.train, setup.steps_per_epoch, config.seed, epoch, skip=skip, last_epoch=last_epoch
+        ),
+        epoch,
+        skip,
+        data_layout(config, cluster)[0],
+    )

@@ -41,9 +41,11 @@ class MetricsLog:
                     self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | atomic.NO_FOLLOW, 0o644)
                     if not _drop_partial_line(self.fd):
                         self.close()
-                        raise UsageError(f"--metrics {path}: ends inside a line mpidist did not write: not a "
-                                         "metrics file (appending would change its last line); give another "
-                                         "--metrics")
+                        raise UsageError(
+                            f"--metrics {path}: ends inside a line mpidist did not write: not a "
+                            "metrics file (appending would change its last line); give another "
+                            "--metrics"
+                        )
             except OSError as err:
                 raise UsageError(f"--metrics {path}: cannot open for appending ({err.strerror})") from None
 
@@ -76,13 +78,16 @@ def _check_writable_target(path):
     except FileNotFoundError:
         return
     if stat.S_ISLNK(kind):
-        raise UsageError(f"--metrics {path}: is a symbolic link; mpidist appends to a file itself, never through a "
-                         "link: name the file it points to, or another")
+        raise UsageError(
+            f"--metrics {path}: is a symbolic link; mpidist appends to a file itself, never through a "
+            "link: name the file it points to, or another"
+        )
     if stat.S_ISDIR(kind):
         raise UsageError(f"--metrics {path}: is a directory")
     if stat.S_ISFIFO(kind) or stat.S_ISSOCK(kind):
-        raise UsageError(f"--metrics {path}: is a FIFO or socket, not a file (a write could wait forever "
-                         "for a reader)")
+        raise UsageError(
+            f"--metrics {path}: is a FIFO or socket, not a file (a write could wait forever for a reader)"
+        )
 
 
 def _size(fd):
@@ -101,7 +106,7 @@ def _truncate(fd, size):
             pass
 
 
-PARTIAL = b'{"event": '      # how every line this log writes begins
+PARTIAL = b'{"event": '  # how every line this log writes begins
 
 
 def _drop_partial_line(fd):
@@ -118,7 +123,7 @@ def _drop_partial_line(fd):
     if tail.endswith(b"\n"):
         return True
     cut = tail.rfind(b"\n")
-    if (cut < 0 and tail_start > 0) or not tail[cut + 1:].startswith(PARTIAL[:len(tail) - cut - 1]):
+    if (cut < 0 and tail_start > 0) or not tail[cut + 1 :].startswith(PARTIAL[: len(tail) - cut - 1]):
         return False
     _truncate(fd, tail_start + cut + 1)
     return True
@@ -166,11 +171,19 @@ class Progress:
         if mode == "bar":
             from tqdm import tqdm
 
-            width = shutil.get_terminal_size((100, 24)).columns   # (a pty that reports no size: 100)
-            self.bar = tqdm(total=self.total, initial=min(start_step, self.total), file=self.stream, unit="step",
-                            ncols=min(width, 140), leave=False, desc=f"epoch 1/{epochs}", smoothing=0.1,
-                            bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                                       "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+            width = shutil.get_terminal_size((100, 24)).columns  # (a pty that reports no size: 100)
+            self.bar = tqdm(
+                total=self.total,
+                initial=min(start_step, self.total),
+                file=self.stream,
+                unit="step",
+                ncols=min(width, 140),
+                leave=False,
+                desc=f"epoch 1/{epochs}",
+                smoothing=0.1,
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                "[{elapsed}<{remaining}, {rate_fmt}{postfix}]",
+            )
 
     def update(self, step, epoch, loss, samples_per_s):
         if self.bar is None:
@@ -180,12 +193,15 @@ class Progress:
         self.bar.update(min(step, self.total) - self.bar.n)
 
     def evaluated(self, step, epoch, loss, figures, split="test"):
-        """One line after an evaluation of ``split``: ``figures`` (:mod:`~mpidist.nn.scores`), accuracy or MSE, MAE, R^2."""
+        """One line after an evaluation of ``split``: ``figures`` (:mod:`~mpidist.nn.scores`), accuracy or MSE,
+        MAE, R^2."""
         if self.mode == "none":
             return
         elapsed = time.perf_counter() - self.start
-        line = (f"epoch {epoch + 1:>3}/{self.epochs}  step {step:>6}  loss {loss:.4f}  "
-                f"{progress_text(figures, split)}  {elapsed:6.1f} s")
+        line = (
+            f"epoch {epoch + 1:>3}/{self.epochs}  step {step:>6}  loss {loss:.4f}  "
+            f"{progress_text(figures, split)}  {elapsed:6.1f} s"
+        )
         if self.bar is not None:
             self.bar.clear()
             self.stream.write(line + "\n")
@@ -204,7 +220,7 @@ class Progress:
 def _is_terminal(stream):
     try:
         return stream.isatty()
-    except (AttributeError, ValueError):    # a stream without one, or closed
+    except (AttributeError, ValueError):  # a stream without one, or closed
         return False
 
 

@@ -16,7 +16,8 @@ TRACER = recorder.tracer()
 
 
 def trace_file(config, resume):
-    """Where ``--trace`` writes: the run directory's trace.json, or ``trace-from-step-N.json`` beside an earlier part's."""
+    """Where ``--trace`` writes: the run directory's trace.json, or ``trace-from-step-N.json`` beside an
+    earlier part's."""
     path = Path(config.run_dir or ".") / rundir.TRACE
     if resume is not None and path.exists():
         path = path.with_name(f"trace-from-step-{resume.step}.json")
@@ -35,7 +36,7 @@ class Outputs:
         self.stream, self.chief = stream, chief
         self.log = self.progress = self.board = self.log_copy = self.claim = None
         self.callbacks = []
-        self.trace_offset, self.trace_path = 0.0, None   # the chief's clock, and where the timeline went
+        self.trace_offset, self.trace_path = 0.0, None  # the chief's clock, and where the timeline went
 
     def open(self, config, callbacks, resume):
         """Local (inside the set-up's agreement): check and open everything the run writes to.
@@ -45,7 +46,7 @@ class Outputs:
         """
         callbacks = self.callbacks = list(callbacks)
         if config.tensorboard:
-            tensorboard.require()   # on every rank: without the package, all exit with its name (code 2)
+            tensorboard.require()  # on every rank: without the package, all exit with its name (code 2)
             if self.chief:
                 self.board = tensorboard.TensorBoard(config.run_dir or os.path.dirname(config.metrics) or ".")
                 callbacks.append(self.board)
@@ -80,7 +81,7 @@ class Outputs:
         unwritten = self.log.unwritten
         self.log = Reporter(MetricsLog(config.metrics), self.callbacks, True)
         last = last_step_logged(config.metrics) if config.metrics else 0
-        for figures in unwritten:   # (the steps the dead chief had not written: the file stays continuous)
+        for figures in unwritten:  # (the steps the dead chief had not written: the file stays continuous)
             if figures["step"] > last:
                 self.log.write("step", **figures)
         self.claim = lineage.Claim(*lineage_of)
@@ -102,8 +103,13 @@ class Outputs:
             self.trace_offset = trace.clock_offset(cluster.world, cluster.chief_rank)
 
     def show_progress(self, config, total_steps, start_step):
-        self.progress = Progress(config.progress if self.chief else "none", total_steps, config.epochs,
-                                 stream=self.stream, start_step=start_step)
+        self.progress = Progress(
+            config.progress if self.chief else "none",
+            total_steps,
+            config.epochs,
+            stream=self.stream,
+            start_step=start_step,
+        )
 
     def say(self, text):
         self.stream.write(text + "\n")
@@ -114,7 +120,7 @@ class Outputs:
         problem = trace.gather_and_write(cluster.world, cluster.chief_rank, self.trace_offset, label, path)
         if self.chief and problem is None:
             self.trace_path = path
-        elif self.chief:      # the run itself went well: say so, and what was lost
+        elif self.chief:  # the run itself went well: say so, and what was lost
             self.say(f"mpidist: warning: the timeline could not be written to {path} ({problem})")
 
     def close(self):

@@ -31,9 +31,9 @@ class Position:
         """This position ``steps`` (-1, 0 or 1) steps on, in epochs of ``steps_per_epoch`` (a new object)."""
         if steps not in (-1, 0, 1):
             raise ValueError(f"a position moves one step at most, not {steps}")
-        if steps < 0 and self.epoch_step == 0:     # the last step of the epoch before
+        if steps < 0 and self.epoch_step == 0:  # the last step of the epoch before
             return Position(self.step - 1, self.epoch - 1, steps_per_epoch - 1)
-        if steps > 0 and self.epoch_step >= steps_per_epoch:   # the first of the next one
+        if steps > 0 and self.epoch_step >= steps_per_epoch:  # the first of the next one
             return Position(self.step + 1, self.epoch + 1, 1)
         return Position(self.step + steps, self.epoch, self.epoch_step + steps)
 

@@ -15,9 +15,13 @@ class ServerControl:
 
     def __init__(self, config, setup, signals, workers, start_step, lineages):
         self.setup, self.signals, self.workers = setup, signals, workers
-        self.checkpointer = Checkpointer(config, start_step, *lineages,
-                                         elapsed=setup.resume.elapsed if setup.resume is not None else 0.0,
-                                         dataset=setup.info)
+        self.checkpointer = Checkpointer(
+            config,
+            start_step,
+            *lineages,
+            elapsed=setup.resume.elapsed if setup.resume is not None else 0.0,
+            dataset=setup.info,
+        )
         self.periodic = self.checkpointer.enabled and self.checkpointer.schedule.periodic
 
     def signalled(self):

@@ -36,7 +36,9 @@ class Inputs:
     @classmethod
     def of(cls, config, model=None, data=None):
         """The inputs ``config`` names, or the objects given in Python in place of its strings."""
-        return cls(models.resolve(config.model if model is None else model), config.data if data is None else data)
+        return cls(
+            models.resolve(config.model if model is None else model), config.data if data is None else data
+        )
 
 
 @dataclasses.dataclass
@@ -45,15 +47,15 @@ class Setup:
 
     info: data.DatasetInfo
     model: nn.Sequential
-    train: data.Shard       # None on ranks that read no training data (ps)
-    test: data.Shard        # None on ranks that do not evaluate
-    val: data.Shard         # the validation split (a val/ group, or --val-fraction's), evaluated each epoch; or None
+    train: data.Shard  # None on ranks that read no training data (ps)
+    test: data.Shard  # None on ranks that do not evaluate
+    val: data.Shard  # the validation split (a val/ group, or --val-fraction's), evaluated each epoch; or None
     local_batch: int
     steps_per_epoch: int
-    reading: data.Reading = None   # in memory or streamed, and why (the start-up table's data column)
+    reading: data.Reading = None  # in memory or streamed, and why (the start-up table's data column)
     resume: checkpoint.Checkpoint = None
-    skipped: list = dataclasses.field(default_factory=list)   # unreadable checkpoints passed over
-    notes: list = dataclasses.field(default_factory=list)     # what the chief says about the set-up
+    skipped: list = dataclasses.field(default_factory=list)  # unreadable checkpoints passed over
+    notes: list = dataclasses.field(default_factory=list)  # what the chief says about the set-up
 
 
 def build_model_for(config, inputs, info, xp, cluster=None, training=True):
@@ -79,23 +81,37 @@ def check_holds(config, cluster, model):
     """Refuse, naming what it needs, a model whose share on this rank does not fit in what the rank may hold."""
     arrays = len(checkpoint.OPTIMIZER_STATE.get(config.optimizer, ()))
     whole = model.num_params
-    share = holding.held(config, cluster, model, arrays) if cluster is not None else \
-        holding.Held(whole, whole, whole)
+    share = (
+        holding.held(config, cluster, model, arrays)
+        if cluster is not None
+        else holding.Held(whole, whole, whole)
+    )
     what = f"training {whole:,} parameters with {config.optimizer}"
     if share.part:
-        what = (f"{share.part} ({share.params:,} of the model's {whole:,} parameters), trained with "
-                f"{config.optimizer}" + (f", and assembling the whole model's state for checkpoints "
-                                         f"({share.gathered:,} values)" if share.gathered else ""))
+        what = (
+            f"{share.part} ({share.params:,} of the model's {whole:,} parameters), trained with "
+            f"{config.optimizer}"
+            + (
+                f", and assembling the whole model's state for checkpoints ({share.gathered:,} values)"
+                if share.gathered
+                else ""
+            )
+        )
     try:
         check_fits(holding.held_bytes(share, arrays, model.dtype.itemsize), what)
     except UsageError as err:
-        split = holding.fitting_stages(model, arrays, model.dtype.itemsize, holdable()[0]) \
-            if share.params == whole else None
+        split = (
+            holding.fitting_stages(model, arrays, model.dtype.itemsize, holdable()[0])
+            if share.params == whole
+            else None
+        )
         if split is None:
             raise
         stages, need = split
-        raise UsageError(f"{err}; split, it fits: --strategy pipeline --stages {stages} on {stages} or more ranks "
-                         f"(its largest stage needs {human(need)})") from None
+        raise UsageError(
+            f"{err}; split, it fits: --strategy pipeline --stages {stages} on {stages} or more ranks "
+            f"(its largest stage needs {human(need)})"
+        ) from None
 
 
 def check_outputs(model, info, spec):
@@ -105,8 +121,10 @@ def check_outputs(model, info, spec):
     shape, labels = tuple(model.output_shape), info.target_shape
     if shape != labels + (info.num_classes,):
         per = f"{labels[0]} labels per sample (one per position)" if labels else "one label per sample"
-        raise UsageError(f"the model ({printable(spec)}) outputs {shape} per sample, but the dataset has {per}, "
-                         f"of {info.num_classes:,} classes: it needs outputs {labels + (info.num_classes,)}")
+        raise UsageError(
+            f"the model ({printable(spec)}) outputs {shape} per sample, but the dataset has {per}, "
+            f"of {info.num_classes:,} classes: it needs outputs {labels + (info.num_classes,)}"
+        )
 
 
 def find_resume(config):
@@ -116,7 +134,7 @@ def find_resume(config):
     if not config.resume:
         return None, []
     if config.resume == "auto":
-        return checkpoint.newest_valid(config.checkpoint_dir, arrays=False)   # empty directory: start afresh
+        return checkpoint.newest_valid(config.checkpoint_dir, arrays=False)  # empty directory: start afresh
     return checkpoint.load(config.resume, arrays=False), []
 
 
@@ -128,87 +146,144 @@ def data_layout(config, cluster):
 def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or None)."""
     info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
-    if config.val_fraction:   # (a resumed run's rows are its checkpoint's: drawn by the seed it continues with)
-        info = data.carve_validation(info, config.val_fraction, config.seed if resume is None else resume.seed)
+    if (
+        config.val_fraction
+    ):  # (a resumed run's rows are its checkpoint's: drawn by the seed it continues with)
+        info = data.carve_validation(
+            info, config.val_fraction, config.seed if resume is None else resume.seed
+        )
     if config.eval_samples:
         info = data.limit_evaluation(info, config.eval_samples)
     check_validation(config, info)
     model = build_model_for(config, inputs, info, xp, cluster)
     notes = []
     if info.num_classes > info.sizes["train"]:
-        notes.append(f"warning: dataset {info.name!r} declares {info.num_classes:,} classes but has "
-                     f"{info.sizes['train']:,} training samples: some classes have none (a wrong num_classes?)")
+        notes.append(
+            f"warning: dataset {info.name!r} declares {info.num_classes:,} classes but has "
+            f"{info.sizes['train']:,} training samples: some classes have none (a wrong num_classes?)"
+        )
     notes.extend(STRATEGIES[config.strategy].check_model(config, model))
     workers, worker = data_layout(config, cluster)
     running = strategy_class(config, workers)
     if model.running_entries() and not running.running_statistics:
         names = [name for name, cls in STRATEGIES.items() if cls.running_statistics]
         carried = ", ".join(names[:-1]) + " or " + names[-1]
-        raise UsageError(f"--model {config.model} keeps running statistics (BatchNorm), which --strategy "
-                         f"{running.title(config)} cannot carry: its workers step independently; use {carried}, "
-                         "or LayerNorm")
+        raise UsageError(
+            f"--model {config.model} keeps running statistics (BatchNorm), which --strategy "
+            f"{running.title(config)} cannot carry: its workers step independently; use {carried}, "
+            "or LayerNorm"
+        )
     in_graph = config.replication == "in-graph"
     if not in_graph and info.sizes["train"] < workers:
-        raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training sample(s), fewer than the "
-                         f"{workers} workers: worker {info.sizes['train']} would have an empty shard")
+        raise UsageError(
+            f"dataset {info.name!r} has {info.sizes['train']} training sample(s), fewer than the "
+            f"{workers} workers: worker {info.sizes['train']} would have an empty shard"
+        )
     # one sample of each of the global batch's lanes a step: n // B steps, in-graph or not, on any worker count
     steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, 1 if in_graph else workers)
     if steps == 0:
-        raise UsageError(f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
-                         f"--batch-size {config.batch_size} over {workers} workers")
+        raise UsageError(
+            f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
+            f"--batch-size {config.batch_size} over {workers} workers"
+        )
     reads = _reads(config, cluster, info, worker, workers)
-    lanes = data.Lanes.of(config.batch_size, reads["train"][2], reads["train"][1]) if "train" in reads else None
+    lanes = (
+        data.Lanes.of(config.batch_size, reads["train"][2], reads["train"][1]) if "train" in reads else None
+    )
     # every rank sizes the data order's buffer alike, by the widest worker's lanes (a resumed run keeps its own)
     widest = data.Lanes.of(config.batch_size, 1 if in_graph else workers, 0)
-    order = data.order_buffer_for(config, info, model.input_shape, model.dtype, widest, resumed_buffer(resume))
-    reading = data.plan(config, info, [(split, lanes.rows(info.sizes[split]) if split == "train" else
-                                        len(range(w, info.sizes[split], n))) for split, w, n in reads.values()],
-                        model.input_shape, model.dtype, lanes, order)
+    order = data.order_buffer_for(
+        config, info, model.input_shape, model.dtype, widest, resumed_buffer(resume)
+    )
+    reading = data.plan(
+        config,
+        info,
+        [
+            (
+                split,
+                lanes.rows(info.sizes[split]) if split == "train" else len(range(w, info.sizes[split], n)),
+            )
+            for split, w, n in reads.values()
+        ],
+        model.input_shape,
+        model.dtype,
+        lanes,
+        order,
+    )
     if order[2] and config.shuffle_buffer not in (0, order[0]):
-        notes.append(f"note: --shuffle-buffer {config.shuffle_buffer:,} ignored: the resumed run's data order "
-                     f"keeps the buffer it started with, {order[0]:,} samples, so each sample is trained once an "
-                     "epoch (start a new run for another)")
-    notes.extend(f"note: {note}" for note in reading.notes)   # (a stream's buffer capped, chunks read in slices)
-    shards = {split: reading.open(info, split, w, n, model.input_shape, model.dtype,
-                                  lanes=lanes if split == "train" else None) for split, w, n in reads.values()}
+        notes.append(
+            f"note: --shuffle-buffer {config.shuffle_buffer:,} ignored: the resumed run's data order "
+            f"keeps the buffer it started with, {order[0]:,} samples, so each sample is trained once an "
+            "epoch (start a new run for another)"
+        )
+    notes.extend(
+        f"note: {note}" for note in reading.notes
+    )  # (a stream's buffer capped, chunks read in slices)
+    shards = {
+        split: reading.open(
+            info, split, w, n, model.input_shape, model.dtype, lanes=lanes if split == "train" else None
+        )
+        for split, w, n in reads.values()
+    }
     train, test, val = (shards.get(split) for split in ("train", "test", "val"))
     if resume is not None and resume.num_params != model.num_params:
-        raise UsageError(f"--resume {resume.path}: holds {resume.num_params} parameters, but --model "
-                         f"{config.model} on {info.name!r} has {model.num_params} (it was written by --model "
-                         f"{printable(resume.config.get('model'))} on {printable(repr(resume.config.get('data')))})")
-    if resume is not None and set(resume.optimizer_state) != set(checkpoint.OPTIMIZER_STATE[config.optimizer]):
+        raise UsageError(
+            f"--resume {resume.path}: holds {resume.num_params} parameters, but --model "
+            f"{config.model} on {info.name!r} has {model.num_params} (it was written by --model "
+            f"{printable(resume.config.get('model'))} on {printable(repr(resume.config.get('data')))})"
+        )
+    if resume is not None and set(resume.optimizer_state) != set(
+        checkpoint.OPTIMIZER_STATE[config.optimizer]
+    ):
         kept = ", ".join(map(printable, sorted(resume.optimizer_state))) or "none"
-        notes.append(f"note: --optimizer {config.optimizer} starts with fresh state: {resume.path} holds "
-                     f"another optimizer's ({kept}); the parameters and the position are resumed")
+        notes.append(
+            f"note: --optimizer {config.optimizer} starts with fresh state: {resume.path} holds "
+            f"another optimizer's ({kept}); the parameters and the position are resumed"
+        )
         resume = dataclasses.replace(resume, optimizer_state={}, optimizer_steps=0)
-    smallest = config.batch_size // workers   # the smallest worker's share of a global batch
+    smallest = config.batch_size // workers  # the smallest worker's share of a global batch
     if config.accumulate > smallest:
-        raise UsageError(f"--accumulate {config.accumulate} cuts each worker's share of --batch-size "
-                         f"{config.batch_size} into slices, but {workers} workers get as few as {smallest} "
-                         f"sample(s) each: use --accumulate {max(smallest, 1)} or less, or a larger batch")
+        raise UsageError(
+            f"--accumulate {config.accumulate} cuts each worker's share of --batch-size "
+            f"{config.batch_size} into slices, but {workers} workers get as few as {smallest} "
+            f"sample(s) each: use --accumulate {max(smallest, 1)} or less, or a larger batch"
+        )
     strategy_class(config, workers).check_slice(config, smallest // config.accumulate)
     if resume is not None:
         notes.extend(recipe_changes(config, resume))
-    changed = mismatch(resume.dataset_fingerprint, resume.config.get("data"), info) \
-        if resume is not None and cluster.is_chief else None
-    if changed is not None:   # (--data is given to a resumed run: it goes on, and the user is told)
+    changed = (
+        mismatch(resume.dataset_fingerprint, resume.config.get("data"), info)
+        if resume is not None and cluster.is_chief
+        else None
+    )
+    if changed is not None:  # (--data is given to a resumed run: it goes on, and the user is told)
         notes.append(f"warning: --resume {resume.path}: {changed}; training goes on with it")
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
-    if train is not None:   # (a stream reads its first windows now, as a shard in memory was read whole above)
+    if train is not None:  # (a stream reads its first windows now, as a shard in memory was read whole above)
         epoch, at = (0, 0) if resume is None else (resume.epoch, resume.epoch_step)
         epoch, at = (epoch + 1, 0) if at >= steps else (epoch, at)
         if epoch < config.epochs:
             train.prime(config.seed if resume is None else resume.seed, epoch, at)
-    return Setup(info=info, model=model, train=train, test=test, val=val, local_batch=local_batch,
-                 steps_per_epoch=steps, reading=reading,
-                 resume=resume, skipped=list(skipped), notes=notes)
+    return Setup(
+        info=info,
+        model=model,
+        train=train,
+        test=test,
+        val=val,
+        local_batch=local_batch,
+        steps_per_epoch=steps,
+        reading=reading,
+        resume=resume,
+        skipped=list(skipped),
+        notes=notes,
+    )
 
 
 def _reads(config, cluster, info, worker, workers):
     """``{split: (split, worker, workers)}``: the part of each split this rank reads (none: not in the dict); of
     the training split, the lanes of that worker of that many."""
     evaluated = ("test", "val") if "val" in info.sizes else ("test",)
-    if config.replication == "in-graph":   # the chief is the one client that reads samples
+    if config.replication == "in-graph":  # the chief is the one client that reads samples
         return {split: (split, 0, 1) for split in ("train",) + evaluated} if cluster.is_chief else {}
     if worker is None:
         return {}
@@ -222,43 +297,75 @@ def _reads(config, cluster, info, worker, workers):
 
 def validation_figures(info):
     """The figures a validation of dataset ``info`` reports, as ``--keep-best`` and ``--early-stop`` name them."""
-    scoring = scores.Classification(info.num_classes) if info.num_classes else scores.Regression(info.target_width)
+    scoring = (
+        scores.Classification(info.num_classes) if info.num_classes else scores.Regression(info.target_width)
+    )
     return ["val_" + name for name in scoring.scalar_names()]
 
 
 def check_validation(config, info):
     """Refuse ``--keep-best`` and ``--early-stop`` without a validation split, or naming a figure it lacks."""
-    asked = [flag for flag, value in (("--keep-best", config.keep_best), ("--early-stop", config.early_stop))
-             if value]
+    asked = [
+        flag
+        for flag, value in (("--keep-best", config.keep_best), ("--early-stop", config.early_stop))
+        if value
+    ]
     if asked and "val" not in info.sizes:
-        raise UsageError(f"{' and '.join(asked)} judge(s) the run by a validation split, and dataset {info.name!r} "
-                         "has none: add --val-fraction F (or a val/ split to the file)")
+        raise UsageError(
+            f"{' and '.join(asked)} judge(s) the run by a validation split, and dataset {info.name!r} "
+            "has none: add --val-fraction F (or a val/ split to the file)"
+        )
     if asked and not config.eval_every:
-        raise UsageError(f"{' and '.join(asked)} judge(s) the run at its validations, and --eval-every 0 has "
-                         "none: give --eval-every N (epochs between validations)")
+        raise UsageError(
+            f"{' and '.join(asked)} judge(s) the run at its validations, and --eval-every 0 has "
+            "none: give --eval-every N (epochs between validations)"
+        )
     if config.keep_best and config.keep_best not in validation_figures(info):
-        raise UsageError(f"--keep-best {config.keep_best!r}: dataset {info.name!r} is validated with "
-                         f"{', '.join(validation_figures(info))}")
+        raise UsageError(
+            f"--keep-best {config.keep_best!r}: dataset {info.name!r} is validated with "
+            f"{', '.join(validation_figures(info))}"
+        )
 
 
 #: Settings that shape the learning rate of every step: a resumed run that changes them changes its schedule.
-RECIPE = ("lr", "lr_schedule", "lr_gamma", "lr_step_epochs", "lr_min", "warmup_epochs", "warmup_steps",
-          "warmup_from", "epochs", "steps", "batch_size", "weight_decay", "clip_norm", "accumulate", "val_fraction")
+RECIPE = (
+    "lr",
+    "lr_schedule",
+    "lr_gamma",
+    "lr_step_epochs",
+    "lr_min",
+    "warmup_epochs",
+    "warmup_steps",
+    "warmup_from",
+    "epochs",
+    "steps",
+    "batch_size",
+    "weight_decay",
+    "clip_norm",
+    "accumulate",
+    "val_fraction",
+)
 
 
 def continued(config, setup):
     """``config`` as the run goes on with it: a resumed run's random streams as its checkpoint left them (its
     seed), and the shuffle buffer of the data order (``setup.reading``'s), which its checkpoints record."""
-    kept = dict(seed=setup.resume.seed if setup.resume is not None else config.seed,
-                shuffle_buffer=setup.reading.buffer if setup.reading is not None else config.shuffle_buffer)
-    return dataclasses.replace(config, **kept) if any(getattr(config, k) != v for k, v in kept.items()) else config
+    kept = dict(
+        seed=setup.resume.seed if setup.resume is not None else config.seed,
+        shuffle_buffer=setup.reading.buffer if setup.reading is not None else config.shuffle_buffer,
+    )
+    return (
+        dataclasses.replace(config, **kept)
+        if any(getattr(config, k) != v for k, v in kept.items())
+        else config
+    )
 
 
 def resumed_buffer(resume):
     """The shuffle buffer of the data order ``resume`` (a checkpoint, or None) was written in; 0 where it
     records none (older checkpoints, whose order was another) or one that is not a count of samples."""
     value = resume.config.get("shuffle_buffer") if resume is not None else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2 ** 62 else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**62 else 0
 
 
 def recipe_changes(config, resume):
@@ -271,18 +378,25 @@ def recipe_changes(config, resume):
     (:mod:`mpidist.data.lanes`): mid-epoch, the epoch is not the same set of
     samples once.
     """
-    changed = [f"--{name.replace('_', '-')} {printable(repr(resume.config[name]))} -> {getattr(config, name)!r}"
-               for name in RECIPE if name in resume.config and resume.config[name] != getattr(config, name)]
+    changed = [
+        f"--{name.replace('_', '-')} {printable(repr(resume.config[name]))} -> {getattr(config, name)!r}"
+        for name in RECIPE
+        if name in resume.config and resume.config[name] != getattr(config, name)
+    ]
     if not changed:
         return []
-    notes = [f"note: resumed with another recipe than {resume.path} was written with ({', '.join(changed)}): "
-             "the schedule continues as the new settings give it from this step"]
+    notes = [
+        f"note: resumed with another recipe than {resume.path} was written with ({', '.join(changed)}): "
+        "the schedule continues as the new settings give it from this step"
+    ]
     before = resume.config.get("batch_size", config.batch_size)
     if before != config.batch_size and resume.epoch_step:
-        notes.append(f"note: --batch-size {config.batch_size} cuts the training split into {config.batch_size} "
-                     f"lanes, not {printable(repr(before))}: epoch {resume.epoch + 1} goes on from step "
-                     f"{resume.epoch_step} of the new lanes' orders, so some of its samples may come twice or not at "
-                     "all; every later epoch trains on each sample once")
+        notes.append(
+            f"note: --batch-size {config.batch_size} cuts the training split into {config.batch_size} "
+            f"lanes, not {printable(repr(before))}: epoch {resume.epoch + 1} goes on from step "
+            f"{resume.epoch_step} of the new lanes' orders, so some of its samples may come twice or not at "
+            "all; every later epoch trains on each sample once"
+        )
     return notes
 
 
@@ -293,15 +407,32 @@ def strategy_class(config, workers):
 
 def make_strategy(config, setup, cluster, xp, where=None, figures=None):
     """The strategy ``config`` names, with an optimizer factory sized by the strategy."""
+
     def make_optimizer(size):
-        return nn.make_optimizer(config.optimizer, size, config.lr, config.momentum, xp, setup.model.dtype,
-                                 weight_decay=config.weight_decay)
+        return nn.make_optimizer(
+            config.optimizer,
+            size,
+            config.lr,
+            config.momentum,
+            xp,
+            setup.model.dtype,
+            weight_decay=config.weight_decay,
+        )
 
     cls = strategy_class(config, cluster.num_workers)
     recipe = recipe_for(config, total_steps(config, setup), setup.steps_per_epoch)
-    return cls(setup.model, nn.loss_for(setup.info.num_classes, xp), make_optimizer, cluster, seed=config.seed,
-               bucket_bytes=int(config.bucket_mb * (1 << 20)), where=where, figures=figures, recipe=recipe,
-               **cls.arguments(config, setup))
+    return cls(
+        setup.model,
+        nn.loss_for(setup.info.num_classes, xp),
+        make_optimizer,
+        cluster,
+        seed=config.seed,
+        bucket_bytes=int(config.bucket_mb * (1 << 20)),
+        where=where,
+        figures=figures,
+        recipe=recipe,
+        **cls.arguments(config, setup),
+    )
 
 
 def test_delay(worker):

@@ -32,8 +32,10 @@ from .writer import BehindWrite
 
 def parameters(whole):
     """The whole model's ``(name, shape, offset)`` in entry order, as the index stores them."""
-    return [(sharded.parameter_name(entry, type(layer).__name__, name), tuple(shape), int(offset))
-            for entry, (layer, name, offset, shape, _) in enumerate(whole.entries)]
+    return [
+        (sharded.parameter_name(entry, type(layer).__name__, name), tuple(shape), int(offset))
+        for entry, (layer, name, offset, shape, _) in enumerate(whole.entries)
+    ]
 
 
 def _reason(err, rank):
@@ -63,15 +65,26 @@ class ShardedWrite:
         self.rows, self.keys = placement.describe(), list(arrays)
         self.dtype = next(iter(arrays.values())).dtype
         self.whole = placement.whole
-        self.index_attrs = {**checkpoint.attributes(where[0], where[1], where[2], checkpointer.config.to_json(),
-                                                    checkpointer.config.seed, where[3], checkpointer.lineage,
-                                                    checkpointer.parent, best, checkpointer.run_time(),
-                                                    checkpointer.dataset_fingerprint or ""),
-                            "optimizer": {"steps": int(placed.steps)}}
+        self.index_attrs = {
+            **checkpoint.attributes(
+                where[0],
+                where[1],
+                where[2],
+                checkpointer.config.to_json(),
+                checkpointer.config.seed,
+                where[3],
+                checkpointer.lineage,
+                checkpointer.parent,
+                best,
+                checkpointer.run_time(),
+                checkpointer.dataset_fingerprint or "",
+            ),
+            "optimizer": {"steps": int(placed.steps)},
+        }
         self.reason, self.part = "", None
         try:
             if self.rows.size:
-                self.folder.mkdir(exist_ok=True)   # (by each rank that writes: none waits for another)
+                self.folder.mkdir(exist_ok=True)  # (by each rank that writes: none waits for another)
                 self._begin_part({key: placement.pieces(array) for key, array in arrays.items()})
         except OSError as err:
             self.reason = _reason(err, comm.Get_rank())
@@ -120,11 +133,14 @@ class ShardedWrite:
         if reasons:
             if self.chief and self.folder.is_dir():
                 sharded.remove_parts(self.folder)
-            raise RunError(f"checkpoint of step {self.where[0]} not written to {self.index.parent}: "
-                           f"{'; '.join(reasons)} (the checkpoints written before it are intact)")
+            raise RunError(
+                f"checkpoint of step {self.where[0]} not written to {self.index.parent}: "
+                f"{'; '.join(reasons)} (the checkpoints written before it are intact)"
+            )
         # (small: a file name, a few integers a region, a checksum; pickled, as nothing here was read from a file)
-        written = comm.gather((self.folder.name + "/" + sharded.part_name(comm.Get_rank()), self.rows, record),
-                              root=self.root)
+        written = comm.gather(
+            (self.folder.name + "/" + sharded.part_name(comm.Get_rank()), self.rows, record), root=self.root
+        )
         if not self.chief:
             return None
         parts = [part for part in written if part[2] is not None]
@@ -136,12 +152,18 @@ class ShardedWrite:
         """Chief: the index over ``parts``, renamed into place; prune; the folders pruning left unnamed removed."""
         directory = self.index.parent
         try:
-            sharded.write_index(self.index, parameters(self.whole), parts, self.keys, self.dtype, self.index_attrs)
+            sharded.write_index(
+                self.index, parameters(self.whole), parts, self.keys, self.dtype, self.index_attrs
+            )
         except OSError as err:
             sharded.remove_parts(self.folder)
-            raise RunError(f"checkpoint of step {self.where[0]} not written to {directory}: "
-                           f"{os.strerror(err.errno) if err.errno else err}") from None
+            raise RunError(
+                f"checkpoint of step {self.where[0]} not written to {directory}: "
+                f"{os.strerror(err.errno) if err.errno else err}"
+            ) from None
         config = self.checkpointer.config
         pruned = CheckpointDir(directory).prune(self.checkpointer.lineage, config.keep, newest=self.index)
-        sharded.remove_replaced_folders(directory, self.index, self.folder, pruned)   # (its folder: known here)
+        sharded.remove_replaced_folders(
+            directory, self.index, self.folder, pruned
+        )  # (its folder: known here)
         return self.index

@@ -24,13 +24,26 @@ def layout_settings(settings, ranks, stages, tensor, model):
     for flag, value in (("--stages", stages), ("--tensor", tensor)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{flag} {value!r}: give a number of ranks, 1 or more")
-    split = dataclasses.replace(settings, strategy="pipeline" if stages > 1 else "allreduce", stages=stages,
-                                tensor=tensor, micro_batches=1, schedule="gpipe", balance="", elastic=False,
-                                replication="between-graph", shard="none", compress="none", exchange="mpi",
-                                batch_size=max(settings.batch_size, ranks))
+    split = dataclasses.replace(
+        settings,
+        strategy="pipeline" if stages > 1 else "allreduce",
+        stages=stages,
+        tensor=tensor,
+        micro_batches=1,
+        schedule="gpipe",
+        balance="",
+        elastic=False,
+        replication="between-graph",
+        shard="none",
+        compress="none",
+        exchange="mpi",
+        batch_size=max(settings.batch_size, ranks),
+    )
     if ranks % (stages * tensor):
-        raise UsageError(f"--stages {stages} x --tensor {tensor} does not divide the {ranks} ranks (ranks = stages "
-                         "x tensor parts x replicas)")
+        raise UsageError(
+            f"--stages {stages} x --tensor {tensor} does not divide the {ranks} ranks (ranks = stages "
+            "x tensor parts x replicas)"
+        )
     STRATEGIES[split.strategy].check(split, ranks)
     STRATEGIES[split.strategy].check_model(split, model)
     return split
@@ -40,8 +53,10 @@ def check_holds(settings, rank, ranks, model):
     """Refuse, naming what it needs, a part of ``model`` (a map of shapes) whose parameters do not fit in what
     this rank may hold (evaluation holds no gradients and no optimizer state)."""
     share = holding.held(settings, _Ranks(rank, ranks), model, 0)
-    check_fits(share.params * model.dtype.itemsize,
-               f"evaluating {share.part} ({share.params:,} of the model's {model.num_params:,} parameters)")
+    check_fits(
+        share.params * model.dtype.itemsize,
+        f"evaluating {share.part} ({share.params:,} of the model's {model.num_params:,} parameters)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +84,21 @@ def split_strategy(settings, model, info, cluster):
     """Collective: the strategy holding this rank's part of ``model`` under ``settings`` (no optimizer)."""
     loss = loss_for(info.num_classes, model.xp)
     if settings.strategy == "pipeline":
-        return PipelineStrategy(model, loss, None, cluster, seed=settings.seed, stages=settings.stages,
-                                micro_batches=1, schedule_name="gpipe", global_batch=settings.batch_size,
-                                tensor=settings.tensor)
-    return AllreduceStrategy(model, loss, None, cluster, seed=settings.seed, exchange="mpi", tensor=settings.tensor)
+        return PipelineStrategy(
+            model,
+            loss,
+            None,
+            cluster,
+            seed=settings.seed,
+            stages=settings.stages,
+            micro_batches=1,
+            schedule_name="gpipe",
+            global_batch=settings.batch_size,
+            tensor=settings.tensor,
+        )
+    return AllreduceStrategy(
+        model, loss, None, cluster, seed=settings.seed, exchange="mpi", tensor=settings.tensor
+    )
 
 
 def evaluate(strategy, saved, batches, world):
@@ -81,7 +107,9 @@ def evaluate(strategy, saved, batches, world):
     saved.check_parts((world.Get_rank(), world.Get_size()))
     strategy.restore(saved)
     figures = strategy.evaluate(batches)
-    chief = strategy.cluster.chief_rank   # (a pipeline's figures are the chief's: its last stage sent them there)
+    chief = (
+        strategy.cluster.chief_rank
+    )  # (a pipeline's figures are the chief's: its last stage sent them there)
     return world.bcast(figures if world.Get_rank() == chief else None, root=chief)
 
 
@@ -95,6 +123,6 @@ def outputs(strategy, x):
     :func:`gives_outputs` them (a device or host array), else None."""
     if isinstance(strategy, PipelineStrategy):
         out = strategy.forward_only(x)
-    else:   # (a tensor group's parts all end with the whole outputs)
+    else:  # (a tensor group's parts all end with the whole outputs)
         out = strategy.model.forward(strategy.model.xp.asarray(x), training=False)
     return out if gives_outputs(strategy) else None

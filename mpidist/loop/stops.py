@@ -13,10 +13,10 @@ class Stops:
 
     def __init__(self, signals):
         self.signals = signals
-        self.agreement = None   # lockstep strategies: the step agreement of the current loop
-        self.phases = PhaseComm()   # what the ranks' evaluations agree on (freed after the loop's last one)
-        self.early = False      # this rank left the loop on a stop request
-        self.diverged = None    # the message, once --nan-patience ran out
+        self.agreement = None  # lockstep strategies: the step agreement of the current loop
+        self.phases = PhaseComm()  # what the ranks' evaluations agree on (freed after the loop's last one)
+        self.early = False  # this rank left the loop on a stop request
+        self.diverged = None  # the message, once --nan-patience ran out
 
     def agree_on(self, comm):
         """Collective: a new step agreement over ``comm`` (the loop is entered again after a recovery)."""

@@ -24,12 +24,31 @@ from ..runtime.errors import UsageError
 from .callbacks import Callback
 
 INSTALL = "pip install 'mpidist[tensorboard]' (or: pip install tensorboardX)"
-STEP_FIGURES = {"loss": "train/loss", "lr": "lr", "samples_per_s": "samples_per_s",
-                "train_accuracy": "train/accuracy", "train_mae": "train/mae", "clipped": "train/clipped"}
+STEP_FIGURES = {
+    "loss": "train/loss",
+    "lr": "lr",
+    "samples_per_s": "samples_per_s",
+    "train_accuracy": "train/accuracy",
+    "train_mae": "train/mae",
+    "clipped": "train/clipped",
+}
 #: per-rank figures of the done event's roles, by role
-ROLE_FIGURES = ("updates", "bytes_in", "bytes_out", "accepted", "dropped", "skipped", "steps", "staleness_mean",
-                "staleness_max", "updates_missed_mean", "updates_missed_max", "wait_s", "bubble",
-                "peak_activations")
+ROLE_FIGURES = (
+    "updates",
+    "bytes_in",
+    "bytes_out",
+    "accepted",
+    "dropped",
+    "skipped",
+    "steps",
+    "staleness_mean",
+    "staleness_max",
+    "updates_missed_mean",
+    "updates_missed_max",
+    "wait_s",
+    "bubble",
+    "peak_activations",
+)
 
 
 def require():
@@ -61,8 +80,11 @@ class TensorBoard(Callback):
     def on_end(self, figures):
         step = figures.get("steps", figures.get("step", 0))
         for record in figures.get("roles", ()):
-            where = (f"stage/{record['stage']}" if "stage" in record and record.get("replica", 0) == 0
-                     else f"{'ps' if 'shard' in record else 'worker'}/{record.get('rank')}")
+            where = (
+                f"stage/{record['stage']}"
+                if "stage" in record and record.get("replica", 0) == 0
+                else f"{'ps' if 'shard' in record else 'worker'}/{record.get('rank')}"
+            )
             for name in ROLE_FIGURES:
                 self._scalar(f"{where}/{name}", record.get(name), step)
         self.writer.flush()

@@ -66,8 +66,14 @@ def run(config, cluster, xp, device_label, inputs, callbacks=(), stream=sys.stdo
     diverged (``--nan-patience``) has ``failed`` set, and the CLI exits 1.
     """
     with stop_signals() as signals:
-        training = Training(config, cluster, Device(xp, device_label), inputs, Stops(signals),
-                            Outputs(stream, cluster.is_chief))
+        training = Training(
+            config,
+            cluster,
+            Device(xp, device_label),
+            inputs,
+            Stops(signals),
+            Outputs(stream, cluster.is_chief),
+        )
         try:
             training.start(callbacks)
             return elastic.run_with_recovery(training.state, training.run_to_end)
@@ -86,7 +92,7 @@ class Training:
     def __init__(self, config, cluster, device, inputs, stops, outputs):
         self.config, self.cluster, self.device, self.inputs = config, cluster, device, inputs
         self.stops, self.outputs = stops, outputs
-        self.counts = {}   # what the strategies count (their stats()): outlives a recovery
+        self.counts = {}  # what the strategies count (their stats()): outlives a recovery
         self.state = elastic.State(config, Position())
         self.state.register("reset", self.continue_from)
         self.state.register("give_up", self.give_up)
@@ -109,35 +115,65 @@ class Training:
         here().enter("setup", 0)
         with agreed(cluster.world):
             self.setup = prepare(config, cluster, self.device.xp, self.inputs, *find_resume(config))
-            early_stopping = EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss") \
-                if config.early_stop else None
-            outputs.open(config, list(callbacks) + ([early_stopping] if early_stopping else []), self.setup.resume)
-        here().enter("start")   # collectives from here on: a wait on the others
+            early_stopping = (
+                EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss")
+                if config.early_stop
+                else None
+            )
+            outputs.open(
+                config, list(callbacks) + ([early_stopping] if early_stopping else []), self.setup.resume
+            )
+        here().enter("start")  # collectives from here on: a wait on the others
         setup, resume, asked = self.setup, self.setup.resume, config.seed
-        config = self.config = self.state.config = continued(config, setup)   # the seed and buffer it goes on with
-        outputs.begin(config)   # (settings.toml as the run goes on: `train --config` repeats its data order)
+        config = self.config = self.state.config = continued(
+            config, setup
+        )  # the seed and buffer it goes on with
+        outputs.begin(config)  # (settings.toml as the run goes on: `train --config` repeats its data order)
         lineages = self._share_lineage()
-        outputs.start_trace(config, cluster)   # (the set-up's files and checks are not on the timeline)
+        outputs.start_trace(config, cluster)  # (the set-up's files and checks are not on the timeline)
         self._make_strategy()
         place = self.strategy.describe(cluster.rank)
-        table = cluster.table(self.device.label, setup.reading.why if setup.reading else "", place)   # (collective)
-        if resume is not None:   # (local) a split model's ranks check a share of its parts and read their slices
-            with agreed(cluster.world):   # as the strategy restores them; other layouts read the whole
-                resume = resume.check_parts((cluster.rank, cluster.size)) if self.strategy.placement is not None \
+        table = cluster.table(
+            self.device.label, setup.reading.why if setup.reading else "", place
+        )  # (collective)
+        if (
+            resume is not None
+        ):  # (local) a split model's ranks check a share of its parts and read their slices
+            with agreed(cluster.world):  # as the strategy restores them; other layouts read the whole
+                resume = (
+                    resume.check_parts((cluster.rank, cluster.size))
+                    if self.strategy.placement is not None
                     else resume.whole()
+                )
         self.strategy.initialize(resume)
-        held = cluster.world.gather((cluster.rank, self.strategy.held_bytes()), root=cluster.chief_rank)  # (start-up)
+        held = cluster.world.gather(
+            (cluster.rank, self.strategy.held_bytes()), root=cluster.chief_rank
+        )  # (start-up)
         if self.chief:
-            header(self.config, cluster, self.setup, self.outputs, table, asked,
-                   [{"rank": rank, **bytes_} for rank, bytes_ in held if bytes_],
-                   imbalance=self.strategy.imbalance, watched=self.monitor.active)
+            header(
+                self.config,
+                cluster,
+                self.setup,
+                self.outputs,
+                table,
+                asked,
+                [{"rank": rank, **bytes_} for rank, bytes_ in held if bytes_],
+                imbalance=self.strategy.imbalance,
+                watched=self.monitor.active,
+            )
         outputs.show_progress(config, total_steps(config, setup), 0 if resume is None else resume.step)
         self.window = StepWindow(config.nan_patience)
         # (its clock is the run's: the metrics' time goes on from a resumed checkpoint's)
-        self.checkpointer = Checkpointer(config, 0 if resume is None else resume.step, *lineages,
-                                         elapsed=0.0 if resume is None else resume.elapsed, dataset=setup.info)
-        self.evaluations = Evaluations(setup.info.sizes, config.keep_best, resume.best if resume else None,
-                                       early_stopping)
+        self.checkpointer = Checkpointer(
+            config,
+            0 if resume is None else resume.step,
+            *lineages,
+            elapsed=0.0 if resume is None else resume.elapsed,
+            dataset=setup.info,
+        )
+        self.evaluations = Evaluations(
+            setup.info.sizes, config.keep_best, resume.best if resume else None, early_stopping
+        )
         self._move_to(resume)
 
     def _share_lineage(self):
@@ -145,22 +181,27 @@ class Training:
         codes = np.full(2, -1, dtype=np.int64)
         if self.chief:
             claim = self.outputs.claim
-            codes[:] = [int(claim.lineage, 16) if claim.lineage else -1, int(claim.parent, 16) if claim.parent else -1]
+            codes[:] = [
+                int(claim.lineage, 16) if claim.lineage else -1,
+                int(claim.parent, 16) if claim.parent else -1,
+            ]
         bcast(self.cluster.world, codes, root=self.cluster.chief_rank)
         return tuple(f"{int(code):08x}" if code >= 0 else "" for code in codes)
 
     def _make_strategy(self):
         """Collective: the strategy for the current cluster and set-up, watched by a new stall monitor."""
-        self.strategy = make_strategy(self.config, self.setup, self.cluster, self.device.xp, where=here(),
-                                      figures=self.counts)
-        self.monitor = StallMonitor(self.cluster.world, self.cluster.chief_rank, self.config.stall_timeout,
-                                    here()).start()
+        self.strategy = make_strategy(
+            self.config, self.setup, self.cluster, self.device.xp, where=here(), figures=self.counts
+        )
+        self.monitor = StallMonitor(
+            self.cluster.world, self.cluster.chief_rank, self.config.stall_timeout, here()
+        ).start()
         self.state.bind(self.cluster, self.setup, self.strategy)
 
     def _move_to(self, resume, on_disk=True):
         """Set the position to ``resume``'s (or the beginning); ``on_disk``: a checkpoint of it exists already."""
         self.position.move_to(Position.of(resume, self.setup.steps_per_epoch))
-        self.checkpointer.taken_at = self.position.step if on_disk else None   # save() writes each step once
+        self.checkpointer.taken_at = self.position.step if on_disk else None  # save() writes each step once
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run_to_end(self):
@@ -178,11 +219,11 @@ class Training:
         memory, so the next save writes it.
         """
         self.monitor.free(abandon=True)
-        self.strategy.abandon()   # (its windows and communicators are the broken world's: left unfreed)
+        self.strategy.abandon()  # (its windows and communicators are the broken world's: left unfreed)
         self.cluster = cluster
         with agreed(cluster.world):
             self.setup = prepare(self.config, cluster, self.device.xp, self.inputs, resume)
-            if cluster.is_chief and not self.outputs.chief:   # the chief died: this worker takes its place
+            if cluster.is_chief and not self.outputs.chief:  # the chief died: this worker takes its place
                 self.outputs.take_over(self.config, (self.checkpointer.lineage, self.checkpointer.parent))
                 self.outputs.show_progress(self.config, total_steps(self.config, self.setup), resume.step)
         self._make_strategy()
@@ -192,7 +233,9 @@ class Training:
     def give_up(self, message):
         """The run cannot go on (a lost chief or ps): record why; the caller ends the process."""
         if self.chief:
-            self.outputs.log.write("failed", step=self.position.step, epoch=self.position.epoch + 1, reason=message)
+            self.outputs.log.write(
+                "failed", step=self.position.step, epoch=self.position.epoch + 1, reason=message
+            )
             self.outputs.log.close()
 
     def leave(self):
@@ -209,13 +252,21 @@ class Training:
         if self.chief:
             self.outputs.log.write("recovered", **record)
             split = "/".join(map(str, record["local_batches"]))
-            back = (f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: what was lost is in "
-                    "no survivor)") if "rolled_back_to" in record else ""
+            back = (
+                (
+                    f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: what was lost is in "
+                    "no survivor)"
+                )
+                if "rolled_back_to" in record
+                else ""
+            )
             back += f"; {record['idle']} idle (their replica lost a stage)" if "idle" in record else ""
-            self.outputs.say(f"mpidist: lost {record['lost']}{back}; continuing from step {record['step']} with "
-                             f"{record['workers']} worker(s): global batch {record['global_batch']} split {split}, "
-                             f"{record['steps_per_epoch']} steps/epoch, the chief's data {record['data'] or 'none'} "
-                             f"(recovered in {record['seconds']:.2f} s)")
+            self.outputs.say(
+                f"mpidist: lost {record['lost']}{back}; continuing from step {record['step']} with "
+                f"{record['workers']} worker(s): global batch {record['global_batch']} split {split}, "
+                f"{record['steps_per_epoch']} steps/epoch, the chief's data {record['data'] or 'none'} "
+                f"(recovered in {record['seconds']:.2f} s)"
+            )
 
     def train(self):
         """The epochs from the current position, until the end, ``--steps``, a stop request or divergence."""
@@ -227,9 +278,15 @@ class Training:
             stops.agreement = None
         stops.early = False
         stop = bool(config.steps and position.step >= config.steps)
-        if self.strategy.serves:   # ps-async and backup ps ranks: serve until the workers are done
-            control = ServerControl(config, self.setup, stops.signals, data_layout(config, cluster)[0],
-                                    position.step, (self.checkpointer.lineage, self.checkpointer.parent))
+        if self.strategy.serves:  # ps-async and backup ps ranks: serve until the workers are done
+            control = ServerControl(
+                config,
+                self.setup,
+                stops.signals,
+                data_layout(config, cluster)[0],
+                position.step,
+                (self.checkpointer.lineage, self.checkpointer.parent),
+            )
             self.strategy.serve(control)
             control.finish_writes()
             stop = True
@@ -238,12 +295,14 @@ class Training:
             position.epoch = epoch
             position.epoch_step = start_in_epoch if epoch == start_epoch else 0
             if self._train_epoch(steps_to_run):
-                break   # (before the loop moves `epoch` on: the checkpoint must name this epoch)
+                break  # (before the loop moves `epoch` on: the checkpoint must name this epoch)
             if config.eval_every and (epoch + 1) % config.eval_every == 0:
                 # a signal cuts the validation short: a lockstep run stops now, with a checkpoint; the others'
                 # next step boundary carries the signal as ever
-                if self.evaluate(self.evaluations.monitored, together=self.strategy.lockstep) \
-                        and self.strategy.lockstep:
+                if (
+                    self.evaluate(self.evaluations.monitored, together=self.strategy.lockstep)
+                    and self.strategy.lockstep
+                ):
                     stops.early = True
                     self.save()
                     break
@@ -281,14 +340,25 @@ class Training:
         if self.window.account(loss, skipped, clipped):
             self.stops.diverged = self.window.diverged(step)
         if skipped:
-            log.write("skipped", step=step, epoch=self.position.epoch + 1, reason="loss or gradients NaN or Inf")
+            log.write(
+                "skipped", step=step, epoch=self.position.epoch + 1, reason="loss or gradients NaN or Inf"
+            )
         if step % config.log_every == 0:
             mean, rate, clipped_steps, now = self.window.line(config.batch_size)
-            scheduled = self.strategy.recipe.lr(step - 1)   # the learning rate of the update computed at step - 1
-            log.write("step", step=step, epoch=self.position.epoch + 1, loss=mean,
-                      lr=config.lr if scheduled is None else scheduled, **self._training_figures(),
-                      **({"clipped": clipped_steps} if config.clip_norm and self.strategy.lockstep else {}),
-                      samples_per_s=rate, time=self.checkpointer.run_time(now))
+            scheduled = self.strategy.recipe.lr(
+                step - 1
+            )  # the learning rate of the update computed at step - 1
+            log.write(
+                "step",
+                step=step,
+                epoch=self.position.epoch + 1,
+                loss=mean,
+                lr=config.lr if scheduled is None else scheduled,
+                **self._training_figures(),
+                **({"clipped": clipped_steps} if config.clip_norm and self.strategy.lockstep else {}),
+                samples_per_s=rate,
+                time=self.checkpointer.run_time(now),
+            )
             self.outputs.progress.update(step, self.position.epoch, mean, rate)
 
     def _training_figures(self):
@@ -310,24 +380,32 @@ class Training:
         if stops.agreement:
             here().enter("agree")
             checkpointer = self.checkpointer
-            schedule = checkpointer.schedule   # the time is the chief's, agreed at the boundary
-            flags = stops.agreement.boundary(requested, self.chief and schedule.timed(checkpointer.clock()),
-                                             checkpointer.busy, checkpointer.writing)
+            schedule = checkpointer.schedule  # the time is the chief's, agreed at the boundary
+            flags = stops.agreement.boundary(
+                requested,
+                self.chief and schedule.timed(checkpointer.clock()),
+                checkpointer.busy,
+                checkpointer.writing,
+            )
             stops.early = bool(flags["signal"]) and position.step < steps_to_run
             self._log_written(checkpointer.at_boundary(position.step, flags))
             due = schedule.crossed(position.step) or flags["due"]
-            if not config.checkpoint_wait:   # (a checkpoint due while one is written waits for the writer)
+            if not config.checkpoint_wait:  # (a checkpoint due while one is written waits for the writer)
                 due = checkpointer.starts_at(position.step, due, flags["busy"])
             if (due or stops.early) and not self.window.skipped_in_row:
                 # (never a state that is going wrong: it could push good ones out of --keep); a stopping job
                 # waits for its checkpoint
                 self.save(behind=not stops.early)
-        else:   # the strategy carries the request to the others; the checkpoint comes after finish()
+        else:  # the strategy carries the request to the others; the checkpoint comes after finish()
             if requested:
                 self.strategy.request_stop(requested)
             stops.early = result.stop and position.step < steps_to_run
-        return bool(stops.early or stops.diverged or (config.steps and position.step >= config.steps)
-                    or result.finished)
+        return bool(
+            stops.early
+            or stops.diverged
+            or (config.steps and position.step >= config.steps)
+            or result.finished
+        )
 
     def save(self, state=(), gathered=False, behind=False):
         """Collective: a checkpoint of the current position (once per step), written by the chief, or where the
@@ -339,20 +417,28 @@ class Training:
         """
         position, checkpointer = self.position, self.checkpointer
         if not checkpointer.enabled or (self.strategy.lockstep and checkpointer.taken_at == position.step):
-            return   # (other strategies' ranks count steps apart: each call must be collective)
+            return  # (other strategies' ranks count steps apart: each call must be collective)
         here().enter("gather")
         began = recorder.now() if TRACER.on else None
-        placement = self.strategy.placement   # (a split model: nothing is gathered)
+        placement = self.strategy.placement  # (a split model: nothing is gathered)
         placed = self.strategy.placed_state() if placement is not None else None
         if placed is None and not gathered:
             state = self.strategy.state()  # collective: shards are gathered to the chief
         checkpointer.taken_at = position.step
         if behind:
             checkpointer.taken(position.step)
-        where = (position.step, position.epoch, position.epoch_step, data_layout(self.config, self.cluster)[0])
+        where = (
+            position.step,
+            position.epoch,
+            position.epoch_step,
+            data_layout(self.config, self.cluster)[0],
+        )
         here().enter("write")
-        self._log_written(checkpointer.take(self.cluster, placement, placed, state, where,
-                                            self.evaluations.best.record(), behind))
+        self._log_written(
+            checkpointer.take(
+                self.cluster, placement, placed, state, where, self.evaluations.best.record(), behind
+            )
+        )
         if began is not None:
             TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=position.step)
 
@@ -385,30 +471,43 @@ class Training:
             items = phase.items(batches)
             with TRACER.span(f"evaluate {split}", "eval", recorder.STEPS, step=position.step):
                 figures = self.strategy.evaluate(items)
-            for _ in items:   # (a rank that evaluates nothing, a ps, still takes part in the agreement)
+            for _ in items:  # (a rank that evaluates nothing, a ps, still takes part in the agreement)
                 pass
         if phase.cut:
             return phase.cut
         self.evaluations.record(split, figures, position.step)
         self.outputs.progress.evaluated(position.step, position.epoch, self.window.last_loss, figures, split)
-        self.outputs.log.write("eval", step=position.step, epoch=position.epoch + 1,
-                               **scores.headline(figures, prefix=split + "_"))
+        self.outputs.log.write(
+            "eval",
+            step=position.step,
+            epoch=position.epoch + 1,
+            **scores.headline(figures, prefix=split + "_"),
+        )
         if split == "val" and self.config.keep_best:
-            self._keep_if_best(scores.headline(figures, prefix="val_").get(self.config.keep_best, float("nan")))
+            self._keep_if_best(
+                scores.headline(figures, prefix="val_").get(self.config.keep_best, float("nan"))
+            )
 
     def _keep_if_best(self, value):
-        """Collective: if the chief's ``value`` of the ``--keep-best`` figure improved, checkpoint and keep it as the best."""
+        """Collective: if the chief's ``value`` of the ``--keep-best`` figure improved, checkpoint and keep it as
+        the best."""
         improved, step = np.zeros(1, dtype=np.int64), self.position.step
         if self.chief:
             improved[0] = self.evaluations.best.offer(value, step)
         bcast(self.cluster.world, improved, root=self.cluster.chief_rank)
         if improved[0] and self.checkpointer.enabled:
-            self.save()   # (taken already where this step's checkpoint was due: then it may be under way)
+            self.save()  # (taken already where this step's checkpoint was due: then it may be under way)
             self._log_written(self.checkpointer.finish_writes())
             if self.chief:
                 path = self.checkpointer.keep_best(step, self.setup.resume)
-                self.outputs.log.write("best", step=step, epoch=self.position.epoch + 1,
-                                       figure=self.config.keep_best, value=value, path=str(path))
+                self.outputs.log.write(
+                    "best",
+                    step=step,
+                    epoch=self.position.epoch + 1,
+                    figure=self.config.keep_best,
+                    value=value,
+                    path=str(path),
+                )
 
     # -- the end -------------------------------------------------------------------------------------------
     def conclude(self):
@@ -424,28 +523,36 @@ class Training:
         stopped_early = flags["early"] and flags["signal"] == EARLY_STOP
         write_failed = flags["signal"] == WRITE_FAILED
         stopped = flags if flags["signal"] and flags["early"] and not (stopped_early or write_failed) else {}
-        self._log_written(self.checkpointer.finish_writes())   # (a write behind in flight: its event before the end's)
-        elapsed = self.window.elapsed()   # (training time: the final evaluation and checkpoint are not in it)
-        if not (stopped or stops.diverged or write_failed):   # (a stopping job has no time to spare)
+        self._log_written(
+            self.checkpointer.finish_writes()
+        )  # (a write behind in flight: its event before the end's)
+        elapsed = self.window.elapsed()  # (training time: the final evaluation and checkpoint are not in it)
+        if not (stopped or stops.diverged or write_failed):  # (a stopping job has no time to spare)
             for split in self._missing_splits():
                 cut = self.evaluate(split)
-                if cut:   # (a stopping job has no time for the rest of it either)
+                if cut:  # (a stopping job has no time for the rest of it either)
                     stopped = {**cut, "early": 1}
                     break
         state = None
-        if not stops.diverged:   # a diverged state must not push a good checkpoint out of --keep
+        if not stops.diverged:  # a diverged state must not push a good checkpoint out of --keep
             here().enter("gather")
-            if strategy.placement is None:   # (a split model is never gathered: its checkpoint holds the result)
-                state = strategy.state()   # collective: the trained model, on the chief
+            if (
+                strategy.placement is None
+            ):  # (a split model is never gathered: its checkpoint holds the result)
+                state = strategy.state()  # collective: the trained model, on the chief
             self.save(state, gathered=True)
         here().enter("finish")
-        roles = cluster.world.gather((cluster.rank, cluster.role, strategy.stats(), peak_memory()),
-                                     root=cluster.chief_rank)
+        roles = cluster.world.gather(
+            (cluster.rank, cluster.role, strategy.stats(), peak_memory()), root=cluster.chief_rank
+        )
         if self.config.trace != "off":
             here().enter("gather")
             part = strategy.describe(cluster.rank)
-            outputs.write_trace(cluster, trace_file(self.config, self.setup.resume),
-                                f"rank {cluster.rank} ({cluster.role}{', ' + part if part else ''})")
+            outputs.write_trace(
+                cluster,
+                trace_file(self.config, self.setup.resume),
+                f"rank {cluster.rank} ({cluster.role}{', ' + part if part else ''})",
+            )
             here().enter("finish")
         self.monitor.free()
         self.stops.phases.free()
@@ -473,7 +580,7 @@ class Training:
         log = self.outputs.log
         if self.stops.diverged:
             return report.failed(self.stops.diverged)
-        if write_failed or log.failure:   # (the chief alone learns of a failure in its last writes)
+        if write_failed or log.failure:  # (the chief alone learns of a failure in its last writes)
             return report.failed(log.failure or "the chief could not write its metrics")
         if not self.chief:
             return {"stopped_by": signal_name(stopped["signal"])} if stopped else {}
@@ -481,11 +588,16 @@ class Training:
             outcome = report.stopped(stopped)
         else:
             config = self.config
-            outcome = report.done(self.window, self.evaluations, roles, elapsed,
-                                  clipped=self._clipped_total(roles) if config.clip_norm else None,
-                                  stopped_early=stopped_early,
-                                  recoveries=self.state.recoveries if config.elastic else None)
-        if log.failure:   # the last events could not be written: the run's record is incomplete
+            outcome = report.done(
+                self.window,
+                self.evaluations,
+                roles,
+                elapsed,
+                clipped=self._clipped_total(roles) if config.clip_norm else None,
+                stopped_early=stopped_early,
+                recoveries=self.state.recoveries if config.elastic else None,
+            )
+        if log.failure:  # the last events could not be written: the run's record is incomplete
             outcome = report.failed(log.failure)
         outcome["params"] = state.params if state is not None else None
         outcome["checkpoints"] = self.checkpointer.kept()

@@ -20,9 +20,9 @@ class StepWindow:
         self.nan_patience, self.clock = nan_patience, clock
         self.started = self.opened = clock()
         self.loss = 0.0
-        self.steps = self.good = self.clipped = 0    # in the window
-        self.trained = self.clipped_total = self.skipped_in_row = 0   # in the run, on this rank
-        self.last_loss = math.nan   # the mean loss of the last window (or epoch) with a finite one
+        self.steps = self.good = self.clipped = 0  # in the window
+        self.trained = self.clipped_total = self.skipped_in_row = 0  # in the run, on this rank
+        self.last_loss = math.nan  # the mean loss of the last window (or epoch) with a finite one
 
     def account(self, loss, skipped, clipped=False):
         """One step's result; returns True when ``skipped`` made one skip too many (the run diverged)."""
@@ -30,7 +30,7 @@ class StepWindow:
         self.trained += 1
         self.clipped += bool(clipped)
         self.clipped_total += bool(clipped)
-        if skipped:   # the same on every rank of a lockstep strategy, so all count alike
+        if skipped:  # the same on every rank of a lockstep strategy, so all count alike
             self.skipped_in_row += 1
             return self.skipped_in_row > self.nan_patience
         self.skipped_in_row = 0
@@ -39,9 +39,11 @@ class StepWindow:
 
     def diverged(self, step):
         """Why the run diverged at ``step``, in words."""
-        return (f"the loss or gradients were NaN or Inf {self.skipped_in_row} step(s) in a row "
-                f"(--nan-patience {self.nan_patience}), the last at step {step}: training diverged; lower --lr, "
-                "or check the data")
+        return (
+            f"the loss or gradients were NaN or Inf {self.skipped_in_row} step(s) in a row "
+            f"(--nan-patience {self.nan_patience}), the last at step {step}: training diverged; lower --lr, "
+            "or check the data"
+        )
 
     def line(self, batch_size):
         """``(mean loss, samples per second, clipped steps, now)`` of the window; a new window opens."""

@@ -25,14 +25,16 @@ class BehindWrite:
         self.began, self.spent = time.monotonic(), spent
         self._path, self._error = None, None
         # (a daemon: a job that aborts does not wait for it; its file stays aside, for the next run to remove)
-        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True, name="mpidist-checkpoint")
+        self._thread = threading.Thread(
+            target=self._run, args=(work,), daemon=True, name="mpidist-checkpoint"
+        )
         self._thread.start()
 
     def _run(self, work):
         began = time.thread_time()
         try:
             self._path = work()
-        except BaseException as err:   # (raised again in the training thread, by result())
+        except BaseException as err:  # (raised again in the training thread, by result())
             self._error = err
         finally:
             self.spent += time.thread_time() - began

@@ -28,7 +28,7 @@ class GELU(Layer):
         t += 1
         t *= x
         t *= _GELU_C
-        xp.tanh(t, out=t)                          # tanh(c (x + a x^3))
+        xp.tanh(t, out=t)  # tanh(c (x + a x^3))
         y = xp.add(t, 1, out=self.scratch_like("y", x))
         y *= x
         y *= 0.5
@@ -40,13 +40,13 @@ class GELU(Layer):
         grad *= 3 * _GELU_A
         grad += 1
         grad *= 0.5 * _GELU_C
-        grad *= x                                  # 0.5 x du/dx, u = c (x + a x^3)
+        grad *= x  # 0.5 x du/dx, u = c (x + a x^3)
         part = xp.multiply(t, t, out=self.scratch_like("part", dy))
         xp.subtract(1, part, out=part)
-        grad *= part                               # 0.5 x (1 - t^2) du/dx
+        grad *= part  # 0.5 x (1 - t^2) du/dx
         xp.add(t, 1, out=part)
         part *= 0.5
-        grad += part                               # + 0.5 (1 + t)
+        grad += part  # + 0.5 (1 + t)
         grad *= dy
         return grad
 

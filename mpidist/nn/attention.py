@@ -19,11 +19,15 @@ def padding_of(source, shape):
     """
     mask = getattr(source, "padding", None)
     if mask is None:
-        raise ShapeError(f"the padding mask comes from {source!r}, which has not computed one for this batch "
-                         "(it must run before this layer in the same model, and be built with a pad id)")
+        raise ShapeError(
+            f"the padding mask comes from {source!r}, which has not computed one for this batch "
+            "(it must run before this layer in the same model, and be built with a pad id)"
+        )
     if tuple(mask.shape) != tuple(shape):
-        raise ShapeError(f"the padding mask from {source!r} covers sequences {tuple(mask.shape)}, but this layer "
-                         f"sees {tuple(shape)} (a layer between them changed the length: give it the mask too)")
+        raise ShapeError(
+            f"the padding mask from {source!r} covers sequences {tuple(mask.shape)}, but this layer "
+            f"sees {tuple(shape)} (a layer between them changed the length: give it the mask too)"
+        )
     return mask
 
 
@@ -79,12 +83,16 @@ class MultiHeadAttention(Layer):
 
     def build(self, input_shape):
         if len(input_shape) != 2:
-            raise ShapeError(f"MultiHeadAttention needs sequences (L, D), got per-sample shape {tuple(input_shape)}")
+            raise ShapeError(
+                f"MultiHeadAttention needs sequences (L, D), got per-sample shape {tuple(input_shape)}"
+            )
         self.dim = int(input_shape[1])
         if self.head_dim is None:
             if self.dim % self.heads:
-                raise ShapeError(f"MultiHeadAttention: {self.heads} heads do not divide the model width {self.dim} "
-                                 "(give head_dim, or a width that is a multiple of the heads)")
+                raise ShapeError(
+                    f"MultiHeadAttention: {self.heads} heads do not divide the model width {self.dim} "
+                    "(give head_dim, or a width that is a multiple of the heads)"
+                )
             self.dh = self.dim // self.heads
         else:
             self.dh = self.head_dim
@@ -94,7 +102,9 @@ class MultiHeadAttention(Layer):
     def param_specs(self):
         d, w = self.dim, self.width
         glorot = init.glorot_uniform(d, w)
-        specs = [(f"W{n}", (d, w), glorot) for n in self.names] + [(f"b{n}", (w,), init.zeros) for n in self.names]
+        specs = [(f"W{n}", (d, w), glorot) for n in self.names] + [
+            (f"b{n}", (w,), init.zeros) for n in self.names
+        ]
         specs.append(("Wo", (w, d), init.glorot_uniform(w, d)))
         return specs + ([("bo", (d,), init.zeros)] if self.output_bias else [])
 
@@ -133,7 +143,7 @@ class MultiHeadAttention(Layer):
         if self.mask is not None:
             xp.copyto(scores, -xp.inf, where=self.mask[:, None, None, :])
         top = scores.max(axis=-1, keepdims=True)
-        if self.mask is not None:   # a row of padding only: its maximum is -inf, and exp(-inf - 0) = 0
+        if self.mask is not None:  # a row of padding only: its maximum is -inf, and exp(-inf - 0) = 0
             top[~xp.isfinite(top)] = 0
         scores -= top
         xp.exp(scores, out=scores)
@@ -167,10 +177,15 @@ class MultiHeadAttention(Layer):
         dv = self.scratch("dv", self.o.shape, dy.dtype)
         xp.matmul(probs.transpose(0, 1, 3, 2), heads_do, out=self._heads(dv))
         # d scores = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = dO . O per query
-        dscores = xp.matmul(heads_do, self._heads(self.v).transpose(0, 1, 3, 2),
-                            out=self.scratch("dp", probs.shape, dy.dtype))
-        products = xp.multiply(heads_do, self._heads(self.o), out=self.scratch("products", heads_do.shape, dy.dtype))
-        dscores -= products.sum(axis=-1, keepdims=True, out=self.scratch("rowsum", probs.shape[:3] + (1,), dy.dtype))
+        dscores = xp.matmul(
+            heads_do, self._heads(self.v).transpose(0, 1, 3, 2), out=self.scratch("dp", probs.shape, dy.dtype)
+        )
+        products = xp.multiply(
+            heads_do, self._heads(self.o), out=self.scratch("products", heads_do.shape, dy.dtype)
+        )
+        dscores -= products.sum(
+            axis=-1, keepdims=True, out=self.scratch("rowsum", probs.shape[:3] + (1,), dy.dtype)
+        )
         dscores *= probs
         dscores *= dy.dtype.type(1 / math.sqrt(self.dh))
         dq, dk = self.scratch("dq", self.o.shape, dy.dtype), self.scratch("dk", self.o.shape, dy.dtype)
@@ -190,7 +205,12 @@ class MultiHeadAttention(Layer):
         return dx
 
     def __repr__(self):
-        extra = "".join([f", head_dim={self.head_dim}" if self.head_dim else "", ", causal=True" if self.causal else "",
-                         "" if self.output_bias else ", output_bias=False",
-                         ", padding=..." if self.padding is not None else ""])
+        extra = "".join(
+            [
+                f", head_dim={self.head_dim}" if self.head_dim else "",
+                ", causal=True" if self.causal else "",
+                "" if self.output_bias else ", output_bias=False",
+                ", padding=..." if self.padding is not None else "",
+            ]
+        )
         return f"MultiHeadAttention({self.heads}{extra})"

@@ -22,7 +22,6 @@ rest after (as TensorFlow does), so even kernels keep the size too; at stride
 ``s`` the output has ``ceil(L / s)`` positions.
 """
 
-
 from . import init
 from .layers import Layer, ShapeError
 
@@ -40,7 +39,8 @@ def _padding_text(pads):
 
 
 def _gather_windows(xp, padded, cols, stride):
-    """im2col: ``cols[n, i, j, a, b, :] = padded[n, stride * i + a, stride * j + b, :]`` for ``cols`` of ``(N, Ho, Wo, kh, kw, C)``.
+    """im2col: ``cols[n, i, j, a, b, :] = padded[n, stride * i + a, stride * j + b, :]`` for ``cols`` of
+    ``(N, Ho, Wo, kh, kw, C)``.
 
     One copy through a strided view of every window, whose innermost runs are
     ``kw * C`` values; with one channel those runs are a few values long, and
@@ -49,12 +49,14 @@ def _gather_windows(xp, padded, cols, stride):
     """
     n, ho, wo, kh, kw, c = cols.shape
     if c > 1:
-        windows = xp.lib.stride_tricks.sliding_window_view(padded, (kh, kw), axis=(1, 2))   # N, ., ., C, kh, kw
+        windows = xp.lib.stride_tricks.sliding_window_view(
+            padded, (kh, kw), axis=(1, 2)
+        )  # N, ., ., C, kh, kw
         cols[...] = windows[:, ::stride, ::stride][:, :ho, :wo].transpose(0, 1, 2, 4, 5, 3)
         return
     for a in range(kh):
         for b in range(kw):
-            cols[:, :, :, a, b, :] = padded[:, a:a + stride * ho:stride, b:b + stride * wo:stride, :]
+            cols[:, :, :, a, b, :] = padded[:, a : a + stride * ho : stride, b : b + stride * wo : stride, :]
 
 
 def _column_sums(xp, rows, out, ones):
@@ -100,7 +102,7 @@ class _ChannelsLastConv(Layer):
         ho, wo = self.out_hw
         dtype = xp.result_type(x, self.params["W"])
         padded = self.scratch("padded", (n, h + top + bottom, w + left + right, c), dtype, zeroed=True)
-        padded[:, top:top + h, left:left + w, :] = x.transpose(0, 2, 3, 1)
+        padded[:, top : top + h, left : left + w, :] = x.transpose(0, 2, 3, 1)
         self.padded_shape = padded.shape
         cols = self.scratch("cols", (n, ho, wo, kh, kw, c), dtype)
         _gather_windows(xp, padded, cols, s)
@@ -140,13 +142,16 @@ class _ChannelsLastConv(Layer):
         h, w = hp - top - bottom, wp - left - right
         # dx_padded[p] = sum over (a, b) of dy_full[p + (a, b)] W[:, :, kh-1-a, kw-1-b]; dy_full has dy at (kh-1, kw-1)
         full = self.scratch("dy_full", (n, ho + 2 * (kh - 1), wo + 2 * (kw - 1), f), rows.dtype, zeroed=True)
-        full[:, kh - 1:kh - 1 + ho, kw - 1:kw - 1 + wo, :] = rows.reshape(n, ho, wo, f)
+        full[:, kh - 1 : kh - 1 + ho, kw - 1 : kw - 1 + wo, :] = rows.reshape(n, ho, wo, f)
         cols = self.scratch("dy_cols", (n, h, w, kh, kw, f), rows.dtype)
         _gather_windows(xp, full[:, top:, left:], cols, 1)
         flipped = self.scratch("w_flipped", (kh, kw, f, c), rows.dtype)
         flipped[...] = self.params["W"].reshape(f, c, kh, kw)[:, :, ::-1, ::-1].transpose(2, 3, 0, 1)
-        dx = xp.matmul(cols.reshape(n * h * w, -1), flipped.reshape(-1, c),
-                       out=self.scratch("dx", (n * h * w, c), rows.dtype))
+        dx = xp.matmul(
+            cols.reshape(n * h * w, -1),
+            flipped.reshape(-1, c),
+            out=self.scratch("dx", (n * h * w, c), rows.dtype),
+        )
         return dx.reshape(n, h, w, c)
 
     def _input_grad_strided(self, rows):
@@ -154,14 +159,16 @@ class _ChannelsLastConv(Layer):
         xp, (kh, kw), s, ((top, bottom), (left, right)) = self.xp, self.kernel_hw, self.stride, self.pads_hw
         n, hp, wp, c = self.padded_shape
         ho, wo = self.out_hw
-        dcols = xp.matmul(rows, self._weights(), out=self.scratch("dcols", (rows.shape[0], kh * kw * c), rows.dtype))
+        dcols = xp.matmul(
+            rows, self._weights(), out=self.scratch("dcols", (rows.shape[0], kh * kw * c), rows.dtype)
+        )
         dcols = dcols.reshape(n, ho, wo, kh, kw, c)
         dx = self.scratch("dx", (n, hp, wp, c), rows.dtype)
         dx[...] = 0
         for i in range(kh):
             for j in range(kw):
-                dx[:, i:i + s * ho:s, j:j + s * wo:s, :] += dcols[:, :, :, i, j, :]
-        return dx[:, top:hp - bottom, left:wp - right, :]
+                dx[:, i : i + s * ho : s, j : j + s * wo : s, :] += dcols[:, :, :, i, j, :]
+        return dx[:, top : hp - bottom, left : wp - right, :]
 
 
 class Conv2D(_ChannelsLastConv):
@@ -182,13 +189,16 @@ class Conv2D(_ChannelsLastConv):
 
     def build(self, input_shape):
         if len(input_shape) != 3:
-            raise ShapeError(f"Conv2D needs image samples (C, H, W), got per-sample shape {tuple(input_shape)}")
+            raise ShapeError(
+                f"Conv2D needs image samples (C, H, W), got per-sample shape {tuple(input_shape)}"
+            )
         c, h, w = (int(d) for d in input_shape)
         k, s, p = self.kernel, self.stride, sum(self.pads)
         ho, wo = (h + p - k) // s + 1, (w + p - k) // s + 1
         if ho < 1 or wo < 1:
-            raise ShapeError(f"Conv2D kernel {k} does not fit images of {h}x{w} "
-                             f"with padding {_padding_text(self.pads)}")
+            raise ShapeError(
+                f"Conv2D kernel {k} does not fit images of {h}x{w} with padding {_padding_text(self.pads)}"
+            )
         self.in_channels, self.out_hw = c, (ho, wo)
         self.kernel_hw, self.pads_hw = (k, k), (self.pads, self.pads)
         return (self.filters, ho, wo)
@@ -196,12 +206,13 @@ class Conv2D(_ChannelsLastConv):
     def param_specs(self):
         fan_in = self.in_channels * self.kernel * self.kernel
         shape = (self.filters, self.in_channels, self.kernel, self.kernel)
-        return [("W", shape, init.he_normal(fan_in)),
-                ("b", (self.filters,), init.zeros)]
+        return [("W", shape, init.he_normal(fan_in)), ("b", (self.filters,), init.zeros)]
 
     def __repr__(self):
-        return (f"Conv2D({self.filters}, kernel={self.kernel}, stride={self.stride}, "
-                f"padding={_padding_text(self.pads)})")
+        return (
+            f"Conv2D({self.filters}, kernel={self.kernel}, stride={self.stride}, "
+            f"padding={_padding_text(self.pads)})"
+        )
 
 
 class Conv1D(_ChannelsLastConv):
@@ -226,8 +237,10 @@ class Conv1D(_ChannelsLastConv):
         c, length = (int(d) for d in input_shape)
         lo = (length + sum(self.pads) - self.kernel) // self.stride + 1
         if lo < 1:
-            raise ShapeError(f"Conv1D kernel {self.kernel} does not fit signals of length {length} "
-                             f"with padding {_padding_text(self.pads)}")
+            raise ShapeError(
+                f"Conv1D kernel {self.kernel} does not fit signals of length {length} "
+                f"with padding {_padding_text(self.pads)}"
+            )
         self.in_channels, self.out_length = c, lo
         # a signal is an image of height 1: a (1, k) kernel, no padding above or below
         self.kernel_hw, self.pads_hw, self.out_hw = (1, self.kernel), ((0, 0), self.pads), (1, lo)
@@ -235,8 +248,10 @@ class Conv1D(_ChannelsLastConv):
 
     def param_specs(self):
         fan_in = self.in_channels * self.kernel
-        return [("W", (self.filters, self.in_channels, self.kernel), init.he_normal(fan_in)),
-                ("b", (self.filters,), init.zeros)]
+        return [
+            ("W", (self.filters, self.in_channels, self.kernel), init.he_normal(fan_in)),
+            ("b", (self.filters,), init.zeros),
+        ]
 
     def _as_images(self, x):
         return x[:, :, None, :]
@@ -245,5 +260,7 @@ class Conv1D(_ChannelsLastConv):
         return y[:, :, 0, :]
 
     def __repr__(self):
-        return (f"Conv1D({self.filters}, kernel={self.kernel}, stride={self.stride}, "
-                f"padding={_padding_text(self.pads)})")
+        return (
+            f"Conv1D({self.filters}, kernel={self.kernel}, stride={self.stride}, "
+            f"padding={_padding_text(self.pads)})"
+        )

@@ -1,6 +1,5 @@
 """Embedding: a lookup table from integer tokens to vectors."""
 
-
 import numpy as np
 
 from ..runtime.errors import UsageError
@@ -18,6 +17,7 @@ def _scatter_add(xp, target, index, values):
         np.add.at(target, index, values)
     else:
         import cupyx  # only reached with cupy as xp
+
         cupyx.scatter_add(target, index, values)
 
 
@@ -32,17 +32,19 @@ def token_ids(x, vocab):
     :class:`~mpidist.nn.tensor.VocabularyPart` checks against the whole
     vocabulary).
     """
-    with np.errstate(invalid="ignore"):   # (NaN, Inf and values past int64 cast to garbage, refused below)
+    with np.errstate(invalid="ignore"):  # (NaN, Inf and values past int64 cast to garbage, refused below)
         ids = x.astype(np.int64)
     bad = (ids < 0) | (ids >= vocab)
     if x.dtype.kind in "fc":
-        bad |= ids != x     # (fractions, NaN and values past int64)
+        bad |= ids != x  # (fractions, NaN and values past int64)
     if bool(bad.any()):
         sample, position = (int(i) for i in np.unravel_index(int(bad.reshape(-1).argmax()), bad.shape)[:2])
         value = x.reshape(bad.shape)[sample, position].item()
-        raise UsageError(f"Embedding({vocab}): token id {value!r} at sample {sample} of the batch, position "
-                         f"{position}, is not a whole number in [0, {vocab}): the ids must be the dataset's "
-                         "token numbers as ingested (not standardised), below the model's vocabulary")
+        raise UsageError(
+            f"Embedding({vocab}): token id {value!r} at sample {sample} of the batch, position "
+            f"{position}, is not a whole number in [0, {vocab}): the ids must be the dataset's "
+            "token numbers as ingested (not standardised), below the model's vocabulary"
+        )
     return ids
 
 
@@ -76,7 +78,9 @@ class Embedding(Layer):
 
     def build(self, input_shape):
         if len(input_shape) != 1:
-            raise ShapeError(f"Embedding needs token sequences (L,), got per-sample shape {tuple(input_shape)}")
+            raise ShapeError(
+                f"Embedding needs token sequences (L,), got per-sample shape {tuple(input_shape)}"
+            )
         return (int(input_shape[0]), self.dim)
 
     def param_specs(self):
@@ -98,4 +102,8 @@ class Embedding(Layer):
         return self.xp.zeros(self.ids.shape, dtype=dy.dtype)
 
     def __repr__(self):
-        return f"Embedding({self.vocab}, {self.dim}" + ("" if self.pad_id is None else f", pad_id={self.pad_id}") + ")"
+        return (
+            f"Embedding({self.vocab}, {self.dim}"
+            + ("" if self.pad_id is None else f", pad_id={self.pad_id}")
+            + ")"
+        )

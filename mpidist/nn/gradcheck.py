@@ -34,8 +34,18 @@ def _worst(analytic, numeric, rtol, atol):
     return (float(excess.reshape(-1)[index]) if excess.size else -np.inf), index
 
 
-def check_gradients(layers, input_shape, batch=3, seed=0, training=False, x=None, input_grad=True,
-                    rtol=1e-5, atol=1e-7, eps=1e-6):
+def check_gradients(
+    layers,
+    input_shape,
+    batch=3,
+    seed=0,
+    training=False,
+    x=None,
+    input_grad=True,
+    rtol=1e-5,
+    atol=1e-7,
+    eps=1e-6,
+):
     """Check the backward pass of ``layers`` against central finite differences, in float64.
 
     The layers (one :class:`~mpidist.nn.Layer` or a list, blocks included)
@@ -91,21 +101,26 @@ def check_gradients(layers, input_shape, batch=3, seed=0, training=False, x=None
     excess, index = _worst(analytic, numeric, rtol, atol)
     if excess > 0:
         where = _parameter_at(model, index)
-        raise GradientError(f"{where}: backward gives {analytic[index]:.9g}, finite differences "
-                            f"{numeric[index]:.9g} (off by {abs(analytic[index] - numeric[index]):.3g}, more than "
-                            f"atol {atol:g} + rtol {rtol:g} x |numeric|)")
+        raise GradientError(
+            f"{where}: backward gives {analytic[index]:.9g}, finite differences "
+            f"{numeric[index]:.9g} (off by {abs(analytic[index] - numeric[index]):.3g}, more than "
+            f"atol {atol:g} + rtol {rtol:g} x |numeric|)"
+        )
     if input_grad:
         if dx is None or np.shape(dx) != x.shape:
-            raise GradientError(f"backward returns an input gradient of shape {np.shape(dx)}, the input is "
-                                f"{x.shape}")
+            raise GradientError(
+                f"backward returns an input gradient of shape {np.shape(dx)}, the input is {x.shape}"
+            )
         numeric = numeric_gradient(objective, x, eps)
         excess, index = _worst(np.asarray(dx), numeric, rtol, atol)
         if excess > 0:
             at = np.unravel_index(index, x.shape)
-            raise GradientError(f"the input gradient at {tuple(int(i) for i in at)}: backward gives "
-                                f"{np.asarray(dx)[at]:.9g}, finite differences {numeric[at]:.9g} (off by "
-                                f"{abs(np.asarray(dx)[at] - numeric[at]):.3g}, more than atol {atol:g} + rtol "
-                                f"{rtol:g} x |numeric|)")
+            raise GradientError(
+                f"the input gradient at {tuple(int(i) for i in at)}: backward gives "
+                f"{np.asarray(dx)[at]:.9g}, finite differences {numeric[at]:.9g} (off by "
+                f"{abs(np.asarray(dx)[at] - numeric[at]):.3g}, more than atol {atol:g} + rtol "
+                f"{rtol:g} x |numeric|)"
+            )
     return model
 
 

@@ -27,7 +27,7 @@ _S30, _S27, _S31, _S11 = (np.uint64(shift) for shift in (30, 27, 31, 11))
 
 def uniform_bits(key, counters):
     """64 random bits for each of ``counters`` (int64 array) under ``key`` (a uint64): SplitMix64 at those counters."""
-    z = np.asarray(counters, dtype=np.int64).astype(np.uint64)   # (a copy: worked on in place below)
+    z = np.asarray(counters, dtype=np.int64).astype(np.uint64)  # (a copy: worked on in place below)
     z += np.uint64(1)
     z *= _GOLDEN
     z += np.uint64(key)
@@ -45,7 +45,7 @@ def uniform_open(key, counters):
     bits >>= _S11
     values = bits.astype(np.float64)
     values += 0.5
-    values *= 2.0 ** -53
+    values *= 2.0**-53
     return values
 
 
@@ -61,7 +61,7 @@ class Initialiser:
         raise NotImplementedError
 
     def __call__(self, rng, shape):
-        key = rng.integers(0, 2 ** 64, dtype=np.uint64)
+        key = rng.integers(0, 2**64, dtype=np.uint64)
         return self.values(key, np.arange(int(np.prod(shape)), dtype=np.int64)).reshape(shape)
 
 

@@ -9,7 +9,6 @@ buffer completely and nothing needs zeroing between steps.
 Shapes in docstrings are per batch: ``N`` samples first.
 """
 
-
 from . import init
 from .workspace import UsesWorkspace
 
@@ -101,10 +100,14 @@ class Dense(Layer):
 
     def build(self, input_shape):
         if len(input_shape) < 1:
-            raise ShapeError(f"Dense needs samples with a feature axis, got per-sample shape {tuple(input_shape)}")
+            raise ShapeError(
+                f"Dense needs samples with a feature axis, got per-sample shape {tuple(input_shape)}"
+            )
         if len(input_shape) > 2:
-            raise ShapeError(f"Dense maps flat samples (in,) or sequences (L, in), got per-sample shape "
-                             f"{tuple(input_shape)} (put a Flatten before it)")
+            raise ShapeError(
+                f"Dense maps flat samples (in,) or sequences (L, in), got per-sample shape "
+                f"{tuple(input_shape)} (put a Flatten before it)"
+            )
         self.fan_in = int(input_shape[-1])
         return tuple(input_shape[:-1]) + (self.units,)
 
@@ -113,12 +116,16 @@ class Dense(Layer):
             w_init = init.he_normal(self.fan_in)
         else:
             w_init = init.glorot_uniform(self.fan_in, self.units)
-        return [("W", (self.fan_in, self.units), w_init)] + ([("b", (self.units,), init.zeros)] if self.bias else [])
+        return [("W", (self.fan_in, self.units), w_init)] + (
+            [("b", (self.units,), init.zeros)] if self.bias else []
+        )
 
     def forward(self, x, training=False):
         self.x = x
         w = self.params["W"]
-        y = self.xp.matmul(x, w, out=self.scratch("y", x.shape[:-1] + (self.units,), self.xp.result_type(x, w)))
+        y = self.xp.matmul(
+            x, w, out=self.scratch("y", x.shape[:-1] + (self.units,), self.xp.result_type(x, w))
+        )
         if self.bias:
             y += self.params["b"]
         return y
@@ -126,14 +133,20 @@ class Dense(Layer):
     def backward(self, dy):
         self.backward_params(dy)
         w = self.params["W"]
-        return self.xp.matmul(dy, w.T, out=self.scratch("dx", dy.shape[:-1] + (self.fan_in,),
-                                                         self.xp.result_type(dy, w)))
+        return self.xp.matmul(
+            dy, w.T, out=self.scratch("dx", dy.shape[:-1] + (self.fan_in,), self.xp.result_type(dy, w))
+        )
 
     def backward_params(self, dy):
-        x, dy = self.x.reshape(-1, self.fan_in), dy.reshape(-1, self.units)   # (tokens of every sample as rows)
+        x, dy = (
+            self.x.reshape(-1, self.fan_in),
+            dy.reshape(-1, self.units),
+        )  # (tokens of every sample as rows)
         self.xp.matmul(x.T, dy, out=self.grads["W"])
         if self.bias:
-            dy.sum(axis=0, out=self.grads["b"])   # the method: np.sum's argument handling costs more than the sum
+            dy.sum(
+                axis=0, out=self.grads["b"]
+            )  # the method: np.sum's argument handling costs more than the sum
 
     def __repr__(self):
         return f"Dense({self.units}{'' if self.bias else ', bias=False'})"

@@ -33,8 +33,10 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         k = logits.shape[-1]
         rows = logits.size // k if k else 0
         if labels.size != rows:
-            raise ValueError(f"cross-entropy of logits {tuple(logits.shape)} needs {rows} labels, one per row of "
-                             f"{k} classes, got labels {tuple(labels.shape)}")
+            raise ValueError(
+                f"cross-entropy of logits {tuple(logits.shape)} needs {rows} labels, one per row of "
+                f"{k} classes, got labels {tuple(labels.shape)}"
+            )
         return logits.reshape(rows, k), labels.reshape(rows)
 
     def forward(self, logits, labels):
@@ -51,7 +53,9 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         log_p -= row
         self.probs, self.labels = xp.exp(log_p, out=probs), labels
         picked = log_p[self._rows(n), labels].sum()
-        return -(picked / picked.dtype.type(n))   # (divided in its own type, as mean() gives it, on NumPy 1 too)
+        return -(
+            picked / picked.dtype.type(n)
+        )  # (divided in its own type, as mean() gives it, on NumPy 1 too)
 
     def _rows(self, n):
         """``arange(n)``, kept: the row index of every sample's label."""
@@ -98,8 +102,11 @@ class MeanSquaredError(UsesWorkspace):
         return xp.multiply(self.diff, self.diff, out=self.scratch("squares", pred.shape, dtype)).mean()
 
     def backward(self, scale=1.0):
-        return self.xp.multiply(self.diff, 2.0 * scale / self.diff.size,
-                                out=self.scratch("grad", self.diff.shape, self.diff.dtype))
+        return self.xp.multiply(
+            self.diff,
+            2.0 * scale / self.diff.size,
+            out=self.scratch("grad", self.diff.shape, self.diff.dtype),
+        )
 
     def correct(self, pred, target):
         """Regression has no accuracy: always 0."""

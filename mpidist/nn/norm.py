@@ -48,8 +48,9 @@ class LayerNorm(Layer):
         self.backward_params(dy)
         g = dy * self.params["gamma"]
         # d/dx of the normalisation: remove the components along 1 and along xhat
-        return self.inv_std * (g - g.mean(axis=-1, keepdims=True)
-                               - self.xhat * (g * self.xhat).mean(axis=-1, keepdims=True))
+        return self.inv_std * (
+            g - g.mean(axis=-1, keepdims=True) - self.xhat * (g * self.xhat).mean(axis=-1, keepdims=True)
+        )
 
     def backward_params(self, dy):
         xp, batch_axes = self.xp, tuple(range(dy.ndim - 1))
@@ -103,8 +104,12 @@ class BatchNorm(Layer):
 
     def param_specs(self):
         c = (self.channels,)
-        return [("gamma", c, init.ones), ("beta", c, init.zeros),
-                ("running_mean", c, init.zeros), ("running_var", c, init.ones)]
+        return [
+            ("gamma", c, init.ones),
+            ("beta", c, init.zeros),
+            ("running_mean", c, init.zeros),
+            ("running_var", c, init.ones),
+        ]
 
     def _synced(self):
         return self.sync and self.reduce is not None
@@ -118,12 +123,12 @@ class BatchNorm(Layer):
         x64 = x.astype(np.float64, copy=False)
         packed = xp.empty(2 * c + 1, dtype=np.float64)
         xp.sum(x64, axis=self.axes, out=packed[:c])
-        xp.sum(x64 * x64, axis=self.axes, out=packed[c:2 * c])
+        xp.sum(x64 * x64, axis=self.axes, out=packed[c : 2 * c])
         packed[2 * c] = count
         self.reduce(packed)
-        total = float(packed[2 * c])   # one device sync: the count decides the unbiased factor
+        total = float(packed[2 * c])  # one device sync: the count decides the unbiased factor
         mean = packed[:c] / total
-        var = xp.maximum(packed[c:2 * c] / total - mean * mean, 0)   # cancellation must not go negative
+        var = xp.maximum(packed[c : 2 * c] / total - mean * mean, 0)  # cancellation must not go negative
         return mean.astype(x.dtype), var.astype(x.dtype), total
 
     def forward(self, x, training=False):
@@ -171,4 +176,6 @@ class BatchNorm(Layer):
         return scale * (dy - sum_dy / self.count - self.xhat * (sum_dy_xhat / self.count))
 
     def __repr__(self):
-        return f"BatchNorm(momentum={self.momentum:g}, eps={self.eps:g}" + (", sync=True)" if self.sync else ")")
+        return f"BatchNorm(momentum={self.momentum:g}, eps={self.eps:g}" + (
+            ", sync=True)" if self.sync else ")"
+        )

@@ -44,8 +44,9 @@ class Optimizer:
         self.steps = 0
         self.weight_decay = float(weight_decay)
         #: ``(lo, hi)`` ranges of this optimizer's slice that decay (default: all of it)
-        self.decay_ranges = [(0, self.size)] if decay_ranges is None else [(int(lo), int(hi))
-                                                                          for lo, hi in decay_ranges]
+        self.decay_ranges = (
+            [(0, self.size)] if decay_ranges is None else [(int(lo), int(hi)) for lo, hi in decay_ranges]
+        )
 
     def step(self, params, grads, lr=None):
         """Update ``params`` in place from ``grads``, at learning rate ``lr`` (default: the one set last)."""
@@ -74,7 +75,9 @@ class Optimizer:
         checkpoints)."""
         if getattr(self, "_scratch", None) is None:
             block = BLOCK if self.xp is np else self.size
-            self._scratch = tuple(self.xp.empty(min(block, self.size), dtype=self.dtype) for _ in range(count))
+            self._scratch = tuple(
+                self.xp.empty(min(block, self.size), dtype=self.dtype) for _ in range(count)
+            )
         return self._scratch
 
     def state_arrays(self):
@@ -100,7 +103,7 @@ class SGD(Optimizer):
         self.velocity = xp.zeros(self.size, dtype=self.dtype)
 
     def update(self, params, grads):
-        (scratch,) = self.scratch(1)   # lr * v without a new array each step
+        (scratch,) = self.scratch(1)  # lr * v without a new array each step
         for lo, hi in self.blocks():
             v, g = self.velocity[lo:hi], grads[lo:hi]
             if self.momentum:
@@ -108,7 +111,7 @@ class SGD(Optimizer):
                 v += g
             else:
                 v[...] = g
-            params[lo:hi] -= self.xp.multiply(v, self.lr, out=scratch[:hi - lo])
+            params[lo:hi] -= self.xp.multiply(v, self.lr, out=scratch[: hi - lo])
 
     def state_arrays(self):
         return {"velocity": self.velocity}
@@ -125,11 +128,17 @@ class Adam(Optimizer):
 
     def update(self, params, grads):
         xp, b1, b2 = self.xp, self.beta1, self.beta2
-        t = self.steps + 1   # (the count is moved on by step(), after this)
-        unbias, step_size = 1.0 / np.sqrt(1 - b2 ** t), self.lr / (1 - b1 ** t)
+        t = self.steps + 1  # (the count is moved on by step(), after this)
+        unbias, step_size = 1.0 / np.sqrt(1 - b2**t), self.lr / (1 - b1**t)
         terms, denoms = self.scratch(2)
         for lo, hi in self.blocks():
-            m, v, g, term, denom = self.m[lo:hi], self.v[lo:hi], grads[lo:hi], terms[:hi - lo], denoms[:hi - lo]
+            m, v, g, term, denom = (
+                self.m[lo:hi],
+                self.v[lo:hi],
+                grads[lo:hi],
+                terms[: hi - lo],
+                denoms[: hi - lo],
+            )
             m *= b1
             m += xp.multiply(g, 1 - b1, out=term)
             v *= b2
@@ -151,7 +160,9 @@ class Adam(Optimizer):
 OPTIMIZERS = {"sgd": SGD, "adam": Adam}
 
 
-def make_optimizer(name, size, lr, momentum=0.9, xp=np, dtype=np.float32, weight_decay=0.0, decay_ranges=None):
+def make_optimizer(
+    name, size, lr, momentum=0.9, xp=np, dtype=np.float32, weight_decay=0.0, decay_ranges=None
+):
     """Build the optimizer called ``name`` ("sgd" or "adam") for ``size`` parameters.
 
     ``weight_decay`` applies to ``decay_ranges`` (``(lo, hi)`` within the ``size``

@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-CHUNK = 1 << 18   # elements drawn or indexed at a time
+CHUNK = 1 << 18  # elements drawn or indexed at a time
 #: Axes a described region may have (a Conv2D kernel has 4), and the columns of a row that describes one.
 AXES = 6
 COLUMNS = 2 + 2 * AXES
@@ -93,8 +93,13 @@ class Placement:
     def within(self, whole, first_entry, writes=True):
         """These regions (over a model that is entries ``first_entry..`` of ``whole``: a stage) as regions of
         ``whole``; ``writes`` False: none written here (a replica that is not the first)."""
-        return Placement(whole, [dataclasses.replace(region, entry=region.entry + first_entry,
-                                                     writes=region.writes and writes) for region in self.regions])
+        return Placement(
+            whole,
+            [
+                dataclasses.replace(region, entry=region.entry + first_entry, writes=region.writes and writes)
+                for region in self.regions
+            ],
+        )
 
     def _shape(self, region):
         return tuple(self.whole.entries[region.entry][3])
@@ -109,7 +114,7 @@ class Placement:
             shape = self._shape(region)
             for begin in range(0, region.size, chunk):
                 end = min(begin + chunk, region.size)
-                if region.shape == shape:   # (a whole parameter: its elements in order)
+                if region.shape == shape:  # (a whole parameter: its elements in order)
                     yield region, region.lo + begin, np.arange(begin, end, dtype=np.int64)
                     continue
                 coords = np.unravel_index(np.arange(begin, end), region.shape)
@@ -129,9 +134,9 @@ class Placement:
     def initial(self, seed, out):
         """Fill ``out`` (host, the rank's buffer) with its initial values (``whole.entry_values`` of each region's
         elements: a region is one parameter, so no element's parameter is looked up)."""
-        drawn = {}   # (an initialiser of one's own: its parameter drawn whole once)
+        drawn = {}  # (an initialiser of one's own: its parameter drawn whole once)
         for region, lo, index in self._elements(CHUNK):
-            out[lo:lo + len(index)] = self.whole.entry_values(seed, region.entry, index, drawn)
+            out[lo : lo + len(index)] = self.whole.entry_values(seed, region.entry, index, drawn)
         return out
 
     def take(self, array, out=None):
@@ -139,20 +144,20 @@ class Placement:
         out = np.empty(self.size, dtype=array.dtype) if out is None else out
         for region in self.regions:
             values = parameter(self.whole, array, region.entry)[region.index]
-            out[region.lo:region.lo + region.size] = values.reshape(-1)
+            out[region.lo : region.lo + region.size] = values.reshape(-1)
         return out
 
     def pieces(self, array):
         """The elements of ``array`` (the rank's buffer) in the regions this rank writes: views, one a region
         (a file takes them one after the other, with no copy)."""
-        return [array[r.lo:r.lo + r.size] for r in self.regions if r.writes]
+        return [array[r.lo : r.lo + r.size] for r in self.regions if r.writes]
 
     def written(self, array):
         """The elements of ``array`` (the rank's buffer) in the regions this rank writes, one after the other:
         one array (a copy where a region between is not written)."""
         kept = self.pieces(array)
         if len(kept) == len(self.regions):
-            return array[:self.size]
+            return array[: self.size]
         return np.concatenate(kept) if kept else array[:0]
 
     def describe(self):
@@ -163,8 +168,8 @@ class Placement:
             if len(region.start) > AXES:
                 raise ValueError(f"a parameter of {len(region.start)} axes: at most {AXES} are described")
             row[0], row[1] = region.entry, region.size
-            row[2:2 + len(region.start)] = region.start
-            row[2 + AXES:2 + AXES + len(region.stop)] = region.stop
+            row[2 : 2 + len(region.start)] = region.start
+            row[2 + AXES : 2 + AXES + len(region.stop)] = region.stop
         return rows
 
     @staticmethod
@@ -174,11 +179,12 @@ class Placement:
         at = 0
         for row in rows:
             entry, size = int(row[0]), int(row[1])
-            ndim = int(np.count_nonzero(row[2:2 + AXES] >= 0))
-            start, stop = row[2:2 + ndim], row[2 + AXES:2 + AXES + ndim]
+            ndim = int(np.count_nonzero(row[2 : 2 + AXES] >= 0))
+            start, stop = row[2 : 2 + ndim], row[2 + AXES : 2 + AXES + ndim]
             target = parameter(whole, arrays, entry)
-            target[tuple(slice(int(a), int(b)) for a, b in zip(start, stop))] = values[at:at + size].reshape(
-                tuple(int(b - a) for a, b in zip(start, stop)))
+            target[tuple(slice(int(a), int(b)) for a, b in zip(start, stop))] = values[
+                at : at + size
+            ].reshape(tuple(int(b - a) for a, b in zip(start, stop)))
             at += size
 
 
@@ -186,4 +192,4 @@ def parameter(whole, array, entry):
     """Entry ``entry`` of ``whole`` (a :class:`Sequential`) in ``array``, a flat array of the whole model: a view,
     in the parameter's shape."""
     _, _, offset, shape, _ = whole.entries[entry]
-    return array[offset:offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+    return array[offset : offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)

@@ -15,9 +15,9 @@ def _blocks(x, k, dims):
     n, c, *spatial = x.shape
     out = [size // k for size in spatial]
     x = x[(slice(None), slice(None)) + tuple(slice(0, o * k) for o in out)]
-    split = x.reshape([n, c] + [d for o in out for d in (o, k)])            # N, C, o1, k, o2, k
+    split = x.reshape([n, c] + [d for o in out for d in (o, k)])  # N, C, o1, k, o2, k
     order = [0, 1] + [2 + 2 * i for i in range(dims)] + [3 + 2 * i for i in range(dims)]
-    return split.transpose(order).reshape([n, c] + out + [k ** dims])
+    return split.transpose(order).reshape([n, c] + out + [k**dims])
 
 
 def _unblocks(xp, blocks, k, dims, input_shape):
@@ -26,8 +26,9 @@ def _unblocks(xp, blocks, k, dims, input_shape):
     split = blocks.reshape([n, c] + out + [k] * dims)
     order = [0, 1] + [d for i in range(dims) for d in (2 + i, 2 + dims + i)]
     dx = xp.zeros((n,) + tuple(input_shape), dtype=blocks.dtype)
-    dx[(slice(None), slice(None)) + tuple(slice(0, o * k) for o in out)] = \
-        split.transpose(order).reshape([n, c] + [o * k for o in out])
+    dx[(slice(None), slice(None)) + tuple(slice(0, o * k) for o in out)] = split.transpose(order).reshape(
+        [n, c] + [o * k for o in out]
+    )
     return dx
 
 
@@ -74,22 +75,25 @@ class _MaxPool(_Pool):
         for _ in range(self.dims):
             grid = [g + (i,) for g in grid for i in range(k)]
         for index, offset in enumerate(grid):
-            yield index, x[(slice(None), slice(None)) + tuple(slice(i, o * k, k) for i, o in zip(offset, out))]
+            yield (
+                index,
+                x[(slice(None), slice(None)) + tuple(slice(i, o * k, k) for i, o in zip(offset, out))],
+            )
 
     def forward(self, x, training=False):
         xp = self.xp
         views = self._offsets(x)
         _, first = next(views)
-        self.input_order = memory_order(x)   # the input gradient is made in the same order
+        self.input_order = memory_order(x)  # the input gradient is made in the same order
         best = self.scratch_like("y", first)
         best[...] = first
-        index_type = xp.uint8 if self.size ** self.dims < 256 else xp.int64
+        index_type = xp.uint8 if self.size**self.dims < 256 else xp.int64
         self.argmax = self.scratch_like("argmax", first, index_type)
         self.argmax[...] = 0
         higher = self.scratch_like("higher", first, bool)
         candidate = self.scratch_like("candidate", first, index_type)
         for index, view in views:
-            xp.greater(view, best, out=higher)   # strictly: an equal value later in the window does not win
+            xp.greater(view, best, out=higher)  # strictly: an equal value later in the window does not win
             # argmax = index where higher: offsets come in increasing order, so the maximum with ``higher * index``
             # sets it (a masked copyto was 7x slower on these short runs); the scalar has the array's own
             # type, as cupy before 13.3 refuses a Python int here under NumPy 2
@@ -103,7 +107,7 @@ class _MaxPool(_Pool):
         shape = (dy.shape[0],) + tuple(self.input_shape)
         dx = self.scratch("dx", tuple(shape[axis] for axis in order), dy.dtype).transpose(inverse(order))
         if any(d % self.size for d in self.input_shape[1:]):
-            dx[...] = 0   # the cropped remainder gets no gradient
+            dx[...] = 0  # the cropped remainder gets no gradient
         won = self.scratch_like("won", dy, bool)
         for index, view in self._offsets(dx):
             xp.multiply(dy, xp.equal(self.argmax, index, out=won), out=view)
@@ -117,7 +121,7 @@ class _AvgPool(_Pool):
         return _blocks(x, self.size, self.dims).mean(axis=-1)
 
     def backward(self, dy):
-        window = self.size ** self.dims
+        window = self.size**self.dims
         blocks = self.xp.broadcast_to((dy / window)[..., None], dy.shape + (window,))
         return _unblocks(self.xp, blocks, self.size, self.dims, self.input_shape)
 
@@ -155,7 +159,9 @@ class GlobalAvgPool(Layer):
 
     def build(self, input_shape):
         if len(input_shape) < 2:
-            raise ShapeError(f"GlobalAvgPool needs samples (C, *spatial), got per-sample shape {tuple(input_shape)}")
+            raise ShapeError(
+                f"GlobalAvgPool needs samples (C, *spatial), got per-sample shape {tuple(input_shape)}"
+            )
         self.input_shape = tuple(int(d) for d in input_shape)
         self.count = 1
         for d in self.input_shape[1:]:

@@ -46,8 +46,10 @@ class Residual(Layer):
     def build(self, input_shape):
         shape = build_in_turn(self.layers, input_shape)
         if shape != tuple(input_shape):
-            raise ShapeError(f"Residual block maps per-sample shape {tuple(input_shape)} to {shape}; "
-                             "x + block(x) needs them equal")
+            raise ShapeError(
+                f"Residual block maps per-sample shape {tuple(input_shape)} to {shape}; "
+                "x + block(x) needs them equal"
+            )
         return shape
 
     def forward(self, x, training=False):

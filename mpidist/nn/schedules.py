@@ -44,8 +44,18 @@ class LearningRate:
         minimum: the rate cosine and linear decay to.
     """
 
-    def __init__(self, lr, kind="constant", total_steps=1, steps_per_epoch=1, warmup_steps=0, warmup_from=0.1,
-                 gamma=0.1, step_epochs=10, minimum=0.0):
+    def __init__(
+        self,
+        lr,
+        kind="constant",
+        total_steps=1,
+        steps_per_epoch=1,
+        warmup_steps=0,
+        warmup_from=0.1,
+        gamma=0.1,
+        step_epochs=10,
+        minimum=0.0,
+    ):
         if kind not in SCHEDULES:
             raise ValueError(f"unknown learning-rate schedule {kind!r}; choose from {', '.join(SCHEDULES)}")
         self.lr, self.kind = float(lr), kind
@@ -67,16 +77,18 @@ class LearningRate:
         if self.kind == "step":
             return self.lr * self.gamma ** (epoch // self.step_epochs)
         if self.kind == "exponential":
-            return self.lr * self.gamma ** epoch
+            return self.lr * self.gamma**epoch
         span = self.total_steps - self.warmup_steps
         progress = min((step - self.warmup_steps) / span, 1.0) if span > 0 else 1.0
         if self.kind == "cosine":
             return self.minimum + (self.lr - self.minimum) * (1.0 + math.cos(math.pi * progress)) / 2.0
-        return self.lr + (self.minimum - self.lr) * progress   # linear
+        return self.lr + (self.minimum - self.lr) * progress  # linear
 
     def __repr__(self):
-        return (f"LearningRate({self.lr}, {self.kind!r}, total_steps={self.total_steps}, "
-                f"warmup_steps={self.warmup_steps})")
+        return (
+            f"LearningRate({self.lr}, {self.kind!r}, total_steps={self.total_steps}, "
+            f"warmup_steps={self.warmup_steps})"
+        )
 
 
 def constant(lr):

@@ -125,14 +125,14 @@ class Classification(Scoring):
         self.classes, self.positions = int(classes), int(positions)
         self.k = top_k(self.classes)
         self.full_confusion = self.classes <= CONFUSION_LIMIT
-        self.size = 3 + (self.classes ** 2 if self.full_confusion else 3 * self.classes)
+        self.size = 3 + (self.classes**2 if self.full_confusion else 3 * self.classes)
 
     def scalar_names(self):
         return ("loss", "accuracy") + ((f"top{self.k}_accuracy",) if self.k else ())
 
     def add(self, sums, outputs, targets, loss, xp=np):
         classes = self.classes
-        n = len(outputs) * self.positions     # labelled positions: samples, or tokens of sequences
+        n = len(outputs) * self.positions  # labelled positions: samples, or tokens of sequences
         if n == 0:
             return sums
         logits = outputs.reshape(n, classes)
@@ -141,11 +141,15 @@ class Classification(Scoring):
         if self.full_confusion:
             counts = xp.bincount(labels * classes + predicted, minlength=classes * classes)
         else:
-            counts = xp.concatenate([xp.bincount(labels, minlength=classes),
-                                     xp.bincount(predicted, minlength=classes),
-                                     xp.bincount(labels[predicted == labels], minlength=classes)])
+            counts = xp.concatenate(
+                [
+                    xp.bincount(labels, minlength=classes),
+                    xp.bincount(predicted, minlength=classes),
+                    xp.bincount(labels[predicted == labels], minlength=classes),
+                ]
+            )
         sums[3:] += to_host(counts)
-        if self.k:   # the label is among the k highest: fewer than k outputs above its own
+        if self.k:  # the label is among the k highest: fewer than k outputs above its own
             own = logits[xp.arange(n), labels]
             sums[2] += float((((logits > own[:, None]).sum(axis=1)) < self.k).sum())
         sums[0] += float(loss) * n
@@ -171,12 +175,17 @@ class Classification(Scoring):
         if self.k:
             figures[f"top{self.k}_accuracy"] = sums[2] / count
         figures["samples"] = count // self.positions
-        figures["per_class"] = {"precision": _ratios(correct, predicted), "recall": _ratios(correct, support),
-                                "f1": _ratios(2 * correct, support + predicted),
-                                "support": [int(s) for s in support]}
+        figures["per_class"] = {
+            "precision": _ratios(correct, predicted),
+            "recall": _ratios(correct, support),
+            "f1": _ratios(2 * correct, support + predicted),
+            "support": [int(s) for s in support],
+        }
         if self.full_confusion:
             figures["confusion"] = sums[3:].reshape(self.classes, self.classes).astype(np.int64).tolist()
-        return {name: float(value) if isinstance(value, np.floating) else value for name, value in figures.items()}
+        return {
+            name: float(value) if isinstance(value, np.floating) else value for name, value in figures.items()
+        }
 
 
 class Regression(Scoring):
@@ -199,8 +208,14 @@ class Regression(Scoring):
         predicted = outputs.reshape(n, self.width).astype(xp.float64)
         target = targets.reshape(n, self.width).astype(xp.float64)
         error = predicted - target
-        parts = xp.concatenate([(error * error).sum(axis=0), xp.abs(error).sum(axis=0), target.sum(axis=0),
-                                (target * target).sum(axis=0)])
+        parts = xp.concatenate(
+            [
+                (error * error).sum(axis=0),
+                xp.abs(error).sum(axis=0),
+                target.sum(axis=0),
+                (target * target).sum(axis=0),
+            ]
+        )
         sums[2:] += to_host(parts)
         sums[0] += float(loss) * n
         sums[1] += n
@@ -216,8 +231,13 @@ class Regression(Scoring):
         constant = sst <= VARIANCE_FLOOR * syy
         with np.errstate(divide="ignore", invalid="ignore"):
             r2 = np.where(constant, np.where(sse == 0, 1.0, 0.0), 1.0 - sse / np.where(constant, 1.0, sst))
-        return {"loss": float(sums[0] / count), "mse": float(sse.sum() / (count * width)),
-                "mae": float(sae.sum() / (count * width)), "r2": float(r2.mean()), "samples": count}
+        return {
+            "loss": float(sums[0] / count),
+            "mse": float(sse.sum() / (count * width)),
+            "mae": float(sae.sum() / (count * width)),
+            "r2": float(r2.mean()),
+            "samples": count,
+        }
 
 
 def _ratios(numerator, denominator):
@@ -236,8 +256,11 @@ def headline(figures, prefix="test_"):
     Classification: ``test_loss``, ``test_accuracy``, ``test_top5_accuracy`` (its
     ``k``, where it applies); regression: ``test_loss``, ``test_mse``, ``test_mae``, ``test_r2``.
     """
-    return {prefix + name: value for name, value in figures.items()
-            if name not in ("samples", "per_class", "confusion")}
+    return {
+        prefix + name: value
+        for name, value in figures.items()
+        if name not in ("samples", "per_class", "confusion")
+    }
 
 
 def report(figures, class_names=None, prefix="test_"):
@@ -251,8 +274,9 @@ def report(figures, class_names=None, prefix="test_"):
     if per_class is not None:
         names = list(class_names) if class_names is not None else []
         records = []
-        for index, values in enumerate(zip(per_class["precision"], per_class["recall"], per_class["f1"],
-                                           per_class["support"])):
+        for index, values in enumerate(
+            zip(per_class["precision"], per_class["recall"], per_class["f1"], per_class["support"])
+        ):
             record = {"class": index}
             if index < len(names):
                 record["name"] = str(names[index])
@@ -267,12 +291,22 @@ def report(figures, class_names=None, prefix="test_"):
 def summary_rows(figures):
     """``(label, value)`` rows of the scalar figures for the closing summary table."""
     if is_classification(figures):
-        rows = [("test loss", f"{figures['loss']:.4f}"), ("test accuracy", f"{100 * figures['accuracy']:.2f}%")]
-        return rows + [(f"test top-{name[3:-len('_accuracy')]} accuracy", f"{100 * value:.2f}%")
-                       for name, value in figures.items() if name.startswith("top") and name.endswith("_accuracy")]
+        rows = [
+            ("test loss", f"{figures['loss']:.4f}"),
+            ("test accuracy", f"{100 * figures['accuracy']:.2f}%"),
+        ]
+        return rows + [
+            (f"test top-{name[3 : -len('_accuracy')]} accuracy", f"{100 * value:.2f}%")
+            for name, value in figures.items()
+            if name.startswith("top") and name.endswith("_accuracy")
+        ]
     # (errors on the targets' scale: significant digits, not decimals)
-    return [("test loss", digits4(figures["loss"])), ("test MSE", digits4(figures["mse"])),
-            ("test MAE", digits4(figures["mae"])), ("test R^2", f"{figures['r2']:.4f}")]
+    return [
+        ("test loss", digits4(figures["loss"])),
+        ("test MSE", digits4(figures["mse"])),
+        ("test MAE", digits4(figures["mae"])),
+        ("test R^2", f"{figures['r2']:.4f}"),
+    ]
 
 
 def digits4(value):
@@ -286,5 +320,7 @@ def progress_text(figures, split="test"):
     """The figures of an evaluation of ``split`` (test or val) on one progress line."""
     if is_classification(figures):
         return f"{split} loss {figures['loss']:.4f}  {split} accuracy {100 * figures['accuracy']:5.1f}%"
-    return (f"{split} loss {digits4(figures['loss'])}  {split} MSE {digits4(figures['mse'])}  "
-            f"MAE {digits4(figures['mae'])}  R^2 {figures['r2']:.4f}")
+    return (
+        f"{split} loss {digits4(figures['loss'])}  {split} MSE {digits4(figures['mse'])}  "
+        f"MAE {digits4(figures['mae'])}  R^2 {figures['r2']:.4f}"
+    )

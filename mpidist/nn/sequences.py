@@ -1,7 +1,6 @@
 """Layers of sequences ``(N, L, D)``: learned positions, a class token, pooling over the length, tokens of
 neighbourhoods."""
 
-
 from . import init
 from .attention import padding_of
 from .layers import Layer, ShapeError
@@ -34,8 +33,10 @@ class PositionalEmbedding(Layer):
 
     def _check(self, length):
         if length > self.max_length:
-            raise ShapeError(f"PositionalEmbedding has positions for sequences of up to {self.max_length}, "
-                             f"got length {length} (give a larger max_length)")
+            raise ShapeError(
+                f"PositionalEmbedding has positions for sequences of up to {self.max_length}, "
+                f"got length {length} (give a larger max_length)"
+            )
 
     def build(self, input_shape):
         length, self.dim = _sequence_shape("PositionalEmbedding", input_shape)
@@ -47,7 +48,7 @@ class PositionalEmbedding(Layer):
 
     def forward(self, x, training=False):
         self._check(x.shape[1])
-        return self.xp.add(x, self.params["table"][:x.shape[1]], out=self.scratch("y", x.shape, x.dtype))
+        return self.xp.add(x, self.params["table"][: x.shape[1]], out=self.scratch("y", x.shape, x.dtype))
 
     def backward_params(self, dy):
         length, table = dy.shape[1], self.grads["table"]
@@ -136,12 +137,12 @@ class SequencePool(Layer):
             y = self.scratch("y", (n, d), x.dtype)
             y[...] = x[:, 0]
             return y
-        if self.padding is None:   # (backward divides by ``length``)
+        if self.padding is None:  # (backward divides by ``length``)
             self.keep, self.count = None, None
             return x.mean(axis=1, out=self.scratch("y", (n, d), x.dtype))
         keep = ~padding_of(self.padding, (n, length))
         self.keep = keep.astype(x.dtype)[:, :, None]
-        self.count = xp.maximum(self.keep.sum(axis=1), 1)    # (N, 1): a sequence of padding only pools to 0
+        self.count = xp.maximum(self.keep.sum(axis=1), 1)  # (N, 1): a sequence of padding only pools to 0
         return (x * self.keep).sum(axis=1) / self.count
 
     def backward(self, dy):
@@ -183,26 +184,30 @@ class TokenConv(Layer):
 
     def build(self, input_shape):
         length, self.features = _sequence_shape("TokenConv", input_shape)
-        if self.kernel > length:     # (its windows would be mostly the zeros beyond the ends)
+        if self.kernel > length:  # (its windows would be mostly the zeros beyond the ends)
             raise ShapeError(f"TokenConv kernel {self.kernel} is longer than the sequences ({length} steps)")
         return (length, self.dim)
 
     def param_specs(self):
         fan_in = self.kernel * self.features
-        return [("W", (self.kernel, self.features, self.dim),
-                 init.glorot_uniform(fan_in, self.dim)),
-                ("b", (self.dim,), init.zeros)]
+        return [
+            ("W", (self.kernel, self.features, self.dim), init.glorot_uniform(fan_in, self.dim)),
+            ("b", (self.dim,), init.zeros),
+        ]
 
     def forward(self, x, training=False):
         n, length, f = x.shape
         # x between zeros (never written: they stay zero), then (N, L, kernel, F): position i's window
         padded = self.scratch("padded", (n, length + self.kernel - 1, f), x.dtype, zeroed=True)
-        padded[:, self.left:self.left + length] = x
+        padded[:, self.left : self.left + length] = x
         windows = self.windows = self.scratch("windows", (n, length, self.kernel, f), x.dtype)
         for j in range(self.kernel):
-            windows[:, :, j] = padded[:, j:j + length]
-        y = self.xp.matmul(windows.reshape(n, length, -1), self.params["W"].reshape(-1, self.dim),
-                           out=self.scratch("y", (n, length, self.dim), x.dtype))
+            windows[:, :, j] = padded[:, j : j + length]
+        y = self.xp.matmul(
+            windows.reshape(n, length, -1),
+            self.params["W"].reshape(-1, self.dim),
+            out=self.scratch("y", (n, length, self.dim), x.dtype),
+        )
         y += self.params["b"]
         return y
 
@@ -220,8 +225,8 @@ class TokenConv(Layer):
         dcols = self.scratch("dcols", (n, length + self.kernel - 1, self.features), dy.dtype)
         dcols[...] = 0
         for j in range(self.kernel):
-            dcols[:, j:j + length] += dwindows[:, :, j]
-        return dcols[:, self.left:self.left + length]
+            dcols[:, j : j + length] += dwindows[:, :, j]
+        return dcols[:, self.left : self.left + length]
 
     def __repr__(self):
         return f"TokenConv({self.dim}, kernel={self.kernel})"

@@ -58,7 +58,7 @@ class Sequential:
         # arrays the training passes reuse from step to step (see mpidist.nn.workspace)
         self.workspace = Workspace(xp)
         self.entries = []  # (layer, name, offset, shape, initialiser), depth-first over the layer tree
-        self.shapes = []   # input shape of each top-level layer
+        self.shapes = []  # input shape of each top-level layer
         self.offsets = []  # where each top-level layer's parameters (its sublayers' included) start in the buffer
         shape, offset = self.input_shape, 0
         for index, layer in enumerate(self.layers):
@@ -106,7 +106,9 @@ class Sequential:
         return self._params
 
     @params.setter
-    def params(self, values):   # (``model.params += noise`` and ``model.params = array``: values into the buffer)
+    def params(
+        self, values
+    ):  # (``model.params += noise`` and ``model.params = array``: values into the buffer)
         if values is not self._params:
             self.params[...] = values
 
@@ -126,9 +128,13 @@ class Sequential:
         """A buffer of ``num_params`` zeros, after checking it fits (sizes come from the data: a dataset's
         ``num_classes``)."""
         if self.shapes_only:
-            raise RuntimeError(f"this model of {self.num_params:,} parameters is a map of shapes: its layers' "
-                               f"{what} live in the buffers of the part of it this rank holds")
-        check_fits(self.num_params * self.dtype.itemsize, f"the {what} of a model of {self.num_params:,} parameters")
+            raise RuntimeError(
+                f"this model of {self.num_params:,} parameters is a map of shapes: its layers' "
+                f"{what} live in the buffers of the part of it this rank holds"
+            )
+        check_fits(
+            self.num_params * self.dtype.itemsize, f"the {what} of a model of {self.num_params:,} parameters"
+        )
         return self.xp.zeros(self.num_params, dtype=self.dtype)
 
     def bind_params(self, buffer, copy=True):
@@ -139,10 +145,10 @@ class Sequential:
         shared with other processes (``copy=False``: one of them fills it).
         """
         if copy and self._params is not None:
-            buffer[:self.num_params] = self._params
-        self._params = buffer[:self.num_params]
+            buffer[: self.num_params] = self._params
+        self._params = buffer[: self.num_params]
         for layer, name, lo, pshape, _ in self.entries:
-            layer.params[name] = self._params[lo:lo + int(np.prod(pshape))].reshape(pshape)
+            layer.params[name] = self._params[lo : lo + int(np.prod(pshape))].reshape(pshape)
 
     def bind_grads(self, buffer):
         """Make every layer write its gradients into ``buffer[:num_params]``.
@@ -150,9 +156,9 @@ class Sequential:
         Strategies call this to place the gradients inside a larger exchange
         buffer (e.g. followed by the loss), so no copy is needed before MPI.
         """
-        self._grads = buffer[:self.num_params]
+        self._grads = buffer[: self.num_params]
         for layer, name, lo, pshape, _ in self.entries:
-            layer.grads[name] = self._grads[lo:lo + int(np.prod(pshape))].reshape(pshape)
+            layer.grads[name] = self._grads[lo : lo + int(np.prod(pshape))].reshape(pshape)
 
     def init_params(self, seed):
         """Fill ``params`` from ``seed`` (drawn on the host, so identical on any device): :meth:`initial_values`
@@ -174,15 +180,18 @@ class Sequential:
         """
         out = np.empty(len(positions), dtype=self.dtype) if out is None else out
         starts = np.array([lo for _, _, lo, _, _ in self.entries], dtype=np.int64)
-        whole = {} if whole is None else whole   # a plain initialiser's last whole draw: (entry, values)
+        whole = {} if whole is None else whole  # a plain initialiser's last whole draw: (entry, values)
         for begin in range(0, len(positions), chunk):
-            part = positions[begin:begin + chunk]
-            part = (np.arange(part.start, part.stop, dtype=np.int64) if isinstance(part, range)
-                    else np.asarray(part, dtype=np.int64))
+            part = positions[begin : begin + chunk]
+            part = (
+                np.arange(part.start, part.stop, dtype=np.int64)
+                if isinstance(part, range)
+                else np.asarray(part, dtype=np.int64)
+            )
             owners = np.searchsorted(starts, part, side="right") - 1
             for entry, picked in _groups(owners):
                 index = part[picked] - starts[entry]
-                out[begin:begin + len(part)][picked] = self.entry_values(seed, int(entry), index, whole)
+                out[begin : begin + len(part)][picked] = self.entry_values(seed, int(entry), index, whole)
         return out
 
     def entry_values(self, seed, entry, index, whole):
@@ -217,8 +226,11 @@ class Sequential:
         keeps replicas apart (unsynchronised BatchNorm, parameter servers) has
         to average or copy these ranges itself.
         """
-        return [(lo, lo + int(np.prod(pshape))) for layer, name, lo, pshape, _ in self.entries
-                if name in getattr(layer, "running", ())]
+        return [
+            (lo, lo + int(np.prod(pshape)))
+            for layer, name, lo, pshape, _ in self.entries
+            if name in getattr(layer, "running", ())
+        ]
 
     def decay_ranges(self):
         """``(lo, hi)`` flat ranges of the parameters weight decay applies to (see :meth:`Layer.decays`).
@@ -259,8 +271,11 @@ class Sequential:
         """
         for path, layer in self.random_layers:
             # an int seed: cupy's default_rng does not take numpy seed arrays; ``stream``: a tensor part's own
-            seed = int(np.random.SeedSequence([*key, *path, *getattr(layer, "stream", ())])
-                       .generate_state(1, dtype=np.uint64)[0])
+            seed = int(
+                np.random.SeedSequence([*key, *path, *getattr(layer, "stream", ())]).generate_state(
+                    1, dtype=np.uint64
+                )[0]
+            )
             layer.rng = self.xp.random.default_rng(seed)
 
     def use_workspace(self, loss):
@@ -275,9 +290,9 @@ class Sequential:
         Inference (``training=False``) returns arrays of its own.
         """
         self.workspace.active = bool(training)
-        if self._params is None:   # (the layers read their views of the buffer)
+        if self._params is None:  # (the layers read their views of the buffer)
             self.params
-        if _TRACER.detail and _TRACER.on:     # --trace detail: each layer a span
+        if _TRACER.detail and _TRACER.on:  # --trace detail: each layer a span
             for index, layer in enumerate(self.layers):
                 with _TRACER.span(type(layer).__name__, "compute", layer=index):
                     x = layer.forward(x, training)
@@ -299,14 +314,14 @@ class Sequential:
         the top down): a data-parallel exchange starts on those buckets while
         backward goes on.
         """
-        if self._grads is None:   # (the layers write into their views of the buffer)
+        if self._grads is None:  # (the layers write into their views of the buffer)
             self.grads
         # without an input gradient, backward stops at the first layer with parameters: nothing below it
         # is trained (a Flatten), and its own input gradient would cost a whole matrix product
         last = 0 if input_grad else self.first_trained
         detail = _TRACER.detail and _TRACER.on
         for index in range(len(self.layers) - 1, last, -1):
-            if detail:     # --trace detail: each layer a span
+            if detail:  # --trace detail: each layer a span
                 with _TRACER.span(type(self.layers[index]).__name__, "compute", layer=index):
                     dy = self.layers[index].backward(dy)
             else:

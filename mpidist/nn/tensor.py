@@ -67,7 +67,7 @@ class TensorCopy(Layer):
 
     def __init__(self):
         super().__init__()
-        self.reduce = None   # an in-place sum over the group, set by the strategy (None: one part)
+        self.reduce = None  # an in-place sum over the group, set by the strategy (None: one part)
 
     def forward(self, x, training=False):
         return x
@@ -133,8 +133,8 @@ class VocabularyPart(Embedding):
     def __init__(self, lo, hi, dim, pad_id=None, whole=None):
         super().__init__(hi - lo, dim)
         self.lo, self.hi = int(lo), int(hi)
-        self.whole = int(hi if whole is None else whole)     # the whole vocabulary, which ids must be in
-        self.pad_id = pad_id   # (the whole vocabulary's: this part is a mask source as the whole layer was)
+        self.whole = int(hi if whole is None else whole)  # the whole vocabulary, which ids must be in
+        self.pad_id = pad_id  # (the whole vocabulary's: this part is a mask source as the whole layer was)
 
     def forward(self, x, training=False):
         ids = token_ids(x, self.whole)
@@ -173,8 +173,11 @@ def _user_split(layer, part, parts):
 def _reading(layer, replaced):
     """``layer``, or where it reads a mask source that was split, a copy reading the part (the same mask): the
     whole model's layer, the user's object, keeps reading the whole source."""
-    sources = {name: replaced[id(getattr(layer, name))] for name in MASK_SOURCES
-               if getattr(layer, name, None) is not None and id(getattr(layer, name)) in replaced}
+    sources = {
+        name: replaced[id(getattr(layer, name))]
+        for name in MASK_SOURCES
+        if getattr(layer, name, None) is not None and id(getattr(layer, name)) in replaced
+    }
     if sources:
         layer = copy.copy(layer)
         for name, source in sources.items():
@@ -193,7 +196,8 @@ def _columns(dense, part, parts):
 
 
 def _rows(dense, features, part, parts):
-    """The second of a split pair: input rows ``[lo, hi)`` of ``dense`` (the first's columns), its bias after the sum."""
+    """The second of a split pair: input rows ``[lo, hi)`` of ``dense`` (the first's columns), its bias after
+    the sum."""
     lo, hi = part_range(features, part, parts)
     rows = Dense(dense.units, init=dense.init, bias=False)
     layers = [_origin(rows, dense, W=("W", (slice(lo, hi), slice(None)))), TensorSum()]
@@ -207,11 +211,14 @@ def _heads(attention, part, parts, replaced):
     :class:`TensorCopy` and a :class:`TensorSum`, then ``bo`` once."""
     lo, hi = part_range(attention.heads, part, parts)
     if hi == lo:
-        raise ValueError(f"{attention!r} has {attention.heads} heads: --tensor {parts} leaves part {part} none")
+        raise ValueError(
+            f"{attention!r} has {attention.heads} heads: --tensor {parts} leaves part {part} none"
+        )
     columns = slice(lo * attention.dh, hi * attention.dh)
     padding = replaced.get(id(attention.padding), attention.padding)
-    shard = MultiHeadAttention(hi - lo, head_dim=attention.dh, causal=attention.causal, output_bias=False,
-                               padding=padding)
+    shard = MultiHeadAttention(
+        hi - lo, head_dim=attention.dh, causal=attention.causal, output_bias=False, padding=padding
+    )
     names = {f"W{n}": (f"W{n}", (slice(None), columns)) for n in attention.names}
     names.update({f"b{n}": (f"b{n}", columns) for n in attention.names})
     names["Wo"] = ("Wo", (columns, slice(None)))
@@ -237,9 +244,11 @@ def _between(layer, part, parts):
     if hasattr(layer, "tensor_split"):
         return _user_split(layer, part, parts)
     if layer.param_specs():
-        raise ValueError(f"{layer!r} has parameters and stands between a split pair of Dense layers, where each "
-                         "part sees its slice of the features: give it tensor_split(part, parts)")
-    if hasattr(layer, "rng"):   # (a Dropout: each part's slice of the features draws a mask of its own)
+        raise ValueError(
+            f"{layer!r} has parameters and stands between a split pair of Dense layers, where each "
+            "part sees its slice of the features: give it tensor_split(part, parts)"
+        )
+    if hasattr(layer, "rng"):  # (a Dropout: each part's slice of the features draws a mask of its own)
         piece = copy.copy(layer)
         piece.stream = (parts, part)
         return [piece]
@@ -265,7 +274,7 @@ def split_layers(layers, part, parts, replaced=None):
         end = _pair_end(layers, index) if type(layer) is Dense else None
         if end is not None:
             first = _columns(layer, part, parts)
-            between = [piece for middle in layers[index + 1:end] for piece in _between(middle, part, parts)]
+            between = [piece for middle in layers[index + 1 : end] for piece in _between(middle, part, parts)]
             out += [TensorCopy(), first, *between, *_rows(layers[end], layer.units, part, parts)]
             index = end + 1
             continue
@@ -277,16 +286,19 @@ def split_layers(layers, part, parts, replaced=None):
             lo, hi = part_range(layer.vocab, part, parts)
             if hi == lo:
                 raise ValueError(f"{layer!r} has {layer.vocab} ids: --tensor {parts} leaves part {part} none")
-            piece = _origin(VocabularyPart(lo, hi, layer.dim, layer.pad_id, layer.vocab), layer,
-                            W=("W", (slice(lo, hi), slice(None))))
+            piece = _origin(
+                VocabularyPart(lo, hi, layer.dim, layer.pad_id, layer.vocab),
+                layer,
+                W=("W", (slice(lo, hi), slice(None))),
+            )
             replaced[id(layer)] = piece
             out += [piece, TensorSum()]
         elif isinstance(getattr(layer, "layers", None), list) and layer.sublayers() is layer.layers:
-            block = copy.copy(layer)   # (the whole model's block keeps its own sublayers)
+            block = copy.copy(layer)  # (the whole model's block keeps its own sublayers)
             block.params, block.grads = {}, {}
             block.layers = split_layers(layer.layers, part, parts, replaced)
             out.append(block)
-        else:   # (replicated; a mask source runs before its readers, so a split one is in ``replaced`` by now)
+        else:  # (replicated; a mask source runs before its readers, so a split one is in ``replaced`` by now)
             out.append(_reading(layer, replaced))
         index += 1
     return out
@@ -304,8 +316,9 @@ def _decay_as_whole(model):
         origin, whole = getattr(layer, "tensor_origin", None), getattr(layer, "tensor_whole", None)
         if origin and whole is not None:
             shapes = parameter_shapes(whole)
-            layer.weight_decay = {name: whole.decays(whole_name, shapes[whole_name])
-                                  for name, (whole_name, _) in origin.items()}
+            layer.weight_decay = {
+                name: whole.decays(whole_name, shapes[whole_name]) for name, (whole_name, _) in origin.items()
+            }
 
 
 def split_model(whole, part, parts, writes=True):
@@ -320,8 +333,12 @@ def split_model(whole, part, parts, writes=True):
     layers = split_layers(whole.layers, part, parts, replaced)
     model = Sequential(layers, whole.input_shape, xp=whole.xp, dtype=whole.dtype)
     if model.output_shape != whole.output_shape:
-        raise ValueError(f"a part of the model ends in {model.output_shape}, the whole in {whole.output_shape}")
-    whole_at = {(id(layer), name): (entry, shape) for entry, (layer, name, _, shape, _) in enumerate(whole.entries)}
+        raise ValueError(
+            f"a part of the model ends in {model.output_shape}, the whole in {whole.output_shape}"
+        )
+    whole_at = {
+        (id(layer), name): (entry, shape) for entry, (layer, name, _, shape, _) in enumerate(whole.entries)
+    }
     regions = []
     for layer, name, lo, shape, _ in model.entries:
         origin = getattr(layer, "tensor_origin", None)
@@ -331,17 +348,21 @@ def split_model(whole, part, parts, writes=True):
         elif (id(layer), name) in whole_at:
             (entry, whole_shape), index = whole_at[(id(layer), name)], ()
         else:
-            raise ValueError(f"{layer!r} (from tensor_split) has parameter {name} but no tensor_origin saying "
-                             "which of the whole layer's parameters it is a slice of")
+            raise ValueError(
+                f"{layer!r} (from tensor_split) has parameter {name} but no tensor_origin saying "
+                "which of the whole layer's parameters it is a slice of"
+            )
         try:
             start, stop = rectangle(index, whole_shape)
         except ValueError as err:
             raise ValueError(f"{layer!r}: parameter {name}'s tensor_origin: {err}") from None
-        region = Region(entry, start, stop, lo, writes and (part == 0 or tuple(stop) != tuple(whole_shape)
-                                                            or any(start)))
+        region = Region(
+            entry, start, stop, lo, writes and (part == 0 or tuple(stop) != tuple(whole_shape) or any(start))
+        )
         if region.size != int(np.prod(shape)):
-            raise ValueError(f"{layer!r}: parameter {name} holds {int(np.prod(shape))} values, its origin "
-                             f"{region.size}")
+            raise ValueError(
+                f"{layer!r}: parameter {name} holds {int(np.prod(shape))} values, its origin {region.size}"
+            )
         regions.append(region)
     _decay_as_whole(model)
     return model, Placement(whole, regions)
@@ -363,4 +384,8 @@ def replicated(model):
 def operators(model):
     """The layers of ``model`` (a part's, or its list of layers) that sum over the tensor group: they take the
     strategy's ``reduce``."""
-    return [layer for _, layer in walk(getattr(model, "layers", model)) if isinstance(layer, (TensorCopy, TensorSum))]
+    return [
+        layer
+        for _, layer in walk(getattr(model, "layers", model))
+        if isinstance(layer, (TensorCopy, TensorSum))
+    ]

@@ -37,9 +37,11 @@ class TransformerBlock(Layer):
         if self.mlp_ratio < 1:
             raise ValueError(f"TransformerBlock mlp_ratio must be a positive integer, got {mlp_ratio}")
         hidden, out = Dense(0), Dense(0)
-        self.sized = (hidden, out)   # the Dense this block made, sized from D at each build
+        self.sized = (hidden, out)  # the Dense this block made, sized from D at each build
         self.layers = [
-            Residual(LayerNorm(), MultiHeadAttention(heads, causal=causal, padding=padding), Dropout(dropout)),
+            Residual(
+                LayerNorm(), MultiHeadAttention(heads, causal=causal, padding=padding), Dropout(dropout)
+            ),
             Residual(LayerNorm(), hidden, GELU(), out, Dropout(dropout)),
         ]
 
@@ -48,7 +50,9 @@ class TransformerBlock(Layer):
 
     def build(self, input_shape):
         if len(input_shape) != 2:
-            raise ShapeError(f"TransformerBlock needs sequences (L, D), got per-sample shape {tuple(input_shape)}")
+            raise ShapeError(
+                f"TransformerBlock needs sequences (L, D), got per-sample shape {tuple(input_shape)}"
+            )
         dim = int(input_shape[1])
         mlp = self.layers[1].layers
         for layer, made, units in zip((mlp[1], mlp[3]), self.sized, (self.mlp_ratio * dim, dim)):
@@ -69,5 +73,8 @@ class TransformerBlock(Layer):
 
     def __repr__(self):
         attention = self.layers[0].layers[1]
-        return (f"TransformerBlock({getattr(attention, 'heads', '?')}, mlp_ratio={self.mlp_ratio}"
-                + (", causal=True" if getattr(attention, "causal", False) else "") + ")")
+        return (
+            f"TransformerBlock({getattr(attention, 'heads', '?')}, mlp_ratio={self.mlp_ratio}"
+            + (", causal=True" if getattr(attention, "causal", False) else "")
+            + ")"
+        )

@@ -27,8 +27,8 @@ class Workspace:
 
     def __init__(self, xp):
         self.xp = xp
-        self.active = False   # Sequential turns it on for training passes
-        self.slot = 0         # a pipeline stage's micro-batch slot
+        self.active = False  # Sequential turns it on for training passes
+        self.slot = 0  # a pipeline stage's micro-batch slot
         self._arrays = {}
 
     def array(self, owner, name, shape, dtype, zeroed=False):
@@ -48,7 +48,6 @@ class Workspace:
     def nbytes(self):
         """Bytes of the arrays held now, every slot's (a training step's activations, gradients, loss)."""
         return sum(int(array.nbytes) for array in self._arrays.values())
-
 
 
 class UsesWorkspace:
@@ -79,10 +78,12 @@ class UsesWorkspace:
         that memory order, so every pass walks memory in order and the next
         convolution finds its input channels-last already.
         """
-        if like.flags.c_contiguous:   # the common case, without working out an order
+        if like.flags.c_contiguous:  # the common case, without working out an order
             return self.scratch(name, like.shape, like.dtype if dtype is None else dtype)
         order = memory_order(like)
-        stored = self.scratch(name, tuple(like.shape[axis] for axis in order), like.dtype if dtype is None else dtype)
+        stored = self.scratch(
+            name, tuple(like.shape[axis] for axis in order), like.dtype if dtype is None else dtype
+        )
         return stored.transpose(inverse(order))
 
 

@@ -30,6 +30,7 @@ def _mlp(default):
         for units in hidden or default:
             stack += [Dense(units), ReLU()]
         return stack + [Dense(outputs, init="glorot")]
+
     return layers
 
 
@@ -43,8 +44,10 @@ def _cnn_shape(sample_shape):
         return (1,) + tuple(sample_shape)
     if len(sample_shape) == 3:
         return tuple(sample_shape)
-    raise ShapeError(f"model 'cnn' needs 1-D signals (L,) or images (H, W) or (C, H, W), "
-                     f"but the dataset's samples have shape {tuple(sample_shape)}")
+    raise ShapeError(
+        f"model 'cnn' needs 1-D signals (L,) or images (H, W) or (C, H, W), "
+        f"but the dataset's samples have shape {tuple(sample_shape)}"
+    )
 
 
 def _conv_blocks(filters, spatial, conv, pool):
@@ -59,12 +62,19 @@ def _conv_blocks(filters, spatial, conv, pool):
 
 
 def _cnn(filters, sample_shape, outputs):
-    if len(sample_shape) == 2:   # (C, L) signals: the MNIST-1D paper's shape of CNN, kernel 5
-        return (_conv_blocks(filters or (32, 32, 32), sample_shape[1:], lambda f: Conv1D(f, 5), MaxPool1D)
-                + [Flatten(), Dense(outputs, init="glorot")])
+    if len(sample_shape) == 2:  # (C, L) signals: the MNIST-1D paper's shape of CNN, kernel 5
+        return _conv_blocks(filters or (32, 32, 32), sample_shape[1:], lambda f: Conv1D(f, 5), MaxPool1D) + [
+            Flatten(),
+            Dense(outputs, init="glorot"),
+        ]
     # images: the default (16, 32) is the original Conv16-Pool-Conv32-Pool-Dense64 (checkpoints rely on it)
-    return (_conv_blocks(filters or (16, 32), sample_shape[1:], lambda f: Conv2D(f, 3), MaxPool2D)
-            + [Flatten(), Dense(64), ReLU(), Dropout(0.25), Dense(outputs, init="glorot")])
+    return _conv_blocks(filters or (16, 32), sample_shape[1:], lambda f: Conv2D(f, 3), MaxPool2D) + [
+        Flatten(),
+        Dense(64),
+        ReLU(),
+        Dropout(0.25),
+        Dense(outputs, init="glorot"),
+    ]
 
 
 #: ``transformer``'s blocks, width and heads where the spec gives none
@@ -80,39 +90,58 @@ def _sequence_shape(sample_shape):
         return (int(sample_shape[0]), 1)
     if len(sample_shape) == 2:
         return tuple(sample_shape)
-    raise ShapeError(f"model 'transformer' needs sequences (L,) or (L, F), but the dataset's samples have shape "
-                     f"{tuple(sample_shape)}")
+    raise ShapeError(
+        f"model 'transformer' needs sequences (L,) or (L, F), but the dataset's samples have shape "
+        f"{tuple(sample_shape)}"
+    )
 
 
 def _transformer(args, sample_shape, outputs):
     blocks, dim, heads, kernel = (tuple(args or TRANSFORMER) + (TOKEN_KERNEL,))[:4]
-    return ([TokenConv(dim, kernel), PositionalEmbedding(sample_shape[0])]
-            + [TransformerBlock(heads) for _ in range(blocks)]
-            + [LayerNorm(), SequencePool("mean"), Dense(outputs, init="glorot")])
+    return (
+        [TokenConv(dim, kernel), PositionalEmbedding(sample_shape[0])]
+        + [TransformerBlock(heads) for _ in range(blocks)]
+        + [LayerNorm(), SequencePool("mean"), Dense(outputs, init="glorot")]
+    )
 
 
 MODELS = {
     "linear": (_linear, "logistic/linear regression: Flatten, Dense(out); no arguments"),
     "mlp": (_mlp((128, 128)), "two hidden ReLU layers of 128; mlp:W1,W2,... sets the hidden widths"),
     "mlp-wide": (_mlp((512, 512)), "two hidden ReLU layers of 512 (784-512-512-10 on MNIST); no arguments"),
-    "cnn": (_cnn, "images: Conv16-Pool-Conv32-Pool-Dense64-Dropout; 1-D (L,): 3x Conv1D32(k5)-Pool, Dense; "
-                  "cnn:F1,F2,... sets the conv filters"),
-    "transformer": (_transformer, "sequences (L,) or (L, F): tokens of DIM from KERNEL neighbouring steps "
-                                  "(TokenConv), learned positions, pre-norm blocks, LayerNorm, mean over the steps, "
-                                  "Dense; transformer:LAYERS,DIM,HEADS[,KERNEL] "
-                                  f"(default {','.join(map(str, TRANSFORMER + (TOKEN_KERNEL,)))})"),
+    "cnn": (
+        _cnn,
+        "images: Conv16-Pool-Conv32-Pool-Dense64-Dropout; 1-D (L,): 3x Conv1D32(k5)-Pool, Dense; "
+        "cnn:F1,F2,... sets the conv filters",
+    ),
+    "transformer": (
+        _transformer,
+        "sequences (L,) or (L, F): tokens of DIM from KERNEL neighbouring steps "
+        "(TokenConv), learned positions, pre-norm blocks, LayerNorm, mean over the steps, "
+        "Dense; transformer:LAYERS,DIM,HEADS[,KERNEL] "
+        f"(default {','.join(map(str, TRANSFORMER + (TOKEN_KERNEL,)))})",
+    ),
 }
 
 # models that take arguments, and what the numbers are
-_ARGUMENTS = {"mlp": "hidden widths", "cnn": "conv filters per block",
-              "transformer": "blocks, model width, attention heads, token kernel"}
+_ARGUMENTS = {
+    "mlp": "hidden widths",
+    "cnn": "conv filters per block",
+    "transformer": "blocks, model width, attention heads, token kernel",
+}
 # models that take a fixed number of arguments (the counts allowed), and how they are written
 _FIXED = {"transformer": ((3, 4), "LAYERS,DIM,HEADS[,KERNEL]")}
 
 
 def _forms():
-    return ", ".join(f"{name}[:{_FIXED[name][1]}]" if name in _FIXED else f"{name}[:N1,N2,...]"
-                     if name in _ARGUMENTS else name for name in MODELS)
+    return ", ".join(
+        f"{name}[:{_FIXED[name][1]}]"
+        if name in _FIXED
+        else f"{name}[:N1,N2,...]"
+        if name in _ARGUMENTS
+        else name
+        for name in MODELS
+    )
 
 
 def parse_spec(spec):
@@ -136,11 +165,15 @@ def parse_spec(spec):
     counts, form = _FIXED.get(name, (None, "N1,N2,..."))
     if not args or min(args) < 1 or (counts is not None and len(args) not in counts):
         many = f"{' or '.join(map(str, counts))} " if counts else ""
-        raise SpecError(f"model {spec!r}: write {name}:{form} with {many}positive integers ({_ARGUMENTS[name]}), "
-                        f"or {name} for the defaults")
+        raise SpecError(
+            f"model {spec!r}: write {name}:{form} with {many}positive integers ({_ARGUMENTS[name]}), "
+            f"or {name} for the defaults"
+        )
     if name == "transformer" and args[1] % args[2]:
-        raise SpecError(f"model {spec!r}: {args[2]} heads do not divide the width {args[1]}; write "
-                        f"transformer:LAYERS,DIM,HEADS[,KERNEL] with DIM a multiple of HEADS")
+        raise SpecError(
+            f"model {spec!r}: {args[2]} heads do not divide the width {args[1]}; write "
+            f"transformer:LAYERS,DIM,HEADS[,KERNEL] with DIM a multiple of HEADS"
+        )
     return name, args
 
 

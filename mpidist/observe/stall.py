@@ -43,7 +43,7 @@ from ..runtime.errors import EXIT_FAILURE, error_line
 from ..runtime.whereabouts import PHASES, WAITS
 
 TAG = 91
-CHIEF_TAG = 92   # the chief's own record, sent to its deputy
+CHIEF_TAG = 92  # the chief's own record, sent to its deputy
 
 
 def describe(ranks):
@@ -78,8 +78,11 @@ def diagnose(records, heard, now, timeout):
             step, phase, ms = (int(v) for v in records[rank])
             seen[rank] = (step, PHASES[phase], ms / 1000 + now - heard[rank], now - heard[rank])
     # a silent rank may be frozen or gone: what it last said is no evidence that it waits now
-    waiting = [r for r, (step, phase, spent, silent) in seen.items()
-               if phase in WAITS and spent > timeout and silent <= silence]
+    waiting = [
+        r
+        for r, (step, phase, spent, silent) in seen.items()
+        if phase in WAITS and spent > timeout and silent <= silence
+    ]
     if not waiting:
         return None
     longest = max(waiting, key=lambda r: seen[r][2])
@@ -96,12 +99,14 @@ def diagnose(records, heard, now, timeout):
         last = f"{phase} at step {step}"
         if silent > silence:
             late.append(f"rank {rank} (no report for {silent:.1f} s; last seen in {last})")
-        elif (step, phase) != where and phase != "serve":   # a serving ps waits for nobody
+        elif (step, phase) != where and phase != "serve":  # a serving ps waits for nobody
             late.append(f"rank {rank} ({last} for {spent:.1f} s)")
     step, phase = where
     arrived = f"not arrived: {', '.join(late)}" if late else "every rank is there: a deadlock in MPI"
-    return (f"stalled for {seen[longest][2]:.1f} s (--stall-timeout {timeout:g}): {describe(waiters)} "
-            f"wait{'s' if len(waiters) == 1 else ''} in {phase} at step {step}; {arrived}")
+    return (
+        f"stalled for {seen[longest][2]:.1f} s (--stall-timeout {timeout:g}): {describe(waiters)} "
+        f"wait{'s' if len(waiters) == 1 else ''} in {phase} at step {step}; {arrived}"
+    )
 
 
 class StallMonitor:
@@ -124,13 +129,13 @@ class StallMonitor:
         self.active = self.timeout > 0 and world.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.comm = world.Dup() if self.active else None
         self.deputy = (chief + 1) % world.Get_size()
-        if self.active:   # when the chief freezes, its deputy (who heard it last) speaks before the others
+        if self.active:  # when the chief freezes, its deputy (who heard it last) speaks before the others
             where.patience = 1 if world.Get_rank() in (chief, self.deputy) else 2
             if world.Get_rank() == self.deputy:
                 where.chief_heard = (chief, None, time.monotonic())
         self._stop = threading.Event()
         self._thread = None
-        self._in_flight = {}   # the buffers of sends not yet known complete, by tag
+        self._in_flight = {}  # the buffers of sends not yet known complete, by tag
 
     def start(self):
         if self.active:
@@ -143,7 +148,7 @@ class StallMonitor:
         """Send this rank's record to ``dest`` unless the last one is still in flight; the request."""
         if pending is None or pending.Test():
             record = self.where.record()
-            self._in_flight[tag] = record   # the buffer lives until the send completes
+            self._in_flight[tag] = record  # the buffer lives until the send completes
             return mpi.isend(self.comm, record, dest, tag)[0]
         return pending
 
@@ -159,14 +164,14 @@ class StallMonitor:
                 if self._stop.wait(self.interval):
                     return
         except MPI.Exception:
-            return   # the run lost a rank (elastic mode recovers; otherwise MPI ends the job)
+            return  # the run lost a rank (elastic mode recovers; otherwise MPI ends the job)
 
     def _judge(self):
         """The chief: collect records; past the timeout, report and end the job."""
         size = self.comm.Get_size()
         records, heard = [None] * size, [0.0] * size
         incoming, status = np.zeros(3, dtype=np.int64), MPI.Status()
-        next_check, to_deputy = time.monotonic(), None   # the deputy hears the chief at once
+        next_check, to_deputy = time.monotonic(), None  # the deputy hears the chief at once
         try:
             while not self._stop.wait(min(0.05, self.interval / 4)):
                 while self.comm.Iprobe(MPI.ANY_SOURCE, TAG, status):
@@ -193,7 +198,7 @@ class StallMonitor:
         if self._thread is not None:
             self._thread.join()
         if not abandon:
-            self.comm.Barrier()   # every rank has stopped sending; what is still queued is dropped
+            self.comm.Barrier()  # every rank has stopped sending; what is still queued is dropped
             status = MPI.Status()
             while self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 mpi.recv(self.comm, np.zeros(3, dtype=np.int64), status.Get_source(), status.Get_tag())
@@ -221,9 +226,11 @@ def overdue(where, timeout, rank, now):
     if where.phase == "io":
         if spent <= timeout:
             return None
-        return (f"rank {rank} has been blocked for {spent:.1f} s (--stall-timeout {timeout:g}) in I/O: "
-                f"{where.detail or 'a file operation'}: the file system does not answer (a hung network "
-                "mount, or a FIFO with no reader?)")
+        return (
+            f"rank {rank} has been blocked for {spent:.1f} s (--stall-timeout {timeout:g}) in I/O: "
+            f"{where.detail or 'a file operation'}: the file system does not answer (a hung network "
+            "mount, or a FIFO with no reader?)"
+        )
     if spent <= timeout + where.patience * grace(timeout):
         return None
     heard = where.chief_heard
@@ -235,8 +242,10 @@ def overdue(where, timeout, rank, now):
             chief_text += f"; it was last seen in {PHASES[phase]} at step {step}"
     else:
         chief_text = "no rank ended the job before: the chief, which judges stalls, is frozen or cannot run"
-    return (f"stalled for {spent:.1f} s (--stall-timeout {timeout:g}): rank {rank} waits in {where.describe()}; "
-            f"{chief_text}")
+    return (
+        f"stalled for {spent:.1f} s (--stall-timeout {timeout:g}): rank {rank} waits in {where.describe()}; "
+        f"{chief_text}"
+    )
 
 
 class LocalWatch:
@@ -279,6 +288,8 @@ def end_job(message):
     sys.stderr.write(error_line(message) + "\n")
     sys.stderr.flush()
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-        time.sleep(ABORT_GRACE_SECONDS)   # as errors.py: else the launcher may tear the job down before it forwards the line
-        abort_quietly(EXIT_FAILURE)   # (MPI's own abort line would follow the one above)
-    os._exit(EXIT_FAILURE)   # one process: the main thread may be stuck where no exception reaches it
+        time.sleep(
+            ABORT_GRACE_SECONDS
+        )  # as errors.py: else the launcher may tear the job down before it forwards the line
+        abort_quietly(EXIT_FAILURE)  # (MPI's own abort line would follow the one above)
+    os._exit(EXIT_FAILURE)  # one process: the main thread may be stuck where no exception reaches it

@@ -32,7 +32,7 @@ from ..runtime.recorder import LIMIT, THREADS, now, tracer
 from ..store import atomic
 from ..store.outputs import special_kind
 
-ROUNDS = 5          # ping-pongs per rank when aligning clocks: the shortest round trip's offset is kept
+ROUNDS = 5  # ping-pongs per rank when aligning clocks: the shortest round trip's offset is kept
 _TRACER = tracer()
 
 
@@ -47,16 +47,16 @@ def clock_offset(comm, root):
     if rank == root:
         for other in range(comm.Get_size()):
             for _ in range(ROUNDS if other != root else 0):
-                mpi.recv(comm, stamp, other, 0x7ace)
+                mpi.recv(comm, stamp, other, 0x7ACE)
                 stamp[0] = now()
-                mpi.send(comm, stamp, other, 0x7ace)
+                mpi.send(comm, stamp, other, 0x7ACE)
         return 0.0
     best = None
     for _ in range(ROUNDS):
         sent = now()
         stamp[0] = sent
-        mpi.send(comm, stamp, root, 0x7ace)
-        mpi.recv(comm, stamp, root, 0x7ace)
+        mpi.send(comm, stamp, root, 0x7ACE)
+        mpi.recv(comm, stamp, root, 0x7ACE)
         back = now()
         if best is None or back - sent < best[0]:
             best = (back - sent, float(stamp[0]) - (sent + back) / 2)
@@ -69,9 +69,11 @@ def check_writable(path):
     if path.is_dir():
         raise UsageError(f"--trace: {path} is a directory; the timeline is written there as a file")
     kind = special_kind(path)
-    if kind is not None:     # (renamed over, the node would become a regular file)
-        raise UsageError(f"--trace: {path} is {kind}; the timeline is written aside and renamed into place: "
-                         "remove it, or give another --run-dir")
+    if kind is not None:  # (renamed over, the node would become a regular file)
+        raise UsageError(
+            f"--trace: {path} is {kind}; the timeline is written aside and renamed into place: "
+            "remove it, or give another --run-dir"
+        )
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise UsageError(f"--trace: cannot write {path} (its directory {path.parent} is not writable)")
 
@@ -86,37 +88,50 @@ def gather_and_write(comm, root, offset, label, path):
     received all the same: no rank is left waiting); elsewhere None.
     """
     rank = comm.Get_rank()
-    names = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": label}},
-             {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}]
-    names += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
-              for tid, name in THREADS.items()]
+    names = [
+        {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": label}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+    ]
+    names += [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+        for tid, name in THREADS.items()
+    ]
     if _TRACER.dropped:
-        names.append({"name": "trace_truncated", "ph": "M", "pid": rank, "tid": 0,
-                      "args": {"events_not_recorded": _TRACER.dropped, "limit": LIMIT}})
+        names.append(
+            {
+                "name": "trace_truncated",
+                "ph": "M",
+                "pid": rank,
+                "tid": 0,
+                "args": {"events_not_recorded": _TRACER.dropped, "limit": LIMIT},
+            }
+        )
     events = names + _TRACER.records(rank, offset)
     _TRACER.disable()
-    own = np.frombuffer(json.dumps(events)[1:-1].encode("utf-8"), dtype=np.uint8)   # (the list's items)
+    own = np.frombuffer(json.dumps(events)[1:-1].encode("utf-8"), dtype=np.uint8)  # (the list's items)
     size = np.array([own.size], dtype=np.int64)
     if rank != root:
-        mpi.send(comm, size, root, 0x7ace)
-        mpi.send(comm, own, root, 0x7acf)
+        mpi.send(comm, size, root, 0x7ACE)
+        mpi.send(comm, own, root, 0x7ACF)
         return None
     path = Path(path)
     aside = atomic.fresh_aside(path)
     problem, handle = None, None
     try:
         handle = open(aside, "wb")
-        handle.write(b'{"displayTimeUnit":"ms","otherData":{"producer":"mpidist","clock":"the chief\'s, '
-                     b'microseconds"},"traceEvents":[')
+        handle.write(
+            b'{"displayTimeUnit":"ms","otherData":{"producer":"mpidist","clock":"the chief\'s, '
+            b'microseconds"},"traceEvents":['
+        )
     except OSError as err:
         problem = err.strerror or str(err)
     first = True
     for other in range(comm.Get_size()):
-        data = own     # the root's own events, in their turn
+        data = own  # the root's own events, in their turn
         if other != root:
-            mpi.recv(comm, size, other, 0x7ace)
+            mpi.recv(comm, size, other, 0x7ACE)
             data = np.empty(int(size[0]), dtype=np.uint8)
-            mpi.recv(comm, data, other, 0x7acf)
+            mpi.recv(comm, data, other, 0x7ACF)
         if handle is not None and problem is None and data.size:
             try:
                 handle.write((b"" if first else b",") + data.tobytes())

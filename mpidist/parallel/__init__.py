@@ -17,6 +17,21 @@ from .data_parallel import DataParallel
 from .exchange import Exchange, NoExchange, bucket_slices
 from .registry import STRATEGIES, Option, declared_options, register
 
-__all__ = ["STRATEGIES", "AllreduceStrategy", "DataParallel", "Exchange", "NoExchange", "LocalSgdStrategy", "LocalStrategy", "Option", "PipelineStrategy",
-           "PsAsyncStrategy", "PsSyncStrategy", "StepResult", "Strategy", "bucket_slices", "declared_options",
-           "register"]
+__all__ = [
+    "STRATEGIES",
+    "AllreduceStrategy",
+    "DataParallel",
+    "Exchange",
+    "NoExchange",
+    "LocalSgdStrategy",
+    "LocalStrategy",
+    "Option",
+    "PipelineStrategy",
+    "PsAsyncStrategy",
+    "PsSyncStrategy",
+    "StepResult",
+    "Strategy",
+    "bucket_slices",
+    "declared_options",
+    "register",
+]

@@ -37,39 +37,59 @@ class AllreduceStrategy(DataParallel):
 
     name = "allreduce"
     elastic_recovery = True
-    chief_replaceable = True   # (--elastic refuses --shard: every worker holds the whole state)
-    options = (Option("compress", "none", "allreduce: send gradients as 16-bit floats, with error feedback "
-                                          "(half the bytes; see the performance docs)",
-                      choices=("none", "fp16", "bf16")),
-               Option("exchange", "auto", "allreduce: how gradients are summed: 'node' (one copy of the model per "
-                                          "node in shared memory, each rank summing and updating 1/L of it, "
-                                          "a ring between nodes), 'shared-memory' (every worker on one node "
-                                          "and its own copy: the gradients in one shared window, summed in "
-                                          "place), 'mpi' (Iallreduce per bucket, overlapped with backward), "
-                                          "'auto' (the first of these that can serve; mpi with --compress)",
-                      choices=("auto", "node", "shared-memory", "mpi")),
-               Option("shard", "none", "allreduce: 'optimizer' keeps each worker's optimizer state for its slice "
-                                       "of the model alone (ZeRO stage 1: the state per worker / W; each worker "
-                                       "updates its slice, then an Allgatherv shares them); 'none': every worker "
-                                       "holds and updates all of it",
-                      choices=("none", "optimizer")),
-               TENSOR)
+    chief_replaceable = True  # (--elastic refuses --shard: every worker holds the whole state)
+    options = (
+        Option(
+            "compress",
+            "none",
+            "allreduce: send gradients as 16-bit floats, with error feedback "
+            "(half the bytes; see the performance docs)",
+            choices=("none", "fp16", "bf16"),
+        ),
+        Option(
+            "exchange",
+            "auto",
+            "allreduce: how gradients are summed: 'node' (one copy of the model per "
+            "node in shared memory, each rank summing and updating 1/L of it, "
+            "a ring between nodes), 'shared-memory' (every worker on one node "
+            "and its own copy: the gradients in one shared window, summed in "
+            "place), 'mpi' (Iallreduce per bucket, overlapped with backward), "
+            "'auto' (the first of these that can serve; mpi with --compress)",
+            choices=("auto", "node", "shared-memory", "mpi"),
+        ),
+        Option(
+            "shard",
+            "none",
+            "allreduce: 'optimizer' keeps each worker's optimizer state for its slice "
+            "of the model alone (ZeRO stage 1: the state per worker / W; each worker "
+            "updates its slice, then an Allgatherv shares them); 'none': every worker "
+            "holds and updates all of it",
+            choices=("none", "optimizer"),
+        ),
+        TENSOR,
+    )
 
     @classmethod
     def auto_rank(cls, settings, world_size):
-        return 3   # what auto runs when nothing asks for another
+        return 3  # what auto runs when nothing asks for another
 
     @classmethod
     def check(cls, settings, world_size):
         _check_exchange(settings.exchange, settings.compress, settings.elastic)
         if settings.shard != "none" and settings.elastic:
-            raise UsageError(f"--shard {settings.shard} keeps optimizer state on one worker alone, which a lost "
-                             "worker would take with it: not with --elastic")
+            raise UsageError(
+                f"--shard {settings.shard} keeps optimizer state on one worker alone, which a lost "
+                "worker would take with it: not with --elastic"
+            )
         check_tensor(settings, world_size)
 
     @classmethod
     def check_model(cls, settings, model):
-        return check_split(model.layers, settings.tensor, f"--model {settings.model}") if settings.tensor > 1 else []
+        return (
+            check_split(model.layers, settings.tensor, f"--model {settings.model}")
+            if settings.tensor > 1
+            else []
+        )
 
     @classmethod
     def data_layout(cls, settings, cluster):
@@ -90,9 +110,12 @@ class AllreduceStrategy(DataParallel):
     def arguments(cls, settings, setup):
         # elastic: a lost worker must surface as MPI's process-failure error, which only MPI's collectives give
         # (a tensor run's gradients are summed by MPI: the node's shared windows hold whole models)
-        return {"compress": settings.compress,
-                "exchange": "mpi" if settings.elastic or settings.tensor > 1 else settings.exchange,
-                "shard": settings.shard, "tensor": settings.tensor}
+        return {
+            "compress": settings.compress,
+            "exchange": "mpi" if settings.elastic or settings.tensor > 1 else settings.exchange,
+            "shard": settings.shard,
+            "tensor": settings.tensor,
+        }
 
     def __init__(self, *args, compress="none", exchange="auto", shard="none", **kwargs):
         _check_exchange(exchange, compress)
@@ -100,11 +123,15 @@ class AllreduceStrategy(DataParallel):
         super().__init__(*args, **kwargs)
 
     def optimizer_part(self):
-        part = self.exchange.optimizer_part()   # (one copy per node: this rank's part of it)
+        part = self.exchange.optimizer_part()  # (one copy per node: this rank's part of it)
         if part is not None:
             return part
-        if self.shard_mode == "optimizer" and self.worker_comm is not None and self.worker_comm.Get_size() > 1:
-            return OptimizerShard(self.worker_comm, self.model.num_params)   # --shard optimizer: one slice
+        if (
+            self.shard_mode == "optimizer"
+            and self.worker_comm is not None
+            and self.worker_comm.Get_size() > 1
+        ):
+            return OptimizerShard(self.worker_comm, self.model.num_params)  # --shard optimizer: one slice
         return None
 
     def update(self, grads, step):
@@ -115,33 +142,48 @@ class AllreduceStrategy(DataParallel):
         self.part.share(self.model.params)
 
     def initialize(self, checkpoint=None):
-        if self.part is not None and checkpoint is not None:   # (a checkpoint holds the whole state: load a slice)
-            checkpoint = dataclasses.replace(checkpoint, optimizer_state=self.part.slice_of(checkpoint.optimizer_state))
+        if (
+            self.part is not None and checkpoint is not None
+        ):  # (a checkpoint holds the whole state: load a slice)
+            checkpoint = dataclasses.replace(
+                checkpoint, optimizer_state=self.part.slice_of(checkpoint.optimizer_state)
+            )
         super().initialize(checkpoint)
 
     def whole_optimizer_arrays(self):
         if self.part is None:
             return super().whole_optimizer_arrays()
-        return self.part.gather(self.optimizer.state_arrays())   # collective over the workers
+        return self.part.gather(self.optimizer.state_arrays())  # collective over the workers
 
     def survivor_state(self, cluster, step):
-        if self.part is not None:   # (check() refuses --elastic with --shard: a slice is not the whole state)
+        if self.part is not None:  # (check() refuses --elastic with --shard: a slice is not the whole state)
             raise RuntimeError("--shard optimizer does not run with --elastic")
         return super().survivor_state(cluster, step)
 
     def held_bytes(self):
-        state = sum(int(array.nbytes) for array in self.optimizer.state_arrays().values()) if self.optimizer else 0
+        state = (
+            sum(int(array.nbytes) for array in self.optimizer.state_arrays().values())
+            if self.optimizer
+            else 0
+        )
         # a node's one copy of the parameters counts 1/L on each of its L ranks
         sharing = self.exchange.node.Get_size() if self.exchange.holds_params else 1
-        return {"params": int(self.model.params.nbytes) // sharing, "grads": int(self.buffer.nbytes),
-                "optimizer_state": state}
+        return {
+            "params": int(self.model.params.nbytes) // sharing,
+            "grads": int(self.buffer.nbytes),
+            "optimizer_state": state,
+        }
 
     def stats(self):
         held = self.held_bytes()
         figures = {**super().stats(), "held_bytes": held, **self.exchange.stats()}
         if self.part is None:
             return figures
-        return {**figures, "shard": [self.part.lo, self.part.hi], "optimizer_state_bytes": held["optimizer_state"]}
+        return {
+            **figures,
+            "shard": [self.part.lo, self.part.hi],
+            "optimizer_state_bytes": held["optimizer_state"],
+        }
 
     def describe(self, rank):
         part = self.tensor.describe()
@@ -152,9 +194,11 @@ class AllreduceStrategy(DataParallel):
             return CompressedExchange(self.worker_comm, self.buffer, self.bucket_bytes, self.compress)
         comm, kind = self.worker_comm, self.exchange_kind
         if kind in ("auto", "node"):
-            why_not = node_model_possible(comm, self.buffer, self.model)   # collective: the same everywhere
+            why_not = node_model_possible(comm, self.buffer, self.model)  # collective: the same everywhere
             if why_not is None:
-                return NodeModelExchange(comm, self.buffer, self.model.params, sharded=self.shard_mode == "optimizer")
+                return NodeModelExchange(
+                    comm, self.buffer, self.model.params, sharded=self.shard_mode == "optimizer"
+                )
             _refuse_if_asked(comm, kind, "node", why_not)
         if kind in ("auto", "shared-memory"):
             why_not = shared_memory_possible(comm, self.buffer)
@@ -166,7 +210,7 @@ class AllreduceStrategy(DataParallel):
 
 def _refuse_if_asked(comm, asked, kind, why_not):
     """Collective: where ``--exchange`` named ``kind`` and it cannot serve, every worker exits 2 with ``why_not``."""
-    with agreed(comm):   # (every worker refuses alike: one message, every rank exits 2)
+    with agreed(comm):  # (every worker refuses alike: one message, every rank exits 2)
         if asked == kind and why_not != ONE_WORKER:
             raise UsageError(f"--exchange {kind}: {why_not}; use --exchange mpi or auto")
 
@@ -176,8 +220,12 @@ def _check_exchange(exchange, compress, elastic=False):
     if exchange not in ("node", "shared-memory"):
         return
     if compress != "none":
-        raise UsageError(f"--exchange {exchange} sums in shared memory, so there is nothing for "
-                         f"--compress {compress} to compress: use --exchange mpi (or auto) with --compress")
+        raise UsageError(
+            f"--exchange {exchange} sums in shared memory, so there is nothing for "
+            f"--compress {compress} to compress: use --exchange mpi (or auto) with --compress"
+        )
     if elastic:
-        raise UsageError(f"--exchange {exchange} does not survive a lost worker (MPI's shared-memory windows "
-                         "are not fault tolerant): use --exchange mpi or auto with --elastic")
+        raise UsageError(
+            f"--exchange {exchange} does not survive a lost worker (MPI's shared-memory windows "
+            "are not fault tolerant): use --exchange mpi or auto with --elastic"
+        )

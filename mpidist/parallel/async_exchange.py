@@ -2,7 +2,6 @@
 ``[version, arrivals, steps]``, and on the first ps the workers' clocks, a stop request and the ps ranks'
 control words, each read and written one-sidedly."""
 
-
 import numpy as np
 
 from ..runtime.rma import Window
@@ -18,15 +17,15 @@ class AsyncExchange:
         self.ps_ranks, self.bounds, self.num_workers = ps_ranks, bounds, num_workers
         lo, hi = bounds[ps_ranks.index(rank)] if rank in ps_ranks else (0, 0)
         is_ps = rank in ps_ranks
-        self.params = Window(world, hi - lo, dtype, guard)           # the ps's parameter shard
-        self.inbox = Window(world, hi - lo, dtype, guard)            # summed gradients not yet applied
+        self.params = Window(world, hi - lo, dtype, guard)  # the ps's parameter shard
+        self.inbox = Window(world, hi - lo, dtype, guard)  # summed gradients not yet applied
         # [version, arrivals, the sum of the arrivals' steps] (the learning rate is the gradients' step's)
         self.meta = Window(world, 3 if is_ps else 0, np.int64, guard)
         # [clocks..., stop signal, 1 + rank that asked, snapshots asked, serving over]:
         # one read gives a worker the clocks and any stop request
         self.clock = Window(world, 4 + num_workers if rank == ps_ranks[0] else 0, np.int64, guard)
-        self.stop = (0, 0)   # (signal, 1 + rank) as last read
-        self._control = 2 + num_workers   # offset of [snapshots asked, serving over]
+        self.stop = (0, 0)  # (signal, 1 + rank) as last read
+        self._control = 2 + num_workers  # offset of [snapshots asked, serving over]
         self._one = np.ones(1, dtype=np.int64)
         self._arrival = np.array([0, 1, 0], dtype=np.int64)
 
@@ -41,7 +40,7 @@ class AsyncExchange:
         """
         versions = np.zeros(len(self.ps_ranks), dtype=np.int64)
         for index, ps in enumerate(self.ps_ranks):
-            self.meta.read(versions[index:index + 1], ps)
+            self.meta.read(versions[index : index + 1], ps)
         self.meta.flush()
         for index, (ps, (lo, hi)) in enumerate(zip(self.ps_ranks, self.bounds)):
             if known is None or versions[index] != known[index]:
@@ -58,7 +57,7 @@ class AsyncExchange:
         """
         for ps, (lo, hi) in zip(self.ps_ranks, self.bounds):
             self.inbox.add(grads[lo:hi], ps)
-        self.inbox.flush()   # the gradient is in place before its arrival is counted
+        self.inbox.flush()  # the gradient is in place before its arrival is counted
         self._arrival[2] = step
         before = np.zeros((len(self.ps_ranks), 3), dtype=np.int64)
         for index, ps in enumerate(self.ps_ranks):
@@ -76,8 +75,9 @@ class AsyncExchange:
 
     def request_stop(self, signal_number, rank):
         """Any rank: ask every worker to stop at its next step boundary."""
-        self.clock.replace(np.array([signal_number, rank + 1], dtype=np.int64), self.ps_ranks[0],
-                           offset=self.num_workers)
+        self.clock.replace(
+            np.array([signal_number, rank + 1], dtype=np.int64), self.ps_ranks[0], offset=self.num_workers
+        )
         self.clock.flush()
         self.stop = (signal_number, rank + 1)
 
@@ -99,7 +99,7 @@ class AsyncExchange:
     def take(self, out, rank):
         """Move this ps's inbox into ``out`` (leaving zeros); returns ``(arrivals counted, sum of their steps)``."""
         if getattr(self, "_zeros", None) is None or self._zeros.shape != out.shape:
-            self._zeros = np.zeros_like(out)   # kept: a fresh 2.7 MB buffer per take is pure memory traffic
+            self._zeros = np.zeros_like(out)  # kept: a fresh 2.7 MB buffer per take is pure memory traffic
         self.inbox.swap(self._zeros, out, rank)
         self.inbox.flush(rank)
         counts = np.zeros(2, dtype=np.int64)
@@ -134,7 +134,9 @@ class AsyncExchange:
 
     def set_control(self, snapshots, over):
         """First ps: announce a snapshot (its number) or the end of serving to the other ps ranks."""
-        self.clock.replace(np.array([snapshots, int(over)], dtype=np.int64), self.ps_ranks[0], offset=self._control)
+        self.clock.replace(
+            np.array([snapshots, int(over)], dtype=np.int64), self.ps_ranks[0], offset=self._control
+        )
         self.clock.flush()
 
     def free(self):

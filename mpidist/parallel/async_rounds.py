@@ -30,9 +30,9 @@ import numpy as np
 from ..runtime.cluster import PS, WORKER
 
 NEVER = np.iinfo(np.int64).max  # a finished worker's clock: it never holds anyone back
-POLL_SECONDS = 0.0002            # SSP wait between clock reads; first ps sleep when idle
-POLL_MAX_SECONDS = 0.005         # an idle ps backs off to this: it only delays updates, never a worker
-LOOK_EVERY = 500                 # clock reads of a held worker between looks for the lost (0.1 s)
+POLL_SECONDS = 0.0002  # SSP wait between clock reads; first ps sleep when idle
+POLL_MAX_SECONDS = 0.005  # an idle ps backs off to this: it only delays updates, never a worker
+LOOK_EVERY = 500  # clock reads of a held worker between looks for the lost (0.1 s)
 
 
 # -- workers: stale synchronous parallel ------------------------------------------
@@ -71,8 +71,8 @@ class WorkerPace:
 
     def __init__(self, bound):
         self.bound = bound
-        self.completed = 0          # steps of this strategy object (the bound counts these)
-        self.versions_held = None   # the ps versions the worker's parameters hold, once read
+        self.completed = 0  # steps of this strategy object (the bound counts these)
+        self.versions_held = None  # the ps versions the worker's parameters hold, once read
 
     def check(self, clocks):
         """``(may go on, how far ahead of the slowest)`` against the workers' ``clocks``."""
@@ -87,11 +87,11 @@ class WorkerPace:
 class Act(enum.Enum):
     """What a ps does next time round its serving loop."""
 
-    SNAPSHOT = "snapshot"   # send its shard to the first ps for the checkpoint it asked for
-    LEAVE = "leave"         # serving is over
-    TAKE = "take"           # take the inbox and apply it
-    IDLE = "idle"           # nothing arrived: sleep a little longer each time
-    DRAIN = "drain"         # every worker signed off: take the last arrivals (the first ps then ends serving)
+    SNAPSHOT = "snapshot"  # send its shard to the first ps for the checkpoint it asked for
+    LEAVE = "leave"  # serving is over
+    TAKE = "take"  # take the inbox and apply it
+    IDLE = "idle"  # nothing arrived: sleep a little longer each time
+    DRAIN = "drain"  # every worker signed off: take the last arrivals (the first ps then ends serving)
 
 
 def follower_action(asked, snapshots, drained, over):
@@ -121,7 +121,7 @@ def inbox_action(pending, drained, done, workers):
         return Act.TAKE
     if drained or done < workers:
         return Act.IDLE
-    return Act.DRAIN   # every worker signed off after its last count: what is left is the last
+    return Act.DRAIN  # every worker signed off after its last count: what is left is the last
 
 
 def next_pause(pause):
@@ -154,7 +154,7 @@ def carries_gradient(gradient):
     zero gradient moves Adam's parameters.  (NaN or Inf gradients are then
     skipped by the ps's :class:`~mpidist.parallel.base.SkipCounter`, within ``--nan-patience``.)
     """
-    return bool(gradient[:256].any()) or bool(gradient.any())   # a short prefix almost always answers
+    return bool(gradient[:256].any()) or bool(gradient.any())  # a short prefix almost always answers
 
 
 class Serving:
@@ -166,8 +166,8 @@ class Serving:
 
     def __init__(self, start_step=0):
         self.start_step = int(start_step)
-        self.snapshots = 0                         # mid-run checkpoints taken
-        self.gradient_step = float(self.start_step)   # the mean step of the gradients taken last
+        self.snapshots = 0  # mid-run checkpoints taken
+        self.gradient_step = float(self.start_step)  # the mean step of the gradients taken last
 
     def run_step(self, chief_clock):
         """The run's step at the chief's ``chief_clock`` steps; None once the chief signed off."""
@@ -187,9 +187,13 @@ class Serving:
 class Lost(typing.NamedTuple):
     """What the ranks lost since the last look mean."""
 
-    fatal: tuple     # world ranks whose state is held nowhere else: a ps (its shard) or the chief
-    retired: tuple   # (world rank, worker index) of lost workers: their clocks are retired, they hold nobody back
-    recover: bool = False   # fatal ones, a ps left, and checkpoints: every rank recovers (back to a checkpoint)
+    fatal: tuple  # world ranks whose state is held nowhere else: a ps (its shard) or the chief
+    retired: (
+        tuple  # (world rank, worker index) of lost workers: their clocks are retired, they hold nobody back
+    )
+    recover: bool = (
+        False  # fatal ones, a ps left, and checkpoints: every rank recovers (back to a checkpoint)
+    )
 
 
 def sort_lost(lost, roles, chief_rank, earlier=(), rollback=False):

@@ -71,13 +71,15 @@ class NoteInbox:
         self.world, self.worker_ranks = world, list(worker_ranks)
         self.words = np.zeros((len(self.worker_ranks), 3), dtype=np.int64)
         self.requests = [None] * len(self.worker_ranks)
-        self.first = 0   # where the next look begins: no worker is always looked at first
+        self.first = 0  # where the next look begins: no worker is always looked at first
         self.expect(range(len(self.worker_ranks)))
 
     def expect(self, workers):
         """Post the receive of each of these workers' next note."""
         for worker in workers:
-            self.requests[worker] = mpi.irecv(self.world, self.words[worker], self.worker_ranks[worker], TAG_NOTE)
+            self.requests[worker] = mpi.irecv(
+                self.world, self.words[worker], self.worker_ranks[worker], TAG_NOTE
+            )
 
     def notes(self):
         """The notes as they complete (from any worker); ends when no receive is posted."""
@@ -98,7 +100,7 @@ class BackupWorkersStrategy(ShardedStrategy):
     """
 
     name = "ps-sync"
-    running_statistics = False   # workers' steps are not aligned: nothing to average them at
+    running_statistics = False  # workers' steps are not aligned: nothing to average them at
 
     @classmethod
     def title(cls, settings):
@@ -106,8 +108,12 @@ class BackupWorkersStrategy(ShardedStrategy):
 
     @classmethod
     def arguments(cls, settings, setup):
-        return {"aggregate": settings.aggregate, "total_steps": total_steps(settings, setup),
-                "nan_patience": settings.nan_patience}
+        return {
+            "aggregate": settings.aggregate,
+            "total_steps": total_steps(settings, setup),
+            "nan_patience": settings.nan_patience,
+        }
+
     # workers are not in step with each other: an evaluation collective over them
     # would make the fast ones wait for the slow one (and stall the round)
     evaluation = "chief"
@@ -117,17 +123,20 @@ class BackupWorkersStrategy(ShardedStrategy):
         super().__init__(*args, **kwargs)
         model, cluster = self.model, self.cluster
         # every ps takes the same decision: the coordinator (first ps) alone speaks for them
-        self.nan_guard = SkipCounter(nan_patience, speaks=cluster.rank == cluster.roles.index(PS),
-                                     figures=self.figures)
+        self.nan_guard = SkipCounter(
+            nan_patience, speaks=cluster.rank == cluster.roles.index(PS), figures=self.figures
+        )
         n = model.num_params
         if not 1 <= int(aggregate) <= cluster.num_workers:
             raise ValueError(f"aggregate {aggregate} must be between 1 and {cluster.num_workers} workers")
-        if int(total_steps) >= 1 << 24:   # versions travel in the model's float buffers
+        if int(total_steps) >= 1 << 24:  # versions travel in the model's float buffers
             # (found here, after the set-up's agreement, alike on every rank: one of them says so, see
             # mpidist.runtime.agreement.OneVoice)
-            raise UsageError(f"--aggregate {aggregate}: backup workers count steps in float32, exactly up to "
-                             f"{(1 << 24) - 1:,}, and this run takes {int(total_steps):,}: give --steps or "
-                             "--epochs for fewer")
+            raise UsageError(
+                f"--aggregate {aggregate}: backup workers count steps in float32, exactly up to "
+                f"{(1 << 24) - 1:,}, and this run takes {int(total_steps):,}: give --steps or "
+                "--epochs for fewer"
+            )
         self.rounds = Rounds(total_steps, aggregate, cluster.num_workers)
         self.shard(n)
         self.worker_ranks = [rank for rank, role in enumerate(cluster.roles) if role != PS]
@@ -185,12 +194,12 @@ class BackupWorkersStrategy(ShardedStrategy):
         note = self.rounds.note(self.worker_index).encode()
         sends = [mpi.isend(world, note, self.ps_ranks[0], TAG_NOTE)[0]]
         for message, ps, (lo, hi) in zip(self.outbox, self.ps_ranks, self.bounds):
-            message[:hi - lo] = grads[lo:hi]
+            message[: hi - lo] = grads[lo:hi]
             message[-2:] = (weight, loss * weight)
             sends.append(mpi.isend(world, message, ps, TAG_GRAD)[0])
         for reply, ps, (lo, hi) in zip(self.replies, self.ps_ranks, self.bounds):
             mpi.recv(world, reply, ps, TAG_PARAMS)
-            self.host_params[lo:hi] = reply[:hi - lo]
+            self.host_params[lo:hi] = reply[: hi - lo]
         mpi.wait_all(sends)
         if is_device_array(model.params):
             model.params[...] = model.xp.asarray(self.host_params)
@@ -219,7 +228,9 @@ class BackupWorkersStrategy(ShardedStrategy):
         loss = 0.0
         while not rounds.over:
             statuses = rounds.tally(notes).statuses if coordinator else (0,) * workers
-            decision = mpi.allreduce_max(ps_comm, rounds.decision(statuses, control.signalled() if control else 0))
+            decision = mpi.allreduce_max(
+                ps_comm, rounds.decision(statuses, control.signalled() if control else 0)
+            )
             round_ = rounds.open(decision)
             if round_.checkpoint:
                 state = self.gather_on_first_ps(self.shard_view())
@@ -228,14 +239,14 @@ class BackupWorkersStrategy(ShardedStrategy):
             weights, weighted_loss = self._receive(round_, incoming, total)
             moved = weights > 0
             if moved:
-                total /= weights        # the mean gradient of the accepted batches
+                total /= weights  # the mean gradient of the accepted batches
                 loss = self._update(total, weighted_loss / weights, loss)
             closing = rounds.close(round_, moved, coordinator, control is not None and control.periodic)
             if closing.ask_checkpoint:
                 rounds.checkpoint_due = bool(control.checkpoint_due(closing.version))
             reply[:size] = self.shard_view()
             reply[-3:] = (rounds.limit, rounds.version, loss)
-            if coordinator:   # (before the reply: a worker's next note finds its receive posted)
+            if coordinator:  # (before the reply: a worker's next note finds its receive posted)
                 inbox.expect(worker for worker in round_.heard if not rounds.stopped[worker])
             for worker in round_.heard:
                 mpi.send(self.cluster.world, reply, self.worker_ranks[worker], TAG_PARAMS)
@@ -252,7 +263,7 @@ class BackupWorkersStrategy(ShardedStrategy):
                 weighted_loss += float(incoming[-1])
                 self.figures["accepted"] += 1
             else:
-                self.figures["dropped"] += 1   # stale: counted and discarded, never applied
+                self.figures["dropped"] += 1  # stale: counted and discarded, never applied
         return weights, weighted_loss
 
     def _update(self, total, loss, previous_loss):
@@ -260,8 +271,14 @@ class BackupWorkersStrategy(ShardedStrategy):
         # the norm over every shard, one small Allreduce where there are several (0 x a broken loss is NaN)
         group = self.cluster.role_comm if len(self.ps_ranks) > 1 else None
         verdict, _ = agree(group, float(total.dot(total)), loss, self.recipe.clip_norm)
-        update = round_update(True, not verdict.skip, self.nan_guard, loss, previous_loss,
-                              f"the accepted gradients of step {self.rounds.version + 1} were")
+        update = round_update(
+            True,
+            not verdict.skip,
+            self.nan_guard,
+            loss,
+            previous_loss,
+            f"the accepted gradients of step {self.rounds.version + 1} were",
+        )
         if update.apply:
             self.judge(verdict)
             gradient = self.scaled(total, verdict.factor)
@@ -270,7 +287,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         return update.loss
 
     def shard_view(self):
-        return self.host_params[self.lo:self.hi]
+        return self.host_params[self.lo : self.hi]
 
     def finish(self):
         """Collective: the chief gets every ps's final shard."""
@@ -285,7 +302,12 @@ class BackupWorkersStrategy(ShardedStrategy):
     def stats(self):
         if self.is_worker:
             return {}
-        return {**({"clipped": self.figures["clipped"]} if "clipped" in self.figures else {}),
-                "updates": self.figures["updates"], "accepted": self.figures["accepted"],
-                "skipped": self.nan_guard.total,
-                "dropped": self.figures["dropped"], "aggregate": self.aggregate, "shard": [self.lo, self.hi]}
+        return {
+            **({"clipped": self.figures["clipped"]} if "clipped" in self.figures else {}),
+            "updates": self.figures["updates"],
+            "accepted": self.figures["accepted"],
+            "skipped": self.nan_guard.total,
+            "dropped": self.figures["dropped"],
+            "aggregate": self.aggregate,
+            "shard": [self.lo, self.hi],
+        }

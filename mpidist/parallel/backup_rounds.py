@@ -27,7 +27,7 @@ import typing
 
 import numpy as np
 
-ACCEPTED, STALE = 1, 2   # a worker's status in a round (0: no note from it this round)
+ACCEPTED, STALE = 1, 2  # a worker's status in a round (0: no note from it this round)
 
 
 class Note(typing.NamedTuple):
@@ -72,7 +72,7 @@ def admit(tally, note, version, limit):
     if not 0 <= note.worker < len(tally.statuses):
         raise ValueError(f"a note from worker {note.worker}, but there are {len(tally.statuses)} workers")
     status = ACCEPTED if version < limit and note.read == version else STALE
-    statuses = tally.statuses[:note.worker] + (status,) + tally.statuses[note.worker + 1:]
+    statuses = tally.statuses[: note.worker] + (status,) + tally.statuses[note.worker + 1 :]
     return Tally(statuses, max(tally.signal, note.signal))
 
 
@@ -92,8 +92,10 @@ def tally_notes(notes, workers, version, limit, aggregate):
         tally = admit(tally, note, version, limit)
         if closed(tally, version, limit, aggregate):
             return tally
-    raise ValueError(f"the notes ran out before round {version} closed ({tally.accepted} of {aggregate} "
-                     f"accepted, statuses {tally.statuses})")
+    raise ValueError(
+        f"the notes ran out before round {version} closed ({tally.accepted} of {aggregate} "
+        f"accepted, statuses {tally.statuses})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +159,7 @@ def round_update(moved, ok, guard, loss, previous_loss, what):
         return RoundUpdate(False, previous_loss)
     if guard.update_allowed(ok, what):
         return RoundUpdate(True, loss)
-    return RoundUpdate(False, math.nan)   # skipped alike on every shard; the version still moves on
+    return RoundUpdate(False, math.nan)  # skipped alike on every shard; the version still moves on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +197,9 @@ class Rounds:
     def __init__(self, total_steps, aggregate, workers):
         self.total_steps, self.aggregate = int(total_steps), int(aggregate)
         self.version, self.limit = 0, self.total_steps
-        self.signal = 0                  # a stop this rank asks for, or (coordinator) a note brought
+        self.signal = 0  # a stop this rank asks for, or (coordinator) a note brought
         self.stopped = [False] * workers  # (ps) workers told that the run is over
-        self.checkpoint_due = False      # (coordinator) write a checkpoint before the next round
+        self.checkpoint_due = False  # (coordinator) write a checkpoint before the next round
 
     @property
     def stop_requested(self):

@@ -62,9 +62,11 @@ class SkipCounter:
         self.in_row += 1
         self.figures["skipped"] += 1
         if self.in_row > self.patience and self.speaks:
-            raise RunError(f"{what} NaN or Inf {self.in_row} time(s) in a row (--nan-patience {self.patience}): "
-                           "training diverged; lower --lr, or check the data")
-        return False   # counted: the ps reports ``skipped`` in the done event
+            raise RunError(
+                f"{what} NaN or Inf {self.in_row} time(s) in a row (--nan-patience {self.patience}): "
+                "training diverged; lower --lr, or check the data"
+            )
+        return False  # counted: the ps reports ``skipped`` in the done event
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,15 +132,27 @@ class Strategy(Declared, SavedState):
     def request_stop(self, signal_number):
         """Ask every rank to stop soon (only strategies that are not in lockstep need this)."""
 
-    def __init__(self, model, loss, make_optimizer=None, cluster=None, seed=0, bucket_bytes=64 << 20, where=None,
-                 figures=None, recipe=None):
+    def __init__(
+        self,
+        model,
+        loss,
+        make_optimizer=None,
+        cluster=None,
+        seed=0,
+        bucket_bytes=64 << 20,
+        where=None,
+        figures=None,
+        recipe=None,
+    ):
         self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed
         self.recipe = recipe or Recipe()
         #: this worker's forward and backward passes (``--accumulate``'s slices) and the training figures they count
         self.passes = Passes(model, loss, self.recipe.accumulate, seed)
         model.use_workspace(loss)
         self._make_optimizer = make_optimizer
-        self.decay_ranges = model.decay_ranges()   # (of the whole model, whatever part of it this rank updates)
+        self.decay_ranges = (
+            model.decay_ranges()
+        )  # (of the whole model, whatever part of it this rank updates)
         self.bucket_bytes = int(bucket_bytes)
         self.where = where
         self.figures = {} if figures is None else figures
@@ -153,8 +167,11 @@ class Strategy(Declared, SavedState):
         if self._make_optimizer is None:
             return None
         optimizer = self._make_optimizer(size)
-        optimizer.decay_ranges = [(max(lo, offset) - offset, min(hi, offset + size) - offset)
-                                  for lo, hi in self.decay_ranges if lo < offset + size and hi > offset]
+        optimizer.decay_ranges = [
+            (max(lo, offset) - offset, min(hi, offset + size) - offset)
+            for lo, hi in self.decay_ranges
+            if lo < offset + size and hi > offset
+        ]
         return optimizer
 
     def count(self, **initial):
@@ -183,8 +200,14 @@ class Strategy(Declared, SavedState):
     def step(self, x, y, weight, step):
         """One training step (:meth:`train_step`) as a :class:`StepResult`: the loop's only call per step."""
         loss = self.train_step(x, y, weight, step)
-        return StepResult(loss=loss, skipped=self.skipped, step=self.produced_step(step), stop=self.stop_requested,
-                          finished=self.finished, clipped=self.clipped)
+        return StepResult(
+            loss=loss,
+            skipped=self.skipped,
+            step=self.produced_step(step),
+            stop=self.stop_requested,
+            finished=self.finished,
+            clipped=self.clipped,
+        )
 
     def serve(self, control):
         """ps ranks of strategies that serve (``serves``): answer workers until the run ends."""

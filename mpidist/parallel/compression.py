@@ -40,7 +40,7 @@ def to_bf16(values, out, scratch=None):
     rounding >>= 16
     out[...] = rounding
     # (the intermediate is spent: its first bytes hold the NaN mask)
-    np.copyto(out, np.uint16(0x7FC0), where=np.isnan(values, out=rounding.view(bool)[:values.size]))
+    np.copyto(out, np.uint16(0x7FC0), where=np.isnan(values, out=rounding.view(bool)[: values.size]))
     return out
 
 
@@ -72,7 +72,9 @@ class Codec:
 
     def narrow(self, values, out):
         if self.name == "fp16":
-            with np.errstate(over="ignore"):   # beyond 65504 is Inf: the step is then skipped, as any non-finite one
+            with np.errstate(
+                over="ignore"
+            ):  # beyond 65504 is Inf: the step is then skipped, as any non-finite one
                 out.view(np.float16)[...] = values
             return out
         return to_bf16(values, out, self._arrays(values.size)[2].view(np.uint32))
@@ -103,15 +105,18 @@ class CompressedExchange(Exchange):
 
     def __init__(self, comm, buffer, bucket_bytes, compress, overlap=True):
         if not isinstance(buffer, np.ndarray):
-            raise RunError(f"--compress {compress} works on host (numpy) gradients; run with --compress none "
-                           "on GPUs")
+            raise RunError(
+                f"--compress {compress} works on host (numpy) gradients; run with --compress none on GPUs"
+            )
         self.gradients = buffer[:-1]
         # a bucket of 16-bit values is half as long in bytes: cut the same element ranges a float32 one would
         super().__init__(comm, buffer, bucket_bytes, overlap)
-        self.buckets = [(lo, min(hi, self.gradients.size)) for lo, hi in self.buckets if lo < self.gradients.size]
+        self.buckets = [
+            (lo, min(hi, self.gradients.size)) for lo, hi in self.buckets if lo < self.gradients.size
+        ]
         self.codec = Codec(compress)
-        self.residual = np.zeros_like(self.gradients)       # what rounding dropped, sent next step
-        self.patterns = np.empty(self.gradients.size, np.uint16)   # the 16-bit values sent
+        self.residual = np.zeros_like(self.gradients)  # what rounding dropped, sent next step
+        self.patterns = np.empty(self.gradients.size, np.uint16)  # the 16-bit values sent
         self.bytes_per_step = int(self.patterns.nbytes + buffer.itemsize)
         self._loss = None
 
@@ -125,15 +130,17 @@ class CompressedExchange(Exchange):
 
     def _start(self, lo, hi):
         self._mark(lo, hi)
-        if self._loss is None:   # the first bucket is the top one: the loss is known by now
+        if self._loss is None:  # the first bucket is the top one: the loss is known by now
             self._loss = mpi.iallreduce_sum(self.comm, self.buffer[-1:])
         part, residual, patterns = self.gradients[lo:hi], self.residual[lo:hi], self.patterns[lo:hi]
-        part += residual                       # error feedback: last step's rounding error goes out now
+        part += residual  # error feedback: last step's rounding error goes out now
         self.codec.narrow(part, patterns)
-        self.codec.widen(patterns, residual)     # (the residual array holds the rounded values for a moment)
-        with np.errstate(invalid="ignore"):    # (Inf - Inf: a step that will be skipped, its residual dropped)
+        self.codec.widen(patterns, residual)  # (the residual array holds the rounded values for a moment)
+        with np.errstate(invalid="ignore"):  # (Inf - Inf: a step that will be skipped, its residual dropped)
             np.subtract(part, residual, out=residual)
-        pending = mpi.iallreduce(self.comm, patterns, self.codec.op, then=lambda: self.codec.widen(patterns, part))
+        pending = mpi.iallreduce(
+            self.comm, patterns, self.codec.op, then=lambda: self.codec.widen(patterns, part)
+        )
         self._pending.append(((lo, hi), pending))
 
     def finish(self):

@@ -74,16 +74,20 @@ class DataParallel(Strategy):
         self.running = model.running_entries()
         synchronise_batch_norms(model, self.worker_comm)
         self.exchange = self.make_exchange()
-        if self.exchange.holds_buffer:   # the buffer moved into the exchange (shared memory)
+        if self.exchange.holds_buffer:  # the buffer moved into the exchange (shared memory)
             self._bind_buffer(self.exchange.buffer)
-        if self.exchange.holds_params:   # one copy of the model per node
+        if self.exchange.holds_params:  # one copy of the model per node
             model.bind_params(self.exchange.params, copy=False)
-        self.part = self.optimizer_part()   # the slice this worker's optimizer updates (None: all of it)
-        self.optimizer = self.make_optimizer(model.num_params) if self.part is None else \
-            self.make_optimizer(self.part.size, self.part.lo)
+        self.part = self.optimizer_part()  # the slice this worker's optimizer updates (None: all of it)
+        self.optimizer = (
+            self.make_optimizer(model.num_params)
+            if self.part is None
+            else self.make_optimizer(self.part.size, self.part.lo)
+        )
 
     def optimizer_part(self):
-        """The :class:`~mpidist.parallel.optimizer_shard.OptimizerShard` this worker updates, or None (the whole model)."""
+        """The :class:`~mpidist.parallel.optimizer_shard.OptimizerShard` this worker updates, or None (the
+        whole model)."""
         return None
 
     def _bind_buffer(self, buffer):
@@ -113,17 +117,19 @@ class DataParallel(Strategy):
     def state(self):
         """Collective over the workers: the chief's state, with every worker's :meth:`own_state` gathered (if any)."""
         self.average_running()
-        if self.placement is not None:   # the parts of the first tensor group gather theirs on the chief
+        if self.placement is not None:  # the parts of the first tensor group gather theirs on the chief
             return self._gathered_parts()
         state = super().state()
-        if state is not None and self.exchange.holds_params:   # (the window's copy goes when the strategy does)
+        if (
+            state is not None and self.exchange.holds_params
+        ):  # (the window's copy goes when the strategy does)
             state = dataclasses.replace(state, params=state.params.copy())
         comm, own = self.worker_comm, self.own_state()
         if comm is None or comm.Get_size() == 1 or not own:
             return state
         size, n = comm.Get_size(), self.model.num_params
         rows = {}
-        for name in sorted(own):   # (the same order on every worker)
+        for name in sorted(own):  # (the same order on every worker)
             mine = np.ascontiguousarray(to_host(own[name]))
             rows[name] = np.empty((size, n), dtype=mine.dtype) if comm.Get_rank() == 0 else None
             mpi.gatherv(comm, mine, rows[name], [n] * size, [n * worker for worker in range(size)], root=0)
@@ -136,8 +142,10 @@ class DataParallel(Strategy):
 
     def _gathered_parts(self):
         """Collective over the first tensor group: the whole model's state, gathered from its parts, on the chief."""
-        arrays = {"params": to_host(self.model.params),
-                  **{name: to_host(array) for name, array in self.optimizer.state_arrays().items()}}
+        arrays = {
+            "params": to_host(self.model.params),
+            **{name: to_host(array) for name, array in self.optimizer.state_arrays().items()},
+        }
         whole = self.tensor.gather(arrays) if self.worker_index == 0 else None
         if not self.cluster.is_chief:
             return None
@@ -145,7 +153,7 @@ class DataParallel(Strategy):
 
     def survivor_state(self, cluster, step):
         """The state as the survivors' chief holds it (``cluster``'s: the old chief, or the worker in its place)."""
-        if not cluster.is_chief:   # (the old communicators are revoked: nothing collective, no averaging)
+        if not cluster.is_chief:  # (the old communicators are revoked: nothing collective, no averaging)
             return None
         arrays = {name: to_host(array) for name, array in self.optimizer.state_arrays().items()}
         return WholeState(to_host(self.model.params), arrays, self.optimizer.steps)
@@ -161,19 +169,21 @@ class DataParallel(Strategy):
         raise NotImplementedError
 
     def free(self):
-        if self.exchange.holds_buffer:   # the gradients outlive the exchange's memory
+        if self.exchange.holds_buffer:  # the gradients outlive the exchange's memory
             self._bind_buffer(self.buffer.copy())
-        if self.exchange.holds_params:   # and so do the parameters
+        if self.exchange.holds_params:  # and so do the parameters
             self.model.bind_params(self.model.params.copy())
         self.exchange.free()
         self.mesh.free()
 
     def initialize(self, checkpoint=None):
-        if self.placement is not None:   # every part draws (or reads) its slices of the whole model's start alone
+        if (
+            self.placement is not None
+        ):  # every part draws (or reads) its slices of the whole model's start alone
             params = self.model.params
-            if checkpoint is not None:   # (read into place: this part's slices, one array at a time)
+            if checkpoint is not None:  # (read into place: this part's slices, one array at a time)
                 self.restore(checkpoint)
-            elif self.model.xp is np:   # (drawn into place)
+            elif self.model.xp is np:  # (drawn into place)
                 self.tensor.initial(self.seed, out=params)
             else:
                 params[...] = self.model.xp.asarray(self.tensor.initial(self.seed))
@@ -184,7 +194,7 @@ class DataParallel(Strategy):
                 self.model.init_params(self.seed)
             else:
                 self.model.params[...] = self.model.xp.asarray(checkpoint.params)
-        if self.exchange.holds_params:   # each node's copy from the chief's node, written once per node
+        if self.exchange.holds_params:  # each node's copy from the chief's node, written once per node
             self.exchange.share_initial()
         elif comm is not None:
             mpi.bcast(comm, self.model.params, root=0)
@@ -214,24 +224,26 @@ class DataParallel(Strategy):
             return False
         worker = 0 if comm is None else comm.Get_rank()
         for name, array in own.items():
-            if name in rows:   # (another optimizer's arrays are left out: it starts afresh, as initialize says)
+            if (
+                name in rows
+            ):  # (another optimizer's arrays are left out: it starts afresh, as initialize says)
                 array[...] = self.model.xp.asarray(rows[name][worker])
         return True
 
     def train_step(self, x, y, weight, step):
-        def loss_into_buffer(loss):   # the loss rides in the top bucket, the first to leave
+        def loss_into_buffer(loss):  # the loss rides in the top bucket, the first to leave
             self.buffer[-1] = loss * weight
 
-        self.track("exchange")   # begin() may wait for the workers (the shared-memory exchange's last barrier)
+        self.track("exchange")  # begin() may wait for the workers (the shared-memory exchange's last barrier)
         self.exchange.begin()
         self.backprop(x, y, weight, step, before_backward=loss_into_buffer, ready=self.exchange.ready)
         self.track("exchange")
         self.exchange.finish()
-        self.track("compute")   # (the optimizer's step)
+        self.track("compute")  # (the optimizer's step)
         verdict = self.judge(self.verdict())
         if not verdict.skip:
             self.update(self._clipped_gradient(verdict.factor), step)
-        self.exchange.after_update()   # (one copy per node: every part is updated before anyone reads the parameters)
+        self.exchange.after_update()  # (one copy per node: every part is updated before anyone reads the parameters)
         return float(self.buffer[-1])
 
     def verdict(self):
@@ -241,8 +253,9 @@ class DataParallel(Strategy):
         norm, so every worker decides the same; the parts of a tensor group
         decide together (one small ``Allreduce``).
         """
-        return self.tensor.verdict(self.model.grads, self.exchange.squared_norm(), float(self.buffer[-1]),
-                                   self.recipe.clip_norm)
+        return self.tensor.verdict(
+            self.model.grads, self.exchange.squared_norm(), float(self.buffer[-1]), self.recipe.clip_norm
+        )
 
     def _clipped_gradient(self, factor):
         """The summed gradient multiplied by the verdict's ``factor``: only the part this worker updates where it
@@ -250,7 +263,7 @@ class DataParallel(Strategy):
         space of its own where other workers still read the buffer (the shared-memory exchange)."""
         grads = self.model.grads
         if self.part is not None:
-            self.scaled(grads[self.part.lo:self.part.hi], factor)
+            self.scaled(grads[self.part.lo : self.part.hi], factor)
             return grads
         return self.scaled(grads, factor, out=self._clip_space() if self.exchange.holds_buffer else None)
 

@@ -45,7 +45,8 @@ class Declared:
     # -- Before any strategy exists: classmethods the settings and the set-up call (no MPI traffic) --
     @classmethod
     def check(cls, settings, world_size):
-        """Raise :class:`~mpidist.runtime.errors.UsageError` naming the first setting it cannot run with on ``world_size`` ranks."""
+        """Raise :class:`~mpidist.runtime.errors.UsageError` naming the first setting it cannot run with on
+        ``world_size`` ranks."""
 
     @classmethod
     def variant(cls, settings, workers):

@@ -14,7 +14,6 @@ fusion and DDP's gradient buckets do.  One MPI call per bucket, never one per
 tensor, and no copy.
 """
 
-
 from ..runtime import comm as mpi
 from ..runtime import recorder
 from .verdict import decide
@@ -112,7 +111,7 @@ class NoExchange:
 
     def finite(self):
         """Whether every element of the summed buffer is finite (after :meth:`finish`)."""
-        return not decide(self.summed_squares, self.buffer[-1], 0.0).skip   # (the verdict's own rule)
+        return not decide(self.summed_squares, self.buffer[-1], 0.0).skip  # (the verdict's own rule)
 
     def _check(self, lo, hi):
         """Add the squares of the gradients in ``buffer[lo:hi]`` (one BLAS pass, no temporary; the loss slot is
@@ -122,7 +121,7 @@ class NoExchange:
         (``_unchecked`` is where it has got to); an exchange, bucket by bucket.
         """
         if lo < hi:
-            part = self.buffer[lo:min(hi, self.buffer.size - 1)]
+            part = self.buffer[lo : min(hi, self.buffer.size - 1)]
             self.summed_squares += float(part.dot(part))
             self._unchecked = min(self._unchecked, lo)
 
@@ -144,7 +143,7 @@ class Exchange(NoExchange):
         self.buckets = top_down_buckets(buffer.size, buffer.itemsize, bucket_bytes)
         self.bytes_per_step = int(buffer.nbytes)
         self._next, self._pending = 0, []
-        self._began = {}    # --trace: (lo, hi) -> when the bucket started
+        self._began = {}  # --trace: (lo, hi) -> when the bucket started
 
     def begin(self):
         super().begin()
@@ -157,13 +156,15 @@ class Exchange(NoExchange):
             self._start(*self.buckets[self._next])
             self._next += 1
         # progress: MPICH moves a started collective only inside MPI calls
-        self._pending = [(bucket, pending) for bucket, pending in self._pending if not self._arrived(bucket, pending)]
+        self._pending = [
+            (bucket, pending) for bucket, pending in self._pending if not self._arrived(bucket, pending)
+        ]
 
     def finish(self):
         while self._next < len(self.buckets):
             self._start(*self.buckets[self._next])
             self._next += 1
-            if not self.overlap:   # one at a time, as blocking calls would
+            if not self.overlap:  # one at a time, as blocking calls would
                 bucket, pending = self._pending.pop()
                 pending.wait()
                 self._check(*bucket)
@@ -182,9 +183,16 @@ class Exchange(NoExchange):
     def _check(self, lo, hi):
         super()._check(lo, hi)
         began = self._began.pop((lo, hi), None)
-        if began is not None:     # --trace: the bucket from its start to its arrival
-            _TRACER.complete("bucket", "exchange", began, recorder.BUCKETS, lo=lo, hi=hi,
-                             bytes=(hi - lo) * self.buffer.itemsize)
+        if began is not None:  # --trace: the bucket from its start to its arrival
+            _TRACER.complete(
+                "bucket",
+                "exchange",
+                began,
+                recorder.BUCKETS,
+                lo=lo,
+                hi=hi,
+                bytes=(hi - lo) * self.buffer.itemsize,
+            )
 
     def _mark(self, lo, hi):
         """--trace: bucket ``[lo, hi)`` starts now (a span until :meth:`_check` sees it arrive)."""

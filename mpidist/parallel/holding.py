@@ -43,17 +43,23 @@ def held(settings, cluster, model, optimizer_arrays):
         balance = parse_balance(settings, model) or balance_by_parameters(layer_costs(model), settings.stages)
         layout = StageLayout(model, balance, cluster.rank, cluster.size, tensor)
         params = math.ceil((layout.param_hi - layout.param_lo) / tensor)
-        part = f"stage {layout.stage} of {layout.stages}" + (f", part {layout.part} of {tensor}" if tensor > 1 else "")
+        part = f"stage {layout.stage} of {layout.stages}" + (
+            f", part {layout.part} of {tensor}" if tensor > 1 else ""
+        )
         return stage_held(params, part)
     if tensor > 1:
         params = math.ceil(whole / tensor)
-        part = MeshShape(cluster.size, parts=tensor).coordinates(cluster.rank)[2]   # (every rank a worker)
+        part = MeshShape(cluster.size, parts=tensor).coordinates(cluster.rank)[2]  # (every rank a worker)
         return Held(params, params, 0, f"tensor part {part} of {tensor}")
     if not (settings.strategy == "allreduce" and settings.shard == "optimizer"):
         return Held(whole, whole, whole)
     # the chief assembles the workers' slices of the optimizer state for a checkpoint
-    return Held(whole, math.ceil(whole / max(cluster.num_workers, 1)),
-                whole * (1 + (optimizer_arrays if cluster.is_chief else 0)), "a 1/W slice of the optimizer state")
+    return Held(
+        whole,
+        math.ceil(whole / max(cluster.num_workers, 1)),
+        whole * (1 + (optimizer_arrays if cluster.is_chief else 0)),
+        "a 1/W slice of the optimizer state",
+    )
 
 
 def held_bytes(held_elements, optimizer_arrays, itemsize):

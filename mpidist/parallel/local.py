@@ -14,13 +14,15 @@ class LocalStrategy(DataParallel):
 
     @classmethod
     def auto_rank(cls, settings, world_size):
-        return 2 if world_size == 1 else None   # one rank: nothing to exchange
+        return 2 if world_size == 1 else None  # one rank: nothing to exchange
 
     @classmethod
     def check(cls, settings, world_size):
         if world_size > 1:
-            raise UsageError(f"--strategy local runs on one rank, got {world_size} ranks "
-                             "(use --strategy allreduce, or mpiexec -n 1)")
+            raise UsageError(
+                f"--strategy local runs on one rank, got {world_size} ranks "
+                "(use --strategy allreduce, or mpiexec -n 1)"
+            )
 
     @property
     def worker_comm(self):

@@ -49,8 +49,11 @@ class LocalSgdStrategy(DataParallel):
     # as any worker is
     elastic_recovery = True
     chief_replaceable = True
-    options = (Option("sync_every", 4, "local-sgd: steps each worker takes alone between two averages of the "
-                                       "parameters"),)
+    options = (
+        Option(
+            "sync_every", 4, "local-sgd: steps each worker takes alone between two averages of the parameters"
+        ),
+    )
 
     @classmethod
     def check(cls, settings, world_size):
@@ -66,14 +69,14 @@ class LocalSgdStrategy(DataParallel):
         self.sync_every = int(sync_every)
         self.buckets = bucket_slices(self.model.num_params, self.buffer.itemsize, self.bucket_bytes)
         self.averages = 0
-        self.averaged = True    # the parameters are the workers' mean (no step since the last average)
+        self.averaged = True  # the parameters are the workers' mean (no step since the last average)
 
     def make_exchange(self):
-        return NoExchange()   # gradients stay each worker's own: the parameters are averaged instead
+        return NoExchange()  # gradients stay each worker's own: the parameters are averaged instead
 
     def train_step(self, x, y, weight, step):
         model = self.model
-        loss = self.backprop(x, y, 1.0, step)       # this worker's own mean gradient
+        loss = self.backprop(x, y, 1.0, step)  # this worker's own mean gradient
         self.track("exchange")
         # whether any worker's gradients or loss broke, and the global batch's loss: the same answer everywhere
         own, clip_norm = float(model.grads.dot(model.grads)), self.recipe.clip_norm
@@ -119,8 +122,10 @@ class LocalSgdStrategy(DataParallel):
         comm = self.worker_comm
         if comm is None or comm.Get_size() == 1:
             return state
-        mean = np.ascontiguousarray(to_host(self.model.params)).copy()   # (the live parameters stay each worker's)
-        mean_in_place(comm, mean)   # (a copy: the live parameters are not touched)
+        mean = np.ascontiguousarray(
+            to_host(self.model.params)
+        ).copy()  # (the live parameters stay each worker's)
+        mean_in_place(comm, mean)  # (a copy: the live parameters are not touched)
         return state if state is None else dataclasses.replace(state, params=mean)
 
     def survivor_state(self, cluster, step):
@@ -133,10 +138,10 @@ class LocalSgdStrategy(DataParallel):
         Each survivor may have taken the step in flight or not: the mean mixes
         at most that one step's difference.
         """
-        comm = cluster.workers   # (the survivors' own communicator: the strategy's is revoked)
+        comm = cluster.workers  # (the survivors' own communicator: the strategy's is revoked)
         arrays = {"params": self.model.params, **self.optimizer.state_arrays()}
         mean = {}
-        for name in sorted(arrays):   # (the same order on every survivor)
+        for name in sorted(arrays):  # (the same order on every survivor)
             mean[name] = np.ascontiguousarray(to_host(arrays[name]), dtype=self.model.dtype).copy()
             mean_in_place(comm, mean[name])
         if not cluster.is_chief:
@@ -145,7 +150,7 @@ class LocalSgdStrategy(DataParallel):
 
     def restore_own_state(self, checkpoint):
         restored = super().restore_own_state(checkpoint)
-        if restored:   # the same parameters on every worker: averaged (as they were when it was written)
+        if restored:  # the same parameters on every worker: averaged (as they were when it was written)
             rows = checkpoint.per_worker["params"]
             self.averaged = bool((rows == rows[0]).all())
         return restored

@@ -42,7 +42,9 @@ class MeshShape:
     def __post_init__(self):
         per_replica = self.stages * self.parts
         if self.stages < 1 or self.parts < 1 or self.ranks < 1 or self.ranks % per_replica:
-            raise ValueError(f"{self.stages} stage(s) x {self.parts} part(s) do not divide {self.ranks} rank(s)")
+            raise ValueError(
+                f"{self.stages} stage(s) x {self.parts} part(s) do not divide {self.ranks} rank(s)"
+            )
 
     @property
     def sizes(self):
@@ -132,7 +134,7 @@ class Mesh:
         """Collective over each group: free the communicators split here (once: a second call does nothing)."""
         for axis, comm in self._comms.items():
             if any(comm is split for split in self._split):
-                comm.Free()   # (mpi4py nulls the handle)
+                comm.Free()  # (mpi4py nulls the handle)
                 self._comms[axis] = _FREED
         self._split = []
 

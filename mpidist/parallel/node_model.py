@@ -53,7 +53,7 @@ from .shards import LINE, chunk_bounds, line_bytes
 from .shared_memory import ONE_WORKER, host_memory_reason
 
 _TRACER = recorder.tracer()
-PIECE = 1 << 15   # elements a rank sums at a time, as the node's backward passes them (128 KiB in float32)
+PIECE = 1 << 15  # elements a rank sums at a time, as the node's backward passes them (128 KiB in float32)
 
 
 def node_model_possible(comm, buffer, model):
@@ -67,14 +67,18 @@ def node_model_possible(comm, buffer, model):
     mpi.allreduce_max(comm, sizes)
     if sizes[0] != -sizes[1]:
         return f"the nodes hold different numbers of workers (from {-sizes[1]} to {sizes[0]})"
-    if sizes[0] == 1:   # (a copy per node is a copy per rank: MPI's Iallreduce, overlapped with backward, serves)
+    if (
+        sizes[0] == 1
+    ):  # (a copy per node is a copy per rank: MPI's Iallreduce, overlapped with backward, serves)
         return "each node holds one worker, so there is nothing for a node's ranks to share"
-    if model.running_entries():   # (the same model everywhere: the same answer)
-        return ("the model keeps running statistics (BatchNorm) that each worker's forward pass writes into its "
-                "parameters")
+    if model.running_entries():  # (the same model everywhere: the same answer)
+        return (
+            "the model keeps running statistics (BatchNorm) that each worker's forward pass writes into its "
+            "parameters"
+        )
     # each node checks its own memory (L gradient buffers and one model); rank 0 tells everyone the first refusal
     mine = host_memory_reason(buffer, copies=local_size + 1) if local == 0 else None
-    reasons = comm.gather(mine, root=0)   # (start-up only: a few short strings)
+    reasons = comm.gather(mine, root=0)  # (start-up only: a few short strings)
     return comm.bcast(next((why for why in reasons if why), None) if comm.Get_rank() == 0 else None, root=0)
 
 
@@ -91,7 +95,7 @@ class NodePart(OptimizerShard):
         self.exchange = exchange
         sharded = self.sharded = exchange.sharded
         lo, hi = exchange.ring.chunk if sharded else exchange.part
-        self.lo, self.hi = lo, min(hi, exchange.count)      # (the loss rides after the last parameter)
+        self.lo, self.hi = lo, min(hi, exchange.count)  # (the loss rides after the last parameter)
         self.comm = exchange.workers if sharded else exchange.node
         # whose slice lies where, for the checkpoint's gather: every rank's (lo, size) of this communicator
         spans = np.empty((self.comm.Get_size(), 2), dtype=np.int64)
@@ -126,8 +130,9 @@ class NodeWindow:
     def __init__(self, node, count, buffer):
         self.node, self.local, dtype = node, node.Get_rank(), buffer.dtype
         params_bytes, grads_bytes = line_bytes(count * dtype.itemsize), line_bytes(buffer.nbytes)
-        self.win = MPI.Win.Allocate_shared((params_bytes if self.local == 0 else 0) + grads_bytes + LINE, 1,
-                                           comm=node)
+        self.win = MPI.Win.Allocate_shared(
+            (params_bytes if self.local == 0 else 0) + grads_bytes + LINE, 1, comm=node
+        )
         # every rank's gradient buffer, its part's squared norm, and how far its backward has got
         self.buffers, self.squares, self.progress = [], [], []
         for rank in range(node.Get_size()):
@@ -140,7 +145,7 @@ class NodeWindow:
             self.progress.append(np.frombuffer(memory, dtype=np.int64, count=1, offset=at + grads_bytes + 8))
         self.buffers[self.local][...] = buffer
         self.progress[self.local][0] = 0
-        self.win.Lock_all(MPI.MODE_NOCHECK)   # one passive epoch for the window's life: fences are Win.Sync
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for the window's life: fences are Win.Sync
         self.everyone_here()
 
     def announce(self, mark):
@@ -158,7 +163,7 @@ class NodeWindow:
         while True:
             self.win.Sync()
             if min(int(progress[0]) for progress in self.progress) >= mark:
-                self.win.Sync()   # (the acquire: no read of their buffers moves before the marks were seen)
+                self.win.Sync()  # (the acquire: no read of their buffers moves before the marks were seen)
                 return
             os.sched_yield()
 
@@ -196,7 +201,9 @@ class NodeModelExchange(NoExchange):
     def __init__(self, comm, buffer, params, sharded=False):
         super().__init__()
         self.workers, self.sharded, self.count = comm, sharded, params.size
-        self.window = NodeWindow(comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank()), params.size, buffer)
+        self.window = NodeWindow(
+            comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank()), params.size, buffer
+        )
         # the ranks that own the same part on every node, in node order (the ring between nodes)
         self.cross = comm.Split(self.local, key=comm.Get_rank())
         self.buffer = self.window.buffers[self.local]
@@ -259,16 +266,18 @@ class NodeModelExchange(NoExchange):
                     if rank != self.local:
                         mine += theirs[bottom:top]
         if self.nodes > 1:
-            with _TRACER.span("exchange own part between nodes", "exchange", recorder.BUCKETS, part=self.local):
+            with _TRACER.span(
+                "exchange own part between nodes", "exchange", recorder.BUCKETS, part=self.local
+            ):
                 self.ring.reduce_scatter(self.buffer)
                 if not self.sharded:
                     self.ring.allgather(self.buffer)
         self._note_part()
         with _TRACER.span("wait for the workers", "wait", recorder.BUCKETS):
-            self.window.everyone_here()   # every part is summed
+            self.window.everyone_here()  # every part is summed
         # the same numbers added in the same order on every rank: the same decisions everywhere
         self.summed_squares = sum(float(square[0]) for square in self.window.squares)
-        self.buffer[-1] = self.window.buffers[-1][-1]   # the loss, summed in the last part
+        self.buffer[-1] = self.window.buffers[-1][-1]  # the loss, summed in the last part
 
     def _note_part(self):
         """This rank's summed part's squared norm (the loss left out) where the node sees it; the loss, summed.
@@ -279,10 +288,10 @@ class NodeModelExchange(NoExchange):
         """
         sharded = self.sharded and self.nodes > 1
         lo, hi = self.ring.chunk if sharded else self.part
-        grads = self.buffer[lo:min(hi, self.count)]
+        grads = self.buffer[lo : min(hi, self.count)]
         figures = np.array([float(grads.dot(grads)), 0.0])
         if sharded:
-            if hi == self.buffer.size:   # this chunk holds the loss, summed
+            if hi == self.buffer.size:  # this chunk holds the loss, summed
                 figures[1] = self.buffer[-1]
             mpi.allreduce_sum(self.cross, figures)
             if self.part[1] == self.buffer.size:

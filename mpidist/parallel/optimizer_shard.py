@@ -53,4 +53,4 @@ class OptimizerShard:
 
     def slice_of(self, arrays):
         """This worker's slice of whole-model ``arrays`` (a checkpoint's optimizer state)."""
-        return {name: array[self.lo:self.hi] for name, array in arrays.items()}
+        return {name: array[self.lo : self.hi] for name, array in arrays.items()}

@@ -25,8 +25,8 @@ class Passes:
 
     def __init__(self, model, loss, accumulate=1, seed=0):
         self.model, self.loss, self.accumulate, self.seed = model, loss, accumulate, seed
-        self.accumulated = None   # --accumulate: the earlier slices' gradients (made on the first such step)
-        self.counts = [0.0, 0]    # (correct or absolute error, samples) of this worker's batches, since read
+        self.accumulated = None  # --accumulate: the earlier slices' gradients (made on the first such step)
+        self.counts = [0.0, 0]  # (correct or absolute error, samples) of this worker's batches, since read
 
     def backprop(self, x, y, weight, step, stream, before_backward=None, ready=None):
         """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss.
@@ -70,15 +70,18 @@ class Passes:
                 before_backward(loss)
             top = [model.num_params]
 
-            def add_earlier(lo_ready):   # the last slice: add the earlier ones' sum as each part is final
-                grads[lo_ready:top[0]] += accumulated[lo_ready:top[0]]
+            def add_earlier(lo_ready):  # the last slice: add the earlier ones' sum as each part is final
+                grads[lo_ready : top[0]] += accumulated[lo_ready : top[0]]
                 top[0] = lo_ready
                 if ready is not None:
                     ready(lo_ready)
 
             with TRACER.span("backward", "compute", slice=index):
-                model.backward(self.loss.backward(scale=weight * (hi - lo) / n), input_grad=False,
-                               ready=add_earlier if last else None)
+                model.backward(
+                    self.loss.backward(scale=weight * (hi - lo) / n),
+                    input_grad=False,
+                    ready=add_earlier if last else None,
+                )
             if index == 0:
                 accumulated[...] = grads
             elif not last:
@@ -99,10 +102,10 @@ class Passes:
         Call right after the loss's forward on ``out``: regression reads the loss's differences.
         """
         counts = self.counts
-        if isinstance(self.loss, SoftmaxCrossEntropy):   # samples (or tokens) whose top output is the label
+        if isinstance(self.loss, SoftmaxCrossEntropy):  # samples (or tokens) whose top output is the label
             counts[0] += float(self.loss.correct(out, y))
             counts[1] += self.loss.positions(y)
-        else:                                            # the absolute error, averaged over the outputs
+        else:  # the absolute error, averaged over the outputs
             counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(out), 1), 1)
             counts[1] += len(out)
 

@@ -68,7 +68,7 @@ def balance_by_parameters(costs, stages):
     cut = np.zeros((stages + 1, count + 1), dtype=int)
     best[0][0] = 0
     for s in range(1, stages + 1):
-        rises = best[s - 1][s - 1:] + prefix[s - 1:]     # (increasing: costs are positive)
+        rises = best[s - 1][s - 1 :] + prefix[s - 1 :]  # (increasing: costs are positive)
         i = np.arange(s, count + 1)
         # the first j in [s - 1, i) with best[s - 1][j] >= prefix[i] - prefix[j], and the one before it
         cross = np.minimum(np.searchsorted(rises, prefix[i], side="left") + (s - 1), i - 1)
@@ -95,18 +95,24 @@ def parse_balance(config, model):
     """``--balance`` as layers per stage, checked against the model; None to balance by parameters."""
     names = ", ".join(repr(layer) for layer in model.layers)
     if len(model.layers) < config.stages:
-        raise UsageError(f"--stages {config.stages} needs at least {config.stages} layers, but --model "
-                         f"{config.model} has {len(model.layers)}: {names}")
+        raise UsageError(
+            f"--stages {config.stages} needs at least {config.stages} layers, but --model "
+            f"{config.model} has {len(model.layers)}: {names}"
+        )
     if not config.balance:
         return None
     try:
         sizes = [int(part) for part in config.balance.split(",")]
     except ValueError:
-        raise UsageError(f"--balance {config.balance!r}: give layers per stage as integers, e.g. 3,3") from None
+        raise UsageError(
+            f"--balance {config.balance!r}: give layers per stage as integers, e.g. 3,3"
+        ) from None
     if len(sizes) != config.stages or sum(sizes) != len(model.layers) or min(sizes) < 1:
-        raise UsageError(f"--balance {config.balance} gives {len(sizes)} stages with {sum(sizes)} layers, but "
-                         f"--stages is {config.stages} and --model {config.model} has {len(model.layers)} layers "
-                         f"({names}); each stage needs at least one")
+        raise UsageError(
+            f"--balance {config.balance} gives {len(sizes)} stages with {sum(sizes)} layers, but "
+            f"--stages is {config.stages} and --model {config.model} has {len(model.layers)} layers "
+            f"({names}); each stage needs at least one"
+        )
     return sizes
 
 
@@ -142,8 +148,12 @@ class PipelineStrategy(Strategy):
     options = (
         Option("stages", 1, "pipeline: ranks per model replica, each holding consecutive layers"),
         Option("micro_batches", 4, "pipeline: micro-batches each replica's batch is cut into"),
-        Option("schedule", "1f1b", "pipeline: 1f1b (at most P micro-batches in flight) or gpipe (all M)",
-               ("1f1b", "gpipe")),
+        Option(
+            "schedule",
+            "1f1b",
+            "pipeline: 1f1b (at most P micro-batches in flight) or gpipe (all M)",
+            ("1f1b", "gpipe"),
+        ),
         Option("balance", "", "pipeline: layers per stage, e.g. 3,3 ('' = balance by parameters)"),
         TENSOR,
     )
@@ -151,31 +161,43 @@ class PipelineStrategy(Strategy):
     @classmethod
     def check(cls, settings, world_size):
         if settings.stages < 1 or settings.micro_batches < 1:
-            raise UsageError(f"--stages and --micro-batches must be at least 1, got {settings.stages} and "
-                             f"{settings.micro_batches}")
+            raise UsageError(
+                f"--stages and --micro-batches must be at least 1, got {settings.stages} and "
+                f"{settings.micro_batches}"
+            )
         if world_size % settings.stages:
-            raise UsageError(f"--stages {settings.stages} does not divide the {world_size} ranks (ranks = stages x "
-                             "data-parallel replicas)")
+            raise UsageError(
+                f"--stages {settings.stages} does not divide the {world_size} ranks (ranks = stages x "
+                "data-parallel replicas)"
+            )
         check_tensor(settings, world_size, settings.stages)
         replicas = MeshShape(world_size, settings.stages, settings.tensor).size("replica")
         if settings.batch_size // replicas < settings.micro_batches:
-            raise UsageError(f"--batch-size {settings.batch_size} over {replicas} replica(s) leaves "
-                             f"{settings.batch_size // replicas} samples per replica, fewer than "
-                             f"--micro-batches {settings.micro_batches}")
+            raise UsageError(
+                f"--batch-size {settings.batch_size} over {replicas} replica(s) leaves "
+                f"{settings.batch_size // replicas} samples per replica, fewer than "
+                f"--micro-batches {settings.micro_batches}"
+            )
         if settings.replication == "in-graph":
-            raise UsageError("--replication in-graph does not combine with --strategy pipeline (its first and "
-                             "last stages read the data)")
+            raise UsageError(
+                "--replication in-graph does not combine with --strategy pipeline (its first and "
+                "last stages read the data)"
+            )
         if settings.elastic and replicas < 2:
-            raise UsageError(f"--elastic carries a pipeline on with the replicas a lost rank leaves whole, and "
-                             f"{world_size} ranks with --stages {settings.stages} make {replicas} replica: a lost "
-                             f"stage would end the run; run {2 * settings.stages} ranks or more (2+ replicas)")
+            raise UsageError(
+                f"--elastic carries a pipeline on with the replicas a lost rank leaves whole, and "
+                f"{world_size} ranks with --stages {settings.stages} make {replicas} replica: a lost "
+                f"stage would end the run; run {2 * settings.stages} ranks or more (2+ replicas)"
+            )
 
     @classmethod
     def layout_text(cls, settings, cluster):
         replicas = MeshShape(cluster.size, settings.stages, settings.tensor).size("replica")
         parts = f" x {settings.tensor} tensor parts" if settings.tensor > 1 else ""
-        return (f"{settings.stages} stages{parts} x {replicas} replica(s) ({settings.schedule}, "
-                f"{settings.micro_batches} micro-batches)")
+        return (
+            f"{settings.stages} stages{parts} x {replicas} replica(s) ({settings.schedule}, "
+            f"{settings.micro_batches} micro-batches)"
+        )
 
     @classmethod
     def data_layout(cls, settings, cluster):
@@ -192,35 +214,55 @@ class PipelineStrategy(Strategy):
         for stage, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
             layers = model.layers[lo:hi]
             held = {id(node) for _, node in walk(layers)}
-            for _, node in walk(layers):   # a mask source must run where its reader does
+            for _, node in walk(layers):  # a mask source must run where its reader does
                 for name in MASK_SOURCES:
                     source = getattr(node, name, None)
                     if isinstance(source, Layer) and id(source) not in held:
-                        raise UsageError(f"--stages {settings.stages}: {node!r} in stage {stage} reads its mask from "
-                                         f"{source!r}, which runs in another stage (layers {lo}-{hi - 1} here): put "
-                                         "them in one stage with --balance")
+                        raise UsageError(
+                            f"--stages {settings.stages}: {node!r} in stage {stage} reads its mask from "
+                            f"{source!r}, which runs in another stage (layers {lo}-{hi - 1} here): put "
+                            "them in one stage with --balance"
+                        )
             if settings.tensor > 1:
                 notes += check_split(layers, settings.tensor, f"stage {stage} (layers {lo}-{hi - 1})")
         return notes
 
     @classmethod
     def auto_rank(cls, settings, world_size):
-        return 1 if settings.stages > 1 else None   # --stages asks for a pipeline
+        return 1 if settings.stages > 1 else None  # --stages asks for a pipeline
 
     @classmethod
     def check_slice(cls, settings, samples):
-        if samples < settings.micro_batches:   # every micro-batch needs a sample
-            raise UsageError(f"--accumulate {settings.accumulate} leaves slices of {samples} sample(s) per "
-                             f"replica, fewer than --micro-batches {settings.micro_batches}")
+        if samples < settings.micro_batches:  # every micro-batch needs a sample
+            raise UsageError(
+                f"--accumulate {settings.accumulate} leaves slices of {samples} sample(s) per "
+                f"replica, fewer than --micro-batches {settings.micro_batches}"
+            )
 
     @classmethod
     def arguments(cls, settings, setup):
-        return {"stages": settings.stages, "micro_batches": settings.micro_batches,
-                "schedule_name": settings.schedule, "balance": parse_balance(settings, setup.model),
-                "global_batch": settings.batch_size, "elastic": settings.elastic, "tensor": settings.tensor}
+        return {
+            "stages": settings.stages,
+            "micro_batches": settings.micro_batches,
+            "schedule_name": settings.schedule,
+            "balance": parse_balance(settings, setup.model),
+            "global_batch": settings.batch_size,
+            "elastic": settings.elastic,
+            "tensor": settings.tensor,
+        }
 
-    def __init__(self, *args, stages, micro_batches, schedule_name, balance=None, global_batch, elastic=False,
-                 tensor=1, **kwargs):
+    def __init__(
+        self,
+        *args,
+        stages,
+        micro_batches,
+        schedule_name,
+        balance=None,
+        global_batch,
+        elastic=False,
+        tensor=1,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         full, cluster = self.model, self.cluster
         self.full = full
@@ -232,7 +274,7 @@ class PipelineStrategy(Strategy):
         #: the grid of replicas, stages and parts (made and freed here)
         self.mesh = Mesh(cluster.world, stages, tensor)
         stage_model = layout.stage_model(full)
-        full.shapes_only = True   # (its layers are bound to the stage's buffers now)
+        full.shapes_only = True  # (its layers are bound to the stage's buffers now)
         #: this rank's part of its stage (the stage whole, with one part)
         self.tensor = split_over(stage_model, self.mesh, writes=True)
         self.model = self.tensor.model
@@ -242,17 +284,25 @@ class PipelineStrategy(Strategy):
         #: the regions, written by the first replica
         self.placement = self._as_writer.within(full, 0, writes=layout.replica == 0)
         self.links = StageLinks(self.mesh, layout, self.figures, self.track)
-        self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)   # gradients, then loss
+        self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)  # gradients, then loss
         self.optimizer = self.make_optimizer(self.model.num_params, layout.param_lo)
-        if self.optimizer is not None:   # (a part is no slice of the whole: its own; a stage's are the same)
+        if self.optimizer is not None:  # (a part is no slice of the whole: its own; a stage's are the same)
             self.optimizer.decay_ranges = self.model.decay_ranges()
         self.ledger = StepLedger(PreviousSlice(self.model.params, self.optimizer) if elastic else None)
         self.model.use_workspace(self.loss)
         self.count(steps=0, pipeline_s=0.0, idle_s=0.0, peak_activations=0)
-        self.runner = ScheduleRunner(self.model, self.loss, layout, self.links,
-                                     schedule(schedule_name, layout.stage, stages, int(micro_batches)),
-                                     int(micro_batches), int(global_batch), self.seed, self.figures,
-                                     self.passes.count)
+        self.runner = ScheduleRunner(
+            self.model,
+            self.loss,
+            layout,
+            self.links,
+            schedule(schedule_name, layout.stage, stages, int(micro_batches)),
+            int(micro_batches),
+            int(global_batch),
+            self.seed,
+            self.figures,
+            self.passes.count,
+        )
 
     # where this rank sits, as callers and tests read it (the layout holds it)
     stage = _from_layout("stage", "This rank's stage, ``0 .. P-1``.")
@@ -262,7 +312,9 @@ class PipelineStrategy(Strategy):
     first_layer = _from_layout("first_layer", "The whole model's index of this stage's first layer.")
     end_layer = _from_layout("end_layer", "One past the whole model's index of this stage's last layer.")
     param_lo = _from_layout("param_lo", "This stage's first parameter in the whole model's flat buffer.")
-    param_hi = _from_layout("param_hi", "One past this stage's last parameter in the whole model's flat buffer.")
+    param_hi = _from_layout(
+        "param_hi", "One past this stage's last parameter in the whole model's flat buffer."
+    )
 
     @property
     def worker_index(self):
@@ -271,20 +323,25 @@ class PipelineStrategy(Strategy):
     def describe(self, rank):
         """Role-table text for this rank."""
         layout = self.layout
-        words = (f"stage {layout.stage}/{layout.stages} layers {layout.first_layer}-{layout.end_layer - 1}",
-                 self.tensor.describe(), f"replica {layout.replica}" if layout.replicas > 1 else "")
+        words = (
+            f"stage {layout.stage}/{layout.stages} layers {layout.first_layer}-{layout.end_layer - 1}",
+            self.tensor.describe(),
+            f"replica {layout.replica}" if layout.replicas > 1 else "",
+        )
         return " ".join(word for word in words if word)
 
     def initialize(self, checkpoint=None):
         """Each rank draws its own slice of the whole model's start (no rank holds the whole, no traffic), or
         takes it from ``checkpoint``."""
         params, placement = self.model.params, self.placement
-        if checkpoint is not None:   # (read into place: this rank's slices, one array at a time)
+        if checkpoint is not None:  # (read into place: this rank's slices, one array at a time)
             self.restore(checkpoint)
-        elif self.model.xp is np:   # (drawn into place: no second copy of the slice)
+        elif self.model.xp is np:  # (drawn into place: no second copy of the slice)
             placement.initial(self.seed, params)
         else:
-            params[...] = self.model.xp.asarray(placement.initial(self.seed, np.empty(placement.size, params.dtype)))
+            params[...] = self.model.xp.asarray(
+                placement.initial(self.seed, np.empty(placement.size, params.dtype))
+            )
         self.ledger.start_step = 0 if checkpoint is None else int(checkpoint.step)
 
     def train_step(self, x, y, weight, step):
@@ -306,21 +363,35 @@ class PipelineStrategy(Strategy):
         # Allreduce gives the verdict on the global squared norm (each replica's stages hold the same) and, from
         # replica 0's last stage, the global loss to every rank (any of them may become the chief)
         loss = float(self.accumulated[-1])
-        verdict, (loss,) = agree(self.cluster.world, self._squares(gradients), loss, self.recipe.clip_norm,
-                                 carry=[loss if layout.is_last and layout.replica == 0 and layout.part == 0 else 0.0],
-                                 copies=layout.replicas)
+        verdict, (loss,) = agree(
+            self.cluster.world,
+            self._squares(gradients),
+            loss,
+            self.recipe.clip_norm,
+            carry=[loss if layout.is_last and layout.replica == 0 and layout.part == 0 else 0.0],
+            copies=layout.replicas,
+        )
         self.track("compute")
         self.judge(verdict)
         self.ledger.keep(self.model.params, self.optimizer)
         if not verdict.skip:
-            self.optimizer.step(self.model.params, self.scaled(gradients, verdict.factor), self.recipe.lr(step))
+            self.optimizer.step(
+                self.model.params, self.scaled(gradients, verdict.factor), self.recipe.lr(step)
+            )
         self.ledger.applied += 1
         loss = math.nan if verdict.skip else float(loss)
-        if layout.stages > 1:   # the chief reports the training figures replica 0's last stage counted
-            sent = self.passes.take_counts() if self.cluster.rank == layout.rank_of(0, layout.stages - 1) else [0.0, 0]
+        if layout.stages > 1:  # the chief reports the training figures replica 0's last stage counted
+            sent = (
+                self.passes.take_counts()
+                if self.cluster.rank == layout.rank_of(0, layout.stages - 1)
+                else [0.0, 0]
+            )
             counts = self._to_chief(np.array(sent, dtype=np.float64), tag=79)
             if self.cluster.is_chief:
-                self.passes.counts = [self.passes.counts[0] + float(counts[0]), self.passes.counts[1] + int(counts[1])]
+                self.passes.counts = [
+                    self.passes.counts[0] + float(counts[0]),
+                    self.passes.counts[1] + int(counts[1]),
+                ]
         return loss
 
     def _squares(self, gradients):
@@ -346,8 +417,13 @@ class PipelineStrategy(Strategy):
         given the batch, of which the first reads the samples, the others the count), on the last stage's ranks;
         None on the others."""
         layout, model = self.layout, self.model
-        inp = model.xp.asarray(x) if layout.is_first else self.links.recv(
-            model.xp.empty((len(x),) + layout.in_shape, dtype=model.dtype), layout.stage - 1, 0)
+        inp = (
+            model.xp.asarray(x)
+            if layout.is_first
+            else self.links.recv(
+                model.xp.empty((len(x),) + layout.in_shape, dtype=model.dtype), layout.stage - 1, 0
+            )
+        )
         out = model.forward(inp, training=False)
         if layout.is_last:
             return out
@@ -357,7 +433,11 @@ class PipelineStrategy(Strategy):
 
     def evaluate(self, batches):
         """Forward-only pipeline over this replica's test chunks; the chief gets the sums' figures (others: NaN)."""
-        scoring, layout, model = self.scoring, self.layout, self.model   # (the whole model's outputs: the last stage's)
+        scoring, layout, model = (
+            self.scoring,
+            self.layout,
+            self.model,
+        )  # (the whole model's outputs: the last stage's)
         totals = scoring.zeros()
         for x, y in batches:
             out = self.forward_only(x)
@@ -377,7 +457,7 @@ class PipelineStrategy(Strategy):
         parts): their slices, placed in the whole model's layout on its chief."""
         arrays = {"params": to_host(self.model.params)}
         arrays.update({name: to_host(a) for name, a in self.optimizer.state_arrays().items()})
-        sends = cluster.rank < self.layout.rank_of(1, 0)   # (the first replica's ranks)
+        sends = cluster.rank < self.layout.rank_of(1, 0)  # (the first replica's ranks)
         whole = gather_placed(cluster.world, self._as_writer, arrays, cluster.chief_rank, sends)
         if not cluster.is_chief:
             return None
@@ -415,14 +495,21 @@ class PipelineStrategy(Strategy):
         """The stage's (or, with ``--tensor``, its part's) slice: the whole model is held by no rank.  Its
         gradients twice: a micro-batch's, and the step's sum they are added into."""
         state = sum(int(array.nbytes) for array in self.optimizer.state_arrays().values())
-        return {"params": int(self.model.params.nbytes),
-                "grads": int(self.accumulated.nbytes) + int(self.model.grads.nbytes), "optimizer_state": state}
+        return {
+            "params": int(self.model.params.nbytes),
+            "grads": int(self.accumulated.nbytes) + int(self.model.grads.nbytes),
+            "optimizer_state": state,
+        }
 
     def stats(self):
         f, layout = self.figures, self.layout
-        return {"stage": layout.stage, "replica": layout.replica, "layers": [layout.first_layer, layout.end_layer],
-                "peak_activations": f["peak_activations"],
-                "bubble": f["idle_s"] / f["pipeline_s"] if f["pipeline_s"] else 0.0}
+        return {
+            "stage": layout.stage,
+            "replica": layout.replica,
+            "layers": [layout.first_layer, layout.end_layer],
+            "peak_activations": f["peak_activations"],
+            "bubble": f["idle_s"] / f["pipeline_s"] if f["pipeline_s"] else 0.0,
+        }
 
     def free(self):
         """Collective: free the stage's communicators (a second free does nothing)."""

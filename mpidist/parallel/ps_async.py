@@ -87,8 +87,9 @@ class LostRanks:
     def __init__(self, cluster, figures, elastic, rollback=False):
         self.cluster, self.figures, self.rollback = cluster, figures, rollback
         self.watch = FailureWatch(cluster.world) if elastic else None
-        self.guard, self.guard_watch = StuckGuard.on(cluster.world, end=self._held_for_good) if elastic \
-            else (None, None)
+        self.guard, self.guard_watch = (
+            StuckGuard.on(cluster.world, end=self._held_for_good) if elastic else (None, None)
+        )
 
     @property
     def watched(self):
@@ -107,9 +108,9 @@ class LostRanks:
         if verdict.recover or verdict.fatal:
             raise ProcessLost(describe_lost(verdict.fatal, cluster))
         if cluster.rank == exchange.ps_ranks[0]:
-            step = serving.run_step(int(exchange.clocks()[0]))   # the chief's step is the run's
+            step = serving.run_step(int(exchange.clocks()[0]))  # the chief's step is the run's
             for rank, worker in verdict.retired:
-                exchange.retire(worker)   # its clock holds nobody back
+                exchange.retire(worker)  # its clock holds nobody back
                 self.figures["dropped_workers"].append({"rank": cluster.origin[rank], "step": step})
 
     def _held_for_good(self, why):
@@ -150,16 +151,22 @@ class PsAsyncStrategy(ShardedStrategy):
     """
 
     name = "ps-async"
-    running_statistics = False   # workers' steps are not aligned: nothing to average them at
+    running_statistics = False  # workers' steps are not aligned: nothing to average them at
     elastic_recovery = True
-    ps_rollback = True   # (a lost ps or chief: checked by LostRanks as the ranks see it die, and by the recovery)
+    ps_rollback = (
+        True  # (a lost ps or chief: checked by LostRanks as the ranks see it die, and by the recovery)
+    )
     options = ShardedStrategy.options + (
-        Option("staleness", 2, "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound: "
-                               "fully asynchronous)"),)
+        Option(
+            "staleness",
+            2,
+            "ps-async: most steps a worker may run ahead of the slowest (-1 = no bound: fully asynchronous)",
+        ),
+    )
 
     @classmethod
     def clipped_steps(cls, counted):
-        return sum(counted)   # each worker clips its own gradients: their clipped pushes add up
+        return sum(counted)  # each worker clips its own gradients: their clipped pushes add up
 
     @classmethod
     def check(cls, settings, world_size):
@@ -169,17 +176,24 @@ class PsAsyncStrategy(ShardedStrategy):
 
     @classmethod
     def arguments(cls, settings, setup):
-        return {"staleness": None if settings.staleness < 0 else settings.staleness,
-                "nan_patience": settings.nan_patience, "elastic": settings.elastic,
-                "rollback": bool(settings.checkpoint_dir),
-                "hold_every": settings.checkpoint_every if settings.checkpoint_wait and settings.checkpoint_dir else 0}
+        return {
+            "staleness": None if settings.staleness < 0 else settings.staleness,
+            "nan_patience": settings.nan_patience,
+            "elastic": settings.elastic,
+            "rollback": bool(settings.checkpoint_dir),
+            "hold_every": settings.checkpoint_every
+            if settings.checkpoint_wait and settings.checkpoint_dir
+            else 0,
+        }
+
     evaluation = "chief"
     lockstep = False
 
-    def __init__(self, *args, staleness=None, nan_patience=10, elastic=False, rollback=False, hold_every=0,
-                 **kwargs):
+    def __init__(
+        self, *args, staleness=None, nan_patience=10, elastic=False, rollback=False, hold_every=0, **kwargs
+    ):
         super().__init__(*args, **kwargs)
-        self.hold_every = int(hold_every)   # --checkpoint-wait: the chief holds at each due step (see _hold)
+        self.hold_every = int(hold_every)  # --checkpoint-wait: the chief holds at each due step (see _hold)
         self.nan_guard = SkipCounter(nan_patience, figures=self.figures)
         model, cluster = self.model, self.cluster
         n = model.num_params
@@ -194,12 +208,14 @@ class PsAsyncStrategy(ShardedStrategy):
         self.optimizer = self.make_optimizer(self.hi - self.lo, self.lo)
         # --elastic: every rank polls for deaths; the first ps drops dead workers from the staleness bound
         self.lost = LostRanks(cluster, self.figures, elastic, rollback)
-        self.exchange = AsyncExchange(cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype,
-                                      self.lost.guard)
-        self.pace = WorkerPace(staleness)   # (workers)
-        self.serving = Serving()            # (ps; its start step is set by initialize)
-        self.count(staleness=[], updates_missed=[], wait_s=0.0, updates=0, gradients=0, dropped_workers=[],
-                   steps=0)
+        self.exchange = AsyncExchange(
+            cluster.world, self.ps_ranks, self.bounds, cluster.num_workers, model.dtype, self.lost.guard
+        )
+        self.pace = WorkerPace(staleness)  # (workers)
+        self.serving = Serving()  # (ps; its start step is set by initialize)
+        self.count(
+            staleness=[], updates_missed=[], wait_s=0.0, updates=0, gradients=0, dropped_workers=[], steps=0
+        )
         self._stop_sent = False
 
     @property
@@ -226,7 +242,7 @@ class PsAsyncStrategy(ShardedStrategy):
         self.serving = Serving(0 if checkpoint is None else int(checkpoint.step))
         self.broadcast_initial(self.host_params, checkpoint)
         if not self.is_worker:
-            self.shard_values[...] = self.host_params[self.lo:self.hi]
+            self.shard_values[...] = self.host_params[self.lo : self.hi]
             self.exchange.publish(self.shard_values, self.cluster.rank)
         self.cluster.world.Barrier()  # every shard published before any worker reads
 
@@ -242,11 +258,13 @@ class PsAsyncStrategy(ShardedStrategy):
         while one wrote (20-70 ms against steps of 5 ms here) the clock passed
         the next multiples, and their checkpoints became one, a varying number.
         """
-        due = reached // self.hold_every - self.serving.start_step // self.hold_every   # (announced since the start)
+        due = (
+            reached // self.hold_every - self.serving.start_step // self.hold_every
+        )  # (announced since the start)
         polls = 0
         while self.exchange.control()[0] < due:
             polls += 1
-            if look_now(polls):   # (a ps that died announces nothing)
+            if look_now(polls):  # (a ps that died announces nothing)
                 self._look_for_the_lost()
             time.sleep(POLL_SECONDS)
 
@@ -257,7 +275,7 @@ class PsAsyncStrategy(ShardedStrategy):
         polls = 0
         while True:
             polls += 1
-            if look_now(polls):   # held for long: a ps may have died and nobody frees us
+            if look_now(polls):  # held for long: a ps may have died and nobody frees us
                 self._look_for_the_lost()
             go, ahead = self.pace.check(self.exchange.clocks())
             if go:
@@ -275,9 +293,9 @@ class PsAsyncStrategy(ShardedStrategy):
         if is_device_array(model.params):
             model.params[...] = model.xp.asarray(self.host_params)
         loss = self.backprop(x, y, weight, step)
-        if self.recipe.clip_norm:   # no summed gradient exists here: each worker clips its own batch's
+        if self.recipe.clip_norm:  # no summed gradient exists here: each worker clips its own batch's
             own = own_squared_norm(float(model.grads.dot(model.grads)), weight)
-            verdict = self.judge(decide(own, loss, self.recipe.clip_norm), skips=False)   # (the ps skips)
+            verdict = self.judge(decide(own, loss, self.recipe.clip_norm), skips=False)  # (the ps skips)
             self.scaled(model.grads, verdict.factor)
         grads = self.host_grads
         if is_device_array(model.grads):
@@ -307,7 +325,12 @@ class PsAsyncStrategy(ShardedStrategy):
         apart.  The first ps alone decides when serving is over, so no ps
         leaves while a checkpoint could still ask for its shard.
         """
-        rank, workers, exchange, serving = self.cluster.rank, self.cluster.num_workers, self.exchange, self.serving
+        rank, workers, exchange, serving = (
+            self.cluster.rank,
+            self.cluster.num_workers,
+            self.exchange,
+            self.serving,
+        )
         self.track("serve")
         first = rank == self.ps_ranks[0]
         arrived = np.zeros_like(self.shard_values)
@@ -337,7 +360,7 @@ class PsAsyncStrategy(ShardedStrategy):
             pending = exchange.pending(rank)
             done = exchange.workers_done() if not pending and not drained else None
             act = inbox_action(pending, drained, done, workers)
-            if act is Act.IDLE:   # (measured: polling took 71% system time on this VM's shared cores)
+            if act is Act.IDLE:  # (measured: polling took 71% system time on this VM's shared cores)
                 time.sleep(pause)
                 pause = next_pause(pause)
                 continue
@@ -364,7 +387,9 @@ class PsAsyncStrategy(ShardedStrategy):
         self.serving.took(arrivals, steps)
         if not carries_gradient(arrived):
             return
-        with TRACER.span("update", "serve", tid=recorder.STEPS):   # (--trace: the serve phase, update by update)
+        with TRACER.span(
+            "update", "serve", tid=recorder.STEPS
+        ):  # (--trace: the serve phase, update by update)
             if self.nan_guard.update_allowed(finite(arrived), f"gradients arriving at ps rank {rank} were"):
                 self.optimizer.step(self.shard_values, arrived, self.recipe.lr(self.serving.learning_step))
                 self.exchange.publish(self.shard_values, rank)
@@ -374,13 +399,13 @@ class PsAsyncStrategy(ShardedStrategy):
         """Collective: workers sign off, ps ranks drain, everyone gets the final parameters."""
         if self.is_worker:
             self.exchange.retire(self.worker_index)
-        self.cluster.world.Barrier()   # every ps has left serve(): nothing more will change
+        self.cluster.world.Barrier()  # every ps has left serve(): nothing more will change
         if self.is_worker:
             self.exchange.pull(self.host_params)
             if is_device_array(self.model.params):
                 self.model.params[...] = self.model.xp.asarray(self.host_params)
         # a ps cannot see one-sided reads: count the workers' pulls (each step's, and this last one)
-        pulls, = mpi.sum_float64(self.cluster.world, [self.pace.completed + 1 if self.is_worker else 0])
+        (pulls,) = mpi.sum_float64(self.cluster.world, [self.pace.completed + 1 if self.is_worker else 0])
         self.figures["pulls"] = int(pulls)
 
     def state(self):
@@ -394,15 +419,24 @@ class PsAsyncStrategy(ShardedStrategy):
         f = self.figures
         if not self.is_worker:
             shard_bytes = self.shard_values.nbytes
-            return {"updates": f["updates"], "gradients": f["gradients"], "shard": [self.lo, self.hi],
-                    "skipped": self.nan_guard.total,
-                    **({"dropped_workers": f["dropped_workers"]} if self.lost.watched else {}),
-                    "bytes_in": f["gradients"] * shard_bytes, "bytes_out": f.get("pulls", 0) * shard_bytes}
-        return {"steps": f["steps"], "wait_s": f["wait_s"], **({"clipped": f["clipped"]} if "clipped" in f else {}),
-                "staleness_mean": float(np.mean(f["staleness"])) if f["staleness"] else 0.0,
-                "staleness_max": int(max(f["staleness"], default=0)),
-                "updates_missed_mean": float(np.mean(f["updates_missed"])) if f["updates_missed"] else 0.0,
-                "updates_missed_max": int(max(f["updates_missed"], default=0))}
+            return {
+                "updates": f["updates"],
+                "gradients": f["gradients"],
+                "shard": [self.lo, self.hi],
+                "skipped": self.nan_guard.total,
+                **({"dropped_workers": f["dropped_workers"]} if self.lost.watched else {}),
+                "bytes_in": f["gradients"] * shard_bytes,
+                "bytes_out": f.get("pulls", 0) * shard_bytes,
+            }
+        return {
+            "steps": f["steps"],
+            "wait_s": f["wait_s"],
+            **({"clipped": f["clipped"]} if "clipped" in f else {}),
+            "staleness_mean": float(np.mean(f["staleness"])) if f["staleness"] else 0.0,
+            "staleness_max": int(max(f["staleness"], default=0)),
+            "updates_missed_mean": float(np.mean(f["updates_missed"])) if f["updates_missed"] else 0.0,
+            "updates_missed_max": int(max(f["updates_missed"], default=0)),
+        }
 
     def abandon(self):
         # The windows (and the watches' communicators) are the broken world's: freeing one is collective over it,
@@ -412,4 +446,4 @@ class PsAsyncStrategy(ShardedStrategy):
 
     def free(self):
         self.exchange.free()
-        self.lost.free()   # the guard's thread; the watches' duplicates of the world
+        self.lost.free()  # the guard's thread; the watches' duplicates of the world

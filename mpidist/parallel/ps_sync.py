@@ -34,8 +34,8 @@ from .verdict import agree
 class RunningEntries(typing.NamedTuple):
     """Where running statistics (BatchNorm's) sit: they travel as weighted values in the gradients' place."""
 
-    whole: list   # ``(lo, hi)`` in the whole parameter buffer (what a worker sends)
-    here: list    # ``(lo, hi)`` within this ps's shard (what a ps sets to the workers' mean)
+    whole: list  # ``(lo, hi)`` in the whole parameter buffer (what a worker sends)
+    here: list  # ``(lo, hi)`` within this ps's shard (what a ps sets to the workers' mean)
 
 
 @register
@@ -49,15 +49,20 @@ class PsSyncStrategy(ShardedStrategy):
 
     name = "ps-sync"
     elastic_recovery = True
-    chief_replaceable = True   # (the state is the ps ranks'; a worker holds the position, as the chief does)
+    chief_replaceable = True  # (the state is the ps ranks'; a worker holds the position, as the chief does)
     ps_rollback = True
     options = ShardedStrategy.options + (
-        Option("aggregate", 0, "ps-sync: use the first R gradients of each step and drop late ones "
-                               "(backup workers; 0 = all workers)"),)
+        Option(
+            "aggregate",
+            0,
+            "ps-sync: use the first R gradients of each step and drop late ones "
+            "(backup workers; 0 = all workers)",
+        ),
+    )
 
     @classmethod
     def auto_rank(cls, settings, world_size):
-        return 0 if settings.ps else None   # --ps asks for parameter servers
+        return 0 if settings.ps else None  # --ps asks for parameter servers
 
     @classmethod
     def check(cls, settings, world_size):
@@ -66,8 +71,10 @@ class PsSyncStrategy(ShardedStrategy):
         if settings.aggregate < 0:
             raise UsageError(f"--aggregate must be 0 (all workers) or more, got {settings.aggregate}")
         if settings.aggregate > workers:
-            raise UsageError(f"--aggregate {settings.aggregate} is more than the {workers} workers "
-                             f"({world_size} ranks, --ps {settings.ps})")
+            raise UsageError(
+                f"--aggregate {settings.aggregate} is more than the {workers} workers "
+                f"({world_size} ranks, --ps {settings.ps})"
+            )
 
     @classmethod
     def variant(cls, settings, workers):
@@ -82,22 +89,29 @@ class PsSyncStrategy(ShardedStrategy):
         super().__init__(*args, **kwargs)
         model = self.model
         xp, n = model.xp, model.num_params
-        self.outbox = xp.zeros(n + 1, dtype=model.dtype)        # gradients, then the weighted loss
-        self.values = xp.zeros(n + 1, dtype=model.dtype)        # parameters, then the global loss
+        self.outbox = xp.zeros(n + 1, dtype=model.dtype)  # gradients, then the weighted loss
+        self.values = xp.zeros(n + 1, dtype=model.dtype)  # parameters, then the global loss
         model.bind_grads(self.outbox)
         model.bind_params(self.values)
         self.shard(n + 1)
         self.counts, self.displs = self.layout()
-        self.param_hi = min(self.hi, n)                          # the loss slot is not a parameter
+        self.param_hi = min(self.hi, n)  # the loss slot is not a parameter
         self.inbox = xp.zeros(self.hi - self.lo, dtype=model.dtype)
         self.optimizer = self.make_optimizer(self.param_hi - self.lo, self.lo)
-        self.ledger = StepLedger(PreviousSlice(self.shard_params(), self.optimizer)
-                                 if elastic and not self.is_worker else None)
+        self.ledger = StepLedger(
+            PreviousSlice(self.shard_params(), self.optimizer) if elastic and not self.is_worker else None
+        )
         self.count(updates=0, bytes_in=0, bytes_out=0)
         # running statistics travel as weighted values in the gradients' place: the ps gets their mean
         whole = model.running_entries()
-        self.running = RunningEntries(whole, [(max(lo, self.lo) - self.lo, min(hi, self.param_hi) - self.lo)
-                                              for lo, hi in whole if lo < self.param_hi and hi > self.lo])
+        self.running = RunningEntries(
+            whole,
+            [
+                (max(lo, self.lo) - self.lo, min(hi, self.param_hi) - self.lo)
+                for lo, hi in whole
+                if lo < self.param_hi and hi > self.lo
+            ],
+        )
         if self.is_worker:
             synchronise_batch_norms(model, self.cluster.workers)
 
@@ -116,22 +130,22 @@ class PsSyncStrategy(ShardedStrategy):
         mpi.reduce_scatter_sum(world, self.outbox, self.inbox, self.counts)
         verdict = self._verdict()
         self.clipped = False
-        if verdict is not None:   # (with --clip-norm the workers learn whether the step was clipped)
+        if verdict is not None:  # (with --clip-norm the workers learn whether the step was clipped)
             self.judge(verdict)
         if not self.is_worker:
             count = self.param_hi - self.lo
-            self.track("serve")     # (the ps applies the summed shard)
+            self.track("serve")  # (the ps applies the summed shard)
             update = not verdict.skip
             shard = self.shard_params()
             self.ledger.keep(shard, self.optimizer)
             if update:
-                for lo, hi in self.running.here:   # the workers' mean, not a gradient
+                for lo, hi in self.running.here:  # the workers' mean, not a gradient
                     shard[lo:hi] = self.inbox[lo:hi]
                     self.inbox[lo:hi] = 0
                 gradient = self.scaled(self.inbox[:count], verdict.factor)
                 self.optimizer.step(shard, gradient, self.recipe.lr(step))
                 self.figures["updates"] += 1
-            if self.hi > self.param_hi:   # the loss slot: NaN tells every rank the step was skipped
+            if self.hi > self.param_hi:  # the loss slot: NaN tells every rank the step was skipped
                 self.values[-1] = self.inbox[-1] if update else np.nan
             self.ledger.applied += 1
             workers = self.cluster.num_workers
@@ -163,7 +177,7 @@ class PsSyncStrategy(ShardedStrategy):
         count = self.param_hi - self.lo
         edges = [0] + [bound for lo, hi in self.running.here for bound in (lo, hi)] + [count]
         squares = sum(float(inbox[a:b].dot(inbox[a:b])) for a, b in zip(edges[::2], edges[1::2]))
-        loss = float(inbox[-1]) if self.hi > self.param_hi else 0.0   # (the ps that holds the loss slot)
+        loss = float(inbox[-1]) if self.hi > self.param_hi else 0.0  # (the ps that holds the loss slot)
         return agree(self.cluster.world, squares, loss, clip_norm)[0]
 
     def state(self):
@@ -171,7 +185,7 @@ class PsSyncStrategy(ShardedStrategy):
         return self.gather_state(self.model.params)
 
     def shard_params(self):
-        return self.values[self.lo:self.param_hi]
+        return self.values[self.lo : self.param_hi]
 
     def survivor_state(self, cluster, step):
         """The shards at the chief's ``step``: a ps one update ahead (the chief never got it) takes it back."""
@@ -183,5 +197,9 @@ class PsSyncStrategy(ShardedStrategy):
         if self.is_worker:
             return {}
         f = self.figures
-        return {"updates": f["updates"], "bytes_in": f["bytes_in"], "bytes_out": f["bytes_out"],
-                "shard": [self.lo, self.hi]}
+        return {
+            "updates": f["updates"],
+            "bytes_in": f["bytes_in"],
+            "bytes_out": f["bytes_out"],
+            "shard": [self.lo, self.hi],
+        }

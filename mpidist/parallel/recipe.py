@@ -62,10 +62,17 @@ def clip_factor(squared_norm, clip_norm):
 def recipe_for(settings, total_steps, steps_per_epoch):
     """The :class:`Recipe` of a run's ``settings`` (``total_steps`` and ``steps_per_epoch`` of its data)."""
     warmup = settings.warmup_steps or round(settings.warmup_epochs * steps_per_epoch)
-    schedule = LearningRate(settings.lr, settings.lr_schedule, total_steps=total_steps,
-                            steps_per_epoch=steps_per_epoch, warmup_steps=warmup,
-                            warmup_from=settings.warmup_from, gamma=settings.lr_gamma,
-                            step_epochs=settings.lr_step_epochs, minimum=settings.lr_min)
+    schedule = LearningRate(
+        settings.lr,
+        settings.lr_schedule,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        warmup_steps=warmup,
+        warmup_from=settings.warmup_from,
+        gamma=settings.lr_gamma,
+        step_epochs=settings.lr_step_epochs,
+        minimum=settings.lr_min,
+    )
     return Recipe(learning_rate=schedule, clip_norm=settings.clip_norm, accumulate=settings.accumulate)
 
 

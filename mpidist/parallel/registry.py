@@ -45,7 +45,9 @@ class Option:
 def register(cls):
     """Class decorator: make ``cls`` the strategy ``--strategy cls.name`` runs."""
     if cls.name in STRATEGIES:
-        raise ValueError(f"a strategy named {cls.name!r} is registered already ({STRATEGIES[cls.name].__name__})")
+        raise ValueError(
+            f"a strategy named {cls.name!r} is registered already ({STRATEGIES[cls.name].__name__})"
+        )
     STRATEGIES[cls.name] = cls
     return cls
 

@@ -40,8 +40,8 @@ class StepLedger:
 
     def __init__(self, previous=None):
         self.previous = previous
-        self.start_step = 0   # the run's step at initialize
-        self.applied = 0      # steps this rank has taken part in since (updated or skipped)
+        self.start_step = 0  # the run's step at initialize
+        self.applied = 0  # steps this rank has taken part in since (updated or skipped)
 
     @property
     def step(self):

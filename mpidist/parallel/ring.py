@@ -30,8 +30,10 @@ class Ring:
     def __init__(self, comm, lo, hi, dtype):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
         self.bounds = chunk_bounds(lo, hi, np.dtype(dtype).itemsize, self.size)
-        self.scratch = np.empty(max(self.bounds[i + 1] - self.bounds[i] for i in range(self.size)), dtype=dtype)
-        self.sent = 0   # bytes sent over the run
+        self.scratch = np.empty(
+            max(self.bounds[i + 1] - self.bounds[i] for i in range(self.size)), dtype=dtype
+        )
+        self.sent = 0  # bytes sent over the run
 
     @property
     def chunk(self):
@@ -49,7 +51,7 @@ class Ring:
         after, before = self._neighbours()
         for round_ in range(self.size - 1):
             out, into = self._span(self.rank - round_ - 1), self._span(self.rank - round_ - 2)
-            received = self.scratch[:into.stop - into.start]
+            received = self.scratch[: into.stop - into.start]
             mpi.sendrecv(self.comm, array[out], after, received, before)
             self.sent += array[out].nbytes
             array[into] += received

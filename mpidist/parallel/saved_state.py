@@ -52,7 +52,7 @@ class SavedState:
 
     def state(self):
         """Collective: the :class:`WholeState` on the chief, else None."""
-        arrays = self.whole_optimizer_arrays()   # (collective where the optimizer state is sharded)
+        arrays = self.whole_optimizer_arrays()  # (collective where the optimizer state is sharded)
         if self.cluster is not None and not self.cluster.is_chief:
             return None
         return WholeState(to_host(self.model.params), arrays, self.optimizer.steps)
@@ -68,8 +68,10 @@ class SavedState:
         """Where the strategy splits the model (:attr:`placement`): this rank's parameters and optimizer state
         from ``checkpoint``, its slices read into place."""
         optimizer = self.optimizer
-        checkpoint.restore(self.placement, {"params": self.model.params,
-                                            **(optimizer.state_arrays() if optimizer is not None else {})})
+        checkpoint.restore(
+            self.placement,
+            {"params": self.model.params, **(optimizer.state_arrays() if optimizer is not None else {})},
+        )
         if optimizer is not None and checkpoint.optimizer_state:
             optimizer.steps = int(checkpoint.optimizer_steps)
 
@@ -79,4 +81,3 @@ class SavedState:
         if self.cluster is not None and not self.cluster.is_chief:
             return None
         return {name: to_host(a) for name, a in self.optimizer.state_arrays().items()}
-

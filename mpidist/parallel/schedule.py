@@ -87,8 +87,8 @@ def simulate(plans, cost=None, transfer=0):
     """
     stages = len(plans)
     position = [0] * stages
-    clock = [0] * stages                 # when each stage is next free
-    sent = {}                            # (src, dst, op, micro) -> time the message is ready
+    clock = [0] * stages  # when each stage is next free
+    sent = {}  # (src, dst, op, micro) -> time the message is ready
     timeline = [[] for _ in range(stages)]
     held, peak = [0] * stages, [0] * stages
     while any(position[s] < len(plans[s]) for s in range(stages)):
@@ -109,7 +109,7 @@ def simulate(plans, cost=None, transfer=0):
                     source = s - 1 if op == "recv_fwd" else s + 1
                     key = (source, s, op[5:], micro)
                     if key not in sent:
-                        break            # wait for that stage
+                        break  # wait for that stage
                     clock[s] = max(clock[s], sent.pop(key))
                 position[s] += 1
                 moved = True

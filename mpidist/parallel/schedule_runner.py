@@ -33,14 +33,14 @@ class MicroBatch:
     """One micro-batch in flight on this stage: where it computes, and what it holds between operations."""
 
     index: int
-    rows: slice                 # its samples within the round's slice of the batch
-    slot: int                   # its workspace slot: the arrays it computes into, receives into and sends from
-    inputs: object = None       # activations received from the previous stage, until the forward
-    stash: object = None        # the layers' caches from the forward to the backward (the activations held)
-    outputs: object = None      # activations for the next stage, until sent
-    grad_in: object = None      # the gradient received from the next stage, until the backward
-    grad_out: object = None     # the gradient for the previous stage, until sent
-    sends: list = dataclasses.field(default_factory=list)   # requests of the sends from its slot's arrays
+    rows: slice  # its samples within the round's slice of the batch
+    slot: int  # its workspace slot: the arrays it computes into, receives into and sends from
+    inputs: object = None  # activations received from the previous stage, until the forward
+    stash: object = None  # the layers' caches from the forward to the backward (the activations held)
+    outputs: object = None  # activations for the next stage, until sent
+    grad_in: object = None  # the gradient received from the next stage, until the backward
+    grad_out: object = None  # the gradient for the previous stage, until sent
+    sends: list = dataclasses.field(default_factory=list)  # requests of the sends from its slot's arrays
 
     @property
     def size(self):
@@ -54,12 +54,14 @@ class Round:
     x: object
     y: object
     step: int
-    index: int                  # the slice's index in its step: seeds dropout, tells trace arrows apart
-    parts: list                 # each micro-batch's rows of the slice
-    gradients: object           # where each backward adds its gradients
-    flight: dict = dataclasses.field(default_factory=dict)   # micro-batch index -> its MicroBatch
-    sends: list = dataclasses.field(default_factory=list)    # (request, buffer) of every send, waited at the end
-    loss: float = 0.0           # the micro-batches' weighted losses (the last stage's)
+    index: int  # the slice's index in its step: seeds dropout, tells trace arrows apart
+    parts: list  # each micro-batch's rows of the slice
+    gradients: object  # where each backward adds its gradients
+    flight: dict = dataclasses.field(default_factory=dict)  # micro-batch index -> its MicroBatch
+    sends: list = dataclasses.field(
+        default_factory=list
+    )  # (request, buffer) of every send, waited at the end
+    loss: float = 0.0  # the micro-batches' weighted losses (the last stage's)
 
     @property
     def flow(self):
@@ -84,22 +86,32 @@ class ScheduleRunner:
     """
 
     #: the method that carries out each operation of a schedule
-    OPERATIONS = {"recv_fwd": "receive_activations", "fwd": "forward", "send_fwd": "send_activations",
-                  "recv_bwd": "receive_gradient", "bwd": "backward", "send_bwd": "send_gradient"}
+    OPERATIONS = {
+        "recv_fwd": "receive_activations",
+        "fwd": "forward",
+        "send_fwd": "send_activations",
+        "recv_bwd": "receive_gradient",
+        "bwd": "backward",
+        "send_bwd": "send_gradient",
+    }
 
-    def __init__(self, model, loss, layout, links, plan, micro_batches, global_batch, seed, figures,
-                 count_training):
+    def __init__(
+        self, model, loss, layout, links, plan, micro_batches, global_batch, seed, figures, count_training
+    ):
         unknown = sorted({op for op, _ in plan} - set(self.OPERATIONS))
         if unknown:
-            raise ValueError(f"schedule operations {unknown} have no method; known: {sorted(self.OPERATIONS)}")
+            raise ValueError(
+                f"schedule operations {unknown} have no method; known: {sorted(self.OPERATIONS)}"
+            )
         self.model, self.loss, self.layout, self.links = model, loss, layout, links
         self.plan, self.micro_batches, self.global_batch, self.seed = plan, micro_batches, global_batch, seed
         self.figures, self.count_training = figures, count_training
         self.slots = SlotPool()
-        self.round = None   # the round being run
+        self.round = None  # the round being run
 
     def run(self, x, y, step, round_index, gradients):
-        """The schedule over ``x``, ``y`` (one slice of the step's batch); adds into ``gradients``; the weighted loss."""
+        """The schedule over ``x``, ``y`` (one slice of the step's batch); adds into ``gradients``; the weighted
+        loss."""
         sizes = split_sizes(len(x), self.micro_batches)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         parts = [slice(int(offsets[i]), int(offsets[i + 1])) for i in range(self.micro_batches)]

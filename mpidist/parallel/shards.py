@@ -71,19 +71,26 @@ class ShardedStrategy(Strategy):
 
     @classmethod
     def layout_text(cls, settings, cluster):
-        return f"{cluster.num_workers} worker(s) and {cluster.roles.count(PS)} ps"   # (after a lost ps: those left)
+        return f"{cluster.num_workers} worker(s) and {cluster.roles.count(PS)} ps"  # (after a lost ps: those left)
 
     @classmethod
     def check(cls, settings, world_size):
         if settings.ps < 1:
             raise UsageError(f"--strategy {settings.strategy} needs parameter servers: add --ps K (K >= 1)")
         if world_size < settings.ps + 1:
-            raise UsageError(f"--ps {settings.ps} needs at least {settings.ps + 1} ranks (the ps ranks and a "
-                             f"worker), got {world_size}")
-        if settings.replication == "in-graph" and not cls.variant(settings, world_size - settings.ps).lockstep:
-            raise UsageError("--replication in-graph feeds every worker at each step in lock-step; it does not "
-                             "combine with workers that run independently (ps-async, --aggregate below the "
-                             "worker count)")
+            raise UsageError(
+                f"--ps {settings.ps} needs at least {settings.ps + 1} ranks (the ps ranks and a "
+                f"worker), got {world_size}"
+            )
+        if (
+            settings.replication == "in-graph"
+            and not cls.variant(settings, world_size - settings.ps).lockstep
+        ):
+            raise UsageError(
+                "--replication in-graph feeds every worker at each step in lock-step; it does not "
+                "combine with workers that run independently (ps-async, --aggregate below the "
+                "worker count)"
+            )
 
     def shard(self, count):
         """Cut ``count`` elements among the ps ranks; sets ``ps_ranks``, ``bounds`` and this rank's ``lo, hi``."""
@@ -140,7 +147,7 @@ class ShardedStrategy(Strategy):
             model.params[...] = model.xp.asarray(buffer[:n])
         if checkpoint is not None and self.optimizer is not None:
             end = min(self.hi, n)
-            state = {name: array[self.lo:end] for name, array in checkpoint.optimizer_state.items()}
+            state = {name: array[self.lo : end] for name, array in checkpoint.optimizer_state.items()}
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
 
     def gather_on_first_ps(self, shard):
@@ -152,8 +159,14 @@ class ShardedStrategy(Strategy):
         comm, n = self.cluster.role_comm, self.model.num_params
         counts = np.array([max(min(hi, n) - lo, 0) for lo, hi in self.bounds], dtype=np.int64)
         displs = np.array([lo for lo, _ in self.bounds], dtype=np.int64)
-        arrays = self._gather_whole(comm, 0, counts, displs, {"params": shard, **self.optimizer.state_arrays()})
-        return WholeState(arrays.pop("params"), arrays, int(self.optimizer.steps)) if comm.Get_rank() == 0 else None
+        arrays = self._gather_whole(
+            comm, 0, counts, displs, {"params": shard, **self.optimizer.state_arrays()}
+        )
+        return (
+            WholeState(arrays.pop("params"), arrays, int(self.optimizer.steps))
+            if comm.Get_rank() == 0
+            else None
+        )
 
     def _gather_whole(self, comm, root, counts, displs, parts):
         """Collective over ``comm``: ``root`` gets each of ``parts`` (name -> this rank's slice) as a whole array.
@@ -162,9 +175,17 @@ class ShardedStrategy(Strategy):
         """
         n, is_root = self.model.num_params, comm.Get_rank() == root
         mine = int(counts[comm.Get_rank()])
-        whole = {name: mpi.gatherv(comm, to_host(part)[:mine], np.zeros(n, dtype=self.model.dtype) if is_root else None,
-                                   counts, displs, root)
-                 for name, part in parts.items()}
+        whole = {
+            name: mpi.gatherv(
+                comm,
+                to_host(part)[:mine],
+                np.zeros(n, dtype=self.model.dtype) if is_root else None,
+                counts,
+                displs,
+                root,
+            )
+            for name, part in parts.items()
+        }
         return whole if is_root else {}
 
     def gather_state(self, params, cluster=None):
@@ -176,7 +197,9 @@ class ShardedStrategy(Strategy):
         lost rank, when the chief's copy may be half-updated.
         """
         cluster = cluster or self.cluster
-        counts, displs = self.layout(clip=self.model.num_params, cluster=cluster)   # the loss slot is no parameter
+        counts, displs = self.layout(
+            clip=self.model.num_params, cluster=cluster
+        )  # the loss slot is no parameter
         parts = dict(self.optimizer.state_arrays())
         if params is None:
             parts["params"] = self.shard_params()

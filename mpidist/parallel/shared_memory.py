@@ -56,7 +56,7 @@ def shared_memory_possible(comm, buffer):
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     one_node = node.Get_size() == comm.Get_size()
     node.Free()
-    if not one_node:   # the same answer on every rank: all on one node, or no node holds them all
+    if not one_node:  # the same answer on every rank: all on one node, or no node holds them all
         return "the workers span more than one node"
     reason = host_memory_reason(buffer, comm.Get_size()) if comm.Get_rank() == 0 else None
     return comm.bcast(reason, root=0)
@@ -72,15 +72,17 @@ def host_memory_reason(buffer, copies):
     and tells the others.
     """
     if ulfm_support()[0]:
-        return ("MPI runs with fault tolerance on (mpirun --with-ft ulfm), and a lost worker must surface as "
-                "its process-failure error, which its shared-memory windows do not give")
+        return (
+            "MPI runs with fault tolerance on (mpirun --with-ft ulfm), and a lost worker must surface as "
+            "its process-failure error, which its shared-memory windows do not give"
+        )
     if not isinstance(buffer, np.ndarray):
         return "the gradients are on GPUs"
     try:
         stats = os.statvfs("/dev/shm")
         room = stats.f_bavail * stats.f_frsize
     except OSError:
-        return None   # no /dev/shm: MPI's segments live elsewhere (System V), nothing to check
+        return None  # no /dev/shm: MPI's segments live elsewhere (System V), nothing to check
     needed = int(2 * copies * (buffer.nbytes + 2 * LINE))
     if room < needed:
         return f"/dev/shm has {room >> 20} MiB free, the shared windows need {needed >> 20} MiB"
@@ -106,7 +108,7 @@ class SharedMemoryExchange(NoExchange):
         super().__init__()
         self.comm, self.rank, size = comm, comm.Get_rank(), comm.Get_size()
         count, dtype = buffer.size, buffer.dtype
-        squares_at = line_bytes(buffer.nbytes)           # a float64 per worker, on its own line
+        squares_at = line_bytes(buffer.nbytes)  # a float64 per worker, on its own line
         self.win = MPI.Win.Allocate_shared(squares_at + LINE, 1, comm=comm)
         self.buffers, self.squares = [], []
         for rank in range(size):
@@ -117,7 +119,7 @@ class SharedMemoryExchange(NoExchange):
         self.buffer[...] = buffer
         self.bounds = chunk_bounds(0, count, dtype.itemsize, size)
         self.bytes_per_step = int(buffer.nbytes)
-        self.win.Lock_all(MPI.MODE_NOCHECK)   # one passive epoch for the window's life: fences are Win.Sync
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for the window's life: fences are Win.Sync
 
     def _everyone_here(self):
         """A barrier with memory fences: what each worker wrote before it, each sees after it."""
@@ -127,18 +129,18 @@ class SharedMemoryExchange(NoExchange):
 
     def begin(self):
         super().begin()
-        self._everyone_here()   # the last step's copies are done everywhere before backward overwrites a buffer
+        self._everyone_here()  # the last step's copies are done everywhere before backward overwrites a buffer
 
     def ready(self, lo):
         """Nothing to start: the sum needs every worker's whole buffer."""
 
     def finish(self):
         with _TRACER.span("wait for the workers", "wait", recorder.BUCKETS):
-            self._everyone_here()   # every worker's gradients are complete
+            self._everyone_here()  # every worker's gradients are complete
         with _TRACER.span("sum own part", "exchange", recorder.BUCKETS, part=self.rank):
             self._sum_own_part()
         with _TRACER.span("wait for the workers", "wait", recorder.BUCKETS):
-            self._everyone_here()   # every part is summed
+            self._everyone_here()  # every part is summed
         with _TRACER.span("copy the other parts", "exchange", recorder.BUCKETS):
             self._copy_other_parts()
 
@@ -149,7 +151,7 @@ class SharedMemoryExchange(NoExchange):
         for rank, theirs in enumerate(self.buffers):
             if rank != self.rank:
                 mine += theirs[lo:hi]
-        grads = self.buffer[lo:min(hi, self.buffer.size - 1)]   # (the loss slot is the verdict's to look at)
+        grads = self.buffer[lo : min(hi, self.buffer.size - 1)]  # (the loss slot is the verdict's to look at)
         self.squares[self.rank][0] = float(grads.dot(grads))
 
     def _copy_other_parts(self):

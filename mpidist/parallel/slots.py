@@ -18,9 +18,9 @@ class SlotPool:
     """
 
     def __init__(self):
-        self.size = 0          # slots ever used: the sets of arrays the workspace holds
+        self.size = 0  # slots ever used: the sets of arrays the workspace holds
         self._free = []
-        self._leaving = []     # (slot, requests) whose micro-batch is done but whose sends may not be
+        self._leaving = []  # (slot, requests) whose micro-batch is done but whose sends may not be
 
     def take(self):
         """A free slot: one whose sends have completed, else a new one."""

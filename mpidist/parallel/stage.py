@@ -44,7 +44,9 @@ class StageLayout:
         #: where each stage's parameters start in the whole model's flat buffer, and the end
         self.param_offsets = [sum(model.layer_params(i) for i in range(int(start))) for start in starts]
         self.in_shape = model.shapes[self.first_layer]
-        self.out_shape = model.shapes[self.end_layer] if self.end_layer < len(model.layers) else model.output_shape
+        self.out_shape = (
+            model.shapes[self.end_layer] if self.end_layer < len(model.layers) else model.output_shape
+        )
 
     @property
     def is_first(self):
@@ -74,8 +76,13 @@ class StageLayout:
 
     def stage_model(self, model):
         """This stage's layers of ``model`` as a model of their own (sharing the layer objects)."""
-        return Sequential(model.layers[self.first_layer:self.end_layer], self.in_shape, xp=model.xp,
-                          dtype=model.dtype, buffers=False)   # (made on first use: a tensor part holds its own)
+        return Sequential(
+            model.layers[self.first_layer : self.end_layer],
+            self.in_shape,
+            xp=model.xp,
+            dtype=model.dtype,
+            buffers=False,
+        )  # (made on first use: a tensor part holds its own)
 
 
 class StageLinks:
@@ -97,7 +104,8 @@ class StageLinks:
         self.pipe, self.peers = mesh.comm("stage"), mesh.comm("replica")
 
     def recv(self, buffer, source, tag, flow=None):
-        """Receive ``buffer`` from stage ``source``; ``flow``: ``(step, round)`` to draw the sender's arrow (--trace)."""
+        """Receive ``buffer`` from stage ``source``; ``flow``: ``(step, round)`` to draw the sender's arrow
+        (--trace)."""
         start = time.perf_counter()
         self.track("exchange")
         with TRACER.span("recv", "pipeline", source=source, tag=tag):
@@ -118,7 +126,9 @@ class StageLinks:
             return mpi.isend(self.pipe, array, dest, tag)
         with TRACER.span("send", "pipeline", to=dest, tag=tag):
             if TRACER.on:
-                TRACER.flow(True, recorder.flow_id(self.layout.replica, *flow, self.layout.stage, tag), _carried(tag))
+                TRACER.flow(
+                    True, recorder.flow_id(self.layout.replica, *flow, self.layout.stage, tag), _carried(tag)
+                )
             return mpi.isend(self.pipe, array, dest, tag)
 
     def wait(self, requests):

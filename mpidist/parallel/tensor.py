@@ -30,12 +30,16 @@ from .verdict import agree, decide
 TRACER = recorder.tracer()
 
 #: The setting, declared by each strategy it composes with.
-TENSOR = Option("tensor", 1, "allreduce, pipeline: ranks each large layer is split across (tensor parallelism: Dense "
-                             "pairs by columns then rows, attention by heads, embeddings by vocabulary), consecutive "
-                             "ranks forming a group; a run is data x pipeline x tensor",
-                why="the parts of a tensor group sum activations at every split layer, so they take each step "
-                    "together on one batch and hold the optimizer state of their slices: ps-sync and ps-async keep "
-                    "parameters and state on ps ranks, and local-sgd's workers step apart")
+TENSOR = Option(
+    "tensor",
+    1,
+    "allreduce, pipeline: ranks each large layer is split across (tensor parallelism: Dense "
+    "pairs by columns then rows, attention by heads, embeddings by vocabulary), consecutive "
+    "ranks forming a group; a run is data x pipeline x tensor",
+    why="the parts of a tensor group sum activations at every split layer, so they take each step "
+    "together on one batch and hold the optimizer state of their slices: ps-sync and ps-async keep "
+    "parameters and state on ps ranks, and local-sgd's workers step apart",
+)
 
 
 def check_tensor(settings, world_size, stages=1):
@@ -47,14 +51,20 @@ def check_tensor(settings, world_size, stages=1):
         return
     if world_size % (tensor * stages):
         layout = f"--stages {stages} x --tensor {tensor}" if stages > 1 else f"--tensor {tensor}"
-        raise UsageError(f"{layout} does not divide the {world_size} ranks (ranks = data-parallel groups x "
-                         f"{'stages x ' if stages > 1 else ''}tensor parts)")
-    refused = [(settings.elastic, "--elastic (a lost rank takes its part of every split layer)"),
-               (settings.shard != "none", f"--shard {settings.shard}"),
-               (settings.compress != "none", f"--compress {settings.compress}"),
-               (settings.exchange in ("node", "shared-memory"),
-                f"--exchange {settings.exchange} (a tensor run sums gradients with MPI)"),
-               (settings.replication == "in-graph", "--replication in-graph")]
+        raise UsageError(
+            f"{layout} does not divide the {world_size} ranks (ranks = data-parallel groups x "
+            f"{'stages x ' if stages > 1 else ''}tensor parts)"
+        )
+    refused = [
+        (settings.elastic, "--elastic (a lost rank takes its part of every split layer)"),
+        (settings.shard != "none", f"--shard {settings.shard}"),
+        (settings.compress != "none", f"--compress {settings.compress}"),
+        (
+            settings.exchange in ("node", "shared-memory"),
+            f"--exchange {settings.exchange} (a tensor run sums gradients with MPI)",
+        ),
+        (settings.replication == "in-graph", "--replication in-graph"),
+    ]
     for refused_it, what in refused:
         if refused_it:
             raise UsageError(f"--tensor {tensor} does not combine with {what}")
@@ -69,8 +79,10 @@ def check_split(layers, parts, where="--model"):
         raise UsageError(f"--tensor {parts}: {where}: {err}") from None
     if operators(split[0]):
         return []
-    return [f"note: --tensor {parts}: no layer of {where} splits (a Dense pair, attention, an embedding, a layer "
-            f"with tensor_split): each of its {parts} parts holds and computes it whole"]
+    return [
+        f"note: --tensor {parts}: no layer of {where} splits (a Dense pair, attention, an embedding, a layer "
+        f"with tensor_split): each of its {parts} parts holds and computes it whole"
+    ]
 
 
 def gather_placed(comm, placement, arrays, root, sends=True):
@@ -82,19 +94,21 @@ def gather_placed(comm, placement, arrays, root, sends=True):
     ``Gatherv`` per array: no pickle, and no index array of the buffer's size on any rank.
     """
     rows = placement.describe() if sends else np.zeros((0, COLUMNS), dtype=np.int64)
-    sizes = np.zeros((comm.Get_size(), 2), dtype=np.int64)   # (each rank's table entries and values)
+    sizes = np.zeros((comm.Get_size(), 2), dtype=np.int64)  # (each rank's table entries and values)
     mpi.allgather(comm, np.array([rows.size, int(rows[:, 1].sum())], dtype=np.int64), sizes)
     starts = np.concatenate([np.zeros((1, 2), dtype=np.int64), np.cumsum(sizes, axis=0)[:-1]])
     entries, values = (int(total) for total in sizes.sum(axis=0))
-    if values != placement.whole.num_params:   # (every rank knows: all raise alike)
-        raise RuntimeError(f"the ranks write {values:,} elements of a model of {placement.whole.num_params:,} "
-                           "parameters: each must be written once (a tensor_split that gives a whole parameter "
-                           "to a part other than 0 alone?)")
+    if values != placement.whole.num_params:  # (every rank knows: all raise alike)
+        raise RuntimeError(
+            f"the ranks write {values:,} elements of a model of {placement.whole.num_params:,} "
+            "parameters: each must be written once (a tensor_split that gives a whole parameter "
+            "to a part other than 0 alone?)"
+        )
     here = comm.Get_rank() == root
     table = np.empty(entries, dtype=np.int64) if here else None
     mpi.gatherv(comm, rows.reshape(-1), table, sizes[:, 0], starts[:, 0], root)
     whole = {}
-    for name in sorted(arrays):   # (the same order on every rank)
+    for name in sorted(arrays):  # (the same order on every rank)
         array = arrays[name]
         part = np.ascontiguousarray(placement.written(array) if sends else array[:0])
         received = np.empty(values, dtype=part.dtype) if here else None
@@ -117,7 +131,7 @@ class TensorPart:
 
     def __init__(self, whole, mesh, writes):
         self.parts, self.part = mesh.size("part"), mesh.index("part")
-        self.comm = mesh.comm("part")   # (the mesh's: it frees it)
+        self.comm = mesh.comm("part")  # (the mesh's: it frees it)
         local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
         # (a launcher that deals ranks out to nodes in turn puts a group's parts on different nodes: said in the
         # role table, for every sum of activations then crosses the network)
@@ -125,8 +139,8 @@ class TensorPart:
         local.Free()
         #: this part's regions of the whole model's parameters
         self.model, self.placement = split_model(whole, self.part, self.parts, writes=writes)
-        whole.shapes_only = True   # (its replicated layers are bound to the part's buffers now)
-        self.shared = replicated(self.model)                # every part holds these alike: counted once
+        whole.shapes_only = True  # (its replicated layers are bound to the part's buffers now)
+        self.shared = replicated(self.model)  # every part holds these alike: counted once
         for operator in operators(self.model):
             operator.reduce = self.sum
 

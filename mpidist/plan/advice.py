@@ -23,8 +23,11 @@ def predictions(cal, nodes, per_node, batch_per_rank):
     batch = batch_per_rank * ranks
     if ranks == 1:
         return [predict(cal, Layout("local", 1, 1, batch))]
-    made = [Layout("allreduce", nodes, per_node, batch), Layout("allreduce", nodes, per_node, batch, exchange="mpi"),
-            Layout("allreduce", nodes, per_node, batch, exchange="mpi", shard="optimizer")]
+    made = [
+        Layout("allreduce", nodes, per_node, batch),
+        Layout("allreduce", nodes, per_node, batch, exchange="mpi"),
+        Layout("allreduce", nodes, per_node, batch, exchange="mpi", shard="optimizer"),
+    ]
     if any(layer.splits for layer in cal.layers) and ranks % 2 == 0 and per_node % 2 == 0:
         made.append(Layout("allreduce", nodes, per_node, batch, tensor=2))
     for ps in sorted({1, nodes}):
@@ -33,9 +36,12 @@ def predictions(cal, nodes, per_node, batch_per_rank):
     made = [predict(cal, _best_buckets(cal, layout)) for layout in made]
     for stages in (2, 4):
         if ranks % stages == 0 and stages <= len(cal.layers):
-            candidates = [predict(cal, Layout("pipeline", nodes, per_node, batch, stages=stages, micro_batches=micro))
-                          for micro in (4, 8, 16) if batch // (ranks // stages) >= micro]
-            if candidates:   # (the fastest micro-batch count)
+            candidates = [
+                predict(cal, Layout("pipeline", nodes, per_node, batch, stages=stages, micro_batches=micro))
+                for micro in (4, 8, 16)
+                if batch // (ranks // stages) >= micro
+            ]
+            if candidates:  # (the fastest micro-batch count)
                 made.append(min(candidates, key=lambda prediction: prediction.step))
     return made
 
@@ -72,17 +78,31 @@ def advise(cal, node_counts, per_node, batch_per_rank, memory_per_node):
     count -> row); the largest count whose best efficiency is at least :data:`KNEE` (None: not even one)."""
     if per_node < 1 or batch_per_rank < 1:
         raise UsageError("--ranks-per-node and --batch-per-rank must be at least 1")
-    at_one = predictions(cal, 1, per_node, batch_per_rank)   # (the efficiency's reference, and the 1-node rows)
+    at_one = predictions(
+        cal, 1, per_node, batch_per_rank
+    )  # (the efficiency's reference, and the 1-node rows)
     one_node = max((made.samples_per_s for made in at_one), default=0.0)
     rows = []
     for nodes in node_counts:
         for made in at_one if nodes == 1 else predictions(cal, nodes, per_node, batch_per_rank):
             layout = made.layout
-            rows.append(Row(nodes, layout.strategy, layout.describe(), made.samples_per_s, made.step * 1e3,
-                            made.samples_per_s / (nodes * one_node) if one_node else 0.0, made.memory,
-                            made.node_memory, made.node_memory <= memory_per_node,
-                            {name: getattr(made, name) * 1e3 for name in ("compute", "exchange", "optimizer",
-                                                                           "bubble", "wait", "loop")}))
+            rows.append(
+                Row(
+                    nodes,
+                    layout.strategy,
+                    layout.describe(),
+                    made.samples_per_s,
+                    made.step * 1e3,
+                    made.samples_per_s / (nodes * one_node) if one_node else 0.0,
+                    made.memory,
+                    made.node_memory,
+                    made.node_memory <= memory_per_node,
+                    {
+                        name: getattr(made, name) * 1e3
+                        for name in ("compute", "exchange", "optimizer", "bubble", "wait", "loop")
+                    },
+                )
+            )
     best = fastest(rows)
     return rows, best, knee(best)
 
@@ -112,9 +132,15 @@ def per_strategy(rows):
     return {strategy: (best, knee(best)) for strategy, best in made.items()}
 
 
-COLUMNS = [("nodes", "nodes", "{}"), ("layout", "layout", "{}"), ("samples_per_s", "samples/s", "{:,.0f}"),
-           ("step_ms", "step ms", "{:.2f}"), ("efficiency", "efficiency", "{:.2f}"),
-           ("memory_per_rank", "MiB/rank", "{:,.0f}"), ("fits", "fits", "{}")]
+COLUMNS = [
+    ("nodes", "nodes", "{}"),
+    ("layout", "layout", "{}"),
+    ("samples_per_s", "samples/s", "{:,.0f}"),
+    ("step_ms", "step ms", "{:.2f}"),
+    ("efficiency", "efficiency", "{:.2f}"),
+    ("memory_per_rank", "MiB/rank", "{:,.0f}"),
+    ("fits", "fits", "{}"),
+]
 
 
 def buckets(cal, node_counts, per_node, batch_per_rank):
@@ -125,6 +151,6 @@ def buckets(cal, node_counts, per_node, batch_per_rank):
         if nodes * per_node > 1:
             layout = Layout("allreduce", nodes, per_node, batch_per_rank * nodes * per_node, exchange="mpi")
             size, best = best_bucket(cal, layout)
-            hidden, one = hideable(cal, layout, size * MIB)   # (one: one bucket of everything, all of it left)
+            hidden, one = hideable(cal, layout, size * MIB)  # (one: one bucket of everything, all of it left)
             made[nodes] = size, one - cal.overlap * hidden, best, one
     return made

@@ -24,8 +24,10 @@ import itertools
 
 MIB = 1 << 20
 #: bucket sizes tried, in MiB: 1/4 to 1024 by factors of 2
-CANDIDATES = tuple(2.0 ** k for k in range(-2, 11))
-MOST_BUCKETS = 1 << 16    # sizes that cut the buffer into more are not tried: each bucket is a step of the model
+CANDIDATES = tuple(2.0**k for k in range(-2, 11))
+MOST_BUCKETS = (
+    1 << 16
+)  # sizes that cut the buffer into more are not tried: each bucket is a step of the model
 
 
 def buffer_bytes(cal):
@@ -43,11 +45,16 @@ def exposed(cal, layout, bucket_bytes):
     for index in range(len(cal.layers) - 1, -1, -1):
         clock += (cal.layers[index].backward[0] + cal.layers[index].backward[1] * samples) * slower
         done_at[index] = clock
-    ends = list(itertools.accumulate(layer.params for layer in cal.layers))   # (each layer's end in the buffer)
+    ends = list(
+        itertools.accumulate(layer.params for layer in cal.layers)
+    )  # (each layer's end in the buffer)
     link_free = 0.0
     for holder, sizes in _bucket_runs(ends, max(1, int(bucket_bytes) // item)):
         link_free = max(link_free, done_at[holder])
-        for size, count in sizes:    # (a run's buckets wait for nothing but each other: count of one size at once)
+        for (
+            size,
+            count,
+        ) in sizes:  # (a run's buckets wait for nothing but each other: count of one size at once)
             link_free += count * link.allreduce(size * item, groups)
     return max(0.0, link_free - clock) + (groups - 1) / groups * buffer_bytes(cal) * cal.sum_per_byte
 
@@ -59,7 +66,7 @@ def _bucket_runs(ends, per):
     where a bucket is it alone, counts as the first layer's).
     """
     count = ends[-1] + 1
-    total = -(-count // per)                  # buckets; the last (lowest) is the short one
+    total = -(-count // per)  # buckets; the last (lowest) is the short one
     last = count - (total - 1) * per
     at = 0
     while at < total:

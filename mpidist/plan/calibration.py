@@ -15,8 +15,8 @@ from ..runtime.errors import UsageError
 from ..store.outputs import read_input
 from .links import Link
 
-FORMAT = "mpidist-calibration-2"   # (2: micro_batch_s, overlap; the baseline with the read before the state)
-MAX_BYTES = 1 << 22          # a calibration is a few KiB: refuse to read a larger file whole
+FORMAT = "mpidist-calibration-2"  # (2: micro_batch_s, overlap; the baseline with the read before the state)
+MAX_BYTES = 1 << 22  # a calibration is a few KiB: refuse to read a larger file whole
 MAX_LAYERS = 100_000
 # Bounds of what a machine can have measured, so that every prediction is a finite number: no figure of
 # seconds above a day (a step of one layer, a byte, a parameter), no slowdown or spread above a thousandfold,
@@ -36,7 +36,7 @@ class LayerCost:
     params: int
     out_elements: int
     splits: bool
-    forward: tuple      # (fixed s, s per sample)
+    forward: tuple  # (fixed s, s per sample)
     backward: tuple
 
 
@@ -113,13 +113,23 @@ class Calibration:
     def crowding_for(self, layout):
         """How much slower a rank computes beside the layout's others: ranks that train at once slow each
         other (a node's memory and caches; emulated nodes share a machine)."""
-        return max(1.0, self.node_crowding if layout.per_node > 1 else 1.0,
-                   self.network_crowding if layout.nodes > 1 else 1.0)
+        return max(
+            1.0,
+            self.node_crowding if layout.per_node > 1 else 1.0,
+            self.network_crowding if layout.nodes > 1 else 1.0,
+        )
 
     def compute(self, samples):
         """Seconds of forward and backward of the whole model, the loss included, on ``samples`` samples."""
-        return sum(part[0] + part[1] * samples for layer in self.layers for part in (layer.forward, layer.backward)) \
-            + self.loss[0] + self.loss[1] * samples
+        return (
+            sum(
+                part[0] + part[1] * samples
+                for layer in self.layers
+                for part in (layer.forward, layer.backward)
+            )
+            + self.loss[0]
+            + self.loss[1] * samples
+        )
 
     def to_json(self):
         document = dataclasses.asdict(self)
@@ -134,10 +144,12 @@ def save(calibration, path):
 
 def load(path):
     """The :class:`Calibration` in ``path``, every figure checked; a :class:`UsageError` names what is wrong."""
-    if not os.path.lexists(path):   # (the first plan a user runs: say how to make one)
-        raise UsageError(f"--calibration {path}: no such file; measure one where the run will go first: mpiexec -n 2 "
-                         "python -m mpidist plan --calibrate --model MODEL --data DATA (it writes calibration.json, or "
-                         "--calibration FILE)")
+    if not os.path.lexists(path):  # (the first plan a user runs: say how to make one)
+        raise UsageError(
+            f"--calibration {path}: no such file; measure one where the run will go first: mpiexec -n 2 "
+            "python -m mpidist plan --calibrate --model MODEL --data DATA (it writes calibration.json, or "
+            "--calibration FILE)"
+        )
     raw = read_input(path, MAX_BYTES, "--calibration", "a calibration")
     try:
         document = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
@@ -160,39 +172,66 @@ def _checked(document, where):
     costs = []
     for index, entry in enumerate(layers):
         layer = _Reader(entry, f"{where}: layers[{index}]")
-        costs.append(LayerCost(layer.value("name", str), layer.count("params"), layer.count("out_elements"),
-                               layer.value("splits", bool), layer.pair("forward"), layer.pair("backward")))
+        costs.append(
+            LayerCost(
+                layer.value("name", str),
+                layer.count("params"),
+                layer.count("out_elements"),
+                layer.value("splits", bool),
+                layer.pair("forward"),
+                layer.pair("backward"),
+            )
+        )
     if sum(cost.params for cost in costs) > MOST_PARAMS:
-        raise UsageError(f"{where}: layers: {sum(cost.params for cost in costs):,} parameters in all, more than "
-                         f"{MOST_PARAMS:,} (2^50): not a model a calibration measured")
+        raise UsageError(
+            f"{where}: layers: {sum(cost.params for cost in costs):,} parameters in all, more than "
+            f"{MOST_PARAMS:,} (2^50): not a model a calibration measured"
+        )
     sums = read.value("tensor_sums", list)
-    if len(sums) > MAX_LAYERS or not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 40
-                                         for n in sums):
+    if len(sums) > MAX_LAYERS or not all(
+        isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 40 for n in sums
+    ):
         raise UsageError(f"{where}: tensor_sums: positive element counts expected")
     made = Calibration(
-        model=read.value("model", str), data=read.value("data", str), optimizer=read.value("optimizer", str),
-        dtype=read.value("dtype", str), itemsize=read.count("itemsize", least=1),
+        model=read.value("model", str),
+        data=read.value("data", str),
+        optimizer=read.value("optimizer", str),
+        dtype=read.value("dtype", str),
+        itemsize=read.count("itemsize", least=1),
         sample_bytes=read.count("sample_bytes"),
-        read_overhead_bytes=read.count("read_overhead_bytes"), batch_per_rank=read.count("batch_per_rank", least=1),
+        read_overhead_bytes=read.count("read_overhead_bytes"),
+        batch_per_rank=read.count("batch_per_rank", least=1),
         train_samples=read.count("train_samples", least=1),
         test_samples=read.count("test_samples"),
-        layers=tuple(costs), loss=read.pair("loss"), tensor_sums=tuple(sums),
+        layers=tuple(costs),
+        loss=read.pair("loss"),
+        tensor_sums=tuple(sums),
         optimizer_per_param=read.seconds("optimizer_per_param"),
-        step_overhead=read.seconds("step_overhead"), micro_batch_s=read.seconds("micro_batch_s"),
+        step_overhead=read.seconds("step_overhead"),
+        micro_batch_s=read.seconds("micro_batch_s"),
         overlap=read.share("overlap"),
-        sum_per_byte=read.seconds("sum_per_byte"), jitter=read.seconds("jitter"),
+        sum_per_byte=read.seconds("sum_per_byte"),
+        jitter=read.seconds("jitter"),
         node=read.link("node", optional=True),
-        network=read.link("network", optional=True), node_crowding=read.seconds("node_crowding"),
-        network_crowding=read.seconds("network_crowding"), baseline_bytes=read.count("baseline_bytes"),
-        ranks_per_node=read.count("ranks_per_node", least=1), cores=read.count("cores", least=1),
-        node_memory_bytes=read.count("node_memory_bytes", least=1))
+        network=read.link("network", optional=True),
+        node_crowding=read.seconds("node_crowding"),
+        network_crowding=read.seconds("network_crowding"),
+        baseline_bytes=read.count("baseline_bytes"),
+        ranks_per_node=read.count("ranks_per_node", least=1),
+        cores=read.count("cores", least=1),
+        node_memory_bytes=read.count("node_memory_bytes", least=1),
+    )
     for name in ("jitter", "node_crowding", "network_crowding"):
         if getattr(made, name) > MOST_FACTOR:
-            raise UsageError(f"{where}: {name}: {getattr(made, name)!r:.60} is more than {MOST_FACTOR:g}: not a "
-                             "spread or a slowdown a machine shows")
-    if made.compute(made.batch_per_rank) + made.step_overhead <= 0:    # (every prediction divides by a step)
-        raise UsageError(f"{where}: layers, loss and step_overhead: every figure is 0, so a step would take no "
-                         "time: not a measurement (calibrate again)")
+            raise UsageError(
+                f"{where}: {name}: {getattr(made, name)!r:.60} is more than {MOST_FACTOR:g}: not a "
+                "spread or a slowdown a machine shows"
+            )
+    if made.compute(made.batch_per_rank) + made.step_overhead <= 0:  # (every prediction divides by a step)
+        raise UsageError(
+            f"{where}: layers, loss and step_overhead: every figure is 0, so a step would take no "
+            "time: not a measurement (calibrate again)"
+        )
     return made
 
 
@@ -218,10 +257,15 @@ class _Reader:
 
     def seconds(self, name, value=None):
         value = self.document.get(name) if value is None else value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-                not 0 <= value <= MOST_SECONDS:
-            raise UsageError(f"{self.where}: {name}: a figure from 0 to {MOST_SECONDS:,.0f} expected, got "
-                             f"{value!r:.60}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or not 0 <= value <= MOST_SECONDS
+        ):
+            raise UsageError(
+                f"{self.where}: {name}: a figure from 0 to {MOST_SECONDS:,.0f} expected, got {value!r:.60}"
+            )
         return float(value)
 
     def share(self, name):
@@ -233,7 +277,9 @@ class _Reader:
     def pair(self, name):
         value = self.value(name, list)
         if len(value) != 2:
-            raise UsageError(f"{self.where}: {name}: two figures expected (fixed, per sample), got {len(value)}")
+            raise UsageError(
+                f"{self.where}: {name}: two figures expected (fixed, per sample), got {len(value)}"
+            )
         return tuple(self.seconds(name, figure) for figure in value)
 
     def link(self, name, optional=False):

@@ -23,7 +23,7 @@ def read_layout(run_dir):
     special = special_input(metrics)
     if special:
         return f"{metrics}: {special}"
-    try:    # (a line at a time, each bounded: a line of a gigabyte is refused, never held whole)
+    try:  # (a line at a time, each bounded: a line of a gigabyte is refused, never held whole)
         for _, line in bounded_lines(metrics, str(metrics)):
             try:
                 event = json.loads(line)
@@ -40,15 +40,23 @@ def read_layout(run_dir):
         ranks, nodes = int(start["ranks"]), int(start.get("nodes", 1))
         if not isinstance(config, dict) or ranks < 1 or nodes < 1 or ranks % nodes:
             raise ValueError
-        layout = Layout(strategy=str(config["strategy"]), nodes=nodes, per_node=ranks // nodes,
-                        batch=int(config["batch_size"]), ps=int(config.get("ps", 0)),
-                        stages=int(config.get("stages", 1)), micro_batches=int(config.get("micro_batches", 4)),
-                        schedule=str(config.get("schedule", "1f1b")), tensor=int(config.get("tensor", 1)),
-                        exchange=str(config.get("exchange", "auto")), shard=str(config.get("shard", "none")),
-                        bucket_mb=float(config.get("bucket_mb", DEFAULT_BUCKET_MB)))
+        layout = Layout(
+            strategy=str(config["strategy"]),
+            nodes=nodes,
+            per_node=ranks // nodes,
+            batch=int(config["batch_size"]),
+            ps=int(config.get("ps", 0)),
+            stages=int(config.get("stages", 1)),
+            micro_batches=int(config.get("micro_batches", 4)),
+            schedule=str(config.get("schedule", "1f1b")),
+            tensor=int(config.get("tensor", 1)),
+            exchange=str(config.get("exchange", "auto")),
+            shard=str(config.get("shard", "none")),
+            bucket_mb=float(config.get("bucket_mb", DEFAULT_BUCKET_MB)),
+        )
         measured = float(done["samples_per_s"])
         peak = int(float(done.get("peak_rss_mib", 0)) * (1 << 20))
-    except (KeyError, TypeError, ValueError, OverflowError):   # (OverflowError: an infinite figure as an int)
+    except (KeyError, TypeError, ValueError, OverflowError):  # (OverflowError: an infinite figure as an int)
         return f"{metrics}: its start or done event lacks the layout or the figures"
     if not predicted(layout.strategy):
         return f"{metrics}: --strategy {layout.strategy} is not predicted"
@@ -71,15 +79,31 @@ def check_runs(cal, run_dirs):
         except UsageError as err:
             notes.append(f"passed over: {run_dir}: {err}")
             continue
-        rows.append({"run": str(run_dir), "layout": layout.describe(), "ranks": layout.ranks,
-                     "nodes": layout.nodes, "predicted": made.samples_per_s, "measured": measured,
-                     "speed_ratio": made.samples_per_s / measured if measured else None,
-                     "memory_predicted_mib": made.memory / (1 << 20), "memory_measured_mib": peak / (1 << 20),
-                     "memory_ratio": made.memory / peak if peak else None})
+        rows.append(
+            {
+                "run": str(run_dir),
+                "layout": layout.describe(),
+                "ranks": layout.ranks,
+                "nodes": layout.nodes,
+                "predicted": made.samples_per_s,
+                "measured": measured,
+                "speed_ratio": made.samples_per_s / measured if measured else None,
+                "memory_predicted_mib": made.memory / (1 << 20),
+                "memory_measured_mib": peak / (1 << 20),
+                "memory_ratio": made.memory / peak if peak else None,
+            }
+        )
     return rows, notes
 
 
-COLUMNS = [("layout", "layout", "{}"), ("ranks", "ranks", "{}"), ("nodes", "nodes", "{}"),
-           ("predicted", "predicted/s", "{:,.0f}"), ("measured", "measured/s", "{:,.0f}"),
-           ("speed_ratio", "ratio", "{:.2f}"), ("memory_predicted_mib", "MiB predicted", "{:,.0f}"),
-           ("memory_measured_mib", "MiB measured", "{:,.0f}"), ("memory_ratio", "ratio", "{:.2f}")]
+COLUMNS = [
+    ("layout", "layout", "{}"),
+    ("ranks", "ranks", "{}"),
+    ("nodes", "nodes", "{}"),
+    ("predicted", "predicted/s", "{:,.0f}"),
+    ("measured", "measured/s", "{:,.0f}"),
+    ("speed_ratio", "ratio", "{:.2f}"),
+    ("memory_predicted_mib", "MiB predicted", "{:,.0f}"),
+    ("memory_measured_mib", "MiB measured", "{:,.0f}"),
+    ("memory_ratio", "ratio", "{:.2f}"),
+]

@@ -16,13 +16,16 @@ MAX_NODES = 1 << 20
 def calibrate(world, settings, path, seconds):
     """``plan --calibrate``: measure on every rank, write ``path`` on rank 0; returns the calibration there."""
     from .measure import calibrate as measure
+
     made = measure(world, settings, seconds)
     if made is not None:
         calibration.save(made, path)
         between = made.network.describe() if made.network else "not measured (one node)"
-        print(f"mpidist plan: calibrated {made.model} on {made.data} ({made.params:,} parameters): "
-              f"within a node {made.node.describe() if made.node else 'not measured (one rank a node)'}; "
-              f"between nodes {between}; written to {path}")
+        print(
+            f"mpidist plan: calibrated {made.model} on {made.data} ({made.params:,} parameters): "
+            f"within a node {made.node.describe() if made.node else 'not measured (one rank a node)'}; "
+            f"between nodes {between}; written to {path}"
+        )
     return made
 
 
@@ -48,38 +51,79 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
     check_output(output)
     counts = parse_nodes(nodes)
     rows, best, knee = advice.advise(cal, counts, per_node, batch_per_rank, budget)
-    print(f"mpidist plan: {cal.model} ({cal.params:,} parameters, {cal.optimizer}), {batch_per_rank} samples per "
-          f"rank, {per_node} rank(s) per node, {human(budget)} per node; between nodes "
-          f"{cal.network.describe() if cal.network else 'no link (one node only)'}")
-    table = [{**dataclasses.asdict(row), "memory_per_rank": row.memory_per_rank / (1 << 20),
-              "fits": "yes" if row.fits else "no"} for row in rows]
+    print(
+        f"mpidist plan: {cal.model} ({cal.params:,} parameters, {cal.optimizer}), {batch_per_rank} samples per "
+        f"rank, {per_node} rank(s) per node, {human(budget)} per node; between nodes "
+        f"{cal.network.describe() if cal.network else 'no link (one node only)'}"
+    )
+    table = [
+        {
+            **dataclasses.asdict(row),
+            "memory_per_rank": row.memory_per_rank / (1 << 20),
+            "fits": "yes" if row.fits else "no",
+        }
+        for row in rows
+    ]
     print(format_table(table, advice.COLUMNS))
     for count, row in best.items():
-        print(f"mpidist plan: on {count} node(s): {row.layout}, {row.samples_per_s:,.0f} samples/s "
-              f"({row.efficiency:.0%} of linear)")
-    print("mpidist plan: " + (f"adding nodes pays up to {knee} (efficiency at least {advice.KNEE:.0%} there)"
-                              if knee else f"no node count keeps {advice.KNEE:.0%} efficiency"))
+        print(
+            f"mpidist plan: on {count} node(s): {row.layout}, {row.samples_per_s:,.0f} samples/s "
+            f"({row.efficiency:.0%} of linear)"
+        )
+    print(
+        "mpidist plan: "
+        + (
+            f"adding nodes pays up to {knee} (efficiency at least {advice.KNEE:.0%} there)"
+            if knee
+            else f"no node count keeps {advice.KNEE:.0%} efficiency"
+        )
+    )
     strategies = advice.per_strategy(rows)
     for strategy, (fastest, paying) in strategies.items():
-        each = "; ".join(f"{count}: {row.layout.removeprefix(strategy).strip() or 'its defaults'} "
-                         f"({row.efficiency:.0%})" for count, row in fastest.items())
-        print(f"mpidist plan: {strategy}: {each or 'fits nowhere'}"
-              + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient"))
+        each = "; ".join(
+            f"{count}: {row.layout.removeprefix(strategy).strip() or 'its defaults'} ({row.efficiency:.0%})"
+            for count, row in fastest.items()
+        )
+        print(
+            f"mpidist plan: {strategy}: {each or 'fits nowhere'}"
+            + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient")
+        )
     buckets = advice.buckets(cal, counts, per_node, batch_per_rank)
-    if buckets:   # (where the calibration saw nothing hidden: what a network card moving the bytes would leave)
+    if (
+        buckets
+    ):  # (where the calibration saw nothing hidden: what a network card moving the bytes would leave)
         hidden = cal.overlap > 0
-        said = (f" (backward hid {cal.overlap:.0%} of what buckets can hide, as calibrated): " if hidden else
-                ": backward hid none of the exchange in the calibration (any size does); were all it can hide "
-                "hidden (a network card moving the bytes): ")
-        print("mpidist plan: --bucket-mb for allreduce --exchange mpi" + said + "; ".join(
-            f"{count}: {size:g} ({(left if hidden else best) * 1e3:.2f} of {one * 1e3:.2f} ms left)"
-            for count, (size, left, best, one) in buckets.items()))
-    write_results(output, {"calibration": str(path), "ranks_per_node": per_node, "batch_per_rank": batch_per_rank,
-                           "memory_per_node": budget, "rows": [dataclasses.asdict(row) for row in rows],
-                           "best": _layouts(best), "knee": knee,
-                           "bucket_mb": {str(count): size for count, (size, *_) in buckets.items()},
-                           "by_strategy": {strategy: {"best": _layouts(fastest), "knee": paying}
-                                           for strategy, (fastest, paying) in strategies.items()}})
+        said = (
+            f" (backward hid {cal.overlap:.0%} of what buckets can hide, as calibrated): "
+            if hidden
+            else ": backward hid none of the exchange in the calibration (any size does); were all it can hide "
+            "hidden (a network card moving the bytes): "
+        )
+        print(
+            "mpidist plan: --bucket-mb for allreduce --exchange mpi"
+            + said
+            + "; ".join(
+                f"{count}: {size:g} ({(left if hidden else best) * 1e3:.2f} of {one * 1e3:.2f} ms left)"
+                for count, (size, left, best, one) in buckets.items()
+            )
+        )
+    write_results(
+        output,
+        {
+            "calibration": str(path),
+            "ranks_per_node": per_node,
+            "batch_per_rank": batch_per_rank,
+            "memory_per_node": budget,
+            "rows": [dataclasses.asdict(row) for row in rows],
+            "best": _layouts(best),
+            "knee": knee,
+            "bucket_mb": {str(count): size for count, (size, *_) in buckets.items()},
+            "by_strategy": {
+                strategy: {"best": _layouts(fastest), "knee": paying}
+                for strategy, (fastest, paying) in strategies.items()
+            },
+        },
+    )
     return rows, best, knee
 
 

@@ -41,7 +41,9 @@ class Link:
             return 0.0
         ring = 2 * self.reduce_scatter(nbytes, ranks)
         power = 1 << (ranks.bit_length() - 1)
-        halving = 2 * (power.bit_length() - 1) * self.latency + 2 * (power - 1) / power * nbytes * self.per_byte
+        halving = (
+            2 * (power.bit_length() - 1) * self.latency + 2 * (power - 1) / power * nbytes * self.per_byte
+        )
         if power < ranks:
             halving += 2 * (self.latency + nbytes * self.per_byte)
         return min(ring, halving)
@@ -66,20 +68,24 @@ def fit(sizes, seconds):
     weights = 1 / seconds
     design = np.stack([np.ones_like(sizes), sizes], axis=1) * weights[:, None]
     (latency, per_byte), *_ = np.linalg.lstsq(design, seconds * weights, rcond=None)
-    if per_byte <= 0:        # (sizes too close to tell: all latency)
+    if per_byte <= 0:  # (sizes too close to tell: all latency)
         return Link(float(np.median(seconds)), 0.0)
-    if latency < 0:          # (a negative latency is noise around zero: the bandwidth alone)
+    if latency < 0:  # (a negative latency is noise around zero: the bandwidth alone)
         return Link(0.0, float(np.median(seconds / sizes)))
     return Link(float(latency), float(per_byte))
 
 
 def parse_link(text, flag="--link"):
     """``"25GB/s,2us"`` -> :class:`Link`: a bandwidth (B/s, with k, M, G or T) and a latency (s, ms, us or ns)."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e-?[0-9]+)?)\s*([kmgt]?)b/s\s*,\s*([0-9.]+(?:e-?[0-9]+)?)\s*(s|ms|us|ns)\s*",
-                         str(text).lower())
+    match = re.fullmatch(
+        r"\s*([0-9.]+(?:e-?[0-9]+)?)\s*([kmgt]?)b/s\s*,\s*([0-9.]+(?:e-?[0-9]+)?)\s*(s|ms|us|ns)\s*",
+        str(text).lower(),
+    )
     if match is None:
-        raise UsageError(f"{flag} {text!r}: give a bandwidth and a latency, e.g. 25GB/s,2us (bandwidth in B/s, "
-                         "kB/s, MB/s, GB/s or TB/s; latency in s, ms, us or ns)")
+        raise UsageError(
+            f"{flag} {text!r}: give a bandwidth and a latency, e.g. 25GB/s,2us (bandwidth in B/s, "
+            "kB/s, MB/s, GB/s or TB/s; latency in s, ms, us or ns)"
+        )
     bandwidth = float(match[1]) * UNITS[match[2]]
     latency = float(match[3]) * TIMES[match[4]]
     if not (math.isfinite(bandwidth) and bandwidth > 0 and math.isfinite(latency) and latency >= 0):

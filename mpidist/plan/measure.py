@@ -40,14 +40,14 @@ from .buckets import hideable
 from .step import Layout, predict, slowest_of
 from .links import Link, fit
 
-SIZES = [8 << (2 * k) for k in range(12)]   # 8 B .. 32 MiB by factors of 4
+SIZES = [8 << (2 * k) for k in range(12)]  # 8 B .. 32 MiB by factors of 4
 REPEATS = 7
 
 
 def calibrate(world, config, seconds=1.0):
     """The :class:`Calibration` of ``config``'s model and data on this machine (complete on rank 0; every rank
     must call)."""
-    baseline = peak_memory()   # (before any data or model: what Python, numpy and MPI hold)
+    baseline = peak_memory()  # (before any data or model: what Python, numpy and MPI hold)
     node, _, _, node_of_rank = node_layout(world)
     figures = trainer = None
     if world.Get_rank() == 0:
@@ -58,29 +58,38 @@ def calibrate(world, config, seconds=1.0):
     within = _pair(world, node_of_rank, same_node=True)
     between = _pair(world, node_of_rank, same_node=False)
     trainer = trainer or _Trainer(config)
-    crowding, spreads = zip(*[_crowding(world, node_of_rank, same, trainer, seconds) or (None, None)
-                              for same in (True, False)])
+    crowding, spreads = zip(
+        *[_crowding(world, node_of_rank, same, trainer, seconds) or (None, None) for same in (True, False)]
+    )
     overlap = _overlap_times(world, node_of_rank, config, trainer, seconds)
     node.Free()
     if world.Get_rank() != 0:
         return None
     peak = figures.pop("run_peak_bytes")
     measured = next((spread for spread in spreads if spread is not None), None)
-    if measured is not None:   # (as a synchronous step meets it; the spread of one rank alone otherwise)
+    if measured is not None:  # (as a synchronous step meets it; the spread of one rank alone otherwise)
         figures["jitter"] = measured
-    made = Calibration(**figures, node=within, network=between, baseline_bytes=0, overlap=0.0,
-                       node_crowding=crowding[0], network_crowding=crowding[1],
-                       ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
-                       cores=len(os.sched_getaffinity(0)),
-                       node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0))
+    made = Calibration(
+        **figures,
+        node=within,
+        network=between,
+        baseline_bytes=0,
+        overlap=0.0,
+        node_crowding=crowding[0],
+        network_crowding=crowding[1],
+        ranks_per_node=max(node_of_rank.count(n) for n in set(node_of_rank)),
+        cores=len(os.sched_getaffinity(0)),
+        node_memory_bytes=baseline * world.Get_size() + (available_bytes() or 0),
+    )
     # what a rank holds besides the arrays the model counts: the one-process run's peak less its arrays
     arrays = predict(made, Layout("local", 1, 1, made.batch_per_rank)).memory
-    return dataclasses.replace(made, baseline_bytes=max(baseline, peak - arrays),
-                               overlap=_overlap_share(made, overlap))
+    return dataclasses.replace(
+        made, baseline_bytes=max(baseline, peak - arrays), overlap=_overlap_share(made, overlap)
+    )
 
 
 def _median_seconds(fn, repeats=REPEATS):
-    fn()                                           # warm-up
+    fn()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -100,12 +109,14 @@ class _Trainer:
         self.batch = batch = max(4, config.batch_size)
         shard = data.Shard(self.info, "train", 0, 1, model.input_shape, model.dtype, rows=slice(0, batch))
         x, y = shard.x, shard.y
-        while len(y) < batch:                          # (a split smaller than a batch: its rows again)
+        while len(y) < batch:  # (a split smaller than a batch: its rows again)
             x, y = np.concatenate([x, shard.x]), np.concatenate([y, shard.y])
         self.x, self.y = x[:batch], y[:batch]
-        self.make = lambda size: nn.make_optimizer(config.optimizer, size, config.lr, xp=np, dtype=model.dtype)  # noqa
+        self.make = lambda size: nn.make_optimizer(
+            config.optimizer, size, config.lr, xp=np, dtype=model.dtype
+        )  # noqa
         self.local = LocalStrategy(model, self.loss, self.make, seed=config.seed)
-        self.local.initialize()   # (first: passes then run in the workspace training uses, as fast as there)
+        self.local.initialize()  # (first: passes then run in the workspace training uses, as fast as there)
         self.steps = iter(range(1 << 30))
 
     def step(self):
@@ -119,7 +130,9 @@ def _read_overhead(config, info, model):
     if info.sizes["train"] < global_batch or not reset_high_water():
         return 0
     before = high_water()
-    shard = data.Shard(info, "train", 0, 2, model.input_shape, model.dtype, lanes=data.Lanes.of(global_batch, 2, 0))
+    shard = data.Shard(
+        info, "train", 0, 2, model.input_shape, model.dtype, lanes=data.Lanes.of(global_batch, 2, 0)
+    )
     after = high_water()
     if before is None or after is None:
         return 0
@@ -127,40 +140,70 @@ def _read_overhead(config, info, model):
 
 
 def _compute(config, seconds):
-    rate, peak = _short_run(config, max(4, config.batch_size))   # (first: its peak is a whole run's, no more)
+    rate, peak = _short_run(config, max(4, config.batch_size))  # (first: its peak is a whole run's, no more)
     trainer = _Trainer(config)
-    info, model, loss, x, y, batch = trainer.info, trainer.model, trainer.loss, trainer.x, trainer.y, trainer.batch
+    info, model, loss, x, y, batch = (
+        trainer.info,
+        trainer.model,
+        trainer.loss,
+        trainer.x,
+        trainer.y,
+        trainer.batch,
+    )
     read_overhead = _read_overhead(config, info, model)
-    sizes = sorted({max(1, batch // 8), max(1, batch // 4), max(1, batch // 2), batch})   # (micro-batches too)
-    forward, backward, losses = _scaled(*_layer_lines(model, loss, x, y, sizes, seconds),
-                                        _whole_line(model, loss, x, y, sizes, seconds))
+    sizes = sorted({max(1, batch // 8), max(1, batch // 4), max(1, batch // 2), batch})  # (micro-batches too)
+    forward, backward, losses = _scaled(
+        *_layer_lines(model, loss, x, y, sizes, seconds), _whole_line(model, loss, x, y, sizes, seconds)
+    )
     step, times = _median_seconds(trainer.step, max(REPEATS, int(seconds / 0.01)) if seconds else REPEATS)
     overhead = max(0.0, batch / rate - step) if rate > 0 else 0.0
-    layers_s = sum(f[0] + f[1] * batch + b[0] + b[1] * batch for f, b in zip(forward, backward)) \
-        + losses[0] + losses[1] * batch
+    layers_s = (
+        sum(f[0] + f[1] * batch + b[0] + b[1] * batch for f, b in zip(forward, backward))
+        + losses[0]
+        + losses[1] * batch
+    )
     params = max(1, model.num_params)
     buffer = np.ones(max(params, 1 << 20), dtype=model.dtype)
     other = buffer.copy()
     summed, _ = _median_seconds(lambda: np.add(buffer, other, out=buffer))
-    added = params * buffer.itemsize * summed / buffer.nbytes   # (a micro-batch's gradients into the step's)
+    added = params * buffer.itemsize * summed / buffer.nbytes  # (a micro-batch's gradients into the step's)
     fixed = sum(f[0] + b[0] for f, b in zip(forward, backward)) + losses[0] + added
     micro_batch_s = _micro_batch_seconds(config, batch, fixed)
     splits, sums = _tensor_shape(model)
     shapes = model.shapes[1:] + [model.output_shape]
-    layers = tuple(LayerCost(type(layer).__name__, model.layer_params(index), int(np.prod(shapes[index])),
-                             splits[index], forward[index], backward[index])
-                   for index, layer in enumerate(model.layers))
-    return {"model": config.model, "data": str(info.path), "optimizer": config.optimizer,
-            "dtype": np.dtype(model.dtype).name, "itemsize": int(np.dtype(model.dtype).itemsize),
-            "sample_bytes": int(np.prod(model.input_shape)) * int(np.dtype(model.dtype).itemsize),
-            "train_samples": int(info.sizes["train"]), "test_samples": int(info.sizes.get("test", 0)),
-            "layers": layers, "loss": losses, "tensor_sums": sums,
-            "batch_per_rank": batch, "optimizer_per_param": max(0.0, step - layers_s) / params,
-            "step_overhead": overhead, "micro_batch_s": micro_batch_s, "run_peak_bytes": peak,
-            "read_overhead_bytes": read_overhead,
-            "sum_per_byte": summed / buffer.nbytes,
-            # (the spread of the upper half, robust to the odd step a busy machine stretches tenfold)
-            "jitter": float((np.percentile(times, 84) - np.median(times)) / np.median(times))}, trainer
+    layers = tuple(
+        LayerCost(
+            type(layer).__name__,
+            model.layer_params(index),
+            int(np.prod(shapes[index])),
+            splits[index],
+            forward[index],
+            backward[index],
+        )
+        for index, layer in enumerate(model.layers)
+    )
+    return {
+        "model": config.model,
+        "data": str(info.path),
+        "optimizer": config.optimizer,
+        "dtype": np.dtype(model.dtype).name,
+        "itemsize": int(np.dtype(model.dtype).itemsize),
+        "sample_bytes": int(np.prod(model.input_shape)) * int(np.dtype(model.dtype).itemsize),
+        "train_samples": int(info.sizes["train"]),
+        "test_samples": int(info.sizes.get("test", 0)),
+        "layers": layers,
+        "loss": losses,
+        "tensor_sums": sums,
+        "batch_per_rank": batch,
+        "optimizer_per_param": max(0.0, step - layers_s) / params,
+        "step_overhead": overhead,
+        "micro_batch_s": micro_batch_s,
+        "run_peak_bytes": peak,
+        "read_overhead_bytes": read_overhead,
+        "sum_per_byte": summed / buffer.nbytes,
+        # (the spread of the upper half, robust to the odd step a busy machine stretches tenfold)
+        "jitter": float((np.percentile(times, 84) - np.median(times)) / np.median(times)),
+    }, trainer
 
 
 def _micro_batch_seconds(config, batch, fixed, steps=150):
@@ -170,7 +213,10 @@ def _micro_batch_seconds(config, batch, fixed, steps=150):
     micro = min(8, batch)
     if micro < 2:
         return 0.0
-    rates = [_short_run(config, batch, steps, strategy="pipeline", stages=1, micro_batches=m)[0] for m in (1, micro)]
+    rates = [
+        _short_run(config, batch, steps, strategy="pipeline", stages=1, micro_batches=m)[0]
+        for m in (1, micro)
+    ]
     if min(rates) <= 0:
         return 0.0
     return max(0.0, (batch / rates[1] - batch / rates[0]) / (micro - 1) - fixed)
@@ -187,13 +233,27 @@ def _short_run(config, batch, steps=200, **strategy):
 
     from ..api import train
     from ..runtime import leftovers
+
     scratch = tempfile.mkdtemp(prefix="mpidist-calibrate-")
     try:
-        with leftovers.pending(scratch, tree=True):   # (a signal that ends the command removes it too)
-            result = train(model=config.model, data=config.data, optimizer=config.optimizer, lr=config.lr,
-                           dtype=config.dtype, batch_size=batch, steps=steps, epochs=10 ** 6, eval_every=0,
-                           checkpoint_dir="", run_dir=scratch, progress="none", comm=MPI.COMM_SELF,
-                           stream=io.StringIO(), **strategy)
+        with leftovers.pending(scratch, tree=True):  # (a signal that ends the command removes it too)
+            result = train(
+                model=config.model,
+                data=config.data,
+                optimizer=config.optimizer,
+                lr=config.lr,
+                dtype=config.dtype,
+                batch_size=batch,
+                steps=steps,
+                epochs=10**6,
+                eval_every=0,
+                checkpoint_dir="",
+                run_dir=scratch,
+                progress="none",
+                comm=MPI.COMM_SELF,
+                stream=io.StringIO(),
+                **strategy,
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return result.figures.get("samples_per_s") or 0.0, peak_memory()
@@ -207,7 +267,7 @@ def _interleaved(workspace, sizes, seconds, measure):
     slices of two sizes do: no pass reallocates its arrays, as no training pass does."""
     at = {size: [] for size in sizes}
     try:
-        for slot, size in enumerate(sizes):   # (a round first, untimed: each slot's arrays are made)
+        for slot, size in enumerate(sizes):  # (a round first, untimed: each slot's arrays are made)
             workspace.slot = slot
             measure(size)
         deadline = time.perf_counter() + seconds
@@ -223,22 +283,28 @@ def _interleaved(workspace, sizes, seconds, measure):
 def _layer_lines(model, loss, x, y, sizes, seconds):
     """Per layer, forward and backward ``(fixed, per sample)`` seconds fitted over ``sizes`` from the medians
     of passes interleaved over ``seconds``; the loss's too."""
-    at = _interleaved(model.workspace, sizes, seconds, lambda size: _timed_pass(model, loss, x[:size], y[:size]))
+    at = _interleaved(
+        model.workspace, sizes, seconds, lambda size: _timed_pass(model, loss, x[:size], y[:size])
+    )
     medians = {size: [np.median(np.array(values), axis=0) for values in zip(*at[size])] for size in sizes}
-    lines = [[_line(sizes, [medians[size][which][index] for size in sizes]) for index in range(len(model.layers))]
-             for which in range(2)]
+    lines = [
+        [_line(sizes, [medians[size][which][index] for size in sizes]) for index in range(len(model.layers))]
+        for which in range(2)
+    ]
     return lines[0], lines[1], _line(sizes, [medians[size][2] for size in sizes])
 
 
 def _whole_line(model, loss, x, y, sizes, seconds):
     """``(fixed, per sample)`` of a whole training pass (forward, loss, backward as training runs them), from
     the medians of passes interleaved over ``seconds``: steadier than the sum of the layers' own lines."""
+
     def timed_pass(n):
         start = time.perf_counter()
         out = model.forward(x[:n], training=True)
         loss.forward(out, y[:n])
         model.backward(loss.backward(), input_grad=False)
         return time.perf_counter() - start
+
     at = _interleaved(model.workspace, sizes, seconds, timed_pass)
     return _line(sizes, [float(np.median(at[size])) for size in sizes])
 
@@ -295,7 +361,7 @@ def _tensor_shape(model):
     """Which top-level layers ``--tensor`` divides, and the elements per sample of each forward sum."""
     try:
         part, placement = split_model(model, 0, 2)
-        where = placement.positions()   # (a calibration's model: small)
+        where = placement.positions()  # (a calibration's model: small)
     except ValueError:
         return [False] * len(model.layers), ()
     ends = model.offsets[1:] + [model.num_params]
@@ -309,7 +375,7 @@ def _tensor_shape(model):
     return splits, tuple(sizes)
 
 
-BLOCKS = 4   # crowding's blocks of each kind, interleaved
+BLOCKS = 4  # crowding's blocks of each kind, interleaved
 
 
 def _crowding(world, node_of_rank, same_node, trainer, seconds):
@@ -321,16 +387,17 @@ def _crowding(world, node_of_rank, same_node, trainer, seconds):
     slows two cores kept busy more than two that take turns (one block alone and one together, minutes
     apart, gave 1.0 to 1.24 for the same pair; single steps in turn, 1.04-1.07 where runs met 1.15).
     ``(1.0, None)`` where there is no such rank.  Every rank calls; two of them train."""
+
     def measure(pair):
         first = pair.Get_rank() == 0
         start = time.perf_counter()
         trainer.step()
         steps = max(REPEATS, int(seconds / BLOCKS / 3 / max(time.perf_counter() - start, 1e-6)))
         count = np.array([steps], dtype=np.int64)
-        mpi.bcast(pair, count, root=0)   # (rank 0's count: the pair takes as many steps)
+        mpi.bcast(pair, count, root=0)  # (rank 0's count: the pair takes as many steps)
         alone, together, waited = [], [], []
         for _ in range(BLOCKS):
-            if first:   # alone: its partner asleep (not spinning in a barrier, which would take a core)
+            if first:  # alone: its partner asleep (not spinning in a barrier, which would take a core)
                 _timed(trainer.step, count[0], alone)
                 release(pair)
             else:
@@ -338,7 +405,7 @@ def _crowding(world, node_of_rank, same_node, trainer, seconds):
             pair.Barrier()
             _timed(trainer.step, count[0], together)
             pair.Barrier()
-            _timed(trainer.step, count[0], waited, pair)   # (as a synchronous step: each waits for the slower)
+            _timed(trainer.step, count[0], waited, pair)  # (as a synchronous step: each waits for the slower)
         if not first:
             return None
         # the wait for the slower of two is 1/sqrt(pi) standard deviations of a step: the spread as it acts
@@ -362,15 +429,16 @@ def _timed(step, count, into, pair=None):
         into.append(time.perf_counter() - start)
 
 
-NO_PAIR = object()   # what :func:`_on_pair` gives where there is no second rank to measure with
+NO_PAIR = object()  # what :func:`_on_pair` gives where there is no second rank to measure with
 
 
 def _on_pair(world, node_of_rank, same_node, measure):
     """Collective: ``measure(pair)`` on rank 0 and the next rank on its node (``same_node``) or on another node,
     over a communicator of the two, the other ranks waiting; its result on rank 0 (None on the others), or
     :data:`NO_PAIR` on every rank where there is no such rank."""
-    partner = next((r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node),
-                   None)
+    partner = next(
+        (r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node), None
+    )
     if partner is None:
         return NO_PAIR
     pair = world.Split(0 if world.Get_rank() in (0, partner) else MPI.UNDEFINED, key=world.Get_rank())
@@ -395,27 +463,44 @@ def _overlap_times(world, node_of_rank, config, trainer, seconds):
         from ..parallel import AllreduceStrategy
         from ..parallel.exchange import Exchange
         from ..runtime.cluster import build_cluster
+
         cluster = build_cluster(pair)
         inputs, info = Inputs.of(config), trainer.info
         loss = nn.loss_for(info.num_classes, np)
-        owners = {name: AllreduceStrategy(build_model_for(config, inputs, info, np), loss, trainer.make, cluster,
-                                          seed=config.seed, exchange="mpi", bucket_bytes=bucket)
-                  for name in ("overlapped", "after backward")}
+        owners = {
+            name: AllreduceStrategy(
+                build_model_for(config, inputs, info, np),
+                loss,
+                trainer.make,
+                cluster,
+                seed=config.seed,
+                exchange="mpi",
+                bucket_bytes=bucket,
+            )
+            for name in ("overlapped", "after backward")
+        }
         for owner in owners.values():
             owner.initialize()
         late = owners["after backward"]
         late.exchange = Exchange(late.worker_comm, late.buffer, late.bucket_bytes, overlap=False)
         counter = iter(range(1 << 30))
         steps = {"alone": trainer.step}
-        steps.update({name: lambda owner=owner: owner.train_step(trainer.x, trainer.y, 0.5, next(counter))
-                      for name, owner in owners.items()})
+        steps.update(
+            {
+                name: lambda owner=owner: owner.train_step(trainer.x, trainer.y, 0.5, next(counter))
+                for name, owner in owners.items()
+            }
+        )
         times = synced_alternating(pair, steps, 2 * seconds, every=True)
         for owner in owners.values():
             owner.free()
         cluster.free()
         return times
 
-    for same_node, nodes in ((False, 2), (True, 1)):   # (across nodes where there are two: the link that counts)
+    for same_node, nodes in (
+        (False, 2),
+        (True, 1),
+    ):  # (across nodes where there are two: the link that counts)
         times = _on_pair(world, node_of_rank, same_node, measure)
         if times is not NO_PAIR:
             return (times, bucket, nodes) if world.Get_rank() == 0 else None
@@ -452,6 +537,7 @@ def _pair(world, node_of_rank, same_node):
     the collectives see it: an ``Allreduce`` of ``n`` bytes over the two, a ring's two steps of ``n / 2``,
     takes ``2 latency + n per_byte`` (sums and copies included); None where there is no such rank.  Every
     rank calls; two of them measure."""
+
     def measure(pair):
         seconds = []
         for size in SIZES:

@@ -23,8 +23,8 @@ from ..parallel.schedule import simulate
 from ..runtime.errors import UsageError
 from .buckets import MIB, hideable
 
-OPTIMIZER_ARRAYS = {"adam": 2, "sgd": 1}   # optimizer state per parameter
-DEFAULT_BUCKET_MB = 64.0                   # train's --bucket-mb
+OPTIMIZER_ARRAYS = {"adam": 2, "sgd": 1}  # optimizer state per parameter
+DEFAULT_BUCKET_MB = 64.0  # train's --bucket-mb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,23 +34,26 @@ class Layout:
     strategy: str
     nodes: int
     per_node: int
-    batch: int                   # the global batch
+    batch: int  # the global batch
     ps: int = 0
     stages: int = 1
     micro_batches: int = 4
     schedule: str = "1f1b"
     tensor: int = 1
-    exchange: str = "auto"       # allreduce: auto (one model per node on CPUs), mpi
+    exchange: str = "auto"  # allreduce: auto (one model per node on CPUs), mpi
     shard: str = "none"
-    bucket_mb: float = DEFAULT_BUCKET_MB   # allreduce with MPI's exchange: its buckets
+    bucket_mb: float = DEFAULT_BUCKET_MB  # allreduce with MPI's exchange: its buckets
 
     @property
     def ranks(self):
         return self.nodes * self.per_node
 
     def describe(self):
-        extra = {"ps-sync": f" --ps {self.ps}", "ps-async": f" --ps {self.ps}",
-                 "pipeline": f" --stages {self.stages} --micro-batches {self.micro_batches}"}.get(self.strategy, "")
+        extra = {
+            "ps-sync": f" --ps {self.ps}",
+            "ps-async": f" --ps {self.ps}",
+            "pipeline": f" --stages {self.stages} --micro-batches {self.micro_batches}",
+        }.get(self.strategy, "")
         if self.tensor > 1:
             extra += f" --tensor {self.tensor}"
         if self.exchange != "auto":
@@ -65,8 +68,12 @@ class Layout:
     def buckets(self):
         """Whether the step's gradients go through MPI's bucketed ``Iallreduce`` (whose buckets backward can
         hide): ``allreduce`` with MPI's exchange (chosen, or one rank a node), whole parameters, no shards."""
-        return (self.strategy == "allreduce" and self.tensor == 1 and self.shard == "none"
-                and (self.exchange == "mpi" or self.per_node == 1))
+        return (
+            self.strategy == "allreduce"
+            and self.tensor == 1
+            and self.shard == "none"
+            and (self.exchange == "mpi" or self.per_node == 1)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +90,7 @@ class Prediction:
     wait: float
     memory: int
     loop: float = 0.0
-    together: float = 1.0   # the share of the step's compute during which the node's other ranks compute too
+    together: float = 1.0  # the share of the step's compute during which the node's other ranks compute too
 
     @property
     def step(self):
@@ -112,21 +119,33 @@ def predict(cal, layout):
     # ranks crowd each other while they compute at once: a pipeline stage with slack leaves its neighbour
     # alone for part of the step (and a bubble and a wait are made of stage and step times: as slow)
     slower = 1.0 + (cal.crowding_for(layout) - 1.0) * made.together
-    return dataclasses.replace(made, compute=made.compute * slower, optimizer=made.optimizer * slower,
-                               bubble=made.bubble * slower, wait=made.wait * slower, loop=cal.step_overhead)
+    return dataclasses.replace(
+        made,
+        compute=made.compute * slower,
+        optimizer=made.optimizer * slower,
+        bubble=made.bubble * slower,
+        wait=made.wait * slower,
+        loop=cal.step_overhead,
+    )
 
 
 def check(cal, layout):
     if layout.strategy in ("ps-sync", "ps-async") and not 0 < layout.ps < layout.ranks:
         raise UsageError(f"{layout.describe()}: needs 1 to {layout.ranks - 1} ps ranks on {layout.ranks}")
     if layout.nodes > 1 and cal.network is None:
-        raise UsageError(f"{layout.nodes} nodes: the calibration has no link between nodes (it ran on one): "
-                         "give one with --link, e.g. --link 25GB/s,2us")
+        raise UsageError(
+            f"{layout.nodes} nodes: the calibration has no link between nodes (it ran on one): "
+            "give one with --link, e.g. --link 25GB/s,2us"
+        )
     if layout.per_node > 1 and cal.node is None:
-        raise UsageError(f"{layout.per_node} ranks a node: the calibration has no link within a node (it ran one "
-                         "rank a node): calibrate with two ranks on one node")
+        raise UsageError(
+            f"{layout.per_node} ranks a node: the calibration has no link within a node (it ran one "
+            "rank a node): calibrate with two ranks on one node"
+        )
     if layout.ranks % (layout.stages * layout.tensor):
-        raise UsageError(f"--stages {layout.stages} x --tensor {layout.tensor} does not divide {layout.ranks} ranks")
+        raise UsageError(
+            f"--stages {layout.stages} x --tensor {layout.tensor} does not divide {layout.ranks} ranks"
+        )
     if layout.stages > len(cal.layers):
         raise UsageError(f"--stages {layout.stages}: the model has {len(cal.layers)} layers")
 
@@ -150,7 +169,7 @@ def _wait(cal, compute, ranks):
     return cal.jitter * compute * slowest_of(ranks)
 
 
-EVAL_BATCH = 1024       # samples an evaluation runs through the model at once (data.batches.eval_batches)
+EVAL_BATCH = 1024  # samples an evaluation runs through the model at once (data.batches.eval_batches)
 
 
 def _memory(cal, layout, params, updated, workers, activations, kept=0):
@@ -163,8 +182,11 @@ def _memory(cal, layout, params, updated, workers, activations, kept=0):
     state = (OPTIMIZER_ARRAYS.get(cal.optimizer, 2) * updated + kept) * item
     data = cal.train_samples * cal.sample_bytes // max(1, workers)
     # the last evaluation: its share of the test split, a batch of up to EVAL_BATCH through every layer
-    evaluated = min(EVAL_BATCH, -(-cal.test_samples // max(1, workers))) * item * sum(
-        layer.out_elements for layer in cal.layers)
+    evaluated = (
+        min(EVAL_BATCH, -(-cal.test_samples // max(1, workers)))
+        * item
+        * sum(layer.out_elements for layer in cal.layers)
+    )
     reading = cal.read_overhead_bytes if workers > 1 else 0
     return int(cal.baseline_bytes + data + 2 * params * item + max(reading, state + activations + evaluated))
 
@@ -176,8 +198,15 @@ def _activations(cal, samples, first=0, end=None):
 
 def _local(cal, layout):
     compute = cal.compute(layout.batch)
-    return Prediction(layout, compute, 0.0, cal.optimizer_per_param * cal.params, 0.0, 0.0,
-                      _memory(cal, layout, cal.params, cal.params, 1, _activations(cal, layout.batch)))
+    return Prediction(
+        layout,
+        compute,
+        0.0,
+        cal.optimizer_per_param * cal.params,
+        0.0,
+        0.0,
+        _memory(cal, layout, cal.params, cal.params, 1, _activations(cal, layout.batch)),
+    )
 
 
 def _tensor_share(cal, tensor):
@@ -186,7 +215,9 @@ def _tensor_share(cal, tensor):
         return cal.params, 1.0
     params = sum(layer.params / tensor if layer.splits else layer.params for layer in cal.layers)
     whole = sum(layer.forward[1] + layer.backward[1] for layer in cal.layers) or 1.0
-    share = sum((layer.forward[1] + layer.backward[1]) / (tensor if layer.splits else 1) for layer in cal.layers)
+    share = sum(
+        (layer.forward[1] + layer.backward[1]) / (tensor if layer.splits else 1) for layer in cal.layers
+    )
     return int(params), share / whole
 
 
@@ -197,26 +228,36 @@ def _allreduce(cal, layout):
     compute = cal.compute(samples) * share
     nbytes = params * cal.itemsize
     node_model = layout.exchange == "auto" and layout.tensor == 1 and layout.per_node > 1
-    if node_model:   # one copy per node: a rank sums its 1/L over the node, rings between nodes, updates 1/L
+    if node_model:  # one copy per node: a rank sums its 1/L over the node, rings between nodes, updates 1/L
         local = layout.per_node
         exchange = (local - 1) * nbytes / local * cal.sum_per_byte
         if layout.nodes > 1:
-            exchange += 2 * (layout.nodes - 1) * (cal.network.latency + nbytes / layout.nodes * cal.network.per_byte)
+            exchange += (
+                2 * (layout.nodes - 1) * (cal.network.latency + nbytes / layout.nodes * cal.network.per_byte)
+            )
         updated = params / local
-        window = (local - 1) * nbytes // local   # (the others' gradients a rank sums its part of: its pages too)
-    else:            # MPI's allreduce over the groups' same parts
+        window = (
+            (local - 1) * nbytes // local
+        )  # (the others' gradients a rank sums its part of: its pages too)
+    else:  # MPI's allreduce over the groups' same parts
         link = cal.link_for(layout)
         exchange = link.allreduce(nbytes, groups) + (groups - 1) / groups * nbytes * cal.sum_per_byte
-        if layout.buckets and cal.overlap > 0:   # (the calibrated share of what the buckets can hide)
+        if layout.buckets and cal.overlap > 0:  # (the calibrated share of what the buckets can hide)
             exchange -= cal.overlap * hideable(cal, layout, layout.bucket_mb * MIB)[0]
         updated = params / groups if layout.shard == "optimizer" else params
         window = 0
-    if layout.tensor > 1:   # two sums of activations per split pair, forward and backward, within a node
+    if layout.tensor > 1:  # two sums of activations per split pair, forward and backward, within a node
         sums = sum(elements for elements in cal.tensor_sums) * samples * cal.itemsize
         exchange += 2 * cal.node.allreduce(sums, layout.tensor) + 2 * len(cal.tensor_sums) * cal.node.latency
-    return Prediction(layout, compute, exchange, cal.optimizer_per_param * updated, 0.0,
-                      _wait(cal, compute, layout.ranks),
-                      _memory(cal, layout, params, updated, groups, _activations(cal, samples) * share) + window)
+    return Prediction(
+        layout,
+        compute,
+        exchange,
+        cal.optimizer_per_param * updated,
+        0.0,
+        _wait(cal, compute, layout.ranks),
+        _memory(cal, layout, params, updated, groups, _activations(cal, samples) * share) + window,
+    )
 
 
 def _ps_sync(cal, layout):
@@ -231,9 +272,15 @@ def _ps_sync(cal, layout):
     scatter = (layout.ranks - 1) * link.latency + nbytes * link.per_byte
     # a ps keeps the previous shard and its optimizer state (a lost rank's rollback) and checks the sum: copies
     kept = (1 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2) + 0.5) * nbytes / ps * cal.sum_per_byte
-    return Prediction(layout, compute, gather + scatter, cal.optimizer_per_param * cal.params / ps + kept, 0.0,
-                      _wait(cal, compute, workers),
-                      _memory(cal, layout, cal.params, cal.params / ps, workers, _activations(cal, samples)))
+    return Prediction(
+        layout,
+        compute,
+        gather + scatter,
+        cal.optimizer_per_param * cal.params / ps + kept,
+        0.0,
+        _wait(cal, compute, workers),
+        _memory(cal, layout, cal.params, cal.params / ps, workers, _activations(cal, samples)),
+    )
 
 
 def _ps_async(cal, layout):
@@ -245,11 +292,22 @@ def _ps_async(cal, layout):
     nbytes = cal.params * cal.itemsize
     link = cal.link_for(layout)
     moves = 2 * link.time(nbytes, messages=ps)
-    serve = link.time(2 * nbytes / ps) + nbytes / ps * cal.sum_per_byte + cal.optimizer_per_param * cal.params / ps
+    serve = (
+        link.time(2 * nbytes / ps)
+        + nbytes / ps * cal.sum_per_byte
+        + cal.optimizer_per_param * cal.params / ps
+    )
     # one worker-step of the whole job (every worker once) takes the longer of a worker's step and the ps's turns
     round_s = max(compute + moves, workers * serve)
-    return Prediction(layout, compute, round_s - compute, 0.0, 0.0, 0.0,
-                      _memory(cal, layout, cal.params, cal.params / ps, workers, _activations(cal, samples)))
+    return Prediction(
+        layout,
+        compute,
+        round_s - compute,
+        0.0,
+        0.0,
+        0.0,
+        _memory(cal, layout, cal.params, cal.params / ps, workers, _activations(cal, samples)),
+    )
 
 
 def _pipeline(cal, layout):
@@ -259,7 +317,7 @@ def _pipeline(cal, layout):
     sizes = balance_by_parameters([layer.params + 1 for layer in cal.layers], stages)
     starts = [sum(sizes[:stage]) for stage in range(stages + 1)]
     spans = list(zip(starts[:-1], starts[1:]))
-    params = [sum(layer.params for layer in cal.layers[lo:hi]) for lo, hi in spans]   # (each stage's)
+    params = [sum(layer.params for layer in cal.layers[lo:hi]) for lo, hi in spans]  # (each stage's)
     seconds = {}
     for stage, (lo, hi) in enumerate(spans):
         forward = sum(cal.layers[i].forward[0] + cal.layers[i].forward[1] * micro for i in range(lo, hi))
@@ -274,7 +332,9 @@ def _pipeline(cal, layout):
     transfer = link.time(micro * largest * cal.itemsize) if stages > 1 else 0.0
     plans = [stage_plan(layout.schedule, stage, stages, layout.micro_batches) for stage in range(stages)]
     makespan, peak = _makespan(plans, seconds, transfer)
-    loads = [sum(seconds[stage, op] for op, _ in plan if op in ("fwd", "bwd")) for stage, plan in enumerate(plans)]
+    loads = [
+        sum(seconds[stage, op] for op, _ in plan if op in ("fwd", "bwd")) for stage, plan in enumerate(plans)
+    ]
     busy = max(loads)
     stage_params = max(params)
     nbytes = stage_params * cal.itemsize
@@ -286,20 +346,28 @@ def _pipeline(cal, layout):
     together = 1.0
     if 1 < stages and layout.per_node <= stages * tensor and busy > 0:
         together = min(1.0, (sum(loads) - busy) / ((stages - 1) * busy))
-    return Prediction(layout, busy, exchange, cal.optimizer_per_param * stage_params, makespan - busy,
-                      _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas),
-                      _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params),
-                      together=together)
+    return Prediction(
+        layout,
+        busy,
+        exchange,
+        cal.optimizer_per_param * stage_params,
+        makespan - busy,
+        _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas),
+        _memory(cal, layout, stage_params, stage_params, replicas, held, kept=stage_params),
+        together=together,
+    )
 
 
 def _makespan(plans, seconds, transfer):
     """``(seconds from the first stage's start to the last's end, activations held per stage)`` of the
     schedule run with ``seconds[stage, op]`` per computation."""
     timeline, peak = simulate(plans, cost=lambda stage, op: seconds[stage, op], transfer=transfer)
-    return max(start + seconds[stage, op] for stage, line in enumerate(timeline) for start, op, _ in line), peak
+    return max(
+        start + seconds[stage, op] for stage, line in enumerate(timeline) for start, op, _ in line
+    ), peak
 
 
-DRAWS = 64   # schedules run with drawn stage speeds, for the pipeline's wait
+DRAWS = 64  # schedules run with drawn stage speeds, for the pipeline's wait
 
 
 def _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas):
@@ -309,7 +377,7 @@ def _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas):
     ``replicas`` replicas' makespans, which the replicas' allreduce waits for."""
     if cal.jitter <= 0:
         return 0.0
-    rng = np.random.default_rng(0)   # (the same prediction every time)
+    rng = np.random.default_rng(0)  # (the same prediction every time)
     spans = []
     for _ in range(DRAWS):
         factor = np.maximum(0.1, 1.0 + cal.jitter * rng.standard_normal(len(plans)))
@@ -321,5 +389,10 @@ def _pipeline_wait(cal, plans, seconds, transfer, makespan, replicas):
 
 #: The cost of a step of each strategy plan predicts, by its registered class (a renamed or subclassed
 #: strategy is found through the registry, and a strategy left out is said to be so: :func:`predicted`)
-_COSTS = {LocalStrategy: _local, AllreduceStrategy: _allreduce, PsSyncStrategy: _ps_sync,
-          PsAsyncStrategy: _ps_async, PipelineStrategy: _pipeline}
+_COSTS = {
+    LocalStrategy: _local,
+    AllreduceStrategy: _allreduce,
+    PsSyncStrategy: _ps_sync,
+    PsAsyncStrategy: _ps_async,
+    PipelineStrategy: _pipeline,
+}

@@ -29,12 +29,14 @@ from .check import read_layout
 from .step import predict
 
 #: (name, ranks, nodes, train's flags besides the model and data): what the issue asks the model to match
-LAYOUTS = (("local", 1, 1, ["--strategy", "local"]),
-           ("allreduce, one node", 2, 1, ["--strategy", "allreduce"]),
-           ("allreduce, two nodes", 2, 2, ["--strategy", "allreduce"]),
-           ("ps-sync --ps 1", 2, 1, ["--strategy", "ps-sync", "--ps", "1"]),
-           ("pipeline, M = 4", 2, 1, ["--strategy", "pipeline", "--stages", "2", "--micro-batches", "4"]),
-           ("pipeline, M = 8", 2, 1, ["--strategy", "pipeline", "--stages", "2", "--micro-batches", "8"]))
+LAYOUTS = (
+    ("local", 1, 1, ["--strategy", "local"]),
+    ("allreduce, one node", 2, 1, ["--strategy", "allreduce"]),
+    ("allreduce, two nodes", 2, 2, ["--strategy", "allreduce"]),
+    ("ps-sync --ps 1", 2, 1, ["--strategy", "ps-sync", "--ps", "1"]),
+    ("pipeline, M = 4", 2, 1, ["--strategy", "pipeline", "--stages", "2", "--micro-batches", "4"]),
+    ("pipeline, M = 8", 2, 1, ["--strategy", "pipeline", "--stages", "2", "--micro-batches", "8"]),
+)
 
 
 def _mpiexec(ranks, nodes, hosts, args):
@@ -51,15 +53,34 @@ def _run(command):
     threads = {name: share for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     done = subprocess.run(command, capture_output=True, text=True, env=launch_environment(**threads))
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise SystemExit(
+            f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
     return done
 
 
 def calibrated(folder, model, data, hosts, seconds):
     """One calibration with both links: this node's (two ranks on it) and the network's (two emulated nodes)."""
     for name, nodes in (("node", 1), ("network", 2)):
-        _run(_mpiexec(2, nodes, hosts, ["plan", "--calibrate", "--model", model, "--data", data, "--seconds",
-                                        str(seconds), "--calibration", str(folder / f"{name}.json")]))
+        _run(
+            _mpiexec(
+                2,
+                nodes,
+                hosts,
+                [
+                    "plan",
+                    "--calibrate",
+                    "--model",
+                    model,
+                    "--data",
+                    data,
+                    "--seconds",
+                    str(seconds),
+                    "--calibration",
+                    str(folder / f"{name}.json"),
+                ],
+            )
+        )
     within, between = calibration.load(folder / "node.json"), calibration.load(folder / "network.json")
     return dataclasses.replace(within, network=between.network, network_crowding=between.network_crowding)
 
@@ -71,14 +92,21 @@ def batch_flags(name, ranks, batch_per_rank):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mpidist.plan.validate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mpidist.plan.validate", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", default="mlp-wide")
     parser.add_argument("--data", default="mnist-5k")
     parser.add_argument("--steps", type=int, default=300, help="steps a run (default: 300)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
-    parser.add_argument("--seconds", type=float, default=1.0, help="calibration time per measurement (default: 1)")
-    parser.add_argument("--hosts", default=f"127.0.0.1,{socket.gethostname()}",
-                        help="two names of this machine, one per emulated node")
+    parser.add_argument(
+        "--seconds", type=float, default=1.0, help="calibration time per measurement (default: 1)"
+    )
+    parser.add_argument(
+        "--hosts",
+        default=f"127.0.0.1,{socket.gethostname()}",
+        help="two names of this machine, one per emulated node",
+    )
     parser.add_argument("--output", default=None, help="JSON file for the rows")
     options = parser.parse_args(argv)
     hosts = options.hosts.split(",")
@@ -93,12 +121,33 @@ def main(argv=None):
             calibrations.append(cal.to_json())
             for name, ranks, nodes, flags in LAYOUTS:
                 run_dir = folder / f"{round_}-{name.replace(' ', '_').replace(',', '')}"
-                _run(_mpiexec(ranks, nodes, hosts, ["--model", options.model, "--data", options.data, *flags,
-                                                    *batch_flags(name, ranks, cal.batch_per_rank), "--steps",
-                                                    str(options.steps), "--eval-every", "0", "--checkpoint-dir", "",
-                                                    "--progress", "none", "--run-dir", str(run_dir)]))
+                _run(
+                    _mpiexec(
+                        ranks,
+                        nodes,
+                        hosts,
+                        [
+                            "--model",
+                            options.model,
+                            "--data",
+                            options.data,
+                            *flags,
+                            *batch_flags(name, ranks, cal.batch_per_rank),
+                            "--steps",
+                            str(options.steps),
+                            "--eval-every",
+                            "0",
+                            "--checkpoint-dir",
+                            "",
+                            "--progress",
+                            "none",
+                            "--run-dir",
+                            str(run_dir),
+                        ],
+                    )
+                )
                 read = read_layout(run_dir)
-                if isinstance(read, str):   # (a run that exited 0 but left no figures: say so, do not guess)
+                if isinstance(read, str):  # (a run that exited 0 but left no figures: say so, do not guess)
                     raise SystemExit(f"mpidist plan validate: {name}: {read}")
                 measured[name].append(read)
                 predicted[name].append(predict(cal, read[0]))
@@ -107,18 +156,31 @@ def main(argv=None):
             made = predicted[name]
             speed, peak = median(run[1] for run in runs), median(run[2] for run in runs)
             rate, memory = median(m.samples_per_s for m in made), median(m.memory for m in made)
-            rows.append({"layout": name, "predicted": rate, "measured": speed,
-                         "speed_ratio": rate / speed, "memory_predicted_mib": memory / 2 ** 20,
-                         "memory_measured_mib": peak / 2 ** 20, "memory_ratio": memory / peak,
-                         "measured_each": [run[1] for run in runs],
-                         "predicted_each": [m.samples_per_s for m in made]})
+            rows.append(
+                {
+                    "layout": name,
+                    "predicted": rate,
+                    "measured": speed,
+                    "speed_ratio": rate / speed,
+                    "memory_predicted_mib": memory / 2**20,
+                    "memory_measured_mib": peak / 2**20,
+                    "memory_ratio": memory / peak,
+                    "measured_each": [run[1] for run in runs],
+                    "predicted_each": [m.samples_per_s for m in made],
+                }
+            )
         from ..bench.output import format_table, write_results
         from .check import COLUMNS
-        print(f"mpidist plan: {options.model} on {options.data}, {options.steps} steps a run, medians of "
-              f"{options.rounds} interleaved rounds")
+
+        print(
+            f"mpidist plan: {options.model} on {options.data}, {options.steps} steps a run, medians of "
+            f"{options.rounds} interleaved rounds"
+        )
         print(format_table(rows, [column for column in COLUMNS if column[0] not in ("ranks", "nodes")]))
         if options.output:
-            write_results(options.output, {"calibrations": calibrations, "rows": rows})   # (whole; a link replaced)
+            write_results(
+                options.output, {"calibrations": calibrations, "rows": rows}
+            )  # (whole; a link replaced)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

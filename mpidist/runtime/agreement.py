@@ -30,7 +30,16 @@ import numpy as np
 
 from . import comm as mpi
 from . import ulfm
-from .errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, Interrupted, RunError, UsageError, error_line
+from .errors import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    Interrupted,
+    RunError,
+    UsageError,
+    error_line,
+)
 from .rma import Window
 from .whereabouts import here
 
@@ -66,11 +75,12 @@ class OneVoice:
             try:
                 self.window.fetch_add(np.ones(1, dtype=np.int64), earlier, 0)
                 self.window.flush(0)
-            except Exception:   # (a broken window: this rank speaks)
+            except Exception:  # (a broken window: this rank speaks)
                 earlier[0] = -1
 
         from mpi4py import MPI
-        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:   # (the claim could block with no way to give up)
+
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:  # (the claim could block with no way to give up)
             return True
         asking = threading.Thread(target=add, daemon=True, name="mpidist-claim")
         asking.start()
@@ -82,7 +92,7 @@ class OneVoice:
         self.window.free()
 
 
-_VOICE = None   # the OneVoice of the job's ends_the_job_on_error, while one is entered
+_VOICE = None  # the OneVoice of the job's ends_the_job_on_error, while one is entered
 
 
 def abort_quietly(code):
@@ -92,6 +102,7 @@ def abort_quietly(code):
     /dev/null first, so the job's output ends with that line.
     """
     from mpi4py import MPI
+
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     except OSError:
@@ -125,12 +136,19 @@ def abort_job(exc_type, exc, tb):
         sys.stderr.write(interrupted_line(exc, rank) + "\n")
     elif not understood:
         sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb)), rank))
-    code = EXIT_USAGE if isinstance(exc, UsageError) else EXIT_PREEMPTED if isinstance(exc, Interrupted) \
+    code = (
+        EXIT_USAGE
+        if isinstance(exc, UsageError)
+        else EXIT_PREEMPTED
+        if isinstance(exc, Interrupted)
         else EXIT_FAILURE
+    )
     sys.stderr.flush()
     sys.stdout.flush()
     if many:
-        time.sleep(ABORT_GRACE_SECONDS if speaks else QUIET_SECONDS)   # (the speaker's abort ends this one first)
+        time.sleep(
+            ABORT_GRACE_SECONDS if speaks else QUIET_SECONDS
+        )  # (the speaker's abort ends this one first)
         if understood:
             abort_quietly(code)
         MPI.COMM_WORLD.Abort(code)
@@ -139,8 +157,10 @@ def abort_job(exc_type, exc, tb):
 
 def interrupted_line(stop, rank):
     """The one line a command other than ``train`` stopped by a signal (an :class:`Interrupted`) prints."""
-    return (f"mpidist: stopped by {stop.name} (rank {rank}); a file it had not finished writing was removed, any it "
-            "had finished is whole")
+    return (
+        f"mpidist: stopped by {stop.name} (rank {rank}); a file it had not finished writing was removed, any it "
+        "had finished is whole"
+    )
 
 
 def end_interrupted(stop):
@@ -155,12 +175,14 @@ def end_interrupted(stop):
 
     rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
     many = MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
-    with contextlib.suppress(Exception):   # (a closed stream must not keep the process from ending)
+    with contextlib.suppress(Exception):  # (a closed stream must not keep the process from ending)
         sys.stderr.write(interrupted_line(stop, rank) + "\n")
         sys.stderr.flush()
         sys.stdout.flush()
     if many:
-        time.sleep(ABORT_GRACE_SECONDS)   # (the launcher forwards the line before the abort tears the job down)
+        time.sleep(
+            ABORT_GRACE_SECONDS
+        )  # (the launcher forwards the line before the abort tears the job down)
         abort_quietly(EXIT_PREEMPTED)
     os._exit(EXIT_PREEMPTED)
 
@@ -184,7 +206,7 @@ def agreed(comm):
         yield
     except UsageError as err:
         code, message = EXIT_USAGE, str(err)
-    except RunError as err:   # understood (the system failed a read): its line, no traceback
+    except RunError as err:  # understood (the system failed a read): its line, no traceback
         code, message = EXIT_FAILURE, str(err)
     except Exception:  # a bug or I/O failure: keep the traceback, still exit together
         code, message = EXIT_FAILURE, "unexpected failure:\n" + traceback.format_exc()
@@ -233,7 +255,7 @@ class ends_the_job_on_error:
         if exc is None or isinstance(exc, SystemExit) or self.world.Get_size() == 1:
             if self.voice is not None:
                 _VOICE = self.outer
-                if not ulfm.failure_seen():   # (after a lost rank the window's communicator is broken)
+                if not ulfm.failure_seen():  # (after a lost rank the window's communicator is broken)
                     self.voice.free()
             return False
         abort_job(exc_type, exc, tb)

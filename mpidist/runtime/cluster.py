@@ -50,14 +50,14 @@ class Cluster:
     """This rank's place in the job."""
 
     world: MPI.Comm
-    roles: list           # role of every world rank
-    role_comm: MPI.Comm   # ranks sharing this rank's role (the worker communicator for workers)
-    node: MPI.Comm        # ranks on this node
+    roles: list  # role of every world rank
+    role_comm: MPI.Comm  # ranks sharing this rank's role (the worker communicator for workers)
+    node: MPI.Comm  # ranks on this node
     node_index: int
     num_nodes: int
     host: str
-    origin: list = None         # each rank's rank at launch (they differ once an elastic run lost ranks)
-    launch_roles: list = None   # every rank's role at launch, the lost ones' too
+    origin: list = None  # each rank's rank at launch (they differ once an elastic run lost ranks)
+    launch_roles: list = None  # every rank's role at launch, the lost ones' too
 
     def __post_init__(self):
         if self.origin is None:
@@ -68,8 +68,12 @@ class Cluster:
     def survivors(self, world, lost):
         """Collective over ``world`` (the survivors of ``lost``, ranks of this cluster): their cluster, same roles."""
         kept = [rank for rank in range(self.size) if rank not in lost]
-        return build_cluster(world, roles=[self.roles[rank] for rank in kept],
-                             origin=[self.origin[rank] for rank in kept], launch_roles=self.launch_roles)
+        return build_cluster(
+            world,
+            roles=[self.roles[rank] for rank in kept],
+            origin=[self.origin[rank] for rank in kept],
+            launch_roles=self.launch_roles,
+        )
 
     @property
     def rank(self):
@@ -121,9 +125,21 @@ class Cluster:
         """
         # the pid lets a user map a launcher's "PID 4711 killed by signal 9" back to a rank
         # the node is MPI's (the ranks that share memory), which a host name alone may not tell apart
-        index = self.worker_index if self.role == WORKER else self.role_comm.Get_rank()   # (a ps: among the ps)
-        row = (self.rank, self.host, self.node_index, os.getpid(), self.local_rank, self.role, index, device, holds,
-               data)
+        index = (
+            self.worker_index if self.role == WORKER else self.role_comm.Get_rank()
+        )  # (a ps: among the ps)
+        row = (
+            self.rank,
+            self.host,
+            self.node_index,
+            os.getpid(),
+            self.local_rank,
+            self.role,
+            index,
+            device,
+            holds,
+            data,
+        )
         rows = self.world.gather(row, root=self.chief_rank)  # start-up only, small strings
         if rows is None:
             return None
@@ -139,7 +155,7 @@ class Cluster:
         """Free the communicators this cluster split off the world (once: a second call does nothing)."""
         for comm in (self.role_comm, self.node):
             if comm != MPI.COMM_NULL:
-                comm.Free()   # (mpi4py nulls the handle)
+                comm.Free()  # (mpi4py nulls the handle)
 
 
 def node_layout(world):
@@ -166,6 +182,14 @@ def build_cluster(world=None, num_ps=0, roles=None, origin=None, launch_roles=No
     node, node_index, num_nodes, node_of_rank = node_layout(world)
     roles = assign_roles(node_of_rank, num_ps) if roles is None else list(roles)
     role_comm = world.Split(0 if roles[world.Get_rank()] == WORKER else 1, key=world.Get_rank())
-    return Cluster(world=world, roles=roles, role_comm=role_comm, node=node,
-                   node_index=node_index, num_nodes=num_nodes, host=socket.gethostname(), origin=origin,
-                   launch_roles=launch_roles)
+    return Cluster(
+        world=world,
+        roles=roles,
+        role_comm=role_comm,
+        node=node,
+        node_index=node_index,
+        num_nodes=num_nodes,
+        host=socket.gethostname(),
+        origin=origin,
+        launch_roles=launch_roles,
+    )

@@ -60,6 +60,7 @@ def transfer_path():
 
 def _synchronize(array):
     import cupy
+
     cupy.cuda.get_current_stream().synchronize()
     return array
 
@@ -82,6 +83,7 @@ def _staged(array):
         host = array.get()
         return host, lambda: array.set(host)
     import cupy
+
     stream = cupy.cuda.get_current_stream()
     host = np.frombuffer(memory, array.dtype, array.size).reshape(array.shape)
     array.get(out=host, stream=stream)
@@ -134,12 +136,12 @@ class InFlight:
     a copy of a buffer).
     """
 
-    FIRST_PASS = 64   # entries before the first pass that drops the completed ones
+    FIRST_PASS = 64  # entries before the first pass that drops the completed ones
 
     def __init__(self):
         self.started, self.kept = [], []
         self.next_pass = self.FIRST_PASS
-        self.lock = threading.Lock()   # (the stall monitor's thread starts sends too)
+        self.lock = threading.Lock()  # (the stall monitor's thread starts sends too)
 
     def track(self, request, buffer):
         """Note ``request`` (an mpi4py request) and the ``buffer`` it uses; returns the request."""
@@ -175,6 +177,7 @@ def keep_in_flight():
 
 def _typed(buffer, counts, displs):
     from mpi4py.util.dtlib import from_numpy_dtype
+
     return [buffer, list(counts), list(displs), from_numpy_dtype(buffer.dtype)]
 
 
@@ -348,7 +351,7 @@ def wait_any(requests, first=0):
     found = MPI.Request.Waitany(posted) if posted else MPI.UNDEFINED
     if found == MPI.UNDEFINED:
         return None
-    requests[order[found]] = None   # (MPI has freed it)
+    requests[order[found]] = None  # (MPI has freed it)
     return order[found]
 
 
@@ -371,7 +374,7 @@ def sum_float64(comm, values):
     convert implicitly.
     """
     if isinstance(values, np.ndarray):
-        buffer = values.astype(np.float64)   # a copy, of the same shape
+        buffer = values.astype(np.float64)  # a copy, of the same shape
     else:
         buffer = np.array([float(value) for value in values], dtype=np.float64)
     if comm is not None:
@@ -387,8 +390,11 @@ def bcast_text(comm, text, root=0):
     data = text.encode("utf-8", "surrogateescape") if comm.Get_rank() == root else b""
     length = np.array([len(data)], dtype=np.int64)
     comm.Bcast(length, root=root)
-    buffer = np.frombuffer(data, dtype=np.uint8).copy() if comm.Get_rank() == root else \
-        np.empty(int(length[0]), dtype=np.uint8)
+    buffer = (
+        np.frombuffer(data, dtype=np.uint8).copy()
+        if comm.Get_rank() == root
+        else np.empty(int(length[0]), dtype=np.uint8)
+    )
     comm.Bcast(buffer, root=root)
     return buffer.tobytes().decode("utf-8", "surrogateescape")
 

@@ -21,7 +21,7 @@ import stat
 
 from .errors import UsageError
 
-LINE_LIMIT = 16 << 20   # bytes of one line, its newline included
+LINE_LIMIT = 16 << 20  # bytes of one line, its newline included
 
 
 def open_regular(path, what):
@@ -61,7 +61,9 @@ def bounded_lines(path, what, limit=LINE_LIMIT, encoding="utf-8", errors="replac
             if not raw:
                 return
             number += 1
-            if len(raw) > limit:     # (limit + 1 bytes read, and the line goes on, or ends only there)
-                raise UsageError(f"{what}: line {number:,} is longer than {limit:,} bytes: not a file of lines "
-                                 "mpidist reads (refused before reading the rest of it)")
+            if len(raw) > limit:  # (limit + 1 bytes read, and the line goes on, or ends only there)
+                raise UsageError(
+                    f"{what}: line {number:,} is longer than {limit:,} bytes: not a file of lines "
+                    "mpidist reads (refused before reading the rest of it)"
+                )
             yield number, raw.decode(encoding, errors)

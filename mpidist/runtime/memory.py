@@ -70,7 +70,7 @@ def human(nbytes):
         if value < 1024 or unit == "PiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{value:.1f} EiB"   # pragma: no cover
+    return f"{value:.1f} EiB"  # pragma: no cover
 
 
 def check_fits(nbytes, what):
@@ -104,27 +104,48 @@ def holdable():
     """
     ranks = ranks_per_node()
     free = available_bytes()
-    found = [] if free is None else [(free // ranks, f"this rank's share of the memory free on the node "
-                                                    f"({human(free // ranks)} of {human(free)} for {ranks} rank(s))")]
+    found = (
+        []
+        if free is None
+        else [
+            (
+                free // ranks,
+                f"this rank's share of the memory free on the node "
+                f"({human(free // ranks)} of {human(free)} for {ranks} rank(s))",
+            )
+        ]
+    )
     try:
         import resource
+
         # (what the process has mapped already counts against its limit: the interpreter, its libraries'
         # buffers, the data read so far)
-        for which, name, used in ((resource.RLIMIT_AS, "ulimit -v", b"VmSize"),
-                                  (resource.RLIMIT_DATA, "ulimit -d", b"VmData")):
+        for which, name, used in (
+            (resource.RLIMIT_AS, "ulimit -v", b"VmSize"),
+            (resource.RLIMIT_DATA, "ulimit -d", b"VmData"),
+        ):
             soft = resource.getrlimit(which)[0]
             if soft != resource.RLIM_INFINITY:
                 used = kib_field("/proc/self/status", used) or 0
-                found.append((max(0, soft - used), f"this process's limit ({name}: {human(soft)}, "
-                                                   f"{human(used)} of it in use)"))
-    except (ImportError, OSError, ValueError):   # pragma: no cover - not POSIX
+                found.append(
+                    (
+                        max(0, soft - used),
+                        f"this process's limit ({name}: {human(soft)}, {human(used)} of it in use)",
+                    )
+                )
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
         pass
     try:
         with open("/sys/fs/cgroup/memory.max") as handle:
             text = handle.read().strip()
         if text.isdigit():
-            found.append((int(text) // ranks, f"this rank's share of the job's memory limit (cgroup memory.max "
-                                              f"{human(int(text))} for {ranks} rank(s))"))
+            found.append(
+                (
+                    int(text) // ranks,
+                    f"this rank's share of the job's memory limit (cgroup memory.max "
+                    f"{human(int(text))} for {ranks} rank(s))",
+                )
+            )
     except OSError:
         pass
     return min(found) if found else None
@@ -143,7 +164,7 @@ def peak_memory():
     """Bytes this process has held resident at most so far (``getrusage``; 0 where unknown)."""
     try:
         import resource
-    except ImportError:    # pragma: no cover - not POSIX
+    except ImportError:  # pragma: no cover - not POSIX
         return 0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024   # (macOS counts bytes, Linux KiB)
+    return peak if sys.platform == "darwin" else peak * 1024  # (macOS counts bytes, Linux KiB)

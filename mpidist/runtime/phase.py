@@ -55,8 +55,8 @@ class PhaseAgreement:
         item = next(iterator, _END)
         while True:
             agreed = self._boundary(busy=item is not _END)
-            if agreed is not None and (agreed["signal"] or not agreed["busy"]):   # (a signal, or all done)
-                self._pending.wait()   # (every rank posted it: they all leave at this boundary)
+            if agreed is not None and (agreed["signal"] or not agreed["busy"]):  # (a signal, or all done)
+                self._pending.wait()  # (every rank posted it: they all leave at this boundary)
                 self._pending = None
                 if agreed["signal"]:
                     self.cut = {"signal": agreed["signal"], "rank": agreed["rank"]}

@@ -81,7 +81,7 @@ class StopSignals:
 
     def install(self):
         self._depth += 1
-        if self._depth == 1 and not _INTERRUPTING:   # (a command's handlers stay: see interrupt_on_signals)
+        if self._depth == 1 and not _INTERRUPTING:  # (a command's handlers stay: see interrupt_on_signals)
             for number in SIGNALS:
                 self._previous[number] = signal.signal(number, self._handle)
             self.received = 0
@@ -103,7 +103,9 @@ class StopSignals:
 
 
 _PROCESS = StopSignals()
-_INTERRUPTING = False   # set once interrupt_on_signals has installed its handlers: a command, not a training run
+_INTERRUPTING = (
+    False  # set once interrupt_on_signals has installed its handlers: a command, not a training run
+)
 
 
 def stop_signals():
@@ -134,13 +136,16 @@ def interrupt_on_signals():
     pending = stop_signals().received
     stop_signals().restore()
     _INTERRUPTING = True
-    previous = {number: signal.signal(number, _end_here) for number in INTERRUPTS
-                if number != signal.SIGHUP or signal.getsignal(number) is not signal.SIG_IGN}
+    previous = {
+        number: signal.signal(number, _end_here)
+        for number in INTERRUPTS
+        if number != signal.SIGHUP or signal.getsignal(number) is not signal.SIG_IGN
+    }
     if pending:
         _end_here(pending, None)
     try:
         yield
-    finally:   # (the command returned: a process that goes on, a test's, gets its handlers back)
+    finally:  # (the command returned: a process that goes on, a test's, gets its handlers back)
         for number, handler in previous.items():
             signal.signal(number, handler)
         _INTERRUPTING = False
@@ -148,10 +153,12 @@ def interrupt_on_signals():
 
 def _end_here(number, frame):
     """The handler :func:`interrupt_on_signals` installs: remove what is being written, say so, end (code 3)."""
-    for each in INTERRUPTS:   # (a second signal while this one cleans up changes nothing)
+    for each in INTERRUPTS:  # (a second signal while this one cleans up changes nothing)
         signal.signal(each, signal.SIG_IGN)
     leftovers.remove_all()
-    end_interrupted(Interrupted(number, signal.Signals(number).name))   # (not signal_name: SIGHUP is 1, EARLY_STOP)
+    end_interrupted(
+        Interrupted(number, signal.Signals(number).name)
+    )  # (not signal_name: SIGHUP is 1, EARLY_STOP)
 
 
 class StepAgreement:
@@ -167,15 +174,22 @@ class StepAgreement:
     FIELDS = ("signal", "rank", "due", "busy", "writing")
 
     def __init__(self, comm):
-        self.comm = comm.Dup()   # its own context: never matched against the strategy's collectives
-        self._flags = np.zeros(len(self.FIELDS), dtype=np.int64)   # this rank's, then (in place) every rank's max
+        self.comm = comm.Dup()  # its own context: never matched against the strategy's collectives
+        self._flags = np.zeros(
+            len(self.FIELDS), dtype=np.int64
+        )  # this rank's, then (in place) every rank's max
         self._pending = None
 
     def boundary(self, signal_number=0, due=False, busy=False, writing=False):
         """Post this rank's flags; returns the flags all ranks posted at the previous boundary (a dict)."""
         agreed = self._collect()
-        self._flags[...] = (signal_number, self.comm.Get_rank() + 1 if signal_number else 0, int(due), int(busy),
-                            int(writing))
+        self._flags[...] = (
+            signal_number,
+            self.comm.Get_rank() + 1 if signal_number else 0,
+            int(due),
+            int(busy),
+            int(writing),
+        )
         self._pending = mpi.iallreduce(self.comm, self._flags, MPI.MAX)
         return agreed
 

@@ -44,8 +44,10 @@ def read_failure(error, what, where="", library="HDF5"):
     where = f" {where}" if where else ""
     number = system_errno(error)
     if number:
-        return RunError(f"{what} cannot be read{where}: the system's read failed ({os.strerror(number)}, errno "
-                        f"{number}), not the file's format: check the storage, then resume")
+        return RunError(
+            f"{what} cannot be read{where}: the system's read failed ({os.strerror(number)}, errno "
+            f"{number}), not the file's format: check the storage, then resume"
+        )
     return UsageError(f"{what} cannot be read{where} ({library}: {printable(error)})")
 
 

@@ -13,11 +13,21 @@ import time
 MAIN, STEPS, BUCKETS = 0, 1, 2
 THREADS = {MAIN: "main", STEPS: "steps", BUCKETS: "buckets"}
 #: the trace category of each phase of :mod:`mpidist.runtime.whereabouts`
-CATEGORY = {"compute": "compute", "exchange": "exchange", "staleness-bound": "wait", "agree": "wait",
-            "start": "wait", "finish": "wait", "gather": "checkpoint", "write": "checkpoint", "serve": "serve",
-            "setup": "setup", "io": "io"}
-FLOW_BITS = 52      # flow ids stay exact in JavaScript numbers
-LIMIT = 2_000_000   # events a rank keeps (a few hundred MB of JSON); later ones are counted, not kept
+CATEGORY = {
+    "compute": "compute",
+    "exchange": "exchange",
+    "staleness-bound": "wait",
+    "agree": "wait",
+    "start": "wait",
+    "finish": "wait",
+    "gather": "checkpoint",
+    "write": "checkpoint",
+    "serve": "serve",
+    "setup": "setup",
+    "io": "io",
+}
+FLOW_BITS = 52  # flow ids stay exact in JavaScript numbers
+LIMIT = 2_000_000  # events a rank keeps (a few hundred MB of JSON); later ones are counted, not kept
 
 
 def now():
@@ -48,8 +58,17 @@ class Tracer:
         """The main thread leaves phase ``previous`` (of :mod:`mpidist.runtime.whereabouts`) now: one span for it."""
         at = now()
         if self.phase_start is not None and not self._full():
-            self.events.append(("X", previous, CATEGORY.get(previous, "wait"), self.phase_start, at - self.phase_start,
-                                MAIN, {"step": step}))
+            self.events.append(
+                (
+                    "X",
+                    previous,
+                    CATEGORY.get(previous, "wait"),
+                    self.phase_start,
+                    at - self.phase_start,
+                    MAIN,
+                    {"step": step},
+                )
+            )
         self.phase_start = at
 
     def complete(self, name, cat, start, tid=MAIN, **args):
@@ -87,7 +106,7 @@ class Tracer:
             else:
                 record["id"] = extra
                 if ph == "f":
-                    record["bp"] = "e"     # binds to the span that encloses it (the receive)
+                    record["bp"] = "e"  # binds to the span that encloses it (the receive)
             out.append(record)
         return out
 

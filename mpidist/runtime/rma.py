@@ -41,9 +41,14 @@ class Window:
         self.dtype = np.dtype(dtype)
         self.type = from_numpy_dtype(self.dtype)
         self.count = int(count)
-        self.win = MPI.Win.Allocate(self.count * self.dtype.itemsize, disp_unit=self.dtype.itemsize, comm=comm)
-        self.local = np.frombuffer(self.win.tomemory(), dtype=self.dtype, count=self.count) if self.count else \
-            np.zeros(0, dtype=self.dtype)
+        self.win = MPI.Win.Allocate(
+            self.count * self.dtype.itemsize, disp_unit=self.dtype.itemsize, comm=comm
+        )
+        self.local = (
+            np.frombuffer(self.win.tomemory(), dtype=self.dtype, count=self.count)
+            if self.count
+            else np.zeros(0, dtype=self.dtype)
+        )
         self.local[...] = 0
         comm.Barrier()  # zeroed everywhere before anyone reads
         self.win.Lock_all()
@@ -55,30 +60,49 @@ class Window:
     def read(self, out, target, offset=0):
         """Atomically (per element) copy ``target``'s elements ``[offset, offset + out.size)`` into ``out``."""
         with self.guard:
-            self.win.Get_accumulate([self._nothing, 0, self.type], [out, self.type], target,
-                                    target=self._target(offset, out.size), op=MPI.NO_OP)
+            self.win.Get_accumulate(
+                [self._nothing, 0, self.type],
+                [out, self.type],
+                target,
+                target=self._target(offset, out.size),
+                op=MPI.NO_OP,
+            )
 
     def add(self, values, target, offset=0):
         """Atomically add ``values`` into ``target``'s elements from ``offset``."""
         with self.guard:
-            self.win.Accumulate([values, self.type], target, target=self._target(offset, values.size), op=MPI.SUM)
+            self.win.Accumulate(
+                [values, self.type], target, target=self._target(offset, values.size), op=MPI.SUM
+            )
 
     def replace(self, values, target, offset=0):
         """Atomically overwrite ``target``'s elements from ``offset`` with ``values``."""
         with self.guard:
-            self.win.Accumulate([values, self.type], target, target=self._target(offset, values.size), op=MPI.REPLACE)
+            self.win.Accumulate(
+                [values, self.type], target, target=self._target(offset, values.size), op=MPI.REPLACE
+            )
 
     def fetch_add(self, values, out, target, offset=0):
         """Atomically add ``values`` and get the previous contents out."""
         with self.guard:
-            self.win.Get_accumulate([values, self.type], [out, self.type], target,
-                                    target=self._target(offset, values.size), op=MPI.SUM)
+            self.win.Get_accumulate(
+                [values, self.type],
+                [out, self.type],
+                target,
+                target=self._target(offset, values.size),
+                op=MPI.SUM,
+            )
 
     def swap(self, values, out, target, offset=0):
         """Atomically put ``values`` in and get the previous contents out (e.g. take and zero an inbox)."""
         with self.guard:
-            self.win.Get_accumulate([values, self.type], [out, self.type], target,
-                                    target=self._target(offset, values.size), op=MPI.REPLACE)
+            self.win.Get_accumulate(
+                [values, self.type],
+                [out, self.type],
+                target,
+                target=self._target(offset, values.size),
+                op=MPI.REPLACE,
+            )
 
     def flush(self, target=None):
         """Complete this rank's operations (to ``target``, or to all) at the target."""

@@ -15,10 +15,10 @@ import re
 
 from .errors import UsageError
 
-LONGEST = 200   # characters of one untrusted value shown in a message
+LONGEST = 200  # characters of one untrusted value shown in a message
 #: What a file name built from a label (a dataset's name) keeps: letters, digits, ``_``, ``.`` and ``-``.
 LABEL_CHARACTERS = re.compile(r"[^\w.-]+")
-LABEL_LENGTH = 60   # characters of a label in a file name (at most 240 bytes of UTF-8: a name's limit is 255)
+LABEL_LENGTH = 60  # characters of a label in a file name (at most 240 bytes of UTF-8: a name's limit is 255)
 
 
 def os_reason(err, missing, denied, other="{}"):
@@ -86,23 +86,29 @@ def check_utf8(value, what, absolute=False):
     if absolute and text and not os.path.isabs(text):
         try:
             candidates.append(os.path.abspath(text))
-        except OSError:     # (the working directory is gone: whatever uses the path will say so)
+        except OSError:  # (the working directory is gone: whatever uses the path will say so)
             pass
     for candidate in candidates:
         try:
             candidate.encode("utf-8")
         except UnicodeEncodeError:
-            where = "" if candidate is text else f" (its absolute path {_bytes_shown(candidate)} is not: the working " \
-                                                  "directory's name is not UTF-8)"
-            raise UsageError(f"{what} {_bytes_shown(text)}: not UTF-8 text{where}; mpidist takes names and paths "
-                             "in UTF-8: rename it, or give another") from None
+            where = (
+                ""
+                if candidate is text
+                else f" (its absolute path {_bytes_shown(candidate)} is not: the working "
+                "directory's name is not UTF-8)"
+            )
+            raise UsageError(
+                f"{what} {_bytes_shown(text)}: not UTF-8 text{where}; mpidist takes names and paths "
+                "in UTF-8: rename it, or give another"
+            ) from None
 
 
 def _bytes_shown(text):
     """A str that may hold undecodable bytes (as surrogates), shown as its bytes: ``r\\xff``."""
     try:
         raw = text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:      # (a surrogate no file name decodes to: given in Python)
+    except UnicodeEncodeError:  # (a surrogate no file name decodes to: given in Python)
         raw = text.encode("utf-8", "backslashreplace")
     return printable(repr(raw)[2:-1])
 

@@ -22,8 +22,8 @@ import os
 import sys
 
 _VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-_threads = None   # the count chosen, once chosen
-_inherited = {}   # the variables as this process found them, before it sized its own pool
+_threads = None  # the count chosen, once chosen
+_inherited = {}  # the variables as this process found them, before it sized its own pool
 
 
 def share_of_node():
@@ -44,12 +44,12 @@ def limit_blas_threads():
     if _threads is None:
         chosen = os.environ.get("OMP_NUM_THREADS", "")
         _threads = int(chosen) if chosen.isdigit() and int(chosen) > 0 else share_of_node()
-        if "numpy" in sys.modules:   # its BLAS is loaded and sized already: resize it in place
+        if "numpy" in sys.modules:  # its BLAS is loaded and sized already: resize it in place
             _resize_loaded_pools(_threads)
-        else:   # (not both: the environment is inherited by every process this one starts)
+        else:  # (not both: the environment is inherited by every process this one starts)
             for name in _VARIABLES:
                 _inherited[name] = os.environ.get(name)
-                if not os.environ.get(name):   # (one set by the user stays)
+                if not os.environ.get(name):  # (one set by the user stays)
                     os.environ[name] = str(_threads)
     return _threads
 
@@ -64,7 +64,7 @@ def launch_environment(**extra):
             environ.pop(name, None)
         else:
             environ[name] = value
-    environ.update(extra)   # (what the caller sets wins)
+    environ.update(extra)  # (what the caller sets wins)
     return environ
 
 
@@ -72,9 +72,11 @@ def _resize_loaded_pools(threads):
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
-        sys.stderr.write(f"mpidist: warning: numpy was imported before mpidist, so its BLAS may run more threads "
-                         f"than this rank's {threads} core(s), which slows training many times over: import "
-                         "mpidist first, set OMP_NUM_THREADS, or pip install threadpoolctl\n")
+        sys.stderr.write(
+            f"mpidist: warning: numpy was imported before mpidist, so its BLAS may run more threads "
+            f"than this rank's {threads} core(s), which slows training many times over: import "
+            "mpidist first, set OMP_NUM_THREADS, or pip install threadpoolctl\n"
+        )
         return
     threadpool_limits(limits=threads, user_api="blas")
     threadpool_limits(limits=threads, user_api="openmp")

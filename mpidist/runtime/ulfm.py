@@ -37,16 +37,19 @@ from mpi4py import MPI
 from .comm import keep_in_flight, mpi_library_path
 
 #: Error classes that mean "a process died" (or a survivor said so by revoking).
-FAILURE_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
-                        if hasattr(MPI, name))
+FAILURE_CLASSES = tuple(
+    getattr(MPI, name)
+    for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+    if hasattr(MPI, name)
+)
 
-FAILED_LOOKS, FAILED_PAUSE = 20, 0.05   # an ERR_OTHER is weighed against the failure detector for up to 1 s
-BARRIER_PAUSE = 0.01                     # how often a process waiting for the others' end looks
+FAILED_LOOKS, FAILED_PAUSE = 20, 0.05  # an ERR_OTHER is weighed against the failure detector for up to 1 s
+BARRIER_PAUSE = 0.01  # how often a process waiting for the others' end looks
 
 #: A one-sided operation group longer than this, while a process is known dead, is held up for good (StuckGuard)
 STUCK_SECONDS, STUCK_PERIOD = 5.0, 0.5
 
-_survivors = []   # every world of survivors this process took part in, the first shrink's first
+_survivors = []  # every world of survivors this process took part in, the first shrink's first
 
 
 class ProcessLost(Exception):
@@ -92,7 +95,7 @@ def _read_cvar_flag(library, name):
                 return None
             if lib.MPI_T_cvar_handle_alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) != 0:
                 return None
-            value = (ctypes.c_uint8 * 8)()   # zeroed: the flag may be stored in 1 byte or in 4
+            value = (ctypes.c_uint8 * 8)()  # zeroed: the flag may be stored in 1 byte or in 4
             ok = lib.MPI_T_cvar_read(handle, value) == 0
             lib.MPI_T_cvar_handle_free(ctypes.byref(handle))
             return any(value) if ok else None
@@ -119,8 +122,11 @@ def is_failure(error, comm=None):
         return False
     if error.Get_error_class() in FAILURE_CLASSES:
         return True
-    if comm is None or error.Get_error_class() not in (MPI.ERR_OTHER, MPI.ERR_IN_STATUS) \
-            or not hasattr(comm, "Get_failed"):
+    if (
+        comm is None
+        or error.Get_error_class() not in (MPI.ERR_OTHER, MPI.ERR_IN_STATUS)
+        or not hasattr(comm, "Get_failed")
+    ):
         return False
     for _ in range(FAILED_LOOKS):
         try:
@@ -146,9 +152,11 @@ def shrink(world, others=()):
             try:
                 comm.Revoke()
             except MPI.Exception:
-                pass   # already revoked, or unusable: either way nobody waits on it any more
+                pass  # already revoked, or unusable: either way nobody waits on it any more
     survivors = world.Shrink()
-    kept = MPI.Group.Translate_ranks(survivors.Get_group(), list(range(survivors.Get_size())), world.Get_group())
+    kept = MPI.Group.Translate_ranks(
+        survivors.Get_group(), list(range(survivors.Get_size())), world.Get_group()
+    )
     _survivors.append(survivors)
     return survivors, sorted(set(range(world.Get_size())) - set(kept))
 
@@ -174,7 +182,7 @@ def exit_after_failure(code):
             request = comm.Ibarrier()
             while not request.Test():
                 time.sleep(BARRIER_PAUSE)
-        except MPI.Exception:   # another failure: nothing is left to wait for there, nor for anyone else
+        except MPI.Exception:  # another failure: nothing is left to wait for there, nor for anyone else
             try:
                 comm.Revoke()
             except MPI.Exception:
@@ -186,10 +194,12 @@ def cannot_go_on(lost, newest=None, why=None):
     """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's path;
     ``why``: the reason the run cannot go on, where it is not a ps's shard or the chief's role)."""
     where = f" (newest: {newest})" if newest else ""
-    why = why or ("--elastic carries on without lost workers (and under allreduce, local-sgd, ps-sync or pipeline "
-                  "replicas without a lost chief; under ps-sync or ps-async without a lost ps or chief, by going "
-                  "back to the newest checkpoint, where a ps is left and --checkpoint-dir has one), but a ps's "
-                  "shard, or the chief's role here, is held nowhere else")
+    why = why or (
+        "--elastic carries on without lost workers (and under allreduce, local-sgd, ps-sync or pipeline "
+        "replicas without a lost chief; under ps-sync or ps-async without a lost ps or chief, by going "
+        "back to the newest checkpoint, where a ps is left and --checkpoint-dir has one), but a ps's "
+        "shard, or the chief's role here, is held nowhere else"
+    )
     return f"{lost} died: {why}; resume from the last checkpoint with --resume auto{where}"
 
 
@@ -208,6 +218,7 @@ def describe_lost(ranks, cluster):
         if launch_roles[origin] == "ps":
             return f"rank {origin} (ps)"
         return f"rank {origin} (worker {launch_roles[:origin].count('worker')})"
+
     return ", ".join(one(cluster.origin[rank]) for rank in ranks)
 
 
@@ -288,7 +299,7 @@ class StuckGuard:
         """Collective: a started guard whose deaths are polled on a duplicate of ``world`` (returned too, to free)."""
         watch = FailureWatch(world)
         guard = cls(lambda: bool(watch.poll() or watch.known), **options)
-        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:   # (MPI from a second thread; else no guard at all)
+        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:  # (MPI from a second thread; else no guard at all)
             guard.thread.start()
         return guard, watch
 
@@ -314,9 +325,11 @@ class StuckGuard:
         held = self.held(now)
         if held <= self.seconds or not self.died():
             return False
-        self.end(f"held {held:.1f} s in a one-sided operation while a process of the job is dead (a lock it "
-                 "held at its target is never given back): ending this process, so that the others go on "
-                 "without it")
+        self.end(
+            f"held {held:.1f} s in a one-sided operation while a process of the job is dead (a lock it "
+            "held at its target is never given back): ending this process, so that the others go on "
+            "without it"
+        )
         return True
 
     def _run(self):
@@ -356,5 +369,5 @@ def _say(line):
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
         sys.stdout.flush()
-    except (OSError, ValueError):   # (a closed pipe, a closed stream)
+    except (OSError, ValueError):  # (a closed pipe, a closed stream)
         pass

@@ -18,8 +18,19 @@ from .recorder import tracer
 _TRACER = tracer()
 
 #: Phases a rank can be in; those in WAITS are where it blocks on other ranks or on I/O.
-PHASES = ("start", "compute", "exchange", "staleness-bound", "agree", "gather", "write", "finish", "serve",
-          "setup", "io")
+PHASES = (
+    "start",
+    "compute",
+    "exchange",
+    "staleness-bound",
+    "agree",
+    "gather",
+    "write",
+    "finish",
+    "serve",
+    "setup",
+    "io",
+)
 WAITS = frozenset({"start", "exchange", "staleness-bound", "agree", "gather", "finish", "io"})
 
 
@@ -28,15 +39,17 @@ class Whereabouts:
 
     def __init__(self):
         self.step, self.phase, self.since, self.detail = 0, "start", time.monotonic(), ""
-        self.chief_heard = None   # (the chief's rank, its last record, when it came): kept by the chief's deputy
-        self.patience = 1         # graces this rank's own watch waits past the timeout (2: let the deputy speak)
+        self.chief_heard = (
+            None  # (the chief's rank, its last record, when it came): kept by the chief's deputy
+        )
+        self.patience = 1  # graces this rank's own watch waits past the timeout (2: let the deputy speak)
 
     def enter(self, phase, step=None, detail=""):
         """Record that the main thread entered ``phase`` (at ``step``, if given)."""
         if step is not None:
             self.step = step
         if phase != self.phase or detail != self.detail:
-            if _TRACER.on and phase != self.phase:   # --trace: the phase just left is a span of the timeline
+            if _TRACER.on and phase != self.phase:  # --trace: the phase just left is a span of the timeline
                 _TRACER.phase(self.phase, self.step)
             self.phase, self.detail, self.since = phase, detail, time.monotonic()
 

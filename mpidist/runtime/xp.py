@@ -9,6 +9,7 @@ def _cupy_devices():
     """``(cupy, number of GPUs)``, or ``(None, 0)`` when cupy or a GPU is missing."""
     try:
         import cupy
+
         return cupy, cupy.cuda.runtime.getDeviceCount()
     except Exception:  # not installed, no driver, no device: all mean "no GPU here"
         return None, 0
@@ -29,8 +30,10 @@ def select_device(device, local_rank):
     cupy, count = _cupy_devices()
     if count == 0:
         if device == "gpu":
-            raise UsageError("--device gpu needs cupy and a CUDA GPU; none was found "
-                             "(pip install 'mpidist[gpu]', or use --device cpu)")
+            raise UsageError(
+                "--device gpu needs cupy and a CUDA GPU; none was found "
+                "(pip install 'mpidist[gpu]', or use --device cpu)"
+            )
         return np, "cpu"
     index = local_rank % count
     cupy.cuda.Device(index).use()

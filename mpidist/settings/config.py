@@ -36,7 +36,7 @@ STREAM_IO = ("direct", "cached")
 TRACE = ("off", "on", "detail")
 
 #: Largest magnitude of an int setting: counters and seeds end up in int64 arrays, with room to add to them.
-INT_LIMIT = 2 ** 62
+INT_LIMIT = 2**62
 #: Largest ``--config`` file read: a settings file is a few lines.
 CONFIG_BYTES = 1 << 20
 
@@ -62,7 +62,7 @@ class Bounds:
         try:
             if not math.isfinite(value):
                 return False
-        except OverflowError:       # an int too large for a float: beyond any bound here
+        except OverflowError:  # an int too large for a float: beyond any bound here
             return False
         above = value > self.low if self.low_open else value >= self.low
         below = value < self.high if self.high_open else value <= self.high
@@ -97,16 +97,23 @@ _SECONDS = Bounds(0, math.inf, text="a finite number of seconds, 0 or more")
 #: Options a strategy declares are checked by its ``check`` too; ``ps`` is here because ``auto`` reads it
 #: before any strategy is chosen (a negative count would pick ps-sync).
 BOUNDS = {
-    "epochs": Bounds(1), "batch_size": Bounds(1), "log_every": Bounds(1),
-    "steps": Bounds(0), "eval_every": Bounds(0), "eval_samples": Bounds(0), "checkpoint_every": Bounds(0),
-    "keep": Bounds(0), "nan_patience": Bounds(0),
+    "epochs": Bounds(1),
+    "batch_size": Bounds(1),
+    "log_every": Bounds(1),
+    "steps": Bounds(0),
+    "eval_every": Bounds(0),
+    "eval_samples": Bounds(0),
+    "checkpoint_every": Bounds(0),
+    "keep": Bounds(0),
+    "nan_patience": Bounds(0),
     "seed": Bounds(0, hint=" (numpy's random generators take no negative seeds)"),
     "lr": _POSITIVE,
     "momentum": Bounds(0, 1, high_open=True, text="a finite number in [0, 1)"),
     "checkpoint_seconds": dataclasses.replace(_SECONDS, hint=" (0 = no checkpoints by time)"),
     "stall_timeout": dataclasses.replace(_SECONDS, hint="; use 0 for no limit"),
-    "bucket_mb": Bounds(0, INT_LIMIT >> 20, low_open=True,
-                        text=f"a finite positive number of MiB, at most {INT_LIMIT >> 20}"),
+    "bucket_mb": Bounds(
+        0, INT_LIMIT >> 20, low_open=True, text=f"a finite positive number of MiB, at most {INT_LIMIT >> 20}"
+    ),
     "ps": Bounds(0),
     "warmup_epochs": Bounds(0, math.inf, text="a finite number of epochs, 0 or more"),
     "warmup_steps": Bounds(0),
@@ -140,8 +147,9 @@ def check_number(field, value):
     """Raise :class:`UsageError` unless ``value`` is a number within the bounds of ``field`` (an int or float field)."""
     flag = f"--{CommonSettings.flag(field.name)}"
     if not _is_number(value, field.type):
-        raise UsageError(f"{flag} must be a{'n' if field.type is int else ''} {field.type.__name__}, "
-                         f"got {value!r}")
+        raise UsageError(
+            f"{flag} must be a{'n' if field.type is int else ''} {field.type.__name__}, got {value!r}"
+        )
     bounds = bounds_of(field)
     if not bounds.admits(value):
         wanted, hint = bounds.explain(value)
@@ -162,100 +170,197 @@ class CommonSettings:
     train --help`` for each field's meaning and default.
     """
 
-    model: str = _field("mlp", "model: a zoo name or spec (mlp, mlp:256,256, cnn:16,32; see `python -m mpidist info "
-                        "--models`), or a builder function as package.module:function or path/to/file.py:function")
+    model: str = _field(
+        "mlp",
+        "model: a zoo name or spec (mlp, mlp:256,256, cnn:16,32; see `python -m mpidist info "
+        "--models`), or a builder function as package.module:function or path/to/file.py:function",
+    )
     data: str = _field("digits", "dataset: an HDF5 file in the mpidist layout, or a bundled dataset's name")
-    strategy: str = _field("auto", f"how workers share work: {', '.join(STRATEGIES)}; auto = local on one rank, "
-                           "ps-sync with --ps, pipeline with --stages, else allreduce")
-    replication: str = _field("between-graph", "between-graph: every worker reads its own shard; in-graph: the "
-                              "chief reads the data and scatters each batch", REPLICATIONS)
+    strategy: str = _field(
+        "auto",
+        f"how workers share work: {', '.join(STRATEGIES)}; auto = local on one rank, "
+        "ps-sync with --ps, pipeline with --stages, else allreduce",
+    )
+    replication: str = _field(
+        "between-graph",
+        "between-graph: every worker reads its own shard; in-graph: the "
+        "chief reads the data and scatters each batch",
+        REPLICATIONS,
+    )
     epochs: int = _field(20, "passes over the training set")
     steps: int = _field(0, "stop after this many steps in total (0 = no limit)")
     batch_size: int = _field(64, "global batch size, split across workers")
     lr: float = _field(0.003, "learning rate")
     optimizer: str = _field("adam", "optimizer: adam, or sgd (with --momentum)", OPTIMIZER_NAMES)
     momentum: float = _field(0.9, "momentum of sgd")
-    lr_schedule: str = _field("constant", "learning-rate schedule after the warm-up: constant; step (x --lr-gamma "
-                              "every --lr-step-epochs epochs); exponential (x --lr-gamma every epoch); cosine or "
-                              "linear (down to --lr-min at the last step)", SCHEDULES)
+    lr_schedule: str = _field(
+        "constant",
+        "learning-rate schedule after the warm-up: constant; step (x --lr-gamma "
+        "every --lr-step-epochs epochs); exponential (x --lr-gamma every epoch); cosine or "
+        "linear (down to --lr-min at the last step)",
+        SCHEDULES,
+    )
     lr_gamma: float = _field(0.1, "factor of the step and exponential schedules")
     lr_step_epochs: int = _field(10, "epochs between the step schedule's cuts")
     lr_min: float = _field(0.0, "learning rate the cosine and linear schedules end at")
-    warmup_epochs: float = _field(0.0, "epochs of linear learning-rate warm-up, from --warmup-from x --lr to --lr "
-                                  "(Goyal et al.: use it with large global batches)")
+    warmup_epochs: float = _field(
+        0.0,
+        "epochs of linear learning-rate warm-up, from --warmup-from x --lr to --lr "
+        "(Goyal et al.: use it with large global batches)",
+    )
     warmup_steps: int = _field(0, "warm-up length in steps instead of epochs")
     warmup_from: float = _field(0.1, "the warm-up's first learning rate, as a fraction of --lr")
-    weight_decay: float = _field(0.0, "decoupled weight decay (AdamW with adam, SGDW with sgd): each step, "
-                                 "weights shrink by lr x this of themselves; biases and normalisation "
-                                 "parameters do not decay")
-    clip_norm: float = _field(0.0, "clip the summed gradient to this global norm (0 = no clipping); clipped steps "
-                              "are counted in the metrics")
-    accumulate: int = _field(1, "compute each worker's share of the global batch in this many slices, one after "
-                             "the other, and exchange once: the same step with about 1/K of the activation memory")
+    weight_decay: float = _field(
+        0.0,
+        "decoupled weight decay (AdamW with adam, SGDW with sgd): each step, "
+        "weights shrink by lr x this of themselves; biases and normalisation "
+        "parameters do not decay",
+    )
+    clip_norm: float = _field(
+        0.0,
+        "clip the summed gradient to this global norm (0 = no clipping); clipped steps "
+        "are counted in the metrics",
+    )
+    accumulate: int = _field(
+        1,
+        "compute each worker's share of the global batch in this many slices, one after "
+        "the other, and exchange once: the same step with about 1/K of the activation memory",
+    )
     seed: int = _field(0, "seed for initialisation, data order and dropout")
-    run_dir: str = _field("auto", "directory of this run's settings, metrics, log, trace and checkpoints; auto = "
-                          "runs/<model>-<data>-<strategy>-<date>-<time>, or the one a --resume continues ('' = none: "
-                          "metrics.jsonl here, checkpoints only with --checkpoint-dir)")
-    metrics: str = _field("auto", "JSON-lines metrics file the chief appends to ('' = none; auto = the run "
-                          "directory's metrics.jsonl)")
+    run_dir: str = _field(
+        "auto",
+        "directory of this run's settings, metrics, log, trace and checkpoints; auto = "
+        "runs/<model>-<data>-<strategy>-<date>-<time>, or the one a --resume continues ('' = none: "
+        "metrics.jsonl here, checkpoints only with --checkpoint-dir)",
+    )
+    metrics: str = _field(
+        "auto",
+        "JSON-lines metrics file the chief appends to ('' = none; auto = the run directory's metrics.jsonl)",
+    )
     log_every: int = _field(10, "steps between metrics lines and progress updates")
-    eval_every: int = _field(1, "epochs between evaluations (0 = only at the end): on the validation split where "
-                             "there is one, else on the test split")
-    eval_samples: int = _field(0, "samples of each evaluated split an evaluation takes: the same evenly spread "
-                               "rows every time (0 = the whole split)")
-    val_fraction: float = _field(0.0, "share of the training split held out for validation, chosen by --seed (0 = "
-                                 "none; a dataset's own val/ split is used without it); with a validation split, "
-                                 "the test split is evaluated once, at the end")
-    keep_best: str = _field("", "also keep the checkpoint with the best value of this validation figure (e.g. "
-                            "val_accuracy, val_loss, val_mse; lower is better for loss, mse and mae), besides the "
-                            "--keep newest ('' = off)")
-    early_stop: int = _field(0, "stop when the validation figure (--keep-best's, else val_loss) has not improved for "
-                             "this many evaluations (0 = never)")
-    nan_patience: int = _field(10, "steps in a row whose loss or gradients are NaN or Inf are skipped (no update) "
-                               "before the run stops with an error (0 = stop at the first)")
-    checkpoint_dir: str = _field("auto", "directory for checkpoints ('' = no checkpoints; auto = the run "
-                                 "directory's checkpoints/)")
+    eval_every: int = _field(
+        1,
+        "epochs between evaluations (0 = only at the end): on the validation split where "
+        "there is one, else on the test split",
+    )
+    eval_samples: int = _field(
+        0,
+        "samples of each evaluated split an evaluation takes: the same evenly spread "
+        "rows every time (0 = the whole split)",
+    )
+    val_fraction: float = _field(
+        0.0,
+        "share of the training split held out for validation, chosen by --seed (0 = "
+        "none; a dataset's own val/ split is used without it); with a validation split, "
+        "the test split is evaluated once, at the end",
+    )
+    keep_best: str = _field(
+        "",
+        "also keep the checkpoint with the best value of this validation figure (e.g. "
+        "val_accuracy, val_loss, val_mse; lower is better for loss, mse and mae), besides the "
+        "--keep newest ('' = off)",
+    )
+    early_stop: int = _field(
+        0,
+        "stop when the validation figure (--keep-best's, else val_loss) has not improved for "
+        "this many evaluations (0 = never)",
+    )
+    nan_patience: int = _field(
+        10,
+        "steps in a row whose loss or gradients are NaN or Inf are skipped (no update) "
+        "before the run stops with an error (0 = stop at the first)",
+    )
+    checkpoint_dir: str = _field(
+        "auto", "directory for checkpoints ('' = no checkpoints; auto = the run directory's checkpoints/)"
+    )
     checkpoint_every: int = _field(0, "steps between checkpoints (0 = only at the end)")
-    checkpoint_seconds: float = _field(0.0, "seconds between checkpoints, by the chief's clock (0 = off); "
-                                            "combines with --checkpoint-every")
-    checkpoint_wait: bool = _field(False, "take every checkpoint due at its step: training waits for one still "
-                                   "being written (ps-async: the chief holds at the step until the first ps has "
-                                   "taken it); by default the next is taken at the first step after that write "
-                                   "ends, and several due meanwhile become one")
+    checkpoint_seconds: float = _field(
+        0.0, "seconds between checkpoints, by the chief's clock (0 = off); combines with --checkpoint-every"
+    )
+    checkpoint_wait: bool = _field(
+        False,
+        "take every checkpoint due at its step: training waits for one still "
+        "being written (ps-async: the chief holds at the step until the first ps has "
+        "taken it); by default the next is taken at the first step after that write "
+        "ends, and several due meanwhile become one",
+    )
     keep: int = _field(3, "checkpoints kept in --checkpoint-dir, newest first (0 = all)")
-    resume: str = _field("", "checkpoint to resume from: a file, or 'auto' for the newest of the run written last "
-                         "in --checkpoint-dir (by default: the newest run directory of this model, data and "
-                         "strategy); the run continues in the run directory it came from")
-    new_lineage: bool = _field(False, "start a new run in a --checkpoint-dir that holds another run's checkpoints "
-                               "(they are kept: this run prunes only its own)")
-    allow_external: bool = _field(False, "follow HDF5 external links and virtual datasets in --data, which "
-                                        "read other files (refused by default)")
-    data_mode: str = _field("auto", "how each rank holds its data: memory (its shards read whole), stream (read in "
-                            "chunk-aligned blocks as training goes, bounded memory); auto = memory while it fits "
-                            "--memory-budget", DATA_MODES)
-    memory_budget: str = _field("auto", "memory a rank's data may take before it streams, e.g. 512M, 8G; auto = half "
-                                "the node's free memory over the ranks on the node")
-    shuffle_buffer: int = _field(0, "samples the data order shuffles together, over the whole global batch (in "
-                                 "memory and streamed alike): each lane's windows hold at least N / batch size, in "
-                                 "random units of the lane, permuted (0 = as many as fill 64 MiB); a new run's is "
-                                 "capped to what a stream fits in --memory-budget; a resumed run keeps its own")
-    stream_io: str = _field("direct", "how a stream reads uncompressed data: direct (around the page cache, O_DIRECT, "
-                            "where the file system allows it; the least CPU), cached (through the page cache, which "
-                            "may keep a dataset that fits the node's memory between epochs)", STREAM_IO)
-    elastic: bool = _field(False, "keep training when workers die, on an MPI with User-Level Failure Mitigation "
-                           "(Open MPI: mpirun --with-ft ulfm); strategies allreduce, ps-sync, ps-async")
-    stall_timeout: float = _field(300.0, "seconds a rank may wait for others (an exchange, the step agreement, "
-                                  "the end) before the chief names the ranks that have not arrived and ends the "
-                                  "job (0 = wait forever)")
-    bucket_mb: float = _field(64.0, "gradient bucket size in MiB: one Iallreduce per bucket, started as backward fills it")
-    device: str = _field("auto", "where to compute: cpu, gpu (cupy, one GPU per rank on a node), or auto", DEVICES)
+    resume: str = _field(
+        "",
+        "checkpoint to resume from: a file, or 'auto' for the newest of the run written last "
+        "in --checkpoint-dir (by default: the newest run directory of this model, data and "
+        "strategy); the run continues in the run directory it came from",
+    )
+    new_lineage: bool = _field(
+        False,
+        "start a new run in a --checkpoint-dir that holds another run's checkpoints "
+        "(they are kept: this run prunes only its own)",
+    )
+    allow_external: bool = _field(
+        False,
+        "follow HDF5 external links and virtual datasets in --data, which "
+        "read other files (refused by default)",
+    )
+    data_mode: str = _field(
+        "auto",
+        "how each rank holds its data: memory (its shards read whole), stream (read in "
+        "chunk-aligned blocks as training goes, bounded memory); auto = memory while it fits "
+        "--memory-budget",
+        DATA_MODES,
+    )
+    memory_budget: str = _field(
+        "auto",
+        "memory a rank's data may take before it streams, e.g. 512M, 8G; auto = half "
+        "the node's free memory over the ranks on the node",
+    )
+    shuffle_buffer: int = _field(
+        0,
+        "samples the data order shuffles together, over the whole global batch (in "
+        "memory and streamed alike): each lane's windows hold at least N / batch size, in "
+        "random units of the lane, permuted (0 = as many as fill 64 MiB); a new run's is "
+        "capped to what a stream fits in --memory-budget; a resumed run keeps its own",
+    )
+    stream_io: str = _field(
+        "direct",
+        "how a stream reads uncompressed data: direct (around the page cache, O_DIRECT, "
+        "where the file system allows it; the least CPU), cached (through the page cache, which "
+        "may keep a dataset that fits the node's memory between epochs)",
+        STREAM_IO,
+    )
+    elastic: bool = _field(
+        False,
+        "keep training when workers die, on an MPI with User-Level Failure Mitigation "
+        "(Open MPI: mpirun --with-ft ulfm); strategies allreduce, ps-sync, ps-async",
+    )
+    stall_timeout: float = _field(
+        300.0,
+        "seconds a rank may wait for others (an exchange, the step agreement, "
+        "the end) before the chief names the ranks that have not arrived and ends the "
+        "job (0 = wait forever)",
+    )
+    bucket_mb: float = _field(
+        64.0, "gradient bucket size in MiB: one Iallreduce per bucket, started as backward fills it"
+    )
+    device: str = _field(
+        "auto", "where to compute: cpu, gpu (cupy, one GPU per rank on a node), or auto", DEVICES
+    )
     dtype: str = _field("float32", "parameter and activation dtype", DTYPES)
-    tensorboard: bool = _field(False, "also write the figures as TensorBoard event files in the run directory (needs "
-                               "the tensorboard extra: pip install 'mpidist[tensorboard]')")
-    trace: str = _field("off", "write a timeline of every rank, trace.json in the run directory, for Perfetto "
-                        "or chrome://tracing: on (phases, steps, exchanges, sends), detail (each layer too), off; "
-                        "--trace alone = on", TRACE, bare="on")
-    progress: str = _field("auto", "chief's terminal output: bar, lines, none; auto = bar on a terminal", PROGRESS)
+    tensorboard: bool = _field(
+        False,
+        "also write the figures as TensorBoard event files in the run directory (needs "
+        "the tensorboard extra: pip install 'mpidist[tensorboard]')",
+    )
+    trace: str = _field(
+        "off",
+        "write a timeline of every rank, trace.json in the run directory, for Perfetto "
+        "or chrome://tracing: on (phases, steps, exchanges, sends), detail (each layer too), off; "
+        "--trace alone = on",
+        TRACE,
+        bare="on",
+    )
+    progress: str = _field(
+        "auto", "chief's terminal output: bar, lines, none; auto = bar on a terminal", PROGRESS
+    )
 
     @staticmethod
     def flag(name):
@@ -275,45 +380,57 @@ class CommonSettings:
         for f in dataclasses.fields(self):
             choices = f.metadata["choices"]
             if choices and getattr(self, f.name) not in choices:
-                raise UsageError(f"--{self.flag(f.name)} {getattr(self, f.name)!r} is not one of: {', '.join(choices)}")
-        for f in dataclasses.fields(self):   # every number, the strategies' own included: finite, in range
+                raise UsageError(
+                    f"--{self.flag(f.name)} {getattr(self, f.name)!r} is not one of: {', '.join(choices)}"
+                )
+        for f in dataclasses.fields(self):  # every number, the strategies' own included: finite, in range
             if f.type in (int, float):
                 check_number(f, getattr(self, f.name))
-            elif f.type is str:            # every text (names, paths) storable: UTF-8
+            elif f.type is str:  # every text (names, paths) storable: UTF-8
                 check_utf8(getattr(self, f.name), f"--{self.flag(f.name)}")
         if self.memory_budget != "auto":
             parse_bytes(self.memory_budget)
 
     def _validate_for(self, world_size):
-        if self.strategy not in STRATEGIES and self.strategy != "auto":   # (the registry, not a fixed list)
+        if self.strategy not in STRATEGIES and self.strategy != "auto":  # (the registry, not a fixed list)
             raise UsageError(f"--strategy {self.strategy!r} is not one of: auto, {', '.join(STRATEGIES)}")
         if self.strategy == "auto":
             self = self.with_world(world_size)
-        for name, (option, users) in declared_options().items():   # a strategy's own settings, for others
+        for name, (option, users) in declared_options().items():  # a strategy's own settings, for others
             value = getattr(self, name)
             if value != option.default and self.strategy not in users:
                 why = f": {option.why}" if option.why else ""
-                raise UsageError(f"--{self.flag(name)} {value} applies to --strategy {' and '.join(users)} only, "
-                                 f"not {self.strategy}{why}")
+                raise UsageError(
+                    f"--{self.flag(name)} {value} applies to --strategy {' and '.join(users)} only, "
+                    f"not {self.strategy}{why}"
+                )
         chosen = STRATEGIES[self.strategy]
         chosen.check(self, world_size)
-        if self.elastic and (not chosen.variant(self, world_size - self.ps).elastic_recovery
-                             or self.replication == "in-graph"):
+        if self.elastic and (
+            not chosen.variant(self, world_size - self.ps).elastic_recovery or self.replication == "in-graph"
+        ):
             elastic = " or ".join(name for name, cls in STRATEGIES.items() if cls.elastic_recovery)
-            raise UsageError(f"--elastic carries on without lost workers under --strategy {elastic}, with each "
-                             "worker reading its own data; not with backup workers (--aggregate) or "
-                             "--replication in-graph")
+            raise UsageError(
+                f"--elastic carries on without lost workers under --strategy {elastic}, with each "
+                "worker reading its own data; not with backup workers (--aggregate) or "
+                "--replication in-graph"
+            )
         if self.warmup_epochs and self.warmup_steps:
-            raise UsageError(f"--warmup-epochs {self.warmup_epochs} and --warmup-steps {self.warmup_steps}: give "
-                             "the warm-up's length one way")
+            raise UsageError(
+                f"--warmup-epochs {self.warmup_epochs} and --warmup-steps {self.warmup_steps}: give "
+                "the warm-up's length one way"
+            )
         checkpoints = self.checkpoint_dir and not (self.checkpoint_dir == "auto" and not self.run_dir)
         if self.keep_best and not checkpoints:
-            raise UsageError(f"--keep-best {self.keep_best} keeps a checkpoint: it needs --checkpoint-dir (or a "
-                             "--run-dir)")
+            raise UsageError(
+                f"--keep-best {self.keep_best} keeps a checkpoint: it needs --checkpoint-dir (or a --run-dir)"
+            )
         running = chosen.variant(self, world_size - self.ps)
         if self.keep_best and not running.lockstep:
-            raise UsageError(f"--keep-best checkpoints the state a validation judged best, which needs every rank at "
-                             f"that step: not with --strategy {running.title(self)}, whose workers step on their own")
+            raise UsageError(
+                f"--keep-best checkpoints the state a validation judged best, which needs every rank at "
+                f"that step: not with --strategy {running.title(self)}, whose workers step on their own"
+            )
         if self.resume == "auto" and not checkpoints:
             raise UsageError("--resume auto needs --checkpoint-dir (or a --run-dir) to look in")
 
@@ -322,14 +439,16 @@ class CommonSettings:
         if self.strategy != "auto":
             return self
         ranked = [(cls.auto_rank(self, world_size), name) for name, cls in STRATEGIES.items()]
-        chosen = min((rank, name) for rank, name in ranked if rank is not None)[1]   # (each strategy says)
+        chosen = min((rank, name) for rank, name in ranked if rank is not None)[1]  # (each strategy says)
         return dataclasses.replace(self, strategy=chosen)
 
 
 def _make_settings():
     """:class:`CommonSettings` with one more field per option a registered strategy declares."""
-    extra = [(name, option.type, _field(option.default, option.help, option.choices))
-             for name, (option, _) in declared_options().items()]
+    extra = [
+        (name, option.type, _field(option.default, option.help, option.choices))
+        for name, (option, _) in declared_options().items()
+    ]
     namespace = {"__doc__": CommonSettings.__doc__, "__module__": __name__}
     return dataclasses.make_dataclass("Settings", extra, bases=(CommonSettings,), namespace=namespace)
 
@@ -343,15 +462,27 @@ def add_flags(parser):
     strategies = parser.add_argument_group("options of the strategies (each applies to the ones it names)")
     own = declared_options()
     for f in dataclasses.fields(Settings):
-        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else \
-            {"type": f.type, "metavar": f.name.upper()}
+        kind = (
+            {"action": argparse.BooleanOptionalAction}
+            if f.type is bool
+            else {"type": f.type, "metavar": f.name.upper()}
+        )
         if f.metadata.get("bare") is not None:
             kind.update(nargs="?", const=f.metadata["bare"])
         group = strategies if f.name in own else parser
-        group.add_argument(f"--{Settings.flag(f.name)}", dest=f.name, default=dataclasses.MISSING,
-                            help=f"{f.metadata['help']} (default: {f.default!r})", **kind)
-    parser.add_argument("--config", metavar="FILE.toml", default=None,
-                        help="TOML file whose keys are these flag names; the command line wins over it")
+        group.add_argument(
+            f"--{Settings.flag(f.name)}",
+            dest=f.name,
+            default=dataclasses.MISSING,
+            help=f"{f.metadata['help']} (default: {f.default!r})",
+            **kind,
+        )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        default=None,
+        help="TOML file whose keys are these flag names; the command line wins over it",
+    )
 
 
 def typed(table, where):
@@ -369,8 +500,9 @@ def typed(table, where):
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = _as_float(value, key, where)
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise UsageError(f"{where}: {key} = {value!r} should be a{'n' if expected is int else ''} "
-                             f"{expected.__name__}")
+            raise UsageError(
+                f"{where}: {key} = {value!r} should be a{'n' if expected is int else ''} {expected.__name__}"
+            )
         settings[name] = value
     return settings
 
@@ -385,8 +517,13 @@ def _as_float(value, key, where):
 
 def _file_kind(mode):
     """What a non-regular file is, in words, from its ``st_mode``."""
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
     return next((text for test, text in kinds if test(mode)), "not a regular file")
 
 
@@ -422,10 +559,12 @@ def read_config_text(path):
         except OSError as err:
             raise UsageError(f"--config {path}: {_why_unreadable(err)}") from None
     try:
-        return data.decode("utf-8-sig")     # (a byte-order mark, as some editors write, is allowed)
+        return data.decode("utf-8-sig")  # (a byte-order mark, as some editors write, is allowed)
     except UnicodeDecodeError as err:
-        raise UsageError(f"--config {path}: not UTF-8 text ({err.reason}: byte 0x{data[err.start]:02x} at "
-                         f"offset {err.start})") from None
+        raise UsageError(
+            f"--config {path}: not UTF-8 text ({err.reason}: byte 0x{data[err.start]:02x} at "
+            f"offset {err.start})"
+        ) from None
 
 
 def load_toml(path):

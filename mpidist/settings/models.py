@@ -44,9 +44,11 @@ def refuse_training_while_loading():
     """Raise :class:`UsageError` where a builder's file is being loaded: it must define its model, not train it."""
     if _loading[0] is not None:
         where = _loading[0]
-        raise UsageError(f"{where} calls mpidist.train() when it is loaded, so --model {where}:... would train "
-                         "twice (once as the file says, once as the command says): put that call under "
-                         "'if __name__ == \"__main__\":', so that loading the file only defines the model")
+        raise UsageError(
+            f"{where} calls mpidist.train() when it is loaded, so --model {where}:... would train "
+            "twice (once as the file says, once as the command says): put that call under "
+            "'if __name__ == \"__main__\":', so that loading the file only defines the model"
+        )
 
 
 @dataclasses.dataclass
@@ -54,8 +56,8 @@ class ModelSource:
     """A model's spec (what checkpoints store) and how to build it for a dataset."""
 
     spec: str
-    builder: object = None        # (sample_shape, outputs) -> layers or Sequential; None for zoo specs
-    layers: object = None         # a list of layers or a Sequential given as objects
+    builder: object = None  # (sample_shape, outputs) -> layers or Sequential; None for zoo specs
+    layers: object = None  # a list of layers or a Sequential given as objects
 
     def build(self, sample_shape, outputs, xp, dtype, buffers=True):
         """The model for samples of ``sample_shape`` and ``outputs`` outputs; a mismatch is a :class:`UsageError`.
@@ -67,20 +69,26 @@ class ModelSource:
                 return _as_model(self.layers, sample_shape, xp, dtype, buffers)
             if self.builder is None:
                 return nn.build_model(self.spec, sample_shape, outputs, xp, dtype, buffers)
-            return _as_model(self.builder(tuple(sample_shape), int(outputs)), sample_shape, xp, dtype, buffers)
+            return _as_model(
+                self.builder(tuple(sample_shape), int(outputs)), sample_shape, xp, dtype, buffers
+            )
         except nn.ShapeError as err:
-            raise UsageError(f"--model {self.spec} does not fit samples of shape {tuple(sample_shape)} with "
-                             f"{outputs} outputs: {err}") from None
+            raise UsageError(
+                f"--model {self.spec} does not fit samples of shape {tuple(sample_shape)} with "
+                f"{outputs} outputs: {err}"
+            ) from None
 
 
 def _as_model(made, sample_shape, xp, dtype, buffers=True):
     """A builder's result (layers, or a Sequential) as a :class:`~mpidist.nn.Sequential` on ``xp``."""
     if isinstance(made, nn.Sequential):
-        made = made.layers   # rebuilt here, on this run's device and dtype
+        made = made.layers  # rebuilt here, on this run's device and dtype
     layers = list(made) if isinstance(made, (list, tuple)) else None
     if not layers or not all(isinstance(layer, nn.Layer) for layer in layers):
-        raise UsageError(f"a model builder must return a non-empty list of mpidist.nn layers (or an "
-                         f"mpidist.nn.Sequential), got {type(made).__name__}")
+        raise UsageError(
+            f"a model builder must return a non-empty list of mpidist.nn layers (or an "
+            f"mpidist.nn.Sequential), got {type(made).__name__}"
+        )
     return nn.Sequential(layers, sample_shape, xp=xp, dtype=dtype, buffers=buffers)
 
 
@@ -96,12 +104,16 @@ def resolve(model):
     if callable(model):
         return ModelSource(spec_of(model), builder=model)
     if not isinstance(model, str) or not model:
-        raise UsageError(f"model: give a zoo name or spec, 'module:function', 'file.py:function', a builder "
-                         f"function, or a list of layers; got {model!r}")
+        raise UsageError(
+            f"model: give a zoo name or spec, 'module:function', 'file.py:function', a builder "
+            f"function, or a list of layers; got {model!r}"
+        )
     if model == OBJECTS:
-        raise UsageError("this model was given as layer objects in Python, which a checkpoint cannot rebuild: pass "
-                         "the same layers as model= to mpidist.evaluate / mpidist.train, or train with a builder "
-                         "function so its checkpoints name it")
+        raise UsageError(
+            "this model was given as layer objects in Python, which a checkpoint cannot rebuild: pass "
+            "the same layers as model= to mpidist.evaluate / mpidist.train, or train with a builder "
+            "function so its checkpoints name it"
+        )
     if ":" not in model or _is_zoo_spec(model):
         try:
             nn.parse_spec(model)
@@ -143,12 +155,14 @@ def load_builder(spec):
             _loading[0] = where
             try:
                 loader.loader.exec_module(module)
-            except UsageError:   # (the file trains when loaded: its own message says so)
+            except UsageError:  # (the file trains when loaded: its own message says so)
                 del sys.modules[module_name]
                 raise
             except Exception as err:
                 del sys.modules[module_name]
-                raise UsageError(f"--model {spec}: running {where} failed: {type(err).__name__}: {err}") from None
+                raise UsageError(
+                    f"--model {spec}: running {where} failed: {type(err).__name__}: {err}"
+                ) from None
             finally:
                 _loading[0] = None
     else:
@@ -172,7 +186,7 @@ def spec_of(builder):
     """
     name = getattr(builder, "__qualname__", "")
     module = getattr(builder, "__module__", None)
-    if not name or "<" in name or module is None:    # a lambda or a function defined inside a function
+    if not name or "<" in name or module is None:  # a lambda or a function defined inside a function
         return OBJECTS
     if module == "__main__" or module.startswith("mpidist_user_model_"):
         path = inspect.getsourcefile(builder)

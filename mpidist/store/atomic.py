@@ -61,10 +61,10 @@ def sync_directory(path):
     """Flush directory ``path``'s entries (a rename into it) to disk, where the file system allows it."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:     # (a platform or file system without directory handles: nothing more can be done)
+    except OSError:  # (a platform or file system without directory handles: nothing more can be done)
         return
     try:
-        with contextlib.suppress(OSError):   # some file systems refuse fsync on a directory (EINVAL)
+        with contextlib.suppress(OSError):  # some file systems refuse fsync on a directory (EINVAL)
             os.fsync(fd)
     finally:
         os.close(fd)
@@ -93,7 +93,7 @@ def replacing(final):
     """
     aside = fresh_aside(final)
     try:
-        with leftovers.pending(aside):   # (a signal that ends a command removes it too)
+        with leftovers.pending(aside):  # (a signal that ends a command removes it too)
             yield aside
             commit(aside, final)
     finally:

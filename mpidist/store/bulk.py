@@ -28,8 +28,10 @@ import numpy as np
 
 from . import new_hdf5
 
-PAGE = 4096          # what O_DIRECT asks of offsets, lengths and memory: a page, the largest logical block in use
-ALIGNED_FROM = 1 << 16   # datasets at least this large start on a page (small ones are packed as h5py packs them)
+PAGE = 4096  # what O_DIRECT asks of offsets, lengths and memory: a page, the largest logical block in use
+ALIGNED_FROM = (
+    1 << 16
+)  # datasets at least this large start on a page (small ones are packed as h5py packs them)
 
 
 def open_aligned(path):
@@ -42,7 +44,7 @@ def aligned_empty(shape, dtype):
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     start = -raw.ctypes.data % PAGE
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def allocate(group, name, array, places):
@@ -51,9 +53,14 @@ def allocate(group, name, array, places):
     array = np.ascontiguousarray(array)
     properties = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     properties.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    properties.set_fill_time(h5py.h5d.FILL_TIME_NEVER)   # (the bytes come next: no zeros written first)
-    dataset = h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(array.dtype),
-                              h5py.h5s.create_simple(array.shape), dcpl=properties)
+    properties.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # (the bytes come next: no zeros written first)
+    dataset = h5py.h5d.create(
+        group.id,
+        name.encode(),
+        h5py.h5t.py_create(array.dtype),
+        h5py.h5s.create_simple(array.shape),
+        dcpl=properties,
+    )
     offset = dataset.get_offset()
     if array.nbytes:
         places.append((offset, array))
@@ -71,7 +78,7 @@ def fill(path, places):
             if done:
                 try:
                     _write(direct, view[:done], offset)
-                except OSError as error:   # (opened, but refused: an unusual block size) through the cache
+                except OSError as error:  # (opened, but refused: an unusual block size) through the cache
                     if error.errno != errno.EINVAL:
                         raise
                     done = 0
@@ -103,5 +110,5 @@ def _direct(path):
 
 def _write(fd, view, offset):
     done = 0
-    while done < len(view):   # (a write may take part of the bytes)
+    while done < len(view):  # (a write may take part of the bytes)
         done += os.pwrite(fd, view[done:], offset + done)

@@ -38,8 +38,10 @@ FORMAT = "mpidist-checkpoint-1"
 #: what each optimizer keeps, one flat array per name (a checkpoint's optimizer/ group)
 OPTIMIZER_STATE = {"adam": ("m", "v"), "sgd": ("velocity",)}
 FLOATS = (np.dtype("float32"), np.dtype("float64"))
-LARGEST = 2 ** 62   # step counts and seeds above this cannot be honest
-FINGERPRINT = re.compile(r"[0-9a-z-]{1,16}:[0-9a-f]{64}")   # "<scheme>:<hex digest>" (mpidist.data.fingerprint)
+LARGEST = 2**62  # step counts and seeds above this cannot be honest
+FINGERPRINT = re.compile(
+    r"[0-9a-z-]{1,16}:[0-9a-f]{64}"
+)  # "<scheme>:<hex digest>" (mpidist.data.fingerprint)
 
 
 @dataclasses.dataclass
@@ -54,20 +56,20 @@ class Checkpoint:
     epoch: int
     epoch_step: int
     config: dict
-    seed: int = 0           # the seed of the data order and random streams
-    lineage: str = ""       # the run lineage that wrote it (see mpidist.store.lineage)
-    parent: str = ""        # the lineage it branched from, if it did
-    best: dict = None       # --keep-best: {"figure", "value", "step"} of the best validation so far
-    elapsed: float = 0.0    # seconds the run had trained when it was written (its metrics' time)
+    seed: int = 0  # the seed of the data order and random streams
+    lineage: str = ""  # the run lineage that wrote it (see mpidist.store.lineage)
+    parent: str = ""  # the lineage it branched from, if it did
+    best: dict = None  # --keep-best: {"figure", "value", "step"} of the best validation so far
+    elapsed: float = 0.0  # seconds the run had trained when it was written (its metrics' time)
     # what each worker holds of its own where workers differ (local-sgd's parameters and optimizer state between
     # averages, --compress's residuals): name -> (workers, params.size), row w worker w's; None where they agree
     per_worker: dict = None
-    dataset_fingerprint: str = ""   # its dataset's content (mpidist.data.fingerprint); "" where unknown
-    num_params: int = 0     # the whole model's parameters, and their dtype, known before any array is read
+    dataset_fingerprint: str = ""  # its dataset's content (mpidist.data.fingerprint); "" where unknown
+    num_params: int = 0  # the whole model's parameters, and their dtype, known before any array is read
     dtype: np.dtype = None
 
     def __post_init__(self):
-        if self.params is not None:   # (arrays read, or made in memory: the survivors' state)
+        if self.params is not None:  # (arrays read, or made in memory: the survivors' state)
             self.num_params, self.dtype = self.params.size, self.params.dtype
 
     def whole(self):
@@ -77,8 +79,9 @@ class Checkpoint:
             return self
         whole = load(self.path)
         _same(self, whole)
-        return dataclasses.replace(whole, optimizer_state={name: whole.optimizer_state[name]
-                                                           for name in self.optimizer_state})
+        return dataclasses.replace(
+            whole, optimizer_state={name: whole.optimizer_state[name] for name in self.optimizer_state}
+        )
 
     def check_parts(self, share):
         """Check the checksums of ``share`` ``(i, n)`` of a sharded checkpoint's parts (see :func:`sharded.verify`:
@@ -101,16 +104,34 @@ class Checkpoint:
             _restore_slices(self, placement, {name: buffers[name] for name in names})
 
 
-PER_WORKER = "workers"   # the group of each worker's own state
-MAX_WORKERS = 1 << 20    # rows of per-worker state a checkpoint may claim
+PER_WORKER = "workers"  # the group of each worker's own state
+MAX_WORKERS = 1 << 20  # rows of per-worker state a checkpoint may claim
 
-DATA_ORDER = ("lanes of the global batch as contiguous ranges, each ordered per epoch in windows of units by keyed "
-              "Feistel permutations of (seed, epoch, lane) and the settings' shuffle_buffer; step s takes sample s of each")
+DATA_ORDER = (
+    "lanes of the global batch as contiguous ranges, each ordered per epoch in windows of units by keyed "
+    "Feistel permutations of (seed, epoch, lane) and the settings' shuffle_buffer; step s takes sample s of each"
+)
 RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
 
-def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json, seed,
-         workers, lineage="", parent="", best=None, elapsed=0.0, per_worker=None, dataset_fingerprint=""):
+def save(
+    directory,
+    params,
+    optimizer_state,
+    optimizer_steps,
+    step,
+    epoch,
+    epoch_step,
+    config_json,
+    seed,
+    workers,
+    lineage="",
+    parent="",
+    best=None,
+    elapsed=0.0,
+    per_worker=None,
+    dataset_fingerprint="",
+):
     """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
     ``seed`` and the position fix the data order, and with ``workers`` the random streams (see the module text).
@@ -127,28 +148,76 @@ def save(directory, params, optimizer_state, optimizer_steps, step, epoch, epoch
         with atomic.replacing(final) as aside:
             places = []
             with bulk.open_aligned(aside) as handle:
-                _structure(handle, places, params, optimizer_state, optimizer_steps, step, epoch, epoch_step,
-                           config_json, seed, workers, lineage, parent, best, elapsed, per_worker,
-                           dataset_fingerprint)
-            bulk.fill(aside, places)   # (the arrays' bytes, without holding Python's lock)
-    except OSError as err:   # h5py wraps errno in a long message: say the reason, and what is kept
+                _structure(
+                    handle,
+                    places,
+                    params,
+                    optimizer_state,
+                    optimizer_steps,
+                    step,
+                    epoch,
+                    epoch_step,
+                    config_json,
+                    seed,
+                    workers,
+                    lineage,
+                    parent,
+                    best,
+                    elapsed,
+                    per_worker,
+                    dataset_fingerprint,
+                )
+            bulk.fill(aside, places)  # (the arrays' bytes, without holding Python's lock)
+    except OSError as err:  # h5py wraps errno in a long message: say the reason, and what is kept
         reason = os.strerror(err.errno) if err.errno else str(err)
         kept = ", ".join(e.path.name for e in lineages.CheckpointDir(directory).entries()) or "none"
-        raise RunError(f"checkpoint of step {step} not written to {directory}: {reason} (checkpoints there, "
-                       f"intact: {kept})") from None
+        raise RunError(
+            f"checkpoint of step {step} not written to {directory}: {reason} (checkpoints there, "
+            f"intact: {kept})"
+        ) from None
     return final
 
 
-def _structure(handle, places, params, optimizer_state, optimizer_steps, step, epoch, epoch_step, config_json,
-               seed, workers, lineage, parent, best, elapsed, per_worker, dataset_fingerprint):
+def _structure(
+    handle,
+    places,
+    params,
+    optimizer_state,
+    optimizer_steps,
+    step,
+    epoch,
+    epoch_step,
+    config_json,
+    seed,
+    workers,
+    lineage,
+    parent,
+    best,
+    elapsed,
+    per_worker,
+    dataset_fingerprint,
+):
     """A checkpoint's groups, attributes and (empty, allocated) datasets; their ``(offset, array)`` in ``places``."""
     bulk.allocate(handle, "params", params, places)
     group = handle.create_group("optimizer")
     group.attrs["steps"] = int(optimizer_steps)
     for name, array in optimizer_state.items():
         bulk.allocate(group, name, array, places)
-    handle.attrs.update(attributes(step, epoch, epoch_step, config_json, seed, workers, lineage, parent, best,
-                                   elapsed, dataset_fingerprint))
+    handle.attrs.update(
+        attributes(
+            step,
+            epoch,
+            epoch_step,
+            config_json,
+            seed,
+            workers,
+            lineage,
+            parent,
+            best,
+            elapsed,
+            dataset_fingerprint,
+        )
+    )
     handle.attrs["format"] = FORMAT
     if per_worker:
         rows = handle.create_group(PER_WORKER)
@@ -156,15 +225,40 @@ def _structure(handle, places, params, optimizer_state, optimizer_steps, step, e
             bulk.allocate(rows, name, array, places)
 
 
-def attributes(step, epoch, epoch_step, config_json, seed, workers, lineage="", parent="", best=None, elapsed=0.0,
-               dataset_fingerprint=""):
+def attributes(
+    step,
+    epoch,
+    epoch_step,
+    config_json,
+    seed,
+    workers,
+    lineage="",
+    parent="",
+    best=None,
+    elapsed=0.0,
+    dataset_fingerprint="",
+):
     """A checkpoint's attributes beside its format, in either format: its position, settings, random streams."""
-    attrs = {"step": int(step), "epoch": int(epoch), "epoch_step": int(epoch_step), "config": config_json,
-             "lineage": lineage, "parent": parent or "", "elapsed": float(elapsed),
-             "data_order": json.dumps({"seed": int(seed), "epoch": int(epoch), "epoch_step": int(epoch_step),
-                                       "workers": int(workers), "scheme": DATA_ORDER}),
-             "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG})}
-    if best:   # (a resumed run goes on judging against it)
+    attrs = {
+        "step": int(step),
+        "epoch": int(epoch),
+        "epoch_step": int(epoch_step),
+        "config": config_json,
+        "lineage": lineage,
+        "parent": parent or "",
+        "elapsed": float(elapsed),
+        "data_order": json.dumps(
+            {
+                "seed": int(seed),
+                "epoch": int(epoch),
+                "epoch_step": int(epoch_step),
+                "workers": int(workers),
+                "scheme": DATA_ORDER,
+            }
+        ),
+        "rng": json.dumps({"seed": int(seed), "step": int(step), "scheme": RNG}),
+    }
+    if best:  # (a resumed run goes on judging against it)
         attrs["best"] = json.dumps(best)
     if dataset_fingerprint:
         attrs["dataset_fingerprint"] = dataset_fingerprint
@@ -188,7 +282,9 @@ def keep_as(path, name):
             except OSError:
                 shutil.copyfile(path, aside)
     except OSError as err:
-        raise RunError(f"best checkpoint {final} not kept: {os.strerror(err.errno) if err.errno else err}") from None
+        raise RunError(
+            f"best checkpoint {final} not kept: {os.strerror(err.errno) if err.errno else err}"
+        ) from None
     return final
 
 
@@ -205,7 +301,7 @@ def load(path, arrays=True):
     """
     path = Path(path)
     if not path.is_file():
-        special = special_input(path) if path.exists() else None    # (a pipe would block the open forever)
+        special = special_input(path) if path.exists() else None  # (a pipe would block the open forever)
         raise UsageError(f"{path}: {'cannot be read: ' + special if special else 'no such checkpoint file'}")
     try:
         with here().doing("io", f"reading checkpoint {path}"), h5py.File(path, "r") as handle:
@@ -218,14 +314,17 @@ def _read(path, handle, read_arrays=True):
     def bad(item, problem):
         return UsageError(f"{path}: {item} {problem}")
 
-    virtual = handle.attrs.get("format") == sharded.FORMAT   # (an index over part files)
+    virtual = handle.attrs.get("format") == sharded.FORMAT  # (an index over part files)
     if handle.attrs.get("format") != FORMAT and not virtual:
         raise UsageError(f"{path}: not an mpidist checkpoint (no format attribute {FORMAT!r})")
     _verified(path, handle, share=(0, 1) if read_arrays else (0, 0))
     params = _array(handle, "params", bad, virtual=virtual)
     if params.ndim != 1 or params.dtype not in FLOATS:
-        raise bad("params", f"has shape {params.shape} and dtype {params.dtype}; a checkpoint holds one flat "
-                            "float32 or float64 array")
+        raise bad(
+            "params",
+            f"has shape {params.shape} and dtype {params.dtype}; a checkpoint holds one flat "
+            "float32 or float64 array",
+        )
     group = handle.get("optimizer", getclass=True)
     if group is not h5py.Group:
         raise bad("optimizer", "is missing")
@@ -234,36 +333,51 @@ def _read(path, handle, read_arrays=True):
     for name in group:
         array = _array(group, name, bad, prefix="optimizer/", virtual=virtual)
         if array.shape != params.shape or array.dtype not in FLOATS:
-            raise bad(f"optimizer/{printable(name)}", f"has shape {array.shape} and dtype {array.dtype}; it must "
-                                                      f"be flat like params {params.shape}")
+            raise bad(
+                f"optimizer/{printable(name)}",
+                f"has shape {array.shape} and dtype {array.dtype}; it must "
+                f"be flat like params {params.shape}",
+            )
         arrays[name] = array
     rows = _per_worker_arrays(handle, params, bad)
     header = _header(path, handle, group, bad)
     if not read_arrays:
         return Checkpoint(path=path, params=None, optimizer_state=dict.fromkeys(arrays), **header)
-    check_fits((1 + len(arrays) + sum(len(array) for array in rows.values())) * params.size * params.dtype.itemsize,
-               f"checkpoint {path} ({params.size:,} parameters)")
+    check_fits(
+        (1 + len(arrays) + sum(len(array) for array in rows.values())) * params.size * params.dtype.itemsize,
+        f"checkpoint {path} ({params.size:,} parameters)",
+    )
     loaded = {}
     for name, item in (("params", handle["params"]), *((name, group[name]) for name in arrays)):
         with reading(f"{path}: {name if name == 'params' else 'optimizer/' + printable(name)}"):
-            loaded[name] = item[...]    # (a compressed chunk may not decode: the item is named)
+            loaded[name] = item[...]  # (a compressed chunk may not decode: the item is named)
     per_worker = {}
     for name in rows:
         with reading(f"{path}: {PER_WORKER}/{printable(name)}"):
             per_worker[name] = handle[PER_WORKER][name][...]
-    for item, array in [*loaded.items(), *((f"{PER_WORKER}/{name}", array) for name, array in per_worker.items())]:
+    for item, array in [
+        *loaded.items(),
+        *((f"{PER_WORKER}/{name}", array) for name, array in per_worker.items()),
+    ]:
         _check_finite(path, item, array)
-    return Checkpoint(path=path, params=loaded.pop("params"), optimizer_state=loaded, per_worker=per_worker or None,
-                      **header)
+    return Checkpoint(
+        path=path,
+        params=loaded.pop("params"),
+        optimizer_state=loaded,
+        per_worker=per_worker or None,
+        **header,
+    )
 
 
 def _check_finite(path, item, array, whose=""):
     """Refuse ``array`` (``item``: "params", an optimizer array's name, or a per-worker one) holding NaN or Inf."""
     if not np.isfinite(array).all():
         item = item if item == "params" or item.startswith(PER_WORKER) else f"optimizer/{printable(item)}"
-        raise UsageError(f"{path}: {printable(item)} holds NaN or Inf ({int(np.count_nonzero(~np.isfinite(array)))} "
-                         f"of {whose}{array.size} values): it cannot be trained or evaluated from; resume an earlier "
-                         "checkpoint")
+        raise UsageError(
+            f"{path}: {printable(item)} holds NaN or Inf ({int(np.count_nonzero(~np.isfinite(array)))} "
+            f"of {whose}{array.size} values): it cannot be trained or evaluated from; resume an earlier "
+            "checkpoint"
+        )
 
 
 def _header(path, handle, group, bad):
@@ -278,23 +392,39 @@ def _header(path, handle, group, bad):
         raise bad("rng seed", f"is {shown(seed)}; it must be an integer from 0")
     lineage, parent = (_text(handle.attrs, name, bad) for name in ("lineage", "parent"))
     best = _best(_json(handle.attrs, "best", bad), values["step"], bad) if "best" in handle.attrs else None
-    elapsed = handle.attrs.get("elapsed", 0.0)      # (older checkpoints have none: time starts again)
+    elapsed = handle.attrs.get("elapsed", 0.0)  # (older checkpoints have none: time starts again)
     if not isinstance(elapsed, (float, np.floating)) or not 0 <= elapsed < 1e12:
         raise bad("elapsed", f"is {shown(elapsed)}; it must be seconds, from 0")
-    fingerprint = handle.attrs.get("dataset_fingerprint", "")      # (older checkpoints have none)
+    fingerprint = handle.attrs.get("dataset_fingerprint", "")  # (older checkpoints have none)
     if isinstance(fingerprint, bytes):
         fingerprint = fingerprint.decode("ascii", "replace")
     if not isinstance(fingerprint, str) or (fingerprint and not FINGERPRINT.fullmatch(fingerprint)):
-        raise bad("attribute dataset_fingerprint", f"is {shown(fingerprint)}; it must be a scheme and 64 hex digits")
-    return dict(optimizer_steps=optimizer_steps, config=config, seed=int(seed), lineage=lineage, parent=parent,
-                best=best, elapsed=float(elapsed), dataset_fingerprint=fingerprint, num_params=params.size,
-                dtype=params.dtype, **values)
+        raise bad(
+            "attribute dataset_fingerprint", f"is {shown(fingerprint)}; it must be a scheme and 64 hex digits"
+        )
+    return dict(
+        optimizer_steps=optimizer_steps,
+        config=config,
+        seed=int(seed),
+        lineage=lineage,
+        parent=parent,
+        best=best,
+        elapsed=float(elapsed),
+        dataset_fingerprint=fingerprint,
+        num_params=params.size,
+        dtype=params.dtype,
+        **values,
+    )
 
 
 def _same(loaded, again):
     """Refuse a checkpoint that is another file now than when its header was loaded (replaced in between)."""
-    if (again.step, again.lineage, again.num_params, again.dtype) != (loaded.step, loaded.lineage,
-                                                                      loaded.num_params, loaded.dtype):
+    if (again.step, again.lineage, again.num_params, again.dtype) != (
+        loaded.step,
+        loaded.lineage,
+        loaded.num_params,
+        loaded.dtype,
+    ):
         raise UsageError(f"{loaded.path}: the checkpoint changed while the run started (it was replaced)")
 
 
@@ -327,20 +457,27 @@ def _restore_slices(loaded, placement, buffers):
     """:meth:`Checkpoint.restore` from the file: each array's slices read straight into a host buffer (HDF5
     converts the dtype), or through one host array of a slice's size into a device buffer."""
     path = loaded.path
-    if not all(isinstance(buffer, np.ndarray) for buffer in buffers.values()):   # (a device buffer: staged)
-        check_fits(placement.size * loaded.dtype.itemsize,
-                   f"a host copy of this rank's slices of checkpoint {path} ({placement.size:,} parameters)")
+    if not all(isinstance(buffer, np.ndarray) for buffer in buffers.values()):  # (a device buffer: staged)
+        check_fits(
+            placement.size * loaded.dtype.itemsize,
+            f"a host copy of this rank's slices of checkpoint {path} ({placement.size:,} parameters)",
+        )
     try:
         with here().doing("io", f"reading slices of checkpoint {path}"), h5py.File(path, "r") as handle:
-            header = _header(path, handle, handle["optimizer"], lambda item, why: UsageError(f"{path}: {item} {why}"))
+            header = _header(
+                path, handle, handle["optimizer"], lambda item, why: UsageError(f"{path}: {item} {why}")
+            )
             _same(loaded, Checkpoint(path=path, params=None, optimizer_state={}, **header))
             for name, buffer in buffers.items():
                 key = name if name == "params" else f"optimizer/{name}"
                 host = isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous
                 with reading(f"{path}: {key}"):
-                    values = slices.read(handle[key], placement, loaded.dtype,
-                                         out=buffer[:placement.size] if host else None)
-                _check_finite(path, name, values, whose="" if placement.size == loaded.num_params else "this rank's ")
+                    values = slices.read(
+                        handle[key], placement, loaded.dtype, out=buffer[: placement.size] if host else None
+                    )
+                _check_finite(
+                    path, name, values, whose="" if placement.size == loaded.num_params else "this rank's "
+                )
                 if not host:
                     _fill(buffer, values)
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
@@ -356,11 +493,18 @@ def _per_worker_arrays(handle, params, bad):
     rows, workers = {}, set()
     for name in handle[PER_WORKER]:
         array = _array(handle[PER_WORKER], name, bad, prefix=PER_WORKER + "/")
-        if array.ndim != 2 or array.shape[1] != params.size or not 1 <= array.shape[0] <= MAX_WORKERS \
-                or array.dtype != params.dtype:
-            raise bad(f"{PER_WORKER}/{printable(name)}", f"has shape {array.shape} and dtype {array.dtype}; it must "
-                                                          f"hold one row like params {params.shape} {params.dtype} "
-                                                          "per worker")
+        if (
+            array.ndim != 2
+            or array.shape[1] != params.size
+            or not 1 <= array.shape[0] <= MAX_WORKERS
+            or array.dtype != params.dtype
+        ):
+            raise bad(
+                f"{PER_WORKER}/{printable(name)}",
+                f"has shape {array.shape} and dtype {array.dtype}; it must "
+                f"hold one row like params {params.shape} {params.dtype} "
+                "per worker",
+            )
         rows[name] = array
         workers.add(array.shape[0])
     if len(workers) > 1:
@@ -376,7 +520,9 @@ def _best(table, step, bad):
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)):
         raise bad("attribute best", f"has value {shown(value)}; it must be a finite number")
     if not (isinstance(at, int) and not isinstance(at, bool) and 0 <= at <= step):
-        raise bad("attribute best", f"has step {shown(at)}; it must be an integer from 0 to the checkpoint's {step}")
+        raise bad(
+            "attribute best", f"has step {shown(at)}; it must be an integer from 0 to the checkpoint's {step}"
+        )
     return {"figure": figure, "value": float(value), "step": at}
 
 
@@ -399,7 +545,11 @@ def _count(attrs, name, bad, prefix=""):
     value = attrs.get(name)
     if isinstance(value, np.ndarray) and value.shape == ():
         value = value[()]
-    if isinstance(value, (np.integer, int)) and not isinstance(value, (bool, np.bool_)) and 0 <= value < LARGEST:
+    if (
+        isinstance(value, (np.integer, int))
+        and not isinstance(value, (bool, np.bool_))
+        and 0 <= value < LARGEST
+    ):
         return int(value)
     raise bad(f"attribute {prefix}{name}", f"is {shown(value)}; it must be an integer from 0")
 

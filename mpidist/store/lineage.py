@@ -41,7 +41,7 @@ PATTERN = re.compile(r"ckpt-(\d{8,19})(?:-([0-9a-f]{8}))?\.h5")
 LINEAGE = re.compile(r"[0-9a-f]{8}")
 TEMPORARY = re.compile(r"\.(?:ckpt|best)-.*\.tmp-\d+")
 LOCK_NAME = ".mpidist-lock"
-RUN_LOCK_NAME = ".mpidist-run-lock"     # a run directory's: its metrics, log and settings are one run's
+RUN_LOCK_NAME = ".mpidist-run-lock"  # a run directory's: its metrics, log and settings are one run's
 
 
 def new_lineage():
@@ -131,7 +131,7 @@ class CheckpointDir:
         if keep <= 0:
             return []
         entries = [e for e in self.entries(lineage) if e.path != Path(newest)]
-        old = entries[:max(0, len(entries) - (keep - 1))]
+        old = entries[: max(0, len(entries) - (keep - 1))]
         for entry in old:
             entry.path.unlink(missing_ok=True)
         return [e.path for e in old]
@@ -142,7 +142,7 @@ class CheckpointDir:
         removed = []
         if self.path.is_dir():
             for path in self.path.iterdir():
-                if TEMPORARY.fullmatch(path.name) and not path.is_dir():   # (no writer of ours makes one)
+                if TEMPORARY.fullmatch(path.name) and not path.is_dir():  # (no writer of ours makes one)
                     path.unlink(missing_ok=True)
                     removed.append(path.name)
         return sorted(removed + sharded.remove_unnamed_folders(self.path))
@@ -165,7 +165,7 @@ class Claim:
     parent: str = None
     notes: list = dataclasses.field(default_factory=list)
     lock: "DirectoryLock" = None
-    run_lock: "DirectoryLock" = None     # the run directory's, where there is one
+    run_lock: "DirectoryLock" = None  # the run directory's, where there is one
 
     def release(self):
         for lock in (self.lock, self.run_lock):
@@ -180,10 +180,13 @@ class DirectoryLock:
 
     def __init__(self, directory, run=False):
         self.path = Path(directory) / (RUN_LOCK_NAME if run else LOCK_NAME)
-        self.flag, self.what = ("--run-dir", "a run directory's metrics and settings") if run else \
-            ("--checkpoint-dir", "checkpoints to one directory")
+        self.flag, self.what = (
+            ("--run-dir", "a run directory's metrics and settings")
+            if run
+            else ("--checkpoint-dir", "checkpoints to one directory")
+        )
         self.fd = None
-        self.warning = None   # why the directory could not be locked, where the file system cannot
+        self.warning = None  # why the directory could not be locked, where the file system cannot
 
     def acquire(self):
         """Take the lock, or raise :class:`UsageError` naming the run that holds it."""
@@ -192,37 +195,56 @@ class DirectoryLock:
             # O_NONBLOCK: a FIFO named like the lock is not waited on, and S_ISREG refuses it below)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | atomic.NO_FOLLOW, 0o644)
         except OSError as err:
-            reason = "it is a symbolic link, which mpidist never writes through" if err.errno == errno.ELOOP \
+            reason = (
+                "it is a symbolic link, which mpidist never writes through"
+                if err.errno == errno.ELOOP
                 else err.strerror
-            raise UsageError(f"{self.flag} {self.path.parent}: cannot create its lock file {self.path.name} "
-                             f"({reason})") from None
+            )
+            raise UsageError(
+                f"{self.flag} {self.path.parent}: cannot create its lock file {self.path.name} ({reason})"
+            ) from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise UsageError(f"{self.flag} {self.path.parent}: its lock file {self.path.name} is not a file: "
-                             "remove it")
+            raise UsageError(
+                f"{self.flag} {self.path.parent}: its lock file {self.path.name} is not a file: remove it"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 holder = _read_holder(fd)
                 os.close(fd)
-                raise UsageError(f"{self.flag} {self.path.parent} is in use by another run ({holder}): two "
-                                 f"runs cannot write {self.what}; wait for it to end, or use another "
-                                 f"{self.flag}") from None
+                raise UsageError(
+                    f"{self.flag} {self.path.parent} is in use by another run ({holder}): two "
+                    f"runs cannot write {self.what}; wait for it to end, or use another "
+                    f"{self.flag}"
+                ) from None
             # some parallel file systems have no locks (Lustre without -o flock): go on, and say so
-            self.warning = (f"{self.flag} {self.path.parent} cannot be locked ({err.strerror}): make sure no "
-                            "other run writes there")
+            self.warning = (
+                f"{self.flag} {self.path.parent} cannot be locked ({err.strerror}): make sure no "
+                "other run writes there"
+            )
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            ).encode(),
+        )
         self.fd = fd
         return self
 
     def release(self):
         if self.fd is not None:
-            if self.path.name == RUN_LOCK_NAME:   # (a run directory is the user's to read: no file is left there)
+            if (
+                self.path.name == RUN_LOCK_NAME
+            ):  # (a run directory is the user's to read: no file is left there)
                 self.path.unlink(missing_ok=True)
-            os.close(self.fd)   # closing the descriptor drops the flock
+            os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = None
 
 
@@ -260,8 +282,10 @@ def claim(config, resume):
         result.notes.append(f"warning: {lock.warning}")
     removed = directory.remove_stale_temporaries()
     if removed:
-        result.notes.append(f"removed {len(removed)} temporary file(s) that interrupted checkpoint writes left in "
-                            f"{directory.path}: {', '.join(removed)}")
+        result.notes.append(
+            f"removed {len(removed)} temporary file(s) that interrupted checkpoint writes left in "
+            f"{directory.path}: {', '.join(removed)}"
+        )
     return result
 
 
@@ -270,21 +294,37 @@ def _settle_lineage(config, resume, directory):
         present = directory.entries()
         if present and config.resume != "auto" and not config.new_lineage:
             latest = directory.last_written()
-            raise UsageError(f"--checkpoint-dir {directory.path} holds the checkpoints of another run "
-                             f"({len(present)} file(s), the last written {latest.path.name}, step {latest.step}); "
-                             "continue that run with --resume auto, write to another --checkpoint-dir, or start a "
-                             "new lineage of checkpoints beside it with --new-lineage (its files are kept)")
+            raise UsageError(
+                f"--checkpoint-dir {directory.path} holds the checkpoints of another run "
+                f"({len(present)} file(s), the last written {latest.path.name}, step {latest.step}); "
+                "continue that run with --resume auto, write to another --checkpoint-dir, or start a "
+                "new lineage of checkpoints beside it with --new-lineage (its files are kept)"
+            )
         lineage = new_lineage()
-        notes = [f"new checkpoint lineage {lineage} in {directory.path}, beside {len(present)} checkpoint(s) of "
-                 "other runs (never pruned by this one)"] if present else []
+        notes = (
+            [
+                f"new checkpoint lineage {lineage} in {directory.path}, beside {len(present)} checkpoint(s) of "
+                "other runs (never pruned by this one)"
+            ]
+            if present
+            else []
+        )
         return Claim(lineage=lineage, notes=notes)
     newest = directory.newest_of(resume.lineage)
-    continues = newest is None or newest.step <= resume.step or Path(newest.path).resolve() == \
-        Path(resume.path).resolve()
+    continues = (
+        newest is None
+        or newest.step <= resume.step
+        or Path(newest.path).resolve() == Path(resume.path).resolve()
+    )
     if continues:
         return Claim(lineage=resume.lineage)
     lineage = new_lineage()
-    return Claim(lineage=lineage, parent=resume.lineage,
-                 notes=[f"branching: {resume.path} (step {resume.step}) is not the newest checkpoint of its "
-                        f"{describe(resume.lineage)} ({newest.path.name} is): this run writes the new lineage "
-                        f"{lineage}, and leaves that one's files as they are"])
+    return Claim(
+        lineage=lineage,
+        parent=resume.lineage,
+        notes=[
+            f"branching: {resume.path} (step {resume.step}) is not the newest checkpoint of its "
+            f"{describe(resume.lineage)} ({newest.path.name} is): this run writes the new lineage "
+            f"{lineage}, and leaves that one's files as they are"
+        ],
+    )

@@ -48,7 +48,7 @@ class _Guarded(io.RawIOBase):
     def readinto(self, buffer):
         view = memoryview(buffer).cast("B")
         done = self.raw.readinto(view) or 0
-        if done < len(view):   # (past the end, or a dropped write: zeros, as HDF5 reads an unwritten region)
+        if done < len(view):  # (past the end, or a dropped write: zeros, as HDF5 reads an unwritten region)
             view[done:] = bytes(len(view) - done)
         return len(view)
 
@@ -59,7 +59,7 @@ class _Guarded(io.RawIOBase):
                 return self.raw.write(data)
             except OSError as err:
                 self.kept = err
-        self.raw.seek(size, io.SEEK_CUR)   # (dropped: HDF5 goes on as if written, and closes cleanly)
+        self.raw.seek(size, io.SEEK_CUR)  # (dropped: HDF5 goes on as if written, and closes cleanly)
         return size
 
     def truncate(self, size=None):

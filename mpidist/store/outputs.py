@@ -49,8 +49,12 @@ def unwritable(path, what, err):
     return UsageError(f"{path}: cannot write {what} there: {reason}")
 
 
-SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def special_kind(path, follow=True):
@@ -58,7 +62,7 @@ def special_kind(path, follow=True):
     anything else."""
     try:
         mode = (os.stat if follow else os.lstat)(path).st_mode
-    except (OSError, ValueError):       # (missing, or a name the OS refuses: whoever writes it will say)
+    except (OSError, ValueError):  # (missing, or a name the OS refuses: whoever writes it will say)
         return None
     return next((words for test, words in SPECIAL if test(mode)), None)
 
@@ -72,7 +76,7 @@ def is_regular_file(path):
     """
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
-    except (OSError, ValueError):       # (gone meanwhile, a link that loops, a name the OS refuses)
+    except (OSError, ValueError):  # (gone meanwhile, a link that loops, a name the OS refuses)
         return False
 
 
@@ -104,8 +108,12 @@ def refuse_special(path, what):
     link to one is not: the rename replaces the link, and the node it points to is left as it is)."""
     kind = special_kind(path, follow=False)
     if kind is not None:
-        raise unwritable(path, what, f"it is {kind}, which writing the file aside and renaming it into place "
-                                     "would replace with a regular file: name a regular file")
+        raise unwritable(
+            path,
+            what,
+            f"it is {kind}, which writing the file aside and renaming it into place "
+            "would replace with a regular file: name a regular file",
+        )
 
 
 class Claim:
@@ -120,7 +128,7 @@ class Claim:
         An :class:`OSError` of either (a full disk, the path made a directory
         meanwhile) is :func:`unwritable`'s error; ``path`` is then as it was.
         """
-        refuse_special(self.path, self.what)   # (made one since it was claimed)
+        refuse_special(self.path, self.what)  # (made one since it was claimed)
         try:
             fill(self.aside)
             atomic.commit(self.aside, self.path)
@@ -146,31 +154,35 @@ def claimed(path, what):
         UsageError: ``path`` cannot be written (see :func:`unwritable`).
     """
     path, made, ok, aside = Path(path), [], False, None
-    stopping = contextlib.ExitStack()   # what a signal that ends the command removes (mpidist.runtime.leftovers)
+    stopping = (
+        contextlib.ExitStack()
+    )  # what a signal that ends the command removes (mpidist.runtime.leftovers)
     try:
         try:
-            if path.is_dir() and not path.is_symlink():     # (a link to a directory is replaced, as any link)
+            if path.is_dir() and not path.is_symlink():  # (a link to a directory is replaced, as any link)
                 raise unwritable(path, what, os.strerror(errno.EISDIR))
             refuse_special(path, what)
-            for parent in path.parents:         # innermost first: the order to remove them in
+            for parent in path.parents:  # innermost first: the order to remove them in
                 if parent.exists():
                     if not parent.is_dir():
                         raise unwritable(path, what, f"{parent}: {os.strerror(errno.ENOTDIR)}")
                     break
                 made.append(parent)
             aside = atomic.fresh_aside(path)
-            for directory in reversed(made):    # (outermost first: removed last)
+            for directory in reversed(made):  # (outermost first: removed last)
                 stopping.enter_context(leftovers.pending(directory))
             path.parent.mkdir(parents=True, exist_ok=True)
             stopping.enter_context(leftovers.pending(aside))
-            os.close(os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))   # (ours: never through a link)
-        except OSError as err:                  # permission denied, a read-only file system, ...
+            os.close(
+                os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            )  # (ours: never through a link)
+        except OSError as err:  # permission denied, a read-only file system, ...
             raise unwritable(path, what, err) from None
         yield Claim(path, what, aside)
         ok = True
     finally:
         stopping.close()
-        if aside is not None:                   # None: it failed before naming one
+        if aside is not None:  # None: it failed before naming one
             atomic.remove_aside(aside)
         for directory in made if not ok else ():
             with contextlib.suppress(OSError):

@@ -35,7 +35,13 @@ from .lineage import LOCK_NAME, RUN_LOCK_NAME, newest_checkpoint
 from .outputs import is_regular_file, special_kind
 
 ROOT = "runs"
-SETTINGS, METRICS, LOG, TRACE, CHECKPOINTS = "settings.toml", "metrics.jsonl", "log.txt", "trace.json", "checkpoints"
+SETTINGS, METRICS, LOG, TRACE, CHECKPOINTS = (
+    "settings.toml",
+    "metrics.jsonl",
+    "log.txt",
+    "trace.json",
+    "checkpoints",
+)
 AUTO = "auto"
 #: settings that say where this run's files go, not what it does: not written to settings.toml
 WHERE = ("run_dir", "resume", "metrics", "checkpoint_dir", "config")
@@ -66,7 +72,9 @@ def _recorded_name(path):
     nothing left of it once made safe).  Untrusted: only its first 200 characters are looked at."""
     import h5py
 
-    if not os.path.isfile(path):   # (a directory of files, or something opening would wait on: the file's name)
+    if not os.path.isfile(
+        path
+    ):  # (a directory of files, or something opening would wait on: the file's name)
         return None
     try:
         with h5py.File(path, "r") as handle:
@@ -82,7 +90,7 @@ def _model_name(spec):
     where, _, function = spec.rpartition(":")
     if where.endswith(".py") or os.sep in where or "/" in where:
         return f"{Path(where).stem}-{function}"
-    if "." in where:   # package.module:function
+    if "." in where:  # package.module:function
         return f"{where.rsplit('.', 1)[1]}-{function}"
     return spec
 
@@ -91,14 +99,24 @@ def planned(config):
     """The run directory ``config`` asks for, before it is made: its path, ``''`` for none, or None (a new one)."""
     if config.run_dir != AUTO:
         return config.run_dir
-    if config.resume:     # a run directory's checkpoint (or its checkpoints/, with auto): continue that run
-        source = Path(config.resume).parent if config.resume != AUTO else \
-            Path(config.checkpoint_dir) if config.checkpoint_dir not in (AUTO, "") else None
+    if config.resume:  # a run directory's checkpoint (or its checkpoints/, with auto): continue that run
+        source = (
+            Path(config.resume).parent
+            if config.resume != AUTO
+            else Path(config.checkpoint_dir)
+            if config.checkpoint_dir not in (AUTO, "")
+            else None
+        )
         if source is not None and source.name == CHECKPOINTS and (source.parent / SETTINGS).is_file():
             return str(source.parent)
         # a checkpoint kept elsewhere (--checkpoint-dir): the run directory its run recorded, if it is still there
-        path = config.resume if config.resume != AUTO else \
-            newest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir not in (AUTO, "") else None
+        path = (
+            config.resume
+            if config.resume != AUTO
+            else newest_checkpoint(config.checkpoint_dir)
+            if config.checkpoint_dir not in (AUTO, "")
+            else None
+        )
         recorded = _recorded_run_dir(path) if path else None
         if recorded is not None:
             return recorded
@@ -132,13 +150,17 @@ def newest_run(config, root=ROOT):
     names = "|".join(re.escape(run_name(config, by_file)) for by_file in (False, True))
     pattern = re.compile(rf"(?:{names})-(\d{{8}}-\d{{6}})(?:-(\d+))?")
 
-    def started(entry):    # (its time, then its -2, -3... among runs started in the same second)
+    def started(entry):  # (its time, then its -2, -3... among runs started in the same second)
         match = pattern.fullmatch(entry.name)
         return match.group(1), int(match.group(2) or 1)
 
     try:
-        candidates = [entry for entry in Path(root).iterdir() if pattern.fullmatch(entry.name)
-                      and any(is_regular_file(ckpt) for ckpt in (entry / CHECKPOINTS).glob("ckpt-*.h5"))]
+        candidates = [
+            entry
+            for entry in Path(root).iterdir()
+            if pattern.fullmatch(entry.name)
+            and any(is_regular_file(ckpt) for ckpt in (entry / CHECKPOINTS).glob("ckpt-*.h5"))
+        ]
     except OSError:
         return None
     return max(candidates, key=started, default=None)
@@ -161,8 +183,11 @@ def absolute(config):
     A checkpoint records its run's settings: a relative path there would
     name another file for a command run from another directory.
     """
-    paths = {name: os.path.abspath(getattr(config, name)) for name in ("metrics", "checkpoint_dir", "resume")
-             if getattr(config, name) not in ("", AUTO)}
+    paths = {
+        name: os.path.abspath(getattr(config, name))
+        for name in ("metrics", "checkpoint_dir", "resume")
+        if getattr(config, name) not in ("", AUTO)
+    }
     return dataclasses.replace(config, **paths)
 
 
@@ -181,13 +206,17 @@ def make(config, where, now=None, root=ROOT):
                 raise UsageError(f"--run-dir {where}: is a file, not a directory")
             os.makedirs(where, exist_ok=True)
             _check_directory(where)
-            for name in (SETTINGS, LOG):    # (renamed over or appended to: a FIFO would be replaced or block)
+            for name in (SETTINGS, LOG):  # (renamed over or appended to: a FIFO would be replaced or block)
                 kind = special_kind(Path(where) / name)
-                if name == LOG and os.path.islink(Path(where) / name):  # (appended: it would be written through)
+                if name == LOG and os.path.islink(
+                    Path(where) / name
+                ):  # (appended: it would be written through)
                     kind = "a symbolic link, which appending would write through"
                 if kind is not None:
-                    raise UsageError(f"--run-dir {where}: its {name} is {kind}, not a file: remove it, or give "
-                                     "another --run-dir")
+                    raise UsageError(
+                        f"--run-dir {where}: its {name} is {kind}, not a file: remove it, or give "
+                        "another --run-dir"
+                    )
             return os.path.abspath(where)
         stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
         os.makedirs(root, exist_ok=True)
@@ -200,7 +229,9 @@ def make(config, where, now=None, root=ROOT):
             except FileExistsError:
                 continue
     except OSError as err:
-        raise UsageError(f"--run-dir {where or root}: cannot create the run directory ({err.strerror})") from None
+        raise UsageError(
+            f"--run-dir {where or root}: cannot create the run directory ({err.strerror})"
+        ) from None
     raise UsageError(f"--run-dir: {base} and 998 more like it exist already")
 
 
@@ -212,9 +243,16 @@ def remove_if_empty(path):
     """
     root, checkpoints = Path(path), Path(path) / CHECKPOINTS
     try:
-        unwritten = [root / name for name in (METRICS, LOG) if (root / name).is_file() and
-                     (root / name).stat().st_size == 0]
-        if {entry.name for entry in root.iterdir()} - {CHECKPOINTS, RUN_LOCK_NAME} - {e.name for e in unwritten}:
+        unwritten = [
+            root / name
+            for name in (METRICS, LOG)
+            if (root / name).is_file() and (root / name).stat().st_size == 0
+        ]
+        if (
+            {entry.name for entry in root.iterdir()}
+            - {CHECKPOINTS, RUN_LOCK_NAME}
+            - {e.name for e in unwritten}
+        ):
             return
         for entry in unwritten + [root / RUN_LOCK_NAME]:
             entry.unlink(missing_ok=True)
@@ -224,7 +262,7 @@ def remove_if_empty(path):
             (checkpoints / LOCK_NAME).unlink(missing_ok=True)
             checkpoints.rmdir()
         root.rmdir()
-    except OSError:     # (someone else's files appeared, or it went: either way, leave it)
+    except OSError:  # (someone else's files appeared, or it went: either way, leave it)
         return
 
 
@@ -279,7 +317,7 @@ class LogCopy:
 
     def __init__(self, stream, path):
         self.stream, self.path, self.pending, self.file = stream, path, "", None
-        self.broken = False     # the log could not be written: the terminal alone goes on
+        self.broken = False  # the log could not be written: the terminal alone goes on
 
     def write(self, text):
         self.stream.write(text)
@@ -289,12 +327,12 @@ class LogCopy:
         self.pending = lines.pop()
         if lines:
             try:
-                if self.file is None:   # opened at the first line: a run refused at set-up leaves no file
+                if self.file is None:  # opened at the first line: a run refused at set-up leaves no file
                     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | atomic.NO_FOLLOW, 0o644)
                     self.file = open(fd, "a", encoding="utf-8", errors="backslashreplace")
                 self.file.write("".join(line.rsplit("\r", 1)[-1] + "\n" for line in lines))
                 self.file.flush()
-            except OSError:     # a full disk: the terminal still shows everything, the log stops
+            except OSError:  # a full disk: the terminal still shows everything, the log stops
                 self.close()
                 self.broken = True
 
@@ -318,6 +356,8 @@ class LogCopy:
 
 def resume_flags(config):
     """The flags that resume the run of ``config`` from its newest checkpoint, as a user would type them."""
-    if config.run_dir and os.path.abspath(config.checkpoint_dir) == os.path.abspath(Path(config.run_dir) / CHECKPOINTS):
+    if config.run_dir and os.path.abspath(config.checkpoint_dir) == os.path.abspath(
+        Path(config.run_dir) / CHECKPOINTS
+    ):
         return f"--resume auto --run-dir {shlex.quote(config.run_dir)}"
     return f"--resume auto --checkpoint-dir {shlex.quote(config.checkpoint_dir)}"

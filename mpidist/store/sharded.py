@@ -36,10 +36,10 @@ from . import atomic, new_hdf5
 from .outputs import is_regular_file
 
 FORMAT = "mpidist-checkpoint-2"
-PARTS = "parts"            # the index's attribute listing the part files: [{"file", "bytes", "sha256"}]
-REGIONS = "regions"        # a part's table of the regions it holds (Placement.describe's rows)
+PARTS = "parts"  # the index's attribute listing the part files: [{"file", "bytes", "sha256"}]
+REGIONS = "regions"  # a part's table of the regions it holds (Placement.describe's rows)
 PARAMETERS = "parameters"  # the index's group of each parameter in its own shape
-HASHED = 1 << 22           # bytes read at a time for a checksum
+HASHED = 1 << 22  # bytes read at a time for a checksum
 
 
 def part_name(rank):
@@ -79,7 +79,7 @@ def write_part_aside(aside, rows, arrays):
             at = 0
             for piece in pieces:
                 if len(piece):
-                    dataset[at:at + len(piece)] = np.ascontiguousarray(piece)
+                    dataset[at : at + len(piece)] = np.ascontiguousarray(piece)
                 at += len(piece)
 
 
@@ -103,8 +103,8 @@ def _axes(rows):
 
 
 def _rectangle(row, axes):
-    ndim = int(np.count_nonzero(row[2:2 + axes] >= 0))
-    start, stop = row[2:2 + ndim], row[2 + axes:2 + axes + ndim]
+    ndim = int(np.count_nonzero(row[2 : 2 + axes] >= 0))
+    start, stop = row[2 : 2 + ndim], row[2 + axes : 2 + axes + ndim]
     return [int(a) for a in start], [int(b) for b in stop]
 
 
@@ -113,11 +113,11 @@ def flat_selection(space, offset, shape, start, stop):
     of ``shape`` at ``offset``, in C order: one strided block per combination of the leading axes that do not
     span their parameter's axis, the trailing axes that do merged into each block."""
     ndim = len(shape)
-    tail = ndim   # the trailing axes, from here on, that the rectangle spans whole
+    tail = ndim  # the trailing axes, from here on, that the rectangle spans whole
     while tail > 0 and start[tail - 1] == 0 and stop[tail - 1] == shape[tail - 1]:
         tail -= 1
     inner = int(np.prod(shape[tail:], dtype=np.int64))
-    if tail == 0:   # the whole parameter
+    if tail == 0:  # the whole parameter
         space.select_hyperslab((offset,), (1,), block=(inner,), op=h5py.h5s.SELECT_OR)
         return
     # axis tail-1 is cut: a block of (stop - start) x inner elements, stride shape[tail-1] x inner, for each
@@ -125,12 +125,17 @@ def flat_selection(space, offset, shape, start, stop):
     step = int(shape[tail - 1]) * inner
     block = (stop[tail - 1] - start[tail - 1]) * inner
     if all(start[axis] == 0 and stop[axis] == shape[axis] for axis in range(tail - 1)):
-        count = int(np.prod(shape[:tail - 1], dtype=np.int64))
-        space.select_hyperslab((offset + start[tail - 1] * inner,), (count,), stride=(step,), block=(block,),
-                               op=h5py.h5s.SELECT_OR)
+        count = int(np.prod(shape[: tail - 1], dtype=np.int64))
+        space.select_hyperslab(
+            (offset + start[tail - 1] * inner,),
+            (count,),
+            stride=(step,),
+            block=(block,),
+            op=h5py.h5s.SELECT_OR,
+        )
         return
     outer = [range(start[axis], stop[axis]) for axis in range(tail - 1)]
-    strides = [int(np.prod(shape[axis + 1:], dtype=np.int64)) for axis in range(tail - 1)]
+    strides = [int(np.prod(shape[axis + 1 :], dtype=np.int64)) for axis in range(tail - 1)]
     for index in np.ndindex(*[len(r) for r in outer]) if outer else [()]:
         base = offset + sum((outer[a][i]) * strides[a] for a, i in enumerate(index)) + start[tail - 1] * inner
         space.select_hyperslab((base,), (1,), block=(block,), op=h5py.h5s.SELECT_OR)
@@ -140,7 +145,9 @@ def _virtual(group, name, shape, dtype, mappings):
     """A virtual dataset ``name`` of ``shape`` in ``group``; ``mappings``: ``(select(space), file, key, lo,
     count)``: the elements ``select`` picks come from ``file``'s 1-D dataset ``key`` at ``[lo, lo + count)``."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_fill_value(np.full((), np.nan, dtype=dtype))   # (a source that cannot be read shows as NaN, not 0)
+    dcpl.set_fill_value(
+        np.full((), np.nan, dtype=dtype)
+    )  # (a source that cannot be read shows as NaN, not 0)
     for select, file, key, lo, count, total in mappings:
         virtual = h5py.h5s.create_simple(tuple(int(n) for n in shape))
         virtual.select_none()
@@ -169,7 +176,7 @@ def write_index(path, parameters, parts, keys, dtype, attrs):
     whole = {index: [] for index in range(len(parameters))}
     for file, rows, _ in parts:
         rows = np.asarray(rows, dtype=np.int64)
-        if rows.size == 0:   # (a rank that writes nothing: a replica past the first)
+        if rows.size == 0:  # (a rank that writes nothing: a replica past the first)
             continue
         held, lo = int(rows[:, 1].sum()), 0
         for row in rows:
@@ -181,8 +188,12 @@ def write_index(path, parameters, parts, keys, dtype, attrs):
                 flat_selection(space, offset, shape, start, stop)
 
             def select_shaped(space, start=start, stop=stop):
-                space.select_hyperslab(tuple(start), (1,) * len(start),
-                                       block=tuple(b - a for a, b in zip(start, stop)), op=h5py.h5s.SELECT_OR)
+                space.select_hyperslab(
+                    tuple(start),
+                    (1,) * len(start),
+                    block=tuple(b - a for a, b in zip(start, stop)),
+                    op=h5py.h5s.SELECT_OR,
+                )
 
             for key in keys:
                 flat[key].append((select_flat, file, key, lo, size, held))
@@ -220,8 +231,12 @@ def verify(path, handle, share=(0, 1)):
         return f"attribute {PARTS} lists no part files"
     files, (first, every) = set(), share
     for number, record in enumerate(listed):
-        if not (isinstance(record, dict) and isinstance(record.get("file"), str)
-                and isinstance(record.get("bytes"), int) and isinstance(record.get("sha256"), str)):
+        if not (
+            isinstance(record, dict)
+            and isinstance(record.get("file"), str)
+            and isinstance(record.get("bytes"), int)
+            and isinstance(record.get("sha256"), str)
+        ):
             return f"attribute {PARTS} has an entry that is not {{file, bytes, sha256}}"
         name = PurePosixPath(record["file"])
         if name.is_absolute() or ".." in name.parts or not name.parts:
@@ -270,7 +285,7 @@ def named_folders(directory, pattern="*.h5"):
     be read names none)."""
     named = set()
     for index in Path(directory).glob(pattern):
-        if not is_regular_file(index):      # (a named pipe under an index's name would block the open forever)
+        if not is_regular_file(index):  # (a named pipe under an index's name would block the open forever)
             continue
         try:
             with h5py.File(index, "r") as handle:
@@ -312,9 +327,13 @@ def remove_replaced_folders(directory, current, folder, pruned):
     removed = []
     for folder in Path(directory).iterdir():
         stem, _, token = folder.name.rpartition(".parts-")
-        if stem in stems and token and FOLDER.fullmatch(folder.name) and folder.name not in kept \
-                and folder.is_dir():
+        if (
+            stem in stems
+            and token
+            and FOLDER.fullmatch(folder.name)
+            and folder.name not in kept
+            and folder.is_dir()
+        ):
             remove_parts(folder)
             removed.append(folder.name)
     return sorted(removed)
-

@@ -30,7 +30,9 @@ def read(dataset, placement, dtype, out=None):
         _, _, offset, shape, *_ = placement.whole.entries[region.entry]
         space = dataset.id.get_space()
         space.select_none()
-        flat_selection(space, int(offset), tuple(int(n) for n in shape), list(region.start), list(region.stop))
+        flat_selection(
+            space, int(offset), tuple(int(n) for n in shape), list(region.start), list(region.stop)
+        )
         memory = h5py.h5s.create_simple((region.size,))
-        dataset.id.read(memory, space, out[region.lo:region.lo + region.size])
+        dataset.id.read(memory, space, out[region.lo : region.lo + region.size])
     return out

@@ -24,7 +24,7 @@ from .labels import checked_names, infer_task, split_train_test
 #: ``--delimiter`` values and the delimiter each means (None: runs of whitespace)
 DELIMITERS = {"auto": "auto", ",": ",", ";": ";", "tab": "\t", "\t": "\t", "whitespace": None}
 SHOWN = {",": "','", ";": "';'", "\t": "tab", None: "whitespace"}
-SNIFFED = 20                    # first lines of a CSV file the delimiter and the header are judged from
+SNIFFED = 20  # first lines of a CSV file the delimiter and the header are judged from
 
 
 def is_number(text):
@@ -87,7 +87,9 @@ def has_header(rows, split):
     below = [split(line) for _, line in rows[1:SNIFFED]]
     for column, cell in enumerate(split(rows[0][1])):
         if cell.strip() and not is_number(cell):
-            if all(is_number(cells[column]) for cells in below if column < len(cells) and cells[column].strip()):
+            if all(
+                is_number(cells[column]) for cells in below if column < len(cells) and cells[column].strip()
+            ):
                 return True
     return False
 
@@ -101,9 +103,11 @@ def unquoted(cell):
 
 
 def mixed(path, label, cell, line_no):
-    return (f"{path}: the label column (column {label + 1}) mixes numbers and class names "
-            f"({printable(repr(unquoted(cell)), 60)} in row {line_no}); give every label as a number or every "
-            "label as a name")
+    return (
+        f"{path}: the label column (column {label + 1}) mixes numbers and class names "
+        f"({printable(repr(unquoted(cell)), 60)} in row {line_no}); give every label as a number or every "
+        "label as a name"
+    )
 
 
 def first_bad_cell(path, rows, split=None, label=None, named=False):
@@ -125,8 +129,10 @@ def first_bad_cell(path, rows, split=None, label=None, named=False):
             if not is_number(cell):
                 if column - 1 == label:
                     return mixed(path, label, cell, line_no)
-                return (f"{path}: column {column} holds text ({printable(repr(cell.strip()), 60)} in row {line_no}); "
-                        "ingest needs numbers in every row after the header (text only in the label column)")
+                return (
+                    f"{path}: column {column} holds text ({printable(repr(cell.strip()), 60)} in row {line_no}); "
+                    "ingest needs numbers in every row after the header (text only in the label column)"
+                )
     return None
 
 
@@ -134,16 +140,16 @@ def first_bad_cell(path, rows, split=None, label=None, named=False):
 class Table:
     """A CSV file read: the feature columns, the labels, and how the file was cut."""
 
-    x: np.ndarray               # float64, the columns other than the label column, in file order
-    y: np.ndarray               # the label column: float64 numbers, or int64 classes where it holds names
-    label: int                  # the label column, 0-based
-    delimiter: object           # ',', ';', '\t' or None (whitespace)
-    detected: bool              # the delimiter was detected (not given)
-    header_line: int = None     # the line skipped as column names
-    class_names: tuple = None   # where the label column holds names: class i is class_names[i]
-    index_note: str = None      # what was done with a first column of row numbers (an index?), or None
-    names: tuple = None         # the header's names of the columns of x (None: no header)
-    label_name: str = None      # the header's name of the label column
+    x: np.ndarray  # float64, the columns other than the label column, in file order
+    y: np.ndarray  # the label column: float64 numbers, or int64 classes where it holds names
+    label: int  # the label column, 0-based
+    delimiter: object  # ',', ';', '\t' or None (whitespace)
+    detected: bool  # the delimiter was detected (not given)
+    header_line: int = None  # the line skipped as column names
+    class_names: tuple = None  # where the label column holds names: class i is class_names[i]
+    index_note: str = None  # what was done with a first column of row numbers (an index?), or None
+    names: tuple = None  # the header's names of the columns of x (None: no header)
+    label_name: str = None  # the header's name of the label column
 
 
 def read_csv(path, label_column=-1, delimiter="auto"):
@@ -154,9 +160,12 @@ def read_csv(path, label_column=-1, delimiter="auto"):
     above a column of numbers.  Every cell but the label column's must be a
     number; the label column holds numbers, or class names in every row.
     """
-    try:    # (a line at a time, each bounded: one line of a gigabyte is refused before it is held)
-        lines = [piece for _, line in bounded_lines(path, str(path), encoding="utf-8-sig", errors="strict")
-                 for piece in line.splitlines() or [""]]     # (numbered as str.splitlines numbers the whole)
+    try:  # (a line at a time, each bounded: one line of a gigabyte is refused before it is held)
+        lines = [
+            piece
+            for _, line in bounded_lines(path, str(path), encoding="utf-8-sig", errors="strict")
+            for piece in line.splitlines() or [""]
+        ]  # (numbered as str.splitlines numbers the whole)
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"{path}: not a readable text file ({err})") from None
     rows = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
@@ -164,60 +173,100 @@ def read_csv(path, label_column=-1, delimiter="auto"):
     delimiter = detect_delimiter([line for _, line in rows[:SNIFFED]]) if detected else DELIMITERS[delimiter]
     split = cells_of(delimiter)
     header = rows[:1] if rows and has_header(rows, split) else []
-    rows = rows[len(header):]
+    rows = rows[len(header) :]
     if len(rows) < 2:
-        found = "the file is empty" if not lines else f"{len(rows)} row{'s' * (len(rows) != 1)} of data" + (
-            f" after the header (line {header[0][0]})" if header else "")
+        found = (
+            "the file is empty"
+            if not lines
+            else f"{len(rows)} row{'s' * (len(rows) != 1)} of data"
+            + (f" after the header (line {header[0][0]})" if header else "")
+        )
         raise UsageError(f"{path}: {found}; a train and a test split need at least 2")
     width = len(split(rows[0][1]))
     if width < 2:
-        raise UsageError(f"{path}: has 1 column; it needs at least one feature column and a label column (cut at "
-                         f"{SHOWN[delimiter]}, {'detected' if detected else 'given'}: see --delimiter)")
+        raise UsageError(
+            f"{path}: has 1 column; it needs at least one feature column and a label column (cut at "
+            f"{SHOWN[delimiter]}, {'detected' if detected else 'given'}: see --delimiter)"
+        )
     if not -width <= label_column < width:
-        raise UsageError(f"--label-column {label_column}: {path} has {width} columns (0 to {width - 1}, "
-                         f"or -{width} to -1)")
+        raise UsageError(
+            f"--label-column {label_column}: {path} has {width} columns (0 to {width - 1}, or -{width} to -1)"
+        )
     label = label_column % width
     if header and len(split(header[0][1])) != width:
-        raise UsageError(f"{path}: the header has {len(split(header[0][1]))} columns but the rows have {width}")
+        raise UsageError(
+            f"{path}: the header has {len(split(header[0][1]))} columns but the rows have {width}"
+        )
     # names in the label column's first rows: the column holds class names (all of it, checked)
-    named = any(label < len(cells) and cells[label].strip() and not is_number(cells[label])
-                for cells in map(split, (line for _, line in rows[:SNIFFED])))
+    named = any(
+        label < len(cells) and cells[label].strip() and not is_number(cells[label])
+        for cells in map(split, (line for _, line in rows[:SNIFFED]))
+    )
     y, class_names = read_names(path, rows, split, width, label) if named else (None, None)
     columns = [column for column in range(width) if column != label] if named else list(range(width))
     try:
-        table = np.loadtxt([line for _, line in rows], delimiter=delimiter, ndmin=2, comments=None,
-                           usecols=columns if named else None)     # (usecols lets longer rows pass)
+        table = np.loadtxt(
+            [line for _, line in rows],
+            delimiter=delimiter,
+            ndmin=2,
+            comments=None,
+            usecols=columns if named else None,
+        )  # (usecols lets longer rows pass)
     except ValueError as err:
-        raise UsageError(first_bad_cell(path, rows, split, label, named)
-                         or f"{path}: not a table of numbers ({printable(err)})") from None
+        raise UsageError(
+            first_bad_cell(path, rows, split, label, named)
+            or f"{path}: not a table of numbers ({printable(err)})"
+        ) from None
     magnitude = np.abs(np.nan_to_num(table, nan=0.0, posinf=np.inf, neginf=np.inf))
-    for bad, why in ((~np.isfinite(table), "ingest needs finite numbers"),
-                     (magnitude > FLOAT32_MAX, f"beyond float32 (max {FLOAT32_MAX:.3g}); scale the data")):
-        if bad.any():      # the largest bad value: Inf before NaN, the largest magnitude beyond float32
+    for bad, why in (
+        (~np.isfinite(table), "ingest needs finite numbers"),
+        (magnitude > FLOAT32_MAX, f"beyond float32 (max {FLOAT32_MAX:.3g}); scale the data"),
+    ):
+        if bad.any():  # the largest bad value: Inf before NaN, the largest magnitude beyond float32
             r, c = np.unravel_index(np.argmax(np.where(bad, magnitude, -1)), table.shape)
             value = "NaN" if np.isnan(table[r, c]) else "Inf" if np.isinf(table[r, c]) else "too large"
-            raise UsageError(f"{path}: row {rows[r][0]}, column {columns[c] + 1} is {value} "
-                             f"({split(rows[r][1])[columns[c]].strip()!r}); {why}")
+            raise UsageError(
+                f"{path}: row {rows[r][0]}, column {columns[c] + 1} is {value} "
+                f"({split(rows[r][1])[columns[c]].strip()!r}); {why}"
+            )
     if not named:
         y, table = table[:, label], np.delete(table, label, axis=1)
     titles = [unquoted(cell) for cell in split(header[0][1])] if header else None
     names = tuple(title for column, title in enumerate(titles) if column != label) if titles else None
     index_note = None
     first = names[0] if names else None
-    if label != 0 and table.shape[1] > 1 and first is not None and _unnamed(first) \
-            and not any(map(_unnamed, names[1:])):
+    if (
+        label != 0
+        and table.shape[1] > 1
+        and first is not None
+        and _unnamed(first)
+        and not any(map(_unnamed, names[1:]))
+    ):
         # a first column the header leaves unnamed above named ones: the index pandas' to_csv writes, whatever
         # rows it numbers (a subset's are not 0, 1, 2, ...): a feature would be named as the others are
-        index_note = f"column 1 ({f'{first!r}' if first else 'unnamed'}) dropped: an index (the header names " \
-                     "every other column)"
+        index_note = (
+            f"column 1 ({f'{first!r}' if first else 'unnamed'}) dropped: an index (the header names "
+            "every other column)"
+        )
         table, names = table[:, 1:], names[1:]
     elif label != 0 and table.shape[1] > 1 and _row_numbers(table[:, 0]):
         numbers = f"the row numbers {int(table[0, 0])} to {int(table[-1, 0])}"
-        index_note = (f"column 1{f' ({printable(repr(first), 40)})' if first else ''} holds {numbers}; kept as a "
-                      "feature (if it is an index, it carries nothing to learn: remove it from the file)")
-    return Table(x=table, y=y, label=label, delimiter=delimiter, detected=detected,
-                 header_line=header[0][0] if header else None, class_names=class_names, index_note=index_note,
-                 names=names, label_name=titles[label] if titles else None)
+        index_note = (
+            f"column 1{f' ({printable(repr(first), 40)})' if first else ''} holds {numbers}; kept as a "
+            "feature (if it is an index, it carries nothing to learn: remove it from the file)"
+        )
+    return Table(
+        x=table,
+        y=y,
+        label=label,
+        delimiter=delimiter,
+        detected=detected,
+        header_line=header[0][0] if header else None,
+        class_names=class_names,
+        index_note=index_note,
+        names=names,
+        label_name=titles[label] if titles else None,
+    )
 
 
 def _storable(names):
@@ -245,11 +294,15 @@ def read_names(path, rows, split, width, label):
     for row, (line_no, line) in enumerate(rows):
         cells = split(line)
         if len(cells) != width:
-            raise UsageError(f"{path}: row {line_no} has {len(cells)} columns but row {rows[0][0]} has {width}")
+            raise UsageError(
+                f"{path}: row {line_no} has {len(cells)} columns but row {rows[0][0]} has {width}"
+            )
         name = unquoted(cells[label])
         if not name:
-            raise UsageError(f"{path}: row {line_no}, column {label + 1} is empty; the label column holds class "
-                             "names, and every row needs one")
+            raise UsageError(
+                f"{path}: row {line_no}, column {label + 1} is empty; the label column holds class "
+                "names, and every row needs one"
+            )
         if is_number(name):
             raise UsageError(mixed(path, label, name, line_no))
         codes[row] = seen.setdefault(name, len(seen))
@@ -264,12 +317,19 @@ def from_csv(path, label_column, test_fraction, seed, task, delimiter="auto"):
     key = f"the label column (column {table.label + 1})"
     if table.class_names is not None:
         if task == "regression":
-            raise UsageError(f"{path}: {key} holds text (class names such as "
-                             f"{printable(repr(table.class_names[0]), 60)}); --task regression needs numbers")
+            raise UsageError(
+                f"{path}: {key} holds text (class names such as "
+                f"{printable(repr(table.class_names[0]), 60)}); --task regression needs numbers"
+            )
         y, num_classes = table.y, len(table.class_names)
     else:
         y, num_classes = infer_task(table.y, task, path, key)
-    facts = {"class_names": table.class_names, "delimiter": SHOWN[table.delimiter],
-             "delimiter_detected": table.detected, "header_line": table.header_line,
-             "index_note": table.index_note, "feature_names": _storable(table.names)}
+    facts = {
+        "class_names": table.class_names,
+        "delimiter": SHOWN[table.delimiter],
+        "delimiter_detected": table.detected,
+        "header_line": table.header_line,
+        "index_note": table.index_note,
+        "feature_names": _storable(table.names),
+    }
     return split_train_test(table.x.astype(np.float32), y, test_fraction, seed), num_classes, facts

@@ -15,13 +15,18 @@ from ..runtime.cluster import node_layout
 from ..runtime.memory import default_budget, human, ranks_per_node
 from ..runtime.ulfm import ulfm_support
 
-THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-                 MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+THREAD_LEVELS = {
+    MPI.THREAD_SINGLE: "single",
+    MPI.THREAD_FUNNELED: "funneled",
+    MPI.THREAD_SERIALIZED: "serialized",
+    MPI.THREAD_MULTIPLE: "multiple",
+}
 
 
 def _gpus():
     try:
         import cupy
+
         return f"cupy {cupy.__version__}, {cupy.cuda.runtime.getDeviceCount()} GPU(s) visible"
     except Exception as err:  # missing cupy or driver: say why, never fail
         return f"none ({type(err).__name__}: {err})".splitlines()[0][:100]
@@ -53,17 +58,26 @@ def report(world, models_only=False):
         ("MPI library", f"{version} ({comm.mpi_library_path() or 'path unknown'})"),
         ("MPI standard", "{}.{}".format(*MPI.Get_version())),
         ("thread level", THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
-        ("CUDA-aware MPI", f"{'yes' if comm.cuda_aware() else 'no'}; GPU arrays travel "
-                           f"{comm.transfer_path()} (override: MPIDIST_CUDA_AWARE=0|1)"),
+        (
+            "CUDA-aware MPI",
+            f"{'yes' if comm.cuda_aware() else 'no'}; GPU arrays travel "
+            f"{comm.transfer_path()} (override: MPIDIST_CUDA_AWARE=0|1)",
+        ),
         ("--elastic", "yes: this MPI reports dead processes (ULFM)" if elastic else f"no: {why_not}"),
-        ("ranks", f"{world.Get_size()} on {len(per_node)} node(s): "
-                  + ", ".join(f"node {i} ({host}) x{n}" for i, (host, n) in sorted(per_node.items()))),
+        (
+            "ranks",
+            f"{world.Get_size()} on {len(per_node)} node(s): "
+            + ", ".join(f"node {i} ({host}) x{n}" for i, (host, n) in sorted(per_node.items())),
+        ),
         ("numpy / h5py", f"{np.__version__} / {h5py.__version__} (HDF5 {h5py.version.hdf5_version})"),
         ("GPUs", _gpus()),
         ("models", ", ".join(MODELS)),
         ("bundled datasets", ", ".join(data.bundled_names()) or "none found"),
-        ("data budget", f"{human(default_budget())} per rank (--memory-budget auto: half the node's free memory "
-                        f"over {ranks_per_node()} rank(s) per node); a rank whose shards need more streams them"),
+        (
+            "data budget",
+            f"{human(default_budget())} per rank (--memory-budget auto: half the node's free memory "
+            f"over {ranks_per_node()} rank(s) per node); a rank whose shards need more streams them",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -44,7 +44,7 @@ from .dataset_file import check_extras, check_splits, train_stats, write_dataset
 from .labels import TEST_FRACTION, check_test_fraction
 from .sources import SOURCES, TOKEN_SOURCES, build_source, from_npz
 
-NAMES_SHOWN = 20                # class names listed in the summary
+NAMES_SHOWN = 20  # class names listed in the summary
 
 
 @dataclasses.dataclass
@@ -59,17 +59,17 @@ class Ingested:
     path: Path
     name: str
     source: str
-    sizes: dict                     # split -> samples
+    sizes: dict  # split -> samples
     sample_shape: tuple
-    num_classes: int                # 0: regression
+    num_classes: int  # 0: regression
     target_width: int = 1
-    class_names: tuple = None       # where the labels were text
-    standardized: bool = False      # stats/mean and stats/std stored
+    class_names: tuple = None  # where the labels were text
+    standardized: bool = False  # stats/mean and stats/std stored
     delimiter: str = None
     delimiter_detected: bool = False
     header_line: int = None
-    index_note: str = None          # what was done with a CSV's first column of row numbers, or None
-    feature_names: tuple = None     # a CSV header's names of the features, stored in the file
+    index_note: str = None  # what was done with a CSV's first column of row numbers, or None
+    feature_names: tuple = None  # a CSV header's names of the features, stored in the file
 
     def __fspath__(self):
         return os.fspath(self.path)
@@ -77,44 +77,88 @@ class Ingested:
     def summary(self):
         """The lines ``python -m mpidist ingest`` prints."""
         held = f", {self.sizes['val']:,} val" if "val" in self.sizes else ""
-        rows = [("samples", f"{self.sizes['train']:,} train{held}, {self.sizes['test']:,} test"),
-                ("features", f"{int(np.prod(self.sample_shape)):,} per sample, sample shape {self.sample_shape}")]
+        rows = [
+            ("samples", f"{self.sizes['train']:,} train{held}, {self.sizes['test']:,} test"),
+            ("features", f"{int(np.prod(self.sample_shape)):,} per sample, sample shape {self.sample_shape}"),
+        ]
         if self.num_classes and self.class_names:
             more = len(self.class_names) - NAMES_SHOWN
-            names = ", ".join(f"{i} {printable(name, 60)!r}" for i, name in enumerate(self.class_names[:NAMES_SHOWN]))
-            rows.append(("classes", f"{self.num_classes:,} named by the text labels: {names}"
-                         + (f", ... ({more:,} more)" if more > 0 else "")))
+            names = ", ".join(
+                f"{i} {printable(name, 60)!r}" for i, name in enumerate(self.class_names[:NAMES_SHOWN])
+            )
+            rows.append(
+                (
+                    "classes",
+                    f"{self.num_classes:,} named by the text labels: {names}"
+                    + (f", ... ({more:,} more)" if more > 0 else ""),
+                )
+            )
         elif self.num_classes:
             rows.append(("classes", f"{self.num_classes:,} (labels 0 to {self.num_classes - 1})"))
         else:
-            rows.append(("task", f"regression, {self.target_width} target{'s' * (self.target_width != 1)} per sample"))
+            rows.append(
+                ("task", f"regression, {self.target_width} target{'s' * (self.target_width != 1)} per sample")
+            )
         if self.num_classes and self.target_width > 1:
             rows.append(("labels", f"{self.target_width} per sample, one per position"))
         if self.delimiter is not None:
-            rows.append(("delimiter", f"{self.delimiter} ({'detected' if self.delimiter_detected else 'given'})"))
-            rows.append(("header", f"line {self.header_line} skipped (column names)" if self.header_line
-                         else "none: the first line is data"))
+            rows.append(
+                ("delimiter", f"{self.delimiter} ({'detected' if self.delimiter_detected else 'given'})")
+            )
+            rows.append(
+                (
+                    "header",
+                    f"line {self.header_line} skipped (column names)"
+                    if self.header_line
+                    else "none: the first line is data",
+                )
+            )
             if self.index_note:
                 rows.append(("index", self.index_note))
-        rows.append(("standardised", "yes: stats/mean and stats/std of the training rows stored; train, eval and "
-                     "predict read (x - mean) / std" if self.standardized else "no"))
-        return "\n".join([f"mpidist ingest: wrote {self.path} (dataset {printable(self.name)!r} from "
-                          f"{printable(self.source)})"] + [f"  {key:<13} {value}" for key, value in rows])
+        rows.append(
+            (
+                "standardised",
+                "yes: stats/mean and stats/std of the training rows stored; train, eval and "
+                "predict read (x - mean) / std"
+                if self.standardized
+                else "no",
+            )
+        )
+        return "\n".join(
+            [
+                f"mpidist ingest: wrote {self.path} (dataset {printable(self.name)!r} from "
+                f"{printable(self.source)})"
+            ]
+            + [f"  {key:<13} {value}" for key, value in rows]
+        )
 
 
 def check_options(test_fraction, seed=0, task="auto", delimiter="auto"):
     """Refuse options that would otherwise fail deep inside numpy."""
     if delimiter not in DELIMITERS:
-        raise UsageError(f"--delimiter must be auto, ',', ';', tab or whitespace, got {printable(repr(delimiter))}")
+        raise UsageError(
+            f"--delimiter must be auto, ',', ';', tab or whitespace, got {printable(repr(delimiter))}"
+        )
     check_test_fraction(test_fraction)
-    if seed < 0:                    # numpy's generators take no negative seeds
+    if seed < 0:  # numpy's generators take no negative seeds
         raise UsageError(f"--seed must be 0 or more, got {seed}")
     if task not in ("auto", "classification", "regression"):
         raise UsageError(f"--task must be auto, classification or regression, got {task!r}")
 
 
-def ingest(source, out, name=None, test_fraction=None, seed=0, task="auto", label_column=-1, standardize=False,
-           delimiter="auto", shard_size=None, compression="gzip"):
+def ingest(
+    source,
+    out,
+    name=None,
+    test_fraction=None,
+    seed=0,
+    task="auto",
+    label_column=-1,
+    standardize=False,
+    delimiter="auto",
+    shard_size=None,
+    compression="gzip",
+):
     """Write ``source`` (a named source, .npz or .csv path) to ``out``; returns an :class:`Ingested`.
 
     The result is path-like (``os.fspath`` gives ``out``) and carries what was
@@ -127,16 +171,21 @@ def ingest(source, out, name=None, test_fraction=None, seed=0, task="auto", labe
     (``None``: :data:`~mpidist.tools.labels.TEST_FRACTION`); refused where it has one.
     """
     named = source in SOURCES or str(source).startswith("synthetic")
-    for value, what, path in ((source, "ingest SOURCE", not named), (out, "ingest OUTPUT", True),
-                              (name, "--name", False)):
+    for value, what, path in (
+        (source, "ingest SOURCE", not named),
+        (out, "ingest OUTPUT", True),
+        (name, "--name", False),
+    ):
         check_utf8(value, what, absolute=path)
     fraction = TEST_FRACTION if test_fraction is None else test_fraction
     check_options(fraction, seed, task, delimiter)
     _refuse_what_the_source_ignores(source, named, task, label_column, delimiter, test_fraction is not None)
     if standardize and source in TOKEN_SOURCES:
-        raise UsageError(f"ingest {source} --standardize: its samples are token ids (an Embedding's input), which "
-                         "standardising would turn into other numbers (negative and fractional ones); leave "
-                         "--standardize out")
+        raise UsageError(
+            f"ingest {source} --standardize: its samples are token ids (an Embedding's input), which "
+            "standardising would turn into other numbers (negative and fractional ones); leave "
+            "--standardize out"
+        )
     writer.check_shard_size(shard_size)
     writer.filters(compression)
     generated = writer.synthetic(source, fraction, seed, name)
@@ -145,7 +194,9 @@ def ingest(source, out, name=None, test_fraction=None, seed=0, task="auto", labe
     path = Path(source)
     if source not in SOURCES:
         if not path.is_file():
-            raise UsageError(f"ingest: {source!r} is neither a file nor a known source ({', '.join(SOURCES)})")
+            raise UsageError(
+                f"ingest: {source!r} is neither a file nor a known source ({', '.join(SOURCES)})"
+            )
         if path.suffix not in (".npz", ".csv"):
             raise UsageError(f"ingest: {source}: unsupported file type {path.suffix!r} (use .npz or .csv)")
         if os.path.realpath(out) == os.path.realpath(path):
@@ -163,24 +214,53 @@ def ingest(source, out, name=None, test_fraction=None, seed=0, task="auto", labe
             text, name = f"ingested from {path.name}", name or path.stem
         (x, y), stats = splits["train"], None
         if standardize:
-            check_splits(splits, num_classes, source)       # numbers of the layout, before they are summed
+            check_splits(splits, num_classes, source)  # numbers of the layout, before they are summed
             stats = train_stats(x)
         if shard_size is None:
-            written = write_dataset(out, name, splits, num_classes, text, where=source, check_values=True,
-                                    stats=stats, class_names=facts.get("class_names"), compression=compression,
-                                    feature_names=facts.get("feature_names"))
+            written = write_dataset(
+                out,
+                name,
+                splits,
+                num_classes,
+                text,
+                where=source,
+                check_values=True,
+                stats=stats,
+                class_names=facts.get("class_names"),
+                compression=compression,
+                feature_names=facts.get("feature_names"),
+            )
         else:
             check_splits(splits, num_classes, source, True)
-            check_extras(splits, num_classes, source, stats, facts.get("class_names"), facts.get("feature_names"))
-            writer.write_shards(out, writer.Rows.of_arrays(splits, name=name, num_classes=num_classes, source=text,
-                                                           stats=stats, class_names=facts.get("class_names"),
-                                                           feature_names=facts.get("feature_names")),
-                                shard_size, compression)
+            check_extras(
+                splits, num_classes, source, stats, facts.get("class_names"), facts.get("feature_names")
+            )
+            writer.write_shards(
+                out,
+                writer.Rows.of_arrays(
+                    splits,
+                    name=name,
+                    num_classes=num_classes,
+                    source=text,
+                    stats=stats,
+                    class_names=facts.get("class_names"),
+                    feature_names=facts.get("feature_names"),
+                ),
+                shard_size,
+                compression,
+            )
             written = Path(out)
-    return Ingested(path=written, name=name, source=str(source), sizes={s: len(splits[s][0]) for s in splits},
-                    sample_shape=tuple(int(d) for d in np.shape(x)[1:]), num_classes=int(num_classes),
-                    target_width=1 if np.ndim(y) == 1 else int(np.shape(y)[1]), standardized=stats is not None,
-                    **facts)
+    return Ingested(
+        path=written,
+        name=name,
+        source=str(source),
+        sizes={s: len(splits[s][0]) for s in splits},
+        sample_shape=tuple(int(d) for d in np.shape(x)[1:]),
+        num_classes=int(num_classes),
+        target_width=1 if np.ndim(y) == 1 else int(np.shape(y)[1]),
+        standardized=stats is not None,
+        **facts,
+    )
 
 
 def _refuse_what_the_source_ignores(source, named, task, label_column, delimiter, fraction_given):
@@ -193,11 +273,15 @@ def _refuse_what_the_source_ignores(source, named, task, label_column, delimiter
     (as does an ``.npz`` file with ``x_test``: :func:`~mpidist.tools.sources.from_npz` refuses it there).
     """
     if fraction_given and source in SOURCES:
-        raise UsageError(f"ingest: --test-fraction applies where the source has no test split; {source} comes "
-                         "with its own: ingest it without --test-fraction")
+        raise UsageError(
+            f"ingest: --test-fraction applies where the source has no test split; {source} comes "
+            "with its own: ingest it without --test-fraction"
+        )
     if named and task == "regression":
-        raise UsageError(f"ingest: --task regression applies to .npz and .csv files; {printable(source)} is a "
-                         "named source of classes (its task is fixed): ingest it without --task")
+        raise UsageError(
+            f"ingest: --task regression applies to .npz and .csv files; {printable(source)} is a "
+            "named source of classes (its task is fixed): ingest it without --task"
+        )
     csv = not named and Path(source).suffix == ".csv"
     for flag, given in (("--label-column", label_column != -1), ("--delimiter", delimiter != "auto")):
         if given and not csv:
@@ -207,13 +291,21 @@ def _refuse_what_the_source_ignores(source, named, task, label_column, delimiter
 def _write_generated(rows, source, out, shard_size, compression, standardize):
     """``ingest synthetic:...``: rows generated block by block, to a file or a directory of shards."""
     if standardize:
-        raise UsageError("ingest: --standardize needs the training rows in memory; synthetic data is standardised "
-                         "already (features of about unit variance)")
+        raise UsageError(
+            "ingest: --standardize needs the training rows in memory; synthetic data is standardised "
+            "already (features of about unit variance)"
+        )
     if shard_size is None:
         whole = {split: (0, n) for split, n in rows.sizes.items()}
         with claimed(out, "the dataset") as claim:
             claim.write(lambda aside: writer.write_file(aside, rows, whole, compression))
     else:
         writer.write_shards(out, rows, shard_size, compression)
-    return Ingested(path=Path(out), name=rows.name, source=str(source), sizes=dict(rows.sizes),
-                    sample_shape=tuple(rows.x_meta[0]), num_classes=rows.num_classes)
+    return Ingested(
+        path=Path(out),
+        name=rows.name,
+        source=str(source),
+        sizes=dict(rows.sizes),
+        sample_shape=tuple(rows.x_meta[0]),
+        num_classes=rows.num_classes,
+    )

@@ -15,8 +15,8 @@ from ..runtime.errors import UsageError
 from ..runtime.text import printable
 from .dataset_file import check_floats, check_samples
 
-EXACT_INTEGERS = 2.0 ** 53      # floats beyond this are not exact integers: never read them as labels
-TEST_FRACTION = 0.2             # ingest's test split, where neither the source nor --test-fraction gives one
+EXACT_INTEGERS = 2.0**53  # floats beyond this are not exact integers: never read them as labels
+TEST_FRACTION = 0.2  # ingest's test split, where neither the source nor --test-fraction gives one
 
 
 def check_test_fraction(test_fraction):
@@ -48,27 +48,44 @@ AMBIGUOUS_CLASSES = 20
 
 def infer_task(y, task, where="ingest", key="y"):
     """``(y, num_classes)``: integer labels for classification, float32 targets for regression."""
-    integral = y.dtype.kind in "iu" or (y.ndim == 1 and np.all(np.mod(y, 1) == 0) and np.abs(y).max() <= EXACT_INTEGERS)
+    integral = y.dtype.kind in "iu" or (
+        y.ndim == 1 and np.all(np.mod(y, 1) == 0) and np.abs(y).max() <= EXACT_INTEGERS
+    )
     labels = integral and y.ndim == 1 and y.min() >= 0
     if task == "auto":
         task = "classification" if labels else "regression"
         classes = int(y.max()) + 1 if labels else 0
         if classes > AMBIGUOUS_CLASSES and classes > len(y) / 2:
-            raise UsageError(f"{where}: {key} holds whole numbers from {y.min()} to {y.max()}: as classes, "
-                             f"{classes} of them for {len(y):,} rows (fewer than 2 rows a class); if they "
-                             "are quantities to predict, pass --task regression, if classes, --task classification")
+            raise UsageError(
+                f"{where}: {key} holds whole numbers from {y.min()} to {y.max()}: as classes, "
+                f"{classes} of them for {len(y):,} rows (fewer than 2 rows a class); if they "
+                "are quantities to predict, pass --task regression, if classes, --task classification"
+            )
     if task == "regression":
         check_floats(where, key, y)
         return y.astype(np.float32), 0
     if not labels:
-        found = (f"shape {y.shape}" if y.ndim != 1 else f"{y.min()}" if integral
-                 else f"{y[np.flatnonzero(np.mod(y, 1) != 0)[0]]}")
-        raise UsageError(f"{where}: --task classification needs one column of non-negative integer labels; "
-                         f"{key} has {found}")
-    if y.max() < 1 or y.max() >= MAX_CLASSES:     # num_classes would be 1, or more than train accepts
-        raise UsageError(f"{where}: " + (f"every label in {key} is 0, so there is 1 class; training needs 2 or more"
-                         if y.max() < 1 else f"{key} has labels up to {y.max()}: more than {MAX_CLASSES:,} classes")
-                         + " (or pass --task regression)")
+        found = (
+            f"shape {y.shape}"
+            if y.ndim != 1
+            else f"{y.min()}"
+            if integral
+            else f"{y[np.flatnonzero(np.mod(y, 1) != 0)[0]]}"
+        )
+        raise UsageError(
+            f"{where}: --task classification needs one column of non-negative integer labels; "
+            f"{key} has {found}"
+        )
+    if y.max() < 1 or y.max() >= MAX_CLASSES:  # num_classes would be 1, or more than train accepts
+        raise UsageError(
+            f"{where}: "
+            + (
+                f"every label in {key} is 0, so there is 1 class; training needs 2 or more"
+                if y.max() < 1
+                else f"{key} has labels up to {y.max()}: more than {MAX_CLASSES:,} classes"
+            )
+            + " (or pass --task regression)"
+        )
     return y.astype(np.int64), int(y.max()) + 1
 
 
@@ -86,10 +103,14 @@ def name_classes(y, task, where="ingest", key="y"):
     """``(y, num_classes, class_names)`` of text labels: the sorted distinct names are classes 0 to K-1."""
     y = as_text(where, key, y)
     if task == "regression":
-        raise UsageError(f"{where}: {key} holds text (class names such as {printable(repr(str(y.flat[0])), 60)}); "
-                         "--task regression needs numbers")
+        raise UsageError(
+            f"{where}: {key} holds text (class names such as {printable(repr(str(y.flat[0])), 60)}); "
+            "--task regression needs numbers"
+        )
     if y.ndim != 1:
-        raise UsageError(f"{where}: {key} has shape {y.shape}; text labels are one class name per sample, shape (N,)")
+        raise UsageError(
+            f"{where}: {key} has shape {y.shape}; text labels are one class name per sample, shape (N,)"
+        )
     empty = np.flatnonzero(np.char.str_len(np.char.strip(y)) == 0)
     if len(empty):
         raise UsageError(f"{where}: {key}[{empty[0]}] is empty; every sample needs a class name")
@@ -100,14 +121,20 @@ def name_classes(y, task, where="ingest", key="y"):
 def checked_names(where, key, names):
     """``(num_classes, names)`` for the sorted distinct class ``names`` found in ``key``, refused if training would."""
     if len(names) < 2:
-        raise UsageError(f"{where}: every label in {key} is {printable(repr(names[0]), 60)}, so there is 1 class; "
-                         "training needs 2 or more")
+        raise UsageError(
+            f"{where}: every label in {key} is {printable(repr(names[0]), 60)}, so there is 1 class; "
+            "training needs 2 or more"
+        )
     if len(names) > MAX_CLASSES:
-        raise UsageError(f"{where}: {key} holds {len(names):,} distinct names: more than {MAX_CLASSES:,} classes")
+        raise UsageError(
+            f"{where}: {key} holds {len(names):,} distinct names: more than {MAX_CLASSES:,} classes"
+        )
     for name in names:
         if len(name) > MAX_NAME:
-            raise UsageError(f"{where}: {key} holds a class name of {len(name):,} characters "
-                             f"({printable(repr(name), 60)}); a class name has at most {MAX_NAME}")
+            raise UsageError(
+                f"{where}: {key} holds a class name of {len(name):,} characters "
+                f"({printable(repr(name), 60)}); a class name has at most {MAX_NAME}"
+            )
     return len(names), tuple(names)
 
 

@@ -21,8 +21,8 @@ from ..runtime.errors import UsageError
 from ..store.outputs import read_input
 from .plotting import is_finite_number, legend_beside, new_figure, run_label, save_png
 
-MAX_BYTES = 64 << 20     # a plan of every layout at thousands of node counts is a few MB
-MAX_LINES = 40           # beyond these, a figure no one can read (and minutes of matplotlib)
+MAX_BYTES = 64 << 20  # a plan of every layout at thousands of node counts is a few MB
+MAX_LINES = 40  # beyond these, a figure no one can read (and minutes of matplotlib)
 MAX_COUNTS = 64
 MAX_LABEL = 120
 NAME = "plan.png"
@@ -49,24 +49,40 @@ def read_plan(path):
     rows = rows if isinstance(rows, list) else []
     lines, linear = {}, []
     for row in rows:
-        if not isinstance(row, dict) or not isinstance(row.get("layout"), str) or len(row["layout"]) > MAX_LABEL:
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("layout"), str)
+            or len(row["layout"]) > MAX_LABEL
+        ):
             continue
         nodes, rate, efficiency = row.get("nodes"), row.get("samples_per_s"), row.get("efficiency")
-        if not (isinstance(nodes, int) and is_finite_number(nodes) and nodes >= 1 and is_finite_number(rate)
-                and rate > 0):
+        if not (
+            isinstance(nodes, int)
+            and is_finite_number(nodes)
+            and nodes >= 1
+            and is_finite_number(rate)
+            and rate > 0
+        ):
             continue
         fits = row.get("fits") is not False
         lines.setdefault(_family(row["layout"], nodes), []).append((nodes, float(rate), fits))
-        if is_finite_number(efficiency) and efficiency > 0:   # (every row's: rate / (nodes x the best one-node))
+        if (
+            is_finite_number(efficiency) and efficiency > 0
+        ):  # (every row's: rate / (nodes x the best one-node))
             linear.append(rate / (efficiency * nodes))
     if not lines:
         raise UsageError(f"plot --plan {path}: holds no rows of predictions to draw")
     counts = {nodes for points in lines.values() for nodes, _, _ in points}
     if len(lines) > MAX_LINES or len(counts) > MAX_COUNTS:
-        raise UsageError(f"plot --plan {path}: {len(lines)} layouts at {len(counts)} node counts: more than a "
-                         f"figure shows ({MAX_LINES} and {MAX_COUNTS}); plan fewer --nodes")
-    return Plan({layout: sorted(points) for layout, points in lines.items()},
-                float(np.median(linear)) if linear else None, len(rows) - sum(map(len, lines.values())))
+        raise UsageError(
+            f"plot --plan {path}: {len(lines)} layouts at {len(counts)} node counts: more than a "
+            f"figure shows ({MAX_LINES} and {MAX_COUNTS}); plan fewer --nodes"
+        )
+    return Plan(
+        {layout: sorted(points) for layout, points in lines.items()},
+        float(np.median(linear)) if linear else None,
+        len(rows) - sum(map(len, lines.values())),
+    )
 
 
 def _family(layout, nodes):
@@ -101,31 +117,49 @@ def draw_plan(plan, measured, title):
     figure, (axes,) = new_figure(columns=1)
     figure.set_size_inches(8, 5)
     # (20 colours, then the same dashed: a run's star takes the colour of its own layout's line)
-    import matplotlib   # (the plot extra, present once new_figure has returned)
+    import matplotlib  # (the plot extra, present once new_figure has returned)
+
     palette = matplotlib.colormaps["tab20"]
     colours = {layout: palette(index % 20) for index, layout in enumerate(plan.lines)}
     for index, (layout, points) in enumerate(plan.lines.items()):
         nodes, rates, _ = zip(*points)
-        axes.plot(nodes, rates, "-" if index < 20 else "--", color=colours[layout], marker="o", markersize=3,
-                  label=_text(layout))
+        axes.plot(
+            nodes,
+            rates,
+            "-" if index < 20 else "--",
+            color=colours[layout],
+            marker="o",
+            markersize=3,
+            label=_text(layout),
+        )
         crossed = [(n, r) for n, r, fits in points if not fits]
         if crossed:
             axes.plot(*zip(*crossed), "x", color=colours[layout], markersize=9)
     counts = sorted({n for points in plan.lines.values() for n, _, _ in points})
     if plan.linear:
         axes.plot(counts, [plan.linear * n for n in counts], ":", color="grey", label="linear")
-    for name, layout, rate in measured:   # (in the colour of its layout's line, where the plan has one)
+    for name, layout, rate in measured:  # (in the colour of its layout's line, where the plan has one)
         described = _family(layout.describe(), layout.nodes)
-        axes.plot([layout.nodes], [rate], "*", color=colours.get(described, "black"), markersize=14,
-                  markeredgecolor="black", label=_text(f"measured: {name} ({described})"))
+        axes.plot(
+            [layout.nodes],
+            [rate],
+            "*",
+            color=colours.get(described, "black"),
+            markersize=14,
+            markeredgecolor="black",
+            label=_text(f"measured: {name} ({described})"),
+        )
     axes.set_xscale("log", base=2)
     axes.set_xticks(counts, [str(count) for count in counts])
     axes.minorticks_off()
     axes.set_yscale("log")
-    axes.set(xlabel="nodes", ylabel="samples/s",
-             title=_text(f"{title}: predicted samples/s (x: does not fit memory)"))
+    axes.set(
+        xlabel="nodes",
+        ylabel="samples/s",
+        title=_text(f"{title}: predicted samples/s (x: does not fit memory)"),
+    )
     axes.grid(True, which="major", alpha=0.3)
-    if len(counts) == 1:   # (one node count: an axis around it, not a point wide)
+    if len(counts) == 1:  # (one node count: an axis around it, not a point wide)
         axes.set_xlim(counts[0] / 2, counts[0] * 2)
     legend_beside(axes)
     return figure

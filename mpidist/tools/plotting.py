@@ -23,8 +23,18 @@ from ..store.outputs import refuse_special, special_input
 from ..store.rundir import TRACE, metrics_of
 
 INSTALL = "plot needs matplotlib: pip install 'mpidist[plot]' (or: pip install matplotlib)"
-COLOURS = {"compute": "#4c72b0", "exchange": "#dd8452", "wait": "#c7c7c7", "serve": "#55a868", "pipeline": "#c44e52",
-           "eval": "#8172b3", "checkpoint": "#937860", "io": "#da8bc3", "setup": "#8c8c8c", "step": "#ccb974"}
+COLOURS = {
+    "compute": "#4c72b0",
+    "exchange": "#dd8452",
+    "wait": "#c7c7c7",
+    "serve": "#55a868",
+    "pipeline": "#c44e52",
+    "eval": "#8172b3",
+    "checkpoint": "#937860",
+    "io": "#da8bc3",
+    "setup": "#8c8c8c",
+    "step": "#ccb974",
+}
 
 
 @dataclasses.dataclass
@@ -32,8 +42,8 @@ class Run:
     """What a run's metrics say: its step events (by step, the last line of each wins) and its evaluations."""
 
     name: str
-    steps: dict        # step -> {"time", "loss", "samples_per_s", ...}
-    evals: list        # [{"step", "time" (where known), and the figures}]
+    steps: dict  # step -> {"time", "loss", "samples_per_s", ...}
+    evals: list  # [{"step", "time" (where known), and the figures}]
 
     def series(self, figure):
         """``(steps, times, values)`` of a step-event figure, by step, finite values only."""
@@ -51,21 +61,23 @@ def read_run(run_dir):
     if not os.path.lexists(metrics):
         raise UsageError(f"plot: {run_dir}: no metrics to plot ({metrics}: no such file)")
     steps, evals = {}, []
-    for _, line in bounded_lines(metrics, f"plot: {metrics}"):   # (a line of a gigabyte: refused, never held)
+    for _, line in bounded_lines(metrics, f"plot: {metrics}"):  # (a line of a gigabyte: refused, never held)
         try:
             event = json.loads(line)
-        except (ValueError, RecursionError):     # a line a crash cut short, or not JSON one can read
+        except (ValueError, RecursionError):  # a line a crash cut short, or not JSON one can read
             continue
         if not isinstance(event, dict) or not is_finite_number(event.get("step")):
             continue
         if event.get("event") == "step":
             steps[int(event["step"])] = event
-        elif event.get("event") == "eval":    # (a resumed run's repeated evaluation replaces the first)
+        elif event.get("event") == "eval":  # (a resumed run's repeated evaluation replaces the first)
             evals = [e for e in evals if e["step"] != event["step"] or set(e) != set(event)] + [event]
     if not steps:
         raise UsageError(f"plot: {metrics}: holds no step events to plot")
-    known = sorted((step, event["time"]) for step, event in steps.items() if is_finite_number(event.get("time")))
-    for event in evals:    # an evaluation's time: its step's, from the step events around it
+    known = sorted(
+        (step, event["time"]) for step, event in steps.items() if is_finite_number(event.get("time"))
+    )
+    for event in evals:  # an evaluation's time: its step's, from the step events around it
         event["time"] = float(np.interp(event["step"], *zip(*known))) if known else math.nan
     return Run(name=run_label(run_dir), steps=steps, evals=evals)
 
@@ -80,7 +92,7 @@ def is_finite_number(value):
     """A finite int or float of a size a float holds (JSON allows a 400-digit integer)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    return abs(value) < 2 ** 53 if isinstance(value, int) else math.isfinite(value)
+    return abs(value) < 2**53 if isinstance(value, int) else math.isfinite(value)
 
 
 def new_figure(columns=2):
@@ -98,13 +110,15 @@ def save_png(figure, path):
 
     FigureCanvasAgg(figure)
     refuse_special(path, "the figure")
-    try:    # written aside and renamed into place: a stopped plot leaves no half figure
+    try:  # written aside and renamed into place: a stopped plot leaves no half figure
         with atomic.replacing(Path(path)) as aside:
             figure.savefig(aside, format="png")
     except OSError as err:
         raise UsageError(f"plot: cannot write {path} ({err.strerror or err})") from None
-    except ValueError as err:   # (text matplotlib cannot lay out: what a file gave it, not a bug to trace)
-        raise UsageError(f"plot: cannot draw {path}: {str(err).splitlines()[0] if str(err) else err!r}") from None
+    except ValueError as err:  # (text matplotlib cannot lay out: what a file gave it, not a bug to trace)
+        raise UsageError(
+            f"plot: cannot draw {path}: {str(err).splitlines()[0] if str(err) else err!r}"
+        ) from None
     return Path(path)
 
 
@@ -114,10 +128,16 @@ def plot_runs(runs, output):
     figure, (by_step, by_time) = new_figure()
     for index, run in enumerate(runs):
         steps, times, loss = run.series("loss")
-        marker = "o" if len(steps) == 1 else None     # (one point: a line would not show)
+        marker = "o" if len(steps) == 1 else None  # (one point: a line would not show)
         by_step.plot(steps, loss, color=f"C{index}", marker=marker, label=run.name)
         by_time.plot(times, loss, color=f"C{index}", marker=marker, label=run.name)
-    _label(figure, (by_step, by_time), "training loss", "loss", log=all((r.series("loss")[2] > 0).all() for r in runs))
+    _label(
+        figure,
+        (by_step, by_time),
+        "training loss",
+        "loss",
+        log=all((r.series("loss")[2] > 0).all() for r in runs),
+    )
     written.append(save_png(figure, Path(output) / "loss.png"))
     figure = _evaluations(runs)
     if figure is not None:
@@ -137,9 +157,13 @@ def _evaluations(runs):
     names = ("test_accuracy", "val_accuracy", "test_mse", "val_mse")
     figure, (by_step, by_time) = new_figure()
     drawn = False
-    for index, run in enumerate(runs):     # a run's colour; its test figure solid, its training one dashed
+    for index, run in enumerate(runs):  # a run's colour; its test figure solid, its training one dashed
         for style, name in zip(("-o", ":s", "-o", ":s"), names):
-            points = [(e["step"], e.get("time", math.nan), e[name]) for e in run.evals if is_finite_number(e.get(name))]
+            points = [
+                (e["step"], e.get("time", math.nan), e[name])
+                for e in run.evals
+                if is_finite_number(e.get(name))
+            ]
             if points:
                 steps, times, values = np.array(points, dtype=float).T
                 for axes, x in ((by_step, steps), (by_time, times)):
@@ -163,7 +187,7 @@ def _label(figure, axes_pair, title, ylabel, log=False):
     for axes in axes_pair:
         if log:
             axes.set_yscale("log")
-    legend_beside(by_time)   # (both axes draw the same runs: one legend, right of them)
+    legend_beside(by_time)  # (both axes draw the same runs: one legend, right of them)
 
 
 def legend_beside(axes):
@@ -179,8 +203,14 @@ def read_trace(path):
         raise UsageError(f"plot: {path}: not a trace mpidist wrote ({type(err).__name__})") from None
     if not isinstance(events, list):
         raise UsageError(f"plot: {path}: has no traceEvents list")
-    return [e for e in events if isinstance(e, dict) and _whole(e.get("pid")) and _whole(e.get("tid", 0))
-            and is_finite_number(e.get("ts", 0))]
+    return [
+        e
+        for e in events
+        if isinstance(e, dict)
+        and _whole(e.get("pid"))
+        and _whole(e.get("tid", 0))
+        and is_finite_number(e.get("ts", 0))
+    ]
 
 
 def _whole(value):
@@ -190,12 +220,18 @@ def _whole(value):
 def plot_timeline(trace_path, output, steps=3):
     """A picture of ``steps`` steps from the middle of a traced run: one row per rank, spans coloured by kind."""
     events = read_trace(trace_path)
-    spans = [dict(e, tid=e.get("tid", 0), cat=e.get("cat") if isinstance(e.get("cat"), str) else "wait")
-             for e in events if e.get("ph") == "X" and is_finite_number(e.get("ts")) and is_finite_number(e.get("dur"))]
+    spans = [
+        dict(e, tid=e.get("tid", 0), cat=e.get("cat") if isinstance(e.get("cat"), str) else "wait")
+        for e in events
+        if e.get("ph") == "X" and is_finite_number(e.get("ts")) and is_finite_number(e.get("dur"))
+    ]
     if not spans:
         raise UsageError(f"plot: {trace_path}: holds no spans")
-    marks = sorted((_args(s)["step"], s["ts"], s["ts"] + s["dur"]) for s in spans
-                   if s.get("name") == "step" and s.get("tid") == 1 and is_finite_number(_args(s).get("step")))
+    marks = sorted(
+        (_args(s)["step"], s["ts"], s["ts"] + s["dur"])
+        for s in spans
+        if s.get("name") == "step" and s.get("tid") == 1 and is_finite_number(_args(s).get("step"))
+    )
     if marks:
         middle = marks[len(marks) // 2][0]
         chosen = [m for m in marks if middle <= m[0] < middle + steps]
@@ -209,25 +245,42 @@ def plot_timeline(trace_path, output, steps=3):
     seen = set()
     for row, rank in enumerate(ranks):
         for span in spans:
-            if span["pid"] != rank or span["tid"] not in (0, 2) or span["ts"] > end or span["ts"] + span["dur"] < start:
+            if (
+                span["pid"] != rank
+                or span["tid"] not in (0, 2)
+                or span["ts"] > end
+                or span["ts"] + span["dur"] < start
+            ):
                 continue
-            depth = 0.25 if span["tid"] == 2 else 0.0      # buckets: a thin band under the main thread
+            depth = 0.25 if span["tid"] == 2 else 0.0  # buckets: a thin band under the main thread
             cat = span.get("cat", "wait")
-            left, right = max(span["ts"], start), min(span["ts"] + span["dur"], end)   # (cut to the window)
-            axes.broken_barh([((left - start) / 1e3, (right - left) / 1e3)],
-                             (row - 0.4 + depth, 0.55 if depth else 0.8), color=COLOURS.get(cat, "#999999"),
-                             label=None if cat in seen else cat)
+            left, right = max(span["ts"], start), min(span["ts"] + span["dur"], end)  # (cut to the window)
+            axes.broken_barh(
+                [((left - start) / 1e3, (right - left) / 1e3)],
+                (row - 0.4 + depth, 0.55 if depth else 0.8),
+                color=COLOURS.get(cat, "#999999"),
+                label=None if cat in seen else cat,
+            )
             seen.add(cat)
     where = {rank: row for row, rank in enumerate(ranks)}
-    arrows = [e for e in events if e.get("ph") in ("s", "f") and isinstance(e.get("id"), (int, str))
-              and "ts" in e and e["pid"] in where]
+    arrows = [
+        e
+        for e in events
+        if e.get("ph") in ("s", "f")
+        and isinstance(e.get("id"), (int, str))
+        and "ts" in e
+        and e["pid"] in where
+    ]
     starts = {e["id"]: e for e in arrows if e["ph"] == "s"}
     for finish in (e for e in arrows if e["ph"] == "f" and e["id"] in starts):
         begin = starts[finish["id"]]
         if start <= begin["ts"] <= end and start <= finish["ts"] <= end:
-            axes.annotate("", xy=((finish["ts"] - start) / 1e3, where[finish["pid"]]),
-                          xytext=((begin["ts"] - start) / 1e3, where[begin["pid"]]),
-                          arrowprops={"arrowstyle": "->", "linewidth": 0.6, "color": "black"})
+            axes.annotate(
+                "",
+                xy=((finish["ts"] - start) / 1e3, where[finish["pid"]]),
+                xytext=((begin["ts"] - start) / 1e3, where[begin["pid"]]),
+                arrowprops={"arrowstyle": "->", "linewidth": 0.6, "color": "black"},
+            )
     axes.set_yticks(range(len(ranks)), [names.get(rank, f"rank {rank}") for rank in ranks], fontsize="small")
     axes.invert_yaxis()
     axes.set(xlabel="time (ms)", title=f"{Path(trace_path).parent.name}: {steps} steps of every rank")
@@ -244,7 +297,7 @@ def main(run_dirs, output=None):
     """The command: figures of ``run_dirs`` into ``output`` (default: the first run's ``plots/``); the paths."""
     runs = [read_run(path) for path in run_dirs]
     names = [run.name for run in runs]
-    for index, run in enumerate(runs):    # two runs of one name (a/run, b/run) each keep their own
+    for index, run in enumerate(runs):  # two runs of one name (a/run, b/run) each keep their own
         if names.count(run.name) > 1:
             run.name = f"{run.name} ({index + 1})"
     first = Path(run_dirs[0])

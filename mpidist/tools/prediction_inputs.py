@@ -10,8 +10,9 @@
   ``.npz`` file with an array ``x`` (both read with ``allow_pickle=False``:
   a file never runs code), a CSV file (parsed as ``ingest`` parses one; a
   last column beyond the model's features is a label column, left out), or,
-  in Python, a numpy array (the same on every rank).  Plain samples say nothing of the task, so the model is built for the
-  dataset the checkpoint trained on (its settings' ``data``), which must be
+  in Python, a numpy array (the same on every rank).  Plain samples say
+  nothing of the task, so the model is built for the dataset the checkpoint
+  trained on (its settings' ``data``), which must be
   readable; the samples must have its sample shape, and are fed as stored
   (standardised with that dataset's statistics where it has them, as Shard does).
   Each rank reads only its rows of an HDF5 or ``.npy`` file; an ``.npz``
@@ -46,8 +47,15 @@ SPLITS = datasets.SPLITS + datasets.OPTIONAL_SPLITS
 #: what numpy raises reading a broken .npy or .npz: a compressed member that is not deflate data raises
 #: zlib's error, a header cut in a bracket tokenize's (besides zipfile's BadZipFile, imported where used)
 NUMPY_FILE_ERRORS = (OSError, ValueError, EOFError, zlib.error, tokenize.TokenError)
-KINDS = {"U": "text", "S": "bytes", "O": "Python objects", "c": "complex numbers", "M": "dates",
-         "m": "time spans", "V": "records"}
+KINDS = {
+    "U": "text",
+    "S": "bytes",
+    "O": "Python objects",
+    "c": "complex numbers",
+    "M": "dates",
+    "m": "time spans",
+    "V": "records",
+}
 
 
 def reader_for(data, split):
@@ -66,12 +74,16 @@ def reader_for(data, split):
     if isinstance(data, (np.ndarray, list, tuple)):
         return PlainSamples(ArraySamples(np.asarray(data)), split)
     if not isinstance(data, (str, os.PathLike)):
-        raise UsageError(f"data: give a file, a bundled dataset's name, an ArrayData or a numpy array, not "
-                         f"{type(data).__name__}")
+        raise UsageError(
+            f"data: give a file, a bundled dataset's name, an ArrayData or a numpy array, not "
+            f"{type(data).__name__}"
+        )
     if os.fspath(data).lower().endswith(".csv"):
         return PlainSamples(CsvSamples(Path(os.fspath(data))), split)
     path = datasets.resolve(os.fspath(data))
-    if not path.is_file():      # a directory (or a glob) of files: a dataset in the mpidist layout, as train reads
+    if (
+        not path.is_file()
+    ):  # a directory (or a glob) of files: a dataset in the mpidist layout, as train reads
         return DatasetSplit(path, split, data)
     if path.suffix.lower() in (".npy", ".npz"):
         return PlainSamples(NumpyFile(path), split)
@@ -93,7 +105,7 @@ class DatasetSplit:
         # resolved: a path or an ArrayData, or None for the dataset the checkpoint trained on;
         # named: what the caller named, to tell the run's own dataset (whose carved val split is carved again)
         self.resolved, self.split, self.named = resolved, split, named
-        self.given = named is not None     # (else the checkpoint's own: it must be the dataset it recorded)
+        self.given = named is not None  # (else the checkpoint's own: it must be the dataset it recorded)
 
     def dataset_for(self, settings):
         """The dataset read, given the checkpoint's ``settings``; the model is built for it.
@@ -107,17 +119,22 @@ class DatasetSplit:
         if self.split == "val" and "val" not in self.info.sizes and own and settings.val_fraction:
             self.info = datasets.carve_validation(self.info, settings.val_fraction, settings.seed)
         if self.split not in self.info.sizes:
-            raise UsageError(f"{self.info.path}: has no {self.split} split (it has {', '.join(self.info.sizes)})")
+            raise UsageError(
+                f"{self.info.path}: has no {self.split} split (it has {', '.join(self.info.sizes)})"
+            )
         self.samples = self.info.sizes[self.split]
         self.where = f"{self.info.path}: {self.split}"
         self.source = f"{self.info.name!r} ({self.info.path}), {self.split} split"
         self.data = recorded(self.info.path)
-        self.files = [] if isinstance(source, datasets.ArrayData) else \
-            [self.info.path] + [member.path for member in self.info.files]
+        self.files = (
+            []
+            if isinstance(source, datasets.ArrayData)
+            else [self.info.path] + [member.path for member in self.info.files]
+        )
         return self.info
 
     def check_shape(self, net):
-        pass   # the model was built for this dataset's samples
+        pass  # the model was built for this dataset's samples
 
     def read(self, lo, hi, net):
         shard = datasets.Shard(self.info, self.split, 0, 1, net.input_shape, net.dtype, rows=slice(lo, hi))
@@ -132,28 +149,33 @@ class PlainSamples:
             raise UsageError(f"{samples.where}: holds plain samples, which have no splits (split {split!r})")
         self.samples_in, self.split, self.where = samples, None, samples.where
         self.samples, self.source, self.data = samples.count, samples.where, samples.data
-        self.given = False      # the task comes from the dataset the checkpoint recorded
+        self.given = False  # the task comes from the dataset the checkpoint recorded
 
     def dataset_for(self, settings):
         """The dataset the checkpoint trained on (``settings.data``): its task, shape and statistics are theirs."""
         try:
             self.info = datasets.inspect(datasets.resolve(settings.data))
         except UsageError as err:
-            raise UsageError(f"{self.where}: plain samples say nothing of the task; it comes from the dataset the "
-                             f"checkpoint trained on, which cannot be read ({err}): predict a dataset in the "
-                             "mpidist layout instead") from None
+            raise UsageError(
+                f"{self.where}: plain samples say nothing of the task; it comes from the dataset the "
+                f"checkpoint trained on, which cannot be read ({err}): predict a dataset in the "
+                "mpidist layout instead"
+            ) from None
         # (x - mean) / std with the statistics of the dataset's file where it has them, as Shard reads it
         self.transform = datasets.standardizer(self.info)
-        self.files = [p for p in (self.samples_in.path, self.info.path) if isinstance(p, Path)] + \
-            [member.path for member in self.info.files if isinstance(member.path, Path)]
+        self.files = [p for p in (self.samples_in.path, self.info.path) if isinstance(p, Path)] + [
+            member.path for member in self.info.files if isinstance(member.path, Path)
+        ]
         return self.info
 
     def check_shape(self, net):
         self.samples_in.fit(int(np.prod(self.info.sample_shape)), getattr(self.info, "feature_names", None))
         shape = self.samples_in.shape[1:]
         if shape not in (tuple(self.info.sample_shape), tuple(net.input_shape)):
-            raise UsageError(f"{self.where}: x holds samples of shape {shape}, but the model takes samples of shape "
-                             f"{tuple(self.info.sample_shape)} (as in {self.info.name!r}, the dataset it trained on)")
+            raise UsageError(
+                f"{self.where}: x holds samples of shape {shape}, but the model takes samples of shape "
+                f"{tuple(self.info.sample_shape)} (as in {self.info.name!r}, the dataset it trained on)"
+            )
 
     def read(self, lo, hi, net):
         x = self.samples_in.read(lo, hi, net.dtype)
@@ -164,19 +186,24 @@ class PlainSamples:
             raise UsageError(f"{self.where}: x holds NaN or Inf (first at sample {bad})")
         converted = x.astype(net.dtype, copy=False)
         if converted is not x and not np.isfinite(converted).all():
-            raise UsageError(f"{self.where}: x holds values up to {float(np.max(np.abs(x))):.3g}, beyond the "
-                             f"range of the model's dtype {net.dtype}")
+            raise UsageError(
+                f"{self.where}: x holds values up to {float(np.max(np.abs(x))):.3g}, beyond the "
+                f"range of the model's dtype {net.dtype}"
+            )
         return converted.reshape((len(x),) + tuple(net.input_shape)), None
 
 
 def _checked_layout(where, dtype, shape):
     """Refuse arrays that are not numbers with samples first and at least one feature axis."""
     if dtype.kind not in "biuf":
-        raise UsageError(f"{where}: x has dtype {dtype} ({KINDS.get(dtype.kind, 'not numbers')}); predict needs "
-                         "numbers")
+        raise UsageError(
+            f"{where}: x has dtype {dtype} ({KINDS.get(dtype.kind, 'not numbers')}); predict needs numbers"
+        )
     if len(shape) < 2 or 0 in shape[1:]:
-        raise UsageError(f"{where}: x has shape {tuple(shape)}; it needs samples first and at least one feature "
-                         "axis, shape (N, features...) (one feature per sample is (N, 1))")
+        raise UsageError(
+            f"{where}: x has shape {tuple(shape)}; it needs samples first and at least one feature "
+            "axis, shape (N, features...) (one feature per sample is (N, 1))"
+        )
     if shape[0] == 0:
         raise UsageError(f"{where}: x holds no samples")
 
@@ -190,15 +217,20 @@ class Samples:
         self.where, self.dtype, self.shape = where, np.dtype(dtype), tuple(int(d) for d in shape)
         _checked_layout(where, self.dtype, self.shape)
         # (what a predictions file records: a path absolute, to be found from anywhere)
-        self.count, self.data = self.shape[0], os.path.abspath(where) if isinstance(where, Path) else str(where)
+        self.count, self.data = (
+            self.shape[0],
+            os.path.abspath(where) if isinstance(where, Path) else str(where),
+        )
 
     def fit(self, features, names=None):
         """Told the model's features per sample: a table with a label column too drops it (CSV only)."""
 
     def fits(self, rows, dtype, whole=False):
         values = (self.count if whole else rows) * int(np.prod(self.shape[1:]))
-        check_fits(values * (self.dtype.itemsize + np.dtype(dtype).itemsize),
-                   f"{self.where}: x ({rows:,} rows of {int(np.prod(self.shape[1:])):,} values for this rank)")
+        check_fits(
+            values * (self.dtype.itemsize + np.dtype(dtype).itemsize),
+            f"{self.where}: x ({rows:,} rows of {int(np.prod(self.shape[1:])):,} values for this rank)",
+        )
 
 
 class ArraySamples(Samples):
@@ -226,16 +258,18 @@ class CsvSamples(Samples):
         from .csv_table import read_csv
 
         self.path = path
-        table = read_csv(path)   # (the last column as labels: numbers, or class names left out)
+        table = read_csv(path)  # (the last column as labels: numbers, or class names left out)
         self.labelled = table.class_names is not None
         self.array = table.x if self.labelled else np.column_stack([table.x, table.y])
-        self.names = None if table.names is None else table.names + (() if self.labelled else (table.label_name,))
+        self.names = (
+            None if table.names is None else table.names + (() if self.labelled else (table.label_name,))
+        )
         super().__init__(path, self.array.dtype, self.array.shape)
 
     def fit(self, features, names=None):
         if names is not None and self.names is not None:
             self.array = self.array[:, self._by_name(names)]
-        elif not self.labelled and self.shape[1] == features + 1:   # features, then the label column
+        elif not self.labelled and self.shape[1] == features + 1:  # features, then the label column
             self.array = self.array[:, :features]
         self.shape = self.array.shape
 
@@ -244,13 +278,20 @@ class CsvSamples(Samples):
         column = {name: index for index, name in enumerate(self.names)}
         missing = [name for name in names if name not in column]
         wanted = set(names)
-        extra = [name for name in self.names[:-1] if name not in wanted]   # (a last column: the label's)
-        for what, found in (("lacks the model's features", missing), ("has columns the model does not take", extra)):
+        extra = [name for name in self.names[:-1] if name not in wanted]  # (a last column: the label's)
+        for what, found in (
+            ("lacks the model's features", missing),
+            ("has columns the model does not take", extra),
+        ):
             if found:
-                shown = ", ".join(printable(repr(name), 40) for name in found[:5]) + (", ..." if len(found) > 5 else "")
-                raise UsageError(f"{self.path}: {what}, by the names ingest stored: {shown} ({len(names)} features "
-                                 f"named {', '.join(printable(repr(n), 40) for n in names[:3])}, ...); give the "
-                                 "columns the training data had, with their header")
+                shown = ", ".join(printable(repr(name), 40) for name in found[:5]) + (
+                    ", ..." if len(found) > 5 else ""
+                )
+                raise UsageError(
+                    f"{self.path}: {what}, by the names ingest stored: {shown} ({len(names)} features "
+                    f"named {', '.join(printable(repr(n), 40) for n in names[:3])}, ...); give the "
+                    "columns the training data had, with their header"
+                )
         return [column[name] for name in names]
 
     def read(self, lo, hi, dtype):
@@ -263,8 +304,10 @@ class HDF5Samples(Samples):
         with h5py.File(path, "r") as handle:
             link = handle.get("x", getlink=True)
             if isinstance(link, h5py.ExternalLink):
-                raise UsageError(f"{path}: 'x' is an external link to {printable(link.filename)!r}: refused, as it "
-                                 "reads another file")
+                raise UsageError(
+                    f"{path}: 'x' is an external link to {printable(link.filename)!r}: refused, as it "
+                    "reads another file"
+                )
             try:
                 item = handle["x"]
             except (KeyError, RuntimeError, OSError, ValueError) as err:
@@ -275,8 +318,11 @@ class HDF5Samples(Samples):
 
     def read(self, lo, hi, dtype):
         self.fits(hi - lo, dtype)
-        with reading(f"{self.path}: x", f"at samples {lo}..{hi - 1}", errors=(*HDF5_ERRORS, KeyError)), \
-                h5py.File(self.path, "r") as handle, here().doing("io", f"reading {self.path}: x"):
+        with (
+            reading(f"{self.path}: x", f"at samples {lo}..{hi - 1}", errors=(*HDF5_ERRORS, KeyError)),
+            h5py.File(self.path, "r") as handle,
+            here().doing("io", f"reading {self.path}: x"),
+        ):
             return handle["x"][lo:hi]
 
 
@@ -300,13 +346,15 @@ class NumpyFile(Samples):
                 with open(path, "rb") as handle:
                     header = _npy_header(handle)
         except (*NUMPY_FILE_ERRORS, zipfile.BadZipFile) as err:
-            raise UsageError(f"{path}: not a readable {path.suffix} file of plain arrays ({printable(err)})") from None
+            raise UsageError(
+                f"{path}: not a readable {path.suffix} file of plain arrays ({printable(err)})"
+            ) from None
         super().__init__(path, header[1], header[0])
 
     def read(self, lo, hi, dtype):
         import zipfile
 
-        self.fits(hi - lo, dtype, whole=self.npz)   # an .npz member is read whole
+        self.fits(hi - lo, dtype, whole=self.npz)  # an .npz member is read whole
         try:
             with here().doing("io", f"reading {self.path}: x"):
                 if self.npz:
@@ -314,8 +362,9 @@ class NumpyFile(Samples):
                         return arrays["x"][lo:hi].copy()
                 return np.array(np.load(self.path, mmap_mode="r", allow_pickle=False)[lo:hi])
         except (*NUMPY_FILE_ERRORS, zipfile.BadZipFile) as err:
-            raise UsageError(f"{self.path}: not a readable {self.path.suffix} file of plain arrays "
-                             f"({printable(err)})") from None
+            raise UsageError(
+                f"{self.path}: not a readable {self.path.suffix} file of plain arrays ({printable(err)})"
+            ) from None
 
 
 def _npy_header(handle):

@@ -54,9 +54,9 @@ from .prediction_inputs import reader_for
 FORMAT = "mpidist-predictions-1"
 #: Samples per forward pass (``eval`` uses the same).
 BATCH = 1024
-PART_BYTES = 64 << 20   # samples read and predicted at once on a rank (as float64): memory bounded by this
+PART_BYTES = 64 << 20  # samples read and predicted at once on a rank (as float64): memory bounded by this
 #: Most values one ``Gatherv`` may carry (MPI counts are C ints).
-GATHER_LIMIT = 2 ** 31 - 1
+GATHER_LIMIT = 2**31 - 1
 
 
 @dataclasses.dataclass
@@ -93,7 +93,9 @@ class Predictions:
 
     def summary(self):
         """One line: what was predicted, where it was written, and the figure of a labelled split."""
-        line = f"mpidist predict: {self.samples} samples of {self.source} (step {self.step}, model {self.model})"
+        line = (
+            f"mpidist predict: {self.samples} samples of {self.source} (step {self.step}, model {self.model})"
+        )
         line += f" -> {self.output}" if self.output is not None else " (not written)"
         if "accuracy" in self.figures:
             line += f", accuracy {100 * self.figures['accuracy']:.2f}%"
@@ -102,7 +104,9 @@ class Predictions:
         return line
 
 
-def predict(checkpoint_path, data=None, output=None, *, model=None, comm=None, split="test", stages=1, tensor=1):
+def predict(
+    checkpoint_path, data=None, output=None, *, model=None, comm=None, split="test", stages=1, tensor=1
+):
     """Predict with a checkpoint on new samples, each rank its own block, and write the predictions in input order.
 
     Every rank calls it with the same arguments.
@@ -140,7 +144,7 @@ def predict(checkpoint_path, data=None, output=None, *, model=None, comm=None, s
 def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
     rank, size = world.Get_rank(), world.Get_size()
     split_up, saved = layout != (1, 1), None
-    claiming = contextlib.ExitStack()   # rank 0's file written aside, removed unless renamed into place
+    claiming = contextlib.ExitStack()  # rank 0's file written aside, removed unless renamed into place
     with claiming:
         with agreed(world):
             for value, what in ((checkpoint_path, "predict CHECKPOINT"), (output, "predict --output")):
@@ -148,38 +152,52 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
             check_utf8(data, "predict --data")
             reader = reader_for(data, split)
             # the model is built for the dataset predicted, or for plain samples the one it trained on
-            if split_up:   # (its arrays are read by slices once the layout exists)
-                saved, trained, settings = load_split(checkpoint_path, reader.dataset_for, model, world, *layout,
-                                                      data_given=reader.given)
+            if split_up:  # (its arrays are read by slices once the layout exists)
+                saved, trained, settings = load_split(
+                    checkpoint_path, reader.dataset_for, model, world, *layout, data_given=reader.given
+                )
             else:
-                trained = load_trained(checkpoint_path, reader.dataset_for, model=model, data_given=reader.given)
-            check_utf8(reader.data, "predict --data")      # (as the file records it: absolute)
+                trained = load_trained(
+                    checkpoint_path, reader.dataset_for, model=model, data_given=reader.given
+                )
+            check_utf8(reader.data, "predict --data")  # (as the file records it: absolute)
             net = trained.model
             if rank == 0:
                 for note in trained.notes:
                     print(f"mpidist: {note}", flush=True)
             reader.check_shape(net)
             if reader.info.num_classes > 0 and len(net.output_shape) > 1:
-                raise UsageError(f"predict writes one class per sample, and model {trained.spec} classifies each "
-                                 f"position of a sequence (outputs {tuple(net.output_shape)} per sample): load it "
-                                 "with mpidist.api.load_trained and call model.forward for its outputs")
-            share, shares = split_model.data_share(rank, size, *layout)   # (a replica's ranks: the same rows)
+                raise UsageError(
+                    f"predict writes one class per sample, and model {trained.spec} classifies each "
+                    f"position of a sequence (outputs {tuple(net.output_shape)} per sample): load it "
+                    "with mpidist.api.load_trained and call model.forward for its outputs"
+                )
+            share, shares = split_model.data_share(rank, size, *layout)  # (a replica's ranks: the same rows)
             counts, starts = blocks(reader.samples, shares)
             width = int(np.prod(net.output_shape, dtype=np.int64))
             if reader.samples * width > GATHER_LIMIT:
-                raise UsageError(f"{reader.where}: {reader.samples:,} samples of {width:,} outputs are more values "
-                                 f"than one gather carries ({GATHER_LIMIT:,}): predict them in parts")
+                raise UsageError(
+                    f"{reader.where}: {reader.samples:,} samples of {width:,} outputs are more values "
+                    f"than one gather carries ({GATHER_LIMIT:,}): predict them in parts"
+                )
             target = None if output is None else Path(output)
             if target is not None:
                 _refuse_an_input(target, [checkpoint_path] + reader.files)
             if rank == 0:
-                check_fits(reader.samples * width * (net.dtype.itemsize + 4) + reader.samples * 8,
-                           f"the predictions of {reader.samples:,} samples ({width:,} outputs each) on rank 0")
+                check_fits(
+                    reader.samples * width * (net.dtype.itemsize + 4) + reader.samples * 8,
+                    f"the predictions of {reader.samples:,} samples ({width:,} outputs each) on rank 0",
+                )
                 if target is not None:
-                    claim = claiming.enter_context(claimed(target, "the predictions"))   # unwritable: fails now
+                    claim = claiming.enter_context(
+                        claimed(target, "the predictions")
+                    )  # unwritable: fails now
         _agree_on_sizes(world, reader.samples, width)
-        forward = (lambda x: _forward(net, x, width)) if saved is None else \
-            SplitForward(world, saved, settings, net, reader.info, width)
+        forward = (
+            (lambda x: _forward(net, x, width))
+            if saved is None
+            else SplitForward(world, saved, settings, net, reader.info, width)
+        )
         givers = _givers(world, forward)
         # rows are read and predicted a part at a time (the memory of a part, whatever the input's size); every
         # rank takes as many parts, so each read is agreed on: bad rows end every rank cleanly, output untouched
@@ -187,11 +205,14 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
         outputs, targets = [], []
         for lo in range(0, max(counts) or 1, part):
             with agreed(world):
-                begin, end = starts[share] + min(lo, counts[share]), starts[share] + min(lo + part, counts[share])
+                begin, end = (
+                    starts[share] + min(lo, counts[share]),
+                    starts[share] + min(lo + part, counts[share]),
+                )
                 x, y = reader.read(begin, end, net)
             with ends_the_job_on_error(world):
                 outputs.append(forward(x))
-                targets.append(None if y is None else y[:len(outputs[-1])])   # (no outputs here: no targets)
+                targets.append(None if y is None else y[: len(outputs[-1])])  # (no outputs here: no targets)
         with ends_the_job_on_error(world):
             if saved is not None:
                 forward.free()
@@ -201,18 +222,34 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
             figures = _figures(world, mine, y, classification) if y is not None else {}
             here().enter("gather")
             gathered = np.empty((reader.samples, width), dtype=mine.dtype) if rank == 0 else None
-            owner = [split_model.data_share(r, size, *layout)[0] for r in range(size)]   # (each rank's block)
-            mpi.gatherv(world, mine, gathered, [counts[owner[r]] * width * givers[r] for r in range(size)],
-                        [starts[owner[r]] * width for r in range(size)], root=0)
-        result = Predictions(samples=reader.samples, output=target, model=trained.spec, step=trained.step,
-                             task="classification" if classification else "regression", source=reader.source,
-                             class_names=_names(reader.info), figures=figures)
+            owner = [split_model.data_share(r, size, *layout)[0] for r in range(size)]  # (each rank's block)
+            mpi.gatherv(
+                world,
+                mine,
+                gathered,
+                [counts[owner[r]] * width * givers[r] for r in range(size)],
+                [starts[owner[r]] * width for r in range(size)],
+                root=0,
+            )
+        result = Predictions(
+            samples=reader.samples,
+            output=target,
+            model=trained.spec,
+            step=trained.step,
+            task="classification" if classification else "regression",
+            source=reader.source,
+            class_names=_names(reader.info),
+            figures=figures,
+        )
         if rank == 0:
             if classification:
-                result.classes, result.probabilities = gathered.argmax(axis=1).astype(np.int64), softmax(gathered)
+                result.classes, result.probabilities = (
+                    gathered.argmax(axis=1).astype(np.int64),
+                    softmax(gathered),
+                )
             else:
                 result.values = gathered
-        with agreed(world):   # every rank learns whether the file was written
+        with agreed(world):  # every rank learns whether the file was written
             if rank == 0 and target is not None:
                 here().enter("write")
                 claim.write(lambda aside: _write(aside, result, checkpoint_path, reader))
@@ -229,9 +266,9 @@ def softmax(outputs):
     """Softmax over the last axis, computed in float64 in chunks, as float32."""
     out = np.empty(outputs.shape, dtype=np.float32)
     for lo in range(0, len(outputs), BATCH * 16):
-        part = outputs[lo:lo + BATCH * 16].astype(np.float64)
+        part = outputs[lo : lo + BATCH * 16].astype(np.float64)
         part = np.exp(part - part.max(axis=1, keepdims=True))
-        out[lo:lo + len(part)] = part / part.sum(axis=1, keepdims=True)
+        out[lo : lo + len(part)] = part / part.sum(axis=1, keepdims=True)
     return out
 
 
@@ -243,7 +280,9 @@ def _forward(net, x, width):
     here().enter("compute")
     out = np.empty((len(x), width), dtype=net.dtype)
     for lo in range(0, len(x), BATCH):
-        out[lo:lo + BATCH] = to_host(net.forward(xp.asarray(x[lo:lo + BATCH]), training=False)).reshape(-1, width)
+        out[lo : lo + BATCH] = to_host(net.forward(xp.asarray(x[lo : lo + BATCH]), training=False)).reshape(
+            -1, width
+        )
     return out
 
 
@@ -254,7 +293,7 @@ class SplitForward:
     def __init__(self, world, saved, settings, net, info, width):
         from ..runtime.cluster import build_cluster
 
-        with agreed(world):   # (a part whose checksum differs: one message, every rank exits 2)
+        with agreed(world):  # (a part whose checksum differs: one message, every rank exits 2)
             saved.check_parts((world.Get_rank(), world.Get_size()))
         with ends_the_job_on_error(world):
             self.cluster = build_cluster(world)
@@ -268,9 +307,9 @@ class SplitForward:
         here().enter("compute")
         out = np.empty((len(x) if self.gives else 0, self.width), dtype=self.dtype)
         for lo in range(0, len(x), BATCH):
-            part = split_model.outputs(self.strategy, x[lo:lo + BATCH])
+            part = split_model.outputs(self.strategy, x[lo : lo + BATCH])
             if part is not None:
-                out[lo:lo + BATCH] = to_host(part).reshape(-1, self.width)
+                out[lo : lo + BATCH] = to_host(part).reshape(-1, self.width)
         return out
 
     def free(self):
@@ -304,8 +343,10 @@ def _agree_on_sizes(world, samples, width):
     mpi.allgather(world, mine, every)
     with agreed(world):
         if (every != mine).any():
-            raise UsageError(f"the ranks were given different samples: {every[:, 0].tolist()} samples of "
-                             f"{every[:, 1].tolist()} outputs; pass the same data on every rank")
+            raise UsageError(
+                f"the ranks were given different samples: {every[:, 0].tolist()} samples of "
+                f"{every[:, 1].tolist()} outputs; pass the same data on every rank"
+            )
 
 
 def _names(info):
@@ -324,10 +365,18 @@ def _refuse_an_input(target, inputs):
         with contextlib.suppress(OSError):
             same = same or (target.exists() and os.path.samefile(target, source))
         if same:
-            raise UsageError(f"--output {target}: is {source}, an input of this run; write the predictions elsewhere")
-        if source.is_dir() and target.resolve().parent == source.resolve() and target.suffix.lower() in SUFFIXES:
-            raise UsageError(f"--output {target}: is in {source}, a dataset directory this run reads, whose "
-                             f"{' and '.join(SUFFIXES)} files are its parts; write the predictions elsewhere")
+            raise UsageError(
+                f"--output {target}: is {source}, an input of this run; write the predictions elsewhere"
+            )
+        if (
+            source.is_dir()
+            and target.resolve().parent == source.resolve()
+            and target.suffix.lower() in SUFFIXES
+        ):
+            raise UsageError(
+                f"--output {target}: is in {source}, a dataset directory this run reads, whose "
+                f"{' and '.join(SUFFIXES)} files are its parts; write the predictions elsewhere"
+            )
 
 
 def _write(aside, result, checkpoint_path, reader):
@@ -351,9 +400,18 @@ def _write(aside, result, checkpoint_path, reader):
             handle.create_dataset("probabilities", data=result.probabilities)
         else:
             handle.create_dataset("values", data=result.values)
-        handle.attrs.update({"format": FORMAT, "checkpoint": str(Path(checkpoint_path).resolve()),
-                             "step": int(result.step), "model": result.model, "data": reader.data,
-                             "split": reader.split or "", "task": result.task, "samples": int(result.samples)})
+        handle.attrs.update(
+            {
+                "format": FORMAT,
+                "checkpoint": str(Path(checkpoint_path).resolve()),
+                "step": int(result.step),
+                "model": result.model,
+                "data": reader.data,
+                "split": reader.split or "",
+                "task": result.task,
+                "samples": int(result.samples),
+            }
+        )
         if result.class_names is not None:
             handle.attrs["class_names"] = np.array(result.class_names, dtype=h5py.string_dtype())
 
@@ -374,5 +432,6 @@ def _write_csv(aside, result):
         else:
             width = result.values.shape[1]
             writer.writerow(["value"] if width == 1 else [f"value{k}" for k in range(width)])
-            writer.writerows([[f"{v:.9g}" for v in row] for row in result.values.reshape(len(result.values), -1)])
-
+            writer.writerows(
+                [[f"{v:.9g}" for v in row] for row in result.values.reshape(len(result.values), -1)]
+            )

@@ -26,14 +26,16 @@ import numpy as np
 
 from ..runtime.errors import UsageError
 
-WINDOW = 64           # characters per sample
-STRIDE = 16           # between training windows
+WINDOW = 64  # characters per sample
+STRIDE = 16  # between training windows
 PARTS = (("train", 0.8), ("val", 0.1), ("test", 0.1))
 LEE = ("gensim", "test/test_data/lee_background.cor")
-LEE_SOURCE = ("gensim's test data lee_background.cor: the Lee background corpus (Lee, Pincombe & Welsh, 2005), "
-              "300 ABC news articles, 360,082 characters; character-level language modelling, windows of "
-              f"{WINDOW} characters (training windows every {STRIDE}), y = the next character at each position; "
-              "train/val/test the first 80% / next 10% / last 10% of the text")
+LEE_SOURCE = (
+    "gensim's test data lee_background.cor: the Lee background corpus (Lee, Pincombe & Welsh, 2005), "
+    "300 ABC news articles, 360,082 characters; character-level language modelling, windows of "
+    f"{WINDOW} characters (training windows every {STRIDE}), y = the next character at each position; "
+    "train/val/test the first 80% / next 10% / last 10% of the text"
+)
 
 
 def char_name(char):
@@ -69,8 +71,10 @@ def text_splits(text, window=WINDOW, stride=STRIDE, where="text"):
         end = len(ids) if index == len(PARTS) - 1 else begin + int(round(fraction * len(ids)))
         made = windows(ids[begin:end], window, stride if split == "train" else window)
         if made is None:
-            raise UsageError(f"{where}: {len(ids):,} characters leave the {split} split ({end - begin:,} of them) "
-                             f"no window of {window + 1} (a window and the character after it)")
+            raise UsageError(
+                f"{where}: {len(ids):,} characters leave the {split} split ({end - begin:,} of them) "
+                f"no window of {window + 1} (a window and the character after it)"
+            )
         splits[split] = (made[0].astype(dtype), made[1].astype(dtype))
         begin = end
     return splits, [char_name(char) for char in chars]
@@ -84,7 +88,7 @@ def package_file(package, relative):
     """
     try:
         spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):       # ValueError: a module set to None in sys.modules, or without a spec
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules, or without a spec
         spec = None
     if spec is None:
         raise ImportError(f"no module named {package!r}")
@@ -93,8 +97,10 @@ def package_file(package, relative):
         path = Path(location) / relative
         if path.is_file():
             return path
-    raise UsageError(f"the installed {package} ({', '.join(map(str, locations)) or spec.origin}) has no "
-                     f"{relative}: reinstall it (pip install --force-reinstall '{package}')")
+    raise UsageError(
+        f"the installed {package} ({', '.join(map(str, locations)) or spec.origin}) has no "
+        f"{relative}: reinstall it (pip install --force-reinstall '{package}')"
+    )
 
 
 def lee_text(seed=0):
