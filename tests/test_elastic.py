@@ -739,7 +739,7 @@ def test_ps_sync_survivor_state_is_the_state_at_the_chiefs_step():
     for step in range(2):
         args = (xs[step][part], ys[step][part], 1 / cluster.num_workers) if part else (None, None, 0.0)
         strategy.train_step(*args, step)
-    state = strategy.survivor_state(cluster, 1)  # the chief had finished step 1 only
+    state = strategy.recovery().survivor_state(cluster, 1)  # the chief had finished step 1 only
     if cluster.is_chief:
         np.testing.assert_allclose(state.params, after_one[0], rtol=1e-9)
         np.testing.assert_allclose(state.optimizer["m"], after_one[1], rtol=1e-9, atol=1e-15)

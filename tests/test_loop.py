@@ -226,6 +226,9 @@ class Strategy:
         self.held, self.asked, self.behind = held, [], behind
         self.optimizer = types.SimpleNamespace(state_arrays=lambda: {"m": None, "v": None})
 
+    def recovery(self):
+        return self  # (its own recovery: the hooks below)
+
     def survivors_step(self, cluster, step):
         return step - self.behind
 

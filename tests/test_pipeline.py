@@ -7,7 +7,8 @@ from test_parallel import small_convnet, worker_slice
 
 from mpidist import nn
 from mpidist.parallel import LocalStrategy, PipelineStrategy
-from mpidist.parallel.pipeline import balance_by_parameters, layer_costs, split_sizes
+from mpidist.parallel.balance import balance_by_parameters, layer_costs
+from mpidist.parallel.pipeline import split_sizes
 from mpidist.runtime.cluster import build_cluster
 from mpidist.store.checkpoint import Checkpoint
 
@@ -219,8 +220,8 @@ def test_survivors_of_a_pipeline_agree_on_the_least_step_and_the_stages_ahead_ta
     if cluster.rank == cluster.size - 1:  # (its update of step 3 undone, as if the collective had failed)
         strategy.ledger.previous.restore(strategy.model.params, strategy.optimizer)
         strategy.ledger.applied -= 1
-    assert strategy.survivors_step(cluster, 3) == 2
-    state = strategy.survivor_state(cluster, 2)
+    assert strategy.recovery().survivors_step(cluster, 3) == 2
+    state = strategy.recovery().survivor_state(cluster, 2)
     params, m = snapshots[1]
     lo, hi = strategy.param_lo, strategy.param_hi
     np.testing.assert_allclose(strategy.model.params, params[lo:hi], rtol=1e-9, atol=1e-12)
@@ -237,12 +238,14 @@ def test_survivors_of_a_pipeline_agree_on_the_least_step_and_the_stages_ahead_ta
 def test_a_lost_rank_leaves_the_other_stages_of_its_replica_idle():
     cluster, strategy = bare_pipeline()
     assert (
-        strategy.left_idle([3]) == [2] and strategy.left_idle([0]) == [1] and strategy.left_idle([0, 1]) == []
+        strategy.recovery().left_idle([3]) == [2]
+        and strategy.recovery().left_idle([0]) == [1]
+        and strategy.recovery().left_idle([0, 1]) == []
     )
     if cluster.size >= 6:
-        assert strategy.left_idle([1, 4]) == [0, 5]
+        assert strategy.recovery().left_idle([1, 4]) == [0, 5]
     # (the mesh's splits: with 2+ replicas of 2 stages, the pipe and the peers, and nothing it did not split)
-    owned = strategy.communicators()
+    owned = strategy.recovery().communicators()
     assert len(owned) == 2 and all(
         any(comm is link for comm in owned) for link in (strategy.links.pipe, strategy.links.peers)
     )

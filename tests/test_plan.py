@@ -586,7 +586,7 @@ def test_a_calibration_beyond_what_a_machine_measures_is_refused_naming_the_figu
 
 
 def test_stage_balancing_gives_the_exhaustive_search_s_split_in_a_fraction_of_its_time():
-    from mpidist.parallel.pipeline import balance_by_parameters
+    from mpidist.parallel.balance import balance_by_parameters
 
     def exhaustive(costs, stages):
         """The dynamic programme it replaced: every cut of every prefix tried, the first best kept."""

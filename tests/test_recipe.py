@@ -103,8 +103,8 @@ def test_biases_and_normalisation_parameters_do_not_decay_by_default():
 def test_a_shard_optimizer_decays_the_part_of_the_ranges_it_holds():
     model = Sequential([Dense(3), Dense(2)], (4,), dtype=np.float64)  # W1 [0,12) b1 [12,15) W2 [15,21) b2
     strategy = LocalStrategy(model, nn.loss_for(2, np), lambda size: nn.make_optimizer("sgd", size, 0.1))
-    assert strategy.make_optimizer(10, offset=10).decay_ranges == [(0, 2), (5, 10)]
-    assert strategy.make_optimizer(23).decay_ranges == [(0, 12), (15, 21)]
+    assert strategy.optimizers.make(10, offset=10).decay_ranges == [(0, 2), (5, 10)]
+    assert strategy.optimizers.make(23).decay_ranges == [(0, 12), (15, 21)]
 
 
 # -- clipping ----------------------------------------------------------------------------------------------

@@ -30,12 +30,12 @@ class FakeStrategy(Strategy):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.optimizer = self.make_optimizer(self.model.num_params)
+        self.optimizer = self.optimizers.make(self.model.num_params)
         self.stop_requested = False
 
     def initialize(self, checkpoint=None):
         if checkpoint is None:
-            self.model.init_params(self.seed)
+            self.model.init_params(self.passes.seed)
         else:
             self.model.params[...] = checkpoint.params
         type(self).calls.append(("initialize", None if checkpoint is None else checkpoint.step))

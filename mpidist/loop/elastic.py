@@ -6,10 +6,10 @@ and, when a process dies, the :class:`State` recovers: the survivors agree
 on the state (restore, sync) and the state's reset callbacks build the loop
 again from it.  The state owns the run's position (the loop moves it step by
 step: the commit) and knows what the run is made of now (``bind``); it uses
-nothing else of the loop.  Strategies take part through a few hooks of
-:class:`~mpidist.parallel.base.Strategy`: ``communicators`` (theirs, to
-revoke), ``left_idle`` (survivors that cannot train on), ``survivors_step``
-(the step the survivors agree on, the chief's by default) and
+nothing else of the loop.  Strategies take part through their
+:class:`~mpidist.parallel.recovery.Recovery` (``strategy.recovery()``), an
+object of a few hooks: ``communicators`` (theirs, to revoke), ``left_idle``
+(survivors that cannot train on), ``survivors_step`` (the step the survivors agree on, the chief's by default) and
 ``survivor_state`` (the state at that step: a ps-sync ps or a pipeline stage
 takes back an update the others never saw, kept by its
 :class:`~mpidist.parallel.rewind.PreviousSlice`); the figures they count
@@ -166,12 +166,13 @@ class State:
         """Collective: ``(the agreed Position, the strategy's state at that step on the chief)``.
 
         The chief's position, unless the strategy's ranks agree on a step one
-        away from it (:meth:`~mpidist.parallel.base.Strategy.survivors_step`).
+        away from it (:meth:`~mpidist.parallel.recovery.Recovery.survivors_step`).
         """
         position = share_position(world, cluster.chief_rank, self.position)
-        step = self.strategy.survivors_step(cluster, position.step)
+        recovery = self.strategy.recovery()
+        step = recovery.survivors_step(cluster, position.step)
         position = position.shifted(step - position.step, self.setup.steps_per_epoch)
-        return position, self.strategy.survivor_state(cluster, step)
+        return position, recovery.survivor_state(cluster, step)
 
     def sync(self, world, cluster, position, held):
         """Collective: the chief's ``held`` state as a checkpoint on every survivor."""
@@ -198,13 +199,14 @@ class State:
         is held nowhere else); the message names the newest checkpoint.
         """
         began, old, config = time.perf_counter(), self.cluster, self.config
-        world, lost = shrink(old.world, [old.role_comm] + self.revoked + self.strategy.communicators())
+        world, lost = shrink(
+            old.world, [old.role_comm] + self.revoked + self.strategy.recovery().communicators()
+        )
         lost_text = describe_lost(lost, old)
         chief_lost = old.chief_rank in lost and not self.strategy.chief_replaceable
         ps_lost = any(old.roles[rank] == PS for rank in lost)
-        idle = self.strategy.left_idle(
-            lost
-        )  # survivors that cannot train on (a pipeline replica's other stages)
+        # survivors that cannot train on (a pipeline replica's other stages)
+        idle = self.strategy.recovery().left_idle(lost)
         gone = sorted(set(lost) | set(idle))
         trains_on = any(old.roles[rank] == WORKER and rank not in gone for rank in range(old.size))
         if idle and trains_on:

@@ -219,7 +219,7 @@ class Training:
         memory, so the next save writes it.
         """
         self.monitor.free(abandon=True)
-        self.strategy.abandon()  # (its windows and communicators are the broken world's: left unfreed)
+        self.strategy.recovery().abandon()  # (its windows and communicators are the broken world's: left unfreed)
         self.cluster = cluster
         with agreed(cluster.world):
             self.setup = prepare(self.config, cluster, self.device.xp, self.inputs, resume)

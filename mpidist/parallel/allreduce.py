@@ -155,11 +155,6 @@ class AllreduceStrategy(DataParallel):
             return super().whole_optimizer_arrays()
         return self.part.gather(self.optimizer.state_arrays())  # collective over the workers
 
-    def survivor_state(self, cluster, step):
-        if self.part is not None:  # (check() refuses --elastic with --shard: a slice is not the whole state)
-            raise RuntimeError("--shard optimizer does not run with --elastic")
-        return super().survivor_state(cluster, step)
-
     def held_bytes(self):
         state = (
             sum(int(array.nbytes) for array in self.optimizer.state_arrays().values())

@@ -43,7 +43,7 @@ from ..runtime.cluster import PS
 from ..runtime.errors import UsageError
 from ..runtime.xp import is_device_array, to_host
 from .backup_rounds import Note, Rounds, round_update
-from .base import SkipCounter
+from .base import SkipCounter, start_counting
 from .recipe import total_steps
 from .shards import ShardedStrategy
 from .verdict import agree
@@ -145,13 +145,13 @@ class BackupWorkersStrategy(ShardedStrategy):
         if not is_device_array(model.params):
             model.bind_params(self.host_params)
             model.bind_grads(self.host_grads)
-        self.optimizer = self.make_optimizer(self.hi - self.lo, self.lo)
+        self.optimizer = self.optimizers.make(self.hi - self.lo, self.lo)
         # messages: worker -> ps [gradient shard, weight, weighted loss];
         # ps -> worker [param shard, last version of the run, version, loss]
         self.outbox = [np.zeros(hi - lo + 2, dtype=model.dtype) for lo, hi in self.bounds]
         self.replies = [np.zeros(hi - lo + 3, dtype=model.dtype) for lo, hi in self.bounds]
         self.finished = False
-        self.count(updates=0, accepted=0, dropped=0)
+        start_counting(self.figures, updates=0, accepted=0, dropped=0)
 
     @property
     def serves(self):
@@ -281,7 +281,7 @@ class BackupWorkersStrategy(ShardedStrategy):
         )
         if update.apply:
             self.judge(verdict)
-            gradient = self.scaled(total, verdict.factor)
+            gradient = verdict.scaled(total)
             self.optimizer.step(self.shard_view(), gradient, self.recipe.lr(self.rounds.version))
             self.figures["updates"] += 1
         return update.loss

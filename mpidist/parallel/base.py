@@ -18,8 +18,16 @@ from ..runtime import comm as mpi
 from ..runtime.errors import RunError
 from .declared import Declared
 from .passes import Passes
+from .optimizer_factory import OptimizerFactory
 from .recipe import Recipe
 from .saved_state import SavedState
+
+
+def start_counting(figures, **initial):
+    """Start ``figures`` (a strategy's) at ``initial``, unless an earlier strategy of the run did: the loop's
+    figures outlive a strategy built again for the survivors of a lost rank (``--elastic``), which counts on."""
+    for name, value in initial.items():
+        figures.setdefault(name, value)
 
 
 def finite(array):
@@ -144,54 +152,28 @@ class Strategy(Declared, SavedState):
         figures=None,
         recipe=None,
     ):
-        self.model, self.loss, self.cluster, self.seed = model, loss, cluster, seed
+        self.model, self.loss, self.cluster = model, loss, cluster
         self.recipe = recipe or Recipe()
-        #: this worker's forward and backward passes (``--accumulate``'s slices) and the training figures they count
+        #: this worker's forward and backward passes (``--accumulate``'s slices) and the training figures they
+        #: count; its ``seed`` is the run's (dropout streams and initial parameters derive from it)
         self.passes = Passes(model, loss, self.recipe.accumulate, seed)
         model.use_workspace(loss)
-        self._make_optimizer = make_optimizer
-        self.decay_ranges = (
-            model.decay_ranges()
-        )  # (of the whole model, whatever part of it this rank updates)
+        #: this rank's optimizers, of the slices it updates (``make(size, offset)``)
+        self.optimizers = OptimizerFactory(make_optimizer, model.decay_ranges())
         self.bucket_bytes = int(bucket_bytes)
         self.where = where
         self.figures = {} if figures is None else figures
         # what evaluate() sums: classes from the whole model's outputs, or the regression targets' width
         self.scoring = scores.scoring(isinstance(loss, SoftmaxCrossEntropy), model.output_shape)
 
-    def make_optimizer(self, size, offset=0):
-        """The optimizer of the ``size`` parameters from ``offset`` on that this rank updates (None: no factory).
-
-        Its weight decay applies to the model's decaying ranges within that slice.
-        """
-        if self._make_optimizer is None:
-            return None
-        optimizer = self._make_optimizer(size)
-        optimizer.decay_ranges = [
-            (max(lo, offset) - offset, min(hi, offset + size) - offset)
-            for lo, hi in self.decay_ranges
-            if lo < offset + size and hi > offset
-        ]
-        return optimizer
-
-    def count(self, **initial):
-        """Start the figures this strategy counts at ``initial``, unless an earlier strategy of the run did."""
-        for name, value in initial.items():
-            self.figures.setdefault(name, value)
-
     def track(self, phase):
         """Note where this rank is now (``compute``, ``exchange``, ...; see :mod:`mpidist.observe.stall`)."""
         if self.where is not None:
             self.where.enter(phase)
 
-    def shard_of(self, rank):
-        """``(lo, hi)`` of the parameters world rank ``rank`` serves, or None."""
-        return None
-
     def describe(self, rank):
         """This rank's part in the role table beyond its device: its ps shard, its pipeline stage, or ''."""
-        shard = self.shard_of(rank)
-        return f"shard [{shard[0]}, {shard[1]})" if shard else ""
+        return ""
 
     def produced_step(self, step):
         """The run's step after the training step taken at ``step``."""
@@ -255,10 +237,6 @@ class Strategy(Declared, SavedState):
     def free(self):
         """Collective: release the MPI resources (windows, communicators, operations) the strategy made; once."""
 
-    def abandon(self):
-        """After a lost rank (``--elastic``): stop this strategy's threads, without MPI; its MPI objects are
-        the broken world's, where a collective free would wait for the dead."""
-
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):
         """This worker's forward and backward passes (:meth:`~mpidist.parallel.passes.Passes.backprop`): fills
         ``model.grads``, returns the loss."""
@@ -275,16 +253,6 @@ class Strategy(Declared, SavedState):
         if verdict.clipped:
             self.figures["clipped"] = self.figures.get("clipped", 0) + 1
         return verdict
-
-    def scaled(self, grads, factor, out=None):
-        """``grads`` multiplied by a verdict's ``factor``: in place, or into ``out`` where ``grads`` must stay as
-        it is (other workers still read it: the shared-memory exchange); ``grads`` itself where the factor is 1."""
-        if factor == 1.0:
-            return grads
-        if out is None:
-            grads *= factor
-            return grads
-        return self.model.xp.multiply(grads, factor, out=out)
 
     def evaluate(self, batches):
         """The task's figures over ``batches`` of ``(x, y)``, summed over the evaluating ranks.
@@ -309,22 +277,7 @@ class Strategy(Declared, SavedState):
         self.track("exchange")
         return scoring.figures(mpi.sum_float64(comm, sums))
 
-    def communicators(self):
-        """Communicators of its own this strategy's ranks may block in: a recovery revokes them too."""
-        return []
-
-    def left_idle(self, lost):
-        """Ranks of this strategy's cluster that survive ``lost`` but cannot train on (a pipeline's broken replica)."""
-        return []
-
-    def survivors_step(self, cluster, step):
-        """Collective over the survivors: the step their state is taken at (the chief's ``step``, by default)."""
-        return step
-
-    def survivor_state(self, cluster, step):
-        """Collective over the survivors (``cluster``, after a lost rank): the state at the chief's ``step``.
-
-        ``(params, optimizer arrays, optimizer steps)`` as host arrays on the
-        chief, else None.  A replicated strategy's chief holds it all already.
-        """
-        return self.state()
+    def recovery(self):
+        """What this strategy does for the survivors of a lost rank (``--elastic``): its :attr:`recovery_type`
+        (a :class:`~mpidist.parallel.recovery.Recovery`) around it."""
+        return self.recovery_type(self)

@@ -15,6 +15,7 @@ from ..runtime.xp import to_host
 from .base import Strategy
 from .batch_norms import synchronise_batch_norms
 from .mesh import Mesh
+from .recovery import Recovery
 from .saved_state import WholeState
 from .tensor import split_over
 
@@ -41,6 +42,23 @@ def mean_in_place(comm, array):
     array /= comm.Get_size()
 
 
+class ChiefHoldsAll(Recovery):
+    """A data-parallel strategy's survivors: the chief holds the whole state (the old chief, or the worker in
+    its place, whose parameters and optimizer state are every worker's)."""
+
+    def survivor_state(self, cluster, step):
+        """The state as the survivors' chief holds it (``cluster``'s)."""
+        strategy = self.strategy
+        if (
+            strategy.part is not None
+        ):  # (check() refuses --elastic with --shard: a slice is not the whole state)
+            raise RuntimeError("--shard optimizer does not run with --elastic")
+        if not cluster.is_chief:  # (the old communicators are revoked: nothing collective, no averaging)
+            return None
+        arrays = {name: to_host(array) for name, array in strategy.optimizer.state_arrays().items()}
+        return WholeState(to_host(strategy.model.params), arrays, strategy.optimizer.steps)
+
+
 class DataParallel(Strategy):
     """Replicated model; gradients computed on each worker's shard, then exchanged.
 
@@ -59,6 +77,8 @@ class DataParallel(Strategy):
     with are its replica axis (the same part of every tensor group), and the
     parts of a group agree on each step's skip and gradient norm.
     """
+
+    recovery_type = ChiefHoldsAll
 
     def __init__(self, model, loss, make_optimizer=None, cluster=None, *args, tensor=1, **kwargs):
         #: the workers' grid (made and freed here)
@@ -80,9 +100,9 @@ class DataParallel(Strategy):
             model.bind_params(self.exchange.params, copy=False)
         self.part = self.optimizer_part()  # the slice this worker's optimizer updates (None: all of it)
         self.optimizer = (
-            self.make_optimizer(model.num_params)
+            self.optimizers.make(model.num_params)
             if self.part is None
-            else self.make_optimizer(self.part.size, self.part.lo)
+            else self.optimizers.make(self.part.size, self.part.lo)
         )
 
     def optimizer_part(self):
@@ -151,13 +171,6 @@ class DataParallel(Strategy):
             return None
         return WholeState(whole.pop("params"), whole, self.optimizer.steps)
 
-    def survivor_state(self, cluster, step):
-        """The state as the survivors' chief holds it (``cluster``'s: the old chief, or the worker in its place)."""
-        if not cluster.is_chief:  # (the old communicators are revoked: nothing collective, no averaging)
-            return None
-        arrays = {name: to_host(array) for name, array in self.optimizer.state_arrays().items()}
-        return WholeState(to_host(self.model.params), arrays, self.optimizer.steps)
-
     def _clip_space(self):
         """Where a clipped gradient goes when the exchange holds the buffer (made on the first use)."""
         if self.recipe.clip_norm and getattr(self, "_clipped", None) is None:
@@ -184,14 +197,14 @@ class DataParallel(Strategy):
             if checkpoint is not None:  # (read into place: this part's slices, one array at a time)
                 self.restore(checkpoint)
             elif self.model.xp is np:  # (drawn into place)
-                self.tensor.initial(self.seed, out=params)
+                self.tensor.initial(self.passes.seed, out=params)
             else:
-                params[...] = self.model.xp.asarray(self.tensor.initial(self.seed))
+                params[...] = self.model.xp.asarray(self.tensor.initial(self.passes.seed))
             return
         comm = self.worker_comm
         if comm is None or comm.Get_rank() == 0:
             if checkpoint is None:
-                self.model.init_params(self.seed)
+                self.model.init_params(self.passes.seed)
             else:
                 self.model.params[...] = self.model.xp.asarray(checkpoint.params)
         if self.exchange.holds_params:  # each node's copy from the chief's node, written once per node
@@ -242,7 +255,7 @@ class DataParallel(Strategy):
         self.track("compute")  # (the optimizer's step)
         verdict = self.judge(self.verdict())
         if not verdict.skip:
-            self.update(self._clipped_gradient(verdict.factor), step)
+            self.update(self._clipped_gradient(verdict), step)
         self.exchange.after_update()  # (one copy per node: every part is updated before anyone reads the parameters)
         return float(self.buffer[-1])
 
@@ -257,15 +270,16 @@ class DataParallel(Strategy):
             self.model.grads, self.exchange.squared_norm(), float(self.buffer[-1]), self.recipe.clip_norm
         )
 
-    def _clipped_gradient(self, factor):
+    def _clipped_gradient(self, verdict):
         """The summed gradient multiplied by the verdict's ``factor``: only the part this worker updates where it
         updates one (one copy per node: the others' parts are theirs to read; ``--shard optimizer``), and into a
         space of its own where other workers still read the buffer (the shared-memory exchange)."""
         grads = self.model.grads
         if self.part is not None:
-            self.scaled(grads[self.part.lo : self.part.hi], factor)
+            verdict.scaled(grads[self.part.lo : self.part.hi])
             return grads
-        return self.scaled(grads, factor, out=self._clip_space() if self.exchange.holds_buffer else None)
+        space = self._clip_space() if self.exchange.holds_buffer else None
+        return verdict.scaled(grads, out=space, xp=self.model.xp)
 
     def update(self, grads, step):
         """The optimizer's step from the summed (and clipped) ``grads``, the same on every worker."""

@@ -7,6 +7,8 @@ classes by name, and :mod:`mpidist.settings.config` and the loop's set-up read
 these, so neither names strategies one by one.
 """
 
+from .recovery import Recovery
+
 
 class Declared:
     """The class-level declarations and settings hooks of a strategy (each subclass overrides what differs)."""
@@ -38,6 +40,9 @@ class Declared:
     #: its shard re-divided among the ps ranks left (the lost shard is in no survivor); so is a lost chief
     #: that is not :attr:`chief_replaceable` (the lowest surviving worker takes its place).
     ps_rollback = False
+    #: What the strategy does for the survivors of a lost rank (``--elastic``): a
+    #: :class:`~mpidist.parallel.recovery.Recovery` class, made around the strategy by :meth:`recovery`.
+    recovery_type = Recovery
     #: This rank's regions of the whole model where the strategy splits it (a pipeline stage, a tensor part):
     #: its checkpoints are then sharded, each rank writing its own (:meth:`placed_state`); None elsewhere.
     placement = None

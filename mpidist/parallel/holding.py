@@ -15,7 +15,7 @@ import dataclasses
 import math
 
 from .mesh import MeshShape
-from .pipeline import balance_by_parameters, layer_costs, parse_balance
+from .balance import balance_by_parameters, layer_costs, parse_balance
 from .stage import StageLayout
 
 

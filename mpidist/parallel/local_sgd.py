@@ -30,9 +30,37 @@ from ..runtime.errors import UsageError
 from ..runtime.xp import to_host
 from .data_parallel import DataParallel, average_over, mean_in_place
 from .exchange import NoExchange, bucket_slices
+from .recovery import Recovery
 from .registry import Option, register
 from .saved_state import WholeState
 from .verdict import agree, decide
+
+
+class SurvivorsMean(Recovery):
+    """local-sgd's survivors: their workers' mean, where no worker (not even the chief) holds the others' steps."""
+
+    def survivor_state(self, cluster, step):
+        """Collective over the survivors (``cluster``): the mean of their parameters and optimizer states, on the chief.
+
+        Between two averages every worker's parameters hold its own steps: the
+        survivors' mean keeps them all (the lost worker's since the last
+        average are gone with it), as the next average would have, where the
+        chief's alone would drop the others' (a point of accuracy on digits).
+        Each survivor may have taken the step in flight or not: the mean mixes
+        at most that one step's difference.
+        """
+        comm, strategy = (
+            cluster.workers,
+            self.strategy,
+        )  # (the survivors' own communicator: the strategy's is revoked)
+        arrays = {"params": strategy.model.params, **strategy.optimizer.state_arrays()}
+        mean = {}
+        for name in sorted(arrays):  # (the same order on every survivor)
+            mean[name] = np.ascontiguousarray(to_host(arrays[name]), dtype=strategy.model.dtype).copy()
+            mean_in_place(comm, mean[name])
+        if not cluster.is_chief:
+            return None
+        return WholeState(mean.pop("params"), mean, strategy.optimizer.steps)
 
 
 @register
@@ -44,6 +72,7 @@ class LocalSgdStrategy(DataParallel):
     """
 
     name = "local-sgd"
+    recovery_type = SurvivorsMean
     # a dead worker surfaces in the next step's loss sum (an Allreduce over the workers); the survivors go on
     # from the mean of their own parameters and optimizer states (survivor_state), so a lost chief is replaced
     # as any worker is
@@ -84,7 +113,7 @@ class LocalSgdStrategy(DataParallel):
         # (no summed gradient: each worker clips its own batch's, as under ps-async)
         verdict = self.judge(agreed if agreed.skip else decide(own, loss, clip_norm))
         if not verdict.skip:
-            self.optimizer.step(model.params, self.scaled(model.grads, verdict.factor), self.recipe.lr(step))
+            self.optimizer.step(model.params, verdict.scaled(model.grads), self.recipe.lr(step))
             self.averaged = False
         if (step + 1) % self.sync_every == 0:
             self.average_params()
@@ -127,26 +156,6 @@ class LocalSgdStrategy(DataParallel):
         ).copy()  # (the live parameters stay each worker's)
         mean_in_place(comm, mean)  # (a copy: the live parameters are not touched)
         return state if state is None else dataclasses.replace(state, params=mean)
-
-    def survivor_state(self, cluster, step):
-        """Collective over the survivors (``cluster``): the mean of their parameters and optimizer states, on the chief.
-
-        Between two averages every worker's parameters hold its own steps: the
-        survivors' mean keeps them all (the lost worker's since the last
-        average are gone with it), as the next average would have, where the
-        chief's alone would drop the others' (a point of accuracy on digits).
-        Each survivor may have taken the step in flight or not: the mean mixes
-        at most that one step's difference.
-        """
-        comm = cluster.workers  # (the survivors' own communicator: the strategy's is revoked)
-        arrays = {"params": self.model.params, **self.optimizer.state_arrays()}
-        mean = {}
-        for name in sorted(arrays):  # (the same order on every survivor)
-            mean[name] = np.ascontiguousarray(to_host(arrays[name]), dtype=self.model.dtype).copy()
-            mean_in_place(comm, mean[name])
-        if not cluster.is_chief:
-            return None
-        return WholeState(mean.pop("params"), mean, self.optimizer.steps)
 
     def restore_own_state(self, checkpoint):
         restored = super().restore_own_state(checkpoint)

@@ -32,94 +32,21 @@ import time
 
 import numpy as np
 
-from ..nn import Layer
-from ..nn.sequential import walk
-from ..nn.tensor import MASK_SOURCES
 from ..runtime import comm as mpi
-from ..runtime.errors import UsageError
 from ..runtime.xp import to_host
-from .base import Strategy
-from .mesh import Mesh, MeshShape
-from .registry import Option, register
+from .balance import balance_by_parameters, first_entry, layer_costs
+from .base import Strategy, start_counting
+from .mesh import Mesh
+from .registry import register
+from .pipeline_declared import PipelineDeclared
+from .pipeline_recovery import ReplicasLeftWhole
 from .rewind import PreviousSlice, StepLedger
 from .saved_state import WholeState
 from .schedule import schedule
 from .schedule_runner import ScheduleRunner, split_sizes  # noqa: F401  (split_sizes: the bench's and tests')
 from .stage import StageLayout, StageLinks
-from .tensor import TENSOR, check_split, check_tensor, gather_placed, split_over
+from .tensor import gather_placed, split_over
 from .verdict import agree
-
-
-def balance_by_parameters(costs, stages):
-    """Layers per stage, contiguous and non-empty, minimising the largest stage's cost.
-
-    >>> balance_by_parameters([1, 1, 1, 10], 2)
-    [3, 1]
-    """
-    count = len(costs)
-    if not 1 <= stages <= count:
-        raise ValueError(f"{stages} stages need at least {stages} layers, the model has {count}")
-    prefix = np.concatenate([[0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-    # best[s][i]: smallest max-cost splitting the first i layers into s stages, cut[s][i] the first j giving it.
-    # With positive costs best[s - 1][j] grows with j and the last stage's cost prefix[i] - prefix[j] falls,
-    # so the best j is where they cross: a binary search for every i at once (stages x layers x log layers,
-    # where trying every j took hours for tens of thousands of layers)
-    best = np.full((stages + 1, count + 1), np.inf)
-    cut = np.zeros((stages + 1, count + 1), dtype=int)
-    best[0][0] = 0
-    for s in range(1, stages + 1):
-        rises = best[s - 1][s - 1 :] + prefix[s - 1 :]  # (increasing: costs are positive)
-        i = np.arange(s, count + 1)
-        # the first j in [s - 1, i) with best[s - 1][j] >= prefix[i] - prefix[j], and the one before it
-        cross = np.minimum(np.searchsorted(rises, prefix[i], side="left") + (s - 1), i - 1)
-        before = np.maximum(cross - 1, s - 1)
-        at_cross = np.maximum(best[s - 1][cross], prefix[i] - prefix[cross])
-        at_before = np.maximum(best[s - 1][before], prefix[i] - prefix[before])
-        take_before = (at_before <= at_cross) & (before < cross)
-        best[s][s:] = np.where(take_before, at_before, at_cross)
-        cut[s][s:] = np.where(take_before, before, cross)
-    sizes, i = [], count
-    for s in range(stages, 0, -1):
-        j = cut[s][i]
-        sizes.append(int(i - j))
-        i = j
-    return sizes[::-1]
-
-
-def layer_costs(model):
-    """Cost of each layer for balancing: its parameters, plus one so no stage is empty of work."""
-    return [model.layer_params(index) + 1 for index in range(len(model.layers))]
-
-
-def parse_balance(config, model):
-    """``--balance`` as layers per stage, checked against the model; None to balance by parameters."""
-    names = ", ".join(repr(layer) for layer in model.layers)
-    if len(model.layers) < config.stages:
-        raise UsageError(
-            f"--stages {config.stages} needs at least {config.stages} layers, but --model "
-            f"{config.model} has {len(model.layers)}: {names}"
-        )
-    if not config.balance:
-        return None
-    try:
-        sizes = [int(part) for part in config.balance.split(",")]
-    except ValueError:
-        raise UsageError(
-            f"--balance {config.balance!r}: give layers per stage as integers, e.g. 3,3"
-        ) from None
-    if len(sizes) != config.stages or sum(sizes) != len(model.layers) or min(sizes) < 1:
-        raise UsageError(
-            f"--balance {config.balance} gives {len(sizes)} stages with {sum(sizes)} layers, but "
-            f"--stages is {config.stages} and --model {config.model} has {len(model.layers)} layers "
-            f"({names}); each stage needs at least one"
-        )
-    return sizes
-
-
-def first_entry(model, layer):
-    """The index in ``model.entries`` of the first parameter of top-level layer ``layer`` (or of those after)."""
-    before = {id(node) for top in model.layers[:layer] for _, node in walk([top])}
-    return sum(1 for owner, *_ in model.entries if id(owner) in before)
 
 
 def _from_layout(name, doc):
@@ -128,7 +55,7 @@ def _from_layout(name, doc):
 
 
 @register
-class PipelineStrategy(Strategy):
+class PipelineStrategy(PipelineDeclared, Strategy):
     """Pipeline parallelism, optionally replicated for data parallelism.
 
     Args:
@@ -145,111 +72,7 @@ class PipelineStrategy(Strategy):
     # survivors agree on one step (a death may break a step's collective on some ranks only)
     elastic_recovery = True
     chief_replaceable = True
-    options = (
-        Option("stages", 1, "pipeline: ranks per model replica, each holding consecutive layers"),
-        Option("micro_batches", 4, "pipeline: micro-batches each replica's batch is cut into"),
-        Option(
-            "schedule",
-            "1f1b",
-            "pipeline: 1f1b (at most P micro-batches in flight) or gpipe (all M)",
-            ("1f1b", "gpipe"),
-        ),
-        Option("balance", "", "pipeline: layers per stage, e.g. 3,3 ('' = balance by parameters)"),
-        TENSOR,
-    )
-
-    @classmethod
-    def check(cls, settings, world_size):
-        if settings.stages < 1 or settings.micro_batches < 1:
-            raise UsageError(
-                f"--stages and --micro-batches must be at least 1, got {settings.stages} and "
-                f"{settings.micro_batches}"
-            )
-        if world_size % settings.stages:
-            raise UsageError(
-                f"--stages {settings.stages} does not divide the {world_size} ranks (ranks = stages x "
-                "data-parallel replicas)"
-            )
-        check_tensor(settings, world_size, settings.stages)
-        replicas = MeshShape(world_size, settings.stages, settings.tensor).size("replica")
-        if settings.batch_size // replicas < settings.micro_batches:
-            raise UsageError(
-                f"--batch-size {settings.batch_size} over {replicas} replica(s) leaves "
-                f"{settings.batch_size // replicas} samples per replica, fewer than "
-                f"--micro-batches {settings.micro_batches}"
-            )
-        if settings.replication == "in-graph":
-            raise UsageError(
-                "--replication in-graph does not combine with --strategy pipeline (its first and "
-                "last stages read the data)"
-            )
-        if settings.elastic and replicas < 2:
-            raise UsageError(
-                f"--elastic carries a pipeline on with the replicas a lost rank leaves whole, and "
-                f"{world_size} ranks with --stages {settings.stages} make {replicas} replica: a lost "
-                f"stage would end the run; run {2 * settings.stages} ranks or more (2+ replicas)"
-            )
-
-    @classmethod
-    def layout_text(cls, settings, cluster):
-        replicas = MeshShape(cluster.size, settings.stages, settings.tensor).size("replica")
-        parts = f" x {settings.tensor} tensor parts" if settings.tensor > 1 else ""
-        return (
-            f"{settings.stages} stages{parts} x {replicas} replica(s) ({settings.schedule}, "
-            f"{settings.micro_batches} micro-batches)"
-        )
-
-    @classmethod
-    def data_layout(cls, settings, cluster):
-        """A pipeline's ``P`` stages (and their parts) of one replica read the same shard (the first stage its
-        samples, the last its labels)."""
-        shape = MeshShape(cluster.size, settings.stages, settings.tensor)
-        return shape.size("replica"), shape.coordinates(cluster.rank)[0]
-
-    @classmethod
-    def check_model(cls, settings, model):
-        balance = parse_balance(settings, model) or balance_by_parameters(layer_costs(model), settings.stages)
-        starts = np.concatenate([[0], np.cumsum(balance)]).astype(int)
-        notes = []
-        for stage, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
-            layers = model.layers[lo:hi]
-            held = {id(node) for _, node in walk(layers)}
-            for _, node in walk(layers):  # a mask source must run where its reader does
-                for name in MASK_SOURCES:
-                    source = getattr(node, name, None)
-                    if isinstance(source, Layer) and id(source) not in held:
-                        raise UsageError(
-                            f"--stages {settings.stages}: {node!r} in stage {stage} reads its mask from "
-                            f"{source!r}, which runs in another stage (layers {lo}-{hi - 1} here): put "
-                            "them in one stage with --balance"
-                        )
-            if settings.tensor > 1:
-                notes += check_split(layers, settings.tensor, f"stage {stage} (layers {lo}-{hi - 1})")
-        return notes
-
-    @classmethod
-    def auto_rank(cls, settings, world_size):
-        return 1 if settings.stages > 1 else None  # --stages asks for a pipeline
-
-    @classmethod
-    def check_slice(cls, settings, samples):
-        if samples < settings.micro_batches:  # every micro-batch needs a sample
-            raise UsageError(
-                f"--accumulate {settings.accumulate} leaves slices of {samples} sample(s) per "
-                f"replica, fewer than --micro-batches {settings.micro_batches}"
-            )
-
-    @classmethod
-    def arguments(cls, settings, setup):
-        return {
-            "stages": settings.stages,
-            "micro_batches": settings.micro_batches,
-            "schedule_name": settings.schedule,
-            "balance": parse_balance(settings, setup.model),
-            "global_batch": settings.batch_size,
-            "elastic": settings.elastic,
-            "tensor": settings.tensor,
-        }
+    recovery_type = ReplicasLeftWhole
 
     def __init__(
         self,
@@ -285,12 +108,12 @@ class PipelineStrategy(Strategy):
         self.placement = self._as_writer.within(full, 0, writes=layout.replica == 0)
         self.links = StageLinks(self.mesh, layout, self.figures, self.track)
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)  # gradients, then loss
-        self.optimizer = self.make_optimizer(self.model.num_params, layout.param_lo)
+        self.optimizer = self.optimizers.make(self.model.num_params, layout.param_lo)
         if self.optimizer is not None:  # (a part is no slice of the whole: its own; a stage's are the same)
             self.optimizer.decay_ranges = self.model.decay_ranges()
         self.ledger = StepLedger(PreviousSlice(self.model.params, self.optimizer) if elastic else None)
         self.model.use_workspace(self.loss)
-        self.count(steps=0, pipeline_s=0.0, idle_s=0.0, peak_activations=0)
+        start_counting(self.figures, steps=0, pipeline_s=0.0, idle_s=0.0, peak_activations=0)
         self.runner = ScheduleRunner(
             self.model,
             self.loss,
@@ -299,7 +122,7 @@ class PipelineStrategy(Strategy):
             schedule(schedule_name, layout.stage, stages, int(micro_batches)),
             int(micro_batches),
             int(global_batch),
-            self.seed,
+            self.passes.seed,
             self.figures,
             self.passes.count,
         )
@@ -337,10 +160,10 @@ class PipelineStrategy(Strategy):
         if checkpoint is not None:  # (read into place: this rank's slices, one array at a time)
             self.restore(checkpoint)
         elif self.model.xp is np:  # (drawn into place: no second copy of the slice)
-            placement.initial(self.seed, params)
+            placement.initial(self.passes.seed, params)
         else:
             params[...] = self.model.xp.asarray(
-                placement.initial(self.seed, np.empty(placement.size, params.dtype))
+                placement.initial(self.passes.seed, np.empty(placement.size, params.dtype))
             )
         self.ledger.start_step = 0 if checkpoint is None else int(checkpoint.step)
 
@@ -375,9 +198,7 @@ class PipelineStrategy(Strategy):
         self.judge(verdict)
         self.ledger.keep(self.model.params, self.optimizer)
         if not verdict.skip:
-            self.optimizer.step(
-                self.model.params, self.scaled(gradients, verdict.factor), self.recipe.lr(step)
-            )
+            self.optimizer.step(self.model.params, verdict.scaled(gradients), self.recipe.lr(step))
         self.ledger.applied += 1
         loss = math.nan if verdict.skip else float(loss)
         if layout.stages > 1:  # the chief reports the training figures replica 0's last stage counted
@@ -450,9 +271,9 @@ class PipelineStrategy(Strategy):
 
     def state(self):
         """Collective: replica 0's stages send their slices to the chief."""
-        return self._gathered(self.cluster)
+        return self.gathered(self.cluster)
 
-    def _gathered(self, cluster):
+    def gathered(self, cluster):
         """Collective over ``cluster``'s world, whose first ``P x T`` ranks are a replica's stages (and their
         parts): their slices, placed in the whole model's layout on its chief."""
         arrays = {"params": to_host(self.model.params)}
@@ -463,33 +284,6 @@ class PipelineStrategy(Strategy):
             return None
         params = whole.pop("params")
         return WholeState(params, whole, self.optimizer.steps)
-
-    # -- --elastic: the survivors of a lost rank ------------------------------------------------------------
-    def communicators(self):
-        return self.mesh.owned()
-
-    def left_idle(self, lost):
-        """The survivors in a replica that lost a stage: its layers are in no rank of it any more."""
-        replica_of = self.layout.replica_of
-        broken = {replica_of(rank) for rank in lost}
-        return [rank for rank in range(self.cluster.size) if replica_of(rank) in broken and rank not in lost]
-
-    def survivors_step(self, cluster, step):
-        """Collective over the replicas left whole: the least step any of their stages is at.
-
-        A death may break a step's collective on some ranks only, so a stage
-        may be one update ahead of another (or of the chief's position); the
-        ones ahead take it back (:meth:`survivor_state`).
-        """
-        steps = np.array([self.ledger.step], dtype=np.int64)
-        mpi.allreduce_min(cluster.world, steps)
-        return int(steps[0])
-
-    def survivor_state(self, cluster, step):
-        """Collective over the replicas left whole: every stage at ``step``; the new replica 0's slices, whole,
-        on the chief."""
-        self.ledger.rewind_to(step, self.model.params, self.optimizer)
-        return self._gathered(cluster)
 
     def held_bytes(self):
         """The stage's (or, with ``--tensor``, its part's) slice: the whole model is held by no rank.  Its

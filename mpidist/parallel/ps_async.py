@@ -38,108 +38,22 @@ import time
 import numpy as np
 
 from ..runtime import comm as mpi
-from ..runtime import recorder
-from ..runtime.errors import EXIT_FAILURE, UsageError, error_line
-from ..runtime.ulfm import (
-    FailureWatch,
-    ProcessLost,
-    StuckGuard,
-    cannot_go_on,
-    describe_lost,
-    end_the_job,
-    end_this_process,
-)
+from ..runtime.errors import UsageError
 from ..runtime.xp import is_device_array, to_host
 from .async_exchange import AsyncExchange
 from .async_rounds import (
     POLL_SECONDS,
-    Act,
     Serving,
     WorkerPace,
-    carries_gradient,
-    follower_action,
-    inbox_action,
     look_now,
-    next_pause,
     own_squared_norm,
-    sort_lost,
-    watches_checkpoints,
 )
-from .base import SkipCounter, finite
+from .async_server import AsyncServer
+from .base import SkipCounter, start_counting
+from .lost_ranks import LostRanks, LostRanksLetGo
 from .registry import Option, register
 from .shards import ShardedStrategy
 from .verdict import decide
-
-TRACER = recorder.tracer()
-
-
-class LostRanks:
-    """``--elastic``: the watch for dead ranks, what a death means, and the guard of the windows' operations.
-
-    The first ps retires a dead worker's clock, so that the others never wait
-    for it, and notes it in ``figures["dropped_workers"]``.  A dead ps or
-    chief, where a ps is left and there are checkpoints (``rollback``),
-    raises :class:`~mpidist.runtime.ulfm.ProcessLost` on every rank that
-    sees it: they all recover together, back to the newest checkpoint, or,
-    where there is none to go back to, end together with one line (exit 1).
-    """
-
-    def __init__(self, cluster, figures, elastic, rollback=False):
-        self.cluster, self.figures, self.rollback = cluster, figures, rollback
-        self.watch = FailureWatch(cluster.world) if elastic else None
-        self.guard, self.guard_watch = (
-            StuckGuard.on(cluster.world, end=self._held_for_good) if elastic else (None, None)
-        )
-
-    @property
-    def watched(self):
-        return self.watch is not None
-
-    def look(self, serving, exchange):
-        """Act on deaths since the last look (``serving``: the :class:`~mpidist.parallel.async_rounds.Serving`
-        that knows the run's step from the chief's clock)."""
-        lost = self.watch.poll() if self.watch is not None else []
-        if not lost:
-            return
-        cluster = self.cluster
-        verdict = sort_lost(lost, cluster.roles, cluster.chief_rank, self.watch.known, self.rollback)
-        # a ps or the chief: every survivor sees it and recovers together, back to a checkpoint or else to one
-        # line and an agreed exit (an MPI_Abort left Open MPI's mpirun waiting for ever in ~1 run of 20)
-        if verdict.recover or verdict.fatal:
-            raise ProcessLost(describe_lost(verdict.fatal, cluster))
-        if cluster.rank == exchange.ps_ranks[0]:
-            step = serving.run_step(int(exchange.clocks()[0]))  # the chief's step is the run's
-            for rank, worker in verdict.retired:
-                exchange.retire(worker)  # its clock holds nobody back
-                self.figures["dropped_workers"].append({"rank": cluster.origin[rank], "step": step})
-
-    def _held_for_good(self, why):
-        """The guard's end of this process, held for good in an operation at a dead target (from its thread).
-
-        One more lost rank for the others (SIGKILL), unless the dead the guard
-        knows of end the run anyway (a ps or the chief, and no checkpoint to go
-        back to or no ps left): then the run's line and exit code 1, with which
-        ``mpirun`` exits (every other rank held there ends itself alike).  A
-        SIGKILL there left nobody to say it where every rank was held: the only
-        ps killed while it held its inbox's lock held every worker at their next
-        push, and ``mpirun`` exited 0 with no line.
-        """
-        cluster = self.cluster
-        lost = sort_lost(sorted(self.guard_watch.known), cluster.roles, cluster.chief_rank, (), self.rollback)
-        if not lost.fatal or lost.recover:
-            end_this_process(why)
-        end_the_job(error_line(cannot_go_on(describe_lost(lost.fatal, cluster))), EXIT_FAILURE)
-
-    def abandon(self):
-        """After a lost rank: stop the guard's thread; the watches' communicators are left to the broken world."""
-        if self.guard is not None:
-            self.guard.stop()
-
-    def free(self):
-        self.abandon()
-        for watch in (self.watch, self.guard_watch):
-            if watch is not None:
-                watch.free()
 
 
 @register
@@ -151,6 +65,7 @@ class PsAsyncStrategy(ShardedStrategy):
     """
 
     name = "ps-async"
+    recovery_type = LostRanksLetGo
     running_statistics = False  # workers' steps are not aligned: nothing to average them at
     elastic_recovery = True
     ps_rollback = (
@@ -205,7 +120,7 @@ class PsAsyncStrategy(ShardedStrategy):
             model.bind_params(self.host_params)
             model.bind_grads(self.host_grads)
         self.shard_values = np.zeros(self.hi - self.lo, dtype=model.dtype)
-        self.optimizer = self.make_optimizer(self.hi - self.lo, self.lo)
+        self.optimizer = self.optimizers.make(self.hi - self.lo, self.lo)
         # --elastic: every rank polls for deaths; the first ps drops dead workers from the staleness bound
         self.lost = LostRanks(cluster, self.figures, elastic, rollback)
         self.exchange = AsyncExchange(
@@ -213,8 +128,15 @@ class PsAsyncStrategy(ShardedStrategy):
         )
         self.pace = WorkerPace(staleness)  # (workers)
         self.serving = Serving()  # (ps; its start step is set by initialize)
-        self.count(
-            staleness=[], updates_missed=[], wait_s=0.0, updates=0, gradients=0, dropped_workers=[], steps=0
+        start_counting(
+            self.figures,
+            staleness=[],
+            updates_missed=[],
+            wait_s=0.0,
+            updates=0,
+            gradients=0,
+            dropped_workers=[],
+            steps=0,
         )
         self._stop_sent = False
 
@@ -246,7 +168,7 @@ class PsAsyncStrategy(ShardedStrategy):
             self.exchange.publish(self.shard_values, self.cluster.rank)
         self.cluster.world.Barrier()  # every shard published before any worker reads
 
-    def _look_for_the_lost(self):
+    def look_for_the_lost(self):
         """``--elastic``: act on deaths since the last look (see :class:`LostRanks`)."""
         self.lost.look(self.serving, self.exchange)
 
@@ -265,7 +187,7 @@ class PsAsyncStrategy(ShardedStrategy):
         while self.exchange.control()[0] < due:
             polls += 1
             if look_now(polls):  # (a ps that died announces nothing)
-                self._look_for_the_lost()
+                self.look_for_the_lost()
             time.sleep(POLL_SECONDS)
 
     def _wait_for_slowest(self):
@@ -276,7 +198,7 @@ class PsAsyncStrategy(ShardedStrategy):
         while True:
             polls += 1
             if look_now(polls):  # held for long: a ps may have died and nobody frees us
-                self._look_for_the_lost()
+                self.look_for_the_lost()
             go, ahead = self.pace.check(self.exchange.clocks())
             if go:
                 self.figures["wait_s"] += time.perf_counter() - start
@@ -285,7 +207,7 @@ class PsAsyncStrategy(ShardedStrategy):
 
     def train_step(self, x, y, weight, step):
         model = self.model
-        self._look_for_the_lost()
+        self.look_for_the_lost()
         staleness = self._wait_for_slowest()
         self.track("exchange")
         read = self.exchange.pull(self.host_params, known=self.pace.versions_held)
@@ -296,7 +218,7 @@ class PsAsyncStrategy(ShardedStrategy):
         if self.recipe.clip_norm:  # no summed gradient exists here: each worker clips its own batch's
             own = own_squared_norm(float(model.grads.dot(model.grads)), weight)
             verdict = self.judge(decide(own, loss, self.recipe.clip_norm), skips=False)  # (the ps skips)
-            self.scaled(model.grads, verdict.factor)
+            verdict.scaled(model.grads)
         grads = self.host_grads
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)
@@ -312,88 +234,9 @@ class PsAsyncStrategy(ShardedStrategy):
         return float(loss)
 
     def serve(self, control=None):
-        """ps loop: apply what arrives until every worker has finished and the inbox is empty.
-
-        Each time round, :mod:`~mpidist.parallel.async_rounds` decides what to do
-        from what the windows say.  ``control`` (see
-        :class:`mpidist.loop.training.ServerControl`): a signal this ps received is
-        passed on to the workers as a stop request; the first ps also decides
-        when a mid-run checkpoint is due (by the chief's step clock or the
-        time), and every ps then sends it its shard, between two of its own
-        updates.  The shards are each consistent, not mutually simultaneous:
-        as in any asynchronous parameter server, they may be a few updates
-        apart.  The first ps alone decides when serving is over, so no ps
-        leaves while a checkpoint could still ask for its shard.
-        """
-        rank, workers, exchange, serving = (
-            self.cluster.rank,
-            self.cluster.num_workers,
-            self.exchange,
-            self.serving,
-        )
-        self.track("serve")
-        first = rank == self.ps_ranks[0]
-        arrived = np.zeros_like(self.shard_values)
-        pause = POLL_SECONDS
-        drained = False
-        while True:
-            self._look_for_the_lost()
-            if control is not None:
-                if control.signalled():
-                    self.request_stop(control.signalled())
-                if watches_checkpoints(first, control.periodic, drained):
-                    step = serving.run_step(int(exchange.clocks()[0]))
-                    if step is not None and control.checkpoint_due(step):
-                        exchange.set_control(serving.snapshots + 1, False)
-                        self._snapshot(control, step)
-            if not first:
-                asked, over = exchange.control()
-                act = follower_action(asked, serving.snapshots, drained, over)
-                if act is Act.SNAPSHOT:
-                    self._snapshot(control, None)
-                    continue
-                if act is Act.LEAVE:
-                    return
-            # Poll the 8-byte arrival count, not the inbox: taking a 2.7 MB inbox every
-            # 0.2 ms while idle would flood the memory bus the workers compute on.
-            # Workers flush a gradient before counting it, so a count means the data is in.
-            pending = exchange.pending(rank)
-            done = exchange.workers_done() if not pending and not drained else None
-            act = inbox_action(pending, drained, done, workers)
-            if act is Act.IDLE:  # (measured: polling took 71% system time on this VM's shared cores)
-                time.sleep(pause)
-                pause = next_pause(pause)
-                continue
-            if act is Act.TAKE:
-                pause = POLL_SECONDS
-            self._take_and_apply(arrived, rank)
-            if act is Act.DRAIN:
-                drained = True
-                if first:
-                    exchange.set_control(serving.snapshots, True)
-                    return
-
-    def _snapshot(self, control, step):
-        """Collective over the ps ranks: the first one gathers the shards and writes them (at ``step``)."""
-        self.serving.snapshots += 1
-        state = self.gather_on_first_ps(self.shard_values)
-        if state is not None:
-            control.write(step, state)
-
-    def _take_and_apply(self, arrived, rank):
-        """This ps's inbox into ``arrived``, applied at the learning rate of its gradients' mean step."""
-        arrivals, steps = self.exchange.take(arrived, rank)
-        self.figures["gradients"] += arrivals
-        self.serving.took(arrivals, steps)
-        if not carries_gradient(arrived):
-            return
-        with TRACER.span(
-            "update", "serve", tid=recorder.STEPS
-        ):  # (--trace: the serve phase, update by update)
-            if self.nan_guard.update_allowed(finite(arrived), f"gradients arriving at ps rank {rank} were"):
-                self.optimizer.step(self.shard_values, arrived, self.recipe.lr(self.serving.learning_step))
-                self.exchange.publish(self.shard_values, rank)
-                self.figures["updates"] += 1
+        """ps loop: apply what arrives until every worker has finished and the inbox is empty
+        (:class:`~mpidist.parallel.async_server.AsyncServer`)."""
+        AsyncServer(self).serve(control)
 
     def finish(self):
         """Collective: workers sign off, ps ranks drain, everyone gets the final parameters."""
@@ -437,12 +280,6 @@ class PsAsyncStrategy(ShardedStrategy):
             "updates_missed_mean": float(np.mean(f["updates_missed"])) if f["updates_missed"] else 0.0,
             "updates_missed_max": int(max(f["updates_missed"], default=0)),
         }
-
-    def abandon(self):
-        # The windows (and the watches' communicators) are the broken world's: freeing one is collective over it,
-        # a dead member never joins, and ULFM promises nothing of windows after a failure (Open MPI warns that
-        # its shared-memory ones are untested there).  They are left: a few shard-sized segments, freed at exit.
-        self.lost.abandon()
 
     def free(self):
         self.exchange.free()

@@ -24,10 +24,11 @@ import numpy as np
 from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from .backup import BackupWorkersStrategy
+from .base import start_counting
 from .batch_norms import synchronise_batch_norms
 from .registry import Option, register
 from .rewind import PreviousSlice, StepLedger
-from .shards import ShardedStrategy
+from .shards import ShardedStrategy, ShardsGathered
 from .verdict import agree
 
 
@@ -36,6 +37,17 @@ class RunningEntries(typing.NamedTuple):
 
     whole: list  # ``(lo, hi)`` in the whole parameter buffer (what a worker sends)
     here: list  # ``(lo, hi)`` within this ps's shard (what a ps sets to the workers' mean)
+
+
+class ShardsAtStep(ShardsGathered):
+    """ps-sync's survivors: the shards at the chief's step, where a ps may be one update ahead."""
+
+    def survivor_state(self, cluster, step):
+        """The shards at the chief's ``step``: a ps one update ahead (the chief never got it) takes it back."""
+        strategy = self.strategy
+        if not strategy.is_worker:
+            strategy.ledger.rewind_to(step, strategy.shard_params(), strategy.optimizer)
+        return super().survivor_state(cluster, step)
 
 
 @register
@@ -51,6 +63,7 @@ class PsSyncStrategy(ShardedStrategy):
     elastic_recovery = True
     chief_replaceable = True  # (the state is the ps ranks'; a worker holds the position, as the chief does)
     ps_rollback = True
+    recovery_type = ShardsAtStep
     options = ShardedStrategy.options + (
         Option(
             "aggregate",
@@ -97,11 +110,11 @@ class PsSyncStrategy(ShardedStrategy):
         self.counts, self.displs = self.layout()
         self.param_hi = min(self.hi, n)  # the loss slot is not a parameter
         self.inbox = xp.zeros(self.hi - self.lo, dtype=model.dtype)
-        self.optimizer = self.make_optimizer(self.param_hi - self.lo, self.lo)
+        self.optimizer = self.optimizers.make(self.param_hi - self.lo, self.lo)
         self.ledger = StepLedger(
             PreviousSlice(self.shard_params(), self.optimizer) if elastic and not self.is_worker else None
         )
-        self.count(updates=0, bytes_in=0, bytes_out=0)
+        start_counting(self.figures, updates=0, bytes_in=0, bytes_out=0)
         # running statistics travel as weighted values in the gradients' place: the ps gets their mean
         whole = model.running_entries()
         self.running = RunningEntries(
@@ -142,7 +155,7 @@ class PsSyncStrategy(ShardedStrategy):
                 for lo, hi in self.running.here:  # the workers' mean, not a gradient
                     shard[lo:hi] = self.inbox[lo:hi]
                     self.inbox[lo:hi] = 0
-                gradient = self.scaled(self.inbox[:count], verdict.factor)
+                gradient = verdict.scaled(self.inbox[:count])
                 self.optimizer.step(shard, gradient, self.recipe.lr(step))
                 self.figures["updates"] += 1
             if self.hi > self.param_hi:  # the loss slot: NaN tells every rank the step was skipped
@@ -186,12 +199,6 @@ class PsSyncStrategy(ShardedStrategy):
 
     def shard_params(self):
         return self.values[self.lo : self.param_hi]
-
-    def survivor_state(self, cluster, step):
-        """The shards at the chief's ``step``: a ps one update ahead (the chief never got it) takes it back."""
-        if not self.is_worker:
-            self.ledger.rewind_to(step, self.shard_params(), self.optimizer)
-        return self.gather_state(None, cluster)
 
     def stats(self):
         if self.is_worker:

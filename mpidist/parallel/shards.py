@@ -12,6 +12,7 @@ from ..runtime.cluster import PS
 from ..runtime.errors import UsageError
 from ..runtime.xp import is_device_array, to_host
 from .base import Strategy
+from .recovery import Recovery
 from .registry import Option
 from .saved_state import WholeState
 
@@ -64,10 +65,19 @@ def imbalance(bounds):
     return max(sizes) / mean - 1.0 if mean else 0.0
 
 
+class ShardsGathered(Recovery):
+    """A ps strategy's survivors: the state is the ps shards, the parameters' only sure copy, gathered."""
+
+    def survivor_state(self, cluster, step):
+        """Collective over the survivors: the ps shards, gathered on the chief."""
+        return self.strategy.gather_state(None, cluster)
+
+
 class ShardedStrategy(Strategy):
     """Base of the parameter-server strategies: shard bookkeeping, initial state, checkpoints."""
 
     options = (Option("ps", 0, "parameter-server ranks, for the ps strategies"),)
+    recovery_type = ShardsGathered
 
     @classmethod
     def layout_text(cls, settings, cluster):
@@ -137,7 +147,7 @@ class ShardedStrategy(Strategy):
         mirror = is_device_array(model.params) and not is_device_array(buffer)
         if cluster.is_chief:
             if checkpoint is None:
-                model.init_params(self.seed)
+                model.init_params(self.passes.seed)
             else:
                 model.params[...] = model.xp.asarray(checkpoint.params)
             if mirror:
@@ -214,7 +224,3 @@ class ShardedStrategy(Strategy):
     def shard_params(self):
         """This ps's parameter slice (empty on workers)."""
         raise NotImplementedError
-
-    def survivor_state(self, cluster, step):
-        """Collective over the survivors: the ps shards (the parameters' only sure copy), gathered."""
-        return self.gather_state(None, cluster)

@@ -37,7 +37,6 @@ class StageLayout:
         self.balance = [int(size) for size in balance]
         #: the grid the ranks make (:class:`~mpidist.parallel.mesh.MeshShape`)
         self.shape = MeshShape(world_size, len(self.balance), int(tensor))
-        self.replicas, self.stages, self.parts = self.shape.sizes
         self.replica, self.stage, self.part = self.shape.coordinates(rank)
         starts = np.concatenate([[0], np.cumsum(self.balance)]).astype(int)
         self.first_layer, self.end_layer = int(starts[self.stage]), int(starts[self.stage + 1])
@@ -47,6 +46,21 @@ class StageLayout:
         self.out_shape = (
             model.shapes[self.end_layer] if self.end_layer < len(model.layers) else model.output_shape
         )
+
+    @property
+    def replicas(self):
+        """``D``, replicas of the pipeline."""
+        return self.shape.size("replica")
+
+    @property
+    def stages(self):
+        """``P``, stages per replica."""
+        return self.shape.size("stage")
+
+    @property
+    def parts(self):
+        """``T``, tensor parts per stage."""
+        return self.shape.size("part")
 
     @property
     def is_first(self):

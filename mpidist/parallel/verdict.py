@@ -47,6 +47,17 @@ class Verdict:
         """Whether the update applied is clipped."""
         return not self.skip and self.factor < 1.0
 
+    def scaled(self, grads, out=None, xp=np):
+        """``grads`` multiplied by :attr:`factor`: in place, or into ``out`` (of the array module ``xp``) where
+        ``grads`` must stay as it is (other workers still read it: the shared-memory exchange); ``grads`` itself
+        where the factor is 1."""
+        if self.factor == 1.0:
+            return grads
+        if out is None:
+            grads *= self.factor
+            return grads
+        return xp.multiply(grads, self.factor, out=out)
+
 
 def decide(squared_norm, loss, clip_norm):
     """The verdict on a step whose gradient has squared global norm ``squared_norm`` and whose loss is ``loss``.

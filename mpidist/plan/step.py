@@ -16,7 +16,7 @@ import statistics
 import numpy as np
 
 from ..parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
-from ..parallel.pipeline import balance_by_parameters
+from ..parallel.balance import balance_by_parameters
 from ..parallel.registry import STRATEGIES
 from ..parallel.schedule import schedule as stage_plan
 from ..parallel.schedule import simulate
