@@ -145,6 +145,7 @@ class State:
         self.cluster = self.setup = self.strategy = None
         self.revoked = []  # communicators besides the cluster's that survivors may be blocked in
         self.recoveries = []  # each loss survived ("recovered" events)
+        self.counts = {}  # what the strategies count (their stats()): outlives a recovery, as the position does
         self.callbacks = {"reset": [], "give_up": [], "recovered": [], "finish_writes": [], "leave": []}
 
     def bind(self, cluster, setup, strategy):

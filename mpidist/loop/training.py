@@ -18,6 +18,7 @@ agrees on.
 """
 
 import collections
+import functools
 import sys
 import time
 
@@ -30,18 +31,19 @@ from ..parallel.recipe import total_steps
 from ..runtime import recorder
 from ..runtime.agreement import agreed
 from ..runtime.comm import bcast
-from ..runtime.memory import peak_memory
 from ..runtime.phase import PhaseAgreement
-from ..runtime.preempt import EARLY_STOP, WRITE_FAILED, agree_on_stop, signal_name, stop_signals
+from ..runtime.preempt import stop_signals
 from ..runtime.whereabouts import here
-from . import elastic
+from . import elastic, survival
 from .callbacks import EarlyStopping
 from .checkpointer import Checkpointer
+from .conclusion import conclude
 from .evaluations import Evaluations, shown
 from .feed import epoch_batches
-from .outputs import Outputs, trace_file
+from .outputs import Outputs
 from .position import Position
-from .report import Report, header
+from .report import header
+from .saving import finish_writes, keep_if_best, log_written, save
 from .serving import ServerControl
 from .setup import continued, data_layout, find_resume, make_strategy, prepare, test_delay
 from .stops import Stops
@@ -90,15 +92,22 @@ class Training:
     """
 
     def __init__(self, config, cluster, device, inputs, stops, outputs):
-        self.config, self.cluster, self.device, self.inputs = config, cluster, device, inputs
+        self.cluster, self.device, self.inputs = cluster, device, inputs
         self.stops, self.outputs = stops, outputs
-        self.counts = {}  # what the strategies count (their stats()): outlives a recovery
         self.state = elastic.State(config, Position())
-        self.state.register("reset", self.continue_from)
-        self.state.register("give_up", self.give_up)
-        self.state.register("recovered", self.recovered)
-        self.state.register("finish_writes", self._finish_writes)
-        self.state.register("leave", self.leave)
+        for event, callback in (
+            ("reset", survival.continue_from),
+            ("give_up", survival.give_up),
+            ("recovered", survival.recovered),
+            ("finish_writes", finish_writes),
+            ("leave", survival.leave),
+        ):
+            self.state.register(event, functools.partial(callback, self))
+
+    @property
+    def config(self):
+        """The run's settings (the elastic state's: as the run goes on with them)."""
+        return self.state.config
 
     @property
     def chief(self):
@@ -125,13 +134,11 @@ class Training:
             )
         here().enter("start")  # collectives from here on: a wait on the others
         setup, resume, asked = self.setup, self.setup.resume, config.seed
-        config = self.config = self.state.config = continued(
-            config, setup
-        )  # the seed and buffer it goes on with
+        config = self.state.config = continued(config, setup)  # the seed and buffer it goes on with
         outputs.begin(config)  # (settings.toml as the run goes on: `train --config` repeats its data order)
         lineages = self._share_lineage()
         outputs.start_trace(config, cluster)  # (the set-up's files and checks are not on the timeline)
-        self._make_strategy()
+        self.new_strategy()
         place = self.strategy.describe(cluster.rank)
         table = cluster.table(
             self.device.label, setup.reading.why if setup.reading else "", place
@@ -174,7 +181,7 @@ class Training:
         self.evaluations = Evaluations(
             setup.info.sizes, config.keep_best, resume.best if resume else None, early_stopping
         )
-        self._move_to(resume)
+        self.move_to(resume)
 
     def _share_lineage(self):
         """Collective: ``(lineage, parent)`` the chief settled, on every rank (the first ps of ps-async writes too)."""
@@ -188,17 +195,17 @@ class Training:
         bcast(self.cluster.world, codes, root=self.cluster.chief_rank)
         return tuple(f"{int(code):08x}" if code >= 0 else "" for code in codes)
 
-    def _make_strategy(self):
+    def new_strategy(self):
         """Collective: the strategy for the current cluster and set-up, watched by a new stall monitor."""
         self.strategy = make_strategy(
-            self.config, self.setup, self.cluster, self.device.xp, where=here(), figures=self.counts
+            self.config, self.setup, self.cluster, self.device.xp, where=here(), figures=self.state.counts
         )
         self.monitor = StallMonitor(
             self.cluster.world, self.cluster.chief_rank, self.config.stall_timeout, here()
         ).start()
         self.state.bind(self.cluster, self.setup, self.strategy)
 
-    def _move_to(self, resume, on_disk=True):
+    def move_to(self, resume, on_disk=True):
         """Set the position to ``resume``'s (or the beginning); ``on_disk``: a checkpoint of it exists already."""
         self.position.move_to(Position.of(resume, self.setup.steps_per_epoch))
         self.checkpointer.taken_at = self.position.step if on_disk else None  # save() writes each step once
@@ -209,64 +216,7 @@ class Training:
         # NaN and overflow are detected and handled (--nan-patience): numpy need not warn on every rank
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             self.train()
-        return self.conclude()
-
-    def continue_from(self, cluster, resume):
-        """Collective: go on from checkpoint ``resume`` on ``cluster`` (the survivors of a lost rank).
-
-        The set-up is built again for the new layout; the figures, the metrics
-        and the position's bookkeeping carry on.  The state resumed from is in
-        memory, so the next save writes it.
-        """
-        self.monitor.free(abandon=True)
-        self.strategy.recovery().abandon()  # (its windows and communicators are the broken world's: left unfreed)
-        self.cluster = cluster
-        with agreed(cluster.world):
-            self.setup = prepare(self.config, cluster, self.device.xp, self.inputs, resume)
-            if cluster.is_chief and not self.outputs.chief:  # the chief died: this worker takes its place
-                self.outputs.take_over(self.config, (self.checkpointer.lineage, self.checkpointer.parent))
-                self.outputs.show_progress(self.config, total_steps(self.config, self.setup), resume.step)
-        self._make_strategy()
-        self.strategy.initialize(resume)
-        self._move_to(resume, on_disk=False)
-
-    def give_up(self, message):
-        """The run cannot go on (a lost chief or ps): record why; the caller ends the process."""
-        if self.chief:
-            self.outputs.log.write(
-                "failed", step=self.position.step, epoch=self.position.epoch + 1, reason=message
-            )
-            self.outputs.log.close()
-
-    def leave(self):
-        """This rank survived a loss but cannot train on (its pipeline replica lost a stage): let go of all it holds
-        (a chief: the checkpoint being written, its files and the directory's lock, for the new chief)."""
-        self.monitor.free(abandon=True)
-        self._finish_writes()
-        if self.chief:
-            self.outputs.log.close()
-        self.outputs.close()
-
-    def recovered(self, record):
-        """Chief: the ``recovered`` event and a line saying who was lost and how the run goes on."""
-        if self.chief:
-            self.outputs.log.write("recovered", **record)
-            split = "/".join(map(str, record["local_batches"]))
-            back = (
-                (
-                    f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: what was lost is in "
-                    "no survivor)"
-                )
-                if "rolled_back_to" in record
-                else ""
-            )
-            back += f"; {record['idle']} idle (their replica lost a stage)" if "idle" in record else ""
-            self.outputs.say(
-                f"mpidist: lost {record['lost']}{back}; continuing from step {record['step']} with "
-                f"{record['workers']} worker(s): global batch {record['global_batch']} split {split}, "
-                f"{record['steps_per_epoch']} steps/epoch, the chief's data {record['data'] or 'none'} "
-                f"(recovered in {record['seconds']:.2f} s)"
-            )
+        return conclude(self)
 
     def train(self):
         """The epochs from the current position, until the end, ``--steps``, a stop request or divergence."""
@@ -304,7 +254,7 @@ class Training:
                     and self.strategy.lockstep
                 ):
                     stops.early = True
-                    self.save()
+                    save(self)
                     break
 
     def _train_epoch(self, steps_to_run):
@@ -388,14 +338,14 @@ class Training:
                 checkpointer.writing,
             )
             stops.early = bool(flags["signal"]) and position.step < steps_to_run
-            self._log_written(checkpointer.at_boundary(position.step, flags))
+            log_written(self, checkpointer.at_boundary(position.step, flags))
             due = schedule.crossed(position.step) or flags["due"]
             if not config.checkpoint_wait:  # (a checkpoint due while one is written waits for the writer)
                 due = checkpointer.starts_at(position.step, due, flags["busy"])
             if (due or stops.early) and not self.window.skipped_in_row:
                 # (never a state that is going wrong: it could push good ones out of --keep); a stopping job
                 # waits for its checkpoint
-                self.save(behind=not stops.early)
+                save(self, behind=not stops.early)
         else:  # the strategy carries the request to the others; the checkpoint comes after finish()
             if requested:
                 self.strategy.request_stop(requested)
@@ -406,51 +356,6 @@ class Training:
             or (config.steps and position.step >= config.steps)
             or result.finished
         )
-
-    def save(self, state=(), gathered=False, behind=False):
-        """Collective: a checkpoint of the current position (once per step), written by the chief, or where the
-        strategy splits the model (:attr:`~mpidist.parallel.declared.Declared.placement`) by the ranks that hold it.
-
-        ``gathered``: the caller gathered the strategy's ``state()`` already (``state``: None off the chief).
-        ``behind``: the chief copies a gathered state and a thread writes it while training goes on; the
-        ``checkpoint`` event comes once the file is whole (a split model's is written in this thread).
-        """
-        position, checkpointer = self.position, self.checkpointer
-        if not checkpointer.enabled or (self.strategy.lockstep and checkpointer.taken_at == position.step):
-            return  # (other strategies' ranks count steps apart: each call must be collective)
-        here().enter("gather")
-        began = recorder.now() if TRACER.on else None
-        placement = self.strategy.placement  # (a split model: nothing is gathered)
-        placed = self.strategy.placed_state() if placement is not None else None
-        if placed is None and not gathered:
-            state = self.strategy.state()  # collective: shards are gathered to the chief
-        checkpointer.taken_at = position.step
-        if behind:
-            checkpointer.taken(position.step)
-        where = (
-            position.step,
-            position.epoch,
-            position.epoch_step,
-            data_layout(self.config, self.cluster)[0],
-        )
-        here().enter("write")
-        self._log_written(
-            checkpointer.take(
-                self.cluster, placement, placed, state, where, self.evaluations.best.record(), behind
-            )
-        )
-        if began is not None:
-            TRACER.complete("checkpoint", "checkpoint", began, recorder.STEPS, step=position.step)
-
-    def _finish_writes(self):
-        """Chief: a checkpoint being written behind training is finished (and logged) before a rollback."""
-        if self.chief:
-            self._log_written(self.checkpointer.collect(wait=True))
-
-    def _log_written(self, written):
-        """Chief: the ``checkpoint`` event of each ``(path, step, epoch)`` written."""
-        for path, step, epoch in written:
-            self.outputs.log.write("checkpoint", step=step, epoch=epoch + 1, path=str(path))
 
     def evaluate(self, split="test", together=True):
         """Collective over the evaluating ranks: the task's figures on ``split`` (:mod:`~mpidist.nn.scores`).
@@ -484,128 +389,6 @@ class Training:
             **scores.headline(figures, prefix=split + "_"),
         )
         if split == "val" and self.config.keep_best:
-            self._keep_if_best(
-                scores.headline(figures, prefix="val_").get(self.config.keep_best, float("nan"))
+            keep_if_best(
+                self, scores.headline(figures, prefix="val_").get(self.config.keep_best, float("nan"))
             )
-
-    def _keep_if_best(self, value):
-        """Collective: if the chief's ``value`` of the ``--keep-best`` figure improved, checkpoint and keep it as
-        the best."""
-        improved, step = np.zeros(1, dtype=np.int64), self.position.step
-        if self.chief:
-            improved[0] = self.evaluations.best.offer(value, step)
-        bcast(self.cluster.world, improved, root=self.cluster.chief_rank)
-        if improved[0] and self.checkpointer.enabled:
-            self.save()  # (taken already where this step's checkpoint was due: then it may be under way)
-            self._log_written(self.checkpointer.finish_writes())
-            if self.chief:
-                path = self.checkpointer.keep_best(step, self.setup.resume)
-                self.outputs.log.write(
-                    "best",
-                    step=step,
-                    epoch=self.position.epoch + 1,
-                    figure=self.config.keep_best,
-                    value=value,
-                    path=str(path),
-                )
-
-    # -- the end -------------------------------------------------------------------------------------------
-    def conclude(self):
-        """Collective: agree on how the run ended, evaluate and checkpoint; the chief reports."""
-        cluster, strategy, stops, outputs = self.cluster, self.strategy, self.stops, self.outputs
-        here().enter("finish")
-        outputs.progress.close()
-        stops.free()
-        strategy.finish()
-        flags = agree_on_stop(cluster.world, stops.request(outputs.log), stops.early)
-        # a callback's stop ends the run as a finished one; a signal's, as a preempted one; a failed write
-        # (which stops the run wherever it is), as a failed one
-        stopped_early = flags["early"] and flags["signal"] == EARLY_STOP
-        write_failed = flags["signal"] == WRITE_FAILED
-        stopped = flags if flags["signal"] and flags["early"] and not (stopped_early or write_failed) else {}
-        self._log_written(
-            self.checkpointer.finish_writes()
-        )  # (a write behind in flight: its event before the end's)
-        elapsed = self.window.elapsed()  # (training time: the final evaluation and checkpoint are not in it)
-        if not (stopped or stops.diverged or write_failed):  # (a stopping job has no time to spare)
-            for split in self._missing_splits():
-                cut = self.evaluate(split)
-                if cut:  # (a stopping job has no time for the rest of it either)
-                    stopped = {**cut, "early": 1}
-                    break
-        state = None
-        if not stops.diverged:  # a diverged state must not push a good checkpoint out of --keep
-            here().enter("gather")
-            if (
-                strategy.placement is None
-            ):  # (a split model is never gathered: its checkpoint holds the result)
-                state = strategy.state()  # collective: the trained model, on the chief
-            self.save(state, gathered=True)
-        here().enter("finish")
-        roles = cluster.world.gather(
-            (cluster.rank, cluster.role, strategy.stats(), peak_memory()), root=cluster.chief_rank
-        )
-        if self.config.trace != "off":
-            here().enter("gather")
-            part = strategy.describe(cluster.rank)
-            outputs.write_trace(
-                cluster,
-                trace_file(self.config, self.setup.resume),
-                f"rank {cluster.rank} ({cluster.role}{', ' + part if part else ''})",
-            )
-            here().enter("finish")
-        self.monitor.free()
-        self.stops.phases.free()
-        strategy.free()
-        return self._outcome(state, roles, elapsed, stopped, stopped_early, write_failed)
-
-    def _missing_splits(self):
-        """Collective: the splits the end of the run still evaluates, as the chief knows them.
-
-        (Ranks out of lockstep validated at steps of their own, and a ps of
-        ``ps-async`` never: only the chief's record counts, and every rank
-        takes part in the evaluation's agreement on stopping.)
-        """
-        names = ("val", "test")
-        wanted = np.zeros(len(names), dtype=np.int64)
-        if self.chief:
-            missing = self.evaluations.missing_at(self.position.step)
-            wanted[:] = [missing.index(name) + 1 if name in missing else 0 for name in names]
-        bcast(self.cluster.world, wanted, root=self.cluster.chief_rank)
-        return [name for _, name in sorted((order, name) for order, name in zip(wanted, names) if order)]
-
-    def _outcome(self, state, roles, elapsed, stopped, stopped_early, write_failed):
-        """What the run returns (and the chief reports): failed, stopped, or done with its figures."""
-        report = Report(self.config, self.cluster, self.setup, self.outputs, self.checkpointer, self.position)
-        log = self.outputs.log
-        if self.stops.diverged:
-            return report.failed(self.stops.diverged)
-        if write_failed or log.failure:  # (the chief alone learns of a failure in its last writes)
-            return report.failed(log.failure or "the chief could not write its metrics")
-        if not self.chief:
-            return {"stopped_by": signal_name(stopped["signal"])} if stopped else {}
-        if stopped:
-            outcome = report.stopped(stopped)
-        else:
-            config = self.config
-            outcome = report.done(
-                self.window,
-                self.evaluations,
-                roles,
-                elapsed,
-                clipped=self._clipped_total(roles) if config.clip_norm else None,
-                stopped_early=stopped_early,
-                recoveries=self.state.recoveries if config.elastic else None,
-            )
-        if log.failure:  # the last events could not be written: the run's record is incomplete
-            outcome = report.failed(log.failure)
-        outcome["params"] = state.params if state is not None else None
-        outcome["checkpoints"] = self.checkpointer.kept()
-        return outcome
-
-    def _clipped_total(self, roles):
-        """Steps clipped: the chief's count where it takes part in every step's decision, else the strategy's
-        total of the ranks' own counts (:meth:`~mpidist.parallel.declared.Declared.clipped_steps`)."""
-        if self.strategy.lockstep:
-            return self.window.clipped_total
-        return int(self.strategy.clipped_steps([stats.get("clipped", 0) for _, _, stats, _ in roles]))
