@@ -20,13 +20,11 @@ checkpoint stays the newest, and the folder is removed at the next start.
 import os
 import secrets
 import time
-from pathlib import Path
 
 import numpy as np
 from ..runtime import comm as mpi
 from ..runtime.errors import RunError
-from ..store import atomic, checkpoint, sharded
-from ..store.lineage import CheckpointDir, file_name
+from ..store import atomic, sharded
 from .writer import BehindWrite
 
 
@@ -46,19 +44,20 @@ class ShardedWrite:
     """One sharded checkpoint, begun (collective over ``comm``) when made; :meth:`complete` ends it.
 
     Args:
-        checkpointer: the run's :class:`~mpidist.loop.checkpointer.Checkpointer` (its settings, lineage, clock).
+        files: the run lineage's :class:`~mpidist.loop.checkpoint_files.CheckpointFiles` (where the index
+            goes, what it stores beside the state, pruning).
         comm, root: the ranks that train, and the chief's rank among them.
         placement: this rank's :class:`~mpidist.nn.placement.Placement`.
         placed: this rank's :class:`~mpidist.parallel.saved_state.PlacedState` (its buffers, as ``placement``).
         where, best: ``(step, epoch, epoch_step, workers)`` and the ``--keep-best`` record, stored in the index.
         behind: sync the parts and write the index in threads, while training goes on.
+        elapsed: the run's time so far, stored in the index.
     """
 
-    def __init__(self, checkpointer, comm, placement, placed, where, root, best=None, behind=False):
-        self.checkpointer, self.comm, self.root, self.where = checkpointer, comm, root, where
+    def __init__(self, files, comm, placement, placed, where, root, best=None, behind=False, elapsed=0.0):
+        self.files, self.comm, self.root, self.where = files, comm, root, where
         self.chief, self.behind = comm.Get_rank() == root, behind
-        directory = checkpointer.config.checkpoint_dir
-        self.index = Path(directory) / file_name(where[0], checkpointer.lineage)
+        self.index = files.path(where[0])
         token = mpi.bcast_text(comm, secrets.token_hex(8) if self.chief else "", root)
         self.folder = sharded.parts_folder(self.index, token)
         arrays = placed.arrays
@@ -66,19 +65,7 @@ class ShardedWrite:
         self.dtype = next(iter(arrays.values())).dtype
         self.whole = placement.whole
         self.index_attrs = {
-            **checkpoint.attributes(
-                where[0],
-                where[1],
-                where[2],
-                checkpointer.config.to_json(),
-                checkpointer.config.seed,
-                where[3],
-                checkpointer.lineage,
-                checkpointer.parent,
-                best,
-                checkpointer.run_time(),
-                checkpointer.dataset_fingerprint or "",
-            ),
+            **files.attributes(where, best, elapsed),
             "optimizer": {"steps": int(placed.steps)},
         }
         self.reason, self.part = "", None
@@ -161,8 +148,7 @@ class ShardedWrite:
                 f"checkpoint of step {self.where[0]} not written to {directory}: "
                 f"{os.strerror(err.errno) if err.errno else err}"
             ) from None
-        config = self.checkpointer.config
-        pruned = CheckpointDir(directory).prune(self.checkpointer.lineage, config.keep, newest=self.index)
+        pruned = self.files.prune(self.index)
         sharded.remove_replaced_folders(
             directory, self.index, self.folder, pruned
         )  # (its folder: known here)
