@@ -1,11 +1,13 @@
-"""A run's checkpoints: when one is due, writing it with its position and pruning, and what was written.
+"""A run's checkpoints: when one is due, taking it (whole or sharded, behind training), and what was written.
 
 One rule decides when a checkpoint is due, for the training loop (lockstep
 strategies, where the chief's clock is agreed on at a step boundary) and for
 the first ps of ``ps-async`` and backup workers (which decides for its
 workers): a step that passes a multiple of ``--checkpoint-every``, or
 ``--checkpoint-seconds`` since the last one.  The rule is pure (the clock is
-passed in) and tested without MPI.
+passed in) and tested without MPI.  What each checkpoint stores beside the
+state, a whole one's writing and pruning are the run lineage's files'
+(:mod:`mpidist.loop.checkpoint_files`).
 """
 
 import time
@@ -13,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data.fingerprint import fingerprint
 from ..runtime.errors import RunError
 from ..store import bulk, checkpoint, sharded
-from ..store.lineage import CheckpointDir
 from . import sharded_save
 from ..parallel.saved_state import WholeState
+from .checkpoint_files import CheckpointFiles
 from .writer import BehindWrite
 
 
@@ -81,7 +82,8 @@ class Checkpointer:
         self, config, step, lineage="", parent="", clock=time.perf_counter, elapsed=0.0, dataset=None
     ):
         self.config, self.clock, self.lineage, self.parent = config, clock, lineage, parent or ""
-        self.dataset, self.dataset_fingerprint = dataset, None
+        # (the lineage's files: what each checkpoint stores beside the state, a whole one's writing, pruning)
+        self.files = CheckpointFiles(config, self.lineage, self.parent, dataset)
         self.origin = clock() - elapsed
         self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
         self.written = []  # paths this process wrote, oldest first
@@ -139,8 +141,8 @@ class Checkpointer:
         ``best``: the ``--keep-best`` figure's best so far (``{"figure", "value", "step"}``), stored with it.
         """
         self.collect(wait=True)  # (never two in flight)
-        self._take_fingerprint()
-        path = self._save(state, step, epoch, epoch_step, workers, best, self.run_time())
+        self.files.take_fingerprint()
+        path = self.files.save(state, step, epoch, epoch_step, workers, best, self.run_time())
         self._written(path, step)
         return path
 
@@ -177,9 +179,17 @@ class Checkpointer:
         written in threads, and a later step boundary completes it (:meth:`at_boundary`).  Never under
         ``--elastic``: completing it is collective, and a lost rank would leave it half done."""
         if comm.Get_rank() == root:
-            self._take_fingerprint()
+            self.files.take_fingerprint()
         self.behind.parts = write = sharded_save.ShardedWrite(
-            self, comm, placement, placed, where, root, best, behind
+            self.files,
+            comm,
+            placement,
+            placed,
+            where,
+            root,
+            best=best,
+            behind=behind,
+            elapsed=self.run_time(),
         )
         if not behind:
             return self.complete_parts()
@@ -219,35 +229,6 @@ class Checkpointer:
             self._written(result, write.where[0])
             return [(result, *write.where[:2])]
         return []
-
-    def _take_fingerprint(self):
-        """The dataset's fingerprint, taken once, in the training thread (a write behind finds it taken)."""
-        if self.dataset_fingerprint is None:
-            self.dataset_fingerprint = fingerprint(self.dataset) if self.dataset is not None else ""
-
-    def _save(self, state, step, epoch, epoch_step, workers, best, elapsed):
-        """Write and prune (in the training thread, or behind it); the checkpoint's path."""
-        config = self.config
-        path = checkpoint.save(
-            config.checkpoint_dir,
-            state.params,
-            state.optimizer,
-            state.steps,
-            step,
-            epoch,
-            epoch_step,
-            config.to_json(),
-            config.seed,
-            workers,
-            self.lineage,
-            self.parent,
-            best=best,
-            elapsed=elapsed,
-            per_worker=state.per_worker or None,
-            dataset_fingerprint=self.dataset_fingerprint,
-        )
-        CheckpointDir(config.checkpoint_dir).prune(self.lineage, config.keep, newest=path)
-        return path
 
     def _written(self, path, step):
         self.written.append(path)
@@ -289,7 +270,7 @@ class Checkpointer:
         :meth:`collect`).
         """
         done = self.collect(wait=True)
-        self._take_fingerprint()
+        self.files.take_fingerprint()
         copying = time.thread_time()
         staging = self.behind.staging
         staged = WholeState(
@@ -303,7 +284,7 @@ class Checkpointer:
         )
         elapsed = self.run_time()
         self.behind.flight = self.behind.last = BehindWrite(
-            lambda: self._save(staged, step, epoch, epoch_step, workers, best, elapsed),
+            lambda: self.files.save(staged, step, epoch, epoch_step, workers, best, elapsed),
             (step, epoch),
             time.thread_time() - copying,
         )

@@ -11,7 +11,8 @@ checksumming it is slow (a disk's, not a step's, time), and a thread does it
 where the checkpoint is written behind training.  :meth:`ShardedWrite.complete`
 ends it: the ranks agree that every part is on disk (one failure fails the
 checkpoint on every rank, and the chief removes the folder); then the chief
-writes the index and renames it into place, prunes, and removes the parts
+writes the index (:class:`ShardedIndex`: what it says is fixed when the
+checkpoint begins) and renames it into place, prunes, and removes the parts
 folders pruning left unnamed -- behind training too, where asked.  A rank
 killed mid-write leaves no index under a checkpoint's name: the previous
 checkpoint stays the newest, and the folder is removed at the next start.
@@ -20,13 +21,11 @@ checkpoint stays the newest, and the folder is removed at the next start.
 import os
 import secrets
 import time
-from pathlib import Path
 
 import numpy as np
 from ..runtime import comm as mpi
 from ..runtime.errors import RunError
-from ..store import atomic, checkpoint, sharded
-from ..store.lineage import CheckpointDir, file_name
+from ..store import atomic, sharded
 from .writer import BehindWrite
 
 
@@ -42,45 +41,53 @@ def _reason(err, rank):
     return f"rank {rank}: {os.strerror(err.errno) if err.errno else err}"
 
 
+class ShardedIndex:
+    """What a sharded checkpoint's index says, fixed when the checkpoint begins, and where it goes: the chief
+    writes it over the parts once every rank's is on disk.
+
+    Args:
+        path: the index's file (the checkpoint's name).
+        placement: this rank's :class:`~mpidist.nn.placement.Placement` (the whole model's parameters).
+        placed: this rank's :class:`~mpidist.parallel.saved_state.PlacedState` (the state's keys and dtype,
+            the optimizer's steps).
+        attrs: what the checkpoint stores beside the state
+            (:meth:`~mpidist.loop.checkpoint_files.CheckpointFiles.attributes`).
+    """
+
+    def __init__(self, path, placement, placed, attrs):
+        arrays = placed.arrays
+        self.path, self.whole = path, placement.whole
+        self.keys, self.dtype = list(arrays), next(iter(arrays.values())).dtype
+        self.attrs = {**attrs, "optimizer": {"steps": int(placed.steps)}}
+
+    def write(self, parts):
+        """The index over ``parts`` (each ``(file, rows, record)``), renamed into place."""
+        sharded.write_index(self.path, parameters(self.whole), parts, self.keys, self.dtype, self.attrs)
+
+
 class ShardedWrite:
     """One sharded checkpoint, begun (collective over ``comm``) when made; :meth:`complete` ends it.
 
     Args:
-        checkpointer: the run's :class:`~mpidist.loop.checkpointer.Checkpointer` (its settings, lineage, clock).
+        files: the run lineage's :class:`~mpidist.loop.checkpoint_files.CheckpointFiles` (where the index
+            goes, what it stores beside the state, pruning).
         comm, root: the ranks that train, and the chief's rank among them.
         placement: this rank's :class:`~mpidist.nn.placement.Placement`.
         placed: this rank's :class:`~mpidist.parallel.saved_state.PlacedState` (its buffers, as ``placement``).
         where, best: ``(step, epoch, epoch_step, workers)`` and the ``--keep-best`` record, stored in the index.
         behind: sync the parts and write the index in threads, while training goes on.
+        elapsed: the run's time so far, stored in the index.
     """
 
-    def __init__(self, checkpointer, comm, placement, placed, where, root, best=None, behind=False):
-        self.checkpointer, self.comm, self.root, self.where = checkpointer, comm, root, where
+    def __init__(self, files, comm, placement, placed, where, root, best=None, behind=False, elapsed=0.0):
+        self.files, self.comm, self.root, self.where = files, comm, root, where
         self.chief, self.behind = comm.Get_rank() == root, behind
-        directory = checkpointer.config.checkpoint_dir
-        self.index = Path(directory) / file_name(where[0], checkpointer.lineage)
+        path = files.path(where[0])
         token = mpi.bcast_text(comm, secrets.token_hex(8) if self.chief else "", root)
-        self.folder = sharded.parts_folder(self.index, token)
+        self.folder = sharded.parts_folder(path, token)
         arrays = placed.arrays
-        self.rows, self.keys = placement.describe(), list(arrays)
-        self.dtype = next(iter(arrays.values())).dtype
-        self.whole = placement.whole
-        self.index_attrs = {
-            **checkpoint.attributes(
-                where[0],
-                where[1],
-                where[2],
-                checkpointer.config.to_json(),
-                checkpointer.config.seed,
-                where[3],
-                checkpointer.lineage,
-                checkpointer.parent,
-                best,
-                checkpointer.run_time(),
-                checkpointer.dataset_fingerprint or "",
-            ),
-            "optimizer": {"steps": int(placed.steps)},
-        }
+        self.rows = placement.describe()
+        self.index = ShardedIndex(path, placement, placed, files.attributes(where, best, elapsed))
         self.reason, self.part = "", None
         try:
             if self.rows.size:
@@ -134,7 +141,7 @@ class ShardedWrite:
             if self.chief and self.folder.is_dir():
                 sharded.remove_parts(self.folder)
             raise RunError(
-                f"checkpoint of step {self.where[0]} not written to {self.index.parent}: "
+                f"checkpoint of step {self.where[0]} not written to {self.index.path.parent}: "
                 f"{'; '.join(reasons)} (the checkpoints written before it are intact)"
             )
         # (small: a file name, a few integers a region, a checksum; pickled, as nothing here was read from a file)
@@ -150,20 +157,16 @@ class ShardedWrite:
 
     def _write_index(self, parts):
         """Chief: the index over ``parts``, renamed into place; prune; the folders pruning left unnamed removed."""
-        directory = self.index.parent
+        index = self.index.path
+        directory = index.parent
         try:
-            sharded.write_index(
-                self.index, parameters(self.whole), parts, self.keys, self.dtype, self.index_attrs
-            )
+            self.index.write(parts)
         except OSError as err:
             sharded.remove_parts(self.folder)
             raise RunError(
                 f"checkpoint of step {self.where[0]} not written to {directory}: "
                 f"{os.strerror(err.errno) if err.errno else err}"
             ) from None
-        config = self.checkpointer.config
-        pruned = CheckpointDir(directory).prune(self.checkpointer.lineage, config.keep, newest=self.index)
-        sharded.remove_replaced_folders(
-            directory, self.index, self.folder, pruned
-        )  # (its folder: known here)
-        return self.index
+        pruned = self.files.prune(index)
+        sharded.remove_replaced_folders(directory, index, self.folder, pruned)  # (its folder: known here)
+        return index
