@@ -127,8 +127,9 @@ def test_no_module_imports_itself_back_even_from_inside_a_function():
     assert _cycles(graph) == []
 
 
-ATTRIBUTES = 15  # past this, a class is several objects
-LINES = 500  # past this, a module is several concepts
+ATTRIBUTES = 12  # past this, a class is several objects
+METHODS = 20  # past this too
+LINES = 400  # past this, a module is several concepts
 
 
 def _assigned_attributes(cls):
@@ -173,7 +174,7 @@ def test_attribute_counter_counts_tuple_and_augmented_assignments():
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))
-def test_modules_are_small_and_classes_hold_few_attributes(path):
+def test_modules_are_small_and_classes_hold_few_attributes_and_methods(path):
     lines = path.read_text().count("\n")
     assert lines <= LINES, (
         f"{path.relative_to(ROOT)} has {lines} lines (at most {LINES}): split it by concept"
@@ -185,6 +186,24 @@ def test_modules_are_small_and_classes_hold_few_attributes(path):
                 f"{path.relative_to(ROOT)}: class {node.name} assigns {len(names)} "
                 f"attributes (at most {ATTRIBUTES}): {sorted(names)}"
             )
+            methods = _methods(node)
+            assert len(methods) <= METHODS, (
+                f"{path.relative_to(ROOT)}: class {node.name} has {len(methods)} methods (at most {METHODS}): "
+                f"{methods}"
+            )
+
+
+def _methods(cls):
+    """The functions a class body defines (properties and class methods included, nested classes' not)."""
+    return [node.name for node in cls.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_method_counter_counts_the_class_body_alone():
+    source = (
+        "class A:\n @property\n def p(self): pass\n @classmethod\n def c(cls): pass\n"
+        " async def a(self): pass\n def f(self):\n  def inner(): pass\n class B:\n  def g(self): pass\n"
+    )
+    assert _methods(ast.parse(source).body[0]) == ["p", "c", "a", "f"]
 
 
 #: mpi4py's buffer-based calls: the ones that hand an array to MPI

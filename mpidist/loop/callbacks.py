@@ -7,7 +7,7 @@ after the matching metrics line is written, with the same figures as a dict:
 method             when                                figures (as in ``metrics.jsonl``)
 =================  ==================================  ===================================================
 ``on_start``       once, before the first step         ``config``, ``dataset``, ``params``, ...
-``on_step``        every ``log_every`` steps            ``step``, ``epoch``, ``loss``, ``samples_per_s``,
+``on_step``        every ``log_every`` steps           ``step``, ``epoch``, ``loss``, ``samples_per_s``,
                                                        ``time``
 ``on_eval``        after each evaluation               ``step``, ``epoch``, ``test_loss``, and the task's
                                                        figures (below)
