@@ -15,7 +15,7 @@ import numpy as np
 
 from ..data.fingerprint import fingerprint
 from ..runtime.errors import RunError
-from ..store import bulk, checkpoint, sharded
+from ..store import bulk, checkpoint_save, sharded
 from ..store.lineage import CheckpointDir
 from . import sharded_save
 from ..parallel.saved_state import WholeState
@@ -126,7 +126,7 @@ class Checkpointer:
                 f"--keep-best: the checkpoint of step {step}, the best so far, was neither written by "
                 f"this run nor resumed from ({source or 'none'}): it cannot be kept"
             )
-        self.best = checkpoint.keep_as(source, f"best-{self.lineage or 'run'}.h5")
+        self.best = checkpoint_save.keep_as(source, f"best-{self.lineage or 'run'}.h5")
         # (the best it replaced may have been the last to name a pruned sharded checkpoint's parts; nothing is
         # being written now: take() completed every write)
         sharded.remove_unnamed_folders(self.config.checkpoint_dir)
@@ -228,7 +228,7 @@ class Checkpointer:
     def _save(self, state, step, epoch, epoch_step, workers, best, elapsed):
         """Write and prune (in the training thread, or behind it); the checkpoint's path."""
         config = self.config
-        path = checkpoint.save(
+        path = checkpoint_save.save(
             config.checkpoint_dir,
             state.params,
             state.optimizer,

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from ..runtime import comm as mpi
 from ..runtime.errors import RunError
-from ..store import atomic, checkpoint, sharded
+from ..store import atomic, checkpoint_save, sharded
 from ..store.lineage import CheckpointDir, file_name
 from .writer import BehindWrite
 
@@ -66,7 +66,7 @@ class ShardedWrite:
         self.dtype = next(iter(arrays.values())).dtype
         self.whole = placement.whole
         self.index_attrs = {
-            **checkpoint.attributes(
+            **checkpoint_save.attributes(
                 where[0],
                 where[1],
                 where[2],
