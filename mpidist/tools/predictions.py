@@ -39,7 +39,7 @@ from mpi4py import MPI
 from ..api import load_split, load_trained
 from ..loop import split_model
 from ..nn.scores import digits4
-from ..data.layout import SUFFIXES
+from ..data.sources import SUFFIXES
 from ..runtime import comm as mpi
 from ..runtime.agreement import agreed, ends_the_job_on_error
 from ..runtime.errors import UsageError
