@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mpidist.data import inspect, limit_evaluation
-from mpidist.data.layout import carve_validation
+from mpidist.data.info import carve_validation
 from mpidist.loop.evaluations import duration, shown
 from mpidist.runtime.phase import PhaseAgreement, PhaseComm
 

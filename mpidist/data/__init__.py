@@ -2,8 +2,13 @@
 
 One module per concept:
 
+* :mod:`~mpidist.data.sources`: the files ``--data`` names (:func:`resolve`),
+  a directory's or a glob's in order, each opened;
 * :mod:`~mpidist.data.layout`: what a file or a directory of files must hold,
-  checked before anything is read (:func:`inspect`, :class:`DatasetInfo`);
+  checked before anything is read (:func:`inspect`), each item fetched and
+  the optional ones checked by :mod:`~mpidist.data.items`;
+* :mod:`~mpidist.data.info`: what a checked dataset is (:class:`DatasetInfo`),
+  and the splits a run cuts from it (``--val-fraction``, ``--eval-samples``);
 * :mod:`~mpidist.data.rows`: a split's rows across its files, read in as few
   calls as their pattern allows;
 * :mod:`~mpidist.data.samples`: the checks and conversions every read sample
@@ -34,26 +39,14 @@ from .batches import (
     train_batches,
 )
 from .budget import Reading, budget_of, order_buffer_for, plan
+from .info import DatasetInfo, Member, carve_validation, limit_evaluation
+from .items import MAX_NAME
 from .lanes import Lanes
-from .layout import (
-    MAX_CLASSES,
-    MAX_NAME,
-    OPTIONAL_SPLITS,
-    SPLITS,
-    DatasetInfo,
-    Member,
-    bundled_names,
-    carve_validation,
-    data_dirs,
-    inspect,
-    limit_evaluation,
-    members,
-    open_source,
-    resolve,
-)
+from .layout import MAX_CLASSES, OPTIONAL_SPLITS, SPLITS, inspect
 from .rows import SplitRows, read_rows
 from .samples import standardizer
 from .shard import Shard
+from .sources import bundled_names, data_dirs, members, open_source, resolve
 from .stream import Stream
 
 _read_rows = read_rows  # (the name tests knew)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..runtime.errors import UsageError
 from .arrays import ArrayData
-from .layout import open_source, resolve
+from .sources import open_source, resolve
 
 SCHEME = "sha256-1"  # the fingerprint's recipe: a checkpoint written by another is not compared
 SAMPLED_FILES = 8  # files of a dataset whose bytes are sampled (spread over them)

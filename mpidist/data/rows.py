@@ -19,7 +19,7 @@ import numpy as np
 from ..runtime.reads import HDF5_ERRORS, read_failure, reading
 from ..runtime.whereabouts import here
 from .direct import DirectFile, byte_ranges, direct_rows, layout, readable
-from .layout import CHUNK_CACHE, open_source
+from .sources import CHUNK_CACHE, open_source
 from .samples import prepare
 
 

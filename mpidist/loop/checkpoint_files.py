@@ -12,7 +12,7 @@ keeps deciding when a checkpoint is taken and what was written.
 from pathlib import Path
 
 from ..data.fingerprint import fingerprint
-from ..store import checkpoint
+from ..store import checkpoint_save
 from ..store.lineage import CheckpointDir, file_name
 
 
@@ -44,7 +44,7 @@ class CheckpointFiles:
         """What a checkpoint of ``where`` (``(step, epoch, epoch_step, workers)``) stores beside the state, as a
         split model's index stores it; ``best``: the ``--keep-best`` record, ``elapsed``: the run's time so far."""
         step, epoch, epoch_step, workers = where
-        return checkpoint.attributes(
+        return checkpoint_save.attributes(
             step,
             epoch,
             epoch_step,
@@ -61,7 +61,7 @@ class CheckpointFiles:
     def save(self, state, step, epoch, epoch_step, workers, best, elapsed):
         """Write and prune (in the training thread, or behind it); the checkpoint's path."""
         config = self.config
-        path = checkpoint.save(
+        path = checkpoint_save.save(
             config.checkpoint_dir,
             state.params,
             state.optimizer,

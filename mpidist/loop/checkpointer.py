@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime.errors import RunError
-from ..store import bulk, checkpoint, sharded
+from ..store import bulk, checkpoint_save, sharded
 from . import sharded_save
 from ..parallel.saved_state import WholeState
 from .checkpoint_files import CheckpointFiles
@@ -128,7 +128,7 @@ class Checkpointer:
                 f"--keep-best: the checkpoint of step {step}, the best so far, was neither written by "
                 f"this run nor resumed from ({source or 'none'}): it cannot be kept"
             )
-        self.best = checkpoint.keep_as(source, f"best-{self.lineage or 'run'}.h5")
+        self.best = checkpoint_save.keep_as(source, f"best-{self.lineage or 'run'}.h5")
         # (the best it replaced may have been the last to name a pruned sharded checkpoint's parts; nothing is
         # being written now: take() completed every write)
         sharded.remove_unnamed_folders(self.config.checkpoint_dir)

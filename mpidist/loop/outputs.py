@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..observe import trace
 from ..runtime import recorder
-from ..store import checkpoint, lineage, rundir
+from ..store import checkpoint_save, lineage, rundir
 from . import tensorboard
 from .callbacks import Reporter
 from .metrics import MetricsLog, Progress, last_step_logged
@@ -61,7 +61,7 @@ class Outputs:
             if config.trace != "off":
                 trace.check_writable(trace_file(config, resume))
             if config.checkpoint_dir:
-                checkpoint.prepare_directory(config.checkpoint_dir)
+                checkpoint_save.prepare_directory(config.checkpoint_dir)
             self.claim = lineage.claim(config, resume)
         except BaseException:
             if run_lock is not None:

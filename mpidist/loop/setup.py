@@ -19,7 +19,7 @@ from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits, holdable, human
 from ..runtime.text import printable
 from ..settings import models
-from ..store import checkpoint
+from ..store import checkpoint, checkpoint_save
 
 
 @dataclasses.dataclass
@@ -79,7 +79,7 @@ def build_model_for(config, inputs, info, xp, cluster=None, training=True):
 
 def check_holds(config, cluster, model):
     """Refuse, naming what it needs, a model whose share on this rank does not fit in what the rank may hold."""
-    arrays = len(checkpoint.OPTIMIZER_STATE.get(config.optimizer, ()))
+    arrays = len(checkpoint_save.OPTIMIZER_STATE.get(config.optimizer, ()))
     whole = model.num_params
     share = (
         holding.held(config, cluster, model, arrays)
@@ -233,7 +233,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
             f"{printable(resume.config.get('model'))} on {printable(repr(resume.config.get('data')))})"
         )
     if resume is not None and set(resume.optimizer_state) != set(
-        checkpoint.OPTIMIZER_STATE[config.optimizer]
+        checkpoint_save.OPTIMIZER_STATE[config.optimizer]
     ):
         kept = ", ".join(map(printable, sorted(resume.optimizer_state))) or "none"
         notes.append(

@@ -20,7 +20,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..data.layout import SUFFIXES
+from ..data.sources import SUFFIXES
 from ..runtime.errors import UsageError
 from ..store import new_hdf5
 from .csv_table import spreadsheet_safe
