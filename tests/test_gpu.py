@@ -54,7 +54,7 @@ def test_allreduce_of_device_arrays_on_either_path(monkeypatch):
 
 def test_host_staging_copies_into_pinned_memory_from_cupys_pool():
     # pageable memory made a host-staged send 5 times slower than MPI between host buffers (gpu/check.sh, H200)
-    from mpidist.runtime import comm
+    from mpidist.runtime import device_buffers as comm
 
     array = cupy.arange(1000, dtype=cupy.float32)
     host, _ = comm._staged(array)
@@ -69,7 +69,7 @@ def test_host_staging_copies_into_pinned_memory_from_cupys_pool():
 def test_a_staged_copy_back_is_complete_before_its_pinned_block_is_handed_out_again():
     # a copy from pinned memory is asynchronous: were the block handed out while the GPU still read it, the
     # next batch's cupy.asarray (which writes into a pooled pinned block at once) would land in the array
-    from mpidist.runtime import comm
+    from mpidist.runtime import device_buffers as comm
 
     size = 64 << 18  # 64 MiB of float32: a copy long enough to be caught in flight
     array = cupy.zeros(size, dtype=cupy.float32)

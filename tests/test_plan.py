@@ -227,7 +227,7 @@ def test_the_calibrated_overlap_hides_its_share_of_what_buckets_can_hide_and_pic
 
 
 def test_overlap_is_measured_beyond_the_noise_of_the_turns():
-    from mpidist.plan.measure import _overlap_share
+    from mpidist.plan.pairs import overlap_share as _overlap_share
 
     cal = made_up(params=1 << 20, node=Link(1e-6, 1e-9), batch_per_rank=64)
     bucket = (cal.params + 1) * 4 // 4

@@ -12,6 +12,30 @@ loop is framework overhead.
 import numpy as np
 
 
+class HeavyBallSGD:
+    """SGD with heavy-ball momentum over one flat buffer, as written by hand: ``v = m v + g; p -= lr v``.
+
+    The optimizer's state and its one scratch array, apart from the network's
+    arrays; made once, so a step allocates nothing.
+
+    Args:
+        size: elements of the parameters it updates.
+        lr, momentum: SGD's.
+        dtype: float32 or float64.
+    """
+
+    def __init__(self, size, lr, momentum, dtype):
+        self.lr, self.momentum = lr, momentum
+        self.velocity, self.scaled = np.zeros(size, dtype), np.zeros(size, dtype)
+
+    def update(self, params, grads):
+        """``params`` (a view of ``size`` elements) take one step along ``grads``, in place."""
+        v = self.velocity
+        v *= self.momentum
+        v += grads
+        params -= np.multiply(v, self.lr, out=self.scaled)
+
+
 class HandwrittenMLP:
     """``sizes[0] -> sizes[1] -> ... -> sizes[-1]`` with ReLU between, trained on batches of ``batch``.
 
@@ -24,11 +48,10 @@ class HandwrittenMLP:
     """
 
     def __init__(self, sizes, batch, lr=0.01, momentum=0.9, dtype=np.float32, seed=0):
-        self.lr, self.momentum = lr, momentum
         shapes = [(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
         total = sum(a * b + b for a, b in shapes)
         self.params, self.grads = np.zeros(total + 1, dtype), np.zeros(total + 1, dtype)  # + the loss slot
-        self.velocity, self.scaled = np.zeros(total, dtype), np.zeros(total, dtype)
+        self.optimizer = HeavyBallSGD(total, lr, momentum, dtype)
         self.weights, self.biases, self.weight_grads, self.bias_grads = [], [], [], []
         offset, rng = 0, np.random.default_rng(seed)
         for a, b in shapes:
@@ -78,11 +101,8 @@ class HandwrittenMLP:
                 delta = up
 
     def update(self):
-        """SGD with momentum over the flat buffer: ``v = m v + g; p -= lr v``."""
-        v, g = self.velocity, self.grads[:-1]
-        v *= self.momentum
-        v += g
-        self.params[:-1] -= np.multiply(v, self.lr, out=self.scaled)
+        """SGD with momentum over the flat buffer (the loss slot left out): ``v = m v + g; p -= lr v``."""
+        self.optimizer.update(self.params[:-1], self.grads[:-1])
 
     def step(self, x, y):
         self.backprop(x, y)

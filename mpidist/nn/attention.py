@@ -1,9 +1,11 @@
 """Multi-head scaled dot-product self-attention on sequences ``(N, L, D)``.
 
-The parameter names, shapes and the head layout are a contract that tensor
-parallelism relies on: it splits the layer by heads by slicing exactly these.
+The parameter names, shapes and the head layout (:class:`HeadLayout`) are a
+contract that tensor parallelism relies on: it splits the layer by heads by
+slicing exactly these.
 """
 
+import dataclasses
 import math
 
 from . import init
@@ -29,6 +31,49 @@ def padding_of(source, shape):
             f"sees {tuple(shape)} (a layer between them changed the length: give it the mask too)"
         )
     return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """How attention cuts the columns of ``q``, ``k`` and ``v`` into heads: head ``h`` is ``[h*dh, (h+1)*dh)``.
+
+    The contract tensor parallelism slices by: a part takes whole heads, their
+    columns of ``Wq``, ``Wk``, ``Wv`` (and biases) and their rows of ``Wo``.
+    An object of its own so that the widths a built layer works with are one
+    value, made (and checked) once from what the layer was given.
+
+    Attributes:
+        heads: number of heads ``H``.
+        dh: columns per head.
+        dim: the model width ``D``, of the layer's input and output.
+    """
+
+    heads: int
+    dh: int
+    dim: int
+
+    @classmethod
+    def of(cls, heads, head_dim, dim):
+        """``heads`` heads of ``head_dim`` columns each on width ``dim``; with ``head_dim`` None, ``dim // heads``
+        (raises :class:`ShapeError` where ``heads`` does not divide ``dim``)."""
+        if head_dim is not None:
+            return cls(heads, head_dim, dim)
+        if dim % heads:
+            raise ShapeError(
+                f"MultiHeadAttention: {heads} heads do not divide the model width {dim} "
+                "(give head_dim, or a width that is a multiple of the heads)"
+            )
+        return cls(heads, dim // heads, dim)
+
+    @property
+    def width(self):
+        """``H*dh``: the columns of ``q``, ``k`` and ``v``, and the rows of ``Wo``."""
+        return self.heads * self.dh
+
+    def split(self, a):
+        """``(N, L, H*dh)`` seen as ``(N, H, L, dh)`` (a view: head ``h`` is columns ``[h*dh, (h+1)*dh)``)."""
+        n, length, _ = a.shape
+        return a.reshape(n, length, self.heads, self.dh).transpose(0, 2, 1, 3)
 
 
 class MultiHeadAttention(Layer):
@@ -86,32 +131,22 @@ class MultiHeadAttention(Layer):
             raise ShapeError(
                 f"MultiHeadAttention needs sequences (L, D), got per-sample shape {tuple(input_shape)}"
             )
-        self.dim = int(input_shape[1])
-        if self.head_dim is None:
-            if self.dim % self.heads:
-                raise ShapeError(
-                    f"MultiHeadAttention: {self.heads} heads do not divide the model width {self.dim} "
-                    "(give head_dim, or a width that is a multiple of the heads)"
-                )
-            self.dh = self.dim // self.heads
-        else:
-            self.dh = self.head_dim
-        self.width = self.heads * self.dh
+        self.layout = HeadLayout.of(self.heads, self.head_dim, int(input_shape[1]))
         return tuple(input_shape)
 
+    @property
+    def dh(self):
+        """Columns per head (the built :class:`HeadLayout`'s): what tensor parallelism cuts by."""
+        return self.layout.dh
+
     def param_specs(self):
-        d, w = self.dim, self.width
+        d, w = self.layout.dim, self.layout.width
         glorot = init.glorot_uniform(d, w)
         specs = [(f"W{n}", (d, w), glorot) for n in self.names] + [
             (f"b{n}", (w,), init.zeros) for n in self.names
         ]
         specs.append(("Wo", (w, d), init.glorot_uniform(w, d)))
         return specs + ([("bo", (d,), init.zeros)] if self.output_bias else [])
-
-    def _heads(self, a):
-        """``(N, L, H*dh)`` seen as ``(N, H, L, dh)`` (a view: head ``h`` is columns ``[h*dh, (h+1)*dh)``)."""
-        n, length, _ = a.shape
-        return a.reshape(n, length, self.heads, self.dh).transpose(0, 2, 1, 3)
 
     def _bias(self, length, dtype):
         """``(L, L)``: 0 where a query may look, -inf above the diagonal; made once per length."""
@@ -123,21 +158,21 @@ class MultiHeadAttention(Layer):
         return bias
 
     def forward(self, x, training=False):
-        xp, p = self.xp, self.params
-        if x.ndim != 3 or x.shape[2] != self.dim:
-            raise ShapeError(f"MultiHeadAttention built for width {self.dim} got input {tuple(x.shape)}")
+        xp, p, layout = self.xp, self.params, self.layout
+        if x.ndim != 3 or x.shape[2] != layout.dim:
+            raise ShapeError(f"MultiHeadAttention built for width {layout.dim} got input {tuple(x.shape)}")
         n, length, _ = x.shape
         dtype = xp.result_type(x, p["Wq"])
         self.x = x
         for name in self.names:
-            out = xp.matmul(x, p[f"W{name}"], out=self.scratch(name, (n, length, self.width), dtype))
+            out = xp.matmul(x, p[f"W{name}"], out=self.scratch(name, (n, length, layout.width), dtype))
             out += p[f"b{name}"]
             setattr(self, name, out)
         self.mask = None if self.padding is None else padding_of(self.padding, (n, length))
         # the scores, masked and made probabilities in one (N, H, L, L) array
         scores = self.scratch("p", (n, self.heads, length, length), dtype)
-        xp.matmul(self._heads(self.q), self._heads(self.k).transpose(0, 1, 3, 2), out=scores)
-        scores *= dtype.type(1 / math.sqrt(self.dh))
+        xp.matmul(layout.split(self.q), layout.split(self.k).transpose(0, 1, 3, 2), out=scores)
+        scores *= dtype.type(1 / math.sqrt(layout.dh))
         if self.causal:
             scores += self._bias(length, dtype)
         if self.mask is not None:
@@ -152,8 +187,8 @@ class MultiHeadAttention(Layer):
             total[total == 0] = 1
         scores /= total
         self.p = scores
-        self.o = self.scratch("o", (n, length, self.width), dtype)
-        xp.matmul(scores, self._heads(self.v), out=self._heads(self.o))
+        self.o = self.scratch("o", (n, length, layout.width), dtype)
+        xp.matmul(scores, layout.split(self.v), out=layout.split(self.o))
         y = xp.matmul(self.o, p["Wo"], out=self.scratch("y", x.shape, dtype))
         if self.output_bias:
             y += p["bo"]
@@ -166,34 +201,36 @@ class MultiHeadAttention(Layer):
         self._backward(dy, False)
 
     def _backward(self, dy, input_grad):
-        xp, p, g = self.xp, self.params, self.grads
+        xp, p, g, layout = self.xp, self.params, self.grads, self.layout
         n, length, d = dy.shape
         rows = n * length
-        xp.matmul(self.o.reshape(rows, self.width).T, dy.reshape(rows, d), out=g["Wo"])
+        xp.matmul(self.o.reshape(rows, layout.width).T, dy.reshape(rows, d), out=g["Wo"])
         if self.output_bias:
             dy.reshape(rows, d).sum(axis=0, out=g["bo"])
         do = xp.matmul(dy, p["Wo"].T, out=self.scratch("do", self.o.shape, dy.dtype))
-        heads_do, probs = self._heads(do), self.p
+        heads_do, probs = layout.split(do), self.p
         dv = self.scratch("dv", self.o.shape, dy.dtype)
-        xp.matmul(probs.transpose(0, 1, 3, 2), heads_do, out=self._heads(dv))
+        xp.matmul(probs.transpose(0, 1, 3, 2), heads_do, out=layout.split(dv))
         # d scores = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = dO . O per query
         dscores = xp.matmul(
-            heads_do, self._heads(self.v).transpose(0, 1, 3, 2), out=self.scratch("dp", probs.shape, dy.dtype)
+            heads_do,
+            layout.split(self.v).transpose(0, 1, 3, 2),
+            out=self.scratch("dp", probs.shape, dy.dtype),
         )
         products = xp.multiply(
-            heads_do, self._heads(self.o), out=self.scratch("products", heads_do.shape, dy.dtype)
+            heads_do, layout.split(self.o), out=self.scratch("products", heads_do.shape, dy.dtype)
         )
         dscores -= products.sum(
             axis=-1, keepdims=True, out=self.scratch("rowsum", probs.shape[:3] + (1,), dy.dtype)
         )
         dscores *= probs
-        dscores *= dy.dtype.type(1 / math.sqrt(self.dh))
+        dscores *= dy.dtype.type(1 / math.sqrt(layout.dh))
         dq, dk = self.scratch("dq", self.o.shape, dy.dtype), self.scratch("dk", self.o.shape, dy.dtype)
-        xp.matmul(dscores, self._heads(self.k), out=self._heads(dq))
-        xp.matmul(dscores.transpose(0, 1, 3, 2), self._heads(self.q), out=self._heads(dk))
+        xp.matmul(dscores, layout.split(self.k), out=layout.split(dq))
+        xp.matmul(dscores.transpose(0, 1, 3, 2), layout.split(self.q), out=layout.split(dk))
         x = self.x.reshape(rows, d)
         for name, grad in zip(self.names, (dq, dk, dv)):
-            flat = grad.reshape(rows, self.width)
+            flat = grad.reshape(rows, layout.width)
             xp.matmul(x.T, flat, out=g[f"W{name}"])
             flat.sum(axis=0, out=g[f"b{name}"])
         if not input_grad:

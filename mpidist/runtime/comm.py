@@ -1,121 +1,22 @@
 """The only place that hands array buffers to MPI.
 
-numpy arrays go to MPI as they are.  cupy arrays go directly when the MPI
-library is CUDA-aware, after synchronising the stream that produced them (MPI
-reads device memory outside cupy's stream order); otherwise they are staged
-through pinned host memory.  The path is decided once per process
-(:func:`cuda_aware`) and shown by ``python -m mpidist info``.  Every call here
-is buffer-based: no pickle ever touches array data.
+Every call here is buffer-based: no pickle ever touches array data.  A
+device (cupy) array reaches MPI directly when the library is CUDA-aware, else
+through pinned host memory: :mod:`~mpidist.runtime.device_buffers` decides
+which (:func:`cuda_aware`, re-exported here) and makes the buffer these calls
+hand over.
 """
 
-import ctypes
-import functools
-import os
 import threading
 
 import numpy as np
 from mpi4py import MPI
 
-from .xp import is_device_array
+from .device_buffers import for_mpi
 
-
-def mpi_library_path():
-    """Path of the MPI shared library this process loaded (Linux), or None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1]
-                if "/libmpi" in path and ".so" in path:
-                    return path
-    except OSError:
-        pass
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_aware():
-    """Whether MPI can read and write CUDA device memory.
-
-    ``MPIDIST_CUDA_AWARE=1`` or ``=0`` overrides the detection, which asks
-    the library through ``MPIX_Query_cuda_support`` (Open MPI, MPICH >= 4).
-    """
-    override = os.environ.get("MPIDIST_CUDA_AWARE", "").strip().lower()
-    if override in ("1", "true", "yes"):
-        return True
-    if override in ("0", "false", "no"):
-        return False
-    path = mpi_library_path()
-    if path is None:
-        return False
-    try:
-        return bool(ctypes.CDLL(path).MPIX_Query_cuda_support())
-    except (OSError, AttributeError):
-        return False
-
-
-def transfer_path():
-    """How device arrays travel: "cuda-aware", or "host-staged"."""
-    return "cuda-aware" if cuda_aware() else "host-staged"
-
-
-def _synchronize(array):
-    import cupy
-
-    cupy.cuda.get_current_stream().synchronize()
-    return array
-
-
-def _staged(array):
-    """``(host copy of the device array, function copying the host copy back into it)``.
-
-    The copy is in pinned (page-locked) host memory from cupy's pool.  Measured
-    on an H200 (gpu/check.sh) for 64 MiB: 50 GB/s device to pinned host against
-    3 GB/s to freshly allocated pageable memory, which made a host-staged
-    pipeline send 5 times slower than MPI between the same host buffers.  Both
-    copies wait for the device: a copy from pinned memory is asynchronous,
-    and the pool hands the block out again (``cupy.asarray`` of the next batch
-    writes into it at once) as soon as the host copy is dropped.  Where pinned
-    memory cannot be had, and without cupy (an array that only looks like a
-    device one), the array's own ``get()`` copies into pageable memory.
-    """
-    memory = _pinned(array)
-    if memory is None:
-        host = array.get()
-        return host, lambda: array.set(host)
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    host = np.frombuffer(memory, array.dtype, array.size).reshape(array.shape)
-    array.get(out=host, stream=stream)
-    stream.synchronize()
-
-    def back():
-        array.set(host, stream=stream)
-        stream.synchronize()
-
-    return host, back
-
-
-def _pinned(array):
-    """Pinned memory from cupy's pool the size of the device ``array``, or None without cupy or where none can
-    be had (page-locked memory is a limited resource)."""
-    try:
-        import cupy
-    except ImportError:
-        return None
-    try:
-        return cupy.cuda.alloc_pinned_memory(array.nbytes)
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return None
-
-
-def _for_mpi(array):
-    """``(buffer MPI may use, function copying results back or None)``."""
-    if not is_device_array(array):
-        return array, None
-    if cuda_aware():
-        return _synchronize(array), None
-    return _staged(array)
+# (re-exported: users, gpu/bench.py and the tests ask this module which path device arrays take)
+from .device_buffers import cuda_aware as cuda_aware, mpi_library_path as mpi_library_path
+from .device_buffers import transfer_path as transfer_path
 
 
 class InFlight:
@@ -182,7 +83,7 @@ def _typed(buffer, counts, displs):
 
 
 def _allreduce_in_place(comm, array, op):
-    buffer, back = _for_mpi(array)
+    buffer, back = for_mpi(array)
     comm.Allreduce(MPI.IN_PLACE, buffer, op=op)
     if back:
         back()
@@ -200,7 +101,7 @@ def iallreduce_sum(comm, array):
     Device arrays on MPI without CUDA support travel through a host copy,
     copied back when the reduction completes.
     """
-    buffer, back = _for_mpi(array)
+    buffer, back = for_mpi(array)
     return Pending(_IN_FLIGHT.track(comm.Iallreduce(MPI.IN_PLACE, buffer), buffer), buffer, back)
 
 
@@ -229,7 +130,7 @@ class Pending:
 
 def bcast(comm, array, root=0):
     """Broadcast ``array`` (contiguous) from ``root`` in place."""
-    buffer, back = _for_mpi(array)
+    buffer, back = for_mpi(array)
     comm.Bcast(buffer, root=root)
     if back:
         back()
@@ -241,8 +142,8 @@ def reduce_scatter_sum(comm, send, recv, counts):
 
     Ranks with a count of 0 contribute and receive nothing (workers, for the ps).
     """
-    send_buffer, _ = _for_mpi(send)
-    recv_buffer, back = _for_mpi(recv)
+    send_buffer, _ = for_mpi(send)
+    recv_buffer, back = for_mpi(recv)
     comm.Reduce_scatter(send_buffer, recv_buffer, recvcounts=list(counts), op=MPI.SUM)
     if back:
         back()
@@ -251,7 +152,7 @@ def reduce_scatter_sum(comm, send, recv, counts):
 
 def allgatherv_inplace(comm, array, counts, displs):
     """Every rank gets every rank's ``array[displs[r]:displs[r] + counts[r]]``, in place."""
-    buffer, back = _for_mpi(array)
+    buffer, back = for_mpi(array)
     comm.Allgatherv(MPI.IN_PLACE, _typed(buffer, counts, displs))
     if back:
         back()
@@ -260,9 +161,9 @@ def allgatherv_inplace(comm, array, counts, displs):
 
 def gatherv(comm, send, recv, counts, displs, root):
     """``root`` gets every rank's ``send`` (``counts[r]`` elements) at ``displs[r]`` of ``recv``."""
-    send_buffer, _ = _for_mpi(send)
+    send_buffer, _ = for_mpi(send)
     if comm.Get_rank() == root:
-        recv_buffer, back = _for_mpi(recv)
+        recv_buffer, back = for_mpi(recv)
         comm.Gatherv(send_buffer, _typed(recv_buffer, counts, displs), root=root)
         if back:
             back()
@@ -273,9 +174,9 @@ def gatherv(comm, send, recv, counts, displs, root):
 
 def scatterv(comm, send, recv, counts, displs, root):
     """Rank ``r`` receives ``counts[r]`` elements of ``root``'s ``send`` from ``displs[r]`` into ``recv``."""
-    recv_buffer, back = _for_mpi(recv)
+    recv_buffer, back = for_mpi(recv)
     if comm.Get_rank() == root:
-        send_buffer, _ = _for_mpi(send)
+        send_buffer, _ = for_mpi(send)
         comm.Scatterv(_typed(send_buffer, counts, displs), recv_buffer, root=root)
     else:
         comm.Scatterv(None, recv_buffer, root=root)
@@ -296,13 +197,13 @@ def allreduce_min(comm, array):
 
 def isend(comm, array, dest, tag):
     """Start sending ``array``; returns ``(request, buffer)``: keep the buffer until the request is done."""
-    buffer, _ = _for_mpi(array)
+    buffer, _ = for_mpi(array)
     return _IN_FLIGHT.track(comm.Isend(buffer, dest=dest, tag=tag), buffer), buffer
 
 
 def send(comm, array, dest, tag):
     """Send ``array`` (contiguous) to ``dest`` and return when its buffer may be reused."""
-    buffer, _ = _for_mpi(array)
+    buffer, _ = for_mpi(array)
     comm.Send(buffer, dest=dest, tag=tag)
 
 
@@ -323,7 +224,7 @@ def recv(comm, array, source, tag):
     come from any of several ranks, :func:`irecv` posts one receive per rank
     and :func:`wait_any` takes whichever completes.
     """
-    buffer, back = _for_mpi(array)
+    buffer, back = for_mpi(array)
     comm.Recv(buffer, source=source, tag=tag)
     if back:
         back()
@@ -406,7 +307,7 @@ def iallreduce(comm, array, op, then=None):
     over ``uint16`` bit patterns, say).  ``then`` is called once the
     reduction has completed (after a host-staged result is copied back).
     """
-    buffer, back = _for_mpi(array)
+    buffer, back = for_mpi(array)
 
     def complete():
         if back is not None:

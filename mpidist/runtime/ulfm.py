@@ -34,7 +34,8 @@ import time
 
 from mpi4py import MPI
 
-from .comm import keep_in_flight, mpi_library_path
+from .comm import keep_in_flight
+from .device_buffers import mpi_library_path
 
 #: Error classes that mean "a process died" (or a survivor said so by revoking).
 FAILURE_CLASSES = tuple(

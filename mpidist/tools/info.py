@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from .. import __version__, data
 from ..nn import MODELS
-from ..runtime import comm
+from ..runtime import device_buffers
 from ..runtime.cluster import node_layout
 from ..runtime.memory import default_budget, human, ranks_per_node
 from ..runtime.ulfm import ulfm_support
@@ -55,13 +55,13 @@ def report(world, models_only=False):
         ("mpidist", __version__),
         ("python", f"{platform.python_version()} ({sys.executable})"),
         ("mpi4py", mpi4py.__version__),
-        ("MPI library", f"{version} ({comm.mpi_library_path() or 'path unknown'})"),
+        ("MPI library", f"{version} ({device_buffers.mpi_library_path() or 'path unknown'})"),
         ("MPI standard", "{}.{}".format(*MPI.Get_version())),
         ("thread level", THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
         (
             "CUDA-aware MPI",
-            f"{'yes' if comm.cuda_aware() else 'no'}; GPU arrays travel "
-            f"{comm.transfer_path()} (override: MPIDIST_CUDA_AWARE=0|1)",
+            f"{'yes' if device_buffers.cuda_aware() else 'no'}; GPU arrays travel "
+            f"{device_buffers.transfer_path()} (override: MPIDIST_CUDA_AWARE=0|1)",
         ),
         ("--elastic", "yes: this MPI reports dead processes (ULFM)" if elastic else f"no: {why_not}"),
         (
