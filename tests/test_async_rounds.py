@@ -261,6 +261,5 @@ def test_a_lost_ps_makes_every_rank_recover_where_another_ps_is_left_and_there_a
 ):
     verdict = sort_lost(lost, ROLES, chief_rank=1, earlier=earlier, rollback=rollback)
     assert verdict.recover is recover
-    assert verdict.fatal == tuple(
-        rank for rank in lost if rank in (0, 1, 4)
-    )  # (what the ending message names)
+    # (what the ending message names)
+    assert verdict.fatal == tuple(rank for rank in lost if rank in (0, 1, 4))

@@ -117,9 +117,8 @@ def test_a_note_travels_as_three_int64_and_back():
     ],
 )
 def test_every_ps_opens_the_same_round_from_the_parts_combined_by_maximum(parts, version, limit, expected):
-    combined = np.maximum.reduce(
-        [np.array(part, dtype=np.int64) for part in parts]
-    )  # what allreduce_max does
+    # what allreduce_max does
+    combined = np.maximum.reduce([np.array(part, dtype=np.int64) for part in parts])
     assert open_round(combined, version, limit) == expected
 
 

@@ -36,9 +36,8 @@ def test_a_checkpoint_round_trips_and_leaves_nothing_aside(tmp_path):
     with h5py.File(path) as handle:
         order, rng = json.loads(handle.attrs["data_order"]), json.loads(handle.attrs["rng"])
     assert (order["seed"], order["epoch_step"], order["workers"], rng["step"]) == (11, 7, 3, 7)
-    np.testing.assert_array_equal(
-        loaded.per_worker["params"], np.arange(10.0).reshape(2, 5)
-    )  # a row per worker
+    # a row per worker
+    np.testing.assert_array_equal(loaded.per_worker["params"], np.arange(10.0).reshape(2, 5))
     assert sorted(loaded.per_worker) == ["m", "params"]
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-00000007.h5"]
 
@@ -288,7 +287,6 @@ def test_a_kept_format_1_checkpoint_still_loads_resumes_and_evaluates(tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"resumed from {FORMAT_1} at step 10" in done.stdout, done.stdout
     resumed = checkpoint.load(checkpoint_at(tmp_path / "ck", 14))
-    assert resumed.optimizer_steps == 14 and not np.allclose(
-        resumed.params, saved.params
-    )  # (4 steps trained)
+    # (4 steps trained)
+    assert resumed.optimizer_steps == 14 and not np.allclose(resumed.params, saved.params)
     assert FORMAT_1.read_bytes() == kept  # (never written to, nor pruned)

@@ -32,9 +32,8 @@ def test_one_receive_per_rank_takes_each_message_as_it_completes_and_says_from_w
             assert requests[index] is None and words[index].tolist() == [senders[index], 10 * senders[index]]
             taken.append(index)
         assert sorted(taken) == list(range(len(senders)))
-        assert (
-            mpi.wait_any(requests) is None and mpi.wait_any([]) is None
-        )  # nothing posted: nothing to wait for
+        # nothing posted: nothing to wait for
+        assert mpi.wait_any(requests) is None and mpi.wait_any([]) is None
     else:
         note = np.array([rank, 10 * rank], dtype=np.int64)
         mpi.wait_all([mpi.isend(world, note, 0, 21)[0]])
@@ -48,9 +47,8 @@ def test_wait_any_looks_first_where_it_is_told():
     if rank == 0:
         words = np.zeros((2, 1), dtype=np.int64)
         requests = [mpi.irecv(world, words[index], index + 1, 22) for index in range(2)]
-        while not all(
-            request.Get_status() for request in requests
-        ):  # both arrived (Get_status frees nothing)
+        # both arrived (Get_status frees nothing)
+        while not all(request.Get_status() for request in requests):
             pass
         assert mpi.wait_any(requests, first=1) == 1 and mpi.wait_any(requests, first=1) == 0
     elif rank in (1, 2):

@@ -389,9 +389,8 @@ def test_killed_workers_midway_through_an_epoch_under_allreduce_leave_each_sampl
         recovered["workers"] == 3 and recovered["steps_per_epoch"] == 20 and 30 <= recovered["step"] < 40
     ), recovered  # (in the middle of the second epoch)
     assert events(metrics, "done")[0]["steps"] == 80
-    if (
-        mode == "budget"
-    ):  # the mode switched, the order did not: one worker with the run's buffer is the reference
+    # the mode switched, the order did not: one worker with the run's buffer is the reference
+    if mode == "budget":
         assert re.search(r"worker  0 +cpu +memory .* <= budget 18.0 KiB", out), out
         assert re.search(r"the chief's data stream \(.* > budget 18.0 KiB\)", recovered["data"] and out), out
         flags = flags[:-2] + [
@@ -643,13 +642,11 @@ def test_a_launcher_that_outlives_its_ranks_waiting_on_a_lock_counts_as_hung_and
         assert launcher.stdout.readline() == "locked\n"
         with pytest.raises(LauncherHung, match=f"pid {launcher.pid}"):
             wait_for_the_launcher(launcher, {0: ended.pid}, timeout=20)
-        with pytest.raises(
-            subprocess.TimeoutExpired
-        ):  # while a rank lives: a hang of the run, the test fails
+        # while a rank lives: a hang of the run, the test fails
+        with pytest.raises(subprocess.TimeoutExpired):
             wait_for_the_launcher(launcher, {0: launcher.pid}, timeout=1.5)
-        with pytest.raises(
-            subprocess.TimeoutExpired
-        ):  # asleep, not on a lock: not the launcher's defect either
+        # asleep, not on a lock: not the launcher's defect either
+        with pytest.raises(subprocess.TimeoutExpired):
             wait_for_the_launcher(sleeper, {0: ended.pid}, timeout=2.5)
     finally:
         for process in (launcher, sleeper):

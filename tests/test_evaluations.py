@@ -116,9 +116,8 @@ def test_the_phases_of_a_loop_agree_on_one_communicator_made_once_per_world():
 
     phases, made = PhaseComm(), []
     first = phases.over(MPI.COMM_WORLD, made.append)
-    assert phases.over(MPI.COMM_WORLD, made.append) is first and made == [
-        first
-    ]  # (the next phases: the same)
+    # (the next phases: the same)
+    assert phases.over(MPI.COMM_WORLD, made.append) is first and made == [first]
     assert MPI.Comm.Compare(first, MPI.COMM_WORLD) == MPI.CONGRUENT  # (a context of its own)
     survivors = MPI.COMM_WORLD.Dup()  # (a recovery's new world)
     second = phases.over(survivors, made.append)

@@ -102,9 +102,8 @@ def test_a_builder_file_given_to_the_cli_trains_checkpoints_resumes_elsewhere_an
     assert evaluated.returncode == 0, evaluated.stderr
     shown = re.search(r"test accuracy ([\d.]+)%", evaluated.stdout)
     assert shown and float(shown.group(1)) >= 90.0
-    assert re.search(
-        r"test accuracy\s+" + re.escape(shown.group(1)) + "%", second.stdout
-    )  # the run's own figure
+    # the run's own figure
+    assert re.search(r"test accuracy\s+" + re.escape(shown.group(1)) + "%", second.stdout)
 
 
 def test_a_checkpoint_whose_builder_file_moved_says_so_with_exit_code_2(tmp_path):

@@ -81,9 +81,8 @@ def test_a_mismatch_is_told_only_for_the_dataset_recorded_and_only_when_its_cont
     assert changed.startswith(f"dataset {path} is not the dataset it was trained on")
     other = dataset(tmp_path / "other.h5", seed=2)  # another dataset, named by the user: nothing to compare
     assert fingerprints.mismatch(recorded_print, str(path), data.inspect(other)) is None
-    assert (
-        fingerprints.mismatch("", str(path), data.inspect(path)) is None
-    )  # a checkpoint from before fingerprints
+    # a checkpoint from before fingerprints
+    assert fingerprints.mismatch("", str(path), data.inspect(path)) is None
 
 
 def test_names_and_paths_that_are_not_utf8_are_refused_with_their_bytes_shown(tmp_path, monkeypatch):

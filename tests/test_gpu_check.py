@@ -88,9 +88,8 @@ def test_without_a_gpu_the_check_runs_every_cpu_step_and_reports_the_gpu_steps_n
     ):
         assert f"strategy {name}" in text
     # each CPU reference trained: six finite losses and a checkpoint, in float32 and float64
-    monkeypatch.setenv(
-        "PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
-    )  # its mpiexec
+    # its mpiexec
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
     for dtype in ("float32", "float64"):
         losses, params = check.train(out, "probe", 2, ["--strategy", "allreduce"], "cpu", dtype, 120)
         assert len(losses) == 6 and np.all(np.isfinite(losses)) and params.size > 0

@@ -502,9 +502,8 @@ def test_write_dataset_checks_values_when_asked(tmp_path, x, y, message):
     with pytest.raises(UsageError, match=message):
         write_dataset(tmp_path / "w.h5", "w", splits, 2, "", check_values=True)
     assert list(tmp_path.iterdir()) == []
-    data.inspect(
-        write_dataset(tmp_path / "w.h5", "w", splits, 2, "")
-    )  # the default writes bad values for tests
+    # the default writes bad values for tests
+    data.inspect(write_dataset(tmp_path / "w.h5", "w", splits, 2, ""))
 
 
 @pytest.mark.parametrize(

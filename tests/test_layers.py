@@ -182,9 +182,8 @@ def test_gelu_is_the_tanh_approximation():
     np.testing.assert_allclose(
         layer.forward(x), 0.5 * x * (1 + np.tanh(c * (x + 0.044715 * x**3))), rtol=1e-15
     )
-    assert np.isclose(
-        layer.forward(np.array([1.0]))[0], 0.8411919906082768, rtol=1e-12
-    )  # torch, approximate="tanh"
+    # torch, approximate="tanh"
+    assert np.isclose(layer.forward(np.array([1.0]))[0], 0.8411919906082768, rtol=1e-12)
 
 
 def test_sigmoid_is_exact_and_quiet_for_huge_inputs():
@@ -471,9 +470,8 @@ def test_mlp_spec_sets_the_hidden_widths():
 
 def test_cnn_spec_sets_the_conv_filters_and_the_default_image_cnn_is_unchanged():
     default = nn.build_model("cnn", (8, 8), 10, np, np.float32)
-    assert (
-        default.num_params == 13706
-    )  # Conv16-Pool-Conv32-Pool-Dense64-Dense10 on 8x8: checkpoints rely on it
+    # Conv16-Pool-Conv32-Pool-Dense64-Dense10 on 8x8: checkpoints rely on it
+    assert default.num_params == 13706
     assert nn.build_model("cnn:16,32", (8, 8), 10, np, np.float32).num_params == 13706
     model = nn.build_model("cnn:4,8,8,8", (1, 8, 8), 10, np, np.float32)  # pools stop at 1x1
     assert [layer.filters for layer in model.layers if isinstance(layer, Conv2D)] == [4, 8, 8, 8]

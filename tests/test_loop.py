@@ -254,9 +254,8 @@ def test_the_elastic_state_restores_the_chiefs_position_and_syncs_its_state_as_a
     world = MPI.COMM_SELF
     agreed, got = state.restore(world, cluster)
     assert agreed == Position(30, 2, 4) and got is held and strategy.asked == [30]
-    state.bind(
-        cluster, setup, Strategy(held, behind=1)
-    )  # (a pipeline stage never applied the chief's last step)
+    # (a pipeline stage never applied the chief's last step)
+    state.bind(cluster, setup, Strategy(held, behind=1))
     assert state.restore(world, cluster)[0] == Position(29, 2, 3) and state.strategy.asked == [29]
     checkpoint = state.sync(world, cluster, agreed, got)
     assert (checkpoint.step, checkpoint.epoch, checkpoint.epoch_step, checkpoint.optimizer_steps) == (

@@ -86,9 +86,8 @@ def test_a_write_the_disk_refuses_is_one_oserror_and_the_process_exits_cleanly(t
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "failed: EFBIG" in done.stdout or "File too large" in done.stdout, done.stdout
-    assert "left: []" in done.stdout or writer == "new_hdf5.created", (
-        done.stdout
-    )  # (writers aside remove theirs)
+    # (writers aside remove theirs)
+    assert "left: []" in done.stdout or writer == "new_hdf5.created", done.stdout
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
 
 
@@ -150,9 +149,8 @@ def test_every_command_on_a_full_disk_says_so_in_one_line_and_keeps_the_previous
     made_up_calibration(tmp_path)
     if output != "shards":
         (tmp_path / output).write_text("the previous file")
-    hook = (
-        "fsize" if case != "plan --calibrate" else "fsize-at-save"
-    )  # (once measured: the calibration's write)
+    # (once measured: the calibration's write)
+    hook = "fsize" if case != "plan --calibrate" else "fsize-at-save"
     done = run_hooked(tmp_path, f"{hook}={limit}", *args)
     assert done.returncode == 2, done.stdout + done.stderr
     line = one_line_and_no_traceback(done.stderr)

@@ -103,9 +103,8 @@ def test_one_copy_per_node_trains_as_local_and_sends_the_rings_bound(optimizer, 
 
     # this rank updates a slice alone: 1/L of the node's model, 1/W with --shard optimizer
     nodes, local = exchange.nodes, exchange.node.Get_size()
-    assert nodes == int(
-        os.environ.get("MPIDIST_TEST_NODES", "1")
-    )  # (set where the ranks span emulated nodes)
+    # (set where the ranks span emulated nodes)
+    assert nodes == int(os.environ.get("MPIDIST_TEST_NODES", "1"))
     assert (
         strategy.part.size
         <= -(-strategy.model.num_params // (workers if shard == "optimizer" else local)) + 16

@@ -91,9 +91,8 @@ def test_ps_ranks_go_one_per_node_before_a_second_on_any(tmp_path, layout):
     assert done.returncode == 0, done.stderr
     ps_nodes = sorted(node for _, node, role in role_table(done.stdout) if role == "ps")
     assert ps_nodes == [0, 1]
-    assert ("0", "worker") == next(
-        (str(rank), role) for rank, _, role in role_table(done.stdout)
-    )  # the chief
+    # the chief
+    assert ("0", "worker") == next((str(rank), role) for rank, _, role in role_table(done.stdout))
 
 
 def test_a_run_resumes_on_another_node_layout(tmp_path):

@@ -71,9 +71,8 @@ def run_pipeline(
             xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step
         )
         expected = reference.train_step(xs[step], ys[step], 1.0, step)
-        assert np.isclose(
-            loss, expected, rtol=1e-9
-        )  # (every rank learns the global loss: any may become chief)
+        # (every rank learns the global loss: any may become chief)
+        assert np.isclose(loss, expected, rtol=1e-9)
         if snapshots is not None:
             snapshots.append((reference.model.params.copy(), reference.optimizer.state_arrays()["m"].copy()))
     return cluster, strategy, reference

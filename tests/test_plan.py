@@ -112,9 +112,8 @@ def test_a_pipeline_of_equal_stages_pays_the_schedules_bubble():
     # two layers, micro-batches of 16, forward and backward; then the stage's 2,000 gradients added into the
     # step's, and the runner's own time
     stage = 2 * 16 * 2e-4 + 2000 * 4 * 1e-10 + 5e-5
-    assert made.compute == pytest.approx(4 * stage) and made.bubble == pytest.approx(
-        stage
-    )  # (P - 1) of M + P - 1
+    # (P - 1) of M + P - 1
+    assert made.compute == pytest.approx(4 * stage) and made.bubble == pytest.approx(stage)
 
 
 def test_ranks_of_one_node_that_crowd_each_other_compute_slower():
@@ -170,9 +169,8 @@ def test_a_pipeline_waits_for_stages_as_loaded_as_each_other_and_not_for_one_wit
 
 
 def test_buckets_started_as_backward_completes_them_leave_the_last_ones_exchange():
-    cal = (
-        made_up()
-    )  # 4 layers of 1,000 parameters, 2e-4 s a sample of backward each; the buffer ends in the loss
+    # 4 layers of 1,000 parameters, 2e-4 s a sample of backward each; the buffer ends in the loss
+    cal = made_up()
     layout = Layout("allreduce", 1, 2, 64, exchange="mpi")
     backward = 32 * 2e-4  # a layer's backward on a worker's 32 samples
     sums = 0.5 * 4001 * 4 * cal.sum_per_byte  # every bucket's sum, on the cores
@@ -186,9 +184,8 @@ def test_buckets_started_as_backward_completes_them_leave_the_last_ones_exchange
     assert buckets.exposed(cal, layout, 8000) == pytest.approx(moved(8000) + moved(4) + sums)
     # 1,500 a bucket: the middle one spans layers 1 and 2 and is ready after layer 1; the last holds 1,001
     assert buckets.exposed(cal, layout, 6000) == pytest.approx(moved(4004) + sums)
-    assert buckets.exposed(cal, layout, 1 << 20) == pytest.approx(
-        moved(16004) + sums
-    )  # one bucket: all of it
+    # one bucket: all of it
+    assert buckets.exposed(cal, layout, 1 << 20) == pytest.approx(moved(16004) + sums)
     # a link slower than backward: the buckets queue behind the first, ready after the top layer
     slow = dataclasses.replace(cal, node=Link(0.0, 1e-5))
     one = moved(4000, slow.node)
@@ -261,9 +258,8 @@ def test_the_memory_a_rank_holds_counts_its_share_of_each_array():
     # a stage of 2 layers: its slice twice, Adam's moments and the accumulated gradients of the slice (each
     # rank draws, writes and reads its own slice: nothing whole, on the chief neither)
     stage = predict(cal, Layout("pipeline", 1, 2, 64, stages=2, micro_batches=4))
-    held = (
-        2 * 2000 * 4 + (2 * 2000 + 2000) * 4 + 2 * 16 * 4 * 20 + 100 * 4 * 40
-    )  # (2 micro-batches in flight)
+    # (2 micro-batches in flight)
+    held = 2 * 2000 * 4 + (2 * 2000 + 2000) * 4 + 2 * 16 * 4 * 20 + 100 * 4 * 40
     assert stage.memory == 50 * 2**20 + 1000 * 256 + held
     assert stage.node_memory == 2 * stage.memory
 
@@ -332,9 +328,8 @@ def test_a_calibration_file_round_trips_and_every_bad_figure_is_named(tmp_path):
     ):
         calibration.load(tmp_path / "missing.json")
     os.symlink(tmp_path / "gone.json", tmp_path / "dangling.json")
-    with pytest.raises(
-        UsageError, match="cannot be read"
-    ):  # (there, but not readable: the reason, not the hint)
+    # (there, but not readable: the reason, not the hint)
+    with pytest.raises(UsageError, match="cannot be read"):
         calibration.load(tmp_path / "dangling.json")
     os.mkfifo(tmp_path / "pipe.json")  # (opening a named pipe would wait for a writer forever)
     with pytest.raises(UsageError, match="named pipe"):
@@ -544,9 +539,8 @@ def test_plan_answers_any_calibration_it_accepts_in_bounded_time_with_finite_fig
             if key not in ("layers", "params", "forward", "backward")
         },
     )
-    (tmp_path / "c.json").write_text(
-        json.dumps(figures.to_json(), separators=(",", ":"))
-    )  # (within MAX_BYTES)
+    # (within MAX_BYTES)
+    (tmp_path / "c.json").write_text(json.dumps(figures.to_json(), separators=(",", ":")))
     done, seconds = mpidist(
         1,
         "plan",

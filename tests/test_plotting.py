@@ -67,9 +67,8 @@ def test_metrics_are_read_as_untrusted_lines(tmp_path):
     run = plotting.read_run(tmp_path)
     steps, times, loss = run.series("loss")
     assert steps.tolist() == [10, 20] and loss.tolist() == [2.0, 0.5] and times.tolist() == [1.0, 3.0]
-    assert [e["test_accuracy"] for e in run.evals] == [0.75] and run.evals[0][
-        "time"
-    ] == 3.0  # the repeat wins
+    # the repeat wins
+    assert [e["test_accuracy"] for e in run.evals] == [0.75] and run.evals[0]["time"] == 3.0
     with pytest.raises(UsageError, match="holds no step events"):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "metrics.jsonl").write_text('{"event": "start"}\n')
@@ -175,9 +174,8 @@ def test_plot_draws_a_plan_one_line_per_layout_with_measured_runs_on_top(two_run
     plan = plan_figure.read_plan(tmp_path / "plan.json")
     assert [n for n, _, _ in plan.lines["allreduce"]] == [1, 2, 4]  # (by node count; some layouts need 2)
     assert all({n for n, _, _ in points} <= {1, 2, 4} for points in plan.lines.values())
-    assert (
-        "ps-sync --ps NODES" in plan.lines and plan.skipped == 0
-    )  # (--ps 2 on 2 nodes, --ps 4 on 4: one line)
+    # (--ps 2 on 2 nodes, --ps 4 on 4: one line)
+    assert "ps-sync --ps NODES" in plan.lines and plan.skipped == 0
     written = json.loads((tmp_path / "plan.json").read_text())
     best_one_node = max(row["samples_per_s"] for row in written["rows"] if row["nodes"] == 1 and row["fits"])
     assert plan.linear == pytest.approx(best_one_node)  # (the efficiency column's reference)

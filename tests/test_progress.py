@@ -14,9 +14,8 @@ FIGURES = {"loss": 0.25, "accuracy": 0.9, "samples": 100}
 
 
 def test_on_a_terminal_a_bar_shows_the_step_rate_time_left_and_loss_with_evaluations_above_it(monkeypatch):
-    monkeypatch.setenv(
-        "COLUMNS", "120"
-    )  # (the bar fits the terminal: a narrower one, or a worker's, cuts it)
+    # (the bar fits the terminal: a narrower one, or a worker's, cuts it)
+    monkeypatch.setenv("COLUMNS", "120")
     screen = Terminal()
     progress = Progress("auto", 100, 2, stream=screen)
     assert progress.mode == "bar"

@@ -138,9 +138,8 @@ def test_the_readmes_example_trains_a_layer_of_its_own_on_4_ranks(tmp_path):
     )
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.count("mpidist: done") == 1 and len(list(runs.iterdir())) == 2
-    assert (
-        "ps-sync" not in cli.stdout.split("mpidist: done")[0].splitlines()[0]
-    )  # (the command's run, not the file's)
+    # (the command's run, not the file's)
+    assert "ps-sync" not in cli.stdout.split("mpidist: done")[0].splitlines()[0]
 
 
 def test_a_builder_file_that_trains_when_loaded_is_refused_with_the_fix(tmp_path):

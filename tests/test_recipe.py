@@ -43,9 +43,8 @@ def test_cosine_and_linear_decay_to_the_minimum_after_the_warmup():
     expected = [0.1 + 0.9 * (1 + math.cos(math.pi * (s - 2) / 10)) / 2 for s in range(2, 13)]
     assert [cosine(s) for s in range(2, 13)] == pytest.approx(expected)
     assert cosine(0) == 0.0 and cosine(1) == pytest.approx(0.5) and cosine(7) == pytest.approx(0.55)
-    assert cosine(12) == pytest.approx(0.1) and cosine(50) == pytest.approx(
-        0.1
-    )  # (past the end: the minimum)
+    # (past the end: the minimum)
+    assert cosine(12) == pytest.approx(0.1) and cosine(50) == pytest.approx(0.1)
     linear = LearningRate(2.0, "linear", total_steps=10, minimum=0.0)
     assert [linear(s) for s in (0, 5, 10)] == pytest.approx([2.0, 1.0, 0.0])
 
@@ -128,9 +127,8 @@ def test_local_clipping_scales_the_gradient_to_the_norm():
     x, y = np.ones((4, 3)), np.full((4, 2), 5.0)
     strategy.train_step(x, y, 1.0, 0)
     assert strategy.clipped and strategy.figures["clipped"] == 1
-    assert np.linalg.norm(before - model.params) == pytest.approx(
-        1e-3, rel=1e-9
-    )  # lr 1: the step is the clip
+    # lr 1: the step is the clip
+    assert np.linalg.norm(before - model.params) == pytest.approx(1e-3, rel=1e-9)
 
 
 # -- every strategy alike ----------------------------------------------------------------------------------

@@ -147,9 +147,8 @@ def test_rectangles_cut_on_several_axes_map_into_the_whole_in_c_order(tmp_path):
     from mpidist.nn.placement import Region
 
     model = whole()
-    a, b, c, d = model.entries[0][
-        3
-    ]  # the conv kernel: cut on the first axis and the last, then the first alone
+    # the conv kernel: cut on the first axis and the last, then the first alone
+    a, b, c, d = model.entries[0][3]
     pieces = [
         ((0, 0, 0, 0), (a - 1, b, c, d // 2)),
         ((0, 0, 0, d // 2), (a - 1, b, c, d)),

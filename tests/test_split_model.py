@@ -49,9 +49,8 @@ def test_a_split_model_evaluates_as_the_whole_one_on_every_layout_the_ranks_allo
     path, figures = trained
     world = MPI.COMM_WORLD
     whole = mpidist.evaluate(path, comm=world)
-    assert whole["test_loss"] == pytest.approx(
-        figures["test_loss"], rel=1e-12
-    )  # (the run's end evaluated it)
+    # (the run's end evaluated it)
+    assert whole["test_loss"] == pytest.approx(figures["test_loss"], rel=1e-12)
     assert layouts(world.Get_size())
     for stages, tensor in layouts(world.Get_size()):
         split = mpidist.evaluate(path, comm=world, stages=stages, tensor=tensor)
@@ -65,16 +64,14 @@ def test_a_split_model_evaluates_as_the_whole_one_on_every_layout_the_ranks_allo
 def test_a_split_model_predicts_what_the_whole_one_does_on_every_layout_the_ranks_allow(trained, tmp_path):
     path, _ = trained
     world = MPI.COMM_WORLD
-    samples = np.random.default_rng(5).random(
-        (301, 8, 8)
-    )  # (plain samples: 301 rows, in blocks of no even size)
+    # (plain samples: 301 rows, in blocks of no even size)
+    samples = np.random.default_rng(5).random((301, 8, 8))
     whole = mpidist.predict(path, samples, comm=world)
     for stages, tensor in layouts(world.Get_size()):
         split = mpidist.predict(path, samples, comm=world, stages=stages, tensor=tensor)
         assert split.samples == 301
-        if (
-            world.Get_rank() == 0
-        ):  # (the same outputs, gathered in input order from each replica's last stage)
+        # (the same outputs, gathered in input order from each replica's last stage)
+        if world.Get_rank() == 0:
             np.testing.assert_allclose(split.probabilities, whole.probabilities, rtol=0, atol=1e-6)
             np.testing.assert_array_equal(split.classes, whole.classes)
     labelled = mpidist.predict(path, comm=world, stages=world.Get_size())  # (the test split: its accuracy)

@@ -391,9 +391,8 @@ def test_slices_of_a_compressed_chunk_are_read_one_after_the_other_from_a_cache_
         first, second = (folder / f"part-{index}.h5" for index in range(2))
         part.source.read(np.arange(0, 10), handles)
         x, _ = handles[first, "train"]
-        assert (
-            x.id.get_access_plist().get_chunk_cache()[1] >= 1000 * 300 * 4
-        )  # the chunk is decompressed once
+        # the chunk is decompressed once
+        assert x.id.get_access_plist().get_chunk_cache()[1] >= 1000 * 300 * 4
         part.source.read(np.arange(1000, 1010), handles)
         assert first not in handles and second in handles  # one such file open at a time: one chunk held
     finally:

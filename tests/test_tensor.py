@@ -612,7 +612,6 @@ def test_the_role_table_says_when_a_tensor_group_spans_nodes(hosts, across):
         env=child_environ(PYTHONPATH=str(ROOT)),
     )
     assert done.returncode == 0, done.stderr
-    rows = [
-        line for line in done.stdout.splitlines() if re.search(r"cpu +tensor part \d/2", line)
-    ]  # (its holds)
+    # (its holds)
+    rows = [line for line in done.stdout.splitlines() if re.search(r"cpu +tensor part \d/2", line)]
     assert len(rows) == 4 and all(("(group across nodes)" in row) == across for row in rows), done.stdout

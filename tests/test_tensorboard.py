@@ -17,9 +17,8 @@ def read_scalars(directory):
         data, at = path.read_bytes(), 0
         while at < len(data):
             (length,) = struct.unpack("<Q", data[at : at + 8])
-            event = event_pb2.Event.FromString(
-                data[at + 12 : at + 12 + length]
-            )  # (length, its crc, data, crc)
+            # (length, its crc, data, crc)
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
             at += 12 + length + 4
             for value in event.summary.value:
                 scalars.setdefault(value.tag, {})[event.step] = value.simple_value

@@ -95,9 +95,8 @@ def test_a_traced_run_has_a_span_for_every_rank_and_phase(tmp_path, case):
         assert ("exchange", "bucket") in spans(events, 0)
     if case.startswith("pipeline") or case == "hybrid":
         assert any(e["ph"] == "s" for e in events)
-    if (
-        case == "allreduce"
-    ):  # the clocks are aligned: each step overlaps on every rank (they wait for each other)
+    # the clocks are aligned: each step overlaps on every rank (they wait for each other)
+    if case == "allreduce":
         steps = {
             rank: [e for e in events if e["pid"] == rank and e["name"] == "step"] for rank in range(ranks)
         }

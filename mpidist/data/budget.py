@@ -168,9 +168,8 @@ def _streaming(config, info, parts, input_shape, dtype, limits, why, lanes, orde
             f"rank's stream holds about {human(held(buffer, True))}, more than {limit} (the order is "
             "kept, so each sample is still trained once an epoch)"
         )
-    if (
-        sliced or "train" in parts
-    ):  # (the order's units slice a chunk larger than a block, whatever the budget)
+    # (the order's units slice a chunk larger than a block, whatever the budget)
+    if sliced or "train" in parts:
         notes.extend(_slicing(info, splits, block_bytes_for(buffer, input_shape, dtype)))
     why = f"stream ({why}), buffer {buffer:,}" + (" (capped)" if capped and asked else "")
     return Reading("stream", why, buffer, config.stream_io == "direct", sliced, tuple(notes))

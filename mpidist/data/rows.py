@@ -42,9 +42,8 @@ class SplitRows:
                 self.files.append(member)
                 starts.append(total)
                 total += rows
-        self.starts = np.array(
-            starts + [total], dtype=np.int64
-        )  # each file's first row in the group, and the end
+        # each file's first row in the group, and the end
+        self.starts = np.array(starts + [total], dtype=np.int64)
         # a file whose compressed chunks are larger than HDF5's chunk cache: opened with a cache of one
         self.cache = {
             member.path: member.span(self.group)
@@ -214,9 +213,8 @@ class SplitRows:
             )
         try:
             got = direct_rows(item, span.start, span.stop, fd, path, direct, known)
-        except (
-            OSError
-        ) as error:  # O_DIRECT opened but refused to read (an unusual block size): cached from now
+        # O_DIRECT opened but refused to read (an unusual block size): cached from now
+        except OSError as error:
             if direct is None or error.errno != errno.EINVAL:
                 raise
             direct.close()

@@ -76,9 +76,8 @@ def members(path):
         found = [p for p in path.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".")]
         what = f"{path}: a directory with no .h5 or .hdf5 files"
         odd = next((p for p in found if not is_regular_file(p)), None)
-        if (
-            odd is not None
-        ):  # (refused, not passed over: training on fewer parts than given is silently wrong)
+        # (refused, not passed over: training on fewer parts than given is silently wrong)
+        if odd is not None:
             raise UsageError(
                 f"{path}: {odd.name} is {special_kind(odd) or 'a directory'}, not a file; the .h5 and "
                 ".hdf5 files of a dataset directory are its parts, and opening it could wait forever"

@@ -121,9 +121,8 @@ class EarlyStopping(Callback):
         self.best, self.waited, self.stopped_at = None, 0, None
 
     def on_eval(self, figures):
-        split = (
-            str(self.monitor).split("_")[0] + "_"
-        )  # test_ or val_: an evaluation of another split is not ours
+        # test_ or val_: an evaluation of another split is not ours
+        split = str(self.monitor).split("_")[0] + "_"
         if self.monitor not in figures and not any(name.startswith(split) for name in figures):
             return
         if self.monitor not in figures:

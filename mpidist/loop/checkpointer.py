@@ -221,9 +221,8 @@ class Checkpointer:
         """Collective where a sharded checkpoint is under way (:meth:`write_sharded`): complete it; as :meth:`take`."""
         write, self.behind.parts = self.behind.parts, None
         result = write.complete() if write is not None else None
-        if isinstance(
-            result, BehindWrite
-        ):  # (the chief's index, written behind training: collect() takes it)
+        # (the chief's index, written behind training: collect() takes it)
+        if isinstance(result, BehindWrite):
             self.behind.flight = self.behind.last = result
         elif result is not None:
             self._written(result, write.where[0])
@@ -324,8 +323,7 @@ class Staging:
         array = np.asarray(array)
         kept = self.arrays.get(key)
         if kept is None or kept.shape != array.shape or kept.dtype != array.dtype:
-            kept = self.arrays[key] = bulk.aligned_empty(
-                array.shape, array.dtype
-            )  # (written around the cache)
+            # (written around the cache)
+            kept = self.arrays[key] = bulk.aligned_empty(array.shape, array.dtype)
         np.copyto(kept, array)
         return kept

@@ -25,9 +25,8 @@ def conclude(training):
     stopped_early = flags["early"] and flags["signal"] == EARLY_STOP
     write_failed = flags["signal"] == WRITE_FAILED
     stopped = flags if flags["signal"] and flags["early"] and not (stopped_early or write_failed) else {}
-    log_written(
-        training, training.checkpointer.finish_writes()
-    )  # (a write behind in flight: its event before the end's)
+    # (a write behind in flight: its event before the end's)
+    log_written(training, training.checkpointer.finish_writes())
     elapsed = training.window.elapsed()  # (training time: the final evaluation and checkpoint are not in it)
     if not (stopped or stops.diverged or write_failed):  # (a stopping job has no time to spare)
         for split in missing_splits(training):

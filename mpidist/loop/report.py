@@ -108,9 +108,8 @@ class Report:
             if name not in headline
         }
         samples_per_s = window.trained * config.batch_size / elapsed if elapsed > 0 else 0.0
-        epochs = min(
-            self.position.epoch + 1, config.epochs
-        )  # (resumed or recovered at the end: past the last)
+        # (resumed or recovered at the end: past the last)
+        epochs = min(self.position.epoch + 1, config.epochs)
         best = evaluations.best
         final = {
             "steps": step,

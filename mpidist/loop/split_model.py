@@ -107,9 +107,8 @@ def evaluate(strategy, saved, batches, world):
     saved.check_parts((world.Get_rank(), world.Get_size()))
     strategy.restore(saved)
     figures = strategy.evaluate(batches)
-    chief = (
-        strategy.cluster.chief_rank
-    )  # (a pipeline's figures are the chief's: its last stage sent them there)
+    # (a pipeline's figures are the chief's: its last stage sent them there)
+    chief = strategy.cluster.chief_rank
     return world.bcast(figures if world.Get_rank() == chief else None, root=chief)
 
 

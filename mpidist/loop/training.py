@@ -140,12 +140,10 @@ class Training:
         outputs.start_trace(config, cluster)  # (the set-up's files and checks are not on the timeline)
         self.new_strategy()
         place = self.strategy.describe(cluster.rank)
-        table = cluster.table(
-            self.device.label, setup.reading.why if setup.reading else "", place
-        )  # (collective)
-        if (
-            resume is not None
-        ):  # (local) a split model's ranks check a share of its parts and read their slices
+        # (collective)
+        table = cluster.table(self.device.label, setup.reading.why if setup.reading else "", place)
+        # (local) a split model's ranks check a share of its parts and read their slices
+        if resume is not None:
             with agreed(cluster.world):  # as the strategy restores them; other layouts read the whole
                 resume = (
                     resume.check_parts((cluster.rank, cluster.size))
@@ -153,9 +151,8 @@ class Training:
                     else resume.whole()
                 )
         self.strategy.initialize(resume)
-        held = cluster.world.gather(
-            (cluster.rank, self.strategy.held_bytes()), root=cluster.chief_rank
-        )  # (start-up)
+        # (start-up)
+        held = cluster.world.gather((cluster.rank, self.strategy.held_bytes()), root=cluster.chief_rank)
         if self.chief:
             header(
                 self.config,
@@ -295,9 +292,8 @@ class Training:
             )
         if step % config.log_every == 0:
             mean, rate, clipped_steps, now = self.window.line(config.batch_size)
-            scheduled = self.strategy.recipe.lr(
-                step - 1
-            )  # the learning rate of the update computed at step - 1
+            # the learning rate of the update computed at step - 1
+            scheduled = self.strategy.recipe.lr(step - 1)
             log.write(
                 "step",
                 step=step,

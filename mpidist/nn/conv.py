@@ -49,9 +49,8 @@ def _gather_windows(xp, padded, cols, stride):
     """
     n, ho, wo, kh, kw, c = cols.shape
     if c > 1:
-        windows = xp.lib.stride_tricks.sliding_window_view(
-            padded, (kh, kw), axis=(1, 2)
-        )  # N, ., ., C, kh, kw
+        # N, ., ., C, kh, kw
+        windows = xp.lib.stride_tricks.sliding_window_view(padded, (kh, kw), axis=(1, 2))
         cols[...] = windows[:, ::stride, ::stride][:, :ho, :wo].transpose(0, 1, 2, 4, 5, 3)
         return
     for a in range(kh):

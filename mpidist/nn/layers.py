@@ -144,9 +144,8 @@ class Dense(Layer):
         )  # (tokens of every sample as rows)
         self.xp.matmul(x.T, dy, out=self.grads["W"])
         if self.bias:
-            dy.sum(
-                axis=0, out=self.grads["b"]
-            )  # the method: np.sum's argument handling costs more than the sum
+            # the method: np.sum's argument handling costs more than the sum
+            dy.sum(axis=0, out=self.grads["b"])
 
     def __repr__(self):
         return f"Dense({self.units}{'' if self.bias else ', bias=False'})"

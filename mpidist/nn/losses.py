@@ -53,9 +53,8 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         log_p -= row
         self.probs, self.labels = xp.exp(log_p, out=probs), labels
         picked = log_p[self._rows(n), labels].sum()
-        return -(
-            picked / picked.dtype.type(n)
-        )  # (divided in its own type, as mean() gives it, on NumPy 1 too)
+        # (divided in its own type, as mean() gives it, on NumPy 1 too)
+        return -(picked / picked.dtype.type(n))
 
     def _rows(self, n):
         """``arange(n)``, kept: the row index of every sample's label."""

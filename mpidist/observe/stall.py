@@ -288,8 +288,7 @@ def end_job(message):
     sys.stderr.write(error_line(message) + "\n")
     sys.stderr.flush()
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-        time.sleep(
-            ABORT_GRACE_SECONDS
-        )  # as errors.py: else the launcher may tear the job down before it forwards the line
+        # as errors.py: else the launcher may tear the job down before it forwards the line
+        time.sleep(ABORT_GRACE_SECONDS)
         abort_quietly(EXIT_FAILURE)  # (MPI's own abort line would follow the one above)
     os._exit(EXIT_FAILURE)  # one process: the main thread may be stuck where no exception reaches it

@@ -142,9 +142,8 @@ class AllreduceStrategy(DataParallel):
         self.part.share(self.model.params)
 
     def initialize(self, checkpoint=None):
-        if (
-            self.part is not None and checkpoint is not None
-        ):  # (a checkpoint holds the whole state: load a slice)
+        # (a checkpoint holds the whole state: load a slice)
+        if self.part is not None and checkpoint is not None:
             checkpoint = dataclasses.replace(
                 checkpoint, optimizer_state=self.part.slice_of(checkpoint.optimizer_state)
             )

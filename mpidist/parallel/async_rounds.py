@@ -188,12 +188,10 @@ class Lost(typing.NamedTuple):
     """What the ranks lost since the last look mean."""
 
     fatal: tuple  # world ranks whose state is held nowhere else: a ps (its shard) or the chief
-    retired: (
-        tuple  # (world rank, worker index) of lost workers: their clocks are retired, they hold nobody back
-    )
-    recover: bool = (
-        False  # fatal ones, a ps left, and checkpoints: every rank recovers (back to a checkpoint)
-    )
+    # (world rank, worker index) of lost workers: their clocks are retired, they hold nobody back
+    retired: tuple
+    # fatal ones, a ps left, and checkpoints: every rank recovers (back to a checkpoint)
+    recover: bool = False
 
 
 def sort_lost(lost, roles, chief_rank, earlier=(), rollback=False):

@@ -72,9 +72,8 @@ class Codec:
 
     def narrow(self, values, out):
         if self.name == "fp16":
-            with np.errstate(
-                over="ignore"
-            ):  # beyond 65504 is Inf: the step is then skipped, as any non-finite one
+            # beyond 65504 is Inf: the step is then skipped, as any non-finite one
+            with np.errstate(over="ignore"):
                 out.view(np.float16)[...] = values
             return out
         return to_bf16(values, out, self._arrays(values.size)[2].view(np.uint32))

@@ -49,9 +49,8 @@ class ChiefHoldsAll(Recovery):
     def survivor_state(self, cluster, step):
         """The state as the survivors' chief holds it (``cluster``'s)."""
         strategy = self.strategy
-        if (
-            strategy.part is not None
-        ):  # (check() refuses --elastic with --shard: a slice is not the whole state)
+        # (check() refuses --elastic with --shard: a slice is not the whole state)
+        if strategy.part is not None:
             raise RuntimeError("--shard optimizer does not run with --elastic")
         if not cluster.is_chief:  # (the old communicators are revoked: nothing collective, no averaging)
             return None
@@ -140,9 +139,8 @@ class DataParallel(Strategy):
         if self.placement is not None:  # the parts of the first tensor group gather theirs on the chief
             return self._gathered_parts()
         state = super().state()
-        if (
-            state is not None and self.exchange.holds_params
-        ):  # (the window's copy goes when the strategy does)
+        # (the window's copy goes when the strategy does)
+        if state is not None and self.exchange.holds_params:
             state = dataclasses.replace(state, params=state.params.copy())
         comm, own = self.worker_comm, self.own_state()
         if comm is None or comm.Get_size() == 1 or not own:
@@ -190,9 +188,8 @@ class DataParallel(Strategy):
         self.mesh.free()
 
     def initialize(self, checkpoint=None):
-        if (
-            self.placement is not None
-        ):  # every part draws (or reads) its slices of the whole model's start alone
+        # every part draws (or reads) its slices of the whole model's start alone
+        if self.placement is not None:
             params = self.model.params
             if checkpoint is not None:  # (read into place: this part's slices, one array at a time)
                 self.restore(checkpoint)
@@ -237,9 +234,8 @@ class DataParallel(Strategy):
             return False
         worker = 0 if comm is None else comm.Get_rank()
         for name, array in own.items():
-            if (
-                name in rows
-            ):  # (another optimizer's arrays are left out: it starts afresh, as initialize says)
+            # (another optimizer's arrays are left out: it starts afresh, as initialize says)
+            if name in rows:
                 array[...] = self.model.xp.asarray(rows[name][worker])
         return True
 

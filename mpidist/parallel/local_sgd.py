@@ -151,9 +151,8 @@ class LocalSgdStrategy(DataParallel):
         comm = self.worker_comm
         if comm is None or comm.Get_size() == 1:
             return state
-        mean = np.ascontiguousarray(
-            to_host(self.model.params)
-        ).copy()  # (the live parameters stay each worker's)
+        # (the live parameters stay each worker's)
+        mean = np.ascontiguousarray(to_host(self.model.params)).copy()
         mean_in_place(comm, mean)  # (a copy: the live parameters are not touched)
         return state if state is None else dataclasses.replace(state, params=mean)
 

@@ -67,9 +67,8 @@ def node_model_possible(comm, buffer, model):
     mpi.allreduce_max(comm, sizes)
     if sizes[0] != -sizes[1]:
         return f"the nodes hold different numbers of workers (from {-sizes[1]} to {sizes[0]})"
-    if (
-        sizes[0] == 1
-    ):  # (a copy per node is a copy per rank: MPI's Iallreduce, overlapped with backward, serves)
+    # (a copy per node is a copy per rank: MPI's Iallreduce, overlapped with backward, serves)
+    if sizes[0] == 1:
         return "each node holds one worker, so there is nothing for a node's ranks to share"
     if model.running_entries():  # (the same model everywhere: the same answer)
         return (

@@ -68,9 +68,8 @@ class PsAsyncStrategy(ShardedStrategy):
     recovery_type = LostRanksLetGo
     running_statistics = False  # workers' steps are not aligned: nothing to average them at
     elastic_recovery = True
-    ps_rollback = (
-        True  # (a lost ps or chief: checked by LostRanks as the ranks see it die, and by the recovery)
-    )
+    # (a lost ps or chief: checked by LostRanks as the ranks see it die, and by the recovery)
+    ps_rollback = True
     options = ShardedStrategy.options + (
         Option(
             "staleness",
@@ -180,9 +179,8 @@ class PsAsyncStrategy(ShardedStrategy):
         while one wrote (20-70 ms against steps of 5 ms here) the clock passed
         the next multiples, and their checkpoints became one, a varying number.
         """
-        due = (
-            reached // self.hold_every - self.serving.start_step // self.hold_every
-        )  # (announced since the start)
+        # (announced since the start)
+        due = reached // self.hold_every - self.serving.start_step // self.hold_every
         polls = 0
         while self.exchange.control()[0] < due:
             polls += 1

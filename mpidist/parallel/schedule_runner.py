@@ -58,9 +58,8 @@ class Round:
     parts: list  # each micro-batch's rows of the slice
     gradients: object  # where each backward adds its gradients
     flight: dict = dataclasses.field(default_factory=dict)  # micro-batch index -> its MicroBatch
-    sends: list = dataclasses.field(
-        default_factory=list
-    )  # (request, buffer) of every send, waited at the end
+    # (request, buffer) of every send, waited at the end
+    sends: list = dataclasses.field(default_factory=list)
     loss: float = 0.0  # the micro-batches' weighted losses (the last stage's)
 
     @property

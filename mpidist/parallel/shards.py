@@ -207,9 +207,8 @@ class ShardedStrategy(Strategy):
         lost rank, when the chief's copy may be half-updated.
         """
         cluster = cluster or self.cluster
-        counts, displs = self.layout(
-            clip=self.model.num_params, cluster=cluster
-        )  # the loss slot is no parameter
+        # the loss slot is no parameter
+        counts, displs = self.layout(clip=self.model.num_params, cluster=cluster)
         parts = dict(self.optimizer.state_arrays())
         if params is None:
             parts["params"] = self.shard_params()

@@ -78,9 +78,8 @@ def advise(cal, node_counts, per_node, batch_per_rank, memory_per_node):
     count -> row); the largest count whose best efficiency is at least :data:`KNEE` (None: not even one)."""
     if per_node < 1 or batch_per_rank < 1:
         raise UsageError("--ranks-per-node and --batch-per-rank must be at least 1")
-    at_one = predictions(
-        cal, 1, per_node, batch_per_rank
-    )  # (the efficiency's reference, and the 1-node rows)
+    # (the efficiency's reference, and the 1-node rows)
+    at_one = predictions(cal, 1, per_node, batch_per_rank)
     one_node = max((made.samples_per_s for made in at_one), default=0.0)
     rows = []
     for nodes in node_counts:

@@ -25,9 +25,8 @@ import itertools
 MIB = 1 << 20
 #: bucket sizes tried, in MiB: 1/4 to 1024 by factors of 2
 CANDIDATES = tuple(2.0**k for k in range(-2, 11))
-MOST_BUCKETS = (
-    1 << 16
-)  # sizes that cut the buffer into more are not tried: each bucket is a step of the model
+# sizes that cut the buffer into more are not tried: each bucket is a step of the model
+MOST_BUCKETS = 1 << 16
 
 
 def buffer_bytes(cal):
@@ -45,9 +44,8 @@ def exposed(cal, layout, bucket_bytes):
     for index in range(len(cal.layers) - 1, -1, -1):
         clock += (cal.layers[index].backward[0] + cal.layers[index].backward[1] * samples) * slower
         done_at[index] = clock
-    ends = list(
-        itertools.accumulate(layer.params for layer in cal.layers)
-    )  # (each layer's end in the buffer)
+    # (each layer's end in the buffer)
+    ends = list(itertools.accumulate(layer.params for layer in cal.layers))
     link_free = 0.0
     for holder, sizes in _bucket_runs(ends, max(1, int(bucket_bytes) // item)):
         link_free = max(link_free, done_at[holder])

@@ -89,9 +89,8 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
             + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient")
         )
     buckets = advice.buckets(cal, counts, per_node, batch_per_rank)
-    if (
-        buckets
-    ):  # (where the calibration saw nothing hidden: what a network card moving the bytes would leave)
+    # (where the calibration saw nothing hidden: what a network card moving the bytes would leave)
+    if buckets:
         hidden = cal.overlap > 0
         said = (
             f" (backward hid {cal.overlap:.0%} of what buckets can hide, as calibrated): "

@@ -236,9 +236,8 @@ def _allreduce(cal, layout):
                 2 * (layout.nodes - 1) * (cal.network.latency + nbytes / layout.nodes * cal.network.per_byte)
             )
         updated = params / local
-        window = (
-            (local - 1) * nbytes // local
-        )  # (the others' gradients a rank sums its part of: its pages too)
+        # (the others' gradients a rank sums its part of: its pages too)
+        window = (local - 1) * nbytes // local
     else:  # MPI's allreduce over the groups' same parts
         link = cal.link_for(layout)
         exchange = link.allreduce(nbytes, groups) + (groups - 1) / groups * nbytes * cal.sum_per_byte

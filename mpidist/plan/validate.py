@@ -178,9 +178,8 @@ def main(argv=None):
         )
         print(format_table(rows, [column for column in COLUMNS if column[0] not in ("ranks", "nodes")]))
         if options.output:
-            write_results(
-                options.output, {"calibrations": calibrations, "rows": rows}
-            )  # (whole; a link replaced)
+            # (whole; a link replaced)
+            write_results(options.output, {"calibrations": calibrations, "rows": rows})
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -146,9 +146,8 @@ def abort_job(exc_type, exc, tb):
     sys.stderr.flush()
     sys.stdout.flush()
     if many:
-        time.sleep(
-            ABORT_GRACE_SECONDS if speaks else QUIET_SECONDS
-        )  # (the speaker's abort ends this one first)
+        # (the speaker's abort ends this one first)
+        time.sleep(ABORT_GRACE_SECONDS if speaks else QUIET_SECONDS)
         if understood:
             abort_quietly(code)
         MPI.COMM_WORLD.Abort(code)
@@ -180,9 +179,8 @@ def end_interrupted(stop):
         sys.stderr.flush()
         sys.stdout.flush()
     if many:
-        time.sleep(
-            ABORT_GRACE_SECONDS
-        )  # (the launcher forwards the line before the abort tears the job down)
+        # (the launcher forwards the line before the abort tears the job down)
+        time.sleep(ABORT_GRACE_SECONDS)
         abort_quietly(EXIT_PREEMPTED)
     os._exit(EXIT_PREEMPTED)
 

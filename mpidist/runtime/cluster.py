@@ -125,9 +125,8 @@ class Cluster:
         """
         # the pid lets a user map a launcher's "PID 4711 killed by signal 9" back to a rank
         # the node is MPI's (the ranks that share memory), which a host name alone may not tell apart
-        index = (
-            self.worker_index if self.role == WORKER else self.role_comm.Get_rank()
-        )  # (a ps: among the ps)
+        # (a ps: among the ps)
+        index = self.worker_index if self.role == WORKER else self.role_comm.Get_rank()
         row = (
             self.rank,
             self.host,

@@ -8,9 +8,8 @@ the abort hook) is :mod:`mpidist.runtime.agreement`.
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a failure while running (a bug, a lost rank, an I/O error)
 EXIT_USAGE = 2  # bad usage, configuration or input
-EXIT_PREEMPTED = (
-    3  # stopped by SIGTERM/SIGUSR1/SIGINT: train after writing a checkpoint (resume to go on), the
-)
+# stopped by SIGTERM/SIGUSR1/SIGINT: train after writing a checkpoint (resume to go on), the
+EXIT_PREEMPTED = 3
 #                    other commands (SIGHUP too) after removing the files they were writing (run them again)
 
 

@@ -103,9 +103,8 @@ class StopSignals:
 
 
 _PROCESS = StopSignals()
-_INTERRUPTING = (
-    False  # set once interrupt_on_signals has installed its handlers: a command, not a training run
-)
+# set once interrupt_on_signals has installed its handlers: a command, not a training run
+_INTERRUPTING = False
 
 
 def stop_signals():
@@ -156,9 +155,8 @@ def _end_here(number, frame):
     for each in INTERRUPTS:  # (a second signal while this one cleans up changes nothing)
         signal.signal(each, signal.SIG_IGN)
     leftovers.remove_all()
-    end_interrupted(
-        Interrupted(number, signal.Signals(number).name)
-    )  # (not signal_name: SIGHUP is 1, EARLY_STOP)
+    # (not signal_name: SIGHUP is 1, EARLY_STOP)
+    end_interrupted(Interrupted(number, signal.Signals(number).name))
 
 
 class StepAgreement:
@@ -175,9 +173,8 @@ class StepAgreement:
 
     def __init__(self, comm):
         self.comm = comm.Dup()  # its own context: never matched against the strategy's collectives
-        self._flags = np.zeros(
-            len(self.FIELDS), dtype=np.int64
-        )  # this rank's, then (in place) every rank's max
+        # this rank's, then (in place) every rank's max
+        self._flags = np.zeros(len(self.FIELDS), dtype=np.int64)
         self._pending = None
 
     def boundary(self, signal_number=0, due=False, busy=False, writing=False):

@@ -39,9 +39,8 @@ class Whereabouts:
 
     def __init__(self):
         self.step, self.phase, self.since, self.detail = 0, "start", time.monotonic(), ""
-        self.chief_heard = (
-            None  # (the chief's rank, its last record, when it came): kept by the chief's deputy
-        )
+        # (the chief's rank, its last record, when it came): kept by the chief's deputy
+        self.chief_heard = None
         self.patience = 1  # graces this rank's own watch waits past the timeout (2: let the deputy speak)
 
     def enter(self, phase, step=None, detail=""):

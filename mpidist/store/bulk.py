@@ -29,9 +29,8 @@ import numpy as np
 from . import new_hdf5
 
 PAGE = 4096  # what O_DIRECT asks of offsets, lengths and memory: a page, the largest logical block in use
-ALIGNED_FROM = (
-    1 << 16
-)  # datasets at least this large start on a page (small ones are packed as h5py packs them)
+# datasets at least this large start on a page (small ones are packed as h5py packs them)
+ALIGNED_FROM = 1 << 16
 
 
 def open_aligned(path):

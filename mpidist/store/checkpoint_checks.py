@@ -23,9 +23,8 @@ from .checkpoint_save import PER_WORKER
 
 FLOATS = (np.dtype("float32"), np.dtype("float64"))
 LARGEST = 2**62  # step counts and seeds above this cannot be honest
-FINGERPRINT = re.compile(
-    r"[0-9a-z-]{1,16}:[0-9a-f]{64}"
-)  # "<scheme>:<hex digest>" (mpidist.data.fingerprint)
+# "<scheme>:<hex digest>" (mpidist.data.fingerprint)
+FINGERPRINT = re.compile(r"[0-9a-z-]{1,16}:[0-9a-f]{64}")
 MAX_WORKERS = 1 << 20  # rows of per-worker state a checkpoint may claim
 
 

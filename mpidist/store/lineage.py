@@ -240,9 +240,8 @@ class DirectoryLock:
 
     def release(self):
         if self.fd is not None:
-            if (
-                self.path.name == RUN_LOCK_NAME
-            ):  # (a run directory is the user's to read: no file is left there)
+            # (a run directory is the user's to read: no file is left there)
+            if self.path.name == RUN_LOCK_NAME:
                 self.path.unlink(missing_ok=True)
             os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = None

@@ -154,9 +154,8 @@ def claimed(path, what):
         UsageError: ``path`` cannot be written (see :func:`unwritable`).
     """
     path, made, ok, aside = Path(path), [], False, None
-    stopping = (
-        contextlib.ExitStack()
-    )  # what a signal that ends the command removes (mpidist.runtime.leftovers)
+    # what a signal that ends the command removes (mpidist.runtime.leftovers)
+    stopping = contextlib.ExitStack()
     try:
         try:
             if path.is_dir() and not path.is_symlink():  # (a link to a directory is replaced, as any link)
@@ -173,9 +172,8 @@ def claimed(path, what):
                 stopping.enter_context(leftovers.pending(directory))
             path.parent.mkdir(parents=True, exist_ok=True)
             stopping.enter_context(leftovers.pending(aside))
-            os.close(
-                os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            )  # (ours: never through a link)
+            # (ours: never through a link)
+            os.close(os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except OSError as err:  # permission denied, a read-only file system, ...
             raise unwritable(path, what, err) from None
         yield Claim(path, what, aside)

@@ -72,9 +72,8 @@ def _recorded_name(path):
     nothing left of it once made safe).  Untrusted: only its first 200 characters are looked at."""
     import h5py
 
-    if not os.path.isfile(
-        path
-    ):  # (a directory of files, or something opening would wait on: the file's name)
+    # (a directory of files, or something opening would wait on: the file's name)
+    if not os.path.isfile(path):
         return None
     try:
         with h5py.File(path, "r") as handle:
@@ -208,9 +207,8 @@ def make(config, where, now=None, root=ROOT):
             _check_directory(where)
             for name in (SETTINGS, LOG):  # (renamed over or appended to: a FIFO would be replaced or block)
                 kind = special_kind(Path(where) / name)
-                if name == LOG and os.path.islink(
-                    Path(where) / name
-                ):  # (appended: it would be written through)
+                # (appended: it would be written through)
+                if name == LOG and os.path.islink(Path(where) / name):
                     kind = "a symbolic link, which appending would write through"
                 if kind is not None:
                     raise UsageError(

@@ -145,9 +145,8 @@ def _virtual(group, name, shape, dtype, mappings):
     """A virtual dataset ``name`` of ``shape`` in ``group``; ``mappings``: ``(select(space), file, key, lo,
     count)``: the elements ``select`` picks come from ``file``'s 1-D dataset ``key`` at ``[lo, lo + count)``."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_fill_value(
-        np.full((), np.nan, dtype=dtype)
-    )  # (a source that cannot be read shows as NaN, not 0)
+    # (a source that cannot be read shows as NaN, not 0)
+    dcpl.set_fill_value(np.full((), np.nan, dtype=dtype))
     for select, file, key, lo, count, total in mappings:
         virtual = h5py.h5s.create_simple(tuple(int(n) for n in shape))
         virtual.select_none()

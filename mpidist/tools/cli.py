@@ -255,7 +255,6 @@ def main(argv=None):
     }[args.command]
     if args.command == "train":  # training stops at a step boundary, after a checkpoint
         return handler(args, world)
-    with (
-        interrupt_on_signals()
-    ):  # the others end where the signal lands, removing what they were writing (exit 3)
+    # the others end where the signal lands, removing what they were writing (exit 3)
+    with interrupt_on_signals():
         return handler(args, world)

@@ -66,9 +66,8 @@ def read_plan(path):
             continue
         fits = row.get("fits") is not False
         lines.setdefault(_family(row["layout"], nodes), []).append((nodes, float(rate), fits))
-        if (
-            is_finite_number(efficiency) and efficiency > 0
-        ):  # (every row's: rate / (nodes x the best one-node))
+        # (every row's: rate / (nodes x the best one-node))
+        if is_finite_number(efficiency) and efficiency > 0:
             linear.append(rate / (efficiency * nodes))
     if not lines:
         raise UsageError(f"plot --plan {path}: holds no rows of predictions to draw")

@@ -81,9 +81,8 @@ def reader_for(data, split):
     if os.fspath(data).lower().endswith(".csv"):
         return PlainSamples(CsvSamples(Path(os.fspath(data))), split)
     path = datasets.resolve(os.fspath(data))
-    if (
-        not path.is_file()
-    ):  # a directory (or a glob) of files: a dataset in the mpidist layout, as train reads
+    # a directory (or a glob) of files: a dataset in the mpidist layout, as train reads
+    if not path.is_file():
         return DatasetSplit(path, split, data)
     if path.suffix.lower() in (".npy", ".npz"):
         return PlainSamples(NumpyFile(path), split)

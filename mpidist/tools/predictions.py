@@ -178,9 +178,8 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
                     f"the predictions of {reader.samples:,} samples ({width:,} outputs each) on rank 0",
                 )
                 if target is not None:
-                    claim = claiming.enter_context(
-                        claimed(target, "the predictions")
-                    )  # unwritable: fails now
+                    # unwritable: fails now
+                    claim = claiming.enter_context(claimed(target, "the predictions"))
         _agree_on_sizes(world, reader.samples, width)
         forward = (
             (lambda x: _forward(net, x, width))
