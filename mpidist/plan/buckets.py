@@ -36,7 +36,7 @@ def buffer_bytes(cal):
 
 def exposed(cal, layout, bucket_bytes):
     """Seconds of the exchange left after backward, with buckets of at most ``bucket_bytes``."""
-    groups = layout.ranks // layout.tensor
+    groups = layout.replicas
     samples = layout.batch / groups
     link, slower, item = cal.link_for(layout), cal.crowding_for(layout), cal.itemsize
     # when backward has finished each layer (from the last, the loss's gradient first)

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
 from ..parallel.balance import balance_by_parameters
+from ..parallel.mesh import MeshShape
 from ..parallel.registry import STRATEGIES
 from ..parallel.schedule import schedule as stage_plan
 from ..parallel.schedule import simulate
@@ -47,6 +48,11 @@ class Layout:
     @property
     def ranks(self):
         return self.nodes * self.per_node
+
+    @property
+    def replicas(self):
+        """The data-parallel groups of the grid the ranks make (:class:`~mpidist.parallel.mesh.MeshShape`)."""
+        return MeshShape(self.ranks, self.stages, self.tensor).size("replica")
 
     def describe(self):
         extra = {
@@ -142,7 +148,7 @@ def check(cal, layout):
             f"{layout.per_node} ranks a node: the calibration has no link within a node (it ran one "
             "rank a node): calibrate with two ranks on one node"
         )
-    if layout.ranks % (layout.stages * layout.tensor):
+    if layout.ranks % (layout.stages * layout.tensor):  # (the grid the mesh would refuse)
         raise UsageError(
             f"--stages {layout.stages} x --tensor {layout.tensor} does not divide {layout.ranks} ranks"
         )
@@ -222,7 +228,7 @@ def _tensor_share(cal, tensor):
 
 
 def _allreduce(cal, layout):
-    groups = layout.ranks // layout.tensor
+    groups = layout.replicas
     samples = layout.batch / groups
     params, share = _tensor_share(cal, layout.tensor)
     compute = cal.compute(samples) * share
@@ -311,7 +317,7 @@ def _ps_async(cal, layout):
 
 def _pipeline(cal, layout):
     stages, tensor = layout.stages, layout.tensor
-    replicas = layout.ranks // (stages * tensor)
+    replicas = layout.replicas
     micro = layout.batch / (replicas * layout.micro_batches)
     sizes = balance_by_parameters([layer.params + 1 for layer in cal.layers], stages)
     starts = [sum(sizes[:stage]) for stage in range(stages + 1)]
