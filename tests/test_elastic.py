@@ -713,7 +713,7 @@ def test_ps_sync_survivor_state_is_the_state_at_the_chiefs_step():
     """A ps one update ahead of the chief (the gather broke) rolls back; the shards gather to the chief."""
     import numpy as np
     from mpi4py import MPI
-    from test_parallel import small_convnet, worker_slice
+    from small_net import small_convnet, worker_slice
 
     from mpidist import nn
     from mpidist.parallel import LocalStrategy, PsSyncStrategy

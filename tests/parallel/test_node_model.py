@@ -21,7 +21,7 @@ from mpidist.parallel.shards import chunk_bounds
 from mpidist.runtime.cluster import build_cluster
 
 from conftest import ROOT, run_mpi
-from test_parallel import small_convnet, worker_slice
+from small_net import small_convnet, worker_slice
 from test_recipe import STEPS, batches, clip_for, make, recipe, reference_local
 
 
@@ -199,7 +199,7 @@ def test_the_node_model_tests_pass_on_emulated_nodes(nodes):
             "-m",
             "mpi",
             "--with-mpi",
-            str(ROOT / "tests" / "test_node_model.py"),
+            str(ROOT / "tests" / "parallel" / "test_node_model.py"),
         ],
         nodes=nodes,
         timeout=300,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 from mpi4py import MPI
-from test_parallel import small_convnet, worker_slice
+from small_net import small_convnet, worker_slice
 
 from mpidist import nn
 from mpidist.parallel import LocalStrategy, PipelineStrategy

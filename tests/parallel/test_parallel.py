@@ -5,27 +5,16 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import nn
-from mpidist.data import local_batch_size
-from mpidist.nn import Conv2D, Dense, Flatten, MaxPool2D, ReLU, Sequential
 from mpidist.parallel import AllreduceStrategy, LocalStrategy, bucket_slices
 from mpidist.runtime.cluster import build_cluster
+
+from small_net import small_convnet, worker_slice
 
 
 def test_buckets_cover_the_buffer_contiguously():
     assert bucket_slices(10, 4, 16) == [(0, 4), (4, 8), (8, 10)]
     assert bucket_slices(10, 4, 1 << 20) == [(0, 10)]
     assert bucket_slices(3, 8, 1) == [(0, 1), (1, 2), (2, 3)]  # never an empty bucket
-
-
-def small_convnet(dtype):
-    layers = [Conv2D(3, 3), ReLU(), MaxPool2D(2), Flatten(), Dense(8), ReLU(), Dense(4, init="glorot")]
-    return Sequential(layers, (1, 6, 6), xp=np, dtype=dtype)
-
-
-def worker_slice(global_batch, workers, worker):
-    sizes = [local_batch_size(global_batch, workers, w) for w in range(workers)]
-    lo = sum(sizes[:worker])
-    return slice(lo, lo + sizes[worker])
 
 
 def train_both(cluster, global_batch, optimizer, dtype, steps=5, bucket_bytes=64 << 20):

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 from mpi4py import MPI
-from test_parallel import small_convnet, worker_slice
+from small_net import small_convnet, worker_slice
 
 import mpidist
 from mpidist import nn

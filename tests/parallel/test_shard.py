@@ -1,7 +1,7 @@
 """``--shard optimizer`` (ZeRO stage 1): each worker keeps the optimizer state of its slice.
 
 That it trains as ``local`` does (clipping and accumulation included) is
-tests/test_recipe.py's allreduce test, run with ``shard="optimizer"`` too.
+tests/parallel/test_recipe.py's allreduce test, run with ``shard="optimizer"`` too.
 """
 
 import numpy as np
@@ -15,7 +15,7 @@ from mpidist.runtime.cluster import build_cluster
 from mpidist.store.checkpoint import Checkpoint
 
 from conftest import events, mpidist
-from test_parallel import small_convnet, worker_slice
+from small_net import small_convnet, worker_slice
 from test_recipe import batches, make, recipe
 
 

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 from conftest import ROOT, run_mpi
-from test_parallel import worker_slice
+from small_net import worker_slice
 
 from mpidist import nn
 from mpidist.nn import init
@@ -464,7 +464,7 @@ def test_data_pipeline_and_tensor_layouts_of_8_ranks_train_as_local():
             "-m",
             "mpi",
             "--with-mpi",
-            str(ROOT / "tests" / "test_tensor.py"),
+            str(ROOT / "tests" / "parallel" / "test_tensor.py"),
         ],
         nodes=2,
         timeout=300,

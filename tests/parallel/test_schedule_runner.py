@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from test_parallel import small_convnet
+from small_net import small_convnet
 
 from mpidist import nn
 from mpidist.parallel.schedule import schedule

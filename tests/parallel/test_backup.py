@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 from mpi4py import MPI
-from test_parallel import small_convnet, worker_slice
+from small_net import small_convnet, worker_slice
 
 from mpidist import nn
 from mpidist.parallel import LocalStrategy
