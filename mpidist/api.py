@@ -39,8 +39,9 @@ from .runtime.text import check_utf8, printable
 from .runtime.threads import limit_blas_threads
 from .runtime.whereabouts import here
 from .runtime.xp import select_device
-from .settings.config import Settings, settings_from
+from .settings.config import Settings
 from .settings.models import refuse_training_while_loading
+from .settings.sources import settings_from
 from .store import checkpoint, rundir
 
 
@@ -374,7 +375,8 @@ def _trained(saved, data, model, data_given=None):
 
 def _stored_settings(saved):
     """The settings a checkpoint stores, checked as if given anew (a file is untrusted); unknown keys dropped."""
-    from .settings.config import FIELDS, typed
+    from .settings.config import FIELDS
+    from .settings.sources import typed
 
     try:
         config = Settings(

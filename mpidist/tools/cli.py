@@ -58,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    from ..settings.config import add_flags
+    from ..settings.sources import add_flags
     from .sources import SOURCES
 
     parser = _Parser(
@@ -397,7 +397,7 @@ def parse(argv):
 
 def cmd_train(args, world):
     from ..api import train
-    from ..settings.config import settings_from_args
+    from ..settings.sources import settings_from_args
 
     with agreed(world):
         settings = settings_from_args(args)
