@@ -42,8 +42,9 @@ from .feed import epoch_batches
 from .outputs import Outputs, trace_file
 from .position import Position
 from .report import Report, header
+from .resuming import continued, find_resume
 from .serving import ServerControl
-from .setup import continued, data_layout, find_resume, make_strategy, prepare, test_delay
+from .setup import data_layout, make_strategy, prepare, test_delay
 from .stops import Stops
 from .window import StepWindow
 
