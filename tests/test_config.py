@@ -9,15 +9,9 @@ import pytest
 from mpidist.parallel import STRATEGIES
 from mpidist.parallel.registry import Option
 from mpidist.runtime.errors import UsageError
-from mpidist.settings.config import (
-    FIELDS,
-    INT_LIMIT,
-    Settings,
-    _make_settings,
-    add_flags,
-    settings_from,
-    settings_from_args,
-)
+from mpidist.settings.config import FIELDS, Settings, _make_settings
+from mpidist.settings.sources import add_flags, settings_from, settings_from_args
+from mpidist.settings.validation import INT_LIMIT
 
 
 def parse(argv):

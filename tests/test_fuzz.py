@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from mpidist import data
 from mpidist.runtime.errors import UsageError
 from mpidist.settings import models
-from mpidist.settings.config import add_flags, settings_from_args
+from mpidist.settings.sources import add_flags, settings_from_args
 from mpidist.store import checkpoint
 
 from conftest import events, run_mpi

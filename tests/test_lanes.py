@@ -452,7 +452,7 @@ def test_a_worker_s_lanes_are_read_from_a_file_as_one_selection_of_evenly_spaced
 def test_a_resume_with_another_batch_size_mid_epoch_says_it_cuts_other_lanes():
     import types
 
-    from mpidist.loop.setup import recipe_changes
+    from mpidist.loop.resuming import recipe_changes
     from mpidist.settings.config import Settings
 
     resume = types.SimpleNamespace(config={"batch_size": 64}, path="ck.h5", epoch=1, epoch_step=5)

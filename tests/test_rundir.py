@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mpidist.runtime.errors import UsageError
-from mpidist.settings.config import Settings, load_toml, settings_from
+from mpidist.settings.config import Settings
+from mpidist.settings.sources import load_toml, settings_from
 from mpidist.store import rundir
 
 from conftest import events, mpidist

@@ -1,5 +1,8 @@
 """What one rank builds before it trains: dataset, model, its shards, the strategy.
 
+The checkpoint a run resumes from, and what the run takes from it, is
+:mod:`mpidist.loop.resuming`'s; :func:`prepare` fits it to the model built here.
+
 Everything here is local (no collectives) and may fail on bad input with a
 :class:`~mpidist.runtime.errors.UsageError`, so the training loop runs it inside
 :func:`mpidist.runtime.agreement.agreed`.  It is built again, for the survivors'
@@ -11,7 +14,6 @@ import os
 import sys
 
 from .. import data, nn
-from ..data.fingerprint import mismatch
 from ..nn import scores
 from ..parallel import STRATEGIES, holding
 from ..parallel.recipe import recipe_for, total_steps
@@ -20,6 +22,7 @@ from ..runtime.memory import check_fits, holdable, human
 from ..runtime.text import printable
 from ..settings import models
 from ..store import checkpoint, checkpoint_save
+from .resuming import fit_to_model, resume_notes, resumed_buffer
 
 
 @dataclasses.dataclass
@@ -127,17 +130,6 @@ def check_outputs(model, info, spec):
         )
 
 
-def find_resume(config):
-    """``(checkpoint --resume names or None, [(path, reason) of unreadable newer ones skipped])``: checked, its
-    arrays not read yet (each rank reads what it will hold: :meth:`~mpidist.store.checkpoint.Checkpoint.whole`,
-    or its slices by :meth:`~mpidist.store.checkpoint.Checkpoint.restore`)."""
-    if not config.resume:
-        return None, []
-    if config.resume == "auto":
-        return checkpoint.newest_valid(config.checkpoint_dir, arrays=False)  # empty directory: start afresh
-    return checkpoint.load(config.resume, arrays=False), []
-
-
 def data_layout(config, cluster):
     """``(data-parallel workers, this rank's index among them)``: whose shard this rank reads (the strategy says)."""
     return STRATEGIES[config.strategy].data_layout(config, cluster)
@@ -146,9 +138,8 @@ def data_layout(config, cluster):
 def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or None)."""
     info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
-    if (
-        config.val_fraction
-    ):  # (a resumed run's rows are its checkpoint's: drawn by the seed it continues with)
+    # (a resumed run's rows are its checkpoint's: drawn by the seed it continues with)
+    if config.val_fraction:
         info = data.carve_validation(
             info, config.val_fraction, config.seed if resume is None else resume.seed
         )
@@ -216,9 +207,8 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
             f"keeps the buffer it started with, {order[0]:,} samples, so each sample is trained once an "
             "epoch (start a new run for another)"
         )
-    notes.extend(
-        f"note: {note}" for note in reading.notes
-    )  # (a stream's buffer capped, chunks read in slices)
+    # (a stream's buffer capped, chunks read in slices)
+    notes.extend(f"note: {note}" for note in reading.notes)
     shards = {
         split: reading.open(
             info, split, w, n, model.input_shape, model.dtype, lanes=lanes if split == "train" else None
@@ -226,21 +216,8 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
         for split, w, n in reads.values()
     }
     train, test, val = (shards.get(split) for split in ("train", "test", "val"))
-    if resume is not None and resume.num_params != model.num_params:
-        raise UsageError(
-            f"--resume {resume.path}: holds {resume.num_params} parameters, but --model "
-            f"{config.model} on {info.name!r} has {model.num_params} (it was written by --model "
-            f"{printable(resume.config.get('model'))} on {printable(repr(resume.config.get('data')))})"
-        )
-    if resume is not None and set(resume.optimizer_state) != set(
-        checkpoint_save.OPTIMIZER_STATE[config.optimizer]
-    ):
-        kept = ", ".join(map(printable, sorted(resume.optimizer_state))) or "none"
-        notes.append(
-            f"note: --optimizer {config.optimizer} starts with fresh state: {resume.path} holds "
-            f"another optimizer's ({kept}); the parameters and the position are resumed"
-        )
-        resume = dataclasses.replace(resume, optimizer_state={}, optimizer_steps=0)
+    resume, fit_notes = fit_to_model(config, resume, info, model)
+    notes.extend(fit_notes)
     smallest = config.batch_size // workers  # the smallest worker's share of a global batch
     if config.accumulate > smallest:
         raise UsageError(
@@ -249,15 +226,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
             f"sample(s) each: use --accumulate {max(smallest, 1)} or less, or a larger batch"
         )
     strategy_class(config, workers).check_slice(config, smallest // config.accumulate)
-    if resume is not None:
-        notes.extend(recipe_changes(config, resume))
-    changed = (
-        mismatch(resume.dataset_fingerprint, resume.config.get("data"), info)
-        if resume is not None and cluster.is_chief
-        else None
-    )
-    if changed is not None:  # (--data is given to a resumed run: it goes on, and the user is told)
-        notes.append(f"warning: --resume {resume.path}: {changed}; training goes on with it")
+    notes.extend(resume_notes(config, resume, info, cluster))
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     if train is not None:  # (a stream reads its first windows now, as a shard in memory was read whole above)
         epoch, at = (0, 0) if resume is None else (resume.epoch, resume.epoch_step)
@@ -325,79 +294,6 @@ def check_validation(config, info):
             f"--keep-best {config.keep_best!r}: dataset {info.name!r} is validated with "
             f"{', '.join(validation_figures(info))}"
         )
-
-
-#: Settings that shape the learning rate of every step: a resumed run that changes them changes its schedule.
-RECIPE = (
-    "lr",
-    "lr_schedule",
-    "lr_gamma",
-    "lr_step_epochs",
-    "lr_min",
-    "warmup_epochs",
-    "warmup_steps",
-    "warmup_from",
-    "epochs",
-    "steps",
-    "batch_size",
-    "weight_decay",
-    "clip_norm",
-    "accumulate",
-    "val_fraction",
-)
-
-
-def continued(config, setup):
-    """``config`` as the run goes on with it: a resumed run's random streams as its checkpoint left them (its
-    seed), and the shuffle buffer of the data order (``setup.reading``'s), which its checkpoints record."""
-    kept = dict(
-        seed=setup.resume.seed if setup.resume is not None else config.seed,
-        shuffle_buffer=setup.reading.buffer if setup.reading is not None else config.shuffle_buffer,
-    )
-    return (
-        dataclasses.replace(config, **kept)
-        if any(getattr(config, k) != v for k, v in kept.items())
-        else config
-    )
-
-
-def resumed_buffer(resume):
-    """The shuffle buffer of the data order ``resume`` (a checkpoint, or None) was written in; 0 where it
-    records none (older checkpoints, whose order was another) or one that is not a count of samples."""
-    value = resume.config.get("shuffle_buffer") if resume is not None else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**62 else 0
-
-
-def recipe_changes(config, resume):
-    """Notes for a resumed run whose recipe differs from the one its checkpoint was written with.
-
-    A schedule is a function of the step and these settings alone: with the
-    same ones a resumed run continues exactly; with others it continues on a
-    new schedule from the checkpoint's step, which the user should know.
-    Another ``--batch-size`` also cuts the data into other lanes
-    (:mod:`mpidist.data.lanes`): mid-epoch, the epoch is not the same set of
-    samples once.
-    """
-    changed = [
-        f"--{name.replace('_', '-')} {printable(repr(resume.config[name]))} -> {getattr(config, name)!r}"
-        for name in RECIPE
-        if name in resume.config and resume.config[name] != getattr(config, name)
-    ]
-    if not changed:
-        return []
-    notes = [
-        f"note: resumed with another recipe than {resume.path} was written with ({', '.join(changed)}): "
-        "the schedule continues as the new settings give it from this step"
-    ]
-    before = resume.config.get("batch_size", config.batch_size)
-    if before != config.batch_size and resume.epoch_step:
-        notes.append(
-            f"note: --batch-size {config.batch_size} cuts the training split into {config.batch_size} "
-            f"lanes, not {printable(repr(before))}: epoch {resume.epoch + 1} goes on from step "
-            f"{resume.epoch_step} of the new lanes' orders, so some of its samples may come twice or not at "
-            "all; every later epoch trains on each sample once"
-        )
-    return notes
 
 
 def strategy_class(config, workers):

@@ -43,9 +43,10 @@ from .feed import epoch_batches
 from .outputs import Outputs
 from .position import Position
 from .report import header
+from .resuming import continued, find_resume
 from .saving import finish_writes, keep_if_best, log_written, save
 from .serving import ServerControl
-from .setup import continued, data_layout, find_resume, make_strategy, prepare, test_delay
+from .setup import data_layout, make_strategy, prepare, test_delay
 from .stops import Stops
 from .window import StepWindow
 

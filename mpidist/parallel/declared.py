@@ -3,7 +3,7 @@ and the set-up call before any strategy exists (no MPI traffic).
 
 :class:`~mpidist.parallel.base.Strategy` (what a strategy *does*, step by
 step) extends it; the registry (:mod:`mpidist.parallel.registry`) keeps the
-classes by name, and :mod:`mpidist.settings.config` and the loop's set-up read
+classes by name, and :mod:`mpidist.settings` and the loop's set-up read
 these, so neither names strategies one by one.
 """
 

@@ -4,10 +4,11 @@ A strategy is one module plus one registration: its class carries its
 ``name``, the :class:`Option` objects of the settings only it (and its
 subclasses) use, and classmethods that check those settings against the
 world, turn them into constructor arguments, and say whose data each rank
-reads (see :class:`~mpidist.parallel.base.Strategy`).  :mod:`mpidist.settings.config`
+reads (see :class:`~mpidist.parallel.base.Strategy`).  :mod:`mpidist.settings`
 makes one flag, TOML key and keyword argument of :func:`mpidist.train` per
-declared option, and refuses an option set for a strategy that does not use
-it, so neither the settings nor the set-up of a run name strategies one by one.
+declared option (:mod:`~mpidist.settings.config`), and refuses an option set for
+a strategy that does not use it (:mod:`~mpidist.settings.validation`), so neither
+the settings nor the set-up of a run name strategies one by one.
 
 Registering a strategy: decorate its class with :func:`register` in its
 module, and import that module in :mod:`mpidist.parallel`.

@@ -23,7 +23,7 @@ PER_CLASS_SHOWN = 100
 
 def cmd_train(args, world):
     from ..api import train
-    from ..settings.config import settings_from_args
+    from ..settings.sources import settings_from_args
 
     with agreed(world):
         settings = settings_from_args(args)

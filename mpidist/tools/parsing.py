@@ -61,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     """The parser of ``python -m mpidist``: ``--version``, and a parser of each subcommand, in the order
     ``--help`` lists them."""
-    from ..settings.config import add_flags
+    from ..settings.sources import add_flags
 
     parser = _Parser(
         prog="python -m mpidist",
