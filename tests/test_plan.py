@@ -15,7 +15,8 @@ from mpidist.plan import buckets, calibration, check
 from mpidist.plan.advice import advise, per_strategy
 from mpidist.plan.calibration import Calibration, LayerCost
 from mpidist.plan.links import Link, fit, parse_link
-from mpidist.plan.step import Layout, predict, predicted, slowest_of
+from mpidist.plan.layout import Layout
+from mpidist.plan.step import predict, predicted, slowest_of
 from mpidist.runtime.errors import UsageError
 
 MS = 1e-3

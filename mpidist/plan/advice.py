@@ -10,7 +10,8 @@ import dataclasses
 
 from ..runtime.errors import UsageError
 from .buckets import MIB, best_bucket, exposed, hideable
-from .step import Layout, predict
+from .layout import Layout
+from .step import predict
 
 #: below this scaling efficiency, more nodes are not worth what they cost
 KNEE = 0.5

@@ -12,7 +12,8 @@ from ..runtime.errors import UsageError
 from ..runtime.lines import bounded_lines
 from ..store.outputs import special_input
 from ..store.rundir import metrics_of
-from .step import DEFAULT_BUCKET_MB, Layout, predict, predicted
+from .layout import DEFAULT_BUCKET_MB, Layout
+from .step import predict, predicted
 
 
 def read_layout(run_dir):

@@ -40,7 +40,8 @@ from ..runtime.memory import available_bytes, high_water, peak_memory, reset_hig
 from .calibration import Calibration, LayerCost
 from .pairs import crowding, measured_link, overlap_share, overlap_times
 from .pass_times import REPEATS, layer_lines, median_seconds, scaled, whole_line
-from .step import Layout, predict
+from .layout import Layout
+from .step import predict
 
 
 def calibrate(world, config, seconds=1.0):

@@ -23,7 +23,8 @@ from ..runtime import comm as mpi
 from .buckets import hideable
 from .links import Link, fit
 from .pass_times import REPEATS
-from .step import Layout, slowest_of
+from .layout import Layout
+from .step import slowest_of
 
 SIZES = [8 << (2 * k) for k in range(12)]  # 8 B .. 32 MiB by factors of 4
 
