@@ -120,6 +120,11 @@ class ShardedStrategy(Strategy):
         """``(lo, hi)`` of world rank ``rank``'s shard, or None for a worker."""
         return tuple(self.bounds[self.ps_ranks.index(rank)]) if rank in self.ps_ranks else None
 
+    def describe(self, rank):
+        """A ps rank's shard in the role table ('' for a worker)."""
+        shard = self.shard_of(rank)
+        return f"shard [{shard[0]}, {shard[1]})" if shard else ""
+
     def layout(self, clip=None, cluster=None):
         """Per world rank ``(counts, displs)`` of the ps shards (0 for workers), for v-collectives.
 
