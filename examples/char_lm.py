@@ -29,7 +29,8 @@ from mpidist import nn
 
 
 def build(sample_shape, vocab, dim=64, layers=2, heads=4):
-    """Ids ``(L,)`` -> logits ``(L, vocab)``: position ``t`` sees characters ``0..t`` only (causal attention)."""
+    """Ids ``(L,)`` -> logits ``(L, vocab)``: position ``t`` sees characters ``0..t`` only (causal
+    attention)."""
     return (
         [nn.Embedding(vocab, dim), nn.PositionalEmbedding(sample_shape[0])]
         + [nn.TransformerBlock(heads, causal=True) for _ in range(layers)]
@@ -38,7 +39,8 @@ def build(sample_shape, vocab, dim=64, layers=2, heads=4):
 
 
 def generate(model, names, prompt, length, temperature=0.8, seed=0):
-    """``prompt`` continued by ``length`` characters, each drawn from the model's softmax / ``temperature``."""
+    """``prompt`` continued by ``length`` characters, each drawn from the model's softmax /
+    ``temperature``."""
     chars = [{"space": " ", "U+000A": "\n"}.get(name, name) for name in names]
     code = {char: index for index, char in enumerate(chars)}
     ids = [code[char] for char in prompt if char in code]
@@ -51,8 +53,8 @@ def generate(model, names, prompt, length, temperature=0.8, seed=0):
 
 
 def dataset(path):
-    """``(path, folder to remove at the end)``: ``path``, or else ``lee-text`` ingested into a temporary folder
-    (by rank 0, for every rank)."""
+    """``(path, folder to remove at the end)``: ``path``, or else ``lee-text`` ingested into a temporary
+    folder (by rank 0, for every rank)."""
     if path:
         return path, None
     from mpi4py import MPI
@@ -103,7 +105,8 @@ if __name__ == "__main__":
         figures = result.figures
         val = figures["val_loss"]
         print(
-            f"char_lm: {figures['steps']} steps, val loss {val:.4f} nats/char ({val / math.log(2):.4f} bits/char), "
+            f"char_lm: {figures['steps']} steps, val loss {val:.4f} nats/char ({val / math.log(2):.4f} "
+            "bits/char), "
             f"test loss {figures['test_loss']:.4f} nats/char, test accuracy {100 * result.test_accuracy:.2f}%"
         )
         if args.generate:

@@ -22,7 +22,8 @@ from mpidist import nn
 
 
 class PReLU(nn.Layer):
-    """``y = x`` where ``x > 0``, else ``alpha * x``, with one learned ``alpha`` per unit: ``(N, D) -> (N, D)``."""
+    """``y = x`` where ``x > 0``, else ``alpha * x``, with one learned ``alpha`` per unit: ``(N, D) -> (N,
+    D)``."""
 
     cache = ("x",)  # what forward leaves for backward (a pipeline keeps one per micro-batch)
 
@@ -56,7 +57,8 @@ if __name__ == "__main__":
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=20)
     args = parser.parse_args()
-    # every rank: a few dozen forward passes, no MPI; a wrong backward raises nn.GradientError naming the entry
+    # every rank: a few dozen forward passes, no MPI; a wrong backward raises nn.GradientError naming the
+    # entry
     nn.check_gradients(PReLU(), input_shape=(8,))
     result = mpidist.train(
         build,

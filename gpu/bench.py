@@ -79,7 +79,8 @@ def models(seconds):
 
 
 def send(seconds):
-    """Each size: the pipeline's send on every path MPI offers, and the pieces a host-staged send is made of."""
+    """Each size: the pipeline's send on every path MPI offers, and the pieces a host-staged send is made
+    of."""
     import cupy
     from mpi4py import MPI
 

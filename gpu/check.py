@@ -196,7 +196,8 @@ def info_part(out):
 
 
 def needs_gpu(name):
-    """The part ``name`` as the decorated ``build(out, part)`` makes it where there is a GPU; not run elsewhere."""
+    """The part ``name`` as the decorated ``build(out, part)`` makes it where there is a GPU; not run
+    elsewhere."""
 
     def decorate(build):
         def part_for(out, gpu):

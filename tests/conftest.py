@@ -134,7 +134,8 @@ BLAS_VARIABLES = {
 
 
 def child_environ(**extra):
-    """This process's environment for a job it launches, with the BLAS variables as the test run found them."""
+    """This process's environment for a job it launches, with the BLAS variables as the test run found
+    them."""
     environ = dict(os.environ, **extra)
     for name, value in BLAS_VARIABLES.items():
         if value is None:
@@ -150,7 +151,8 @@ NODE_NAMES = ("127.0.0.1", "localhost", socket.gethostname())
 
 
 def node_hosts(nodes, per_node):
-    """``-hosts`` for ``nodes`` emulated nodes of ``per_node`` ranks each, on this machine (MPICH's launcher)."""
+    """``-hosts`` for ``nodes`` emulated nodes of ``per_node`` ranks each, on this machine (MPICH's
+    launcher)."""
     if nodes > len(NODE_NAMES):
         raise ValueError(f"{nodes} emulated nodes: this machine has {len(NODE_NAMES)} names for itself")
     return ",".join(f"{name}:{per_node}" for name in NODE_NAMES[:nodes])
@@ -205,7 +207,8 @@ def start_mpidist(ranks, *flags, env=None):
 
 
 def stat_fields(pid):
-    """The fields of ``/proc/PID/stat`` after the command's name (state, parent, ...), or None once it is gone."""
+    """The fields of ``/proc/PID/stat`` after the command's name (state, parent, ...), or None once it is
+    gone."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
@@ -219,7 +222,8 @@ def running(pid):
 
 
 def rank_pids(launcher):
-    """``{rank: pid}`` of the ranks a running ``mpiexec`` or ``mpirun`` (a Popen) started, found through /proc."""
+    """``{rank: pid}`` of the ranks a running ``mpiexec`` or ``mpirun`` (a Popen) started, found through
+    /proc."""
     children = {}
     for entry in Path("/proc").iterdir():
         fields = stat_fields(entry.name) if entry.name.isdigit() else None
@@ -250,7 +254,8 @@ def events(path, kind=None):
 
 
 def wait_for_step(metrics, step, launcher, timeout=60):
-    """Return once the chief logged ``step`` in ``metrics``; fail if the run (a Popen) ends first or never does."""
+    """Return once the chief logged ``step`` in ``metrics``; fail if the run (a Popen) ends first or never
+    does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(event["step"] >= step for event in events(metrics, "step")):
@@ -290,7 +295,8 @@ def checkpoint_at(directory, step):
 
 
 def corrupt_chunk(path, item, index):
-    """Bytes inverted in the middle of chunk ``index`` of HDF5 dataset ``item``: its gzip filter cannot decode it."""
+    """Bytes inverted in the middle of chunk ``index`` of HDF5 dataset ``item``: its gzip filter cannot decode
+    it."""
     import h5py
 
     with h5py.File(path, "r") as handle:

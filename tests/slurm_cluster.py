@@ -51,9 +51,10 @@ def _free_ports(count):
 
 
 def first_job_id():
-    """Job ids that no earlier cluster gave: MPICH names a job step's shared memory after it (``/dev/shm``), and a
-    segment a killed rank left there under the same name made the next step's ranks wait in ``MPI_Init`` for good
-    (every cluster numbered its jobs from 1; job 2, the srun script's, hung in every session after one such kill)."""
+    """Job ids that no earlier cluster gave: MPICH names a job step's shared memory after it (``/dev/shm``),
+    and a segment a killed rank left there under the same name made the next step's ranks wait in ``MPI_Init``
+    for good (every cluster numbered its jobs from 1; job 2, the srun script's, hung in every session after
+    one such kill)."""
     return 1 + int(time.time() * 10) % 60_000_000  # (Slurm's job ids end at 67,108,863)
 
 
@@ -163,8 +164,8 @@ class PrivateSlurm:
             time.sleep(0.1)
 
     def leftovers(self):
-        """Pids of the processes of this cluster: each has its ``SLURM_CONF`` (daemons, steps and jobs inherit it;
-        the test process does not: clients get a copy of its environment)."""
+        """Pids of the processes of this cluster: each has its ``SLURM_CONF`` (daemons, steps and jobs inherit
+        it; the test process does not: clients get a copy of its environment)."""
         mark = f"SLURM_CONF={self.conf}".encode()
         found = []
         for entry in Path("/proc").iterdir():

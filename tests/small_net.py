@@ -1,4 +1,5 @@
-"""The small model and the batch slices the strategies' tests share (a module, not a test: never collected)."""
+"""The small model and the batch slices the strategies' tests share (a module, not a test: never
+collected)."""
 
 import numpy as np
 

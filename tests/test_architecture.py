@@ -1,4 +1,5 @@
-"""The package's shape is a contract: layers that import only downward, no cycle, small modules and classes."""
+"""The package's shape is a contract: layers that import only downward, no cycle, small modules and
+classes."""
 
 import ast
 import os
@@ -25,7 +26,8 @@ def _lint_imports():
 
 @pytest.mark.parametrize("check", [["format", "--check"], ["check"]], ids=["formatted", "linted"])
 def test_the_code_is_formatted_and_linted_by_ruff(check):
-    """pyproject.toml's [tool.ruff]: ``ruff format`` at 110 columns, ``ruff check`` (pyflakes, pycodestyle)."""
+    """pyproject.toml's [tool.ruff]: ``ruff format`` at 110 columns, ``ruff check`` (pyflakes,
+    pycodestyle)."""
     command = _tool("ruff")
     assert command, "ruff is missing: pip install -e '.[test]' installs it"
     done = subprocess.run(
@@ -37,7 +39,8 @@ def test_the_code_is_formatted_and_linted_by_ruff(check):
 
 
 def test_the_import_linter_contracts_hold(tmp_path):
-    """setup.cfg's layers and forbidden contracts (docs/development.rst draws them), imports in functions included."""
+    """setup.cfg's layers and forbidden contracts (docs/development.rst draws them), imports in functions
+    included."""
     command = _lint_imports()
     assert command, "lint-imports is missing: pip install -e '.[test]' installs import-linter"
     done = subprocess.run(
@@ -188,7 +191,8 @@ def test_modules_are_small_and_classes_hold_few_attributes_and_methods(path):
             )
             methods = _methods(node)
             assert len(methods) <= METHODS, (
-                f"{path.relative_to(ROOT)}: class {node.name} has {len(methods)} methods (at most {METHODS}): "
+                f"{path.relative_to(ROOT)}: class {node.name} has {len(methods)} methods (at most "
+                f"{METHODS}): "
                 f"{methods}"
             )
 
@@ -268,8 +272,8 @@ LAYOUT_OWNERS = {"mpidist/parallel/mesh.py", "mpidist/parallel/tensor.py", "mpid
 
 def _layout_probes(tree):
     """Lines that ask what kind of exchange an object is (``isinstance(x, ...Exchange)``) or whether a tensor
-    part exists (``x.tensor is None``, ``if x.tensor``): layout by flags, where the mesh and the exchange's own
-    methods should answer."""
+    part exists (``x.tensor is None``, ``if x.tensor``): layout by flags, where the mesh and the exchange's
+    own methods should answer."""
 
     def names(node):
         return (

@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic writes, everything in them checked when loaded, falling back past a corrupt one."""
+"""Checkpoint files: atomic writes, everything in them checked when loaded, falling back past a corrupt
+one."""
 
 import json
 from pathlib import Path
@@ -138,7 +139,8 @@ def test_a_checkpoint_larger_than_memory_is_refused_before_it_is_read(tmp_path, 
         checkpoint.load(write(tmp_path, 3))
 
 
-# -- what each worker holds of its own: a run stopped and resumed ends where an uninterrupted one does --------
+# -- what each worker holds of its own: a run stopped and resumed ends where an uninterrupted one does
+# --------
 PER_WORKER_RUNS = {
     # between averages local-sgd's workers hold their own parameters; their Adam moments always differ
     "local-sgd": ["--strategy", "local-sgd", "--sync-every", "4", "--optimizer", "adam", "--lr", "0.01"],
@@ -148,7 +150,8 @@ PER_WORKER_RUNS = {
 
 
 def _final_checkpoint(tmp_path, name, flags, stops):
-    """The checkpoint of step 20 of a run on 2 ranks, stopped (and resumed with --resume auto) at ``stops``."""
+    """The checkpoint of step 20 of a run on 2 ranks, stopped (and resumed with --resume auto) at
+    ``stops``."""
     from conftest import checkpoint_at, mpidist
 
     directory = tmp_path / name
@@ -215,7 +218,8 @@ def test_local_sgd_resumed_on_another_worker_count_starts_every_worker_from_the_
 
 
 def test_array_bytes_written_around_the_cache_fall_back_to_it_where_the_system_refuses(tmp_path, monkeypatch):
-    """O_DIRECT opened but refused at the write (EINVAL): the bytes go through the page cache, the file is whole."""
+    """O_DIRECT opened but refused at the write (EINVAL): the bytes go through the page cache, the file is
+    whole."""
     import errno
     import os
 

@@ -64,7 +64,8 @@ def test_ps_sync_trains_the_default_to_the_stated_accuracy(tmp_path, ranks, ps):
 
 @pytest.mark.parametrize("ranks,ps", [(4, 2), (6, 2)])
 def test_ps_async_reaches_within_2_points_of_ps_sync(tmp_path, ranks, ps):
-    """ps-sync is deterministic for a seed; ps-async is not, so its typical run (median of three) is compared."""
+    """ps-sync is deterministic for a seed; ps-async is not, so its typical run (median of three) is
+    compared."""
 
     def train(strategy, run):
         metrics = tmp_path / f"{strategy}-{run}.jsonl"
@@ -386,8 +387,8 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert rows["allreduce, bf16"]["exchange_bytes"] == (rows["allreduce"]["exchange_bytes"] - 4) // 2 + 4
     assert document["meta"]["cores"] >= 1 and document["meta"]["blas"]
     assert "core(s)" in done.stdout and "BLAS:" in done.stdout
-    # a transformer block (D = 128, MLP 512, 10 classes) of 199,562 parameters; 2,058 of them stay whole at T = 2
-    # (the norms, the biases added after a row-parallel sum, the head), the rest split in halves
+    # a transformer block (D = 128, MLP 512, 10 classes) of 199,562 parameters; 2,058 of them stay whole at T
+    # = 2 (the norms, the biases added after a row-parallel sum, the head), the rest split in halves
     tensor = {row["tensor"]: row for row in document["tensor"]}
     assert tensor[1]["params_bytes"] == 199_562 * 4 and tensor[2]["params_bytes"] == (98_752 + 2_058) * 4, (
         tensor
@@ -428,7 +429,8 @@ def test_bench_with_adam_leaves_out_the_sgd_references(tmp_path):
 
 
 def _unwritable_output(tmp_path, case):
-    """An ``--output`` path that cannot be written, and the reason the message gives (None: not here, as root)."""
+    """An ``--output`` path that cannot be written, and the reason the message gives (None: not here, as
+    root)."""
     import os
 
     if case == "a directory":
@@ -525,8 +527,9 @@ def test_bench_results_replace_an_existing_file_whole_or_not_at_all(tmp_path):
 )
 def test_ps_ranks_write_mid_run_checkpoints_when_workers_are_not_in_step(tmp_path, ranks, strategy):
     """The first ps gathers the shards and writes; a resumed run goes on from any of them.  With
-    --checkpoint-wait every checkpoint is taken at its step: backup workers' between two rounds, ps-async's while
-    the chief holds at its step (the workers never waited for a ps, and one write spanned several multiples)."""
+    --checkpoint-wait every checkpoint is taken at its step: backup workers' between two rounds, ps-async's
+    while the chief holds at its step (the workers never waited for a ps, and one write spanned several
+    multiples)."""
     epochs = 3
     common = ["--progress", "none", "--metrics", "", "--epochs", str(epochs), *strategy]
     done, _ = mpidist(

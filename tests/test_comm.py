@@ -62,7 +62,8 @@ def test_sum_float64_without_a_communicator_is_the_values():
 
 
 class FakeDeviceScalar:
-    """A cupy 0-d array as numpy sees it: ``float()`` copies it to the host, implicit conversion is refused."""
+    """A cupy 0-d array as numpy sees it: ``float()`` copies it to the host, implicit conversion is
+    refused."""
 
     def __init__(self, value):
         self.value = value

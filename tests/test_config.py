@@ -332,7 +332,8 @@ def test_an_unreadable_config_file_is_named(tmp_path):
 
 
 def test_strategies_declare_what_the_loop_set_up_and_settings_once_named_them_for():
-    """auto's choice, a mode's name in messages, how clipped steps add up: each strategy says, nobody branches."""
+    """auto's choice, a mode's name in messages, how clipped steps add up: each strategy says, nobody
+    branches."""
     from mpidist.parallel import STRATEGIES
     from mpidist.parallel.backup import BackupWorkersStrategy
 

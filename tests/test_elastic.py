@@ -65,11 +65,12 @@ def python():
 
 
 def launch(python, ranks, *flags, env=None, ulfm=True):
-    """``mpirun --with-ft ulfm -n RANKS python -m mpidist FLAGS`` in the background (``ulfm``: the ``--with-ft``)."""
+    """``mpirun --with-ft ulfm -n RANKS python -m mpidist FLAGS`` in the background (``ulfm``: the
+    ``--with-ft``)."""
     mpirun = str(python.parent / "mpirun")
     extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    # (faulthandler: a rank that crashes prints where; under --with-ft ulfm the launcher exits 0 even when every
-    # rank died by a signal, so a run's output is all that tells a crash)
+    # (faulthandler: a rank that crashes prints where; under --with-ft ulfm the launcher exits 0 even when
+    # every rank died by a signal, so a run's output is all that tells a crash)
     env = child_environ(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **(env or {}))
     passed = [item for name in (env or {}) if name.startswith("MPIDIST_") for item in ("-x", name)]
     ft = ["--with-ft", "ulfm"] if ulfm else []
@@ -96,10 +97,12 @@ def launch(python, ranks, *flags, env=None, ulfm=True):
 
 
 class LauncherHung(Exception):
-    """Open MPI's launcher lived on after every rank of its job had ended (see :func:`rerun_if_the_launcher_hangs`)."""
+    """Open MPI's launcher lived on after every rank of its job had ended (see
+    :func:`rerun_if_the_launcher_hangs`)."""
 
 
-#: seconds the launcher may outlive the last rank of its job before it counts as hung (it takes well under one)
+# : seconds the launcher may outlive the last rank of its job before it counts as hung (it takes well under
+# one)
 LAUNCHER_GRACE = 20
 
 
@@ -138,7 +141,8 @@ def rerun_if_the_launcher_hangs(test):
 
 
 def _waiting_on_a_lock(pid):
-    """Whether the main thread of process ``pid`` sleeps in the kernel's futex wait (a lock, not its event loop)."""
+    """Whether the main thread of process ``pid`` sleeps in the kernel's futex wait (a lock, not its event
+    loop)."""
     try:
         return "futex" in Path(f"/proc/{pid}/wchan").read_text()
     except OSError:
@@ -206,9 +210,10 @@ def run(python, ranks, flags, metrics, kills=(), timeout=120, ulfm=True, env=Non
 
 
 def the_end(metrics, code, out, err, replay=""):
-    """The run's ``done`` event, where it exited 0 and logged one; else a failure that says what to replay, the
-    last event the chief logged and what the ranks printed.  (One run, in a full suite, exited 0 with its last
-    step logged at 806 of 1240 and no ``done``: the message then showed neither the draw nor the output.)"""
+    """The run's ``done`` event, where it exited 0 and logged one; else a failure that says what to replay,
+    the last event the chief logged and what the ranks printed.  (One run, in a full suite, exited 0 with its
+    last step logged at 806 of 1240 and no ``done``: the message then showed neither the draw nor the
+    output.)"""
     ended = events(metrics, "done")
     signalled = (
         ""
@@ -225,9 +230,9 @@ def the_end(metrics, code, out, err, replay=""):
 
 
 def assert_the_losses_go_on_at_each_recovery(metrics, replay):
-    """The survivors go on from the run's state: the 20 steps after a recovery lose at most 10 times the most of
-    the 50 before it.  (Fault-free runs stay within 1.9 times anywhere; survivors of a local-sgd worker killed in
-    an average, which kept a partial sum as their parameters, lost 70 and 590 times as much.)"""
+    """The survivors go on from the run's state: the 20 steps after a recovery lose at most 10 times the most
+    of the 50 before it.  (Fault-free runs stay within 1.9 times anywhere; survivors of a local-sgd worker
+    killed in an average, which kept a partial sum as their parameters, lost 70 and 590 times as much.)"""
     losses = {event["step"]: event["loss"] for event in events(metrics, "step")}
     for recovered in events(metrics, "recovered"):
         step = recovered["step"]
@@ -247,30 +252,32 @@ def draw(seed, workers, chief, count, last_step, per_epoch=STEPS_PER_EPOCH):
 
 CASES = {  # strategy flags, ranks, world ranks of the workers, steps per epoch
     "allreduce": (["--strategy", "allreduce"], 4, [0, 1, 2, 3], STEPS_PER_EPOCH),
-    # (mnist-5k: on digits' 359 test samples local-sgd on 3 workers ends 0.8 points below 4, and runs that lost
-    # one scatter over 97.5-98.9%; on mnist-5k's 1000, 3 and 4 workers and four killed runs all gave 93.7-93.9%)
+    # (mnist-5k: on digits' 359 test samples local-sgd on 3 workers ends 0.8 points below 4, and runs that
+    # lost one scatter over 97.5-98.9%; on mnist-5k's 1000, 3 and 4 workers and four killed runs all gave
+    # 93.7-93.9%)
     "local-sgd": (["--strategy", "local-sgd", "--data", "mnist-5k"], 4, [0, 1, 2, 3], MNIST_STEPS),
     "ps-sync": (["--strategy", "ps-sync", "--ps", "1"], 5, [0, 1, 2, 3], STEPS_PER_EPOCH),
     "ps-async": (["--strategy", "ps-async", "--ps", "2"], 6, [0, 1, 2, 3], STEPS_PER_EPOCH),
 }
 PIPELINE = ["--strategy", "pipeline", "--stages", "2"]  # 4 ranks: 2 replicas of 2 stages
-# The runs compared by accuracy: 20 epochs (the default), the learning rate decaying to 0 at the last step.  At a
-# constant rate, Adam's loss near zero spikes now and then, and two runs that sum in another order spike at other
-# steps: one killed-chief run ended in such a spike (its last step's loss 0.108 against 0.0002, 3.2 points of test
-# accuracy below the fault-free run, 1 run in 12), though its losses equalled the fault-free run's up to step 682.
+# The runs compared by accuracy: 20 epochs (the default), the learning rate decaying to 0 at the last step.
+# At a constant rate, Adam's loss near zero spikes now and then, and two runs that sum in another order spike
+# at other steps: one killed-chief run ended in such a spike (its last step's loss 0.108 against 0.0002, 3.2
+# points of test accuracy below the fault-free run, 1 run in 12), though its losses equalled the fault-free
+# run's up to step 682.
 RUN_EPOCHS = 20
 EPOCHS = ["--epochs", str(RUN_EPOCHS), "--lr-schedule", "cosine"]
-# How near a run that lost ranks ends to a fault-free one, in test accuracy on mnist-5k's 1000 test samples. The
-# run that goes on sums in another order (fewer workers) and may take a step or two again, and 20 epochs carry
-# such differences far: the same fault-free run ends at 93.1% under MPICH and 94.1% under Open MPI (the
-# initial draw of issue 40), and a killed chief's allreduce run (seed 1051240817, killed at step 341) ended 1.5
-# points below its reference. Two points is 2.5 standard errors of an accuracy near 94% on 1000 samples.
+# How near a run that lost ranks ends to a fault-free one, in test accuracy on mnist-5k's 1000 test samples.
+# The run that goes on sums in another order (fewer workers) and may take a step or two again, and 20 epochs
+# carry such differences far: the same fault-free run ends at 93.1% under MPICH and 94.1% under Open MPI (the
+# initial draw of issue 40), and a killed chief's allreduce run (seed 1051240817, killed at step 341) ended
+# 1.5 points below its reference. Two points is 2.5 standard errors of an accuracy near 94% on 1000 samples.
 NEAR = 0.02
 
 
-#: fault-free accuracies measured in this session, by the runs' launcher, strategy, ranks and flags: each is a
-#: 20-epoch run (three for ps-async), and the tests that kill one worker or two, or the chief, compare with the
-#: same reference, which is measured once
+# : fault-free accuracies measured in this session, by the runs' launcher, strategy, ranks and flags: each is
+# a : 20-epoch run (three for ps-async), and the tests that kill one worker or two, or the chief, compare with
+# the : same reference, which is measured once
 _REFERENCES = {}
 
 
@@ -344,10 +351,10 @@ def test_killed_workers_leave_a_run_that_finishes_near_a_fault_free_one(python, 
 def test_killed_workers_midway_through_an_epoch_under_allreduce_leave_each_sample_trained_on_once(
     python, tmp_path, mode
 ):
-    """kill -9 of worker 2 of 4 in the middle of an epoch: the 3 survivors hold every lane from the chief's step
-    on.  Every epoch trains on each of its 960 rows once (1000 rows, global batch 48: 20 steps, 40 left out),
-    and every step on the rows a 1-worker run's does; the batches the 4 had in flight when the worker died are
-    taken again by the 3 (left out of the count: no update was made of them)."""
+    """kill -9 of worker 2 of 4 in the middle of an epoch: the 3 survivors hold every lane from the chief's
+    step on.  Every epoch trains on each of its 960 rows once (1000 rows, global batch 48: 20 steps, 40 left
+    out), and every step on the rows a 1-worker run's does; the batches the 4 had in flight when the worker
+    died are taken again by the 3 (left out of the count: no update was made of them)."""
     from test_stream import write
 
     write(tmp_path / "rows.h5", 1000, chunk=10)
@@ -367,8 +374,8 @@ def test_killed_workers_midway_through_an_epoch_under_allreduce_leave_each_sampl
         "--eval-every",
         "0",
     ]
-    # (budget: 4 workers hold their 250 rows of 64 B in memory, the 3 survivors' 334 cross the budget and stream,
-    # in the order the run started with)
+    # (budget: 4 workers hold their 250 rows of 64 B in memory, the 3 survivors' 334 cross the budget and
+    # stream, in the order the run started with)
     flags += (
         ["--memory-budget", "18K"] if mode == "budget" else ["--data-mode", mode, "--shuffle-buffer", "96"]
     )
@@ -446,8 +453,8 @@ def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoi
         "--checkpoint-wait",
     ]
     metrics = tmp_path / "m.jsonl"
-    # (killed once step 41 is logged: step 40's checkpoint was gathered before step 41 began, where the line of
-    # step 40 comes just before that gather, and a kill there left the newest at 30, 1 run in 17)
+    # (killed once step 41 is logged: step 40's checkpoint was gathered before step 41 began, where the line
+    # of step 40 comes just before that gather, and a kill there left the newest at 30, 1 run in 17)
     code, out, err, seconds = run(python, 5, flags, metrics, kills=[(41, 4)])
     assert code == 1, (out, err)
     assert "rank 4 (ps) died: --elastic carries on without lost workers" in err
@@ -469,8 +476,9 @@ def test_a_killed_ps_ends_the_run_promptly_and_it_resumes_from_the_last_checkpoi
 
 @rerun_if_the_launcher_hangs
 def test_a_killed_chief_ends_the_run_and_says_so_where_the_others_do_not_hold_its_state(python, tmp_path):
-    """ps-async without checkpoints: the chief's place is not the others' (allreduce's and ps-sync's are: see the
-    test of a replaced chief; ps-async's is, by going back to a checkpoint: see the test of a rollback)."""
+    """ps-async without checkpoints: the chief's place is not the others' (allreduce's and ps-sync's are: see
+    the test of a replaced chief; ps-async's is, by going back to a checkpoint: see the test of a
+    rollback)."""
     code, out, err, seconds = run(
         python,
         6,
@@ -552,14 +560,16 @@ if rank == 0:   # held up at the dead rank's lock, for good but for the guard
     print("never", flush=True)
 began = time.monotonic()
 world.Revoke()
-print("rank", rank, "shrunk to", world.Shrink().Get_size(), "in", round(time.monotonic() - began, 1), flush=True)
+shrunk = world.Shrink().Get_size()
+print("rank", rank, "shrunk to", shrunk, "in", round(time.monotonic() - began, 1), flush=True)
 os._exit(0)
 """
 
 
 def test_a_rank_held_up_in_an_operation_at_a_dead_rank_is_ended_so_that_the_others_go_on(python, tmp_path):
     """Open MPI's shared-memory windows: a rank killed inside an accumulate at itself keeps its lock; the next
-    accumulate there spins for good.  The guard ends the rank held up, and the third one's shrink completes."""
+    accumulate there spins for good.  The guard ends the rank held up, and the third one's shrink
+    completes."""
     for _ in range(5):  # (the kill must land while rank 1 holds its lock: nearly always, not always)
         done = run_script(python, tmp_path / "held_up.py", HELD_UP)
         assert "adding" in done.stdout, (done.stdout, done.stderr)
@@ -592,7 +602,8 @@ if rank == 2:   # the only ps, killed inside one of its own accumulates (taking 
     while True:
         window.add(values, 2)
 time.sleep(2.0)
-print("adding", flush=True)   # both workers push at the dead ps: held up, both of them, for good but for the guard
+# both workers push at the dead ps: held up, both of them, for good but for the guard
+print("adding", flush=True)
 window.add(np.ones(4), 2)
 print("never", flush=True)
 os._exit(0)
@@ -856,7 +867,8 @@ def test_an_error_other_or_in_a_status_counts_as_a_death_only_while_a_process_is
     assert not ulfm.is_failure(other, alive) and alive.asked == ulfm.FAILED_LOOKS
     assert not ulfm.is_failure(other) and not ulfm.is_failure(MPI.Exception(MPI.ERR_BUFFER), Comm(dead=1))
     assert not ulfm.is_failure(ValueError("not MPI"), Comm(dead=1))
-    # Waitall over a pipeline's sends, one to a rank killed meanwhile (seen in CI: seed 80815786, rank 2 at 458)
+    # Waitall over a pipeline's sends, one to a rank killed meanwhile (seen in CI: seed 80815786, rank 2 at
+    # 458)
     in_status = MPI.Exception(MPI.ERR_IN_STATUS)
     assert ulfm.is_failure(in_status, Comm(dead=1)) and not ulfm.is_failure(in_status, Comm(dead=0))
 
@@ -864,9 +876,10 @@ def test_an_error_other_or_in_a_status_counts_as_a_death_only_while_a_process_is
 @pytest.mark.parametrize("strategy", ["allreduce", "local-sgd", "ps-sync", "pipeline"])
 @rerun_if_the_launcher_hangs
 def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path, strategy):
-    """kill -9 of the chief on mnist-5k; the lowest surviving worker takes its place (metrics, log, checkpoints);
-    the run ends with exit 0 near a fault-free run's accuracy, its metrics file whole and continuous.  A
-    pipeline's replica 0 has lost a stage: its other stage (rank 1) waits idle, replica 1 goes on."""
+    """kill -9 of the chief on mnist-5k; the lowest surviving worker takes its place (metrics, log,
+    checkpoints); the run ends with exit 0 near a fault-free run's accuracy, its metrics file whole and
+    continuous.  A pipeline's replica 0 has lost a stage: its other stage (rank 1) waits idle, replica 1 goes
+    on."""
     strategy_flags, ranks, _, _ = CASES[strategy] if strategy != "pipeline" else (PIPELINE, 4, None, None)
     # data-parallel workers left (a pipeline's: replicas), worker ranks left, idle ranks
     left, ranks_left, idle = (1, 2, [1]) if strategy == "pipeline" else (3, 3, None)
@@ -921,8 +934,9 @@ def test_a_killed_chief_is_replaced_and_the_run_goes_on_as_one(python, tmp_path,
 
 @rerun_if_the_launcher_hangs
 def test_a_pipeline_replica_that_lost_a_stage_is_set_aside_and_the_other_goes_on(python, tmp_path):
-    """kill -9 of a stage of replica 1, or of replica 0's last stage (the chief's neighbour: the chief itself is
-    set aside, and replica 1's first stage takes its place); exit 0 near a fault-free run, every step logged."""
+    """kill -9 of a stage of replica 1, or of replica 0's last stage (the chief's neighbour: the chief itself
+    is set aside, and replica 1's first stage takes its place); exit 0 near a fault-free run, every step
+    logged."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     victim, kill = rng.choice([1, 2, 3]), rng.randrange(MNIST_STEPS, 12 * MNIST_STEPS)
@@ -966,8 +980,8 @@ def test_a_pipeline_replica_that_lost_a_stage_is_set_aside_and_the_other_goes_on
 
 @rerun_if_the_launcher_hangs
 def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(python, tmp_path):
-    """ps-sync, 3 workers and 2 ps: kill -9 of a ps; every survivor goes back to the newest checkpoint, the one
-    ps left holds the whole model, and the run ends with exit 0 near a fault-free run's accuracy."""
+    """ps-sync, 3 workers and 2 ps: kill -9 of a ps; every survivor goes back to the newest checkpoint, the
+    one ps left holds the whole model, and the run ends with exit 0 near a fault-free run's accuracy."""
     flags = [
         "--strategy",
         "ps-sync",
@@ -989,8 +1003,8 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
     assert len(recoveries) == 1, (replay, recoveries, out)
     recovered = recoveries[0]
     assert recovered["lost_ranks"] == [4] and recovered["ps"] == 1 and done["workers"] == 3, replay
-    # back to the newest checkpoint written before the loss (one is due every 10 steps; written behind training,
-    # one may come a few steps late)
+    # back to the newest checkpoint written before the loss (one is due every 10 steps; written behind
+    # training, one may come a few steps late)
     written = [event["step"] for event in events(metrics, "checkpoint")]
     assert recovered["step"] in written and recovered["steps_lost"] >= 0, (replay, recovered, written)
     assert recovered["step"] + recovered["steps_lost"] >= kill - 1, (replay, recovered)
@@ -1013,11 +1027,11 @@ def test_a_killed_ps_of_two_is_survived_by_a_rollback_to_the_newest_checkpoint(p
 def test_a_killed_ps_or_chief_under_ps_async_is_survived_by_a_rollback_to_the_newest_checkpoint(
     python, tmp_path, victim
 ):
-    """ps-async, 4 workers and 2 ps, with checkpoints: kill -9 of either ps (the first one also decides and writes
-    the checkpoints), or of the chief, at a random step.  No call fails: every rank sees the death on its own watch,
-    as it steps, waits on the staleness bound or serves, and they recover together, back to the newest checkpoint,
-    on new windows (a lost ps: the one left holds the whole model; a lost chief: the lowest worker takes its place);
-    the run ends with exit 0 within the fault-free runs' range."""
+    """ps-async, 4 workers and 2 ps, with checkpoints: kill -9 of either ps (the first one also decides and
+    writes the checkpoints), or of the chief, at a random step.  No call fails: every rank sees the death on
+    its own watch, as it steps, waits on the staleness bound or serves, and they recover together, back to the
+    newest checkpoint, on new windows (a lost ps: the one left holds the whole model; a lost chief: the lowest
+    worker takes its place); the run ends with exit 0 within the fault-free runs' range."""
     from mpidist.store.lineage import parse_name
 
     flags = [

@@ -1,4 +1,5 @@
-"""Agreement on set-up errors: every rank exits together, one message; what a failed read of a file becomes."""
+"""Agreement on set-up errors: every rank exits together, one message; what a failed read of a file
+becomes."""
 
 import errno
 

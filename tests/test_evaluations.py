@@ -1,4 +1,5 @@
-"""Evaluations that are bounded (``--eval-samples``), seen (a progress line) and cut short by a stop signal."""
+"""Evaluations that are bounded (``--eval-samples``), seen (a progress line) and cut short by a stop
+signal."""
 
 import signal
 import time
@@ -19,7 +20,8 @@ HUGE = 10**11
 
 
 def sparse_dataset(path, rows=HUGE):
-    """A dataset that declares ``rows`` rows per split and stores none of them (every chunk reads as zeros)."""
+    """A dataset that declares ``rows`` rows per split and stores none of them (every chunk reads as
+    zeros)."""
     with h5py.File(path, "w") as handle:
         handle.attrs.update(name="huge", num_classes=3, source="a sparse file")
         for split in ("train", "test"):
@@ -169,7 +171,8 @@ def test_a_split_of_a_hundred_billion_rows_is_evaluated_on_a_thousand_of_them_in
 
 def test_a_long_evaluation_is_announced_shows_progress_and_a_signal_cuts_it_short(tmp_path):
     """Without a limit: the start-up note, a progress line after 5 s, and SIGTERM acted on within seconds (a
-    billion rows take hours to evaluate; the hundred billion of the test of --eval-samples only start slower)."""
+    billion rows take hours to evaluate; the hundred billion of the test of --eval-samples only start
+    slower)."""
     rows = 10**9
     data = sparse_dataset(tmp_path / "huge.h5", rows=rows)
     launcher = start_mpi(

@@ -36,7 +36,8 @@ def test_a_layer_of_ones_own_trains_under_every_strategy_at_4_ranks(flags):
 
 
 def test_the_example_layers_gradient_check_catches_a_wrong_backward():
-    """The example's check, on its PReLU with the slope's gradient summed over the wrong sign: named, refused."""
+    """The example's check, on its PReLU with the slope's gradient summed over the wrong sign: named,
+    refused."""
     from mpidist import nn
 
     spec = importlib.util.spec_from_file_location("custom_layer_example", EXAMPLES / "custom_layer.py")
@@ -61,7 +62,8 @@ def test_every_example_runs_at_2_ranks(name, least, tmp_path):
     done, _ = run_mpi(2, [str(EXAMPLES / f"{name}.py")], timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     # where it ran: the run directories of its runs (runs/, holding their checkpoints), or nothing where its
-    # checkpoints went to a temporary directory it removed (a run directory without them would name files gone)
+    # checkpoints went to a temporary directory it removed (a run directory without them would name files
+    # gone)
     left = sorted(path.name for path in tmp_path.iterdir())
     assert left == ([] if name == "predict" else ["runs"]), left
     assert all((run / "checkpoints").is_dir() for run in tmp_path.glob("runs/*")), list(

@@ -75,9 +75,9 @@ def train(*flags, env=None, prefix=()):
 
 
 def bad(*flags, message, alike=False):
-    """A row of bad input: exit 2, one message, no traceback.  ``alike``: every rank refuses it alike, whatever
-    its role or shard (the command line, a config file, a dataset's or a checkpoint's header, an output the chief
-    opens): it runs at 2 ranks only."""
+    """A row of bad input: exit 2, one message, no traceback.  ``alike``: every rank refuses it alike,
+    whatever its role or shard (the command line, a config file, a dataset's or a checkpoint's header, an
+    output the chief opens): it runs at 2 ranks only."""
     return Fault(train(*flags), 2, message, ranks=(2,) if alike else (2, 4))
 
 
@@ -213,7 +213,8 @@ def token_model(p, stack=None):
 
 
 def token_ids(bad):
-    """Token sequences of ids 0..7 but ``bad`` at position 3 of every sample: every worker's first batch has one."""
+    """Token sequences of ids 0..7 but ``bad`` at position 3 of every sample: every worker's first batch has
+    one."""
 
     def make(p, stack=None):
         x = np.tile(np.arange(8, dtype=np.float32), (100, 1))
@@ -620,7 +621,8 @@ def tagged_traceback(p, out, err):
     assert "[rank 1] Traceback (most recent call last):" in err
 
 
-# An exception in a thread other than the main one: only the abort hook ends the others (blocked in a Barrier).
+# An exception in a thread other than the main one: only the abort hook ends the others (blocked in a
+# Barrier).
 RAISE_IN_A_THREAD = """
     import threading, time
     from mpi4py import MPI
@@ -645,8 +647,9 @@ def script(text, *args):
 def both_checkpoints_whole(p, out, err):
     (stop,) = events(p / "m.jsonl", "stopped")
     steps = checkpoint_steps(p / "ckpt")
-    # the checkpoint of step 10 is written behind the steps after it: the signal comes during one of them (which,
-    # depends on the machine's load), is posted at the next boundary and learned by every rank one step later
+    # the checkpoint of step 10 is written behind the steps after it: the signal comes during one of them
+    # (which, depends on the machine's load), is posted at the next boundary and learned by every rank one
+    # step later
     assert steps == [10, stop["step"]] and stop["step"] > 11 and stop["signal"] == "SIGTERM"
     for step in steps:
         assert checkpoint.load(checkpoint_at(p / "ckpt", step)).step == step
@@ -844,7 +847,8 @@ def trained_on(p, data, cwd=None):
 
 
 def relative_data_evaluated_elsewhere(p, stack=None):
-    """Trained on ``rel.h5`` given relative in ``p``; evaluated from ``p/other``, which has another ``rel.h5``."""
+    """Trained on ``rel.h5`` given relative in ``p``; evaluated from ``p/other``, which has another
+    ``rel.h5``."""
     learnable(p / "rel.h5")
     path = trained_on(p, "rel.h5", cwd=p)
     (p / "other").mkdir()
@@ -995,7 +999,8 @@ def link_replaced(p, out, err):
 
 
 def a_pipe_named_like_a_checkpoint(p):
-    """``p/ck`` holding a named pipe ``ckpt-00000004-abcdef01.h5`` (the run hung in its claim, which opened it)."""
+    """``p/ck`` holding a named pipe ``ckpt-00000004-abcdef01.h5`` (the run hung in its claim, which opened
+    it)."""
     (p / "ck").mkdir()
     os.mkfifo(p / "ck" / "ckpt-00000004-abcdef01.h5")
     return str(p / "ck")
@@ -1055,7 +1060,8 @@ def previous_kept_and_nothing_aside(name):
 
 
 def on_a_small_disk(args, size="16k", previous="disk/out.h5"):
-    """``python -m mpidist ARGS`` with ``p/disk`` a file system of ``size``, holding a previous file ``previous``."""
+    """``python -m mpidist ARGS`` with ``p/disk`` a file system of ``size``, holding a previous file
+    ``previous``."""
 
     def provoke(p, stack):
         prefix = stack.enter_context(full_disk(p / "disk", size=size))
@@ -1076,8 +1082,8 @@ SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}  # about 30 ms a step: time to act mid-r
 
 
 def sparse_dataset(p):
-    """A dataset declaring 10^9 rows a split, none stored: an evaluation of it would take hours (10^11, days, only
-    starts slower: tests/test_evaluations.py trains on that many)."""
+    """A dataset declaring 10^9 rows a split, none stored: an evaluation of it would take hours (10^11, days,
+    only starts slower: tests/test_evaluations.py trains on that many)."""
     from test_evaluations import sparse_dataset as sparse
 
     return str(sparse(p / "huge.h5", rows=10**9))
@@ -1562,8 +1568,8 @@ FAULTS = {
         "stream",
         "--memory-budget",
         "4M",
-        message="train/x is stored in compressed chunks of 20,000 rows (4.9 MiB decompressed): reading any of its "
-        "samples decompresses a whole chunk",
+        message="train/x is stored in compressed chunks of 20,000 rows (4.9 MiB decompressed): reading any "
+        "of its samples decompresses a whole chunk",
     ),
     # paths, names and special files (issue 30, item 6)
     "eval elsewhere of a checkpoint on a relative --data": Fault(

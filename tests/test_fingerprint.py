@@ -1,4 +1,5 @@
-"""How a run records its dataset (an absolute path, a fingerprint of its content), and the names it builds files of."""
+"""How a run records its dataset (an absolute path, a fingerprint of its content), and the names it builds
+files of."""
 
 import os
 
@@ -50,7 +51,8 @@ def test_the_fingerprint_knows_a_dataset_by_content_not_by_name(tmp_path):
 
 
 def test_the_fingerprint_reads_a_bounded_sample_of_a_large_dataset(tmp_path, monkeypatch):
-    """A sample of 1,000,000 values per row: the reads stay within SAMPLE_BYTES per place, whatever the rows."""
+    """A sample of 1,000,000 values per row: the reads stay within SAMPLE_BYTES per place, whatever the
+    rows."""
     path = tmp_path / "wide.h5"
     with h5py.File(path, "w") as handle:
         handle.attrs.update(name="wide", num_classes=3, source="")

@@ -365,7 +365,8 @@ def test_any_flag_values_are_taken_or_refused_in_one_line(pairs):
 
 # -- end to end: a few examples through real ranks ---------------------------------------------------------
 def launch(tmp, *flags):
-    """``mpiexec -n 2 python -m mpidist train --steps 3 FLAGS`` under the 10-second limit; (code, stdout, stderr)."""
+    """``mpiexec -n 2 python -m mpidist train --steps 3 FLAGS`` under the 10-second limit; (code, stdout,
+    stderr)."""
     done, seconds = run_mpi(
         2,
         [

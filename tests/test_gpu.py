@@ -53,7 +53,8 @@ def test_allreduce_of_device_arrays_on_either_path(monkeypatch):
 
 
 def test_host_staging_copies_into_pinned_memory_from_cupys_pool():
-    # pageable memory made a host-staged send 5 times slower than MPI between host buffers (gpu/check.sh, H200)
+    # pageable memory made a host-staged send 5 times slower than MPI between host buffers (gpu/check.sh,
+    # H200)
     from mpidist.runtime import device_buffers as comm
 
     array = cupy.arange(1000, dtype=cupy.float32)

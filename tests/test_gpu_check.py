@@ -1,4 +1,5 @@
-"""gpu/check.sh, the GPU check a lent GPU machine runs in one call, run here without a GPU so that it cannot rot.
+"""gpu/check.sh, the GPU check a lent GPU machine runs in one call, run here without a GPU so that it cannot
+rot.
 
 Here it installs the wheels gpu/wheels.sh fetches (for this interpreter) into a
 scratch prefix, runs ``info`` and the CPU reference of every strategy and

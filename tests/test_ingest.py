@@ -101,7 +101,8 @@ def test_a_missing_source_package_is_named_with_the_install_command(monkeypatch,
     assert not (tmp_path / "m.h5").exists()
 
 
-# -- a hostile sweep: every bad input is one UsageError naming the file, the item and the value ---------------
+# -- a hostile sweep: every bad input is one UsageError naming the file, the item and the value
+# ---------------
 def refused(tmp_path, source, message, **options):
     """Ingest ``source`` into ``out.h5``: it must fail with ``message``, on one line, leaving no output."""
     before = sorted(tmp_path.rglob("*"))
@@ -287,7 +288,8 @@ def test_a_single_class_is_refused_unless_the_task_is_regression(tmp_path):
 
 
 def test_whole_number_targets_with_fewer_than_two_rows_a_class_ask_for_the_task(tmp_path):
-    # scikit-learn's diabetes targets as its CSV has them (151.0, 75.0, ...): 442 rows of whole numbers 25 to 346
+    # scikit-learn's diabetes targets as its CSV has them (151.0, 75.0, ...): 442 rows of whole numbers 25 to
+    # 346
     rng = np.random.default_rng(0)
     y = rng.integers(25, 347, 442).astype(float)
     (tmp_path / "diabetes.csv").write_text(
@@ -298,7 +300,8 @@ def test_whole_number_targets_with_fewer_than_two_rows_a_class_ask_for_the_task(
         tmp_path,
         tmp_path / "diabetes.csv",
         r"diabetes.csv: the label column \(column 3\) holds whole numbers "
-        r"from 25.0 to 346.0: as classes, 347 of them for 442 rows \(fewer than 2 rows a class\); if they are "
+        r"from 25.0 to 346.0: as classes, 347 of them for 442 rows \(fewer than 2 rows a class\); if they "
+        r"are "
         r"quantities to predict, pass --task regression, if classes, --task classification",
     )
     assert (

@@ -1,4 +1,5 @@
-"""``ingest --shard-size`` and ``--compression``, and the synthetic source: datasets written a block at a time."""
+"""``ingest --shard-size`` and ``--compression``, and the synthetic source: datasets written a block at a
+time."""
 
 import h5py
 import numpy as np

@@ -32,8 +32,8 @@ class Gate(nn.Layer):
 
 
 def layers():
-    """Seven layers of each kind of initialiser: a Dense pair that splits, one that stays whole, a user's layer,
-    a LayerNorm (constants) and a Glorot classifier."""
+    """Seven layers of each kind of initialiser: a Dense pair that splits, one that stays whole, a user's
+    layer, a LayerNorm (constants) and a Glorot classifier."""
     return [
         nn.Dense(16),
         nn.ReLU(),

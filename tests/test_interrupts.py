@@ -1,4 +1,5 @@
-"""A signal ends a command other than ``train`` where it lands: one line, exit 3, nothing aside, the old output kept.
+"""A signal ends a command other than ``train`` where it lands: one line, exit 3, nothing aside, the old
+output kept.
 
 (issue 41, items 3 and 8.)  The commands run as one process, without a
 launcher, as a user runs them at a terminal; test_faults.py's catalogue runs

@@ -163,7 +163,8 @@ def test_the_order_s_memory_is_the_same_at_a_million_rows_and_at_a_hundred_billi
     assert large < small * 1.1 + 4096 and large < 1 << 20, (small, large)
 
 
-# -- shards in memory and streams of a file ---------------------------------------------------------------------
+# -- shards in memory and streams of a file
+# ---------------------------------------------------------------------
 def rows_of(batches):
     return [[int(v) for v in np.asarray(x).reshape(len(x), -1)[:, 0]] for x, _ in batches]
 
@@ -244,8 +245,9 @@ def test_a_stream_s_windows_are_its_lanes_share_of_the_buffer_in_units_of_whole_
     stream = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400, lanes=Lanes(batch, 2, 3))
     assert stream.share == lane_share(400, rows, batch) == 40
     assert (stream.lo, stream.hi) == (400, 1000) and len(stream) == 600
-    # units: whole chunks of about a quarter of the share, one chunk at least (a compressed chunk is decompressed
-    # whole to read any of it); windows: as many units as hold the share.  The model's dtype changes nothing
+    # units: whole chunks of about a quarter of the share, one chunk at least (a compressed chunk is
+    # decompressed whole to read any of it); windows: as many units as hold the share.  The model's dtype
+    # changes nothing
     assert order_units(info, "train", 400, (4,), np.float32, batch) == (16, 3)
     assert order_units(info, "train", 4000, (4,), np.float64, batch) == (48, 5)  # (shares of 200: 3 chunks)
     assert (stream.order.unit, stream.order.window) == (16, 3)
@@ -321,7 +323,8 @@ def test_gathering_takes_a_segment_of_steps_at_a_time(tmp_path, monkeypatch):
     assert len(batches) == 300 and len(bases) < 300 / 4
 
 
-# -- real runs: the rows each worker trained on, recorded (MPIDIST_TEST_RECORD) ----------------------------------
+# -- real runs: the rows each worker trained on, recorded (MPIDIST_TEST_RECORD)
+# ----------------------------------
 ROWS, BATCH, STEPS = 1000, 48, 20  # 20 steps an epoch, 40 rows left out of each
 
 
@@ -358,7 +361,8 @@ def recorded_run(tmp_path, ranks, folder, *flags):
 
 
 def assert_each_sample_once_an_epoch_as_one_worker_trains(trained, reference):
-    """Each epoch of ``trained`` trains on each of its rows once, and each step on the rows one worker's does."""
+    """Each epoch of ``trained`` trains on each of its rows once, and each step on the rows one worker's
+    does."""
     assert (
         sorted(trained) == sorted(reference) == [(epoch, step) for epoch in range(2) for step in range(STEPS)]
     )
@@ -406,7 +410,8 @@ def test_a_run_resumed_on_another_worker_count_and_data_mode_trains_each_sample_
     tmp_path, first, then
 ):
     """Stopped at step 13 on 4 workers, resumed on 2 in the other mode, with the buffer the run started with
-    (its checkpoint's): each epoch trains on each of its rows once, step by step as one worker with that buffer."""
+    (its checkpoint's): each epoch trains on each of its rows once, step by step as one worker with that
+    buffer."""
     import h5py
 
     write(tmp_path / "rows.h5", ROWS, chunk=2)  # (a window holds whole chunks: small ones, for the budget)
@@ -477,8 +482,8 @@ def test_a_resume_with_another_batch_size_mid_epoch_says_it_cuts_other_lanes():
 @pytest.mark.mpi(min_size=2)
 def test_between_graph_workers_train_on_the_global_batches_one_process_trains_on():
     """allreduce on every rank of the world (3, 4, 6 workers...) and one process, 30 steps of mlp in float64,
-    between-graph: each worker reads its own lanes, and the parameters agree to rounding (the gradient is summed
-    in another order): the same samples at every step."""
+    between-graph: each worker reads its own lanes, and the parameters agree to rounding (the gradient is
+    summed in another order): the same samples at every step."""
     import io
 
     from mpi4py import MPI

@@ -65,7 +65,8 @@ def test_layer_gradients_match_finite_differences(layers, shape):
     check_model_gradients(layers, shape)
 
 
-# --- convolutions and pooling against loops ------------------------------------------------------------------------
+# --- convolutions and pooling against loops
+# ------------------------------------------------------------------------
 
 
 def reference_conv1d(x, w, b, stride, pads):
@@ -171,7 +172,8 @@ def test_pools_that_do_not_fit_are_shape_errors():
         Sequential([Conv1D(2)], (5,))
 
 
-# --- activations and LayerNorm ---------------------------------------------------------------------------------------
+# --- activations and LayerNorm
+# ---------------------------------------------------------------------------------------
 
 
 def test_gelu_is_the_tanh_approximation():
@@ -208,7 +210,8 @@ def test_layernorm_normalises_the_last_axis_and_applies_gamma_beta():
     np.testing.assert_allclose(model.forward(x), 2 * y + 0.5, rtol=1e-12)
 
 
-# --- BatchNorm -------------------------------------------------------------------------------------------------------
+# --- BatchNorm
+# -------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -264,7 +267,8 @@ def test_running_entries_are_the_flat_ranges_of_running_statistics():
 
 
 class FakeAllreduce:
-    """In-place sum across ``parts`` threads, each standing for one worker: the MPI Allreduce a strategy would pass."""
+    """In-place sum across ``parts`` threads, each standing for one worker: the MPI Allreduce a strategy would
+    pass."""
 
     def __init__(self, parts):
         self.barrier = threading.Barrier(parts, timeout=30)
@@ -285,7 +289,8 @@ class FakeAllreduce:
 
 
 def run_workers(parts, work):
-    """``work(worker)`` on one thread per worker; returns the results in worker order, re-raising any failure."""
+    """``work(worker)`` on one thread per worker; returns the results in worker order, re-raising any
+    failure."""
     results, errors = [None] * parts, []
 
     def target(worker):
@@ -353,7 +358,8 @@ def test_batchnorm_without_a_reducer_is_per_worker():
     np.testing.assert_allclose(synced.forward(x, training=True), plain.forward(x, training=True), rtol=1e-14)
 
 
-# --- Embedding -------------------------------------------------------------------------------------------------------
+# --- Embedding
+# -------------------------------------------------------------------------------------------------------
 
 
 def test_embedding_gradient_adds_up_repeated_ids():
@@ -366,8 +372,9 @@ def test_embedding_gradient_adds_up_repeated_ids():
 
 @pytest.mark.parametrize("bad", [-1, 2.5, 6, np.nan, 1e30])
 def test_an_embedding_refuses_ids_that_are_not_its_tokens_naming_the_sample_and_position(bad):
-    """A negative id would index the table from its end, a fractional one be cut to another: refused, as is one
-    past the vocabulary, whole or split by vocabulary (a part checks the ids against the whole vocabulary)."""
+    """A negative id would index the table from its end, a fractional one be cut to another: refused, as is
+    one past the vocabulary, whole or split by vocabulary (a part checks the ids against the whole
+    vocabulary)."""
     from mpidist.nn.tensor import VocabularyPart
     from mpidist.runtime.errors import UsageError
 
@@ -397,7 +404,8 @@ def test_embedding_looks_up_rows_and_its_input_gradient_is_zero():
     assert model.backward(np.ones((1, 3, 2)), input_grad=False) is None
 
 
-# --- Residual --------------------------------------------------------------------------------------------------------
+# --- Residual
+# --------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -454,7 +462,8 @@ def test_residual_block_that_changes_the_shape_is_a_shape_error_naming_both():
         Sequential([Residual(Dense(3))], (1, 2, 2))
 
 
-# --- zoo specs -------------------------------------------------------------------------------------------------------
+# --- zoo specs
+# -------------------------------------------------------------------------------------------------------
 
 
 def dense_widths(model):

@@ -1,4 +1,5 @@
-"""A checkpoint directory shared by runs: lineages, pruning only one's own, the lock, stale temporary files."""
+"""A checkpoint directory shared by runs: lineages, pruning only one's own, the lock, stale temporary
+files."""
 
 import os
 import signal
@@ -258,8 +259,8 @@ def test_the_indexes_read_for_parts_folders_and_a_claim_never_open_a_pipe(tmp_pa
 
 
 def test_a_run_beside_a_pipe_named_like_a_checkpoint_finishes(tmp_path):
-    """The pipe hung every run after its first checkpoint (the claim and the pruning opened it); now every run,
-    --resume auto, fresh or --new-lineage, passes over it and leaves it as it was."""
+    """The pipe hung every run after its first checkpoint (the claim and the pruning opened it); now every
+    run, --resume auto, fresh or --new-lineage, passes over it and leaves it as it was."""
     import stat
 
     from conftest import mpidist

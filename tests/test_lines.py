@@ -44,7 +44,8 @@ MEASURE = textwrap.dedent("""
     from mpidist.tools import csv_table, plotting
 
     folder = Path(sys.argv[1])
-    readers = {"plot": lambda: plotting.read_run(folder / "run"), "plan --check": lambda: read_layout(folder / "run"),
+    readers = {"plot": lambda: plotting.read_run(folder / "run"),
+               "plan --check": lambda: read_layout(folder / "run"),
                "ingest": lambda: csv_table.read_csv(folder / "wide.csv")}
     for name, read in readers.items():
         tracemalloc.start()

@@ -1,5 +1,5 @@
-"""New HDF5 files (mpidist.store.new_hdf5): whole when the disk has room; one OSError, and a process that exits
-cleanly, when it has not (issue 41, item 6)."""
+"""New HDF5 files (mpidist.store.new_hdf5): whole when the disk has room; one OSError, and a process that
+exits cleanly, when it has not (issue 41, item 6)."""
 
 import subprocess
 import sys
@@ -26,9 +26,10 @@ def test_a_file_written_through_the_guard_is_an_ordinary_hdf5_file(tmp_path):
         assert handle.attrs["name"] == "a" and np.array_equal(handle["x"][...], values)
 
 
-# Each writer of HDF5 files, in a process whose files may not grow past a limit (as a disk with that much free):
-# the write must fail with the file system's OSError, and the process must then exit as it chooses (0 here).
-# With h5py's own file driver the failure came at the close, and the process died at its exit (exit 139).
+# Each writer of HDF5 files, in a process whose files may not grow past a limit (as a disk with that much
+# free): the write must fail with the file system's OSError, and the process must then exit as it chooses (0
+# here). With h5py's own file driver the failure came at the close, and the process died at its exit (exit
+# 139).
 WRITERS = {
     "new_hdf5.created": """
         from mpidist.store import new_hdf5
@@ -43,12 +44,14 @@ WRITERS = {
     """,
     "a checkpoint": """
         from mpidist.store import checkpoint
-        checkpoint.save(folder, np.ones(100000, np.float32), {"m": np.ones(100000, np.float32)}, 1, 1, 0, 1, "{}",
+        checkpoint.save(folder, np.ones(100000, np.float32), {"m": np.ones(100000, np.float32)},
+                        1, 1, 0, 1, "{}",
                         0, 1, lineage="0badcafe")
     """,
     "a checkpoint's part": """
         from mpidist.store import sharded
-        sharded.write_part(folder / "part.h5", np.zeros((1, 4), np.int64), {"params": np.ones(100000, np.float32)})
+        sharded.write_part(folder / "part.h5", np.zeros((1, 4), np.int64),
+                           {"params": np.ones(100000, np.float32)})
     """,
 }
 
@@ -168,8 +171,8 @@ def test_every_command_on_a_full_disk_says_so_in_one_line_and_keeps_the_previous
 
 
 def test_no_module_but_new_hdf5_writes_an_hdf5_file_on_disk_through_h5py_itself():
-    """Every writer goes through :func:`mpidist.store.new_hdf5.created` (a new one too): h5py's own driver is for
-    reading, and for the in-memory image of arrays (no disk to fill)."""
+    """Every writer goes through :func:`mpidist.store.new_hdf5.created` (a new one too): h5py's own driver is
+    for reading, and for the in-memory image of arrays (no disk to fill)."""
     import ast
 
     allowed = {"mpidist/store/new_hdf5.py", "mpidist/data/arrays.py"}

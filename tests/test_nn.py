@@ -9,7 +9,8 @@ from mpidist.nn import Conv2D, Dense, Dropout, Flatten, MaxPool2D, ReLU, Sequent
 
 
 def check_model_gradients(layers, input_shape, batch=3, seed=0, training=False, x=None):
-    """Backprop of sum(out * r) against finite differences, for params and input (:func:`mpidist.nn.check_gradients`).
+    """Backprop of sum(out * r) against finite differences, for params and input
+    (:func:`mpidist.nn.check_gradients`).
 
     ``x`` replaces the random normal input (e.g. token ids); returns the model.
     """

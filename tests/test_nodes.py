@@ -187,8 +187,9 @@ def test_with_one_worker_per_node_auto_sums_over_mpi_and_node_is_refused(tmp_pat
 def test_backup_workers_hear_every_note_across_nodes_even_where_most_are_left_for_later_rounds(
     tmp_path, layout
 ):
-    # --aggregate 1: each round takes one note and leaves the others' for later rounds.  The coordinator once took
-    # notes with a receive from any source, which MPICH's network module left unmatched: this run hung every time
+    # --aggregate 1: each round takes one note and leaves the others' for later rounds.  The coordinator once
+    # took notes with a receive from any source, which MPICH's network module left unmatched: this run hung
+    # every time
     nodes = LAYOUTS[layout]
     done = train(
         tmp_path,

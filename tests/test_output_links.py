@@ -14,7 +14,8 @@ from conftest import mpidist
 
 @pytest.fixture
 def linked(tmp_path):
-    """``make(name)``: ``tmp_path/out/name``, a link to ``tmp_path/elsewhere/victim`` (which holds ``keep``)."""
+    """``make(name)``: ``tmp_path/out/name``, a link to ``tmp_path/elsewhere/victim`` (which holds
+    ``keep``)."""
     (tmp_path / "out").mkdir()
     (tmp_path / "elsewhere").mkdir()
     victim = tmp_path / "elsewhere" / "victim"

@@ -1,4 +1,5 @@
-"""An output claimed before the work, then written whole, its failures worded for every caller (store.outputs)."""
+"""An output claimed before the work, then written whole, its failures worded for every caller
+(store.outputs)."""
 
 import os
 

@@ -66,8 +66,8 @@ def test_a_link_is_fitted_from_times_it_explains_and_given_as_bandwidth_and_late
     for bad in ("25GB,2us", "fast", "0GB/s,1us", "25GB/s", "25GB/s,-1us"):
         with pytest.raises(UsageError, match="--link"):
             parse_link(bad)
-    # an allreduce as MPI runs a large one on a power of two: 2 log2 r messages, each rank moving 2 (r - 1) / r
-    # of the buffer; on 2 ranks, a ring's two steps of half the buffer
+    # an allreduce as MPI runs a large one on a power of two: 2 log2 r messages, each rank moving 2 (r - 1) /
+    # r of the buffer; on 2 ranks, a ring's two steps of half the buffer
     assert Link(1e-6, 1e-9).allreduce(4000, 4) == pytest.approx(2 * 2 * 1e-6 + 2 * 3 * 1000 * 1e-9)
     # 1,000 ranks: recursive halving over 512, the other 488 handing their buffers in and taking them back
     assert Link(1e-6, 1e-9).allreduce(4000, 1000) == pytest.approx(
@@ -179,8 +179,8 @@ def test_buckets_started_as_backward_completes_them_leave_the_last_ones_exchange
     def moved(nbytes, link=cal.node):  # a bucket's allreduce over 2 ranks, on the link
         return link.allreduce(nbytes, 2)
 
-    # cut from the top as mpidist cuts (parallel.exchange.top_down_buckets): a bucket a layer, each moved while
-    # the layers under it go backward; the first layer's and the loss's one element are left after
+    # cut from the top as mpidist cuts (parallel.exchange.top_down_buckets): a bucket a layer, each moved
+    # while the layers under it go backward; the first layer's and the loss's one element are left after
     assert buckets.exposed(cal, layout, 4000) == pytest.approx(moved(4000) + moved(4) + sums)
     assert buckets.exposed(cal, layout, 8000) == pytest.approx(moved(8000) + moved(4) + sums)
     # 1,500 a bucket: the middle one spans layers 1 and 2 and is ready after layer 1; the last holds 1,001
@@ -193,8 +193,8 @@ def test_buckets_started_as_backward_completes_them_leave_the_last_ones_exchange
     assert buckets.exposed(slow, layout, 4000) == pytest.approx(
         backward + 4 * one + moved(4, slow.node) - 4 * backward + sums
     )
-    # the best of the sizes tried: for a model of 64 MiB of gradients (and the loss), a bucket smaller than all
-    # of it; where the link costs nothing, the largest of equals (one call: the first size holding it all)
+    # the best of the sizes tried: for a model of 64 MiB of gradients (and the loss), a bucket smaller than
+    # all of it; where the link costs nothing, the largest of equals (one call: the first size holding it all)
     big = made_up(params=4 << 20)
     size, left = buckets.best_bucket(big, layout)
     assert size < 64 and left < buckets.exposed(big, layout, 128 << 20)
@@ -403,8 +403,8 @@ def test_plan_prints_every_layout_and_a_recommendation_for_each_node_count(tmp_p
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_calibrate_measures_the_model_and_the_links_under_the_launcher(tmp_path, nodes):
     """Two ranks on one node measure the link within it; one on each of two emulated nodes, the network."""
-    # (0.3 s a measurement: at 0.1 s a layer's cost per sample, 0.2 us, was sometimes lost in the noise and fitted
-    # as none, in the suite)
+    # (0.3 s a measurement: at 0.1 s a layer's cost per sample, 0.2 us, was sometimes lost in the noise and
+    # fitted as none, in the suite)
     done, _ = run_mpi(
         2,
         [
@@ -504,7 +504,8 @@ def test_the_peak_a_read_is_measured_against_starts_over():
     assert high_water() - start >= 120 << 20
 
 
-# -- a calibration is untrusted input, its sizes and extremes too (issue 41, item 9) ------------------------------
+# -- a calibration is untrusted input, its sizes and extremes too (issue 41, item 9)
+# ------------------------------
 def _no_constant(name):
     raise ValueError(f"{name} in plan.json")
 

@@ -34,7 +34,8 @@ def digits_test():
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
-    """``(checkpoint, the trained model on rank 0 or None)`` of a short digits run on every rank of the world."""
+    """``(checkpoint, the trained model on rank 0 or None)`` of a short digits run on every rank of the
+    world."""
     directory = shared_dir(tmp_path_factory, "digits")
     result = mpidist.train("mlp", "digits", epochs=2, checkpoint_dir=str(directory / "ck"), **QUIET)
     checkpoint = MPI.COMM_WORLD.bcast(str(result.checkpoints[-1]) if result.is_chief else None, root=0)
@@ -357,7 +358,8 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
     done, _ = launch(1, "predict", str(checkpoint), "--data", "narrow.csv", "--output", "x.csv", cwd=tmp_path)
     assert done.returncode == 2 and "narrow.csv" in done.stderr and "shape" in done.stderr, done.stderr
     # the same rows as pandas writes a subset (df.iloc[100:].to_csv): an unnamed index column first, numbering
-    # rows from 100, no label; then by name in another order with the label; predicted as ingest would read them
+    # rows from 100, no label; then by name in another order with the label; predicted as ingest would read
+    # them
     names = [f"f{i}" for i in range(x.shape[1])]
 
     def table(name, columns, rows):
@@ -380,7 +382,8 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
         assert done.returncode == 0 and np.array_equal(np.load(tmp_path / f"{name}.npy"), classes), (
             done.stderr
         )
-    # columns that are not the model's, by name: refused, named (a feature missing; one the model does not take)
+    # columns that are not the model's, by name: refused, named (a feature missing; one the model does not
+    # take)
     table(
         "missing.csv",
         names[:3] + names[4:],

@@ -160,8 +160,8 @@ def test_a_builder_file_that_trains_when_loaded_is_refused_with_the_fix(tmp_path
 
 
 def test_the_readmes_commands_write_nothing_into_the_checkout():
-    """Run verbatim from a fresh clone, the README's commands leave ``git status`` clean: what they write goes to
-    new paths, or to ``runs/`` (ignored), never over a tracked file or into a tracked folder."""
+    """Run verbatim from a fresh clone, the README's commands leave ``git status`` clean: what they write goes
+    to new paths, or to ``runs/`` (ignored), never over a tracked file or into a tracked folder."""
     import subprocess
     from pathlib import Path
 

@@ -156,7 +156,8 @@ def test_attention_keeps_one_n_h_l_l_array_and_backward_one_more():
     assert sum(array.shape == square for array in model.workspace._arrays.values()) == 2
 
 
-# --- key padding -----------------------------------------------------------------------------------------------------
+# --- key padding
+# -----------------------------------------------------------------------------------------------------
 
 
 def padded_model(pad_id=0, pool=True):
@@ -213,7 +214,8 @@ def test_a_padding_source_that_has_no_mask_is_a_shape_error_naming_it():
         Embedding(6, 4, pad_id=6)
 
 
-# --- positions, class token, pooling ---------------------------------------------------------------------------------
+# --- positions, class token, pooling
+# ---------------------------------------------------------------------------------
 
 
 def test_positional_embedding_adds_its_rows_and_refuses_longer_sequences():
@@ -240,7 +242,8 @@ def test_class_token_is_prepended_and_read_back_first():
         SequencePool("max")
 
 
-# --- the block -------------------------------------------------------------------------------------------------------
+# --- the block
+# -------------------------------------------------------------------------------------------------------
 
 
 def test_transformer_block_is_two_residuals_in_a_list_that_can_be_replaced_in_place():
@@ -266,7 +269,8 @@ def test_transformer_block_is_two_residuals_in_a_list_that_can_be_replaced_in_pl
 
 
 def test_a_tiny_causal_transformer_learns_to_copy_the_previous_token():
-    """Next-token prediction on sequences ``(N, L)`` of ids whose next token is the current one shifted by 1."""
+    """Next-token prediction on sequences ``(N, L)`` of ids whose next token is the current one shifted by
+    1."""
     rng = np.random.default_rng(0)
     vocab, length = 5, 6
     model = Sequential(
@@ -290,7 +294,8 @@ def test_a_tiny_causal_transformer_learns_to_copy_the_previous_token():
     assert value < 0.05
 
 
-# --- the per-token loss ----------------------------------------------------------------------------------------------
+# --- the per-token loss
+# ----------------------------------------------------------------------------------------------
 
 
 def test_token_cross_entropy_is_the_mean_over_tokens_and_its_gradient_matches_finite_differences():
@@ -310,12 +315,14 @@ def test_token_cross_entropy_is_the_mean_over_tokens_and_its_gradient_matches_fi
         loss.forward(logits, labels[:, 0])
 
 
-# --- the zoo's transformer -------------------------------------------------------------------------------------------
+# --- the zoo's transformer
+# -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kernel", [1, 2, 3, 5])
 def test_token_conv_is_conv1d_along_the_positions(kernel):
-    """The same kernel as an independent reference, Conv1D on (N, F, L) ("same" padding, one more after if even)."""
+    """The same kernel as an independent reference, Conv1D on (N, F, L) ("same" padding, one more after if
+    even)."""
     rng = np.random.default_rng(kernel)
     ours = Sequential([TokenConv(3, kernel)], (9, 2), xp=np, dtype=np.float64)
     conv = Sequential([nn.Conv1D(3, kernel)], (2, 9), xp=np, dtype=np.float64)

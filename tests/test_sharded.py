@@ -1,4 +1,5 @@
-"""Sharded checkpoints (format 2): part files of each rank's slices, and an index of virtual datasets over them."""
+"""Sharded checkpoints (format 2): part files of each rank's slices, and an index of virtual datasets over
+them."""
 
 import json
 import shutil
@@ -41,7 +42,8 @@ def parameters(model):
 
 
 def layouts(model):
-    """Each layout's placements: two pipeline stages, three tensor parts, and a replica that writes nothing."""
+    """Each layout's placements: two pipeline stages, three tensor parts, and a replica that writes
+    nothing."""
     cut = 4
     stages = [Placement.of_entries(model, 0, cut), Placement.of_entries(model, cut, len(model.entries))]
     parts = [split_model(model, part, 3)[1] for part in range(3)]

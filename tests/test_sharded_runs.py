@@ -64,7 +64,8 @@ def folders(directory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The same training on one rank, 6 steps, its format-1 checkpoint: what every layout must end equal to."""
+    """The same training on one rank, 6 steps, its format-1 checkpoint: what every layout must end equal
+    to."""
     directory = train(tmp_path_factory.mktemp("local"), "local", 1, ["--strategy", "local"], "--steps", "6")
     return checkpoint.load(checkpoint_at(directory / "ck", 6))
 
@@ -123,8 +124,8 @@ def test_a_parts_folder_no_index_names_is_removed_at_the_next_start(tmp_path):
 
 
 def test_checkpoints_written_behind_training_are_each_whole_when_logged_and_leave_no_stray_parts(tmp_path):
-    # a checkpoint due every step, not waited for: each rank syncs its part in a thread, and the chief writes the
-    # index at a later step boundary, once every rank said its part is on disk
+    # a checkpoint due every step, not waited for: each rank syncs its part in a thread, and the chief writes
+    # the index at a later step boundary, once every rank said its part is on disk
     ck, metrics = tmp_path / "ck", tmp_path / "run" / "metrics.jsonl"
     flags = [arg for arg in TRAIN if arg != "--checkpoint-wait"]
     done, _ = mpidist(
@@ -192,8 +193,8 @@ def test_keep_best_of_a_split_model_keeps_the_parts_its_index_names_and_no_other
 def test_a_rank_killed_while_the_parts_are_written_ends_the_job_and_the_run_resumes_from_a_whole_checkpoint(
     tmp_path,
 ):
-    # a checkpoint every step, each written by both stages: the kill lands in a write or between two, and either
-    # way no index names a part that is not whole
+    # a checkpoint every step, each written by both stages: the kill lands in a write or between two, and
+    # either way no index names a part that is not whole
     ck, metrics = tmp_path / "ck", tmp_path / "run" / "metrics.jsonl"
     flags = [
         *TRAIN,
@@ -226,9 +227,9 @@ def test_a_rank_killed_while_the_parts_are_written_ends_the_job_and_the_run_resu
 def test_under_a_memory_cap_a_split_model_trains_resumes_and_evaluates_where_the_whole_one_is_refused(
     tmp_path,
 ):
-    # 19.1 M parameters with Adam: the whole model's training state is 365 MiB, a stage's or a part's about half;
-    # every rank may map 420 MB of data (RLIMIT_DATA, inherited from mpiexec), of which ~130 MiB are in use when
-    # the check runs (the interpreter and its libraries)
+    # 19.1 M parameters with Adam: the whole model's training state is 365 MiB, a stage's or a part's about
+    # half; every rank may map 420 MB of data (RLIMIT_DATA, inherited from mpiexec), of which ~130 MiB are in
+    # use when the check runs (the interpreter and its libraries)
     from conftest import run_mpi
 
     capped = ("prlimit", "--data=420000000")

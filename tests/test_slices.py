@@ -24,7 +24,8 @@ def bytes_read():
 
 @pytest.fixture(scope="module")
 def model():
-    # three Dense: the first two split by columns then rows in a tensor part, the third held whole by every part
+    # three Dense: the first two split by columns then rows in a tensor part, the third held whole by every
+    # part
     model = nn.Sequential(
         [nn.Dense(512), nn.ReLU(), nn.Dense(512), nn.ReLU(), nn.Dense(512), nn.LayerNorm(), nn.Dense(8)],
         (64,),

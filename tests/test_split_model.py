@@ -15,7 +15,8 @@ QUIET = dict(progress="none", metrics="", dtype="float64", stream=io.StringIO())
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A pipeline's sharded checkpoint of mlp:32,32 on digits (every rank knows its path) and its run's figures."""
+    """A pipeline's sharded checkpoint of mlp:32,32 on digits (every rank knows its path) and its run's
+    figures."""
     world = MPI.COMM_WORLD
     directory = world.bcast(str(tmp_path_factory.mktemp("ck")) if world.Get_rank() == 0 else None, root=0)
     result = mpidist.train(
@@ -35,7 +36,8 @@ def trained(tmp_path_factory):
 
 
 def layouts(ranks):
-    """Every ``(stages, tensor)`` but (1, 1) that divides ``ranks`` (mlp:32,32 has 6 layers, 2 Dense pairs)."""
+    """Every ``(stages, tensor)`` but (1, 1) that divides ``ranks`` (mlp:32,32 has 6 layers, 2 Dense
+    pairs)."""
     return [
         (stages, tensor)
         for stages in range(1, min(ranks, 6) + 1)

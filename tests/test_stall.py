@@ -45,7 +45,8 @@ def test_a_silent_rank_is_reported_with_where_it_was_last_seen():
 
 
 def test_a_rank_frozen_in_a_wait_is_silent_not_waiting():
-    """Its last report said "waiting"; three reports missed, it no longer counts as a waiter (nor blames others)."""
+    """Its last report said "waiting"; three reports missed, it no longer counts as a waiter (nor blames
+    others)."""
     quiet = (0, "start", 0.3, 1.7)  # reported 1.7 s ago: 3 intervals of 0.4 s missed
     assert verdict((6, "exchange", 1.8, 0.1), quiet, timeout=2.0) is None
     text = verdict((6, "exchange", 2.1, 0.1), quiet, timeout=2.0)

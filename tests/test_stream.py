@@ -1,4 +1,5 @@
-"""Streaming a worker's lanes of a dataset: chunk-aligned blocks, the shuffle buffer, exact resume, bounded memory.
+"""Streaming a worker's lanes of a dataset: chunk-aligned blocks, the shuffle buffer, exact resume, bounded
+memory.
 
 Samples here carry their own row number (``x[i, 0] == i``), so every check of
 an order is a check of which rows came, in which order, with closed-form
@@ -191,7 +192,8 @@ def test_a_chunk_that_does_not_decode_is_named_with_the_rows_read_in_memory_and_
     part = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400)  # blocks of 100 rows
     with pytest.raises(UsageError, match=r"d.h5: train/x cannot be read at samples 150..199 \(HDF5: "):
         list(part.eval_batches())
-    # lanes of 40 rows, units slicing the chunks: the chunk's rows 150..159 of one lane or 160..199 of the next
+    # lanes of 40 rows, units slicing the chunks: the chunk's rows 150..159 of one lane or 160..199 of the
+    # next
     part = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400, lanes=Lanes(10, 0, 10))
     with pytest.raises(
         UsageError, match=r"d.h5: train/x cannot be read at samples 1(5\d|[6-9]\d)..1[5-9]\d \("
@@ -552,7 +554,8 @@ def test_compressed_or_oddly_chunked_rows_are_left_to_h5py_and_truncation_is_nam
 
 
 def direct_or_stand_in(path, monkeypatch):
-    """A DirectFile of ``path``: around the page cache where the file system allows it, else (tmpfs) through it.
+    """A DirectFile of ``path``: around the page cache where the file system allows it, else (tmpfs) through
+    it.
 
     The stand-in (``O_DIRECT`` taken as 0) still reads whole aligned pages
     into the aligned buffer and cuts the rows out of them, which is what is
@@ -670,7 +673,8 @@ def test_direct_and_cached_streams_give_the_same_batches(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("size", [4096 * 3 + 100, 4 << 20, (2 << 20) + 1])
 def test_direct_read_buffers_are_aligned_zeroed_and_writable(size):
-    """Small buffers are numpy's, a huge page or more anonymous memory asked for in huge pages: both aligned."""
+    """Small buffers are numpy's, a huge page or more anonymous memory asked for in huge pages: both
+    aligned."""
     from mpidist.data.direct import ALIGN, HUGE_PAGE, _aligned
 
     buffer = _aligned(size)

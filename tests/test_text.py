@@ -1,4 +1,5 @@
-"""Text as a character-level language-modelling dataset: windows, next-character labels, splits in text order."""
+"""Text as a character-level language-modelling dataset: windows, next-character labels, splits in text
+order."""
 
 import importlib.util
 import sys

@@ -188,7 +188,8 @@ def test_a_resumed_run_keeps_the_earlier_timeline_and_an_unwritable_one_is_refus
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("root", ["first", "last"])
 def test_every_ranks_events_are_written_once_whichever_rank_writes(tmp_path, root):
-    """The writing rank's own events are written in their turn, also when ranks before it sent theirs first."""
+    """The writing rank's own events are written in their turn, also when ranks before it sent theirs
+    first."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD

@@ -28,7 +28,8 @@ def _local(spec, sample_shape, batch, optimizer="sgd", dtype=np.float32):
 
 
 def _warm_step_memory(spec, sample_shape, optimizer, batch):
-    """``(bytes held after, peak bytes during, bytes of activations)`` of a warm step, as tracemalloc sees them."""
+    """``(bytes held after, peak bytes during, bytes of activations)`` of a warm step, as tracemalloc sees
+    them."""
     strategy, x, y = _local(spec, sample_shape, batch, optimizer)
     for step in range(2):
         strategy.train_step(x, y, 1.0, step)
@@ -83,7 +84,8 @@ def test_reused_arrays_give_the_results_fresh_arrays_give():
 
 
 def test_inference_outputs_are_the_callers_to_keep():
-    """A training pass reuses its arrays; an inference pass never hands out one that a later pass overwrites."""
+    """A training pass reuses its arrays; an inference pass never hands out one that a later pass
+    overwrites."""
     model = nn.build_model("mlp", (8, 8), 10, np, np.float32)
     model.init_params(0)
     x = np.random.default_rng(0).random((4, 8, 8), dtype=np.float32)
@@ -95,7 +97,8 @@ def test_inference_outputs_are_the_callers_to_keep():
 
 
 def test_relu_works_in_place_only_on_what_its_neighbour_hands_over():
-    """After a Dense, ReLU overwrites the Dense's output; as a first layer it never touches the caller's data."""
+    """After a Dense, ReLU overwrites the Dense's output; as a first layer it never touches the caller's
+    data."""
     model = nn.Sequential([nn.ReLU(), nn.Dense(3), nn.ReLU(), nn.Dense(2)], (4,))
     assert [layer.overwrite_input for layer in model.layers] == [False, False, True, False]
     assert [layer.overwrite_grad for layer in model.layers] == [True, False, True, False]
@@ -119,7 +122,8 @@ def test_channels_last_views_keep_their_memory_order_through_relu_and_pooling():
 
 
 def test_handwritten_floor_trains_the_same_model_as_mpidist():
-    """The bench's floor is the same computation: same start, same batches, the same losses to float32 rounding."""
+    """The bench's floor is the same computation: same start, same batches, the same losses to float32
+    rounding."""
     strategy, x, y = _local("mlp-wide", (28, 28), 32)
     hand = handwritten_for(strategy.model, 32)
     assert isinstance(hand, HandwrittenMLP)

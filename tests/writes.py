@@ -1,4 +1,5 @@
-"""Helpers of the tests of writes cut short (tests/test_interrupts.py, tests/test_full_disk.py, test_faults.py).
+"""Helpers of the tests of writes cut short (tests/test_interrupts.py, tests/test_full_disk.py,
+test_faults.py).
 
 :data:`HOOKED` runs ``python -m mpidist ARGS`` (one process, as a user at a
 terminal runs it, or a rank under mpiexec) with one fault put in first:
@@ -81,7 +82,8 @@ def hooked_script(folder):
 
 
 def hangups_as_at_a_terminal():
-    """``preexec_fn``: SIGHUP's default disposition, whatever the tests inherited (``nohup pytest`` ignores it)."""
+    """``preexec_fn``: SIGHUP's default disposition, whatever the tests inherited (``nohup pytest`` ignores
+    it)."""
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
@@ -99,7 +101,8 @@ def run_hooked(folder, hook, *args, env=None, timeout=120):
 
 
 def made_up_calibration(folder):
-    """A calibration file ``folder/c.json`` of a made-up model (tests/test_plan.py's), for ``plan`` to read."""
+    """A calibration file ``folder/c.json`` of a made-up model (tests/test_plan.py's), for ``plan`` to
+    read."""
     from test_plan import made_up
 
     from mpidist.plan import calibration

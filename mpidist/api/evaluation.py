@@ -1,4 +1,5 @@
-"""A checkpoint's test figures, spread over the ranks: :func:`evaluate` (what ``python -m mpidist eval`` runs).
+"""A checkpoint's test figures, spread over the ranks: :func:`evaluate` (what ``python -m mpidist eval``
+runs).
 
 The checkpoint is loaded and checked through :mod:`mpidist.api.trained`, as
 every rank's work; with ``stages`` or ``tensor`` above 1 the model is split

@@ -23,7 +23,8 @@ from ..store import checkpoint
 
 @dataclasses.dataclass
 class Trained:
-    """What :func:`load_trained` returns: a checkpoint's model, holding its parameters, and where it came from.
+    """What :func:`load_trained` returns: a checkpoint's model, holding its parameters, and where it came
+    from.
 
     Attributes:
         model: an :class:`~mpidist.nn.Sequential` built for ``dataset`` on the device the
@@ -103,8 +104,8 @@ def load_split(checkpoint_path, data, model, world, stages, tensor, data_given=N
 
 
 def _trained(saved, data, model, data_given=None):
-    """:func:`load_trained`'s :class:`Trained` of checkpoint ``saved`` (its arrays need not be read), its model
-    a map of shapes with no buffers yet, checked to have the checkpoint's number of parameters."""
+    """:func:`load_trained`'s :class:`Trained` of checkpoint ``saved`` (its arrays need not be read), its
+    model a map of shapes with no buffers yet, checked to have the checkpoint's number of parameters."""
     checkpoint_path = saved.path
     config = _stored_settings(saved)
     try:
@@ -152,7 +153,8 @@ def _trained(saved, data, model, data_given=None):
 
 
 def _stored_settings(saved):
-    """The settings a checkpoint stores, checked as if given anew (a file is untrusted); unknown keys dropped."""
+    """The settings a checkpoint stores, checked as if given anew (a file is untrusted); unknown keys
+    dropped."""
     from ..settings.config import FIELDS
     from ..settings.sources import typed
 

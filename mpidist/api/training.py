@@ -104,12 +104,14 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
     with agreed(world):
         config = settings_from(settings, **flags)
         inputs = Inputs.of(config, model, data)
-        # what the settings (and so checkpoints) record: the model's spec, the data's absolute path or bundled name
+        # what the settings (and so checkpoints) record: the model's spec, the data's absolute path or bundled
+        # name
         config = dataclasses.replace(config, model=inputs.model.spec, data=recorded(inputs.data))
         check_utf8(config.data, "--data")
         config = config.with_world(world.Get_size())
-        # checked as it will run (--checkpoint-dir auto: in a run directory, if there is one) before one is made
-        # (only whether there will be one matters here; rank 0 alone looks for it: --resume auto lists runs/)
+        # checked as it will run (--checkpoint-dir auto: in a run directory, if there is one) before one is
+        # made (only whether there will be one matters here; rank 0 alone looks for it: --resume auto lists
+        # runs/)
         config.validate_values()
         rundir.resolved(config, "" if config.run_dir == "" else rundir.ROOT).validate(world.Get_size())
         if config.elastic:

@@ -29,7 +29,9 @@ from ..runtime.errors import RunError
 from ..runtime.threads import limit_blas_threads
 from . import reference
 from . import rows as rows_of
-from .output import check_output, format_table, write_results  # noqa: F401  (check_output: the CLI's and tests')
+
+# (check_output: the CLI's and tests')
+from .output import check_output, format_table, write_results  # noqa: F401
 from .pipeline import PIPELINE_COLUMNS, pipeline_rows
 from .tensor import TENSOR_COLUMNS, tensor_rows
 from .streaming import COLUMNS as STREAMING_COLUMNS
@@ -158,17 +160,20 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
     }
     meta["optimizer"] = optimizer
     print(
-        f"mpidist bench: {world.Get_size()} rank(s) on {meta['cores']} core(s), {batch} samples per rank per step, "
+        f"mpidist bench: {world.Get_size()} rank(s) on {meta['cores']} core(s), {batch} samples per rank per "
+        "step, "
         f"{optimizer}, BLAS: {meta['blas']}; {meta['mpi']}"
     )
     if optimizer != "sgd":
         print(
-            f"mpidist bench: the hand-written loop and torch use SGD with momentum alone, so their rows are left "
+            "mpidist bench: the hand-written loop and torch use SGD with momentum alone, so their rows are "
+            "left "
             f"out with --optimizer {optimizer}"
         )
     elif not meta["torch"]:
         print(
-            "mpidist bench: torch is not installed, so its reference rows are left out (pip install torch adds them)"
+            "mpidist bench: torch is not installed, so its reference rows are left out (pip install torch "
+            "adds them)"
         )
     print(format_table(rows, COLUMNS))
     if pipeline:
@@ -194,7 +199,8 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
 
 
 def run_streaming_bench(world, dataset, model, batch, steps, output, settle=None):
-    """``bench --streaming``: rank 0 prints the comparison of :mod:`mpidist.bench.streaming` and writes ``output``."""
+    """``bench --streaming``: rank 0 prints the comparison of :mod:`mpidist.bench.streaming` and writes
+    ``output``."""
     return _run_comparison(
         world,
         "streaming",
@@ -211,14 +217,16 @@ def run_streaming_bench(world, dataset, model, batch, steps, output, settle=None
 
 
 def run_tracing_bench(world, dataset, model, batch, steps, output):
-    """``bench --tracing``: rank 0 prints the comparison of :mod:`mpidist.bench.tracing` and writes ``output``."""
+    """``bench --tracing``: rank 0 prints the comparison of :mod:`mpidist.bench.tracing` and writes
+    ``output``."""
     return _run_comparison(
         world, "tracing", tracing_rows, TRACING_COLUMNS, 7, dataset, model, batch, steps, output
     )
 
 
 def run_checkpoint_bench(world, dataset, model, batch, steps, output):
-    """``bench --checkpoints``: rank 0 prints the comparison of :mod:`mpidist.bench.checkpoints`, writes ``output``."""
+    """``bench --checkpoints``: rank 0 prints the comparison of :mod:`mpidist.bench.checkpoints`, writes
+    ``output``."""
     return _run_comparison(
         world, "checkpoints", checkpoint_rows, CHECKPOINT_COLUMNS, 7, dataset, model, batch, steps, output
     )

@@ -1,4 +1,5 @@
-"""``bench --checkpoints DATA``: training with a checkpoint at every step against the same training without any.
+"""``bench --checkpoints DATA``: training with a checkpoint at every step against the same training without
+any.
 
 Each round trains ``steps`` of ``model`` twice, back to back, without
 checkpoints and with ``--checkpoint-every 1`` (written behind training into a

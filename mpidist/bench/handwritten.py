@@ -69,7 +69,8 @@ class HandwrittenMLP:
         self.rows = np.arange(batch)
 
     def backprop(self, x, y, scale=1.0):
-        """Forward and backward: fills the flat gradient buffer (the loss, times ``scale``, in its last slot)."""
+        """Forward and backward: fills the flat gradient buffer (the loss, times ``scale``, in its last
+        slot)."""
         h = x
         last = len(self.weights) - 1
         for i, (w, b, out) in enumerate(zip(self.weights, self.biases, self.outputs)):

@@ -1,4 +1,5 @@
-"""The memory of one node under two exchanges: the sum of its ranks' proportional set size, sampled as they train.
+"""The memory of one node under two exchanges: the sum of its ranks' proportional set size, sampled as they
+train.
 
 ``python -m mpidist.bench.node_memory --ranks 4 -- --model mlp:2048,2048 --optimizer adam``
 launches ``mpiexec -n 4 python -m mpidist train ...`` once per ``--exchange``
@@ -88,8 +89,10 @@ def main(argv=None):
     for exchange in options.exchanges.split(","):
         samples = node_pss(options.ranks, [*flags, "--exchange", exchange])
         print(
-            f"--exchange {exchange}: the node's Pss (sum over its {options.ranks} ranks) {median(samples) / 1e6:.1f} "
-            f"MB while training (median of {len(samples)} samples), {max(samples, default=0) / 1e6:.1f} MB at most"
+            f"--exchange {exchange}: the node's Pss (sum over its {options.ranks} ranks) "
+            f"{median(samples) / 1e6:.1f} "
+            f"MB while training (median of {len(samples)} samples), {max(samples, default=0) / 1e6:.1f} MB "
+            "at most"
         )
 
 

@@ -23,7 +23,8 @@ def format_table(rows, columns):
 
 
 def _create_beside(target):
-    """``(file descriptor, path)`` of a new hidden file in ``target``'s directory, created with the usual mode."""
+    """``(file descriptor, path)`` of a new hidden file in ``target``'s directory, created with the usual
+    mode."""
     directory = os.path.dirname(target) or "."
     path = os.path.join(directory, f".mpidist-bench-{os.getpid()}-{secrets.token_hex(4)}.tmp")
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), path
@@ -31,7 +32,8 @@ def _create_beside(target):
 
 def _existing_file(target):
     """Raise ``OSError`` or ``ValueError`` unless ``target`` is absent, a symbolic link (replaced itself, see
-    :mod:`mpidist.store.atomic`: what it points to is never written), or a regular file that can be appended to.
+    :mod:`mpidist.store.atomic`: what it points to is never written), or a regular file that can be appended
+    to.
 
     Opens to append (never truncates) and closes: the file is left as it was.
     """
@@ -53,7 +55,8 @@ def _existing_file(target):
 
 
 def _directory_takes_files(target):
-    """Raise ``OSError`` unless a file can be created (and removed) beside ``target``, as the final rename needs."""
+    """Raise ``OSError`` unless a file can be created (and removed) beside ``target``, as the final rename
+    needs."""
     fd, probe = _create_beside(target)
     os.close(fd)
     os.unlink(probe)

@@ -134,7 +134,8 @@ def _row(name, strategy, ranks, workers, batch, per_step, params):
 
 
 def one_process_rows(world, name, batch, seconds, optimizer="sgd"):
-    """``local``, ``hand-written`` and ``torch`` on rank 0 while the other ranks sleep (complete on rank 0)."""
+    """``local``, ``hand-written`` and ``torch`` on rank 0 while the other ranks sleep (complete on rank
+    0)."""
     rows = []
     if world.Get_rank() == 0:
         local, x, y, local_step = _local(name, batch, 0, optimizer)
@@ -158,7 +159,8 @@ def one_process_rows(world, name, batch, seconds, optimizer="sgd"):
 
 
 def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):
-    """``no exchange``, every ``allreduce`` exchange (see the module's docstring) and ``hand-written+Allreduce``."""
+    """``no exchange``, every ``allreduce`` exchange (see the module's docstring) and
+    ``hand-written+Allreduce``."""
     size = world.Get_size()
     model, x, y = _problem(name, batch, world.Get_rank())
     strategy = _allreduce(model, cluster, optimizer)

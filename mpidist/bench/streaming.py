@@ -52,7 +52,8 @@ SETTLE_S = 15.0  # idle seconds before each run: long enough for a VM to hand 2 
 
 
 def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0, rounds=5, settle=None):
-    """Rows of the comparison (complete on rank 0; every rank must call); ``settle`` None: :data:`SETTLE_S`."""
+    """Rows of the comparison (complete on rank 0; every rank must call); ``settle`` None:
+    :data:`SETTLE_S`."""
     from ..api import train
 
     files = [m.path for m in datasets.inspect(datasets.resolve(dataset)).files]

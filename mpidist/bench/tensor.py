@@ -58,8 +58,8 @@ def _summed_bytes(strategy, step):
 
 
 def tensor_rows(world, seconds, counts=(1, 2)):
-    """Rows for each ``T`` of ``counts`` that divides the ranks: samples/s, its ratio to ``T = 1``, the bytes a
-    rank holds and the bytes its tensor sums move per step."""
+    """Rows for each ``T`` of ``counts`` that divides the ranks: samples/s, its ratio to ``T = 1``, the bytes
+    a rank holds and the bytes its tensor sums move per step."""
     ranks = world.Get_size()
     counts = [count for count in counts if ranks % count == 0]
     cluster = build_cluster(world)

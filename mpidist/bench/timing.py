@@ -82,7 +82,8 @@ def alternating(steps, seconds, min_calls=5):
 
 
 def synced_alternating(world, steps, seconds, min_calls=5, every=False):
-    """:func:`alternating` for collectives: every rank calls each step the same number of times, together, in turn.
+    """:func:`alternating` for collectives: every rank calls each step the same number of times, together, in
+    turn.
 
     A barrier before each timed call starts the ranks together (the barrier
     is outside the timing); rank 0 picks the count from a short calibration
@@ -153,7 +154,8 @@ def compared_rows(measured, key, ranks, ratio):
 
 
 def compared_in_scratch(world, prefix, modes, run, rounds, key, ratio):
-    """Collective: :func:`interleaved_runs` of ``run(mode, round, scratch)`` compared as :func:`compared_rows` says.
+    """Collective: :func:`interleaved_runs` of ``run(mode, round, scratch)`` compared as :func:`compared_rows`
+    says.
 
     ``scratch`` is a directory rank 0 makes (named ``prefix...``) for what the runs write, removed at the end.
     Rows on rank 0, else None.

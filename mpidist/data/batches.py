@@ -24,7 +24,8 @@ def local_batch_size(global_batch, num_workers, worker):
 
 
 def steps_per_epoch(n, global_batch, num_workers):
-    """Steps per epoch: ``n // B``, one sample of each of the ``B`` lanes a step, whatever the worker count."""
+    """Steps per epoch: ``n // B``, one sample of each of the ``B`` lanes a step, whatever the worker
+    count."""
     if global_batch < num_workers:
         raise UsageError(
             f"--batch-size {global_batch} is smaller than the number of workers ({num_workers}): "
@@ -93,8 +94,8 @@ class Prefetcher:
 
 
 def train_batches(shard, steps, seed, epoch, skip=0, last_epoch=False):
-    """The ``(x, y)`` batches of one epoch of ``shard`` (opened with its worker's lanes) from step ``skip`` on,
-    prefetched.
+    """The ``(x, y)`` batches of one epoch of ``shard`` (opened with its worker's lanes) from step ``skip``
+    on, prefetched.
 
     ``last_epoch``: no epoch follows (a stream then reads nothing of the next).
     """

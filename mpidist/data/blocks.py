@@ -1,4 +1,5 @@
-"""A stream's blocks and what a stream holds: chunk-aligned cuts, buffer sizes, bytes checked against the budget.
+"""A stream's blocks and what a stream holds: chunk-aligned cuts, buffer sizes, bytes checked against the
+budget.
 
 A stream reads its rows in blocks cut at multiples of each file's block
 length: whole HDF5 chunks, about :data:`BLOCK_BYTES` of them, so a block is one
@@ -23,7 +24,8 @@ SEGMENTS = 4  # gathered segments alive at once: being gathered, two queued, one
 
 
 def worker_range(n, workers, worker):
-    """``(lo, hi)``: worker ``worker``'s contiguous rows of ``n``, balanced (the first ``n % workers`` one more)."""
+    """``(lo, hi)``: worker ``worker``'s contiguous rows of ``n``, balanced (the first ``n % workers`` one
+    more)."""
     return part_range(n, worker, workers)
 
 
@@ -53,8 +55,9 @@ def block_cuts(source, lo, hi, block_bytes=BLOCK_BYTES, sliced=False):
 
 
 def block_length(member, group, block_bytes=BLOCK_BYTES, sliced=False):
-    """Rows of a block of ``group`` in file ``member``: whole chunks of ``x``, about ``block_bytes`` (one chunk at
-    least); with ``sliced``, a chunk larger than ``block_bytes`` is read in equal slices of at most about that."""
+    """Rows of a block of ``group`` in file ``member``: whole chunks of ``x``, about ``block_bytes`` (one
+    chunk at least); with ``sliced``, a chunk larger than ``block_bytes`` is read in equal slices of at most
+    about that."""
     return _length(member.chunk_rows.get(group, 1), member.row_bytes.get(group, 1), block_bytes, sliced)
 
 
@@ -67,8 +70,9 @@ def _length(chunk, row, block_bytes, sliced):
 
 
 def lane_share(buffer, n, lanes):
-    """Samples a lane's window holds at least: its share of a shuffle buffer of ``buffer`` samples over ``lanes``
-    (the global batch), the buffer at most the split's ``n`` rows (a larger one orders the lanes alike)."""
+    """Samples a lane's window holds at least: its share of a shuffle buffer of ``buffer`` samples over
+    ``lanes`` (the global batch), the buffer at most the split's ``n`` rows (a larger one orders the lanes
+    alike)."""
     return max(1, -(-min(int(buffer), max(int(n), 1)) // lanes))
 
 
@@ -95,8 +99,8 @@ def order_units(info, split, buffer, input_shape, dtype, total):
 
 
 def segment_steps(share, batch_bytes):
-    """Steps whose batches a stream gathers in one go: :data:`SEGMENT_BYTES` of them, at most a quarter of a lane's
-    window (``share`` samples), one at least."""
+    """Steps whose batches a stream gathers in one go: :data:`SEGMENT_BYTES` of them, at most a quarter of a
+    lane's window (``share`` samples), one at least."""
     return max(1, min(SEGMENT_BYTES // max(1, batch_bytes), share // 4))
 
 
@@ -141,7 +145,8 @@ def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, lanes=No
 
 
 def block_bytes_for(buffer, input_shape, dtype):
-    """Bytes of a block for windows of ``buffer`` samples: :data:`BLOCK_BYTES`, or a quarter of a small window.
+    """Bytes of a block for windows of ``buffer`` samples: :data:`BLOCK_BYTES`, or a quarter of a small
+    window.
 
     A window then holds four blocks at least (where the chunks allow), drawn
     from anywhere in its lane.
@@ -150,7 +155,8 @@ def block_bytes_for(buffer, input_shape, dtype):
 
 
 def default_buffer(input_shape, dtype, budget=None):
-    """Samples in the default shuffle buffer: :data:`BUFFER_BYTES` of them, less in a small ``budget``; one at least.
+    """Samples in the default shuffle buffer: :data:`BUFFER_BYTES` of them, less in a small ``budget``; one at
+    least.
 
     The buffer is shared by the global batch's lanes: a worker holds its
     lanes' part of it, twice (:data:`WINDOWS`).  With a budget, the buffer is

@@ -73,10 +73,10 @@ def budget_of(config):
 
 
 def plan(config, info, parts, input_shape, dtype, lanes=None, order=None):
-    """The :class:`Reading` of a rank that reads ``parts`` (``[(split, rows)]``) of dataset ``info``; ``lanes``:
-    the :class:`~mpidist.data.lanes.Lanes` of its ``train`` part; ``order``: the run's shuffle buffer (samples),
-    whether it was capped, whether it is a resumed run's (:func:`order_buffer_for`; by default, a new run's
-    sized by ``lanes``)."""
+    """The :class:`Reading` of a rank that reads ``parts`` (``[(split, rows)]``) of dataset ``info``;
+    ``lanes``: the :class:`~mpidist.data.lanes.Lanes` of its ``train`` part; ``order``: the run's shuffle
+    buffer (samples), whether it was capped, whether it is a resumed run's (:func:`order_buffer_for`; by
+    default, a new run's sized by ``lanes``)."""
     if order is None:
         order = order_buffer_for(config, info, input_shape, dtype, lanes) if lanes else (0, False, False)
     if not parts:
@@ -122,10 +122,10 @@ def order_buffer_for(config, info, input_shape, dtype, widest, resumed=0):
 
 
 def _streaming(config, info, parts, input_shape, dtype, limits, why, lanes, order):
-    """A stream's :class:`Reading` of ``parts`` (``{split: rows}``) with the order's buffer (``order``: samples,
-    whether capped, whether a resumed run's): chunks larger than a block read in slices where whole ones do not
-    fit the budget; refused where a buffer of one sample does not fit, or a buffer given with the budget does
-    not."""
+    """A stream's :class:`Reading` of ``parts`` (``{split: rows}``) with the order's buffer (``order``:
+    samples, whether capped, whether a resumed run's): chunks larger than a block read in slices where whole
+    ones do not fit the budget; refused where a buffer of one sample does not fit, or a buffer given with the
+    budget does not."""
     splits, (budget, how), (buffer, capped, resumed) = list(parts), limits, order
 
     def held(size, sliced):  # (a rank streams every split it reads: the train split with its windows)
@@ -176,7 +176,8 @@ def _streaming(config, info, parts, input_shape, dtype, limits, why, lanes, orde
 
 
 def _largest(fits, upto):
-    """The largest ``n`` in ``[1, upto]`` with ``fits(n)`` (which holds below any ``n`` it holds for), or 0."""
+    """The largest ``n`` in ``[1, upto]`` with ``fits(n)`` (which holds below any ``n`` it holds for), or
+    0."""
     lo, hi = 0, upto
     while lo < hi:
         middle = (lo + hi + 1) // 2

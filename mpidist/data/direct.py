@@ -1,4 +1,5 @@
-"""Reading a stream's blocks around h5py where it pays: uncompressed rows read with ``preadv``, around the page cache.
+"""Reading a stream's blocks around h5py where it pays: uncompressed rows read with ``preadv``, around the
+page cache.
 
 h5py holds the GIL while it reads, so every block a stream reads in its
 background thread also stops the training thread's Python for as long as
@@ -30,7 +31,8 @@ from ..runtime.errors import UsageError
 
 
 def byte_ranges(item, lo, hi):
-    """``(offset, length)`` in its file of rows ``[lo, hi)`` of HDF5 dataset ``item``: its chunks, or its one extent."""
+    """``(offset, length)`` in its file of rows ``[lo, hi)`` of HDF5 dataset ``item``: its chunks, or its one
+    extent."""
     dsid = item.id
     if item.chunks is None:
         offset = dsid.get_offset()
@@ -74,8 +76,8 @@ class DirectFile:
         start = offset - offset % ALIGN
         stop = -(-(offset + length) // ALIGN) * ALIGN
         if self.buffer is None or len(self.buffer) < stop - start:
-            # (a read of an eighth of a huge page or more gets a whole one: a 1 MiB read into it cost 0.045 ms of
-            # CPU per MiB, into small pages 0.109)
+            # (a read of an eighth of a huge page or more gets a whole one: a 1 MiB read into it cost 0.045 ms
+            # of CPU per MiB, into small pages 0.109)
             self.buffer = _aligned(max(stop - start, HUGE_PAGE if stop - start >= HUGE_PAGE // 8 else 0))
         got = os.preadv(self.fd, [memoryview(self.buffer)[: stop - start]], start)
         return memoryview(self.buffer)[offset - start : min(got, offset - start + length)]
@@ -115,21 +117,24 @@ def _aligned(size):
 
 
 def readable(item):
-    """Whether :func:`direct_rows` reads HDF5 dataset ``item``: numbers, unfiltered, contiguous or chunked by rows."""
+    """Whether :func:`direct_rows` reads HDF5 dataset ``item``: numbers, unfiltered, contiguous or chunked by
+    rows."""
     if item.dtype.kind not in "biuf" or item.id.get_create_plist().get_nfilters():
         return False
     return item.chunks is None or tuple(item.chunks[1:]) == tuple(item.shape[1:])
 
 
 def layout(item):
-    """``(readable, bytes of a row, rows of a chunk or None, dimensions, shape, dtype)`` of HDF5 dataset ``item``:
-    what :func:`direct_rows` asks of it each read, which a stream keeps (h5py's answers cost microseconds each)."""
+    """``(readable, bytes of a row, rows of a chunk or None, dimensions, shape, dtype)`` of HDF5 dataset
+    ``item``: what :func:`direct_rows` asks of it each read, which a stream keeps (h5py's answers cost
+    microseconds each)."""
     chunks = item.chunks
     return readable(item), _row_bytes(item), chunks[0] if chunks else None, item.ndim, item.shape, item.dtype
 
 
 def direct_rows(item, lo, hi, fd, path="", direct=None, known=None):
-    """Rows ``[lo, hi)`` of dataset ``item`` read from file descriptor ``fd`` with ``preadv``; None where h5py must.
+    """Rows ``[lo, hi)`` of dataset ``item`` read from file descriptor ``fd`` with ``preadv``; None where h5py
+    must.
 
     The rows of an uncompressed dataset stored whole (contiguous) or in
     chunks of whole samples lie in the file as C arrays, a chunk's rows one

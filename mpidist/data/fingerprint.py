@@ -1,4 +1,5 @@
-"""How a run records its dataset: by an absolute path (or a bundled name), and by a fingerprint of its content.
+"""How a run records its dataset: by an absolute path (or a bundled name), and by a fingerprint of its
+content.
 
 A checkpoint stores the ``--data`` it trained on, so that ``eval`` and
 ``predict`` without ``--data`` use that dataset again.  :func:`recorded` gives
@@ -53,8 +54,8 @@ def recorded(spec):
 
 
 def fingerprint(info):
-    """``"sha256-1:<hex>"`` of dataset ``info``'s content (see the module text); ``""`` for arrays in memory, or
-    where its files cannot be read now (nothing is then recorded, and nothing compared)."""
+    """``"sha256-1:<hex>"`` of dataset ``info``'s content (see the module text); ``""`` for arrays in memory,
+    or where its files cannot be read now (nothing is then recorded, and nothing compared)."""
     if isinstance(info.path, ArrayData) or not info.files:
         return ""
     digest = hashlib.sha256()
@@ -147,7 +148,8 @@ def mismatch(recorded_fingerprint, recorded_data, info):
 
 
 def _where(spec):
-    """The absolute path ``spec`` (a path, a bundled name, a DatasetInfo's path) reads; None for arrays or nothing."""
+    """The absolute path ``spec`` (a path, a bundled name, a DatasetInfo's path) reads; None for arrays or
+    nothing."""
     if isinstance(spec, ArrayData):
         return None
     try:

@@ -1,4 +1,5 @@
-"""What a checked dataset is (:class:`DatasetInfo`, one :class:`Member` per file), and the splits a run makes of it.
+"""What a checked dataset is (:class:`DatasetInfo`, one :class:`Member` per file), and the splits a run makes
+of it.
 
 :func:`mpidist.data.layout.inspect` makes a :class:`DatasetInfo` from a file
 or a directory of files, every item checked; everything after reads the
@@ -22,7 +23,8 @@ VAL_SEED = 0x7661  # mixed into --seed for the carving, so it is not the data or
 
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One file of a dataset: its rows per split, and how its ``x`` is stored (for reads aligned to its chunks)."""
+    """One file of a dataset: its rows per split, and how its ``x`` is stored (for reads aligned to its
+    chunks)."""
 
     path: object  # a Path, or the ArrayData given in Python
     sizes: dict  # split -> rows in this file
@@ -37,8 +39,9 @@ class Member:
         return max(self.spans.get(group, (0, 0)))
 
     def cache_bytes(self, group):
-        """Bytes reading ``group`` holds for compressed chunks larger than HDF5's cache (0: none): a chunk span of
-        x and of y decompressed, and the compressed one being read (as large, for data that does not compress)."""
+        """Bytes reading ``group`` holds for compressed chunks larger than HDF5's cache (0: none): a chunk
+        span of x and of y decompressed, and the compressed one being read (as large, for data that does not
+        compress)."""
         spans = self.spans.get(group, (0, 0))
         return sum(spans) + max(spans) if max(spans) > CHUNK_CACHE else 0
 
@@ -53,7 +56,8 @@ class DatasetInfo:
     source: str
     sample_shape: tuple
     sizes: dict  # split -> number of samples
-    #: values of ``y`` per sample: regression targets, or class labels (``L`` for labels ``(N, L)``, one per position)
+    # : values of ``y`` per sample: regression targets, or class labels (``L`` for labels ``(N, L)``, one per
+    # position)
     target_width: int = 1
     #: standardisation statistics where the file has them (float64 arrays of the sample shape):
     #: :class:`Shard` returns ``(x - mean) / std``
@@ -75,7 +79,8 @@ class DatasetInfo:
 
     @property
     def target_shape(self):
-        """One sample's ``y`` as read: ``()`` for a class label, ``(L,)`` for one per position, ``(W,)`` for targets."""
+        """One sample's ``y`` as read: ``()`` for a class label, ``(L,)`` for one per position, ``(W,)`` for
+        targets."""
         return () if self.num_classes > 0 and self.target_width == 1 else (self.target_width,)
 
     @property
@@ -85,7 +90,8 @@ class DatasetInfo:
 
 
 def carve_validation(info, fraction, seed):
-    """``info`` with a ``val`` split of ``ceil(fraction x train)`` rows carved from ``train``, chosen by ``seed``.
+    """``info`` with a ``val`` split of ``ceil(fraction x train)`` rows carved from ``train``, chosen by
+    ``seed``.
 
     The rows are drawn without replacement from a generator seeded by
     ``(seed, VAL_SEED)``: the same split on every rank and in every resumed run

@@ -61,7 +61,8 @@ def checked_dataset(path, handle, name, allow_external):
 
 
 def statistics(path, handle, sample_shape, allow_external):
-    """``(mean, std)``: float64 arrays of the sample shape, checked; ``(None, None)`` where the file has none."""
+    """``(mean, std)``: float64 arrays of the sample shape, checked; ``(None, None)`` where the file has
+    none."""
     if not present(handle, "stats"):
         return None, None
     found = []
@@ -107,7 +108,8 @@ def class_names(path, handle, num_classes, allow_external):
 
 
 def feature_names(path, handle, sample_shape, allow_external):
-    """The ``feature_names`` item (a CSV header's names of a sample's values), checked; None where there is none."""
+    """The ``feature_names`` item (a CSV header's names of a sample's values), checked; None where there is
+    none."""
     if present(handle, "feature_names") and len(sample_shape) != 1:
         raise UsageError(
             f"{path}: has feature_names but its samples have shape {sample_shape}: names are for "
@@ -119,7 +121,8 @@ def feature_names(path, handle, sample_shape, allow_external):
 
 
 def _names(path, handle, key, count, what, allow_external):
-    """Item ``key``: ``count`` distinct, non-empty, bounded UTF-8 names, as printable strings; None where absent."""
+    """Item ``key``: ``count`` distinct, non-empty, bounded UTF-8 names, as printable strings; None where
+    absent."""
     if not present(handle, key):
         return None
     item = checked_dataset(path, handle, key, allow_external)

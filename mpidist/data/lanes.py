@@ -41,7 +41,8 @@ GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment
 
 @dataclasses.dataclass(frozen=True)
 class Lanes:
-    """Lanes ``[first, first + count)`` of ``total`` (the global batch): one worker's, or all of them (in-graph)."""
+    """Lanes ``[first, first + count)`` of ``total`` (the global batch): one worker's, or all of them
+    (in-graph)."""
 
     total: int
     first: int
@@ -49,7 +50,8 @@ class Lanes:
 
     @classmethod
     def of(cls, global_batch, workers, worker):
-        """Worker ``worker`` of ``workers``'s lanes: as many as its local batch, after the earlier workers'."""
+        """Worker ``worker`` of ``workers``'s lanes: as many as its local batch, after the earlier
+        workers'."""
         first, _ = part_range(global_batch, worker, workers)
         return cls(int(global_batch), int(first), local_batch_size(global_batch, workers, worker))
 
@@ -59,7 +61,8 @@ class Lanes:
         return np.arange(self.first, self.first + self.count, dtype=np.int64)
 
     def sizes(self, n):
-        """Rows of each of these lanes of a split of ``n`` rows (the first ``n mod B`` lanes hold one more)."""
+        """Rows of each of these lanes of a split of ``n`` rows (the first ``n mod B`` lanes hold one
+        more)."""
         return n // self.total + (self.ids < n % self.total)
 
     def rows(self, n):
@@ -67,8 +70,8 @@ class Lanes:
         return int(self.sizes(n).sum())
 
     def span(self, n):
-        """``(lo, hi)``: the contiguous rows these lanes hold of a split of ``n`` rows (two lanes' bounds computed,
-        not every lane's)."""
+        """``(lo, hi)``: the contiguous rows these lanes hold of a split of ``n`` rows (two lanes' bounds
+        computed, not every lane's)."""
         lo, hi = lane_starts(n, self.total, np.array([self.first, self.first + self.count], dtype=np.int64))
         return int(lo), int(hi)
 
@@ -88,7 +91,8 @@ def _word(value):
 
 
 def seeds(*words):
-    """The uint64 hash of ``words`` (integers or integer arrays, broadcast together): one stream's seed each."""
+    """The uint64 hash of ``words`` (integers or integer arrays, broadcast together): one stream's seed
+    each."""
     with np.errstate(over="ignore"):
         out = np.uint64(0x6D70696469737421)  # "mpidist!"
         for word in words:
@@ -97,7 +101,8 @@ def seeds(*words):
 
 
 def stream_bounds(n, total):
-    """``total + 1`` row numbers: lane ``l`` of a stream of ``n`` rows is ``[bounds[l], bounds[l + 1])``, balanced."""
+    """``total + 1`` row numbers: lane ``l`` of a stream of ``n`` rows is ``[bounds[l], bounds[l + 1])``,
+    balanced."""
     return lane_starts(n, total, np.arange(total + 1, dtype=np.int64))
 
 

@@ -1,10 +1,9 @@
 """The dataset layout: what a file (or a directory of files) must hold, checked before anything is read.
 
-Layout (contract): one HDF5 file with groups ``train/`` and ``test/``, each
-holding ``x`` (samples first) and ``y`` (integer class labels, or float
-targets; class labels may have a sequence axis, ``(N, L)``: one label per
-position, for models that classify every position); file attributes ``name``, ``num_classes`` (0 for regression) and
-``source``.  Optional: ``stats/mean`` and ``stats/std`` (floats of the sample
+Layout (contract): one HDF5 file with groups ``train/`` and ``test/``, each holding ``x`` (samples first) and
+    ``y`` (integer class labels, or float targets; class labels may have a sequence axis, ``(N, L)``: one
+    label per position, for models that classify every position); file attributes ``name``, ``num_classes`` (0
+    for regression) and ``source``.  Optional: ``stats/mean`` and ``stats/std`` (floats of the sample
 shape: standardisation statistics, applied when samples are read, so ``x``
 stays as stored), ``class_names`` (text, one per class), ``feature_names``
 (text, one per value of a sample of one axis: a CSV header's) and a ``val/``
@@ -176,7 +175,8 @@ def _describe(path, handle, allow_external, part=False):
 
 
 def _span(item):
-    """Bytes HDF5 decompresses to read any row of a chunk of ``item``: its chunk rows' values; 0 if not filtered."""
+    """Bytes HDF5 decompresses to read any row of a chunk of ``item``: its chunk rows' values; 0 if not
+    filtered."""
     if item.chunks is None or not item.id.get_create_plist().get_nfilters():
         return 0
     return int(item.chunks[0]) * item.dtype.itemsize * int(np.prod(item.shape[1:], dtype=np.int64))

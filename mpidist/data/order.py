@@ -46,7 +46,8 @@ def _bits(values):
 
 
 def _rounds(x, half, keys, inverse):
-    """One pass of the Feistel network of halves of ``half`` bits keyed by ``keys`` over ``x`` (uint64 arrays)."""
+    """One pass of the Feistel network of halves of ``half`` bits keyed by ``keys`` over ``x`` (uint64
+    arrays)."""
     mask = (np.uint64(1) << half.astype(np.uint64)) - np.uint64(1)
     shift = half.astype(np.uint64)
     left, right = x >> shift, x & mask
@@ -62,8 +63,9 @@ def _rounds(x, half, keys, inverse):
 
 
 def permute(index, size, keys, inverse=False):
-    """Element by element, ``index``'s place in the permutation of ``[0, size)`` keyed by ``keys`` (uint64), or
-    with ``inverse`` the index at that place.  Arrays broadcast together; every index must be below its size.
+    """Element by element, ``index``'s place in the permutation of ``[0, size)`` keyed by ``keys`` (uint64),
+    or with ``inverse`` the index at that place.  Arrays broadcast together; every index must be below its
+    size.
 
     A Feistel network permutes ``[0, 4^h)``, the first power of four not
     below ``size``; a value it sends past ``size`` is sent through again
@@ -97,7 +99,8 @@ class Window:
 
 @dataclasses.dataclass(frozen=True)
 class LaneOrder:
-    """The order of ``n`` rows cut into ``total`` lanes, units of ``unit`` rows, windows of ``window`` units."""
+    """The order of ``n`` rows cut into ``total`` lanes, units of ``unit`` rows, windows of ``window``
+    units."""
 
     n: int
     total: int
@@ -105,8 +108,8 @@ class LaneOrder:
     window: int
 
     def _lanes(self, lanes, seed, epoch):
-        """Per lane (an int64 array): its first row, rows, units, rows its last unit lacks, the units' key, and
-        the place of the short unit in the units' order (past the last window where none is short)."""
+        """Per lane (an int64 array): its first row, rows, units, rows its last unit lacks, the units' key,
+        and the place of the short unit in the units' order (past the last window where none is short)."""
         lanes = np.asarray(lanes, dtype=np.int64)
         first = lane_starts(self.n, self.total, lanes)
         rows = lane_starts(self.n, self.total, lanes + 1) - first
@@ -148,9 +151,9 @@ class LaneOrder:
         return first + unit * self.unit + offset % self.unit
 
     def windows(self, lanes, seed, epoch, first, last):
-        """The :class:`Window`\\ s of ``lanes`` holding positions ``[first, last)``, by start then lane: the order
-        in which a stream needs them (a window is read before the step it starts at).  A generator: an epoch
-        of a large split has many windows, and each is made as it is needed."""
+        """The :class:`Window`\\ s of ``lanes`` holding positions ``[first, last)``, by start then lane: the
+        order in which a stream needs them (a window is read before the step it starts at).  A generator: an
+        epoch of a large split has many windows, and each is made as it is needed."""
         lanes = np.asarray(lanes, dtype=np.int64)
         return heapq.merge(
             *(
@@ -179,18 +182,19 @@ class LaneOrder:
 
     @staticmethod
     def window_of(position, span, short, shorts):
-        """The window holding lane ``position``: windows span ``span`` rows, window ``shorts`` ``short`` fewer."""
+        """The window holding lane ``position``: windows span ``span`` rows, window ``shorts`` ``short``
+        fewer."""
         return (position + short) // span if position >= (shorts + 1) * span - short else position // span
 
     def window_order(self, rows, seed, epoch, lane, window):
-        """Where in its window (as read: its units in turn) each of the ``rows`` positions of window ``window`` of
-        lane ``lane`` (its number) takes its sample from."""
+        """Where in its window (as read: its units in turn) each of the ``rows`` positions of window
+        ``window`` of lane ``lane`` (its number) takes its sample from."""
         return permute(np.arange(rows), rows, seeds(seed, epoch, lane, ORDER, SAMPLES, window))
 
 
 def order_for(info, split, buffer, input_shape, dtype, total):
-    """The :class:`LaneOrder` of ``split`` of ``info`` for a shuffle buffer of ``buffer`` samples over ``total``
-    lanes (:func:`~mpidist.data.blocks.order_units`)."""
+    """The :class:`LaneOrder` of ``split`` of ``info`` for a shuffle buffer of ``buffer`` samples over
+    ``total`` lanes (:func:`~mpidist.data.blocks.order_units`)."""
     return LaneOrder(
         int(info.sizes[split]),
         int(total),

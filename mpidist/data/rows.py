@@ -1,4 +1,5 @@
-"""One split's rows across a dataset's files: row numbers in, checked samples out, one read call per file span.
+"""One split's rows across a dataset's files: row numbers in, checked samples out, one read call per file
+span.
 
 A split's rows are numbered ``0 .. count-1`` over the concatenation of its
 files (and, for a split carved by ``--val-fraction``, over the rows chosen for
@@ -24,7 +25,8 @@ from .samples import prepare
 
 
 class SplitRows:
-    """The rows of ``split`` of dataset ``info``, read and prepared for a model taking ``input_shape``/``dtype``.
+    """The rows of ``split`` of dataset ``info``, read and prepared for a model taking
+    ``input_shape``/``dtype``.
 
     ``direct``: read uncompressed rows around the page cache where the file
     system allows it (a stream's ``--stream-io direct``; see
@@ -79,7 +81,8 @@ class SplitRows:
         return np.concatenate([x for x, _ in pieces]), np.concatenate([y for _, y in pieces])
 
     def advise(self, lo, hi, handles):
-        """Tell the kernel rows ``[lo, hi)`` will be read soon (``POSIX_FADV_WILLNEED``): it reads them meanwhile.
+        """Tell the kernel rows ``[lo, hi)`` will be read soon (``POSIX_FADV_WILLNEED``): it reads them
+        meanwhile.
 
         h5py holds the GIL while it reads, so a read that waits on the disk
         stalls the training thread's Python too; the hint turns the later read
@@ -108,7 +111,8 @@ class SplitRows:
                 continue
 
     def _fd(self, path, handles):
-        """An OS file descriptor of ``path`` kept in ``handles`` (a stream's), or None (arrays, or no stream)."""
+        """An OS file descriptor of ``path`` kept in ``handles`` (a stream's), or None (arrays, or no
+        stream)."""
         if handles is None or not isinstance(path, os.PathLike):
             return None
         if ("fd", path) not in handles:
@@ -116,8 +120,8 @@ class SplitRows:
         return handles["fd", path]
 
     def _direct(self, item, path, handles, name=None):
-        """The :class:`DirectFile` reading dataset ``item`` (``name``, where the caller knows it) of ``path``, kept
-        in ``handles``; None where not direct.
+        """The :class:`DirectFile` reading dataset ``item`` (``name``, where the caller knows it) of ``path``,
+        kept in ``handles``; None where not direct.
 
         One per dataset: a read returns a view of its buffer, and a block's
         ``x`` and ``y`` are read before either is used.
@@ -137,8 +141,8 @@ class SplitRows:
         return handles[key]
 
     def _items(self, path, handles, opened):
-        """``(x, y)`` of this split's group in file ``path``: from ``handles`` (opened into it on first use), or
-        opened for this call (``opened``)."""
+        """``(x, y)`` of this split's group in file ``path``: from ``handles`` (opened into it on first use),
+        or opened for this call (``opened``)."""
         # (checked when the run began, the file is opened again for each read or epoch: it may have changed)
         with reading(f"{path}: {self.group}/x and {self.group}/y", errors=(*HDF5_ERRORS, KeyError)):
             cache = self.cache.get(path, 0)
@@ -166,8 +170,8 @@ class SplitRows:
     def _piece(self, items, path, local, handles=None):
         """Rows ``local`` of one file, read in one call where they are evenly spaced.
 
-        ``handles``: a stream's open files, to read consecutive rows of uncompressed data with :func:`direct_rows`.
-        """
+        ``handles``: a stream's open files, to read consecutive rows of uncompressed data with
+        :func:`direct_rows`."""
         where = f"{path}: {self.group}"
         if items is None:  # no rows: empty arrays of the right shapes
             x = np.empty((0,) + tuple(self.info.sample_shape))
@@ -201,8 +205,8 @@ class SplitRows:
         return prepare(*read, self.info, where, local, self.input_shape, self.dtype)
 
     def _read_span(self, item, span, path, handles, name):
-        """Rows ``span`` of ``item`` (``name`` in its file): straight from the file where :func:`direct_rows` can,
-        else through h5py."""
+        """Rows ``span`` of ``item`` (``name`` in its file): straight from the file where :func:`direct_rows`
+        can, else through h5py."""
         if span.step != 1:
             return item[span]
         fd, direct = self._fd(path, handles), self._direct(item, path, handles, name)
@@ -225,9 +229,9 @@ class SplitRows:
 
 def regular_runs(numbers):
     """``(head, start, stride, count, length, tail)`` where increasing ``numbers`` are a run of ``head`` rows,
-    ``count`` runs of ``length`` consecutive rows ``stride`` apart from row ``start``, and a run of ``tail`` rows
-    (a training shard's lanes in a file: rows ``q * B + l`` of lanes ``l`` in ``[first, first + count)``); None
-    where they are not (or where that is not worth it: fewer than three runs)."""
+    ``count`` runs of ``length`` consecutive rows ``stride`` apart from row ``start``, and a run of ``tail``
+    rows (a training shard's lanes in a file: rows ``q * B + l`` of lanes ``l`` in ``[first, first +
+    count)``); None where they are not (or where that is not worth it: fewer than three runs)."""
     numbers = np.asarray(numbers, dtype=np.int64)
     cuts = np.flatnonzero(np.diff(numbers) != 1) + 1
     if len(cuts) < 2:
@@ -242,8 +246,8 @@ def regular_runs(numbers):
 
 
 def read_runs(item, numbers, runs):
-    """Rows ``numbers`` of the HDF5 dataset ``item``, :func:`regular_runs` ``runs`` of them: the regular runs in
-    one HDF5 read of a strided selection of blocks, so only those rows' bytes are read."""
+    """Rows ``numbers`` of the HDF5 dataset ``item``, :func:`regular_runs` ``runs`` of them: the regular runs
+    in one HDF5 read of a strided selection of blocks, so only those rows' bytes are read."""
     head, start, stride, count, length, tail = runs
     out = np.empty((len(numbers),) + item.shape[1:], dtype=item.dtype)
     out[:head] = item[int(numbers[0]) : int(numbers[0]) + head]
@@ -265,7 +269,8 @@ def read_runs(item, numbers, runs):
 
 
 def read_rows(item, numbers, block_bytes=64 << 20):
-    """Rows ``numbers`` (increasing) of the HDF5 dataset ``item``, read a block of the file (64 MiB) at a time."""
+    """Rows ``numbers`` (increasing) of the HDF5 dataset ``item``, read a block of the file (64 MiB) at a
+    time."""
     out = np.empty((len(numbers),) + item.shape[1:], dtype=item.dtype)
     block = max(1, block_bytes // max(out[:1].nbytes, 1))
     done = 0

@@ -47,7 +47,8 @@ def prepare(x, y, info, where, rows, input_shape, dtype):
 
 
 def _all_finite(x):
-    """Whether ``x`` holds no NaN or Inf: its sum first (one pass, no temporary), element by element if that is not."""
+    """Whether ``x`` holds no NaN or Inf: its sum first (one pass, no temporary), element by element if that
+    is not."""
     with np.errstate(over="ignore", invalid="ignore"):
         if np.isfinite(x.sum()):  # NaN and Inf make the sum non-finite; finite values rarely do (overflow)
             return True
@@ -59,8 +60,9 @@ def _first_bad_row(x):
 
 
 def footprint(rows, info, group, dtype):
-    """Bytes reading ``rows`` samples of ``group`` into memory takes at its peak: as stored, converted, targets,
-    and a compressed chunk larger than HDF5's cache decompressed (its x and y, and the compressed one read)."""
+    """Bytes reading ``rows`` samples of ``group`` into memory takes at its peak: as stored, converted,
+    targets, and a compressed chunk larger than HDF5's cache decompressed (its x and y, and the compressed one
+    read)."""
     sample = int(np.prod(info.sample_shape))
     stored = max((m.row_bytes.get(group, 0) for m in info.files), default=sample * 8)
     cache = max((m.cache_bytes(group) for m in info.files), default=0)

@@ -37,7 +37,8 @@ class Shard:
             reads a contiguous block per rank); ``worker`` and ``num_workers`` are then unused.
         lanes: the worker's :class:`~mpidist.data.lanes.Lanes` of the training split: the rows it holds and
             the batches it gives (``worker`` and ``num_workers`` unused).
-        buffer: the run's shuffle buffer, in samples (0: :func:`~mpidist.data.blocks.default_buffer`): it fixes
+        buffer: the run's shuffle buffer, in samples (0: :func:`~mpidist.data.blocks.default_buffer`): it
+            fixes
             the order's windows, as a stream's.
     """
 
@@ -67,10 +68,12 @@ class Shard:
         return len(self.y)
 
     def prime(self, seed, epoch, step):
-        """Nothing to read ahead: the shard is in memory (a :class:`~mpidist.data.Stream` reads its first windows)."""
+        """Nothing to read ahead: the shard is in memory (a :class:`~mpidist.data.Stream` reads its first
+        windows)."""
 
     def batches(self, steps, seed, epoch, skip=0, last_epoch=False):
-        """The ``(x, y)`` batches of steps ``skip..steps-1`` of ``epoch``, prefetched (``last_epoch``: for a stream).
+        """The ``(x, y)`` batches of steps ``skip..steps-1`` of ``epoch``, prefetched (``last_epoch``: for a
+        stream).
 
         Batch ``s`` is sample ``s`` of each lane's order, in lane order.
         """

@@ -43,7 +43,8 @@ def bundled_names():
 
 
 def resolve(spec):
-    """What ``--data`` names: a file, a directory or a glob of files, or a bundled dataset (arrays pass through)."""
+    """What ``--data`` names: a file, a directory or a glob of files, or a bundled dataset (arrays pass
+    through)."""
     if isinstance(spec, ArrayData):
         return spec
     path = Path(spec).expanduser()
@@ -69,7 +70,8 @@ def _natural(path):
 
 
 def members(path):
-    """The files of dataset ``path`` in order: itself, a directory's ``*.h5``/``*.hdf5`` files, or a glob's matches."""
+    """The files of dataset ``path`` in order: itself, a directory's ``*.h5``/``*.hdf5`` files, or a glob's
+    matches."""
     if isinstance(path, ArrayData) or path.is_file():
         return [path]
     if path.is_dir():

@@ -1,4 +1,5 @@
-"""A worker's lanes of the training split read as training goes (or its part of an evaluation split), bounded memory.
+"""A worker's lanes of the training split read as training goes (or its part of an evaluation split), bounded
+memory.
 
 Datasets larger than ``--memory-budget`` stream.  For training, a worker
 holds its lanes (:mod:`mpidist.data.lanes`): contiguous, balanced ranges of
@@ -54,10 +55,12 @@ class Stream:
     """One split's rows for one worker, streamed.  Arguments as :class:`~mpidist.data.Shard`'s, and:
 
     Args:
-        buffer: samples in the shuffle buffer, shared by the lanes (0: :func:`~mpidist.data.blocks.default_buffer`).
+        buffer: samples in the shuffle buffer, shared by the lanes (0:
+            :func:`~mpidist.data.blocks.default_buffer`).
         direct: read around the page cache where the file system allows it (``--stream-io direct``).
         sliced: read a chunk larger than a block in slices (see :func:`~mpidist.data.blocks.block_cuts`).
-        lanes: the worker's :class:`~mpidist.data.lanes.Lanes` of the training split; None for an evaluation's part.
+        lanes: the worker's :class:`~mpidist.data.lanes.Lanes` of the training split; None for an evaluation's
+            part.
     """
 
     mode = "stream"
@@ -138,7 +141,8 @@ class Stream:
             self._ahead[self._key(seed, epoch, window)] = slot
 
     def batches(self, steps, seed, epoch, skip=0, last_epoch=False):
-        """The ``(x, y)`` batches of steps ``skip..steps-1`` of ``epoch``: windows read ahead, batches gathered ahead.
+        """The ``(x, y)`` batches of steps ``skip..steps-1`` of ``epoch``: windows read ahead, batches
+        gathered ahead.
 
         Read to its end, an epoch reads the next one's first windows while its
         last batches train, unless it is the ``last_epoch`` (reading for nothing).
@@ -146,7 +150,8 @@ class Stream:
         if skip >= steps:
             return Prefetcher(iter(()))
         self.pool.allocate()
-        # the windows read ahead (by prime, or the last epoch's end) are the first ones: any other slot is free
+        # the windows read ahead (by prime, or the last epoch's end) are the first ones: any other slot is
+        # free
         first = {self._key(seed, epoch, window) for window in self._schedule(seed, epoch, skip, skip + 1)}
         ready = {key: slot for key, slot in self._ahead.items() if key in first}
         self._ahead = {}
@@ -179,8 +184,8 @@ class Stream:
             finally:
                 _close(handles)
 
-        # (the gathering thread walks the same schedule again for the windows' starts: a few integers a window,
-        # where sharing one generator between the two threads would need a lock)
+        # (the gathering thread walks the same schedule again for the windows' starts: a few integers a
+        # window, where sharing one generator between the two threads would need a lock)
         return Prefetcher(self._gather(self._schedule(seed, epoch, skip, steps), read(), steps, skip, stop))
 
     def _gather(self, windows, reads, steps, skip, stop):
@@ -254,7 +259,8 @@ class Stream:
                 self.source.advise(lo, hi, handles)
 
     def _read(self, units, slot, handles):
-        """The samples of ``units`` (``(lo, hi)`` rows) into slot ``slot`` of the pool, in turn, a read call each."""
+        """The samples of ``units`` (``(lo, hi)`` rows) into slot ``slot`` of the pool, in turn, a read call
+        each."""
         x, y, _ = self.pool.arrays
         at = slot * self.pool.rows
         for lo, hi in units:
@@ -264,8 +270,8 @@ class Stream:
 
 
 class Pool:
-    """The windows a training stream holds: :data:`~mpidist.data.blocks.WINDOWS` slots a lane of ``rows`` samples
-    each, in one array allocated and written once, reused; and which slots no window holds.
+    """The windows a training stream holds: :data:`~mpidist.data.blocks.WINDOWS` slots a lane of ``rows``
+    samples each, in one array allocated and written once, reused; and which slots no window holds.
 
     The reading thread takes free slots, the gathering thread gives them back
     once their window's samples are gathered.  ``arrays`` is ``(x, y,
@@ -343,7 +349,8 @@ def _joined(xs, ys):
 
 
 def _close(handles):
-    """Close the files a stream opened (``handles`` also holds their datasets, under ``(path, group)`` keys)."""
+    """Close the files a stream opened (``handles`` also holds their datasets, under ``(path, group)``
+    keys)."""
     for key, handle in handles.items():
         if not isinstance(key, tuple) or (key[0] == "direct" and handle is not None):
             handle.close()

@@ -1,4 +1,5 @@
-"""Writing datasets a block of rows at a time: directories of shards, streaming-friendly chunks, synthetic data.
+"""Writing datasets a block of rows at a time: directories of shards, streaming-friendly chunks, synthetic
+data.
 
 ``ingest --shard-size N`` writes a directory of files in the mpidist layout:
 train rows cut into consecutive files of ``N`` rows, the test (and val) rows
@@ -49,7 +50,8 @@ def chunks_for(shape, itemsize):
 
 
 def filters(compression):
-    """h5py keyword arguments for ``--compression``: gzip at level 4 (fast to write; 9 saves little more), lzf, none."""
+    """h5py keyword arguments for ``--compression``: gzip at level 4 (fast to write; 9 saves little more),
+    lzf, none."""
     if compression not in COMPRESSIONS:
         raise UsageError(f"--compression {compression!r}: choose from {', '.join(COMPRESSIONS)}")
     return {
@@ -100,7 +102,8 @@ class Rows:
 
 
 def write_file(path, rows, parts, compression):
-    """Write ``rows`` to ``path``: ``parts[split] = (lo, hi)`` of each split, copied :data:`WRITE_BYTES` at a time."""
+    """Write ``rows`` to ``path``: ``parts[split] = (lo, hi)`` of each split, copied :data:`WRITE_BYTES` at a
+    time."""
     with new_hdf5.created(path) as handle:
         handle.attrs.update(name=rows.name, num_classes=int(rows.num_classes), source=rows.source)
         for split, (lo, hi) in parts.items():
@@ -130,7 +133,8 @@ def write_file(path, rows, parts, compression):
 
 
 def write_shards(out, rows, shard_size, compression="gzip"):
-    """Write ``rows`` as a directory ``out`` of files of ``shard_size`` training rows each; returns the files."""
+    """Write ``rows`` as a directory ``out`` of files of ``shard_size`` training rows each; returns the
+    files."""
     check_shard_size(shard_size)
     filters(compression)
     out = Path(out)

@@ -1,1 +1,2 @@
-"""One training run: its set-up, the loop, the state objects it is made of, callbacks, and the elastic wrapper."""
+"""One training run: its set-up, the loop, the state objects it is made of, callbacks, and the elastic
+wrapper."""

@@ -17,7 +17,8 @@ from ..store.lineage import CheckpointDir, file_name
 
 
 class CheckpointFiles:
-    """The checkpoint files a run lineage writes into ``--checkpoint-dir``, and what each stores beside the state.
+    """The checkpoint files a run lineage writes into ``--checkpoint-dir``, and what each stores beside the
+    state.
 
     Args:
         config: the run's :class:`~mpidist.settings.config.Settings`.
@@ -41,8 +42,9 @@ class CheckpointFiles:
         return Path(self.config.checkpoint_dir) / file_name(step, self.lineage)
 
     def attributes(self, where, best, elapsed):
-        """What a checkpoint of ``where`` (``(step, epoch, epoch_step, workers)``) stores beside the state, as a
-        split model's index stores it; ``best``: the ``--keep-best`` record, ``elapsed``: the run's time so far."""
+        """What a checkpoint of ``where`` (``(step, epoch, epoch_step, workers)``) stores beside the state, as
+        a split model's index stores it; ``best``: the ``--keep-best`` record, ``elapsed``: the run's time so
+        far."""
         step, epoch, epoch_step, workers = where
         return checkpoint_save.attributes(
             step,

@@ -93,7 +93,8 @@ class Checkpointer:
         self.behind = Behind()  # writing behind training (lockstep strategies)
 
     def run_time(self, now=None):
-        """Seconds the run has trained, resumed parts included (what the metrics' ``time`` and checkpoints say)."""
+        """Seconds the run has trained, resumed parts included (what the metrics' ``time`` and checkpoints
+        say)."""
         return (self.clock() if now is None else now) - self.origin
 
     @property
@@ -135,8 +136,8 @@ class Checkpointer:
         return self.best
 
     def write(self, state, step, epoch, epoch_step, workers, best=None):
-        """Write ``state`` (a :class:`~mpidist.parallel.saved_state.WholeState`) as the checkpoint of ``step``;
-        prune.
+        """Write ``state`` (a :class:`~mpidist.parallel.saved_state.WholeState`) as the checkpoint of
+        ``step``; prune.
 
         ``best``: the ``--keep-best`` figure's best so far (``{"figure", "value", "step"}``), stored with it.
         """
@@ -149,10 +150,10 @@ class Checkpointer:
     def take(self, cluster, placement, placed, state, where, best, behind):
         """Collective where the model is split: write the checkpoint of ``where`` (``(step, epoch, epoch_step,
         workers)``): by the ranks that hold the model, each its ``placed`` state (a
-        :class:`~mpidist.parallel.saved_state.PlacedState`, ordered as ``placement``), or else by the chief from
-        the gathered ``state`` (a :class:`~mpidist.parallel.saved_state.WholeState`), behind training with
-        ``behind``.  Returns the ``(path, step, epoch)`` of what the chief wrote (or completed) since the last call.
-        """
+        :class:`~mpidist.parallel.saved_state.PlacedState`, ordered as ``placement``), or else by the chief
+        from the gathered ``state`` (a :class:`~mpidist.parallel.saved_state.WholeState`), behind training
+        with ``behind``.  Returns the ``(path, step, epoch)`` of what the chief wrote (or completed) since the
+        last call."""
         chief, (step, epoch) = cluster.is_chief, where[:2]
         if placed is None and chief and behind:
             return self.write_behind(state, *where, best=best)
@@ -173,11 +174,11 @@ class Checkpointer:
         return done
 
     def write_sharded(self, comm, placement, placed, where, root, best=None, behind=False):
-        """Collective over ``comm``: the checkpoint of ``where`` (``(step, epoch, epoch_step, workers)``) written
-        by the ranks that hold the model, each its own slices (:mod:`mpidist.loop.sharded_save`), and pruned by
-        ``root``, the chief; what it completed (as :meth:`take`).  ``behind``: the parts are synced and the index
-        written in threads, and a later step boundary completes it (:meth:`at_boundary`).  Never under
-        ``--elastic``: completing it is collective, and a lost rank would leave it half done."""
+        """Collective over ``comm``: the checkpoint of ``where`` (``(step, epoch, epoch_step, workers)``)
+        written by the ranks that hold the model, each its own slices (:mod:`mpidist.loop.sharded_save`), and
+        pruned by ``root``, the chief; what it completed (as :meth:`take`).  ``behind``: the parts are synced
+        and the index written in threads, and a later step boundary completes it (:meth:`at_boundary`).  Never
+        under ``--elastic``: completing it is collective, and a lost rank would leave it half done."""
         if comm.Get_rank() == root:
             self.files.take_fingerprint()
         self.behind.parts = write = sharded_save.ShardedWrite(
@@ -218,7 +219,8 @@ class Checkpointer:
         return self.complete_parts() + self.collect(wait=True)
 
     def complete_parts(self):
-        """Collective where a sharded checkpoint is under way (:meth:`write_sharded`): complete it; as :meth:`take`."""
+        """Collective where a sharded checkpoint is under way (:meth:`write_sharded`): complete it; as
+        :meth:`take`."""
         write, self.behind.parts = self.behind.parts, None
         result = write.complete() if write is not None else None
         # (the chief's index, written behind training: collect() takes it)
@@ -237,13 +239,14 @@ class Checkpointer:
     @property
     def busy(self):
         """Whether the writer behind training is not free (on the chief; never elsewhere): a write in flight,
-        or the rest after one that keeps writing within :data:`~mpidist.loop.writer.WRITER_SHARE` of the chief's
-        time."""
+        or the rest after one that keeps writing within :data:`~mpidist.loop.writer.WRITER_SHARE` of the
+        chief's time."""
         last = self.behind.last
         return last is not None and (last.is_alive() or time.monotonic() < last.free_at())
 
     def starts_at(self, step, due, busy):
-        """Lockstep, alike on every rank: whether the checkpoint owed (``due`` now, or deferred) starts at ``step``.
+        """Lockstep, alike on every rank: whether the checkpoint owed (``due`` now, or deferred) starts at
+        ``step``.
 
         ``busy``: the chief's writer was busy at the step before (as the step
         agreement says, one step late); a write that started at the step
@@ -290,8 +293,8 @@ class Checkpointer:
         return done
 
     def collect(self, wait=False):
-        """``[(path, step, epoch)]`` of the write behind that completed since the last call (waiting for it with
-        ``wait``); a write that failed raises its error here, in the training thread."""
+        """``[(path, step, epoch)]`` of the write behind that completed since the last call (waiting for it
+        with ``wait``); a write that failed raises its error here, in the training thread."""
         behind = self.behind.flight
         if behind is None or (behind.is_alive() and not wait):
             return []
@@ -302,9 +305,9 @@ class Checkpointer:
 
 
 class Behind:
-    """What writing behind training keeps: the write in flight (and the last one started), the arrays it copies
-    the state into, a checkpoint that came due while the writer was busy (``owed``), the step the last write
-    behind started at, and a sharded checkpoint whose parts are being synced."""
+    """What writing behind training keeps: the write in flight (and the last one started), the arrays it
+    copies the state into, a checkpoint that came due while the writer was busy (``owed``), the step the last
+    write behind started at, and a sharded checkpoint whose parts are being synced."""
 
     def __init__(self):
         self.flight = self.last = None
@@ -319,7 +322,8 @@ class Staging:
         self.arrays = {}
 
     def copy(self, key, array):
-        """A copy of ``array`` in the arrays kept under ``key`` (made again where its shape or dtype changed)."""
+        """A copy of ``array`` in the arrays kept under ``key`` (made again where its shape or dtype
+        changed)."""
         array = np.asarray(array)
         kept = self.arrays.get(key)
         if kept is None or kept.shape != array.shape or kept.dtype != array.dtype:

@@ -5,15 +5,13 @@ elastic ``run_fn`` and ``State``: :func:`run_with_recovery` runs the loop
 and, when a process dies, the :class:`State` recovers: the survivors agree
 on the state (restore, sync) and the state's reset callbacks build the loop
 again from it.  The state owns the run's position (the loop moves it step by
-step: the commit) and knows what the run is made of now (``bind``); it uses
-nothing else of the loop.  Strategies take part through their
-:class:`~mpidist.parallel.recovery.Recovery` (``strategy.recovery()``), an
-object of a few hooks: ``communicators`` (theirs, to revoke), ``left_idle``
-(survivors that cannot train on), ``survivors_step`` (the step the survivors agree on, the chief's by default) and
-``survivor_state`` (the state at that step: a ps-sync ps or a pipeline stage
-takes back an update the others never saw, kept by its
-:class:`~mpidist.parallel.rewind.PreviousSlice`); the figures they count
-live in a dict the loop owns, which outlives them.
+step: the commit) and knows what the run is made of now (``bind``); it uses nothing else of the loop.
+    Strategies take part through their :class:`~mpidist.parallel.recovery.Recovery` (``strategy.recovery()``),
+    an object of a few hooks: ``communicators`` (theirs, to revoke), ``left_idle`` (survivors that cannot
+    train on), ``survivors_step`` (the step the survivors agree on, the chief's by default) and
+    ``survivor_state`` (the state at that step: a ps-sync ps or a pipeline stage takes back an update the
+    others never saw, kept by its :class:`~mpidist.parallel.rewind.PreviousSlice`); the figures they count
+    live in a dict the loop owns, which outlives them.
 
 When a blocking call reports a dead process (:mod:`mpidist.runtime.ulfm`),
 or a watcher saw one die where the survivors must recover together
@@ -91,7 +89,8 @@ def share_position(comm, root, position):
 
 
 def share(comm, root, state, position, names, count, dtype, config, seed):
-    """Collective: ``root``'s :class:`~mpidist.parallel.saved_state.WholeState` as a :class:`Checkpoint` on every rank.
+    """Collective: ``root``'s :class:`~mpidist.parallel.saved_state.WholeState` as a :class:`Checkpoint` on
+    every rank.
 
     The same object a checkpoint file loads as, so the survivors resume
     through the path ``--resume`` takes (and tests) for any rank count.
@@ -145,7 +144,8 @@ class State:
         self.cluster = self.setup = self.strategy = None
         self.revoked = []  # communicators besides the cluster's that survivors may be blocked in
         self.recoveries = []  # each loss survived ("recovered" events)
-        self.counts = {}  # what the strategies count (their stats()): outlives a recovery, as the position does
+        # what the strategies count (their stats()): outlives a recovery, as the position does
+        self.counts = {}
         self.callbacks = {"reset": [], "give_up": [], "recovered": [], "finish_writes": [], "leave": []}
 
     def bind(self, cluster, setup, strategy):
@@ -192,7 +192,8 @@ class State:
         )
 
     def recover(self):
-        """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go on.
+        """Collective over the survivors of a lost rank: shrink, agree on the state at the chief's step, go
+        on.
 
         A lost ps, or a chief the others cannot replace, is replaced by a
         rollback to the newest checkpoint where :meth:`_rollback_point` finds
@@ -267,7 +268,8 @@ class State:
         self._fire("recovered", record)
 
     def _set_aside(self, world, idle):
-        """Collective over the survivors: the world of those that train on; an ``idle`` survivor never returns.
+        """Collective over the survivors: the world of those that train on; an ``idle`` survivor never
+        returns.
 
         It lets go of what it holds (``leave``: a chief its files and lock,
         before the new chief opens them) and waits, asleep, for the others'
@@ -281,13 +283,13 @@ class State:
         return kept
 
     def _rollback_point(self, world, cluster):
-        """Collective: the checkpoint every survivor goes back to after a lost ps (or a chief the others cannot
-        replace), or None where there is none.
+        """Collective: the checkpoint every survivor goes back to after a lost ps (or a chief the others
+        cannot replace), or None where there is none.
 
         Only where the strategy can (:attr:`~mpidist.parallel.declared.Declared.ps_rollback`), a ps is left to
-        take the lost shard, and the run writes checkpoints: the chief (a new one, where it was lost) names the
-        newest of the run's lineage, once the write in flight is finished (``finish_writes``, in :meth:`recover`).
-        """
+        take the lost shard, and the run writes checkpoints: the chief (a new one, where it was lost) names
+        the newest of the run's lineage, once the write in flight is finished (``finish_writes``, in
+        :meth:`recover`)."""
         if not self.strategy.ps_rollback or PS not in cluster.roles or not self.config.checkpoint_dir:
             return None
         newest = newest_checkpoint(self.config.checkpoint_dir) if cluster.is_chief else None

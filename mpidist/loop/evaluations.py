@@ -1,4 +1,5 @@
-"""A run's evaluations: the latest figures of each split, the best validation so far, and where they were taken."""
+"""A run's evaluations: the latest figures of each split, the best validation so far, and where they were
+taken."""
 
 import math
 import time
@@ -12,7 +13,8 @@ PROGRESS_AFTER, PROGRESS_EVERY = 5.0, 15.0
 
 
 def shown(batches, total, split, say, clock=time.monotonic):
-    """``batches`` of ``(x, y)``, saying now and then how many of ``total`` samples an evaluation of ``split`` took.
+    """``batches`` of ``(x, y)``, saying now and then how many of ``total`` samples an evaluation of ``split``
+    took.
 
     The chief's count of its own part: the others' parts are as large (within a batch) and go as fast.
     """
@@ -25,8 +27,10 @@ def shown(batches, total, split, say, clock=time.monotonic):
         if now >= due and done < total:
             rate, share = done / (now - began), 100 * done / total
             say(
-                f"mpidist: evaluating {split}: {f'{share:.1f}%' if share >= 0.1 else 'under 0.1%'} ({done:,} of "
-                f"{total:,} samples) after {duration(now - began)}, about {duration((total - done) / rate)} left"
+                f"mpidist: evaluating {split}: {f'{share:.1f}%' if share >= 0.1 else 'under 0.1%'} ({done:,} "
+                "of "
+                f"{total:,} samples) after {duration(now - began)}, about {duration((total - done) / rate)} "
+                "left"
             )
             due = now + PROGRESS_EVERY
 
@@ -43,7 +47,8 @@ def duration(seconds):
 
 
 class BestSoFar:
-    """The best value of a validation figure so far (``--keep-best``): lower is better for losses and errors."""
+    """The best value of a validation figure so far (``--keep-best``): lower is better for losses and
+    errors."""
 
     def __init__(self, figure, stored=None):
         self.figure = figure
@@ -59,7 +64,8 @@ class BestSoFar:
         return {"figure": self.figure, "value": self.value, "step": self.step}
 
     def offer(self, value, step):
-        """Whether ``value`` (at ``step``) beats the best so far; it becomes the best if so.  NaN never does."""
+        """Whether ``value`` (at ``step``) beats the best so far; it becomes the best if so.  NaN never
+        does."""
         if not math.isfinite(value):
             return False
         if self.value is not None and (value >= self.value if self.lower else value <= self.value):

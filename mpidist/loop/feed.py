@@ -1,4 +1,5 @@
-"""The batches one rank trains on in one epoch: its lanes', the chief's scattered (in-graph), or none (a ps)."""
+"""The batches one rank trains on in one epoch: its lanes', the chief's scattered (in-graph), or none (a
+ps)."""
 
 import itertools
 import os
@@ -43,10 +44,10 @@ class Recorded:
 
 
 def recorded(batches, epoch, skip, workers):
-    """``batches``, recorded where ``MPIDIST_TEST_RECORD=DIRECTORY`` says (``worker-<pid>.txt``: a line per batch,
-    its epoch, its step, the worker count and its samples' first values, in order).  For tests only: a dataset
-    whose first value is the row number shows which samples each step of each epoch trained on; unset in real
-    runs."""
+    """``batches``, recorded where ``MPIDIST_TEST_RECORD=DIRECTORY`` says (``worker-<pid>.txt``: a line per
+    batch, its epoch, its step, the worker count and its samples' first values, in order).  For tests only: a
+    dataset whose first value is the row number shows which samples each step of each epoch trained on; unset
+    in real runs."""
     folder = os.environ.get("MPIDIST_TEST_RECORD", "")
     if not folder:
         return batches

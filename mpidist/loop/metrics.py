@@ -70,8 +70,8 @@ class MetricsLog:
 
 
 def _check_writable_target(path):
-    """Refuse what an append would block on or cannot hold: a FIFO, a socket, a directory; and a symbolic link,
-    which an append would write through (into whatever file it points to: never an output's rule, see
+    """Refuse what an append would block on or cannot hold: a FIFO, a socket, a directory; and a symbolic
+    link, which an append would write through (into whatever file it points to: never an output's rule, see
     :mod:`mpidist.store.atomic`)."""
     try:
         kind = os.lstat(path).st_mode
@@ -193,8 +193,8 @@ class Progress:
         self.bar.update(min(step, self.total) - self.bar.n)
 
     def evaluated(self, step, epoch, loss, figures, split="test"):
-        """One line after an evaluation of ``split``: ``figures`` (:mod:`~mpidist.nn.scores`), accuracy or MSE,
-        MAE, R^2."""
+        """One line after an evaluation of ``split``: ``figures`` (:mod:`~mpidist.nn.scores`), accuracy or
+        MSE, MAE, R^2."""
         if self.mode == "none":
             return
         elapsed = time.perf_counter() - self.start

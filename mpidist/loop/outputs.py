@@ -53,7 +53,8 @@ class Outputs:
         self.log = Reporter(MetricsLog(config.metrics if self.chief else ""), callbacks, self.chief)
         if not self.chief:
             return
-        # a live run's directory is its own, as its checkpoint directory is: taken before anything there is opened
+        # a live run's directory is its own, as its checkpoint directory is: taken before anything there is
+        # opened
         run_lock = lineage.DirectoryLock(config.run_dir, run=True).acquire() if config.run_dir else None
         try:
             if config.run_dir:
@@ -124,7 +125,8 @@ class Outputs:
             self.say(f"mpidist: warning: the timeline could not be written to {path} ({problem})")
 
     def close(self):
-        """Let go of ``--checkpoint-dir`` (the chief's lock) and close what is open: the run writes no more."""
+        """Let go of ``--checkpoint-dir`` (the chief's lock) and close what is open: the run writes no
+        more."""
         if self.claim is not None:
             self.claim.release()
         for part in (self.progress, self.log_copy, self.board):

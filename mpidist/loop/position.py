@@ -20,7 +20,8 @@ class Position:
 
     @classmethod
     def of(cls, resume, steps_per_epoch):
-        """Where a run starts: ``resume``'s position (a checkpoint), or the beginning; a full epoch rolls over."""
+        """Where a run starts: ``resume``'s position (a checkpoint), or the beginning; a full epoch rolls
+        over."""
         if resume is None:
             return cls()
         if resume.epoch_step >= steps_per_epoch:

@@ -1,4 +1,5 @@
-"""The end of a run in words and figures: the ``done``, ``stopped`` or ``failed`` event and the terminal's lines."""
+"""The end of a run in words and figures: the ``done``, ``stopped`` or ``failed`` event and the terminal's
+lines."""
 
 import dataclasses
 import sys
@@ -77,7 +78,8 @@ def header(config, cluster, setup, outputs, table, asked_seed, held, imbalance=N
 
 
 class Report:
-    """The chief's last words on a run (``failed`` is reported by every rank's return value, said by the chief).
+    """The chief's last words on a run (``failed`` is reported by every rank's return value, said by the
+    chief).
 
     Args:
         config, cluster, setup: the run's settings, its ranks and its set-up (dataset, model).
@@ -94,9 +96,8 @@ class Report:
         """The ``done`` event and the summary; returns the final figures.
 
         ``roles``: every rank's ``(rank, role, stats, peak memory)``; ``elapsed``: seconds of training;
-        ``clipped``: the run's clipped steps
-        (None without ``--clip-norm``); ``recoveries``: an elastic run's recoveries (None without ``--elastic``).
-        """
+        ``clipped``: the run's clipped steps (None without ``--clip-norm``); ``recoveries``: an elastic run's
+        recoveries (None without ``--elastic``)."""
         config, cluster, setup, log = self.config, self.cluster, self.setup, self.outputs.log
         step = self.position.step
         # the scalar test figures first; the per-class ones and the confusion matrix (long) last

@@ -18,9 +18,10 @@ from ..store import checkpoint, checkpoint_save
 
 
 def find_resume(config):
-    """``(checkpoint --resume names or None, [(path, reason) of unreadable newer ones skipped])``: checked, its
-    arrays not read yet (each rank reads what it will hold: :meth:`~mpidist.store.checkpoint.Checkpoint.whole`,
-    or its slices by :meth:`~mpidist.store.checkpoint.Checkpoint.restore`)."""
+    """``(checkpoint --resume names or None, [(path, reason) of unreadable newer ones skipped])``: checked,
+    its arrays not read yet (each rank reads what it will hold:
+    :meth:`~mpidist.store.checkpoint.Checkpoint.whole`, or its slices by
+    :meth:`~mpidist.store.checkpoint.Checkpoint.restore`)."""
     if not config.resume:
         return None, []
     if config.resume == "auto":
@@ -29,8 +30,8 @@ def find_resume(config):
 
 
 def fit_to_model(config, resume, info, model):
-    """``(resume, notes)``: checkpoint ``resume`` (or None) as this run starts from it, for ``model`` built for
-    dataset ``info``; refused where its number of parameters differs, its optimizer state dropped (the
+    """``(resume, notes)``: checkpoint ``resume`` (or None) as this run starts from it, for ``model`` built
+    for dataset ``info``; refused where its number of parameters differs, its optimizer state dropped (the
     parameters and the position kept, and the user told) where it holds another optimizer's."""
     if resume is not None and resume.num_params != model.num_params:
         raise UsageError(

@@ -13,7 +13,8 @@ TRACER = recorder.tracer()
 
 def save(training, state=(), gathered=False, behind=False):
     """Collective: a checkpoint of the current position (once per step), written by the chief, or where the
-    strategy splits the model (:attr:`~mpidist.parallel.declared.Declared.placement`) by the ranks that hold it.
+    strategy splits the model (:attr:`~mpidist.parallel.declared.Declared.placement`) by the ranks that hold
+    it.
 
     ``gathered``: the caller gathered the strategy's ``state()`` already (``state``: None off the chief).
     ``behind``: the chief copies a gathered state and a thread writes it while training goes on; the

@@ -69,7 +69,8 @@ def build_model_for(config, inputs, info, xp, cluster=None, training=True):
     state, or with ``training`` False nothing (the caller prices what it holds).
     """
     try:
-        # (a map of shapes: the strategy makes the buffers of what this rank holds, the whole model's or a part's)
+        # (a map of shapes: the strategy makes the buffers of what this rank holds, the whole model's or a
+        # part's)
         model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype, buffers=False)
         check_outputs(model, info, inputs.model.spec)
         if training:
@@ -81,7 +82,8 @@ def build_model_for(config, inputs, info, xp, cluster=None, training=True):
 
 
 def check_holds(config, cluster, model):
-    """Refuse, naming what it needs, a model whose share on this rank does not fit in what the rank may hold."""
+    """Refuse, naming what it needs, a model whose share on this rank does not fit in what the rank may
+    hold."""
     arrays = len(checkpoint_save.OPTIMIZER_STATE.get(config.optimizer, ()))
     whole = model.num_params
     share = (
@@ -131,12 +133,14 @@ def check_outputs(model, info, spec):
 
 
 def data_layout(config, cluster):
-    """``(data-parallel workers, this rank's index among them)``: whose shard this rank reads (the strategy says)."""
+    """``(data-parallel workers, this rank's index among them)``: whose shard this rank reads (the strategy
+    says)."""
     return STRATEGIES[config.strategy].data_layout(config, cluster)
 
 
 def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
-    """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or None)."""
+    """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or
+    None)."""
     info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
     # (a resumed run's rows are its checkpoint's: drawn by the seed it continues with)
     if config.val_fraction:
@@ -170,7 +174,8 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
             f"dataset {info.name!r} has {info.sizes['train']} training sample(s), fewer than the "
             f"{workers} workers: worker {info.sizes['train']} would have an empty shard"
         )
-    # one sample of each of the global batch's lanes a step: n // B steps, in-graph or not, on any worker count
+    # one sample of each of the global batch's lanes a step: n // B steps, in-graph or not, on any worker
+    # count
     steps = data.steps_per_epoch(info.sizes["train"], config.batch_size, 1 if in_graph else workers)
     if steps == 0:
         raise UsageError(
@@ -181,7 +186,8 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
     lanes = (
         data.Lanes.of(config.batch_size, reads["train"][2], reads["train"][1]) if "train" in reads else None
     )
-    # every rank sizes the data order's buffer alike, by the widest worker's lanes (a resumed run keeps its own)
+    # every rank sizes the data order's buffer alike, by the widest worker's lanes (a resumed run keeps its
+    # own)
     widest = data.Lanes.of(config.batch_size, 1 if in_graph else workers, 0)
     order = data.order_buffer_for(
         config, info, model.input_shape, model.dtype, widest, resumed_buffer(resume)
@@ -249,8 +255,8 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
 
 
 def _reads(config, cluster, info, worker, workers):
-    """``{split: (split, worker, workers)}``: the part of each split this rank reads (none: not in the dict); of
-    the training split, the lanes of that worker of that many."""
+    """``{split: (split, worker, workers)}``: the part of each split this rank reads (none: not in the dict);
+    of the training split, the lanes of that worker of that many."""
     evaluated = ("test", "val") if "val" in info.sizes else ("test",)
     if config.replication == "in-graph":  # the chief is the one client that reads samples
         return {split: (split, 0, 1) for split in ("train",) + evaluated} if cluster.is_chief else {}
@@ -265,7 +271,8 @@ def _reads(config, cluster, info, worker, workers):
 
 
 def validation_figures(info):
-    """The figures a validation of dataset ``info`` reports, as ``--keep-best`` and ``--early-stop`` name them."""
+    """The figures a validation of dataset ``info`` reports, as ``--keep-best`` and ``--early-stop`` name
+    them."""
     scoring = (
         scores.Classification(info.num_classes) if info.num_classes else scores.Regression(info.target_width)
     )
@@ -297,7 +304,8 @@ def check_validation(config, info):
 
 
 def strategy_class(config, workers):
-    """The class that runs ``config.strategy`` with ``workers`` workers (a mode may have a class of its own)."""
+    """The class that runs ``config.strategy`` with ``workers`` workers (a mode may have a class of its
+    own)."""
     return STRATEGIES[config.strategy].variant(config, workers)
 
 
@@ -332,12 +340,12 @@ def make_strategy(config, setup, cluster, xp, where=None, figures=None):
 
 
 def test_delay(worker):
-    """``(seconds, last step)``: worker ``worker`` sleeps that long before each step up to that step of the run.
+    """``(seconds, last step)``: worker ``worker`` sleeps that long before each step up to that step of the
+    run.
 
-    ``MPIDIST_TEST_DELAY=WORKER:SECONDS[:LAST_STEP]``: ``WORKER`` is a worker index, or ``*`` for every worker;
-    without ``LAST_STEP``, before every step.  For tests only (a deliberately slow worker, or a slow run to
-    signal or kill a rank at a chosen step, then at full speed to the end); unset in real runs.
-    """
+    ``MPIDIST_TEST_DELAY=WORKER:SECONDS[:LAST_STEP]``: ``WORKER`` is a worker index, or ``*`` for every
+    worker; without ``LAST_STEP``, before every step.  For tests only (a deliberately slow worker, or a slow
+    run to signal or kill a rank at a chosen step, then at full speed to the end); unset in real runs."""
     spec = os.environ.get("MPIDIST_TEST_DELAY", "")
     if not spec or worker is None:
         return 0.0, 0

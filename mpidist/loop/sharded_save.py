@@ -73,8 +73,10 @@ class ShardedWrite:
             goes, what it stores beside the state, pruning).
         comm, root: the ranks that train, and the chief's rank among them.
         placement: this rank's :class:`~mpidist.nn.placement.Placement`.
-        placed: this rank's :class:`~mpidist.parallel.saved_state.PlacedState` (its buffers, as ``placement``).
-        where, best: ``(step, epoch, epoch_step, workers)`` and the ``--keep-best`` record, stored in the index.
+        placed: this rank's :class:`~mpidist.parallel.saved_state.PlacedState` (its buffers, as
+            ``placement``).
+        where, best: ``(step, epoch, epoch_step, workers)`` and the ``--keep-best`` record, stored in the
+            index.
         behind: sync the parts and write the index in threads, while training goes on.
         elapsed: the run's time so far, stored in the index.
     """
@@ -123,11 +125,12 @@ class ShardedWrite:
         return isinstance(self.part, BehindWrite) and self.part.is_alive()
 
     def complete(self):
-        """Collective over ``comm``: agree that every part is on disk and write the index (on the chief). Returns
-        the index's path on the chief, or (behind training) the :class:`BehindWrite` writing it; None elsewhere.
+        """Collective over ``comm``: agree that every part is on disk and write the index (on the chief).
+        Returns the index's path on the chief, or (behind training) the :class:`BehindWrite` writing it; None
+        elsewhere.
 
-        A part that could not be written raises :class:`RunError` on every rank, naming the rank and the reason.
-        """
+        A part that could not be written raises :class:`RunError` on every rank, naming the rank and the
+        reason."""
         record, comm = self.part, self.comm
         if isinstance(record, BehindWrite):
             try:
@@ -144,7 +147,8 @@ class ShardedWrite:
                 f"checkpoint of step {self.where[0]} not written to {self.index.path.parent}: "
                 f"{'; '.join(reasons)} (the checkpoints written before it are intact)"
             )
-        # (small: a file name, a few integers a region, a checksum; pickled, as nothing here was read from a file)
+        # (small: a file name, a few integers a region, a checksum; pickled, as nothing here was read from a
+        # file)
         written = comm.gather(
             (self.folder.name + "/" + sharded.part_name(comm.Get_rank()), self.rows, record), root=self.root
         )
@@ -156,7 +160,8 @@ class ShardedWrite:
         return self._write_index(parts)
 
     def _write_index(self, parts):
-        """Chief: the index over ``parts``, renamed into place; prune; the folders pruning left unnamed removed."""
+        """Chief: the index over ``parts``, renamed into place; prune; the folders pruning left unnamed
+        removed."""
         index = self.index.path
         directory = index.parent
         try:

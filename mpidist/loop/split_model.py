@@ -1,14 +1,12 @@
 """Evaluating and predicting with a model no rank can hold: split across the ranks as training splits it, each
 rank reading its part.
 
-``eval --stages S`` (and ``--tensor T``, and ``predict`` with the same flags) builds the layout training builds
-for ``--strategy pipeline --stages S --tensor T`` (or ``allreduce --tensor
-T``) from the checkpoint's settings: every rank makes the buffers of its
-stage or part alone, checks its share of a sharded checkpoint's parts, reads
-its slices into place (:meth:`~mpidist.parallel.saved_state.SavedState.restore`),
-and the replicas (``ranks / (S x T)``) each evaluate a share of the test
-split through their pipeline.  No rank holds the whole model.
-"""
+``eval --stages S`` (and ``--tensor T``, and ``predict`` with the same flags) builds the layout training
+builds for ``--strategy pipeline --stages S --tensor T`` (or ``allreduce --tensor T``) from the checkpoint's
+settings: every rank makes the buffers of its stage or part alone, checks its share of a sharded checkpoint's
+parts, reads its slices into place (:meth:`~mpidist.parallel.saved_state.SavedState.restore`), and the
+replicas (``ranks / (S x T)``) each evaluate a share of the test split through their pipeline.  No rank holds
+the whole model."""
 
 import dataclasses
 
@@ -76,7 +74,8 @@ class _Ranks:
 
 
 def data_share(rank, ranks, stages, tensor):
-    """``(replica, replicas)``: whose share of the test split this rank reads (a replica's ranks read the same)."""
+    """``(replica, replicas)``: whose share of the test split this rank reads (a replica's ranks read the
+    same)."""
     return rank // (stages * tensor), ranks // (stages * tensor)
 
 
@@ -102,8 +101,8 @@ def split_strategy(settings, model, info, cluster):
 
 
 def evaluate(strategy, saved, batches, world):
-    """Collective: ``saved``'s (a checkpoint, its arrays not read) figures over ``batches``, through ``strategy``
-    (:func:`split_strategy`); the same on every rank."""
+    """Collective: ``saved``'s (a checkpoint, its arrays not read) figures over ``batches``, through
+    ``strategy`` (:func:`split_strategy`); the same on every rank."""
     saved.check_parts((world.Get_rank(), world.Get_size()))
     strategy.restore(saved)
     figures = strategy.evaluate(batches)

@@ -1,4 +1,5 @@
-"""Why a rank leaves the loop: a signal, a callback's stop, a failed write, divergence -- and the agreement on it."""
+"""Why a rank leaves the loop: a signal, a callback's stop, a failed write, divergence -- and the agreement on
+it."""
 
 from ..runtime.phase import PhaseComm
 from ..runtime.preempt import EARLY_STOP, WRITE_FAILED, StepAgreement
@@ -24,7 +25,8 @@ class Stops:
         return self.agreement
 
     def request(self, log):
-        """What this rank asks of the others at a boundary: a failed write, else a signal, else a callback's stop."""
+        """What this rank asks of the others at a boundary: a failed write, else a signal, else a callback's
+        stop."""
         if log.failure:
             return WRITE_FAILED
         # (EARLY_STOP is below every signal: a real one wins)

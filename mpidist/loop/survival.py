@@ -20,7 +20,8 @@ def continue_from(training, cluster, resume):
     memory, so the next save writes it.
     """
     training.monitor.free(abandon=True)
-    training.strategy.recovery().abandon()  # (its windows and communicators are the broken world's: left unfreed)
+    # (its windows and communicators are the broken world's: left unfreed)
+    training.strategy.recovery().abandon()
     training.cluster = cluster
     with agreed(cluster.world):
         training.setup = prepare(training.config, cluster, training.device.xp, training.inputs, resume)
@@ -46,8 +47,8 @@ def give_up(training, message):
 
 
 def leave(training):
-    """This rank survived a loss but cannot train on (its pipeline replica lost a stage): let go of all it holds
-    (a chief: the checkpoint being written, its files and the directory's lock, for the new chief)."""
+    """This rank survived a loss but cannot train on (its pipeline replica lost a stage): let go of all it
+    holds (a chief: the checkpoint being written, its files and the directory's lock, for the new chief)."""
     training.monitor.free(abandon=True)
     finish_writes(training)
     if training.chief:
@@ -62,7 +63,8 @@ def recovered(training, record):
         split = "/".join(map(str, record["local_batches"]))
         back = (
             (
-                f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: what was lost is in "
+                f" (rolled back {record['steps_lost']} step(s) to {record['rolled_back_to']}: what was lost "
+                "is in "
                 "no survivor)"
             )
             if "rolled_back_to" in record

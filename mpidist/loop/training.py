@@ -57,7 +57,8 @@ Device = collections.namedtuple("Device", "xp label")
 
 
 def run(config, cluster, xp, device_label, inputs, callbacks=(), stream=sys.stdout):
-    """Train ``inputs`` (:class:`~mpidist.loop.setup.Inputs`) as ``config`` says on this rank; returns the outcome.
+    """Train ``inputs`` (:class:`~mpidist.loop.setup.Inputs`) as ``config`` says on this rank; returns the
+    outcome.
 
     The outcome is a dict: the final figures on the chief, with ``params``
     (the trained flat parameters, host memory) where the run was not diverged.
@@ -182,7 +183,8 @@ class Training:
         self.move_to(resume)
 
     def _share_lineage(self):
-        """Collective: ``(lineage, parent)`` the chief settled, on every rank (the first ps of ps-async writes too)."""
+        """Collective: ``(lineage, parent)`` the chief settled, on every rank (the first ps of ps-async writes
+        too)."""
         codes = np.full(2, -1, dtype=np.int64)
         if self.chief:
             claim = self.outputs.claim
@@ -204,7 +206,8 @@ class Training:
         self.state.bind(self.cluster, self.setup, self.strategy)
 
     def move_to(self, resume, on_disk=True):
-        """Set the position to ``resume``'s (or the beginning); ``on_disk``: a checkpoint of it exists already."""
+        """Set the position to ``resume``'s (or the beginning); ``on_disk``: a checkpoint of it exists
+        already."""
         self.position.move_to(Position.of(resume, self.setup.steps_per_epoch))
         self.checkpointer.taken_at = self.position.step if on_disk else None  # save() writes each step once
 
@@ -309,7 +312,8 @@ class Training:
             self.outputs.progress.update(step, self.position.epoch, mean, rate)
 
     def _training_figures(self):
-        """The chief's training accuracy (or mean absolute error) since the last call: its own share of the batches.
+        """The chief's training accuracy (or mean absolute error) since the last call: its own share of the
+        batches.
 
         Each worker sees a random part of every global batch, so the chief's
         part estimates the whole; it costs no communication.

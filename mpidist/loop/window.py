@@ -60,5 +60,6 @@ class StepWindow:
             self.last_loss = self.loss / self.good
 
     def elapsed(self):
-        """Seconds since this part of the run started (a resumed run's time goes on in the checkpointer's clock)."""
+        """Seconds since this part of the run started (a resumed run's time goes on in the checkpointer's
+        clock)."""
         return self.clock() - self.started

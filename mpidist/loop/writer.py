@@ -40,7 +40,8 @@ class BehindWrite:
             self.spent += time.thread_time() - began
 
     def free_at(self):
-        """When (monotonic) the writer is free again after this write: its cost spread at :data:`WRITER_SHARE`."""
+        """When (monotonic) the writer is free again after this write: its cost spread at
+        :data:`WRITER_SHARE`."""
         return self.began + self.spent / WRITER_SHARE
 
     def is_alive(self):

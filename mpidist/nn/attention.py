@@ -35,7 +35,8 @@ def padding_of(source, shape):
 
 @dataclasses.dataclass(frozen=True)
 class HeadLayout:
-    """How attention cuts the columns of ``q``, ``k`` and ``v`` into heads: head ``h`` is ``[h*dh, (h+1)*dh)``.
+    """How attention cuts the columns of ``q``, ``k`` and ``v`` into heads: head ``h`` is ``[h*dh,
+    (h+1)*dh)``.
 
     The contract tensor parallelism slices by: a part takes whole heads, their
     columns of ``Wq``, ``Wk``, ``Wv`` (and biases) and their rows of ``Wo``.
@@ -54,8 +55,8 @@ class HeadLayout:
 
     @classmethod
     def of(cls, heads, head_dim, dim):
-        """``heads`` heads of ``head_dim`` columns each on width ``dim``; with ``head_dim`` None, ``dim // heads``
-        (raises :class:`ShapeError` where ``heads`` does not divide ``dim``)."""
+        """``heads`` heads of ``head_dim`` columns each on width ``dim``; with ``head_dim`` None, ``dim //
+        heads`` (raises :class:`ShapeError` where ``heads`` does not divide ``dim``)."""
         if head_dim is not None:
             return cls(heads, head_dim, dim)
         if dim % heads:

@@ -111,7 +111,8 @@ class _ChannelsLastConv(Layer):
         return self._from_images(y.reshape(n, ho, wo, self.filters).transpose(0, 3, 1, 2))
 
     def _dy_rows(self, dy):
-        """``(N, F, Ho, Wo)`` gradient as the ``(N Ho Wo, F)`` matrix (a view when it is channels-last already)."""
+        """``(N, F, Ho, Wo)`` gradient as the ``(N Ho Wo, F)`` matrix (a view when it is channels-last
+        already)."""
         dy = self._as_images(dy)
         n, f, ho, wo = dy.shape
         return dy.transpose(0, 2, 3, 1).reshape(n * ho * wo, f)
@@ -130,7 +131,8 @@ class _ChannelsLastConv(Layer):
         return self._from_images(dx.transpose(0, 3, 1, 2))
 
     def _input_grad_stride_1(self, rows):
-        """At stride 1 the input gradient is a convolution too: ``dy`` zero-padded, against the flipped kernel.
+        """At stride 1 the input gradient is a convolution too: ``dy`` zero-padded, against the flipped
+        kernel.
 
         One im2col of ``dy`` and one GEMM, instead of a GEMM to columns and
         ``kh * kw`` strided adds of short channel runs (measured 3x slower).
@@ -139,7 +141,8 @@ class _ChannelsLastConv(Layer):
         n, hp, wp, c = self.padded_shape
         (ho, wo), f = self.out_hw, self.filters
         h, w = hp - top - bottom, wp - left - right
-        # dx_padded[p] = sum over (a, b) of dy_full[p + (a, b)] W[:, :, kh-1-a, kw-1-b]; dy_full has dy at (kh-1, kw-1)
+        # dx_padded[p] = sum over (a, b) of dy_full[p + (a, b)] W[:, :, kh-1-a, kw-1-b]; dy_full has dy at
+        # (kh-1, kw-1)
         full = self.scratch("dy_full", (n, ho + 2 * (kh - 1), wo + 2 * (kw - 1), f), rows.dtype, zeroed=True)
         full[:, kh - 1 : kh - 1 + ho, kw - 1 : kw - 1 + wo, :] = rows.reshape(n, ho, wo, f)
         cols = self.scratch("dy_cols", (n, h, w, kh, kw, f), rows.dtype)
@@ -154,7 +157,8 @@ class _ChannelsLastConv(Layer):
         return dx.reshape(n, h, w, c)
 
     def _input_grad_strided(self, rows):
-        """Any stride: the column gradient, added back window offset by window offset (``kh * kw`` strided adds)."""
+        """Any stride: the column gradient, added back window offset by window offset (``kh * kw`` strided
+        adds)."""
         xp, (kh, kw), s, ((top, bottom), (left, right)) = self.xp, self.kernel_hw, self.stride, self.pads_hw
         n, hp, wp, c = self.padded_shape
         ho, wo = self.out_hw

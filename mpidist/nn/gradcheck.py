@@ -10,7 +10,8 @@ class GradientError(AssertionError):
 
 
 def numeric_gradient(f, array, eps=1e-6):
-    """Central differences ``(f(a + eps) - f(a - eps)) / 2 eps`` of scalar ``f()`` for every entry of ``array``.
+    """Central differences ``(f(a + eps) - f(a - eps)) / 2 eps`` of scalar ``f()`` for every entry of
+    ``array``.
 
     ``array`` is changed in place, one entry at a time, and put back.
     """
@@ -28,7 +29,8 @@ def numeric_gradient(f, array, eps=1e-6):
 
 
 def _worst(analytic, numeric, rtol, atol):
-    """``(excess, flat index)`` of the entry furthest outside ``|a - n| <= atol + rtol |n|`` (excess <= 0: none)."""
+    """``(excess, flat index)`` of the entry furthest outside ``|a - n| <= atol + rtol |n|`` (excess <= 0:
+    none)."""
     excess = np.abs(analytic - numeric) - (atol + rtol * np.abs(numeric))
     index = int(np.argmax(excess)) if excess.size else 0
     return (float(excess.reshape(-1)[index]) if excess.size else -np.inf), index

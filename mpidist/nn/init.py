@@ -26,7 +26,8 @@ _S30, _S27, _S31, _S11 = (np.uint64(shift) for shift in (30, 27, 31, 11))
 
 
 def uniform_bits(key, counters):
-    """64 random bits for each of ``counters`` (int64 array) under ``key`` (a uint64): SplitMix64 at those counters."""
+    """64 random bits for each of ``counters`` (int64 array) under ``key`` (a uint64): SplitMix64 at those
+    counters."""
     z = np.asarray(counters, dtype=np.int64).astype(np.uint64)  # (a copy: worked on in place below)
     z += np.uint64(1)
     z *= _GOLDEN
@@ -66,7 +67,8 @@ class Initialiser:
 
 
 class Normal(Initialiser):
-    """Normal with mean 0 and std ``std``: Box-Muller on two uniforms per element (counters ``2i``, ``2i + 1``)."""
+    """Normal with mean 0 and std ``std``: Box-Muller on two uniforms per element (counters ``2i``, ``2i +
+    1``)."""
 
     def __init__(self, std):
         self.std = float(std)

@@ -164,7 +164,8 @@ class Flatten(Layer):
     def forward(self, x, training=False):
         if x.flags.c_contiguous:
             return x.reshape(x.shape[0], -1)
-        # a channels-last view (a convolution's output): gathered in (C, H, W) order, into an array kept for it
+        # a channels-last view (a convolution's output): gathered in (C, H, W) order, into an array kept for
+        # it
         flat = self.scratch("y", (x.shape[0], x[0].size), x.dtype)
         flat.reshape(x.shape)[...] = x
         return flat

@@ -78,7 +78,8 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         return (logits.argmax(axis=1) == labels).sum()
 
     def positions(self, labels):
-        """Number of labelled positions in ``labels``: samples, or tokens of sequences (what :meth:`correct` counts)."""
+        """Number of labelled positions in ``labels``: samples, or tokens of sequences (what :meth:`correct`
+        counts)."""
         return int(labels.size)
 
 

@@ -64,15 +64,15 @@ class Optimizer:
         raise NotImplementedError
 
     def blocks(self):
-        """``(lo, hi)`` blocks an update goes through, with scratch arrays of one block: on the host, blocks of
-        :data:`BLOCK` (the intermediate terms stay in the cache, and take no memory in proportion to the
+        """``(lo, hi)`` blocks an update goes through, with scratch arrays of one block: on the host, blocks
+        of :data:`BLOCK` (the intermediate terms stay in the cache, and take no memory in proportion to the
         model); on a device, one kernel per operation over the whole."""
         block = BLOCK if self.xp is np else max(self.size, 1)
         return [(lo, min(lo + block, self.size)) for lo in range(0, self.size, block)]
 
     def scratch(self, count):
-        """``count`` arrays of one block's size for an update's intermediate terms (made on first use, never in
-        checkpoints)."""
+        """``count`` arrays of one block's size for an update's intermediate terms (made on first use, never
+        in checkpoints)."""
         if getattr(self, "_scratch", None) is None:
             block = BLOCK if self.xp is np else self.size
             self._scratch = tuple(

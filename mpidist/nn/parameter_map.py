@@ -33,8 +33,8 @@ def walk(layers, path=()):
 
 
 def _groups(keys):
-    """``(key, where)`` for each distinct value of ``keys`` (int array), ``where`` the places that hold it: slices
-    where ``keys`` is sorted (a range of positions, the common case), else index arrays."""
+    """``(key, where)`` for each distinct value of ``keys`` (int array), ``where`` the places that hold it:
+    slices where ``keys`` is sorted (a range of positions, the common case), else index arrays."""
     if np.all(keys[1:] >= keys[:-1]):
         bounds = [0, *(np.flatnonzero(keys[1:] != keys[:-1]) + 1), len(keys)]
         return [(int(keys[lo]), slice(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
@@ -44,7 +44,8 @@ def _groups(keys):
 
 
 class ParameterMap:
-    """Layers built in order on samples of shape ``input_shape``, their parameters laid out on one flat buffer.
+    """Layers built in order on samples of shape ``input_shape``, their parameters laid out on one flat
+    buffer.
 
     Args:
         layers: the layers, first to last (built here: each one's ``build`` is given its input shape).
@@ -57,7 +58,8 @@ class ParameterMap:
         self.input_shape = tuple(int(d) for d in input_shape)
         self.entries = []  # (layer, name, offset, shape, initialiser), depth-first over the layer tree
         self.shapes = []  # input shape of each top-level layer
-        self.offsets = []  # where each top-level layer's parameters (its sublayers' included) start in the buffer
+        # where each top-level layer's parameters (its sublayers' included) start in the buffer
+        self.offsets = []
         shape, offset = self.input_shape, 0
         for index, layer in enumerate(self.layers):
             self.shapes.append(tuple(shape))
@@ -79,15 +81,15 @@ class ParameterMap:
         self.first_trained = next((i for i, (lo, hi) in enumerate(zip(self.offsets, ends)) if hi > lo), 0)
 
     def initial_values(self, seed, positions, out=None, chunk=1 << 18, whole=None):
-        """The initial values of the elements at ``positions`` (an int64 array, or a ``range``) of the flat buffer,
-        as a host array of ``dtype`` (``out``, where given).
+        """The initial values of the elements at ``positions`` (an int64 array, or a ``range``) of the flat
+        buffer, as a host array of ``dtype`` (``out``, where given).
 
         Element ``i`` of entry ``e`` is ``initialiser.values(parameter_key(seed, e), i)``
-        (:mod:`mpidist.nn.init`): a function of the seed, the parameter and the element alone, so a rank holding
-        a slice of this model (a stage's elements, a tensor part's regions) draws exactly that slice and gets
-        what a whole draw would give.  Computed ``chunk`` elements at a time; an initialiser of one's own
-        ``(rng, shape)`` is drawn whole for a parameter, once for calls that pass the same ``whole`` (a dict).
-        """
+        (:mod:`mpidist.nn.init`): a function of the seed, the parameter and the element alone, so a rank
+        holding a slice of this model (a stage's elements, a tensor part's regions) draws exactly that slice
+        and gets what a whole draw would give.  Computed ``chunk`` elements at a time; an initialiser of one's
+        own ``(rng, shape)`` is drawn whole for a parameter, once for calls that pass the same ``whole`` (a
+        dict)."""
         out = np.empty(len(positions), dtype=self.dtype) if out is None else out
         starts = np.array([lo for _, _, lo, _, _ in self.entries], dtype=np.int64)
         whole = {} if whole is None else whole  # a plain initialiser's last whole draw: (entry, values)
@@ -119,7 +121,8 @@ class ParameterMap:
 
     @staticmethod
     def parameter_key(seed, entry):
-        """The key of entry ``entry``'s draws (its index in :attr:`entries` of the whole model) under ``seed``."""
+        """The key of entry ``entry``'s draws (its index in :attr:`entries` of the whole model) under
+        ``seed``."""
         return np.random.SeedSequence([seed, entry]).generate_state(1, dtype=np.uint64)[0]
 
     def layer_params(self, index):

@@ -28,7 +28,8 @@ COLUMNS = 2 + 2 * AXES
 
 @dataclasses.dataclass(frozen=True)
 class Region:
-    """A rectangular slice ``[start, stop)`` of the whole model's parameter ``entry``, at ``lo`` in a rank's buffer."""
+    """A rectangular slice ``[start, stop)`` of the whole model's parameter ``entry``, at ``lo`` in a rank's
+    buffer."""
 
     entry: int
     start: tuple
@@ -68,8 +69,8 @@ def rectangle(index, shape):
 
 
 class Placement:
-    """The regions of one rank's buffer, in the buffer's order, over ``whole`` (a :class:`Sequential`, possibly a
-    map of shapes).
+    """The regions of one rank's buffer, in the buffer's order, over ``whole`` (a :class:`Sequential`,
+    possibly a map of shapes).
 
     Args:
         whole: the whole model.
@@ -108,8 +109,8 @@ class Placement:
         return int(self.whole.entries[region.entry][2])
 
     def _elements(self, chunk):
-        """``(region, lo, index)`` for pieces of at most ``chunk`` elements: ``index`` (int64) are the places in
-        the region's whole parameter (C order) of the buffer's elements ``lo, lo + 1, ...``."""
+        """``(region, lo, index)`` for pieces of at most ``chunk`` elements: ``index`` (int64) are the places
+        in the region's whole parameter (C order) of the buffer's elements ``lo, lo + 1, ...``."""
         for region in self.regions:
             shape = self._shape(region)
             for begin in range(0, region.size, chunk):
@@ -128,11 +129,13 @@ class Placement:
             yield lo, self._offset(region) + index
 
     def positions(self):
-        """Where each element of the buffer sits in the whole model's flat buffer (int64; for checks and tests)."""
+        """Where each element of the buffer sits in the whole model's flat buffer (int64; for checks and
+        tests)."""
         return np.concatenate([positions for _, positions in self.chunks()] + [np.zeros(0, dtype=np.int64)])
 
     def initial(self, seed, out):
-        """Fill ``out`` (host, the rank's buffer) with its initial values (``whole.entry_values`` of each region's
+        """Fill ``out`` (host, the rank's buffer) with its initial values (``whole.entry_values`` of each
+        region's
         elements: a region is one parameter, so no element's parameter is looked up)."""
         drawn = {}  # (an initialiser of one's own: its parameter drawn whole once)
         for region, lo, index in self._elements(CHUNK):
@@ -161,8 +164,8 @@ class Placement:
         return np.concatenate(kept) if kept else array[:0]
 
     def describe(self):
-        """The regions this rank writes as an int64 table: a row per region, ``[entry, size, start..., stop...]``
-        padded to :data:`AXES` axes (-1), to move between ranks without pickle."""
+        """The regions this rank writes as an int64 table: a row per region, ``[entry, size, start...,
+        stop...]`` padded to :data:`AXES` axes (-1), to move between ranks without pickle."""
         rows = np.full((sum(r.writes for r in self.regions), COLUMNS), -1, dtype=np.int64)
         for row, region in zip(rows, (r for r in self.regions if r.writes)):
             if len(region.start) > AXES:
@@ -189,7 +192,7 @@ class Placement:
 
 
 def parameter(whole, array, entry):
-    """Entry ``entry`` of ``whole`` (a :class:`Sequential`) in ``array``, a flat array of the whole model: a view,
-    in the parameter's shape."""
+    """Entry ``entry`` of ``whole`` (a :class:`Sequential`) in ``array``, a flat array of the whole model: a
+    view, in the parameter's shape."""
     _, _, offset, shape, _ = whole.entries[entry]
     return array[offset : offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)

@@ -69,7 +69,8 @@ class _MaxPool(_Pool):
     hands_over = True
 
     def _offsets(self, x):
-        """``(offset index, strided view of x at that window offset)`` for every offset, in row-major order."""
+        """``(offset index, strided view of x at that window offset)`` for every offset, in row-major
+        order."""
         k, out = self.size, [d // self.size for d in self.input_shape[1:]]
         grid = [()]
         for _ in range(self.dims):
@@ -94,9 +95,9 @@ class _MaxPool(_Pool):
         candidate = self.scratch_like("candidate", first, index_type)
         for index, view in views:
             xp.greater(view, best, out=higher)  # strictly: an equal value later in the window does not win
-            # argmax = index where higher: offsets come in increasing order, so the maximum with ``higher * index``
-            # sets it (a masked copyto was 7x slower on these short runs); the scalar has the array's own
-            # type, as cupy before 13.3 refuses a Python int here under NumPy 2
+            # argmax = index where higher: offsets come in increasing order, so the maximum with ``higher *
+            # index`` sets it (a masked copyto was 7x slower on these short runs); the scalar has the array's
+            # own type, as cupy before 13.3 refuses a Python int here under NumPy 2
             xp.multiply(higher, index_type(index), out=candidate)
             xp.maximum(self.argmax, candidate, out=self.argmax)
             xp.maximum(best, view, out=best)
@@ -127,7 +128,8 @@ class _AvgPool(_Pool):
 
 
 class MaxPool1D(_MaxPool):
-    """Non-overlapping max pooling: ``(N, C, L) -> (N, C, L//k)``; positions past the last whole window are dropped."""
+    """Non-overlapping max pooling: ``(N, C, L) -> (N, C, L//k)``; positions past the last whole window are
+    dropped."""
 
     dims = 1
 
@@ -143,7 +145,8 @@ class MaxPool2D(_MaxPool):
 
 
 class AvgPool1D(_AvgPool):
-    """Non-overlapping mean pooling: ``(N, C, L) -> (N, C, L//k)``; positions past the last whole window are dropped."""
+    """Non-overlapping mean pooling: ``(N, C, L) -> (N, C, L//k)``; positions past the last whole window are
+    dropped."""
 
     dims = 1
 

@@ -4,8 +4,8 @@ from .layers import Layer, ShapeError
 
 
 def backward_in_turn(layers, dy, input_grad=True):
-    """Back-propagate ``dy`` through a block's ``layers``, last first; returns the input gradient, or None with
-    ``input_grad`` False (the first layer's parameter gradients alone: nothing below it is trained)."""
+    """Back-propagate ``dy`` through a block's ``layers``, last first; returns the input gradient, or None
+    with ``input_grad`` False (the first layer's parameter gradients alone: nothing below it is trained)."""
     for layer in reversed(layers[1:]):
         dy = layer.backward(dy)
     if not input_grad:

@@ -70,7 +70,8 @@ VARIANCE_FLOOR = 1e-13
 
 
 def top_k(classes):
-    """The ``k`` of the top-k accuracy for ``classes`` classes, or 0 where it is not reported (2 classes or fewer)."""
+    """The ``k`` of the top-k accuracy for ``classes`` classes, or 0 where it is not reported (2 classes or
+    fewer)."""
     k = min(TOP_K, int(classes) - 1)
     return k if k >= 2 else 0
 
@@ -99,7 +100,8 @@ class Scoring:
         return np.zeros(self.size, dtype=np.float64)
 
     def add(self, sums, outputs, targets, loss, xp=np):
-        """Add one batch into ``sums``: the model's ``outputs``, the ``targets``, and the batch's mean ``loss``."""
+        """Add one batch into ``sums``: the model's ``outputs``, the ``targets``, and the batch's mean
+        ``loss``."""
         raise NotImplementedError
 
     def figures(self, sums):
@@ -112,7 +114,8 @@ class Scoring:
 
 
 class Classification(Scoring):
-    """Classification into ``classes`` classes, at ``positions`` positions per sample (1, or a sequence's ``L``).
+    """Classification into ``classes`` classes, at ``positions`` positions per sample (1, or a sequence's
+    ``L``).
 
     The layout is ``[loss sum, positions, top-k correct, confusion (K x K,
     row-major) | support (K), predicted (K), correct (K)]``, every count of
@@ -251,7 +254,8 @@ def is_classification(figures):
 
 
 def headline(figures, prefix="test_"):
-    """The scalar figures of ``figures`` but ``samples``, named with ``prefix``: what each ``eval`` event carries.
+    """The scalar figures of ``figures`` but ``samples``, named with ``prefix``: what each ``eval`` event
+    carries.
 
     Classification: ``test_loss``, ``test_accuracy``, ``test_top5_accuracy`` (its
     ``k``, where it applies); regression: ``test_loss``, ``test_mse``, ``test_mae``, ``test_r2``.
@@ -310,8 +314,8 @@ def summary_rows(figures):
 
 
 def digits4(value):
-    """An error on the targets' scale, to 4 significant digits, trailing zeros kept (0.1200) but not a trailing
-    point (3581, not ``#.4g``'s 3581.)."""
+    """An error on the targets' scale, to 4 significant digits, trailing zeros kept (0.1200) but not a
+    trailing point (3581, not ``#.4g``'s 3581.)."""
     text = f"{value:#.4g}"
     return text[:-1] if text.endswith(".") else text
 

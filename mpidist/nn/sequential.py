@@ -19,7 +19,8 @@ _TRACER = tracer()
 
 
 class Sequential(ParameterMap):
-    """Layers applied in order to samples of shape ``input_shape``, on flat buffers of parameters and gradients.
+    """Layers applied in order to samples of shape ``input_shape``, on flat buffers of parameters and
+    gradients.
 
     Args:
         layers: the layers, first to last.
@@ -45,8 +46,9 @@ class Sequential(ParameterMap):
             after = self.layers[index + 1] if index + 1 < len(self.layers) else None
             layer.overwrite_input = getattr(before, "hands_over", False)
             layer.overwrite_grad = getattr(after, "hands_over", False)
-        # without ``buffers``, made when first asked for: a model that is a map of shapes (the whole model beside
-        # a pipeline stage or a tensor part, each of which holds a buffer of its own) never allocates them
+        # without ``buffers``, made when first asked for: a model that is a map of shapes (the whole model
+        # beside a pipeline stage or a tensor part, each of which holds a buffer of its own) never allocates
+        # them
         self._params = self._grads = None
         self.shapes_only = False
         if buffers:
@@ -118,8 +120,8 @@ class Sequential(ParameterMap):
             layer.grads[name] = self._grads[lo : lo + int(np.prod(pshape))].reshape(pshape)
 
     def init_params(self, seed):
-        """Fill ``params`` from ``seed`` (drawn on the host, so identical on any device): :meth:`initial_values`
-        of every element."""
+        """Fill ``params`` from ``seed`` (drawn on the host, so identical on any device):
+        :meth:`initial_values` of every element."""
         if self.xp is np:
             self.initial_values(seed, range(self.num_params), out=self.params)
         else:

@@ -56,7 +56,8 @@ ELEMENTWISE = (ReLU, Tanh, GELU, Sigmoid, Dropout)
 
 
 def part_range(size, part, parts):
-    """``(lo, hi)``: part ``part`` of ``parts`` of ``range(size)``, balanced (the first ``size % parts`` one more)."""
+    """``(lo, hi)``: part ``part`` of ``parts`` of ``range(size)``, balanced (the first ``size % parts`` one
+    more)."""
     base, extra = divmod(int(size), int(parts))
     lo = part * base + min(part, extra)
     return lo, lo + base + (1 if part < extra else 0)
@@ -82,7 +83,8 @@ class TensorCopy(Layer):
 
 
 class TensorSum(Layer):
-    """Megatron's ``g``: sums the parts' partial outputs over the tensor group forward; the identity backward."""
+    """Megatron's ``g``: sums the parts' partial outputs over the tensor group forward; the identity
+    backward."""
 
     def __init__(self):
         super().__init__()
@@ -126,7 +128,8 @@ class Bias(Layer):
 
 
 class VocabularyPart(Embedding):
-    """An ``Embedding``'s rows ``[lo, hi)``: ids outside them look up zeros (a :class:`TensorSum` adds the parts)."""
+    """An ``Embedding``'s rows ``[lo, hi)``: ids outside them look up zeros (a :class:`TensorSum` adds the
+    parts)."""
 
     cache = ("ids", "held")
 
@@ -207,8 +210,8 @@ def _rows(dense, features, part, parts):
 
 
 def _heads(attention, part, parts, replaced):
-    """``attention`` split by heads: the part's heads' columns of ``Wq``, ``Wk``, ``Wv`` and rows of ``Wo``, between a
-    :class:`TensorCopy` and a :class:`TensorSum`, then ``bo`` once."""
+    """``attention`` split by heads: the part's heads' columns of ``Wq``, ``Wk``, ``Wv`` and rows of ``Wo``,
+    between a :class:`TensorCopy` and a :class:`TensorSum`, then ``bo`` once."""
     lo, hi = part_range(attention.heads, part, parts)
     if hi == lo:
         raise ValueError(
@@ -256,7 +259,8 @@ def _between(layer, part, parts):
 
 
 def split_layers(layers, part, parts, replaced=None):
-    """Part ``part`` of ``parts`` of ``layers`` (built, as in a whole :class:`Sequential`): new layers, in order.
+    """Part ``part`` of ``parts`` of ``layers`` (built, as in a whole :class:`Sequential`): new layers, in
+    order.
 
     Split: Dense pairs (columns, then rows), ``MultiHeadAttention`` (by
     heads), ``Embedding`` (by vocabulary) -- those classes exactly: a
@@ -305,7 +309,8 @@ def split_layers(layers, part, parts, replaced=None):
 
 
 def parameter_shapes(layer):
-    """``{name: shape}`` of ``layer``'s parameters, from its specs (a whole layer beside its parts holds no buffer)."""
+    """``{name: shape}`` of ``layer``'s parameters, from its specs (a whole layer beside its parts holds no
+    buffer)."""
     return {name: tuple(shape) for name, shape, _ in layer.param_specs()}
 
 
@@ -322,9 +327,9 @@ def _decay_as_whole(model):
 
 
 def split_model(whole, part, parts, writes=True):
-    """``(model, placement)``: part ``part`` of ``parts`` of ``whole`` (a :class:`Sequential`) as a model of its
-    own, and its :class:`~mpidist.nn.placement.Placement` over ``whole``: each of its parameters a rectangular
-    slice of one of the whole model's (no array of the whole's size is made).
+    """``(model, placement)``: part ``part`` of ``parts`` of ``whole`` (a :class:`Sequential`) as a model of
+    its own, and its :class:`~mpidist.nn.placement.Placement` over ``whole``: each of its parameters a
+    rectangular slice of one of the whole model's (no array of the whole's size is made).
 
     Parameters the parts share (replicated layers') are their whole parameters; of those, part 0 alone
     writes them (``writes``: this part's group writes at all; :func:`replicated` names them).
@@ -369,9 +374,9 @@ def split_model(whole, part, parts, writes=True):
 
 
 def replicated(model):
-    """``(lo, hi)`` ranges of ``model``'s flat buffer (a part's) that every part holds alike: parameters that are
-    not slices, and slices that take their whole parameter (a bias added after a sum; a user's piece that keeps
-    its whole parameter)."""
+    """``(lo, hi)`` ranges of ``model``'s flat buffer (a part's) that every part holds alike: parameters that
+    are not slices, and slices that take their whole parameter (a bias added after a sum; a user's piece that
+    keeps its whole parameter)."""
     ranges = []
     for layer, name, lo, shape, _ in model.entries:
         size = int(np.prod(shape))

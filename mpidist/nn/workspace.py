@@ -53,7 +53,8 @@ class Workspace:
 class UsesWorkspace:
     """Mixin of layers and losses: :meth:`scratch` arrays from a :class:`Workspace`, where one is set."""
 
-    #: Set by :class:`~mpidist.nn.Sequential` (layers) and :meth:`~mpidist.nn.Sequential.use_workspace` (losses).
+    # : Set by :class:`~mpidist.nn.Sequential` (layers) and :meth:`~mpidist.nn.Sequential.use_workspace`
+    # (losses).
     workspace = None
 
     def scratch(self, name, shape, dtype, zeroed=False):
@@ -88,7 +89,8 @@ class UsesWorkspace:
 
 
 def memory_order(array):
-    """Axes of ``array`` from the outermost in memory to the innermost (``(0, 2, 3, 1)`` for NCHW views of NHWC)."""
+    """Axes of ``array`` from the outermost in memory to the innermost (``(0, 2, 3, 1)`` for NCHW views of
+    NHWC)."""
     return tuple(sorted(range(array.ndim), key=lambda axis: -abs(array.strides[axis])))
 
 

@@ -178,8 +178,8 @@ def parse_spec(spec):
 
 
 def build_model(spec, sample_shape, outputs, xp, dtype, buffers=True):
-    """The zoo model ``spec`` (``name`` or ``name:N1,N2,...``) for samples of ``sample_shape`` (``buffers``: as
-    :class:`Sequential` takes it).
+    """The zoo model ``spec`` (``name`` or ``name:N1,N2,...``) for samples of ``sample_shape`` (``buffers``:
+    as :class:`Sequential` takes it).
 
     Raises:
         SpecError: a bad spec (see :func:`parse_spec`).
@@ -192,7 +192,8 @@ def build_model(spec, sample_shape, outputs, xp, dtype, buffers=True):
 
 
 def input_shape_for(spec, sample_shape):
-    """The per-sample shape the model ``spec`` is fed (adds a channel axis for cnn, a feature axis for transformer)."""
+    """The per-sample shape the model ``spec`` is fed (adds a channel axis for cnn, a feature axis for
+    transformer)."""
     name, _ = parse_spec(spec)
     shapes = {"cnn": _cnn_shape, "transformer": _sequence_shape}
     return shapes[name](sample_shape) if name in shapes else tuple(sample_shape)

@@ -1,1 +1,2 @@
-"""Seeing a run from outside: the timeline writer (``--trace``) and the stall monitor (``--stall-timeout``)."""
+"""Seeing a run from outside: the timeline writer (``--trace``) and the stall monitor
+(``--stall-timeout``)."""

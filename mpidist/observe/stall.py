@@ -153,7 +153,8 @@ class StallMonitor:
         return pending
 
     def _report(self):
-        """Non-chief ranks: send this rank's record at once, then every ``interval``; the deputy hears the chief."""
+        """Non-chief ranks: send this rank's record at once, then every ``interval``; the deputy hears the
+        chief."""
         pending, incoming, status = None, np.zeros(3, dtype=np.int64), MPI.Status()
         try:
             while True:
@@ -191,7 +192,8 @@ class StallMonitor:
             return
 
     def free(self, abandon=False):
-        """Collective (unless ``abandon``, after a lost rank): stop the threads and free the communicator (once)."""
+        """Collective (unless ``abandon``, after a lost rank): stop the threads and free the communicator
+        (once)."""
         if not self.active or self.comm is None:
             return
         self._stop.set()

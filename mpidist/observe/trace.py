@@ -64,7 +64,8 @@ def clock_offset(comm, root):
 
 
 def check_writable(path):
-    """Raise :class:`UsageError` where ``path`` cannot be written at the end: checked before training starts."""
+    """Raise :class:`UsageError` where ``path`` cannot be written at the end: checked before training
+    starts."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"--trace: {path} is a directory; the timeline is written there as a file")

@@ -108,8 +108,8 @@ class AllreduceStrategy(DataParallel):
 
     @classmethod
     def arguments(cls, settings, setup):
-        # elastic: a lost worker must surface as MPI's process-failure error, which only MPI's collectives give
-        # (a tensor run's gradients are summed by MPI: the node's shared windows hold whole models)
+        # elastic: a lost worker must surface as MPI's process-failure error, which only MPI's collectives
+        # give (a tensor run's gradients are summed by MPI: the node's shared windows hold whole models)
         return {
             "compress": settings.compress,
             "exchange": "mpi" if settings.elastic or settings.tensor > 1 else settings.exchange,
@@ -203,14 +203,16 @@ class AllreduceStrategy(DataParallel):
 
 
 def _refuse_if_asked(comm, asked, kind, why_not):
-    """Collective: where ``--exchange`` named ``kind`` and it cannot serve, every worker exits 2 with ``why_not``."""
+    """Collective: where ``--exchange`` named ``kind`` and it cannot serve, every worker exits 2 with
+    ``why_not``."""
     with agreed(comm):  # (every worker refuses alike: one message, every rank exits 2)
         if asked == kind and why_not != ONE_WORKER:
             raise UsageError(f"--exchange {kind}: {why_not}; use --exchange mpi or auto")
 
 
 def _check_exchange(exchange, compress, elastic=False):
-    """Refuse ``--exchange node`` or ``shared-memory`` where it cannot serve (a UsageError naming the conflict)."""
+    """Refuse ``--exchange node`` or ``shared-memory`` where it cannot serve (a UsageError naming the
+    conflict)."""
     if exchange not in ("node", "shared-memory"):
         return
     if compress != "none":

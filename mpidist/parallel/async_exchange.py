@@ -97,7 +97,8 @@ class AsyncExchange:
 
     # -- ps side ----------------------------------------------------------
     def take(self, out, rank):
-        """Move this ps's inbox into ``out`` (leaving zeros); returns ``(arrivals counted, sum of their steps)``."""
+        """Move this ps's inbox into ``out`` (leaving zeros); returns ``(arrivals counted, sum of their
+        steps)``."""
         if getattr(self, "_zeros", None) is None or self._zeros.shape != out.shape:
             self._zeros = np.zeros_like(out)  # kept: a fresh 2.7 MB buffer per take is pure memory traffic
         self.inbox.swap(self._zeros, out, rank)

@@ -50,12 +50,14 @@ def within_bound(ahead, bound):
 
 
 def look_now(polls):
-    """Whether a worker held by the bound for ``polls`` clock reads looks for the lost (a dead ps frees nobody)."""
+    """Whether a worker held by the bound for ``polls`` clock reads looks for the lost (a dead ps frees
+    nobody)."""
     return polls % LOOK_EVERY == 0
 
 
 def own_squared_norm(squares, weight):
-    """The squared norm a worker clips its own gradient by: its batch's, undoing the share ``weight`` it was scaled by.
+    """The squared norm a worker clips its own gradient by: its batch's, undoing the share ``weight`` it was
+    scaled by.
 
     ps-async never holds a summed gradient: each worker clips the one it sends.
     """
@@ -95,7 +97,8 @@ class Act(enum.Enum):
 
 
 def follower_action(asked, snapshots, drained, over):
-    """A ps other than the first: SNAPSHOT when the first asked for more than it took, LEAVE once drained and over.
+    """A ps other than the first: SNAPSHOT when the first asked for more than it took, LEAVE once drained and
+    over.
 
     None: go on to the inbox.  The first ps alone decides when serving is
     over, so no ps leaves while a checkpoint could still ask for its shard.

@@ -1,4 +1,5 @@
-"""The ps side of ``ps-async``: a ps rank's serving loop over its windows (see :mod:`mpidist.parallel.ps_async`).
+"""The ps side of ``ps-async``: a ps rank's serving loop over its windows (see
+:mod:`mpidist.parallel.ps_async`).
 
 Each time round, the pure rules of :mod:`~mpidist.parallel.async_rounds`
 decide what to do from what the windows say; this loop carries it out: take

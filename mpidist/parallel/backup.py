@@ -252,7 +252,8 @@ class BackupWorkersStrategy(ShardedStrategy):
                 mpi.send(self.cluster.world, reply, self.worker_ranks[worker], TAG_PARAMS)
 
     def _receive(self, round_, incoming, total):
-        """The round's gradients: the accepted ones summed into ``total``; returns ``(weights, weighted loss)``."""
+        """The round's gradients: the accepted ones summed into ``total``; returns ``(weights, weighted
+        loss)``."""
         total[...] = 0
         weights = weighted_loss = 0.0
         for worker in round_.heard:
@@ -267,7 +268,8 @@ class BackupWorkersStrategy(ShardedStrategy):
         return weights, weighted_loss
 
     def _update(self, total, loss, previous_loss):
-        """Apply the mean accepted gradient ``total`` (every shard skips alike); returns the loss the reply carries."""
+        """Apply the mean accepted gradient ``total`` (every shard skips alike); returns the loss the reply
+        carries."""
         # the norm over every shard, one small Allreduce where there are several (0 x a broken loss is NaN)
         group = self.cluster.role_comm if len(self.ps_ranks) > 1 else None
         verdict, _ = agree(group, float(total.dot(total)), loss, self.recipe.clip_norm)

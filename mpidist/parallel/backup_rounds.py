@@ -68,7 +68,8 @@ class Tally:
 
 
 def admit(tally, note, version, limit):
-    """``tally`` with ``note``: accepted when it names ``version`` and a step remains before ``limit``, else stale."""
+    """``tally`` with ``note``: accepted when it names ``version`` and a step remains before ``limit``, else
+    stale."""
     if not 0 <= note.worker < len(tally.statuses):
         raise ValueError(f"a note from worker {note.worker}, but there are {len(tally.statuses)} workers")
     status = ACCEPTED if version < limit and note.read == version else STALE
@@ -77,7 +78,8 @@ def admit(tally, note, version, limit):
 
 
 def closed(tally, version, limit, aggregate):
-    """Whether the round takes no more notes: ``aggregate`` accepted, or (after the last step) one note heard."""
+    """Whether the round takes no more notes: ``aggregate`` accepted, or (after the last step) one note
+    heard."""
     return tally.accepted == aggregate or (version >= limit and any(tally.statuses))
 
 
@@ -220,7 +222,8 @@ class Rounds:
         return self.version >= self.limit
 
     def tally(self, notes):
-        """(coordinator) This round's tally from the iterator ``notes``; keeps any stop signal they brought."""
+        """(coordinator) This round's tally from the iterator ``notes``; keeps any stop signal they
+        brought."""
         tally = tally_notes(notes, len(self.stopped), self.version, self.limit, self.aggregate)
         self.signal = max(self.signal, tally.signal)
         return tally
@@ -230,7 +233,8 @@ class Rounds:
         return encode_round(statuses, max(self.signal, signalled), self.checkpoint_due)
 
     def open(self, decision):
-        """Every ps: the :class:`Round` of the combined decision; the limit moves, the checkpoint flag is spent."""
+        """Every ps: the :class:`Round` of the combined decision; the limit moves, the checkpoint flag is
+        spent."""
         round_ = open_round(decision, self.version, self.limit)
         self.limit, self.checkpoint_due = round_.limit, False
         return round_

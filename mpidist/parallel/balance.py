@@ -1,4 +1,5 @@
-"""Which layers each pipeline stage holds: a balance by parameters, ``--balance`` checked, a stage's first entry.
+"""Which layers each pipeline stage holds: a balance by parameters, ``--balance`` checked, a stage's first
+entry.
 
 Pure functions of the model's shapes (no MPI): the pipeline strategy, the
 memory check (:mod:`mpidist.parallel.holding`) and ``plan`` cut a model
@@ -21,10 +22,10 @@ def balance_by_parameters(costs, stages):
     if not 1 <= stages <= count:
         raise ValueError(f"{stages} stages need at least {stages} layers, the model has {count}")
     prefix = np.concatenate([[0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-    # best[s][i]: smallest max-cost splitting the first i layers into s stages, cut[s][i] the first j giving it.
-    # With positive costs best[s - 1][j] grows with j and the last stage's cost prefix[i] - prefix[j] falls,
-    # so the best j is where they cross: a binary search for every i at once (stages x layers x log layers,
-    # where trying every j took hours for tens of thousands of layers)
+    # best[s][i]: smallest max-cost splitting the first i layers into s stages, cut[s][i] the first j giving
+    # it. With positive costs best[s - 1][j] grows with j and the last stage's cost prefix[i] - prefix[j]
+    # falls, so the best j is where they cross: a binary search for every i at once (stages x layers x log
+    # layers, where trying every j took hours for tens of thousands of layers)
     best = np.full((stages + 1, count + 1), np.inf)
     cut = np.zeros((stages + 1, count + 1), dtype=int)
     best[0][0] = 0
@@ -78,6 +79,7 @@ def parse_balance(config, model):
 
 
 def first_entry(model, layer):
-    """The index in ``model.entries`` of the first parameter of top-level layer ``layer`` (or of those after)."""
+    """The index in ``model.entries`` of the first parameter of top-level layer ``layer`` (or of those
+    after)."""
     before = {id(node) for top in model.layers[:layer] for _, node in walk([top])}
     return sum(1 for owner, *_ in model.entries if id(owner) in before)

@@ -25,7 +25,8 @@ from .saved_state import SavedState
 
 def start_counting(figures, **initial):
     """Start ``figures`` (a strategy's) at ``initial``, unless an earlier strategy of the run did: the loop's
-    figures outlive a strategy built again for the survivors of a lost rank (``--elastic``), which counts on."""
+    figures outlive a strategy built again for the survivors of a lost rank (``--elastic``), which counts
+    on."""
     for name, value in initial.items():
         figures.setdefault(name, value)
 
@@ -231,11 +232,13 @@ class Strategy(Declared, SavedState):
         return {}
 
     def held_bytes(self):
-        """``{"params", "grads", "optimizer_state"}``: the bytes of each this rank holds, or None (not reported)."""
+        """``{"params", "grads", "optimizer_state"}``: the bytes of each this rank holds, or None (not
+        reported)."""
         return None
 
     def free(self):
-        """Collective: release the MPI resources (windows, communicators, operations) the strategy made; once."""
+        """Collective: release the MPI resources (windows, communicators, operations) the strategy made;
+        once."""
 
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):
         """This worker's forward and backward passes (:meth:`~mpidist.parallel.passes.Passes.backprop`): fills
@@ -244,9 +247,9 @@ class Strategy(Declared, SavedState):
         return self.passes.backprop(x, y, weight, step, self.worker_index, before_backward, ready)
 
     def judge(self, verdict, skips=True):
-        """Take the step's :class:`~mpidist.parallel.verdict.Verdict`: sets :attr:`skipped` (``skips`` False: not
-        this rank's to decide, as a ps-async worker only clips the gradient it sends) and :attr:`clipped`, and
-        counts a clipped step in the figures; returns the verdict."""
+        """Take the step's :class:`~mpidist.parallel.verdict.Verdict`: sets :attr:`skipped` (``skips`` False:
+        not this rank's to decide, as a ps-async worker only clips the gradient it sends) and :attr:`clipped`,
+        and counts a clipped step in the figures; returns the verdict."""
         if skips:
             self.skipped = verdict.skip
         self.clipped = verdict.clipped

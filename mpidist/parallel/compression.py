@@ -85,7 +85,8 @@ class Codec:
         return from_bf16(patterns, out)
 
     def _sum(self, incoming, inout, datatype):
-        """MPI's reduction callback: ``inout += incoming``, both 16-bit patterns, summed in float32 and rounded."""
+        """MPI's reduction callback: ``inout += incoming``, both 16-bit patterns, summed in float32 and
+        rounded."""
         a = np.frombuffer(incoming, dtype=np.uint16)
         b = np.frombuffer(inout, dtype=np.uint16)
         wide_a, wide_b, _ = self._arrays(a.size)

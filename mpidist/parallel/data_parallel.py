@@ -37,7 +37,8 @@ def average_over(comm, array):
 
 
 def mean_in_place(comm, array):
-    """Collective over ``comm``: ``array`` (contiguous) becomes its mean over the ranks; undefined if it fails."""
+    """Collective over ``comm``: ``array`` (contiguous) becomes its mean over the ranks; undefined if it
+    fails."""
     mpi.allreduce_sum(comm, array)
     array /= comm.Get_size()
 
@@ -134,7 +135,8 @@ class DataParallel(Strategy):
         return self.mesh.index("replica")
 
     def state(self):
-        """Collective over the workers: the chief's state, with every worker's :meth:`own_state` gathered (if any)."""
+        """Collective over the workers: the chief's state, with every worker's :meth:`own_state` gathered (if
+        any)."""
         self.average_running()
         if self.placement is not None:  # the parts of the first tensor group gather theirs on the chief
             return self._gathered_parts()
@@ -159,7 +161,8 @@ class DataParallel(Strategy):
         return super().placed_state()
 
     def _gathered_parts(self):
-        """Collective over the first tensor group: the whole model's state, gathered from its parts, on the chief."""
+        """Collective over the first tensor group: the whole model's state, gathered from its parts, on the
+        chief."""
         arrays = {
             "params": to_host(self.model.params),
             **{name: to_host(array) for name, array in self.optimizer.state_arrays().items()},
@@ -214,13 +217,14 @@ class DataParallel(Strategy):
 
     def own_state(self):
         """This worker's arrays that differ from the other workers' (name -> flat array as long as the
-        parameters, a view of the live one), which a checkpoint keeps row by row: the exchange's (``--compress``'s
-        residuals)."""
+        parameters, a view of the live one), which a checkpoint keeps row by row: the exchange's
+        (``--compress``'s residuals)."""
         n = self.model.num_params
         return {name: array[:n] for name, array in self.exchange.own_state().items()}
 
     def restore_own_state(self, checkpoint):
-        """Each worker's row of ``checkpoint.per_worker`` into its :meth:`own_state`; whether they were restored.
+        """Each worker's row of ``checkpoint.per_worker`` into its :meth:`own_state`; whether they were
+        restored.
 
         Only where the checkpoint has a row for each of these workers: with
         another worker count every worker goes on from what :meth:`initialize`
@@ -252,7 +256,8 @@ class DataParallel(Strategy):
         verdict = self.judge(self.verdict())
         if not verdict.skip:
             self.update(self._clipped_gradient(verdict), step)
-        self.exchange.after_update()  # (one copy per node: every part is updated before anyone reads the parameters)
+        # (one copy per node: every part is updated before anyone reads the parameters)
+        self.exchange.after_update()
         return float(self.buffer[-1])
 
     def verdict(self):
@@ -267,9 +272,9 @@ class DataParallel(Strategy):
         )
 
     def _clipped_gradient(self, verdict):
-        """The summed gradient multiplied by the verdict's ``factor``: only the part this worker updates where it
-        updates one (one copy per node: the others' parts are theirs to read; ``--shard optimizer``), and into a
-        space of its own where other workers still read the buffer (the shared-memory exchange)."""
+        """The summed gradient multiplied by the verdict's ``factor``: only the part this worker updates where
+        it updates one (one copy per node: the others' parts are theirs to read; ``--shard optimizer``), and
+        into a space of its own where other workers still read the buffer (the shared-memory exchange)."""
         grads = self.model.grads
         if self.part is not None:
             verdict.scaled(grads[self.part.lo : self.part.hi])

@@ -11,12 +11,14 @@ from .recovery import Recovery
 
 
 class Declared:
-    """The class-level declarations and settings hooks of a strategy (each subclass overrides what differs)."""
+    """The class-level declarations and settings hooks of a strategy (each subclass overrides what
+    differs)."""
 
     # -- What the strategy is: declared once by each subclass; the loop and the settings read them --
     #: The ``--strategy`` name (None: not registered).
     name = None
-    #: The settings only this strategy (and its subclasses) uses: :class:`~mpidist.parallel.registry.Option`\ s.
+    # : The settings only this strategy (and its subclasses) uses: :class:`~mpidist.parallel.registry.Option`\
+    # s.
     options = ()
     #: "sharded": every worker evaluates its shard of the test split and the
     #: counts are summed; "chief": the chief alone evaluates the whole split
@@ -65,8 +67,8 @@ class Declared:
 
     @classmethod
     def check_model(cls, settings, model):
-        """Raise :class:`~mpidist.runtime.errors.UsageError` if ``model`` cannot run as ``settings`` say (local, no
-        MPI); returns notes for the chief to say about how it runs (a list of lines)."""
+        """Raise :class:`~mpidist.runtime.errors.UsageError` if ``model`` cannot run as ``settings`` say
+        (local, no MPI); returns notes for the chief to say about how it runs (a list of lines)."""
         return []
 
     @classmethod
@@ -77,7 +79,8 @@ class Declared:
 
     @classmethod
     def title(cls, settings):
-        """The strategy's name in messages, with the mode ``settings`` put it in (``ps-sync with --aggregate``)."""
+        """The strategy's name in messages, with the mode ``settings`` put it in (``ps-sync with
+        --aggregate``)."""
         return cls.name
 
     @classmethod

@@ -63,12 +63,14 @@ class NoExchange:
     #: Whether :attr:`buffer` is memory of the exchange's own that the strategy's gradients must be bound to
     #: (and bound away from before :meth:`free`): the shared-memory exchange's window.
     holds_buffer = False
-    #: Whether the model's parameters live in :attr:`params`, memory of the exchange's own (one copy per node).
+    # : Whether the model's parameters live in :attr:`params`, memory of the exchange's own (one copy per
+    # node).
     holds_params = False
 
     def __init__(self, buffer=None):
         self.buffer = buffer
-        #: The summed gradient's squared norm as far as it has arrived (an exchange that sums otherwise sets it)
+        # : The summed gradient's squared norm as far as it has arrived (an exchange that sums otherwise sets
+        # it)
         self.summed_squares = 0.0
         self._unchecked = 0
 
@@ -92,8 +94,8 @@ class NoExchange:
         """After the optimizer's step (taken or skipped): what must hold before the next forward."""
 
     def squared_norm(self):
-        """The summed gradient's squared norm (the loss left out), taken as its parts arrived (after :meth:`finish`):
-        what the step's :func:`~mpidist.parallel.verdict.decide` reads."""
+        """The summed gradient's squared norm (the loss left out), taken as its parts arrived (after
+        :meth:`finish`): what the step's :func:`~mpidist.parallel.verdict.decide` reads."""
         return self.summed_squares
 
     def own_state(self):
@@ -102,7 +104,8 @@ class NoExchange:
 
     def optimizer_part(self):
         """The slice of the model this rank's optimizer updates where the exchange decides it, else None (the
-        strategy's choice: the whole model, or ``--shard optimizer``'s slice).  Collective where it is not None."""
+        strategy's choice: the whole model, or ``--shard optimizer``'s slice).  Collective where it is not
+        None."""
         return None
 
     def stats(self):
@@ -114,8 +117,8 @@ class NoExchange:
         return not decide(self.summed_squares, self.buffer[-1], 0.0).skip  # (the verdict's own rule)
 
     def _check(self, lo, hi):
-        """Add the squares of the gradients in ``buffer[lo:hi]`` (one BLAS pass, no temporary; the loss slot is
-        the verdict's to look at).
+        """Add the squares of the gradients in ``buffer[lo:hi]`` (one BLAS pass, no temporary; the loss slot
+        is the verdict's to look at).
 
         One worker checks from the top down as backward fills the buffer
         (``_unchecked`` is where it has got to); an exchange, bucket by bucket.

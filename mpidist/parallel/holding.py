@@ -63,15 +63,16 @@ def held(settings, cluster, model, optimizer_arrays):
 
 
 def held_bytes(held_elements, optimizer_arrays, itemsize):
-    """Bytes of ``held_elements`` (a :class:`Held`): parameters and gradients, optimizer state, gathered arrays."""
+    """Bytes of ``held_elements`` (a :class:`Held`): parameters and gradients, optimizer state, gathered
+    arrays."""
     h = held_elements
     grads = h.params if h.grads is None else h.grads
     return itemsize * (h.params + grads + optimizer_arrays * h.optimizer + h.gathered)
 
 
 def stage_held(params, part=""):
-    """A pipeline stage's :class:`Held` of ``params`` parameters: its gradients twice (a micro-batch's, and the
-    step's sum they are added into)."""
+    """A pipeline stage's :class:`Held` of ``params`` parameters: its gradients twice (a micro-batch's, and
+    the step's sum they are added into)."""
     return Held(params, params, 0, part, grads=2 * params)
 
 

@@ -37,10 +37,12 @@ from .verdict import agree, decide
 
 
 class SurvivorsMean(Recovery):
-    """local-sgd's survivors: their workers' mean, where no worker (not even the chief) holds the others' steps."""
+    """local-sgd's survivors: their workers' mean, where no worker (not even the chief) holds the others'
+    steps."""
 
     def survivor_state(self, cluster, step):
-        """Collective over the survivors (``cluster``): the mean of their parameters and optimizer states, on the chief.
+        """Collective over the survivors (``cluster``): the mean of their parameters and optimizer states, on
+        the chief.
 
         Between two averages every worker's parameters hold its own steps: the
         survivors' mean keeps them all (the lost worker's since the last
@@ -107,7 +109,8 @@ class LocalSgdStrategy(DataParallel):
         model = self.model
         loss = self.backprop(x, y, 1.0, step)  # this worker's own mean gradient
         self.track("exchange")
-        # whether any worker's gradients or loss broke, and the global batch's loss: the same answer everywhere
+        # whether any worker's gradients or loss broke, and the global batch's loss: the same answer
+        # everywhere
         own, clip_norm = float(model.grads.dot(model.grads)), self.recipe.clip_norm
         agreed, (loss_sum,) = agree(self.worker_comm, own, loss, clip_norm, carry=(loss * weight,))
         # (no summed gradient: each worker clips its own batch's, as under ps-async)
@@ -146,7 +149,8 @@ class LocalSgdStrategy(DataParallel):
         return {"params": self.model.params, **self.optimizer.state_arrays(), **super().own_state()}
 
     def state(self):
-        """Collective: the workers' mean parameters, the chief's optimizer state, and every worker's own rows."""
+        """Collective: the workers' mean parameters, the chief's optimizer state, and every worker's own
+        rows."""
         state = super().state()
         comm = self.worker_comm
         if comm is None or comm.Get_size() == 1:

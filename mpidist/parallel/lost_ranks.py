@@ -77,7 +77,8 @@ class LostRanks:
         end_the_job(error_line(cannot_go_on(describe_lost(lost.fatal, cluster))), EXIT_FAILURE)
 
     def abandon(self):
-        """After a lost rank: stop the guard's thread; the watches' communicators are left to the broken world."""
+        """After a lost rank: stop the guard's thread; the watches' communicators are left to the broken
+        world."""
         if self.guard is not None:
             self.guard.stop()
 
@@ -92,7 +93,8 @@ class LostRanksLetGo(ShardsGathered):
     """ps-async's survivors: the ps shards, gathered; the guard's thread stopped when the strategy is left."""
 
     def abandon(self):
-        # The windows (and the watches' communicators) are the broken world's: freeing one is collective over it,
-        # a dead member never joins, and ULFM promises nothing of windows after a failure (Open MPI warns that
-        # its shared-memory ones are untested there).  They are left: a few shard-sized segments, freed at exit.
+        # The windows (and the watches' communicators) are the broken world's: freeing one is collective over
+        # it, a dead member never joins, and ULFM promises nothing of windows after a failure (Open MPI warns
+        # that its shared-memory ones are untested there).  They are left: a few shard-sized segments, freed
+        # at exit.
         self.strategy.lost.abandon()

@@ -65,8 +65,8 @@ class MeshShape:
         return (replica * self.stages + stage) * self.parts + part
 
     def group(self, axis, rank):
-        """``(colour, key)`` of ``rank`` in ``axis``'s groups: the ranks of one colour differ in that coordinate
-        alone, and each one's key is its coordinate on the axis (its rank in the group)."""
+        """``(colour, key)`` of ``rank`` in ``axis``'s groups: the ranks of one colour differ in that
+        coordinate alone, and each one's key is its coordinate on the axis (its rank in the group)."""
         coordinates = list(self.coordinates(rank))
         key = coordinates.pop(AXES.index(axis))
         colour = 0
@@ -131,7 +131,8 @@ class Mesh:
         return list(self._split)
 
     def free(self):
-        """Collective over each group: free the communicators split here (once: a second call does nothing)."""
+        """Collective over each group: free the communicators split here (once: a second call does
+        nothing)."""
         for axis, comm in self._comms.items():
             if any(comm is split for split in self._split):
                 comm.Free()  # (mpi4py nulls the handle)

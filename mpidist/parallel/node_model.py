@@ -57,7 +57,8 @@ PIECE = 1 << 15  # elements a rank sums at a time, as the node's backward passes
 
 
 def node_model_possible(comm, buffer, model):
-    """Collective over ``comm``: ``None`` if the model can live once per node, else why not (the same everywhere)."""
+    """Collective over ``comm``: ``None`` if the model can live once per node, else why not (the same
+    everywhere)."""
     if comm is None or comm.Get_size() < 2:
         return ONE_WORKER
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
@@ -75,7 +76,8 @@ def node_model_possible(comm, buffer, model):
             "the model keeps running statistics (BatchNorm) that each worker's forward pass writes into its "
             "parameters"
         )
-    # each node checks its own memory (L gradient buffers and one model); rank 0 tells everyone the first refusal
+    # each node checks its own memory (L gradient buffers and one model); rank 0 tells everyone the first
+    # refusal
     mine = host_memory_reason(buffer, copies=local_size + 1) if local == 0 else None
     reasons = comm.gather(mine, root=0)  # (start-up only: a few short strings)
     return comm.bcast(next((why for why in reasons if why), None) if comm.Get_rank() == 0 else None, root=0)
@@ -118,7 +120,8 @@ class NodePart(OptimizerShard):
 
 
 class NodeWindow:
-    """The node's shared window: the one copy of the parameters (on local rank 0) and each rank's gradient buffer.
+    """The node's shared window: the one copy of the parameters (on local rank 0) and each rank's gradient
+    buffer.
 
     Args:
         node: the node's workers (one shared-memory domain).
@@ -148,12 +151,14 @@ class NodeWindow:
         self.everyone_here()
 
     def announce(self, mark):
-        """Tell the node this rank's progress: ``mark`` (a fence first, so what it wrote before is seen with it)."""
+        """Tell the node this rank's progress: ``mark`` (a fence first, so what it wrote before is seen with
+        it)."""
         self.win.Sync()
         self.progress[self.local][0] = mark
 
     def wait_for(self, mark):
-        """Return once every rank of the node has announced at least ``mark`` (a fence after, for what they wrote).
+        """Return once every rank of the node has announced at least ``mark`` (a fence after, for what they
+        wrote).
 
         Polls the node's progress; a waiting rank yields its core between
         polls, so ranks that share cores (more ranks than cores) let the rank
@@ -209,7 +214,8 @@ class NodeModelExchange(NoExchange):
         # (cut down to cache lines: the last part, which holds the loss, is never empty)
         bounds = chunk_bounds(0, buffer.size, buffer.itemsize, self.node.Get_size())
         self.part = bounds[self.local], bounds[self.local + 1]
-        # whether worker 0 (the chief, local rank 0 of its node) is on this node: only its node gathers checkpoints
+        # whether worker 0 (the chief, local rank 0 of its node) is on this node: only its node gathers
+        # checkpoints
         self.holds_chief = bool(self.node.bcast(comm.Get_rank() == 0, root=0))
         self.ring = Ring(self.cross, *self.part, buffer.dtype)
         self.steps = 0
@@ -242,8 +248,8 @@ class NodeModelExchange(NoExchange):
         self.steps += 1
 
     def _mark(self, lo):
-        """The progress mark of "``buffer[lo:]`` is final" in this step: it grows with the step and as ``lo`` falls,
-        so a mark of an earlier step never passes for one of this step."""
+        """The progress mark of "``buffer[lo:]`` is final" in this step: it grows with the step and as ``lo``
+        falls, so a mark of an earlier step never passes for one of this step."""
         size = self.buffer.size
         return self.steps * (size + 1) + (size - lo)
 
@@ -279,7 +285,8 @@ class NodeModelExchange(NoExchange):
         self.buffer[-1] = self.window.buffers[-1][-1]  # the loss, summed in the last part
 
     def _note_part(self):
-        """This rank's summed part's squared norm (the loss left out) where the node sees it; the loss, summed.
+        """This rank's summed part's squared norm (the loss left out) where the node sees it; the loss,
+        summed.
 
         Sharded over several nodes, each node summed one chunk of the part:
         their squares, and the loss from the chunk that holds it, are summed
@@ -298,7 +305,8 @@ class NodeModelExchange(NoExchange):
         self.window.squares[self.local][0] = figures[0]
 
     def optimizer_part(self):
-        """Collective: this rank's :class:`NodePart` of the node's one copy (the slice it sums and updates)."""
+        """Collective: this rank's :class:`NodePart` of the node's one copy (the slice it sums and
+        updates)."""
         return NodePart(self)
 
     def stats(self):
@@ -315,7 +323,8 @@ class NodeModelExchange(NoExchange):
         return self.ring.sent / self.steps if self.steps else 0.0
 
     def free(self):
-        """Collective: release the window and the communicators (the strategy rebinds to copies first); once."""
+        """Collective: release the window and the communicators (the strategy rebinds to copies first);
+        once."""
         if self.buffer is None:
             return
         self.buffer = None

@@ -42,7 +42,8 @@ class OptimizerShard:
         mpi.allgatherv_inplace(self.comm, params, self.counts, self.displs)
 
     def gather(self, arrays, root=0):
-        """Collective: ``{name: whole array}`` of the slices in ``arrays`` on ``root`` (host memory), else None."""
+        """Collective: ``{name: whole array}`` of the slices in ``arrays`` on ``root`` (host memory), else
+        None."""
         whole = {}
         for name in sorted(arrays):
             mine = np.ascontiguousarray(to_host(arrays[name]))

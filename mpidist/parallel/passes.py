@@ -90,14 +90,16 @@ class Passes:
         return loss
 
     def _forward(self, x, y):
-        """A training forward pass and its loss; counts this worker's training accuracy (or absolute error)."""
+        """A training forward pass and its loss; counts this worker's training accuracy (or absolute
+        error)."""
         out = self.model.forward(x, training=True)
         loss = self.loss.forward(out, y)
         self.count(out, y)
         return loss
 
     def count(self, out, y):
-        """Add a batch's correct answers (classification) or absolute error (regression) to the training figures.
+        """Add a batch's correct answers (classification) or absolute error (regression) to the training
+        figures.
 
         Call right after the loss's forward on ``out``: regression reads the loss's differences.
         """

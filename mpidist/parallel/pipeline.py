@@ -183,8 +183,8 @@ class PipelineStrategy(PipelineDeclared, Strategy):
         if layout.replicas > 1:
             mpi.allreduce_sum(self.links.peers, self.accumulated)
         # stages hold different gradients and only the last sees the loss: skip everywhere or nowhere.  One
-        # Allreduce gives the verdict on the global squared norm (each replica's stages hold the same) and, from
-        # replica 0's last stage, the global loss to every rank (any of them may become the chief)
+        # Allreduce gives the verdict on the global squared norm (each replica's stages hold the same) and,
+        # from replica 0's last stage, the global loss to every rank (any of them may become the chief)
         loss = float(self.accumulated[-1])
         verdict, (loss,) = agree(
             self.cluster.world,
@@ -216,11 +216,13 @@ class PipelineStrategy(PipelineDeclared, Strategy):
         return loss
 
     def _squares(self, gradients):
-        """This rank's share of the global squared gradient norm: a part's parameters, its stage's shared ones once."""
+        """This rank's share of the global squared gradient norm: a part's parameters, its stage's shared ones
+        once."""
         return self.tensor.squares(gradients)
 
     def _to_chief(self, values, tag):
-        """The last stage of replica 0 (its first part) holds the global figures; the chief (rank 0) needs them.
+        """The last stage of replica 0 (its first part) holds the global figures; the chief (rank 0) needs
+        them.
 
         ``values`` is a float64 array, filled in place on the chief.
         """
@@ -235,8 +237,8 @@ class PipelineStrategy(PipelineDeclared, Strategy):
 
     def forward_only(self, x):
         """Collective over this rank's replica: the whole model's outputs on the batch ``x`` (every stage is
-        given the batch, of which the first reads the samples, the others the count), on the last stage's ranks;
-        None on the others."""
+        given the batch, of which the first reads the samples, the others the count), on the last stage's
+        ranks; None on the others."""
         layout, model = self.layout, self.model
         inp = (
             model.xp.asarray(x)
@@ -253,7 +255,8 @@ class PipelineStrategy(PipelineDeclared, Strategy):
         return None
 
     def evaluate(self, batches):
-        """Forward-only pipeline over this replica's test chunks; the chief gets the sums' figures (others: NaN)."""
+        """Forward-only pipeline over this replica's test chunks; the chief gets the sums' figures (others:
+        NaN)."""
         scoring, layout, model = (
             self.scoring,
             self.layout,

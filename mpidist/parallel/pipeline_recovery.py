@@ -38,8 +38,8 @@ class ReplicasLeftWhole(Recovery):
         return int(steps[0])
 
     def survivor_state(self, cluster, step):
-        """Collective over the replicas left whole: every stage at ``step``; the new replica 0's slices, whole,
-        on the chief."""
+        """Collective over the replicas left whole: every stage at ``step``; the new replica 0's slices,
+        whole, on the chief."""
         strategy = self.strategy
         strategy.ledger.rewind_to(step, strategy.model.params, strategy.optimizer)
         return strategy.gathered(cluster)

@@ -43,7 +43,8 @@ class ShardsAtStep(ShardsGathered):
     """ps-sync's survivors: the shards at the chief's step, where a ps may be one update ahead."""
 
     def survivor_state(self, cluster, step):
-        """The shards at the chief's ``step``: a ps one update ahead (the chief never got it) takes it back."""
+        """The shards at the chief's ``step``: a ps one update ahead (the chief never got it) takes it
+        back."""
         strategy = self.strategy
         if not strategy.is_worker:
             strategy.ledger.rewind_to(step, strategy.shard_params(), strategy.optimizer)
@@ -170,7 +171,8 @@ class PsSyncStrategy(ShardedStrategy):
         return float(self.values[-1])
 
     def _verdict(self):
-        """Collective: the step's :class:`~mpidist.parallel.verdict.Verdict` (None on a worker without clipping).
+        """Collective: the step's :class:`~mpidist.parallel.verdict.Verdict` (None on a worker without
+        clipping).
 
         With ``--clip-norm`` every rank takes part: the summed gradient's
         squared norm from every ps's shard of it (workers add nothing; running

@@ -32,7 +32,8 @@ class Recovery:
         return []
 
     def survivors_step(self, cluster, step):
-        """Collective over the survivors: the step their state is taken at (the chief's ``step``, by default)."""
+        """Collective over the survivors: the step their state is taken at (the chief's ``step``, by
+        default)."""
         return step
 
     def survivor_state(self, cluster, step):
@@ -45,5 +46,5 @@ class Recovery:
         return self.strategy.state()
 
     def abandon(self):
-        """Stop the strategy's threads, without MPI: its MPI objects are the broken world's, where a collective
-        free would wait for the dead."""
+        """Stop the strategy's threads, without MPI: its MPI objects are the broken world's, where a
+        collective free would wait for the dead."""

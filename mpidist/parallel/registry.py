@@ -22,7 +22,8 @@ STRATEGIES = {}
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A setting a strategy declares: a field of :class:`~mpidist.settings.config.Settings` and a ``train`` flag.
+    """A setting a strategy declares: a field of :class:`~mpidist.settings.config.Settings` and a ``train``
+    flag.
 
     Args:
         name: the field name (``micro_batches``; the flag is ``--micro-batches``).

@@ -24,7 +24,8 @@ class WholeState:
         params: the flat parameters.
         optimizer: the optimizer's state arrays (name -> flat array, ordered as ``params``).
         steps: the optimizer's step count.
-        per_worker: where each worker holds state of its own (``local-sgd``, ``--compress``): name -> one row per
+        per_worker: where each worker holds state of its own (``local-sgd``, ``--compress``): name -> one row
+            per
             worker; None where none does.
     """
 

@@ -1,4 +1,5 @@
-"""In-graph replication (``--replication in-graph``): the chief reads whole global batches, MPI cuts them up."""
+"""In-graph replication (``--replication in-graph``): the chief reads whole global batches, MPI cuts them
+up."""
 
 import numpy as np
 

@@ -71,8 +71,8 @@ class Deadlock(RuntimeError):
 
 
 def simulate(plans, cost=None, transfer=0):
-    """Run every stage's actions against the others; unit time per forward and backward, or ``cost(stage, op)``
-    seconds (``op`` is ``"fwd"`` or ``"bwd"``), each message arriving ``transfer`` after it was sent.
+    """Run every stage's actions against the others; unit time per forward and backward, or ``cost(stage,
+    op)`` seconds (``op`` is ``"fwd"`` or ``"bwd"``), each message arriving ``transfer`` after it was sent.
 
     Sends are buffered (mpidist posts them non-blocking); a receive waits until
     its message was sent and the sender's compute finished.

@@ -109,8 +109,8 @@ class ScheduleRunner:
         self.round = None  # the round being run
 
     def run(self, x, y, step, round_index, gradients):
-        """The schedule over ``x``, ``y`` (one slice of the step's batch); adds into ``gradients``; the weighted
-        loss."""
+        """The schedule over ``x``, ``y`` (one slice of the step's batch); adds into ``gradients``; the
+        weighted loss."""
         sizes = split_sizes(len(x), self.micro_batches)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         parts = [slice(int(offsets[i]), int(offsets[i + 1])) for i in range(self.micro_batches)]
@@ -154,7 +154,8 @@ class ScheduleRunner:
         batch.inputs = self.links.recv(buffer, self.layout.stage - 1, 2 * micro, flow=self.round.flow)
 
     def forward(self, micro):
-        """``fwd``: the stage's layers (and the loss, on the last stage); the caches stashed for the backward."""
+        """``fwd``: the stage's layers (and the loss, on the last stage); the caches stashed for the
+        backward."""
         batch, model, layout, current = self._in_flight(micro), self.model, self.layout, self.round
         model.workspace.slot = batch.slot
         model.reseed(self.seed, layout.replica, current.step, current.index * self.micro_batches + micro)
@@ -185,7 +186,8 @@ class ScheduleRunner:
         batch.grad_in = self.links.recv(buffer, self.layout.stage + 1, 2 * micro + 1, flow=self.round.flow)
 
     def backward(self, micro):
-        """``bwd``: the caches restored, the gradients added into the round's; the first stage is then done."""
+        """``bwd``: the caches restored, the gradients added into the round's; the first stage is then
+        done."""
         batch, model, layout = self.round.flight[micro], self.model, self.layout
         model.workspace.slot = batch.slot
         if layout.is_last:

@@ -81,7 +81,8 @@ class ShardedStrategy(Strategy):
 
     @classmethod
     def layout_text(cls, settings, cluster):
-        return f"{cluster.num_workers} worker(s) and {cluster.roles.count(PS)} ps"  # (after a lost ps: those left)
+        # (after a lost ps: those left)
+        return f"{cluster.num_workers} worker(s) and {cluster.roles.count(PS)} ps"
 
     @classmethod
     def check(cls, settings, world_size):
@@ -103,7 +104,8 @@ class ShardedStrategy(Strategy):
             )
 
     def shard(self, count):
-        """Cut ``count`` elements among the ps ranks; sets ``ps_ranks``, ``bounds`` and this rank's ``lo, hi``."""
+        """Cut ``count`` elements among the ps ranks; sets ``ps_ranks``, ``bounds`` and this rank's ``lo,
+        hi``."""
         cluster = self.cluster
         self.ps_ranks = [rank for rank, role in enumerate(cluster.roles) if role == PS]
         if not self.ps_ranks:
@@ -166,7 +168,8 @@ class ShardedStrategy(Strategy):
             self.optimizer.load_state(state, checkpoint.optimizer_steps)
 
     def gather_on_first_ps(self, shard):
-        """Collective over the ps ranks only: the first ps gets the :class:`~mpidist.parallel.saved_state.WholeState`.
+        """Collective over the ps ranks only: the first ps gets the
+        :class:`~mpidist.parallel.saved_state.WholeState`.
 
         For checkpoints taken while the workers train on: ``shard`` is this
         ps's parameter slice.  The optimizer step count is the first ps's.
@@ -184,7 +187,8 @@ class ShardedStrategy(Strategy):
         )
 
     def _gather_whole(self, comm, root, counts, displs, parts):
-        """Collective over ``comm``: ``root`` gets each of ``parts`` (name -> this rank's slice) as a whole array.
+        """Collective over ``comm``: ``root`` gets each of ``parts`` (name -> this rank's slice) as a whole
+        array.
 
         Rank ``r`` sends the first ``counts[r]`` elements of its slice; other ranks get an empty dict.
         """
@@ -204,8 +208,8 @@ class ShardedStrategy(Strategy):
         return whole if is_root else {}
 
     def gather_state(self, params, cluster=None):
-        """Collective over ``cluster`` (default: this strategy's): the :class:`~mpidist.parallel.saved_state.WholeState`
-        on its chief.
+        """Collective over ``cluster`` (default: this strategy's): the
+        :class:`~mpidist.parallel.saved_state.WholeState` on its chief.
 
         ``params``: the whole flat parameters as the chief holds them, or None
         to gather them from the ps shards too (:meth:`shard_params`) -- after a

@@ -129,7 +129,8 @@ class SharedMemoryExchange(NoExchange):
 
     def begin(self):
         super().begin()
-        self._everyone_here()  # the last step's copies are done everywhere before backward overwrites a buffer
+        # the last step's copies are done everywhere before backward overwrites a buffer
+        self._everyone_here()
 
     def ready(self, lo):
         """Nothing to start: the sum needs every worker's whole buffer."""

@@ -131,7 +131,8 @@ class StageLinks:
         return buffer
 
     def isend(self, array, dest, tag, flow=None):
-        """Start sending ``array`` to stage ``dest``: ``(request, buffer)``, the buffer kept until the request is done.
+        """Start sending ``array`` to stage ``dest``: ``(request, buffer)``, the buffer kept until the request
+        is done.
 
         ``flow``: ``(step, round)``: a traced send, an arrow starting here to
         the receive of the same (step, round, stage, tag); None: untraced.

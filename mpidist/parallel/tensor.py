@@ -71,8 +71,8 @@ def check_tensor(settings, world_size, stages=1):
 
 
 def check_split(layers, parts, where="--model"):
-    """Refuse (a UsageError) a model whose ``layers`` (built) cannot be split in ``parts`` (local, no MPI); returns
-    notes for the chief: where nothing splits (every part holds and computes those layers whole)."""
+    """Refuse (a UsageError) a model whose ``layers`` (built) cannot be split in ``parts`` (local, no MPI);
+    returns notes for the chief: where nothing splits (every part holds and computes those layers whole)."""
     try:
         split = [split_layers(layers, part, parts) for part in range(parts)]
     except ValueError as err:
@@ -120,7 +120,8 @@ def gather_placed(comm, placement, arrays, root, sends=True):
 
 
 class TensorPart:
-    """This rank's part of a model split over its tensor group: the part's model and map, and the group's sums.
+    """This rank's part of a model split over its tensor group: the part's model and map, and the group's
+    sums.
 
     Args:
         whole: the whole model (a :class:`~mpidist.nn.Sequential`).
@@ -133,8 +134,8 @@ class TensorPart:
         self.parts, self.part = mesh.size("part"), mesh.index("part")
         self.comm = mesh.comm("part")  # (the mesh's: it frees it)
         local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        # (a launcher that deals ranks out to nodes in turn puts a group's parts on different nodes: said in the
-        # role table, for every sum of activations then crosses the network)
+        # (a launcher that deals ranks out to nodes in turn puts a group's parts on different nodes: said in
+        # the role table, for every sum of activations then crosses the network)
         self.across_nodes = local.Get_size() < self.parts
         local.Free()
         #: this part's regions of the whole model's parameters
@@ -154,8 +155,9 @@ class TensorPart:
             mpi.allreduce_sum(self.comm, array)
 
     def initial(self, seed, out=None):
-        """This part's initial parameters from ``seed`` (host, in this part's order, into ``out`` where given):
-        its slices of the whole model's, drawn alone (:meth:`~mpidist.nn.placement.Placement.initial`)."""
+        """This part's initial parameters from ``seed`` (host, in this part's order, into ``out`` where
+        given): its slices of the whole model's, drawn alone
+        (:meth:`~mpidist.nn.placement.Placement.initial`)."""
         out = np.empty(self.placement.size, dtype=self.model.dtype) if out is None else out
         return self.placement.initial(seed, out)
 
@@ -174,8 +176,8 @@ class TensorPart:
         return agree(self.comm, self.squares(grads, squares), loss, clip_norm)[0]
 
     def within(self, whole, first_entry):
-        """This part's regions as regions of ``whole``, whose entries from ``first_entry`` on are the model this
-        part was split from (a pipeline stage's)."""
+        """This part's regions as regions of ``whole``, whose entries from ``first_entry`` on are the model
+        this part was split from (a pipeline stage's)."""
         return self.placement.within(whole, first_entry)
 
     def gather(self, arrays):
@@ -185,8 +187,8 @@ class TensorPart:
 
 
 class WholeModel:
-    """What :class:`TensorPart` answers, for a rank that holds its model (or its stage) whole: a tensor axis of
-    one part, whose group is this rank alone."""
+    """What :class:`TensorPart` answers, for a rank that holds its model (or its stage) whole: a tensor axis
+    of one part, whose group is this rank alone."""
 
     parts, part, placement, shared = 1, 0, None, ()
 

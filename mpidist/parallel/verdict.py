@@ -48,9 +48,9 @@ class Verdict:
         return not self.skip and self.factor < 1.0
 
     def scaled(self, grads, out=None, xp=np):
-        """``grads`` multiplied by :attr:`factor`: in place, or into ``out`` (of the array module ``xp``) where
-        ``grads`` must stay as it is (other workers still read it: the shared-memory exchange); ``grads`` itself
-        where the factor is 1."""
+        """``grads`` multiplied by :attr:`factor`: in place, or into ``out`` (of the array module ``xp``)
+        where ``grads`` must stay as it is (other workers still read it: the shared-memory exchange);
+        ``grads`` itself where the factor is 1."""
         if self.factor == 1.0:
             return grads
         if out is None:
@@ -60,7 +60,8 @@ class Verdict:
 
 
 def decide(squared_norm, loss, clip_norm):
-    """The verdict on a step whose gradient has squared global norm ``squared_norm`` and whose loss is ``loss``.
+    """The verdict on a step whose gradient has squared global norm ``squared_norm`` and whose loss is
+    ``loss``.
 
     >>> decide(25.0, 0.5, 1.0)
     Verdict(skip=False, squared_norm=25.0, factor=0.2)

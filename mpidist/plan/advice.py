@@ -48,8 +48,8 @@ def predictions(cal, nodes, per_node, batch_per_rank):
 
 
 def _best_buckets(cal, layout):
-    """``layout`` with the bucket size that hides the most behind backward, where the calibration says backward
-    hides any and a size other than the default hides more."""
+    """``layout`` with the bucket size that hides the most behind backward, where the calibration says
+    backward hides any and a size other than the default hides more."""
     if not layout.buckets or cal.overlap <= 0:
         return layout
     size, left = best_bucket(cal, layout)
@@ -144,8 +144,9 @@ COLUMNS = [
 
 
 def buckets(cal, node_counts, per_node, batch_per_rank):
-    """``{nodes: (MiB, seconds left at the calibrated overlap, seconds left were all of it hidden, seconds left
-    by one bucket of everything)}`` for ``allreduce --exchange mpi`` at each node count of more than one rank."""
+    """``{nodes: (MiB, seconds left at the calibrated overlap, seconds left were all of it hidden, seconds
+    left by one bucket of everything)}`` for ``allreduce --exchange mpi`` at each node count of more than one
+    rank."""
     made = {}
     for nodes in node_counts:
         if nodes * per_node > 1:

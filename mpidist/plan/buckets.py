@@ -58,11 +58,10 @@ def exposed(cal, layout, bucket_bytes):
 
 
 def _bucket_runs(ends, per):
-    """:func:`~mpidist.parallel.exchange.top_down_buckets` of ``ends[-1] + 1`` elements (the gradients, then the
-    loss) in runs of consecutive buckets whose lowest element one layer holds: ``(layer, [(elements, buckets)])``
-    in the order backward completes them, a run per layer at most, however many buckets (the loss's element,
-    where a bucket is it alone, counts as the first layer's).
-    """
+    """:func:`~mpidist.parallel.exchange.top_down_buckets` of ``ends[-1] + 1`` elements (the gradients, then
+    the loss) in runs of consecutive buckets whose lowest element one layer holds: ``(layer, [(elements,
+    buckets)])`` in the order backward completes them, a run per layer at most, however many buckets (the
+    loss's element, where a bucket is it alone, counts as the first layer's)."""
     count = ends[-1] + 1
     total = -(-count // per)  # buckets; the last (lowest) is the short one
     last = count - (total - 1) * per
@@ -71,7 +70,8 @@ def _bucket_runs(ends, per):
         lo = max(count - (at + 1) * per, 0)
         holder = bisect.bisect_right(ends, lo) % len(ends)
         start = 0 if holder == 0 else ends[holder - 1]
-        # the buckets from `at` whose lowest element is still this layer's (a bucket of the loss alone: itself)
+        # the buckets from `at` whose lowest element is still this layer's (a bucket of the loss alone:
+        # itself)
         upto = at if lo == ends[-1] else (total - 1 if start == 0 else max(at, (count - start) // per - 1))
         full = min(upto, total - 2) - at + 1
         sizes = [(per, full)] if full > 0 else []

@@ -50,7 +50,8 @@ class Calibration:
         read_overhead_bytes: what reading a worker's lanes in memory (one of two workers) took at its peak
             above what it then held: the blocks and chunks of the file it reads them from.
         batch_per_rank: the batch it was measured at (``plan``'s default).
-        train_samples, test_samples: the splits' rows (an epoch's data held in memory; what the last evaluation
+        train_samples, test_samples: the splits' rows (an epoch's data held in memory; what the last
+            evaluation
             reads, spread over the workers).
         layers: a :class:`LayerCost` per top-level layer; loss: its (fixed, per-sample) seconds.
         tensor_sums: the elements per sample of each sum of activations a tensor group makes in forward (as
@@ -59,7 +60,8 @@ class Calibration:
         step_overhead: seconds a step of ``train`` takes besides the strategy's step (batches, metrics).
         micro_batch_s: seconds a pipeline stage spends on each micro-batch besides its layers' lines and the
             sum of its gradients (its bookkeeping, and what small batches cost the layers above their lines).
-        overlap: the share of what ``allreduce --exchange mpi``'s buckets could hide behind backward that it did
+        overlap: the share of what ``allreduce --exchange mpi``'s buckets could hide behind backward that it
+            did
             hide, measured (0: none, as where ranks move the bytes on the cores they compute on; 1: all the
             bucket model says, as where a network card moves them).
         sum_per_byte: seconds per byte of summing one buffer into another in memory.
@@ -143,7 +145,8 @@ def save(calibration, path):
 
 
 def load(path):
-    """The :class:`Calibration` in ``path``, every figure checked; a :class:`UsageError` names what is wrong."""
+    """The :class:`Calibration` in ``path``, every figure checked; a :class:`UsageError` names what is
+    wrong."""
     if not os.path.lexists(path):  # (the first plan a user runs: say how to make one)
         raise UsageError(
             f"--calibration {path}: no such file; measure one where the run will go first: mpiexec -n 2 "

@@ -14,7 +14,8 @@ MAX_NODES = 1 << 20
 
 
 def calibrate(world, settings, path, seconds):
-    """``plan --calibrate``: measure on every rank, write ``path`` on rank 0; returns the calibration there."""
+    """``plan --calibrate``: measure on every rank, write ``path`` on rank 0; returns the calibration
+    there."""
     from .measure import calibrate as measure
 
     made = measure(world, settings, seconds)
@@ -52,7 +53,8 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
     counts = parse_nodes(nodes)
     rows, best, knee = advice.advise(cal, counts, per_node, batch_per_rank, budget)
     print(
-        f"mpidist plan: {cal.model} ({cal.params:,} parameters, {cal.optimizer}), {batch_per_rank} samples per "
+        f"mpidist plan: {cal.model} ({cal.params:,} parameters, {cal.optimizer}), {batch_per_rank} samples "
+        "per "
         f"rank, {per_node} rank(s) per node, {human(budget)} per node; between nodes "
         f"{cal.network.describe() if cal.network else 'no link (one node only)'}"
     )
@@ -95,8 +97,8 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
         said = (
             f" (backward hid {cal.overlap:.0%} of what buckets can hide, as calibrated): "
             if hidden
-            else ": backward hid none of the exchange in the calibration (any size does); were all it can hide "
-            "hidden (a network card moving the bytes): "
+            else ": backward hid none of the exchange in the calibration (any size does); were all it can "
+            "hide hidden (a network card moving the bytes): "
         )
         print(
             "mpidist plan: --bucket-mb for allreduce --exchange mpi"

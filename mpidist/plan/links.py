@@ -31,8 +31,8 @@ class Link:
         return messages * self.latency + nbytes * self.per_byte
 
     def allreduce(self, nbytes, ranks):
-        """An allreduce of ``nbytes`` over ``ranks``, as the cheaper of the algorithms MPI libraries run a large
-        one with: a ring (``2 (r-1)`` messages, ``2 (r-1)/r`` of the buffer through each rank) and
+        """An allreduce of ``nbytes`` over ``ranks``, as the cheaper of the algorithms MPI libraries run a
+        large one with: a ring (``2 (r-1)`` messages, ``2 (r-1)/r`` of the buffer through each rank) and
         Rabenseifner's (a reduce-scatter by recursive halving and an allgather by recursive doubling over the
         largest power of two ``p`` of ranks: ``2 log2 p`` messages, ``2 (p-1)/p`` of the buffer; the other
         ranks first hand their buffers in and at the end take the result back).  Both are a ring's two steps
@@ -76,7 +76,8 @@ def fit(sizes, seconds):
 
 
 def parse_link(text, flag="--link"):
-    """``"25GB/s,2us"`` -> :class:`Link`: a bandwidth (B/s, with k, M, G or T) and a latency (s, ms, us or ns)."""
+    """``"25GB/s,2us"`` -> :class:`Link`: a bandwidth (B/s, with k, M, G or T) and a latency (s, ms, us or
+    ns)."""
     match = re.fullmatch(
         r"\s*([0-9.]+(?:e-?[0-9]+)?)\s*([kmgt]?)b/s\s*,\s*([0-9.]+(?:e-?[0-9]+)?)\s*(s|ms|us|ns)\s*",
         str(text).lower(),

@@ -89,7 +89,8 @@ def calibrate(world, config, seconds=1.0):
 
 
 class _Trainer:
-    """``config``'s model on a batch of its training rows, ready to train: ``step()`` is one ``local`` step."""
+    """``config``'s model on a batch of its training rows, ready to train: ``step()`` is one ``local``
+    step."""
 
     def __init__(self, config):
         inputs = Inputs.of(config)
@@ -114,8 +115,9 @@ class _Trainer:
 
 
 def _read_overhead(config, info, model):
-    """Bytes reading one worker's lanes of the training split in memory (worker 0 of 2) takes at its peak above
-    what it then holds: the blocks and chunks the file is read in (0 where the peak cannot be started over)."""
+    """Bytes reading one worker's lanes of the training split in memory (worker 0 of 2) takes at its peak
+    above what it then holds: the blocks and chunks the file is read in (0 where the peak cannot be started
+    over)."""
     global_batch = 2 * max(4, config.batch_size)
     if info.sizes["train"] < global_batch or not reset_high_water():
         return 0
@@ -213,8 +215,9 @@ def _micro_batch_seconds(config, batch, fixed, steps=150):
 
 
 def _short_run(config, batch, steps=200, **strategy):
-    """``(samples/s, peak resident bytes)`` of ``steps`` steps of ``train`` on one process (with ``strategy``'s
-    settings), with a run directory's metrics (in a scratch one, removed after), as users run it."""
+    """``(samples/s, peak resident bytes)`` of ``steps`` steps of ``train`` on one process (with
+    ``strategy``'s settings), with a run directory's metrics (in a scratch one, removed after), as users run
+    it."""
     import io
     import shutil
     import tempfile

@@ -86,9 +86,9 @@ NO_PAIR = object()  # what :func:`_on_pair` gives where there is no second rank 
 
 
 def _on_pair(world, node_of_rank, same_node, measure):
-    """Collective: ``measure(pair)`` on rank 0 and the next rank on its node (``same_node``) or on another node,
-    over a communicator of the two, the other ranks waiting; its result on rank 0 (None on the others), or
-    :data:`NO_PAIR` on every rank where there is no such rank."""
+    """Collective: ``measure(pair)`` on rank 0 and the next rank on its node (``same_node``) or on another
+    node, over a communicator of the two, the other ranks waiting; its result on rank 0 (None on the others),
+    or :data:`NO_PAIR` on every rank where there is no such rank."""
     partner = next(
         (r for r in range(1, world.Get_size()) if (node_of_rank[r] == node_of_rank[0]) == same_node), None
     )

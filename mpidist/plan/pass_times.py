@@ -1,4 +1,5 @@
-"""A training pass's seconds on rank 0 alone, as lines through batch sizes (a fixed cost and a cost per sample).
+"""A training pass's seconds on rank 0 alone, as lines through batch sizes (a fixed cost and a cost per
+sample).
 
 What ``plan --calibrate`` times of the model itself, apart from the ranks it runs on
 (:mod:`~mpidist.plan.measure` takes these lines into the calibration): each top-level layer's forward and
@@ -101,7 +102,8 @@ def _line(sizes, seconds):
 
 
 def _timed_pass(model, loss, x, y):
-    """One training pass, each top-level layer timed: ``(forward s per layer, backward s per layer, loss s)``."""
+    """One training pass, each top-level layer timed: ``(forward s per layer, backward s per layer, loss
+    s)``."""
     model.workspace.active = True
     forward, backward = np.zeros(len(model.layers)), np.zeros(len(model.layers))
     out = x

@@ -190,7 +190,8 @@ def _ps_sync(cal, layout):
     # sums them; Allgatherv: each ps's updated shard to every rank
     gather = workers * link.time(nbytes / ps) + workers * nbytes / ps * cal.sum_per_byte
     scatter = (layout.ranks - 1) * link.latency + nbytes * link.per_byte
-    # a ps keeps the previous shard and its optimizer state (a lost rank's rollback) and checks the sum: copies
+    # a ps keeps the previous shard and its optimizer state (a lost rank's rollback) and checks the sum:
+    # copies
     kept = (1 + OPTIMIZER_ARRAYS.get(cal.optimizer, 2) + 0.5) * nbytes / ps * cal.sum_per_byte
     return Prediction(
         layout,
@@ -217,7 +218,8 @@ def _ps_async(cal, layout):
         + nbytes / ps * cal.sum_per_byte
         + cal.optimizer_per_param * cal.params / ps
     )
-    # one worker-step of the whole job (every worker once) takes the longer of a worker's step and the ps's turns
+    # one worker-step of the whole job (every worker once) takes the longer of a worker's step and the ps's
+    # turns
     round_s = max(compute + moves, workers * serve)
     return Prediction(
         layout,

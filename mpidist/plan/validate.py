@@ -60,7 +60,8 @@ def _run(command):
 
 
 def calibrated(folder, model, data, hosts, seconds):
-    """One calibration with both links: this node's (two ranks on it) and the network's (two emulated nodes)."""
+    """One calibration with both links: this node's (two ranks on it) and the network's (two emulated
+    nodes)."""
     for name, nodes in (("node", 1), ("network", 2)):
         _run(
             _mpiexec(

@@ -157,7 +157,8 @@ def abort_job(exc_type, exc, tb):
 def interrupted_line(stop, rank):
     """The one line a command other than ``train`` stopped by a signal (an :class:`Interrupted`) prints."""
     return (
-        f"mpidist: stopped by {stop.name} (rank {rank}); a file it had not finished writing was removed, any it "
+        f"mpidist: stopped by {stop.name} (rank {rank}); a file it had not finished writing was removed, any "
+        "it "
         "had finished is whole"
     )
 

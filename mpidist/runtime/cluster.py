@@ -66,7 +66,8 @@ class Cluster:
             self.launch_roles = list(self.roles)
 
     def survivors(self, world, lost):
-        """Collective over ``world`` (the survivors of ``lost``, ranks of this cluster): their cluster, same roles."""
+        """Collective over ``world`` (the survivors of ``lost``, ranks of this cluster): their cluster, same
+        roles."""
         kept = [rank for rank in range(self.size) if rank not in lost]
         return build_cluster(
             world,
@@ -120,8 +121,8 @@ class Cluster:
     def table(self, device, data="", holds=""):
         """Collective: the chief gets the role table as text, others None.
 
-        ``holds``: this rank's part of the model (a ps shard, a pipeline stage, a tensor part); ``data``: how it
-        holds its data (in memory or streamed, and why).  Each column is left out where no rank has one.
+        ``holds``: this rank's part of the model (a ps shard, a pipeline stage, a tensor part); ``data``: how
+        it holds its data (in memory or streamed, and why).  Each column is left out where no rank has one.
         """
         # the pid lets a user map a launcher's "PID 4711 killed by signal 9" back to a rank
         # the node is MPI's (the ranks that share memory), which a host name alone may not tell apart

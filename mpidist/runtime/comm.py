@@ -54,7 +54,8 @@ class InFlight:
         return request
 
     def keep(self):
-        """Keep every operation not yet completed, and its buffer, until the process ends; returns their count."""
+        """Keep every operation not yet completed, and its buffer, until the process ends; returns their
+        count."""
         with self.lock:
             pending = self._not_completed()
             self.kept.extend(pending)
@@ -208,7 +209,8 @@ def send(comm, array, dest, tag):
 
 
 def sendrecv(comm, send_array, dest, recv_array, source, tag=0):
-    """Send ``send_array`` to ``dest`` while receiving ``recv_array`` from ``source`` (host arrays, contiguous)."""
+    """Send ``send_array`` to ``dest`` while receiving ``recv_array`` from ``source`` (host arrays,
+    contiguous)."""
     comm.Sendrecv(send_array, dest=dest, sendtag=tag, recvbuf=recv_array, source=source, recvtag=tag)
 
 
@@ -232,7 +234,8 @@ def recv(comm, array, source, tag):
 
 
 def irecv(comm, array, source, tag):
-    """Start receiving into ``array`` (host, contiguous: keep it untouched until done) from the rank ``source``.
+    """Start receiving into ``array`` (host, contiguous: keep it untouched until done) from the rank
+    ``source``.
 
     Returns the request, for :func:`wait_any` or :func:`wait_all`.
     """
@@ -240,7 +243,8 @@ def irecv(comm, array, source, tag):
 
 
 def wait_any(requests, first=0):
-    """Block until one of ``requests`` (None: nothing posted there) completes; its index (None if none is posted).
+    """Block until one of ``requests`` (None: nothing posted there) completes; its index (None if none is
+    posted).
 
     The requests are looked at from index ``first`` on, round the end and back:
     where several have completed, which one is taken is up to the caller

@@ -1,4 +1,5 @@
-"""How an array becomes a buffer MPI may use: numpy as it is, a device (cupy) array directly or through the host.
+"""How an array becomes a buffer MPI may use: numpy as it is, a device (cupy) array directly or through the
+host.
 
 numpy arrays go to MPI as they are.  cupy arrays go directly when the MPI
 library is CUDA-aware, after synchronising the stream that produced them (MPI

@@ -26,8 +26,9 @@ _TOKENS = itertools.count()
 @contextlib.contextmanager
 def pending(path, tree=False):
     """For the body's duration, ``path`` is removed if a signal ends the process: a file (unlinked), an empty
-    directory (``rmdir``: a directory someone else filled meanwhile stays), or with ``tree`` a folder and all in
-    it (only for folders the caller made for itself: an aside or a scratch folder).  Leaving the body removes
+    directory (``rmdir``: a directory someone else filled meanwhile stays), or with ``tree`` a folder and all
+    in it (only for folders the caller made for itself: an aside or a scratch folder).  Leaving the body
+    removes
     nothing: the caller renamed or removed it itself."""
     token = next(_TOKENS)
     _PENDING[token] = (Path(path), tree)

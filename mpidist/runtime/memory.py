@@ -33,7 +33,8 @@ def high_water():
 
 
 def reset_high_water():
-    """Start this process's peak over from the present (``clear_refs`` 5, Linux 4.0 on); False where it cannot."""
+    """Start this process's peak over from the present (``clear_refs`` 5, Linux 4.0 on); False where it
+    cannot."""
     try:
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")
@@ -88,7 +89,8 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 
 
 
 def parse_bytes(text, flag="--memory-budget"):
-    """``"512M"``, ``"2G"``, ``"1.5GiB"``, ``"1000000"`` as bytes (binary units); :class:`UsageError` otherwise."""
+    """``"512M"``, ``"2G"``, ``"1.5GiB"``, ``"1000000"`` as bytes (binary units); :class:`UsageError`
+    otherwise."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgtp]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
     value = float(match.group(1)) * _UNITS[match.group(2).lower()] if match else math.nan
     if not (math.isfinite(value) and 1 <= value < 1 << 62):
@@ -97,7 +99,8 @@ def parse_bytes(text, flag="--memory-budget"):
 
 
 def holdable():
-    """``(bytes this rank may hold, why)``: its share of the node's free memory, or a limit set on it; None if unknown.
+    """``(bytes this rank may hold, why)``: its share of the node's free memory, or a limit set on it; None if
+    unknown.
 
     Limits: ``ulimit -v``/``-d`` on the process, a cgroup's ``memory.max``
     (Slurm's ``--mem``) shared by the node's ranks.
@@ -152,7 +155,8 @@ def holdable():
 
 
 def default_budget():
-    """Bytes one rank's data may take unless told: half of what it may hold (:func:`holdable`; 4 GiB if unknown).
+    """Bytes one rank's data may take unless told: half of what it may hold (:func:`holdable`; 4 GiB if
+    unknown).
 
     Half, as the model, its gradients, the optimizer and MPI's buffers need the rest.
     """

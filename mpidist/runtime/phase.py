@@ -24,7 +24,8 @@ _END = object()
 
 
 class PhaseAgreement:
-    """The items of a long phase, until the ranks of ``comm`` agree to stop (``None``: this rank alone decides).
+    """The items of a long phase, until the ranks of ``comm`` agree to stop (``None``: this rank alone
+    decides).
 
     Collective over ``comm``, a communicator of the phases' own (its
     exchanges are never matched against others'), made once by the caller
@@ -47,7 +48,8 @@ class PhaseAgreement:
         self._pending = None
 
     def items(self, iterable):
-        """``iterable``'s items while no rank has seen a stop signal; with none left, the boundaries others need."""
+        """``iterable``'s items while no rank has seen a stop signal; with none left, the boundaries others
+        need."""
         if self.comm is None:
             yield from self._alone(iterable)
             return
@@ -108,7 +110,8 @@ class PhaseComm:
         self.world = self.comm = None
 
     def over(self, world, made=None):
-        """The communicator for ``world`` (made now, and passed to ``made``, where there is none for it yet)."""
+        """The communicator for ``world`` (made now, and passed to ``made``, where there is none for it
+        yet)."""
         if self.world is not world:
             self.world, self.comm = world, world.Dup()
             if made is not None:

@@ -114,8 +114,8 @@ def stop_signals():
 
 @contextlib.contextmanager
 def interrupt_on_signals():
-    """For the commands other than ``train``, run inside: the first of :data:`INTERRUPTS` ends the process where it
-    lands.
+    """For the commands other than ``train``, run inside: the first of :data:`INTERRUPTS` ends the process
+    where it lands.
 
     A command that writes a file (``ingest``, ``predict``, ``plot``, ``bench``,
     ``plan``) writes it aside and renames it into place, and names what it
@@ -151,7 +151,8 @@ def interrupt_on_signals():
 
 
 def _end_here(number, frame):
-    """The handler :func:`interrupt_on_signals` installs: remove what is being written, say so, end (code 3)."""
+    """The handler :func:`interrupt_on_signals` installs: remove what is being written, say so, end (code
+    3)."""
     for each in INTERRUPTS:  # (a second signal while this one cleans up changes nothing)
         signal.signal(each, signal.SIG_IGN)
     leftovers.remove_all()

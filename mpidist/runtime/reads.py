@@ -31,7 +31,8 @@ _SYSTEM_ERRNO = re.compile(r"\berrno = (\d+)")
 
 
 def system_errno(error):
-    """The operating system's error number behind ``error``, or None where the failure is the file's content."""
+    """The operating system's error number behind ``error``, or None where the failure is the file's
+    content."""
     if isinstance(error, OSError) and error.errno:
         return error.errno
     found = _SYSTEM_ERRNO.search(str(error))
@@ -39,8 +40,8 @@ def system_errno(error):
 
 
 def read_failure(error, what, where="", library="HDF5"):
-    """The exception to raise for ``error`` met reading ``what`` (``"d.h5: train/x"``) ``where`` (``"at samples
-    0..1023"``, or "")."""
+    """The exception to raise for ``error`` met reading ``what`` (``"d.h5: train/x"``) ``where`` (``"at
+    samples 0..1023"``, or "")."""
     where = f" {where}" if where else ""
     number = system_errno(error)
     if number:

@@ -55,7 +55,8 @@ class Tracer:
         self.on, self.phase_start = False, None
 
     def phase(self, previous, step):
-        """The main thread leaves phase ``previous`` (of :mod:`mpidist.runtime.whereabouts`) now: one span for it."""
+        """The main thread leaves phase ``previous`` (of :mod:`mpidist.runtime.whereabouts`) now: one span for
+        it."""
         at = now()
         if self.phase_start is not None and not self._full():
             self.events.append(
@@ -90,7 +91,8 @@ class Tracer:
                 self.events.append(("X", name, cat, start, now() - start, tid, args))
 
     def flow(self, begins, flow_id, name):
-        """One end of an arrow between ranks: ``begins`` at the sender (inside its send span), else the receiver."""
+        """One end of an arrow between ranks: ``begins`` at the sender (inside its send span), else the
+        receiver."""
         if not self._full():
             self.events.append(("s" if begins else "f", name, "pipeline", now(), 0, MAIN, flow_id))
 

@@ -58,7 +58,8 @@ class Window:
         return (int(offset), int(count), self.type)
 
     def read(self, out, target, offset=0):
-        """Atomically (per element) copy ``target``'s elements ``[offset, offset + out.size)`` into ``out``."""
+        """Atomically (per element) copy ``target``'s elements ``[offset, offset + out.size)`` into
+        ``out``."""
         with self.guard:
             self.win.Get_accumulate(
                 [self._nothing, 0, self.type],

@@ -50,7 +50,8 @@ def printable(value, limit=LONGEST):
 
 
 def shown(value):
-    """A value read from a file, for a message: ``'ten'``, ``2.5``, ``an array of shape (2,)``, ``missing``."""
+    """A value read from a file, for a message: ``'ten'``, ``2.5``, ``an array of shape (2,)``,
+    ``missing``."""
     if value is None:
         return "missing"
     if hasattr(value, "shape") and getattr(value, "shape", ()) != ():
@@ -114,7 +115,8 @@ def _bytes_shown(text):
 
 
 def file_label(name, default="dataset"):
-    """``name`` (a label: a dataset's name) as a part of a file name: no ``/``, no ``..``, no control characters.
+    """``name`` (a label: a dataset's name) as a part of a file name: no ``/``, no ``..``, no control
+    characters.
 
     What is not a letter, a digit, ``_``, ``.`` or ``-`` becomes ``-``; leading
     dots and dashes go (no hidden file, no option), and it is cut to

@@ -55,9 +55,10 @@ def limit_blas_threads():
 
 
 def launch_environment(**extra):
-    """This process's environment for ranks it launches (``mpiexec`` from a driver): the BLAS variables as this
-    process found them, so that each rank sizes its own pool for its share of the node, not this process's
-    (one process owning every core would give each of N ranks every core: N times too many threads)."""
+    """This process's environment for ranks it launches (``mpiexec`` from a driver): the BLAS variables as
+    this process found them, so that each rank sizes its own pool for its share of the node, not this
+    process's (one process owning every core would give each of N ranks every core: N times too many
+    threads)."""
     environ = dict(os.environ)
     for name, value in _inherited.items():
         if value is None:

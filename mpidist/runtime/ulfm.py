@@ -47,7 +47,8 @@ FAILURE_CLASSES = tuple(
 FAILED_LOOKS, FAILED_PAUSE = 20, 0.05  # an ERR_OTHER is weighed against the failure detector for up to 1 s
 BARRIER_PAUSE = 0.01  # how often a process waiting for the others' end looks
 
-#: A one-sided operation group longer than this, while a process is known dead, is held up for good (StuckGuard)
+# : A one-sided operation group longer than this, while a process is known dead, is held up for good
+# (StuckGuard)
 STUCK_SECONDS, STUCK_PERIOD = 5.0, 0.5
 
 _survivors = []  # every world of survivors this process took part in, the first shrink's first
@@ -192,8 +193,8 @@ def exit_after_failure(code):
 
 
 def cannot_go_on(lost, newest=None, why=None):
-    """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's path;
-    ``why``: the reason the run cannot go on, where it is not a ps's shard or the chief's role)."""
+    """The message when a ps or the chief died: what happened and how to go on (``newest``: a checkpoint's
+    path; ``why``: the reason the run cannot go on, where it is not a ps's shard or the chief's role)."""
     where = f" (newest: {newest})" if newest else ""
     why = why or (
         "--elastic carries on without lost workers (and under allreduce, local-sgd, ps-sync or pipeline "
@@ -205,7 +206,8 @@ def cannot_go_on(lost, newest=None, why=None):
 
 
 def describe_lost(ranks, cluster):
-    """``rank 2 (worker 2)``, ``rank 0 (the chief)``, ``rank 5 (ps)``: ``cluster``'s ranks ``ranks``, in words.
+    """``rank 2 (worker 2)``, ``rank 0 (the chief)``, ``rank 5 (ps)``: ``cluster``'s ranks ``ranks``, in
+    words.
 
     Ranks and worker indices are those of the launch (the role table printed at
     start-up, the pids): survivors are renumbered, a user's notes are not.
@@ -253,7 +255,8 @@ class FailureWatch:
         return new
 
     def free(self):
-        """Free the duplicate of the world this watch made (its maker's to free); a second call does nothing."""
+        """Free the duplicate of the world this watch made (its maker's to free); a second call does
+        nothing."""
         if self.group is not None:
             self.group.Free()
             self.group = None
@@ -297,7 +300,8 @@ class StuckGuard:
 
     @classmethod
     def on(cls, world, **options):
-        """Collective: a started guard whose deaths are polled on a duplicate of ``world`` (returned too, to free)."""
+        """Collective: a started guard whose deaths are polled on a duplicate of ``world`` (returned too, to
+        free)."""
         watch = FailureWatch(world)
         guard = cls(lambda: bool(watch.poll() or watch.known), **options)
         if MPI.Query_thread() == MPI.THREAD_MULTIPLE:  # (MPI from a second thread; else no guard at all)
@@ -365,7 +369,8 @@ def end_the_job(line, code):
 
 
 def _say(line):
-    """``line`` on stderr, if it can still be written: the launcher that read it may be gone (the end must come)."""
+    """``line`` on stderr, if it can still be written: the launcher that read it may be gone (the end must
+    come)."""
     try:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()

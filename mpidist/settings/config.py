@@ -1,4 +1,5 @@
-"""One dataclass for a run's settings, :class:`Settings`: a field per ``train`` flag, generated from the registry.
+"""One dataclass for a run's settings, :class:`Settings`: a field per ``train`` flag, generated from the
+registry.
 
 Each field carries its flag's help text, so ``--help``, the TOML keys, the
 keyword arguments of :func:`mpidist.train` and the checkpointed settings all
@@ -31,7 +32,8 @@ def _field(default, help, choices=None, bare=None):
 
 @dataclasses.dataclass
 class CommonSettings:
-    """Everything that defines a training run: one field per ``train`` flag (``batch_size`` is ``--batch-size``).
+    """Everything that defines a training run: one field per ``train`` flag (``batch_size`` is
+    ``--batch-size``).
 
     Build one with keyword arguments (``Settings(strategy="allreduce", epochs=5)``)
     or pass the same keywords to :func:`mpidist.train`; see ``python -m mpidist
@@ -244,7 +246,8 @@ class CommonSettings:
         validation.check_for(self, world_size)
 
     def validate_values(self):
-        """The checks that need no rank count: each value one of its choices, each number finite and in range."""
+        """The checks that need no rank count: each value one of its choices, each number finite and in
+        range."""
         validation.check_values(self)
 
     def with_world(self, world_size):

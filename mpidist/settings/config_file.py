@@ -42,7 +42,8 @@ def _why_unreadable(err):
 
 
 def _check_regular(path, info):
-    """Raise :class:`UsageError` unless ``info`` (an ``os.stat`` result) is a regular file of a sensible size."""
+    """Raise :class:`UsageError` unless ``info`` (an ``os.stat`` result) is a regular file of a sensible
+    size."""
     if not stat.S_ISREG(info.st_mode):
         raise UsageError(f"--config {path}: {_file_kind(info.st_mode)}, not a TOML file")
     if info.st_size > CONFIG_BYTES:
@@ -77,7 +78,8 @@ def read_config_text(path):
 
 
 def read_table(path):
-    """The ``--config`` file ``path`` as a TOML table (keys as written); :class:`UsageError` if it is not one."""
+    """The ``--config`` file ``path`` as a TOML table (keys as written); :class:`UsageError` if it is not
+    one."""
     text = read_config_text(path)
     try:
         return tomllib.loads(text)

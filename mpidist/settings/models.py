@@ -41,7 +41,8 @@ _loading = [None]
 
 
 def refuse_training_while_loading():
-    """Raise :class:`UsageError` where a builder's file is being loaded: it must define its model, not train it."""
+    """Raise :class:`UsageError` where a builder's file is being loaded: it must define its model, not train
+    it."""
     if _loading[0] is not None:
         where = _loading[0]
         raise UsageError(
@@ -60,7 +61,8 @@ class ModelSource:
     layers: object = None  # a list of layers or a Sequential given as objects
 
     def build(self, sample_shape, outputs, xp, dtype, buffers=True):
-        """The model for samples of ``sample_shape`` and ``outputs`` outputs; a mismatch is a :class:`UsageError`.
+        """The model for samples of ``sample_shape`` and ``outputs`` outputs; a mismatch is a
+        :class:`UsageError`.
 
         ``buffers``: as :class:`~mpidist.nn.Sequential` takes it (False: a map of shapes until first used).
         """

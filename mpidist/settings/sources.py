@@ -1,4 +1,5 @@
-"""Where a run's settings come from: ``train`` flags, a ``--config`` TOML file, keyword arguments of ``train()``.
+"""Where a run's settings come from: ``train`` flags, a ``--config`` TOML file, keyword arguments of
+``train()``.
 
 Each source names the fields of :class:`~mpidist.settings.config.Settings`
 (a flag or TOML key by its flag name, ``batch-size``; a keyword argument by

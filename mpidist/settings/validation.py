@@ -120,13 +120,15 @@ def bounds_of(field):
 
 
 def _is_number(value, kind):
-    """Whether ``value`` can stand for a ``kind`` (int or float) setting: a real number (an integral one for int)."""
+    """Whether ``value`` can stand for a ``kind`` (int or float) setting: a real number (an integral one for
+    int)."""
     wanted = numbers.Integral if kind is int else numbers.Real
     return isinstance(value, wanted) and not isinstance(value, bool)
 
 
 def check_number(field, value, flag):
-    """Raise :class:`UsageError` unless ``value`` is a number within the bounds of ``field`` (an int or float field).
+    """Raise :class:`UsageError` unless ``value`` is a number within the bounds of ``field`` (an int or float
+    field).
 
     ``flag`` names the setting in the message (``--batch-size``).
     """
@@ -158,8 +160,8 @@ def check_values(settings):
 
 
 def check_for(settings, world_size):
-    """The checks for a run on ``world_size`` ranks: the strategy, the options it declares, and the rules between
-    settings (``--elastic``, the warm-up, ``--keep-best``, ``--resume auto``)."""
+    """The checks for a run on ``world_size`` ranks: the strategy, the options it declares, and the rules
+    between settings (``--elastic``, the warm-up, ``--keep-best``, ``--resume auto``)."""
     # (the registry, not a fixed list)
     if settings.strategy not in STRATEGIES and settings.strategy != "auto":
         raise UsageError(f"--strategy {settings.strategy!r} is not one of: auto, {', '.join(STRATEGIES)}")

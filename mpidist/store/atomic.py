@@ -45,7 +45,8 @@ NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def fresh_aside(final):
-    """:func:`aside_path` of ``final``, with whatever was under that name removed: the writer creates it anew."""
+    """:func:`aside_path` of ``final``, with whatever was under that name removed: the writer creates it
+    anew."""
     aside = aside_path(final)
     remove_aside(aside)
     return aside

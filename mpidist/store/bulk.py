@@ -89,7 +89,8 @@ def fill(path, places):
 
 
 def _pages(offset, array):
-    """Bytes of ``array`` (to go at ``offset``) that can be written around the cache: its whole pages, or 0."""
+    """Bytes of ``array`` (to go at ``offset``) that can be written around the cache: its whole pages, or
+    0."""
     if offset % PAGE or array.ctypes.data % PAGE:
         return 0
     return array.nbytes - array.nbytes % PAGE

@@ -60,8 +60,9 @@ class Checkpoint:
     parent: str = ""  # the lineage it branched from, if it did
     best: dict = None  # --keep-best: {"figure", "value", "step"} of the best validation so far
     elapsed: float = 0.0  # seconds the run had trained when it was written (its metrics' time)
-    # what each worker holds of its own where workers differ (local-sgd's parameters and optimizer state between
-    # averages, --compress's residuals): name -> (workers, params.size), row w worker w's; None where they agree
+    # what each worker holds of its own where workers differ (local-sgd's parameters and optimizer state
+    # between averages, --compress's residuals): name -> (workers, params.size), row w worker w's; None where
+    # they agree
     per_worker: dict = None
     dataset_fingerprint: str = ""  # its dataset's content (mpidist.data.fingerprint); "" where unknown
     num_params: int = 0  # the whole model's parameters, and their dtype, known before any array is read
@@ -83,17 +84,19 @@ class Checkpoint:
         )
 
     def check_parts(self, share):
-        """Check the checksums of ``share`` ``(i, n)`` of a sharded checkpoint's parts (see :func:`sharded.verify`:
-        ``n`` ranks that each check a share read the parts once between them); this checkpoint."""
+        """Check the checksums of ``share`` ``(i, n)`` of a sharded checkpoint's parts (see
+        :func:`sharded.verify`: ``n`` ranks that each check a share read the parts once between them); this
+        checkpoint."""
         if self.params is None:
             _check_parts(self, share)
         return self
 
     def restore(self, placement, buffers):
-        """Fill ``buffers`` (``"params"`` and optimizer state names -> this rank's flat arrays, host or device, in
-        ``placement``'s order) with ``placement``'s slices (a :class:`mpidist.nn.placement.Placement`), one array
-        at a time: taken from the whole arrays held, or read from the file as hyperslabs, into the buffers
-        themselves where they are host arrays.  Only the arrays the checkpoint holds are filled."""
+        """Fill ``buffers`` (``"params"`` and optimizer state names -> this rank's flat arrays, host or
+        device, in ``placement``'s order) with ``placement``'s slices (a
+        :class:`mpidist.nn.placement.Placement`), one array at a time: taken from the whole arrays held, or
+        read from the file as hyperslabs, into the buffers themselves where they are host arrays.  Only the
+        arrays the checkpoint holds are filled."""
         held = {"params": self.params, **self.optimizer_state}
         names = [name for name in held if name in buffers]
         if self.params is not None:
@@ -196,8 +199,8 @@ def _same(loaded, again):
 
 
 def _verified(path, handle, share):
-    """Refuse a sharded checkpoint (``handle``, open, at ``path``) whose parts :func:`sharded.verify` finds wrong,
-    their checksums read for ``share``; a checkpoint of one file passes."""
+    """Refuse a sharded checkpoint (``handle``, open, at ``path``) whose parts :func:`sharded.verify` finds
+    wrong, their checksums read for ``share``; a checkpoint of one file passes."""
     problem = sharded.verify(path, handle, share) if handle.attrs.get("format") == sharded.FORMAT else None
     if problem:
         raise UsageError(f"{path}: {problem}")

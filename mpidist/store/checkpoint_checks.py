@@ -29,7 +29,8 @@ MAX_WORKERS = 1 << 20  # rows of per-worker state a checkpoint may claim
 
 
 def check_finite(path, item, array, whose=""):
-    """Refuse ``array`` (``item``: "params", an optimizer array's name, or a per-worker one) holding NaN or Inf."""
+    """Refuse ``array`` (``item``: "params", an optimizer array's name, or a per-worker one) holding NaN or
+    Inf."""
     if not np.isfinite(array).all():
         item = item if item == "params" or item.startswith(PER_WORKER) else f"optimizer/{printable(item)}"
         raise UsageError(
@@ -82,7 +83,8 @@ def header(path, handle, group, bad):
 
 
 def per_worker_arrays(handle, params, bad):
-    """The ``workers/`` group's datasets, checked (not read): ``{name: dataset}``, every one ``(W, params.size)``."""
+    """The ``workers/`` group's datasets, checked (not read): ``{name: dataset}``, every one ``(W,
+    params.size)``."""
     if PER_WORKER not in handle:
         return {}
     if handle.get(PER_WORKER, getclass=True) is not h5py.Group:
@@ -110,7 +112,8 @@ def per_worker_arrays(handle, params, bad):
 
 
 def best_attribute(table, step, bad):
-    """The ``best`` attribute, checked: a figure's name, a finite value, and a step no later than the checkpoint's."""
+    """The ``best`` attribute, checked: a figure's name, a finite value, and a step no later than the
+    checkpoint's."""
     figure, value, at = table.get("figure"), table.get("value"), table.get("step")
     if not (isinstance(figure, str) and 0 < len(figure) <= 64 and figure.isidentifier()):
         raise bad("attribute best", f"names figure {shown(figure)}; it must be a figure's name")
@@ -124,8 +127,9 @@ def best_attribute(table, step, bad):
 
 
 def float_array(group, name, bad, prefix="", virtual=False):
-    """The dataset ``name`` of ``group`` (not read yet), checked to be a plain numeric array in this file, or with
-    ``virtual`` a virtual one (a sharded checkpoint's, whose sources :func:`~mpidist.store.sharded.verify` checked)."""
+    """The dataset ``name`` of ``group`` (not read yet), checked to be a plain numeric array in this file, or
+    with ``virtual`` a virtual one (a sharded checkpoint's, whose sources
+    :func:`~mpidist.store.sharded.verify` checked)."""
     link = group.get(name, getlink=True)
     if link is None:
         raise bad(prefix + printable(name), "is missing")

@@ -27,7 +27,8 @@ PER_WORKER = "workers"  # the group of each worker's own state
 
 DATA_ORDER = (
     "lanes of the global batch as contiguous ranges, each ordered per epoch in windows of units by keyed "
-    "Feistel permutations of (seed, epoch, lane) and the settings' shuffle_buffer; step s takes sample s of each"
+    "Feistel permutations of (seed, epoch, lane) and the settings' shuffle_buffer; step s takes sample s of "
+    "each"
 )
 RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
@@ -116,7 +117,8 @@ def _structure(
     per_worker,
     dataset_fingerprint,
 ):
-    """A checkpoint's groups, attributes and (empty, allocated) datasets; their ``(offset, array)`` in ``places``."""
+    """A checkpoint's groups, attributes and (empty, allocated) datasets; their ``(offset, array)`` in
+    ``places``."""
     bulk.allocate(handle, "params", params, places)
     group = handle.create_group("optimizer")
     group.attrs["steps"] = int(optimizer_steps)
@@ -157,7 +159,8 @@ def attributes(
     elapsed=0.0,
     dataset_fingerprint="",
 ):
-    """A checkpoint's attributes beside its format, in either format: its position, settings, random streams."""
+    """A checkpoint's attributes beside its format, in either format: its position, settings, random
+    streams."""
     attrs = {
         "step": int(step),
         "epoch": int(epoch),
@@ -185,7 +188,8 @@ def attributes(
 
 
 def keep_as(path, name):
-    """Keep checkpoint ``path`` also as ``name`` in its directory (replacing an older one atomically); the new path.
+    """Keep checkpoint ``path`` also as ``name`` in its directory (replacing an older one atomically); the new
+    path.
 
     A hard link costs no space and survives the pruning of ``path``; where the
     file system has no hard links, a copy.  Either goes aside first (a name

@@ -137,8 +137,8 @@ class CheckpointDir:
         return [e.path for e in old]
 
     def remove_stale_temporaries(self):
-        """Delete what killed writers left behind (call with the lock held): files aside, and the parts folders
-        of sharded checkpoints no index names; returns the names removed."""
+        """Delete what killed writers left behind (call with the lock held): files aside, and the parts
+        folders of sharded checkpoints no index names; returns the names removed."""
         removed = []
         if self.path.is_dir():
             for path in self.path.iterdir():
@@ -149,7 +149,8 @@ class CheckpointDir:
 
 
 def newest_checkpoint(directory):
-    """The path of the newest checkpoint of the lineage written last in ``directory`` ("" or missing: None)."""
+    """The path of the newest checkpoint of the lineage written last in ``directory`` ("" or missing:
+    None)."""
     place = CheckpointDir(directory) if directory else None
     if place is None or not place.entries():
         return None
@@ -176,7 +177,8 @@ class Claim:
 
 class DirectoryLock:
     """An exclusive ``flock`` on ``DIR/.mpidist-lock``, held while a run may write checkpoints there; with
-    ``run`` on ``DIR/.mpidist-run-lock``, held while a run writes its run directory's metrics, log and settings."""
+    ``run`` on ``DIR/.mpidist-run-lock``, held while a run writes its run directory's metrics, log and
+    settings."""
 
     def __init__(self, directory, run=False):
         self.path = Path(directory) / (RUN_LOCK_NAME if run else LOCK_NAME)
@@ -302,7 +304,8 @@ def _settle_lineage(config, resume, directory):
         lineage = new_lineage()
         notes = (
             [
-                f"new checkpoint lineage {lineage} in {directory.path}, beside {len(present)} checkpoint(s) of "
+                f"new checkpoint lineage {lineage} in {directory.path}, beside {len(present)} checkpoint(s) "
+                "of "
                 "other runs (never pruned by this one)"
             ]
             if present

@@ -1,4 +1,5 @@
-"""New HDF5 files whose failed writes (a full disk, a quota, a file-size limit) reach the caller as one OSError.
+"""New HDF5 files whose failed writes (a full disk, a quota, a file-size limit) reach the caller as one
+OSError.
 
 HDF5 cannot recover from a write that fails while it closes a file: h5py's
 close raises, the library keeps the file half-closed, and when the process

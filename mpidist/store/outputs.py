@@ -43,7 +43,8 @@ def unwritable(path, what, err):
     Args:
         path: the output the user named.
         what: what was to be written there, as a noun: ``"the dataset"``, ``"the predictions"``.
-        err: an :class:`OSError` (its ``errno`` in words; h5py's carry none: their text), or the reason in words.
+        err: an :class:`OSError` (its ``errno`` in words; h5py's carry none: their text), or the reason in
+            words.
     """
     reason = err if isinstance(err, str) else os.strerror(err.errno) if err.errno else printable(err)
     return UsageError(f"{path}: cannot write {what} there: {reason}")
@@ -58,8 +59,8 @@ SPECIAL = (
 
 
 def special_kind(path, follow=True):
-    """What ``path`` is, in words, where it is a special file (a link followed, unless not ``follow``); None for
-    anything else."""
+    """What ``path`` is, in words, where it is a special file (a link followed, unless not ``follow``); None
+    for anything else."""
     try:
         mode = (os.stat if follow else os.lstat)(path).st_mode
     except (OSError, ValueError):  # (missing, or a name the OS refuses: whoever writes it will say)
@@ -104,8 +105,8 @@ def read_input(path, limit, what, kind):
 
 
 def refuse_special(path, what):
-    """Raise :func:`unwritable`'s error where output ``path`` is a special file, which a rename would replace (a
-    link to one is not: the rename replaces the link, and the node it points to is left as it is)."""
+    """Raise :func:`unwritable`'s error where output ``path`` is a special file, which a rename would replace
+    (a link to one is not: the rename replaces the link, and the node it points to is left as it is)."""
     kind = special_kind(path, follow=False)
     if kind is not None:
         raise unwritable(
@@ -138,7 +139,8 @@ class Claim:
 
 @contextlib.contextmanager
 def claimed(path, what):
-    """The :class:`Claim` of output ``path``: its aside file created now, so an unwritable output fails at once.
+    """The :class:`Claim` of output ``path``: its aside file created now, so an unwritable output fails at
+    once.
 
     Creating the file is the test: ``os.access`` is fooled by root, and says
     nothing of a path under a regular file.  A special file is refused

@@ -68,8 +68,8 @@ def _safe(part):
 
 
 def _recorded_name(path):
-    """The ``name`` attribute of dataset file ``path`` as a name part, or None (not a regular HDF5 file, no name,
-    nothing left of it once made safe).  Untrusted: only its first 200 characters are looked at."""
+    """The ``name`` attribute of dataset file ``path`` as a name part, or None (not a regular HDF5 file, no
+    name, nothing left of it once made safe).  Untrusted: only its first 200 characters are looked at."""
     import h5py
 
     # (a directory of files, or something opening would wait on: the file's name)
@@ -95,7 +95,8 @@ def _model_name(spec):
 
 
 def planned(config):
-    """The run directory ``config`` asks for, before it is made: its path, ``''`` for none, or None (a new one)."""
+    """The run directory ``config`` asks for, before it is made: its path, ``''`` for none, or None (a new
+    one)."""
     if config.run_dir != AUTO:
         return config.run_dir
     if config.resume:  # a run directory's checkpoint (or its checkpoints/, with auto): continue that run
@@ -108,7 +109,8 @@ def planned(config):
         )
         if source is not None and source.name == CHECKPOINTS and (source.parent / SETTINGS).is_file():
             return str(source.parent)
-        # a checkpoint kept elsewhere (--checkpoint-dir): the run directory its run recorded, if it is still there
+        # a checkpoint kept elsewhere (--checkpoint-dir): the run directory its run recorded, if it is still
+        # there
         path = (
             config.resume
             if config.resume != AUTO
@@ -127,7 +129,8 @@ def planned(config):
 
 
 def _recorded_run_dir(path):
-    """The run directory checkpoint ``path``'s settings name, where it still holds that run's settings; else None.
+    """The run directory checkpoint ``path``'s settings name, where it still holds that run's settings; else
+    None.
 
     Only the settings are read (``--resume`` itself validates the whole file later).
     """
@@ -191,7 +194,8 @@ def absolute(config):
 
 
 def make(config, where, now=None, root=ROOT):
-    """Create the run directory ``where`` (:func:`planned`'s answer for ``config``) and return its absolute path.
+    """Create the run directory ``where`` (:func:`planned`'s answer for ``config``) and return its absolute
+    path.
 
     One rank makes it, the others are told.  A new one (``where`` None) is
     named ``<name>-<YYYYmmdd>-<HHMMSS>``, with ``-2``, ``-3``... where runs
@@ -289,7 +293,8 @@ def write_settings(config, run_dir):
 
 
 def toml_value(value):
-    """A TOML literal of a setting: a bool, an int, a float (``inf``, ``nan`` as TOML spells them) or a string.
+    """A TOML literal of a setting: a bool, an int, a float (``inf``, ``nan`` as TOML spells them) or a
+    string.
 
     JSON's string escapes are TOML's basic-string escapes.
     """

@@ -47,7 +47,8 @@ def part_name(rank):
 
 
 def parameter_name(entry, layer, name):
-    """A parameter's name in ``parameters/``: its entry (zero-padded, so names sort in model order), layer, name."""
+    """A parameter's name in ``parameters/``: its entry (zero-padded, so names sort in model order), layer,
+    name."""
     return f"{int(entry):04d}.{layer}.{name}"
 
 
@@ -143,7 +144,8 @@ def flat_selection(space, offset, shape, start, stop):
 
 def _virtual(group, name, shape, dtype, mappings):
     """A virtual dataset ``name`` of ``shape`` in ``group``; ``mappings``: ``(select(space), file, key, lo,
-    count)``: the elements ``select`` picks come from ``file``'s 1-D dataset ``key`` at ``[lo, lo + count)``."""
+    count)``: the elements ``select`` picks come from ``file``'s 1-D dataset ``key`` at ``[lo, lo +
+    count)``."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     # (a source that cannot be read shows as NaN, not 0)
     dcpl.set_fill_value(np.full((), np.nan, dtype=dtype))
@@ -167,7 +169,8 @@ def write_index(path, parameters, parts, keys, dtype, attrs):
             region table, and :func:`write_part`'s record of it.
         keys: the arrays every part holds (``"params"``, ``"optimizer/m"``, ...).
         dtype: their dtype.
-        attrs: the checkpoint's attributes beside the format and the parts (step, config, ...); a value that is
+        attrs: the checkpoint's attributes beside the format and the parts (step, config, ...); a value that
+            is
             a dict is stored as JSON.  ``optimizer/`` attributes go in ``attrs["optimizer"]``.
     """
     total = sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in parameters)
@@ -270,8 +273,9 @@ def remove_parts(folder):
 
 
 def parts_folder(index, token):
-    """The folder of the parts of the checkpoint ``index`` written with ``token`` (a fresh one for every write,
-    so a checkpoint written again under the same name never overwrites the parts its old index names)."""
+    """The folder of the parts of the checkpoint ``index`` written with ``token`` (a fresh one for every
+    write, so a checkpoint written again under the same name never overwrites the parts its old index
+    names)."""
     index = Path(index)
     return index.with_name(f"{index.stem}.parts-{token}")
 

@@ -1,4 +1,5 @@
-"""CSV files read for ``ingest``: the delimiter and the header detected, every cell checked, labels or class names.
+"""CSV files read for ``ingest``: the delimiter and the header detected, every cell checked, labels or class
+names.
 
 A CSV file holds one sample per row.  Its cells are cut at ``,``, ``;``,
 tabs or runs of whitespace (``--delimiter``, or detected from the first
@@ -83,7 +84,8 @@ def detect_delimiter(lines):
 
 
 def has_header(rows, split):
-    """Whether the first row names the columns: it has text above a column of numbers (or it is the only row)."""
+    """Whether the first row names the columns: it has text above a column of numbers (or it is the only
+    row)."""
     below = [split(line) for _, line in rows[1:SNIFFED]]
     for column, cell in enumerate(split(rows[0][1])):
         if cell.strip() and not is_number(cell):
@@ -130,7 +132,8 @@ def first_bad_cell(path, rows, split=None, label=None, named=False):
                 if column - 1 == label:
                     return mixed(path, label, cell, line_no)
                 return (
-                    f"{path}: column {column} holds text ({printable(repr(cell.strip()), 60)} in row {line_no}); "
+                    f"{path}: column {column} holds text ({printable(repr(cell.strip()), 60)} in row "
+                    f"{line_no}); "
                     "ingest needs numbers in every row after the header (text only in the label column)"
                 )
     return None
@@ -289,7 +292,8 @@ def _row_numbers(column):
 
 
 def read_names(path, rows, split, width, label):
-    """``(classes, names)`` of a label column of class names: the sorted distinct names are classes 0 to K-1."""
+    """``(classes, names)`` of a label column of class names: the sorted distinct names are classes 0 to
+    K-1."""
     codes, seen = np.empty(len(rows), np.int64), {}
     for row, (line_no, line) in enumerate(rows):
         cells = split(line)
@@ -312,7 +316,8 @@ def read_names(path, rows, split, width, label):
 
 
 def from_csv(path, label_column, test_fraction, seed, task, delimiter="auto"):
-    """One sample per row; ``(splits, num_classes, facts)``: the class names, the delimiter, the header line."""
+    """One sample per row; ``(splits, num_classes, facts)``: the class names, the delimiter, the header
+    line."""
     table = read_csv(path, label_column, delimiter)
     key = f"the label column (column {table.label + 1})"
     if table.class_names is not None:

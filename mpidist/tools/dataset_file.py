@@ -45,7 +45,8 @@ def write_dataset(
     compression="gzip",
     feature_names=None,
 ):
-    """Write ``splits = {"train": (x, y), "test": (x, y)}`` to ``path`` atomically, if they pass :func:`check_splits`.
+    """Write ``splits = {"train": (x, y), "test": (x, y)}`` to ``path`` atomically, if they pass
+    :func:`check_splits`.
 
     ``check_values`` (ingest sets it) also checks the values; off by default, as
     tests write bad values on purpose to see training refuse them.  Messages name
@@ -85,7 +86,8 @@ def write_dataset(
 
 
 def check_splits(splits, num_classes, where, check_values=True):
-    """Refuse splits ``train`` would refuse: the layout, non-empty splits and, with ``check_values``, the values."""
+    """Refuse splits ``train`` would refuse: the layout, non-empty splits and, with ``check_values``, the
+    values."""
     if num_classes < 0 or num_classes == 1 or num_classes > MAX_CLASSES:
         raise UsageError(
             f"{where}: num_classes = {num_classes}; use 0 for regression or 2 to {MAX_CLASSES:,} classes"
@@ -123,7 +125,8 @@ def check_splits(splits, num_classes, where, check_values=True):
 
 
 def check_extras(splits, num_classes, where, stats=None, class_names=None, feature_names=None):
-    """Refuse standardisation statistics, class and feature names that :func:`mpidist.data.inspect` would refuse."""
+    """Refuse standardisation statistics, class and feature names that :func:`mpidist.data.inspect` would
+    refuse."""
     shape = tuple(np.shape(splits["train"][0])[1:])
     for key, value in zip(("mean", "std"), stats if stats is not None else ()):
         value = np.asarray(value, np.float64)
@@ -157,7 +160,8 @@ def _check_names(where, names, what):
 
 
 def train_stats(x):
-    """``(mean, std)`` per feature of the training samples ``x`` (numpy's, float64); a constant feature's std is 1."""
+    """``(mean, std)`` per feature of the training samples ``x`` (numpy's, float64); a constant feature's std
+    is 1."""
     x = np.asarray(x, np.float64)
     mean, std = x.mean(axis=0), x.std(axis=0)
     std[(std == 0) | (x == x[:1]).all(axis=0)] = 1.0  # constant: the mean's rounding can leave a std of 1e-17
@@ -165,7 +169,8 @@ def train_stats(x):
 
 
 def check_samples(where, key, x, need):
-    """Samples first, at least one feature (a 1-D ``x`` is refused, not guessed at), at least ``need`` of them."""
+    """Samples first, at least one feature (a 1-D ``x`` is refused, not guessed at), at least ``need`` of
+    them."""
     if x.ndim < 2 or 0 in x.shape[1:]:
         raise UsageError(
             f"{where}: {key} has shape {x.shape}; it needs samples first and at least one feature "
@@ -183,7 +188,8 @@ def check_samples(where, key, x, need):
 
 
 def check_targets(where, xkey, n, ykey, y):
-    """One target per sample: ``(N,)`` labels, ``(N, L)`` labels per position, or ``(N, K)`` regression targets."""
+    """One target per sample: ``(N,)`` labels, ``(N, L)`` labels per position, or ``(N, K)`` regression
+    targets."""
     if y.ndim == 0 or len(y) != n:
         raise UsageError(
             f"{where}: {xkey} has {n} samples but {ykey} has {len(y) if y.ndim else 'one value'}"

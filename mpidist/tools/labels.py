@@ -26,7 +26,8 @@ def check_test_fraction(test_fraction):
 
 
 def split_train_test(x, y, test_fraction, seed):
-    """Shuffle with ``seed`` and cut off the last ``test_fraction`` as the test split (never all, never none)."""
+    """Shuffle with ``seed`` and cut off the last ``test_fraction`` as the test split (never all, never
+    none)."""
     check_test_fraction(test_fraction)
     check_samples("ingest", "x", x, need=2)
     order = np.random.default_rng(seed).permutation(len(x))
@@ -119,7 +120,8 @@ def name_classes(y, task, where="ingest", key="y"):
 
 
 def checked_names(where, key, names):
-    """``(num_classes, names)`` for the sorted distinct class ``names`` found in ``key``, refused if training would."""
+    """``(num_classes, names)`` for the sorted distinct class ``names`` found in ``key``, refused if training
+    would."""
     if len(names) < 2:
         raise UsageError(
             f"{where}: every label in {key} is {printable(repr(names[0]), 60)}, so there is 1 class; "
@@ -139,7 +141,8 @@ def checked_names(where, key, names):
 
 
 def labels_of(y, task, where="ingest", key="y"):
-    """``(y, num_classes, class_names)``: class names where ``y`` holds text, else as :func:`infer_task` says."""
+    """``(y, num_classes, class_names)``: class names where ``y`` holds text, else as :func:`infer_task`
+    says."""
     if y.dtype.kind in "US":
         return name_classes(y, task, where, key)
     return infer_task(y, task, where, key) + (None,)

@@ -83,7 +83,8 @@ def read_run(run_dir):
 
 
 def run_label(path):
-    """A run's name on a figure: its directory's (of a metrics file given itself, the directory holding it)."""
+    """A run's name on a figure: its directory's (of a metrics file given itself, the directory holding
+    it)."""
     path = Path(path).resolve()
     return path.name if path.is_dir() else path.parent.name
 
@@ -218,7 +219,8 @@ def _whole(value):
 
 
 def plot_timeline(trace_path, output, steps=3):
-    """A picture of ``steps`` steps from the middle of a traced run: one row per rank, spans coloured by kind."""
+    """A picture of ``steps`` steps from the middle of a traced run: one row per rank, spans coloured by
+    kind."""
     events = read_trace(trace_path)
     spans = [
         dict(e, tid=e.get("tid", 0), cat=e.get("cat") if isinstance(e.get("cat"), str) else "wait")
@@ -294,7 +296,8 @@ def _args(event):
 
 
 def main(run_dirs, output=None):
-    """The command: figures of ``run_dirs`` into ``output`` (default: the first run's ``plots/``); the paths."""
+    """The command: figures of ``run_dirs`` into ``output`` (default: the first run's ``plots/``); the
+    paths."""
     runs = [read_run(path) for path in run_dirs]
     names = [run.name for run in runs]
     for index, run in enumerate(runs):  # two runs of one name (a/run, b/run) each keep their own

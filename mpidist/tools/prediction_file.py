@@ -92,7 +92,8 @@ def write_predictions(aside, result, checkpoint_path, reader):
 def _write_csv(aside, result):
     """A row per sample: the class (and its name, where the dataset names them) and each class's probability;
     for regression, the values.  The names come from the user's data: each is made
-    :func:`~mpidist.tools.csv_table.spreadsheet_safe`; the figures are numbers mpidist formats, left as they are."""
+    :func:`~mpidist.tools.csv_table.spreadsheet_safe`; the figures are numbers mpidist formats, left as they
+    are."""
     with open(aside, "w", encoding="utf-8", newline="") as handle:
         writer = csv.writer(handle)
         if result.task == "classification":

@@ -151,7 +151,8 @@ class PlainSamples:
         self.given = False  # the task comes from the dataset the checkpoint recorded
 
     def dataset_for(self, settings):
-        """The dataset the checkpoint trained on (``settings.data``): its task, shape and statistics are theirs."""
+        """The dataset the checkpoint trained on (``settings.data``): its task, shape and statistics are
+        theirs."""
         try:
             self.info = datasets.inspect(datasets.resolve(settings.data))
         except UsageError as err:
@@ -208,7 +209,8 @@ def _checked_layout(where, dtype, shape):
 
 
 class Samples:
-    """An array of samples, read by blocks of rows: ``where``, ``path`` (or None), ``data``, ``shape``, ``count``."""
+    """An array of samples, read by blocks of rows: ``where``, ``path`` (or None), ``data``, ``shape``,
+    ``count``."""
 
     path = None
 
@@ -242,8 +244,8 @@ class ArraySamples(Samples):
 
 
 class CsvSamples(Samples):
-    """Rows of a CSV file, parsed as ``ingest`` parses them (delimiter and header detected, every cell checked,
-    an unnamed index column dropped); each rank reads the whole file.
+    """Rows of a CSV file, parsed as ``ingest`` parses them (delimiter and header detected, every cell
+    checked, an unnamed index column dropped); each rank reads the whole file.
 
     A row holds the model's features, or the features and then a label column
     (as the file ``ingest`` read), which is left out.  Where the file has a

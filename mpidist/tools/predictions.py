@@ -96,7 +96,8 @@ class Predictions:
 def predict(
     checkpoint_path, data=None, output=None, *, model=None, comm=None, split="test", stages=1, tensor=1
 ):
-    """Predict with a checkpoint on new samples, each rank its own block, and write the predictions in input order.
+    """Predict with a checkpoint on new samples, each rank its own block, and write the predictions in input
+    order.
 
     Every rank calls it with the same arguments.
 
@@ -112,8 +113,8 @@ def predict(
         split: the split of a dataset: ``"test"``, ``"train"`` or ``"val"`` (where the file has one).
         stages, tensor: split the model over the ranks as training does (``--stages``, ``--tensor``; see
             :mod:`mpidist.loop.split_model`), for a model no rank can hold: each rank reads only its part of
-            the checkpoint, each replica (``ranks / (stages x tensor)``) predicts a block of rows, and its last
-            stage's outputs go to rank 0.  1 and 1 (the default): every rank loads the whole model.
+            the checkpoint, each replica (``ranks / (stages x tensor)``) predicts a block of rows, and its
+            last stage's outputs go to rank 0.  1 and 1 (the default): every rank loads the whole model.
 
     Returns:
         :class:`Predictions` on every rank, its arrays on rank 0.  Bad input raises
@@ -187,8 +188,9 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
             else SplitForward(world, saved, settings, net, reader.info, width)
         )
         givers = _givers(world, forward)
-        # rows are read and predicted a part at a time (the memory of a part, whatever the input's size); every
-        # rank takes as many parts, so each read is agreed on: bad rows end every rank cleanly, output untouched
+        # rows are read and predicted a part at a time (the memory of a part, whatever the input's size);
+        # every rank takes as many parts, so each read is agreed on: bad rows end every rank cleanly, output
+        # untouched
         part = max(1, PART_BYTES // (8 * int(np.prod(reader.info.sample_shape))))
         outputs, targets = [], []
         for lo in range(0, max(counts) or 1, part):
@@ -245,7 +247,8 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
 
 
 def blocks(samples, ranks):
-    """``(counts, starts)``: contiguous blocks of rows, one per rank, the first ``samples % ranks`` one longer."""
+    """``(counts, starts)``: contiguous blocks of rows, one per rank, the first ``samples % ranks`` one
+    longer."""
     counts = [samples // ranks + (1 if r < samples % ranks else 0) for r in range(ranks)]
     return counts, [int(s) for s in np.cumsum([0] + counts[:-1])]
 
@@ -275,8 +278,8 @@ def _forward(net, x, width):
 
 
 class SplitForward:
-    """``forward(x)`` for a model split over the ranks (collective over a replica): the outputs on the rank that
-    gives its replica's (``(len(x), width)``, host), an empty ``(0, width)`` array on the others."""
+    """``forward(x)`` for a model split over the ranks (collective over a replica): the outputs on the rank
+    that gives its replica's (``(len(x), width)``, host), an empty ``(0, width)`` array on the others."""
 
     def __init__(self, world, saved, settings, net, info, width):
         from ..runtime.cluster import build_cluster
@@ -306,7 +309,8 @@ class SplitForward:
 
 
 def _givers(world, forward):
-    """Which ranks give outputs to the gather (1 or 0 each): every rank, or one of each replica of a split model."""
+    """Which ranks give outputs to the gather (1 or 0 each): every rank, or one of each replica of a split
+    model."""
     mine = np.array([getattr(forward, "gives", True)], dtype=np.int64)
     every = np.empty(world.Get_size(), dtype=np.int64)
     mpi.allgather(world, mine, every)
@@ -325,7 +329,8 @@ def _figures(world, outputs, y, classification):
 
 
 def _agree_on_sizes(world, samples, width):
-    """Every rank must see the same samples (a numpy array differing between ranks would scramble the gather)."""
+    """Every rank must see the same samples (a numpy array differing between ranks would scramble the
+    gather)."""
     mine = np.array([samples, width], dtype=np.int64)
     every = np.empty((world.Get_size(), 2), dtype=np.int64)
     mpi.allgather(world, mine, every)

@@ -45,7 +45,8 @@ def load_npz(path):
 
 
 def from_npz(path, test_fraction, seed, task):
-    """Arrays ``x_train, y_train, x_test, y_test``, or ``x, y`` (then split); ``(splits, num_classes, facts)``.
+    """Arrays ``x_train, y_train, x_test, y_test``, or ``x, y`` (then split); ``(splits, num_classes,
+    facts)``.
 
     Labels that are text (or UTF-8 bytes) are class names: ``facts["class_names"]``.  ``test_fraction``
     splits ``x, y`` (``None``: :data:`~mpidist.tools.labels.TEST_FRACTION`); with a split of the file's own

@@ -39,7 +39,8 @@ LEE_SOURCE = (
 
 
 def char_name(char):
-    """A class name for ``char``: itself where it is visible, else ``space`` or its code point (``U+000A``)."""
+    """A class name for ``char``: itself where it is visible, else ``space`` or its code point
+    (``U+000A``)."""
     if char == " ":
         return "space"
     return char if char.isprintable() and not char.isspace() else f"U+{ord(char):04X}"
@@ -104,7 +105,8 @@ def package_file(package, relative):
 
 
 def lee_text(seed=0):
-    """``(splits, num_classes, facts)`` of the ``lee-text`` source (``seed`` is unused: the windows are in order)."""
+    """``(splits, num_classes, facts)`` of the ``lee-text`` source (``seed`` is unused: the windows are in
+    order)."""
     path = package_file(*LEE)
     try:
         text = path.read_text(encoding="utf-8")

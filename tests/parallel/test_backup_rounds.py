@@ -74,7 +74,8 @@ def test_a_round_closes_on_r_accepted_or_after_the_last_step_on_any_note(
 @pytest.mark.parametrize(
     "arrivals, version, limit, aggregate, statuses, left",
     [
-        # R=2 of W=4: the first two on version 5 make the step; worker 1's (on 4) is stale; worker 3 waits for the next
+        # R=2 of W=4: the first two on version 5 make the step; worker 1's (on 4) is stale; worker 3 waits for
+        # the next
         ([(0, 5), (1, 4), (2, 5), (3, 5)], 5, 10, 2, (A, S, A, 0), [(3, 5)]),
         # R = W: every worker's gradient
         ([(2, 0), (0, 0), (1, 0), (3, 0)], 0, 10, 4, (A, A, A, A), []),
@@ -112,7 +113,8 @@ def test_a_note_travels_as_three_int64_and_back():
         ([[A, S, A, 0, 0], [0, 0, 0, 15, 0]], 5, 10, Round((A, S, A), 6, False)),
         # a stop already moved the limit: asking again changes nothing
         ([[0, S, 0, 15, 0], [0, 0, 0, 10, 0]], 6, 6, Round((0, S, 0), 6, False)),
-        # the coordinator decided a checkpoint after the last update: written before this round changes anything
+        # the coordinator decided a checkpoint after the last update: written before this round changes
+        # anything
         ([[A, A, 0, 0, 1], [0, 0, 0, 0, 0]], 3, 10, Round((A, A, 0), 10, True)),
     ],
 )
@@ -136,12 +138,13 @@ def test_a_round_hears_every_worker_with_a_status_and_accepts_only_the_accepted(
 @pytest.mark.parametrize(
     "statuses, limit, version, moved, coordinator, periodic, expected",
     [
-        # an update before the last version: nobody stops; the coordinator asks about a checkpoint at the new version
+        # an update before the last version: nobody stops; the coordinator asks about a checkpoint at the new
+        # version
         ((A, A, 0), 10, 4, True, True, True, Closing(5, (), True)),
         ((A, A, 0), 10, 4, True, False, True, Closing(5, (), False)),  # (another ps never asks)
         ((A, A, 0), 10, 4, True, True, False, Closing(5, (), False)),  # (no periodic checkpoints)
-        # the update that reaches the last version: everyone heard is told to stop; no checkpoint (the final one
-        # follows)
+        # the update that reaches the last version: everyone heard is told to stop; no checkpoint (the final
+        # one follows)
         ((A, S, A), 5, 4, True, True, True, Closing(5, (0, 1, 2), False)),
         # the last rounds: nothing taken, the version stays, the worker heard is told to stop
         ((0, S, 0), 5, 5, False, True, True, Closing(5, (1,), False)),
@@ -262,7 +265,8 @@ def test_a_worker_learns_the_version_and_the_last_one_from_each_reply():
 @pytest.mark.parametrize(
     "rounds, expected",
     [
-        # (moved, ok) per round -> (apply, loss the reply carries); the round's loss is 2.0, the last one carried 1.0
+        # (moved, ok) per round -> (apply, loss the reply carries); the round's loss is 2.0, the last one
+        # carried 1.0
         ([(True, True)], [RoundUpdate(True, 2.0)]),
         (
             [(True, False)],

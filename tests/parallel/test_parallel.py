@@ -90,7 +90,8 @@ def test_evaluation_sums_every_workers_shard():
 
 
 def test_an_average_that_fails_leaves_the_array_as_it_was(monkeypatch):
-    """A collective that fails (a rank died in it) leaves its buffer undefined: the average writes nothing then."""
+    """A collective that fails (a rank died in it) leaves its buffer undefined: the average writes nothing
+    then."""
     from mpidist.parallel import data_parallel
 
     def dies_midway(comm, array):

@@ -79,7 +79,8 @@ def run_pipeline(
 
 
 def bare_pipeline():
-    """``(cluster, strategy)``: a 2-stage pipeline of the world's ranks, with no optimizer and no step taken."""
+    """``(cluster, strategy)``: a 2-stage pipeline of the world's ranks, with no optimizer and no step
+    taken."""
     fits(2)
     cluster = build_cluster(MPI.COMM_WORLD)
     return cluster, PipelineStrategy(

@@ -373,7 +373,8 @@ def test_a_cosine_run_stopped_inside_its_warmup_resumes_exactly(tmp_path):
 
 
 def test_the_scheduled_rate_is_the_rate_of_each_update(tmp_path):
-    """Plain SGD on a linear least-squares model, one full batch per step: p' = p - lr(s) x grad(p), in closed form.
+    """Plain SGD on a linear least-squares model, one full batch per step: p' = p - lr(s) x grad(p), in closed
+    form.
 
     Every step is checkpointed, so each update is read back and compared with
     the one the schedule's rate gives, through the warm-up and the cosine.
@@ -423,7 +424,8 @@ def test_the_scheduled_rate_is_the_rate_of_each_update(tmp_path):
 
 
 def test_accumulating_holds_a_quarter_of_the_activations_for_the_same_step():
-    """One step of the same batch in 4 slices: the workspace holds a slice's arrays, the parameters are the same."""
+    """One step of the same batch in 4 slices: the workspace holds a slice's arrays, the parameters are the
+    same."""
     rng = np.random.default_rng(0)
     x, y = rng.random((64, 8, 8)), rng.integers(0, 10, 64)
     held, params = {}, {}

@@ -10,7 +10,8 @@ from mpidist.parallel.schedule_runner import ScheduleRunner
 from mpidist.parallel.stage import StageLayout
 
 
-# small_convnet: Conv2D(3,3) ReLU MaxPool2D(2) | Flatten Dense(8) ReLU Dense(4), 30 + 224 + 36 = 290 parameters
+# small_convnet: Conv2D(3,3) ReLU MaxPool2D(2) | Flatten Dense(8) ReLU Dense(4), 30 + 224 + 36 = 290
+# parameters
 @pytest.mark.parametrize(
     "rank,stage,replica,layers,params,in_shape,out_shape",
     [
@@ -32,7 +33,8 @@ def test_a_stage_layout_places_each_rank(rank, stage, replica, layers, params, i
 
 
 class NoLinks:
-    """The links of a pipeline of one stage: nothing is sent or received; what is tracked and waited for is kept."""
+    """The links of a pipeline of one stage: nothing is sent or received; what is tracked and waited for is
+    kept."""
 
     def __init__(self):
         self.phases, self.waited = [], []

@@ -99,7 +99,8 @@ def test_a_sharded_run_resumes_unsharded_and_elastic_is_refused(tmp_path):
     final = events(tmp_path / "a" / "metrics.jsonl", "done")[-1]
     held = [role["optimizer_state_bytes"] for role in final["roles"]]
     assert len(held) == 4 and max(held) - min(held) <= 2 * 4 * 2 and final["test_accuracy"] >= 0.8
-    # the start event says what each rank holds: the whole parameters and gradients, a quarter of Adam's moments
+    # the start event says what each rank holds: the whole parameters and gradients, a quarter of Adam's
+    # moments
     start = events(tmp_path / "a" / "metrics.jsonl", "start")[0]
     count = start["params"]
     assert [entry["rank"] for entry in start["held_bytes"]] == [0, 1, 2, 3]

@@ -1,4 +1,5 @@
-"""The shared-memory exchange: closed-form sums on real ranks, its barriers under skew, and how allreduce picks it."""
+"""The shared-memory exchange: closed-form sums on real ranks, its barriers under skew, and how allreduce
+picks it."""
 
 import time
 
@@ -116,7 +117,8 @@ class _Dawdling(SharedMemoryExchange):
 
 @pytest.mark.mpi(min_size=2)
 def test_the_barriers_hold_when_workers_run_at_different_speeds():
-    """A worker that races ahead must not read a part before it is written or summed, nor overwrite one still read.
+    """A worker that races ahead must not read a part before it is written or summed, nor overwrite one still
+    read.
 
     Without any one of the three barriers this fails (each was taken out in turn when it was written).
     """

@@ -1,4 +1,5 @@
-"""Tensor parallelism: a model split across the ranks of tensor groups trains as ``local`` on the global batch.
+"""Tensor parallelism: a model split across the ranks of tensor groups trains as ``local`` on the global
+batch.
 
 The pure part (:mod:`mpidist.nn.tensor`: which layers split and where each
 part's parameters sit in the whole model) is tested with the parts run in
@@ -37,8 +38,8 @@ def embedded():
 
 
 def transformer():
-    """Tokens with padding (id 0), learned positions, a transformer block (attention split by heads, its MLP by
-    the pair rule), pooling that skips padding, a classifier."""
+    """Tokens with padding (id 0), learned positions, a transformer block (attention split by heads, its MLP
+    by the pair rule), pooling that skips padding, a classifier."""
     tokens = nn.Embedding(11, 6, pad_id=0)
     return [
         tokens,
@@ -174,8 +175,8 @@ def test_a_model_or_stage_with_nothing_to_split_is_said_to_run_whole():
 
     linear = nn.Sequential([nn.Dense(4)], (6,), dtype=np.float64)
     assert AllreduceStrategy.check_model(Settings(tensor=2, model="linear"), linear) == [
-        "note: --tensor 2: no layer of --model linear splits (a Dense pair, attention, an embedding, a layer with "
-        "tensor_split): each of its 2 parts holds and computes it whole"
+        "note: --tensor 2: no layer of --model linear splits (a Dense pair, attention, an embedding, a layer "
+        "with tensor_split): each of its 2 parts holds and computes it whole"
     ]
     notes = PipelineStrategy.check_model(
         Settings(strategy="pipeline", stages=2, balance="1,4", tensor=2), whole_model("mlp")
@@ -272,7 +273,8 @@ class Shift(nn.Layer):
 
 
 class Scale(Shift):
-    """A user's layer that declares its split: a per-feature scale, split by features as the pair's hidden ones."""
+    """A user's layer that declares its split: a per-feature scale, split by features as the pair's hidden
+    ones."""
 
     def param_specs(self):
         return [("s", (self.size,), init.ones)]
@@ -302,7 +304,8 @@ def test_a_layer_with_parameters_between_a_split_pair_must_declare_its_split():
 
 # -- with real ranks -----------------------------------------------------------------------------------------
 def tensor_runs(tensor, name, optimizer="adam", steps=4, global_batch=12, clip=0.0):
-    """``(cluster, strategy, reference)``: ``allreduce --tensor T`` on the world and ``local`` on the global batch."""
+    """``(cluster, strategy, reference)``: ``allreduce --tensor T`` on the world and ``local`` on the global
+    batch."""
     from mpi4py import MPI
 
     from mpidist.parallel import AllreduceStrategy
@@ -394,15 +397,16 @@ def deep_mlp():
 
 
 MODELS["deep"] = (deep_mlp, (6,))
-# a split layer in each stage where the model has one; the transformer's pooling reads its mask from the embedding,
-# so they share a stage
+# a split layer in each stage where the model has one; the transformer's pooling reads its mask from the
+# embedding, so they share a stage
 BALANCE = {"deep": [3, 4], "residual": [2, 1], "embedding": [3, 3], "transformer": [5, 1]}
 
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("name", ["deep", "residual", "embedding", "transformer"])
 def test_a_pipeline_with_tensor_parts_trains_as_local_on_the_global_batch(name):
-    """pipeline x tensor 2 x 2 at 4 ranks (data x pipeline x tensor 2 x 2 x 2 at 8: see test_tensor_layouts)."""
+    """pipeline x tensor 2 x 2 at 4 ranks (data x pipeline x tensor 2 x 2 x 2 at 8: see
+    test_tensor_layouts)."""
     from mpi4py import MPI
 
     from mpidist.parallel import PipelineStrategy
@@ -475,9 +479,9 @@ def test_data_pipeline_and_tensor_layouts_of_8_ranks_train_as_local():
 
 
 def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluates(tmp_path):
-    """Written at data x tensor 2 x 2; resumed as local, as allreduce on 3 ranks and as pipeline x tensor 2 x 2,
-    each 4 steps more: the same global batches (the lanes), so the same model to 1e-9 in float64; and eval gives
-    the test figures the run ended with."""
+    """Written at data x tensor 2 x 2; resumed as local, as allreduce on 3 ranks and as pipeline x tensor 2 x
+    2, each 4 steps more: the same global batches (the lanes), so the same model to 1e-9 in float64; and eval
+    gives the test figures the run ended with."""
     from conftest import checkpoint_at, events
 
     from mpidist.store import checkpoint
@@ -527,8 +531,9 @@ def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluate
             split.optimizer_state[name], alone.optimizer_state[name], rtol=1e-7, atol=1e-12
         )
     ended = events(tmp_path / "m.jsonl", "done")[0]
-    # mlp on digits: Dense 64-128, 128-128, 128-10, 26,122 parameters. At T = 2 the first pair splits (the first
-    # by columns, the second by rows, its 128 biases whole) and the last Dense stays whole: 12,352 + 1,418 a part
+    # mlp on digits: Dense 64-128, 128-128, 128-10, 26,122 parameters. At T = 2 the first pair splits (the
+    # first by columns, the second by rows, its 128 biases whole) and the last Dense stays whole: 12,352 +
+    # 1,418 a part
     held = events(tmp_path / "m.jsonl", "start")[0]["held_bytes"]
     assert [(entry["rank"], entry["params"]) for entry in held] == [
         (rank, 13_770 * 8) for rank in range(4)
@@ -563,8 +568,8 @@ def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluate
             entry["params"] for entry in events(tmp_path / f"{name}.jsonl", "start")[0].get("held_bytes", [])
         ]
     assert held["allreduce"] == [26_122 * 8 // 3] * 3, held  # T = 1: the node's one whole copy, 1/3 a rank
-    # two stages: the first holds Dense 64-128 alone (no pair to split: whole on both parts), the second splits
-    # the pair 128-128 (by columns: 8,256) and 128-10 (by rows, its biases whole: 650)
+    # two stages: the first holds Dense 64-128 alone (no pair to split: whole on both parts), the second
+    # splits the pair 128-128 (by columns: 8,256) and 128-10 (by rows, its biases whole: 650)
     assert held["pipeline-tensor"] == [8_320 * 8] * 2 + [8_906 * 8] * 2, held
     assert not np.allclose(params["local"], checkpoint.load(written).params)  # (4 steps did train)
     for name in ("allreduce", "pipeline-tensor"):
@@ -580,8 +585,8 @@ def test_a_checkpoint_written_by_tensor_parts_resumes_on_any_layout_and_evaluate
     "hosts, across", [("127.0.0.1:2,localhost:2", False), ("127.0.0.1:1,localhost:1", True)]
 )
 def test_the_role_table_says_when_a_tensor_group_spans_nodes(hosts, across):
-    """Two emulated nodes: ranks placed in blocks keep each group of 2 on a node; dealt out in turn (one slot a
-    host), every group spans both, and every rank's row says so."""
+    """Two emulated nodes: ranks placed in blocks keep each group of 2 on a node; dealt out in turn (one slot
+    a host), every group spans both, and every rank's row says so."""
     import subprocess
     import sys
 

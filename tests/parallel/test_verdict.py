@@ -1,5 +1,5 @@
-"""The one step verdict every strategy takes: skip, squared norm, clip factor (tables), and its agreement over a
-group."""
+"""The one step verdict every strategy takes: skip, squared norm, clip factor (tables), and its agreement over
+a group."""
 
 import math
 
@@ -67,7 +67,8 @@ def test_alone_the_verdict_is_this_ranks_own_and_the_carried_numbers_come_back()
 def test_the_ranks_of_a_group_agree_on_one_verdict_from_their_shares():
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
-    # rank r holds squares (r + 1)^2; the sum is size (size + 1) (2 size + 1) / 6; each share held by 2 "replicas"
+    # rank r holds squares (r + 1)^2; the sum is size (size + 1) (2 size + 1) / 6; each share held by 2
+    # "replicas"
     total = size * (size + 1) * (2 * size + 1) / 6
     verdict, (carried,) = agree(world, float((rank + 1) ** 2), 1.0, 1.0, carry=[rank], copies=2)
     assert verdict.squared_norm == pytest.approx(total / 2) and not verdict.skip
