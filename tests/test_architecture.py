@@ -243,11 +243,12 @@ BUFFER_CALLS = {
     "Rget",
 }
 #: the modules that hand arrays to MPI, and the named exceptions (docs/development.rst says why)
+# the hand-written baseline: what a user writes with raw mpi4py
 MPI_GATES = {
     "mpidist/runtime/comm.py",
     "mpidist/runtime/rma.py",
     "mpidist/bench/rows.py",
-}  # the hand-written baseline: what a user writes with raw mpi4py
+}
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(ROOT)))

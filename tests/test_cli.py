@@ -326,6 +326,7 @@ def test_ingest_then_train_a_regression(tmp_path):
 def test_info_reports_the_mpi_library_and_layout():
     done, _ = mpidist(2, "info")
     assert done.returncode == 0, done.stderr
+    # (the row of --elastic: the CI's MPI has no ULFM)
     for text in (
         "MPI library",
         "thread level",
@@ -334,7 +335,7 @@ def test_info_reports_the_mpi_library_and_layout():
         "2 on 1 node(s)",
         "bundled datasets",
         "no: this is MPICH Version: ",
-    ):  # (the row of --elastic: the CI's MPI has no ULFM)
+    ):
         assert text in done.stdout
     assert done.stdout.count("MPI library") == 1
     library = next(line for line in done.stdout.splitlines() if line.startswith("MPI library"))

@@ -101,8 +101,8 @@ class LauncherHung(Exception):
     :func:`rerun_if_the_launcher_hangs`)."""
 
 
-# : seconds the launcher may outlive the last rank of its job before it counts as hung (it takes well under
-# one)
+#: seconds the launcher may outlive the last rank of its job before it counts as hung (it takes well under
+#: one)
 LAUNCHER_GRACE = 20
 
 
@@ -275,9 +275,9 @@ EPOCHS = ["--epochs", str(RUN_EPOCHS), "--lr-schedule", "cosine"]
 NEAR = 0.02
 
 
-# : fault-free accuracies measured in this session, by the runs' launcher, strategy, ranks and flags: each is
-# a : 20-epoch run (three for ps-async), and the tests that kill one worker or two, or the chief, compare with
-# the : same reference, which is measured once
+#: fault-free accuracies measured in this session, by the runs' launcher, strategy, ranks and flags: each is a
+#: 20-epoch run (three for ps-async), and the tests that kill one worker or two, or the chief, compare with
+#: the same reference, which is measured once
 _REFERENCES = {}
 
 
@@ -392,9 +392,10 @@ def test_killed_workers_midway_through_an_epoch_under_allreduce_leave_each_sampl
     )
     assert code == 0, f"{out}\n{err}"
     (recovered,) = events(metrics, "recovered")
+    # (in the middle of the second epoch)
     assert (
         recovered["workers"] == 3 and recovered["steps_per_epoch"] == 20 and 30 <= recovered["step"] < 40
-    ), recovered  # (in the middle of the second epoch)
+    ), recovered
     assert events(metrics, "done")[0]["steps"] == 80
     # the mode switched, the order did not: one worker with the run's buffer is the reference
     if mode == "budget":
@@ -586,7 +587,7 @@ ONLY_PS_HELD = """
 import os, signal, threading, time
 import numpy as np
 from mpi4py import MPI
-from mpidist.parallel.ps_async import LostRanks
+from mpidist.parallel.lost_ranks import LostRanks
 from mpidist.runtime.cluster import PS, WORKER, build_cluster
 from mpidist.runtime.rma import Window
 world = MPI.COMM_WORLD

@@ -552,10 +552,11 @@ def resume_onto_a_full_disk(p, stack):
 def previous_checkpoint_intact(p, out, err):
     kept = checkpoint.load(checkpoint_at(p / "disk", 5))
     assert kept.step == 5 and np.isfinite(kept.params).all()
+    # nothing half-written
     assert sorted(f.name for f in (p / "disk").iterdir()) == [
         ".mpidist-lock",
         kept.path.name,
-    ]  # nothing half-written
+    ]
 
 
 def diverged_without_writing_bad_checkpoints(p, out, err):
@@ -706,6 +707,7 @@ def chunk_read_after_the_start(p):
     early = set()
     for workers in (2, 4):
         for worker in range(workers):
+            # (the default global batch)
             stream = data.Stream(
                 info,
                 "train",
@@ -715,7 +717,7 @@ def chunk_read_after_the_start(p):
                 np.float32,
                 buffer=400,
                 lanes=data.Lanes.of(64, workers, worker),
-            )  # (the default global batch)
+            )
             for lo, hi in (unit for window in stream._schedule(0, 0, 0, 1) for unit in window.units):
                 early.update(range(lo // 10, -(-hi // 10)))
     late = min(set(range(info.sizes["train"] // 10)) - early)

@@ -233,10 +233,11 @@ def test_every_layout_starts_from_bit_identical_parameters(layout):
         alone.init_params(5)
         expected, sizes = fingerprints(alone, range(alone.num_params), alone.params)
         held = counts // sizes
+        # every element, alike
         assert np.array_equal(held * sizes, counts) and (held >= 1).all(), (
             counts,
             sizes,
-        )  # every element, alike
+        )
         assert np.array_equal(sums, expected * held), layout
         if layout == "allreduce --tensor 4":  # (and no rank of a split layout holds the whole model)
             assert strategy.model.num_params < alone.num_params

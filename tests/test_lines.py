@@ -20,10 +20,11 @@ def test_lines_are_numbered_and_a_line_over_the_limit_is_refused_naming_it(tmp_p
     with pytest.raises(UsageError, match=r"^f: line 3 is longer than 10 bytes"):
         for number, line in bounded_lines(path, "f", limit=10):
             got.append((number, line))
+    # (a line of exactly the limit, newline included, passes)
     assert got == [
         (1, "one\n"),
         (2, "x" * 9 + "\n"),
-    ]  # (a line of exactly the limit, newline included, passes)
+    ]
     path.write_bytes(b"a\n" + b"z" * 10)  # (the last line, without a newline, of the limit)
     assert list(bounded_lines(path, "f", limit=10)) == [(1, "a\n"), (2, "z" * 10)]
 

@@ -295,9 +295,10 @@ def test_the_elastic_state_calls_what_was_registered_in_order():
 def test_the_test_delay_names_a_worker_its_seconds_and_the_last_step_it_slows(
     monkeypatch, spec, worker, expected
 ):
+    # (imported here: a name beginning with test_ would be collected as a test)
     from mpidist.loop import (
         setup,
-    )  # (imported here: a name beginning with test_ would be collected as a test)
+    )
 
     monkeypatch.setenv("MPIDIST_TEST_DELAY", spec)
     assert setup.test_delay(worker) == expected

@@ -324,10 +324,11 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
     checkpoint = sorted((tmp_path / "run" / "checkpoints").glob("ckpt-*.h5"))[-1]
     figures = mpidist.evaluate(checkpoint, comm=MPI.COMM_SELF)
     with h5py.File(tmp_path / "bc.h5", "r") as handle:
+        # (stored as read: predict standardises)
         test_x, test_y = (
             handle["test/x"][...],
             handle["test/y"][...],
-        )  # (stored as read: predict standardises)
+        )
     (tmp_path / "new.csv").write_text(
         "\n".join(
             [header]

@@ -46,10 +46,11 @@ from mpidist.nn import (
         ([TransformerBlock(2, mlp_ratio=1, causal=True), TransformerBlock(1, mlp_ratio=2)], (3, 4)),
         ([TokenConv(4, 3)], (5, 2)),
         ([TokenConv(3, 4)], (6, 1)),  # even: one more position after
+        # every window padded
         (
             [TokenConv(2, 5), PositionalEmbedding(5), TransformerBlock(1, mlp_ratio=1)],
             (5, 2),
-        ),  # every window padded
+        ),
     ],
 )
 def test_sequence_layer_gradients_match_finite_differences(layers, shape):

@@ -87,11 +87,12 @@ def test_the_ranks_check_the_parts_checksums_a_share_each(tmp_path, model):
         part.seek(-8, 2)
         part.write(np.float64(1.5).tobytes())
     header = checkpoint.load(index, arrays=False)  # (sizes only: the part is not read)
+    # (in a run, the rank that checks it fails the start on every rank)
     for share in (
         (0, 2),
         (0, 3),
         (2, 3),
-    ):  # (in a run, the rank that checks it fails the start on every rank)
+    ):
         header.check_parts(share)
     with pytest.raises(UsageError, match="ckpt.parts/rank-00001.h5 is not the file that was written"):
         header.check_parts((1, 3))

@@ -148,9 +148,10 @@ def wait_for_step(tmp_path, job, step, slurm, timeout=90):
 @pytest.mark.parametrize("interrupt", ["time-limit warning (SIGUSR1)", "preemption (scontrol requeue)"])
 def test_the_requeue_script_checkpoints_requeues_and_resumes_to_the_end(slurm, tmp_path, interrupt):
     flags = ["--epochs", "6", "--log-every", "1"]
+    # about 30 ms a step: 132 steps take 4 s
     _, job = submit(
         slurm, tmp_path, "train-requeue.sbatch", *flags, wait=False, env={"MPIDIST_TEST_DELAY": "0:0.03"}
-    )  # about 30 ms a step: 132 steps take 4 s
+    )
     slurm.wait_for(job, {"RUNNING"})
     wait_for_step(tmp_path, job, 10, slurm)
     if interrupt.startswith("time"):

@@ -136,10 +136,11 @@ def test_no_sequence_of_runs_kills_and_signals_loses_the_newest_checkpoint(tmp_p
         elif operation in ("kill", "term"):
             number = signal.SIGKILL if operation == "kill" else signal.SIGTERM
             code = interrupt(tmp_path, ["--resume", "auto", *further], rng, number)
+            # (a kill: whatever the launcher says)
             assert operation == "kill" or code in (0, 3), (
                 replay,
                 code,
-            )  # (a kill: whatever the launcher says)
+            )
         elif operation == "fresh":
             done, _ = run_mpi(2, flags(tmp_path, *further))
             assert done.returncode == 2 and "holds the checkpoints of another run" in done.stderr, replay

@@ -249,9 +249,10 @@ def test_the_budget_decides_between_memory_and_stream():
     chosen = data.plan(Settings(memory_budget="3M"), info, parts, (100,), np.float32, lanes)
     assert chosen.mode == "stream" and "> budget 3.0 MiB" in chosen.why
 
+    # the widest worker's training stream, and an evaluation's blocks of the whole test split
     def held(
         buffer,
-    ):  # the widest worker's training stream, and an evaluation's blocks of the whole test split
+    ):
         return blocks.stream_bytes(
             info, "train", buffer, (100,), np.float32, True, lanes
         ) + blocks.stream_bytes(info, "test", 100, (100,), np.float32, True)
@@ -314,9 +315,10 @@ def test_a_shuffle_buffer_beyond_the_budget_is_capped_to_what_fits_or_refused_wh
         f"--shuffle-buffer 1,000,000,000 capped to {chosen.buffer:,} samples"
     )
 
+    # (as every worker sizes it: by the widest worker's lanes, beside an evaluation's blocks)
     def held(
         buffer,
-    ):  # (as every worker sizes it: by the widest worker's lanes, beside an evaluation's blocks)
+    ):
         return blocks.stream_bytes(
             info, "train", buffer, (100,), np.float32, True, lanes
         ) + blocks.stream_bytes(info, "test", 100, (100,), np.float32, True)

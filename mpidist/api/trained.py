@@ -52,7 +52,7 @@ def load_trained(checkpoint_path, data=None, *, model=None, data_given=None):
 
     The checkpoint, its stored settings and the model are checked as if given
     anew (a file is untrusted); the model must have as many parameters as the
-    checkpoint holds.  Local: no collectives (:func:`evaluate` and
+    checkpoint holds.  Local: no collectives (:func:`~mpidist.api.evaluate` and
     :func:`mpidist.predict` call it on every rank, inside an agreement).
 
     Args:

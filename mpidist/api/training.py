@@ -50,7 +50,7 @@ class Result:
         checkpoints: the checkpoint files this run wrote that are still kept, oldest first.
         params: the trained flat parameter vector (numpy), on the chief; None elsewhere, and
             where the layout splits the model (``pipeline``, ``tensor``): no rank holds it
-            whole, and the last of ``checkpoints`` holds it (:func:`load_trained`, or h5py).
+            whole, and the last of ``checkpoints`` holds it (:func:`~mpidist.api.load_trained`, or h5py).
         model: an :class:`~mpidist.nn.Sequential` on the host holding ``params``, on the
             chief (call ``result.model.forward(x)`` to predict); None where ``params`` is.
     """

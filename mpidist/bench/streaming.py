@@ -67,6 +67,7 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
         time.sleep(SETTLE_S if settle is None else settle)
 
     def run(mode, _):
+        # (each run's own summary: not this table's)
         return train(
             model=model,
             data=dataset,
@@ -80,7 +81,7 @@ def streaming_rows(world, dataset, model="mlp-wide", batch_per_rank=128, steps=0
             progress="none",
             comm=world,
             stream=io.StringIO(),
-        )  # (each run's own summary: not this table's)
+        )
 
     measured = interleaved_runs(world, ("memory", "stream"), run, rounds, prepare=get_ready)
     local.Free()

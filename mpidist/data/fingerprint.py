@@ -87,13 +87,14 @@ def fingerprint(info):
                 for split in sorted(member.sizes):
                     for key in ("x", "y"):
                         _add_samples(add, handle[f"{split}/{key}"])
+    # (gone or changed since it was inspected)
     except (
         OSError,
         KeyError,
         ValueError,
         TypeError,
         RuntimeError,
-    ):  # (gone or changed since it was inspected)
+    ):
         return ""
     return f"{SCHEME}:{digest.hexdigest()}"
 

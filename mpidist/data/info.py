@@ -56,8 +56,8 @@ class DatasetInfo:
     source: str
     sample_shape: tuple
     sizes: dict  # split -> number of samples
-    # : values of ``y`` per sample: regression targets, or class labels (``L`` for labels ``(N, L)``, one per
-    # position)
+    #: values of ``y`` per sample: regression targets, or class labels (``L`` for labels ``(N, L)``, one per
+    #: position)
     target_width: int = 1
     #: standardisation statistics where the file has them (float64 arrays of the sample shape):
     #: :class:`Shard` returns ``(x - mean) / std``

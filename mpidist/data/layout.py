@@ -1,12 +1,11 @@
 """The dataset layout: what a file (or a directory of files) must hold, checked before anything is read.
 
 Layout (contract): one HDF5 file with groups ``train/`` and ``test/``, each holding ``x`` (samples first) and
-    ``y`` (integer class labels, or float targets; class labels may have a sequence axis, ``(N, L)``: one
-    label per position, for models that classify every position); file attributes ``name``, ``num_classes`` (0
-    for regression) and ``source``.  Optional: ``stats/mean`` and ``stats/std`` (floats of the sample
-shape: standardisation statistics, applied when samples are read, so ``x``
-stays as stored), ``class_names`` (text, one per class), ``feature_names``
-(text, one per value of a sample of one axis: a CSV header's) and a ``val/``
+``y`` (integer class labels, or float targets; class labels may have a sequence axis, ``(N, L)``: one label
+per position, for models that classify every position); file attributes ``name``, ``num_classes`` (0 for
+regression) and ``source``.  Optional: ``stats/mean`` and ``stats/std`` (floats of the sample shape:
+standardisation statistics, applied when samples are read, so ``x`` stays as stored), ``class_names`` (text,
+one per class), ``feature_names`` (text, one per value of a sample of one axis: a CSV header's) and a ``val/``
 group (the validation split, checked like the others).
 
 A dataset may also be a directory (or a glob) of such files, taken in natural

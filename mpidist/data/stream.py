@@ -92,10 +92,11 @@ class Stream:
         self.buffer = max(1, min(asked, count))
         self.share = lane_share(self.buffer, count, lanes.total)
         self.order = order_for(info, split, self.buffer, input_shape, dtype, lanes.total)
+        # (read in order: eval_batches)
         self.blocks = (
             block_bytes_for(self.share, input_shape, dtype),
             sliced,
-        )  # (read in order: eval_batches)
+        )
         # a window holds its units, and its lane at most
         rows = min(self.order.unit * self.order.window, int(lanes.sizes(count).max(initial=1)))
         self.pool = Pool(lanes.count, rows, input_shape, dtype, info)

@@ -1,17 +1,16 @@
 """Training on after workers die (``--elastic``): the recovery wrapper around the loop and its state.
 
-All of the recovery lives here, around the loop, in the shape of Horovod's
-elastic ``run_fn`` and ``State``: :func:`run_with_recovery` runs the loop
-and, when a process dies, the :class:`State` recovers: the survivors agree
-on the state (restore, sync) and the state's reset callbacks build the loop
-again from it.  The state owns the run's position (the loop moves it step by
-step: the commit) and knows what the run is made of now (``bind``); it uses nothing else of the loop.
-    Strategies take part through their :class:`~mpidist.parallel.recovery.Recovery` (``strategy.recovery()``),
-    an object of a few hooks: ``communicators`` (theirs, to revoke), ``left_idle`` (survivors that cannot
-    train on), ``survivors_step`` (the step the survivors agree on, the chief's by default) and
-    ``survivor_state`` (the state at that step: a ps-sync ps or a pipeline stage takes back an update the
-    others never saw, kept by its :class:`~mpidist.parallel.rewind.PreviousSlice`); the figures they count
-    live in a dict the loop owns, which outlives them.
+All of the recovery lives here, around the loop, in the shape of Horovod's elastic ``run_fn`` and ``State``:
+:func:`run_with_recovery` runs the loop and, when a process dies, the :class:`State` recovers: the survivors
+agree on the state (restore, sync) and the state's reset callbacks build the loop again from it.  The state
+owns the run's position (the loop moves it step by step: the commit) and knows what the run is made of now
+(``bind``); it uses nothing else of the loop. Strategies take part through their
+:class:`~mpidist.parallel.recovery.Recovery` (``strategy.recovery()``), an object of a few hooks:
+``communicators`` (theirs, to revoke), ``left_idle`` (survivors that cannot train on), ``survivors_step`` (the
+step the survivors agree on, the chief's by default) and ``survivor_state`` (the state at that step: a ps-sync
+ps or a pipeline stage takes back an update the others never saw, kept by its
+:class:`~mpidist.parallel.rewind.PreviousSlice`); the figures they count live in the state (``counts``), which
+outlives them.
 
 When a blocking call reports a dead process (:mod:`mpidist.runtime.ulfm`),
 or a watcher saw one die where the survivors must recover together
@@ -42,7 +41,7 @@ or a watcher saw one die where the survivors must recover together
    :mod:`mpidist.data.lanes`); a
    checkpoint resumes on any number of workers and ps ranks, so this is the
    same, tested, path as ``--resume`` with fewer ranks.  The strategy built
-   for the broken world is abandoned (:meth:`~mpidist.parallel.base.Strategy.abandon`):
+   for the broken world is abandoned (:meth:`~mpidist.parallel.recovery.Recovery.abandon`):
    its threads stop, and its windows and communicators are left unfreed, as
    freeing them is collective over a world with a dead member.
 

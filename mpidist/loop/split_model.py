@@ -12,6 +12,7 @@ import dataclasses
 
 from ..nn import loss_for
 from ..parallel import STRATEGIES, AllreduceStrategy, PipelineStrategy, holding
+from ..parallel.mesh import MeshShape
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
 
@@ -76,7 +77,8 @@ class _Ranks:
 def data_share(rank, ranks, stages, tensor):
     """``(replica, replicas)``: whose share of the test split this rank reads (a replica's ranks read the
     same)."""
-    return rank // (stages * tensor), ranks // (stages * tensor)
+    shape = MeshShape(ranks, stages, tensor)  # (the grid the strategy's mesh makes)
+    return shape.coordinates(rank)[0], shape.size("replica")
 
 
 def split_strategy(settings, model, info, cluster):

@@ -138,10 +138,11 @@ class Dense(Layer):
         )
 
     def backward_params(self, dy):
+        # (tokens of every sample as rows)
         x, dy = (
             self.x.reshape(-1, self.fan_in),
             dy.reshape(-1, self.units),
-        )  # (tokens of every sample as rows)
+        )
         self.xp.matmul(x.T, dy, out=self.grads["W"])
         if self.bias:
             # the method: np.sum's argument handling costs more than the sum

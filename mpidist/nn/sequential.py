@@ -65,9 +65,8 @@ class Sequential(ParameterMap):
         return self._params
 
     @params.setter
-    def params(
-        self, values
-    ):  # (``model.params += noise`` and ``model.params = array``: values into the buffer)
+    # (``model.params += noise`` and ``model.params = array``: values into the buffer)
+    def params(self, values):
         if values is not self._params:
             self.params[...] = values
 

@@ -53,8 +53,8 @@ class Workspace:
 class UsesWorkspace:
     """Mixin of layers and losses: :meth:`scratch` arrays from a :class:`Workspace`, where one is set."""
 
-    # : Set by :class:`~mpidist.nn.Sequential` (layers) and :meth:`~mpidist.nn.Sequential.use_workspace`
-    # (losses).
+    #: Set by :class:`~mpidist.nn.Sequential` (layers) and :meth:`~mpidist.nn.Sequential.use_workspace`
+    #: (losses).
     workspace = None
 
     def scratch(self, name, shape, dtype, zeroed=False):

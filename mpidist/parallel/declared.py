@@ -17,8 +17,8 @@ class Declared:
     # -- What the strategy is: declared once by each subclass; the loop and the settings read them --
     #: The ``--strategy`` name (None: not registered).
     name = None
-    # : The settings only this strategy (and its subclasses) uses: :class:`~mpidist.parallel.registry.Option`\
-    # s.
+    #: The settings only this strategy (and its subclasses) uses: its
+    #: :class:`~mpidist.parallel.registry.Option`\ s.
     options = ()
     #: "sharded": every worker evaluates its shard of the test split and the
     #: counts are summed; "chief": the chief alone evaluates the whole split

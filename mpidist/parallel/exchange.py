@@ -63,14 +63,14 @@ class NoExchange:
     #: Whether :attr:`buffer` is memory of the exchange's own that the strategy's gradients must be bound to
     #: (and bound away from before :meth:`free`): the shared-memory exchange's window.
     holds_buffer = False
-    # : Whether the model's parameters live in :attr:`params`, memory of the exchange's own (one copy per
-    # node).
+    #: Whether the model's parameters live in :attr:`params`, memory of the exchange's own (one copy per
+    #: node).
     holds_params = False
 
     def __init__(self, buffer=None):
         self.buffer = buffer
-        # : The summed gradient's squared norm as far as it has arrived (an exchange that sums otherwise sets
-        # it)
+        #: The summed gradient's squared norm as far as it has arrived (an exchange that sums otherwise sets
+        #: it)
         self.summed_squares = 0.0
         self._unchecked = 0
 

@@ -51,10 +51,8 @@ class SurvivorsMean(Recovery):
         Each survivor may have taken the step in flight or not: the mean mixes
         at most that one step's difference.
         """
-        comm, strategy = (
-            cluster.workers,
-            self.strategy,
-        )  # (the survivors' own communicator: the strategy's is revoked)
+        # (the survivors' own communicator: the strategy's is revoked)
+        comm, strategy = cluster.workers, self.strategy
         arrays = {"params": strategy.model.params, **strategy.optimizer.state_arrays()}
         mean = {}
         for name in sorted(arrays):  # (the same order on every survivor)

@@ -15,7 +15,9 @@ instead of doing rank arithmetic.
 :class:`MeshShape` is the arithmetic (pure, tested by tables);
 :class:`Mesh` adds the communicators, made once by the strategy that lays
 the ranks out and freed by it once.  A new axis (fully sharded data
-parallelism's shards) is a name in :data:`AXES` and its place in the order.
+parallelism's shards) is a name in :data:`AXES` at its place in the order and
+its size in :attr:`MeshShape.sizes`: coordinates, ranks and groups follow
+from the order.
 """
 
 import dataclasses
@@ -56,13 +58,20 @@ class MeshShape:
         return self.sizes[AXES.index(axis)]
 
     def coordinates(self, rank):
-        """``(replica, stage, part)`` of ``rank``."""
-        (replica, stage), part = divmod(rank // self.parts, self.stages), rank % self.parts
-        return replica, stage, part
+        """``(replica, stage, part)`` of ``rank``: its digits in the mixed radix of :attr:`sizes`."""
+        digits = []
+        for size in reversed(self.sizes[1:]):
+            rank, digit = divmod(rank, size)
+            digits.append(digit)
+        return (rank, *reversed(digits))
 
-    def rank_of(self, replica=0, stage=0, part=0):
-        """The rank at these coordinates."""
-        return (replica * self.stages + stage) * self.parts + part
+    def rank_of(self, *coordinates, **named):
+        """The rank at these coordinates (in the order of :data:`AXES`, or by name; 0 where not given)."""
+        given = dict(zip(AXES, coordinates), **named)
+        rank = 0
+        for axis, size in zip(AXES, self.sizes):
+            rank = rank * size + given.get(axis, 0)
+        return rank
 
     def group(self, axis, rank):
         """``(colour, key)`` of ``rank`` in ``axis``'s groups: the ranks of one colour differ in that
@@ -88,18 +97,20 @@ class Mesh:
         comm: the ranks laid out (the workers, or every rank of a pipeline); None for a process alone (every
             axis's communicator None, as a strategy without a cluster has no worker communicator).
         stages, parts: the sizes of those axes.
+        private: axes that get a communicator of their own even where their group is all of ``comm``: a
+            pipeline's pipe, whose point-to-point tags must not meet other messages between the same ranks.
     """
 
-    def __init__(self, comm, stages=1, parts=1):
+    def __init__(self, comm, stages=1, parts=1, private=()):
         self.shape = MeshShape(1 if comm is None else comm.Get_size(), int(stages), int(parts))
         self.rank = 0 if comm is None else comm.Get_rank()
         self.coordinates = self.shape.coordinates(self.rank)
         self._comms, self._split = {}, []
         for axis in AXES:
-            self._comms[axis] = self._group(comm, axis)
+            self._comms[axis] = self._group(comm, axis, axis in private)
 
-    def _group(self, comm, axis):
-        if comm is None or self.shape.size(axis) == self.shape.ranks:
+    def _group(self, comm, axis, private):
+        if comm is None or (self.shape.size(axis) == self.shape.ranks and not private):
             return comm
         if self.shape.size(axis) == 1:
             return MPI.COMM_SELF

@@ -11,10 +11,14 @@ and adds each micro-batch's gradients into one buffer.  Then stage ``k``
 sums its gradients with stage ``k`` of the other replicas (``Allreduce`` on a
 per-stage communicator) and applies the optimizer to its own parameters.
 
-The parts: :mod:`mpidist.parallel.stage` (where a rank sits, its
-communicators and transfers), :mod:`mpidist.parallel.schedule_runner` (the
-schedule carried out, one method per operation); this module balances the
-layers over the stages and takes the step around the schedule.
+The parts: :mod:`mpidist.parallel.mesh` (the grid of replicas, stages and
+parts, and a communicator per axis), :mod:`mpidist.parallel.stage` (which
+layers a stage holds, its transfers along the pipe),
+:mod:`mpidist.parallel.schedule_runner` (the schedule carried out, one method
+per operation), :mod:`mpidist.parallel.balance` (the layers balanced over the
+stages), :mod:`mpidist.parallel.pipeline_declared` (its settings and checks)
+and :mod:`mpidist.parallel.pipeline_recovery` (its survivors of a lost rank);
+this module takes the step around the schedule.
 
 Each micro-batch's loss is weighted by its share of the global batch, so the
 summed gradients are the global-batch mean: a pipeline step equals a local
@@ -95,7 +99,9 @@ class PipelineStrategy(PipelineDeclared, Strategy):
             raise ValueError(f"balance {balance} gives {len(balance)} stages, not {stages}")
         self.layout = layout = StageLayout(full, balance, cluster.rank, cluster.size, tensor)
         #: the grid of replicas, stages and parts (made and freed here)
-        self.mesh = Mesh(cluster.world, stages, tensor)
+        # (the pipe a communicator of its own even with one replica: its tags are the micro-batches', which
+        # the world's other messages between its ranks must never meet)
+        self.mesh = Mesh(cluster.world, stages, tensor, private=("stage",))
         stage_model = layout.stage_model(full)
         full.shapes_only = True  # (its layers are bound to the stage's buffers now)
         #: this rank's part of its stage (the stage whole, with one part)
@@ -257,11 +263,8 @@ class PipelineStrategy(PipelineDeclared, Strategy):
     def evaluate(self, batches):
         """Forward-only pipeline over this replica's test chunks; the chief gets the sums' figures (others:
         NaN)."""
-        scoring, layout, model = (
-            self.scoring,
-            self.layout,
-            self.model,
-        )  # (the whole model's outputs: the last stage's)
+        # (the whole model's outputs: the last stage's)
+        scoring, layout, model = self.scoring, self.layout, self.model
         totals = scoring.zeros()
         for x, y in batches:
             out = self.forward_only(x)

@@ -90,13 +90,14 @@ class StageLayout:
 
     def stage_model(self, model):
         """This stage's layers of ``model`` as a model of their own (sharing the layer objects)."""
+        # (made on first use: a tensor part holds its own)
         return Sequential(
             model.layers[self.first_layer : self.end_layer],
             self.in_shape,
             xp=model.xp,
             dtype=model.dtype,
             buffers=False,
-        )  # (made on first use: a tensor part holds its own)
+        )
 
 
 class StageLinks:

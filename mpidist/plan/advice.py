@@ -18,8 +18,8 @@ KNEE = 0.5
 
 
 def predictions(cal, nodes, per_node, batch_per_rank):
-    """The :class:`~mpidist.plan.step.Prediction` of each layout :func:`advise` compares on ``nodes`` nodes of
-    ``per_node`` ranks."""
+    """The :class:`~mpidist.plan.layout.Prediction` of each layout :func:`advise` compares on ``nodes``
+    nodes of ``per_node`` ranks."""
     ranks = nodes * per_node
     batch = batch_per_rank * ranks
     if ranks == 1:

@@ -49,10 +49,11 @@ def exposed(cal, layout, bucket_bytes):
     link_free = 0.0
     for holder, sizes in _bucket_runs(ends, max(1, int(bucket_bytes) // item)):
         link_free = max(link_free, done_at[holder])
+        # (a run's buckets wait for nothing but each other: count of one size at once)
         for (
             size,
             count,
-        ) in sizes:  # (a run's buckets wait for nothing but each other: count of one size at once)
+        ) in sizes:
             link_free += count * link.allreduce(size * item, groups)
     return max(0.0, link_free - clock) + (groups - 1) / groups * buffer_bytes(cal) * cal.sum_per_byte
 

@@ -103,9 +103,11 @@ class _Trainer:
         while len(y) < batch:  # (a split smaller than a batch: its rows again)
             x, y = np.concatenate([x, shard.x]), np.concatenate([y, shard.y])
         self.x, self.y = x[:batch], y[:batch]
-        self.make = lambda size: nn.make_optimizer(
-            config.optimizer, size, config.lr, xp=np, dtype=model.dtype
-        )  # noqa
+
+        def make(size):
+            return nn.make_optimizer(config.optimizer, size, config.lr, xp=np, dtype=model.dtype)
+
+        self.make = make
         self.local = LocalStrategy(model, self.loss, self.make, seed=config.seed)
         self.local.initialize()  # (first: passes then run in the workspace training uses, as fast as there)
         self.steps = iter(range(1 << 30))

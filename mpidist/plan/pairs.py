@@ -150,10 +150,11 @@ def overlap_times(world, node_of_rank, config, trainer, seconds):
         cluster.free()
         return times
 
+    # (across nodes where there are two: the link that counts)
     for same_node, nodes in (
         (False, 2),
         (True, 1),
-    ):  # (across nodes where there are two: the link that counts)
+    ):
         times = _on_pair(world, node_of_rank, same_node, measure)
         if times is not NO_PAIR:
             return (times, bucket, nodes) if world.Get_rank() == 0 else None

@@ -47,8 +47,8 @@ FAILURE_CLASSES = tuple(
 FAILED_LOOKS, FAILED_PAUSE = 20, 0.05  # an ERR_OTHER is weighed against the failure detector for up to 1 s
 BARRIER_PAUSE = 0.01  # how often a process waiting for the others' end looks
 
-# : A one-sided operation group longer than this, while a process is known dead, is held up for good
-# (StuckGuard)
+#: A one-sided operation group longer than this, while a process is known dead, is held up for good
+#: (StuckGuard)
 STUCK_SECONDS, STUCK_PERIOD = 5.0, 0.5
 
 _survivors = []  # every world of survivors this process took part in, the first shrink's first

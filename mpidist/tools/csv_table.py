@@ -164,11 +164,12 @@ def read_csv(path, label_column=-1, delimiter="auto"):
     number; the label column holds numbers, or class names in every row.
     """
     try:  # (a line at a time, each bounded: one line of a gigabyte is refused before it is held)
+        # (numbered as str.splitlines numbers the whole)
         lines = [
             piece
             for _, line in bounded_lines(path, str(path), encoding="utf-8-sig", errors="strict")
             for piece in line.splitlines() or [""]
-        ]  # (numbered as str.splitlines numbers the whole)
+        ]
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"{path}: not a readable text file ({err})") from None
     rows = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
@@ -208,13 +209,14 @@ def read_csv(path, label_column=-1, delimiter="auto"):
     y, class_names = read_names(path, rows, split, width, label) if named else (None, None)
     columns = [column for column in range(width) if column != label] if named else list(range(width))
     try:
+        # (usecols lets longer rows pass)
         table = np.loadtxt(
             [line for _, line in rows],
             delimiter=delimiter,
             ndmin=2,
             comments=None,
             usecols=columns if named else None,
-        )  # (usecols lets longer rows pass)
+        )
     except ValueError as err:
         raise UsageError(
             first_bad_cell(path, rows, split, label, named)

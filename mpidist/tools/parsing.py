@@ -5,7 +5,7 @@ Every rank parses the same command line, with a parser that raises
 error is agreed on (:mod:`mpidist.tools.cli` parses under
 :func:`~mpidist.runtime.agreement.agreed`); only world rank 0 prints help and
 usage text.  The flags of ``train`` come from the settings
-(:func:`mpidist.settings.config.add_flags`), those of ``bench`` and ``plan``
+(:func:`mpidist.settings.sources.add_flags`), those of ``bench`` and ``plan``
 from :mod:`mpidist.tools.measuring_flags`; the other subcommands' flags are
 here.  What each subcommand runs is :mod:`mpidist.tools.cli`'s.
 """

@@ -103,20 +103,22 @@ def test_a_worker_clips_its_own_batchs_gradient_undoing_its_share(
 @pytest.mark.parametrize(
     "asked, snapshots, drained, over, act",
     [
+        # the first ps asked for a checkpoint this ps has not sent its shard to
         (
             1,
             0,
             False,
             False,
             Act.SNAPSHOT,
-        ),  # the first ps asked for a checkpoint this ps has not sent its shard to
+        ),
+        # ... even once over: a checkpoint asked for before the end is answered
         (
             3,
             2,
             True,
             True,
             Act.SNAPSHOT,
-        ),  # ... even once over: a checkpoint asked for before the end is answered
+        ),
         (2, 2, True, True, Act.LEAVE),  # drained, and the first ps ended serving
         (2, 2, False, True, None),  # not drained yet: take what is left first
         (2, 2, True, False, None),  # drained, but the first ps may still ask for a checkpoint

@@ -268,10 +268,11 @@ def test_a_worker_learns_the_version_and_the_last_one_from_each_reply():
         # (moved, ok) per round -> (apply, loss the reply carries); the round's loss is 2.0, the last one
         # carried 1.0
         ([(True, True)], [RoundUpdate(True, 2.0)]),
+        # skipped alike on every shard: NaN tells the workers
         (
             [(True, False)],
             [RoundUpdate(False, math.nan)],
-        ),  # skipped alike on every shard: NaN tells the workers
+        ),
         ([(False, True)], [RoundUpdate(False, 1.0)]),  # no gradient: the last loss again
         (
             [(True, False), (True, True), (True, False)],  # a good update resets the count in a row

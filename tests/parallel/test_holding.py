@@ -100,10 +100,11 @@ def test_the_start_up_check_prices_this_ranks_share_not_the_whole_model(monkeypa
     with pytest.raises(UsageError, match=f"training {whole:,} parameters with adam needs "):
         check_holds(settings(), cluster(1, 2), model())  # the whole model on this rank does not
     first_stage = holding.held(settings("pipeline", stages=2), cluster(0, 2), model(), ADAM).params
+    # (the chief holds its stage alone, as every stage does)
     assert (first_stage, last_stage) == (
         2080,
         1056 + 330,
-    )  # (the chief holds its stage alone, as every stage does)
+    )
     with pytest.raises(
         UsageError,
         match=r"stage 0 of 2 \(2,080 of the model's 3,466 parameters\), trained with "

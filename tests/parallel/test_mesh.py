@@ -103,6 +103,17 @@ def test_each_axis_sums_over_the_ranks_whose_other_coordinates_are_equal():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_private_axis_over_every_rank_is_a_split_of_its_own_and_freed():
+    world = MPI.COMM_WORLD
+    mesh = Mesh(world, stages=world.Get_size(), private=("stage",))
+    pipe = mesh.comm("stage")
+    assert pipe is not world and pipe.Get_size() == world.Get_size() and pipe.Get_rank() == world.Get_rank()
+    assert mesh.owned() == [pipe] and mesh.comm("replica") is MPI.COMM_SELF
+    mesh.free()
+    assert pipe == MPI.COMM_NULL
+
+
+@pytest.mark.mpi(min_size=2)
 def test_an_axis_over_every_rank_is_the_given_communicator_and_not_freed():
     world = MPI.COMM_WORLD
     mesh = Mesh(world)

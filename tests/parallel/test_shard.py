@@ -20,6 +20,7 @@ from test_recipe import batches, make, recipe
 
 
 def _sharded(cluster, optimizer):
+    # (flat: see test_node_model)
     return AllreduceStrategy(
         small_convnet(np.float64),
         nn.loss_for(4, np),
@@ -29,7 +30,7 @@ def _sharded(cluster, optimizer):
         recipe=recipe(clip=2.0),
         shard="optimizer",
         exchange="mpi",
-    )  # (flat: see test_node_model)
+    )
 
 
 @pytest.mark.mpi(min_size=2)

@@ -178,9 +178,10 @@ def test_a_model_or_stage_with_nothing_to_split_is_said_to_run_whole():
         "note: --tensor 2: no layer of --model linear splits (a Dense pair, attention, an embedding, a layer "
         "with tensor_split): each of its 2 parts holds and computes it whole"
     ]
+    # stage 0: one Dense; stage 1: a pair, then a Dense
     notes = PipelineStrategy.check_model(
         Settings(strategy="pipeline", stages=2, balance="1,4", tensor=2), whole_model("mlp")
-    )  # stage 0: one Dense; stage 1: a pair, then a Dense
+    )
     assert len(notes) == 1 and "no layer of stage 0 (layers 0-0) splits" in notes[0], notes
 
 
