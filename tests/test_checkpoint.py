@@ -139,8 +139,7 @@ def test_a_checkpoint_larger_than_memory_is_refused_before_it_is_read(tmp_path, 
         checkpoint.load(write(tmp_path, 3))
 
 
-# -- what each worker holds of its own: a run stopped and resumed ends where an uninterrupted one does
-# --------
+# -- what each worker holds of its own: a run stopped and resumed ends where an uninterrupted one does -------
 PER_WORKER_RUNS = {
     # between averages local-sgd's workers hold their own parameters; their Adam moments always differ
     "local-sgd": ["--strategy", "local-sgd", "--sync-every", "4", "--optimizer", "adam", "--lr", "0.01"],

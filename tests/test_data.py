@@ -378,8 +378,7 @@ def test_in_graph_scatter_gives_each_worker_the_batches_its_own_lanes_would():
     feed.close()
 
 
-# --- labels per position (sequences)
-# -------------------------------------------------------------------------------
+# --- labels per position (sequences) ------------------------------------------------------------------------
 
 
 def token_file(path, n_train=40, n_test=10, length=6, classes=5):

@@ -101,8 +101,7 @@ def test_a_missing_source_package_is_named_with_the_install_command(monkeypatch,
     assert not (tmp_path / "m.h5").exists()
 
 
-# -- a hostile sweep: every bad input is one UsageError naming the file, the item and the value
-# ---------------
+# -- a hostile sweep: every bad input is one UsageError naming the file, the item and the value --------------
 def refused(tmp_path, source, message, **options):
     """Ingest ``source`` into ``out.h5``: it must fail with ``message``, on one line, leaving no output."""
     before = sorted(tmp_path.rglob("*"))

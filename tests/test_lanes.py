@@ -163,8 +163,7 @@ def test_the_order_s_memory_is_the_same_at_a_million_rows_and_at_a_hundred_billi
     assert large < small * 1.1 + 4096 and large < 1 << 20, (small, large)
 
 
-# -- shards in memory and streams of a file
-# ---------------------------------------------------------------------
+# -- shards in memory and streams of a file ------------------------------------------------------------------
 def rows_of(batches):
     return [[int(v) for v in np.asarray(x).reshape(len(x), -1)[:, 0]] for x, _ in batches]
 
@@ -323,8 +322,7 @@ def test_gathering_takes_a_segment_of_steps_at_a_time(tmp_path, monkeypatch):
     assert len(batches) == 300 and len(bases) < 300 / 4
 
 
-# -- real runs: the rows each worker trained on, recorded (MPIDIST_TEST_RECORD)
-# ----------------------------------
+# -- real runs: the rows each worker trained on, recorded (MPIDIST_TEST_RECORD) ------------------------------
 ROWS, BATCH, STEPS = 1000, 48, 20  # 20 steps an epoch, 40 rows left out of each
 
 

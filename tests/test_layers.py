@@ -65,8 +65,7 @@ def test_layer_gradients_match_finite_differences(layers, shape):
     check_model_gradients(layers, shape)
 
 
-# --- convolutions and pooling against loops
-# ------------------------------------------------------------------------
+# --- convolutions and pooling against loops -----------------------------------------------------------------
 
 
 def reference_conv1d(x, w, b, stride, pads):
@@ -172,8 +171,7 @@ def test_pools_that_do_not_fit_are_shape_errors():
         Sequential([Conv1D(2)], (5,))
 
 
-# --- activations and LayerNorm
-# ---------------------------------------------------------------------------------------
+# --- activations and LayerNorm ------------------------------------------------------------------------------
 
 
 def test_gelu_is_the_tanh_approximation():
@@ -210,8 +208,7 @@ def test_layernorm_normalises_the_last_axis_and_applies_gamma_beta():
     np.testing.assert_allclose(model.forward(x), 2 * y + 0.5, rtol=1e-12)
 
 
-# --- BatchNorm
-# -------------------------------------------------------------------------------------------------------
+# --- BatchNorm ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -358,8 +355,7 @@ def test_batchnorm_without_a_reducer_is_per_worker():
     np.testing.assert_allclose(synced.forward(x, training=True), plain.forward(x, training=True), rtol=1e-14)
 
 
-# --- Embedding
-# -------------------------------------------------------------------------------------------------------
+# --- Embedding ----------------------------------------------------------------------------------------------
 
 
 def test_embedding_gradient_adds_up_repeated_ids():
@@ -404,8 +400,7 @@ def test_embedding_looks_up_rows_and_its_input_gradient_is_zero():
     assert model.backward(np.ones((1, 3, 2)), input_grad=False) is None
 
 
-# --- Residual
-# --------------------------------------------------------------------------------------------------------
+# --- Residual -----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -462,8 +457,7 @@ def test_residual_block_that_changes_the_shape_is_a_shape_error_naming_both():
         Sequential([Residual(Dense(3))], (1, 2, 2))
 
 
-# --- zoo specs
-# -------------------------------------------------------------------------------------------------------
+# --- zoo specs ----------------------------------------------------------------------------------------------
 
 
 def dense_widths(model):

@@ -504,8 +504,7 @@ def test_the_peak_a_read_is_measured_against_starts_over():
     assert high_water() - start >= 120 << 20
 
 
-# -- a calibration is untrusted input, its sizes and extremes too (issue 41, item 9)
-# ------------------------------
+# -- a calibration is untrusted input, its sizes and extremes too (issue 41, item 9) -------------------------
 def _no_constant(name):
     raise ValueError(f"{name} in plan.json")
 

@@ -157,8 +157,7 @@ def test_attention_keeps_one_n_h_l_l_array_and_backward_one_more():
     assert sum(array.shape == square for array in model.workspace._arrays.values()) == 2
 
 
-# --- key padding
-# -----------------------------------------------------------------------------------------------------
+# --- key padding --------------------------------------------------------------------------------------------
 
 
 def padded_model(pad_id=0, pool=True):
@@ -215,8 +214,7 @@ def test_a_padding_source_that_has_no_mask_is_a_shape_error_naming_it():
         Embedding(6, 4, pad_id=6)
 
 
-# --- positions, class token, pooling
-# ---------------------------------------------------------------------------------
+# --- positions, class token, pooling ------------------------------------------------------------------------
 
 
 def test_positional_embedding_adds_its_rows_and_refuses_longer_sequences():
@@ -243,8 +241,7 @@ def test_class_token_is_prepended_and_read_back_first():
         SequencePool("max")
 
 
-# --- the block
-# -------------------------------------------------------------------------------------------------------
+# --- the block ----------------------------------------------------------------------------------------------
 
 
 def test_transformer_block_is_two_residuals_in_a_list_that_can_be_replaced_in_place():
@@ -295,8 +292,7 @@ def test_a_tiny_causal_transformer_learns_to_copy_the_previous_token():
     assert value < 0.05
 
 
-# --- the per-token loss
-# ----------------------------------------------------------------------------------------------
+# --- the per-token loss -------------------------------------------------------------------------------------
 
 
 def test_token_cross_entropy_is_the_mean_over_tokens_and_its_gradient_matches_finite_differences():
@@ -316,8 +312,7 @@ def test_token_cross_entropy_is_the_mean_over_tokens_and_its_gradient_matches_fi
         loss.forward(logits, labels[:, 0])
 
 
-# --- the zoo's transformer
-# -------------------------------------------------------------------------------------------
+# --- the zoo's transformer ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kernel", [1, 2, 3, 5])
