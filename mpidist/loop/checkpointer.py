@@ -81,9 +81,9 @@ class Checkpointer:
     def __init__(
         self, config, step, lineage="", parent="", clock=time.perf_counter, elapsed=0.0, dataset=None
     ):
-        self.config, self.clock, self.lineage, self.parent = config, clock, lineage, parent or ""
+        self.config, self.clock = config, clock
         # (the lineage's files: what each checkpoint stores beside the state, a whole one's writing, pruning)
-        self.files = CheckpointFiles(config, self.lineage, self.parent, dataset)
+        self.files = CheckpointFiles(config, lineage, parent or "", dataset)
         self.origin = clock() - elapsed
         self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
         self.written = []  # paths this process wrote, oldest first
@@ -129,7 +129,7 @@ class Checkpointer:
                 f"--keep-best: the checkpoint of step {step}, the best so far, was neither written by "
                 f"this run nor resumed from ({source or 'none'}): it cannot be kept"
             )
-        self.best = checkpoint_save.keep_as(source, f"best-{self.lineage or 'run'}.h5")
+        self.best = checkpoint_save.keep_as(source, f"best-{self.files.lineage or 'run'}.h5")
         # (the best it replaced may have been the last to name a pruned sharded checkpoint's parts; nothing is
         # being written now: take() completed every write)
         sharded.remove_unnamed_folders(self.config.checkpoint_dir)

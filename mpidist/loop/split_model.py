@@ -38,7 +38,7 @@ def layout_settings(settings, ranks, stages, tensor, model):
         exchange="mpi",
         batch_size=max(settings.batch_size, ranks),
     )
-    if ranks % (stages * tensor):
+    if not MeshShape.divides(ranks, stages, tensor):
         raise UsageError(
             f"--stages {stages} x --tensor {tensor} does not divide the {ranks} ranks (ranks = stages "
             "x tensor parts x replicas)"

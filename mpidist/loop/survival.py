@@ -27,7 +27,7 @@ def continue_from(training, cluster, resume):
         training.setup = prepare(training.config, cluster, training.device.xp, training.inputs, resume)
         if cluster.is_chief and not training.outputs.chief:  # the chief died: this worker takes its place
             training.outputs.take_over(
-                training.config, (training.checkpointer.lineage, training.checkpointer.parent)
+                training.config, (training.checkpointer.files.lineage, training.checkpointer.files.parent)
             )
             training.outputs.show_progress(
                 training.config, total_steps(training.config, training.setup), resume.step

@@ -236,7 +236,7 @@ class Training:
                 stops.signals,
                 data_layout(config, cluster)[0],
                 position.step,
-                (self.checkpointer.lineage, self.checkpointer.parent),
+                (self.checkpointer.files.lineage, self.checkpointer.files.parent),
             )
             self.strategy.serve(control)
             control.finish_writes()

@@ -41,9 +41,14 @@ class MeshShape:
     stages: int = 1
     parts: int = 1
 
+    @staticmethod
+    def divides(ranks, stages=1, parts=1):
+        """Whether a grid of ``stages`` x ``parts`` (at least 1 each) divides ``ranks`` (at least 1): what the
+        settings' checks ask before any mesh exists, and what a mesh refuses."""
+        return min(ranks, stages, parts) >= 1 and ranks % (stages * parts) == 0
+
     def __post_init__(self):
-        per_replica = self.stages * self.parts
-        if self.stages < 1 or self.parts < 1 or self.ranks < 1 or self.ranks % per_replica:
+        if not self.divides(self.ranks, self.stages, self.parts):
             raise ValueError(
                 f"{self.stages} stage(s) x {self.parts} part(s) do not divide {self.ranks} rank(s)"
             )

@@ -194,7 +194,7 @@ class PipelineStrategy(PipelineDeclared, Strategy):
         loss = float(self.accumulated[-1])
         verdict, (loss,) = agree(
             self.cluster.world,
-            self._squares(gradients),
+            self.tensor.squares(gradients),  # (a part's parameters, its stage's shared ones once)
             loss,
             self.recipe.clip_norm,
             carry=[loss if layout.is_last and layout.replica == 0 and layout.part == 0 else 0.0],
@@ -220,11 +220,6 @@ class PipelineStrategy(PipelineDeclared, Strategy):
                     self.passes.counts[1] + int(counts[1]),
                 ]
         return loss
-
-    def _squares(self, gradients):
-        """This rank's share of the global squared gradient norm: a part's parameters, its stage's shared ones
-        once."""
-        return self.tensor.squares(gradients)
 
     def _to_chief(self, values, tag):
         """The last stage of replica 0 (its first part) holds the global figures; the chief (rank 0) needs

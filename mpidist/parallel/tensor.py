@@ -24,6 +24,7 @@ from ..nn.tensor import operators, replicated, split_layers, split_model
 from ..runtime import comm as mpi
 from ..runtime import recorder
 from ..runtime.errors import UsageError
+from .mesh import MeshShape
 from .registry import Option
 from .verdict import agree, decide
 
@@ -49,7 +50,7 @@ def check_tensor(settings, world_size, stages=1):
         raise UsageError(f"--tensor must be at least 1, got {tensor}")
     if tensor == 1:
         return
-    if world_size % (tensor * stages):
+    if not MeshShape.divides(world_size, stages, tensor):
         layout = f"--stages {stages} x --tensor {tensor}" if stages > 1 else f"--tensor {tensor}"
         raise UsageError(
             f"{layout} does not divide the {world_size} ranks (ranks = data-parallel groups x "

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
 from ..parallel.balance import balance_by_parameters
+from ..parallel.mesh import MeshShape
 from ..parallel.registry import STRATEGIES
 from ..parallel.schedule import schedule as stage_plan
 from ..parallel.schedule import simulate
@@ -63,7 +64,7 @@ def check(cal, layout):
             f"{layout.per_node} ranks a node: the calibration has no link within a node (it ran one "
             "rank a node): calibrate with two ranks on one node"
         )
-    if layout.ranks % (layout.stages * layout.tensor):  # (the grid the mesh would refuse)
+    if not MeshShape.divides(layout.ranks, layout.stages, layout.tensor):
         raise UsageError(
             f"--stages {layout.stages} x --tensor {layout.tensor} does not divide {layout.ranks} ranks"
         )
