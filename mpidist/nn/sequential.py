@@ -51,6 +51,10 @@ class Sequential(ParameterMap):
         # them
         self._params = self._grads = None
         self.shapes_only = False
+        #: what binds each top-level layer's parameters before it runs, where the model's buffers are never
+        #: whole (``--shard parameters``): an object with ``forward(index)`` and ``backward(index)``, called
+        #: before layer ``index`` runs that pass; None: every layer is bound to the flat buffers
+        self.gate = None
         if buffers:
             self.bind_params(self._zeros("values"), copy=False)
             self.bind_grads(self._zeros("gradients"))
@@ -168,15 +172,18 @@ class Sequential(ParameterMap):
         Inference (``training=False``) returns arrays of its own.
         """
         self.workspace.active = bool(training)
-        if self._params is None:  # (the layers read their views of the buffer)
+        gate = self.gate
+        if self._params is None and gate is None:  # (the layers read their views of the buffer)
             self.params
-        if _TRACER.detail and _TRACER.on:  # --trace detail: each layer a span
-            for index, layer in enumerate(self.layers):
+        detail = _TRACER.detail and _TRACER.on
+        for index, layer in enumerate(self.layers):
+            if gate is not None:
+                gate.forward(index)
+            if detail:  # --trace detail: each layer a span
                 with _TRACER.span(type(layer).__name__, "compute", layer=index):
                     x = layer.forward(x, training)
-            return x
-        for layer in self.layers:
-            x = layer.forward(x, training)
+            else:
+                x = layer.forward(x, training)
         return x
 
     def backward(self, dy, input_grad=True, ready=None):
@@ -192,13 +199,16 @@ class Sequential(ParameterMap):
         the top down): a data-parallel exchange starts on those buckets while
         backward goes on.
         """
-        if self._grads is None:  # (the layers write into their views of the buffer)
+        gate = self.gate
+        if self._grads is None and gate is None:  # (the layers write into their views of the buffer)
             self.grads
         # without an input gradient, backward stops at the first layer with parameters: nothing below it
         # is trained (a Flatten), and its own input gradient would cost a whole matrix product
         last = 0 if input_grad else self.first_trained
         detail = _TRACER.detail and _TRACER.on
         for index in range(len(self.layers) - 1, last, -1):
+            if gate is not None:
+                gate.backward(index)
             if detail:  # --trace detail: each layer a span
                 with _TRACER.span(type(self.layers[index]).__name__, "compute", layer=index):
                     dy = self.layers[index].backward(dy)
@@ -208,6 +218,8 @@ class Sequential(ParameterMap):
                 ready(self.offsets[index])
         if not self.layers:
             return dy
+        if gate is not None:
+            gate.backward(last)
         if input_grad:
             dy = self.layers[0].backward(dy)
         else:

@@ -20,105 +20,28 @@ import dataclasses
 
 from ..runtime.agreement import agreed
 from ..runtime.errors import UsageError
+from .allreduce_declared import AllreduceDeclared, check_exchange
 from .compression import CompressedExchange
 from .data_parallel import DataParallel
 from .exchange import Exchange
-from .mesh import MeshShape
+from .fully_sharded import FullyShardedStrategy
 from .node_model import NodeModelExchange, node_model_possible
 from .optimizer_shard import OptimizerShard
-from .registry import Option, register
+from .registry import register
 from .shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
-from .tensor import TENSOR, check_split, check_tensor
 
 
 @register
-class AllreduceStrategy(DataParallel):
+class AllreduceStrategy(AllreduceDeclared, DataParallel):
     """Every worker holds the model; gradients are summed with ``Allreduce``."""
 
-    name = "allreduce"
-    elastic_recovery = True
-    chief_replaceable = True  # (--elastic refuses --shard: every worker holds the whole state)
-    options = (
-        Option(
-            "compress",
-            "none",
-            "allreduce: send gradients as 16-bit floats, with error feedback "
-            "(half the bytes; see the performance docs)",
-            choices=("none", "fp16", "bf16"),
-        ),
-        Option(
-            "exchange",
-            "auto",
-            "allreduce: how gradients are summed: 'node' (one copy of the model per "
-            "node in shared memory, each rank summing and updating 1/L of it, "
-            "a ring between nodes), 'shared-memory' (every worker on one node "
-            "and its own copy: the gradients in one shared window, summed in "
-            "place), 'mpi' (Iallreduce per bucket, overlapped with backward), "
-            "'auto' (the first of these that can serve; mpi with --compress)",
-            choices=("auto", "node", "shared-memory", "mpi"),
-        ),
-        Option(
-            "shard",
-            "none",
-            "allreduce: 'optimizer' keeps each worker's optimizer state for its slice "
-            "of the model alone (ZeRO stage 1: the state per worker / W; each worker "
-            "updates its slice, then an Allgatherv shares them); 'none': every worker "
-            "holds and updates all of it",
-            choices=("none", "optimizer"),
-        ),
-        TENSOR,
-    )
-
     @classmethod
-    def auto_rank(cls, settings, world_size):
-        return 3  # what auto runs when nothing asks for another
-
-    @classmethod
-    def check(cls, settings, world_size):
-        _check_exchange(settings.exchange, settings.compress, settings.elastic)
-        if settings.shard != "none" and settings.elastic:
-            raise UsageError(
-                f"--shard {settings.shard} keeps optimizer state on one worker alone, which a lost "
-                "worker would take with it: not with --elastic"
-            )
-        check_tensor(settings, world_size)
-
-    @classmethod
-    def check_model(cls, settings, model):
-        return (
-            check_split(model.layers, settings.tensor, f"--model {settings.model}")
-            if settings.tensor > 1
-            else []
-        )
-
-    @classmethod
-    def data_layout(cls, settings, cluster):
-        """The ``T`` parts of a tensor group read the same shard: the groups are the data-parallel workers."""
-        if cluster.worker_index is None:
-            return super().data_layout(settings, cluster)
-        shape = MeshShape(cluster.num_workers, parts=settings.tensor)
-        return shape.size("replica"), shape.coordinates(cluster.worker_index)[0]
-
-    @classmethod
-    def layout_text(cls, settings, cluster):
-        if settings.tensor == 1:
-            return super().layout_text(settings, cluster)
-        replicas = MeshShape(cluster.num_workers, parts=settings.tensor).size("replica")
-        return f"{replicas} worker(s) x {settings.tensor} tensor parts"
-
-    @classmethod
-    def arguments(cls, settings, setup):
-        # elastic: a lost worker must surface as MPI's process-failure error, which only MPI's collectives
-        # give (a tensor run's gradients are summed by MPI: the node's shared windows hold whole models)
-        return {
-            "compress": settings.compress,
-            "exchange": "mpi" if settings.elastic or settings.tensor > 1 else settings.exchange,
-            "shard": settings.shard,
-            "tensor": settings.tensor,
-        }
+    def variant(cls, settings, workers):
+        # (--shard parameters: no worker holds the model whole, a class of its own)
+        return FullyShardedStrategy if settings.shard == "parameters" else cls
 
     def __init__(self, *args, compress="none", exchange="auto", shard="none", **kwargs):
-        _check_exchange(exchange, compress)
+        check_exchange(exchange, compress)
         self.compress, self.exchange_kind, self.shard_mode = compress, exchange, shard
         super().__init__(*args, **kwargs)
 
@@ -208,20 +131,3 @@ def _refuse_if_asked(comm, asked, kind, why_not):
     with agreed(comm):  # (every worker refuses alike: one message, every rank exits 2)
         if asked == kind and why_not != ONE_WORKER:
             raise UsageError(f"--exchange {kind}: {why_not}; use --exchange mpi or auto")
-
-
-def _check_exchange(exchange, compress, elastic=False):
-    """Refuse ``--exchange node`` or ``shared-memory`` where it cannot serve (a UsageError naming the
-    conflict)."""
-    if exchange not in ("node", "shared-memory"):
-        return
-    if compress != "none":
-        raise UsageError(
-            f"--exchange {exchange} sums in shared memory, so there is nothing for "
-            f"--compress {compress} to compress: use --exchange mpi (or auto) with --compress"
-        )
-    if elastic:
-        raise UsageError(
-            f"--exchange {exchange} does not survive a lost worker (MPI's shared-memory windows "
-            "are not fault tolerant): use --exchange mpi or auto with --elastic"
-        )

@@ -43,11 +43,10 @@ class Passes:
                 (see :meth:`mpidist.nn.Sequential.backward`).
         """
         model = self.model
-        slices = min(self.accumulate, len(x))
-        if slices <= 1:
+        if min(self.accumulate, len(x)) <= 1:
             model.reseed(self.seed, stream, step)
             with TRACER.span("forward", "compute"):
-                loss = self._forward(x, y)
+                loss = self.forward(x, y)
             if before_backward is not None:
                 before_backward(loss)
             with TRACER.span("backward", "compute"):
@@ -56,16 +55,10 @@ class Passes:
         if self.accumulated is None:
             self.accumulated = model.xp.zeros(model.num_params, dtype=model.dtype)
         accumulated, grads, n = self.accumulated, model.grads, len(x)
-        bounds = np.linspace(0, n, slices + 1).round().astype(int)
-        largest = int(np.diff(bounds).max())
         loss = 0.0
-        for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            model.reseed(self.seed, stream, step, index)
-            # slices of two sizes (an uneven split) each keep their own arrays: none is reallocated per slice
-            model.workspace.slot = 0 if hi - lo == largest else 1
+        for index, lo, hi, last in self.slices(n, step, stream):
             with TRACER.span("forward", "compute", slice=index):
-                loss += float(self._forward(x[lo:hi], y[lo:hi])) * (hi - lo) / n
-            last = index == slices - 1
+                loss += float(self.forward(x[lo:hi], y[lo:hi])) * (hi - lo) / n
             if last and before_backward is not None:
                 before_backward(loss)
             top = [model.num_params]
@@ -86,10 +79,29 @@ class Passes:
                 accumulated[...] = grads
             elif not last:
                 accumulated += grads
-        model.workspace.slot = 0
         return loss
 
-    def _forward(self, x, y):
+    def slices(self, n, step, stream):
+        """``(index, lo, hi, last)`` of each ``--accumulate`` slice of a batch of ``n`` samples, the model
+        reseeded for it and its workspace slot set (back to 0 once they are through).
+
+        One slice where the batch is not cut; its dropout streams are then the step's own, as they were
+        before ``--accumulate`` existed."""
+        model, slices = self.model, min(self.accumulate, n)
+        if slices <= 1:
+            model.reseed(self.seed, stream, step)
+            yield 0, 0, n, True
+            return
+        bounds = np.linspace(0, n, slices + 1).round().astype(int)
+        largest = int(np.diff(bounds).max())
+        for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            model.reseed(self.seed, stream, step, index)
+            # slices of two sizes (an uneven split) each keep their own arrays: none is reallocated per slice
+            model.workspace.slot = 0 if hi - lo == largest else 1
+            yield index, int(lo), int(hi), index == slices - 1
+        model.workspace.slot = 0
+
+    def forward(self, x, y):
         """A training forward pass and its loss; counts this worker's training accuracy (or absolute
         error)."""
         out = self.model.forward(x, training=True)

@@ -61,7 +61,7 @@ class SavedState:
     def placed_state(self):
         """Collective like :meth:`state`, where the strategy splits the model (:attr:`placement`): this rank's
         :class:`PlacedState`."""
-        arrays = {"params": to_host(self.model.params)}
+        arrays = {"params": to_host(self.held_buffer())}
         arrays.update({f"optimizer/{name}": to_host(a) for name, a in self.optimizer.state_arrays().items()})
         return PlacedState(arrays, self.optimizer.steps)
 
@@ -71,10 +71,15 @@ class SavedState:
         optimizer = self.optimizer
         checkpoint.restore(
             self.placement,
-            {"params": self.model.params, **(optimizer.state_arrays() if optimizer is not None else {})},
+            {"params": self.held_buffer(), **(optimizer.state_arrays() if optimizer is not None else {})},
         )
         if optimizer is not None and checkpoint.optimizer_state:
             optimizer.steps = int(checkpoint.optimizer_steps)
+
+    def held_buffer(self):
+        """This rank's parameters as its :attr:`placement` orders them (the model's flat buffer, unless the
+        strategy keeps them elsewhere)."""
+        return self.model.params
 
     def whole_optimizer_arrays(self):
         """The optimizer's state arrays, whole and in host memory, on the chief (None elsewhere); collective

@@ -160,6 +160,21 @@ def allgatherv_inplace(comm, array, counts, displs):
     return array
 
 
+def iallgatherv_inplace(comm, array, counts, displs):
+    """Start :func:`allgatherv_inplace`; returns a :class:`Pending` to complete."""
+    buffer, back = for_mpi(array)
+    request = comm.Iallgatherv(MPI.IN_PLACE, _typed(buffer, counts, displs))
+    return Pending(_IN_FLIGHT.track(request, buffer), buffer, back)
+
+
+def ireduce_scatter_sum(comm, send, recv, counts):
+    """Start :func:`reduce_scatter_sum`; returns a :class:`Pending` to complete (``send`` must outlive it)."""
+    send_buffer, _ = for_mpi(send)
+    recv_buffer, back = for_mpi(recv)
+    request = comm.Ireduce_scatter(send_buffer, recv_buffer, recvcounts=list(counts), op=MPI.SUM)
+    return Pending(_IN_FLIGHT.track(request, (send_buffer, recv_buffer)), recv_buffer, back)
+
+
 def gatherv(comm, send, recv, counts, displs, root):
     """``root`` gets every rank's ``send`` (``counts[r]`` elements) at ``displs[r]`` of ``recv``."""
     send_buffer, _ = for_mpi(send)

@@ -1,0 +1,158 @@
+"""``--shard parameters``'s arithmetic: the model cut into units, each unit's shard per worker, and the rank's
+buffer of shards (pure, no MPI).
+
+A unit is a run of consecutive top-level layers whose parameters are at most
+a size (``--bucket-mb``, as gradient buckets are); a layer larger than that is
+a unit alone, and layers without parameters join the unit around them.  Each
+unit ``[lo, hi)`` of the flat buffer is cut in ``W`` contiguous shards
+(:func:`~mpidist.parallel.shards.shard_bounds`), so gathering a unit is one
+``Allgatherv`` into a workspace of the unit's size, and summing its gradients
+one ``Reduce_scatter``, each rank receiving exactly its shard.  A rank holds
+its shards of every unit one after the other: that buffer is all it keeps of
+the parameters, their gradients and the optimizer state between steps.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from ..nn.placement import Placement, Region
+from .optimizer_factory import within
+from .shards import shard_bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Top-level layers ``[first, end)`` whose parameters are ``[lo, hi)`` of the model's flat buffer."""
+
+    first: int
+    end: int
+    lo: int
+    hi: int
+
+    @property
+    def size(self):
+        return self.hi - self.lo
+
+
+def cut_units(offsets, num_params, limit):
+    """The units of a model whose top-level layer ``i`` has its parameters from ``offsets[i]`` on (to the
+    next layer's offset, or ``num_params``), each at most ``limit`` parameters unless one layer alone is
+    more.
+
+    A layer without parameters joins the unit of the layers before it (the next one's, at the start).
+
+    >>> [(u.first, u.end, u.lo, u.hi) for u in cut_units([0, 6, 6, 10], 16, 8)]
+    [(0, 2, 0, 6), (2, 3, 6, 10), (3, 4, 10, 16)]
+    """
+    ends = [*offsets[1:], num_params]
+    units, first = [], 0
+    for index in range(1, len(offsets)):
+        has_params = ends[index] > offsets[index]
+        if has_params and offsets[index] > offsets[first] and ends[index] - offsets[first] > limit:
+            units.append(Unit(first, index, offsets[first], offsets[index]))
+            first = index
+    if offsets:
+        units.append(Unit(first, len(offsets), offsets[first], num_params))
+    return units
+
+
+class ShardedUnits:
+    """Rank ``rank`` of ``ranks``'s shards of ``units``: where each sits in the unit and in the rank's buffer.
+
+    Args:
+        units: the model's :class:`Unit` s, in order.
+        ranks, rank: the workers that share the shards, and this one's index.
+    """
+
+    def __init__(self, units, ranks, rank):
+        self.units, self.ranks, self.rank = list(units), int(ranks), int(rank)
+        self.bounds = [shard_bounds(unit.size, self.ranks) for unit in self.units]
+        self.counts = [[hi - lo for lo, hi in bounds] for bounds in self.bounds]
+        self.displs = [[lo for lo, _ in bounds] for bounds in self.bounds]
+        held, self.held_lo = 0, []
+        for counts in self.counts:
+            self.held_lo.append(held)
+            held += counts[self.rank]
+        #: the parameters this rank holds (its shard of every unit)
+        self.size = held
+
+    @property
+    def largest(self):
+        """The most parameters of one unit (a gathered unit's workspace)."""
+        return max((unit.size for unit in self.units), default=0)
+
+    def shard(self, index):
+        """``(lo, hi)`` of this rank's shard of unit ``index`` within the unit."""
+        return self.bounds[index][self.rank]
+
+    def held(self, index):
+        """``(lo, hi)`` of this rank's shard of unit ``index`` in its buffer of shards."""
+        lo = self.held_lo[index]
+        return lo, lo + self.counts[index][self.rank]
+
+    def pieces(self):
+        """``(lo, hi)`` in the model's flat buffer of each of this rank's shards, in its buffer's order (they
+        lie one after the other there)."""
+        return [(unit.lo + lo, unit.lo + hi) for unit, (lo, hi) in zip(self.units, self._shards())]
+
+    def _shards(self):
+        return [bounds[self.rank] for bounds in self.bounds]
+
+    def unit_of(self, layer):
+        """The index of the unit that holds top-level layer ``layer``."""
+        for index, unit in enumerate(self.units):
+            if unit.first <= layer < unit.end:
+                return index
+        raise IndexError(f"layer {layer} is in no unit")
+
+    def within(self, ranges):
+        """``ranges`` of the model's flat buffer as ranges of this rank's buffer of shards
+        (:func:`~mpidist.parallel.optimizer_factory.within`)."""
+        return within(self.pieces(), ranges)
+
+
+def flat_rectangles(shape, lo, hi):
+    """``(start, stop)`` rectangles of an array of ``shape`` (C order) that together are its flat elements
+    ``[lo, hi)``, in that order: a partial row, whole rows, a partial row, recursively (a region of a
+    checkpoint must be rectangular).
+
+    >>> flat_rectangles((3, 4), 2, 11)
+    [((0, 2), (1, 4)), ((1, 0), (2, 4)), ((2, 0), (3, 3))]
+    """
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi,))]
+    inner = int(np.prod(shape[1:], dtype=np.int64))
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:  # within one row: that row's rectangles, on the row's index
+        return [
+            ((first, *a), (first + 1, *b))
+            for a, b in flat_rectangles(shape[1:], lo - first * inner, hi - first * inner)
+        ]
+    found = []
+    if lo % inner:  # the first row's tail
+        found += flat_rectangles(shape, lo, (first + 1) * inner)
+        first += 1
+    whole_end = hi // inner  # rows [first, whole_end) whole
+    if whole_end > first:
+        found.append(((first, *(0,) * (len(shape) - 1)), (whole_end, *shape[1:])))
+    if hi % inner:  # the last row's head
+        found += flat_rectangles(shape, whole_end * inner, hi)
+    return found
+
+
+def sliced(placement, pieces):
+    """The :class:`~mpidist.nn.placement.Placement` of a buffer made of ``pieces`` (``(lo, hi)`` ranges of
+    the buffer ``placement`` describes, laid one after the other): each piece's elements as rectangles of
+    the whole model's parameters, so a checkpoint writes and reads a rank's shards as it does a stage's."""
+    regions, at = [], 0
+    for lo, hi in pieces:
+        for region in placement.regions:
+            a, b = max(lo, region.lo), min(hi, region.lo + region.size)
+            for start, stop in flat_rectangles(region.shape, a - region.lo, b - region.lo):
+                shifted = [tuple(r + s for r, s in zip(region.start, corner)) for corner in (start, stop)]
+                regions.append(Region(region.entry, *shifted, at, region.writes))
+                at += int(np.prod([e - s for s, e in zip(start, stop)], dtype=np.int64))
+    return Placement(placement.whole, regions)
