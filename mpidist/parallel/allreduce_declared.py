@@ -105,10 +105,13 @@ class AllreduceDeclared(Declared):
 
     @classmethod
     def layout_text(cls, settings, cluster):
-        if settings.tensor == 1:
-            return super().layout_text(settings, cluster)
         replicas = MeshShape(cluster.num_workers, parts=settings.tensor).size("replica")
-        return f"{replicas} worker(s) x {settings.tensor} tensor parts"
+        text = (
+            super().layout_text(settings, cluster)
+            if settings.tensor == 1
+            else f"{replicas} worker(s) x {settings.tensor} tensor parts"
+        )
+        return text + (f", each holding 1/{replicas} of the model" if settings.shard == "parameters" else "")
 
     @classmethod
     def arguments(cls, settings, setup):

@@ -73,6 +73,10 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
     def worker_index(self):
         return self.mesh.index("replica")
 
+    def describe(self, rank):
+        shards = self.shards
+        return f"1/{shards.ranks} of {len(shards.units)} unit(s)"
+
     def held_buffer(self):
         return self.params
 
@@ -85,7 +89,7 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
         else:
             host = np.empty(self.shards.size, dtype=self.model.dtype)
             self.params[...] = self.model.xp.asarray(self.placement.initial(self.passes.seed, out=host))
-        self.gathers.invalidate()
+        self.gathers.gathered.invalidate()
 
     def train_step(self, x, y, weight, step):
         loss = self._backprop(x, y, weight, step)
@@ -98,7 +102,7 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
         self.track("compute")
         if not verdict.skip:
             self.optimizer.step(self.params, verdict.scaled(self.grads), self.recipe.lr(step))
-            self.gathers.invalidate()
+            self.gathers.gathered.invalidate()
         return float(total)
 
     def _backprop(self, x, y, weight, step):
@@ -109,11 +113,11 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
         for index, lo, hi, _ in passes.slices(n, step, self.worker_index):
             share = (hi - lo) / n
             loss += float(passes.forward(x[lo:hi], y[lo:hi])) * share
-            self.gathers.begin(adds=index > 0)
+            self.gathers.summed.begin(adds=index > 0)
             model.backward(
                 self.loss.backward(scale=weight * share), input_grad=False, ready=self.gathers.ready
             )
-            self.gathers.finish()
+            self.gathers.summed.finish()
         return loss
 
     def evaluate(self, batches):
@@ -160,5 +164,5 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
         }
 
     def free(self):
-        self.gathers.invalidate()
+        self.gathers.gathered.invalidate()
         self.mesh.free()

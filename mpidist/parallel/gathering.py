@@ -15,14 +15,136 @@ model's parameters held during a step.  A gathered unit is valid until the
 parameters change (:meth:`UnitGathers.invalidate`, after each update).
 """
 
+import numpy as np
+
 from ..runtime import comm as mpi
 from ..runtime import recorder
+from .units import slot_counts, slot_sizes
 
 _TRACER = recorder.tracer()
 
 
+class GatheredUnits:
+    """The parameter slots: unit ``u`` gathered into slot ``u % slots`` from every worker's shard of it.
+
+    Args:
+        comm, shards, params: as :class:`UnitGathers`'.
+        slots: how many (two, or one per unit).
+    """
+
+    def __init__(self, comm, shards, params, slots, xp):
+        self.comm, self.shards, self.params = comm, shards, params
+        self.slots = [xp.zeros(size, dtype=params.dtype) for size in slot_sizes(shards.units, slots)]
+        self.in_slot = [None] * slots  # the unit each slot holds (gathered, or on its way)
+        self.pending = [None] * slots  # the gather in flight into each slot
+        self.sent = 0  # bytes this rank has sent (counted as a ring's)
+
+    def start(self, unit):
+        """Start gathering ``unit`` into its slot, unless it is there or on its way."""
+        slot = unit % len(self.slots)
+        if self.in_slot[slot] == unit:
+            return
+        if self.pending[slot] is not None:  # (a gather nobody waited for: complete it before reuse)
+            self.pending[slot].wait()
+        shards, size, target = self.shards, self.shards.units[unit].size, self.slots[slot]
+        lo, hi = shards.shard(unit)
+        held_lo, held_hi = shards.held(unit)
+        target[lo:hi] = self.params[held_lo:held_hi]
+        self.pending[slot] = mpi.iallgatherv_inplace(
+            self.comm, target[:size], shards.counts[unit], shards.displs[unit]
+        )
+        self.in_slot[slot] = unit
+        self.sent += (size - (hi - lo)) * target.itemsize  # (a ring: every other shard passed on once)
+
+    def have(self, unit):
+        """Wait until ``unit`` is gathered in its slot."""
+        self.start(unit)
+        slot = unit % len(self.slots)
+        if self.pending[slot] is not None:
+            with _TRACER.span("gather", "exchange", unit=unit):
+                self.pending[slot].wait()
+            self.pending[slot] = None
+
+    def invalidate(self):
+        """The parameters changed (an update): every gathered unit is stale."""
+        for slot, pending in enumerate(self.pending):
+            if pending is not None:
+                pending.wait()
+                self.pending[slot] = None
+            self.in_slot[slot] = None
+
+
+class SummedUnits:
+    """The gradient slots: unit ``u``'s gradients made in slot ``u % 2``, then reduce-scattered into the
+    workers' shards of them.
+
+    Args:
+        comm, shards, grads: as :class:`UnitGathers`'.
+        slots: how many (two, or one where there is one unit).
+    """
+
+    def __init__(self, comm, shards, grads, slots, xp):
+        self.comm, self.shards, self.grads, self.xp = comm, shards, grads, xp
+        self.slots = [xp.zeros(size, dtype=grads.dtype) for size in slot_sizes(shards.units, slots)]
+        self.pending = [None] * slots  # (unit, pending, added) of each slot's sum in flight
+        self.adds = False  # this backward's sums are added to the shards' (a later --accumulate slice)
+        # (where a later slice's sums arrive, added to the shards once in: made when needed)
+        self.arrivals = None
+        self.next = len(shards.units) - 1  # the next unit whose sum starts
+        self.sent = 0
+
+    def begin(self, adds):
+        """Before a backward: ``adds`` True where its sums are added to the shards' (a later slice)."""
+        self.adds, self.next = adds, len(self.shards.units) - 1
+        if adds and self.arrivals is None:
+            shards, xp = self.shards, self.xp
+            largest = max(counts[shards.rank] for counts in shards.counts)
+            self.arrivals = [xp.zeros(largest, dtype=self.grads.dtype) for _ in self.slots]
+
+    def ready(self, lo):
+        """Backward has finished the gradients above ``lo``: start the sums of the units wholly above it, and
+        drive those in flight."""
+        units = self.shards.units
+        while self.next >= 0 and units[self.next].lo >= lo:
+            self._start(self.next)
+            self.next -= 1
+        for slot, entry in enumerate(self.pending):
+            if entry is not None and entry[1].test():
+                self._arrived(slot)
+
+    def finish(self):
+        """After a backward: every unit's sum in this rank's shard of the gradients."""
+        self.ready(-1)
+        for slot in range(len(self.slots)):
+            self.free(slot)
+
+    def free(self, slot):
+        """Wait for the sum that still reads slot ``slot``."""
+        if self.pending[slot] is not None:
+            with _TRACER.span("reduce-scatter", "exchange"):
+                self._arrived(slot)
+
+    def _start(self, unit):
+        shards, slot = self.shards, unit % len(self.slots)
+        size = shards.units[unit].size
+        lo, hi = shards.held(unit)
+        target = self.arrivals[slot][: hi - lo] if self.adds else self.grads[lo:hi]
+        pending = mpi.ireduce_scatter_sum(self.comm, self.slots[slot][:size], target, shards.counts[unit])
+        self.pending[slot] = (unit, pending, self.adds)
+        self.sent += (size - (hi - lo)) * target.itemsize
+
+    def _arrived(self, slot):
+        """Slot ``slot``'s sum is in: added to the shard where its backward adds."""
+        unit, pending, adds = self.pending[slot]
+        pending.wait()
+        if adds:
+            lo, hi = self.shards.held(unit)
+            self.grads[lo:hi] += self.arrivals[slot][: hi - lo]
+        self.pending[slot] = None
+
+
 class UnitGathers:
-    """The gathered units of this rank's model over ``comm``, and the sums of their gradients.
+    """The gate of this rank's model over ``comm``: its units gathered as they run, their gradients summed.
 
     Args:
         comm: the workers that share the shards (the mesh's replica axis).
@@ -33,152 +155,59 @@ class UnitGathers:
     """
 
     def __init__(self, comm, model, shards, params, grads, keep=False):
-        self.comm, self.model, self.shards = comm, model, shards
-        self.params, self.grads = params, grads
-        units = shards.units
-        self.slots = max(1, len(units) if keep else min(2, len(units)))
-        xp, dtype, largest = model.xp, model.dtype, shards.largest
-        self.param_slots = [xp.zeros(largest, dtype=dtype) for _ in range(self.slots)]
-        self.grad_slots = [xp.zeros(largest, dtype=dtype) for _ in range(min(2, len(units)) or 1)]
-        # (the sums of a later slice of --accumulate, added to the shard once they arrive)
-        self.arrivals = [
-            xp.zeros(
-                max(shards.counts[u][shards.rank] for u in range(len(units))) if units else 0, dtype=dtype
-            )
-            for _ in self.grad_slots
-        ]
+        self.model, self.shards = model, shards
+        param_slots, grad_slots = slot_counts(shards.units, keep)
+        self.gathered = GatheredUnits(comm, shards, params, param_slots, model.xp)
+        self.summed = SummedUnits(comm, shards, grads, grad_slots, model.xp)
         self.unit_of = [shards.unit_of(layer) for layer in range(len(model.layers))]
         self._bind()
-        self.in_slot = [None] * self.slots  # the unit each parameter slot holds (gathered or on its way)
-        self.gathering = [None] * self.slots  # the gather in flight into each slot
-        self.scattering = [None] * len(self.grad_slots)  # (unit, pending, added) of each gradient slot
-        self.adds = False  # this backward's sums are added to the shards' (a later --accumulate slice)
-        self._next_scatter = len(units) - 1
-        self.sent = 0  # bytes this rank has sent (counted as a ring's)
 
     def _bind(self):
-        """Bind each parameter of unit ``u`` to its place in slot ``u % slots``, its gradient likewise."""
-        units = self.shards.units
+        """Bind each parameter of unit ``u`` to its place in its parameter slot, its gradient likewise."""
+        units, params, grads = self.shards.units, self.gathered.slots, self.summed.slots
         for layer, name, lo, shape, _ in self.model.entries:
             index = max(i for i, unit in enumerate(units) if unit.lo <= lo)
-            unit = units[index]
-            size = 1
-            for axis in shape:
-                size *= int(axis)
-            at = lo - unit.lo
-            layer.params[name] = self.param_slots[index % self.slots][at : at + size].reshape(shape)
-            layer.grads[name] = self.grad_slots[index % len(self.grad_slots)][at : at + size].reshape(shape)
+            at, size = lo - units[index].lo, int(np.prod(shape, dtype=np.int64))
+            layer.params[name] = params[index % len(params)][at : at + size].reshape(shape)
+            layer.grads[name] = grads[index % len(grads)][at : at + size].reshape(shape)
 
     @property
     def nbytes(self):
         """Bytes of the slots: the gathered units' parameters and gradients (what a step holds beyond the
-        shards)."""
-        return sum(int(slot.nbytes) for slot in (*self.param_slots, *self.grad_slots, *self.arrivals))
+        shards), and where ``--accumulate``'s later slices receive their sums."""
+        summed = self.summed
+        slots = (*self.gathered.slots, *summed.slots, *(summed.arrivals or ()))
+        return sum(int(slot.nbytes) for slot in slots)
+
+    @property
+    def sent(self):
+        """Bytes this rank has sent, gathering and summing (counted as rings')."""
+        return self.gathered.sent + self.summed.sent
 
     def forward(self, layer):
         """Before layer ``layer``'s forward: its unit gathered, and the next one's gather started."""
         unit = self.unit_of[layer]
         if layer == self.shards.units[unit].first:
-            self._have(unit)
+            self.gathered.have(unit)
             if unit + 1 < len(self.shards.units):
-                self._start(unit + 1)
+                self.gathered.start(unit + 1)
 
     def backward(self, layer):
         """Before layer ``layer``'s backward: its unit gathered, its gradient slot free, the unit below's
         gather started."""
         unit = self.unit_of[layer]
         if layer == self.shards.units[unit].end - 1:
-            self._have(unit)
-            self._free_grad_slot(unit % len(self.grad_slots))
+            self.gathered.have(unit)
+            self.summed.free(unit % len(self.summed.slots))
             if unit > 0:
-                self._start(unit - 1)
+                self.gathered.start(unit - 1)
 
     def ready(self, lo):
-        """Backward has finished the gradients above ``lo``: start the sums of the units wholly above it, and
-        drive those in flight."""
-        units = self.shards.units
-        while self._next_scatter >= 0 and units[self._next_scatter].lo >= lo:
-            self._scatter(self._next_scatter)
-            self._next_scatter -= 1
-        for slot, entry in enumerate(self.scattering):
-            if entry is not None and entry[1].test():
-                self._arrived(slot)
-
-    def begin(self, adds):
-        """Before a backward: ``adds`` True where its sums are added to the shards' (a later slice)."""
-        self.adds = adds
-        self._next_scatter = len(self.shards.units) - 1
-
-    def finish(self):
-        """After a backward: every unit's sum in this rank's shard of the gradients."""
-        self.ready(-1)
-        for slot in range(len(self.scattering)):
-            self._free_grad_slot(slot)
+        """Backward has finished the gradients above ``lo`` (:meth:`SummedUnits.ready`)."""
+        self.summed.ready(lo)
 
     def idle_pass(self):
         """Every unit gathered in turn, as a forward pass gathers them, with nothing computed: a worker with
         no batch left in an evaluation keeps the others' gathers company."""
         for unit in range(len(self.shards.units)):
-            self._have(unit)
-
-    def invalidate(self):
-        """The parameters changed (an update): every gathered unit is stale."""
-        for slot in range(self.slots):
-            if self.gathering[slot] is not None:
-                self.gathering[slot].wait()
-                self.gathering[slot] = None
-            self.in_slot[slot] = None
-
-    def _start(self, unit):
-        """Start gathering ``unit`` into its slot, unless it is there or on its way."""
-        slot = unit % self.slots
-        if self.in_slot[slot] == unit:
-            return
-        if self.gathering[slot] is not None:  # (a gather nobody waited for: complete it before reuse)
-            self.gathering[slot].wait()
-        shards, size = self.shards, self.shards.units[unit].size
-        lo, hi = shards.shard(unit)
-        target = self.param_slots[slot]
-        held_lo, held_hi = shards.held(unit)
-        target[lo:hi] = self.params[held_lo:held_hi]
-        self.gathering[slot] = mpi.iallgatherv_inplace(
-            self.comm, target[:size], shards.counts[unit], shards.displs[unit]
-        )
-        self.in_slot[slot] = unit
-        self.sent += (size - (hi - lo)) * target.itemsize  # (a ring: every other shard passed on once)
-
-    def _have(self, unit):
-        """Wait until ``unit`` is gathered in its slot."""
-        self._start(unit)
-        slot = unit % self.slots
-        if self.gathering[slot] is not None:
-            with _TRACER.span("gather", "exchange", unit=unit):
-                self.gathering[slot].wait()
-            self.gathering[slot] = None
-
-    def _scatter(self, unit):
-        """Start summing ``unit``'s gradients into their owners' shards."""
-        shards, slot = self.shards, unit % len(self.grad_slots)
-        size = shards.units[unit].size
-        lo, hi = shards.held(unit)
-        target = self.arrivals[slot][: hi - lo] if self.adds else self.grads[lo:hi]
-        pending = mpi.ireduce_scatter_sum(
-            self.comm, self.grad_slots[slot][:size], target, shards.counts[unit]
-        )
-        self.scattering[slot] = (unit, pending, self.adds)
-        self.sent += (size - (hi - lo)) * target.itemsize
-
-    def _arrived(self, slot):
-        """Slot ``slot``'s sum is in: added to the shard where this backward adds."""
-        unit, pending, adds = self.scattering[slot]
-        pending.wait()
-        if adds:
-            lo, hi = self.shards.held(unit)
-            self.grads[lo:hi] += self.arrivals[slot][: hi - lo]
-        self.scattering[slot] = None
-
-    def _free_grad_slot(self, slot):
-        """Wait for the sum that still reads gradient slot ``slot``."""
-        if self.scattering[slot] is not None:
-            with _TRACER.span("reduce-scatter", "exchange"):
-                self._arrived(slot)
+            self.gathered.have(unit)

@@ -4,7 +4,8 @@ The start-up memory check (``loop/setup.py``) prices this rank's share, not
 the whole model on every rank: a pipeline stage's ranks hold their stage's
 parameters (with ``--tensor T``, about 1/T of them each), a tensor part
 about 1/T of the model, a worker under ``--shard optimizer`` 1/W of the
-optimizer state.  A split model is never assembled on one rank (its
+optimizer state, one under ``--shard parameters`` 1/W of everything and two
+gathered units.  A split model is never assembled on one rank (its
 checkpoints are sharded, written and read by the ranks that hold it, and the
 run's result is its last checkpoint).  Layouts that keep a whole copy per rank
 are priced as before: the whole model, and the chief's copy of it, on every
@@ -17,6 +18,7 @@ import math
 from .mesh import MeshShape
 from .balance import balance_by_parameters, layer_costs, parse_balance
 from .stage import StageLayout
+from .units import ShardedUnits, cut_units, gathered_elements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,8 @@ def held(settings, cluster, model, optimizer_arrays):
             f", part {layout.part} of {tensor}" if tensor > 1 else ""
         )
         return stage_held(params, part)
+    if settings.strategy == "allreduce" and settings.shard == "parameters":
+        return fully_sharded_held(settings, cluster, model)
     if tensor > 1:
         params = math.ceil(whole / tensor)
         part = MeshShape(cluster.size, parts=tensor).coordinates(cluster.rank)[2]  # (every rank a worker)
@@ -60,6 +64,17 @@ def held(settings, cluster, model, optimizer_arrays):
         whole * (1 + (optimizer_arrays if cluster.is_chief else 0)),
         "a 1/W slice of the optimizer state",
     )
+
+
+def fully_sharded_held(settings, cluster, model):
+    """A worker's :class:`Held` under ``--shard parameters``: its shard of every unit (parameters, gradients
+    and optimizer state alike), and its slots of gathered units."""
+    workers, index = max(cluster.num_workers, 1), cluster.worker_index or 0
+    limit = max(1, int(settings.bucket_mb * (1 << 20)) // model.dtype.itemsize)
+    units = cut_units(model.offsets, model.num_params, limit)
+    shard = ShardedUnits(units, workers, index).size
+    gathered = gathered_elements(units, keep=not settings.reshard_after_forward)
+    return Held(shard, shard, gathered, f"1/{workers} of every unit", grads=shard)
 
 
 def held_bytes(held_elements, optimizer_arrays, itemsize):

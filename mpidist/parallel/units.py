@@ -77,11 +77,6 @@ class ShardedUnits:
         #: the parameters this rank holds (its shard of every unit)
         self.size = held
 
-    @property
-    def largest(self):
-        """The most parameters of one unit (a gathered unit's workspace)."""
-        return max((unit.size for unit in self.units), default=0)
-
     def shard(self, index):
         """``(lo, hi)`` of this rank's shard of unit ``index`` within the unit."""
         return self.bounds[index][self.rank]
@@ -110,6 +105,28 @@ class ShardedUnits:
         """``ranges`` of the model's flat buffer as ranges of this rank's buffer of shards
         (:func:`~mpidist.parallel.optimizer_factory.within`)."""
         return within(self.pieces(), ranges)
+
+
+def slot_counts(units, keep):
+    """``(parameter slots, gradient slots)`` of a worker gathering ``units``: two of each (unit ``u`` in slot
+    ``u % 2``), one where there is one unit, and with ``keep`` a parameter slot per unit."""
+    pair = max(1, min(2, len(units)))
+    return (max(1, len(units)) if keep else pair), pair
+
+
+def slot_sizes(units, slots):
+    """Elements of each of ``slots`` slots where unit ``u`` lives in slot ``u % slots``: its largest unit's.
+
+    >>> slot_sizes([Unit(0, 1, 0, 5), Unit(1, 2, 5, 8), Unit(2, 3, 8, 16)], 2)
+    [8, 3]
+    """
+    return [max((unit.size for unit in units[slot::slots]), default=0) for slot in range(slots)]
+
+
+def gathered_elements(units, keep):
+    """Elements of a worker's slots gathering ``units``: its gathered units' parameters and gradients."""
+    params, grads = slot_counts(units, keep)
+    return sum(slot_sizes(units, params)) + sum(slot_sizes(units, grads))
 
 
 def flat_rectangles(shape, lo, hi):

@@ -8,6 +8,7 @@ at every step, each worker's shards compared with their places in the reference'
 import numpy as np
 import pytest
 from mpi4py import MPI
+from conftest import ROOT, mpidist, run_mpi
 from small_net import small_convnet, worker_slice
 from test_recipe import STEPS, batches, clip_for, make, recipe, reference_run
 
@@ -64,7 +65,101 @@ def test_shards_train_as_local_on_the_global_batch(optimizer, accumulate, keep):
     assert np.array_equal(np.sort(held), np.arange(strategy.model.num_params))
     # the units every worker gathers are bit-identical
     strategy.gathers.idle_pass()
-    slots = b"".join(slot.tobytes() for slot in strategy.gathers.param_slots)
+    slots = b"".join(slot.tobytes() for slot in strategy.gathers.gathered.slots)
     assert len(set(cluster.workers.allgather(slots))) == 1
     strategy.free()
     cluster.free()
+
+
+# -- whole runs: what a worker holds, and a sharded checkpoint resumed on any layout ------------------------
+#: mlp on digits, in float64 at --bucket-mb 0.1 (13,107 parameters a unit at most): Dense 64-128 (8,320), then
+#: Dense 128-128 (16,512), then Dense 128-10 (1,290), each a unit; shards of 4: 2,080 + 4,128 + 323 or 322
+SHARDS_OF_4 = [6_531, 6_531, 6_530, 6_530]
+#: two slots of parameters and two of gradients: units 0 and 2 share the first (8,320), unit 1 the second
+GATHERED = 2 * (8_320 + 16_512)
+
+
+def test_a_sharded_checkpoint_resumes_on_any_layout_as_a_run_that_never_stopped(tmp_path):
+    """Written by 4 workers holding a quarter each; resumed 4 steps on as 3 such workers, as a pipeline of 2
+    stages and as local: each equal to 1e-9 (float64) to a local run of 14 steps that never stopped.  The
+    start event reports each worker's bytes, 32/W a parameter (float64 Adam) and two gathered units, as the
+    start-up check priced them."""
+    from conftest import checkpoint_at, events
+
+    from mpidist.store import checkpoint
+
+    common = ["--dtype", "float64", "--optimizer", "adam", "--progress", "none", "--run-dir", ""]
+    common += ["--checkpoint-wait", "--bucket-mb", "0.1"]
+    done, _ = mpidist(
+        4,
+        *common,
+        "--shard",
+        "parameters",
+        "--steps",
+        "10",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1/4 of 3 unit(s)" in done.stdout and "each holding 1/4 of the model" in done.stdout
+    held = events(tmp_path / "m.jsonl", "start")[0]["held_bytes"]
+    assert held == [
+        {
+            "rank": rank,
+            "params": 8 * s,
+            "grads": 8 * s,
+            "optimizer_state": 16 * s,
+            "gathered_units": 8 * GATHERED,
+        }
+        for rank, s in enumerate(SHARDS_OF_4)
+    ], held
+    written = checkpoint_at(tmp_path / "ck", 10)
+    layouts = {
+        "never-stopped": (1, ["--strategy", "local", "--steps", "14"]),
+        "sharded-3": (3, ["--shard", "parameters", "--resume", str(written), "--steps", "14"]),
+        "pipeline": (
+            2,
+            ["--strategy", "pipeline", "--stages", "2", "--resume", str(written), "--steps", "14"],
+        ),
+        "local": (1, ["--strategy", "local", "--resume", str(written), "--steps", "14"]),
+    }
+    params = {}
+    for name, (ranks, flags) in layouts.items():
+        done, _ = mpidist(ranks, *common, *flags, "--checkpoint-dir", str(tmp_path / name), timeout=120)
+        assert done.returncode == 0, (name, done.stderr)
+        params[name] = checkpoint.load(checkpoint_at(tmp_path / name, 14)).params
+    assert not np.allclose(params["local"], checkpoint.load(written).params)  # (4 steps did train)
+    for name in ("sharded-3", "pipeline", "local"):
+        np.testing.assert_allclose(params[name], params["never-stopped"], rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("nodes, ranks", [(2, 4), (3, 6)])
+def test_shards_train_as_local_on_emulated_nodes(nodes, ranks):
+    """The equality above with the workers spread over emulated nodes (their gathers and sums between nodes
+    go through MPI's network module)."""
+    here = str(ROOT / "tests" / "parallel" / "test_fully_sharded.py")
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", here, "-k", "train_as_local_on_the"]
+    done, _ = run_mpi(ranks, args, timeout=180, nodes=nodes)
+    assert done.returncode == 0 and "8 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--elastic"],
+            "--shard parameters keeps a slice of the parameters and optimizer state on one worker",
+        ),
+        (["--compress", "bf16"], "--shard parameters does not combine with --compress bf16"),
+        (["--exchange", "node"], "--shard parameters does not combine with --exchange node"),
+        (["--model", f"{ROOT}/examples/custom_model.py:build"], "keeps running statistics (BatchNorm)"),
+        (["--shard", "optimizer", "--no-reshard-after-forward"], "applies to --shard parameters alone"),
+    ],
+)
+def test_what_cannot_run_sharded_is_refused_with_its_reason(flags, message):
+
+    done, _ = mpidist(2, "train", "--shard", "parameters", *flags, "--steps", "1", "--run-dir", "")
+    assert done.returncode == 2 and message in done.stderr, done.stderr

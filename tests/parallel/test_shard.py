@@ -130,5 +130,5 @@ def test_a_sharded_run_resumes_unsharded_and_elastic_is_refused(tmp_path):
     refused, _ = mpidist(2, "train", "--shard", "optimizer", "--elastic")
     assert (
         refused.returncode == 2
-        and "--shard optimizer keeps optimizer state on one worker alone" in refused.stderr
+        and "--shard optimizer keeps a slice of the optimizer state on one worker alone" in refused.stderr
     )
