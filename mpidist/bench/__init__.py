@@ -9,7 +9,9 @@ is installed; ``allreduce`` against every rank computing with no exchange
 ``Allreduce``; ``ps-sync`` and ``ps-async``; each exchange against the bare MPI
 calls that move the same bytes.  Then the pipeline's bubble
 (:mod:`mpidist.bench.pipeline`) and, on an even number of ranks, a
-transformer block at ``--tensor`` 1 and 2 (:mod:`mpidist.bench.tensor`).
+transformer block at ``--tensor`` 1 and 2 (:mod:`mpidist.bench.tensor`);
+and what a worker holds and sends under each ``allreduce`` layout, beside
+the ZeRO paper's count (:mod:`mpidist.bench.sharding`).
 
 Every figure is a median: of single steps alternating between the rows
 compared, then of three interleaved rounds.  Compare ratios from one run
@@ -34,6 +36,7 @@ from . import rows as rows_of
 from .output import check_output, format_table, write_results  # noqa: F401
 from .pipeline import PIPELINE_COLUMNS, pipeline_rows
 from .tensor import TENSOR_COLUMNS, tensor_rows
+from .sharding import SHARD_COLUMNS, shard_rows
 from .streaming import COLUMNS as STREAMING_COLUMNS
 from .streaming import streaming_rows
 from .checkpoints import COLUMNS as CHECKPOINT_COLUMNS
@@ -147,6 +150,7 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
         for name in models
         for row in bench_model(world, cluster, name, batch, seconds, optimizer=optimizer)
     ]
+    sharded = [row for name in models for row in shard_rows(world, cluster, name, batch)]
     pipeline = pipeline_rows(world, seconds) if world.Get_size() > 1 else []
     tensor = tensor_rows(world, seconds) if world.Get_size() % 2 == 0 else []
     if world.Get_rank() != 0:
@@ -176,6 +180,11 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
             "adds them)"
         )
     print(format_table(rows, COLUMNS))
+    print(
+        "\nsharding: bytes a worker holds a parameter (the largest rank's; Adam, float32) beside the ZeRO "
+        "paper's count, and bytes it sends a step (as a ring)"
+    )
+    print(format_table(sharded, SHARD_COLUMNS))
     if pipeline:
         print(
             f"\npipeline: {world.Get_size()} stages of equal work (8 x Dense(512)+ReLU), "
@@ -189,7 +198,9 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
         )
         print(format_table(tensor, TENSOR_COLUMNS))
     try:
-        write_results(output, {"meta": meta, "rows": rows, "pipeline": pipeline, "tensor": tensor})
+        write_results(
+            output, {"meta": meta, "rows": rows, "sharding": sharded, "pipeline": pipeline, "tensor": tensor}
+        )
     except OSError as err:
         raise RunError(
             f"--output {output}: the results (above) could not be written: {err.strerror or err}"

@@ -26,6 +26,10 @@ Every rank together, alternating step by step as well:
   what each way of summing costs;
 * ``allreduce, bf16``: ``--compress bf16``, half the bytes (its exchange is
   timed against the bare float32 ``Allreduce``: below 1, compression pays);
+* ``allreduce, shard parameters``: each worker holding 1/W of the model and
+  gathering a unit at a time (units of ``--bucket-mb``'s 64 MiB: these
+  models are one unit), and with units of 0.25 MiB (a unit's gather
+  overlapping the one before's compute);
 * ``hand-written+Allreduce``: the hand-written loop with one ``Allreduce`` of
   its flat gradient buffer after backward;
 
@@ -40,7 +44,14 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import nn
-from ..parallel import AllreduceStrategy, Exchange, LocalStrategy, PsAsyncStrategy, PsSyncStrategy
+from ..parallel import (
+    AllreduceStrategy,
+    Exchange,
+    FullyShardedStrategy,
+    LocalStrategy,
+    PsAsyncStrategy,
+    PsSyncStrategy,
+)
 from ..runtime import comm as mpi
 from ..runtime.cluster import build_cluster
 from ..runtime.rma import Window
@@ -75,6 +86,16 @@ def _allreduce(model, cluster, optimizer="sgd", **arguments):
     """An initialised allreduce strategy on ``model`` with ``optimizer``."""
     strategy = AllreduceStrategy(
         model, nn.loss_for(10, np), OPTIMIZERS[optimizer], cluster, seed=0, **arguments
+    )
+    strategy.initialize()
+    return strategy
+
+
+def _fully_sharded(name, cluster, optimizer="sgd", bucket_bytes=64 << 20):
+    """An initialised ``allreduce --shard parameters`` on model ``name``, units of at most
+    ``bucket_bytes``."""
+    strategy = FullyShardedStrategy(
+        _model(name), nn.loss_for(10, np), OPTIMIZERS[optimizer], cluster, seed=0, bucket_bytes=bucket_bytes
     )
     strategy.initialize()
     return strategy
@@ -174,6 +195,8 @@ def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):
             _model(name), cluster, optimizer, exchange="mpi", bucket_bytes=SMALL_BUCKETS
         ),
         "allreduce, bf16": _allreduce(_model(name), cluster, optimizer, compress="bf16"),
+        "allreduce, shard parameters": _fully_sharded(name, cluster, optimizer),
+        "allreduce, shard parameters, 0.25 MiB": _fully_sharded(name, cluster, optimizer, SMALL_BUCKETS),
     }
     if cluster.num_nodes == 1 and size > 1:  # (a copy per rank, the gradients in one node's shared window)
         owners["allreduce, shared-memory"] = _allreduce(

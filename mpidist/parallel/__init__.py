@@ -15,6 +15,7 @@ from .local_sgd import LocalSgdStrategy  # isort: skip
 from .base import StepResult, Strategy
 from .data_parallel import DataParallel
 from .exchange import Exchange, NoExchange, bucket_slices
+from .fully_sharded import FullyShardedStrategy
 from .registry import STRATEGIES, Option, declared_options, register
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "AllreduceStrategy",
     "DataParallel",
     "Exchange",
+    "FullyShardedStrategy",
     "NoExchange",
     "LocalSgdStrategy",
     "LocalStrategy",

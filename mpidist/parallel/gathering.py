@@ -34,7 +34,8 @@ class GatheredUnits:
 
     def __init__(self, comm, shards, params, slots, xp):
         self.comm, self.shards, self.params = comm, shards, params
-        self.slots = [xp.zeros(size, dtype=params.dtype) for size in slot_sizes(shards.units, slots)]
+        sizes = slot_sizes(shards.units, slots, shards.ranks)
+        self.slots = [xp.zeros(size, dtype=params.dtype) for size in sizes]
         self.in_slot = [None] * slots  # the unit each slot holds (gathered, or on its way)
         self.pending = [None] * slots  # the gather in flight into each slot
         self.sent = 0  # bytes this rank has sent (counted as a ring's)
@@ -46,15 +47,16 @@ class GatheredUnits:
             return
         if self.pending[slot] is not None:  # (a gather nobody waited for: complete it before reuse)
             self.pending[slot].wait()
-        shards, size, target = self.shards, self.shards.units[unit].size, self.slots[slot]
+        shards, target = self.shards, self.slots[slot]
+        block = shards.blocks[unit]
         lo, hi = shards.shard(unit)
         held_lo, held_hi = shards.held(unit)
         target[lo:hi] = self.params[held_lo:held_hi]
-        self.pending[slot] = mpi.iallgatherv_inplace(
-            self.comm, target[:size], shards.counts[unit], shards.displs[unit]
-        )
+        self.pending[slot] = mpi.iallgather_inplace(self.comm, target[: block * shards.ranks])
         self.in_slot[slot] = unit
-        self.sent += (size - (hi - lo)) * target.itemsize  # (a ring: every other shard passed on once)
+        self.sent += (
+            (shards.ranks - 1) * block * target.itemsize
+        )  # (a ring: every other block passed on once)
 
     def have(self, unit):
         """Wait until ``unit`` is gathered in its slot."""
@@ -85,10 +87,12 @@ class SummedUnits:
 
     def __init__(self, comm, shards, grads, slots, xp):
         self.comm, self.shards, self.grads, self.xp = comm, shards, grads, xp
-        self.slots = [xp.zeros(size, dtype=grads.dtype) for size in slot_sizes(shards.units, slots)]
-        self.pending = [None] * slots  # (unit, pending, added) of each slot's sum in flight
+        sizes = slot_sizes(shards.units, slots, shards.ranks)
+        self.slots = [xp.zeros(size, dtype=grads.dtype) for size in sizes]
+        self.pending = [None] * slots  # (unit, pending, how it lands) of each slot's sum in flight
         self.adds = False  # this backward's sums are added to the shards' (a later --accumulate slice)
-        # (where a later slice's sums arrive, added to the shards once in: made when needed)
+        # (where a block lands that cannot land in place: a later slice's sums, added once in; a shard shorter
+        # than its block. Made when needed)
         self.arrivals = None
         self.next = len(shards.units) - 1  # the next unit whose sum starts
         self.sent = 0
@@ -96,10 +100,6 @@ class SummedUnits:
     def begin(self, adds):
         """Before a backward: ``adds`` True where its sums are added to the shards' (a later slice)."""
         self.adds, self.next = adds, len(self.shards.units) - 1
-        if adds and self.arrivals is None:
-            shards, xp = self.shards, self.xp
-            largest = max(counts[shards.rank] for counts in shards.counts)
-            self.arrivals = [xp.zeros(largest, dtype=self.grads.dtype) for _ in self.slots]
 
     def ready(self, lo):
         """Backward has finished the gradients above ``lo``: start the sums of the units wholly above it, and
@@ -126,20 +126,30 @@ class SummedUnits:
 
     def _start(self, unit):
         shards, slot = self.shards, unit % len(self.slots)
-        size = shards.units[unit].size
+        block = shards.blocks[unit]
         lo, hi = shards.held(unit)
-        target = self.arrivals[slot][: hi - lo] if self.adds else self.grads[lo:hi]
-        pending = mpi.ireduce_scatter_sum(self.comm, self.slots[slot][:size], target, shards.counts[unit])
-        self.pending[slot] = (unit, pending, self.adds)
-        self.sent += (size - (hi - lo)) * target.itemsize
+        lands = "add" if self.adds else "in place" if hi - lo == block else "copy"
+        target = self.grads[lo:hi] if lands == "in place" else self._arrival(slot)[:block]
+        send = self.slots[slot][: block * shards.ranks]
+        self.pending[slot] = (unit, mpi.ireduce_scatter_block_sum(self.comm, send, target), lands)
+        self.sent += (shards.ranks - 1) * block * target.itemsize
+
+    def _arrival(self, slot):
+        """Where slot ``slot``'s block lands when it cannot land in this rank's shard (made on first use)."""
+        if self.arrivals is None:
+            largest = max(self.shards.blocks)
+            self.arrivals = [self.xp.zeros(largest, dtype=self.grads.dtype) for _ in self.slots]
+        return self.arrivals[slot]
 
     def _arrived(self, slot):
-        """Slot ``slot``'s sum is in: added to the shard where its backward adds."""
-        unit, pending, adds = self.pending[slot]
+        """Slot ``slot``'s sum is in: into the shard, or added to it where its backward adds."""
+        unit, pending, lands = self.pending[slot]
         pending.wait()
-        if adds:
-            lo, hi = self.shards.held(unit)
+        lo, hi = self.shards.held(unit)
+        if lands == "add":
             self.grads[lo:hi] += self.arrivals[slot][: hi - lo]
+        elif lands == "copy":
+            self.grads[lo:hi] = self.arrivals[slot][: hi - lo]
         self.pending[slot] = None
 
 

@@ -73,7 +73,7 @@ def fully_sharded_held(settings, cluster, model):
     limit = max(1, int(settings.bucket_mb * (1 << 20)) // model.dtype.itemsize)
     units = cut_units(model.offsets, model.num_params, limit)
     shard = ShardedUnits(units, workers, index).size
-    gathered = gathered_elements(units, keep=not settings.reshard_after_forward)
+    gathered = gathered_elements(units, not settings.reshard_after_forward, workers)
     return Held(shard, shard, gathered, f"1/{workers} of every unit", grads=shard)
 
 

@@ -3,11 +3,14 @@ buffer of shards (pure, no MPI).
 
 A unit is a run of consecutive top-level layers whose parameters are at most
 a size (``--bucket-mb``, as gradient buckets are); a layer larger than that is
-a unit alone, and layers without parameters join the unit around them.  Each
-unit ``[lo, hi)`` of the flat buffer is cut in ``W`` contiguous shards
-(:func:`~mpidist.parallel.shards.shard_bounds`), so gathering a unit is one
-``Allgatherv`` into a workspace of the unit's size, and summing its gradients
-one ``Reduce_scatter``, each rank receiving exactly its shard.  A rank holds
+a unit alone, and layers without parameters join the unit before them.  Each
+unit ``[lo, hi)`` of the flat buffer is cut in ``W`` contiguous shards of one
+block each, ``ceil(size / W)`` elements (:func:`block_of`; the last shards
+shorter or empty), so gathering a unit is one ``Allgather`` of equal blocks
+into a workspace padded to ``W`` blocks, and summing its gradients one
+``Reduce_scatter_block``, each rank receiving its block.  Equal blocks, as
+FSDP pads its flat parameters: MPICH's ``Allgatherv`` of 2.7 MB over two
+ranks took three times its ``Allgather``.  A rank holds
 its shards of every unit one after the other: that buffer is all it keeps of
 the parameters, their gradients and the optimizer state between steps.
 """
@@ -18,7 +21,6 @@ import numpy as np
 
 from ..nn.placement import Placement, Region
 from .optimizer_factory import within
-from .shards import shard_bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +69,14 @@ class ShardedUnits:
 
     def __init__(self, units, ranks, rank):
         self.units, self.ranks, self.rank = list(units), int(ranks), int(rank)
-        self.bounds = [shard_bounds(unit.size, self.ranks) for unit in self.units]
+        #: each unit's block: the elements of a shard, the last ones' padded (a gathered unit is ``ranks``
+        #: blocks)
+        self.blocks = [block_of(unit.size, self.ranks) for unit in self.units]
+        self.bounds = [
+            [(min(r * block, unit.size), min((r + 1) * block, unit.size)) for r in range(self.ranks)]
+            for unit, block in zip(self.units, self.blocks)
+        ]
         self.counts = [[hi - lo for lo, hi in bounds] for bounds in self.bounds]
-        self.displs = [[lo for lo, _ in bounds] for bounds in self.bounds]
         held, self.held_lo = 0, []
         for counts in self.counts:
             self.held_lo.append(held)
@@ -107,6 +114,16 @@ class ShardedUnits:
         return within(self.pieces(), ranges)
 
 
+def block_of(size, ranks):
+    """The elements of each of ``ranks`` equal blocks a unit of ``size`` is gathered in: its shards, the last
+    ones shorter (or empty) where ``ranks`` does not divide it, as FSDP pads its flat parameters.
+
+    >>> block_of(10, 4), block_of(8, 4)
+    (3, 2)
+    """
+    return -(-size // ranks)
+
+
 def slot_counts(units, keep):
     """``(parameter slots, gradient slots)`` of a worker gathering ``units``: two of each (unit ``u`` in slot
     ``u % 2``), one where there is one unit, and with ``keep`` a parameter slot per unit."""
@@ -114,19 +131,24 @@ def slot_counts(units, keep):
     return (max(1, len(units)) if keep else pair), pair
 
 
-def slot_sizes(units, slots):
-    """Elements of each of ``slots`` slots where unit ``u`` lives in slot ``u % slots``: its largest unit's.
+def slot_sizes(units, slots, ranks):
+    """Elements of each of ``slots`` slots where unit ``u`` lives in slot ``u % slots``: its largest unit's,
+    padded to ``ranks`` equal blocks.
 
-    >>> slot_sizes([Unit(0, 1, 0, 5), Unit(1, 2, 5, 8), Unit(2, 3, 8, 16)], 2)
-    [8, 3]
+    >>> slot_sizes([Unit(0, 1, 0, 5), Unit(1, 2, 5, 8), Unit(2, 3, 8, 16)], 2, 2)
+    [8, 4]
     """
-    return [max((unit.size for unit in units[slot::slots]), default=0) for slot in range(slots)]
+    return [
+        max((ranks * block_of(unit.size, ranks) for unit in units[slot::slots]), default=0)
+        for slot in range(slots)
+    ]
 
 
-def gathered_elements(units, keep):
-    """Elements of a worker's slots gathering ``units``: its gathered units' parameters and gradients."""
+def gathered_elements(units, keep, ranks):
+    """Elements of a worker's slots gathering ``units`` from ``ranks`` workers: its gathered units' parameters
+    and gradients."""
     params, grads = slot_counts(units, keep)
-    return sum(slot_sizes(units, params)) + sum(slot_sizes(units, grads))
+    return sum(slot_sizes(units, params, ranks)) + sum(slot_sizes(units, grads, ranks))
 
 
 def flat_rectangles(shape, lo, hi):

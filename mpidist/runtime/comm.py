@@ -160,18 +160,20 @@ def allgatherv_inplace(comm, array, counts, displs):
     return array
 
 
-def iallgatherv_inplace(comm, array, counts, displs):
-    """Start :func:`allgatherv_inplace`; returns a :class:`Pending` to complete."""
+def iallgather_inplace(comm, array):
+    """Start gathering, in place, every rank's block of ``array`` (``comm``'s size equal blocks, rank ``r``'s
+    the ``r``-th) into every rank's; returns a :class:`Pending` to complete."""
     buffer, back = for_mpi(array)
-    request = comm.Iallgatherv(MPI.IN_PLACE, _typed(buffer, counts, displs))
+    request = comm.Iallgather(MPI.IN_PLACE, buffer)
     return Pending(_IN_FLIGHT.track(request, buffer), buffer, back)
 
 
-def ireduce_scatter_sum(comm, send, recv, counts):
-    """Start :func:`reduce_scatter_sum`; returns a :class:`Pending` to complete (``send`` must outlive it)."""
+def ireduce_scatter_block_sum(comm, send, recv):
+    """Start summing ``send`` (``comm``'s size equal blocks) over ``comm``, rank ``r`` receiving the sum of
+    the ``r``-th block in ``recv``; returns a :class:`Pending` to complete (``send`` must outlive it)."""
     send_buffer, _ = for_mpi(send)
     recv_buffer, back = for_mpi(recv)
-    request = comm.Ireduce_scatter(send_buffer, recv_buffer, recvcounts=list(counts), op=MPI.SUM)
+    request = comm.Ireduce_scatter_block(send_buffer, recv_buffer, op=MPI.SUM)
     return Pending(_IN_FLIGHT.track(request, (send_buffer, recv_buffer)), recv_buffer, back)
 
 
