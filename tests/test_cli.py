@@ -360,6 +360,8 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
         "allreduce, mpi, 0.25 MiB",
         "allreduce, mpi, 0.25 MiB, no overlap",
         "allreduce, bf16",
+        "allreduce, shard parameters",
+        "allreduce, shard parameters, 0.25 MiB",
         "hand-written+Allreduce",
         "ps-sync",
         "ps-async",
@@ -388,6 +390,17 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert rows["allreduce, bf16"]["exchange_bytes"] == (rows["allreduce"]["exchange_bytes"] - 4) // 2 + 4
     assert document["meta"]["cores"] >= 1 and document["meta"]["blas"]
     assert "core(s)" in done.stdout and "BLAS:" in done.stdout
+    # what a worker holds a parameter under each layout: mlp (26,122 parameters) in float32 with Adam at
+    # W = 2, one unit at 64 MiB (its parameters and gradients gathered); bytes sent as a ring sends them
+    sharding = {row["layout"]: row for row in document["sharding"]}
+    assert set(sharding) == {"replicated", "shard optimizer", "shard parameters"}
+    assert sharding["replicated"]["held_per_param"] == pytest.approx(16.0, abs=1e-3)  # (+4 B: the loss slot)
+    assert sharding["shard optimizer"]["optimizer_state_per_param"] == pytest.approx(4.0, abs=1e-3)
+    fully = sharding["shard parameters"]
+    assert [fully[f"{kind}_per_param"] for kind in ("params", "grads", "optimizer_state")] == [2.0, 2.0, 4.0]
+    assert fully["gathered_units_per_param"] == 8.0 and fully["zero_per_param"] == 8.0
+    # a gather and a reduce-scatter of the model, each sending the other worker's half once: an allreduce's
+    assert fully["sent_per_step"] == 2 * 26_122 // 2 * 4 == sharding["replicated"]["sent_per_step"]
     # a transformer block (D = 128, MLP 512, 10 classes) of 199,562 parameters; 2,058 of them stay whole at T
     # = 2 (the norms, the biases added after a row-parallel sum, the head), the rest split in halves
     tensor = {row["tensor"]: row for row in document["tensor"]}

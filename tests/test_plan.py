@@ -16,7 +16,7 @@ from mpidist.plan.advice import advise, per_strategy
 from mpidist.plan.calibration import Calibration, LayerCost
 from mpidist.plan.links import Link, fit, parse_link
 from mpidist.plan.layout import Layout
-from mpidist.plan.step import predict, predicted, slowest_of
+from mpidist.plan.step import held_per_parameter, predict, predicted, slowest_of
 from mpidist.runtime.errors import UsageError
 
 MS = 1e-3
@@ -242,6 +242,32 @@ def test_overlap_is_measured_beyond_the_noise_of_the_turns():
     noisy = {"alone": alone, "after backward": late, "overlapped": late + 3e-4 * rng.standard_normal(80)}
     assert _overlap_share(cal, (noisy, bucket, 1)) == 0.0
     assert _overlap_share(cal, None) == 0.0
+
+
+def test_fully_sharded_workers_gather_each_unit_twice_sum_it_once_and_hold_a_quarter():
+    """4 workers on 2 nodes, units of one layer (1,000 parameters, 4,000 bytes): forward gathers the 4
+    units, backward the first 2 again (the last 2 are still gathered), and each unit's gradients are
+    reduce-scattered: 10 ring collectives of 3 steps of a quarter over the network, and a quarter of the
+    sums' additions."""
+    cal = made_up(read_overhead_bytes=0)
+    made = predict(cal, Layout("allreduce", 2, 2, 256, shard="parameters", bucket_mb=0.005))
+    assert made.compute == pytest.approx(4 * 64 * 3e-4) and made.optimizer == pytest.approx(1000 * 1e-9)
+    assert made.exchange == pytest.approx(10 * 3 * (2e-6 + 1000 * 4e-10) + 0.75 * 16000 * 1e-10)
+    # baseline, a quarter of the rows, its shard of the parameters and gradients (1,000 each), Adam's moments
+    # of the shard and the slots (two of parameters, two of gradients, a unit each), the batch's and the test
+    # split's outputs
+    held = 2 * 1000 * 4 + (2 * 1000 + 4 * 1000) * 4 + 64 * 4 * 40 + 25 * 4 * 40
+    assert made.memory == 50 * 2**20 + 250 * 256 + held
+
+
+def test_plan_sets_the_bytes_held_a_parameter_beside_the_zero_paper_s_count():
+    """Adam in float32 (16 bytes a parameter replicated) on 4 layers of 1,000 parameters, one unit of 4,000 at
+    64 MiB: with --shard parameters a worker holds 16/W and the unit twice (parameters and gradients)."""
+    rows = {(row["shard"], row["workers"]): row for row in held_per_parameter(made_up())}
+    assert [rows["none", w]["held"] for w in (1, 2, 4)] == [16.0] * 3
+    assert [rows["optimizer", w]["held"] for w in (1, 2, 4)] == [16.0, 12.0, 10.0]
+    assert [rows["parameters", w]["zero"] for w in (1, 2, 4)] == [16.0, 8.0, 4.0]
+    assert [rows["parameters", w]["held"] for w in (1, 2, 4)] == [16.0 + 8.0, 8.0 + 8.0, 4.0 + 8.0]
 
 
 def test_the_memory_a_rank_holds_counts_its_share_of_each_array():

@@ -16,23 +16,8 @@ from mpi4py import MPI
 
 from .. import nn
 from ..parallel import FullyShardedStrategy
+from ..parallel.holding import zero_bytes_per_param
 from .rows import SHAPES, DEFAULT_SHAPE, _allreduce, _model, adam
-
-ADAM_BYTES = 16  # float32: the parameter, its gradient, Adam's two moments
-
-
-def zero_accounting(layout, workers, gathered_per_param=0.0):
-    """Bytes a parameter per worker as the ZeRO paper counts them (float32 Adam): ``16`` replicated, ``8 +
-    8/W`` with the optimizer state sharded, ``16/W`` (and the gathered units) with everything sharded.
-
-    >>> zero_accounting("parameters", 4, 0.5)
-    4.5
-    """
-    if layout == "optimizer":
-        return 8 + 8 / workers
-    if layout == "parameters":
-        return ADAM_BYTES / workers + gathered_per_param
-    return float(ADAM_BYTES)
 
 
 def _sent_per_step(strategy, layout, workers):
@@ -72,7 +57,6 @@ def shard_rows(world, cluster, name, batch):
         if world.Get_rank() != 0:
             continue
         largest = max(held, key=lambda h: sum(h.values()))
-        gathered = largest.get("gathered_units", 0) / count
         rows.append(
             {
                 "model": name,
@@ -83,7 +67,7 @@ def shard_rows(world, cluster, name, batch):
                 "params": count,
                 **{f"{kind}_per_param": largest.get(kind, 0) / count for kind in KINDS},
                 "held_per_param": sum(largest.values()) / count,
-                "zero_per_param": zero_accounting(layout, workers, gathered),
+                "zero_per_param": zero_bytes_per_param(layout, workers),
                 "sent_per_step": sent,
             }
         )
@@ -101,6 +85,6 @@ SHARD_COLUMNS = [
     ("optimizer_state_per_param", "Adam B", "{:.2f}"),
     ("gathered_units_per_param", "gathered B", "{:.2f}"),
     ("held_per_param", "held B/param", "{:.2f}"),
-    ("zero_per_param", "ZeRO's count", "{:.2f}"),
+    ("zero_per_param", "ZeRO's count", "{:.2f}"),  # (gathered units left out)
     ("sent_per_step", "sent B/step", "{:,.0f}"),
 ]

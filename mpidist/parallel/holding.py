@@ -77,6 +77,22 @@ def fully_sharded_held(settings, cluster, model):
     return Held(shard, shard, gathered, f"1/{workers} of every unit", grads=shard)
 
 
+def zero_bytes_per_param(shard, workers, state_arrays=2, itemsize=4):
+    """Bytes a parameter per worker as the ZeRO paper counts them, gathered units left out: the parameter,
+    its gradient and ``state_arrays`` of optimizer state, replicated (``shard`` "none"), the state sharded
+    ("optimizer", stage 1) or all of it ("parameters", stage 3).  Float32 Adam: 16, ``8 + 8/W``, ``16/W``.
+
+    >>> [zero_bytes_per_param(shard, 4) for shard in ("none", "optimizer", "parameters")]
+    [16.0, 10.0, 4.0]
+    """
+    whole, state = 2 * itemsize, state_arrays * itemsize
+    if shard == "optimizer":
+        return whole + state / workers
+    if shard == "parameters":
+        return (whole + state) / workers
+    return float(whole + state)
+
+
 def held_bytes(held_elements, optimizer_arrays, itemsize):
     """Bytes of ``held_elements`` (a :class:`Held`): parameters and gradients, optimizer state, gathered
     arrays."""

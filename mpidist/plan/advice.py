@@ -28,6 +28,7 @@ def predictions(cal, nodes, per_node, batch_per_rank):
         Layout("allreduce", nodes, per_node, batch),
         Layout("allreduce", nodes, per_node, batch, exchange="mpi"),
         Layout("allreduce", nodes, per_node, batch, exchange="mpi", shard="optimizer"),
+        Layout("allreduce", nodes, per_node, batch, shard="parameters"),
     ]
     if any(layer.splits for layer in cal.layers) and ranks % 2 == 0 and per_node % 2 == 0:
         made.append(Layout("allreduce", nodes, per_node, batch, tensor=2))

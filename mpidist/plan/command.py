@@ -9,6 +9,15 @@ from . import advice, calibration
 from .check import COLUMNS as CHECK_COLUMNS
 from .check import check_runs
 from .links import parse_link
+from .step import held_per_parameter
+
+HELD_COLUMNS = [
+    ("shard", "--shard", "{}"),
+    ("workers", "W", "{}"),
+    ("zero", "ZeRO's count B", "{:.2f}"),
+    ("gathered", "gathered units B", "{:.2f}"),
+    ("held", "held B/param", "{:.2f}"),
+]
 
 MAX_NODES = 1 << 20
 
@@ -90,6 +99,12 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
             f"mpidist plan: {strategy}: {each or 'fits nowhere'}"
             + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient")
         )
+    held = held_per_parameter(cal)
+    print(
+        f"\nmpidist plan: bytes a worker holds a parameter ({cal.optimizer}, {cal.dtype}): the ZeRO paper's "
+        "count, and --shard parameters' two gathered units (units of 64 MiB)"
+    )
+    print(format_table(held, HELD_COLUMNS))
     buckets = advice.buckets(cal, counts, per_node, batch_per_rank)
     # (where the calibration saw nothing hidden: what a network card moving the bytes would leave)
     if buckets:
@@ -119,6 +134,7 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
             "best": _layouts(best),
             "knee": knee,
             "bucket_mb": {str(count): size for count, (size, *_) in buckets.items()},
+            "held_per_parameter": held,
             "by_strategy": {
                 strategy: {"best": _layouts(fastest), "knee": paying}
                 for strategy, (fastest, paying) in strategies.items()

@@ -17,10 +17,12 @@ import numpy as np
 
 from ..parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
 from ..parallel.balance import balance_by_parameters
+from ..parallel.holding import zero_bytes_per_param
 from ..parallel.mesh import MeshShape
 from ..parallel.registry import STRATEGIES
 from ..parallel.schedule import schedule as stage_plan
 from ..parallel.schedule import simulate
+from ..parallel.units import block_of, cut_units, gathered_elements
 from ..runtime.errors import UsageError
 from .buckets import MIB, hideable
 from .layout import Prediction
@@ -143,7 +145,63 @@ def _tensor_share(cal, tensor):
     return int(params), share / whole
 
 
+def _fully_sharded(cal, layout):
+    """``allreduce --shard parameters``: a worker gathers every unit for its forward and again for its
+    backward (all but the last two, still gathered), reduce-scatters each unit's gradients, and updates and
+    holds ``1/W`` of everything, with two units gathered at a time.  The exchange is all costed (a bound:
+    each unit's gather overlaps the one before's compute)."""
+    workers = layout.replicas
+    samples = layout.batch / workers
+    compute = cal.compute(samples)
+    item, link = cal.itemsize, cal.link_for(layout)
+    offsets = np.cumsum([0] + [layer.params for layer in cal.layers[:-1]]).tolist()
+    units = cut_units(offsets, cal.params, max(1, int(layout.bucket_mb * MIB) // item))
+    padded = [workers * block_of(unit.size, workers) * item for unit in units]
+    calls = padded + padded[:-2] + padded  # forward's gathers, backward's again, the sums
+    exchange = sum(link.reduce_scatter(nbytes, workers) for nbytes in calls)
+    exchange += (workers - 1) / workers * sum(padded) * cal.sum_per_byte
+    shard = -(-cal.params // workers)
+    slots = gathered_elements(units, False, workers)
+    return Prediction(
+        layout,
+        compute,
+        exchange,
+        cal.optimizer_per_param * shard,
+        0.0,
+        _wait(cal, compute, layout.ranks),
+        _memory(cal, layout, shard, shard, workers, _activations(cal, samples), kept=slots),
+    )
+
+
+def held_per_parameter(cal, counts=(1, 2, 4), bucket_mb=64.0):
+    """Rows of the bytes a worker holds a parameter under each ``allreduce`` layout at each worker count of
+    ``counts``: the ZeRO paper's count (:func:`~mpidist.parallel.holding.zero_bytes_per_param`) and, with
+    ``--shard parameters``, its gathered units (two of the calibrated model's, at ``bucket_mb``)."""
+    item, arrays = cal.itemsize, OPTIMIZER_ARRAYS.get(cal.optimizer, 2)
+    offsets = np.cumsum([0] + [layer.params for layer in cal.layers[:-1]]).tolist()
+    units = cut_units(offsets, cal.params, max(1, int(bucket_mb * MIB) // item))
+    rows = []
+    for shard in ("none", "optimizer", "parameters"):
+        for workers in counts:
+            gathered = (
+                gathered_elements(units, False, workers) * item / cal.params if shard == "parameters" else 0
+            )
+            zero = zero_bytes_per_param(shard, workers, arrays, item)
+            rows.append(
+                {
+                    "shard": shard,
+                    "workers": workers,
+                    "zero": zero,
+                    "gathered": gathered,
+                    "held": zero + gathered,
+                }
+            )
+    return rows
+
+
 def _allreduce(cal, layout):
+    if layout.shard == "parameters":
+        return _fully_sharded(cal, layout)
     groups = layout.replicas
     samples = layout.batch / groups
     params, share = _tensor_share(cal, layout.tensor)
