@@ -105,18 +105,32 @@ def check_holds(config, cluster, model):
     try:
         check_fits(holding.held_bytes(share, arrays, model.dtype.itemsize), what)
     except UsageError as err:
-        split = (
-            holding.fitting_stages(model, arrays, model.dtype.itemsize, holdable()[0])
-            if share.params == whole
-            else None
-        )
-        if split is None:
+        ways = _ways_it_fits(config, cluster, model, arrays) if share.params == whole else []
+        if not ways:
             raise
+        raise UsageError("; ".join([str(err), *ways])) from None
+
+
+def _ways_it_fits(config, cluster, model, arrays):
+    """What would fit a model whose whole training state does not: its workers each holding a shard of it
+    (``allreduce`` on more than one worker), or a pipeline's stages."""
+    ways, itemsize, limit = [], model.dtype.itemsize, holdable()[0]
+    if cluster is not None and cluster.num_workers > 1 and config.strategy == "allreduce":
+        sharded = holding.held(dataclasses.replace(config, shard="parameters"), cluster, model, arrays)
+        need = holding.held_bytes(sharded, arrays, itemsize)
+        if need <= limit:
+            ways.append(
+                f"sharded, it fits: --shard parameters (each of the {cluster.num_workers} workers needs "
+                f"{human(need)})"
+            )
+    split = holding.fitting_stages(model, arrays, itemsize, limit)
+    if split is not None:
         stages, need = split
-        raise UsageError(
-            f"{err}; split, it fits: --strategy pipeline --stages {stages} on {stages} or more ranks "
+        ways.append(
+            f"split, it fits: --strategy pipeline --stages {stages} on {stages} or more ranks "
             f"(its largest stage needs {human(need)})"
-        ) from None
+        )
+    return ways
 
 
 def check_outputs(model, info, spec):

@@ -164,3 +164,23 @@ def test_what_cannot_run_sharded_is_refused_with_its_reason(flags, message):
 
     done, _ = mpidist(2, "train", "--shard", "parameters", *flags, "--steps", "1", "--run-dir", "")
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_under_a_memory_cap_sharded_workers_train_a_model_none_of_them_can_hold(tmp_path):
+    """mlp:3072,3072,3072 with Adam (19.1 M parameters: a whole copy's training state is 365 MiB) under 420 MB
+    of data a rank: replicated, every worker is refused, told that sharded it fits; sharded over 4 workers
+    (each 1/4 of the state and two gathered layers of 9.4 M parameters), it trains and checkpoints."""
+    capped = ("prlimit", "--data=420000000")
+    flags = ["--data", "digits", "--model", "mlp:3072,3072,3072", "--optimizer", "adam", "--batch-size", "32"]
+    flags += ["--eval-every", "0", "--progress", "none", "--metrics", "", "--run-dir", "", "--steps", "2"]
+    flags += ["--checkpoint-dir", str(tmp_path / "ck")]
+
+    def run(*more):
+        return run_mpi(4, ["-m", "mpidist", "train", *flags, *more], timeout=120, prefix=capped)[0]
+
+    whole = run("--exchange", "mpi")
+    assert whole.returncode == 2 and not list(tmp_path.glob("ck/*.h5")), whole.stderr
+    assert "sharded, it fits: --shard parameters (each of the 4 workers needs" in whole.stderr, whole.stderr
+    sharded = run("--shard", "parameters")
+    assert sharded.returncode == 0, sharded.stderr
+    assert len(list(tmp_path.glob("ck/*.h5"))) == 1
