@@ -326,17 +326,18 @@ def _decay_as_whole(model):
             }
 
 
-def split_model(whole, part, parts, writes=True):
+def split_model(whole, part, parts, writes=True, buffers=True):
     """``(model, placement)``: part ``part`` of ``parts`` of ``whole`` (a :class:`Sequential`) as a model of
     its own, and its :class:`~mpidist.nn.placement.Placement` over ``whole``: each of its parameters a
     rectangular slice of one of the whole model's (no array of the whole's size is made).
 
     Parameters the parts share (replicated layers') are their whole parameters; of those, part 0 alone
-    writes them (``writes``: this part's group writes at all; :func:`replicated` names them).
+    writes them (``writes``: this part's group writes at all; :func:`replicated` names them).  ``buffers``
+    False: the part's model makes no flat buffers (a strategy binds its layers elsewhere).
     """
     replaced = {}
     layers = split_layers(whole.layers, part, parts, replaced)
-    model = Sequential(layers, whole.input_shape, xp=whole.xp, dtype=whole.dtype)
+    model = Sequential(layers, whole.input_shape, xp=whole.xp, dtype=whole.dtype, buffers=buffers)
     if model.output_shape != whole.output_shape:
         raise ValueError(
             f"a part of the model ends in {model.output_shape}, the whole in {whole.output_shape}"

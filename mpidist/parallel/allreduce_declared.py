@@ -111,7 +111,8 @@ class AllreduceDeclared(Declared):
             if settings.tensor == 1
             else f"{replicas} worker(s) x {settings.tensor} tensor parts"
         )
-        return text + (f", each holding 1/{replicas} of the model" if settings.shard == "parameters" else "")
+        held = f", each rank holding 1/{replicas * settings.tensor} of the model"
+        return text + (held if settings.shard == "parameters" else "")
 
     @classmethod
     def arguments(cls, settings, setup):

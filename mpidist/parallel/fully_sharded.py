@@ -44,19 +44,20 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
 
     @classmethod
     def arguments(cls, settings, setup):
-        return {"keep": not settings.reshard_after_forward}
+        return {"keep": not settings.reshard_after_forward, "tensor": settings.tensor}
 
-    def __init__(self, model, loss, make_optimizer=None, cluster=None, *args, keep=False, **kwargs):
-        #: the workers' grid (made and freed here)
-        self.mesh = Mesh(None if cluster is None else cluster.workers)
-        self.tensor = split_over(model, self.mesh, writes=True)
+    def __init__(self, model, loss, make_optimizer=None, cluster=None, *args, keep=False, tensor=1, **kwargs):
+        #: the workers' grid (made and freed here): replicas of ``tensor`` parts, each part sharded over the
+        #: replicas
+        self.mesh = Mesh(None if cluster is None else cluster.workers, parts=tensor)
+        self.tensor = split_over(model, self.mesh, writes=True, buffers=False)
         super().__init__(self.tensor.model, loss, make_optimizer, cluster, *args, **kwargs)
-        model, comm = self.model, self.worker_comm
+        whole, model, comm = model, self.model, self.worker_comm
         ranks, rank = (1, 0) if comm is None else (comm.Get_size(), comm.Get_rank())
         units = cut_units(model.offsets, model.num_params, max(1, self.bucket_bytes // model.dtype.itemsize))
         #: this worker's shards of the units
         self.shards = ShardedUnits(units, ranks, rank)
-        self.placement = sliced(self.tensor.within(model, 0), self.shards.pieces())
+        self.placement = sliced(self.tensor.within(whole, 0), self.shards.pieces())
         self.params = model.xp.zeros(self.shards.size, dtype=model.dtype)
         self.grads = model.xp.zeros(self.shards.size, dtype=model.dtype)
         self.gathers = UnitGathers(
@@ -64,6 +65,8 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
         )
         model.gate = self.gathers
         self.optimizer = self.optimizers.make_pieces(self.shards.pieces())
+        # (the parameters every part of a tensor group holds alike: their squares are part 0's to count)
+        self.shared = self.shards.within(self.tensor.shared) if self.tensor.part else []
 
     @property
     def worker_comm(self):
@@ -74,8 +77,8 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
         return self.mesh.index("replica")
 
     def describe(self, rank):
-        shards = self.shards
-        return f"1/{shards.ranks} of {len(shards.units)} unit(s)"
+        shards, part = self.shards, self.tensor.describe()
+        return f"1/{shards.ranks} of {len(shards.units)} unit(s)" + (f" of tensor {part}" if part else "")
 
     def held_buffer(self):
         return self.params
@@ -94,10 +97,14 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
     def train_step(self, x, y, weight, step):
         loss = self._backprop(x, y, weight, step)
         self.track("exchange")
-        squares = float(self.grads.dot(self.grads))
-        verdict, (total,) = agree(
-            self.worker_comm, squares, loss, self.recipe.clip_norm, carry=(loss * weight,)
+        grads = self.grads
+        squares = float(grads.dot(grads)) - sum(
+            float(grads[lo:hi].dot(grads[lo:hi])) for lo, hi in self.shared
         )
+        # (over every worker: each holds its shard of its part; a tensor group's parts know the loss alike)
+        every = None if self.cluster is None else self.cluster.workers
+        carry = (loss * weight / self.tensor.parts,)
+        verdict, (total,) = agree(every, squares, loss, self.recipe.clip_norm, carry=carry)
         verdict = self.judge(verdict)
         self.track("compute")
         if not verdict.skip:

@@ -68,13 +68,16 @@ def held(settings, cluster, model, optimizer_arrays):
 
 def fully_sharded_held(settings, cluster, model):
     """A worker's :class:`Held` under ``--shard parameters``: its shard of every unit (parameters, gradients
-    and optimizer state alike), and its slots of gathered units."""
-    workers, index = max(cluster.num_workers, 1), cluster.worker_index or 0
+    and optimizer state alike), and its slots of gathered units.  With ``--tensor T``, a part's units are
+    about ``1/T`` of the whole model's, sharded over the replicas."""
+    tensor = max(int(settings.tensor), 1)
+    replicas = max(cluster.num_workers // tensor, 1)
+    index = (cluster.worker_index or 0) // tensor  # (part fastest: the mesh's order)
     limit = max(1, int(settings.bucket_mb * (1 << 20)) // model.dtype.itemsize)
-    units = cut_units(model.offsets, model.num_params, limit)
-    shard = ShardedUnits(units, workers, index).size
-    gathered = gathered_elements(units, not settings.reshard_after_forward, workers)
-    return Held(shard, shard, gathered, f"1/{workers} of every unit", grads=shard)
+    units = cut_units(model.offsets, model.num_params, limit * tensor)
+    shard = math.ceil(ShardedUnits(units, replicas, index).size / tensor)
+    gathered = math.ceil(gathered_elements(units, not settings.reshard_after_forward, replicas) / tensor)
+    return Held(shard, shard, gathered, f"1/{replicas} of every unit", grads=shard)
 
 
 def zero_bytes_per_param(shard, workers, state_arrays=2, itemsize=4):

@@ -58,7 +58,7 @@ def check_tensor(settings, world_size, stages=1):
         )
     refused = [
         (settings.elastic, "--elastic (a lost rank takes its part of every split layer)"),
-        (settings.shard != "none", f"--shard {settings.shard}"),
+        (settings.shard == "optimizer", "--shard optimizer (--shard parameters does)"),
         (settings.compress != "none", f"--compress {settings.compress}"),
         (
             settings.exchange in ("node", "shared-memory"),
@@ -129,9 +129,10 @@ class TensorPart:
         mesh: the run's :class:`~mpidist.parallel.mesh.Mesh` (its ``part`` axis is the tensor group).
         writes: whether this part writes its regions of the whole model (the first data-parallel replica's
             parts; a pipeline stage's are written by every replica, of which its gather takes the first's).
+        buffers: make the part's flat buffers (False: the strategy binds its layers elsewhere).
     """
 
-    def __init__(self, whole, mesh, writes):
+    def __init__(self, whole, mesh, writes, buffers=True):
         self.parts, self.part = mesh.size("part"), mesh.index("part")
         self.comm = mesh.comm("part")  # (the mesh's: it frees it)
         local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -140,7 +141,7 @@ class TensorPart:
         self.across_nodes = local.Get_size() < self.parts
         local.Free()
         #: this part's regions of the whole model's parameters
-        self.model, self.placement = split_model(whole, self.part, self.parts, writes=writes)
+        self.model, self.placement = split_model(whole, self.part, self.parts, writes=writes, buffers=buffers)
         whole.shapes_only = True  # (its replicated layers are bound to the part's buffers now)
         self.shared = replicated(self.model)  # every part holds these alike: counted once
         for operator in operators(self.model):
@@ -209,7 +210,7 @@ class WholeModel:
         return Placement.of_entries(whole, first_entry, first_entry + len(self.model.entries))
 
 
-def split_over(model, mesh, writes):
+def split_over(model, mesh, writes, buffers=True):
     """This rank's part of ``model`` over the ``mesh``'s tensor axis: a :class:`TensorPart`, or
     :class:`WholeModel` where the axis has one part."""
-    return TensorPart(model, mesh, writes) if mesh.size("part") > 1 else WholeModel(model)
+    return TensorPart(model, mesh, writes, buffers) if mesh.size("part") > 1 else WholeModel(model)

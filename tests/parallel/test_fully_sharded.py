@@ -13,7 +13,7 @@ from small_net import small_convnet, worker_slice
 from test_recipe import STEPS, batches, clip_for, make, recipe, reference_run
 
 from mpidist import nn
-from mpidist.parallel import AllreduceStrategy
+from mpidist.parallel import AllreduceStrategy, LocalStrategy
 from mpidist.parallel.fully_sharded import FullyShardedStrategy
 from mpidist.runtime.cluster import build_cluster
 
@@ -105,7 +105,7 @@ def test_a_sharded_checkpoint_resumes_on_any_layout_as_a_run_that_never_stopped(
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert "1/4 of 3 unit(s)" in done.stdout and "each holding 1/4 of the model" in done.stdout
+    assert "1/4 of 3 unit(s)" in done.stdout and "each rank holding 1/4 of the model" in done.stdout
     held = events(tmp_path / "m.jsonl", "start")[0]["held_bytes"]
     assert held == [
         {
@@ -184,3 +184,61 @@ def test_under_a_memory_cap_sharded_workers_train_a_model_none_of_them_can_hold(
     sharded = run("--shard", "parameters")
     assert sharded.returncode == 0, sharded.stderr
     assert len(list(tmp_path.glob("ck/*.h5"))) == 1
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("name", ["deep", "residual", "transformer"])
+def test_tensor_parts_sharded_over_the_replicas_train_as_local(name):
+    """data x tensor 2: each part of a tensor group sharded over the replicas (2 or 3 of them), against local
+    on the global batch with a clip that bites: equal to 1e-9, each worker's shards at their places."""
+    from test_tensor import MODELS, inputs, whole_model
+
+    from mpidist.parallel.recipe import Recipe
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() % 2:
+        pytest.skip(f"--tensor 2 does not divide {world.Get_size()} ranks")
+    cluster = build_cluster(world)
+    make = lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
+    recipe = Recipe(clip_norm=0.05)
+    reference = LocalStrategy(whole_model(name), nn.loss_for(4, np), make, seed=3, recipe=recipe)
+    strategy = FullyShardedStrategy(
+        whole_model(name),
+        nn.loss_for(4, np),
+        make,
+        cluster,
+        seed=3,
+        bucket_bytes=64 * 8,
+        tensor=2,
+        recipe=recipe,
+    )
+    reference.initialize()
+    strategy.initialize()
+    where = strategy.placement.positions()
+    np.testing.assert_array_equal(strategy.params, reference.model.params[where])  # (drawn alike)
+    assert len(strategy.shards.units) > 1, MODELS[name]
+    global_batch, clipped = 12, []
+    part = worker_slice(global_batch, cluster.num_workers // 2, strategy.worker_index)
+    for step in range(4):
+        x, y = inputs(name, global_batch, seed=step)
+        expected = reference.train_step(x, y, 1.0, step)
+        loss = strategy.train_step(x[part], y[part], (part.stop - part.start) / global_batch, step)
+        assert np.isclose(loss, expected, rtol=1e-9) and strategy.clipped == reference.clipped
+        clipped.append(reference.clipped)
+        # (atol: Adam's steps on a gradient near zero, as tests/parallel/test_tensor.py's)
+        np.testing.assert_allclose(strategy.params, reference.model.params[where], rtol=1e-9, atol=1e-9)
+    assert any(clipped)
+    # the workers' shards are the whole model, each element written once
+    written = np.concatenate(
+        cluster.workers.allgather(
+            np.concatenate([where[lo:hi] for lo, hi in _written(strategy)] + [np.zeros(0, int)])
+        )
+    )
+    assert np.array_equal(np.sort(written), np.arange(reference.model.num_params))
+    strategy.free()
+    cluster.free()
+
+
+def _written(strategy):
+    """``(lo, hi)`` of the regions this worker writes, in its buffer of shards."""
+    return [(r.lo, r.lo + r.size) for r in strategy.placement.regions if r.writes]
