@@ -24,7 +24,9 @@ from ..settings.config import Settings
 from .trained import load_split, load_trained
 
 
-def evaluate(checkpoint_path, data=None, *, model=None, comm=None, samples=0, stages=1, tensor=1):
+def evaluate(
+    checkpoint_path, data=None, *, model=None, comm=None, samples=0, stages=1, tensor=1, shard="none"
+):
     """Evaluate a checkpoint on a dataset's test split, spread over the ranks of ``comm``.
 
     Args:
@@ -38,6 +40,9 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None, samples=0, st
             ``--tensor``; see :mod:`mpidist.loop.split_model`), for a model no rank can hold:
             each rank reads only its part of the checkpoint.  1 and 1 (the default): every
             rank loads the whole model and evaluates a share of the split.
+        shard: "parameters": each rank holds a shard of every unit of the model (of its tensor
+            part) and gathers one unit at a time, as ``--shard parameters`` trains (the ranks
+            evaluate their shares of the split together).
 
     Returns:
         A dict, the same on every rank, of the figures that fit the task (see
@@ -56,20 +61,21 @@ def evaluate(checkpoint_path, data=None, *, model=None, comm=None, samples=0, st
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
     with LocalWatch(here(), Settings.stall_timeout, world.Get_rank()):
-        return _evaluate(world, checkpoint_path, data, model, samples, stages, tensor)
+        return _evaluate(world, checkpoint_path, data, model, samples, (stages, tensor, shard))
 
 
-def _evaluate(world, checkpoint_path, data, model, samples=0, stages=1, tensor=1):
+def _evaluate(world, checkpoint_path, data, model, samples=0, layout=(1, 1, "none")):
     from ..loop import split_model
     from ..nn import loss_for
     from ..parallel import AllreduceStrategy
 
-    split = stages != 1 or tensor != 1
+    stages, tensor, shard = layout
+    split = layout != (1, 1, "none")
     rank, ranks = world.Get_rank(), world.Get_size()
     with agreed(world):
         check_utf8(checkpoint_path, "eval CHECKPOINT", absolute=True)
         if split:  # (its arrays are read by slices once the layout exists)
-            saved, trained, settings = load_split(checkpoint_path, data, model, world, stages, tensor)
+            saved, trained, settings = load_split(checkpoint_path, data, model, world, *layout)
         else:
             trained = load_trained(checkpoint_path, data, model=model)
         info, net = trained.dataset, trained.model

@@ -88,9 +88,10 @@ def load_trained(checkpoint_path, data=None, *, model=None, data_given=None):
     return trained
 
 
-def load_split(checkpoint_path, data, model, world, stages, tensor, data_given=None):
+def load_split(checkpoint_path, data, model, world, stages, tensor, shard="none", data_given=None):
     """:func:`load_trained` for a model split over the ranks of ``world`` as training splits it (``stages`` x
-    ``tensor``; see :mod:`mpidist.loop.split_model`): ``(checkpoint, trained, settings)``: the checkpoint, its
+    ``tensor``, each part sharded over the replicas with ``shard`` "parameters"; see
+    :mod:`mpidist.loop.split_model`): ``(checkpoint, trained, settings)``: the checkpoint, its
     arrays not read (each rank reads its slices once its part exists), its :class:`Trained` (a map of shapes),
     and the layout's settings, checked for the ranks and for what this rank may hold.  Local."""
     from ..loop import split_model
@@ -98,7 +99,7 @@ def load_split(checkpoint_path, data, model, world, stages, tensor, data_given=N
     saved = checkpoint.load(checkpoint_path, arrays=False)
     trained = _trained(saved, data, model, data_given)
     ranks = world.Get_size()
-    settings = split_model.layout_settings(trained.settings, ranks, stages, tensor, trained.model)
+    settings = split_model.layout_settings(trained.settings, ranks, stages, tensor, trained.model, shard)
     split_model.check_holds(settings, world.Get_rank(), ranks, trained.model)
     return saved, trained, settings
 

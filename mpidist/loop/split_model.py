@@ -5,24 +5,33 @@ rank reading its part.
 builds for ``--strategy pipeline --stages S --tensor T`` (or ``allreduce --tensor T``) from the checkpoint's
 settings: every rank makes the buffers of its stage or part alone, checks its share of a sharded checkpoint's
 parts, reads its slices into place (:meth:`~mpidist.parallel.saved_state.SavedState.restore`), and the
-replicas (``ranks / (S x T)``) each evaluate a share of the test split through their pipeline.  No rank holds
+replicas (``ranks / (S x T)``) each evaluate a share of the test split through their pipeline.  With
+``--shard parameters`` (``allreduce --shard parameters --tensor T``'s layout) every rank holds a shard of each
+unit of its part and gathers a unit at a time, the ranks running their shares' batches in step.  No rank holds
 the whole model."""
 
 import dataclasses
 
 from ..nn import loss_for
-from ..parallel import STRATEGIES, AllreduceStrategy, PipelineStrategy, holding
+from ..parallel import STRATEGIES, AllreduceStrategy, FullyShardedStrategy, PipelineStrategy, holding
 from ..parallel.mesh import MeshShape
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
 
 
-def layout_settings(settings, ranks, stages, tensor, model):
-    """``settings`` (a checkpoint's) with the split ``stages`` x ``tensor``, checked for ``ranks`` ranks and
-    ``model`` (a map of shapes); :class:`UsageError` naming the flag where they do not fit."""
+def layout_settings(settings, ranks, stages, tensor, model, shard="none"):
+    """``settings`` (a checkpoint's) with the split ``stages`` x ``tensor`` (each part sharded over the
+    replicas where ``shard`` is "parameters"), checked for ``ranks`` ranks and ``model`` (a map of shapes);
+    :class:`UsageError` naming the flag where they do not fit."""
     for flag, value in (("--stages", stages), ("--tensor", tensor)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{flag} {value!r}: give a number of ranks, 1 or more")
+    if shard not in ("none", "parameters"):
+        raise UsageError(f"--shard {shard!r}: give none or parameters")
+    if shard == "parameters" and stages > 1:
+        raise UsageError(
+            "--shard parameters shards the replicas of a data-parallel layout: not with --stages"
+        )
     split = dataclasses.replace(
         settings,
         strategy="pipeline" if stages > 1 else "allreduce",
@@ -33,7 +42,8 @@ def layout_settings(settings, ranks, stages, tensor, model):
         balance="",
         elastic=False,
         replication="between-graph",
-        shard="none",
+        shard=shard,
+        reshard_after_forward=True,
         compress="none",
         exchange="mpi",
         batch_size=max(settings.batch_size, ranks),
@@ -52,8 +62,10 @@ def check_holds(settings, rank, ranks, model):
     """Refuse, naming what it needs, a part of ``model`` (a map of shapes) whose parameters do not fit in what
     this rank may hold (evaluation holds no gradients and no optimizer state)."""
     share = holding.held(settings, _Ranks(rank, ranks), model, 0)
+    # (--shard parameters: its slots of gathered units too)
+    held = share.params + (share.gathered if settings.shard == "parameters" else 0)
     check_fits(
-        share.params * model.dtype.itemsize,
+        held * model.dtype.itemsize,
         f"evaluating {share.part} ({share.params:,} of the model's {model.num_params:,} parameters)",
     )
 
@@ -72,6 +84,10 @@ class _Ranks:
     @property
     def num_workers(self):
         return self.size
+
+    @property
+    def worker_index(self):
+        return self.rank
 
 
 def data_share(rank, ranks, stages, tensor):
@@ -96,6 +112,11 @@ def split_strategy(settings, model, info, cluster):
             schedule_name="gpipe",
             global_batch=settings.batch_size,
             tensor=settings.tensor,
+        )
+    if settings.shard == "parameters":
+        units = int(settings.bucket_mb * (1 << 20))
+        return FullyShardedStrategy(
+            model, loss, None, cluster, seed=settings.seed, bucket_bytes=units, tensor=settings.tensor
         )
     return AllreduceStrategy(
         model, loss, None, cluster, seed=settings.seed, exchange="mpi", tensor=settings.tensor

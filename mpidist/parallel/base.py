@@ -272,7 +272,7 @@ class Strategy(Declared, SavedState):
         xp = self.model.xp
         sums = scoring.zeros()
         self.track("compute")
-        for x, y in batches:
+        for x, y in self.passes.in_step(batches):
             x, y = xp.asarray(x), xp.asarray(y)
             out = self.model.forward(x, training=False)
             scoring.add(sums, out, y, float(self.loss.forward(out, y)), xp)

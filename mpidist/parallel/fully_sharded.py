@@ -21,7 +21,6 @@ verdict on the shards' squared norms and the loss, summed in one small
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime import comm as mpi
 from .allreduce_declared import AllreduceDeclared
 from .base import Strategy
 from .gathering import UnitGathers
@@ -126,28 +125,6 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
             )
             self.gathers.summed.finish()
         return loss
-
-    def evaluate(self, batches):
-        return super().evaluate(self._in_step(batches))
-
-    def _in_step(self, batches):
-        """``batches``, while the workers gather each unit together: a worker whose share has run out goes on
-        gathering (one small ``Allreduce`` a batch says whether any worker has one)."""
-        comm, batches = self.worker_comm, iter(batches)
-        if comm is None or comm.Get_size() == 1:
-            yield from batches
-            return
-        any_left = np.zeros(1, dtype=np.int64)
-        while True:
-            batch = next(batches, None)
-            any_left[0] = batch is not None
-            mpi.allreduce_max(comm, any_left)
-            if not any_left[0]:
-                return
-            if batch is None:
-                self.gathers.idle_pass()
-            else:
-                yield batch
 
     def held_bytes(self):
         state = (

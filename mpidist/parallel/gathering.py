@@ -216,6 +216,25 @@ class UnitGathers:
         """Backward has finished the gradients above ``lo`` (:meth:`SummedUnits.ready`)."""
         self.summed.ready(lo)
 
+    def in_step(self, items):
+        """``items``, while the workers gather each unit together: a worker whose items have run out goes on
+        gathering (one small ``Allreduce`` an item says whether any worker has one)."""
+        comm, items = self.gathered.comm, iter(items)
+        if comm.Get_size() == 1:
+            yield from items
+            return
+        any_left = np.zeros(1, dtype=np.int64)
+        while True:
+            item = next(items, None)
+            any_left[0] = item is not None
+            mpi.allreduce_max(comm, any_left)
+            if not any_left[0]:
+                return
+            if item is None:
+                self.idle_pass()
+            else:
+                yield item
+
     def idle_pass(self):
         """Every unit gathered in turn, as a forward pass gathers them, with nothing computed: a worker with
         no batch left in an evaluation keeps the others' gathers company."""

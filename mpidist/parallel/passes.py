@@ -101,6 +101,14 @@ class Passes:
             yield index, int(lo), int(hi), index == slices - 1
         model.workspace.slot = 0
 
+    def in_step(self, items):
+        """``items`` (a pass's batches, or anything a forward pass is run for), as this worker must run them:
+        as they come, or where its model's forward passes are collective (its ``gate``: ``--shard
+        parameters``), in step with the other workers
+        (:meth:`~mpidist.parallel.gathering.UnitGathers.in_step`)."""
+        gate = self.model.gate
+        return items if gate is None else gate.in_step(items)
+
     def forward(self, x, y):
         """A training forward pass and its loss; counts this worker's training accuracy (or absolute
         error)."""

@@ -41,6 +41,7 @@ def cmd_eval(args, world):
         samples=args.eval_samples,
         stages=args.stages,
         tensor=args.tensor,
+        shard=args.shard,
     )
     if world.Get_rank() == 0:
         print(eval_text(args.checkpoint, figures))
@@ -91,6 +92,7 @@ def cmd_predict(args, world):
         split=args.split,
         stages=args.stages,
         tensor=args.tensor,
+        shard=args.shard,
     )
     if world.Get_rank() == 0:
         print(result.summary())

@@ -177,7 +177,8 @@ def _add_predict_parser(sub):
 
 
 def add_split_flags(parser):
-    """``--stages`` and ``--tensor`` of ``eval`` and ``predict``: the model split as training splits it."""
+    """``--stages``, ``--tensor`` and ``--shard`` of ``eval`` and ``predict``: the model split as training
+    splits it."""
     parser.add_argument(
         "--stages",
         type=int,
@@ -193,6 +194,13 @@ def add_split_flags(parser):
         default=1,
         metavar="T",
         help="split each stage's layers into T tensor parts, as training does (default: 1)",
+    )
+    parser.add_argument(
+        "--shard",
+        choices=("none", "parameters"),
+        default="none",
+        help="'parameters': each rank holds 1/R of every unit of the model (R: the ranks over T) and "
+        "gathers a unit at a time as it runs, as training with --shard parameters does (default: none)",
     )
 
 

@@ -94,7 +94,16 @@ class Predictions:
 
 
 def predict(
-    checkpoint_path, data=None, output=None, *, model=None, comm=None, split="test", stages=1, tensor=1
+    checkpoint_path,
+    data=None,
+    output=None,
+    *,
+    model=None,
+    comm=None,
+    split="test",
+    stages=1,
+    tensor=1,
+    shard="none",
 ):
     """Predict with a checkpoint on new samples, each rank its own block, and write the predictions in input
     order.
@@ -115,6 +124,8 @@ def predict(
             :mod:`mpidist.loop.split_model`), for a model no rank can hold: each rank reads only its part of
             the checkpoint, each replica (``ranks / (stages x tensor)``) predicts a block of rows, and its
             last stage's outputs go to rank 0.  1 and 1 (the default): every rank loads the whole model.
+        shard: "parameters": each rank holds a shard of every unit of the model and gathers a unit at a time,
+            as ``--shard parameters`` trains; each rank predicts a block of rows.
 
     Returns:
         :class:`Predictions` on every rank, its arrays on rank 0.  Bad input raises
@@ -128,12 +139,12 @@ def predict(
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
     with LocalWatch(here(), Settings.stall_timeout, world.Get_rank()):
-        return _predict(world, checkpoint_path, data, output, model, split, (stages, tensor))
+        return _predict(world, checkpoint_path, data, output, model, split, (stages, tensor, shard))
 
 
-def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
+def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1, "none")):
     rank, size = world.Get_rank(), world.Get_size()
-    split_up, saved = layout != (1, 1), None
+    split_up, saved = layout != (1, 1, "none"), None
     claiming = contextlib.ExitStack()  # rank 0's file written aside, removed unless renamed into place
     with claiming:
         with agreed(world):
@@ -162,7 +173,9 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
                     f"position of a sequence (outputs {tuple(net.output_shape)} per sample): load it "
                     "with mpidist.api.load_trained and call model.forward for its outputs"
                 )
-            share, shares = split_model.data_share(rank, size, *layout)  # (a replica's ranks: the same rows)
+            share, shares = split_model.data_share(
+                rank, size, *layout[:2]
+            )  # (a replica's ranks: the same rows)
             counts, starts = blocks(reader.samples, shares)
             width = int(np.prod(net.output_shape, dtype=np.int64))
             if reader.samples * width > GATHER_LIMIT:
@@ -212,7 +225,9 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1)):
             figures = _figures(world, mine, y, classification) if y is not None else {}
             here().enter("gather")
             gathered = np.empty((reader.samples, width), dtype=mine.dtype) if rank == 0 else None
-            owner = [split_model.data_share(r, size, *layout)[0] for r in range(size)]  # (each rank's block)
+            owner = [
+                split_model.data_share(r, size, *layout[:2])[0] for r in range(size)
+            ]  # (each rank's block)
             mpi.gatherv(
                 world,
                 mine,
@@ -297,7 +312,8 @@ class SplitForward:
 
         here().enter("compute")
         out = np.empty((len(x) if self.gives else 0, self.width), dtype=self.dtype)
-        for lo in range(0, len(x), BATCH):
+        # (where the ranks' forward passes are collective, every rank runs as many: Passes.in_step)
+        for lo in self.strategy.passes.in_step(range(0, len(x), BATCH)):
             part = split_model.outputs(self.strategy, x[lo : lo + BATCH])
             if part is not None:
                 out[lo : lo + BATCH] = to_host(part).reshape(-1, self.width)

@@ -5,6 +5,7 @@ cosine, a clip that bites on some steps, weight decay, accumulation in slices), 
 at every step, each worker's shards compared with their places in the reference's parameters.
 """
 
+import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -135,6 +136,18 @@ def test_a_sharded_checkpoint_resumes_on_any_layout_as_a_run_that_never_stopped(
     assert not np.allclose(params["local"], checkpoint.load(written).params)  # (4 steps did train)
     for name in ("sharded-3", "pipeline", "local"):
         np.testing.assert_allclose(params[name], params["never-stopped"], rtol=1e-9, atol=1e-12, err_msg=name)
+    # eval and predict in the same layout (3 ranks, each a shard: their shares of the split in step) give
+    # what the whole model gives on one rank
+    for command, flags in (("eval", []), ("predict", ["--output", str(tmp_path / "p-{}.h5")])):
+        printed = []
+        for ranks, layout in ((1, []), (3, ["--shard", "parameters"])):
+            more = [flag.format(ranks) for flag in flags]
+            done, _ = mpidist(ranks, command, str(written), *layout, *more, timeout=120)
+            assert done.returncode == 0, (command, layout, done.stderr)
+            printed.append(done.stdout.replace(str(tmp_path / f"p-{ranks}.h5"), "OUT"))
+        assert printed[0] == printed[1] and "accuracy" in printed[0], printed
+    with h5py.File(tmp_path / "p-1.h5") as one, h5py.File(tmp_path / "p-3.h5") as three:
+        np.testing.assert_array_equal(one["probabilities"][...], three["probabilities"][...])
 
 
 @pytest.mark.parametrize("nodes, ranks", [(2, 4), (3, 6)])
@@ -242,3 +255,25 @@ def test_tensor_parts_sharded_over_the_replicas_train_as_local(name):
 def _written(strategy):
     """``(lo, hi)`` of the regions this worker writes, in its buffer of shards."""
     return [(r.lo, r.lo + r.size) for r in strategy.placement.regions if r.writes]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_workers_with_unequal_shares_of_a_split_evaluate_in_step_as_one_process():
+    """Worker ``w`` evaluates ``w + 1`` batches (the ones before it have run out while it gathers): the
+    figures are local's over every batch, and no worker is left waiting in a gather."""
+    cluster = build_cluster(MPI.COMM_WORLD)
+    workers, worker = cluster.num_workers, cluster.worker_index
+    xs, ys = batches(5)
+    every = [(xs[k % STEPS] + k, ys[k % STEPS]) for k in range(workers * (workers + 1) // 2)]
+    first = worker * (worker + 1) // 2
+    strategy = sharded(cluster, "sgd")
+    strategy.initialize()
+    figures = strategy.evaluate(every[first : first + worker + 1])
+    local = LocalStrategy(small_convnet(np.float64), nn.loss_for(4, np), make("sgd"), seed=3)
+    local.initialize()
+    expected = local.evaluate(every)
+    assert figures["samples"] == expected["samples"] == 5 * len(every)
+    assert figures["loss"] == pytest.approx(expected["loss"], rel=1e-12)
+    assert figures["accuracy"] == expected["accuracy"]
+    strategy.free()
+    cluster.free()
