@@ -14,7 +14,7 @@ from ..runtime import comm as mpi
 from ..runtime.xp import to_host
 from .base import Strategy
 from .batch_norms import synchronise_batch_norms
-from .mesh import Mesh
+from .mesh import Mesh, ReplicaWorkers
 from .recovery import Recovery
 from .saved_state import WholeState
 from .tensor import split_over
@@ -59,7 +59,7 @@ class ChiefHoldsAll(Recovery):
         return WholeState(to_host(strategy.model.params), arrays, strategy.optimizer.steps)
 
 
-class DataParallel(Strategy):
+class DataParallel(ReplicaWorkers, Strategy):
     """Replicated model; gradients computed on each worker's shard, then exchanged.
 
     Gradients and the weighted batch loss share one buffer
@@ -125,14 +125,6 @@ class DataParallel(Strategy):
     def evaluate(self, batches):
         self.average_running()
         return super().evaluate(batches)
-
-    @property
-    def worker_comm(self):
-        return self.mesh.comm("replica")
-
-    @property
-    def worker_index(self):
-        return self.mesh.index("replica")
 
     def state(self):
         """Collective over the workers: the chief's state, with every worker's :meth:`own_state` gathered (if

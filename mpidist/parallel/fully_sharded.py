@@ -24,13 +24,13 @@ from mpi4py import MPI
 from .allreduce_declared import AllreduceDeclared
 from .base import Strategy
 from .gathering import UnitGathers
-from .mesh import Mesh
+from .mesh import Mesh, ReplicaWorkers
 from .tensor import split_over
 from .units import ShardedUnits, cut_units, sliced
 from .verdict import agree
 
 
-class FullyShardedStrategy(AllreduceDeclared, Strategy):
+class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
     """Workers holding a shard of every unit of the model, each unit gathered as it runs.
 
     Args:
@@ -66,14 +66,6 @@ class FullyShardedStrategy(AllreduceDeclared, Strategy):
         self.optimizer = self.optimizers.make_pieces(self.shards.pieces())
         # (the parameters every part of a tensor group holds alike: their squares are part 0's to count)
         self.shared = self.shards.within(self.tensor.shared) if self.tensor.part else []
-
-    @property
-    def worker_comm(self):
-        return self.mesh.comm("replica")
-
-    @property
-    def worker_index(self):
-        return self.mesh.index("replica")
 
     def describe(self, rank):
         shards, part = self.shards, self.tensor.describe()

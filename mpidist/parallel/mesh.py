@@ -156,5 +156,18 @@ class Mesh:
         self._split = []
 
 
+class ReplicaWorkers:
+    """Mixin of a strategy whose workers are its :attr:`mesh` (a :class:`Mesh`): the workers it exchanges
+    with are its replica axis (the same part of every tensor group)."""
+
+    @property
+    def worker_comm(self):
+        return self.mesh.comm("replica")
+
+    @property
+    def worker_index(self):
+        return self.mesh.index("replica")
+
+
 #: What an axis's communicator is once :meth:`Mesh.free` freed it.
 _FREED = object()

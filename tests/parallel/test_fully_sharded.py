@@ -203,50 +203,18 @@ def test_under_a_memory_cap_sharded_workers_train_a_model_none_of_them_can_hold(
 @pytest.mark.parametrize("name", ["deep", "residual", "transformer"])
 def test_tensor_parts_sharded_over_the_replicas_train_as_local(name):
     """data x tensor 2: each part of a tensor group sharded over the replicas (2 or 3 of them), against local
-    on the global batch with a clip that bites: equal to 1e-9, each worker's shards at their places."""
-    from test_tensor import MODELS, inputs, whole_model
+    on the global batch with a clip that bites (tests/parallel/test_tensor.py's runs): the same loss and
+    clipping at each step, and the same model to 1e-9, each worker's shards at their places."""
+    from test_tensor import tensor_runs
 
-    from mpidist.parallel.recipe import Recipe
-
-    world = MPI.COMM_WORLD
-    if world.Get_size() % 2:
-        pytest.skip(f"--tensor 2 does not divide {world.Get_size()} ranks")
-    cluster = build_cluster(world)
-    make = lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
-    recipe = Recipe(clip_norm=0.05)
-    reference = LocalStrategy(whole_model(name), nn.loss_for(4, np), make, seed=3, recipe=recipe)
-    strategy = FullyShardedStrategy(
-        whole_model(name),
-        nn.loss_for(4, np),
-        make,
-        cluster,
-        seed=3,
-        bucket_bytes=64 * 8,
-        tensor=2,
-        recipe=recipe,
-    )
-    reference.initialize()
-    strategy.initialize()
+    cluster, strategy, reference = tensor_runs(2, name, clip=0.05, sharded=64 * 8)
+    assert len(strategy.shards.units) > 1 and reference.clipped
     where = strategy.placement.positions()
-    np.testing.assert_array_equal(strategy.params, reference.model.params[where])  # (drawn alike)
-    assert len(strategy.shards.units) > 1, MODELS[name]
-    global_batch, clipped = 12, []
-    part = worker_slice(global_batch, cluster.num_workers // 2, strategy.worker_index)
-    for step in range(4):
-        x, y = inputs(name, global_batch, seed=step)
-        expected = reference.train_step(x, y, 1.0, step)
-        loss = strategy.train_step(x[part], y[part], (part.stop - part.start) / global_batch, step)
-        assert np.isclose(loss, expected, rtol=1e-9) and strategy.clipped == reference.clipped
-        clipped.append(reference.clipped)
-        # (atol: Adam's steps on a gradient near zero, as tests/parallel/test_tensor.py's)
-        np.testing.assert_allclose(strategy.params, reference.model.params[where], rtol=1e-9, atol=1e-9)
-    assert any(clipped)
+    # (atol: Adam's steps on a gradient near zero, as tests/parallel/test_tensor.py's)
+    np.testing.assert_allclose(strategy.params, reference.model.params[where], rtol=1e-9, atol=1e-9)
     # the workers' shards are the whole model, each element written once
-    written = np.concatenate(
-        cluster.workers.allgather(
-            np.concatenate([where[lo:hi] for lo, hi in _written(strategy)] + [np.zeros(0, int)])
-        )
-    )
+    mine = [where[lo:hi] for lo, hi in _written(strategy)]
+    written = np.concatenate(cluster.workers.allgather(np.concatenate(mine + [np.zeros(0, int)])))
     assert np.array_equal(np.sort(written), np.arange(reference.model.num_params))
     strategy.free()
     cluster.free()

@@ -304,12 +304,13 @@ def test_a_layer_with_parameters_between_a_split_pair_must_declare_its_split():
 
 
 # -- with real ranks -----------------------------------------------------------------------------------------
-def tensor_runs(tensor, name, optimizer="adam", steps=4, global_batch=12, clip=0.0):
+def tensor_runs(tensor, name, optimizer="adam", steps=4, global_batch=12, clip=0.0, sharded=None):
     """``(cluster, strategy, reference)``: ``allreduce --tensor T`` on the world and ``local`` on the global
-    batch."""
+    batch, each step's loss and clipping alike; ``sharded``: ``--shard parameters``, units of at most these
+    bytes."""
     from mpi4py import MPI
 
-    from mpidist.parallel import AllreduceStrategy
+    from mpidist.parallel import AllreduceStrategy, FullyShardedStrategy
     from mpidist.parallel.recipe import Recipe
     from mpidist.runtime.cluster import build_cluster
 
@@ -320,15 +321,9 @@ def tensor_runs(tensor, name, optimizer="adam", steps=4, global_batch=12, clip=0
     make = lambda size: nn.make_optimizer(optimizer, size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
     recipe = Recipe(clip_norm=clip) if clip else None
     reference = LocalStrategy(whole_model(name), nn.loss_for(4, np), make, seed=3, recipe=recipe)
-    strategy = AllreduceStrategy(
-        whole_model(name),
-        nn.loss_for(4, np),
-        make,
-        cluster,
-        seed=3,
-        exchange="mpi",
-        tensor=tensor,
-        recipe=recipe,
+    layout = dict(exchange="mpi") if sharded is None else dict(bucket_bytes=sharded)
+    strategy = (AllreduceStrategy if sharded is None else FullyShardedStrategy)(
+        whole_model(name), nn.loss_for(4, np), make, cluster, seed=3, tensor=tensor, recipe=recipe, **layout
     )
     reference.initialize()
     strategy.initialize()
@@ -338,7 +333,7 @@ def tensor_runs(tensor, name, optimizer="adam", steps=4, global_batch=12, clip=0
         x, y = inputs(name, global_batch, seed=step)
         expected = reference.train_step(x, y, 1.0, step)
         loss = strategy.train_step(x[part], y[part], (part.stop - part.start) / global_batch, step)
-        assert np.isclose(loss, expected, rtol=1e-9)
+        assert np.isclose(loss, expected, rtol=1e-9) and strategy.clipped == reference.clipped
     return cluster, strategy, reference
 
 
