@@ -362,6 +362,7 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
         "allreduce, bf16",
         "allreduce, shard parameters",
         "allreduce, shard parameters, 0.25 MiB",
+        "allreduce, shard parameters, 0.25 MiB, kept",
         "hand-written+Allreduce",
         "ps-sync",
         "ps-async",

@@ -29,7 +29,8 @@ Every rank together, alternating step by step as well:
 * ``allreduce, shard parameters``: each worker holding 1/W of the model and
   gathering a unit at a time (units of ``--bucket-mb``'s 64 MiB: these
   models are one unit), and with units of 0.25 MiB (a unit's gather
-  overlapping the one before's compute);
+  overlapping the one before's compute), those kept from forward to
+  backward too (``--no-reshard-after-forward``: no second gather);
 * ``hand-written+Allreduce``: the hand-written loop with one ``Allreduce`` of
   its flat gradient buffer after backward;
 
@@ -91,11 +92,17 @@ def _allreduce(model, cluster, optimizer="sgd", **arguments):
     return strategy
 
 
-def _fully_sharded(name, cluster, optimizer="sgd", bucket_bytes=64 << 20):
+def _fully_sharded(name, cluster, optimizer="sgd", bucket_bytes=64 << 20, keep=False):
     """An initialised ``allreduce --shard parameters`` on model ``name``, units of at most
     ``bucket_bytes``."""
     strategy = FullyShardedStrategy(
-        _model(name), nn.loss_for(10, np), OPTIMIZERS[optimizer], cluster, seed=0, bucket_bytes=bucket_bytes
+        _model(name),
+        nn.loss_for(10, np),
+        OPTIMIZERS[optimizer],
+        cluster,
+        seed=0,
+        bucket_bytes=bucket_bytes,
+        keep=keep,
     )
     strategy.initialize()
     return strategy
@@ -197,6 +204,9 @@ def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):
         "allreduce, bf16": _allreduce(_model(name), cluster, optimizer, compress="bf16"),
         "allreduce, shard parameters": _fully_sharded(name, cluster, optimizer),
         "allreduce, shard parameters, 0.25 MiB": _fully_sharded(name, cluster, optimizer, SMALL_BUCKETS),
+        "allreduce, shard parameters, 0.25 MiB, kept": _fully_sharded(
+            name, cluster, optimizer, SMALL_BUCKETS, keep=True
+        ),
     }
     if cluster.num_nodes == 1 and size > 1:  # (a copy per rank, the gradients in one node's shared window)
         owners["allreduce, shared-memory"] = _allreduce(
