@@ -245,3 +245,22 @@ def test_workers_with_unequal_shares_of_a_split_evaluate_in_step_as_one_process(
     assert figures["accuracy"] == expected["accuracy"]
     strategy.free()
     cluster.free()
+
+
+def test_the_start_up_check_prices_what_each_worker_then_reports():
+    """holding's price of a worker under --shard parameters (before any strategy exists) is what the run's
+    start event reports: the closed form above, per rank."""
+    from types import SimpleNamespace
+
+    from mpidist.nn import zoo
+    from mpidist.parallel import holding
+
+    model = zoo.build_model("mlp", (64,), 10, np, np.float64, buffers=False)  # (digits)
+    settings = SimpleNamespace(
+        strategy="allreduce", shard="parameters", tensor=1, bucket_mb=0.1, reshard_after_forward=True
+    )
+    for rank, shard in enumerate(SHARDS_OF_4):
+        cluster = SimpleNamespace(num_workers=4, worker_index=rank, is_chief=rank == 0)
+        held = holding.held(settings, cluster, model, 2)
+        assert (held.params, held.grads, held.optimizer, held.gathered) == (shard, shard, shard, GATHERED)
+        assert holding.held_bytes(held, 2, 8) == 32 * shard + 8 * GATHERED
