@@ -253,13 +253,36 @@ def events(path, kind=None):
     return [event for event in found if kind is None or event["event"] == kind]
 
 
+def _new_lines(path, tail):
+    """The lines ended in ``path`` since the last look (``tail``: the file looked at, the bytes read, the line
+    begun); every line again where the file is another or shorter than what was read (written anew)."""
+    try:
+        with open(path, "rb") as file:
+            stat = os.fstat(file.fileno())
+            if tail.get("file") != (stat.st_dev, stat.st_ino) or stat.st_size < tail.get("read", 0):
+                tail.update(file=(stat.st_dev, stat.st_ino), read=0, begun=b"")
+            file.seek(tail["read"])
+            new = file.read()
+    except FileNotFoundError:
+        return []
+    tail["read"] += len(new)
+    *lines, tail["begun"] = (tail["begun"] + new).split(b"\n")
+    return lines
+
+
 def wait_for_step(metrics, step, launcher, timeout=60):
     """Return once the chief logged ``step`` in ``metrics``; fail if the run (a Popen) ends first or never
-    does."""
-    deadline = time.monotonic() + timeout
+    does.
+
+    Only what the run wrote since the last look is read: the whole file, parsed again every 20 ms, cost
+    10 ms of CPU a look by step 1,288 (--log-every 1), a third of a core taken from the run's ranks on a
+    2-core machine."""
+    deadline, tail = time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
-        if any(event["step"] >= step for event in events(metrics, "step")):
-            return
+        for line in _new_lines(metrics, tail):
+            event = json.loads(line)
+            if event["event"] == "step" and event["step"] >= step:
+                return
         if launcher.poll() is not None:
             pytest.fail(f"the run ended before step {step}: {launcher.communicate()}")
         time.sleep(0.02)

@@ -109,13 +109,23 @@ def test_synthetic_data_is_the_same_however_it_is_written(tmp_path, monkeypatch)
             ingest(spec, tmp_path / "bad.h5")
 
 
-@pytest.mark.parametrize("mode,tolerance", [("memory", 0.0), ("stream", 0.02)])
-def test_a_directory_of_shards_trains_to_the_accuracy_of_the_single_file(tmp_path, mode, tolerance):
-    """In memory the shards give the same strided shards, so the same run; streamed, the same accuracy."""
-    done, _ = mpidist(1, "ingest", "digits", str(tmp_path / "one.h5"))
+@pytest.fixture(scope="module")
+def digits_one_and_many(tmp_path_factory):
+    """digits ingested as one file and as shards of 200 rows, once for the module (the runs only read
+    them)."""
+    folder = tmp_path_factory.mktemp("digits")
+    done, _ = mpidist(1, "ingest", "digits", str(folder / "one.h5"))
     assert done.returncode == 0, done.stderr
-    done, _ = mpidist(1, "ingest", "digits", str(tmp_path / "many"), "--shard-size", "200")
+    done, _ = mpidist(1, "ingest", "digits", str(folder / "many"), "--shard-size", "200")
     assert done.returncode == 0 and "wrote" in done.stdout, done.stderr
+    return folder
+
+
+@pytest.mark.parametrize("mode,tolerance", [("memory", 0.0), ("stream", 0.02)])
+def test_a_directory_of_shards_trains_to_the_accuracy_of_the_single_file(
+    tmp_path, digits_one_and_many, mode, tolerance
+):
+    """In memory the shards give the same strided shards, so the same run; streamed, the same accuracy."""
     accuracy = {}
     for name in ("one.h5", "many"):
         metrics = tmp_path / f"{name}.jsonl"
@@ -123,7 +133,7 @@ def test_a_directory_of_shards_trains_to_the_accuracy_of_the_single_file(tmp_pat
             2,
             "train",
             "--data",
-            str(tmp_path / name),
+            str(digits_one_and_many / name),
             "--data-mode",
             mode,
             "--shuffle-buffer",
