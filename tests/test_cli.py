@@ -580,3 +580,19 @@ def test_ps_ranks_write_mid_run_checkpoints_when_workers_are_not_in_step(tmp_pat
     )
     assert done.returncode == 0, done.stderr
     assert f"at step {middle[1]}" in done.stdout and re.search(rf"\n  steps +{total} ", done.stdout)
+
+
+def test_bench_s_sharding_table_takes_every_bench_model():
+    """One process (W = 1): every layout holds the ZeRO paper's 16 bytes a parameter (gathered units left
+    out), for an image model as for an MLP."""
+    from mpi4py import MPI
+
+    from mpidist.bench.sharding import shard_rows
+    from mpidist.runtime.cluster import build_cluster
+
+    cluster = build_cluster(MPI.COMM_SELF)
+    for name in ("cnn", "mlp"):
+        rows = shard_rows(MPI.COMM_SELF, cluster, name, 2)
+        assert [row["layout"] for row in rows] == ["replicated", "shard optimizer", "shard parameters"]
+        assert [row["zero_per_param"] for row in rows] == [16.0] * 3 and rows[0]["sent_per_step"] == 0
+    cluster.free()

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from .. import nn
 from ..parallel import FullyShardedStrategy
 from ..parallel.holding import zero_bytes_per_param
-from .rows import SHAPES, DEFAULT_SHAPE, _allreduce, _model, adam
+from .rows import _allreduce, _model, _problem, adam
 
 
 def _sent_per_step(strategy, layout, workers):
@@ -33,13 +33,10 @@ def shard_rows(world, cluster, name, batch):
     """A row for each layout of model ``name``: bytes held a parameter (each kind, the largest rank's), the
     ZeRO accounting, and bytes sent a step (rank 0 gets the rows)."""
     workers = world.Get_size()
-    rng = np.random.default_rng(world.Get_rank())
-    sample, classes = SHAPES.get(name, DEFAULT_SHAPE)
-    x = rng.random((batch, *sample), dtype=np.float32)
-    y = rng.integers(0, classes, batch)
+    model, x, y = _problem(name, batch, world.Get_rank())
     rows = []
     for layout in ("none", "optimizer", "parameters"):
-        model = _model(name)
+        model = _model(name)  # (each layout trains a model of its own)
         if layout == "parameters":
             strategy = FullyShardedStrategy(model, nn.loss_for(10, np), adam, cluster, seed=0)
             strategy.initialize()
