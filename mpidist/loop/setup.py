@@ -116,8 +116,7 @@ def _ways_it_fits(config, cluster, model, arrays):
     (``allreduce`` on more than one worker), or a pipeline's stages."""
     ways, itemsize, limit = [], model.dtype.itemsize, holdable()[0]
     if cluster is not None and cluster.num_workers > 1 and config.strategy == "allreduce":
-        sharded = holding.held(dataclasses.replace(config, shard="parameters"), cluster, model, arrays)
-        need = holding.held_bytes(sharded, arrays, itemsize)
+        need = holding.held_bytes(holding.fully_sharded_held(config, cluster, model), arrays, itemsize)
         if need <= limit:
             ways.append(
                 f"sharded, it fits: --shard parameters (each of the {cluster.num_workers} workers needs "

@@ -28,11 +28,15 @@ def settings(strategy="allreduce", stages=1, tensor=1, shard="none"):
         balance="",
         model="mlp:32,32",
         optimizer="adam",
+        bucket_mb=64.0,
+        reshard_after_forward=True,
     )
 
 
 def cluster(rank, size, workers=None):
-    return SimpleNamespace(rank=rank, size=size, is_chief=rank == 0, num_workers=workers or size)
+    return SimpleNamespace(
+        rank=rank, size=size, is_chief=rank == 0, num_workers=workers or size, worker_index=rank
+    )
 
 
 def test_a_data_parallel_rank_holds_the_whole_model_and_the_chiefs_copy():
@@ -132,3 +136,12 @@ def test_a_whole_model_that_does_not_fit_is_refused_naming_the_pipeline_it_would
     monkeypatch.setattr(memory, "available_bytes", lambda: largest - 1)
     with pytest.raises(UsageError, match=r"training 3,466 parameters with adam needs [^;]*$"):
         check_holds(settings(), cluster(0, 2), model())
+    # over 8 workers each holding an eighth of it (and the one unit, gathered with its gradients), it fits
+    sharded = holding.held_bytes(holding.fully_sharded_held(settings(), cluster(0, 8), model()), ADAM, 4)
+    assert sharded == 4 * (4 * 434 + 2 * 3472) < largest - 1
+    with pytest.raises(
+        UsageError,
+        match=r"training 3,466 parameters with adam needs [^;]*; sharded, it fits: --shard parameters \(each "
+        rf"of the 8 workers needs {memory.human(sharded)}\)$",
+    ):
+        check_holds(settings(), cluster(0, 8), model())
