@@ -33,7 +33,7 @@ def shard_rows(world, cluster, name, batch):
     """A row for each layout of model ``name``: bytes held a parameter (each kind, the largest rank's), the
     ZeRO accounting, and bytes sent a step (rank 0 gets the rows)."""
     workers = world.Get_size()
-    model, x, y = _problem(name, batch, world.Get_rank())
+    _, x, y = _problem(name, batch, world.Get_rank())
     rows = []
     for layout in ("none", "optimizer", "parameters"):
         model = _model(name)  # (each layout trains a model of its own)

@@ -26,7 +26,7 @@ from .base import Strategy
 from .gathering import UnitGathers
 from .mesh import Mesh, ReplicaWorkers
 from .tensor import split_over
-from .units import ShardedUnits, cut_units, sliced
+from .units import ShardedUnits, sliced, units_of
 from .verdict import agree
 
 
@@ -53,7 +53,7 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
         super().__init__(self.tensor.model, loss, make_optimizer, cluster, *args, **kwargs)
         whole, model, comm = model, self.model, self.worker_comm
         ranks, rank = (1, 0) if comm is None else (comm.Get_size(), comm.Get_rank())
-        units = cut_units(model.offsets, model.num_params, max(1, self.bucket_bytes // model.dtype.itemsize))
+        units = units_of(model.offsets, model.num_params, self.bucket_bytes, model.dtype.itemsize)
         #: this worker's shards of the units
         self.shards = ShardedUnits(units, ranks, rank)
         self.placement = sliced(self.tensor.within(whole, 0), self.shards.pieces())
@@ -64,8 +64,8 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
         )
         model.gate = self.gathers
         self.optimizer = self.optimizers.make_pieces(self.shards.pieces())
-        # (the parameters every part of a tensor group holds alike: their squares are part 0's to count)
-        self.shared = self.shards.within(self.tensor.shared) if self.tensor.part else []
+        #: the parameters every part of a tensor group holds alike, in this worker's buffer of shards
+        self.shared = self.shards.within(self.tensor.shared)
 
     def describe(self, rank):
         shards, part = self.shards, self.tensor.describe()
@@ -88,10 +88,7 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
     def train_step(self, x, y, weight, step):
         loss = self._backprop(x, y, weight, step)
         self.track("exchange")
-        grads = self.grads
-        squares = float(grads.dot(grads)) - sum(
-            float(grads[lo:hi].dot(grads[lo:hi])) for lo, hi in self.shared
-        )
+        squares = self.tensor.squares(self.grads, shared=self.shared)  # (a part's shared ones on part 0)
         # (over every worker: each holds its shard of its part; a tensor group's parts know the loss alike)
         every = None if self.cluster is None else self.cluster.workers
         carry = (loss * weight / self.tensor.parts,)

@@ -18,7 +18,7 @@ import math
 from .mesh import MeshShape
 from .balance import balance_by_parameters, layer_costs, parse_balance
 from .stage import StageLayout
-from .units import ShardedUnits, cut_units, gathered_elements
+from .units import ShardedUnits, gathered_elements, units_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +73,9 @@ def fully_sharded_held(settings, cluster, model):
     tensor = max(int(settings.tensor), 1)
     replicas = max(cluster.num_workers // tensor, 1)
     index = (cluster.worker_index or 0) // tensor  # (part fastest: the mesh's order)
-    limit = max(1, int(settings.bucket_mb * (1 << 20)) // model.dtype.itemsize)
-    units = cut_units(model.offsets, model.num_params, limit * tensor)
+    units = units_of(
+        model.offsets, model.num_params, settings.bucket_mb * (1 << 20) * tensor, model.dtype.itemsize
+    )
     shard = math.ceil(ShardedUnits(units, replicas, index).size / tensor)
     gathered = math.ceil(gathered_elements(units, not settings.reshard_after_forward, replicas) / tensor)
     return Held(shard, shard, gathered, f"1/{replicas} of every unit", grads=shard)

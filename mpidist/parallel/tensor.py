@@ -163,13 +163,15 @@ class TensorPart:
         out = np.empty(self.placement.size, dtype=self.model.dtype) if out is None else out
         return self.placement.initial(seed, out)
 
-    def squares(self, grads, whole=None):
+    def squares(self, grads, whole=None, shared=None):
         """This part's share of the whole model's squared gradient norm (on the arrays' device): its split
         parameters, and the shared ones on part 0 alone (every part holds them alike).  ``whole``: the squared
-        norm of ``grads``, where it was taken already (the exchange's)."""
+        norm of ``grads``, where it was taken already (the exchange's); ``shared``: where the shared ones lie
+        in ``grads``, where it is not the part's buffer (a worker's shards of it)."""
         squares = float(grads.dot(grads)) if whole is None else whole
         if self.part != 0:
-            squares -= sum(float(grads[lo:hi].dot(grads[lo:hi])) for lo, hi in self.shared)
+            ranges = self.shared if shared is None else shared
+            squares -= sum(float(grads[lo:hi].dot(grads[lo:hi])) for lo, hi in ranges)
         return squares
 
     def verdict(self, grads, squares, loss, clip_norm):
@@ -200,7 +202,7 @@ class WholeModel:
     def describe(self):
         return ""
 
-    def squares(self, grads, whole=None):
+    def squares(self, grads, whole=None, shared=None):
         return float(grads.dot(grads)) if whole is None else whole
 
     def verdict(self, grads, squares, loss, clip_norm):

@@ -59,6 +59,12 @@ def cut_units(offsets, num_params, limit):
     return units
 
 
+def units_of(offsets, num_params, bucket_bytes, itemsize):
+    """:func:`cut_units` with at most ``bucket_bytes`` (``--bucket-mb``) of ``itemsize``-byte parameters a
+    unit."""
+    return cut_units(offsets, num_params, max(1, int(bucket_bytes) // itemsize))
+
+
 class ShardedUnits:
     """Rank ``rank`` of ``ranks``'s shards of ``units``: where each sits in the unit and in the rank's buffer.
 

@@ -22,7 +22,7 @@ from ..parallel.mesh import MeshShape
 from ..parallel.registry import STRATEGIES
 from ..parallel.schedule import schedule as stage_plan
 from ..parallel.schedule import simulate
-from ..parallel.units import block_of, cut_units, gathered_elements
+from ..parallel.units import block_of, gathered_elements, units_of
 from ..runtime.errors import UsageError
 from .buckets import MIB, hideable
 from .layout import Prediction
@@ -154,8 +154,7 @@ def _fully_sharded(cal, layout):
     samples = layout.batch / workers
     compute = cal.compute(samples)
     item, link = cal.itemsize, cal.link_for(layout)
-    offsets = np.cumsum([0] + [layer.params for layer in cal.layers[:-1]]).tolist()
-    units = cut_units(offsets, cal.params, max(1, int(layout.bucket_mb * MIB) // item))
+    units = _units(cal, layout.bucket_mb)
     padded = [workers * block_of(unit.size, workers) * item for unit in units]
     calls = padded + padded[:-2] + padded  # forward's gathers, backward's again, the sums
     exchange = sum(link.reduce_scatter(nbytes, workers) for nbytes in calls)
@@ -173,13 +172,18 @@ def _fully_sharded(cal, layout):
     )
 
 
+def _units(cal, bucket_mb):
+    """The calibrated model's ``--shard parameters`` units at ``bucket_mb``."""
+    offsets = np.cumsum([0] + [layer.params for layer in cal.layers[:-1]]).tolist()
+    return units_of(offsets, cal.params, bucket_mb * MIB, cal.itemsize)
+
+
 def held_per_parameter(cal, counts=(1, 2, 4), bucket_mb=64.0):
     """Rows of the bytes a worker holds a parameter under each ``allreduce`` layout at each worker count of
     ``counts``: the ZeRO paper's count (:func:`~mpidist.parallel.holding.zero_bytes_per_param`) and, with
     ``--shard parameters``, its gathered units (two of the calibrated model's, at ``bucket_mb``)."""
     item, arrays = cal.itemsize, OPTIMIZER_ARRAYS.get(cal.optimizer, 2)
-    offsets = np.cumsum([0] + [layer.params for layer in cal.layers[:-1]]).tolist()
-    units = cut_units(offsets, cal.params, max(1, int(bucket_mb * MIB) // item))
+    units = _units(cal, bucket_mb)
     rows = []
     for shard in ("none", "optimizer", "parameters"):
         for workers in counts:
