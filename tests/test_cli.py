@@ -4,6 +4,7 @@ Each run has a timeout: a run that outlives it is reported as a hang.  Bad
 input and faults are in tests/test_faults.py.
 """
 
+import importlib.util
 import json
 import re
 
@@ -342,6 +343,82 @@ def test_info_reports_the_mpi_library_and_layout():
     assert "  " not in library.split("MPI library", 1)[1].strip()  # (the library's own padding: one space)
 
 
+def _torch_installed():
+    return importlib.util.find_spec("torch") is not None
+
+
+def _one_process_references(cores):
+    """The rows beside ``local`` that depend on this machine: torch's, where installed, and every core's,
+    where a rank's share (of 2 ranks) is fewer."""
+    torch = _torch_installed()
+    rows = {"torch"} if torch else set()
+    if cores > max(1, cores // 2):
+        rows |= {f"local, {cores} threads"} | ({f"torch, {cores} threads"} if torch else set())
+    return rows
+
+
+def test_bench_models_take_arguments_and_are_checked_before_anything_runs():
+    from mpidist.runtime.errors import UsageError
+    from mpidist.tools.cli import bench_models
+
+    assert bench_models("mlp, transformer:2,64,4,cnn:8,16, mlp-wide") == [
+        "mlp",
+        "transformer:2,64,4",
+        "cnn:8,16",
+        "mlp-wide",
+    ]
+    for bad, named in (("mlp,resnet", "'resnet'"), ("transformer:2,64", "transformer:2,64"), (",", ",")):
+        with pytest.raises(UsageError, match="--models") as raised:
+            bench_models(bad)
+        assert named in str(raised.value)
+
+
+def test_bench_layers_times_each_layer_beside_torch(tmp_path):
+    """One row per top-level layer, then the rest of the step and the step; torch's columns where it is."""
+    out = tmp_path / "layers.json"
+    done, _ = mpidist(
+        2,
+        "bench",
+        "--layers",
+        "--models",
+        "mlp,transformer:1,8,2",
+        "--seconds",
+        "0.3",
+        "--batch-per-rank",
+        "16",
+        "--output",
+        str(out),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    table = json.loads(out.read_text())["layers"]
+    kinds = {
+        "mlp": ["Flatten()", "Dense(128)", "ReLU()", "Dense(128)", "ReLU()", "Dense(10)"],
+        "transformer:1,8,2": [
+            "TokenConv(8, kernel=5)",
+            "PositionalEmbedding(40)",
+            "TransformerBlock(2, mlp_ratio=4)",
+            "LayerNorm(eps=1e-05)",
+            "SequencePool('mean')",
+            "Dense(10)",
+        ],
+    }
+    for model, layers in kinds.items():
+        rows = [row for row in table if row["model"] == model]
+        assert [row["what"] for row in rows] == layers + ["loss, update, the rest", "training step"]
+        for row in rows[:-2]:
+            assert row["mpidist_forward_ms"] > 0 and row["mpidist_backward_ms"] >= 0
+            assert row["mpidist_ms"] == pytest.approx(row["mpidist_forward_ms"] + row["mpidist_backward_ms"])
+        # the first layer learns nothing below it: no input gradient, and a Flatten has no parameters
+        assert rows[1]["mpidist_backward_ms"] > 0 and (model != "mlp" or rows[0]["mpidist_backward_ms"] == 0)
+        assert rows[-1]["mpidist_ms"] > max(row["mpidist_ms"] for row in rows[:-1])
+        for row in rows:
+            assert ("torch_ms" in row) == _torch_installed()
+            if "torch_ms" in row:
+                assert row["vs_torch"] == row["torch_ms"] / row["mpidist_ms"]
+    assert "mpidist fwd ms" in done.stdout and "training step" in done.stdout
+
+
 def test_bench_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     done, _ = mpidist(2, "bench", "--seconds", "0.2", "--models", "mlp", "--output", str(out), timeout=120)
@@ -366,7 +443,7 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
         "hand-written+Allreduce",
         "ps-sync",
         "ps-async",
-    } | ({"torch"} if "torch" in rows else set())
+    } | _one_process_references(document["meta"]["cores"])
     for strategy, row in rows.items():
         assert row["steps_per_s"] > 0 and row["samples_per_s"] > 0
         if strategy != "local":

@@ -7,7 +7,7 @@ import pytest
 
 from mpidist import nn
 from mpidist.bench.handwritten import HandwrittenMLP
-from mpidist.bench.rows import handwritten_for
+from mpidist.bench.handwritten import handwritten_for
 from mpidist.parallel import LocalStrategy
 from mpidist.parallel.exchange import top_down_buckets
 from mpidist.parallel.slots import SlotPool

@@ -31,6 +31,7 @@ from ..runtime.errors import RunError
 from ..runtime.threads import limit_blas_threads
 from . import reference
 from . import rows as rows_of
+from .one_process import one_process_rows
 
 # (check_output: the CLI's and tests')
 from .output import check_output, format_table, write_results  # noqa: F401
@@ -43,6 +44,9 @@ from .checkpoints import COLUMNS as CHECKPOINT_COLUMNS
 from .checkpoints import checkpoint_rows
 from .tracing import COLUMNS as TRACING_COLUMNS
 from .tracing import tracing_rows
+from .layers import COLUMNS as LAYER_COLUMNS
+from .layers import layer_rows
+from .timing import release, sleep_until_released
 
 
 def bench_model(world, cluster, name, batch, seconds, rounds=3, optimizer="sgd"):
@@ -55,7 +59,7 @@ def bench_model(world, cluster, name, batch, seconds, rounds=3, optimizer="sgd")
     share = seconds / rounds
     measured = []
     for _ in range(rounds):
-        rows = rows_of.one_process_rows(world, name, batch, share, optimizer) + rows_of.parallel_rows(
+        rows = one_process_rows(world, name, batch, share, optimizer) + rows_of.parallel_rows(
             world, cluster, name, batch, share, optimizer
         )
         if world.Get_size() > 1:
@@ -92,8 +96,8 @@ def add_ratios(rows):
         floor = {"local": "hand-written", "allreduce": "hand-written+Allreduce"}.get(name)
         if floor in speed:
             row["vs_handwritten"] = row["samples_per_s"] / speed[floor]
-        if name == "local" and "torch" in speed:
-            row["vs_torch"] = row["samples_per_s"] / speed["torch"]
+        if name.startswith("local") and name.replace("local", "torch") in speed:  # (at as many threads)
+            row["vs_torch"] = row["samples_per_s"] / speed[name.replace("local", "torch")]
         if row["ranks"] > 1 and "no exchange" in speed and name != "no exchange":
             row["of_limit"] = row["samples_per_s"] / speed["no exchange"]
         if row["ranks"] > 1 and "no exchange, barrier" in speed and name.startswith("allreduce"):
@@ -241,6 +245,34 @@ def run_checkpoint_bench(world, dataset, model, batch, steps, output):
     return _run_comparison(
         world, "checkpoints", checkpoint_rows, CHECKPOINT_COLUMNS, 7, dataset, model, batch, steps, output
     )
+
+
+def run_layers_bench(world, models, seconds, batch, output):
+    """``bench --layers``: rank 0 times each model's layers in mpidist and torch
+    (:mod:`mpidist.bench.layers`) while the other ranks sleep, prints the table and writes ``output``."""
+    with agreed(world):
+        if world.Get_rank() == 0:
+            check_output(output)
+    if world.Get_rank() != 0:
+        sleep_until_released(world)
+        return None
+    table = [row for name in models for row in layer_rows(name, batch, seconds)]
+    release(world)
+    print(
+        f"mpidist bench --layers: {batch} samples per step, one process, {limit_blas_threads()} BLAS "
+        f"thread(s); each layer's forward and backward in a training step, medians of {seconds:g} s of "
+        "steps alternating between mpidist and torch"
+        + ("" if reference.available() else " (torch is not installed: pip install torch adds its columns)")
+    )
+    print(format_table(table, LAYER_COLUMNS))
+    try:
+        write_results(output, {"meta": {"batch": batch, **machine()}, "layers": table})
+    except OSError as err:
+        raise RunError(
+            f"--output {output}: the results (above) could not be written: {err.strerror or err}"
+        ) from None
+    print(f"mpidist bench: results in {output}")
+    return table
 
 
 def _run_comparison(world, name, measure, columns, rounds, dataset, model, batch, steps, output, **options):

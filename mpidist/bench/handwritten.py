@@ -108,3 +108,25 @@ class HandwrittenMLP:
     def step(self, x, y):
         self.backprop(x, y)
         self.update()
+
+
+def handwritten_for(model, batch):
+    """A :class:`HandwrittenMLP` of ``model``'s shape and starting parameters, or None if it is not an MLP.
+
+    The same start gives the same trajectory, so both meet the same numbers
+    (a model that has fit its batch meets tiny gradients, and tiny numbers
+    can be slow): the comparison stays like for like however long it runs.
+    """
+    kinds = [type(layer).__name__ for layer in model.layers]
+    if (
+        kinds[:1] != ["Flatten"]
+        or kinds[-1:] != ["Dense"]
+        or kinds[1:-1] != ["Dense", "ReLU"] * ((len(kinds) - 2) // 2)
+    ):
+        return None
+    sizes = [int(np.prod(model.input_shape))] + [
+        layer.units for layer in model.layers if hasattr(layer, "units")
+    ]
+    hand = HandwrittenMLP(sizes, batch)
+    hand.params[:-1] = model.params
+    return hand

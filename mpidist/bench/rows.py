@@ -1,14 +1,7 @@
 """The rows of ``bench``'s table: mpidist's strategies, and the references that make them mean something.
 
-One process (rank 0, while the other ranks sleep and leave the cores free):
-
-* ``local``: mpidist's own step (``LocalStrategy.train_step``);
-* ``hand-written``: :class:`~mpidist.bench.handwritten.HandwrittenMLP`, the
-  floor for framework overhead (MLP models only);
-* ``torch``: the same layers in PyTorch, where torch is installed (never a
-  dependency);
-
-all three alternating step by step from the same starting parameters.
+The rows of one process (``local``, ``hand-written``, ``torch``) are
+:mod:`mpidist.bench.one_process`'s.
 
 Every rank together, alternating step by step as well:
 
@@ -56,12 +49,20 @@ from ..parallel import (
 from ..runtime import comm as mpi
 from ..runtime.cluster import build_cluster
 from ..runtime.rma import Window
-from . import reference
-from .handwritten import HandwrittenMLP
-from .timing import alternating, release, sleep_until_released, synced_alternating, synced_timed, timed_steps
+from .handwritten import handwritten_for
+from .timing import synced_alternating, synced_timed, timed_steps
 
-SHAPES = {"mlp-wide": ((28, 28), 10), "cnn": ((28, 28), 10)}  # MNIST-shaped: the README's figures
-DEFAULT_SHAPE = ((8, 8), 10)  # the bundled digits
+#: each zoo model's samples: MNIST-shaped for mlp-wide and cnn (the README's figures), MNIST-1D's 40-step
+#: signals for the transformer (its figures in docs/models.rst), the bundled digits' otherwise
+SHAPES = {"mlp-wide": ((28, 28), 10), "cnn": ((28, 28), 10), "transformer": ((40,), 10)}
+DEFAULT_SHAPE = ((8, 8), 10)
+
+
+def shape_of(spec):
+    """``(sample shape, classes)`` bench feeds the zoo model ``spec`` (``cnn``, ``transformer:2,64,4``)."""
+    return SHAPES.get(spec.split(":")[0], DEFAULT_SHAPE)
+
+
 SMALL_BUCKETS = 1 << 18  # bytes: buckets that split mlp-wide (2.7 MB) and cnn (0.4 MB), to measure overlap
 
 
@@ -80,7 +81,7 @@ OPTIMIZERS = {"sgd": sgd, "adam": adam}
 
 def _model(name):
     """The zoo model ``name`` for bench's sample shape, in float32."""
-    return nn.build_model(name, *SHAPES.get(name, DEFAULT_SHAPE), np, np.float32)
+    return nn.build_model(name, *shape_of(name), np, np.float32)
 
 
 def _allreduce(model, cluster, optimizer="sgd", **arguments):
@@ -109,7 +110,7 @@ def _fully_sharded(name, cluster, optimizer="sgd", bucket_bytes=64 << 20, keep=F
 
 
 def _problem(name, batch, seed):
-    classes = SHAPES.get(name, DEFAULT_SHAPE)[1]
+    classes = shape_of(name)[1]
     rng = np.random.default_rng(seed)
     model = _model(name)
     x = rng.random((batch,) + model.input_shape, dtype=np.float32)
@@ -126,28 +127,6 @@ def _local(name, batch, seed, optimizer="sgd"):
     return local, x, y, lambda: local.train_step(x, y, 1.0, next(counter))
 
 
-def handwritten_for(model, batch):
-    """A :class:`HandwrittenMLP` of ``model``'s shape and starting parameters, or None if it is not an MLP.
-
-    The same start gives the same trajectory, so both meet the same numbers
-    (a model that has fit its batch meets tiny gradients, and tiny numbers
-    can be slow): the comparison stays like for like however long it runs.
-    """
-    kinds = [type(layer).__name__ for layer in model.layers]
-    if (
-        kinds[:1] != ["Flatten"]
-        or kinds[-1:] != ["Dense"]
-        or kinds[1:-1] != ["Dense", "ReLU"] * ((len(kinds) - 2) // 2)
-    ):
-        return None
-    sizes = [int(np.prod(model.input_shape))] + [
-        layer.units for layer in model.layers if hasattr(layer, "units")
-    ]
-    hand = HandwrittenMLP(sizes, batch)
-    hand.params[:-1] = model.params
-    return hand
-
-
 def _row(name, strategy, ranks, workers, batch, per_step, params):
     return {
         "model": name,
@@ -159,31 +138,6 @@ def _row(name, strategy, ranks, workers, batch, per_step, params):
         "steps_per_s": 1 / per_step,
         "samples_per_s": workers * batch / per_step,
     }
-
-
-def one_process_rows(world, name, batch, seconds, optimizer="sgd"):
-    """``local``, ``hand-written`` and ``torch`` on rank 0 while the other ranks sleep (complete on rank
-    0)."""
-    rows = []
-    if world.Get_rank() == 0:
-        local, x, y, local_step = _local(name, batch, 0, optimizer)
-        steps = {"local": local_step}
-        hand = handwritten_for(local.model, batch) if optimizer == "sgd" else None
-        if hand is not None:
-            flat = x.reshape(batch, -1)
-            steps["hand-written"] = lambda: hand.step(flat, y)
-        torch_step = reference.torch_step(local.model, x, y) if optimizer == "sgd" else None
-        if torch_step is not None:
-            steps["torch"] = torch_step
-        medians = alternating(steps, seconds)
-        rows = [
-            _row(name, label, 1, 1, batch, per_step, local.model.num_params)
-            for label, per_step in medians.items()
-        ]
-        release(world)
-    else:
-        sleep_until_released(world)
-    return rows
 
 
 def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):

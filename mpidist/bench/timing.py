@@ -33,6 +33,23 @@ def timed_steps(step, seconds, min_steps=5):
     return float(np.median(windows)), len(windows)
 
 
+def in_windows(steps, seconds, rounds=4):
+    """Median seconds per call of each of ``steps`` (name -> function), each called alone for a window of
+    calls at a time, in turns, ``rounds`` times.
+
+    For candidates that run thread pools of different runtimes (OpenBLAS's,
+    torch's OpenMP): their threads spin a while after their work, and in
+    single-call turns each took the cores from the other's (torch on 2 threads
+    ran 3x slower than on 1).  A window is long enough that the spinning
+    after the turn before costs nothing measurable.
+    """
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(timed_steps(step, seconds / (rounds * len(steps)))[0])
+    return {name: float(np.median(taken)) for name, taken in times.items()}
+
+
 def synced_timed(world, fn, seconds):
     """Median per-call seconds of a collective ``fn``, called the same number of times on every rank.
 

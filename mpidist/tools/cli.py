@@ -151,28 +151,54 @@ def cmd_info(args, world):
     return EXIT_OK
 
 
+def bench_models(text):
+    """``--models``' zoo specs: ``mlp,cnn,transformer:2,64,4`` -> ``["mlp", "cnn", "transformer:2,64,4"]``.
+
+    A number continues the arguments of the spec before it (a spec's own
+    arguments are comma-separated too).  Raises :class:`UsageError` naming a
+    spec the zoo does not build, or where none is given.
+    """
+    from ..nn import SpecError, parse_spec
+
+    specs = []
+    for part in (piece.strip() for piece in text.split(",")):
+        if part.isdigit() and specs and ":" in specs[-1]:
+            specs[-1] += "," + part
+        elif part:
+            specs.append(part)
+    if not specs:
+        raise UsageError(f"--models {text!r}: give one zoo model or more, e.g. mlp,cnn,transformer:2,64,4")
+    for spec in specs:
+        try:
+            parse_spec(spec)
+        except SpecError as err:
+            raise UsageError(f"--models: {err}") from None
+    return specs
+
+
 def cmd_bench(args, world):
     from ..bench import run_bench
 
     with agreed(world):
-        models = [m.strip() for m in args.models.split(",") if m.strip()]
-        from ..nn import MODELS
-
-        unknown = [m for m in models if m not in MODELS]
-        if unknown:
-            raise UsageError(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        models = bench_models(args.models)
         if args.seconds <= 0 or args.batch_per_rank < 1:
             raise UsageError("--seconds must be positive and --batch-per-rank at least 1")
         if args.steps < 0:
             raise UsageError(f"--steps {args.steps}: give 0 (an epoch) or more")
         chosen = [flag for flag in ("streaming", "tracing", "checkpoints") if getattr(args, flag) is not None]
+        chosen += ["layers"] if args.layers else []
         if len(chosen) > 1:
-            count = ("two", "three")[len(chosen) - 2]
+            count = ("two", "three", "four")[len(chosen) - 2]
             raise UsageError(
                 f"{' and '.join('--' + flag for flag in chosen)} are {count} benchmarks: give one"
             )
         if args.settle is not None and (args.streaming is None or not 0 <= args.settle <= 600):
             raise UsageError(f"--settle {args.settle:g}: give 0 to 600 seconds, with --streaming")
+    if args.layers:
+        from ..bench import run_layers_bench
+
+        run_layers_bench(world, models, args.seconds, args.batch_per_rank, args.output)
+        return EXIT_OK
     if args.streaming is not None:
         from ..bench import run_streaming_bench
 

@@ -27,7 +27,16 @@ def add_bench_parser(sub):
     )
     bench.add_argument("--seconds", type=float, default=3.0, help="time per measurement (default: 3)")
     bench.add_argument(
-        "--models", default="mlp,mlp-wide,cnn", help="comma-separated zoo models (default: mlp,mlp-wide,cnn)"
+        "--models",
+        default="mlp,mlp-wide,cnn,transformer:2,64,4",
+        help="comma-separated zoo models, with arguments as train's --model takes them "
+        "(default: mlp,mlp-wide,cnn,transformer:2,64,4)",
+    )
+    bench.add_argument(
+        "--layers",
+        action="store_true",
+        help="instead: each layer's forward and backward time in a training step, mpidist's beside "
+        "torch's (where installed), on one process; for each of --models",
     )
     bench.add_argument(
         "--batch-per-rank", type=int, default=128, help="samples per rank per step (default: 128)"
