@@ -65,6 +65,51 @@ def test_layer_gradients_match_finite_differences(layers, shape):
     check_model_gradients(layers, shape)
 
 
+BLOCKED = {  # (fresh layers each time: a built layer belongs to its model)
+    "conv2d": (lambda: [Conv2D(3, 3)], (2, 5, 5)),
+    "strided": (lambda: [Conv2D(2, 3, stride=2, padding=1)], (3, 7, 6)),  # the column gradient added back
+    "one channel": (lambda: [Conv2D(2, 3)], (1, 6, 6)),  # windows gathered per kernel offset
+    "conv1d even kernel": (lambda: [Conv1D(2, 4)], (2, 9)),
+    "gelu": (lambda: [Dense(9), GELU(), Dense(2)], (3,)),
+}
+
+
+def _in_small_blocks(monkeypatch):
+    """Blocks of two samples (a batch of 5: the last one shorter) and GELU's of 7 elements."""
+    from mpidist.nn import activations, conv
+
+    monkeypatch.setattr(conv, "block_of", lambda xp, samples, bytes_per_sample: min(samples, 2))
+    monkeypatch.setattr(activations, "BLOCK_ELEMENTS", 7)
+
+
+@pytest.mark.parametrize("name", BLOCKED)
+def test_layers_working_block_by_block_match_finite_differences(monkeypatch, name):
+    layers, shape = BLOCKED[name]
+    _in_small_blocks(monkeypatch)
+    check_model_gradients(layers(), shape, batch=5)
+
+
+@pytest.mark.parametrize("name", BLOCKED)
+def test_a_batch_worked_block_by_block_equals_it_worked_whole(monkeypatch, name):
+    """In a training pass (the workspace's arrays): the output, the input gradient and the parameter
+    gradients of a batch in blocks are those of the whole batch at once."""
+
+    def passes():
+        layers, shape = BLOCKED[name]
+        model = Sequential(layers(), shape, np, np.float64)
+        model.init_params(4)
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((5,) + shape)
+        y = model.forward(x, training=True).copy()
+        dx = model.backward(rng.standard_normal(y.shape)).copy()
+        return y, dx, model.grads.copy()
+
+    whole = passes()
+    _in_small_blocks(monkeypatch)
+    for blocked, expected in zip(passes(), whole):
+        np.testing.assert_allclose(blocked, expected, rtol=1e-12, atol=1e-14)
+
+
 # --- convolutions and pooling against loops -----------------------------------------------------------------
 
 

@@ -1,18 +1,25 @@
 """Convolutions on NCL signals and NCHW images, written against ``xp``.
 
-Both lower to one matrix product per pass (im2col), computed in channels-last
-memory: the padded input, the column matrix and the gradients are ``(N, H, W,
-C)`` arrays, so gathering a window and scattering its gradient back move whole
+Both lower to matrix products (im2col), computed in channels-last memory:
+the padded input, the column matrix and the gradients are ``(N, H, W, C)``
+arrays, so gathering a window and scattering its gradient back move whole
 runs of channels, and the layer's ``(N, F, Ho, Wo)`` output is a transposed
-view of the product, with no copy.  Per pass:
+view of the product, with no copy.
 
-* forward: the input into a zero-bordered buffer (one copy; the borders are
-  zeroed once), every window into the column matrix through a strided view
-  (one copy), one GEMM, the bias added in place;
-* backward: one GEMM for the weight gradient, one for the column gradient,
-  and the column gradient added back into the input gradient with one
-  strided add per kernel offset (``kh * kw`` adds over the whole batch, no
-  loop over positions).
+The batch is lowered a block of samples at a time (:func:`block_of`): a
+block's column matrix, about 1 MiB, is still in the core's cache when the
+product reads it, where a whole batch's (15 MiB for the cnn's second
+convolution at batch 128) went out to memory and back.  Per pass:
+
+* forward: the input into a zero-bordered buffer (one copy, kept for
+  backward; the borders are zeroed once), then per block its windows into
+  the column matrix through a strided view (one copy) and one GEMM into the
+  block's rows of the output; the bias added in place;
+* backward: per block, the windows gathered again and one GEMM adding to the
+  weight gradient; the input gradient a convolution of the padded output
+  gradient with the flipped kernel, per block one gather and one GEMM (at
+  stride 1), or per block one GEMM to columns and ``kh * kw`` strided adds
+  back into the input gradient (any stride).
 
 Every array comes from the model's workspace (:mod:`mpidist.nn.workspace`):
 once warm, a training step allocates nothing.  A Conv1D is a Conv2D of height 1.
@@ -38,34 +45,55 @@ def _padding_text(pads):
     return pads[0] if pads[0] == pads[1] else pads
 
 
-def _gather_windows(xp, padded, cols, stride):
-    """im2col: ``cols[n, i, j, a, b, :] = padded[n, stride * i + a, stride * j + b, :]`` for ``cols`` of
-    ``(N, Ho, Wo, kh, kw, C)``.
+def window_gatherer(xp, padded, kernel_hw, stride, out_hw):
+    """im2col by blocks: a function ``gather(start, stop, cols)`` setting ``cols[i, y, x, a, b, :] =
+    padded[start + i, stride * y + a, stride * x + b, :]``, ``cols`` of ``(stop - start, Ho, Wo, kh, kw,
+    C)``.
 
-    One copy through a strided view of every window, whose innermost runs are
-    ``kw * C`` values; with one channel those runs are a few values long, and
-    a copy per kernel offset, running along whole rows of ``Wo`` positions,
-    is 4x faster.
+    One copy through a strided view of every window (made once for the whole
+    batch: a view per block would leave reference cycles behind, garbage
+    that grows with the batch until the collector runs), whose innermost runs
+    are ``kw * C`` values; with one channel those runs are a few values long,
+    and a copy per kernel offset, running along whole rows of ``Wo``
+    positions, is 4x faster.
     """
-    n, ho, wo, kh, kw, c = cols.shape
-    if c > 1:
+    (kh, kw), (ho, wo) = kernel_hw, out_hw
+    if padded.shape[-1] > 1:
         # N, ., ., C, kh, kw
         windows = xp.lib.stride_tricks.sliding_window_view(padded, (kh, kw), axis=(1, 2))
-        cols[...] = windows[:, ::stride, ::stride][:, :ho, :wo].transpose(0, 1, 2, 4, 5, 3)
-        return
-    for a in range(kh):
-        for b in range(kw):
-            cols[:, :, :, a, b, :] = padded[:, a : a + stride * ho : stride, b : b + stride * wo : stride, :]
+        windows = windows[:, ::stride, ::stride][:, :ho, :wo].transpose(0, 1, 2, 4, 5, 3)
+
+        def gather(start, stop, cols):
+            cols[...] = windows[start:stop]
+
+        return gather
+
+    def gather_offsets(start, stop, cols):
+        block = padded[start:stop]
+        for a in range(kh):
+            for b in range(kw):
+                cols[:, :, :, a, b, :] = block[
+                    :, a : a + stride * ho : stride, b : b + stride * wo : stride, :
+                ]
+
+    return gather_offsets
 
 
-def _column_sums(xp, rows, out, ones):
-    """``rows.sum(axis=0)`` into ``out``, as a product with a vector of ones.
+#: bytes lowered at once: a block of the column matrix that fits the core's cache with room for the product
+BLOCK_BYTES = 1 << 20
 
-    NumPy sums the columns of a tall, narrow matrix one short row at a time
-    (3 ms for the first convolution's bias at batch 128); BLAS does it in 0.1 ms.
-    """
-    ones[...] = 1
-    xp.matmul(ones, rows, out=out)
+
+def block_of(xp, samples, bytes_per_sample):
+    """Samples per block of the lowering: as many as fit :data:`BLOCK_BYTES` (at least one); the whole
+    batch on a GPU, where one large product beats many small ones and there is no cache to keep."""
+    if xp.__name__ != "numpy":
+        return samples
+    return max(1, min(samples, BLOCK_BYTES // max(1, bytes_per_sample)))
+
+
+def _blocks(samples, block):
+    """``(start, stop)`` of each block of ``block`` samples (the last one shorter)."""
+    return [(start, min(samples, start + block)) for start in range(0, samples, block)]
 
 
 class _ChannelsLastConv(Layer):
@@ -74,6 +102,11 @@ class _ChannelsLastConv(Layer):
     Subclasses set ``kernel_hw``, ``stride``, ``pads_hw`` (``((top, bottom),
     (left, right))``), ``in_channels`` and ``out_hw`` in ``build``, and map
     their own shapes onto 4-D ones (:meth:`_as_images`, :meth:`_from_images`).
+
+    The column matrix has one more column than the kernel has weights, all
+    ones, and the weight matrix the bias as its last column: the products
+    add the bias in forward and sum its gradient in backward, where a pass of
+    its own over the output cost as much as a third of the product.
     """
 
     cache = ("cols", "padded_shape")
@@ -85,29 +118,43 @@ class _ChannelsLastConv(Layer):
     def _from_images(self, y):
         return y
 
+    @property
+    def _window_size(self):
+        """``kh * kw * C``: the weights of one filter, the columns of the column matrix but its last."""
+        (kh, kw), c = self.kernel_hw, self.in_channels
+        return kh * kw * c
+
     def _weights(self):
-        """``W`` as an ``(F, kh, kw, C)`` matrix, the order of the column matrix's rows (a small copy)."""
-        f, (kh, kw), c = self.filters, self.kernel_hw, self.in_channels
+        """``[W | b]`` as an ``(F, kh kw C + 1)`` matrix, in the order of the column matrix's columns (a
+        small copy)."""
+        f, (kh, kw), c, k = self.filters, self.kernel_hw, self.in_channels, self._window_size
         w = self.params["W"].reshape(f, c, kh, kw)
-        out = self.scratch("w_hwc", (f, kh, kw, c), w.dtype)
-        out[...] = w.transpose(0, 2, 3, 1)
-        return out.reshape(f, -1)
+        out = self.scratch("w_hwc", (f, k + 1), w.dtype)
+        out[:, :k].reshape(f, kh, kw, c)[...] = w.transpose(0, 2, 3, 1)
+        out[:, k] = self.params["b"]
+        return out
 
     def forward(self, x, training=False):
         xp = self.xp
         x = self._as_images(x)
         n, c, h, w = x.shape
         (kh, kw), s, ((top, bottom), (left, right)) = self.kernel_hw, self.stride, self.pads_hw
-        ho, wo = self.out_hw
+        (ho, wo), k = self.out_hw, self._window_size
         dtype = xp.result_type(x, self.params["W"])
         padded = self.scratch("padded", (n, h + top + bottom, w + left + right, c), dtype, zeroed=True)
         padded[:, top : top + h, left : left + w, :] = x.transpose(0, 2, 3, 1)
         self.padded_shape = padded.shape
-        cols = self.scratch("cols", (n, ho, wo, kh, kw, c), dtype)
-        _gather_windows(xp, padded, cols, s)
-        self.cols = cols.reshape(n * ho * wo, -1)
-        y = xp.matmul(self.cols, self._weights().T, out=self.scratch("y", (n * ho * wo, self.filters), dtype))
-        y += self.params["b"]
+        cols = self.cols = self.scratch("cols", (n * ho * wo, k + 1), dtype)
+        cols[:, k] = 1
+        windows = cols[:, :k].reshape(n, ho, wo, kh, kw, c)
+        weights = self._weights().T
+        y = self.scratch("y", (n * ho * wo, self.filters), dtype)
+        gather = window_gatherer(xp, padded, self.kernel_hw, s, self.out_hw)
+        # block by block: the product reads each block of columns while the copy has left it in the cache
+        for start, stop in _blocks(n, block_of(xp, n, ho * wo * (k + 1) * dtype.itemsize)):
+            gather(start, stop, windows[start:stop])
+            rows = slice(start * ho * wo, stop * ho * wo)
+            xp.matmul(cols[rows], weights, out=y[rows])
         return self._from_images(y.reshape(n, ho, wo, self.filters).transpose(0, 3, 1, 2))
 
     def _dy_rows(self, dy):
@@ -118,11 +165,11 @@ class _ChannelsLastConv(Layer):
         return dy.transpose(0, 2, 3, 1).reshape(n * ho * wo, f)
 
     def backward_params(self, dy):
-        xp, f, (kh, kw), c = self.xp, self.filters, self.kernel_hw, self.in_channels
+        xp, f, (kh, kw), c, k = self.xp, self.filters, self.kernel_hw, self.in_channels, self._window_size
         rows = self._dy_rows(dy)
-        grad = xp.matmul(rows.T, self.cols, out=self.scratch("dw_hwc", (f, kh * kw * c), rows.dtype))
-        self.grads["W"].reshape(f, c, kh, kw)[...] = grad.reshape(f, kh, kw, c).transpose(0, 3, 1, 2)
-        _column_sums(xp, rows, self.grads["b"], self.scratch("ones", (rows.shape[0],), rows.dtype))
+        grad = xp.matmul(rows.T, self.cols, out=self.scratch("dw_hwc", (f, k + 1), rows.dtype))
+        self.grads["W"].reshape(f, c, kh, kw)[...] = grad[:, :k].reshape(f, kh, kw, c).transpose(0, 3, 1, 2)
+        self.grads["b"][...] = grad[:, k]  # (the ones column's: the bias's gradient)
         return rows
 
     def backward(self, dy):
@@ -134,8 +181,9 @@ class _ChannelsLastConv(Layer):
         """At stride 1 the input gradient is a convolution too: ``dy`` zero-padded, against the flipped
         kernel.
 
-        One im2col of ``dy`` and one GEMM, instead of a GEMM to columns and
-        ``kh * kw`` strided adds of short channel runs (measured 3x slower).
+        Block by block, one im2col of ``dy`` and one GEMM, instead of a GEMM to
+        columns and ``kh * kw`` strided adds of short channel runs (measured
+        3x slower).
         """
         xp, (kh, kw), ((top, bottom), (left, right)) = self.xp, self.kernel_hw, self.pads_hw
         n, hp, wp, c = self.padded_shape
@@ -145,25 +193,28 @@ class _ChannelsLastConv(Layer):
         # (kh-1, kw-1)
         full = self.scratch("dy_full", (n, ho + 2 * (kh - 1), wo + 2 * (kw - 1), f), rows.dtype, zeroed=True)
         full[:, kh - 1 : kh - 1 + ho, kw - 1 : kw - 1 + wo, :] = rows.reshape(n, ho, wo, f)
-        cols = self.scratch("dy_cols", (n, h, w, kh, kw, f), rows.dtype)
-        _gather_windows(xp, full[:, top:, left:], cols, 1)
         flipped = self.scratch("w_flipped", (kh, kw, f, c), rows.dtype)
         flipped[...] = self.params["W"].reshape(f, c, kh, kw)[:, :, ::-1, ::-1].transpose(2, 3, 0, 1)
-        dx = xp.matmul(
-            cols.reshape(n * h * w, -1),
-            flipped.reshape(-1, c),
-            out=self.scratch("dx", (n * h * w, c), rows.dtype),
-        )
+        flipped = flipped.reshape(-1, c)
+        dx = self.scratch("dx", (n * h * w, c), rows.dtype)
+        block = block_of(xp, n, h * w * kh * kw * f * rows.dtype.itemsize)
+        cols = self.scratch("dy_cols", (block, h, w, kh, kw, f), rows.dtype)
+        gather = window_gatherer(xp, full[:, top:, left:], self.kernel_hw, 1, (h, w))
+        for start, stop in _blocks(n, block):
+            part = cols[: stop - start]
+            gather(start, stop, part)
+            xp.matmul(part.reshape(-1, flipped.shape[0]), flipped, out=dx[start * h * w : stop * h * w])
         return dx.reshape(n, h, w, c)
 
     def _input_grad_strided(self, rows):
-        """Any stride: the column gradient, added back window offset by window offset (``kh * kw`` strided
-        adds)."""
+        """Any stride: the column gradient, added back window offset by window offset (``kh * kw``
+        strided adds)."""
         xp, (kh, kw), s, ((top, bottom), (left, right)) = self.xp, self.kernel_hw, self.stride, self.pads_hw
         n, hp, wp, c = self.padded_shape
         ho, wo = self.out_hw
+        weights = self._weights()[:, : self._window_size]
         dcols = xp.matmul(
-            rows, self._weights(), out=self.scratch("dcols", (rows.shape[0], kh * kw * c), rows.dtype)
+            rows, weights, out=self.scratch("dcols", (rows.shape[0], weights.shape[1]), rows.dtype)
         )
         dcols = dcols.reshape(n, ho, wo, kh, kw, c)
         dx = self.scratch("dx", (n, hp, wp, c), rows.dtype)

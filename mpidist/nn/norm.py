@@ -37,25 +37,66 @@ class LayerNorm(Layer):
     def param_specs(self):
         return [("gamma", (self.size,), init.ones), ("beta", (self.size,), init.zeros)]
 
+    def _row_means(self, name, rows, out_shape):
+        """The mean of each row of the 2-D ``rows``, as a product with a vector of ``1 / D``: BLAS reads
+        the rows once, where numpy's reduction over a short last axis walks them a row at a time."""
+        weights = self.scratch("weights", (self.size,), rows.dtype)
+        weights[...] = 1 / self.size
+        return self.xp.matmul(rows, weights, out=self.scratch(name, out_shape, rows.dtype).reshape(-1))
+
+    # (in place, in arrays kept from step to step: the plain expressions made six temporaries of the input's
+    # size per pass)
     def forward(self, x, training=False):
-        xp = self.xp
-        centred = x - x.mean(axis=-1, keepdims=True)
-        self.inv_std = 1 / xp.sqrt((centred * centred).mean(axis=-1, keepdims=True) + self.eps)
-        self.xhat = centred * self.inv_std
-        return self.xhat * self.params["gamma"] + self.params["beta"]
+        xp, d = self.xp, self.size
+        stats = x.shape[:-1] + (1,)
+        xhat = self.xhat = self.scratch("xhat", x.shape, x.dtype)
+        mean = self._row_means("mean", x.reshape(-1, d), stats).reshape(stats)
+        xp.subtract(x, mean, out=xhat)
+        y = self.scratch("y", x.shape, x.dtype)
+        xp.multiply(xhat, xhat, out=y)  # (y holds the squares until the end)
+        inv_std = self.inv_std = self._row_means("inv_std", y.reshape(-1, d), stats).reshape(stats)
+        inv_std += self.eps
+        xp.sqrt(inv_std, out=inv_std)
+        xp.reciprocal(inv_std, out=inv_std)
+        xhat *= inv_std
+        xp.multiply(xhat, self.params["gamma"], out=y)
+        y += self.params["beta"]
+        return y
 
     def backward(self, dy):
-        self.backward_params(dy)
-        g = dy * self.params["gamma"]
+        xp, d = self.xp, self.size
+        product = self._param_grads(dy)  # dy * xhat
+        stats = dy.shape[:-1] + (1,)
+        # with g = dy * gamma, the row means of g * xhat and of g, as products with gamma / D
+        gamma = xp.multiply(self.params["gamma"], 1 / d, out=self.scratch("gamma_d", (d,), dy.dtype))
+        along_xhat = xp.matmul(
+            product.reshape(-1, d), gamma, out=self.scratch("along_xhat", stats, dy.dtype).reshape(-1)
+        ).reshape(stats)
+        along_one = xp.matmul(
+            dy.reshape(-1, d), gamma, out=self.scratch("along_one", stats, dy.dtype).reshape(-1)
+        ).reshape(stats)
         # d/dx of the normalisation: remove the components along 1 and along xhat
-        return self.inv_std * (
-            g - g.mean(axis=-1, keepdims=True) - self.xhat * (g * self.xhat).mean(axis=-1, keepdims=True)
-        )
+        removed = xp.multiply(self.xhat, along_xhat, out=product)
+        removed += along_one
+        dx = xp.multiply(dy, self.params["gamma"], out=self.scratch("g", dy.shape, dy.dtype))
+        dx -= removed
+        dx *= self.inv_std
+        return dx
 
     def backward_params(self, dy):
-        xp, batch_axes = self.xp, tuple(range(dy.ndim - 1))
-        xp.sum(dy * self.xhat, axis=batch_axes, out=self.grads["gamma"])
-        xp.sum(dy, axis=batch_axes, out=self.grads["beta"])
+        self._param_grads(dy)
+
+    def _param_grads(self, dy):
+        """``gamma``'s and ``beta``'s gradients (column sums, as products with a vector of ones); returns
+        ``dy * xhat``, an array of the workspace."""
+        xp, d = self.xp, self.size
+        rows = dy.reshape(-1, d)
+        product = xp.multiply(dy, self.xhat, out=self.scratch("dx", dy.shape, dy.dtype))
+        ones = self.scratch("ones", (rows.shape[0],), dy.dtype)
+        ones[...] = 1
+        xp.matmul(ones, product.reshape(-1, d), out=self.grads["gamma"])
+        xp.matmul(ones, rows, out=self.grads["beta"])
+        return product
 
     def __repr__(self):
         return f"LayerNorm(eps={self.eps:g})"

@@ -56,11 +56,12 @@ class Residual(Layer):
         h = x
         for layer in self.layers:
             h = layer.forward(h, training)
-        return x + h
+        return self.xp.add(x, h, out=self.scratch_like("y", x))
 
     def backward(self, dy):
         # the identity path adds dy itself to the block's input gradient
-        return dy + backward_in_turn(self.layers, dy) if self.layers else dy + dy
+        inner = backward_in_turn(self.layers, dy) if self.layers else dy
+        return self.xp.add(dy, inner, out=self.scratch_like("dx", dy))
 
     def backward_params(self, dy):
         if self.layers:
