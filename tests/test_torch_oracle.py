@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpidist import nn
-from mpidist.bench.torch_layers import pairs, torch_model, translate
+from mpidist.bench.torch_layers import copy_parameters, pairs, torch_model, translate
 
 
 def _torch():
@@ -138,3 +138,26 @@ def test_a_layer_without_an_exact_counterpart_leaves_torch_out(layer):
     model = nn.Sequential([layer], shape, np, np.float64)
     assert translate(torch, model.layers[0]) is None
     assert torch_model(torch, model) is None
+
+
+def test_parameters_held_on_a_gpu_are_copied_through_host_memory():
+    """A cupy model's parameters (gpu/bench.py's torch rows) reach torch through ``get()``, as cupy's arrays
+    give their host copy."""
+    torch = _torch()
+
+    class OnDevice:  # what a cupy array answers here
+        def __init__(self, array):
+            self.array = array
+
+        def get(self):
+            return self.array.copy()
+
+    model = nn.Sequential([nn.MultiHeadAttention(2)], (5, 4), np, np.float64)
+    model.init_params(6)
+    layer = model.layers[0]
+    module = translate(torch, layer)
+    held = dict(layer.params)
+    layer.params = {name: OnDevice(array) for name, array in held.items()}
+    copy_parameters(torch, layer, module)
+    np.testing.assert_array_equal(module.attention.out_proj.weight.detach().numpy(), held["Wo"].T)
+    np.testing.assert_array_equal(module.attention.in_proj_weight.detach().numpy()[:4], held["Wq"].T)
