@@ -72,9 +72,9 @@ def test_reused_arrays_give_the_results_fresh_arrays_give():
     """Training with the workspace equals training where every pass allocates (the workspace switched off)."""
     reused, x, y = _local("cnn", (12, 12), 16, dtype=np.float64)
     fresh, _, _ = _local("cnn", (12, 12), 16, dtype=np.float64)
-    fresh.model.workspace.array = lambda owner, name, shape, dtype, zeroed=False: (
-        np.zeros(shape, dtype)
-        if zeroed
+    fresh.model.workspace.array = lambda owner, name, shape, dtype, fill=None: (
+        np.full(shape, fill, dtype)
+        if fill is not None
         else np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 7, dtype)
     )
     # (a fresh array each time, poisoned: a value read before it is written shows)

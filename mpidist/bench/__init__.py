@@ -201,15 +201,7 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
             "bytes a rank holds, and the activations its tensor group sums per step"
         )
         print(format_table(tensor, TENSOR_COLUMNS))
-    try:
-        write_results(
-            output, {"meta": meta, "rows": rows, "sharding": sharded, "pipeline": pipeline, "tensor": tensor}
-        )
-    except OSError as err:
-        raise RunError(
-            f"--output {output}: the results (above) could not be written: {err.strerror or err}"
-        ) from None
-    print(f"mpidist bench: results in {output}")
+    _save(output, {"meta": meta, "rows": rows, "sharding": sharded, "pipeline": pipeline, "tensor": tensor})
     return rows
 
 
@@ -265,13 +257,7 @@ def run_layers_bench(world, models, seconds, batch, output):
         + ("" if reference.available() else " (torch is not installed: pip install torch adds its columns)")
     )
     print(format_table(table, LAYER_COLUMNS))
-    try:
-        write_results(output, {"meta": {"batch": batch, **machine()}, "layers": table})
-    except OSError as err:
-        raise RunError(
-            f"--output {output}: the results (above) could not be written: {err.strerror or err}"
-        ) from None
-    print(f"mpidist bench: results in {output}")
+    _save(output, {"meta": {"batch": batch, **machine()}, "layers": table})
     return table
 
 
@@ -287,17 +273,20 @@ def _run_comparison(world, name, measure, columns, rounds, dataset, model, batch
         f"per step; median of {rounds} interleaved rounds"
     )
     print(format_table(rows, columns))
+    _save(
+        output,
+        {"meta": {"ranks": world.Get_size(), "model": model, "data": str(dataset), **machine()}, name: rows},
+    )
+    return rows
+
+
+def _save(output, document):
+    """Write ``document`` to ``output`` (rank 0, after the table is printed), or refuse with a RunError
+    naming the path: the table above is then all there is of the results."""
     try:
-        write_results(
-            output,
-            {
-                "meta": {"ranks": world.Get_size(), "model": model, "data": str(dataset), **machine()},
-                name: rows,
-            },
-        )
+        write_results(output, document)
     except OSError as err:
         raise RunError(
             f"--output {output}: the results (above) could not be written: {err.strerror or err}"
         ) from None
     print(f"mpidist bench: results in {output}")
-    return rows

@@ -12,6 +12,8 @@ torch is imported by the caller and passed in: it is never a dependency.
 
 import functools
 
+import numpy as np
+
 
 @functools.cache
 def _modules(torch):
@@ -180,8 +182,6 @@ def _torch_values(layer, arrays):
     if kind == "Dense":
         return [p["W"].T] + ([p["b"]] if layer.bias else [])
     if kind == "MultiHeadAttention":
-        import numpy as np
-
         weights = np.concatenate([p["Wq"].T, p["Wk"].T, p["Wv"].T])
         biases = np.concatenate([p["bq"], p["bk"], p["bv"]])
         return [weights, biases, p["Wo"].T, p["bo"]]

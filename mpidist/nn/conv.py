@@ -141,11 +141,11 @@ class _ChannelsLastConv(Layer):
         (kh, kw), s, ((top, bottom), (left, right)) = self.kernel_hw, self.stride, self.pads_hw
         (ho, wo), k = self.out_hw, self._window_size
         dtype = xp.result_type(x, self.params["W"])
-        padded = self.scratch("padded", (n, h + top + bottom, w + left + right, c), dtype, zeroed=True)
+        padded = self.scratch("padded", (n, h + top + bottom, w + left + right, c), dtype, fill=0)
         padded[:, top : top + h, left : left + w, :] = x.transpose(0, 2, 3, 1)
         self.padded_shape = padded.shape
-        cols = self.cols = self.scratch("cols", (n * ho * wo, k + 1), dtype)
-        cols[:, k] = 1
+        # (the windows fill the first k columns: the last keeps the ones it was made with)
+        cols = self.cols = self.scratch("cols", (n * ho * wo, k + 1), dtype, fill=1)
         windows = cols[:, :k].reshape(n, ho, wo, kh, kw, c)
         weights = self._weights().T
         y = self.scratch("y", (n * ho * wo, self.filters), dtype)
@@ -191,7 +191,7 @@ class _ChannelsLastConv(Layer):
         h, w = hp - top - bottom, wp - left - right
         # dx_padded[p] = sum over (a, b) of dy_full[p + (a, b)] W[:, :, kh-1-a, kw-1-b]; dy_full has dy at
         # (kh-1, kw-1)
-        full = self.scratch("dy_full", (n, ho + 2 * (kh - 1), wo + 2 * (kw - 1), f), rows.dtype, zeroed=True)
+        full = self.scratch("dy_full", (n, ho + 2 * (kh - 1), wo + 2 * (kw - 1), f), rows.dtype, fill=0)
         full[:, kh - 1 : kh - 1 + ho, kw - 1 : kw - 1 + wo, :] = rows.reshape(n, ho, wo, f)
         flipped = self.scratch("w_flipped", (kh, kw, f, c), rows.dtype)
         flipped[...] = self.params["W"].reshape(f, c, kh, kw)[:, :, ::-1, ::-1].transpose(2, 3, 0, 1)

@@ -198,7 +198,7 @@ class TokenConv(Layer):
     def forward(self, x, training=False):
         n, length, f = x.shape
         # x between zeros (never written: they stay zero), then (N, L, kernel, F): position i's window
-        padded = self.scratch("padded", (n, length + self.kernel - 1, f), x.dtype, zeroed=True)
+        padded = self.scratch("padded", (n, length + self.kernel - 1, f), x.dtype, fill=0)
         padded[:, self.left : self.left + length] = x
         windows = self.windows = self.scratch("windows", (n, length, self.kernel, f), x.dtype)
         for j in range(self.kernel):

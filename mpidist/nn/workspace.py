@@ -31,17 +31,17 @@ class Workspace:
         self.slot = 0  # a pipeline stage's micro-batch slot
         self._arrays = {}
 
-    def array(self, owner, name, shape, dtype, zeroed=False):
+    def array(self, owner, name, shape, dtype, fill=None):
         """The array ``owner`` keeps under ``name`` in the current slot, of ``shape`` and ``dtype``.
 
-        Uninitialised, or with ``zeroed`` all zeros when it is made (and as its
-        owner left it afterwards: a padded buffer whose borders are never written).
+        Uninitialised, or with ``fill`` every element ``fill`` when it is made
+        (and as its owner left it afterwards: a padded buffer whose zero borders
+        are never written, a column matrix whose column of ones is never written).
         """
         key = (self.slot, id(owner), name)
         found = self._arrays.get(key)
         if found is None or found.shape != shape or found.dtype != dtype:
-            make = self.xp.zeros if zeroed else self.xp.empty
-            found = self._arrays[key] = make(shape, dtype=dtype)
+            found = self._arrays[key] = _made(self.xp, shape, dtype, fill)
         return found
 
     @property
@@ -57,19 +57,19 @@ class UsesWorkspace:
     #: (losses).
     workspace = None
 
-    def scratch(self, name, shape, dtype, zeroed=False):
+    def scratch(self, name, shape, dtype, fill=None):
         """An uninitialised array for ``name``: the same one every training step, a new one otherwise.
 
         Layers and losses compute their outputs and gradients into these
         (``out=``), so a training step allocates nothing once warm.  The array
-        stays valid until this object asks for ``name`` again.  ``zeroed``: all
-        zeros when first made, as its owner left it afterwards (a buffer whose
-        zero borders are never written).
+        stays valid until this object asks for ``name`` again.  ``fill``: every
+        element ``fill`` when first made, as its owner left it afterwards (a
+        buffer whose zero borders are never written).
         """
         workspace = self.workspace
         if workspace is None or not workspace.active:
-            return (self.xp.zeros if zeroed else self.xp.empty)(shape, dtype=dtype)
-        return workspace.array(self, name, tuple(shape), dtype, zeroed)
+            return _made(self.xp, shape, dtype, fill)
+        return workspace.array(self, name, tuple(shape), dtype, fill)
 
     def scratch_like(self, name, like, dtype=None):
         """:meth:`scratch` of ``like``'s shape *and memory order*.
@@ -100,3 +100,8 @@ def inverse(order):
     for position, axis in enumerate(order):
         undo[axis] = position
     return tuple(undo)
+
+
+def _made(xp, shape, dtype, fill):
+    """A new array: uninitialised, or every element ``fill``."""
+    return xp.empty(shape, dtype=dtype) if fill is None else xp.full(shape, fill, dtype=dtype)
