@@ -373,6 +373,24 @@ def test_bench_models_take_arguments_and_are_checked_before_anything_runs():
         assert named in str(raised.value)
 
 
+def test_bench_tables_are_checked_and_come_in_bench_s_order():
+    from mpidist.bench import TABLES
+    from mpidist.runtime.errors import UsageError
+    from mpidist.tools.cli import bench_tables
+
+    assert bench_tables(None) == list(TABLES) == ["strategies", "sharding", "pipeline", "tensor"]
+    assert bench_tables(" tensor,strategies,") == ["strategies", "tensor"]
+    for bad, named in (("strategies,bubbles", "no table 'bubbles'"), (",", "give one table or more")):
+        with pytest.raises(UsageError, match="--tables") as raised:
+            bench_tables(bad)
+        assert named in str(raised.value) and "choose from strategies,sharding,pipeline,tensor" in str(
+            raised.value
+        )
+    done, _ = mpidist(1, "bench", "--layers", "--tables", "pipeline")
+    assert done.returncode == 2, done.stderr
+    assert "--tables picks the tables of the default benchmark, not of --layers" in done.stderr
+
+
 def test_bench_layers_times_each_layer_beside_torch(tmp_path):
     """One row per top-level layer, then the rest of the step and the step; torch's columns where it is."""
     out = tmp_path / "layers.json"
@@ -494,6 +512,16 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert (
         tensor[1]["vs_t1"] == 1.0 and tensor[2]["samples_per_s"] > 0 and "tensor-summed B/step" in done.stdout
     )
+    # the pipeline of the 2 ranks under each schedule and micro-batch count, beside its theory (P - 1) / (M +
+    # P - 1); GPipe holds every micro-batch's activations at its peak, 1F1B at most P
+    pipeline = [(row["schedule"], row["stages"], row["micro_batches"]) for row in document["pipeline"]]
+    assert pipeline == [(schedule, 2, m) for schedule in ("gpipe", "1f1b") for m in (2, 4, 8, 16)]
+    for row in document["pipeline"]:
+        m = row["micro_batches"]
+        assert row["bubble_theory"] == pytest.approx(1 / (m + 1))
+        assert row["peak_activations"] == (m if row["schedule"] == "gpipe" else 2)
+        assert 0 <= row["bubble_measured"] < 1 and row["samples_per_s"] > 0
+    assert "bubble measured" in done.stdout
 
 
 def test_bench_with_adam_leaves_out_the_sgd_references(tmp_path):
@@ -507,6 +535,8 @@ def test_bench_with_adam_leaves_out_the_sgd_references(tmp_path):
         "mlp",
         "--optimizer",
         "adam",
+        "--tables",
+        "strategies",
         "--output",
         str(out),
         timeout=120,
@@ -515,6 +545,9 @@ def test_bench_with_adam_leaves_out_the_sgd_references(tmp_path):
     document = json.loads(out.read_text())
     rows = {row["strategy"]: row for row in document["rows"]}
     assert document["meta"]["optimizer"] == "adam"
+    # the tables --tables left out are measured not at all: empty in the file, absent from the output
+    assert document["sharding"] == document["pipeline"] == document["tensor"] == []
+    assert not {"sharding:", "pipeline:", "tensor:"} & set(done.stdout.split())
     assert {"hand-written", "hand-written+Allreduce", "torch"}.isdisjoint(rows)
     assert rows["allreduce"]["of_limit"] > 0 and "vs_handwritten" not in rows["local"]
     assert "left out with --optimizer adam" in done.stdout

@@ -154,7 +154,11 @@ def test_info_counts_the_nodes_mpi_sees_whatever_their_host_names(layout):
 def test_bench_on_emulated_nodes_reports_what_a_node_sends_to_the_others(tmp_path):
     out = tmp_path / "bench.json"
     done = mpidist(
-        4, "bench", "--seconds", "0.2", "--models", "mlp", "--output", str(out), nodes=2, timeout=180
+        4,
+        "bench",
+        *("--seconds", "0.2", "--models", "mlp", "--tables", "strategies", "--output", str(out)),
+        nodes=2,
+        timeout=180,
     )[0]
     assert done.returncode == 0, done.stderr
     rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}

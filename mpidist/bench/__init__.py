@@ -11,7 +11,8 @@ calls that move the same bytes.  Then the pipeline's bubble
 (:mod:`mpidist.bench.pipeline`) and, on an even number of ranks, a
 transformer block at ``--tensor`` 1 and 2 (:mod:`mpidist.bench.tensor`);
 and what a worker holds and sends under each ``allreduce`` layout, beside
-the ZeRO paper's count (:mod:`mpidist.bench.sharding`).
+the ZeRO paper's count (:mod:`mpidist.bench.sharding`).  ``--tables``
+measures some of these four tables only (:data:`TABLES`).
 
 Every figure is a median: of single steps alternating between the rows
 compared, then of three interleaved rounds.  Compare ratios from one run
@@ -139,8 +140,13 @@ def machine():
     }
 
 
-def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
-    """Run every benchmark; rank 0 prints the table and writes ``output``.
+#: bench's tables, in the order it measures and prints them (``--tables`` picks some)
+TABLES = ("strategies", "sharding", "pipeline", "tensor")
+
+
+def run_bench(world, models, seconds, batch, output, optimizer="sgd", tables=TABLES):
+    """Run the benchmarks of ``tables`` (every one by default); rank 0 prints them and writes ``output``
+    (a table not measured is an empty list there).
 
     ``output`` is checked on rank 0 before anything runs: every rank exits
     with code 2 if the results could not be written there.
@@ -149,14 +155,20 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
         if world.Get_rank() == 0:
             check_output(output)
     cluster = build_cluster(world)
-    rows = [
-        row
-        for name in models
-        for row in bench_model(world, cluster, name, batch, seconds, optimizer=optimizer)
-    ]
-    sharded = [row for name in models for row in shard_rows(world, cluster, name, batch)]
-    pipeline = pipeline_rows(world, seconds) if world.Get_size() > 1 else []
-    tensor = tensor_rows(world, seconds) if world.Get_size() % 2 == 0 else []
+    size = world.Get_size()
+    rows, sharded, pipeline, tensor = [], [], [], []
+    if "strategies" in tables:
+        rows = [
+            row
+            for name in models
+            for row in bench_model(world, cluster, name, batch, seconds, optimizer=optimizer)
+        ]
+    if "sharding" in tables:
+        sharded = [row for name in models for row in shard_rows(world, cluster, name, batch)]
+    if "pipeline" in tables and size > 1:
+        pipeline = pipeline_rows(world, seconds)
+    if "tensor" in tables and size % 2 == 0:
+        tensor = tensor_rows(world, seconds)
     if world.Get_rank() != 0:
         return None
     meta = {
@@ -183,12 +195,14 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd"):
             "mpidist bench: torch is not installed, so its reference rows are left out (pip install torch "
             "adds them)"
         )
-    print(format_table(rows, COLUMNS))
-    print(
-        "\nsharding: bytes a worker holds a parameter (the largest rank's; Adam, float32) beside the ZeRO "
-        "paper's count, and bytes it sends a step (as a ring)"
-    )
-    print(format_table(sharded, SHARD_COLUMNS))
+    if rows:
+        print(format_table(rows, COLUMNS))
+    if sharded:
+        print(
+            "\nsharding: bytes a worker holds a parameter (the largest rank's; Adam, float32) beside the "
+            "ZeRO paper's count, and bytes it sends a step (as a ring)"
+        )
+        print(format_table(sharded, SHARD_COLUMNS))
     if pipeline:
         print(
             f"\npipeline: {world.Get_size()} stages of equal work (8 x Dense(512)+ReLU), "

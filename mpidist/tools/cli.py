@@ -176,6 +176,23 @@ def bench_models(text):
     return specs
 
 
+def bench_tables(text):
+    """``--tables``' names, in the order :data:`~mpidist.bench.TABLES` prints them; all of them where
+    ``text`` is None.  Raises :class:`UsageError` naming a table bench does not have."""
+    from ..bench import TABLES
+
+    if text is None:
+        return list(TABLES)
+    names = {piece.strip() for piece in text.split(",")} - {""}
+    unknown = sorted(names - set(TABLES))
+    if unknown or not names:
+        raise UsageError(
+            f"--tables {text!r}: {'no table ' + repr(unknown[0]) if unknown else 'give one table or more'}; "
+            f"choose from {','.join(TABLES)}"
+        )
+    return [table for table in TABLES if table in names]
+
+
 def cmd_bench(args, world):
     from ..bench import run_bench
 
@@ -194,6 +211,9 @@ def cmd_bench(args, world):
             )
         if args.settle is not None and (args.streaming is None or not 0 <= args.settle <= 600):
             raise UsageError(f"--settle {args.settle:g}: give 0 to 600 seconds, with --streaming")
+        if chosen and args.tables is not None:
+            raise UsageError(f"--tables picks the tables of the default benchmark, not of --{chosen[0]}")
+        tables = bench_tables(args.tables)
     if args.layers:
         from ..bench import run_layers_bench
 
@@ -216,7 +236,7 @@ def cmd_bench(args, world):
 
         run_checkpoint_bench(world, args.checkpoints, models[0], args.batch_per_rank, args.steps, args.output)
         return EXIT_OK
-    run_bench(world, models, args.seconds, args.batch_per_rank, args.output, args.optimizer)
+    run_bench(world, models, args.seconds, args.batch_per_rank, args.output, args.optimizer, tables)
     return EXIT_OK
 
 

@@ -33,6 +33,12 @@ def add_bench_parser(sub):
         "(default: mlp,mlp-wide,cnn,transformer:2,64,4)",
     )
     bench.add_argument(
+        "--tables",
+        default=None,
+        help="comma-separated tables to measure, of strategies (each strategy against the one-process and "
+        "no-exchange references), sharding, pipeline and tensor (default: all four)",
+    )
+    bench.add_argument(
         "--layers",
         action="store_true",
         help="instead: each layer's forward and backward time in a training step, mpidist's beside "
