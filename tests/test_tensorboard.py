@@ -1,17 +1,36 @@
 """--tensorboard: event files that hold the figures of metrics.jsonl."""
 
+import importlib.util
 import math
 import struct
+import subprocess
+import sys
 
 import pytest
 
 from conftest import events, mpidist
 
-event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2", reason="the tensorboard extra")
+
+def needs_tensorboardx():
+    """Skip where the tensorboard extra is missing; else tensorboardX's Event protos.
+
+    Imported as mpidist imports the package, without torch, and only where a
+    test needs them: at module level (pytest.importorskip) tensorboardX made
+    every collection of the suite, each MPI rank's too, import torch.
+    """
+    if importlib.util.find_spec("tensorboardX") is None:
+        pytest.skip("the tensorboard extra")
+    from mpidist.loop.tensorboard import require
+
+    require()
+    from tensorboardX.proto import event_pb2
+
+    return event_pb2
 
 
 def read_scalars(directory):
     """``{tag: {step: value}}`` of every event file in ``directory`` (TFRecord framing, Event protos)."""
+    event_pb2 = needs_tensorboardx()
     scalars = {}
     for path in sorted(directory.glob("events.out.tfevents.*")):
         data, at = path.read_bytes(), 0
@@ -106,3 +125,18 @@ def test_without_the_package_the_flag_names_it_and_every_rank_exits_2(tmp_path):
         == 1
     )
     assert "Traceback" not in done.stderr
+
+
+def test_the_writer_comes_without_torch_and_leaves_torch_importable():
+    """tensorboardX imports torch wherever it is installed, seconds of a run's start-up for tensors mpidist
+    never writes: mpidist imports it without, and leaves no block behind (``import torch`` works after)."""
+    if importlib.util.find_spec("tensorboardX") is None:
+        pytest.skip("the tensorboard extra")
+    code = (
+        "import sys\n"
+        "from mpidist.loop.tensorboard import require\n"
+        "require()\n"
+        "print('torch' in sys.modules, sys.modules.get('torch', 'unblocked'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.splitlines() == ["False unblocked"], done.stderr

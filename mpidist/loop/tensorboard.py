@@ -19,6 +19,7 @@ same values:
 """
 
 import math
+import sys
 
 from ..runtime.errors import UsageError
 from .callbacks import Callback
@@ -52,11 +53,23 @@ ROLE_FIGURES = (
 
 
 def require():
-    """The writer class, or a :class:`UsageError` saying what to install."""
+    """The writer class, or a :class:`UsageError` saying what to install.
+
+    Imported without torch: tensorboardX imports torch wherever it is
+    installed (about 3 s of the chief's start-up) to accept its tensors, which
+    mpidist never hands it, and goes on without it where the import fails.
+    Where torch is loaded already (a user's script) it is left as it is.
+    """
+    absent = "torch" not in sys.modules
+    if absent:
+        sys.modules["torch"] = None  # (Python's way to make ``import torch`` raise ImportError)
     try:
         from tensorboardX import SummaryWriter
     except ImportError:
         raise UsageError(f"--tensorboard needs the tensorboardX package: {INSTALL}") from None
+    finally:
+        if absent:
+            del sys.modules["torch"]
     return SummaryWriter
 
 
