@@ -1,5 +1,6 @@
 """python -m mpidist plot: PNG figures of runs, read back and checked."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -11,10 +12,15 @@ from mpidist.tools import plotting
 
 from conftest import mpidist
 
-image = pytest.importorskip("matplotlib.image", reason="the plot extra")
+# (found, not imported: importing matplotlib here put it into every collection of the suite, each MPI
+# rank's too)
+if importlib.util.find_spec("matplotlib") is None:
+    pytest.skip("the plot extra", allow_module_level=True)
 
 
 def png(path):
+    from matplotlib import image
+
     pixels = image.imread(path)
     assert pixels.ndim == 3 and pixels.std() > 0.01, path  # not one colour: something is drawn
     return pixels.shape[1], pixels.shape[0]
