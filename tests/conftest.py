@@ -244,6 +244,12 @@ def rank_pids(launcher):
     return ranks
 
 
+def rank_states(launcher):
+    """``{rank: (pid, state)}`` of the ranks a running launcher started (the state as /proc says: ``R``
+    running, ``S`` asleep, ``T`` stopped, ``gone``): where a run that should have ended is."""
+    return {rank: (pid, (stat_fields(pid) or ["gone"])[0]) for rank, pid in rank_pids(launcher).items()}
+
+
 def events(path, kind=None):
     """The metrics events in ``path`` (of one ``kind``, if given); none while the file does not exist."""
     if not path.exists():
