@@ -10,16 +10,14 @@ import pytest
 
 from conftest import events, mpidist
 
+# (found, not imported: importing tensorboardX here made every collection of the suite, each MPI rank's too,
+# import torch)
+if importlib.util.find_spec("tensorboardX") is None:
+    pytest.skip("the tensorboard extra", allow_module_level=True)
 
-def needs_tensorboardx():
-    """Skip where the tensorboard extra is missing; else tensorboardX's Event protos.
 
-    Imported as mpidist imports the package, without torch, and only where a
-    test needs them: at module level (pytest.importorskip) tensorboardX made
-    every collection of the suite, each MPI rank's too, import torch.
-    """
-    if importlib.util.find_spec("tensorboardX") is None:
-        pytest.skip("the tensorboard extra")
+def event_protos():
+    """tensorboardX's Event protos, imported as mpidist imports the package: without torch."""
     from mpidist.loop.tensorboard import require
 
     require()
@@ -30,7 +28,7 @@ def needs_tensorboardx():
 
 def read_scalars(directory):
     """``{tag: {step: value}}`` of every event file in ``directory`` (TFRecord framing, Event protos)."""
-    event_pb2 = needs_tensorboardx()
+    event_pb2 = event_protos()
     scalars = {}
     for path in sorted(directory.glob("events.out.tfevents.*")):
         data, at = path.read_bytes(), 0
@@ -130,8 +128,6 @@ def test_without_the_package_the_flag_names_it_and_every_rank_exits_2(tmp_path):
 def test_the_writer_comes_without_torch_and_leaves_torch_importable():
     """tensorboardX imports torch wherever it is installed, seconds of a run's start-up for tensors mpidist
     never writes: mpidist imports it without, and leaves no block behind (``import torch`` works after)."""
-    if importlib.util.find_spec("tensorboardX") is None:
-        pytest.skip("the tensorboard extra")
     code = (
         "import sys\n"
         "from mpidist.loop.tensorboard import require\n"
