@@ -14,6 +14,8 @@ import functools
 
 import numpy as np
 
+from ..runtime.xp import to_host
+
 
 @functools.cache
 def _modules(torch):
@@ -178,7 +180,7 @@ def torch_model(torch, model):
 def _torch_values(layer, arrays):
     """``arrays`` (``layer.params`` or ``layer.grads``) in the layout of the torch module's parameters, in
     the order ``parameters()`` yields them (a leaf's own; sublayers are walked by :func:`pairs`)."""
-    kind, p = type(layer).__name__, {name: _host(array) for name, array in arrays.items()}
+    kind, p = type(layer).__name__, {name: to_host(array) for name, array in arrays.items()}
     if kind == "Dense":
         return [p["W"].T] + ([p["b"]] if layer.bias else [])
     if kind == "MultiHeadAttention":
@@ -196,11 +198,6 @@ def _torch_values(layer, arrays):
         "Embedding": ("W",),
     }
     return [p[name] for name in order.get(kind, ())]
-
-
-def _host(array):
-    """``array`` in host memory: a cupy array's copy (``get``), a numpy array as it is."""
-    return array.get() if hasattr(array, "get") else array
 
 
 def pairs(layer, module, which="params"):
