@@ -4,6 +4,8 @@ Each run has a timeout: a run that outlives it is reported as a hang.  Bad
 input and faults are in tests/test_faults.py.
 """
 
+import collections
+import functools
 import importlib.util
 import json
 import re
@@ -389,6 +391,25 @@ def test_bench_tables_are_checked_and_come_in_bench_s_order():
     done, _ = mpidist(1, "bench", "--layers", "--tables", "pipeline")
     assert done.returncode == 2, done.stderr
     assert "--tables picks the tables of the default benchmark, not of --layers" in done.stderr
+
+
+@pytest.mark.parametrize("count", range(1, 9))
+def test_bench_s_turns_let_each_candidate_follow_each_other_one_as_often(count):
+    """Whoever runs right after a cache-sweeping candidate starts cold: within a cycle of bench's orders every
+    ordered pair is adjacent equally often (one order rotated let ``local`` follow torch in two rounds of
+    three and ``hand-written`` in none), and ``alternating`` calls the steps in those orders."""
+    from mpidist.bench.timing import alternating, balanced_orders
+
+    names = [f"step {index}" for index in range(count)]
+    orders = balanced_orders(names)
+    assert all(sorted(order) == names for order in orders)
+    adjacent = collections.Counter(pair for order in orders for pair in zip(order, order[1:]))
+    assert set(adjacent) == {(a, b) for a in names for b in names if a != b}
+    assert len(set(adjacent.values())) <= 1, adjacent
+    calls = []
+    medians = alternating({name: functools.partial(calls.append, name) for name in names}, 0, len(orders))
+    assert set(medians) == set(names)
+    assert calls[count:] == [name for order in orders for name in order]  # (after one warm-up call each)
 
 
 def test_bench_layers_times_each_layer_beside_torch(tmp_path):

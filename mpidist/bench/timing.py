@@ -74,27 +74,51 @@ def synced_timed(world, fn, seconds):
     return float(np.median(times))
 
 
+def balanced_orders(names):
+    """The orders of one cycle of turns, in which each name follows each other one equally often.
+
+    Whoever runs right after a candidate that sweeps the caches starts cold,
+    so the order must not favour anyone.  Rotating one order does not do
+    that: each name then follows the same neighbour in every round (with
+    ``local, hand-written, torch``, ``local`` ran after torch in two rounds
+    of three and ``hand-written`` never did).  This is Williams' design for
+    crossover trials: the first order interleaves from both ends (``0, 1,
+    n-1, 2, n-2, ...``), the others shift it, and for an odd count their
+    reverses are added; within the rounds of a cycle every ordered pair of
+    names is adjacent the same number of times.
+    """
+    count = len(names)
+    first, low, high = [0], 1, count - 1
+    while len(first) < count:
+        first.append(low)
+        low += 1
+        if len(first) < count:
+            first.append(high)
+            high -= 1
+    orders = [[names[(index + shift) % count] for index in first] for shift in range(count)]
+    return orders + [order[::-1] for order in orders] if count % 2 else orders
+
+
 def alternating(steps, seconds, min_calls=5):
     """Median seconds per call of each of ``steps`` (name -> function), called in turn, one call each.
 
     Alternating single calls gives every candidate the same machine: a burst
     of load elsewhere, a frequency change or a cache state lands on all of
     them alike, so their ratio holds where separate windows would drift.  The
-    order rotates every round, so each candidate follows each other one as
-    often (whoever runs right after a candidate that sweeps the caches starts
-    cold).
+    order changes every round (:func:`balanced_orders`), so each candidate
+    follows each other one as often.
     """
     for step in steps.values():
         step()  # warm-up: first-touch allocations, caches
-    names = list(steps)
+    orders = balanced_orders(list(steps))
     times = {name: [] for name in steps}
     deadline, turn = time.perf_counter() + seconds, 0
-    while time.perf_counter() < deadline or len(times[names[0]]) < min_calls:
-        for name in names[turn:] + names[:turn]:
+    while time.perf_counter() < deadline or len(times[orders[0][0]]) < min_calls:
+        for name in orders[turn % len(orders)]:
             start = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - start)
-        turn = (turn + 1) % len(names)
+        turn += 1
     return {name: float(np.median(values)) for name, values in times.items()}
 
 
@@ -115,11 +139,10 @@ def synced_alternating(world, steps, seconds, min_calls=5, every=False):
     per_round = time.perf_counter() - start
     count = np.array([max(min_calls, int(seconds / max(per_round, 1e-6)))], dtype=np.int64)
     mpi.bcast(world, count, root=0)
-    names = list(steps)
+    orders = balanced_orders(list(steps))
     times = {name: [] for name in steps}
-    for turn in range(int(count[0])):  # the same rotating order on every rank: the count is agreed
-        shift = turn % len(names)
-        for name in names[shift:] + names[:shift]:
+    for turn in range(int(count[0])):  # the same orders on every rank: the count is agreed
+        for name in orders[turn % len(orders)]:
             world.Barrier()
             start = time.perf_counter()
             steps[name]()
