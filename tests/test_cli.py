@@ -464,6 +464,8 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "exchange/bare" in done.stdout
     document = json.loads(out.read_text())
+    # (the test extra installs numba: the header says which kernels ran)
+    assert document["meta"]["kernels"].startswith("numba ") and "; compiled kernels: numba " in done.stdout
     rows = {row["strategy"]: row for row in document["rows"]}
     assert set(rows) == {
         "local",

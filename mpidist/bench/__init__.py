@@ -26,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_info
 
+from ..nn import compiled
 from ..runtime.agreement import agreed
 from ..runtime.cluster import build_cluster
 from ..runtime.errors import RunError
@@ -127,7 +128,8 @@ COLUMNS = [
 
 
 def machine():
-    """The cores this process may use, and the BLAS numpy calls (from threadpoolctl), for the header."""
+    """The cores this process may use, the BLAS numpy calls (from threadpoolctl) and the compiled kernels
+    (:mod:`mpidist.nn.compiled`), for the header."""
     blas = [
         f"{pool.get('internal_api')} {pool.get('version')} ({pool.get('num_threads')} thread(s))"
         for pool in threadpool_info()
@@ -136,6 +138,7 @@ def machine():
     return {
         "cores": len(os.sched_getaffinity(0)),
         "blas": ", ".join(blas) or "unknown",
+        "kernels": compiled.version(),
         "torch": reference.available(),
     }
 
@@ -182,7 +185,7 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd", tables=TAB
     print(
         f"mpidist bench: {world.Get_size()} rank(s) on {meta['cores']} core(s), {batch} samples per rank per "
         "step, "
-        f"{optimizer}, BLAS: {meta['blas']}; {meta['mpi']}"
+        f"{optimizer}, BLAS: {meta['blas']}; compiled kernels: {meta['kernels']}; {meta['mpi']}"
     )
     if optimizer != "sgd":
         print(
@@ -266,7 +269,8 @@ def run_layers_bench(world, models, seconds, batch, output):
     release(world)
     print(
         f"mpidist bench --layers: {batch} samples per step, one process, {limit_blas_threads()} BLAS "
-        f"thread(s); each layer's forward and backward in a training step, medians of {seconds:g} s of "
+        f"thread(s), compiled kernels: {compiled.version()}; each layer's forward and backward in a "
+        f"training step, medians of {seconds:g} s of "
         "steps alternating between mpidist and torch"
         + ("" if reference.available() else " (torch is not installed: pip install torch adds its columns)")
     )

@@ -6,6 +6,7 @@ input into ``(N, C, *out, k**d)`` blocks and both passes are plain reductions
 and broadcasts, with no Python loop over positions.
 """
 
+from . import compiled
 from .layers import Layer, ShapeError
 from .workspace import inverse, memory_order
 
@@ -62,7 +63,10 @@ class _MaxPool(_Pool):
     Both passes walk the ``k**dims`` offsets of a window, each a strided view
     of the whole batch (no copy into blocks, no loop over positions): forward
     keeps a running maximum and the offset it came from, backward writes
-    ``dy`` into the input gradient at each window's winning offset.
+    ``dy`` into the input gradient at each window's winning offset.  Where
+    numba is installed (the ``jit`` extra), compiled kernels
+    (:mod:`mpidist.nn.compiled`) do each pass in one loop, with the same
+    results.
     """
 
     cache = ("argmax", "input_order")
@@ -81,15 +85,30 @@ class _MaxPool(_Pool):
                 x[(slice(None), slice(None)) + tuple(slice(i, o * k, k) for i, o in zip(offset, out))],
             )
 
+    def _channels_last(self, array):
+        """``array`` (``(N, C, *spatial)``) as the ``(N, H, W, C)`` view the compiled kernels take (a 1-D
+        pool's as ``(N, 1, L, C)``)."""
+        return (array[:, :, None, :] if self.dims == 1 else array).transpose(0, 2, 3, 1)
+
+    @property
+    def _window(self):
+        """``(kh, kw)``: a 1-D pool's window is one row."""
+        return (1, self.size) if self.dims == 1 else (self.size, self.size)
+
     def forward(self, x, training=False):
         xp = self.xp
         views = self._offsets(x)
         _, first = next(views)
         self.input_order = memory_order(x)  # the input gradient is made in the same order
         best = self.scratch_like("y", first)
-        best[...] = first
         index_type = xp.uint8 if self.size**self.dims < 256 else xp.int64
         self.argmax = self.scratch_like("argmax", first, index_type)
+        kernels = compiled.kernels(xp)
+        if kernels is not None:
+            last = self._channels_last
+            kernels.max_pool_forward(last(x), *self._window, last(best), last(self.argmax))
+            return best
+        best[...] = first
         self.argmax[...] = 0
         higher = self.scratch_like("higher", first, bool)
         candidate = self.scratch_like("candidate", first, index_type)
@@ -109,6 +128,11 @@ class _MaxPool(_Pool):
         dx = self.scratch("dx", tuple(shape[axis] for axis in order), dy.dtype).transpose(inverse(order))
         if any(d % self.size for d in self.input_shape[1:]):
             dx[...] = 0  # the cropped remainder gets no gradient
+        kernels = compiled.kernels(xp)
+        if kernels is not None:
+            last = self._channels_last
+            kernels.max_pool_backward(last(dy), last(self.argmax), *self._window, last(dx))
+            return dx
         won = self.scratch_like("won", dy, bool)
         for index, view in self._offsets(dx):
             xp.multiply(dy, xp.equal(self.argmax, index, out=won), out=view)
