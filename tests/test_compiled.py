@@ -91,3 +91,25 @@ def test_without_numba_the_numpy_path_runs_and_bench_says_how_to_add_the_kernels
     assert done.stdout.split("\n")[0] == (
         "None [3.0] [0.0, 1.0, 0.0, 0.0] none (pip install 'mpidist[jit]' adds them)"
     )
+
+
+def test_a_numba_that_cannot_cache_its_kernels_leaves_the_numpy_path_and_says_why():
+    """Where neither the package's folder nor the user's cache can be written, numba refuses ``cache=True``
+    when the kernels are defined (a RuntimeError): the pool trains on numpy's path instead of failing."""
+    code = (
+        "import numba\n"
+        "def refuse(*args, **kwargs):\n"
+        "    raise RuntimeError('cannot cache function: no locator available for file kernels.py')\n"
+        "numba.njit = refuse\n"
+        "import numpy as np\n"
+        "from mpidist.nn import MaxPool2D, Sequential, compiled\n"
+        "model = Sequential([MaxPool2D(2)], (1, 2, 2), xp=np, dtype=np.float64)\n"
+        "y = model.forward(np.array([[[[1.0, 3.0], [2.0, 0.0]]]]), training=True)\n"
+        "print(compiled.kernels(np), y.ravel().tolist(), compiled.version())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(
+        "None [3.0] none (numba cannot keep them: cannot cache function: no locator"
+    )
+    assert "NUMBA_CACHE_DIR names a writable place" in done.stdout
