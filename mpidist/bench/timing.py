@@ -105,8 +105,10 @@ def alternating(steps, seconds, min_calls=5):
     Alternating single calls gives every candidate the same machine: a burst
     of load elsewhere, a frequency change or a cache state lands on all of
     them alike, so their ratio holds where separate windows would drift.  The
-    order changes every round (:func:`balanced_orders`), so each candidate
-    follows each other one as often.
+    order changes every round (:func:`balanced_orders`), so that within the
+    rounds of each cycle of orders each candidate follows each other one as
+    often (a run that stops mid-cycle, at its deadline, is off by less than
+    one cycle).
     """
     for step in steps.values():
         step()  # warm-up: first-touch allocations, caches

@@ -7,13 +7,23 @@ comparisons are numpy's path's (:class:`mpidist.nn.pooling._MaxPool`):
 offsets in row-major order, a later value wins only when strictly greater,
 and a NaN anywhere in a window makes its maximum NaN without moving its
 argmax; backward multiplies ``dy`` by 1 or 0, so a NaN or infinite ``dy``
-spreads as numpy's product spreads it.
+spreads as numpy's product spreads it.  Each memory order and dtype compiles
+once (about half a second each).
 """
 
 from numba import njit
 
 
-@njit(cache=True, nogil=True)
+def _compiled(function):
+    """``function`` compiled by numba and kept in its cache; compiled afresh in every process where numba
+    finds nowhere to keep it (it refuses ``cache=True`` with a RuntimeError)."""
+    try:
+        return njit(cache=True, nogil=True)(function)
+    except RuntimeError:
+        return njit(nogil=True)(function)
+
+
+@_compiled
 def max_pool_forward(x, kh, kw, y, argmax):
     """``y`` and ``argmax`` (``(N, Ho, Wo, C)``): each ``kh x kw`` window's maximum and the offset it came
     from (``a * kw + b``)."""
@@ -30,15 +40,16 @@ def max_pool_forward(x, kh, kw, y, argmax):
                             continue
                         offset = a * kw + b
                         for c in range(channels):
-                            value = x[n, i * kh + a, j * kw + b, c]
-                            if value > y[n, i, j, c]:
-                                y[n, i, j, c] = value
+                            value, best = x[n, i * kh + a, j * kw + b, c], y[n, i, j, c]
+                            if value > best:
                                 argmax[n, i, j, c] = offset
-                            elif value != value:  # NaN: the maximum is NaN, as np.maximum makes it
+                            # np.maximum's value: the later of equals (-0.0 and 0.0 as numpy on x86 has
+                            # them), a NaN where either is one, the first NaN kept
+                            if best == best and not value < best:
                                 y[n, i, j, c] = value
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def max_pool_backward(dy, argmax, kh, kw, dx):
     """``dx`` over every whole window: ``dy`` at each window's argmax, ``dy * 0`` elsewhere."""
     n_count, rows, cols, channels = dy.shape

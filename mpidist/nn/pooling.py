@@ -103,10 +103,10 @@ class _MaxPool(_Pool):
         best = self.scratch_like("y", first)
         index_type = xp.uint8 if self.size**self.dims < 256 else xp.int64
         self.argmax = self.scratch_like("argmax", first, index_type)
-        kernels = compiled.kernels(xp)
-        if kernels is not None:
-            last = self._channels_last
-            kernels.max_pool_forward(last(x), *self._window, last(best), last(self.argmax))
+        kernels, last = compiled.kernels(xp, x), self._channels_last
+        if kernels and compiled.ran(
+            kernels.max_pool_forward, last(x), *self._window, last(best), last(self.argmax)
+        ):
             return best
         best[...] = first
         self.argmax[...] = 0
@@ -128,10 +128,10 @@ class _MaxPool(_Pool):
         dx = self.scratch("dx", tuple(shape[axis] for axis in order), dy.dtype).transpose(inverse(order))
         if any(d % self.size for d in self.input_shape[1:]):
             dx[...] = 0  # the cropped remainder gets no gradient
-        kernels = compiled.kernels(xp)
-        if kernels is not None:
-            last = self._channels_last
-            kernels.max_pool_backward(last(dy), last(self.argmax), *self._window, last(dx))
+        kernels, last = compiled.kernels(xp, dy), self._channels_last
+        if kernels and compiled.ran(
+            kernels.max_pool_backward, last(dy), last(self.argmax), *self._window, last(dx)
+        ):
             return dx
         won = self.scratch_like("won", dy, bool)
         for index, view in self._offsets(dx):
