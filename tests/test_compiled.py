@@ -107,44 +107,48 @@ def test_a_kernel_that_fails_leaves_the_numpy_path_with_a_warning_and_the_run_go
     assert compiled.kernels(np) is None and compiled.version().startswith("none (OSError: [Errno 122]")
 
 
-def test_without_numba_the_numpy_path_runs_and_bench_says_how_to_add_the_kernels():
-    """numba blocked in a fresh interpreter (as where it is not installed): the pool still trains, and the
-    kernels are named as missing."""
+def pool_in_a_fresh_interpreter(prelude, report):
+    """What a fresh interpreter prints after ``prelude`` (what it does to numba first), a training pass of a
+    2x2 max pool over ``[[1, 3], [2, 0]]``, and ``print(report)`` (``y``, ``dx``, ``compiled`` in scope)."""
     code = (
-        "import sys; sys.modules['numba'] = None\n"
+        f"{prelude}\n"
         "import numpy as np\n"
         "from mpidist.nn import MaxPool2D, Sequential, compiled\n"
         "model = Sequential([MaxPool2D(2)], (1, 2, 2), xp=np, dtype=np.float64)\n"
         "y = model.forward(np.array([[[[1.0, 3.0], [2.0, 0.0]]]]), training=True)\n"
         "dx = model.backward(np.ones((1, 1, 1, 1)))\n"
-        "print(compiled.kernels(np), y.ravel().tolist(), dx.ravel().tolist(), compiled.version())\n"
+        f"print({report})\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[0] == (
-        "None [3.0] [0.0, 1.0, 0.0, 0.0] none (pip install 'mpidist[jit]' adds them)"
+    return done.stdout
+
+
+def test_without_numba_the_numpy_path_runs_and_bench_says_how_to_add_the_kernels():
+    """numba blocked (as where it is not installed): the pool still trains, and the kernels are named as
+    missing."""
+    printed = pool_in_a_fresh_interpreter(
+        "import sys; sys.modules['numba'] = None",
+        "compiled.kernels(np), y.ravel().tolist(), dx.ravel().tolist(), compiled.version()",
     )
+    assert printed == "None [3.0] [0.0, 1.0, 0.0, 0.0] none (pip install 'mpidist[jit]' adds them)\n"
 
 
 def test_where_numba_cannot_cache_the_kernels_they_are_compiled_in_each_process():
     """Where neither the package's folder nor the user's cache can be written, numba refuses ``cache=True``
     when the kernels are defined (a RuntimeError): they are compiled without a cache instead."""
-    code = (
+    refusing = (
         "import numba\n"
         "plain = numba.njit\n"
         "def njit(*args, **options):\n"
         "    if options.get('cache'):\n"
         "        raise RuntimeError('cannot cache function: no locator available for file kernels.py')\n"
         "    return plain(*args, **options)\n"
-        "numba.njit = njit\n"
-        "import numpy as np\n"
-        "from mpidist.nn import MaxPool2D, Sequential, compiled\n"
-        "model = Sequential([MaxPool2D(2)], (1, 2, 2), xp=np, dtype=np.float64)\n"
-        "y = model.forward(np.array([[[[1.0, 3.0], [2.0, 0.0]]]]), training=True)\n"
-        "kernel = compiled.kernels(np).max_pool_forward\n"
-        "cache = type(kernel._cache).__name__\n"
-        "print(y.ravel().tolist(), kernel.signatures != [], cache, compiled.version())\n"
+        "numba.njit = njit"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("[3.0] True NullCache numba "), done.stdout
+    kernel = "compiled.kernels(np).max_pool_forward"
+    printed = pool_in_a_fresh_interpreter(
+        refusing,
+        f"y.ravel().tolist(), {kernel}.signatures != [], type({kernel}._cache).__name__, compiled.version()",
+    )
+    assert printed.startswith("[3.0] True NullCache numba "), printed
