@@ -267,15 +267,16 @@ def run_layers_bench(world, models, seconds, batch, output):
         return None
     table = [row for name in models for row in layer_rows(name, batch, seconds)]
     release(world)
+    meta = {"batch": batch, **machine()}
     print(
         f"mpidist bench --layers: {batch} samples per step, one process, {limit_blas_threads()} BLAS "
-        f"thread(s), compiled kernels: {compiled.version()}; each layer's forward and backward in a "
+        f"thread(s), compiled kernels: {meta['kernels']}; each layer's forward and backward in a "
         f"training step, medians of {seconds:g} s of "
         "steps alternating between mpidist and torch"
         + ("" if reference.available() else " (torch is not installed: pip install torch adds its columns)")
     )
     print(format_table(table, LAYER_COLUMNS))
-    _save(output, {"meta": {"batch": batch, **machine()}, "layers": table})
+    _save(output, {"meta": meta, "layers": table})
     return table
 
 

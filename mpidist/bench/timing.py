@@ -115,7 +115,7 @@ def alternating(steps, seconds, min_calls=5):
     orders = balanced_orders(list(steps))
     times = {name: [] for name in steps}
     deadline, turn = time.perf_counter() + seconds, 0
-    while time.perf_counter() < deadline or len(times[orders[0][0]]) < min_calls:
+    while time.perf_counter() < deadline or turn < min_calls:  # (a round calls each step once)
         for name in orders[turn % len(orders)]:
             start = time.perf_counter()
             steps[name]()

@@ -9,13 +9,14 @@ and writes each output once instead (docs/performance.rst has the figures).
 The kernels give the numpy path's results (the same comparisons in the same
 order: the same winners, ties and NaNs; the winners and gradients to the bit,
 the maxima equal, a zero's sign as numpy's maximum keeps it on x86);
-tests/test_compiled.py holds them to that.  The numpy path stays the default where numba is
-missing, on GPUs (cupy arrays), for dtypes numba does not compile, where
-``MPIDIST_JIT=0`` is set (to rule the kernels out), and in a process where a
-kernel failed (its compilation, or numba's cache: a full disk, a quota).  The
-kernels compile once, in about a second, into numba's cache beside this
-module or else the user's (``NUMBA_CACHE_DIR`` names another; where neither
-can be written, in every process); bench's header says whether they are on.
+tests/test_compiled.py holds them to that.  The numpy path stays the default
+where numba is missing, on GPUs (cupy arrays), for dtypes numba does not
+compile, where ``MPIDIST_JIT=0`` is set (to rule the kernels out), and in a
+process where a kernel failed (its compilation, or numba's cache: a full
+disk, a quota).  The kernels compile once, in about a second, into numba's
+cache beside this module or else the user's (``NUMBA_CACHE_DIR`` names
+another; where neither can be written, in every process); bench's header
+says whether they are on.
 """
 
 import functools
@@ -33,11 +34,18 @@ _failed = []  # why a kernel's call failed, where one did: numpy's path from the
 def kernels(xp, *arrays):
     """The compiled kernels' module for ``arrays`` of ``xp``, or None: cupy's, a dtype they are not compiled
     for, no numba, ``MPIDIST_JIT=0``, or a kernel that failed in this process."""
-    if xp is not np or os.environ.get("MPIDIST_JIT", "1") == "0" or _failed:
-        return None
-    if any(array.dtype not in DTYPES for array in arrays):
+    if xp is not np or any(array.dtype not in DTYPES for array in arrays) or _why_off():
         return None
     return _loaded()[0]
+
+
+def _why_off():
+    """Why the kernels are off for every array (bench's words), or None where they are on."""
+    if os.environ.get("MPIDIST_JIT", "1") == "0":
+        return "off (MPIDIST_JIT=0)"
+    if _failed:
+        return f"none ({_failed[0]})"
+    return _loaded()[1]
 
 
 def ran(kernel, *args):
@@ -63,26 +71,21 @@ def _loaded():
     results."""
     try:  # (numba is imported on the first use of a kernel, never by importing mpidist)
         from . import compiled_pooling
-    except ModuleNotFoundError as error:
-        if (error.name or "").startswith("mpidist"):
-            raise
-        if error.name == "numba":
-            return None, "none (pip install 'mpidist[jit]' adds them)"
-        return None, f"none (numba does not load: {error})"
     except (ImportError, RuntimeError) as error:  # e.g. a numba that does not support this numpy
+        missing = (error.name or "") if isinstance(error, ModuleNotFoundError) else ""
+        if missing.startswith("mpidist"):
+            raise
+        if missing == "numba":
+            return None, "none (pip install 'mpidist[jit]' adds them)"
         return None, f"none (numba does not load: {error})"
     return compiled_pooling, None
 
 
 def version():
     """``numba X.Y.Z`` where the kernels are on for numpy's arrays, else why not (for bench's header)."""
-    if os.environ.get("MPIDIST_JIT", "1") == "0":
-        return "off (MPIDIST_JIT=0)"
-    if _failed:
-        return f"none ({_failed[0]})"
-    module, why_not = _loaded()
-    if module is None:
-        return why_not
+    why_off = _why_off()
+    if why_off:
+        return why_off
     import numba
 
     return f"numba {numba.__version__}"
