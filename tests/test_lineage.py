@@ -247,9 +247,9 @@ def test_the_indexes_read_for_parts_folders_and_a_claim_never_open_a_pipe(tmp_pa
     (tmp_path / ".ckpt-00000003-abcdef01.h5.tmp-12").mkdir()  # a directory is never removed as a temporary
     try:
         assert (
-            sharded.named_folders(tmp_path) == set() and sharded.named_folders(tmp_path, "best-*.h5") == set()
+            sharded.naming(tmp_path).named == set() and sharded.naming(tmp_path, "best-*.h5").named == set()
         )
-        assert sharded.remove_unnamed_folders(tmp_path) == []
+        assert sharded.remove_unnamed_folders(tmp_path).removed == []
         claim(settings(tmp_path, resume="auto"), None).release()
         assert checkpoint.settings_of(fifos[0].path) is None
         with pytest.raises(UsageError, match=r"cannot be read: it is a named pipe \(FIFO\), not a file"):

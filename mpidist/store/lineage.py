@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from ..runtime.errors import UsageError
-from . import atomic, sharded
+from ..runtime.text import printable
+from . import atomic, removal, sharded
 from .outputs import is_regular_file
 
 #: a checkpoint's name: its step in 8 digits or more (``{step:08d}`` grows a digit from step 10^8 on; 19 hold
@@ -126,26 +127,36 @@ class CheckpointDir:
         """Delete all but the ``keep`` highest-step checkpoints of ``lineage``; returns the paths removed.
 
         ``newest`` (the file just written) is never removed, whatever its step:
-        nothing newer than what the run just saved may push it out.
+        nothing newer than what the run just saved may push it out.  A symbolic
+        link under a checkpoint's name is neither removed nor counted: mpidist
+        never wrote one (see :mod:`mpidist.store.removal`).
         """
         if keep <= 0:
             return []
-        entries = [e for e in self.entries(lineage) if e.path != Path(newest)]
+        entries = [
+            e
+            for e in self.entries(lineage)
+            if e.path != Path(newest) and removal.kind(e.path) == removal.FILE
+        ]
         old = entries[: max(0, len(entries) - (keep - 1))]
+        done = removal.Removal()
         for entry in old:
-            entry.path.unlink(missing_ok=True)
-        return [e.path for e in old]
+            removal.remove_file(entry.path, done)
+        return [e.path for e in old if e.path.name in done.removed]
 
     def remove_stale_temporaries(self):
         """Delete what killed writers left behind (call with the lock held): files aside, and the parts
-        folders of sharded checkpoints no index names; returns the names removed."""
-        removed = []
-        if self.path.is_dir():
-            for path in self.path.iterdir():
-                if TEMPORARY.fullmatch(path.name) and not path.is_dir():  # (no writer of ours makes one)
-                    path.unlink(missing_ok=True)
-                    removed.append(path.name)
-        return sorted(removed + sharded.remove_unnamed_folders(self.path))
+        folders of sharded checkpoints no index names; returns the
+        :class:`~mpidist.store.removal.Removal` (what was removed, and what was left and why)."""
+        done = removal.Removal()
+        if removal.kind(self.path) == removal.FOLDER:
+            for path in sorted(self.path.iterdir()):
+                if TEMPORARY.fullmatch(path.name):
+                    removal.remove_file(path, done)
+            debris = sharded.remove_unnamed_folders(self.path)
+            done.removed += debris.removed
+            done.left += debris.left
+        return done
 
 
 def newest_checkpoint(directory):
@@ -281,12 +292,14 @@ def claim(config, resume):
     result.lock = lock
     if lock.warning:
         result.notes.append(f"warning: {lock.warning}")
-    removed = directory.remove_stale_temporaries()
-    if removed:
+    cleaned = directory.remove_stale_temporaries()
+    if cleaned.removed:
         result.notes.append(
-            f"removed {len(removed)} temporary file(s) that interrupted checkpoint writes left in "
-            f"{directory.path}: {', '.join(removed)}"
+            f"removed {len(cleaned.removed)} temporary file(s) that interrupted checkpoint writes left in "
+            f"{directory.path}: {', '.join(printable(name) for name in cleaned.removed)}"
         )
+    if cleaned.left:
+        result.notes.append(f"note: {cleaned.note(directory.path)}")
     return result
 
 

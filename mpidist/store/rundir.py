@@ -29,7 +29,7 @@ import shlex
 from pathlib import Path
 
 from ..runtime.errors import UsageError
-from . import atomic
+from . import atomic, removal
 from .checkpoint import settings_of
 from .lineage import LOCK_NAME, RUN_LOCK_NAME, newest_checkpoint
 from .outputs import is_regular_file, special_kind
@@ -241,14 +241,18 @@ def remove_if_empty(path):
     """Remove run directory ``path`` if the run wrote nothing into it.
 
     Nothing: an empty ``checkpoints/`` (its lock aside), the run's lock, and a metrics file
-    or log opened but never written (a run refused after it opened them).
+    or log opened but never written (a run refused after it opened them).  Only regular files
+    and real folders count as the run's (see :mod:`mpidist.store.removal`): a link among them,
+    or anything else, keeps the directory as it is.
     """
     root, checkpoints = Path(path), Path(path) / CHECKPOINTS
     try:
+        if removal.kind(root) != removal.FOLDER:
+            return
         unwritten = [
             root / name
             for name in (METRICS, LOG)
-            if (root / name).is_file() and (root / name).stat().st_size == 0
+            if removal.kind(root / name) == removal.FILE and (root / name).stat().st_size == 0
         ]
         if (
             {entry.name for entry in root.iterdir()}
@@ -256,12 +260,16 @@ def remove_if_empty(path):
             - {e.name for e in unwritten}
         ):
             return
-        for entry in unwritten + [root / RUN_LOCK_NAME]:
-            entry.unlink(missing_ok=True)
+        if removal.kind(checkpoints) not in (removal.FOLDER, removal.MISSING):
+            return
+        if checkpoints.is_dir() and {entry.name for entry in checkpoints.iterdir()} - {LOCK_NAME}:
+            return
+        done = removal.Removal()
+        for entry in unwritten + [root / RUN_LOCK_NAME, checkpoints / LOCK_NAME]:
+            removal.remove_file(entry, done)
+        if done.left:
+            return
         if checkpoints.is_dir():
-            if {entry.name for entry in checkpoints.iterdir()} - {LOCK_NAME}:
-                return
-            (checkpoints / LOCK_NAME).unlink(missing_ok=True)
             checkpoints.rmdir()
         root.rmdir()
     except OSError:  # (someone else's files appeared, or it went: either way, leave it)

@@ -23,6 +23,7 @@ proportional to the whole model: a rank writes its slices, the index holds
 mappings, a few integers per region.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ from pathlib import Path, PurePosixPath
 import h5py
 import numpy as np
 
-from . import atomic, new_hdf5
+from . import atomic, new_hdf5, removal
 from .outputs import is_regular_file
 
 FORMAT = "mpidist-checkpoint-2"
@@ -264,12 +265,15 @@ def verify(path, handle, share=(0, 1)):
     return problem[0] if problem else None
 
 
+#: the names a parts folder's writers make: each rank's part, and the file aside it is written in
+PART_FILES = re.compile(r"rank-\d{5,}\.h5|\.rank-\d{5,}\.h5\.tmp-\d+")
+
+
 def remove_parts(folder):
-    """Remove a checkpoint's folder of parts (pruned, or left by a write that never completed)."""
-    folder = Path(folder)
-    for part in folder.glob("*"):
-        part.unlink(missing_ok=True)
-    os.rmdir(folder)
+    """Remove a checkpoint's folder of parts (pruned, or left by a write that never completed): the parts
+    and asides in it, then the folder; a folder that is a link, or holds anything else, is left (see
+    :mod:`mpidist.store.removal`).  Returns the :class:`~mpidist.store.removal.Removal`."""
+    return removal.remove_folder(folder, PART_FILES)
 
 
 def parts_folder(index, token):
@@ -281,14 +285,35 @@ def parts_folder(index, token):
 
 
 FOLDER = re.compile(r"(?:ckpt|best)-.+\.parts-[0-9a-f]{1,32}")
+BEST = "best-*.h5"  # a kept copy of an index (a hard link): it may name any checkpoint's parts folder
 
 
-def named_folders(directory, pattern="*.h5"):
-    """The parts folders the indexes in ``directory`` (those matching ``pattern``) name (an index that cannot
-    be read names none)."""
-    named = set()
+@dataclasses.dataclass
+class Naming:
+    """What the indexes of a directory say about its parts folders: the folders they name, and the indexes
+    that could not be read (their stems), which may name folders no one can tell."""
+
+    named: set
+    unread: set
+
+    def unread_owner(self, folder):
+        """Why the parts folder named ``folder``, which no index that was read names, may still be a
+        checkpoint's (an index that could name it cannot be read), in words; None where none could."""
+        stem = folder.rpartition(".parts-")[0]
+        if stem in self.unread:
+            return f"its index {stem}.h5 cannot be read: a checkpoint passed over is left as it is"
+        best = sorted(name for name in self.unread if name.startswith("best-"))
+        if best:
+            return f"{best[0]}.h5 cannot be read, and may name it"
+        return None
+
+
+def naming(directory, pattern="*.h5"):
+    """The :class:`Naming` of the indexes in ``directory`` that match ``pattern``."""
+    named, unread = set(), set()
     for index in Path(directory).glob(pattern):
         if not is_regular_file(index):  # (a named pipe under an index's name would block the open forever)
+            unread.add(index.stem)
             continue
         try:
             with h5py.File(index, "r") as handle:
@@ -296,47 +321,53 @@ def named_folders(directory, pattern="*.h5"):
                     continue
                 listed = json.loads(handle.attrs.get(PARTS, "[]"))
         except (OSError, ValueError, TypeError, KeyError, RuntimeError):
+            unread.add(index.stem)
             continue
         for record in listed if isinstance(listed, list) else []:
             if isinstance(record, dict) and isinstance(record.get("file"), str):
                 named.add(PurePosixPath(record["file"]).parts[0])
-    return named
+    return Naming(named, unread)
 
 
 def remove_unnamed_folders(directory):
-    """Remove the parts folders in ``directory`` that no index names: those of pruned checkpoints, and those a
-    write that never completed left (call where no write is in flight: the chief after its index is in place,
-    or at start-up with the directory's lock held).  Returns the names removed."""
+    """Remove the parts folders in ``directory`` that are provably debris: no index names them, and none
+    that might cannot be read -- those of pruned checkpoints, and those a write that never completed left
+    (call where no write is in flight: the chief after its index is in place, or at start-up with the
+    directory's lock held).  Returns the :class:`~mpidist.store.removal.Removal`: what was removed, and what
+    was left and why."""
     directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    named, removed = named_folders(directory), []
-    for folder in directory.iterdir():
-        if FOLDER.fullmatch(folder.name) and folder.is_dir() and folder.name not in named:
-            remove_parts(folder)
-            removed.append(folder.name)
-    return sorted(removed)
+    if removal.kind(directory) != removal.FOLDER:
+        return removal.Removal()
+    return _remove_debris(directory, naming(directory), lambda stem: True)
 
 
 def remove_replaced_folders(directory, current, folder, pruned):
     """After the index ``current`` (over the parts in ``folder``) is in place and the indexes ``pruned`` were
     deleted: remove their parts folders, and those of an earlier write under ``current``'s name, unless a
-    ``best-*.h5`` index (a kept link to a checkpoint's index) names them.  What :func:`remove_unnamed_folders`
-    does after each write, for a directory listing and a read of the best indexes rather than a read of every
-    index; returns the names removed."""
+    ``best-*.h5`` index (a kept link to a checkpoint's index) names them or cannot be read.  What
+    :func:`remove_unnamed_folders` does after each write, for a directory listing and a read of the best
+    indexes rather than a read of every index; returns the
+    :class:`~mpidist.store.removal.Removal`."""
     current = Path(current)
     stems = {Path(index).stem for index in pruned} | {current.stem}
-    kept = named_folders(directory, "best-*.h5") | {Path(folder).name}
-    removed = []
-    for folder in Path(directory).iterdir():
-        stem, _, token = folder.name.rpartition(".parts-")
-        if (
-            stem in stems
-            and token
-            and FOLDER.fullmatch(folder.name)
-            and folder.name not in kept
-            and folder.is_dir()
-        ):
-            remove_parts(folder)
-            removed.append(folder.name)
-    return sorted(removed)
+    kept = naming(directory, BEST)
+    kept.named.add(Path(folder).name)
+    return _remove_debris(Path(directory), kept, stems.__contains__)
+
+
+def _remove_debris(directory, known, candidate):
+    """Remove the parts folders in ``directory`` whose stem is a ``candidate`` and that ``known`` (a
+    :class:`Naming`) does not keep."""
+    done = removal.Removal()
+    for name in sorted(os.listdir(directory)):
+        stem, _, token = name.rpartition(".parts-")
+        if not (token and FOLDER.fullmatch(name) and candidate(stem)) or name in known.named:
+            continue
+        why = known.unread_owner(name)
+        if why is not None:
+            done.left.append((name, why))
+            continue
+        found = remove_parts(directory / name)
+        done.removed += found.removed
+        done.left += found.left
+    return done

@@ -1,0 +1,120 @@
+"""Removing only what mpidist wrote: never through a link, only names its own writes make.
+
+Every removal of a file or folder a run may find on disk (a pruned
+checkpoint, a parts folder an interrupted write left, a temporary file aside,
+an empty run directory) goes through here, by one rule:
+
+* a symbolic link is never followed: a link named like a checkpoint, a parts
+  folder or a temporary may lead to a user's archive, and mpidist never wrote
+  what it leads to;
+* only regular files whose names mpidist's own writes make are removed, and
+  only from real folders (``lstat``): a folder holding anything else keeps it,
+  and is left in place;
+* what was left is said, so the caller can tell its user (:class:`Removal`).
+
+The kinds are read with ``lstat`` once and acted on at once; a name that
+changes kind in between (a race with another process) fails the removal
+(``rmdir`` of a link, ``unlink`` of a directory), which is caught, and the
+entry stays.
+"""
+
+import dataclasses
+import os
+import stat
+from pathlib import Path
+
+from ..runtime.text import printable
+
+#: what :func:`kind` answers
+FILE, FOLDER, LINK, OTHER, MISSING = "file", "folder", "symbolic link", "special file", "missing"
+
+
+def kind(path):
+    """What ``path`` itself is (a link not followed): one of :data:`FILE`, :data:`FOLDER`, :data:`LINK`,
+    :data:`OTHER` (a pipe, socket or device), :data:`MISSING`."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (OSError, ValueError):
+        return MISSING
+    if stat.S_ISLNK(mode):
+        return LINK
+    return FILE if stat.S_ISREG(mode) else FOLDER if stat.S_ISDIR(mode) else OTHER
+
+
+@dataclasses.dataclass
+class Removal:
+    """What one removal did: the names it removed, and what it left with the reason (``(name, why)``)."""
+
+    removed: list = dataclasses.field(default_factory=list)
+    left: list = dataclasses.field(default_factory=list)
+
+    def note(self, where):
+        """One line naming what was left in ``where`` and why; "" when nothing was."""
+        if not self.left:
+            return ""
+        items = "; ".join(f"{printable(name)} ({why})" for name, why in self.left)
+        return f"left in {where}, as mpidist removes only what it wrote: {items}"
+
+
+def remove_file(path, removal=None):
+    """Remove ``path`` if it is a regular file (not a link, a folder or a special file); the
+    :class:`Removal`."""
+    removal = removal if removal is not None else Removal()
+    path = Path(path)
+    found = kind(path)
+    if found == MISSING:
+        return removal
+    if found != FILE:
+        removal.left.append((path.name, f"a {found}, not a file mpidist wrote"))
+        return removal
+    try:
+        path.unlink()
+        removal.removed.append(path.name)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        removal.left.append((path.name, err.strerror or str(err)))
+    return removal
+
+
+def remove_folder(folder, own):
+    """Remove the regular files in ``folder`` whose names ``own`` (a compiled pattern) matches whole, then
+    the folder if that emptied it; the :class:`Removal` (``removed`` names the folder once it is gone).
+
+    A ``folder`` that is a link, or not a folder, is left whole; so is anything in it that is not a regular
+    file of such a name (a link among the parts, a file of the user's), and then the folder too.
+    """
+    folder, removal = Path(folder), Removal()
+    found = kind(folder)
+    if found == MISSING:
+        return removal
+    if found != FOLDER:
+        removal.left.append((folder.name, f"a {found}, not a folder mpidist made"))
+        return removal
+    inside = Removal()
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as err:
+        removal.left.append((folder.name, err.strerror or str(err)))
+        return removal
+    for name in names:
+        if own.fullmatch(name):
+            remove_file(folder / name, inside)
+        else:
+            inside.left.append((name, "not a name mpidist writes"))
+    if inside.left:
+        removal.left.append((folder.name, f"holds what mpidist did not write: {_names(inside.left)}"))
+        return removal
+    try:
+        os.rmdir(folder)
+        removal.removed.append(folder.name)
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # (something appeared meanwhile: it stays, and so does the folder)
+        removal.left.append((folder.name, err.strerror or str(err)))
+    return removal
+
+
+def _names(left, shown=3):
+    names = [printable(name, 60) for name, _ in left]
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
