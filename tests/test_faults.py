@@ -1081,6 +1081,41 @@ def nothing_but_the_lock_and_notes(p, out, err):
     assert sorted(os.listdir(p / "disk")) == [".mpidist-lock", "notes"]
 
 
+# -- issue 61: mpidist removes only what it wrote ------------
+PIPELINE = ("--strategy", "pipeline", "--stages", "2", "--checkpoint-every", "1")
+
+
+def links_named_like_debris(p, stack=None):
+    """``p/ck`` holding links to the user's ``p/archive`` named like a parts folder and a temporary."""
+    (p / "archive").mkdir()
+    (p / "archive" / "rank-00000.h5").write_text("the user's")
+    (p / "ck").mkdir()
+    (p / "ck" / "ckpt-00000001-abcdef12.parts-0a").symlink_to(p / "archive")
+    (p / "ck" / ".ckpt-00000001-abcdef12.h5.tmp-7").symlink_to(p / "archive" / "rank-00000.h5")
+    return train("--checkpoint-dir", str(p / "ck"), *PIPELINE, "--keep", "1", "--steps", "3")(p)
+
+
+def links_and_archive_left(p, out, err):
+    assert (p / "ck" / "ckpt-00000001-abcdef12.parts-0a").is_symlink()
+    assert (p / "ck" / ".ckpt-00000001-abcdef12.h5.tmp-7").is_symlink()
+    assert (p / "archive" / "rank-00000.h5").read_text() == "the user's"
+    assert checkpoint_steps(p / "ck") == [3] and "Traceback" not in err
+
+
+def an_unreadable_sharded_index(p, stack=None):
+    """Sharded checkpoints of steps 1 to 3, the newest index cut to nothing; then ``--resume auto``."""
+    first_run(p, *PIPELINE, "--keep", "3", "--steps", "3")
+    newest = checkpoint_at(p / "ck", 3)
+    newest.write_bytes(b"")
+    (p / "parts").write_text(repr(sorted(f.name for f in p.glob("ck/ckpt-00000003-*.parts-*/*"))))
+    return train("--checkpoint-dir", str(p / "ck"), *PIPELINE, "--resume", "auto", "--steps", "4")(p)
+
+
+def its_parts_left(p, out, err):
+    assert repr(sorted(f.name for f in p.glob("ck/ckpt-00000003-*.parts-*/*"))) == (p / "parts").read_text()
+    assert len(eval((p / "parts").read_text())) == 2
+
+
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}  # about 30 ms a step: time to act mid-run
 
 
@@ -1742,6 +1777,20 @@ FAULTS = {
         1,
         "checkpoint of step 2 not written to ",
         check=nothing_but_the_lock_and_notes,
+    ),
+    "a link named like a parts folder in --checkpoint-dir": Fault(
+        links_named_like_debris,
+        0,
+        "as mpidist removes only what it wrote",
+        check=links_and_archive_left,
+        one_message=False,
+    ),
+    "a parts folder whose index cannot be read": Fault(
+        an_unreadable_sharded_index,
+        0,
+        "a checkpoint passed over is left as it is",
+        check=its_parts_left,
+        one_message=False,
     ),
 }
 

@@ -145,10 +145,11 @@ def write_shards(out, rows, shard_size, compression="gzip"):
         )
     count = max(1, math.ceil(rows.sizes["train"] / shard_size))
     digits = max(5, len(str(count - 1)))
-    aside = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    aside, made = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}", False
     try:
+        aside.mkdir(parents=False)  # (fails on anything already there, which is then never removed)
+        made = True
         with leftovers.pending(aside, tree=True):  # (a signal that ends the command removes it too)
-            aside.mkdir(parents=False)
             names = []
             for k in range(count):
                 parts = {
@@ -168,7 +169,8 @@ def write_shards(out, rows, shard_size, compression="gzip"):
     except OSError as err:
         raise unwritable(out, "the dataset", err) from None
     finally:
-        shutil.rmtree(aside, ignore_errors=True)
+        if made:  # (a folder this call made: all in it is its own; rmtree never follows a link)
+            shutil.rmtree(aside, ignore_errors=True)
     return [out / name for name in names]
 
 
