@@ -1116,6 +1116,28 @@ def its_parts_left(p, out, err):
     assert len(eval((p / "parts").read_text())) == 2
 
 
+def on_a_full_disk(*flags):
+    """``python -m mpidist FLAGS`` (a flag may be a function of the test's directory) with ``p/disk`` a tmpfs
+    filled to the last byte.  A user who may not mount one (not root; CI is) skips: a file-size limit, the
+    other rows' stand-in, would fail MPI's own start-up before mpidist's."""
+
+    def provoke(p, stack):
+        if stack.enter_context(full_disk(p / "disk", size="16k")):
+            assert os.geteuid() != 0, "root could not mount a tmpfs"
+            pytest.skip("a full disk needs a tmpfs mount, which only root may make")
+        with contextlib.suppress(OSError), open(p / "disk" / "filler", "wb") as filler:
+            for _ in range(64):
+                filler.write(bytes(4096))
+                filler.flush()
+        return Launch(["-m", "mpidist", *[f(p) if callable(f) else f for f in flags]])
+
+    return provoke
+
+
+def nothing_made_on_the_disk(p, out, err):
+    assert [name for name in os.listdir(p / "disk") if name != "filler"] == [] and "Traceback" not in err
+
+
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}  # about 30 ms a step: time to act mid-run
 
 
@@ -1791,6 +1813,20 @@ FAULTS = {
         "a checkpoint passed over is left as it is",
         check=its_parts_left,
         one_message=False,
+    ),
+    "a full disk under --run-dir at start-up": Fault(
+        on_a_full_disk("--run-dir", lambda p: str(p / "disk" / "run")),
+        2,
+        "cannot write its lock file .mpidist-run-lock (",
+        check=nothing_made_on_the_disk,
+        ranks=(2,),
+    ),
+    "a full disk under --checkpoint-dir at start-up": Fault(
+        on_a_full_disk("--run-dir", "", "--checkpoint-dir", lambda p: str(p / "disk" / "ck" / "deeper")),
+        2,
+        "cannot write its lock file .mpidist-lock (",
+        check=nothing_made_on_the_disk,
+        ranks=(2,),
     ),
 }
 

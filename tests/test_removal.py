@@ -221,3 +221,34 @@ def test_a_run_beside_links_named_like_its_debris_finishes_and_leaves_them(tmp_p
     assert len(list(directory.glob("ckpt-*.h5"))) == 1
     with h5py.File(next(directory.glob("ckpt-*.h5")), "r") as handle:
         assert int(handle.attrs["step"]) == 6
+
+
+def test_directories_made_for_a_run_are_taken_back_only_while_they_hold_nothing_else(tmp_path):
+    made = removal.make_directories(tmp_path / "a" / "b" / "c")
+    assert made == [tmp_path / "a" / "b" / "c", tmp_path / "a" / "b", tmp_path / "a"]
+    assert removal.make_directories(tmp_path / "a" / "b") == []  # (there already: none made)
+    (tmp_path / "a" / "b" / "c" / lineage.LOCK_NAME).write_text("")
+    (tmp_path / "a" / "theirs").write_text("keep")  # the user's, written meanwhile beside it
+    removal.remove_made(made, own=re.compile(re.escape(lineage.LOCK_NAME)))
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["theirs"]
+
+
+@pytest.mark.parametrize(
+    "given", [["--run-dir", "new/deep"], ["--run-dir", "", "--checkpoint-dir", "ck/deep"]]
+)
+def test_a_run_refused_at_start_up_leaves_no_directory_it_made(tmp_path, given):
+    """Refused on every rank (a file that is not HDF5), or on one worker only after the chief opened its
+    outputs (a label out of range in worker 1's shard): either way, nothing made for the run is left."""
+    (tmp_path / "bad.h5").write_text("not HDF5")
+    done, _ = mpidist(2, "train", "--data", str(tmp_path / "bad.h5"), *given, cwd=tmp_path)
+    assert done.returncode == 2 and "not a readable HDF5 file" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.h5"]
+    labels = np.arange(100) % 3
+    labels[86] = 9  # (worker 1's shard at 2 ranks)
+    with h5py.File(tmp_path / "label.h5", "w") as handle:
+        handle.attrs.update(name="label", num_classes=3, source="")
+        handle["train/x"], handle["train/y"] = np.zeros((100, 4)), labels
+        handle["test/x"], handle["test/y"] = np.zeros((6, 4)), np.arange(6) % 3
+    done, _ = mpidist(2, "train", "--data", str(tmp_path / "label.h5"), *given, cwd=tmp_path)
+    assert done.returncode == 2 and "mpidist: error (rank 1): " in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.h5", "label.h5"]

@@ -123,7 +123,8 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
                 "--run-dir auto: a new run directory in" if planned is None else "--run-dir",
                 absolute=True,
             )
-        made = rundir.make(config, planned) if world.Get_rank() == 0 else ""
+        created = []  # (the directories rank 0 made for it: a refused run leaves none behind)
+        made = rundir.make(config, planned, created=created) if world.Get_rank() == 0 else ""
     config = rundir.absolute(rundir.resolved(config, bcast_text(world, made)))
     watch.timeout = config.stall_timeout
     here().enter("start")  # collectives from here on: a wait on the others
@@ -137,9 +138,8 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
             atexit.register(_exit_after_failure)
         try:
             outcome = run(config, cluster, xp, device, inputs, callbacks, stream=stream or sys.stdout)
-        finally:  # a new run directory a refused run never wrote into is not left behind
-            if made and planned is None:
-                rundir.remove_if_empty(made)
+        finally:  # a run directory this run made and never wrote into is not left behind
+            rundir.remove_made(created)
         if not ulfm.failure_seen():  # (after a loss, the survivors' communicators replaced these)
             cluster.free()  # a script may call train() again: nothing is left behind
         return _result(outcome, cluster.is_chief, config, inputs)

@@ -16,7 +16,7 @@ import time
 from ..nn.scores import progress_text
 from ..runtime.errors import UsageError
 from ..runtime.whereabouts import here
-from ..store import atomic
+from ..store import atomic, removal
 
 
 class MetricsLog:
@@ -32,12 +32,14 @@ class MetricsLog:
 
     def __init__(self, path):
         self.fd, self.path, self.failure = None, path, None
+        self.created = False  # whether opening it made the file (a run refused at start-up takes it back)
         if path:
             try:
                 directory = os.path.dirname(os.path.abspath(path))
                 os.makedirs(directory, exist_ok=True)
                 with here().doing("io", f"opening --metrics {path}"):
                     _check_writable_target(path)
+                    self.created = not os.path.lexists(path)
                     self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | atomic.NO_FOLLOW, 0o644)
                     if not _drop_partial_line(self.fd):
                         self.close()
@@ -67,6 +69,13 @@ class MetricsLog:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def discard(self):
+        """Close; and remove the file if opening it made it and nothing was written (a refused run)."""
+        written = self.fd is not None and _size(self.fd) > 0
+        self.close()
+        if self.created and not written:
+            removal.remove_file(self.path)
 
 
 def _check_writable_target(path):

@@ -37,6 +37,7 @@ class Outputs:
         self.log = self.progress = self.board = self.log_copy = self.claim = None
         self.callbacks = []
         self.trace_offset, self.trace_path = 0.0, None  # the chief's clock, and where the timeline went
+        self.made = []  # the checkpoint directories made for the run (taken back if it is refused)
 
     def open(self, config, callbacks, resume):
         """Local (inside the set-up's agreement): check and open everything the run writes to.
@@ -56,19 +57,22 @@ class Outputs:
         # a live run's directory is its own, as its checkpoint directory is: taken before anything there is
         # opened
         run_lock = lineage.DirectoryLock(config.run_dir, run=True).acquire() if config.run_dir else None
+        made = []
         try:
             if config.run_dir:
                 self.log_copy = self.stream = rundir.LogCopy(self.stream, Path(config.run_dir) / rundir.LOG)
             if config.trace != "off":
                 trace.check_writable(trace_file(config, resume))
             if config.checkpoint_dir:
-                checkpoint_save.prepare_directory(config.checkpoint_dir)
+                made = checkpoint_save.prepare_directory(config.checkpoint_dir)
             self.claim = lineage.claim(config, resume)
         except BaseException:
             if run_lock is not None:
                 run_lock.release()
+            checkpoint_save.remove_unused(made)  # (refused: a directory made for it is not left behind)
             raise
         self.claim.run_lock = run_lock
+        self.made = made
 
     def take_over(self, config, lineage_of):
         """A worker that became the chief (the chief died, ``--elastic``): open what the chief writes.
@@ -123,6 +127,15 @@ class Outputs:
             self.trace_path = path
         elif self.chief:  # the run itself went well: say so, and what was lost
             self.say(f"mpidist: warning: the timeline could not be written to {path} ({problem})")
+
+    def abandon(self):
+        """The run was refused at start-up (on another rank, say): close, and take back the metrics file and
+        the checkpoint directories made for it, where nothing was written there."""
+        if self.log is not None:
+            self.log.log.discard()  # (the metrics file, where opening it made it and nothing was written)
+        self.close()
+        checkpoint_save.remove_unused(self.made)
+        self.made = []
 
     def close(self):
         """Let go of ``--checkpoint-dir`` (the chief's lock) and close what is open: the run writes no

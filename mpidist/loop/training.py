@@ -124,16 +124,20 @@ class Training:
         """Agreed local set-up, the strategy, its initial state, the header; the position to start from."""
         config, cluster, outputs = self.config, self.cluster, self.outputs
         here().enter("setup", 0)
-        with agreed(cluster.world):
-            self.setup = prepare(config, cluster, self.device.xp, self.inputs, *find_resume(config))
-            early_stopping = (
-                EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss")
-                if config.early_stop
-                else None
-            )
-            outputs.open(
-                config, list(callbacks) + ([early_stopping] if early_stopping else []), self.setup.resume
-            )
+        try:
+            with agreed(cluster.world):
+                self.setup = prepare(config, cluster, self.device.xp, self.inputs, *find_resume(config))
+                early_stopping = (
+                    EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss")
+                    if config.early_stop
+                    else None
+                )
+                outputs.open(
+                    config, list(callbacks) + ([early_stopping] if early_stopping else []), self.setup.resume
+                )
+        except SystemExit:  # (refused, here or on another rank: what the chief opened is taken back)
+            outputs.abandon()
+            raise
         here().enter("start")  # collectives from here on: a wait on the others
         setup, resume, asked = self.setup, self.setup.resume, config.seed
         config = self.state.config = continued(config, setup)  # the seed and buffer it goes on with

@@ -13,11 +13,12 @@ reading checks for.
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 from ..runtime.errors import RunError, UsageError
-from . import atomic, bulk
+from . import atomic, bulk, removal
 from . import lineage as lineages
 
 FORMAT = "mpidist-checkpoint-1"
@@ -212,10 +213,18 @@ def keep_as(path, name):
 
 
 def prepare_directory(directory):
-    """Create ``directory`` if needed and check it is writable (chief, at start-up)."""
+    """Create ``directory`` if needed and check it is writable (chief, at start-up); returns the directories
+    made, innermost first (:func:`remove_unused`)."""
     try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        made = removal.make_directories(directory)
     except OSError as err:
         raise UsageError(f"--checkpoint-dir {directory}: cannot create ({err.strerror})") from None
     if not os.access(directory, os.W_OK):
         raise UsageError(f"--checkpoint-dir {directory}: not writable")
+    return made
+
+
+def remove_unused(made):
+    """Take back the checkpoint directories :func:`prepare_directory` made for a run refused at start-up:
+    those that hold nothing but the directory's lock."""
+    removal.remove_made(made, own=re.compile(re.escape(lineages.LOCK_NAME)))

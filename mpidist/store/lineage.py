@@ -237,17 +237,20 @@ class DirectoryLock:
                 f"{self.flag} {self.path.parent} cannot be locked ({err.strerror}): make sure no "
                 "other run writes there"
             )
-        os.ftruncate(fd, 0)
-        os.write(
-            fd,
-            json.dumps(
-                {
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                }
-            ).encode(),
-        )
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(holder).encode())
+        except OSError as err:  # (a full disk, a quota: nothing the run writes there would fit either)
+            os.close(fd)
+            raise UsageError(
+                f"{self.flag} {self.path.parent}: cannot write its lock file {self.path.name} "
+                f"({err.strerror or err})"
+            ) from None
         self.fd = fd
         return self
 

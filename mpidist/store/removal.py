@@ -118,3 +118,32 @@ def remove_folder(folder, own):
 def _names(left, shown=3):
     names = [printable(name, 60) for name, _ in left]
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def make_directories(path):
+    """``os.makedirs(path, exist_ok=True)``; returns the directories it made, innermost first (what
+    :func:`remove_made` may take back where the run that made them is refused)."""
+    missing, probe = [], Path(os.path.abspath(path))
+    while not os.path.lexists(probe) and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    os.makedirs(path, exist_ok=True)
+    return missing
+
+
+def remove_made(made, own=None):
+    """Remove the directories ``made`` (:func:`make_directories`' answer), innermost first, where they hold
+    nothing but regular files whose names ``own`` matches (the innermost only; None: nothing); the first
+    that holds anything else stops it (it and those around it are left)."""
+    for depth, folder in enumerate(made):
+        if depth == 0 and own is not None:
+            done = remove_folder(folder, own)
+            if done.left:
+                return
+            continue
+        try:
+            os.rmdir(folder)  # (only an empty folder: never through a link, which rmdir refuses)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return

@@ -193,21 +193,24 @@ def absolute(config):
     return dataclasses.replace(config, **paths)
 
 
-def make(config, where, now=None, root=ROOT):
+def make(config, where, now=None, root=ROOT, created=None):
     """Create the run directory ``where`` (:func:`planned`'s answer for ``config``) and return its absolute
     path.
 
     One rank makes it, the others are told.  A new one (``where`` None) is
     named ``<name>-<YYYYmmdd>-<HHMMSS>``, with ``-2``, ``-3``... where runs
-    started in the same second.  Nothing is written in it yet.
+    started in the same second.  Nothing is written in it yet.  ``created``, a
+    list, receives the directories made, innermost first (:func:`remove_made`
+    takes back those a refused run never wrote into).
     """
+    created = [] if created is None else created
     if where == "":
         return ""
     try:
         if where is not None:
             if os.path.exists(where) and not os.path.isdir(where):
                 raise UsageError(f"--run-dir {where}: is a file, not a directory")
-            os.makedirs(where, exist_ok=True)
+            created += removal.make_directories(where)
             _check_directory(where)
             for name in (SETTINGS, LOG):  # (renamed over or appended to: a FIFO would be replaced or block)
                 kind = special_kind(Path(where) / name)
@@ -221,12 +224,13 @@ def make(config, where, now=None, root=ROOT):
                     )
             return os.path.abspath(where)
         stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
-        os.makedirs(root, exist_ok=True)
+        made_root = removal.make_directories(root)
         base = Path(root) / f"{run_name(config)}-{stamp}"
         for count in range(1, 1000):
             path = base if count == 1 else Path(f"{base}-{count}")
             try:
                 os.mkdir(path)
+                created += [Path(os.path.abspath(path)), *made_root]
                 return os.path.abspath(path)
             except FileExistsError:
                 continue
@@ -235,6 +239,15 @@ def make(config, where, now=None, root=ROOT):
             f"--run-dir {where or root}: cannot create the run directory ({err.strerror})"
         ) from None
     raise UsageError(f"--run-dir: {base} and 998 more like it exist already")
+
+
+def remove_made(created):
+    """Take back the directories a run made (``created``, innermost first: :func:`make`'s) where it wrote
+    nothing into them (:func:`remove_if_empty`)."""
+    if created:
+        remove_if_empty(created[0])
+        if not os.path.lexists(created[0]):
+            removal.remove_made(created[1:])
 
 
 def remove_if_empty(path):
