@@ -265,6 +265,38 @@ def test_feature_names_are_read_checked_as_untrusted_text(tmp_path, names, messa
         data.inspect(path)
 
 
+#: names a CSV header may give beyond plain ASCII: characters that print as escapes (a no-break, a zero-width
+#: and a narrow space, a BOM, right-to-left and left-to-right marks, a tab, a line separator), and a combining
+#: accent and right-to-left text, which print as they are
+INVISIBLE_NAMES = (
+    "no\u00a0break",
+    "zero\u200bwidth",
+    "narrow\u202fspace",
+    "bom\ufeff",
+    "\u200fright",
+    "left\u200e",
+    "tab\tbed",
+    "line\u2028sep",
+    "cafe\u0301",
+    "\u05e9\u05dd",
+)
+
+
+def test_feature_names_come_back_as_stored_whatever_characters_they_hold(tmp_path):
+    """Issue 61, item 11: predict compares them with a CSV header's cells; read back escaped for printing
+    (``'no\\xa0break'``), they matched no cell of the very header they came from."""
+    names = INVISIBLE_NAMES + ("no\\xa0break",)  # (and the escape of the first, spelt out: a name of its own)
+    path = write_dataset(
+        tmp_path / "f.h5",
+        "f",
+        {"train": (np.zeros((4, len(names))), np.zeros(4)), "test": (np.zeros((2, len(names))), np.zeros(2))},
+        0,
+        "",
+        feature_names=names,
+    )
+    assert data.inspect(path).feature_names == names
+
+
 def test_class_names_need_classes(tmp_path):
     path = write_dataset(
         tmp_path / "r.h5",

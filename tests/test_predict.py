@@ -485,3 +485,59 @@ def test_predicts_csv_neutralises_class_names_a_spreadsheet_would_run(tmp_path):
         expected = shown if name in ("-1.5", "+3", "plain", "a=b", "\tx=1", "\r=2") else "'" + name
         assert row["name"] == expected
         assert not row["name"].startswith(("=", "+", "-", "@", "\t", "\r")) or name in ("-1.5", "+3")
+
+
+# -- CSV files as users write them (issue 61, items 7 and 11) ------------------------------------------------
+def csv_file(path, header, rows):
+    """``path`` written as a CSV file: the ``header`` cells (none where empty), then ``rows``."""
+    lines = [",".join(header)] if header else []
+    path.write_text("\n".join(lines + [",".join(map(str, row)) for row in rows]) + "\n", encoding="utf-8")
+    return path
+
+
+def csv_run(directory, names, regression=False):
+    """``(checkpoint, x, y)`` of a one-epoch run on a CSV of 60 rows headed by ``names`` and ``label``."""
+    from mpidist.tools.ingest import ingest
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(60, len(names))).round(4)
+    y = x @ np.linspace(1, 2, len(names)) if regression else (x[:, 0] > 0).astype(int)
+    csv_file(directory / "train.csv", list(names) + ["label"], [[*row, label] for row, label in zip(x, y)])
+    ingest(str(directory / "train.csv"), str(directory / "train.h5"), task="auto")
+    result = mpidist.train(
+        "mlp",
+        str(directory / "train.h5"),
+        epochs=1,
+        batch_size=16,
+        checkpoint_dir=str(directory / "ck"),
+        **QUIET,
+    )
+    return result.checkpoints[-1], x, y
+
+
+def predicted(checkpoint, path):
+    """What ``predict`` gives for the CSV file ``path`` on this rank alone: classes, or values."""
+    result = mpidist.predict(str(checkpoint), data=str(path), comm=MPI.COMM_SELF)
+    return result.classes if result.task == "classification" else result.values
+
+
+@pytest.fixture(scope="module")
+def invisible_run(tmp_path_factory):
+    """A run on a CSV whose header names hold characters that print as escapes (no line separator: a CSV
+    line cannot hold one)."""
+    from test_data import INVISIBLE_NAMES
+
+    names = [name for name in INVISIBLE_NAMES if "\u2028" not in name]
+    return csv_run(tmp_path_factory.mktemp("invisible"), names) + (names,)
+
+
+def test_the_training_csvs_own_header_is_matched_whatever_characters_its_names_hold(invisible_run, tmp_path):
+    """Issue 61, item 11: the stored names came back escaped (``'no\\xa0break'``), and predict refused the
+    very header they were read from; in another order, the columns are taken by those names."""
+    checkpoint, x, y, names = invisible_run
+    expected = predicted(checkpoint, csv_file(tmp_path / "bare.csv", None, x))  # (no header: in order)
+    own = csv_file(tmp_path / "own.csv", names + ["label"], [[*row, label] for row, label in zip(x, y)])
+    assert np.array_equal(predicted(checkpoint, own), expected)
+    order = np.random.default_rng(0).permutation(len(names))
+    shuffled = csv_file(tmp_path / "shuffled.csv", [names[i] for i in order], x[:, order])
+    assert np.array_equal(predicted(checkpoint, shuffled), expected)

@@ -65,7 +65,7 @@ class DatasetInfo:
     std: object = dataclasses.field(default=None, repr=False, compare=False)
     #: one name per class, control characters escaped, where the file names them
     class_names: tuple = None
-    feature_names: tuple = None  # a CSV header's names of a sample's values, where ingest stored them
+    feature_names: tuple = None  # a CSV header's names of a sample's values as stored (unescaped), or None
     #: splits carved out of another (``--val-fraction``): name -> (the file's split, its sorted row numbers)
     carved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     #: the files, in order (one for a single file): a split's rows are theirs, concatenated

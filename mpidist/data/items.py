@@ -104,12 +104,19 @@ def class_names(path, handle, num_classes, allow_external):
     """The ``class_names`` item as a tuple of printable strings, checked; None where the file has none."""
     if present(handle, "class_names") and num_classes == 0:
         raise UsageError(f"{path}: has class_names but num_classes = 0 (regression): names need classes")
-    return _names(path, handle, "class_names", num_classes, "class", allow_external)
+    names = _names(path, handle, "class_names", num_classes, "class", allow_external)
+    # (escaped once here: reports and predictions files show them, and a dataset's fingerprint, which
+    # checkpoints record, is made of them as read)
+    return None if names is None else tuple(printable(name) for name in names)
 
 
 def feature_names(path, handle, sample_shape, allow_external):
-    """The ``feature_names`` item (a CSV header's names of a sample's values), checked; None where there is
-    none."""
+    """The ``feature_names`` item (a CSV header's names of a sample's values), checked, as stored; None where
+    there is none.
+
+    ``predict`` compares them with the cells of a CSV file's header, so they are not escaped: a name holding
+    a no-break or zero-width space would then match no cell.  Print them through :func:`printable`.
+    """
     if present(handle, "feature_names") and len(sample_shape) != 1:
         raise UsageError(
             f"{path}: has feature_names but its samples have shape {sample_shape}: names are for "
@@ -121,8 +128,7 @@ def feature_names(path, handle, sample_shape, allow_external):
 
 
 def _names(path, handle, key, count, what, allow_external):
-    """Item ``key``: ``count`` distinct, non-empty, bounded UTF-8 names, as printable strings; None where
-    absent."""
+    """Item ``key``: ``count`` distinct, non-empty, bounded UTF-8 names, as stored; None where absent."""
     if not present(handle, key):
         return None
     item = checked_dataset(path, handle, key, allow_external)
@@ -152,5 +158,5 @@ def _names(path, handle, key, count, what, allow_external):
                 f"({printable(repr(name))}); every {what} needs a name of its own"
             )
         seen[name] = index
-        names.append(printable(name))
+        names.append(name)
     return tuple(names)
