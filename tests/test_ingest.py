@@ -857,3 +857,64 @@ def test_ingest_task_regression_of_a_named_source_exits_2_on_one_line(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--task regression applies to .npz and .csv files" in lines[0], done.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "text,x,class_names",
+    [
+        ("a,b,label\n0.5,1.5,2\n", [[0.5, 1.5, 2.0]], None),  # a header, one row
+        (",a,b\n7,0.5,1.5\n", [[0.5, 1.5]], None),  # pandas' header and index, one row: the index dropped
+        ("0.5,1.5,2\n", [[0.5, 1.5, 2.0]], None),  # no header: the only row is data
+        ("0.5,1.5,cat\n", [[0.5, 1.5]], ("cat",)),  # its one text cell is a class name: data
+        ("0.5\n", [[0.5]], None),  # one column: one feature
+        (
+            "0.5,1.5,cat\n2.5,3.5,cat\n",
+            [[0.5, 1.5], [2.5, 3.5]],
+            ("cat",),
+        ),  # one class: left out, not refused
+    ],
+)
+def test_a_csv_that_predict_reads_may_hold_one_row_one_column_and_one_class(tmp_path, text, x, class_names):
+    """Issue 61, item 11: predict read its CSV with ingest's needs, and refused one row with "a train and a
+    test split need at least 2" (and one column, and labels of one class, in ingest's words too)."""
+    from mpidist.tools.csv_table import PREDICT, read_csv
+
+    (tmp_path / "one.csv").write_text(text)
+    table = read_csv(tmp_path / "one.csv", needs=PREDICT)
+    columns = table.x if class_names else np.column_stack([table.x, table.y])
+    assert columns.tolist() == x and table.class_names == class_names
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("a,b,label\n", r"0 rows of data after the header \(line 1\); predict needs at least 1"),
+        ("label\n", r"0 rows of data after the header \(line 1\); predict needs at least 1"),
+        ("", "the file is empty; predict needs at least 1"),
+        ("\n \n", "0 rows of data; predict needs at least 1"),
+        ("a,b\n1,\n", r"row 2, column 2 is empty \(NaN\); predict needs finite numbers"),
+        ("a,b,c\n1,x,0\n2,3,1\n", r"column 2 holds text \('x' in row 2\); predict needs numbers"),
+    ],
+)
+def test_a_csv_that_predict_refuses_is_refused_in_predicts_words(tmp_path, text, message):
+    from mpidist.tools.csv_table import PREDICT, read_csv
+
+    (tmp_path / "none.csv").write_text(text)
+    with pytest.raises(UsageError, match=f"none.csv: {message}") as caught:
+        read_csv(tmp_path / "none.csv", needs=PREDICT)
+    assert "ingest" not in str(caught.value) and "train" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("a,b,label\n0.5,1.5,2\n", r"1 row of data after the header \(line 1\); a train and a test split"),
+        ("0.5,1.5,2\n", "1 row of data; a train and a test split need at least 2"),
+        ("0.5,1.5,cat\n", "1 row of data; a train and a test split need at least 2"),
+        ("0.5\n1.5\n", "has 1 column; it needs at least one feature column and a label column"),
+        ("0.5,cat\n1.5,cat\n", r"every label in the label column \(column 2\) is 'cat', so there is 1 class"),
+    ],
+)
+def test_ingest_still_needs_two_rows_two_columns_and_two_classes(tmp_path, text, message):
+    (tmp_path / "few.csv").write_text(text)
+    refused(tmp_path, tmp_path / "few.csv", message)

@@ -541,3 +541,27 @@ def test_the_training_csvs_own_header_is_matched_whatever_characters_its_names_h
     order = np.random.default_rng(0).permutation(len(names))
     shuffled = csv_file(tmp_path / "shuffled.csv", [names[i] for i in order], x[:, order])
     assert np.array_equal(predicted(checkpoint, shuffled), expected)
+
+
+def test_a_csv_of_one_row_is_predicted_and_one_of_none_refused_in_predicts_words(
+    invisible_run, tmp_path, capsys
+):
+    """Issue 61, item 11: one row was refused with ingest's "a train and a test split need at least 2"."""
+    checkpoint, x, y, names = invisible_run
+    expected = predicted(checkpoint, csv_file(tmp_path / "all.csv", None, x))
+    for name, header, row in (
+        ("headed.csv", names + ["label"], [*x[3], y[3]]),
+        ("features.csv", names, x[3]),
+        ("bare.csv", None, [*x[3], y[3]]),
+        ("bare-features.csv", None, x[3]),
+    ):
+        assert np.array_equal(predicted(checkpoint, csv_file(tmp_path / name, header, [row])), expected[3:4])
+    for name, text, found in (
+        ("header.csv", ",".join(names) + "\n", "0 rows of data after the header (line 1)"),
+        ("empty.csv", "", "the file is empty"),
+    ):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        with pytest.raises(SystemExit) as stopped:
+            predicted(checkpoint, tmp_path / name)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"{name}: {found}; predict needs at least 1\n" in err, err

@@ -4,7 +4,8 @@ names.
 A CSV file holds one sample per row.  Its cells are cut at ``,``, ``;``,
 tabs or runs of whitespace (``--delimiter``, or detected from the first
 :data:`SNIFFED` lines: the cut giving the most numbers); the first row is a
-header, and skipped, when it has text above a column of numbers.  Every cell
+header, and skipped, when it has text above a column of numbers (the only row,
+when it has text outside the label column, or nothing but text).  Every cell
 but the label column's must be a finite number within float32; the label
 column holds numbers, or class names in every row.  A refusal names the row
 (its line in the file), the column and the cell.
@@ -83,11 +84,20 @@ def detect_delimiter(lines):
     return found
 
 
-def has_header(rows, split):
-    """Whether the first row names the columns: it has text above a column of numbers (or it is the only
-    row)."""
+def has_header(rows, split, label_column=-1):
+    """Whether the first row names the columns: it has text above a column of numbers.
+
+    The only row of a file (``predict`` reads a file of one sample) is a header where it holds text outside
+    the label column, or nothing but text: a row of data holds text in the label column alone (a class name)
+    beside its features.
+    """
     below = [split(line) for _, line in rows[1:SNIFFED]]
-    for column, cell in enumerate(split(rows[0][1])):
+    cells = split(rows[0][1])
+    if not below:
+        label = label_column % len(cells) if -len(cells) <= label_column < len(cells) else None
+        text = [bool(cell.strip()) and not is_number(cell) for cell in cells]
+        return all(text) or any(is_text for column, is_text in enumerate(text) if column != label)
+    for column, cell in enumerate(cells):
         if cell.strip() and not is_number(cell):
             if all(
                 is_number(cells[column]) for cells in below if column < len(cells) and cells[column].strip()
@@ -112,10 +122,11 @@ def mixed(path, label, cell, line_no):
     )
 
 
-def first_bad_cell(path, rows, split=None, label=None, named=False):
+def first_bad_cell(path, rows, split=None, label=None, named=False, command="ingest"):
     """Why ``np.loadtxt`` refused ``rows``: one line naming the row (line in the file) and column.
 
-    ``label``: the label column (0-based); ``named``: it holds class names, not read here.
+    ``label``: the label column (0-based); ``named``: it holds class names, not read here; ``command``: the
+    command reading them, which the line says needs numbers.
     """
     split = split or cells_of(",")
     width = len(split(rows[0][1]))
@@ -127,16 +138,34 @@ def first_bad_cell(path, rows, split=None, label=None, named=False):
             if named and column - 1 == label:
                 continue
             if not cell.strip():
-                return f"{path}: row {line_no}, column {column} is empty (NaN); ingest needs finite numbers"
+                return (
+                    f"{path}: row {line_no}, column {column} is empty (NaN); {command} needs finite numbers"
+                )
             if not is_number(cell):
                 if column - 1 == label:
                     return mixed(path, label, cell, line_no)
                 return (
                     f"{path}: column {column} holds text ({printable(repr(cell.strip()), 60)} in row "
                     f"{line_no}); "
-                    "ingest needs numbers in every row after the header (text only in the label column)"
+                    f"{command} needs numbers in every row after the header (text only in the label column)"
                 )
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a command needs of a CSV file, in the words its refusals use."""
+
+    command: str  # its name, as a refusal says what it needs: "ingest needs finite numbers"
+    rows: int  # rows of data
+    why: str  # why that many, as the refusal of fewer ends
+    label: bool  # a label column of 2 or more classes (or of numbers) besides the features
+
+
+#: ingest cuts the rows into a train and a test split, and takes the labels from their column
+INGEST = Needs("ingest", 2, "a train and a test split need at least 2", True)
+#: predict takes samples, one or more, and leaves out their label column where they have one
+PREDICT = Needs("predict", 1, "predict needs at least 1", False)
 
 
 @dataclasses.dataclass
@@ -155,13 +184,14 @@ class Table:
     label_name: str = None  # the header's name of the label column
 
 
-def read_csv(path, label_column=-1, delimiter="auto"):
+def read_csv(path, label_column=-1, delimiter="auto", needs=INGEST):
     """The :class:`Table` of ``path``, refused with the row (line in the file) and column of any bad cell.
 
     The delimiter is detected (``delimiter="auto"``) among ``,``, ``;``, tab and
     whitespace from the first lines; the first row is a header when it has text
     above a column of numbers.  Every cell but the label column's must be a
     number; the label column holds numbers, or class names in every row.
+    ``needs``: what the command reading it needs of it (:data:`INGEST`, :data:`PREDICT`).
     """
     try:  # (a line at a time, each bounded: one line of a gigabyte is refused before it is held)
         # (numbered as str.splitlines numbers the whole)
@@ -176,18 +206,18 @@ def read_csv(path, label_column=-1, delimiter="auto"):
     detected = delimiter == "auto"
     delimiter = detect_delimiter([line for _, line in rows[:SNIFFED]]) if detected else DELIMITERS[delimiter]
     split = cells_of(delimiter)
-    header = rows[:1] if rows and has_header(rows, split) else []
+    header = rows[:1] if rows and has_header(rows, split, label_column) else []
     rows = rows[len(header) :]
-    if len(rows) < 2:
+    if len(rows) < needs.rows:
         found = (
             "the file is empty"
             if not lines
             else f"{len(rows)} row{'s' * (len(rows) != 1)} of data"
             + (f" after the header (line {header[0][0]})" if header else "")
         )
-        raise UsageError(f"{path}: {found}; a train and a test split need at least 2")
+        raise UsageError(f"{path}: {found}; {needs.why}")
     width = len(split(rows[0][1]))
-    if width < 2:
+    if width < 2 and needs.label:
         raise UsageError(
             f"{path}: has 1 column; it needs at least one feature column and a label column (cut at "
             f"{SHOWN[delimiter]}, {'detected' if detected else 'given'}: see --delimiter)"
@@ -206,7 +236,7 @@ def read_csv(path, label_column=-1, delimiter="auto"):
         label < len(cells) and cells[label].strip() and not is_number(cells[label])
         for cells in map(split, (line for _, line in rows[:SNIFFED]))
     )
-    y, class_names = read_names(path, rows, split, width, label) if named else (None, None)
+    y, class_names = read_names(path, rows, split, width, label, needs.label) if named else (None, None)
     columns = [column for column in range(width) if column != label] if named else list(range(width))
     try:
         # (usecols lets longer rows pass)
@@ -219,12 +249,12 @@ def read_csv(path, label_column=-1, delimiter="auto"):
         )
     except ValueError as err:
         raise UsageError(
-            first_bad_cell(path, rows, split, label, named)
+            first_bad_cell(path, rows, split, label, named, needs.command)
             or f"{path}: not a table of numbers ({printable(err)})"
         ) from None
     magnitude = np.abs(np.nan_to_num(table, nan=0.0, posinf=np.inf, neginf=np.inf))
     for bad, why in (
-        (~np.isfinite(table), "ingest needs finite numbers"),
+        (~np.isfinite(table), f"{needs.command} needs finite numbers"),
         (magnitude > FLOAT32_MAX, f"beyond float32 (max {FLOAT32_MAX:.3g}); scale the data"),
     ):
         if bad.any():  # the largest bad value: Inf before NaN, the largest magnitude beyond float32
@@ -293,9 +323,13 @@ def _row_numbers(column):
     return start in (0, 1) and np.array_equal(column, np.arange(start, start + len(column)))
 
 
-def read_names(path, rows, split, width, label):
+def read_names(path, rows, split, width, label, checked=True):
     """``(classes, names)`` of a label column of class names: the sorted distinct names are classes 0 to
-    K-1."""
+    K-1.
+
+    ``checked``: refused where training would refuse them (one class, too many, a name too long); ``predict``
+    leaves the column out, so the labels of a few rows may well be one class.
+    """
     codes, seen = np.empty(len(rows), np.int64), {}
     for row, (line_no, line) in enumerate(rows):
         cells = split(line)
@@ -312,7 +346,9 @@ def read_names(path, rows, split, width, label):
         if is_number(name):
             raise UsageError(mixed(path, label, name, line_no))
         codes[row] = seen.setdefault(name, len(seen))
-    _, names = checked_names(path, f"the label column (column {label + 1})", sorted(seen))
+    names = tuple(sorted(seen))
+    if checked:
+        _, names = checked_names(path, f"the label column (column {label + 1})", names)
     order = {name: index for index, name in enumerate(names)}
     return np.array([order[name] for name in seen], np.int64)[codes], names
 

@@ -256,10 +256,10 @@ class CsvSamples(Samples):
     """
 
     def __init__(self, path):
-        from .csv_table import read_csv
+        from .csv_table import PREDICT, read_csv
 
         self.path = path
-        table = read_csv(path)  # (the last column as labels: numbers, or class names left out)
+        table = read_csv(path, needs=PREDICT)  # (the last column as labels: numbers, or class names left out)
         self.labelled = table.class_names is not None
         self.array = table.x if self.labelled else np.column_stack([table.x, table.y])
         self.names = (

@@ -83,7 +83,8 @@ class Predictions:
     def summary(self):
         """One line: what was predicted, where it was written, and the figure of a labelled split."""
         line = (
-            f"mpidist predict: {self.samples} samples of {self.source} (step {self.step}, model {self.model})"
+            f"mpidist predict: {self.samples} sample{'s' * (self.samples != 1)} of {self.source} (step "
+            f"{self.step}, model {self.model})"
         )
         line += f" -> {self.output}" if self.output is not None else " (not written)"
         if "accuracy" in self.figures:
