@@ -357,7 +357,8 @@ def test_a_csv_in_and_a_csv_out_reproduce_evals_accuracy_on_the_breast_cancer_ro
     assert done.returncode == 0 and np.array_equal(np.load(tmp_path / "classes.npy"), classes), done.stderr
     (tmp_path / "narrow.csv").write_text("1,2,3\n4,5,6\n")  # (no header: the columns are taken in order)
     done, _ = launch(1, "predict", str(checkpoint), "--data", "narrow.csv", "--output", "x.csv", cwd=tmp_path)
-    assert done.returncode == 2 and "narrow.csv" in done.stderr and "shape" in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert "narrow.csv: 3 columns of numbers, but the model takes 30 features" in done.stderr, done.stderr
     # the same rows as pandas writes a subset (df.iloc[100:].to_csv): an unnamed index column first, numbering
     # rows from 100, no label; then by name in another order with the label; predicted as ingest would read
     # them
@@ -495,14 +496,16 @@ def csv_file(path, header, rows):
     return path
 
 
-def csv_run(directory, names, regression=False):
-    """``(checkpoint, x, y)`` of a one-epoch run on a CSV of 60 rows headed by ``names`` and ``label``."""
+def csv_run(directory, names=None, features=4, regression=False):
+    """``(checkpoint, x, y)`` of a one-epoch run on a CSV of 60 rows headed by ``names`` and ``label`` (no
+    header where ``names`` is None)."""
     from mpidist.tools.ingest import ingest
 
     rng = np.random.default_rng(5)
-    x = rng.normal(size=(60, len(names))).round(4)
-    y = x @ np.linspace(1, 2, len(names)) if regression else (x[:, 0] > 0).astype(int)
-    csv_file(directory / "train.csv", list(names) + ["label"], [[*row, label] for row, label in zip(x, y)])
+    x = rng.normal(size=(60, len(names) if names else features)).round(4)
+    y = (x @ np.linspace(1, 2, x.shape[1])).round(4) if regression else (x[:, 0] > 0).astype(int)
+    header = list(names) + ["label"] if names else None
+    csv_file(directory / "train.csv", header, [[*row, label] for row, label in zip(x, y)])
     ingest(str(directory / "train.csv"), str(directory / "train.h5"), task="auto")
     result = mpidist.train(
         "mlp",
@@ -565,3 +568,81 @@ def test_a_csv_of_one_row_is_predicted_and_one_of_none_refused_in_predicts_words
             predicted(checkpoint, tmp_path / name)
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and f"{name}: {found}; predict needs at least 1\n" in err, err
+
+
+@pytest.fixture(scope="module")
+def regression_csv_run(tmp_path_factory):
+    """A regression trained on a CSV without a header: no names stored, its labels any number."""
+    return csv_run(tmp_path_factory.mktemp("bare"), regression=True)
+
+
+def refusal(checkpoint, path, capsys):
+    """The one message ``predict`` refuses the CSV file ``path`` with (exit code 2)."""
+    with pytest.raises(SystemExit) as stopped:
+        predicted(checkpoint, path)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("mpidist: error: ") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("run", ["invisible_run", "regression_csv_run"])
+def test_a_csv_without_a_header_is_read_by_its_column_count_and_its_columns_never_shifted(
+    run, request, tmp_path, capsys
+):
+    """Issue 61, item 7: pandas' ``to_csv(header=False)`` of the features wrote its index first; predict read
+    it as the first feature and dropped the last feature as a label (12.5% where the header gave 100%), exit
+    0, without a word.  Every reading of a file without a header now gives the predictions of its features
+    and says what it left out, or is refused, saying why."""
+    checkpoint, x, y = request.getfixturevalue(run)[:3]
+    features = x.shape[1]
+    expected = predicted(checkpoint, csv_file(tmp_path / "x.csv", None, x))
+    capsys.readouterr()
+    index, subset = np.arange(len(x)), 100 + np.arange(len(x))
+    shuffled = np.random.default_rng(1).permutation(len(x))
+    # (a regression's label is any number: its last feature could be one, so an index and the features are
+    # as likely as the features and a label)
+    either = ("refused", "one more than the model's") if run.startswith("regression") else None
+    for name, columns, (outcome, text) in (
+        ("features", [x], ("taken", "")),
+        ("labelled", [x, y], ("taken", f"column {features + 1} (")),
+        ("indexed", [index, x], either or ("taken", "column 1 (0 to 59) left out as pandas' index")),
+        ("subset", [subset, x], either or ("taken", "column 1 (100 to 159) left out as pandas' index")),
+        ("shuffled", [shuffled, x], either or ("taken", "column 1 (0 to 59) left out as pandas' index")),
+        ("indexed-labelled", [index, x, y], ("taken", "(0 to 59) left out as pandas' index, and column ")),
+        ("subset-labelled", [subset, x, y], ("taken", "(100 to 159) left out as pandas' index, and column ")),
+        (
+            "short",
+            [x[:, :-1]],
+            ("refused", f"{features - 1} columns of numbers, but the model takes {features}"),
+        ),
+        (
+            "wide",
+            [x, y, y],
+            ("refused", f"{features + 2} columns of numbers, but the model takes {features}"),
+        ),
+    ):
+        path = csv_file(tmp_path / f"{name}.csv", None, np.column_stack(columns))
+        if outcome == "refused":
+            assert f"{name}.csv: " in (err := refusal(checkpoint, path, capsys)) and text in err, (name, err)
+            continue
+        assert np.array_equal(predicted(checkpoint, path), expected), name
+        out = capsys.readouterr().out
+        assert (f"mpidist: note: {path}: " in out and text in out) if text else "note" not in out, (name, out)
+
+
+@pytest.mark.parametrize("run", ["invisible_run", "regression_csv_run"])
+def test_pandas_to_csv_with_its_header_and_index_gives_the_features_predictions_and_says_so(
+    run, request, tmp_path, capsys
+):
+    """``df.to_csv()``: a header whose first name is empty above the index, then the features and the label;
+    taken by the names ingest stored, or by count where it stored none (a CSV without a header trained it)."""
+    checkpoint, x, y, *names = request.getfixturevalue(run)
+    names = names[0] if names else [f"f{i}" for i in range(x.shape[1])]
+    expected = predicted(checkpoint, csv_file(tmp_path / "x.csv", None, x))
+    capsys.readouterr()
+    rows = [[100 + i, *row, label] for i, (row, label) in enumerate(zip(x, y))]
+    path = csv_file(tmp_path / "pandas.csv", [""] + list(names) + ["label"], rows)
+    assert np.array_equal(predicted(checkpoint, path), expected)
+    out = capsys.readouterr().out
+    assert f"mpidist: note: {path}: column 1 (unnamed) dropped: an index" in out, out
+    assert f"mpidist: note: {path}: column {x.shape[1] + 1} ('label'" in out, out

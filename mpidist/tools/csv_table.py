@@ -180,6 +180,7 @@ class Table:
     header_line: int = None  # the line skipped as column names
     class_names: tuple = None  # where the label column holds names: class i is class_names[i]
     index_note: str = None  # what was done with a first column of row numbers (an index?), or None
+    index_dropped: bool = False  # that column was dropped (the header leaves it unnamed), not kept
     names: tuple = None  # the header's names of the columns of x (None: no header)
     label_name: str = None  # the header's name of the label column
 
@@ -268,7 +269,7 @@ def read_csv(path, label_column=-1, delimiter="auto", needs=INGEST):
         y, table = table[:, label], np.delete(table, label, axis=1)
     titles = [unquoted(cell) for cell in split(header[0][1])] if header else None
     names = tuple(title for column, title in enumerate(titles) if column != label) if titles else None
-    index_note = None
+    index_note, index_dropped = None, False
     first = names[0] if names else None
     if (
         label != 0
@@ -283,7 +284,7 @@ def read_csv(path, label_column=-1, delimiter="auto", needs=INGEST):
             f"column 1 ({f'{first!r}' if first else 'unnamed'}) dropped: an index (the header names "
             "every other column)"
         )
-        table, names = table[:, 1:], names[1:]
+        table, names, index_dropped = table[:, 1:], names[1:], True
     elif label != 0 and table.shape[1] > 1 and _row_numbers(table[:, 0]):
         numbers = f"the row numbers {int(table[0, 0])} to {int(table[-1, 0])}"
         index_note = (
@@ -299,6 +300,7 @@ def read_csv(path, label_column=-1, delimiter="auto", needs=INGEST):
         header_line=header[0][0] if header else None,
         class_names=class_names,
         index_note=index_note,
+        index_dropped=index_dropped,
         names=names,
         label_name=titles[label] if titles else None,
     )

@@ -8,8 +8,8 @@
   is built for that dataset, as ``eval`` builds it;
 * plain samples: an HDF5 file with a dataset ``x``, a ``.npy`` array, an
   ``.npz`` file with an array ``x`` (both read with ``allow_pickle=False``:
-  a file never runs code), a CSV file (parsed as ``ingest`` parses one; a
-  last column beyond the model's features is a label column, left out), or,
+  a file never runs code), a CSV file (parsed as ``ingest`` parses one; which
+  columns are the model's features is :mod:`mpidist.tools.csv_columns`'), or,
   in Python, a numpy array (the same on every rank).  Plain samples say
   nothing of the task, so the model is built for the dataset the checkpoint
   trained on (its settings' ``data``), which must be
@@ -100,6 +100,8 @@ class DatasetSplit:
     Until :meth:`dataset_for` has told it which dataset, it knows only what was given.
     """
 
+    notes = ()  # (read as training reads it: nothing to tell)
+
     def __init__(self, resolved, split, named):
         # resolved: a path or an ArrayData, or None for the dataset the checkpoint trained on;
         # named: what the caller named, to tell the run's own dataset (whose carved val split is carved again)
@@ -141,7 +143,11 @@ class DatasetSplit:
 
 
 class PlainSamples:
-    """Plain samples: the model is built for the dataset the checkpoint trained on (they carry no task)."""
+    """Plain samples: the model is built for the dataset the checkpoint trained on (they carry no task).
+
+    ``notes``: what the samples' reader tells the user, once :meth:`check_shape` has fitted them to the
+    model (a CSV file's columns left out).
+    """
 
     def __init__(self, samples, split):
         if split != "test":
@@ -169,7 +175,8 @@ class PlainSamples:
         return self.info
 
     def check_shape(self, net):
-        self.samples_in.fit(int(np.prod(self.info.sample_shape)), getattr(self.info, "feature_names", None))
+        self.samples_in.fit(self.info)
+        self.notes = self.samples_in.notes
         shape = self.samples_in.shape[1:]
         if shape not in (tuple(self.info.sample_shape), tuple(net.input_shape)):
             raise UsageError(
@@ -223,8 +230,10 @@ class Samples:
             os.path.abspath(where) if isinstance(where, Path) else str(where),
         )
 
-    def fit(self, features, names=None):
-        """Told the model's features per sample: a table with a label column too drops it (CSV only)."""
+    notes = ()  # what the reader told the user of the samples (a CSV file's columns left out)
+
+    def fit(self, info):
+        """Told the dataset the model trained on: a CSV file takes the model's features of its columns."""
 
     def fits(self, rows, dtype, whole=False):
         values = (self.count if whole else rows) * int(np.prod(self.shape[1:]))
@@ -247,12 +256,9 @@ class CsvSamples(Samples):
     """Rows of a CSV file, parsed as ``ingest`` parses them (delimiter and header detected, every cell
     checked, an unnamed index column dropped); each rank reads the whole file.
 
-    A row holds the model's features, or the features and then a label column
-    (as the file ``ingest`` read), which is left out.  Where the file has a
-    header and the dataset the model trained on stores its features' names
-    (``ingest`` of a CSV with a header), the columns are taken by name, in the
-    model's order; a feature the file lacks, or a column it has besides them
-    and a last label column, is refused, named.
+    Which of its columns are the model's features (by the names ``ingest``
+    stored, or by count; a label column after them and pandas' index before
+    them left out, with a note) is :mod:`mpidist.tools.csv_columns`'.
     """
 
     def __init__(self, path):
@@ -265,35 +271,21 @@ class CsvSamples(Samples):
         self.names = (
             None if table.names is None else table.names + (() if self.labelled else (table.label_name,))
         )
+        self.notes = [f"{path}: {table.index_note}"] if table.index_dropped else []
         super().__init__(path, self.array.dtype, self.array.shape)
 
-    def fit(self, features, names=None):
-        if names is not None and self.names is not None:
-            self.array = self.array[:, self._by_name(names)]
-        elif not self.labelled and self.shape[1] == features + 1:  # features, then the label column
-            self.array = self.array[:, :features]
-        self.shape = self.array.shape
+    def fit(self, info):
+        from .csv_columns import Model, choose
 
-    def _by_name(self, names):
-        """The columns of the model's features ``names``, in their order; refused where they do not match."""
-        column = {name: index for index, name in enumerate(self.names)}
-        missing = [name for name in names if name not in column]
-        wanted = set(names)
-        extra = [name for name in self.names[:-1] if name not in wanted]  # (a last column: the label's)
-        for what, found in (
-            ("lacks the model's features", missing),
-            ("has columns the model does not take", extra),
-        ):
-            if found:
-                shown = ", ".join(printable(repr(name), 40) for name in found[:5]) + (
-                    ", ..." if len(found) > 5 else ""
-                )
-                raise UsageError(
-                    f"{self.path}: {what}, by the names ingest stored: {shown} ({len(names)} features "
-                    f"named {', '.join(printable(repr(n), 40) for n in names[:3])}, ...); give the "
-                    "columns the training data had, with their header"
-                )
-        return [column[name] for name in names]
+        model = Model(
+            int(np.prod(info.sample_shape)),
+            getattr(info, "feature_names", None),
+            info.num_classes,
+            f"{printable(repr(info.name), 60)}, the dataset it trained on",
+        )
+        chosen = choose(self.path, self.array, model, self.names, self.labelled)
+        self.array, self.shape = self.array[:, chosen.features], (self.count, len(chosen.features))
+        self.notes += chosen.notes
 
     def read(self, lo, hi, dtype):
         return self.array[lo:hi]

@@ -168,6 +168,9 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1, "
                 for note in trained.notes:
                     print(f"mpidist: {note}", flush=True)
             reader.check_shape(net)
+            if rank == 0:
+                for note in reader.notes:  # (the columns of a CSV file left out)
+                    print(f"mpidist: note: {note}", flush=True)
             if reader.info.num_classes > 0 and len(net.output_shape) > 1:
                 raise UsageError(
                     f"predict writes one class per sample, and model {trained.spec} classifies each "
