@@ -646,3 +646,14 @@ def test_pandas_to_csv_with_its_header_and_index_gives_the_features_predictions_
     out = capsys.readouterr().out
     assert f"mpidist: note: {path}: column 1 (unnamed) dropped: an index" in out, out
     assert f"mpidist: note: {path}: column {x.shape[1] + 1} ('label'" in out, out
+
+
+def test_a_csv_row_holds_a_samples_values_in_row_major_order_whatever_its_shape(tmp_path):
+    """digits' samples are 8 x 8: 64 columns of a CSV file were refused as samples of shape (64,) by a model
+    of samples of shape (8, 8)."""
+    checkpoint = Path(__file__).parent / "checkpoints" / "format1-mlp8-digits.h5"
+    x, _ = digits_test()
+    np.save(tmp_path / "x.npy", x)
+    expected = predicted(checkpoint, tmp_path / "x.npy")
+    rows = x.reshape(len(x), -1)
+    assert np.array_equal(predicted(checkpoint, csv_file(tmp_path / "x.csv", None, rows)), expected)

@@ -284,8 +284,9 @@ class CsvSamples(Samples):
             f"{printable(repr(info.name), 60)}, the dataset it trained on",
         )
         chosen = choose(self.path, self.array, model, self.names, self.labelled)
-        self.array, self.shape = self.array[:, chosen.features], (self.count, len(chosen.features))
-        self.notes += chosen.notes
+        # (a row holds a sample's values in row-major order: 64 columns are a sample of shape (8, 8))
+        self.array = self.array[:, chosen.features].reshape((self.count,) + tuple(info.sample_shape))
+        self.shape, self.notes = self.array.shape, self.notes + list(chosen.notes)
 
     def read(self, lo, hi, dtype):
         return self.array[lo:hi]
