@@ -23,6 +23,7 @@ import h5py
 import numpy as np
 import pytest
 
+from mpidist.data import resolve
 from mpidist.store import checkpoint, lineage
 from mpidist.tools.ingest import write_dataset
 
@@ -1166,6 +1167,44 @@ def checkpoint_before_the_evaluation(p, out, err):
     assert checkpoint_steps(p / "ckpt") == [2]
 
 
+def digits_csv(p, name, rows=None, index=True, header=None):
+    """``p/name``: digits' test samples (64 values each, the stored checkpoint's features; its first ``rows``)
+    as pandas' ``to_csv(header=False)`` writes them: the index first (where ``index``); ``header``: a first
+    line."""
+    with h5py.File(resolve("digits"), "r") as handle:
+        x = handle["test/x"][...].reshape(-1, 64)[:rows]
+    lines = [header] if header else []
+    lines += [",".join([str(i)] * index + [repr(float(v)) for v in row]) for i, row in enumerate(x)]
+    (p / name).write_text("\n".join(lines) + "\n")
+    return str(p / name)
+
+
+def predicted_csv(name, **csv):
+    """``predict`` of the stored checkpoint on a CSV file of digits' samples (see :func:`digits_csv`)."""
+    return lambda p, stack=None: command(
+        "predict", STORED_CHECKPOINT, "--data", digits_csv(p, name, **csv), "--output", str(p / "p.csv")
+    )(p)
+
+
+def index_left_out_once(p, out, err):
+    """359 predictions, and one note (rank 0's) naming the column left out."""
+    assert len((p / "p.csv").read_text().splitlines()) == 1 + 359
+    assert out.count("left out as pandas' index") == 1, out
+
+
+def predicted_on_invisible_names(p, stack=None):
+    """A run on a CSV whose header's names hold a no-break space, a zero-width space and a direction mark,
+    then ``predict`` on that CSV itself."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, 3)).round(3)
+    lines = ["a\u00a0b,c\u200bd,\u200fe,label"] + [f"{a},{b},{c},{int(a > 0)}" for a, b, c in x]
+    (p / "named.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    done, _ = run_mpi(1, ["-m", "mpidist", "ingest", str(p / "named.csv"), str(p / "named.h5")])
+    assert done.returncode == 0, done.stderr
+    path = trained_on(p, str(p / "named.h5"))
+    return command("predict", path, "--data", str(p / "named.csv"), "--output", str(p / "p.csv"))(p)
+
+
 FAULTS = {
     # bad usage and configuration
     "unknown flag": bad("--epoch", "3", message="unrecognized arguments: --epoch 3", alike=True),
@@ -1827,6 +1866,34 @@ FAULTS = {
         "cannot write its lock file .mpidist-lock (",
         check=nothing_made_on_the_disk,
         ranks=(2,),
+    ),
+    # CSV files predict reads (issue 61, items 7 and 11)
+    "predict on a CSV of pandas' index and the features": Fault(
+        predicted_csv("indexed.csv"),
+        0,
+        "mpidist: note: ",
+        check=index_left_out_once,
+        one_message=False,
+    ),
+    "predict on a CSV whose extra column is index or label": Fault(
+        predicted_csv("head.csv", rows=8),
+        2,
+        "head.csv: 65 columns of numbers, one more than the model's 64 features, and no header to tell",
+        check=nothing_written("p.csv"),
+        ranks=(2,),
+    ),
+    "predict on a CSV of one row": Fault(
+        predicted_csv("one.csv", rows=1, index=False), 0, "mpidist predict: 1 sample of ", one_message=False
+    ),
+    "predict on a CSV of a header alone": Fault(
+        predicted_csv("header.csv", rows=0, index=False, header="a,b,c"),
+        2,
+        "header.csv: 0 rows of data after the header (line 1); predict needs at least 1",
+        check=nothing_written("p.csv"),
+        ranks=(2,),
+    ),
+    "predict on a header whose names hold invisible spaces": Fault(
+        predicted_on_invisible_names, 0, "mpidist predict: 100 samples of ", one_message=False, ranks=(2,)
     ),
 }
 
