@@ -311,3 +311,36 @@ def test_a_classifier_of_one_label_per_sample_on_labels_per_position_is_refused_
             r"\(8, 5\)",
             capsys.readouterr().err,
         )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_end_of_a_run_on_one_copy_of_the_model_per_node_holds_no_copy_of_it_per_rank(monkeypatch):
+    """The node's one copy of the model lives in a shared window that the end of a run frees.  Copying it
+    (gradients and parameters) into every rank's own memory first lifted the node's memory at the very end
+    to what per-rank buffers would hold, for values nobody reads; and the chief then built the returned
+    model afresh, checking the whole training state against a limit its run still held.  From the last step
+    on, a worker's peak grows by its share of the final evaluation alone; the chief's by what any checkpoint
+    of the run costs it (the parameters it keeps, Adam's two arrays assembled from the node's parts) and the
+    evaluation, and the model it returns is that copy (its buffer, not another)."""
+    from mpidist.parallel.data_parallel import DataParallel
+    from mpidist.runtime import memory
+
+    model, params = "mlp:2048,2048", 2048 * (64 + 1) + 2049 * 2048 + 2049 * 10  # (digits: 64 features)
+    at_the_end = {}
+    finish = DataParallel.finish
+
+    def measured(self, *args, **kwargs):  # (every rank, as the end of the run begins)
+        memory.reset_high_water()
+        at_the_end["rss"] = memory.kib_field("/proc/self/status", b"VmRSS")
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(DataParallel, "finish", measured)
+    if not memory.reset_high_water():
+        pytest.skip("this kernel cannot reset a process's peak (/proc/self/clear_refs)")
+    result = mpidist.train(model, "digits", strategy="allreduce", exchange="node", **quiet(steps=20))
+    grown, copy = memory.high_water() - at_the_end["rss"], 8 * params  # (float64)
+    if result.is_chief:
+        assert np.shares_memory(result.model.params, result.params)
+        assert grown < 4 * copy, grown / copy
+    else:
+        assert grown < copy // 2, grown / copy

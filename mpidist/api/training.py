@@ -167,9 +167,11 @@ def _result(outcome, is_chief, config, inputs):
     checkpoints = [Path(p) for p in outcome.pop("checkpoints", [])]
     model = None
     if params is not None:
+        # (the trained parameters are the model's buffer itself: nothing is allocated, or priced again, at the
+        # end of a run that holds its memory still)
         info = datasets.inspect(datasets.resolve(inputs.data))
-        model = build_model_for(config, inputs, info, np)
-        model.params[...] = params
+        model = build_model_for(config, inputs, info, np, training=False)
+        model.bind_params(params, copy=False)
     return Result(
         status=status,
         exit_code=code,

@@ -55,7 +55,7 @@ def conclude(training):
         here().enter("finish")
     training.monitor.free()
     training.stops.phases.free()
-    strategy.free()
+    strategy.free(keep=False)  # (the result is the chief's state: no rank copies the model out of the window)
     return outcome(training, state, roles, elapsed, stopped, stopped_early, write_failed)
 
 

@@ -122,6 +122,13 @@ class Sequential(ParameterMap):
         for layer, name, lo, pshape, _ in self.entries:
             layer.grads[name] = self._grads[lo : lo + int(np.prod(pshape))].reshape(pshape)
 
+    def unbind_grads(self):
+        """Let go of the gradient buffer (a finished run's, in memory about to be freed): the layers hold no
+        view of it, and the next ``backward`` makes a buffer of its own."""
+        self._grads = None
+        for layer, name, *_ in self.entries:
+            layer.grads[name] = None
+
     def init_params(self, seed):
         """Fill ``params`` from ``seed`` (drawn on the host, so identical on any device):
         :meth:`initial_values` of every element."""

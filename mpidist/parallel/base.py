@@ -236,9 +236,13 @@ class Strategy(Declared, SavedState):
         reported)."""
         return None
 
-    def free(self):
+    def free(self, keep=True):
         """Collective: release the MPI resources (windows, communicators, operations) the strategy made;
-        once."""
+        once.
+
+        ``keep``: the model's buffers outlive the memory the strategy releases (a node's shared window), as
+        copies; False at the end of a run, whose trained values are the chief's result alone (see
+        :meth:`~mpidist.parallel.data_parallel.DataParallel.free`)."""
 
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):
         """This worker's forward and backward passes (:meth:`~mpidist.parallel.passes.Passes.backprop`): fills

@@ -133,9 +133,11 @@ class DataParallel(ReplicaWorkers, Strategy):
         if self.placement is not None:  # the parts of the first tensor group gather theirs on the chief
             return self._gathered_parts()
         state = super().state()
-        # (the window's copy goes when the strategy does)
+        # (the window's copy goes when the strategy does: the chief's result is a copy, which its model keeps
+        # once the window is freed)
         if state is not None and self.exchange.holds_params:
             state = dataclasses.replace(state, params=state.params.copy())
+            self.kept_params = state.params
         comm, own = self.worker_comm, self.own_state()
         if comm is None or comm.Get_size() == 1 or not own:
             return state
@@ -174,11 +176,24 @@ class DataParallel(ReplicaWorkers, Strategy):
         """The :class:`~mpidist.parallel.exchange.Exchange` that sums ``self.buffer`` over the workers."""
         raise NotImplementedError
 
-    def free(self):
-        if self.exchange.holds_buffer:  # the gradients outlive the exchange's memory
-            self._bind_buffer(self.buffer.copy())
-        if self.exchange.holds_params:  # and so do the parameters
-            self.model.bind_params(self.model.params.copy())
+    def free(self, keep=True):
+        # The exchange's memory (a node's shared window) goes: nothing may keep a view of it.  With ``keep``
+        # the model's buffers become copies.  At the end of a run (not ``keep``), copying them on every rank
+        # lifted the node's memory, at the very end, to what per-rank buffers would hold, for values nobody
+        # reads: a finished run's gradients are let go (the next backward makes a buffer), and its
+        # parameters are the chief's result, :meth:`state`'s copy, which the chief's model keeps; elsewhere
+        # the layers are left on zeros (mapped only where written).
+        if self.exchange.holds_buffer:
+            if keep:
+                self._bind_buffer(self.buffer.copy())
+            else:
+                self.buffer = None
+                self.model.unbind_grads()
+        if self.exchange.holds_params:
+            kept = self.model.params.copy() if keep else getattr(self, "kept_params", None)
+            if kept is None:
+                kept = self.model.xp.zeros(self.model.num_params, dtype=self.model.dtype)
+            self.model.bind_params(kept, copy=False)
         self.exchange.free()
         self.mesh.free()
 

@@ -136,6 +136,6 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
             "bytes_sent": self.gathers.sent,
         }
 
-    def free(self):
+    def free(self, keep=True):
         self.gathers.gathered.invalidate()
         self.mesh.free()

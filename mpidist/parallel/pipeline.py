@@ -306,6 +306,6 @@ class PipelineStrategy(PipelineDeclared, Strategy):
             "bubble": f["idle_s"] / f["pipeline_s"] if f["pipeline_s"] else 0.0,
         }
 
-    def free(self):
+    def free(self, keep=True):
         """Collective: free the stage's communicators (a second free does nothing)."""
         self.mesh.free()

@@ -279,6 +279,6 @@ class PsAsyncStrategy(ShardedStrategy):
             "updates_missed_max": int(max(f["updates_missed"], default=0)),
         }
 
-    def free(self):
+    def free(self, keep=True):
         self.exchange.free()
         self.lost.free()  # the guard's thread; the watches' duplicates of the world
