@@ -114,19 +114,71 @@ def test_everything_read_from_a_checkpoint_is_checked_before_use(tmp_path, chang
     assert message in str(caught.value) and str(path) in str(caught.value)
 
 
-def test_a_link_out_of_the_file_is_refused(tmp_path):
-    elsewhere = tmp_path / "other.h5"
-    with h5py.File(elsewhere, "w") as handle:
-        handle["secret"] = np.ones(5)
-    path = tampered(
-        tmp_path,
-        lambda handle: (
-            handle.__delitem__("params"),
-            handle.__setitem__("params", h5py.ExternalLink(str(elsewhere), "secret")),
-        ),
-    )
-    with pytest.raises(UsageError, match="params is a link to elsewhere"):
-        checkpoint.load(path)
+MARKER = 4242.0  # what the file outside holds: a value no check lets through
+
+
+def elsewhere(tmp_path):
+    """A raw file and an HDF5 file (its ``secret``) of markers, beside the checkpoint."""
+    np.full(64, MARKER).tofile(tmp_path / "values.bin")
+    with h5py.File(tmp_path / "other.h5", "w") as handle:
+        handle["secret"] = np.full((2, 5), MARKER)
+        handle["flat"] = np.full(5, MARKER)
+    return tmp_path / "values.bin", tmp_path / "other.h5"
+
+
+def external_storage(name):
+    def change(handle, raw, other):
+        shape = handle[name].shape
+        del handle[name]
+        size = int(np.prod(shape)) * 8
+        handle.create_dataset(name, shape=shape, dtype=np.float64, external=[(str(raw), 0, size)])
+
+    return change
+
+
+def external_link(handle, raw, other):
+    del handle["params"]
+    handle["params"] = h5py.ExternalLink(str(other), "flat")
+
+
+def soft_link_through_an_external_link(handle, raw, other):
+    del handle["params"]
+    handle["door"] = h5py.ExternalLink(str(other), "/")
+    handle["params"] = h5py.SoftLink("/door/flat")
+
+
+def link_nothing_reads(handle, raw, other):
+    handle["notes"] = h5py.ExternalLink(str(other), "secret")
+
+
+def virtual_dataset_nothing_reads(handle, raw, other):
+    layout = h5py.VirtualLayout((5,), np.float64)
+    layout[:] = h5py.VirtualSource(str(other), "flat", (5,))
+    handle.create_virtual_dataset("notes", layout)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (external_storage("params"), "'params' keeps its values in '"),
+        (external_storage("optimizer/m"), "'optimizer/m' keeps its values in '"),
+        (external_storage("workers/params"), "'workers/params' keeps its values in '"),
+        (external_link, "'params' is an external link to '"),
+        (soft_link_through_an_external_link, "'door' is an external link to '"),
+        (link_nothing_reads, "'notes' is an external link to '"),
+        (virtual_dataset_nothing_reads, "'notes' is a virtual dataset reading '"),
+    ],
+    ids=["params", "optimizer", "worker rows", "external link", "soft link", "unread link", "unread virtual"],
+)
+def test_an_item_that_reads_another_file_is_refused_before_anything_is_read(tmp_path, change, words):
+    raw, other = elsewhere(tmp_path)
+    path = tampered(tmp_path, lambda handle: change(handle, raw, other))
+    for arrays in (True, False):
+        with pytest.raises(UsageError) as refused:
+            checkpoint.load(path, arrays=arrays)
+        message = str(refused.value)
+        assert message.startswith(f"{path}: ") and words in message, message
+        assert message.endswith("refused, as it reads another file"), message
 
 
 def test_a_checkpoint_larger_than_memory_is_refused_before_it_is_read(tmp_path, monkeypatch):

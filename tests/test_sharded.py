@@ -126,8 +126,9 @@ def test_an_index_naming_files_outside_its_folder_or_sources_it_does_not_list_is
         listed = json.loads(handle.attrs[sharded.PARTS])
         handle.attrs[sharded.PARTS] = json.dumps(listed[:1])
     with h5py.File(index, "r") as handle:
-        assert "which is not one of its parts" in sharded.verify(index, handle)
-    for file in ("../elsewhere.h5", "/etc/passwd", ""):
+        assert "is a virtual dataset reading 'ckpt.parts/rank-00001.h5'" in sharded.verify(index, handle)
+    # (HDF5 expands "%b" in a source's name to the index's own: a part named so is another file than read)
+    for file in ("../elsewhere.h5", "/etc/passwd", "", "ckpt.parts/%b.h5"):
         with h5py.File(index, "r+") as handle:
             handle.attrs[sharded.PARTS] = json.dumps([{"file": file, "bytes": 1, "sha256": "0"}])
         with h5py.File(index, "r") as handle:
@@ -211,5 +212,153 @@ def test_a_format_1_checkpoint_with_a_virtual_dataset_is_refused(tmp_path):
     index = write(tmp_path, model, layouts(model)["pipeline"], np.zeros(model.num_params))
     with h5py.File(index, "r+") as handle:
         handle.attrs["format"] = checkpoint.FORMAT
-    with pytest.raises(UsageError, match="params is not an array of floats stored in this file"):
+    with pytest.raises(UsageError, match="is a virtual dataset reading 'ckpt.parts/rank-00000.h5': refused"):
         checkpoint.load(index)
+
+
+# -- nothing read from outside the checkpoint's folder (issue 61, item 5) -----------------------------------
+MARKER = 4242.0  # what every file outside the checkpoint holds: a value no check lets through
+
+
+def outside(tmp_path, count):
+    """A raw file and an HDF5 file (its ``x``) of ``count`` markers, outside the checkpoint's folder."""
+    folder = tmp_path / "outside"
+    folder.mkdir(exist_ok=True)
+    np.full(count, MARKER).tofile(folder / "values.bin")
+    with h5py.File(folder / "values.h5", "w") as handle:
+        handle["x"] = np.full(count, MARKER)
+    return folder / "values.bin", folder / "values.h5"
+
+
+def recorded_again(index):
+    """Each part's size and checksum recorded in the index anew: a crafted checkpoint's are the crafter's."""
+    with h5py.File(index, "r+") as handle:
+        listed = json.loads(handle.attrs[sharded.PARTS])
+        for record in listed:
+            part = index.parent / record["file"]
+            record.update(bytes=part.stat().st_size, sha256=sharded.checksum(part))
+        handle.attrs[sharded.PARTS] = json.dumps(listed)
+
+
+def stored_elsewhere(handle, name, raw, source):
+    size = handle[name].size
+    del handle[name]
+    handle.create_dataset(name, shape=(size,), dtype=np.float64, external=[(str(raw), 0, size * 8)])
+
+
+def linked_out(handle, name, raw, source):
+    del handle[name]
+    handle[name] = h5py.ExternalLink(str(source), "/x")
+
+
+def virtual_over_outside(handle, name, raw, source):
+    size = handle[name].size
+    del handle[name]
+    layout = h5py.VirtualLayout((size,), np.float64)
+    layout[:] = h5py.VirtualSource(str(source), "x", (size,))
+    handle.create_virtual_dataset(name, layout)
+
+
+def soft_link_through_a_door(handle, name, raw, source):
+    del handle[name]
+    handle["door"] = h5py.ExternalLink(str(source), "/")
+    handle[name] = h5py.SoftLink("/door/x")
+
+
+def a_link_out_that_nothing_reads(handle, name, raw, source):
+    handle["notes"] = h5py.ExternalLink(str(source), "/x")
+
+
+CRAFTS = {
+    "external storage": (stored_elsewhere, "keeps its values in '"),
+    "an external link": (linked_out, "is an external link to '"),
+    "a virtual dataset over another file": (virtual_over_outside, "is a virtual dataset reading '"),
+    "a soft link through an external link": (soft_link_through_a_door, "'door' is an external link to '"),
+    "an external link nothing reads": (a_link_out_that_nothing_reads, "'notes' is an external link to '"),
+}
+
+
+@pytest.mark.parametrize("craft", list(CRAFTS))
+def test_a_part_whose_items_read_another_file_is_refused_before_anything_is_read(tmp_path, craft):
+    from mpidist.runtime.errors import UsageError
+    from mpidist.store import checkpoint
+
+    model = whole()
+    attrs = {**checkpoint.attributes(7, 0, 7, json.dumps({"model": "test"}), 5, 3), "optimizer": {"steps": 7}}
+    index = write(tmp_path / "ck", model, layouts(model)["tensor"], np.zeros(model.num_params), attrs)
+    part = index.parent / "ckpt.parts" / sharded.part_name(1)
+    change, words = CRAFTS[craft]
+    with h5py.File(part, "r+") as handle:
+        raw, source = outside(tmp_path, handle["params"].size)
+        change(handle, "params", raw, source)
+    recorded_again(index)
+    with pytest.raises(UsageError) as refused:
+        checkpoint.load(index)
+    message = str(refused.value)
+    assert message.startswith(f"{index}: part ckpt.parts/rank-00001.h5: '") and words in message, message
+    assert message.endswith("refused, as it reads another file"), message
+    # the header alone reads no part; the share that holds part 1 refuses it, the others' pass
+    saved = checkpoint.load(index, arrays=False)
+    with pytest.raises(UsageError, match="refused, as it reads another file"):
+        saved.check_parts((1, 3))
+    saved.check_parts((0, 3)).check_parts((2, 3))
+
+
+INDEX_CRAFTS = {
+    "external storage": (stored_elsewhere, "keeps its values in '"),
+    "an external link": (linked_out, "is an external link to '"),
+    "a virtual dataset over another file": (virtual_over_outside, "is a virtual dataset reading '"),
+}
+
+
+@pytest.mark.parametrize("craft", list(INDEX_CRAFTS))
+def test_an_index_item_that_reads_another_file_is_refused_before_anything_is_read(tmp_path, craft):
+    from mpidist.runtime.errors import UsageError
+    from mpidist.store import checkpoint
+
+    model = whole()
+    attrs = {**checkpoint.attributes(7, 0, 7, json.dumps({"model": "test"}), 5, 3), "optimizer": {"steps": 7}}
+    index = write(tmp_path / "ck", model, layouts(model)["pipeline"], np.zeros(model.num_params), attrs)
+    name = f"{sharded.PARAMETERS}/{parameters(model)[0][0]}"  # (read by users' h5py, not by mpidist)
+    change, words = INDEX_CRAFTS[craft]
+    with h5py.File(index, "r+") as handle:
+        raw, source = outside(tmp_path, handle[name].size)
+        change(handle, name, raw, source)
+    for arrays in (True, False):
+        with pytest.raises(UsageError) as refused:
+            checkpoint.load(index, arrays=arrays)
+        assert f"'{name}' {words}" in str(refused.value), str(refused.value)
+
+
+def test_a_part_that_is_a_link_out_of_the_folder_is_refused_though_its_checksum_matches(tmp_path):
+    from mpidist.runtime.errors import UsageError
+    from mpidist.store import checkpoint
+
+    model = whole()
+    attrs = {**checkpoint.attributes(7, 0, 7, json.dumps({"model": "test"}), 5, 3), "optimizer": {"steps": 7}}
+    index = write(tmp_path / "ck", model, layouts(model)["tensor"], np.zeros(model.num_params), attrs)
+    folder = index.parent / "ckpt.parts"
+    (tmp_path / "outside").mkdir()
+    # a part that is a link to a file outside, byte for byte the part that was written
+    part = folder / sharded.part_name(1)
+    shutil.move(part, tmp_path / "outside" / part.name)
+    part.symlink_to(tmp_path / "outside" / part.name)
+    with pytest.raises(
+        UsageError, match="rank-00001.h5 is a symbolic link, or lies under one, that leads out"
+    ):
+        checkpoint.load(index)
+    # the parts folder itself a link to a folder outside
+    part.unlink()
+    shutil.move(tmp_path / "outside" / part.name, part)
+    shutil.move(folder, tmp_path / "outside" / "ckpt.parts")
+    folder.symlink_to(tmp_path / "outside" / "ckpt.parts")
+    with pytest.raises(
+        UsageError, match="rank-00000.h5 is a symbolic link, or lies under one, that leads out"
+    ):
+        checkpoint.load(index, arrays=False)
+    # a link that stays inside the checkpoint's folder reads as the file it names
+    folder.unlink()
+    shutil.move(tmp_path / "outside" / "ckpt.parts", folder)
+    shutil.move(part, folder / "kept.h5")
+    part.symlink_to("kept.h5")
+    np.testing.assert_array_equal(checkpoint.load(index).params, model.params)

@@ -1,12 +1,13 @@
 """A dataset file's items, each checked before it is used: where it lives, and the optional items' values.
 
 Every item :func:`mpidist.data.layout.inspect` uses is first found here: it
-must be an HDF5 dataset stored in this file (an external link or a virtual
-dataset reads another file, refused unless ``--allow-external``), and a link
-that loops or dangles is named, not followed.  The items a file may hold
-beside its splits (standardisation statistics, class names, feature names)
-are checked here too, value by value; the layout of the splits themselves
-(``x`` and ``y`` of each) is :mod:`mpidist.data.layout`'s.
+must be an HDF5 dataset stored in this file (an external link, a soft link
+through one, a virtual dataset or external storage reads another file,
+refused unless ``--allow-external``), and a link that loops or dangles is
+named, not followed.  The items a file may hold beside its splits
+(standardisation statistics, class names, feature names) are checked here
+too, value by value; the layout of the splits themselves (``x`` and ``y`` of
+each) is :mod:`mpidist.data.layout`'s.
 """
 
 import h5py
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
+from ..store import contained
 
 MAX_NAME = 200  # characters in a class name
 
@@ -52,11 +54,16 @@ def checked_dataset(path, handle, name, allow_external):
         raise UsageError(
             f"{path}: '{name}' is not a dataset (the layout needs train/x, train/y, test/x, test/y)"
         )
-    if node.is_virtual and not allow_external:
+    if allow_external:
+        return node
+    if contained.other_file(handle, node):  # (a soft link through an external link its name does not show)
         raise UsageError(
-            f"{path}: '{name}' is a virtual dataset, which reads other files: refused "
-            "(--allow-external allows it)"
+            f"{path}: '{name}' leads through its links to {printable(node.file.filename)!r}: "
+            f"{contained.REFUSED} (--allow-external follows such links)"
         )
+    problem = contained.elsewhere(node)
+    if problem:
+        raise UsageError(f"{path}: '{name}' {problem}: {contained.REFUSED} (--allow-external allows it)")
     return node
 
 

@@ -15,6 +15,7 @@ import dataclasses
 from ..nn import loss_for
 from ..parallel import STRATEGIES, AllreduceStrategy, FullyShardedStrategy, PipelineStrategy, holding
 from ..parallel.mesh import MeshShape
+from ..runtime.agreement import agreed
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
 
@@ -126,7 +127,8 @@ def split_strategy(settings, model, info, cluster):
 def evaluate(strategy, saved, batches, world):
     """Collective: ``saved``'s (a checkpoint, its arrays not read) figures over ``batches``, through
     ``strategy`` (:func:`split_strategy`); the same on every rank."""
-    saved.check_parts((world.Get_rank(), world.Get_size()))
+    with agreed(world):  # (every rank's share checked before any rank reads a part another checked)
+        saved.check_parts((world.Get_rank(), world.Get_size()))
     strategy.restore(saved)
     figures = strategy.evaluate(batches)
     # (a pipeline's figures are the chief's: its last stage sent them there)

@@ -168,8 +168,8 @@ class CommonSettings:
     )
     allow_external: bool = _field(
         False,
-        "follow HDF5 external links and virtual datasets in --data, which "
-        "read other files (refused by default)",
+        "follow HDF5 external links and virtual datasets, and read external storage, in --data: "
+        "they read other files (refused by default)",
     )
     data_mode: str = _field(
         "auto",

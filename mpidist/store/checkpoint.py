@@ -34,7 +34,7 @@ from ..runtime.text import printable
 from ..runtime.whereabouts import here
 from . import checkpoint_checks as checks
 from . import lineage as lineages
-from . import sharded, slices
+from . import contained, sharded, slices
 from .checkpoint_save import FORMAT, PER_WORKER
 
 # (re-exported: the tests that write a checkpoint to read it back do both through this module)
@@ -128,12 +128,16 @@ def load(path, arrays=True):
         raise UsageError(f"{path}: not a readable checkpoint ({printable(err)})") from None
 
 
-def _read(path, handle, read_arrays=True):
-    def bad(item, problem):
-        return UsageError(f"{path}: {item} {problem}")
+def _refusal(path):
+    """``bad(item, problem)`` for checkpoint ``path``: the :class:`UsageError` naming it."""
+    return lambda item, problem: UsageError(f"{path}: {item} {problem}")
 
-    virtual = handle.attrs.get("format") == sharded.FORMAT  # (an index over part files)
-    if handle.attrs.get("format") != FORMAT and not virtual:
+
+def _read(path, handle, read_arrays=True):
+    bad = _refusal(path)
+    stated = handle.attrs.get("format")
+    virtual = stated == sharded.FORMAT  # (an index over part files)
+    if stated != FORMAT and not virtual:
         raise UsageError(f"{path}: not an mpidist checkpoint (no format attribute {FORMAT!r})")
     _verified(path, handle, share=(0, 1) if read_arrays else (0, 0))
     params = checks.float_array(handle, "params", bad, virtual=virtual)
@@ -199,9 +203,11 @@ def _same(loaded, again):
 
 
 def _verified(path, handle, share):
-    """Refuse a sharded checkpoint (``handle``, open, at ``path``) whose parts :func:`sharded.verify` finds
-    wrong, their checksums read for ``share``; a checkpoint of one file passes."""
-    problem = sharded.verify(path, handle, share) if handle.attrs.get("format") == sharded.FORMAT else None
+    """Refuse a checkpoint (``handle``, open, at ``path``) that would read another file than its own: a
+    sharded one whose parts :func:`sharded.verify` finds wrong, their checksums and items checked for
+    ``share``; one of a single file with an item that reads elsewhere (:func:`contained.outside`)."""
+    sharded_index = handle.attrs.get("format") == sharded.FORMAT
+    problem = sharded.verify(path, handle, share) if sharded_index else contained.outside(handle)
     if problem:
         raise UsageError(f"{path}: {problem}")
 
@@ -234,9 +240,7 @@ def _restore_slices(loaded, placement, buffers):
         )
     try:
         with here().doing("io", f"reading slices of checkpoint {path}"), h5py.File(path, "r") as handle:
-            header = checks.header(
-                path, handle, handle["optimizer"], lambda item, why: UsageError(f"{path}: {item} {why}")
-            )
+            header = checks.header(path, handle, handle["optimizer"], _refusal(path))
             _same(loaded, Checkpoint(path=path, params=None, optimizer_state={}, **header))
             for name, buffer in buffers.items():
                 key = name if name == "params" else f"optimizer/{name}"

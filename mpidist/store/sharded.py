@@ -16,9 +16,12 @@ the checkpoint exists whole or not at all.  The index is an HDF5 file of
 The part files sit in a folder beside the index, named in it relative to the
 index's folder (HDF5 looks for a relative source beside the file that names
 it), so the checkpoint directory can be moved or copied.  Each part's size
-and SHA-256 are in the index; :func:`verify` checks them, and that every
-virtual dataset reads from the listed parts alone, before anything is read
-(HDF5 itself fills a missing source with zeros, silently).  Nothing here is
+and SHA-256 are in the index; :func:`verify` checks them, that every
+virtual dataset reads from the listed parts alone, and that nothing in the
+index or a part reads another file (an external link, external storage, a
+part that is a symbolic link out of the folder), before anything is read
+(HDF5 itself fills a missing source with zeros, silently, and follows
+whatever a file names).  Nothing here is
 proportional to the whole model: a rank writes its slices, the index holds
 mappings, a few integers per region.
 """
@@ -33,7 +36,8 @@ from pathlib import Path, PurePosixPath
 import h5py
 import numpy as np
 
-from . import atomic, new_hdf5, removal
+from ..runtime.text import printable
+from . import atomic, contained, new_hdf5, removal
 from .outputs import is_regular_file
 
 FORMAT = "mpidist-checkpoint-2"
@@ -219,11 +223,13 @@ def write_index(path, parameters, parts, keys, dtype, attrs):
 
 def verify(path, handle, share=(0, 1)):
     """Check a format-2 index ``handle`` (open, at ``path``) before anything is read through it: its parts are
-    files in the checkpoint's folder of the size it records, and every virtual dataset reads from them alone.
+    files in the checkpoint's folder of the size it records, every virtual dataset reads from them alone, and
+    no item of the index or of a part reads any other file (:func:`~mpidist.store.contained.outside`).
     Returns None, or what is wrong, in words.
 
-    Checksums are read for a ``share`` ``(i, n)`` of the parts, every n-th from the i-th: ``(0, 1)`` all of
-    them, ``(0, 0)`` none; ``n`` ranks that each check their share read the checkpoint once between them.
+    Checksums, and what each part's items read, are checked for a ``share`` ``(i, n)`` of the parts, every
+    n-th from the i-th: ``(0, 1)`` all of them, ``(0, 0)`` none; ``n`` ranks that each check their share, and
+    agree on it before any reads, read the checkpoint once between them.
     """
     folder = Path(path).parent
     try:
@@ -241,28 +247,43 @@ def verify(path, handle, share=(0, 1)):
             and isinstance(record.get("sha256"), str)
         ):
             return f"attribute {PARTS} has an entry that is not {{file, bytes, sha256}}"
-        name = PurePosixPath(record["file"])
-        if name.is_absolute() or ".." in name.parts or not name.parts:
-            return f"part {record['file']!r} is not a file inside the checkpoint's folder"
-        part = folder / name
-        if not part.is_file():
-            return f"part {record['file']} is missing"
-        hashed = every and number % every == first
-        if part.stat().st_size != record["bytes"] or (hashed and checksum(part) != record["sha256"]):
-            return f"part {record['file']} is not the file that was written (its size or checksum differs)"
+        problem = _part_problem(folder, record, every and number % every == first)
+        if problem:
+            return problem
         files.add(record["file"])
-    problem = []
+    return contained.outside(handle, allowed=files)
 
-    def check(name, item):
-        if isinstance(item, h5py.Dataset) and item.is_virtual:
-            for source in item.virtual_sources():
-                if source.file_name not in files:
-                    problem.append(f"{name} reads from {source.file_name!r}, which is not one of its parts")
-                    return True
-        return None
 
-    handle.visititems(check)
-    return problem[0] if problem else None
+def _part_problem(folder, record, hashed):
+    """What is wrong with the part ``record`` names in ``folder``, in words (None where nothing is); with
+    ``hashed``, its checksum and its items are checked too."""
+    name = PurePosixPath(record["file"])
+    # (HDF5 expands "%b" and "%%" in a virtual dataset's source names: the file it opened would not be this)
+    if name.is_absolute() or ".." in name.parts or not name.parts or "%" in record["file"]:
+        return f"part {printable(record['file'])!r} is not a file inside the checkpoint's folder"
+    part = folder / name
+    if not part.is_file():
+        return f"part {printable(record['file'])} is missing"
+    real, home = os.path.realpath(part), os.path.realpath(folder)
+    if os.path.commonpath([real, home]) != home:
+        return (
+            f"part {printable(record['file'])} is a symbolic link, or lies under one, that leads out of the "
+            f"checkpoint's folder (to {printable(real)}): refused, as it reads another file"
+        )
+    if part.stat().st_size != record["bytes"] or (hashed and checksum(part) != record["sha256"]):
+        return (
+            f"part {printable(record['file'])} is not the file that was written (its size or checksum "
+            "differs)"
+        )
+    if hashed:
+        try:
+            with h5py.File(part, "r") as opened:
+                problem = contained.outside(opened)
+        except (OSError, RuntimeError, ValueError, KeyError) as err:
+            return f"part {printable(record['file'])} is not a readable HDF5 file ({printable(err)})"
+        if problem:
+            return f"part {printable(record['file'])}: {problem}"
+    return None
 
 
 #: the names a parts folder's writers make: each rank's part, and the file aside it is written in

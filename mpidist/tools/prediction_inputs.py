@@ -42,6 +42,7 @@ from ..runtime.memory import check_fits
 from ..runtime.reads import HDF5_ERRORS, reading
 from ..runtime.text import printable
 from ..runtime.whereabouts import here
+from ..store import contained
 
 SPLITS = datasets.SPLITS + datasets.OPTIONAL_SPLITS
 #: what numpy raises reading a broken .npy or .npz: a compressed member that is not deflate data raises
@@ -308,6 +309,14 @@ class HDF5Samples(Samples):
                 raise UsageError(f"{path}: 'x' cannot be read ({printable(err)})") from None
             if not isinstance(item, h5py.Dataset) or item.is_virtual:
                 raise UsageError(f"{path}: 'x' is not a dataset stored in this file")
+            if contained.other_file(handle, item):  # (a soft link through an external link)
+                raise UsageError(
+                    f"{path}: 'x' leads through its links to {printable(item.file.filename)!r}: "
+                    f"{contained.REFUSED}"
+                )
+            stored_elsewhere = contained.elsewhere(item)  # (external storage)
+            if stored_elsewhere:
+                raise UsageError(f"{path}: 'x' {stored_elsewhere}: {contained.REFUSED}")
             super().__init__(path, item.dtype, item.shape)
 
     def read(self, lo, hi, dtype):
