@@ -169,7 +169,7 @@ def _result(outcome, is_chief, config, inputs):
     if params is not None:
         # (the trained parameters are the model's buffer itself: nothing is allocated, or priced again, at the
         # end of a run that holds its memory still)
-        info = datasets.inspect(datasets.resolve(inputs.data))
+        info = datasets.inspect(datasets.resolve(inputs.data), allow_external=config.allow_external)
         model = build_model_for(config, inputs, info, np, training=False)
         model.bind_params(params, copy=False)
     return Result(

@@ -99,21 +99,22 @@ class SplitRows:
                 continue
             try:
                 for item in self._items(member.path, handles, None):
-                    if self._direct(item, member.path, handles) is not None:  # read around the cache: no hint
+                    fd = self._fd(member.path, handles, item)
+                    # (in another file, or read around the cache: no hint)
+                    if fd is None or self._direct(item, member.path, handles) is not None:
                         continue
                     for offset, length in byte_ranges(
                         item, int(begin - self.starts[index]), int(end - self.starts[index])
                     ):
-                        os.posix_fadvise(
-                            self._fd(member.path, handles), offset, length, os.POSIX_FADV_WILLNEED
-                        )
+                        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
             except (*HDF5_ERRORS, KeyError):  # a hint only: the read that follows names what fails
                 continue
 
-    def _fd(self, path, handles):
-        """An OS file descriptor of ``path`` kept in ``handles`` (a stream's), or None (arrays, or no
-        stream)."""
-        if handles is None or not isinstance(path, os.PathLike):
+    def _fd(self, path, handles, item):
+        """An OS file descriptor of ``path`` kept in ``handles`` (a stream's) to read ``item``'s bytes at the
+        offsets HDF5 gives, or None: arrays, no stream, or an ``item`` that lives in another file (reached
+        through a link that --allow-external follows: its offsets are that file's)."""
+        if handles is None or not isinstance(path, os.PathLike) or item.id.fileno != handles[path].id.fileno:
             return None
         if ("fd", path) not in handles:
             handles["fd", path] = os.open(path, os.O_RDONLY)
@@ -209,7 +210,8 @@ class SplitRows:
         can, else through h5py."""
         if span.step != 1:
             return item[span]
-        fd, direct = self._fd(path, handles), self._direct(item, path, handles, name)
+        fd = self._fd(path, handles, item)
+        direct = self._direct(item, path, handles, name) if fd is not None else None
         known = None
         if fd is not None:  # (a stream's: what the reads ask of the dataset, kept with its open files)
             known = handles.get(("layout", path, name)) or handles.setdefault(
