@@ -181,6 +181,31 @@ def test_an_item_that_reads_another_file_is_refused_before_anything_is_read(tmp_
         assert message.endswith("refused, as it reads another file"), message
 
 
+def test_attributes_are_refused_by_their_size_before_they_are_read(tmp_path):
+    path = write(tmp_path, 3)
+    dense = tmp_path / "dense.h5"  # (an attribute over 64 KiB needs HDF5's dense attribute storage)
+    with h5py.File(path, "r") as source, h5py.File(dense, "w", libver="latest") as copy:
+        for name in source:
+            source.copy(source[name], copy, name)
+        copy.attrs.update(source.attrs)
+        # valid JSON, so that nothing after the read would refuse it
+        copy.attrs["config"] = np.bytes_(b"{" + b" " * (2 << 20) + b"}")
+    with pytest.raises(UsageError) as refused:
+        checkpoint.load(dense)
+    assert f"{dense}: attribute config holds 2.0 MiB (1 value(s) of 2,097,154 bytes), more than the " in str(
+        refused.value
+    )
+    with h5py.File(dense, "a") as handle:
+        handle.attrs["config"] = '{"seed": 1}'
+        handle.attrs["lineage"] = np.array(["0123abcd"] * 3, dtype=h5py.string_dtype())
+    with pytest.raises(UsageError, match="attribute lineage holds 3 value.s. of variable length"):
+        checkpoint.load(dense, arrays=False)
+    assert checkpoint.settings_of(dense) == {"seed": 1}
+    with h5py.File(dense, "a") as handle:
+        handle.attrs["config"] = np.bytes_(b"{" + b" " * (2 << 20) + b"}")
+    assert checkpoint.settings_of(dense) is None  # (only looked at: passed over)
+
+
 def test_a_checkpoint_larger_than_memory_is_refused_before_it_is_read(tmp_path, monkeypatch):
     from mpidist.runtime import memory
 
@@ -345,3 +370,20 @@ def test_a_kept_format_1_checkpoint_still_loads_resumes_and_evaluates(tmp_path):
     # (4 steps trained)
     assert resumed.optimizer_steps == 14 and not np.allclose(resumed.params, saved.params)
     assert FORMAT_1.read_bytes() == kept  # (never written to, nor pruned)
+
+
+def test_an_array_in_a_chunk_far_larger_than_it_is_refused_before_it_is_read(tmp_path):
+    from test_bounded import one_compressed_chunk
+
+    def huge_chunk(handle):  # 5 parameters in a chunk of 2^25, gzip'ed: 256 MiB decompressed to read any
+        del handle["params"]
+        one_compressed_chunk(handle, "params", (5,), np.float64, (1 << 25,), maxshape=(None,))
+
+    path = tampered(tmp_path, huge_chunk)
+    for arrays in (True, False):
+        with pytest.raises(UsageError) as refused:
+            checkpoint.load(path, arrays=arrays)
+        assert str(refused.value) == (
+            f"{path}: 'params' is stored in chunks of 256.0 MiB each (chunk shape (33554432,)), which a read "
+            "decompresses whole, for values of 40 B: not read"
+        )

@@ -269,17 +269,29 @@ def a_link_out_that_nothing_reads(handle, name, raw, source):
     handle["notes"] = h5py.ExternalLink(str(source), "/x")
 
 
+def a_chunk_far_larger_than_its_values(handle, name, raw, source):
+    from test_bounded import one_compressed_chunk
+
+    size = handle[name].size
+    del handle[name]
+    one_compressed_chunk(handle, name, (size,), np.float64, (1 << 25,), maxshape=(None,))
+
+
 CRAFTS = {
     "external storage": (stored_elsewhere, "keeps its values in '"),
     "an external link": (linked_out, "is an external link to '"),
     "a virtual dataset over another file": (virtual_over_outside, "is a virtual dataset reading '"),
     "a soft link through an external link": (soft_link_through_a_door, "'door' is an external link to '"),
     "an external link nothing reads": (a_link_out_that_nothing_reads, "'notes' is an external link to '"),
+    "a chunk of 256 MiB": (
+        a_chunk_far_larger_than_its_values,
+        "'params' is stored in chunks of 256.0 MiB each",
+    ),
 }
 
 
 @pytest.mark.parametrize("craft", list(CRAFTS))
-def test_a_part_whose_items_read_another_file_is_refused_before_anything_is_read(tmp_path, craft):
+def test_a_part_that_reads_another_file_or_a_huge_chunk_is_refused_before_anything_is_read(tmp_path, craft):
     from mpidist.runtime.errors import UsageError
     from mpidist.store import checkpoint
 
@@ -296,11 +308,12 @@ def test_a_part_whose_items_read_another_file_is_refused_before_anything_is_read
         checkpoint.load(index)
     message = str(refused.value)
     assert message.startswith(f"{index}: part ckpt.parts/rank-00001.h5: '") and words in message, message
-    assert message.endswith("refused, as it reads another file"), message
+    assert message.endswith("not read" if "chunk" in craft else "refused, as it reads another file"), message
     # the header alone reads no part; the share that holds part 1 refuses it, the others' pass
     saved = checkpoint.load(index, arrays=False)
-    with pytest.raises(UsageError, match="refused, as it reads another file"):
+    with pytest.raises(UsageError) as refused:
         saved.check_parts((1, 3))
+    assert str(refused.value) == message
     saved.check_parts((0, 3)).check_parts((2, 3))
 
 

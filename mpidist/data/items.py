@@ -6,7 +6,8 @@ through one, a virtual dataset or external storage reads another file,
 refused unless ``--allow-external``), and a link that loops or dangles is
 named, not followed.  The items a file may hold beside its splits
 (standardisation statistics, class names, feature names) are checked here
-too, value by value; the layout of the splits themselves (``x`` and ``y`` of
+too, their sizes before they are read (:mod:`mpidist.store.bounded`), then
+value by value; the layout of the splits themselves (``x`` and ``y`` of
 each) is :mod:`mpidist.data.layout`'s.
 """
 
@@ -15,9 +16,15 @@ import numpy as np
 
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
-from ..store import contained
+from ..store import bounded, contained
 
 MAX_NAME = 200  # characters in a class name
+NAME_BYTES = 4 * MAX_NAME  # (UTF-8 takes up to 4 bytes a character)
+
+
+def _refusal(path):
+    """``bad(item, problem)`` for dataset file ``path``: the :class:`UsageError` naming it."""
+    return lambda item, problem: UsageError(f"{path}: {item} {problem}")
 
 
 def present(handle, name):
@@ -90,7 +97,10 @@ def statistics(path, handle, sample_shape, allow_external):
                 f"{path}: {name} has shape {tuple(item.shape)}; it must be the sample shape "
                 f"{tuple(sample_shape)}"
             )
-        value = np.asarray(item[()], dtype=np.float64)
+        value = np.asarray(
+            bounded.values(item, name, int(np.prod(sample_shape)) * item.dtype.itemsize, _refusal(path)),
+            dtype=np.float64,
+        )
         bad = ~np.isfinite(value) if key == "mean" else ~(np.isfinite(value) & (value > 0))
         if bad.any():
             index = np.unravel_index(int(np.flatnonzero(bad)[0]), value.shape)
@@ -145,13 +155,14 @@ def _names(path, handle, key, count, what, allow_external):
         raise UsageError(
             f"{path}: {key} has shape {tuple(item.shape)}; it needs one name per {what}, shape ({count},)"
         )
-    try:
-        values = item.asstr()[()]
-    except UnicodeDecodeError:
-        raise UsageError(f"{path}: {key} holds bytes that are not UTF-8 text") from None
     names, seen = [], {}
-    for index, value in enumerate(values):
-        name = str(value)
+    for index, value in enumerate(bounded.texts(item, key, NAME_BYTES, _refusal(path))):
+        try:
+            name = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(
+                f"{path}: {key} holds bytes that are not UTF-8 text (at index {index})"
+            ) from None
         if not name.strip():
             raise UsageError(f"{path}: {key}[{index}] is empty; every {what} needs a name")
         if len(name) > MAX_NAME:

@@ -30,6 +30,7 @@ import numpy as np
 from ..runtime.errors import UsageError
 from ..runtime.text import printable, shown
 from ..runtime.whereabouts import here
+from ..store import bounded
 from .arrays import ArrayData
 from .info import DatasetInfo, Member
 from .items import checked_dataset, class_names, feature_names, present, statistics
@@ -112,7 +113,8 @@ def _describe(path, handle, allow_external, part=False):
     for split in splits:
         for key in ("x", "y"):
             items[split, key] = checked_dataset(path, handle, f"{split}/{key}", allow_external)
-    num_classes = _num_classes(path, handle.attrs)
+    attrs = bounded.Attributes(handle, lambda item, problem: UsageError(f"{path}: {item} {problem}"))
+    num_classes = _num_classes(path, attrs)
     sizes, shapes, widths = {}, set(), set()
     for split in splits:
         x, y = items[split, "x"], items[split, "y"]
@@ -159,9 +161,9 @@ def _describe(path, handle, allow_external, part=False):
     )
     return DatasetInfo(
         path=path,
-        name=_text(handle.attrs.get("name"), path.stem),
+        name=_text(attrs.get("name"), path.stem),
         num_classes=num_classes,
-        source=_text(handle.attrs.get("source"), ""),
+        source=_text(attrs.get("source"), ""),
         sample_shape=sample_shape,
         sizes=sizes,
         target_width=widths.pop(),
@@ -185,7 +187,7 @@ def _num_classes(path, attrs):
     """The ``num_classes`` attribute, checked: an integer, 0 (regression) or 2 to MAX_CLASSES."""
     if "num_classes" not in attrs:
         raise UsageError(f"{path}: missing file attribute 'num_classes' (0 for regression)")
-    value = attrs["num_classes"]
+    value = attrs.get("num_classes")
     if isinstance(value, np.ndarray) and value.size == 1:
         value = value.reshape(())[()]
     integral = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

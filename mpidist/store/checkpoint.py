@@ -34,7 +34,7 @@ from ..runtime.text import printable
 from ..runtime.whereabouts import here
 from . import checkpoint_checks as checks
 from . import lineage as lineages
-from . import contained, sharded, slices
+from . import bounded, contained, sharded, slices
 from .checkpoint_save import FORMAT, PER_WORKER
 
 # (re-exported: the tests that write a checkpoint to read it back do both through this module)
@@ -133,9 +133,14 @@ def _refusal(path):
     return lambda item, problem: UsageError(f"{path}: {item} {problem}")
 
 
+def _unread(item, problem):
+    """``bad(item, problem)`` where a checkpoint's item is only looked at: the caller passes over it."""
+    return ValueError(f"{item} {problem}")
+
+
 def _read(path, handle, read_arrays=True):
     bad = _refusal(path)
-    stated = handle.attrs.get("format")
+    stated = bounded.Attributes(handle, bad).get("format")
     virtual = stated == sharded.FORMAT  # (an index over part files)
     if stated != FORMAT and not virtual:
         raise UsageError(f"{path}: not an mpidist checkpoint (no format attribute {FORMAT!r})")
@@ -203,11 +208,14 @@ def _same(loaded, again):
 
 
 def _verified(path, handle, share):
-    """Refuse a checkpoint (``handle``, open, at ``path``) that would read another file than its own: a
-    sharded one whose parts :func:`sharded.verify` finds wrong, their checksums and items checked for
-    ``share``; one of a single file with an item that reads elsewhere (:func:`contained.outside`)."""
-    sharded_index = handle.attrs.get("format") == sharded.FORMAT
-    problem = sharded.verify(path, handle, share) if sharded_index else contained.outside(handle)
+    """Refuse a checkpoint (``handle``, open, at ``path``) that would read another file than its own, or
+    decompress more than its arrays hold: a sharded one whose parts :func:`sharded.verify` finds wrong, their
+    checksums and items checked for ``share``; one of a single file with an item that reads elsewhere
+    (:func:`contained.outside`) or a chunk far larger than its array (:func:`bounded.oversized_chunks`)."""
+    if bounded.Attributes(handle, _refusal(path)).get("format") == sharded.FORMAT:
+        problem = sharded.verify(path, handle, share)
+    else:
+        problem = contained.outside(handle) or bounded.oversized_chunks(handle)
     if problem:
         raise UsageError(f"{path}: {problem}")
 
@@ -265,7 +273,7 @@ def settings_of(path):
         return None
     try:
         with h5py.File(path, "r") as handle:
-            return checks.json_attribute(handle.attrs, "config", lambda item, why: ValueError(why))
+            return checks.json_attribute(bounded.Attributes(handle, _unread), "config", _unread)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError):
         return None
 

@@ -1,13 +1,14 @@
 """The checks of a checkpoint file read back: every item of an untrusted file, before it is used.
 
 A checkpoint may be damaged, truncated, from another program, or written by
-hand, so nothing in it is taken on trust: its arrays' links, shapes and dtypes
-are checked before they are read, their values for NaN and Inf after, and its
-attributes for type and range.  Each check names the file, the item and the
-value; ``bad(item, problem)`` makes the error (a :class:`UsageError` where a
-checkpoint is loaded).  Reading, which calls these, is
-:mod:`mpidist.store.checkpoint`'s; the names checked for are the ones
-:mod:`mpidist.store.checkpoint_save` writes.
+hand, so nothing in it is taken on trust: its arrays' links, shapes and
+dtypes are checked before they are read, their values for NaN and Inf after,
+and its attributes for size before they are read
+(:class:`~mpidist.store.bounded.Attributes`), for type and range after.  Each
+check names the file, the item and the value; ``bad(item, problem)`` makes
+the error (a :class:`UsageError` where a checkpoint is loaded).  Reading,
+which calls these, is :mod:`mpidist.store.checkpoint`'s; the names checked
+for are the ones :mod:`mpidist.store.checkpoint_save` writes.
 """
 
 import json
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..runtime.errors import UsageError
 from ..runtime.text import printable, shown
+from . import bounded
 from . import lineage as lineages
 from .checkpoint_save import PER_WORKER
 
@@ -43,24 +45,22 @@ def check_finite(path, item, array, whose=""):
 def header(path, handle, group, bad):
     """The checkpoint's attributes, checked: everything but its arrays, as
     :class:`~mpidist.store.checkpoint.Checkpoint`'s fields."""
-    params = handle["params"]
-    values = {name: count_attribute(handle.attrs, name, bad) for name in ("step", "epoch", "epoch_step")}
-    optimizer_steps = count_attribute(group.attrs, "steps", bad, prefix="optimizer/")
-    config = json_attribute(handle.attrs, "config", bad)
-    rng = json_attribute(handle.attrs, "rng", bad) if "rng" in handle.attrs else {}
+    params, attrs = handle["params"], bounded.Attributes(handle, bad)
+    values = {name: count_attribute(attrs, name, bad) for name in ("step", "epoch", "epoch_step")}
+    optimizer_steps = count_attribute(bounded.Attributes(group, bad), "steps", bad, prefix="optimizer/")
+    config = json_attribute(attrs, "config", bad)
+    rng = json_attribute(attrs, "rng", bad) if "rng" in attrs else {}
     seed = rng.get("seed", config.get("seed", 0))
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < LARGEST:
         raise bad("rng seed", f"is {shown(seed)}; it must be an integer from 0")
-    lineage, parent = (lineage_attribute(handle.attrs, name, bad) for name in ("lineage", "parent"))
+    lineage, parent = (lineage_attribute(attrs, name, bad) for name in ("lineage", "parent"))
     best = (
-        best_attribute(json_attribute(handle.attrs, "best", bad), values["step"], bad)
-        if "best" in handle.attrs
-        else None
+        best_attribute(json_attribute(attrs, "best", bad), values["step"], bad) if "best" in attrs else None
     )
-    elapsed = handle.attrs.get("elapsed", 0.0)  # (older checkpoints have none: time starts again)
+    elapsed = attrs.get("elapsed", 0.0)  # (older checkpoints have none: time starts again)
     if not isinstance(elapsed, (float, np.floating)) or not 0 <= elapsed < 1e12:
         raise bad("elapsed", f"is {shown(elapsed)}; it must be seconds, from 0")
-    fingerprint = handle.attrs.get("dataset_fingerprint", "")  # (older checkpoints have none)
+    fingerprint = attrs.get("dataset_fingerprint", "")  # (older checkpoints have none)
     if isinstance(fingerprint, bytes):
         fingerprint = fingerprint.decode("ascii", "replace")
     if not isinstance(fingerprint, str) or (fingerprint and not FINGERPRINT.fullmatch(fingerprint)):

@@ -29,7 +29,7 @@ import shlex
 from pathlib import Path
 
 from ..runtime.errors import UsageError
-from . import atomic, removal
+from . import atomic, bounded, removal
 from .checkpoint import settings_of
 from .lineage import LOCK_NAME, RUN_LOCK_NAME, newest_checkpoint
 from .outputs import is_regular_file, special_kind
@@ -77,7 +77,7 @@ def _recorded_name(path):
         return None
     try:
         with h5py.File(path, "r") as handle:
-            name = handle.attrs.get("name")
+            name = bounded.Attributes(handle, lambda item, problem: ValueError(problem)).get("name")
     except (OSError, ValueError, RuntimeError):
         return None
     name = name.decode("utf-8", "replace") if isinstance(name, bytes) else name

@@ -37,7 +37,7 @@ import h5py
 import numpy as np
 
 from ..runtime.text import printable
-from . import atomic, contained, new_hdf5, removal
+from . import atomic, bounded, contained, new_hdf5, removal
 from .outputs import is_regular_file
 
 FORMAT = "mpidist-checkpoint-2"
@@ -45,6 +45,7 @@ PARTS = "parts"  # the index's attribute listing the part files: [{"file", "byte
 REGIONS = "regions"  # a part's table of the regions it holds (Placement.describe's rows)
 PARAMETERS = "parameters"  # the index's group of each parameter in its own shape
 HASHED = 1 << 22  # bytes read at a time for a checksum
+PARTS_BYTES = 16 << 20  # the parts attribute's bound: about 190 bytes a part, some 88,000 parts
 
 
 def part_name(rank):
@@ -223,8 +224,9 @@ def write_index(path, parameters, parts, keys, dtype, attrs):
 
 def verify(path, handle, share=(0, 1)):
     """Check a format-2 index ``handle`` (open, at ``path``) before anything is read through it: its parts are
-    files in the checkpoint's folder of the size it records, every virtual dataset reads from them alone, and
-    no item of the index or of a part reads any other file (:func:`~mpidist.store.contained.outside`).
+    files in the checkpoint's folder of the size it records, every virtual dataset reads from them alone, no
+    item of the index or of a part reads any other file (:func:`~mpidist.store.contained.outside`), and no
+    part's array is stored in chunks far larger than it (:func:`~mpidist.store.bounded.oversized_chunks`).
     Returns None, or what is wrong, in words.
 
     Checksums, and what each part's items read, are checked for a ``share`` ``(i, n)`` of the parts, every
@@ -233,7 +235,11 @@ def verify(path, handle, share=(0, 1)):
     """
     folder = Path(path).parent
     try:
-        listed = json.loads(handle.attrs.get(PARTS, ""))
+        text = bounded.Attributes(handle, _words, limits={PARTS: PARTS_BYTES}).get(PARTS, "")
+    except _Words as err:
+        return str(err)
+    try:
+        listed = json.loads(text)
     except (TypeError, ValueError):
         return f"attribute {PARTS} is not a JSON list of the part files"
     if not isinstance(listed, list) or not listed:
@@ -252,6 +258,14 @@ def verify(path, handle, share=(0, 1)):
             return problem
         files.add(record["file"])
     return contained.outside(handle, allowed=files)
+
+
+class _Words(ValueError):
+    """What is wrong with an index, in words (an attribute too large to read)."""
+
+
+def _words(item, problem):
+    return _Words(f"{item} {problem}")
 
 
 def _part_problem(folder, record, hashed):
@@ -278,7 +292,7 @@ def _part_problem(folder, record, hashed):
     if hashed:
         try:
             with h5py.File(part, "r") as opened:
-                problem = contained.outside(opened)
+                problem = contained.outside(opened) or bounded.oversized_chunks(opened)
         except (OSError, RuntimeError, ValueError, KeyError) as err:
             return f"part {printable(record['file'])} is not a readable HDF5 file ({printable(err)})"
         if problem:
@@ -338,9 +352,10 @@ def naming(directory, pattern="*.h5"):
             continue
         try:
             with h5py.File(index, "r") as handle:
-                if handle.attrs.get("format") != FORMAT:
+                attrs = bounded.Attributes(handle, _words, limits={PARTS: PARTS_BYTES})
+                if attrs.get("format") != FORMAT:
                     continue
-                listed = json.loads(handle.attrs.get(PARTS, "[]"))
+                listed = json.loads(attrs.get(PARTS, "[]"))
         except (OSError, ValueError, TypeError, KeyError, RuntimeError):
             unread.add(index.stem)
             continue
