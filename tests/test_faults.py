@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -1078,6 +1079,92 @@ def on_a_small_disk(args, size="16k", previous="disk/out.h5"):
 STORED_CHECKPOINT = str(ROOT / "tests" / "checkpoints" / "format1-mlp8-digits.h5")
 
 
+# -- nothing read from outside a file, nothing read before its size is known (issue 61, items 5 and 6) ------
+def a_pipe_outside(p):
+    """``p/outside``, a named pipe: a process that opened it to read would wait there for a writer forever, so
+    a run that ends proves that no rank opened it."""
+    os.mkfifo(p / "outside")
+    return p / "outside"
+
+
+def pipe_outside_untouched(p, out, err):
+    import stat
+
+    assert stat.S_ISFIFO(os.stat(p / "outside").st_mode)
+
+
+def parts_recorded_again(index):
+    """Each part's size and checksum recorded in the index anew: whoever crafts a checkpoint writes them."""
+    from mpidist.store import sharded
+
+    with h5py.File(index, "r+") as handle:
+        listed = json.loads(handle.attrs[sharded.PARTS])
+        for record in listed:
+            part = index.parent / record["file"]
+            record.update(bytes=part.stat().st_size, sha256=sharded.checksum(part))
+        handle.attrs[sharded.PARTS] = json.dumps(listed)
+
+
+def kept_outside(handle, name, outside):
+    """``handle[name]`` replaced by a dataset of its shape whose values HDF5 would read from ``outside``."""
+    item = handle[name]
+    shape, dtype = item.shape, item.dtype
+    del handle[name]
+    size = int(np.prod(shape)) * dtype.itemsize
+    handle.create_dataset(name, shape=shape, dtype=dtype, external=[(str(outside), 0, size)])
+
+
+def a_sharded_checkpoint(p):
+    """The index of a 2-stage pipeline's checkpoint of step 2, in ``p/ck``."""
+    return checkpoint_at(first_run(p, "--strategy", "pipeline", "--stages", "2", "--steps", "2"), 2)
+
+
+def a_part_reading_a_pipe(p, stack=None):
+    """``eval`` of a sharded checkpoint whose second part keeps its parameters in ``p/outside``."""
+    index = a_sharded_checkpoint(p)
+    (part,) = index.parent.glob("*.parts-*/rank-00001.h5")
+    with h5py.File(part, "a") as handle:
+        kept_outside(handle, "params", a_pipe_outside(p))
+    parts_recorded_again(index)
+    return command("eval", str(index))(p)
+
+
+def a_part_linked_out_of_its_folder(p, stack=None):
+    """``--resume`` of a sharded checkpoint whose first part is a link to its bytes, moved out of it."""
+    index = a_sharded_checkpoint(p)
+    (part,) = index.parent.glob("*.parts-*/rank-00000.h5")
+    (p / "elsewhere").mkdir()
+    part.rename(p / "elsewhere" / part.name)
+    part.symlink_to(p / "elsewhere" / part.name)
+    return train("--strategy", "pipeline", "--stages", "2", "--resume", str(index), "--steps", "4")(p)
+
+
+def parameters_reading_a_pipe(p, stack=None):
+    """``predict`` with a checkpoint of one file whose parameters are kept in ``p/outside``."""
+    path = p / "ckpt-00000007.h5"
+    shutil.copyfile(STORED_CHECKPOINT, path)
+    with h5py.File(path, "a") as handle:
+        kept_outside(handle, "params", a_pipe_outside(p))
+    return command("predict", str(path), "--output", str(p / "out.csv"))(p)
+
+
+def samples_reading_a_pipe(p):
+    path = tiny_dataset(p / "kept.h5", np.zeros((40, 4)), np.arange(40) % 3)
+    with h5py.File(path, "a") as handle:
+        kept_outside(handle, "train/x", a_pipe_outside(p))
+    return str(path)
+
+
+def names_of_400_mb(p):
+    """The issue's dataset: 4,000 features whose names, 100,000 bytes each, are gzip'ed to 0.4 MB."""
+    from test_bounded import dataset, one_compressed_chunk
+
+    path = dataset(p / "names.h5", features=4000)
+    with h5py.File(path, "a") as handle:
+        one_compressed_chunk(handle, "feature_names", (4000,), "S100000", (4000,))
+    return str(path)
+
+
 def nothing_but_the_lock_and_notes(p, out, err):
     assert sorted(os.listdir(p / "disk")) == [".mpidist-lock", "notes"]
 
@@ -1894,6 +1981,42 @@ FAULTS = {
     ),
     "predict on a header whose names hold invisible spaces": Fault(
         predicted_on_invisible_names, 0, "mpidist predict: 100 samples of ", one_message=False, ranks=(2,)
+    # nothing read from outside a file, nothing read before its size is known (issue 61, items 5 and 6)
+    "eval of a sharded checkpoint whose part reads a pipe": Fault(
+        a_part_reading_a_pipe,
+        2,
+        "/rank-00001.h5: 'params' keeps its values in '",
+        check=pipe_outside_untouched,
+        ranks=(2,),
+    ),
+    "--resume of a sharded checkpoint whose part links out": Fault(
+        a_part_linked_out_of_its_folder,
+        2,
+        "/rank-00000.h5 is a symbolic link, or lies under one, that leads out of the checkpoint's folder",
+        ranks=(2,),
+    ),
+    "predict with parameters kept in a pipe": Fault(
+        parameters_reading_a_pipe,
+        2,
+        "'params' keeps its values in '",
+        check=lambda p, out, err: (
+            pipe_outside_untouched(p, out, err),
+            nothing_written("out.csv")(p, out, err),
+        ),
+        ranks=(2,),
+    ),
+    "a dataset whose samples are kept in a pipe": Fault(
+        train("--data", samples_reading_a_pipe),
+        2,
+        "'train/x' keeps its values in '",
+        check=pipe_outside_untouched,
+        ranks=(2,),
+    ),
+    "a dataset whose feature_names decompress to 400 MB": bad(
+        "--data",
+        names_of_400_mb,
+        message="feature_names is stored as texts of 100,000 bytes each; one takes at most 800: not read",
+        alike=True,
     ),
 }
 
