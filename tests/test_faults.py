@@ -1981,6 +1981,7 @@ FAULTS = {
     ),
     "predict on a header whose names hold invisible spaces": Fault(
         predicted_on_invisible_names, 0, "mpidist predict: 100 samples of ", one_message=False, ranks=(2,)
+    ),
     # nothing read from outside a file, nothing read before its size is known (issue 61, items 5 and 6)
     "eval of a sharded checkpoint whose part reads a pipe": Fault(
         a_part_reading_a_pipe,

@@ -241,15 +241,16 @@ def test_a_pipe_socket_or_directory_named_like_a_checkpoint_is_no_checkpoint(tmp
 
 
 def test_the_indexes_read_for_parts_folders_and_a_claim_never_open_a_pipe(tmp_path):
-    from mpidist.store import sharded
+    from mpidist.store import parts_debris
 
     fifos = [WatchedFifo(tmp_path / "ckpt-00000004-abcdef01.h5"), WatchedFifo(tmp_path / "best-abcdef01.h5")]
     (tmp_path / ".ckpt-00000003-abcdef01.h5.tmp-12").mkdir()  # a directory is never removed as a temporary
     try:
         assert (
-            sharded.naming(tmp_path).named == set() and sharded.naming(tmp_path, "best-*.h5").named == set()
+            parts_debris.naming(tmp_path).named == set()
+            and parts_debris.naming(tmp_path, "best-*.h5").named == set()
         )
-        assert sharded.remove_unnamed_folders(tmp_path).removed == []
+        assert parts_debris.remove_unnamed_folders(tmp_path).removed == []
         claim(settings(tmp_path, resume="auto"), None).release()
         assert checkpoint.settings_of(fifos[0].path) is None
         with pytest.raises(UsageError, match=r"cannot be read: it is a named pipe \(FIFO\), not a file"):

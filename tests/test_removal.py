@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import mpidist
-from mpidist.store import lineage, removal, rundir, sharded
+from mpidist.store import lineage, parts_debris, removal, rundir, sharded
 
 LINEAGE = "abcdef12"
 
@@ -118,7 +118,7 @@ def test_pruning_after_a_write_leaves_links_and_foreign_files(tmp_path):
     (directory / f"ckpt-00000002-{LINEAGE}.h5").symlink_to(user / "ckpt-00000001-abcdef12.h5")
     pruned = place.prune(LINEAGE, keep=1, newest=newest)
     assert pruned == [old]  # the link under a checkpoint's name is neither pruned nor counted
-    done = sharded.remove_replaced_folders(
+    done = parts_debris.remove_replaced_folders(
         directory, newest, folder, [*pruned, directory / f"ckpt-00000002-{LINEAGE}.h5"]
     )
     assert old_folder.is_dir() and sorted(p.name for p in old_folder.iterdir()) == ["theirs.txt"]
@@ -139,7 +139,7 @@ def test_a_parts_folder_is_debris_only_when_provably_an_interrupted_write(tmp_pa
     stale = sharded.parts_folder(replaced_index, "0d")
     stale.mkdir()
     (stale / sharded.part_name(0)).write_text("an earlier write's part")
-    done = sharded.remove_unnamed_folders(directory)
+    done = parts_debris.remove_unnamed_folders(directory)
     assert sorted(done.removed) == sorted([interrupted.name, stale.name])
     assert corrupt_folder.is_dir() and kept.is_dir() and len(list(corrupt_folder.iterdir())) == 2
     assert done.left == [
@@ -155,7 +155,7 @@ def test_a_best_index_that_cannot_be_read_keeps_every_unnamed_folder(tmp_path):
     _, folder = sharded_checkpoint(directory, 1)
     (directory / lineage.file_name(1, LINEAGE)).unlink()
     (directory / f"best-{LINEAGE}.h5").write_bytes(b"garbage")  # it may have named that folder
-    done = sharded.remove_unnamed_folders(directory)
+    done = parts_debris.remove_unnamed_folders(directory)
     assert done.removed == [] and folder.is_dir()
     assert done.left == [(folder.name, f"best-{LINEAGE}.h5 cannot be read, and may name it")]
 

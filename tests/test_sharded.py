@@ -11,7 +11,7 @@ import pytest
 from mpidist import nn
 from mpidist.nn.placement import Placement, parameter
 from mpidist.nn.tensor import split_model
-from mpidist.store import sharded
+from mpidist.store import parts_debris, sharded
 
 
 def whole():
@@ -142,7 +142,7 @@ def test_an_index_naming_files_outside_its_folder_or_sources_it_does_not_list_is
 def test_removing_a_checkpoints_parts_takes_its_folder(tmp_path):
     model = whole()
     write(tmp_path, model, layouts(model)["pipeline"], np.zeros(model.num_params))
-    sharded.remove_parts(tmp_path / "ckpt.parts")
+    parts_debris.remove_parts(tmp_path / "ckpt.parts")
     assert not (tmp_path / "ckpt.parts").exists()
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import checkpoint_at, events, mpidist, rank_pids, start_mpidist, wait_for_step
-from mpidist.store import checkpoint, sharded
+from mpidist.store import checkpoint, parts_debris, sharded
 
 TRAIN = [
     "train",
@@ -154,7 +154,9 @@ def test_checkpoints_written_behind_training_are_each_whole_when_logged_and_leav
     for index in indexes:
         with h5py.File(index, "r") as handle:
             assert sharded.verify(index, handle) is None
-    assert folders(ck) == sorted(sharded.naming(ck).named)  # (the pruned checkpoints' parts went with them)
+    assert folders(ck) == sorted(
+        parts_debris.naming(ck).named
+    )  # (the pruned checkpoints' parts went with them)
     assert not [p.name for p in ck.rglob(".*tmp-*")]
 
 
@@ -187,7 +189,7 @@ def test_keep_best_of_a_split_model_keeps_the_parts_its_index_names_and_no_other
     best = ck / "best-run.h5" if (ck / "best-run.h5").exists() else next(ck.glob("best-*.h5"))
     with h5py.File(best, "r") as handle:
         assert sharded.verify(best, handle) is None
-    assert len(list(ck.glob("*.h5"))) == 2 and folders(ck) == sorted(sharded.naming(ck).named)
+    assert len(list(ck.glob("*.h5"))) == 2 and folders(ck) == sorted(parts_debris.naming(ck).named)
 
 
 def test_a_rank_killed_while_the_parts_are_written_ends_the_job_and_the_run_resumes_from_a_whole_checkpoint(
@@ -220,7 +222,7 @@ def test_a_rank_killed_while_the_parts_are_written_ends_the_job_and_the_run_resu
     assert done.returncode == 0, done.stderr
     start = events(metrics, "start")[-1]
     assert start["resumed_from"] is not None and start["step"] in written
-    named = sharded.naming(ck).named
+    named = parts_debris.naming(ck).named
     assert all(folder.name in named for folder in ck.iterdir() if folder.is_dir())  # (strays removed)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime.errors import RunError
-from ..store import bulk, checkpoint_save, sharded
+from ..store import bulk, checkpoint_save, parts_debris
 from . import sharded_save
 from ..parallel.saved_state import WholeState
 from .checkpoint_files import CheckpointFiles
@@ -132,7 +132,7 @@ class Checkpointer:
         self.best = checkpoint_save.keep_as(source, f"best-{self.files.lineage or 'run'}.h5")
         # (the best it replaced may have been the last to name a pruned sharded checkpoint's parts; nothing is
         # being written now: take() completed every write)
-        sharded.remove_unnamed_folders(self.config.checkpoint_dir)
+        parts_debris.remove_unnamed_folders(self.config.checkpoint_dir)
         return self.best
 
     def write(self, state, step, epoch, epoch_step, workers, best=None):

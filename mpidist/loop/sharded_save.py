@@ -25,7 +25,7 @@ import time
 import numpy as np
 from ..runtime import comm as mpi
 from ..runtime.errors import RunError
-from ..store import atomic, sharded
+from ..store import atomic, parts_debris, sharded
 from .writer import BehindWrite
 
 
@@ -142,7 +142,7 @@ class ShardedWrite:
         reasons = [text for text in comm.allgather(self.reason) if text] if failed[0] else []
         if reasons:
             if self.chief and self.folder.is_dir():
-                sharded.remove_parts(self.folder)
+                parts_debris.remove_parts(self.folder)
             raise RunError(
                 f"checkpoint of step {self.where[0]} not written to {self.index.path.parent}: "
                 f"{'; '.join(reasons)} (the checkpoints written before it are intact)"
@@ -167,11 +167,12 @@ class ShardedWrite:
         try:
             self.index.write(parts)
         except OSError as err:
-            sharded.remove_parts(self.folder)
+            parts_debris.remove_parts(self.folder)
             raise RunError(
                 f"checkpoint of step {self.where[0]} not written to {directory}: "
                 f"{os.strerror(err.errno) if err.errno else err}"
             ) from None
         pruned = self.files.prune(index)
-        sharded.remove_replaced_folders(directory, index, self.folder, pruned)  # (its folder: known here)
+        # (its folder: known here)
+        parts_debris.remove_replaced_folders(directory, index, self.folder, pruned)
         return index

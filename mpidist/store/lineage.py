@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
-from . import atomic, removal, sharded
+from . import atomic, parts_debris, removal
 from .outputs import is_regular_file
 
 #: a checkpoint's name: its step in 8 digits or more (``{step:08d}`` grows a digit from step 10^8 on; 19 hold
@@ -153,7 +153,7 @@ class CheckpointDir:
             for path in sorted(self.path.iterdir()):
                 if TEMPORARY.fullmatch(path.name):
                     removal.remove_file(path, done)
-            debris = sharded.remove_unnamed_folders(self.path)
+            debris = parts_debris.remove_unnamed_folders(self.path)
             done.removed += debris.removed
             done.left += debris.left
         return done

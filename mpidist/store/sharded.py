@@ -26,19 +26,16 @@ proportional to the whole model: a rank writes its slices, the index holds
 mappings, a few integers per region.
 """
 
-import dataclasses
 import hashlib
 import json
 import os
-import re
 from pathlib import Path, PurePosixPath
 
 import h5py
 import numpy as np
 
 from ..runtime.text import printable
-from . import atomic, bounded, contained, new_hdf5, removal
-from .outputs import is_regular_file
+from . import atomic, bounded, contained, new_hdf5
 
 FORMAT = "mpidist-checkpoint-2"
 PARTS = "parts"  # the index's attribute listing the part files: [{"file", "bytes", "sha256"}]
@@ -235,8 +232,8 @@ def verify(path, handle, share=(0, 1)):
     """
     folder = Path(path).parent
     try:
-        text = bounded.Attributes(handle, _words, limits={PARTS: PARTS_BYTES}).get(PARTS, "")
-    except _Words as err:
+        text = bounded.Attributes(handle, index_problem, limits={PARTS: PARTS_BYTES}).get(PARTS, "")
+    except IndexProblem as err:
         return str(err)
     try:
         listed = json.loads(text)
@@ -260,12 +257,12 @@ def verify(path, handle, share=(0, 1)):
     return contained.outside(handle, allowed=files)
 
 
-class _Words(ValueError):
+class IndexProblem(ValueError):
     """What is wrong with an index, in words (an attribute too large to read)."""
 
 
-def _words(item, problem):
-    return _Words(f"{item} {problem}")
+def index_problem(item, problem):
+    return IndexProblem(f"{item} {problem}")
 
 
 def _part_problem(folder, record, hashed):
@@ -300,110 +297,9 @@ def _part_problem(folder, record, hashed):
     return None
 
 
-#: the names a parts folder's writers make: each rank's part, and the file aside it is written in
-PART_FILES = re.compile(r"rank-\d{5,}\.h5|\.rank-\d{5,}\.h5\.tmp-\d+")
-
-
-def remove_parts(folder):
-    """Remove a checkpoint's folder of parts (pruned, or left by a write that never completed): the parts
-    and asides in it, then the folder; a folder that is a link, or holds anything else, is left (see
-    :mod:`mpidist.store.removal`).  Returns the :class:`~mpidist.store.removal.Removal`."""
-    return removal.remove_folder(folder, PART_FILES)
-
-
 def parts_folder(index, token):
     """The folder of the parts of the checkpoint ``index`` written with ``token`` (a fresh one for every
     write, so a checkpoint written again under the same name never overwrites the parts its old index
     names)."""
     index = Path(index)
     return index.with_name(f"{index.stem}.parts-{token}")
-
-
-FOLDER = re.compile(r"(?:ckpt|best)-.+\.parts-[0-9a-f]{1,32}")
-BEST = "best-*.h5"  # a kept copy of an index (a hard link): it may name any checkpoint's parts folder
-
-
-@dataclasses.dataclass
-class Naming:
-    """What the indexes of a directory say about its parts folders: the folders they name, and the indexes
-    that could not be read (their stems), which may name folders no one can tell."""
-
-    named: set
-    unread: set
-
-    def unread_owner(self, folder):
-        """Why the parts folder named ``folder``, which no index that was read names, may still be a
-        checkpoint's (an index that could name it cannot be read), in words; None where none could."""
-        stem = folder.rpartition(".parts-")[0]
-        if stem in self.unread:
-            return f"its index {stem}.h5 cannot be read: a checkpoint passed over is left as it is"
-        best = sorted(name for name in self.unread if name.startswith("best-"))
-        if best:
-            return f"{best[0]}.h5 cannot be read, and may name it"
-        return None
-
-
-def naming(directory, pattern="*.h5"):
-    """The :class:`Naming` of the indexes in ``directory`` that match ``pattern``."""
-    named, unread = set(), set()
-    for index in Path(directory).glob(pattern):
-        if not is_regular_file(index):  # (a named pipe under an index's name would block the open forever)
-            unread.add(index.stem)
-            continue
-        try:
-            with h5py.File(index, "r") as handle:
-                attrs = bounded.Attributes(handle, _words, limits={PARTS: PARTS_BYTES})
-                if attrs.get("format") != FORMAT:
-                    continue
-                listed = json.loads(attrs.get(PARTS, "[]"))
-        except (OSError, ValueError, TypeError, KeyError, RuntimeError):
-            unread.add(index.stem)
-            continue
-        for record in listed if isinstance(listed, list) else []:
-            if isinstance(record, dict) and isinstance(record.get("file"), str):
-                named.add(PurePosixPath(record["file"]).parts[0])
-    return Naming(named, unread)
-
-
-def remove_unnamed_folders(directory):
-    """Remove the parts folders in ``directory`` that are provably debris: no index names them, and none
-    that might cannot be read -- those of pruned checkpoints, and those a write that never completed left
-    (call where no write is in flight: the chief after its index is in place, or at start-up with the
-    directory's lock held).  Returns the :class:`~mpidist.store.removal.Removal`: what was removed, and what
-    was left and why."""
-    directory = Path(directory)
-    if removal.kind(directory) != removal.FOLDER:
-        return removal.Removal()
-    return _remove_debris(directory, naming(directory), lambda stem: True)
-
-
-def remove_replaced_folders(directory, current, folder, pruned):
-    """After the index ``current`` (over the parts in ``folder``) is in place and the indexes ``pruned`` were
-    deleted: remove their parts folders, and those of an earlier write under ``current``'s name, unless a
-    ``best-*.h5`` index (a kept link to a checkpoint's index) names them or cannot be read.  What
-    :func:`remove_unnamed_folders` does after each write, for a directory listing and a read of the best
-    indexes rather than a read of every index; returns the
-    :class:`~mpidist.store.removal.Removal`."""
-    current = Path(current)
-    stems = {Path(index).stem for index in pruned} | {current.stem}
-    kept = naming(directory, BEST)
-    kept.named.add(Path(folder).name)
-    return _remove_debris(Path(directory), kept, stems.__contains__)
-
-
-def _remove_debris(directory, known, candidate):
-    """Remove the parts folders in ``directory`` whose stem is a ``candidate`` and that ``known`` (a
-    :class:`Naming`) does not keep."""
-    done = removal.Removal()
-    for name in sorted(os.listdir(directory)):
-        stem, _, token = name.rpartition(".parts-")
-        if not (token and FOLDER.fullmatch(name) and candidate(stem)) or name in known.named:
-            continue
-        why = known.unread_owner(name)
-        if why is not None:
-            done.left.append((name, why))
-            continue
-        found = remove_parts(directory / name)
-        done.removed += found.removed
-        done.left += found.left
-    return done
