@@ -469,8 +469,15 @@ def main():
     parser.add_argument("--install-exit", type=int, required=True, help="the wheels' install's exit code")
     parser.add_argument("--install-seconds", type=float, required=True, help="how long the install took")
     args = parser.parse_args()
-    args.out = args.out.resolve()  # (the runs start in the repository)
-    args.out.mkdir(parents=True, exist_ok=True)
+    # (out_folder.py lies beside this script, on sys.path when it runs as one; where check.sh claimed OUT
+    # already, the folder is the check's and is claimed again as it is)
+    from out_folder import EXIT_REFUSED, Refused, claim
+
+    try:
+        args.out = claim(args.out).resolve()  # (the runs start in the repository)
+    except Refused as why:
+        print(f"gpu/check.py: error: --out {args.out}: {why}", file=sys.stderr)
+        return EXIT_REFUSED
     install = {
         "part": "install",
         "status": "pass" if args.install_exit == 0 else "fail",
@@ -490,7 +497,14 @@ def main():
         part = _guarded(build, args.out, gpu, install["status"] == "pass")
         parts.append(part.as_dict())
         print(f"[{part.status}] {part.name}", flush=True)
-    print(write_summary(args.out, parts, install), end="")
+    try:
+        print(write_summary(args.out, parts, install), end="")
+    except OSError as err:  # (a full disk, OUT removed meanwhile: the parts ran, their verdict is lost)
+        print(
+            f"gpu/check.py: error: cannot write the summary in {args.out}: {err.strerror or err}",
+            file=sys.stderr,
+        )
+        return 1
     failed = install["status"] == "fail" or any(p["status"] == "fail" for p in parts[1:])
     return 1 if failed else 0
 

@@ -11,20 +11,41 @@
 #    benchmark (mpidist against torch on the GPU, and a pipeline's activation send).
 #
 # Each part stops at its own limit (gpu/check.py's LIMITS, under 8 minutes in all). Without a
-# GPU the parts that need none still run and the rest are reported as not run. Exit 0 when
-# nothing failed, 1 when a part failed, 2 when there are no wheels to install.
+# GPU the parts that need none still run and the rest are reported as not run.
+#
+# OUT must be a folder the check may fill: a new one, an empty one, or one a check wrote before
+# (gpu/out_folder.py). A link, a file, a folder of other files or a place it cannot write is
+# refused before anything is installed or written.
+#
+# Exit 0 when nothing failed, 1 when a part failed, 2 when the check could not start (no wheels
+# to install, no Python, an OUT it may not fill, no scratch folder, a bad argument): one line
+# on stderr says why.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
+refuse() {
+    echo "gpu/check.sh: error: $*" >&2
+    exit 2
+}
+case ${1-} in
+    -h | --help)
+        sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"
+        exit 0
+        ;;
+    -*) refuse "unknown option $1 (usage: gpu/check.sh [OUT]; a folder named so: ./$1)" ;;
+esac
+(($# <= 1)) || refuse "one OUT folder at most, not $# arguments (usage: gpu/check.sh [OUT])"
 out=${1:-$repo/gpu-check}
 wheels=${MPIDIST_GPU_WHEELS:-$here/wheels}
 python=${PYTHON:-python3}
+command -v "$python" >/dev/null || refuse "no Python named $python (PYTHON names the one to run)"
 if ! compgen -G "$wheels/*.whl" >/dev/null; then
-    echo "gpu/check.sh: no wheels in $wheels: run gpu/wheels.sh there first (on a machine with a registry)" >&2
-    exit 2
+    refuse "no wheels in $wheels: run gpu/wheels.sh there first (on a machine with a registry)"
 fi
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-scratch=$(mktemp -d "${TMPDIR:-/tmp}/mpidist-gpu.XXXXXX")
+# (its one line, on its own refusal; nothing is written before OUT is known to be the check's)
+out=$("$python" "$here/out_folder.py" "$out") || exit 2
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/mpidist-gpu.XXXXXX" 2>/dev/null) ||
+    refuse "cannot make a scratch folder in ${TMPDIR:-/tmp} (TMPDIR names where)"
 trap 'rm -rf "$scratch"' EXIT
 start=$SECONDS
 # --ignore-installed: a package of the same version already there would otherwise be skipped,

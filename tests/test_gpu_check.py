@@ -174,3 +174,135 @@ def test_a_program_past_its_limit_is_stopped_with_what_it_started(tmp_path):
         ["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True
     ).stdout.split()
     assert not survivors
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"gpu_{name}", GPU / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+out_folder = _load("out_folder")
+
+
+def _tree(folder):
+    """Everything under ``folder`` as it is, links not followed: ``{path: (kind, content or target)}``."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink():
+            found[str(path)] = ("link", os.readlink(path))
+        elif path.is_file():
+            found[str(path)] = ("file", path.read_bytes())
+        else:
+            found[str(path)] = ("folder", None)
+    return found
+
+
+def _bad_out(tmp_path, case):
+    """``(check.sh's arguments, what its one line must say)`` for one OUT the check may not fill."""
+    (tmp_path / "notes.txt").write_text("the user's notes")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "summary.txt").write_text("the user's summary")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    return {
+        "an existing file": (["notes.txt"], "OUT notes.txt: it exists and is a regular file, not a folder"),
+        "a link to a folder": (["link"], f"OUT link: it is a symbolic link (to {tmp_path / 'elsewhere'})"),
+        "a folder of the user's files": (
+            ["results"],
+            "OUT results: it holds 1 file(s) the check did not write (summary.txt)",
+        ),
+        "a path under a file": (["notes.txt/out"], "OUT notes.txt/out: cannot make it: Not a directory"),
+        "a place no one may write": (["/proc/mpidist/out"], "OUT /proc/mpidist/out: cannot make it"),
+        "an option": (["--out"], "unknown option --out"),
+        "two folders": (["one", "two"], "one OUT folder at most, not 2 arguments"),
+    }[case]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "an existing file",
+        "a link to a folder",
+        "a folder of the user's files",
+        "a path under a file",
+        "a place no one may write",
+        "an option",
+        "two folders",
+    ],
+)
+def test_an_out_the_check_may_not_fill_is_refused_in_one_line_before_anything_is_written(tmp_path, case):
+    """It ran on past the shell's errors into pip and a traceback (a file), or wrote its logs and summary
+    wherever a link pointed and over a user's files; now: exit 2, one line, nothing installed or written."""
+    arguments, message = _bad_out(tmp_path, case)
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "fake-1.0-py3-none-any.whl").write_text("not a wheel: never installed")
+    before = _tree(tmp_path)
+    done = subprocess.run(
+        [GPU / "check.sh", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "MPIDIST_GPU_WHEELS": str(tmp_path / "wheels"), "PYTHON": sys.executable},
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("gpu/check.sh: error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert message in done.stderr and done.stdout == ""
+    assert _tree(tmp_path) == before
+
+
+def test_check_py_refuses_an_out_that_is_a_file_in_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("the user's notes")
+    done = subprocess.run(
+        [
+            sys.executable,
+            GPU / "check.py",
+            "--out",
+            "notes.txt",
+            "--install-exit",
+            "0",
+            "--install-seconds",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == (
+        "gpu/check.py: error: --out notes.txt: it exists and is a regular file, not a folder: name a folder\n"
+    )
+    assert (tmp_path / "notes.txt").read_text() == "the user's notes"
+
+
+def test_out_is_made_where_missing_and_a_folder_the_check_wrote_is_claimed_again(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    made = out_folder.claim("new/sub")
+    assert made == tmp_path / "new" / "sub" and (made / out_folder.MARK).is_file()
+    (made / "summary.txt").write_text("an earlier check's")
+    assert out_folder.claim(made) == made  # (its own: written again)
+    (tmp_path / "empty").mkdir()
+    assert out_folder.claim("empty") == tmp_path / "empty"
+    assert sorted(os.listdir(tmp_path / "empty")) == [out_folder.MARK]  # (nothing left aside)
+
+
+def test_out_that_cannot_be_written_in_is_refused_and_what_was_made_for_it_removed(tmp_path):
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked").chmod(0o555)
+    try:
+        if os.access(tmp_path / "locked", os.W_OK):  # (root writes there all the same: so may the check)
+            assert out_folder.claim(tmp_path / "locked" / "a" / "b").is_dir()
+        else:
+            with pytest.raises(out_folder.Refused, match="cannot make it: Permission denied"):
+                out_folder.claim(tmp_path / "locked" / "a" / "b")
+            assert os.listdir(tmp_path / "locked") == []
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    (tmp_path / "marked").mkdir()
+    (tmp_path / "marked" / out_folder.MARK).mkdir()  # (a folder where the mark goes: it cannot be written)
+    with pytest.raises(out_folder.Refused, match="cannot write in it: Is a directory"):
+        out_folder.claim(tmp_path / "marked")
+    assert os.listdir(tmp_path / "marked") == [out_folder.MARK]
