@@ -190,15 +190,41 @@ def test_leftovers_removes_what_is_pending_newest_first_and_forgets_what_was_lef
     assert sorted(path.name for path in Path(tmp_path).iterdir()) == ["kept", "renamed"]
 
 
-def test_a_command_holds_the_handlers_while_it_runs_even_over_a_run_inside_and_gives_them_back():
+@pytest.fixture
+def dispositions():
+    """Every signal a command catches as this test found it, given back after the test sets its own: what
+    the tests inherit is the launcher's (``nohup`` ignores SIGHUP, a job started with ``&`` by a script
+    SIGINT), not what a test asserts."""
     from mpidist.runtime import preempt
 
+    found = {number: signal.getsignal(number) for number in preempt.INTERRUPTS}
+    yield
+    for number, handler in found.items():
+        signal.signal(number, handler)
+
+
+@pytest.mark.parametrize("launched", ["at a terminal", "by nohup", "in the background of a script"])
+def test_a_command_holds_the_handlers_while_it_runs_even_over_a_run_inside_and_gives_them_back(
+    dispositions, launched
+):
+    """SIGHUP ends a command where it was left as it comes (SIG_DFL), and stays ignored under ``nohup``; the
+    rest are caught however they came (a script's ``&`` ignores SIGINT, which a command still acts on)."""
+    from mpidist.runtime import preempt
+
+    signal.signal(signal.SIGHUP, signal.SIG_IGN if launched == "by nohup" else signal.SIG_DFL)
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN if launched.startswith("in the") else signal.default_int_handler
+    )
     before = {number: signal.getsignal(number) for number in preempt.INTERRUPTS}
     with preempt.interrupt_on_signals():
         assert signal.getsignal(signal.SIGTERM) is preempt._end_here
         with preempt.stop_signals():  # (a training run the command makes: plan --calibrate, bench)
             assert signal.getsignal(signal.SIGTERM) is preempt._end_here
-        assert signal.getsignal(signal.SIGHUP) is preempt._end_here
+        assert signal.getsignal(signal.SIGINT) is preempt._end_here
+        assert signal.getsignal(signal.SIGHUP) is (
+            signal.SIG_IGN if launched == "by nohup" else preempt._end_here
+        )
     assert {number: signal.getsignal(number) for number in preempt.INTERRUPTS} == before
     with preempt.stop_signals():  # (and a run after it, as train's own, installs its handlers again)
         assert signal.getsignal(signal.SIGTERM) == preempt.stop_signals()._handle
+        assert signal.getsignal(signal.SIGINT) == preempt.stop_signals()._handle

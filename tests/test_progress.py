@@ -2,7 +2,16 @@
 
 import io
 
+import pytest
+
 from mpidist.loop.metrics import Progress
+
+
+@pytest.fixture(autouse=True)
+def _a_terminal_120_columns_wide(monkeypatch):
+    """The bar fits the terminal (a narrower one cuts it): its width is this test's, not whatever terminal,
+    or none, the tests run at (``COLUMNS`` is what the bar asks first)."""
+    monkeypatch.setenv("COLUMNS", "120")
 
 
 class Terminal(io.StringIO):
@@ -13,9 +22,7 @@ class Terminal(io.StringIO):
 FIGURES = {"loss": 0.25, "accuracy": 0.9, "samples": 100}
 
 
-def test_on_a_terminal_a_bar_shows_the_step_rate_time_left_and_loss_with_evaluations_above_it(monkeypatch):
-    # (the bar fits the terminal: a narrower one, or a worker's, cuts it)
-    monkeypatch.setenv("COLUMNS", "120")
+def test_on_a_terminal_a_bar_shows_the_step_rate_time_left_and_loss_with_evaluations_above_it():
     screen = Terminal()
     progress = Progress("auto", 100, 2, stream=screen)
     assert progress.mode == "bar"
