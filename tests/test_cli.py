@@ -100,7 +100,11 @@ def test_ps_async_reaches_within_2_points_of_ps_sync(tmp_path, ranks, ps):
 
 
 def test_backup_workers_keep_the_step_rate_when_one_worker_is_slow(tmp_path):
-    delay, steps = 0.05, 40  # the slow worker alone would take 2 s
+    # The slow worker sleeps a second before each of its steps: steps that waited for it would take 40 s,
+    # where the others take one or two (several on a busy machine). The bound, half the slow worker's
+    # time, is the point; it was 1 s against the others' 0.5-1 s, and a busy machine took 1.03 s. (The
+    # sleep lengthens the run by a second at most: the slow worker is told to stop at its next note.)
+    delay, steps = 1.0, 40
     done, _ = mpidist(
         4,
         "train",
