@@ -42,7 +42,7 @@ command -v "$python" >/dev/null || refuse "no Python named $python (PYTHON names
 if ! compgen -G "$wheels/*.whl" >/dev/null; then
     refuse "no wheels in $wheels: run gpu/wheels.sh there first (on a machine with a registry)"
 fi
-# (its one line, on its own refusal; nothing is written before OUT is known to be the check's)
+# (out_folder.py says why in one line where it refuses; nothing is written before OUT is the check's)
 out=$("$python" "$here/out_folder.py" "$out") || exit 2
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/mpidist-gpu.XXXXXX" 2>/dev/null) ||
     refuse "cannot make a scratch folder in ${TMPDIR:-/tmp} (TMPDIR names where)"
