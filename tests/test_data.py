@@ -347,7 +347,7 @@ def test_train_batches_are_a_sample_of_each_lane_a_step_and_skip_resumed_steps(t
     batches = data.train_batches(shard, 2, seed=0, epoch=3)
     got = [bx[:, 0, 0].astype(int).tolist() for bx, _ in batches]
     assert [sorted(pair) for pair in zip(*got)] == [[24 + 2 * lane, 25 + 2 * lane] for lane in range(8)]
-    order = order_for(info, "train", 6, (1, 1), np.float32, 16)
+    order = order_for(info, "train", 6, (1, 1), 16)
     expected = order.rows(lanes.ids[None, :], np.arange(2)[:, None], 0, 3).tolist()
     assert got == expected and got != [list(range(24, 40, 2)), list(range(25, 40, 2))]
     assert [bx[:, 0, 0].astype(int).tolist() for bx, _ in data.train_batches(shard, 2, 0, 3, skip=1)] == got[

@@ -889,6 +889,52 @@ def resumed_on_a_changed_dataset(p, stack=None):
     )(p)
 
 
+REWRITTEN = [  # an epoch of 20 steps of 48 lanes (21 or 20 rows each), windows of 4 units of one row
+    "--model",
+    "mlp:4",
+    "--batch-size",
+    "48",
+    "--shuffle-buffer",
+    "192",
+    "--data-mode",
+    "stream",
+    "--lr",
+    "1e-9",
+    "--eval-every",
+    "0",
+    "--run-dir",
+    "",
+]
+
+
+def resumed_on_its_rows_rewritten(p, stack=None):
+    """A first run (2 ranks) stopped at step 13 of the 20 of its first epoch on rows stored in chunks of 10;
+    the same rows written again in gzip chunks of 37; the run resumed, to the end of its second epoch, each
+    run recording the rows it trained on."""
+    from test_stream import write
+
+    record = {"MPIDIST_TEST_RECORD": str(p / "trained")}
+    (p / "trained").mkdir()
+    write(p / "rows.h5", 1000, chunk=10)
+    flags = ["--data", str(p / "rows.h5"), "--checkpoint-dir", str(p / "ck"), *REWRITTEN]
+    first, _ = run_mpi(
+        2, ["-m", "mpidist", "--metrics", "", "--progress", "none", *flags, "--steps", "13"], env=record
+    )
+    assert first.returncode == 0, first.stderr
+    write(p / "rows.h5", 1000, chunk=37, compression="gzip")
+    return train(*flags, "--resume", "auto", "--epochs", "2", env=record)(p)
+
+
+def each_row_once_an_epoch(p, out, err):
+    from conftest import epochs_of, trained_rows
+
+    epochs = epochs_of(trained_rows(p / "trained"))
+    assert sorted(epochs) == [0, 1]
+    for rows in epochs.values():  # 960 rows of the 1000 an epoch, each once (n mod B left out)
+        assert set(rows.values()) == {1} and len(rows) == 960, rows.most_common(3)
+    assert "may come twice" not in out + err
+
+
 def ingested_with_a_name_that_is_a_path(p, stack=None):
     return command(
         "ingest", "synthetic:300,4,3", str(p / "shards"), "--shard-size", "100", "--name", "../../escaped"
@@ -2018,6 +2064,9 @@ FAULTS = {
         names_of_400_mb,
         message="feature_names is stored as texts of 100,000 bytes each; one takes at most 800: not read",
         alike=True,
+    ),
+    "--resume on a dataset rewritten in other chunks": Fault(
+        resumed_on_its_rows_rewritten, 0, "resumed from ", check=each_row_once_an_epoch, one_message=False
     ),
 }
 

@@ -121,11 +121,12 @@ def digits_one_and_many(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("mode,tolerance", [("memory", 0.0), ("stream", 0.02)])
+@pytest.mark.parametrize("mode,tolerance", [("memory", 0.0), ("stream", 0.0)])
 def test_a_directory_of_shards_trains_to_the_accuracy_of_the_single_file(
     tmp_path, digits_one_and_many, mode, tolerance
 ):
-    """In memory the shards give the same strided shards, so the same run; streamed, the same accuracy."""
+    """In memory or streamed, the shards give the order the single file gives (the order never depends on how
+    the rows are cut into files or chunks), so the same run."""
     accuracy = {}
     for name in ("one.h5", "many"):
         metrics = tmp_path / f"{name}.jsonl"

@@ -9,6 +9,7 @@ which record the rows each worker trained on (``MPIDIST_TEST_RECORD``).
 """
 
 import collections
+import dataclasses
 import itertools
 import json
 import re
@@ -16,13 +17,14 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from test_stream import write
+from test_stream import directory, write
 
 from mpidist import data
 from mpidist.data import order as order_module
 from mpidist.data.blocks import lane_share, order_units
 from mpidist.data.lanes import Lanes, stream_bounds
 from mpidist.data.order import LaneOrder
+from mpidist.runtime.errors import UsageError
 
 from conftest import checkpoint_at, epochs_of, mpidist, trained_rows
 
@@ -238,23 +240,26 @@ def test_a_file_sorted_by_label_gives_every_batch_its_share_of_each_class(tmp_pa
         assert collections.Counter(row * 5 // rows for row in step) == {c: batch // 5 for c in range(5)}
 
 
-def test_a_stream_s_windows_are_its_lanes_share_of_the_buffer_in_units_of_whole_chunks(tmp_path):
+def test_a_stream_s_windows_are_its_lanes_share_of_the_buffer_in_units_of_a_quarter_of_it(tmp_path):
     rows, batch = 2000, 10
     info = data.inspect(write(tmp_path / "rows.h5", rows, chunk=16))
     stream = data.Stream(info, "train", 0, 1, (4,), np.float32, buffer=400, lanes=Lanes(batch, 2, 3))
     assert stream.share == lane_share(400, rows, batch) == 40
     assert (stream.lo, stream.hi) == (400, 1000) and len(stream) == 600
-    # units: whole chunks of about a quarter of the share, one chunk at least (a compressed chunk is
-    # decompressed whole to read any of it); windows: as many units as hold the share.  The model's dtype
-    # changes nothing
-    assert order_units(info, "train", 400, (4,), np.float32, batch) == (16, 3)
-    assert order_units(info, "train", 4000, (4,), np.float64, batch) == (48, 5)  # (shares of 200: 3 chunks)
-    assert (stream.order.unit, stream.order.window) == (16, 3)
-    assert stream.pool.rows == 48 and stream.pool.slots == 2 * 3
+    # units: a quarter of the share, whatever the file's chunks of 16 rows; windows: as many units as hold
+    # the share.  Nothing but the rows, the buffer, the sample's size and the lanes decide them
+    assert order_units(rows, 400, (4,), batch) == (10, 4)
+    assert order_units(rows, 4000, (4,), batch) == (50, 4)  # (shares of 200)
+    assert order_units(rows, 4000, (2, 2), batch) == (50, 4)  # (a sample's size, not its shape)
+    assert order_units(rows, 40, (4,), batch) == (1, 4)  # (one row at least)
+    assert order_units(rows, 4000, (2**20,), batch) == (1, 200)  # (4 MiB of float32 a unit at most)
+    assert order_units(rows, 2000, (4,), 1000) == (1, 2)  # (a lane's rows at most: 2)
+    assert (stream.order.unit, stream.order.window) == (10, 4)
+    assert stream.pool.rows == 40 and stream.pool.slots == 2 * 3
     for window in stream._schedule(0, 0, 0, 200):
-        assert window.rows >= 40 or window.start + window.rows == 200
-        first = 400 + 200 * window.lane  # (a unit is 16 rows from its lane's first, or the lane's last rows)
-        assert all((lo - first) % 16 == 0 and (hi - lo == 16 or hi == first + 200) for lo, hi in window.units)
+        assert window.rows == 40
+        first = 400 + 200 * window.lane  # (a unit is 10 rows from its lane's first)
+        assert all((lo - first) % 10 == 0 and hi - lo == 10 for lo, hi in window.units)
 
 
 def test_a_lane_that_fits_its_share_is_ordered_alike_whatever_the_files_chunks(tmp_path):
@@ -268,6 +273,47 @@ def test_a_lane_that_fits_its_share_is_ordered_alike_whatever_the_files_chunks(t
         orders.append(epoch_of(info, "memory", batch, 3, seed=3, epoch=1, buffer=rows))
     assert all(order == orders[0] for order in orders)
     assert orders[0] != epoch_of(info, "memory", batch, 3, seed=3, epoch=2, buffer=rows)
+
+
+def stored_alike(tmp_path, rows):
+    """The same ``rows`` rows (``x[i, 0] == i``) stored six ways: chunks of 8 and of 100 rows, contiguous,
+    gzip chunks of 7, float64 values in chunks of 64, and three files of gzip chunks of 16."""
+    ways = {
+        "chunks of 8": dict(chunk=8),
+        "chunks of 100": dict(chunk=100),
+        "contiguous": dict(),
+        "gzip chunks of 7": dict(chunk=7, compression="gzip"),
+        "float64 in chunks of 64": dict(chunk=64, dtype=np.float64),
+    }
+    infos = {
+        name: data.inspect(write(tmp_path / f"way-{index}.h5", rows, **flags))
+        for index, (name, flags) in enumerate(ways.items())
+    }
+    thirds = [rows // 3, rows // 3 + 67, rows - 2 * (rows // 3) - 67]
+    infos["3 files"] = data.inspect(directory(tmp_path, thirds, chunk=16, compression="gzip"))
+    return infos
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+@pytest.mark.parametrize("buffer", [96, 480])
+def test_the_order_is_the_same_whatever_the_files_chunks_compression_dtype_or_cut_into_files(
+    tmp_path, mode, buffer
+):
+    """Lanes of several windows (41 or 42 rows a lane; shares of 4 and of 20 samples): the same rows stored
+    any way train on the same global batch at every step, in memory and streamed, on 2 and 3 workers, as one
+    worker holding them as a contiguous file in memory does."""
+    rows, batch = 1000, 24
+    unit, window = order_units(rows, buffer, (4,), batch)
+    assert unit * window < rows // batch  # (several windows a lane: the units' order counts)
+    infos = stored_alike(tmp_path, rows)
+    expected = epoch_of(infos["contiguous"], "memory", batch, 1, seed=3, epoch=1, buffer=buffer)
+    for name, info in infos.items():
+        for workers in (2, 3):
+            assert epoch_of(info, mode, batch, workers, seed=3, epoch=1, buffer=buffer) == expected, (
+                name,
+                workers,
+            )
+    assert expected != epoch_of(infos["contiguous"], "memory", batch, 1, seed=3, epoch=2, buffer=buffer)
 
 
 def test_a_stream_reads_its_first_windows_at_set_up_and_the_next_epoch_s_while_the_last_batches_train(
@@ -395,6 +441,25 @@ def test_a_run_stopped_on_4_workers_and_resumed_on_3_trains_each_sample_once_an_
     ]
 
 
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_run_resumed_on_its_rows_rewritten_in_other_chunks_trains_each_sample_once_an_epoch(tmp_path, mode):
+    """Stopped at step 13, the file rewritten with the same rows in gzip chunks of 37 rows (chunks of 10
+    before), resumed with the same flags: every epoch trains on each of its rows once, step by step as one
+    worker on the rewritten file, and nothing is said of the dataset (it is the same one)."""
+    write(tmp_path / "rows.h5", ROWS, chunk=10)
+    flags = ["--data-mode", mode, "--shuffle-buffer", "192", "--checkpoint-dir", str(tmp_path / "ck")]
+    recorded_run(tmp_path, 2, "split", *flags, "--steps", "13")
+    write(tmp_path / "rows.h5", ROWS, chunk=37, compression="gzip")
+    done = recorded_run(tmp_path, 2, "split", *flags, "--resume", "auto")
+    assert "resumed from" in done.stdout and "ckpt-00000013-" in done.stdout
+    said = done.stdout + done.stderr
+    assert "not the dataset" not in said and "may come twice" not in said and "data order" not in said
+    recorded_run(tmp_path, 1, "one", "--data-mode", mode, "--shuffle-buffer", "192")
+    assert_each_sample_once_an_epoch_as_one_worker_trains(
+        trained_rows(tmp_path / "split"), trained_rows(tmp_path / "one")
+    )
+
+
 @pytest.mark.parametrize(
     "first,then",
     [
@@ -475,6 +540,41 @@ def test_a_resume_with_another_batch_size_mid_epoch_says_it_cuts_other_lanes():
         == 1
     )
     assert recipe_changes(Settings(batch_size=64), resume) == []
+
+
+def test_a_resume_mid_epoch_of_a_checkpoint_written_in_another_data_order_says_so(tmp_path):
+    """A checkpoint records the data order its position is in: one written by an earlier version (whose units
+    followed the files' chunks), or saying none, resumed mid-epoch gets a note; at an epoch's end, or written
+    in today's order, none."""
+    import h5py
+
+    from mpidist.loop.resuming import order_changes
+    from mpidist.store import checkpoint
+    from mpidist.store.checkpoint_save import DATA_ORDER
+
+    path = checkpoint.save(tmp_path, np.zeros(3), {}, 0, 7, 1, 7, "{}", seed=2, workers=1)
+    assert checkpoint.load(path).data_order == DATA_ORDER and order_changes(checkpoint.load(path)) == []
+    earlier = "lanes of the global batch as contiguous ranges, each ordered per epoch in windows of units"
+    for recorded in (earlier, None):
+        with h5py.File(path, "a") as handle:
+            order = json.loads(handle.attrs["data_order"])
+            if recorded is None:
+                order.pop("scheme")
+            else:
+                order["scheme"] = recorded
+            handle.attrs["data_order"] = json.dumps(order)
+        loaded = checkpoint.load(path)
+        assert loaded.data_order == (recorded or "")
+        assert order_changes(loaded) == [
+            f"note: {path} was written in another data order than this mpidist's (an earlier version's): "
+            "epoch 2 goes on from step 7 in this one's, so some of its samples may come twice or not at all; "
+            "every later epoch trains on each sample once"
+        ]
+        assert order_changes(dataclasses.replace(loaded, epoch_step=0)) == []
+    with h5py.File(path, "a") as handle:  # (untrusted: a scheme that is not text is refused, named)
+        handle.attrs["data_order"] = json.dumps({"scheme": 5})
+    with pytest.raises(UsageError, match="attribute data_order has scheme 5; it must be a text of the order"):
+        checkpoint.load(path)
 
 
 @pytest.mark.mpi(min_size=2)

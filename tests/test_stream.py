@@ -26,10 +26,13 @@ from mpidist.settings.config import Settings
 from conftest import checkpoint_at, corrupt_chunk, events, mpidist
 
 
-def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5, compression=None):
-    """A dataset whose sample ``i`` is ``[offset + i, ...]`` with label ``(offset + i) % num_classes``."""
+def write(
+    path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5, compression=None, dtype=np.float32
+):
+    """A dataset whose sample ``i`` is ``[offset + i, ...]`` (stored as ``dtype``) with label ``(offset + i) %
+    num_classes``."""
     numbers = np.arange(offset, offset + rows)
-    x = np.repeat(numbers[:, None], width, axis=1).astype(np.float32)
+    x = np.repeat(numbers[:, None], width, axis=1).astype(dtype)
     with h5py.File(path, "w") as handle:
         handle.attrs.update(name="rows", num_classes=num_classes, source="test")
         for split, (xs, ys) in {
@@ -44,13 +47,20 @@ def write(path, rows, width=4, chunk=None, test_rows=10, offset=0, num_classes=5
     return path
 
 
-def directory(tmp_path, sizes, chunk=None, test_rows=2):
+def directory(tmp_path, sizes, chunk=None, test_rows=2, compression=None):
     """A directory of files holding rows ``0..sum(sizes)-1`` of train in order, ``sizes[k]`` in file ``k``."""
     folder = tmp_path / "parts"
     folder.mkdir()
     offset = 0
     for index, rows in enumerate(sizes):
-        write(folder / f"part-{index}.h5", rows, chunk=chunk, test_rows=test_rows, offset=offset)
+        write(
+            folder / f"part-{index}.h5",
+            rows,
+            chunk=chunk,
+            test_rows=test_rows,
+            offset=offset,
+            compression=compression,
+        )
         offset += rows
     return folder
 
@@ -386,9 +396,10 @@ def test_slices_of_a_compressed_chunk_are_read_one_after_the_other_from_a_cache_
             compression="gzip",
         )
     info = data.inspect(folder)
-    # 4 lanes of 500 rows, two in each chunk; windows of at least 50 samples in units of 13 (15 KiB)
+    # 4 lanes of 500 rows, two in each chunk; windows of 50 samples in units of 12 (14 KiB): a quarter of the
+    # share, whatever the chunks
     part = data.Stream(info, "train", 0, 1, (300,), np.float32, buffer=200, sliced=True, lanes=Lanes(4, 0, 4))
-    assert part.order.unit == 13 and part.order.window == 4
+    assert part.order.unit == 12 and part.order.window == 5
     assert sorted(rows_of(part.batches(500, 0, 0))) == list(range(2000))
     handles = {}
     try:
@@ -402,6 +413,31 @@ def test_slices_of_a_compressed_chunk_are_read_one_after_the_other_from_a_cache_
     finally:
         streaming._close(handles)
     assert sorted(rows_of(part.batches(500, 0, 0))) == list(range(2000))
+
+
+def test_a_stream_says_when_its_units_are_smaller_than_the_compressed_chunks_they_read(tmp_path):
+    """A unit of the training order is a quarter of a lane's share whatever the chunks: where compressed
+    chunks are larger and a lane has several windows, a streaming rank's note says how often a chunk is
+    decompressed; uncompressed chunks, smaller ones, a lane of one window and memory say nothing."""
+    lanes = Lanes.of(10, 1, 0)
+    for chunk, compression, buffer, said in [
+        (100, "gzip", 400, True),  # units of 10 rows, windows of 40 of lanes of 100
+        (100, None, 400, False),  # (a part of an uncompressed chunk reads just its bytes)
+        (100, "gzip", 4000, False),  # (a lane of one window: its units read one after the other)
+        (8, "gzip", 400, False),
+    ]:
+        name = f"d-{chunk}-{compression}-{buffer}.h5"
+        info = data.inspect(write(tmp_path / name, 1000, chunk=chunk, compression=compression))
+        for mode, expected in (("stream", said), ("memory", False)):
+            settings = Settings(data_mode=mode, shuffle_buffer=buffer)
+            reading = data.plan(settings, info, [("train", 1000)], (4,), np.float32, lanes)
+            notes = [note for note in reading.notes if "decompressed whole for each unit" in note]
+            assert bool(notes) == expected, (chunk, compression, buffer, mode, reading.notes)
+            if notes:
+                assert (
+                    "train/x is stored in compressed chunks of 100 rows, more than the training " in notes[0]
+                )
+                assert "order's units of 10 rows" in notes[0] and "up to 11 times an epoch" in notes[0]
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,10 @@ One module per concept:
   step from an order of its own, whatever the worker count;
 * :mod:`~mpidist.data.shard`: a worker's lanes (or an evaluation's strided
   shard), read whole into memory;
-* :mod:`~mpidist.data.stream`: a worker's lanes (or an evaluation's contiguous
-  part), streamed in chunk-aligned blocks (:mod:`~mpidist.data.blocks`)
-  through windows (:mod:`~mpidist.data.windows`), with bounded memory;
+* :mod:`~mpidist.data.stream`: a worker's lanes, streamed through windows of
+  the order's units (:mod:`~mpidist.data.order`), or an evaluation's
+  contiguous part, in chunk-aligned blocks (:mod:`~mpidist.data.blocks`),
+  with bounded memory;
 * :mod:`~mpidist.data.budget`: which of the two a rank uses (``--data-mode``,
   ``--memory-budget``);
 * :mod:`~mpidist.data.batches`: batch sizes every worker agrees on,

@@ -1,13 +1,14 @@
-"""A stream's blocks and what a stream holds: chunk-aligned cuts, buffer sizes, bytes checked against the
-budget.
+"""A stream's blocks and what a stream holds: chunk-aligned cuts, the training order's units, buffer sizes,
+bytes checked against the budget.
 
-A stream reads its rows in blocks cut at multiples of each file's block
-length: whole HDF5 chunks, about :data:`BLOCK_BYTES` of them, so a block is one
-read call and no chunk is decompressed twice.  Where whole chunks do not fit the
-memory budget (:func:`stream_bytes`, :mod:`mpidist.data.budget`), a chunk
-larger than a block is read in slices (``sliced``); the slices of a compressed
-chunk are read one after the other from a cache of that chunk
-(:func:`block_groups`).
+An evaluation's stream reads its rows in blocks cut at multiples of each
+file's block length: whole HDF5 chunks, about :data:`BLOCK_BYTES` of them, so a
+block is one read call and no chunk is decompressed twice.  Where whole chunks
+do not fit the memory budget (:func:`stream_bytes`, :mod:`mpidist.data.budget`),
+a chunk larger than a block is read in slices (``sliced``), one after the
+other from a cache of that chunk.  A training stream reads the units of the
+data order instead (:func:`order_units`), whose size is the run's, never the
+files': the order may not depend on how the rows are stored.
 """
 
 import numpy as np
@@ -21,6 +22,7 @@ WINDOWS = 2  # windows a lane holds at once: the one its batches come from, the 
 EVAL_BLOCKS = 3  # blocks an evaluation holds: being cut into batches, read ahead, being read
 SEGMENT_BYTES = 4 << 20  # batches gathered in one go: at most about this many bytes (one batch at least)
 SEGMENTS = 4  # gathered segments alive at once: being gathered, two queued, one training
+UNITS_A_WINDOW = 4  # a window's units, at least: a lane's window draws from that many places of the lane
 
 
 def worker_range(n, workers, worker):
@@ -76,25 +78,20 @@ def lane_share(buffer, n, lanes):
     return max(1, -(-min(int(buffer), max(int(n), 1)) // lanes))
 
 
-def order_units(info, split, buffer, input_shape, dtype, total):
-    """``(unit, window)``: the rows of a unit of the training order (:mod:`mpidist.data.order`) of ``split``
-    for a shuffle buffer of ``buffer`` samples over ``total`` lanes, and the units of a window.
+def order_units(rows, buffer, input_shape, total):
+    """``(unit, window)``: the rows of a unit of the training order (:mod:`mpidist.data.order`) of a split of
+    ``rows`` rows for a shuffle buffer of ``buffer`` samples over ``total`` lanes, and the units of a window.
 
-    A unit is whole chunks of ``x``, about a quarter of a lane's share of the buffer and at most
-    :data:`BLOCK_BYTES` (one chunk at least: a compressed chunk is decompressed whole to read any of it, so a
-    window holds the share at least, in whole chunks), or, where a chunk is larger than a lane, equal slices
-    of it; a lane's rows at most.  A window is as many units as hold the share.  Nothing here depends on the
-    worker count, the data mode, the memory budget or the model's dtype (the share's bytes are reckoned in
-    float32).
+    A unit is a quarter of a lane's share of the buffer (:data:`UNITS_A_WINDOW` to a window), at most
+    :data:`BLOCK_BYTES` of the sample's values in float32 (one read call), a lane's rows at most and one row
+    at least; a window is as many units as hold the share.  The arguments are all it depends on: never the
+    files' chunks, compression or boundaries (a unit reads whatever chunks it touches, decompressing a
+    compressed one whole, as HDF5 must), the worker count, the data mode, the memory budget or the model's
+    dtype, so the same rows stored in any way train in the same order.
     """
-    n, group = info.sizes[split], info.rows_of(split)[0]
-    share, lane = lane_share(buffer, n, total), -(-n // total)
-    block = block_bytes_for(share, input_shape, np.float32)
-    units = []
-    for member in info.files:
-        chunk, row = max(1, member.chunk_rows.get(group, 1)), max(1, member.row_bytes.get(group, 1))
-        units.append(_length(chunk, row, block, sliced=chunk > lane))
-    unit = max(1, min(max(units), lane))
+    share, lane = lane_share(buffer, rows, total), -(-int(rows) // total)
+    sample = int(np.prod(input_shape)) * np.dtype(np.float32).itemsize
+    unit = max(1, min(share // UNITS_A_WINDOW, BLOCK_BYTES // max(1, sample), lane))
     return unit, -(-share // unit)
 
 
@@ -130,7 +127,7 @@ def stream_bytes(info, split, buffer, input_shape, dtype, sliced=False, lanes=No
         )
     else:
         share = lane_share(buffer, info.sizes[split], lanes.total)
-        rows, units = order_units(info, split, buffer, input_shape, dtype, lanes.total)
+        rows, units = order_units(info.sizes[split], buffer, input_shape, lanes.total)
     stored = max(r for _, r, _ in kinds) + 8 + (8 * values if info.mean is not None else 0)
     cache = max(cache for _, _, cache in kinds)  # (one file's: a stream holds one such file open at a time)
     read = rows * max(r for _, r, _ in kinds)  # a direct read's buffer: a huge page where a block is near one

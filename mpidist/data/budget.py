@@ -29,7 +29,15 @@ from ..runtime.errors import UsageError
 from ..runtime.memory import default_budget, human, parse_bytes
 from .samples import footprint
 from .shard import Shard
-from .blocks import WINDOWS, block_bytes_for, block_length, default_buffer, lane_share, stream_bytes
+from .blocks import (
+    WINDOWS,
+    block_bytes_for,
+    block_length,
+    default_buffer,
+    lane_share,
+    order_units,
+    stream_bytes,
+)
 from .stream import Stream
 
 
@@ -168,9 +176,13 @@ def _streaming(config, info, parts, input_shape, dtype, limits, why, lanes, orde
             f"rank's stream holds about {human(held(buffer, True))}, more than {limit} (the order is "
             "kept, so each sample is still trained once an epoch)"
         )
-    # (the order's units slice a chunk larger than a block, whatever the budget)
+    # (a chunk larger than a block is read in parts: by an evaluation where whole ones do not fit, by the
+    # training order's units whatever the budget)
     if sliced or "train" in parts:
         notes.extend(_slicing(info, splits, block_bytes_for(buffer, input_shape, dtype)))
+    if "train" in parts and lanes is not None:
+        units = order_units(info.sizes["train"], buffer, input_shape, lanes.total)
+        notes.extend(_decompressed_again(info, units, lanes.total))
     why = f"stream ({why}), buffer {buffer:,}" + (" (capped)" if capped and asked else "")
     return Reading("stream", why, buffer, config.stream_io == "direct", sliced, tuple(notes))
 
@@ -204,13 +216,32 @@ def _slicing(info, splits, block):
                 f"({human(chunk * member.row_bytes[group])}), more than a stream's blocks ({human(block)}) "
                 f"and its budget allow: read in slices of {length:,} rows"
                 + (
-                    "; a compressed chunk is decompressed whole to read any slice: a lane reads its slices "
-                    "of a chunk one after the other (a window draws from fewer places) from a cache of one "
-                    "chunk, but the lanes' windows take turns, so a chunk is decompressed again for each "
-                    "window that reads it (rewrite the file in smaller chunks where that costs)"
+                    "; a compressed chunk is decompressed whole to read any slice: an evaluation reads its "
+                    "slices of a chunk one after the other from a cache of one chunk"
                     if compressed
                     else ""
                 )
+            ]
+    return []
+
+
+def _decompressed_again(info, order, total):
+    """A note on the compressed chunks of ``train/x`` larger than the training order's units (``order``:
+    :func:`~mpidist.data.blocks.order_units` over ``total`` lanes), which a stream decompresses once for each
+    unit that reads them, where a lane has several windows (a lane of one window is read front to back, its
+    units one after the other from HDF5's cache of the chunk)."""
+    (unit, window), group = order, info.rows_of("train")[0]
+    if unit * window >= -(-info.sizes["train"] // total):
+        return []
+    for member, _, chunk in _chunks(info, ["train"]):
+        if chunk > unit and member.spans.get(group, (0, 0))[0] > 0:
+            return [
+                f"{member.path}: {group}/x is stored in compressed chunks of {chunk:,} rows, more than the "
+                f"training order's units of {unit:,} row{'s' if unit > 1 else ''} (a quarter of a lane's "
+                "share of the shuffle buffer, whatever the file's chunks): a chunk is decompressed whole for "
+                f"each unit that reads part of it, up to {-(-chunk // unit) + 1:,} times an epoch; rewrite "
+                "the file in smaller chunks (or --compression none), or give a larger --shuffle-buffer, "
+                "where that costs"
             ]
     return []
 

@@ -11,9 +11,12 @@ cut into *units* of ``U`` rows (the last one ``d`` rows short), and each epoch:
 3. each window's samples are permuted, drawn from ``(seed, epoch, l, window)``.
 
 Step ``s`` takes sample ``s`` of each lane.  ``U`` and ``K`` come from the
-run's shuffle buffer and the sample's size (:func:`order_for`): nothing of
-the worker count, the data mode or the memory budget, so a run resumed or
-shrunk on another layout, streamed or in memory, continues the very order.
+run's shuffle buffer, the split's rows, the lanes and the sample's size
+(:func:`order_for`): nothing of the worker count, the data mode, the memory
+budget or how the files store the rows (their chunks, compression, or a
+split's cut into files), so a run resumed or shrunk on another layout,
+streamed or in memory, or on the same rows rewritten, continues the very
+order.
 
 Both permutations are keyed Feistel networks over the next power of four
 with cycle-walking (:func:`permute`): a position's row costs a few integer
@@ -123,9 +126,10 @@ class LaneOrder:
         """The unit at ``place`` of a lane's order of ``units`` units (with ``inverse``, the place of a unit).
 
         A lane of one window keeps its units in their order: its window's
-        permutation then orders its rows alone, so that how its rows are cut
-        into units (the files' chunks) changes nothing in a lane that fits the
-        share (any small dataset's: the same samples from arrays or from a file).
+        permutation then orders its rows alone, so that the unit's size changes
+        nothing in a lane that fits the share (any small dataset's), and a
+        stream reads such a lane front to back (a compressed chunk two units
+        share is decompressed once, from HDF5's cache).
         """
         return np.where(units <= self.window, place, permute(place, units, key, inverse))
 
@@ -192,11 +196,8 @@ class LaneOrder:
         return permute(np.arange(rows), rows, seeds(seed, epoch, lane, ORDER, SAMPLES, window))
 
 
-def order_for(info, split, buffer, input_shape, dtype, total):
+def order_for(info, split, buffer, input_shape, total):
     """The :class:`LaneOrder` of ``split`` of ``info`` for a shuffle buffer of ``buffer`` samples over
     ``total`` lanes (:func:`~mpidist.data.blocks.order_units`)."""
-    return LaneOrder(
-        int(info.sizes[split]),
-        int(total),
-        *(int(v) for v in order_units(info, split, buffer, input_shape, dtype, total)),
-    )
+    rows = int(info.sizes[split])
+    return LaneOrder(rows, int(total), *(int(v) for v in order_units(rows, buffer, input_shape, total)))

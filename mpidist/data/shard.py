@@ -49,7 +49,7 @@ class Shard:
         self.lanes, self.count = lanes, source.count
         if lanes is not None:
             buffer = max(1, min(int(buffer) or default_buffer(input_shape, dtype), source.count))
-            self.order = order_for(info, split, buffer, input_shape, dtype, lanes.total)
+            self.order = order_for(info, split, buffer, input_shape, lanes.total)
             self.first, end = lanes.span(source.count)  # (first: the row the shard's position 0 holds)
             numbers = np.arange(self.first, end, dtype=np.int64)
         else:

@@ -91,7 +91,7 @@ class Stream:
         # (the split caps it, not the worker's part: the order must not depend on the worker count)
         self.buffer = max(1, min(asked, count))
         self.share = lane_share(self.buffer, count, lanes.total)
-        self.order = order_for(info, split, self.buffer, input_shape, dtype, lanes.total)
+        self.order = order_for(info, split, self.buffer, input_shape, lanes.total)
         # (read in order: eval_batches)
         self.blocks = (
             block_bytes_for(self.share, input_shape, dtype),

@@ -5,6 +5,7 @@ names, fits it to the model this run builds (the same number of parameters;
 the optimizer state only of the same optimizer) and notes what differs from
 the run it came from: another recipe (the schedule goes on as the new
 settings give it), another ``--batch-size`` mid-epoch (other lanes), a
+checkpoint written in another data order mid-epoch (an earlier version's), a
 dataset whose content changed.  The run then goes on with the checkpoint's
 seed and data order (:func:`continued`).  Local: no collectives.
 """
@@ -56,7 +57,7 @@ def resume_notes(config, resume, info, cluster):
     written by: its recipe (:func:`recipe_changes`), and, on the chief, a dataset whose content changed."""
     if resume is None:
         return []
-    notes = recipe_changes(config, resume)
+    notes = recipe_changes(config, resume) + order_changes(resume)
     changed = (
         mismatch(resume.dataset_fingerprint, resume.config.get("data"), info) if cluster.is_chief else None
     )
@@ -136,3 +137,17 @@ def recipe_changes(config, resume):
             "all; every later epoch trains on each sample once"
         )
     return notes
+
+
+def order_changes(resume):
+    """Notes for a run resumed from checkpoint ``resume`` written in another data order than this mpidist's
+    (:data:`~mpidist.store.checkpoint_save.DATA_ORDER`: an earlier version's, whose units followed the
+    files' chunks): mid-epoch, its position is a step of that order, and the rest of the epoch is taken in
+    this one."""
+    if resume.data_order == checkpoint_save.DATA_ORDER or not resume.epoch_step:
+        return []
+    return [
+        f"note: {resume.path} was written in another data order than this mpidist's (an earlier "
+        f"version's): epoch {resume.epoch + 1} goes on from step {resume.epoch_step} in this one's, so "
+        "some of its samples may come twice or not at all; every later epoch trains on each sample once"
+    ]

@@ -173,9 +173,8 @@ class CommonSettings:
     )
     data_mode: str = _field(
         "auto",
-        "how each rank holds its data: memory (its shards read whole), stream (read in "
-        "chunk-aligned blocks as training goes, bounded memory); auto = memory while it fits "
-        "--memory-budget",
+        "how each rank holds its data: memory (its shards read whole), stream (read as "
+        "training goes, bounded memory); auto = memory while it fits --memory-budget",
         DATA_MODES,
     )
     memory_budget: str = _field(

@@ -35,7 +35,7 @@ from ..runtime.whereabouts import here
 from . import checkpoint_checks as checks
 from . import lineage as lineages
 from . import bounded, contained, sharded, slices
-from .checkpoint_save import FORMAT, PER_WORKER
+from .checkpoint_save import DATA_ORDER, FORMAT, PER_WORKER
 
 # (re-exported: the tests that write a checkpoint to read it back do both through this module)
 from .checkpoint_save import attributes as attributes
@@ -65,6 +65,8 @@ class Checkpoint:
     # they agree
     per_worker: dict = None
     dataset_fingerprint: str = ""  # its dataset's content (mpidist.data.fingerprint); "" where unknown
+    # the data order its position is in (checkpoint_save.DATA_ORDER when written now; "" where it says none)
+    data_order: str = DATA_ORDER
     num_params: int = 0  # the whole model's parameters, and their dtype, known before any array is read
     dtype: np.dtype = None
 

@@ -60,6 +60,10 @@ def header(path, handle, group, bad):
     elapsed = attrs.get("elapsed", 0.0)  # (older checkpoints have none: time starts again)
     if not isinstance(elapsed, (float, np.floating)) or not 0 <= elapsed < 1e12:
         raise bad("elapsed", f"is {shown(elapsed)}; it must be seconds, from 0")
+    order = json_attribute(attrs, "data_order", bad) if "data_order" in attrs else {}
+    scheme = order.get("scheme", "")  # (the data order its position is in: "" where it says none)
+    if not isinstance(scheme, str) or len(scheme) > 4096:
+        raise bad("attribute data_order", f"has scheme {shown(scheme)}; it must be a text of the order")
     fingerprint = attrs.get("dataset_fingerprint", "")  # (older checkpoints have none)
     if isinstance(fingerprint, bytes):
         fingerprint = fingerprint.decode("ascii", "replace")
@@ -76,6 +80,7 @@ def header(path, handle, group, bad):
         best=best,
         elapsed=float(elapsed),
         dataset_fingerprint=fingerprint,
+        data_order=scheme,
         num_params=params.size,
         dtype=params.dtype,
         **values,

@@ -26,10 +26,13 @@ FORMAT = "mpidist-checkpoint-1"
 OPTIMIZER_STATE = {"adam": ("m", "v"), "sgd": ("velocity",)}
 PER_WORKER = "workers"  # the group of each worker's own state
 
+#: the data order a checkpoint's position is a place in (its ``data_order`` attribute's ``scheme``): a run
+#: resumed under another one is told that the epoch it resumes in may take some samples twice
 DATA_ORDER = (
-    "lanes of the global batch as contiguous ranges, each ordered per epoch in windows of units by keyed "
-    "Feistel permutations of (seed, epoch, lane) and the settings' shuffle_buffer; step s takes sample s of "
-    "each"
+    "lanes of the global batch as contiguous ranges, each cut into units of a quarter of its share of the "
+    "settings' shuffle_buffer (at most 4 MiB of the sample's values in float32, whatever the files' chunks) "
+    "and ordered per epoch in windows of units by keyed Feistel permutations of (seed, epoch, lane); step s "
+    "takes sample s of each"
 )
 RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
