@@ -34,6 +34,11 @@ def sparse_dataset(path, rows=HUGE):
     return path
 
 
+def every_row(selection):
+    """The file's rows a selection of a split picks, in order (computed one by one: it holds no table)."""
+    return selection[np.arange(len(selection))].tolist()
+
+
 def small_dataset(path, train=50, test=23):
     with h5py.File(path, "w") as handle:
         handle.attrs.update(name="small", num_classes=3, source="")
@@ -48,15 +53,15 @@ def test_an_evaluation_limit_takes_evenly_spread_rows_the_same_every_time(tmp_pa
     limited = limit_evaluation(info, 5)
     assert limited.sizes == {"train": 50, "test": 5} and limited.limited == {"test": 23}
     group, rows = limited.rows_of("test")
-    assert group == "test" and rows.tolist() == [0, 4, 8, 12, 16]  # every 23 // 5 = 4th row
-    assert limit_evaluation(info, 5).rows_of("test")[1].tolist() == rows.tolist()
+    assert group == "test" and every_row(rows) == [0, 4, 8, 12, 16]  # every 23 // 5 = 4th row
+    assert every_row(limit_evaluation(info, 5).rows_of("test")[1]) == every_row(rows)
     assert limit_evaluation(info, 23).sizes == info.sizes and limit_evaluation(info, 0).sizes == info.sizes
     # a validation split carved from train is cut among its own rows; train is left whole
     carved = carve_validation(info, 0.5, seed=3)
-    own = carved.rows_of("val")[1]
+    own = every_row(carved.rows_of("val")[1])
     cut = limit_evaluation(carved, 4)
-    assert cut.sizes["val"] == 4 and cut.rows_of("val")[1].tolist() == own[[0, 6, 12, 18]].tolist()
-    assert cut.rows_of("train")[1].tolist() == carved.rows_of("train")[1].tolist()
+    assert cut.sizes["val"] == 4 and every_row(cut.rows_of("val")[1]) == [own[k] for k in (0, 6, 12, 18)]
+    assert every_row(cut.rows_of("train")[1]) == every_row(carved.rows_of("train")[1])
 
 
 def test_a_long_evaluation_says_how_far_it_got_after_a_while_and_then_now_and_then():
@@ -167,6 +172,78 @@ def test_a_split_of_a_hundred_billion_rows_is_evaluated_on_a_thousand_of_them_in
     (final,) = events(metrics, "done")
     assert sum(record["support"] for record in final["test_per_class"]) == 1000
     assert final["peak_rss_mib"] < 300, final["peak_rss_mib"]  # (the largest rank's, resident)
+
+
+def read_through_every_selection(path):
+    """Rows of dataset ``path`` (two splits of ``n`` rows) read through every selection a run or a command
+    makes: --val-fraction's rows kept and held out (a hundred of each), --eval-samples' of the carved val and
+    of test (each worker's part, in memory and streamed), a block of test as predict reads it, and three
+    steps of a stream of the carved train's lanes."""
+    from mpidist.data import Shard, Stream
+    from mpidist.data.lanes import Lanes
+
+    info = inspect(path)
+    n = info.sizes["train"]
+    carved = carve_validation(info, 0.01, seed=3)
+    for split in ("train", "val"):
+        _, rows = carved.rows_of(split)
+        found = rows[len(rows) // 2 + np.arange(100)]
+        assert (np.diff(found) > 0).all() and 0 <= found[0] and found[-1] < n
+    limited = limit_evaluation(carved, 1000)
+    for split in ("val", "test"):
+        for worker in range(2):
+            assert len(Shard(limited, split, worker, 2, (4,), np.float32)) == 500
+            part = Stream(limited, split, worker, 2, (4,), np.float32, buffer=256)
+            assert sum(len(x) for x, _ in part.eval_batches(256)) == 500
+    assert len(Shard(carved, "test", 0, 1, (4,), np.float32, rows=slice(n // 2, n // 2 + 10))) == 10
+    lanes = Lanes.of(8, 2, 1)
+    batches = Stream(carved, "train", 1, 2, (4,), np.float32, buffer=64, lanes=lanes).batches(3, 0, 0)
+    assert [len(x) for x, _ in batches] == [4, 4, 4]
+    batches.close()
+
+
+def test_every_selection_of_rows_costs_what_is_read_never_the_split(tmp_path):
+    """The issue's figure: --val-fraction on 10^11 declared rows allocated 93 GiB.  Every selection of rows
+    (the rows --val-fraction holds out and keeps, --eval-samples', predict's blocks, a shard's strided part,
+    the blocks an evaluation's stream reads) takes a few MiB for a split of 10^8 rows, and no more for one
+    of 10^11 (traced by tracemalloc, which counts numpy's allocations; the first pass, at 10^6, imports and
+    warms what the others use)."""
+    import tracemalloc
+
+    def peak(rows):
+        path = sparse_dataset(tmp_path / f"huge-{rows}.h5", rows=rows)
+        tracemalloc.start()
+        read_through_every_selection(path)
+        top = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return top
+
+    peak(10**6)
+    middle = peak(10**8)  # (first: the table of 10^8 rows held out was 1.6 GB, of 10^11 93 GiB)
+    assert middle < 16 << 20, middle
+    assert peak(HUGE) < middle * 1.1 + (64 << 10), middle
+
+
+def test_rows_far_apart_are_read_alone_and_rows_close_together_with_the_rows_between(tmp_path):
+    """read_rows takes what a carved or limited split asks of a file: four rows of 10^11 read alone (a block
+    of 64 MiB was read around each), a dense run of rows as the span around them; the same values either
+    way."""
+    import tracemalloc
+
+    from mpidist.data.rows import read_rows
+
+    with h5py.File(sparse_dataset(tmp_path / "huge.h5"), "r") as handle:
+        tracemalloc.start()
+        got = read_rows(handle["train/x"], np.array([0, 10**9, 5 * 10**10, HUGE - 1]))
+        top = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert got.shape == (4, 4) and not got.any() and top < 1 << 20, top
+    path = small_dataset(tmp_path / "small.h5", train=5000)
+    with h5py.File(path, "r") as handle:
+        whole = handle["train/x"][()]
+        for rows in (np.arange(7, 5000, 3), np.array([1, 2, 900, 4999]), np.arange(4000, 4100)):
+            for block_bytes in (64, 1000, 64 << 20):
+                np.testing.assert_array_equal(read_rows(handle["train/x"], rows, block_bytes), whole[rows])
 
 
 def test_a_long_evaluation_is_announced_shows_progress_and_a_signal_cuts_it_short(tmp_path):

@@ -935,6 +935,19 @@ def each_row_once_an_epoch(p, out, err):
     assert "may come twice" not in out + err
 
 
+def hundred_billion_rows(p):
+    """A dataset declaring 10^11 rows a split, none stored (tests/test_evaluations.py trains on it)."""
+    from test_evaluations import sparse_dataset as sparse
+
+    return str(sparse(p / "huge.h5"))
+
+
+def validated_in_bounded_memory(p, out, err):
+    """Each rank's memory is what it reads: the validation figures of 1,000 of the 10^9 rows held out."""
+    (done,) = [e for e in map(json.loads, open(p / "m.jsonl")) if e["event"] == "done"]
+    assert done["peak_rss_mib"] < 300 and 0 <= done["val_accuracy"] <= 1, done
+
+
 def ingested_with_a_name_that_is_a_path(p, stack=None):
     return command(
         "ingest", "synthetic:300,4,3", str(p / "shards"), "--shard-size", "100", "--name", "../../escaped"
@@ -2067,6 +2080,25 @@ FAULTS = {
     ),
     "--resume on a dataset rewritten in other chunks": Fault(
         resumed_on_its_rows_rewritten, 0, "resumed from ", check=each_row_once_an_epoch, one_message=False
+    ),
+    "--val-fraction on a dataset declaring 10^11 rows": Fault(
+        train(
+            "--data",
+            hundred_billion_rows,
+            "--val-fraction",
+            "0.01",
+            "--eval-samples",
+            "1000",
+            "--steps",
+            "2",
+            "--run-dir",
+            "",
+            prefix=("prlimit", "--as=3000000000"),  # (3 GB a process: the table of rows held out was 93 GiB)
+        ),
+        0,
+        "(99000000000 train / 1000 of 1000000000 val / 1000 of 100000000000 test)",
+        check=validated_in_bounded_memory,
+        one_message=False,
     ),
 }
 

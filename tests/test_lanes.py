@@ -544,16 +544,21 @@ def test_a_resume_with_another_batch_size_mid_epoch_says_it_cuts_other_lanes():
 
 def test_a_resume_mid_epoch_of_a_checkpoint_written_in_another_data_order_says_so(tmp_path):
     """A checkpoint records the data order its position is in: one written by an earlier version (whose units
-    followed the files' chunks), or saying none, resumed mid-epoch gets a note; at an epoch's end, or written
-    in today's order, none."""
+    followed the files' chunks), or saying none, resumed mid-epoch gets a note, and one of a run that held out
+    a validation split another; at an epoch's end, or written in today's order, none."""
     import h5py
 
     from mpidist.loop.resuming import order_changes
+    from mpidist.settings.config import Settings
     from mpidist.store import checkpoint
     from mpidist.store.checkpoint_save import DATA_ORDER
 
-    path = checkpoint.save(tmp_path, np.zeros(3), {}, 0, 7, 1, 7, "{}", seed=2, workers=1)
-    assert checkpoint.load(path).data_order == DATA_ORDER and order_changes(checkpoint.load(path)) == []
+    def changes(loaded, **flags):
+        return order_changes(Settings(**flags), loaded)
+
+    path = checkpoint.save(tmp_path, np.zeros(3), {}, 0, 7, 1, 7, '{"val_fraction": 0.1}', seed=2, workers=1)
+    assert checkpoint.load(path).data_order == DATA_ORDER and changes(checkpoint.load(path)) == []
+    assert changes(checkpoint.load(path), val_fraction=0.1) == []
     earlier = "lanes of the global batch as contiguous ranges, each ordered per epoch in windows of units"
     for recorded in (earlier, None):
         with h5py.File(path, "a") as handle:
@@ -565,12 +570,15 @@ def test_a_resume_mid_epoch_of_a_checkpoint_written_in_another_data_order_says_s
             handle.attrs["data_order"] = json.dumps(order)
         loaded = checkpoint.load(path)
         assert loaded.data_order == (recorded or "")
-        assert order_changes(loaded) == [
+        assert changes(loaded) == [
             f"note: {path} was written in another data order than this mpidist's (an earlier version's): "
             "epoch 2 goes on from step 7 in this one's, so some of its samples may come twice or not at all; "
             "every later epoch trains on each sample once"
         ]
-        assert order_changes(dataclasses.replace(loaded, epoch_step=0)) == []
+        assert changes(dataclasses.replace(loaded, epoch_step=0)) == []
+        (held,) = changes(dataclasses.replace(loaded, epoch_step=0), val_fraction=0.1)
+        assert held.startswith(f"note: --val-fraction holds out other rows than the run that wrote {path}")
+        assert changes(dataclasses.replace(loaded, epoch_step=0, config={}), val_fraction=0.1) == []
     with h5py.File(path, "a") as handle:  # (untrusted: a scheme that is not text is refused, named)
         handle.attrs["data_order"] = json.dumps({"scheme": 5})
     with pytest.raises(UsageError, match="attribute data_order has scheme 5; it must be a text of the order"):

@@ -21,6 +21,11 @@ def digits_info():
     return data.inspect(data.resolve("digits"))
 
 
+def every_row(selection):
+    """The file's rows a selection of a split picks, in order, as an array."""
+    return selection[np.arange(len(selection))]
+
+
 def events(path, kind):
     return [e for e in map(json.loads, open(path)) if e["event"] == kind]
 
@@ -30,19 +35,62 @@ def test_a_carved_validation_split_is_disjoint_reproducible_and_sized_by_the_fra
     info = digits_info()
     n = info.sizes["train"]
     carved = data.carve_validation(info, 0.25, seed=3)
-    train, val = carved.rows_of("train")[1], carved.rows_of("val")[1]
+    train, val = (every_row(carved.rows_of(split)[1]) for split in ("train", "val"))
     assert carved.sizes["val"] == len(val) == int(np.ceil(0.25 * n)) and carved.sizes["train"] == len(train)
     assert np.array_equal(np.union1d(train, val), np.arange(n)) and not np.intersect1d(train, val).size
     assert np.all(np.diff(val) > 0)  # file order
-    again = data.carve_validation(info, 0.25, seed=3).rows_of("val")[1]
-    other = data.carve_validation(info, 0.25, seed=4).rows_of("val")[1]
+    again = every_row(data.carve_validation(info, 0.25, seed=3).rows_of("val")[1])
+    other = every_row(data.carve_validation(info, 0.25, seed=4).rows_of("val")[1])
     assert np.array_equal(again, val) and not np.array_equal(other, val)
     assert info.sizes["train"] == n  # (a copy: the original is untouched)
 
 
+@pytest.mark.parametrize("n", [2, 5, 4095, 4097, 10_000, 12_289])
+def test_the_rows_held_out_and_kept_are_any_of_their_rows_alone_as_a_table_of_them_holds_them(n):
+    """A carved split holds no table: the rows at any positions, and how many of its rows come before any of
+    the file's rows, are computed alone, and agree with the whole selection made one row at a time."""
+    from mpidist.data.selection import Carved, Strided
+
+    picks = np.random.default_rng(n)
+    for held in sorted({1, 7, n // 3, n // 2, n - 1} & set(range(1, n))):
+        selections = [Carved(n, held, seed=9, held_out=out) for out in (True, False)]
+        tables = [every_row(selection) for selection in selections]
+        assert [len(t) for t in tables] == [held, n - held]
+        assert np.array_equal(np.sort(np.concatenate(tables)), np.arange(n))  # disjoint, every row once
+        for selection, table in zip(selections, tables):
+            assert (np.diff(table) > 0).all()  # file order
+            some = np.sort(picks.choice(len(table), min(len(table), 9), replace=False))
+            np.testing.assert_array_equal(selection[some], table[some])
+            rows = np.arange(-1, n + 2)
+            np.testing.assert_array_equal(selection.below(rows), np.searchsorted(table, rows))
+            strided = Strided(len(table) // 3 or 1, 3, selection)  # (--eval-samples of a carved split)
+            np.testing.assert_array_equal(every_row(strided), table[::3][: len(strided)])
+            np.testing.assert_array_equal(strided.below(rows), np.searchsorted(every_row(strided), rows))
+
+
+def test_the_rows_held_out_are_spread_over_the_split_and_drawn_anew_by_each_seed():
+    """Each block of 4096 rows holds out its share of the rows (a file sorted by label keeps each class's
+    share of the validation split); which rows, the seed draws: within a block, any row as likely as any."""
+    from mpidist.data.selection import DRAW_ROWS, Carved
+
+    n, held = 40 * DRAW_ROWS + 100, 4 * DRAW_ROWS + 10  # about a tenth
+    rows = every_row(Carved(n, held, seed=1, held_out=True))
+    share = held * DRAW_ROWS // n  # (409: a block's share)
+    per_block = np.bincount(rows // DRAW_ROWS, minlength=41)
+    assert per_block[:40].min() >= share and per_block[:40].max() <= share + 1
+    classes = np.arange(n) * 5 // n  # (a file sorted into 5 classes: each its share, but for the two blocks
+    assert np.abs(np.bincount(classes[rows]) - held / 5).max() <= 2 * share + 2  # across its edges)
+    hits = np.zeros(n)
+    for seed in range(60):
+        hits[every_row(Carved(n, held, seed=seed, held_out=True))] += 1
+    within = hits[: 40 * DRAW_ROWS].reshape(40, DRAW_ROWS).sum(axis=0) / 60  # (each place of a block)
+    assert abs(within.mean() - 40 * held / n) < 0.1 and within.std() < 0.5, (within.mean(), within.std())
+    assert not np.array_equal(rows, every_row(Carved(n, held, seed=2, held_out=True)))
+
+
 def test_a_carved_shard_reads_exactly_its_rows():
     info = data.carve_validation(digits_info(), 0.2, seed=0)
-    rows = info.rows_of("val")[1]
+    rows = every_row(info.rows_of("val")[1])
     with h5py.File(info.path) as handle:
         expected_x, expected_y = handle["train/x"][()], handle["train/y"][()]
     for worker in range(3):

@@ -8,7 +8,8 @@ One module per concept:
   checked before anything is read (:func:`inspect`), each item fetched and
   the optional ones checked by :mod:`~mpidist.data.items`;
 * :mod:`~mpidist.data.info`: what a checked dataset is (:class:`DatasetInfo`),
-  and the splits a run cuts from it (``--val-fraction``, ``--eval-samples``);
+  and the splits a run cuts from it (``--val-fraction``, ``--eval-samples``),
+  whose rows :mod:`~mpidist.data.selection` computes as they are read;
 * :mod:`~mpidist.data.rows`: a split's rows across its files, read in as few
   calls as their pattern allows;
 * :mod:`~mpidist.data.samples`: the checks and conversions every read sample

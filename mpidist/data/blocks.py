@@ -23,6 +23,7 @@ EVAL_BLOCKS = 3  # blocks an evaluation holds: being cut into batches, read ahea
 SEGMENT_BYTES = 4 << 20  # batches gathered in one go: at most about this many bytes (one batch at least)
 SEGMENTS = 4  # gathered segments alive at once: being gathered, two queued, one training
 UNITS_A_WINDOW = 4  # a window's units, at least: a lane's window draws from that many places of the lane
+PIECE = 1 << 16  # a carved split's rows computed at once where many are asked for: small temporaries
 
 
 def worker_range(n, workers, worker):
@@ -37,23 +38,60 @@ def block_cuts(source, lo, hi, block_bytes=BLOCK_BYTES, sliced=False):
     A file's blocks start at multiples of its block length: whole chunks of
     ``x``, about ``block_bytes`` of them (one chunk at least); with ``sliced``,
     a chunk larger than that is cut in equal slices from its start.  Files are
-    never read in one block together.
+    never read in one block together.  Only the cuts inside ``[lo, hi)`` are
+    made: the rows a rank reads decide their cost, never the split's size.
     """
+    if source.picked is not None:
+        return _picked_cuts(source, lo, hi, block_bytes, sliced)
     cuts = [np.array([lo, hi], dtype=np.int64)]
     for index, member in enumerate(source.files):
         length = block_length(member, source.group, block_bytes, sliced)
         rows, chunk = member.sizes[source.group], max(1, member.chunk_rows.get(source.group, 1))
+        begin, end = max(lo - int(source.starts[index]), 0), min(hi - int(source.starts[index]), rows)
+        if end <= begin:
+            continue
         if length < chunk:  # slices of each chunk
             starts = (
-                np.arange(0, rows, chunk, dtype=np.int64)[:, None] + np.arange(0, chunk, length)
+                np.arange(begin // chunk * chunk, end, chunk, dtype=np.int64)[:, None]
+                + np.arange(0, chunk, length)
             ).ravel()
-            starts = source.starts[index] + np.sort(starts[starts < rows])
         else:
-            starts = source.starts[index] + np.arange(0, rows, length, dtype=np.int64)
-        if source.picked is not None:  # a carved split: where its rows cross the file's boundaries
-            starts = np.searchsorted(source.picked, starts).astype(np.int64)
+            starts = np.arange(-(-begin // length) * length, end, length, dtype=np.int64)
+        starts = source.starts[index] + starts[starts < rows]
         cuts.append(starts[(starts > lo) & (starts < hi)])
     return np.unique(np.concatenate(cuts))
+
+
+def _picked_cuts(source, lo, hi, block_bytes, sliced):
+    """:func:`block_cuts` of a split that picks rows of the file's (``--val-fraction``, ``--eval-samples``):
+    where its rows ``[lo, hi)`` pass from one of the file's blocks to another, :data:`PIECE` rows at a time
+    (what the rank reads decides the cost: a carved split's rows may be far apart)."""
+    cuts, previous = [np.array([lo, hi], dtype=np.int64)], None
+    for start in range(lo, hi, PIECE):
+        numbers = np.arange(start, min(hi, start + PIECE), dtype=np.int64)
+        firsts = _block_firsts(source, source.group_rows(numbers), block_bytes, sliced)
+        if previous is not None and firsts[0] != previous:
+            cuts.append(numbers[:1])
+        cuts.append(numbers[1:][np.diff(firsts) != 0])
+        previous = firsts[-1]
+    return np.unique(np.concatenate(cuts))
+
+
+def _block_firsts(source, rows, block_bytes, sliced):
+    """The first row of the block holding each of the group's ``rows`` (of :class:`SplitRows` ``source``)."""
+    files = np.searchsorted(source.starts, rows, "right") - 1
+    firsts = np.empty_like(rows)
+    for index in np.unique(files).tolist():
+        member, mine = source.files[index], files == index
+        length = block_length(member, source.group, block_bytes, sliced)
+        chunk = max(1, member.chunk_rows.get(source.group, 1))
+        local = rows[mine] - source.starts[index]
+        if length < chunk:  # (slices of each chunk)
+            local = local // chunk * chunk + local % chunk // length * length
+        else:
+            local = local // length * length
+        firsts[mine] = source.starts[index] + local
+    return firsts
 
 
 def block_length(member, group, block_bytes=BLOCK_BYTES, sliced=False):

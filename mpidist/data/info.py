@@ -13,12 +13,9 @@ import dataclasses
 import math
 from pathlib import Path
 
-import numpy as np
-
 from ..runtime.errors import UsageError
+from .selection import Carved, Strided
 from .sources import CHUNK_CACHE
-
-VAL_SEED = 0x7661  # mixed into --seed for the carving, so it is not the data order's stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +63,8 @@ class DatasetInfo:
     #: one name per class, control characters escaped, where the file names them
     class_names: tuple = None
     feature_names: tuple = None  # a CSV header's names of a sample's values as stored (unescaped), or None
-    #: splits carved out of another (``--val-fraction``): name -> (the file's split, its sorted row numbers)
+    #: splits carved out of another (``--val-fraction``, ``--eval-samples``): name -> (the file's split, its
+    #: rows: a :mod:`~mpidist.data.selection` computing them as they are read)
     carved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     #: the files, in order (one for a single file): a split's rows are theirs, concatenated
     files: tuple = dataclasses.field(default=(), repr=False, compare=False)
@@ -74,7 +72,8 @@ class DatasetInfo:
     limited: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def rows_of(self, split):
-        """``(the file's split, its row numbers or None for all)`` that make up ``split``."""
+        """``(the file's split, its rows (a :mod:`~mpidist.data.selection`), or None for all)`` that make up
+        ``split``."""
         return self.carved.get(split, (split, None))
 
     @property
@@ -93,9 +92,11 @@ def carve_validation(info, fraction, seed):
     """``info`` with a ``val`` split of ``ceil(fraction x train)`` rows carved from ``train``, chosen by
     ``seed``.
 
-    The rows are drawn without replacement from a generator seeded by
-    ``(seed, VAL_SEED)``: the same split on every rank and in every resumed run
-    with the same seed; ``train`` keeps the others.  Both keep file order.
+    The rows are drawn block by block (:class:`~mpidist.data.selection.Carved`,
+    keyed by ``(seed, VAL_SEED)``): the same split on every rank and in every
+    resumed run with the same seed; ``train`` keeps the others.  Both keep
+    file order, and both are computed row by row as they are read: nothing
+    here grows with the split.
     """
     n = info.sizes["train"]
     count = math.ceil(fraction * n)
@@ -109,9 +110,10 @@ def carve_validation(info, fraction, seed):
             f"--val-fraction {fraction} of the {n} training samples leaves "
             f"{'no validation samples' if count == 0 else 'no training samples'}"
         )
-    chosen = np.zeros(n, dtype=bool)
-    chosen[np.random.default_rng([seed, VAL_SEED]).choice(n, size=count, replace=False)] = True
-    carved = {"train": ("train", np.flatnonzero(~chosen)), "val": ("train", np.flatnonzero(chosen))}
+    carved = {
+        "train": ("train", Carved(n, count, seed, held_out=False)),
+        "val": ("train", Carved(n, count, seed, held_out=True)),
+    }
     sizes = dict(info.sizes, train=n - count, val=count)
     return dataclasses.replace(info, sizes=sizes, carved=carved)
 
@@ -122,7 +124,8 @@ def limit_evaluation(info, samples, splits=("test", "val")):
     Rows ``0, s, 2s, ...`` with ``s = rows // samples``: the same subset every
     time (it depends on nothing but the split's length), spread over the whole
     split (a file sorted by class keeps every class), and one evenly strided
-    read per file.  A split carved by ``--val-fraction`` is cut among its own rows.
+    read per file.  A split carved by ``--val-fraction`` is cut among its own
+    rows.  Computed row by row as they are read (:class:`~mpidist.data.selection.Strided`).
     """
     carved, sizes, limited = dict(info.carved), dict(info.sizes), dict(info.limited)
     for split in splits:
@@ -130,7 +133,6 @@ def limit_evaluation(info, samples, splits=("test", "val")):
         if not samples or rows <= samples:
             continue
         group, picked = info.rows_of(split)
-        every = np.arange(samples, dtype=np.int64) * (rows // samples)
-        carved[split] = (group, every if picked is None else picked[every])
+        carved[split] = (group, Strided(samples, rows // samples, picked))
         sizes[split], limited[split] = samples, limited.get(split, rows)
     return dataclasses.replace(info, sizes=sizes, carved=carved, limited=limited)

@@ -20,8 +20,12 @@ import numpy as np
 from ..runtime.reads import HDF5_ERRORS, read_failure, reading
 from ..runtime.whereabouts import here
 from .direct import DirectFile, byte_ranges, direct_rows, layout, readable
-from .sources import CHUNK_CACHE, open_source
+from .blocks import PIECE
 from .samples import prepare
+from .sources import CHUNK_CACHE, open_source
+
+
+SPARSE = 8  # a block of the file is read whole where at least one of this many of its rows is wanted
 
 
 class SplitRows:
@@ -58,8 +62,15 @@ class SplitRows:
         return self.count
 
     def group_rows(self, numbers):
-        """The group's (all files') row numbers of split rows ``numbers``."""
-        return np.asarray(numbers, dtype=np.int64) if self.picked is None else self.picked[numbers]
+        """The group's (all files') row numbers of split rows ``numbers`` (an int array); a carved split's
+        computed :data:`~mpidist.data.blocks.PIECE` at a time."""
+        numbers = np.asarray(numbers, dtype=np.int64)
+        if self.picked is None or len(numbers) <= PIECE:
+            return numbers if self.picked is None else self.picked[numbers]
+        rows = np.empty_like(numbers)
+        for lo in range(0, len(numbers), PIECE):
+            rows[lo : lo + PIECE] = self.picked[numbers[lo : lo + PIECE]]
+        return rows
 
     def read(self, numbers, handles=None):
         """``(x, y)`` of split rows ``numbers`` (increasing), checked and converted.
@@ -91,8 +102,8 @@ class SplitRows:
         """
         if not hasattr(os, "posix_fadvise") or hi <= lo:
             return
-        rows = self.group_rows(np.arange(lo, hi)) if self.picked is not None else None
-        first, last = (int(rows[0]), int(rows[-1]) + 1) if rows is not None else (lo, hi)
+        first, last = (int(row) for row in self.group_rows(np.array([lo, hi - 1])))
+        last += 1
         for index, member in enumerate(self.files):
             begin, end = max(first, self.starts[index]), min(last, self.starts[index + 1])
             if end <= begin or not isinstance(member.path, os.PathLike):
@@ -271,18 +282,21 @@ def read_runs(item, numbers, runs):
 
 
 def read_rows(item, numbers, block_bytes=64 << 20):
-    """Rows ``numbers`` (increasing) of the HDF5 dataset ``item``, read a block of the file (64 MiB) at a
-    time."""
+    """Rows ``numbers`` (increasing) of the HDF5 dataset ``item``, a block of the file (64 MiB) at a time: the
+    block from the next row wanted, read whole where at least one of its :data:`SPARSE` rows is wanted, else
+    only the rows wanted (a split carved from a large one: the reads follow the rows, not the file)."""
     out = np.empty((len(numbers),) + item.shape[1:], dtype=item.dtype)
     block = max(1, block_bytes // max(out[:1].nbytes, 1))
     done = 0
-    for lo in range(int(numbers[0]) if len(numbers) else 0, item.shape[0], block):
-        upto = int(np.searchsorted(numbers, lo + block))
-        if upto > done:
-            out[done:upto] = item[lo : min(lo + block, item.shape[0])][numbers[done:upto] - lo]
-            done = upto
-        if done == len(numbers):
-            break
+    while done < len(numbers):
+        first = int(numbers[done])
+        upto = int(np.searchsorted(numbers, first + block))
+        span = int(numbers[upto - 1]) + 1 - first
+        if (upto - done) * SPARSE >= span:
+            out[done:upto] = item[first : first + span][numbers[done:upto] - first]
+        else:  # (one selection of the rows wanted: HDF5 reads those, each chunk once)
+            out[done:upto] = item[numbers[done:upto]]
+        done = upto
     return out
 
 

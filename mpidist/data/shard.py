@@ -53,9 +53,9 @@ class Shard:
             self.first, end = lanes.span(source.count)  # (first: the row the shard's position 0 holds)
             numbers = np.arange(self.first, end, dtype=np.int64)
         else:
-            numbers = np.arange(source.count, dtype=np.int64)[
-                slice(worker, None, num_workers) if rows is None else rows
-            ]
+            # (made from the range's bounds: an index of the whole split would grow with it, not the read)
+            picked = slice(worker, None, num_workers) if rows is None else rows
+            numbers = np.arange(*picked.indices(source.count), dtype=np.int64)
         # the file's row counts decide the size: checked before anything is read
         check_fits(
             footprint(len(numbers), info, source.group, dtype),

@@ -5,9 +5,10 @@ names, fits it to the model this run builds (the same number of parameters;
 the optimizer state only of the same optimizer) and notes what differs from
 the run it came from: another recipe (the schedule goes on as the new
 settings give it), another ``--batch-size`` mid-epoch (other lanes), a
-checkpoint written in another data order mid-epoch (an earlier version's), a
-dataset whose content changed.  The run then goes on with the checkpoint's
-seed and data order (:func:`continued`).  Local: no collectives.
+checkpoint written in another data order (an earlier version's: another
+epoch order, other rows held out), a dataset whose content changed.  The
+run then goes on with the checkpoint's seed and data order
+(:func:`continued`).  Local: no collectives.
 """
 
 import dataclasses
@@ -57,7 +58,7 @@ def resume_notes(config, resume, info, cluster):
     written by: its recipe (:func:`recipe_changes`), and, on the chief, a dataset whose content changed."""
     if resume is None:
         return []
-    notes = recipe_changes(config, resume) + order_changes(resume)
+    notes = recipe_changes(config, resume) + order_changes(config, resume)
     changed = (
         mismatch(resume.dataset_fingerprint, resume.config.get("data"), info) if cluster.is_chief else None
     )
@@ -139,15 +140,24 @@ def recipe_changes(config, resume):
     return notes
 
 
-def order_changes(resume):
+def order_changes(config, resume):
     """Notes for a run resumed from checkpoint ``resume`` written in another data order than this mpidist's
     (:data:`~mpidist.store.checkpoint_save.DATA_ORDER`: an earlier version's, whose units followed the
-    files' chunks): mid-epoch, its position is a step of that order, and the rest of the epoch is taken in
-    this one."""
-    if resume.data_order == checkpoint_save.DATA_ORDER or not resume.epoch_step:
+    files' chunks and whose ``--val-fraction`` drew other rows): mid-epoch, its position is a step of that
+    order, and the rest of the epoch is taken in this one; the rows held out are drawn this version's way."""
+    if resume.data_order == checkpoint_save.DATA_ORDER:
         return []
-    return [
-        f"note: {resume.path} was written in another data order than this mpidist's (an earlier "
-        f"version's): epoch {resume.epoch + 1} goes on from step {resume.epoch_step} in this one's, so "
-        "some of its samples may come twice or not at all; every later epoch trains on each sample once"
-    ]
+    notes = []
+    if resume.epoch_step:
+        notes.append(
+            f"note: {resume.path} was written in another data order than this mpidist's (an earlier "
+            f"version's): epoch {resume.epoch + 1} goes on from step {resume.epoch_step} in this one's, so "
+            "some of its samples may come twice or not at all; every later epoch trains on each sample once"
+        )
+    if config.val_fraction and resume.config.get("val_fraction"):
+        notes.append(
+            f"note: --val-fraction holds out other rows than the run that wrote {resume.path} did (an "
+            "earlier version drew them otherwise): some rows it trained on are now validation rows, so the "
+            "validation figures are not comparable with its own (start a new run for an honest split)"
+        )
+    return notes

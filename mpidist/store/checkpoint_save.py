@@ -26,13 +26,14 @@ FORMAT = "mpidist-checkpoint-1"
 OPTIMIZER_STATE = {"adam": ("m", "v"), "sgd": ("velocity",)}
 PER_WORKER = "workers"  # the group of each worker's own state
 
-#: the data order a checkpoint's position is a place in (its ``data_order`` attribute's ``scheme``): a run
-#: resumed under another one is told that the epoch it resumes in may take some samples twice
+#: the data order a checkpoint's position is a place in, and the rows --val-fraction holds out (its
+#: ``data_order`` attribute's ``scheme``): a run resumed under another is told what that changes
 DATA_ORDER = (
     "lanes of the global batch as contiguous ranges, each cut into units of a quarter of its share of the "
     "settings' shuffle_buffer (at most 4 MiB of the sample's values in float32, whatever the files' chunks) "
     "and ordered per epoch in windows of units by keyed Feistel permutations of (seed, epoch, lane); step s "
-    "takes sample s of each"
+    "takes sample s of each; val_fraction holds out ceil(F n) of the n training rows, each block of 4096 "
+    "rows its share, drawn by keyed Feistel permutations of (seed, block)"
 )
 RNG = "counter-based: dropout reseeded each step from (seed, worker, step)"
 
