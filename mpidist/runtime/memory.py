@@ -154,6 +154,70 @@ def holdable():
     return min(found) if found else None
 
 
+#: glibc's ``mallopt`` parameters: allocations from this size on are mapped on their own, and freed memory at
+#: the top of the heap beyond it is given back (see :func:`settle`)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _SETTLED_THRESHOLD = -1, -3, 128 << 10
+_settled = {}  # what settle() found, once it ran: {"thread": bytes a thread of mpidist's costs}
+
+
+def settle():
+    """Make this process's memory what a price can bound, before the price is taken; once per process.
+
+    * glibc raises its mmap threshold, by default, to the size of each large block freed (up to 32 MiB):
+      from then on, arrays below it come from the heap, which keeps what they held once they are freed
+      (measured: a 32 MB temporary left 31 MiB behind).  A process's memory then depends on its history,
+      not on what it holds.  A fixed threshold turns that off: every array from 128 KiB on is mapped on its
+      own and given back when freed.  (Training steps allocate nothing once warm: a step's arrays are the
+      workspace's, so the cost is an evaluation's or a data batch's page faults.)
+    * BLAS libraries allocate their buffers on a thread's first large product (OpenBLAS: 32 MiB), and
+      OpenBLAS ends the process where that fails, with no word of mpidist's: one product now puts them in
+      what the process holds already.
+    * A thread's stack is its own mapping (8 MiB by default): measured here, for the threads a run starts
+      later (:func:`thread_bytes`).
+    """
+    if _settled:
+        return
+    import ctypes
+    import ctypes.util
+    import threading
+
+    import numpy as np
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        if hasattr(libc, "mallopt"):  # (glibc; other C libraries keep their own policy)
+            libc.mallopt(_M_MMAP_THRESHOLD, _SETTLED_THRESHOLD)
+            libc.mallopt(_M_TRIM_THRESHOLD, _SETTLED_THRESHOLD)
+    except OSError:  # pragma: no cover - no C library to ask
+        pass
+    square = np.ones((512, 512), dtype=np.float32)
+    np.dot(square, square)
+    started, stop = threading.Event(), threading.Event()
+    before = kib_field("/proc/self/status", b"VmData") or 0
+
+    def probe():
+        started.set()
+        stop.wait()
+
+    thread = threading.Thread(target=probe, daemon=True, name="mpidist-memory-probe")
+    thread.start()
+    started.wait()
+    grown = (kib_field("/proc/self/status", b"VmData") or 0) - before
+    stop.set()
+    thread.join()
+    _settled["thread"] = max(grown, 0)
+
+
+def thread_bytes():
+    """What one more thread costs this process (its stack, as :func:`settle` measured it; 8 MiB before)."""
+    return _settled.get("thread", 8 << 20)
+
+
+def in_use():
+    """Bytes this process holds now as its limits count them (``VmData``: what ``ulimit -d`` bounds), or 0."""
+    return kib_field("/proc/self/status", b"VmData") or 0
+
+
 def default_budget():
     """Bytes one rank's data may take unless told: half of what it may hold (:func:`holdable`; 4 GiB if
     unknown).
