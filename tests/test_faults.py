@@ -1285,6 +1285,33 @@ def nothing_made_on_the_disk(p, out, err):
     assert [name for name in os.listdir(p / "disk") if name != "filler"] == [] and "Traceback" not in err
 
 
+# -- issue 61: the memory a run states is an upper bound -----------
+PRICED = ("--model", "mlp:1024,1024", "--data", "mnist-5k", "--steps", "4", "--checkpoint-every", "2")
+
+
+def under_a_limit_above_its_price(p, stack=None):
+    """A run's stated price (unlimited), then the same run under ``prlimit --data`` 3% above it."""
+    free, _ = run_mpi(2, ["-m", "mpidist", *PRICED, "--run-dir", str(p / "free")])
+    assert free.returncode == 0, free.stderr
+    from test_memory_price import stated
+
+    limit = int(stated(free.stdout) * 1.03)
+    return train(*PRICED, "--run-dir", str(p / "capped"), prefix=("prlimit", f"--data={limit}"))(p)
+
+
+def a_layer_that_grows(p, stack=None):
+    """A model of one's own whose layer asks for 10^13 values on its fourth forward pass: what no start-up
+    price can see (a rehearsal runs it once)."""
+    (p / "grows.py").write_text(
+        "import numpy as np\nfrom mpidist import nn\n\n\nclass Grows(nn.Layer):\n    calls = 0\n\n"
+        "    def forward(self, x, training=False):\n        Grows.calls += 1\n"
+        "        if Grows.calls == 4:\n            np.ones(10**13)\n        return x\n\n"
+        "    def backward(self, dy):\n        return dy\n\n\n"
+        "def build(sample_shape, outputs):\n    return [nn.Flatten(), Grows(), nn.Dense(outputs)]\n"
+    )
+    return train("--model", f"{p / 'grows.py'}:build", "--steps", "6", "--eval-every", "0")(p)
+
+
 SLOW = {"MPIDIST_TEST_DELAY": "*:0.03"}  # about 30 ms a step: time to act mid-run
 
 
@@ -2099,6 +2126,12 @@ FAULTS = {
         "(99000000000 train / 1000 of 1000000000 val / 1000 of 100000000000 test)",
         check=validated_in_bounded_memory,
         one_message=False,
+    ),
+    "a limit just above a run's stated price": Fault(
+        under_a_limit_above_its_price, 0, "mpidist: done", one_message=False, ranks=(2,)
+    ),
+    "an allocation that fails all the same": Fault(
+        a_layer_that_grows, 1, "out of memory while in compute at step ", ranks=(2,)
     ),
 }
 

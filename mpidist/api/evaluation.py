@@ -11,17 +11,20 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import data as datasets  # (``data`` is the argument users know)
+from ..loop import pricing
 from ..loop.evaluations import shown
 from ..nn import scores
 from ..observe.stall import LocalWatch
 from ..runtime.agreement import agreed, ends_the_job_on_error
 from ..runtime.cluster import build_cluster
 from ..runtime.errors import UsageError
+from ..runtime.price import gathered, said
 from ..runtime.text import check_utf8
+from ..runtime import memory
 from ..runtime.threads import limit_blas_threads
 from ..runtime.whereabouts import here
 from ..settings.config import Settings
-from .trained import load_split, load_trained
+from .trained import load_shapes, load_split, read_parameters
 
 
 def evaluate(
@@ -58,6 +61,7 @@ def evaluate(
         * regression: ``test_loss``, ``test_mse``, ``test_mae``, ``test_r2`` (no ``test_accuracy``).
     """
     limit_blas_threads()
+    memory.settle()  # (what it holds from here on is what its price bounds)
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
     with LocalWatch(here(), Settings.stall_timeout, world.Get_rank()):
@@ -76,8 +80,9 @@ def _evaluate(world, checkpoint_path, data, model, samples=0, layout=(1, 1, "non
         check_utf8(checkpoint_path, "eval CHECKPOINT", absolute=True)
         if split:  # (its arrays are read by slices once the layout exists)
             saved, trained, settings = load_split(checkpoint_path, data, model, world, *layout)
-        else:
-            trained = load_trained(checkpoint_path, data, model=model)
+        else:  # (its parameters are read once what the rank will hold is priced)
+            saved, trained = load_shapes(checkpoint_path, data, model)
+            settings = trained.settings
         info, net = trained.dataset, trained.model
         if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 0:
             raise UsageError(f"--eval-samples {samples!r}: give a number of samples, 0 (all) or more")
@@ -86,15 +91,19 @@ def _evaluate(world, checkpoint_path, data, model, samples=0, layout=(1, 1, "non
             for note in trained.notes:
                 print(f"mpidist: {note}", flush=True)
         share, shares = split_model.data_share(rank, ranks, stages, tensor) if split else (rank, ranks)
-        reading = datasets.plan(
-            trained.settings,
-            info,
-            [("test", len(range(share, info.sizes["test"], shares)))],
-            net.input_shape,
-            net.dtype,
+        rows = len(range(share, info.sizes["test"], shares))
+        reading = datasets.plan(trained.settings, info, [("test", rows)], net.input_shape, net.dtype)
+        price = pricing.evaluation_price(
+            settings if split else None, rank, ranks, net, reading.nbytes, min(rows, pricing.EVALUATION_BATCH)
         )
+        price.check(f"evaluating {net.num_params:,} parameters")
+        if not split:
+            read_parameters(saved, trained)
         test = reading.open(info, "test", share, shares, net.input_shape, net.dtype)
     with ends_the_job_on_error(world):
+        prices = gathered(world, price)
+        if rank == 0:
+            print(said(prices), flush=True)
         cluster = build_cluster(world)
         batches = datasets.eval_batches(test)
         if rank == 0:  # (an evaluation past a few seconds says how far it got)

@@ -75,17 +75,30 @@ def load_trained(checkpoint_path, data=None, *, model=None, data_given=None):
         UsageError: the checkpoint, its settings, the model or the dataset are not usable,
             or the model does not hold the checkpoint's parameters.
     """
-    from ..nn.placement import Placement
-
-    saved = checkpoint.load(checkpoint_path, arrays=False)
-    trained = _trained(saved, data, model, data_given)
+    saved, trained = load_shapes(checkpoint_path, data, model, data_given)
     net = trained.model
     check_fits(
         net.num_params * net.dtype.itemsize, f"the model of {checkpoint_path} ({net.num_params:,} parameters)"
     )
-    # the parameters alone (no optimizer state), every part checked, read straight into the model's buffer
-    saved.check_parts((0, 1)).restore(Placement.of_entries(net, 0, len(net.entries)), {"params": net.params})
+    read_parameters(saved, trained)
     return trained
+
+
+def load_shapes(checkpoint_path, data=None, model=None, data_given=None):
+    """:func:`load_trained`'s first half: ``(checkpoint, trained)``, the checkpoint checked but its arrays
+    not read, and its :class:`Trained` whose model is a map of shapes (a caller prices what it will hold
+    before :func:`read_parameters`)."""
+    saved = checkpoint.load(checkpoint_path, arrays=False)
+    return saved, _trained(saved, data, model, data_given)
+
+
+def read_parameters(saved, trained):
+    """:func:`load_trained`'s second half: the checkpoint's parameters alone (no optimizer state), every part
+    checked, read straight into ``trained``'s model's buffer."""
+    from ..nn.placement import Placement
+
+    net = trained.model
+    saved.check_parts((0, 1)).restore(Placement.of_entries(net, 0, len(net.entries)), {"params": net.params})
 
 
 def load_split(checkpoint_path, data, model, world, stages, tensor, shard="none", data_given=None):

@@ -18,7 +18,7 @@ from .. import data as datasets  # (``data`` is the argument users know)
 from ..data.fingerprint import recorded
 from ..loop.setup import Inputs, build_model_for
 from ..observe.stall import LocalWatch
-from ..runtime import ulfm
+from ..runtime import memory, ulfm
 from ..runtime.agreement import agreed, ends_the_job_on_error
 from ..runtime.cluster import PS, build_cluster
 from ..runtime.comm import bcast_text
@@ -91,6 +91,7 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
     """
     refuse_training_while_loading()  # (a builder's file calling train() as --model loads it)
     limit_blas_threads()
+    memory.settle()  # (what it holds from here on is what its price bounds)
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
     # a signal during set-up is kept: the loop stops at its first step boundary (exit code 3)

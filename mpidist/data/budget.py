@@ -51,6 +51,7 @@ class Reading:
     direct: bool = False  # a stream reads around the page cache (--stream-io direct)
     sliced: bool = False  # a stream reads chunks larger than its blocks in slices
     notes: tuple = ()  # what the chief says of it (a buffer capped, chunks read in slices)
+    nbytes: int = 0  # what the rank's data holds at most: its shards in memory, or its streams
 
     def open(self, info, split, worker, num_workers, input_shape, dtype, lanes=None):
         """The shard of ``split`` for this worker: a :class:`Shard` in memory, or a :class:`Stream`; ``lanes``
@@ -93,9 +94,9 @@ def plan(config, info, parts, input_shape, dtype, lanes=None, order=None):
     budget, how = budget_of(config)
     buffer = order[0]
     if config.data_mode == "memory":
-        return Reading("memory", f"memory {human(need)} (--data-mode memory)", buffer)
+        return Reading("memory", f"memory {human(need)} (--data-mode memory)", buffer, nbytes=need)
     if config.data_mode == "auto" and need <= budget:
-        return Reading("memory", f"memory {human(need)} <= budget {human(budget)}", buffer)
+        return Reading("memory", f"memory {human(need)} <= budget {human(budget)}", buffer, nbytes=need)
     why = "--data-mode stream" if config.data_mode == "stream" else f"{human(need)} > budget {human(budget)}"
     return _streaming(config, info, dict(parts), input_shape, dtype, (budget, how), why, lanes, order)
 
@@ -184,7 +185,9 @@ def _streaming(config, info, parts, input_shape, dtype, limits, why, lanes, orde
         units = order_units(info.sizes["train"], buffer, input_shape, lanes.total)
         notes.extend(_decompressed_again(info, units, lanes.total))
     why = f"stream ({why}), buffer {buffer:,}" + (" (capped)" if capped and asked else "")
-    return Reading("stream", why, buffer, config.stream_io == "direct", sliced, tuple(notes))
+    return Reading(
+        "stream", why, buffer, config.stream_io == "direct", sliced, tuple(notes), held(buffer, sliced)
+    )
 
 
 def _largest(fits, upto):

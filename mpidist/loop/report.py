@@ -7,6 +7,7 @@ import sys
 from ..nn import scores
 from ..runtime.cluster import PS
 from ..runtime.errors import error_line
+from ..runtime.price import said
 from ..runtime.preempt import signal_name
 from ..store import rundir
 from .evaluations import LARGE_EVALUATION
@@ -17,12 +18,16 @@ from .setup import layout_text
 def header(config, cluster, setup, outputs, table, asked_seed, held, imbalance=None, watched=True):
     """Chief: what runs where (``table``), and every note of the set-up; the ``start`` event.
 
-    ``held``: the bytes each rank holds, where its strategy reports them;
+    ``held``: ``(rank, what its strategy holds (a dict, where it reports it), its price)`` of every rank
+    (:mod:`mpidist.loop.pricing`);
     ``imbalance``: of the ps shards, where there are; ``watched``: the stall
     monitor runs (else a ``--stall-timeout`` goes undiagnosed, which is said).
     """
     resume, say = setup.resume, outputs.say
     sizes, limited = setup.info.sizes, setup.info.limited
+    prices = [price for _, _, price in held]
+    largest = max(range(len(held)), key=prices.__getitem__)
+    held = [{"rank": rank, **bytes_} for rank, bytes_, _ in held if bytes_]
 
     def rows(split):  # (what an evaluation takes, and of how many where --eval-samples cut it)
         return f"{sizes[split]}" + (f" of {limited[split]}" if split in limited else "") + f" {split}"
@@ -44,6 +49,7 @@ def header(config, cluster, setup, outputs, table, asked_seed, held, imbalance=N
             f"mpidist: note: each evaluation takes every sample of {' and '.join(large)} "
             f"({', '.join(f'{sizes[split]:,}' for split in large)}); --eval-samples N bounds it"
         )
+    say(said(prices))
     for path, reason in setup.skipped:
         say(f"mpidist: warning: skipped unreadable checkpoint {path.name}: {reason}")
     for note in setup.notes + outputs.claim.notes:
@@ -74,6 +80,7 @@ def header(config, cluster, setup, outputs, table, asked_seed, held, imbalance=N
         step=0 if resume is None else resume.step,
         evaluated={split: sizes[split] for split in ("val", "test") if split in sizes},
         **({"held_bytes": held} if held else {}),
+        memory={"needed": prices, "largest": prices[largest]},
     )
 
 

@@ -15,14 +15,16 @@ import sys
 
 from .. import data, nn
 from ..nn import scores
-from ..parallel import STRATEGIES, holding
+from ..parallel import STRATEGIES
 from ..parallel.recipe import recipe_for, total_steps
 from ..runtime.errors import UsageError
-from ..runtime.memory import check_fits, holdable, human
 from ..runtime.text import printable
 from ..settings import models
-from ..store import checkpoint, checkpoint_save
-from .resuming import fit_to_model, resume_notes, resumed_buffer
+from ..store import checkpoint
+from ..runtime.agreement import agreed
+from . import pricing
+from .callbacks import EarlyStopping
+from .resuming import find_resume, fit_to_model, resume_notes, resumed_buffer
 
 
 @dataclasses.dataclass
@@ -59,6 +61,7 @@ class Setup:
     resume: checkpoint.Checkpoint = None
     skipped: list = dataclasses.field(default_factory=list)  # unreadable checkpoints passed over
     notes: list = dataclasses.field(default_factory=list)  # what the chief says about the set-up
+    price: object = None  # what this rank will hold (:class:`~mpidist.runtime.price.Price`), checked
 
 
 def build_model_for(config, inputs, info, xp, cluster=None, training=True):
@@ -74,62 +77,11 @@ def build_model_for(config, inputs, info, xp, cluster=None, training=True):
         model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype, buffers=False)
         check_outputs(model, info, inputs.model.spec)
         if training:
-            check_holds(config, cluster, model)
+            pricing.check_holds(config, cluster, model)
         return model
     except UsageError as err:
         outputs = f"{info.num_classes:,} classes" if info.num_classes else f"{info.target_width} target(s)"
         raise UsageError(f"dataset {info.name!r} ({info.path}, {outputs}): {err}") from None
-
-
-def check_holds(config, cluster, model):
-    """Refuse, naming what it needs, a model whose share on this rank does not fit in what the rank may
-    hold."""
-    arrays = len(checkpoint_save.OPTIMIZER_STATE.get(config.optimizer, ()))
-    whole = model.num_params
-    share = (
-        holding.held(config, cluster, model, arrays)
-        if cluster is not None
-        else holding.Held(whole, whole, whole)
-    )
-    what = f"training {whole:,} parameters with {config.optimizer}"
-    if share.part:
-        what = (
-            f"{share.part} ({share.params:,} of the model's {whole:,} parameters), trained with "
-            f"{config.optimizer}"
-            + (
-                f", and assembling the whole model's state for checkpoints ({share.gathered:,} values)"
-                if share.gathered
-                else ""
-            )
-        )
-    try:
-        check_fits(holding.held_bytes(share, arrays, model.dtype.itemsize), what)
-    except UsageError as err:
-        ways = _ways_it_fits(config, cluster, model, arrays) if share.params == whole else []
-        if not ways:
-            raise
-        raise UsageError("; ".join([str(err), *ways])) from None
-
-
-def _ways_it_fits(config, cluster, model, arrays):
-    """What would fit a model whose whole training state does not: its workers each holding a shard of it
-    (``allreduce`` on more than one worker), or a pipeline's stages."""
-    ways, itemsize, limit = [], model.dtype.itemsize, holdable()[0]
-    if cluster is not None and cluster.num_workers > 1 and config.strategy == "allreduce":
-        need = holding.held_bytes(holding.fully_sharded_held(config, cluster, model), arrays, itemsize)
-        if need <= limit:
-            ways.append(
-                f"sharded, it fits: --shard parameters (each of the {cluster.num_workers} workers needs "
-                f"{human(need)})"
-            )
-    split = holding.fitting_stages(model, arrays, itemsize, limit)
-    if split is not None:
-        stages, need = split
-        ways.append(
-            f"split, it fits: --strategy pipeline --stages {stages} on {stages} or more ranks "
-            f"(its largest stage needs {human(need)})"
-        )
-    return ways
 
 
 def check_outputs(model, info, spec):
@@ -151,9 +103,30 @@ def data_layout(config, cluster):
     return STRATEGIES[config.strategy].data_layout(config, cluster)
 
 
-def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
+def agreed_setup(config, cluster, xp, inputs, outputs, callbacks=()):
+    """Collective: :func:`prepare` this rank, and on the chief open ``outputs`` (with the user's
+    ``callbacks`` and the run's own early stopping), agreed on by every rank: a refusal on any rank ends them
+    all (:func:`~mpidist.runtime.agreement.agreed`), and what the chief opened for the run is taken back.
+    Returns the :class:`Setup`, and the early stopping (None without ``--early-stop``)."""
+    try:
+        with agreed(cluster.world):
+            setup = prepare(config, cluster, xp, inputs, *find_resume(config))
+            stopping = (
+                EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss")
+                if config.early_stop
+                else None
+            )
+            outputs.open(config, list(callbacks) + ([stopping] if stopping else []), setup.resume)
+    except SystemExit:  # (refused, here or on another rank)
+        outputs.abandon()
+        raise
+    return setup, stopping
+
+
+def prepare(config, cluster, xp, inputs, resume=None, skipped=(), priced=True):
     """Local set-up of one rank (no collectives) for ``inputs``, to start from ``resume`` (a checkpoint, or
-    None)."""
+    None); ``priced``: refuse a rank that cannot hold its price (:func:`mpidist.loop.pricing.check`; not
+    for the survivors of a lost rank, who still hold the lost layout's memory)."""
     info = data.inspect(data.resolve(inputs.data), allow_external=config.allow_external)
     # (a resumed run's rows are its checkpoint's: drawn by the seed it continues with)
     if config.val_fraction:
@@ -228,6 +201,13 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
         )
     # (a stream's buffer capped, chunks read in slices)
     notes.extend(f"note: {note}" for note in reading.notes)
+    local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
+    # every item this rank will hold, against what it may hold, before any of it is allocated
+    price = pricing.training_price(
+        config, cluster, model, info, reading, reads, local_batch, strategy_class(config, workers)
+    )
+    if priced:
+        pricing.check(config, cluster, model, price)
     shards = {
         split: reading.open(
             info, split, w, n, model.input_shape, model.dtype, lanes=lanes if split == "train" else None
@@ -246,7 +226,6 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
         )
     strategy_class(config, workers).check_slice(config, smallest // config.accumulate)
     notes.extend(resume_notes(config, resume, info, cluster))
-    local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     if train is not None:  # (a stream reads its first windows now, as a shard in memory was read whole above)
         epoch, at = (0, 0) if resume is None else (resume.epoch, resume.epoch_step)
         epoch, at = (epoch + 1, 0) if at >= steps else (epoch, at)
@@ -264,6 +243,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=()):
         resume=resume,
         skipped=list(skipped),
         notes=notes,
+        price=price,
     )
 
 

@@ -62,7 +62,7 @@ def layout_settings(settings, ranks, stages, tensor, model, shard="none"):
 def check_holds(settings, rank, ranks, model):
     """Refuse, naming what it needs, a part of ``model`` (a map of shapes) whose parameters do not fit in what
     this rank may hold (evaluation holds no gradients and no optimizer state)."""
-    share = holding.held(settings, _Ranks(rank, ranks), model, 0)
+    share = holding.held(settings, Ranks(rank, ranks), model, 0)
     # (--shard parameters: its slots of gathered units too)
     held = share.params + (share.gathered if settings.shard == "parameters" else 0)
     check_fits(
@@ -72,7 +72,7 @@ def check_holds(settings, rank, ranks, model):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Ranks:
+class Ranks:
     """Where a rank sits, as :func:`~mpidist.parallel.holding.held` reads it, before the cluster exists."""
 
     rank: int

@@ -24,7 +24,10 @@ def continue_from(training, cluster, resume):
     training.strategy.recovery().abandon()
     training.cluster = cluster
     with agreed(cluster.world):
-        training.setup = prepare(training.config, cluster, training.device.xp, training.inputs, resume)
+        # (its windows and buffers, the broken world's, are held still: a price taken now would count them)
+        training.setup = prepare(
+            training.config, cluster, training.device.xp, training.inputs, resume, priced=False
+        )
         if cluster.is_chief and not training.outputs.chief:  # the chief died: this worker takes its place
             training.outputs.take_over(
                 training.config, (training.checkpointer.files.lineage, training.checkpointer.files.parent)

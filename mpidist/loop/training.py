@@ -35,7 +35,6 @@ from ..runtime.phase import PhaseAgreement
 from ..runtime.preempt import stop_signals
 from ..runtime.whereabouts import here
 from . import elastic, survival
-from .callbacks import EarlyStopping
 from .checkpointer import Checkpointer
 from .conclusion import conclude
 from .evaluations import Evaluations, shown
@@ -43,10 +42,10 @@ from .feed import epoch_batches
 from .outputs import Outputs
 from .position import Position
 from .report import header
-from .resuming import continued, find_resume
+from .resuming import continued
 from .saving import finish_writes, keep_if_best, log_written, save
 from .serving import ServerControl
-from .setup import data_layout, make_strategy, prepare, test_delay
+from .setup import agreed_setup, data_layout, make_strategy, test_delay
 from .stops import Stops
 from .window import StepWindow
 
@@ -124,20 +123,9 @@ class Training:
         """Agreed local set-up, the strategy, its initial state, the header; the position to start from."""
         config, cluster, outputs = self.config, self.cluster, self.outputs
         here().enter("setup", 0)
-        try:
-            with agreed(cluster.world):
-                self.setup = prepare(config, cluster, self.device.xp, self.inputs, *find_resume(config))
-                early_stopping = (
-                    EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss")
-                    if config.early_stop
-                    else None
-                )
-                outputs.open(
-                    config, list(callbacks) + ([early_stopping] if early_stopping else []), self.setup.resume
-                )
-        except SystemExit:  # (refused, here or on another rank: what the chief opened is taken back)
-            outputs.abandon()
-            raise
+        self.setup, early_stopping = agreed_setup(
+            config, cluster, self.device.xp, self.inputs, outputs, callbacks
+        )
         here().enter("start")  # collectives from here on: a wait on the others
         setup, resume, asked = self.setup, self.setup.resume, config.seed
         config = self.state.config = continued(config, setup)  # the seed and buffer it goes on with
@@ -158,7 +146,9 @@ class Training:
                 )
         self.strategy.initialize(resume)
         # (start-up)
-        held = cluster.world.gather((cluster.rank, self.strategy.held_bytes()), root=cluster.chief_rank)
+        held = cluster.world.gather(
+            (cluster.rank, self.strategy.held_bytes(), setup.price.total), root=cluster.chief_rank
+        )
         if self.chief:
             header(
                 self.config,
@@ -167,7 +157,7 @@ class Training:
                 self.outputs,
                 table,
                 asked,
-                [{"rank": rank, **bytes_} for rank, bytes_ in held if bytes_],
+                held,
                 imbalance=self.strategy.imbalance,
                 watched=self.monitor.active,
             )

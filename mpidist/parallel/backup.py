@@ -107,6 +107,12 @@ class BackupWorkersStrategy(ShardedStrategy):
         return f"{cls.name} with --aggregate"
 
     @classmethod
+    def copies(cls, settings, cluster, arrays):
+        # a ps keeps each worker's gradient until its round takes or drops it, and its round's sums: 18.4
+        # whole models measured on one ps of three workers
+        return 4 * cluster.num_workers + 8 if cluster.role == PS else 0
+
+    @classmethod
     def arguments(cls, settings, setup):
         return {
             "aggregate": settings.aggregate,

@@ -90,6 +90,15 @@ class Declared:
         return max(counted, default=0)
 
     @classmethod
+    def copies(cls, settings, cluster, arrays):
+        """Arrays the size of the whole model this rank of ``cluster`` allocates beyond its training state
+        (:mod:`~mpidist.parallel.holding`) and the chief's copies of a whole checkpoint, with an optimizer of
+        ``arrays`` arrays: a server's windows, inboxes and the gradients it keeps, every worker's own state
+        gathered.  What the start-up price adds (:mod:`mpidist.loop.pricing`); where a strategy's servers
+        allocate as they serve, an upper bound measured on them (two model sizes, the slope rounded up)."""
+        return 0
+
+    @classmethod
     def check_slice(cls, settings, samples):
         """Raise :class:`~mpidist.runtime.errors.UsageError` if ``samples`` per ``--accumulate`` slice (the
         smallest worker's) are too few for this strategy (local, no MPI)."""

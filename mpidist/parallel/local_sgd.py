@@ -93,6 +93,13 @@ class LocalSgdStrategy(DataParallel):
     def arguments(cls, settings, setup):
         return {"sync_every": settings.sync_every}
 
+    @classmethod
+    def copies(cls, settings, cluster, arrays):
+        # the chief gathers every worker's own parameters and optimizer state into rows for a checkpoint, and
+        # stages them for a write behind: 25.5 whole models measured for three workers with Adam
+        workers = max(cluster.num_workers, 1)
+        return (2 * workers + 2) * (1 + arrays) + 2 if cluster.is_chief else 0
+
     def __init__(self, *args, sync_every=4, **kwargs):
         super().__init__(*args, **kwargs)
         self.sync_every = int(sync_every)

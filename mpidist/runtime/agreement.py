@@ -40,6 +40,7 @@ from .errors import (
     UsageError,
     error_line,
 )
+from .price import out_of_memory
 from .rma import Window
 from .whereabouts import here
 
@@ -126,6 +127,8 @@ def abort_job(exc_type, exc, tb):
     """
     from mpi4py import MPI
 
+    if isinstance(exc, MemoryError) or _mpi_out_of_memory(exc):  # (the price bounds a run: one line)
+        exc = out_of_memory(exc, f"while in {here().phase} at step {here().step}")
     rank = MPI.COMM_WORLD.Get_rank()
     many = MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
     understood = isinstance(exc, (UsageError, RunError))
@@ -152,6 +155,15 @@ def abort_job(exc_type, exc, tb):
             abort_quietly(code)
         MPI.COMM_WORLD.Abort(code)
     sys.exit(code)
+
+
+def _mpi_out_of_memory(exc):
+    """Whether ``exc`` is MPI's error for an allocation of its own that failed."""
+    from mpi4py import MPI
+
+    if not isinstance(exc, MPI.Exception):
+        return False
+    return exc.Get_error_class() == MPI.ERR_NO_MEM or "Out of memory" in str(exc)
 
 
 def interrupted_line(stop, rank):
@@ -207,6 +219,8 @@ def agreed(comm):
         code, message = EXIT_USAGE, str(err)
     except RunError as err:  # understood (the system failed a read): its line, no traceback
         code, message = EXIT_FAILURE, str(err)
+    except MemoryError as err:
+        code, message = EXIT_FAILURE, str(out_of_memory(err, "at start-up"))
     except Exception:  # a bug or I/O failure: keep the traceback, still exit together
         code, message = EXIT_FAILURE, "unexpected failure:\n" + traceback.format_exc()
     size = 1 if comm is None else comm.Get_size()

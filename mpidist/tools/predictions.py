@@ -28,13 +28,14 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from ..api import load_split, load_trained
-from ..loop import split_model
+from ..api.trained import load_shapes, load_split, read_parameters
+from ..loop import pricing, split_model
 from ..nn.scores import digits4
 from ..runtime import comm as mpi
 from ..runtime.agreement import agreed, ends_the_job_on_error
 from ..runtime.errors import UsageError
-from ..runtime.memory import check_fits
+from ..runtime import memory
+from ..runtime import price as memory_price
 from ..runtime.text import check_utf8
 from ..runtime.whereabouts import here
 from ..store.outputs import claimed
@@ -137,6 +138,7 @@ def predict(
     from ..settings.config import Settings
 
     limit_blas_threads()
+    memory.settle()  # (what it holds from here on is what its price bounds)
     world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
     with LocalWatch(here(), Settings.stall_timeout, world.Get_rank()):
@@ -158,8 +160,8 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1, "
                 saved, trained, settings = load_split(
                     checkpoint_path, reader.dataset_for, model, world, *layout, data_given=reader.given
                 )
-            else:
-                trained = load_trained(
+            else:  # (its parameters are read once what the rank will hold is priced)
+                saved_whole, trained = load_shapes(
                     checkpoint_path, reader.dataset_for, model=model, data_given=reader.given
                 )
             check_utf8(reader.data, "predict --data")  # (as the file records it: absolute)
@@ -190,25 +192,30 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1, "
             target = None if output is None else Path(output)
             if target is not None:
                 refuse_an_input(target, [checkpoint_path] + reader.files)
+            # rows are read and predicted a part at a time (the memory of a part, whatever the input's size)
+            part = max(1, PART_BYTES // (8 * int(np.prod(reader.info.sample_shape))))
+            price = pricing.prediction_price(
+                settings if split_up else None, (rank, size, share), net, reader, counts[share], (part, BATCH)
+            )
+            price.check(f"predicting {reader.samples:,} samples with {net.num_params:,} parameters")
+            if not split_up:
+                read_parameters(saved_whole, trained)
             if rank == 0:
-                check_fits(
-                    reader.samples * width * (net.dtype.itemsize + 4) + reader.samples * 8,
-                    f"the predictions of {reader.samples:,} samples ({width:,} outputs each) on rank 0",
-                )
                 if target is not None:
                     # unwritable: fails now
                     claim = claiming.enter_context(claimed(target, "the predictions"))
         _agree_on_sizes(world, reader.samples, width)
+        totals = memory_price.gathered(world, price)
+        if rank == 0:
+            print(memory_price.said(totals), flush=True)
         forward = (
             (lambda x: _forward(net, x, width))
             if saved is None
             else SplitForward(world, saved, settings, net, reader.info, width)
         )
         givers = _givers(world, forward)
-        # rows are read and predicted a part at a time (the memory of a part, whatever the input's size);
         # every rank takes as many parts, so each read is agreed on: bad rows end every rank cleanly, output
         # untouched
-        part = max(1, PART_BYTES // (8 * int(np.prod(reader.info.sample_shape))))
         outputs, targets = [], []
         for lo in range(0, max(counts) or 1, part):
             with agreed(world):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mpidist import nn
-from mpidist.loop.setup import check_holds
+from mpidist.loop.pricing import check_holds
 from mpidist.parallel import holding
 from mpidist.runtime.errors import UsageError
 
