@@ -255,6 +255,9 @@ def run_dir_of(out, label, device, dtype):
 def train(out, label, ranks, arguments, device, dtype, limit):
     """One short training run; ``(losses per step, final parameters)``, or a string saying why not."""
     run_dir = run_dir_of(out, label, device, dtype)
+    for place in (run_dir.parent, run_dir):  # (an earlier check's folder is removed, never through a link)
+        if place.is_symlink():
+            return f"{place} is a symbolic link, which the check never follows: remove it"
     shutil.rmtree(run_dir, ignore_errors=True)
     command = mpiexec(ranks) + [
         sys.executable,

@@ -306,3 +306,17 @@ def test_out_that_cannot_be_written_in_is_refused_and_what_was_made_for_it_remov
     with pytest.raises(out_folder.Refused, match="cannot write in it: Is a directory"):
         out_folder.claim(tmp_path / "marked")
     assert os.listdir(tmp_path / "marked") == [out_folder.MARK]
+
+
+def test_a_run_folder_of_an_earlier_check_is_removed_never_through_a_link(tmp_path):
+    """OUT/runs, or a run's folder, that is a symbolic link (to the user's files) is refused, not followed:
+    the check removed the run folder it led to before making it again."""
+    out, user = tmp_path / "out", tmp_path / "user"
+    mine = user / check.run_dir_of(out, "local", "cpu", "float32").name  # (where OUT/runs leads)
+    mine.mkdir(parents=True)
+    (mine / "keep.txt").write_text("the user's")
+    out.mkdir()
+    (out / "runs").symlink_to(user)
+    why = check.train(out, "local", 1, [], "cpu", "float32", 30)
+    assert isinstance(why, str) and "is a symbolic link, which the check never follows" in why
+    assert (mine / "keep.txt").read_text() == "the user's"
