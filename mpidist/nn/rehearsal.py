@@ -58,15 +58,16 @@ def rehearse(model, batch, evaluation_batch, first=0, last=None):
         return Passes()
     last = len(model.layers) if last is None else last
     shapes = list(model.shapes) + [model.output_shape]
-    tracing = not tracemalloc.is_tracing()
-    if tracing:
-        tracemalloc.start()
     # (zeros make NaN and Inf where a layer divides or a mask hides every position: not the run's business)
     with np.errstate(all="ignore"):
-        # (first a pass of one sample, not counted: what a layer does once in a process, compiling its kernels
-        # or loading them, is no step's; then each pass runs the layers in order on one batch size: a layer
-        # reading a mask an earlier one made, the padding of a sequence, finds it made for its own batch)
+        # (first a pass of one sample, not counted nor traced: what a layer does once in a process, compiling
+        # its kernels or loading them, is no step's; then each pass runs the layers in order on one batch
+        # size: a layer reading a mask an earlier one made, the padding of a sequence, finds it made for its
+        # own batch)
         _pass(model, first, last, shapes, _training(1, model.dtype))
+        tracing = not tracemalloc.is_tracing()
+        if tracing:
+            tracemalloc.start()
         step = _pass(model, first, last, shapes, _training(batch, model.dtype)) if batch else []
         evaluation = (
             _scaled(
