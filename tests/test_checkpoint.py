@@ -10,6 +10,7 @@ import pytest
 
 from mpidist.runtime.errors import UsageError
 from mpidist.store import checkpoint
+from crafted import MARKER, external_storage
 
 
 def write(directory, step):
@@ -114,9 +115,6 @@ def test_everything_read_from_a_checkpoint_is_checked_before_use(tmp_path, chang
     assert message in str(caught.value) and str(path) in str(caught.value)
 
 
-MARKER = 4242.0  # what the file outside holds: a value no check lets through
-
-
 def elsewhere(tmp_path):
     """A raw file and an HDF5 file (its ``secret``) of markers, beside the checkpoint."""
     np.full(64, MARKER).tofile(tmp_path / "values.bin")
@@ -124,16 +122,6 @@ def elsewhere(tmp_path):
         handle["secret"] = np.full((2, 5), MARKER)
         handle["flat"] = np.full(5, MARKER)
     return tmp_path / "values.bin", tmp_path / "other.h5"
-
-
-def external_storage(name):
-    def change(handle, raw, other):
-        shape = handle[name].shape
-        del handle[name]
-        size = int(np.prod(shape)) * 8
-        handle.create_dataset(name, shape=shape, dtype=np.float64, external=[(str(raw), 0, size)])
-
-    return change
 
 
 def external_link(handle, raw, other):

@@ -13,8 +13,7 @@ from mpidist import data
 from mpidist.runtime.errors import UsageError
 from mpidist.tools.ingest import write_dataset
 from mpidist.tools.prediction_inputs import HDF5Samples
-
-MARKER = 4242.0  # what every file outside holds: a value no check lets through
+from crafted import MARKER, external_storage
 
 
 def dataset(path):
@@ -32,16 +31,6 @@ def outside(tmp_path):
     with h5py.File(tmp_path / "other.h5", "w") as handle:
         handle["x"] = np.full((40, 4), MARKER)
     return tmp_path / "values.bin", tmp_path / "other.h5"
-
-
-def external_storage(name):
-    def change(handle, raw, other):
-        shape = handle[name].shape
-        del handle[name]
-        size = int(np.prod(shape)) * 8
-        handle.create_dataset(name, shape=shape, dtype=np.float64, external=[(str(raw), 0, size)])
-
-    return change
 
 
 def soft_link_through_an_external_link(name):

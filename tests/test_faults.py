@@ -41,6 +41,7 @@ from conftest import (
     wait_for_step,
 )
 from writes import hooked_script, left_aside
+from crafted import recorded_again
 
 SECONDS_TO_END = 10
 
@@ -1152,18 +1153,6 @@ def pipe_outside_untouched(p, out, err):
     assert stat.S_ISFIFO(os.stat(p / "outside").st_mode)
 
 
-def parts_recorded_again(index):
-    """Each part's size and checksum recorded in the index anew: whoever crafts a checkpoint writes them."""
-    from mpidist.store import sharded
-
-    with h5py.File(index, "r+") as handle:
-        listed = json.loads(handle.attrs[sharded.PARTS])
-        for record in listed:
-            part = index.parent / record["file"]
-            record.update(bytes=part.stat().st_size, sha256=sharded.checksum(part))
-        handle.attrs[sharded.PARTS] = json.dumps(listed)
-
-
 def kept_outside(handle, name, outside):
     """``handle[name]`` replaced by a dataset of its shape whose values HDF5 would read from ``outside``."""
     item = handle[name]
@@ -1184,7 +1173,7 @@ def a_part_reading_a_pipe(p, stack=None):
     (part,) = index.parent.glob("*.parts-*/rank-00001.h5")
     with h5py.File(part, "a") as handle:
         kept_outside(handle, "params", a_pipe_outside(p))
-    parts_recorded_again(index)
+    recorded_again(index)
     return command("eval", str(index))(p)
 
 

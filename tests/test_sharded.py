@@ -12,6 +12,7 @@ from mpidist import nn
 from mpidist.nn.placement import Placement, parameter
 from mpidist.nn.tensor import split_model
 from mpidist.store import parts_debris, sharded
+from crafted import MARKER, recorded_again
 
 
 def whole():
@@ -217,7 +218,6 @@ def test_a_format_1_checkpoint_with_a_virtual_dataset_is_refused(tmp_path):
 
 
 # -- nothing read from outside the checkpoint's folder (issue 61, item 5) -----------------------------------
-MARKER = 4242.0  # what every file outside the checkpoint holds: a value no check lets through
 
 
 def outside(tmp_path, count):
@@ -228,16 +228,6 @@ def outside(tmp_path, count):
     with h5py.File(folder / "values.h5", "w") as handle:
         handle["x"] = np.full(count, MARKER)
     return folder / "values.bin", folder / "values.h5"
-
-
-def recorded_again(index):
-    """Each part's size and checksum recorded in the index anew: a crafted checkpoint's are the crafter's."""
-    with h5py.File(index, "r+") as handle:
-        listed = json.loads(handle.attrs[sharded.PARTS])
-        for record in listed:
-            part = index.parent / record["file"]
-            record.update(bytes=part.stat().st_size, sha256=sharded.checksum(part))
-        handle.attrs[sharded.PARTS] = json.dumps(listed)
 
 
 def stored_elsewhere(handle, name, raw, source):

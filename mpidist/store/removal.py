@@ -61,11 +61,7 @@ def remove_file(path, removal=None):
     :class:`Removal`."""
     removal = removal if removal is not None else Removal()
     path = Path(path)
-    found = kind(path)
-    if found == MISSING:
-        return removal
-    if found != FILE:
-        removal.left.append((path.name, f"a {found}, not a file mpidist wrote"))
+    if not _is(path, FILE, "a file mpidist wrote", removal):
         return removal
     try:
         path.unlink()
@@ -85,11 +81,7 @@ def remove_folder(folder, own):
     file of such a name (a link among the parts, a file of the user's), and then the folder too.
     """
     folder, removal = Path(folder), Removal()
-    found = kind(folder)
-    if found == MISSING:
-        return removal
-    if found != FOLDER:
-        removal.left.append((folder.name, f"a {found}, not a folder mpidist made"))
+    if not _is(folder, FOLDER, "a folder mpidist made", removal):
         return removal
     inside = Removal()
     try:
@@ -113,6 +105,15 @@ def remove_folder(folder, own):
     except OSError as err:  # (something appeared meanwhile: it stays, and so does the folder)
         removal.left.append((folder.name, err.strerror or str(err)))
     return removal
+
+
+def _is(path, expected, what, removal):
+    """Whether ``path`` is of kind ``expected``; where it is something else, it is left, and ``removal`` says
+    so (``what`` it would have been)."""
+    found = kind(path)
+    if found not in (expected, MISSING):
+        removal.left.append((path.name, f"a {found}, not {what}"))
+    return found == expected
 
 
 def _names(left, shown=3):
