@@ -41,6 +41,14 @@ LAYOUTS = {
     "pipeline": (2, ["--strategy", "pipeline", "--stages", "2"]),
     "tensor": (2, ["--strategy", "allreduce", "--tensor", "2"]),
     "pipeline x tensor": (4, ["--strategy", "pipeline", "--stages", "2", "--tensor", "2"]),
+    # what the layouts above leave out: a streamed dataset, a compiled pooling layer with --trace detail and
+    # --clip-norm, a pipeline's 1F1B schedule over more micro-batches
+    "streamed": (2, ["--strategy", "allreduce", "--memory-budget", "8M"]),
+    "cnn, traced, clipped": (2, ["--model", "cnn", "--trace", "detail", "--clip-norm", "1"]),
+    "pipeline 1f1b": (
+        2,
+        ["--strategy", "pipeline", "--stages", "2", "--schedule", "1f1b", "--micro-batches", "8"],
+    ),
 }
 SPLITS = {
     "whole": [],
@@ -120,6 +128,14 @@ def checkpoint(tmp_path_factory):
     )
     assert done.returncode == 0, done.stderr
     return str(next((where / "ck").glob("ckpt-*.h5")))
+
+
+@pytest.mark.parametrize("layout", ["allreduce", "pipeline"])
+def test_a_resumed_run_trains_to_the_end_under_a_limit_just_above_its_price(tmp_path, checkpoint, layout):
+    ranks, flags = LAYOUTS[layout]
+    # (from the checkpoint of step 6, to step 9: a lineage of its own beside the unlimited run's)
+    args = [*TRAIN, *flags, "--steps", "9", "--resume", checkpoint, "--new-lineage", "--run-dir", "run"]
+    priced_then_capped(ranks, args, tmp_path, "mpidist: done")
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

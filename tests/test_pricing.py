@@ -3,7 +3,7 @@ under a real limit, is tests/test_memory_price.py's)."""
 
 import pytest
 
-from mpidist.loop.pricing import in_flight
+from mpidist.loop.rehearsed import in_flight
 from mpidist.runtime.memory import human
 from mpidist.runtime.price import Price, said
 

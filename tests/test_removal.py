@@ -6,6 +6,7 @@ Each place that removes is tried with what a user may have put under mpidist's n
 their archive, a folder of their own, a file of their own in a folder mpidist made, a special file.
 """
 
+import json
 import os
 import re
 
@@ -252,3 +253,41 @@ def test_a_run_refused_at_start_up_leaves_no_directory_it_made(tmp_path, given):
     done, _ = mpidist(2, "train", "--data", str(tmp_path / "label.h5"), *given, cwd=tmp_path)
     assert done.returncode == 2 and "mpidist: error (rank 1): " in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.h5", "label.h5"]
+
+
+@pytest.mark.parametrize(
+    "listed,kind",
+    [
+        ([{"file": "", "bytes": 0, "sha256": ""}], sharded.FORMAT),  # (a record naming no folder: it crashed)
+        ([{"file": 7}], sharded.FORMAT),
+        ([], "mpidist-checkpoint-3"),  # (a later mpidist's index: what it names is not known here)
+    ],
+)
+def test_an_index_whose_parts_cannot_be_told_keeps_its_folders(tmp_path, listed, kind):
+    directory = tmp_path / "ck"
+    index, folder = sharded_checkpoint(directory, 1)
+    with h5py.File(index, "r+") as handle:
+        handle.attrs["format"] = kind
+        handle.attrs[sharded.PARTS] = json.dumps(listed)
+    done = parts_debris.remove_unnamed_folders(directory)
+    assert done.removed == [] and folder.is_dir()
+    assert done.left == [
+        (folder.name, f"its index {index.stem}.h5 cannot be read: a checkpoint passed over is left as it is")
+    ]
+
+
+def test_a_checkpoint_directory_named_through_a_link_is_cleaned_inside_never_through_its_links(tmp_path):
+    """--checkpoint-dir is often a link to scratch: the directory the user named is followed, what is in it
+    never."""
+    scratch = tmp_path / "scratch"
+    _, folder = sharded_checkpoint(scratch, 2)
+    (scratch / lineage.file_name(2, LINEAGE)).unlink()  # (an interrupted write's parts)
+    stale = scratch / f".ckpt-00000003-{LINEAGE}.h5.tmp-98"
+    stale.write_text("a killed writer's")
+    user = archive(tmp_path)
+    (scratch / f"ckpt-00000001-{LINEAGE}.parts-0a").symlink_to(user)
+    (tmp_path / "ck").symlink_to(scratch)
+    done = lineage.CheckpointDir(tmp_path / "ck").remove_stale_temporaries()
+    assert sorted(done.removed) == sorted([stale.name, folder.name])
+    assert [name for name, _ in done.left] == [f"ckpt-00000001-{LINEAGE}.parts-0a"]
+    intact(user)

@@ -11,7 +11,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import data as datasets  # (``data`` is the argument users know)
-from ..loop import pricing
+from ..loop.inference_pricing import evaluation_price
+from ..loop.rehearsed import EVALUATION_BATCH
 from ..loop.evaluations import shown
 from ..nn import scores
 from ..observe.stall import LocalWatch
@@ -93,8 +94,8 @@ def _evaluate(world, checkpoint_path, data, model, samples=0, layout=(1, 1, "non
         share, shares = split_model.data_share(rank, ranks, stages, tensor) if split else (rank, ranks)
         rows = len(range(share, info.sizes["test"], shares))
         reading = datasets.plan(trained.settings, info, [("test", rows)], net.input_shape, net.dtype)
-        price = pricing.evaluation_price(
-            settings if split else None, rank, ranks, net, reading.nbytes, min(rows, pricing.EVALUATION_BATCH)
+        price = evaluation_price(
+            settings if split else None, (rank, ranks), net, info, reading.nbytes, min(rows, EVALUATION_BATCH)
         )
         price.check(f"evaluating {net.num_params:,} parameters")
         if not split:

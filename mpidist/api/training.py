@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from .. import data as datasets  # (``data`` is the argument users know)
 from ..data.fingerprint import recorded
 from ..loop.setup import Inputs, build_model_for
 from ..observe.stall import LocalWatch
@@ -100,6 +99,14 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
 
 
 def _train(world, watch, model, data, settings, callbacks, stream, flags):
+    created = []  # (the directories rank 0 makes for the run: a refused run leaves none behind)
+    try:
+        return _run(world, watch, model, data, settings, callbacks, stream, flags, created)
+    finally:  # (refused on any rank, at any point of the set-up, or done: what the run never wrote into goes)
+        rundir.take_back(created)
+
+
+def _run(world, watch, model, data, settings, callbacks, stream, flags, created):
     from ..loop.training import run
 
     with agreed(world):
@@ -124,7 +131,6 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
                 "--run-dir auto: a new run directory in" if planned is None else "--run-dir",
                 absolute=True,
             )
-        created = []  # (the directories rank 0 made for it: a refused run leaves none behind)
         made = rundir.make(config, planned, created=created) if world.Get_rank() == 0 else ""
     config = rundir.absolute(rundir.resolved(config, bcast_text(world, made)))
     watch.timeout = config.stall_timeout
@@ -137,10 +143,7 @@ def _train(world, watch, model, data, settings, callbacks, stream, flags):
             xp, device = select_device("cpu" if cluster.role == PS else config.device, cluster.local_rank)
         if config.elastic:  # after a lost rank MPI_Finalize can hang: end as the survivors agree
             atexit.register(_exit_after_failure)
-        try:
-            outcome = run(config, cluster, xp, device, inputs, callbacks, stream=stream or sys.stdout)
-        finally:  # a run directory this run made and never wrote into is not left behind
-            rundir.remove_made(created)
+        outcome = run(config, cluster, xp, device, inputs, callbacks, stream=stream or sys.stdout)
         if not ulfm.failure_seen():  # (after a loss, the survivors' communicators replaced these)
             cluster.free()  # a script may call train() again: nothing is left behind
         return _result(outcome, cluster.is_chief, config, inputs)
@@ -166,11 +169,10 @@ def _result(outcome, is_chief, config, inputs):
     code = {"done": EXIT_OK, "stopped": EXIT_PREEMPTED, "failed": EXIT_FAILURE}[status]
     params = outcome.pop("params", None) if is_chief else None
     checkpoints = [Path(p) for p in outcome.pop("checkpoints", [])]
-    model = None
+    info, model = outcome.pop("dataset", None), None
     if params is not None:
-        # (the trained parameters are the model's buffer itself: nothing is allocated, or priced again, at the
-        # end of a run that holds its memory still)
-        info = datasets.inspect(datasets.resolve(inputs.data), allow_external=config.allow_external)
+        # (built for the dataset the run trained on, as it read it, and holding the trained parameters as its
+        # buffer: a file moved meanwhile, or memory the run holds still, cannot fail a run that finished)
         model = build_model_for(config, inputs, info, np, training=False)
         model.bind_params(params, copy=False)
     return Result(

@@ -168,6 +168,10 @@ class Reporter:
         # writes those the chief had not (see Outputs.take_over)
         self.unwritten = collections.deque(maxlen=UNWRITTEN)
 
+    def discard(self):
+        """The run was refused before it began: its metrics file goes, where opening it made it."""
+        self.log.discard()
+
     def write(self, event, **figures):
         if not self.active and event == "step":
             self.unwritten.append(figures)

@@ -55,7 +55,8 @@ def conclude(training):
         here().enter("finish")
     training.monitor.free()
     training.stops.phases.free()
-    strategy.free(keep=False)  # (the result is the chief's state: no rank copies the model out of the window)
+    # (the result is the chief's state: no rank copies the model out of a node's window)
+    strategy.free(keep=state.params if state is not None else False)
     return outcome(training, state, roles, elapsed, stopped, stopped_early, write_failed)
 
 
@@ -108,6 +109,7 @@ def outcome(training, state, roles, elapsed, stopped, stopped_early, write_faile
     if log.failure:  # the last events could not be written: the run's record is incomplete
         outcome = report.failed(log.failure)
     outcome["params"] = state.params if state is not None else None
+    outcome["dataset"] = training.setup.info  # (what the returned model is built for: not read again)
     outcome["checkpoints"] = training.checkpointer.kept()
     return outcome
 

@@ -33,10 +33,10 @@ class MetricsLog:
     def __init__(self, path):
         self.fd, self.path, self.failure = None, path, None
         self.created = False  # whether opening it made the file (a run refused at start-up takes it back)
+        self.made = []  # the directories made for it (taken back with it)
         if path:
             try:
-                directory = os.path.dirname(os.path.abspath(path))
-                os.makedirs(directory, exist_ok=True)
+                self.made = removal.make_directories(os.path.dirname(os.path.abspath(path)))
                 with here().doing("io", f"opening --metrics {path}"):
                     _check_writable_target(path)
                     self.created = not os.path.lexists(path)
@@ -76,6 +76,7 @@ class MetricsLog:
         self.close()
         if self.created and not written:
             removal.remove_file(self.path)
+            removal.remove_made(self.made)
 
 
 def _check_writable_target(path):

@@ -132,7 +132,7 @@ class Outputs:
         """The run was refused at start-up (on another rank, say): close, and take back the metrics file and
         the checkpoint directories made for it, where nothing was written there."""
         if self.log is not None:
-            self.log.log.discard()  # (the metrics file, where opening it made it and nothing was written)
+            self.log.discard()
         self.close()
         checkpoint_save.remove_unused(self.made)
         self.made = []

@@ -22,7 +22,7 @@ from ..runtime.text import printable
 from ..settings import models
 from ..store import checkpoint
 from ..runtime.agreement import agreed
-from . import pricing
+from . import pricing, tensorboard
 from .callbacks import EarlyStopping
 from .resuming import find_resume, fit_to_model, resume_notes, resumed_buffer
 
@@ -110,6 +110,8 @@ def agreed_setup(config, cluster, xp, inputs, outputs, callbacks=()):
     Returns the :class:`Setup`, and the early stopping (None without ``--early-stop``)."""
     try:
         with agreed(cluster.world):
+            if config.tensorboard:  # (imported before the price: its libraries are what the process holds)
+                tensorboard.require()
             setup = prepare(config, cluster, xp, inputs, *find_resume(config))
             stopping = (
                 EarlyStopping(config.early_stop, monitor=config.keep_best or "val_loss")
@@ -203,10 +205,17 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=(), priced=True):
     notes.extend(f"note: {note}" for note in reading.notes)
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     # every item this rank will hold, against what it may hold, before any of it is allocated
-    price = pricing.training_price(
-        config, cluster, model, info, reading, reads, local_batch, strategy_class(config, workers)
-    )
-    if priced:
+    price = None
+    if priced:  # (the survivors of a lost rank hold the lost layout's memory still: no price holds)
+        run = pricing.Run(
+            info,
+            reading,
+            reads,
+            local_batch,
+            min(config.steps or steps * config.epochs, steps * config.epochs),
+            resume,
+        )
+        price = pricing.training_price(config, cluster, model, run, strategy_class(config, workers))
         pricing.check(config, cluster, model, price)
     shards = {
         split: reading.open(

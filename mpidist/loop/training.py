@@ -147,7 +147,8 @@ class Training:
         self.strategy.initialize(resume)
         # (start-up)
         held = cluster.world.gather(
-            (cluster.rank, self.strategy.held_bytes(), setup.price.total), root=cluster.chief_rank
+            (cluster.rank, self.strategy.held_bytes(), setup.price.total if setup.price else 0),
+            root=cluster.chief_rank,
         )
         if self.chief:
             header(

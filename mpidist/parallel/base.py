@@ -241,7 +241,8 @@ class Strategy(Declared, SavedState):
         once.
 
         ``keep``: the model's buffers outlive the memory the strategy releases (a node's shared window), as
-        copies; False at the end of a run, whose trained values are the chief's result alone (see
+        copies (True); or at the end of a run, whose trained values are the chief's result alone, the model
+        keeps that array as its parameters (the chief's) or none of its values (False: see
         :meth:`~mpidist.parallel.data_parallel.DataParallel.free`)."""
 
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):

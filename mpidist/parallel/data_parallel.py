@@ -137,7 +137,6 @@ class DataParallel(ReplicaWorkers, Strategy):
         # once the window is freed)
         if state is not None and self.exchange.holds_params:
             state = dataclasses.replace(state, params=state.params.copy())
-            self.kept_params = state.params
         comm, own = self.worker_comm, self.own_state()
         if comm is None or comm.Get_size() == 1 or not own:
             return state
@@ -178,19 +177,20 @@ class DataParallel(ReplicaWorkers, Strategy):
 
     def free(self, keep=True):
         # The exchange's memory (a node's shared window) goes: nothing may keep a view of it.  With ``keep``
-        # the model's buffers become copies.  At the end of a run (not ``keep``), copying them on every rank
-        # lifted the node's memory, at the very end, to what per-rank buffers would hold, for values nobody
-        # reads: a finished run's gradients are let go (the next backward makes a buffer), and its
-        # parameters are the chief's result, :meth:`state`'s copy, which the chief's model keeps; elsewhere
-        # the layers are left on zeros (mapped only where written).
+        # True the model's buffers become copies.  At the end of a run, copying them on every rank lifted the
+        # node's memory, at the very end, to what per-rank buffers would hold, for values nobody reads: a
+        # finished run's gradients are let go (the next backward makes a buffer), and its parameters are the
+        # chief's result (``keep``: :meth:`state`'s copy), which the chief's model keeps; elsewhere the
+        # layers are left on zeros (mapped only where written).
+        copies = keep is True
         if self.exchange.holds_buffer:
-            if keep:
+            if copies:
                 self._bind_buffer(self.buffer.copy())
             else:
                 self.buffer = None
                 self.model.unbind_grads()
         if self.exchange.holds_params:
-            kept = self.model.params.copy() if keep else getattr(self, "kept_params", None)
+            kept = self.model.params.copy() if copies else keep if keep is not False else None
             if kept is None:
                 kept = self.model.xp.zeros(self.model.num_params, dtype=self.model.dtype)
             self.model.bind_params(kept, copy=False)

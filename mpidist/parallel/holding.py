@@ -15,6 +15,7 @@ rank.
 import dataclasses
 import math
 
+from ..nn.tensor import split_model
 from .mesh import MeshShape
 from .balance import balance_by_parameters, layer_costs, parse_balance
 from .stage import StageLayout
@@ -44,7 +45,9 @@ def held(settings, cluster, model, optimizer_arrays):
     if settings.strategy == "pipeline":
         balance = parse_balance(settings, model) or balance_by_parameters(layer_costs(model), settings.stages)
         layout = StageLayout(model, balance, cluster.rank, cluster.size, tensor)
-        params = math.ceil((layout.param_hi - layout.param_lo) / tensor)
+        params = layout.param_hi - layout.param_lo
+        if tensor > 1:  # (a part splits some layers and holds the others whole: counted, not divided)
+            params = split_model(layout.stage_model(model), layout.part, tensor, buffers=False)[0].num_params
         part = f"stage {layout.stage} of {layout.stages}" + (
             f", part {layout.part} of {tensor}" if tensor > 1 else ""
         )
@@ -52,8 +55,8 @@ def held(settings, cluster, model, optimizer_arrays):
     if settings.strategy == "allreduce" and settings.shard == "parameters":
         return fully_sharded_held(settings, cluster, model)
     if tensor > 1:
-        params = math.ceil(whole / tensor)
         part = MeshShape(cluster.size, parts=tensor).coordinates(cluster.rank)[2]  # (every rank a worker)
+        params = split_model(model, part, tensor, buffers=False)[0].num_params  # (its layers held whole too)
         return Held(params, params, 0, f"tensor part {part} of {tensor}")
     if not (settings.strategy == "allreduce" and settings.shard == "optimizer"):
         return Held(whole, whole, whole)

@@ -220,7 +220,7 @@ def agreed(comm):
     except RunError as err:  # understood (the system failed a read): its line, no traceback
         code, message = EXIT_FAILURE, str(err)
     except MemoryError as err:
-        code, message = EXIT_FAILURE, str(out_of_memory(err, "at start-up"))
+        code, message = EXIT_FAILURE, str(out_of_memory(err, "at start-up", priced=False))
     except Exception:  # a bug or I/O failure: keep the traceback, still exit together
         code, message = EXIT_FAILURE, "unexpected failure:\n" + traceback.format_exc()
     size = 1 if comm is None else comm.Get_size()

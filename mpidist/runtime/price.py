@@ -82,10 +82,16 @@ def gathered(comm, price):
     return [int(total) for total in totals]
 
 
-def out_of_memory(error, doing):
-    """The :class:`RunError` for a :class:`MemoryError` raised ``doing`` something (``"training"``): one line
-    where the price did not bound the run (a bug, or memory another process took meanwhile)."""
+def out_of_memory(error, doing, priced=True):
+    """The :class:`RunError` for a :class:`MemoryError` raised ``doing`` something (``"while in compute at
+    step 4"``): one line.  ``priced``: the run had passed its price's check (so the price missed something,
+    or another process took memory meanwhile); else the set-up itself could not hold what it read."""
     what = str(error).strip().splitlines()[-1] if str(error).strip() else "an allocation failed"
+    if not priced:
+        return RunError(
+            f"out of memory {doing} ({what}): more than this rank may hold; give it more (a larger limit, "
+            "fewer ranks a node)"
+        )
     return RunError(
         f"out of memory {doing} ({what}): the run's start-up check priced what it holds, so another process "
         "took memory meanwhile, or the price missed something (please report it)"

@@ -30,15 +30,22 @@ FINGERPRINT = re.compile(r"[0-9a-z-]{1,16}:[0-9a-f]{64}")
 MAX_WORKERS = 1 << 20  # rows of per-worker state a checkpoint may claim
 
 
+FINITE_BLOCK = 1 << 20  # values checked at once: a whole array's mask would be as large as a model
+
+
 def check_finite(path, item, array, whose=""):
     """Refuse ``array`` (``item``: "params", an optimizer array's name, or a per-worker one) holding NaN or
     Inf."""
-    if not np.isfinite(array).all():
+    flat = array.reshape(-1)
+    bad = sum(
+        int(np.count_nonzero(~np.isfinite(flat[lo : lo + FINITE_BLOCK])))
+        for lo in range(0, flat.size, FINITE_BLOCK)
+    )
+    if bad:
         item = item if item == "params" or item.startswith(PER_WORKER) else f"optimizer/{printable(item)}"
         raise UsageError(
-            f"{path}: {printable(item)} holds NaN or Inf ({int(np.count_nonzero(~np.isfinite(array)))} "
-            f"of {whose}{array.size} values): it cannot be trained or evaluated from; resume an earlier "
-            "checkpoint"
+            f"{path}: {printable(item)} holds NaN or Inf ({bad} of {whose}{array.size} values): it cannot be "
+            "trained or evaluated from; resume an earlier checkpoint"
         )
 
 

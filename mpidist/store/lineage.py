@@ -149,7 +149,7 @@ class CheckpointDir:
         folders of sharded checkpoints no index names; returns the
         :class:`~mpidist.store.removal.Removal` (what was removed, and what was left and why)."""
         done = removal.Removal()
-        if removal.kind(self.path) == removal.FOLDER:
+        if self.path.is_dir():  # (the directory the user named, a link to scratch or not; nothing in it)
             for path in sorted(self.path.iterdir()):
                 if TEMPORARY.fullmatch(path.name):
                     removal.remove_file(path, done)

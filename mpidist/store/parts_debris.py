@@ -67,16 +67,31 @@ def naming(directory, pattern="*.h5"):
         try:
             with h5py.File(index, "r") as handle:
                 attrs = bounded.Attributes(handle, index_problem, limits={PARTS: PARTS_BYTES})
-                if attrs.get("format") != FORMAT:
-                    continue
-                listed = json.loads(attrs.get(PARTS, "[]"))
+                kind = attrs.get("format")
+                listed = json.loads(attrs.get(PARTS, "[]")) if kind == FORMAT else []
         except (OSError, ValueError, TypeError, KeyError, RuntimeError):
             unread.add(index.stem)
             continue
-        for record in listed if isinstance(listed, list) else []:
-            if isinstance(record, dict) and isinstance(record.get("file"), str):
-                named.add(PurePosixPath(record["file"]).parts[0])
+        folders = [_folder_of(record) for record in listed] if isinstance(listed, list) else [None]
+        if None in folders or _later(kind):
+            unread.add(index.stem)
+        named.update(folder for folder in folders if folder)
     return Naming(named, unread)
+
+
+def _later(kind):
+    """Whether ``kind`` (an index's ``format``) is a later mpidist's checkpoint format than this one reads: it
+    may name parts folders as this one cannot tell."""
+    found = re.fullmatch(r"mpidist-checkpoint-(\d{1,9})", str(kind))
+    return found is not None and int(found.group(1)) > int(FORMAT.rsplit("-", 1)[1])
+
+
+def _folder_of(record):
+    """The parts folder a record of an index's parts names, or None where it names none readably."""
+    if not isinstance(record, dict) or not isinstance(record.get("file"), str):
+        return None
+    parts = PurePosixPath(record["file"]).parts
+    return parts[0] if len(parts) > 1 else None
 
 
 def remove_unnamed_folders(directory):
@@ -86,7 +101,7 @@ def remove_unnamed_folders(directory):
     directory's lock held).  Returns the :class:`~mpidist.store.removal.Removal`: what was removed, and what
     was left and why."""
     directory = Path(directory)
-    if removal.kind(directory) != removal.FOLDER:
+    if not directory.is_dir():  # (the directory the user named may be a link: what is in it, never)
         return removal.Removal()
     return _remove_debris(directory, naming(directory), lambda stem: True)
 

@@ -29,11 +29,11 @@ from ..runtime.text import printable
 FILE, FOLDER, LINK, OTHER, MISSING = "file", "folder", "symbolic link", "special file", "missing"
 
 
-def kind(path):
-    """What ``path`` itself is (a link not followed): one of :data:`FILE`, :data:`FOLDER`, :data:`LINK`,
-    :data:`OTHER` (a pipe, socket or device), :data:`MISSING`."""
+def kind(path, dir_fd=None):
+    """What ``path`` itself is (a link not followed; a name in the directory ``dir_fd`` where given): one of
+    :data:`FILE`, :data:`FOLDER`, :data:`LINK`, :data:`OTHER` (a pipe, socket or device), :data:`MISSING`."""
     try:
-        mode = os.lstat(path).st_mode
+        mode = os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode
     except (OSError, ValueError):
         return MISSING
     if stat.S_ISLNK(mode):
@@ -56,20 +56,20 @@ class Removal:
         return f"left in {where}, as mpidist removes only what it wrote: {items}"
 
 
-def remove_file(path, removal=None):
+def remove_file(path, removal=None, dir_fd=None):
     """Remove ``path`` if it is a regular file (not a link, a folder or a special file); the
-    :class:`Removal`."""
+    :class:`Removal`.  ``dir_fd``: ``path`` is a name in that open directory."""
     removal = removal if removal is not None else Removal()
-    path = Path(path)
-    if not _is(path, FILE, "a file mpidist wrote", removal):
+    name = Path(path).name
+    if not _is(path, FILE, "a file mpidist wrote", removal, dir_fd):
         return removal
     try:
-        path.unlink()
-        removal.removed.append(path.name)
+        os.unlink(path, dir_fd=dir_fd)
+        removal.removed.append(name)
     except FileNotFoundError:
         pass
     except OSError as err:
-        removal.left.append((path.name, err.strerror or str(err)))
+        removal.left.append((name, err.strerror or str(err)))
     return removal
 
 
@@ -78,27 +78,32 @@ def remove_folder(folder, own):
     the folder if that emptied it; the :class:`Removal` (``removed`` names the folder once it is gone).
 
     A ``folder`` that is a link, or not a folder, is left whole; so is anything in it that is not a regular
-    file of such a name (a link among the parts, a file of the user's), and then the folder too.
+    file of such a name (a link among the parts, a file of the user's), and then the folder too.  The folder
+    is opened once, never through a link, and its files are removed by their names in it: a folder swapped
+    for a link meanwhile leads nowhere else.
     """
     folder, removal = Path(folder), Removal()
     if not _is(folder, FOLDER, "a folder mpidist made", removal):
         return removal
     inside = Removal()
     try:
-        names = sorted(os.listdir(folder))
-    except OSError as err:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as err:  # (a link put there since: ELOOP)
         removal.left.append((folder.name, err.strerror or str(err)))
         return removal
-    for name in names:
-        if own.fullmatch(name):
-            remove_file(folder / name, inside)
-        else:
-            inside.left.append((name, "not a name mpidist writes"))
+    try:
+        for name in sorted(os.listdir(fd)):
+            if own.fullmatch(name):
+                remove_file(name, inside, dir_fd=fd)
+            else:
+                inside.left.append((name, "not a name mpidist writes"))
+    finally:
+        os.close(fd)
     if inside.left:
         removal.left.append((folder.name, f"holds what mpidist did not write: {_names(inside.left)}"))
         return removal
     try:
-        os.rmdir(folder)
+        os.rmdir(folder)  # (a link there now is not a directory: refused)
         removal.removed.append(folder.name)
     except FileNotFoundError:
         pass
@@ -107,12 +112,12 @@ def remove_folder(folder, own):
     return removal
 
 
-def _is(path, expected, what, removal):
+def _is(path, expected, what, removal, dir_fd=None):
     """Whether ``path`` is of kind ``expected``; where it is something else, it is left, and ``removal`` says
     so (``what`` it would have been)."""
-    found = kind(path)
+    found = kind(path, dir_fd)
     if found not in (expected, MISSING):
-        removal.left.append((path.name, f"a {found}, not {what}"))
+        removal.left.append((Path(path).name, f"a {found}, not {what}"))
     return found == expected
 
 
@@ -128,7 +133,11 @@ def make_directories(path):
     while not os.path.lexists(probe) and probe != probe.parent:
         missing.append(probe)
         probe = probe.parent
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:  # (a full disk, a quota part way: the directories made so far are taken back)
+        remove_made([folder for folder in missing if os.path.lexists(folder)])
+        raise
     return missing
 
 

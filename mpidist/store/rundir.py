@@ -200,7 +200,7 @@ def make(config, where, now=None, root=ROOT, created=None):
     One rank makes it, the others are told.  A new one (``where`` None) is
     named ``<name>-<YYYYmmdd>-<HHMMSS>``, with ``-2``, ``-3``... where runs
     started in the same second.  Nothing is written in it yet.  ``created``, a
-    list, receives the directories made, innermost first (:func:`remove_made`
+    list, receives the directories made, innermost first (:func:`take_back`
     takes back those a refused run never wrote into).
     """
     created = [] if created is None else created
@@ -224,13 +224,13 @@ def make(config, where, now=None, root=ROOT, created=None):
                     )
             return os.path.abspath(where)
         stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
-        made_root = removal.make_directories(root)
+        created += removal.make_directories(root)  # (the run's own goes first: innermost)
         base = Path(root) / f"{run_name(config)}-{stamp}"
         for count in range(1, 1000):
             path = base if count == 1 else Path(f"{base}-{count}")
             try:
                 os.mkdir(path)
-                created += [Path(os.path.abspath(path)), *made_root]
+                created.insert(0, Path(os.path.abspath(path)))
                 return os.path.abspath(path)
             except FileExistsError:
                 continue
@@ -241,7 +241,7 @@ def make(config, where, now=None, root=ROOT, created=None):
     raise UsageError(f"--run-dir: {base} and 998 more like it exist already")
 
 
-def remove_made(created):
+def take_back(created):
     """Take back the directories a run made (``created``, innermost first: :func:`make`'s) where it wrote
     nothing into them (:func:`remove_if_empty`)."""
     if created:

@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..api.trained import load_shapes, load_split, read_parameters
-from ..loop import pricing, split_model
+from ..loop import split_model
 from ..nn.scores import digits4
 from ..runtime import comm as mpi
 from ..runtime.agreement import agreed, ends_the_job_on_error
@@ -41,6 +41,7 @@ from ..runtime.whereabouts import here
 from ..store.outputs import claimed
 from .prediction_file import refuse_an_input, write_predictions
 from .prediction_inputs import reader_for
+from .prediction_price import prediction_price
 
 #: Samples per forward pass (``eval`` uses the same).
 BATCH = 1024
@@ -194,8 +195,14 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1, "
                 refuse_an_input(target, [checkpoint_path] + reader.files)
             # rows are read and predicted a part at a time (the memory of a part, whatever the input's size)
             part = max(1, PART_BYTES // (8 * int(np.prod(reader.info.sample_shape))))
-            price = pricing.prediction_price(
-                settings if split_up else None, (rank, size, share), net, reader, counts[share], (part, BATCH)
+            price = prediction_price(
+                settings if split_up else None,
+                (rank, size),
+                net,
+                reader,
+                counts[share],
+                (part, BATCH, 16 * BATCH),
+                output,
             )
             price.check(f"predicting {reader.samples:,} samples with {net.num_params:,} parameters")
             if not split_up:
