@@ -64,6 +64,26 @@ def test_a_checkpoint_due_while_the_writer_is_busy_waits_for_it_and_several_beco
     assert taken == [1, 6, 8]
 
 
+def test_survivors_rolled_back_to_a_checkpoint_decide_alike_whatever_each_owed_at_the_loss(tmp_path):
+    """A loss finds the ranks at different points of a boundary: one past its agreement owes the checkpoint
+    its writer deferred, one that failed in it owes none.  Rolled back to step 120, both decide the same from
+    there: nothing at 121-129 (the deferred one was a checkpoint of steps now undone), the crossing at 130."""
+    ahead, behind = checkpointer(tmp_path / "a", every=10), checkpointer(tmp_path / "b", every=10)
+    for step in range(121, 131):
+        ahead.schedule.crossed(step), behind.schedule.crossed(step)
+    assert not ahead.starts_at(130, due=True, busy=True)  # (deferred: its writer was busy)
+    assert ahead.behind.owed and not behind.behind.owed
+    for writer in (ahead, behind):
+        writer.rolled_back(120)
+    taken = {"ahead": [], "behind": []}
+    for name, writer in (("ahead", ahead), ("behind", behind)):
+        for step in range(121, 136):
+            if writer.starts_at(step, writer.schedule.crossed(step), busy=False):
+                writer.taken(step)
+                taken[name].append(step)
+    assert taken["ahead"] == taken["behind"] == [130]
+
+
 def test_after_a_write_the_writer_rests_so_that_writing_takes_a_bounded_share_of_the_time(tmp_path):
     from mpidist.loop.writer import WRITER_SHARE, BehindWrite
 

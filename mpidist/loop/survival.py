@@ -38,6 +38,7 @@ def continue_from(training, cluster, resume):
     training.new_strategy()
     training.strategy.initialize(resume)
     training.move_to(resume, on_disk=False)
+    training.checkpointer.rolled_back(resume.step)
 
 
 def give_up(training, message):
