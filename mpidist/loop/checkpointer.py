@@ -245,8 +245,8 @@ class Checkpointer:
         return last is not None and (last.is_alive() or time.monotonic() < last.free_at())
 
     def rolled_back(self, step):
-        """Every rank, as the survivors of a lost rank go back to ``step``: the schedule goes on from there and
-        nothing is owed or recently started.  These lockstep decisions are each rank's own record of the
+        """Every rank, as the survivors of a lost rank go back to ``step``: the schedule goes on from there
+        and nothing is owed or recently started.  These lockstep decisions are each rank's own record of the
         boundaries it went through, and a loss finds the ranks at different points of one (some past the
         boundary's agreement, some failed in it): one rank that still owed a checkpoint started it at the
         next boundary alone, its save waiting for good on ranks that stepped on."""
