@@ -49,6 +49,9 @@ LAYOUTS = {
         2,
         ["--strategy", "pipeline", "--stages", "2", "--schedule", "1f1b", "--micro-batches", "8"],
     ),
+    # 16-bit models beside their float32 master copies and the loss's float32 arrays
+    "allreduce --precision bf16": (2, ["--strategy", "allreduce", "--precision", "bf16"]),
+    "cnn --precision fp16": (1, ["--model", "cnn", "--precision", "fp16"]),
 }
 SPLITS = {
     "whole": [],

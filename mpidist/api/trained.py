@@ -179,4 +179,5 @@ def _stored_settings(saved):
         config.validate_values()
     except UsageError as err:
         raise UsageError(f"{saved.path}: its stored settings are not valid ({printable(err)})") from None
-    return config
+    # (a --precision run's checkpoint holds its float32 master: evaluated and used as it was trained to be)
+    return dataclasses.replace(config, precision="float32")

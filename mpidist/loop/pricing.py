@@ -28,6 +28,7 @@ would fit it.  ``eval`` and ``predict`` are priced by
 import dataclasses
 
 from ..nn.parameter_map import walk
+from ..nn.precision import is_low, master_dtype
 from ..parallel import holding
 from ..parallel.units import units_of
 from ..runtime import recorder
@@ -65,7 +66,8 @@ def training_price(config, cluster, model, run, strategy):
     :meth:`~mpidist.parallel.declared.Declared.copies`); ``run`` what the set-up fixed of it:
     ``info``, ``reading`` (its data's :class:`~mpidist.data.Reading`), ``reads`` (the splits it reads),
     ``local_batch`` (0: it computes none), ``steps`` (the run's), ``resume`` (the checkpoint, or None)."""
-    arrays, itemsize, whole = optimizer_arrays(config), model.dtype.itemsize, model.num_params
+    # (a 16-bit model's state is priced at float32's size, its master copies beside: an upper bound)
+    arrays, itemsize, whole = optimizer_arrays(config), master_dtype(model.dtype).itemsize, model.num_params
     share = holding.held(config, cluster, model, arrays)
     in_graph = config.replication == "in-graph" and cluster.is_chief
     rehearsed = rank_arrays(
@@ -80,6 +82,8 @@ def training_price(config, cluster, model, run, strategy):
     )
     price = Price()  # (what the process holds is read now: after the rehearsal loaded what the layers use)
     price.add("training state", holding.held_bytes(share, arrays, itemsize))
+    if is_low(model.dtype):
+        price.add("--precision's float32 master and gradient", 2 * share.params * itemsize)
     price.add("data", run.reading.nbytes)
     price.add("a step's arrays", rehearsed.step)
     price.add("an evaluation batch", rehearsed.evaluation)

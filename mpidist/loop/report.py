@@ -39,6 +39,12 @@ def header(config, cluster, setup, outputs, table, asked_seed, held, imbalance=N
         f"{layout_text(config, cluster)}, global batch {config.batch_size}, {setup.steps_per_epoch} "
         f"steps/epoch\n{table}"
     )
+    if config.precision != "float32":
+        scaled = ", the loss scaled dynamically" if config.precision == "fp16" else ""
+        say(
+            f"mpidist: computing in {config.precision} (parameters, activations, gradients and their "
+            f"exchange), float32 master weights and optimizer state{scaled}"
+        )
     if imbalance is not None:
         say(f"mpidist: parameter shards balanced to within {100 * imbalance:.2f}%")
     large = [

@@ -15,6 +15,7 @@ import sys
 
 from .. import data, nn
 from ..nn import scores
+from ..nn.precision import compute_dtype, master_dtype
 from ..parallel import STRATEGIES
 from ..parallel.recipe import recipe_for, total_steps
 from ..runtime.errors import UsageError
@@ -74,7 +75,8 @@ def build_model_for(config, inputs, info, xp, cluster=None, training=True):
     try:
         # (a map of shapes: the strategy makes the buffers of what this rank holds, the whole model's or a
         # part's)
-        model = inputs.model.build(info.sample_shape, info.outputs, xp, config.dtype, buffers=False)
+        dtype = compute_dtype(config.precision, config.dtype)  # (--precision: the model computes in 16 bits)
+        model = inputs.model.build(info.sample_shape, info.outputs, xp, dtype, buffers=False)
         check_outputs(model, info, inputs.model.spec)
         if training:
             pricing.check_holds(config, cluster, model)
@@ -321,7 +323,7 @@ def make_strategy(config, setup, cluster, xp, where=None, figures=None):
             config.lr,
             config.momentum,
             xp,
-            setup.model.dtype,
+            master_dtype(setup.model.dtype),  # (a 16-bit model's optimizer updates its float32 master)
             weight_decay=config.weight_decay,
         )
 

@@ -9,7 +9,10 @@ buffer completely and nothing needs zeroing between steps.
 Shapes in docstrings are per batch: ``N`` samples first.
 """
 
+import numpy as np
+
 from . import init
+from .precision import master_dtype
 from .workspace import UsesWorkspace
 
 
@@ -227,8 +230,10 @@ class Dropout(Layer):
         xp, keep = self.xp, 1.0 - self.rate
         # (random < keep) / keep, in the dtype of x, drawn and computed into arrays kept from step to step
         mask = self.scratch("mask", x.shape, x.dtype)
-        self.rng.random(x.shape, dtype=x.dtype, out=mask)
-        mask[...] = xp.less(mask, keep, out=self.scratch("kept", x.shape, bool))
+        # (a generator draws float32 and float64 only: a 16-bit layer draws in float32)
+        draw = mask if mask.dtype == master_dtype(x.dtype) else self.scratch("draw", x.shape, np.float32)
+        self.rng.random(x.shape, dtype=draw.dtype, out=draw)
+        mask[...] = xp.less(draw, keep, out=self.scratch("kept", x.shape, bool))
         mask /= keep
         self.mask = mask
         return xp.multiply(x, mask, out=self.scratch("y", x.shape, x.dtype))

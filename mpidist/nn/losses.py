@@ -8,12 +8,33 @@ shards are weighted correctly.
 
 In a training pass both compute into the model's workspace
 (:meth:`~mpidist.nn.Sequential.use_workspace`): the same arrays every step.
+
+A 16-bit model's outputs (``--precision``) are widened: the loss, its
+softmax and its gradient are computed in float32 (an fp16 log-probability
+underflows to -Inf where float32's does not), and the gradient handed back
+is rounded to the outputs' type.
 """
 
+from .precision import master_dtype
 from .workspace import UsesWorkspace
 
 
-class SoftmaxCrossEntropy(UsesWorkspace):
+class Widening(UsesWorkspace):
+    """Mixin of losses: computed in float32 for 16-bit outputs, the gradient handed back in their type."""
+
+    #: the outputs' dtype, which the gradient is handed back in (set by ``forward``)
+    compute = None
+
+    def narrowed(self, grad):
+        """``grad`` (float32) in the outputs' dtype: itself where they are the same."""
+        if self.compute is None or grad.dtype == self.compute:
+            return grad
+        narrow = self.scratch("narrow", grad.shape, self.compute)
+        narrow[...] = grad
+        return narrow
+
+
+class SoftmaxCrossEntropy(Widening):
     """Cross-entropy of softmax(logits) against integer labels, averaged over every labelled position.
 
     ``logits (N, K)`` and ``labels (N,)`` ints in ``[0, K)``: one class per
@@ -23,7 +44,7 @@ class SoftmaxCrossEntropy(UsesWorkspace):
     The softmax subtracts each row's maximum first: no logit overflows.
     """
 
-    cache = ("probs", "labels", "shape")
+    cache = ("probs", "labels", "shape", "compute")
 
     def __init__(self, xp):
         self.xp = xp
@@ -40,8 +61,8 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         return logits.reshape(rows, k), labels.reshape(rows)
 
     def forward(self, logits, labels):
-        xp, dtype = self.xp, logits.dtype
-        self.shape = logits.shape
+        xp, dtype = self.xp, master_dtype(logits.dtype)
+        self.shape, self.compute = logits.shape, logits.dtype
         logits, labels = self._rows_of(logits, labels)
         n, k = logits.shape
         # log_p = shifted - log(sum(exp(shifted))), shifted = logits - max: computed in two (N, K) arrays
@@ -70,7 +91,7 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         grad[...] = self.probs
         grad[self._rows(n), self.labels] -= 1.0
         grad *= scale / n
-        return grad.reshape(self.shape)
+        return self.narrowed(grad).reshape(self.shape)
 
     def correct(self, logits, labels):
         """Number of labelled positions (samples, or tokens) whose top logit is the label."""
@@ -83,13 +104,13 @@ class SoftmaxCrossEntropy(UsesWorkspace):
         return int(labels.size)
 
 
-class MeanSquaredError(UsesWorkspace):
+class MeanSquaredError(Widening):
     """Mean over samples and outputs of ``(pred - target)**2``.
 
     ``pred (N, K)``, ``target (N, K)`` or ``(N,)`` when ``K == 1``.
     """
 
-    cache = ("diff",)
+    cache = ("diff", "compute")
 
     def __init__(self, xp):
         self.xp = xp
@@ -97,15 +118,17 @@ class MeanSquaredError(UsesWorkspace):
     def forward(self, pred, target):
         xp = self.xp
         target = target.reshape(pred.shape)
-        dtype = xp.result_type(pred, target)
+        dtype, self.compute = master_dtype(xp.result_type(pred, target)), pred.dtype
         self.diff = xp.subtract(pred, target, out=self.scratch("diff", pred.shape, dtype))
         return xp.multiply(self.diff, self.diff, out=self.scratch("squares", pred.shape, dtype)).mean()
 
     def backward(self, scale=1.0):
-        return self.xp.multiply(
-            self.diff,
-            2.0 * scale / self.diff.size,
-            out=self.scratch("grad", self.diff.shape, self.diff.dtype),
+        return self.narrowed(
+            self.xp.multiply(
+                self.diff,
+                2.0 * scale / self.diff.size,
+                out=self.scratch("grad", self.diff.shape, self.diff.dtype),
+            )
         )
 
     def correct(self, pred, target):

@@ -18,6 +18,7 @@ chooses.
 
 import dataclasses
 
+from ..nn.precision import is_low
 from ..runtime.agreement import agreed
 from ..runtime.errors import UsageError
 from .allreduce_declared import AllreduceDeclared, check_exchange
@@ -110,6 +111,8 @@ class AllreduceStrategy(AllreduceDeclared, DataParallel):
         if self.compress != "none":
             return CompressedExchange(self.worker_comm, self.buffer, self.bucket_bytes, self.compress)
         comm, kind = self.worker_comm, self.exchange_kind
+        if is_low(self.model.dtype):  # (--precision: each worker's own master copy, summed by MPI)
+            return Exchange(self.worker_comm, self.buffer, self.bucket_bytes)
         if kind in ("auto", "node"):
             why_not = node_model_possible(comm, self.buffer, self.model)  # collective: the same everywhere
             if why_not is None:

@@ -21,35 +21,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime import comm as mpi
+from ..runtime.bfloat16 import from_bf16, to_bf16
 from ..runtime.errors import RunError
 from .exchange import Exchange
-
-
-def to_bf16(values, out, scratch=None):
-    """float32 ``values`` rounded to nearest even bfloat16, as their ``uint16`` bit patterns in ``out``.
-
-    ``scratch``: a ``uint32`` array of the same size for the intermediate (else
-    one is made).  Every NaN becomes the quiet NaN: rounding a NaN whose high
-    half is ``0x7FFF`` would carry into the sign bit and send it as a zero.
-    """
-    bits = values.view(np.uint32)
-    rounding = np.right_shift(bits, 16, out=scratch)
-    rounding &= 1
-    rounding += 0x7FFF
-    rounding += bits
-    rounding >>= 16
-    out[...] = rounding
-    # (the intermediate is spent: its first bytes hold the NaN mask)
-    np.copyto(out, np.uint16(0x7FC0), where=np.isnan(values, out=rounding.view(bool)[: values.size]))
-    return out
-
-
-def from_bf16(patterns, out):
-    """bfloat16 bit patterns (``uint16``) widened exactly into float32 ``out``."""
-    wide = out.view(np.uint32)
-    wide[...] = patterns
-    wide <<= 16
-    return out
 
 
 class Codec:

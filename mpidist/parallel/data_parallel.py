@@ -10,11 +10,13 @@ import dataclasses
 
 import numpy as np
 
+from ..nn.precision import is_low
 from ..runtime import comm as mpi
 from ..runtime.xp import to_host
 from .base import Strategy
 from .batch_norms import synchronise_batch_norms
 from .mesh import Mesh, ReplicaWorkers
+from .mixed import MixedPrecision
 from .recovery import Recovery
 from .saved_state import WholeState
 from .tensor import split_over
@@ -41,6 +43,11 @@ def mean_in_place(comm, array):
     fails."""
     mpi.allreduce_sum(comm, array)
     array /= comm.Get_size()
+
+
+def scale_of(mixed):
+    """The loss scale of a step: a 16-bit model's (:class:`~mpidist.parallel.mixed.MixedPrecision`), or 1."""
+    return 1.0 if mixed is None else mixed.loss_scale.value
 
 
 class ChiefHoldsAll(Recovery):
@@ -76,6 +83,12 @@ class DataParallel(ReplicaWorkers, Strategy):
     this rank's part of the whole (:attr:`tensor`), the workers it exchanges
     with are its replica axis (the same part of every tensor group), and the
     parts of a group agree on each step's skip and gradient norm.
+
+    A model that computes in 16 bits (``--precision``) is trained through a
+    float32 master copy (:attr:`mixed`): the exchange sums the 16-bit
+    gradients, the optimizer updates the master from their float32 copy, and
+    the 16-bit parameters are the master rounded; under fp16 the loss is
+    scaled and the verdict takes the scale out.
     """
 
     recovery_type = ChiefHoldsAll
@@ -104,6 +117,8 @@ class DataParallel(ReplicaWorkers, Strategy):
             if self.part is None
             else self.optimizers.make(self.part.size, self.part.lo)
         )
+        #: where the model computes in 16 bits, its float32 master and loss scale; else None
+        self.mixed = MixedPrecision(model, self.running) if is_low(model.dtype) else None
 
     def optimizer_part(self):
         """The :class:`~mpidist.parallel.optimizer_shard.OptimizerShard` this worker updates, or None (the
@@ -209,18 +224,28 @@ class DataParallel(ReplicaWorkers, Strategy):
                 params[...] = self.model.xp.asarray(self.tensor.initial(self.passes.seed))
             return
         comm = self.worker_comm
-        if comm is None or comm.Get_rank() == 0:
-            if checkpoint is None:
-                self.model.init_params(self.passes.seed)
-            else:
-                self.model.params[...] = self.model.xp.asarray(checkpoint.params)
-        if self.exchange.holds_params:  # each node's copy from the chief's node, written once per node
-            self.exchange.share_initial()
-        elif comm is not None:
-            mpi.bcast(comm, self.model.params, root=0)
+        if self.mixed is not None:  # (a 16-bit model: its float32 master, the same on every worker)
+            self.mixed.initialize(comm, self.passes.seed, checkpoint)
+        else:
+            if comm is None or comm.Get_rank() == 0:
+                if checkpoint is None:
+                    self.model.init_params(self.passes.seed)
+                else:
+                    self.model.params[...] = self.model.xp.asarray(checkpoint.params)
+            if self.exchange.holds_params:  # each node's copy from the chief's node, written once per node
+                self.exchange.share_initial()
+            elif comm is not None:
+                mpi.bcast(comm, self.model.params, root=0)
         if checkpoint is not None and self.optimizer is not None:
             self.optimizer.load_state(checkpoint.optimizer_state, checkpoint.optimizer_steps)
         self.restore_own_state(checkpoint)
+
+    def stats(self):
+        return {**super().stats(), **(self.mixed.stats() if self.mixed is not None else {})}
+
+    def trained_params(self):
+        # (a 16-bit model is trained through its float32 master: that is what a checkpoint keeps)
+        return self.model.params if self.mixed is None else self.mixed.master.current()
 
     def own_state(self):
         """This worker's arrays that differ from the other workers' (name -> flat array as long as the
@@ -256,11 +281,14 @@ class DataParallel(ReplicaWorkers, Strategy):
 
         self.track("exchange")  # begin() may wait for the workers (the shared-memory exchange's last barrier)
         self.exchange.begin()
-        self.backprop(x, y, weight, step, before_backward=loss_into_buffer, ready=self.exchange.ready)
+        scale = scale_of(self.mixed)  # (fp16: backward runs on the scaled loss)
+        self.backprop(x, y, weight * scale, step, before_backward=loss_into_buffer, ready=self.exchange.ready)
         self.track("exchange")
         self.exchange.finish()
         self.track("compute")  # (the optimizer's step)
         verdict = self.judge(self.verdict())
+        if self.mixed is not None:
+            self.mixed.judged(verdict)
         if not verdict.skip:
             self.update(self._clipped_gradient(verdict), step)
         # (one copy per node: every part is updated before anyone reads the parameters)
@@ -275,7 +303,11 @@ class DataParallel(ReplicaWorkers, Strategy):
         decide together (one small ``Allreduce``).
         """
         return self.tensor.verdict(
-            self.model.grads, self.exchange.squared_norm(), float(self.buffer[-1]), self.recipe.clip_norm
+            self.model.grads,
+            self.exchange.squared_norm(),
+            float(self.buffer[-1]),
+            self.recipe.clip_norm,
+            scale_of(self.mixed),
         )
 
     def _clipped_gradient(self, verdict):
@@ -283,6 +315,8 @@ class DataParallel(ReplicaWorkers, Strategy):
         it updates one (one copy per node: the others' parts are theirs to read; ``--shard optimizer``), and
         into a space of its own where other workers still read the buffer (the shared-memory exchange)."""
         grads = self.model.grads
+        if self.mixed is not None:  # (taken out in float32: unscaled in 16 bits, a gradient would underflow)
+            return self.mixed.gradient(grads, verdict)
         if self.part is not None:
             verdict.scaled(grads[self.part.lo : self.part.hi])
             return grads
@@ -290,5 +324,9 @@ class DataParallel(ReplicaWorkers, Strategy):
         return verdict.scaled(grads, out=space, xp=self.model.xp)
 
     def update(self, grads, step):
-        """The optimizer's step from the summed (and clipped) ``grads``, the same on every worker."""
-        self.optimizer.step(self.model.params, grads, self.recipe.lr(step))
+        """The optimizer's step from the summed (and clipped) ``grads``, the same on every worker (on the
+        float32 master, rounded into the model after, where the model computes in 16 bits)."""
+        if self.mixed is None:
+            self.optimizer.step(self.model.params, grads, self.recipe.lr(step))
+        else:
+            self.mixed.step(self.optimizer, grads, self.recipe.lr(step))

@@ -14,6 +14,9 @@ fusion and DDP's gradient buckets do.  One MPI call per bucket, never one per
 tensor, and no copy.
 """
 
+import numpy as np
+
+from ..nn.precision import BLOCK, is_low, squared_sum
 from ..runtime import comm as mpi
 from ..runtime import recorder
 from .verdict import decide
@@ -73,6 +76,10 @@ class NoExchange:
         #: it)
         self.summed_squares = 0.0
         self._unchecked = 0
+        # a 16-bit buffer's squares are summed in float32, a block at a time through this (host arrays)
+        self._wide = (
+            np.empty(BLOCK, np.float32) if isinstance(buffer, np.ndarray) and is_low(buffer.dtype) else None
+        )
 
     def begin(self):
         """A new step's gradients are about to be computed."""
@@ -125,7 +132,7 @@ class NoExchange:
         """
         if lo < hi:
             part = self.buffer[lo : min(hi, self.buffer.size - 1)]
-            self.summed_squares += float(part.dot(part))
+            self.summed_squares += squared_sum(part, self._wide)
             self._unchecked = min(self._unchecked, lo)
 
 

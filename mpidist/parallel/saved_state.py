@@ -56,7 +56,12 @@ class SavedState:
         arrays = self.whole_optimizer_arrays()  # (collective where the optimizer state is sharded)
         if self.cluster is not None and not self.cluster.is_chief:
             return None
-        return WholeState(to_host(self.model.params), arrays, self.optimizer.steps)
+        return WholeState(to_host(self.trained_params()), arrays, self.optimizer.steps)
+
+    def trained_params(self):
+        """The parameters the optimizer updates, which a checkpoint keeps: the model's (a strategy that trains
+        a 16-bit model through a float32 master copy gives that)."""
+        return self.model.params
 
     def placed_state(self):
         """Collective like :meth:`state`, where the strategy splits the model (:attr:`placement`): this rank's

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..nn.placement import COLUMNS, Placement
+from ..nn.precision import squared_sum
 from ..nn.tensor import operators, replicated, split_layers, split_model
 from ..runtime import comm as mpi
 from ..runtime import recorder
@@ -168,16 +169,16 @@ class TensorPart:
         parameters, and the shared ones on part 0 alone (every part holds them alike).  ``whole``: the squared
         norm of ``grads``, where it was taken already (the exchange's); ``shared``: where the shared ones lie
         in ``grads``, where it is not the part's buffer (a worker's shards of it)."""
-        squares = float(grads.dot(grads)) if whole is None else whole
+        squares = squared_sum(grads) if whole is None else whole
         if self.part != 0:
             ranges = self.shared if shared is None else shared
-            squares -= sum(float(grads[lo:hi].dot(grads[lo:hi])) for lo, hi in ranges)
+            squares -= sum(squared_sum(grads[lo:hi]) for lo, hi in ranges)
         return squares
 
-    def verdict(self, grads, squares, loss, clip_norm):
+    def verdict(self, grads, squares, loss, clip_norm, scale=1.0):
         """Collective over the tensor group: the step's :class:`~mpidist.parallel.verdict.Verdict` from this
         part's summed ``grads`` (``squares``: their squared norm, where taken already) and the ``loss``."""
-        return agree(self.comm, self.squares(grads, squares), loss, clip_norm)[0]
+        return agree(self.comm, self.squares(grads, squares), loss, clip_norm, scale=scale)[0]
 
     def within(self, whole, first_entry):
         """This part's regions as regions of ``whole``, whose entries from ``first_entry`` on are the model
@@ -203,10 +204,10 @@ class WholeModel:
         return ""
 
     def squares(self, grads, whole=None, shared=None):
-        return float(grads.dot(grads)) if whole is None else whole
+        return squared_sum(grads) if whole is None else whole
 
-    def verdict(self, grads, squares, loss, clip_norm):
-        return decide(self.squares(grads, squares), loss, clip_norm)
+    def verdict(self, grads, squares, loss, clip_norm, scale=1.0):
+        return decide(self.squares(grads, squares), loss, clip_norm, scale)
 
     def within(self, whole, first_entry):
         return Placement.of_entries(whole, first_entry, first_entry + len(self.model.entries))

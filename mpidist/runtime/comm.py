@@ -12,6 +12,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from . import bfloat16
 from .device_buffers import for_mpi
 
 # (re-exported: users, gpu/bench.py and the tests ask this module which path device arrays take)
@@ -83,8 +84,12 @@ def _typed(buffer, counts, displs):
     return [buffer, list(counts), list(displs), from_numpy_dtype(buffer.dtype)]
 
 
+#: MPI's own reductions (which CUDA-aware libraries run on device memory)
+_BUILT_IN = (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD, MPI.LAND, MPI.LOR, MPI.BAND, MPI.BOR)
+
+
 def _allreduce_in_place(comm, array, op):
-    buffer, back = for_mpi(array)
+    buffer, back = for_mpi(array, host_op=op not in _BUILT_IN)
     comm.Allreduce(MPI.IN_PLACE, buffer, op=op)
     if back:
         back()
@@ -92,7 +97,11 @@ def _allreduce_in_place(comm, array, op):
 
 
 def allreduce_sum(comm, array):
-    """Sum ``array`` (contiguous) over ``comm`` in place."""
+    """Sum ``array`` (contiguous) over ``comm`` in place (a bfloat16 one as its bit patterns, summed by
+    :func:`~mpidist.runtime.bfloat16.sum_op`)."""
+    if bfloat16.is_bfloat16(array):
+        _allreduce_in_place(comm, array.view(np.uint16), bfloat16.sum_op())
+        return array
     return _allreduce_in_place(comm, array, MPI.SUM)
 
 
@@ -100,8 +109,11 @@ def iallreduce_sum(comm, array):
     """Start summing ``array`` (contiguous) over ``comm`` in place; returns a :class:`Pending` to complete.
 
     Device arrays on MPI without CUDA support travel through a host copy,
-    copied back when the reduction completes.
+    copied back when the reduction completes.  A bfloat16 array is summed as
+    its bit patterns (:func:`~mpidist.runtime.bfloat16.sum_op`).
     """
+    if bfloat16.is_bfloat16(array):
+        return iallreduce(comm, array.view(np.uint16), bfloat16.sum_op())
     buffer, back = for_mpi(array)
     return Pending(_IN_FLIGHT.track(comm.Iallreduce(MPI.IN_PLACE, buffer), buffer), buffer, back)
 
@@ -327,8 +339,10 @@ def iallreduce(comm, array, op, then=None):
     ``op`` may be one of mpidist's own (``MPI.Op.Create``: a 16-bit float sum
     over ``uint16`` bit patterns, say).  ``then`` is called once the
     reduction has completed (after a host-staged result is copied back).
+    A device array is staged through the host even where MPI is CUDA-aware:
+    the callback of an operation of mpidist's own reads host memory.
     """
-    buffer, back = for_mpi(array)
+    buffer, back = for_mpi(array, host_op=op not in _BUILT_IN)
 
     def complete():
         if back is not None:

@@ -111,10 +111,11 @@ def _pinned(array):
         return None
 
 
-def for_mpi(array):
-    """``(buffer MPI may use, function copying results back or None)``."""
+def for_mpi(array, host_op=False):
+    """``(buffer MPI may use, function copying results back or None)``; ``host_op``: a reduction by an
+    operation of mpidist's own, whose Python callback reads host memory only (always staged)."""
     if not is_device_array(array):
         return array, None
-    if cuda_aware():
+    if cuda_aware() and not host_op:
         return _synchronize(array), None
     return _staged(array)

@@ -11,6 +11,7 @@ arguments become a ``Settings`` through :mod:`mpidist.settings.sources`.
 import dataclasses
 import json
 
+from ..nn.precision import PRECISIONS
 from ..nn.schedules import SCHEDULES
 from ..parallel import STRATEGIES, declared_options
 from . import validation
@@ -214,6 +215,13 @@ class CommonSettings:
         "auto", "where to compute: cpu, gpu (cupy, one GPU per rank on a node), or auto", DEVICES
     )
     dtype: str = _field("float32", "parameter and activation dtype", DTYPES)
+    precision: str = _field(
+        "float32",
+        "compute in 16 bits: bf16 or fp16 parameters, activations, gradients and exchanges, with "
+        "float32 master weights and optimizer state (fp16 with dynamic loss scaling); "
+        "strategies local and allreduce; float32: --dtype everywhere",
+        PRECISIONS,
+    )
     tensorboard: bool = _field(
         False,
         "also write the figures as TensorBoard event files in the run directory (needs "

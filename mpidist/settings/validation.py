@@ -18,6 +18,7 @@ from ..parallel import STRATEGIES, declared_options
 from ..runtime.errors import UsageError
 from ..runtime.memory import parse_bytes
 from ..runtime.text import check_utf8
+from .precision import check_precision
 
 #: Largest magnitude of an int setting: counters and seeds end up in int64 arrays, with room to add to them.
 INT_LIMIT = 2**62
@@ -177,6 +178,7 @@ def check_for(settings, world_size):
             )
     chosen = STRATEGIES[settings.strategy]
     chosen.check(settings, world_size)
+    check_precision(settings)
     if settings.elastic and (
         not chosen.variant(settings, world_size - settings.ps).elastic_recovery
         or settings.replication == "in-graph"
