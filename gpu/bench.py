@@ -3,7 +3,13 @@
 ``python gpu/bench.py models --out F``: one training step (forward, loss,
 backward, SGD with momentum) of the MLP 784-512-512-10 (``mlp-wide``) and the
 ``cnn`` on MNIST-shaped float32 batches of 256 to 4096, mpidist on cupy against
-the same layers in torch (eager, TF32 off), alternating step by step, medians.
+the same layers in torch (eager, TF32 off), alternating step by step, medians;
+then in bf16 (``--precision bf16``: float32 master weights) against torch under
+``torch.autocast`` in bfloat16, and mpidist's bf16 step against its float32 one.
+
+``python gpu/bench.py precision --out F``: digits and mnist1d trained on the
+GPU in float32, bf16 and fp16 (the same seed and epochs): each one's test
+accuracy and its difference from float32's, in points.
 
 ``mpiexec -n 2 python gpu/bench.py send --out F``: the bytes of one activation
 sent from rank 0 to rank 1 as the pipeline sends them (``runtime.comm.send``:
@@ -23,16 +29,40 @@ import numpy as np
 BATCHES = (256, 1024, 4096)
 MODELS = {"mlp-wide": "MLP 784-512-512-10", "cnn": "cnn"}
 SEND_MIB = (1, 16, 64)
+#: --precision's compute types, and the torch dtype autocast runs the reference in
+PRECISIONS = {"float32": None, "bf16": "bfloat16"}
+#: the datasets and epochs the precision runs train
+ACCURACY_RUNS = {"digits": 10, "mnist1d": 10}
+
+
+def _local(name, precision, batch):
+    """``(strategy, x, y)``: ``name``'s model in ``precision`` on the GPU, initialised, and a host batch."""
+    import cupy
+
+    from mpidist import nn
+    from mpidist.bench.rows import SHAPES
+    from mpidist.nn.precision import compute_dtype, master_dtype
+    from mpidist.parallel import LocalStrategy
+
+    shape, classes = SHAPES[name]
+    dtype = compute_dtype(precision)
+    model = nn.build_model(name, shape, classes, cupy, dtype)
+    local = LocalStrategy(
+        model,
+        nn.loss_for(classes, cupy),
+        lambda size: nn.make_optimizer("sgd", size, 0.01, xp=cupy, dtype=master_dtype(dtype)),
+        seed=0,
+    )
+    local.initialize()
+    rng = np.random.default_rng(0)
+    return local, rng.random((batch,) + model.input_shape, dtype=np.float32), rng.integers(0, classes, batch)
 
 
 def models(seconds):
     import cupy
 
-    from mpidist import nn
     from mpidist.bench.reference import torch_step
-    from mpidist.bench.rows import SHAPES
     from mpidist.bench.timing import alternating
-    from mpidist.parallel import LocalStrategy
 
     try:  # (without torch the rows are mpidist's alone)
         import torch
@@ -41,38 +71,63 @@ def models(seconds):
     else:  # float32 as it is written: torch would otherwise run its convolutions in TF32 (cuDNN's default)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    rows, float32_rate = [], {}
+    for precision, autocast in PRECISIONS.items():
+        for name, label in MODELS.items():
+            for batch in BATCHES:
+                local, x, y = _local(name, precision, batch)
+                x_gpu, y_gpu = cupy.asarray(x.astype(local.model.dtype)), cupy.asarray(y)
+                stream = cupy.cuda.get_current_stream()
+                counter = iter(range(1 << 30))
+
+                def ours():
+                    local.train_step(x_gpu, y_gpu, 1.0, next(counter))
+                    stream.synchronize()
+
+                steps = {"mpidist": ours}
+                # (torch starts from a float32 twin's parameters: it cannot take bfloat16 arrays)
+                twin = local if autocast is None else _local(name, "float32", batch)[0]
+                theirs = torch_step(twin.model, x, y, device="cuda", autocast=autocast)
+                if theirs is not None:
+                    steps["torch"] = theirs
+                medians = alternating(steps, seconds)
+                rate = batch / medians["mpidist"]
+                row = {"model": label, "precision": precision, "batch": batch, "mpidist samples/s": rate}
+                if "torch" in medians:
+                    row["torch samples/s"] = batch / medians["torch"]
+                    row["mpidist/torch"] = medians["torch"] / medians["mpidist"]
+                if precision == "float32":
+                    float32_rate[label, batch] = rate
+                else:
+                    row["mpidist bf16/float32"] = rate / float32_rate[label, batch]
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
+def precision(seconds):
+    """Each dataset trained on the GPU in every precision (``seconds`` unused: a run takes what it
+    takes)."""
+    import subprocess
+    import tempfile
+
     rows = []
-    for name, label in MODELS.items():
-        for batch in BATCHES:
-            shape, classes = SHAPES[name]
-            model = nn.build_model(name, shape, classes, cupy, np.float32)
-            local = LocalStrategy(
-                model,
-                nn.loss_for(classes, cupy),
-                lambda size: nn.make_optimizer("sgd", size, 0.01, xp=cupy),
-                seed=0,
-            )
-            local.initialize()
-            rng = np.random.default_rng(0)
-            x = rng.random((batch,) + model.input_shape, dtype=np.float32)
-            y = rng.integers(0, classes, batch)
-            x_gpu, y_gpu = cupy.asarray(x), cupy.asarray(y)
-            stream = cupy.cuda.get_current_stream()
-            counter = iter(range(1 << 30))
-
-            def ours():
-                local.train_step(x_gpu, y_gpu, 1.0, next(counter))
-                stream.synchronize()
-
-            steps = {"mpidist": ours}
-            theirs = torch_step(local.model, x, y, device="cuda")
-            if theirs is not None:
-                steps["torch"] = theirs
-            medians = alternating(steps, seconds)
-            row = {"model": label, "batch": batch, "mpidist samples/s": batch / medians["mpidist"]}
-            if "torch" in medians:
-                row["torch samples/s"] = batch / medians["torch"]
-                row["mpidist/torch"] = medians["torch"] / medians["mpidist"]
+    for data, epochs in ACCURACY_RUNS.items():
+        accuracy = {}
+        for name in ("float32", "bf16", "fp16"):
+            with tempfile.TemporaryDirectory() as scratch:
+                metrics = os.path.join(scratch, "m.jsonl")
+                flags = ["--data", data, "--epochs", str(epochs), "--device", "gpu", "--precision", name]
+                subprocess.run(
+                    [sys.executable, "-m", "mpidist", "train", *flags, "--metrics", metrics, "--run-dir", ""],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
+                with open(metrics) as file:
+                    done = [json.loads(line) for line in file if '"done"' in line][-1]
+            accuracy[name] = done["test_accuracy"]
+            row = {"data": data, "precision": name, "test accuracy %": 100 * accuracy[name]}
+            row["points from float32"] = 100 * (accuracy[name] - accuracy["float32"])
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -149,11 +204,11 @@ def send(seconds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("models", "send"))
+    parser.add_argument("what", choices=("models", "send", "precision"))
     parser.add_argument("--out", required=True, help="JSON file for the rows")
     parser.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
     args = parser.parse_args()
-    rows = models(args.seconds) if args.what == "models" else send(args.seconds)
+    rows = {"models": models, "send": send, "precision": precision}[args.what](args.seconds)
     if rows is not None:
         with open(args.out, "w") as file:
             json.dump(rows, file, indent=1)

@@ -29,10 +29,10 @@ LIMITS = {
     "install": 45,
     "gpu": 10,
     "info": 30,
-    "unit tests": 75,
-    "strategies": 170,
+    "unit tests": 65,
+    "strategies": 150,
     "resume": 50,
-    "benchmark": 90,
+    "benchmark": 120,
 }
 TOTAL_LIMIT = sum(LIMITS.values())
 
@@ -397,12 +397,17 @@ def benchmark_part(out, part):
         (
             "models",
             [sys.executable, str(HERE / "bench.py"), "models", "--out", str(out / "bench-models.json")],
-            0.6,
+            0.5,
         ),
         (
             "send",
             mpiexec(2)
             + [sys.executable, str(HERE / "bench.py"), "send", "--out", str(out / "bench-send.json")],
+            0.5,
+        ),
+        (
+            "precision",
+            [sys.executable, str(HERE / "bench.py"), "precision", "--out", str(out / "bench-precision.json")],
             1.0,
         ),
     ]

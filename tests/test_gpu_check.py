@@ -148,11 +148,11 @@ def test_an_asynchronous_run_is_compared_on_its_first_step_alone():
 
 
 def test_a_part_that_breaks_is_reported_failed_with_its_log(tmp_path, monkeypatch):
-    # the benchmark's program missing: both of its runs exit non-zero, the GPU or not
+    # the benchmark's program missing: each of its runs exits non-zero, the GPU or not (the last one said)
     monkeypatch.setattr(check, "HERE", tmp_path / "nowhere")
     part = check.benchmark_part(tmp_path, True).as_dict()
     assert part["status"] == "fail"
-    assert "see bench-send.log" in part["reason"]
+    assert "see bench-precision.log" in part["reason"]
     assert "bench.py" in (tmp_path / "bench-models.log").read_text()
 
 

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from .. import __version__, data
 from ..nn import MODELS
-from ..runtime import device_buffers
+from ..runtime import device_buffers, routes
 from ..runtime.cluster import node_layout
 from ..runtime.memory import default_budget, human, ranks_per_node
 from ..runtime.ulfm import ulfm_support
@@ -71,6 +71,7 @@ def report(world, models_only=False):
         ),
         ("numpy / h5py", f"{np.__version__} / {h5py.__version__} (HDF5 {h5py.version.hdf5_version})"),
         ("GPUs", _gpus()),
+        ("GPU routes", routes.described(routes.probe(len(per_node) == 1, device_buffers.cuda_aware()))),
         ("models", ", ".join(MODELS)),
         ("bundled datasets", ", ".join(data.bundled_names()) or "none found"),
         (
