@@ -603,3 +603,39 @@ def test_between_graph_workers_train_on_the_global_batches_one_process_trains_on
     many = mpidist.train("mlp", strategy="allreduce", stream=io.StringIO(), **quiet)
     if many.is_chief:
         assert np.abs(many.params - one.params).max() < 1e-9
+
+
+@pytest.mark.parametrize(
+    ("n", "batch", "workers", "said"),
+    [
+        (127, 64, 1, "127 training samples at --batch-size 64: an epoch is 1 step, and the other 63 (50%) "),
+        (150, 64, 2, "--batch-size 75 trains every sample every epoch"),  # (75 divides 150: two steps)
+        (101, 40, 1, "--batch-size 50 leaves out 1"),  # (101 is prime: the fewest left out, nearest 40)
+        (1438, 64, 1, None),  # (the bundled digits: 30 left out, 2%: not said)
+        (128, 64, 1, None),
+    ],
+)
+def test_an_epoch_that_leaves_out_a_tenth_or_more_says_so_and_which_batch_size_would_not(
+    n, batch, workers, said
+):
+    from mpidist.data import left_out
+
+    note = left_out(n, batch, workers)
+    assert note is None if said is None else said in note
+
+
+def test_a_run_on_a_small_table_says_what_each_epoch_leaves_out(tmp_path):
+    import io
+
+    import mpidist
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((127 + 40, 4), dtype=np.float32), rng.integers(0, 2, 127 + 40)
+    arrays = mpidist.ArrayData(train=(x[:127], y[:127]), test=(x[127:], y[127:]), name="small")
+    said = io.StringIO()
+    mpidist.train("mlp:8", arrays, epochs=1, run_dir="", metrics="", progress="none", stream=said)
+    assert (
+        "mpidist: note: 127 training samples at --batch-size 64: an epoch is 1 step, and the other 63 (50%) "
+        "wait for a later epoch (each epoch draws its own order); --batch-size 127 trains every sample every "
+        "epoch" in said.getvalue()
+    )

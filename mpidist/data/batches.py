@@ -34,6 +34,36 @@ def steps_per_epoch(n, global_batch, num_workers):
     return n // global_batch
 
 
+#: an epoch that leaves out this share of the training samples or more is said at start-up
+LEFT_OUT_SAID = 0.1
+
+
+def left_out(n, global_batch, num_workers):
+    """What an epoch of ``n`` samples at global batch ``B`` leaves out (its last ``n mod B``), and the batch
+    size nearest ``B`` (from ``B / 2`` to ``2 B``) that leaves out none, or the fewest; None where it is
+    under :data:`LEFT_OUT_SAID` of the samples.
+
+    >>> left_out(127, 64, 1).split("; ")[-1]
+    '--batch-size 127 trains every sample every epoch'
+    """
+    dropped = n % global_batch
+    if dropped < LEFT_OUT_SAID * n:
+        return None
+    steps = n // global_batch
+    sizes = range(max(num_workers, global_batch // 2, 1), min(n, 2 * global_batch) + 1)
+    best = min(sizes, key=lambda size: (n % size, abs(size - global_batch)))
+    then = (
+        f"--batch-size {best} trains every sample every epoch"
+        if n % best == 0
+        else f"--batch-size {best} leaves out {n % best}"
+    )
+    return (
+        f"{n:,} training samples at --batch-size {global_batch}: an epoch is {steps} step"
+        f"{'s' if steps != 1 else ''}, and the other {dropped:,} ({100 * dropped / n:.0f}%) wait for a later "
+        f"epoch (each epoch draws its own order); {then}"
+    )
+
+
 class Prefetcher:
     """Iterate ``source`` in a background thread, ``depth`` items ahead.
 

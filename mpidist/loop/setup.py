@@ -172,6 +172,9 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=(), priced=True):
             f"dataset {info.name!r} has {info.sizes['train']} training samples: too few for "
             f"--batch-size {config.batch_size} over {workers} workers"
         )
+    dropped = data.left_out(info.sizes["train"], config.batch_size, 1 if in_graph else workers)
+    if dropped is not None:
+        notes.append(f"note: {dropped}")
     reads = _reads(config, cluster, info, worker, workers)
     lanes = (
         data.Lanes.of(config.batch_size, reads["train"][2], reads["train"][1]) if "train" in reads else None
