@@ -163,6 +163,39 @@ def test_the_command_reproduces_evals_accuracy_exactly_at_1_2_and_4_ranks(digits
     assert f"accuracy {100 * figures['test_accuracy']:.2f}%" in done.stdout
 
 
+def test_eval_and_predict_on_a_checkpoint_directory_read_its_newest_as_resume_auto_picks_it(
+    digits_run, tmp_path
+):
+    """Issue 63, item 5: the directory names its newest loadable checkpoint (of the lineage written last); a
+    newer one that cannot be read is passed over with a warning; a directory with none is refused."""
+    import shutil
+
+    checkpoint, _ = digits_run
+    directory = tmp_path / "ck"
+    shutil.copytree(checkpoint.parent, directory)
+    newest = directory / checkpoint.name
+    figures = mpidist.evaluate(directory, comm=MPI.COMM_SELF)
+    assert figures["checkpoint"] == str(newest)
+    assert figures["test_accuracy"] == mpidist.evaluate(checkpoint, comm=MPI.COMM_SELF)["test_accuracy"]
+    done, _ = launch(2, "eval", str(directory))
+    assert done.returncode == 0 and f"mpidist eval: {newest} (step " in done.stdout, done.stderr
+    # a newer file of the same lineage that is no checkpoint: passed over, said
+    step, lineage = checkpoint.stem.split("-")[1:]
+    broken = directory / f"ckpt-{int(step) + 10:08d}-{lineage}.h5"
+    broken.write_bytes(b"not HDF5")
+    done, _ = launch(1, "predict", str(directory), "--output", str(tmp_path / "p.csv"))
+    assert done.returncode == 0, done.stderr
+    assert f"mpidist: warning: skipped unreadable checkpoint {broken.name}: " in done.stdout
+    assert f"({checkpoint.name}, step " in done.stdout
+    (tmp_path / "none").mkdir()
+    done, _ = launch(2, "eval", str(tmp_path / "none"))
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        == f"mpidist: error: {tmp_path / 'none'}: a directory that holds no checkpoint to read"
+    )
+
+
 def test_plain_sample_files_of_every_kind_give_the_dataset_splits_predictions(digits_run, tmp_path):
     checkpoint, model = digits_run
     x, _ = digits_test()

@@ -34,7 +34,8 @@ def evaluate(
     """Evaluate a checkpoint on a dataset's test split, spread over the ranks of ``comm``.
 
     Args:
-        checkpoint_path: a checkpoint file (``ckpt-*.h5``).
+        checkpoint_path: a checkpoint file (``ckpt-*.h5``), or a checkpoint directory: its newest
+            loadable checkpoint, as ``--resume auto`` picks it.
         data: the dataset (a path, a bundled name or an ArrayData); default: the one it trained on.
         model: the model, where its checkpoint cannot name it (layers given as objects) or
             to choose the builder yourself; default: the model spec the checkpoint stores.
@@ -51,7 +52,8 @@ def evaluate(
     Returns:
         A dict, the same on every rank, of the figures that fit the task (see
         :mod:`mpidist.nn.scores`) and of what was evaluated (``samples``, ``step`` the
-        checkpoint's, ``model`` its spec, ``dataset`` its name). The figures are
+        checkpoint's, ``model`` its spec, ``dataset`` its name, ``checkpoint`` the file read). The
+        figures are
 
         * classification: ``test_loss``, ``test_accuracy``, ``test_top5_accuracy`` (top-``k``
           with ``k = min(5, classes - 1)``, e.g. ``test_top3_accuracy`` for 4 classes; none for 2),
@@ -125,4 +127,5 @@ def _evaluate(world, checkpoint_path, data, model, samples=0, layout=(1, 1, "non
         "step": trained.step,
         "model": trained.spec,
         "dataset": info.name,
+        "checkpoint": str(trained.path),
     }

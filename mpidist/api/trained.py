@@ -34,8 +34,9 @@ class Trained:
         settings: the :class:`~mpidist.settings.config.Settings` the checkpoint stores, checked.
         spec: the model's spec (``"mlp"``, ``"mlp:256,256"``, ...).
         step: the checkpoint's step.
-        path: the checkpoint file.
-        notes: warnings for the user (a dataset given that changed since the checkpoint was written).
+        path: the checkpoint file (a directory's newest, where a directory was given).
+        notes: warnings for the user (a dataset given that changed since the checkpoint was written, newer
+            checkpoints of a directory passed over as unreadable).
     """
 
     model: object
@@ -56,7 +57,8 @@ def load_trained(checkpoint_path, data=None, *, model=None, data_given=None):
     :func:`mpidist.predict` call it on every rank, inside an agreement).
 
     Args:
-        checkpoint_path: a checkpoint file (``ckpt-*.h5``).
+        checkpoint_path: a checkpoint file (``ckpt-*.h5``), or a checkpoint directory: its newest
+            loadable checkpoint, as ``--resume auto`` picks it.
         data: the dataset the model is built for (its sample shape and classes or targets): a
             path, a bundled name or an :class:`~mpidist.data.arrays.ArrayData`; or a function
             of the checkpoint's settings that returns its :class:`~mpidist.data.DatasetInfo`
@@ -88,8 +90,23 @@ def load_shapes(checkpoint_path, data=None, model=None, data_given=None):
     """:func:`load_trained`'s first half: ``(checkpoint, trained)``, the checkpoint checked but its arrays
     not read, and its :class:`Trained` whose model is a map of shapes (a caller prices what it will hold
     before :func:`read_parameters`)."""
-    saved = checkpoint.load(checkpoint_path, arrays=False)
-    return saved, _trained(saved, data, model, data_given)
+    saved, passed_over = opened(checkpoint_path)
+    return saved, _trained(saved, data, model, data_given, passed_over)
+
+
+def opened(checkpoint_path):
+    """``(checkpoint, notes)``: the checkpoint file ``checkpoint_path`` names, checked, its arrays not read;
+    a directory names its newest loadable checkpoint, as ``--resume auto`` picks it (the newest of the
+    lineage written last), with a note for each newer one passed over as unreadable."""
+    if not Path(checkpoint_path).is_dir():
+        return checkpoint.load(checkpoint_path, arrays=False), []
+    saved, skipped = checkpoint.newest_valid(checkpoint_path, arrays=False)
+    if saved is None:
+        why = f" ({len(skipped)} unreadable: {skipped[-1][1]})" if skipped else ""
+        raise UsageError(f"{checkpoint_path}: a directory that holds no checkpoint to read{why}")
+    return saved, [
+        f"warning: skipped unreadable checkpoint {Path(path).name}: {reason}" for path, reason in skipped
+    ]
 
 
 def read_parameters(saved, trained):
@@ -109,17 +126,18 @@ def load_split(checkpoint_path, data, model, world, stages, tensor, shard="none"
     and the layout's settings, checked for the ranks and for what this rank may hold.  Local."""
     from ..loop import split_model
 
-    saved = checkpoint.load(checkpoint_path, arrays=False)
-    trained = _trained(saved, data, model, data_given)
+    saved, passed_over = opened(checkpoint_path)
+    trained = _trained(saved, data, model, data_given, passed_over)
     ranks = world.Get_size()
     settings = split_model.layout_settings(trained.settings, ranks, stages, tensor, trained.model, shard)
     split_model.check_holds(settings, world.Get_rank(), ranks, trained.model)
     return saved, trained, settings
 
 
-def _trained(saved, data, model, data_given=None):
+def _trained(saved, data, model, data_given=None, notes=()):
     """:func:`load_trained`'s :class:`Trained` of checkpoint ``saved`` (its arrays need not be read), its
-    model a map of shapes with no buffers yet, checked to have the checkpoint's number of parameters."""
+    model a map of shapes with no buffers yet, checked to have the checkpoint's number of parameters;
+    ``notes``: what the user is told already."""
     checkpoint_path = saved.path
     config = _stored_settings(saved)
     try:
@@ -142,7 +160,7 @@ def _trained(saved, data, model, data_given=None):
             f"{checkpoint_path}: the dataset it was trained on, {printable(config.data)}, cannot be "
             f"read ({err}); name the dataset to use with --data"
         ) from None
-    notes = []
+    notes = list(notes)
     changed = mismatch(saved.dataset_fingerprint, config.data, info)
     if changed is not None and not given:
         raise UsageError(f"{checkpoint_path}: {changed}; name it with --data to use it all the same")
@@ -161,7 +179,7 @@ def _trained(saved, data, model, data_given=None):
         settings=config,
         spec=inputs.model.spec,
         step=saved.step,
-        path=Path(checkpoint_path),
+        path=Path(saved.path),
         notes=notes,
     )
 

@@ -44,7 +44,7 @@ def cmd_eval(args, world):
         shard=args.shard,
     )
     if world.Get_rank() == 0:
-        print(eval_text(args.checkpoint, figures))
+        print(eval_text(figures["checkpoint"], figures))
     return EXIT_OK
 
 

@@ -117,7 +117,10 @@ def _add_eval_parser(sub):
         help="evaluate a checkpoint on a dataset's test split",
         description="Evaluate a checkpoint on a dataset's test split, spread over the ranks.",
     )
-    evaluate.add_argument("checkpoint", help="checkpoint file (ckpt-*.h5)")
+    evaluate.add_argument(
+        "checkpoint",
+        help="checkpoint file (ckpt-*.h5), or a checkpoint directory: its newest, as --resume auto picks it",
+    )
     evaluate.add_argument("--data", default=None, help="dataset (default: the one the checkpoint trained on)")
     evaluate.add_argument(
         "--model",
@@ -144,7 +147,10 @@ def _add_predict_parser(sub):
         "write the predictions in input order: class and probabilities (classification) "
         "or values (regression).",
     )
-    predict.add_argument("checkpoint", help="checkpoint file (ckpt-*.h5)")
+    predict.add_argument(
+        "checkpoint",
+        help="checkpoint file (ckpt-*.h5), or a checkpoint directory: its newest, as --resume auto picks it",
+    )
     predict.add_argument(
         "--data",
         default=None,

@@ -60,6 +60,7 @@ class Predictions:
         task: ``"classification"`` or ``"regression"``.
         step: the checkpoint's step.
         model: the model's spec.
+        checkpoint: the checkpoint file read (a directory's newest, where a directory was given).
         source: what was predicted, in words (``"'digits' (digits.h5), test split"``).
         classes: ``(N,)`` int64, the class of the highest output (first on ties), for classification.
         probabilities: ``(N, K)`` float32 softmax of the outputs, for classification.
@@ -81,12 +82,14 @@ class Predictions:
     values: np.ndarray = None
     class_names: list = None
     figures: dict = dataclasses.field(default_factory=dict)
+    checkpoint: Path = None
 
     def summary(self):
         """One line: what was predicted, where it was written, and the figure of a labelled split."""
+        read = "" if self.checkpoint is None else f"{self.checkpoint.name}, "
         line = (
-            f"mpidist predict: {self.samples} sample{'s' * (self.samples != 1)} of {self.source} (step "
-            f"{self.step}, model {self.model})"
+            f"mpidist predict: {self.samples} sample{'s' * (self.samples != 1)} of {self.source} ("
+            f"{read}step {self.step}, model {self.model})"
         )
         line += f" -> {self.output}" if self.output is not None else " (not written)"
         if "accuracy" in self.figures:
@@ -114,7 +117,8 @@ def predict(
     Every rank calls it with the same arguments.
 
     Args:
-        checkpoint_path: a checkpoint file (``ckpt-*.h5``).
+        checkpoint_path: a checkpoint file (``ckpt-*.h5``), or a checkpoint directory: its newest
+            loadable checkpoint, as ``--resume auto`` picks it.
         data: a dataset in the mpidist layout (a path, a bundled name or an
             :class:`~mpidist.data.arrays.ArrayData`: its ``split`` is predicted), or plain samples: an
             HDF5 file with a dataset ``x``, a ``.npy`` file, an ``.npz`` file with an array ``x``,
@@ -263,6 +267,7 @@ def _predict(world, checkpoint_path, data, output, model, split, layout=(1, 1, "
             source=reader.source,
             class_names=_names(reader.info),
             figures=figures,
+            checkpoint=trained.path,
         )
         if rank == 0:
             if classification:
