@@ -14,7 +14,9 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import checkpoint_at, checkpoint_steps, events, mpidist
+from mpidist.runtime.errors import UsageError
+
+from conftest import checkpoint_at, checkpoint_steps, events, mpidist, start_mpidist
 
 STATED_ACCURACY = 0.90  # README: the default run reaches at least this test accuracy
 
@@ -735,3 +737,64 @@ def test_bench_s_sharding_table_takes_every_bench_model():
         assert [row["layout"] for row in rows] == ["replicated", "shard optimizer", "shard parameters"]
         assert [row["zero_per_param"] for row in rows] == [16.0] * 3 and rows[0]["sent_per_step"] == 0
     cluster.free()
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["train", "--epoch", "3"],
+            "unrecognized arguments: --epoch 3 (did you mean --epochs?) (see `python -m",
+        ),
+        (
+            ["--lr-schedul", "cosine"],
+            "unrecognized arguments: --lr-schedul cosine (did you mean --lr-schedule?)",
+        ),
+        (
+            ["eval", "c.h5", "--split", "test"],
+            "unrecognized arguments: --split test (--split is a flag of predict)",
+        ),
+        (["trian"], "invalid choice: 'trian' (choose from "),
+        (["trian"], ") (did you mean train?) (see `python -m mpidist --help`)"),
+        (
+            ["train", "--zzz"],
+            "unrecognized arguments: --zzz (see `python -m mpidist --help`)",
+        ),  # (nothing near)
+    ],
+)
+def test_a_mistyped_flag_or_subcommand_is_answered_with_the_near_one(argv, said):
+    """Issue 63, item 8."""
+    from mpidist.tools.parsing import parse
+
+    with pytest.raises(UsageError) as refused:
+        parse(argv)
+    assert said in str(refused.value)
+
+
+def test_a_mistyped_value_a_zoo_name_or_a_file_to_ingest_is_answered_with_what_was_meant(tmp_path):
+    """Issue 63, item 8: a choice's near one, the zoo's spec for a mistyped name (not an import error), and
+    ingest for a CSV given to train."""
+    from mpidist.data import inspect
+    from mpidist.settings.config import Settings
+    from mpidist.settings.models import resolve
+    from mpidist.settings.validation import check_for
+
+    with pytest.raises(
+        UsageError, match=r"--strategy 'pipline' is not one of: .* \(did you mean pipeline\?\)$"
+    ):
+        check_for(Settings(strategy="pipline"), 2)
+    with pytest.raises(
+        UsageError, match=r"--optimizer 'sdg' is not one of: adam, sgd \(did you mean sgd\?\)$"
+    ):
+        Settings(optimizer="sdg").validate_values()
+    with pytest.raises(
+        UsageError, match=r"'mpl' is not in the zoo \(did you mean mlp:128,64\?\); choose from "
+    ):
+        resolve("mpl:128,64")
+    (tmp_path / "rows.csv").write_text("a,b,label\n1,2,0\n")
+    with pytest.raises(UsageError) as refused:
+        inspect(tmp_path / "rows.csv")
+    assert str(refused.value).endswith(
+        "; a CSV file is read by ingest, which writes a dataset to train on: python -m mpidist ingest "
+        f"{tmp_path / 'rows.csv'} rows.h5"
+    )

@@ -176,8 +176,15 @@ def test_a_header_is_matched_by_the_names_ingest_stored(names, taken, note):
     [
         (
             ("a", "b c", "d"),
-            r"lacks the model's features, by the names ingest stored: 'b\\xa0c' \(3 features",
+            r"lacks the model's features, by the names ingest stored: 'b\\xa0c' \(the header has 'b c' for "
+            r"'b\\xa0c'\) \(3 features",
         ),
+        (  # (issue 63, item 8: another case, named beside the one it stands for)
+            ("A", "b\u00a0c", "d"),
+            r"lacks the model's features, by the names ingest stored: 'a' \(the header has 'A' for 'a'\) "
+            r"\(3 ",
+        ),
+        (("x", "b\u00a0c", "d"), r"lacks the model's features, by the names ingest stored: 'a' \(3 features"),
         (
             ("a", "id", "b\u00a0c", "d"),
             "has columns the model does not take, by the names ingest stored: 'id'",

@@ -115,7 +115,7 @@ def refused(tmp_path, source, message, **options):
 @pytest.mark.parametrize(
     "rows,message",
     [
-        ("a,b,label\n1,2,0\n3,,1\n5,6,0\n", r"n.csv: row 3, column 2 is empty \(NaN\)"),
+        ("a,b,label\n1,2,0\n3,,1\n5,6,0\n", r"n.csv: row 3, column 'b' \(column 2\) is empty \(NaN\)"),
         (
             "a,b,label\n1,2,0\n3,4,1\n5,nan,0\n",
             r"n.csv: row 4, column 2 is NaN \('nan'\); ingest needs finite",
@@ -245,8 +245,23 @@ def test_npz_text_and_other_non_numbers_are_refused_with_their_dtype(tmp_path, a
 def test_csv_words_after_the_header_are_refused_with_their_column(tmp_path):
     (tmp_path / "w.csv").write_text("a,b,label\n1,2,0\n3,cat,1\n5,6,0\n")
     refused(
-        tmp_path, tmp_path / "w.csv", r"w.csv: column 2 holds text \('cat' in row 3\); ingest needs numbers"
+        tmp_path,
+        tmp_path / "w.csv",
+        r"w.csv: column 'b' \(column 2\) holds text \('cat' in row 3\); ingest needs numbers",
     )
+
+
+def test_a_text_column_is_named_by_its_header_and_counted_as_a_data_frame_counts_it(tmp_path):
+    """Issue 63, item 8: after pandas' unnamed index, 'name' is the data frame's column 1 (the file's 2nd);
+    without a header, the file's count alone."""
+    (tmp_path / "i.csv").write_text(",size,name,label\n0,1.5,abc,0\n1,2.5,def,1\n2,3.5,ghi,0\n")
+    refused(
+        tmp_path,
+        tmp_path / "i.csv",
+        r"i.csv: column 'name' \(column 2 after pandas' index, 3 of the file\) holds text \('abc' in row 2\)",
+    )
+    (tmp_path / "n.csv").write_text("1.5,abc,0\n2.5,def,1\n3.5,ghi,0\n")
+    refused(tmp_path, tmp_path / "n.csv", r"n.csv: column 2 holds text \('abc' in row 1\)")
 
 
 @pytest.mark.parametrize(
@@ -528,7 +543,8 @@ def test_the_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
     done, _ = mpidist(1, "ingest", str(tmp_path / "bad.csv"), str(tmp_path / "bad.h5"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"mpidist: error: {tmp_path / 'bad.csv'}: row 3, column 2 is empty (NaN); ingest needs finite numbers"
+        f"mpidist: error: {tmp_path / 'bad.csv'}: row 3, column 'x2' (column 2) is empty (NaN); ingest needs "
+        "finite numbers"
     ]
     assert not (tmp_path / "bad.h5").exists()
 
@@ -892,8 +908,11 @@ def test_a_csv_that_predict_reads_may_hold_one_row_one_column_and_one_class(tmp_
         ("label\n", r"0 rows of data after the header \(line 1\); predict needs at least 1"),
         ("", "the file is empty; predict needs at least 1"),
         ("\n \n", "0 rows of data; predict needs at least 1"),
-        ("a,b\n1,\n", r"row 2, column 2 is empty \(NaN\); predict needs finite numbers"),
-        ("a,b,c\n1,x,0\n2,3,1\n", r"column 2 holds text \('x' in row 2\); predict needs numbers"),
+        ("a,b\n1,\n", r"row 2, column 'b' \(column 2\) is empty \(NaN\); predict needs finite numbers"),
+        (
+            "a,b,c\n1,x,0\n2,3,1\n",
+            r"column 'b' \(column 2\) holds text \('x' in row 2\); predict needs numbers",
+        ),
     ],
 )
 def test_a_csv_that_predict_refuses_is_refused_in_predicts_words(tmp_path, text, message):

@@ -57,12 +57,30 @@ def inspect(path, allow_external=False):
     return _combined(path, [_inspect_file(file, allow_external, part=True) for file in files])
 
 
+#: the files ``ingest`` turns into datasets, by their suffix
+INGESTED = (".csv", ".tsv", ".txt", ".npy", ".npz")
+
+
+def _ingest_hint(path):
+    """Where ``path`` is a file ``ingest`` reads (a CSV, numpy arrays): how to make a dataset of it."""
+    suffix = Path(str(path)).suffix.lower()
+    if suffix not in INGESTED:
+        return ""
+    made = Path(str(path)).with_suffix(".h5").name
+    return (
+        f"; a {suffix[1:].upper()} file is read by ingest, which writes a dataset to train on: "
+        f"python -m mpidist ingest {path} {made}"
+    )
+
+
 def _inspect_file(path, allow_external, part):
     with here().doing("io", f"reading dataset {path}"):
         try:
             handle = open_source(path)
         except OSError as err:
-            raise UsageError(f"{path}: not a readable HDF5 file ({printable(err)})") from None
+            raise UsageError(
+                f"{path}: not a readable HDF5 file ({printable(err)}){_ingest_hint(path)}"
+            ) from None
         with handle:
             try:
                 return _describe(path, handle, allow_external, part)

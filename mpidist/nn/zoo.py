@@ -7,6 +7,7 @@ token kernel: ``transformer:2,64,4,5``);
 ``linear`` and ``mlp-wide`` take none.
 """
 
+from ..runtime.suggest import did_you_mean
 from .conv import Conv1D, Conv2D
 from .layers import Dense, Dropout, Flatten, ReLU, ShapeError
 from .norm import LayerNorm
@@ -153,7 +154,8 @@ def parse_spec(spec):
     """
     name, colon, rest = str(spec).partition(":")
     if name not in MODELS:
-        raise SpecError(f"model {spec!r}: {name!r} is not in the zoo; choose from {_forms()}")
+        near = did_you_mean(name, MODELS, lambda found: found + colon + rest)
+        raise SpecError(f"model {spec!r}: {name!r} is not in the zoo{near}; choose from {_forms()}")
     if not colon:
         return name, None
     if name not in _ARGUMENTS:

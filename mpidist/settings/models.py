@@ -32,6 +32,7 @@ from pathlib import Path
 
 from .. import nn
 from ..runtime.errors import UsageError
+from ..runtime.suggest import nearest
 
 #: The spec recorded for a model given as layer objects: no string can rebuild it.
 OBJECTS = "<layers given in Python>"
@@ -116,7 +117,7 @@ def resolve(model):
             "the same layers as model= to mpidist.evaluate / mpidist.train, or train with a builder "
             "function so its checkpoints name it"
         )
-    if ":" not in model or _is_zoo_spec(model):
+    if ":" not in model or _is_zoo_spec(model) or _mistyped_zoo_spec(model):
         try:
             nn.parse_spec(model)
         except (KeyError, ValueError) as err:
@@ -133,6 +134,17 @@ def _absolute(spec):
 
 def _is_zoo_spec(spec):
     return spec.split(":", 1)[0] in nn.MODELS
+
+
+def _mistyped_zoo_spec(spec):
+    """Whether ``spec`` reads as a zoo name mistyped (``mpl:128,64``): a bare word close to a zoo name,
+    before arguments of the zoo's kind, which no module can be (``module:function`` names a function)."""
+    name, _, rest = spec.partition(":")
+    return (
+        name.isidentifier()
+        and bool(nearest(name, nn.MODELS))
+        and all(part.strip().isdigit() for part in rest.split(","))
+    )
 
 
 def _message(err):

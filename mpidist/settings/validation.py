@@ -17,6 +17,7 @@ import numbers
 from ..parallel import STRATEGIES, declared_options
 from ..runtime.errors import UsageError
 from ..runtime.memory import parse_bytes
+from ..runtime.suggest import did_you_mean
 from ..runtime.text import check_utf8
 from .precision import check_precision
 
@@ -148,8 +149,10 @@ def check_values(settings):
     for f in dataclasses.fields(settings):
         choices = f.metadata["choices"]
         if choices and getattr(settings, f.name) not in choices:
+            value = getattr(settings, f.name)
             raise UsageError(
-                f"--{settings.flag(f.name)} {getattr(settings, f.name)!r} is not one of: {', '.join(choices)}"
+                f"--{settings.flag(f.name)} {value!r} is not one of: {', '.join(choices)}"
+                f"{did_you_mean(value, choices)}"
             )
     for f in dataclasses.fields(settings):  # every number, the strategies' own included: finite, in range
         if f.type in (int, float):
@@ -165,7 +168,10 @@ def check_for(settings, world_size):
     between settings (``--elastic``, the warm-up, ``--keep-best``, ``--resume auto``)."""
     # (the registry, not a fixed list)
     if settings.strategy not in STRATEGIES and settings.strategy != "auto":
-        raise UsageError(f"--strategy {settings.strategy!r} is not one of: auto, {', '.join(STRATEGIES)}")
+        raise UsageError(
+            f"--strategy {settings.strategy!r} is not one of: auto, {', '.join(STRATEGIES)}"
+            f"{did_you_mean(settings.strategy, ['auto', *STRATEGIES])}"
+        )
     if settings.strategy == "auto":
         settings = settings.with_world(world_size)
     for name, (option, users) in declared_options().items():  # a strategy's own settings, for others

@@ -32,6 +32,7 @@ import dataclasses
 import numpy as np
 
 from ..runtime.errors import UsageError
+from ..runtime.suggest import nearest
 from ..runtime.text import printable
 
 SHOWN_NAMES = 5  # names a refusal lists
@@ -144,15 +145,17 @@ def _by_name(where, names, stored, labelled):
         seen.setdefault(name, number)
     wanted = set(stored)
     besides = names if labelled else names[:-1]  # (a last column besides the features: the label's)
+    missing = [name for name in stored if name not in seen]
     for what, found in (
         ("names columns twice", repeated),
-        ("lacks the model's features", [name for name in stored if name not in seen]),
+        ("lacks the model's features", missing),
         ("has columns the model does not take", [name for name in besides if name not in wanted]),
     ):
         if found:
             raise UsageError(
-                f"{where}: {what}, by the names ingest stored: {_names(found)} ({len(stored)} features "
-                f"named {_names(stored, 3)}); give the columns the training data had, with their header"
+                f"{where}: {what}, by the names ingest stored: {_names(found)}{_near_in(missing, names)} "
+                f"({len(stored)} features named {_names(stored, 3)}); give the columns the training data "
+                "had, with their header"
             )
     notes = ()
     if not labelled and names[-1] not in wanted:
@@ -160,6 +163,19 @@ def _by_name(where, names, stored, labelled):
             f"{where}: column {len(names)} ({printable(repr(names[-1]), 40)}) left out as the label column",
         )
     return Columns([seen[name] for name in stored], notes)
+
+
+def _near_in(missing, names):
+    """The header's names nearest the features it lacks (another case, a typo): ``" (the header has
+    'Proline')"``, or nothing."""
+    pairs = [(name, nearest(name, [other for other in names if other not in missing])) for name in missing]
+    near = [(name, found[0]) for name, found in pairs if found]
+    if not near:
+        return ""
+    shown = ", ".join(
+        f"{printable(repr(found), 40)} for {printable(repr(name), 40)}" for name, found in near[:SHOWN_NAMES]
+    )
+    return f" (the header has {shown})"
 
 
 def _names(names, shown=SHOWN_NAMES):

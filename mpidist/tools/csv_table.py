@@ -122,11 +122,25 @@ def mixed(path, label, cell, line_no):
     )
 
 
-def first_bad_cell(path, rows, split=None, label=None, named=False, command="ingest"):
+def column_words(column, titles=None):
+    """File column ``column`` (1-based) in the user's words: by its header's name where it has one, and
+    counted as a data frame counts it where the file's first column is pandas' unnamed index."""
+    name = titles[column - 1] if titles and column <= len(titles) else ""
+    if not name or _unnamed(name):
+        return f"column {column}"
+    indexed = _unnamed(titles[0]) and not any(map(_unnamed, titles[1:]))
+    shown = printable(repr(name), 60)
+    if indexed:
+        return f"column {shown} (column {column - 1} after pandas' index, {column} of the file)"
+    return f"column {shown} (column {column})"
+
+
+def first_bad_cell(path, rows, split=None, label=None, named=False, command="ingest", titles=None):
     """Why ``np.loadtxt`` refused ``rows``: one line naming the row (line in the file) and column.
 
     ``label``: the label column (0-based); ``named``: it holds class names, not read here; ``command``: the
-    command reading them, which the line says needs numbers.
+    command reading them, which the line says needs numbers; ``titles``: the header's names, where it has
+    one (:func:`column_words`).
     """
     split = split or cells_of(",")
     width = len(split(rows[0][1]))
@@ -139,14 +153,15 @@ def first_bad_cell(path, rows, split=None, label=None, named=False, command="ing
                 continue
             if not cell.strip():
                 return (
-                    f"{path}: row {line_no}, column {column} is empty (NaN); {command} needs finite numbers"
+                    f"{path}: row {line_no}, {column_words(column, titles)} is empty (NaN); {command} needs "
+                    "finite numbers"
                 )
             if not is_number(cell):
                 if column - 1 == label:
                     return mixed(path, label, cell, line_no)
                 return (
-                    f"{path}: column {column} holds text ({printable(repr(cell.strip()), 60)} in row "
-                    f"{line_no}); "
+                    f"{path}: {column_words(column, titles)} holds text ({printable(repr(cell.strip()), 60)} "
+                    f"in row {line_no}); "
                     f"{command} needs numbers in every row after the header (text only in the label column)"
                 )
     return None
@@ -249,8 +264,9 @@ def read_csv(path, label_column=-1, delimiter="auto", needs=INGEST):
             usecols=columns if named else None,
         )
     except ValueError as err:
+        titles = [unquoted(cell) for cell in split(header[0][1])] if header else None
         raise UsageError(
-            first_bad_cell(path, rows, split, label, named, needs.command)
+            first_bad_cell(path, rows, split, label, named, needs.command, titles)
             or f"{path}: not a table of numbers ({printable(err)})"
         ) from None
     magnitude = np.abs(np.nan_to_num(table, nan=0.0, posinf=np.inf, neginf=np.inf))

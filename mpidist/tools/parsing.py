@@ -11,12 +11,14 @@ here.  What each subcommand runs is :mod:`mpidist.tools.cli`'s.
 """
 
 import argparse
+import re
 import sys
 
 from mpi4py import MPI
 
 from .. import __version__
 from ..runtime.errors import UsageError
+from ..runtime.suggest import did_you_mean
 from ..runtime.text import check_utf8
 from .measuring_flags import add_bench_parser, add_plan_parser
 
@@ -51,7 +53,36 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
+        raise UsageError(f"{message}{self._near(message)} (see `{self.prog} --help`)")
+
+    def _near(self, message):
+        """A mistyped flag's or choice's nearest known one (``" (did you mean --epochs?)"``), or nothing."""
+        choice = re.match(r".*invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            return did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        flags = [word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--")]
+        takes = self._flags()
+        for flag in flags:
+            if flag in takes:  # (another subcommand's)
+                return f" ({flag} is a flag of {' and '.join(takes[flag])})"
+            found = did_you_mean(flag, takes)
+            if found:
+                return found
+        return ""
+
+    def _flags(self):
+        """Every long flag of this parser's subcommands, and which subcommands take it (the leftovers of a
+        subcommand's flags are reported by the top parser)."""
+        takes = {}
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, parser in action.choices.items():
+                    for flag in parser._option_string_actions:
+                        if flag.startswith("--"):
+                            takes.setdefault(flag, []).append(name)
+        return takes
 
     def _print_message(self, message, file=None):
         if MPI.COMM_WORLD.Get_rank() == 0:
