@@ -354,3 +354,21 @@ def test_strategies_declare_what_the_loop_set_up_and_settings_once_named_them_fo
         "local-sgd": None,
     }
     assert STRATEGIES["local"].auto_rank(Settings(), 1) == 2
+
+
+def test_a_pipeline_of_one_stage_on_several_ranks_is_refused_with_the_stage_counts_that_fit():
+    """Issue 63, item 9: ``--strategy pipeline`` without ``--stages`` ran "1 stages x 4 replicas"."""
+    from mpidist.settings.validation import check_for
+
+    said = (
+        "--strategy pipeline on 4 ranks needs --stages P, the ranks that hold one replica's layers in turn: "
+        "with --stages 1 every replica runs all its layers at once and no pipeline runs (that is --strategy "
+        "allreduce); give --stages 2 or 4"
+    )
+    with pytest.raises(UsageError) as refused:
+        check_for(Settings(strategy="pipeline"), 4)
+    assert str(refused.value) == said
+    with pytest.raises(UsageError, match=r"\(that is --strategy allreduce --tensor 2\); give --stages 3$"):
+        check_for(Settings(strategy="pipeline", tensor=2), 6)
+    check_for(Settings(strategy="pipeline", stages=2), 4)
+    check_for(Settings(strategy="pipeline"), 1)  # (one process: plan's calibration runs it so)

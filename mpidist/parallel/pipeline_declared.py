@@ -14,6 +14,24 @@ from .registry import Option
 from .tensor import TENSOR, check_split, check_tensor
 
 
+def one_stage(settings, world_size):
+    """Why ``--strategy pipeline`` is refused at ``--stages 1`` on several ranks: each rank a replica of
+    the whole model, which is ``allreduce``; the stage counts that would make a pipeline of these ranks."""
+    per_part = world_size // max(1, settings.tensor)
+    counts = [str(count) for count in range(2, per_part + 1) if per_part % count == 0]
+    parts = f" --tensor {settings.tensor}" if settings.tensor > 1 else ""
+    choose = (
+        f"give --stages {' or '.join(counts)}"
+        if counts
+        else f"run more ranks than --tensor {settings.tensor}"
+    )
+    return (
+        f"--strategy pipeline on {world_size} ranks needs --stages P, the ranks that hold one replica's "
+        "layers in turn: with --stages 1 every replica runs all its layers at once and no pipeline runs "
+        f"(that is --strategy allreduce{parts}); {choose}"
+    )
+
+
 class PipelineDeclared(Declared):
     """The pipeline's declarations (:class:`~mpidist.parallel.declared.Declared`'s hooks, as a pipeline
     answers them)."""
@@ -38,6 +56,8 @@ class PipelineDeclared(Declared):
                 f"--stages and --micro-batches must be at least 1, got {settings.stages} and "
                 f"{settings.micro_batches}"
             )
+        if settings.stages == 1 and world_size > 1:
+            raise UsageError(one_stage(settings, world_size))
         if world_size % settings.stages:
             raise UsageError(
                 f"--stages {settings.stages} does not divide the {world_size} ranks (ranks = stages x "
