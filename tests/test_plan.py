@@ -384,6 +384,8 @@ def test_plan_prints_every_layout_and_a_recommendation_for_each_node_count(tmp_p
     assert done.returncode == 0, done.stderr
     for nodes in (1, 8, 64, 512):
         assert f"on {nodes} node(s): " in done.stdout
+    # (issue 63, item 11: the file written is said)
+    assert done.stdout.rstrip().endswith(f"mpidist plan: results in {tmp_path / 'plan.json'}")
     written = json.loads((tmp_path / "plan.json").read_text())
     at_8 = {row["layout"] for row in written["rows"] if row["nodes"] == 8}
     assert at_8 >= {

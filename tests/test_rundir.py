@@ -305,3 +305,22 @@ def test_a_resume_from_a_checkpoint_directory_elsewhere_continues_the_run_direct
     second = events(tmp_path / "moved" / "metrics.jsonl", "done")[-1]["steps"]
     assert [e["step"] for e in events(new / "metrics.jsonl", "start")] == [second]
     assert len(events(tmp_path / "moved" / "metrics.jsonl", "start")) == 2  # the moved one is left as it was
+
+
+def test_without_a_run_directory_the_run_says_where_its_metrics_go_and_what_they_follow(tmp_path):
+    """Issue 63, item 11: ``--run-dir ''`` appended to ./metrics.jsonl without a word."""
+    import io
+
+    import mpidist
+
+    said = []
+    for _ in range(2):
+        stream = io.StringIO()
+        mpidist.train("mlp:8", "digits", steps=2, run_dir="", progress="none", eval_every=0, stream=stream)
+        said.append([line for line in stream.getvalue().splitlines() if "metrics go to" in line])
+    path = tmp_path / "metrics.jsonl"  # (each test runs in a directory of its own)
+    assert said[0] == [f"mpidist: note: metrics go to {path} (no run directory: --run-dir '')"]
+    (second,) = said[1]
+    assert second.startswith(f"mpidist: note: metrics go to {path} (no run directory: --run-dir ''), after the ")
+    assert "of lines already there (each run's begin with its start event" in second
+    assert sum('"event": "start"' in line for line in path.read_text().splitlines()) == 2

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..observe import trace
 from ..runtime import recorder
+from ..runtime.memory import human
 from ..store import checkpoint_save, lineage, rundir
 from . import tensorboard
 from .callbacks import Reporter
@@ -22,6 +23,30 @@ def trace_file(config, resume):
     if resume is not None and path.exists():
         path = path.with_name(f"trace-from-step-{resume.step}.json")
     return path
+
+
+def metrics_note(config, resume):
+    """What the user is told of where the metrics go, where it is not the run directory's own new file:
+    with no run directory (``--run-dir ''``), and a file that holds earlier runs' lines, which this run's
+    follow (None otherwise)."""
+    metrics = config.metrics
+    if not metrics:
+        return None
+    try:
+        held = os.path.getsize(metrics)
+    except OSError:
+        held = 0
+    earlier = held and resume is None
+    if config.run_dir and not earlier:
+        return None
+    where = "" if config.run_dir else " (no run directory: --run-dir '')"
+    then = (
+        f", after the {human(held)} of lines already there (each run's begin with its start event; "
+        "--metrics FILE writes another file, --metrics '' none)"
+        if earlier
+        else ""
+    )
+    return f"note: metrics go to {metrics}{where}{then}"
 
 
 class Outputs:
@@ -46,6 +71,7 @@ class Outputs:
         resumes from, or None.  Nothing is written yet: a run that any rank refuses changes nothing.
         """
         callbacks = self.callbacks = list(callbacks)
+        where = metrics_note(config, resume) if self.chief else None  # (before the file is opened)
         if config.tensorboard:
             tensorboard.require()  # on every rank: without the package, all exit with its name (code 2)
             if self.chief:
@@ -66,6 +92,7 @@ class Outputs:
             if config.checkpoint_dir:
                 made = checkpoint_save.prepare_directory(config.checkpoint_dir)
             self.claim = lineage.claim(config, resume)
+            self.claim.notes += [where] if where else []
         except BaseException:
             if run_lock is not None:
                 run_lock.release()

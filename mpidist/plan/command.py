@@ -141,6 +141,7 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
             },
         },
     )
+    print(f"mpidist plan: results in {output}")
     return rows, best, knee
 
 
@@ -160,4 +161,5 @@ def check(path, run_dirs, output):
         raise UsageError("plan --check: none of the runs given can be checked (see above)")
     print(format_table(rows, CHECK_COLUMNS))
     write_results(output, {"calibration": str(path), "checked": rows, "notes": notes})
+    print(f"mpidist plan: results in {output}")
     return rows
