@@ -375,3 +375,45 @@ def test_an_array_in_a_chunk_far_larger_than_it_is_refused_before_it_is_read(tmp
             f"{path}: 'params' is stored in chunks of 256.0 MiB each (chunk shape (33554432,)), which a read "
             "decompresses whole, for values of 40 B: not read"
         )
+
+
+def test_a_whole_checkpoint_names_each_parameter_as_the_role_table_numbers_layers(tmp_path):
+    """Issue 63, item 4: whole checkpoints had a flat ``params`` alone; every checkpoint now names each
+    parameter ``parameters/<layer number>.<Layer>.<name>``, a view of ``params`` in its own shape, as a split
+    model's index does, and loads, resumes and evaluates as before."""
+    import mpidist
+    from mpidist import nn
+
+    result = mpidist.train(
+        "mlp", "digits", steps=3, checkpoint_dir=str(tmp_path), run_dir="", metrics="", progress="none"
+    )
+    (path,) = result.checkpoints
+    model = nn.build_model("mlp", (8, 8), 10, np, np.float32, buffers=False)
+    names = model.parameter_names()
+    assert names == [
+        "0001.Dense.W",
+        "0001.Dense.b",
+        "0003.Dense.W",
+        "0003.Dense.b",
+        "0005.Dense.W",
+        "0005.Dense.b",
+    ]
+    with h5py.File(path) as handle:
+        assert list(handle["parameters"]) == sorted(names)
+        flat = handle["params"][...]
+        for name, (_, _, offset, shape, _) in zip(names, model.entries):
+            view = handle["parameters"][name]
+            assert view.shape == shape and view.is_virtual
+            np.testing.assert_array_equal(view[...].reshape(-1), flat[offset : offset + view.size])
+    np.testing.assert_array_equal(checkpoint.load(path).params, result.params)
+    assert mpidist.evaluate(path)["test_accuracy"] == result.figures["test_accuracy"]
+
+
+def test_a_layer_inside_a_block_is_named_by_its_path_down_from_the_top_level_layer():
+    from mpidist import nn
+
+    model = nn.build_model("transformer:1,16,2", (12,), 5, np, np.float32, buffers=False)
+    names = model.parameter_names()
+    assert names[:3] == ["0000.TokenConv.W", "0000.TokenConv.b", "0001.PositionalEmbedding.table"]
+    assert "0002.TransformerBlock.00.Residual.01.MultiHeadAttention.Wq" in names
+    assert len(set(names)) == len(names) == len(model.entries)

@@ -92,8 +92,9 @@ def test_a_split_model_writes_its_parts_and_an_index_equal_to_one_process(tmp_pa
         assert handle.attrs["format"] == sharded.FORMAT
         parts = [handle[f"{sharded.PARAMETERS}/{name}"] for name in handle[sharded.PARAMETERS]]
         assert sum(part.size for part in parts) == reference.params.size
-        first = parts[0]  # the first Dense's weights, (64, 16), in their own shape, by name
-        assert first.name.endswith("0000.Dense.W") and first.shape == (64, 16)
+        first = parts[0]  # the first Dense's weights, (64, 16), in their own shape, by name: layer 1, after
+        # the Flatten, as the role table numbers layers
+        assert first.name.endswith("0001.Dense.W") and first.shape == (64, 16)
         np.testing.assert_allclose(first[...].reshape(-1), reference.params[: 64 * 16], rtol=1e-9, atol=1e-12)
         # two ranks write (the stages of the first replica, or the parts of the first tensor group)
         assert len(json.loads(handle.attrs[sharded.PARTS])) == 2

@@ -28,9 +28,11 @@ class CheckpointFiles:
             stores (taken at the first write, on the rank that writes); None: none stored.
     """
 
-    def __init__(self, config, lineage, parent, dataset):
+    def __init__(self, config, lineage, parent, dataset, parameters=()):
         self.config, self.lineage, self.parent = config, lineage, parent
         self.dataset, self.dataset_fingerprint = dataset, None
+        #: the model's ``(name, shape, offset)``, which a whole checkpoint names under ``parameters/``
+        self.parameters = list(parameters)
 
     def take_fingerprint(self):
         """The dataset's fingerprint, taken once, in the training thread (a write behind finds it taken)."""
@@ -80,6 +82,7 @@ class CheckpointFiles:
             elapsed=elapsed,
             per_worker=state.per_worker or None,
             dataset_fingerprint=self.dataset_fingerprint,
+            parameters=self.parameters,
         )
         self.prune(path)
         return path

@@ -79,11 +79,20 @@ class Checkpointer:
     """
 
     def __init__(
-        self, config, step, lineage="", parent="", clock=time.perf_counter, elapsed=0.0, dataset=None
+        self,
+        config,
+        step,
+        lineage="",
+        parent="",
+        clock=time.perf_counter,
+        elapsed=0.0,
+        dataset=None,
+        parameters=(),
     ):
         self.config, self.clock = config, clock
-        # (the lineage's files: what each checkpoint stores beside the state, a whole one's writing, pruning)
-        self.files = CheckpointFiles(config, lineage, parent or "", dataset)
+        # (the lineage's files: what each checkpoint stores beside the state, a whole one's writing, pruning;
+        # ``parameters``, the model's names, shapes and offsets, which a whole one names its views by)
+        self.files = CheckpointFiles(config, lineage, parent or "", dataset, parameters)
         self.origin = clock() - elapsed
         self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
         self.written = []  # paths this process wrote, oldest first

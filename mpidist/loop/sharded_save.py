@@ -30,10 +30,11 @@ from .writer import BehindWrite
 
 
 def parameters(whole):
-    """The whole model's ``(name, shape, offset)`` in entry order, as the index stores them."""
+    """The whole model's ``(name, shape, offset)`` in entry order, as every checkpoint stores them under
+    ``parameters/`` (:meth:`~mpidist.nn.parameter_map.ParameterMap.parameter_names`)."""
     return [
-        (sharded.parameter_name(entry, type(layer).__name__, name), tuple(shape), int(offset))
-        for entry, (layer, name, offset, shape, _) in enumerate(whole.entries)
+        (name, tuple(shape), int(offset))
+        for name, (_, _, offset, shape, _) in zip(whole.parameter_names(), whole.entries)
     ]
 
 

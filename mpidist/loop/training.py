@@ -34,7 +34,7 @@ from ..runtime.comm import bcast
 from ..runtime.phase import PhaseAgreement
 from ..runtime.preempt import stop_signals
 from ..runtime.whereabouts import here
-from . import elastic, survival
+from . import elastic, sharded_save, survival
 from .checkpointer import Checkpointer
 from .conclusion import conclude
 from .evaluations import Evaluations, shown
@@ -171,6 +171,7 @@ class Training:
             *lineages,
             elapsed=0.0 if resume is None else resume.elapsed,
             dataset=setup.info,
+            parameters=sharded_save.parameters(setup.model),
         )
         self.evaluations = Evaluations(
             setup.info.sizes, config.keep_best, resume.best if resume else None, early_stopping

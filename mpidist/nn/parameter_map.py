@@ -32,6 +32,13 @@ def walk(layers, path=()):
         yield from walk(getattr(layer, "sublayers", list)(), path + (index,))
 
 
+def _down(layer, path):
+    """``(index, sublayer)`` at each level of ``path`` (indices of sublayers) from ``layer`` down."""
+    for index in path:
+        layer = layer.sublayers()[index]
+        yield index, layer
+
+
 def _groups(keys):
     """``(key, where)`` for each distinct value of ``keys`` (int array), ``where`` the places that hold it:
     slices where ``keys`` is sorted (a range of positions, the common case), else index arrays."""
@@ -124,6 +131,18 @@ class ParameterMap:
         """The key of entry ``entry``'s draws (its index in :attr:`entries` of the whole model) under
         ``seed``."""
         return np.random.SeedSequence([seed, entry]).generate_state(1, dtype=np.uint64)[0]
+
+    def parameter_names(self):
+        """Each entry's name, in entry order, as checkpoints store it under ``parameters/``: its top-level
+        layer's number as the role table numbers layers, zero-padded so names sort by layer in model order,
+        that layer's class, the path down to a sublayer (index and class at each level), and the parameter's
+        name: ``0003.Dense.W``, ``0002.TransformerBlock.00.Residual.01.MultiHeadAttention.Wq``."""
+        named = {}
+        for top, layer in enumerate(self.layers):
+            for path, node in walk([layer]):
+                below = "".join(f".{index:02d}.{type(sub).__name__}" for index, sub in _down(layer, path[1:]))
+                named[id(node)] = f"{top:04d}.{type(layer).__name__}{below}"
+        return [f"{named[id(node)]}.{name}" for node, name, *_ in self.entries]
 
     def layer_params(self, index):
         """Number of parameters of top-level layer ``index``, its sublayers' included."""

@@ -17,8 +17,10 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from ..runtime.errors import RunError, UsageError
-from . import atomic, bulk, removal
+from . import atomic, bulk, removal, sharded
 from . import lineage as lineages
 
 FORMAT = "mpidist-checkpoint-1"
@@ -55,6 +57,7 @@ def save(
     elapsed=0.0,
     per_worker=None,
     dataset_fingerprint="",
+    parameters=(),
 ):
     """Write ``ckpt-<step>-<lineage>.h5`` in ``directory`` atomically; returns its path.
 
@@ -63,7 +66,9 @@ def save(
     ``per_worker``: each worker's own state where the workers' differ (name ->
     ``(workers, params.size)`` array), written in the group ``workers/``.
     ``dataset_fingerprint`` (:func:`mpidist.data.fingerprint.fingerprint`) tells the dataset it
-    trained on from another under the same name.
+    trained on from another under the same name.  ``parameters``: the model's ``(name, shape, offset)``
+    (:func:`mpidist.loop.sharded_save.parameters`), each read by name under ``parameters/`` as a view of
+    ``params`` (:func:`~mpidist.store.sharded.name_parameters`).
     A write that fails (a full disk, a quota) raises :class:`RunError` with the
     reason; the file written aside is removed and every older checkpoint is intact.
     """
@@ -92,6 +97,8 @@ def save(
                     per_worker,
                     dataset_fingerprint,
                 )
+                if parameters:  # (views of params: no bytes of their own)
+                    sharded.name_parameters(handle, parameters, np.asarray(params).dtype, len(params))
             bulk.fill(aside, places)  # (the arrays' bytes, without holding Python's lock)
     except OSError as err:  # h5py wraps errno in a long message: say the reason, and what is kept
         reason = os.strerror(err.errno) if err.errno else str(err)

@@ -10,8 +10,9 @@ the checkpoint exists whole or not at all.  The index is an HDF5 file of
 * ``params`` and ``optimizer/<name>``: flat arrays of the whole model, as in a
   format-1 checkpoint, so everything that reads one reads this one;
 * ``parameters/<name>``: each parameter in its own shape, by name
-  (``0003.Dense.W``: its entry in the model, its layer, its name), for users
-  reading a checkpoint with h5py.
+  (``0003.Dense.W``: its layer's number as the role table numbers layers, the
+  layer, its name), for users reading a checkpoint with h5py, as a whole
+  checkpoint holds them too (:func:`name_parameters`).
 
 The part files sit in a folder beside the index, named in it relative to the
 index's folder (HDF5 looks for a relative source beside the file that names
@@ -47,12 +48,6 @@ PARTS_BYTES = 16 << 20  # the parts attribute's bound: about 190 bytes a part, s
 
 def part_name(rank):
     return f"rank-{int(rank):05d}.h5"
-
-
-def parameter_name(entry, layer, name):
-    """A parameter's name in ``parameters/``: its entry (zero-padded, so names sort in model order), layer,
-    name."""
-    return f"{int(entry):04d}.{layer}.{name}"
 
 
 def write_part(path, rows, arrays):
@@ -161,6 +156,20 @@ def _virtual(group, name, shape, dtype, mappings):
         dcpl.set_virtual(virtual, file.encode(), key.encode(), source)
     space = h5py.h5s.create_simple(tuple(int(n) for n in shape))
     h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(np.dtype(dtype)), space, dcpl=dcpl)
+
+
+def name_parameters(handle, parameters, dtype, total):
+    """``parameters/<name>`` in ``handle`` (a whole checkpoint's file, being written): each parameter of
+    ``parameters`` (``(name, shape, offset)``) in its own shape, a virtual dataset over its slice of this
+    file's own ``params`` (``total`` elements); no value is copied."""
+    group = handle.create_group(PARAMETERS)
+    for name, shape, offset in parameters:
+        size = int(np.prod(shape, dtype=np.int64))
+        _virtual(group, name, shape, dtype, [(_all, ".", "params", offset, size, total)])
+
+
+def _all(space):
+    space.select_all()
 
 
 def write_index(path, parameters, parts, keys, dtype, attrs):
