@@ -321,6 +321,8 @@ def test_without_a_run_directory_the_run_says_where_its_metrics_go_and_what_they
     path = tmp_path / "metrics.jsonl"  # (each test runs in a directory of its own)
     assert said[0] == [f"mpidist: note: metrics go to {path} (no run directory: --run-dir '')"]
     (second,) = said[1]
-    assert second.startswith(f"mpidist: note: metrics go to {path} (no run directory: --run-dir ''), after the ")
+    assert second.startswith(
+        f"mpidist: note: metrics go to {path} (no run directory: --run-dir ''), after the "
+    )
     assert "of lines already there (each run's begin with its start event" in second
     assert sum('"event": "start"' in line for line in path.read_text().splitlines()) == 2
