@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from mpidist.runtime.errors import UsageError
@@ -46,6 +47,11 @@ def test_plot_draws_two_runs_on_one_set_of_axes_and_a_timeline(two_runs, tmp_pat
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert written == ["accuracy.png", "loss.png", "throughput.png", "timeline-allreduce.png"]
     assert done.stdout.count("mpidist plot: wrote") == 4
+    # (issue 63, item 10: a traced run beside an untraced one is said to be unlike for like)
+    assert (
+        "mpidist plot: allreduce traced (--trace), the others not: tracing costs time, so throughput.png "
+        "compares them unlike for like" in done.stdout
+    )
     assert png(tmp_path / "out" / "loss.png") == (1000, 400)
     assert png(tmp_path / "out" / "accuracy.png") == (1000, 400)
     assert png(tmp_path / "out" / "throughput.png") == (500, 400)
@@ -53,6 +59,26 @@ def test_plot_draws_two_runs_on_one_set_of_axes_and_a_timeline(two_runs, tmp_pat
     assert width == 1200 and height >= 250
     done, _ = mpidist(1, "plot", str(two_runs / "ps-async"))  # default: the run's own plots/
     assert done.returncode == 0 and (two_runs / "ps-async" / "plots" / "loss.png").exists(), done.stderr
+
+
+def test_the_evaluations_axis_says_what_it_shows_and_a_last_partial_interval_is_not_drawn(two_runs):
+    """Issue 63, item 10: accuracy.png's y-axis said "figure"; throughput.png ended in a spike, the rate of
+    the run's last few steps (fewer than --log-every)."""
+    runs = [plotting.read_run(two_runs / name) for name in ("allreduce", "ps-async")]
+    figure = plotting._evaluations(runs)
+    assert [axes.get_ylabel() for axes in figure.axes[:2]] == ["accuracy", "accuracy"]
+    regression = plotting.Run("r", {}, [{"step": 5, "time": 1.0, "test_mse": 0.5}])
+    assert plotting._evaluations([regression]).axes[0].get_ylabel() == "MSE"
+    steps, times, rates = (
+        np.array(values, dtype=float) for values in ([10, 20, 30, 33], [1, 2, 3, 3.1], [5, 5, 5, 50])
+    )
+    assert [a.tolist() for a in plotting.whole_intervals(steps, times, rates)] == [
+        [10, 20, 30],
+        [1, 2, 3],
+        [5, 5, 5],
+    ]
+    whole = steps[:3], times[:3], rates[:3]  # (every interval of 10 steps: all kept)
+    assert [a.tolist() for a in plotting.whole_intervals(*whole)] == [a.tolist() for a in whole]
 
 
 def test_metrics_are_read_as_untrusted_lines(tmp_path):

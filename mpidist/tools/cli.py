@@ -134,7 +134,7 @@ def cmd_plot(args, world):
         elif not args.runs:
             raise UsageError("plot: give run directories to draw, or --plan PLAN_JSON")
         else:
-            written = plot(args.runs, args.output)
+            written, notes = plot(args.runs, args.output)
     for note in notes:
         print(f"mpidist plot: {note}")
     for path in written:

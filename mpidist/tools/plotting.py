@@ -145,12 +145,21 @@ def plot_runs(runs, output):
         written.append(save_png(figure, Path(output) / "accuracy.png"))
     figure, (axes,) = new_figure(columns=1)
     for index, run in enumerate(runs):
-        _, times, rate = run.series("samples_per_s")
+        _, times, rate = whole_intervals(*run.series("samples_per_s"))
         axes.plot(times, rate, color=f"C{index}", label=run.name)
     axes.set(title="throughput", xlabel="time (s)", ylabel="samples/s")
     legend_beside(axes)
     written.append(save_png(figure, Path(output) / "throughput.png"))
     return written
+
+
+def whole_intervals(steps, times, rates):
+    """A throughput series without its last point where that point's interval is shorter than the others'
+    (the run's end, after fewer steps than ``--log-every``): a rate over a few steps is noise, and it drew
+    a spike at the end of every such run."""
+    if len(steps) >= 3 and steps[-1] - steps[-2] < np.median(np.diff(steps[:-1])):
+        return steps[:-1], times[:-1], rates[:-1]
+    return steps, times, rates
 
 
 def _evaluations(runs):
@@ -176,7 +185,14 @@ def _evaluations(runs):
                 axes.plot(x, train, "--", color=f"C{index}", alpha=0.6, label=f"{run.name} train_accuracy")
     if not drawn:
         return None
-    _label(figure, (by_step, by_time), "evaluations", "figure")
+    kinds = {
+        "MSE" if "mse" in name else "accuracy"
+        for run in runs
+        for e in run.evals
+        for name in names
+        if name in e
+    }
+    _label(figure, (by_step, by_time), "evaluations", " / ".join(sorted(kinds)) or "accuracy")
     return figure
 
 
@@ -296,8 +312,8 @@ def _args(event):
 
 
 def main(run_dirs, output=None):
-    """The command: figures of ``run_dirs`` into ``output`` (default: the first run's ``plots/``); the
-    paths."""
+    """The command: figures of ``run_dirs`` into ``output`` (default: the first run's ``plots/``); ``(the
+    paths, notes for the user)``."""
     runs = [read_run(path) for path in run_dirs]
     names = [run.name for run in runs]
     for index, run in enumerate(runs):  # two runs of one name (a/run, b/run) each keep their own
@@ -310,8 +326,16 @@ def main(run_dirs, output=None):
     except OSError as err:
         raise UsageError(f"plot --output {output}: cannot create ({err.strerror})") from None
     written = plot_runs(runs, output)
-    for path, run in zip(run_dirs, runs):
-        if (Path(path) / TRACE).is_file():
+    traced = [(Path(path) / TRACE).is_file() for path in run_dirs]
+    for path, run, timeline in zip(run_dirs, runs, traced):
+        if timeline:
             name = "".join(c if c.isalnum() or c in "-_." else "-" for c in run.name)
             written.append(plot_timeline(Path(path) / TRACE, output / f"timeline-{name}.png"))
-    return written
+    notes = []
+    if any(traced) and not all(traced):
+        shown = ", ".join(run.name for run, timeline in zip(runs, traced) if timeline)
+        notes.append(
+            f"{shown} traced (--trace), the others not: tracing costs time, so throughput.png compares "
+            "them unlike for like"
+        )
+    return written, notes
