@@ -412,7 +412,10 @@ def test_plan_prints_every_layout_and_a_recommendation_for_each_node_count(tmp_p
     assert set(written["by_strategy"]) == {"allreduce", "ps-sync", "ps-async", "pipeline"}
     for strategy, advised in written["by_strategy"].items():
         assert set(advised["best"]) == {"1", "8", "64", "512"} and advised["best"]["8"].startswith(strategy)
-        assert f"mpidist plan: {strategy}: 1: " in done.stdout
+        assert f"mpidist plan: {strategy}: 1: " in done.stdout or strategy == "ps-async"
+    # (issue 63, item 2: where the plan's figures leave something out, the line says it)
+    stale = "ps-async (samples/s alone: the staleness of its updates, which may take more steps to the same"
+    assert f"mpidist plan: {stale} accuracy, is not priced): 1: " in done.stdout
     # more than one node without a link between them: refused, naming the flag
     done, _ = mpidist(
         1,
@@ -505,6 +508,19 @@ def test_check_sets_a_prediction_beside_what_a_run_measured(tmp_path):
         "\n".join(line.replace('"strategy": "allreduce"', '"strategy": "local-sgd"') for line in lines) + "\n"
     )
     assert "--strategy local-sgd is not predicted" in check.read_layout(tmp_path / "sgd")
+    # (issue 63, item 2) the run says the cores its node gave its ranks: 2 ranks here on this machine's cores
+    # hold; the same run as if on 1 core (ranks sharing it, as the README's 4 ranks on 2 cores) does not
+    start = json.loads(lines[0])
+    assert start["event"] == "start" and start["cores_per_node"] == len(os.sched_getaffinity(0))
+    assert row["holds"] == ("yes" if start["cores_per_node"] >= 2 else "no: 2 ranks, 1 core")
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "metrics.jsonl").write_text(
+        "\n".join([json.dumps({**start, "cores_per_node": 1}), *lines[1:]]) + "\n"
+    )
+    rows, notes = check.check_runs(dataclasses.replace(made_up(), model="mlp"), [tmp_path / "shared"])
+    assert rows[0]["holds"] == "no: 2 ranks, 1 core"
+    assert f"note: {tmp_path / 'shared'} ran 2 ranks a node on 1 core: its ranks shared cores" in notes[0]
+    assert "its prediction does not hold there" in notes[0]
 
 
 def test_plan_costs_every_registered_strategy_but_local_sgd():
@@ -664,3 +680,22 @@ def test_bucket_runs_are_the_buckets_backward_completes_however_many():
         (1, 10**15),
         (0, 10**15),
     ]
+
+
+def test_a_plan_for_more_ranks_a_node_than_the_calibrations_cores_says_its_figures_do_not_hold(
+    tmp_path, capsys
+):
+    """Issue 63, item 2: the README's own run (4 ranks on 2 cores) measured 4.5x below the plan, which
+    prices a core per rank, without a word."""
+    from mpidist.plan import command
+
+    calibration.save(made_up(), tmp_path / "c.json")  # (measured on 2 cores)
+    for per_node, warned in ((2, False), (4, True)):
+        command.plan(
+            tmp_path / "c.json", "1,8", per_node, 0, "25GB/s,2us", None, tmp_path / f"{per_node}.json"
+        )
+        said = capsys.readouterr().out
+        assert (
+            f"mpidist plan: warning: {per_node} ranks a node on the 2 cores the calibration measured: the "
+            "plan prices a core per rank" in said
+        ) == warned, said

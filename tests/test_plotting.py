@@ -222,6 +222,11 @@ def test_plot_draws_a_plan_one_line_per_layout_with_measured_runs_on_top(two_run
     assert done.returncode == 0, done.stderr
     assert png(tmp_path / "plan.png") == (800, 500)
     assert "passed over" in done.stdout and "nowhere" in done.stdout
+    # (issue 63, item 2: the run's batch per rank is not the plan's, said)
+    assert (
+        "mpidist plot: allreduce trained 21.3333 samples a rank (--batch-size 64 on 3 ranks), the plan's "
+        "lines 64: its point is not on their terms\n" in done.stdout
+    )
     # what is drawn: a line per layout, the linear scaling, and the allreduce run (3 ranks, one node) as a
     # star in allreduce's colour
     measured, _ = plan_figure.measured_points([two_runs / "allreduce"])

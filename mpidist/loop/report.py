@@ -15,13 +15,16 @@ from .metrics import format_summary
 from .setup import layout_text
 
 
-def header(config, cluster, setup, outputs, table, asked_seed, held, imbalance=None, watched=True):
+def header(
+    config, cluster, setup, outputs, table, asked_seed, held, imbalance=None, watched=True, cores=None
+):
     """Chief: what runs where (``table``), and every note of the set-up; the ``start`` event.
 
     ``held``: ``(rank, what its strategy holds (a dict, where it reports it), its price)`` of every rank
     (:mod:`mpidist.loop.pricing`);
     ``imbalance``: of the ps shards, where there are; ``watched``: the stall
-    monitor runs (else a ``--stall-timeout`` goes undiagnosed, which is said).
+    monitor runs (else a ``--stall-timeout`` goes undiagnosed, which is said); ``cores``: the cores the
+    chief's node gives its ranks (the ``start`` event's ``cores_per_node``).
     """
     resume, say = setup.resume, outputs.say
     sizes, limited = setup.info.sizes, setup.info.limited
@@ -87,6 +90,7 @@ def header(config, cluster, setup, outputs, table, asked_seed, held, imbalance=N
         evaluated={split: sizes[split] for split in ("val", "test") if split in sizes},
         **({"held_bytes": held} if held else {}),
         memory={"needed": prices, "largest": prices[largest]},
+        **({"cores_per_node": cores} if cores else {}),
     )
 
 

@@ -33,6 +33,7 @@ from ..runtime.agreement import agreed
 from ..runtime.comm import bcast
 from ..runtime.phase import PhaseAgreement
 from ..runtime.preempt import stop_signals
+from ..runtime.threads import node_cores
 from ..runtime.whereabouts import here
 from . import elastic, sharded_save, survival
 from .checkpointer import Checkpointer
@@ -150,6 +151,7 @@ class Training:
             (cluster.rank, self.strategy.held_bytes(), setup.price.total if setup.price else 0),
             root=cluster.chief_rank,
         )
+        cores = node_cores(cluster.node)  # (plan --check tells a run whose ranks shared cores)
         if self.chief:
             header(
                 self.config,
@@ -161,6 +163,7 @@ class Training:
                 held,
                 imbalance=self.strategy.imbalance,
                 watched=self.monitor.active,
+                cores=cores,
             )
         outputs.show_progress(config, total_steps(config, setup), 0 if resume is None else resume.step)
         self.window = StepWindow(config.nan_patience)

@@ -17,8 +17,8 @@ from .step import predict, predicted
 
 
 def read_layout(run_dir):
-    """``(Layout, samples/s measured, peak bytes measured, model, data)`` of a finished run, or a reason
-    (a str) it cannot be checked."""
+    """``(Layout, samples/s measured, peak bytes measured, model, data, cores a node gave its ranks or
+    None)`` of a finished run, or a reason (a str) it cannot be checked."""
     metrics = metrics_of(run_dir)
     start = done = None
     special = special_input(metrics)
@@ -57,11 +57,13 @@ def read_layout(run_dir):
         )
         measured = float(done["samples_per_s"])
         peak = int(float(done.get("peak_rss_mib", 0)) * (1 << 20))
+        cores = start.get("cores_per_node")  # (an earlier version's run has none)
+        cores = int(cores) if isinstance(cores, int) and not isinstance(cores, bool) and cores > 0 else None
     except (KeyError, TypeError, ValueError, OverflowError):  # (OverflowError: an infinite figure as an int)
         return f"{metrics}: its start or done event lacks the layout or the figures"
     if not predicted(layout.strategy):
         return f"{metrics}: --strategy {layout.strategy} is not predicted"
-    return layout, measured, peak, str(config.get("model")), str(config.get("data"))
+    return layout, measured, peak, str(config.get("model")), str(config.get("data")), cores
 
 
 def check_runs(cal, run_dirs):
@@ -72,9 +74,17 @@ def check_runs(cal, run_dirs):
         if isinstance(read, str):
             notes.append(f"passed over: {read}")
             continue
-        layout, measured, peak, model, _ = read
+        layout, measured, peak, model, _, cores = read
         if model != cal.model:
             notes.append(f"note: {run_dir} trained --model {model}, the calibration {cal.model}")
+        shared = cores is not None and layout.per_node > cores
+        if shared:
+            notes.append(
+                f"note: {run_dir} ran {layout.per_node} ranks a node on {cores} "
+                f"core{'s' * (cores != 1)}: its ranks shared "
+                "cores (and MPI's waiting ranks spin on theirs), where the plan prices a core per rank: "
+                "its prediction does not hold there (the row says so)"
+            )
         try:
             made = predict(cal, layout)
         except UsageError as err:
@@ -92,6 +102,9 @@ def check_runs(cal, run_dirs):
                 "memory_predicted_mib": made.memory / (1 << 20),
                 "memory_measured_mib": peak / (1 << 20),
                 "memory_ratio": made.memory / peak if peak else None,
+                "holds": f"no: {layout.per_node} ranks, {cores} core{'s' * (cores != 1)}"
+                if shared
+                else "yes",
             }
         )
     return rows, notes
@@ -107,4 +120,5 @@ COLUMNS = [
     ("memory_predicted_mib", "MiB predicted", "{:,.0f}"),
     ("memory_measured_mib", "MiB measured", "{:,.0f}"),
     ("memory_ratio", "ratio", "{:.2f}"),
+    ("holds", "prediction holds", "{}"),
 ]

@@ -36,6 +36,12 @@ def calibrate(world, settings, path, seconds):
             f"within a node {made.node.describe() if made.node else 'not measured (one rank a node)'}; "
             f"between nodes {between}; written to {path}"
         )
+        if made.ranks_per_node > made.cores:
+            print(
+                f"mpidist plan: warning: calibrated with {made.ranks_per_node} ranks a node on {made.cores} "
+                "cores: the exchange within a node was measured with ranks sharing cores, slower than a core "
+                "a rank gives; calibrate with at most as many ranks a node as cores"
+            )
     return made
 
 
@@ -81,6 +87,19 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
             f"mpidist plan: on {count} node(s): {row.layout}, {row.samples_per_s:,.0f} samples/s "
             f"({row.efficiency:.0%} of linear)"
         )
+    if any(row.efficiency > 1.0 for row in best.values()):
+        print(
+            "mpidist plan: note: linear is the node count times the best one-node layout's samples/s; above "
+            "100%, a layout does better per node than that: its work a rank shrinks as ranks are added "
+            "(--shard optimizer divides the optimizer over every worker), or its ps ranks take a smaller "
+            "share of more nodes"
+        )
+    if per_node > cal.cores:
+        print(
+            f"mpidist plan: warning: {per_node} ranks a node on the {cal.cores} cores the calibration "
+            "measured: the plan prices a core per rank, and ranks that share cores (MPI's waiting ranks spin "
+            "on theirs) run slower than that by more than the share: its figures do not hold there"
+        )
     print(
         "mpidist plan: "
         + (
@@ -95,8 +114,14 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
             f"{count}: {row.layout.removeprefix(strategy).strip() or 'its defaults'} ({row.efficiency:.0%})"
             for count, row in fastest.items()
         )
+        stale = (
+            " (samples/s alone: the staleness of its updates, which may take more steps to the same "
+            "accuracy, is not priced)"
+            if strategy == "ps-async"
+            else ""
+        )
         print(
-            f"mpidist plan: {strategy}: {each or 'fits nowhere'}"
+            f"mpidist plan: {strategy}{stale}: {each or 'fits nowhere'}"
             + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient")
         )
     held = held_per_parameter(cal)

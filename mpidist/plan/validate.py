@@ -177,7 +177,8 @@ def main(argv=None):
             f"mpidist plan: {options.model} on {options.data}, {options.steps} steps a run, medians of "
             f"{options.rounds} interleaved rounds"
         )
-        print(format_table(rows, [column for column in COLUMNS if column[0] not in ("ranks", "nodes")]))
+        shown = [column for column in COLUMNS if column[0] not in ("ranks", "nodes", "holds")]
+        print(format_table(rows, shown))
         if options.output:
             # (whole; a link replaced)
             write_results(options.output, {"calibrations": calibrations, "rows": rows})

@@ -38,6 +38,15 @@ def share_of_node():
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 
+def node_cores(node):
+    """Collective over ``node`` (the ranks of one node): the cores its ranks may use between them (the union
+    of their affinities), the same on each; more ranks than these share cores (oversubscribed)."""
+    seen = set()
+    for cores in node.allgather(sorted(os.sched_getaffinity(0))):  # (start-up: a few short lists)
+        seen.update(cores)
+    return len(seen)
+
+
 def limit_blas_threads():
     """Size the BLAS pool of this process once (later calls do nothing); returns the thread count."""
     global _threads

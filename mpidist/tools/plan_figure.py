@@ -37,15 +37,18 @@ class Plan:
     lines: dict
     linear: float
     skipped: int
+    batch_per_rank: int = None  # what the predictions assume (None where the file does not say)
 
 
 def read_plan(path):
     """The :class:`Plan` of ``plan --output``'s JSON (untrusted: checked row by row, and bounded)."""
     raw = read_input(path, MAX_BYTES, "plot --plan", "a plan mpidist wrote")
     try:
-        rows = json.loads(raw.decode("utf-8", errors="replace")).get("rows")
+        document = json.loads(raw.decode("utf-8", errors="replace"))
+        rows = document.get("rows")
     except (ValueError, AttributeError, RecursionError) as err:
         raise UsageError(f"plot --plan {path}: not a plan mpidist wrote ({err})") from None
+    batch = document.get("batch_per_rank")
     rows = rows if isinstance(rows, list) else []
     lines, linear = {}, []
     for row in rows:
@@ -81,6 +84,7 @@ def read_plan(path):
         {layout: sorted(points) for layout, points in lines.items()},
         float(np.median(linear)) if linear else None,
         len(rows) - sum(map(len, lines.values())),
+        batch if isinstance(batch, int) and is_finite_number(batch) and batch > 0 else None,
     )
 
 
@@ -90,6 +94,25 @@ def _family(layout, nodes):
     if nodes > 1 and (layout.endswith(ps) or f"{ps} " in layout):
         return layout.replace(ps, "--ps NODES")
     return layout
+
+
+def unlike(plan, measured):
+    """Notes on the measured points that ran another batch per rank than ``plan``'s predictions assume
+    (their stars are not on the lines' terms)."""
+    if plan.batch_per_rank is None:
+        return []
+    notes = []
+    for name, layout, _ in measured:
+        per_rank = layout.batch / layout.ranks
+        if per_rank != plan.batch_per_rank:
+            again = (
+                f" (plan --batch-per-rank {per_rank:g} draws lines for it)" if per_rank.is_integer() else ""
+            )
+            notes.append(
+                f"{name} trained {per_rank:g} samples a rank (--batch-size {layout.batch} on {layout.ranks} "
+                f"ranks), the plan's lines {plan.batch_per_rank}: its point is not on their terms{again}"
+            )
+    return notes
 
 
 def measured_points(run_dirs):
@@ -170,6 +193,7 @@ def main(plan_path, run_dirs, output=None):
     measured, notes = measured_points(run_dirs)
     if plan.skipped:
         notes.insert(0, f"passed over {plan.skipped} row(s) of {plan_path} without the figures drawn")
+    notes += unlike(plan, measured)
     output = Path(output) if output else Path(plan_path).parent
     try:
         output.mkdir(parents=True, exist_ok=True)
