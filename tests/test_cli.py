@@ -470,7 +470,10 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     done, _ = mpidist(2, "bench", "--seconds", "0.2", "--models", "mlp", "--output", str(out), timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "exchange/bare" in done.stdout
+    # the default table fits 120 columns; every column stays in the JSON file, and --wide prints them
+    table = done.stdout.split("strategies: mlp (1 of 1)")[1].split("(strategies: ")[0].splitlines()
+    assert len(table) > 10 and max(map(len, table)) <= 120, done.stdout
+    assert "exchange/bare" not in done.stdout and "(--wide shows every column" in done.stdout
     document = json.loads(out.read_text())
     # (the test extra installs numba: the header says which kernels ran)
     assert document["meta"]["kernels"].startswith("numba ") and "; compiled kernels: numba " in done.stdout
@@ -553,6 +556,36 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
         assert row["peak_activations"] == (m if row["schedule"] == "gpipe" else 2)
         assert 0 <= row["bubble_measured"] < 1 and row["samples_per_s"] > 0
     assert "bubble measured" in done.stdout
+
+
+def test_bench_says_how_long_it_will_take_and_prints_each_models_rows_as_they_are_measured(tmp_path):
+    """The first model's rows come while the second is still measured (the run has not ended), after a line
+    that says about how long the whole run takes, table by table."""
+    flags = ["--seconds", "0.2", "--models", "mlp,cnn", "--tables", "strategies", "--wide"]
+    launcher = start_mpidist(2, "bench", *flags, "--output", str(tmp_path / "b.json"))
+    lines, seen_while_running = [], None
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            if re.search(r"\slocal\s", line) and seen_while_running is None:  # (the first row measured)
+                seen_while_running = launcher.poll() is None and "strategies: cnn (2 of 2)" not in "".join(
+                    lines
+                )
+        launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = "".join(lines)
+    assert launcher.returncode == 0, (text, launcher.stderr.read())
+    assert seen_while_running, text
+    estimate = next(line for line in lines if line.startswith("mpidist bench: about "))
+    assert re.match(
+        r"mpidist bench: about \d+ s \(strategies \d+ s; twice that on a busy machine\)", estimate
+    )
+    assert (
+        text.index(estimate) < text.index("strategies: mlp (1 of 2)") < text.index("strategies: cnn (2 of 2)")
+    )
+    assert "exchange/bare" in text and re.search(r"\(strategies: \d+ s\)", text)
 
 
 def test_bench_with_adam_leaves_out_the_sgd_references(tmp_path):
@@ -797,4 +830,19 @@ def test_a_mistyped_value_a_zoo_name_or_a_file_to_ingest_is_answered_with_what_w
     assert str(refused.value).endswith(
         "; a CSV file is read by ingest, which writes a dataset to train on: python -m mpidist ingest "
         f"{tmp_path / 'rows.csv'} rows.h5"
+    )
+
+
+def test_bench_s_estimate_counts_each_tables_windows_and_set_up():
+    from mpidist.bench import estimate
+
+    plan = estimate.Plan(("strategies", "pipeline", "tensor"), ("mlp", "cnn"), ranks=2, every_core=True)
+    # per model: one process, every core, allreduce and the two ps rows (5 windows); the pipeline's 2
+    assert [estimate.windows(plan, table) for table in plan.tables] == [10, 2, 1]
+    assert estimate.seconds(plan, "strategies", 1.0) == 10 + 2 * estimate.SETUP["strategies"]
+    assert estimate.windows(estimate.Plan(("strategies",), ("mlp",), ranks=1), "strategies") == 2
+    assert estimate.windows(estimate.Plan(("tensor",), ("mlp",), ranks=3), "tensor") == 0  # (odd ranks)
+    said = estimate.said(plan, 3.0)
+    assert (
+        said.startswith("mpidist bench: about 1.") and "(strategies 66 s, pipeline 10 s, tensor 4 s;" in said
     )

@@ -19,6 +19,7 @@ compared, then of three interleaved rounds.  Compare ratios from one run
 only, with no more ranks than cores.
 """
 
+import contextlib
 import os
 import time
 
@@ -31,7 +32,7 @@ from ..runtime.agreement import agreed
 from ..runtime.cluster import build_cluster
 from ..runtime.errors import RunError
 from ..runtime.threads import limit_blas_threads
-from . import reference
+from . import estimate, reference
 from . import rows as rows_of
 from .one_process import one_process_rows
 
@@ -147,9 +148,15 @@ def machine():
 TABLES = ("strategies", "sharding", "pipeline", "tensor")
 
 
-def run_bench(world, models, seconds, batch, output, optimizer="sgd", tables=TABLES):
-    """Run the benchmarks of ``tables`` (every one by default); rank 0 prints them and writes ``output``
-    (a table not measured is an empty list there).
+#: the strategies table's columns printed by default (the rest stay in the JSON file, and ``--wide`` shows
+#: them): within 120 columns
+NARROW = ("strategy", "ranks", "samples_per_s", "samples_vs_local", "vs_handwritten", "vs_torch", "of_limit")
+
+
+def run_bench(world, models, seconds, batch, output, optimizer="sgd", tables=TABLES, wide=False):
+    """Run the benchmarks of ``tables`` (every one by default); rank 0 prints each table as it is measured
+    (a model's rows once its rounds are done) and writes ``output`` (a table not measured is an empty list
+    there).  ``wide``: every column of the strategies table, not the :data:`NARROW` ones.
 
     ``output`` is checked on rank 0 before anything runs: every rank exits
     with code 2 if the results could not be written there.
@@ -158,68 +165,120 @@ def run_bench(world, models, seconds, batch, output, optimizer="sgd", tables=TAB
         if world.Get_rank() == 0:
             check_output(output)
     cluster = build_cluster(world)
-    size = world.Get_size()
-    rows, sharded, pipeline, tensor = [], [], [], []
+    size, chief = world.Get_size(), world.Get_rank() == 0
+    meta = _meta(world, optimizer)
+    say = _printer(chief)
+    say(_header(meta, batch))
+    plan = estimate.Plan(
+        tuple(t for t in TABLES if t in tables), tuple(models), size, meta["cores"] > limit_blas_threads()
+    )
+    say(estimate.said(plan, seconds))
+    columns = COLUMNS if wide else [column for column in COLUMNS if column[0] in NARROW]
+    measured = {"rows": [], "sharding": [], "pipeline": [], "tensor": []}
     if "strategies" in tables:
-        rows = [
-            row
-            for name in models
-            for row in bench_model(world, cluster, name, batch, seconds, optimizer=optimizer)
-        ]
+        with timed(say, "strategies"):
+            _strategies(world, cluster, models, (batch, seconds, optimizer), columns, measured["rows"], say)
+        if not wide:
+            say("(--wide shows every column: bytes a step, the exchange's time against bare MPI's)")
     if "sharding" in tables:
-        sharded = [row for name in models for row in shard_rows(world, cluster, name, batch)]
+        say(
+            "\nsharding: bytes a worker holds a parameter (the largest rank's; Adam, float32) beside the "
+            "ZeRO paper's count, and bytes it sends a step (as a ring)"
+        )
+        with timed(say, "sharding"):
+            for name in models:
+                rows = shard_rows(world, cluster, name, batch)
+                measured["sharding"] += rows
+                say(format_table(rows, SHARD_COLUMNS) if chief else None)
     if "pipeline" in tables and size > 1:
-        pipeline = pipeline_rows(world, seconds)
+        title = (
+            f"\npipeline: {size} stages of equal work (8 x Dense(512)+ReLU), "
+            "32 samples per micro-batch; bubble = idle / pipeline time, mean over stages"
+        )
+        measured["pipeline"] = _table(
+            say, chief, title, lambda: pipeline_rows(world, seconds), PIPELINE_COLUMNS
+        )
     if "tensor" in tables and size % 2 == 0:
-        tensor = tensor_rows(world, seconds)
-    if world.Get_rank() != 0:
+        title = (
+            f"\ntensor: the same global batch ({size} x 32 sequences) at --tensor 1 and 2, Adam; "
+            "bytes a rank holds, and the activations its tensor group sums per step"
+        )
+        measured["tensor"] = _table(say, chief, title, lambda: tensor_rows(world, seconds), TENSOR_COLUMNS)
+    if not chief:
         return None
-    meta = {
+    _save(output, {"meta": meta, **measured})
+    return measured["rows"]
+
+
+def _meta(world, optimizer):
+    """What the results were measured on (every rank computes it; rank 0's is written)."""
+    return {
         "mpi": MPI.Get_library_version().strip().splitlines()[0],
         "ranks": world.Get_size(),
         "blas_threads_per_rank": limit_blas_threads(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         **machine(),
+        "optimizer": optimizer,
     }
-    meta["optimizer"] = optimizer
-    print(
-        f"mpidist bench: {world.Get_size()} rank(s) on {meta['cores']} core(s), {batch} samples per rank per "
-        "step, "
-        f"{optimizer}, BLAS: {meta['blas']}; compiled kernels: {meta['kernels']}; {meta['mpi']}"
-    )
-    if optimizer != "sgd":
-        print(
+
+
+def _header(meta, batch):
+    """The lines before the first table: what runs, and which references are left out and why."""
+    lines = [
+        f"mpidist bench: {meta['ranks']} rank(s) on {meta['cores']} core(s), {batch} samples per rank per "
+        f"step, {meta['optimizer']}, BLAS: {meta['blas']}; compiled kernels: {meta['kernels']}; {meta['mpi']}"
+    ]
+    if meta["optimizer"] != "sgd":
+        lines.append(
             "mpidist bench: the hand-written loop and torch use SGD with momentum alone, so their rows are "
-            "left "
-            f"out with --optimizer {optimizer}"
+            f"left out with --optimizer {meta['optimizer']}"
         )
     elif not meta["torch"]:
-        print(
+        lines.append(
             "mpidist bench: torch is not installed, so its reference rows are left out (pip install torch "
             "adds them)"
         )
-    if rows:
-        print(format_table(rows, COLUMNS))
-    if sharded:
-        print(
-            "\nsharding: bytes a worker holds a parameter (the largest rank's; Adam, float32) beside the "
-            "ZeRO paper's count, and bytes it sends a step (as a ring)"
-        )
-        print(format_table(sharded, SHARD_COLUMNS))
-    if pipeline:
-        print(
-            f"\npipeline: {world.Get_size()} stages of equal work (8 x Dense(512)+ReLU), "
-            "32 samples per micro-batch; bubble = idle / pipeline time, mean over stages"
-        )
-        print(format_table(pipeline, PIPELINE_COLUMNS))
-    if tensor:
-        print(
-            f"\ntensor: the same global batch ({world.Get_size()} x 32 sequences) at --tensor 1 and 2, Adam; "
-            "bytes a rank holds, and the activations its tensor group sums per step"
-        )
-        print(format_table(tensor, TENSOR_COLUMNS))
-    _save(output, {"meta": meta, "rows": rows, "sharding": sharded, "pipeline": pipeline, "tensor": tensor})
+    return "\n".join(lines)
+
+
+def _printer(chief):
+    """``say(text)``: rank 0 prints ``text`` at once (stdout is a pipe under mpiexec: flushed), others
+    nothing; None prints nothing."""
+
+    def say(text):
+        if chief and text is not None:
+            print(text, flush=True)
+
+    return say
+
+
+@contextlib.contextmanager
+def timed(say, name):
+    """Around the measuring of table ``name``: its time said after it."""
+    began = time.perf_counter()
+    yield
+    say(f"({name}: {time.perf_counter() - began:.0f} s)")
+
+
+def _table(say, chief, title, measure, columns):
+    """A table measured whole (``measure()``, collective), said under ``title`` (its name first) with its
+    time; its rows."""
+    say(title)
+    with timed(say, title.split(":")[0].strip()):
+        rows = measure()
+        say(format_table(rows, columns) if chief else None)
     return rows
+
+
+def _strategies(world, cluster, models, run, columns, rows, say):
+    """The strategies table: each model's rows measured (``run``: batch, seconds, optimizer), added to
+    ``rows`` and printed as soon as its rounds are done."""
+    batch, seconds, optimizer = run
+    for index, name in enumerate(models):
+        say(f"\nstrategies: {name} ({index + 1} of {len(models)}), 3 interleaved rounds")
+        measured = bench_model(world, cluster, name, batch, seconds, optimizer=optimizer)
+        rows += measured
+        say(format_table(measured, columns) if world.Get_rank() == 0 else None)
 
 
 def run_streaming_bench(world, dataset, model, batch, steps, output, settle=None):

@@ -213,6 +213,8 @@ def cmd_bench(args, world):
             raise UsageError(f"--settle {args.settle:g}: give 0 to 600 seconds, with --streaming")
         if chosen and args.tables is not None:
             raise UsageError(f"--tables picks the tables of the default benchmark, not of --{chosen[0]}")
+        if chosen and args.wide:
+            raise UsageError(f"--wide widens the default benchmark's strategies table, not --{chosen[0]}'s")
         tables = bench_tables(args.tables)
     if args.layers:
         from ..bench import run_layers_bench
@@ -236,7 +238,9 @@ def cmd_bench(args, world):
 
         run_checkpoint_bench(world, args.checkpoints, models[0], args.batch_per_rank, args.steps, args.output)
         return EXIT_OK
-    run_bench(world, models, args.seconds, args.batch_per_rank, args.output, args.optimizer, tables)
+    run_bench(
+        world, models, args.seconds, args.batch_per_rank, args.output, args.optimizer, tables, args.wide
+    )
     return EXIT_OK
 
 

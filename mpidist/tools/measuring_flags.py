@@ -39,6 +39,12 @@ def add_bench_parser(sub):
         "no-exchange references), sharding, pipeline and tensor (default: all four)",
     )
     bench.add_argument(
+        "--wide",
+        action="store_true",
+        help="print every column of the strategies table (bytes a step, inter-node bytes, the exchange's "
+        "time against bare MPI's); the default table fits 120 columns, and bench.json holds them all",
+    )
+    bench.add_argument(
         "--layers",
         action="store_true",
         help="instead: each layer's forward and backward time in a training step, mpidist's beside "
