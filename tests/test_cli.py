@@ -843,6 +843,4 @@ def test_bench_s_estimate_counts_each_tables_windows_and_set_up():
     assert estimate.windows(estimate.Plan(("strategies",), ("mlp",), ranks=1), "strategies") == 2
     assert estimate.windows(estimate.Plan(("tensor",), ("mlp",), ranks=3), "tensor") == 0  # (odd ranks)
     said = estimate.said(plan, 3.0)
-    assert (
-        said.startswith("mpidist bench: about 1.") and "(strategies 66 s, pipeline 10 s, tensor 4 s;" in said
-    )
+    assert said.startswith("mpidist bench: about 78 s (strategies 66 s, pipeline 8 s, tensor 4 s; twice that")

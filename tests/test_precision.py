@@ -95,9 +95,9 @@ def test_updates_below_a_16_bit_spacing_are_kept_by_the_master(dtype):
 
 def test_an_fp16_gradient_is_unscaled_in_float32_where_fp16_would_flush_it_to_zero():
     master = MasterWeights(nn.Sequential([nn.Dense(1, bias=False)], (1,), dtype=FP16))
-    scaled = np.full(1, 3e-8 * 2**16, FP16)  # a true gradient of 3e-8: below fp16's smallest (6e-8)
-    assert float(scaled[0] / FP16.type(2**16)) == 0.0  # (unscaled in fp16: gone)
-    assert float(master.widened(scaled, 2.0**-16)[0]) == pytest.approx(3e-8, rel=1e-3)
+    scaled = np.full(1, 2e-8 * 2**15, FP16)  # a true gradient of 2e-8: below half fp16's smallest (6e-8)
+    assert float(scaled[0] / FP16.type(2**15)) == 0.0  # (unscaled in fp16: gone)
+    assert float(master.widened(scaled, 2.0**-15)[0]) == pytest.approx(2e-8, rel=1e-3)
 
 
 def local(dtype, lr=0.05):
