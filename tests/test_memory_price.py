@@ -49,9 +49,11 @@ LAYOUTS = {
         2,
         ["--strategy", "pipeline", "--stages", "2", "--schedule", "1f1b", "--micro-batches", "8"],
     ),
-    # 16-bit models beside their float32 master copies and the loss's float32 arrays
-    "allreduce --precision bf16": (2, ["--strategy", "allreduce", "--precision", "bf16"]),
-    "cnn --precision fp16": (1, ["--model", "cnn", "--precision", "fp16"]),
+    # a 16-bit model beside its float32 master copies, the loss's float32 arrays and bfloat16's MPI sum
+    "cnn, allreduce --precision bf16": (
+        2,
+        ["--model", "cnn", "--strategy", "allreduce", "--precision", "bf16"],
+    ),
 }
 SPLITS = {
     "whole": [],
