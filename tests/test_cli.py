@@ -4,9 +4,12 @@ Each run has a timeout: a run that outlives it is reported as a hang.  Bad
 input and faults are in tests/test_faults.py.
 """
 
+import ast
 import collections
+import contextlib
 import functools
 import importlib.util
+import io
 import json
 import re
 
@@ -16,7 +19,7 @@ import pytest
 
 from mpidist.runtime.errors import UsageError
 
-from conftest import checkpoint_at, checkpoint_steps, events, mpidist, start_mpidist
+from conftest import ROOT, checkpoint_at, checkpoint_steps, events, mpidist, start_mpidist
 
 STATED_ACCURACY = 0.90  # README: the default run reaches at least this test accuracy
 
@@ -36,6 +39,16 @@ def test_default_run_at_4_ranks_reaches_the_stated_accuracy_and_writes_metrics(t
     assert log[-1]["test_accuracy"] >= STATED_ACCURACY
     assert log[-1]["steps"] == 20 * 22 and log[-1]["workers"] == 4
     assert seconds < 60
+    # the README says what this run reaches, and reads its checkpoint by a parameter's name as it shows
+    readme = (ROOT / "README.rst").read_text()
+    assert f"a test asserts it; {100 * log[-1]['test_accuracy']:.2f}% with the" in readme
+    block = readme.split("Its checkpoint names each parameter")[1].split("::\n\n", 1)[1].split("\n\n")[0]
+    snippet = "\n".join(line[4:] for line in block.splitlines())
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        exec(snippet, {})  # (in this test's directory: the run's runs/mlp-digits-allreduce-*/)
+    names = ast.literal_eval(shown.getvalue().strip())
+    assert names[:4] == ["0001.Dense.W", "0001.Dense.b", "0003.Dense.W", "0003.Dense.b"]
 
 
 @pytest.mark.parametrize("ranks,ps", [(4, 1), (6, 1), (6, 2)])
@@ -561,14 +574,14 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
 def test_bench_says_how_long_it_will_take_and_prints_each_models_rows_as_they_are_measured(tmp_path):
     """The first model's rows come while the second is still measured (the run has not ended), after a line
     that says about how long the whole run takes, table by table."""
-    flags = ["--seconds", "0.2", "--models", "mlp,cnn", "--tables", "strategies", "--wide"]
+    flags = ["--seconds", "0.1", "--models", "linear,mlp", "--tables", "strategies", "--wide"]
     launcher = start_mpidist(2, "bench", *flags, "--output", str(tmp_path / "b.json"))
     lines, seen_while_running = [], None
     try:
         for line in launcher.stdout:
             lines.append(line)
             if re.search(r"\slocal\s", line) and seen_while_running is None:  # (the first row measured)
-                seen_while_running = launcher.poll() is None and "strategies: cnn (2 of 2)" not in "".join(
+                seen_while_running = launcher.poll() is None and "strategies: mlp (2 of 2)" not in "".join(
                     lines
                 )
         launcher.wait(timeout=120)
@@ -583,7 +596,9 @@ def test_bench_says_how_long_it_will_take_and_prints_each_models_rows_as_they_ar
         r"mpidist bench: about \d+ s \(strategies \d+ s; twice that on a busy machine\)", estimate
     )
     assert (
-        text.index(estimate) < text.index("strategies: mlp (1 of 2)") < text.index("strategies: cnn (2 of 2)")
+        text.index(estimate)
+        < text.index("strategies: linear (1 of 2)")
+        < text.index("strategies: mlp (2 of 2)")
     )
     assert "exchange/bare" in text and re.search(r"\(strategies: \d+ s\)", text)
 
