@@ -699,3 +699,18 @@ def test_a_plan_for_more_ranks_a_node_than_the_calibrations_cores_says_its_figur
             f"mpidist plan: warning: {per_node} ranks a node on the 2 cores the calibration measured: the "
             "plan prices a core per rank" in said
         ) == warned, said
+
+
+def test_a_best_layout_above_linear_is_explained_where_it_is_printed():
+    """Issue 63, item 2: "106% of linear" was printed without a word of what linear is."""
+    from mpidist.plan import command
+    from mpidist.plan.advice import Row
+
+    def best(efficiency):
+        return {8: Row(8, "allreduce", "allreduce", 1000.0, 1.0, efficiency, 1 << 20, 2 << 20, True, {})}
+
+    assert command.caveats(made_up(), best(0.9), 2) == []
+    (said,) = command.caveats(made_up(), best(1.06), 2)
+    assert said.startswith(
+        "note: linear is the node count times the best one-node layout's samples/s; above 100%"
+    )

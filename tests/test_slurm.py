@@ -186,6 +186,21 @@ def test_every_script_is_submitted_here_and_every_sbatch_line_says_what_it_does(
                 assert re.match(r"#SBATCH \S+\s+# \w", line), f"{name}: no comment on {line!r}"
 
 
+def test_every_script_shows_what_a_site_changes_before_its_first_job():
+    """Issue 63, item 7: the account and partition many sites ask for, and where a job that starts without
+    the submitting environment (--export=NONE) loads its MPI and activates the environment."""
+    for path in sorted(SCRIPTS.glob("*.sbatch")):
+        lines = path.read_text().splitlines()
+        for option in ("--account=PROJECT", "--partition=QUEUE"):
+            (line,) = [line for line in lines if line.startswith(f"##SBATCH {option}")]
+            assert re.match(r"#SBATCH \S+\s+# \w", line[1:]), f"{path.name}: {line!r} uncommented"
+        guidance = next(index for index, line in enumerate(lines) if "--export=NONE" in line)
+        strict = next(index for index, line in enumerate(lines) if line.startswith("set -"))
+        assert guidance < strict and any("module load" in line for line in lines[guidance:strict]), path.name
+    install = (SCRIPTS.parent / "docs" / "install.rst").read_text()
+    assert "builds against the MPI whose" not in install and "--no-binary=mpi4py" in install
+
+
 @pytest.mark.parametrize(
     "script,signal_name", [("train-cpu.sbatch", "TERM"), ("train-cpu-srun.sbatch", "USR1")]
 )

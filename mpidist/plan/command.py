@@ -87,19 +87,8 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
             f"mpidist plan: on {count} node(s): {row.layout}, {row.samples_per_s:,.0f} samples/s "
             f"({row.efficiency:.0%} of linear)"
         )
-    if any(row.efficiency > 1.0 for row in best.values()):
-        print(
-            "mpidist plan: note: linear is the node count times the best one-node layout's samples/s; above "
-            "100%, a layout does better per node than that: its work a rank shrinks as ranks are added "
-            "(--shard optimizer divides the optimizer over every worker), or its ps ranks take a smaller "
-            "share of more nodes"
-        )
-    if per_node > cal.cores:
-        print(
-            f"mpidist plan: warning: {per_node} ranks a node on the {cal.cores} cores the calibration "
-            "measured: the plan prices a core per rank, and ranks that share cores (MPI's waiting ranks spin "
-            "on theirs) run slower than that by more than the share: its figures do not hold there"
-        )
+    for line in caveats(cal, best, per_node):
+        print(f"mpidist plan: {line}")
     print(
         "mpidist plan: "
         + (
@@ -168,6 +157,26 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
     )
     print(f"mpidist plan: results in {output}")
     return rows, best, knee
+
+
+def caveats(cal, best, per_node):
+    """What the plan's figures leave out, where it matters to ``best`` (node count -> row) at ``per_node``
+    ranks a node: what ``% of linear`` above 100% means, and ranks that would share the calibration's
+    cores."""
+    said = []
+    if any(row.efficiency > 1.0 for row in best.values()):
+        said.append(
+            "note: linear is the node count times the best one-node layout's samples/s; above 100%, a layout "
+            "does better per node than that: its work a rank shrinks as ranks are added (--shard optimizer "
+            "divides the optimizer over every worker), or its ps ranks take a smaller share of more nodes"
+        )
+    if per_node > cal.cores:
+        said.append(
+            f"warning: {per_node} ranks a node on the {cal.cores} cores the calibration measured: the plan "
+            "prices a core per rank, and ranks that share cores (MPI's waiting ranks spin on theirs) run "
+            "slower than that by more than the share: its figures do not hold there"
+        )
+    return said
 
 
 def _layouts(best):
