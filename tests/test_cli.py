@@ -836,6 +836,10 @@ def test_a_mistyped_value_a_zoo_name_or_a_file_to_ingest_is_answered_with_what_w
     ):
         Settings(optimizer="sdg").validate_values()
     with pytest.raises(
+        UsageError, match=r"'AdamW' is not one of: adam, sgd \(--optimizer adam with --weight-decay"
+    ):
+        Settings(optimizer="AdamW").validate_values()
+    with pytest.raises(
         UsageError, match=r"'mpl' is not in the zoo \(did you mean mlp:128,64\?\); choose from "
     ):
         resolve("mpl:128,64")

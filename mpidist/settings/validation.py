@@ -21,6 +21,12 @@ from ..runtime.suggest import did_you_mean
 from ..runtime.text import check_utf8
 from .precision import check_precision
 
+#: What a value other tools name means here: (field, value) -> the hint the refusal ends with
+MEANT = {
+    ("optimizer", "adamw"): " (--optimizer adam with --weight-decay W is AdamW: its decay is decoupled)",
+    ("optimizer", "sgdw"): " (--optimizer sgd with --weight-decay W is SGDW: its decay is decoupled)",
+}
+
 #: Largest magnitude of an int setting: counters and seeds end up in int64 arrays, with room to add to them.
 INT_LIMIT = 2**62
 
@@ -150,10 +156,8 @@ def check_values(settings):
         choices = f.metadata["choices"]
         if choices and getattr(settings, f.name) not in choices:
             value = getattr(settings, f.name)
-            raise UsageError(
-                f"--{settings.flag(f.name)} {value!r} is not one of: {', '.join(choices)}"
-                f"{did_you_mean(value, choices)}"
-            )
+            hint = MEANT.get((f.name, str(value).lower())) or did_you_mean(value, choices)
+            raise UsageError(f"--{settings.flag(f.name)} {value!r} is not one of: {', '.join(choices)}{hint}")
     for f in dataclasses.fields(settings):  # every number, the strategies' own included: finite, in range
         if f.type in (int, float):
             check_number(f, getattr(settings, f.name), f"--{settings.flag(f.name)}")
