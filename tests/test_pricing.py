@@ -33,3 +33,19 @@ def test_a_price_is_what_a_rank_holds_and_every_item_and_says_them_all(monkeypat
         "state, 16.0 MiB threads), more than this process's limit"
     )
     assert said([5 << 20, 1536 << 20, 7]).startswith("mpidist: memory: 1,536.0 MiB a rank at most (rank 1)")
+
+
+def test_the_memory_probe_thread_has_left_the_system_before_settle_returns():
+    """A thread started right after Python's join() of another got a stack of its own (the C library had not
+    cached the joined one's yet): 8 MiB more in 1 price of 20.  _exited waits until the thread is gone."""
+    import os
+    import threading
+
+    from mpidist.runtime.memory import _exited
+
+    for _ in range(20):
+        thread = threading.Thread(target=lambda: None)
+        thread.start()
+        thread.join()
+        _exited(thread.native_id)
+        assert not os.path.exists(f"/proc/self/task/{thread.native_id}")
