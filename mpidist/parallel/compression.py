@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime import comm as mpi
+from ..runtime import bfloat16
 from ..runtime.bfloat16 import from_bf16, to_bf16
 from ..runtime.errors import RunError
 from .exchange import Exchange
@@ -35,7 +36,9 @@ class Codec:
 
     def __init__(self, name):
         self.name = name
-        self.op = MPI.Op.Create(self._sum, commute=True)
+        # (bfloat16's sum is the runtime's, shared with --precision bf16; fp16's rounds once, from float32)
+        self._own = name == "fp16"
+        self.op = MPI.Op.Create(self._sum, commute=True) if self._own else bfloat16.sum_op()
         self._work = np.empty((3, 0), np.float32)
 
     def _arrays(self, size):
@@ -59,8 +62,8 @@ class Codec:
         return from_bf16(patterns, out)
 
     def _sum(self, incoming, inout, datatype):
-        """MPI's reduction callback: ``inout += incoming``, both 16-bit patterns, summed in float32 and
-        rounded."""
+        """fp16's reduction callback (bf16's op is the runtime's, the same arithmetic): ``inout += incoming``,
+        both 16-bit patterns, summed in float32 and rounded."""
         a = np.frombuffer(incoming, dtype=np.uint16)
         b = np.frombuffer(inout, dtype=np.uint16)
         wide_a, wide_b, _ = self._arrays(a.size)
@@ -70,7 +73,7 @@ class Codec:
         self.narrow(wide_b, b)
 
     def free(self):
-        if self.op != MPI.OP_NULL:
+        if self._own and self.op != MPI.OP_NULL:
             self.op.Free()
 
 

@@ -84,12 +84,8 @@ def _typed(buffer, counts, displs):
     return [buffer, list(counts), list(displs), from_numpy_dtype(buffer.dtype)]
 
 
-#: MPI's own reductions (which CUDA-aware libraries run on device memory)
-_BUILT_IN = (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD, MPI.LAND, MPI.LOR, MPI.BAND, MPI.BOR)
-
-
 def _allreduce_in_place(comm, array, op):
-    buffer, back = for_mpi(array, host_op=op not in _BUILT_IN)
+    buffer, back = for_mpi(array, host_op=not op.is_predefined)
     comm.Allreduce(MPI.IN_PLACE, buffer, op=op)
     if back:
         back()
@@ -342,7 +338,7 @@ def iallreduce(comm, array, op, then=None):
     A device array is staged through the host even where MPI is CUDA-aware:
     the callback of an operation of mpidist's own reads host memory.
     """
-    buffer, back = for_mpi(array, host_op=op not in _BUILT_IN)
+    buffer, back = for_mpi(array, host_op=not op.is_predefined)
 
     def complete():
         if back is not None:
