@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from mpidist.loop.checkpointer import Checkpointer, CheckpointSchedule
+from mpidist.loop.checkpoint_timing import CheckpointSchedule
+from mpidist.loop.checkpointer import Checkpointer
 from mpidist.parallel.saved_state import WholeState
 from mpidist.runtime.errors import RunError
 from mpidist.settings.config import Settings
