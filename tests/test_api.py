@@ -322,7 +322,7 @@ def test_the_end_of_a_run_on_one_copy_of_the_model_per_node_holds_no_copy_of_it_
     on, a worker's peak grows by its share of the final evaluation alone; the chief's by what any checkpoint
     of the run costs it (the parameters it keeps, Adam's two arrays assembled from the node's parts) and the
     evaluation, and the model it returns is that copy (its buffer, not another)."""
-    from mpidist.parallel.data_parallel import DataParallel
+    from mpidist.parallel.data.replicated import DataParallel
     from mpidist.runtime import memory
 
     model, params = "mlp:2048,2048", 2048 * (64 + 1) + 2049 * 2048 + 2049 * 10  # (digits: 64 features)

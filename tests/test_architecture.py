@@ -2,6 +2,7 @@
 classes."""
 
 import ast
+import configparser
 import os
 import shutil
 import subprocess
@@ -197,6 +198,66 @@ def test_modules_are_small_and_classes_hold_few_attributes_and_methods(path):
             )
 
 
+#: Python files of the repository outside the package that are libraries (test modules are not: what they
+#: hold is their tests), which the package's limits apply to as well
+LIBRARIES = sorted(
+    path
+    for folder in ("gpu", "examples", "tests", "tests/parallel", "docs", "slurm")
+    for path in (ROOT / folder).glob("*.py")
+    if not path.name.startswith("test_")
+)
+
+
+@pytest.mark.parametrize("path", LIBRARIES, ids=lambda path: str(path.relative_to(ROOT)))
+def test_the_repository_s_other_python_libraries_are_held_to_the_same_limits(path):
+    test_modules_are_small_and_classes_hold_few_attributes_and_methods(path)
+
+
+def test_the_limits_reach_the_gpu_check_and_the_tests_helpers():
+    names = {str(path.relative_to(ROOT)) for path in LIBRARIES}
+    assert {"gpu/check.py", "gpu/bench.py", "tests/conftest.py", "tests/small_net.py"} <= names
+
+
+PARALLEL = PACKAGE / "parallel"
+#: the modules of parallel/ above its families: the package's roll-call and what every layout holds
+ABOVE_FAMILIES = {"__init__", "holding"}
+TOP_LEVEL_MODULES = 15
+
+
+def _contract(name):
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    section = parser[f"importlinter:contract:{name}"]
+    return {
+        key: set(section[key].split())
+        for key in ("modules", "source_modules", "forbidden_modules")
+        if key in section
+    }
+
+
+def test_parallel_is_a_small_core_and_families_each_a_package_that_says_what_it_is():
+    modules = sorted(path.stem for path in PARALLEL.glob("*.py"))
+    assert len(modules) <= TOP_LEVEL_MODULES, f"parallel/ has {len(modules)} top-level modules: {modules}"
+    families = sorted(path.parent.name for path in PARALLEL.glob("*/__init__.py"))
+    assert families == sorted(name.rsplit(".", 1)[1] for name in _contract("parallel-families")["modules"])
+    for family in families:
+        assert ast.get_docstring(ast.parse((PARALLEL / family / "__init__.py").read_text())), family
+
+
+def test_the_parallel_contracts_name_every_core_module_and_every_family():
+    """The core is every top-level module of parallel/ but those above the families: the contract that keeps
+    families out of it names each of them (a new core module is held to it at once)."""
+    core = {f"mpidist.parallel.{path.stem}" for path in PARALLEL.glob("*.py")} - {
+        f"mpidist.parallel.{name}" for name in ABOVE_FAMILIES
+    }
+    families = _contract("parallel-families")["modules"]
+    assert _contract("parallel-core") == {"source_modules": core, "forbidden_modules": families}
+    assert _contract("parallel-holding") == {
+        "source_modules": core | families,
+        "forbidden_modules": {"mpidist.parallel.holding"},
+    }
+
+
 def _methods(cls):
     """The functions a class body defines (properties and class methods included, nested classes' not)."""
     return [node.name for node in cls.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -268,7 +329,12 @@ def test_arrays_reach_mpi_only_through_comm_and_rma(path):
 
 
 #: where the layout may be asked what it is: the mesh, and the tensor modules (whose business the parts are)
-LAYOUT_OWNERS = {"mpidist/parallel/mesh.py", "mpidist/parallel/tensor.py", "mpidist/nn/tensor.py"}
+LAYOUT_OWNERS = {
+    "mpidist/parallel/mesh.py",
+    "mpidist/parallel/parts.py",
+    "mpidist/parallel/tensor/part.py",
+    "mpidist/nn/tensor.py",
+}
 
 
 def _layout_probes(tree):

@@ -335,7 +335,7 @@ def test_strategies_declare_what_the_loop_set_up_and_settings_once_named_them_fo
     """auto's choice, a mode's name in messages, how clipped steps add up: each strategy says, nobody
     branches."""
     from mpidist.parallel import STRATEGIES
-    from mpidist.parallel.backup import BackupWorkersStrategy
+    from mpidist.parallel.ps.backup import BackupWorkersStrategy
 
     aggregate = Settings(strategy="ps-sync", ps=1, aggregate=1)
     assert STRATEGIES["ps-sync"].variant(aggregate, 3) is BackupWorkersStrategy

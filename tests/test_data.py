@@ -395,7 +395,7 @@ class _Split:
 def test_in_graph_scatter_gives_each_worker_the_batches_its_own_lanes_would():
     from mpi4py import MPI
 
-    from mpidist.parallel.scatter import ScatteredBatches
+    from mpidist.parallel.data.scatter import ScatteredBatches
 
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()

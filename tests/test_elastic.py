@@ -587,7 +587,7 @@ ONLY_PS_HELD = """
 import os, signal, threading, time
 import numpy as np
 from mpi4py import MPI
-from mpidist.parallel.lost_ranks import LostRanks
+from mpidist.parallel.ps.lost_ranks import LostRanks
 from mpidist.runtime.cluster import PS, WORKER, build_cluster
 from mpidist.runtime.rma import Window
 world = MPI.COMM_WORLD

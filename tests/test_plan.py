@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import mpidist, run_mpi
 
-from mpidist.parallel.schedule import schedule, simulate
+from mpidist.parallel.pipeline.schedule import schedule, simulate
 from mpidist.plan import buckets, calibration, check
 from mpidist.plan.advice import advise, per_strategy
 from mpidist.plan.calibration import Calibration, LayerCost
@@ -625,7 +625,7 @@ def test_a_calibration_beyond_what_a_machine_measures_is_refused_naming_the_figu
 
 
 def test_stage_balancing_gives_the_exhaustive_search_s_split_in_a_fraction_of_its_time():
-    from mpidist.parallel.balance import balance_by_parameters
+    from mpidist.parallel.pipeline.balance import balance_by_parameters
 
     def exhaustive(costs, stages):
         """The dynamic programme it replaced: every cut of every prefix tried, the first best kept."""
@@ -657,7 +657,7 @@ def test_bucket_runs_are_the_buckets_backward_completes_however_many():
     import bisect
     import itertools
 
-    from mpidist.parallel.exchange import top_down_buckets
+    from mpidist.parallel.data.exchange import top_down_buckets
 
     rng = np.random.default_rng(5)
     for _ in range(500):

@@ -63,7 +63,7 @@ def test_the_stated_accuracy_is_the_one_the_tests_assert():
 
 
 def test_the_schedule_pictures_are_what_the_schedule_functions_draw():
-    from mpidist.parallel.schedule import render
+    from mpidist.parallel.pipeline.schedule import render
 
     for name in ("gpipe", "1f1b"):
         picture = "\n".join("    " + line for line in render(name, 4, 8).splitlines())

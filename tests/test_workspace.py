@@ -9,8 +9,8 @@ from mpidist import nn
 from mpidist.bench.handwritten import HandwrittenMLP
 from mpidist.bench.handwritten import handwritten_for
 from mpidist.parallel import LocalStrategy
-from mpidist.parallel.exchange import top_down_buckets
-from mpidist.parallel.slots import SlotPool
+from mpidist.parallel.data.exchange import top_down_buckets
+from mpidist.parallel.pipeline.slots import SlotPool
 
 
 def _local(spec, sample_shape, batch, optimizer="sgd", dtype=np.float32):

@@ -4,8 +4,8 @@ import numpy as np
 
 from .. import nn
 from ..parallel import PipelineStrategy
-from ..parallel.pipeline import split_sizes
-from ..parallel.schedule import bubble
+from ..parallel.pipeline.schedule import bubble
+from ..parallel.pipeline.schedule_runner import split_sizes
 from ..runtime.cluster import build_cluster
 from .rows import sgd
 from .timing import synced_timed

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 from .. import data
+from ..parallel.data.scatter import ScatteredBatches
 from ..parallel.recipe import total_steps
-from ..parallel.scatter import ScatteredBatches
 from .setup import data_layout
 
 

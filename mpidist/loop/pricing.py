@@ -30,7 +30,7 @@ import dataclasses
 from ..nn.parameter_map import walk
 from ..nn.precision import is_low, master_dtype
 from ..parallel import holding
-from ..parallel.units import units_of
+from ..parallel.data.units import units_of
 from ..runtime import recorder
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits, holdable, human, thread_bytes

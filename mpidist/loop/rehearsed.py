@@ -24,10 +24,10 @@ import math
 import numpy as np
 
 from ..nn import rehearsal, tensor
-from ..parallel import schedule
-from ..parallel.balance import balance_by_parameters, layer_costs, parse_balance
 from ..parallel.mesh import MeshShape
-from ..parallel.stage import StageLayout
+from ..parallel.pipeline import schedule
+from ..parallel.pipeline.balance import balance_by_parameters, layer_costs, parse_balance
+from ..parallel.pipeline.stage import StageLayout
 
 BATCHES_IN_FLIGHT = 4  # (data.batches.Prefetcher's depth of two, the one it fills, the one trained on)
 EVALUATION_BATCH = 1024  # samples an evaluation runs through the model at once (data.batches.eval_batches)
@@ -76,7 +76,7 @@ def rank_arrays(settings, rank, size, model, info, local_batch, evaluated, whole
 def layers_of(settings, rank, size, model):
     """``(layers, layout)``: the model whose layers this rank of ``size`` runs under ``settings`` (a map of
     shapes: ``model``, a pipeline stage's, or a tensor part's), and its stage's
-    :class:`~mpidist.parallel.stage.StageLayout` (None outside a pipeline)."""
+    :class:`~mpidist.parallel.pipeline.stage.StageLayout` (None outside a pipeline)."""
     parts, layers, layout = max(1, int(settings.tensor)), model, None
     part = MeshShape(size, parts=parts).coordinates(rank)[2]
     if settings.strategy == "pipeline":

@@ -2,7 +2,7 @@
 
 Beside the interface: the finite check of a gradient, the skip counter of a
 ps that is not in lockstep, and synchronised BatchNorm.  The replicated
-data-parallel step is :mod:`mpidist.parallel.data_parallel`.
+data-parallel step is :mod:`mpidist.parallel.data.replicated`.
 
 A strategy owns the model's flat buffers and its optimizer(s).  The training
 loop hands it this worker's part of each global batch; the strategy runs
@@ -13,12 +13,13 @@ applies the optimizer.  Strategies never parse flags and never print.
 import dataclasses
 import math
 
-from ..nn import SoftmaxCrossEntropy, scores
+from ..nn import BatchNorm, SoftmaxCrossEntropy, scores
+from ..nn.sequential import walk
 from ..runtime import comm as mpi
 from ..runtime.errors import RunError
 from .declared import Declared
-from .passes import Passes
 from .optimizer_factory import OptimizerFactory
+from .passes import Passes
 from .recipe import Recipe
 from .saved_state import SavedState
 
@@ -40,6 +41,16 @@ def finite(array):
     ``isfinite().all()`` and 0.14 ms for a sum.
     """
     return math.isfinite(float(array.dot(array)))
+
+
+def synchronise_batch_norms(model, comm):
+    """Make every ``BatchNorm(sync=True)`` of ``model`` sum its statistics over ``comm`` (one Allreduce each).
+
+    With ``comm`` None (one worker) they keep their local statistics, which then are the global ones.
+    """
+    for _, layer in walk(model.layers):
+        if isinstance(layer, BatchNorm) and layer.sync and comm is not None:
+            layer.reduce = lambda array, comm=comm: mpi.allreduce_sum(comm, array)
 
 
 class SkipCounter:
@@ -243,7 +254,7 @@ class Strategy(Declared, SavedState):
         ``keep``: the model's buffers outlive the memory the strategy releases (a node's shared window), as
         copies (True); or at the end of a run, whose trained values are the chief's result alone, the model
         keeps that array as its parameters (the chief's) or none of its values (False: see
-        :meth:`~mpidist.parallel.data_parallel.DataParallel.free`)."""
+        :meth:`~mpidist.parallel.data.replicated.DataParallel.free`)."""
 
     def backprop(self, x, y, weight, step, before_backward=None, ready=None):
         """This worker's forward and backward passes (:meth:`~mpidist.parallel.passes.Passes.backprop`): fills

@@ -16,10 +16,10 @@ import dataclasses
 import math
 
 from ..nn.tensor import split_model
+from .data.units import ShardedUnits, gathered_elements, units_of
 from .mesh import MeshShape
-from .balance import balance_by_parameters, layer_costs, parse_balance
-from .stage import StageLayout
-from .units import ShardedUnits, gathered_elements, units_of
+from .pipeline.balance import balance_by_parameters, layer_costs, parse_balance
+from .pipeline.stage import StageLayout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,7 +105,7 @@ class Passes:
         """``items`` (a pass's batches, or anything a forward pass is run for), as this worker must run them:
         as they come, or where its model's forward passes are collective (its ``gate``: ``--shard
         parameters``), in step with the other workers
-        (:meth:`~mpidist.parallel.gathering.UnitGathers.in_step`)."""
+        (:meth:`~mpidist.parallel.data.gathering.UnitGathers.in_step`)."""
         gate = self.model.gate
         return items if gate is None else gate.in_step(items)
 

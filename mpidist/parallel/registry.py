@@ -1,4 +1,4 @@
-"""Strategies by name, and the settings each one declares.
+"""Strategies by name, the settings each one declares, and the splits of the mesh's axes.
 
 A strategy is one module plus one registration: its class carries its
 ``name``, the :class:`Option` objects of the settings only it (and its
@@ -11,7 +11,9 @@ a strategy that does not use it (:mod:`~mpidist.settings.validation`), so neithe
 the settings nor the set-up of a run name strategies one by one.
 
 Registering a strategy: decorate its class with :func:`register` in its
-module, and import that module in :mod:`mpidist.parallel`.
+module, and import that module in :mod:`mpidist.parallel`.  A family that
+splits the model over an axis of the mesh (the tensor parts) registers its
+split the same way (:func:`register_split`).
 """
 
 import dataclasses
@@ -61,3 +63,22 @@ def declared_options():
         for option in cls.options:
             found.setdefault(option.name, (option, []))[1].append(name)
     return found
+
+
+#: mesh axis -> the class that splits a model over that axis where it has several parts, registered by the
+#: family that owns the split (:mod:`mpidist.parallel.tensor`), so that the strategies that compose with it
+#: reach it through the core (:func:`~mpidist.parallel.parts.split_over`) and never import that family.
+SPLITS = {}
+
+
+def register_split(axis):
+    """Class decorator: make the class the split of the mesh axis ``axis`` (``cls(model, mesh, writes,
+    buffers)``)."""
+
+    def register_class(cls):
+        if axis in SPLITS:
+            raise ValueError(f"the {axis!r} axis has a split already ({SPLITS[axis].__name__})")
+        SPLITS[axis] = cls
+        return cls
+
+    return register_class

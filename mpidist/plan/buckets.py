@@ -1,7 +1,7 @@
 """The gradient bucket size (``--bucket-mb``) that leaves the least exchange after backward.
 
 ``allreduce --exchange mpi`` cuts its buffer (the gradients, then the loss)
-into buckets from the top (:func:`mpidist.parallel.exchange.top_down_buckets`)
+into buckets from the top (:func:`mpidist.parallel.data.exchange.top_down_buckets`)
 and starts each one's ``Iallreduce`` as soon as backward has gone from the
 last layer down to the one holding the bucket's lowest element.  Here
 backward runs layer by layer on the calibrated (and crowded) times, and the
@@ -59,8 +59,8 @@ def exposed(cal, layout, bucket_bytes):
 
 
 def _bucket_runs(ends, per):
-    """:func:`~mpidist.parallel.exchange.top_down_buckets` of ``ends[-1] + 1`` elements (the gradients, then
-    the loss) in runs of consecutive buckets whose lowest element one layer holds: ``(layer, [(elements,
+    """:func:`~mpidist.parallel.data.exchange.top_down_buckets` of ``ends[-1] + 1`` elements (the gradients,
+    then the loss) in runs of consecutive buckets whose lowest element one layer holds: ``(layer, [(elements,
     buckets)])`` in the order backward completes them, a run per layer at most, however many buckets (the
     loss's element, where a bucket is it alone, counts as the first layer's)."""
     count = ends[-1] + 1

@@ -21,9 +21,9 @@ from ..bench.timing import release, sleep_until_released
 from ..loop.setup import Inputs, build_model_for
 from ..runtime import comm as mpi
 from .buckets import hideable
+from .layout import Layout
 from .links import Link, fit
 from .pass_times import REPEATS
-from .layout import Layout
 from .step import slowest_of
 
 SIZES = [8 << (2 * k) for k in range(12)]  # 8 B .. 32 MiB by factors of 4
@@ -114,7 +114,7 @@ def overlap_times(world, node_of_rank, config, trainer, seconds):
     def measure(pair):
         from ..bench.timing import synced_alternating
         from ..parallel import AllreduceStrategy
-        from ..parallel.exchange import Exchange
+        from ..parallel.data.exchange import Exchange
         from ..runtime.cluster import build_cluster
 
         cluster = build_cluster(pair)

@@ -16,13 +16,12 @@ import statistics
 import numpy as np
 
 from ..parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
-from ..parallel.balance import balance_by_parameters
+from ..parallel.data.units import block_of, gathered_elements, units_of
 from ..parallel.holding import zero_bytes_per_param
 from ..parallel.mesh import MeshShape
+from ..parallel.pipeline.balance import balance_by_parameters
+from ..parallel.pipeline.schedule import schedule as stage_plan, simulate
 from ..parallel.registry import STRATEGIES
-from ..parallel.schedule import schedule as stage_plan
-from ..parallel.schedule import simulate
-from ..parallel.units import block_of, gathered_elements, units_of
 from ..runtime.errors import UsageError
 from .buckets import MIB, hideable
 from .layout import Prediction

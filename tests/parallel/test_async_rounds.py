@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from mpidist.parallel.async_rounds import (
+from mpidist.parallel.ps.async_rounds import (
     LOOK_EVERY,
     NEVER,
     POLL_MAX_SECONDS,

@@ -7,7 +7,7 @@ from small_net import LastToStart, small_convnet, worker_slice
 
 from mpidist import nn
 from mpidist.parallel import LocalStrategy
-from mpidist.parallel.backup import BackupWorkersStrategy
+from mpidist.parallel.ps.backup import BackupWorkersStrategy
 from mpidist.runtime.cluster import build_cluster
 
 STEPS = 10

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from mpidist.parallel.backup_rounds import ACCEPTED as A
-from mpidist.parallel.backup_rounds import STALE as S
-from mpidist.parallel.backup_rounds import (
+from mpidist.parallel.ps.backup_rounds import ACCEPTED as A
+from mpidist.parallel.ps.backup_rounds import STALE as S
+from mpidist.parallel.ps.backup_rounds import (
     Closing,
     Note,
     Round,

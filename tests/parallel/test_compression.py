@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 import mpidist
-from mpidist.parallel.compression import Codec, CompressedExchange, from_bf16, to_bf16
+from mpidist.parallel.data.compression import Codec, CompressedExchange, from_bf16, to_bf16
 from mpidist.runtime import comm
 
 

@@ -15,7 +15,7 @@ from test_recipe import STEPS, batches, clip_for, make, recipe, reference_run
 
 from mpidist import nn
 from mpidist.parallel import AllreduceStrategy, LocalStrategy
-from mpidist.parallel.fully_sharded import FullyShardedStrategy
+from mpidist.parallel.data.fully_sharded import FullyShardedStrategy
 from mpidist.runtime.cluster import build_cluster
 
 #: the small convnet's units at 40 parameters: the convolution (30), the first Dense (224), the last (36)

@@ -15,8 +15,8 @@ from mpi4py import MPI
 from mpidist import nn
 from mpidist.nn import BatchNorm, Dense, Flatten, Sequential
 from mpidist.parallel import AllreduceStrategy, LocalStrategy
-from mpidist.parallel.node_model import NodeModelExchange, node_model_possible
-from mpidist.parallel.ring import Ring
+from mpidist.parallel.data.node_model import NodeModelExchange, node_model_possible
+from mpidist.parallel.data.ring import Ring
 from mpidist.parallel.shards import chunk_bounds
 from mpidist.runtime.cluster import build_cluster
 

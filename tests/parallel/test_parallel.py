@@ -92,7 +92,7 @@ def test_evaluation_sums_every_workers_shard():
 def test_an_average_that_fails_leaves_the_array_as_it_was(monkeypatch):
     """A collective that fails (a rank died in it) leaves its buffer undefined: the average writes nothing
     then."""
-    from mpidist.parallel import data_parallel
+    from mpidist.parallel.data import replicated as data_parallel
 
     def dies_midway(comm, array):
         array[: len(array) // 2] *= 3.0  # a partial sum, as a broken Allreduce may leave
@@ -107,7 +107,7 @@ def test_an_average_that_fails_leaves_the_array_as_it_was(monkeypatch):
 
 @pytest.mark.mpi(min_size=2)
 def test_an_average_over_the_ranks_is_their_mean_in_place():
-    from mpidist.parallel.data_parallel import average_over
+    from mpidist.parallel.data.replicated import average_over
 
     comm = MPI.COMM_WORLD
     params = np.full(5, float(comm.Get_rank()))

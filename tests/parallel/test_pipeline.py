@@ -7,8 +7,8 @@ from small_net import small_convnet, worker_slice
 
 from mpidist import nn
 from mpidist.parallel import LocalStrategy, PipelineStrategy
-from mpidist.parallel.balance import balance_by_parameters, layer_costs
-from mpidist.parallel.pipeline import split_sizes
+from mpidist.parallel.pipeline.balance import balance_by_parameters, layer_costs
+from mpidist.parallel.pipeline.schedule_runner import split_sizes
 from mpidist.runtime.cluster import build_cluster
 from mpidist.store.checkpoint import Checkpoint
 

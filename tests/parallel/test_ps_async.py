@@ -9,7 +9,7 @@ from small_net import LastToStart, small_convnet
 
 from mpidist import nn
 from mpidist.parallel import PsAsyncStrategy
-from mpidist.parallel.async_exchange import AsyncExchange
+from mpidist.parallel.ps.async_exchange import AsyncExchange
 from mpidist.parallel.shards import shard_bounds
 from mpidist.runtime.cluster import PS, build_cluster
 from mpidist.runtime.rma import Window

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpidist.parallel.schedule import SCHEDULES, Deadlock, bubble, render, schedule, simulate
+from mpidist.parallel.pipeline.schedule import SCHEDULES, Deadlock, bubble, render, schedule, simulate
 
 
 def test_gpipe_for_two_stages_and_three_micro_batches():

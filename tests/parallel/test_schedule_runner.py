@@ -5,9 +5,9 @@ import pytest
 from small_net import small_convnet
 
 from mpidist import nn
-from mpidist.parallel.schedule import schedule
-from mpidist.parallel.schedule_runner import ScheduleRunner
-from mpidist.parallel.stage import StageLayout
+from mpidist.parallel.pipeline.schedule import schedule
+from mpidist.parallel.pipeline.schedule_runner import ScheduleRunner
+from mpidist.parallel.pipeline.stage import StageLayout
 
 
 # small_convnet: Conv2D(3,3) ReLU MaxPool2D(2) | Flatten Dense(8) ReLU Dense(4), 30 + 224 + 36 = 290

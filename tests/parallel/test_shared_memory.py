@@ -9,10 +9,10 @@ from mpi4py import MPI
 
 from mpidist import nn
 from mpidist.parallel import AllreduceStrategy, Exchange
-from mpidist.parallel.compression import CompressedExchange
-from mpidist.parallel.node_model import NodeModelExchange
+from mpidist.parallel.data.compression import CompressedExchange
+from mpidist.parallel.data.node_model import NodeModelExchange
 from mpidist.parallel.shards import chunk_bounds
-from mpidist.parallel.shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
+from mpidist.parallel.data.shared_memory import ONE_WORKER, SharedMemoryExchange, shared_memory_possible
 from mpidist.runtime.cluster import build_cluster
 from mpidist.runtime.errors import UsageError
 

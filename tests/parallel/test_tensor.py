@@ -232,7 +232,7 @@ def test_splitting_leaves_the_users_layers_as_they_were():
 
 
 def test_too_few_ids_or_a_split_piece_without_an_origin_is_refused_by_name():
-    from mpidist.parallel.tensor import check_split
+    from mpidist.parallel.parts import check_split
     from mpidist.runtime.errors import UsageError
 
     small = nn.Sequential([nn.Embedding(2, 4), nn.Flatten(), nn.Dense(3)], (2,), dtype=np.float64)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from mpidist.nn import zoo
 from mpidist.nn.placement import Placement
 from mpidist.parallel.optimizer_factory import within
-from mpidist.parallel.units import (
+from mpidist.parallel.data.units import (
     ShardedUnits,
     Unit,
     cut_units,

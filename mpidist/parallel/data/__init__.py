@@ -1,0 +1,25 @@
+"""Data parallelism: every worker computes gradients of the model (or of its part) on its own samples.
+
+* the replicated step (:mod:`~mpidist.parallel.data.replicated`, its state in
+  :mod:`~mpidist.parallel.data.replica_state`) that ``local``
+  (:mod:`~mpidist.parallel.data.local`), ``allreduce``
+  (:mod:`~mpidist.parallel.data.allreduce`, declared in
+  :mod:`~mpidist.parallel.data.declared`) and ``local-sgd``
+  (:mod:`~mpidist.parallel.data.local_sgd`) share, a 16-bit model's float32
+  master (:mod:`~mpidist.parallel.data.mixed`), in-graph replication's
+  scattered batches (:mod:`~mpidist.parallel.data.scatter`);
+* the exchanges that sum the gradients: buckets over MPI
+  (:mod:`~mpidist.parallel.data.exchange`), 16-bit with error feedback
+  (:mod:`~mpidist.parallel.data.compression`), a node's shared window
+  (:mod:`~mpidist.parallel.data.shared_memory`), one copy of the model per
+  node (:mod:`~mpidist.parallel.data.node_model`) with a ring between nodes
+  (:mod:`~mpidist.parallel.data.ring`);
+* sharded state: ``--shard optimizer``
+  (:mod:`~mpidist.parallel.data.optimizer_shard`) and ``--shard parameters``
+  (:mod:`~mpidist.parallel.data.fully_sharded`, its units
+  :mod:`~mpidist.parallel.data.units` and their gathers
+  :mod:`~mpidist.parallel.data.gathering`).
+
+Imports the core (:mod:`mpidist.parallel`) and no other family; a tensor
+part reaches it through :func:`~mpidist.parallel.parts.split_over`.
+"""
