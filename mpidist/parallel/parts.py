@@ -33,7 +33,7 @@ from ..nn.tensor import operators, split_layers
 from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
 from .mesh import MeshShape
-from .registry import Option, SPLITS
+from .registry import SPLITS, Option
 from .verdict import decide
 
 #: The setting, declared by each strategy it composes with.

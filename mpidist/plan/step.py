@@ -20,7 +20,8 @@ from ..parallel.data.units import block_of, gathered_elements, units_of
 from ..parallel.holding import zero_bytes_per_param
 from ..parallel.mesh import MeshShape
 from ..parallel.pipeline.balance import balance_by_parameters
-from ..parallel.pipeline.schedule import schedule as stage_plan, simulate
+from ..parallel.pipeline.schedule import schedule as stage_plan
+from ..parallel.pipeline.schedule import simulate
 from ..parallel.registry import STRATEGIES
 from ..runtime.errors import UsageError
 from .buckets import MIB, hideable

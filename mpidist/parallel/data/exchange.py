@@ -17,7 +17,8 @@ tensor, and no copy.
 import numpy as np
 
 from ...nn.precision import BLOCK, is_low, squared_sum
-from ...runtime import comm as mpi, recorder
+from ...runtime import comm as mpi
+from ...runtime import recorder
 from ..verdict import decide
 
 _TRACER = recorder.tracer()

@@ -17,7 +17,8 @@ parameters change (:meth:`UnitGathers.invalidate`, after each update).
 
 import numpy as np
 
-from ...runtime import comm as mpi, recorder
+from ...runtime import comm as mpi
+from ...runtime import recorder
 from .units import slot_counts, slot_sizes
 
 _TRACER = recorder.tracer()

@@ -44,7 +44,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from ...runtime import comm as mpi, recorder
+from ...runtime import comm as mpi
+from ...runtime import recorder
 from ..shards import LINE, chunk_bounds, line_bytes
 from .exchange import NoExchange
 from .optimizer_shard import OptimizerShard

@@ -16,7 +16,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ...nn import Sequential
-from ...runtime import comm as mpi, recorder
+from ...runtime import comm as mpi
+from ...runtime import recorder
 from ..mesh import MeshShape
 
 TRACER = recorder.tracer()

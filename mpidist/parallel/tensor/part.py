@@ -7,7 +7,8 @@ from mpi4py import MPI
 
 from ...nn.precision import squared_sum
 from ...nn.tensor import operators, replicated, split_model
-from ...runtime import comm as mpi, recorder
+from ...runtime import comm as mpi
+from ...runtime import recorder
 from ..parts import gather_placed
 from ..registry import register_split
 from ..verdict import agree
