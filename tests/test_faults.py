@@ -571,7 +571,7 @@ def diverged_without_writing_bad_checkpoints(p, out, err):
 
 RAISE_AT_STEP_5 = """
     import sys
-    from mpidist.parallel import allreduce
+    from mpidist.parallel.data import allreduce
     train_step = allreduce.AllreduceStrategy.train_step
 
     def failing(self, x, y, weight, step):
@@ -589,7 +589,7 @@ RAISE_AT_STEP_5 = """
 # refuse more steps than float32 counts, which needs 3 ranks or more): each rank raises the refusal at once
 REFUSED_BY_EVERY_STRATEGY = """
     import sys
-    from mpidist.parallel import allreduce
+    from mpidist.parallel.data import allreduce
     from mpidist.runtime.errors import UsageError
 
     def refusing(self, *args, **kwargs):
