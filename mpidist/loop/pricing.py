@@ -21,7 +21,9 @@ after the rehearsal, which loads the kernels a model's layers compile), and
 :func:`check` refuses a run whose price is more than the rank may hold, naming
 every item, before anything is allocated; a model whose training state alone
 does not fit is refused earlier (:func:`check_holds`), with the layouts that
-would fit it.  ``eval`` and ``predict`` are priced by
+would fit it.  Under ``--shard parameters`` a run whose two units in flight
+do not fit gathers one at a time where that fits (:func:`priced`; every rank
+takes the same layout: :func:`mpidist.loop.setup.agreed_setup`).  ``eval`` and ``predict`` are priced by
 :mod:`mpidist.loop.inference_pricing`.
 """
 
@@ -60,15 +62,35 @@ def optimizer_arrays(config):
     return len(checkpoint_save.OPTIMIZER_STATE.get(config.optimizer, ()))
 
 
-def training_price(config, cluster, model, run, strategy):
+def gathers_in_turn(config):
+    """Whether the run may gather its units one at a time where two in flight do not fit: ``--shard
+    parameters`` (not where ``--no-reshard-after-forward`` keeps every unit)."""
+    return config.strategy == "allreduce" and config.shard == "parameters" and config.reshard_after_forward
+
+
+def priced(config, cluster, model, run, strategy):
+    """``(price, prefetch)`` of this rank's run (:func:`training_price`): its ``--shard parameters`` units
+    gathered two in flight where that fits, else one at a time where that does; refused (:func:`check`,
+    naming the prefetching layout's items) where neither fits."""
+    price = training_price(config, cluster, model, run, strategy)
+    if gathers_in_turn(config) and price.refusal("") is not None:
+        in_turn = training_price(config, cluster, model, run, strategy, prefetch=False)
+        if in_turn.refusal("") is None:
+            return in_turn, False
+    check(config, cluster, model, price)
+    return price, True
+
+
+def training_price(config, cluster, model, run, strategy, prefetch=True):
     """The :class:`~mpidist.runtime.price.Price` of training ``model`` (a map of shapes) on this rank of
     ``cluster``, run by ``strategy`` (the class: its
     :meth:`~mpidist.parallel.declared.Declared.copies`); ``run`` what the set-up fixed of it:
     ``info``, ``reading`` (its data's :class:`~mpidist.data.Reading`), ``reads`` (the splits it reads),
-    ``local_batch`` (0: it computes none), ``steps`` (the run's), ``resume`` (the checkpoint, or None)."""
+    ``local_batch`` (0: it computes none), ``steps`` (the run's), ``resume`` (the checkpoint, or None);
+    ``prefetch``: ``--shard parameters``' units two in flight, or one (:func:`priced` chooses)."""
     # (a 16-bit model's state is priced at float32's size, its master copies beside: an upper bound)
     arrays, itemsize, whole = optimizer_arrays(config), master_dtype(model.dtype).itemsize, model.num_params
-    share = holding.held(config, cluster, model, arrays)
+    share = holding.held(config, cluster, model, arrays, prefetch)
     in_graph = config.replication == "in-graph" and cluster.is_chief
     rehearsed = rank_arrays(
         config,
@@ -102,7 +124,7 @@ def training_price(config, cluster, model, run, strategy):
     price.add("--trace's events", _trace(config, cluster, model, run.steps))
     price.add("the strategy's buffers", copies * whole * itemsize)
     if cluster.size > 1:
-        price.add("MPI's buffers", max(_gradients(config, model), rehearsed.activations))
+        price.add("MPI's buffers", max(largest_unit_bytes(config, model), rehearsed.activations))
     return price
 
 
@@ -125,7 +147,7 @@ def _own_rows(config, cluster, local_batch):
     return 2 + (2 * cluster.num_workers if cluster.is_chief else 0)
 
 
-def _gradients(config, model):
+def largest_unit_bytes(config, model):
     """The largest gradient message a rank hands MPI, which MPICH copies (an allreduce of 64 MiB: 64 MiB
     more, measured; a reduce-scatter one block): a bucket, or a ``--shard parameters`` unit."""
     parts, itemsize = max(1, int(config.tensor)), model.dtype.itemsize
@@ -168,34 +190,31 @@ def check(config, cluster, model, price):
     raise UsageError("; ".join([refused, *ways]))
 
 
-def _subject(config, cluster, model, arrays):
+def _subject(config, cluster, model, arrays, prefetch=True):
     whole = model.num_params
-    share = holding.held(config, cluster, model, arrays) if cluster is not None else None
+    share = holding.held(config, cluster, model, arrays, prefetch) if cluster is not None else None
     if share is None or not share.part:
         return f"training {whole:,} parameters with {config.optimizer}"
     return (
         f"{share.part} ({share.params:,} of the model's {whole:,} parameters), trained with "
         f"{config.optimizer}"
-        + (
-            f", and assembling the whole model's state for checkpoints ({share.gathered:,} values)"
-            if share.gathered
-            else ""
-        )
+        + (f", and {share.assembles} ({share.gathered:,} values)" if share.gathered else "")
     )
 
 
 def check_holds(config, cluster, model):
     """Refuse, naming what it needs, a model whose training state alone, as this rank's share of it, does not
-    fit in what the rank may hold (before its data and the rest are priced: :func:`check`)."""
+    fit in what the rank may hold (before its data and the rest are priced: :func:`check`); in the smallest
+    layout the run may take (its units gathered one at a time where it may: :func:`gathers_in_turn`)."""
     arrays = optimizer_arrays(config)
     whole = model.num_params
     share = (
-        holding.held(config, cluster, model, arrays)
+        holding.held(config, cluster, model, arrays, prefetch=not gathers_in_turn(config))
         if cluster is not None
         else holding.Held(whole, whole, whole)
     )
     try:
-        subject = _subject(config, cluster, model, arrays)
+        subject = _subject(config, cluster, model, arrays, prefetch=not gathers_in_turn(config))
         check_fits(holding.held_bytes(share, arrays, model.dtype.itemsize), subject)
     except UsageError as err:
         ways = _ways_it_fits(config, cluster, model, arrays) if share.params == whole else []

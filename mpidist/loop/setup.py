@@ -13,12 +13,16 @@ import dataclasses
 import os
 import sys
 
+import numpy as np
+
 from .. import data, nn
 from ..nn import scores
 from ..nn.precision import compute_dtype, master_dtype
 from ..parallel import STRATEGIES
 from ..parallel.recipe import recipe_for, total_steps
+from ..runtime import comm as mpi
 from ..runtime.errors import UsageError
+from ..runtime.memory import human
 from ..runtime.text import printable
 from ..settings import models
 from ..store import checkpoint
@@ -63,6 +67,7 @@ class Setup:
     skipped: list = dataclasses.field(default_factory=list)  # unreadable checkpoints passed over
     notes: list = dataclasses.field(default_factory=list)  # what the chief says about the set-up
     price: object = None  # what this rank will hold (:class:`~mpidist.runtime.price.Price`), checked
+    prefetch: bool = True  # --shard parameters: two units in flight (False: one, where two do not fit)
 
 
 def build_model_for(config, inputs, info, xp, cluster=None, training=True):
@@ -124,7 +129,27 @@ def agreed_setup(config, cluster, xp, inputs, outputs, callbacks=()):
     except SystemExit:  # (refused, here or on another rank)
         outputs.abandon()
         raise
-    return setup, stopping
+    return in_one_layout(config, cluster, setup), stopping
+
+
+def in_one_layout(config, cluster, setup):
+    """Collective where the run may gather its units one at a time
+    (:func:`~mpidist.loop.pricing.gathers_in_turn`): every rank takes the layout the most constrained one
+    could afford (its gathers are collectives, called alike by every worker); a note says why where it is
+    one unit in flight."""
+    if not pricing.gathers_in_turn(config) or cluster.size == 1:
+        return setup
+    prefetch = np.array([int(setup.prefetch)], dtype=np.int64)
+    mpi.allreduce_min(cluster.world, prefetch)
+    if prefetch[0]:
+        return setup
+    largest = pricing.largest_unit_bytes(config, setup.model)
+    note = (
+        f"note: --shard parameters: two units in flight (the largest {human(largest)} of parameters, as "
+        "much of gradients) do not fit in what a rank may hold: one unit of each at a time, each gathered "
+        "as it is about to run (its gathers no longer overlap the compute)"
+    )
+    return dataclasses.replace(setup, prefetch=False, notes=[*setup.notes, note])
 
 
 def prepare(config, cluster, xp, inputs, resume=None, skipped=(), priced=True):
@@ -210,7 +235,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=(), priced=True):
     notes.extend(f"note: {note}" for note in reading.notes)
     local_batch = data.local_batch_size(config.batch_size, workers, worker) if worker is not None else 0
     # every item this rank will hold, against what it may hold, before any of it is allocated
-    price = None
+    price, prefetch = None, True
     if priced:  # (the survivors of a lost rank hold the lost layout's memory still: no price holds)
         run = pricing.Run(
             info,
@@ -220,8 +245,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=(), priced=True):
             min(config.steps or steps * config.epochs, steps * config.epochs),
             resume,
         )
-        price = pricing.training_price(config, cluster, model, run, strategy_class(config, workers))
-        pricing.check(config, cluster, model, price)
+        price, prefetch = pricing.priced(config, cluster, model, run, strategy_class(config, workers))
     shards = {
         split: reading.open(
             info, split, w, n, model.input_shape, model.dtype, lanes=lanes if split == "train" else None
@@ -258,6 +282,7 @@ def prepare(config, cluster, xp, inputs, resume=None, skipped=(), priced=True):
         skipped=list(skipped),
         notes=notes,
         price=price,
+        prefetch=prefetch,
     )
 
 

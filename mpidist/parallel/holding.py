@@ -26,20 +26,22 @@ from .pipeline.stage import StageLayout
 class Held:
     """Elements this rank holds: of parameters, of each optimizer state array, of whole-model arrays it
     assembles, and of gradients (None: as many as parameters); ``part`` says which part of the model it holds
-    ("" for all of it)."""
+    ("" for all of it), ``assembles`` what its ``gathered`` elements are."""
 
     params: int
     optimizer: int
     gathered: int
     part: str = ""
     grads: int = None
+    assembles: str = "assembling the whole model's state for checkpoints"
 
 
-def held(settings, cluster, model, optimizer_arrays):
+def held(settings, cluster, model, optimizer_arrays, prefetch=True):
     """This rank's :class:`Held` of ``model`` (a map of shapes) under ``settings`` on ``cluster``.
 
     ``optimizer_arrays``: the optimizer's state arrays per parameter (Adam's
-    two moments, SGD's velocity).
+    two moments, SGD's velocity); ``prefetch``: under ``--shard parameters``,
+    whether two units are in flight (:func:`fully_sharded_held`).
     """
     whole, tensor = model.num_params, max(int(settings.tensor), 1)
     if settings.strategy == "pipeline":
@@ -53,7 +55,7 @@ def held(settings, cluster, model, optimizer_arrays):
         )
         return stage_held(params, part)
     if settings.strategy == "allreduce" and settings.shard == "parameters":
-        return fully_sharded_held(settings, cluster, model)
+        return fully_sharded_held(settings, cluster, model, prefetch)
     if tensor > 1:
         part = MeshShape(cluster.size, parts=tensor).coordinates(cluster.rank)[2]  # (every rank a worker)
         params = split_model(model, part, tensor, buffers=False)[0].num_params  # (its layers held whole too)
@@ -69,10 +71,10 @@ def held(settings, cluster, model, optimizer_arrays):
     )
 
 
-def fully_sharded_held(settings, cluster, model):
+def fully_sharded_held(settings, cluster, model, prefetch=True):
     """A worker's :class:`Held` under ``--shard parameters``: its shard of every unit (parameters, gradients
-    and optimizer state alike), and its slots of gathered units.  With ``--tensor T``, a part's units are
-    about ``1/T`` of the whole model's, sharded over the replicas."""
+    and optimizer state alike), and its slots of gathered units (two of each, one without ``prefetch``).
+    With ``--tensor T``, a part's units are about ``1/T`` of the whole model's, sharded over the replicas."""
     tensor = max(int(settings.tensor), 1)
     replicas = max(cluster.num_workers // tensor, 1)
     index = (cluster.worker_index or 0) // tensor  # (part fastest: the mesh's order)
@@ -80,8 +82,15 @@ def fully_sharded_held(settings, cluster, model):
         model.offsets, model.num_params, settings.bucket_mb * (1 << 20) * tensor, model.dtype.itemsize
     )
     shard = math.ceil(ShardedUnits(units, replicas, index).size / tensor)
-    gathered = math.ceil(gathered_elements(units, not settings.reshard_after_forward, replicas) / tensor)
-    return Held(shard, shard, gathered, f"1/{replicas} of every unit", grads=shard)
+    keep = not settings.reshard_after_forward
+    gathered = math.ceil(gathered_elements(units, keep, replicas, prefetch) / tensor)
+    slots = "two" if prefetch or keep else "one"
+    assembles = (
+        "every unit gathered from forward to backward, with its gradients"
+        if keep
+        else f"{slots} unit(s) of parameters and as many of gradients gathered in flight"
+    )
+    return Held(shard, shard, gathered, f"1/{replicas} of every unit", grads=shard, assembles=assembles)
 
 
 def zero_bytes_per_param(shard, workers, state_arrays=2, itemsize=4):

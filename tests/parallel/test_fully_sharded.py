@@ -22,7 +22,7 @@ from mpidist.runtime.cluster import build_cluster
 UNIT_BYTES = 40 * 8
 
 
-def sharded(cluster, optimizer, accumulate=1, clip=0.0, keep=False):
+def sharded(cluster, optimizer, accumulate=1, clip=0.0, keep=False, prefetch=True):
     return FullyShardedStrategy(
         small_convnet(np.float64),
         nn.loss_for(4, np),
@@ -32,6 +32,7 @@ def sharded(cluster, optimizer, accumulate=1, clip=0.0, keep=False):
         bucket_bytes=UNIT_BYTES,
         recipe=recipe(accumulate, clip),
         keep=keep,
+        prefetch=prefetch,
     )
 
 
@@ -68,6 +69,31 @@ def test_shards_train_as_local_on_the_global_batch(optimizer, accumulate, keep):
     strategy.gathers.idle_pass()
     slots = b"".join(slot.tobytes() for slot in strategy.gathers.gathered.slots)
     assert len(set(cluster.workers.allgather(slots))) == 1
+    strategy.free()
+    cluster.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_one_unit_in_flight_trains_as_local_on_the_global_batch(accumulate):
+    """Without prefetch every unit takes turns in one parameter slot and one gradient slot: the same steps,
+    each unit gathered as it is about to run (forward and backward) and its gradients' sum waited for before
+    the next unit's backward writes there."""
+    cluster = build_cluster(MPI.COMM_WORLD)
+    workers = cluster.num_workers
+    global_batch = 3 * workers + 2
+    expected, clipped = reference_run(global_batch, "adam")
+    xs, ys = batches(global_batch)
+    strategy = sharded(cluster, "adam", accumulate, clip_for(global_batch, "adam"), prefetch=False)
+    assert [len(strategy.gathers.gathered.slots), len(strategy.gathers.summed.slots)] == [1, 1]
+    assert not strategy.gathers.prefetches and "one unit in flight" in strategy.describe(cluster.rank)
+    strategy.initialize()
+    where = strategy.placement.positions()
+    part = worker_slice(global_batch, workers, cluster.worker_index)
+    for step in range(STEPS):
+        strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
+        np.testing.assert_allclose(strategy.params, expected[step][where], rtol=1e-9, atol=1e-12)
+        assert strategy.clipped == clipped[step]
     strategy.free()
     cluster.free()
 
@@ -200,6 +226,58 @@ def test_under_a_memory_cap_sharded_workers_train_a_model_none_of_them_can_hold(
     sharded = run("--shard", "parameters")
     assert sharded.returncode == 0, sharded.stderr
     assert len(list(tmp_path.glob("ck/*.h5"))) == 1
+
+
+def test_where_two_units_in_flight_do_not_fit_one_does_and_the_run_trains_alike(tmp_path):
+    """mlp:2048,2048,2048 with Adam at --bucket-mb 4 (a unit a layer, the largest 4.2 M parameters) on 2
+    workers: capped below the price of two units in flight, every worker gathers one unit at a time (a unit of
+    parameters and one of gradients fewer), says so, states the smaller price, and trains to the same losses
+    as the run that prefetched."""
+    from conftest import events
+    from test_memory_price import stated
+
+    flags = [
+        "--data",
+        "mnist-5k",
+        "--model",
+        "mlp:2048,2048,2048",
+        "--optimizer",
+        "adam",
+        "--batch-size",
+        "32",
+    ]
+    flags += [
+        "--shard",
+        "parameters",
+        "--bucket-mb",
+        "4",
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "1",
+    ]
+    flags += ["--progress", "none", "--run-dir", ""]
+
+    def run(name, *prefix):
+        done, _ = run_mpi(
+            2,
+            ["-m", "mpidist", "train", *flags, "--metrics", str(tmp_path / name)],
+            timeout=120,
+            prefix=prefix,
+        )
+        assert done.returncode == 0, done.stderr
+        return done, [e["loss"] for e in events(tmp_path / name, "step")]
+
+    prefetching, losses = run("free.jsonl")
+    price = stated(prefetching.stdout)
+    assert "one unit in flight" not in prefetching.stdout
+    in_turn, capped_losses = run("capped.jsonl", "prlimit", f"--data={int(price * 0.95)}")
+    assert "one unit of each at a time" in in_turn.stdout and "one unit in flight" in in_turn.stdout
+    largest = 2048 * 2048 * 4  # (a unit of parameters and one of gradients left out of the price)
+    assert stated(in_turn.stdout) <= price - 2 * largest + (1 << 20), (price, in_turn.stdout)
+    assert capped_losses == losses and len(losses) == 3
 
 
 @pytest.mark.mpi(min_size=4)

@@ -65,6 +65,16 @@ def test_a_worker_gathers_into_two_slots_or_one_a_unit(keep, ranks, expected):
     assert gathered_elements(units, keep, ranks) == expected
 
 
+def test_without_prefetch_a_worker_gathers_every_unit_into_one_slot_of_each():
+    """Units of 10, 8 and 3 on 4 workers: one parameter slot and one gradient slot, each the largest unit
+    padded to 4 blocks (12): half the two slots' 2 x (12 + 8); kept, the prefetch does not apply."""
+    units = [Unit(0, 1, 0, 10), Unit(1, 2, 10, 18), Unit(2, 3, 18, 21)]
+    assert slot_counts(units, False, prefetch=False) == (1, 1)
+    assert gathered_elements(units, False, 4, prefetch=False) == 2 * 12
+    assert slot_counts(units, True, prefetch=False) == (3, 1)
+    assert slot_counts(units[:1], False, prefetch=False) == slot_counts(units[:1], False) == (1, 1)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.integers(1, 5), min_size=1, max_size=4).flatmap(

@@ -8,7 +8,8 @@ keeps them), the next unit's gather in flight while this one computes; its
 gradients are reduce-scattered to their owners as soon as backward has made
 them (:mod:`mpidist.parallel.data.gathering`), and each worker's optimizer updates
 its shards.  A worker's memory falls as workers are added: 16/W bytes a
-parameter in float32 with Adam, plus at most two gathered units.
+parameter in float32 with Adam, plus at most two gathered units (one, where
+two do not fit: the set-up's price chooses, the same on every worker).
 
 The shards are regions of the whole model's parameters (its
 :attr:`placement`), so every worker draws its initial values alone, and its
@@ -35,6 +36,8 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
 
     Args:
         keep: keep each unit gathered from its forward to its backward (``--no-reshard-after-forward``).
+        prefetch: gather the next unit while one runs (two units in flight); False where they do not fit
+            (the set-up's price chose it): one unit of parameters and one of gradients at a time.
         (the others as :class:`~mpidist.parallel.base.Strategy`'s)
     """
 
@@ -43,9 +46,24 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
 
     @classmethod
     def arguments(cls, settings, setup):
-        return {"keep": not settings.reshard_after_forward, "tensor": settings.tensor}
+        return {
+            "keep": not settings.reshard_after_forward,
+            "prefetch": setup.prefetch,
+            "tensor": settings.tensor,
+        }
 
-    def __init__(self, model, loss, make_optimizer=None, cluster=None, *args, keep=False, tensor=1, **kwargs):
+    def __init__(
+        self,
+        model,
+        loss,
+        make_optimizer=None,
+        cluster=None,
+        *args,
+        keep=False,
+        prefetch=True,
+        tensor=1,
+        **kwargs,
+    ):
         #: the workers' grid (made and freed here): replicas of ``tensor`` parts, each part sharded over the
         #: replicas
         self.mesh = Mesh(None if cluster is None else cluster.workers, parts=tensor)
@@ -60,7 +78,13 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
         self.params = model.xp.zeros(self.shards.size, dtype=model.dtype)
         self.grads = model.xp.zeros(self.shards.size, dtype=model.dtype)
         self.gathers = UnitGathers(
-            MPI.COMM_SELF if comm is None else comm, model, self.shards, self.params, self.grads, keep
+            MPI.COMM_SELF if comm is None else comm,
+            model,
+            self.shards,
+            self.params,
+            self.grads,
+            keep,
+            prefetch,
         )
         model.gate = self.gathers
         self.optimizer = self.optimizers.make_pieces(self.shards.pieces())
@@ -69,7 +93,8 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
 
     def describe(self, rank):
         shards, part = self.shards, self.tensor.describe()
-        return f"1/{shards.ranks} of {len(shards.units)} unit(s)" + (f" of tensor {part}" if part else "")
+        text = f"1/{shards.ranks} of {len(shards.units)} unit(s)" + (f" of tensor {part}" if part else "")
+        return text + ("" if self.gathers.prefetches or len(shards.units) < 2 else ", one unit in flight")
 
     def held_buffer(self):
         return self.params

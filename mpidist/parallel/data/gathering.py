@@ -8,7 +8,11 @@ an exchange's.  Unit ``u`` always lives in parameter slot ``u % slots`` and
 gradient slot ``u % 2``, its layers bound there once: consecutive units
 alternate slots, so the next unit's gather (started, non-blocking, as soon as
 this one may run) never overwrites the unit running, and the last two units
-of a forward pass are still gathered when backward begins.  With
+of a forward pass are still gathered when backward begins.  Without
+``prefetch`` there is one slot of each (a model whose two units in flight do
+not fit): a unit is gathered when it is about to run, into the slot the unit
+before has left, and its gradients' sum is waited for before the next
+unit's backward writes there.  With
 ``keep`` every unit has a slot of its own, kept from forward to backward
 (FSDP2's ``reshard_after_forward=False``): no second gather, and the whole
 model's parameters held during a step.  A gathered unit is valid until the
@@ -162,11 +166,13 @@ class UnitGathers:
         shards: the :class:`~mpidist.parallel.data.units.ShardedUnits` of this rank.
         params, grads: this rank's buffers of shards (parameters, and where its summed gradients go).
         keep: keep every gathered unit from forward to backward (a slot per unit).
+        prefetch: gather the next unit while this one runs (two slots); False: one slot of each, a unit
+            gathered only as it runs.
     """
 
-    def __init__(self, comm, model, shards, params, grads, keep=False):
+    def __init__(self, comm, model, shards, params, grads, keep=False, prefetch=True):
         self.model, self.shards = model, shards
-        param_slots, grad_slots = slot_counts(shards.units, keep)
+        param_slots, grad_slots = slot_counts(shards.units, keep, prefetch)
         self.gathered = GatheredUnits(comm, shards, params, param_slots, model.xp)
         self.summed = SummedUnits(comm, shards, grads, grad_slots, model.xp)
         self.unit_of = [shards.unit_of(layer) for layer in range(len(model.layers))]
@@ -180,6 +186,12 @@ class UnitGathers:
             at, size = lo - units[index].lo, int(np.prod(shape, dtype=np.int64))
             layer.params[name] = params[index % len(params)][at : at + size].reshape(shape)
             layer.grads[name] = grads[index % len(grads)][at : at + size].reshape(shape)
+
+    @property
+    def prefetches(self):
+        """Whether the next unit's gather starts while this one runs (there is a slot for it: never where one
+        slot holds every unit in turn)."""
+        return len(self.gathered.slots) > 1
 
     @property
     def nbytes(self):
@@ -199,7 +211,7 @@ class UnitGathers:
         unit = self.unit_of[layer]
         if layer == self.shards.units[unit].first:
             self.gathered.have(unit)
-            if unit + 1 < len(self.shards.units):
+            if unit + 1 < len(self.shards.units) and self.prefetches:
                 self.gathered.start(unit + 1)
 
     def backward(self, layer):
@@ -209,7 +221,7 @@ class UnitGathers:
         if layer == self.shards.units[unit].end - 1:
             self.gathered.have(unit)
             self.summed.free(unit % len(self.summed.slots))
-            if unit > 0:
+            if unit > 0 and self.prefetches:
                 self.gathered.start(unit - 1)
 
     def ready(self, lo):

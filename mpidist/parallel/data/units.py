@@ -130,10 +130,12 @@ def block_of(size, ranks):
     return -(-size // ranks)
 
 
-def slot_counts(units, keep):
+def slot_counts(units, keep, prefetch=True):
     """``(parameter slots, gradient slots)`` of a worker gathering ``units``: two of each (unit ``u`` in slot
-    ``u % 2``), one where there is one unit, and with ``keep`` a parameter slot per unit."""
-    pair = max(1, min(2, len(units)))
+    ``u % 2``), one where there is one unit, and with ``keep`` a parameter slot per unit; one of each
+    without ``prefetch`` (a unit gathered only as it runs: the layout of a model whose two units in flight
+    do not fit)."""
+    pair = max(1, min(2 if prefetch else 1, len(units)))
     return (max(1, len(units)) if keep else pair), pair
 
 
@@ -150,10 +152,10 @@ def slot_sizes(units, slots, ranks):
     ]
 
 
-def gathered_elements(units, keep, ranks):
+def gathered_elements(units, keep, ranks, prefetch=True):
     """Elements of a worker's slots gathering ``units`` from ``ranks`` workers: its gathered units' parameters
-    and gradients."""
-    params, grads = slot_counts(units, keep)
+    and gradients (:func:`slot_counts`)."""
+    params, grads = slot_counts(units, keep, prefetch)
     return sum(slot_sizes(units, params, ranks)) + sum(slot_sizes(units, grads, ranks))
 
 
