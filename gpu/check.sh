@@ -10,7 +10,7 @@
 #    every strategy and layout on --device gpu against the same run on the CPU, and a short
 #    benchmark (mpidist against torch on the GPU, and a pipeline's activation send).
 #
-# Each part stops at its own limit (gpu/check.py's LIMITS, under 8 minutes in all). Without a
+# Each part stops at its own limit (gpu/check_parts.py's LIMITS, under 8 minutes in all). Without a
 # GPU the parts that need none still run and the rest are reported as not run.
 #
 # OUT must be a folder the check may fill: a new one, an empty one, or one a check wrote before

@@ -179,7 +179,7 @@ def test_buckets_started_as_backward_completes_them_leave_the_last_ones_exchange
     def moved(nbytes, link=cal.node):  # a bucket's allreduce over 2 ranks, on the link
         return link.allreduce(nbytes, 2)
 
-    # cut from the top as mpidist cuts (parallel.exchange.top_down_buckets): a bucket a layer, each moved
+    # cut from the top as mpidist cuts (parallel.data.exchange.top_down_buckets): a bucket a layer, each moved
     # while the layers under it go backward; the first layer's and the loss's one element are left after
     assert buckets.exposed(cal, layout, 4000) == pytest.approx(moved(4000) + moved(4) + sums)
     assert buckets.exposed(cal, layout, 8000) == pytest.approx(moved(8000) + moved(4) + sums)

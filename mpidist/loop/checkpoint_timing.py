@@ -7,8 +7,6 @@ decisions, which read only each rank's own record of the boundaries it went
 through (:class:`~mpidist.loop.writing_behind.Behind`).
 """
 
-import time
-
 
 class CheckpointSchedule:
     """When a checkpoint is due.
@@ -52,16 +50,16 @@ class CheckpointSchedule:
 
 class CheckpointTiming:
     """The lockstep decisions about checkpoints written behind training (mixed into
-    :class:`~mpidist.loop.checkpointer.Checkpointer`, whose ``config``, ``clock``, ``schedule`` and
-    ``behind`` they read)."""
+    :class:`~mpidist.loop.checkpointer.Checkpointer`, whose ``config``, ``clock`` and ``behind`` they read,
+    and whose ``schedule`` they start); whether the chief's writer is busy, which the step agreement spreads,
+    is :attr:`~mpidist.loop.writing_behind.WritingBehind.busy`."""
 
-    @property
-    def busy(self):
-        """Whether the writer behind training is not free (on the chief; never elsewhere): a write in flight,
-        or the rest after one that keeps writing within :data:`~mpidist.loop.writer.WRITER_SHARE` of the
-        chief's time."""
-        last = self.behind.last
-        return last is not None and (last.is_alive() or time.monotonic() < last.free_at())
+    def start_schedule(self, step):
+        """The schedule from ``step`` on, with the run's ``--checkpoint-every`` and ``--checkpoint-seconds``
+        (at the start, and where the survivors of a lost rank go back to a checkpoint)."""
+        self.schedule = CheckpointSchedule(
+            self.config.checkpoint_every, self.config.checkpoint_seconds, step, self.clock()
+        )
 
     def rolled_back(self, step):
         """Every rank, as the survivors of a lost rank go back to ``step``: the schedule goes on from there
@@ -69,9 +67,7 @@ class CheckpointTiming:
         boundaries it went through, and a loss finds the ranks at different points of one (some past the
         boundary's agreement, some failed in it): one rank that still owed a checkpoint started it at the
         next boundary alone, its save waiting for good on ranks that stepped on."""
-        self.schedule = CheckpointSchedule(
-            self.config.checkpoint_every, self.config.checkpoint_seconds, step, self.clock()
-        )
+        self.start_schedule(step)
         self.behind.owed, self.behind.started_at = False, None
 
     def starts_at(self, step, due, busy):

@@ -18,7 +18,7 @@ from ..runtime.errors import RunError
 from ..store import checkpoint_save, parts_debris
 from . import sharded_save
 from .checkpoint_files import CheckpointFiles
-from .checkpoint_timing import CheckpointSchedule, CheckpointTiming
+from .checkpoint_timing import CheckpointTiming
 from .writing_behind import Behind, WritingBehind
 
 
@@ -53,7 +53,7 @@ class Checkpointer(CheckpointTiming, WritingBehind):
         # ``parameters``, the model's names, shapes and offsets, which a whole one names its views by)
         self.files = CheckpointFiles(config, lineage, parent or "", dataset, parameters)
         self.origin = clock() - elapsed
-        self.schedule = CheckpointSchedule(config.checkpoint_every, config.checkpoint_seconds, step, clock())
+        self.start_schedule(step)
         self.written = []  # paths this process wrote, oldest first
         self.last_step = None
         self.taken_at = None  # the step the run's state was last checkpointed at, on every rank (once a step)
@@ -169,5 +169,3 @@ class Checkpointer(CheckpointTiming, WritingBehind):
     def _written(self, path, step):
         self.written.append(path)
         self.last_step = step
-
-    # -- writing behind training ---------------------------------------------------------------------------

@@ -17,6 +17,14 @@ class WritingBehind:
     ``files``, ``behind``, :meth:`run_time` and record of what was written it uses)."""
 
     @property
+    def busy(self):
+        """Whether the writer behind training is not free (on the chief; never elsewhere): a write in flight,
+        or the rest after one that keeps writing within :data:`~mpidist.loop.writer.WRITER_SHARE` of the
+        chief's time."""
+        last = self.behind.last
+        return last is not None and (last.is_alive() or time.monotonic() < last.free_at())
+
+    @property
     def writing(self):
         """Whether this rank's part of a sharded checkpoint behind training is still being synced."""
         return self.behind.parts is not None and self.behind.parts.writing

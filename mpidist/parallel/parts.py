@@ -152,4 +152,8 @@ def split_over(model, mesh, writes, buffers=True):
     """This rank's part of ``model`` over the ``mesh``'s tensor axis: the split its family registered for the
     ``part`` axis (:class:`~mpidist.parallel.tensor.part.TensorPart`), or :class:`WholeModel` where the axis
     has one part."""
-    return SPLITS["part"](model, mesh, writes, buffers) if mesh.size("part") > 1 else WholeModel(model)
+    if mesh.size("part") == 1:
+        return WholeModel(model)
+    if "part" not in SPLITS:  # (the package's roll-call imports the tensor family, which registers it)
+        raise RuntimeError("no split of the mesh's part axis is registered: import mpidist.parallel first")
+    return SPLITS["part"](model, mesh, writes, buffers)

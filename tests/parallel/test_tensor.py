@@ -616,3 +616,16 @@ def test_the_role_table_says_when_a_tensor_group_spans_nodes(hosts, across):
     # (its holds)
     rows = [line for line in done.stdout.splitlines() if re.search(r"cpu +tensor part \d/2", line)]
     assert len(rows) == 4 and all(("(group across nodes)" in row) == across for row in rows), done.stdout
+
+
+def test_the_tensor_family_registers_its_part_as_the_split_of_the_part_axis_once():
+    """The strategies that compose with the tensor axis reach TensorPart through the core's registry (they
+    never import the tensor family): importing mpidist.parallel registers it, and a second split of the same
+    axis is refused."""
+    from mpidist.parallel import registry
+    from mpidist.parallel.tensor import TensorPart
+
+    assert registry.SPLITS["part"] is TensorPart
+    with pytest.raises(ValueError, match="the 'part' axis has a split already"):
+        registry.register_split("part")(type("Another", (), {}))
+    assert registry.SPLITS["part"] is TensorPart

@@ -20,6 +20,7 @@
   :mod:`~mpidist.parallel.data.units` and their gathers
   :mod:`~mpidist.parallel.data.gathering`).
 
-Imports the core (:mod:`mpidist.parallel`) and no other family; a tensor
-part reaches it through :func:`~mpidist.parallel.parts.split_over`.
+Imports the core (the top-level modules of :mod:`mpidist.parallel` but its
+roll-call, ``__init__``, and ``holding``) and no other family; it reaches a
+tensor part through :func:`~mpidist.parallel.parts.split_over`.
 """

@@ -10,6 +10,7 @@
   (:mod:`~mpidist.parallel.pipeline.slots`);
 * the survivors of a lost rank (:mod:`~mpidist.parallel.pipeline.recovery`).
 
-Imports the core (:mod:`mpidist.parallel`) and no other family; a stage split
+Imports the core (the top-level modules of :mod:`mpidist.parallel` but its
+roll-call, ``__init__``, and ``holding``) and no other family; a stage split
 over a tensor group reaches its part through :func:`~mpidist.parallel.parts.split_over`.
 """

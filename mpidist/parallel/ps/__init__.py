@@ -12,5 +12,6 @@
   bound and serving rules without MPI (:mod:`~mpidist.parallel.ps.async_rounds`),
   and lost ranks under ``--elastic`` (:mod:`~mpidist.parallel.ps.lost_ranks`).
 
-Imports the core (:mod:`mpidist.parallel`) and no other family.
+Imports the core (the top-level modules of :mod:`mpidist.parallel` but its
+roll-call, ``__init__``, and ``holding``) and no other family.
 """

@@ -6,6 +6,6 @@ through the core (:mod:`mpidist.parallel.parts`), never importing this family.  
 split is :mod:`mpidist.nn.tensor`.
 """
 
-from .part import TensorPart
+from .part import TensorPart  # (importing it registers it as the part axis's split)
 
 __all__ = ["TensorPart"]
