@@ -44,17 +44,24 @@ def test_the_allreduce_settings_choose_the_fully_sharded_class():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize(
+    "keep, prefetch", [(False, True), (True, True), (False, False)], ids=["two", "kept", "one in flight"]
+)
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_shards_train_as_local_on_the_global_batch(optimizer, accumulate, keep):
+def test_shards_train_as_local_on_the_global_batch(optimizer, accumulate, keep, prefetch):
+    """Two units in flight, every unit kept, or one unit in flight (each gathered as it is about to run, its
+    gradients' sum waited for before the next unit's backward writes in the one gradient slot): the same
+    steps."""
     cluster = build_cluster(MPI.COMM_WORLD)
     workers = cluster.num_workers
     global_batch = 3 * workers + 2
     expected, clipped = reference_run(global_batch, optimizer)
     xs, ys = batches(global_batch)
-    strategy = sharded(cluster, optimizer, accumulate, clip_for(global_batch, optimizer), keep)
+    strategy = sharded(cluster, optimizer, accumulate, clip_for(global_batch, optimizer), keep, prefetch)
     assert [unit.size for unit in strategy.shards.units] == [30, 224, 36]
+    assert len(strategy.gathers.gathered.slots) == (3 if keep else 2 if prefetch else 1)
+    assert ("one unit in flight" in strategy.describe(cluster.rank)) == (not prefetch)
     strategy.initialize()
     where = strategy.placement.positions()
     part = worker_slice(global_batch, workers, cluster.worker_index)
@@ -69,31 +76,6 @@ def test_shards_train_as_local_on_the_global_batch(optimizer, accumulate, keep):
     strategy.gathers.idle_pass()
     slots = b"".join(slot.tobytes() for slot in strategy.gathers.gathered.slots)
     assert len(set(cluster.workers.allgather(slots))) == 1
-    strategy.free()
-    cluster.free()
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("accumulate", [1, 3])
-def test_one_unit_in_flight_trains_as_local_on_the_global_batch(accumulate):
-    """Without prefetch every unit takes turns in one parameter slot and one gradient slot: the same steps,
-    each unit gathered as it is about to run (forward and backward) and its gradients' sum waited for before
-    the next unit's backward writes there."""
-    cluster = build_cluster(MPI.COMM_WORLD)
-    workers = cluster.num_workers
-    global_batch = 3 * workers + 2
-    expected, clipped = reference_run(global_batch, "adam")
-    xs, ys = batches(global_batch)
-    strategy = sharded(cluster, "adam", accumulate, clip_for(global_batch, "adam"), prefetch=False)
-    assert [len(strategy.gathers.gathered.slots), len(strategy.gathers.summed.slots)] == [1, 1]
-    assert not strategy.gathers.prefetches and "one unit in flight" in strategy.describe(cluster.rank)
-    strategy.initialize()
-    where = strategy.placement.positions()
-    part = worker_slice(global_batch, workers, cluster.worker_index)
-    for step in range(STEPS):
-        strategy.train_step(xs[step][part], ys[step][part], (part.stop - part.start) / global_batch, step)
-        np.testing.assert_allclose(strategy.params, expected[step][where], rtol=1e-9, atol=1e-12)
-        assert strategy.clipped == clipped[step]
     strategy.free()
     cluster.free()
 
