@@ -167,7 +167,7 @@ def test_shards_train_as_local_on_emulated_nodes(nodes, ranks):
     here = str(ROOT / "tests" / "parallel" / "test_fully_sharded.py")
     args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", here, "-k", "train_as_local_on_the"]
     done, _ = run_mpi(ranks, args, timeout=180, nodes=nodes)
-    assert done.returncode == 0 and "8 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "12 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @pytest.mark.parametrize(
