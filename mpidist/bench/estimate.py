@@ -38,13 +38,10 @@ def windows(plan, table):
 
 def seconds(plan, table, seconds_each):
     """About how long ``table`` takes at ``--seconds seconds_each``."""
-    count = windows(plan, table)
-    if table == "strategies":
-        return count * seconds_each + SETUP[table] * len(plan.models)
-    runs = table == "sharding" or count > 0
-    return count * seconds_each + (
-        SETUP[table] * (len(plan.models) if table == "sharding" else 1) if runs else 0
-    )
+    count, per_model = windows(plan, table), table in ("strategies", "sharding")
+    if not (per_model or count):  # (a table these ranks cannot run: pipeline on one, tensor on an odd count)
+        return 0
+    return count * seconds_each + SETUP[table] * (len(plan.models) if per_model else 1)
 
 
 def said(plan, seconds_each):

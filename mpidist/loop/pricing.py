@@ -180,20 +180,21 @@ def check(config, cluster, model, price):
     """Refuse, naming every item and the layouts that would fit, a run whose ``price`` is more than this
     rank may hold."""
     whole, arrays = model.num_params, optimizer_arrays(config)
-    refused = price.refusal(_subject(config, cluster, model, arrays))
+    share = holding.held(config, cluster, model, arrays)
+    refused = price.refusal(_subject(config, model, share))
     if refused is None:
         return
     state = dict(price.items).get("training state", 0)
     limit = holdable()[0] - (price.more - state)  # (what the training state may take beside the rest)
-    share = holding.held(config, cluster, model, arrays)
     ways = _ways_it_fits(config, cluster, model, arrays, limit) if share.params == whole else []
     raise UsageError("; ".join([refused, *ways]))
 
 
-def _subject(config, cluster, model, arrays, prefetch=True):
+def _subject(config, model, share):
+    """What a refusal names: training the whole model, or this rank's ``share`` of it (a
+    :class:`~mpidist.parallel.holding.Held`)."""
     whole = model.num_params
-    share = holding.held(config, cluster, model, arrays, prefetch) if cluster is not None else None
-    if share is None or not share.part:
+    if not share.part:
         return f"training {whole:,} parameters with {config.optimizer}"
     return (
         f"{share.part} ({share.params:,} of the model's {whole:,} parameters), trained with "
@@ -214,7 +215,7 @@ def check_holds(config, cluster, model):
         else holding.Held(whole, whole, whole)
     )
     try:
-        subject = _subject(config, cluster, model, arrays, prefetch=not gathers_in_turn(config))
+        subject = _subject(config, model, share)
         check_fits(holding.held_bytes(share, arrays, model.dtype.itemsize), subject)
     except UsageError as err:
         ways = _ways_it_fits(config, cluster, model, arrays) if share.params == whole else []

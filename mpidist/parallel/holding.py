@@ -84,11 +84,11 @@ def fully_sharded_held(settings, cluster, model, prefetch=True):
     shard = math.ceil(ShardedUnits(units, replicas, index).size / tensor)
     keep = not settings.reshard_after_forward
     gathered = math.ceil(gathered_elements(units, keep, replicas, prefetch) / tensor)
-    slots = "two" if prefetch or keep else "one"
+    in_flight = "two unit(s)" if prefetch else "one unit(s)"
     assembles = (
         "every unit gathered from forward to backward, with its gradients"
         if keep
-        else f"{slots} unit(s) of parameters and as many of gradients gathered in flight"
+        else f"{in_flight} of parameters and as many of gradients gathered in flight"
     )
     return Held(shard, shard, gathered, f"1/{replicas} of every unit", grads=shard, assembles=assembles)
 

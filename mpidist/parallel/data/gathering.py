@@ -173,6 +173,9 @@ class UnitGathers:
     def __init__(self, comm, model, shards, params, grads, keep=False, prefetch=True):
         self.model, self.shards = model, shards
         param_slots, grad_slots = slot_counts(shards.units, keep, prefetch)
+        #: whether the next unit's gather starts while this one runs (there is a slot for it: never where one
+        #: slot holds every unit in turn)
+        self.prefetches = param_slots > 1
         self.gathered = GatheredUnits(comm, shards, params, param_slots, model.xp)
         self.summed = SummedUnits(comm, shards, grads, grad_slots, model.xp)
         self.unit_of = [shards.unit_of(layer) for layer in range(len(model.layers))]
@@ -186,12 +189,6 @@ class UnitGathers:
             at, size = lo - units[index].lo, int(np.prod(shape, dtype=np.int64))
             layer.params[name] = params[index % len(params)][at : at + size].reshape(shape)
             layer.grads[name] = grads[index % len(grads)][at : at + size].reshape(shape)
-
-    @property
-    def prefetches(self):
-        """Whether the next unit's gather starts while this one runs (there is a slot for it: never where one
-        slot holds every unit in turn)."""
-        return len(self.gathered.slots) > 1
 
     @property
     def nbytes(self):
