@@ -503,6 +503,7 @@ def test_bench_prints_a_table_and_writes_json(tmp_path):
         "allreduce, mpi, 0.25 MiB, no overlap",
         "allreduce, bf16",
         "allreduce, shard parameters",
+        "allreduce, shard parameters, mpi",
         "allreduce, shard parameters, 0.25 MiB",
         "allreduce, shard parameters, 0.25 MiB, kept",
         "hand-written+Allreduce",

@@ -187,6 +187,36 @@ def test_with_one_worker_per_node_auto_sums_over_mpi_and_node_is_refused(tmp_pat
     ), refused.stderr
 
 
+def test_sharded_workers_gather_each_unit_once_per_node_and_with_one_worker_a_node_node_is_refused(tmp_path):
+    """--shard parameters on 2 nodes x 2: gathered once per node (auto's choice, and --exchange node's), each
+    worker holds half of the one parameter slot and its own gradient slot, 3/4 of what --exchange mpi's
+    workers hold, and the two train alike; with one worker a node, --exchange node is refused on every rank
+    at once and auto gathers on every rank."""
+    flags = ["train", "--shard", "parameters", "--steps", "3", "--eval-every", "0", "--log-every", "1"]
+
+    def run(ranks, exchange, name):
+        more = ["--exchange", exchange, "--run-dir", "", "--metrics", str(tmp_path / name)]
+        return mpidist(ranks, *flags, *more, nodes=2, timeout=120)[0]
+
+    held, losses = {}, {}
+    for exchange in ("node", "mpi"):
+        done = run(4, exchange, f"{exchange}.jsonl")
+        assert done.returncode == 0, done.stderr
+        assert ("gathered once per node of 2" in done.stdout) == (exchange == "node"), done.stdout
+        held[exchange] = [
+            rank["gathered_units"]
+            for rank in events(tmp_path / f"{exchange}.jsonl", "start")[0]["held_bytes"]
+        ]
+        losses[exchange] = [event["loss"] for event in events(tmp_path / f"{exchange}.jsonl", "step")]
+    assert [4 * node for node in held["node"]] == [3 * mpi for mpi in held["mpi"]], held
+    assert losses["node"] == pytest.approx(losses["mpi"], rel=1e-5) and len(losses["node"]) == 3
+    refused = run(2, "node", "refused.jsonl")
+    assert refused.returncode == 2
+    assert refused.stderr.count("--exchange node: each node holds one worker") == 1, refused.stderr
+    auto = run(2, "auto", "auto.jsonl")
+    assert auto.returncode == 0 and "gathered once per node" not in auto.stdout, auto.stderr
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_backup_workers_hear_every_note_across_nodes_even_where_most_are_left_for_later_rounds(
     tmp_path, layout

@@ -20,8 +20,9 @@ Every rank together, alternating step by step as well:
 * ``allreduce, bf16``: ``--compress bf16``, half the bytes (its exchange is
   timed against the bare float32 ``Allreduce``: below 1, compression pays);
 * ``allreduce, shard parameters``: each worker holding 1/W of the model and
-  gathering a unit at a time (units of ``--bucket-mb``'s 64 MiB: these
-  models are one unit), and with units of 0.25 MiB (a unit's gather
+  gathering a unit at a time, once per node (units of ``--bucket-mb``'s
+  64 MiB: these models are one unit), ``..., mpi`` gathering it on every
+  rank (``--exchange mpi``), and with units of 0.25 MiB (a unit's gather
   overlapping the one before's compute), those kept from forward to
   backward too (``--no-reshard-after-forward``: no second gather);
 * ``hand-written+Allreduce``: the hand-written loop with one ``Allreduce`` of
@@ -93,9 +94,9 @@ def _allreduce(model, cluster, optimizer="sgd", **arguments):
     return strategy
 
 
-def _fully_sharded(name, cluster, optimizer="sgd", bucket_bytes=64 << 20, keep=False):
+def _fully_sharded(name, cluster, optimizer="sgd", bucket_bytes=64 << 20, keep=False, exchange="auto"):
     """An initialised ``allreduce --shard parameters`` on model ``name``, units of at most
-    ``bucket_bytes``."""
+    ``bucket_bytes``, gathered as ``exchange`` says (once per node where it can, or on every rank)."""
     strategy = FullyShardedStrategy(
         _model(name),
         nn.loss_for(10, np),
@@ -104,6 +105,7 @@ def _fully_sharded(name, cluster, optimizer="sgd", bucket_bytes=64 << 20, keep=F
         seed=0,
         bucket_bytes=bucket_bytes,
         keep=keep,
+        exchange=exchange,
     )
     strategy.initialize()
     return strategy
@@ -157,6 +159,7 @@ def parallel_rows(world, cluster, name, batch, seconds, optimizer="sgd"):
         ),
         "allreduce, bf16": _allreduce(_model(name), cluster, optimizer, compress="bf16"),
         "allreduce, shard parameters": _fully_sharded(name, cluster, optimizer),
+        "allreduce, shard parameters, mpi": _fully_sharded(name, cluster, optimizer, exchange="mpi"),
         "allreduce, shard parameters, 0.25 MiB": _fully_sharded(name, cluster, optimizer, SMALL_BUCKETS),
         "allreduce, shard parameters, 0.25 MiB, kept": _fully_sharded(
             name, cluster, optimizer, SMALL_BUCKETS, keep=True

@@ -81,6 +81,15 @@ def priced(config, cluster, model, run, strategy):
     return price, True
 
 
+def one_in_flight(config, cluster, model, price):
+    """``price`` (of the prefetching layout) as it is where this rank takes one unit in flight because
+    another rank must: its training state is that layout's (the rest is the same)."""
+    arrays, itemsize = optimizer_arrays(config), master_dtype(model.dtype).itemsize
+    state = holding.held_bytes(holding.held(config, cluster, model, arrays, prefetch=False), arrays, itemsize)
+    items = [(what, state if what == "training state" else nbytes) for what, nbytes in price.items]
+    return dataclasses.replace(price, items=items)
+
+
 def training_price(config, cluster, model, run, strategy, prefetch=True):
     """The :class:`~mpidist.runtime.price.Price` of training ``model`` (a map of shapes) on this rank of
     ``cluster``, run by ``strategy`` (the class: its

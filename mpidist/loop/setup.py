@@ -149,7 +149,11 @@ def in_one_layout(config, cluster, setup):
         "much of gradients) do not fit in what a rank may hold: one unit of each at a time, each gathered "
         "as it is about to run (its gathers no longer overlap the compute)"
     )
-    return dataclasses.replace(setup, prefetch=False, notes=[*setup.notes, note])
+    # (a rank that could have prefetched holds what the others' layout holds: its price says so)
+    price = setup.price
+    if setup.prefetch and price is not None:
+        price = pricing.one_in_flight(config, cluster, setup.model, price)
+    return dataclasses.replace(setup, prefetch=False, price=price, notes=[*setup.notes, note])
 
 
 def prepare(config, cluster, xp, inputs, resume=None, skipped=(), priced=True):

@@ -90,6 +90,14 @@ class Ranks:
     def worker_index(self):
         return self.rank
 
+    @property
+    def local_size(self):
+        return 1  # (its node unknown: priced as holding its own copy of what a node may share)
+
+    @property
+    def num_nodes(self):
+        return self.size
+
 
 def data_share(rank, ranks, stages, tensor):
     """``(replica, replicas)``: whose share of the test split this rank reads (a replica's ranks read the

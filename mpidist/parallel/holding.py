@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 from ..nn.tensor import split_model
+from ..runtime.ulfm import ulfm_support
 from .data.units import ShardedUnits, gathered_elements, units_of
 from .mesh import MeshShape
 from .pipeline.balance import balance_by_parameters, layer_costs, parse_balance
@@ -83,7 +84,8 @@ def fully_sharded_held(settings, cluster, model, prefetch=True):
     )
     shard = math.ceil(ShardedUnits(units, replicas, index).size / tensor)
     keep = not settings.reshard_after_forward
-    gathered = math.ceil(gathered_elements(units, keep, replicas, prefetch) / tensor)
+    sharing = node_sharing(settings, cluster)
+    gathered = math.ceil(gathered_elements(units, keep, replicas, prefetch, sharing) / tensor)
     in_flight = "two unit(s)" if prefetch else "one unit(s)"
     assembles = (
         "every unit gathered from forward to backward, with its gradients"
@@ -91,6 +93,18 @@ def fully_sharded_held(settings, cluster, model, prefetch=True):
         else f"{in_flight} of parameters and as many of gradients gathered in flight"
     )
     return Held(shard, shard, gathered, f"1/{replicas} of every unit", grads=shard, assembles=assembles)
+
+
+def node_sharing(settings, cluster):
+    """The workers of this rank's node that read one copy of each gathered unit under ``--shard parameters``:
+    a node's (of one tensor part) where ``--exchange`` lets them share it (:mod:`~.data.unit_routes`), on
+    CPUs, nodes alike, MPI without fault tolerance; else 1, one copy each (also where a rank cannot tell)."""
+    tensor = max(int(settings.tensor), 1)
+    sharing = cluster.local_size // tensor
+    alike = cluster.size == cluster.num_nodes * cluster.local_size  # (equal nodes, as far as one node sees)
+    if settings.exchange == "mpi" or settings.device == "gpu" or not alike or ulfm_support()[0]:
+        return 1
+    return max(sharing, 1)
 
 
 def zero_bytes_per_param(shard, workers, state_arrays=2, itemsize=4):

@@ -16,7 +16,7 @@ import statistics
 import numpy as np
 
 from ..parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
-from ..parallel.data.units import block_of, gathered_elements, units_of
+from ..parallel.data.units import block_of, gathered_elements
 from ..parallel.holding import zero_bytes_per_param
 from ..parallel.mesh import MeshShape
 from ..parallel.pipeline.balance import balance_by_parameters
@@ -26,6 +26,7 @@ from ..parallel.registry import STRATEGIES
 from ..runtime.errors import UsageError
 from .buckets import MIB, hideable
 from .layout import Prediction
+from .unit_traffic import node_sharing, unit_traffic, units_of_model
 
 OPTIMIZER_ARRAYS = {"adam": 2, "sgd": 1}  # optimizer state per parameter
 
@@ -147,20 +148,18 @@ def _tensor_share(cal, tensor):
 
 def _fully_sharded(cal, layout):
     """``allreduce --shard parameters``: a worker gathers every unit for its forward and again for its
-    backward (all but the last two, still gathered), reduce-scatters each unit's gradients, and updates and
-    holds ``1/W`` of everything, with two units gathered at a time.  The exchange is all costed (a bound:
-    each unit's gather overlaps the one before's compute)."""
+    backward (all but the last two, still gathered), sums each unit's gradients into their owners' shards,
+    and updates and holds ``1/W`` of everything, with two units gathered at a time.  The exchange is all
+    costed (a bound: each unit's gather overlaps the one before's compute)."""
     workers = layout.replicas
     samples = layout.batch / workers
     compute = cal.compute(samples)
-    item, link = cal.itemsize, cal.link_for(layout)
-    units = _units(cal, layout.bucket_mb)
-    padded = [workers * block_of(unit.size, workers) * item for unit in units]
-    calls = padded + padded[:-2] + padded  # forward's gathers, backward's again, the sums
-    exchange = sum(link.reduce_scatter(nbytes, workers) for nbytes in calls)
-    exchange += (workers - 1) / workers * sum(padded) * cal.sum_per_byte
+    units = units_of_model(cal, layout.bucket_mb)
+    padded = [workers * block_of(unit.size, workers) * cal.itemsize for unit in units]
+    sharing = node_sharing(layout)
+    exchange = unit_traffic(cal, layout, padded, sharing)
     shard = -(-cal.params // workers)
-    slots = gathered_elements(units, False, workers)
+    slots = gathered_elements(units, False, workers, True, sharing)
     return Prediction(
         layout,
         compute,
@@ -172,18 +171,12 @@ def _fully_sharded(cal, layout):
     )
 
 
-def _units(cal, bucket_mb):
-    """The calibrated model's ``--shard parameters`` units at ``bucket_mb``."""
-    offsets = np.cumsum([0] + [layer.params for layer in cal.layers[:-1]]).tolist()
-    return units_of(offsets, cal.params, bucket_mb * MIB, cal.itemsize)
-
-
 def held_per_parameter(cal, counts=(1, 2, 4), bucket_mb=64.0):
     """Rows of the bytes a worker holds a parameter under each ``allreduce`` layout at each worker count of
     ``counts``: the ZeRO paper's count (:func:`~mpidist.parallel.holding.zero_bytes_per_param`) and, with
     ``--shard parameters``, its gathered units (two of the calibrated model's, at ``bucket_mb``)."""
     item, arrays = cal.itemsize, OPTIMIZER_ARRAYS.get(cal.optimizer, 2)
-    units = _units(cal, bucket_mb)
+    units = units_of_model(cal, bucket_mb)
     rows = []
     for shard in ("none", "optimizer", "parameters"):
         for workers in counts:

@@ -7,6 +7,7 @@ which (:func:`cuda_aware`, re-exported here) and makes the buffer these calls
 hand over.
 """
 
+import os
 import threading
 
 import numpy as np
@@ -135,6 +136,21 @@ class Pending:
         if self.back is not None:
             self.back()
             self.back = None
+
+
+def yielding_wait(pending):
+    """Complete ``pending`` (anything with ``test()``), yielding this rank's core between polls: ranks that
+    share cores (more ranks than cores: emulated nodes) let the rank they wait for run, where MPI's own wait
+    would spin on the core it needs."""
+    while not pending.test():
+        os.sched_yield()
+
+
+def yielding_barrier(comm):
+    """``comm``'s barrier, waited for as :func:`yielding_wait` waits."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        os.sched_yield()
 
 
 def bcast(comm, array, root=0):

@@ -22,7 +22,7 @@ from mpidist.runtime.cluster import build_cluster
 UNIT_BYTES = 40 * 8
 
 
-def sharded(cluster, optimizer, accumulate=1, clip=0.0, keep=False, prefetch=True):
+def sharded(cluster, optimizer, accumulate=1, clip=0.0, keep=False, prefetch=True, exchange="auto"):
     return FullyShardedStrategy(
         small_convnet(np.float64),
         nn.loss_for(4, np),
@@ -33,6 +33,7 @@ def sharded(cluster, optimizer, accumulate=1, clip=0.0, keep=False, prefetch=Tru
         recipe=recipe(accumulate, clip),
         keep=keep,
         prefetch=prefetch,
+        exchange=exchange,
     )
 
 
@@ -49,19 +50,25 @@ def test_the_allreduce_settings_choose_the_fully_sharded_class():
 )
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_shards_train_as_local_on_the_global_batch(optimizer, accumulate, keep, prefetch):
+@pytest.mark.parametrize("exchange", ["auto", "mpi"], ids=["a copy a node", "a copy a rank"])
+def test_shards_train_as_local_on_the_global_batch(exchange, optimizer, accumulate, keep, prefetch):
     """Two units in flight, every unit kept, or one unit in flight (each gathered as it is about to run, its
-    gradients' sum waited for before the next unit's backward writes in the one gradient slot): the same
-    steps."""
+    gradients' sum waited for before the next unit's backward writes in the one gradient slot); each unit
+    gathered once per node (its slots shared by the node's workers, its gradients summed over the node, then
+    between nodes) or on every worker: the same steps."""
     cluster = build_cluster(MPI.COMM_WORLD)
     workers = cluster.num_workers
     global_batch = 3 * workers + 2
     expected, clipped = reference_run(global_batch, optimizer)
     xs, ys = batches(global_batch)
-    strategy = sharded(cluster, optimizer, accumulate, clip_for(global_batch, optimizer), keep, prefetch)
+    clip = clip_for(global_batch, optimizer)
+    strategy = sharded(cluster, optimizer, accumulate, clip, keep, prefetch, exchange)
     assert [unit.size for unit in strategy.shards.units] == [30, 224, 36]
     assert len(strategy.gathers.gathered.slots) == (3 if keep else 2 if prefetch else 1)
     assert ("one unit in flight" in strategy.describe(cluster.rank)) == (not prefetch)
+    sharing = cluster.local_size if exchange == "auto" else 1  # (every node here holds 2 workers or more)
+    assert strategy.route.sharing == sharing
+    assert (f"gathered once per node of {sharing}" in strategy.describe(cluster.rank)) == (sharing > 1)
     strategy.initialize()
     where = strategy.placement.positions()
     part = worker_slice(global_batch, workers, cluster.worker_index)
@@ -76,6 +83,13 @@ def test_shards_train_as_local_on_the_global_batch(optimizer, accumulate, keep, 
     strategy.gathers.idle_pass()
     slots = b"".join(slot.tobytes() for slot in strategy.gathers.gathered.slots)
     assert len(set(cluster.workers.allgather(slots))) == 1
+    # a node's workers read one copy: what one writes there, after the node's barrier, the others read
+    first = strategy.gathers.gathered.slots[0]
+    if cluster.local_rank == 0:
+        first[0] = -1.0
+    strategy.route.settle()
+    assert (first[0] == -1.0) == (cluster.local_rank == 0 or sharing > 1)
+    strategy.route.settle()  # (nobody writes it before every worker has read it)
     strategy.free()
     cluster.free()
 
@@ -85,8 +99,10 @@ def test_shards_train_as_local_on_the_global_batch(optimizer, accumulate, keep, 
 #: Dense 128-128 (16,512), then Dense 128-10 (1,290), each a unit; shards of 4 blocks: 2,080 + 4,128 + 323,
 #: the last shard of the last unit 321
 SHARDS_OF_4 = [6_531, 6_531, 6_531, 6_529]
-#: two slots of parameters and two of gradients: units 0 and 2 share the first (8,320), unit 1 the second
-GATHERED = 2 * (8_320 + 16_512)
+#: two slots of parameters and two of gradients: units 0 and 2 share the first (8,320), unit 1 the second; the
+#: four workers of one node read one copy of the parameters' (a quarter each), and each has its gradients'
+SLOTS = 8_320 + 16_512
+GATHERED = SLOTS // 4 + SLOTS
 
 
 def test_a_sharded_checkpoint_resumes_on_any_layout_as_a_run_that_never_stopped(tmp_path):
@@ -167,7 +183,7 @@ def test_shards_train_as_local_on_emulated_nodes(nodes, ranks):
     here = str(ROOT / "tests" / "parallel" / "test_fully_sharded.py")
     args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", here, "-k", "train_as_local_on_the"]
     done, _ = run_mpi(ranks, args, timeout=180, nodes=nodes)
-    assert done.returncode == 0 and "12 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "24 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -178,7 +194,10 @@ def test_shards_train_as_local_on_emulated_nodes(nodes, ranks):
             "--shard parameters keeps a slice of the parameters and optimizer state on one worker",
         ),
         (["--compress", "bf16"], "--shard parameters does not combine with --compress bf16"),
-        (["--exchange", "node"], "--shard parameters does not combine with --exchange node"),
+        (
+            ["--exchange", "shared-memory"],
+            "--shard parameters does not combine with --exchange shared-memory",
+        ),
         (["--model", f"{ROOT}/examples/custom_model.py:build"], "keeps running statistics (BatchNorm)"),
         (["--shard", "optimizer", "--no-reshard-after-forward"], "applies to --shard parameters alone"),
     ],
@@ -193,14 +212,18 @@ def test_under_a_memory_cap_sharded_workers_train_a_model_none_of_them_can_hold(
     """mlp:3072,3072,3072 with Adam (19.1 M parameters: a whole copy's training state is 365 MiB) under 460 MB
     of data a rank: replicated, every worker is refused, told that sharded it fits; sharded over 4 workers
     (each 1/4 of the state and two gathered layers of 9.4 M parameters, 415 MiB a rank in all: what the
-    process holds, its threads and MPI's copy of a unit included), it trains and checkpoints."""
-    capped = ("prlimit", "--data=460000000")
+    process holds, its threads and MPI's copy of a unit included), it trains and checkpoints; and capped 2%
+    above its own price, it runs to its end (nothing allocated past the price: the node's shared slots are
+    let go without private copies)."""
+    from test_memory_price import stated
+
     flags = ["--data", "digits", "--model", "mlp:3072,3072,3072", "--optimizer", "adam", "--batch-size", "32"]
     flags += ["--eval-every", "0", "--progress", "none", "--metrics", "", "--run-dir", "", "--steps", "2"]
     flags += ["--checkpoint-dir", str(tmp_path / "ck")]
 
-    def run(*more):
-        return run_mpi(4, ["-m", "mpidist", "train", *flags, *more], timeout=120, prefix=capped)[0]
+    def run(*more, cap=460_000_000):
+        prefix = ("prlimit", f"--data={int(cap)}")
+        return run_mpi(4, ["-m", "mpidist", "train", *flags, *more], timeout=120, prefix=prefix)[0]
 
     whole = run("--exchange", "mpi")
     assert whole.returncode == 2 and not list(tmp_path.glob("ck/*.h5")), whole.stderr
@@ -208,13 +231,21 @@ def test_under_a_memory_cap_sharded_workers_train_a_model_none_of_them_can_hold(
     sharded = run("--shard", "parameters")
     assert sharded.returncode == 0, sharded.stderr
     assert len(list(tmp_path.glob("ck/*.h5"))) == 1
+    tight = run(
+        "--shard",
+        "parameters",
+        "--checkpoint-dir",
+        str(tmp_path / "tight"),
+        cap=stated(sharded.stdout) * 1.02,
+    )
+    assert tight.returncode == 0, tight.stderr
 
 
 def test_where_two_units_in_flight_do_not_fit_one_does_and_the_run_trains_alike(tmp_path):
     """mlp:2048,2048,2048 with Adam at --bucket-mb 4 (a unit a layer, the largest 4.2 M parameters) on 2
     workers: capped below the price of two units in flight, every worker gathers one unit at a time (a unit of
-    parameters and one of gradients fewer), says so, states the smaller price, and trains to the same losses
-    as the run that prefetched."""
+    gradients fewer, and half a unit of parameters: the node's workers share one copy), says so, states the
+    smaller price, and trains to the same losses as the run that prefetched."""
     from conftest import events
     from test_memory_price import stated
 
@@ -257,8 +288,14 @@ def test_where_two_units_in_flight_do_not_fit_one_does_and_the_run_trains_alike(
     assert "one unit in flight" not in prefetching.stdout
     in_turn, capped_losses = run("capped.jsonl", "prlimit", f"--data={int(price * 0.95)}")
     assert "one unit of each at a time" in in_turn.stdout and "one unit in flight" in in_turn.stdout
-    largest = 2048 * 2048 * 4  # (a unit of parameters and one of gradients left out of the price)
-    assert stated(in_turn.stdout) <= price - 2 * largest + (1 << 20), (price, in_turn.stdout)
+    # (a unit of gradients left out of the price, and one of parameters, which the node's two workers share)
+    largest = 2048 * 2048 * 4
+    assert stated(in_turn.stdout) <= price - largest - largest // 2 + (1 << 20), (price, in_turn.stdout)
+    # every rank prices the layout it takes (a rank that could have prefetched too)
+    needed = [
+        events(tmp_path / name, "start")[0]["memory"]["needed"] for name in ("free.jsonl", "capped.jsonl")
+    ]
+    assert all(b <= a - largest - largest // 2 + (1 << 20) for a, b in zip(*needed)), needed
     assert capped_losses == losses and len(losses) == 3
 
 
@@ -320,10 +357,18 @@ def test_the_start_up_check_prices_what_each_worker_then_reports():
 
     model = zoo.build_model("mlp", (64,), 10, np, np.float64, buffers=False)  # (digits)
     settings = SimpleNamespace(
-        strategy="allreduce", shard="parameters", tensor=1, bucket_mb=0.1, reshard_after_forward=True
+        strategy="allreduce",
+        shard="parameters",
+        tensor=1,
+        bucket_mb=0.1,
+        reshard_after_forward=True,
+        exchange="auto",
+        device="cpu",
     )
     for rank, shard in enumerate(SHARDS_OF_4):
-        cluster = SimpleNamespace(num_workers=4, worker_index=rank, is_chief=rank == 0)
+        cluster = SimpleNamespace(
+            num_workers=4, worker_index=rank, is_chief=rank == 0, size=4, num_nodes=1, local_size=4
+        )
         held = holding.held(settings, cluster, model, 2)
         assert (held.params, held.grads, held.optimizer, held.gathered) == (shard, shard, shard, GATHERED)
         assert holding.held_bytes(held, 2, 8) == 32 * shard + 8 * GATHERED

@@ -30,12 +30,20 @@ def settings(strategy="allreduce", stages=1, tensor=1, shard="none"):
         optimizer="adam",
         bucket_mb=64.0,
         reshard_after_forward=True,
+        exchange="auto",
+        device="cpu",
     )
 
 
 def cluster(rank, size, workers=None):
     return SimpleNamespace(
-        rank=rank, size=size, is_chief=rank == 0, num_workers=workers or size, worker_index=rank
+        rank=rank,
+        size=size,
+        is_chief=rank == 0,
+        num_workers=workers or size,
+        worker_index=rank,
+        num_nodes=size,  # (a node each: nothing shared)
+        local_size=1,
     )
 
 

@@ -17,8 +17,9 @@
 * sharded state: ``--shard optimizer``
   (:mod:`~mpidist.parallel.data.optimizer_shard`) and ``--shard parameters``
   (:mod:`~mpidist.parallel.data.fully_sharded`, its units
-  :mod:`~mpidist.parallel.data.units` and their gathers
-  :mod:`~mpidist.parallel.data.gathering`).
+  :mod:`~mpidist.parallel.data.units`, their gathers
+  :mod:`~mpidist.parallel.data.gathering` and the routes those take, into
+  each rank's slots or once per node :mod:`~mpidist.parallel.data.unit_routes`).
 
 Imports the core (the top-level modules of :mod:`mpidist.parallel` but its
 roll-call, ``__init__``, and ``holding``) and no other family; it reaches a

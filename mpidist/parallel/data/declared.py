@@ -37,7 +37,9 @@ class AllreduceDeclared(Declared):
             "a ring between nodes), 'shared-memory' (every worker on one node "
             "and its own copy: the gradients in one shared window, summed in "
             "place), 'mpi' (Iallreduce per bucket, overlapped with backward), "
-            "'auto' (the first of these that can serve; mpi with --compress)",
+            "'auto' (the first of these that can serve; mpi with --compress). With --shard "
+            "parameters: 'node' gathers each unit once per node, in shared memory, between "
+            "nodes by each local rank's slice; 'mpi' on every worker; 'auto' the first that serves",
             choices=("auto", "node", "shared-memory", "mpi"),
         ),
         Option(
@@ -152,9 +154,10 @@ def check_fully_sharded(settings):
             "its shards are summed by a Reduce_scatter of full-precision gradients",
         ),
         (
-            settings.exchange in ("node", "shared-memory"),
-            f"--exchange {settings.exchange}",
-            "a node's one copy of the model is a whole model: use --exchange mpi or auto",
+            settings.exchange == "shared-memory",
+            "--exchange shared-memory",
+            "its workers hold no whole copy of the gradients to sum in one window: use --exchange node "
+            "(each unit gathered once per node), mpi or auto",
         ),
         (
             settings.replication == "in-graph",

@@ -28,7 +28,8 @@ from ..parts import split_over
 from ..verdict import agree
 from .declared import AllreduceDeclared
 from .gathering import UnitGathers
-from .units import ShardedUnits, sliced, units_of
+from .unit_routes import unit_route
+from .units import ShardedUnits, slot_counts, slot_sizes, sliced, units_of
 
 
 class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
@@ -38,6 +39,8 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
         keep: keep each unit gathered from its forward to its backward (``--no-reshard-after-forward``).
         prefetch: gather the next unit while one runs (two units in flight); False where they do not fit
             (the set-up's price chose it): one unit of parameters and one of gradients at a time.
+        exchange: ``--exchange``: "auto" gathers each unit once per node where the node's workers can share
+            it, "node" insists, "mpi" gathers it on every worker (:func:`~.unit_routes.unit_route`).
         (the others as :class:`~mpidist.parallel.base.Strategy`'s)
     """
 
@@ -49,6 +52,7 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
         return {
             "keep": not settings.reshard_after_forward,
             "prefetch": setup.prefetch,
+            "exchange": settings.exchange,
             "tensor": settings.tensor,
         }
 
@@ -61,6 +65,7 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
         *args,
         keep=False,
         prefetch=True,
+        exchange="auto",
         tensor=1,
         **kwargs,
     ):
@@ -69,16 +74,23 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
         self.mesh = Mesh(None if cluster is None else cluster.workers, parts=tensor)
         self.tensor = split_over(model, self.mesh, writes=True, buffers=False)
         super().__init__(self.tensor.model, loss, make_optimizer, cluster, *args, **kwargs)
-        whole, model, comm = model, self.model, self.worker_comm
-        ranks, rank = (1, 0) if comm is None else (comm.Get_size(), comm.Get_rank())
+        whole, model = model, self.model
+        comm = MPI.COMM_SELF if self.worker_comm is None else self.worker_comm
         units = units_of(model.offsets, model.num_params, self.bucket_bytes, model.dtype.itemsize)
+        param_slots, grad_slots = (
+            sum(slot_sizes(units, count, comm.Get_size())) * model.dtype.itemsize
+            for count in slot_counts(units, keep, prefetch)
+        )
+        #: how the units travel: gathered on each worker, or once per node (collective: the same everywhere)
+        self.route = unit_route(comm, exchange, model.xp, param_slots, grad_slots)
         #: this worker's shards of the units
-        self.shards = ShardedUnits(units, ranks, rank)
+        self.shards = ShardedUnits(units, self.route.ranks, self.route.index)
         self.placement = sliced(self.tensor.within(whole, 0), self.shards.pieces())
         self.params = model.xp.zeros(self.shards.size, dtype=model.dtype)
         self.grads = model.xp.zeros(self.shards.size, dtype=model.dtype)
         self.gathers = UnitGathers(
-            MPI.COMM_SELF if comm is None else comm,
+            comm,
+            self.route,
             model,
             self.shards,
             self.params,
@@ -94,7 +106,8 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
     def describe(self, rank):
         shards, part = self.shards, self.tensor.describe()
         text = f"1/{shards.ranks} of {len(shards.units)} unit(s)" + (f" of tensor {part}" if part else "")
-        return text + ("" if self.gathers.prefetches or len(shards.units) < 2 else ", one unit in flight")
+        text += "" if self.gathers.prefetches or len(shards.units) < 2 else ", one unit in flight"
+        return text + (f", gathered once per node of {self.route.sharing}" if self.route.sharing > 1 else "")
 
     def held_buffer(self):
         return self.params
@@ -163,4 +176,6 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
 
     def free(self, keep=True):
         self.gathers.gathered.invalidate()
+        self.gathers.own_slots(copies=keep is True)  # (the model's layers outlive the node's windows)
+        self.route.free()
         self.mesh.free()

@@ -32,17 +32,18 @@ class GatheredUnits:
     """The parameter slots: unit ``u`` gathered into slot ``u % slots`` from every worker's shard of it.
 
     Args:
-        comm, shards, params: as :class:`UnitGathers`'.
+        route: how the blocks travel (:mod:`~mpidist.parallel.data.unit_routes`: the slots are this
+            rank's, or its node's).
+        shards, params: as :class:`UnitGathers`'.
         slots: how many (two, or one per unit).
     """
 
-    def __init__(self, comm, shards, params, slots, xp):
-        self.comm, self.shards, self.params = comm, shards, params
-        sizes = slot_sizes(shards.units, slots, shards.ranks)
-        self.slots = [xp.zeros(size, dtype=params.dtype) for size in sizes]
+    def __init__(self, route, shards, params, slots, xp):
+        self.route, self.shards, self.params = route, shards, params
+        self.slots = route.slots(slot_sizes(shards.units, slots, shards.ranks), params.dtype, xp)
         self.in_slot = [None] * slots  # the unit each slot holds (gathered, or on its way)
         self.pending = [None] * slots  # the gather in flight into each slot
-        self.sent = 0  # bytes this rank has sent (counted as a ring's)
+        self.arriving = [False] * slots  # a gather into each slot not yet settled (every rank's slice in)
 
     def start(self, unit):
         """Start gathering ``unit`` into its slot, unless it is there or on its way."""
@@ -51,25 +52,23 @@ class GatheredUnits:
             return
         if self.pending[slot] is not None:  # (a gather nobody waited for: complete it before reuse)
             self.pending[slot].wait()
+        self.route.before_gathering()  # (a rank sharing the slot may still read the unit in it)
         shards, target = self.shards, self.slots[slot]
-        block = shards.blocks[unit]
         lo, hi = shards.shard(unit)
         held_lo, held_hi = shards.held(unit)
         target[lo:hi] = self.params[held_lo:held_hi]
-        self.pending[slot] = mpi.iallgather_inplace(self.comm, target[: block * shards.ranks])
-        self.in_slot[slot] = unit
-        self.sent += (
-            (shards.ranks - 1) * block * target.itemsize
-        )  # (a ring: every other block passed on once)
+        self.pending[slot] = self.route.gather(target, shards.blocks[unit])
+        self.in_slot[slot], self.arriving[slot] = unit, True
 
     def have(self, unit):
         """Wait until ``unit`` is gathered in its slot."""
         self.start(unit)
         slot = unit % len(self.slots)
-        if self.pending[slot] is not None:
+        if self.arriving[slot]:
             with _TRACER.span("gather", "exchange", unit=unit):
-                self.pending[slot].wait()
-            self.pending[slot] = None
+                mpi.yielding_wait(self.pending[slot])
+                self.route.settle()
+            self.pending[slot], self.arriving[slot] = None, False
 
     def invalidate(self):
         """The parameters changed (an update): every gathered unit is stale."""
@@ -77,7 +76,7 @@ class GatheredUnits:
             if pending is not None:
                 pending.wait()
                 self.pending[slot] = None
-            self.in_slot[slot] = None
+            self.in_slot[slot], self.arriving[slot] = None, False
 
 
 class SummedUnits:
@@ -89,17 +88,15 @@ class SummedUnits:
         slots: how many (two, or one where there is one unit).
     """
 
-    def __init__(self, comm, shards, grads, slots, xp):
-        self.comm, self.shards, self.grads, self.xp = comm, shards, grads, xp
-        sizes = slot_sizes(shards.units, slots, shards.ranks)
-        self.slots = [xp.zeros(size, dtype=grads.dtype) for size in sizes]
+    def __init__(self, route, shards, grads, slots, xp):
+        self.route, self.shards, self.grads, self.xp = route, shards, grads, xp
+        self.slots = route.grad_slots(slot_sizes(shards.units, slots, shards.ranks), grads.dtype, xp)
         self.pending = [None] * slots  # (unit, pending, how it lands) of each slot's sum in flight
         self.adds = False  # this backward's sums are added to the shards' (a later --accumulate slice)
         # (where a block lands that cannot land in place: a later slice's sums, added once in; a shard shorter
         # than its block. Made when needed)
         self.arrivals = None
         self.next = len(shards.units) - 1  # the next unit whose sum starts
-        self.sent = 0
 
     def begin(self, adds):
         """Before a backward: ``adds`` True where its sums are added to the shards' (a later slice)."""
@@ -120,10 +117,16 @@ class SummedUnits:
         """After a backward: every unit's sum in this rank's shard of the gradients."""
         self.ready(-1)
         for slot in range(len(self.slots)):
-            self.free(slot)
+            self._land(slot)
 
     def free(self, slot):
-        """Wait for the sum that still reads slot ``slot``."""
+        """Before a backward writes slot ``slot``: the sum that reads it done, and (where the node's ranks
+        read each other's slots) every rank of the node past its reads."""
+        self._land(slot)
+        self.route.before_backward()
+
+    def _land(self, slot):
+        """Wait for slot ``slot``'s sum, if one is in flight."""
         if self.pending[slot] is not None:
             with _TRACER.span("reduce-scatter", "exchange"):
                 self._arrived(slot)
@@ -134,9 +137,8 @@ class SummedUnits:
         lo, hi = shards.held(unit)
         lands = "add" if self.adds else "in place" if hi - lo == block else "copy"
         target = self.grads[lo:hi] if lands == "in place" else self._arrival(slot)[:block]
-        send = self.slots[slot][: block * shards.ranks]
-        self.pending[slot] = (unit, mpi.ireduce_scatter_block_sum(self.comm, send, target), lands)
-        self.sent += (shards.ranks - 1) * block * target.itemsize
+        with _TRACER.span("sum over the node", "exchange", unit=unit):
+            self.pending[slot] = (unit, self.route.sum(slot, target), lands)
 
     def _arrival(self, slot):
         """Where slot ``slot``'s block lands when it cannot land in this rank's shard (made on first use)."""
@@ -148,7 +150,7 @@ class SummedUnits:
     def _arrived(self, slot):
         """Slot ``slot``'s sum is in: into the shard, or added to it where its backward adds."""
         unit, pending, lands = self.pending[slot]
-        pending.wait()
+        mpi.yielding_wait(pending)
         lo, hi = self.shards.held(unit)
         if lands == "add":
             self.grads[lo:hi] += self.arrivals[slot][: hi - lo]
@@ -162,6 +164,8 @@ class UnitGathers:
 
     Args:
         comm: the workers that share the shards (the mesh's replica axis).
+        route: how the units' blocks travel between them
+            (:func:`~mpidist.parallel.data.unit_routes.unit_route`).
         model: this rank's model (its layers are bound to the slots here; it never makes whole buffers).
         shards: the :class:`~mpidist.parallel.data.units.ShardedUnits` of this rank.
         params, grads: this rank's buffers of shards (parameters, and where its summed gradients go).
@@ -170,14 +174,14 @@ class UnitGathers:
             gathered only as it runs.
     """
 
-    def __init__(self, comm, model, shards, params, grads, keep=False, prefetch=True):
-        self.model, self.shards = model, shards
+    def __init__(self, comm, route, model, shards, params, grads, keep=False, prefetch=True):
+        self.comm, self.route, self.model, self.shards = comm, route, model, shards
         param_slots, grad_slots = slot_counts(shards.units, keep, prefetch)
         #: whether the next unit's gather starts while this one runs (there is a slot for it: never where one
         #: slot holds every unit in turn)
         self.prefetches = param_slots > 1
-        self.gathered = GatheredUnits(comm, shards, params, param_slots, model.xp)
-        self.summed = SummedUnits(comm, shards, grads, grad_slots, model.xp)
+        self.gathered = GatheredUnits(route, shards, params, param_slots, model.xp)
+        self.summed = SummedUnits(route, shards, grads, grad_slots, model.xp)
         self.unit_of = [shards.unit_of(layer) for layer in range(len(model.layers))]
         self._bind()
 
@@ -190,36 +194,51 @@ class UnitGathers:
             layer.params[name] = params[index % len(params)][at : at + size].reshape(shape)
             layer.grads[name] = grads[index % len(grads)][at : at + size].reshape(shape)
 
+    def own_slots(self, copies):
+        """Rebind the layers to slots of this rank's own where it shares them with its node (before the route
+        frees them): copies, or (``copies`` False: at the end of a run, values nobody reads) read-only zeros
+        that take no memory (private ones would count against a data limit the run was priced under)."""
+        if self.route.sharing > 1:
+            for slots in (self.gathered.slots, self.summed.slots):
+                slots[:] = [
+                    slot.copy() if copies else np.broadcast_to(slot.dtype.type(0), slot.shape)
+                    for slot in slots
+                ]
+            self._bind()
+
     @property
     def nbytes(self):
         """Bytes of the slots: the gathered units' parameters and gradients (what a step holds beyond the
         shards), and where ``--accumulate``'s later slices receive their sums."""
         summed = self.summed
-        slots = (*self.gathered.slots, *summed.slots, *(summed.arrivals or ()))
-        return sum(int(slot.nbytes) for slot in slots)
+        shared = sum(int(slot.nbytes) for slot in self.gathered.slots) // self.route.sharing
+        slots = (*summed.slots, *(summed.arrivals or ()))
+        return shared + sum(int(slot.nbytes) for slot in slots)
 
     @property
     def sent(self):
         """Bytes this rank has sent, gathering and summing (counted as rings')."""
-        return self.gathered.sent + self.summed.sent
+        return self.route.sent
 
     def forward(self, layer):
         """Before layer ``layer``'s forward: its unit gathered, and the next one's gather started."""
-        unit = self.unit_of[layer]
+        unit, gathered = self.unit_of[layer], self.gathered
         if layer == self.shards.units[unit].first:
-            self.gathered.have(unit)
+            gathered.have(unit)
             if unit + 1 < len(self.shards.units) and self.prefetches:
-                self.gathered.start(unit + 1)
+                gathered.start(unit + 1)
+        self.route.params_read = True  # (the layer runs: it reads the slots)
 
     def backward(self, layer):
         """Before layer ``layer``'s backward: its unit gathered, its gradient slot free, the unit below's
         gather started."""
-        unit = self.unit_of[layer]
+        unit, gathered = self.unit_of[layer], self.gathered
         if layer == self.shards.units[unit].end - 1:
-            self.gathered.have(unit)
+            gathered.have(unit)
             self.summed.free(unit % len(self.summed.slots))
             if unit > 0 and self.prefetches:
-                self.gathered.start(unit - 1)
+                gathered.start(unit - 1)
+        self.route.params_read = True
 
     def ready(self, lo):
         """Backward has finished the gradients above ``lo`` (:meth:`SummedUnits.ready`)."""
@@ -228,7 +247,7 @@ class UnitGathers:
     def in_step(self, items):
         """``items``, while the workers gather each unit together: a worker whose items have run out goes on
         gathering (one small ``Allreduce`` an item says whether any worker has one)."""
-        comm, items = self.gathered.comm, iter(items)
+        comm, items = self.comm, iter(items)
         if comm.Get_size() == 1:
             yield from items
             return
@@ -246,6 +265,6 @@ class UnitGathers:
 
     def idle_pass(self):
         """Every unit gathered in turn, as a forward pass gathers them, with nothing computed: a worker with
-        no batch left in an evaluation keeps the others' gathers company."""
-        for unit in range(len(self.shards.units)):
-            self.gathered.have(unit)
+        no batch left in an evaluation keeps the others' gathers (and its node's barriers) company."""
+        for unit in self.shards.units:
+            self.forward(unit.first)

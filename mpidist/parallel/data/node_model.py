@@ -59,18 +59,9 @@ PIECE = 1 << 15  # elements a rank sums at a time, as the node's backward passes
 def node_model_possible(comm, buffer, model):
     """Collective over ``comm``: ``None`` if the model can live once per node, else why not (the same
     everywhere)."""
-    if comm is None or comm.Get_size() < 2:
-        return ONE_WORKER
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    local, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
-    sizes = np.array([local_size, -local_size], dtype=np.int64)
-    mpi.allreduce_max(comm, sizes)
-    if sizes[0] != -sizes[1]:
-        return f"the nodes hold different numbers of workers (from {-sizes[1]} to {sizes[0]})"
-    # (a copy per node is a copy per rank: MPI's Iallreduce, overlapped with backward, serves)
-    if sizes[0] == 1:
-        return "each node holds one worker, so there is nothing for a node's ranks to share"
+    why_not, local, local_size = nodes_reason(comm)
+    if why_not is not None:
+        return why_not
     if model.running_entries():  # (the same model everywhere: the same answer)
         return (
             "the model keeps running statistics (BatchNorm) that each worker's forward pass writes into its "
@@ -81,6 +72,25 @@ def node_model_possible(comm, buffer, model):
     mine = host_memory_reason(buffer, copies=local_size + 1) if local == 0 else None
     reasons = comm.gather(mine, root=0)  # (start-up only: a few short strings)
     return comm.bcast(next((why for why in reasons if why), None) if comm.Get_rank() == 0 else None, root=0)
+
+
+def nodes_reason(comm):
+    """Collective over ``comm``: ``(why not, local rank, ranks on this node)``, why not ``None`` where every
+    node holds the same number of ``comm``'s ranks, more than one (the same answer everywhere)."""
+    if comm is None or comm.Get_size() < 2:
+        return ONE_WORKER, 0, 1
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    sizes = np.array([local_size, -local_size], dtype=np.int64)
+    mpi.allreduce_max(comm, sizes)
+    if sizes[0] != -sizes[1]:
+        unequal = f"the nodes hold different numbers of workers (from {-sizes[1]} to {sizes[0]})"
+        return unequal, local, local_size
+    # (a copy per node is a copy per rank: MPI's own calls serve)
+    if sizes[0] == 1:
+        return "each node holds one worker, so there is nothing for a node's ranks to share", local, 1
+    return None, local, local_size
 
 
 class NodePart(OptimizerShard):

@@ -62,8 +62,9 @@ def shared_memory_possible(comm, buffer):
     return comm.bcast(reason, root=0)
 
 
-def host_memory_reason(buffer, copies):
-    """``None`` if ``copies`` of ``buffer`` can go to shared windows on this node, else why not.
+def host_memory_reason(buffer, copies, nbytes=None):
+    """``None`` if ``copies`` of ``buffer`` (of ``nbytes`` each, its own by default) can go to shared windows
+    on this node, else why not.
 
     Not where MPI runs with fault tolerance on (a lost rank must surface as
     MPI's process-failure error, which shared windows do not give), not for
@@ -83,7 +84,7 @@ def host_memory_reason(buffer, copies):
         room = stats.f_bavail * stats.f_frsize
     except OSError:
         return None  # no /dev/shm: MPI's segments live elsewhere (System V), nothing to check
-    needed = int(2 * copies * (buffer.nbytes + 2 * LINE))
+    needed = int(2 * copies * ((buffer.nbytes if nbytes is None else nbytes) + 2 * LINE))
     if room < needed:
         return f"/dev/shm has {room >> 20} MiB free, the shared windows need {needed >> 20} MiB"
     return None

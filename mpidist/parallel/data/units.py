@@ -152,11 +152,12 @@ def slot_sizes(units, slots, ranks):
     ]
 
 
-def gathered_elements(units, keep, ranks, prefetch=True):
+def gathered_elements(units, keep, ranks, prefetch=True, sharing=1):
     """Elements of a worker's slots gathering ``units`` from ``ranks`` workers: its gathered units' parameters
-    and gradients (:func:`slot_counts`)."""
+    and gradients (:func:`slot_counts`); where ``sharing`` workers of a node read one copy of the parameter
+    slots (:class:`~mpidist.parallel.data.unit_routes.NodeRoute`), its share of them."""
     params, grads = slot_counts(units, keep, prefetch)
-    return sum(slot_sizes(units, params, ranks)) + sum(slot_sizes(units, grads, ranks))
+    return sum(slot_sizes(units, params, ranks)) // sharing + sum(slot_sizes(units, grads, ranks))
 
 
 def flat_rectangles(shape, lo, hi):
