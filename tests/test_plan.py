@@ -249,15 +249,16 @@ def test_fully_sharded_workers_gather_each_unit_twice_sum_it_once_and_hold_a_qua
     """4 workers on 2 nodes, units of one layer (1,000 parameters, 4,000 bytes): forward gathers the 4
     units, backward the first 2 again (the last 2 are still gathered), and each unit's gradients are summed:
     10 ring collectives.  Gathered on every rank (``--exchange mpi``), each has 3 steps of a quarter over the
-    network; once per node (``auto``), each local rank's has 1 step of a quarter (its half of the unit between
-    the 2 nodes), and the node's two workers hold one copy of the parameters' slots.  Either way, a quarter of
-    the sums' additions (a half of a half within the node, then a half of the half between nodes)."""
+    network; once per node (``auto``), each local rank's ring has 1 step of a quarter (its half of the unit
+    between the 2 nodes), the two at once through the node's link: 1 step of a half, and the node's two
+    workers hold one copy of the parameters' slots.  Either way, a quarter of the sums' additions (a half of a
+    half within the node, then a half of the half between nodes)."""
     cal = made_up(read_overhead_bytes=0)
     layout = Layout("allreduce", 2, 2, 256, exchange=exchange, shard="parameters", bucket_mb=0.005)
     made = predict(cal, layout)
     assert made.compute == pytest.approx(4 * 64 * 3e-4) and made.optimizer == pytest.approx(1000 * 1e-9)
-    steps = 3 if exchange == "mpi" else 1
-    assert made.exchange == pytest.approx(10 * steps * (2e-6 + 1000 * 4e-10) + 0.75 * 16000 * 1e-10)
+    ring = 3 * (2e-6 + 1000 * 4e-10) if exchange == "mpi" else 2e-6 + 2000 * 4e-10
+    assert made.exchange == pytest.approx(10 * ring + 0.75 * 16000 * 1e-10)
     # baseline, a quarter of the rows, its shard of the parameters and gradients (1,000 each), Adam's moments
     # of the shard and the slots (two of parameters, a unit each, shared by the node's 2 workers where
     # gathered once per node; two of gradients), the batch's and the test split's outputs

@@ -98,6 +98,8 @@ class Ranks:
     def num_nodes(self):
         return self.size
 
+    nodes_alike = True
+
 
 def data_share(rank, ranks, stages, tensor):
     """``(replica, replicas)``: whose share of the test split this rank reads (a replica's ranks read the

@@ -15,9 +15,11 @@ rank.
 import dataclasses
 import math
 
+import numpy as np
+
 from ..nn.tensor import split_model
-from ..runtime.ulfm import ulfm_support
-from .data.units import ShardedUnits, gathered_elements, units_of
+from .data.unit_routes import sharing_reason
+from .data.units import ShardedUnits, gathered_elements, node_sharing, units_of, window_bytes
 from .mesh import MeshShape
 from .pipeline.balance import balance_by_parameters, layer_costs, parse_balance
 from .pipeline.stage import StageLayout
@@ -74,17 +76,20 @@ def held(settings, cluster, model, optimizer_arrays, prefetch=True):
 
 def fully_sharded_held(settings, cluster, model, prefetch=True):
     """A worker's :class:`Held` under ``--shard parameters``: its shard of every unit (parameters, gradients
-    and optimizer state alike), and its slots of gathered units (two of each, one without ``prefetch``).
-    With ``--tensor T``, a part's units are about ``1/T`` of the whole model's, sharded over the replicas."""
+    and optimizer state alike), and its slots of gathered units (two of each, one without ``prefetch``; the
+    parameters' shared by the node's workers where they gather once per node).  With ``--tensor T``, a
+    part's units are about ``1/T`` of the whole model's, sharded over the replicas."""
     tensor = max(int(settings.tensor), 1)
     replicas = max(cluster.num_workers // tensor, 1)
-    index = (cluster.worker_index or 0) // tensor  # (part fastest: the mesh's order)
     units = units_of(
         model.offsets, model.num_params, settings.bucket_mb * (1 << 20) * tensor, model.dtype.itemsize
     )
-    shard = math.ceil(ShardedUnits(units, replicas, index).size / tensor)
     keep = not settings.reshard_after_forward
-    sharing = node_sharing(settings, cluster)
+    sharing = shared_by(settings, cluster, units, keep, prefetch, model.dtype.itemsize)
+    # (its index among the replicas, part fastest as the mesh orders them; once per node on several nodes,
+    # the blocks go local index first: the first, the longest, bounds them all)
+    index = (cluster.worker_index or 0) // tensor if sharing in (1, replicas) else 0
+    shard = math.ceil(ShardedUnits(units, replicas, index).size / tensor)
     gathered = math.ceil(gathered_elements(units, keep, replicas, prefetch, sharing) / tensor)
     in_flight = "two unit(s)" if prefetch else "one unit(s)"
     assembles = (
@@ -95,16 +100,17 @@ def fully_sharded_held(settings, cluster, model, prefetch=True):
     return Held(shard, shard, gathered, f"1/{replicas} of every unit", grads=shard, assembles=assembles)
 
 
-def node_sharing(settings, cluster):
-    """The workers of this rank's node that read one copy of each gathered unit under ``--shard parameters``:
-    a node's (of one tensor part) where ``--exchange`` lets them share it (:mod:`~.data.unit_routes`), on
-    CPUs, nodes alike, MPI without fault tolerance; else 1, one copy each (also where a rank cannot tell)."""
+def shared_by(settings, cluster, units, keep, prefetch, itemsize):
+    """The workers of this rank's node that read one copy of each gathered unit under ``--shard parameters``
+    (:func:`~.data.units.node_sharing`), where the route can serve as far as this rank can tell (on CPUs,
+    nodes alike, its shared windows' room: :func:`~.data.unit_routes.sharing_reason`); else 1."""
     tensor = max(int(settings.tensor), 1)
-    sharing = cluster.local_size // tensor
-    alike = cluster.size == cluster.num_nodes * cluster.local_size  # (equal nodes, as far as one node sees)
-    if settings.exchange == "mpi" or settings.device == "gpu" or not alike or ulfm_support()[0]:
+    sharing = node_sharing(settings.exchange, cluster.local_size, tensor)
+    if sharing == 1 or settings.device == "gpu" or not cluster.nodes_alike:
         return 1
-    return max(sharing, 1)
+    replicas = max(cluster.num_workers // tensor, 1)
+    windows = window_bytes(units, keep, replicas, prefetch, sharing, itemsize)
+    return 1 if sharing_reason(np, windows) else sharing
 
 
 def zero_bytes_per_param(shard, workers, state_arrays=2, itemsize=4):

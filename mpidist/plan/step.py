@@ -26,7 +26,7 @@ from ..parallel.registry import STRATEGIES
 from ..runtime.errors import UsageError
 from .buckets import MIB, hideable
 from .layout import Prediction
-from .unit_traffic import node_sharing, unit_traffic, units_of_model
+from .unit_traffic import shared_by, unit_traffic, units_of_model
 
 OPTIMIZER_ARRAYS = {"adam": 2, "sgd": 1}  # optimizer state per parameter
 
@@ -156,7 +156,7 @@ def _fully_sharded(cal, layout):
     compute = cal.compute(samples)
     units = units_of_model(cal, layout.bucket_mb)
     padded = [workers * block_of(unit.size, workers) * cal.itemsize for unit in units]
-    sharing = node_sharing(layout)
+    sharing = shared_by(layout)
     exchange = unit_traffic(cal, layout, padded, sharing)
     shard = -(-cal.params // workers)
     slots = gathered_elements(units, False, workers, True, sharing)

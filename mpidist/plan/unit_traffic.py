@@ -4,15 +4,14 @@ costs the rest of the step)."""
 
 import numpy as np
 
-from ..parallel.data.units import units_of
+from ..parallel.data.units import node_sharing, units_of
 from .buckets import MIB
 
 
-def node_sharing(layout):
-    """The workers of a node that read one copy of each gathered unit (``--exchange auto`` on CPUs: a
-    node's, where it holds several; ``--exchange mpi``: one copy each)."""
-    per_node = layout.per_node // max(layout.tensor, 1)
-    return per_node if layout.exchange != "mpi" and per_node > 1 else 1
+def shared_by(layout):
+    """The workers of a node that read one copy of each gathered unit (:func:`~mpidist.parallel.data.units.
+    node_sharing`: ``--exchange auto`` on CPUs, the replicas of a part on a node; ``mpi``: one copy each)."""
+    return node_sharing(layout.exchange, layout.per_node, max(layout.tensor, 1))
 
 
 def unit_traffic(cal, layout, padded, sharing):
@@ -20,8 +19,9 @@ def unit_traffic(cal, layout, padded, sharing):
     padded to equal blocks): forward's gathers, backward's again but the last two's, the sums.
 
     Gathered on every rank, each is one ring over every worker; once per node (``sharing`` workers a node),
-    a gather is ``L`` rings between the nodes of ``1/L`` of the unit each, and a sum adds the node's slots
-    in place, then one such ring sums each slice between the nodes."""
+    a gather is ``L`` rings between the nodes of ``1/L`` of the unit each, at once through the node's one
+    link (the unit's bytes leave the node as one ring's would), and a sum adds the node's slots in place,
+    then such rings sum each slice between the nodes."""
     workers, calls = layout.replicas, padded + padded[:-2] + padded
     if sharing == 1:
         link = cal.link_for(layout)
@@ -29,7 +29,7 @@ def unit_traffic(cal, layout, padded, sharing):
         return moved + (workers - 1) / workers * sum(padded) * cal.sum_per_byte
     nodes, between = workers // sharing, 0.0
     if nodes > 1:
-        between = sum(cal.network.reduce_scatter(nbytes / sharing, nodes) for nbytes in calls)
+        between = sum(cal.network.reduce_scatter(nbytes, nodes) for nbytes in calls)
     summed = ((sharing - 1) + (nodes - 1) / nodes) / sharing * sum(padded) * cal.sum_per_byte
     return between + summed
 

@@ -7,6 +7,7 @@ and checkpoints.  The node-local communicator (``Split_type`` shared memory)
 gives each rank its local index, which picks its GPU.
 """
 
+import collections
 import dataclasses
 import os
 import socket
@@ -58,6 +59,7 @@ class Cluster:
     host: str
     origin: list = None  # each rank's rank at launch (they differ once an elastic run lost ranks)
     launch_roles: list = None  # every rank's role at launch, the lost ones' too
+    node_of_rank: list = None  # every rank's node index (None: not known to whoever made the cluster)
 
     def __post_init__(self):
         if self.origin is None:
@@ -117,6 +119,15 @@ class Cluster:
     @property
     def local_size(self):
         return self.node.Get_size()
+
+    @property
+    def nodes_alike(self):
+        """Whether every node holds as many of the job's ranks (where unknown, as far as this node can
+        tell)."""
+        if self.node_of_rank is None:
+            return self.size == self.num_nodes * self.local_size
+        counts = collections.Counter(self.node_of_rank).values()
+        return min(counts) == max(counts)
 
     def table(self, device, data="", holds=""):
         """Collective: the chief gets the role table as text, others None.
@@ -192,4 +203,5 @@ def build_cluster(world=None, num_ps=0, roles=None, origin=None, launch_roles=No
         host=socket.gethostname(),
         origin=origin,
         launch_roles=launch_roles,
+        node_of_rank=node_of_rank,
     )

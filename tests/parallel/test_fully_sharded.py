@@ -208,6 +208,19 @@ def test_what_cannot_run_sharded_is_refused_with_its_reason(flags, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+def test_under_an_address_space_limit_each_worker_gathers_into_slots_of_its_own():
+    """ulimit -v counts the node's whole windows in every rank that maps them, which the price of one copy a
+    node leaves out: auto gathers on every rank, and --exchange node is refused, on every rank alike."""
+    flags = ["-m", "mpidist", "train", "--shard", "parameters", "--steps", "1", "--run-dir", ""]
+    limited = ("prlimit", f"--as={8 << 30}")
+    auto, _ = run_mpi(2, flags, timeout=120, prefix=limited)
+    assert auto.returncode == 0 and "1/2 of 1 unit(s)" in auto.stdout, auto.stderr
+    assert "gathered once per node" not in auto.stdout
+    asked, _ = run_mpi(2, [*flags, "--exchange", "node"], timeout=120, prefix=limited)
+    assert asked.returncode == 2, asked.stderr
+    assert asked.stderr.count("--exchange node: an address-space limit (ulimit -v)") == 1, asked.stderr
+
+
 def test_under_a_memory_cap_sharded_workers_train_a_model_none_of_them_can_hold(tmp_path):
     """mlp:3072,3072,3072 with Adam (19.1 M parameters: a whole copy's training state is 365 MiB) under 460 MB
     of data a rank: replicated, every worker is refused, told that sharded it fits; sharded over 4 workers
@@ -367,7 +380,13 @@ def test_the_start_up_check_prices_what_each_worker_then_reports():
     )
     for rank, shard in enumerate(SHARDS_OF_4):
         cluster = SimpleNamespace(
-            num_workers=4, worker_index=rank, is_chief=rank == 0, size=4, num_nodes=1, local_size=4
+            num_workers=4,
+            worker_index=rank,
+            is_chief=rank == 0,
+            size=4,
+            num_nodes=1,
+            local_size=4,
+            nodes_alike=True,
         )
         held = holding.held(settings, cluster, model, 2)
         assert (held.params, held.grads, held.optimizer, held.gathered) == (shard, shard, shard, GATHERED)

@@ -29,7 +29,7 @@ from ..verdict import agree
 from .declared import AllreduceDeclared
 from .gathering import UnitGathers
 from .unit_routes import unit_route
-from .units import ShardedUnits, slot_counts, slot_sizes, sliced, units_of
+from .units import ShardedUnits, sliced, units_of, window_bytes
 
 
 class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
@@ -77,12 +77,14 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
         whole, model = model, self.model
         comm = MPI.COMM_SELF if self.worker_comm is None else self.worker_comm
         units = units_of(model.offsets, model.num_params, self.bucket_bytes, model.dtype.itemsize)
-        param_slots, grad_slots = (
-            sum(slot_sizes(units, count, comm.Get_size())) * model.dtype.itemsize
-            for count in slot_counts(units, keep, prefetch)
-        )
+        ranks, itemsize = comm.Get_size(), model.dtype.itemsize
         #: how the units travel: gathered on each worker, or once per node (collective: the same everywhere)
-        self.route = unit_route(comm, exchange, model.xp, param_slots, grad_slots)
+        self.route = unit_route(
+            comm,
+            exchange,
+            model.xp,
+            lambda sharing: window_bytes(units, keep, ranks, prefetch, sharing, itemsize),
+        )
         #: this worker's shards of the units
         self.shards = ShardedUnits(units, self.route.ranks, self.route.index)
         self.placement = sliced(self.tensor.within(whole, 0), self.shards.pieces())
@@ -176,6 +178,6 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
 
     def free(self, keep=True):
         self.gathers.gathered.invalidate()
-        self.gathers.own_slots(copies=keep is True)  # (the model's layers outlive the node's windows)
+        self.gathers.own_slots()  # (the model's layers outlive the node's windows)
         self.route.free()
         self.mesh.free()

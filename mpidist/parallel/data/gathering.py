@@ -137,7 +137,7 @@ class SummedUnits:
         lo, hi = shards.held(unit)
         lands = "add" if self.adds else "in place" if hi - lo == block else "copy"
         target = self.grads[lo:hi] if lands == "in place" else self._arrival(slot)[:block]
-        with _TRACER.span("sum over the node", "exchange", unit=unit):
+        with _TRACER.span("start the sum", "exchange", unit=unit):
             self.pending[slot] = (unit, self.route.sum(slot, target), lands)
 
     def _arrival(self, slot):
@@ -194,16 +194,13 @@ class UnitGathers:
             layer.params[name] = params[index % len(params)][at : at + size].reshape(shape)
             layer.grads[name] = grads[index % len(grads)][at : at + size].reshape(shape)
 
-    def own_slots(self, copies):
-        """Rebind the layers to slots of this rank's own where it shares them with its node (before the route
-        frees them): copies, or (``copies`` False: at the end of a run, values nobody reads) read-only zeros
-        that take no memory (private ones would count against a data limit the run was priced under)."""
+    def own_slots(self):
+        """Rebind the layers, where this rank shares its slots with its node, to read-only zeros that take no
+        memory (before the route frees the windows): a gathered unit's values mean nothing once the strategy
+        is gone, and private copies would count against a data limit the run was priced under."""
         if self.route.sharing > 1:
             for slots in (self.gathered.slots, self.summed.slots):
-                slots[:] = [
-                    slot.copy() if copies else np.broadcast_to(slot.dtype.type(0), slot.shape)
-                    for slot in slots
-                ]
+                slots[:] = [np.broadcast_to(slot.dtype.type(0), slot.shape) for slot in slots]
             self._bind()
 
     @property

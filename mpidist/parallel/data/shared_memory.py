@@ -62,29 +62,34 @@ def shared_memory_possible(comm, buffer):
     return comm.bcast(reason, root=0)
 
 
-def host_memory_reason(buffer, copies, nbytes=None):
-    """``None`` if ``copies`` of ``buffer`` (of ``nbytes`` each, its own by default) can go to shared windows
-    on this node, else why not.
+def host_memory_reason(buffer, copies):
+    """``None`` if ``copies`` of ``buffer`` can go to shared windows on this node, else why not: not for
+    arrays on GPUs, nor where :func:`shared_windows_reason` refuses their bytes.  Local: one rank asks, and
+    tells the others."""
+    if not isinstance(buffer, np.ndarray):
+        return "the gradients are on GPUs"
+    return shared_windows_reason(copies * buffer.nbytes)
+
+
+def shared_windows_reason(nbytes):
+    """``None`` if shared windows of ``nbytes`` in all can serve this node, else why not.
 
     Not where MPI runs with fault tolerance on (a lost rank must surface as
-    MPI's process-failure error, which shared windows do not give), not for
-    arrays on GPUs, and not where /dev/shm (where MPICH puts its segments)
-    has less room than twice what the windows take.  Local: one rank asks,
-    and tells the others.
+    MPI's process-failure error, which shared windows do not give), and not
+    where /dev/shm (where MPICH puts its segments) has less room than twice
+    what the windows take.  Local.
     """
     if ulfm_support()[0]:
         return (
             "MPI runs with fault tolerance on (mpirun --with-ft ulfm), and a lost worker must surface as "
             "its process-failure error, which its shared-memory windows do not give"
         )
-    if not isinstance(buffer, np.ndarray):
-        return "the gradients are on GPUs"
     try:
         stats = os.statvfs("/dev/shm")
         room = stats.f_bavail * stats.f_frsize
     except OSError:
         return None  # no /dev/shm: MPI's segments live elsewhere (System V), nothing to check
-    needed = int(2 * copies * ((buffer.nbytes if nbytes is None else nbytes) + 2 * LINE))
+    needed = int(2 * (nbytes + 2 * LINE))
     if room < needed:
         return f"/dev/shm has {room >> 20} MiB free, the shared windows need {needed >> 20} MiB"
     return None

@@ -17,8 +17,9 @@ node's slot in place; a node barrier then lets every rank read the unit.
 Gradients stay each rank's own (each backward makes a whole unit's), in
 gradient slots in a second window, and are summed hierarchically, as the
 node model sums them: local rank ``l`` adds slice ``l`` of the node's ``L``
-slots in place (no copy in or out of MPI's cells: a third of the time of
-MPICH's ``Reduce_scatter_block`` within a node, for mlp-wide's 2.7 MB), and a
+slots in place (no copy in or out of MPI's cells: a sixth to a tenth of the
+time of MPICH's ``Reduce_scatter_block`` within a node, for mlp-wide's 2.7 MB
+on 2 emulated nodes of 2 ranks), and a
 ``Reduce_scatter_block`` between the nodes leaves worker ``c`` its block of
 it.
 
@@ -33,8 +34,9 @@ pair up; and every collective starts at the same point of the pass on every
 rank, so the calls on one communicator keep one order.
 
 Not where MPI runs with fault tolerance on, nor for arrays on GPUs, nor
-where nodes hold different numbers of workers or one each
-(:func:`unit_route`; ``--exchange auto`` then takes the rank route).
+where nodes hold different numbers of workers or one each, nor where
+/dev/shm lacks room or an address-space limit is set (:func:`unit_route`;
+``--exchange auto`` then takes the rank route).
 """
 
 import numpy as np
@@ -45,30 +47,51 @@ from ...runtime.agreement import agreed
 from ...runtime.errors import UsageError
 from ..shards import LINE, line_bytes
 from .node_model import nodes_reason
-from .shared_memory import ONE_WORKER, host_memory_reason
+from .shared_memory import ONE_WORKER, shared_windows_reason
 
 #: ``--exchange`` with ``--shard parameters``: a route per rank ("mpi"), per node ("node"), or per node where
 #: it can serve ("auto")
 ROUTES = ("auto", "node", "mpi")
 
 
-def unit_route(comm, asked, xp, param_bytes, grad_bytes):
+def unit_route(comm, asked, xp, windows):
     """Collective over ``comm`` (the workers that share the shards): the route ``asked`` (``--exchange``) of
-    ``comm``'s units, whose arrays are ``xp``'s (numpy or cupy) and whose slots take ``param_bytes`` (the
-    parameters') and ``grad_bytes`` (the gradients').  ``node`` where it cannot serve: every worker exits 2
-    saying why."""
+    ``comm``'s units, whose arrays are ``xp``'s (numpy or cupy) and whose node's shared windows would take
+    ``windows(L)`` bytes for ``L`` workers a node (:func:`~mpidist.parallel.data.units.window_bytes`).
+    ``node`` where it cannot serve: every worker exits 2 saying why."""
     if asked == "mpi":
         return RankRoute(comm)
-    why_not, local, local_size = nodes_reason(comm)
-    if why_not is None:  # (each node's first rank asks of its node, and every rank learns the first refusal)
-        windows = param_bytes + local_size * grad_bytes
-        mine = host_memory_reason(xp.zeros(0), 1, windows) if local == 0 else None
-        reasons = comm.allgather(mine)  # (start-up only: a few short strings)
+    why_not, _, local_size = nodes_reason(comm)
+    if why_not is None:  # (every rank asks of itself, and every rank learns the first refusal)
+        reasons = comm.allgather(sharing_reason(xp, windows(local_size)))  # (start-up only: short strings)
         why_not = next((why for why in reasons if why), None)
     with agreed(comm):  # (every worker refuses alike: one message, every rank exits 2)
         if asked == "node" and why_not not in (None, ONE_WORKER):
             raise UsageError(f"--exchange node: {why_not}; use --exchange mpi or auto")
     return RankRoute(comm) if why_not else NodeRoute(comm)
+
+
+def sharing_reason(xp, windows):
+    """``None`` if this rank can share its node's windows of ``windows`` bytes, else why not (local): not
+    for arrays on GPUs, not where :func:`~.shared_memory.shared_windows_reason` refuses, and not under an
+    address-space limit (``ulimit -v``), which counts every rank's mapping of the whole windows."""
+    if xp is not np:
+        return "the parameters are on GPUs"
+    if address_space_limited():
+        return (
+            "an address-space limit (ulimit -v) counts the node's whole windows in every rank that maps them"
+        )
+    return shared_windows_reason(windows)
+
+
+def address_space_limited():
+    """Whether this process runs under an address-space limit (``ulimit -v``, ``RLIMIT_AS``)."""
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return False
 
 
 class RankRoute:
@@ -141,16 +164,16 @@ class NodeRoute:
         #: the same reads at the same points, so each says it of them all
         self.params_read, self.grads_read = True, False
 
-    def slots(self, sizes, dtype, xp=np):
+    def slots(self, sizes, dtype, xp):
         """The parameter slots, of ``sizes`` elements: the node's one copy (collective over the node;
         once)."""
         return self._window(sizes, dtype, every=False)[0]
 
-    def grad_slots(self, sizes, dtype, xp=np):
+    def grad_slots(self, sizes, dtype, xp):
         """This rank's gradient slots, of ``sizes`` elements, where the node's others read them (collective
         over the node; once)."""
         self.theirs = self._window(sizes, dtype, every=True)
-        return self.theirs[self.local]
+        return list(self.theirs[self.local])
 
     def _window(self, sizes, dtype, every):
         """Arrays of ``sizes`` elements in a new shared window: each rank's (``every``), or local rank 0's,

@@ -160,6 +160,30 @@ def gathered_elements(units, keep, ranks, prefetch=True, sharing=1):
     return sum(slot_sizes(units, params, ranks)) // sharing + sum(slot_sizes(units, grads, ranks))
 
 
+def node_sharing(exchange, per_node, tensor=1):
+    """The workers of a node that read one copy of each gathered unit: the replicas of one part among its
+    ``per_node`` ranks (``tensor`` parts, split evenly) where ``--exchange`` lets them share one (auto,
+    node), else 1 (a copy each).  Callers that can tell the route cannot serve after all say 1 themselves
+    (:func:`~mpidist.parallel.data.unit_routes.unit_route`).
+
+    >>> [node_sharing(exchange, 4, tensor) for exchange, tensor in [("auto", 1), ("node", 2), ("mpi", 1)]]
+    [4, 2, 1]
+    >>> node_sharing("auto", 3, tensor=2)  # (the parts of 3 ranks do not split evenly)
+    1
+    """
+    if exchange == "mpi" or per_node % tensor:
+        return 1
+    return max(per_node // tensor, 1)
+
+
+def window_bytes(units, keep, ranks, prefetch, sharing, itemsize):
+    """Bytes of a node's shared windows where ``sharing`` workers read one copy of the parameter slots
+    (:class:`~mpidist.parallel.data.unit_routes.NodeRoute`): those slots once, and each worker's gradient
+    slots."""
+    params, grads = slot_counts(units, keep, prefetch)
+    return itemsize * (sum(slot_sizes(units, params, ranks)) + sharing * sum(slot_sizes(units, grads, ranks)))
+
+
 def flat_rectangles(shape, lo, hi):
     """``(start, stop)`` rectangles of an array of ``shape`` (C order) that together are its flat elements
     ``[lo, hi)``, in that order: a partial row, whole rows, a partial row, recursively (a region of a
