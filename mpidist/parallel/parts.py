@@ -67,7 +67,9 @@ def check_tensor(settings, world_size, stages=1):
         (settings.shard == "optimizer", "--shard optimizer (--shard parameters does)"),
         (settings.compress != "none", f"--compress {settings.compress}"),
         (
-            settings.exchange in ("node", "shared-memory"),
+            # (--shard parameters gathers each part's units once per node: its --exchange node is that)
+            settings.exchange == "shared-memory"
+            or (settings.exchange == "node" and settings.shard != "parameters"),
             f"--exchange {settings.exchange} (a tensor run sums gradients with MPI)",
         ),
         (settings.replication == "in-graph", "--replication in-graph"),

@@ -208,6 +208,16 @@ def test_what_cannot_run_sharded_is_refused_with_its_reason(flags, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+def test_tensor_parts_sharded_over_the_replicas_may_ask_to_gather_once_per_node():
+    """--tensor 2 on 4 ranks of one node: each part's two replicas share its gathered units (--exchange node,
+    what auto takes), where a replicated tensor run's --exchange node is refused."""
+    flags = ["train", "--tensor", "2", "--exchange", "node", "--steps", "1", "--run-dir", ""]
+    done, _ = mpidist(4, *flags, "--shard", "parameters", timeout=120)
+    assert done.returncode == 0 and done.stdout.count("gathered once per node of 2") == 4, done.stderr
+    refused, _ = mpidist(4, *flags, timeout=120)
+    assert refused.returncode == 2 and "does not combine with --exchange node" in refused.stderr
+
+
 def test_under_an_address_space_limit_each_worker_gathers_into_slots_of_its_own():
     """ulimit -v counts the node's whole windows in every rank that maps them, which the price of one copy a
     node leaves out: auto gathers on every rank, and --exchange node is refused, on every rank alike."""
