@@ -4,7 +4,8 @@ One row per layout, trained with Adam in float32 (the paper's case: a
 parameter costs 4 bytes, its gradient 4 and Adam's two moments 8, so 16
 bytes a parameter replicated): every worker holds it all (``--exchange
 mpi``), ``--shard optimizer`` (ZeRO stage 1: the moments 8/W), ``--shard
-parameters`` (stage 3: all of it 16/W, and the units gathered at a time).
+parameters`` (stage 3: all of it 16/W, and the units gathered at a time, on
+every rank as ``--exchange mpi`` gathers them).
 The held bytes are each strategy's own report (the largest over the
 ranks); the bytes sent per step are counted as a ring algorithm sends them
 (a sum of ``B`` bytes over ``W`` ranks sends ``2 B (W - 1) / W``; a gather
@@ -38,7 +39,8 @@ def shard_rows(world, cluster, name, batch):
     for layout in ("none", "optimizer", "parameters"):
         model = _model(name)  # (each layout trains a model of its own)
         if layout == "parameters":
-            strategy = FullyShardedStrategy(model, nn.loss_for(10, np), adam, cluster, seed=0)
+            # (a copy a rank, as every row: held and sent alike by the ring's rule)
+            strategy = FullyShardedStrategy(model, nn.loss_for(10, np), adam, cluster, seed=0, exchange="mpi")
             strategy.initialize()
         else:
             strategy = _allreduce(model, cluster, "adam", exchange="mpi", shard=layout)

@@ -158,7 +158,7 @@ class NodeRoute:
         #: slice)
         self.index = self.local * self.nodes + self.cross.Get_rank()
         self.windows, self.theirs = [], None
-        self.sent = 0
+        self.sent = 0  # bytes this rank has sent to other nodes (counted as rings'; within its node, none)
         #: whether this rank may have read the parameter slots since the node last settled (set as a layer
         #: is about to run), and the node's gradient slots (as it sums them): every rank of the node makes
         #: the same reads at the same points, so each says it of them all
@@ -229,7 +229,7 @@ class NodeRoute:
         block = target.size
         span = block * self.nodes
         lo = self.local * span
-        self.settle()
+        self.settle()  # (what every rank's backward wrote, seen here: the node's ranks read, nobody sends)
         into = target if self.nodes == 1 else self.theirs[self.local][slot][lo : lo + span]
         first, second, *more = (theirs[slot][lo : lo + span] for theirs in self.theirs)
         np.add(first, second, out=into)
