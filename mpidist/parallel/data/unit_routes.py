@@ -49,10 +49,6 @@ from ..shards import LINE, line_bytes
 from .node_model import nodes_reason
 from .shared_memory import ONE_WORKER, shared_windows_reason
 
-#: ``--exchange`` with ``--shard parameters``: a route per rank ("mpi"), per node ("node"), or per node where
-#: it can serve ("auto")
-ROUTES = ("auto", "node", "mpi")
-
 
 def unit_route(comm, asked, xp, windows):
     """Collective over ``comm`` (the workers that share the shards): the route ``asked`` (``--exchange``) of
