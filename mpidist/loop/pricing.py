@@ -84,10 +84,17 @@ def priced(config, cluster, model, run, strategy):
 def one_in_flight(config, cluster, model, price):
     """``price`` (of the prefetching layout) as it is where this rank takes one unit in flight because
     another rank must: its training state is that layout's (the rest is the same)."""
-    arrays, itemsize = optimizer_arrays(config), master_dtype(model.dtype).itemsize
-    state = holding.held_bytes(holding.held(config, cluster, model, arrays, prefetch=False), arrays, itemsize)
+    _, state = _training_state(config, cluster, model, prefetch=False)
     items = [(what, state if what == "training state" else nbytes) for what, nbytes in price.items]
     return dataclasses.replace(price, items=items)
+
+
+def _training_state(config, cluster, model, prefetch):
+    """``(Held, bytes)``: this rank's share of the model (:func:`~mpidist.parallel.holding.held`) and what
+    it takes, priced at float32's size for a 16-bit model (its master copies are priced beside)."""
+    arrays, itemsize = optimizer_arrays(config), master_dtype(model.dtype).itemsize
+    share = holding.held(config, cluster, model, arrays, prefetch)
+    return share, holding.held_bytes(share, arrays, itemsize)
 
 
 def training_price(config, cluster, model, run, strategy, prefetch=True):
@@ -99,7 +106,7 @@ def training_price(config, cluster, model, run, strategy, prefetch=True):
     ``prefetch``: ``--shard parameters``' units two in flight, or one (:func:`priced` chooses)."""
     # (a 16-bit model's state is priced at float32's size, its master copies beside: an upper bound)
     arrays, itemsize, whole = optimizer_arrays(config), master_dtype(model.dtype).itemsize, model.num_params
-    share = holding.held(config, cluster, model, arrays, prefetch)
+    share, state = _training_state(config, cluster, model, prefetch)
     in_graph = config.replication == "in-graph" and cluster.is_chief
     rehearsed = rank_arrays(
         config,
@@ -112,7 +119,7 @@ def training_price(config, cluster, model, run, strategy, prefetch=True):
         config.batch_size if in_graph else None,
     )
     price = Price()  # (what the process holds is read now: after the rehearsal loaded what the layers use)
-    price.add("training state", holding.held_bytes(share, arrays, itemsize))
+    price.add("training state", state)
     if is_low(model.dtype):
         price.add("--precision's float32 master and gradient", 2 * share.params * itemsize)
     price.add("data", run.reading.nbytes)

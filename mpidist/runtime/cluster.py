@@ -59,7 +59,7 @@ class Cluster:
     host: str
     origin: list = None  # each rank's rank at launch (they differ once an elastic run lost ranks)
     launch_roles: list = None  # every rank's role at launch, the lost ones' too
-    node_of_rank: list = None  # every rank's node index (None: not known to whoever made the cluster)
+    node_of_rank: list = None  # every rank's node index (build_cluster's node layout)
 
     def __post_init__(self):
         if self.origin is None:
@@ -122,10 +122,7 @@ class Cluster:
 
     @property
     def nodes_alike(self):
-        """Whether every node holds as many of the job's ranks (where unknown, as far as this node can
-        tell)."""
-        if self.node_of_rank is None:
-            return self.size == self.num_nodes * self.local_size
+        """Whether every node holds as many of the job's ranks."""
         counts = collections.Counter(self.node_of_rank).values()
         return min(counts) == max(counts)
 

@@ -148,9 +148,7 @@ def yielding_wait(pending):
 
 def yielding_barrier(comm):
     """``comm``'s barrier, waited for as :func:`yielding_wait` waits."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        os.sched_yield()
+    yielding_wait(Pending(comm.Ibarrier(), None))
 
 
 def bcast(comm, array, root=0):

@@ -42,8 +42,8 @@ class GatheredUnits:
         self.route, self.shards, self.params = route, shards, params
         self.slots = route.slots(slot_sizes(shards.units, slots, shards.ranks), params.dtype, xp)
         self.in_slot = [None] * slots  # the unit each slot holds (gathered, or on its way)
-        self.pending = [None] * slots  # the gather in flight into each slot
-        self.arriving = [False] * slots  # a gather into each slot not yet settled (every rank's slice in)
+        # the gather into each slot not yet seen complete by every rank that shares it (None: none)
+        self.pending = [None] * slots
 
     def start(self, unit):
         """Start gathering ``unit`` into its slot, unless it is there or on its way."""
@@ -58,17 +58,17 @@ class GatheredUnits:
         held_lo, held_hi = shards.held(unit)
         target[lo:hi] = self.params[held_lo:held_hi]
         self.pending[slot] = self.route.gather(target, shards.blocks[unit])
-        self.in_slot[slot], self.arriving[slot] = unit, True
+        self.in_slot[slot] = unit
 
     def have(self, unit):
         """Wait until ``unit`` is gathered in its slot."""
         self.start(unit)
         slot = unit % len(self.slots)
-        if self.arriving[slot]:
+        if self.pending[slot] is not None:
             with _TRACER.span("gather", "exchange", unit=unit):
                 mpi.yielding_wait(self.pending[slot])
                 self.route.settle()
-            self.pending[slot], self.arriving[slot] = None, False
+            self.pending[slot] = None
 
     def invalidate(self):
         """The parameters changed (an update): every gathered unit is stale."""
@@ -76,7 +76,7 @@ class GatheredUnits:
             if pending is not None:
                 pending.wait()
                 self.pending[slot] = None
-            self.in_slot[slot], self.arriving[slot] = None, False
+            self.in_slot[slot] = None
 
 
 class SummedUnits:
