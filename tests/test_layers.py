@@ -32,6 +32,7 @@ from mpidist.nn import (
     Tanh,
 )
 
+from mpidist.nn.rectifier import ZEROS, rectify
 from test_nn import check_model_gradients, fit_one_batch
 
 
@@ -229,6 +230,30 @@ def test_gelu_is_the_tanh_approximation():
     )
     # torch, approximate="tanh"
     assert np.isclose(layer.forward(np.array([1.0]))[0], 0.8411919906082768, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("size", [7, ZEROS, 2 * ZEROS + 5])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_rectify_is_numpy_maximum_against_zero_to_the_bit(dtype, size, in_place):
+    # NaNs of either sign, signed zeros, infinities and subnormals, in rows of the zeros block and past them
+    special = np.array([-0.0, 0.0, np.nan, -np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3.0, -3.0])
+    x = np.resize(special, size).astype(dtype)
+    x[:: len(special) + 1] = np.random.default_rng(size).standard_normal(x[:: len(special) + 1].size)
+    expected = np.maximum(x, 0)
+    out = x if in_place else np.full_like(x, 7)
+    assert rectify(np, x, out) is out
+    np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+def test_rectify_of_a_strided_view_writes_the_view():
+    # (a view that is not contiguous cannot be taken as rows: numpy's own call writes it)
+    whole = np.arange(-40.0, 40.0, dtype=np.float32).reshape(8, 10)
+    x = whole[:, ::2]
+    expected = np.maximum(x, 0)
+    rectify(np, x, x)
+    np.testing.assert_array_equal(whole[:, ::2], expected)
+    np.testing.assert_array_equal(whole[:, 1::2], np.arange(-39.0, 40.0, 2, dtype=np.float32).reshape(8, 5))
 
 
 def test_sigmoid_is_exact_and_quiet_for_huge_inputs():

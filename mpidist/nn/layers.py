@@ -13,6 +13,7 @@ import numpy as np
 
 from . import init
 from .precision import master_dtype
+from .rectifier import rectify
 from .workspace import UsesWorkspace
 
 
@@ -187,7 +188,7 @@ class ReLU(Layer):
         xp = self.xp
         self.mask = xp.greater(x, 0, out=self.scratch_like("mask", x, bool))
         # in place where the layer before handed its output over: one array less to stream through the cache
-        return xp.maximum(x, 0, out=x if self.overwrite_input else self.scratch_like("y", x))
+        return rectify(xp, x, x if self.overwrite_input else self.scratch_like("y", x))
 
     def backward(self, dy):
         out = dy if self.overwrite_grad else self.scratch_like("dx", dy)
