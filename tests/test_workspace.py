@@ -8,6 +8,7 @@ import pytest
 from mpidist import nn
 from mpidist.bench.handwritten import HandwrittenMLP
 from mpidist.bench.handwritten import handwritten_for
+from mpidist.nn import aligned
 from mpidist.parallel import LocalStrategy
 from mpidist.parallel.data.exchange import top_down_buckets
 from mpidist.parallel.pipeline.slots import SlotPool
@@ -66,6 +67,35 @@ def test_a_warm_training_step_allocates_nothing_that_grows_with_the_batch(spec, 
         assert current < 8 << 10, f"a warm step kept {current} bytes"
         assert peak < min(256 << 10, activations / 4), f"a warm step allocated {peak} bytes at its peak"
     assert large[1] < small[1] + (16 << 10), f"the peak grew with the batch: {small[1]} -> {large[1]} bytes"
+
+
+@pytest.mark.parametrize("shape", [0, 1, 7, (3, 5), (64, 512), 40_000])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int64, np.bool_])
+def test_aligned_arrays_start_on_a_cache_line_and_hold_exactly_their_elements(shape, dtype):
+    made = [
+        aligned.empty(np, shape, dtype),
+        aligned.zeros(np, shape, dtype),
+        aligned.full(np, shape, 1, dtype),
+    ]
+    expected = np.zeros(shape, dtype).shape
+    for array in made:
+        assert array.shape == expected and array.dtype == dtype and array.flags.c_contiguous
+        assert array.ctypes.data % aligned.ALIGNMENT == 0 or not array.size  # (no elements: no address)
+        # exactly its own bytes of the raw buffer beneath: a write to every element reaches no byte beside
+        assert array.nbytes == int(np.prod(expected)) * np.dtype(dtype).itemsize
+    assert not made[1].any() and (made[2] == 1).all()
+
+
+def test_the_arrays_a_step_streams_through_start_on_a_cache_line():
+    # (numpy's own places an mmap-ed buffer 16 bytes past a page: every other 32-byte load split a line)
+    for optimizer in ("sgd", "adam"):
+        strategy, x, y = _local("mlp:64,32", (1, 8, 8), 16, optimizer)
+        strategy.train_step(x, y, 1.0, 0)
+        model = strategy.model
+        arrays = [model.params, model.grads, strategy.buffer, *strategy.optimizer.state_arrays().values()]
+        arrays += [*strategy.optimizer._scratch, *model.workspace._arrays.values()]
+        assert len(arrays) > 10
+        assert [array.ctypes.data % aligned.ALIGNMENT for array in arrays] == [0] * len(arrays)
 
 
 def test_reused_arrays_give_the_results_fresh_arrays_give():

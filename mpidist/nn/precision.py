@@ -22,6 +22,7 @@ and ``test`` extras install it); ``fp16`` is the arrays' own ``float16``.
 import numpy as np
 
 from ..runtime.errors import UsageError
+from . import aligned
 
 #: ``--precision`` values: the compute type (float32: the run's ``--dtype`` everywhere, no master copy)
 PRECISIONS = ("float32", "bf16", "fp16")
@@ -125,9 +126,9 @@ class MasterWeights:
         self.model, self.running = model, list(running)
         size = model.num_params
         #: the parameters the optimizer updates (what checkpoints hold)
-        self.params = model.xp.zeros(size, dtype=np.float32)
+        self.params = aligned.zeros(model.xp, size, np.float32)
         #: the summed gradient, widened and unscaled (what the optimizer reads)
-        self.grads = model.xp.zeros(size, dtype=np.float32)
+        self.grads = aligned.zeros(model.xp, size, np.float32)
 
     @property
     def nbytes(self):

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..runtime.memory import check_fits
 from ..runtime.recorder import tracer
+from . import aligned
 from .parameter_map import ParameterMap, walk
 from .workspace import Workspace
 
@@ -97,7 +98,7 @@ class Sequential(ParameterMap):
         check_fits(
             self.num_params * self.dtype.itemsize, f"the {what} of a model of {self.num_params:,} parameters"
         )
-        return self.xp.zeros(self.num_params, dtype=self.dtype)
+        return aligned.zeros(self.xp, self.num_params, self.dtype)
 
     def bind_params(self, buffer, copy=True):
         """Move the parameters into ``buffer[:num_params]`` (values copied) and rebind every layer.

@@ -17,6 +17,8 @@ outputs a caller keeps (predictions) are never overwritten.  A pipeline
 stage, which holds several micro-batches in flight, gives each its own slot.
 """
 
+from . import aligned
+
 
 class Workspace:
     """Reusable arrays keyed by ``(slot, owner, name)``; reallocated when a shape or dtype changes.
@@ -104,4 +106,4 @@ def inverse(order):
 
 def _made(xp, shape, dtype, fill):
     """A new array: uninitialised, or every element ``fill``."""
-    return xp.empty(shape, dtype=dtype) if fill is None else xp.full(shape, fill, dtype=dtype)
+    return aligned.empty(xp, shape, dtype) if fill is None else aligned.full(xp, shape, fill, dtype)

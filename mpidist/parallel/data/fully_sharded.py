@@ -22,6 +22,7 @@ verdict on the shards' squared norms and the loss, summed in one small
 import numpy as np
 from mpi4py import MPI
 
+from ...nn import aligned
 from ..base import Strategy
 from ..mesh import Mesh, ReplicaWorkers
 from ..parts import split_over
@@ -88,8 +89,8 @@ class FullyShardedStrategy(AllreduceDeclared, ReplicaWorkers, Strategy):
         #: this worker's shards of the units
         self.shards = ShardedUnits(units, self.route.ranks, self.route.index)
         self.placement = sliced(self.tensor.within(whole, 0), self.shards.pieces())
-        self.params = model.xp.zeros(self.shards.size, dtype=model.dtype)
-        self.grads = model.xp.zeros(self.shards.size, dtype=model.dtype)
+        self.params = aligned.zeros(model.xp, self.shards.size, model.dtype)
+        self.grads = aligned.zeros(model.xp, self.shards.size, model.dtype)
         self.gathers = UnitGathers(
             comm,
             self.route,

@@ -21,6 +21,7 @@ parameters change (:meth:`UnitGathers.invalidate`, after each update).
 
 import numpy as np
 
+from ...nn import aligned
 from ...runtime import comm as mpi
 from ...runtime import recorder
 from .units import slot_counts, slot_sizes
@@ -144,7 +145,7 @@ class SummedUnits:
         """Where slot ``slot``'s block lands when it cannot land in this rank's shard (made on first use)."""
         if self.arrivals is None:
             largest = max(self.shards.blocks)
-            self.arrivals = [self.xp.zeros(largest, dtype=self.grads.dtype) for _ in self.slots]
+            self.arrivals = [aligned.zeros(self.xp, largest, self.grads.dtype) for _ in self.slots]
         return self.arrivals[slot]
 
     def _arrived(self, slot):

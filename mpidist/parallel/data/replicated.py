@@ -6,6 +6,7 @@ sums them over the workers while backward runs, and every worker applies the
 same update to the same parameters.
 """
 
+from ...nn import aligned
 from ...nn.precision import is_low
 from ...runtime import comm as mpi
 from ..base import Strategy, synchronise_batch_norms
@@ -83,7 +84,7 @@ class DataParallel(ReplicaWorkers, ReplicaState, Strategy):
         self.placement = self.tensor.placement
         super().__init__(self.tensor.model, loss, make_optimizer, cluster, *args, **kwargs)
         model = self.model
-        self.buffer = model.xp.zeros(model.num_params + 1, dtype=model.dtype)
+        self.buffer = aligned.zeros(model.xp, model.num_params + 1, model.dtype)
         model.bind_grads(self.buffer)
         self.running = model.running_entries()
         synchronise_batch_norms(model, self.worker_comm)
@@ -125,7 +126,7 @@ class DataParallel(ReplicaWorkers, ReplicaState, Strategy):
     def _clip_space(self):
         """Where a clipped gradient goes when the exchange holds the buffer (made on the first use)."""
         if self.recipe.clip_norm and getattr(self, "_clipped", None) is None:
-            self._clipped = self.model.xp.empty(self.model.num_params, dtype=self.model.dtype)
+            self._clipped = aligned.empty(self.model.xp, self.model.num_params, self.model.dtype)
         return getattr(self, "_clipped", None)
 
     def make_exchange(self):

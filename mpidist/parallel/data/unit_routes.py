@@ -42,6 +42,7 @@ where nodes hold different numbers of workers or one each, nor where
 import numpy as np
 from mpi4py import MPI
 
+from ...nn import aligned
 from ...runtime import comm as mpi
 from ...runtime.agreement import agreed
 from ...runtime.errors import UsageError
@@ -104,7 +105,7 @@ class RankRoute:
 
     def slots(self, sizes, dtype, xp):
         """The parameter slots, of ``sizes`` elements."""
-        return [xp.zeros(size, dtype=dtype) for size in sizes]
+        return [aligned.zeros(xp, size, dtype) for size in sizes]
 
     def grad_slots(self, sizes, dtype, xp):
         """The gradient slots, of ``sizes`` elements; once."""
