@@ -16,7 +16,8 @@ import math
 
 import numpy as np
 
-#: bytes every array made here starts at a multiple of (a cache line)
+#: bytes every array made here starts at a multiple of: a cache line (the shared-memory exchanges' parts
+#: start on one too, :data:`mpidist.parallel.shards.LINE`)
 ALIGNMENT = 64
 
 

@@ -1,9 +1,9 @@
 """``max(x, 0)`` on the host at the speed of a plain elementwise pass.
 
 numpy (2.x) takes ``np.maximum`` against a scalar through a loop several
-times slower than against an array of the same dtype: 13 against 5 us on
-mlp-wide's hidden activations (64 x 512 floats), 300 against 83 us on the
-cnn's first (800 K floats; one process, ``python -m timeit``).  The results
+times slower than against an array of the same dtype: 13 against 6 us on
+mlp-wide's hidden activations (64 x 512 floats), 320 against 117 (89 in
+place) on the cnn's first (800 K floats; one process, ``timeit``).  The results
 are the same to the bit (NaNs propagate, ``-0.0`` stays, ``-inf`` gives
 ``0``), so :func:`rectify` reads a block of zeros beside the activation
 instead of the scalar: a constant 64 KiB, whatever the activation's size.

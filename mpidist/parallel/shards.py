@@ -2,6 +2,8 @@
 per worker's optimizer slice (``--shard optimizer``), per rank of a node's window and per ring chunk
 (:mod:`mpidist.parallel.data`).  Arithmetic only; the cut is the same wherever it is asked for."""
 
+from ..nn.aligned import ALIGNMENT
+
 
 def shard_bounds(count, parts):
     """``parts`` contiguous ``(lo, hi)`` ranges covering ``[0, count)``, sizes differing by at most one.
@@ -22,8 +24,9 @@ def shard_bounds(count, parts):
     return bounds
 
 
-#: Bytes of a cache line: shared-memory parts and ring chunks start on one, so two ranks never write one line.
-LINE = 64
+#: Bytes of a cache line (what host arrays start on): shared-memory parts and ring chunks start on one, so two
+#: ranks never write one line.
+LINE = ALIGNMENT
 
 
 def chunk_bounds(lo, hi, itemsize, parts):
