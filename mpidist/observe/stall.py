@@ -29,7 +29,6 @@ hears the chief's record too, and names where it was last seen:
     (rank 0) has not reported for 3.9 s; it was last seen in compute at step 6
 """
 
-import os
 import sys
 import threading
 import time
@@ -38,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime import comm as mpi
-from ..runtime.agreement import ABORT_GRACE_SECONDS, abort_quietly
+from ..runtime.agreement import ABORT_GRACE_SECONDS, abort_quietly, exit_now
 from ..runtime.errors import EXIT_FAILURE, error_line
 from ..runtime.whereabouts import PHASES, WAITS
 
@@ -293,4 +292,4 @@ def end_job(message):
         # as errors.py: else the launcher may tear the job down before it forwards the line
         time.sleep(ABORT_GRACE_SECONDS)
         abort_quietly(EXIT_FAILURE)  # (MPI's own abort line would follow the one above)
-    os._exit(EXIT_FAILURE)  # one process: the main thread may be stuck where no exception reaches it
+    exit_now(EXIT_FAILURE)  # one process: the main thread may be stuck where no exception reaches it

@@ -42,6 +42,7 @@ from .errors import (
 )
 from .price import out_of_memory
 from .rma import Window
+from .segments import forget_segments
 from .whereabouts import here
 
 # Time the launcher gets to forward what a failing rank printed before MPI_Abort
@@ -102,13 +103,26 @@ def abort_quietly(code):
     For where mpidist has printed the one line that says why: stderr goes to
     /dev/null first, so the job's output ends with that line.
     """
-    from mpi4py import MPI
-
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     except OSError:
         pass
+    abort_now(code)
+
+
+def abort_now(code):
+    """``MPI_Abort(code)`` on the world, MPICH's shared-memory files of this process unlinked first (an
+    abort skips the ``MPI_Finalize`` that removes them: :mod:`~mpidist.runtime.segments`)."""
+    from mpi4py import MPI
+
+    forget_segments()
     MPI.COMM_WORLD.Abort(code)
+
+
+def exit_now(code):
+    """``os._exit(code)``: this process ends at once, MPICH's shared-memory files of it unlinked first."""
+    forget_segments()
+    os._exit(code)
 
 
 def _tagged(text, rank):
@@ -153,7 +167,7 @@ def abort_job(exc_type, exc, tb):
         time.sleep(ABORT_GRACE_SECONDS if speaks else QUIET_SECONDS)
         if understood:
             abort_quietly(code)
-        MPI.COMM_WORLD.Abort(code)
+        abort_now(code)
     sys.exit(code)
 
 
@@ -195,7 +209,7 @@ def end_interrupted(stop):
         # (the launcher forwards the line before the abort tears the job down)
         time.sleep(ABORT_GRACE_SECONDS)
         abort_quietly(EXIT_PREEMPTED)
-    os._exit(EXIT_PREEMPTED)
+    exit_now(EXIT_PREEMPTED)
 
 
 def install_abort_on_exception():
