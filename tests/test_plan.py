@@ -275,6 +275,12 @@ def test_plan_sets_the_bytes_held_a_parameter_beside_the_zero_paper_s_count():
     assert [rows["optimizer", w]["held"] for w in (1, 2, 4)] == [16.0, 12.0, 10.0]
     assert [rows["parameters", w]["zero"] for w in (1, 2, 4)] == [16.0, 8.0, 4.0]
     assert [rows["parameters", w]["held"] for w in (1, 2, 4)] == [16.0 + 8.0, 8.0 + 8.0, 4.0 + 8.0]
+    # on nodes of 4 ranks the W workers of a node read one copy of the unit's parameters: 4/W bytes of them
+    # each, the gradients' 4 their own; on nodes of 3, 4 workers fill no nodes alike (a copy each)
+    rows = {(row["shard"], row["workers"]): row for row in held_per_parameter(made_up(), per_node=4)}
+    assert [rows["parameters", w]["gathered"] for w in (1, 2, 4)] == [4.0 + 4.0, 2.0 + 4.0, 1.0 + 4.0]
+    rows = {(row["shard"], row["workers"]): row for row in held_per_parameter(made_up(), per_node=3)}
+    assert [rows["parameters", w]["gathered"] for w in (1, 2, 4)] == [8.0, 2.0 + 4.0, 8.0]
 
 
 def test_the_memory_a_rank_holds_counts_its_share_of_each_array():

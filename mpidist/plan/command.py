@@ -113,10 +113,11 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
             f"mpidist plan: {strategy}{stale}: {each or 'fits nowhere'}"
             + (f"; pays up to {paying} node(s)" if paying else f"; never {advice.KNEE:.0%} efficient")
         )
-    held = held_per_parameter(cal)
+    held = held_per_parameter(cal, per_node=per_node)
     print(
         f"\nmpidist plan: bytes a worker holds a parameter ({cal.optimizer}, {cal.dtype}): the ZeRO paper's "
-        "count, and --shard parameters' two gathered units (units of 64 MiB)"
+        "count, and --shard parameters' two gathered units (units of 64 MiB; their parameters read once "
+        f"per node of {per_node} rank(s) with --exchange auto)"
     )
     print(format_table(held, HELD_COLUMNS))
     buckets = advice.buckets(cal, counts, per_node, batch_per_rank)

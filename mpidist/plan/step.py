@@ -16,7 +16,7 @@ import statistics
 import numpy as np
 
 from ..parallel import AllreduceStrategy, LocalStrategy, PipelineStrategy, PsAsyncStrategy, PsSyncStrategy
-from ..parallel.data.units import block_of, gathered_elements
+from ..parallel.data.units import block_of, gathered_elements, node_sharing
 from ..parallel.holding import zero_bytes_per_param
 from ..parallel.mesh import MeshShape
 from ..parallel.pipeline.balance import balance_by_parameters
@@ -171,17 +171,22 @@ def _fully_sharded(cal, layout):
     )
 
 
-def held_per_parameter(cal, counts=(1, 2, 4), bucket_mb=64.0):
+def held_per_parameter(cal, counts=(1, 2, 4), bucket_mb=64.0, per_node=1):
     """Rows of the bytes a worker holds a parameter under each ``allreduce`` layout at each worker count of
     ``counts``: the ZeRO paper's count (:func:`~mpidist.parallel.holding.zero_bytes_per_param`) and, with
-    ``--shard parameters``, its gathered units (two of the calibrated model's, at ``bucket_mb``)."""
+    ``--shard parameters``, its gathered units (two of the calibrated model's, at ``bucket_mb``), their
+    parameters read once per node where the workers fill nodes of ``per_node`` alike (``--exchange auto``)."""
     item, arrays = cal.itemsize, OPTIMIZER_ARRAYS.get(cal.optimizer, 2)
     units = units_of_model(cal, bucket_mb)
     rows = []
     for shard in ("none", "optimizer", "parameters"):
         for workers in counts:
+            local = min(workers, per_node)
+            sharing = node_sharing("auto", local) if workers % local == 0 else 1
             gathered = (
-                gathered_elements(units, False, workers) * item / cal.params if shard == "parameters" else 0
+                gathered_elements(units, False, workers, True, sharing) * item / cal.params
+                if shard == "parameters"
+                else 0
             )
             zero = zero_bytes_per_param(shard, workers, arrays, item)
             rows.append(
