@@ -20,7 +20,7 @@ from mpidist.parallel.data.ring import Ring
 from mpidist.parallel.shards import chunk_bounds
 from mpidist.runtime.cluster import build_cluster
 
-from conftest import ROOT, run_mpi
+from conftest import ROOT, events, run_mpi
 from small_net import small_convnet, worker_slice
 from test_recipe import STEPS, batches, clip_for, make, recipe, reference_local
 
@@ -207,3 +207,23 @@ def test_the_node_model_tests_pass_on_emulated_nodes(nodes):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_under_an_address_space_limit_each_worker_keeps_its_own_copy(tmp_path):
+    """ulimit -v counts the node's whole windows (the model and every worker's gradients) in every rank
+    that maps them, where a rank's price counts its share: auto sums over MPI with a copy a rank, and the
+    exchanges that share windows are refused when asked for, on every rank alike."""
+    flags = ["-m", "mpidist", "train", "--steps", "1", "--run-dir", "", "--progress", "none"]
+    limited = ("prlimit", f"--as={8 << 30}")
+    metrics = tmp_path / "metrics.jsonl"
+    auto, _ = run_mpi(2, [*flags, "--metrics", str(metrics)], timeout=120, prefix=limited)
+    assert auto.returncode == 0, auto.stderr
+    # (the node's one copy would count half the parameters on each rank: 26,122 of mlp's in float32)
+    roles = events(metrics, "done")[-1]["roles"]
+    assert [role["held_bytes"]["params"] for role in roles] == [26_122 * 4] * 2, roles
+    for asked in ("node", "shared-memory"):
+        refused, _ = run_mpi(2, [*flags, "--exchange", asked], timeout=120, prefix=limited)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.count(f"--exchange {asked}: an address-space limit (ulimit -v)") == 1, (
+            refused.stderr
+        )

@@ -75,14 +75,20 @@ def shared_windows_reason(nbytes):
     """``None`` if shared windows of ``nbytes`` in all can serve this node, else why not.
 
     Not where MPI runs with fault tolerance on (a lost rank must surface as
-    MPI's process-failure error, which shared windows do not give), and not
-    where /dev/shm (where MPICH puts its segments) has less room than twice
-    what the windows take.  Local.
+    MPI's process-failure error, which shared windows do not give), not
+    under an address-space limit (``ulimit -v``: it counts the node's whole
+    windows in every rank that maps them, where a rank's price counts its
+    share), and not where /dev/shm (where MPICH puts its segments) has less
+    room than twice what the windows take.  Local.
     """
     if ulfm_support()[0]:
         return (
             "MPI runs with fault tolerance on (mpirun --with-ft ulfm), and a lost worker must surface as "
             "its process-failure error, which its shared-memory windows do not give"
+        )
+    if address_space_limited():
+        return (
+            "an address-space limit (ulimit -v) counts the node's whole windows in every rank that maps them"
         )
     try:
         stats = os.statvfs("/dev/shm")
@@ -93,6 +99,16 @@ def shared_windows_reason(nbytes):
     if room < needed:
         return f"/dev/shm has {room >> 20} MiB free, the shared windows need {needed >> 20} MiB"
     return None
+
+
+def address_space_limited():
+    """Whether this process runs under an address-space limit (``ulimit -v``, ``RLIMIT_AS``)."""
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return False
 
 
 class SharedMemoryExchange(NoExchange):

@@ -70,25 +70,10 @@ def unit_route(comm, asked, xp, windows):
 
 def sharing_reason(xp, windows):
     """``None`` if this rank can share its node's windows of ``windows`` bytes, else why not (local): not
-    for arrays on GPUs, not where :func:`~.shared_memory.shared_windows_reason` refuses, and not under an
-    address-space limit (``ulimit -v``), which counts every rank's mapping of the whole windows."""
+    for arrays on GPUs, nor where :func:`~.shared_memory.shared_windows_reason` refuses."""
     if xp is not np:
         return "the parameters are on GPUs"
-    if address_space_limited():
-        return (
-            "an address-space limit (ulimit -v) counts the node's whole windows in every rank that maps them"
-        )
     return shared_windows_reason(windows)
-
-
-def address_space_limited():
-    """Whether this process runs under an address-space limit (``ulimit -v``, ``RLIMIT_AS``)."""
-    try:
-        import resource
-
-        return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
-    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
-        return False
 
 
 class RankRoute:
