@@ -20,15 +20,18 @@ needs_mpich = pytest.mark.skipif(not MPICH, reason="MPICH's /dev/shm files (anot
 
 def test_mapped_segments_are_mpichs_named_files_in_dev_shm_and_nothing_else(tmp_path):
     maps = tmp_path / "maps"
-    maps.write_text(
-        "7f00-7f01 rw-s 00000000 00:1a 11 /dev/shm/mpich_shm_2fcc_0\n"
-        "7f01-7f02 rw-s 00000000 00:1a 11 /dev/shm/mpich_shm_2fcc_0\n"  # (a file mapped twice: one name)
-        "7f02-7f03 rw-s 00000000 00:1a 12 /dev/shm/mpich_shm_a01_0 (deleted)\n"  # removed already
-        "7f03-7f04 rw-s 00000000 00:1a 13 /dev/shm/ucx_shm_posix_8ecd\n"  # another library's
-        "7f04-7f05 rw-s 00000000 00:1a 14 /dev/shm/sub/mpich_shm_b_0\n"  # not MPICH's place
-        "7f05-7f06 r--p 00000000 08:01 15 /home/user/mpich_shm_c_0\n"
-        "7f06-7f07 rw-p 00000000 00:00 0 \n"
-        "7f07-7f08 rw-s 00000000 00:1a 16 /dev/shm/mpich_shm_9e_1\n"
+    maps.write_bytes(
+        b"7e00-7e01 r--s 00000000 08:01 10 /data/r\xe9sum\xff.h5 (deleted)\n"  # (a name that is not UTF-8)
+        + (
+            "7f00-7f01 rw-s 00000000 00:1a 11 /dev/shm/mpich_shm_2fcc_0\n"
+            "7f01-7f02 rw-s 00000000 00:1a 11 /dev/shm/mpich_shm_2fcc_0\n"  # (a file mapped twice: one name)
+            "7f02-7f03 rw-s 00000000 00:1a 12 /dev/shm/mpich_shm_a01_0 (deleted)\n"  # removed already
+            "7f03-7f04 rw-s 00000000 00:1a 13 /dev/shm/ucx_shm_posix_8ecd\n"  # another library's
+            "7f04-7f05 rw-s 00000000 00:1a 14 /dev/shm/sub/mpich_shm_b_0\n"  # not MPICH's place
+            "7f05-7f06 r--p 00000000 08:01 15 /home/user/mpich_shm_c_0\n"
+            "7f06-7f07 rw-p 00000000 00:00 0 \n"
+            "7f07-7f08 rw-s 00000000 00:1a 16 /dev/shm/mpich_shm_9e_1\n"
+        ).encode()
     )
     assert mapped_segments(str(maps)) == ["/dev/shm/mpich_shm_2fcc_0", "/dev/shm/mpich_shm_9e_1"]
     assert mapped_segments(str(tmp_path / "missing")) == []

@@ -8,7 +8,7 @@ import pytest
 from mpidist import nn
 from mpidist.bench.handwritten import HandwrittenMLP
 from mpidist.bench.handwritten import handwritten_for
-from mpidist.nn import aligned
+from mpidist.runtime import aligned
 from mpidist.parallel import LocalStrategy
 from mpidist.parallel.data.exchange import top_down_buckets
 from mpidist.parallel.pipeline.slots import SlotPool
@@ -84,6 +84,8 @@ def test_aligned_arrays_start_on_a_cache_line_and_hold_exactly_their_elements(sh
         # exactly its own bytes of the raw buffer beneath: a write to every element reaches no byte beside
         assert array.nbytes == int(np.prod(expected)) * np.dtype(dtype).itemsize
     assert not made[1].any() and (made[2] == 1).all()
+    with pytest.raises(ValueError, match="negative dimensions"):  # (as numpy's own, not a short array)
+        aligned.empty(np, (2, -1), dtype)
 
 
 def test_the_arrays_a_step_streams_through_start_on_a_cache_line():

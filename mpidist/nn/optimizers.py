@@ -16,7 +16,7 @@ Adam with weight decay is AdamW; SGD with it is SGDW.
 
 import numpy as np
 
-from . import aligned
+from ..runtime import aligned
 
 #: Elements an update on the host takes at a time (128 Ki: its terms, 512 KiB each in float32, stay in the
 #: cache; measured against whole-buffer updates: within 5% on 0.7 M parameters, a third faster on 17 M).

@@ -22,7 +22,7 @@ and ``test`` extras install it); ``fp16`` is the arrays' own ``float16``.
 import numpy as np
 
 from ..runtime.errors import UsageError
-from . import aligned
+from ..runtime import aligned
 
 #: ``--precision`` values: the compute type (float32: the run's ``--dtype`` everywhere, no master copy)
 PRECISIONS = ("float32", "bf16", "fp16")

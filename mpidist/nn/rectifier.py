@@ -6,7 +6,8 @@ mlp-wide's hidden activations (64 x 512 floats), 320 against 117 (89 in
 place) on the cnn's first (800 K floats; one process, ``timeit``).  The results
 are the same to the bit (NaNs propagate, ``-0.0`` stays, ``-inf`` gives
 ``0``), so :func:`rectify` reads a block of zeros beside the activation
-instead of the scalar: a constant 64 KiB, whatever the activation's size.
+instead of the scalar: 64 KiB in float32 (128 in float64), whatever the
+activation's size.
 """
 
 import functools

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..runtime.memory import check_fits
 from ..runtime.recorder import tracer
-from . import aligned
+from ..runtime import aligned
 from .parameter_map import ParameterMap, walk
 from .workspace import Workspace
 

@@ -17,7 +17,7 @@ outputs a caller keeps (predictions) are never overwritten.  A pipeline
 stage, which holds several micro-batches in flight, gives each its own slot.
 """
 
-from . import aligned
+from ..runtime import aligned
 
 
 class Workspace:

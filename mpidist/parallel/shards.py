@@ -2,7 +2,7 @@
 per worker's optimizer slice (``--shard optimizer``), per rank of a node's window and per ring chunk
 (:mod:`mpidist.parallel.data`).  Arithmetic only; the cut is the same wherever it is asked for."""
 
-from ..nn.aligned import ALIGNMENT
+from ..runtime.aligned import ALIGNMENT
 
 
 def shard_bounds(count, parts):

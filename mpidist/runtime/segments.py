@@ -15,24 +15,28 @@ import contextlib
 import os
 
 #: where MPICH puts its segments, and how it names them
-SHM, PREFIX = "/dev/shm/", "mpich_shm_"
+SHM, PREFIX = b"/dev/shm/", b"mpich_shm_"
 
 
 def mapped_segments(maps="/proc/self/maps"):
-    """The MPICH segment files this process maps that still have a name (none where ``maps`` is missing)."""
+    """The MPICH segment files this process maps that still have a name (none where ``maps`` is missing).
+
+    Read as bytes: another mapped file's name need not be UTF-8 (a user's data file)."""
     found = set()
-    with contextlib.suppress(OSError), open(maps) as lines:
+    with contextlib.suppress(OSError), open(maps, "rb") as lines:
         for line in lines:
             fields = line.split(maxsplit=5)
-            path = fields[5].strip() if len(fields) == 6 else ""
-            removed = path.endswith(" (deleted)")
-            if path.startswith(SHM + PREFIX) and "/" not in path[len(SHM) :] and not removed:
-                found.add(path)
+            path = fields[5].strip() if len(fields) == 6 else b""
+            removed = path.endswith(b" (deleted)")
+            if path.startswith(SHM + PREFIX) and b"/" not in path[len(SHM) :] and not removed:
+                found.add(os.fsdecode(path))
     return sorted(found)
 
 
 def forget_segments():
-    """Unlink every MPICH segment file this process maps (see the module's docstring); errors ignored."""
-    for path in mapped_segments():
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    """Unlink every MPICH segment file this process maps (see the module's docstring).  Never raises: it
+    runs just before the process ends, which nothing may keep from happening."""
+    with contextlib.suppress(Exception):
+        for path in mapped_segments():
+            with contextlib.suppress(OSError):
+                os.unlink(path)

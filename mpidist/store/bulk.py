@@ -26,6 +26,7 @@ import os
 import h5py
 import numpy as np
 
+from ..runtime import aligned
 from . import new_hdf5
 
 PAGE = 4096  # what O_DIRECT asks of offsets, lengths and memory: a page, the largest logical block in use
@@ -40,10 +41,7 @@ def open_aligned(path):
 
 def aligned_empty(shape, dtype):
     """An uninitialised array whose memory starts on a page (so it can be written around the cache)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-    start = -raw.ctypes.data % PAGE
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    return aligned.empty(np, shape, dtype, alignment=PAGE)
 
 
 def allocate(group, name, array, places):

@@ -22,7 +22,7 @@ verdict on the shards' squared norms and the loss, summed in one small
 import numpy as np
 from mpi4py import MPI
 
-from ...nn import aligned
+from ...runtime import aligned
 from ..base import Strategy
 from ..mesh import Mesh, ReplicaWorkers
 from ..parts import split_over

@@ -21,7 +21,7 @@ parameters change (:meth:`UnitGathers.invalidate`, after each update).
 
 import numpy as np
 
-from ...nn import aligned
+from ...runtime import aligned
 from ...runtime import comm as mpi
 from ...runtime import recorder
 from .units import slot_counts, slot_sizes

@@ -6,7 +6,7 @@ sums them over the workers while backward runs, and every worker applies the
 same update to the same parameters.
 """
 
-from ...nn import aligned
+from ...runtime import aligned
 from ...nn.precision import is_low
 from ...runtime import comm as mpi
 from ..base import Strategy, synchronise_batch_norms

@@ -48,8 +48,9 @@ def shared_memory_possible(comm, buffer):
     """Collective over ``comm``: ``None`` if the buffers can be shared, else why not (the same on every rank).
 
     They can where there is more than one worker, every worker on one node,
-    the buffer in host memory, and /dev/shm (where MPICH puts its segments)
-    with room for twice what the windows take.
+    the buffer in host memory, and :func:`shared_windows_reason` lets the
+    windows serve (no fault tolerance, no address-space limit, room in
+    /dev/shm).
     """
     if comm is None or comm.Get_size() < 2:
         return ONE_WORKER

@@ -42,7 +42,7 @@ where nodes hold different numbers of workers or one each, nor where
 import numpy as np
 from mpi4py import MPI
 
-from ...nn import aligned
+from ...runtime import aligned
 from ...runtime import comm as mpi
 from ...runtime.agreement import agreed
 from ...runtime.errors import UsageError
