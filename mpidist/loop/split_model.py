@@ -94,10 +94,6 @@ class Ranks:
     def local_size(self):
         return 1  # (its node unknown: priced as holding its own copy of what a node may share)
 
-    @property
-    def num_nodes(self):
-        return self.size
-
     nodes_alike = True
 
 

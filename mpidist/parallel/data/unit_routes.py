@@ -50,6 +50,9 @@ from ..shards import LINE, line_bytes
 from .node_model import nodes_reason
 from .shared_memory import ONE_WORKER, shared_windows_reason
 
+#: a sum complete when it was started (one node's: nothing in flight), as a started one is waited for
+DONE = mpi.Pending(MPI.REQUEST_NULL, None)
+
 
 def unit_route(comm, asked, xp, windows):
     """Collective over ``comm`` (the workers that share the shards): the route ``asked`` (``--exchange``) of
@@ -233,16 +236,3 @@ class NodeRoute:
             self.node.Free()
             self.cross.Free()
             self.node = self.cross = None
-
-
-class Done:
-    """A sum complete when it was started (one node's: nothing in flight)."""
-
-    def test(self):
-        return True
-
-    def wait(self):
-        """Nothing to wait for."""
-
-
-DONE = Done()
