@@ -14,7 +14,8 @@ accuracy and its difference from float32's, in points.
 ``mpiexec -n 2 python gpu/bench.py send --out F``: the bytes of one activation
 sent from rank 0 to rank 1 as the pipeline sends them (``runtime.comm.send``:
 device to device where MPI is CUDA-aware, staged through the host where not),
-against a cupy device-to-device copy of the same bytes, on each path MPI offers;
+against a cupy device-to-device copy of the same bytes, on each path MPI offers
+and by the IPC link a stage uses towards a neighbour on its node (``ipc``);
 and the pieces of a host-staged send: device to host (pageable and pinned
 memory) and MPI between host buffers.
 """
@@ -174,6 +175,7 @@ def send(seconds):
                 expected = cupy.arange(mib << 18, dtype=cupy.float32)
                 assert bool((array == expected).all()), "the received activation differs from the sent one"
             row[f"{label} send GB/s"] = array.nbytes / seconds_each / 1e9
+        row["ipc send GB/s"] = _ipc_send(world, array, stream, seconds, until_received)
         # a host-staged send is: device to host, MPI between host buffers, host to device
         row["MPI host send GB/s"] = (
             array.nbytes
@@ -200,6 +202,34 @@ def send(seconds):
             print(row, flush=True)
     comm.cuda_aware.cache_clear()
     return rows if rank == 0 else None
+
+
+def _ipc_send(world, array, stream, seconds, until_received):
+    """GB/s of ``array`` sent from rank 0 to rank 1 by the pipeline's IPC link (device to device, MPI carrying
+    the header): what a stage sends its neighbour on one node by."""
+    import cupy
+
+    from mpidist.bench.timing import synced_timed
+    from mpidist.runtime.cuda_ipc import CudaMemory
+    from mpidist.runtime.ipc_link import IpcLink
+
+    comms = [world.Dup(), world.Dup()]
+    link = IpcLink(*comms, 1 - world.Get_rank(), CudaMemory())
+    if world.Get_rank() == 1:
+        array.fill(-1)
+    seconds_each = synced_timed(
+        world,
+        until_received(lambda: link.isend(array, 9)[0].Wait(), lambda: link.recv(array, 9)),
+        seconds,
+    )
+    if world.Get_rank() == 1:
+        expected = cupy.arange(array.size, dtype=array.dtype)
+        assert bool((array == expected).all()), "the activation received by IPC differs from the sent one"
+    stream.synchronize()
+    link.close()
+    for comm in comms:
+        comm.Free()
+    return array.nbytes / seconds_each / 1e9
 
 
 def main():

@@ -82,3 +82,35 @@ def test_a_staged_copy_back_is_complete_before_its_pinned_block_is_handed_out_ag
     clobber[...] = 7.0
     cupy.cuda.get_current_stream().synchronize()
     assert float(array.min()) == 1.0 and float(array.max()) == 1.0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_ipc_link_moves_device_arrays_between_two_ranks_both_ways():
+    """Ranks 0 and 1 (one GPU or two of one node): every message arrives whole, in slots made and opened once
+    per message in flight, and closing frees them all."""
+    from mpi4py import MPI
+
+    from mpidist.runtime.cuda_ipc import CudaMemory
+    from mpidist.runtime.ipc_link import GRANULE, IpcLink
+
+    world = MPI.COMM_WORLD
+    pair = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED, world.Get_rank())
+    if pair == MPI.COMM_NULL:
+        return
+    acks, me = pair.Dup(), pair.Get_rank()
+    link = IpcLink(pair, acks, 1 - me, CudaMemory())
+    sizes = [3, GRANULE // 4 + 1, 16 << 18, 5]  # float32: a granule's first slot, then larger ones
+    sent = [cupy.arange(size, dtype=cupy.float32) + 1000 * me for size in sizes]
+    requests = [link.isend(array, tag)[0] for tag, array in enumerate(sent)]
+    for array in sent:
+        array.fill(-7)  # (the bytes left with the send)
+    for tag in reversed(range(len(sizes))):
+        got = link.recv(cupy.empty(sizes[tag], cupy.float32), tag)
+        expected = np.arange(sizes[tag], dtype=np.float32) + 1000 * (1 - me)
+        np.testing.assert_array_equal(cupy.asnumpy(got), expected)
+    MPI.Request.Waitall(requests)
+    assert len(link.slots) == len(sizes)
+    link.close()
+    assert link.slots == [] and link.mapped == {}
+    acks.Free()
+    pair.Free()

@@ -19,6 +19,7 @@ a host-staged send 3.3-6 GB/s: a faster route is taken wherever one exists.
 """
 
 import dataclasses
+import os
 
 #: the routes, fastest first where several could serve
 ROUTES = ("mpi", "ipc", "nccl", "cuda-aware", "host-staged")
@@ -41,6 +42,41 @@ class Facts:
     ipc: bool = False
     nccl: bool = False
     cuda_aware: bool = False
+
+    @classmethod
+    def between(cls, one, other):
+        """The facts of a transfer between two ranks of :class:`RankFacts` ``one`` and ``other`` (NCCL's
+        point-to-point sends are not built: a send goes by IPC, a CUDA-aware MPI or the host)."""
+        return cls(
+            device=one.device and other.device,
+            same_node=one.node == other.node,
+            ipc=one.ipc and other.ipc,
+            cuda_aware=one.cuda_aware and other.cuda_aware,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFacts:
+    """What one rank tells the others a route between them depends on.
+
+    Attributes:
+        node: a name of its node, the same for every rank of it.
+        device: its arrays live on a GPU.
+        ipc: CUDA IPC handles can be made and opened here.
+        cuda_aware: its MPI reads and writes device memory.
+    """
+
+    node: int = 0
+    device: bool = False
+    ipc: bool = False
+    cuda_aware: bool = False
+
+    @classmethod
+    def of(cls, node, device, ipc=False, cuda_aware=False):
+        """This rank's facts; IPC where ``ipc`` says so or the device supports it
+        (``MPIDIST_IPC=0`` turns it off, for a container that forbids it)."""
+        possible = device and (ipc or _ipc_possible())
+        return cls(int(node), bool(device), bool(possible), bool(device and cuda_aware))
 
 
 def choose(kind, facts):
@@ -98,10 +134,22 @@ def probe(same_node, cuda_aware):
     return Facts(
         device=devices > 0,
         same_node=same_node,
-        ipc=devices > 0 and hasattr(cupy.cuda.runtime, "ipcGetMemHandle"),
+        ipc=_ipc_possible(),
         nccl=_nccl(),
         cuda_aware=cuda_aware,
     )
+
+
+def _ipc_possible():
+    """Whether this process can export device memory to another (``MPIDIST_IPC=0``: no)."""
+    if os.environ.get("MPIDIST_IPC", "").strip().lower() in ("0", "false", "no"):
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0 and hasattr(cupy.cuda.runtime, "ipcGetMemHandle")
+    except Exception:  # (no cupy, no driver, no GPU)
+        return False
 
 
 def _nccl():

@@ -2,11 +2,13 @@
 
 import numpy as np
 import pytest
+from host_ipc import HostMemory, leftovers
 from mpi4py import MPI
 from small_net import small_convnet, worker_slice
 
 from mpidist import nn
 from mpidist.parallel import LocalStrategy, PipelineStrategy
+from mpidist.parallel.pipeline import stage
 from mpidist.parallel.pipeline.balance import balance_by_parameters, layer_costs
 from mpidist.parallel.pipeline.schedule_runner import split_sizes
 from mpidist.runtime.cluster import build_cluster
@@ -277,3 +279,31 @@ def test_a_pipeline_refuses_accumulation_slices_smaller_than_its_micro_batches()
     ):
         PipelineStrategy.check_slice(settings, 3)
     AllreduceStrategy.check_slice(Settings(strategy="allreduce"), 1)  # only pipelines cut slices further
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+def test_stages_of_one_node_send_by_ipc_links_and_train_as_by_mpi(monkeypatch, schedule_name):
+    """Every stage told it holds device arrays that IPC can map (the host stand-in's), on one node: the
+    links carry every activation and gradient, and the pipeline still equals the local step."""
+    fits(2)
+    facts = stage._stage_facts
+    monkeypatch.setattr(stage, "_stage_facts", lambda pipe, device, ipc: facts(pipe, True, True))
+    memories = []
+    monkeypatch.setattr(stage, "_cuda_memory", lambda: memories.append(HostMemory()) or memories[-1])
+    cluster, strategy, reference = run_pipeline(2, 3, schedule_name, optimizer="adam")
+    np.testing.assert_allclose(
+        strategy.model.params,
+        reference.model.params[strategy.param_lo : strategy.param_hi],
+        rtol=1e-9,
+        atol=1e-12,
+    )
+    assert "sends ipc" in strategy.describe(cluster.rank)
+    assert [route for route, _ in strategy.links.routes.values()] == ["ipc"]
+    (memory,) = memories
+    # (the sender's slots: one per micro-batch in flight at most; the receiver opened each once)
+    assert 1 <= memory.made <= 3 and 1 <= memory.opened <= 3
+    strategy.free()
+    assert memory.made == memory.freed and memory.opened == memory.closed and leftovers() == []
+    strategy.free()  # (a second free does nothing)
+    cluster.free()

@@ -17,8 +17,8 @@ class ReplicasLeftWhole(Recovery):
     """The survivors' side of a :class:`~mpidist.parallel.pipeline.strategy.PipelineStrategy`."""
 
     def communicators(self):
-        """The mesh's splits (the pipe and the replicas' groups)."""
-        return self.strategy.mesh.owned()
+        """The mesh's splits (the pipe and the replicas' groups), and the IPC links' communicators."""
+        return self.strategy.mesh.owned() + self.strategy.links.owned()
 
     def left_idle(self, lost):
         """The survivors in a replica that lost a stage: its layers are in no rank of it any more."""

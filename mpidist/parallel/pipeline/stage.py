@@ -17,7 +17,8 @@ from mpi4py import MPI
 
 from ...nn import Sequential
 from ...runtime import comm as mpi
-from ...runtime import recorder
+from ...runtime import recorder, routes
+from ...runtime.ipc_link import IpcLink
 from ..mesh import MeshShape
 
 TRACER = recorder.tracer()
@@ -107,16 +108,61 @@ class StageLinks:
     this stage in every replica (ranked by replica).  Time spent waiting for
     a neighbour counts as ``idle_s`` in ``figures``.
 
+    How the bytes to and from each neighbouring stage travel is chosen here,
+    once, from every stage's facts (:func:`~mpidist.runtime.routes.choose`):
+    between GPU ranks of one node device to device by CUDA IPC
+    (:class:`~mpidist.runtime.ipc_link.IpcLink`, over two communicators of
+    its own made and freed here), else by MPI.
+
     Args:
         mesh: the run's :class:`~mpidist.parallel.mesh.Mesh`.
         layout: this rank's :class:`StageLayout`.
         figures: the strategy's figures (``idle_s`` is added to).
         track: the strategy's ``track(phase)`` (where the stall monitor sees this rank).
+        device: the stage's arrays live on a GPU.
+        memory: the device operations IPC uses (default: CUDA's,
+            :class:`~mpidist.runtime.cuda_ipc.CudaMemory`, where the device
+            supports it); given, every stage of one node may use IPC.
     """
 
-    def __init__(self, mesh, layout, figures, track):
+    def __init__(self, mesh, layout, figures, track, device=False, memory=None):
         self.layout, self.figures, self.track = layout, figures, track
         self.pipe, self.peers = mesh.comm("stage"), mesh.comm("replica")
+        facts = _stage_facts(self.pipe, device, memory is not None)
+        #: ``(route, why)`` to each neighbouring stage, by stage
+        self.routes = {
+            stage: routes.choose("send", routes.Facts.between(facts[layout.stage], facts[stage]))
+            for stage in (layout.stage - 1, layout.stage + 1)
+            if 0 <= stage < layout.stages
+        }
+        self._ipc, self._ipc_comms = {}, []
+        pairs = [routes.Facts.between(facts[stage], facts[stage + 1]) for stage in range(len(facts) - 1)]
+        if any(routes.choose("send", pair)[0] == "ipc" for pair in pairs):  # (the same on every stage)
+            self._ipc_comms = [self.pipe.Dup(), self.pipe.Dup()]  # headers, acknowledgements
+            memory = memory if memory is not None else _cuda_memory()
+            for stage, (route, _) in self.routes.items():
+                if route == "ipc":
+                    self._ipc[stage] = IpcLink(*self._ipc_comms, stage, memory)
+
+    def describe(self):
+        """How this stage's sends travel, for the role table ("" where MPI moves host arrays)."""
+        names = sorted({route for route, _ in self.routes.values()})
+        return "" if names in ([], ["mpi"]) else "sends " + "/".join(names)
+
+    def owned(self):
+        """The communicators made here (a recovery revokes them with the world)."""
+        return list(self._ipc_comms)
+
+    def free(self):
+        """Collective over the pipe: close the IPC links and free their communicators (a second call does
+        nothing)."""
+        # (a stage closes its link backward first: the pipe's closes then follow each other down the pipe)
+        for stage in sorted(self._ipc):
+            self._ipc[stage].close()
+        self._ipc = {}
+        for comm in self._ipc_comms:
+            comm.Free()
+        self._ipc_comms = []
 
     def recv(self, buffer, source, tag, flow=None):
         """Receive ``buffer`` from stage ``source``; ``flow``: ``(step, round)`` to draw the sender's arrow
@@ -124,7 +170,11 @@ class StageLinks:
         start = time.perf_counter()
         self.track("exchange")
         with TRACER.span("recv", "pipeline", source=source, tag=tag):
-            mpi.recv(self.pipe, buffer, source, tag)
+            link = self._ipc.get(source)
+            if link is not None:
+                link.recv(buffer, tag)
+            else:
+                mpi.recv(self.pipe, buffer, source, tag)
             if flow is not None and TRACER.on:
                 TRACER.flow(False, recorder.flow_id(self.layout.replica, *flow, source, tag), _carried(tag))
         self.track("compute")
@@ -139,13 +189,17 @@ class StageLinks:
         the receive of the same (step, round, stage, tag); None: untraced.
         """
         if flow is None:
-            return mpi.isend(self.pipe, array, dest, tag)
+            return self._isend(array, dest, tag)
         with TRACER.span("send", "pipeline", to=dest, tag=tag):
             if TRACER.on:
                 TRACER.flow(
                     True, recorder.flow_id(self.layout.replica, *flow, self.layout.stage, tag), _carried(tag)
                 )
-            return mpi.isend(self.pipe, array, dest, tag)
+            return self._isend(array, dest, tag)
+
+    def _isend(self, array, dest, tag):
+        link = self._ipc.get(dest)
+        return mpi.isend(self.pipe, array, dest, tag) if link is None else link.isend(array, tag)
 
     def wait(self, requests):
         """Wait for every one of ``requests`` (a round's sends) to complete, as idle time."""
@@ -153,6 +207,24 @@ class StageLinks:
         self.track("exchange")
         MPI.Request.Waitall(requests)
         self.figures["idle_s"] += time.perf_counter() - start
+
+
+def _stage_facts(pipe, device, ipc):
+    """Collective over the pipe: every stage's :class:`~mpidist.runtime.routes.RankFacts`, by stage (``ipc``:
+    IPC is possible wherever the device is, as with a stand-in for the device's memory)."""
+    node = pipe.Split_type(MPI.COMM_TYPE_SHARED, key=pipe.Get_rank())
+    try:
+        first_on_node = node.bcast(pipe.Get_rank())  # (a node's name: its first stage)
+    finally:
+        node.Free()
+    mine = routes.RankFacts.of(first_on_node, device, ipc, mpi.cuda_aware() if device else False)
+    return pipe.allgather(mine)
+
+
+def _cuda_memory():
+    from ...runtime.cuda_ipc import CudaMemory
+
+    return CudaMemory()
 
 
 def _carried(tag):

@@ -113,7 +113,7 @@ class PipelineStrategy(PipelineDeclared, Strategy):
         self._as_writer = self.tensor.within(full, first_entry(full, layout.first_layer))
         #: the regions, written by the first replica
         self.placement = self._as_writer.within(full, 0, writes=layout.replica == 0)
-        self.links = StageLinks(self.mesh, layout, self.figures, self.track)
+        self.links = StageLinks(self.mesh, layout, self.figures, self.track, device=full.xp is not np)
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)  # gradients, then loss
         self.optimizer = self.optimizers.make(self.model.num_params, layout.param_lo)
         if self.optimizer is not None:  # (a part is no slice of the whole: its own; a stage's are the same)
@@ -157,6 +157,7 @@ class PipelineStrategy(PipelineDeclared, Strategy):
             f"stage {layout.stage}/{layout.stages} layers {layout.first_layer}-{layout.end_layer - 1}",
             self.tensor.describe(),
             f"replica {layout.replica}" if layout.replicas > 1 else "",
+            self.links.describe(),
         )
         return " ".join(word for word in words if word)
 
@@ -308,5 +309,6 @@ class PipelineStrategy(PipelineDeclared, Strategy):
         }
 
     def free(self, keep=True):
-        """Collective: free the stage's communicators (a second free does nothing)."""
+        """Collective: free the stage's links and communicators (a second free does nothing)."""
+        self.links.free()
         self.mesh.free()
