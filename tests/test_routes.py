@@ -3,7 +3,8 @@
 import pytest
 
 from mpidist.nn.capture import Captures, PassKey
-from mpidist.runtime.routes import Facts, choose, described, probe
+from mpidist.runtime import routes
+from mpidist.runtime.routes import Facts, RankFacts, choose, described, probe
 
 GPU = {"device": True}
 
@@ -92,3 +93,26 @@ def test_a_failed_capture_runs_eagerly_for_good_and_forget_starts_every_key_agai
     captures.decide(other), captures.decide(other)
     captures.forget()
     assert [captures.decide(other) for _ in range(3)] == ["eager", "capture", "replay"]
+
+
+@pytest.mark.parametrize(
+    "one, other, route",
+    [
+        (RankFacts(0, True, True), RankFacts(0, True, True), "ipc"),
+        (RankFacts(0, True, True), RankFacts(1, True, True), "host-staged"),  # (two nodes)
+        (RankFacts(0, True, True, True), RankFacts(1, True, True, True), "cuda-aware"),
+        (RankFacts(0, True, True, True), RankFacts(1, True, True, False), "host-staged"),
+        (RankFacts(0, True, False), RankFacts(0, True, True), "host-staged"),  # (one end without IPC)
+        (RankFacts(0, False), RankFacts(0, True, True), "mpi"),  # (one end's arrays on the host)
+    ],
+)
+def test_a_send_between_two_ranks_goes_by_what_both_ends_allow(one, other, route):
+    assert choose("send", Facts.between(one, other))[0] == route
+    assert choose("send", Facts.between(other, one))[0] == route
+
+
+def test_ipc_is_a_fact_of_a_device_rank_only_and_can_be_turned_off(monkeypatch):
+    assert RankFacts.of(3, device=True, ipc=True) == RankFacts(3, True, True, False)
+    assert RankFacts.of(3, device=False, ipc=True, cuda_aware=True) == RankFacts(3, False, False, False)
+    monkeypatch.setenv("MPIDIST_IPC", "0")
+    assert not routes._ipc_possible()
