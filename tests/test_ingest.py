@@ -451,8 +451,11 @@ def test_an_output_in_a_read_only_directory_is_refused_before_reading(tmp_path, 
 def test_an_output_that_is_the_source_is_refused(tmp_path):
     source = good_csv(tmp_path)
     text = source.read_text()
-    with pytest.raises(UsageError, match="is the source file, which writing would destroy"):
+    with pytest.raises(UsageError, match="is .*g.csv, an input of this command"):
         ingest(str(source), tmp_path / "." / "g.csv")
+    (tmp_path / "hard.csv").hardlink_to(source)  # (the same file by another name)
+    with pytest.raises(UsageError, match="an input of this command"):
+        ingest(str(tmp_path / "hard.csv"), source)
     assert source.read_text() == text
 
 

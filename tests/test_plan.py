@@ -727,3 +727,15 @@ def test_a_best_layout_above_linear_is_explained_where_it_is_printed():
     assert said.startswith(
         "note: linear is the node count times the best one-node layout's samples/s; above 100%"
     )
+
+
+def test_plan_refuses_an_output_that_is_its_calibration_and_leaves_it_whole(tmp_path):
+    calibration_file = tmp_path / "c.json"
+    calibration_file.write_text(json.dumps(made_up().to_json()))
+    before = calibration_file.read_bytes()
+    done, _ = mpidist(
+        1, "plan", "--calibration", str(calibration_file), "--nodes", "1", "--output", str(calibration_file)
+    )
+    assert done.returncode == 2, done.stderr
+    assert "an input of this command" in done.stderr and "Traceback" not in done.stderr
+    assert calibration_file.read_bytes() == before

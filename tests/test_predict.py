@@ -250,9 +250,9 @@ def _bad_inputs(tmp_path, checkpoint):
         "missing": (["--data", str(tmp_path / "missing.npy")], "no such file"),
         "output = input": (
             ["--data", str(tmp_path / "nan.npy"), "--output", str(tmp_path / "nan.npy")],
-            "an input of this run",
+            "an input of this command",
         ),
-        "output = checkpoint": (["--output", str(checkpoint)], "an input of this run"),
+        "output = checkpoint": (["--output", str(checkpoint)], "an input of this command"),
         "no output": ([], "arguments are required: --output"),
     }
 

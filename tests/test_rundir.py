@@ -326,3 +326,18 @@ def test_without_a_run_directory_the_run_says_where_its_metrics_go_and_what_they
     )
     assert "of lines already there (each run's begin with its start event" in second
     assert sum('"event": "start"' in line for line in path.read_text().splitlines()) == 2
+
+
+def test_settings_that_say_something_else_are_kept_before_a_run_writes_its_own(tmp_path):
+    first, second = Settings(model="mlp:8", seed=1), Settings(model="mlp:8", seed=2)
+    assert rundir.write_settings(first, tmp_path) is None  # (nothing there)
+    written = (tmp_path / rundir.SETTINGS).read_bytes()
+    assert rundir.write_settings(first, tmp_path) is None  # (the same settings: nothing to keep)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [rundir.SETTINGS]
+    assert rundir.write_settings(second, tmp_path) == "settings-1.toml"
+    assert (tmp_path / "settings-1.toml").read_bytes() == written
+    (tmp_path / rundir.SETTINGS).write_text("# a user's own\nseed = 9\n")
+    assert rundir.write_settings(first, tmp_path) == "settings-2.toml"
+    assert (tmp_path / "settings-2.toml").read_text() == "# a user's own\nseed = 9\n"
+    assert (tmp_path / rundir.SETTINGS).read_bytes() == written
+    assert (tmp_path / "settings-1.toml").read_bytes() == written  # (each kept file left as it was)

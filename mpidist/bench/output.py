@@ -10,6 +10,7 @@ from ..runtime import leftovers
 from ..runtime.errors import UsageError
 from ..runtime.text import os_reason
 from ..store import atomic
+from ..store.kept import refuse_kept
 from ..store.outputs import unwritable
 
 
@@ -62,23 +63,26 @@ def _directory_takes_files(target):
     os.unlink(probe)
 
 
-def check_output(output):
-    """Raise :class:`UsageError` naming ``output`` and the reason if the results could not be written there.
+def check_output(output, option="--output", inputs=()):
+    """Raise :class:`UsageError` naming ``output`` and the reason if the results could not be written there,
+    or may not: it is one of ``inputs`` (files the command reads), a run's file or a checkpoint
+    (:func:`~mpidist.store.kept.refuse_kept`).
 
     Called before any benchmark runs, so a bad ``--output`` does not cost the
     run.  Changes nothing: an existing file is opened to append and closed,
     and a probe file is created beside it and removed (the results are
     written aside and renamed over it: its directory must take new files).
     """
+    refuse_kept(output, option, inputs)
     target = os.fspath(output)  # a link there is replaced itself, never written through
     try:
         _existing_file(target)
         _directory_takes_files(target)
     except ValueError as err:
-        raise UsageError(f"--output {output}: cannot be written: {err}") from None
+        raise UsageError(f"{option} {output}: cannot be written: {err}") from None
     except OSError as err:
         reason = os_reason(err, "its directory does not exist", "permission denied")
-        raise UsageError(f"--output {output}: cannot be written: {reason}") from None
+        raise UsageError(f"{option} {output}: cannot be written: {reason}") from None
 
 
 def write_results(output, document, what="the results"):

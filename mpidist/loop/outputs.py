@@ -126,7 +126,12 @@ class Outputs:
     def begin(self, config):
         """Once every rank's checks passed: the run directory's settings (a refused run changes nothing)."""
         if self.chief and config.run_dir:
-            rundir.write_settings(config, config.run_dir)
+            kept = rundir.write_settings(config, config.run_dir)
+            if kept:
+                self.say(
+                    f"mpidist: {Path(config.run_dir) / rundir.SETTINGS} said other settings: they are kept "
+                    f"as {kept}"
+                )
 
     def start_trace(self, config, cluster):
         """Collective: with ``--trace``, record from now on, on a clock aligned with the chief's."""

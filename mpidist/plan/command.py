@@ -64,7 +64,7 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
     per_node = per_node or cal.ranks_per_node
     batch_per_rank = batch_per_rank or cal.batch_per_rank
     budget = parse_bytes(memory, "--memory-per-node") if memory else cal.node_memory_bytes
-    check_output(output)
+    check_output(output, inputs=[path])
     counts = parse_nodes(nodes)
     rows, best, knee = advice.advise(cal, counts, per_node, batch_per_rank, budget)
     print(
@@ -188,7 +188,7 @@ def _layouts(best):
 def check(path, run_dirs, output):
     """``plan --check``: prediction beside measurement for each run."""
     cal = calibration.load(path)
-    check_output(output)
+    check_output(output, inputs=[path, *run_dirs])
     rows, notes = check_runs(cal, run_dirs)
     for note in notes:
         print(f"mpidist plan: {note}")

@@ -26,22 +26,19 @@ import math
 import os
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 from ..runtime.errors import UsageError
 from . import atomic, bounded, removal
 from .checkpoint import settings_of
+from .kept import RUN_FILES
 from .lineage import LOCK_NAME, RUN_LOCK_NAME, newest_checkpoint
 from .outputs import is_regular_file, special_kind
 
 ROOT = "runs"
-SETTINGS, METRICS, LOG, TRACE, CHECKPOINTS = (
-    "settings.toml",
-    "metrics.jsonl",
-    "log.txt",
-    "trace.json",
-    "checkpoints",
-)
+SETTINGS, METRICS, LOG, TRACE = RUN_FILES
+CHECKPOINTS = "checkpoints"
 AUTO = "auto"
 #: settings that say where this run's files go, not what it does: not written to settings.toml
 WHERE = ("run_dir", "resume", "metrics", "checkpoint_dir", "config")
@@ -300,17 +297,44 @@ def write_settings(config, run_dir):
     """Write the resolved settings to ``run_dir/settings.toml`` (atomically): what ``--config`` reads back.
 
     Where the run's files went is left out, so a run started from the file
-    writes a directory of its own.
+    writes a directory of its own.  A ``settings.toml`` there already that
+    says something else (an earlier run's in a ``--run-dir`` used again, a
+    user's own file) is kept first, as ``settings-<n>.toml`` (the first free
+    ``n``), whose name is returned (None where nothing was kept).
     """
     lines = ["# mpidist: this run's settings, resolved; `python -m mpidist train --config` takes them back"]
     for field in dataclasses.fields(config):
         if field.name not in WHERE:
             lines.append(f"{field.name.replace('_', '-')} = {toml_value(getattr(config, field.name))}")
+    text = ("\n".join(lines) + "\n").encode("utf-8")
+    target = Path(run_dir) / SETTINGS
     try:
-        with atomic.replacing(Path(run_dir) / SETTINGS) as aside:
-            aside.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        kept = _keep_other(target, text)
+        with atomic.replacing(target) as aside:
+            aside.write_bytes(text)
     except OSError as err:
         raise UsageError(f"--run-dir {run_dir}: cannot write {SETTINGS} ({err.strerror})") from None
+    return kept
+
+
+def _keep_other(target, text):
+    """Keep the file ``target`` under a free ``settings-<n>.toml`` name beside it (a hard link, else a copy)
+    unless it holds ``text`` or is no regular file; the name kept, or None."""
+    if not is_regular_file(target):
+        return None
+    if target.stat().st_size == len(text) and target.read_bytes() == text:  # (read only at the same size)
+        return None
+    for count in range(1, 10_000):
+        kept = target.with_name(f"{target.stem}-{count}{target.suffix}")
+        try:
+            os.link(target, kept)
+        except FileExistsError:
+            continue
+        except OSError:  # (no hard links on this file system: a copy, never over a file)
+            with open(target, "rb") as source, open(kept, "xb") as copy:
+                shutil.copyfileobj(source, copy)
+        return kept.name
+    raise UsageError(f"{target}: settings-1.toml to settings-9999.toml all exist: clear some of them")
 
 
 def toml_value(value):

@@ -265,7 +265,7 @@ def cmd_plan(args, world):
             if world.Get_rank() == 0:
                 from ..bench.output import check_output
 
-                check_output(args.calibration)
+                check_output(args.calibration, "--calibration")
         command.calibrate(world, settings, args.calibration, args.seconds)
         return EXIT_OK
     with agreed(world):

@@ -38,6 +38,7 @@ import numpy as np
 from ..data import writer
 from ..runtime.errors import UsageError
 from ..runtime.text import check_utf8, printable
+from ..store.kept import refuse_kept
 from ..store.outputs import claimed
 from .csv_table import DELIMITERS, from_csv
 from .dataset_file import check_extras, check_splits, train_stats, write_dataset
@@ -188,6 +189,7 @@ def ingest(
         )
     writer.check_shard_size(shard_size)
     writer.filters(compression)
+    refuse_kept(out, "ingest: the output", [source] if Path(source).is_file() else [])
     generated = writer.synthetic(source, fraction, seed, name)
     if generated is not None:
         return _write_generated(generated, source, out, shard_size, compression, standardize)
@@ -199,8 +201,6 @@ def ingest(
             )
         if path.suffix not in (".npz", ".csv"):
             raise UsageError(f"ingest: {source}: unsupported file type {path.suffix!r} (use .npz or .csv)")
-        if os.path.realpath(out) == os.path.realpath(path):
-            raise UsageError(f"ingest: the output {out} is the source file, which writing would destroy")
     # (an unwritable output fails now, before the source is read)
     with claimed(out, "the dataset") if shard_size is None else contextlib.nullcontext():
         if source in SOURCES:

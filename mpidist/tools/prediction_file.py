@@ -11,10 +11,8 @@ classification, ``class`` (int64, the highest output, first on ties: as
 ``samples`` and ``class_names`` where the dataset names its classes.
 """
 
-import contextlib
 import csv
 import io
-import os
 from pathlib import Path
 
 import h5py
@@ -23,6 +21,7 @@ import numpy as np
 from ..data.sources import SUFFIXES
 from ..runtime.errors import UsageError
 from ..store import new_hdf5
+from ..store.kept import refuse_kept
 from .csv_table import spreadsheet_safe
 
 #: The HDF5 file's ``format`` attribute: the layout above, by name.
@@ -30,17 +29,12 @@ FORMAT = "mpidist-predictions-1"
 
 
 def refuse_an_input(target, inputs):
-    """Refuse an output that is a file this run reads (it would be replaced by what is read from it), or a new
-    part of a dataset directory it reads (the next read of that dataset would take it for one)."""
+    """Refuse an output that is a file this run reads (it would be replaced by what is read from it), a file a
+    run keeps (:func:`~mpidist.store.kept.refuse_kept`), or a new part of a dataset directory it reads (the
+    next read of that dataset would take it for one)."""
+    refuse_kept(target, "--output", inputs)
     for source in inputs:
         source = Path(source)
-        same = target.resolve() == source.resolve()
-        with contextlib.suppress(OSError):
-            same = same or (target.exists() and os.path.samefile(target, source))
-        if same:
-            raise UsageError(
-                f"--output {target}: is {source}, an input of this run; write the predictions elsewhere"
-            )
         if (
             source.is_dir()
             and target.resolve().parent == source.resolve()
