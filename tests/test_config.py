@@ -372,3 +372,11 @@ def test_a_pipeline_of_one_stage_on_several_ranks_is_refused_with_the_stage_coun
         check_for(Settings(strategy="pipeline", tensor=2), 6)
     check_for(Settings(strategy="pipeline", stages=2), 4)
     check_for(Settings(strategy="pipeline"), 1)  # (one process: plan's calibration runs it so)
+
+
+def test_a_config_nested_past_pythons_stack_is_refused_in_one_line(tmp_path):
+    from mpidist.settings.config_file import read_table
+
+    (tmp_path / "deep.toml").write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(UsageError, match="not settings \\(nested too deep to read\\)"):
+        read_table(str(tmp_path / "deep.toml"))

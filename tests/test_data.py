@@ -35,7 +35,12 @@ def test_bundled_datasets_resolve_by_name_and_follow_the_layout():
 
 @pytest.mark.parametrize(
     "spec,message",
-    [("no-such-dataset", "no bundled dataset of that name"), ("missing/file.h5", "no such file")],
+    [
+        ("no-such-dataset", "no bundled dataset of that name"),
+        ("missing/file.h5", "no such file"),
+        ("", "--data '': empty"),  # (not the working directory's .h5 files)
+        (" ", "--data ' ': empty"),
+    ],
 )
 def test_unknown_data_names_the_problem(spec, message):
     with pytest.raises(UsageError, match=message):

@@ -739,3 +739,18 @@ def test_plan_refuses_an_output_that_is_its_calibration_and_leaves_it_whole(tmp_
     assert done.returncode == 2, done.stderr
     assert "an input of this command" in done.stderr and "Traceback" not in done.stderr
     assert calibration_file.read_bytes() == before
+
+
+def test_a_calibration_nested_past_pythons_stack_is_refused_in_one_line(tmp_path):
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UsageError, match="not a calibration \\(nested too deep to read\\)"):
+        calibration.load(tmp_path / "deep.json")
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), 0.0, -1.0, 3601.0])
+def test_a_measurements_seconds_must_be_a_time_it_can_take(seconds):
+    from mpidist.tools.measuring_flags import check_seconds
+
+    with pytest.raises(UsageError, match=f"--seconds {seconds:g}: give a time above 0 and at most 3600"):
+        check_seconds(seconds)
+    check_seconds(0.5)

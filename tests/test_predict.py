@@ -690,3 +690,20 @@ def test_a_csv_row_holds_a_samples_values_in_row_major_order_whatever_its_shape(
     expected = predicted(checkpoint, tmp_path / "x.npy")
     rows = x.reshape(len(x), -1)
     assert np.array_equal(predicted(checkpoint, csv_file(tmp_path / "x.csv", None, rows)), expected)
+
+
+def test_samples_of_no_shape_or_a_negative_size_are_refused_in_one_line(tmp_path):
+    """An HDF5 x of an empty dataspace has no shape; a .npy header may declare a negative size, which numpy
+    reads without a word: both were tracebacks."""
+    from mpidist.runtime.errors import UsageError
+    from mpidist.tools.prediction_inputs import reader_for
+
+    with h5py.File(tmp_path / "null.h5", "w") as handle:
+        handle.create_dataset("x", data=h5py.Empty("f4"))
+    with pytest.raises(UsageError, match="x holds no array"):
+        reader_for(str(tmp_path / "null.h5"), "test")
+    np.save(tmp_path / "neg.npy", np.zeros((5, 8, 8), np.float32))
+    raw = (tmp_path / "neg.npy").read_bytes()
+    (tmp_path / "neg.npy").write_bytes(raw.replace(b"(5, 8, 8)", b"(-5, 8, 8)", 1))
+    with pytest.raises(UsageError, match=r"x has shape \(-5, 8, 8\), with a negative size"):
+        reader_for(str(tmp_path / "neg.npy"), "test")

@@ -47,6 +47,8 @@ def resolve(spec):
     through)."""
     if isinstance(spec, ArrayData):
         return spec
+    if not str(spec).strip():  # (Path("") is the working directory: an unset "$DATA" read every .h5 there)
+        raise UsageError(f"--data {spec!r}: empty; name a dataset file, directory or bundled dataset")
     path = Path(spec).expanduser()
     if path.is_file() or path.is_dir():
         return path

@@ -158,6 +158,8 @@ def load(path):
         document = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as err:
         raise UsageError(f"--calibration {path}: not JSON ({err})") from None
+    except RecursionError:  # (arrays within arrays past Python's stack: no calibration is so)
+        raise UsageError(f"--calibration {path}: not a calibration (nested too deep to read)") from None
     return _checked(document, f"--calibration {path}")
 
 

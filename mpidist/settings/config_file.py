@@ -85,3 +85,5 @@ def read_table(path):
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise UsageError(f"--config {path}: not readable as TOML: {err}") from None
+    except RecursionError:  # (arrays within arrays past Python's stack: no settings are so)
+        raise UsageError(f"--config {path}: not settings (nested too deep to read)") from None

@@ -15,6 +15,7 @@ from ..nn.scores import digits4
 from ..runtime.agreement import agreed
 from ..runtime.errors import EXIT_OK, UsageError
 from ..runtime.preempt import interrupt_on_signals
+from .measuring_flags import check_seconds
 from .parsing import parse
 
 #: ``eval`` prints a per-class table up to this many classes.
@@ -198,8 +199,9 @@ def cmd_bench(args, world):
 
     with agreed(world):
         models = bench_models(args.models)
-        if args.seconds <= 0 or args.batch_per_rank < 1:
-            raise UsageError("--seconds must be positive and --batch-per-rank at least 1")
+        check_seconds(args.seconds)
+        if args.batch_per_rank < 1:
+            raise UsageError(f"--batch-per-rank {args.batch_per_rank}: give 1 or more")
         if args.steps < 0:
             raise UsageError(f"--steps {args.steps}: give 0 (an epoch) or more")
         chosen = [flag for flag in ("streaming", "tracing", "checkpoints") if getattr(args, flag) is not None]
@@ -251,8 +253,9 @@ def cmd_plan(args, world):
         with agreed(world):
             if args.check is not None:
                 raise UsageError("--calibrate and --check: give one")
-            if args.seconds <= 0 or args.batch_per_rank < 0:
-                raise UsageError("--seconds must be positive and --batch-per-rank at least 1")
+            check_seconds(args.seconds)
+            if args.batch_per_rank < 0:
+                raise UsageError(f"--batch-per-rank {args.batch_per_rank}: give 1 or more")
             from ..settings.config import Settings
 
             settings = Settings(

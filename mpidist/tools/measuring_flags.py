@@ -9,6 +9,18 @@ neither module grows past the size a module may have.  The checks of their
 values across flags are :mod:`mpidist.tools.cli`'s, where the commands run.
 """
 
+from ..runtime.errors import UsageError
+
+
+#: the most ``--seconds`` a measurement may take (an hour: a longer one is a mistake, and ``inf`` never ends)
+MOST_SECONDS = 3600.0
+
+
+def check_seconds(seconds):
+    """Refuse a ``--seconds`` that is not a time a measurement can take: 0 or less, NaN, past an hour."""
+    if not 0 < seconds <= MOST_SECONDS:
+        raise UsageError(f"--seconds {seconds:g}: give a time above 0 and at most {MOST_SECONDS:g} seconds")
+
 
 def add_bench_parser(sub):
     """``bench``: throughput and exchange overhead, printed as a table and saved as JSON.

@@ -207,6 +207,8 @@ def _checked_layout(where, dtype, shape):
         raise UsageError(
             f"{where}: x has dtype {dtype} ({KINDS.get(dtype.kind, 'not numbers')}); predict needs numbers"
         )
+    if any(size < 0 for size in shape):  # (a .npy header may say so: numpy reads it without a word)
+        raise UsageError(f"{where}: x has shape {tuple(shape)}, with a negative size")
     if len(shape) < 2 or 0 in shape[1:]:
         raise UsageError(
             f"{where}: x has shape {tuple(shape)}; it needs samples first and at least one feature "
@@ -223,6 +225,8 @@ class Samples:
     path = None
 
     def __init__(self, where, dtype, shape):
+        if shape is None:  # (an HDF5 dataset of an empty dataspace: no shape at all)
+            raise UsageError(f"{where}: x holds no array (an HDF5 dataset with an empty dataspace)")
         self.where, self.dtype, self.shape = where, np.dtype(dtype), tuple(int(d) for d in shape)
         _checked_layout(where, self.dtype, self.shape)
         # (what a predictions file records: a path absolute, to be found from anywhere)
