@@ -40,6 +40,24 @@ def test_npz_with_its_own_split_keeps_it(tmp_path):
         np.testing.assert_array_equal(handle["test/x"][...], np.ones((3, 2)))
 
 
+@pytest.mark.parametrize(
+    "extra, left_out",
+    [
+        ({"x_test": np.ones((3, 2)), "y_test": np.array([0, 1, 1])}, "x_test, y_test"),  # (beside x, y)
+        ({"x_val": np.ones((3, 2))}, "x_val"),
+    ],
+)
+def test_npz_arrays_that_ingest_would_leave_out_are_refused_not_dropped(tmp_path, extra, left_out):
+    np.savez(tmp_path / "s.npz", x=np.zeros((10, 2)), y=np.arange(10) % 2, meta=np.zeros(1), **extra)
+    with pytest.raises(UsageError, match=f"ingest reads x, y and would leave out {left_out}"):
+        ingest(str(tmp_path / "s.npz"), tmp_path / "s.h5")
+    assert not (tmp_path / "s.h5").exists()
+    np.savez(tmp_path / "own.npz", x_train=np.zeros((7, 2)), y_train=np.arange(7) % 2, y_val=np.zeros(2),
+             x_test=np.ones((3, 2)), y_test=np.array([0, 1, 1]))  # fmt: skip
+    with pytest.raises(UsageError, match="reads x_train, y_train, x_test, y_test and would leave out y_val"):
+        ingest(str(tmp_path / "own.npz"), tmp_path / "own.h5")
+
+
 def test_npz_holding_objects_is_refused_without_unpickling(tmp_path):
     np.savez(tmp_path / "evil.npz", x=np.array([{"a": 1}], dtype=object), y=np.zeros(1))
     with pytest.raises(UsageError, match="plain arrays"):

@@ -30,8 +30,10 @@ def load_npz(path):
             raise ValueError(f"one array of shape {np.shape(arrays)}, as in a .npy file")
         with arrays:
             keys = set(arrays.files)
-            for want in ({"x_train", "y_train", "x_test", "y_test"}, {"x", "y"}):
+            for names in (("x_train", "y_train", "x_test", "y_test"), ("x", "y")):
+                want = set(names)
                 if want <= keys:  # labels may be text or bytes: class names
+                    _refuse_other_splits(path, names, keys)
                     return {
                         key: arrays[key]
                         if key[0] == "y" and arrays[key].dtype.kind in "US"
@@ -42,6 +44,17 @@ def load_npz(path):
         # (zlib: a compressed member that is not deflate data; tokenize: a header cut inside a bracket)
         raise UsageError(f"{path}: not a readable .npz file of plain arrays ({printable(err)})") from None
     raise UsageError(f"{path}: needs arrays x_train, y_train, x_test, y_test or x, y; has {sorted(keys)}")
+
+
+def _refuse_other_splits(path, used, keys):
+    """Refuse a file whose other arrays look like samples or labels too (``x_test`` beside ``x, y``): ingest
+    would leave them out without a word."""
+    others = sorted(key for key in keys - set(used) if key[:2] in ("x_", "y_"))
+    if others:
+        raise UsageError(
+            f"{path}: ingest reads {', '.join(used)} and would leave out {', '.join(others)}: give x_train, y_train, "
+            "x_test, y_test (the file's own split) or x, y alone (split by --test-fraction)"
+        )
 
 
 def from_npz(path, test_fraction, seed, task):
