@@ -196,3 +196,31 @@ def test_a_header_is_matched_by_the_names_ingest_stored(names, taken, note):
 def test_a_header_that_does_not_name_the_models_features_is_refused_named(names, message):
     with pytest.raises(UsageError, match=f"f.csv: {message}"):
         choose("f.csv", np.zeros((ROWS, len(names))), NAMED, names=names)
+
+
+@pytest.mark.parametrize(
+    "lines, header",
+    [
+        (["sepal,petal,kind", "1.5,2,0", "3,4.5,1"], True),
+        (["abc,2.5,3.25,4", "1.5,2,3,4", "3,4.5,5,6"], False),  # (a mistyped cell in a row of data: refused)
+        (["a,b,3,4", "1.5,2,3,4", "3,4.5,5,6"], True),  # (half its cells text: names, two of them numbers)
+        (["0,1,2,3", "1.5,2,3,4", "3,4.5,5,6"], True),  # (pandas' names of unnamed columns)
+        (["1,2,3", "4,5,6"], False),  # (counting rows below: data with a pattern)
+        (["1.5,2,3,4", "3,4.5,5,6"], False),
+    ],
+)
+def test_the_first_row_is_a_header_where_half_its_cells_are_names_or_it_counts_the_columns(lines, header):
+    from mpidist.tools.csv_table import cells_of, has_header
+
+    assert has_header(list(enumerate(lines, 1)), cells_of(",")) == header
+
+
+def test_predict_says_when_it_read_a_row_that_counts_the_columns_as_their_names(tmp_path):
+    from mpidist.tools.prediction_inputs import CsvSamples
+
+    (tmp_path / "n.csv").write_text("0,1,2\n1.5,2,3.25\n2.5,3,4.75\n")
+    samples = CsvSamples(tmp_path / "n.csv")
+    assert samples.count == 2
+    assert any(
+        "line 1 counts the columns (0, 1, 2 ...): read as their names" in note for note in samples.notes
+    )

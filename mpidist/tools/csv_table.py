@@ -85,25 +85,42 @@ def detect_delimiter(lines):
 
 
 def has_header(rows, split, label_column=-1):
-    """Whether the first row names the columns: it has text above a column of numbers.
+    """Whether the first row names the columns.
 
-    The only row of a file (``predict`` reads a file of one sample) is a header where it holds text outside
-    the label column, or nothing but text: a row of data holds text in the label column alone (a class name)
-    beside its features.
+    It does where it has text above a column of numbers, and at least half
+    its cells are text (a row of data with one mistyped cell is data, refused
+    at that cell, not a header that would drop the row without a word); or
+    where its cells count the columns, ``0, 1, 2 ...`` or ``1, 2, 3 ...``
+    (pandas' names of unnamed columns: ``to_csv(index=False)``).  The only
+    row of a file (``predict`` reads a file of one sample) is a header where
+    it holds text outside the label column, or nothing but text: a row of
+    data holds text in the label column alone (a class name) beside its features.
     """
     below = [split(line) for _, line in rows[1:SNIFFED]]
     cells = split(rows[0][1])
+    text = [bool(cell.strip()) and not is_number(cell) for cell in cells]
     if not below:
         label = label_column % len(cells) if -len(cells) <= label_column < len(cells) else None
-        text = [bool(cell.strip()) and not is_number(cell) for cell in cells]
         return all(text) or any(is_text for column, is_text in enumerate(text) if column != label)
-    for column, cell in enumerate(cells):
-        if cell.strip() and not is_number(cell):
-            if all(
-                is_number(cells[column]) for cells in below if column < len(cells) and cells[column].strip()
-            ):
-                return True
-    return False
+    if counts_columns(cells) and not any(counts_columns(row, start=None) for row in below):
+        return True  # (rows below that count too, 1,2,3 above 4,5,6: data with a pattern, not names)
+    filled = sum(1 for cell in cells if cell.strip())
+    above_numbers = any(
+        is_text and all(is_number(row[column]) for row in below if column < len(row) and row[column].strip())
+        for column, is_text in enumerate(text)
+    )
+    return above_numbers and 2 * sum(text) >= filled
+
+
+def counts_columns(cells, start=(0, 1)):
+    """Whether ``cells`` (two or more) are integers one apart, from one of ``start`` (None: any)."""
+    try:
+        numbers = [float(unquoted(cell)) for cell in cells]
+    except ValueError:
+        return False
+    if len(numbers) < 2 or (start is not None and numbers[0] not in start):
+        return False
+    return numbers == [numbers[0] + step for step in range(len(numbers))]
 
 
 def unquoted(cell):

@@ -267,7 +267,7 @@ class CsvSamples(Samples):
     """
 
     def __init__(self, path):
-        from .csv_table import PREDICT, read_csv
+        from .csv_table import PREDICT, counts_columns, read_csv
 
         self.path = path
         table = read_csv(path, needs=PREDICT)  # (the last column as labels: numbers, or class names left out)
@@ -277,6 +277,11 @@ class CsvSamples(Samples):
             None if table.names is None else table.names + (() if self.labelled else (table.label_name,))
         )
         self.notes = [f"{path}: {table.index_note}"] if table.index_dropped else []
+        if table.names is not None and counts_columns(table.names + (table.label_name or "",)):
+            self.notes.append(
+                f"{path}: line {table.header_line} counts the columns (0, 1, 2 ...): read as their names, "
+                "not as a sample"
+            )
         super().__init__(path, self.array.dtype, self.array.shape)
 
     def fit(self, info):

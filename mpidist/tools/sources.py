@@ -52,8 +52,8 @@ def _refuse_other_splits(path, used, keys):
     others = sorted(key for key in keys - set(used) if key[:2] in ("x_", "y_"))
     if others:
         raise UsageError(
-            f"{path}: ingest reads {', '.join(used)} and would leave out {', '.join(others)}: give x_train, y_train, "
-            "x_test, y_test (the file's own split) or x, y alone (split by --test-fraction)"
+            f"{path}: ingest reads {', '.join(used)} and would leave out {', '.join(others)}: give "
+            "x_train, y_train, x_test, y_test (the file's own split) or x, y alone (split by --test-fraction)"
         )
 
 
