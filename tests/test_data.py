@@ -478,3 +478,15 @@ def test_labels_of_three_axes_or_no_positions_are_refused(tmp_path, labels, mess
     )
     with pytest.raises(UsageError, match=message):
         data.inspect(path)
+
+
+def test_values_beyond_the_dtype_are_refused_in_words_without_numpys_warning():
+    """The refusal was preceded by numpy's 'overflow encountered in cast' and a line of mpidist's source."""
+    import warnings
+
+    from mpidist.data.samples import converted
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a warning would raise here, before the refusal)
+        with pytest.raises(UsageError, match="holds values up to 1e\\+300, beyond the range of --dtype"):
+            converted(np.full((2, 3), 1e300), np.float32, "train/x")

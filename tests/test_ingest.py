@@ -958,3 +958,26 @@ def test_a_csv_that_predict_refuses_is_refused_in_predicts_words(tmp_path, text,
 def test_ingest_still_needs_two_rows_two_columns_and_two_classes(tmp_path, text, message):
     (tmp_path / "few.csv").write_text(text)
     refused(tmp_path, tmp_path / "few.csv", message)
+
+
+@pytest.mark.parametrize("labels", ["numbers", "names"])
+def test_a_csv_with_every_cell_quoted_reads_as_the_same_file_unquoted(tmp_path, labels):
+    """csv.QUOTE_ALL quotes every number: its labels were 'a column that mixes numbers and class names'."""
+    import csv
+
+    rng = np.random.default_rng(3)
+    rows = [["sepal", "petal", "kind"]] + [
+        [f"{rng.random():.3f}", f"{rng.random():.3f}", str(i % 2) if labels == "numbers" else f"k{i % 2}"]
+        for i in range(20)
+    ]
+    for name, quoting in (("plain.csv", csv.QUOTE_MINIMAL), ("quoted.csv", csv.QUOTE_ALL)):
+        with open(tmp_path / name, "w", newline="") as handle:
+            csv.writer(handle, quoting=quoting).writerows(rows)
+    assert '"0.' in (tmp_path / "quoted.csv").read_text()
+    read = {}
+    for name in ("plain", "quoted"):
+        path = ingest(str(tmp_path / f"{name}.csv"), tmp_path / f"{name}.h5", seed=1)
+        with h5py.File(path) as handle:
+            read[name] = [handle[f"{split}/{key}"][...] for split in ("train", "test") for key in ("x", "y")]
+    for plain, quoted in zip(read["plain"], read["quoted"]):
+        np.testing.assert_array_equal(plain, quoted)

@@ -754,3 +754,16 @@ def test_a_measurements_seconds_must_be_a_time_it_can_take(seconds):
     with pytest.raises(UsageError, match=f"--seconds {seconds:g}: give a time above 0 and at most 3600"):
         check_seconds(seconds)
     check_seconds(0.5)
+
+
+def test_a_calibrations_model_is_shown_escaped_and_cut(tmp_path, capsys):
+    """Text from the file reaches the terminal through printable(): an escape sequence there set the window's
+    title, and a name of 100,000 characters was one line."""
+    from mpidist.plan import command
+
+    figures = dataclasses.replace(made_up(), model="\x1b]0;title\x07" + "m" * 100_000)
+    (tmp_path / "c.json").write_text(json.dumps(figures.to_json()))
+    command.plan(tmp_path / "c.json", "1", None, None, None, None, tmp_path / "plan.json")
+    shown = capsys.readouterr().out
+    assert "\x1b" not in shown and "\\x1b]0;title\\x07" in shown
+    assert max(len(line) for line in shown.splitlines()) < 400

@@ -97,7 +97,8 @@ def standardizer(info):
 
 def converted(array, dtype, where):
     """``array`` as ``dtype``, refused if finite values overflow it (1e300 is Inf in float32)."""
-    result = array.astype(dtype, copy=False)
+    with np.errstate(over="ignore"):  # (refused in words below, not by numpy's warning)
+        result = array.astype(dtype, copy=False)
     if result is not array and not np.isfinite(result).all():
         largest = float(np.max(np.abs(array)))
         raise UsageError(

@@ -10,6 +10,7 @@ import json
 
 from ..runtime.errors import UsageError
 from ..runtime.lines import bounded_lines
+from ..runtime.text import printable
 from ..store.outputs import special_input
 from ..store.rundir import metrics_of
 from .layout import DEFAULT_BUCKET_MB, Layout
@@ -76,7 +77,10 @@ def check_runs(cal, run_dirs):
             continue
         layout, measured, peak, model, _, cores = read
         if model != cal.model:
-            notes.append(f"note: {run_dir} trained --model {model}, the calibration {cal.model}")
+            notes.append(
+                f"note: {run_dir} trained --model {printable(model, 100)}, the calibration "
+                f"{printable(cal.model, 100)}"
+            )
         shared = cores is not None and layout.per_node > cores
         if shared:
             notes.append(

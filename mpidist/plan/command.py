@@ -5,6 +5,7 @@ import dataclasses
 from ..bench.output import check_output, format_table, write_results
 from ..runtime.errors import UsageError
 from ..runtime.memory import human, parse_bytes
+from ..runtime.text import printable
 from . import advice, calibration
 from .check import COLUMNS as CHECK_COLUMNS
 from .check import check_runs
@@ -68,10 +69,9 @@ def plan(path, nodes, per_node, batch_per_rank, link, memory, output):
     counts = parse_nodes(nodes)
     rows, best, knee = advice.advise(cal, counts, per_node, batch_per_rank, budget)
     print(
-        f"mpidist plan: {cal.model} ({cal.params:,} parameters, {cal.optimizer}), {batch_per_rank} samples "
-        "per "
-        f"rank, {per_node} rank(s) per node, {human(budget)} per node; between nodes "
-        f"{cal.network.describe() if cal.network else 'no link (one node only)'}"
+        f"mpidist plan: {printable(cal.model, 100)} ({cal.params:,} parameters, {cal.optimizer}), "
+        f"{batch_per_rank} samples per rank, {per_node} rank(s) per node, {human(budget)} per node; "
+        f"between nodes {cal.network.describe() if cal.network else 'no link (one node only)'}"
     )
     table = [
         {

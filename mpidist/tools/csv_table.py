@@ -60,8 +60,11 @@ def spreadsheet_safe(cell):
 
 
 def cells_of(delimiter):
-    """A function cutting one line into its cells at ``delimiter`` (None: at runs of whitespace)."""
-    return str.split if delimiter is None else lambda line: line.split(delimiter)
+    """A function cutting one line into its cells at ``delimiter`` (None: at runs of whitespace), each
+    without the double quotes around it (``csv.QUOTE_ALL`` quotes every number)."""
+    cut = str.split if delimiter is None else lambda line: line.split(delimiter)
+    # (a cell at a time only in a line that holds a quote: most hold none, and are cut by str.split alone)
+    return lambda line: [unquoted(cell) for cell in cut(line)] if '"' in line else cut(line)
 
 
 def detect_delimiter(lines):
@@ -278,6 +281,7 @@ def read_csv(path, label_column=-1, delimiter="auto", needs=INGEST):
             delimiter=delimiter,
             ndmin=2,
             comments=None,
+            quotechar='"',  # (as cells_of drops them)
             usecols=columns if named else None,
         )
     except ValueError as err:

@@ -192,7 +192,8 @@ class PlainSamples:
         if x.dtype.kind == "f" and not np.isfinite(x).all():
             bad = lo + int(np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))[0])
             raise UsageError(f"{self.where}: x holds NaN or Inf (first at sample {bad})")
-        converted = x.astype(net.dtype, copy=False)
+        with np.errstate(over="ignore"):  # (an overflow is refused in words below)
+            converted = x.astype(net.dtype, copy=False)
         if converted is not x and not np.isfinite(converted).all():
             raise UsageError(
                 f"{self.where}: x holds values up to {float(np.max(np.abs(x))):.3g}, beyond the "
