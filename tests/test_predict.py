@@ -707,3 +707,36 @@ def test_samples_of_no_shape_or_a_negative_size_are_refused_in_one_line(tmp_path
     (tmp_path / "neg.npy").write_bytes(raw.replace(b"(5, 8, 8)", b"(-5, 8, 8)", 1))
     with pytest.raises(UsageError, match=r"x has shape \(-5, 8, 8\), with a negative size"):
         reader_for(str(tmp_path / "neg.npy"), "test")
+
+
+@pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
+def test_an_npz_members_rows_are_read_a_block_at_a_time_in_any_order(tmp_path, save):
+    """Each block once decompressed, on from the last (a compressed .npz was decompressed whole per block)."""
+    from mpidist.tools.prediction_inputs import MemberRows, NumpyFile
+
+    x = np.arange(1000 * 6, dtype=">f4").reshape(1000, 2, 3)  # (big-endian: read as stored)
+    save(tmp_path / "s.npz", x=x, y=np.zeros(1000))
+    samples = NumpyFile(tmp_path / "s.npz")
+    assert isinstance(samples.member, MemberRows)
+    blocks = [(0, 300), (300, 301), (301, 999), (999, 1000), (100, 250), (0, 0)]
+    for lo, hi in blocks:  # (in order, to the end, then back to an earlier block)
+        np.testing.assert_array_equal(samples.read(lo, hi, np.float32), x[lo:hi])
+    assert samples.member.stream is not None  # (open after an earlier block; closed after the last row)
+    samples.read(990, 1000, np.float32)
+    assert samples.member.stream is None
+    # (a member cut short is refused in words)
+    raw = (tmp_path / "s.npz").read_bytes()
+    np.savez(tmp_path / "cut.npz", x=x)
+    cut = MemberRows(tmp_path / "cut.npz", "x.npy", x.dtype, (2000, 2, 3))
+    with pytest.raises(ValueError, match="x.npy ends before row 1,500 of 2,000: cut short"):
+        cut.read(1000, 1500)
+    assert raw == (tmp_path / "s.npz").read_bytes()
+    fortran = NumpyFile(_saved_fortran(tmp_path))
+    assert fortran.member is None
+    np.testing.assert_array_equal(fortran.read(2, 5, np.float32), np.asfortranarray(x)[2:5])
+
+
+def _saved_fortran(tmp_path):
+    x = np.asfortranarray(np.arange(1000 * 6, dtype=">f4").reshape(1000, 2, 3))
+    np.savez(tmp_path / "f.npz", x=x)
+    return tmp_path / "f.npz"
