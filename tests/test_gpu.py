@@ -114,3 +114,21 @@ def test_an_ipc_link_moves_device_arrays_between_two_ranks_both_ways():
     assert link.slots == [] and link.mapped == {}
     acks.Free()
     pair.Free()
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_an_update_on_the_gpu_is_one_kernel_that_matches_the_hosts(name):
+    """mpidist.nn.fused: the optimizer's step on a GPU (cupy.fuse) against numpy's blocks, three steps."""
+    rng = np.random.default_rng(2)
+    size = 300_001
+    start = rng.standard_normal(size).astype(np.float32)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
+    results = []
+    for xp in (np, cupy):
+        optimizer = nn.make_optimizer(name, size, 0.01, momentum=0.9, xp=xp)
+        params = xp.asarray(start.copy())
+        for g in grads:
+            optimizer.step(params, xp.asarray(g))
+        results.append(cupy.asnumpy(params) if xp is cupy else params)
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(results[1], start)

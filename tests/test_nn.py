@@ -227,3 +227,37 @@ def test_dense_maps_each_token_of_a_sequence_alike_and_may_leave_its_bias_out():
     out = model.forward(x)
     assert out.shape == (5, 4, 3) and model.num_params == 6
     np.testing.assert_allclose(out[:, 2], model.forward(x[:, 2:3])[:, 0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_the_one_kernel_update_a_gpu_runs_is_the_hosts_blocked_update_to_rounding(name):
+    """mpidist.nn.fused's functions, run by numpy, give what the host's blocks give (a GPU runs them fused):
+    SGD's to the bit, Adam's to float32's rounding (its denominator's terms are not stored in float32 between
+    operations, as a block's are)."""
+    from mpidist.nn import fused
+
+    size = 3 * (1 << 17) + 5  # (three blocks and a bit)
+    rng = np.random.default_rng(4)
+    optimizer = nn.make_optimizer(name, size, 0.01, momentum=0.9)
+    params = rng.standard_normal(size).astype(np.float32)
+    mine = params.copy()
+    state = {key: np.zeros(size, np.float32) for key in optimizer.state_arrays()}
+    for step in range(1, 4):
+        grads = rng.standard_normal(size).astype(np.float32)
+        optimizer.step(params, grads)
+        if name == "adam":
+            b1, b2 = optimizer.beta1, optimizer.beta2
+            unbias, step_size = 1.0 / np.sqrt(1 - b2**step), optimizer.lr / (1 - b1**step)
+            fused.adam_update(mine, grads, state["m"], state["v"], b1, b2, step_size, unbias, optimizer.eps)
+        else:
+            fused.sgd_update(mine, grads, state["velocity"], optimizer.momentum, optimizer.lr)
+    exact = name == "sgd"
+    close = (
+        np.testing.assert_array_equal
+        if exact
+        else lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+    )
+    close(mine, params)
+    for key, array in optimizer.state_arrays().items():
+        np.testing.assert_array_equal(state[key], array)  # (the moments: the same operations, in order)
+    assert not np.array_equal(params, rng.standard_normal(size).astype(np.float32))
