@@ -7,6 +7,11 @@ the same layers in torch (eager, TF32 off), alternating step by step, medians;
 then in bf16 (``--precision bf16``: float32 master weights) against torch under
 ``torch.autocast`` in bfloat16, and mpidist's bf16 step against its float32 one.
 
+``python gpu/bench.py layers --out F``: where a step's GPU time goes, layer
+by layer (forward and backward), mpidist beside torch, at batch
+:data:`LAYERS_BATCH` (``bench --layers``' table, each clock reading waiting
+for the GPU).
+
 ``python gpu/bench.py precision --out F``: digits and mnist1d trained on the
 GPU in float32, bf16 and fp16 (the same seed and epochs): each one's test
 accuracy and its difference from float32's, in points.
@@ -30,6 +35,8 @@ import numpy as np
 BATCHES = (256, 1024, 4096)
 MODELS = {"mlp-wide": "MLP 784-512-512-10", "cnn": "cnn"}
 SEND_MIB = (1, 16, 64)
+#: the batch of the per-layer table
+LAYERS_BATCH = 1024
 #: --precision's compute types, and the torch dtype autocast runs the reference in
 PRECISIONS = {"float32": None, "bf16": "bfloat16"}
 #: the datasets and epochs the precision runs train
@@ -232,13 +239,34 @@ def _ipc_send(world, array, stream, seconds, until_received):
     return array.nbytes / seconds_each / 1e9
 
 
+def layers(seconds):
+    """Each model's per-layer rows on the GPU (mpidist beside torch, TF32 off)."""
+    import cupy
+
+    from mpidist.bench.layers import layer_rows
+
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    rows = []
+    for name in MODELS:
+        for row in layer_rows(name, LAYERS_BATCH, seconds, xp=cupy):
+            rows.append({"table": "layers", "batch": LAYERS_BATCH, **row})
+            print(row, flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("models", "send", "precision"))
+    parser.add_argument("what", choices=("models", "layers", "send", "precision"))
     parser.add_argument("--out", required=True, help="JSON file for the rows")
     parser.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
     args = parser.parse_args()
-    rows = {"models": models, "send": send, "precision": precision}[args.what](args.seconds)
+    rows = {"models": models, "layers": layers, "send": send, "precision": precision}[args.what](args.seconds)
     if rows is not None:
         with open(args.out, "w") as file:
             json.dump(rows, file, indent=1)

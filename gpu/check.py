@@ -168,6 +168,11 @@ def benchmark_part(out, part):
             0.5,
         ),
         (
+            "layers",
+            [sys.executable, str(HERE / "bench.py"), "layers", "--out", str(out / "bench-layers.json")],
+            0.3,
+        ),
+        (
             "send",
             mpiexec(2)
             + [sys.executable, str(HERE / "bench.py"), "send", "--out", str(out / "bench-send.json")],

@@ -12,7 +12,10 @@ clock reads the time at every top-level layer's boundaries:
   to the end of ``backward()`` for the first).
 
 What is left of the step (the loss, the update, the framework's own
-bookkeeping) is its own row.  A layer that computes no input gradient (the
+bookkeeping) is its own row.  On a GPU (``device="cuda"``: gpu/bench.py's
+``layers``) each clock reading waits for the GPU first, so a layer's time is
+its kernels', not their launches' (the waits slow both frameworks' steps
+alike).  A layer that computes no input gradient (the
 first trained one: nothing below it learns) shows only its parameters'.
 """
 
@@ -26,67 +29,84 @@ from . import reference, rows
 
 class TimedLayer:
     """``layer``, its ``forward``, ``backward`` and ``backward_params`` calls adding their seconds to
-    ``times``; every other attribute is the layer's own."""
+    ``times``; every other attribute is the layer's own.  ``clock``: the time now, once the device has
+    done what it was given (:func:`clock_of`)."""
 
-    def __init__(self, layer, times):
-        self.layer, self.times = layer, times
+    def __init__(self, layer, times, clock=time.perf_counter):
+        self.layer, self.times, self.clock = layer, times, clock
 
     def forward(self, x, training=False):
-        start = time.perf_counter()
+        start = self.clock()
         y = self.layer.forward(x, training)
-        self.times[0] += time.perf_counter() - start
+        self.times[0] += self.clock() - start
         return y
 
     def backward(self, dy):
-        start = time.perf_counter()
+        start = self.clock()
         dx = self.layer.backward(dy)
-        self.times[1] += time.perf_counter() - start
+        self.times[1] += self.clock() - start
         return dx
 
     def backward_params(self, dy):
-        start = time.perf_counter()
+        start = self.clock()
         self.layer.backward_params(dy)
-        self.times[1] += time.perf_counter() - start
+        self.times[1] += self.clock() - start
+
+
+def clock_of(wait=None):
+    """A clock reading the time once ``wait()`` (a device's synchronisation) returned; the host's clock
+    alone for None."""
+    if wait is None:
+        return time.perf_counter
+
+    def clock():
+        wait()
+        return time.perf_counter()
+
+    return clock
 
     def __getattr__(self, name):
         return getattr(self.layer, name)
 
 
-def _mpidist_clock(local, x, y):
+def _mpidist_clock(local, x, y, clock=time.perf_counter):
     """A step function of ``local`` (mpidist's one process) training on ``(x, y)``, returning ``(per-layer
     [forward, backward] seconds, step seconds)``; its model's layers are timed from now on."""
     model = local.model
     times = np.zeros((len(model.layers), 2))
-    model.layers = [TimedLayer(layer, times[index]) for index, layer in enumerate(model.layers)]
+    model.layers = [TimedLayer(layer, times[index], clock) for index, layer in enumerate(model.layers)]
     counter = iter(range(1 << 30))
 
     def step():
         times[...] = 0
-        start = time.perf_counter()
+        start = clock()
         local.train_step(x, y, 1.0, next(counter))
-        return times.copy(), time.perf_counter() - start
+        return times.copy(), clock() - start
 
     return step
 
 
-def _torch_clock(model, x, y):
+def _torch_clock(model, x, y, device="cpu"):
     """The same for torch, from ``model``'s parameters; None without torch or a translation."""
-    made = reference.torch_trainer(model, x, y)
+    made = reference.torch_trainer(model, x, y, device=device)
     if made is None:
         return None
+    import torch
+
     net, train = made
     modules = list(net)
     marks = {}
+    now = clock_of(torch.cuda.synchronize if device != "cpu" else None)
 
     def mark(key):
         def hook(*_):
-            marks[key] = time.perf_counter()
+            marks[key] = now()
 
         return hook
 
     def leaving(index):
         def hook(module, inputs, output):
-            marks[("out", index)] = time.perf_counter()
+            marks[("out", index)] = now()
             if output.requires_grad:  # its gradient arrives: the module's backward starts
                 output.register_hook(mark(("back", index)))
 
@@ -100,7 +120,7 @@ def _torch_clock(model, x, y):
 
     def step():
         marks.clear()
-        start = time.perf_counter()
+        start = now()
         train(mark("done"))
         times = np.zeros((len(modules), 2))
         following = marks["done"]  # the lowest module's backward ends where backward() returned
@@ -109,19 +129,22 @@ def _torch_clock(model, x, y):
             if ("back", index) in marks:  # (none for a module below every parameter: a Flatten first)
                 times[index, 1] = following - marks[("back", index)]
                 following = marks[("back", index)]
-        return times, time.perf_counter() - start
+        return times, now() - start
 
     return step
 
 
-def layer_rows(name, batch, seconds):
+def layer_rows(name, batch, seconds, xp=np):
     """Rows of ``name``'s layers (and the rest of the step, and the step), medians of ``seconds`` of
-    steps alternating between mpidist and torch."""
-    model, x, y = rows._problem(name, batch, 0)
-    local = LocalStrategy(model, rows.nn.loss_for(10, np), rows.sgd, seed=0)
+    steps alternating between mpidist and torch; on a GPU with ``xp`` cupy (torch on ``"cuda"``)."""
+    model, x, y = rows._problem(name, batch, 0, xp)
+    optimizer = lambda size: rows.nn.make_optimizer("sgd", size, 0.01, xp=xp)  # noqa: E731
+    local = LocalStrategy(model, rows.nn.loss_for(10, xp), optimizer, seed=0)
     local.initialize()
-    theirs = _torch_clock(model, x, y)  # (from the parameters mpidist starts with)
-    layers, ours = list(model.layers), _mpidist_clock(local, x, y)
+    device = "cpu" if xp is np else "cuda"
+    theirs = _torch_clock(model, x, y, device)  # (from the parameters mpidist starts with)
+    clock = clock_of(None if xp is np else xp.cuda.get_current_stream().synchronize)
+    layers, ours = list(model.layers), _mpidist_clock(local, xp.asarray(x), xp.asarray(y), clock)
     clocks = {"mpidist": ours} if theirs is None else {"mpidist": ours, "torch": theirs}
     samples = {label: [] for label in clocks}
     for clock in clocks.values():

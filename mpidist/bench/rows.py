@@ -80,9 +80,9 @@ def adam(size):
 OPTIMIZERS = {"sgd": sgd, "adam": adam}
 
 
-def _model(name):
-    """The zoo model ``name`` for bench's sample shape, in float32."""
-    return nn.build_model(name, *shape_of(name), np, np.float32)
+def _model(name, xp=np):
+    """The zoo model ``name`` for bench's sample shape, in float32 (on a GPU with ``xp`` cupy)."""
+    return nn.build_model(name, *shape_of(name), xp, np.float32)
 
 
 def _allreduce(model, cluster, optimizer="sgd", **arguments):
@@ -111,10 +111,10 @@ def _fully_sharded(name, cluster, optimizer="sgd", bucket_bytes=64 << 20, keep=F
     return strategy
 
 
-def _problem(name, batch, seed):
+def _problem(name, batch, seed, xp=np):
     classes = shape_of(name)[1]
     rng = np.random.default_rng(seed)
-    model = _model(name)
+    model = _model(name, xp)
     x = rng.random((batch,) + model.input_shape, dtype=np.float32)
     y = rng.integers(0, classes, batch)
     return model, x, y

@@ -135,8 +135,9 @@ class Adam(Optimizer):
         xp, b1, b2 = self.xp, self.beta1, self.beta2
         t = self.steps + 1  # (the count is moved on by step(), after this)
         unbias, step_size = 1.0 / np.sqrt(1 - b2**t), self.lr / (1 - b1**t)
-        if xp is not np:  # (one kernel on a GPU: mpidist.nn.fused)
-            args = (b1, b2, step_size, unbias, self.eps)  # (the scalars' types as the host's blocks take them)
+        # (on a GPU one kernel, mpidist.nn.fused; the scalars of the types the blocks take them in)
+        if xp is not np:
+            args = (b1, b2, step_size, unbias, self.eps)
             return fused.on_device(fused.adam_update)(params, grads, self.m, self.v, *args)
         terms, denoms = self.scratch(2)
         for lo, hi in self.blocks():
