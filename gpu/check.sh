@@ -8,7 +8,8 @@
 #    scratch prefix: MPICH, mpi4py, pytest-mpi; the repository itself runs from its checkout;
 # 2. runs gpu/check.py: `python -m mpidist info`, tests/test_gpu.py on 1 process and 2 ranks,
 #    every strategy and layout on --device gpu against the same run on the CPU, and a short
-#    benchmark (mpidist against torch on the GPU, layer by layer too, and a pipeline's activation send by IPC and MPI).
+#    benchmark (mpidist against torch on the GPU, layer by layer too, and a pipeline's activation
+#    send by IPC and by MPI).
 #
 # Each part stops at its own limit (gpu/check_parts.py's LIMITS, under 8 minutes in all). Without a
 # GPU the parts that need none still run and the rest are reported as not run.
