@@ -110,6 +110,11 @@ def models(seconds):
                     row["mpidist bf16/float32"] = rate / float32_rate[label, batch]
                 rows.append(row)
                 print(row, flush=True)
+    from mpidist.nn.cudnn_conv import PATHS
+
+    # (which path the convolutions' shapes took: cuDNN's, or mpidist's own and why)
+    rows.append({"convolution shapes by path": dict(PATHS)})
+    print(rows[-1], flush=True)
     return rows
 
 

@@ -5,7 +5,8 @@
 #                             (default: gpu-check in the repository, ignored by git)
 #
 # 1. installs the wheels gpu/wheels.sh fetched (gpu/wheels, or $MPIDIST_GPU_WHEELS) into a
-#    scratch prefix: MPICH, mpi4py, pytest-mpi; the repository itself runs from its checkout;
+#    scratch prefix: MPICH, mpi4py, pytest-mpi, the cudnn frontend; the repository itself runs
+#    from its checkout;
 # 2. runs gpu/check.py: `python -m mpidist info`, tests/test_gpu.py on 1 process and 2 ranks,
 #    every strategy and layout on --device gpu against the same run on the CPU, and a short
 #    benchmark (mpidist against torch on the GPU, layer by layer too, and a pipeline's activation

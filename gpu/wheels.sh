@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Fetch, on a machine with a package registry, the wheels gpu/check.sh installs on a
-# bare GPU machine that has none: an MPI runtime (MPICH), mpi4py built for it, and
-# pytest-mpi. Everything else the check needs (cupy, torch, numpy, h5py, pytest, tqdm,
+# bare GPU machine that has none: an MPI runtime (MPICH), mpi4py built for it,
+# pytest-mpi, and NVIDIA's cudnn frontend (its Python graph API: the convolutions' cuDNN
+# path; the machine has cuDNN's library, nvidia-cudnn-cu13, and cuda-bindings, and the
+# convolutions need none of the frontend's other requirements). Everything else the check needs (cupy, torch, numpy, h5py, pytest, tqdm,
 # threadpoolctl) is expected there already.
 #
 #   gpu/wheels.sh [DIR]      DIR defaults to gpu/wheels (ignored by git)
@@ -61,7 +63,7 @@ done
 # runs the MPI the CPU suite ran.
 "${PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
     --python-version "$python_version" "${platforms[@]}" -d "$new" \
-    'mpich==5.0.2' 'mpi4py==4.1.2' 'pytest-mpi==0.6' ||
+    'mpich==5.0.2' 'mpi4py==4.1.2' 'pytest-mpi==0.6' 'nvidia-cudnn-frontend==1.32.0' ||
     fail 1 "pip download failed (exit $?): $dir left as it was"
 names=()
 for wheel in "$new"/*.whl; do

@@ -132,3 +132,33 @@ def test_an_update_on_the_gpu_is_one_kernel_that_matches_the_hosts(name):
         results.append(cupy.asnumpy(params) if xp is cupy else params)
     np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-7)
     assert not np.allclose(results[1], start)
+
+
+@pytest.mark.parametrize(
+    "make, sample", [("conv2d", (3, 12, 12)), ("conv2d-strided", (3, 9, 9)), ("conv1d", (2, 20))]
+)
+def test_convolutions_through_cudnn_match_mpidists_own_path_on_the_gpu(monkeypatch, make, sample):
+    """float32, TF32 left out: cuDNN's forward, input and weight gradients against the im2col path's."""
+    pytest.importorskip("cudnn", reason="the cudnn frontend is not installed (pip install 'mpidist[gpu]')")
+    from mpidist.nn import cudnn_conv
+
+    layers = {
+        "conv2d": lambda: [nn.Conv2D(8, kernel=3), nn.ReLU(), nn.Conv2D(4, kernel=3)],
+        "conv2d-strided": lambda: [nn.Conv2D(8, kernel=4, stride=2), nn.ReLU(), nn.Conv2D(4, kernel=3)],
+        "conv1d": lambda: [nn.Conv1D(8, kernel=3), nn.ReLU(), nn.Conv1D(4, kernel=5)],
+    }[make]
+    rng = np.random.default_rng(5)
+    x = cupy.asarray(rng.standard_normal((16,) + sample).astype(np.float32))
+    results = []
+    for path in ("0", "1"):  # (mpidist's own path, then cuDNN's)
+        monkeypatch.setenv("MPIDIST_CUDNN", path)
+        model = nn.Sequential(layers(), sample, xp=cupy, dtype=np.float32)
+        model.init_params(3)
+        before = cudnn_conv.PATHS["cudnn"]
+        out = model.forward(x, training=True)
+        dx = model.backward(cupy.ones_like(out) * 0.1, input_grad=True)
+        took = cudnn_conv.PATHS["cudnn"] - before
+        assert took == (2 if path == "1" else 0), dict(cudnn_conv.PATHS)  # (why, where it was refused)
+        results.append([cupy.asnumpy(array) for array in (out, dx, model.grads)])
+    for own, cudnn in zip(*results):
+        np.testing.assert_allclose(cudnn, own, rtol=1e-4, atol=1e-5)

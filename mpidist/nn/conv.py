@@ -29,7 +29,7 @@ rest after (as TensorFlow does), so even kernels keep the size too; at stride
 ``s`` the output has ``ceil(L / s)`` positions.
 """
 
-from . import init
+from . import cudnn_conv, init
 from .layers import Layer, ShapeError
 
 
@@ -109,8 +109,10 @@ class _ChannelsLastConv(Layer):
     its own over the output cost as much as a third of the product.
     """
 
-    cache = ("cols", "padded_shape")
+    cache = ("cols", "padded_shape", "images", "cudnn")
     hands_over = True
+    #: on a GPU through cuDNN (:mod:`mpidist.nn.cudnn_conv`): the pass's plans and its 4-D input, for backward
+    cudnn = images = None
 
     def _as_images(self, x):
         return x
@@ -135,8 +137,17 @@ class _ChannelsLastConv(Layer):
         return out
 
     def forward(self, x, training=False):
-        xp = self.xp
         x = self._as_images(x)
+        self.cudnn = cudnn_conv.plans_for(self, x)
+        if self.cudnn is not None:
+            self.images = x
+            return self._from_images(cudnn_conv.forward(self, self.cudnn, x))
+        self.images = None
+        return self._from_images(self._im2col_forward(x))
+
+    def _im2col_forward(self, x):
+        """The output for ``x`` (4-D) by windows gathered into the column matrix and one product a block."""
+        xp = self.xp
         n, c, h, w = x.shape
         (kh, kw), s, ((top, bottom), (left, right)) = self.kernel_hw, self.stride, self.pads_hw
         (ho, wo), k = self.out_hw, self._window_size
@@ -155,7 +166,7 @@ class _ChannelsLastConv(Layer):
             gather(start, stop, windows[start:stop])
             rows = slice(start * ho * wo, stop * ho * wo)
             xp.matmul(cols[rows], weights, out=y[rows])
-        return self._from_images(y.reshape(n, ho, wo, self.filters).transpose(0, 3, 1, 2))
+        return y.reshape(n, ho, wo, self.filters).transpose(0, 3, 1, 2)
 
     def _dy_rows(self, dy):
         """``(N, F, Ho, Wo)`` gradient as the ``(N Ho Wo, F)`` matrix (a view when it is channels-last
@@ -165,6 +176,8 @@ class _ChannelsLastConv(Layer):
         return dy.transpose(0, 2, 3, 1).reshape(n * ho * wo, f)
 
     def backward_params(self, dy):
+        if self.cudnn is not None:
+            return cudnn_conv.backward_params(self, self.cudnn, self.images, self._as_images(dy))
         xp, f, (kh, kw), c, k = self.xp, self.filters, self.kernel_hw, self.in_channels, self._window_size
         rows = self._dy_rows(dy)
         grad = xp.matmul(rows.T, self.cols, out=self.scratch("dw_hwc", (f, k + 1), rows.dtype))
@@ -174,6 +187,8 @@ class _ChannelsLastConv(Layer):
 
     def backward(self, dy):
         rows = self.backward_params(dy)
+        if self.cudnn is not None:
+            return self._from_images(cudnn_conv.input_grad(self, self.cudnn, rows))
         dx = self._input_grad_stride_1(rows) if self.stride == 1 else self._input_grad_strided(rows)
         return self._from_images(dx.transpose(0, 3, 1, 2))
 
