@@ -121,17 +121,19 @@ class Passes:
         """Add a batch's correct answers (classification) or absolute error (regression) to the training
         figures.
 
-        Call right after the loss's forward on ``out``: regression reads the loss's differences.
+        Call right after the loss's forward on ``out``: regression reads the loss's differences.  The sum
+        stays where the arrays are: on a GPU a device scalar, read once by :meth:`take_counts` (a read per
+        step made the host wait for the forward pass before it could queue the backward).
         """
         counts = self.counts
         if isinstance(self.loss, SoftmaxCrossEntropy):  # samples (or tokens) whose top output is the label
-            counts[0] += float(self.loss.correct(out, y))
+            counts[0] = counts[0] + self.loss.correct(out, y)
             counts[1] += self.loss.positions(y)
         else:  # the absolute error, averaged over the outputs
-            counts[0] += float(abs(self.loss.diff).sum()) / max(out.size // max(len(out), 1), 1)
+            counts[0] = counts[0] + abs(self.loss.diff).sum() / max(out.size // max(len(out), 1), 1)
             counts[1] += len(out)
 
     def take_counts(self):
         """``(correct or summed absolute error, samples)`` since the last call, this worker's own."""
         counts, self.counts = self.counts, [0.0, 0]
-        return counts
+        return [float(counts[0]), counts[1]]
