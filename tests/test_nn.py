@@ -261,3 +261,17 @@ def test_the_one_kernel_update_a_gpu_runs_is_the_hosts_blocked_update_to_roundin
     for key, array in optimizer.state_arrays().items():
         np.testing.assert_array_equal(state[key], array)  # (the moments: the same operations, in order)
     assert not np.array_equal(params, rng.standard_normal(size).astype(np.float32))
+
+
+def test_a_timed_layer_is_its_layer_to_every_reader_and_waits_on_its_clock():
+    """bench --layers' wrapper: every attribute the layer's own; its clock (a device's, on a GPU) read before
+    and after each pass."""
+    from mpidist.bench.layers import TimedLayer, clock_of
+
+    model = nn.Sequential([nn.Dense(3), nn.ReLU()], (4,), xp=np, dtype=np.float64)
+    times, waits = np.zeros(2), []
+    timed = TimedLayer(model.layers[0], times, clock_of(lambda: waits.append(1)))
+    assert timed.params is model.layers[0].params and timed.units == 3
+    out = timed.forward(np.ones((2, 4)), training=True)
+    timed.backward(np.ones_like(out))
+    assert len(waits) == 4 and (times >= 0).all()

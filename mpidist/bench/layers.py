@@ -52,6 +52,9 @@ class TimedLayer:
         self.layer.backward_params(dy)
         self.times[1] += self.clock() - start
 
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
 
 def clock_of(wait=None):
     """A clock reading the time once ``wait()`` (a device's synchronisation) returned; the host's clock
@@ -64,9 +67,6 @@ def clock_of(wait=None):
         return time.perf_counter()
 
     return clock
-
-    def __getattr__(self, name):
-        return getattr(self.layer, name)
 
 
 def _mpidist_clock(local, x, y, clock=time.perf_counter):
