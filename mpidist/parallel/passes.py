@@ -130,7 +130,9 @@ class Passes:
             counts[0] = counts[0] + self.loss.correct(out, y)
             counts[1] += self.loss.positions(y)
         else:  # the absolute error, averaged over the outputs
-            counts[0] = counts[0] + abs(self.loss.diff).sum() / max(out.size // max(len(out), 1), 1)
+            # (summed in float64, as the figures are: a float32 sum drifts over many steps)
+            error = abs(self.loss.diff).sum(dtype=np.float64)
+            counts[0] = counts[0] + error / max(out.size // max(len(out), 1), 1)
             counts[1] += len(out)
 
     def take_counts(self):
