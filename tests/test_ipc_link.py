@@ -60,7 +60,12 @@ def test_messages_in_flight_take_a_slot_each_and_arrive_whole_in_any_tag_order(s
     # (a message larger than every slot: a free slot is made larger, and its new handle travels)
     larger = 2 * GRANULE // 8 + 1
     request = link.isend(message(10, larger), 10)[0]
+    assert (memory.made, memory.freed) == (5, 0)  # (the old memory stays: the peer maps it still)
     np.testing.assert_array_equal(link.recv(np.empty(larger), 10), message(10, larger))
+    request.Wait()
+    assert (memory.opened, memory.closed) == (5, 1)  # (the receiver let go of the old, took the new)
+    request = link.isend(message(2, 3), 2)[0]  # (the acknowledgement seen: the old memory is freed)
+    link.recv(np.empty(3), 2)
     request.Wait()
     assert (memory.made, memory.freed, memory.opened, memory.closed) == (5, 1, 5, 1)
     assert sorted(slot.capacity for slot in link.slots) == [GRANULE] * 2 + [2 * GRANULE, 3 * GRANULE]
@@ -128,6 +133,44 @@ def test_two_ranks_send_both_ways_at_once_and_a_sender_past_its_slots_waits_for_
     assert len(link.slots) == 2 and memory.made <= 3
     link.close()
     assert memory.made == memory.freed and memory.opened == memory.closed
+    assert leftovers() == []
+    acks.Free()
+    comm.Free()
+
+
+def test_a_link_abandoned_after_a_lost_rank_lets_go_of_everything_without_mpi(self_link):
+    memory = HostMemory()
+    link = self_link(memory)
+    requests = [link.isend(message(tag, 10), tag)[0] for tag in (0, 2)]
+    link.recv(np.empty(10), 0)  # (one received, one left in flight)
+    link.abandon()
+    assert memory.made == memory.freed == 2 and memory.opened == memory.closed == 1
+    assert leftovers() == []
+    with pytest.raises(RuntimeError, match="was closed"):
+        link.recv(np.empty(10), 2)
+    MPI.Request.Waitall(requests[:1])
+
+
+class RefusingMemory(HostMemory):
+    """Memory another process cannot map (a GPU this rank cannot see, a container without shared IPC)."""
+
+    def open(self, handle):
+        raise OSError("cudaErrorInvalidDevice: invalid device ordinal")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_probe_agrees_on_whether_each_pair_can_map_the_others_memory():
+    comm, peer = pair()
+    if comm is None:
+        return
+    acks = comm.Dup()
+    memory = HostMemory()
+    assert ipc_link.probe(acks, [peer], memory) is None
+    refused = ipc_link.probe(acks, [peer], RefusingMemory() if comm.Get_rank() == 1 else memory)
+    assert refused is not None
+    if comm.Get_rank() == 1:
+        assert "rank 0's device memory could not be mapped (OSError: cudaErrorInvalidDevice" in refused
+    assert ipc_link.probe(acks, [], memory) is None  # (no pair on either rank: nothing refused)
     assert leftovers() == []
     acks.Free()
     comm.Free()

@@ -43,8 +43,9 @@ MAX_SLOTS = 64
 #: a slot's size is a multiple of this (CUDA's allocation granularity): a smaller last batch fits, and a
 #: message a little larger than the last rarely needs a new slot
 GRANULE = 2 << 20
-#: the tag of the closing handshake on the acknowledgements' communicator (slots use 0 .. MAX_SLOTS - 1)
-CLOSING = MAX_SLOTS
+#: tags on the acknowledgements' communicator besides the slots' (0 .. MAX_SLOTS - 1): the closing
+#: handshake, and the handles of the start-up probe (:func:`probe`)
+CLOSING, PROBING = MAX_SLOTS, MAX_SLOTS + 1
 
 
 class _Slot:
@@ -54,7 +55,9 @@ class _Slot:
         self.index = index
         self.memory, self.capacity, self.handle = None, 0, None
         self.fresh = False  # its handle has not been sent yet
+        self.retired = None  # the memory it was made larger from, mapped by the peer until it takes the new
         self.header = np.zeros(HEADER_WORDS, np.int64)
+        self.sent = None  # the header's send (its buffer is not written again until it completes)
         self.ack = np.zeros(1, np.int64)
         self.acknowledged = None  # the receive of its acknowledgement while a message uses it
 
@@ -96,14 +99,16 @@ class IpcLink:
         if nbytes:
             self.memory.put(slot.memory, array)
             self.memory.wait()  # (the peer reads the slot outside this process's stream order)
+        if slot.sent is not None:
+            slot.sent.Wait()  # (done long ago: its message was acknowledged)
         header = slot.header
         header[:3] = (slot.index, nbytes, int(slot.fresh))
         if slot.fresh:
             header[3:] = np.frombuffer(slot.handle, np.int64)
             slot.fresh = False
         slot.acknowledged = mpi.irecv(self.acks, slot.ack, self.peer, slot.index)
-        request, _ = mpi.isend(self.messages, header, self.peer, tag)
-        return request, header
+        slot.sent, _ = mpi.isend(self.messages, header, self.peer, tag)
+        return slot.sent, header
 
     def recv(self, buffer, tag):
         """Receive the message of ``tag`` into ``buffer`` (contiguous, on the device, the message's size)."""
@@ -143,9 +148,20 @@ class IpcLink:
         self.acks_sent = []
         # (each end has let go of the other's slots once both have said so)
         mpi.sendrecv(self.acks, np.zeros(1, np.int64), self.peer, np.zeros(1, np.int64), self.peer, CLOSING)
+        MPI.Request.Waitall([slot.sent for slot in self.slots if slot.sent is not None])
+        self.abandon()
+
+    def abandon(self):
+        """Let go of every slot and mapping here, without MPI (after a lost rank, where the pair's handshake
+        would wait for the dead; and as :meth:`close`'s last step)."""
+        self.closed = True
+        for memory in self.mapped.values():
+            self.memory.close(memory)
+        self.mapped = {}
         for slot in self.slots:
-            if slot.memory is not None:
-                self.memory.free(slot.memory)
+            for memory in (slot.memory, slot.retired):
+                if memory is not None:
+                    self.memory.free(memory)
         self.slots = []
 
     def _open(self):
@@ -169,6 +185,9 @@ class IpcLink:
     def _is_free(self, slot):
         if slot.acknowledged is not None and slot.acknowledged.Test():
             slot.acknowledged = None
+            if slot.retired is not None:  # (the peer took the new handle, and let go of the old memory)
+                self.memory.free(slot.retired)
+                slot.retired = None
         return slot.acknowledged is None
 
     def _new_slot(self):
@@ -177,10 +196,11 @@ class IpcLink:
         return slot
 
     def _fill(self, slot, nbytes):
-        """Give ``slot`` (free) device memory of ``nbytes`` at least, exported anew."""
+        """Give ``slot`` (free) device memory of ``nbytes`` at least, exported anew.  Its old memory is freed
+        once the message with the new handle is acknowledged: the peer maps the old until then."""
+        # (retired holds nothing here: a slot is free once acknowledged, which freed its retired memory)
         if slot.memory is not None:
-            self.memory.free(slot.memory)
-            slot.memory = None
+            slot.retired, slot.memory = slot.memory, None
         capacity = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
         slot.memory, handle = self.memory.alloc(capacity)
         if len(handle) != HANDLE_BYTES:
@@ -192,3 +212,38 @@ class IpcLink:
         self.acks_sent = [request for request in self.acks_sent if not request.Test()]
         request, _ = mpi.isend(self.acks, np.full(1, index, np.int64), self.peer, index)
         self.acks_sent.append(request)
+
+
+def probe(acks, peers, memory):
+    """Collective over ``acks``' ranks: None where every rank can map the device memory of each of its
+    ``peers`` (ranks of ``acks``) by a handle, else why not, the same on every rank.
+
+    Made once at start-up, before any link is used: IPC can be refused where
+    the facts allow it (each rank sees only its own GPU, two GPUs without a
+    path between them, a container without shared IPC), and a refusal found
+    at the first receive would end the run in its middle, the sender left
+    waiting.  Each pair exports a granule each way, maps and unmaps the
+    other's, then frees its own once the other has let go.
+    """
+    problem = None
+    for peer in sorted(peers):  # (in rank order: a pipe's pairs meet one after the other)
+        try:
+            mine, handle = memory.alloc(GRANULE)
+        except Exception as err:  # (any failure of the device's means "not here")
+            mine, handle = None, bytes(HANDLE_BYTES)
+            problem = problem or f"device memory to export could not be had ({type(err).__name__}: {err})"
+        theirs = np.zeros(HANDLE_BYTES, np.uint8)
+        mpi.sendrecv(acks, np.frombuffer(handle, np.uint8).copy(), peer, theirs, peer, PROBING)
+        try:
+            memory.close(memory.open(theirs.tobytes()))
+        except Exception as err:
+            why = f"{type(err).__name__}: {err}"
+            problem = problem or f"rank {peer}'s device memory could not be mapped ({why})"
+        mpi.sendrecv(acks, np.zeros(1, np.int64), peer, np.zeros(1, np.int64), peer, PROBING)
+        if mine is not None:
+            memory.free(mine)
+    refused = np.array([0.0 if problem is None else 1.0])
+    mpi.allreduce_max(acks, refused)
+    if not refused[0]:
+        return None
+    return problem or "two other stages could not map each other's device memory"

@@ -281,16 +281,24 @@ def test_a_pipeline_refuses_accumulation_slices_smaller_than_its_micro_batches()
     AllreduceStrategy.check_slice(Settings(strategy="allreduce"), 1)  # only pipelines cut slices further
 
 
+class RefusingMemory(HostMemory):
+    """Memory no other process can map (a GPU the rank next door cannot see)."""
+
+    def open(self, handle):
+        raise OSError("cudaErrorInvalidDevice: invalid device ordinal")
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
-def test_stages_of_one_node_send_by_ipc_links_and_train_as_by_mpi(monkeypatch, schedule_name):
+@pytest.mark.parametrize("schedule_name, refusing", [("gpipe", False), ("1f1b", False), ("1f1b", True)])
+def test_stages_of_one_node_send_by_ipc_links_and_train_as_by_mpi(monkeypatch, schedule_name, refusing):
     """Every stage told it holds device arrays that IPC can map (the host stand-in's), on one node: the
-    links carry every activation and gradient, and the pipeline still equals the local step."""
+    links carry every activation and gradient, and the pipeline still equals the local step.  Where the
+    start-up probe finds the memory cannot be mapped, every stage sends as it would without IPC."""
     fits(2)
     facts = stage._stage_facts
     monkeypatch.setattr(stage, "_stage_facts", lambda pipe, device, ipc: facts(pipe, True, True))
-    memories = []
-    monkeypatch.setattr(stage, "_cuda_memory", lambda: memories.append(HostMemory()) or memories[-1])
+    memories, kind = [], RefusingMemory if refusing else HostMemory
+    monkeypatch.setattr(stage, "_cuda_memory", lambda: memories.append(kind()) or memories[-1])
     cluster, strategy, reference = run_pipeline(2, 3, schedule_name, optimizer="adam")
     np.testing.assert_allclose(
         strategy.model.params,
@@ -302,12 +310,17 @@ def test_stages_of_one_node_send_by_ipc_links_and_train_as_by_mpi(monkeypatch, s
     node = pipe.Split_type(MPI.COMM_TYPE_SHARED)
     one_node = node.Get_size() == pipe.Get_size()  # (emulated nodes may put the two stages apart)
     node.Free()
-    route = "ipc" if one_node else "host-staged"
+    route = "ipc" if one_node and not refusing else "host-staged"
     assert f"sends {route}" in strategy.describe(cluster.rank)
     assert [route for route, _ in strategy.links.routes.values()] == [route]
+    if refusing and one_node:
+        (why,) = [why for _, why in strategy.links.routes.values()]
+        assert "could not be mapped (OSError: cudaErrorInvalidDevice" in why
     memory = memories[0] if memories else HostMemory()
-    if one_node:  # (the sender's slots: one per micro-batch in flight at most; the receiver opened each once)
-        assert 1 <= memory.made <= 3 and 1 <= memory.opened <= 3
+    # (the probe's granule made and opened once, then the sender's slots, one per micro-batch in flight at
+    # most, each opened once by the receiver)
+    if one_node and not refusing:
+        assert 2 <= memory.made <= 4 and 2 <= memory.opened <= 4
     strategy.free()
     assert memory.made == memory.freed and memory.opened == memory.closed and leftovers() == []
     strategy.free()  # (a second free does nothing)

@@ -20,6 +20,11 @@ class ReplicasLeftWhole(Recovery):
         """The mesh's splits (the pipe and the replicas' groups), and the IPC links' communicators."""
         return self.strategy.mesh.owned() + self.strategy.links.owned()
 
+    def abandon(self):
+        """The base's, and the IPC links' device memory let go (without MPI)."""
+        super().abandon()
+        self.strategy.links.abandon()
+
     def left_idle(self, lost):
         """The survivors in a replica that lost a stage: its layers are in no rank of it any more."""
         replica_of, ranks = self.strategy.layout.replica_of, self.strategy.cluster.size

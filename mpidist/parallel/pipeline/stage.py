@@ -10,6 +10,7 @@ axis -- its replica's stages, of its own part (whole activations: every part
 of a stage holds them after its parts' sum).
 """
 
+import dataclasses
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ from mpi4py import MPI
 from ...nn import Sequential
 from ...runtime import comm as mpi
 from ...runtime import recorder, routes
-from ...runtime.ipc_link import IpcLink
+from ...runtime.ipc_link import IpcLink, probe
 from ..mesh import MeshShape
 
 TRACER = recorder.tracer()
@@ -129,20 +130,30 @@ class StageLinks:
         self.layout, self.figures, self.track = layout, figures, track
         self.pipe, self.peers = mesh.comm("stage"), mesh.comm("replica")
         facts = _stage_facts(self.pipe, device, memory is not None)
+        self._ipc, self._ipc_comms, refused = {}, [], None
+        if any(_route(facts, stage, stage + 1) == "ipc" for stage in range(len(facts) - 1)):  # (every stage)
+            self._ipc_comms = [self.pipe.Dup(), self.pipe.Dup()]  # headers, acknowledgements
+            memory = memory if memory is not None else _cuda_memory()
+            mapped = [stage for stage in self._neighbours() if _route(facts, layout.stage, stage) == "ipc"]
+            refused = probe(self._ipc_comms[1], mapped, memory)
+            if refused is not None:  # (on every stage: the probe's answer is agreed)
+                self.free()
+                facts = [dataclasses.replace(each, ipc=False) for each in facts]
         #: ``(route, why)`` to each neighbouring stage, by stage
         self.routes = {
             stage: routes.choose("send", routes.Facts.between(facts[layout.stage], facts[stage]))
-            for stage in (layout.stage - 1, layout.stage + 1)
-            if 0 <= stage < layout.stages
+            for stage in self._neighbours()
         }
-        self._ipc, self._ipc_comms = {}, []
-        pairs = [routes.Facts.between(facts[stage], facts[stage + 1]) for stage in range(len(facts) - 1)]
-        if any(routes.choose("send", pair)[0] == "ipc" for pair in pairs):  # (the same on every stage)
-            self._ipc_comms = [self.pipe.Dup(), self.pipe.Dup()]  # headers, acknowledgements
-            memory = memory if memory is not None else _cuda_memory()
-            for stage, (route, _) in self.routes.items():
-                if route == "ipc":
-                    self._ipc[stage] = IpcLink(*self._ipc_comms, stage, memory)
+        if refused is not None:
+            self.routes = {stage: (route, f"{why}: {refused}") for stage, (route, why) in self.routes.items()}
+        for stage, (route, _) in self.routes.items():
+            if route == "ipc":
+                self._ipc[stage] = IpcLink(*self._ipc_comms, stage, memory)
+
+    def _neighbours(self):
+        """The stages before and after this one (those there are)."""
+        stage = self.layout.stage
+        return [other for other in (stage - 1, stage + 1) if 0 <= other < self.layout.stages]
 
     def describe(self):
         """How this stage's sends travel, for the role table ("" where MPI moves host arrays)."""
@@ -152,6 +163,13 @@ class StageLinks:
     def owned(self):
         """The communicators made here (a recovery revokes them with the world)."""
         return list(self._ipc_comms)
+
+    def abandon(self):
+        """After a lost rank: let go of the IPC links' device memory here, without MPI (their communicators
+        are revoked with the world's)."""
+        for link in self._ipc.values():
+            link.abandon()
+        self._ipc = {}
 
     def free(self):
         """Collective over the pipe: close the IPC links and free their communicators (a second call does
@@ -207,6 +225,11 @@ class StageLinks:
         self.track("exchange")
         MPI.Request.Waitall(requests)
         self.figures["idle_s"] += time.perf_counter() - start
+
+
+def _route(facts, one, other):
+    """The route of a send between stages ``one`` and ``other`` of ``facts``."""
+    return routes.choose("send", routes.Facts.between(facts[one], facts[other]))[0]
 
 
 def _stage_facts(pipe, device, ipc):
