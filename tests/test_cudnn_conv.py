@@ -26,8 +26,12 @@ from mpidist.nn.cudnn_conv import Geometry, element_strides
         ),
         (  # a Conv1D's signal as an image of height 1 (its added axis's stride 0 is no layout)
             (2, 5, 1, 7), (35, 7, 0, 1), (1, 3), 1, ((0, 0), (1, 1)), (1, 7),
-            dict(x_stride=(35, 7, 70, 1), y_stride=(112, 1, 224, 16), dx_stride=(35, 1, 70, 5),
-                 w_stride=(15, 3, 240, 1), pre=(0, 1), post=(0, 1), stride=(1, 1)),
+            dict(x_stride=(35, 7, 7, 1), y_stride=(112, 1, 112, 16), dx_stride=(35, 1, 35, 5),
+                 w_stride=(15, 3, 3, 1), pre=(0, 1), post=(0, 1), stride=(1, 1)),
+        ),
+        (  # one channel (MNIST): its axis's stride is the plane's, as in a packed NCHW array
+            (8, 1, 28, 28), (784, 784, 28, 1), (3, 3), 1, ((1, 1), (1, 1)), (28, 28),
+            dict(x_stride=(784, 784, 28, 1), dx_stride=(784, 784, 28, 1), w_stride=(9, 9, 3, 1)),
         ),
     ],
 )  # fmt: skip
@@ -131,3 +135,33 @@ def test_a_convolutions_passes_through_the_cudnn_path_equal_its_own(monkeypatch,
     assert sorted(call for plans in made.values() for call in plans.calls) == sorted(
         ["forward"] * 2 + ["weight_grad"] * 2 + ["input_grad"] * 2
     )
+
+
+def test_a_plan_that_fails_to_run_sends_its_shape_to_mpidists_own_path(monkeypatch):
+    class Failing:
+        def forward(self, x, w, y):
+            raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED")
+
+    def plans_for(layer, images):
+        made = layer.__dict__.setdefault("_cudnn_plans", {})
+        key = (images.shape, element_strides(images), images.dtype.str)
+        if key not in made:
+            made[key] = Failing()
+            cudnn_conv.PATHS["cudnn"] += 1
+        return made[key]
+
+    rng = np.random.default_rng(1)
+    models = [nn.Sequential([nn.Conv2D(3)], (2, 5, 5), xp=np, dtype=np.float64) for _ in range(2)]
+    for model in models:
+        model.init_params(2)
+    x = rng.standard_normal((4, 2, 5, 5))
+    expected = models[0].forward(x, training=True)
+    monkeypatch.setattr(cudnn_conv, "plans_for", plans_for)
+    monkeypatch.setattr(cudnn_conv, "PATHS", cudnn_conv.collections.Counter())
+    np.testing.assert_array_equal(models[1].forward(x, training=True), expected)
+    assert models[1].layers[0].cudnn is None  # (its backward: mpidist's own too)
+    assert dict(cudnn_conv.PATHS) == {
+        "cudnn": 0,
+        "im2col: running its plan: RuntimeError: CUDNN_STATUS_EXECUTION_FAILED": 1,
+    }
+    assert list(models[1].layers[0]._cudnn_plans.values()) == [None]

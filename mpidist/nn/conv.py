@@ -138,11 +138,11 @@ class _ChannelsLastConv(Layer):
 
     def forward(self, x, training=False):
         x = self._as_images(x)
-        self.cudnn = cudnn_conv.plans_for(self, x)
-        if self.cudnn is not None:
-            self.images = x
-            return self._from_images(cudnn_conv.forward(self, self.cudnn, x))
-        self.images = None
+        ran = cudnn_conv.forward(self, x)
+        if ran is not None:
+            y, self.cudnn, self.images = ran
+            return self._from_images(y)
+        self.cudnn = self.images = None
         return self._from_images(self._im2col_forward(x))
 
     def _im2col_forward(self, x):

@@ -99,10 +99,25 @@ def channels_last(shape):
 
 
 def unit_strides(shape, strides):
-    """``strides`` with each axis of extent 1 given the array's size: its stride is never used, and a
-    view's (0, where an axis was added) is not a layout cuDNN knows."""
-    size = int(np.prod(shape))
-    return tuple(size if extent == 1 else int(step) for extent, step in zip(shape, strides))
+    """``strides`` (of ``(N, C, H, W)``) with each axis of extent 1 given the stride it has in the array's
+    own layout, packed: the product of the extents inside it.
+
+    A kernel never reads such a stride, but cuDNN tells layouts (NCHW,
+    channels-last) by the strides' order, and a view's (0, where an axis was
+    added: a Conv1D's height) or an arbitrary one fits none.  As PyTorch's
+    ``fixSizeOneDimStride``: the axes are walked from the innermost, C first
+    where the channels are innermost (the array is channels-last), else W.
+    """
+    n, c, h, w = shape
+    channels_last = c > 1 and strides[1] == 1
+    order = (1, 3, 2, 0) if channels_last else (3, 2, 1, 0)
+    fixed, inside = [int(step) for step in strides], 1
+    for axis in order:
+        if shape[axis] == 1:
+            fixed[axis] = inside
+        else:
+            inside *= shape[axis]
+    return tuple(fixed)
 
 
 def element_strides(array):
@@ -240,14 +255,33 @@ def plans_for(layer, x):
     return made[key]
 
 
-def forward(layer, plans, x):
-    """``layer``'s output for ``x`` (4-D) by ``plans``: an ``(N, F, Ho, Wo)`` view of channels-last
-    memory, the bias added."""
+#: the bytes an input's start is a multiple of, or it is copied first: a micro-batch's or a slice's rows
+#: start anywhere, and cuDNN's plans read aligned memory
+ALIGNMENT = 256
+
+
+def forward(layer, x):
+    """``(output, plans, input)`` of ``layer`` for ``x`` (4-D) through cuDNN, or None: its own path.
+
+    The output is an ``(N, F, Ho, Wo)`` view of channels-last memory, the bias
+    added; the input is ``x``, or its aligned copy, which the backward pass
+    reads.  A plan that fails to run takes the shape off this path for good
+    (before anything of the step was written by it).
+    """
+    if layer.xp.__name__ != "numpy" and x.data.ptr % ALIGNMENT:
+        x = _copy(layer, "x_cudnn", x)
+    plans = plans_for(layer, x)
+    if plans is None:
+        return None
     (ho, wo), f = layer.out_hw, layer.filters
     y = layer.scratch("y_cudnn", (len(x), ho, wo, f), x.dtype)
-    plans.forward(x, _weights(layer, x.dtype), y.transpose(0, 3, 1, 2))
+    try:
+        plans.forward(x, _weights(layer, x.dtype), y.transpose(0, 3, 1, 2))
+    except Exception as err:  # (the frontend's errors are of many kinds)
+        _drop(layer, x, f"running its plan: {type(err).__name__}: {err}")
+        return None
     y += layer.params["b"]  # (channels innermost: the bias along the last axis)
-    return y.transpose(0, 3, 1, 2)
+    return y.transpose(0, 3, 1, 2), plans, x
 
 
 def backward_params(layer, plans, x, dy):
@@ -271,13 +305,26 @@ def input_grad(layer, plans, rows):
 
 
 def channels_last_copy(layer, dy):
-    """``dy`` (4-D) as ``(N, Ho, Wo, F)`` contiguous: its own memory where it is laid out so, else a copy."""
+    """``dy`` (4-D) as ``(N, Ho, Wo, F)`` contiguous: its own memory where it is laid out so (and aligned),
+    else a copy."""
     rows = dy.transpose(0, 2, 3, 1)
-    if rows.flags.c_contiguous:
-        return rows
-    out = layer.scratch("dy_cudnn", rows.shape, dy.dtype)
-    out[...] = rows
+    aligned = layer.xp.__name__ == "numpy" or rows.data.ptr % ALIGNMENT == 0
+    return rows if rows.flags.c_contiguous and aligned else _copy(layer, "dy_cudnn", rows)
+
+
+def _copy(layer, name, array):
+    """``array`` copied into ``layer``'s workspace array ``name`` (contiguous, aligned)."""
+    out = layer.scratch(name, array.shape, array.dtype)
+    out[...] = array
     return out
+
+
+def _drop(layer, x, why):
+    """Take ``x``'s shape off this path for ``layer`` (mpidist's own path from now on), counted as such."""
+    made = layer.__dict__.setdefault("_cudnn_plans", {})
+    made[(x.shape, element_strides(x), x.dtype.str)] = None
+    PATHS["cudnn"] -= 1
+    PATHS[f"im2col: {why[:200]}"] += 1
 
 
 def _weights(layer, dtype):
