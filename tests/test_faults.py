@@ -1063,6 +1063,55 @@ def link_replaced(p, out, err):
     assert not (p / "out" / "plan.json").is_symlink() and json.loads((p / "out" / "plan.json").read_text())
 
 
+def planned_over(output):
+    """``plan --output p/OUTPUT`` from the made-up calibration ``p/c.json``, where ``p/run`` is a run's
+    directory (its metrics and settings)."""
+
+    def provoke(p, stack=None):
+        from mpidist.plan import calibration
+        from test_plan import made_up
+
+        calibration.save(made_up(), p / "c.json")
+        (p / "run").mkdir()
+        (p / "run" / "metrics.jsonl").write_text('{"event": "start"}\n')
+        (p / "run" / "settings.toml").write_text("seed = 1\n")
+        (p / "kept").write_bytes((p / output).read_bytes())
+        return command(
+            "plan", "--calibration", str(p / "c.json"), "--nodes", "1", "--output", str(p / output)
+        )(p)
+
+    return provoke
+
+
+def kept_whole(name):
+    def check(p, out, err):
+        assert (p / name).read_bytes() == (p / "kept").read_bytes()
+
+    return check
+
+
+def a_run_dir_with_settings(p):
+    (p / "run").mkdir()
+    (p / "run" / "settings.toml").write_text("# my own notes\n")
+    return str(p / "run")
+
+
+def other_settings_kept(p, out, err):
+    assert (p / "run" / "settings-1.toml").read_text() == "# my own notes\n"
+    assert "this run's settings" in (p / "run" / "settings.toml").read_text()
+
+
+def ingested_with_a_split_left_out(p, stack=None):
+    np.savez(
+        p / "s.npz", x=np.zeros((10, 2)), y=np.arange(10) % 2, x_test=np.ones((3, 2)), y_test=np.zeros(3)
+    )
+    return command("ingest", str(p / "s.npz"), str(p / "s.h5"))(p)
+
+
+def nothing_ingested(p, out, err):
+    assert not (p / "s.h5").exists()
+
+
 def a_pipe_named_like_a_checkpoint(p):
     """``p/ck`` holding a named pipe ``ckpt-00000004-abcdef01.h5`` (the run hung in its claim, which opened
     it)."""
@@ -1909,6 +1958,39 @@ FAULTS = {
     # one rule for a link at every output: replaced itself, never written through (issue 41, item 7)
     "plan --output that is a symbolic link": Fault(
         planned_into_a_link, 0, "mpidist plan: ", check=link_replaced, one_message=False
+    ),
+    # outputs that would replace what a user keeps, and flags that never end (found by a hostile sweep)
+    "plan --output that is its own --calibration": Fault(
+        planned_over("c.json"), 2, "an input of this command", check=kept_whole("c.json"), ranks=(2,)
+    ),
+    "an output over a run's metrics.jsonl": Fault(
+        planned_over("run/metrics.jsonl"),
+        2,
+        "an existing metrics.jsonl, the file a run keeps its metrics in",
+        check=kept_whole("run/metrics.jsonl"),
+        ranks=(2,),
+    ),
+    "train --run-dir DIR whose settings.toml is another's": Fault(
+        train("--run-dir", a_run_dir_with_settings, "--steps", "1", "--progress", "none"),
+        0,
+        "said other settings: they are kept as settings-1.toml",
+        check=other_settings_kept,
+        one_message=False,
+        ranks=(2,),
+    ),
+    "plan --calibrate --seconds inf": Fault(
+        command("plan", "--calibrate", "--calibration", lambda p: str(p / "c.json"), "--seconds", "inf"),
+        2,
+        "--seconds inf: give a time above 0 and at most 3600 seconds",
+        ranks=(2,),
+    ),
+    "train, eval or predict --data ''": bad("--data", "", message="--data '': empty", alike=True),
+    "ingest of an .npz with x_test beside x, y": Fault(
+        ingested_with_a_split_left_out,
+        2,
+        "would leave out x_test, y_test",
+        check=nothing_ingested,
+        ranks=(2,),
     ),
     # special files under a checkpoint's name (issue 41, item 2)
     "a pipe named like a checkpoint in --checkpoint-dir": Fault(

@@ -974,10 +974,14 @@ def test_a_csv_with_every_cell_quoted_reads_as_the_same_file_unquoted(tmp_path, 
         with open(tmp_path / name, "w", newline="") as handle:
             csv.writer(handle, quoting=quoting).writerows(rows)
     assert '"0.' in (tmp_path / "quoted.csv").read_text()
+    # (a blank after each comma, as people write them)
+    spaced = (tmp_path / "quoted.csv").read_text().replace('","', '", "')
+    (tmp_path / "spaced.csv").write_text(spaced)
     read = {}
-    for name in ("plain", "quoted"):
+    for name in ("plain", "quoted", "spaced"):
         path = ingest(str(tmp_path / f"{name}.csv"), tmp_path / f"{name}.h5", seed=1)
         with h5py.File(path) as handle:
             read[name] = [handle[f"{split}/{key}"][...] for split in ("train", "test") for key in ("x", "y")]
-    for plain, quoted in zip(read["plain"], read["quoted"]):
+    for plain, quoted, spaced in zip(read["plain"], read["quoted"], read["spaced"]):
         np.testing.assert_array_equal(plain, quoted)
+        np.testing.assert_array_equal(plain, spaced)

@@ -35,11 +35,15 @@ def test_a_runs_own_files_are_refused_where_a_run_wrote_them(tmp_path, name):
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"event": "start"}\n')
     (run / name).write_text("kept\n")
-    with pytest.raises(UsageError, match=f"is a run's {name}, which the run keeps"):
+    with pytest.raises(UsageError, match=f"an existing {name}, the file a run keeps its .* in"):
         refuse_kept(run / name, "--output")
     assert (run / name).read_text() == "kept\n"
-    # (a file of that name that is no run's, or none yet where a run keeps its files: written)
+    # (a log of that name where no run keeps its files, or another name: written)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "log.txt").write_text("mine\n")
     refuse_kept(tmp_path / "elsewhere" / "log.txt", "--output")
     refuse_kept(run / "results.json", "--output")
+    # (settings and metrics are refused wherever they are: --run-dir '' keeps its metrics anywhere)
+    with pytest.raises(UsageError, match="an existing metrics.jsonl"):
+        (tmp_path / "elsewhere" / "metrics.jsonl").write_text("{}\n")
+        refuse_kept(tmp_path / "elsewhere" / "metrics.jsonl", "--output")

@@ -341,3 +341,15 @@ def test_settings_that_say_something_else_are_kept_before_a_run_writes_its_own(t
     assert (tmp_path / "settings-2.toml").read_text() == "# a user's own\nseed = 9\n"
     assert (tmp_path / rundir.SETTINGS).read_bytes() == written
     assert (tmp_path / "settings-1.toml").read_bytes() == written  # (each kept file left as it was)
+
+
+def test_settings_are_kept_by_a_copy_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    def no_links(source, target):
+        raise PermissionError(1, "Operation not permitted")  # (as some network file systems answer)
+
+    (tmp_path / rundir.SETTINGS).write_text("seed = 9\n")
+    (tmp_path / "settings-1.toml").write_text("an earlier one\n")
+    monkeypatch.setattr(rundir.os, "link", no_links)
+    assert rundir.write_settings(Settings(model="mlp:8"), tmp_path) == "settings-2.toml"
+    assert (tmp_path / "settings-2.toml").read_text() == "seed = 9\n"
+    assert (tmp_path / "settings-1.toml").read_text() == "an earlier one\n"

@@ -19,8 +19,9 @@ from ..runtime.errors import UsageError
 from .lineage import PATTERN
 
 #: a run directory's files (:mod:`mpidist.store.rundir` names them): the settings and the metrics first,
-#: either of which makes a directory a run's
+#: which are refused wherever they are; a log or a timeline only where a run keeps one of those beside it
 RUN_FILES = ("settings.toml", "metrics.jsonl", "log.txt", "trace.json")
+_WHAT = dict(zip(RUN_FILES, ("settings", "metrics", "log", "timeline")))
 
 
 def refuse_kept(path, option, inputs=()):
@@ -38,9 +39,10 @@ def refuse_kept(path, option, inputs=()):
             "give the output another name"
         )
     if path.name in RUN_FILES and (path.exists() or path.is_symlink()):
-        if any((path.parent / name).exists() for name in RUN_FILES[:2]):
+        if path.name in RUN_FILES[:2] or any((path.parent / name).exists() for name in RUN_FILES[:2]):
             raise UsageError(
-                f"{option} {path}: is a run's {path.name}, which the run keeps: write the output elsewhere"
+                f"{option} {path}: an existing {path.name}, the file a run keeps its {_WHAT[path.name]} in: "
+                "write the output elsewhere"
             )
 
 

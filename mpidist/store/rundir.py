@@ -327,14 +327,25 @@ def _keep_other(target, text):
     for count in range(1, 10_000):
         kept = target.with_name(f"{target.stem}-{count}{target.suffix}")
         try:
-            os.link(target, kept)
+            _keep_as(target, kept)
         except FileExistsError:
             continue
-        except OSError:  # (no hard links on this file system: a copy, never over a file)
-            with open(target, "rb") as source, open(kept, "xb") as copy:
-                shutil.copyfileobj(source, copy)
         return kept.name
     raise UsageError(f"{target}: settings-1.toml to settings-9999.toml all exist: clear some of them")
+
+
+def _keep_as(target, kept):
+    """``target``'s content under the new name ``kept``: a hard link, or where the file system has none a
+    copy (never over a file: FileExistsError, as for the link)."""
+    try:
+        os.link(target, kept)
+        return
+    except FileExistsError:
+        raise
+    except OSError:
+        pass
+    with open(target, "rb") as source, open(kept, "xb") as copy:
+        shutil.copyfileobj(source, copy)
 
 
 def toml_value(value):

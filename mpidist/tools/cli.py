@@ -255,7 +255,9 @@ def cmd_plan(args, world):
                 raise UsageError("--calibrate and --check: give one")
             check_seconds(args.seconds)
             if args.batch_per_rank < 0:
-                raise UsageError(f"--batch-per-rank {args.batch_per_rank}: give 1 or more")
+                raise UsageError(
+                    f"--batch-per-rank {args.batch_per_rank}: give 1 or more (0: 64, the default)"
+                )
             from ..settings.config import Settings
 
             settings = Settings(
@@ -277,7 +279,10 @@ def cmd_plan(args, world):
                 command.check(args.calibration, args.check, args.output)
             else:
                 if args.ranks_per_node < 0 or args.batch_per_rank < 0:
-                    raise UsageError("--ranks-per-node and --batch-per-rank must be at least 1")
+                    raise UsageError(
+                        "--ranks-per-node and --batch-per-rank: give 1 or more (0: the calibration's, the "
+                        "default)"
+                    )
                 command.plan(
                     args.calibration,
                     args.nodes,

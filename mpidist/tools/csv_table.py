@@ -277,11 +277,11 @@ def read_csv(path, label_column=-1, delimiter="auto", needs=INGEST):
     try:
         # (usecols lets longer rows pass)
         table = np.loadtxt(
-            [line for _, line in rows],
+            # (a line with quotes as its cells without them: "1", "2" has a blank before its quote)
+            [(delimiter or " ").join(split(line)) if '"' in line else line for _, line in rows],
             delimiter=delimiter,
             ndmin=2,
             comments=None,
-            quotechar='"',  # (as cells_of drops them)
             usecols=columns if named else None,
         )
     except ValueError as err:
