@@ -296,7 +296,7 @@ def test_stages_of_one_node_send_by_ipc_links_and_train_as_by_mpi(monkeypatch, s
     start-up probe finds the memory cannot be mapped, every stage sends as it would without IPC."""
     fits(2)
     facts = stage._stage_facts
-    monkeypatch.setattr(stage, "_stage_facts", lambda pipe, device, ipc: facts(pipe, True, True))
+    monkeypatch.setattr(stage, "_stage_facts", lambda pipe, device, ipc, node: facts(pipe, True, True, node))
     memories, kind = [], RefusingMemory if refusing else HostMemory
     monkeypatch.setattr(stage, "_cuda_memory", lambda: memories.append(kind()) or memories[-1])
     cluster, strategy, reference = run_pipeline(2, 3, schedule_name, optimizer="adam")

@@ -121,15 +121,16 @@ class StageLinks:
         figures: the strategy's figures (``idle_s`` is added to).
         track: the strategy's ``track(phase)`` (where the stall monitor sees this rank).
         device: the stage's arrays live on a GPU.
+        node: this rank's node (the cluster's index of it).
         memory: the device operations IPC uses (default: CUDA's,
             :class:`~mpidist.runtime.cuda_ipc.CudaMemory`, where the device
             supports it); given, every stage of one node may use IPC.
     """
 
-    def __init__(self, mesh, layout, figures, track, device=False, memory=None):
+    def __init__(self, mesh, layout, figures, track, device=False, node=0, memory=None):
         self.layout, self.figures, self.track = layout, figures, track
         self.pipe, self.peers = mesh.comm("stage"), mesh.comm("replica")
-        facts = _stage_facts(self.pipe, device, memory is not None)
+        facts = _stage_facts(self.pipe, device, memory is not None, node)
         self._ipc, self._ipc_comms, refused = {}, [], None
         if any(_route(facts, stage, stage + 1) == "ipc" for stage in range(len(facts) - 1)):  # (every stage)
             self._ipc_comms = [self.pipe.Dup(), self.pipe.Dup()]  # headers, acknowledgements
@@ -232,15 +233,11 @@ def _route(facts, one, other):
     return routes.choose("send", routes.Facts.between(facts[one], facts[other]))[0]
 
 
-def _stage_facts(pipe, device, ipc):
+def _stage_facts(pipe, device, ipc, node):
     """Collective over the pipe: every stage's :class:`~mpidist.runtime.routes.RankFacts`, by stage (``ipc``:
-    IPC is possible wherever the device is, as with a stand-in for the device's memory)."""
-    node = pipe.Split_type(MPI.COMM_TYPE_SHARED, key=pipe.Get_rank())
-    try:
-        first_on_node = node.bcast(pipe.Get_rank())  # (a node's name: its first stage)
-    finally:
-        node.Free()
-    mine = routes.RankFacts.of(first_on_node, device, ipc, mpi.cuda_aware() if device else False)
+    IPC is possible wherever the device is, as with a stand-in for the device's memory; ``node``: this
+    rank's)."""
+    mine = routes.RankFacts.of(node, device, ipc, mpi.cuda_aware() if device else False)
     return pipe.allgather(mine)
 
 

@@ -113,7 +113,9 @@ class PipelineStrategy(PipelineDeclared, Strategy):
         self._as_writer = self.tensor.within(full, first_entry(full, layout.first_layer))
         #: the regions, written by the first replica
         self.placement = self._as_writer.within(full, 0, writes=layout.replica == 0)
-        self.links = StageLinks(self.mesh, layout, self.figures, self.track, device=full.xp is not np)
+        self.links = StageLinks(
+            self.mesh, layout, self.figures, self.track, device=full.xp is not np, node=cluster.node_index
+        )
         self.accumulated = full.xp.zeros(self.model.num_params + 1, dtype=full.dtype)  # gradients, then loss
         self.optimizer = self.optimizers.make(self.model.num_params, layout.param_lo)
         if self.optimizer is not None:  # (a part is no slice of the whole: its own; a stage's are the same)
