@@ -187,6 +187,31 @@ def test_a_callback_that_raises_ends_every_rank_with_exit_code_1(tmp_path):
     assert seconds < 30
 
 
+def test_sys_exit_in_one_ranks_layer_ends_every_rank_with_its_code(tmp_path):
+    """A user's sys.exit() on one rank, inside the run: the others were left waiting for it (found by a
+    hostile sweep); the job now ends with its code and says why."""
+    script = tmp_path / "exiting.py"
+    script.write_text(
+        "import sys\n"
+        "import mpidist\n"
+        "from mpi4py import MPI\n"
+        "from mpidist import nn\n"
+        "class Exiting(nn.Layer):\n"
+        "    def forward(self, x, training=False):\n"
+        "        if training and MPI.COMM_WORLD.Get_rank() == 1:\n"
+        "            sys.exit(5)\n"
+        "        return x\n"
+        "    def backward(self, dy):\n"
+        "        return dy\n"
+        "mpidist.train(lambda s, o: [nn.Flatten(), nn.Dense(8), Exiting(), nn.Dense(o)], 'digits', steps=5,\n"
+        "              progress='none', metrics='', run_dir='')\n"
+    )
+    done, seconds = run_mpi(2, [str(script)], timeout=60)
+    assert done.returncode == 5, done.stderr
+    assert "sys.exit(5) while the other ranks ran on: the job ends with it" in done.stderr
+    assert seconds < 30
+
+
 def test_a_script_that_imports_numpy_first_still_runs_one_blas_thread_per_core():
     # each rank prints its line in one write: two ranks' print() calls interleaved once ("threads threads1")
     probe = (

@@ -250,7 +250,12 @@ def agreed(comm):
         only_some = failed.size < size
         sys.stderr.write(error_line(message, first if only_some else None) + "\n")
         sys.stderr.flush()
-    raise SystemExit(int(codes[first]))
+    raise AgreedExit(int(codes[first]))
+
+
+class AgreedExit(SystemExit):
+    """An exit every rank takes alike (a refusal :func:`agreed` on): :class:`ends_the_job_on_error` lets it
+    pass, where a ``sys.exit()`` of one rank's own (a user's callback or layer) ends the job."""
 
 
 class ends_the_job_on_error:
@@ -261,9 +266,11 @@ class ends_the_job_on_error:
     would leave them waiting forever.  A refusal found here on several ranks
     (the same flag refused by every rank's strategy, bad rows in two
     workers' streams) prints one line: the rank that claims :class:`OneVoice`
-    first speaks.  ``SystemExit`` (an agreed exit, on every rank alike)
-    passes through; one process alone just raises.  Collective to enter and
-    (without an error) to leave.
+    first speaks.  An :class:`AgreedExit` (on every rank alike) passes
+    through; any other ``SystemExit`` (``sys.exit()`` in a user's callback or
+    layer, on this rank alone) ends the job with its code, as the others may
+    be waiting for this one.  One process alone just raises.  Collective to
+    enter and (without an error) to leave.
     """
 
     def __init__(self, world):
@@ -279,10 +286,19 @@ class ends_the_job_on_error:
 
     def __exit__(self, exc_type, exc, tb):
         global _VOICE
-        if exc is None or isinstance(exc, SystemExit) or self.world.Get_size() == 1:
+        if exc is None or isinstance(exc, AgreedExit) or self.world.Get_size() == 1:
             if self.voice is not None:
                 _VOICE = self.outer
                 if not ulfm.failure_seen():  # (after a lost rank the window's communicator is broken)
                     self.voice.free()
             return False
+        if isinstance(exc, SystemExit):  # (this rank's own: the others run on, or wait for it)
+            code = exc.code if isinstance(exc.code, int) else EXIT_FAILURE
+            rank = self.world.Get_rank()
+            sys.stderr.write(
+                error_line(f"sys.exit({exc.code!r}) while the other ranks ran on: the job ends with it", rank)
+                + "\n"
+            )
+            sys.stderr.flush()
+            abort_now(code)
         abort_job(exc_type, exc, tb)
