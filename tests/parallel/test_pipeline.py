@@ -325,3 +325,20 @@ def test_stages_of_one_node_send_by_ipc_links_and_train_as_by_mpi(monkeypatch, s
     assert memory.made == memory.freed and memory.opened == memory.closed and leftovers() == []
     strategy.free()  # (a second free does nothing)
     cluster.free()
+
+
+def test_a_send_of_another_shape_than_the_next_stage_takes_is_refused_in_words():
+    """A layer at a stage boundary that drops a row or a feature: the receiver's buffer of the expected shape
+    took the shorter message, the rest of it stale, and the run trained on (found by a hostile sweep)."""
+    from mpidist.parallel.pipeline.schedule_runner import check_boundary
+    from mpidist.runtime.errors import RunError
+
+    check_boundary(np.zeros((8, 32)), (8, 32), 0, 1)
+    with pytest.raises(
+        RunError, match=r"stage 0's layers gave activations of shape \(7, 32\) to send to stage 1"
+    ):
+        check_boundary(np.zeros((7, 32)), (8, 32), 0, 1)
+    with pytest.raises(
+        RunError, match=r"stage 2's layers gave input gradients of shape \(8, 20\) .*takes \(8, 32\)"
+    ):
+        check_boundary(np.zeros((8, 20)), (8, 32), 2, 1)

@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from ...runtime import recorder
+from ...runtime.errors import RunError
 from .slots import SlotPool
 
 TRACER = recorder.tracer()
@@ -138,6 +139,8 @@ class ScheduleRunner:
 
     def _send(self, batch, array, dest, tag):
         """Start sending ``array`` (from ``batch``'s slot) to stage ``dest``."""
+        boundary = self.layout.out_shape if dest > self.layout.stage else self.layout.in_shape
+        check_boundary(array, (batch.size,) + tuple(boundary), self.layout.stage, dest)
         request, buffer = self.links.isend(array, dest, tag, flow=self.round.flow)
         self.round.sends.append((request, buffer))
         batch.sends.append(request)
@@ -211,3 +214,16 @@ class ScheduleRunner:
         grad_out, batch.grad_out = batch.grad_out, None
         self._send(batch, grad_out, self.layout.stage - 1, 2 * micro + 1)
         self._land(batch)
+
+
+def check_boundary(array, expected, stage, dest):
+    """Refuse ``array``, sent from ``stage`` to ``dest``, unless it is of the ``expected`` shape: the receiver
+    takes a buffer of that shape, and a message of fewer values would leave the rest of it as an earlier
+    micro-batch left it (training on, silently wrong)."""
+    if tuple(array.shape) != tuple(expected):
+        what = "activations" if dest > stage else "input gradients"
+        raise RunError(
+            f"pipeline stage {stage}'s layers gave {what} of shape {tuple(array.shape)} to send to stage "
+            f"{dest}, which takes {tuple(expected)} (a layer at the boundary changed the batch or the "
+            "sample's shape)"
+        )

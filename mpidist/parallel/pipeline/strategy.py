@@ -49,7 +49,7 @@ from .balance import balance_by_parameters, first_entry, layer_costs
 from .declared import PipelineDeclared
 from .recovery import ReplicasLeftWhole
 from .schedule import schedule
-from .schedule_runner import ScheduleRunner
+from .schedule_runner import ScheduleRunner, check_boundary
 from .stage import StageLayout, StageLinks
 
 
@@ -255,6 +255,7 @@ class PipelineStrategy(PipelineDeclared, Strategy):
         out = model.forward(inp, training=False)
         if layout.is_last:
             return out
+        check_boundary(out, (len(x),) + tuple(layout.out_shape), layout.stage, layout.stage + 1)
         request, _ = self.links.isend(model.xp.ascontiguousarray(out), layout.stage + 1, 0)
         request.Wait()
         return None
