@@ -275,3 +275,16 @@ def test_a_timed_layer_is_its_layer_to_every_reader_and_waits_on_its_clock():
     out = timed.forward(np.ones((2, 4)), training=True)
     timed.backward(np.ones_like(out))
     assert len(waits) == 4 and (times >= 0).all()
+
+
+def test_one_layer_object_at_two_places_of_a_model_is_refused_naming_both():
+    """Its second place overwrote the first's caches and gradients: training ran on wrong gradients."""
+    from mpidist.nn.sequential import RepeatedLayer
+
+    shared = nn.Dense(8)
+    with pytest.raises(RepeatedLayer, match=r"Dense\(8\), is at \(0,\) and at \(2,\)"):
+        nn.Sequential([shared, nn.ReLU(), shared], (8,), xp=np, dtype=np.float32)
+    relu = nn.ReLU()
+    nn.Sequential([nn.Dense(8), relu, nn.Dense(8), nn.ReLU()], (4,), xp=np, dtype=np.float32)
+    with pytest.raises(RepeatedLayer, match="ReLU"):
+        nn.Sequential([nn.Dense(8), relu, nn.Dense(8), relu], (4,), xp=np, dtype=np.float32)

@@ -35,6 +35,7 @@ class Sequential(ParameterMap):
 
     def __init__(self, layers, input_shape, xp=np, dtype=np.float32, buffers=True):
         layers, self.xp = list(layers), xp
+        _refuse_repeated(layers)
         # arrays the training passes reuse from step to step (see mpidist.nn.workspace)
         self.workspace = Workspace(xp)
         for _, node in walk(layers):  # (before any layer is built: a build may use its xp)
@@ -236,3 +237,20 @@ class Sequential(ParameterMap):
         if ready is not None:
             ready(0)
         return dy
+
+
+class RepeatedLayer(ValueError):
+    """One layer object at two places of a model."""
+
+
+def _refuse_repeated(layers):
+    """Refuse one layer object at two places of a model: a layer holds one place's parameters, caches and
+    gradients, so the second place would overwrite the first's (its gradients came out wrong)."""
+    seen = {}
+    for path, node in walk(layers):
+        if id(node) in seen:
+            raise RepeatedLayer(
+                f"the same layer object, {node!r}, is at {seen[id(node)]} and at {path} of the model: give "
+                "each place a layer of its own (a new one; its parameters are its own)"
+            )
+        seen[id(node)] = path

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from .. import nn
+from ..nn.sequential import RepeatedLayer
 from ..runtime.errors import UsageError
 from ..runtime.suggest import nearest
 
@@ -80,6 +81,8 @@ class ModelSource:
                 f"--model {self.spec} does not fit samples of shape {tuple(sample_shape)} with "
                 f"{outputs} outputs: {err}"
             ) from None
+        except RepeatedLayer as err:
+            raise UsageError(f"--model {self.spec}: {err}") from None
 
 
 def _as_model(made, sample_shape, xp, dtype, buffers=True):
