@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from mpidist.loop.callbacks import EarlyStopping
+from mpidist.loop.callbacks import EarlyStopping, Reporter
 from mpidist.loop.elastic import State
 from mpidist.loop.evaluations import Evaluations
 from mpidist.parallel.saved_state import WholeState
@@ -302,3 +302,19 @@ def test_the_test_delay_names_a_worker_its_seconds_and_the_last_step_it_slows(
 
     monkeypatch.setenv("MPIDIST_TEST_DELAY", spec)
     assert setup.test_delay(worker) == expected
+
+
+def test_an_early_stopping_given_to_a_second_run_judges_it_afresh():
+    """Reused, it stopped the second run at once: its stop, its waits and its best were the first run's
+    (found by a hostile sweep)."""
+    stopping = EarlyStopping(1, monitor="test_loss")
+    Evaluations({"test": 1}, "", None, stopping)
+    for step, loss in ((10, 0.5), (20, 0.6)):
+        stopping.on_eval({"step": step, "test_loss": loss})
+    assert stopping.stop_training and stopping.stopped_at == 20
+    reporter = Reporter(Log(), [stopping])
+    Evaluations({"test": 1}, "", None, stopping)  # (the second run)
+    reporter.write("start", step=0)
+    assert not reporter.stop_asked and stopping.best is None and stopping.stopped_at is None
+    stopping.on_eval({"step": 10, "test_loss": 0.9})  # (worse than the first run's best: its first here)
+    assert not stopping.stop_training and stopping.best == 0.9

@@ -120,6 +120,11 @@ class EarlyStopping(Callback):
         )
         self.best, self.waited, self.stopped_at = None, 0, None
 
+    def begin(self, best=None):
+        """A run begins (the callback may be given to several, one after the other): it judges against
+        ``best`` (a resumed run's best so far), having waited for nothing yet."""
+        self.best, self.waited, self.stopped_at = best, 0, None
+
     def on_eval(self, figures):
         # test_ or val_: an evaluation of another split is not ours
         split = str(self.monitor).split("_")[0] + "_"
@@ -176,6 +181,9 @@ class Reporter:
         if not self.active and event == "step":
             self.unwritten.append(figures)
         self.log.write(event, **figures)
+        if event == "start":  # (a callback used again in a new run: an earlier run's stop is not this one's)
+            for callback in self.callbacks:
+                callback.stop_training = False
         method = EVENTS.get(event)
         for callback in self.callbacks if method else ():
             getattr(callback, method)(dict(figures, event=event))

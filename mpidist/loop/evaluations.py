@@ -89,8 +89,8 @@ class Evaluations:
         self.monitored = "val" if "val" in splits else "test"  # the split --eval-every evaluates
         self.figures, self.at = {"test": None, "val": None}, {"test": None, "val": None}
         self.best = BestSoFar(keep_best, stored_best)
-        if early_stopping is not None and self.best.value is not None:
-            early_stopping.best = self.best.value
+        if early_stopping is not None:
+            early_stopping.begin(self.best.value)
 
     def record(self, split, figures, step):
         self.figures[split], self.at[split] = figures, step
