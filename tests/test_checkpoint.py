@@ -75,6 +75,20 @@ def replace(name, value):
     return change
 
 
+def named(shapes):
+    """A ``parameters/`` group naming ``shapes`` (None: a group where an array would be)."""
+
+    def change(handle):
+        group = handle.create_group("parameters")
+        for name, shape in shapes.items():
+            if shape is None:
+                group.create_group(name)
+            else:
+                group.create_dataset(name, shape=shape, dtype="f8")
+
+    return change
+
+
 def set_attr(name, value, group="/"):
     def change(handle):
         handle[group].attrs[name] = value
@@ -106,6 +120,15 @@ def set_attr(name, value, group="/"):
         ),
         (replace("workers/m", np.zeros((3, 5))), "workers holds rows for different worker counts ([2, 3])"),
         (replace("workers/m", np.full((2, 5), np.nan)), "workers/m holds NaN or Inf (10 of 10 values)"),
+        (
+            lambda handle: handle.create_dataset("parameters", data=np.zeros(3)),
+            "parameters is not a group of the model's parameters",
+        ),
+        (named({"0000.Dense.W": (2, 2)}), "parameters name 4 values in all, where params holds 5"),
+        (
+            named({"0000.Dense.W": (2, 2), "0000.Dense.b": None}),
+            "parameters/0000.Dense.b is not a parameter's",
+        ),
     ],
 )
 def test_everything_read_from_a_checkpoint_is_checked_before_use(tmp_path, change, message):
@@ -417,3 +440,23 @@ def test_a_layer_inside_a_block_is_named_by_its_path_down_from_the_top_level_lay
     assert names[:3] == ["0000.TokenConv.W", "0000.TokenConv.b", "0001.PositionalEmbedding.table"]
     assert "0002.TransformerBlock.00.Residual.01.MultiHeadAttention.Wq" in names
     assert len(set(names)) == len(names) == len(model.entries)
+
+
+def test_a_checkpoint_of_another_model_with_as_many_values_is_refused_naming_a_parameter(tmp_path):
+    """mlp:15 and mlp:5,50 both hold 1,135 values: the count alone let one load as the other (found by a
+    hostile sweep)."""
+    path = tampered(tmp_path, named({"0001.Dense.W": (2, 2), "0001.Dense.b": (1,)}))
+    saved = checkpoint.load(path, arrays=False)
+    assert saved.named == (("0001.Dense.W", (2, 2)), ("0001.Dense.b", (1,)))
+    checkpoint.refuse_another_model(saved, [("0001.Dense.b", (1,)), ("0001.Dense.W", (2, 2))], "it")
+    with pytest.raises(
+        UsageError, match=r"holds 0001.Dense.W of shape \(2, 2\), where mlp:x has .* \(4, 1\)"
+    ):
+        checkpoint.refuse_another_model(saved, [("0001.Dense.W", (4, 1)), ("0001.Dense.b", (1,))], "mlp:x")
+    with pytest.raises(UsageError, match="holds 2 parameter arrays, where it has 3"):
+        extra = [("0001.Dense.W", (2, 2)), ("0001.Dense.b", (1,)), ("0002.Dense.b", (0,))]
+        checkpoint.refuse_another_model(saved, extra, "it")
+    (tmp_path / "older").mkdir()
+    older = checkpoint.load(write(tmp_path / "older", 4), arrays=False)  # (no parameters/ group: unchecked)
+    assert older.named is None
+    checkpoint.refuse_another_model(older, [("0000.Dense.W", (5,))], "it")

@@ -13,12 +13,14 @@ from pathlib import Path
 from .. import data as datasets  # (``data`` is the argument users know)
 from ..data.fingerprint import mismatch
 from ..loop.setup import Inputs, build_model_for
+from ..loop import sharded_save
 from ..runtime.errors import UsageError
 from ..runtime.memory import check_fits
 from ..runtime.text import printable
 from ..runtime.xp import select_device
 from ..settings.config import Settings
 from ..store import checkpoint
+from ..store.checkpoint import refuse_another_model
 
 
 @dataclasses.dataclass
@@ -173,6 +175,8 @@ def _trained(saved, data, model, data_given=None, notes=()):
             f"{checkpoint_path}: holds {saved.num_params} parameters, but model "
             f"{inputs.model.spec} on {info.name!r} has {net.num_params}"
         )
+    named = [(name, shape) for name, shape, _ in sharded_save.parameters(net)]
+    refuse_another_model(saved, named, f"model {inputs.model.spec} on {info.name!r}")
     return Trained(
         model=net,
         dataset=info,

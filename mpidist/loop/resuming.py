@@ -17,6 +17,7 @@ from ..data.fingerprint import mismatch
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
 from ..store import checkpoint, checkpoint_save
+from . import sharded_save
 
 
 def find_resume(config):
@@ -41,6 +42,10 @@ def fit_to_model(config, resume, info, model):
             f"{config.model} on {info.name!r} has {model.num_params} (it was written by --model "
             f"{printable(resume.config.get('model'))} on {printable(repr(resume.config.get('data')))})"
         )
+    if resume is not None:
+        where = f"--model {config.model} on {info.name!r}"
+        named = [(name, shape) for name, shape, _ in sharded_save.parameters(model)]
+        checkpoint.refuse_another_model(resume, named, where)
     if resume is not None and set(resume.optimizer_state) != set(
         checkpoint_save.OPTIMIZER_STATE[config.optimizer]
     ):

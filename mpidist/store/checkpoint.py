@@ -69,6 +69,9 @@ class Checkpoint:
     data_order: str = DATA_ORDER
     num_params: int = 0  # the whole model's parameters, and their dtype, known before any array is read
     dtype: np.dtype = None
+    #: ``(name, shape)`` of each parameter, in name order, as its ``parameters/`` group names them (None: an
+    #: older checkpoint names none): what :func:`refuse_another_model` compares a model with
+    named: tuple = None
 
     def __post_init__(self):
         if self.params is not None:  # (arrays read, or made in memory: the survivors' state)
@@ -170,6 +173,7 @@ def _read(path, handle, read_arrays=True):
         arrays[name] = array
     rows = checks.per_worker_arrays(handle, params, bad)
     header = checks.header(path, handle, group, bad)
+    header["named"] = checks.named_parameters(handle, params, bad)
     if not read_arrays:
         return Checkpoint(path=path, params=None, optimizer_state=dict.fromkeys(arrays), **header)
     check_fits(
@@ -300,3 +304,24 @@ def newest_valid(directory, arrays=True):
         except UsageError as err:
             skipped.append((entry.path, str(err)))
     return None, skipped
+
+
+def refuse_another_model(saved, named, where):
+    """Refuse checkpoint ``saved`` for a model whose parameters are ``named`` (``(name, shape)``, as
+    :func:`mpidist.loop.sharded_save.parameters` gives them) where their shapes differ: the same number of
+    values laid out as another model's would load without a word (``mlp:15`` and ``mlp:5,50`` both hold
+    1,135).  ``where``: the model, in words, for the message."""
+    if saved.named is None:  # (an older checkpoint: its count alone was compared)
+        return
+    theirs = sorted((str(name), tuple(shape)) for name, shape in named)
+    for (name, shape), (their_name, their_shape) in zip(saved.named, theirs):
+        if shape != their_shape:
+            raise UsageError(
+                f"{saved.path}: holds {printable(name)} of shape {shape}, where {where} has {their_name} of "
+                f"shape {their_shape}: it was written by another model"
+            )
+    if len(saved.named) != len(theirs):
+        raise UsageError(
+            f"{saved.path}: holds {len(saved.named)} parameter arrays, where {where} has {len(theirs)}: it "
+            "was written by another model"
+        )

@@ -12,6 +12,7 @@ for are the ones :mod:`mpidist.store.checkpoint_save` writes.
 """
 
 import json
+import math
 import re
 
 import h5py
@@ -187,3 +188,31 @@ def lineage_attribute(attrs, name, bad):
     if not isinstance(value, str) or (value and not lineages.LINEAGE.fullmatch(value)):
         raise bad(f"attribute {name}", f"is {shown(value)}; a lineage id is 8 hex digits")
     return value
+
+
+#: parameters a checkpoint's ``parameters/`` group may name (a model of more tensors is not one anyone trains)
+MAX_NAMED = 1 << 20
+
+
+def named_parameters(handle, params, bad):
+    """The ``(name, shape)`` of each parameter a checkpoint's ``parameters/`` group names, in name order
+    (its shapes only are read, never a value), or None where it has none (older checkpoints); refused where
+    they are not the whole of ``params``."""
+    group = handle.get("parameters", getclass=True)
+    if group is None:
+        return None
+    if group is not h5py.Group:
+        raise bad("parameters", "is not a group of the model's parameters")
+    group = handle["parameters"]
+    if len(group) > MAX_NAMED:
+        raise bad("parameters", f"names {len(group):,} parameters, more than {MAX_NAMED:,}")
+    named, total = [], 0
+    for name in sorted(group):
+        shape = group[name].shape if group.get(name, getclass=True) is h5py.Dataset else None
+        if shape is None:
+            raise bad(f"parameters/{printable(name)}", "is not a parameter's array")
+        named.append((str(name), tuple(int(extent) for extent in shape)))
+        total += math.prod(named[-1][1])  # (Python's integers: a crafted shape cannot wrap round)
+    if total != params.size:
+        raise bad("parameters", f"name {total:,} values in all, where params holds {params.size:,}")
+    return tuple(named)
