@@ -178,6 +178,28 @@ def test_an_unknown_setting_is_refused_on_every_rank_with_exit_code_2():
     assert stopped.value.code == 2
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("differing", ["epochs", "arrays"])
+def test_ranks_given_different_runs_are_refused_on_every_rank_naming_what_differs(differing, capsys):
+    """One rank's epochs, or one rank's arrays: the ranks planned different runs and hung at different
+    collectives (found by a hostile sweep); now every rank exits 2, rank 0 saying what differs."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    x = np.random.default_rng(0).random((40, 4))
+    if differing == "arrays" and rank == 1:
+        x[-1, -1] += 1  # (the last sample's last value)
+    arrays = data.ArrayData(train=(x, np.arange(40) % 2), test=(x[:8], np.arange(8) % 2))
+    epochs = 2 if differing == "epochs" and rank == 1 else 1
+    with pytest.raises(SystemExit) as stopped:
+        mpidist.train("mlp", arrays, epochs=epochs, run_dir="", **quiet())
+    assert stopped.value.code == 2
+    said = capsys.readouterr().err
+    if rank == 0:
+        expected = (
+            "--epochs is 1 on rank 0 and 2 on rank 1" if differing == "epochs" else "the train split's x"
+        )
+        assert "the ranks were given different runs: " + expected in said
+
+
 @pytest.mark.mpi(min_size=1)
 def test_layers_given_as_objects_train_and_their_spec_says_they_cannot_be_rebuilt():
     layers = [nn.Flatten(), nn.Dense(32), nn.GELU(), nn.LayerNorm(), nn.Dense(10)]

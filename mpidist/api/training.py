@@ -24,6 +24,7 @@ from ..runtime.comm import bcast_text
 from ..runtime.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, UsageError
 from ..runtime.preempt import stop_signals
 from ..runtime.text import check_utf8
+from . import same_run
 from ..runtime.threads import limit_blas_threads
 from ..runtime.whereabouts import here
 from ..runtime.xp import select_device
@@ -132,6 +133,9 @@ def _run(world, watch, model, data, settings, callbacks, stream, flags, created)
                 absolute=True,
             )
         made = rundir.make(config, planned, created=created) if world.Get_rank() == 0 else ""
+    given = world.allgather(same_run.described(config, inputs.data))  # (a few hundred bytes a rank)
+    with agreed(world):
+        same_run.refuse_differences(given)
     config = rundir.absolute(rundir.resolved(config, bcast_text(world, made)))
     watch.timeout = config.stall_timeout
     here().enter("start")  # collectives from here on: a wait on the others
