@@ -353,3 +353,15 @@ def test_settings_are_kept_by_a_copy_where_the_file_system_has_no_hard_links(tmp
     assert rundir.write_settings(Settings(model="mlp:8"), tmp_path) == "settings-2.toml"
     assert (tmp_path / "settings-2.toml").read_text() == "seed = 9\n"
     assert (tmp_path / "settings-1.toml").read_text() == "an earlier one\n"
+
+
+@pytest.mark.parametrize("name", ["settings.toml", "log.txt", "trace.json"])
+def test_metrics_that_name_another_of_the_run_directorys_files_are_refused(tmp_path, name):
+    """Metrics appended to the run's settings (kept aside as settings-1.toml when the run wrote its own) or
+    interleaved with its log (found by a hostile sweep)."""
+    where = tmp_path / "run"
+    config = Settings(metrics=str(where / name))
+    with pytest.raises(UsageError, match=f"--metrics .*: is the run directory's {name}, which the run"):
+        rundir.make(config, str(where))
+    assert not where.exists()  # (refused before it was made)
+    assert rundir.make(Settings(metrics=str(where / "mine.jsonl")), str(where)) == str(where)

@@ -207,6 +207,7 @@ def make(config, where, now=None, root=ROOT, created=None):
         if where is not None:
             if os.path.exists(where) and not os.path.isdir(where):
                 raise UsageError(f"--run-dir {where}: is a file, not a directory")
+            _refuse_metrics_among_its_files(config, where)
             created += removal.make_directories(where)
             _check_directory(where)
             for name in (SETTINGS, LOG):  # (renamed over or appended to: a FIFO would be replaced or block)
@@ -315,6 +316,20 @@ def write_settings(config, run_dir):
     except OSError as err:
         raise UsageError(f"--run-dir {run_dir}: cannot write {SETTINGS} ({err.strerror})") from None
     return kept
+
+
+def _refuse_metrics_among_its_files(config, where):
+    """Refuse ``--metrics`` naming another of run directory ``where``'s files: metrics appended to its
+    settings (which the run then keeps aside as settings-1.toml) or interleaved with its log."""
+    if config.metrics in ("", AUTO):
+        return
+    metrics = Path(config.metrics).expanduser().resolve()
+    for name in (SETTINGS, LOG, TRACE):
+        if metrics == (Path(where).expanduser() / name).resolve():
+            raise UsageError(
+                f"--metrics {config.metrics}: is the run directory's {name}, which the run writes itself: "
+                f"leave --metrics out (its metrics go to {Path(where) / METRICS}) or name another file"
+            )
 
 
 def _keep_other(target, text):
