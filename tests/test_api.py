@@ -366,3 +366,26 @@ def test_the_end_of_a_run_on_one_copy_of_the_model_per_node_holds_no_copy_of_it_
         assert grown < 4 * copy, grown / copy
     else:
         assert grown < copy // 2, grown / copy
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize(
+    "arguments, said",
+    [
+        (
+            dict(data=np.zeros((4, 2))),
+            "data: give a dataset file, a bundled dataset's name or an mpidist.data",
+        ),
+        (dict(data="digits", callbacks=mpidist.EarlyStopping()), "callbacks: give a list of callbacks"),
+        (dict(data="digits", callbacks=[object()]), "callbacks[0]: give an mpidist.Callback"),
+        (dict(data="digits", comm="world"), "comm: give an mpi4py communicator"),
+    ],
+    ids=["array", "one-callback", "not-a-callback", "comm"],
+)
+def test_arguments_of_a_type_train_does_not_take_are_one_line_and_exit_2(arguments, said, capsys):
+    """They were tracebacks from deep inside the run (found by a hostile sweep)."""
+    with pytest.raises(SystemExit) as stopped:
+        mpidist.train("mlp", **arguments, **quiet())
+    assert stopped.value.code == 2
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert said in capsys.readouterr().err

@@ -8,13 +8,16 @@ a script does.
 
 import atexit
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
+from ..data.arrays import ArrayData
 from ..data.fingerprint import recorded
+from ..loop.callbacks import Callback
 from ..loop.setup import Inputs, build_model_for
 from ..observe.stall import LocalWatch
 from ..runtime import memory, ulfm
@@ -90,13 +93,39 @@ def train(model=None, data=None, *, settings=None, callbacks=(), comm=None, stre
         :class:`Result` on every rank.
     """
     refuse_training_while_loading()  # (a builder's file calling train() as --model loads it)
+    world = comm if isinstance(comm, MPI.Intracomm) else MPI.COMM_WORLD
+    with agreed(world):  # (a wrong type: one line and exit 2 on every rank, not a traceback deep inside)
+        _check_arguments(comm, data, callbacks)
     limit_blas_threads()
     memory.settle()  # (what it holds from here on is what its price bounds)
-    world = MPI.COMM_WORLD if comm is None else comm
     here().enter("setup", 0)
     # a signal during set-up is kept: the loop stops at its first step boundary (exit code 3)
     with stop_signals(), LocalWatch(here(), Settings.stall_timeout, world.Get_rank()) as watch:
         return _train(world, watch, model, data, settings, callbacks, stream, flags)
+
+
+def _check_arguments(comm, data, callbacks):
+    """Refuse arguments of a type :func:`train` does not take, naming the argument and what it takes."""
+    if comm is not None and not isinstance(comm, MPI.Intracomm):
+        raise UsageError(
+            "comm: give an mpi4py communicator (MPI.COMM_WORLD, or one split of it), not "
+            f"{type(comm).__name__}"
+        )
+    if data is not None and not isinstance(data, (str, os.PathLike, ArrayData)):
+        raise UsageError(
+            f"data: give a dataset file, a bundled dataset's name or an mpidist.data.ArrayData (arrays in "
+            f"memory: ArrayData(train=(x, y), test=(x, y))), not {type(data).__name__}"
+        )
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, (list, tuple)):
+        raise UsageError(
+            f"callbacks: give a list of callbacks ([EarlyStopping()]), not {type(callbacks).__name__}"
+        )
+    for index, callback in enumerate(callbacks):
+        if not isinstance(callback, Callback):
+            raise UsageError(
+                f"callbacks[{index}]: give an mpidist.Callback (a subclass's object), not "
+                f"{type(callback).__name__}"
+            )
 
 
 def _train(world, watch, model, data, settings, callbacks, stream, flags):
