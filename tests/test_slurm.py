@@ -113,24 +113,42 @@ def test_the_gpu_script_is_refused_where_there_are_no_gpus(slurm, tmp_path):
     assert "Invalid generic resource (gres) specification" in done.stderr
 
 
-def test_the_gpu_script_checks_its_gpu_request_itself(tmp_path):
-    """Run as a plain script (as under a Slurm that grants no GPUs): a clear message, exit 2."""
+@pytest.mark.parametrize(
+    "tasks, gpus",
+    [("5", None), (None, "4"), ("5,4", "4")],  # (no GPUs; no --ntasks-per-node; nodes unlike)
+    ids=["no-gpus", "no-ntasks-per-node", "nodes-unlike"],
+)
+def test_the_gpu_script_checks_its_gpu_request_itself(tmp_path, tasks, gpus):
+    """Run as a plain script (as under a Slurm that grants no GPUs, or a job without --ntasks-per-node,
+    which died on an unbound variable): a clear message, exit 2."""
     import subprocess
 
-    env = dict(
-        os.environ,
-        SLURM_SUBMIT_DIR=str(tmp_path),
-        SLURM_JOB_ID="1",
-        SLURM_NTASKS_PER_NODE="5",
-        SLURM_JOB_NUM_NODES="1",
-        SLURM_NTASKS="5",
-    )
-    env.pop("SLURM_GPUS_PER_NODE", None)
+    env = dict(os.environ, SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="1", SLURM_JOB_NUM_NODES="1")
+    env.update(SLURM_NTASKS="5")
+    for name, value in (("SLURM_NTASKS_PER_NODE", tasks), ("SLURM_GPUS_PER_NODE", gpus)):
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     done = subprocess.run(
         ["bash", str(SCRIPTS / "train-gpu.sbatch")], capture_output=True, text=True, env=env
     )
-    assert done.returncode == 2
-    assert "needs --gpus-per-node N and --ntasks-per-node of at least N" in done.stderr
+    assert done.returncode == 2, done.stderr
+    assert (
+        "needs --gpus-per-node N and --ntasks-per-node of at least N, the same on every node" in done.stderr
+    )
+
+
+def test_the_requeue_script_refuses_a_max_runs_that_is_no_number_before_it_runs(tmp_path):
+    """Found only after a stop, it ended the job with exit 1, and the job was not requeued."""
+    import subprocess
+
+    env = dict(os.environ, SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="1", MPIDIST_MAX_RUNS="abc")
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "train-requeue.sbatch")], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 2 and "MPIDIST_MAX_RUNS=abc: give a whole number of runs" in done.stderr
+    assert not (tmp_path / "runs").exists()  # (nothing made, nothing run)
 
 
 def wait_for_step(tmp_path, job, step, slurm, timeout=90):
