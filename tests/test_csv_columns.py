@@ -210,7 +210,7 @@ def test_a_header_that_does_not_name_the_models_features_is_refused_named(names,
     ],
 )
 def test_the_first_row_is_a_header_where_half_its_cells_are_names_or_it_counts_the_columns(lines, header):
-    from mpidist.tools.csv_table import cells_of, has_header
+    from mpidist.tools.csv_cells import cells_of, has_header
 
     assert has_header(list(enumerate(lines, 1)), cells_of(",")) == header
 

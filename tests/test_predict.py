@@ -712,7 +712,8 @@ def test_samples_of_no_shape_or_a_negative_size_are_refused_in_one_line(tmp_path
 @pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
 def test_an_npz_members_rows_are_read_a_block_at_a_time_in_any_order(tmp_path, save):
     """Each block once decompressed, on from the last (a compressed .npz was decompressed whole per block)."""
-    from mpidist.tools.prediction_inputs import MemberRows, NumpyFile
+    from mpidist.tools.npy_rows import MemberRows
+    from mpidist.tools.prediction_inputs import NumpyFile
 
     x = np.arange(1000 * 6, dtype=">f4").reshape(1000, 2, 3)  # (big-endian: read as stored)
     save(tmp_path / "s.npz", x=x, y=np.zeros(1000))

@@ -12,7 +12,7 @@ import pytest
 from mpidist.runtime.errors import UsageError
 from mpidist.settings.config import Settings
 from mpidist.settings.sources import load_toml, settings_from
-from mpidist.store import rundir
+from mpidist.store import rundir, settings_file
 
 from conftest import events, mpidist
 
@@ -149,7 +149,7 @@ def test_the_settings_written_are_the_settings_read_back(tmp_path):
         run_dir=str(tmp_path),
         metrics="x.jsonl",
     )
-    rundir.write_settings(config, tmp_path)
+    settings_file.write_settings(config, tmp_path)
     back = settings_from(Settings(), **load_toml(str(tmp_path / rundir.SETTINGS)))
     for field in dataclasses.fields(Settings):
         if field.name not in rundir.WHERE:
@@ -330,14 +330,14 @@ def test_without_a_run_directory_the_run_says_where_its_metrics_go_and_what_they
 
 def test_settings_that_say_something_else_are_kept_before_a_run_writes_its_own(tmp_path):
     first, second = Settings(model="mlp:8", seed=1), Settings(model="mlp:8", seed=2)
-    assert rundir.write_settings(first, tmp_path) is None  # (nothing there)
+    assert settings_file.write_settings(first, tmp_path) is None  # (nothing there)
     written = (tmp_path / rundir.SETTINGS).read_bytes()
-    assert rundir.write_settings(first, tmp_path) is None  # (the same settings: nothing to keep)
+    assert settings_file.write_settings(first, tmp_path) is None  # (the same settings: nothing to keep)
     assert sorted(path.name for path in tmp_path.iterdir()) == [rundir.SETTINGS]
-    assert rundir.write_settings(second, tmp_path) == "settings-1.toml"
+    assert settings_file.write_settings(second, tmp_path) == "settings-1.toml"
     assert (tmp_path / "settings-1.toml").read_bytes() == written
     (tmp_path / rundir.SETTINGS).write_text("# a user's own\nseed = 9\n")
-    assert rundir.write_settings(first, tmp_path) == "settings-2.toml"
+    assert settings_file.write_settings(first, tmp_path) == "settings-2.toml"
     assert (tmp_path / "settings-2.toml").read_text() == "# a user's own\nseed = 9\n"
     assert (tmp_path / rundir.SETTINGS).read_bytes() == written
     assert (tmp_path / "settings-1.toml").read_bytes() == written  # (each kept file left as it was)
@@ -349,8 +349,8 @@ def test_settings_are_kept_by_a_copy_where_the_file_system_has_no_hard_links(tmp
 
     (tmp_path / rundir.SETTINGS).write_text("seed = 9\n")
     (tmp_path / "settings-1.toml").write_text("an earlier one\n")
-    monkeypatch.setattr(rundir.os, "link", no_links)
-    assert rundir.write_settings(Settings(model="mlp:8"), tmp_path) == "settings-2.toml"
+    monkeypatch.setattr(settings_file.os, "link", no_links)
+    assert settings_file.write_settings(Settings(model="mlp:8"), tmp_path) == "settings-2.toml"
     assert (tmp_path / "settings-2.toml").read_text() == "seed = 9\n"
     assert (tmp_path / "settings-1.toml").read_text() == "an earlier one\n"
 

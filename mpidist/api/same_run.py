@@ -19,9 +19,15 @@ import numpy as np
 from ..data.arrays import ArrayData
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
+from ..store.rundir import WHERE
 
 #: bytes of each array compared, at each of its start, middle and end
 SAMPLE_BYTES = 1 << 16
+
+
+#: settings that may differ between ranks: where files go (the chief alone writes the metrics; a script may
+#: name a file of each rank's), not what the run does, and how the chief shows its progress
+MAY_DIFFER = (*WHERE, "progress")
 
 
 def described(config, data):
@@ -29,6 +35,7 @@ def described(config, data):
     said = {
         f"--{field.name.replace('_', '-')}": repr(getattr(config, field.name))
         for field in dataclasses.fields(config)
+        if field.name not in MAY_DIFFER
     }
     if isinstance(data, ArrayData):
         with data.open() as handle:

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..observe import trace
 from ..runtime import recorder
 from ..runtime.memory import human
-from ..store import checkpoint_save, lineage, rundir
+from ..store import checkpoint_save, lineage, rundir, settings_file
 from . import tensorboard
 from .callbacks import Reporter
 from .metrics import MetricsLog, Progress, last_step_logged
@@ -126,7 +126,7 @@ class Outputs:
     def begin(self, config):
         """Once every rank's checks passed: the run directory's settings (a refused run changes nothing)."""
         if self.chief and config.run_dir:
-            kept = rundir.write_settings(config, config.run_dir)
+            kept = settings_file.write_settings(config, config.run_dir)
             if kept:
                 self.say(
                     f"mpidist: {Path(config.run_dir) / rundir.SETTINGS} said other settings: they are kept "

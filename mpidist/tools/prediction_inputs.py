@@ -43,6 +43,7 @@ from ..runtime.reads import HDF5_ERRORS, reading
 from ..runtime.text import printable
 from ..runtime.whereabouts import here
 from ..store import contained
+from .npy_rows import MemberRows, npy_header
 
 SPLITS = datasets.SPLITS + datasets.OPTIONAL_SPLITS
 #: what numpy raises reading a broken .npy or .npz: a compressed member that is not deflate data raises
@@ -268,7 +269,8 @@ class CsvSamples(Samples):
     """
 
     def __init__(self, path):
-        from .csv_table import PREDICT, counts_columns, read_csv
+        from .csv_cells import counts_columns
+        from .csv_table import PREDICT, read_csv
 
         self.path = path
         table = read_csv(path, needs=PREDICT)  # (the last column as labels: numbers, or class names left out)
@@ -354,10 +356,10 @@ class NumpyFile(Samples):
                         arrays = sorted(n[:-4] for n in names if n.endswith(".npy"))
                         raise UsageError(f"{path}: needs an array x; has {', '.join(arrays) or 'none'}")
                     with archive.open("x.npy") as handle:
-                        shape, fortran, dtype = _npy_header(handle)
+                        shape, fortran, dtype = npy_header(handle)
             else:
                 with open(path, "rb") as handle:
-                    shape, fortran, dtype = _npy_header(handle)
+                    shape, fortran, dtype = npy_header(handle)
         except (*NUMPY_FILE_ERRORS, zipfile.BadZipFile) as err:
             raise UsageError(
                 f"{path}: not a readable {path.suffix} file of plain arrays ({printable(err)})"
@@ -382,65 +384,3 @@ class NumpyFile(Samples):
             raise UsageError(
                 f"{self.path}: not a readable {self.path.suffix} file of plain arrays ({printable(err)})"
             ) from None
-
-
-def _npy_header(handle):
-    """``(shape, fortran_order, dtype)`` of the ``.npy`` stream ``handle``, from its header alone."""
-    fmt = np.lib.format
-    version = fmt.read_magic(handle)
-    if version == (1, 0):
-        return fmt.read_array_header_1_0(handle)
-    if version == (2, 0):
-        return fmt.read_array_header_2_0(handle)
-    raise ValueError(f".npy format version {version} is not one of plain numbers (1.0 or 2.0)")
-
-
-class MemberRows:
-    """Rows of a C-order ``.npy`` member of a zip archive (an ``.npz``), read a block at a time.
-
-    ``np.load`` decompresses a member whole: read so a block at a time, a
-    compressed ``.npz`` of a million samples took four times as long as its
-    ``.npy`` and held the whole array per block.  The member is kept open
-    between reads instead, so blocks read in order (as every rank reads its
-    share) decompress each byte once; a block before the last one read opens
-    it again.
-    """
-
-    def __init__(self, path, name, dtype, shape):
-        self.path, self.name, self.dtype, self.shape = path, name, dtype, shape
-        self.archive = self.stream = None
-        self.next_row = 0
-
-    def read(self, lo, hi):
-        """Rows ``lo`` to ``hi`` as a new array."""
-        if self.stream is None or lo < self.next_row:
-            self._open()
-        rows = np.empty((hi - lo,) + tuple(self.shape[1:]), self.dtype)
-        row_bytes = self.dtype.itemsize * int(np.prod(self.shape[1:]))
-        self.stream.seek(self.start + lo * row_bytes)  # (forward: decompressed and passed over)
-        view = memoryview(rows.reshape(-1).view(np.uint8))  # (the rows' bytes, none for no rows)
-        done = 0
-        while done < len(view):
-            count = self.stream.readinto(view[done:])
-            if not count:
-                raise ValueError(f"{self.name} ends before row {hi:,} of {self.shape[0]:,}: cut short")
-            done += count
-        self.next_row = hi
-        if hi >= self.shape[0]:  # (the last rows: let the file go)
-            self.close()
-        return rows
-
-    def _open(self):
-        import zipfile
-
-        self.close()
-        self.archive = zipfile.ZipFile(self.path)
-        self.stream = self.archive.open(self.name)
-        _npy_header(self.stream)
-        self.start, self.next_row = self.stream.tell(), 0
-
-    def close(self):
-        if self.stream is not None:
-            self.stream.close()
-            self.archive.close()
-        self.archive = self.stream = None
