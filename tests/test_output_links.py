@@ -102,11 +102,11 @@ def test_a_figure_replaces_a_link_itself(linked):
 
 def test_the_run_settings_replace_a_link_and_an_appended_file_refuses_one(linked, tmp_path):
     from mpidist.loop.metrics import MetricsLog
-    from mpidist.store import lineage, rundir
+    from mpidist.store import lineage, rundir, settings_file
     from mpidist.settings.config import Settings
 
     link = linked(rundir.SETTINGS)
-    rundir.write_settings(Settings(), str(tmp_path / "out"))
+    settings_file.write_settings(Settings(), str(tmp_path / "out"))
     replaced_itself(link, linked.victim)
     metrics = linked("m.jsonl")
     with pytest.raises(UsageError, match="is a symbolic link; mpidist appends to a file itself"):
