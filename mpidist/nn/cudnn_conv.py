@@ -236,8 +236,7 @@ def plans_for(layer, x):
     (made once per shape, strides and type; :data:`PATHS` counts which path each took)."""
     if layer.xp.__name__ == "numpy":
         return None
-    made = layer.__dict__.setdefault("_cudnn_plans", {})
-    key = (x.shape, element_strides(x), x.dtype.str)
+    made, key = _plans_of(layer), _key(x)
     if key not in made:
         why = refused(x.dtype) or (None if x.dtype == layer.params["W"].dtype else "mixed types")
         plans = None
@@ -321,8 +320,7 @@ def _copy(layer, name, array):
 
 def _drop(layer, x, why):
     """Take ``x``'s shape off this path for ``layer`` (mpidist's own path from now on), counted as such."""
-    made = layer.__dict__.setdefault("_cudnn_plans", {})
-    made[(x.shape, element_strides(x), x.dtype.str)] = None
+    _plans_of(layer)[_key(x)] = None
     PATHS["cudnn"] -= 1
     PATHS[f"im2col: {why[:200]}"] += 1
 
@@ -334,3 +332,13 @@ def _weights(layer, dtype):
     out = layer.scratch("w_cudnn", (f, c, kh, kw), dtype)
     out[...] = layer.params["W"].reshape(out.shape)
     return out
+
+
+def _plans_of(layer):
+    """``layer``'s plans (or None: its own path) by :func:`_key` of their input, made here once."""
+    return layer.__dict__.setdefault("_cudnn_plans", {})
+
+
+def _key(x):
+    """What a plan is built for: the input's shape, strides and type."""
+    return x.shape, element_strides(x), x.dtype.str
