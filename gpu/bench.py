@@ -6,6 +6,8 @@ backward, SGD with momentum) of the MLP 784-512-512-10 (``mlp-wide``) and the
 the same layers in torch (eager, TF32 off), alternating step by step, medians;
 then in bf16 (``--precision bf16``: float32 master weights) against torch under
 ``torch.autocast`` in bfloat16, and mpidist's bf16 step against its float32 one.
+In float32 mpidist's step also runs with its passes eager (``MPIDIST_GRAPHS=0``)
+beside its CUDA graphs; each row says how the passes ran (``graphs``).
 
 ``python gpu/bench.py layers --out F``: where a step's GPU time goes, layer
 by layer (forward and backward), mpidist beside torch, at batch
@@ -26,6 +28,7 @@ memory) and MPI between host buffers.
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -66,6 +69,19 @@ def _local(name, precision, batch):
     return local, rng.random((batch,) + model.input_shape, dtype=np.float32), rng.integers(0, classes, batch)
 
 
+def _eager(name, precision, batch):
+    """:func:`_local`'s strategy with its passes eager (``MPIDIST_GRAPHS=0``)."""
+    before = os.environ.get("MPIDIST_GRAPHS")
+    os.environ["MPIDIST_GRAPHS"] = "0"
+    try:
+        return _local(name, precision, batch)[0]
+    finally:
+        if before is None:
+            del os.environ["MPIDIST_GRAPHS"]
+        else:
+            os.environ["MPIDIST_GRAPHS"] = before
+
+
 def models(seconds):
     import cupy
 
@@ -88,11 +104,13 @@ def models(seconds):
                 stream = cupy.cuda.get_current_stream()
                 counter = iter(range(1 << 30))
 
-                def ours():
+                def ours(local=local):
                     local.train_step(x_gpu, y_gpu, 1.0, next(counter))
                     stream.synchronize()
 
                 steps = {"mpidist": ours}
+                if precision == "float32":  # (the same step without CUDA graphs: what they are worth)
+                    steps["mpidist eager"] = functools.partial(ours, _eager(name, precision, batch))
                 # (torch starts from a float32 twin's parameters: it cannot take bfloat16 arrays)
                 twin = local if autocast is None else _local(name, "float32", batch)[0]
                 theirs = torch_step(twin.model, x, y, device="cuda", autocast=autocast)
@@ -101,6 +119,9 @@ def models(seconds):
                 medians = alternating(steps, seconds)
                 rate = batch / medians["mpidist"]
                 row = {"model": label, "precision": precision, "batch": batch, "mpidist samples/s": rate}
+                row["graphs"] = local.stats().get("graphs")
+                if "mpidist eager" in medians:
+                    row["graphs/eager"] = medians["mpidist eager"] / medians["mpidist"]
                 if "torch" in medians:
                     row["torch samples/s"] = batch / medians["torch"]
                     row["mpidist/torch"] = medians["torch"] / medians["mpidist"]

@@ -162,3 +162,49 @@ def test_convolutions_through_cudnn_match_mpidists_own_path_on_the_gpu(monkeypat
         results.append([cupy.asnumpy(array) for array in (out, dx, model.grads)])
     for own, cudnn in zip(*results):
         np.testing.assert_allclose(cudnn, own, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_draws_on_the_gpu_are_the_hosts(dtype):
+    """mpidist.nn.draws: the kernel a dropout layer draws with on a GPU is the host's twin, bit for bit."""
+    from mpidist.nn.draws import KeyedDraws, uniforms
+
+    draws = KeyedDraws(cupy)
+    for key in (0, 12345, 2**64 - 1):
+        draws.set(key)
+        got = draws.random((300, 7), dtype, cupy.empty((300, 7), dtype))
+        np.testing.assert_array_equal(cupy.asnumpy(got).reshape(-1), uniforms(key, 2100, dtype))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_passes_replayed_as_cuda_graphs_train_as_eager_passes_do(monkeypatch, name):
+    """mpidist.parallel.data.graphed_passes on a GPU: the cnn's dropout included, seven steps with the
+    epoch's last partial batch between full ones train as MPIDIST_GRAPHS=0's eager passes do, and the
+    graphs were captured and replayed (none refused)."""
+    from mpidist.parallel import LocalStrategy
+
+    results = []
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MPIDIST_GRAPHS", graphs)
+        model = nn.build_model(name, (8, 8), 10, cupy, np.float32)
+        local = LocalStrategy(
+            model,
+            nn.loss_for(10, cupy),
+            lambda size: nn.make_optimizer("adam", size, 0.01, xp=cupy, dtype=np.float32),
+            seed=3,
+        )
+        local.initialize()
+        rng = np.random.default_rng(1)
+        losses = []
+        for step, size in enumerate([32, 32, 32, 20, 32, 20, 32]):
+            x = cupy.asarray(rng.random((size,) + model.input_shape, dtype=np.float32))
+            y = cupy.asarray(rng.integers(0, 10, size))
+            losses.append(local.train_step(x, y, size / 32, step))
+        results.append((losses, cupy.asnumpy(model.params), local.passes.take_counts()))
+        if graphs == "1":
+            ran = local.passes.graphed.graphs
+            assert ran.refused == {} and ran.ran == {"eager": 2, "capture": 2, "replay": 3}, ran.summary()
+    (eager_losses, eager_params, eager_counts), (losses, params, counts) = results
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-5)
+    np.testing.assert_allclose(params, eager_params, rtol=1e-4, atol=1e-6)
+    assert counts == eager_counts

@@ -1,17 +1,17 @@
 """When a GPU step's passes replay a CUDA graph, when they capture one, and when they run as they are.
 
 A graph replays the kernels of one capture with the same arrays: it holds
-for passes of one shape on one set of buffers, and a pass may be captured
-only once every array it uses exists (capture cannot allocate).  So a pass
-of a new shape runs eagerly first (its workspace arrays are made), is
-captured the next time it comes, and is replayed after; a new shape (the
-epoch's last partial batch, an evaluation's batches) or buffers bound anew
-(an exchange that holds the gradients, a checkpoint restored into new
-arrays) make a key of their own.  At most :data:`KEEP` graphs are kept (each
-pins its workspace's memory); the one unused longest goes first.
+for passes of one shape on one set of buffers, with the host values it was
+captured with (the loss's scale).  So a pass of a new shape runs eagerly
+first (its workspace arrays are made and its kernels compiled: neither
+belongs in a capture), is captured the next time it comes, and is replayed
+after; a new shape (the epoch's last partial batch), buffers bound anew (an
+exchange that holds the gradients, a checkpoint restored into new arrays) or
+a new scale make a key of their own.  At most :data:`KEEP` graphs are kept
+(each pins its workspace's memory); the one unused longest goes first.
 
 :class:`Captures` is the rule, pure and tested by a table; the device code
-that captures and replays asks it.
+that captures and replays (:mod:`mpidist.nn.graphs`) asks it.
 """
 
 import collections
@@ -31,6 +31,7 @@ class PassKey:
         dtype: the compute dtype's name.
         slot: the workspace slot (a pipeline's micro-batch in flight, ``--accumulate``'s uneven slice).
         buffers: the device addresses of the buffers the pass reads and writes (parameters, gradients).
+        constants: the host values a capture bakes into its kernels (the loss's scale).
     """
 
     what: str
@@ -38,6 +39,7 @@ class PassKey:
     dtype: str
     slot: int = 0
     buffers: tuple = ()
+    constants: tuple = ()
 
 
 class Captures:
@@ -67,7 +69,8 @@ class Captures:
         return "capture"
 
     def failed(self, key):
-        """The capture of ``key`` failed (an allocation inside it): the pass runs eagerly from now on."""
+        """The capture of ``key`` failed (a pass that reads a value on the host, a library that refuses
+        capture): the pass runs eagerly from now on."""
         self._graphs.pop(key, None)
         self._eager.add(key)
 

@@ -13,6 +13,7 @@ import numpy as np
 from ..runtime.memory import check_fits
 from ..runtime.recorder import tracer
 from ..runtime import aligned
+from .draws import KeyedDraws
 from .parameter_map import ParameterMap, walk
 from .workspace import Workspace
 
@@ -161,13 +162,20 @@ class Sequential(ParameterMap):
         from ``[*key, i, j]``: no two layers share a stream.
         """
         for path, layer in self.random_layers:
-            # an int seed: cupy's default_rng does not take numpy seed arrays; ``stream``: a tensor part's own
+            # ``stream``: a tensor part's own
             seed = int(
                 np.random.SeedSequence([*key, *path, *getattr(layer, "stream", ())]).generate_state(
                     1, dtype=np.uint64
                 )[0]
             )
-            layer.rng = self.xp.random.default_rng(seed)
+            if self.xp is np:
+                layer.rng = np.random.default_rng(seed)
+                continue
+            # on a GPU the layer keeps its draws and their key moves on: a pass replayed as a CUDA graph
+            # reads the key from device memory (mpidist.nn.draws)
+            if not isinstance(layer.rng, KeyedDraws):
+                layer.rng = KeyedDraws(self.xp)
+            layer.rng.set(seed)
 
     def use_workspace(self, loss):
         """Let ``loss`` (a strategy's) reuse its arrays too, in the model's workspace."""

@@ -27,6 +27,9 @@ class Passes:
         self.model, self.loss, self.accumulate, self.seed = model, loss, accumulate, seed
         self.accumulated = None  # --accumulate: the earlier slices' gradients (made on the first such step)
         self.counts = [0.0, 0]  # (correct or absolute error, samples) of this worker's batches, since read
+        #: a GPU's pass as a CUDA graph (:class:`~mpidist.parallel.data.graphed_passes.GraphedPasses`), set
+        #: by a strategy whose passes may be; None: eager
+        self.graphed = None
 
     def backprop(self, x, y, weight, step, stream, before_backward=None, ready=None):
         """Forward and backward on this worker's batch; fills ``model.grads``; returns the loss.
@@ -43,6 +46,10 @@ class Passes:
                 (see :meth:`mpidist.nn.Sequential.backward`).
         """
         model = self.model
+        if self.graphed is not None:  # (no --accumulate there; dropout's keys are written before the launch)
+            model.reseed(self.seed, stream, step)
+            with TRACER.span("forward and backward", "compute"):
+                return self.graphed.backprop(x, y, weight, before_backward, ready)
         if min(self.accumulate, len(x)) <= 1:
             model.reseed(self.seed, stream, step)
             with TRACER.span("forward", "compute"):
@@ -125,15 +132,21 @@ class Passes:
         stays where the arrays are: on a GPU a device scalar, read once by :meth:`take_counts` (a read per
         step made the host wait for the forward pass before it could queue the backward).
         """
-        counts = self.counts
+        self.counts[0] = self.counts[0] + self.tally(out, y)
+        self.counts[1] += self.positions(y, len(out))
+
+    def tally(self, out, y):
+        """A batch's correct answers, or its absolute error averaged over the outputs (right after the loss's
+        forward on ``out``): a 0-d array where the arrays are."""
         if isinstance(self.loss, SoftmaxCrossEntropy):  # samples (or tokens) whose top output is the label
-            counts[0] = counts[0] + self.loss.correct(out, y)
-            counts[1] += self.loss.positions(y)
-        else:  # the absolute error, averaged over the outputs
-            # (summed in float64, as the figures are: a float32 sum drifts over many steps)
-            error = abs(self.loss.diff).sum(dtype=np.float64)
-            counts[0] = counts[0] + error / max(out.size // max(len(out), 1), 1)
-            counts[1] += len(out)
+            return self.loss.correct(out, y)
+        # (summed in float64, as the figures are: a float32 sum drifts over many steps)
+        error = abs(self.loss.diff).sum(dtype=np.float64)
+        return error / max(out.size // max(len(out), 1), 1)
+
+    def positions(self, y, samples):
+        """What :meth:`tally` counts over: labelled positions (classification), or ``samples``."""
+        return self.loss.positions(y) if isinstance(self.loss, SoftmaxCrossEntropy) else samples
 
     def take_counts(self):
         """``(correct or summed absolute error, samples)`` since the last call, this worker's own."""

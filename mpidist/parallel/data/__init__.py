@@ -7,7 +7,8 @@
   :mod:`~mpidist.parallel.data.declared`) and ``local-sgd``
   (:mod:`~mpidist.parallel.data.local_sgd`) share, a 16-bit model's float32
   master (:mod:`~mpidist.parallel.data.mixed`), in-graph replication's
-  scattered batches (:mod:`~mpidist.parallel.data.scatter`);
+  scattered batches (:mod:`~mpidist.parallel.data.scatter`), a GPU's pass
+  replayed as a CUDA graph (:mod:`~mpidist.parallel.data.graphed_passes`);
 * the exchanges that sum the gradients: buckets over MPI
   (:mod:`~mpidist.parallel.data.exchange`), 16-bit with error feedback
   (:mod:`~mpidist.parallel.data.compression`), a node's shared window

@@ -6,12 +6,15 @@ sums them over the workers while backward runs, and every worker applies the
 same update to the same parameters.
 """
 
+import numpy as np
+
 from ...runtime import aligned
 from ...nn.precision import is_low
 from ...runtime import comm as mpi
 from ..base import Strategy, synchronise_batch_norms
 from ..mesh import Mesh, ReplicaWorkers
 from ..parts import split_over
+from .graphed_passes import GraphedPasses, why_eager
 from .mixed import MixedPrecision
 from .replica_state import ChiefHoldsAll, ReplicaState
 
@@ -101,6 +104,11 @@ class DataParallel(ReplicaWorkers, ReplicaState, Strategy):
         )
         #: where the model computes in 16 bits, its float32 master and loss scale; else None
         self.mixed = MixedPrecision(model, self.running) if is_low(model.dtype) else None
+        #: why this worker's passes are not CUDA graphs (None: they are,
+        #: :mod:`~mpidist.parallel.data.graphed_passes`)
+        self.graphs_off = why_eager(model, self.recipe.accumulate, collective=tensor > 1)
+        if self.graphs_off is None:
+            self.passes.graphed = GraphedPasses(self.passes)
 
     def optimizer_part(self):
         """The :class:`~mpidist.parallel.data.optimizer_shard.OptimizerShard` this worker updates, or None
@@ -157,7 +165,11 @@ class DataParallel(ReplicaWorkers, ReplicaState, Strategy):
         self.mesh.free()
 
     def stats(self):
-        return {**super().stats(), **(self.mixed.stats() if self.mixed is not None else {})}
+        figures = {**super().stats(), **(self.mixed.stats() if self.mixed is not None else {})}
+        if self.model.xp is not np:  # (a GPU's: how its passes ran)
+            graphed = self.passes.graphed
+            figures["graphs"] = self.graphs_off if graphed is None else graphed.graphs.summary()
+        return figures
 
     def train_step(self, x, y, weight, step):
         def loss_into_buffer(loss):  # the loss rides in the top bucket, the first to leave

@@ -1,0 +1,210 @@
+"""A GPU's training pass as a CUDA graph (mpidist.nn.graphs, mpidist.parallel.data.graphed_passes), on
+the host.
+
+A stand-in for the device captures a pass as the function it is and runs it
+again at each launch, on the record's arrays: a driver that left this step's
+batch out of the record, or read a figure from the pass's Python objects,
+trains on stale values here as it would on a GPU.  ``tests/test_gpu.py``
+runs the same comparisons with CUDA graphs.
+"""
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+
+from mpidist import nn
+from mpidist.nn.capture import PassKey
+from mpidist.nn.graphs import PassGraphs
+from mpidist.parallel import LocalStrategy
+from mpidist.parallel.data.graphed_passes import GraphedPasses, why_eager
+
+
+class HostGraphs:
+    """:class:`~mpidist.nn.graphs.CudaGraphs`' stand-in: a graph is the captured pass, run at each launch.
+
+    Args:
+        refuse: a capture raises this message (a pass that reads a value on the host).
+    """
+
+    def __init__(self, refuse=None):
+        self.refuse, self.pools, self.captures, self.launches = refuse, 0, 0, 0
+
+    def pool(self):
+        self.pools += 1
+        return object()
+
+    def allocating(self, pool):
+        return contextlib.nullcontext()
+
+    def capture(self, work, pool):
+        if self.refuse:
+            raise RuntimeError(self.refuse)
+        self.captures += 1
+        return work
+
+    def launch(self, graph):
+        self.launches += 1
+        graph()
+
+
+def _mlp(norm=False):
+    layers = [nn.Dense(16), nn.ReLU(), *([nn.BatchNorm()] if norm else []), nn.Dense(4)]
+    return nn.Sequential(layers, (6,), xp=np, dtype=np.float32)
+
+
+def _local(graphs=None, norm=False, outputs=4):
+    model = _mlp(norm)
+    model.init_params(7)
+    strategy = LocalStrategy(
+        model,
+        nn.loss_for(outputs, np),
+        lambda size: nn.make_optimizer("adam", size, 0.01, xp=np, dtype=np.float32),
+        seed=3,
+    )
+    if graphs is not None:
+        strategy.passes.graphed = GraphedPasses(strategy.passes, device=graphs)
+    return strategy
+
+
+def _batches(outputs=4):
+    """Seven steps: full batches of 8, the epoch's last batch of 5 between them, then full again."""
+    rng = np.random.default_rng(11)
+    sizes = [8, 8, 8, 5, 8, 5, 8]
+    for size in sizes:
+        x = rng.standard_normal((size, 6)).astype(np.float32)
+        y = rng.integers(0, 4, size) if outputs else rng.standard_normal((size, 4)).astype(np.float32)
+        yield x, y, size / 8
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["mlp", "batch-norm"])
+@pytest.mark.parametrize("outputs", [4, 0], ids=["classes", "regression"])
+def test_a_graphed_pass_trains_as_the_eager_pass_does(norm, outputs):
+    """Each step's loss, the parameters (a BatchNorm's running statistics among them) and the training figures
+    of graphed passes are the eager passes'; each shape runs eagerly once, is captured the next time and
+    replayed after."""
+    device = HostGraphs()
+    eager, graphed = _local(norm=norm, outputs=outputs), _local(device, norm=norm, outputs=outputs)
+    for step, (x, y, weight) in enumerate(_batches(outputs)):
+        losses = [strategy.train_step(x, y, weight, step) for strategy in (eager, graphed)]
+        np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+    np.testing.assert_allclose(graphed.model.params, eager.model.params, rtol=1e-5, atol=1e-7)
+    figures = [strategy.passes.take_counts() for strategy in (eager, graphed)]
+    assert figures[1][1] == figures[0][1] == 50
+    np.testing.assert_allclose(figures[1][0], figures[0][0], rtol=1e-6)
+    ran = graphed.passes.graphed.graphs.ran
+    assert dict(ran) == {"eager": 2, "capture": 2, "replay": 3}
+    assert device.captures == 2 and device.launches == 5
+
+
+def test_a_refused_capture_runs_the_pass_eagerly_for_good_and_says_why():
+    device = HostGraphs(refuse="operation not permitted when stream is capturing")
+    eager, graphed = _local(), _local(device)
+    for step, (x, y, weight) in enumerate(_batches()):
+        losses = [strategy.train_step(x, y, weight, step) for strategy in (eager, graphed)]
+        np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+    np.testing.assert_allclose(graphed.model.params, eager.model.params, rtol=1e-5, atol=1e-7)
+    graphs = graphed.passes.graphed.graphs
+    assert dict(graphs.ran) == {"eager": 7, "capture": 0, "replay": 0}
+    assert device.launches == 0
+    reason = "RuntimeError: operation not permitted when stream is capturing"
+    assert f"eager for good: {reason}" in graphs.summary()
+
+
+def test_a_graph_the_rule_lets_go_of_takes_its_pool_and_record_with_it():
+    device = HostGraphs()
+    graphs = PassGraphs(device, keep=1)
+    made = []
+
+    def make():
+        made.append(np.zeros(1))
+        return made[-1]
+
+    def work(record):
+        record += 1
+
+    a, b = (PassKey("train", (shape,), "float32") for shape in (8, 5))
+    # a: eager, capture; b: eager, capture (a goes); a: captured again, replayed
+    for key in (a, a, b, b, a, a):
+        graphs.record(key, make)
+        graphs.run(key, work)
+    assert graphs.held == 1 and dict(graphs.ran) == {"eager": 2, "capture": 3, "replay": 1}
+    assert len(made) == 3 and device.pools == 3  # a's record and pool were made again when it came back
+    assert made[2][0] == 2  # (its capture's launch, then its replay)
+
+
+def test_where_a_models_passes_stay_eager(monkeypatch):
+    def model(layers=(), gate=None):
+        return types.SimpleNamespace(xp=types.SimpleNamespace(), gate=gate, layers=list(layers))
+
+    synced = nn.BatchNorm(sync=True)
+    synced.reduce = print
+    assert why_eager(model([nn.Dense(3)])) is None
+    assert why_eager(model([nn.BatchNorm(sync=True)])) is None  # (one worker: its statistics are its own)
+    assert (
+        why_eager(model([nn.Dense(3), nn.Dropout(0.1)])) is None
+    )  # (its draws read their key on the device)
+    assert "MPI inside the pass" in why_eager(model([synced]))
+    assert "MPI inside the pass" in why_eager(model(gate=object()))
+    assert "MPI inside the pass" in why_eager(model(), collective=True)
+    assert "--accumulate" in why_eager(model(), accumulate=2)
+    assert why_eager(_mlp()) == "arrays on the host"
+    monkeypatch.setenv("MPIDIST_GRAPHS", "0")
+    assert why_eager(model()) == "MPIDIST_GRAPHS=0"
+
+
+def test_on_the_host_a_strategys_passes_are_eager_and_its_figures_unchanged():
+    strategy = _local()
+    assert strategy.passes.graphed is None and strategy.graphs_off == "arrays on the host"
+    assert "graphs" not in strategy.stats()
+
+
+@pytest.mark.parametrize("outputs", [4, 0], ids=["cross-entropy", "squared-error"])
+def test_a_losss_scale_may_be_a_0d_array(outputs):
+    """A graph's pass reads its scale from the device: the gradient is the one a number gives."""
+    rng = np.random.default_rng(2)
+    out = rng.standard_normal((5, 4)).astype(np.float32)
+    target = rng.integers(0, 4, 5) if outputs else rng.standard_normal((5, 4)).astype(np.float32)
+    grads = []
+    for scale in (0.625, np.array(0.625)):
+        loss = nn.loss_for(outputs, np)
+        loss.forward(out, target)
+        grads.append(loss.backward(scale=scale).copy())
+    assert grads[1].dtype == grads[0].dtype == np.float32
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-7)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_of_graphed_passes_sums_what_the_eager_passes_do():
+    """The exchange starts once the pass is launched (every bucket ready at once): with buckets of 256 bytes,
+    float64, each step's loss and the parameters are the eager exchange's to rounding."""
+    from mpi4py import MPI
+
+    from mpidist.parallel import AllreduceStrategy
+    from mpidist.runtime.cluster import build_cluster
+
+    from small_net import small_convnet, worker_slice
+
+    cluster = build_cluster(MPI.COMM_WORLD)
+    make = lambda size: nn.make_optimizer("adam", size, 0.05, xp=np, dtype=np.float64)  # noqa: E731
+    strategies = [
+        AllreduceStrategy(
+            small_convnet(np.float64), nn.loss_for(4, np), make, cluster, seed=3, bucket_bytes=256
+        )
+        for _ in range(2)
+    ]
+    strategies[1].passes.graphed = GraphedPasses(strategies[1].passes, device=HostGraphs())
+    for strategy in strategies:
+        strategy.initialize()
+    rng = np.random.default_rng(0)  # the same data on every rank
+    for step, size in enumerate([4, 4, 3, 4] * cluster.num_workers):
+        x, y = rng.random((size * 2, 1, 6, 6)), rng.integers(0, 4, size * 2)
+        part = worker_slice(len(x), cluster.num_workers, cluster.worker_index)
+        weight = (part.stop - part.start) / len(x)
+        losses = [strategy.train_step(x[part], y[part], weight, step) for strategy in strategies]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+    np.testing.assert_allclose(strategies[1].model.params, strategies[0].model.params, rtol=1e-12, atol=1e-14)
+    assert strategies[1].passes.graphed.graphs.ran["replay"] > 0
+    for strategy in strategies:
+        strategy.free()
