@@ -10,7 +10,8 @@
   scattered batches (:mod:`~mpidist.parallel.data.scatter`), a GPU's pass
   replayed as a CUDA graph (:mod:`~mpidist.parallel.data.graphed_passes`);
 * the exchanges that sum the gradients: buckets over MPI
-  (:mod:`~mpidist.parallel.data.exchange`), 16-bit with error feedback
+  (:mod:`~mpidist.parallel.data.exchange`) or NCCL on GPUs
+  (:mod:`~mpidist.parallel.data.nccl_exchange`), 16-bit with error feedback
   (:mod:`~mpidist.parallel.data.compression`), a node's shared window
   (:mod:`~mpidist.parallel.data.shared_memory`), one copy of the model per
   node (:mod:`~mpidist.parallel.data.node_model`) with a ring between nodes

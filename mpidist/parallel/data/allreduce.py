@@ -18,14 +18,18 @@ chooses.
 
 import dataclasses
 
+import numpy as np
+
 from ...nn.precision import is_low
 from ...runtime.agreement import agreed
 from ...runtime.errors import UsageError
+from ...runtime.nccl_sum import nccl_group
 from ..registry import register
 from .compression import CompressedExchange
 from .declared import AllreduceDeclared, check_exchange
 from .exchange import Exchange
 from .fully_sharded import FullyShardedStrategy
+from .nccl_exchange import NcclExchange
 from .node_model import NodeModelExchange, node_model_possible
 from .optimizer_shard import OptimizerShard
 from .replicated import DataParallel
@@ -44,6 +48,8 @@ class AllreduceStrategy(AllreduceDeclared, DataParallel):
     def __init__(self, *args, compress="none", exchange="auto", shard="none", **kwargs):
         check_exchange(exchange, compress)
         self.compress, self.exchange_kind, self.shard_mode = compress, exchange, shard
+        #: why the workers' sums are not NCCL's (None: they are, or it was not asked)
+        self.nccl_off = None
         super().__init__(*args, **kwargs)
 
     def optimizer_part(self):
@@ -95,6 +101,8 @@ class AllreduceStrategy(AllreduceDeclared, DataParallel):
     def stats(self):
         held = self.held_bytes()
         figures = {**super().stats(), "held_bytes": held, **self.exchange.stats()}
+        if self.model.xp is not np and self.nccl_off:  # (a GPU's: why its sums are not NCCL's)
+            figures["nccl_off"] = self.nccl_off
         if self.part is None:
             return figures
         return {
@@ -111,6 +119,10 @@ class AllreduceStrategy(AllreduceDeclared, DataParallel):
         if self.compress != "none":
             return CompressedExchange(self.worker_comm, self.buffer, self.bucket_bytes, self.compress)
         comm, kind = self.worker_comm, self.exchange_kind
+        if kind == "auto" and comm is not None and comm.Get_size() > 1:
+            group, self.nccl_off = nccl_group(comm, self.buffer)  # collective: GPUs of their own, NCCL
+            if group is not None:
+                return NcclExchange(group, self.buffer, self.bucket_bytes)
         if is_low(self.model.dtype):  # (--precision: each worker's own master copy, summed by MPI)
             return Exchange(self.worker_comm, self.buffer, self.bucket_bytes)
         if kind in ("auto", "node"):

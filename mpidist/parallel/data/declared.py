@@ -37,7 +37,8 @@ class AllreduceDeclared(Declared):
             "a ring between nodes), 'shared-memory' (every worker on one node "
             "and its own copy: the gradients in one shared window, summed in "
             "place), 'mpi' (Iallreduce per bucket, overlapped with backward), "
-            "'auto' (the first of these that can serve; mpi with --compress). With --shard "
+            "'auto' (on GPUs a GPU each: NCCL's sums where every worker has NCCL; else the first of "
+            "these that can serve; mpi with --compress). With --shard "
             "parameters: 'node' gathers each unit once per node, in shared memory, between "
             "nodes by each local rank's slice; 'mpi' on every worker; 'auto' the first that serves",
             choices=("auto", "node", "shared-memory", "mpi"),
