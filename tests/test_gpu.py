@@ -176,11 +176,13 @@ def test_draws_on_the_gpu_are_the_hosts(dtype):
         np.testing.assert_array_equal(cupy.asnumpy(got).reshape(-1), uniforms(key, 2100, dtype))
 
 
+@pytest.mark.parametrize("keep", [4, 1], ids=["graphs-kept", "one-graph"])
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_passes_replayed_as_cuda_graphs_train_as_eager_passes_do(monkeypatch, name):
+def test_passes_replayed_as_cuda_graphs_train_as_eager_passes_do(monkeypatch, name, keep):
     """mpidist.parallel.data.graphed_passes on a GPU: the cnn's dropout included, seven steps with the
-    epoch's last partial batch between full ones train as MPIDIST_GRAPHS=0's eager passes do, and the
-    graphs were captured and replayed (none refused)."""
+    epoch's last partial batch between full ones, an evaluation of another batch size after each, train as
+    MPIDIST_GRAPHS=0's eager passes do, and the graphs were captured and replayed (none refused).  With one
+    graph kept, each shape's graph pushes the other's out: captured again, its memory still its own."""
     from mpidist.parallel import LocalStrategy
 
     results = []
@@ -194,17 +196,30 @@ def test_passes_replayed_as_cuda_graphs_train_as_eager_passes_do(monkeypatch, na
             seed=3,
         )
         local.initialize()
+        if graphs == "1":
+            local.passes.graphed.graphs.rule.keep = keep
         rng = np.random.default_rng(1)
-        losses = []
+        held = rng.random((13,) + model.input_shape, dtype=np.float32), rng.integers(0, 10, 13)
+        losses, evaluations = [], []
         for step, size in enumerate([32, 32, 32, 20, 32, 20, 32]):
             x = cupy.asarray(rng.random((size,) + model.input_shape, dtype=np.float32))
             y = cupy.asarray(rng.integers(0, 10, size))
             losses.append(local.train_step(x, y, size / 32, step))
-        results.append((losses, cupy.asnumpy(model.params), local.passes.take_counts()))
+            evaluations.append(local.evaluate([tuple(map(cupy.asarray, held))])["loss"])
+        results.append((losses, evaluations, cupy.asnumpy(model.params), local.passes.take_counts()))
         if graphs == "1":
             ran = local.passes.graphed.graphs
-            assert ran.refused == {} and ran.ran == {"eager": 2, "capture": 2, "replay": 3}, ran.summary()
-    (eager_losses, eager_params, eager_counts), (losses, params, counts) = results
+            expected = (
+                {"eager": 2, "capture": 2, "replay": 3}
+                if keep == 4
+                else {"eager": 2, "capture": 3, "replay": 2}
+            )
+            assert ran.refused == {} and ran.ran == expected, ran.summary()
+        local.free()
+    (eager_losses, eager_evaluations, eager_params, eager_counts), (losses, evaluations, params, counts) = (
+        results
+    )
     np.testing.assert_allclose(losses, eager_losses, rtol=1e-5)
+    np.testing.assert_allclose(evaluations, eager_evaluations, rtol=1e-5)
     np.testing.assert_allclose(params, eager_params, rtol=1e-4, atol=1e-6)
     assert counts == eager_counts

@@ -180,12 +180,13 @@ class MultiHeadAttention(Layer):
             xp.copyto(scores, -xp.inf, where=self.mask[:, None, None, :])
         top = scores.max(axis=-1, keepdims=True)
         if self.mask is not None:  # a row of padding only: its maximum is -inf, and exp(-inf - 0) = 0
-            top[~xp.isfinite(top)] = 0
+            # (copyto's where, not a boolean index: on a GPU an index waits for the host to count it)
+            xp.copyto(top, 0, where=~xp.isfinite(top))
         scores -= top
         xp.exp(scores, out=scores)
         total = scores.sum(axis=-1, keepdims=True, out=top)
         if self.mask is not None:
-            total[total == 0] = 1
+            xp.copyto(total, 1, where=total == 0)
         scores /= total
         self.p = scores
         self.o = self.scratch("o", (n, length, layout.width), dtype)

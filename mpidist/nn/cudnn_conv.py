@@ -231,6 +231,11 @@ def _handle(cudnn):
 # ---- a convolution layer's passes on this path (mpidist.nn.conv's _ChannelsLastConv calls them) ----
 
 
+def capturing(xp):
+    """Whether the current stream is being captured into a CUDA graph (:mod:`mpidist.nn.graphs`)."""
+    return xp.__name__ != "numpy" and xp.cuda.get_current_stream().is_capturing()
+
+
 def plans_for(layer, x):
     """The :class:`Plans` of ``layer`` (a convolution) for the 4-D input ``x``, or None: its own path
     (made once per shape, strides and type; :data:`PATHS` counts which path each took)."""
@@ -248,6 +253,8 @@ def plans_for(layer, x):
             try:
                 plans = Plans(layer.xp, geometry, x.dtype)
             except Unsupported as err:
+                if capturing(layer.xp):  # (the capture's failure, not the shape's: the pass runs eagerly)
+                    raise
                 why = str(err)[:200]
         made[key] = plans
         PATHS["cudnn" if plans is not None else f"im2col: {why}"] += 1
@@ -277,6 +284,8 @@ def forward(layer, x):
     try:
         plans.forward(x, _weights(layer, x.dtype), y.transpose(0, 3, 1, 2))
     except Exception as err:  # (the frontend's errors are of many kinds)
+        if capturing(layer.xp):  # (the capture's failure, not the plan's: the pass runs eagerly, with it)
+            raise
         _drop(layer, x, f"running its plan: {type(err).__name__}: {err}")
         return None
     y += layer.params["b"]  # (channels innermost: the bias along the last axis)

@@ -8,12 +8,16 @@ decides: eagerly, captured into a graph (then launched), or replayed.
 
 What makes a replay compute what the pass would:
 
-* **its arrays stay its own.**  Everything the pass allocates, while it runs
-  eagerly for the key and while it is captured, comes from a memory pool of
-  the key's own (``cupy.cuda.using_allocator``), which nothing else draws
-  from: memory the graph reads and writes is never handed to another array,
-  even once Python has let go of the array it was.  The pool goes with the
-  graph.
+* **its memory stays its own.**  Everything the pass allocates, while it
+  runs eagerly for the key the first time and while it is captured, comes
+  from a memory pool of the key's own (``cupy.cuda.using_allocator``), which
+  nothing else draws from: memory the graph reads and writes is never handed
+  to another array, even once Python has let go of the array it was.  What
+  the pass's objects held before the capture (an evaluation's cached row
+  indices, a workspace array another key made) is pinned while the graph is
+  kept (:mod:`mpidist.nn.pass_state`).  Pools are never dropped (cupy would
+  free the memory of arrays still in use): a graph that goes gives its
+  pool's free blocks back to the device.
 * **it reads and writes fixed places.**  The caller's ``record`` (made once
   per key, in its pool) holds the buffers the pass reads its inputs from
   and writes its results to; a replay computes into the same places.
@@ -21,16 +25,25 @@ What makes a replay compute what the pass would:
   capture left it: only the record's arrays are results.
 * **what cannot be captured runs eagerly.**  A capture that fails (a pass
   that reads a value on the host, a library that refuses capture) is ended,
-  the pass runs eagerly in its place, and that key runs eagerly for good;
-  :attr:`PassGraphs.refused` says why.
+  the pass's objects are put back as they were before it (what it made was
+  never computed), the pass runs eagerly in its place, and that key runs
+  eagerly for good, from the default pool; :attr:`PassGraphs.refused` says
+  why.
 
-The device's part (:class:`CudaGraphs`) is three calls; the tests give
+The device's part (:class:`CudaGraphs`) is a few calls; the tests give
 :class:`PassGraphs` a stand-in for it that runs on the host.
 """
 
 import contextlib
 
 from .capture import KEEP, Captures
+from .pass_state import PassState
+
+
+#: every pool a key was given, for as long as the process runs: cupy frees a pool's memory, arrays still
+#: using it or not, when the pool goes, and a model outlives its run's graphs (its workspace arrays came
+#: from them).  A pool's free blocks go back to the device when its graph goes (:meth:`PassGraphs.free`).
+_POOLS = []
 
 
 class PassGraphs:
@@ -38,15 +51,17 @@ class PassGraphs:
 
     Args:
         device: what captures and launches (:class:`CudaGraphs`, or a stand-in with its methods).
+        objects: a function giving the objects a pass changes (its layers, its loss, the workspace): what a
+            graph pins and a refused capture puts back (:class:`~mpidist.nn.pass_state.PassState`).
         keep: graphs kept at most (:data:`~mpidist.nn.capture.KEEP`).
     """
 
-    def __init__(self, device, keep=KEEP):
-        self.device, self.rule = device, Captures(keep)
+    def __init__(self, device, objects=tuple, keep=KEEP):
+        self.device, self.objects, self.rule = device, objects, Captures(keep)
         self._pools, self._records, self._graphs = {}, {}, {}
         #: how many passes ran each way: ``{"eager": n, "capture": n, "replay": n}``
         self.ran = dict.fromkeys(("eager", "capture", "replay"), 0)
-        #: keys whose capture failed, and why (they run eagerly)
+        #: keys whose capture failed, and why (they run eagerly, from the default pool)
         self.refused = {}
 
     def record(self, key, make):
@@ -69,43 +84,53 @@ class PassGraphs:
         self._let_go()
         self.ran[decision] += 1
         if decision == "replay":
-            self.device.launch(self._graphs[key])
+            self.device.launch(self._graphs[key][0])
         elif decision == "capture":
             self._capture(key, record, work)
-        else:
+        elif key in self.refused:
+            work(record)
+        else:  # (its first pass: what it makes, the graph will use)
             with self.device.allocating(self._pool(key)):
                 work(record)
 
     def _pool(self, key):
-        """The key's own memory pool (made on first use)."""
+        """The key's own memory pool (made on first use, kept)."""
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = self.device.pool()
+            _POOLS.append(pool)
         return pool
 
     def _capture(self, key, record, work):
         """Capture ``work`` into the key's graph and launch it; eagerly, for good, if the capture fails."""
-        pool = self._pool(key)
+        before = PassState(self.objects())
         try:
-            graph = self.device.capture(lambda: work(record), pool)
+            graph = self.device.capture(lambda: work(record), self._pool(key))
         except Exception as error:  # (any failure: the eager pass below raises what is the pass's own)
+            before.restore()  # (what the capture made was never computed: the eager pass makes it anew)
             self.rule.failed(key)
             self.refused[key] = f"{type(error).__name__}: {error}"
             self.ran["capture"] -= 1
             self.ran["eager"] += 1
-            with self.device.allocating(pool):
-                work(record)
+            work(record)
             return
-        self._graphs[key] = graph
+        # what the graph reads and writes stays allocated while it is kept: what the objects held before the
+        # capture (made by other passes, in other pools) and after it
+        self._graphs[key] = (graph, before.pinned() + PassState(self.objects()).pinned())
         self.device.launch(graph)
 
     def _let_go(self):
-        """Drop the graphs the rule let go of, with their pools and records."""
+        """Drop the graphs the rule let go of (their pools' free blocks go back to the device)."""
         kept = set(self.rule.held)
         for key in [key for key in self._graphs if key not in kept]:
             del self._graphs[key]
-            self._pools.pop(key, None)
-            self._records.pop(key, None)
+            self.device.release(self._pools[key])
+
+    def free(self):
+        """Drop every graph (the run is over); the pools' free blocks go back to the device."""
+        self._graphs.clear()
+        for pool in self._pools.values():
+            self.device.release(pool)
 
     @property
     def held(self):
@@ -138,6 +163,10 @@ class CudaGraphs:
 
     def allocating(self, pool):
         return self.cupy.cuda.using_allocator(pool.malloc)
+
+    def release(self, pool):
+        """``pool``'s free blocks back to the device (its blocks in use stay: arrays still hold them)."""
+        pool.free_all_blocks()
 
     def capture(self, work, pool):
         """``work``'s kernels as a graph (raises where they cannot be captured, the capture ended)."""

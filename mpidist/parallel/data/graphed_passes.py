@@ -14,7 +14,8 @@ A dropout layer's draws read their key from device memory
 passes stay eager (:func:`why_eager` says why) where a pass cannot be a
 graph: MPI inside the pass (tensor parts, synchronised batch norms,
 gathered parameter shards), ``--accumulate``'s slices (their loss is summed
-on the host), or ``MPIDIST_GRAPHS=0``.  No MPI here: a data-parallel exchange starts once
+on the host), an Embedding (its token ids are checked on the host), or
+``MPIDIST_GRAPHS=0``.  No MPI here: a data-parallel exchange starts once
 the pass's launch is queued (every bucket is then ready at once).
 """
 
@@ -24,6 +25,7 @@ import os
 import numpy as np
 
 from ...nn.capture import PassKey
+from ...nn.embedding import Embedding
 from ...nn.graphs import CudaGraphs, PassGraphs
 from ...nn.parameter_map import walk
 
@@ -55,6 +57,8 @@ def why_eager(model, accumulate=1, collective=False):
         return "MPI inside the pass (tensor parts, synchronised batch norms or gathered parameters)"
     if accumulate > 1:
         return "--accumulate (each slice's loss is read on the host)"
+    if any(isinstance(node, Embedding) for _, node in walk(model.layers)):
+        return "an Embedding (it checks each batch's token ids on the host)"
     return None
 
 
@@ -74,7 +78,14 @@ class GraphedPasses:
 
     def __init__(self, passes, device=None):
         self.passes = passes
-        self.graphs = PassGraphs(CudaGraphs(passes.model.xp) if device is None else device)
+        device = CudaGraphs(passes.model.xp) if device is None else device
+        self.graphs = PassGraphs(device, objects=self.objects)
+
+    def objects(self):
+        """The objects a pass changes: what its graph pins, and a refused capture puts back."""
+        passes = self.passes
+        layers = (node for _, node in walk(passes.model.layers))
+        return [self, passes, passes.loss, passes.model.workspace, *layers]
 
     def backprop(self, x, y, weight, before_backward=None, ready=None):
         """:meth:`~mpidist.parallel.passes.Passes.backprop`'s single pass as a graph's launch; returns the

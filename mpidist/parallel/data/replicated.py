@@ -163,6 +163,8 @@ class DataParallel(ReplicaWorkers, ReplicaState, Strategy):
             self.model.bind_params(kept, copy=False)
         self.exchange.free()
         self.mesh.free()
+        if self.passes.graphed is not None:  # (the model keeps its arrays; graphs and spare memory go)
+            self.passes.graphed.graphs.free()
 
     def stats(self):
         figures = {**super().stats(), **(self.mixed.stats() if self.mixed is not None else {})}
