@@ -152,3 +152,34 @@ def test_where_numba_cannot_cache_the_kernels_they_are_compiled_in_each_process(
         f"y.ravel().tolist(), {kernel}.signatures != [], type({kernel}._cache).__name__, compiled.version()",
     )
     assert printed.startswith("[3.0] True NullCache numba "), printed
+
+
+def test_the_gpus_pool_kernels_serve_cupys_float_arrays_until_one_fails(monkeypatch):
+    """mpidist.nn.pool_kernels (run on a GPU by tests/test_gpu.py): which arrays they serve, and a kernel that
+    fails sends the pools to the array form for good, but a failure inside a CUDA graph's capture is the
+    capture's (raised: the pass runs eagerly) and leaves them on."""
+    import types
+
+    from mpidist.nn import pool_kernels
+
+    monkeypatch.setattr(pool_kernels, "FAILED", [])
+    capturing = [False]
+    stream = types.SimpleNamespace(is_capturing=lambda: capturing[0])
+    cupy = types.SimpleNamespace(
+        __name__="cupy", cuda=types.SimpleNamespace(get_current_stream=lambda: stream)
+    )
+    floats, ints = np.zeros(2, np.float32), np.zeros(2, np.int64)
+    assert pool_kernels.usable(cupy, floats, np.zeros(2, np.float16))
+    assert not pool_kernels.usable(np, floats) and not pool_kernels.usable(cupy, floats, ints)
+
+    def broken(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    capturing[0] = True
+    with pytest.raises(RuntimeError):
+        pool_kernels._ran(cupy, broken)
+    assert pool_kernels.usable(cupy, floats)
+    capturing[0] = False
+    assert pool_kernels._ran(cupy, broken) is False
+    assert pool_kernels.FAILED == ["RuntimeError: operation not permitted when stream is capturing"]
+    assert not pool_kernels.usable(cupy, floats)

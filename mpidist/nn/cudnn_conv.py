@@ -28,6 +28,8 @@ import os
 
 import numpy as np
 
+from ..runtime.xp import capturing
+
 #: shapes per path: ``{"cudnn": count, "im2col: <why>": count}``
 PATHS = collections.Counter()
 
@@ -229,11 +231,6 @@ def _handle(cudnn):
 
 
 # ---- a convolution layer's passes on this path (mpidist.nn.conv's _ChannelsLastConv calls them) ----
-
-
-def capturing(xp):
-    """Whether the current stream is being captured into a CUDA graph (:mod:`mpidist.nn.graphs`)."""
-    return xp.__name__ != "numpy" and xp.cuda.get_current_stream().is_capturing()
 
 
 def plans_for(layer, x):

@@ -6,7 +6,7 @@ input into ``(N, C, *out, k**d)`` blocks and both passes are plain reductions
 and broadcasts, with no Python loop over positions.
 """
 
-from . import compiled
+from . import compiled, pool_kernels
 from .layers import Layer, ShapeError
 from .workspace import inverse, memory_order
 
@@ -66,7 +66,7 @@ class _MaxPool(_Pool):
     ``dy`` into the input gradient at each window's winning offset.  Where
     numba is installed (the ``jit`` extra), compiled kernels
     (:mod:`mpidist.nn.compiled`) do each pass in one loop, with the same
-    results.
+    results; on a GPU, one cupy kernel each (:mod:`mpidist.nn.pool_kernels`).
     """
 
     cache = ("argmax", "input_order")
@@ -90,6 +90,10 @@ class _MaxPool(_Pool):
         pool's as ``(N, 1, L, C)``)."""
         return (array[:, :, None, :] if self.dims == 1 else array).transpose(0, 2, 3, 1)
 
+    def _image(self, array):
+        """``array`` (``(N, C, *spatial)``) as ``(N, C, H, W)``: a 1-D pool's as an image of one row."""
+        return array[:, :, None, :] if self.dims == 1 else array
+
     @property
     def _window(self):
         """``(kh, kw)``: a 1-D pool's window is one row."""
@@ -103,6 +107,10 @@ class _MaxPool(_Pool):
         best = self.scratch_like("y", first)
         index_type = xp.uint8 if self.size**self.dims < 256 else xp.int64
         self.argmax = self.scratch_like("argmax", first, index_type)
+        if pool_kernels.usable(xp, x) and pool_kernels.forward(
+            xp, self._image(x), *self._window, self._image(best), self._image(self.argmax)
+        ):
+            return best
         kernels, last = compiled.kernels(xp, x), self._channels_last
         if kernels and compiled.ran(
             kernels.max_pool_forward, last(x), *self._window, last(best), last(self.argmax)
@@ -128,6 +136,10 @@ class _MaxPool(_Pool):
         dx = self.scratch("dx", tuple(shape[axis] for axis in order), dy.dtype).transpose(inverse(order))
         if any(d % self.size for d in self.input_shape[1:]):
             dx[...] = 0  # the cropped remainder gets no gradient
+        if pool_kernels.usable(xp, dy) and pool_kernels.backward(
+            xp, self._image(dy), self._image(self.argmax), *self._window, self._image(dx)
+        ):
+            return dx
         kernels, last = compiled.kernels(xp, dy), self._channels_last
         if kernels and compiled.ran(
             kernels.max_pool_backward, last(dy), last(self.argmax), *self._window, last(dx)

@@ -48,3 +48,9 @@ def is_device_array(array):
 def to_host(array):
     """A numpy copy (or the array itself if it already is numpy)."""
     return array.get() if is_device_array(array) else np.asarray(array)
+
+
+def capturing(xp):
+    """Whether ``xp``'s current stream is being captured into a CUDA graph (:mod:`mpidist.nn.graphs`): an
+    error then is the capture's, not the operation's."""
+    return xp.__name__ != "numpy" and xp.cuda.get_current_stream().is_capturing()
