@@ -258,3 +258,25 @@ def test_max_pooling_kernels_on_the_gpu_give_the_array_forms_results(
     assert pool_kernels.FAILED == []
     for got, expected in zip(results[1], results[0]):
         np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_nccl_sums_over_one_rank_on_the_gpu(dtype):
+    """mpidist.runtime.nccl_sum with NCCL itself (one rank: the bootstrap, a sum on NCCL's stream after the
+    compute stream's writes, the join, the type's code); several GPUs are needed for more."""
+    from mpi4py import MPI
+
+    from mpidist.runtime import nccl_sum
+
+    buffer = cupy.zeros(1000, dtype)
+    group, why = nccl_sum.nccl_group(MPI.COMM_SELF, buffer)
+    if group is None:
+        pytest.skip(f"NCCL is not there: {why}")
+    try:
+        buffer += cupy.arange(1000).astype(dtype)  # (queued on the compute stream just before the sum)
+        group.sum(buffer[:600])
+        group.sum(buffer[600:])
+        group.join()
+        np.testing.assert_array_equal(cupy.asnumpy(buffer), np.arange(1000).astype(dtype))
+    finally:
+        group.free()

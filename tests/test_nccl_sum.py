@@ -20,22 +20,29 @@ from mpidist.runtime import comm as mpi
 from mpidist.runtime import nccl_sum
 from mpidist.runtime.cluster import build_cluster
 
+from conftest import run_mpi
 from small_net import small_convnet, worker_slice
 
 
 class MpiSum:
-    """:class:`~mpidist.runtime.nccl_sum.NcclSum`'s stand-in: each sum an MPI allreduce of a host array."""
+    """:class:`~mpidist.runtime.nccl_sum.NcclSum`'s stand-in: a sum takes the bucket as it is when asked (as
+    NCCL's stream reads it once the compute stream has written it) and lands in it only at :meth:`join` (as
+    the compute stream sees NCCL's sums only once it waited for them), each an MPI allreduce."""
 
     def __init__(self, comm):
-        self.comm, self.sums, self.joins, self.freed = comm, [], 0, False
+        self.comm, self.sums, self.pending, self.joins, self.freed = comm, [], [], 0, False
 
     def sum(self, array):
         assert array.flags.c_contiguous
         self.sums.append(array.size)
-        mpi.allreduce_sum(self.comm, array)
+        self.pending.append((array, array.copy()))
 
     def join(self):
         self.joins += 1
+        for array, taken in self.pending:
+            mpi.allreduce_sum(self.comm, taken)
+            array[...] = taken
+        self.pending = []
 
     def free(self):
         self.freed = True
@@ -125,14 +132,46 @@ def test_one_rank_that_cannot_use_nccl_keeps_every_rank_off_it(monkeypatch):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_two_ranks_on_one_gpu_keep_off_nccl(monkeypatch):
+def test_two_ranks_of_a_node_on_one_gpu_keep_every_rank_off_nccl(monkeypatch):
     world = MPI.COMM_WORLD
     made = []
     device = max(world.Get_rank(), 1)  # (ranks 0 and 1 on one GPU, the others on GPUs of their own)
     facts = (None, _fake_nccl(made), _FAKE_CUPY, device)
     monkeypatch.setattr(nccl_sum, "_local_facts", lambda buffer: facts)
-    assert nccl_sum.nccl_group(world, None) == (None, "two ranks share a GPU (NCCL needs one GPU per rank)")
+    group, why = nccl_sum.nccl_group(world, None)
+    assert group is None
+    if world.Get_rank() < 2:
+        assert why == "two ranks of a node share a GPU (NCCL needs one GPU per rank)"
+    else:
+        assert why == "rank 0 of the group cannot use NCCL"
     assert made == []  # (nobody started NCCL's initialisation, which waits for every rank)
+
+
+SHARES = """
+import sys
+from mpi4py import MPI
+from mpidist.runtime import nccl_sum
+
+world = MPI.COMM_WORLD
+node = world.Split_type(MPI.COMM_TYPE_SHARED)
+local = node.Get_rank()
+node.Free()
+same_ids = nccl_sum._shares_a_gpu(world, local)  # (every node numbers its GPUs 0, 1, ...)
+one_gpu = nccl_sum._shares_a_gpu(world, 0)
+answers = world.gather((same_ids, one_gpu), root=0)
+if world.Get_rank() == 0:
+    print(answers)
+"""
+
+
+def test_a_gpu_is_told_apart_within_its_node(tmp_path):
+    """Two nodes' GPUs may have the same PCI bus id: 2 emulated nodes of 2 ranks, each node's GPUs numbered
+    0 and 1, share none; every rank on GPU 0 shares it with its node's other rank."""
+    script = tmp_path / "shares.py"
+    script.write_text(SHARES)
+    done, _ = run_mpi(4, [str(script)], nodes=2)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([(False, True)] * 4)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -146,6 +185,37 @@ def test_every_rank_joins_nccl_with_rank_0s_unique_id(monkeypatch):
     assert made == [(world.Get_size(), bytes([7]) * 128, world.Get_rank())]  # (rank 0's id is 128 bytes of 7)
     group.free()
     assert group.communicator is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rank_0_without_a_unique_id_keeps_every_rank_off_nccl(monkeypatch):
+    """NCCL's bootstrap finding no network on rank 0 (NCCL_SOCKET_IFNAME) leaves no rank waiting in the
+    broadcast of the id: every rank goes on with MPI."""
+    world = MPI.COMM_WORLD
+    made = []
+    nccl = _fake_nccl(made)
+
+    def no_network():
+        raise RuntimeError("NCCL_ERROR_SYSTEM_ERROR: no socket interface found")
+
+    nccl.get_unique_id = no_network
+    monkeypatch.setattr(nccl_sum, "_local_facts", lambda buffer: (None, nccl, _FAKE_CUPY, world.Get_rank()))
+    group, why = nccl_sum.nccl_group(world, None)
+    assert group is None and made == []
+    if world.Get_rank() == 0:
+        assert why == "NCCL's unique id: RuntimeError: NCCL_ERROR_SYSTEM_ERROR: no socket interface found"
+    else:
+        assert why == "rank 0 could not make NCCL's unique id"
+
+
+def test_mpi_with_fault_tolerance_on_keeps_off_nccl(monkeypatch):
+    """A lost worker must surface as MPI's process-failure error (--elastic): NCCL's sums would wait for it
+    for ever."""
+    monkeypatch.setattr(nccl_sum, "ulfm_support", lambda: (True, ""))
+    why = nccl_sum._local_facts(
+        types.SimpleNamespace(__cuda_array_interface__={}, dtype=np.dtype(np.float32))
+    )[0]
+    assert why.startswith("MPI runs with fault tolerance on")
 
 
 def test_a_unique_id_in_either_form_cupy_has_given_it():

@@ -19,6 +19,7 @@ import pytest
 
 from mpidist import nn
 from mpidist.nn.capture import PassKey
+from mpidist.nn import graphs as graphs_module
 from mpidist.nn.graphs import PassGraphs
 from mpidist.nn.pass_state import PassState
 from mpidist.nn.workspace import Workspace
@@ -47,6 +48,7 @@ class HostGraphs:
         self.refuse, self.midway = refuse, midway
         self.objects = tuple  # (the pass's objects: set by the test)
         self.pools = self.released = self.captures = self.launches = 0
+        self.in_use = []  # (pools whose arrays are still used: kept once their run is over)
 
     def pool(self):
         self.pools += 1
@@ -57,6 +59,9 @@ class HostGraphs:
 
     def release(self, pool):
         self.released += 1
+
+    def used(self, pool):
+        return pool in self.in_use
 
     def capture(self, work, pool):
         if self.refuse:
@@ -152,8 +157,9 @@ def test_a_refused_capture_runs_the_pass_eagerly_for_good_and_says_why():
 
 
 def test_a_graph_the_rule_lets_go_of_gives_back_its_pools_spare_memory_and_keeps_its_arrays():
-    """cupy frees a pool's memory, in use or not, when the pool goes: a key's pool and record are kept (its
-    arrays may be a model's workspace), its free blocks given back when its graph goes and at the end."""
+    """cupy frees a pool's memory, in use or not, when the pool goes: a key's pool and record are kept while
+    its run goes on (its arrays may be a model's workspace), its free blocks given back when its graph goes;
+    at the end of the run its pools go once nothing uses them."""
     device = HostGraphs()
     graphs = PassGraphs(device, keep=1)
     made = []
@@ -173,8 +179,19 @@ def test_a_graph_the_rule_lets_go_of_gives_back_its_pools_spare_memory_and_keeps
     assert graphs.held == 1 and graphs.ran == {"eager": 2, "capture": 3, "replay": 1}
     assert len(made) == 2 and device.pools == 2 and device.released == 2  # (a's, then b's)
     assert made[0][0] == 4 and made[1][0] == 2
+    pools = list(graphs._pools.values())
+    device.in_use.append(pools[0])  # (a model still holds arrays of a's pool)
     graphs.free()
-    assert graphs.held == 0 and device.released == 4
+    assert graphs.held == 0 and graphs._records == {} and device.released == 4
+    retired = [pool for _, pool in graphs_module._RETIRED]
+    assert pools[0] in retired and pools[1] not in retired
+    device.in_use.clear()  # (the model is gone: the next run's first pool lets a's go)
+    later = PassGraphs(device)
+    later.record(a, make)
+    assert pools[0] not in [pool for _, pool in graphs_module._RETIRED]
+    graphs.record(a, make)  # (a pass after the end starts afresh: eagerly, on a record of its own)
+    graphs.run(a, work)
+    assert graphs.ran["eager"] == 3 and made[-1][0] == 1
 
 
 def test_what_a_pass_held_before_its_capture_stays_allocated_while_its_graph_is_kept():
@@ -313,7 +330,9 @@ def test_allreduce_of_graphed_passes_sums_what_the_eager_passes_do():
         )
         for _ in range(2)
     ]
-    strategies[1].passes.graphed = GraphedPasses(strategies[1].passes, device=HostGraphs())
+    device = HostGraphs()
+    strategies[1].passes.graphed = GraphedPasses(strategies[1].passes, device=device)
+    device.objects = strategies[1].passes.graphed.objects
     for strategy in strategies:
         strategy.initialize()
     rng = np.random.default_rng(0)  # the same data on every rank

@@ -15,9 +15,10 @@ What makes a replay compute what the pass would:
   to another array, even once Python has let go of the array it was.  What
   the pass's objects held before the capture (an evaluation's cached row
   indices, a workspace array another key made) is pinned while the graph is
-  kept (:mod:`mpidist.nn.pass_state`).  Pools are never dropped (cupy would
-  free the memory of arrays still in use): a graph that goes gives its
-  pool's free blocks back to the device.
+  kept (:mod:`mpidist.nn.pass_state`).  A pool is never dropped while
+  arrays use it (cupy would free their memory): a graph that goes gives
+  its pool's free blocks back to the device, and a finished run's pools
+  are kept until their arrays are gone.
 * **it reads and writes fixed places.**  The caller's ``record`` (made once
   per key, in its pool) holds the buffers the pass reads its inputs from
   and writes its results to; a replay computes into the same places.
@@ -40,10 +41,10 @@ from .capture import KEEP, Captures
 from .pass_state import PassState
 
 
-#: every pool a key was given, for as long as the process runs: cupy frees a pool's memory, arrays still
-#: using it or not, when the pool goes, and a model outlives its run's graphs (its workspace arrays came
-#: from them).  A pool's free blocks go back to the device when its graph goes (:meth:`PassGraphs.free`).
-_POOLS = []
+#: the pools of finished runs whose arrays are still in use (a model outlives its run's graphs: its
+#: workspace arrays came from them): cupy frees a pool's memory, arrays still using it or not, when the
+#: pool goes, so each is kept until nothing uses it (:func:`_sweep`)
+_RETIRED = []
 
 
 class PassGraphs:
@@ -97,8 +98,8 @@ class PassGraphs:
         """The key's own memory pool (made on first use, kept)."""
         pool = self._pools.get(key)
         if pool is None:
+            _sweep()
             pool = self._pools[key] = self.device.pool()
-            _POOLS.append(pool)
         return pool
 
     def _capture(self, key, record, work):
@@ -127,10 +128,14 @@ class PassGraphs:
             self.device.release(self._pools[key])
 
     def free(self):
-        """Drop every graph (the run is over); the pools' free blocks go back to the device."""
+        """Drop every graph and record (the run is over); the pools give their free blocks back to the device
+        and go once nothing uses them."""
+        self.rule.forget()
         self._graphs.clear()
-        for pool in self._pools.values():
-            self.device.release(pool)
+        self._records.clear()
+        _RETIRED.extend((self.device, pool) for pool in self._pools.values())
+        self._pools.clear()
+        _sweep()
 
     @property
     def held(self):
@@ -143,6 +148,16 @@ class PassGraphs:
         if not self.refused:
             return counts
         return f"{counts}; eager for good: {next(iter(self.refused.values()))}"
+
+
+def _sweep():
+    """Give the retired pools' free blocks back to the device; let go of those nothing uses any more."""
+    kept = []
+    for owner, pool in _RETIRED:
+        owner.release(pool)
+        if owner.used(pool):
+            kept.append((owner, pool))
+    _RETIRED[:] = kept
 
 
 class CudaGraphs:
@@ -167,6 +182,10 @@ class CudaGraphs:
     def release(self, pool):
         """``pool``'s free blocks back to the device (its blocks in use stay: arrays still hold them)."""
         pool.free_all_blocks()
+
+    def used(self, pool):
+        """Whether arrays still use memory of ``pool``."""
+        return pool.used_bytes() > 0
 
     def capture(self, work, pool):
         """``work``'s kernels as a graph (raises where they cannot be captured, the capture ended)."""

@@ -8,7 +8,11 @@ indices or a workspace array of another shape, replaced later, would go
 back to cupy's pool while the graph still writes them.  :class:`PassState`
 keeps a reference to every value those objects hold (their attributes, and
 one level into the dicts, lists and tuples among them), so nothing the
-graph may use is freed while the graph is kept.
+graph may use is freed while the graph is kept.  One level: an object held
+deeper (a cuDNN plan in a layer's dict of plans) is kept whole, and what it
+holds is safe as long as it never rebinds its arrays (a plan keeps its
+workspace for its life); a helper that rebinds arrays it holds must be one
+of the pass's objects itself.
 
 The same record undoes a capture that failed half way: arrays made during
 it exist but were never computed (a buffer whose zero borders were never

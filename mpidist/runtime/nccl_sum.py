@@ -5,10 +5,14 @@ memory (3.3-6 GB/s on an H200); NCCL sums them where they are, over NVLink
 or the network, on a stream of its own.  :func:`nccl_group` makes a
 :class:`NcclSum` over ``comm`` where every rank can take part (collective,
 the same answer everywhere), or says why not: host arrays, no NCCL, a type
-NCCL does not sum, two ranks on one GPU (NCCL needs a GPU per rank),
-``MPIDIST_NCCL=0``.  The ranks agree on that before any of them calls
-NCCL's initialisation, which waits for every rank of the group: a rank
-that could not join would leave the others waiting there.
+NCCL does not sum, two ranks of a node on one GPU (NCCL needs a GPU per
+rank), MPI with fault tolerance on (a lost worker must surface as MPI's
+error), ``MPIDIST_NCCL=0``, or rank 0 could not make NCCL's unique id.  The
+ranks agree on that before any of them calls NCCL's initialisation, which
+waits for every rank of the group: a rank that could not join would leave
+the others waiting there.  (A rank whose initialisation fails once all
+have entered it ends the job: the others wait in NCCL, where no MPI error
+reaches them.)
 
 MPI carries NCCL's unique id once (128 bytes, rank 0's, broadcast) and the
 facts each rank checks; the sums themselves never touch MPI.
@@ -21,11 +25,12 @@ that sums over MPI (``tests/test_nccl_sum.py``).
 
 import hashlib
 import os
-import socket
 
 import numpy as np
+from mpi4py import MPI
 
 from . import comm as mpi
+from .ulfm import ulfm_support
 
 #: NCCL's name of each type it sums (bfloat16 where the library has it)
 TYPES = {
@@ -46,15 +51,12 @@ class NcclSum:
         comm: the ranks (mpi4py communicator).
         nccl: ``cupy.cuda.nccl``.
         cupy: the cupy module.
+        uid: NCCL's unique id, rank 0's (:func:`nccl_group` broadcasts it).
     """
 
-    def __init__(self, comm, nccl, cupy):
+    def __init__(self, comm, nccl, cupy, uid):
         self.nccl, self.cupy = nccl, cupy
-        uid = np.zeros(ID_BYTES, np.uint8)
-        if comm.Get_rank() == 0:
-            uid[...] = np.frombuffer(_as_bytes(nccl.get_unique_id()), np.uint8)
-        mpi.bcast(comm, uid)
-        self.communicator = _communicator(nccl, comm.Get_size(), uid.tobytes(), comm.Get_rank())
+        self.communicator = _communicator(nccl, comm.Get_size(), uid, comm.Get_rank())
         self.stream = cupy.cuda.Stream(non_blocking=True)
 
     def sum(self, array):
@@ -98,23 +100,61 @@ def nccl_group(comm, buffer):
     ``(None, why)``: None on every rank alike, the reason a rank's own (or the first refusing rank's
     number)."""
     why, nccl, cupy, device = _local_facts(buffer)
-    size = comm.Get_size()
-    devices = np.zeros(size, np.int64)
-    mpi.allgather(comm, np.array([device], np.int64), devices)
-    refusals = np.zeros(size, np.int32)
+    if _shares_a_gpu(comm, device if why is None else None) and why is None:  # (collective: every rank)
+        why = "two ranks of a node share a GPU (NCCL needs one GPU per rank)"
+    refusals = np.zeros(comm.Get_size(), np.int32)
     mpi.allgather(comm, np.array([0 if why is None else 1], np.int32), refusals)
     if refusals.any():
         first = int(np.flatnonzero(refusals)[0])
         return None, why if why is not None else f"rank {first} of the group cannot use NCCL"
-    if len(set(devices.tolist())) < size:
-        return None, "two ranks share a GPU (NCCL needs one GPU per rank)"
-    return NcclSum(comm, nccl, cupy), None
+    uid, why = _unique_id(comm, nccl)
+    if uid is None:
+        return None, why
+    return NcclSum(comm, nccl, cupy, uid), None
+
+
+def _shares_a_gpu(comm, device):
+    """Collective over ``comm``: whether ``device`` (this rank's GPU, or None: not taking part) is another
+    rank's of its node too."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        ids = np.zeros((node.Get_size(), 2), np.int64)
+        mine = np.array([[0, 0] if device is None else [1, device]], np.int64)
+        mpi.allgather(node, mine, ids)
+    finally:
+        node.Free()
+    taking_part = ids[ids[:, 0] == 1, 1]
+    return device is not None and int(np.count_nonzero(taking_part == device)) > 1
+
+
+def _unique_id(comm, nccl):
+    """Collective over ``comm``: ``(rank 0's NCCL unique id, None)``, or ``(None, why)`` on every rank where
+    rank 0 could not make one (NCCL's bootstrap found no network: ``NCCL_SOCKET_IFNAME``)."""
+    message, why = np.zeros(1 + ID_BYTES, np.uint8), None
+    if comm.Get_rank() == 0:
+        try:
+            message[1:] = np.frombuffer(_as_bytes(nccl.get_unique_id()), np.uint8)
+            message[0] = 1
+        except Exception as error:  # (a reason for every rank, never a rank left in the broadcast)
+            why = f"NCCL's unique id: {type(error).__name__}: {error}"
+    mpi.bcast(comm, message)
+    if message[0] != 1:
+        return None, why or "rank 0 could not make NCCL's unique id"
+    return message[1:].tobytes(), None
 
 
 def _local_facts(buffer):
     """``(why not, nccl, cupy, device id)`` on this rank (``why not`` None where it can take part)."""
     if os.environ.get("MPIDIST_NCCL", "").strip().lower() in ("0", "false", "no"):
         return "MPIDIST_NCCL=0", None, None, 0
+    if ulfm_support()[0]:
+        return (
+            "MPI runs with fault tolerance on, and a lost worker must surface as MPI's process-failure "
+            "error, which NCCL's sums do not give",
+            None,
+            None,
+            0,
+        )
     if buffer is None or not hasattr(buffer, "__cuda_array_interface__"):
         return "host arrays", None, None, 0
     if buffer.dtype.name not in TYPES:
@@ -134,7 +174,6 @@ def _local_facts(buffer):
 
 
 def _device_id(cupy):
-    """This rank's GPU as a number every process that uses it computes alike: its node's name and its PCI bus
-    id, hashed (as NCCL itself tells GPUs apart)."""
-    name = f"{socket.gethostname()}/{cupy.cuda.Device().pci_bus_id}"
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+    """This rank's GPU as a number every process of its node computes alike (its PCI bus id, hashed)."""
+    bus = cupy.cuda.Device().pci_bus_id
+    return int.from_bytes(hashlib.blake2b(bus.encode(), digest_size=8).digest(), "little", signed=True)

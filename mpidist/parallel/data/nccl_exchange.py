@@ -3,11 +3,12 @@
 Where every worker has a GPU of its own and NCCL is there
 (:func:`~mpidist.runtime.nccl_sum.nccl_group`), a bucket's sum is queued on
 NCCL's stream as soon as backward has written it, and backward goes on on
-its own stream meanwhile: the two overlap on the device, and the host never
-waits for a sum (an MPI without CUDA support staged every bucket through
-host memory, and the host waited for each).  :meth:`NcclExchange.finish`
-makes the compute stream wait for the sums, then takes their squared norm
-there, as every exchange does for the step's verdict.
+its own stream meanwhile: the two overlap on the device, and no bucket goes
+through host memory (an MPI without CUDA support staged every bucket there,
+and the host waited for each).  :meth:`NcclExchange.finish` makes the
+compute stream wait for the sums, then takes their squared norm there, as
+every exchange does for the step's verdict: the host waits once, for that
+number.
 """
 
 from .exchange import Exchange
