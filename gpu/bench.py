@@ -131,11 +131,14 @@ def models(seconds):
                     row["mpidist bf16/float32"] = rate / float32_rate[label, batch]
                 rows.append(row)
                 print(row, flush=True)
+    from mpidist.nn import pool_kernels
     from mpidist.nn.cudnn_conv import PATHS
 
-    # (which path the convolutions' shapes took: cuDNN's, or mpidist's own and why)
+    # (which path the convolutions' shapes took: cuDNN's, or mpidist's own and why; the pools' kernels)
     rows.append({"convolution shapes by path": dict(PATHS)})
-    print(rows[-1], flush=True)
+    failed = pool_kernels.FAILED
+    rows.append({"max pooling": f"array form: {failed[0]}" if failed else "kernels"})
+    print(rows[-2:], flush=True)
     return rows
 
 
