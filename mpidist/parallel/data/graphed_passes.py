@@ -113,8 +113,8 @@ class GraphedPasses:
     def _made(self, x, y):
         xp = self.passes.model.xp
         return PassRecord(
-            xp.empty_like(x),
-            xp.empty_like(y),
+            xp.empty(x.shape, x.dtype),  # (the batch may come from the host: its copy lands here)
+            xp.empty(y.shape, y.dtype),
             xp.zeros((), np.float64),
             xp.zeros((), np.float64),
             xp.zeros((), np.float64),
