@@ -242,6 +242,13 @@ def test_early_stopping_says_what_to_monitor_where_the_figure_is_missing():
         )
     with pytest.raises(ValueError):
         EarlyStopping(mode="lower")
+    for patience in (-1, 2.5, float("nan"), "3", None, True):  # (2.5 and "3" were taken as 2 and 3)
+        with pytest.raises(ValueError, match="EarlyStopping: patience"):
+            EarlyStopping(patience=patience)
+    for min_delta in (-0.1, float("nan"), float("inf"), "0.1"):  # (a NaN counted no gain: a stop at once)
+        with pytest.raises(ValueError, match="EarlyStopping: min_delta"):
+            EarlyStopping(min_delta=min_delta)
+    assert EarlyStopping(patience=np.int64(0), min_delta=np.float32(0.5)).patience == 0
     assert EarlyStopping(monitor="test_loss").mode == "min" and EarlyStopping(monitor="test_r2").mode == "max"
     stopper = EarlyStopping(patience=2, monitor="test_mse", mode="min")
     for step, mse in enumerate([1.0, 0.5, 0.6, 0.5, 0.7]):

@@ -31,6 +31,8 @@ every rank with exit code 1 and its traceback, as any other error does.
 """
 
 import collections
+import math
+import numbers
 
 from ..runtime.errors import UsageError
 
@@ -77,6 +79,26 @@ def lower_is_better(figure):
     return str(figure).endswith(("loss", "mse", "mae"))
 
 
+def _whole_number(patience):
+    """``patience`` as an int: a whole number of evaluations, 0 or more (2.5 or -1 said something else)."""
+    if isinstance(patience, bool) or not isinstance(patience, numbers.Real):
+        raise ValueError(f"EarlyStopping: patience is a number of evaluations, got {patience!r}")
+    if not (math.isfinite(patience) and patience >= 0 and patience == int(patience)):
+        raise ValueError(
+            f"EarlyStopping: patience is a whole number of evaluations, 0 or more, got {patience!r}"
+        )
+    return int(patience)
+
+
+def _gain(min_delta):
+    """``min_delta`` as a float: a finite gain, 0 or more (a NaN would count no gain ever)."""
+    if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real):
+        raise ValueError(f"EarlyStopping: min_delta is a gain of the figure, got {min_delta!r}")
+    if not (math.isfinite(min_delta) and min_delta >= 0):
+        raise ValueError(f"EarlyStopping: min_delta is a finite gain, 0 or more, got {min_delta!r}")
+    return float(min_delta)
+
+
 class EarlyStopping(Callback):
     """Stop when a test figure has not improved for ``patience`` evaluations.
 
@@ -113,8 +135,8 @@ class EarlyStopping(Callback):
         if mode == "auto":
             mode = "min" if lower_is_better(monitor) else "max"
         self.patience, self.min_delta, self.monitor, self.mode = (
-            int(patience),
-            float(min_delta),
+            _whole_number(patience),
+            _gain(min_delta),
             monitor,
             mode,
         )
