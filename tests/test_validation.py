@@ -269,6 +269,20 @@ def test_validation_settings_that_cannot_work_are_refused(flags, message, tmp_pa
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_an_early_stopping_watching_a_validation_the_run_lacks_is_refused(tmp_path, monkeypatch, capsys):
+    """It would never fire: the run trained on to its end as if it were not there."""
+    monkeypatch.chdir(tmp_path)
+    stopping = mpidist.EarlyStopping(monitor="val_loss")
+    with pytest.raises(SystemExit) as exit_info:
+        mpidist.train(data="digits", epochs=1, progress="none", metrics="", callbacks=[stopping])
+    assert exit_info.value.code == 2
+    assert "EarlyStopping(monitor='val_loss') watches a validation split" in capsys.readouterr().err
+    result = mpidist.train(
+        data="digits", epochs=1, progress="none", metrics="", val_fraction=0.1, callbacks=[stopping]
+    )
+    assert result is not None
+
+
 def test_keep_best_needs_a_strategy_whose_ranks_take_each_step_together():
     settings = Settings(strategy="ps-async", ps=1, keep_best="val_loss", checkpoint_dir="c")
     with pytest.raises(UsageError, match="not with --strategy ps-async"):

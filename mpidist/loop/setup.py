@@ -16,7 +16,6 @@ import sys
 import numpy as np
 
 from .. import data, nn
-from ..nn import scores
 from ..nn.precision import compute_dtype, master_dtype
 from ..parallel import STRATEGIES
 from ..parallel.recipe import recipe_for, total_steps
@@ -29,6 +28,7 @@ from ..store import checkpoint
 from ..runtime.agreement import agreed
 from . import pricing, tensorboard
 from .callbacks import EarlyStopping
+from .judged import check_monitors, check_validation
 from .resuming import find_resume, fit_to_model, resume_notes, resumed_buffer
 
 
@@ -125,6 +125,7 @@ def agreed_setup(config, cluster, xp, inputs, outputs, callbacks=()):
                 if config.early_stop
                 else None
             )
+            check_monitors(callbacks, setup.info)
             outputs.open(config, list(callbacks) + ([stopping] if stopping else []), setup.resume)
     except SystemExit:  # (refused, here or on another rank)
         outputs.abandon()
@@ -304,39 +305,6 @@ def _reads(config, cluster, info, worker, workers):
     elif cluster.is_chief:
         reads.update({split: (split, 0, 1) for split in evaluated})
     return reads
-
-
-def validation_figures(info):
-    """The figures a validation of dataset ``info`` reports, as ``--keep-best`` and ``--early-stop`` name
-    them."""
-    scoring = (
-        scores.Classification(info.num_classes) if info.num_classes else scores.Regression(info.target_width)
-    )
-    return ["val_" + name for name in scoring.scalar_names()]
-
-
-def check_validation(config, info):
-    """Refuse ``--keep-best`` and ``--early-stop`` without a validation split, or naming a figure it lacks."""
-    asked = [
-        flag
-        for flag, value in (("--keep-best", config.keep_best), ("--early-stop", config.early_stop))
-        if value
-    ]
-    if asked and "val" not in info.sizes:
-        raise UsageError(
-            f"{' and '.join(asked)} judge(s) the run by a validation split, and dataset {info.name!r} "
-            "has none: add --val-fraction F (or a val/ split to the file)"
-        )
-    if asked and not config.eval_every:
-        raise UsageError(
-            f"{' and '.join(asked)} judge(s) the run at its validations, and --eval-every 0 has "
-            "none: give --eval-every N (epochs between validations)"
-        )
-    if config.keep_best and config.keep_best not in validation_figures(info):
-        raise UsageError(
-            f"--keep-best {config.keep_best!r}: dataset {info.name!r} is validated with "
-            f"{', '.join(validation_figures(info))}"
-        )
 
 
 def strategy_class(config, workers):
