@@ -389,3 +389,27 @@ def test_arguments_of_a_type_train_does_not_take_are_one_line_and_exit_2(argumen
     assert stopped.value.code == 2
     if MPI.COMM_WORLD.Get_rank() == 0:
         assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "train, num_classes, said",
+    [
+        ((np.zeros((4, 2)), np.arange(4) % 2), 2.7, "num_classes= is a whole number of classes"),  # (was 2)
+        ((np.zeros((4, 2)), np.arange(4) % 2), -1, "num_classes= is a whole number of classes"),
+        ((np.zeros((4, 2)), np.arange(4) % 2), True, "num_classes= is a whole number of classes"),
+        ((np.zeros((4, 2)), np.arange(4) % 2), "2", "num_classes= is a whole number of classes"),
+        ((np.array([["a", "b"]] * 4), np.arange(4) % 2), None, "train= x must be numbers"),
+        ((np.zeros((4, 2)), np.array(["cat", "dog"] * 2)), None, "train= y must be numbers"),
+        (([[1.0, 2.0], [3.0]], [0, 1]), None, "train= takes arrays of one shape each"),
+    ],
+)
+def test_arrays_that_are_no_dataset_are_refused_with_what_is_wrong(train, num_classes, said):
+    """Strings, ragged lists and fractional class counts were a traceback from h5py or numpy, or a count
+    silently rounded down."""
+    test = (np.zeros((2, 2)), np.arange(2) % 2)
+    with pytest.raises(mpidist.UsageError, match=said):
+        data.ArrayData(train=train, test=test, num_classes=num_classes)
+    assert (
+        data.ArrayData(train=(np.zeros((4, 2)), np.arange(4) % 2), test=test, num_classes=3.0).num_classes
+        == 3
+    )

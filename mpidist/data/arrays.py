@@ -9,6 +9,7 @@ the shard reading are the file's, tested once for both.
 """
 
 import io
+import numbers
 
 import h5py
 import numpy as np
@@ -35,7 +36,7 @@ class ArrayData:
             labels = [y for _, y in splits.values()]
             integer = all(y.dtype.kind in "biu" for y in labels)
             num_classes = int(max(int(y.max(initial=0)) for y in labels)) + 1 if integer else 0
-        self.name, self.num_classes = str(name), int(num_classes)
+        self.name, self.num_classes = str(name), _classes(num_classes)
         self.image = io.BytesIO()
         with h5py.File(self.image, "w") as handle:
             handle.attrs.update(name=self.name, num_classes=self.num_classes, source="numpy arrays in memory")
@@ -63,4 +64,26 @@ def _pair(split, name):
         raise UsageError(
             f"ArrayData {name}= takes a pair (x, y) of arrays, got {type(split).__name__}"
         ) from None
-    return np.asarray(x), np.asarray(y)
+    try:
+        x, y = np.asarray(x), np.asarray(y)
+    except ValueError as err:  # (ragged lists: numpy refuses them as one array)
+        raise UsageError(f"ArrayData {name}= takes arrays of one shape each: {err}") from None
+    for what, array in (("x", x), ("y", y)):
+        if array.dtype.kind not in "biuf":  # (strings, objects, ragged lists: nothing a model reads)
+            raise UsageError(
+                f"ArrayData {name}= {what} must be numbers (integers or floats), got an array of "
+                f"{array.dtype}"
+            )
+    return x, y
+
+
+def _classes(num_classes):
+    """``num_classes`` as an int: a whole number, 0 or more (2.7 was taken as 2)."""
+    whole = isinstance(num_classes, numbers.Integral) or (
+        isinstance(num_classes, numbers.Real) and float(num_classes).is_integer()
+    )
+    if isinstance(num_classes, bool) or not whole or num_classes < 0:
+        raise UsageError(
+            f"ArrayData num_classes= is a whole number of classes (0 for regression), got {num_classes!r}"
+        )
+    return int(num_classes)
