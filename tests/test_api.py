@@ -413,3 +413,44 @@ def test_arrays_that_are_no_dataset_are_refused_with_what_is_wrong(train, num_cl
         data.ArrayData(train=(np.zeros((4, 2)), np.arange(4) % 2), test=test, num_classes=3.0).num_classes
         == 3
     )
+
+
+class _Careless(nn.Layer):
+    """A user's layer with one mistake: its build, a parameter's shape or its forward's result."""
+
+    def __init__(self, mistake):
+        super().__init__()
+        self.mistake = mistake
+
+    def build(self, input_shape):
+        return None if self.mistake == "build" else input_shape
+
+    def param_specs(self):
+        return [("w", (-3,), nn.init.zeros)] if self.mistake == "parameter" else []
+
+    def forward(self, x, training=False):
+        return None if self.mistake == "forward" else x
+
+    def backward(self, dy):
+        return dy
+
+
+@pytest.mark.parametrize(
+    "mistake, said",
+    [
+        ("build", "layer 1 .*: its build returned None, not a shape"),
+        ("parameter", "layer 1 .*: parameter 'w' has shape \\(-3,\\): sizes are whole numbers, 0 or more"),
+        ("forward", "its forward returned 'NoneType' for a batch of \\d+ samples, where its build said"),
+    ],
+)
+def test_a_users_layer_that_breaks_its_contract_is_named_before_the_run(mistake, said, capsys):
+    """A build that returned None or a negative size, a forward that returned None: each failed later, in
+    another layer, with a traceback; each is now the run's refusal (exit 2) naming the layer."""
+
+    def build(sample_shape, outputs):
+        return [nn.Flatten(), _Careless(mistake), nn.Dense(outputs)]
+
+    with pytest.raises(SystemExit) as stopped:
+        mpidist.train(build, "digits", epochs=1, run_dir="", **quiet())
+    assert stopped.value.code == 2
+    assert re.search(said, capsys.readouterr().err)

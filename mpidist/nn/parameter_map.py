@@ -14,6 +14,8 @@ module because where everything lives is one concern, apart from running the
 layers over the buffers.
 """
 
+import numbers
+
 import numpy as np
 
 from . import init
@@ -50,6 +52,18 @@ def _groups(keys):
     return [(int(value), order[lo:hi]) for value, lo, hi in zip(values, firsts, [*firsts[1:], len(order)])]
 
 
+def _sizes(shape, what, least=1):
+    """``shape`` as a tuple of ints, each ``least`` or more, or a :class:`ShapeError` that says ``what``
+    (a user's layer whose build returned None, or a negative size, failed later with a traceback)."""
+    try:
+        sizes = tuple(shape)
+    except TypeError:
+        raise ShapeError(f"{what} {shape!r}, not a shape (a tuple of sizes)") from None
+    if not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= least for d in sizes):
+        raise ShapeError(f"{what} {shape!r}: sizes are whole numbers, {least} or more")
+    return tuple(int(d) for d in sizes)
+
+
 class ParameterMap:
     """Layers built in order on samples of shape ``input_shape``, their parameters laid out on one flat
     buffer.
@@ -72,14 +86,15 @@ class ParameterMap:
             self.shapes.append(tuple(shape))
             self.offsets.append(offset)
             try:
-                shape = layer.build(shape)
+                shape = _sizes(layer.build(shape), "its build returned")
+                # a block's sublayers are built by its own build; their specs follow the block's own
+                for _, node in walk([layer]):
+                    for name, pshape, initialiser in node.param_specs():
+                        pshape = _sizes(pshape, f"parameter {name!r} has shape", least=0)
+                        self.entries.append((node, name, offset, pshape, initialiser))
+                        offset += int(np.prod(pshape))
             except ShapeError as err:
                 raise ShapeError(f"layer {index} ({layer!r}): {err}") from None
-            # a block's sublayers are built by its own build; their specs follow the block's own
-            for _, node in walk([layer]):
-                for name, pshape, initialiser in node.param_specs():
-                    self.entries.append((node, name, offset, tuple(pshape), initialiser))
-                    offset += int(np.prod(pshape))
         self.output_shape = tuple(shape)
         self.num_params = offset
         # the first top-level layer with parameters (its sublayers' included): where backward without an

@@ -29,6 +29,7 @@ import tracemalloc
 
 import numpy as np
 
+from ..runtime.errors import UsageError
 from .parameter_map import walk
 from .workspace import Workspace
 
@@ -91,16 +92,16 @@ def _pass(model, first, last, shapes, measure):
     held = []
     for index in range(first, last):
         with _alone(model, model.layers[index]):
-            held.append(measure(model.layers[index], shapes[index]))
+            held.append(measure(model.layers[index], shapes[index], shapes[index + 1]))
     return held
 
 
 def _training(batch, dtype):
-    return lambda layer, shape: _measured(layer, shape, batch, dtype, training=True)
+    return lambda layer, shape, out_shape: _measured(layer, shape, out_shape, batch, dtype, training=True)
 
 
 def _inference(batch, dtype):
-    return lambda layer, shape: _measured(layer, shape, batch, dtype, training=False)
+    return lambda layer, shape, out_shape: _measured(layer, shape, out_shape, batch, dtype, training=False)
 
 
 def _sizes(batch):
@@ -127,9 +128,10 @@ def _total(layers):
     return sum(kept for kept, _ in layers) + max((passing for _, passing in layers), default=0)
 
 
-def _measured(layer, input_shape, batch, dtype, training):
+def _measured(layer, input_shape, output_shape, batch, dtype, training):
     """``(kept, passing)`` bytes of one pass of ``layer`` on ``batch`` zeros (a training pass: forward and
-    backward, kept in a workspace of its own; else a forward, kept as its output and caches)."""
+    backward, kept in a workspace of its own; else a forward, kept as its output and caches).  A forward
+    that returns no array of ``(batch, *output_shape)`` (what the layer's build said) is refused."""
     x = np.zeros((batch, *input_shape), dtype=dtype)
     workspace = Workspace(np)
     workspace.active = training
@@ -137,6 +139,7 @@ def _measured(layer, input_shape, batch, dtype, training):
         start = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
         out = layer.forward(x, training)
+        _check_output(layer, out, (batch, *output_shape))
         if training:
             dy = np.zeros(out.shape, dtype=out.dtype)
             start += dy.nbytes  # (the step's own: the next layer's input gradient, counted there)
@@ -148,6 +151,19 @@ def _measured(layer, input_shape, batch, dtype, training):
         del out
         _forget(layer)
     return result
+
+
+def _check_output(layer, out, expected):
+    """Refuse a forward's result that is not the array of ``expected`` shape its layer's build promised (a
+    user's layer that returned None failed later, in another layer, with a traceback)."""
+    shape = getattr(out, "shape", None)
+    if shape is None or tuple(shape) != tuple(expected):
+        got = f"an array of {tuple(shape)}" if shape is not None else repr(type(out).__name__)
+        raise UsageError(
+            f"{layer!r}: its forward returned {got} for a batch of {expected[0]} samples, where its build "
+            f"said each sample's output is {tuple(expected[1:])}: forward returns the batch's outputs, "
+            "(N, *the shape build returned)"
+        )
 
 
 def _forget(layer):
