@@ -225,39 +225,47 @@ def test_passes_replayed_as_cuda_graphs_train_as_eager_passes_do(monkeypatch, na
     assert counts == eager_counts
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 @pytest.mark.parametrize(
     "layer, sample, channels_last",
     [
         (nn.MaxPool2D(2), (3, 9, 8), False),  # (a cropped row)
         (nn.MaxPool2D(2), (5, 8, 8), True),  # (a convolution's channels-last view)
         (nn.MaxPool2D(3), (2, 7, 9), False),
+        (nn.MaxPool2D(16), (2, 16, 17), False),  # (256 offsets: int64 winners)
         (nn.MaxPool1D(2), (4, 11), False),
     ],
 )
 def test_max_pooling_kernels_on_the_gpu_give_the_array_forms_results(
-    monkeypatch, layer, sample, channels_last
+    monkeypatch, layer, sample, channels_last, dtype
 ):
-    """mpidist.nn.pool_kernels: one kernel per pass gives the array form's maxima, winners and gradients: ties
-    to the first offset (values rounded to a few levels), a NaN the maximum without winning."""
+    """mpidist.nn.pool_kernels: one kernel per pass gives the array form's maxima, winners and gradients (the
+    gradients to the sign): ties to the first offset (values rounded to a few levels), a NaN the maximum
+    without winning, a negative or non-finite gradient times a losing offset -0.0 or NaN."""
     from mpidist.nn import pool_kernels
 
+    monkeypatch.setattr(pool_kernels, "FAILED", [])
     rng = np.random.default_rng(3)
-    x = np.round(rng.standard_normal((6,) + sample) * 2).astype(np.float32)  # (many ties)
+    x = np.round(rng.standard_normal((6,) + sample) * 2).astype(dtype)  # (many ties)
     x.reshape(-1)[::37] = np.nan
-    dy = rng.standard_normal((6,) + layer.build(sample)).astype(np.float32)
+    dy = rng.standard_normal((6,) + layer.build(sample)).astype(dtype)
+    dy.reshape(-1)[::29] = np.inf
+    dy.reshape(-1)[5::31] = np.nan
     results = []
     for kernels in (False, True):
         monkeypatch.setattr(pool_kernels, "usable", lambda xp, *arrays, on=kernels: on)
-        model = nn.Sequential([layer], sample, xp=cupy, dtype=np.float32)
+        model = nn.Sequential([layer], sample, xp=cupy, dtype=dtype)
         device_x = cupy.asarray(x)
         if channels_last:  # (NCHW views of NHWC memory, as the convolutions hand over)
             device_x = cupy.ascontiguousarray(device_x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
         out = model.forward(device_x, training=True)
         dx = model.backward(cupy.asarray(dy))
         results.append([cupy.asnumpy(a) for a in (out, layer.argmax, dx)])
-    assert pool_kernels.FAILED == []
+    assert pool_kernels.FAILED == []  # (a kernel that failed would have left the array form to answer)
     for got, expected in zip(results[1], results[0]):
         np.testing.assert_array_equal(got, expected)
+    # (the gradients' signs too; a maximum of -0.0 and 0.0 is either, in cupy's maximum as in the kernel)
+    np.testing.assert_array_equal(np.signbit(results[1][2]), np.signbit(results[0][2]))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

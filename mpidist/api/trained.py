@@ -8,6 +8,7 @@ checkpoint was written) and the number of parameters.  Local: no collectives.
 """
 
 import dataclasses
+import os
 from pathlib import Path
 
 from .. import data as datasets  # (``data`` is the argument users know)
@@ -100,6 +101,11 @@ def opened(checkpoint_path):
     """``(checkpoint, notes)``: the checkpoint file ``checkpoint_path`` names, checked, its arrays not read;
     a directory names its newest loadable checkpoint, as ``--resume auto`` picks it (the newest of the
     lineage written last), with a note for each newer one passed over as unreadable."""
+    if not isinstance(checkpoint_path, (str, os.PathLike)):
+        raise UsageError(
+            "checkpoint_path: a checkpoint file (ckpt-*.h5) or a checkpoint directory, as a path, "
+            f"not {type(checkpoint_path).__name__}"
+        )
     if not Path(checkpoint_path).is_dir():
         return checkpoint.load(checkpoint_path, arrays=False), []
     saved, skipped = checkpoint.newest_valid(checkpoint_path, arrays=False)

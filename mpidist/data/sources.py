@@ -47,6 +47,11 @@ def resolve(spec):
     through)."""
     if isinstance(spec, ArrayData):
         return spec
+    if not isinstance(spec, (str, os.PathLike)):  # (numpy arrays: ArrayData(train=..., test=...) takes them)
+        raise UsageError(
+            f"data: a dataset file, directory or bundled name, or an ArrayData of arrays, not "
+            f"{type(spec).__name__}"
+        )
     if not str(spec).strip():  # (Path("") is the working directory: an unset "$DATA" read every .h5 there)
         raise UsageError(f"--data {spec!r}: empty; name a dataset file, directory or bundled dataset")
     path = Path(spec).expanduser()

@@ -11,7 +11,9 @@ cropped remainder).
 
 The comparisons are the array form's, in its order: strictly greater wins
 (a tie goes to the first offset), and a NaN is the maximum without being
-the winner (as ``maximum`` propagates it and ``greater`` never picks it).
+the winner (as ``maximum`` propagates it and ``greater`` never picks it);
+backward multiplies ``dy`` by whether the offset won, as the array form
+does (a negative gradient's losers get -0.0, a non-finite one's NaN).
 1-D pools run as images of one row.  For float32, float64 and float16; any
 other type, or a kernel that fails to compile or run (the reason kept in
 :data:`FAILED`), takes the array form; ``tests/test_gpu.py`` checks the
@@ -56,14 +58,13 @@ arg = won;
 _BACKWARD = r"""
 const ptrdiff_t* at = _ind.get();
 ptrdiff_t ho = at[2] / kh, wo = at[3] / kw;
-T grad = (T)0;
 if (ho < outh && wo < outw) {
     ptrdiff_t o[4] = {at[0], at[1], ho, wo};
-    if ((ptrdiff_t)arg[o] == (at[2] - ho * kh) * kw + (at[3] - wo * kw)) {
-        grad = dy[o];
-    }
+    bool won = (ptrdiff_t)arg[o] == (at[2] - ho * kh) * kw + (at[3] - wo * kw);
+    dx = dy[o] * (T)(won ? 1 : 0);
+} else {
+    dx = (T)0;
 }
-dx = grad;
 """
 
 

@@ -134,12 +134,12 @@ class _MaxPool(_Pool):
         xp, order = self.xp, self.input_order
         shape = (dy.shape[0],) + tuple(self.input_shape)
         dx = self.scratch("dx", tuple(shape[axis] for axis in order), dy.dtype).transpose(inverse(order))
-        if any(d % self.size for d in self.input_shape[1:]):
-            dx[...] = 0  # the cropped remainder gets no gradient
         if pool_kernels.usable(xp, dy) and pool_kernels.backward(
             xp, self._image(dy), self._image(self.argmax), *self._window, self._image(dx)
         ):
-            return dx
+            return dx  # (the kernel writes the cropped remainder's zeros too)
+        if any(d % self.size for d in self.input_shape[1:]):
+            dx[...] = 0  # the cropped remainder gets no gradient
         kernels, last = compiled.kernels(xp, dy), self._channels_last
         if kernels and compiled.ran(
             kernels.max_pool_backward, last(dy), last(self.argmax), *self._window, last(dx)
