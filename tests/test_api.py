@@ -454,3 +454,22 @@ def test_a_users_layer_that_breaks_its_contract_is_named_before_the_run(mistake,
         mpidist.train(build, "digits", epochs=1, run_dir="", **quiet())
     assert stopped.value.code == 2
     assert re.search(said, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "call, said",
+    [
+        (lambda checkpoint: mpidist.predict(None, np.zeros((2, 8, 8))), "checkpoint_path: a checkpoint file"),
+        (lambda checkpoint: mpidist.evaluate(checkpoint, data=np.zeros((3, 3))), "data: a dataset file"),
+        (lambda checkpoint: mpidist.evaluate(checkpoint, data=5), "or an ArrayData of arrays, not int"),
+    ],
+    ids=["predict-None", "evaluate-array", "evaluate-int"],
+)
+def test_a_checkpoint_or_dataset_of_a_type_the_api_does_not_take_is_one_line_and_exit_2(
+    digits_checkpoint, call, said, capsys
+):
+    """They were tracebacks from pathlib (exit 1)."""
+    with pytest.raises(SystemExit) as stopped:
+        call(str(digits_checkpoint[0]))
+    assert stopped.value.code == 2
+    assert said in capsys.readouterr().err
