@@ -460,3 +460,28 @@ def test_a_checkpoint_of_another_model_with_as_many_values_is_refused_naming_a_p
     older = checkpoint.load(write(tmp_path / "older", 4), arrays=False)  # (no parameters/ group: unchecked)
     assert older.named is None
     checkpoint.refuse_another_model(older, [("0000.Dense.W", (5,))], "it")
+
+
+def test_resume_naming_a_directory_takes_its_newest_loadable_checkpoint(tmp_path):
+    """As evaluate and predict read a directory (it said "no such checkpoint file" of one that held them)."""
+    import io
+    import types
+
+    from mpi4py import MPI
+
+    import mpidist
+    from mpidist.loop.resuming import find_resume
+
+    directory = tmp_path / "ck"
+    mpidist.train(
+        "mlp", "digits", comm=MPI.COMM_SELF, checkpoint_dir=str(directory), steps=6, checkpoint_every=3,
+        progress="none", metrics="", run_dir="", stream=io.StringIO(),
+    )  # fmt: skip
+    newest = max(directory.glob("ckpt-*.h5"), key=lambda path: checkpoint.load(path, arrays=False).step)
+    lineage = newest.stem.split("-")[-1]
+    (directory / f"ckpt-00000099-{lineage}.h5").write_bytes(b"not a checkpoint")  # (newer, unreadable)
+    found, skipped = find_resume(types.SimpleNamespace(resume=str(directory), checkpoint_dir=""))
+    assert Path(found.path) == newest and found.step == 6 and len(skipped) == 1
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="a directory that holds no checkpoint to resume from"):
+        find_resume(types.SimpleNamespace(resume=str(tmp_path / "empty"), checkpoint_dir=""))

@@ -1621,6 +1621,12 @@ FAULTS = {
         message="notes.txt/ckpt: cannot create (Not a directory)",
         alike=True,
     ),
+    "checkpoint directory that is a file": bad(
+        "--checkpoint-dir",
+        lambda p: str(p / "notes.txt"),
+        message="notes.txt: exists and is not a directory",
+        alike=True,
+    ),
     "unwritable metrics file": bad(
         "--metrics", "/proc/mpidist/m.jsonl", message="--metrics /proc/mpidist", alike=True
     ),

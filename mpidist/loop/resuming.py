@@ -12,6 +12,7 @@ run then goes on with the checkpoint's seed and data order
 """
 
 import dataclasses
+import os
 
 from ..data.fingerprint import mismatch
 from ..runtime.errors import UsageError
@@ -29,6 +30,14 @@ def find_resume(config):
         return None, []
     if config.resume == "auto":
         return checkpoint.newest_valid(config.checkpoint_dir, arrays=False)  # empty directory: start afresh
+    if os.path.isdir(config.resume):  # (its newest loadable checkpoint, as evaluate and predict read one)
+        saved, skipped = checkpoint.newest_valid(config.resume, arrays=False)
+        if saved is None:
+            why = f" ({len(skipped)} unreadable: {skipped[-1][1]})" if skipped else ""
+            raise UsageError(
+                f"--resume {config.resume}: a directory that holds no checkpoint to resume from{why}"
+            )
+        return saved, skipped
     return checkpoint.load(config.resume, arrays=False), []
 
 

@@ -226,6 +226,8 @@ def keep_as(path, name):
 def prepare_directory(directory):
     """Create ``directory`` if needed and check it is writable (chief, at start-up); returns the directories
     made, innermost first (:func:`remove_unused`)."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"--checkpoint-dir {directory}: exists and is not a directory")
     try:
         made = removal.make_directories(directory)
     except OSError as err:
