@@ -283,6 +283,14 @@ def test_an_early_stopping_watching_a_validation_the_run_lacks_is_refused(tmp_pa
     assert result is not None
 
 
+def test_a_schedule_that_would_end_above_its_learning_rate_is_refused():
+    """--lr-min above --lr made cosine and linear schedules rise (accepted without a word)."""
+    with pytest.raises(UsageError, match="--lr-min 0.1 is above --lr 0.01: the cosine schedule"):
+        Settings(lr=0.01, lr_min=0.1, lr_schedule="cosine").validate(1)
+    Settings(lr=0.01, lr_min=0.01, lr_schedule="linear").validate(1)
+    Settings(lr=0.01, lr_min=0.1, lr_schedule="constant").validate(1)  # (no end to reach: unused)
+
+
 def test_keep_best_needs_a_strategy_whose_ranks_take_each_step_together():
     settings = Settings(strategy="ps-async", ps=1, keep_best="val_loss", checkpoint_dir="c")
     with pytest.raises(UsageError, match="not with --strategy ps-async"):

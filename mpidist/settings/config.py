@@ -73,7 +73,7 @@ class CommonSettings:
     )
     lr_gamma: float = _field(0.1, "factor of the step and exponential schedules")
     lr_step_epochs: int = _field(10, "epochs between the step schedule's cuts")
-    lr_min: float = _field(0.0, "learning rate the cosine and linear schedules end at")
+    lr_min: float = _field(0.0, "learning rate the cosine and linear schedules end at (at most --lr)")
     warmup_epochs: float = _field(
         0.0,
         "epochs of linear learning-rate warm-up, from --warmup-from x --lr to --lr "

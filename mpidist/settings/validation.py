@@ -199,6 +199,11 @@ def check_for(settings, world_size):
             "worker reading its own data; not with backup workers (--aggregate) or "
             "--replication in-graph"
         )
+    if settings.lr_schedule in ("cosine", "linear") and settings.lr_min > settings.lr:
+        raise UsageError(
+            f"--lr-min {settings.lr_min} is above --lr {settings.lr}: the {settings.lr_schedule} schedule "
+            "would raise the learning rate to it; give --lr-min at most --lr"
+        )
     if settings.warmup_epochs and settings.warmup_steps:
         raise UsageError(
             f"--warmup-epochs {settings.warmup_epochs} and --warmup-steps {settings.warmup_steps}: give "
