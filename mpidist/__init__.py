@@ -20,17 +20,23 @@ node's cores (see :mod:`mpidist.runtime.threads`), whatever was imported before 
 
 __version__ = "0.2.0"
 
-from .runtime.threads import limit_blas_threads
+try:
+    from .runtime.threads import limit_blas_threads
 
-limit_blas_threads()  # before anything below imports numpy
+    limit_blas_threads()  # before anything below imports numpy
 
-from . import nn  # noqa: E402  (after the BLAS limit, on purpose)
-from .api import Result, evaluate, train  # noqa: E402
-from .data.arrays import ArrayData  # noqa: E402
-from .loop.callbacks import Callback, EarlyStopping  # noqa: E402
-from .runtime.errors import RunError, UsageError  # noqa: E402
-from .settings.config import Settings  # noqa: E402
-from .tools.predictions import Predictions, predict  # noqa: E402
+    from . import nn  # (after the BLAS limit, on purpose)
+    from .api import Result, evaluate, train
+    from .data.arrays import ArrayData
+    from .loop.callbacks import Callback, EarlyStopping
+    from .runtime.errors import RunError, UsageError
+    from .settings.config import Settings
+    from .tools.predictions import Predictions, predict
+except KeyboardInterrupt:  # (Ctrl-C while MPI and the libraries load: a stop, as in a run, not a traceback)
+    import sys
+
+    print("mpidist: stopped by SIGINT while starting", file=sys.stderr)
+    raise SystemExit(3) from None  # (EXIT_PREEMPTED: mpidist.runtime.errors may not have loaded yet)
 
 __all__ = [
     "train",

@@ -228,3 +228,31 @@ def test_a_command_holds_the_handlers_while_it_runs_even_over_a_run_inside_and_g
     with preempt.stop_signals():  # (and a run after it, as train's own, installs its handlers again)
         assert signal.getsignal(signal.SIGTERM) == preempt.stop_signals()._handle
         assert signal.getsignal(signal.SIGINT) == preempt.stop_signals()._handle
+
+
+INTERRUPTED_IMPORT = """
+import runpy, sys
+
+class Interrupt:  # (Ctrl-C arriving while mpidist's libraries load: as the import of mpidist.nn starts)
+    def find_spec(self, name, path, target=None):
+        if name == "mpidist.nn":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["mpidist", "info"]
+runpy.run_module("mpidist", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_mpidist_loads_stops_it_without_a_traceback():
+    """Ctrl-C within half a second of a launch showed a KeyboardInterrupt traceback from the imports."""
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_IMPORT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=child_environ(PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == EXIT_PREEMPTED
+    assert done.stderr.strip() == "mpidist: stopped by SIGINT while starting"
