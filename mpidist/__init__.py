@@ -32,9 +32,13 @@ try:
     from .runtime.errors import RunError, UsageError
     from .settings.config import Settings
     from .tools.predictions import Predictions, predict
-except KeyboardInterrupt:  # (Ctrl-C while MPI and the libraries load: a stop, as in a run, not a traceback)
+except KeyboardInterrupt:
     import sys
 
+    # Ctrl-C while MPI and the libraries load under ``python -m mpidist`` (argv[0] is "-m" until the module
+    # is found): a stop, as in a run, not a traceback.  A program that imports mpidist keeps its interrupt.
+    if sys.argv[:1] != ["-m"]:
+        raise
     print("mpidist: stopped by SIGINT while starting", file=sys.stderr)
     raise SystemExit(3) from None  # (EXIT_PREEMPTED: mpidist.runtime.errors may not have loaded yet)
 

@@ -440,7 +440,10 @@ class _Careless(nn.Layer):
     [
         ("build", "layer 1 .*: its build returned None, not a shape"),
         ("parameter", "layer 1 .*: parameter 'w' has shape \\(-3,\\): sizes are whole numbers, 0 or more"),
-        ("forward", "its forward returned 'NoneType' for a batch of \\d+ samples, where its build said"),
+        (
+            "forward",
+            "layer 1 .*: its forward returned 'NoneType' for a batch of \\d+ samples, where its build",
+        ),
     ],
 )
 def test_a_users_layer_that_breaks_its_contract_is_named_before_the_run(mistake, said, capsys):
@@ -473,3 +476,12 @@ def test_a_checkpoint_or_dataset_of_a_type_the_api_does_not_take_is_one_line_and
         call(str(digits_checkpoint[0]))
     assert stopped.value.code == 2
     assert said in capsys.readouterr().err
+
+
+def test_a_dataset_named_by_a_path_object_is_found_as_by_its_string(tmp_path):
+    """A Path with no suffix (a bundled dataset's name) was a TypeError from deep in the lookup."""
+    from pathlib import Path
+
+    assert resolve(Path("digits")) == resolve("digits")
+    with pytest.raises(mpidist.UsageError, match="no such file, and no bundled dataset of that name"):
+        resolve(Path("nosuch"))

@@ -485,3 +485,35 @@ def test_resume_naming_a_directory_takes_its_newest_loadable_checkpoint(tmp_path
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="a directory that holds no checkpoint to resume from"):
         find_resume(types.SimpleNamespace(resume=str(tmp_path / "empty"), checkpoint_dir=""))
+
+
+@pytest.mark.parametrize("name", ["run directory", "its checkpoints"])
+def test_resume_naming_a_run_directory_or_its_checkpoints_continues_that_run(tmp_path, monkeypatch, name):
+    """--resume DIR continues in the run directory it came from, as --resume FILE does (it began a new
+    one)."""
+    import io
+
+    from mpi4py import MPI
+
+    import mpidist
+
+    monkeypatch.chdir(tmp_path)
+    quiet = dict(comm=MPI.COMM_SELF, progress="none", stream=io.StringIO(), checkpoint_every=2)
+    mpidist.train("mlp", "digits", steps=2, **quiet)
+    (run,) = (tmp_path / "runs").iterdir()
+    resume = run if name == "run directory" else run / "checkpoints"
+    mpidist.train("mlp", "digits", steps=4, resume=str(resume), **quiet)
+    assert list((tmp_path / "runs").iterdir()) == [run]
+    steps = [checkpoint.load(path, arrays=False).step for path in (run / "checkpoints").glob("ckpt-*.h5")]
+    assert max(steps) == 4
+
+
+def test_a_checkpoint_directory_that_is_a_broken_link_is_named_so(tmp_path):
+    from mpidist.store.checkpoint_save import prepare_directory
+
+    (tmp_path / "ck").symlink_to(tmp_path / "gone")
+    with pytest.raises(UsageError, match="ck: exists and is a symbolic link to nothing"):
+        prepare_directory(str(tmp_path / "ck"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="file: exists and is not a directory"):
+        prepare_directory(str(tmp_path / "file"))

@@ -239,20 +239,31 @@ class Interrupt:  # (Ctrl-C arriving while mpidist's libraries load: as the impo
             raise KeyboardInterrupt
 
 sys.meta_path.insert(0, Interrupt())
-sys.argv = ["mpidist", "info"]
-runpy.run_module("mpidist", run_name="__main__")
+if sys.argv[1] == "cli":  # (python -m mpidist: argv[0] is "-m" while the package loads)
+    sys.argv = ["-m", "info"]
+    runpy.run_module("mpidist", run_name="__main__")
+else:  # (a program of the user's that imports mpidist)
+    try:
+        import mpidist
+    except KeyboardInterrupt:
+        print("the program's own interrupt")
 """
 
 
-def test_ctrl_c_while_mpidist_loads_stops_it_without_a_traceback():
-    """Ctrl-C within half a second of a launch showed a KeyboardInterrupt traceback from the imports."""
+@pytest.mark.parametrize("how", ["cli", "program"])
+def test_ctrl_c_while_mpidist_loads_stops_the_cli_without_a_traceback(how):
+    """Ctrl-C within half a second of a launch showed a KeyboardInterrupt traceback from the imports; a
+    program that imports mpidist keeps its KeyboardInterrupt to catch."""
     done = subprocess.run(
-        [sys.executable, "-c", INTERRUPTED_IMPORT],
+        [sys.executable, "-c", INTERRUPTED_IMPORT, how],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=ROOT,
         env=child_environ(PYTHONPATH=str(ROOT)),
     )
-    assert done.returncode == EXIT_PREEMPTED
-    assert done.stderr.strip() == "mpidist: stopped by SIGINT while starting"
+    if how == "cli":
+        assert done.returncode == EXIT_PREEMPTED
+        assert done.stderr.strip() == "mpidist: stopped by SIGINT while starting"
+    else:
+        assert done.returncode == 0 and done.stdout.strip() == "the program's own interrupt", done.stderr

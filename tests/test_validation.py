@@ -277,6 +277,13 @@ def test_an_early_stopping_watching_a_validation_the_run_lacks_is_refused(tmp_pa
         mpidist.train(data="digits", epochs=1, progress="none", metrics="", callbacks=[stopping])
     assert exit_info.value.code == 2
     assert "EarlyStopping(monitor='val_loss') watches a validation split" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # (no validation before the end: it could not stop early)
+        mpidist.train(
+            data="digits", epochs=1, progress="none", metrics="", val_fraction=0.1, eval_every=0,
+            callbacks=[stopping],
+        )  # fmt: skip
+    assert exit_info.value.code == 2
+    assert "eval_every=0 (--eval-every 0) has none before its end" in capsys.readouterr().err
     result = mpidist.train(
         data="digits", epochs=1, progress="none", metrics="", val_fraction=0.1, callbacks=[stopping]
     )

@@ -52,6 +52,7 @@ def resolve(spec):
             f"data: a dataset file, directory or bundled name, or an ArrayData of arrays, not "
             f"{type(spec).__name__}"
         )
+    spec = os.fspath(spec)  # (a Path is a name as a string is)
     if not str(spec).strip():  # (Path("") is the working directory: an unset "$DATA" read every .h5 there)
         raise UsageError(f"--data {spec!r}: empty; name a dataset file, directory or bundled dataset")
     path = Path(spec).expanduser()

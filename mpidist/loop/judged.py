@@ -39,9 +39,10 @@ def check_validation(config, info):
         )
 
 
-def check_monitors(callbacks, info):
+def check_monitors(callbacks, config, info):
     """Refuse a user's :class:`~mpidist.loop.callbacks.EarlyStopping` that watches a validation figure where
-    dataset ``info`` has no validation split: it would never fire."""
+    dataset ``info`` has no validation split, or the run no validation before its end: it would never
+    fire."""
     for callback in callbacks:
         monitor = str(callback.monitor) if isinstance(callback, EarlyStopping) else ""
         if monitor.startswith("val_") and "val" not in info.sizes:
@@ -49,4 +50,9 @@ def check_monitors(callbacks, info):
                 f"EarlyStopping(monitor={monitor!r}) watches a validation split, and dataset {info.name!r} "
                 "has none, so it would never stop the run: add val_fraction=F (--val-fraction F), or "
                 "monitor a test_* figure"
+            )
+        if monitor.startswith("val_") and not config.eval_every:
+            raise UsageError(
+                f"EarlyStopping(monitor={monitor!r}) judges the run at its validations, and eval_every=0 "
+                "(--eval-every 0) has none before its end: give eval_every=N (epochs between validations)"
             )

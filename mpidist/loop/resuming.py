@@ -17,7 +17,7 @@ import os
 from ..data.fingerprint import mismatch
 from ..runtime.errors import UsageError
 from ..runtime.text import printable
-from ..store import checkpoint, checkpoint_save
+from ..store import checkpoint, checkpoint_save, rundir
 from . import sharded_save
 
 
@@ -31,9 +31,9 @@ def find_resume(config):
     if config.resume == "auto":
         return checkpoint.newest_valid(config.checkpoint_dir, arrays=False)  # empty directory: start afresh
     if os.path.isdir(config.resume):  # (its newest loadable checkpoint, as evaluate and predict read one)
-        saved, skipped = checkpoint.newest_valid(config.resume, arrays=False)
+        saved, skipped = checkpoint.newest_valid(rundir.checkpoints_in(config.resume), arrays=False)
         if saved is None:
-            why = f" ({len(skipped)} unreadable: {skipped[-1][1]})" if skipped else ""
+            why = f" ({len(skipped)} unreadable, the newest {skipped[0][1]})" if skipped else ""
             raise UsageError(
                 f"--resume {config.resume}: a directory that holds no checkpoint to resume from{why}"
             )

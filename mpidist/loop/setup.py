@@ -125,7 +125,7 @@ def agreed_setup(config, cluster, xp, inputs, outputs, callbacks=()):
                 if config.early_stop
                 else None
             )
-            check_monitors(callbacks, setup.info)
+            check_monitors(callbacks, config, setup.info)
             outputs.open(config, list(callbacks) + ([stopping] if stopping else []), setup.resume)
     except SystemExit:  # (refused, here or on another rank)
         outputs.abandon()

@@ -92,7 +92,10 @@ def _pass(model, first, last, shapes, measure):
     held = []
     for index in range(first, last):
         with _alone(model, model.layers[index]):
-            held.append(measure(model.layers[index], shapes[index], shapes[index + 1]))
+            try:
+                held.append(measure(model.layers[index], shapes[index], shapes[index + 1]))
+            except BrokenContract as err:
+                raise UsageError(f"layer {index} ({model.layers[index]!r}): {err}") from None
     return held
 
 
@@ -153,16 +156,20 @@ def _measured(layer, input_shape, output_shape, batch, dtype, training):
     return result
 
 
+class BrokenContract(Exception):
+    """A layer's forward returned what its build did not promise (the rehearsal names the layer)."""
+
+
 def _check_output(layer, out, expected):
     """Refuse a forward's result that is not the array of ``expected`` shape its layer's build promised (a
     user's layer that returned None failed later, in another layer, with a traceback)."""
     shape = getattr(out, "shape", None)
     if shape is None or tuple(shape) != tuple(expected):
         got = f"an array of {tuple(shape)}" if shape is not None else repr(type(out).__name__)
-        raise UsageError(
-            f"{layer!r}: its forward returned {got} for a batch of {expected[0]} samples, where its build "
-            f"said each sample's output is {tuple(expected[1:])}: forward returns the batch's outputs, "
-            "(N, *the shape build returned)"
+        raise BrokenContract(
+            f"its forward returned {got} for a batch of {expected[0]} samples, where its build said each "
+            f"sample's output is {tuple(expected[1:])}: forward returns the batch's outputs, (N, *the shape "
+            "build returned)"
         )
 
 

@@ -158,7 +158,8 @@ class CommonSettings:
     keep: int = _field(3, "checkpoints kept in --checkpoint-dir, newest first (0 = all)")
     resume: str = _field(
         "",
-        "checkpoint to resume from: a file, a directory (its newest loadable checkpoint), or 'auto' "
+        "checkpoint to resume from: a file, a checkpoint or run directory (its newest loadable "
+        "checkpoint), or 'auto' "
         "for the newest of the run written last "
         "in --checkpoint-dir (by default: the newest run directory of this model, data and "
         "strategy); the run continues in the run directory it came from",

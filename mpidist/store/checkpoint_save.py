@@ -227,7 +227,9 @@ def prepare_directory(directory):
     """Create ``directory`` if needed and check it is writable (chief, at start-up); returns the directories
     made, innermost first (:func:`remove_unused`)."""
     if os.path.lexists(directory) and not os.path.isdir(directory):
-        raise UsageError(f"--checkpoint-dir {directory}: exists and is not a directory")
+        broken = os.path.islink(directory) and not os.path.exists(directory)
+        what = "a symbolic link to nothing" if broken else "not a directory"
+        raise UsageError(f"--checkpoint-dir {directory}: exists and is {what}")
     try:
         made = removal.make_directories(directory)
     except OSError as err:

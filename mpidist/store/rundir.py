@@ -93,25 +93,13 @@ def planned(config):
     one)."""
     if config.run_dir != AUTO:
         return config.run_dir
-    if config.resume:  # a run directory's checkpoint (or its checkpoints/, with auto): continue that run
-        source = (
-            Path(config.resume).parent
-            if config.resume != AUTO
-            else Path(config.checkpoint_dir)
-            if config.checkpoint_dir not in (AUTO, "")
-            else None
-        )
+    if config.resume:  # a run directory's checkpoint (or its checkpoints/): continue that run
+        directory, path = _resumed_from(config)
+        source = Path(directory) if directory is not None else Path(path).parent if path else None
         if source is not None and source.name == CHECKPOINTS and (source.parent / SETTINGS).is_file():
             return str(source.parent)
         # a checkpoint kept elsewhere (--checkpoint-dir): the run directory its run recorded, if it is still
         # there
-        path = (
-            config.resume
-            if config.resume != AUTO
-            else newest_checkpoint(config.checkpoint_dir)
-            if config.checkpoint_dir not in (AUTO, "")
-            else None
-        )
         recorded = _recorded_run_dir(path) if path else None
         if recorded is not None:
             return recorded
@@ -120,6 +108,28 @@ def planned(config):
         if newest is not None:
             return str(newest)
     return None
+
+
+def _resumed_from(config):
+    """``(directory, checkpoint)`` a resumed run takes its checkpoint from: ``--resume auto``'s
+    ``--checkpoint-dir`` and its newest, ``--resume DIR`` and its newest, or ``--resume FILE`` (no directory);
+    None where it is not known yet."""
+    if config.resume == AUTO:
+        if config.checkpoint_dir in (AUTO, ""):
+            return None, None
+        return config.checkpoint_dir, newest_checkpoint(config.checkpoint_dir)
+    if os.path.isdir(config.resume):
+        directory = checkpoints_in(config.resume)
+        return directory, newest_checkpoint(directory)
+    return None, config.resume
+
+
+def checkpoints_in(directory):
+    """The checkpoint directory ``--resume DIR`` names: a run directory's ``checkpoints/``, or ``DIR``."""
+    inner = Path(directory) / CHECKPOINTS
+    if inner.is_dir() and (Path(directory) / SETTINGS).is_file():
+        return str(inner)
+    return str(directory)
 
 
 def _recorded_run_dir(path):
