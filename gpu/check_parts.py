@@ -13,8 +13,8 @@ LIMITS = {
     "install": 45,
     "gpu": 10,
     "info": 30,
-    "unit tests": 65,
-    "strategies": 150,
+    "unit tests": 80,
+    "strategies": 135,
     "resume": 50,
     "benchmark": 120,
 }
