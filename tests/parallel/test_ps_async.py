@@ -156,3 +156,41 @@ def test_free_frees_the_failure_watch_and_a_second_free_does_nothing():
     assert watch.comm is None
     watch.free()
     cluster.free()
+
+
+class _PoisonOnWorker1(nn.Layer):
+    """NaN activations on rank 1's training passes alone (a worker whose data or numbers went bad)."""
+
+    def forward(self, x, training=False):
+        return x * np.nan if training and MPI.COMM_WORLD.Get_rank() == 1 else x
+
+    def backward(self, dy):
+        return dy
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_workers_nan_gradients_stay_its_own_and_the_others_train_on():
+    """One ps-async worker's NaN gradients, summed into the ps's inbox with the others', took theirs with
+    them: the ps skipped 23 of 88 gradients and the run ended "done" at 0.21 test accuracy.  The worker keeps
+    them (counted as skipped) and the ps applies every other gradient."""
+    import io
+
+    import mpidist
+
+    world = MPI.COMM_WORLD
+
+    def build(shape, outputs):
+        return [nn.Flatten(), nn.Dense(32), nn.ReLU(), _PoisonOnWorker1(), nn.Dense(outputs)]
+
+    result = mpidist.train(
+        build, "digits", strategy="ps-async", ps=1, epochs=1, nan_patience=10**6, optimizer="sgd", lr=0.05,
+        progress="none", metrics="", run_dir="", stream=io.StringIO(), comm=world,
+    )  # fmt: skip
+    assert result.status == "done"
+    if result.is_chief:
+        roles = {role["rank"]: role for role in result.figures["roles"]}
+        workers = [role for role in roles.values() if role["role"] == "worker"]
+        (ps,) = [role for role in roles.values() if role["role"] == "ps"]
+        assert roles[1]["skipped"] == roles[1]["steps"] > 0
+        assert all(role["skipped"] == 0 for rank, role in roles.items() if rank != 1)
+        assert ps["gradients"] == sum(role["steps"] for role in workers if role["rank"] != 1)

@@ -221,8 +221,13 @@ class PsAsyncStrategy(ShardedStrategy):
         grads = self.host_grads
         if is_device_array(model.grads):
             grads[...] = to_host(model.grads)
-        self.track("exchange")
-        missed = int((self.exchange.push(grads, step) - read).max())
+        # a worker's NaN stays its own: summed into a ps's inbox with the others' gradients, it took theirs
+        # with it (the ps skips what it cannot apply); --nan-patience in a row ends the run
+        finite = not decide(float(grads.dot(grads)), loss, 0.0).skip
+        missed = 0
+        if self.nan_guard.update_allowed(finite, f"worker {self.worker_index}'s loss or gradients were"):
+            self.track("exchange")
+            missed = int((self.exchange.push(grads, step) - read).max())
         self.exchange.tick(self.worker_index)
         if self.hold_every and self.cluster.is_chief and (step + 1) % self.hold_every == 0:
             self._hold(step + 1)
@@ -272,6 +277,7 @@ class PsAsyncStrategy(ShardedStrategy):
             }
         return {
             "steps": f["steps"],
+            "skipped": self.nan_guard.total,  # (its NaN or Inf gradients, kept from the ps)
             "wait_s": f["wait_s"],
             **({"clipped": f["clipped"]} if "clipped" in f else {}),
             "staleness_mean": float(np.mean(f["staleness"])) if f["staleness"] else 0.0,
