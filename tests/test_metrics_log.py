@@ -48,3 +48,31 @@ def test_off_the_chief_a_reporter_keeps_its_last_step_events_for_a_worker_that_t
         reporter.write("step", step=step, loss=1.0 / step)
         reporter.write("eval", step=step)
     assert [figures["step"] for figures in reporter.unwritten] == list(range(20 - UNWRITTEN, 20))
+
+
+def test_every_line_is_strict_json_a_nan_or_inf_figure_null():
+    """Python's json wrote NaN and Infinity, which jq, JavaScript and most parsers refuse (a skipped step's
+    loss, a diverged run's)."""
+    import io
+    import math
+    import os
+    import tempfile
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "m.jsonl")
+        log = MetricsLog(path)
+        log.write("step", step=3, loss=math.nan, lr=0.1, figures={"a": [math.inf, 1.0, -math.inf]})
+        log.write("done", steps=3, roles=[{"rank": 0, "loss": float("nan")}], loss=2.5)
+        log.close()
+        events = [json.loads(line, parse_constant=refuse) for line in io.open(path).read().splitlines()]
+    assert events[0] == {
+        "event": "step",
+        "step": 3,
+        "loss": None,
+        "lr": 0.1,
+        "figures": {"a": [None, 1.0, None]},
+    }
+    assert events[1] == {"event": "done", "steps": 3, "roles": [{"rank": 0, "loss": None}], "loss": 2.5}

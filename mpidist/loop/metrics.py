@@ -1,12 +1,14 @@
 """What the chief reports: JSON-lines metrics, a progress display, a summary.
 
-Metrics file (contract): one JSON object per line, appended (a resumed run
+Metrics file (contract): one JSON object per line, strict JSON (a figure that
+is NaN or Inf, as a skipped step's loss, is ``null``), appended (a resumed run
 continues the same file), flushed line by line so ``tail -f`` shows progress
 and a crash loses nothing already written.  Events: ``start``, ``step`` (every
 ``--log-every`` steps), ``eval`` (after each evaluation), ``done`` (last).
 """
 
 import json
+import math
 import os
 import shutil
 import stat
@@ -17,6 +19,18 @@ from ..nn.scores import progress_text
 from ..runtime.errors import UsageError
 from ..runtime.whereabouts import here
 from ..store import atomic, removal
+
+
+def strict(value):
+    """``value`` with every NaN or Inf float (in its dicts, lists and tuples) as None: each line strict JSON,
+    ``null`` where Python's ``json`` would write ``NaN``, which jq, JavaScript and most parsers refuse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(item) for item in value]
+    return value
 
 
 class MetricsLog:
@@ -54,7 +68,7 @@ class MetricsLog:
     def write(self, event, **fields):
         if self.fd is None:
             return
-        line = (json.dumps({"event": event, **fields}) + "\n").encode("utf-8")
+        line = (json.dumps(strict({"event": event, **fields}), allow_nan=False) + "\n").encode("utf-8")
         start = _size(self.fd)
         try:
             written = 0
