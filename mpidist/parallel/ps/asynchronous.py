@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from ...nn.precision import squared_sum
 from ...runtime import comm as mpi
 from ...runtime.cluster import PS
 from ...runtime.errors import UsageError
@@ -223,7 +224,7 @@ class PsAsyncStrategy(ShardedStrategy):
             grads[...] = to_host(model.grads)
         # a worker's NaN stays its own: summed into a ps's inbox with the others' gradients, it took theirs
         # with it (the ps skips what it cannot apply); --nan-patience in a row ends the run
-        finite = not decide(float(grads.dot(grads)), loss, 0.0).skip
+        finite = not decide(squared_sum(grads), loss, 0.0).skip  # (a 16-bit dot overflows: widened)
         missed = 0
         if self.nan_guard.update_allowed(finite, f"worker {self.worker_index}'s loss or gradients were"):
             self.track("exchange")
