@@ -864,3 +864,26 @@ def test_bench_s_estimate_counts_each_tables_windows_and_set_up():
     assert estimate.windows(estimate.Plan(("tensor",), ("mlp",), ranks=3), "tensor") == 0  # (odd ranks)
     said = estimate.said(plan, 3.0)
     assert said.startswith("mpidist bench: about 78 s (strategies 66 s, pipeline 8 s, tensor 4 s; twice that")
+
+
+def test_info_says_which_paths_a_gpu_step_takes(monkeypatch):
+    """cuDNN's convolutions or im2col and why, CUDA graphs or eager, NCCL's sums or MPI's (a GPU machine's
+    first question; this machine has none, so cupy is a stand-in here)."""
+    import sys
+    import types
+
+    from mpidist.tools import info
+
+    nccl = types.SimpleNamespace(available=True, get_version=lambda: 22704)
+    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), nccl=nccl)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setenv("MPIDIST_CUDNN", "0")
+    assert info._gpu_kernels() == (
+        "convolutions im2col: MPIDIST_CUDNN=0; passes CUDA graphs; allreduce sums by NCCL 22704"
+    )
+    monkeypatch.setenv("MPIDIST_GRAPHS", "0")
+    nccl.available = False
+    assert "passes eager (MPIDIST_GRAPHS=0); allreduce sums by MPI (no NCCL" in info._gpu_kernels()
+    cuda.runtime.getDeviceCount = lambda: 0
+    assert info._gpu_kernels() == "no GPU"

@@ -1,5 +1,6 @@
 """``python -m mpidist info``: what this job runs on, as the chief sees it."""
 
+import os
 import platform
 import sys
 
@@ -9,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import __version__, data
-from ..nn import MODELS
+from ..nn import MODELS, cudnn_conv
 from ..runtime import device_buffers, routes
 from ..runtime.cluster import node_layout
 from ..runtime.memory import default_budget, human, ranks_per_node
@@ -30,6 +31,30 @@ def _gpus():
         return f"cupy {cupy.__version__}, {cupy.cuda.runtime.getDeviceCount()} GPU(s) visible"
     except Exception as err:  # missing cupy or driver: say why, never fail
         return f"none ({type(err).__name__}: {err})".splitlines()[0][:100]
+
+
+def _gpu_kernels():
+    """Which paths a GPU step takes here: cuDNN's convolutions, CUDA graphs of a pass, NCCL's sums."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return "no GPU"
+    except Exception:  # (missing cupy or driver: _gpus says which)
+        return "no GPU"
+    why_not = cudnn_conv.refused(np.float32)
+    graphs_off = os.environ.get("MPIDIST_GRAPHS", "").strip().lower() in ("0", "false", "no")
+    try:
+        from cupy.cuda import nccl
+
+        missing = "MPI (no NCCL: pip install nvidia-nccl-cu13)"
+        sums = f"NCCL {nccl.get_version()}" if nccl.available else missing
+    except Exception as err:  # (a library that does not load: say so)
+        sums = f"MPI (no NCCL: {type(err).__name__})"
+    return (
+        f"convolutions {'cuDNN' if why_not is None else 'im2col: ' + why_not}; "
+        f"passes {'eager (MPIDIST_GRAPHS=0)' if graphs_off else 'CUDA graphs'}; allreduce sums by {sums}"
+    )
 
 
 def report(world, models_only=False):
@@ -72,6 +97,7 @@ def report(world, models_only=False):
         ("numpy / h5py", f"{np.__version__} / {h5py.__version__} (HDF5 {h5py.version.hdf5_version})"),
         ("GPUs", _gpus()),
         ("GPU routes", routes.described(routes.probe(len(per_node) == 1, device_buffers.cuda_aware()))),
+        ("GPU kernels", _gpu_kernels()),
         ("models", ", ".join(MODELS)),
         ("bundled datasets", ", ".join(data.bundled_names()) or "none found"),
         (
