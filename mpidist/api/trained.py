@@ -108,10 +108,9 @@ def opened(checkpoint_path):
         )
     if not Path(checkpoint_path).is_dir():
         return checkpoint.load(checkpoint_path, arrays=False), []
-    saved, skipped = checkpoint.newest_valid(checkpoint_path, arrays=False)
-    if saved is None:
-        why = f" ({len(skipped)} unreadable, the newest {skipped[0][1]})" if skipped else ""
-        raise UsageError(f"{checkpoint_path}: a directory that holds no checkpoint to read{why}")
+    saved, skipped = checkpoint.newest_loadable(
+        checkpoint_path, f"{checkpoint_path}: a directory that holds no checkpoint to read"
+    )
     return saved, [
         f"warning: skipped unreadable checkpoint {Path(path).name}: {reason}" for path, reason in skipped
     ]

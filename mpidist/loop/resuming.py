@@ -31,13 +31,10 @@ def find_resume(config):
     if config.resume == "auto":
         return checkpoint.newest_valid(config.checkpoint_dir, arrays=False)  # empty directory: start afresh
     if os.path.isdir(config.resume):  # (its newest loadable checkpoint, as evaluate and predict read one)
-        saved, skipped = checkpoint.newest_valid(rundir.checkpoints_in(config.resume), arrays=False)
-        if saved is None:
-            why = f" ({len(skipped)} unreadable, the newest {skipped[0][1]})" if skipped else ""
-            raise UsageError(
-                f"--resume {config.resume}: a directory that holds no checkpoint to resume from{why}"
-            )
-        return saved, skipped
+        return checkpoint.newest_loadable(
+            rundir.checkpoints_in(config.resume),
+            f"--resume {config.resume}: a directory that holds no checkpoint to resume from",
+        )
     return checkpoint.load(config.resume, arrays=False), []
 
 

@@ -31,7 +31,6 @@ class PassKey:
         dtype: the compute dtype's name.
         slot: the workspace slot (a pipeline's micro-batch in flight, ``--accumulate``'s uneven slice).
         buffers: the device addresses of the buffers the pass reads and writes (parameters, gradients).
-        constants: the host values a capture bakes into its kernels (the loss's scale).
     """
 
     what: str
@@ -39,7 +38,6 @@ class PassKey:
     dtype: str
     slot: int = 0
     buffers: tuple = ()
-    constants: tuple = ()
 
 
 class Captures:

@@ -24,11 +24,10 @@ counts which path each shape took: ``gpu/bench.py`` prints them);
 
 import collections
 import dataclasses
-import os
 
 import numpy as np
 
-from ..runtime.xp import capturing
+from ..runtime.xp import capturing, turned_off
 
 #: shapes per path: ``{"cudnn": count, "im2col: <why>": count}``
 PATHS = collections.Counter()
@@ -40,7 +39,7 @@ class Unsupported(Exception):
 
 def refused(dtype):
     """Why cuDNN will not run convolutions of ``dtype`` on this process, or None where it may."""
-    if os.environ.get("MPIDIST_CUDNN", "").strip().lower() in ("0", "false", "no"):
+    if turned_off("MPIDIST_CUDNN"):
         return "MPIDIST_CUDNN=0"
     if np.dtype(dtype).name not in _TYPE_NAMES:
         return f"cuDNN's graphs take float32, float16 and bfloat16, not {np.dtype(dtype).name}"

@@ -24,13 +24,13 @@ that sums over MPI (``tests/test_nccl_sum.py``).
 """
 
 import hashlib
-import os
 
 import numpy as np
 from mpi4py import MPI
 
 from . import comm as mpi
 from .ulfm import ulfm_support
+from .xp import turned_off
 
 #: NCCL's name of each type it sums (bfloat16 where the library has it)
 TYPES = {
@@ -145,7 +145,7 @@ def _unique_id(comm, nccl):
 
 def _local_facts(buffer):
     """``(why not, nccl, cupy, device id)`` on this rank (``why not`` None where it can take part)."""
-    if os.environ.get("MPIDIST_NCCL", "").strip().lower() in ("0", "false", "no"):
+    if turned_off("MPIDIST_NCCL"):
         return "MPIDIST_NCCL=0", None, None, 0
     if ulfm_support()[0]:
         return (

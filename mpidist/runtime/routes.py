@@ -19,7 +19,8 @@ a host-staged send 3.3-6 GB/s: a faster route is taken wherever one exists.
 """
 
 import dataclasses
-import os
+
+from .xp import turned_off
 
 #: the routes, fastest first where several could serve
 ROUTES = ("mpi", "ipc", "nccl", "cuda-aware", "host-staged")
@@ -142,7 +143,7 @@ def probe(same_node, cuda_aware):
 
 def _ipc_possible():
     """Whether this process can export device memory to another (``MPIDIST_IPC=0``: no)."""
-    if os.environ.get("MPIDIST_IPC", "").strip().lower() in ("0", "false", "no"):
+    if turned_off("MPIDIST_IPC"):
         return False
     try:
         import cupy

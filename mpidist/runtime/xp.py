@@ -1,5 +1,7 @@
 """numpy/cupy dispatch: which array module this rank computes with, on which device."""
 
+import os
+
 import numpy as np
 
 from .errors import UsageError
@@ -48,6 +50,11 @@ def is_device_array(array):
 def to_host(array):
     """A numpy copy (or the array itself if it already is numpy)."""
     return array.get() if is_device_array(array) else np.asarray(array)
+
+
+def turned_off(variable):
+    """Whether environment variable ``variable`` turns a GPU path off (``0``, ``false`` or ``no``)."""
+    return os.environ.get(variable, "").strip().lower() in ("0", "false", "no")
 
 
 def capturing(xp):

@@ -284,6 +284,16 @@ def settings_of(path):
         return None
 
 
+def newest_loadable(directory, refusal):
+    """:func:`newest_valid` of ``directory`` (arrays unread), or a :class:`UsageError` ``refusal`` and, where
+    checkpoints were passed over, how many and the newest's reason."""
+    saved, skipped = newest_valid(directory, arrays=False)
+    if saved is None:
+        why = f" ({len(skipped)} unreadable, the newest {skipped[0][1]})" if skipped else ""
+        raise UsageError(f"{refusal}{why}")
+    return saved, skipped
+
+
 def newest_valid(directory, arrays=True):
     """``(newest checkpoint that loads, [(path, reason) for newer ones that did not])``; its arrays unread
     without ``arrays`` (see :func:`load`).

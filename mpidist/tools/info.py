@@ -1,6 +1,5 @@
 """``python -m mpidist info``: what this job runs on, as the chief sees it."""
 
-import os
 import platform
 import sys
 
@@ -15,6 +14,7 @@ from ..runtime import device_buffers, routes
 from ..runtime.cluster import node_layout
 from ..runtime.memory import default_budget, human, ranks_per_node
 from ..runtime.ulfm import ulfm_support
+from ..runtime.xp import turned_off
 
 THREAD_LEVELS = {
     MPI.THREAD_SINGLE: "single",
@@ -43,7 +43,7 @@ def _gpu_kernels():
     except Exception:  # (missing cupy or driver: _gpus says which)
         return "no GPU"
     why_not = cudnn_conv.refused(np.float32)
-    graphs_off = os.environ.get("MPIDIST_GRAPHS", "").strip().lower() in ("0", "false", "no")
+    graphs_off = turned_off("MPIDIST_GRAPHS")
     try:
         from cupy.cuda import nccl
 

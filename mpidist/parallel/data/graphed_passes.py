@@ -20,7 +20,6 @@ the pass's launch is queued (every bucket is then ready at once).
 """
 
 import dataclasses
-import os
 
 import numpy as np
 
@@ -28,6 +27,7 @@ from ...nn.capture import PassKey
 from ...nn.embedding import Embedding
 from ...nn.graphs import CudaGraphs, PassGraphs
 from ...nn.parameter_map import walk
+from ...runtime.xp import turned_off
 
 
 @dataclasses.dataclass
@@ -48,7 +48,7 @@ def why_eager(model, accumulate=1, collective=False):
         accumulate: ``--accumulate``'s slices.
         collective: whether the pass holds MPI calls of the strategy's (a tensor part's).
     """
-    if os.environ.get("MPIDIST_GRAPHS", "").strip().lower() in ("0", "false", "no"):
+    if turned_off("MPIDIST_GRAPHS"):
         return "MPIDIST_GRAPHS=0"
     if model.xp is np:
         return "arrays on the host"

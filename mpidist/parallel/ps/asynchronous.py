@@ -215,6 +215,7 @@ class PsAsyncStrategy(ShardedStrategy):
         if is_device_array(model.params):
             model.params[...] = model.xp.asarray(self.host_params)
         loss = self.backprop(x, y, weight, step)
+        verdict = None
         if self.recipe.clip_norm:  # no summed gradient exists here: each worker clips its own batch's
             own = own_squared_norm(float(model.grads.dot(model.grads)), weight)
             verdict = self.judge(decide(own, loss, self.recipe.clip_norm), skips=False)  # (the ps skips)
@@ -224,7 +225,9 @@ class PsAsyncStrategy(ShardedStrategy):
             grads[...] = to_host(model.grads)
         # a worker's NaN stays its own: summed into a ps's inbox with the others' gradients, it took theirs
         # with it (the ps skips what it cannot apply); --nan-patience in a row ends the run
-        finite = not decide(squared_sum(grads), loss, 0.0).skip  # (a 16-bit dot overflows: widened)
+        if verdict is None:  # (clipping judged the gradient already: its verdict says whether it is finite)
+            verdict = decide(squared_sum(grads), loss, 0.0)  # (widened: a 16-bit dot overflows)
+        finite = not verdict.skip
         missed = 0
         if self.nan_guard.update_allowed(finite, f"worker {self.worker_index}'s loss or gradients were"):
             self.track("exchange")
